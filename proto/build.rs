@@ -1,0 +1,19 @@
+//! Compiles the .proto files with protox (a protobuf compiler in Rust), so
+//! building needs no system `protoc`.
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let files = [
+        "proto/gpuctl/v1/common.proto",
+        "proto/gpuctl/v1/operator.proto",
+        "proto/gpuctl/v1/agent.proto",
+        "proto/gpuctl/v1/scheduler.proto",
+    ];
+    for f in &files {
+        println!("cargo:rerun-if-changed={f}");
+    }
+    let fds = protox::compile(files, ["proto"])?;
+    tonic_build::configure()
+        .build_server(true)
+        .build_client(true)
+        .compile_fds(fds)?;
+    Ok(())
+}

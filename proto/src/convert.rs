@@ -1,0 +1,580 @@
+//! Wire <-> domain conversions. Every check of input that arrives over the
+//! wire lives here, and every failure names the field it is about.
+
+use crate::pb;
+use crate::types::*;
+
+/// Bad input: which field, and what is wrong with it.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("invalid {field}: {reason}")]
+pub struct ConvertError {
+    pub field: String,
+    pub reason: String,
+}
+
+impl ConvertError {
+    pub fn new(field: impl Into<String>, reason: impl Into<String>) -> Self {
+        ConvertError {
+            field: field.into(),
+            reason: reason.into(),
+        }
+    }
+}
+
+impl From<ConvertError> for tonic::Status {
+    fn from(e: ConvertError) -> Self {
+        tonic::Status::invalid_argument(e.to_string())
+    }
+}
+
+type Result<T> = std::result::Result<T, ConvertError>;
+
+pub const MAX_NAME_LEN: usize = 128;
+pub const MAX_ARGS: usize = 4096;
+pub const MAX_ENV: usize = 1024;
+pub const MAX_CPUS: f64 = 4096.0;
+pub const MAX_GPUS: u32 = 64;
+
+/// An identifier chosen by the system or a user: 1..=128 chars of
+/// `[A-Za-z0-9._-]`, not starting with `-` or `.`.
+pub fn check_id(field: &str, s: &str) -> Result<()> {
+    if s.is_empty() {
+        return Err(ConvertError::new(field, "must not be empty"));
+    }
+    if s.len() > MAX_NAME_LEN {
+        return Err(ConvertError::new(
+            field,
+            format!("longer than {MAX_NAME_LEN} characters"),
+        ));
+    }
+    if s.starts_with(['-', '.']) {
+        return Err(ConvertError::new(field, "must not start with '-' or '.'"));
+    }
+    if let Some(c) = s
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')))
+    {
+        return Err(ConvertError::new(
+            field,
+            format!("character {c:?} not allowed (use letters, digits, '.', '_', '-')"),
+        ));
+    }
+    Ok(())
+}
+
+pub fn resources_from_pb(field: &str, r: Option<pb::Resources>) -> Result<Resources> {
+    let r = r.unwrap_or_default();
+    if !r.cpus.is_finite() || r.cpus < 0.0 {
+        return Err(ConvertError::new(
+            format!("{field}.cpus"),
+            "must be a number >= 0",
+        ));
+    }
+    if r.cpus > MAX_CPUS {
+        return Err(ConvertError::new(
+            format!("{field}.cpus"),
+            format!("must be <= {MAX_CPUS}"),
+        ));
+    }
+    Ok(Resources {
+        cpus: r.cpus,
+        mem_mib: r.mem_mib,
+        gpus: r.gpus,
+    })
+}
+
+impl From<Resources> for pb::Resources {
+    fn from(r: Resources) -> Self {
+        pb::Resources {
+            cpus: r.cpus,
+            mem_mib: r.mem_mib,
+            gpus: r.gpus,
+        }
+    }
+}
+
+fn check_command(field: &str, command: &[String]) -> Result<()> {
+    if command.is_empty() {
+        return Err(ConvertError::new(field, "must not be empty"));
+    }
+    if command.len() > MAX_ARGS {
+        return Err(ConvertError::new(
+            field,
+            format!("more than {MAX_ARGS} arguments"),
+        ));
+    }
+    if command[0].is_empty() {
+        return Err(ConvertError::new(
+            format!("{field}[0]"),
+            "program must not be empty",
+        ));
+    }
+    if let Some(i) = command.iter().position(|a| a.contains('\0')) {
+        return Err(ConvertError::new(
+            format!("{field}[{i}]"),
+            "contains a NUL byte",
+        ));
+    }
+    Ok(())
+}
+
+fn check_env<'a>(field: &str, env: impl Iterator<Item = (&'a String, &'a String)>) -> Result<()> {
+    for (n, (k, v)) in env.enumerate() {
+        if n >= MAX_ENV {
+            return Err(ConvertError::new(
+                field,
+                format!("more than {MAX_ENV} variables"),
+            ));
+        }
+        if k.is_empty() || k.contains(['=', '\0']) {
+            return Err(ConvertError::new(
+                format!("{field}[{k:?}]"),
+                "name must be non-empty without '=' or NUL",
+            ));
+        }
+        if v.contains('\0') {
+            return Err(ConvertError::new(
+                format!("{field}[{k:?}]"),
+                "value contains a NUL byte",
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn check_image(field: &str, image: &str) -> Result<()> {
+    if image.len() > 512 {
+        return Err(ConvertError::new(field, "longer than 512 characters"));
+    }
+    if image
+        .chars()
+        .any(|c| c.is_whitespace() || c.is_control())
+    {
+        return Err(ConvertError::new(
+            field,
+            "must not contain whitespace or control characters",
+        ));
+    }
+    Ok(())
+}
+
+impl TryFrom<pb::JobSpec> for JobSpec {
+    type Error = ConvertError;
+    fn try_from(s: pb::JobSpec) -> Result<Self> {
+        check_id("spec.name", &s.name)?;
+        let image = if s.image.is_empty() {
+            None
+        } else {
+            check_image("spec.image", &s.image)?;
+            Some(s.image)
+        };
+        check_command("spec.command", &s.command)?;
+        check_env("spec.env", s.env.iter())?;
+        let resources = resources_from_pb("spec.resources", s.resources)?;
+        if resources.gpus > MAX_GPUS {
+            return Err(ConvertError::new(
+                "spec.resources.gpus",
+                format!("must be <= {MAX_GPUS}"),
+            ));
+        }
+        Ok(JobSpec {
+            name: s.name,
+            image,
+            command: s.command,
+            env: s.env.into_iter().collect(),
+            resources,
+        })
+    }
+}
+
+impl From<JobSpec> for pb::JobSpec {
+    fn from(s: JobSpec) -> Self {
+        pb::JobSpec {
+            name: s.name,
+            image: s.image.unwrap_or_default(),
+            command: s.command,
+            env: s.env.into_iter().collect(),
+            resources: Some(s.resources.into()),
+        }
+    }
+}
+
+impl TryFrom<pb::TaskSpec> for TaskSpec {
+    type Error = ConvertError;
+    fn try_from(s: pb::TaskSpec) -> Result<Self> {
+        check_id("task.task_id", &s.task_id)?;
+        check_id("task.job_id", &s.job_id)?;
+        let image = if s.image.is_empty() {
+            None
+        } else {
+            check_image("task.image", &s.image)?;
+            Some(s.image)
+        };
+        check_command("task.command", &s.command)?;
+        check_env("task.env", s.env.iter())?;
+        let resources = resources_from_pb("task.resources", s.resources)?;
+        if s.gpu_uuids.len() != resources.gpus as usize {
+            return Err(ConvertError::new(
+                "task.gpu_uuids",
+                format!(
+                    "names {} GPUs but resources.gpus is {}",
+                    s.gpu_uuids.len(),
+                    resources.gpus
+                ),
+            ));
+        }
+        Ok(TaskSpec {
+            task_id: s.task_id,
+            job_id: s.job_id,
+            image,
+            command: s.command,
+            env: s.env.into_iter().collect(),
+            resources,
+            gpu_uuids: s.gpu_uuids,
+        })
+    }
+}
+
+impl From<TaskSpec> for pb::TaskSpec {
+    fn from(s: TaskSpec) -> Self {
+        pb::TaskSpec {
+            task_id: s.task_id,
+            job_id: s.job_id,
+            image: s.image.unwrap_or_default(),
+            command: s.command,
+            env: s.env.into_iter().collect(),
+            resources: Some(s.resources.into()),
+            gpu_uuids: s.gpu_uuids,
+        }
+    }
+}
+
+impl TryFrom<pb::Gpu> for GpuInfo {
+    type Error = ConvertError;
+    fn try_from(g: pb::Gpu) -> Result<Self> {
+        if g.uuid.is_empty() {
+            return Err(ConvertError::new("gpus[].uuid", "must not be empty"));
+        }
+        Ok(GpuInfo {
+            uuid: g.uuid,
+            index: g.index,
+            minor: g.minor,
+            model: g.model,
+            memory_mib: g.memory_mib,
+            healthy: g.healthy,
+            pci_bus_id: g.pci_bus_id,
+        })
+    }
+}
+
+impl From<GpuInfo> for pb::Gpu {
+    fn from(g: GpuInfo) -> Self {
+        pb::Gpu {
+            uuid: g.uuid,
+            index: g.index,
+            minor: g.minor,
+            model: g.model,
+            memory_mib: g.memory_mib,
+            healthy: g.healthy,
+            pci_bus_id: g.pci_bus_id,
+        }
+    }
+}
+
+pub fn runtime_from_pb(field: &str, v: i32) -> Result<Runtime> {
+    match pb::Runtime::try_from(v) {
+        Ok(pb::Runtime::Docker) => Ok(Runtime::Docker),
+        Ok(pb::Runtime::Process) => Ok(Runtime::Process),
+        _ => Err(ConvertError::new(field, format!("unknown runtime {v}"))),
+    }
+}
+
+impl From<Runtime> for pb::Runtime {
+    fn from(r: Runtime) -> Self {
+        match r {
+            Runtime::Docker => pb::Runtime::Docker,
+            Runtime::Process => pb::Runtime::Process,
+        }
+    }
+}
+
+impl TryFrom<pb::RegisterRequest> for AgentInfo {
+    type Error = ConvertError;
+    fn try_from(r: pb::RegisterRequest) -> Result<Self> {
+        check_id("agent_id", &r.agent_id)?;
+        if r.hostname.is_empty() {
+            return Err(ConvertError::new("hostname", "must not be empty"));
+        }
+        let total = resources_from_pb("total", r.total)?;
+        let mut gpus = Vec::with_capacity(r.gpus.len());
+        let mut seen = std::collections::BTreeSet::new();
+        for g in r.gpus {
+            let g = GpuInfo::try_from(g)?;
+            if !seen.insert(g.uuid.clone()) {
+                return Err(ConvertError::new(
+                    "gpus[].uuid",
+                    format!("{} listed twice", g.uuid),
+                ));
+            }
+            gpus.push(g);
+        }
+        if total.gpus as usize != gpus.len() {
+            return Err(ConvertError::new(
+                "total.gpus",
+                format!("is {} but {} GPUs are listed", total.gpus, gpus.len()),
+            ));
+        }
+        let runtimes = r
+            .runtimes
+            .iter()
+            .map(|v| runtime_from_pb("runtimes", *v))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(AgentInfo {
+            id: r.agent_id,
+            hostname: r.hostname,
+            address: r.address,
+            total,
+            gpus,
+            runtimes,
+            simulated_gpus: r.simulated_gpus,
+        })
+    }
+}
+
+pub fn task_state_from_pb(field: &str, v: i32) -> Result<TaskState> {
+    use pb::TaskState as P;
+    Ok(match P::try_from(v) {
+        Ok(P::TaskStaging) => TaskState::Staging,
+        Ok(P::TaskStarting) => TaskState::Starting,
+        Ok(P::TaskRunning) => TaskState::Running,
+        Ok(P::TaskFinished) => TaskState::Finished,
+        Ok(P::TaskFailed) => TaskState::Failed,
+        Ok(P::TaskKilled) => TaskState::Killed,
+        Ok(P::TaskLost) => TaskState::Lost,
+        Ok(P::TaskError) => TaskState::Error,
+        _ => return Err(ConvertError::new(field, format!("unknown task state {v}"))),
+    })
+}
+
+impl From<TaskState> for pb::TaskState {
+    fn from(s: TaskState) -> Self {
+        use pb::TaskState as P;
+        match s {
+            TaskState::Staging => P::TaskStaging,
+            TaskState::Starting => P::TaskStarting,
+            TaskState::Running => P::TaskRunning,
+            TaskState::Finished => P::TaskFinished,
+            TaskState::Failed => P::TaskFailed,
+            TaskState::Killed => P::TaskKilled,
+            TaskState::Lost => P::TaskLost,
+            TaskState::Error => P::TaskError,
+        }
+    }
+}
+
+impl From<JobState> for pb::JobState {
+    fn from(s: JobState) -> Self {
+        use pb::JobState as P;
+        match s {
+            JobState::Queued => P::JobQueued,
+            JobState::Starting => P::JobStarting,
+            JobState::Running => P::JobRunning,
+            JobState::Succeeded => P::JobSucceeded,
+            JobState::Failed => P::JobFailed,
+            JobState::Cancelled => P::JobCancelled,
+        }
+    }
+}
+
+/// Job state as the user-facing upper-case word (`QUEUED`, ...), from the wire value.
+pub fn job_state_name(v: i32) -> &'static str {
+    use pb::JobState as P;
+    match P::try_from(v) {
+        Ok(P::JobQueued) => "QUEUED",
+        Ok(P::JobStarting) => "STARTING",
+        Ok(P::JobRunning) => "RUNNING",
+        Ok(P::JobSucceeded) => "SUCCEEDED",
+        Ok(P::JobFailed) => "FAILED",
+        Ok(P::JobCancelled) => "CANCELLED",
+        _ => "UNKNOWN",
+    }
+}
+
+/// Task state as the upper-case word (`RUNNING`, ...), from the wire value.
+pub fn task_state_name(v: i32) -> &'static str {
+    match task_state_from_pb("state", v) {
+        Ok(TaskState::Staging) => "STAGING",
+        Ok(TaskState::Starting) => "STARTING",
+        Ok(TaskState::Running) => "RUNNING",
+        Ok(TaskState::Finished) => "FINISHED",
+        Ok(TaskState::Failed) => "FAILED",
+        Ok(TaskState::Killed) => "KILLED",
+        Ok(TaskState::Lost) => "LOST",
+        Ok(TaskState::Error) => "ERROR",
+        Err(_) => "UNKNOWN",
+    }
+}
+
+impl TryFrom<pb::StatusUpdate> for StatusUpdate {
+    type Error = ConvertError;
+    fn try_from(u: pb::StatusUpdate) -> Result<Self> {
+        check_id("agent_id", &u.agent_id)?;
+        check_id("task_id", &u.task_id)?;
+        Ok(StatusUpdate {
+            agent_id: u.agent_id,
+            task_id: u.task_id,
+            state: task_state_from_pb("state", u.state)?,
+            exit_code: u.exit_code,
+            message: u.message,
+        })
+    }
+}
+
+impl From<StatusUpdate> for pb::StatusUpdate {
+    fn from(u: StatusUpdate) -> Self {
+        pb::StatusUpdate {
+            agent_id: u.agent_id,
+            task_id: u.task_id,
+            state: pb::TaskState::from(u.state) as i32,
+            exit_code: u.exit_code,
+            message: u.message,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec() -> pb::JobSpec {
+        pb::JobSpec {
+            name: "train-1".into(),
+            image: "busybox:latest".into(),
+            command: vec!["sh".into(), "-c".into(), "echo hi".into()],
+            env: Default::default(),
+            resources: Some(pb::Resources {
+                cpus: 1.0,
+                mem_mib: 256,
+                gpus: 2,
+            }),
+        }
+    }
+
+    #[test]
+    fn valid_job_spec_converts_and_round_trips() {
+        let s = JobSpec::try_from(spec()).unwrap();
+        assert_eq!(s.image.as_deref(), Some("busybox:latest"));
+        assert_eq!(s.resources.gpus, 2);
+        assert_eq!(pb::JobSpec::from(s), spec());
+    }
+
+    #[test]
+    fn empty_image_means_host_process() {
+        let mut p = spec();
+        p.image.clear();
+        assert_eq!(JobSpec::try_from(p).unwrap().runtime(), Runtime::Process);
+    }
+
+    #[test]
+    fn bad_job_specs_name_the_field() {
+        let cases: Vec<(fn(&mut pb::JobSpec), &str)> = vec![
+            (|s| s.name.clear(), "spec.name"),
+            (|s| s.name = "a b".into(), "spec.name"),
+            (|s| s.name = "x".repeat(200), "spec.name"),
+            (|s| s.command.clear(), "spec.command"),
+            (|s| s.command = vec![String::new()], "spec.command[0]"),
+            (|s| s.image = "bad image".into(), "spec.image"),
+            (
+                |s| s.resources.as_mut().unwrap().cpus = -1.0,
+                "spec.resources.cpus",
+            ),
+            (
+                |s| s.resources.as_mut().unwrap().cpus = f64::NAN,
+                "spec.resources.cpus",
+            ),
+            (
+                |s| s.resources.as_mut().unwrap().gpus = 1000,
+                "spec.resources.gpus",
+            ),
+            (
+                |s| {
+                    s.env.insert("A=B".into(), "x".into());
+                },
+                "spec.env[\"A=B\"]",
+            ),
+        ];
+        for (mutate, field) in cases {
+            let mut p = spec();
+            mutate(&mut p);
+            let err = JobSpec::try_from(p).unwrap_err();
+            assert_eq!(err.field, field, "{err}");
+            let status = tonic::Status::from(err);
+            assert_eq!(status.code(), tonic::Code::InvalidArgument);
+            assert!(status.message().contains(field));
+        }
+    }
+
+    #[test]
+    fn register_rejects_gpu_count_mismatch_and_duplicates() {
+        let gpu = |u: &str| pb::Gpu {
+            uuid: u.into(),
+            ..Default::default()
+        };
+        let mut r = pb::RegisterRequest {
+            agent_id: "a1".into(),
+            hostname: "h".into(),
+            address: "127.0.0.1:1".into(),
+            total: Some(pb::Resources {
+                cpus: 2.0,
+                mem_mib: 1024,
+                gpus: 2,
+            }),
+            gpus: vec![gpu("GPU-1"), gpu("GPU-1")],
+            runtimes: vec![pb::Runtime::Process as i32],
+            running_task_ids: vec![],
+            simulated_gpus: false,
+        };
+        assert_eq!(
+            AgentInfo::try_from(r.clone()).unwrap_err().field,
+            "gpus[].uuid"
+        );
+        r.gpus = vec![gpu("GPU-1")];
+        assert_eq!(
+            AgentInfo::try_from(r.clone()).unwrap_err().field,
+            "total.gpus"
+        );
+        r.gpus.push(gpu("GPU-2"));
+        let a = AgentInfo::try_from(r.clone()).unwrap();
+        assert_eq!(a.gpus.len(), 2);
+        r.runtimes = vec![42];
+        assert_eq!(AgentInfo::try_from(r).unwrap_err().field, "runtimes");
+    }
+
+    #[test]
+    fn task_spec_gpu_list_must_match_count() {
+        let t = pb::TaskSpec {
+            task_id: "job-1.0".into(),
+            job_id: "job-1".into(),
+            image: String::new(),
+            command: vec!["true".into()],
+            env: Default::default(),
+            resources: Some(pb::Resources {
+                cpus: 0.0,
+                mem_mib: 0,
+                gpus: 1,
+            }),
+            gpu_uuids: vec![],
+        };
+        assert_eq!(
+            TaskSpec::try_from(t).unwrap_err().field,
+            "task.gpu_uuids"
+        );
+    }
+
+    #[test]
+    fn state_names() {
+        assert_eq!(job_state_name(pb::JobState::JobSucceeded as i32), "SUCCEEDED");
+        assert_eq!(task_state_name(pb::TaskState::TaskKilled as i32), "KILLED");
+        assert_eq!(task_state_name(99), "UNKNOWN");
+    }
+}

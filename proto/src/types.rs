@@ -1,0 +1,207 @@
+//! Domain types. Serializable (the master's replicated log and snapshots carry
+//! them), plain data, no I/O.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+pub type AgentId = String;
+pub type JobId = String;
+pub type TaskId = String;
+pub type GpuUuid = String;
+
+/// Scalar resources of an agent or asked for by a task.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct Resources {
+    pub cpus: f64,
+    pub mem_mib: u64,
+    pub gpus: u32,
+}
+
+impl Resources {
+    /// True when `self` can hold `need`.
+    pub fn fits(&self, need: &Resources) -> bool {
+        // A small epsilon keeps 0.1 + 0.2 style sums from refusing an exact fit.
+        need.cpus <= self.cpus + 1e-9 && need.mem_mib <= self.mem_mib && need.gpus <= self.gpus
+    }
+
+    pub fn saturating_sub(&self, other: &Resources) -> Resources {
+        Resources {
+            cpus: (self.cpus - other.cpus).max(0.0),
+            mem_mib: self.mem_mib.saturating_sub(other.mem_mib),
+            gpus: self.gpus.saturating_sub(other.gpus),
+        }
+    }
+
+    pub fn add(&self, other: &Resources) -> Resources {
+        Resources {
+            cpus: self.cpus + other.cpus,
+            mem_mib: self.mem_mib.saturating_add(other.mem_mib),
+            gpus: self.gpus.saturating_add(other.gpus),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuInfo {
+    pub uuid: GpuUuid,
+    pub index: u32,
+    pub minor: u32,
+    pub model: String,
+    pub memory_mib: u64,
+    pub healthy: bool,
+    pub pci_bus_id: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum Runtime {
+    Docker,
+    Process,
+}
+
+impl fmt::Display for Runtime {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Runtime::Docker => "docker",
+            Runtime::Process => "process",
+        })
+    }
+}
+
+impl std::str::FromStr for Runtime {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "docker" => Ok(Runtime::Docker),
+            "process" => Ok(Runtime::Process),
+            other => Err(format!("unknown runtime {other:?} (expected docker or process)")),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum TaskState {
+    Staging,
+    Starting,
+    Running,
+    Finished,
+    Failed,
+    Killed,
+    Lost,
+    Error,
+}
+
+impl TaskState {
+    pub fn is_terminal(self) -> bool {
+        matches!(
+            self,
+            TaskState::Finished
+                | TaskState::Failed
+                | TaskState::Killed
+                | TaskState::Lost
+                | TaskState::Error
+        )
+    }
+}
+
+impl fmt::Display for TaskState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            TaskState::Staging => "STAGING",
+            TaskState::Starting => "STARTING",
+            TaskState::Running => "RUNNING",
+            TaskState::Finished => "FINISHED",
+            TaskState::Failed => "FAILED",
+            TaskState::Killed => "KILLED",
+            TaskState::Lost => "LOST",
+            TaskState::Error => "ERROR",
+        })
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum JobState {
+    Queued,
+    Starting,
+    Running,
+    Succeeded,
+    Failed,
+    Cancelled,
+}
+
+impl JobState {
+    pub fn is_terminal(self) -> bool {
+        matches!(
+            self,
+            JobState::Succeeded | JobState::Failed | JobState::Cancelled
+        )
+    }
+}
+
+impl fmt::Display for JobState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            JobState::Queued => "QUEUED",
+            JobState::Starting => "STARTING",
+            JobState::Running => "RUNNING",
+            JobState::Succeeded => "SUCCEEDED",
+            JobState::Failed => "FAILED",
+            JobState::Cancelled => "CANCELLED",
+        })
+    }
+}
+
+/// What a user asks to run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct JobSpec {
+    pub name: String,
+    /// `None`: run as a host process.
+    pub image: Option<String>,
+    pub command: Vec<String>,
+    pub env: BTreeMap<String, String>,
+    pub resources: Resources,
+}
+
+impl JobSpec {
+    pub fn runtime(&self) -> Runtime {
+        if self.image.is_some() {
+            Runtime::Docker
+        } else {
+            Runtime::Process
+        }
+    }
+}
+
+/// What an agent runs: a job's spec bound to an agent and exact GPUs.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TaskSpec {
+    pub task_id: TaskId,
+    pub job_id: JobId,
+    pub image: Option<String>,
+    pub command: Vec<String>,
+    pub env: BTreeMap<String, String>,
+    pub resources: Resources,
+    pub gpu_uuids: Vec<GpuUuid>,
+}
+
+/// What an agent says about itself when it registers.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AgentInfo {
+    pub id: AgentId,
+    pub hostname: String,
+    pub address: String,
+    pub total: Resources,
+    pub gpus: Vec<GpuInfo>,
+    pub runtimes: Vec<Runtime>,
+    pub simulated_gpus: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StatusUpdate {
+    pub agent_id: AgentId,
+    pub task_id: TaskId,
+    pub state: TaskState,
+    pub exit_code: Option<i32>,
+    pub message: String,
+}
