@@ -1,1 +1,46 @@
-fn main() {}
+//! `gpuctl`: the command line for a gpuctl cluster. See docs/cli.md.
+
+use std::process::ExitCode;
+
+use clap::Parser;
+use tracing_subscriber::EnvFilter;
+
+mod client;
+mod commands;
+mod output;
+
+use commands::{Cli, EXIT_FAILURE, EXIT_OK};
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+
+    // Only warnings by default (the demo runs a master and an agent in this
+    // process); RUST_LOG overrides.
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::from(EXIT_FAILURE);
+        }
+    };
+    let result = runtime.block_on(commands::run(cli));
+    // Do not wait for background tasks (a demo daemon that ignores shutdown).
+    runtime.shutdown_timeout(std::time::Duration::from_secs(1));
+    match result {
+        Ok(code) => ExitCode::from(code),
+        Err(e) if e.is_broken_pipe() => ExitCode::from(EXIT_OK),
+        Err(e) => {
+            eprintln!("error: {}", commands::one_line(&e.to_string()));
+            ExitCode::from(e.exit_code())
+        }
+    }
+}

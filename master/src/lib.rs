@@ -1,1 +1,115 @@
+//! gpuctl master: the replicated cluster state (raft-rs log in sled), the
+//! built-in job scheduler, and the gRPC services for gpuctl and agents.
+//!
+//! [`serve`] runs a master on a bound listener until `shutdown` resolves, so
+//! tests and `gpuctl demo` can run one in-process on `127.0.0.1:0`.
 
+pub mod config;
+pub mod leader;
+pub mod raft;
+pub mod scheduler;
+pub mod service;
+pub mod state;
+
+use std::future::Future;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+pub use config::MasterConfig;
+use tokio::sync::watch;
+
+#[derive(Debug, thiserror::Error)]
+pub enum MasterError {
+    #[error("data dir {path}: {source}")]
+    DataDir {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Storage(#[from] raft::storage::StorageInitError),
+    #[error(transparent)]
+    Raft(#[from] raft::node::NodeError),
+    #[error("listen on {addr}: {source}")]
+    Listen {
+        addr: String,
+        source: std::io::Error,
+    },
+    #[error("gRPC server: {0}")]
+    Serve(#[from] tonic::transport::Error),
+    #[error("config: {0}")]
+    Config(String),
+}
+
+/// Milliseconds since the Unix epoch: the proposer's clock, carried in commands.
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// Runs a master until `shutdown` resolves.
+pub async fn serve(
+    config: MasterConfig,
+    listener: tokio::net::TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), MasterError> {
+    std::fs::create_dir_all(&config.data_dir).map_err(|source| MasterError::DataDir {
+        path: config.data_dir.clone(),
+        source,
+    })?;
+    let storage = raft::SledStorage::open(&config.data_dir, &[config.node_id])?;
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let (handle, node_task, initial_commit) = raft::node::start(
+        raft::RaftNodeConfig::new(config.node_id),
+        storage,
+        stop_rx.clone(),
+    )?;
+    // Serve only once the log already committed has been replayed, so that a
+    // restarted master never answers from an empty state.
+    let mut applied = handle.applied();
+    while *applied.borrow() < initial_commit {
+        if applied.changed().await.is_err() {
+            break;
+        }
+    }
+    let addr = listener
+        .local_addr()
+        .map(|a| a.to_string())
+        .unwrap_or_default();
+    tracing::info!(%addr, data_dir = %config.data_dir.display(), node_id = config.node_id, replayed = initial_commit, "master serving");
+
+    let liveness = Arc::new(leader::Liveness::default());
+    let leader_task = tokio::spawn(leader::run(
+        handle.clone(),
+        config.clone(),
+        liveness.clone(),
+        stop_rx.clone(),
+    ));
+    let ctx = service::Ctx {
+        raft: handle.clone(),
+        config: config.clone(),
+        liveness,
+        shutdown: stop_rx.clone(),
+    };
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    let server = tonic::transport::Server::builder()
+        .add_service(service::operator_server(ctx.clone()))
+        .add_service(service::agent_manager_server(ctx.clone()))
+        .add_service(service::scheduler_server())
+        .serve_with_incoming_shutdown(incoming, async move {
+            shutdown.await;
+            let _ = stop_tx.send(true);
+        });
+    let result = server.await;
+    // Streams and loops watch `stop_rx`; the node flushes nothing more after
+    // this point (every write was flushed before it was acknowledged).
+    leader_task.abort();
+    match node_task.await {
+        Ok(Err(e)) => return Err(e.into()),
+        Err(e) => tracing::error!(error = %e, "raft node task failed"),
+        Ok(Ok(())) => {}
+    }
+    result?;
+    tracing::info!("master stopped");
+    Ok(())
+}

@@ -1,0 +1,673 @@
+//! `gpuctl jobs ...`. Each command is a function taking a connected
+//! [`Master`] and a writer, so `gpuctl demo` reuses them as they are.
+
+use std::collections::HashMap;
+use std::io::{self, Write};
+use std::time::Duration;
+
+use clap::{Args, Subcommand};
+use gpuctl_proto::convert::job_state_name;
+use gpuctl_proto::pb;
+use tokio::time::Instant;
+
+use super::{now_ms, parse_secs, CliError, JsonFlag, EXIT_FAILURE, EXIT_OK};
+use crate::client::Master;
+use crate::output::{self, JobJson};
+
+/// How often `jobs wait` asks for the job.
+pub const WAIT_POLL: Duration = Duration::from_millis(200);
+/// Longest a single GetJob of `jobs wait` may take.
+const RPC_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long `jobs wait` keeps trying while no master can be reached.
+const UNREACHABLE_GRACE: Duration = Duration::from_secs(60);
+
+#[derive(Debug, Subcommand)]
+pub enum JobsCommand {
+    /// Submit a job; prints its id.
+    Submit(SubmitArgs),
+    /// List the jobs.
+    List(JsonFlag),
+    /// Show one job and its tasks.
+    Get {
+        /// Job id.
+        id: String,
+        #[command(flatten)]
+        flags: JsonFlag,
+    },
+    /// Print a job's output (stdout and stderr of its task).
+    Logs {
+        /// Job id.
+        id: String,
+        /// Keep printing until the task ends.
+        #[arg(long, short)]
+        follow: bool,
+    },
+    /// Cancel a job; prints its resulting state.
+    Cancel {
+        /// Job id.
+        id: String,
+    },
+    /// Wait until a job ends; prints its final state. Exit 0 if it
+    /// SUCCEEDED, 1 if it FAILED or was CANCELLED, 2 on timeout.
+    Wait {
+        /// Job id.
+        id: String,
+        /// Give up after this many seconds (fractions allowed).
+        #[arg(long, value_name = "SECS", value_parser = parse_secs)]
+        timeout: Option<Duration>,
+    },
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct SubmitArgs {
+    /// Job name: letters, digits, '.', '_', '-'.
+    #[arg(long)]
+    pub name: String,
+    /// Container image; without it the command runs as a host process.
+    #[arg(long)]
+    pub image: Option<String>,
+    /// Number of GPUs.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub gpus: u32,
+    /// CPUs (fractions allowed).
+    #[arg(long, value_name = "C", default_value_t = 1.0, value_parser = parse_cpus)]
+    pub cpus: f64,
+    /// Memory limit in MiB; 0 means no limit.
+    #[arg(long, value_name = "MIB", default_value_t = 0)]
+    pub mem: u64,
+    /// Environment variable for the job, repeatable.
+    #[arg(long = "env", value_name = "K=V", value_parser = parse_env_pair)]
+    pub env: Vec<(String, String)>,
+    /// The command and its arguments (after `--`).
+    #[arg(
+        value_name = "CMD",
+        required = true,
+        num_args = 1..,
+        trailing_var_arg = true,
+        allow_hyphen_values = true
+    )]
+    pub command: Vec<String>,
+}
+
+impl SubmitArgs {
+    pub fn to_spec(&self) -> pb::JobSpec {
+        pb::JobSpec {
+            name: self.name.clone(),
+            image: self.image.clone().unwrap_or_default(),
+            command: self.command.clone(),
+            env: self.env.iter().cloned().collect::<HashMap<_, _>>(),
+            resources: Some(pb::Resources {
+                cpus: self.cpus,
+                mem_mib: self.mem,
+                gpus: self.gpus,
+            }),
+        }
+    }
+}
+
+/// `K=V` of `--env`. The value may be empty or contain '='; the name may not be empty.
+pub fn parse_env_pair(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.is_empty() => Ok((k.to_string(), v.to_string())),
+        Some(_) => Err(format!("{s:?} has an empty name (expected K=V)")),
+        None => Err(format!("{s:?} has no '=' (expected K=V)")),
+    }
+}
+
+fn parse_cpus(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() && v >= 0.0 => Ok(v),
+        _ => Err(format!("{s:?} is not a number of CPUs >= 0")),
+    }
+}
+
+pub async fn run(
+    master: &mut Master,
+    cmd: JobsCommand,
+    out: &mut dyn Write,
+) -> Result<u8, CliError> {
+    match cmd {
+        JobsCommand::Submit(args) => {
+            let id = submit(master, args.to_spec()).await?;
+            writeln!(out, "{id}")?;
+        }
+        JobsCommand::List(flags) => list(master, flags.json, out).await?,
+        JobsCommand::Get { id, flags } => get(master, &id, flags.json, out).await?,
+        JobsCommand::Logs { id, follow } => {
+            stream_logs(master, &id, follow, |data| {
+                out.write_all(data)?;
+                out.flush()
+            })
+            .await?
+        }
+        JobsCommand::Cancel { id } => {
+            let state = cancel(master, &id).await?;
+            writeln!(out, "{}", job_state_name(state))?;
+        }
+        JobsCommand::Wait { id, timeout } => {
+            let job = wait(master, &id, timeout, WAIT_POLL).await?;
+            writeln!(out, "{}", job_state_name(job.state))?;
+            out.flush()?;
+            let code = wait_exit_code(job.state);
+            if code != EXIT_OK {
+                let why = job
+                    .tasks
+                    .last()
+                    .map(|t| t.message.as_str())
+                    .filter(|m| !m.is_empty())
+                    .unwrap_or(job.message.as_str());
+                if why.is_empty() {
+                    eprintln!("job {id} {}", job_state_name(job.state));
+                } else {
+                    eprintln!(
+                        "job {id} {}: {}",
+                        job_state_name(job.state),
+                        super::one_line(why)
+                    );
+                }
+            }
+            return Ok(code);
+        }
+    }
+    Ok(EXIT_OK)
+}
+
+pub async fn submit(master: &mut Master, spec: pb::JobSpec) -> Result<String, CliError> {
+    let resp = master
+        .client
+        .submit_job(pb::SubmitJobRequest { spec: Some(spec) })
+        .await
+        .map_err(|s| CliError::rpc(master, s))?;
+    Ok(resp.into_inner().job_id)
+}
+
+pub async fn fetch_jobs(master: &mut Master) -> Result<Vec<pb::Job>, CliError> {
+    let resp = master
+        .client
+        .list_jobs(pb::ListJobsRequest {})
+        .await
+        .map_err(|s| CliError::rpc(master, s))?;
+    let mut jobs = resp.into_inner().jobs;
+    jobs.sort_by(|a, b| {
+        (a.submitted_at_ms, &a.id).cmp(&(b.submitted_at_ms, &b.id))
+    });
+    Ok(jobs)
+}
+
+pub async fn list(master: &mut Master, json: bool, out: &mut dyn Write) -> Result<(), CliError> {
+    let jobs = fetch_jobs(master).await?;
+    if json {
+        let items: Vec<JobJson> = jobs.iter().map(JobJson::from).collect();
+        out.write_all(output::to_json(&items)?.as_bytes())?;
+    } else {
+        out.write_all(output::jobs_table(&jobs, now_ms()).render().as_bytes())?;
+    }
+    Ok(())
+}
+
+pub async fn get_job(master: &mut Master, id: &str) -> Result<pb::Job, CliError> {
+    let resp = master
+        .client
+        .get_job(pb::GetJobRequest {
+            job_id: id.to_string(),
+        })
+        .await
+        .map_err(|s| CliError::rpc(master, s))?;
+    Ok(resp.into_inner())
+}
+
+pub async fn get(
+    master: &mut Master,
+    id: &str,
+    json: bool,
+    out: &mut dyn Write,
+) -> Result<(), CliError> {
+    let job = get_job(master, id).await?;
+    if json {
+        out.write_all(output::to_json(&JobJson::from(&job))?.as_bytes())?;
+    } else {
+        out.write_all(output::job_detail(&job, now_ms()).as_bytes())?;
+    }
+    Ok(())
+}
+
+/// Streams a job's output to `sink`, chunk by chunk, until the master ends
+/// the stream (at once without `follow`, when the task ends with it).
+pub async fn stream_logs<F>(
+    master: &mut Master,
+    id: &str,
+    follow: bool,
+    mut sink: F,
+) -> Result<(), CliError>
+where
+    F: FnMut(&[u8]) -> io::Result<()>,
+{
+    let mut stream = master
+        .client
+        .job_logs(pb::JobLogsRequest {
+            job_id: id.to_string(),
+            follow,
+        })
+        .await
+        .map_err(|s| CliError::rpc(master, s))?
+        .into_inner();
+    while let Some(chunk) = stream
+        .message()
+        .await
+        .map_err(|s| CliError::rpc(master, s))?
+    {
+        sink(&chunk.data)?;
+    }
+    Ok(())
+}
+
+/// Cancels a job; returns its state afterwards (wire value).
+pub async fn cancel(master: &mut Master, id: &str) -> Result<i32, CliError> {
+    let resp = master
+        .client
+        .cancel_job(pb::CancelJobRequest {
+            job_id: id.to_string(),
+        })
+        .await
+        .map_err(|s| CliError::rpc(master, s))?;
+    Ok(resp.into_inner().state)
+}
+
+pub fn is_terminal(state: i32) -> bool {
+    matches!(
+        pb::JobState::try_from(state),
+        Ok(pb::JobState::JobSucceeded | pb::JobState::JobFailed | pb::JobState::JobCancelled)
+    )
+}
+
+/// Exit code of `jobs wait` for a terminal job state.
+pub fn wait_exit_code(state: i32) -> u8 {
+    match pb::JobState::try_from(state) {
+        Ok(pb::JobState::JobSucceeded) => EXIT_OK,
+        _ => EXIT_FAILURE,
+    }
+}
+
+/// Polls the job every `poll` until it is terminal and returns it. Rides
+/// out a master failover: while no master answers it reconnects (any
+/// address of `--master`) for up to a minute.
+pub async fn wait(
+    master: &mut Master,
+    id: &str,
+    timeout: Option<Duration>,
+    poll: Duration,
+) -> Result<pb::Job, CliError> {
+    let start = Instant::now();
+    let deadline = timeout.map(|t| start + t);
+    let remaining = || deadline.map(|d| d.saturating_duration_since(Instant::now()));
+    let mut last_state = String::from("unknown state");
+    let mut unreachable_since: Option<Instant> = None;
+    loop {
+        let call_limit = remaining()
+            .map_or(RPC_TIMEOUT, |r| r.min(RPC_TIMEOUT))
+            .max(Duration::from_millis(50));
+        let req = pb::GetJobRequest {
+            job_id: id.to_string(),
+        };
+        match tokio::time::timeout(call_limit, master.client.get_job(req)).await {
+            Ok(Ok(resp)) => {
+                unreachable_since = None;
+                let job = resp.into_inner();
+                if is_terminal(job.state) {
+                    return Ok(job);
+                }
+                last_state = format!("still {}", job_state_name(job.state));
+            }
+            Ok(Err(status)) if status.code() == tonic::Code::Unavailable => {
+                let since = *unreachable_since.get_or_insert_with(Instant::now);
+                if since.elapsed() >= UNREACHABLE_GRACE {
+                    return Err(CliError::rpc(master, status));
+                }
+                tracing::debug!(addr = %master.addr, "master unreachable, reconnecting");
+                if let Err(e) = master.reconnect().await {
+                    tracing::debug!(error = %e, "no master answered yet");
+                }
+            }
+            Ok(Err(status)) => return Err(CliError::rpc(master, status)),
+            Err(_) => {
+                tracing::debug!(addr = %master.addr, "GetJob took longer than {call_limit:?}");
+            }
+        }
+        if let Some(r) = remaining() {
+            if r.is_zero() {
+                let waited = timeout.unwrap_or_default().as_secs_f64();
+                return Err(CliError::Timeout(format!(
+                    "timed out after {waited}s waiting for job {id} ({last_state})"
+                )));
+            }
+        }
+        let pause = remaining().map_or(poll, |r| r.min(poll));
+        tokio::time::sleep(pause).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::commands::{Cli, Command, EXIT_NOT_FOUND, EXIT_TIMEOUT, EXIT_USAGE};
+    use clap::Parser;
+    use std::pin::Pin;
+    use std::sync::{Arc, Mutex};
+
+    fn parse(args: &[&str]) -> Result<Cli, clap::Error> {
+        Cli::try_parse_from(std::iter::once("gpuctl").chain(args.iter().copied()))
+    }
+
+    fn submit_args(args: &[&str]) -> SubmitArgs {
+        match parse(args).unwrap().command {
+            Command::Jobs(JobsCommand::Submit(a)) => a,
+            other => panic!("parsed as {other:?}"),
+        }
+    }
+
+    #[test]
+    fn env_pairs() {
+        assert_eq!(
+            parse_env_pair("A=1").unwrap(),
+            ("A".to_string(), "1".to_string())
+        );
+        assert_eq!(
+            parse_env_pair("A=").unwrap(),
+            ("A".to_string(), String::new())
+        );
+        assert_eq!(
+            parse_env_pair("A=b=c").unwrap(),
+            ("A".to_string(), "b=c".to_string())
+        );
+        assert!(parse_env_pair("A").is_err());
+        assert!(parse_env_pair("=1").is_err());
+    }
+
+    #[test]
+    fn env_without_equals_is_a_usage_error_naming_env() {
+        let err = parse(&["jobs", "submit", "--name", "x", "--env", "FOO", "--", "true"])
+            .unwrap_err();
+        assert_eq!(err.exit_code(), i32::from(EXIT_USAGE));
+        assert!(err.to_string().contains("--env"), "{err}");
+    }
+
+    #[test]
+    fn submit_defaults() {
+        let a = submit_args(&["jobs", "submit", "--name", "x", "--", "echo", "hi"]);
+        let spec = a.to_spec();
+        assert_eq!(spec.name, "x");
+        assert_eq!(spec.image, "");
+        assert_eq!(spec.command, vec!["echo", "hi"]);
+        assert_eq!(
+            spec.resources,
+            Some(pb::Resources {
+                cpus: 1.0,
+                mem_mib: 0,
+                gpus: 0
+            })
+        );
+        assert!(spec.env.is_empty());
+    }
+
+    #[test]
+    fn submit_all_flags_and_command_with_dashes() {
+        let a = submit_args(&[
+            "jobs", "submit", "--name", "t", "--image", "busybox", "--gpus", "2", "--cpus", "0.5",
+            "--mem", "1024", "--env", "A=1", "--env", "B=x=y", "--", "sh", "-c", "echo --gpus",
+        ]);
+        let spec = a.to_spec();
+        assert_eq!(spec.image, "busybox");
+        assert_eq!(spec.command, vec!["sh", "-c", "echo --gpus"]);
+        assert_eq!(
+            spec.resources,
+            Some(pb::Resources {
+                cpus: 0.5,
+                mem_mib: 1024,
+                gpus: 2
+            })
+        );
+        assert_eq!(spec.env.get("A").map(String::as_str), Some("1"));
+        assert_eq!(spec.env.get("B").map(String::as_str), Some("x=y"));
+    }
+
+    #[test]
+    fn submit_needs_name_and_command() {
+        assert!(parse(&["jobs", "submit", "--", "true"]).is_err());
+        assert!(parse(&["jobs", "submit", "--name", "x"]).is_err());
+        assert!(parse(&["jobs", "submit", "--name", "x", "--cpus", "-1", "--", "true"]).is_err());
+    }
+
+    #[test]
+    fn wait_exit_codes() {
+        assert_eq!(wait_exit_code(pb::JobState::JobSucceeded as i32), 0);
+        assert_eq!(wait_exit_code(pb::JobState::JobFailed as i32), 1);
+        assert_eq!(wait_exit_code(pb::JobState::JobCancelled as i32), 1);
+        assert!(is_terminal(pb::JobState::JobCancelled as i32));
+        assert!(!is_terminal(pb::JobState::JobRunning as i32));
+        assert!(!is_terminal(pb::JobState::JobQueued as i32));
+        assert!(!is_terminal(0));
+    }
+
+    // ------------------------------------------------ against a fake master
+
+    /// An Operator that serves canned jobs: `GetJob` walks through `states`
+    /// one step per call and then stays on the last one.
+    #[derive(Default)]
+    struct Fake {
+        states: Mutex<HashMap<String, Vec<pb::JobState>>>,
+        submitted: Mutex<Vec<pb::JobSpec>>,
+    }
+
+    fn job(id: &str, state: pb::JobState) -> pb::Job {
+        pb::Job {
+            id: id.into(),
+            spec: Some(pb::JobSpec {
+                name: format!("name-{id}"),
+                ..Default::default()
+            }),
+            state: state as i32,
+            ..Default::default()
+        }
+    }
+
+    type LogStream =
+        Pin<Box<dyn futures::Stream<Item = Result<pb::LogChunk, tonic::Status>> + Send>>;
+
+    #[tonic::async_trait]
+    impl pb::operator_server::Operator for Fake {
+        async fn submit_job(
+            &self,
+            r: tonic::Request<pb::SubmitJobRequest>,
+        ) -> Result<tonic::Response<pb::SubmitJobResponse>, tonic::Status> {
+            let spec = r.into_inner().spec.unwrap_or_default();
+            if spec.name.is_empty() {
+                return Err(tonic::Status::invalid_argument(
+                    "invalid spec.name: must not be empty",
+                ));
+            }
+            self.submitted.lock().unwrap().push(spec);
+            Ok(tonic::Response::new(pb::SubmitJobResponse {
+                job_id: "job-1".into(),
+            }))
+        }
+        async fn get_job(
+            &self,
+            r: tonic::Request<pb::GetJobRequest>,
+        ) -> Result<tonic::Response<pb::Job>, tonic::Status> {
+            let id = r.into_inner().job_id;
+            let mut states = self.states.lock().unwrap();
+            let Some(seq) = states.get_mut(&id) else {
+                return Err(tonic::Status::not_found(format!("job {id} not found")));
+            };
+            let s = if seq.len() > 1 { seq.remove(0) } else { seq[0] };
+            Ok(tonic::Response::new(job(&id, s)))
+        }
+        async fn list_jobs(
+            &self,
+            _: tonic::Request<pb::ListJobsRequest>,
+        ) -> Result<tonic::Response<pb::ListJobsResponse>, tonic::Status> {
+            Ok(tonic::Response::new(pb::ListJobsResponse {
+                jobs: vec![job("b", pb::JobState::JobQueued)],
+            }))
+        }
+        async fn cancel_job(
+            &self,
+            _: tonic::Request<pb::CancelJobRequest>,
+        ) -> Result<tonic::Response<pb::CancelJobResponse>, tonic::Status> {
+            Ok(tonic::Response::new(pb::CancelJobResponse {
+                state: pb::JobState::JobCancelled as i32,
+            }))
+        }
+        async fn list_agents(
+            &self,
+            _: tonic::Request<pb::ListAgentsRequest>,
+        ) -> Result<tonic::Response<pb::ListAgentsResponse>, tonic::Status> {
+            Ok(tonic::Response::new(pb::ListAgentsResponse::default()))
+        }
+        async fn list_gpus(
+            &self,
+            _: tonic::Request<pb::ListGpusRequest>,
+        ) -> Result<tonic::Response<pb::ListGpusResponse>, tonic::Status> {
+            Ok(tonic::Response::new(pb::ListGpusResponse::default()))
+        }
+        type JobLogsStream = LogStream;
+        async fn job_logs(
+            &self,
+            _: tonic::Request<pb::JobLogsRequest>,
+        ) -> Result<tonic::Response<LogStream>, tonic::Status> {
+            let chunks = ["hello ", "world\n", "bye\n"]
+                .into_iter()
+                .map(|s| Ok(pb::LogChunk { data: s.into() }));
+            Ok(tonic::Response::new(Box::pin(futures::stream::iter(chunks))))
+        }
+    }
+
+    async fn serve(fake: Arc<Fake>) -> String {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(pb::operator_server::OperatorServer::from_arc(fake))
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+        );
+        addr
+    }
+
+    /// A master at the second address; nobody listens at the first.
+    async fn connect(fake: Arc<Fake>) -> Master {
+        let dead = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .to_string();
+        let live = serve(fake).await;
+        let m = Master::connect(&[dead, live.clone()]).await.unwrap();
+        assert_eq!(m.addr, live);
+        m
+    }
+
+    fn fake_with(id: &str, states: Vec<pb::JobState>) -> Arc<Fake> {
+        let fake = Arc::new(Fake::default());
+        fake.states.lock().unwrap().insert(id.into(), states);
+        fake
+    }
+
+    async fn run_cmd(m: &mut Master, args: &[&str]) -> (Result<u8, CliError>, String) {
+        let Command::Jobs(cmd) = parse(args).unwrap().command else {
+            panic!("not a jobs command")
+        };
+        let mut out = Vec::new();
+        let r = run(m, cmd, &mut out).await;
+        (r, String::from_utf8(out).unwrap())
+    }
+
+    #[tokio::test]
+    async fn wait_until_succeeded() {
+        use pb::JobState::*;
+        let fake = fake_with("j", vec![JobQueued, JobRunning, JobSucceeded]);
+        let mut m = connect(fake).await;
+        let (r, out) = run_cmd(&mut m, &["jobs", "wait", "j"]).await;
+        assert_eq!(r.unwrap(), EXIT_OK);
+        assert_eq!(out, "SUCCEEDED\n");
+    }
+
+    #[tokio::test]
+    async fn wait_failed_and_cancelled_exit_1() {
+        use pb::JobState::*;
+        for (state, word) in [(JobFailed, "FAILED\n"), (JobCancelled, "CANCELLED\n")] {
+            let mut m = connect(fake_with("j", vec![JobRunning, state])).await;
+            let (r, out) = run_cmd(&mut m, &["jobs", "wait", "j"]).await;
+            assert_eq!(r.unwrap(), EXIT_FAILURE);
+            assert_eq!(out, word);
+        }
+    }
+
+    #[tokio::test]
+    async fn wait_times_out_with_exit_2() {
+        let mut m = connect(fake_with("j", vec![pb::JobState::JobRunning])).await;
+        let started = std::time::Instant::now();
+        let (r, out) = run_cmd(&mut m, &["jobs", "wait", "j", "--timeout", "0.5"]).await;
+        let err = r.unwrap_err();
+        assert_eq!(err.exit_code(), EXIT_TIMEOUT);
+        assert!(err.to_string().contains("timed out"), "{err}");
+        assert!(err.to_string().contains("RUNNING"), "{err}");
+        assert_eq!(out, "");
+        assert!(started.elapsed() < Duration::from_secs(3));
+    }
+
+    #[tokio::test]
+    async fn unknown_job_is_not_found() {
+        let mut m = connect(Arc::new(Fake::default())).await;
+        let (r, _) = run_cmd(&mut m, &["jobs", "get", "nope"]).await;
+        let err = r.unwrap_err();
+        assert_eq!(err.exit_code(), EXIT_NOT_FOUND);
+        assert_eq!(err.to_string(), "job nope not found");
+        let (r, _) = run_cmd(&mut m, &["jobs", "wait", "nope"]).await;
+        assert_eq!(r.unwrap_err().exit_code(), EXIT_NOT_FOUND);
+    }
+
+    #[tokio::test]
+    async fn submit_prints_only_the_id() {
+        let fake = Arc::new(Fake::default());
+        let mut m = connect(fake.clone()).await;
+        let (r, out) = run_cmd(
+            &mut m,
+            &["jobs", "submit", "--name", "x", "--gpus", "1", "--", "echo", "hi"],
+        )
+        .await;
+        assert_eq!(r.unwrap(), EXIT_OK);
+        assert_eq!(out, "job-1\n");
+        let sent = fake.submitted.lock().unwrap().clone();
+        assert_eq!(sent.len(), 1);
+        assert_eq!(sent[0].command, vec!["echo", "hi"]);
+        assert_eq!(sent[0].resources.map(|r| r.gpus), Some(1));
+    }
+
+    #[tokio::test]
+    async fn logs_cancel_list_get() {
+        let fake = fake_with("j", vec![pb::JobState::JobRunning]);
+        let mut m = connect(fake).await;
+        let (r, out) = run_cmd(&mut m, &["jobs", "logs", "j", "--follow"]).await;
+        r.unwrap();
+        assert_eq!(out, "hello world\nbye\n");
+        let (r, out) = run_cmd(&mut m, &["jobs", "cancel", "j"]).await;
+        r.unwrap();
+        assert_eq!(out, "CANCELLED\n");
+        let (r, out) = run_cmd(&mut m, &["jobs", "list", "--json"]).await;
+        r.unwrap();
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(v[0]["id"], "b");
+        assert_eq!(v[0]["state"], "QUEUED");
+        let (r, out) = run_cmd(&mut m, &["jobs", "list"]).await;
+        r.unwrap();
+        assert!(out.starts_with("ID "), "{out}");
+        assert!(out.contains("name-b"), "{out}");
+        let (r, out) = run_cmd(&mut m, &["jobs", "get", "j", "--json"]).await;
+        r.unwrap();
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(v["state"], "RUNNING");
+        let (r, out) = run_cmd(&mut m, &["jobs", "get", "j"]).await;
+        r.unwrap();
+        assert!(out.contains("State:     RUNNING"), "{out}");
+    }
+}

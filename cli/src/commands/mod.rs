@@ -1,0 +1,255 @@
+//! The command tree, the error type and the exit codes.
+
+use std::io::{self, Write};
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+use tonic::Code;
+
+use crate::client::{self, ConnectError, Master, MasterList};
+
+pub mod agents;
+pub mod demo;
+pub mod gpus;
+pub mod jobs;
+
+/// Success; for `jobs wait`, the job SUCCEEDED.
+pub const EXIT_OK: u8 = 0;
+/// Any error without a more specific code; for `jobs wait`, the job FAILED
+/// or was CANCELLED.
+pub const EXIT_FAILURE: u8 = 1;
+/// A usage error (clap uses 2 as well) or a timeout (`jobs wait --timeout`).
+pub const EXIT_USAGE: u8 = 2;
+pub const EXIT_TIMEOUT: u8 = 2;
+/// The job (or other object) named does not exist.
+pub const EXIT_NOT_FOUND: u8 = 3;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "gpuctl",
+    version,
+    about = "Command line for a gpuctl GPU cluster",
+    propagate_version = true
+)]
+pub struct Cli {
+    /// Masters to talk to, HOST:PORT[,HOST:PORT...]; the first that answers is used.
+    #[arg(
+        long,
+        global = true,
+        env = "GPUCTL_MASTER",
+        default_value = client::DEFAULT_MASTER,
+        value_name = "HOST:PORT[,...]",
+        value_parser = client::parse_master_list
+    )]
+    pub master: MasterList,
+
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Submit, list, inspect, follow, cancel and wait for jobs.
+    #[command(subcommand)]
+    Jobs(jobs::JobsCommand),
+    /// Look at the agents (the machines that run tasks).
+    #[command(subcommand)]
+    Agents(agents::AgentsCommand),
+    /// List every GPU of the cluster and the task holding it.
+    Gpus(JsonFlag),
+    /// Start a master and an agent in this process, run two GPU jobs and show the cluster.
+    Demo(demo::DemoArgs),
+}
+
+/// `--json` of the read commands.
+#[derive(Debug, Clone, Copy, Args)]
+pub struct JsonFlag {
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Everything that can go wrong; shown as one line `error: <message>`.
+#[derive(Debug, thiserror::Error)]
+pub enum CliError {
+    #[error("{0}")]
+    Connect(#[from] ConnectError),
+    #[error("{}", rpc_message(addr, status))]
+    Rpc { addr: String, status: tonic::Status },
+    #[error("{0}")]
+    Timeout(String),
+    #[error("writing output: {0}")]
+    Io(#[from] io::Error),
+    #[error("encoding JSON: {0}")]
+    Json(#[from] serde_json::Error),
+    #[error("{0}")]
+    Other(String),
+}
+
+fn rpc_message(addr: &str, status: &tonic::Status) -> String {
+    let msg = status.message().trim();
+    let text = match status.code() {
+        Code::Unavailable => {
+            if msg.is_empty() {
+                format!("master {addr} could not be reached")
+            } else {
+                format!("master {addr} could not be reached: {msg}")
+            }
+        }
+        Code::Unimplemented if msg.is_empty() => {
+            format!("master {addr} does not implement this call")
+        }
+        code if msg.is_empty() => format!("master {addr} answered {code:?}"),
+        _ => msg.to_string(),
+    };
+    one_line(&text)
+}
+
+/// Joins the lines of a message so that an error stays on one line.
+pub fn one_line(s: &str) -> String {
+    s.split(['\n', '\r'])
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+impl CliError {
+    pub fn rpc(master: &Master, status: tonic::Status) -> Self {
+        CliError::Rpc {
+            addr: master.addr.clone(),
+            status,
+        }
+    }
+
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            CliError::Rpc { status, .. } => match status.code() {
+                Code::NotFound => EXIT_NOT_FOUND,
+                Code::DeadlineExceeded => EXIT_TIMEOUT,
+                _ => EXIT_FAILURE,
+            },
+            CliError::Timeout(_) => EXIT_TIMEOUT,
+            _ => EXIT_FAILURE,
+        }
+    }
+
+    /// Output closed early (`gpuctl jobs list | head -1`): not worth a message.
+    pub fn is_broken_pipe(&self) -> bool {
+        matches!(self, CliError::Io(e) if e.kind() == io::ErrorKind::BrokenPipe)
+    }
+}
+
+/// Runs a parsed command line; returns the exit code.
+pub async fn run(cli: Cli) -> Result<u8, CliError> {
+    let stdout = io::stdout();
+    let mut out = stdout.lock();
+    let code = match cli.command {
+        Command::Demo(args) => {
+            drop(out);
+            return demo::run(args).await;
+        }
+        Command::Jobs(cmd) => {
+            // Submission must not be sent twice, reads may be retried; either
+            // way we only connect here.
+            let mut master = Master::connect(&cli.master.0).await?;
+            jobs::run(&mut master, cmd, &mut out).await?
+        }
+        Command::Agents(cmd) => {
+            let mut master = Master::connect(&cli.master.0).await?;
+            agents::run(&mut master, cmd, &mut out).await?
+        }
+        Command::Gpus(flag) => {
+            let mut master = Master::connect(&cli.master.0).await?;
+            gpus::list(&mut master, flag.json, &mut out).await?;
+            EXIT_OK
+        }
+    };
+    out.flush()?;
+    Ok(code)
+}
+
+/// Milliseconds since the Unix epoch, 0 if the clock is before it.
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// Parses a number of seconds (`--timeout 1.5`) into a Duration.
+pub fn parse_secs(s: &str) -> Result<Duration, String> {
+    let v: f64 = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("{s:?} is not a number of seconds"))?;
+    if !v.is_finite() || v < 0.0 || v > 1e9 {
+        return Err(format!("{s:?} must be a number of seconds >= 0"));
+    }
+    Ok(Duration::from_secs_f64(v))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn clap_definition_is_valid() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn master_defaults_and_is_global() {
+        let cli = Cli::try_parse_from(["gpuctl", "gpus"]).unwrap();
+        // GPUCTL_MASTER may be set where the tests run; only check the shape.
+        assert!(!cli.master.0.is_empty());
+        let cli =
+            Cli::try_parse_from(["gpuctl", "jobs", "list", "--master", "a:1,b:2"]).unwrap();
+        assert_eq!(cli.master.0, vec!["a:1", "b:2"]);
+        let err = Cli::try_parse_from(["gpuctl", "--master", "nope", "gpus"]).unwrap_err();
+        assert_eq!(err.exit_code(), i32::from(EXIT_USAGE));
+    }
+
+    #[test]
+    fn json_is_a_flag_of_read_commands() {
+        assert!(Cli::try_parse_from(["gpuctl", "gpus", "--json"]).is_ok());
+        assert!(Cli::try_parse_from(["gpuctl", "agents", "list", "--json"]).is_ok());
+        assert!(Cli::try_parse_from(["gpuctl", "jobs", "get", "x", "--json"]).is_ok());
+        assert!(Cli::try_parse_from(["gpuctl", "--json", "gpus"]).is_err());
+    }
+
+    #[test]
+    fn error_messages_are_one_line_with_codes() {
+        let m = CliError::Rpc {
+            addr: "m1:7050".into(),
+            status: tonic::Status::unavailable("tcp connect error\nrefused"),
+        };
+        assert_eq!(
+            m.to_string(),
+            "master m1:7050 could not be reached: tcp connect error; refused"
+        );
+        assert_eq!(m.exit_code(), EXIT_FAILURE);
+        let nf = CliError::Rpc {
+            addr: "m1:7050".into(),
+            status: tonic::Status::not_found("job j-1 not found"),
+        };
+        assert_eq!(nf.to_string(), "job j-1 not found");
+        assert_eq!(nf.exit_code(), EXIT_NOT_FOUND);
+        let bad = CliError::Rpc {
+            addr: "m1:7050".into(),
+            status: tonic::Status::invalid_argument("invalid spec.name: must not be empty"),
+        };
+        assert_eq!(bad.to_string(), "invalid spec.name: must not be empty");
+        assert_eq!(bad.exit_code(), EXIT_FAILURE);
+        assert_eq!(CliError::Timeout("t".into()).exit_code(), EXIT_TIMEOUT);
+    }
+
+    #[test]
+    fn parses_seconds() {
+        assert_eq!(parse_secs("1.5").unwrap(), Duration::from_millis(1500));
+        assert_eq!(parse_secs("0").unwrap(), Duration::ZERO);
+        assert!(parse_secs("-1").is_err());
+        assert!(parse_secs("soon").is_err());
+        assert!(parse_secs("inf").is_err());
+    }
+}

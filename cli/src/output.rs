@@ -1,0 +1,788 @@
+//! What the CLI prints: the JSON shapes of `--json` (defined once, here) and
+//! the human tables, both built from the wire messages.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use gpuctl_proto::convert::{job_state_name, task_state_name};
+use gpuctl_proto::pb;
+use serde::{Deserialize, Serialize};
+
+// ---------------------------------------------------------------- JSON shapes
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ResourcesJson {
+    pub cpus: f64,
+    pub mem_mib: u64,
+    pub gpus: u32,
+}
+
+impl From<Option<&pb::Resources>> for ResourcesJson {
+    fn from(r: Option<&pb::Resources>) -> Self {
+        let r = r.copied().unwrap_or_default();
+        ResourcesJson {
+            cpus: r.cpus,
+            mem_mib: r.mem_mib,
+            gpus: r.gpus,
+        }
+    }
+}
+
+/// One task of a job (`jobs get --json`, `jobs list --json`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TaskJson {
+    pub id: String,
+    pub agent_id: String,
+    /// UUIDs of the GPUs the task holds.
+    pub gpus: Vec<String>,
+    /// STAGING, STARTING, RUNNING, FINISHED, FAILED, KILLED, LOST or ERROR.
+    pub state: String,
+    pub exit_code: Option<i32>,
+    pub message: String,
+    pub updated_at_ms: u64,
+}
+
+impl From<&pb::Task> for TaskJson {
+    fn from(t: &pb::Task) -> Self {
+        TaskJson {
+            id: t.id.clone(),
+            agent_id: t.agent_id.clone(),
+            gpus: t.gpu_uuids.clone(),
+            state: task_state_name(t.state).to_string(),
+            exit_code: t.exit_code,
+            message: t.message.clone(),
+            updated_at_ms: t.updated_at_ms,
+        }
+    }
+}
+
+/// A job (`jobs get --json`, items of `jobs list --json`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct JobJson {
+    pub id: String,
+    pub name: String,
+    /// QUEUED, STARTING, RUNNING, SUCCEEDED, FAILED or CANCELLED.
+    pub state: String,
+    /// `null` for a job that runs as a host process.
+    pub image: Option<String>,
+    pub command: Vec<String>,
+    pub env: BTreeMap<String, String>,
+    pub resources: ResourcesJson,
+    pub message: String,
+    pub submitted_at_ms: u64,
+    pub tasks: Vec<TaskJson>,
+}
+
+impl From<&pb::Job> for JobJson {
+    fn from(j: &pb::Job) -> Self {
+        let spec = j.spec.clone().unwrap_or_default();
+        JobJson {
+            id: j.id.clone(),
+            name: spec.name,
+            state: job_state_name(j.state).to_string(),
+            image: (!spec.image.is_empty()).then_some(spec.image),
+            command: spec.command,
+            env: spec.env.into_iter().collect(),
+            resources: ResourcesJson::from(spec.resources.as_ref()),
+            message: j.message.clone(),
+            submitted_at_ms: j.submitted_at_ms,
+            tasks: j.tasks.iter().map(TaskJson::from).collect(),
+        }
+    }
+}
+
+/// One GPU of an agent (`agents list --json`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GpuJson {
+    pub uuid: String,
+    pub index: u32,
+    pub minor: u32,
+    pub model: String,
+    pub memory_mib: u64,
+    pub healthy: bool,
+    pub pci_bus_id: String,
+}
+
+impl From<&pb::Gpu> for GpuJson {
+    fn from(g: &pb::Gpu) -> Self {
+        GpuJson {
+            uuid: g.uuid.clone(),
+            index: g.index,
+            minor: g.minor,
+            model: g.model.clone(),
+            memory_mib: g.memory_mib,
+            healthy: g.healthy,
+            pci_bus_id: g.pci_bus_id.clone(),
+        }
+    }
+}
+
+/// An agent (items of `agents list --json`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AgentJson {
+    pub id: String,
+    pub hostname: String,
+    pub address: String,
+    /// ACTIVE or LOST.
+    pub state: String,
+    /// "docker", "process".
+    pub runtimes: Vec<String>,
+    pub simulated_gpus: bool,
+    pub total: ResourcesJson,
+    pub allocated: ResourcesJson,
+    pub gpus: Vec<GpuJson>,
+    pub registered_at_ms: u64,
+}
+
+impl From<&pb::Agent> for AgentJson {
+    fn from(a: &pb::Agent) -> Self {
+        AgentJson {
+            id: a.id.clone(),
+            hostname: a.hostname.clone(),
+            address: a.address.clone(),
+            state: agent_state_name(a.state).to_string(),
+            runtimes: a.runtimes.iter().map(|r| runtime_name(*r)).collect(),
+            simulated_gpus: a.simulated_gpus,
+            total: ResourcesJson::from(a.total.as_ref()),
+            allocated: ResourcesJson::from(a.allocated.as_ref()),
+            gpus: a.gpus.iter().map(GpuJson::from).collect(),
+            registered_at_ms: a.registered_at_ms,
+        }
+    }
+}
+
+/// A GPU of the cluster and who holds it (items of `gpus --json`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GpuStatusJson {
+    pub uuid: String,
+    pub agent_id: String,
+    pub index: u32,
+    pub minor: u32,
+    pub model: String,
+    pub memory_mib: u64,
+    pub healthy: bool,
+    pub pci_bus_id: String,
+    /// The task holding the GPU; `null` when it is free.
+    pub task_id: Option<String>,
+}
+
+impl From<&pb::GpuStatus> for GpuStatusJson {
+    fn from(s: &pb::GpuStatus) -> Self {
+        let g = s.gpu.clone().unwrap_or_default();
+        GpuStatusJson {
+            uuid: g.uuid,
+            agent_id: s.agent_id.clone(),
+            index: g.index,
+            minor: g.minor,
+            model: g.model,
+            memory_mib: g.memory_mib,
+            healthy: g.healthy,
+            pci_bus_id: g.pci_bus_id,
+            task_id: (!s.task_id.is_empty()).then(|| s.task_id.clone()),
+        }
+    }
+}
+
+/// Pretty JSON with a final newline.
+pub fn to_json<T: Serialize + ?Sized>(value: &T) -> Result<String, serde_json::Error> {
+    let mut s = serde_json::to_string_pretty(value)?;
+    s.push('\n');
+    Ok(s)
+}
+
+// ---------------------------------------------------------------- words
+
+pub fn agent_state_name(v: i32) -> &'static str {
+    match pb::AgentState::try_from(v) {
+        Ok(pb::AgentState::AgentActive) => "ACTIVE",
+        Ok(pb::AgentState::AgentLost) => "LOST",
+        _ => "UNKNOWN",
+    }
+}
+
+pub fn runtime_name(v: i32) -> String {
+    match gpuctl_proto::convert::runtime_from_pb("runtime", v) {
+        Ok(r) => r.to_string(),
+        Err(_) => format!("unknown({v})"),
+    }
+}
+
+// ---------------------------------------------------------------- tables
+
+/// A plain text table: columns separated by two spaces, left aligned, no
+/// trailing blanks. Cells never contain newlines (they are replaced).
+#[derive(Debug, Clone, Default)]
+pub struct Table {
+    headers: Vec<String>,
+    rows: Vec<Vec<String>>,
+}
+
+impl Table {
+    pub fn new(headers: &[&str]) -> Self {
+        Table {
+            headers: headers.iter().map(|h| h.to_string()).collect(),
+            rows: Vec::new(),
+        }
+    }
+
+    pub fn row(&mut self, cells: Vec<String>) {
+        self.rows.push(cells);
+    }
+
+    pub fn render(&self) -> String {
+        let clean = |c: &str| -> String {
+            if c.is_empty() {
+                "-".to_string()
+            } else {
+                c.replace(['\n', '\r', '\t'], " ")
+            }
+        };
+        let ncols = self.headers.len();
+        let lines: Vec<Vec<String>> = std::iter::once(&self.headers)
+            .chain(self.rows.iter())
+            .map(|r| (0..ncols).map(|i| clean(r.get(i).map_or("", |s| s))).collect())
+            .collect();
+        let widths: Vec<usize> = (0..ncols)
+            .map(|i| lines.iter().map(|l| l[i].chars().count()).max().unwrap_or(0))
+            .collect();
+        let mut out = String::new();
+        for line in &lines {
+            let mut s = String::new();
+            for (i, cell) in line.iter().enumerate() {
+                if i + 1 == ncols {
+                    s.push_str(cell);
+                } else {
+                    s.push_str(cell);
+                    let pad = widths[i] - cell.chars().count() + 2;
+                    s.extend(std::iter::repeat(' ').take(pad));
+                }
+            }
+            out.push_str(s.trim_end());
+            out.push('\n');
+        }
+        out
+    }
+}
+
+/// `jobs list`: ID, NAME, STATE, GPUS, AGENT, AGE, EXIT. AGENT and EXIT
+/// are those of the job's latest task.
+pub fn jobs_table(jobs: &[pb::Job], now_ms: u64) -> Table {
+    let mut t = Table::new(&["ID", "NAME", "STATE", "GPUS", "AGENT", "AGE", "EXIT"]);
+    for j in jobs {
+        let spec = j.spec.clone().unwrap_or_default();
+        let gpus = spec.resources.map_or(0, |r| r.gpus);
+        let last = j.tasks.last();
+        t.row(vec![
+            j.id.clone(),
+            spec.name,
+            job_state_name(j.state).to_string(),
+            gpus.to_string(),
+            last.map(|t| t.agent_id.clone()).unwrap_or_default(),
+            fmt_age(j.submitted_at_ms, now_ms),
+            last.and_then(|t| t.exit_code)
+                .map(|c| c.to_string())
+                .unwrap_or_default(),
+        ]);
+    }
+    t
+}
+
+/// A task table (inside `jobs get`).
+pub fn tasks_table(tasks: &[pb::Task]) -> Table {
+    let mut t = Table::new(&["TASK", "AGENT", "STATE", "GPUS", "EXIT", "MESSAGE"]);
+    for task in tasks {
+        t.row(vec![
+            task.id.clone(),
+            task.agent_id.clone(),
+            task_state_name(task.state).to_string(),
+            task.gpu_uuids.join(","),
+            task.exit_code.map(|c| c.to_string()).unwrap_or_default(),
+            task.message.clone(),
+        ]);
+    }
+    t
+}
+
+/// `jobs get`: `Key: value` lines, then the task table.
+pub fn job_detail(j: &pb::Job, now_ms: u64) -> String {
+    let spec = j.spec.clone().unwrap_or_default();
+    let res = spec.resources.unwrap_or_default();
+    let image = if spec.image.is_empty() {
+        "- (host process)".to_string()
+    } else {
+        spec.image.clone()
+    };
+    let mem = if res.mem_mib == 0 {
+        "no limit".to_string()
+    } else {
+        fmt_mib(res.mem_mib)
+    };
+    let env: BTreeMap<_, _> = spec.env.iter().collect();
+    let env = if env.is_empty() {
+        "-".to_string()
+    } else {
+        env.iter()
+            .map(|(k, v)| format!("{k}={}", shell_quote(v)))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let fields = [
+        ("ID", j.id.clone()),
+        ("Name", spec.name.clone()),
+        ("State", job_state_name(j.state).to_string()),
+        ("Image", image),
+        ("Command", shell_join(&spec.command)),
+        ("Env", env),
+        ("GPUs", res.gpus.to_string()),
+        ("CPUs", fmt_cpus(res.cpus)),
+        ("Memory", mem),
+        (
+            "Submitted",
+            format!(
+                "{} ({} ago)",
+                fmt_timestamp(j.submitted_at_ms),
+                fmt_age(j.submitted_at_ms, now_ms)
+            ),
+        ),
+        (
+            "Message",
+            if j.message.is_empty() {
+                "-".to_string()
+            } else {
+                j.message.replace('\n', " ")
+            },
+        ),
+    ];
+    let width = fields.iter().map(|(k, _)| k.len()).max().unwrap_or(0) + 1;
+    let mut out = String::new();
+    for (k, v) in fields {
+        let _ = writeln!(out, "{:<width$} {v}", format!("{k}:"));
+    }
+    out.push('\n');
+    if j.tasks.is_empty() {
+        out.push_str("Tasks: none yet\n");
+    } else {
+        out.push_str("Tasks:\n");
+        out.push_str(&tasks_table(&j.tasks).render());
+    }
+    out
+}
+
+/// `agents list`: ID, HOSTNAME, STATE, GPUS, CPUS, MEM, RUNTIMES. GPUS,
+/// CPUS and MEM are `free/total`.
+pub fn agents_table(agents: &[pb::Agent]) -> Table {
+    let mut t = Table::new(&[
+        "ID", "HOSTNAME", "STATE", "GPUS", "CPUS", "MEM", "RUNTIMES",
+    ]);
+    for a in agents {
+        let total = a.total.unwrap_or_default();
+        let alloc = a.allocated.unwrap_or_default();
+        let free_cpus = (total.cpus - alloc.cpus).max(0.0);
+        t.row(vec![
+            a.id.clone(),
+            a.hostname.clone(),
+            agent_state_name(a.state).to_string(),
+            format!("{}/{}", total.gpus.saturating_sub(alloc.gpus), total.gpus),
+            format!("{}/{}", fmt_cpus(free_cpus), fmt_cpus(total.cpus)),
+            format!(
+                "{}/{}",
+                fmt_mib(total.mem_mib.saturating_sub(alloc.mem_mib)),
+                fmt_mib(total.mem_mib)
+            ),
+            a.runtimes
+                .iter()
+                .map(|r| runtime_name(*r))
+                .collect::<Vec<_>>()
+                .join(","),
+        ]);
+    }
+    t
+}
+
+/// `gpus`: AGENT, INDEX, UUID, MODEL, MEMORY, HEALTH, TASK.
+pub fn gpus_table(gpus: &[pb::GpuStatus]) -> Table {
+    let mut t = Table::new(&[
+        "AGENT", "INDEX", "UUID", "MODEL", "MEMORY", "HEALTH", "TASK",
+    ]);
+    for s in gpus {
+        let g = s.gpu.clone().unwrap_or_default();
+        t.row(vec![
+            s.agent_id.clone(),
+            g.index.to_string(),
+            g.uuid,
+            g.model,
+            fmt_mib(g.memory_mib),
+            if g.healthy { "healthy" } else { "UNHEALTHY" }.to_string(),
+            s.task_id.clone(),
+        ]);
+    }
+    t
+}
+
+// ---------------------------------------------------------------- formatting
+
+/// Memory in MiB, as MiB below 1 GiB and as GiB (one decimal unless whole) above.
+pub fn fmt_mib(mib: u64) -> String {
+    if mib < 1024 {
+        format!("{mib}MiB")
+    } else if mib % 1024 == 0 {
+        format!("{}GiB", mib / 1024)
+    } else {
+        format!("{:.1}GiB", mib as f64 / 1024.0)
+    }
+}
+
+/// CPUs: whole numbers without decimals, others with up to two.
+pub fn fmt_cpus(c: f64) -> String {
+    if (c - c.round()).abs() < 1e-9 {
+        format!("{}", c.round() as i64)
+    } else {
+        let s = format!("{c:.2}");
+        s.trim_end_matches('0').to_string()
+    }
+}
+
+/// Age of something that happened at `then_ms`: "12s", "5m", "3h", "2d".
+pub fn fmt_age(then_ms: u64, now_ms: u64) -> String {
+    if then_ms == 0 {
+        return "-".to_string();
+    }
+    let secs = now_ms.saturating_sub(then_ms) / 1000;
+    match secs {
+        s if s < 120 => format!("{s}s"),
+        s if s < 2 * 3600 => format!("{}m", s / 60),
+        s if s < 2 * 86400 => format!("{}h", s / 3600),
+        s => format!("{}d", s / 86400),
+    }
+}
+
+/// Milliseconds since the epoch as `YYYY-MM-DDTHH:MM:SSZ` (UTC).
+pub fn fmt_timestamp(ms: u64) -> String {
+    if ms == 0 {
+        return "-".to_string();
+    }
+    let secs = ms / 1000;
+    let days = (secs / 86400) as i64;
+    let rem = secs % 86400;
+    let (y, m, d) = civil_from_days(days);
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        (rem / 60) % 60,
+        rem % 60
+    )
+}
+
+/// Days since 1970-01-01 to (year, month, day); Howard Hinnant's algorithm.
+fn civil_from_days(z: i64) -> (i64, u32, u32) {
+    let z = z + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    (y, m, d)
+}
+
+/// Quotes an argument for a POSIX shell when it needs it.
+pub fn shell_quote(s: &str) -> String {
+    let plain = !s.is_empty()
+        && s
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_./:=,@%+".contains(c));
+    if plain {
+        s.to_string()
+    } else {
+        format!("'{}'", s.replace('\'', r"'\''"))
+    }
+}
+
+pub fn shell_join(args: &[String]) -> String {
+    args.iter()
+        .map(|a| shell_quote(a))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn job() -> pb::Job {
+        pb::Job {
+            id: "job-7".into(),
+            spec: Some(pb::JobSpec {
+                name: "train".into(),
+                image: "busybox:latest".into(),
+                command: vec!["sh".into(), "-c".into(), "echo hi".into()],
+                env: [("A".to_string(), "1".to_string())].into_iter().collect(),
+                resources: Some(pb::Resources {
+                    cpus: 1.5,
+                    mem_mib: 2048,
+                    gpus: 2,
+                }),
+            }),
+            state: pb::JobState::JobSucceeded as i32,
+            tasks: vec![pb::Task {
+                id: "job-7.0".into(),
+                agent_id: "agent-a".into(),
+                gpu_uuids: vec!["GPU-1".into(), "GPU-2".into()],
+                state: pb::TaskState::TaskFinished as i32,
+                exit_code: Some(0),
+                message: "exited".into(),
+                updated_at_ms: 1_700_000_001_000,
+            }],
+            submitted_at_ms: 1_700_000_000_000,
+            message: String::new(),
+        }
+    }
+
+    fn gpu(i: u32) -> pb::Gpu {
+        pb::Gpu {
+            uuid: format!("GPU-{i}"),
+            index: i,
+            minor: i,
+            model: "NVIDIA A100-SXM4-40GB".into(),
+            memory_mib: 40960,
+            healthy: true,
+            pci_bus_id: format!("00000000:0{i}:00.0"),
+        }
+    }
+
+    fn agent() -> pb::Agent {
+        pb::Agent {
+            id: "agent-a".into(),
+            hostname: "node1".into(),
+            address: "10.0.0.1:7060".into(),
+            state: pb::AgentState::AgentActive as i32,
+            total: Some(pb::Resources {
+                cpus: 16.0,
+                mem_mib: 65536,
+                gpus: 4,
+            }),
+            allocated: Some(pb::Resources {
+                cpus: 1.5,
+                mem_mib: 2048,
+                gpus: 2,
+            }),
+            gpus: (0..4).map(gpu).collect(),
+            runtimes: vec![pb::Runtime::Docker as i32, pb::Runtime::Process as i32],
+            registered_at_ms: 1_700_000_000_000,
+            simulated_gpus: true,
+        }
+    }
+
+    #[test]
+    fn job_json_shape() {
+        let v = serde_json::to_value(JobJson::from(&job())).unwrap();
+        assert_eq!(v["id"], "job-7");
+        assert_eq!(v["name"], "train");
+        assert_eq!(v["state"], "SUCCEEDED");
+        assert_eq!(v["image"], "busybox:latest");
+        assert_eq!(v["command"], json!(["sh", "-c", "echo hi"]));
+        assert_eq!(v["env"], json!({"A": "1"}));
+        assert_eq!(
+            v["resources"],
+            json!({"cpus": 1.5, "mem_mib": 2048, "gpus": 2})
+        );
+        assert_eq!(v["message"], "");
+        assert_eq!(v["submitted_at_ms"], 1_700_000_000_000u64);
+        let t = &v["tasks"][0];
+        assert_eq!(t["id"], "job-7.0");
+        assert_eq!(t["agent_id"], "agent-a");
+        assert_eq!(t["gpus"], json!(["GPU-1", "GPU-2"]));
+        assert_eq!(t["state"], "FINISHED");
+        assert_eq!(t["exit_code"], 0);
+        assert_eq!(t["message"], "exited");
+    }
+
+    #[test]
+    fn host_process_job_has_null_image_and_running_task_null_exit() {
+        let mut j = job();
+        if let Some(s) = j.spec.as_mut() {
+            s.image.clear();
+        }
+        j.tasks[0].exit_code = None;
+        j.tasks[0].state = pb::TaskState::TaskRunning as i32;
+        j.state = pb::JobState::JobRunning as i32;
+        let v = serde_json::to_value(JobJson::from(&j)).unwrap();
+        assert!(v["image"].is_null());
+        assert!(v["tasks"][0]["exit_code"].is_null());
+        assert_eq!(v["tasks"][0]["state"], "RUNNING");
+        assert_eq!(v["state"], "RUNNING");
+    }
+
+    #[test]
+    fn job_json_from_empty_message_does_not_panic() {
+        let v = serde_json::to_value(JobJson::from(&pb::Job::default())).unwrap();
+        assert_eq!(v["state"], "UNKNOWN");
+        assert_eq!(v["resources"]["gpus"], 0);
+        assert_eq!(v["tasks"], json!([]));
+    }
+
+    #[test]
+    fn agent_json_shape() {
+        let v = serde_json::to_value(AgentJson::from(&agent())).unwrap();
+        assert_eq!(v["id"], "agent-a");
+        assert_eq!(v["hostname"], "node1");
+        assert_eq!(v["address"], "10.0.0.1:7060");
+        assert_eq!(v["state"], "ACTIVE");
+        assert_eq!(v["runtimes"], json!(["docker", "process"]));
+        assert_eq!(v["simulated_gpus"], true);
+        assert_eq!(v["total"]["gpus"], 4);
+        assert_eq!(v["allocated"]["gpus"], 2);
+        let g = &v["gpus"][1];
+        assert_eq!(
+            g,
+            &json!({
+                "uuid": "GPU-1", "index": 1, "minor": 1,
+                "model": "NVIDIA A100-SXM4-40GB", "memory_mib": 40960,
+                "healthy": true, "pci_bus_id": "00000000:01:00.0"
+            })
+        );
+    }
+
+    #[test]
+    fn gpu_status_json_task_id_null_when_free() {
+        let free = pb::GpuStatus {
+            gpu: Some(gpu(0)),
+            agent_id: "agent-a".into(),
+            task_id: String::new(),
+        };
+        let busy = pb::GpuStatus {
+            task_id: "job-7.0".into(),
+            ..free.clone()
+        };
+        let v = serde_json::to_value(vec![
+            GpuStatusJson::from(&free),
+            GpuStatusJson::from(&busy),
+        ])
+        .unwrap();
+        assert!(v[0]["task_id"].is_null());
+        assert_eq!(v[1]["task_id"], "job-7.0");
+        for key in [
+            "uuid",
+            "agent_id",
+            "index",
+            "minor",
+            "model",
+            "memory_mib",
+            "healthy",
+        ] {
+            assert!(v[0].get(key).is_some(), "missing {key}");
+        }
+        assert_eq!(v[0]["agent_id"], "agent-a");
+    }
+
+    #[test]
+    fn table_aligns_columns_without_trailing_blanks() {
+        let mut t = Table::new(&["A", "LONGER", "C"]);
+        t.row(vec!["xxxx".into(), "".into(), "z".into()]);
+        t.row(vec!["y".into(), "multi\nline".into(), "".into()]);
+        assert_eq!(
+            t.render(),
+            "A     LONGER      C\n\
+             xxxx  -           z\n\
+             y     multi line  -\n"
+        );
+    }
+
+    #[test]
+    fn empty_table_is_the_header() {
+        assert_eq!(jobs_table(&[], 0).render(), "ID  NAME  STATE  GPUS  AGENT  AGE  EXIT\n");
+    }
+
+    #[test]
+    fn jobs_table_row() {
+        let out = jobs_table(&[job()], 1_700_000_065_000).render();
+        let lines: Vec<&str> = out.lines().collect();
+        assert_eq!(lines.len(), 2);
+        let cells: Vec<&str> = lines[1].split_whitespace().collect();
+        assert_eq!(
+            cells,
+            vec!["job-7", "train", "SUCCEEDED", "2", "agent-a", "65s", "0"]
+        );
+    }
+
+    #[test]
+    fn agents_table_shows_free_over_total() {
+        let out = agents_table(&[agent()]).render();
+        let cells: Vec<&str> = out.lines().nth(1).unwrap().split_whitespace().collect();
+        assert_eq!(
+            cells,
+            vec![
+                "agent-a",
+                "node1",
+                "ACTIVE",
+                "2/4",
+                "14.5/16",
+                "62GiB/64GiB",
+                "docker,process"
+            ]
+        );
+        assert!(out.starts_with("ID "));
+    }
+
+    #[test]
+    fn gpus_table_marks_free_gpus() {
+        let s = pb::GpuStatus {
+            gpu: Some(gpu(3)),
+            agent_id: "agent-a".into(),
+            task_id: String::new(),
+        };
+        let out = gpus_table(&[s]).render();
+        let mut lines = out.lines();
+        assert_eq!(
+            lines.next().unwrap().split_whitespace().collect::<Vec<_>>(),
+            vec!["AGENT", "INDEX", "UUID", "MODEL", "MEMORY", "HEALTH", "TASK"]
+        );
+        assert_eq!(
+            lines.next().unwrap(),
+            "agent-a  3      GPU-3  NVIDIA A100-SXM4-40GB  40GiB   healthy  -"
+        );
+    }
+
+    #[test]
+    fn job_detail_has_fields_and_tasks() {
+        let out = job_detail(&job(), 1_700_000_065_000);
+        assert!(out.contains("ID:        job-7\n"), "{out}");
+        assert!(out.contains("State:     SUCCEEDED\n"), "{out}");
+        assert!(out.contains("Command:   sh -c 'echo hi'\n"), "{out}");
+        assert!(out.contains("Memory:    2GiB\n"), "{out}");
+        assert!(
+            out.contains("Submitted: 2023-11-14T22:13:20Z (65s ago)\n"),
+            "{out}"
+        );
+        assert!(out.contains("TASK     AGENT    STATE"), "{out}");
+        assert!(out.contains("GPU-1,GPU-2"), "{out}");
+    }
+
+    #[test]
+    fn formatting_helpers() {
+        assert_eq!(fmt_mib(0), "0MiB");
+        assert_eq!(fmt_mib(512), "512MiB");
+        assert_eq!(fmt_mib(40960), "40GiB");
+        assert_eq!(fmt_mib(1536), "1.5GiB");
+        assert_eq!(fmt_cpus(1.0), "1");
+        assert_eq!(fmt_cpus(0.25), "0.25");
+        assert_eq!(fmt_cpus(0.5), "0.5");
+        assert_eq!(fmt_age(0, 5), "-");
+        assert_eq!(fmt_age(1000, 6000), "5s");
+        assert_eq!(fmt_age(0 + 1, 1 + 3 * 3600 * 1000), "3h");
+        assert_eq!(fmt_age(1, 1 + 10 * 60 * 1000), "10m");
+        assert_eq!(fmt_age(1, 1 + 3 * 86400 * 1000), "3d");
+        assert_eq!(fmt_timestamp(0), "-");
+        assert_eq!(fmt_timestamp(951_782_400_000), "2000-02-29T00:00:00Z");
+        assert_eq!(shell_quote("abc"), "abc");
+        assert_eq!(shell_quote(""), "''");
+        assert_eq!(shell_quote("it's"), r"'it'\''s'");
+        assert_eq!(
+            shell_join(&["echo".into(), "a b".into()]),
+            "echo 'a b'"
+        );
+    }
+}

@@ -1,0 +1,205 @@
+//! Master options: from flags, environment variables (`GPUCTL_MASTER_*`) or a
+//! TOML file (`--config`), in that order of precedence.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use clap::parser::ValueSource;
+use clap::{ArgMatches, CommandFactory, FromArgMatches, Parser};
+use serde::Deserialize;
+
+use crate::MasterError;
+
+#[derive(Debug, Clone)]
+pub struct MasterConfig {
+    pub listen: SocketAddr,
+    pub data_dir: PathBuf,
+    pub node_id: u64,
+    /// How often agents heartbeat.
+    pub heartbeat_interval: Duration,
+    /// An agent silent for this long is marked lost and its tasks LOST.
+    pub agent_timeout: Duration,
+}
+
+impl MasterConfig {
+    pub fn new(listen: SocketAddr, data_dir: PathBuf) -> Self {
+        MasterConfig {
+            listen,
+            data_dir,
+            node_id: 1,
+            heartbeat_interval: Duration::from_secs(1),
+            agent_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// gpuctl-master: the gpuctl cluster master.
+#[derive(Debug, Parser)]
+#[command(name = "gpuctl-master", version, about)]
+pub struct Options {
+    /// TOML file with any of the options below (keys as the long flag names,
+    /// with '_' for '-'). Flags and environment variables override it.
+    #[arg(long, env = "GPUCTL_MASTER_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Address for the gRPC API (gpuctl, agents, frameworks).
+    #[arg(long, env = "GPUCTL_MASTER_LISTEN", default_value = "0.0.0.0:7050")]
+    pub listen: SocketAddr,
+    /// Where the replicated log and state are kept.
+    #[arg(long, env = "GPUCTL_MASTER_DATA_DIR", default_value = "/var/lib/gpuctl/master")]
+    pub data_dir: PathBuf,
+    /// This master's Raft node id (>= 1).
+    #[arg(long, env = "GPUCTL_MASTER_NODE_ID", default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    pub node_id: u64,
+    /// Seconds between agent heartbeats.
+    #[arg(long, env = "GPUCTL_MASTER_HEARTBEAT_INTERVAL_SECS", default_value_t = 1.0)]
+    pub heartbeat_interval_secs: f64,
+    /// Seconds without a heartbeat before an agent is marked lost.
+    #[arg(long, env = "GPUCTL_MASTER_AGENT_TIMEOUT_SECS", default_value_t = 10.0)]
+    pub agent_timeout_secs: f64,
+    /// Log filter (tracing EnvFilter syntax), e.g. `info` or `gpuctl_master=debug`.
+    #[arg(long, env = "GPUCTL_LOG", default_value = "info")]
+    pub log: String,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileOptions {
+    listen: Option<SocketAddr>,
+    data_dir: Option<PathBuf>,
+    node_id: Option<u64>,
+    heartbeat_interval_secs: Option<f64>,
+    agent_timeout_secs: Option<f64>,
+    log: Option<String>,
+}
+
+/// True when the user did not set `id` by flag or environment.
+fn unset(m: &ArgMatches, id: &str) -> bool {
+    !matches!(
+        m.value_source(id),
+        Some(ValueSource::CommandLine) | Some(ValueSource::EnvVariable)
+    )
+}
+
+fn secs(field: &str, v: f64) -> Result<Duration, MasterError> {
+    if !v.is_finite() || v <= 0.0 || v > 86400.0 {
+        return Err(MasterError::Config(format!(
+            "{field} must be between 0 and 86400 seconds, got {v}"
+        )));
+    }
+    Ok(Duration::from_secs_f64(v))
+}
+
+impl Options {
+    /// Parses argv and the environment, then fills unset options from the
+    /// config file.
+    pub fn load() -> Result<Options, MasterError> {
+        Self::load_from(std::env::args_os())
+    }
+
+    pub fn load_from<I, T>(args: I) -> Result<Options, MasterError>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<std::ffi::OsString> + Clone,
+    {
+        let matches = Options::command().get_matches_from(args);
+        let mut o =
+            Options::from_arg_matches(&matches).map_err(|e| MasterError::Config(e.to_string()))?;
+        if let Some(path) = o.config.clone() {
+            let f = read_file(&path)?;
+            if let (Some(v), true) = (f.listen, unset(&matches, "listen")) {
+                o.listen = v;
+            }
+            if let (Some(v), true) = (f.data_dir, unset(&matches, "data_dir")) {
+                o.data_dir = v;
+            }
+            if let (Some(v), true) = (f.node_id, unset(&matches, "node_id")) {
+                if v == 0 {
+                    return Err(MasterError::Config(format!(
+                        "{}: node_id must be >= 1",
+                        path.display()
+                    )));
+                }
+                o.node_id = v;
+            }
+            if let (Some(v), true) = (
+                f.heartbeat_interval_secs,
+                unset(&matches, "heartbeat_interval_secs"),
+            ) {
+                o.heartbeat_interval_secs = v;
+            }
+            if let (Some(v), true) = (f.agent_timeout_secs, unset(&matches, "agent_timeout_secs")) {
+                o.agent_timeout_secs = v;
+            }
+            if let (Some(v), true) = (f.log, unset(&matches, "log")) {
+                o.log = v;
+            }
+        }
+        Ok(o)
+    }
+
+    pub fn to_config(&self) -> Result<MasterConfig, MasterError> {
+        let heartbeat_interval = secs("heartbeat_interval_secs", self.heartbeat_interval_secs)?;
+        let agent_timeout = secs("agent_timeout_secs", self.agent_timeout_secs)?;
+        if agent_timeout <= heartbeat_interval {
+            return Err(MasterError::Config(
+                "agent_timeout_secs must be larger than heartbeat_interval_secs".into(),
+            ));
+        }
+        Ok(MasterConfig {
+            listen: self.listen,
+            data_dir: self.data_dir.clone(),
+            node_id: self.node_id,
+            heartbeat_interval,
+            agent_timeout,
+        })
+    }
+}
+
+fn read_file(path: &Path) -> Result<FileOptions, MasterError> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| MasterError::Config(format!("{}: {e}", path.display())))?;
+    toml::from_str(&text).map_err(|e| MasterError::Config(format!("{}: {e}", path.display())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn file_fills_what_flags_do_not_set() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("master.toml");
+        std::fs::write(
+            &f,
+            "listen = \"127.0.0.1:9000\"\ndata_dir = \"/tmp/x\"\nagent_timeout_secs = 30\n",
+        )
+        .unwrap();
+        let o = Options::load_from([
+            "gpuctl-master",
+            "--config",
+            f.to_str().unwrap(),
+            "--data-dir",
+            "/tmp/flag",
+        ])
+        .unwrap();
+        assert_eq!(o.listen.to_string(), "127.0.0.1:9000");
+        assert_eq!(o.data_dir, PathBuf::from("/tmp/flag"));
+        let c = o.to_config().unwrap();
+        assert_eq!(c.agent_timeout, Duration::from_secs(30));
+    }
+
+    #[test]
+    fn unknown_key_and_bad_values_are_errors_naming_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("master.toml");
+        std::fs::write(&f, "lisen = \"x\"\n").unwrap();
+        let err = Options::load_from(["gpuctl-master", "--config", f.to_str().unwrap()])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("lisen"), "{err}");
+        let o = Options::load_from(["gpuctl-master", "--agent-timeout-secs", "0.5"]).unwrap();
+        let err = o.to_config().unwrap_err().to_string();
+        assert!(err.contains("agent_timeout_secs"), "{err}");
+    }
+}

@@ -1,0 +1,142 @@
+//! Leader-only loops: agent liveness and job placement. Both only read the
+//! applied state and propose commands; apply has the last word.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use tokio::sync::watch;
+
+use crate::raft::{RaftHandle, Role};
+use crate::state::{AgentState, Command};
+use crate::{now_ms, scheduler, MasterConfig};
+
+/// When the leader last heard from each agent. In memory only: a new leader
+/// starts every agent's clock afresh, giving each a full timeout to show up.
+#[derive(Debug, Default)]
+pub struct Liveness {
+    last_seen: Mutex<HashMap<String, Instant>>,
+}
+
+impl Liveness {
+    pub fn touch(&self, agent_id: &str) {
+        self.touch_at(agent_id, Instant::now());
+    }
+
+    fn touch_at(&self, agent_id: &str, at: Instant) {
+        self.lock().insert(agent_id.to_string(), at);
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Instant>> {
+        self.last_seen.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Agents silent for longer than `timeout`; unknown agents start now.
+    fn expired(&self, agents: &[String], timeout: Duration, now: Instant) -> Vec<String> {
+        let mut map = self.lock();
+        agents
+            .iter()
+            .filter(|id| now.duration_since(*map.entry((*id).clone()).or_insert(now)) > timeout)
+            .cloned()
+            .collect()
+    }
+
+    fn reset(&self) {
+        self.lock().clear();
+    }
+}
+
+/// Minimum time between two placement rounds, so that a burst of applied
+/// entries (or a refused launch) cannot make the loop spin.
+const PLACEMENT_DEBOUNCE: Duration = Duration::from_millis(50);
+const PLACEMENT_PERIOD: Duration = Duration::from_secs(1);
+
+pub async fn run(
+    raft: RaftHandle,
+    config: MasterConfig,
+    liveness: std::sync::Arc<Liveness>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let mut applied = raft.applied();
+    let mut status = raft.status_watch();
+    let mut liveness_tick = tokio::time::interval(config.heartbeat_interval);
+    let mut was_leader = false;
+    loop {
+        tokio::select! {
+            _ = shutdown.changed() => return,
+            _ = liveness_tick.tick() => {
+                if raft.status().role == Role::Leader {
+                    check_liveness(&raft, &liveness, config.agent_timeout).await;
+                }
+                continue;
+            }
+            r = applied.changed() => if r.is_err() { return },
+            r = status.changed() => if r.is_err() { return },
+            _ = tokio::time::sleep(PLACEMENT_PERIOD) => {}
+        }
+        let is_leader = raft.status().role == Role::Leader;
+        if is_leader && !was_leader {
+            liveness.reset();
+        }
+        was_leader = is_leader;
+        if !is_leader {
+            continue;
+        }
+        let launches = scheduler::place(&raft.state());
+        for launch in launches {
+            let (job_id, agent_id) = (launch.job_id.clone(), launch.agent_id.clone());
+            match raft
+                .propose(Command::LaunchTasks {
+                    launches: vec![launch],
+                    at_ms: now_ms(),
+                })
+                .await
+            {
+                Ok(_) => tracing::info!(job_id = %job_id, agent_id = %agent_id, "job placed"),
+                Err(e) => tracing::warn!(job_id = %job_id, agent_id = %agent_id, error = %e, "placement refused"),
+            }
+        }
+        tokio::time::sleep(PLACEMENT_DEBOUNCE).await;
+    }
+}
+
+async fn check_liveness(raft: &RaftHandle, liveness: &Liveness, timeout: Duration) {
+    let active: Vec<String> = raft
+        .state()
+        .agents
+        .values()
+        .filter(|a| a.state == AgentState::Active)
+        .map(|a| a.info.id.clone())
+        .collect();
+    for agent_id in liveness.expired(&active, timeout, Instant::now()) {
+        tracing::warn!(agent_id = %agent_id, timeout_secs = timeout.as_secs_f64(), "agent missed heartbeats; marking it lost");
+        if let Err(e) = raft
+            .propose(Command::AgentLost {
+                agent_id: agent_id.clone(),
+                at_ms: now_ms(),
+            })
+            .await
+        {
+            tracing::warn!(agent_id = %agent_id, error = %e, "could not mark agent lost");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn liveness_expires_only_silent_agents() {
+        let l = Liveness::default();
+        let t0 = Instant::now();
+        let agents = vec!["a".to_string(), "b".to_string()];
+        // First sight starts the clock.
+        assert!(l.expired(&agents, Duration::from_secs(5), t0).is_empty());
+        l.touch_at("b", t0 + Duration::from_secs(4));
+        let later = t0 + Duration::from_secs(6);
+        assert_eq!(l.expired(&agents, Duration::from_secs(5), later), vec!["a"]);
+        l.reset();
+        assert!(l.expired(&agents, Duration::from_secs(5), later).is_empty());
+    }
+}

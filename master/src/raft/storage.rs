@@ -1,0 +1,341 @@
+//! `raft::Storage` on sled: the log, the hard state and the conf state of one
+//! master, under `<data-dir>/raft`.
+//!
+//! Entries live in the tree `entries`, keyed by big-endian index so that
+//! sled's order is log order; metadata in the tree `meta`. Writes are
+//! buffered by sled until [`SledStorage::flush`], which the ready loop calls
+//! before anything that depends on them (replying to a proposal, sending
+//! persisted messages) happens.
+
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use protobuf::Message as _;
+use raft::eraftpb::{ConfState, Entry, HardState, Snapshot, SnapshotMetadata};
+use raft::{GetEntriesContext, RaftState, Storage, StorageError};
+
+const KEY_HARD_STATE: &[u8] = b"hard_state";
+const KEY_CONF_STATE: &[u8] = b"conf_state";
+const KEY_SNAPSHOT_META: &[u8] = b"snapshot_meta";
+
+#[derive(Debug, thiserror::Error)]
+pub enum StorageInitError {
+    #[error("open raft storage {path}: {source}")]
+    Open { path: PathBuf, source: sled::Error },
+    #[error("raft storage {path}: {reason}")]
+    Corrupt { path: PathBuf, reason: String },
+}
+
+/// Cached copies of the small metadata, so that `term`, `first_index` and
+/// `last_index` (called constantly) do not hit sled.
+#[derive(Debug, Default)]
+struct Meta {
+    hard_state: HardState,
+    conf_state: ConfState,
+    snapshot: SnapshotMetadata,
+    last_index: u64,
+}
+
+pub struct SledStorage {
+    db: sled::Db,
+    entries: sled::Tree,
+    meta_tree: sled::Tree,
+    meta: Mutex<Meta>,
+}
+
+fn key(index: u64) -> [u8; 8] {
+    index.to_be_bytes()
+}
+
+fn store_err(e: impl std::fmt::Display) -> raft::Error {
+    // raft-rs has no variant for I/O errors of the application's store;
+    // Other carries the message up to the ready loop, which stops the node.
+    raft::Error::Store(StorageError::Other(e.to_string().into()))
+}
+
+impl SledStorage {
+    /// Opens (or creates) the storage in `dir`. A new storage is initialised
+    /// with `voters` as its configuration; an existing one keeps its own.
+    pub fn open(dir: &Path, voters: &[u64]) -> Result<SledStorage, StorageInitError> {
+        let path = dir.join("raft");
+        let open_err = |source| StorageInitError::Open {
+            path: path.clone(),
+            source,
+        };
+        let db = sled::open(&path).map_err(open_err)?;
+        let entries = db.open_tree("entries").map_err(open_err)?;
+        let meta_tree = db.open_tree("meta").map_err(open_err)?;
+        let corrupt = |what: &str, e: &dyn std::fmt::Display| StorageInitError::Corrupt {
+            path: path.clone(),
+            reason: format!("{what}: {e}"),
+        };
+        let mut meta = Meta::default();
+        if let Some(b) = meta_tree.get(KEY_HARD_STATE).map_err(open_err)? {
+            meta.hard_state = HardState::parse_from_bytes(&b).map_err(|e| corrupt("hard state", &e))?;
+        }
+        if let Some(b) = meta_tree.get(KEY_SNAPSHOT_META).map_err(open_err)? {
+            meta.snapshot =
+                SnapshotMetadata::parse_from_bytes(&b).map_err(|e| corrupt("snapshot metadata", &e))?;
+        }
+        match meta_tree.get(KEY_CONF_STATE).map_err(open_err)? {
+            Some(b) => {
+                meta.conf_state = ConfState::parse_from_bytes(&b).map_err(|e| corrupt("conf state", &e))?;
+            }
+            None => {
+                let mut cs = ConfState::default();
+                cs.set_voters(voters.to_vec());
+                let bytes = cs.write_to_bytes().map_err(|e| corrupt("conf state", &e))?;
+                meta_tree.insert(KEY_CONF_STATE, bytes).map_err(open_err)?;
+                meta.conf_state = cs;
+            }
+        }
+        meta.last_index = match entries.last().map_err(open_err)? {
+            Some((k, _)) => {
+                let k: [u8; 8] = k.as_ref().try_into().map_err(|_| StorageInitError::Corrupt {
+                    path: path.clone(),
+                    reason: "entry key is not 8 bytes".into(),
+                })?;
+                u64::from_be_bytes(k)
+            }
+            None => meta.snapshot.index,
+        };
+        db.flush().map_err(open_err)?;
+        Ok(SledStorage {
+            db,
+            entries,
+            meta_tree,
+            meta: Mutex::new(meta),
+        })
+    }
+
+    fn meta(&self) -> std::sync::MutexGuard<'_, Meta> {
+        // A poisoned lock means a panic elsewhere; the data is still valid
+        // (every update is a plain assignment), so keep going.
+        self.meta.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Appends entries, first dropping any existing entries at or after the
+    /// first new index (a new leader may overwrite an uncommitted suffix).
+    pub fn append(&self, ents: &[Entry]) -> raft::Result<()> {
+        let Some(first) = ents.first() else {
+            return Ok(());
+        };
+        let mut meta = self.meta();
+        let mut batch = sled::Batch::default();
+        for i in first.index..=meta.last_index {
+            batch.remove(&key(i));
+        }
+        for e in ents {
+            batch.insert(&key(e.index), e.write_to_bytes().map_err(store_err)?);
+        }
+        self.entries.apply_batch(batch).map_err(store_err)?;
+        meta.last_index = ents.last().map_or(meta.last_index, |e| e.index);
+        Ok(())
+    }
+
+    pub fn set_hard_state(&self, hs: &HardState) -> raft::Result<()> {
+        self.meta_tree
+            .insert(KEY_HARD_STATE, hs.write_to_bytes().map_err(store_err)?)
+            .map_err(store_err)?;
+        self.meta().hard_state = hs.clone();
+        Ok(())
+    }
+
+    pub fn set_commit(&self, commit: u64) -> raft::Result<()> {
+        let mut hs = self.meta().hard_state.clone();
+        hs.set_commit(commit);
+        self.set_hard_state(&hs)
+    }
+
+    pub fn set_conf_state(&self, cs: &ConfState) -> raft::Result<()> {
+        self.meta_tree
+            .insert(KEY_CONF_STATE, cs.write_to_bytes().map_err(store_err)?)
+            .map_err(store_err)?;
+        self.meta().conf_state = cs.clone();
+        Ok(())
+    }
+
+    /// Makes everything written so far durable (fsync).
+    pub fn flush(&self) -> raft::Result<()> {
+        self.db.flush().map(|_| ()).map_err(store_err)
+    }
+
+    pub fn hard_state(&self) -> HardState {
+        self.meta().hard_state.clone()
+    }
+
+    pub fn conf_state(&self) -> ConfState {
+        self.meta().conf_state.clone()
+    }
+
+    fn first_index_locked(meta: &Meta) -> u64 {
+        meta.snapshot.index + 1
+    }
+}
+
+impl Storage for SledStorage {
+    fn initial_state(&self) -> raft::Result<RaftState> {
+        let meta = self.meta();
+        Ok(RaftState::new(meta.hard_state.clone(), meta.conf_state.clone()))
+    }
+
+    fn entries(
+        &self,
+        low: u64,
+        high: u64,
+        max_size: impl Into<Option<u64>>,
+        _context: GetEntriesContext,
+    ) -> raft::Result<Vec<Entry>> {
+        let max_size = max_size.into();
+        let (first, last) = {
+            let meta = self.meta();
+            (Self::first_index_locked(&meta), meta.last_index)
+        };
+        if low < first {
+            return Err(raft::Error::Store(StorageError::Compacted));
+        }
+        if high > last + 1 {
+            return Err(raft::Error::Store(StorageError::Unavailable));
+        }
+        let mut out = Vec::with_capacity((high - low) as usize);
+        let mut size = 0u64;
+        for kv in self.entries.range(key(low)..key(high)) {
+            let (_, v) = kv.map_err(store_err)?;
+            let e = Entry::parse_from_bytes(&v).map_err(store_err)?;
+            size += u64::from(e.compute_size());
+            // Always return at least one entry, as the trait requires.
+            if !out.is_empty() && max_size.is_some_and(|m| size > m) {
+                break;
+            }
+            out.push(e);
+        }
+        if out.len() as u64 != high - low && max_size.is_none() {
+            return Err(store_err(format!(
+                "log has a hole between {low} and {high}"
+            )));
+        }
+        Ok(out)
+    }
+
+    fn term(&self, idx: u64) -> raft::Result<u64> {
+        let (snap_index, snap_term, first, last) = {
+            let meta = self.meta();
+            (
+                meta.snapshot.index,
+                meta.snapshot.term,
+                Self::first_index_locked(&meta),
+                meta.last_index,
+            )
+        };
+        if idx == snap_index {
+            return Ok(snap_term);
+        }
+        if idx < first {
+            return Err(raft::Error::Store(StorageError::Compacted));
+        }
+        if idx > last {
+            return Err(raft::Error::Store(StorageError::Unavailable));
+        }
+        let v = self
+            .entries
+            .get(key(idx))
+            .map_err(store_err)?
+            .ok_or_else(|| store_err(format!("entry {idx} missing")))?;
+        Ok(Entry::parse_from_bytes(&v).map_err(store_err)?.term)
+    }
+
+    fn first_index(&self) -> raft::Result<u64> {
+        Ok(Self::first_index_locked(&self.meta()))
+    }
+
+    fn last_index(&self) -> raft::Result<u64> {
+        Ok(self.meta().last_index)
+    }
+
+    fn snapshot(&self, _request_index: u64, _to: u64) -> raft::Result<Snapshot> {
+        // Snapshots of the state machine (and log compaction) come with the
+        // multi-master issue; with a single voter no follower ever asks.
+        Err(raft::Error::Store(
+            StorageError::SnapshotTemporarilyUnavailable,
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(index: u64, term: u64) -> Entry {
+        let mut e = Entry::default();
+        e.index = index;
+        e.term = term;
+        e.data = format!("e{index}").into_bytes().into();
+        e
+    }
+
+    #[test]
+    fn new_storage_has_initial_conf_state_and_empty_log() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = SledStorage::open(dir.path(), &[1]).unwrap();
+        let rs = s.initial_state().unwrap();
+        assert_eq!(rs.conf_state.voters, vec![1]);
+        assert_eq!(s.first_index().unwrap(), 1);
+        assert_eq!(s.last_index().unwrap(), 0);
+        assert_eq!(s.term(0).unwrap(), 0);
+        assert!(matches!(
+            s.term(1),
+            Err(raft::Error::Store(StorageError::Unavailable))
+        ));
+    }
+
+    #[test]
+    fn append_truncates_conflicting_suffix_and_survives_reopen() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let s = SledStorage::open(dir.path(), &[1]).unwrap();
+            s.append(&[entry(1, 1), entry(2, 1), entry(3, 1)]).unwrap();
+            // A new leader overwrites from index 2.
+            s.append(&[entry(2, 2)]).unwrap();
+            assert_eq!(s.last_index().unwrap(), 2);
+            assert_eq!(s.term(2).unwrap(), 2);
+            let mut hs = HardState::default();
+            hs.term = 2;
+            hs.vote = 1;
+            hs.commit = 2;
+            s.set_hard_state(&hs).unwrap();
+            s.flush().unwrap();
+        }
+        let s = SledStorage::open(dir.path(), &[7]).unwrap();
+        let rs = s.initial_state().unwrap();
+        assert_eq!(rs.hard_state.commit, 2);
+        assert_eq!(rs.hard_state.term, 2);
+        // The stored configuration wins over the one given at open.
+        assert_eq!(rs.conf_state.voters, vec![1]);
+        assert_eq!(s.last_index().unwrap(), 2);
+        let ents = s
+            .entries(1, 3, None, GetEntriesContext::empty(false))
+            .unwrap();
+        assert_eq!(
+            ents.iter().map(|e| (e.index, e.term)).collect::<Vec<_>>(),
+            vec![(1, 1), (2, 2)]
+        );
+    }
+
+    #[test]
+    fn entries_respects_max_size_but_returns_at_least_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = SledStorage::open(dir.path(), &[1]).unwrap();
+        s.append(&[entry(1, 1), entry(2, 1), entry(3, 1)]).unwrap();
+        let one = s
+            .entries(1, 4, Some(1), GetEntriesContext::empty(false))
+            .unwrap();
+        assert_eq!(one.len(), 1);
+        let all = s
+            .entries(1, 4, Some(u64::MAX), GetEntriesContext::empty(false))
+            .unwrap();
+        assert_eq!(all.len(), 3);
+        assert!(s
+            .entries(1, 9, None, GetEntriesContext::empty(false))
+            .is_err());
+    }
+}

@@ -1,0 +1,243 @@
+//! The built-in job scheduler's placement. PURE: reads a state, returns the
+//! launches to propose. The state machine re-checks every launch when it is
+//! applied, so a stale decision is refused there, never double-booked.
+//!
+//! Policy for now: jobs in submission order; each goes to the agent that fits
+//! it with the fewest free GPUs left (bundle: keeps whole nodes free for big
+//! jobs), GPUs by lowest index. A job that fits nowhere waits and does not
+//! block smaller jobs behind it. Priority, spread, constraints and topology
+//! come with the GPU-aware scheduling issue.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use gpuctl_proto::types::{Resources, Runtime};
+
+use crate::state::{AgentState, Launch, State};
+
+/// Placements for as many queued jobs as fit, one launch per job.
+pub fn place(state: &State) -> Vec<Launch> {
+    let mut free: BTreeMap<&str, Resources> = state
+        .agents
+        .values()
+        .filter(|a| a.state == AgentState::Active)
+        .map(|a| (a.info.id.as_str(), a.free()))
+        .collect();
+    let mut used_gpus: BTreeSet<&str> = state.gpu_owner.keys().map(String::as_str).collect();
+    let mut out = Vec::new();
+    for job in state.queued_jobs() {
+        let need = job.spec.resources;
+        let runtime = job.spec.runtime();
+        let best = state
+            .agents
+            .values()
+            .filter(|a| a.state == AgentState::Active && a.info.runtimes.contains(&runtime))
+            .filter_map(|a| {
+                let f = free.get(a.info.id.as_str())?;
+                if !f.fits(&need) {
+                    return None;
+                }
+                let gpus: Vec<&str> = {
+                    let mut g: Vec<_> = a
+                        .info
+                        .gpus
+                        .iter()
+                        .filter(|g| g.healthy && !used_gpus.contains(g.uuid.as_str()))
+                        .collect();
+                    g.sort_by_key(|g| g.index);
+                    g.into_iter().map(|g| g.uuid.as_str()).collect()
+                };
+                if gpus.len() < need.gpus as usize {
+                    return None;
+                }
+                Some((gpus.len() - need.gpus as usize, a.info.id.as_str(), gpus))
+            })
+            .min_by(|x, y| (x.0, x.1).cmp(&(y.0, y.1)));
+        let Some((_, agent_id, gpus)) = best else {
+            continue;
+        };
+        let chosen: Vec<&str> = gpus.into_iter().take(need.gpus as usize).collect();
+        if let Some(f) = free.get_mut(agent_id) {
+            *f = f.saturating_sub(&need);
+        }
+        used_gpus.extend(chosen.iter().copied());
+        out.push(Launch {
+            job_id: job.id.clone(),
+            agent_id: agent_id.to_string(),
+            gpu_uuids: chosen.into_iter().map(str::to_string).collect(),
+        });
+    }
+    out
+}
+
+/// Why a queued job is not placed, in one line (for `gpuctl jobs list`).
+pub fn wait_reason(state: &State, job_id: &str) -> Option<String> {
+    let job = state.jobs.get(job_id)?;
+    let runtime = job.spec.runtime();
+    let active: Vec<_> = state
+        .agents
+        .values()
+        .filter(|a| a.state == AgentState::Active)
+        .collect();
+    if active.is_empty() {
+        return Some("no active agent".into());
+    }
+    if !state.has_runtime(runtime) {
+        return Some(match runtime {
+            Runtime::Docker => "no agent with Docker (the job names an image)".into(),
+            Runtime::Process => "no agent runs host processes".into(),
+        });
+    }
+    let need = job.spec.resources;
+    if !active.iter().any(|a| a.info.total.fits(&need)) {
+        return Some(format!(
+            "no agent is large enough ({} GPUs, {} cpus, {} MiB)",
+            need.gpus, need.cpus, need.mem_mib
+        ));
+    }
+    Some("Resources: waiting for resources to be freed".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::state::Command;
+    use gpuctl_proto::types::{AgentInfo, GpuInfo, JobSpec};
+
+    fn agent(id: &str, gpus: u32, runtimes: Vec<Runtime>) -> Command {
+        Command::RegisterAgent {
+            info: AgentInfo {
+                id: id.into(),
+                hostname: id.into(),
+                address: String::new(),
+                total: Resources {
+                    cpus: 16.0,
+                    mem_mib: 65536,
+                    gpus,
+                },
+                gpus: (0..gpus)
+                    .map(|i| GpuInfo {
+                        uuid: format!("GPU-{id}-{i}"),
+                        index: i,
+                        minor: i,
+                        model: "A100".into(),
+                        memory_mib: 40960,
+                        healthy: true,
+                        pci_bus_id: String::new(),
+                    })
+                    .collect(),
+                runtimes,
+                simulated_gpus: true,
+            },
+            running_task_ids: vec![],
+            at_ms: 0,
+        }
+    }
+
+    fn job(gpus: u32, image: bool) -> Command {
+        Command::SubmitJob {
+            spec: JobSpec {
+                name: "j".into(),
+                image: image.then(|| "busybox".into()),
+                command: vec!["true".into()],
+                env: Default::default(),
+                resources: Resources {
+                    cpus: 1.0,
+                    mem_mib: 0,
+                    gpus,
+                },
+            },
+            at_ms: 0,
+        }
+    }
+
+    fn state(cmds: Vec<Command>) -> State {
+        let mut s = State::new();
+        for (i, c) in cmds.iter().enumerate() {
+            s.apply(i as u64 + 1, c).unwrap();
+        }
+        s
+    }
+
+    fn both() -> Vec<Runtime> {
+        vec![Runtime::Docker, Runtime::Process]
+    }
+
+    #[test]
+    fn placements_never_share_a_gpu_and_all_apply() {
+        let mut s = state(vec![
+            agent("a", 4, both()),
+            agent("b", 4, both()),
+            job(2, false),
+            job(2, false),
+            job(3, false),
+            job(1, false),
+        ]);
+        let launches = place(&s);
+        assert_eq!(launches.len(), 4);
+        let mut seen = BTreeSet::new();
+        for l in &launches {
+            for g in &l.gpu_uuids {
+                assert!(seen.insert(g.clone()), "{g} given twice");
+            }
+        }
+        s.apply(100, &Command::LaunchTasks { launches, at_ms: 1 })
+            .unwrap();
+        assert!(s.queued_jobs().is_empty());
+    }
+
+    #[test]
+    fn bundle_packs_small_jobs_onto_the_fullest_node() {
+        // a has 2 GPUs taken, so a 1-GPU job goes there and b stays whole.
+        let mut s = state(vec![agent("a", 4, both()), agent("b", 4, both()), job(2, false)]);
+        let l = place(&s);
+        s.apply(10, &Command::LaunchTasks { launches: l, at_ms: 0 })
+            .unwrap();
+        let a_or_b = s.tasks["job-1.0"].agent_id.clone();
+        s.apply(11, &job(1, false)).unwrap();
+        let l = place(&s);
+        assert_eq!(l[0].agent_id, a_or_b);
+        s.apply(12, &Command::LaunchTasks { launches: l, at_ms: 0 })
+            .unwrap();
+        // A 4-GPU job still fits on the untouched node.
+        s.apply(13, &job(4, false)).unwrap();
+        let l = place(&s);
+        assert_eq!(l.len(), 1);
+        assert_ne!(l[0].agent_id, a_or_b);
+    }
+
+    #[test]
+    fn image_jobs_go_only_to_docker_agents() {
+        let s = state(vec![
+            agent("p", 2, vec![Runtime::Process]),
+            agent("d", 2, both()),
+            job(1, true),
+        ]);
+        let l = place(&s);
+        assert_eq!(l.len(), 1);
+        assert_eq!(l[0].agent_id, "d");
+        let s = state(vec![agent("p", 2, vec![Runtime::Process]), job(1, true)]);
+        assert!(place(&s).is_empty());
+        assert!(wait_reason(&s, "job-1").unwrap().contains("Docker"));
+    }
+
+    #[test]
+    fn a_job_too_big_waits_without_blocking_others() {
+        let s = state(vec![agent("a", 2, both()), job(4, false), job(1, false)]);
+        let l = place(&s);
+        assert_eq!(l.len(), 1);
+        assert_eq!(l[0].job_id, "job-2");
+        assert!(wait_reason(&s, "job-1").unwrap().contains("large enough"));
+    }
+
+    #[test]
+    fn unhealthy_gpus_are_not_placed() {
+        let mut cmd = agent("a", 2, both());
+        if let Command::RegisterAgent { info, .. } = &mut cmd {
+            info.gpus[0].healthy = false;
+        }
+        let s = state(vec![cmd, job(1, false), job(1, false)]);
+        let l = place(&s);
+        assert_eq!(l.len(), 1);
+        assert_eq!(l[0].gpu_uuids, vec!["GPU-a-1".to_string()]);
+    }
+}

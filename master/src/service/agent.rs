@@ -1,0 +1,126 @@
+//! AgentManager: agents register, heartbeat, watch their desired tasks and
+//! report task status.
+
+use std::pin::Pin;
+
+use futures::Stream;
+use gpuctl_proto::pb;
+use gpuctl_proto::types::{AgentInfo, StatusUpdate, TaskSpec};
+use tokio::sync::mpsc;
+use tonic::{Request, Response, Status};
+
+use super::Ctx;
+use crate::state::{AgentState, Command};
+use crate::now_ms;
+
+pub struct AgentManagerService {
+    pub(super) ctx: Ctx,
+}
+
+fn agent_known(ctx: &Ctx, agent_id: &str) -> bool {
+    ctx.raft
+        .state()
+        .agents
+        .get(agent_id)
+        .is_some_and(|a| a.state == AgentState::Active)
+}
+
+#[tonic::async_trait]
+impl pb::agent_manager_server::AgentManager for AgentManagerService {
+    async fn register(
+        &self,
+        req: Request<pb::RegisterRequest>,
+    ) -> Result<Response<pb::RegisterResponse>, Status> {
+        let req = req.into_inner();
+        let running = req.running_task_ids.clone();
+        let info = AgentInfo::try_from(req)?;
+        let agent_id = info.id.clone();
+        tracing::info!(agent_id = %agent_id, hostname = %info.hostname, gpus = info.gpus.len(), "agent registering");
+        // Counts as a heartbeat, so a slow commit cannot get it marked lost.
+        self.ctx.liveness.touch(&agent_id);
+        self.ctx
+            .raft
+            .propose(Command::RegisterAgent {
+                info,
+                running_task_ids: running,
+                at_ms: now_ms(),
+            })
+            .await?;
+        self.ctx.liveness.touch(&agent_id);
+        Ok(Response::new(pb::RegisterResponse {
+            heartbeat_interval_ms: self.ctx.config.heartbeat_interval.as_millis() as u32,
+        }))
+    }
+
+    async fn heartbeat(
+        &self,
+        req: Request<pb::HeartbeatRequest>,
+    ) -> Result<Response<pb::HeartbeatResponse>, Status> {
+        let id = req.into_inner().agent_id;
+        if !agent_known(&self.ctx, &id) {
+            return Err(Status::not_found(format!(
+                "agent {id} is not registered (or was marked lost); register again"
+            )));
+        }
+        self.ctx.liveness.touch(&id);
+        Ok(Response::new(pb::HeartbeatResponse {}))
+    }
+
+    type WatchTasksStream = Pin<Box<dyn Stream<Item = Result<pb::DesiredTasks, Status>> + Send>>;
+
+    async fn watch_tasks(
+        &self,
+        req: Request<pb::WatchTasksRequest>,
+    ) -> Result<Response<Self::WatchTasksStream>, Status> {
+        let agent_id = req.into_inner().agent_id;
+        if !agent_known(&self.ctx, &agent_id) {
+            return Err(Status::not_found(format!(
+                "agent {agent_id} is not registered; register again"
+            )));
+        }
+        let (tx, rx) = mpsc::channel(4);
+        let raft = self.ctx.raft.clone();
+        let mut applied = raft.applied();
+        let mut shutdown = self.ctx.shutdown.clone();
+        tokio::spawn(async move {
+            let mut last: Option<Vec<TaskSpec>> = None;
+            loop {
+                let desired = raft.state().desired_tasks(&agent_id);
+                if last.as_ref() != Some(&desired) {
+                    let msg = pb::DesiredTasks {
+                        tasks: desired.iter().cloned().map(Into::into).collect(),
+                    };
+                    if tx.send(Ok(msg)).await.is_err() {
+                        return; // the agent went away
+                    }
+                    last = Some(desired);
+                }
+                tokio::select! {
+                    r = applied.changed() => if r.is_err() { return },
+                    _ = shutdown.changed() => return,
+                    _ = tx.closed() => return,
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
+    }
+
+    async fn update_status(
+        &self,
+        req: Request<pb::StatusUpdate>,
+    ) -> Result<Response<pb::StatusAck>, Status> {
+        let update = StatusUpdate::try_from(req.into_inner())?;
+        tracing::info!(task_id = %update.task_id, agent_id = %update.agent_id, state = %update.state, exit_code = ?update.exit_code, "task status");
+        self.ctx.liveness.touch(&update.agent_id);
+        self.ctx
+            .raft
+            .propose(Command::UpdateTaskStatus {
+                update,
+                at_ms: now_ms(),
+            })
+            .await?;
+        Ok(Response::new(pb::StatusAck {}))
+    }
+}

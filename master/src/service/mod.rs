@@ -1,0 +1,61 @@
+//! tonic services. Thin: validate input (through gpuctl-proto's convert),
+//! read the applied state or propose a command, convert the answer.
+
+mod agent;
+mod operator;
+mod scheduler;
+
+use std::sync::Arc;
+
+use gpuctl_proto::pb;
+use tokio::sync::watch;
+
+use crate::leader::Liveness;
+use crate::raft::{ProposeError, RaftHandle};
+use crate::state::ApplyError;
+use crate::MasterConfig;
+
+#[derive(Clone)]
+pub struct Ctx {
+    pub raft: RaftHandle,
+    pub config: MasterConfig,
+    pub liveness: Arc<Liveness>,
+    pub shutdown: watch::Receiver<bool>,
+}
+
+/// Upper bound on a gRPC message, both ways.
+const MAX_MESSAGE_BYTES: usize = 16 * 1024 * 1024;
+
+pub fn operator_server(ctx: Ctx) -> pb::operator_server::OperatorServer<operator::OperatorService> {
+    pb::operator_server::OperatorServer::new(operator::OperatorService { ctx })
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+}
+
+pub fn agent_manager_server(
+    ctx: Ctx,
+) -> pb::agent_manager_server::AgentManagerServer<agent::AgentManagerService> {
+    pb::agent_manager_server::AgentManagerServer::new(agent::AgentManagerService { ctx })
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+}
+
+pub fn scheduler_server() -> pb::scheduler_server::SchedulerServer<scheduler::SchedulerService> {
+    pb::scheduler_server::SchedulerServer::new(scheduler::SchedulerService)
+}
+
+impl From<ProposeError> for tonic::Status {
+    fn from(e: ProposeError) -> Self {
+        match e {
+            ProposeError::NotLeader { .. } | ProposeError::Stopped => {
+                tonic::Status::unavailable(e.to_string())
+            }
+            ProposeError::Busy => tonic::Status::resource_exhausted(e.to_string()),
+            ProposeError::Rejected(a) => match a {
+                ApplyError::JobNotFound(_) | ApplyError::AgentNotFound(_) => {
+                    tonic::Status::not_found(a.to_string())
+                }
+                ApplyError::Undecodable { .. } => tonic::Status::internal(a.to_string()),
+                _ => tonic::Status::failed_precondition(a.to_string()),
+            },
+        }
+    }
+}

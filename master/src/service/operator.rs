@@ -1,0 +1,256 @@
+//! Operator: what gpuctl uses.
+
+use std::pin::Pin;
+use std::time::Duration;
+
+use futures::{Stream, StreamExt};
+use gpuctl_proto::pb;
+use gpuctl_proto::types::{JobSpec, JobState};
+use tokio::sync::mpsc;
+use tonic::{Request, Response, Status};
+
+use super::Ctx;
+use crate::scheduler::wait_reason;
+use crate::state::{AgentRecord, AgentState, Command, JobRecord, Outcome, State, TaskRecord};
+use crate::now_ms;
+
+pub struct OperatorService {
+    pub(super) ctx: Ctx,
+}
+
+pub fn task_to_pb(t: &TaskRecord) -> pb::Task {
+    pb::Task {
+        id: t.id.clone(),
+        agent_id: t.agent_id.clone(),
+        gpu_uuids: t.gpu_uuids.clone(),
+        state: pb::TaskState::from(t.state) as i32,
+        exit_code: t.exit_code,
+        message: t.message.clone(),
+        updated_at_ms: t.updated_at_ms,
+    }
+}
+
+pub fn job_to_pb(state: &State, j: &JobRecord) -> pb::Job {
+    let message = if j.state == JobState::Queued && j.message.is_empty() {
+        wait_reason(state, &j.id).unwrap_or_default()
+    } else {
+        j.message.clone()
+    };
+    pb::Job {
+        id: j.id.clone(),
+        spec: Some(j.spec.clone().into()),
+        state: pb::JobState::from(j.state) as i32,
+        tasks: j
+            .task_ids
+            .iter()
+            .filter_map(|t| state.tasks.get(t))
+            .map(task_to_pb)
+            .collect(),
+        submitted_at_ms: j.submitted_at_ms,
+        message,
+    }
+}
+
+pub fn agent_to_pb(a: &AgentRecord) -> pb::Agent {
+    pb::Agent {
+        id: a.info.id.clone(),
+        hostname: a.info.hostname.clone(),
+        address: a.info.address.clone(),
+        state: match a.state {
+            AgentState::Active => pb::AgentState::AgentActive,
+            AgentState::Lost => pb::AgentState::AgentLost,
+        } as i32,
+        total: Some(a.info.total.into()),
+        allocated: Some(a.allocated.into()),
+        gpus: a.info.gpus.iter().cloned().map(Into::into).collect(),
+        runtimes: a
+            .info
+            .runtimes
+            .iter()
+            .map(|r| pb::Runtime::from(*r) as i32)
+            .collect(),
+        registered_at_ms: a.registered_at_ms,
+        simulated_gpus: a.info.simulated_gpus,
+    }
+}
+
+fn job_id_arg(id: &str) -> Result<(), Status> {
+    gpuctl_proto::convert::check_id("job_id", id).map_err(Status::from)
+}
+
+type LogStream = Pin<Box<dyn Stream<Item = Result<pb::LogChunk, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl pb::operator_server::Operator for OperatorService {
+    async fn submit_job(
+        &self,
+        req: Request<pb::SubmitJobRequest>,
+    ) -> Result<Response<pb::SubmitJobResponse>, Status> {
+        let spec = req
+            .into_inner()
+            .spec
+            .ok_or_else(|| Status::invalid_argument("invalid spec: missing"))?;
+        let spec = JobSpec::try_from(spec)?;
+        match self
+            .ctx
+            .raft
+            .propose(Command::SubmitJob {
+                spec,
+                at_ms: now_ms(),
+            })
+            .await?
+        {
+            Outcome::JobSubmitted { job_id } => {
+                tracing::info!(job_id = %job_id, "job submitted");
+                Ok(Response::new(pb::SubmitJobResponse { job_id }))
+            }
+            other => Err(Status::internal(format!("unexpected outcome {other:?}"))),
+        }
+    }
+
+    async fn get_job(&self, req: Request<pb::GetJobRequest>) -> Result<Response<pb::Job>, Status> {
+        let id = req.into_inner().job_id;
+        job_id_arg(&id)?;
+        let state = self.ctx.raft.state();
+        let job = state
+            .jobs
+            .get(&id)
+            .ok_or_else(|| Status::not_found(format!("job {id} not found")))?;
+        Ok(Response::new(job_to_pb(&state, job)))
+    }
+
+    async fn list_jobs(
+        &self,
+        _: Request<pb::ListJobsRequest>,
+    ) -> Result<Response<pb::ListJobsResponse>, Status> {
+        let state = self.ctx.raft.state();
+        let mut jobs: Vec<&JobRecord> = state.jobs.values().collect();
+        jobs.sort_by_key(|j| crate::state::job_seq(&j.id));
+        Ok(Response::new(pb::ListJobsResponse {
+            jobs: jobs.into_iter().map(|j| job_to_pb(&state, j)).collect(),
+        }))
+    }
+
+    async fn cancel_job(
+        &self,
+        req: Request<pb::CancelJobRequest>,
+    ) -> Result<Response<pb::CancelJobResponse>, Status> {
+        let job_id = req.into_inner().job_id;
+        job_id_arg(&job_id)?;
+        match self
+            .ctx
+            .raft
+            .propose(Command::CancelJob {
+                job_id,
+                at_ms: now_ms(),
+            })
+            .await?
+        {
+            Outcome::JobCancelled { state } => Ok(Response::new(pb::CancelJobResponse {
+                state: pb::JobState::from(state) as i32,
+            })),
+            other => Err(Status::internal(format!("unexpected outcome {other:?}"))),
+        }
+    }
+
+    async fn list_agents(
+        &self,
+        _: Request<pb::ListAgentsRequest>,
+    ) -> Result<Response<pb::ListAgentsResponse>, Status> {
+        let state = self.ctx.raft.state();
+        Ok(Response::new(pb::ListAgentsResponse {
+            agents: state.agents.values().map(agent_to_pb).collect(),
+        }))
+    }
+
+    async fn list_gpus(
+        &self,
+        _: Request<pb::ListGpusRequest>,
+    ) -> Result<Response<pb::ListGpusResponse>, Status> {
+        let state = self.ctx.raft.state();
+        let mut gpus = Vec::new();
+        for a in state.agents.values() {
+            for g in &a.info.gpus {
+                gpus.push(pb::GpuStatus {
+                    gpu: Some(g.clone().into()),
+                    agent_id: a.info.id.clone(),
+                    task_id: state.gpu_owner.get(&g.uuid).cloned().unwrap_or_default(),
+                });
+            }
+        }
+        Ok(Response::new(pb::ListGpusResponse { gpus }))
+    }
+
+    type JobLogsStream = LogStream;
+
+    async fn job_logs(
+        &self,
+        req: Request<pb::JobLogsRequest>,
+    ) -> Result<Response<Self::JobLogsStream>, Status> {
+        let req = req.into_inner();
+        job_id_arg(&req.job_id)?;
+        let raft = self.ctx.raft.clone();
+        let job_id = req.job_id;
+        // Find the job's task and its agent; with --follow wait until placed.
+        let mut applied = raft.applied();
+        let (task_id, address) = loop {
+            {
+                let state = raft.state();
+                let job = state
+                    .jobs
+                    .get(&job_id)
+                    .ok_or_else(|| Status::not_found(format!("job {job_id} not found")))?;
+                if let Some(t) = state.latest_task(&job_id) {
+                    let addr = state
+                        .agents
+                        .get(&t.agent_id)
+                        .map(|a| a.info.address.clone())
+                        .unwrap_or_default();
+                    break (t.id.clone(), addr);
+                }
+                if job.state.is_terminal() {
+                    return Ok(Response::new(Box::pin(futures::stream::empty())));
+                }
+                if !req.follow {
+                    return Err(Status::failed_precondition(format!(
+                        "job {job_id} has not started yet (use --follow to wait for it)"
+                    )));
+                }
+            }
+            if applied.changed().await.is_err() {
+                return Err(Status::unavailable("master is shutting down"));
+            }
+        };
+        if address.is_empty() {
+            return Err(Status::unavailable(format!(
+                "the agent running task {task_id} has no address for logs"
+            )));
+        }
+        let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{address}"))
+            .map_err(|e| Status::internal(format!("agent address {address}: {e}")))?
+            .connect_timeout(Duration::from_secs(5));
+        let channel = endpoint.connect().await.map_err(|e| {
+            Status::unavailable(format!("cannot reach agent at {address} for logs: {e}"))
+        })?;
+        let mut client = pb::agent_api_client::AgentApiClient::new(channel);
+        let mut upstream = client
+            .task_logs(pb::TaskLogsRequest {
+                task_id,
+                follow: req.follow,
+            })
+            .await?
+            .into_inner();
+        let (tx, rx) = mpsc::channel(16);
+        tokio::spawn(async move {
+            while let Some(item) = upstream.next().await {
+                let item = item.map(|c| pb::LogChunk { data: c.data });
+                if tx.send(item).await.is_err() {
+                    break;
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
+    }
+}

@@ -1,0 +1,832 @@
+//! `State::apply`: one committed command in, a new state and an outcome out.
+//! A command that is refused leaves the state exactly as it was (checks come
+//! first, changes after), so a refused command is harmless on every master.
+
+use std::collections::BTreeSet;
+
+use gpuctl_proto::types::{
+    AgentId, AgentInfo, JobState, Resources, Runtime, StatusUpdate, TaskId, TaskState,
+};
+
+use super::{AgentRecord, AgentState, Command, JobRecord, Launch, State, TaskRecord};
+
+/// What a successful apply produced, returned to the proposer.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Outcome {
+    Done,
+    JobSubmitted { job_id: String },
+    JobCancelled { state: JobState },
+    /// The update was about a task that already ended or that this master
+    /// does not know; accepted (so the agent stops retrying) and ignored.
+    StaleUpdate,
+}
+
+/// Why a command was refused. Deterministic: every master refuses it alike.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ApplyError {
+    #[error("job {0} not found")]
+    JobNotFound(String),
+    #[error("agent {0} not found")]
+    AgentNotFound(String),
+    #[error("agent {0} is lost")]
+    AgentLost(String),
+    #[error("job {job_id} is {state}, not QUEUED")]
+    JobNotQueued { job_id: String, state: JobState },
+    #[error("GPU {gpu} is already held by task {task_id}")]
+    GpuTaken { gpu: String, task_id: String },
+    #[error("GPU {gpu} is already registered by agent {agent_id}")]
+    GpuClaimed { gpu: String, agent_id: String },
+    #[error("launch does not fit: {0}")]
+    DoesNotFit(String),
+    #[error("status update for task {task_id} from agent {agent_id}, but the task is on agent {owner}")]
+    WrongAgent {
+        task_id: String,
+        agent_id: String,
+        owner: String,
+    },
+    #[error("undecodable command at index {index}: {reason}")]
+    Undecodable { index: u64, reason: String },
+}
+
+impl State {
+    /// Applies the command committed at `index`.
+    pub fn apply(&mut self, index: u64, cmd: &Command) -> Result<Outcome, ApplyError> {
+        if index > self.applied_index {
+            self.applied_index = index;
+        }
+        match cmd {
+            Command::RegisterAgent {
+                info,
+                running_task_ids,
+                at_ms,
+            } => self.register_agent(info, running_task_ids, *at_ms),
+            Command::AgentLost { agent_id, at_ms } => self.agent_lost(agent_id, *at_ms),
+            Command::SubmitJob { spec, at_ms } => {
+                let job_id = format!("job-{}", self.next_job_seq);
+                self.next_job_seq += 1;
+                self.jobs.insert(
+                    job_id.clone(),
+                    JobRecord {
+                        id: job_id.clone(),
+                        spec: spec.clone(),
+                        state: JobState::Queued,
+                        submitted_at_ms: *at_ms,
+                        updated_at_ms: *at_ms,
+                        task_ids: Vec::new(),
+                        cancel_requested: false,
+                        message: String::new(),
+                    },
+                );
+                Ok(Outcome::JobSubmitted { job_id })
+            }
+            Command::LaunchTasks { launches, at_ms } => self.launch_tasks(launches, *at_ms),
+            Command::UpdateTaskStatus { update, at_ms } => self.update_task(update, *at_ms),
+            Command::CancelJob { job_id, at_ms } => self.cancel_job(job_id, *at_ms),
+        }
+    }
+
+    fn register_agent(
+        &mut self,
+        info: &AgentInfo,
+        running: &[TaskId],
+        at_ms: u64,
+    ) -> Result<Outcome, ApplyError> {
+        // A GPU belongs to one agent: two agents claiming the same device
+        // would let two tasks use it.
+        for gpu in &info.gpus {
+            if let Some(other) = self.agents.values().find(|a| {
+                a.info.id != info.id
+                    && a.state == AgentState::Active
+                    && a.info.gpus.iter().any(|g| g.uuid == gpu.uuid)
+            }) {
+                return Err(ApplyError::GpuClaimed {
+                    gpu: gpu.uuid.clone(),
+                    agent_id: other.info.id.clone(),
+                });
+            }
+        }
+        let running: BTreeSet<&str> = running.iter().map(String::as_str).collect();
+        let forgotten: Vec<TaskId> = self
+            .tasks
+            .values()
+            .filter(|t| {
+                t.agent_id == info.id && !t.state.is_terminal() && !running.contains(t.id.as_str())
+            })
+            .map(|t| t.id.clone())
+            .collect();
+        let registered_at_ms = self
+            .agents
+            .get(&info.id)
+            .map(|a| a.registered_at_ms)
+            .unwrap_or(at_ms);
+        self.agents.insert(
+            info.id.clone(),
+            AgentRecord {
+                info: info.clone(),
+                state: AgentState::Active,
+                registered_at_ms,
+                allocated: Resources::default(),
+            },
+        );
+        for t in forgotten {
+            self.end_task(
+                &t,
+                TaskState::Lost,
+                None,
+                "agent re-registered without this task",
+                at_ms,
+            );
+        }
+        self.recompute_allocated(&info.id);
+        Ok(Outcome::Done)
+    }
+
+    fn agent_lost(&mut self, agent_id: &AgentId, at_ms: u64) -> Result<Outcome, ApplyError> {
+        let agent = self
+            .agents
+            .get_mut(agent_id)
+            .ok_or_else(|| ApplyError::AgentNotFound(agent_id.clone()))?;
+        agent.state = AgentState::Lost;
+        let tasks: Vec<TaskId> = self
+            .tasks
+            .values()
+            .filter(|t| &t.agent_id == agent_id && !t.state.is_terminal())
+            .map(|t| t.id.clone())
+            .collect();
+        for t in tasks {
+            self.end_task(&t, TaskState::Lost, None, "agent lost", at_ms);
+        }
+        Ok(Outcome::Done)
+    }
+
+    /// Checks every launch against the current state (and against the other
+    /// launches of the same command) before changing anything.
+    fn check_launches(&self, launches: &[Launch]) -> Result<(), ApplyError> {
+        let mut taken_now: BTreeSet<&str> = BTreeSet::new();
+        let mut extra: std::collections::BTreeMap<&str, Resources> = Default::default();
+        for l in launches {
+            let job = self
+                .jobs
+                .get(&l.job_id)
+                .ok_or_else(|| ApplyError::JobNotFound(l.job_id.clone()))?;
+            if job.state != JobState::Queued || job.cancel_requested {
+                return Err(ApplyError::JobNotQueued {
+                    job_id: job.id.clone(),
+                    state: job.state,
+                });
+            }
+            let agent = self
+                .agents
+                .get(&l.agent_id)
+                .ok_or_else(|| ApplyError::AgentNotFound(l.agent_id.clone()))?;
+            if agent.state != AgentState::Active {
+                return Err(ApplyError::AgentLost(l.agent_id.clone()));
+            }
+            let runtime = job.spec.runtime();
+            if !agent.info.runtimes.contains(&runtime) {
+                return Err(ApplyError::DoesNotFit(format!(
+                    "agent {} has no {runtime} runtime",
+                    agent.info.id
+                )));
+            }
+            if l.gpu_uuids.len() != job.spec.resources.gpus as usize {
+                return Err(ApplyError::DoesNotFit(format!(
+                    "job {} needs {} GPUs, launch names {}",
+                    job.id,
+                    job.spec.resources.gpus,
+                    l.gpu_uuids.len()
+                )));
+            }
+            for uuid in &l.gpu_uuids {
+                let Some(gpu) = agent.info.gpus.iter().find(|g| &g.uuid == uuid) else {
+                    return Err(ApplyError::DoesNotFit(format!(
+                        "GPU {uuid} is not on agent {}",
+                        agent.info.id
+                    )));
+                };
+                if !gpu.healthy {
+                    return Err(ApplyError::DoesNotFit(format!("GPU {uuid} is unhealthy")));
+                }
+                if let Some(owner) = self.gpu_owner.get(uuid) {
+                    return Err(ApplyError::GpuTaken {
+                        gpu: uuid.clone(),
+                        task_id: owner.clone(),
+                    });
+                }
+                if !taken_now.insert(uuid.as_str()) {
+                    return Err(ApplyError::GpuTaken {
+                        gpu: uuid.clone(),
+                        task_id: "another launch in the same command".into(),
+                    });
+                }
+            }
+            let more = extra.entry(l.agent_id.as_str()).or_default();
+            *more = more.add(&job.spec.resources);
+            if !agent.free().fits(more) {
+                return Err(ApplyError::DoesNotFit(format!(
+                    "agent {} has {:.2} cpus and {} MiB free",
+                    agent.info.id,
+                    agent.free().cpus,
+                    agent.free().mem_mib
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    fn launch_tasks(&mut self, launches: &[Launch], at_ms: u64) -> Result<Outcome, ApplyError> {
+        self.check_launches(launches)?;
+        for l in launches {
+            let Some(job) = self.jobs.get_mut(&l.job_id) else {
+                continue; // checked above
+            };
+            let task_id = format!("{}.{}", job.id, job.task_ids.len());
+            job.task_ids.push(task_id.clone());
+            job.state = JobState::Starting;
+            job.updated_at_ms = at_ms;
+            let resources = job.spec.resources;
+            for uuid in &l.gpu_uuids {
+                self.gpu_owner.insert(uuid.clone(), task_id.clone());
+            }
+            if let Some(agent) = self.agents.get_mut(&l.agent_id) {
+                agent.allocated = agent.allocated.add(&resources);
+            }
+            self.tasks.insert(
+                task_id.clone(),
+                TaskRecord {
+                    id: task_id,
+                    job_id: l.job_id.clone(),
+                    agent_id: l.agent_id.clone(),
+                    gpu_uuids: l.gpu_uuids.clone(),
+                    resources,
+                    state: TaskState::Staging,
+                    exit_code: None,
+                    message: String::new(),
+                    kill_requested: false,
+                    created_at_ms: at_ms,
+                    updated_at_ms: at_ms,
+                },
+            );
+        }
+        Ok(Outcome::Done)
+    }
+
+    fn update_task(&mut self, u: &StatusUpdate, at_ms: u64) -> Result<Outcome, ApplyError> {
+        let Some(task) = self.tasks.get(&u.task_id) else {
+            return Ok(Outcome::StaleUpdate);
+        };
+        if task.agent_id != u.agent_id {
+            return Err(ApplyError::WrongAgent {
+                task_id: u.task_id.clone(),
+                agent_id: u.agent_id.clone(),
+                owner: task.agent_id.clone(),
+            });
+        }
+        if task.state.is_terminal() {
+            return Ok(Outcome::StaleUpdate);
+        }
+        if u.state.is_terminal() {
+            self.end_task(&u.task_id, u.state, u.exit_code, &u.message, at_ms);
+            return Ok(Outcome::Done);
+        }
+        // Non-terminal updates only move forward.
+        let rank = |s: TaskState| match s {
+            TaskState::Staging => 0,
+            TaskState::Starting => 1,
+            _ => 2,
+        };
+        if rank(u.state) <= rank(task.state) {
+            return Ok(Outcome::StaleUpdate);
+        }
+        let job_id = task.job_id.clone();
+        if let Some(task) = self.tasks.get_mut(&u.task_id) {
+            task.state = u.state;
+            task.updated_at_ms = at_ms;
+            if !u.message.is_empty() {
+                task.message = u.message.clone();
+            }
+        }
+        if let Some(job) = self.jobs.get_mut(&job_id) {
+            if !job.state.is_terminal() && job.task_ids.last() == Some(&u.task_id) {
+                job.state = if u.state == TaskState::Running {
+                    JobState::Running
+                } else {
+                    JobState::Starting
+                };
+                job.updated_at_ms = at_ms;
+            }
+        }
+        Ok(Outcome::Done)
+    }
+
+    fn cancel_job(&mut self, job_id: &str, at_ms: u64) -> Result<Outcome, ApplyError> {
+        let job = self
+            .jobs
+            .get_mut(job_id)
+            .ok_or_else(|| ApplyError::JobNotFound(job_id.to_string()))?;
+        if job.state.is_terminal() {
+            return Ok(Outcome::JobCancelled { state: job.state });
+        }
+        job.cancel_requested = true;
+        job.updated_at_ms = at_ms;
+        if job.state == JobState::Queued {
+            job.state = JobState::Cancelled;
+            job.message = "cancelled before it started".into();
+            return Ok(Outcome::JobCancelled {
+                state: JobState::Cancelled,
+            });
+        }
+        let live: Vec<TaskId> = job
+            .task_ids
+            .iter()
+            .filter(|t| self.tasks.get(*t).is_some_and(|t| !t.state.is_terminal()))
+            .cloned()
+            .collect();
+        for t in &live {
+            if let Some(task) = self.tasks.get_mut(t) {
+                task.kill_requested = true;
+                task.updated_at_ms = at_ms;
+            }
+        }
+        Ok(Outcome::JobCancelled { state: job.state })
+    }
+
+    /// Moves a task to a terminal state, frees what it held and updates its job.
+    fn end_task(
+        &mut self,
+        task_id: &str,
+        state: TaskState,
+        exit_code: Option<i32>,
+        message: &str,
+        at_ms: u64,
+    ) {
+        let Some(task) = self.tasks.get_mut(task_id) else {
+            return;
+        };
+        task.state = state;
+        task.exit_code = exit_code;
+        if !message.is_empty() {
+            task.message = message.to_string();
+        }
+        task.updated_at_ms = at_ms;
+        let (agent_id, job_id, gpus, resources) = (
+            task.agent_id.clone(),
+            task.job_id.clone(),
+            task.gpu_uuids.clone(),
+            task.resources,
+        );
+        for g in &gpus {
+            if self.gpu_owner.get(g).map(String::as_str) == Some(task_id) {
+                self.gpu_owner.remove(g);
+            }
+        }
+        if let Some(agent) = self.agents.get_mut(&agent_id) {
+            agent.allocated = agent.allocated.saturating_sub(&resources);
+        }
+        let Some(job) = self.jobs.get_mut(&job_id) else {
+            return;
+        };
+        if job.state.is_terminal() {
+            return;
+        }
+        job.updated_at_ms = at_ms;
+        let (new_state, msg) = match state {
+            TaskState::Finished if exit_code.unwrap_or(0) == 0 => (JobState::Succeeded, String::new()),
+            _ if job.cancel_requested => (JobState::Cancelled, "cancelled".to_string()),
+            TaskState::Finished | TaskState::Failed => (
+                JobState::Failed,
+                match exit_code {
+                    Some(c) => format!("task {task_id} exited with code {c}"),
+                    None => format!("task {task_id} failed: {message}"),
+                },
+            ),
+            TaskState::Killed => (JobState::Failed, format!("task {task_id} was killed")),
+            TaskState::Lost => (JobState::Failed, format!("task {task_id} lost: {message}")),
+            TaskState::Error => (JobState::Failed, format!("task {task_id} error: {message}")),
+            TaskState::Staging | TaskState::Starting | TaskState::Running => return,
+        };
+        job.state = new_state;
+        job.message = msg;
+    }
+
+    fn recompute_allocated(&mut self, agent_id: &str) {
+        let total = self
+            .tasks
+            .values()
+            .filter(|t| t.agent_id == agent_id && !t.state.is_terminal())
+            .fold(Resources::default(), |acc, t| acc.add(&t.resources));
+        if let Some(a) = self.agents.get_mut(agent_id) {
+            a.allocated = total;
+        }
+    }
+
+    /// Runtimes any active agent offers (for "why is my job waiting").
+    pub fn has_runtime(&self, r: Runtime) -> bool {
+        self.agents
+            .values()
+            .any(|a| a.state == AgentState::Active && a.info.runtimes.contains(&r))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpuctl_proto::types::{GpuInfo, JobSpec};
+
+    fn agent(id: &str, gpus: u32) -> AgentInfo {
+        AgentInfo {
+            id: id.into(),
+            hostname: format!("{id}.local"),
+            address: "127.0.0.1:7051".into(),
+            total: Resources {
+                cpus: 8.0,
+                mem_mib: 16384,
+                gpus,
+            },
+            gpus: (0..gpus)
+                .map(|i| GpuInfo {
+                    uuid: format!("GPU-{id}-{i}"),
+                    index: i,
+                    minor: i,
+                    model: "A100".into(),
+                    memory_mib: 40960,
+                    healthy: true,
+                    pci_bus_id: String::new(),
+                })
+                .collect(),
+            runtimes: vec![Runtime::Docker, Runtime::Process],
+            simulated_gpus: true,
+        }
+    }
+
+    fn spec(gpus: u32) -> JobSpec {
+        JobSpec {
+            name: "j".into(),
+            image: None,
+            command: vec!["true".into()],
+            env: Default::default(),
+            resources: Resources {
+                cpus: 1.0,
+                mem_mib: 128,
+                gpus,
+            },
+        }
+    }
+
+    struct T {
+        s: State,
+        i: u64,
+    }
+
+    impl T {
+        fn new() -> T {
+            T {
+                s: State::new(),
+                i: 0,
+            }
+        }
+        fn apply(&mut self, c: Command) -> Result<Outcome, ApplyError> {
+            self.i += 1;
+            self.s.apply(self.i, &c)
+        }
+        fn register(&mut self, id: &str, gpus: u32) {
+            self.apply(Command::RegisterAgent {
+                info: agent(id, gpus),
+                running_task_ids: vec![],
+                at_ms: 1,
+            })
+            .unwrap();
+        }
+        fn submit(&mut self, gpus: u32) -> String {
+            match self
+                .apply(Command::SubmitJob {
+                    spec: spec(gpus),
+                    at_ms: 2,
+                })
+                .unwrap()
+            {
+                Outcome::JobSubmitted { job_id } => job_id,
+                o => panic!("{o:?}"),
+            }
+        }
+        fn launch(&mut self, job: &str, agent: &str, gpus: &[&str]) -> Result<Outcome, ApplyError> {
+            self.apply(Command::LaunchTasks {
+                launches: vec![Launch {
+                    job_id: job.into(),
+                    agent_id: agent.into(),
+                    gpu_uuids: gpus.iter().map(|s| s.to_string()).collect(),
+                }],
+                at_ms: 3,
+            })
+        }
+        fn status(&mut self, task: &str, agent: &str, state: TaskState, code: Option<i32>) -> Outcome {
+            self.apply(Command::UpdateTaskStatus {
+                update: StatusUpdate {
+                    agent_id: agent.into(),
+                    task_id: task.into(),
+                    state,
+                    exit_code: code,
+                    message: String::new(),
+                },
+                at_ms: 4,
+            })
+            .unwrap()
+        }
+    }
+
+    #[test]
+    fn job_lifecycle_to_success_frees_gpus() {
+        let mut t = T::new();
+        t.register("a1", 4);
+        let j = t.submit(2);
+        assert_eq!(j, "job-1");
+        assert_eq!(t.s.queued_jobs().len(), 1);
+        t.launch(&j, "a1", &["GPU-a1-0", "GPU-a1-1"]).unwrap();
+        assert_eq!(t.s.jobs[&j].state, JobState::Starting);
+        assert_eq!(t.s.gpu_owner.len(), 2);
+        assert_eq!(t.s.agents["a1"].allocated.gpus, 2);
+        assert_eq!(t.s.desired_tasks("a1").len(), 1);
+        t.status("job-1.0", "a1", TaskState::Running, None);
+        assert_eq!(t.s.jobs[&j].state, JobState::Running);
+        t.status("job-1.0", "a1", TaskState::Finished, Some(0));
+        assert_eq!(t.s.jobs[&j].state, JobState::Succeeded);
+        assert!(t.s.gpu_owner.is_empty());
+        assert_eq!(t.s.agents["a1"].allocated, Resources::default());
+        assert!(t.s.desired_tasks("a1").is_empty());
+        // A repeated final update is accepted and changes nothing.
+        let before = t.s.clone();
+        assert_eq!(
+            t.status("job-1.0", "a1", TaskState::Finished, Some(0)),
+            Outcome::StaleUpdate
+        );
+        assert_eq!(t.s.jobs, before.jobs);
+    }
+
+    #[test]
+    fn nonzero_exit_fails_the_job() {
+        let mut t = T::new();
+        t.register("a1", 0);
+        let j = t.submit(0);
+        t.launch(&j, "a1", &[]).unwrap();
+        t.status("job-1.0", "a1", TaskState::Failed, Some(3));
+        assert_eq!(t.s.jobs[&j].state, JobState::Failed);
+        assert!(t.s.jobs[&j].message.contains("code 3"));
+        assert_eq!(t.s.tasks["job-1.0"].exit_code, Some(3));
+    }
+
+    #[test]
+    fn a_gpu_is_never_given_twice() {
+        let mut t = T::new();
+        t.register("a1", 2);
+        let j1 = t.submit(1);
+        let j2 = t.submit(1);
+        t.launch(&j1, "a1", &["GPU-a1-0"]).unwrap();
+        let before = t.s.clone();
+        let err = t.launch(&j2, "a1", &["GPU-a1-0"]).unwrap_err();
+        assert!(matches!(err, ApplyError::GpuTaken { .. }), "{err}");
+        // Refused: nothing changed but the applied index.
+        assert_eq!(t.s.jobs, before.jobs);
+        assert_eq!(t.s.gpu_owner, before.gpu_owner);
+        // The same GPU twice in one command is refused too, all or nothing.
+        let j3 = t.submit(1);
+        let err = t
+            .apply(Command::LaunchTasks {
+                launches: vec![
+                    Launch {
+                        job_id: j2.clone(),
+                        agent_id: "a1".into(),
+                        gpu_uuids: vec!["GPU-a1-1".into()],
+                    },
+                    Launch {
+                        job_id: j3.clone(),
+                        agent_id: "a1".into(),
+                        gpu_uuids: vec!["GPU-a1-1".into()],
+                    },
+                ],
+                at_ms: 5,
+            })
+            .unwrap_err();
+        assert!(matches!(err, ApplyError::GpuTaken { .. }));
+        assert_eq!(t.s.jobs[&j2].state, JobState::Queued);
+        assert_eq!(t.s.jobs[&j3].state, JobState::Queued);
+    }
+
+    #[test]
+    fn launch_checks_fit_runtime_and_gpu_ownership() {
+        let mut t = T::new();
+        t.register("a1", 1);
+        t.register("a2", 1);
+        let j = t.submit(1);
+        assert!(matches!(
+            t.launch(&j, "a1", &["GPU-a2-0"]),
+            Err(ApplyError::DoesNotFit(_))
+        ));
+        assert!(matches!(
+            t.launch(&j, "a1", &[]),
+            Err(ApplyError::DoesNotFit(_))
+        ));
+        assert!(matches!(
+            t.launch(&j, "nope", &["GPU-a1-0"]),
+            Err(ApplyError::AgentNotFound(_))
+        ));
+        assert!(matches!(
+            t.launch("job-99", "a1", &["GPU-a1-0"]),
+            Err(ApplyError::JobNotFound(_))
+        ));
+        // CPU and memory count too.
+        let mut big = spec(0);
+        big.resources.cpus = 100.0;
+        t.apply(Command::SubmitJob { spec: big, at_ms: 1 }).unwrap();
+        assert!(matches!(
+            t.launch("job-2", "a1", &[]),
+            Err(ApplyError::DoesNotFit(_))
+        ));
+        // An image job needs an agent with Docker.
+        let mut info = agent("a3", 0);
+        info.runtimes = vec![Runtime::Process];
+        t.apply(Command::RegisterAgent {
+            info,
+            running_task_ids: vec![],
+            at_ms: 1,
+        })
+        .unwrap();
+        let mut img = spec(0);
+        img.image = Some("busybox".into());
+        t.apply(Command::SubmitJob { spec: img, at_ms: 1 }).unwrap();
+        let err = t.launch("job-3", "a3", &[]).unwrap_err();
+        assert!(err.to_string().contains("docker"), "{err}");
+    }
+
+    #[test]
+    fn lost_agent_loses_its_tasks_and_frees_gpus() {
+        let mut t = T::new();
+        t.register("a1", 2);
+        let j = t.submit(2);
+        t.launch(&j, "a1", &["GPU-a1-0", "GPU-a1-1"]).unwrap();
+        t.status("job-1.0", "a1", TaskState::Running, None);
+        t.apply(Command::AgentLost {
+            agent_id: "a1".into(),
+            at_ms: 9,
+        })
+        .unwrap();
+        assert_eq!(t.s.agents["a1"].state, AgentState::Lost);
+        assert_eq!(t.s.tasks["job-1.0"].state, TaskState::Lost);
+        assert_eq!(t.s.jobs[&j].state, JobState::Failed);
+        assert!(t.s.gpu_owner.is_empty());
+        // A lost agent gets no launches until it registers again.
+        let j2 = t.submit(1);
+        assert!(matches!(
+            t.launch(&j2, "a1", &["GPU-a1-0"]),
+            Err(ApplyError::AgentLost(_))
+        ));
+        t.register("a1", 2);
+        t.launch(&j2, "a1", &["GPU-a1-0"]).unwrap();
+    }
+
+    #[test]
+    fn reregistration_keeps_listed_tasks_and_loses_the_rest() {
+        let mut t = T::new();
+        t.register("a1", 2);
+        let j1 = t.submit(1);
+        let j2 = t.submit(1);
+        t.launch(&j1, "a1", &["GPU-a1-0"]).unwrap();
+        t.launch(&j2, "a1", &["GPU-a1-1"]).unwrap();
+        t.apply(Command::RegisterAgent {
+            info: agent("a1", 2),
+            running_task_ids: vec!["job-1.0".into()],
+            at_ms: 5,
+        })
+        .unwrap();
+        assert_eq!(t.s.tasks["job-1.0"].state, TaskState::Staging);
+        assert_eq!(t.s.tasks["job-2.0"].state, TaskState::Lost);
+        assert_eq!(t.s.gpu_owner.len(), 1);
+        assert_eq!(t.s.agents["a1"].allocated.gpus, 1);
+    }
+
+    #[test]
+    fn two_agents_cannot_claim_one_gpu() {
+        let mut t = T::new();
+        t.register("a1", 1);
+        let mut info = agent("a2", 1);
+        info.gpus[0].uuid = "GPU-a1-0".into();
+        let err = t
+            .apply(Command::RegisterAgent {
+                info,
+                running_task_ids: vec![],
+                at_ms: 1,
+            })
+            .unwrap_err();
+        assert!(matches!(err, ApplyError::GpuClaimed { .. }));
+        assert!(!t.s.agents.contains_key("a2"));
+    }
+
+    #[test]
+    fn cancel_queued_and_running_jobs() {
+        let mut t = T::new();
+        t.register("a1", 1);
+        let j1 = t.submit(1);
+        let j2 = t.submit(1);
+        t.launch(&j1, "a1", &["GPU-a1-0"]).unwrap();
+        t.status("job-1.0", "a1", TaskState::Running, None);
+        // Queued: cancelled at once.
+        assert_eq!(
+            t.apply(Command::CancelJob {
+                job_id: j2.clone(),
+                at_ms: 5
+            })
+            .unwrap(),
+            Outcome::JobCancelled {
+                state: JobState::Cancelled
+            }
+        );
+        // Running: the task leaves the agent's desired set; the job is
+        // CANCELLED once the agent reports it killed.
+        t.apply(Command::CancelJob {
+            job_id: j1.clone(),
+            at_ms: 6,
+        })
+        .unwrap();
+        assert!(t.s.desired_tasks("a1").is_empty());
+        assert_eq!(t.s.jobs[&j1].state, JobState::Running);
+        t.status("job-1.0", "a1", TaskState::Killed, None);
+        assert_eq!(t.s.jobs[&j1].state, JobState::Cancelled);
+        assert!(t.s.gpu_owner.is_empty());
+        assert!(matches!(
+            t.apply(Command::CancelJob {
+                job_id: "job-42".into(),
+                at_ms: 7
+            }),
+            Err(ApplyError::JobNotFound(_))
+        ));
+    }
+
+    #[test]
+    fn updates_from_the_wrong_agent_or_backwards_are_refused() {
+        let mut t = T::new();
+        t.register("a1", 0);
+        t.register("a2", 0);
+        let j = t.submit(0);
+        t.launch(&j, "a1", &[]).unwrap();
+        assert!(matches!(
+            t.apply(Command::UpdateTaskStatus {
+                update: StatusUpdate {
+                    agent_id: "a2".into(),
+                    task_id: "job-1.0".into(),
+                    state: TaskState::Finished,
+                    exit_code: Some(0),
+                    message: String::new()
+                },
+                at_ms: 1
+            }),
+            Err(ApplyError::WrongAgent { .. })
+        ));
+        t.status("job-1.0", "a1", TaskState::Running, None);
+        assert_eq!(
+            t.status("job-1.0", "a1", TaskState::Starting, None),
+            Outcome::StaleUpdate
+        );
+        assert_eq!(t.s.tasks["job-1.0"].state, TaskState::Running);
+        assert_eq!(
+            t.status("job-9.0", "a1", TaskState::Running, None),
+            Outcome::StaleUpdate
+        );
+    }
+
+    #[test]
+    fn apply_is_deterministic() {
+        let cmds = vec![
+            Command::RegisterAgent {
+                info: agent("a1", 4),
+                running_task_ids: vec![],
+                at_ms: 1,
+            },
+            Command::SubmitJob {
+                spec: spec(2),
+                at_ms: 2,
+            },
+            Command::LaunchTasks {
+                launches: vec![Launch {
+                    job_id: "job-1".into(),
+                    agent_id: "a1".into(),
+                    gpu_uuids: vec!["GPU-a1-2".into(), "GPU-a1-3".into()],
+                }],
+                at_ms: 3,
+            },
+            Command::AgentLost {
+                agent_id: "a1".into(),
+                at_ms: 4,
+            },
+        ];
+        let run = || {
+            let mut s = State::new();
+            for (i, c) in cmds.iter().enumerate() {
+                // Round-trip through the log encoding, as replay does.
+                let c = Command::decode(&c.encode()).unwrap();
+                let _ = s.apply(i as u64 + 1, &c);
+            }
+            s
+        };
+        assert_eq!(run(), run());
+        assert_eq!(run().applied_index, 4);
+    }
+}

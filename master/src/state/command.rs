@@ -1,0 +1,82 @@
+//! Commands: the only way the replicated state changes. Each is decided by
+//! the proposer (time, ids of things it names) and carried in the log, so
+//! that applying it gives the same result on every master.
+
+use gpuctl_proto::types::{AgentId, AgentInfo, GpuUuid, JobId, JobSpec, StatusUpdate, TaskId};
+use serde::{Deserialize, Serialize};
+
+/// Version of the encoding below. Bump it and keep decoding the old one when
+/// a command changes shape, because old entries stay in the log.
+pub const COMMAND_VERSION: u32 = 1;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Command {
+    /// An agent (re)registers. Tasks the master placed on it that it does
+    /// not list in `running_task_ids` are lost.
+    RegisterAgent {
+        info: AgentInfo,
+        running_task_ids: Vec<TaskId>,
+        at_ms: u64,
+    },
+    /// The leader has not heard from the agent for too long.
+    AgentLost { agent_id: AgentId, at_ms: u64 },
+    SubmitJob { spec: JobSpec, at_ms: u64 },
+    /// Place queued jobs: all launches in the command happen or none does.
+    LaunchTasks { launches: Vec<Launch>, at_ms: u64 },
+    UpdateTaskStatus { update: StatusUpdate, at_ms: u64 },
+    CancelJob { job_id: JobId, at_ms: u64 },
+}
+
+/// One job placed on one agent with exact GPUs.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Launch {
+    pub job_id: JobId,
+    pub agent_id: AgentId,
+    pub gpu_uuids: Vec<GpuUuid>,
+}
+
+/// What goes into a log entry's data.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EncodedCommand {
+    pub version: u32,
+    pub command: Command,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum DecodeError {
+    #[error("command encoding version {0} is newer than this master understands ({COMMAND_VERSION})")]
+    UnknownVersion(u32),
+    #[error("malformed command: {0}")]
+    Malformed(#[from] serde_json::Error),
+}
+
+impl Command {
+    pub fn encode(&self) -> Vec<u8> {
+        let enc = EncodedCommand {
+            version: COMMAND_VERSION,
+            command: self.clone(),
+        };
+        // Serializing plain data with string keys cannot fail.
+        serde_json::to_vec(&enc).unwrap_or_default()
+    }
+
+    pub fn decode(data: &[u8]) -> Result<Command, DecodeError> {
+        let enc: EncodedCommand = serde_json::from_slice(data)?;
+        if enc.version != COMMAND_VERSION {
+            return Err(DecodeError::UnknownVersion(enc.version));
+        }
+        Ok(enc.command)
+    }
+
+    /// Short name for logs and metrics.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Command::RegisterAgent { .. } => "register_agent",
+            Command::AgentLost { .. } => "agent_lost",
+            Command::SubmitJob { .. } => "submit_job",
+            Command::LaunchTasks { .. } => "launch_tasks",
+            Command::UpdateTaskStatus { .. } => "update_task_status",
+            Command::CancelJob { .. } => "cancel_job",
+        }
+    }
+}
