@@ -1,1 +1,250 @@
+//! gpuctl agent: discovers this host's GPUs, registers with the master, and
+//! runs the tasks the master places here (in Docker or as host processes).
+//!
+//! [`serve`] runs an agent on a bound listener until `shutdown` resolves, so
+//! tests and `gpuctl demo` can run one in-process.
 
+pub mod api;
+pub mod config;
+pub mod executor;
+pub mod gpu;
+pub mod master_link;
+pub mod runtime;
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+pub use config::AgentConfig;
+use gpuctl_proto::pb;
+use gpuctl_proto::types::{AgentInfo, Resources, Runtime};
+use runtime::{ContainerRuntime, DockerRuntime, ProcessRuntime};
+use tokio::sync::{mpsc, watch};
+
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    #[error("config: {0}")]
+    Config(String),
+    #[error("work dir {path}: {source}")]
+    WorkDir {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("Docker runtime requested but unavailable: {0}")]
+    Docker(runtime::RuntimeError),
+    #[error("agent API server: {0}")]
+    Serve(#[from] tonic::transport::Error),
+}
+
+const AGENT_ID_FILE: &str = "agent-id";
+
+/// The agent's id, kept in its work dir so that a restarted agent is the
+/// same agent to the master.
+pub fn load_or_create_agent_id(work_dir: &Path, hostname: &str) -> Result<String, AgentError> {
+    let path = work_dir.join(AGENT_ID_FILE);
+    let io = |source| AgentError::WorkDir {
+        path: path.clone(),
+        source,
+    };
+    match std::fs::read_to_string(&path) {
+        Ok(s) => {
+            let id = s.trim().to_string();
+            gpuctl_proto::convert::check_id("agent_id", &id)
+                .map_err(|e| AgentError::Config(format!("{}: {e}", path.display())))?;
+            Ok(id)
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let host: String = hostname
+                .chars()
+                .map(|c| {
+                    if c.is_ascii_alphanumeric() || c == '-' {
+                        c
+                    } else {
+                        '-'
+                    }
+                })
+                .take(40)
+                .collect();
+            let host = host.trim_matches('-');
+            let suffix = uuid::Uuid::new_v4().simple().to_string();
+            let id = if host.is_empty() {
+                format!("agent-{}", &suffix[..8])
+            } else {
+                format!("{host}-{}", &suffix[..8])
+            };
+            std::fs::write(&path, format!("{id}\n")).map_err(io)?;
+            Ok(id)
+        }
+        Err(e) => Err(io(e)),
+    }
+}
+
+fn host_memory_mib() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("MemTotal:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb / 1024)
+}
+
+/// Which runtimes this agent offers, connecting to Docker when asked for
+/// (or, with no explicit choice, when its daemon answers).
+async fn make_runtimes(
+    wanted: Option<&[Runtime]>,
+) -> Result<BTreeMap<Runtime, Arc<dyn ContainerRuntime>>, AgentError> {
+    let mut out: BTreeMap<Runtime, Arc<dyn ContainerRuntime>> = BTreeMap::new();
+    let want = |r| wanted.is_none_or(|w| w.contains(&r));
+    if want(Runtime::Docker) {
+        match DockerRuntime::connect().await {
+            Ok(d) => {
+                out.insert(Runtime::Docker, Arc::new(d));
+            }
+            Err(e) if wanted.is_some() => return Err(AgentError::Docker(e)),
+            Err(e) => {
+                tracing::info!(error = %e, "Docker not available; image jobs will not run on this agent")
+            }
+        }
+    }
+    if want(Runtime::Process) {
+        out.insert(Runtime::Process, Arc::new(ProcessRuntime::new()));
+    }
+    Ok(out)
+}
+
+/// Runs an agent until `shutdown` resolves. Its tasks are killed on shutdown.
+pub async fn serve(
+    config: AgentConfig,
+    listener: tokio::net::TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), AgentError> {
+    std::fs::create_dir_all(config.work_dir.join("tasks")).map_err(|source| {
+        AgentError::WorkDir {
+            path: config.work_dir.clone(),
+            source,
+        }
+    })?;
+    let hostname = hostname::get()
+        .map(|h| h.to_string_lossy().into_owned())
+        .unwrap_or_else(|_| "localhost".into());
+    let agent_id = load_or_create_agent_id(&config.work_dir, &hostname)?;
+
+    let (gpus, simulated) = match &config.simulate_gpus {
+        Some(spec) => {
+            let specs = gpu::parse_spec(spec).map_err(|e| AgentError::Config(e.to_string()))?;
+            let g = gpu::simulated_gpus(&specs, &agent_id);
+            tracing::info!(count = g.len(), spec = %spec, "reporting simulated GPUs");
+            (g, true)
+        }
+        None => {
+            let d = gpu::discover(config.nvml_lib.as_deref());
+            match &d.error {
+                Some(e) => tracing::warn!("{e}; reporting zero GPUs"),
+                None => {
+                    tracing::info!(count = d.gpus.len(), driver = ?d.driver_version, "GPUs discovered through NVML")
+                }
+            }
+            (d.gpus, false)
+        }
+    };
+
+    let runtimes = make_runtimes(config.runtimes.as_deref()).await?;
+    for (kind, rt) in &runtimes {
+        match rt.cleanup_orphans(&agent_id).await {
+            Ok(0) => {}
+            Ok(n) => {
+                tracing::info!(runtime = %kind, removed = n, "removed tasks left by a previous agent process")
+            }
+            Err(e) => {
+                tracing::warn!(runtime = %kind, error = %e, "could not clean up earlier tasks")
+            }
+        }
+    }
+
+    let local = listener.local_addr().map_err(|e| AgentError::WorkDir {
+        path: PathBuf::from("<listener>"),
+        source: e,
+    })?;
+    let address = config.advertise.clone().unwrap_or_else(|| {
+        if local.ip().is_unspecified() {
+            format!("{hostname}:{}", local.port())
+        } else {
+            local.to_string()
+        }
+    });
+    let cpus = config
+        .cpus
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1.0, |n| n.get() as f64));
+    let info = AgentInfo {
+        id: agent_id.clone(),
+        hostname,
+        address,
+        total: Resources {
+            cpus,
+            mem_mib: config.mem_mib.unwrap_or_else(host_memory_mib),
+            gpus: gpus.len() as u32,
+        },
+        gpus,
+        runtimes: runtimes.keys().copied().collect(),
+        simulated_gpus: simulated,
+    };
+    tracing::info!(agent_id = %info.id, address = %info.address, runtimes = ?info.runtimes, gpus = info.gpus.len(), "agent starting");
+
+    let (updates_tx, updates_rx) = mpsc::channel(1024);
+    let executor = executor::Executor::new(
+        agent_id,
+        config.work_dir.clone(),
+        runtimes,
+        config.kill_grace,
+        updates_tx,
+    );
+    let masters = Arc::new(master_link::Masters::new(config.masters.clone()));
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let sender = tokio::spawn(master_link::status_sender(masters.clone(), updates_rx));
+    let link = tokio::spawn(master_link::run(
+        masters,
+        info,
+        executor.clone(),
+        stop_rx.clone(),
+    ));
+
+    let api = pb::agent_api_server::AgentApiServer::new(api::AgentApiService {
+        executor: executor.clone(),
+    });
+    let mut server_stop = stop_rx.clone();
+    let server = tonic::transport::Server::builder()
+        .add_service(api)
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            async move {
+                let _ = server_stop.changed().await;
+            },
+        );
+    let server = tokio::spawn(server);
+    shutdown.await;
+    tracing::info!("agent shutting down: killing its tasks");
+    let _ = stop_tx.send(true);
+    let _ = link.await;
+    executor
+        .kill_all(config.kill_grace + Duration::from_secs(5))
+        .await;
+    drop(executor);
+    // Give the final KILLED updates a moment to reach the master.
+    if tokio::time::timeout(Duration::from_secs(3), sender)
+        .await
+        .is_err()
+    {
+        tracing::warn!("some task status updates were not delivered before shutdown");
+    }
+    match server.await {
+        Ok(r) => r?,
+        Err(e) => tracing::error!(error = %e, "agent API server task failed"),
+    }
+    tracing::info!("agent stopped");
+    Ok(())
+}

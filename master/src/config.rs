@@ -46,13 +46,21 @@ pub struct Options {
     #[arg(long, env = "GPUCTL_MASTER_LISTEN", default_value = "0.0.0.0:7050")]
     pub listen: SocketAddr,
     /// Where the replicated log and state are kept.
-    #[arg(long, env = "GPUCTL_MASTER_DATA_DIR", default_value = "/var/lib/gpuctl/master")]
+    #[arg(
+        long,
+        env = "GPUCTL_MASTER_DATA_DIR",
+        default_value = "/var/lib/gpuctl/master"
+    )]
     pub data_dir: PathBuf,
     /// This master's Raft node id (>= 1).
     #[arg(long, env = "GPUCTL_MASTER_NODE_ID", default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
     pub node_id: u64,
     /// Seconds between agent heartbeats.
-    #[arg(long, env = "GPUCTL_MASTER_HEARTBEAT_INTERVAL_SECS", default_value_t = 1.0)]
+    #[arg(
+        long,
+        env = "GPUCTL_MASTER_HEARTBEAT_INTERVAL_SECS",
+        default_value_t = 1.0
+    )]
     pub heartbeat_interval_secs: f64,
     /// Seconds without a heartbeat before an agent is marked lost.
     #[arg(long, env = "GPUCTL_MASTER_AGENT_TIMEOUT_SECS", default_value_t = 10.0)]

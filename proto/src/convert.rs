@@ -146,10 +146,7 @@ fn check_image(field: &str, image: &str) -> Result<()> {
     if image.len() > 512 {
         return Err(ConvertError::new(field, "longer than 512 characters"));
     }
-    if image
-        .chars()
-        .any(|c| c.is_whitespace() || c.is_control())
-    {
+    if image.chars().any(|c| c.is_whitespace() || c.is_control()) {
         return Err(ConvertError::new(
             field,
             "must not contain whitespace or control characters",
@@ -477,7 +474,8 @@ mod tests {
 
     #[test]
     fn bad_job_specs_name_the_field() {
-        let cases: Vec<(fn(&mut pb::JobSpec), &str)> = vec![
+        type Mutation = fn(&mut pb::JobSpec);
+        let cases: Vec<(Mutation, &str)> = vec![
             (|s| s.name.clear(), "spec.name"),
             (|s| s.name = "a b".into(), "spec.name"),
             (|s| s.name = "x".repeat(200), "spec.name"),
@@ -565,15 +563,15 @@ mod tests {
             }),
             gpu_uuids: vec![],
         };
-        assert_eq!(
-            TaskSpec::try_from(t).unwrap_err().field,
-            "task.gpu_uuids"
-        );
+        assert_eq!(TaskSpec::try_from(t).unwrap_err().field, "task.gpu_uuids");
     }
 
     #[test]
     fn state_names() {
-        assert_eq!(job_state_name(pb::JobState::JobSucceeded as i32), "SUCCEEDED");
+        assert_eq!(
+            job_state_name(pb::JobState::JobSucceeded as i32),
+            "SUCCEEDED"
+        );
         assert_eq!(task_state_name(pb::TaskState::TaskKilled as i32), "KILLED");
         assert_eq!(task_state_name(99), "UNKNOWN");
     }

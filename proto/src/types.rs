@@ -75,7 +75,9 @@ impl std::str::FromStr for Runtime {
         match s {
             "docker" => Ok(Runtime::Docker),
             "process" => Ok(Runtime::Process),
-            other => Err(format!("unknown runtime {other:?} (expected docker or process)")),
+            other => Err(format!(
+                "unknown runtime {other:?} (expected docker or process)"
+            )),
         }
     }
 }

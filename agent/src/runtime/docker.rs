@@ -58,7 +58,8 @@ impl DockerRuntime {
             .ok()
             .filter(|h| h.starts_with("unix://"))
             .unwrap_or_else(|| DEFAULT_SOCKET.to_string());
-        let unreachable = |reason: String| RuntimeError::Other(format!("docker at {addr}: {reason}"));
+        let unreachable =
+            |reason: String| RuntimeError::Other(format!("docker at {addr}: {reason}"));
         let docker = Docker::connect_with_local(&addr, REQUEST_TIMEOUT_S, &API_VERSION)
             .map_err(|e| unreachable(e.to_string()))?;
         let docker = tokio::time::timeout(PING_TIMEOUT, async {
@@ -137,7 +138,10 @@ impl DockerRuntime {
         if *kill.borrow() {
             return Ok(TaskExit::Killed);
         }
-        self.ensure_image(image).await?;
+        tokio::select! {
+            pulled = self.ensure_image(image) => pulled?,
+            () = kill_requested(&mut kill) => return Ok(TaskExit::Killed),
+        }
 
         let name = container_name(task_id);
         // Left over from an agent that crashed while running this task.
@@ -153,6 +157,11 @@ impl DockerRuntime {
                 source,
             })?;
 
+        let mut guard = RemoveOnDrop {
+            docker: self.docker.clone(),
+            name: name.clone(),
+            armed: true,
+        };
         self.docker
             .create_container(
                 Some(CreateContainerOptions {
@@ -165,6 +174,7 @@ impl DockerRuntime {
         tracing::debug!(task_id, container = %name, image, "container created");
 
         let result = self.supervise(&name, &spec, log, running, &mut kill).await;
+        guard.armed = false;
         if let Err(e) = self.remove(&name).await {
             // cleanup_orphans catches it on the next agent start.
             tracing::warn!(task_id, container = %name, error = %e, "could not remove container");
@@ -209,11 +219,16 @@ impl DockerRuntime {
 
         match tokio::time::timeout(LOG_DRAIN_TIMEOUT, &mut pump).await {
             Ok(Ok(Ok(()))) => {}
-            Ok(Ok(Err(e))) => tracing::warn!(task_id, error = %e, "copying container output failed"),
+            Ok(Ok(Err(e))) => {
+                tracing::warn!(task_id, error = %e, "copying container output failed")
+            }
             Ok(Err(e)) => tracing::warn!(task_id, error = %e, "log pump panicked"),
             Err(_) => {
                 pump.abort();
-                tracing::warn!(task_id, "container output still flowing after exit; log cut short");
+                tracing::warn!(
+                    task_id,
+                    "container output still flowing after exit; log cut short"
+                );
             }
         }
         tracing::debug!(task_id, ?exit, "container ended");
@@ -319,6 +334,39 @@ impl ContainerRuntime for DockerRuntime {
         agent_id: &'a str,
     ) -> BoxFuture<'a, Result<usize, RuntimeError>> {
         self.remove_orphans(agent_id).boxed()
+    }
+}
+
+/// Removes the container if the run future is dropped half way (the
+/// executor gave up on it); the normal paths remove it themselves.
+struct RemoveOnDrop {
+    docker: Docker,
+    name: String,
+    armed: bool,
+}
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        // No runtime (shutting down): cleanup_orphans handles it next start.
+        let Ok(handle) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let docker = self.docker.clone();
+        let name = std::mem::take(&mut self.name);
+        handle.spawn(async move {
+            let opts = RemoveContainerOptions {
+                force: true,
+                ..Default::default()
+            };
+            if let Err(e) = docker.remove_container(&name, Some(opts)).await {
+                if !is_not_found(&e) {
+                    tracing::warn!(container = %name, error = %e, "could not remove container");
+                }
+            }
+        });
     }
 }
 
@@ -508,7 +556,11 @@ mod tests {
             dir.path(),
             &task_id,
             &image,
-            &["sh", "-c", "echo out; echo err >&2; echo id=$GPUCTL_TASK_ID; exit 7"],
+            &[
+                "sh",
+                "-c",
+                "echo out; echo err >&2; echo id=$GPUCTL_TASK_ID; exit 7",
+            ],
         );
         let log = s.log_path.clone();
         let (run_tx, run_rx) = oneshot::channel();
@@ -533,7 +585,10 @@ mod tests {
         let s = spec(dir.path(), &unique("exit0"), &image, &["true"]);
         let (run_tx, _run_rx) = oneshot::channel();
         let (_kill_tx, kill_rx) = watch::channel(false);
-        assert_eq!(rt.run(s, run_tx, kill_rx).await.unwrap(), TaskExit::Exited(0));
+        assert_eq!(
+            rt.run(s, run_tx, kill_rx).await.unwrap(),
+            TaskExit::Exited(0)
+        );
     }
 
     #[tokio::test]
@@ -557,7 +612,10 @@ mod tests {
         let labels = info.config.and_then(|c| c.labels).unwrap();
         assert_eq!(labels.get(LABEL_TASK_ID), Some(&task_id));
         assert_eq!(labels.get(LABEL_JOB_ID), Some(&format!("job-{task_id}")));
-        assert_eq!(labels.get(LABEL_AGENT_ID), Some(&format!("agent-{task_id}")));
+        assert_eq!(
+            labels.get(LABEL_AGENT_ID),
+            Some(&format!("agent-{task_id}"))
+        );
         let host = info.host_config.unwrap();
         assert_eq!(host.network_mode.as_deref(), Some("host"));
         assert_eq!(host.memory, Some(64 * 1024 * 1024));
@@ -574,6 +632,36 @@ mod tests {
             started.elapsed()
         );
         assert!(!container_exists(&rt, &name).await);
+    }
+
+    #[tokio::test]
+    async fn docker_dropping_the_run_future_removes_the_container() {
+        let Some(rt) =
+            connect_or_skip("docker_dropping_the_run_future_removes_the_container").await
+        else {
+            return;
+        };
+        let image = ensure_busybox_image(rt.client()).await.unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let task_id = unique("drop");
+        let s = spec(dir.path(), &task_id, &image, &["sleep", "300"]);
+        let name = container_name(&task_id);
+        let (run_tx, run_rx) = oneshot::channel();
+        let (_kill_tx, kill_rx) = watch::channel(false);
+        let rt2 = rt.clone();
+        let handle = tokio::spawn(async move { rt2.run(s, run_tx, kill_rx).await });
+        run_rx.await.unwrap();
+        assert!(container_exists(&rt, &name).await);
+        handle.abort();
+        let _ = handle.await;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while container_exists(&rt, &name).await {
+            assert!(
+                Instant::now() < deadline,
+                "container {name} survived the dropped future"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     }
 
     #[tokio::test]
@@ -598,7 +686,10 @@ mod tests {
         let log = s.log_path.clone();
         let (run_tx, _run_rx) = oneshot::channel();
         let (_kill_tx, kill_rx) = watch::channel(false);
-        assert_eq!(rt.run(s, run_tx, kill_rx).await.unwrap(), TaskExit::Exited(0));
+        assert_eq!(
+            rt.run(s, run_tx, kill_rx).await.unwrap(),
+            TaskExit::Exited(0)
+        );
         assert!(log_has(&log, "second"));
         assert!(!container_exists(&rt, &container_name(&task_id)).await);
     }
@@ -624,12 +715,41 @@ mod tests {
             )
             .await
             .unwrap();
-        rt.client().start_container::<String>(&name, None).await.unwrap();
+        rt.client()
+            .start_container::<String>(&name, None)
+            .await
+            .unwrap();
 
         assert_eq!(rt.cleanup_orphans("agent-nobody-here").await.unwrap(), 0);
         assert!(container_exists(&rt, &name).await);
         assert_eq!(rt.cleanup_orphans(&s.agent_id).await.unwrap(), 1);
         assert!(!container_exists(&rt, &name).await);
+    }
+
+    /// With `init: true` the container does start (the init is its process);
+    /// the init then fails to exec the command and exits 127, like a shell.
+    #[tokio::test]
+    async fn docker_missing_command_exits_127() {
+        let Some(rt) = connect_or_skip("docker_missing_command_exits_127").await else {
+            return;
+        };
+        let image = ensure_busybox_image(rt.client()).await.unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let task_id = unique("nocmd");
+        let s = spec(dir.path(), &task_id, &image, &["/no/such/program"]);
+        let log = s.log_path.clone();
+        let (run_tx, _run_rx) = oneshot::channel();
+        let (_kill_tx, kill_rx) = watch::channel(false);
+        assert_eq!(
+            rt.run(s, run_tx, kill_rx).await.unwrap(),
+            TaskExit::Exited(127)
+        );
+        assert!(
+            log_has(&log, "/no/such/program"),
+            "{}",
+            std::fs::read_to_string(&log).unwrap_or_default()
+        );
+        assert!(!container_exists(&rt, &container_name(&task_id)).await);
     }
 
     #[tokio::test]
@@ -646,6 +766,9 @@ mod tests {
             Err(RuntimeError::Image { image: got, .. }) => assert_eq!(got, image),
             other => panic!("expected an Image error, got {other:?}"),
         }
-        assert!(run_rx.await.is_err(), "running sent for a task that never started");
+        assert!(
+            run_rx.await.is_err(),
+            "running sent for a task that never started"
+        );
     }
 }

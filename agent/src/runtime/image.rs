@@ -17,6 +17,8 @@ const REPO: &str = "gpuctl/busybox";
 const TAG: &str = "local";
 const BUSYBOX_PATH: &str = "/bin/busybox";
 
+static IMPORT_LOCK: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// Applets linked in `bin/`.
 const APPLETS: &[&str] = &[
     "sh", "echo", "cat", "ls", "sleep", "env", "true", "false", "printf", "test", "[", "id",
@@ -24,9 +26,11 @@ const APPLETS: &[&str] = &[
 ];
 
 /// Returns the name of the local busybox image, importing it first if the
-/// daemon does not have it. Safe to call concurrently: two imports at once
-/// both succeed and the tag ends up on one of two equivalent images.
+/// daemon does not have it. Safe to call concurrently.
 pub async fn ensure_busybox_image(docker: &Docker) -> Result<String, RuntimeError> {
+    // Callers in one process import once; other processes may still race,
+    // which only leaves an untagged duplicate image.
+    let _import = IMPORT_LOCK.lock().await;
     match docker.inspect_image(LOCAL_BUSYBOX_IMAGE).await {
         Ok(_) => return Ok(LOCAL_BUSYBOX_IMAGE.to_string()),
         Err(BollardError::DockerResponseServerError {
@@ -46,7 +50,11 @@ pub async fn ensure_busybox_image(docker: &Docker) -> Result<String, RuntimeErro
     let rootfs = build_rootfs(&busybox)
         .map_err(|e| image_error(format!("building the rootfs tarball: {e}")))?;
 
-    tracing::info!(image = LOCAL_BUSYBOX_IMAGE, bytes = rootfs.len(), "importing local busybox image");
+    tracing::info!(
+        image = LOCAL_BUSYBOX_IMAGE,
+        bytes = rootfs.len(),
+        "importing local busybox image"
+    );
     let mut import = docker.create_image(
         Some(CreateImageOptions {
             from_src: "-",
@@ -87,7 +95,10 @@ fn build_rootfs(busybox: &[u8]) -> std::io::Result<Vec<u8>> {
         tar.append_data(&mut h, format!("{dir}/"), std::io::empty())?;
     }
     for (path, text) in [
-        ("etc/passwd", "root:x:0:0:root:/tmp:/bin/sh\nnobody:x:65534:65534:nobody:/tmp:/bin/false\n"),
+        (
+            "etc/passwd",
+            "root:x:0:0:root:/tmp:/bin/sh\nnobody:x:65534:65534:nobody:/tmp:/bin/false\n",
+        ),
         ("etc/group", "root:x:0:\nnogroup:x:65534:\n"),
     ] {
         let mut h = header(tar::EntryType::Regular, 0o644, text.len() as u64);
@@ -159,7 +170,9 @@ mod tests {
         check_static_elf(&busybox).unwrap();
         // Any dynamically linked system binary.
         let ls = std::fs::read("/bin/ls").unwrap();
-        assert!(check_static_elf(&ls).unwrap_err().contains("dynamically linked"));
+        assert!(check_static_elf(&ls)
+            .unwrap_err()
+            .contains("dynamically linked"));
         assert!(check_static_elf(b"#!/bin/sh\n").is_err());
         assert!(check_static_elf(b"\x7fELF\x02\x01").is_err());
     }
@@ -174,12 +187,26 @@ mod tests {
             let path = entry.path().unwrap().to_string_lossy().into_owned();
             if path == "bin/sh" {
                 assert_eq!(entry.header().entry_type(), tar::EntryType::Symlink);
-                assert_eq!(entry.link_name().unwrap().unwrap().to_str(), Some("busybox"));
+                assert_eq!(
+                    entry.link_name().unwrap().unwrap().to_str(),
+                    Some("busybox")
+                );
             }
             names.push(path);
         }
-        for want in ["bin/busybox", "bin/sh", "bin/[", "bin/seq", "tmp/", "proc/", "dev/"] {
-            assert!(names.iter().any(|n| n == want), "{want} missing from {names:?}");
+        for want in [
+            "bin/busybox",
+            "bin/sh",
+            "bin/[",
+            "bin/seq",
+            "tmp/",
+            "proc/",
+            "dev/",
+        ] {
+            assert!(
+                names.iter().any(|n| n == want),
+                "{want} missing from {names:?}"
+            );
         }
     }
 
@@ -195,7 +222,13 @@ mod tests {
         );
         assert_eq!(a.unwrap(), LOCAL_BUSYBOX_IMAGE);
         assert_eq!(b.unwrap(), LOCAL_BUSYBOX_IMAGE);
-        rt.client().inspect_image(LOCAL_BUSYBOX_IMAGE).await.unwrap();
-        assert_eq!(ensure_busybox_image(rt.client()).await.unwrap(), LOCAL_BUSYBOX_IMAGE);
+        rt.client()
+            .inspect_image(LOCAL_BUSYBOX_IMAGE)
+            .await
+            .unwrap();
+        assert_eq!(
+            ensure_busybox_image(rt.client()).await.unwrap(),
+            LOCAL_BUSYBOX_IMAGE
+        );
     }
 }

@@ -90,7 +90,10 @@ pub trait ContainerRuntime: Send + Sync {
 
     /// Removes whatever this agent started earlier and no longer knows about
     /// (containers labelled with `agent_id` from a previous agent process).
-    fn cleanup_orphans<'a>(&'a self, agent_id: &'a str) -> BoxFuture<'a, Result<usize, RuntimeError>>;
+    fn cleanup_orphans<'a>(
+        &'a self,
+        agent_id: &'a str,
+    ) -> BoxFuture<'a, Result<usize, RuntimeError>>;
 }
 
 /// Label keys put on every container gpuctl starts.

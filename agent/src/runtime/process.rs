@@ -24,7 +24,7 @@ use super::{ContainerRuntime, LaunchSpec, RuntimeError, TaskExit};
 const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 
 /// How often we look whether a process group has emptied during the grace period.
-const GROUP_POLL: Duration = Duration::from_millis(20);
+const GROUP_POLL: Duration = Duration::from_millis(50);
 
 /// Runs tasks as host processes.
 #[derive(Debug, Default, Clone)]
@@ -117,6 +117,7 @@ async fn run_process(
     };
     // The group id is the leader's pid (process_group(0)).
     let pgid = Pid::from_raw(pid as i32);
+    let mut guard = KillGroupOnDrop { pgid, armed: true };
     tracing::debug!(task_id, pid, program = %program, "task process started");
     // The receiver may be gone if the executor stopped caring; not our problem.
     let _ = running.send(());
@@ -126,6 +127,7 @@ async fn run_process(
             let status = status.map_err(|e| wait_error(task_id, e))?;
             // Background children the command left behind must not outlive the task.
             signal_group(pgid, Signal::SIGKILL);
+            guard.armed = false;
             let code = exit_code(status);
             tracing::debug!(task_id, code, "task process exited");
             return Ok(TaskExit::Exited(code));
@@ -136,8 +138,24 @@ async fn run_process(
     terminate_group(&mut child, pgid, spec.kill_grace)
         .await
         .map_err(|e| wait_error(task_id, e))?;
+    guard.armed = false;
     tracing::debug!(task_id, "task process killed");
     Ok(TaskExit::Killed)
+}
+
+/// SIGKILLs the group if the run future is dropped before the task ended
+/// (`kill_on_drop` alone would only reach the leader).
+struct KillGroupOnDrop {
+    pgid: Pid,
+    armed: bool,
+}
+
+impl Drop for KillGroupOnDrop {
+    fn drop(&mut self) {
+        if self.armed {
+            signal_group(self.pgid, Signal::SIGKILL);
+        }
+    }
 }
 
 /// Resolves when the kill flag turns true; never if the sender is dropped
@@ -150,14 +168,13 @@ async fn kill_requested(kill: &mut watch::Receiver<bool>) {
 
 /// SIGTERM to the group, up to `grace` for the leader to exit and the group to
 /// empty, then SIGKILL to whatever is left, and reap the leader.
-async fn terminate_group(
-    child: &mut Child,
-    pgid: Pid,
-    grace: Duration,
-) -> std::io::Result<()> {
+async fn terminate_group(child: &mut Child, pgid: Pid, grace: Duration) -> std::io::Result<()> {
     let deadline = tokio::time::Instant::now() + grace;
     signal_group(pgid, Signal::SIGTERM);
-    if tokio::time::timeout_at(deadline, child.wait()).await.is_ok() {
+    if tokio::time::timeout_at(deadline, child.wait())
+        .await
+        .is_ok()
+    {
         // Leader reaped; give the rest of the group what remains of the grace.
         while group_alive(pgid) && tokio::time::Instant::now() < deadline {
             tokio::time::sleep(GROUP_POLL).await;
@@ -175,11 +192,40 @@ fn signal_group(pgid: Pid, signal: Signal) {
     }
 }
 
-/// True while some process of the group can still be signalled. Orphans
-/// that died but are not reaped yet (zombies) count as alive; the caller
-/// bounds the wait anyway.
+/// True while the group has a member that is not a zombie. Orphaned members
+/// that died stay signalable until their new parent reaps them, which may
+/// take a while, so `killpg(0)` alone would make us wait out the grace.
 fn group_alive(pgid: Pid) -> bool {
-    !matches!(killpg(pgid, None), Err(Errno::ESRCH))
+    if matches!(killpg(pgid, None), Err(Errno::ESRCH)) {
+        return false;
+    }
+    // Without /proc we cannot tell zombies apart: assume alive.
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return true;
+    };
+    entries.flatten().any(|entry| {
+        let name = entry.file_name();
+        let Some(pid) = name
+            .to_str()
+            .filter(|n| n.bytes().all(|b| b.is_ascii_digit()))
+        else {
+            return false;
+        };
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|stat| parse_stat(&stat))
+            .is_some_and(|(state, pgrp)| state != 'Z' && pgrp == pgid.as_raw())
+    })
+}
+
+/// State and process group from a `/proc/<pid>/stat` line:
+/// "pid (comm) state ppid pgrp ..."; comm may contain spaces and parentheses.
+fn parse_stat(stat: &str) -> Option<(char, i32)> {
+    let (_, rest) = stat.rsplit_once(')')?;
+    let mut fields = rest.split_whitespace();
+    let state = fields.next()?.chars().next()?;
+    let pgrp = fields.nth(1)?.parse().ok()?;
+    Some((state, pgrp))
 }
 
 /// The exit code, or 128 + signal for a process killed by a signal, like a shell.
@@ -256,16 +302,20 @@ mod tests {
             let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
                 continue;
             };
-            // "pid (comm) state ppid pgrp ..."; comm may contain spaces.
-            let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else {
-                continue;
-            };
-            let fields: Vec<&str> = rest.split_whitespace().collect();
-            if fields.len() > 2 && fields[0] != "Z" && fields[2] == pgid.to_string() {
-                out.push(pid);
+            if let Some((state, pgrp)) = parse_stat(&stat) {
+                if state != 'Z' && pgrp == pgid {
+                    out.push(pid);
+                }
             }
         }
         out
+    }
+
+    #[test]
+    fn stat_lines_are_parsed() {
+        assert_eq!(parse_stat("12 (sh) S 1 12 12 0 -1"), Some(('S', 12)));
+        assert_eq!(parse_stat("13 (a) b (c)) Z 12 7 7 0"), Some(('Z', 7)));
+        assert_eq!(parse_stat("garbage"), None);
     }
 
     #[tokio::test]
@@ -285,7 +335,10 @@ mod tests {
         std::fs::write(&log, "previous line\n").unwrap();
         assert_eq!(run_to_end(s).await.unwrap(), TaskExit::Exited(0));
         let text = std::fs::read_to_string(&log).unwrap();
-        assert!(text.starts_with("previous line\n"), "log not appended: {text}");
+        assert!(
+            text.starts_with("previous line\n"),
+            "log not appended: {text}"
+        );
         assert!(text.contains("to-stdout"), "{text}");
         assert!(text.contains("to-stderr"), "{text}");
         assert!(
@@ -325,7 +378,11 @@ mod tests {
     #[tokio::test]
     async fn missing_program_is_spawn_error() {
         let dir = tempfile::tempdir().unwrap();
-        let s = spec(dir.path(), "proc-missing", &["/nonexistent/gpuctl-no-such-program"]);
+        let s = spec(
+            dir.path(),
+            "proc-missing",
+            &["/nonexistent/gpuctl-no-such-program"],
+        );
         match run_to_end(s).await {
             Err(RuntimeError::Spawn { program, .. }) => {
                 assert_eq!(program, "/nonexistent/gpuctl-no-such-program")
@@ -341,7 +398,8 @@ mod tests {
         let log = s.log_path.clone();
         let (run_tx, run_rx) = oneshot::channel();
         let (kill_tx, kill_rx) = watch::channel(false);
-        let handle = tokio::spawn(async move { ProcessRuntime::new().run(s, run_tx, kill_rx).await });
+        let handle =
+            tokio::spawn(async move { ProcessRuntime::new().run(s, run_tx, kill_rx).await });
         run_rx.await.unwrap();
         // The shell writes its pid first, so we know it is up.
         let deadline = Instant::now() + Duration::from_secs(5);
@@ -361,14 +419,23 @@ mod tests {
         kill_tx.send(true).unwrap();
         let res = handle.await.unwrap().unwrap();
         assert_eq!(res, TaskExit::Killed);
-        assert!(started.elapsed() < Duration::from_secs(2), "kill took {:?}", started.elapsed());
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "kill took {:?}",
+            started.elapsed()
+        );
         pid
     }
 
     #[tokio::test]
     async fn kill_stops_the_process() {
         let dir = tempfile::tempdir().unwrap();
-        let pid = start_then_kill(dir.path(), "proc-kill", &["sh", "-c", "echo $$; exec sleep 30"]).await;
+        let pid = start_then_kill(
+            dir.path(),
+            "proc-kill",
+            &["sh", "-c", "echo $$; exec sleep 30"],
+        )
+        .await;
         assert_eq!(
             nix::sys::signal::kill(Pid::from_raw(pid), None),
             Err(Errno::ESRCH),
@@ -395,16 +462,24 @@ mod tests {
         let mut s = spec(
             dir.path(),
             "proc-stubborn",
-            &["sh", "-c", "trap '' TERM; echo ready; while :; do sleep 1; done"],
+            &[
+                "sh",
+                "-c",
+                "trap '' TERM; echo ready; while :; do sleep 1; done",
+            ],
         );
         s.kill_grace = Duration::from_millis(500);
         let log = s.log_path.clone();
         let (run_tx, run_rx) = oneshot::channel();
         let (kill_tx, kill_rx) = watch::channel(false);
-        let handle = tokio::spawn(async move { ProcessRuntime::new().run(s, run_tx, kill_rx).await });
+        let handle =
+            tokio::spawn(async move { ProcessRuntime::new().run(s, run_tx, kill_rx).await });
         run_rx.await.unwrap();
         let deadline = Instant::now() + Duration::from_secs(5);
-        while !std::fs::read_to_string(&log).unwrap_or_default().contains("ready") {
+        while !std::fs::read_to_string(&log)
+            .unwrap_or_default()
+            .contains("ready")
+        {
             assert!(Instant::now() < deadline, "task never got ready");
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
@@ -412,14 +487,60 @@ mod tests {
         kill_tx.send(true).unwrap();
         assert_eq!(handle.await.unwrap().unwrap(), TaskExit::Killed);
         let took = started.elapsed();
-        assert!(took >= Duration::from_millis(450), "SIGKILL came before the grace: {took:?}");
+        assert!(
+            took >= Duration::from_millis(450),
+            "SIGKILL came before the grace: {took:?}"
+        );
         assert!(took < Duration::from_secs(3), "kill took {took:?}");
+    }
+
+    #[tokio::test]
+    async fn dropping_the_run_future_kills_the_group() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = spec(
+            dir.path(),
+            "proc-drop",
+            &["sh", "-c", "echo $$; sleep 30 & sleep 30"],
+        );
+        let log = s.log_path.clone();
+        let (run_tx, run_rx) = oneshot::channel();
+        let (_kill_tx, kill_rx) = watch::channel(false);
+        let handle =
+            tokio::spawn(async move { ProcessRuntime::new().run(s, run_tx, kill_rx).await });
+        run_rx.await.unwrap();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let pid = loop {
+            if let Some(line) = std::fs::read_to_string(&log)
+                .unwrap_or_default()
+                .lines()
+                .next()
+            {
+                break line.trim().parse::<i32>().unwrap();
+            }
+            assert!(Instant::now() < deadline, "task never wrote its pid");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        handle.abort();
+        let _ = handle.await;
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while !live_group_members(pid).is_empty() {
+            assert!(
+                Instant::now() < deadline,
+                "group survived the dropped future"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     #[tokio::test]
     async fn background_children_do_not_outlive_a_finished_task() {
         let dir = tempfile::tempdir().unwrap();
-        let s = spec(dir.path(), "proc-bg", &["sh", "-c", "echo $$; sleep 30 & exit 0"]);
+        let s = spec(
+            dir.path(),
+            "proc-bg",
+            &["sh", "-c", "echo $$; sleep 30 & exit 0"],
+        );
         let log = s.log_path.clone();
         assert_eq!(run_to_end(s).await.unwrap(), TaskExit::Exited(0));
         let text = std::fs::read_to_string(&log).unwrap();

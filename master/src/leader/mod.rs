@@ -93,7 +93,9 @@ pub async fn run(
                 .await
             {
                 Ok(_) => tracing::info!(job_id = %job_id, agent_id = %agent_id, "job placed"),
-                Err(e) => tracing::warn!(job_id = %job_id, agent_id = %agent_id, error = %e, "placement refused"),
+                Err(e) => {
+                    tracing::warn!(job_id = %job_id, agent_id = %agent_id, error = %e, "placement refused")
+                }
             }
         }
         tokio::time::sleep(PLACEMENT_DEBOUNCE).await;

@@ -26,7 +26,9 @@ impl Drain for TracingDrain {
         let msg = record.msg();
         let kv = kv.0;
         match record.level() {
-            slog::Level::Critical | slog::Level::Error => tracing::error!(target: "raft", "{msg}{kv}"),
+            slog::Level::Critical | slog::Level::Error => {
+                tracing::error!(target: "raft", "{msg}{kv}")
+            }
             slog::Level::Warning => tracing::warn!(target: "raft", "{msg}{kv}"),
             // raft-rs logs elections and role changes at info: useful, but
             // below the daemon's default level.

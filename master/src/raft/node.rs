@@ -140,13 +140,21 @@ struct Node {
     status_tx: watch::Sender<NodeStatus>,
 }
 
+/// What [`start`] returns: the handle, the node task, and the commit index
+/// found in storage (what must be replayed before serving).
+pub type Started = (
+    RaftHandle,
+    tokio::task::JoinHandle<Result<(), NodeError>>,
+    u64,
+);
+
 /// Starts the node task. Committed entries already in `storage` are replayed
 /// into a fresh state before [`RaftHandle`] reports them applied.
 pub fn start(
     config: RaftNodeConfig,
     storage: SledStorage,
     mut shutdown: watch::Receiver<bool>,
-) -> Result<(RaftHandle, tokio::task::JoinHandle<Result<(), NodeError>>, u64), NodeError> {
+) -> Result<Started, NodeError> {
     let initial_commit = storage.hard_state().commit;
     let voters = storage.conf_state().voters.clone();
     let raft_config = raft::Config {
@@ -295,7 +303,10 @@ impl Node {
         // Proposals made while leader may never commit once leadership is
         // gone; tell their callers so they can retry with the new leader.
         if role != Role::Leader && !self.pending.is_empty() {
-            tracing::warn!(pending = self.pending.len(), "lost leadership; failing pending proposals");
+            tracing::warn!(
+                pending = self.pending.len(),
+                "lost leadership; failing pending proposals"
+            );
             let pending: Vec<_> = self.pending.drain().collect();
             for (_, reply) in pending {
                 let _ = reply.send(Err(self.not_leader()));
@@ -345,13 +356,13 @@ impl Node {
                 EntryType::EntryNormal => self.apply_normal(&entry),
                 EntryType::EntryConfChange => {
                     let cc: ConfChange = protobuf::Message::parse_from_bytes(&entry.data)
-                        .map_err(|e| raft::Error::CodecError(e))?;
+                        .map_err(raft::Error::CodecError)?;
                     let cs = self.raw.apply_conf_change(&cc)?;
                     self.raw.store().set_conf_state(&cs)?;
                 }
                 EntryType::EntryConfChangeV2 => {
                     let cc: ConfChangeV2 = protobuf::Message::parse_from_bytes(&entry.data)
-                        .map_err(|e| raft::Error::CodecError(e))?;
+                        .map_err(raft::Error::CodecError)?;
                     let cs = self.raw.apply_conf_change(&cc)?;
                     self.raw.store().set_conf_state(&cs)?;
                 }
@@ -376,8 +387,12 @@ impl Node {
                     let r = s.apply(entry.index, &cmd);
                     drop(s);
                     match &r {
-                        Ok(_) => tracing::debug!(index = entry.index, command = cmd.kind(), "applied"),
-                        Err(e) => tracing::info!(index = entry.index, command = cmd.kind(), error = %e, "command refused"),
+                        Ok(_) => {
+                            tracing::debug!(index = entry.index, command = cmd.kind(), "applied")
+                        }
+                        Err(e) => {
+                            tracing::info!(index = entry.index, command = cmd.kind(), error = %e, "command refused")
+                        }
                     }
                     r
                 }

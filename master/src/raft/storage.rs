@@ -71,15 +71,17 @@ impl SledStorage {
         };
         let mut meta = Meta::default();
         if let Some(b) = meta_tree.get(KEY_HARD_STATE).map_err(open_err)? {
-            meta.hard_state = HardState::parse_from_bytes(&b).map_err(|e| corrupt("hard state", &e))?;
+            meta.hard_state =
+                HardState::parse_from_bytes(&b).map_err(|e| corrupt("hard state", &e))?;
         }
         if let Some(b) = meta_tree.get(KEY_SNAPSHOT_META).map_err(open_err)? {
-            meta.snapshot =
-                SnapshotMetadata::parse_from_bytes(&b).map_err(|e| corrupt("snapshot metadata", &e))?;
+            meta.snapshot = SnapshotMetadata::parse_from_bytes(&b)
+                .map_err(|e| corrupt("snapshot metadata", &e))?;
         }
         match meta_tree.get(KEY_CONF_STATE).map_err(open_err)? {
             Some(b) => {
-                meta.conf_state = ConfState::parse_from_bytes(&b).map_err(|e| corrupt("conf state", &e))?;
+                meta.conf_state =
+                    ConfState::parse_from_bytes(&b).map_err(|e| corrupt("conf state", &e))?;
             }
             None => {
                 let mut cs = ConfState::default();
@@ -91,10 +93,13 @@ impl SledStorage {
         }
         meta.last_index = match entries.last().map_err(open_err)? {
             Some((k, _)) => {
-                let k: [u8; 8] = k.as_ref().try_into().map_err(|_| StorageInitError::Corrupt {
-                    path: path.clone(),
-                    reason: "entry key is not 8 bytes".into(),
-                })?;
+                let k: [u8; 8] = k
+                    .as_ref()
+                    .try_into()
+                    .map_err(|_| StorageInitError::Corrupt {
+                        path: path.clone(),
+                        reason: "entry key is not 8 bytes".into(),
+                    })?;
                 u64::from_be_bytes(k)
             }
             None => meta.snapshot.index,
@@ -176,7 +181,10 @@ impl SledStorage {
 impl Storage for SledStorage {
     fn initial_state(&self) -> raft::Result<RaftState> {
         let meta = self.meta();
-        Ok(RaftState::new(meta.hard_state.clone(), meta.conf_state.clone()))
+        Ok(RaftState::new(
+            meta.hard_state.clone(),
+            meta.conf_state.clone(),
+        ))
     }
 
     fn entries(
@@ -266,11 +274,12 @@ mod tests {
     use super::*;
 
     fn entry(index: u64, term: u64) -> Entry {
-        let mut e = Entry::default();
-        e.index = index;
-        e.term = term;
-        e.data = format!("e{index}").into_bytes().into();
-        e
+        Entry {
+            index,
+            term,
+            data: format!("e{index}").into_bytes().into(),
+            ..Default::default()
+        }
     }
 
     #[test]
@@ -298,10 +307,12 @@ mod tests {
             s.append(&[entry(2, 2)]).unwrap();
             assert_eq!(s.last_index().unwrap(), 2);
             assert_eq!(s.term(2).unwrap(), 2);
-            let mut hs = HardState::default();
-            hs.term = 2;
-            hs.vote = 1;
-            hs.commit = 2;
+            let hs = HardState {
+                term: 2,
+                vote: 1,
+                commit: 2,
+                ..Default::default()
+            };
             s.set_hard_state(&hs).unwrap();
             s.flush().unwrap();
         }

@@ -188,16 +188,32 @@ mod tests {
     #[test]
     fn bundle_packs_small_jobs_onto_the_fullest_node() {
         // a has 2 GPUs taken, so a 1-GPU job goes there and b stays whole.
-        let mut s = state(vec![agent("a", 4, both()), agent("b", 4, both()), job(2, false)]);
+        let mut s = state(vec![
+            agent("a", 4, both()),
+            agent("b", 4, both()),
+            job(2, false),
+        ]);
         let l = place(&s);
-        s.apply(10, &Command::LaunchTasks { launches: l, at_ms: 0 })
-            .unwrap();
+        s.apply(
+            10,
+            &Command::LaunchTasks {
+                launches: l,
+                at_ms: 0,
+            },
+        )
+        .unwrap();
         let a_or_b = s.tasks["job-1.0"].agent_id.clone();
         s.apply(11, &job(1, false)).unwrap();
         let l = place(&s);
         assert_eq!(l[0].agent_id, a_or_b);
-        s.apply(12, &Command::LaunchTasks { launches: l, at_ms: 0 })
-            .unwrap();
+        s.apply(
+            12,
+            &Command::LaunchTasks {
+                launches: l,
+                at_ms: 0,
+            },
+        )
+        .unwrap();
         // A 4-GPU job still fits on the untouched node.
         s.apply(13, &job(4, false)).unwrap();
         let l = place(&s);

@@ -10,8 +10,8 @@ use tokio::sync::mpsc;
 use tonic::{Request, Response, Status};
 
 use super::Ctx;
-use crate::state::{AgentState, Command};
 use crate::now_ms;
+use crate::state::{AgentState, Command};
 
 pub struct AgentManagerService {
     pub(super) ctx: Ctx,

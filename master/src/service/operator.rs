@@ -10,9 +10,9 @@ use tokio::sync::mpsc;
 use tonic::{Request, Response, Status};
 
 use super::Ctx;
+use crate::now_ms;
 use crate::scheduler::wait_reason;
 use crate::state::{AgentRecord, AgentState, Command, JobRecord, Outcome, State, TaskRecord};
-use crate::now_ms;
 
 pub struct OperatorService {
     pub(super) ctx: Ctx,

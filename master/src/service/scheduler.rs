@@ -22,13 +22,22 @@ impl pb::scheduler_server::Scheduler for SchedulerService {
     ) -> Result<Response<Self::SubscribeStream>, Status> {
         Err(not_yet())
     }
-    async fn accept(&self, _: Request<pb::AcceptRequest>) -> Result<Response<pb::CallResponse>, Status> {
+    async fn accept(
+        &self,
+        _: Request<pb::AcceptRequest>,
+    ) -> Result<Response<pb::CallResponse>, Status> {
         Err(not_yet())
     }
-    async fn decline(&self, _: Request<pb::DeclineRequest>) -> Result<Response<pb::CallResponse>, Status> {
+    async fn decline(
+        &self,
+        _: Request<pb::DeclineRequest>,
+    ) -> Result<Response<pb::CallResponse>, Status> {
         Err(not_yet())
     }
-    async fn kill(&self, _: Request<pb::KillRequest>) -> Result<Response<pb::CallResponse>, Status> {
+    async fn kill(
+        &self,
+        _: Request<pb::KillRequest>,
+    ) -> Result<Response<pb::CallResponse>, Status> {
         Err(not_yet())
     }
     async fn acknowledge(

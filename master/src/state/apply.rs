@@ -14,8 +14,12 @@ use super::{AgentRecord, AgentState, Command, JobRecord, Launch, State, TaskReco
 #[derive(Debug, Clone, PartialEq)]
 pub enum Outcome {
     Done,
-    JobSubmitted { job_id: String },
-    JobCancelled { state: JobState },
+    JobSubmitted {
+        job_id: String,
+    },
+    JobCancelled {
+        state: JobState,
+    },
     /// The update was about a task that already ended or that this master
     /// does not know; accepted (so the agent stops retrying) and ignored.
     StaleUpdate,
@@ -38,7 +42,9 @@ pub enum ApplyError {
     GpuClaimed { gpu: String, agent_id: String },
     #[error("launch does not fit: {0}")]
     DoesNotFit(String),
-    #[error("status update for task {task_id} from agent {agent_id}, but the task is on agent {owner}")]
+    #[error(
+        "status update for task {task_id} from agent {agent_id}, but the task is on agent {owner}"
+    )]
     WrongAgent {
         task_id: String,
         agent_id: String,
@@ -391,7 +397,9 @@ impl State {
         }
         job.updated_at_ms = at_ms;
         let (new_state, msg) = match state {
-            TaskState::Finished if exit_code.unwrap_or(0) == 0 => (JobState::Succeeded, String::new()),
+            TaskState::Finished if exit_code.unwrap_or(0) == 0 => {
+                (JobState::Succeeded, String::new())
+            }
             _ if job.cancel_requested => (JobState::Cancelled, "cancelled".to_string()),
             TaskState::Finished | TaskState::Failed => (
                 JobState::Failed,
@@ -519,7 +527,13 @@ mod tests {
                 at_ms: 3,
             })
         }
-        fn status(&mut self, task: &str, agent: &str, state: TaskState, code: Option<i32>) -> Outcome {
+        fn status(
+            &mut self,
+            task: &str,
+            agent: &str,
+            state: TaskState,
+            code: Option<i32>,
+        ) -> Outcome {
             self.apply(Command::UpdateTaskStatus {
                 update: StatusUpdate {
                     agent_id: agent.into(),
@@ -636,7 +650,11 @@ mod tests {
         // CPU and memory count too.
         let mut big = spec(0);
         big.resources.cpus = 100.0;
-        t.apply(Command::SubmitJob { spec: big, at_ms: 1 }).unwrap();
+        t.apply(Command::SubmitJob {
+            spec: big,
+            at_ms: 1,
+        })
+        .unwrap();
         assert!(matches!(
             t.launch("job-2", "a1", &[]),
             Err(ApplyError::DoesNotFit(_))
@@ -652,7 +670,11 @@ mod tests {
         .unwrap();
         let mut img = spec(0);
         img.image = Some("busybox".into());
-        t.apply(Command::SubmitJob { spec: img, at_ms: 1 }).unwrap();
+        t.apply(Command::SubmitJob {
+            spec: img,
+            at_ms: 1,
+        })
+        .unwrap();
         let err = t.launch("job-3", "a3", &[]).unwrap_err();
         assert!(err.to_string().contains("docker"), "{err}");
     }
@@ -794,7 +816,7 @@ mod tests {
 
     #[test]
     fn apply_is_deterministic() {
-        let cmds = vec![
+        let cmds = [
             Command::RegisterAgent {
                 info: agent("a1", 4),
                 running_task_ids: vec![],

@@ -19,12 +19,27 @@ pub enum Command {
         at_ms: u64,
     },
     /// The leader has not heard from the agent for too long.
-    AgentLost { agent_id: AgentId, at_ms: u64 },
-    SubmitJob { spec: JobSpec, at_ms: u64 },
+    AgentLost {
+        agent_id: AgentId,
+        at_ms: u64,
+    },
+    SubmitJob {
+        spec: JobSpec,
+        at_ms: u64,
+    },
     /// Place queued jobs: all launches in the command happen or none does.
-    LaunchTasks { launches: Vec<Launch>, at_ms: u64 },
-    UpdateTaskStatus { update: StatusUpdate, at_ms: u64 },
-    CancelJob { job_id: JobId, at_ms: u64 },
+    LaunchTasks {
+        launches: Vec<Launch>,
+        at_ms: u64,
+    },
+    UpdateTaskStatus {
+        update: StatusUpdate,
+        at_ms: u64,
+    },
+    CancelJob {
+        job_id: JobId,
+        at_ms: u64,
+    },
 }
 
 /// One job placed on one agent with exact GPUs.
@@ -44,7 +59,9 @@ pub struct EncodedCommand {
 
 #[derive(Debug, thiserror::Error)]
 pub enum DecodeError {
-    #[error("command encoding version {0} is newer than this master understands ({COMMAND_VERSION})")]
+    #[error(
+        "command encoding version {0} is newer than this master understands ({COMMAND_VERSION})"
+    )]
     UnknownVersion(u32),
     #[error("malformed command: {0}")]
     Malformed(#[from] serde_json::Error),

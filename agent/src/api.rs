@@ -1,0 +1,114 @@
+//! AgentApi: what the master asks of this agent directly (task output).
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::Stream;
+use gpuctl_proto::pb;
+use tokio::io::AsyncReadExt;
+use tokio::sync::mpsc;
+use tonic::{Request, Response, Status};
+
+use crate::executor::{Executor, LOG_FILE};
+
+const CHUNK: usize = 32 * 1024;
+/// How often a follower looks for new output when nothing else wakes it.
+const POLL: Duration = Duration::from_millis(200);
+const WAIT_FOR_START: Duration = Duration::from_secs(60);
+
+pub struct AgentApiService {
+    pub executor: Arc<Executor>,
+}
+
+type LogStream = Pin<Box<dyn Stream<Item = Result<pb::TaskLogChunk, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl pb::agent_api_server::AgentApi for AgentApiService {
+    type TaskLogsStream = LogStream;
+
+    async fn task_logs(
+        &self,
+        req: Request<pb::TaskLogsRequest>,
+    ) -> Result<Response<Self::TaskLogsStream>, Status> {
+        let req = req.into_inner();
+        // The id becomes a path: only plain identifiers, never "../x".
+        gpuctl_proto::convert::check_id("task_id", &req.task_id)?;
+        let exec = self.executor.clone();
+        let path = exec.sandbox(&req.task_id).join(LOG_FILE);
+        if !req.follow && !exec.is_active(&req.task_id) && !path.exists() {
+            return Err(Status::not_found(format!(
+                "no output for task {} on this agent",
+                req.task_id
+            )));
+        }
+        let (tx, rx) = mpsc::channel(16);
+        tokio::spawn(async move {
+            if let Err(s) = pump(&exec, &req.task_id, &path, req.follow, &tx).await {
+                let _ = tx.send(Err(s)).await;
+            }
+        });
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
+    }
+}
+
+/// Copies the log file to the stream; when following, keeps going until the
+/// task has ended and the file is read to its end.
+async fn pump(
+    exec: &Executor,
+    task_id: &str,
+    path: &std::path::Path,
+    follow: bool,
+    tx: &mpsc::Sender<Result<pb::TaskLogChunk, Status>>,
+) -> Result<(), Status> {
+    let mut ended = exec.task_ended_watch();
+    // A follower may ask before this agent has received the task.
+    let deadline = tokio::time::Instant::now() + WAIT_FOR_START;
+    let mut file = None;
+    let mut buf = vec![0u8; CHUNK];
+    loop {
+        // Read the state before reading the file: if the task had ended
+        // already, what we read next is all there will ever be.
+        let active = exec.is_active(task_id);
+        if file.is_none() {
+            file = tokio::fs::File::open(path).await.ok();
+        }
+        if let Some(f) = file.as_mut() {
+            loop {
+                let n = f
+                    .read(&mut buf)
+                    .await
+                    .map_err(|e| Status::internal(format!("read {}: {e}", path.display())))?;
+                if n == 0 {
+                    break;
+                }
+                let chunk = pb::TaskLogChunk {
+                    data: buf[..n].to_vec(),
+                };
+                if tx.send(Ok(chunk)).await.is_err() {
+                    return Ok(()); // the reader went away
+                }
+            }
+        }
+        if !follow {
+            return Ok(());
+        }
+        if !active {
+            if file.is_some() || exec.has_ended(task_id) {
+                return Ok(());
+            }
+            if tokio::time::Instant::now() > deadline {
+                return Err(Status::not_found(format!(
+                    "task {task_id} did not start on this agent"
+                )));
+            }
+        }
+        tokio::select! {
+            _ = ended.changed() => {}
+            _ = tokio::time::sleep(POLL) => {}
+            _ = tx.closed() => return Ok(()),
+        }
+    }
+}

@@ -1,0 +1,277 @@
+//! Agent options: from flags, environment variables or a TOML file
+//! (`--config`), in that order of precedence.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use clap::parser::ValueSource;
+use clap::{ArgMatches, CommandFactory, FromArgMatches, Parser};
+use gpuctl_proto::types::Runtime;
+use serde::Deserialize;
+
+use crate::AgentError;
+
+#[derive(Debug, Clone)]
+pub struct AgentConfig {
+    /// Master addresses, HOST:PORT; the agent follows them in order on failure.
+    pub masters: Vec<String>,
+    pub work_dir: PathBuf,
+    pub listen: SocketAddr,
+    /// Address the master uses to reach this agent; default from `listen`.
+    pub advertise: Option<String>,
+    /// `COUNTxMODEL[:MEMORY],...`: report simulated GPUs instead of NVML's.
+    pub simulate_gpus: Option<String>,
+    /// Which runtimes to offer; `None`: Docker when its daemon answers, plus
+    /// host processes.
+    pub runtimes: Option<Vec<Runtime>>,
+    pub nvml_lib: Option<PathBuf>,
+    pub cpus: Option<f64>,
+    pub mem_mib: Option<u64>,
+    /// Between SIGTERM and SIGKILL when a task is killed.
+    pub kill_grace: Duration,
+}
+
+impl AgentConfig {
+    pub fn new(masters: Vec<String>, work_dir: PathBuf) -> AgentConfig {
+        AgentConfig {
+            masters,
+            work_dir,
+            listen: SocketAddr::from(([0, 0, 0, 0], 7051)),
+            advertise: None,
+            simulate_gpus: None,
+            runtimes: None,
+            nvml_lib: None,
+            cpus: None,
+            mem_mib: None,
+            kill_grace: Duration::from_secs(10),
+        }
+    }
+}
+
+/// gpuctl-agent: runs gpuctl tasks on this host's GPUs.
+#[derive(Debug, Parser)]
+#[command(name = "gpuctl-agent", version, about)]
+pub struct Options {
+    /// TOML file with any of the options below (keys as the long flag names,
+    /// with '_' for '-'). Flags and environment variables override it.
+    #[arg(long, env = "GPUCTL_AGENT_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Master address(es), HOST:PORT[,HOST:PORT...].
+    #[arg(long, env = "GPUCTL_MASTER", default_value = "127.0.0.1:7050")]
+    pub master: String,
+    /// Task sandboxes, logs and the agent id live here.
+    #[arg(
+        long,
+        env = "GPUCTL_AGENT_WORK_DIR",
+        default_value = "/var/lib/gpuctl/agent"
+    )]
+    pub work_dir: PathBuf,
+    /// Address for the agent API (task logs), HOST:PORT.
+    #[arg(long, env = "GPUCTL_AGENT_LISTEN", default_value = "0.0.0.0:7051")]
+    pub listen: SocketAddr,
+    /// Address the master uses to reach this agent (default: the listen
+    /// address, with this host's name when listening on all interfaces).
+    #[arg(long, env = "GPUCTL_AGENT_ADVERTISE")]
+    pub advertise: Option<String>,
+    /// Report simulated GPUs, e.g. 4xA100-SXM4-40GB or 2xT4:16GiB,1xH100.
+    #[arg(long, env = "GPUCTL_AGENT_SIMULATE_GPUS")]
+    pub simulate_gpus: Option<String>,
+    /// Runtimes to offer: docker, process, or both comma separated
+    /// (default: docker when its daemon answers, plus process).
+    #[arg(long, env = "GPUCTL_AGENT_RUNTIME")]
+    pub runtime: Option<String>,
+    /// Path of libnvidia-ml to load (default: the system's).
+    #[arg(long, env = "GPUCTL_AGENT_NVML_LIB")]
+    pub nvml_lib: Option<PathBuf>,
+    /// CPUs to offer (default: all of this host's).
+    #[arg(long, env = "GPUCTL_AGENT_CPUS")]
+    pub cpus: Option<f64>,
+    /// Memory to offer in MiB (default: all of this host's).
+    #[arg(long, env = "GPUCTL_AGENT_MEM_MIB")]
+    pub mem_mib: Option<u64>,
+    /// Seconds between SIGTERM and SIGKILL when a task is killed.
+    #[arg(long, env = "GPUCTL_AGENT_KILL_GRACE_SECS", default_value_t = 10.0)]
+    pub kill_grace_secs: f64,
+    /// Log filter (tracing EnvFilter syntax), e.g. `info`.
+    #[arg(long, env = "GPUCTL_LOG", default_value = "info")]
+    pub log: String,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileOptions {
+    master: Option<String>,
+    work_dir: Option<PathBuf>,
+    listen: Option<SocketAddr>,
+    advertise: Option<String>,
+    simulate_gpus: Option<String>,
+    runtime: Option<String>,
+    nvml_lib: Option<PathBuf>,
+    cpus: Option<f64>,
+    mem_mib: Option<u64>,
+    kill_grace_secs: Option<f64>,
+    log: Option<String>,
+}
+
+fn unset(m: &ArgMatches, id: &str) -> bool {
+    !matches!(
+        m.value_source(id),
+        Some(ValueSource::CommandLine) | Some(ValueSource::EnvVariable)
+    )
+}
+
+/// Splits `a,b,c` into trimmed non-empty parts.
+pub fn split_list(s: &str) -> Vec<String> {
+    s.split(',')
+        .map(str::trim)
+        .filter(|p| !p.is_empty())
+        .map(str::to_string)
+        .collect()
+}
+
+pub fn parse_runtimes(s: &str) -> Result<Vec<Runtime>, AgentError> {
+    let mut out = Vec::new();
+    for part in split_list(s) {
+        let r: Runtime = part
+            .parse()
+            .map_err(|e: String| AgentError::Config(format!("runtime: {e}")))?;
+        if !out.contains(&r) {
+            out.push(r);
+        }
+    }
+    if out.is_empty() {
+        return Err(AgentError::Config("runtime: empty list".into()));
+    }
+    Ok(out)
+}
+
+impl Options {
+    pub fn load() -> Result<Options, AgentError> {
+        Self::load_from(std::env::args_os())
+    }
+
+    pub fn load_from<I, T>(args: I) -> Result<Options, AgentError>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<std::ffi::OsString> + Clone,
+    {
+        let matches = Options::command().get_matches_from(args);
+        let mut o =
+            Options::from_arg_matches(&matches).map_err(|e| AgentError::Config(e.to_string()))?;
+        if let Some(path) = o.config.clone() {
+            let f = read_file(&path)?;
+            macro_rules! fill {
+                ($field:ident) => {
+                    if let (Some(v), true) = (f.$field, unset(&matches, stringify!($field))) {
+                        o.$field = v;
+                    }
+                };
+                (opt $field:ident) => {
+                    if let (Some(v), true) = (f.$field, unset(&matches, stringify!($field))) {
+                        o.$field = Some(v);
+                    }
+                };
+            }
+            fill!(master);
+            fill!(work_dir);
+            fill!(listen);
+            fill!(opt advertise);
+            fill!(opt simulate_gpus);
+            fill!(opt runtime);
+            fill!(opt nvml_lib);
+            fill!(opt cpus);
+            fill!(opt mem_mib);
+            fill!(kill_grace_secs);
+            fill!(log);
+        }
+        Ok(o)
+    }
+
+    pub fn to_config(&self) -> Result<AgentConfig, AgentError> {
+        let masters = split_list(&self.master);
+        if masters.is_empty() {
+            return Err(AgentError::Config("master: no address given".into()));
+        }
+        if !self.kill_grace_secs.is_finite() || !(0.0..=3600.0).contains(&self.kill_grace_secs) {
+            return Err(AgentError::Config(format!(
+                "kill_grace_secs must be between 0 and 3600, got {}",
+                self.kill_grace_secs
+            )));
+        }
+        if let Some(c) = self.cpus {
+            if !c.is_finite() || c <= 0.0 {
+                return Err(AgentError::Config(format!("cpus must be > 0, got {c}")));
+            }
+        }
+        if let Some(spec) = &self.simulate_gpus {
+            crate::gpu::parse_spec(spec).map_err(|e| AgentError::Config(e.to_string()))?;
+        }
+        Ok(AgentConfig {
+            masters,
+            work_dir: self.work_dir.clone(),
+            listen: self.listen,
+            advertise: self.advertise.clone(),
+            simulate_gpus: self.simulate_gpus.clone(),
+            runtimes: self.runtime.as_deref().map(parse_runtimes).transpose()?,
+            nvml_lib: self.nvml_lib.clone(),
+            cpus: self.cpus,
+            mem_mib: self.mem_mib,
+            kill_grace: Duration::from_secs_f64(self.kill_grace_secs),
+        })
+    }
+}
+
+fn read_file(path: &Path) -> Result<FileOptions, AgentError> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| AgentError::Config(format!("{}: {e}", path.display())))?;
+    toml::from_str(&text).map_err(|e| AgentError::Config(format!("{}: {e}", path.display())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn file_fills_unset_options_and_flags_win() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("agent.toml");
+        std::fs::write(
+            &f,
+            "master = \"m1:7050, m2:7050\"\nsimulate_gpus = \"2xT4\"\nruntime = \"process\"\nkill_grace_secs = 3\n",
+        )
+        .unwrap();
+        let o = Options::load_from([
+            "gpuctl-agent",
+            "--config",
+            f.to_str().unwrap(),
+            "--work-dir",
+            "/tmp/w",
+        ])
+        .unwrap();
+        let c = o.to_config().unwrap();
+        assert_eq!(c.masters, vec!["m1:7050", "m2:7050"]);
+        assert_eq!(c.work_dir, PathBuf::from("/tmp/w"));
+        assert_eq!(c.runtimes, Some(vec![Runtime::Process]));
+        assert_eq!(c.kill_grace, Duration::from_secs(3));
+    }
+
+    #[test]
+    fn bad_values_name_the_option() {
+        let o = Options::load_from(["gpuctl-agent", "--runtime", "podman"]).unwrap();
+        assert!(o.to_config().unwrap_err().to_string().contains("runtime"));
+        let o = Options::load_from(["gpuctl-agent", "--simulate-gpus", "lots"]).unwrap();
+        assert!(o
+            .to_config()
+            .unwrap_err()
+            .to_string()
+            .contains("--simulate-gpus"));
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("agent.toml");
+        std::fs::write(&f, "gpus = 3\n").unwrap();
+        let err = Options::load_from(["gpuctl-agent", "--config", f.to_str().unwrap()])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("gpus"), "{err}");
+    }
+}

@@ -1,0 +1,240 @@
+//! The executor: a reconcile loop between the tasks the master wants on this
+//! agent and the tasks running here. Level triggered and idempotent: given
+//! the full desired set it launches what is missing and kills what is not
+//! listed, so a lost or repeated message never leaves a stray task.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use gpuctl_proto::types::{Runtime, StatusUpdate, TaskSpec, TaskState};
+use tokio::sync::{mpsc, oneshot, watch};
+
+use crate::runtime::{ContainerRuntime, LaunchSpec, TaskExit};
+
+/// File name of a task's combined output inside its sandbox.
+pub const LOG_FILE: &str = "output.log";
+
+struct LocalTask {
+    kill: watch::Sender<bool>,
+}
+
+#[derive(Default)]
+struct Tasks {
+    /// Launched and not yet ended.
+    active: HashMap<String, LocalTask>,
+    /// Ended here; kept until the master stops listing them, so that a
+    /// desired set computed before our final update was applied does not
+    /// launch them again.
+    ended: HashSet<String>,
+}
+
+pub struct Executor {
+    agent_id: String,
+    work_dir: PathBuf,
+    runtimes: BTreeMap<Runtime, Arc<dyn ContainerRuntime>>,
+    kill_grace: Duration,
+    tasks: Mutex<Tasks>,
+    updates: mpsc::Sender<StatusUpdate>,
+    /// Ticks whenever a task ends, for log followers.
+    ended_tx: watch::Sender<u64>,
+}
+
+impl Executor {
+    pub fn new(
+        agent_id: String,
+        work_dir: PathBuf,
+        runtimes: BTreeMap<Runtime, Arc<dyn ContainerRuntime>>,
+        kill_grace: Duration,
+        updates: mpsc::Sender<StatusUpdate>,
+    ) -> Arc<Executor> {
+        Arc::new(Executor {
+            agent_id,
+            work_dir,
+            runtimes,
+            kill_grace,
+            tasks: Mutex::new(Tasks::default()),
+            updates,
+            ended_tx: watch::channel(0).0,
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Tasks> {
+        self.tasks.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn sandbox(&self, task_id: &str) -> PathBuf {
+        self.work_dir.join("tasks").join(task_id)
+    }
+
+    /// Tasks the master should keep for this agent when it (re)registers:
+    /// those running, and those ended whose final update may not be applied yet.
+    pub fn known_task_ids(&self) -> Vec<String> {
+        let t = self.lock();
+        let mut ids: Vec<String> = t.active.keys().chain(t.ended.iter()).cloned().collect();
+        ids.sort();
+        ids
+    }
+
+    pub fn is_active(&self, task_id: &str) -> bool {
+        self.lock().active.contains_key(task_id)
+    }
+
+    pub fn has_ended(&self, task_id: &str) -> bool {
+        self.lock().ended.contains(task_id)
+    }
+
+    pub fn task_ended_watch(&self) -> watch::Receiver<u64> {
+        self.ended_tx.subscribe()
+    }
+
+    /// Makes the running set match `desired`.
+    pub fn reconcile(self: &Arc<Self>, desired: Vec<TaskSpec>) {
+        let wanted: HashSet<String> = desired.iter().map(|t| t.task_id.clone()).collect();
+        let mut to_launch = Vec::new();
+        {
+            let mut t = self.lock();
+            for (id, task) in &t.active {
+                if !wanted.contains(id) && !*task.kill.borrow() {
+                    tracing::info!(task_id = %id, "task no longer wanted by the master; killing it");
+                    let _ = task.kill.send(true);
+                }
+            }
+            t.ended.retain(|id| wanted.contains(id));
+            for spec in desired {
+                if t.active.contains_key(&spec.task_id) || t.ended.contains(&spec.task_id) {
+                    continue;
+                }
+                let (kill, kill_rx) = watch::channel(false);
+                t.active.insert(spec.task_id.clone(), LocalTask { kill });
+                to_launch.push((spec, kill_rx));
+            }
+        }
+        for (spec, kill_rx) in to_launch {
+            let me = self.clone();
+            tokio::spawn(async move { me.run_task(spec, kill_rx).await });
+        }
+    }
+
+    /// Kills every task (agent shutdown) and waits up to `timeout` for them.
+    pub async fn kill_all(&self, timeout: Duration) {
+        {
+            let t = self.lock();
+            for task in t.active.values() {
+                let _ = task.kill.send(true);
+            }
+        }
+        let deadline = tokio::time::Instant::now() + timeout;
+        while !self.lock().active.is_empty() && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    async fn send(&self, task_id: &str, state: TaskState, exit_code: Option<i32>, message: String) {
+        let u = StatusUpdate {
+            agent_id: self.agent_id.clone(),
+            task_id: task_id.to_string(),
+            state,
+            exit_code,
+            message,
+        };
+        if self.updates.send(u).await.is_err() {
+            tracing::error!(task_id, "status channel closed; update dropped");
+        }
+    }
+
+    fn gpu_env(spec: &TaskSpec) -> BTreeMap<String, String> {
+        let mut env = spec.env.clone();
+        let ids = spec.gpu_uuids.join(",");
+        // A task without GPUs gets "void" (never inherit an image's "all").
+        env.insert(
+            "NVIDIA_VISIBLE_DEVICES".into(),
+            if ids.is_empty() {
+                "void".into()
+            } else {
+                ids.clone()
+            },
+        );
+        env.insert("CUDA_VISIBLE_DEVICES".into(), ids.clone());
+        env.insert("CUDA_DEVICE_ORDER".into(), "PCI_BUS_ID".into());
+        env.insert("GPUCTL_GPUS".into(), ids);
+        env.insert("GPUCTL_TASK_ID".into(), spec.task_id.clone());
+        env.insert("GPUCTL_JOB_ID".into(), spec.job_id.clone());
+        env
+    }
+
+    async fn run_task(self: Arc<Self>, spec: TaskSpec, kill: watch::Receiver<bool>) {
+        let task_id = spec.task_id.clone();
+        let (state, code, message) = self.run_task_inner(spec, kill).await;
+        tracing::info!(task_id = %task_id, state = %state, exit_code = ?code, "task ended");
+        {
+            let mut t = self.lock();
+            t.active.remove(&task_id);
+            t.ended.insert(task_id.clone());
+        }
+        self.ended_tx.send_modify(|n| *n += 1);
+        self.send(&task_id, state, code, message).await;
+    }
+
+    async fn run_task_inner(
+        &self,
+        spec: TaskSpec,
+        kill: watch::Receiver<bool>,
+    ) -> (TaskState, Option<i32>, String) {
+        let task_id = spec.task_id.clone();
+        let kind = if spec.image.is_some() {
+            Runtime::Docker
+        } else {
+            Runtime::Process
+        };
+        let Some(runtime) = self.runtimes.get(&kind).cloned() else {
+            return (
+                TaskState::Failed,
+                None,
+                format!("this agent has no {kind} runtime"),
+            );
+        };
+        self.send(&task_id, TaskState::Starting, None, String::new())
+            .await;
+        let sandbox = self.sandbox(&task_id);
+        if let Err(e) = tokio::fs::create_dir_all(&sandbox).await {
+            return (
+                TaskState::Failed,
+                None,
+                format!("create sandbox {}: {e}", sandbox.display()),
+            );
+        }
+        let launch = LaunchSpec {
+            env: Self::gpu_env(&spec),
+            log_path: sandbox.join(LOG_FILE),
+            sandbox,
+            agent_id: self.agent_id.clone(),
+            kill_grace: self.kill_grace,
+            task: spec,
+        };
+        let (running_tx, running_rx) = oneshot::channel();
+        let run = runtime.run(launch, running_tx, kill);
+        let report_running = async {
+            if running_rx.await.is_ok() {
+                self.send(&task_id, TaskState::Running, None, String::new())
+                    .await;
+            }
+            std::future::pending::<std::convert::Infallible>().await
+        };
+        // Biased so that RUNNING goes out before a quick exit's final state.
+        let result = tokio::select! {
+            biased;
+            never = report_running => match never {},
+            r = run => r,
+        };
+        match result {
+            Ok(TaskExit::Exited(0)) => (TaskState::Finished, Some(0), String::new()),
+            Ok(TaskExit::Exited(c)) => {
+                (TaskState::Failed, Some(c), format!("exited with code {c}"))
+            }
+            Ok(TaskExit::Killed) => (TaskState::Killed, None, "killed".into()),
+            Err(e) => (TaskState::Failed, None, e.to_string()),
+        }
+    }
+}
