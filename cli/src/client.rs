@@ -56,7 +56,11 @@ pub fn parse_master_list(s: &str) -> Result<MasterList, String> {
         }
         match port.parse::<u16>() {
             Ok(p) if p != 0 => {}
-            _ => return Err(format!("{entry:?}: port {port:?} is not a number in 1..65535")),
+            _ => {
+                return Err(format!(
+                    "{entry:?}: port {port:?} is not a number in 1..65535"
+                ))
+            }
         }
         out.push(entry.to_string());
     }

@@ -9,10 +9,17 @@ mod client;
 mod commands;
 mod output;
 
-use commands::{Cli, EXIT_FAILURE, EXIT_OK};
+use commands::{Cli, EXIT_FAILURE, EXIT_OK, EXIT_USAGE};
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            // --help and --version go to stdout and succeed; usage errors exit 2.
+            let _ = e.print();
+            return ExitCode::from(if e.use_stderr() { EXIT_USAGE } else { EXIT_OK });
+        }
+    };
 
     // Only warnings by default (the demo runs a master and an agent in this
     // process); RUST_LOG overrides.

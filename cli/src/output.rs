@@ -240,10 +240,20 @@ impl Table {
         let ncols = self.headers.len();
         let lines: Vec<Vec<String>> = std::iter::once(&self.headers)
             .chain(self.rows.iter())
-            .map(|r| (0..ncols).map(|i| clean(r.get(i).map_or("", |s| s))).collect())
+            .map(|r| {
+                (0..ncols)
+                    .map(|i| clean(r.get(i).map_or("", |s| s)))
+                    .collect()
+            })
             .collect();
         let widths: Vec<usize> = (0..ncols)
-            .map(|i| lines.iter().map(|l| l[i].chars().count()).max().unwrap_or(0))
+            .map(|i| {
+                lines
+                    .iter()
+                    .map(|l| l[i].chars().count())
+                    .max()
+                    .unwrap_or(0)
+            })
             .collect();
         let mut out = String::new();
         for line in &lines {
@@ -252,9 +262,8 @@ impl Table {
                 if i + 1 == ncols {
                     s.push_str(cell);
                 } else {
-                    s.push_str(cell);
-                    let pad = widths[i] - cell.chars().count() + 2;
-                    s.extend(std::iter::repeat(' ').take(pad));
+                    let width = widths[i] + 2;
+                    let _ = write!(s, "{cell:<width$}");
                 }
             }
             out.push_str(s.trim_end());
@@ -371,9 +380,7 @@ pub fn job_detail(j: &pb::Job, now_ms: u64) -> String {
 /// `agents list`: ID, HOSTNAME, STATE, GPUS, CPUS, MEM, RUNTIMES. GPUS,
 /// CPUS and MEM are `free/total`.
 pub fn agents_table(agents: &[pb::Agent]) -> Table {
-    let mut t = Table::new(&[
-        "ID", "HOSTNAME", "STATE", "GPUS", "CPUS", "MEM", "RUNTIMES",
-    ]);
+    let mut t = Table::new(&["ID", "HOSTNAME", "STATE", "GPUS", "CPUS", "MEM", "RUNTIMES"]);
     for a in agents {
         let total = a.total.unwrap_or_default();
         let alloc = a.allocated.unwrap_or_default();
@@ -425,7 +432,7 @@ pub fn gpus_table(gpus: &[pb::GpuStatus]) -> Table {
 pub fn fmt_mib(mib: u64) -> String {
     if mib < 1024 {
         format!("{mib}MiB")
-    } else if mib % 1024 == 0 {
+    } else if (mib / 1024) * 1024 == mib {
         format!("{}GiB", mib / 1024)
     } else {
         format!("{:.1}GiB", mib as f64 / 1024.0)
@@ -490,8 +497,7 @@ fn civil_from_days(z: i64) -> (i64, u32, u32) {
 /// Quotes an argument for a POSIX shell when it needs it.
 pub fn shell_quote(s: &str) -> String {
     let plain = !s.is_empty()
-        && s
-            .chars()
+        && s.chars()
             .all(|c| c.is_ascii_alphanumeric() || "-_./:=,@%+".contains(c));
     if plain {
         s.to_string()
@@ -657,11 +663,8 @@ mod tests {
             task_id: "job-7.0".into(),
             ..free.clone()
         };
-        let v = serde_json::to_value(vec![
-            GpuStatusJson::from(&free),
-            GpuStatusJson::from(&busy),
-        ])
-        .unwrap();
+        let v = serde_json::to_value(vec![GpuStatusJson::from(&free), GpuStatusJson::from(&busy)])
+            .unwrap();
         assert!(v[0]["task_id"].is_null());
         assert_eq!(v[1]["task_id"], "job-7.0");
         for key in [
@@ -693,7 +696,10 @@ mod tests {
 
     #[test]
     fn empty_table_is_the_header() {
-        assert_eq!(jobs_table(&[], 0).render(), "ID  NAME  STATE  GPUS  AGENT  AGE  EXIT\n");
+        assert_eq!(
+            jobs_table(&[], 0).render(),
+            "ID  NAME  STATE  GPUS  AGENT  AGE  EXIT\n"
+        );
     }
 
     #[test]
@@ -772,7 +778,7 @@ mod tests {
         assert_eq!(fmt_cpus(0.5), "0.5");
         assert_eq!(fmt_age(0, 5), "-");
         assert_eq!(fmt_age(1000, 6000), "5s");
-        assert_eq!(fmt_age(0 + 1, 1 + 3 * 3600 * 1000), "3h");
+        assert_eq!(fmt_age(1, 1 + 3 * 3600 * 1000), "3h");
         assert_eq!(fmt_age(1, 1 + 10 * 60 * 1000), "10m");
         assert_eq!(fmt_age(1, 1 + 3 * 86400 * 1000), "3d");
         assert_eq!(fmt_timestamp(0), "-");
@@ -780,9 +786,6 @@ mod tests {
         assert_eq!(shell_quote("abc"), "abc");
         assert_eq!(shell_quote(""), "''");
         assert_eq!(shell_quote("it's"), r"'it'\''s'");
-        assert_eq!(
-            shell_join(&["echo".into(), "a b".into()]),
-            "echo 'a b'"
-        );
+        assert_eq!(shell_join(&["echo".into(), "a b".into()]), "echo 'a b'");
     }
 }

@@ -1,6 +1,597 @@
-//! placeholder, written last
+//! `gpuctl demo`: a whole cluster in this process. Starts a master and an
+//! agent on `127.0.0.1:0` with a temporary data directory, runs a 1-GPU and
+//! a 2-GPU job, streams their output, and prints the cluster with the same
+//! code as `jobs list`, `agents list` and `gpus`.
+
+use std::io::{self, Write};
+use std::path::Path;
+use std::time::Duration;
+
 use clap::Args;
-use super::CliError;
+use gpuctl_proto::convert::job_state_name;
+use gpuctl_proto::pb;
+use gpuctl_proto::types::Runtime;
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use super::{agents, gpus, jobs, one_line, parse_secs, CliError, EXIT_FAILURE, EXIT_OK};
+use crate::client::Master;
+
+/// GPUs simulated when the host has none.
+pub const SIMULATED_GPUS: &str = "4xA100-SXM4-40GB";
+/// What each demo job runs.
+pub const DEMO_SCRIPT: &str =
+    r#"echo "job $GPUCTL_JOB_ID on $(hostname): GPUs $NVIDIA_VISIBLE_DEVICES"; sleep 1; echo done"#;
+/// How long the agent may take to register.
+const AGENT_TIMEOUT: Duration = Duration::from_secs(30);
+const DOCKER_CONNECT_TIMEOUT: Duration = Duration::from_secs(15);
+const IMAGE_TIMEOUT: Duration = Duration::from_secs(180);
+const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(15);
+const POLL: Duration = Duration::from_millis(200);
+
 #[derive(Debug, Clone, Args)]
-pub struct DemoArgs {}
-pub async fn run(_args: DemoArgs) -> Result<u8, CliError> { Err(CliError::Other("demo not ready".into())) }
+pub struct DemoArgs {
+    /// Simulate these GPUs even if the host has real ones (e.g. 8xH100-SXM5-80GB).
+    #[arg(long, value_name = "SPEC")]
+    pub simulate_gpus: Option<String>,
+    /// Run the jobs as host processes even if Docker is available.
+    #[arg(long)]
+    pub no_docker: bool,
+    /// Give up if the jobs have not finished after this many seconds.
+    #[arg(long, value_name = "SECS", default_value = "120", value_parser = parse_secs)]
+    pub timeout: Duration,
+}
+
+/// One line of the demo's narration.
+fn say(msg: impl AsRef<str>) {
+    let mut out = io::stdout().lock();
+    let _ = writeln!(out, "==> {}", msg.as_ref());
+    let _ = out.flush();
+}
+
+/// Which GPUs the agent offers, and how many the second job asks for.
+#[derive(Debug, Clone, PartialEq)]
+struct GpuPlan {
+    simulate: Option<String>,
+    second_job_gpus: u32,
+}
+
+/// How the jobs run.
+#[derive(Debug, Clone, PartialEq)]
+struct RuntimePlan {
+    runtimes: Vec<Runtime>,
+    image: Option<String>,
+}
+
+pub async fn run(args: DemoArgs) -> Result<u8, CliError> {
+    let tmp = tempfile::Builder::new()
+        .prefix("gpuctl-demo-")
+        .tempdir()
+        .map_err(|e| CliError::Other(format!("creating a temporary directory: {e}")))?;
+    say(format!(
+        "Temporary data directory: {} (removed on exit)",
+        tmp.path().display()
+    ));
+
+    let gpu_plan = choose_gpus(&args).await;
+    let runtime_plan = choose_runtimes(&args).await;
+
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let (exit_tx, mut exit_rx) = mpsc::channel::<(&'static str, Result<(), String>)>(2);
+    let daemons = start_daemons(tmp.path(), &gpu_plan, &runtime_plan, &stop_rx, &exit_tx).await;
+    drop(exit_tx);
+    let (master_addr, handles) = match daemons {
+        Ok(d) => d,
+        Err(e) => {
+            let _ = stop_tx.send(true);
+            return Err(e);
+        }
+    };
+
+    let outcome = tokio::select! {
+        r = drive(&master_addr, &gpu_plan, &runtime_plan, args.timeout) => r,
+        Some((name, r)) = exit_rx.recv() => Err(CliError::Other(match r {
+            Ok(()) => format!("the {name} stopped unexpectedly"),
+            Err(e) => format!("the {name} failed: {}", one_line(&e)),
+        })),
+        _ = tokio::signal::ctrl_c() => Err(CliError::Other("interrupted".to_string())),
+    };
+
+    say("Stopping the agent and the master");
+    let _ = stop_tx.send(true);
+    for (name, handle) in handles {
+        if tokio::time::timeout(SHUTDOWN_TIMEOUT, handle)
+            .await
+            .is_err()
+        {
+            say(format!(
+                "warning: the {name} did not stop within {}s",
+                SHUTDOWN_TIMEOUT.as_secs()
+            ));
+        }
+    }
+    while let Ok((name, r)) = exit_rx.try_recv() {
+        if let Err(e) = r {
+            say(format!(
+                "warning: the {name} stopped with an error: {}",
+                one_line(&e)
+            ));
+        }
+    }
+    drop(tmp);
+
+    let both_succeeded = outcome?;
+    if both_succeeded {
+        say("Both jobs SUCCEEDED");
+        Ok(EXIT_OK)
+    } else {
+        say("Not every job succeeded (see above)");
+        Ok(EXIT_FAILURE)
+    }
+}
+
+/// Real GPUs when NVML finds healthy ones, else simulated ones.
+async fn choose_gpus(args: &DemoArgs) -> GpuPlan {
+    if let Some(spec) = &args.simulate_gpus {
+        say(format!("Simulating GPUs {spec} (--simulate-gpus)"));
+        return GpuPlan {
+            simulate: Some(spec.clone()),
+            second_job_gpus: 2,
+        };
+    }
+    say("Looking for NVIDIA GPUs (NVML)");
+    let discovery = tokio::task::spawn_blocking(|| gpuctl_agent::gpu::discover(None)).await;
+    let discovery = match discovery {
+        Ok(d) => d,
+        Err(e) => {
+            say(format!(
+                "GPU discovery failed ({e}); simulating {SIMULATED_GPUS} instead"
+            ));
+            return simulated();
+        }
+    };
+    let healthy = discovery.gpus.iter().filter(|g| g.healthy).count();
+    if healthy == 0 {
+        let why = match (&discovery.error, discovery.gpus.len()) {
+            (Some(e), _) => one_line(e),
+            (None, 0) => "NVML reports none".to_string(),
+            (None, n) => format!("{n} found, none healthy"),
+        };
+        say(format!(
+            "No usable NVIDIA GPU on this host ({why}); simulating {SIMULATED_GPUS} instead"
+        ));
+        return simulated();
+    }
+    let mut models: Vec<&str> = discovery.gpus.iter().map(|g| g.model.as_str()).collect();
+    models.dedup();
+    let driver = discovery
+        .driver_version
+        .as_deref()
+        .map(|v| format!(", driver {v}"))
+        .unwrap_or_default();
+    say(format!(
+        "Found {} real GPU(s) ({}{driver}); the demo uses them",
+        discovery.gpus.len(),
+        models.join(", ")
+    ));
+    let second_job_gpus = if healthy >= 2 {
+        2
+    } else {
+        say("Only one healthy GPU: the second job asks for 1 GPU instead of 2");
+        1
+    };
+    GpuPlan {
+        simulate: None,
+        second_job_gpus,
+    }
+}
+
+fn simulated() -> GpuPlan {
+    GpuPlan {
+        simulate: Some(SIMULATED_GPUS.to_string()),
+        second_job_gpus: 2,
+    }
+}
+
+/// Docker when the daemon answers and the demo image can be prepared, else
+/// host processes.
+async fn choose_runtimes(args: &DemoArgs) -> RuntimePlan {
+    let processes = RuntimePlan {
+        runtimes: vec![Runtime::Process],
+        image: None,
+    };
+    if args.no_docker {
+        say("Jobs run as host processes (--no-docker)");
+        return processes;
+    }
+    say("Checking for Docker");
+    let docker = match tokio::time::timeout(
+        DOCKER_CONNECT_TIMEOUT,
+        gpuctl_agent::runtime::DockerRuntime::connect(),
+    )
+    .await
+    {
+        Ok(Ok(d)) => d,
+        Ok(Err(e)) => {
+            say(format!(
+                "Docker is not available ({}); jobs run as host processes",
+                one_line(&e.to_string())
+            ));
+            return processes;
+        }
+        Err(_) => {
+            say(format!(
+                "Docker did not answer within {}s; jobs run as host processes",
+                DOCKER_CONNECT_TIMEOUT.as_secs()
+            ));
+            return processes;
+        }
+    };
+    say("Docker answers; preparing the demo image");
+    match tokio::time::timeout(
+        IMAGE_TIMEOUT,
+        gpuctl_agent::runtime::image::ensure_busybox_image(docker.client()),
+    )
+    .await
+    {
+        Ok(Ok(image)) => {
+            say(format!("Jobs run in Docker containers from image {image}"));
+            RuntimePlan {
+                runtimes: vec![Runtime::Docker, Runtime::Process],
+                image: Some(image),
+            }
+        }
+        Ok(Err(e)) => {
+            say(format!(
+                "The demo image could not be prepared ({}); jobs run as host processes",
+                one_line(&e.to_string())
+            ));
+            processes
+        }
+        Err(_) => {
+            say(format!(
+                "Preparing the demo image took more than {}s; jobs run as host processes",
+                IMAGE_TIMEOUT.as_secs()
+            ));
+            processes
+        }
+    }
+}
+
+/// Resolves once `stop` turns true (or its sender is gone).
+async fn shutdown_signal(mut stop: watch::Receiver<bool>) {
+    let _ = stop.wait_for(|s| *s).await;
+}
+
+type Daemons = (String, Vec<(&'static str, JoinHandle<()>)>);
+
+/// Binds and spawns the master, then the agent. Each reports how it ended on `exit`.
+async fn start_daemons(
+    dir: &Path,
+    gpu_plan: &GpuPlan,
+    runtime_plan: &RuntimePlan,
+    stop: &watch::Receiver<bool>,
+    exit: &mpsc::Sender<(&'static str, Result<(), String>)>,
+) -> Result<Daemons, CliError> {
+    let bind = |what: &'static str| async move {
+        tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .map_err(|e| CliError::Other(format!("binding 127.0.0.1:0 for the {what}: {e}")))
+    };
+
+    let master_dir = dir.join("master");
+    let listener = bind("master").await?;
+    let master_addr = listener
+        .local_addr()
+        .map_err(|e| CliError::Other(format!("master listener address: {e}")))?;
+    let config = gpuctl_master::MasterConfig::new(master_addr, master_dir.clone());
+    let master = tokio::spawn({
+        let exit = exit.clone();
+        let shutdown = shutdown_signal(stop.clone());
+        async move {
+            let r = gpuctl_master::serve(config, listener, shutdown)
+                .await
+                .map_err(|e| e.to_string());
+            let _ = exit.send(("master", r)).await;
+        }
+    });
+    say(format!(
+        "Master started on {master_addr} (data in {})",
+        master_dir.display()
+    ));
+
+    let agent_dir = dir.join("agent");
+    if let Err(e) = std::fs::create_dir_all(&agent_dir) {
+        return Err(CliError::Other(format!("{}: {e}", agent_dir.display())));
+    }
+    let listener = bind("agent").await?;
+    let agent_addr = listener
+        .local_addr()
+        .map_err(|e| CliError::Other(format!("agent listener address: {e}")))?;
+    let mut config = gpuctl_agent::AgentConfig::new(vec![master_addr.to_string()], agent_dir);
+    config.simulate_gpus = gpu_plan.simulate.clone();
+    config.runtimes = Some(runtime_plan.runtimes.clone());
+    let agent = tokio::spawn({
+        let exit = exit.clone();
+        let shutdown = shutdown_signal(stop.clone());
+        async move {
+            let r = gpuctl_agent::serve(config, listener, shutdown)
+                .await
+                .map_err(|e| e.to_string());
+            let _ = exit.send(("agent", r)).await;
+        }
+    });
+    let runtimes: Vec<String> = runtime_plan
+        .runtimes
+        .iter()
+        .map(|r| r.to_string())
+        .collect();
+    say(format!(
+        "Agent started on {agent_addr} (runtimes: {})",
+        runtimes.join(", ")
+    ));
+    // The agent stops first: it may have containers to stop.
+    Ok((
+        master_addr.to_string(),
+        vec![("agent", agent), ("master", master)],
+    ))
+}
+
+/// Everything done against the running cluster. Ok(true) when both jobs SUCCEEDED.
+async fn drive(
+    master_addr: &str,
+    gpu_plan: &GpuPlan,
+    runtime_plan: &RuntimePlan,
+    timeout: Duration,
+) -> Result<bool, CliError> {
+    let mut master = Master::connect(&[master_addr.to_string()]).await?;
+    let agent = wait_for_agent(&mut master, AGENT_TIMEOUT).await?;
+    let total_gpus = agent.total.map_or(0, |t| t.gpus);
+    say(format!(
+        "Agent {} ({}) registered with {total_gpus} {}GPU(s)",
+        agent.id,
+        agent.hostname,
+        if agent.simulated_gpus {
+            "simulated "
+        } else {
+            ""
+        }
+    ));
+
+    let mut ids = Vec::new();
+    for (name, gpus) in [("demo-1gpu", 1), ("demo-2gpu", gpu_plan.second_job_gpus)] {
+        let spec = demo_spec(name, gpus, runtime_plan.image.as_deref());
+        let id = jobs::submit(&mut master, spec).await?;
+        say(format!("Submitted job {name} ({gpus} GPU) as {id}"));
+        ids.push((name, id));
+    }
+
+    let followers: Vec<_> = ids
+        .iter()
+        .map(|(name, id)| {
+            let master = master.clone();
+            let (name, id) = (name.to_string(), id.clone());
+            tokio::spawn(async move { follow_job(master, &id, &name, timeout).await })
+        })
+        .collect();
+    let mut finished = Vec::new();
+    for ((name, _), follower) in ids.iter().zip(followers) {
+        let job = follower
+            .await
+            .map_err(|e| CliError::Other(format!("following {name}: {e}")))??;
+        finished.push((name, job));
+    }
+    for (name, job) in &finished {
+        say(format!("{name}: {}", job_summary(job)));
+    }
+
+    let mut out = io::stdout();
+    say("gpuctl jobs list");
+    jobs::list(&mut master, false, &mut out).await?;
+    say("gpuctl agents list");
+    agents::list(&mut master, false, &mut out).await?;
+    say("gpuctl gpus");
+    gpus::list(&mut master, false, &mut out).await?;
+    out.flush()?;
+
+    Ok(finished
+        .iter()
+        .all(|(_, j)| j.state == pb::JobState::JobSucceeded as i32))
+}
+
+/// The spec of a demo job.
+fn demo_spec(name: &str, gpus: u32, image: Option<&str>) -> pb::JobSpec {
+    pb::JobSpec {
+        name: name.to_string(),
+        image: image.unwrap_or_default().to_string(),
+        command: vec!["sh".into(), "-c".into(), DEMO_SCRIPT.into()],
+        env: Default::default(),
+        resources: Some(pb::Resources {
+            cpus: 0.5,
+            mem_mib: 0,
+            gpus,
+        }),
+    }
+}
+
+fn job_summary(job: &pb::Job) -> String {
+    let state = job_state_name(job.state);
+    match job.tasks.last() {
+        Some(t) => {
+            let exit = t
+                .exit_code
+                .map(|c| format!(", exit {c}"))
+                .unwrap_or_default();
+            let msg = if t.message.is_empty() {
+                String::new()
+            } else {
+                format!(": {}", one_line(&t.message))
+            };
+            format!(
+                "{state} on {} with GPUs [{}]{exit}{msg}",
+                t.agent_id,
+                t.gpu_uuids.join(", ")
+            )
+        }
+        None if job.message.is_empty() => state.to_string(),
+        None => format!("{state}: {}", one_line(&job.message)),
+    }
+}
+
+/// Polls ListAgents until an ACTIVE agent is there.
+async fn wait_for_agent(master: &mut Master, timeout: Duration) -> Result<pb::Agent, CliError> {
+    say(format!(
+        "Waiting for the agent to register (up to {}s)",
+        timeout.as_secs()
+    ));
+    let deadline = Instant::now() + timeout;
+    let mut last_error = String::new();
+    loop {
+        let call = master.client.list_agents(pb::ListAgentsRequest {});
+        match tokio::time::timeout(Duration::from_secs(5), call).await {
+            Ok(Ok(resp)) => {
+                let active = resp
+                    .into_inner()
+                    .agents
+                    .into_iter()
+                    .find(|a| a.state == pb::AgentState::AgentActive as i32);
+                if let Some(agent) = active {
+                    return Ok(agent);
+                }
+                last_error.clear();
+            }
+            Ok(Err(status)) => last_error = CliError::rpc(master, status).to_string(),
+            Err(_) => last_error = "ListAgents did not answer within 5s".to_string(),
+        }
+        if Instant::now() >= deadline {
+            let why = if last_error.is_empty() {
+                String::new()
+            } else {
+                format!(" (last error: {last_error})")
+            };
+            return Err(CliError::Timeout(format!(
+                "the agent did not register with the master within {}s{why}",
+                timeout.as_secs()
+            )));
+        }
+        tokio::time::sleep(POLL).await;
+    }
+}
+
+/// Waits for the job's task, streams its output prefixed with `[name] `,
+/// then waits for the job to end and returns it.
+async fn follow_job(
+    mut master: Master,
+    id: &str,
+    name: &str,
+    timeout: Duration,
+) -> Result<pb::Job, CliError> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let job = jobs::get_job(&mut master, id).await?;
+        if !job.tasks.is_empty() || jobs::is_terminal(job.state) {
+            break;
+        }
+        if Instant::now() >= deadline {
+            return Err(CliError::Timeout(format!(
+                "job {name} ({id}) was not placed within {}s (still {})",
+                timeout.as_secs(),
+                job_state_name(job.state)
+            )));
+        }
+        tokio::time::sleep(POLL).await;
+    }
+
+    let mut prefixer = LinePrefixer::new(format!("[{name}] "));
+    let left = deadline.saturating_duration_since(Instant::now());
+    let logs = jobs::stream_logs(&mut master, id, true, |data| {
+        prefixer.feed(data, &mut io::stdout())
+    });
+    match tokio::time::timeout(left, logs).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => say(format!(
+            "warning: could not stream the output of {name}: {e}"
+        )),
+        Err(_) => say(format!(
+            "warning: the output of {name} was still open at the timeout"
+        )),
+    }
+    prefixer.finish(&mut io::stdout())?;
+
+    let left = deadline.saturating_duration_since(Instant::now());
+    jobs::wait(&mut master, id, Some(left), jobs::WAIT_POLL).await
+}
+
+/// Turns a byte stream into lines that start with a prefix. Each line is
+/// written with one call, so lines of jobs streamed at once do not mix.
+#[derive(Debug)]
+struct LinePrefixer {
+    prefix: String,
+    partial: Vec<u8>,
+}
+
+impl LinePrefixer {
+    fn new(prefix: String) -> Self {
+        LinePrefixer {
+            prefix,
+            partial: Vec::new(),
+        }
+    }
+
+    fn feed(&mut self, data: &[u8], out: &mut dyn Write) -> io::Result<()> {
+        self.partial.extend_from_slice(data);
+        while let Some(pos) = self.partial.iter().position(|b| *b == b'\n') {
+            let line: Vec<u8> = self.partial.drain(..=pos).collect();
+            let mut buf = self.prefix.clone().into_bytes();
+            buf.extend_from_slice(&line);
+            out.write_all(&buf)?;
+        }
+        out.flush()
+    }
+
+    /// Writes what is left of an unfinished last line.
+    fn finish(&mut self, out: &mut dyn Write) -> io::Result<()> {
+        if self.partial.is_empty() {
+            return Ok(());
+        }
+        let mut buf = self.prefix.clone().into_bytes();
+        buf.append(&mut self.partial);
+        buf.push(b'\n');
+        out.write_all(&buf)?;
+        out.flush()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prefixes_lines_across_chunks() {
+        let mut p = LinePrefixer::new("[a] ".into());
+        let mut out = Vec::new();
+        p.feed(b"hel", &mut out).unwrap();
+        assert!(out.is_empty());
+        p.feed(b"lo\nwor", &mut out).unwrap();
+        p.feed(b"ld\n\nlast", &mut out).unwrap();
+        p.finish(&mut out).unwrap();
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            "[a] hello\n[a] world\n[a] \n[a] last\n"
+        );
+    }
+
+    #[test]
+    fn demo_jobs() {
+        let s = demo_spec("demo-2gpu", 2, Some("img"));
+        assert_eq!(s.image, "img");
+        assert_eq!(s.command[..2], ["sh", "-c"]);
+        assert!(s.command[2].contains("$NVIDIA_VISIBLE_DEVICES"));
+        assert_eq!(s.resources.map(|r| r.gpus), Some(2));
+        assert_eq!(demo_spec("demo-1gpu", 1, None).image, "");
+        // The names pass the master's validation.
+        let domain = gpuctl_proto::types::JobSpec::try_from(s);
+        assert!(domain.is_ok(), "{domain:?}");
+    }
+}

@@ -188,9 +188,7 @@ pub async fn fetch_jobs(master: &mut Master) -> Result<Vec<pb::Job>, CliError> {
         .await
         .map_err(|s| CliError::rpc(master, s))?;
     let mut jobs = resp.into_inner().jobs;
-    jobs.sort_by(|a, b| {
-        (a.submitted_at_ms, &a.id).cmp(&(b.submitted_at_ms, &b.id))
-    });
+    jobs.sort_by(|a, b| (a.submitted_at_ms, &a.id).cmp(&(b.submitted_at_ms, &b.id)));
     Ok(jobs)
 }
 
@@ -318,7 +316,10 @@ pub async fn wait(
                 }
                 last_state = format!("still {}", job_state_name(job.state));
             }
-            Ok(Err(status)) if status.code() == tonic::Code::Unavailable => {
+            Ok(Err(status))
+                if status.code() == tonic::Code::Unavailable
+                    || super::is_transport_error(&status) =>
+            {
                 let since = *unreachable_since.get_or_insert_with(Instant::now);
                 if since.elapsed() >= UNREACHABLE_GRACE {
                     return Err(CliError::rpc(master, status));
@@ -347,6 +348,7 @@ pub async fn wait(
 }
 
 #[cfg(test)]
+#[allow(clippy::result_large_err)]
 mod tests {
     use super::*;
     use crate::commands::{Cli, Command, EXIT_NOT_FOUND, EXIT_TIMEOUT, EXIT_USAGE};
@@ -385,8 +387,10 @@ mod tests {
 
     #[test]
     fn env_without_equals_is_a_usage_error_naming_env() {
-        let err = parse(&["jobs", "submit", "--name", "x", "--env", "FOO", "--", "true"])
-            .unwrap_err();
+        let err = parse(&[
+            "jobs", "submit", "--name", "x", "--env", "FOO", "--", "true",
+        ])
+        .unwrap_err();
         assert_eq!(err.exit_code(), i32::from(EXIT_USAGE));
         assert!(err.to_string().contains("--env"), "{err}");
     }
@@ -412,8 +416,26 @@ mod tests {
     #[test]
     fn submit_all_flags_and_command_with_dashes() {
         let a = submit_args(&[
-            "jobs", "submit", "--name", "t", "--image", "busybox", "--gpus", "2", "--cpus", "0.5",
-            "--mem", "1024", "--env", "A=1", "--env", "B=x=y", "--", "sh", "-c", "echo --gpus",
+            "jobs",
+            "submit",
+            "--name",
+            "t",
+            "--image",
+            "busybox",
+            "--gpus",
+            "2",
+            "--cpus",
+            "0.5",
+            "--mem",
+            "1024",
+            "--env",
+            "A=1",
+            "--env",
+            "B=x=y",
+            "--",
+            "sh",
+            "-c",
+            "echo --gpus",
         ]);
         let spec = a.to_spec();
         assert_eq!(spec.image, "busybox");
@@ -538,7 +560,9 @@ mod tests {
             let chunks = ["hello ", "world\n", "bye\n"]
                 .into_iter()
                 .map(|s| Ok(pb::LogChunk { data: s.into() }));
-            Ok(tonic::Response::new(Box::pin(futures::stream::iter(chunks))))
+            Ok(tonic::Response::new(Box::pin(futures::stream::iter(
+                chunks,
+            ))))
         }
     }
 
@@ -632,7 +656,9 @@ mod tests {
         let mut m = connect(fake.clone()).await;
         let (r, out) = run_cmd(
             &mut m,
-            &["jobs", "submit", "--name", "x", "--gpus", "1", "--", "echo", "hi"],
+            &[
+                "jobs", "submit", "--name", "x", "--gpus", "1", "--", "echo", "hi",
+            ],
         )
         .await;
         assert_eq!(r.unwrap(), EXIT_OK);

@@ -86,15 +86,27 @@ pub enum CliError {
     Other(String),
 }
 
+/// True when the status was made by the client from a transport error (no
+/// connection, connection lost) rather than sent by the master.
+pub fn is_transport_error(status: &tonic::Status) -> bool {
+    std::error::Error::source(status).is_some()
+}
+
 fn rpc_message(addr: &str, status: &tonic::Status) -> String {
     let msg = status.message().trim();
     let text = match status.code() {
-        Code::Unavailable => {
+        Code::Unavailable if is_transport_error(status) || msg.is_empty() => {
             if msg.is_empty() {
                 format!("master {addr} could not be reached")
             } else {
                 format!("master {addr} could not be reached: {msg}")
             }
+        }
+        _ if is_transport_error(status) => {
+            format!("connection to master {addr} failed: {msg}")
+        }
+        _ if msg.contains("grpc-status header missing") => {
+            format!("{addr} did not answer as a gpuctl master ({msg})")
         }
         Code::Unimplemented if msg.is_empty() => {
             format!("master {addr} does not implement this call")
@@ -182,7 +194,7 @@ pub fn parse_secs(s: &str) -> Result<Duration, String> {
         .trim()
         .parse()
         .map_err(|_| format!("{s:?} is not a number of seconds"))?;
-    if !v.is_finite() || v < 0.0 || v > 1e9 {
+    if !v.is_finite() || !(0.0..=1e9).contains(&v) {
         return Err(format!("{s:?} must be a number of seconds >= 0"));
     }
     Ok(Duration::from_secs_f64(v))
@@ -203,8 +215,7 @@ mod tests {
         let cli = Cli::try_parse_from(["gpuctl", "gpus"]).unwrap();
         // GPUCTL_MASTER may be set where the tests run; only check the shape.
         assert!(!cli.master.0.is_empty());
-        let cli =
-            Cli::try_parse_from(["gpuctl", "jobs", "list", "--master", "a:1,b:2"]).unwrap();
+        let cli = Cli::try_parse_from(["gpuctl", "jobs", "list", "--master", "a:1,b:2"]).unwrap();
         assert_eq!(cli.master.0, vec!["a:1", "b:2"]);
         let err = Cli::try_parse_from(["gpuctl", "--master", "nope", "gpus"]).unwrap_err();
         assert_eq!(err.exit_code(), i32::from(EXIT_USAGE));
@@ -220,15 +231,26 @@ mod tests {
 
     #[test]
     fn error_messages_are_one_line_with_codes() {
+        // Made by the client from a transport error: it has a source.
+        let mut status = tonic::Status::unavailable("tcp connect error\nrefused");
+        status.set_source(std::sync::Arc::new(io::Error::from(
+            io::ErrorKind::ConnectionRefused,
+        )));
         let m = CliError::Rpc {
             addr: "m1:7050".into(),
-            status: tonic::Status::unavailable("tcp connect error\nrefused"),
+            status,
         };
         assert_eq!(
             m.to_string(),
             "master m1:7050 could not be reached: tcp connect error; refused"
         );
         assert_eq!(m.exit_code(), EXIT_FAILURE);
+        // Sent by the master: its own message.
+        let m = CliError::Rpc {
+            addr: "m1:7050".into(),
+            status: tonic::Status::unavailable("cannot reach agent at a:1 for logs"),
+        };
+        assert_eq!(m.to_string(), "cannot reach agent at a:1 for logs");
         let nf = CliError::Rpc {
             addr: "m1:7050".into(),
             status: tonic::Status::not_found("job j-1 not found"),
