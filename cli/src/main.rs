@@ -15,9 +15,23 @@ fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) => {
-            // --help and --version go to stdout and succeed; usage errors exit 2.
-            let _ = e.print();
-            return ExitCode::from(if e.use_stderr() { EXIT_USAGE } else { EXIT_OK });
+            // --help and --version go to stdout and succeed. Usage errors
+            // exit 2 with one line (clap's own adds a blank line and a hint).
+            if e.kind() == clap::error::ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand {
+                let _ = e.print();
+                return ExitCode::from(EXIT_USAGE);
+            }
+            if !e.use_stderr() {
+                let _ = e.print();
+                return ExitCode::from(EXIT_OK);
+            }
+            let text = e.render().to_string();
+            let line = text
+                .lines()
+                .find(|l| !l.trim().is_empty())
+                .unwrap_or("error: usage");
+            eprintln!("{line}");
+            return ExitCode::from(EXIT_USAGE);
         }
     };
 

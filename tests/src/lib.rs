@@ -1,1 +1,421 @@
+//! Cluster fixtures for end-to-end tests: real `gpuctl-master`, `gpuctl-agent`
+//! and `gpuctl` processes over loopback, each cluster in its own temp dir and
+//! ports, so tests run in parallel.
+//!
+//! Tests that need root and a Docker daemon call [`docker_or_skip`]: without
+//! them it prints why and the test returns; with `GPUCTL_REQUIRE_DOCKER=1`
+//! (CI) it fails instead.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+/// Workspace root (this crate lives in `<root>/tests`).
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("tests/ has a parent")
+        .to_path_buf()
+}
+
+/// Directory of the freshly built binaries. `cargo test` does not build
+/// other packages' binaries, so build them once here (a no-op when fresh).
+pub fn bin_dir() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let status = Command::new(env!("CARGO"))
+            .current_dir(workspace_root())
+            .args([
+                "build",
+                "-p",
+                "gpuctl-master",
+                "-p",
+                "gpuctl-agent",
+                "-p",
+                "gpuctl",
+                "--bins",
+            ])
+            .status()
+            .expect("run cargo build");
+        assert!(status.success(), "building the gpuctl binaries failed");
+        let target = std::env::var_os("CARGO_TARGET_DIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| workspace_root().join("target"));
+        target.join("debug")
+    })
+}
+
+pub fn bin(name: &str) -> PathBuf {
+    bin_dir().join(name)
+}
+
+/// True when Docker tests can run here. Otherwise prints why and returns
+/// false, or panics when `GPUCTL_REQUIRE_DOCKER=1`.
+pub fn docker_or_skip(test: &str) -> bool {
+    let why = if !nix::unistd::Uid::effective().is_root() {
+        Some("not running as root".to_string())
+    } else {
+        match Command::new("docker")
+            .args(["info", "--format", "{{.ServerVersion}}"])
+            .output()
+        {
+            Ok(o) if o.status.success() => None,
+            Ok(o) => Some(format!(
+                "docker info failed: {}",
+                String::from_utf8_lossy(&o.stderr).trim()
+            )),
+            Err(e) => Some(format!("docker CLI not found: {e}")),
+        }
+    };
+    match why {
+        None => true,
+        Some(why) if std::env::var("GPUCTL_REQUIRE_DOCKER").as_deref() == Ok("1") => {
+            panic!("{test}: Docker is required (GPUCTL_REQUIRE_DOCKER=1) but {why}")
+        }
+        Some(why) => {
+            eprintln!("skipped: {test}: needs root and a Docker daemon ({why})");
+            false
+        }
+    }
+}
+
+/// Makes sure the local busybox test image exists and returns its name.
+pub fn busybox_image() -> String {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let docker = gpuctl_agent::runtime::DockerRuntime::connect()
+            .await
+            .expect("connect to Docker");
+        gpuctl_agent::runtime::image::ensure_busybox_image(docker.client())
+            .await
+            .expect("make the busybox image")
+    })
+}
+
+/// A free loopback port (bound then released; good enough for tests).
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A child daemon, stopped with SIGTERM (then SIGKILL) when dropped.
+pub struct Daemon {
+    pub name: String,
+    child: Option<Child>,
+    pub log: PathBuf,
+}
+
+impl Daemon {
+    fn spawn(name: &str, program: &Path, args: &[String], log: PathBuf) -> Daemon {
+        let out = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .unwrap();
+        let child = Command::new(program)
+            .args(args)
+            .env("GPUCTL_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(out.try_clone().unwrap())
+            .stderr(out)
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawn {}: {e}", program.display()));
+        Daemon {
+            name: name.to_string(),
+            child: Some(child),
+            log,
+        }
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.as_ref().map_or(0, |c| c.id() as i32)
+    }
+
+    /// SIGTERM and wait (SIGKILL after 20 s).
+    pub fn stop(&mut self) {
+        self.signal_and_wait(nix::sys::signal::Signal::SIGTERM, Duration::from_secs(20));
+    }
+
+    /// SIGKILL: a crash.
+    pub fn kill(&mut self) {
+        self.signal_and_wait(nix::sys::signal::Signal::SIGKILL, Duration::from_secs(5));
+    }
+
+    fn signal_and_wait(&mut self, sig: nix::sys::signal::Signal, grace: Duration) {
+        let Some(mut child) = self.child.take() else {
+            return;
+        };
+        let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+        let _ = nix::sys::signal::kill(pid, sig);
+        let deadline = Instant::now() + grace;
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// A master, and agents added to it, in one temp dir.
+pub struct Cluster {
+    pub dir: tempfile::TempDir,
+    pub master_addr: String,
+    pub master: Daemon,
+    master_args: Vec<String>,
+    pub agents: Vec<Daemon>,
+}
+
+pub struct AgentOpts<'a> {
+    pub simulate_gpus: Option<&'a str>,
+    pub runtime: &'a str,
+    pub extra: Vec<String>,
+}
+
+impl Default for AgentOpts<'_> {
+    fn default() -> Self {
+        AgentOpts {
+            simulate_gpus: Some("4xA100-SXM4-40GB"),
+            runtime: "process",
+            extra: vec![],
+        }
+    }
+}
+
+impl Cluster {
+    /// Starts a master (with `extra` flags) and waits until it answers.
+    pub fn start(extra: &[&str]) -> Cluster {
+        let dir = tempfile::tempdir().unwrap();
+        let port = free_port();
+        let master_addr = format!("127.0.0.1:{port}");
+        let mut master_args = vec![
+            "--listen".to_string(),
+            master_addr.clone(),
+            "--data-dir".into(),
+            dir.path().join("master").display().to_string(),
+        ];
+        master_args.extend(extra.iter().map(|s| s.to_string()));
+        let master = Daemon::spawn(
+            "master",
+            &bin("gpuctl-master"),
+            &master_args,
+            dir.path().join("master.log"),
+        );
+        let c = Cluster {
+            dir,
+            master_addr,
+            master,
+            master_args,
+            agents: vec![],
+        };
+        c.wait_master_up();
+        c
+    }
+
+    fn wait_master_up(&self) {
+        wait_for(Duration::from_secs(30), "master answers", || {
+            self.gpuctl(&["jobs", "list", "--json"]).status.success()
+        });
+    }
+
+    /// Stops the master (SIGTERM) and starts it again on the same data dir
+    /// and address.
+    pub fn restart_master(&mut self) {
+        self.master.stop();
+        self.master = Daemon::spawn(
+            "master",
+            &bin("gpuctl-master"),
+            &self.master_args,
+            self.dir.path().join("master.log"),
+        );
+        self.wait_master_up();
+    }
+
+    /// Starts an agent and waits until it is ACTIVE; returns its id.
+    pub fn add_agent(&mut self, opts: AgentOpts) -> String {
+        let n = self.agents.len();
+        let work = self.dir.path().join(format!("agent{n}"));
+        let mut args = vec![
+            "--master".to_string(),
+            self.master_addr.clone(),
+            "--work-dir".into(),
+            work.display().to_string(),
+            "--listen".into(),
+            format!("127.0.0.1:{}", free_port()),
+            "--runtime".into(),
+            opts.runtime.into(),
+            "--kill-grace-secs".into(),
+            "2".into(),
+        ];
+        if let Some(s) = opts.simulate_gpus {
+            args.push("--simulate-gpus".into());
+            args.push(s.into());
+        }
+        args.extend(opts.extra);
+        let before: Vec<String> = self.agent_ids();
+        self.agents.push(Daemon::spawn(
+            &format!("agent{n}"),
+            &bin("gpuctl-agent"),
+            &args,
+            self.dir.path().join(format!("agent{n}.log")),
+        ));
+        let mut id = String::new();
+        wait_for(Duration::from_secs(30), "agent registers", || {
+            let agents = self.json(&["agents", "list", "--json"]);
+            match agents.as_array().into_iter().flatten().find(|a| {
+                a["state"] == "ACTIVE"
+                    && !before.contains(&a["id"].as_str().unwrap_or("").to_string())
+            }) {
+                Some(a) => {
+                    id = a["id"].as_str().unwrap_or_default().to_string();
+                    true
+                }
+                None => false,
+            }
+        });
+        id
+    }
+
+    fn agent_ids(&self) -> Vec<String> {
+        let out = self.gpuctl(&["agents", "list", "--json"]);
+        if !out.status.success() {
+            return vec![];
+        }
+        serde_json::from_slice::<Value>(&out.stdout)
+            .ok()
+            .and_then(|v| v.as_array().cloned())
+            .unwrap_or_default()
+            .iter()
+            .filter_map(|a| a["id"].as_str().map(str::to_string))
+            .collect()
+    }
+
+    /// Runs `gpuctl --master <this master> args...`.
+    pub fn gpuctl(&self, args: &[&str]) -> Output {
+        Command::new(bin("gpuctl"))
+            .arg("--master")
+            .arg(&self.master_addr)
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap()
+    }
+
+    /// Runs gpuctl, asserts success and returns stdout.
+    pub fn ok(&self, args: &[&str]) -> String {
+        let out = self.gpuctl(args);
+        assert!(
+            out.status.success(),
+            "gpuctl {args:?} failed ({:?}): {}\n--- master log ---\n{}",
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr),
+            tail(&self.master.log_text(), 40)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    }
+
+    pub fn json(&self, args: &[&str]) -> Value {
+        let s = self.ok(args);
+        serde_json::from_str(&s).unwrap_or_else(|e| panic!("gpuctl {args:?}: bad JSON {e}: {s}"))
+    }
+
+    /// Submits a job and returns its id.
+    pub fn submit(&self, args: &[&str]) -> String {
+        let mut all = vec!["jobs", "submit"];
+        all.extend_from_slice(args);
+        let id = self.ok(&all).trim().to_string();
+        assert!(id.starts_with("job-"), "unexpected job id {id:?}");
+        id
+    }
+
+    pub fn job(&self, id: &str) -> Value {
+        self.json(&["jobs", "get", id, "--json"])
+    }
+
+    /// Waits until the job is in `state` (e.g. "RUNNING").
+    pub fn wait_state(&self, id: &str, state: &str, timeout: Duration) -> Value {
+        let mut last = Value::Null;
+        let found = try_wait_for(timeout, || {
+            last = self.job(id);
+            last["state"] == state
+        });
+        assert!(
+            found,
+            "job {id} did not reach {state}; last: {last}\n--- agent logs ---\n{}",
+            self.agents
+                .iter()
+                .map(|a| tail(&a.log_text(), 30))
+                .collect::<Vec<_>>()
+                .join("\n")
+        );
+        last
+    }
+
+    /// `gpuctl jobs wait`, returning (exit code, stdout).
+    pub fn wait_job(&self, id: &str, timeout_secs: u32) -> (i32, String) {
+        let t = timeout_secs.to_string();
+        let out = self.gpuctl(&["jobs", "wait", id, "--timeout", &t]);
+        (
+            out.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&out.stdout).trim().to_string(),
+        )
+    }
+}
+
+pub fn tail(s: &str, lines: usize) -> String {
+    let v: Vec<&str> = s.lines().collect();
+    v[v.len().saturating_sub(lines)..].join("\n")
+}
+
+/// Polls `f` every 100 ms until it is true or `timeout` passes.
+pub fn try_wait_for(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if f() {
+            return true;
+        }
+        if Instant::now() > deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+pub fn wait_for(timeout: Duration, what: &str, f: impl FnMut() -> bool) {
+    assert!(try_wait_for(timeout, f), "timed out waiting until {what}");
+}
+
+/// Containers (running or not) carrying `label=value`.
+pub fn containers_with_label(label: &str, value: &str) -> Vec<String> {
+    let out = Command::new("docker")
+        .args(["ps", "-aq", "--filter", &format!("label={label}={value}")])
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(str::to_string)
+        .collect()
+}

@@ -115,14 +115,19 @@ pub fn parse_spec(spec: &str) -> Result<Vec<SimSpec>, SimulateError> {
     Ok(out)
 }
 
-/// FNV-1a, to derive stable simulated UUIDs without a hashing dependency.
+/// FNV-1a then a splitmix64 finaliser: stable, well-spread simulated UUIDs
+/// without a hashing dependency.
 fn fnv(data: &[u8], seed: u64) -> u64 {
     let mut h = 0xcbf2_9ce4_8422_2325u64 ^ seed;
     for b in data {
         h ^= u64::from(*b);
         h = h.wrapping_mul(0x0100_0000_01b3);
     }
-    h
+    h ^= h >> 30;
+    h = h.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    h ^= h >> 27;
+    h = h.wrapping_mul(0x94d0_49bb_1331_11eb);
+    h ^ (h >> 31)
 }
 
 /// The simulated GPUs of agent `agent_id`. UUIDs are stable for an agent id

@@ -78,14 +78,9 @@ pub struct SubmitArgs {
     /// Environment variable for the job, repeatable.
     #[arg(long = "env", value_name = "K=V", value_parser = parse_env_pair)]
     pub env: Vec<(String, String)>,
-    /// The command and its arguments (after `--`).
-    #[arg(
-        value_name = "CMD",
-        required = true,
-        num_args = 1..,
-        trailing_var_arg = true,
-        allow_hyphen_values = true
-    )]
+    /// The command and its arguments, after `--` (so that a mistyped
+    /// flag is an error, not the job's command).
+    #[arg(value_name = "CMD", required = true, num_args = 1.., last = true)]
     pub command: Vec<String>,
 }
 

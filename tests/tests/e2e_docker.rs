@@ -1,0 +1,108 @@
+//! End to end with real Docker: a GPU job in a container, its logs, and a
+//! cancelled container that is gone afterwards. Needs root and a Docker
+//! daemon (skipped otherwise; required with GPUCTL_REQUIRE_DOCKER=1).
+#![allow(clippy::unwrap_used)]
+
+use std::time::Duration;
+
+use gpuctl_tests::{
+    busybox_image, containers_with_label, docker_or_skip, wait_for, AgentOpts, Cluster,
+};
+
+#[test]
+fn docker_job_runs_logs_and_cancel_removes_its_container() {
+    if !docker_or_skip("docker_job_runs_logs_and_cancel_removes_its_container") {
+        return;
+    }
+    let image = busybox_image();
+    let mut c = Cluster::start(&[]);
+    let agent = c.add_agent(AgentOpts {
+        runtime: "docker,process",
+        ..Default::default()
+    });
+    let runtimes = c.json(&["agents", "list", "--json"])[0]["runtimes"].clone();
+    assert_eq!(runtimes, serde_json::json!(["docker", "process"]));
+
+    let j = c.submit(&[
+        "--name",
+        "in-docker",
+        "--image",
+        &image,
+        "--gpus",
+        "2",
+        "--",
+        "sh",
+        "-c",
+        "echo visible=$NVIDIA_VISIBLE_DEVICES; echo to-stderr >&2",
+    ]);
+    // Follow while it runs: returns when the container has exited.
+    let logs = c.ok(&["jobs", "logs", &j, "--follow"]);
+    assert_eq!(c.wait_job(&j, 60), (0, "SUCCEEDED".to_string()));
+    let job = c.job(&j);
+    let gpus: Vec<&str> = job["tasks"][0]["gpus"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|g| g.as_str().unwrap())
+        .collect();
+    assert_eq!(gpus.len(), 2);
+    assert!(
+        logs.contains(&format!("visible={}", gpus.join(","))),
+        "{logs}"
+    );
+    assert!(logs.contains("to-stderr"), "{logs}");
+    let task_id = job["tasks"][0]["id"].as_str().unwrap().to_string();
+    assert!(containers_with_label("gpuctl.task_id", &task_id).is_empty());
+
+    // A failing container reports its exit code.
+    let f = c.submit(&[
+        "--name", "fails", "--image", &image, "--", "sh", "-c", "exit 7",
+    ]);
+    assert_eq!(c.wait_job(&f, 60).0, 1);
+    assert_eq!(c.job(&f)["tasks"][0]["exit_code"], 7);
+
+    // Cancel a long job: its container is gone afterwards.
+    let long = c.submit(&[
+        "--name", "long", "--image", &image, "--gpus", "1", "--", "sleep", "300",
+    ]);
+    let job = c.wait_state(&long, "RUNNING", Duration::from_secs(60));
+    let task_id = job["tasks"][0]["id"].as_str().unwrap().to_string();
+    let ids = containers_with_label("gpuctl.task_id", &task_id);
+    assert_eq!(ids.len(), 1, "one container for {task_id}");
+    assert_eq!(
+        containers_with_label("gpuctl.agent_id", &agent).len(),
+        1,
+        "labelled with the agent"
+    );
+    c.ok(&["jobs", "cancel", &long]);
+    let (code, state) = c.wait_job(&long, 60);
+    assert_eq!((code, state.as_str()), (1, "CANCELLED"));
+    wait_for(Duration::from_secs(10), "container removed", || {
+        containers_with_label("gpuctl.task_id", &task_id).is_empty()
+    });
+    assert_eq!(c.job(&long)["tasks"][0]["state"], "KILLED");
+}
+
+#[test]
+fn agent_without_docker_flag_refuses_to_start_when_docker_is_unreachable() {
+    // Asking for Docker explicitly and not getting it is a startup error,
+    // not a silent fallback. Needs no daemon: point DOCKER_HOST nowhere.
+    let dir = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(gpuctl_tests::bin("gpuctl-agent"))
+        .env("DOCKER_HOST", "unix:///nonexistent/docker.sock")
+        .args([
+            "--master",
+            "127.0.0.1:1",
+            "--work-dir",
+            dir.path().to_str().unwrap(),
+            "--listen",
+            "127.0.0.1:0",
+            "--runtime",
+            "docker",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("Docker"), "{err}");
+}

@@ -1,0 +1,216 @@
+//! End to end with the real binaries and host-process tasks (no Docker
+//! needed): submit, logs, failure, bad input, agent loss, master restart.
+#![allow(clippy::unwrap_used)]
+
+use std::time::Duration;
+
+use gpuctl_tests::{wait_for, AgentOpts, Cluster};
+
+#[test]
+fn process_jobs_run_and_state_survives_a_master_restart() {
+    let mut c = Cluster::start(&[]);
+    let agent = c.add_agent(AgentOpts::default());
+
+    let ok = c.submit(&[
+        "--name",
+        "hello",
+        "--gpus",
+        "2",
+        "--",
+        "sh",
+        "-c",
+        "echo \"gpus=$NVIDIA_VISIBLE_DEVICES task=$GPUCTL_TASK_ID\"",
+    ]);
+    assert_eq!(c.wait_job(&ok, 30), (0, "SUCCEEDED".to_string()));
+    let job = c.job(&ok);
+    assert_eq!(job["name"], "hello");
+    let task = &job["tasks"][0];
+    assert_eq!(task["agent_id"], agent.as_str());
+    assert_eq!(task["state"], "FINISHED");
+    assert_eq!(task["exit_code"], 0);
+    let gpus: Vec<String> = task["gpus"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|g| g.as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(gpus.len(), 2);
+    // The task saw exactly its GPUs, and they are GPUs of its agent.
+    let logs = c.ok(&["jobs", "logs", &ok]);
+    assert!(logs.contains(&format!("gpus={}", gpus.join(","))), "{logs}");
+    assert!(logs.contains(&format!("task={}", task["id"].as_str().unwrap())));
+    let agents = c.json(&["agents", "list", "--json"]);
+    let agent_gpus: Vec<&str> = agents[0]["gpus"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|g| g["uuid"].as_str().unwrap())
+        .collect();
+    assert_eq!(agent_gpus.len(), 4);
+    assert!(gpus.iter().all(|g| agent_gpus.contains(&g.as_str())));
+
+    // A failing job: FAILED with its exit code, and `jobs wait` exits 1.
+    let bad = c.submit(&["--name", "bad", "--", "sh", "-c", "exit 3"]);
+    let (code, state) = c.wait_job(&bad, 30);
+    assert_eq!((code, state.as_str()), (1, "FAILED"));
+    assert_eq!(c.job(&bad)["tasks"][0]["exit_code"], 3);
+
+    // A job that cannot start waits with a reason.
+    let big = c.submit(&["--name", "big", "--gpus", "8", "--", "true"]);
+    let job = c.job(&big);
+    assert_eq!(job["state"], "QUEUED");
+    assert!(
+        job["message"].as_str().unwrap().contains("large enough"),
+        "{job}"
+    );
+
+    // Restart the master: every job and the agent are still known.
+    let before = c.json(&["jobs", "list", "--json"]);
+    c.restart_master();
+    let after = c.json(&["jobs", "list", "--json"]);
+    assert_eq!(before, after);
+    let agents = c.json(&["agents", "list", "--json"]);
+    assert_eq!(agents[0]["id"], agent.as_str());
+    // The agent reconnects on its own and new work runs; ids keep counting.
+    wait_for(Duration::from_secs(20), "agent back ACTIVE", || {
+        c.json(&["agents", "list", "--json"])[0]["state"] == "ACTIVE"
+    });
+    let next = c.submit(&["--name", "after-restart", "--gpus", "1", "--", "true"]);
+    assert_eq!(next, "job-4");
+    assert_eq!(c.wait_job(&next, 30).0, 0);
+    // The queued job is still queued (and can be cancelled).
+    assert_eq!(c.ok(&["jobs", "cancel", &big]).trim(), "CANCELLED");
+}
+
+#[test]
+fn follow_streams_output_and_cancel_kills_a_running_process() {
+    let mut c = Cluster::start(&[]);
+    c.add_agent(AgentOpts::default());
+    let j = c.submit(&[
+        "--name",
+        "ticker",
+        "--",
+        "sh",
+        "-c",
+        "for i in 1 2 3; do echo tick $i; sleep 0.3; done",
+    ]);
+    // --follow returns once the task has ended, with all of its output.
+    let logs = c.ok(&["jobs", "logs", &j, "--follow"]);
+    assert_eq!(logs, "tick 1\ntick 2\ntick 3\n");
+    assert_eq!(c.job(&j)["state"], "SUCCEEDED");
+
+    let long = c.submit(&[
+        "--name",
+        "long",
+        "--gpus",
+        "1",
+        "--",
+        "sh",
+        "-c",
+        "echo $$ > pid; exec sleep 300",
+    ]);
+    c.wait_state(&long, "RUNNING", Duration::from_secs(30));
+    assert_eq!(c.ok(&["jobs", "cancel", &long]).trim(), "RUNNING");
+    let (code, state) = c.wait_job(&long, 30);
+    assert_eq!((code, state.as_str()), (1, "CANCELLED"));
+    let job = c.job(&long);
+    assert_eq!(job["tasks"][0]["state"], "KILLED");
+    // Its GPU is free again.
+    let gpus = c.json(&["gpus", "--json"]);
+    assert!(gpus
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|g| g["task_id"].is_null()));
+    // And the process is gone.
+    let sandbox = c
+        .dir
+        .path()
+        .join("agent0/tasks")
+        .join(job["tasks"][0]["id"].as_str().unwrap());
+    let pid: i32 = std::fs::read_to_string(sandbox.join("pid"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None).is_err());
+}
+
+#[test]
+fn a_lost_agent_loses_its_tasks() {
+    let mut c = Cluster::start(&[
+        "--heartbeat-interval-secs",
+        "0.2",
+        "--agent-timeout-secs",
+        "1.5",
+    ]);
+    c.add_agent(AgentOpts::default());
+    let j = c.submit(&["--name", "long", "--gpus", "1", "--", "sleep", "300"]);
+    c.wait_state(&j, "RUNNING", Duration::from_secs(30));
+    c.agents[0].kill();
+    let job = c.wait_state(&j, "FAILED", Duration::from_secs(20));
+    assert_eq!(job["tasks"][0]["state"], "LOST");
+    let agents = c.json(&["agents", "list", "--json"]);
+    assert_eq!(agents[0]["state"], "LOST");
+    let gpus = c.json(&["gpus", "--json"]);
+    assert!(gpus
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|g| g["task_id"].is_null()));
+}
+
+#[test]
+fn bad_input_is_refused_with_the_field_named() {
+    let c = Cluster::start(&[]);
+    let cases: &[(&[&str], &str)] = &[
+        (
+            &["jobs", "submit", "--name", "bad name", "--", "true"],
+            "spec.name",
+        ),
+        (
+            &[
+                "jobs", "submit", "--name", "x", "--gpus", "1000", "--", "true",
+            ],
+            "spec.resources.gpus",
+        ),
+        (
+            &[
+                "jobs", "submit", "--name", "x", "--cpus", "-1", "--", "true",
+            ],
+            "cpus",
+        ),
+        (&["jobs", "get", "job-404"], "not found"),
+        (&["jobs", "get", "../etc"], "job_id"),
+    ];
+    for (args, needle) in cases {
+        let out = c.gpuctl(args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        assert!(err.contains(needle), "{args:?}: {err}");
+        assert_eq!(err.trim().lines().count(), 1, "one-line error: {err}");
+    }
+    // Nothing was created by the refused submits.
+    assert_eq!(c.json(&["jobs", "list", "--json"]), serde_json::json!([]));
+    // An unreachable master is a clear error too.
+    let out = std::process::Command::new(gpuctl_tests::bin("gpuctl"))
+        .args(["--master", "127.0.0.1:1", "jobs", "list"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("127.0.0.1:1"));
+}
+
+#[test]
+fn image_jobs_wait_for_an_agent_with_docker() {
+    let mut c = Cluster::start(&[]);
+    c.add_agent(AgentOpts::default()); // process runtime only
+    let j = c.submit(&["--name", "img", "--image", "busybox", "--", "true"]);
+    std::thread::sleep(Duration::from_millis(500));
+    let job = c.job(&j);
+    assert_eq!(job["state"], "QUEUED");
+    assert!(job["message"].as_str().unwrap().contains("Docker"), "{job}");
+    // Host-process jobs still run beside it.
+    let p = c.submit(&["--name", "p", "--", "true"]);
+    assert_eq!(c.wait_job(&p, 30).0, 0);
+}
