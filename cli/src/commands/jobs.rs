@@ -70,7 +70,7 @@ pub struct SubmitArgs {
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub gpus: u32,
     /// CPUs (fractions allowed).
-    #[arg(long, value_name = "C", default_value_t = 1.0, value_parser = parse_cpus)]
+    #[arg(long, value_name = "C", default_value_t = 1.0, value_parser = parse_cpus, allow_negative_numbers = true)]
     pub cpus: f64,
     /// Memory limit in MiB; 0 means no limit.
     #[arg(long, value_name = "MIB", default_value_t = 0)]

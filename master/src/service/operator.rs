@@ -241,10 +241,20 @@ impl pb::operator_server::Operator for OperatorService {
             .await?
             .into_inner();
         let (tx, rx) = mpsc::channel(16);
+        let mut shutdown = self.ctx.shutdown.clone();
         tokio::spawn(async move {
-            while let Some(item) = upstream.next().await {
-                let item = item.map(|c| pb::LogChunk { data: c.data });
-                if tx.send(item).await.is_err() {
+            loop {
+                // A follower must not hold up the master's shutdown.
+                let item = tokio::select! {
+                    item = upstream.next() => item,
+                    _ = shutdown.changed() => break,
+                };
+                let Some(item) = item else { break };
+                if tx
+                    .send(item.map(|c| pb::LogChunk { data: c.data }))
+                    .await
+                    .is_err()
+                {
                     break;
                 }
             }
