@@ -43,11 +43,25 @@ pub fn bin_dir() -> &'static Path {
             .status()
             .expect("run cargo build");
         assert!(status.success(), "building the gpuctl binaries failed");
-        let target = std::env::var_os("CARGO_TARGET_DIR")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| workspace_root().join("target"));
-        target.join("debug")
+        target_dir().join("debug")
     })
+}
+
+/// Cargo's target directory (it may be moved by CARGO_TARGET_DIR or a
+/// .cargo/config, so ask cargo).
+pub fn target_dir() -> PathBuf {
+    let out = Command::new(env!("CARGO"))
+        .current_dir(workspace_root())
+        .args(["metadata", "--format-version", "1", "--no-deps"])
+        .output()
+        .expect("run cargo metadata");
+    assert!(out.status.success(), "cargo metadata: {}", out.status);
+    let meta: Value = serde_json::from_slice(&out.stdout).expect("cargo metadata prints JSON");
+    PathBuf::from(
+        meta["target_directory"]
+            .as_str()
+            .expect("cargo metadata has target_directory"),
+    )
 }
 
 pub fn bin(name: &str) -> PathBuf {

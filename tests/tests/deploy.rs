@@ -10,7 +10,6 @@
 use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::OnceLock;
 
 const UNITS: [&str; 2] = ["gpuctl-master.service", "gpuctl-agent.service"];
 /// Where the units and the docs install the binaries and the config files.
@@ -35,40 +34,9 @@ fn require_tools() -> bool {
     std::env::var("GPUCTL_REQUIRE_DOCKER").is_ok_and(|v| v == "1")
 }
 
-/// `cargo build` of the daemons (once per test binary); returns the directory
-/// holding them, `<target-dir>/debug`.
+/// The directory holding the freshly built daemons.
 fn built_binaries() -> &'static Path {
-    static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let cargo = env!("CARGO");
-        let status = Command::new(cargo)
-            .current_dir(workspace_root())
-            .args([
-                "build",
-                "-p",
-                "gpuctl-master",
-                "-p",
-                "gpuctl-agent",
-                "--bins",
-            ])
-            .status()
-            .expect("run cargo build");
-        assert!(status.success(), "cargo build of the daemons: {status}");
-        // Ask cargo where it put them: CARGO_TARGET_DIR or a .cargo/config
-        // may move the target directory away from <workspace>/target.
-        let out = Command::new(cargo)
-            .current_dir(workspace_root())
-            .args(["metadata", "--format-version", "1", "--no-deps"])
-            .output()
-            .expect("run cargo metadata");
-        assert!(out.status.success(), "cargo metadata: {}", out.status);
-        let meta: serde_json::Value =
-            serde_json::from_slice(&out.stdout).expect("cargo metadata prints JSON");
-        let target = meta["target_directory"]
-            .as_str()
-            .expect("cargo metadata has target_directory");
-        PathBuf::from(target).join("debug")
-    })
+    gpuctl_tests::bin_dir()
 }
 
 /// The words of the unit's `ExecStart=` line.
