@@ -134,24 +134,40 @@ pub async fn serve(
         .unwrap_or_else(|_| "localhost".into());
     let agent_id = load_or_create_agent_id(&config.work_dir, &hostname)?;
 
-    let (gpus, simulated) = match &config.simulate_gpus {
+    let (discovery, simulated) = match &config.simulate_gpus {
         Some(spec) => {
             let specs = gpu::parse_spec(spec).map_err(|e| AgentError::Config(e.to_string()))?;
-            let g = gpu::simulated_gpus(&specs, &agent_id);
-            tracing::info!(count = g.len(), spec = %spec, "reporting simulated GPUs");
-            (g, true)
+            let gpus = gpu::simulated_gpus(&specs, &agent_id);
+            tracing::info!(count = gpus.len(), spec = %spec, "reporting simulated GPUs");
+            let d = gpu::Discovery {
+                gpus,
+                ..Default::default()
+            };
+            (d, true)
         }
         None => {
             let d = gpu::discover(config.nvml_lib.as_deref());
             match &d.error {
                 Some(e) => tracing::warn!("{e}; reporting zero GPUs"),
                 None => {
-                    tracing::info!(count = d.gpus.len(), driver = ?d.driver_version, "GPUs discovered through NVML")
+                    for g in d.gpus.iter().filter(|g| !g.healthy) {
+                        tracing::warn!(uuid = %g.uuid, index = g.index, reason = %g.unhealthy_reason, "GPU unhealthy");
+                    }
+                    tracing::info!(count = d.gpus.len(), driver = ?d.driver_version, cuda = ?d.cuda_driver_version, "GPUs discovered through NVML");
                 }
             }
-            (d.gpus, false)
+            (d, false)
         }
     };
+    let mut attributes = gpu::labels(
+        &discovery.gpus,
+        discovery.driver_version.as_deref(),
+        discovery.cuda_driver_version.as_deref(),
+    );
+    if simulated {
+        attributes.insert("gpuctl.io/simulated-gpus".into(), "true".into());
+    }
+    let gpus = discovery.gpus;
 
     let runtimes = make_runtimes(config.runtimes.as_deref()).await?;
     for (kind, rt) in &runtimes {
@@ -192,6 +208,9 @@ pub async fn serve(
         gpus,
         runtimes: runtimes.keys().copied().collect(),
         simulated_gpus: simulated,
+        attributes,
+        driver_version: discovery.driver_version,
+        cuda_driver_version: discovery.cuda_driver_version,
     };
     tracing::info!(agent_id = %info.id, address = %info.address, runtimes = ?info.runtimes, gpus = info.gpus.len(), "agent starting");
 

@@ -127,6 +127,9 @@ async fn session(
             .collect(),
         running_task_ids: executor.known_task_ids(),
         simulated_gpus: info.simulated_gpus,
+        attributes: info.attributes.clone().into_iter().collect(),
+        driver_version: info.driver_version.clone().unwrap_or_default(),
+        cuda_driver_version: info.cuda_driver_version.clone().unwrap_or_default(),
     };
     req.running_task_ids.sort();
     let resp = client

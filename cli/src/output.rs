@@ -91,7 +91,16 @@ impl From<&pb::Job> for JobJson {
     }
 }
 
-/// One GPU of an agent (`agents list --json`).
+/// How a GPU reaches another GPU of its host.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PeerJson {
+    pub uuid: String,
+    pub nvlinks: u32,
+    /// PIX, PXB, PHB, NODE, SYS, or "" when unknown.
+    pub pcie: String,
+}
+
+/// One GPU of an agent (`agents list --json`, `agents describe --json`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct GpuJson {
     pub uuid: String,
@@ -100,7 +109,14 @@ pub struct GpuJson {
     pub model: String,
     pub memory_mib: u64,
     pub healthy: bool,
+    /// Why it is unhealthy; empty when healthy.
+    pub unhealthy_reason: String,
     pub pci_bus_id: String,
+    pub serial: String,
+    pub numa_node: Option<u32>,
+    /// "MAJOR.MINOR", or null when unknown.
+    pub compute_capability: Option<String>,
+    pub peers: Vec<PeerJson>,
 }
 
 impl From<&pb::Gpu> for GpuJson {
@@ -112,7 +128,21 @@ impl From<&pb::Gpu> for GpuJson {
             model: g.model.clone(),
             memory_mib: g.memory_mib,
             healthy: g.healthy,
+            unhealthy_reason: g.unhealthy_reason.clone(),
             pci_bus_id: g.pci_bus_id.clone(),
+            serial: g.serial.clone(),
+            numa_node: g.numa_node,
+            compute_capability: (!g.compute_capability.is_empty())
+                .then(|| g.compute_capability.clone()),
+            peers: g
+                .peers
+                .iter()
+                .map(|p| PeerJson {
+                    uuid: p.uuid.clone(),
+                    nvlinks: p.nvlinks,
+                    pcie: p.pcie.clone(),
+                })
+                .collect(),
         }
     }
 }
@@ -132,6 +162,10 @@ pub struct AgentJson {
     pub allocated: ResourcesJson,
     pub gpus: Vec<GpuJson>,
     pub registered_at_ms: u64,
+    /// GPU feature labels (nvidia.com/gpu.product, ...).
+    pub attributes: BTreeMap<String, String>,
+    pub driver_version: Option<String>,
+    pub cuda_driver_version: Option<String>,
 }
 
 impl From<&pb::Agent> for AgentJson {
@@ -147,6 +181,14 @@ impl From<&pb::Agent> for AgentJson {
             allocated: ResourcesJson::from(a.allocated.as_ref()),
             gpus: a.gpus.iter().map(GpuJson::from).collect(),
             registered_at_ms: a.registered_at_ms,
+            attributes: a
+                .attributes
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect(),
+            driver_version: (!a.driver_version.is_empty()).then(|| a.driver_version.clone()),
+            cuda_driver_version: (!a.cuda_driver_version.is_empty())
+                .then(|| a.cuda_driver_version.clone()),
         }
     }
 }
@@ -161,6 +203,8 @@ pub struct GpuStatusJson {
     pub model: String,
     pub memory_mib: u64,
     pub healthy: bool,
+    /// Why it is unhealthy; empty when healthy.
+    pub unhealthy_reason: String,
     pub pci_bus_id: String,
     /// The task holding the GPU; `null` when it is free.
     pub task_id: Option<String>,
@@ -177,6 +221,7 @@ impl From<&pb::GpuStatus> for GpuStatusJson {
             model: g.model,
             memory_mib: g.memory_mib,
             healthy: g.healthy,
+            unhealthy_reason: g.unhealthy_reason,
             pci_bus_id: g.pci_bus_id,
             task_id: (!s.task_id.is_empty()).then(|| s.task_id.clone()),
         }
@@ -406,6 +451,129 @@ pub fn agents_table(agents: &[pb::Agent]) -> Table {
     t
 }
 
+/// The matrix of `agents describe`, read like `nvidia-smi topo -m`: NV<n>
+/// for n NVLink links, else the PCIe path; X on the diagonal.
+pub fn topology_matrix(gpus: &[pb::Gpu]) -> String {
+    let mut gpus: Vec<&pb::Gpu> = gpus.iter().collect();
+    gpus.sort_by_key(|g| g.index);
+    // A space, not "": an empty cell renders as "-".
+    let mut headers: Vec<String> = vec![" ".to_string()];
+    headers.extend(gpus.iter().map(|g| format!("GPU{}", g.index)));
+    headers.push("NUMA".into());
+    let header_refs: Vec<&str> = headers.iter().map(String::as_str).collect();
+    let mut t = Table::new(&header_refs);
+    for a in &gpus {
+        let mut row = vec![format!("GPU{}", a.index)];
+        for b in &gpus {
+            let cell = if a.uuid == b.uuid {
+                "X".to_string()
+            } else {
+                match a.peers.iter().find(|p| p.uuid == b.uuid) {
+                    Some(p) if p.nvlinks > 0 => format!("NV{}", p.nvlinks),
+                    Some(p) if !p.pcie.is_empty() => p.pcie.clone(),
+                    _ => "?".to_string(),
+                }
+            };
+            row.push(cell);
+        }
+        row.push(
+            a.numa_node
+                .map_or_else(|| "?".to_string(), |n| n.to_string()),
+        );
+        t.row(row);
+    }
+    let mut out = t.render();
+    out.push_str(
+        "\nNV#  = connected by # NVLink links\nPIX  = through one PCIe switch\nPXB  = through several PCIe switches\nPHB  = through a PCIe host bridge\nNODE = across host bridges within a NUMA node\nSYS  = across NUMA nodes (SMP interconnect)\n?    = unknown\n",
+    );
+    out
+}
+
+/// `agents describe`: the host, its GPUs (with the task holding each), the
+/// topology matrix and the attributes.
+pub fn agent_detail(a: &pb::Agent, holders: &BTreeMap<String, String>) -> String {
+    let total = a.total.unwrap_or_default();
+    let alloc = a.allocated.unwrap_or_default();
+    let mut s = String::new();
+    let dash = |v: &str| {
+        if v.is_empty() {
+            "-".to_string()
+        } else {
+            v.to_string()
+        }
+    };
+    let _ = writeln!(s, "ID:          {}", a.id);
+    let _ = writeln!(s, "Hostname:    {}", a.hostname);
+    let _ = writeln!(s, "Address:     {}", a.address);
+    let _ = writeln!(s, "State:       {}", agent_state_name(a.state));
+    let _ = writeln!(
+        s,
+        "Runtimes:    {}",
+        a.runtimes
+            .iter()
+            .map(|r| runtime_name(*r))
+            .collect::<Vec<_>>()
+            .join(",")
+    );
+    let _ = writeln!(s, "Driver:      {}", dash(&a.driver_version));
+    let _ = writeln!(s, "CUDA:        {}", dash(&a.cuda_driver_version));
+    let _ = writeln!(
+        s,
+        "GPUs:        {} free of {}{}",
+        total.gpus.saturating_sub(alloc.gpus),
+        total.gpus,
+        if a.simulated_gpus { " (simulated)" } else { "" }
+    );
+    let _ = writeln!(
+        s,
+        "CPUs:        {} free of {}",
+        fmt_cpus((total.cpus - alloc.cpus).max(0.0)),
+        fmt_cpus(total.cpus)
+    );
+    let _ = writeln!(
+        s,
+        "Memory:      {} free of {}",
+        fmt_mib(total.mem_mib.saturating_sub(alloc.mem_mib)),
+        fmt_mib(total.mem_mib)
+    );
+    if !a.gpus.is_empty() {
+        let mut t = Table::new(&[
+            "INDEX", "UUID", "MODEL", "MEMORY", "MINOR", "PCI", "NUMA", "CC", "HEALTH", "TASK",
+        ]);
+        let mut gpus: Vec<&pb::Gpu> = a.gpus.iter().collect();
+        gpus.sort_by_key(|g| g.index);
+        for g in &gpus {
+            t.row(vec![
+                g.index.to_string(),
+                g.uuid.clone(),
+                g.model.clone(),
+                fmt_mib(g.memory_mib),
+                g.minor.to_string(),
+                g.pci_bus_id.clone(),
+                g.numa_node.map(|n| n.to_string()).unwrap_or_default(),
+                g.compute_capability.clone(),
+                if g.healthy {
+                    "healthy".to_string()
+                } else {
+                    format!("UNHEALTHY: {}", g.unhealthy_reason)
+                },
+                holders.get(&g.uuid).cloned().unwrap_or_default(),
+            ]);
+        }
+        let _ = write!(s, "\nGPUs:\n{}", t.render());
+        let _ = write!(s, "\nTopology:\n{}", topology_matrix(&a.gpus));
+    }
+    if !a.attributes.is_empty() {
+        let _ = writeln!(s, "\nAttributes:");
+        let mut attrs: Vec<(&String, &String)> = a.attributes.iter().collect();
+        attrs.sort();
+        for (k, v) in attrs {
+            let _ = writeln!(s, "  {k}={v}");
+        }
+    }
+    s
+}
+
 /// `gpus`: AGENT, INDEX, UUID, MODEL, MEMORY, HEALTH, TASK.
 pub fn gpus_table(gpus: &[pb::GpuStatus]) -> Table {
     let mut t = Table::new(&[
@@ -556,6 +724,7 @@ mod tests {
             memory_mib: 40960,
             healthy: true,
             pci_bus_id: format!("00000000:0{i}:00.0"),
+            ..Default::default()
         }
     }
 
@@ -579,6 +748,7 @@ mod tests {
             runtimes: vec![pb::Runtime::Docker as i32, pb::Runtime::Process as i32],
             registered_at_ms: 1_700_000_000_000,
             simulated_gpus: true,
+            ..Default::default()
         }
     }
 
@@ -647,7 +817,9 @@ mod tests {
             &json!({
                 "uuid": "GPU-1", "index": 1, "minor": 1,
                 "model": "NVIDIA A100-SXM4-40GB", "memory_mib": 40960,
-                "healthy": true, "pci_bus_id": "00000000:01:00.0"
+                "healthy": true, "unhealthy_reason": "",
+                "pci_bus_id": "00000000:01:00.0", "serial": "",
+                "numa_node": null, "compute_capability": null, "peers": []
             })
         );
     }
@@ -787,5 +959,57 @@ mod tests {
         assert_eq!(shell_quote(""), "''");
         assert_eq!(shell_quote("it's"), r"'it'\''s'");
         assert_eq!(shell_join(&["echo".into(), "a b".into()]), "echo 'a b'");
+    }
+
+    #[test]
+    fn topology_matrix_reads_like_nvidia_smi() {
+        let mut a = gpu(0);
+        let mut b = gpu(1);
+        let c = pb::Gpu {
+            numa_node: Some(1),
+            ..gpu(2)
+        };
+        a.numa_node = Some(0);
+        b.numa_node = Some(0);
+        let peer = |u: &str, nvlinks, pcie: &str| pb::GpuPeer {
+            uuid: u.into(),
+            nvlinks,
+            pcie: pcie.into(),
+        };
+        a.peers = vec![peer("GPU-1", 2, "PIX"), peer("GPU-2", 0, "SYS")];
+        b.peers = vec![peer("GPU-0", 2, "PIX")];
+        let m = topology_matrix(&[c, b, a]);
+        let lines: Vec<Vec<&str>> = m
+            .lines()
+            .take(4)
+            .map(|l| l.split_whitespace().collect())
+            .collect();
+        assert_eq!(lines[0], vec!["GPU0", "GPU1", "GPU2", "NUMA"]);
+        assert_eq!(lines[1], vec!["GPU0", "X", "NV2", "SYS", "0"]);
+        // GPU1 knows nothing about GPU2: shown as unknown, not guessed.
+        assert_eq!(lines[2], vec!["GPU1", "NV2", "X", "?", "0"]);
+        assert_eq!(lines[3], vec!["GPU2", "?", "?", "X", "1"]);
+        assert!(m.contains("NV#  = connected by # NVLink links"));
+    }
+
+    #[test]
+    fn agent_detail_shows_gpus_tasks_and_attributes() {
+        let mut a = agent();
+        a.driver_version = "535.129.03".into();
+        a.attributes
+            .insert("nvidia.com/gpu.count".into(), "4".into());
+        a.gpus[3].healthy = false;
+        a.gpus[3].unhealthy_reason = "name: GPU is lost".into();
+        let holders: BTreeMap<String, String> =
+            [("GPU-1".to_string(), "job-7.0".to_string())].into();
+        let d = agent_detail(&a, &holders);
+        assert!(d.contains("Driver:      535.129.03"), "{d}");
+        assert!(d.contains("CUDA:        -"), "{d}");
+        assert!(d.contains("GPUs:        2 free of 4 (simulated)"), "{d}");
+        let row1 = d.lines().find(|l| l.starts_with("1 ")).unwrap();
+        assert!(row1.ends_with("job-7.0"), "{row1}");
+        assert!(d.contains("UNHEALTHY: name: GPU is lost"), "{d}");
+        assert!(d.contains("Topology:"), "{d}");
+        assert!(d.contains("  nvidia.com/gpu.count=4"), "{d}");
     }
 }

@@ -252,6 +252,34 @@ impl TryFrom<pb::Gpu> for GpuInfo {
         if g.uuid.is_empty() {
             return Err(ConvertError::new("gpus[].uuid", "must not be empty"));
         }
+        let compute_capability = if g.compute_capability.is_empty() {
+            None
+        } else {
+            let parsed = g
+                .compute_capability
+                .split_once('.')
+                .and_then(|(a, b)| Some((a.parse().ok()?, b.parse().ok()?)));
+            Some(parsed.ok_or_else(|| {
+                ConvertError::new(
+                    "gpus[].compute_capability",
+                    format!("{:?} is not MAJOR.MINOR", g.compute_capability),
+                )
+            })?)
+        };
+        let mut peers = Vec::with_capacity(g.peers.len());
+        for p in g.peers {
+            if p.uuid.is_empty() {
+                return Err(ConvertError::new(
+                    "gpus[].peers[].uuid",
+                    "must not be empty",
+                ));
+            }
+            peers.push(GpuPeer {
+                uuid: p.uuid,
+                nvlinks: p.nvlinks,
+                pcie: p.pcie,
+            });
+        }
         Ok(GpuInfo {
             uuid: g.uuid,
             index: g.index,
@@ -260,6 +288,11 @@ impl TryFrom<pb::Gpu> for GpuInfo {
             memory_mib: g.memory_mib,
             healthy: g.healthy,
             pci_bus_id: g.pci_bus_id,
+            serial: g.serial,
+            numa_node: g.numa_node,
+            compute_capability,
+            peers,
+            unhealthy_reason: g.unhealthy_reason,
         })
     }
 }
@@ -274,6 +307,22 @@ impl From<GpuInfo> for pb::Gpu {
             memory_mib: g.memory_mib,
             healthy: g.healthy,
             pci_bus_id: g.pci_bus_id,
+            serial: g.serial,
+            numa_node: g.numa_node,
+            compute_capability: g
+                .compute_capability
+                .map(|(a, b)| format!("{a}.{b}"))
+                .unwrap_or_default(),
+            peers: g
+                .peers
+                .into_iter()
+                .map(|p| pb::GpuPeer {
+                    uuid: p.uuid,
+                    nvlinks: p.nvlinks,
+                    pcie: p.pcie,
+                })
+                .collect(),
+            unhealthy_reason: g.unhealthy_reason,
         }
     }
 }
@@ -326,6 +375,23 @@ impl TryFrom<pb::RegisterRequest> for AgentInfo {
             .iter()
             .map(|v| runtime_from_pb("runtimes", *v))
             .collect::<Result<Vec<_>>>()?;
+        let known: std::collections::BTreeSet<&str> =
+            gpus.iter().map(|g| g.uuid.as_str()).collect();
+        for g in &gpus {
+            if let Some(p) = g.peers.iter().find(|p| !known.contains(p.uuid.as_str())) {
+                return Err(ConvertError::new(
+                    "gpus[].peers[].uuid",
+                    format!("{} is not a GPU of this agent", p.uuid),
+                ));
+            }
+        }
+        if let Some(k) = r.attributes.keys().find(|k| k.is_empty() || k.len() > 256) {
+            return Err(ConvertError::new(
+                "attributes",
+                format!("key {k:?} must be 1..=256 characters"),
+            ));
+        }
+        let opt = |s: String| (!s.is_empty()).then_some(s);
         Ok(AgentInfo {
             id: r.agent_id,
             hostname: r.hostname,
@@ -334,6 +400,9 @@ impl TryFrom<pb::RegisterRequest> for AgentInfo {
             gpus,
             runtimes,
             simulated_gpus: r.simulated_gpus,
+            attributes: r.attributes.into_iter().collect(),
+            driver_version: opt(r.driver_version),
+            cuda_driver_version: opt(r.cuda_driver_version),
         })
     }
 }
@@ -531,6 +600,7 @@ mod tests {
             runtimes: vec![pb::Runtime::Process as i32],
             running_task_ids: vec![],
             simulated_gpus: false,
+            ..Default::default()
         };
         assert_eq!(
             AgentInfo::try_from(r.clone()).unwrap_err().field,

@@ -43,6 +43,8 @@ impl Resources {
     }
 }
 
+/// Fields added after the first release carry `#[serde(default)]`: the
+/// master's log holds these structs, and old entries must still decode.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct GpuInfo {
     pub uuid: GpuUuid,
@@ -52,6 +54,53 @@ pub struct GpuInfo {
     pub memory_mib: u64,
     pub healthy: bool,
     pub pci_bus_id: String,
+    #[serde(default)]
+    pub serial: String,
+    #[serde(default)]
+    pub numa_node: Option<u32>,
+    /// `(major, minor)`, e.g. `(8, 0)` for an A100.
+    #[serde(default)]
+    pub compute_capability: Option<(u32, u32)>,
+    #[serde(default)]
+    pub peers: Vec<GpuPeer>,
+    #[serde(default)]
+    pub unhealthy_reason: String,
+}
+
+impl GpuInfo {
+    /// A GPU known only by identity; the rest is filled by discovery.
+    pub fn new(
+        uuid: impl Into<String>,
+        index: u32,
+        model: impl Into<String>,
+        memory_mib: u64,
+    ) -> Self {
+        GpuInfo {
+            uuid: uuid.into(),
+            index,
+            minor: index,
+            model: model.into(),
+            memory_mib,
+            healthy: true,
+            pci_bus_id: String::new(),
+            serial: String::new(),
+            numa_node: None,
+            compute_capability: None,
+            peers: Vec::new(),
+            unhealthy_reason: String::new(),
+        }
+    }
+}
+
+/// How one GPU reaches another GPU of the same host.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuPeer {
+    pub uuid: GpuUuid,
+    /// Active NVLink links between the two.
+    pub nvlinks: u32,
+    /// PCIe path: PIX, PXB, PHB, NODE or SYS (as `nvidia-smi topo -m`);
+    /// empty when unknown.
+    pub pcie: String,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -197,6 +246,13 @@ pub struct AgentInfo {
     pub gpus: Vec<GpuInfo>,
     pub runtimes: Vec<Runtime>,
     pub simulated_gpus: bool,
+    /// GPU feature labels (see the agent's `gpu::labels`).
+    #[serde(default)]
+    pub attributes: BTreeMap<String, String>,
+    #[serde(default)]
+    pub driver_version: Option<String>,
+    #[serde(default)]
+    pub cuda_driver_version: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -145,15 +145,9 @@ pub fn simulated_gpus(specs: &[SimSpec], agent_id: &str) -> Vec<GpuInfo> {
             } else {
                 format!("NVIDIA {}", s.model)
             };
-            out.push(GpuInfo {
-                uuid: format!("GPU-{u}"),
-                index,
-                minor: index,
-                model,
-                memory_mib: s.memory_mib,
-                healthy: true,
-                pci_bus_id: format!("00000000:{:02X}:00.0", 0x10 + index),
-            });
+            let mut g = GpuInfo::new(format!("GPU-{u}"), index, model, s.memory_mib);
+            g.pci_bus_id = format!("00000000:{:02X}:00.0", 0x10 + index);
+            out.push(g);
             index += 1;
         }
     }

@@ -1,5 +1,6 @@
 //! `gpuctl agents ...`.
 
+use std::collections::BTreeMap;
 use std::io::Write;
 
 use clap::Subcommand;
@@ -13,6 +14,14 @@ use crate::output::{self, AgentJson};
 pub enum AgentsCommand {
     /// List the agents: state, free/total GPUs, CPUs and memory, runtimes.
     List(JsonFlag),
+    /// Show one agent: its GPUs, their topology (like `nvidia-smi topo -m`)
+    /// and its attributes.
+    Describe {
+        /// Agent id (see `gpuctl agents list`).
+        id: String,
+        #[command(flatten)]
+        flags: JsonFlag,
+    },
 }
 
 pub async fn run(
@@ -22,6 +31,7 @@ pub async fn run(
 ) -> Result<u8, CliError> {
     match cmd {
         AgentsCommand::List(flags) => list(master, flags.json, out).await?,
+        AgentsCommand::Describe { id, flags } => describe(master, &id, flags.json, out).await?,
     }
     Ok(EXIT_OK)
 }
@@ -46,5 +56,31 @@ pub async fn list(master: &mut Master, json: bool, out: &mut dyn Write) -> Resul
     } else {
         out.write_all(output::agents_table(&agents).render().as_bytes())?;
     }
+    Ok(())
+}
+
+pub async fn describe(
+    master: &mut Master,
+    id: &str,
+    json: bool,
+    out: &mut dyn Write,
+) -> Result<(), CliError> {
+    let agents = fetch_agents(master).await?;
+    let agent = agents
+        .iter()
+        .find(|a| a.id == id)
+        .ok_or_else(|| CliError::NotFound(format!("agent {id} not found")))?;
+    if json {
+        out.write_all(output::to_json(&AgentJson::from(agent))?.as_bytes())?;
+        return Ok(());
+    }
+    // Which task holds each GPU comes from the cluster-wide GPU list.
+    let holders: BTreeMap<String, String> = super::gpus::fetch_gpus(master)
+        .await?
+        .into_iter()
+        .filter(|s| s.agent_id == id && !s.task_id.is_empty())
+        .filter_map(|s| Some((s.gpu?.uuid, s.task_id)))
+        .collect();
+    out.write_all(output::agent_detail(agent, &holders).as_bytes())?;
     Ok(())
 }

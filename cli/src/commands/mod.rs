@@ -83,6 +83,8 @@ pub enum CliError {
     #[error("encoding JSON: {0}")]
     Json(#[from] serde_json::Error),
     #[error("{0}")]
+    NotFound(String),
+    #[error("{0}")]
     Other(String),
 }
 
@@ -142,6 +144,7 @@ impl CliError {
                 _ => EXIT_FAILURE,
             },
             CliError::Timeout(_) => EXIT_TIMEOUT,
+            CliError::NotFound(_) => EXIT_NOT_FOUND,
             _ => EXIT_FAILURE,
         }
     }

@@ -71,6 +71,9 @@ pub fn agent_to_pb(a: &AgentRecord) -> pb::Agent {
             .collect(),
         registered_at_ms: a.registered_at_ms,
         simulated_gpus: a.info.simulated_gpus,
+        attributes: a.info.attributes.clone().into_iter().collect(),
+        driver_version: a.info.driver_version.clone().unwrap_or_default(),
+        cuda_driver_version: a.info.cuda_driver_version.clone().unwrap_or_default(),
     }
 }
 

@@ -452,18 +452,13 @@ mod tests {
                 gpus,
             },
             gpus: (0..gpus)
-                .map(|i| GpuInfo {
-                    uuid: format!("GPU-{id}-{i}"),
-                    index: i,
-                    minor: i,
-                    model: "A100".into(),
-                    memory_mib: 40960,
-                    healthy: true,
-                    pci_bus_id: String::new(),
-                })
+                .map(|i| GpuInfo::new(format!("GPU-{id}-{i}"), i, "A100", 40960))
                 .collect(),
             runtimes: vec![Runtime::Docker, Runtime::Process],
             simulated_gpus: true,
+            attributes: Default::default(),
+            driver_version: None,
+            cuda_driver_version: None,
         }
     }
 
