@@ -38,7 +38,10 @@ pub fn bin_dir() -> &'static Path {
                 "gpuctl-agent",
                 "-p",
                 "gpuctl",
+                "-p",
+                "fake-nvml",
                 "--bins",
+                "--lib",
             ])
             .status()
             .expect("run cargo build");
@@ -62,6 +65,18 @@ pub fn target_dir() -> PathBuf {
             .as_str()
             .expect("cargo metadata has target_directory"),
     )
+}
+
+/// The fake libnvidia-ml (tests/fake-nvml), built with the binaries.
+pub fn fake_nvml_lib() -> PathBuf {
+    bin_dir().join("libfake_nvml.so")
+}
+
+/// One of the example machines in tests/fake-nvml/configs.
+pub fn fake_nvml_config(name: &str) -> PathBuf {
+    workspace_root()
+        .join("tests/fake-nvml/configs")
+        .join(format!("{name}.json"))
 }
 
 pub fn bin(name: &str) -> PathBuf {
@@ -131,7 +146,13 @@ pub struct Daemon {
 }
 
 impl Daemon {
-    fn spawn(name: &str, program: &Path, args: &[String], log: PathBuf) -> Daemon {
+    fn spawn(
+        name: &str,
+        program: &Path,
+        args: &[String],
+        env: &[(String, String)],
+        log: PathBuf,
+    ) -> Daemon {
         let out = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -140,6 +161,7 @@ impl Daemon {
         let child = Command::new(program)
             .args(args)
             .env("GPUCTL_LOG", "info")
+            .envs(env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(out.try_clone().unwrap())
             .stderr(out)
@@ -207,6 +229,7 @@ pub struct AgentOpts<'a> {
     pub simulate_gpus: Option<&'a str>,
     pub runtime: &'a str,
     pub extra: Vec<String>,
+    pub env: Vec<(String, String)>,
 }
 
 impl Default for AgentOpts<'_> {
@@ -215,6 +238,7 @@ impl Default for AgentOpts<'_> {
             simulate_gpus: Some("4xA100-SXM4-40GB"),
             runtime: "process",
             extra: vec![],
+            env: vec![],
         }
     }
 }
@@ -236,6 +260,7 @@ impl Cluster {
             "master",
             &bin("gpuctl-master"),
             &master_args,
+            &[],
             dir.path().join("master.log"),
         );
         let c = Cluster {
@@ -263,6 +288,7 @@ impl Cluster {
             "master",
             &bin("gpuctl-master"),
             &self.master_args,
+            &[],
             self.dir.path().join("master.log"),
         );
         self.wait_master_up();
@@ -294,6 +320,7 @@ impl Cluster {
             &format!("agent{n}"),
             &bin("gpuctl-agent"),
             &args,
+            &opts.env,
             self.dir.path().join(format!("agent{n}.log")),
         ));
         let mut id = String::new();

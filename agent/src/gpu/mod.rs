@@ -116,14 +116,17 @@ fn read_device(nvml: &Nvml, index: u32) -> Result<(GpuInfo, Vec<BusId>), NvmlErr
     // that it is not handed out and operators see it.
     let mut g = GpuInfo::new(uuid, index, String::new(), 0);
     let mut problems = Vec::new();
-    let mut note = |what: &str, e: &NvmlError| {
+    let mut note = |what: &str, e: &NvmlError| match e {
         // Optional features a GPU may lack do not make it unhealthy.
-        if !matches!(
-            e,
-            NvmlError::NotSupported | NvmlError::FailedToLoadSymbol(_)
-        ) {
-            problems.push(format!("{what}: {e}"));
+        NvmlError::NotSupported | NvmlError::FailedToLoadSymbol(_) => {}
+        // One clear reason instead of the same message for every query.
+        NvmlError::GpuLost => {
+            let lost = "GPU is lost (fallen off the bus or inaccessible)".to_string();
+            if !problems.contains(&lost) {
+                problems.push(lost);
+            }
         }
+        e => problems.push(format!("{what}: {e}")),
     };
     match dev.name() {
         Ok(n) => g.model = n,

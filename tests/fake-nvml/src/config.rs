@@ -1,0 +1,412 @@
+//! The JSON machine description (schema in `tests/fake-nvml/README.md`).
+//!
+//! Parsed with `deny_unknown_fields` everywhere, then checked and resolved:
+//! defaults that depend on a GPU's position (minor number, bus id, serial)
+//! are filled in here, so the exported functions read plain values.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::Path;
+
+use serde::{Deserialize, Deserializer};
+
+use crate::ffi::{self, nvmlReturn_t};
+
+/// Per-device functions an `errors` entry may name. Each of them consults
+/// the override before anything else it does for that GPU.
+pub const PER_DEVICE_FUNCTIONS: &[&str] = &[
+    "nvmlDeviceGetHandleByIndex_v2",
+    "nvmlDeviceGetHandleByUUID",
+    "nvmlDeviceGetHandleByPciBusId_v2",
+    "nvmlDeviceGetIndex",
+    "nvmlDeviceGetName",
+    "nvmlDeviceGetUUID",
+    "nvmlDeviceGetSerial",
+    "nvmlDeviceGetMemoryInfo",
+    "nvmlDeviceGetMemoryInfo_v2",
+    "nvmlDeviceGetMinorNumber",
+    "nvmlDeviceGetPciInfo_v3",
+    "nvmlDeviceGetCpuAffinity",
+    "nvmlDeviceGetNumaNodeId",
+    "nvmlDeviceGetCudaComputeCapability",
+    "nvmlDeviceGetUtilizationRates",
+    "nvmlDeviceGetTemperature",
+    "nvmlDeviceGetPowerUsage",
+    "nvmlDeviceGetMigMode",
+    "nvmlDeviceGetTopologyCommonAncestor",
+    "nvmlDeviceGetNvLinkState",
+    "nvmlDeviceGetNvLinkRemotePciInfo_v2",
+    "nvmlDeviceRegisterEvents",
+    "nvmlDeviceGetSupportedEventTypes",
+];
+
+/// Highest CPU number a `cpu_affinity` list may name (keeps a typo from
+/// allocating gigabytes).
+const MAX_CPU: u32 = 65_535;
+
+/// The whole machine, resolved.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub driver_version: String,
+    pub cuda_driver_version: i32,
+    pub init_error: Option<ErrorCode>,
+    pub gpus: Vec<Gpu>,
+    pub events: Vec<Event>,
+}
+
+/// One GPU, resolved (no optional fields left but `pci_switch`).
+#[derive(Debug, Clone)]
+pub struct Gpu {
+    pub uuid: String,
+    pub name: String,
+    pub serial: String,
+    pub memory_total_mib: u64,
+    pub memory_used_mib: u64,
+    pub minor: u32,
+    pub pci_bus_id: BusId,
+    pub pci_device_id: u32,
+    pub numa_node: u32,
+    /// Sorted, de-duplicated CPU numbers.
+    pub cpu_affinity: Vec<u32>,
+    pub compute_capability: [i32; 2],
+    pub utilization_gpu_pct: u32,
+    pub utilization_memory_pct: u32,
+    pub temperature_c: u32,
+    pub power_mw: u32,
+    pub mig_enabled: bool,
+    pub pci_switch: Option<String>,
+    /// Remote bus id of each active link; link number = position.
+    pub nvlinks: Vec<BusId>,
+    pub lost: bool,
+    pub errors: BTreeMap<String, ErrorCode>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Event {
+    pub id: u64,
+    pub gpu_index: usize,
+    #[serde(rename = "type")]
+    pub kind: EventKind,
+    /// The XID for `xid` events; passed through as `eventData` for all types.
+    #[serde(default)]
+    pub data: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EventKind {
+    Xid,
+    DoubleBitEcc,
+    SingleBitEcc,
+}
+
+impl EventKind {
+    /// The `nvmlEventType*` bit.
+    pub fn mask(self) -> u64 {
+        match self {
+            EventKind::Xid => ffi::nvmlEventTypeXidCriticalError,
+            EventKind::DoubleBitEcc => ffi::nvmlEventTypeDoubleBitEccError,
+            EventKind::SingleBitEcc => ffi::nvmlEventTypeSingleBitEccError,
+        }
+    }
+}
+
+/// An NVML error (never SUCCESS), written in configs by name: "GPU_IS_LOST"
+/// or "NVML_ERROR_GPU_IS_LOST".
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ErrorCode(pub nvmlReturn_t);
+
+impl ErrorCode {
+    pub fn parse(name: &str) -> Option<ErrorCode> {
+        let short = name.strip_prefix("NVML_ERROR_").unwrap_or(name);
+        ffi::RETURN_CODES
+            .iter()
+            .find(|(code, n, _)| *code != ffi::NVML_SUCCESS && *n == short)
+            .map(|(code, _, _)| ErrorCode(*code))
+    }
+}
+
+impl<'de> Deserialize<'de> for ErrorCode {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        ErrorCode::parse(&s).ok_or_else(|| {
+            serde::de::Error::custom(format!(
+                "unknown NVML error {s:?} (expected a name such as \"GPU_IS_LOST\")"
+            ))
+        })
+    }
+}
+
+/// A PCI address. Parses the 8-digit ("00000000:07:00.0") and the legacy
+/// 4-digit ("0000:07:00.0") domain spellings, any hex case.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BusId {
+    pub domain: u32,
+    pub bus: u32,
+    pub device: u32,
+    pub function: u32,
+}
+
+impl BusId {
+    pub fn parse(s: &str) -> Option<BusId> {
+        let (domain, rest) = s.split_once(':')?;
+        let (bus, rest) = rest.split_once(':')?;
+        let (device, function) = rest.split_once('.')?;
+        let hex = |p: &str, max_len: usize| {
+            if p.is_empty() || p.len() > max_len {
+                None
+            } else {
+                u32::from_str_radix(p, 16).ok()
+            }
+        };
+        let id = BusId {
+            domain: hex(domain, 8)?,
+            bus: hex(bus, 2)?,
+            device: hex(device, 2)?,
+            function: hex(function, 1)?,
+        };
+        (id.device < 32 && id.function < 8).then_some(id)
+    }
+
+    /// NVML's `busId`: "%08X:%02X:%02X.%X" (31 chars at most with the NUL).
+    pub fn canonical(&self) -> String {
+        format!(
+            "{:08X}:{:02X}:{:02X}.{:X}",
+            self.domain, self.bus, self.device, self.function
+        )
+    }
+
+    /// NVML's `busIdLegacy`: "%04X:%02X:%02X.%X" (13 bytes with the NUL).
+    pub fn legacy(&self) -> String {
+        format!(
+            "{:04X}:{:02X}:{:02X}.{:X}",
+            self.domain & 0xFFFF,
+            self.bus,
+            self.device,
+            self.function
+        )
+    }
+}
+
+impl fmt::Display for BusId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.canonical())
+    }
+}
+
+impl<'de> Deserialize<'de> for BusId {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        BusId::parse(&s).ok_or_else(|| {
+            serde::de::Error::custom(format!(
+                "bad PCI bus id {s:?} (expected \"00000000:07:00.0\")"
+            ))
+        })
+    }
+}
+
+/// Parses a Linux cpu list ("0-31,64-95", "" for none).
+pub fn parse_cpu_list(s: &str) -> Result<Vec<u32>, String> {
+    let mut cpus = Vec::new();
+    for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let num = |t: &str| {
+            t.trim()
+                .parse::<u32>()
+                .ok()
+                .filter(|n| *n <= MAX_CPU)
+                .ok_or_else(|| format!("bad cpu list {s:?}: {t:?} is not a CPU number"))
+        };
+        let (lo, hi) = match part.split_once('-') {
+            Some((a, b)) => (num(a)?, num(b)?),
+            None => {
+                let n = num(part)?;
+                (n, n)
+            }
+        };
+        if lo > hi {
+            return Err(format!("bad cpu list {s:?}: range {part:?} is backwards"));
+        }
+        cpus.extend(lo..=hi);
+    }
+    cpus.sort_unstable();
+    cpus.dedup();
+    Ok(cpus)
+}
+
+// ----- the file as written -----
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ConfigFile {
+    #[serde(default = "default_driver_version")]
+    driver_version: String,
+    #[serde(default = "default_cuda_driver_version")]
+    cuda_driver_version: i32,
+    #[serde(default)]
+    init_error: Option<ErrorCode>,
+    #[serde(default)]
+    gpus: Vec<GpuFile>,
+    #[serde(default)]
+    events: Vec<Event>,
+}
+
+fn default_driver_version() -> String {
+    "535.129.03".to_string()
+}
+
+fn default_cuda_driver_version() -> i32 {
+    12020
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct GpuFile {
+    uuid: String,
+    name: String,
+    #[serde(default)]
+    serial: Option<String>,
+    #[serde(default = "default_memory_total_mib")]
+    memory_total_mib: u64,
+    #[serde(default)]
+    memory_used_mib: u64,
+    #[serde(default)]
+    minor: Option<u32>,
+    #[serde(default)]
+    pci_bus_id: Option<BusId>,
+    #[serde(default = "default_pci_device_id")]
+    pci_device_id: u32,
+    #[serde(default)]
+    numa_node: u32,
+    #[serde(default)]
+    cpu_affinity: Option<String>,
+    #[serde(default = "default_compute_capability")]
+    compute_capability: [i32; 2],
+    #[serde(default)]
+    utilization_gpu_pct: u32,
+    #[serde(default)]
+    utilization_memory_pct: u32,
+    #[serde(default = "default_temperature_c")]
+    temperature_c: u32,
+    #[serde(default = "default_power_mw")]
+    power_mw: u32,
+    #[serde(default)]
+    mig_enabled: bool,
+    #[serde(default)]
+    pci_switch: Option<String>,
+    #[serde(default)]
+    nvlinks: Vec<BusId>,
+    #[serde(default)]
+    lost: bool,
+    #[serde(default)]
+    errors: BTreeMap<String, ErrorCode>,
+}
+
+fn default_memory_total_mib() -> u64 {
+    16_384
+}
+
+/// 0x20B0 (A100-SXM4-40GB) << 16 | 0x10DE (NVIDIA).
+fn default_pci_device_id() -> u32 {
+    0x20B0_10DE
+}
+
+fn default_compute_capability() -> [i32; 2] {
+    [8, 0]
+}
+
+fn default_temperature_c() -> u32 {
+    35
+}
+
+fn default_power_mw() -> u32 {
+    50_000
+}
+
+/// Reads, parses and checks the machine description at `path`. The error is
+/// one line, meant for stderr.
+pub fn load(path: &Path) -> Result<Config, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| e.to_string())?;
+    parse(&text)
+}
+
+/// Parses and checks a machine description.
+pub fn parse(text: &str) -> Result<Config, String> {
+    let file: ConfigFile = serde_json::from_str(text).map_err(|e| e.to_string())?;
+    let host_cpus = std::thread::available_parallelism().map_or(1, |n| n.get() as u32);
+    let mut gpus = Vec::with_capacity(file.gpus.len());
+    for (index, g) in file.gpus.into_iter().enumerate() {
+        let at = |what: String| format!("gpus[{index}]: {what}");
+        if gpus.iter().any(|o: &Gpu| o.uuid == g.uuid) {
+            return Err(at(format!("duplicate uuid {:?}", g.uuid)));
+        }
+        if let Some(name) = g
+            .errors
+            .keys()
+            .find(|k| !PER_DEVICE_FUNCTIONS.contains(&k.as_str()))
+        {
+            return Err(at(format!(
+                "errors: {name:?} is not a per-device function this library exports"
+            )));
+        }
+        if g.nvlinks.len() > ffi::NVML_NVLINK_MAX_LINKS as usize {
+            return Err(at(format!(
+                "{} nvlinks, NVML has at most {}",
+                g.nvlinks.len(),
+                ffi::NVML_NVLINK_MAX_LINKS
+            )));
+        }
+        let cpu_affinity = match &g.cpu_affinity {
+            Some(list) => parse_cpu_list(list).map_err(at)?,
+            // Default: every CPU of the host running the fake.
+            None => (0..host_cpus).collect(),
+        };
+        // Position-dependent defaults; `index` < gpus.len() fits in u32 in practice.
+        let n = index as u64;
+        let pci_bus_id = g.pci_bus_id.unwrap_or(BusId {
+            domain: ((n + 1) >> 8) as u32,
+            bus: ((n + 1) & 0xFF) as u32,
+            device: 0,
+            function: 0,
+        });
+        gpus.push(Gpu {
+            serial: g
+                .serial
+                .unwrap_or_else(|| (1_320_000_000_000 + n).to_string()),
+            minor: g.minor.unwrap_or(index as u32),
+            pci_bus_id,
+            uuid: g.uuid,
+            name: g.name,
+            memory_total_mib: g.memory_total_mib,
+            memory_used_mib: g.memory_used_mib,
+            pci_device_id: g.pci_device_id,
+            numa_node: g.numa_node,
+            cpu_affinity,
+            compute_capability: g.compute_capability,
+            utilization_gpu_pct: g.utilization_gpu_pct,
+            utilization_memory_pct: g.utilization_memory_pct,
+            temperature_c: g.temperature_c,
+            power_mw: g.power_mw,
+            mig_enabled: g.mig_enabled,
+            pci_switch: g.pci_switch.filter(|s| !s.is_empty()),
+            nvlinks: g.nvlinks,
+            lost: g.lost,
+            errors: g.errors,
+        });
+    }
+    for (i, g) in gpus.iter().enumerate() {
+        if let Some(j) = gpus[..i].iter().position(|o| o.pci_bus_id == g.pci_bus_id) {
+            return Err(format!(
+                "gpus[{i}]: PCI bus id {} is also gpus[{j}]'s",
+                g.pci_bus_id
+            ));
+        }
+    }
+    Ok(Config {
+        driver_version: file.driver_version,
+        cuda_driver_version: file.cuda_driver_version,
+        init_error: file.init_error,
+        gpus,
+        events: file.events,
+    })
+}

@@ -1,0 +1,232 @@
+//! GPU discovery through the real nvml-wrapper against tests/fake-nvml, a
+//! libnvidia-ml that describes the machine in a JSON file; and an agent
+//! started on it, seen through gpuctl.
+#![allow(clippy::unwrap_used)]
+
+use std::path::Path;
+use std::sync::Mutex;
+
+use gpuctl_agent::gpu::{discover, labels, Discovery};
+use gpuctl_tests::{fake_nvml_config, fake_nvml_lib, AgentOpts, Cluster};
+use serde_json::{json, Value};
+
+/// FAKE_NVML_CONFIG is process-wide: one discovery at a time.
+static ENV: Mutex<()> = Mutex::new(());
+
+fn discover_with(config: &Path) -> Discovery {
+    let _guard = ENV.lock().unwrap_or_else(|p| p.into_inner());
+    std::env::set_var("FAKE_NVML_CONFIG", config);
+    discover(Some(&fake_nvml_lib()))
+}
+
+fn config(name: &str) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(fake_nvml_config(name)).unwrap()).unwrap()
+}
+
+/// Writes `machine` to a temp file and discovers it.
+fn discover_json(machine: &Value) -> Discovery {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("machine.json");
+    std::fs::write(&path, machine.to_string()).unwrap();
+    discover_with(&path)
+}
+
+fn nvlinks(d: &Discovery, a: usize, b: usize) -> u32 {
+    let peer = &d.gpus[b].uuid;
+    d.gpus[a]
+        .peers
+        .iter()
+        .find(|p| &p.uuid == peer)
+        .map_or(0, |p| p.nvlinks)
+}
+
+fn pcie(d: &Discovery, a: usize, b: usize) -> String {
+    let peer = &d.gpus[b].uuid;
+    d.gpus[a]
+        .peers
+        .iter()
+        .find(|p| &p.uuid == peer)
+        .map(|p| p.pcie.clone())
+        .unwrap_or_default()
+}
+
+/// Every field discovery reports matches the machine description.
+fn assert_matches_config(d: &Discovery, cfg: &Value) {
+    assert!(d.error.is_none(), "{:?}", d.error);
+    assert_eq!(d.driver_version.as_deref(), cfg["driver_version"].as_str());
+    let cuda = cfg["cuda_driver_version"].as_u64().unwrap();
+    assert_eq!(
+        d.cuda_driver_version.as_deref(),
+        Some(format!("{}.{}", cuda / 1000, (cuda % 1000) / 10).as_str())
+    );
+    let gpus = cfg["gpus"].as_array().unwrap();
+    assert_eq!(d.gpus.len(), gpus.len());
+    for (i, (g, c)) in d.gpus.iter().zip(gpus).enumerate() {
+        assert_eq!(g.index as usize, i);
+        assert_eq!(g.uuid, c["uuid"].as_str().unwrap());
+        assert_eq!(g.model, c["name"].as_str().unwrap());
+        assert_eq!(g.memory_mib, c["memory_total_mib"].as_u64().unwrap());
+        assert_eq!(u64::from(g.minor), c["minor"].as_u64().unwrap());
+        assert_eq!(g.pci_bus_id, c["pci_bus_id"].as_str().unwrap());
+        assert_eq!(g.serial, c["serial"].as_str().unwrap());
+        assert_eq!(g.numa_node.map(u64::from), c["numa_node"].as_u64());
+        let cc = c["compute_capability"].as_array().unwrap();
+        assert_eq!(
+            g.compute_capability,
+            Some((
+                cc[0].as_u64().unwrap() as u32,
+                cc[1].as_u64().unwrap() as u32
+            ))
+        );
+        assert!(g.healthy, "{}: {}", g.uuid, g.unhealthy_reason);
+        assert_eq!(g.peers.len(), gpus.len() - 1);
+    }
+}
+
+#[test]
+fn dgx_a100_eight_gpus_fully_connected_by_nvlink() {
+    let cfg = config("dgx-a100");
+    let d = discover_with(&fake_nvml_config("dgx-a100"));
+    assert_matches_config(&d, &cfg);
+    assert_eq!(d.gpus.len(), 8);
+    for a in 0..8 {
+        for b in 0..8 {
+            if a != b {
+                assert!(nvlinks(&d, a, b) > 0, "GPU{a} - GPU{b} has no NVLink");
+                assert_eq!(nvlinks(&d, a, b), nvlinks(&d, b, a));
+            }
+        }
+    }
+    let l = labels(
+        &d.gpus,
+        d.driver_version.as_deref(),
+        d.cuda_driver_version.as_deref(),
+    );
+    assert_eq!(l["nvidia.com/gpu.product"], "NVIDIA-A100-SXM4-40GB");
+    assert_eq!(l["nvidia.com/gpu.count"], "8");
+    assert_eq!(l["nvidia.com/gpu.memory"], "40960");
+    assert_eq!(l["nvidia.com/gpu.family"], "ampere");
+    assert_eq!(l["nvidia.com/gpu.compute.major"], "8");
+}
+
+#[test]
+fn mixed_host_one_nvlink_pair_and_pcie_only_t4s() {
+    let cfg = config("mixed");
+    let d = discover_with(&fake_nvml_config("mixed"));
+    assert_matches_config(&d, &cfg);
+    assert_eq!(d.gpus.len(), 4);
+    assert!(d.gpus[0].model.contains("V100"));
+    assert!(d.gpus[2].model.contains("T4"));
+    // The V100 pair: two NVLink links; nothing else has NVLink.
+    assert_eq!(nvlinks(&d, 0, 1), 2);
+    assert_eq!(nvlinks(&d, 1, 0), 2);
+    for (a, b) in [(0, 2), (0, 3), (1, 2), (2, 3), (3, 1)] {
+        assert_eq!(nvlinks(&d, a, b), 0, "GPU{a} - GPU{b}");
+    }
+    // PCIe paths come from NVML's common ancestor: the T4s sit behind
+    // different switches of one NUMA node.
+    assert_eq!(pcie(&d, 2, 3), "NODE");
+    let l = labels(&d.gpus, None, None);
+    assert_eq!(l["nvidia.com/gpu.product"], "Tesla-T4,Tesla-V100-SXM2-16GB");
+    assert_eq!(l["nvidia.com/gpu.family"], "volta");
+}
+
+#[test]
+fn a_driver_without_gpus_reports_none() {
+    let d = discover_with(&fake_nvml_config("none"));
+    assert!(d.error.is_none(), "{:?}", d.error);
+    assert!(d.gpus.is_empty());
+    assert!(d.driver_version.is_some());
+}
+
+#[test]
+fn init_failure_and_missing_library_give_zero_gpus_and_a_reason() {
+    let mut cfg = config("mixed");
+    cfg["init_error"] = json!("DRIVER_NOT_LOADED");
+    let d = discover_json(&cfg);
+    assert!(d.gpus.is_empty());
+    let err = d.error.unwrap();
+    assert!(err.contains("NVML unavailable"), "{err}");
+    assert!(err.to_lowercase().contains("driver"), "{err}");
+
+    let d = discover(Some(Path::new("/nonexistent/libnvidia-ml.so.1")));
+    assert!(d.gpus.is_empty());
+    assert!(d.error.unwrap().contains("/nonexistent/libnvidia-ml.so.1"));
+}
+
+#[test]
+fn a_lost_gpu_is_reported_unhealthy_not_hidden() {
+    let mut cfg = config("mixed");
+    cfg["gpus"][2]["lost"] = json!(true);
+    let d = discover_json(&cfg);
+    assert_eq!(d.gpus.len(), 4);
+    let lost = &d.gpus[2];
+    assert_eq!(lost.uuid, cfg["gpus"][2]["uuid"].as_str().unwrap());
+    assert!(!lost.healthy);
+    assert!(
+        lost.unhealthy_reason.to_lowercase().contains("lost"),
+        "{}",
+        lost.unhealthy_reason
+    );
+    assert!(d.gpus.iter().enumerate().all(|(i, g)| i == 2 || g.healthy));
+}
+
+#[test]
+fn an_unsupported_optional_query_does_not_make_a_gpu_unhealthy() {
+    let mut cfg = config("mixed");
+    cfg["gpus"][3]["errors"] = json!({ "nvmlDeviceGetNumaNodeId": "NOT_SUPPORTED" });
+    let d = discover_json(&cfg);
+    assert!(d.gpus[3].healthy, "{}", d.gpus[3].unhealthy_reason);
+    assert_eq!(d.gpus[3].numa_node, None);
+}
+
+#[test]
+fn agent_on_fake_nvml_shows_its_gpus_in_gpuctl() {
+    let cfg = config("mixed");
+    let mut c = Cluster::start(&[]);
+    let agent = c.add_agent(AgentOpts {
+        simulate_gpus: None,
+        extra: vec!["--nvml-lib".into(), fake_nvml_lib().display().to_string()],
+        env: vec![(
+            "FAKE_NVML_CONFIG".into(),
+            fake_nvml_config("mixed").display().to_string(),
+        )],
+        ..Default::default()
+    });
+    let gpus = c.json(&["gpus", "--json"]);
+    let gpus = gpus.as_array().unwrap();
+    assert_eq!(gpus.len(), 4);
+    for (g, want) in gpus.iter().zip(cfg["gpus"].as_array().unwrap()) {
+        assert_eq!(g["uuid"], want["uuid"]);
+        assert_eq!(g["model"], want["name"]);
+        assert_eq!(g["memory_mib"], want["memory_total_mib"]);
+        assert_eq!(g["minor"], want["minor"]);
+        assert_eq!(g["agent_id"], agent.as_str());
+        assert_eq!(g["healthy"], true);
+        assert!(g["task_id"].is_null());
+    }
+    let described = c.json(&["agents", "describe", &agent, "--json"]);
+    assert_eq!(described["simulated_gpus"], false);
+    assert_eq!(described["driver_version"], cfg["driver_version"]);
+    assert_eq!(described["attributes"]["nvidia.com/gpu.count"], json!("4"));
+    let text = c.ok(&["agents", "describe", &agent]);
+    let row0 = text
+        .lines()
+        .skip_while(|l| !l.starts_with("Topology:"))
+        .find(|l| l.starts_with("GPU0"))
+        .unwrap();
+    assert_eq!(
+        row0.split_whitespace().take(3).collect::<Vec<_>>(),
+        vec!["GPU0", "X", "NV2"],
+        "{text}"
+    );
+    // A job asking for a GPU gets one of the fake machine's GPUs.
+    let j = c.submit(&["--name", "on-fake", "--gpus", "1", "--", "true"]);
+    assert_eq!(c.wait_job(&j, 30).0, 0);
+    let held = c.job(&j)["tasks"][0]["gpus"][0].clone();
+    assert!(cfg["gpus"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|g| g["uuid"] == held));
+}
