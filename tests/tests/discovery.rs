@@ -230,3 +230,32 @@ fn agent_on_fake_nvml_shows_its_gpus_in_gpuctl() {
         .iter()
         .any(|g| g["uuid"] == held));
 }
+
+#[test]
+fn agent_whose_nvml_init_fails_runs_with_zero_gpus_and_says_why_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let machine = dir.path().join("broken.json");
+    let mut cfg = config("mixed");
+    cfg["init_error"] = json!("DRIVER_NOT_LOADED");
+    std::fs::write(&machine, cfg.to_string()).unwrap();
+    let mut c = Cluster::start(&[]);
+    let agent = c.add_agent(AgentOpts {
+        simulate_gpus: None,
+        extra: vec![
+            "--nvml-lib".into(),
+            fake_nvml_lib().display().to_string(),
+        ],
+        env: vec![("FAKE_NVML_CONFIG".into(), machine.display().to_string())],
+        ..Default::default()
+    });
+    let described = c.json(&["agents", "describe", &agent, "--json"]);
+    assert_eq!(described["gpus"], json!([]));
+    assert_eq!(described["total"]["gpus"], 0);
+    let log = c.agents[0].log_text();
+    let lines: Vec<&str> = log.lines().filter(|l| l.contains("NVML unavailable")).collect();
+    assert_eq!(lines.len(), 1, "{log}");
+    assert!(lines[0].contains("reporting zero GPUs"), "{}", lines[0]);
+    // It still runs CPU-only work.
+    let j = c.submit(&["--name", "cpu-only", "--", "true"]);
+    assert_eq!(c.wait_job(&j, 30).0, 0);
+}
