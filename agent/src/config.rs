@@ -30,6 +30,13 @@ pub struct AgentConfig {
     pub mem_mib: Option<u64>,
     /// Between SIGTERM and SIGKILL when a task is killed.
     pub kill_grace: Duration,
+    /// Task cgroups live under `<cgroup_root>/<controller>/<cgroup_parent>`.
+    pub cgroup_parent: String,
+    pub cgroup_root: PathBuf,
+    /// Where `nvidia<N>`, `nvidiactl`, ... are found.
+    pub dev_root: PathBuf,
+    /// Root under which the driver's ld.so cache, libraries and binaries are.
+    pub driver_root: PathBuf,
 }
 
 impl AgentConfig {
@@ -45,6 +52,10 @@ impl AgentConfig {
             cpus: None,
             mem_mib: None,
             kill_grace: Duration::from_secs(10),
+            cgroup_parent: "gpuctl".into(),
+            cgroup_root: PathBuf::from("/sys/fs/cgroup"),
+            dev_root: PathBuf::from("/dev"),
+            driver_root: PathBuf::from("/"),
         }
     }
 }
@@ -93,6 +104,23 @@ pub struct Options {
     /// Seconds between SIGTERM and SIGKILL when a task is killed.
     #[arg(long, env = "GPUCTL_AGENT_KILL_GRACE_SECS", default_value_t = 10.0)]
     pub kill_grace_secs: f64,
+    /// Task cgroups are created under this parent in each hierarchy.
+    #[arg(long, env = "GPUCTL_AGENT_CGROUP_PARENT", default_value = "gpuctl")]
+    pub cgroup_parent: String,
+    /// Where the cgroup hierarchies are mounted.
+    #[arg(
+        long,
+        env = "GPUCTL_AGENT_CGROUP_ROOT",
+        default_value = "/sys/fs/cgroup"
+    )]
+    pub cgroup_root: PathBuf,
+    /// Directory holding the NVIDIA device nodes (nvidia0, nvidiactl, ...).
+    #[arg(long, env = "GPUCTL_AGENT_DEV_ROOT", default_value = "/dev")]
+    pub dev_root: PathBuf,
+    /// Root under which the driver's ld.so cache, libraries and binaries are
+    /// found (like the NVIDIA container toolkit's driver root).
+    #[arg(long, env = "GPUCTL_AGENT_DRIVER_ROOT", default_value = "/")]
+    pub driver_root: PathBuf,
     /// Log filter (tracing EnvFilter syntax), e.g. `info`.
     #[arg(long, env = "GPUCTL_LOG", default_value = "info")]
     pub log: String,
@@ -111,6 +139,10 @@ struct FileOptions {
     cpus: Option<f64>,
     mem_mib: Option<u64>,
     kill_grace_secs: Option<f64>,
+    cgroup_parent: Option<String>,
+    cgroup_root: Option<PathBuf>,
+    dev_root: Option<PathBuf>,
+    driver_root: Option<PathBuf>,
     log: Option<String>,
 }
 
@@ -183,6 +215,10 @@ impl Options {
             fill!(opt cpus);
             fill!(opt mem_mib);
             fill!(kill_grace_secs);
+            fill!(cgroup_parent);
+            fill!(cgroup_root);
+            fill!(dev_root);
+            fill!(driver_root);
             fill!(log);
         }
         Ok(o)
@@ -218,6 +254,10 @@ impl Options {
             cpus: self.cpus,
             mem_mib: self.mem_mib,
             kill_grace: Duration::from_secs_f64(self.kill_grace_secs),
+            cgroup_parent: self.cgroup_parent.clone(),
+            cgroup_root: self.cgroup_root.clone(),
+            dev_root: self.dev_root.clone(),
+            driver_root: self.driver_root.clone(),
         })
     }
 }

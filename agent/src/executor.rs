@@ -11,7 +11,8 @@ use std::time::Duration;
 use gpuctl_proto::types::{Runtime, StatusUpdate, TaskSpec, TaskState};
 use tokio::sync::{mpsc, oneshot, watch};
 
-use crate::runtime::{ContainerRuntime, LaunchSpec, TaskExit};
+use crate::isolation::Isolator;
+use crate::runtime::{ContainerRuntime, LaunchSpec, TaskExit, TaskIsolation};
 
 /// File name of a task's combined output inside its sandbox.
 pub const LOG_FILE: &str = "output.log";
@@ -30,11 +31,21 @@ struct Tasks {
     ended: HashSet<String>,
 }
 
+/// What the executor needs to isolate tasks.
+pub struct IsolationSetup {
+    pub isolator: Isolator,
+    /// Minor number (hence /dev/nvidiaN) of each GPU of this agent, by UUID.
+    pub gpu_minors: HashMap<String, u32>,
+    /// The consolidated driver volume, when one could be built.
+    pub driver_volume: Option<PathBuf>,
+}
+
 pub struct Executor {
     agent_id: String,
     work_dir: PathBuf,
     runtimes: BTreeMap<Runtime, Arc<dyn ContainerRuntime>>,
     kill_grace: Duration,
+    isolation: IsolationSetup,
     tasks: Mutex<Tasks>,
     updates: mpsc::Sender<StatusUpdate>,
     /// Ticks whenever a task ends, for log followers.
@@ -47,6 +58,7 @@ impl Executor {
         work_dir: PathBuf,
         runtimes: BTreeMap<Runtime, Arc<dyn ContainerRuntime>>,
         kill_grace: Duration,
+        isolation: IsolationSetup,
         updates: mpsc::Sender<StatusUpdate>,
     ) -> Arc<Executor> {
         Arc::new(Executor {
@@ -54,6 +66,7 @@ impl Executor {
             work_dir,
             runtimes,
             kill_grace,
+            isolation,
             tasks: Mutex::new(Tasks::default()),
             updates,
             ended_tx: watch::channel(0).0,
@@ -158,6 +171,10 @@ impl Executor {
         );
         env.insert("CUDA_VISIBLE_DEVICES".into(), ids.clone());
         env.insert("CUDA_DEVICE_ORDER".into(), "PCI_BUS_ID".into());
+        env.insert(
+            "NVIDIA_DRIVER_CAPABILITIES".into(),
+            "compute,utility".into(),
+        );
         env.insert("GPUCTL_GPUS".into(), ids);
         env.insert("GPUCTL_TASK_ID".into(), spec.task_id.clone());
         env.insert("GPUCTL_JOB_ID".into(), spec.job_id.clone());
@@ -205,12 +222,48 @@ impl Executor {
                 format!("create sandbox {}: {e}", sandbox.display()),
             );
         }
+        let minors: Vec<u32> = match spec
+            .gpu_uuids
+            .iter()
+            .map(|u| self.isolation.gpu_minors.get(u).copied().ok_or(u))
+            .collect::<Result<_, _>>()
+        {
+            Ok(m) => m,
+            Err(u) => {
+                return (
+                    TaskState::Failed,
+                    None,
+                    format!("GPU {u} is not a GPU of this agent"),
+                )
+            }
+        };
+        let prepared =
+            match self
+                .isolation
+                .isolator
+                .prepare(&task_id, &minors, &spec.resources, kind)
+            {
+                Ok(p) => p,
+                Err(e) => return (TaskState::Failed, None, format!("isolation: {e}")),
+            };
+        let isolation = TaskIsolation {
+            devices: prepared.devices,
+            cgroup_parent: prepared.cgroup.as_ref().map(|c| c.docker_parent()),
+            cgroup_procs: prepared
+                .cgroup
+                .as_ref()
+                .map(|c| c.procs_files.clone())
+                .unwrap_or_default(),
+            driver_volume: self.isolation.driver_volume.clone(),
+            gpu_task: !spec.gpu_uuids.is_empty(),
+        };
         let launch = LaunchSpec {
             env: Self::gpu_env(&spec),
             log_path: sandbox.join(LOG_FILE),
             sandbox,
             agent_id: self.agent_id.clone(),
             kill_grace: self.kill_grace,
+            isolation,
             task: spec,
         };
         let (running_tx, running_rx) = oneshot::channel();
@@ -228,6 +281,10 @@ impl Executor {
             never = report_running => match never {},
             r = run => r,
         };
+        // The runtime has stopped everything in the cgroup by now.
+        if let Err(e) = self.isolation.isolator.release(&task_id) {
+            tracing::warn!(task_id = %task_id, error = %e, "could not remove the task's cgroup");
+        }
         match result {
             Ok(TaskExit::Exited(0)) => (TaskState::Finished, Some(0), String::new()),
             Ok(TaskExit::Exited(c)) => {

@@ -8,8 +8,10 @@ pub mod api;
 pub mod config;
 pub mod executor;
 pub mod gpu;
+pub mod isolation;
 pub mod master_link;
 pub mod runtime;
+pub mod volume;
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -36,6 +38,8 @@ pub enum AgentError {
     Docker(runtime::RuntimeError),
     #[error("agent API server: {0}")]
     Serve(#[from] tonic::transport::Error),
+    #[error("isolation: {0}")]
+    Isolation(#[from] isolation::IsolationError),
 }
 
 const AGENT_ID_FILE: &str = "agent-id";
@@ -167,6 +171,56 @@ pub async fn serve(
     if simulated {
         attributes.insert("gpuctl.io/simulated-gpus".into(), "true".into());
     }
+    // One level per agent, so that agents sharing a host never touch each
+    // other's cgroups and each can sweep what it left itself.
+    let isolator = isolation::Isolator::new(
+        &config.cgroup_root,
+        &format!("{}/{agent_id}", config.cgroup_parent.trim_matches('/')),
+        &config.dev_root,
+    )?;
+    tracing::info!("{}", isolator.describe());
+    match isolator.remove_stale() {
+        Ok(0) => {}
+        Ok(n) => tracing::info!(
+            removed = n,
+            "removed task cgroups left by a previous agent process"
+        ),
+        Err(e) => tracing::warn!(error = %e, "could not remove earlier task cgroups"),
+    }
+    let driver_volume = match &discovery.driver_version {
+        Some(version) => {
+            let (root, work, version) = (
+                config.driver_root.clone(),
+                config.work_dir.clone(),
+                version.clone(),
+            );
+            match tokio::task::spawn_blocking(move || volume::build(&root, &work, &version)).await {
+                Ok(Ok(v)) => {
+                    tracing::info!(path = %v.path.display(), "driver volume ready");
+                    Some(v.path)
+                }
+                Ok(Err(e)) => {
+                    tracing::warn!(error = %e, "no driver volume: GPU containers get none");
+                    None
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "driver volume build panicked");
+                    None
+                }
+            }
+        }
+        None => None,
+    };
+    let gpu_minors = discovery
+        .gpus
+        .iter()
+        .map(|g| (g.uuid.clone(), g.minor))
+        .collect();
+    let isolation_setup = executor::IsolationSetup {
+        isolator,
+        gpu_minors,
+        driver_volume,
+    };
     let gpus = discovery.gpus;
 
     let runtimes = make_runtimes(config.runtimes.as_deref()).await?;
@@ -220,6 +274,7 @@ pub async fn serve(
         config.work_dir.clone(),
         runtimes,
         config.kill_grace,
+        isolation_setup,
         updates_tx,
     );
     let masters = Arc::new(master_link::Masters::new(config.masters.clone()));

@@ -460,3 +460,92 @@ pub fn containers_with_label(label: &str, value: &str) -> Vec<String> {
         .map(str::to_string)
         .collect()
 }
+
+/// NVIDIA-style device nodes in `dir` (mknod, needs root): `nvidia0..n`
+/// (major 195), `nvidiactl` (195:255), `nvidia-uvm` and `nvidia-uvm-tools`
+/// (major 240, free on hosts without the driver, as uvm's major is dynamic).
+/// With no driver behind them, opening an allowed node fails with ENXIO
+/// and a denied one with EPERM.
+pub fn make_dev_root(dir: &Path, gpus: u32) {
+    use nix::sys::stat::{makedev, mknod, Mode, SFlag};
+    std::fs::create_dir_all(dir).unwrap();
+    let mk = |name: &str, maj: u64, min: u64| {
+        mknod(
+            &dir.join(name),
+            SFlag::S_IFCHR,
+            Mode::from_bits_truncate(0o666),
+            makedev(maj, min),
+        )
+        .unwrap_or_else(|e| panic!("mknod {name}: {e}"));
+    };
+    for i in 0..gpus {
+        mk(&format!("nvidia{i}"), 195, u64::from(i));
+    }
+    mk("nvidiactl", 195, 255);
+    mk("nvidia-uvm", 240, 0);
+    mk("nvidia-uvm-tools", 240, 1);
+}
+
+/// A fake NVIDIA driver under `root`: tiny shared objects built with gcc
+/// (libnvidia-ml, libcuda, libnvidia-ptxjitcompiler), `nvidia-smi` in
+/// usr/bin, and an ld.so cache written by the real `ldconfig -r root`.
+pub fn make_driver_tree(root: &Path, version: &str) {
+    let lib = root.join("usr/lib/x86_64-linux-gnu");
+    std::fs::create_dir_all(&lib).unwrap();
+    std::fs::create_dir_all(root.join("usr/bin")).unwrap();
+    std::fs::create_dir_all(root.join("etc")).unwrap();
+    let src = root.join("empty.c");
+    std::fs::write(&src, "int gpuctl_fake_driver_symbol = 1;\n").unwrap();
+    for soname in [
+        "libnvidia-ml.so.1",
+        "libcuda.so.1",
+        "libnvidia-ptxjitcompiler.so.1",
+    ] {
+        let base = soname.trim_end_matches(".1");
+        let out = lib.join(format!("{base}.{version}"));
+        let status = Command::new("gcc")
+            .args(["-shared", "-fPIC", &format!("-Wl,-soname,{soname}"), "-o"])
+            .arg(&out)
+            .arg(&src)
+            .status()
+            .expect("gcc (needed to build the fake driver's libraries)");
+        assert!(status.success(), "gcc failed for {soname}");
+    }
+    let smi = root.join("usr/bin/nvidia-smi");
+    std::fs::write(&smi, "#!/bin/sh\necho fake nvidia-smi\n").unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&smi, std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::write(root.join("etc/ld.so.conf"), "/usr/lib/x86_64-linux-gnu\n").unwrap();
+    let status = Command::new("ldconfig")
+        .arg("-r")
+        .arg(root)
+        .status()
+        .expect("ldconfig");
+    assert!(status.success(), "ldconfig -r {} failed", root.display());
+    assert!(root.join("etc/ld.so.cache").exists());
+}
+
+/// Whether cgroup v1 with the devices controller is mounted (the isolation
+/// tests need it; with GPUCTL_REQUIRE_DOCKER=1 its absence is a failure).
+pub fn cgroup_v1_or_skip(test: &str) -> bool {
+    let ok = Path::new("/sys/fs/cgroup/devices/devices.allow").exists();
+    if !ok {
+        if std::env::var("GPUCTL_REQUIRE_DOCKER").as_deref() == Ok("1") {
+            panic!("{test}: cgroup v1 devices controller required (GPUCTL_REQUIRE_DOCKER=1)");
+        }
+        eprintln!("skipped: {test}: needs cgroup v1 with the devices controller");
+    }
+    ok
+}
+
+/// Task cgroup directories left in any hierarchy.
+pub fn cgroup_dirs(parent: &str, task_id: &str) -> Vec<PathBuf> {
+    std::fs::read_dir("/sys/fs/cgroup")
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.path().join(parent).join(task_id))
+                .filter(|p| p.is_dir())
+                .collect()
+        })
+        .unwrap_or_default()
+}

@@ -241,10 +241,7 @@ fn agent_whose_nvml_init_fails_runs_with_zero_gpus_and_says_why_once() {
     let mut c = Cluster::start(&[]);
     let agent = c.add_agent(AgentOpts {
         simulate_gpus: None,
-        extra: vec![
-            "--nvml-lib".into(),
-            fake_nvml_lib().display().to_string(),
-        ],
+        extra: vec!["--nvml-lib".into(), fake_nvml_lib().display().to_string()],
         env: vec![("FAKE_NVML_CONFIG".into(), machine.display().to_string())],
         ..Default::default()
     });
@@ -252,7 +249,10 @@ fn agent_whose_nvml_init_fails_runs_with_zero_gpus_and_says_why_once() {
     assert_eq!(described["gpus"], json!([]));
     assert_eq!(described["total"]["gpus"], 0);
     let log = c.agents[0].log_text();
-    let lines: Vec<&str> = log.lines().filter(|l| l.contains("NVML unavailable")).collect();
+    let lines: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("NVML unavailable"))
+        .collect();
     assert_eq!(lines.len(), 1, "{log}");
     assert!(lines[0].contains("reporting zero GPUs"), "{}", lines[0]);
     // It still runs CPU-only work.

@@ -15,7 +15,7 @@ use bollard::container::{
 };
 use bollard::errors::Error as BollardError;
 use bollard::image::CreateImageOptions;
-use bollard::models::HostConfig;
+use bollard::models::{DeviceMapping, HostConfig};
 use bollard::{ClientVersion, Docker};
 use futures::future::BoxFuture;
 use futures::{FutureExt, StreamExt};
@@ -44,10 +44,14 @@ const PING_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long the output may keep flowing after the container has ended.
 const LOG_DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Runs tasks as Docker containers named `gpuctl-<task_id>`.
+/// Runs tasks as Docker containers named `gpuctl-<agent_id>-<task_id>`.
 #[derive(Debug, Clone)]
 pub struct DockerRuntime {
     docker: Docker,
+    /// With the cgroupfs driver containers can be put inside the task's
+    /// cgroup; the systemd driver only takes slices, so there Docker's own
+    /// device rules are the only ones (see docs/isolation.md).
+    cgroupfs: bool,
 }
 
 impl DockerRuntime {
@@ -70,17 +74,29 @@ impl DockerRuntime {
         .await
         .map_err(|_| unreachable(format!("no answer within {PING_TIMEOUT:?}")))?
         .map_err(|e| unreachable(e.to_string()))?;
-        Ok(DockerRuntime { docker })
+        let driver = docker
+            .info()
+            .await
+            .map_err(|e| unreachable(e.to_string()))?
+            .cgroup_driver
+            .map(|d| d.to_string())
+            .unwrap_or_default();
+        let cgroupfs = driver == "cgroupfs";
+        if !cgroupfs {
+            tracing::warn!(cgroup_driver = %driver, "Docker does not use the cgroupfs driver: containers are not placed in the task's cgroup and rely on Docker's own device rules");
+        }
+        Ok(DockerRuntime { docker, cgroupfs })
     }
 
     pub fn client(&self) -> &Docker {
         &self.docker
     }
 
-    /// Makes sure `image` is present locally, pulling it if not.
-    async fn ensure_image(&self, image: &str) -> Result<(), RuntimeError> {
+    /// Makes sure `image` is present locally, pulling it if not, and reads
+    /// what the container's configuration depends on.
+    async fn ensure_image(&self, image: &str) -> Result<ImageFacts, RuntimeError> {
         match self.docker.inspect_image(image).await {
-            Ok(_) => return Ok(()),
+            Ok(info) => return Ok(ImageFacts::from(&info)),
             Err(e) if is_not_found(&e) => {}
             Err(e) => {
                 return Err(RuntimeError::Image {
@@ -106,7 +122,15 @@ impl DockerRuntime {
                 reason: format!("not present on this host and the pull failed: {e}"),
             })?;
         }
-        Ok(())
+        let info = self
+            .docker
+            .inspect_image(image)
+            .await
+            .map_err(|e| RuntimeError::Image {
+                image: image.to_string(),
+                reason: format!("inspect after pull: {e}"),
+            })?;
+        Ok(ImageFacts::from(&info))
     }
 
     /// Force-removes a container; a missing one is fine.
@@ -138,12 +162,12 @@ impl DockerRuntime {
         if *kill.borrow() {
             return Ok(TaskExit::Killed);
         }
-        tokio::select! {
+        let facts = tokio::select! {
             pulled = self.ensure_image(image) => pulled?,
             () = kill_requested(&mut kill) => return Ok(TaskExit::Killed),
-        }
+        };
 
-        let name = container_name(task_id);
+        let name = container_name(&spec.agent_id, task_id);
         // Left over from an agent that crashed while running this task.
         self.remove(&name).await?;
         // Opened before the container exists, so a bad path leaves nothing behind.
@@ -168,7 +192,7 @@ impl DockerRuntime {
                     name: name.clone(),
                     platform: None,
                 }),
-                container_config(&spec, image),
+                container_config(&spec, image, &facts, self.cgroupfs),
             )
             .await?;
         tracing::debug!(task_id, container = %name, image, "container created");
@@ -370,30 +394,107 @@ impl Drop for RemoveOnDrop {
     }
 }
 
-pub fn container_name(task_id: &str) -> String {
-    format!("gpuctl-{task_id}")
+/// `gpuctl-<agent-id>-<task-id>`: task ids are unique in a cluster, agent
+/// ids on a host, so agents of several clusters can share one daemon.
+pub fn container_name(agent_id: &str, task_id: &str) -> String {
+    format!("gpuctl-{agent_id}-{task_id}")
 }
 
-fn container_config(spec: &LaunchSpec, image: &str) -> Config<String> {
+/// What the container's configuration takes from its image.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ImageFacts {
+    /// The image's PATH, which the driver volume's bin is put in front of.
+    pub path: Option<String>,
+    /// The image's LD_LIBRARY_PATH, kept ahead of the volume's (CUDA
+    /// images put their forward-compatibility libraries there).
+    pub ld_library_path: Option<String>,
+    /// `com.nvidia.volumes.needed=nvidia_driver`.
+    pub wants_driver_volume: bool,
+}
+
+impl From<&bollard::models::ImageInspect> for ImageFacts {
+    fn from(info: &bollard::models::ImageInspect) -> Self {
+        let config = info.config.as_ref();
+        let var = |name: &str| {
+            let prefix = format!("{name}=");
+            config
+                .and_then(|c| c.env.as_ref())
+                .and_then(|env| env.iter().find_map(|e| e.strip_prefix(prefix.as_str())))
+                .map(str::to_string)
+        };
+        let (path, ld_library_path) = (var("PATH"), var("LD_LIBRARY_PATH"));
+        let wants_driver_volume = config
+            .and_then(|c| c.labels.as_ref())
+            .and_then(|l| l.get(crate::volume::IMAGE_LABEL))
+            .is_some_and(|v| v == "nvidia_driver");
+        ImageFacts {
+            path,
+            ld_library_path,
+            wants_driver_volume,
+        }
+    }
+}
+
+fn container_config(
+    spec: &LaunchSpec,
+    image: &str,
+    facts: &ImageFacts,
+    cgroupfs: bool,
+) -> Config<String> {
     let res = &spec.task.resources;
     let labels = HashMap::from([
         (LABEL_TASK_ID.to_string(), spec.task.task_id.clone()),
         (LABEL_JOB_ID.to_string(), spec.task.job_id.clone()),
         (LABEL_AGENT_ID.to_string(), spec.agent_id.clone()),
     ]);
+    let iso = &spec.isolation;
+    let volume = iso
+        .driver_volume
+        .as_ref()
+        .filter(|_| iso.gpu_task || facts.wants_driver_volume);
     let host_config = HostConfig {
         network_mode: Some("host".to_string()),
         memory: (res.mem_mib > 0)
             .then(|| i64::try_from(res.mem_mib.saturating_mul(1024 * 1024)).unwrap_or(i64::MAX)),
         nano_cpus: (res.cpus > 0.0).then(|| (res.cpus * 1e9).round() as i64),
         init: Some(true),
+        // The task's GPUs and the control devices, nothing else: Docker
+        // creates these nodes and allows them in the container's cgroup.
+        devices: Some(
+            iso.devices
+                .iter()
+                .map(|d| DeviceMapping {
+                    path_on_host: Some(d.host_path.display().to_string()),
+                    path_in_container: Some(d.container_path.clone()),
+                    cgroup_permissions: Some("rwm".to_string()),
+                })
+                .collect(),
+        ),
+        // Inside the task's cgroup, whose device rules deny the other GPUs.
+        cgroup_parent: iso.cgroup_parent.clone().filter(|_| cgroupfs),
+        binds: volume.map(|v| {
+            vec![format!(
+                "{}:{}:ro",
+                v.display(),
+                crate::volume::CONTAINER_PATH
+            )]
+        }),
         ..Default::default()
     };
+    let mut env = spec.env.clone();
+    if volume.is_some() {
+        env.extend(crate::volume::container_env_with(
+            facts.path.as_deref(),
+            facts.ld_library_path.as_deref(),
+        ));
+    }
     Config {
         image: Some(image.to_string()),
         // Empty: the image's own CMD.
         cmd: (!spec.task.command.is_empty()).then(|| spec.task.command.clone()),
-        env: Some(spec.env.iter().map(|(k, v)| format!("{k}={v}")).collect()),
+        // Set explicitly, so the image's own NVIDIA_VISIBLE_DEVICES (often
+        // "all") can never widen what the task was given.
+        env: Some(env.iter().map(|(k, v)| format!("{k}={v}")).collect()),
         labels: Some(labels),
         stop_timeout: i64::try_from(spec.kill_grace.as_secs()).ok(),
         host_config: Some(host_config),
@@ -509,6 +610,7 @@ mod tests {
             sandbox: dir.to_path_buf(),
             log_path: dir.join("task.log"),
             kill_grace: Duration::from_secs(3),
+            isolation: Default::default(),
         }
     }
 
@@ -572,7 +674,9 @@ mod tests {
         assert!(text.contains("out\n"), "{text}");
         assert!(text.contains("err\n"), "{text}");
         assert!(text.contains(&format!("id={task_id}")), "{text}");
-        assert!(!container_exists(&rt, &container_name(&task_id)).await);
+        assert!(
+            !container_exists(&rt, &container_name(&format!("agent-{task_id}"), &task_id)).await
+        );
     }
 
     #[tokio::test]
@@ -601,7 +705,7 @@ mod tests {
         let task_id = unique("kill");
         let s = spec(dir.path(), &task_id, &image, &["sleep", "300"]);
         let grace = s.kill_grace;
-        let name = container_name(&task_id);
+        let name = container_name(&format!("agent-{task_id}"), &task_id);
         let (run_tx, run_rx) = oneshot::channel();
         let (kill_tx, kill_rx) = watch::channel(false);
         let rt2 = rt.clone();
@@ -645,7 +749,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let task_id = unique("drop");
         let s = spec(dir.path(), &task_id, &image, &["sleep", "300"]);
-        let name = container_name(&task_id);
+        let name = container_name(&format!("agent-{task_id}"), &task_id);
         let (run_tx, run_rx) = oneshot::channel();
         let (_kill_tx, kill_rx) = watch::channel(false);
         let rt2 = rt.clone();
@@ -676,10 +780,10 @@ mod tests {
         rt.client()
             .create_container(
                 Some(CreateContainerOptions {
-                    name: container_name(&task_id),
+                    name: container_name(&format!("agent-{task_id}"), &task_id),
                     platform: None,
                 }),
-                container_config(&s, &image),
+                container_config(&s, &image, &ImageFacts::default(), true),
             )
             .await
             .unwrap();
@@ -691,7 +795,9 @@ mod tests {
             TaskExit::Exited(0)
         );
         assert!(log_has(&log, "second"));
-        assert!(!container_exists(&rt, &container_name(&task_id)).await);
+        assert!(
+            !container_exists(&rt, &container_name(&format!("agent-{task_id}"), &task_id)).await
+        );
     }
 
     #[tokio::test]
@@ -704,14 +810,14 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let task_id = unique("orphan");
         let s = spec(dir.path(), &task_id, &image, &["sleep", "300"]);
-        let name = container_name(&task_id);
+        let name = container_name(&format!("agent-{task_id}"), &task_id);
         rt.client()
             .create_container(
                 Some(CreateContainerOptions {
                     name: name.clone(),
                     platform: None,
                 }),
-                container_config(&s, &image),
+                container_config(&s, &image, &ImageFacts::default(), true),
             )
             .await
             .unwrap();
@@ -749,7 +855,9 @@ mod tests {
             "{}",
             std::fs::read_to_string(&log).unwrap_or_default()
         );
-        assert!(!container_exists(&rt, &container_name(&task_id)).await);
+        assert!(
+            !container_exists(&rt, &container_name(&format!("agent-{task_id}"), &task_id)).await
+        );
     }
 
     #[tokio::test]

@@ -37,6 +37,27 @@ pub struct LaunchSpec {
     pub log_path: PathBuf,
     /// Time between SIGTERM and SIGKILL when the task is killed.
     pub kill_grace: Duration,
+    /// Devices, cgroup and driver volume (see `crate::isolation`).
+    pub isolation: TaskIsolation,
+}
+
+/// How a runtime confines a task. Default: nothing (tests of the runtimes
+/// themselves, hosts without GPUs).
+#[derive(Debug, Clone, Default)]
+pub struct TaskIsolation {
+    /// Device nodes to create in a container (the task's GPUs and the
+    /// control devices).
+    pub devices: Vec<crate::isolation::DeviceNode>,
+    /// Docker's `--cgroup-parent` (an absolute cgroupfs path).
+    pub cgroup_parent: Option<String>,
+    /// `cgroup.procs` files a host process writes itself into before exec.
+    pub cgroup_procs: Vec<PathBuf>,
+    /// The consolidated driver volume, mounted read-only at
+    /// `/usr/local/nvidia` in GPU containers and in containers whose image
+    /// has the label `com.nvidia.volumes.needed=nvidia_driver`.
+    pub driver_volume: Option<PathBuf>,
+    /// The task holds GPUs.
+    pub gpu_task: bool,
 }
 
 /// How a task ended.

@@ -105,6 +105,8 @@ async fn run_process(
         .process_group(0)
         // If this future is dropped, at least the leader does not outlive it.
         .kill_on_drop(true);
+    crate::isolation::join::join_before_exec(&mut cmd, &spec.isolation.cgroup_procs)
+        .map_err(|e| RuntimeError::Other(format!("task {task_id}: {e}")))?;
 
     let mut child = cmd.spawn().map_err(|source| RuntimeError::Spawn {
         program: program.clone(),
@@ -278,6 +280,7 @@ mod tests {
             sandbox,
             log_path: dir.join("task.log"),
             kill_grace: Duration::from_secs(2),
+            isolation: Default::default(),
         }
     }
 

@@ -1,0 +1,250 @@
+//! GPU isolation: a task sees and can open exactly the GPUs it was given.
+//!
+//! - `rules`: device rules as plain data (kernel format) and a task's rule set;
+//! - `devices`: the NVIDIA device nodes under `--dev-root`;
+//! - `cgroup`: per-task cgroups (v1) through cgroups-rs.
+//!
+//! On cgroup v1 every task gets `<parent>/<task-id>` in the devices, memory,
+//! cpu and pids hierarchies, denying every GPU that is not its own. Docker
+//! containers are created inside it (`--cgroup-parent`), so the kernel keeps
+//! them from the other GPUs whatever Docker allows; host processes join it
+//! before they exec. On cgroup v2 device rules are eBPF programs: Docker
+//! installs its own for containers (only the devices passed are allowed);
+//! host-process tasks are refused on hosts with NVIDIA devices until gpuctl
+//! installs an eBPF filter itself. See docs/isolation.md.
+
+pub mod cgroup;
+pub mod devices;
+pub mod join;
+pub mod rules;
+
+use std::path::{Path, PathBuf};
+
+use gpuctl_proto::types::{Resources, Runtime};
+
+pub use cgroup::{detect_version, CgroupManager, CgroupVersion, TaskCgroup};
+pub use rules::{DeviceNode, DeviceRule, HostDevices};
+
+#[derive(Debug, thiserror::Error)]
+pub enum IsolationError {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cgroup {what}: {reason}")]
+    Cgroup { what: String, reason: String },
+    #[error("{0}")]
+    Config(String),
+    #[error("{0}")]
+    Unsupported(String),
+}
+
+#[derive(Debug)]
+enum Mode {
+    V1(CgroupManager),
+    V2,
+    /// No usable cgroups (not mounted, not root): only hosts without NVIDIA
+    /// devices can run tasks then, as there is nothing to isolate.
+    Unavailable(String),
+}
+
+/// What a task gets before its runtime starts it.
+#[derive(Debug, Default)]
+pub struct Prepared {
+    /// Device nodes to pass into a container: the task's GPUs and the
+    /// control devices (none for a task without GPUs).
+    pub devices: Vec<DeviceNode>,
+    pub cgroup: Option<TaskCgroup>,
+}
+
+#[derive(Debug)]
+pub struct Isolator {
+    dev_root: PathBuf,
+    mode: Mode,
+}
+
+impl Isolator {
+    pub fn new(
+        cgroup_root: &Path,
+        parent: &str,
+        dev_root: &Path,
+    ) -> Result<Isolator, IsolationError> {
+        let manager = CgroupManager::new(cgroup_root, parent)?;
+        let mode = match detect_version(cgroup_root) {
+            CgroupVersion::V1 if nix::unistd::Uid::effective().is_root() => Mode::V1(manager),
+            CgroupVersion::V1 => Mode::Unavailable("not running as root".into()),
+            CgroupVersion::V2 => Mode::V2,
+            CgroupVersion::None => {
+                Mode::Unavailable(format!("no cgroup hierarchy at {}", cgroup_root.display()))
+            }
+        };
+        Ok(Isolator {
+            dev_root: dev_root.to_path_buf(),
+            mode,
+        })
+    }
+
+    /// One line for the agent's start-up log.
+    pub fn describe(&self) -> String {
+        match &self.mode {
+            Mode::V1(m) => format!(
+                "cgroup v1 device isolation under {} (dev root {})",
+                m.root().display(),
+                self.dev_root.display()
+            ),
+            Mode::V2 => format!(
+                "cgroup v2: Docker enforces device rules for containers; host-process tasks are refused where NVIDIA devices exist (dev root {})",
+                self.dev_root.display()
+            ),
+            Mode::Unavailable(why) => format!(
+                "no cgroup isolation ({why}); tasks are refused on a host with NVIDIA devices"
+            ),
+        }
+    }
+
+    pub fn dev_root(&self) -> &Path {
+        &self.dev_root
+    }
+
+    /// Prepares isolation for a task holding the GPUs of `minors`.
+    pub fn prepare(
+        &self,
+        task_id: &str,
+        minors: &[u32],
+        resources: &Resources,
+        runtime: Runtime,
+    ) -> Result<Prepared, IsolationError> {
+        let host = devices::scan(&self.dev_root)?;
+        if !host.gpus.is_empty() {
+            if let Some(m) = minors
+                .iter()
+                .find(|m| !host.gpus.iter().any(|(g, _)| g == *m))
+            {
+                return Err(IsolationError::Config(format!(
+                    "GPU with minor {m} has no device node {}/nvidia{m}",
+                    self.dev_root.display()
+                )));
+            }
+        }
+        let devices = host.nodes_for(minors);
+        let cgroup = match &self.mode {
+            Mode::V1(m) => Some(m.create(task_id, &rules::task_rules(&host, minors), resources)?),
+            Mode::V2 if runtime == Runtime::Process && !host.is_empty() => {
+                return Err(IsolationError::Unsupported(
+                    "host-process tasks are refused on this cgroup v2 host: GPU device isolation for processes needs an eBPF device filter, which gpuctl does not install yet; run the job in a container (--image)".into(),
+                ))
+            }
+            Mode::V2 => None,
+            Mode::Unavailable(why) if !host.is_empty() => {
+                return Err(IsolationError::Unsupported(format!(
+                    "cannot isolate GPUs on this host ({why})"
+                )))
+            }
+            Mode::Unavailable(_) => None,
+        };
+        Ok(Prepared { devices, cgroup })
+    }
+
+    /// Removes task cgroups an earlier agent process left (see
+    /// `CgroupManager::remove_all`); returns how many.
+    pub fn remove_stale(&self) -> Result<usize, IsolationError> {
+        match &self.mode {
+            Mode::V1(m) => m.remove_all(),
+            _ => Ok(0),
+        }
+    }
+
+    /// Removes what `prepare` made. Idempotent.
+    pub fn release(&self, task_id: &str) -> Result<(), IsolationError> {
+        match &self.mode {
+            Mode::V1(m) => m.remove(task_id),
+            _ => Ok(()),
+        }
+    }
+
+    /// Whether the task's cgroup still exists (for tests and checks).
+    pub fn cgroup_exists(&self, task_id: &str) -> bool {
+        match &self.mode {
+            Mode::V1(m) => m.exists(task_id),
+            _ => false,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn v2_root() -> tempfile::TempDir {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::write(d.path().join("cgroup.controllers"), "cpu memory pids\n").unwrap();
+        d
+    }
+
+    fn res() -> Resources {
+        Resources::default()
+    }
+
+    #[test]
+    fn on_cgroup_v2_without_nvidia_devices_everything_runs() {
+        let root = v2_root();
+        let dev = tempfile::tempdir().unwrap();
+        let iso = Isolator::new(root.path(), "gpuctl/a", dev.path()).unwrap();
+        assert!(iso.describe().contains("cgroup v2"));
+        let p = iso.prepare("t1", &[], &res(), Runtime::Process).unwrap();
+        assert!(p.cgroup.is_none() && p.devices.is_empty());
+        assert!(iso.prepare("t2", &[], &res(), Runtime::Docker).is_ok());
+    }
+
+    #[test]
+    fn on_cgroup_v2_with_nvidia_devices_process_tasks_are_refused() {
+        if !nix::unistd::Uid::effective().is_root() {
+            eprintln!("skipped: mknod needs root");
+            return;
+        }
+        use nix::sys::stat::{makedev, mknod, Mode, SFlag};
+        let root = v2_root();
+        let dev = tempfile::tempdir().unwrap();
+        for (name, min) in [("nvidia0", 0), ("nvidia1", 1), ("nvidiactl", 255)] {
+            mknod(
+                &dev.path().join(name),
+                SFlag::S_IFCHR,
+                Mode::from_bits_truncate(0o600),
+                makedev(195, min),
+            )
+            .unwrap();
+        }
+        let iso = Isolator::new(root.path(), "gpuctl/a", dev.path()).unwrap();
+        let err = iso
+            .prepare("t1", &[0], &res(), Runtime::Process)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("cgroup v2") && err.contains("eBPF"), "{err}");
+        // Without GPUs too: nothing would keep it from opening them.
+        assert!(iso.prepare("t2", &[], &res(), Runtime::Process).is_err());
+        // Containers get exactly their GPU and the control device; Docker's
+        // own device filter does the rest.
+        let p = iso.prepare("t3", &[1], &res(), Runtime::Docker).unwrap();
+        let names: Vec<&str> = p
+            .devices
+            .iter()
+            .map(|d| d.container_path.as_str())
+            .collect();
+        assert_eq!(names, vec!["/dev/nvidia1", "/dev/nvidiactl"]);
+        // A GPU whose node is missing is an error, not a silent no-device.
+        let err = iso
+            .prepare("t4", &[5], &res(), Runtime::Docker)
+            .unwrap_err();
+        assert!(err.to_string().contains("nvidia5"), "{err}");
+    }
+
+    #[test]
+    fn without_cgroups_only_hosts_without_nvidia_devices_run_tasks() {
+        let none = tempfile::tempdir().unwrap();
+        let dev = tempfile::tempdir().unwrap();
+        let iso = Isolator::new(none.path(), "gpuctl/a", dev.path()).unwrap();
+        assert!(iso.describe().contains("no cgroup isolation"));
+        assert!(iso.prepare("t1", &[], &res(), Runtime::Process).is_ok());
+    }
+}

@@ -1,0 +1,369 @@
+//! GPU isolation end to end: real Docker, real cgroups (v1), device nodes
+//! made with mknod in a temp dev root, fake-nvml, and a fake driver tree
+//! whose ld.so cache is written by the real ldconfig. A process allowed a
+//! GPU node gets ENXIO when it opens it (no driver behind it); a denied one
+//! gets EPERM.
+#![allow(clippy::unwrap_used)]
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use gpuctl_tests::{
+    busybox_image, cgroup_dirs, cgroup_v1_or_skip, containers_with_label, docker_or_skip,
+    fake_nvml_config, fake_nvml_lib, make_dev_root, make_driver_tree, try_wait_for, wait_for,
+    AgentOpts, Cluster,
+};
+use serde_json::Value;
+
+const ENXIO: &str = "No such device or address";
+const EPERM: &str = "Operation not permitted";
+
+struct Setup {
+    c: Cluster,
+    dev: PathBuf,
+    parent: String,
+    /// GPU minor by UUID.
+    minors: BTreeMap<String, u32>,
+}
+
+/// A master and one agent on the fake `mixed` machine (4 GPUs, minors 0-3),
+/// with its own dev root, driver root and cgroup parent.
+fn setup(name: &str, runtime: &str) -> Setup {
+    let mut c = Cluster::start(&[]);
+    let dev = c.dir.path().join("dev");
+    make_dev_root(&dev, 4);
+    let driver = c.dir.path().join("driver");
+    make_driver_tree(&driver, "535.129.03");
+    let parent = format!("gpuctl-test-{name}-{}", std::process::id());
+    let agent = c.add_agent(AgentOpts {
+        simulate_gpus: None,
+        runtime,
+        extra: vec![
+            "--nvml-lib".into(),
+            fake_nvml_lib().display().to_string(),
+            "--dev-root".into(),
+            dev.display().to_string(),
+            "--driver-root".into(),
+            driver.display().to_string(),
+            "--cgroup-parent".into(),
+            parent.clone(),
+        ],
+        env: vec![(
+            "FAKE_NVML_CONFIG".into(),
+            fake_nvml_config("mixed").display().to_string(),
+        )],
+    });
+    let described = c.json(&["agents", "describe", &agent, "--json"]);
+    // Task cgroups are <cgroup-parent>/<agent-id>/<task-id>.
+    let parent = format!("{parent}/{agent}");
+    let minors = described["gpus"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|g| {
+            (
+                g["uuid"].as_str().unwrap().to_string(),
+                g["minor"].as_u64().unwrap() as u32,
+            )
+        })
+        .collect();
+    Setup {
+        c,
+        dev,
+        parent,
+        minors,
+    }
+}
+
+impl Drop for Setup {
+    fn drop(&mut self) {
+        for ctrl in std::fs::read_dir("/sys/fs/cgroup")
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let _ = std::fs::remove_dir(ctrl.path().join(&self.parent));
+        }
+    }
+}
+
+/// A script that tries every GPU (0-3) through `dir` (the container's /dev
+/// or, for host processes, the dev root), and mknod'ed copies of them.
+fn probe_script(dir: &str) -> String {
+    format!(
+        r#"for i in 0 1 2 3; do
+  [ -e {dir}/nvidia$i ] && echo "node$i present"
+  if cat {dir}/nvidia$i 2>/tmp/gpuctl-e$$; then echo "open$i ok"; else echo "open$i $(cat /tmp/gpuctl-e$$)"; fi
+done
+if cat {dir}/nvidiactl 2>/tmp/gpuctl-e$$; then echo "ctl ok"; else echo "ctl $(cat /tmp/gpuctl-e$$)"; fi
+echo "visible=$NVIDIA_VISIBLE_DEVICES"
+echo "cuda=$CUDA_VISIBLE_DEVICES"
+echo "caps=$NVIDIA_DRIVER_CAPABILITIES"
+"#
+    )
+}
+
+fn line<'a>(out: &'a str, prefix: &str) -> &'a str {
+    out.lines()
+        .find(|l| l.starts_with(prefix))
+        .unwrap_or_else(|| panic!("no line {prefix:?} in:\n{out}"))
+}
+
+fn task_of(job: &Value) -> (String, Vec<String>) {
+    let t = &job["tasks"][0];
+    (
+        t["id"].as_str().unwrap().to_string(),
+        t["gpus"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|g| g.as_str().unwrap().to_string())
+            .collect(),
+    )
+}
+
+fn read(p: &Path) -> String {
+    std::fs::read_to_string(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+}
+
+#[test]
+fn docker_tasks_see_and_open_only_their_own_gpus() {
+    if !docker_or_skip("docker_tasks_see_and_open_only_their_own_gpus")
+        || !cgroup_v1_or_skip("docker isolation")
+    {
+        return;
+    }
+    let image = busybox_image();
+    let s = setup("docker", "docker,process");
+    // Each opens its own node, then tries the others through mknod'ed
+    // copies (Docker allows mknod; the cgroup must refuse the open).
+    let script = format!(
+        "{}\nfor i in 0 1 2 3; do mknod /tmp/n$i c 195 $i; if cat /tmp/n$i 2>/tmp/e; then echo \"mk$i ok\"; else echo \"mk$i $(cat /tmp/e)\"; fi; done\nls /usr/local/nvidia/lib64 /usr/local/nvidia/bin\ntouch /usr/local/nvidia/x 2>&1 || true\necho \"path=$PATH\"\necho \"ld=$LD_LIBRARY_PATH\"\nsleep 3\n",
+        probe_script("/dev")
+    );
+    let jobs: Vec<String> = (0..2)
+        .map(|i| {
+            s.c.submit(&[
+                "--name",
+                &format!("iso{i}"),
+                "--image",
+                &image,
+                "--gpus",
+                "1",
+                "--mem",
+                "64",
+                "--",
+                "sh",
+                "-c",
+                &script,
+            ])
+        })
+        .collect();
+    // While they run: each has its cgroup with the memory limit, and its
+    // container's device list holds its own GPU only.
+    for j in &jobs {
+        let job = s.c.wait_state(j, "RUNNING", Duration::from_secs(60));
+        let (task, gpus) = task_of(&job);
+        let minor = s.minors[&gpus[0]];
+        let mem = Path::new("/sys/fs/cgroup/memory")
+            .join(&s.parent)
+            .join(&task);
+        assert_eq!(read(&mem.join("memory.limit_in_bytes")).trim(), "67108864");
+        let devices = Path::new("/sys/fs/cgroup/devices")
+            .join(&s.parent)
+            .join(&task);
+        assert!(devices.is_dir(), "{}", devices.display());
+        let container_list = std::fs::read_dir(&devices)
+            .unwrap()
+            .flatten()
+            .find(|e| e.path().is_dir())
+            .map(|e| read(&e.path().join("devices.list")))
+            .expect("the container's cgroup is inside the task's");
+        assert!(
+            container_list.contains(&format!("c 195:{minor} rwm")),
+            "{container_list}"
+        );
+        for other in (0..4).filter(|m| *m != minor) {
+            assert!(
+                !container_list.contains(&format!("c 195:{other} ")),
+                "{container_list}"
+            );
+        }
+    }
+    let mut seen = Vec::new();
+    for j in &jobs {
+        assert_eq!(
+            s.c.wait_job(j, 60).0,
+            0,
+            "{}\n{}",
+            s.c.job(j),
+            s.c.ok(&["jobs", "logs", j])
+        );
+        let out = s.c.ok(&["jobs", "logs", j]);
+        let (task, gpus) = task_of(&s.c.job(j));
+        let minor = s.minors[&gpus[0]];
+        seen.push(minor);
+        for i in 0..4u32 {
+            let present = out.contains(&format!("node{i} present"));
+            assert_eq!(present, i == minor, "node{i} for GPU {minor}:\n{out}");
+            let mk = line(&out, &format!("mk{i} "));
+            let want = if i == minor { ENXIO } else { EPERM };
+            assert!(mk.contains(want), "mk{i} for GPU {minor}: {mk}");
+        }
+        assert!(line(&out, &format!("open{minor} ")).contains(ENXIO));
+        assert!(line(&out, "ctl ").contains(ENXIO), "{out}");
+        assert_eq!(line(&out, "visible="), format!("visible={}", gpus[0]));
+        assert_eq!(line(&out, "cuda="), format!("cuda={}", gpus[0]));
+        assert_eq!(line(&out, "caps="), "caps=compute,utility");
+        // The driver volume: consolidated files, read-only, on PATH.
+        assert!(out.contains("libnvidia-ml.so.1"), "{out}");
+        assert!(out.contains("libcuda.so.1"), "{out}");
+        assert!(out.contains("nvidia-smi"), "{out}");
+        assert!(out.contains("Read-only file system"), "{out}");
+        assert!(
+            line(&out, "path=").starts_with("path=/usr/local/nvidia/bin:"),
+            "{out}"
+        );
+        assert!(
+            line(&out, "ld=").contains("/usr/local/nvidia/lib64"),
+            "{out}"
+        );
+        // Afterwards nothing is left: no cgroup in any hierarchy, no container.
+        wait_for(Duration::from_secs(10), "task cgroups removed", || {
+            cgroup_dirs(&s.parent, &task).is_empty()
+        });
+        assert!(containers_with_label("gpuctl.task_id", &task).is_empty());
+    }
+    seen.sort();
+    seen.dedup();
+    assert_eq!(seen.len(), 2, "two tasks, two different GPUs");
+    let _ = &s.dev;
+}
+
+#[test]
+fn a_task_without_gpus_gets_none_even_if_its_image_says_all() {
+    if !docker_or_skip("a_task_without_gpus_gets_none_even_if_its_image_says_all")
+        || !cgroup_v1_or_skip("no-GPU isolation")
+    {
+        return;
+    }
+    let base = busybox_image();
+    let image = "gpuctl-test/env-all:local";
+    let dockerfile = format!(
+        "FROM {base}\nENV NVIDIA_VISIBLE_DEVICES=all\nLABEL com.nvidia.volumes.needed=nvidia_driver\n"
+    );
+    let mut build = std::process::Command::new("docker")
+        .args(["build", "-q", "-t", image, "-"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    use std::io::Write;
+    build
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(dockerfile.as_bytes())
+        .unwrap();
+    assert!(build.wait().unwrap().success(), "docker build of {image}");
+
+    let s = setup("nogpu", "docker,process");
+    let script = format!(
+        "{}\nfor i in 0 1 2 3; do mknod /tmp/n$i c 195 $i; if cat /tmp/n$i 2>/tmp/e; then echo \"mk$i ok\"; else echo \"mk$i $(cat /tmp/e)\"; fi; done\nls /usr/local/nvidia/lib64\n",
+        probe_script("/dev")
+    );
+    let j = s.c.submit(&[
+        "--name", "nogpu", "--image", image, "--", "sh", "-c", &script,
+    ]);
+    assert_eq!(
+        s.c.wait_job(&j, 60).0,
+        0,
+        "{}\n{}",
+        s.c.job(&j),
+        s.c.ok(&["jobs", "logs", &j])
+    );
+    let out = s.c.ok(&["jobs", "logs", &j]);
+    assert!(
+        !out.contains("present"),
+        "no GPU node in the container:\n{out}"
+    );
+    for i in 0..4 {
+        assert!(line(&out, &format!("mk{i} ")).contains(EPERM), "{out}");
+    }
+    assert_eq!(line(&out, "visible="), "visible=void");
+    assert_eq!(line(&out, "cuda="), "cuda=");
+    // The image asked for the driver volume: it gets the libraries, and
+    // still no device.
+    assert!(out.contains("libnvidia-ml.so.1"), "{out}");
+    let (task, _) = task_of(&s.c.job(&j));
+    wait_for(Duration::from_secs(10), "cgroup removed", || {
+        cgroup_dirs(&s.parent, &task).is_empty()
+    });
+}
+
+#[test]
+fn host_processes_are_confined_to_their_gpus_too() {
+    if !cgroup_v1_or_skip("process isolation") || !nix::unistd::Uid::effective().is_root() {
+        if std::env::var("GPUCTL_REQUIRE_DOCKER").as_deref() == Ok("1") {
+            panic!("host process isolation needs root");
+        }
+        return;
+    }
+    let s = setup("process", "process");
+    let dev = s.dev.display().to_string();
+    let script = format!("{}\ncat /proc/self/cgroup\nsleep 2\n", probe_script(&dev));
+    let j = s.c.submit(&[
+        "--name", "p1", "--gpus", "1", "--mem", "32", "--", "sh", "-c", &script,
+    ]);
+    let job = s.c.wait_state(&j, "RUNNING", Duration::from_secs(30));
+    let (task, gpus) = task_of(&job);
+    let minor = s.minors[&gpus[0]];
+    let mem = Path::new("/sys/fs/cgroup/memory")
+        .join(&s.parent)
+        .join(&task);
+    assert_eq!(read(&mem.join("memory.limit_in_bytes")).trim(), "33554432");
+    assert_eq!(s.c.wait_job(&j, 30).0, 0);
+    let out = s.c.ok(&["jobs", "logs", &j]);
+    for i in 0..4u32 {
+        let want = if i == minor { ENXIO } else { EPERM };
+        assert!(
+            line(&out, &format!("open{i} ")).contains(want),
+            "open{i}:\n{out}"
+        );
+    }
+    assert!(line(&out, "ctl ").contains(ENXIO), "{out}");
+    // It ran inside its cgroup from its first instruction.
+    assert!(
+        out.lines()
+            .any(|l| l.contains(":devices:") && l.ends_with(&format!("/{}/{task}", s.parent))),
+        "{out}"
+    );
+    wait_for(Duration::from_secs(10), "cgroup removed", || {
+        cgroup_dirs(&s.parent, &task).is_empty()
+    });
+
+    // Without GPUs: every GPU and the control device are denied.
+    let j =
+        s.c.submit(&["--name", "p0", "--", "sh", "-c", &probe_script(&dev)]);
+    assert_eq!(s.c.wait_job(&j, 30).0, 0);
+    let out = s.c.ok(&["jobs", "logs", &j]);
+    for i in 0..4 {
+        assert!(line(&out, &format!("open{i} ")).contains(EPERM), "{out}");
+    }
+    assert!(line(&out, "ctl ").contains(EPERM), "{out}");
+    assert_eq!(line(&out, "visible="), "visible=void");
+
+    // A killed process task leaves no cgroup either.
+    let j =
+        s.c.submit(&["--name", "p-kill", "--gpus", "1", "--", "sleep", "300"]);
+    let job = s.c.wait_state(&j, "RUNNING", Duration::from_secs(30));
+    let (task, _) = task_of(&job);
+    assert!(!cgroup_dirs(&s.parent, &task).is_empty());
+    s.c.ok(&["jobs", "cancel", &j]);
+    assert_eq!(s.c.wait_job(&j, 30).1, "CANCELLED");
+    assert!(try_wait_for(Duration::from_secs(10), || cgroup_dirs(
+        &s.parent, &task
+    )
+    .is_empty()));
+}
