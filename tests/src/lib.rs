@@ -223,6 +223,7 @@ pub struct Cluster {
     pub master: Daemon,
     master_args: Vec<String>,
     pub agents: Vec<Daemon>,
+    agent_args: Vec<(Vec<String>, Vec<(String, String)>)>,
 }
 
 pub struct AgentOpts<'a> {
@@ -269,6 +270,7 @@ impl Cluster {
             master,
             master_args,
             agents: vec![],
+            agent_args: vec![],
         };
         c.wait_master_up();
         c
@@ -323,6 +325,7 @@ impl Cluster {
             &opts.env,
             self.dir.path().join(format!("agent{n}.log")),
         ));
+        self.agent_args.push((args, opts.env));
         let mut id = String::new();
         wait_for(Duration::from_secs(30), "agent registers", || {
             let agents = self.json(&["agents", "list", "--json"]);
@@ -338,6 +341,20 @@ impl Cluster {
             }
         });
         id
+    }
+
+    /// Starts agent `n` again with the same options and work dir (after a
+    /// `stop` or `kill`).
+    pub fn restart_agent(&mut self, n: usize) {
+        let (args, env) = self.agent_args[n].clone();
+        self.agents[n].kill();
+        self.agents[n] = Daemon::spawn(
+            &format!("agent{n}"),
+            &bin("gpuctl-agent"),
+            &args,
+            &env,
+            self.dir.path().join(format!("agent{n}.log")),
+        );
     }
 
     fn agent_ids(&self) -> Vec<String> {

@@ -145,11 +145,20 @@ fn a_lost_agent_loses_its_tasks() {
         "1.5",
     ]);
     c.add_agent(AgentOpts::default());
-    let j = c.submit(&["--name", "long", "--gpus", "1", "--", "sleep", "300"]);
-    c.wait_state(&j, "RUNNING", Duration::from_secs(30));
+    let j = c.submit(&[
+        "--name",
+        "long",
+        "--gpus",
+        "1",
+        "--",
+        "sh",
+        "-c",
+        "echo $$ > pid; exec sleep 300",
+    ]);
+    let job = c.wait_state(&j, "RUNNING", Duration::from_secs(30));
     c.agents[0].kill();
-    let job = c.wait_state(&j, "FAILED", Duration::from_secs(20));
-    assert_eq!(job["tasks"][0]["state"], "LOST");
+    let job_after = c.wait_state(&j, "FAILED", Duration::from_secs(20));
+    assert_eq!(job_after["tasks"][0]["state"], "LOST");
     let agents = c.json(&["agents", "list", "--json"]);
     assert_eq!(agents[0]["state"], "LOST");
     let gpus = c.json(&["gpus", "--json"]);
@@ -158,6 +167,38 @@ fn a_lost_agent_loses_its_tasks() {
         .unwrap()
         .iter()
         .all(|g| g["task_id"].is_null()));
+
+    // The crashed agent's task still runs on the host. When the agent comes
+    // back it first kills what it left (that GPU was given up), then
+    // registers again.
+    let pid_file = c
+        .dir
+        .path()
+        .join("agent0/tasks")
+        .join(job["tasks"][0]["id"].as_str().unwrap())
+        .join("pid");
+    let pid: i32 = std::fs::read_to_string(pid_file)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let alive = |pid: i32| nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None).is_ok();
+    assert!(alive(pid), "an agent crash does not kill its tasks");
+    c.restart_agent(0);
+    wait_for(Duration::from_secs(20), "agent ACTIVE again", || {
+        c.json(&["agents", "list", "--json"])[0]["state"] == "ACTIVE"
+    });
+    // Found through the task's cgroup, so only where the agent has them.
+    if nix::unistd::Uid::effective().is_root()
+        && gpuctl_tests::cgroup_v1_or_skip("orphan sweep after an agent crash")
+    {
+        wait_for(Duration::from_secs(10), "orphan killed", || !alive(pid));
+    } else {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    }
 }
 
 #[test]
