@@ -216,6 +216,8 @@ impl Drop for Daemon {
     }
 }
 
+type Env = Vec<(String, String)>;
+
 /// A master, and agents added to it, in one temp dir.
 pub struct Cluster {
     pub dir: tempfile::TempDir,
@@ -223,7 +225,8 @@ pub struct Cluster {
     pub master: Daemon,
     master_args: Vec<String>,
     pub agents: Vec<Daemon>,
-    agent_args: Vec<(Vec<String>, Vec<(String, String)>)>,
+    /// Each agent's arguments and environment, for `restart_agent`.
+    agent_args: Vec<(Vec<String>, Env)>,
 }
 
 pub struct AgentOpts<'a> {
