@@ -69,6 +69,9 @@ fn docker_job_runs_logs_and_cancel_removes_its_container() {
     let task_id = job["tasks"][0]["id"].as_str().unwrap().to_string();
     let ids = containers_with_label("gpuctl.task_id", &task_id);
     assert_eq!(ids.len(), 1, "one container for {task_id}");
+    if gpuctl_tests::cgroup_v1_or_skip("task cgroup of a container") {
+        assert!(!gpuctl_tests::cgroup_dirs(&format!("gpuctl/{agent}"), &task_id).is_empty());
+    }
     assert_eq!(
         containers_with_label("gpuctl.agent_id", &agent).len(),
         1,
@@ -81,6 +84,10 @@ fn docker_job_runs_logs_and_cancel_removes_its_container() {
         containers_with_label("gpuctl.task_id", &task_id).is_empty()
     });
     assert_eq!(c.job(&long)["tasks"][0]["state"], "KILLED");
+    // And so is its cgroup (default parent: gpuctl/<agent-id>/<task-id>).
+    wait_for(Duration::from_secs(10), "task cgroup removed", || {
+        gpuctl_tests::cgroup_dirs(&format!("gpuctl/{agent}"), &task_id).is_empty()
+    });
 }
 
 #[test]

@@ -234,6 +234,9 @@ fn docker_tasks_see_and_open_only_their_own_gpus() {
             cgroup_dirs(&s.parent, &task).is_empty()
         });
         assert!(containers_with_label("gpuctl.task_id", &task).is_empty());
+        // The volume was bound inside the container's mount namespace only.
+        let mounts = read(Path::new("/proc/self/mountinfo"));
+        assert!(!mounts.contains("nvidia_535.129.03"), "{mounts}");
     }
     seen.sort();
     seen.dedup();
