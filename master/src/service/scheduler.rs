@@ -46,4 +46,34 @@ impl pb::scheduler_server::Scheduler for SchedulerService {
     ) -> Result<Response<pb::CallResponse>, Status> {
         Err(not_yet())
     }
+    async fn revive(
+        &self,
+        _: Request<pb::ReviveRequest>,
+    ) -> Result<Response<pb::CallResponse>, Status> {
+        Err(not_yet())
+    }
+    async fn suppress(
+        &self,
+        _: Request<pb::SuppressRequest>,
+    ) -> Result<Response<pb::CallResponse>, Status> {
+        Err(not_yet())
+    }
+    async fn reconcile(
+        &self,
+        _: Request<pb::ReconcileRequest>,
+    ) -> Result<Response<pb::CallResponse>, Status> {
+        Err(not_yet())
+    }
+    async fn teardown(
+        &self,
+        _: Request<pb::TeardownRequest>,
+    ) -> Result<Response<pb::CallResponse>, Status> {
+        Err(not_yet())
+    }
+    async fn update_framework(
+        &self,
+        _: Request<pb::UpdateFrameworkRequest>,
+    ) -> Result<Response<pb::CallResponse>, Status> {
+        Err(not_yet())
+    }
 }
