@@ -102,19 +102,30 @@ impl Executor {
         self.ended_tx.subscribe()
     }
 
-    /// Makes the running set match `desired`.
-    pub fn reconcile(self: &Arc<Self>, desired: Vec<TaskSpec>) {
+    /// Makes the running set match `desired`; stops the tasks in `kill`,
+    /// reporting KILLED at once for those it never started (so every kill
+    /// ends in a final status).
+    pub fn reconcile(self: &Arc<Self>, desired: Vec<TaskSpec>, kill: Vec<String>) {
         let wanted: HashSet<String> = desired.iter().map(|t| t.task_id.clone()).collect();
         let mut to_launch = Vec::new();
+        let mut never_started = Vec::new();
         {
             let mut t = self.lock();
+            for id in &kill {
+                if !t.active.contains_key(id) && !t.ended.contains(id) {
+                    t.ended.insert(id.clone());
+                    never_started.push(id.clone());
+                }
+            }
             for (id, task) in &t.active {
                 if !wanted.contains(id) && !*task.kill.borrow() {
                     tracing::info!(task_id = %id, "task no longer wanted by the master; killing it");
                     let _ = task.kill.send(true);
                 }
             }
-            t.ended.retain(|id| wanted.contains(id));
+            let kill_set: HashSet<&String> = kill.iter().collect();
+            t.ended
+                .retain(|id| wanted.contains(id) || kill_set.contains(id));
             for spec in desired {
                 if t.active.contains_key(&spec.task_id) || t.ended.contains(&spec.task_id) {
                     continue;
@@ -123,6 +134,13 @@ impl Executor {
                 t.active.insert(spec.task_id.clone(), LocalTask { kill });
                 to_launch.push((spec, kill_rx));
             }
+        }
+        for id in never_started {
+            let me = self.clone();
+            tokio::spawn(async move {
+                me.send(&id, TaskState::Killed, None, "killed before it started".into())
+                    .await;
+            });
         }
         for (spec, kill_rx) in to_launch {
             let me = self.clone();
@@ -151,6 +169,7 @@ impl Executor {
             state,
             exit_code,
             message,
+            uuid: uuid::Uuid::new_v4().as_bytes().to_vec(),
         };
         if self.updates.send(u).await.is_err() {
             tracing::error!(task_id, "status channel closed; update dropped");

@@ -6,7 +6,7 @@
 //! them. Status updates are queued and sent one at a time, in order, until
 //! the master acknowledges each (it does so once the update is committed).
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -163,7 +163,7 @@ async fn session(
                             Err(e) => return Err(format!("master sent an invalid task: {e}")),
                         }
                     }
-                    executor.reconcile(tasks);
+                    executor.reconcile(tasks, desired.kill);
                 }
                 Some(Err(s)) => return Err(format!("watch tasks: {}", s.message())),
                 None => return Err("watch tasks: stream ended".into()),
@@ -178,56 +178,89 @@ async fn session(
     }
 }
 
-/// Sends status updates in order, each until acknowledged. Returns once the
-/// channel is closed and everything queued was delivered (the caller bounds
-/// how long it waits for that at shutdown).
+/// How often an update waiting for its framework's acknowledgement is
+/// offered again (the answer says when it has been acknowledged).
+const ACK_POLL: Duration = Duration::from_millis(500);
+
+/// Sends status updates in order per task, each until it is acknowledged
+/// (gpuctl's own jobs: once recorded; a framework's task: once its framework
+/// acknowledged it), Mesos' status update manager in small. Updates of
+/// different tasks do not wait for each other. Returns once the channel is
+/// closed and nothing is pending (the caller bounds that wait at shutdown).
 pub async fn status_sender(masters: Arc<Masters>, mut rx: mpsc::Receiver<StatusUpdate>) {
-    let mut queue: VecDeque<StatusUpdate> = VecDeque::new();
+    let mut queues: BTreeMap<String, VecDeque<StatusUpdate>> = BTreeMap::new();
     let mut backoff = BACKOFF_MIN;
+    let mut closed = false;
     loop {
-        // Take everything queued so far without blocking.
         while let Ok(u) = rx.try_recv() {
-            queue.push_back(u);
+            queues.entry(u.task_id.clone()).or_default().push_back(u);
         }
-        let Some(update) = queue.front().cloned() else {
+        if queues.is_empty() {
+            if closed {
+                return;
+            }
             match rx.recv().await {
-                Some(u) => {
-                    queue.push_back(u);
-                    continue;
-                }
+                Some(u) => queues.entry(u.task_id.clone()).or_default().push_back(u),
                 None => return,
             }
+            continue;
+        }
+        let mut progress = false;
+        let mut unreachable = false;
+        for queue in queues.values_mut() {
+            let Some(update) = queue.front() else {
+                continue;
+            };
+            let result = match masters.client() {
+                Ok(mut c) => c.update_status(pb::StatusUpdate::from(update.clone())).await,
+                Err(e) => Err(tonic::Status::unavailable(e)),
+            };
+            match result {
+                Ok(ack) if ack.get_ref().acknowledged => {
+                    queue.pop_front();
+                    progress = true;
+                }
+                // Recorded; its framework has not acknowledged it yet.
+                Ok(_) => {}
+                Err(s)
+                    if matches!(
+                        s.code(),
+                        tonic::Code::InvalidArgument
+                            | tonic::Code::FailedPrecondition
+                            | tonic::Code::NotFound
+                    ) =>
+                {
+                    // The master will never accept it; retrying would block
+                    // the task's later updates.
+                    tracing::warn!(task_id = %update.task_id, error = %s.message(), "status update refused; dropped");
+                    queue.pop_front();
+                    progress = true;
+                }
+                Err(s) => {
+                    tracing::debug!(task_id = %update.task_id, error = %s.message(), "status update not delivered; retrying");
+                    unreachable = true;
+                    break;
+                }
+            }
+        }
+        queues.retain(|_, q| !q.is_empty());
+        if progress {
+            backoff = BACKOFF_MIN;
+            continue;
+        }
+        let wait = if unreachable {
+            let b = backoff;
+            backoff = next_backoff(backoff);
+            b
+        } else {
+            ACK_POLL
         };
-        let result = match masters.client() {
-            Ok(mut c) => {
-                c.update_status(pb::StatusUpdate::from(update.clone()))
-                    .await
-            }
-            Err(e) => Err(tonic::Status::unavailable(e)),
-        };
-        match result {
-            Ok(_) => {
-                queue.pop_front();
-                backoff = BACKOFF_MIN;
-            }
-            Err(s)
-                if matches!(
-                    s.code(),
-                    tonic::Code::InvalidArgument
-                        | tonic::Code::FailedPrecondition
-                        | tonic::Code::NotFound
-                ) =>
-            {
-                // The master will never accept it; retrying would block
-                // every later update.
-                tracing::warn!(task_id = %update.task_id, error = %s.message(), "status update refused; dropped");
-                queue.pop_front();
-            }
-            Err(s) => {
-                tracing::debug!(task_id = %update.task_id, error = %s.message(), "status update not delivered; retrying");
-                tokio::time::sleep(backoff).await;
-                backoff = next_backoff(backoff);
-            }
+        tokio::select! {
+            u = rx.recv(), if !closed => match u {
+                Some(u) => queues.entry(u.task_id.clone()).or_default().push_back(u),
+                None => closed = true,
+            },
+            _ = tokio::time::sleep(wait) => {}
         }
     }
 }

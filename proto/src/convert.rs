@@ -200,7 +200,18 @@ impl TryFrom<pb::TaskSpec> for TaskSpec {
     type Error = ConvertError;
     fn try_from(s: pb::TaskSpec) -> Result<Self> {
         check_id("task.task_id", &s.task_id)?;
-        check_id("task.job_id", &s.job_id)?;
+        if !s.job_id.is_empty() {
+            check_id("task.job_id", &s.job_id)?;
+        }
+        if !s.framework_id.is_empty() {
+            check_id("task.framework_id", &s.framework_id)?;
+        }
+        if s.job_id.is_empty() == s.framework_id.is_empty() {
+            return Err(ConvertError::new(
+                "task.job_id",
+                "a task belongs to a job or to a framework, exactly one",
+            ));
+        }
         let image = if s.image.is_empty() {
             None
         } else {
@@ -223,6 +234,7 @@ impl TryFrom<pb::TaskSpec> for TaskSpec {
         Ok(TaskSpec {
             task_id: s.task_id,
             job_id: s.job_id,
+            framework_id: s.framework_id,
             image,
             command: s.command,
             env: s.env.into_iter().collect(),
@@ -237,6 +249,7 @@ impl From<TaskSpec> for pb::TaskSpec {
         pb::TaskSpec {
             task_id: s.task_id,
             job_id: s.job_id,
+            framework_id: s.framework_id,
             image: s.image.unwrap_or_default(),
             command: s.command,
             env: s.env.into_iter().collect(),
@@ -492,6 +505,7 @@ impl TryFrom<pb::StatusUpdate> for StatusUpdate {
             state: task_state_from_pb("state", u.state)?,
             exit_code: u.exit_code,
             message: u.message,
+            uuid: u.uuid,
         })
     }
 }
@@ -504,6 +518,7 @@ impl From<StatusUpdate> for pb::StatusUpdate {
             state: pb::TaskState::from(u.state) as i32,
             exit_code: u.exit_code,
             message: u.message,
+            uuid: u.uuid,
         }
     }
 }
@@ -632,8 +647,24 @@ mod tests {
                 gpus: 1,
             }),
             gpu_uuids: vec![],
+            framework_id: String::new(),
         };
-        assert_eq!(TaskSpec::try_from(t).unwrap_err().field, "task.gpu_uuids");
+        assert_eq!(
+            TaskSpec::try_from(t.clone()).unwrap_err().field,
+            "task.gpu_uuids"
+        );
+        // A task belongs to a job or a framework, never both or neither.
+        let mut both = t.clone();
+        both.gpu_uuids = vec!["GPU-1".into()];
+        both.framework_id = "fw-1".into();
+        assert_eq!(
+            TaskSpec::try_from(both.clone()).unwrap_err().field,
+            "task.job_id"
+        );
+        both.job_id.clear();
+        assert!(TaskSpec::try_from(both.clone()).is_ok());
+        both.framework_id.clear();
+        assert_eq!(TaskSpec::try_from(both).unwrap_err().field, "task.job_id");
     }
 
     #[test]

@@ -10,6 +10,7 @@ pub type AgentId = String;
 pub type JobId = String;
 pub type TaskId = String;
 pub type GpuUuid = String;
+pub type FrameworkId = String;
 
 /// Scalar resources of an agent or asked for by a task.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
@@ -228,7 +229,11 @@ impl JobSpec {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TaskSpec {
     pub task_id: TaskId,
+    /// The gpuctl job; empty for a framework's task.
     pub job_id: JobId,
+    /// The framework that launched it; empty for gpuctl jobs.
+    #[serde(default)]
+    pub framework_id: FrameworkId,
     pub image: Option<String>,
     pub command: Vec<String>,
     pub env: BTreeMap<String, String>,
@@ -262,4 +267,26 @@ pub struct StatusUpdate {
     pub state: TaskState,
     pub exit_code: Option<i32>,
     pub message: String,
+    /// Identifies this update for acknowledgement; empty from old agents.
+    #[serde(default)]
+    pub uuid: Vec<u8>,
+}
+
+/// A framework as it registers (the framework API).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FrameworkInfo {
+    /// Empty when subscribing for the first time: the master assigns one.
+    pub id: FrameworkId,
+    pub name: String,
+    pub roles: Vec<String>,
+    /// Capability GPU_RESOURCES.
+    pub gpu_capable: bool,
+    pub failover_timeout_ms: u64,
+}
+
+impl FrameworkInfo {
+    /// The role its resources are accounted to (the first; "default" when none).
+    pub fn role(&self) -> &str {
+        self.roles.first().map_or("default", String::as_str)
+    }
 }

@@ -595,6 +595,7 @@ mod tests {
             task: TaskSpec {
                 task_id: task_id.to_string(),
                 job_id: format!("job-{task_id}"),
+                framework_id: String::new(),
                 image: Some(image.to_string()),
                 command: command.iter().map(|s| s.to_string()).collect(),
                 env: BTreeMap::new(),

@@ -269,6 +269,7 @@ mod tests {
             task: TaskSpec {
                 task_id: task_id.to_string(),
                 job_id: "job-proc".to_string(),
+                framework_id: String::new(),
                 image: None,
                 command: command.iter().map(|s| s.to_string()).collect(),
                 env: BTreeMap::new(),

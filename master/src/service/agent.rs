@@ -83,12 +83,13 @@ impl pb::agent_manager_server::AgentManager for AgentManagerService {
         let mut applied = raft.applied();
         let mut shutdown = self.ctx.shutdown.clone();
         tokio::spawn(async move {
-            let mut last: Option<Vec<TaskSpec>> = None;
+            let mut last: Option<(Vec<TaskSpec>, Vec<String>)> = None;
             loop {
                 let desired = raft.state().desired_tasks(&agent_id);
                 if last.as_ref() != Some(&desired) {
                     let msg = pb::DesiredTasks {
-                        tasks: desired.iter().cloned().map(Into::into).collect(),
+                        tasks: desired.0.iter().cloned().map(Into::into).collect(),
+                        kill: desired.1.clone(),
                     };
                     if tx.send(Ok(msg)).await.is_err() {
                         return; // the agent went away
@@ -112,15 +113,29 @@ impl pb::agent_manager_server::AgentManager for AgentManagerService {
         req: Request<pb::StatusUpdate>,
     ) -> Result<Response<pb::StatusAck>, Status> {
         let update = StatusUpdate::try_from(req.into_inner())?;
-        tracing::info!(task_id = %update.task_id, agent_id = %update.agent_id, state = %update.state, exit_code = ?update.exit_code, "task status");
         self.ctx.liveness.touch(&update.agent_id);
-        self.ctx
-            .raft
-            .propose(Command::UpdateTaskStatus {
-                update,
-                at_ms: now_ms(),
-            })
-            .await?;
-        Ok(Response::new(pb::StatusAck {}))
+        let (task_id, uuid) = (update.task_id.clone(), update.uuid.clone());
+        // A resend of an update already recorded (waiting for its framework's
+        // acknowledgement) is answered from the state, not logged again.
+        let recorded = !uuid.is_empty()
+            && self
+                .ctx
+                .raft
+                .state()
+                .tasks
+                .get(&task_id)
+                .is_some_and(|t| t.last_update_uuid == uuid);
+        if !recorded {
+            tracing::info!(task_id = %update.task_id, agent_id = %update.agent_id, state = %update.state, exit_code = ?update.exit_code, "task status");
+            self.ctx
+                .raft
+                .propose(Command::UpdateTaskStatus {
+                    update,
+                    at_ms: now_ms(),
+                })
+                .await?;
+        }
+        let acknowledged = self.ctx.raft.state().is_acknowledged(&task_id, &uuid);
+        Ok(Response::new(pb::StatusAck { acknowledged }))
     }
 }

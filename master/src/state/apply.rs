@@ -8,7 +8,14 @@ use gpuctl_proto::types::{
     AgentId, AgentInfo, JobState, Resources, Runtime, StatusUpdate, TaskId, TaskState,
 };
 
-use super::{AgentRecord, AgentState, Command, JobRecord, Launch, State, TaskRecord};
+use super::{AgentRecord, AgentState, Command, JobRecord, Launch, State, TaskReason, TaskRecord};
+
+/// What the launches checked so far in one command take.
+#[derive(Debug, Default)]
+pub(super) struct Pending {
+    resources: std::collections::BTreeMap<String, Resources>,
+    gpus: BTreeSet<String>,
+}
 
 /// What a successful apply produced, returned to the proposer.
 #[derive(Debug, Clone, PartialEq)]
@@ -19,6 +26,15 @@ pub enum Outcome {
     },
     JobCancelled {
         state: JobState,
+    },
+    FrameworkSubscribed {
+        framework_id: String,
+    },
+    /// Per task of a LaunchFrameworkTasks: launched, or recorded in ERROR
+    /// with the reason.
+    FrameworkTasksLaunched {
+        launched: Vec<String>,
+        refused: Vec<(String, String)>,
     },
     /// The update was about a task that already ended or that this master
     /// does not know; accepted (so the agent stops retrying) and ignored.
@@ -50,6 +66,14 @@ pub enum ApplyError {
         agent_id: String,
         owner: String,
     },
+    #[error("framework {0} not found")]
+    FrameworkNotFound(String),
+    #[error("framework {0} was removed")]
+    FrameworkRemoved(String),
+    #[error("task {0} not found")]
+    TaskNotFound(String),
+    #[error("invalid {field}: {reason}")]
+    Invalid { field: String, reason: String },
     #[error("undecodable command at index {index}: {reason}")]
     Undecodable { index: u64, reason: String },
 }
@@ -88,6 +112,29 @@ impl State {
             Command::LaunchTasks { launches, at_ms } => self.launch_tasks(launches, *at_ms),
             Command::UpdateTaskStatus { update, at_ms } => self.update_task(update, *at_ms),
             Command::CancelJob { job_id, at_ms } => self.cancel_job(job_id, *at_ms),
+            Command::SubscribeFramework { info, at_ms } => self.subscribe_framework(info, *at_ms),
+            Command::UpdateFramework { info, .. } => self.update_framework(info),
+            Command::RemoveFramework {
+                framework_id,
+                reason,
+                at_ms,
+            } => self.remove_framework(framework_id, reason, *at_ms),
+            Command::LaunchFrameworkTasks {
+                framework_id,
+                tasks,
+                group,
+                at_ms,
+            } => self.launch_framework_tasks(framework_id, tasks, *group, *at_ms),
+            Command::KillTask {
+                framework_id,
+                framework_task_id,
+                at_ms,
+            } => self.kill_framework_task(framework_id, framework_task_id, *at_ms),
+            Command::AcknowledgeUpdate {
+                framework_id,
+                framework_task_id,
+                uuid,
+            } => self.acknowledge_update(framework_id, framework_task_id, uuid),
         }
     }
 
@@ -168,8 +215,7 @@ impl State {
     /// Checks every launch against the current state (and against the other
     /// launches of the same command) before changing anything.
     fn check_launches(&self, launches: &[Launch]) -> Result<(), ApplyError> {
-        let mut taken_now: BTreeSet<&str> = BTreeSet::new();
-        let mut extra: std::collections::BTreeMap<&str, Resources> = Default::default();
+        let mut pending = Pending::default();
         for l in launches {
             let job = self
                 .jobs
@@ -181,62 +227,84 @@ impl State {
                     state: job.state,
                 });
             }
-            let agent = self
-                .agents
-                .get(&l.agent_id)
-                .ok_or_else(|| ApplyError::AgentNotFound(l.agent_id.clone()))?;
-            if agent.state != AgentState::Active {
-                return Err(ApplyError::AgentLost(l.agent_id.clone()));
-            }
-            let runtime = job.spec.runtime();
-            if !agent.info.runtimes.contains(&runtime) {
+            self.check_fit(
+                &l.agent_id,
+                job.spec.runtime(),
+                &job.spec.resources,
+                &l.gpu_uuids,
+                &mut pending,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Whether `resources` with exactly the GPUs `gpus` fit on the agent now,
+    /// counting what earlier launches of the same command (`pending`) took.
+    /// On success `pending` includes this launch.
+    pub(super) fn check_fit(
+        &self,
+        agent_id: &str,
+        runtime: Runtime,
+        resources: &Resources,
+        gpus: &[String],
+        pending: &mut Pending,
+    ) -> Result<(), ApplyError> {
+        let agent = self
+            .agents
+            .get(agent_id)
+            .ok_or_else(|| ApplyError::AgentNotFound(agent_id.to_string()))?;
+        if agent.state != AgentState::Active {
+            return Err(ApplyError::AgentLost(agent_id.to_string()));
+        }
+        if !agent.info.runtimes.contains(&runtime) {
+            return Err(ApplyError::DoesNotFit(format!(
+                "agent {agent_id} has no {runtime} runtime"
+            )));
+        }
+        if gpus.len() != resources.gpus as usize {
+            return Err(ApplyError::DoesNotFit(format!(
+                "{} GPUs asked for, {} named",
+                resources.gpus,
+                gpus.len()
+            )));
+        }
+        for uuid in gpus {
+            let Some(gpu) = agent.info.gpus.iter().find(|g| &g.uuid == uuid) else {
                 return Err(ApplyError::DoesNotFit(format!(
-                    "agent {} has no {runtime} runtime",
-                    agent.info.id
+                    "GPU {uuid} is not on agent {agent_id}"
                 )));
+            };
+            if !gpu.healthy {
+                return Err(ApplyError::DoesNotFit(format!("GPU {uuid} is unhealthy")));
             }
-            if l.gpu_uuids.len() != job.spec.resources.gpus as usize {
-                return Err(ApplyError::DoesNotFit(format!(
-                    "job {} needs {} GPUs, launch names {}",
-                    job.id,
-                    job.spec.resources.gpus,
-                    l.gpu_uuids.len()
-                )));
+            if let Some(owner) = self.gpu_owner.get(uuid) {
+                return Err(ApplyError::GpuTaken {
+                    gpu: uuid.clone(),
+                    task_id: owner.clone(),
+                });
             }
-            for uuid in &l.gpu_uuids {
-                let Some(gpu) = agent.info.gpus.iter().find(|g| &g.uuid == uuid) else {
-                    return Err(ApplyError::DoesNotFit(format!(
-                        "GPU {uuid} is not on agent {}",
-                        agent.info.id
-                    )));
-                };
-                if !gpu.healthy {
-                    return Err(ApplyError::DoesNotFit(format!("GPU {uuid} is unhealthy")));
-                }
-                if let Some(owner) = self.gpu_owner.get(uuid) {
-                    return Err(ApplyError::GpuTaken {
-                        gpu: uuid.clone(),
-                        task_id: owner.clone(),
-                    });
-                }
-                if !taken_now.insert(uuid.as_str()) {
-                    return Err(ApplyError::GpuTaken {
-                        gpu: uuid.clone(),
-                        task_id: "another launch in the same command".into(),
-                    });
-                }
-            }
-            let more = extra.entry(l.agent_id.as_str()).or_default();
-            *more = more.add(&job.spec.resources);
-            if !agent.free().fits(more) {
-                return Err(ApplyError::DoesNotFit(format!(
-                    "agent {} has {:.2} cpus and {} MiB free",
-                    agent.info.id,
-                    agent.free().cpus,
-                    agent.free().mem_mib
-                )));
+            if pending.gpus.contains(uuid) {
+                return Err(ApplyError::GpuTaken {
+                    gpu: uuid.clone(),
+                    task_id: "another launch in the same command".into(),
+                });
             }
         }
+        let more = pending
+            .resources
+            .get(agent_id)
+            .copied()
+            .unwrap_or_default()
+            .add(resources);
+        if !agent.free().fits(&more) {
+            return Err(ApplyError::DoesNotFit(format!(
+                "agent {agent_id} has {:.2} cpus and {} MiB free",
+                agent.free().cpus,
+                agent.free().mem_mib
+            )));
+        }
+        pending.resources.insert(agent_id.to_string(), more);
+        pending.gpus.extend(gpus.iter().cloned());
         Ok(())
     }
 
@@ -271,6 +339,12 @@ impl State {
                     kill_requested: false,
                     created_at_ms: at_ms,
                     updated_at_ms: at_ms,
+                    framework_id: String::new(),
+                    framework_task_id: String::new(),
+                    launch: None,
+                    reason: TaskReason::Unspecified,
+                    last_update_uuid: Vec::new(),
+                    acked_uuid: Vec::new(),
                 },
             );
         }
@@ -291,8 +365,26 @@ impl State {
         if task.state.is_terminal() {
             return Ok(Outcome::StaleUpdate);
         }
+        // The agent resends an update until it is acknowledged: a repeat is
+        // not news.
+        if !u.uuid.is_empty() && task.last_update_uuid == u.uuid {
+            return Ok(Outcome::StaleUpdate);
+        }
         if u.state.is_terminal() {
             self.end_task(&u.task_id, u.state, u.exit_code, &u.message, at_ms);
+            if let Some(task) = self.tasks.get_mut(&u.task_id) {
+                task.last_update_uuid = u.uuid.clone();
+                task.reason = match (u.state, u.exit_code) {
+                    (TaskState::Finished | TaskState::Failed, Some(_)) => TaskReason::CommandExited,
+                    (TaskState::Failed | TaskState::Error, None) => {
+                        TaskReason::ContainerLaunchFailed
+                    }
+                    (TaskState::Killed, _) if task.reason == TaskReason::Unspecified => {
+                        TaskReason::KilledByFramework
+                    }
+                    _ => task.reason,
+                };
+            }
             return Ok(Outcome::Done);
         }
         // Non-terminal updates only move forward.
@@ -308,6 +400,7 @@ impl State {
         if let Some(task) = self.tasks.get_mut(&u.task_id) {
             task.state = u.state;
             task.updated_at_ms = at_ms;
+            task.last_update_uuid = u.uuid.clone();
             if !u.message.is_empty() {
                 task.message = u.message.clone();
             }
@@ -358,7 +451,7 @@ impl State {
     }
 
     /// Moves a task to a terminal state, frees what it held and updates its job.
-    fn end_task(
+    pub(super) fn end_task(
         &mut self,
         task_id: &str,
         state: TaskState,
@@ -375,6 +468,11 @@ impl State {
             task.message = message.to_string();
         }
         task.updated_at_ms = at_ms;
+        // Made here, not by an agent: nothing for the agent to resend.
+        task.last_update_uuid.clear();
+        if state == TaskState::Lost {
+            task.reason = TaskReason::AgentLost;
+        }
         let (agent_id, job_id, gpus, resources) = (
             task.agent_id.clone(),
             task.job_id.clone(),
@@ -536,6 +634,7 @@ mod tests {
                     state,
                     exit_code: code,
                     message: String::new(),
+                    uuid: Vec::new(),
                 },
                 at_ms: 4,
             })
@@ -554,14 +653,14 @@ mod tests {
         assert_eq!(t.s.jobs[&j].state, JobState::Starting);
         assert_eq!(t.s.gpu_owner.len(), 2);
         assert_eq!(t.s.agents["a1"].allocated.gpus, 2);
-        assert_eq!(t.s.desired_tasks("a1").len(), 1);
+        assert_eq!(t.s.desired_tasks("a1").0.len(), 1);
         t.status("job-1.0", "a1", TaskState::Running, None);
         assert_eq!(t.s.jobs[&j].state, JobState::Running);
         t.status("job-1.0", "a1", TaskState::Finished, Some(0));
         assert_eq!(t.s.jobs[&j].state, JobState::Succeeded);
         assert!(t.s.gpu_owner.is_empty());
         assert_eq!(t.s.agents["a1"].allocated, Resources::default());
-        assert!(t.s.desired_tasks("a1").is_empty());
+        assert!(t.s.desired_tasks("a1").0.is_empty());
         // A repeated final update is accepted and changes nothing.
         let before = t.s.clone();
         assert_eq!(
@@ -763,7 +862,7 @@ mod tests {
             at_ms: 6,
         })
         .unwrap();
-        assert!(t.s.desired_tasks("a1").is_empty());
+        assert!(t.s.desired_tasks("a1").0.is_empty());
         assert_eq!(t.s.jobs[&j1].state, JobState::Running);
         t.status("job-1.0", "a1", TaskState::Killed, None);
         assert_eq!(t.s.jobs[&j1].state, JobState::Cancelled);
@@ -791,7 +890,8 @@ mod tests {
                     task_id: "job-1.0".into(),
                     state: TaskState::Finished,
                     exit_code: Some(0),
-                    message: String::new()
+                    message: String::new(),
+                    uuid: Vec::new(),
                 },
                 at_ms: 1
             }),

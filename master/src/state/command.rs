@@ -2,7 +2,12 @@
 //! the proposer (time, ids of things it names) and carried in the log, so
 //! that applying it gives the same result on every master.
 
-use gpuctl_proto::types::{AgentId, AgentInfo, GpuUuid, JobId, JobSpec, StatusUpdate, TaskId};
+use std::collections::BTreeMap;
+
+use gpuctl_proto::types::{
+    AgentId, AgentInfo, FrameworkId, FrameworkInfo, GpuUuid, JobId, JobSpec, Resources,
+    StatusUpdate, TaskId,
+};
 use serde::{Deserialize, Serialize};
 
 /// Version of the encoding below. Bump it and keep decoding the old one when
@@ -40,6 +45,55 @@ pub enum Command {
         job_id: JobId,
         at_ms: u64,
     },
+    /// A framework subscribes: new (empty id: apply assigns `fw-<n>`) or
+    /// re-attaching with its id.
+    SubscribeFramework {
+        info: FrameworkInfo,
+        at_ms: u64,
+    },
+    UpdateFramework {
+        info: FrameworkInfo,
+        at_ms: u64,
+    },
+    /// Teardown, or its failover timeout passed: its tasks are killed.
+    RemoveFramework {
+        framework_id: FrameworkId,
+        reason: String,
+        at_ms: u64,
+    },
+    /// Tasks a framework launches on offered resources. With `group`, all
+    /// start or none does. A task that does not fit is recorded in ERROR
+    /// with the reason; nothing else changes.
+    LaunchFrameworkTasks {
+        framework_id: FrameworkId,
+        tasks: Vec<FrameworkTask>,
+        group: bool,
+        at_ms: u64,
+    },
+    KillTask {
+        framework_id: FrameworkId,
+        framework_task_id: String,
+        at_ms: u64,
+    },
+    /// The framework acknowledged a status update.
+    AcknowledgeUpdate {
+        framework_id: FrameworkId,
+        framework_task_id: String,
+        uuid: Vec<u8>,
+    },
+}
+
+/// A task as a framework launches it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FrameworkTask {
+    /// The framework's own id for it.
+    pub task_id: String,
+    pub agent_id: AgentId,
+    pub image: Option<String>,
+    pub command: Vec<String>,
+    pub env: BTreeMap<String, String>,
+    pub resources: Resources,
+    pub gpu_uuids: Vec<GpuUuid>,
 }
 
 /// One job placed on one agent with exact GPUs.
@@ -94,6 +148,12 @@ impl Command {
             Command::LaunchTasks { .. } => "launch_tasks",
             Command::UpdateTaskStatus { .. } => "update_task_status",
             Command::CancelJob { .. } => "cancel_job",
+            Command::SubscribeFramework { .. } => "subscribe_framework",
+            Command::UpdateFramework { .. } => "update_framework",
+            Command::RemoveFramework { .. } => "remove_framework",
+            Command::LaunchFrameworkTasks { .. } => "launch_framework_tasks",
+            Command::KillTask { .. } => "kill_task",
+            Command::AcknowledgeUpdate { .. } => "acknowledge_update",
         }
     }
 }

@@ -4,16 +4,18 @@
 
 mod apply;
 pub mod command;
+mod frameworks;
 
 use std::collections::BTreeMap;
 
 use gpuctl_proto::types::{
-    AgentId, AgentInfo, GpuUuid, JobId, JobSpec, JobState, Resources, TaskId, TaskSpec, TaskState,
+    AgentId, AgentInfo, FrameworkId, FrameworkInfo, GpuUuid, JobId, JobSpec, JobState, Resources,
+    TaskId, TaskSpec, TaskState,
 };
 use serde::{Deserialize, Serialize};
 
 pub use apply::{ApplyError, Outcome};
-pub use command::{Command, Launch};
+pub use command::{Command, FrameworkTask, Launch};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum AgentState {
@@ -63,6 +65,57 @@ pub struct TaskRecord {
     pub kill_requested: bool,
     pub created_at_ms: u64,
     pub updated_at_ms: u64,
+    /// The framework that launched it; empty for gpuctl jobs.
+    #[serde(default)]
+    pub framework_id: FrameworkId,
+    /// The id its framework knows it by (the state's id is
+    /// `<framework-id>.<this>`).
+    #[serde(default)]
+    pub framework_task_id: String,
+    /// What a framework's task runs (a job's task runs its job's spec).
+    #[serde(default)]
+    pub launch: Option<TaskLaunch>,
+    /// Why it is in its state (Mesos' reasons).
+    #[serde(default)]
+    pub reason: TaskReason,
+    /// The last status update recorded, and the last one its framework
+    /// acknowledged (agents resend until they match).
+    #[serde(default)]
+    pub last_update_uuid: Vec<u8>,
+    #[serde(default)]
+    pub acked_uuid: Vec<u8>,
+}
+
+/// What a framework's task runs.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TaskLaunch {
+    pub image: Option<String>,
+    pub command: Vec<String>,
+    pub env: BTreeMap<String, String>,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum TaskReason {
+    #[default]
+    Unspecified,
+    CommandExited,
+    TaskInvalid,
+    ResourcesUnavailable,
+    AgentLost,
+    FrameworkRemoved,
+    KilledByFramework,
+    ContainerLaunchFailed,
+}
+
+/// A framework as the replicated state knows it. Whether it is connected is
+/// the leader's business (in memory), like agent liveness.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FrameworkRecord {
+    pub info: FrameworkInfo,
+    pub registered_at_ms: u64,
+    /// Torn down (by itself, or its failover timeout passed): it cannot
+    /// subscribe again and its tasks are killed.
+    pub removed: bool,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -76,6 +129,11 @@ pub struct State {
     pub gpu_owner: BTreeMap<GpuUuid, TaskId>,
     /// Sequence for job ids (`job-<n>`), advanced by apply.
     pub next_job_seq: u64,
+    #[serde(default)]
+    pub frameworks: BTreeMap<FrameworkId, FrameworkRecord>,
+    /// Sequence for framework ids (`fw-<n>`).
+    #[serde(default)]
+    pub next_framework_seq: u64,
     /// Index of the last log entry applied.
     pub applied_index: u64,
 }
@@ -84,6 +142,7 @@ impl State {
     pub fn new() -> State {
         State {
             next_job_seq: 1,
+            next_framework_seq: 1,
             ..Default::default()
         }
     }
@@ -99,26 +158,63 @@ impl State {
         q
     }
 
-    /// The tasks an agent should be running now: placed on it, not ended,
-    /// and not asked to stop. The agent kills whatever it runs that is not
-    /// in this list.
-    pub fn desired_tasks(&self, agent_id: &str) -> Vec<TaskSpec> {
-        self.tasks
+    /// The tasks an agent should be running now (placed on it, not ended,
+    /// not asked to stop) and those it must stop. The agent also kills
+    /// whatever it runs that is in neither list.
+    pub fn desired_tasks(&self, agent_id: &str) -> (Vec<TaskSpec>, Vec<TaskId>) {
+        let mut run = Vec::new();
+        let mut kill = Vec::new();
+        for t in self
+            .tasks
             .values()
-            .filter(|t| t.agent_id == agent_id && !t.state.is_terminal() && !t.kill_requested)
-            .filter_map(|t| {
-                let job = self.jobs.get(&t.job_id)?;
-                Some(TaskSpec {
-                    task_id: t.id.clone(),
-                    job_id: t.job_id.clone(),
-                    image: job.spec.image.clone(),
-                    command: job.spec.command.clone(),
-                    env: job.spec.env.clone(),
-                    resources: t.resources,
-                    gpu_uuids: t.gpu_uuids.clone(),
-                })
-            })
-            .collect()
+            .filter(|t| t.agent_id == agent_id && !t.state.is_terminal())
+        {
+            if t.kill_requested {
+                kill.push(t.id.clone());
+                continue;
+            }
+            let (image, command, env) = match (&t.launch, self.jobs.get(&t.job_id)) {
+                (Some(l), _) => (l.image.clone(), l.command.clone(), l.env.clone()),
+                (None, Some(job)) => (
+                    job.spec.image.clone(),
+                    job.spec.command.clone(),
+                    job.spec.env.clone(),
+                ),
+                (None, None) => continue,
+            };
+            run.push(TaskSpec {
+                task_id: t.id.clone(),
+                job_id: t.job_id.clone(),
+                framework_id: t.framework_id.clone(),
+                image,
+                command,
+                env,
+                resources: t.resources,
+                gpu_uuids: t.gpu_uuids.clone(),
+            });
+        }
+        (run, kill)
+    }
+
+    /// Whether the agent may forget the status update `uuid` of `task_id`:
+    /// gpuctl's own jobs once it is recorded, a framework's task once the
+    /// framework acknowledged it (or when nobody is left to: the task or its
+    /// framework is gone).
+    pub fn is_acknowledged(&self, task_id: &str, uuid: &[u8]) -> bool {
+        let Some(t) = self.tasks.get(task_id) else {
+            return true;
+        };
+        if t.framework_id.is_empty() {
+            return true;
+        }
+        if self
+            .frameworks
+            .get(&t.framework_id)
+            .is_none_or(|f| f.removed)
+        {
+            return true;
+        }
+        uuid.is_empty() || t.acked_uuid == uuid || t.last_update_uuid != uuid
     }
 
     /// The job's most recent task.

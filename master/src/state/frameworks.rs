@@ -1,0 +1,556 @@
+//! The framework part of the state machine: frameworks subscribe, launch
+//! tasks on offered resources (re-checked here: no GPU is ever given
+//! twice), kill them, acknowledge their updates, and are removed.
+
+use gpuctl_proto::convert::check_id;
+use gpuctl_proto::types::{FrameworkInfo, Runtime, TaskState};
+
+use super::apply::Pending;
+use super::{
+    ApplyError, FrameworkRecord, FrameworkTask, Outcome, State, TaskLaunch, TaskReason, TaskRecord,
+};
+
+/// The state's id of a framework's task.
+pub fn task_key(framework_id: &str, framework_task_id: &str) -> String {
+    format!("{framework_id}.{framework_task_id}")
+}
+
+impl State {
+    fn active_framework(&self, id: &str) -> Result<&FrameworkRecord, ApplyError> {
+        let f = self
+            .frameworks
+            .get(id)
+            .ok_or_else(|| ApplyError::FrameworkNotFound(id.to_string()))?;
+        if f.removed {
+            return Err(ApplyError::FrameworkRemoved(id.to_string()));
+        }
+        Ok(f)
+    }
+
+    pub(super) fn subscribe_framework(
+        &mut self,
+        info: &FrameworkInfo,
+        at_ms: u64,
+    ) -> Result<Outcome, ApplyError> {
+        if info.id.is_empty() {
+            let id = format!("fw-{}", self.next_framework_seq);
+            self.next_framework_seq += 1;
+            let mut info = info.clone();
+            info.id = id.clone();
+            self.frameworks.insert(
+                id.clone(),
+                FrameworkRecord {
+                    info,
+                    registered_at_ms: at_ms,
+                    removed: false,
+                },
+            );
+            return Ok(Outcome::FrameworkSubscribed { framework_id: id });
+        }
+        // Re-attaching: same framework, possibly new name/roles/timeout.
+        self.active_framework(&info.id)?;
+        if let Some(f) = self.frameworks.get_mut(&info.id) {
+            f.info = info.clone();
+        }
+        Ok(Outcome::FrameworkSubscribed {
+            framework_id: info.id.clone(),
+        })
+    }
+
+    pub(super) fn update_framework(&mut self, info: &FrameworkInfo) -> Result<Outcome, ApplyError> {
+        self.active_framework(&info.id)?;
+        if let Some(f) = self.frameworks.get_mut(&info.id) {
+            f.info = info.clone();
+        }
+        Ok(Outcome::Done)
+    }
+
+    pub(super) fn remove_framework(
+        &mut self,
+        id: &str,
+        reason: &str,
+        at_ms: u64,
+    ) -> Result<Outcome, ApplyError> {
+        self.active_framework(id)?;
+        if let Some(f) = self.frameworks.get_mut(id) {
+            f.removed = true;
+        }
+        for t in self
+            .tasks
+            .values_mut()
+            .filter(|t| t.framework_id == id && !t.state.is_terminal())
+        {
+            t.kill_requested = true;
+            t.reason = TaskReason::FrameworkRemoved;
+            t.message = format!("framework removed: {reason}");
+            t.updated_at_ms = at_ms;
+        }
+        Ok(Outcome::Done)
+    }
+
+    pub(super) fn launch_framework_tasks(
+        &mut self,
+        framework_id: &str,
+        tasks: &[FrameworkTask],
+        group: bool,
+        at_ms: u64,
+    ) -> Result<Outcome, ApplyError> {
+        self.active_framework(framework_id)?;
+        // Check every task first (each against the state and the tasks
+        // before it in this command), then record.
+        let mut pending = Pending::default();
+        let mut verdicts: Vec<Result<(), String>> = Vec::with_capacity(tasks.len());
+        let mut seen = std::collections::BTreeSet::new();
+        for t in tasks {
+            let verdict = (|| {
+                check_id("task_id", &t.task_id).map_err(|e| e.to_string())?;
+                if !seen.insert(t.task_id.as_str())
+                    || self.tasks.contains_key(&task_key(framework_id, &t.task_id))
+                {
+                    return Err(format!("task id {} is already used", t.task_id));
+                }
+                if t.command.is_empty() {
+                    return Err("invalid command: must not be empty".to_string());
+                }
+                let runtime = if t.image.is_some() {
+                    Runtime::Docker
+                } else {
+                    Runtime::Process
+                };
+                self.check_fit(
+                    &t.agent_id,
+                    runtime,
+                    &t.resources,
+                    &t.gpu_uuids,
+                    &mut pending,
+                )
+                .map_err(|e| e.to_string())
+            })();
+            verdicts.push(verdict);
+        }
+        let group_failed = group && verdicts.iter().any(Result::is_err);
+        let mut launched = Vec::new();
+        let mut refused = Vec::new();
+        for (t, verdict) in tasks.iter().zip(verdicts) {
+            let key = task_key(framework_id, &t.task_id);
+            let refusal = match verdict {
+                Err(reason) => Some(reason),
+                Ok(()) if group_failed => {
+                    Some("another task of its group could not be launched".to_string())
+                }
+                Ok(()) => None,
+            };
+            // A refused task whose id is taken is reported, not recorded
+            // (it would overwrite the task that has the id).
+            if self.tasks.contains_key(&key) {
+                if let Some(reason) = refusal {
+                    refused.push((t.task_id.clone(), reason));
+                }
+                continue;
+            }
+            let mut record = TaskRecord {
+                id: key.clone(),
+                job_id: String::new(),
+                agent_id: t.agent_id.clone(),
+                gpu_uuids: t.gpu_uuids.clone(),
+                resources: t.resources,
+                state: TaskState::Staging,
+                exit_code: None,
+                message: String::new(),
+                kill_requested: false,
+                created_at_ms: at_ms,
+                updated_at_ms: at_ms,
+                framework_id: framework_id.to_string(),
+                framework_task_id: t.task_id.clone(),
+                launch: Some(TaskLaunch {
+                    image: t.image.clone(),
+                    command: t.command.clone(),
+                    env: t.env.clone(),
+                }),
+                reason: TaskReason::Unspecified,
+                last_update_uuid: Vec::new(),
+                acked_uuid: Vec::new(),
+            };
+            match refusal {
+                Some(reason) => {
+                    // Recorded in ERROR so the framework hears why; it holds
+                    // nothing.
+                    record.state = TaskState::Error;
+                    record.reason = if reason.contains("GPU") || reason.contains("free") {
+                        TaskReason::ResourcesUnavailable
+                    } else {
+                        TaskReason::TaskInvalid
+                    };
+                    record.message = reason.clone();
+                    record.gpu_uuids.clear();
+                    refused.push((t.task_id.clone(), reason));
+                }
+                None => {
+                    for g in &t.gpu_uuids {
+                        self.gpu_owner.insert(g.clone(), key.clone());
+                    }
+                    if let Some(agent) = self.agents.get_mut(&t.agent_id) {
+                        agent.allocated = agent.allocated.add(&t.resources);
+                    }
+                    launched.push(t.task_id.clone());
+                }
+            }
+            self.tasks.insert(key, record);
+        }
+        Ok(Outcome::FrameworkTasksLaunched { launched, refused })
+    }
+
+    pub(super) fn kill_framework_task(
+        &mut self,
+        framework_id: &str,
+        framework_task_id: &str,
+        at_ms: u64,
+    ) -> Result<Outcome, ApplyError> {
+        self.active_framework(framework_id)?;
+        let key = task_key(framework_id, framework_task_id);
+        let t = self
+            .tasks
+            .get_mut(&key)
+            .ok_or_else(|| ApplyError::TaskNotFound(framework_task_id.to_string()))?;
+        if !t.state.is_terminal() {
+            t.kill_requested = true;
+            t.reason = TaskReason::KilledByFramework;
+            t.updated_at_ms = at_ms;
+        }
+        Ok(Outcome::Done)
+    }
+
+    pub(super) fn acknowledge_update(
+        &mut self,
+        framework_id: &str,
+        framework_task_id: &str,
+        uuid: &[u8],
+    ) -> Result<Outcome, ApplyError> {
+        self.active_framework(framework_id)?;
+        let key = task_key(framework_id, framework_task_id);
+        let t = self
+            .tasks
+            .get_mut(&key)
+            .ok_or_else(|| ApplyError::TaskNotFound(framework_task_id.to_string()))?;
+        if t.last_update_uuid != uuid {
+            return Err(ApplyError::Invalid {
+                field: "uuid".into(),
+                reason: format!(
+                    "not the latest update of task {framework_task_id} (already acknowledged or unknown)"
+                ),
+            });
+        }
+        t.acked_uuid = uuid.to_vec();
+        Ok(Outcome::Done)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::state::Command;
+    use gpuctl_proto::types::{AgentInfo, GpuInfo, Resources, StatusUpdate};
+
+    fn state() -> State {
+        let mut s = State::new();
+        let info = AgentInfo {
+            id: "a1".into(),
+            hostname: "h".into(),
+            address: String::new(),
+            total: Resources {
+                cpus: 4.0,
+                mem_mib: 4096,
+                gpus: 2,
+            },
+            gpus: (0..2)
+                .map(|i| GpuInfo::new(format!("GPU-{i}"), i, "A100", 40960))
+                .collect(),
+            runtimes: vec![Runtime::Process, Runtime::Docker],
+            simulated_gpus: true,
+            attributes: Default::default(),
+            driver_version: None,
+            cuda_driver_version: None,
+        };
+        s.apply(
+            1,
+            &Command::RegisterAgent {
+                info,
+                running_task_ids: vec![],
+                at_ms: 0,
+            },
+        )
+        .unwrap();
+        s
+    }
+
+    fn fw(id: &str) -> FrameworkInfo {
+        FrameworkInfo {
+            id: id.into(),
+            name: "test".into(),
+            roles: vec!["ml".into()],
+            gpu_capable: true,
+            failover_timeout_ms: 60_000,
+        }
+    }
+
+    fn subscribe(s: &mut State) -> String {
+        match s
+            .apply(
+                2,
+                &Command::SubscribeFramework {
+                    info: fw(""),
+                    at_ms: 0,
+                },
+            )
+            .unwrap()
+        {
+            Outcome::FrameworkSubscribed { framework_id } => framework_id,
+            o => panic!("{o:?}"),
+        }
+    }
+
+    fn task(id: &str, gpus: &[&str]) -> FrameworkTask {
+        FrameworkTask {
+            task_id: id.into(),
+            agent_id: "a1".into(),
+            image: None,
+            command: vec!["true".into()],
+            env: Default::default(),
+            resources: Resources {
+                cpus: 1.0,
+                mem_mib: 128,
+                gpus: gpus.len() as u32,
+            },
+            gpu_uuids: gpus.iter().map(|g| g.to_string()).collect(),
+        }
+    }
+
+    fn launch(s: &mut State, f: &str, tasks: Vec<FrameworkTask>, group: bool) -> Outcome {
+        s.apply(
+            3,
+            &Command::LaunchFrameworkTasks {
+                framework_id: f.into(),
+                tasks,
+                group,
+                at_ms: 5,
+            },
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn subscribe_assigns_ids_and_reattaches_but_not_after_removal() {
+        let mut s = state();
+        let f = subscribe(&mut s);
+        assert_eq!(f, "fw-1");
+        assert_eq!(subscribe(&mut s), "fw-2");
+        assert!(s
+            .apply(
+                4,
+                &Command::SubscribeFramework {
+                    info: fw(&f),
+                    at_ms: 1
+                }
+            )
+            .is_ok());
+        assert!(matches!(
+            s.apply(
+                4,
+                &Command::SubscribeFramework {
+                    info: fw("fw-9"),
+                    at_ms: 1
+                }
+            ),
+            Err(ApplyError::FrameworkNotFound(_))
+        ));
+        s.apply(
+            5,
+            &Command::RemoveFramework {
+                framework_id: f.clone(),
+                reason: "teardown".into(),
+                at_ms: 2,
+            },
+        )
+        .unwrap();
+        assert!(matches!(
+            s.apply(
+                6,
+                &Command::SubscribeFramework {
+                    info: fw(&f),
+                    at_ms: 3
+                }
+            ),
+            Err(ApplyError::FrameworkRemoved(_))
+        ));
+    }
+
+    #[test]
+    fn a_double_booking_launch_is_refused_with_an_error_status_and_nothing_else_changes() {
+        let mut s = state();
+        let f = subscribe(&mut s);
+        let o = launch(&mut s, &f, vec![task("t1", &["GPU-0"])], false);
+        assert_eq!(
+            o,
+            Outcome::FrameworkTasksLaunched {
+                launched: vec!["t1".into()],
+                refused: vec![]
+            }
+        );
+        let owners = s.gpu_owner.clone();
+        let allocated = s.agents["a1"].allocated;
+        let o = launch(&mut s, &f, vec![task("t2", &["GPU-0"])], false);
+        let Outcome::FrameworkTasksLaunched { launched, refused } = o else {
+            panic!()
+        };
+        assert!(launched.is_empty());
+        assert_eq!(refused[0].0, "t2");
+        assert!(refused[0].1.contains("GPU-0"), "{}", refused[0].1);
+        let t2 = &s.tasks[&task_key(&f, "t2")];
+        assert_eq!(t2.state, TaskState::Error);
+        assert_eq!(t2.reason, TaskReason::ResourcesUnavailable);
+        assert!(t2.gpu_uuids.is_empty());
+        // The GPU still belongs to t1 alone; nothing else moved.
+        assert_eq!(s.gpu_owner, owners);
+        assert_eq!(s.agents["a1"].allocated, allocated);
+        // The same GPU twice in one command: the second is refused.
+        let o = launch(
+            &mut s,
+            &f,
+            vec![task("t3", &["GPU-1"]), task("t4", &["GPU-1"])],
+            false,
+        );
+        let Outcome::FrameworkTasksLaunched { launched, refused } = o else {
+            panic!()
+        };
+        assert_eq!(launched, vec!["t3".to_string()]);
+        assert_eq!(refused.len(), 1);
+    }
+
+    #[test]
+    fn a_launch_group_starts_all_or_none() {
+        let mut s = state();
+        let f = subscribe(&mut s);
+        let o = launch(
+            &mut s,
+            &f,
+            vec![task("g1", &["GPU-0"]), task("g2", &["GPU-7"])],
+            true,
+        );
+        let Outcome::FrameworkTasksLaunched { launched, refused } = o else {
+            panic!()
+        };
+        assert!(launched.is_empty());
+        assert_eq!(refused.len(), 2);
+        assert!(s.gpu_owner.is_empty());
+        assert!(s.tasks.values().all(|t| t.state == TaskState::Error));
+        let o = launch(
+            &mut s,
+            &f,
+            vec![task("g3", &["GPU-0"]), task("g4", &["GPU-1"])],
+            true,
+        );
+        let Outcome::FrameworkTasksLaunched { launched, .. } = o else {
+            panic!()
+        };
+        assert_eq!(launched.len(), 2);
+    }
+
+    #[test]
+    fn updates_need_the_frameworks_acknowledgement_and_repeats_are_not_news() {
+        let mut s = state();
+        let f = subscribe(&mut s);
+        launch(&mut s, &f, vec![task("t1", &[])], false);
+        let key = task_key(&f, "t1");
+        let up = |uuid: &[u8], state| Command::UpdateTaskStatus {
+            update: StatusUpdate {
+                agent_id: "a1".into(),
+                task_id: key.clone(),
+                state,
+                exit_code: None,
+                message: String::new(),
+                uuid: uuid.to_vec(),
+            },
+            at_ms: 9,
+        };
+        assert_eq!(
+            s.apply(10, &up(b"u1", TaskState::Running)).unwrap(),
+            Outcome::Done
+        );
+        assert!(!s.is_acknowledged(&key, b"u1"));
+        assert_eq!(
+            s.apply(11, &up(b"u1", TaskState::Running)).unwrap(),
+            Outcome::StaleUpdate
+        );
+        // Acknowledging anything but the latest update is refused.
+        assert!(s
+            .apply(
+                12,
+                &Command::AcknowledgeUpdate {
+                    framework_id: f.clone(),
+                    framework_task_id: "t1".into(),
+                    uuid: b"zz".to_vec()
+                }
+            )
+            .is_err());
+        s.apply(
+            13,
+            &Command::AcknowledgeUpdate {
+                framework_id: f.clone(),
+                framework_task_id: "t1".into(),
+                uuid: b"u1".to_vec(),
+            },
+        )
+        .unwrap();
+        assert!(s.is_acknowledged(&key, b"u1"));
+        // gpuctl's own jobs and unknown tasks need no acknowledgement.
+        assert!(s.is_acknowledged("job-1.0", b"x"));
+    }
+
+    #[test]
+    fn kill_and_removal_put_tasks_on_the_agents_kill_list() {
+        let mut s = state();
+        let f = subscribe(&mut s);
+        launch(
+            &mut s,
+            &f,
+            vec![task("t1", &["GPU-0"]), task("t2", &[])],
+            false,
+        );
+        let (run, kill) = s.desired_tasks("a1");
+        assert_eq!(run.len(), 2);
+        assert!(kill.is_empty());
+        assert!(run
+            .iter()
+            .all(|t| t.framework_id == f && t.job_id.is_empty()));
+        s.apply(
+            20,
+            &Command::KillTask {
+                framework_id: f.clone(),
+                framework_task_id: "t1".into(),
+                at_ms: 1,
+            },
+        )
+        .unwrap();
+        let (run, kill) = s.desired_tasks("a1");
+        assert_eq!(run.len(), 1);
+        assert_eq!(kill, vec![task_key(&f, "t1")]);
+        s.apply(
+            21,
+            &Command::RemoveFramework {
+                framework_id: f.clone(),
+                reason: "teardown".into(),
+                at_ms: 2,
+            },
+        )
+        .unwrap();
+        let (run, kill) = s.desired_tasks("a1");
+        assert!(run.is_empty());
+        assert_eq!(kill.len(), 2);
+        assert_eq!(
+            s.tasks[&task_key(&f, "t2")].reason,
+            TaskReason::FrameworkRemoved
+        );
+        // Once removed, nobody acknowledges: agents may forget its updates.
+        assert!(s.is_acknowledged(&task_key(&f, "t2"), b"u"));
+    }
+}
