@@ -138,8 +138,13 @@ impl Executor {
         for id in never_started {
             let me = self.clone();
             tokio::spawn(async move {
-                me.send(&id, TaskState::Killed, None, "killed before it started".into())
-                    .await;
+                me.send(
+                    &id,
+                    TaskState::Killed,
+                    None,
+                    "killed before it started".into(),
+                )
+                .await;
             });
         }
         for (spec, kill_rx) in to_launch {

@@ -212,7 +212,10 @@ pub async fn status_sender(masters: Arc<Masters>, mut rx: mpsc::Receiver<StatusU
                 continue;
             };
             let result = match masters.client() {
-                Ok(mut c) => c.update_status(pb::StatusUpdate::from(update.clone())).await,
+                Ok(mut c) => {
+                    c.update_status(pb::StatusUpdate::from(update.clone()))
+                        .await
+                }
                 Err(e) => Err(tonic::Status::unavailable(e)),
             };
             match result {

@@ -20,6 +20,8 @@ pub struct MasterConfig {
     pub heartbeat_interval: Duration,
     /// An agent silent for this long is marked lost and its tasks LOST.
     pub agent_timeout: Duration,
+    /// Offers to frameworks: roles, GPU scarcity, offer timeout.
+    pub frameworks: crate::leader::frameworks::FrameworkSettings,
 }
 
 impl MasterConfig {
@@ -30,6 +32,7 @@ impl MasterConfig {
             node_id: 1,
             heartbeat_interval: Duration::from_secs(1),
             agent_timeout: Duration::from_secs(10),
+            frameworks: Default::default(),
         }
     }
 }
@@ -160,6 +163,7 @@ impl Options {
             node_id: self.node_id,
             heartbeat_interval,
             agent_timeout,
+            frameworks: Default::default(),
         })
     }
 }

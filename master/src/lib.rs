@@ -4,6 +4,7 @@
 //! [`serve`] runs a master on a bound listener until `shutdown` resolves, so
 //! tests and `gpuctl demo` can run one in-process on `127.0.0.1:0`.
 
+pub mod allocator;
 pub mod config;
 pub mod leader;
 pub mod raft;
@@ -79,23 +80,32 @@ pub async fn serve(
     tracing::info!(%addr, data_dir = %config.data_dir.display(), node_id = config.node_id, replayed = initial_commit, "master serving");
 
     let liveness = Arc::new(leader::Liveness::default());
+    let hub = Arc::new(leader::frameworks::Hub::default());
+    let frameworks_task = tokio::spawn(leader::frameworks::run(
+        handle.clone(),
+        hub.clone(),
+        config.frameworks.clone(),
+        stop_rx.clone(),
+    ));
     let leader_task = tokio::spawn(leader::run(
         handle.clone(),
         config.clone(),
         liveness.clone(),
+        hub.clone(),
         stop_rx.clone(),
     ));
     let ctx = service::Ctx {
         raft: handle.clone(),
         config: config.clone(),
         liveness,
+        hub,
         shutdown: stop_rx.clone(),
     };
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
     let server = tonic::transport::Server::builder()
         .add_service(service::operator_server(ctx.clone()))
         .add_service(service::agent_manager_server(ctx.clone()))
-        .add_service(service::scheduler_server())
+        .add_service(service::scheduler_server(ctx.clone()))
         .serve_with_incoming_shutdown(incoming, async move {
             shutdown.await;
             let _ = stop_tx.send(true);
@@ -104,6 +114,7 @@ pub async fn serve(
     // Streams and loops watch `stop_rx`; the node flushes nothing more after
     // this point (every write was flushed before it was acknowledged).
     leader_task.abort();
+    frameworks_task.abort();
     match node_task.await {
         Ok(Err(e)) => return Err(e.into()),
         Err(e) => tracing::error!(error = %e, "raft node task failed"),

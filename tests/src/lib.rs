@@ -40,6 +40,8 @@ pub fn bin_dir() -> &'static Path {
                 "gpuctl",
                 "-p",
                 "fake-nvml",
+                "-p",
+                "simple-framework",
                 "--bins",
                 "--lib",
             ])

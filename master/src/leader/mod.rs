@@ -1,6 +1,8 @@
 //! Leader-only loops: agent liveness and job placement. Both only read the
 //! applied state and propose commands; apply has the last word.
 
+pub mod frameworks;
+
 use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -55,6 +57,7 @@ pub async fn run(
     raft: RaftHandle,
     config: MasterConfig,
     liveness: std::sync::Arc<Liveness>,
+    hub: std::sync::Arc<frameworks::Hub>,
     mut shutdown: watch::Receiver<bool>,
 ) {
     let mut applied = raft.applied();
@@ -82,7 +85,9 @@ pub async fn run(
         if !is_leader {
             continue;
         }
-        let launches = scheduler::place(&raft.state());
+        // GPUs and resources offered to frameworks are left alone.
+        let (offered_gpus, offered) = hub.offered();
+        let launches = scheduler::place(&raft.state(), &offered_gpus, &offered);
         for launch in launches {
             let (job_id, agent_id) = (launch.job_id.clone(), launch.agent_id.clone());
             match raft

@@ -14,15 +14,28 @@ use gpuctl_proto::types::{Resources, Runtime};
 
 use crate::state::{AgentState, Launch, State};
 
-/// Placements for as many queued jobs as fit, one launch per job.
-pub fn place(state: &State) -> Vec<Launch> {
+/// Placements for as many queued jobs as fit, one launch per job. GPUs and
+/// resources outstanding in framework offers (`offered_*`) are not used.
+pub fn place(
+    state: &State,
+    offered_gpus: &BTreeSet<String>,
+    offered: &BTreeMap<String, Resources>,
+) -> Vec<Launch> {
     let mut free: BTreeMap<&str, Resources> = state
         .agents
         .values()
         .filter(|a| a.state == AgentState::Active)
-        .map(|a| (a.info.id.as_str(), a.free()))
+        .map(|a| {
+            let o = offered.get(&a.info.id).copied().unwrap_or_default();
+            (a.info.id.as_str(), a.free().saturating_sub(&o))
+        })
         .collect();
-    let mut used_gpus: BTreeSet<&str> = state.gpu_owner.keys().map(String::as_str).collect();
+    let mut used_gpus: BTreeSet<&str> = state
+        .gpu_owner
+        .keys()
+        .map(String::as_str)
+        .chain(offered_gpus.iter().map(String::as_str))
+        .collect();
     let mut out = Vec::new();
     for job in state.queued_jobs() {
         let need = job.spec.resources;
@@ -167,7 +180,7 @@ mod tests {
             job(3, false),
             job(1, false),
         ]);
-        let launches = place(&s);
+        let launches = place(&s, &BTreeSet::new(), &BTreeMap::new());
         assert_eq!(launches.len(), 4);
         let mut seen = BTreeSet::new();
         for l in &launches {
@@ -188,7 +201,7 @@ mod tests {
             agent("b", 4, both()),
             job(2, false),
         ]);
-        let l = place(&s);
+        let l = place(&s, &BTreeSet::new(), &BTreeMap::new());
         s.apply(
             10,
             &Command::LaunchTasks {
@@ -199,7 +212,7 @@ mod tests {
         .unwrap();
         let a_or_b = s.tasks["job-1.0"].agent_id.clone();
         s.apply(11, &job(1, false)).unwrap();
-        let l = place(&s);
+        let l = place(&s, &BTreeSet::new(), &BTreeMap::new());
         assert_eq!(l[0].agent_id, a_or_b);
         s.apply(
             12,
@@ -211,7 +224,7 @@ mod tests {
         .unwrap();
         // A 4-GPU job still fits on the untouched node.
         s.apply(13, &job(4, false)).unwrap();
-        let l = place(&s);
+        let l = place(&s, &BTreeSet::new(), &BTreeMap::new());
         assert_eq!(l.len(), 1);
         assert_ne!(l[0].agent_id, a_or_b);
     }
@@ -223,18 +236,18 @@ mod tests {
             agent("d", 2, both()),
             job(1, true),
         ]);
-        let l = place(&s);
+        let l = place(&s, &BTreeSet::new(), &BTreeMap::new());
         assert_eq!(l.len(), 1);
         assert_eq!(l[0].agent_id, "d");
         let s = state(vec![agent("p", 2, vec![Runtime::Process]), job(1, true)]);
-        assert!(place(&s).is_empty());
+        assert!(place(&s, &BTreeSet::new(), &BTreeMap::new()).is_empty());
         assert!(wait_reason(&s, "job-1").unwrap().contains("Docker"));
     }
 
     #[test]
     fn a_job_too_big_waits_without_blocking_others() {
         let s = state(vec![agent("a", 2, both()), job(4, false), job(1, false)]);
-        let l = place(&s);
+        let l = place(&s, &BTreeSet::new(), &BTreeMap::new());
         assert_eq!(l.len(), 1);
         assert_eq!(l[0].job_id, "job-2");
         assert!(wait_reason(&s, "job-1").unwrap().contains("large enough"));
@@ -247,7 +260,7 @@ mod tests {
             info.gpus[0].healthy = false;
         }
         let s = state(vec![cmd, job(1, false), job(1, false)]);
-        let l = place(&s);
+        let l = place(&s, &BTreeSet::new(), &BTreeMap::new());
         assert_eq!(l.len(), 1);
         assert_eq!(l[0].gpu_uuids, vec!["GPU-a-1".to_string()]);
     }

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use gpuctl_proto::pb;
 use tokio::sync::watch;
 
+use crate::leader::frameworks::Hub;
 use crate::leader::Liveness;
 use crate::raft::{ProposeError, RaftHandle};
 use crate::state::ApplyError;
@@ -20,6 +21,7 @@ pub struct Ctx {
     pub raft: RaftHandle,
     pub config: MasterConfig,
     pub liveness: Arc<Liveness>,
+    pub hub: Arc<Hub>,
     pub shutdown: watch::Receiver<bool>,
 }
 
@@ -38,8 +40,11 @@ pub fn agent_manager_server(
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
 }
 
-pub fn scheduler_server() -> pb::scheduler_server::SchedulerServer<scheduler::SchedulerService> {
-    pb::scheduler_server::SchedulerServer::new(scheduler::SchedulerService)
+pub fn scheduler_server(
+    ctx: Ctx,
+) -> pb::scheduler_server::SchedulerServer<scheduler::SchedulerService> {
+    pb::scheduler_server::SchedulerServer::new(scheduler::SchedulerService { ctx })
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
 }
 
 impl From<ProposeError> for tonic::Status {
@@ -50,10 +55,12 @@ impl From<ProposeError> for tonic::Status {
             }
             ProposeError::Busy => tonic::Status::resource_exhausted(e.to_string()),
             ProposeError::Rejected(a) => match a {
-                ApplyError::JobNotFound(_) | ApplyError::AgentNotFound(_) => {
-                    tonic::Status::not_found(a.to_string())
-                }
+                ApplyError::JobNotFound(_)
+                | ApplyError::AgentNotFound(_)
+                | ApplyError::FrameworkNotFound(_)
+                | ApplyError::TaskNotFound(_) => tonic::Status::not_found(a.to_string()),
                 ApplyError::Undecodable { .. } => tonic::Status::internal(a.to_string()),
+                ApplyError::Invalid { .. } => tonic::Status::invalid_argument(a.to_string()),
                 _ => tonic::Status::failed_precondition(a.to_string()),
             },
         }

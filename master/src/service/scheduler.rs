@@ -1,79 +1,414 @@
-//! The Scheduler (framework) API: an outline until the framework API issue.
+//! The Scheduler (framework) service: calls are validated here, turned
+//! into replicated commands or leader-side offer bookkeeping (Hub).
 
+use std::collections::{BTreeMap, BTreeSet};
+use std::pin::Pin;
+
+use futures::Stream;
+use gpuctl_proto::convert::{check_id, resources_from_pb};
 use gpuctl_proto::pb;
+use gpuctl_proto::types::{FrameworkInfo, Resources};
+use tokio::sync::mpsc;
 use tonic::{Request, Response, Status};
 
-pub struct SchedulerService;
+use super::Ctx;
+use crate::allocator::refuse_until;
+use crate::leader::frameworks::{task_status, EVENT_BUFFER};
+use crate::now_ms;
+use crate::raft::Role;
+use crate::state::frameworks::task_key;
+use crate::state::{Command, FrameworkTask, Outcome};
 
-fn not_yet() -> Status {
-    Status::unimplemented(
-        "the framework (Scheduler) API is not implemented yet; use the Operator API (gpuctl jobs)",
-    )
+pub struct SchedulerService {
+    pub(super) ctx: Ctx,
 }
+
+const MAX_FAILOVER_SECS: f64 = 7.0 * 24.0 * 3600.0;
+
+fn framework_info(f: Option<pb::FrameworkInfo>) -> Result<FrameworkInfo, Status> {
+    let f = f.ok_or_else(|| Status::invalid_argument("invalid framework: missing"))?;
+    if !f.id.is_empty() {
+        check_id("framework.id", &f.id)?;
+    }
+    if f.name.trim().is_empty() || f.name.len() > 128 {
+        return Err(Status::invalid_argument(
+            "invalid framework.name: 1 to 128 characters",
+        ));
+    }
+    for r in &f.roles {
+        check_id("framework.roles[]", r)?;
+    }
+    if !f.failover_timeout_secs.is_finite()
+        || !(0.0..=MAX_FAILOVER_SECS).contains(&f.failover_timeout_secs)
+    {
+        return Err(Status::invalid_argument(format!(
+            "invalid framework.failover_timeout_secs: must be 0..={MAX_FAILOVER_SECS}"
+        )));
+    }
+    Ok(FrameworkInfo {
+        id: f.id,
+        name: f.name,
+        roles: f.roles,
+        gpu_capable: f
+            .capabilities
+            .contains(&(pb::FrameworkCapability::GpuResources as i32)),
+        failover_timeout_ms: (f.failover_timeout_secs * 1000.0) as u64,
+    })
+}
+
+impl SchedulerService {
+    fn leader(&self) -> Result<(), Status> {
+        if self.ctx.raft.status().role != Role::Leader {
+            return Err(Status::unavailable(
+                "this master is not the leader; subscribe to the leader",
+            ));
+        }
+        Ok(())
+    }
+
+    /// The framework must exist, not be removed, and be connected.
+    fn connected(&self, framework_id: &str) -> Result<(), Status> {
+        check_id("framework_id", framework_id)?;
+        self.leader()?;
+        if !self.ctx.hub.is_connected(framework_id) {
+            return Err(Status::failed_precondition(format!(
+                "framework {framework_id} is not subscribed to this master"
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Checks a task against the offers taken for it: its agent was offered,
+/// its GPUs are among that agent's offered GPUs, and all tasks on an agent
+/// fit in what was offered there.
+fn to_framework_task(
+    field: &str,
+    t: pb::TaskInfo,
+    offered: &BTreeMap<String, (Resources, BTreeSet<String>)>,
+    used: &mut BTreeMap<String, Resources>,
+) -> Result<FrameworkTask, Status> {
+    check_id(&format!("{field}.task_id"), &t.task_id)?;
+    let (res_offered, gpus_offered) = offered.get(&t.agent_id).ok_or_else(|| {
+        Status::invalid_argument(format!(
+            "invalid {field}.agent_id: {} is not in the accepted offers",
+            t.agent_id
+        ))
+    })?;
+    let resources = resources_from_pb(&format!("{field}.resources"), t.resources)?;
+    if t.gpu_uuids.len() != resources.gpus as usize {
+        return Err(Status::invalid_argument(format!(
+            "invalid {field}.gpu_uuids: names {} GPUs, resources.gpus is {}",
+            t.gpu_uuids.len(),
+            resources.gpus
+        )));
+    }
+    if let Some(g) = t.gpu_uuids.iter().find(|g| !gpus_offered.contains(*g)) {
+        return Err(Status::invalid_argument(format!(
+            "invalid {field}.gpu_uuids: {g} was not offered on agent {}",
+            t.agent_id
+        )));
+    }
+    let total = used.entry(t.agent_id.clone()).or_default();
+    *total = total.add(&resources);
+    if !res_offered.fits(total) {
+        return Err(Status::invalid_argument(format!(
+            "invalid {field}.resources: more than offered on agent {}",
+            t.agent_id
+        )));
+    }
+    if t.command.is_empty() || t.command[0].is_empty() {
+        return Err(Status::invalid_argument(format!(
+            "invalid {field}.command: must not be empty"
+        )));
+    }
+    Ok(FrameworkTask {
+        task_id: t.task_id,
+        agent_id: t.agent_id,
+        image: (!t.image.is_empty()).then_some(t.image),
+        command: t.command,
+        env: t.env.into_iter().collect(),
+        resources,
+        gpu_uuids: t.gpu_uuids,
+    })
+}
+
+type EventStream = Pin<Box<dyn Stream<Item = Result<pb::Event, Status>> + Send>>;
 
 #[tonic::async_trait]
 impl pb::scheduler_server::Scheduler for SchedulerService {
-    type SubscribeStream =
-        std::pin::Pin<Box<dyn futures::Stream<Item = Result<pb::Event, Status>> + Send>>;
+    type SubscribeStream = EventStream;
 
     async fn subscribe(
         &self,
-        _: Request<pb::SubscribeRequest>,
+        req: Request<pb::SubscribeRequest>,
     ) -> Result<Response<Self::SubscribeStream>, Status> {
-        Err(not_yet())
+        self.leader()?;
+        let info = framework_info(req.into_inner().framework)?;
+        let framework_id = match self
+            .ctx
+            .raft
+            .propose(Command::SubscribeFramework {
+                info,
+                at_ms: now_ms(),
+            })
+            .await?
+        {
+            Outcome::FrameworkSubscribed { framework_id } => framework_id,
+            other => return Err(Status::internal(format!("unexpected outcome {other:?}"))),
+        };
+        tracing::info!(framework_id = %framework_id, "framework subscribed");
+        let (tx, rx) = mpsc::channel(EVENT_BUFFER);
+        let conn = self.ctx.hub.connect(&framework_id, tx.clone());
+        let hub = self.ctx.hub.clone();
+        let mut shutdown = self.ctx.shutdown.clone();
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = tx.closed() => {}
+                _ = shutdown.changed() => {}
+            }
+            tracing::info!(framework_id = %framework_id, "framework disconnected");
+            hub.disconnect(&framework_id, conn);
+        });
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
     }
+
     async fn accept(
         &self,
-        _: Request<pb::AcceptRequest>,
+        req: Request<pb::AcceptRequest>,
     ) -> Result<Response<pb::CallResponse>, Status> {
-        Err(not_yet())
+        let req = req.into_inner();
+        self.connected(&req.framework_id)?;
+        // Check the operations' shape before taking the offers, so a
+        // malformed call leaves them outstanding.
+        for (i, op) in req.operations.iter().enumerate() {
+            if op.operation.is_none() {
+                return Err(Status::invalid_argument(format!(
+                    "invalid operations[{i}]: empty"
+                )));
+            }
+        }
+        let offers = self
+            .ctx
+            .hub
+            .take_offers(&req.framework_id, &req.offer_ids)?;
+        let mut offered: BTreeMap<String, (Resources, BTreeSet<String>)> = BTreeMap::new();
+        for o in &offers {
+            let e = offered.entry(o.agent_id.clone()).or_default();
+            e.0 = e.0.add(&o.resources);
+            e.1.extend(o.gpu_uuids.iter().cloned());
+        }
+        let agents: BTreeSet<String> = offered.keys().cloned().collect();
+        let mut used = BTreeMap::new();
+        let mut commands = Vec::new();
+        for (i, op) in req.operations.into_iter().enumerate() {
+            let (launch, group) = match op.operation {
+                Some(pb::operation::Operation::Launch(l)) => (l, false),
+                Some(pb::operation::Operation::LaunchGroup(l)) => (l, true),
+                None => continue,
+            };
+            let mut tasks = Vec::with_capacity(launch.tasks.len());
+            for (j, t) in launch.tasks.into_iter().enumerate() {
+                match to_framework_task(
+                    &format!("operations[{i}].tasks[{j}]"),
+                    t,
+                    &offered,
+                    &mut used,
+                ) {
+                    Ok(t) => tasks.push(t),
+                    Err(e) => {
+                        // The offers are used up either way (as in Mesos);
+                        // their agents become offerable again at once.
+                        self.ctx
+                            .hub
+                            .filter(&req.framework_id, &BTreeSet::new(), None);
+                        return Err(e);
+                    }
+                }
+            }
+            commands.push(Command::LaunchFrameworkTasks {
+                framework_id: req.framework_id.clone(),
+                tasks,
+                group,
+                at_ms: now_ms(),
+            });
+        }
+        for c in commands {
+            if let Outcome::FrameworkTasksLaunched { refused, .. } =
+                self.ctx.raft.propose(c).await?
+            {
+                for (task, reason) in refused {
+                    tracing::info!(framework_id = %req.framework_id, task_id = %task, %reason, "launch refused");
+                }
+            }
+        }
+        // What was not used is declined, with the call's filters.
+        let refuse = req.filters.and_then(|f| f.refuse_seconds);
+        self.ctx
+            .hub
+            .filter(&req.framework_id, &agents, refuse_until(now_ms(), refuse));
+        Ok(Response::new(pb::CallResponse {}))
     }
+
     async fn decline(
         &self,
-        _: Request<pb::DeclineRequest>,
+        req: Request<pb::DeclineRequest>,
     ) -> Result<Response<pb::CallResponse>, Status> {
-        Err(not_yet())
+        let req = req.into_inner();
+        self.connected(&req.framework_id)?;
+        let offers = self
+            .ctx
+            .hub
+            .take_offers(&req.framework_id, &req.offer_ids)?;
+        let agents: BTreeSet<String> = offers.iter().map(|o| o.agent_id.clone()).collect();
+        let refuse = req.filters.and_then(|f| f.refuse_seconds);
+        self.ctx
+            .hub
+            .filter(&req.framework_id, &agents, refuse_until(now_ms(), refuse));
+        Ok(Response::new(pb::CallResponse {}))
     }
-    async fn kill(
-        &self,
-        _: Request<pb::KillRequest>,
-    ) -> Result<Response<pb::CallResponse>, Status> {
-        Err(not_yet())
-    }
-    async fn acknowledge(
-        &self,
-        _: Request<pb::AcknowledgeRequest>,
-    ) -> Result<Response<pb::CallResponse>, Status> {
-        Err(not_yet())
-    }
+
     async fn revive(
         &self,
-        _: Request<pb::ReviveRequest>,
+        req: Request<pb::ReviveRequest>,
     ) -> Result<Response<pb::CallResponse>, Status> {
-        Err(not_yet())
+        let req = req.into_inner();
+        self.connected(&req.framework_id)?;
+        self.ctx.hub.revive(&req.framework_id);
+        Ok(Response::new(pb::CallResponse {}))
     }
+
     async fn suppress(
         &self,
-        _: Request<pb::SuppressRequest>,
+        req: Request<pb::SuppressRequest>,
     ) -> Result<Response<pb::CallResponse>, Status> {
-        Err(not_yet())
+        let req = req.into_inner();
+        self.connected(&req.framework_id)?;
+        self.ctx.hub.suppress(&req.framework_id);
+        Ok(Response::new(pb::CallResponse {}))
     }
+
+    async fn kill(
+        &self,
+        req: Request<pb::KillRequest>,
+    ) -> Result<Response<pb::CallResponse>, Status> {
+        let req = req.into_inner();
+        self.connected(&req.framework_id)?;
+        check_id("task_id", &req.task_id)?;
+        self.ctx
+            .raft
+            .propose(Command::KillTask {
+                framework_id: req.framework_id,
+                framework_task_id: req.task_id,
+                at_ms: now_ms(),
+            })
+            .await?;
+        Ok(Response::new(pb::CallResponse {}))
+    }
+
+    async fn acknowledge(
+        &self,
+        req: Request<pb::AcknowledgeRequest>,
+    ) -> Result<Response<pb::CallResponse>, Status> {
+        let req = req.into_inner();
+        self.connected(&req.framework_id)?;
+        check_id("task_id", &req.task_id)?;
+        if req.uuid.is_empty() {
+            return Err(Status::invalid_argument("invalid uuid: must not be empty"));
+        }
+        self.ctx
+            .raft
+            .propose(Command::AcknowledgeUpdate {
+                framework_id: req.framework_id,
+                framework_task_id: req.task_id,
+                uuid: req.uuid,
+            })
+            .await?;
+        Ok(Response::new(pb::CallResponse {}))
+    }
+
     async fn reconcile(
         &self,
-        _: Request<pb::ReconcileRequest>,
+        req: Request<pb::ReconcileRequest>,
     ) -> Result<Response<pb::CallResponse>, Status> {
-        Err(not_yet())
+        let req = req.into_inner();
+        self.connected(&req.framework_id)?;
+        let statuses: Vec<pb::TaskStatus> = {
+            let state = self.ctx.raft.state();
+            if req.tasks.is_empty() {
+                // Implicit: the latest state of every task not yet ended.
+                state
+                    .tasks
+                    .values()
+                    .filter(|t| t.framework_id == req.framework_id && !t.state.is_terminal())
+                    .map(|t| task_status(t, Some(pb::Reason::Reconciliation)))
+                    .collect()
+            } else {
+                req.tasks
+                    .iter()
+                    .map(
+                        |rt| match state.tasks.get(&task_key(&req.framework_id, &rt.task_id)) {
+                            Some(t) => task_status(t, Some(pb::Reason::Reconciliation)),
+                            // Unknown to the master: lost, as Mesos answers.
+                            None => pb::TaskStatus {
+                                task_id: rt.task_id.clone(),
+                                agent_id: rt.agent_id.clone(),
+                                state: pb::TaskState::TaskLost as i32,
+                                reason: pb::Reason::Reconciliation as i32,
+                                message: "unknown task".into(),
+                                ..Default::default()
+                            },
+                        },
+                    )
+                    .collect()
+            }
+        };
+        for mut s in statuses {
+            // Answers need no acknowledgement.
+            s.uuid.clear();
+            self.ctx
+                .hub
+                .send(&req.framework_id, pb::event::Event::Update(s));
+        }
+        Ok(Response::new(pb::CallResponse {}))
     }
+
     async fn teardown(
         &self,
-        _: Request<pb::TeardownRequest>,
+        req: Request<pb::TeardownRequest>,
     ) -> Result<Response<pb::CallResponse>, Status> {
-        Err(not_yet())
+        let req = req.into_inner();
+        check_id("framework_id", &req.framework_id)?;
+        self.leader()?;
+        self.ctx
+            .raft
+            .propose(Command::RemoveFramework {
+                framework_id: req.framework_id.clone(),
+                reason: "teardown".into(),
+                at_ms: now_ms(),
+            })
+            .await?;
+        tracing::info!(framework_id = %req.framework_id, "framework torn down");
+        self.ctx.hub.close(&req.framework_id);
+        Ok(Response::new(pb::CallResponse {}))
     }
+
     async fn update_framework(
         &self,
-        _: Request<pb::UpdateFrameworkRequest>,
+        req: Request<pb::UpdateFrameworkRequest>,
     ) -> Result<Response<pb::CallResponse>, Status> {
-        Err(not_yet())
+        let info = framework_info(req.into_inner().framework)?;
+        self.connected(&info.id)?;
+        self.ctx
+            .raft
+            .propose(Command::UpdateFramework {
+                info,
+                at_ms: now_ms(),
+            })
+            .await?;
+        self.ctx.hub.wake();
+        Ok(Response::new(pb::CallResponse {}))
     }
 }

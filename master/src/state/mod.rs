@@ -4,7 +4,7 @@
 
 mod apply;
 pub mod command;
-mod frameworks;
+pub mod frameworks;
 
 use std::collections::BTreeMap;
 

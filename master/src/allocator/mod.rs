@@ -1,0 +1,582 @@
+//! The framework API's allocator: Mesos' hierarchical DRF allocator, with
+//! GPUs named by UUID. PURE: plain data in, plain data out; time is the
+//! `now_ms` parameter; the same input gives the same output.
+//!
+//! # Allocation semantics
+//!
+//! [`allocate`] runs one cycle and returns the offers to make ([`OfferPlan`]).
+//!
+//! - **Shares.** A share is the dominant share: the largest of
+//!   `allocated / cluster total` over cpus, mem and gpus, where the cluster
+//!   total is the sum of the `total` of the agents given. A dimension whose
+//!   total is 0 is skipped. A framework's `allocated` counts its running tasks
+//!   and its outstanding offers.
+//! - **Order (hierarchical DRF).** A role's share is the sum of its
+//!   frameworks' allocations, as a dominant share, divided by the role's
+//!   weight. Candidates are ordered by (role share, framework share,
+//!   framework id), lowest first (Mesos breaks a tie between roles by role
+//!   name; here the framework share, then the id, does). Roles absent from the role table have weight
+//!   1 and no quota; a weight that is not a positive number counts as 1.
+//! - **Coarse-grained offers.** Agents are visited by id. Each agent with
+//!   something free goes, whole, to the first eligible framework in that
+//!   order; that framework's and its role's allocations then grow, so others
+//!   come first for the next agent. A framework may receive several agents in
+//!   one cycle. What a framework could not take of an agent (the rest of a
+//!   quota slice, or the GPUs a framework without GPU_RESOURCES never sees)
+//!   goes to the next eligible framework, so one agent may appear in several
+//!   offers, each framework at most once.
+//! - **Eligibility.** A framework is skipped when it is suppressed, when a
+//!   filter refuses this agent to it ([`Filters`]; from Decline and Accept's
+//!   `refuse_seconds`), or, when [`AllocatorConfig::gpu_agents_for_gpu_frameworks_only`]
+//!   is on (the default) and the agent has GPUs (`total.gpus > 0`), when it
+//!   lacks GPU_RESOURCES. A framework without GPU_RESOURCES is never offered
+//!   GPUs, even when that flag is off (it then gets the cpus and mem).
+//! - **Quota** is a limit on what a role holds (allocated + offered). When the
+//!   room left is smaller than the agent, the offer is a slice: cpus, mem and
+//!   GPUs each capped to the room, the GPUs being the lowest-index free ones.
+//!   A framework whose slice would be empty in every dimension is skipped.
+//! - **GPUs.** Only `AgentView::free_gpus` are offered (the caller leaves out
+//!   unhealthy, held and already offered GPUs), healthy ones only, each UUID
+//!   at most once per cycle. An offer's `resources.gpus` always equals
+//!   `gpu_uuids.len()`: a GPU that has no UUID in `free_gpus` is never offered.
+//! - An agent whose free resources are all zero gets no offer.
+//!
+//! Cost: O(agents × (log frameworks + roles)) in the usual case; candidates
+//! live in ordered sets keyed by share and re-keyed after each offer.
+
+mod filters;
+mod offers;
+
+#[cfg(test)]
+mod harness;
+#[cfg(test)]
+mod tests;
+
+use std::cmp::Ordering;
+use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::hash::{BuildHasher, Hasher};
+
+use gpuctl_proto::types::{GpuInfo, Resources};
+
+pub use filters::{refuse_until, Filters, DEFAULT_REFUSE_SECONDS, MAX_REFUSE_SECONDS};
+pub use offers::{Offer, OfferBook, OfferError};
+
+/// Below this many cpus a quantity counts as zero: sums of fractions leave
+/// crumbs such as 1e-16 that must not become offers.
+const CPU_EPSILON: f64 = 1e-9;
+
+/// One agent as the allocator sees it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AgentView {
+    pub id: String,
+    pub hostname: String,
+    /// Free: total less what tasks hold and what outstanding offers hold.
+    pub free: Resources,
+    /// Healthy GPUs that no task holds and no outstanding offer names.
+    pub free_gpus: Vec<GpuInfo>,
+    pub total: Resources,
+    pub attributes: BTreeMap<String, String>,
+}
+
+/// One framework as the allocator sees it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FrameworkView {
+    pub id: String,
+    pub role: String,
+    /// The framework declared the GPU_RESOURCES capability.
+    pub gpu_capable: bool,
+    pub suppressed: bool,
+    /// Its running tasks plus its outstanding offers.
+    pub allocated: Resources,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct RoleConfig {
+    /// Relative share of the cluster; > 0, default 1.
+    pub weight: f64,
+    /// A limit on what the role may hold (allocated + offered).
+    pub quota: Option<Resources>,
+}
+
+impl Default for RoleConfig {
+    fn default() -> Self {
+        RoleConfig {
+            weight: 1.0,
+            quota: None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AllocatorConfig {
+    /// Agents with GPUs are offered only to frameworks with GPU_RESOURCES,
+    /// so that CPU-only work does not strand scarce GPUs (Mesos'
+    /// `--filter_gpu_resources`).
+    pub gpu_agents_for_gpu_frameworks_only: bool,
+}
+
+impl Default for AllocatorConfig {
+    fn default() -> Self {
+        AllocatorConfig {
+            gpu_agents_for_gpu_frameworks_only: true,
+        }
+    }
+}
+
+/// An offer to make: `resources` of `agent_id`, naming exactly `gpu_uuids`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OfferPlan {
+    pub framework_id: String,
+    pub agent_id: String,
+    pub resources: Resources,
+    pub gpu_uuids: Vec<String>,
+}
+
+/// Runs one allocation cycle; see the module doc for the rules.
+pub fn allocate(
+    agents: &[AgentView],
+    frameworks: &[FrameworkView],
+    roles: &BTreeMap<String, RoleConfig>,
+    filters: &Filters,
+    config: &AllocatorConfig,
+    now_ms: u64,
+) -> Vec<OfferPlan> {
+    let total = agents
+        .iter()
+        .fold(Resources::default(), |acc, a| acc.add(&clean(&a.total)));
+    let mut sorter = Sorter::new(frameworks, roles, filters, total);
+
+    let mut order: Vec<&AgentView> = agents.iter().collect();
+    // Stable: agents with the same id keep the caller's order.
+    order.sort_by(|a, b| a.id.cmp(&b.id));
+
+    let mut plans = Vec::new();
+    // Guards against a caller that lists one GPU on two agents (agents that
+    // report the same UUIDs): the first agent by id keeps it.
+    let gpu_count = agents.iter().map(|a| a.free_gpus.len()).sum();
+    let mut seen_gpus: HashSet<&str, BuildFastHasher> =
+        HashSet::with_capacity_and_hasher(gpu_count, BuildFastHasher);
+    let mut served: Vec<usize> = Vec::new();
+    let mut gpus: Vec<&GpuInfo> = Vec::new();
+    for agent in order {
+        gpus.clear();
+        gpus.extend(agent.free_gpus.iter().filter(|g| g.healthy));
+        gpus.sort_by(|a, b| (a.index, &a.uuid).cmp(&(b.index, &b.uuid)));
+        // At most `free.gpus` of them, and only those no earlier agent named.
+        let mut kept = 0;
+        gpus.retain(|g| {
+            let keep = kept < agent.free.gpus && seen_gpus.insert(g.uuid.as_str());
+            kept += u32::from(keep);
+            keep
+        });
+        let mut left = Free {
+            cpus: clean_cpus(agent.free.cpus),
+            mem_mib: agent.free.mem_mib,
+            gpus: &gpus,
+        };
+        let gpu_only = config.gpu_agents_for_gpu_frameworks_only && agent.total.gpus > 0;
+        served.clear();
+        while !left.is_empty() {
+            let Some((fw, slice)) = sorter.pick(&agent.id, gpu_only, &left, &served, now_ms) else {
+                break;
+            };
+            let (taken, rest) = left
+                .gpus
+                .split_at((slice.gpus as usize).min(left.gpus.len()));
+            plans.push(OfferPlan {
+                framework_id: frameworks[fw].id.clone(),
+                agent_id: agent.id.clone(),
+                resources: slice,
+                gpu_uuids: taken.iter().map(|g| g.uuid.clone()).collect(),
+            });
+            left = Free {
+                cpus: clean_cpus(left.cpus - slice.cpus),
+                mem_mib: left.mem_mib.saturating_sub(slice.mem_mib),
+                gpus: rest,
+            };
+            sorter.charge(fw, &slice);
+            served.push(fw);
+        }
+    }
+    plans
+}
+
+/// A fast, fixed hasher for the GPU guard: SipHash of 80,000 UUIDs was half
+/// of a 10,000-agent cycle. Only membership is asked of the set, so the
+/// output does not depend on the hash.
+#[derive(Clone, Copy, Default)]
+struct BuildFastHasher;
+
+impl BuildHasher for BuildFastHasher {
+    type Hasher = FastHasher;
+    fn build_hasher(&self) -> FastHasher {
+        FastHasher(0)
+    }
+}
+
+/// Fx-style: 8 bytes per multiply, with murmur3's finalizer so that every
+/// bit of the result depends on every input bit.
+struct FastHasher(u64);
+
+impl Hasher for FastHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for chunk in bytes.chunks(8) {
+            let mut word = [0u8; 8];
+            word[..chunk.len()].copy_from_slice(chunk);
+            self.0 = (self.0.rotate_left(5) ^ u64::from_le_bytes(word))
+                .wrapping_mul(0x517c_c1b7_2722_0a95);
+        }
+    }
+
+    fn finish(&self) -> u64 {
+        let mut h = self.0;
+        h ^= h >> 33;
+        h = h.wrapping_mul(0xff51_afd7_ed55_8ccd);
+        h ^= h >> 33;
+        h = h.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+        h ^ (h >> 33)
+    }
+}
+
+/// What is still free on the agent being allocated; GPUs lowest index first.
+struct Free<'a> {
+    cpus: f64,
+    mem_mib: u64,
+    gpus: &'a [&'a GpuInfo],
+}
+
+impl Free<'_> {
+    fn is_empty(&self) -> bool {
+        self.cpus <= 0.0 && self.mem_mib == 0 && self.gpus.is_empty()
+    }
+}
+
+/// cpus below the epsilon, negative or not a number count as 0.
+fn clean_cpus(cpus: f64) -> f64 {
+    if cpus.is_finite() && cpus > CPU_EPSILON {
+        cpus
+    } else {
+        0.0
+    }
+}
+
+fn clean(r: &Resources) -> Resources {
+    Resources {
+        cpus: clean_cpus(r.cpus),
+        ..*r
+    }
+}
+
+/// The dominant share of `alloc` in `total`; dimensions with total 0 skipped.
+fn dominant_share(alloc: &Resources, total: &Resources) -> f64 {
+    let mut share: f64 = 0.0;
+    if total.cpus > 0.0 {
+        share = share.max(clean_cpus(alloc.cpus) / total.cpus);
+    }
+    if total.mem_mib > 0 {
+        share = share.max(alloc.mem_mib as f64 / total.mem_mib as f64);
+    }
+    if total.gpus > 0 {
+        share = share.max(f64::from(alloc.gpus) / f64::from(total.gpus));
+    }
+    share
+}
+
+/// A share as a set key: ordered by `total_cmp`, so always totally ordered.
+#[derive(Debug, Clone, Copy)]
+struct Share(f64);
+
+impl PartialEq for Share {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other) == Ordering::Equal
+    }
+}
+impl Eq for Share {}
+impl PartialOrd for Share {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for Share {
+    fn cmp(&self, other: &Self) -> Ordering {
+        self.0.total_cmp(&other.0)
+    }
+}
+
+/// (share, rank): rank is the position by id, the tie-break.
+type Key = (Share, usize);
+
+struct RoleState {
+    weight: f64,
+    quota: Option<Resources>,
+    /// All its frameworks' allocations, suppressed ones included.
+    held: Resources,
+    share: Share,
+    /// In the role order: has frameworks to offer to, and quota room.
+    listed: bool,
+    /// Its frameworks that are not suppressed.
+    all: BTreeSet<Key>,
+    /// Those of them with GPU_RESOURCES.
+    gpu: BTreeSet<Key>,
+}
+
+impl RoleState {
+    fn members(&self, gpu_only: bool) -> &BTreeSet<Key> {
+        if gpu_only {
+            &self.gpu
+        } else {
+            &self.all
+        }
+    }
+
+    /// What the quota still lets the role take; None without quota.
+    fn room(&self) -> Option<Resources> {
+        self.quota.map(|q| {
+            let q = clean(&q);
+            Resources {
+                cpus: clean_cpus(q.cpus - self.held.cpus),
+                mem_mib: q.mem_mib.saturating_sub(self.held.mem_mib),
+                gpus: q.gpus.saturating_sub(self.held.gpus),
+            }
+        })
+    }
+
+    fn out_of_quota(&self) -> bool {
+        self.room()
+            .is_some_and(|r| r.cpus <= 0.0 && r.mem_mib == 0 && r.gpus == 0)
+    }
+}
+
+struct FwState<'a> {
+    /// Position by id: the tie-break in the sets.
+    rank: usize,
+    role: usize,
+    gpu_capable: bool,
+    /// In its role's sets (not suppressed).
+    active: bool,
+    allocated: Resources,
+    share: Share,
+    filters: Option<&'a BTreeMap<String, u64>>,
+}
+
+/// The hierarchical DRF sorter: roles keyed by (weighted share, name rank),
+/// and within each role its frameworks keyed by (share, id rank). `pick`
+/// merges roles of equal share, so the order is (role share, framework
+/// share, id) whatever the role names.
+struct Sorter<'a> {
+    total: Resources,
+    roles: Vec<RoleState>,
+    /// Frameworks in input order; `ranks[r]` is the index of the one of rank r.
+    fws: Vec<FwState<'a>>,
+    ranks: Vec<usize>,
+    role_order: BTreeSet<Key>,
+}
+
+impl<'a> Sorter<'a> {
+    fn new(
+        frameworks: &'a [FrameworkView],
+        configs: &BTreeMap<String, RoleConfig>,
+        filters: &'a Filters,
+        total: Resources,
+    ) -> Self {
+        let mut ranks: Vec<usize> = (0..frameworks.len()).collect();
+        ranks.sort_by(|&a, &b| frameworks[a].id.cmp(&frameworks[b].id));
+        let names: BTreeSet<&str> = frameworks.iter().map(|f| f.role.as_str()).collect();
+        let role_index: BTreeMap<&str, usize> =
+            names.iter().enumerate().map(|(i, n)| (*n, i)).collect();
+        let mut roles: Vec<RoleState> = names
+            .iter()
+            .map(|name| {
+                let config = configs.get(*name).cloned().unwrap_or_default();
+                RoleState {
+                    weight: if config.weight.is_finite() && config.weight > 0.0 {
+                        config.weight
+                    } else {
+                        1.0
+                    },
+                    quota: config.quota,
+                    held: Resources::default(),
+                    share: Share(0.0),
+                    listed: false,
+                    all: BTreeSet::new(),
+                    gpu: BTreeSet::new(),
+                }
+            })
+            .collect();
+        let mut fws: Vec<FwState<'a>> = frameworks
+            .iter()
+            .map(|f| {
+                let allocated = clean(&f.allocated);
+                let role = role_index.get(f.role.as_str()).copied().unwrap_or(0);
+                if let Some(r) = roles.get_mut(role) {
+                    r.held = r.held.add(&allocated);
+                }
+                FwState {
+                    rank: 0,
+                    role,
+                    gpu_capable: f.gpu_capable,
+                    active: !f.suppressed,
+                    allocated,
+                    share: Share(dominant_share(&allocated, &total)),
+                    filters: filters.for_framework(&f.id),
+                }
+            })
+            .collect();
+        for (rank, &i) in ranks.iter().enumerate() {
+            let fw = &mut fws[i];
+            fw.rank = rank;
+            if !fw.active {
+                continue;
+            }
+            let role = &mut roles[fw.role];
+            role.all.insert((fw.share, rank));
+            if fw.gpu_capable {
+                role.gpu.insert((fw.share, rank));
+            }
+        }
+        let mut role_order = BTreeSet::new();
+        for (i, role) in roles.iter_mut().enumerate() {
+            role.share = Share(dominant_share(&role.held, &total) / role.weight);
+            role.listed = !role.all.is_empty() && !role.out_of_quota();
+            if role.listed {
+                role_order.insert((role.share, i));
+            }
+        }
+        Sorter {
+            total,
+            roles,
+            fws,
+            ranks,
+            role_order,
+        }
+    }
+
+    /// The first eligible framework for this agent in (role share, framework
+    /// share, id) order, and the slice it would get.
+    fn pick(
+        &self,
+        agent_id: &str,
+        gpu_only: bool,
+        left: &Free<'_>,
+        served: &[usize],
+        now_ms: u64,
+    ) -> Option<(usize, Resources)> {
+        let mut roles = self.role_order.iter().peekable();
+        while let Some(&(share, first)) = roles.next() {
+            let tied = roles.peek().is_some_and(|&&(s, _)| s == share);
+            let found = if !tied {
+                self.roles[first]
+                    .members(gpu_only)
+                    .iter()
+                    .find_map(|&(_, rank)| self.offerable(rank, agent_id, left, served, now_ms))
+            } else {
+                // Roles with equal shares are merged so that the framework
+                // share decides between them, as the (role, framework, id)
+                // order says.
+                let mut group = vec![first];
+                while let Some(&&(s, r)) = roles.peek() {
+                    if s != share {
+                        break;
+                    }
+                    group.push(r);
+                    roles.next();
+                }
+                let mut heads: Vec<_> = group
+                    .iter()
+                    .map(|&r| self.roles[r].members(gpu_only).iter().peekable())
+                    .collect();
+                let mut found = None;
+                while found.is_none() {
+                    let next = heads
+                        .iter_mut()
+                        .filter_map(|h| h.peek().copied().copied().map(|k| (k, h)))
+                        .min_by_key(|(k, _)| *k);
+                    let Some(((_, rank), head)) = next else {
+                        break;
+                    };
+                    head.next();
+                    found = self.offerable(rank, agent_id, left, served, now_ms);
+                }
+                found
+            };
+            if found.is_some() {
+                return found;
+            }
+        }
+        None
+    }
+
+    /// The slice of `left` the framework of `rank` may take, if any.
+    fn offerable(
+        &self,
+        rank: usize,
+        agent_id: &str,
+        left: &Free<'_>,
+        served: &[usize],
+        now_ms: u64,
+    ) -> Option<(usize, Resources)> {
+        let i = self.ranks[rank];
+        let fw = &self.fws[i];
+        // The quota and GPU rules already keep a framework from a second
+        // slice of one agent; this keeps it so whatever they become.
+        if served.contains(&i) {
+            return None;
+        }
+        if fw
+            .filters
+            .and_then(|f| f.get(agent_id))
+            .is_some_and(|&until| until > now_ms)
+        {
+            return None;
+        }
+        let mut slice = Resources {
+            cpus: left.cpus,
+            mem_mib: left.mem_mib,
+            gpus: if fw.gpu_capable {
+                left.gpus.len() as u32
+            } else {
+                0
+            },
+        };
+        if let Some(room) = self.roles[fw.role].room() {
+            slice = Resources {
+                cpus: clean_cpus(slice.cpus.min(room.cpus)),
+                mem_mib: slice.mem_mib.min(room.mem_mib),
+                gpus: slice.gpus.min(room.gpus),
+            };
+        }
+        if slice.cpus <= 0.0 && slice.mem_mib == 0 && slice.gpus == 0 {
+            return None;
+        }
+        Some((i, slice))
+    }
+
+    /// Adds an offered slice to the framework and its role, and re-keys them.
+    fn charge(&mut self, i: usize, slice: &Resources) {
+        let total = self.total;
+        let fw = &mut self.fws[i];
+        let rank = fw.rank;
+        let role = &mut self.roles[fw.role];
+        let old = (fw.share, rank);
+        fw.allocated = fw.allocated.add(slice);
+        fw.share = Share(dominant_share(&fw.allocated, &total));
+        if fw.active {
+            role.all.remove(&old);
+            role.all.insert((fw.share, rank));
+            if fw.gpu_capable {
+                role.gpu.remove(&old);
+                role.gpu.insert((fw.share, rank));
+            }
+        }
+        let role_idx = fw.role;
+        if role.listed {
+            self.role_order.remove(&(role.share, role_idx));
+        }
+        role.held = role.held.add(slice);
+        role.share = Share(dominant_share(&role.held, &total) / role.weight);
+        role.listed = !role.all.is_empty() && !role.out_of_quota();
+        if role.listed {
+            self.role_order.insert((role.share, role_idx));
+        }
+    }
+}

@@ -1,0 +1,530 @@
+//! The leader's side of the framework API: connected frameworks and their
+//! event streams, outstanding offers, filters, and the loop that forwards
+//! task updates, rescinds stale offers, enforces failover timeouts and runs
+//! allocation cycles when something changes (event driven, plus a tick).
+//!
+//! Nothing here is replicated: offers, filters and connections are
+//! ephemeral (Mesos' rule). A new leader starts with none; frameworks
+//! re-subscribe to it.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use gpuctl_proto::pb;
+use gpuctl_proto::types::{Resources, TaskState};
+use tokio::sync::{mpsc, watch, Notify};
+
+use crate::allocator::{
+    self, AgentView, AllocatorConfig, Filters, FrameworkView, OfferBook, RoleConfig,
+};
+use crate::now_ms;
+use crate::raft::{RaftHandle, Role};
+use crate::state::{AgentState, Command, State, TaskReason, TaskRecord};
+
+pub type EventSender = mpsc::Sender<Result<pb::Event, tonic::Status>>;
+
+/// Event stream buffer per framework; a framework that does not read its
+/// stream is disconnected rather than buffered without bound.
+pub const EVENT_BUFFER: usize = 1024;
+const TICK: Duration = Duration::from_secs(1);
+pub const HEARTBEAT_INTERVAL: Duration = Duration::from_secs(10);
+
+#[derive(Debug, Clone)]
+pub struct FrameworkSettings {
+    pub roles: BTreeMap<String, RoleConfig>,
+    pub allocator: AllocatorConfig,
+    /// Outstanding offers older than this are rescinded.
+    pub offer_timeout: Duration,
+}
+
+impl Default for FrameworkSettings {
+    fn default() -> Self {
+        FrameworkSettings {
+            roles: BTreeMap::new(),
+            allocator: AllocatorConfig::default(),
+            offer_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+struct Conn {
+    id: u64,
+    tx: EventSender,
+}
+
+#[derive(Default)]
+struct Inner {
+    conns: BTreeMap<String, Conn>,
+    next_conn: u64,
+    disconnected_at: BTreeMap<String, Instant>,
+    suppressed: BTreeSet<String>,
+    filters: Filters,
+    offers: Option<OfferBook>,
+    /// The last (state, update uuid) sent per task, to send each change once.
+    sent: BTreeMap<String, (TaskState, Vec<u8>)>,
+    lost_agents: BTreeSet<String>,
+    last_heartbeat: Option<Instant>,
+}
+
+pub struct Hub {
+    inner: Mutex<Inner>,
+    wake: Notify,
+}
+
+impl Default for Hub {
+    fn default() -> Self {
+        Hub {
+            inner: Mutex::new(Inner::default()),
+            wake: Notify::new(),
+        }
+    }
+}
+
+/// A task's status as its framework sees it.
+pub fn task_status(t: &TaskRecord, reason_override: Option<pb::Reason>) -> pb::TaskStatus {
+    let reason = reason_override.unwrap_or(match t.reason {
+        TaskReason::Unspecified => pb::Reason::Unspecified,
+        TaskReason::CommandExited => pb::Reason::CommandExited,
+        TaskReason::TaskInvalid => pb::Reason::TaskInvalid,
+        TaskReason::ResourcesUnavailable => pb::Reason::ResourcesUnavailable,
+        TaskReason::AgentLost => pb::Reason::AgentLost,
+        TaskReason::FrameworkRemoved => pb::Reason::FrameworkRemoved,
+        TaskReason::KilledByFramework => pb::Reason::KilledByFramework,
+        TaskReason::ContainerLaunchFailed => pb::Reason::ContainerLaunchFailed,
+    });
+    pb::TaskStatus {
+        task_id: t.framework_task_id.clone(),
+        agent_id: t.agent_id.clone(),
+        state: pb::TaskState::from(t.state) as i32,
+        reason: reason as i32,
+        message: t.message.clone(),
+        exit_code: t.exit_code,
+        uuid: t.last_update_uuid.clone(),
+        timestamp_ms: t.updated_at_ms,
+    }
+}
+
+fn event(e: pb::event::Event) -> pb::Event {
+    pb::Event { event: Some(e) }
+}
+
+impl Hub {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Something changed that may make new offers possible.
+    pub fn wake(&self) {
+        self.wake.notify_one();
+    }
+
+    /// Attaches a framework's event stream (replacing an older one) and
+    /// queues SUBSCRIBED. Returns the connection id.
+    pub fn connect(&self, framework_id: &str, tx: EventSender) -> u64 {
+        let mut g = self.lock();
+        g.next_conn += 1;
+        let id = g.next_conn;
+        let _ = tx.try_send(Ok(event(pb::event::Event::Subscribed(pb::Subscribed {
+            framework_id: framework_id.to_string(),
+            heartbeat_interval_secs: HEARTBEAT_INTERVAL.as_secs_f64(),
+        }))));
+        if let Some(old) = g.conns.insert(framework_id.to_string(), Conn { id, tx }) {
+            let _ = old.tx.try_send(Ok(event(pb::event::Event::Error(
+                "another connection subscribed as this framework".into(),
+            ))));
+        }
+        g.disconnected_at.remove(framework_id);
+        // Resend what it may have missed: every update of its tasks.
+        let prefix = format!("{framework_id}.");
+        g.sent.retain(|k, _| !k.starts_with(&prefix));
+        drop(g);
+        self.wake();
+        id
+    }
+
+    /// The stream `conn` ended: the framework is disconnected (its tasks
+    /// keep running until its failover timeout) and its offers withdrawn.
+    pub fn disconnect(&self, framework_id: &str, conn: u64) {
+        let mut g = self.lock();
+        if g.conns.get(framework_id).is_some_and(|c| c.id == conn) {
+            g.conns.remove(framework_id);
+            g.disconnected_at
+                .insert(framework_id.to_string(), Instant::now());
+            if let Some(book) = g.offers.as_mut() {
+                book.rescind_framework(framework_id);
+            }
+        }
+        drop(g);
+        self.wake();
+    }
+
+    pub fn is_connected(&self, framework_id: &str) -> bool {
+        self.lock().conns.contains_key(framework_id)
+    }
+
+    /// Takes offers for Accept/Decline (all or nothing).
+    pub fn take_offers(
+        &self,
+        framework_id: &str,
+        offer_ids: &[String],
+    ) -> Result<Vec<allocator::Offer>, tonic::Status> {
+        let mut g = self.lock();
+        let book = g
+            .offers
+            .as_mut()
+            .ok_or_else(|| tonic::Status::unavailable("this master is not making offers"))?;
+        book.take(offer_ids, framework_id)
+            .map_err(|e| tonic::Status::failed_precondition(format!("invalid offer_ids: {e}")))
+    }
+
+    /// Don't offer these agents to the framework until `until_ms`.
+    pub fn filter(&self, framework_id: &str, agents: &BTreeSet<String>, until_ms: Option<u64>) {
+        if let Some(until) = until_ms {
+            let mut g = self.lock();
+            for a in agents {
+                g.filters.add(framework_id, a, until);
+            }
+        }
+        self.wake();
+    }
+
+    pub fn revive(&self, framework_id: &str) {
+        let mut g = self.lock();
+        g.filters.revive(framework_id);
+        g.suppressed.remove(framework_id);
+        drop(g);
+        self.wake();
+    }
+
+    pub fn suppress(&self, framework_id: &str) {
+        let mut g = self.lock();
+        g.suppressed.insert(framework_id.to_string());
+        let rescinded = g
+            .offers
+            .as_mut()
+            .map(|b| b.rescind_framework(framework_id))
+            .unwrap_or_default();
+        if let Some(c) = g.conns.get(framework_id) {
+            for o in rescinded {
+                let _ =
+                    c.tx.try_send(Ok(event(pb::event::Event::Rescind(pb::Rescind {
+                        offer_id: o.id,
+                    }))));
+            }
+        }
+    }
+
+    /// Sends an event to a connected framework (dropped if it is not).
+    pub fn send(&self, framework_id: &str, e: pb::event::Event) {
+        if let Some(c) = self.lock().conns.get(framework_id) {
+            let _ = c.tx.try_send(Ok(event(e)));
+        }
+    }
+
+    /// Ends the framework's stream (Teardown).
+    pub fn close(&self, framework_id: &str) {
+        let mut g = self.lock();
+        g.conns.remove(framework_id);
+        g.disconnected_at.remove(framework_id);
+        g.filters.remove_framework(framework_id);
+        g.suppressed.remove(framework_id);
+        if let Some(b) = g.offers.as_mut() {
+            b.rescind_framework(framework_id);
+        }
+    }
+
+    /// GPUs and resources currently offered (the built-in scheduler leaves
+    /// them alone).
+    pub fn offered(&self) -> (BTreeSet<String>, BTreeMap<String, Resources>) {
+        let g = self.lock();
+        match &g.offers {
+            Some(b) => (b.offered_gpus(), b.offered_by_agent()),
+            None => (BTreeSet::new(), BTreeMap::new()),
+        }
+    }
+}
+
+/// The leader's framework loop.
+pub async fn run(
+    raft: RaftHandle,
+    hub: std::sync::Arc<Hub>,
+    settings: FrameworkSettings,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let mut applied = raft.applied();
+    let mut tick = tokio::time::interval(TICK);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = shutdown.changed() => return,
+            r = applied.changed() => if r.is_err() { return },
+            _ = hub.wake.notified() => {}
+            _ = tick.tick() => {}
+        }
+        if raft.status().role != Role::Leader {
+            // Offers are the leader's; a deposed leader withdraws them.
+            let mut g = hub.lock();
+            g.offers = None;
+            g.conns.clear();
+            continue;
+        }
+        let expired = cycle(&raft, &hub, &settings);
+        for framework_id in expired {
+            tracing::warn!(framework_id = %framework_id, "framework failover timeout passed; removing it");
+            if let Err(e) = raft
+                .propose(Command::RemoveFramework {
+                    framework_id: framework_id.clone(),
+                    reason: "failover timeout passed".into(),
+                    at_ms: now_ms(),
+                })
+                .await
+            {
+                tracing::warn!(framework_id = %framework_id, error = %e, "could not remove framework");
+            }
+        }
+        // Coalesce bursts of changes into one cycle.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// One pass: updates, failures, rescinds, heartbeats, allocation. Returns
+/// frameworks whose failover timeout passed.
+fn cycle(raft: &RaftHandle, hub: &Hub, settings: &FrameworkSettings) -> Vec<String> {
+    let state = raft.state();
+    let mut g = hub.lock();
+    let now = now_ms();
+    if g.offers.is_none() {
+        // Ids unique across leaders: start from the clock.
+        g.offers = Some(OfferBook::starting_at(now));
+    }
+    forward_updates(&state, &mut g);
+    forward_failures(&state, &mut g);
+    rescind_stale(&state, &mut g, now, settings.offer_timeout);
+    heartbeat(&mut g);
+    let expired = failover_expired(&state, &mut g);
+    allocate(&state, &mut g, settings, now);
+    expired
+}
+
+fn forward_updates(state: &State, g: &mut Inner) {
+    let Inner { conns, sent, .. } = g;
+    for t in state.tasks.values().filter(|t| !t.framework_id.is_empty()) {
+        let Some(conn) = conns.get(&t.framework_id) else {
+            continue;
+        };
+        let key = (t.state, t.last_update_uuid.clone());
+        if sent.get(&t.id) == Some(&key) {
+            continue;
+        }
+        // Nothing new for a task that ended and was acknowledged before the
+        // framework (re)connected.
+        if t.state.is_terminal()
+            && !t.last_update_uuid.is_empty()
+            && t.acked_uuid == t.last_update_uuid
+        {
+            sent.insert(t.id.clone(), key);
+            continue;
+        }
+        if conn
+            .tx
+            .try_send(Ok(event(pb::event::Event::Update(task_status(t, None)))))
+            .is_ok()
+        {
+            sent.insert(t.id.clone(), key);
+        }
+    }
+}
+
+fn forward_failures(state: &State, g: &mut Inner) {
+    let lost: BTreeSet<String> = state
+        .agents
+        .values()
+        .filter(|a| a.state == AgentState::Lost)
+        .map(|a| a.info.id.clone())
+        .collect();
+    for agent in lost.difference(&g.lost_agents) {
+        for c in g.conns.values() {
+            let _ =
+                c.tx.try_send(Ok(event(pb::event::Event::Failure(pb::Failure {
+                    agent_id: agent.clone(),
+                }))));
+        }
+    }
+    g.lost_agents = lost;
+}
+
+/// Withdraws offers that timed out or whose resources are gone (agent
+/// lost, a GPU taken by a launch that went through another path).
+fn rescind_stale(state: &State, g: &mut Inner, now: u64, timeout: Duration) {
+    let Some(book) = g.offers.as_mut() else {
+        return;
+    };
+    let mut gone = book.expired(now, timeout.as_millis() as u64);
+    let stale_agents: BTreeSet<String> = book
+        .iter()
+        .filter(|o| {
+            state
+                .agents
+                .get(&o.agent_id)
+                .is_none_or(|a| a.state != AgentState::Active)
+                || o.gpu_uuids.iter().any(|u| state.gpu_owner.contains_key(u))
+        })
+        .map(|o| o.agent_id.clone())
+        .collect();
+    for a in stale_agents {
+        gone.extend(book.rescind_agent(&a));
+    }
+    for o in gone {
+        if let Some(c) = g.conns.get(&o.framework_id) {
+            let _ =
+                c.tx.try_send(Ok(event(pb::event::Event::Rescind(pb::Rescind {
+                    offer_id: o.id,
+                }))));
+        }
+    }
+}
+
+fn heartbeat(g: &mut Inner) {
+    if g.last_heartbeat
+        .is_some_and(|t| t.elapsed() < HEARTBEAT_INTERVAL)
+    {
+        return;
+    }
+    g.last_heartbeat = Some(Instant::now());
+    for c in g.conns.values() {
+        let _ =
+            c.tx.try_send(Ok(event(pb::event::Event::Heartbeat(pb::Heartbeat {}))));
+    }
+}
+
+fn failover_expired(state: &State, g: &mut Inner) -> Vec<String> {
+    // A framework this leader has never seen connected starts its clock now.
+    for (id, f) in &state.frameworks {
+        if !f.removed && !g.conns.contains_key(id) {
+            g.disconnected_at
+                .entry(id.clone())
+                .or_insert_with(Instant::now);
+        }
+    }
+    g.disconnected_at
+        .iter()
+        .filter(|(id, since)| {
+            state.frameworks.get(*id).is_some_and(|f| {
+                !f.removed && since.elapsed() > Duration::from_millis(f.info.failover_timeout_ms)
+            })
+        })
+        .map(|(id, _)| id.clone())
+        .collect()
+}
+
+fn allocate(state: &State, g: &mut Inner, settings: &FrameworkSettings, now: u64) {
+    if g.conns.is_empty() {
+        return;
+    }
+    g.filters.expire(now);
+    let Some(book) = g.offers.as_ref() else {
+        return;
+    };
+    let offered_gpus = book.offered_gpus();
+    let offered_on = book.offered_by_agent();
+    let offered_by = book.offered_by_framework();
+    let agents: Vec<AgentView> = state
+        .agents
+        .values()
+        .filter(|a| a.state == AgentState::Active)
+        .map(|a| {
+            let offered = offered_on.get(&a.info.id).copied().unwrap_or_default();
+            AgentView {
+                id: a.info.id.clone(),
+                hostname: a.info.hostname.clone(),
+                free: a.free().saturating_sub(&offered),
+                free_gpus: a
+                    .info
+                    .gpus
+                    .iter()
+                    .filter(|gpu| {
+                        gpu.healthy
+                            && !state.gpu_owner.contains_key(&gpu.uuid)
+                            && !offered_gpus.contains(&gpu.uuid)
+                    })
+                    .cloned()
+                    .collect(),
+                total: a.info.total,
+                attributes: a.info.attributes.clone(),
+            }
+        })
+        .collect();
+    let mut held: BTreeMap<&str, Resources> = BTreeMap::new();
+    for t in state
+        .tasks
+        .values()
+        .filter(|t| !t.framework_id.is_empty() && !t.state.is_terminal())
+    {
+        let e = held.entry(t.framework_id.as_str()).or_default();
+        *e = e.add(&t.resources);
+    }
+    let frameworks: Vec<FrameworkView> = state
+        .frameworks
+        .values()
+        .filter(|f| !f.removed && g.conns.contains_key(&f.info.id))
+        .map(|f| FrameworkView {
+            id: f.info.id.clone(),
+            role: f.info.role().to_string(),
+            gpu_capable: f.info.gpu_capable,
+            suppressed: g.suppressed.contains(&f.info.id),
+            allocated: held
+                .get(f.info.id.as_str())
+                .copied()
+                .unwrap_or_default()
+                .add(&offered_by.get(&f.info.id).copied().unwrap_or_default()),
+        })
+        .collect();
+    let plans = allocator::allocate(
+        &agents,
+        &frameworks,
+        &settings.roles,
+        &g.filters,
+        &settings.allocator,
+        now,
+    );
+    if plans.is_empty() {
+        return;
+    }
+    let Some(book) = g.offers.as_mut() else {
+        return;
+    };
+    let made = book.record(plans, now);
+    let mut by_framework: BTreeMap<String, Vec<pb::Offer>> = BTreeMap::new();
+    for o in made {
+        let Some(agent) = state.agents.get(&o.agent_id) else {
+            continue;
+        };
+        let gpus = agent
+            .info
+            .gpus
+            .iter()
+            .filter(|gpu| o.gpu_uuids.contains(&gpu.uuid))
+            .cloned()
+            .map(Into::into)
+            .collect();
+        by_framework
+            .entry(o.framework_id.clone())
+            .or_default()
+            .push(pb::Offer {
+                id: o.id.clone(),
+                framework_id: o.framework_id.clone(),
+                agent_id: o.agent_id.clone(),
+                hostname: agent.info.hostname.clone(),
+                resources: Some(o.resources.into()),
+                gpus,
+                attributes: agent.info.attributes.clone().into_iter().collect(),
+            });
+    }
+    for (fw, offers) in by_framework {
+        if let Some(c) = g.conns.get(&fw) {
+            let _ =
+                c.tx.try_send(Ok(event(pb::event::Event::Offers(pb::Offers { offers }))));
+        }
+    }
+}

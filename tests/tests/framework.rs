@@ -1,0 +1,251 @@
+//! The framework API end to end: the example framework on a real cluster,
+//! and a raw client checking that offers name GPUs and that a launch that
+//! would give a GPU twice is refused with an ERROR update.
+#![allow(clippy::unwrap_used)]
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use futures::StreamExt;
+use gpuctl_proto::pb;
+use gpuctl_tests::{AgentOpts, Cluster};
+use pb::scheduler_client::SchedulerClient;
+
+#[test]
+fn the_example_framework_runs_its_tasks_and_sees_every_update() {
+    let mut c = Cluster::start(&[]);
+    c.add_agent(AgentOpts::default());
+    let out = std::process::Command::new(gpuctl_tests::bin("simple-framework"))
+        .args([
+            "--master",
+            &c.master_addr,
+            "--tasks",
+            "4",
+            "--gpu-tasks",
+            "2",
+            "--gpus-per-task",
+            "2",
+            "--timeout",
+            "60",
+            "--json",
+            "--",
+            "sh",
+            "-c",
+            "echo gpus=$NVIDIA_VISIBLE_DEVICES",
+        ])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let tasks = report["tasks"].as_array().unwrap();
+    assert_eq!(tasks.len(), 4);
+    let mut gpus = BTreeSet::new();
+    for t in tasks {
+        assert_eq!(t["state"], "FINISHED", "{report}");
+        assert_eq!(t["exit_code"], 0);
+        for g in t["gpus"].as_array().unwrap() {
+            assert!(
+                gpus.insert(g.as_str().unwrap().to_string()),
+                "GPU used twice"
+            );
+        }
+    }
+    assert_eq!(gpus.len(), 4, "two tasks with two GPUs each");
+    // It saw every state of every task, in order.
+    for t in tasks {
+        let id = t["id"].as_str().unwrap();
+        let states: Vec<&str> = stderr
+            .lines()
+            .filter_map(|l| l.strip_prefix(&format!("{id} ")))
+            .filter_map(|l| l.split_whitespace().next())
+            .filter(|w| w.chars().all(|c| c.is_ascii_uppercase()))
+            .collect();
+        assert_eq!(
+            states.last().copied(),
+            Some("FINISHED"),
+            "{id}: {states:?}\n{stderr}"
+        );
+        assert!(states.contains(&"RUNNING"), "{id}: {states:?}");
+    }
+    // The master knows the framework's tasks ended and their GPUs are free.
+    let free = c.json(&["gpus", "--json"]);
+    assert!(free
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|g| g["task_id"].is_null()));
+}
+
+async fn next_event(
+    events: &mut tonic::Streaming<pb::Event>,
+    mut want: impl FnMut(&pb::event::Event) -> bool,
+) -> pb::event::Event {
+    loop {
+        let e = tokio::time::timeout(Duration::from_secs(20), events.next())
+            .await
+            .expect("an event within 20 s")
+            .expect("stream open")
+            .expect("event");
+        let e = e.event.unwrap();
+        if want(&e) {
+            return e;
+        }
+    }
+}
+
+#[test]
+fn offers_name_gpus_and_a_double_booking_accept_is_refused() {
+    let mut c = Cluster::start(&[]);
+    let agent = c.add_agent(AgentOpts::default());
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let mut client = SchedulerClient::connect(format!("http://{}", c.master_addr))
+            .await
+            .unwrap();
+        // Bad input names the field.
+        let err = client
+            .subscribe(pb::SubscribeRequest {
+                framework: Some(pb::FrameworkInfo {
+                    name: String::new(),
+                    ..Default::default()
+                }),
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), tonic::Code::InvalidArgument);
+        assert!(err.message().contains("framework.name"), "{err}");
+
+        let mut events = client
+            .subscribe(pb::SubscribeRequest {
+                framework: Some(pb::FrameworkInfo {
+                    name: "raw".into(),
+                    roles: vec!["ml".into()],
+                    capabilities: vec![pb::FrameworkCapability::GpuResources as i32],
+                    failover_timeout_secs: 30.0,
+                    ..Default::default()
+                }),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        let pb::event::Event::Subscribed(sub) = next_event(&mut events, |e| {
+            matches!(e, pb::event::Event::Subscribed(_))
+        })
+        .await
+        else {
+            unreachable!()
+        };
+        let fw = sub.framework_id;
+        let pb::event::Event::Offers(offers) =
+            next_event(&mut events, |e| matches!(e, pb::event::Event::Offers(_))).await
+        else {
+            unreachable!()
+        };
+        let offer = offers.offers[0].clone();
+        assert_eq!(offer.agent_id, agent);
+        assert_eq!(offer.gpus.len(), 4, "the whole agent, GPU by GPU");
+        assert!(offer
+            .gpus
+            .iter()
+            .all(|g| g.uuid.starts_with("GPU-") && g.memory_mib == 40960));
+        let gpu = offer.gpus[0].uuid.clone();
+        let task = |id: &str| pb::TaskInfo {
+            task_id: id.into(),
+            agent_id: agent.clone(),
+            command: vec!["sleep".into(), "30".into()],
+            resources: Some(pb::Resources {
+                cpus: 0.1,
+                mem_mib: 16,
+                gpus: 1,
+            }),
+            gpu_uuids: vec![gpu.clone()],
+            ..Default::default()
+        };
+        // Two tasks naming the same GPU: the first gets it, the second is
+        // refused with an ERROR update and a reason.
+        client
+            .accept(pb::AcceptRequest {
+                framework_id: fw.clone(),
+                offer_ids: vec![offer.id.clone()],
+                operations: vec![pb::Operation {
+                    operation: Some(pb::operation::Operation::Launch(pb::Launch {
+                        tasks: vec![task("a"), task("b")],
+                    })),
+                }],
+                filters: None,
+            })
+            .await
+            .unwrap();
+        let pb::event::Event::Update(refused) = next_event(
+            &mut events,
+            |e| matches!(e, pb::event::Event::Update(u) if u.task_id == "b"),
+        )
+        .await
+        else {
+            unreachable!()
+        };
+        assert_eq!(refused.state, pb::TaskState::TaskError as i32);
+        assert_eq!(refused.reason, pb::Reason::ResourcesUnavailable as i32);
+        assert!(refused.message.contains(&gpu), "{}", refused.message);
+        let gpus = c.json(&["gpus", "--json"]);
+        let holders: Vec<&str> = gpus
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|g| g["task_id"].as_str())
+            .collect();
+        assert_eq!(holders, vec![format!("{fw}.a").as_str()]);
+        // An offer can be used once.
+        let err = client
+            .accept(pb::AcceptRequest {
+                framework_id: fw.clone(),
+                offer_ids: vec![offer.id.clone()],
+                operations: vec![],
+                filters: None,
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), tonic::Code::FailedPrecondition);
+        assert!(err.message().contains(&offer.id), "{err}");
+        // Kill: the running task ends KILLED; acknowledge what carries a uuid.
+        client
+            .kill(pb::KillRequest {
+                framework_id: fw.clone(),
+                task_id: "a".into(),
+            })
+            .await
+            .unwrap();
+        loop {
+            let pb::event::Event::Update(u) = next_event(
+                &mut events,
+                |e| matches!(e, pb::event::Event::Update(u) if u.task_id == "a"),
+            )
+            .await
+            else {
+                unreachable!()
+            };
+            if !u.uuid.is_empty() {
+                client
+                    .acknowledge(pb::AcknowledgeRequest {
+                        framework_id: fw.clone(),
+                        agent_id: u.agent_id.clone(),
+                        task_id: u.task_id.clone(),
+                        uuid: u.uuid.clone(),
+                    })
+                    .await
+                    .unwrap();
+            }
+            if u.state == pb::TaskState::TaskKilled as i32 {
+                break;
+            }
+        }
+        client
+            .teardown(pb::TeardownRequest { framework_id: fw })
+            .await
+            .unwrap();
+    });
+}
