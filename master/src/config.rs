@@ -9,7 +9,10 @@ use clap::parser::ValueSource;
 use clap::{ArgMatches, CommandFactory, FromArgMatches, Parser};
 use serde::Deserialize;
 
+use crate::allocator::{AllocatorConfig, RoleConfig};
+use crate::leader::frameworks::FrameworkSettings;
 use crate::MasterError;
+use gpuctl_proto::types::Resources;
 
 #[derive(Debug, Clone)]
 pub struct MasterConfig {
@@ -68,9 +71,84 @@ pub struct Options {
     /// Seconds without a heartbeat before an agent is marked lost.
     #[arg(long, env = "GPUCTL_MASTER_AGENT_TIMEOUT_SECS", default_value_t = 10.0)]
     pub agent_timeout_secs: f64,
+    /// A role of the framework API: `NAME=weight:W[,cpus:N][,mem_mib:N][,gpus:N]`
+    /// (weight for DRF, default 1; the others a quota limit). Repeatable.
+    #[arg(long = "role", value_name = "SPEC")]
+    pub roles: Vec<String>,
+    /// Offer agents that have GPUs to frameworks without the GPU_RESOURCES
+    /// capability too (by default they are kept for GPU work).
+    #[arg(long, env = "GPUCTL_MASTER_OFFER_GPU_AGENTS_TO_ALL")]
+    pub offer_gpu_agents_to_all: bool,
+    /// Seconds before an unanswered offer is rescinded.
+    #[arg(long, env = "GPUCTL_MASTER_OFFER_TIMEOUT_SECS", default_value_t = 30.0)]
+    pub offer_timeout_secs: f64,
     /// Log filter (tracing EnvFilter syntax), e.g. `info` or `gpuctl_master=debug`.
     #[arg(long, env = "GPUCTL_LOG", default_value = "info")]
     pub log: String,
+}
+
+/// Parses `NAME=weight:W[,cpus:N][,mem_mib:N][,gpus:N]`.
+pub fn parse_role(spec: &str) -> Result<(String, RoleConfig), MasterError> {
+    let bad = |why: String| MasterError::Config(format!("role {spec:?}: {why}"));
+    let (name, rest) = spec.split_once('=').unwrap_or((spec, ""));
+    gpuctl_proto::convert::check_id("role", name.trim()).map_err(|e| bad(e.to_string()))?;
+    let mut role = RoleConfig::default();
+    let mut quota = Resources::default();
+    let mut limited = false;
+    for part in rest.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let (key, value) = part
+            .split_once(':')
+            .ok_or_else(|| bad(format!("{part:?} is not KEY:VALUE")))?;
+        let num: f64 = value
+            .trim()
+            .parse()
+            .map_err(|_| bad(format!("{key}: {value:?} is not a number")))?;
+        if !num.is_finite() || num < 0.0 {
+            return Err(bad(format!("{key} must be a number >= 0")));
+        }
+        match key.trim() {
+            "weight" if num > 0.0 => role.weight = num,
+            "weight" => return Err(bad("weight must be > 0".into())),
+            "cpus" => {
+                quota.cpus = num;
+                limited = true;
+            }
+            "mem_mib" => {
+                quota.mem_mib = num as u64;
+                limited = true;
+            }
+            "gpus" => {
+                quota.gpus = num as u32;
+                limited = true;
+            }
+            other => {
+                return Err(bad(format!(
+                    "unknown key {other:?} (weight, cpus, mem_mib, gpus)"
+                )))
+            }
+        }
+    }
+    if limited {
+        // Dimensions not named are not limited.
+        role.quota = Some(Resources {
+            cpus: if rest.contains("cpus:") {
+                quota.cpus
+            } else {
+                f64::MAX
+            },
+            mem_mib: if rest.contains("mem_mib:") {
+                quota.mem_mib
+            } else {
+                u64::MAX
+            },
+            gpus: if rest.contains("gpus:") {
+                quota.gpus
+            } else {
+                u32::MAX
+            },
+        });
+    }
+    Ok((name.trim().to_string(), role))
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -81,6 +159,9 @@ struct FileOptions {
     node_id: Option<u64>,
     heartbeat_interval_secs: Option<f64>,
     agent_timeout_secs: Option<f64>,
+    roles: Option<Vec<String>>,
+    offer_gpu_agents_to_all: Option<bool>,
+    offer_timeout_secs: Option<f64>,
     log: Option<String>,
 }
 
@@ -142,6 +223,18 @@ impl Options {
             if let (Some(v), true) = (f.agent_timeout_secs, unset(&matches, "agent_timeout_secs")) {
                 o.agent_timeout_secs = v;
             }
+            if let (Some(v), true) = (f.roles, unset(&matches, "roles")) {
+                o.roles = v;
+            }
+            if let (Some(v), true) = (
+                f.offer_gpu_agents_to_all,
+                unset(&matches, "offer_gpu_agents_to_all"),
+            ) {
+                o.offer_gpu_agents_to_all = v;
+            }
+            if let (Some(v), true) = (f.offer_timeout_secs, unset(&matches, "offer_timeout_secs")) {
+                o.offer_timeout_secs = v;
+            }
             if let (Some(v), true) = (f.log, unset(&matches, "log")) {
                 o.log = v;
             }
@@ -163,7 +256,17 @@ impl Options {
             node_id: self.node_id,
             heartbeat_interval,
             agent_timeout,
-            frameworks: Default::default(),
+            frameworks: FrameworkSettings {
+                roles: self
+                    .roles
+                    .iter()
+                    .map(|r| parse_role(r))
+                    .collect::<Result<_, _>>()?,
+                allocator: AllocatorConfig {
+                    gpu_agents_for_gpu_frameworks_only: !self.offer_gpu_agents_to_all,
+                },
+                offer_timeout: secs("offer_timeout_secs", self.offer_timeout_secs)?,
+            },
         })
     }
 }
@@ -199,6 +302,40 @@ mod tests {
         assert_eq!(o.data_dir, PathBuf::from("/tmp/flag"));
         let c = o.to_config().unwrap();
         assert_eq!(c.agent_timeout, Duration::from_secs(30));
+    }
+
+    #[test]
+    fn roles_parse_weights_and_quotas() {
+        let (name, r) = parse_role("ml=weight:2,gpus:8").unwrap();
+        assert_eq!(name, "ml");
+        assert_eq!(r.weight, 2.0);
+        let q = r.quota.unwrap();
+        assert_eq!(q.gpus, 8);
+        assert_eq!(q.mem_mib, u64::MAX, "not named: not limited");
+        let (_, r) = parse_role("batch").unwrap();
+        assert_eq!((r.weight, r.quota), (1.0, None));
+        for (bad, needle) in [
+            ("ml=weight:0", "weight"),
+            ("ml=gpus:x", "not a number"),
+            ("ml=disk:3", "unknown key"),
+            ("=weight:1", "role"),
+            ("ml=weight", "KEY:VALUE"),
+        ] {
+            let e = parse_role(bad).unwrap_err().to_string();
+            assert!(e.contains(needle), "{bad}: {e}");
+        }
+        let o = Options::load_from([
+            "gpuctl-master",
+            "--role",
+            "ml=weight:3",
+            "--role",
+            "dev=cpus:4",
+            "--offer-gpu-agents-to-all",
+        ])
+        .unwrap();
+        let c = o.to_config().unwrap();
+        assert_eq!(c.frameworks.roles.len(), 2);
+        assert!(!c.frameworks.allocator.gpu_agents_for_gpu_frameworks_only);
     }
 
     #[test]
