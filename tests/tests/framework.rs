@@ -249,3 +249,165 @@ fn offers_name_gpus_and_a_double_booking_accept_is_refused() {
             .unwrap();
     });
 }
+
+fn info(id: &str, failover_secs: f64) -> pb::SubscribeRequest {
+    pb::SubscribeRequest {
+        framework: Some(pb::FrameworkInfo {
+            id: id.into(),
+            name: "failover".into(),
+            roles: vec![],
+            capabilities: vec![pb::FrameworkCapability::GpuResources as i32],
+            failover_timeout_secs: failover_secs,
+        }),
+    }
+}
+
+#[test]
+fn updates_wait_for_acknowledgement_and_frameworks_fail_over() {
+    let mut c = Cluster::start(&[]);
+    let agent = c.add_agent(AgentOpts::default());
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let addr = format!("http://{}", c.master_addr);
+        let mut client = SchedulerClient::connect(addr.clone()).await.unwrap();
+        let mut events = client.subscribe(info("", 2.0)).await.unwrap().into_inner();
+        let pb::event::Event::Subscribed(sub) = next_event(&mut events, |e| {
+            matches!(e, pb::event::Event::Subscribed(_))
+        })
+        .await
+        else {
+            unreachable!()
+        };
+        let fw = sub.framework_id;
+        let pb::event::Event::Offers(offers) =
+            next_event(&mut events, |e| matches!(e, pb::event::Event::Offers(_))).await
+        else {
+            unreachable!()
+        };
+        let offer = &offers.offers[0];
+        let task = |id: &str, cmd: &[&str], gpu: &str| pb::TaskInfo {
+            task_id: id.into(),
+            agent_id: agent.clone(),
+            command: cmd.iter().map(|s| s.to_string()).collect(),
+            resources: Some(pb::Resources {
+                cpus: 0.1,
+                mem_mib: 16,
+                gpus: 1,
+            }),
+            gpu_uuids: vec![gpu.to_string()],
+            ..Default::default()
+        };
+        client
+            .accept(pb::AcceptRequest {
+                framework_id: fw.clone(),
+                offer_ids: vec![offer.id.clone()],
+                operations: vec![pb::Operation {
+                    operation: Some(pb::operation::Operation::Launch(pb::Launch {
+                        tasks: vec![
+                            task("quick", &["true"], &offer.gpus[0].uuid),
+                            task("long", &["sleep", "300"], &offer.gpus[1].uuid),
+                        ],
+                    })),
+                }],
+                filters: None,
+            })
+            .await
+            .unwrap();
+        // "quick" ends at once, but its updates come one at a time: the
+        // next only after the previous is acknowledged.
+        let mut seen = Vec::new();
+        loop {
+            let pb::event::Event::Update(u) = next_event(
+                &mut events,
+                |e| matches!(e, pb::event::Event::Update(u) if u.task_id == "quick"),
+            )
+            .await
+            else {
+                unreachable!()
+            };
+            seen.push(u.state);
+            if u.uuid.is_empty() {
+                continue; // STAGING, made by the master
+            }
+            if u.state == pb::TaskState::TaskStarting as i32 {
+                // Unacknowledged, nothing more comes for this task.
+                let more = tokio::time::timeout(Duration::from_millis(1500), async {
+                    next_event(
+                        &mut events,
+                        |e| matches!(e, pb::event::Event::Update(x) if x.task_id == "quick"),
+                    )
+                    .await
+                })
+                .await;
+                assert!(
+                    more.is_err(),
+                    "an update arrived before the acknowledgement"
+                );
+            }
+            client
+                .acknowledge(pb::AcknowledgeRequest {
+                    framework_id: fw.clone(),
+                    agent_id: u.agent_id.clone(),
+                    task_id: u.task_id.clone(),
+                    uuid: u.uuid.clone(),
+                })
+                .await
+                .unwrap();
+            if u.state == pb::TaskState::TaskFinished as i32 {
+                break;
+            }
+        }
+        assert_eq!(
+            seen,
+            vec![
+                pb::TaskState::TaskStaging as i32,
+                pb::TaskState::TaskStarting as i32,
+                pb::TaskState::TaskRunning as i32,
+                pb::TaskState::TaskFinished as i32
+            ]
+        );
+
+        // Disconnect; re-subscribing with the id within the failover
+        // timeout re-attaches: "long" is still there.
+        drop(events);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let mut events = client.subscribe(info(&fw, 2.0)).await.unwrap().into_inner();
+        let pb::event::Event::Subscribed(again) = next_event(&mut events, |e| {
+            matches!(e, pb::event::Event::Subscribed(_))
+        })
+        .await
+        else {
+            unreachable!()
+        };
+        assert_eq!(again.framework_id, fw);
+        let pb::event::Event::Update(u) = next_event(
+            &mut events,
+            |e| matches!(e, pb::event::Event::Update(u) if u.task_id == "long"),
+        )
+        .await
+        else {
+            unreachable!()
+        };
+        assert!(u.state != pb::TaskState::TaskKilled as i32);
+
+        // Disconnect for longer than the timeout: the framework is removed
+        // and its task killed; it cannot come back.
+        drop(events);
+        let long_key = format!("{fw}.long");
+        // Poll asynchronously: this runtime also drives the client's
+        // connection, which must tell the master the stream was dropped.
+        let freed = tokio::time::timeout(Duration::from_secs(20), async {
+            while c.ok(&["gpus", "--json"]).contains(&long_key) {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        })
+        .await;
+        assert!(freed.is_ok(), "the long task's GPU was not freed");
+        let err = client.subscribe(info(&fw, 2.0)).await.unwrap_err();
+        assert_eq!(err.code(), tonic::Code::FailedPrecondition);
+        assert!(err.message().contains("removed"), "{err}");
+    });
+}
