@@ -255,29 +255,3 @@ fn image_jobs_wait_for_an_agent_with_docker() {
     let p = c.submit(&["--name", "p", "--", "true"]);
     assert_eq!(c.wait_job(&p, 30).0, 0);
 }
-
-#[test]
-fn the_framework_api_says_plainly_that_it_is_not_built_yet() {
-    // The Scheduler service's messages are defined (proto/.../scheduler.proto);
-    // its calls are wired by the framework API issue. Until then they must
-    // fail loudly, not pretend.
-    let c = Cluster::start(&[]);
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let status = rt.block_on(async {
-        let mut client = gpuctl_proto::pb::scheduler_client::SchedulerClient::connect(format!(
-            "http://{}",
-            c.master_addr
-        ))
-        .await
-        .unwrap();
-        client
-            .subscribe(gpuctl_proto::pb::SubscribeRequest::default())
-            .await
-            .unwrap_err()
-    });
-    assert_eq!(status.code(), tonic::Code::Unimplemented);
-    assert!(status.message().contains("not implemented yet"), "{status}");
-}
