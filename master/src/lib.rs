@@ -91,6 +91,10 @@ pub async fn serve(
         handle.clone(),
         config.clone(),
         liveness.clone(),
+        stop_rx.clone(),
+    ));
+    let jobs_task = tokio::spawn(leader::jobs::run(
+        handle.clone(),
         hub.clone(),
         stop_rx.clone(),
     ));
@@ -115,6 +119,7 @@ pub async fn serve(
     // this point (every write was flushed before it was acknowledged).
     leader_task.abort();
     frameworks_task.abort();
+    jobs_task.abort();
     match node_task.await {
         Ok(Err(e)) => return Err(e.into()),
         Err(e) => tracing::error!(error = %e, "raft node task failed"),

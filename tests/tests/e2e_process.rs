@@ -77,7 +77,15 @@ fn process_jobs_run_and_state_survives_a_master_restart() {
     });
     let next = c.submit(&["--name", "after-restart", "--gpus", "1", "--", "true"]);
     assert_eq!(next, "job-4");
-    assert_eq!(c.wait_job(&next, 30).0, 0);
+    let (code, _) = c.wait_job(&next, 30);
+    assert_eq!(
+        code,
+        0,
+        "{}\n--- master ---\n{}\n--- agent ---\n{}",
+        c.job(&next),
+        gpuctl_tests::tail(&c.master.log_text(), 30),
+        gpuctl_tests::tail(&c.agents[0].log_text(), 30)
+    );
     // The queued job is still queued (and can be cancelled).
     assert_eq!(c.ok(&["jobs", "cancel", &big]).trim(), "CANCELLED");
 }

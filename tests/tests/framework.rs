@@ -411,3 +411,60 @@ fn updates_wait_for_acknowledgement_and_frameworks_fail_over() {
         assert!(err.message().contains("removed"), "{err}");
     });
 }
+
+#[test]
+fn gpuctl_jobs_and_an_external_framework_share_the_cluster() {
+    // Both go through the same offers: the built-in scheduler is a framework
+    // too, so a job and a framework's tasks run side by side, never on the
+    // same GPU.
+    let mut c = Cluster::start(&[]);
+    c.add_agent(AgentOpts::default());
+    let job = c.submit(&[
+        "--name",
+        "side-by-side",
+        "--gpus",
+        "2",
+        "--",
+        "sh",
+        "-c",
+        "sleep 2",
+    ]);
+    let out = std::process::Command::new(gpuctl_tests::bin("simple-framework"))
+        .args([
+            "--master",
+            &c.master_addr,
+            "--tasks",
+            "2",
+            "--gpu-tasks",
+            "2",
+            "--gpus-per-task",
+            "1",
+            "--timeout",
+            "60",
+            "--json",
+            "--",
+            "sleep",
+            "1",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(c.wait_job(&job, 60).0, 0);
+    let job_gpus: BTreeSet<String> = c.job(&job)["tasks"][0]["gpus"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|g| g.as_str().unwrap().to_string())
+        .collect();
+    for t in report["tasks"].as_array().unwrap() {
+        assert_eq!(t["state"], "FINISHED");
+        for g in t["gpus"].as_array().unwrap() {
+            assert!(!job_gpus.contains(g.as_str().unwrap()), "shared GPU {g}");
+        }
+    }
+}

@@ -149,8 +149,12 @@ impl Hub {
         let mut g = self.lock();
         if g.conns.get(framework_id).is_some_and(|c| c.id == conn) {
             g.conns.remove(framework_id);
-            g.disconnected_at
-                .insert(framework_id.to_string(), Instant::now());
+            // The built-in scheduler has no failover timeout: it is part of
+            // the master and comes back with the next leader.
+            if framework_id != crate::state::frameworks::BUILTIN_FRAMEWORK_ID {
+                g.disconnected_at
+                    .insert(framework_id.to_string(), Instant::now());
+            }
             if let Some(book) = g.offers.as_mut() {
                 book.rescind_framework(framework_id);
             }
@@ -401,6 +405,9 @@ fn heartbeat(g: &mut Inner) {
 fn failover_expired(state: &State, g: &mut Inner) -> Vec<String> {
     // A framework this leader has never seen connected starts its clock now.
     for (id, f) in &state.frameworks {
+        if id == crate::state::frameworks::BUILTIN_FRAMEWORK_ID {
+            continue;
+        }
         if !f.removed && !g.conns.contains_key(id) {
             g.disconnected_at
                 .entry(id.clone())
@@ -409,6 +416,7 @@ fn failover_expired(state: &State, g: &mut Inner) -> Vec<String> {
     }
     g.disconnected_at
         .iter()
+        .filter(|(id, _)| id.as_str() != crate::state::frameworks::BUILTIN_FRAMEWORK_ID)
         .filter(|(id, since)| {
             state.frameworks.get(*id).is_some_and(|f| {
                 !f.removed && since.elapsed() > Duration::from_millis(f.info.failover_timeout_ms)

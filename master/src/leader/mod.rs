@@ -2,6 +2,7 @@
 //! applied state and propose commands; apply has the last word.
 
 pub mod frameworks;
+pub mod jobs;
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -11,7 +12,7 @@ use tokio::sync::watch;
 
 use crate::raft::{RaftHandle, Role};
 use crate::state::{AgentState, Command};
-use crate::{now_ms, scheduler, MasterConfig};
+use crate::{now_ms, MasterConfig};
 
 /// When the leader last heard from each agent. In memory only: a new leader
 /// starts every agent's clock afresh, giving each a full timeout to show up.
@@ -48,62 +49,31 @@ impl Liveness {
     }
 }
 
-/// Minimum time between two placement rounds, so that a burst of applied
-/// entries (or a refused launch) cannot make the loop spin.
-const PLACEMENT_DEBOUNCE: Duration = Duration::from_millis(50);
-const PLACEMENT_PERIOD: Duration = Duration::from_secs(1);
-
+/// The agent liveness loop: marks agents lost that stopped heartbeating.
+/// (Jobs are placed by the built-in framework, `jobs`.)
 pub async fn run(
     raft: RaftHandle,
     config: MasterConfig,
     liveness: std::sync::Arc<Liveness>,
-    hub: std::sync::Arc<frameworks::Hub>,
     mut shutdown: watch::Receiver<bool>,
 ) {
-    let mut applied = raft.applied();
     let mut status = raft.status_watch();
     let mut liveness_tick = tokio::time::interval(config.heartbeat_interval);
     let mut was_leader = false;
     loop {
         tokio::select! {
             _ = shutdown.changed() => return,
-            _ = liveness_tick.tick() => {
-                if raft.status().role == Role::Leader {
-                    check_liveness(&raft, &liveness, config.agent_timeout).await;
-                }
-                continue;
-            }
-            r = applied.changed() => if r.is_err() { return },
+            _ = liveness_tick.tick() => {}
             r = status.changed() => if r.is_err() { return },
-            _ = tokio::time::sleep(PLACEMENT_PERIOD) => {}
         }
         let is_leader = raft.status().role == Role::Leader;
         if is_leader && !was_leader {
             liveness.reset();
         }
         was_leader = is_leader;
-        if !is_leader {
-            continue;
+        if is_leader {
+            check_liveness(&raft, &liveness, config.agent_timeout).await;
         }
-        // GPUs and resources offered to frameworks are left alone.
-        let (offered_gpus, offered) = hub.offered();
-        let launches = scheduler::place(&raft.state(), &offered_gpus, &offered);
-        for launch in launches {
-            let (job_id, agent_id) = (launch.job_id.clone(), launch.agent_id.clone());
-            match raft
-                .propose(Command::LaunchTasks {
-                    launches: vec![launch],
-                    at_ms: now_ms(),
-                })
-                .await
-            {
-                Ok(_) => tracing::info!(job_id = %job_id, agent_id = %agent_id, "job placed"),
-                Err(e) => {
-                    tracing::warn!(job_id = %job_id, agent_id = %agent_id, error = %e, "placement refused")
-                }
-            }
-        }
-        tokio::time::sleep(PLACEMENT_DEBOUNCE).await;
     }
 }
 

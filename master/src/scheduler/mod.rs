@@ -14,28 +14,60 @@ use gpuctl_proto::types::{Resources, Runtime};
 
 use crate::state::{AgentState, Launch, State};
 
-/// Placements for as many queued jobs as fit, one launch per job. GPUs and
-/// resources outstanding in framework offers (`offered_*`) are not used.
+/// What the scheduler may use on one agent: resources and exact GPUs (the
+/// built-in scheduler's offers).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Available {
+    pub resources: Resources,
+    pub gpus: Vec<String>,
+}
+
+/// Placements for as many queued jobs as fit, one launch per job, using
+/// only the agents' free resources minus what is offered to frameworks
+/// (`offered_*`). The state's own view; tests and `wait_reason` use it.
 pub fn place(
     state: &State,
     offered_gpus: &BTreeSet<String>,
     offered: &BTreeMap<String, Resources>,
 ) -> Vec<Launch> {
-    let mut free: BTreeMap<&str, Resources> = state
+    let available: BTreeMap<String, Available> = state
         .agents
         .values()
         .filter(|a| a.state == AgentState::Active)
         .map(|a| {
             let o = offered.get(&a.info.id).copied().unwrap_or_default();
-            (a.info.id.as_str(), a.free().saturating_sub(&o))
+            let gpus = a
+                .info
+                .gpus
+                .iter()
+                .filter(|g| {
+                    g.healthy
+                        && !state.gpu_owner.contains_key(&g.uuid)
+                        && !offered_gpus.contains(&g.uuid)
+                })
+                .map(|g| g.uuid.clone())
+                .collect();
+            (
+                a.info.id.clone(),
+                Available {
+                    resources: a.free().saturating_sub(&o),
+                    gpus,
+                },
+            )
         })
         .collect();
-    let mut used_gpus: BTreeSet<&str> = state
-        .gpu_owner
-        .keys()
-        .map(String::as_str)
-        .chain(offered_gpus.iter().map(String::as_str))
+    place_in(state, &available)
+}
+
+/// Placements for queued jobs using exactly `available` (what the built-in
+/// framework was offered), bundle policy: the agent that fits with the
+/// fewest GPUs left over; GPUs by lowest index.
+pub fn place_in(state: &State, available: &BTreeMap<String, Available>) -> Vec<Launch> {
+    let mut free: BTreeMap<&str, Resources> = available
+        .iter()
+        .map(|(id, a)| (id.as_str(), a.resources))
         .collect();
+    let mut used_gpus: BTreeSet<&str> = BTreeSet::new();
     let mut out = Vec::new();
     for job in state.queued_jobs() {
         let need = job.spec.resources;
@@ -45,20 +77,23 @@ pub fn place(
             .values()
             .filter(|a| a.state == AgentState::Active && a.info.runtimes.contains(&runtime))
             .filter_map(|a| {
+                let offered = available.get(&a.info.id)?;
                 let f = free.get(a.info.id.as_str())?;
                 if !f.fits(&need) {
                     return None;
                 }
-                let gpus: Vec<&str> = {
-                    let mut g: Vec<_> = a
-                        .info
-                        .gpus
-                        .iter()
-                        .filter(|g| g.healthy && !used_gpus.contains(g.uuid.as_str()))
-                        .collect();
-                    g.sort_by_key(|g| g.index);
-                    g.into_iter().map(|g| g.uuid.as_str()).collect()
-                };
+                let mut g: Vec<_> = a
+                    .info
+                    .gpus
+                    .iter()
+                    .filter(|g| {
+                        g.healthy
+                            && offered.gpus.contains(&g.uuid)
+                            && !used_gpus.contains(g.uuid.as_str())
+                    })
+                    .collect();
+                g.sort_by_key(|g| g.index);
+                let gpus: Vec<&str> = g.into_iter().map(|g| g.uuid.as_str()).collect();
                 if gpus.len() < need.gpus as usize {
                     return None;
                 }
@@ -263,5 +298,39 @@ mod tests {
         let l = place(&s, &BTreeSet::new(), &BTreeMap::new());
         assert_eq!(l.len(), 1);
         assert_eq!(l[0].gpu_uuids, vec!["GPU-a-1".to_string()]);
+    }
+
+    #[test]
+    fn place_in_uses_only_what_was_offered() {
+        let s = state(vec![
+            agent("a", 4, both()),
+            agent("b", 4, both()),
+            job(2, false),
+            job(1, false),
+        ]);
+        // Only agent b was offered, and only two of its GPUs.
+        let available = BTreeMap::from([(
+            "b".to_string(),
+            Available {
+                resources: Resources {
+                    cpus: 4.0,
+                    mem_mib: 1024,
+                    gpus: 2,
+                },
+                gpus: vec!["GPU-b-2".into(), "GPU-b-3".into()],
+            },
+        )]);
+        let l = place_in(&s, &available);
+        assert_eq!(
+            l.len(),
+            1,
+            "the 2-GPU job takes both offered GPUs; the 1-GPU job waits"
+        );
+        assert_eq!(l[0].agent_id, "b");
+        assert_eq!(
+            l[0].gpu_uuids,
+            vec!["GPU-b-2".to_string(), "GPU-b-3".to_string()]
+        );
+        assert!(place_in(&s, &BTreeMap::new()).is_empty());
     }
 }

@@ -30,6 +30,11 @@ fn framework_info(f: Option<pb::FrameworkInfo>) -> Result<FrameworkInfo, Status>
     if !f.id.is_empty() {
         check_id("framework.id", &f.id)?;
     }
+    if f.id == crate::state::frameworks::BUILTIN_FRAMEWORK_ID {
+        return Err(Status::invalid_argument(
+            "invalid framework.id: reserved for gpuctl's own job scheduler",
+        ));
+    }
     if f.name.trim().is_empty() || f.name.len() > 128 {
         return Err(Status::invalid_argument(
             "invalid framework.name: 1 to 128 characters",

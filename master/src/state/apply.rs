@@ -162,8 +162,14 @@ impl State {
         let forgotten: Vec<TaskId> = self
             .tasks
             .values()
+            // A STAGING task may simply not have reached the agent yet (it
+            // was placed while the agent was reconnecting): it stays, and
+            // reaches the agent through its desired set.
             .filter(|t| {
-                t.agent_id == info.id && !t.state.is_terminal() && !running.contains(t.id.as_str())
+                t.agent_id == info.id
+                    && !t.state.is_terminal()
+                    && t.state != TaskState::Staging
+                    && !running.contains(t.id.as_str())
             })
             .map(|t| t.id.clone())
             .collect();
@@ -807,6 +813,9 @@ mod tests {
         let j2 = t.submit(1);
         t.launch(&j1, "a1", &["GPU-a1-0"]).unwrap();
         t.launch(&j2, "a1", &["GPU-a1-1"]).unwrap();
+        let j3 = t.submit(0);
+        t.launch(&j3, "a1", &[]).unwrap();
+        t.status("job-2.0", "a1", TaskState::Running, None);
         t.apply(Command::RegisterAgent {
             info: agent("a1", 2),
             running_task_ids: vec!["job-1.0".into()],
@@ -814,7 +823,11 @@ mod tests {
         })
         .unwrap();
         assert_eq!(t.s.tasks["job-1.0"].state, TaskState::Staging);
+        // It ran there and the agent no longer has it: lost.
         assert_eq!(t.s.tasks["job-2.0"].state, TaskState::Lost);
+        // Placed while the agent was away: not lost, still to be delivered.
+        assert_eq!(t.s.tasks["job-3.0"].state, TaskState::Staging);
+        assert_eq!(t.s.desired_tasks("a1").0.len(), 2);
         assert_eq!(t.s.gpu_owner.len(), 1);
         assert_eq!(t.s.agents["a1"].allocated.gpus, 1);
     }

@@ -10,6 +10,10 @@ use super::{
     ApplyError, FrameworkRecord, FrameworkTask, Outcome, State, TaskLaunch, TaskReason, TaskRecord,
 };
 
+/// The built-in job scheduler's framework id (reserved: no other framework
+/// may use it). Its tasks are the jobs' tasks.
+pub const BUILTIN_FRAMEWORK_ID: &str = "gpuctl-jobs";
+
 /// The state's id of a framework's task.
 pub fn task_key(framework_id: &str, framework_task_id: &str) -> String {
     format!("{framework_id}.{framework_task_id}")
@@ -32,6 +36,20 @@ impl State {
         info: &FrameworkInfo,
         at_ms: u64,
     ) -> Result<Outcome, ApplyError> {
+        if info.id == BUILTIN_FRAMEWORK_ID {
+            // Always there for a leader to use; never removed for good.
+            self.frameworks.insert(
+                info.id.clone(),
+                FrameworkRecord {
+                    info: info.clone(),
+                    registered_at_ms: at_ms,
+                    removed: false,
+                },
+            );
+            return Ok(Outcome::FrameworkSubscribed {
+                framework_id: info.id.clone(),
+            });
+        }
         if info.id.is_empty() {
             let id = format!("fw-{}", self.next_framework_seq);
             self.next_framework_seq += 1;
@@ -71,6 +89,12 @@ impl State {
         reason: &str,
         at_ms: u64,
     ) -> Result<Outcome, ApplyError> {
+        if id == BUILTIN_FRAMEWORK_ID {
+            return Err(ApplyError::Invalid {
+                field: "framework_id".into(),
+                reason: "gpuctl's own job scheduler cannot be removed".into(),
+            });
+        }
         self.active_framework(id)?;
         if let Some(f) = self.frameworks.get_mut(id) {
             f.removed = true;
@@ -363,6 +387,18 @@ mod tests {
             ),
             Err(ApplyError::FrameworkNotFound(_))
         ));
+        // The built-in scheduler's framework cannot be removed, and comes
+        // back on subscribe whatever happened.
+        assert!(s
+            .apply(
+                5,
+                &Command::RemoveFramework {
+                    framework_id: BUILTIN_FRAMEWORK_ID.into(),
+                    reason: "x".into(),
+                    at_ms: 2
+                }
+            )
+            .is_err());
         s.apply(
             5,
             &Command::RemoveFramework {

@@ -1,0 +1,161 @@
+//! The built-in job scheduler behind `gpuctl jobs`, as a framework like any
+//! other: it subscribes to the leader's offers (in process, through the same
+//! Hub the gRPC service uses), places queued jobs on what it is offered
+//! (bundle policy, `scheduler::place_in`), launches them (the state machine
+//! re-checks every launch), declines the rest, and suppresses offers while
+//! no job waits. Fairness with other frameworks comes from the allocator's
+//! DRF, where the jobs' tasks count as this framework's allocation.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use gpuctl_proto::pb;
+use gpuctl_proto::types::FrameworkInfo;
+use tokio::sync::{mpsc, watch};
+
+use super::frameworks::{Hub, EVENT_BUFFER};
+use crate::allocator::refuse_until;
+use crate::now_ms;
+use crate::raft::{RaftHandle, Role};
+use crate::scheduler::{place_in, Available};
+use crate::state::frameworks::BUILTIN_FRAMEWORK_ID;
+use crate::state::Command;
+
+/// Declined agents come back quickly: a job submitted meanwhile revives
+/// offers anyway, and the allocator's other frameworks come first by DRF.
+const DECLINE_SECONDS: f64 = 1.0;
+
+fn info() -> FrameworkInfo {
+    FrameworkInfo {
+        id: BUILTIN_FRAMEWORK_ID.to_string(),
+        name: "gpuctl jobs".to_string(),
+        roles: vec!["jobs".to_string()],
+        gpu_capable: true,
+        failover_timeout_ms: 0,
+    }
+}
+
+pub async fn run(raft: RaftHandle, hub: Arc<Hub>, mut shutdown: watch::Receiver<bool>) {
+    let mut status = raft.status_watch();
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        // Wait to lead.
+        while raft.status().role != Role::Leader {
+            tokio::select! {
+                _ = shutdown.changed() => return,
+                r = status.changed() => if r.is_err() { return },
+            }
+        }
+        if let Err(e) = raft
+            .propose(Command::SubscribeFramework {
+                info: info(),
+                at_ms: now_ms(),
+            })
+            .await
+        {
+            tracing::warn!(error = %e, "built-in scheduler could not subscribe; retrying");
+            tokio::select! {
+                _ = shutdown.changed() => return,
+                _ = tokio::time::sleep(backoff) => {}
+            }
+            backoff = (backoff * 2).min(Duration::from_secs(5));
+            continue;
+        }
+        backoff = Duration::from_millis(100);
+        let (tx, mut rx) = mpsc::channel(EVENT_BUFFER);
+        let conn = hub.connect(BUILTIN_FRAMEWORK_ID, tx);
+        let mut applied = raft.applied();
+        loop {
+            tokio::select! {
+                _ = shutdown.changed() => {
+                    hub.disconnect(BUILTIN_FRAMEWORK_ID, conn);
+                    return;
+                }
+                r = status.changed() => {
+                    if r.is_err() || raft.status().role != Role::Leader {
+                        hub.disconnect(BUILTIN_FRAMEWORK_ID, conn);
+                        break;
+                    }
+                }
+                r = applied.changed() => {
+                    if r.is_err() {
+                        return;
+                    }
+                    // Something changed (a job submitted, resources freed)
+                    // while jobs wait: clear our filters and ask for offers
+                    // again, so freed resources reach them at once.
+                    if !raft.state().queued_jobs().is_empty() {
+                        hub.revive(BUILTIN_FRAMEWORK_ID);
+                    }
+                }
+                e = rx.recv() => match e {
+                    Some(Ok(pb::Event { event: Some(pb::event::Event::Offers(offers)) })) => {
+                        handle_offers(&raft, &hub, offers.offers).await;
+                    }
+                    Some(_) => {}
+                    None => break,
+                },
+            }
+        }
+    }
+}
+
+/// Places queued jobs on the offers; with nothing waiting, declines them and
+/// suppresses offers until a job is submitted.
+async fn handle_offers(raft: &RaftHandle, hub: &Hub, offers: Vec<pb::Offer>) {
+    let ids: Vec<String> = offers.iter().map(|o| o.id.clone()).collect();
+    let agents: BTreeSet<String> = offers.iter().map(|o| o.agent_id.clone()).collect();
+    let launches = {
+        let state = raft.state();
+        if state.queued_jobs().is_empty() {
+            drop(state);
+            if hub.take_offers(BUILTIN_FRAMEWORK_ID, &ids).is_ok() {
+                hub.filter(
+                    BUILTIN_FRAMEWORK_ID,
+                    &agents,
+                    refuse_until(now_ms(), Some(DECLINE_SECONDS)),
+                );
+            }
+            hub.suppress(BUILTIN_FRAMEWORK_ID);
+            return;
+        }
+        let mut available: BTreeMap<String, Available> = BTreeMap::new();
+        for o in &offers {
+            let a = available.entry(o.agent_id.clone()).or_default();
+            let r = o.resources.unwrap_or_default();
+            a.resources = a.resources.add(&gpuctl_proto::types::Resources {
+                cpus: r.cpus,
+                mem_mib: r.mem_mib,
+                gpus: r.gpus,
+            });
+            a.gpus.extend(o.gpus.iter().map(|g| g.uuid.clone()));
+        }
+        place_in(&state, &available)
+    };
+    // Accept: the offers are used (what is not launched on is declined).
+    if let Err(e) = hub.take_offers(BUILTIN_FRAMEWORK_ID, &ids) {
+        tracing::debug!(error = %e, "built-in scheduler's offers were rescinded meanwhile");
+        return;
+    }
+    for launch in launches {
+        let (job_id, agent_id) = (launch.job_id.clone(), launch.agent_id.clone());
+        match raft
+            .propose(Command::LaunchTasks {
+                launches: vec![launch],
+                at_ms: now_ms(),
+            })
+            .await
+        {
+            Ok(_) => tracing::info!(job_id = %job_id, agent_id = %agent_id, "job placed"),
+            Err(e) => {
+                tracing::warn!(job_id = %job_id, agent_id = %agent_id, error = %e, "placement refused")
+            }
+        }
+    }
+    hub.filter(
+        BUILTIN_FRAMEWORK_ID,
+        &agents,
+        refuse_until(now_ms(), Some(DECLINE_SECONDS)),
+    );
+}
