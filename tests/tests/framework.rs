@@ -427,7 +427,8 @@ fn gpuctl_jobs_and_an_external_framework_share_the_cluster() {
         "--",
         "sh",
         "-c",
-        "sleep 2",
+        // Long enough that the framework's tasks run while it holds its GPUs.
+        "sleep 6",
     ]);
     let out = std::process::Command::new(gpuctl_tests::bin("simple-framework"))
         .args([
