@@ -17,6 +17,7 @@ use raft::{GetEntriesContext, RaftState, Storage, StorageError};
 const KEY_HARD_STATE: &[u8] = b"hard_state";
 const KEY_CONF_STATE: &[u8] = b"conf_state";
 const KEY_SNAPSHOT_META: &[u8] = b"snapshot_meta";
+const KEY_SNAPSHOT_DATA: &[u8] = b"snapshot_data";
 
 #[derive(Debug, thiserror::Error)]
 pub enum StorageInitError {
@@ -165,6 +166,55 @@ impl SledStorage {
         self.db.flush().map(|_| ()).map_err(store_err)
     }
 
+    /// Records a snapshot of the state machine at `index` (whose entry has
+    /// `term`) and drops the log up to it. Durable when this returns: the
+    /// snapshot is flushed before any entry is removed.
+    pub fn compact(&self, index: u64, term: u64, data: Vec<u8>) -> raft::Result<()> {
+        let mut meta = self.meta();
+        if index <= meta.snapshot.index {
+            return Ok(());
+        }
+        if index > meta.last_index {
+            return Err(store_err(format!(
+                "cannot compact to {index}: the log ends at {}",
+                meta.last_index
+            )));
+        }
+        let mut sm = SnapshotMetadata {
+            index,
+            term,
+            ..Default::default()
+        };
+        sm.set_conf_state(meta.conf_state.clone());
+        self.meta_tree
+            .insert(KEY_SNAPSHOT_DATA, data)
+            .map_err(store_err)?;
+        self.meta_tree
+            .insert(KEY_SNAPSHOT_META, sm.write_to_bytes().map_err(store_err)?)
+            .map_err(store_err)?;
+        self.db.flush().map_err(store_err)?;
+        let mut batch = sled::Batch::default();
+        for i in (meta.snapshot.index + 1)..=index {
+            batch.remove(&key(i));
+        }
+        self.entries.apply_batch(batch).map_err(store_err)?;
+        meta.snapshot = sm;
+        Ok(())
+    }
+
+    /// The latest snapshot's metadata and state-machine data (empty data:
+    /// none yet).
+    pub fn snapshot_data(&self) -> raft::Result<(SnapshotMetadata, Vec<u8>)> {
+        let meta = self.meta().snapshot.clone();
+        let data = self
+            .meta_tree
+            .get(KEY_SNAPSHOT_DATA)
+            .map_err(store_err)?
+            .map(|v| v.to_vec())
+            .unwrap_or_default();
+        Ok((meta, data))
+    }
+
     pub fn hard_state(&self) -> HardState {
         self.meta().hard_state.clone()
     }
@@ -261,11 +311,21 @@ impl Storage for SledStorage {
     }
 
     fn snapshot(&self, _request_index: u64, _to: u64) -> raft::Result<Snapshot> {
-        // Snapshots of the state machine (and log compaction) come with the
-        // multi-master issue; with a single voter no follower ever asks.
-        Err(raft::Error::Store(
-            StorageError::SnapshotTemporarilyUnavailable,
-        ))
+        // The latest compaction's snapshot. Installing one on a follower
+        // (ready.snapshot()) comes with the multi-master issue; with a single
+        // voter nobody asks.
+        let (meta, data) = self.snapshot_data()?;
+        if data.is_empty() {
+            return Err(raft::Error::Store(
+                StorageError::SnapshotTemporarilyUnavailable,
+            ));
+        }
+        let mut snap = Snapshot {
+            data: data.into(),
+            ..Default::default()
+        };
+        snap.set_metadata(meta);
+        Ok(snap)
     }
 }
 
@@ -348,5 +408,38 @@ mod tests {
         assert!(s
             .entries(1, 9, None, GetEntriesContext::empty(false))
             .is_err());
+    }
+
+    #[test]
+    fn compaction_keeps_a_snapshot_and_drops_the_log_before_it() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let s = SledStorage::open(dir.path(), &[1]).unwrap();
+            s.append(&[entry(1, 1), entry(2, 1), entry(3, 2), entry(4, 2)])
+                .unwrap();
+            s.compact(3, 2, b"state@3".to_vec()).unwrap();
+            assert_eq!(s.first_index().unwrap(), 4);
+            assert_eq!(s.last_index().unwrap(), 4);
+            assert_eq!(s.term(3).unwrap(), 2, "the snapshot's term is kept");
+            assert!(matches!(
+                s.entries(2, 4, None, GetEntriesContext::empty(false)),
+                Err(raft::Error::Store(StorageError::Compacted))
+            ));
+            // Compacting backwards or past the log does nothing / fails.
+            s.compact(2, 1, b"old".to_vec()).unwrap();
+            assert!(s.compact(9, 2, b"x".to_vec()).is_err());
+            let snap = s.snapshot(3, 2).unwrap();
+            assert_eq!(snap.get_metadata().index, 3);
+            assert_eq!(&snap.data[..], b"state@3");
+        }
+        let s = SledStorage::open(dir.path(), &[1]).unwrap();
+        assert_eq!(s.first_index().unwrap(), 4);
+        let (meta, data) = s.snapshot_data().unwrap();
+        assert_eq!((meta.index, meta.term), (3, 2));
+        assert_eq!(data, b"state@3");
+        let ents = s
+            .entries(4, 5, None, GetEntriesContext::empty(false))
+            .unwrap();
+        assert_eq!(ents[0].index, 4);
     }
 }
