@@ -64,6 +64,14 @@ fn process_jobs_run_and_state_survives_a_master_restart() {
         "{job}"
     );
 
+    // The master reports itself as the Raft group's leader.
+    let masters = c.json(&["masters", "--json"]);
+    assert_eq!(masters.as_array().unwrap().len(), 1);
+    assert_eq!(masters[0]["role"], "leader");
+    assert_eq!(masters[0]["address"], c.master_addr.as_str());
+    assert!(masters[0]["term"].as_u64().unwrap() >= 1);
+    assert!(masters[0]["commit_index"].as_u64().unwrap() > 0);
+
     // Restart the master: every job and the agent are still known.
     let before = c.json(&["jobs", "list", "--json"]);
     c.restart_master();

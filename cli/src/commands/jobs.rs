@@ -548,6 +548,13 @@ mod tests {
             Ok(tonic::Response::new(pb::ListGpusResponse::default()))
         }
         type JobLogsStream = LogStream;
+        async fn list_masters(
+            &self,
+            _: tonic::Request<pb::ListMastersRequest>,
+        ) -> Result<tonic::Response<pb::ListMastersResponse>, tonic::Status> {
+            Err(tonic::Status::unimplemented("not used by these tests"))
+        }
+
         async fn job_logs(
             &self,
             _: tonic::Request<pb::JobLogsRequest>,

@@ -12,6 +12,7 @@ pub mod agents;
 pub mod demo;
 pub mod gpus;
 pub mod jobs;
+pub mod masters;
 
 /// Success; for `jobs wait`, the job SUCCEEDED.
 pub const EXIT_OK: u8 = 0;
@@ -57,6 +58,8 @@ pub enum Command {
     Agents(agents::AgentsCommand),
     /// List every GPU of the cluster and the task holding it.
     Gpus(JsonFlag),
+    /// List the masters: id, address, role, Raft term, commit and applied index.
+    Masters(JsonFlag),
     /// Start a master and an agent in this process, run two GPU jobs and show the cluster.
     Demo(demo::DemoArgs),
 }
@@ -177,6 +180,11 @@ pub async fn run(cli: Cli) -> Result<u8, CliError> {
         Command::Gpus(flag) => {
             let mut master = Master::connect(&cli.master.0).await?;
             gpus::list(&mut master, flag.json, &mut out).await?;
+            EXIT_OK
+        }
+        Command::Masters(flag) => {
+            let mut master = Master::connect(&cli.master.0).await?;
+            masters::list(&mut master, flag.json, &mut out).await?;
             EXIT_OK
         }
     };

@@ -266,4 +266,23 @@ impl pb::operator_server::Operator for OperatorService {
             tokio_stream::wrappers::ReceiverStream::new(rx),
         )))
     }
+
+    async fn list_masters(
+        &self,
+        _: Request<pb::ListMastersRequest>,
+    ) -> Result<Response<pb::ListMastersResponse>, Status> {
+        // A single voter for now: this master. Peers come with the HA issue.
+        let st = self.ctx.raft.status();
+        Ok(Response::new(pb::ListMastersResponse {
+            masters: vec![pb::MasterInfo {
+                id: st.id,
+                address: self.ctx.config.listen.to_string(),
+                role: st.role.to_string(),
+                term: st.term,
+                commit_index: st.commit_index,
+                applied_index: st.applied_index,
+                answered: true,
+            }],
+        }))
+    }
 }
