@@ -1,6 +1,7 @@
 //! Master options: from flags, environment variables (`GPUCTL_MASTER_*`) or a
 //! TOML file (`--config`), in that order of precedence.
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -25,6 +26,18 @@ pub struct MasterConfig {
     pub agent_timeout: Duration,
     /// Offers to frameworks: roles, GPU scarcity, offer timeout.
     pub frameworks: crate::leader::frameworks::FrameworkSettings,
+    /// The Raft group at bootstrap: node id to API address (empty: this
+    /// master alone).
+    pub peers: BTreeMap<u64, String>,
+    /// The address other masters and clients reach this one at.
+    pub advertise: String,
+    /// Start with no members and wait to be added (`gpuctl masters add`).
+    pub join: bool,
+    /// A follower that hears nothing from a leader for this long (times a
+    /// random factor in [1, 2)) starts an election.
+    pub election_timeout: Duration,
+    /// Entries between snapshots of the state machine.
+    pub snapshot_every: u64,
 }
 
 impl MasterConfig {
@@ -36,6 +49,11 @@ impl MasterConfig {
             heartbeat_interval: Duration::from_secs(1),
             agent_timeout: Duration::from_secs(10),
             frameworks: Default::default(),
+            peers: BTreeMap::new(),
+            advertise: listen.to_string(),
+            join: false,
+            election_timeout: Duration::from_secs(1),
+            snapshot_every: 10_000,
         }
     }
 }
@@ -82,9 +100,71 @@ pub struct Options {
     /// Seconds before an unanswered offer is rescinded.
     #[arg(long, env = "GPUCTL_MASTER_OFFER_TIMEOUT_SECS", default_value_t = 30.0)]
     pub offer_timeout_secs: f64,
+    /// The masters of the Raft group at bootstrap, this one included:
+    /// `ID=HOST:PORT,ID=HOST:PORT,...` (their API addresses, which also carry
+    /// Raft). Only read when the data dir is new; later changes go through
+    /// `gpuctl masters add/remove`. Empty: a group of this master alone.
+    #[arg(long, env = "GPUCTL_MASTER_PEERS", default_value = "")]
+    pub peers: String,
+    /// `HOST:PORT` at which other masters and clients reach this one.
+    /// Default: this master's entry in `--peers`, else `--listen`.
+    #[arg(long, env = "GPUCTL_MASTER_ADVERTISE")]
+    pub advertise: Option<String>,
+    /// Join an existing group: start with no members and wait for
+    /// `gpuctl masters add ID HOST:PORT` at the leader.
+    #[arg(long, env = "GPUCTL_MASTER_JOIN")]
+    pub join: bool,
+    /// Milliseconds without a leader before a follower stands for election
+    /// (randomized up to twice that). Every master of a group should agree.
+    #[arg(
+        long,
+        env = "GPUCTL_MASTER_ELECTION_TIMEOUT_MS",
+        default_value_t = 1000
+    )]
+    pub election_timeout_ms: u64,
+    /// Log entries between snapshots of the state (and log compaction).
+    #[arg(long, env = "GPUCTL_MASTER_SNAPSHOT_EVERY", default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub snapshot_every: u64,
     /// Log filter (tracing EnvFilter syntax), e.g. `info` or `gpuctl_master=debug`.
     #[arg(long, env = "GPUCTL_LOG", default_value = "info")]
     pub log: String,
+}
+
+/// Checks `HOST:PORT` (a bracketed IPv6 host is fine).
+pub fn check_host_port(field: &str, addr: &str) -> Result<(), String> {
+    let Some((host, port)) = addr.rsplit_once(':') else {
+        return Err(format!("{field}: {addr:?} is not HOST:PORT"));
+    };
+    if host.is_empty() || (host.contains(':') && !(host.starts_with('[') && host.ends_with(']'))) {
+        return Err(format!("{field}: {addr:?} has no valid host"));
+    }
+    match port.parse::<u16>() {
+        Ok(p) if p != 0 => Ok(()),
+        _ => Err(format!("{field}: {addr:?} has no valid port")),
+    }
+}
+
+/// Parses `ID=HOST:PORT[,ID=HOST:PORT...]` (empty: none).
+pub fn parse_peers(spec: &str) -> Result<BTreeMap<u64, String>, MasterError> {
+    let mut out = BTreeMap::new();
+    for part in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let bad = |why: String| MasterError::Config(format!("peers: {part:?}: {why}"));
+        let (id, addr) = part
+            .split_once('=')
+            .ok_or_else(|| bad("expected ID=HOST:PORT".into()))?;
+        let id: u64 = id
+            .trim()
+            .parse()
+            .ok()
+            .filter(|i| *i >= 1)
+            .ok_or_else(|| bad(format!("node id {id:?} is not a number >= 1")))?;
+        let addr = addr.trim();
+        check_host_port("peers", addr).map_err(bad)?;
+        if out.insert(id, addr.to_string()).is_some() {
+            return Err(bad(format!("node id {id} appears twice")));
+        }
+    }
+    Ok(out)
 }
 
 /// Parses `NAME=weight:W[,cpus:N][,mem_mib:N][,gpus:N]`.
@@ -162,6 +242,11 @@ struct FileOptions {
     roles: Option<Vec<String>>,
     offer_gpu_agents_to_all: Option<bool>,
     offer_timeout_secs: Option<f64>,
+    peers: Option<String>,
+    advertise: Option<String>,
+    join: Option<bool>,
+    election_timeout_ms: Option<u64>,
+    snapshot_every: Option<u64>,
     log: Option<String>,
 }
 
@@ -235,6 +320,24 @@ impl Options {
             if let (Some(v), true) = (f.offer_timeout_secs, unset(&matches, "offer_timeout_secs")) {
                 o.offer_timeout_secs = v;
             }
+            if let (Some(v), true) = (f.peers, unset(&matches, "peers")) {
+                o.peers = v;
+            }
+            if let (Some(v), true) = (f.advertise, unset(&matches, "advertise")) {
+                o.advertise = Some(v);
+            }
+            if let (Some(v), true) = (f.join, unset(&matches, "join")) {
+                o.join = v;
+            }
+            if let (Some(v), true) = (
+                f.election_timeout_ms,
+                unset(&matches, "election_timeout_ms"),
+            ) {
+                o.election_timeout_ms = v;
+            }
+            if let (Some(v), true) = (f.snapshot_every, unset(&matches, "snapshot_every")) {
+                o.snapshot_every = v.max(1);
+            }
             if let (Some(v), true) = (f.log, unset(&matches, "log")) {
                 o.log = v;
             }
@@ -250,7 +353,39 @@ impl Options {
                 "agent_timeout_secs must be larger than heartbeat_interval_secs".into(),
             ));
         }
+        let peers = parse_peers(&self.peers)?;
+        if !peers.is_empty() && !self.join && !peers.contains_key(&self.node_id) {
+            return Err(MasterError::Config(format!(
+                "peers must include this master (node_id {})",
+                self.node_id
+            )));
+        }
+        let advertise = match (&self.advertise, peers.get(&self.node_id)) {
+            (Some(a), _) => {
+                check_host_port("advertise", a).map_err(MasterError::Config)?;
+                a.clone()
+            }
+            (None, Some(a)) => a.clone(),
+            (None, None) if self.listen.ip().is_unspecified() => {
+                let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+                    .map(|h| h.trim().to_string())
+                    .unwrap_or_else(|_| "localhost".into());
+                format!("{host}:{}", self.listen.port())
+            }
+            (None, None) => self.listen.to_string(),
+        };
+        if !(100..=60_000).contains(&self.election_timeout_ms) {
+            return Err(MasterError::Config(format!(
+                "election_timeout_ms must be between 100 and 60000, got {}",
+                self.election_timeout_ms
+            )));
+        }
         Ok(MasterConfig {
+            peers,
+            advertise,
+            join: self.join,
+            election_timeout: Duration::from_millis(self.election_timeout_ms),
+            snapshot_every: self.snapshot_every,
             listen: self.listen,
             data_dir: self.data_dir.clone(),
             node_id: self.node_id,
@@ -336,6 +471,59 @@ mod tests {
         let c = o.to_config().unwrap();
         assert_eq!(c.frameworks.roles.len(), 2);
         assert!(!c.frameworks.allocator.gpu_agents_for_gpu_frameworks_only);
+    }
+
+    #[test]
+    fn peers_parse_and_must_name_this_master() {
+        let p = parse_peers("1=m1:7050, 2=10.0.0.2:7050,3=[::1]:7052").unwrap();
+        assert_eq!(p.len(), 3);
+        assert_eq!(p[&3], "[::1]:7052");
+        assert!(parse_peers("").unwrap().is_empty());
+        for (bad, needle) in [
+            ("1=m1", "HOST:PORT"),
+            ("0=m1:1", "node id"),
+            ("x=m1:1", "node id"),
+            ("1=m1:1,1=m2:1", "twice"),
+            ("m1:1", "ID=HOST:PORT"),
+            ("1=m1:99999", "port"),
+        ] {
+            let e = parse_peers(bad).unwrap_err().to_string();
+            assert!(e.contains(needle) && e.contains("peers"), "{bad}: {e}");
+        }
+        let o = Options::load_from([
+            "gpuctl-master",
+            "--node-id",
+            "2",
+            "--peers",
+            "1=m1:7050,2=m2:7050,3=m3:7050",
+        ])
+        .unwrap();
+        let c = o.to_config().unwrap();
+        assert_eq!(
+            c.advertise, "m2:7050",
+            "advertise defaults to our peer entry"
+        );
+        assert_eq!(c.peers.len(), 3);
+        let o = Options::load_from(["gpuctl-master", "--node-id", "4", "--peers", "1=m1:7050"])
+            .unwrap();
+        let e = o.to_config().unwrap_err().to_string();
+        assert!(e.contains("node_id 4"), "{e}");
+        // Joining: our own entry may be absent.
+        let o = Options::load_from([
+            "gpuctl-master",
+            "--node-id",
+            "4",
+            "--join",
+            "--advertise",
+            "m4:7050",
+            "--peers",
+            "1=m1:7050",
+        ])
+        .unwrap();
+        assert!(o.to_config().unwrap().join);
+        let o = Options::load_from(["gpuctl-master", "--election-timeout-ms", "5"]).unwrap();
+        let e = o.to_config().unwrap_err().to_string();
+        assert!(e.contains("election_timeout_ms"), "{e}");
     }
 
     #[test]

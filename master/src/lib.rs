@@ -58,13 +58,29 @@ pub async fn serve(
         path: config.data_dir.clone(),
         source,
     })?;
-    let storage = raft::SledStorage::open(&config.data_dir, &[config.node_id])?;
+    // The group's first configuration, used only when the data dir is new.
+    let voters: Vec<u64> = if config.join {
+        Vec::new()
+    } else if config.peers.is_empty() {
+        vec![config.node_id]
+    } else {
+        config.peers.keys().copied().collect()
+    };
+    let storage = raft::SledStorage::open(&config.data_dir, &voters)?;
+    let mut known = config.peers.clone();
+    known.insert(config.node_id, config.advertise.clone());
+    let addresses = raft::Addresses::new(known);
+    let transport = Arc::new(raft::GrpcTransport::new(
+        config.node_id,
+        config.advertise.clone(),
+        addresses.clone(),
+    ));
+    let mut raft_config = raft::RaftNodeConfig::new(config.node_id);
+    raft_config.tick = config.election_timeout / raft_config.election_ticks as u32;
+    raft_config.snapshot_every = config.snapshot_every;
     let (stop_tx, stop_rx) = watch::channel(false);
-    let (handle, node_task, initial_commit) = raft::node::start(
-        raft::RaftNodeConfig::new(config.node_id),
-        storage,
-        stop_rx.clone(),
-    )?;
+    let (handle, node_task, initial_commit) =
+        raft::node::start(raft_config, storage, transport, addresses, stop_rx.clone())?;
     // Serve only once the log already committed has been replayed, so that a
     // restarted master never answers from an empty state.
     let mut applied = handle.applied();
@@ -77,7 +93,7 @@ pub async fn serve(
         .local_addr()
         .map(|a| a.to_string())
         .unwrap_or_default();
-    tracing::info!(%addr, data_dir = %config.data_dir.display(), node_id = config.node_id, replayed = initial_commit, "master serving");
+    tracing::info!(%addr, advertise = %config.advertise, data_dir = %config.data_dir.display(), node_id = config.node_id, replayed = initial_commit, "master serving");
 
     let liveness = Arc::new(leader::Liveness::default());
     let hub = Arc::new(leader::frameworks::Hub::default());
@@ -105,13 +121,35 @@ pub async fn serve(
         hub,
         shutdown: stop_rx.clone(),
     };
+    let (node_done_tx, mut node_done) = watch::channel(());
+    let node_task = tokio::spawn(async move {
+        let r = node_task.await;
+        node_done_tx.send_replace(());
+        match r {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::error!(error = %e, "raft node task failed");
+                Ok(())
+            }
+        }
+    });
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
     let server = tonic::transport::Server::builder()
+        .layer(service::gate::LeaderGateLayer {
+            raft: handle.clone(),
+        })
+        .add_service(service::raft_server(ctx.clone()))
         .add_service(service::operator_server(ctx.clone()))
         .add_service(service::agent_manager_server(ctx.clone()))
         .add_service(service::scheduler_server(ctx.clone()))
         .serve_with_incoming_shutdown(incoming, async move {
-            shutdown.await;
+            // A master whose raft node stopped must not go on answering.
+            tokio::select! {
+                _ = shutdown => {}
+                _ = node_done.changed() => {
+                    tracing::error!("raft node stopped; shutting the master down");
+                }
+            }
             let _ = stop_tx.send(true);
         });
     let result = server.await;

@@ -10,6 +10,7 @@ pub mod pb {
 }
 
 pub mod convert;
+pub mod leader;
 pub mod types;
 
 pub use convert::ConvertError;

@@ -267,10 +267,16 @@ pub async fn run(
             _ = tick.tick() => {}
         }
         if raft.status().role != Role::Leader {
-            // Offers are the leader's; a deposed leader withdraws them.
+            // Offers are the leader's; a deposed leader withdraws them and
+            // sends its frameworks to the new leader.
+            let leader = raft.leader();
+            let redirect =
+                gpuctl_proto::leader::not_leader(leader.as_ref().map(|(id, a)| (*id, a.as_str())));
             let mut g = hub.lock();
             g.offers = None;
-            g.conns.clear();
+            for (_, c) in std::mem::take(&mut g.conns) {
+                let _ = c.tx.try_send(Err(redirect.clone()));
+            }
             continue;
         }
         let expired = cycle(&raft, &hub, &settings);

@@ -69,11 +69,35 @@ pub async fn run(
         let is_leader = raft.status().role == Role::Leader;
         if is_leader && !was_leader {
             liveness.reset();
+            record_masters(&raft).await;
         }
         was_leader = is_leader;
         if is_leader {
             check_liveness(&raft, &liveness, config.agent_timeout).await;
         }
+    }
+}
+
+/// A new leader writes the addresses of members that the replicated state
+/// lacks (those given by `--peers` at bootstrap), so that every master, one
+/// that joins later too, can reach every other.
+async fn record_masters(raft: &RaftHandle) {
+    let st = raft.status();
+    let known = raft.addresses().all();
+    let masters: std::collections::BTreeMap<u64, String> = {
+        let state = raft.state();
+        st.voters
+            .iter()
+            .chain(&st.learners)
+            .filter(|id| !state.masters.contains_key(id))
+            .filter_map(|id| known.get(id).map(|a| (*id, a.clone())))
+            .collect()
+    };
+    if masters.is_empty() {
+        return;
+    }
+    if let Err(e) = raft.propose(Command::RecordMasters { masters }).await {
+        tracing::warn!(error = %e, "could not record the masters' addresses");
     }
 }
 

@@ -1,18 +1,22 @@
 //! The raft node: one tokio task owns the `RawNode`, ticks it, takes
-//! proposals from a bounded channel and runs the ready loop in the order of
-//! raft-rs' examples. Replies are matched to proposals by an id carried in
-//! each entry's context (never by position), and are sent only after the
-//! entry is committed and applied.
+//! proposals and peer messages from a bounded channel and runs the ready
+//! loop in the order of raft-rs' examples. Replies are matched to proposals
+//! by an id carried in each entry's context (never by position), and are sent
+//! only after the entry is committed on a majority and applied here.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, RwLock, RwLockReadGuard};
 use std::time::Duration;
 
-use raft::eraftpb::{ConfChange, ConfChangeV2, Entry, EntryType};
-use raft::{RawNode, StateRole};
+use raft::eraftpb::{
+    ConfChange, ConfChangeType, ConfChangeV2, Entry, EntryType, Message, Snapshot,
+};
+use raft::{RawNode, SnapshotStatus, StateRole};
 use tokio::sync::{mpsc, oneshot, watch};
 
 use super::storage::SledStorage;
+use super::transport::Transport;
+use super::Addresses;
 use crate::state::{ApplyError, Command, Outcome, State};
 
 #[derive(Debug, Clone)]
@@ -28,12 +32,12 @@ pub struct RaftNodeConfig {
 
 impl RaftNodeConfig {
     pub fn new(node_id: u64) -> Self {
-        // 100 ms ticks, 1 s election timeout (etcd's default).
+        // 100 ms ticks, elections after 1 to 2 s of silence (etcd's default).
         RaftNodeConfig {
             node_id,
             tick: Duration::from_millis(100),
             election_ticks: 10,
-            heartbeat_ticks: 2,
+            heartbeat_ticks: 1,
             snapshot_every: 10_000,
         }
     }
@@ -61,21 +65,33 @@ pub struct NodeStatus {
     pub id: u64,
     pub role: Role,
     pub term: u64,
+    /// 0: no leader known.
     pub leader_id: u64,
     pub commit_index: u64,
     pub applied_index: u64,
+    pub voters: Vec<u64>,
+    pub learners: Vec<u64>,
+    /// The log starts after this index (the state before it is a snapshot).
+    pub snapshot_index: u64,
 }
 
 #[derive(Debug, thiserror::Error)]
 pub enum ProposeError {
-    #[error("this master is not the leader (leader: {leader})")]
-    NotLeader { leader: String },
+    /// Refused before anything was proposed: safe to retry at the leader.
+    #[error("this master is not the leader ({})", match leader { Some((id, addr)) => format!("leader: master {id} at {addr}"), None => "no leader elected yet".to_string() })]
+    NotLeader { leader: Option<(u64, String)> },
+    /// Proposed, then leadership was lost before it committed: it may still
+    /// commit under the next leader, or not.
+    #[error("leadership lost while committing; the outcome is unknown")]
+    LeadershipLost,
     #[error(transparent)]
     Rejected(#[from] ApplyError),
     #[error("raft node stopped")]
     Stopped,
     #[error("proposal queue full, try again")]
     Busy,
+    #[error("{0}")]
+    Membership(String),
 }
 
 enum NodeMsg {
@@ -83,6 +99,48 @@ enum NodeMsg {
         command: Command,
         reply: oneshot::Sender<Result<Outcome, ProposeError>>,
     },
+    ConfChange {
+        cc: ConfChange,
+        reply: oneshot::Sender<Result<(), ProposeError>>,
+    },
+    Step(Box<Message>),
+    Unreachable {
+        to: u64,
+        snapshot_failed: bool,
+    },
+    SnapshotSent(u64),
+    TransferLeader(u64),
+    Progress(oneshot::Sender<BTreeMap<u64, u64>>),
+}
+
+/// What the transport uses to tell the node about delivery.
+#[derive(Clone)]
+pub struct Reporter {
+    tx: mpsc::Sender<NodeMsg>,
+}
+
+impl Reporter {
+    /// The peer could not be reached; `snapshot_failed` when a snapshot to
+    /// it was among the lost messages (the leader then sends another).
+    pub fn unreachable(&self, to: u64, snapshot_failed: bool) {
+        let _ = self.tx.try_send(NodeMsg::Unreachable {
+            to,
+            snapshot_failed,
+        });
+    }
+
+    /// A snapshot reached the peer (or failed to).
+    pub fn snapshot(&self, to: u64, ok: bool) {
+        let msg = if ok {
+            NodeMsg::SnapshotSent(to)
+        } else {
+            NodeMsg::Unreachable {
+                to,
+                snapshot_failed: true,
+            }
+        };
+        let _ = self.tx.try_send(msg);
+    }
 }
 
 /// Cheap to clone; what services use to read and change the state.
@@ -92,19 +150,48 @@ pub struct RaftHandle {
     state: Arc<RwLock<State>>,
     applied: watch::Receiver<u64>,
     status: watch::Receiver<NodeStatus>,
+    addresses: Addresses,
 }
 
 impl RaftHandle {
+    fn send(&self, msg: NodeMsg) -> Result<(), ProposeError> {
+        self.tx.try_send(msg).map_err(|e| match e {
+            mpsc::error::TrySendError::Full(_) => ProposeError::Busy,
+            mpsc::error::TrySendError::Closed(_) => ProposeError::Stopped,
+        })
+    }
+
     /// Proposes a command and waits until it is committed and applied.
     pub async fn propose(&self, command: Command) -> Result<Outcome, ProposeError> {
         let (reply, rx) = oneshot::channel();
-        self.tx
-            .try_send(NodeMsg::Propose { command, reply })
-            .map_err(|e| match e {
-                mpsc::error::TrySendError::Full(_) => ProposeError::Busy,
-                mpsc::error::TrySendError::Closed(_) => ProposeError::Stopped,
-            })?;
+        self.send(NodeMsg::Propose { command, reply })?;
         rx.await.map_err(|_| ProposeError::Stopped)?
+    }
+
+    /// Proposes a membership change and waits until it is applied here.
+    pub async fn propose_conf_change(&self, cc: ConfChange) -> Result<(), ProposeError> {
+        let (reply, rx) = oneshot::channel();
+        self.send(NodeMsg::ConfChange { cc, reply })?;
+        rx.await.map_err(|_| ProposeError::Stopped)?
+    }
+
+    /// Hands a message from a peer to the node (dropped when it is busy:
+    /// Raft resends).
+    pub fn step(&self, msg: Message) -> Result<(), ProposeError> {
+        self.send(NodeMsg::Step(Box::new(msg)))
+    }
+
+    /// Asks the leader to hand leadership to `to`.
+    pub fn transfer_leader(&self, to: u64) -> Result<(), ProposeError> {
+        self.send(NodeMsg::TransferLeader(to))
+    }
+
+    /// On the leader: the highest log index known to be replicated on each
+    /// member. Empty elsewhere.
+    pub async fn progress(&self) -> Result<BTreeMap<u64, u64>, ProposeError> {
+        let (reply, rx) = oneshot::channel();
+        self.send(NodeMsg::Progress(reply))?;
+        rx.await.map_err(|_| ProposeError::Stopped)
     }
 
     /// Read access to the applied state. Hold it briefly.
@@ -126,6 +213,22 @@ impl RaftHandle {
     pub fn status_watch(&self) -> watch::Receiver<NodeStatus> {
         self.status.clone()
     }
+
+    pub fn addresses(&self) -> &Addresses {
+        &self.addresses
+    }
+
+    /// The leader's id and API address, when both are known.
+    pub fn leader(&self) -> Option<(u64, String)> {
+        leader_of(self.status().leader_id, &self.addresses)
+    }
+}
+
+fn leader_of(leader_id: u64, addresses: &Addresses) -> Option<(u64, String)> {
+    if leader_id == 0 {
+        return None;
+    }
+    addresses.get(leader_id).map(|a| (leader_id, a))
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -136,16 +239,24 @@ pub enum NodeError {
     Snapshot(#[from] serde_json::Error),
 }
 
+type CcReply = oneshot::Sender<Result<(), ProposeError>>;
+
 struct Node {
     raw: RawNode<SledStorage>,
     id: u64,
     state: Arc<RwLock<State>>,
     pending: HashMap<u64, oneshot::Sender<Result<Outcome, ProposeError>>>,
+    pending_cc: HashMap<u64, CcReply>,
     next_proposal: u64,
     applied_tx: watch::Sender<u64>,
     status_tx: watch::Sender<NodeStatus>,
     snapshot_every: u64,
     snapshot_index: u64,
+    /// Snapshot at the end of this ready (a master was added).
+    snapshot_due: bool,
+    transport: Arc<dyn Transport>,
+    reporter: Reporter,
+    addresses: Addresses,
 }
 
 /// What [`start`] returns: the handle, the node task, and the commit index
@@ -158,9 +269,13 @@ pub type Started = (
 
 /// Starts the node task. Committed entries already in `storage` are replayed
 /// into a fresh state before [`RaftHandle`] reports them applied.
+/// `addresses` holds what is known of the other masters (`--peers`); the
+/// replicated state adds to it.
 pub fn start(
     config: RaftNodeConfig,
     storage: SledStorage,
+    transport: Arc<dyn Transport>,
+    addresses: Addresses,
     mut shutdown: watch::Receiver<bool>,
 ) -> Result<Started, NodeError> {
     let initial_commit = storage.hard_state().commit;
@@ -172,6 +287,9 @@ pub fn start(
     } else {
         serde_json::from_slice::<State>(&snap_data)?
     };
+    for (id, addr) in &initial_state.masters {
+        addresses.set(*id, addr);
+    }
     let snapshot_index = snap_meta.index;
     let raft_config = raft::Config {
         id: config.node_id,
@@ -181,6 +299,9 @@ pub fn start(
         max_inflight_msgs: 256,
         // Replay what follows the snapshot: the state machine lives in memory.
         applied: snapshot_index,
+        // A master coming back from a partition must not depose a healthy
+        // leader (pre-vote), and a leader cut off from a majority steps down
+        // (check quorum) so clients go to the new one.
         pre_vote: true,
         check_quorum: true,
         ..Default::default()
@@ -201,20 +322,25 @@ pub fn start(
         leader_id: 0,
         commit_index: initial_commit,
         applied_index: snapshot_index,
+        voters: Vec::new(),
+        learners: Vec::new(),
+        snapshot_index,
     };
     let (status_tx, status_rx) = watch::channel(status0);
-    let (tx, mut rx) = mpsc::channel::<NodeMsg>(4096);
+    let (tx, mut rx) = mpsc::channel::<NodeMsg>(8192);
     let handle = RaftHandle {
-        tx,
+        tx: tx.clone(),
         state: state.clone(),
         applied: applied_rx,
         status: status_rx,
+        addresses: addresses.clone(),
     };
     let mut node = Node {
         raw,
         id: config.node_id,
         state,
         pending: HashMap::new(),
+        pending_cc: HashMap::new(),
         // Unique across restarts, so a replayed entry never answers a new proposal.
         next_proposal: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -223,7 +349,12 @@ pub fn start(
         status_tx,
         snapshot_every: config.snapshot_every.max(1),
         snapshot_index,
+        snapshot_due: false,
+        transport,
+        reporter: Reporter { tx },
+        addresses,
     };
+    node.publish_status();
     let tick = config.tick;
     let task = tokio::spawn(async move {
         let mut ticker = tokio::time::interval(tick);
@@ -235,8 +366,11 @@ pub fn start(
                     Some(m) => {
                         node.handle(m);
                         // Batch whatever else is queued into the same ready.
-                        while let Ok(m) = rx.try_recv() {
+                        let mut n = 0;
+                        while n < 4096 {
+                            let Ok(m) = rx.try_recv() else { break };
                             node.handle(m);
+                            n += 1;
                         }
                     }
                     None => break,
@@ -253,18 +387,25 @@ pub fn start(
 }
 
 impl Node {
+    fn next_context(&mut self) -> (u64, Vec<u8>) {
+        let id = self.next_proposal;
+        self.next_proposal += 1;
+        let mut context = Vec::with_capacity(16);
+        context.extend_from_slice(&self.id.to_be_bytes());
+        context.extend_from_slice(&id.to_be_bytes());
+        (id, context)
+    }
+
     fn handle(&mut self, msg: NodeMsg) {
         match msg {
             NodeMsg::Propose { command, reply } => {
-                if self.raw.raft.state != StateRole::Leader {
+                if self.raw.raft.state != StateRole::Leader
+                    || self.raw.raft.lead_transferee.is_some()
+                {
                     let _ = reply.send(Err(self.not_leader()));
                     return;
                 }
-                let id = self.next_proposal;
-                self.next_proposal += 1;
-                let mut context = Vec::with_capacity(16);
-                context.extend_from_slice(&self.id.to_be_bytes());
-                context.extend_from_slice(&id.to_be_bytes());
+                let (id, context) = self.next_context();
                 match self.raw.propose(context, command.encode()) {
                     Ok(()) => {
                         self.pending.insert(id, reply);
@@ -275,22 +416,69 @@ impl Node {
                     }
                 }
             }
+            NodeMsg::ConfChange { cc, reply } => {
+                if self.raw.raft.state != StateRole::Leader {
+                    let _ = reply.send(Err(self.not_leader()));
+                    return;
+                }
+                let (id, context) = self.next_context();
+                match self.raw.propose_conf_change(context, cc) {
+                    Ok(()) => {
+                        self.pending_cc.insert(id, reply);
+                    }
+                    Err(e) => {
+                        // raft-rs allows one membership change in flight.
+                        let _ = reply.send(Err(ProposeError::Membership(format!(
+                            "membership change refused: {e} (another change may be in progress; retry)"
+                        ))));
+                    }
+                }
+            }
+            NodeMsg::Step(m) => {
+                if let Err(e) = self.raw.step(*m) {
+                    tracing::debug!(error = %e, "raft message ignored");
+                }
+            }
+            NodeMsg::Unreachable {
+                to,
+                snapshot_failed,
+            } => {
+                self.raw.report_unreachable(to);
+                if snapshot_failed {
+                    self.raw.report_snapshot(to, SnapshotStatus::Failure);
+                }
+            }
+            NodeMsg::SnapshotSent(to) => self.raw.report_snapshot(to, SnapshotStatus::Finish),
+            NodeMsg::TransferLeader(to) => self.raw.transfer_leader(to),
+            NodeMsg::Progress(reply) => {
+                let mut out = BTreeMap::new();
+                if self.raw.raft.state == StateRole::Leader {
+                    for (id, pr) in self.raw.raft.prs().iter() {
+                        out.insert(*id, pr.matched);
+                    }
+                }
+                let _ = reply.send(out);
+            }
         }
     }
 
     fn not_leader(&self) -> ProposeError {
-        let leader = self.raw.raft.leader_id;
+        let lead = if self.raw.raft.state == StateRole::Leader {
+            // Handing over: the transferee is about to lead.
+            self.raw.raft.lead_transferee.unwrap_or(0)
+        } else {
+            self.raw.raft.leader_id
+        };
         ProposeError::NotLeader {
-            leader: if leader == 0 {
-                "unknown".into()
-            } else {
-                format!("node {leader}")
-            },
+            leader: leader_of(lead, &self.addresses),
         }
     }
 
     fn fail_pending(&mut self, err: impl Fn() -> ProposeError) {
         for (_, reply) in self.pending.drain() {
+            let _ = reply.send(Err(err()));
+        }
+        for (_, reply) in self.pending_cc.drain() {
             let _ = reply.send(Err(err()));
         }
     }
@@ -302,6 +490,11 @@ impl Node {
             StateRole::Candidate | StateRole::PreCandidate => Role::Candidate,
             StateRole::Follower => Role::Follower,
         };
+        let conf = r.prs().conf();
+        let mut voters: Vec<u64> = conf.voters().ids().iter().collect();
+        voters.sort_unstable();
+        let mut learners: Vec<u64> = conf.learners().iter().copied().collect();
+        learners.sort_unstable();
         let status = NodeStatus {
             id: self.id,
             role,
@@ -309,6 +502,9 @@ impl Node {
             leader_id: r.leader_id,
             commit_index: r.raft_log.committed,
             applied_index: r.raft_log.applied,
+            voters,
+            learners,
+            snapshot_index: self.snapshot_index,
         };
         self.status_tx.send_if_modified(|s| {
             if *s != status {
@@ -319,16 +515,19 @@ impl Node {
             }
         });
         // Proposals made while leader may never commit once leadership is
-        // gone; tell their callers so they can retry with the new leader.
-        if role != Role::Leader && !self.pending.is_empty() {
+        // gone (or may, under the next leader): the outcome is unknown.
+        if role != Role::Leader && !(self.pending.is_empty() && self.pending_cc.is_empty()) {
             tracing::warn!(
-                pending = self.pending.len(),
+                pending = self.pending.len() + self.pending_cc.len(),
                 "lost leadership; failing pending proposals"
             );
-            let pending: Vec<_> = self.pending.drain().collect();
-            for (_, reply) in pending {
-                let _ = reply.send(Err(self.not_leader()));
-            }
+            self.fail_pending(|| ProposeError::LeadershipLost);
+        }
+    }
+
+    fn send(&self, msgs: Vec<Message>) {
+        if !msgs.is_empty() {
+            self.transport.send(msgs, &self.reporter);
         }
     }
 
@@ -337,14 +536,12 @@ impl Node {
             return Ok(());
         }
         let mut ready = self.raw.ready();
-        // Peers arrive with the multi-master issue; a lone voter sends none.
-        if !ready.messages().is_empty() {
-            let _ = ready.take_messages();
-        }
+        // A leader may send before its own write is durable (Raft thesis
+        // 10.2.1): the entry only commits once a majority, counting the
+        // leader only after its flush, has it on disk.
+        self.send(ready.take_messages());
         if !ready.snapshot().is_empty() {
-            // Only a follower behind a compacted leader gets one: installing
-            // it comes with the multi-master issue (a single voter never does).
-            tracing::warn!("ignoring a raft snapshot sent by a leader: installing snapshots is not implemented yet");
+            self.install_snapshot(ready.snapshot())?;
         }
         self.apply_entries(ready.take_committed_entries())?;
         let store = self.raw.store();
@@ -352,27 +549,58 @@ impl Node {
         if let Some(hs) = ready.hs() {
             store.set_hard_state(hs)?;
         }
-        // Durable before any persisted message leaves or any reply is sent.
+        // Durable before any vote, append response or reply leaves.
         store.flush()?;
-        if !ready.persisted_messages().is_empty() {
-            let _ = ready.take_persisted_messages();
-        }
+        self.send(ready.take_persisted_messages());
         let mut light = self.raw.advance(ready);
         if let Some(commit) = light.commit_index() {
             self.raw.store().set_commit(commit)?;
         }
-        let _ = light.take_messages();
+        self.send(light.take_messages());
         self.apply_entries(light.take_committed_entries())?;
         self.raw.advance_apply();
         self.maybe_snapshot()
     }
 
+    /// A leader sent the state machine because our log is too far behind
+    /// its compacted log: store it, then replace the state with it.
+    fn install_snapshot(&mut self, snap: &Snapshot) -> Result<(), NodeError> {
+        let meta = snap.get_metadata();
+        let new_state: State = serde_json::from_slice(&snap.data)?;
+        self.raw.store().apply_snapshot(snap)?;
+        for (id, addr) in &new_state.masters {
+            self.addresses.set(*id, addr);
+        }
+        tracing::info!(
+            index = meta.index,
+            term = meta.term,
+            "installed a snapshot from the leader"
+        );
+        *self.state.write().unwrap_or_else(|p| p.into_inner()) = new_state;
+        self.snapshot_index = meta.index;
+        self.applied_tx.send_replace(meta.index);
+        Ok(())
+    }
+
     /// Every `snapshot_every` applied entries: serialize the state machine,
     /// store it as the snapshot and drop the log before it.
     fn maybe_snapshot(&mut self) -> Result<(), NodeError> {
+        let applied = self
+            .state
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .applied_index;
+        if applied < self.snapshot_index + self.snapshot_every && !self.snapshot_due {
+            return Ok(());
+        }
+        self.snapshot_due = false;
+        self.snapshot_now()
+    }
+
+    fn snapshot_now(&mut self) -> Result<(), NodeError> {
         let (applied, data) = {
             let s = self.state.read().unwrap_or_else(|p| p.into_inner());
-            if s.applied_index < self.snapshot_index + self.snapshot_every {
+            if s.applied_index <= self.snapshot_index {
                 return Ok(());
             }
             (s.applied_index, serde_json::to_vec(&*s)?)
@@ -397,14 +625,36 @@ impl Node {
                 EntryType::EntryConfChange => {
                     let cc: ConfChange = protobuf::Message::parse_from_bytes(&entry.data)
                         .map_err(raft::Error::CodecError)?;
-                    let cs = self.raw.apply_conf_change(&cc)?;
-                    self.raw.store().set_conf_state(&cs)?;
+                    // An impossible change (one removing the last voter) is
+                    // skipped, identically on every master.
+                    let result = match self.raw.apply_conf_change(&cc) {
+                        Ok(cs) => {
+                            self.raw.store().set_conf_state(&cs)?;
+                            self.record_member(entry.index, &cc);
+                            Ok(())
+                        }
+                        Err(e) => {
+                            tracing::error!(index = entry.index, error = %e, "membership change refused");
+                            self.bump_applied(entry.index);
+                            Err(ProposeError::Membership(format!(
+                                "membership change refused: {e}"
+                            )))
+                        }
+                    };
+                    // Replies see the new configuration.
+                    self.publish_status();
+                    if let Some(id) = proposal_id(&entry.context, self.id) {
+                        if let Some(reply) = self.pending_cc.remove(&id) {
+                            let _ = reply.send(result);
+                        }
+                    }
                 }
                 EntryType::EntryConfChangeV2 => {
                     let cc: ConfChangeV2 = protobuf::Message::parse_from_bytes(&entry.data)
                         .map_err(raft::Error::CodecError)?;
                     let cs = self.raw.apply_conf_change(&cc)?;
                     self.raw.store().set_conf_state(&cs)?;
+                    self.bump_applied(entry.index);
                 }
             }
         }
@@ -414,17 +664,57 @@ impl Node {
         Ok(())
     }
 
+    fn bump_applied(&self, index: u64) {
+        let mut s = self.state.write().unwrap_or_else(|p| p.into_inner());
+        s.applied_index = s.applied_index.max(index);
+    }
+
+    /// Keeps the address book of the group in the replicated state: a
+    /// change adding a master carries its API address in its context.
+    fn record_member(&mut self, index: u64, cc: &ConfChange) {
+        let mut s = self.state.write().unwrap_or_else(|p| p.into_inner());
+        s.applied_index = s.applied_index.max(index);
+        match cc.get_change_type() {
+            ConfChangeType::AddNode | ConfChangeType::AddLearnerNode => {
+                // The bootstrap configuration is not in the log, so a new
+                // master must start from a snapshot that carries the
+                // configuration with itself in it (raft-rs refuses others):
+                // compact now, before the leader sends it anything; it then
+                // asks for entries the log no longer has and gets this
+                // snapshot.
+                self.snapshot_due = true;
+                if let Ok(addr) = std::str::from_utf8(&cc.context) {
+                    if !addr.is_empty() {
+                        s.masters.insert(cc.node_id, addr.to_string());
+                        self.addresses.set(cc.node_id, addr);
+                    }
+                }
+            }
+            ConfChangeType::RemoveNode => {
+                s.masters.remove(&cc.node_id);
+                if cc.node_id != self.id {
+                    self.addresses.remove(cc.node_id);
+                }
+            }
+        }
+        tracing::info!(index, node = cc.node_id, change = ?cc.get_change_type(), "membership changed");
+    }
+
     fn apply_normal(&mut self, entry: &Entry) {
         let result = if entry.data.is_empty() {
             // The empty entry a new leader appends.
-            let mut s = self.state.write().unwrap_or_else(|p| p.into_inner());
-            s.applied_index = s.applied_index.max(entry.index);
+            self.bump_applied(entry.index);
             return;
         } else {
             match Command::decode(&entry.data) {
                 Ok(cmd) => {
                     let mut s = self.state.write().unwrap_or_else(|p| p.into_inner());
                     let r = s.apply(entry.index, &cmd);
+                    if let Command::RecordMasters { masters } = &cmd {
+                        for (id, addr) in masters {
+                            self.addresses.set(*id, addr);
+                        }
+                    }
                     drop(s);
                     match &r {
                         Ok(_) => {
@@ -439,8 +729,7 @@ impl Node {
                 Err(e) => {
                     // Skipped identically on every master, so states agree.
                     tracing::error!(index = entry.index, error = %e, "undecodable log entry skipped");
-                    let mut s = self.state.write().unwrap_or_else(|p| p.into_inner());
-                    s.applied_index = s.applied_index.max(entry.index);
+                    self.bump_applied(entry.index);
                     Err(ApplyError::Undecodable {
                         index: entry.index,
                         reason: e.to_string(),
@@ -491,7 +780,15 @@ mod tests {
         let mut config = RaftNodeConfig::new(1);
         config.snapshot_every = 5;
         let (stop_tx, stop_rx) = watch::channel(false);
-        let (handle, task, initial_commit) = start(config, storage, stop_rx).unwrap();
+        let net = super::super::sim::SimNet::new();
+        let (handle, task, initial_commit) = start(
+            config,
+            storage,
+            net.transport(1),
+            Addresses::default(),
+            stop_rx,
+        )
+        .unwrap();
         let mut applied = handle.applied();
         while *applied.borrow() < initial_commit {
             applied.changed().await.unwrap();

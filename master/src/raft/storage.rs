@@ -54,6 +54,24 @@ fn store_err(e: impl std::fmt::Display) -> raft::Error {
     raft::Error::Store(StorageError::Other(e.to_string().into()))
 }
 
+/// Opens sled, waiting briefly while the file lock of a previous opener of
+/// the same directory (in this process: its flusher thread ends
+/// asynchronously after drop) is released.
+fn open_db(path: &Path) -> sled::Result<sled::Db> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(3);
+    loop {
+        match sled::open(path) {
+            Err(sled::Error::Io(e))
+                if e.to_string().contains("could not acquire lock")
+                    && std::time::Instant::now() < deadline =>
+            {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            other => return other,
+        }
+    }
+}
+
 impl SledStorage {
     /// Opens (or creates) the storage in `dir`. A new storage is initialised
     /// with `voters` as its configuration; an existing one keeps its own.
@@ -63,7 +81,7 @@ impl SledStorage {
             path: path.clone(),
             source,
         };
-        let db = sled::open(&path).map_err(open_err)?;
+        let db = open_db(&path).map_err(open_err)?;
         let entries = db.open_tree("entries").map_err(open_err)?;
         let meta_tree = db.open_tree("meta").map_err(open_err)?;
         let corrupt = |what: &str, e: &dyn std::fmt::Display| StorageInitError::Corrupt {
@@ -202,6 +220,44 @@ impl SledStorage {
         Ok(())
     }
 
+    /// Replaces the log with a snapshot received from the leader: the
+    /// snapshot, its configuration and a hard state that commits it are
+    /// durable when this returns.
+    pub fn apply_snapshot(&self, snap: &Snapshot) -> raft::Result<()> {
+        let mut meta = self.meta();
+        let sm = snap.get_metadata();
+        if sm.index <= meta.snapshot.index {
+            return Err(raft::Error::Store(StorageError::SnapshotOutOfDate));
+        }
+        let mut hs = meta.hard_state.clone();
+        hs.set_term(hs.term.max(sm.term));
+        hs.set_commit(sm.index);
+        self.meta_tree
+            .insert(KEY_SNAPSHOT_DATA, snap.data.to_vec())
+            .map_err(store_err)?;
+        self.meta_tree
+            .insert(KEY_SNAPSHOT_META, sm.write_to_bytes().map_err(store_err)?)
+            .map_err(store_err)?;
+        self.meta_tree
+            .insert(
+                KEY_CONF_STATE,
+                sm.get_conf_state().write_to_bytes().map_err(store_err)?,
+            )
+            .map_err(store_err)?;
+        self.meta_tree
+            .insert(KEY_HARD_STATE, hs.write_to_bytes().map_err(store_err)?)
+            .map_err(store_err)?;
+        // Every entry is superseded: those before by the snapshot, those
+        // after belong to a log that disagreed with the leader's.
+        self.entries.clear().map_err(store_err)?;
+        self.db.flush().map_err(store_err)?;
+        meta.last_index = sm.index;
+        meta.conf_state = sm.get_conf_state().clone();
+        meta.hard_state = hs;
+        meta.snapshot = sm.clone();
+        Ok(())
+    }
+
     /// The latest snapshot's metadata and state-machine data (empty data:
     /// none yet).
     pub fn snapshot_data(&self) -> raft::Result<(SnapshotMetadata, Vec<u8>)> {
@@ -311,9 +367,9 @@ impl Storage for SledStorage {
     }
 
     fn snapshot(&self, _request_index: u64, _to: u64) -> raft::Result<Snapshot> {
-        // The latest compaction's snapshot. Installing one on a follower
-        // (ready.snapshot()) comes with the multi-master issue; with a single
-        // voter nobody asks.
+        // The latest compaction's (or installed) snapshot: a follower that
+        // needs one lags behind the first entry still in the log, which is
+        // always just after it.
         let (meta, data) = self.snapshot_data()?;
         if data.is_empty() {
             return Err(raft::Error::Store(
@@ -408,6 +464,43 @@ mod tests {
         assert!(s
             .entries(1, 9, None, GetEntriesContext::empty(false))
             .is_err());
+    }
+
+    #[test]
+    fn applying_a_leaders_snapshot_replaces_the_log_durably() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let s = SledStorage::open(dir.path(), &[]).unwrap();
+            // A stale suffix from an old term, which the snapshot supersedes.
+            s.append(&[entry(1, 1), entry(2, 1)]).unwrap();
+            let mut sm = SnapshotMetadata {
+                index: 9,
+                term: 3,
+                ..Default::default()
+            };
+            let mut cs = ConfState::default();
+            cs.set_voters(vec![1, 2, 3]);
+            sm.set_conf_state(cs);
+            let mut snap = Snapshot {
+                data: b"state@9".to_vec().into(),
+                ..Default::default()
+            };
+            snap.set_metadata(sm);
+            s.apply_snapshot(&snap).unwrap();
+            assert_eq!(s.first_index().unwrap(), 10);
+            assert_eq!(s.last_index().unwrap(), 9);
+            assert_eq!(s.term(9).unwrap(), 3);
+            // An older one is refused.
+            let mut old = snap.clone();
+            old.mut_metadata().index = 5;
+            assert!(s.apply_snapshot(&old).is_err());
+        }
+        let s = SledStorage::open(dir.path(), &[]).unwrap();
+        let rs = s.initial_state().unwrap();
+        assert_eq!(rs.conf_state.voters, vec![1, 2, 3]);
+        assert_eq!((rs.hard_state.commit, rs.hard_state.term), (9, 3));
+        assert_eq!(s.snapshot_data().unwrap().1, b"state@9");
+        assert_eq!(s.last_index().unwrap(), 9);
     }
 
     #[test]

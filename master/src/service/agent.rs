@@ -82,9 +82,16 @@ impl pb::agent_manager_server::AgentManager for AgentManagerService {
         let raft = self.ctx.raft.clone();
         let mut applied = raft.applied();
         let mut shutdown = self.ctx.shutdown.clone();
+        let mut status = raft.status_watch();
+        let ctx = self.ctx.clone();
         tokio::spawn(async move {
             let mut last: Option<(Vec<TaskSpec>, Vec<String>)> = None;
             loop {
+                if status.borrow().role != crate::raft::Role::Leader {
+                    // Deposed: send the agent to the new leader.
+                    let _ = tx.send(Err(ctx.not_leader())).await;
+                    return;
+                }
                 let desired = raft.state().desired_tasks(&agent_id);
                 if last.as_ref() != Some(&desired) {
                     let msg = pb::DesiredTasks {
@@ -98,6 +105,7 @@ impl pb::agent_manager_server::AgentManager for AgentManagerService {
                 }
                 tokio::select! {
                     r = applied.changed() => if r.is_err() { return },
+                    r = status.changed() => if r.is_err() { return },
                     _ = shutdown.changed() => return,
                     _ = tx.closed() => return,
                 }

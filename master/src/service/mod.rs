@@ -2,7 +2,10 @@
 //! read the applied state or propose a command, convert the answer.
 
 mod agent;
+pub mod gate;
+mod masters;
 mod operator;
+mod raft;
 mod scheduler;
 
 use std::sync::Arc;
@@ -25,6 +28,14 @@ pub struct Ctx {
     pub shutdown: watch::Receiver<bool>,
 }
 
+impl Ctx {
+    /// The redirect this master answers with when it is not the leader.
+    pub fn not_leader(&self) -> tonic::Status {
+        let leader = self.raft.leader();
+        gpuctl_proto::leader::not_leader(leader.as_ref().map(|(id, a)| (*id, a.as_str())))
+    }
+}
+
 /// Upper bound on a gRPC message, both ways.
 const MAX_MESSAGE_BYTES: usize = 16 * 1024 * 1024;
 
@@ -40,6 +51,11 @@ pub fn agent_manager_server(
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
 }
 
+pub fn raft_server(ctx: Ctx) -> pb::raft_transport_server::RaftTransportServer<raft::RaftService> {
+    pb::raft_transport_server::RaftTransportServer::new(raft::RaftService { ctx })
+        .max_decoding_message_size(crate::raft::transport::MAX_RAFT_MESSAGE_BYTES)
+}
+
 pub fn scheduler_server(
     ctx: Ctx,
 ) -> pb::scheduler_server::SchedulerServer<scheduler::SchedulerService> {
@@ -50,9 +66,16 @@ pub fn scheduler_server(
 impl From<ProposeError> for tonic::Status {
     fn from(e: ProposeError) -> Self {
         match e {
-            ProposeError::NotLeader { .. } | ProposeError::Stopped => {
+            // Never proposed: the client may retry at the leader.
+            ProposeError::NotLeader { leader } => gpuctl_proto::leader::not_leader(
+                leader.as_ref().map(|(id, addr)| (*id, addr.as_str())),
+            ),
+            // Proposed but not known to be committed: no leader hint, so
+            // clients do not resubmit blindly.
+            ProposeError::LeadershipLost | ProposeError::Stopped => {
                 tonic::Status::unavailable(e.to_string())
             }
+            ProposeError::Membership(m) => tonic::Status::failed_precondition(m),
             ProposeError::Busy => tonic::Status::resource_exhausted(e.to_string()),
             ProposeError::Rejected(a) => match a {
                 ApplyError::JobNotFound(_)

@@ -271,18 +271,24 @@ impl pb::operator_server::Operator for OperatorService {
         &self,
         _: Request<pb::ListMastersRequest>,
     ) -> Result<Response<pb::ListMastersResponse>, Status> {
-        // A single voter for now: this master. Peers come with the HA issue.
-        let st = self.ctx.raft.status();
-        Ok(Response::new(pb::ListMastersResponse {
-            masters: vec![pb::MasterInfo {
-                id: st.id,
-                address: self.ctx.config.listen.to_string(),
-                role: st.role.to_string(),
-                term: st.term,
-                commit_index: st.commit_index,
-                applied_index: st.applied_index,
-                answered: true,
-            }],
-        }))
+        Ok(Response::new(super::masters::list(&self.ctx).await))
+    }
+
+    async fn add_master(
+        &self,
+        req: Request<pb::AddMasterRequest>,
+    ) -> Result<Response<pb::ListMastersResponse>, Status> {
+        super::masters::add(&self.ctx, req.into_inner())
+            .await
+            .map(Response::new)
+    }
+
+    async fn remove_master(
+        &self,
+        req: Request<pb::RemoveMasterRequest>,
+    ) -> Result<Response<pb::ListMastersResponse>, Status> {
+        super::masters::remove(&self.ctx, req.into_inner())
+            .await
+            .map(Response::new)
     }
 }

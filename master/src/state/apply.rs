@@ -85,6 +85,12 @@ impl State {
             self.applied_index = index;
         }
         match cmd {
+            Command::RecordMasters { masters } => {
+                for (id, addr) in masters {
+                    self.masters.insert(*id, addr.clone());
+                }
+                Ok(Outcome::Done)
+            }
             Command::RegisterAgent {
                 info,
                 running_task_ids,

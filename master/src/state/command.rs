@@ -16,6 +16,11 @@ pub const COMMAND_VERSION: u32 = 1;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Command {
+    /// API addresses of masters (a new leader records those it was given by
+    /// `--peers` and that the state lacks). Entries replace older ones.
+    RecordMasters {
+        masters: BTreeMap<u64, String>,
+    },
     /// An agent (re)registers. Tasks the master placed on it that it does
     /// not list in `running_task_ids` are lost.
     RegisterAgent {
@@ -142,6 +147,7 @@ impl Command {
     /// Short name for logs and metrics.
     pub fn kind(&self) -> &'static str {
         match self {
+            Command::RecordMasters { .. } => "record_masters",
             Command::RegisterAgent { .. } => "register_agent",
             Command::AgentLost { .. } => "agent_lost",
             Command::SubmitJob { .. } => "submit_job",

@@ -134,6 +134,10 @@ pub struct State {
     /// Sequence for framework ids (`fw-<n>`).
     #[serde(default)]
     pub next_framework_seq: u64,
+    /// API address of each master of the Raft group, by node id, so that
+    /// every master (a joining one too) can reach every other.
+    #[serde(default)]
+    pub masters: BTreeMap<u64, String>,
     /// Index of the last log entry applied.
     pub applied_index: u64,
 }
