@@ -19,7 +19,7 @@ use crate::allocator::{
     self, AgentView, AllocatorConfig, Filters, FrameworkView, OfferBook, RoleConfig,
 };
 use crate::now_ms;
-use crate::raft::{RaftHandle, Role};
+use crate::raft::RaftHandle;
 use crate::state::{AgentState, Command, State, TaskReason, TaskRecord};
 
 pub type EventSender = mpsc::Sender<Result<pb::Event, tonic::Status>>;
@@ -266,7 +266,7 @@ pub async fn run(
             _ = hub.wake.notified() => {}
             _ = tick.tick() => {}
         }
-        if raft.status().role != Role::Leader {
+        if !raft.status().serving {
             // Offers are the leader's; a deposed leader withdraws them and
             // sends its frameworks to the new leader.
             let leader = raft.leader();

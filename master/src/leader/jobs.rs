@@ -17,7 +17,7 @@ use tokio::sync::{mpsc, watch};
 use super::frameworks::{Hub, EVENT_BUFFER};
 use crate::allocator::refuse_until;
 use crate::now_ms;
-use crate::raft::{RaftHandle, Role};
+use crate::raft::RaftHandle;
 use crate::scheduler::{place_in, Available};
 use crate::state::frameworks::BUILTIN_FRAMEWORK_ID;
 use crate::state::Command;
@@ -41,7 +41,7 @@ pub async fn run(raft: RaftHandle, hub: Arc<Hub>, mut shutdown: watch::Receiver<
     let mut backoff = Duration::from_millis(100);
     loop {
         // Wait to lead.
-        while raft.status().role != Role::Leader {
+        while !raft.status().serving {
             tokio::select! {
                 _ = shutdown.changed() => return,
                 r = status.changed() => if r.is_err() { return },
@@ -73,7 +73,7 @@ pub async fn run(raft: RaftHandle, hub: Arc<Hub>, mut shutdown: watch::Receiver<
                     return;
                 }
                 r = status.changed() => {
-                    if r.is_err() || raft.status().role != Role::Leader {
+                    if r.is_err() || !raft.status().serving {
                         hub.disconnect(BUILTIN_FRAMEWORK_ID, conn);
                         break;
                     }

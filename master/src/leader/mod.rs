@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
 
-use crate::raft::{RaftHandle, Role};
+use crate::raft::RaftHandle;
 use crate::state::{AgentState, Command};
 use crate::{now_ms, MasterConfig};
 
@@ -66,7 +66,7 @@ pub async fn run(
             _ = liveness_tick.tick() => {}
             r = status.changed() => if r.is_err() { return },
         }
-        let is_leader = raft.status().role == Role::Leader;
+        let is_leader = raft.status().serving;
         if is_leader && !was_leader {
             liveness.reset();
             record_masters(&raft).await;

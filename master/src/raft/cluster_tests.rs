@@ -148,6 +148,10 @@ async fn three_masters_elect_one_leader_and_replicate() {
     }
     g.converge(leader, &[1, 2, 3]).await;
     assert_eq!(g.h(1).state().jobs.len(), 5);
+    // Only the leader serves, and only once it has applied its term's start.
+    for id in 1..=3 {
+        assert_eq!(g.h(id).status().serving, id == leader, "node {id}");
+    }
     // A follower refuses to propose and names the leader.
     let follower = (1..=3).find(|id| *id != leader).unwrap();
     match g.h(follower).propose(submit("x")).await {

@@ -73,6 +73,10 @@ pub struct NodeStatus {
     pub learners: Vec<u64>,
     /// The log starts after this index (the state before it is a snapshot).
     pub snapshot_index: u64,
+    /// Leader, and has applied everything committed before its term (its
+    /// first entry): only then does its state include every write a
+    /// previous leader acknowledged, so only then does it serve.
+    pub serving: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -254,6 +258,8 @@ struct Node {
     snapshot_index: u64,
     /// Snapshot at the end of this ready (a master was added).
     snapshot_due: bool,
+    /// While leader: the index of the first entry of its term.
+    lead_start: Option<u64>,
     transport: Arc<dyn Transport>,
     reporter: Reporter,
     addresses: Addresses,
@@ -325,6 +331,7 @@ pub fn start(
         voters: Vec::new(),
         learners: Vec::new(),
         snapshot_index,
+        serving: false,
     };
     let (status_tx, status_rx) = watch::channel(status0);
     let (tx, mut rx) = mpsc::channel::<NodeMsg>(8192);
@@ -350,6 +357,7 @@ pub fn start(
         snapshot_every: config.snapshot_every.max(1),
         snapshot_index,
         snapshot_due: false,
+        lead_start: None,
         transport,
         reporter: Reporter { tx },
         addresses,
@@ -490,6 +498,14 @@ impl Node {
             StateRole::Candidate | StateRole::PreCandidate => Role::Candidate,
             StateRole::Follower => Role::Follower,
         };
+        // raft-rs appends the new term's empty entry when it becomes leader.
+        self.lead_start = match role {
+            Role::Leader => Some(self.lead_start.unwrap_or_else(|| r.raft_log.last_index())),
+            _ => None,
+        };
+        let serving = self
+            .lead_start
+            .is_some_and(|start| r.raft_log.applied >= start);
         let conf = r.prs().conf();
         let mut voters: Vec<u64> = conf.voters().ids().iter().collect();
         voters.sort_unstable();
@@ -505,6 +521,7 @@ impl Node {
             voters,
             learners,
             snapshot_index: self.snapshot_index,
+            serving,
         };
         self.status_tx.send_if_modified(|s| {
             if *s != status {

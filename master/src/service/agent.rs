@@ -87,7 +87,7 @@ impl pb::agent_manager_server::AgentManager for AgentManagerService {
         tokio::spawn(async move {
             let mut last: Option<(Vec<TaskSpec>, Vec<String>)> = None;
             loop {
-                if status.borrow().role != crate::raft::Role::Leader {
+                if !status.borrow().serving {
                     // Deposed: send the agent to the new leader.
                     let _ = tx.send(Err(ctx.not_leader())).await;
                     return;

@@ -1,4 +1,5 @@
-//! Only the leader serves the API: on any other master every call but
+//! Only the leader serves the API, once it has applied everything committed
+//! before its term (`NodeStatus::serving`): on any other master every call but
 //! `Operator.ListMasters` (and master-to-master Raft traffic) is answered
 //! with a redirect naming the leader (`gpuctl_proto::leader`). A tower layer
 //! over the whole server, so no handler can forget it.
@@ -52,10 +53,17 @@ where
     }
 
     fn call(&mut self, req: http::Request<B>) -> Self::Future {
-        if self.raft.status().role != Role::Leader && !served_by_any_master(req.uri().path()) {
-            let leader = self.raft.leader();
-            let status =
-                gpuctl_proto::leader::not_leader(leader.as_ref().map(|(id, a)| (*id, a.as_str())));
+        let st = self.raft.status();
+        if !st.serving && !served_by_any_master(req.uri().path()) {
+            let status = if st.role == Role::Leader {
+                // Elected, still applying what earlier leaders committed.
+                tonic::Status::unavailable(
+                    "this master was just elected leader and is catching up; retry",
+                )
+            } else {
+                let leader = self.raft.leader();
+                gpuctl_proto::leader::not_leader(leader.as_ref().map(|(id, a)| (*id, a.as_str())))
+            };
             return Either::Left(futures::future::ready(Ok(status.into_http())));
         }
         Either::Right(self.inner.call(req))

@@ -15,7 +15,6 @@ use super::Ctx;
 use crate::allocator::refuse_until;
 use crate::leader::frameworks::{task_status, EVENT_BUFFER};
 use crate::now_ms;
-use crate::raft::Role;
 use crate::state::frameworks::task_key;
 use crate::state::{Command, FrameworkTask, Outcome};
 
@@ -63,7 +62,7 @@ fn framework_info(f: Option<pb::FrameworkInfo>) -> Result<FrameworkInfo, Status>
 
 impl SchedulerService {
     fn leader(&self) -> Result<(), Status> {
-        if self.ctx.raft.status().role != Role::Leader {
+        if !self.ctx.raft.status().serving {
             return Err(Status::unavailable(
                 "this master is not the leader; subscribe to the leader",
             ));
