@@ -1,21 +1,29 @@
 //! The agent's side of the master connection: register, heartbeat, watch the
 //! desired tasks, and deliver status updates reliably.
 //!
-//! Any failure sends the agent back to registration (with backoff), which is
-//! idempotent: it lists the tasks still running here so the master keeps
-//! them. Status updates are queued and sent one at a time, in order, until
-//! the master acknowledges each (it does so once the update is committed).
+//! Any failure sends the agent back to registration, which is idempotent: it
+//! lists the tasks still running here so the master keeps them. Losing the
+//! master never stops a task; only a desired-task list from a master does.
+//! Status updates are queued and sent one at a time, in order, until the
+//! master acknowledges each (it does so once the update is committed).
+//!
+//! Only the Raft leader serves agents. A follower answers `UNAVAILABLE`,
+//! naming the leader when it knows it (`gpuctl_proto::leader`): the agent
+//! goes there at once. Any other failure moves it on to the next address,
+//! with backoff.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::StreamExt;
+use gpuctl_proto::leader::{leader_hint, retry_elsewhere};
 use gpuctl_proto::pb;
 use gpuctl_proto::pb::agent_manager_client::AgentManagerClient;
 use gpuctl_proto::types::{AgentInfo, StatusUpdate, TaskSpec};
 use tokio::sync::{mpsc, watch};
 use tonic::transport::{Channel, Endpoint};
+use tonic::Status;
 
 use crate::executor::Executor;
 
@@ -23,58 +31,148 @@ const BACKOFF_MIN: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(5);
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 const RPC_TIMEOUT: Duration = Duration::from_secs(10);
+/// Redirects followed in a row without a pause; more means stale hints (a
+/// leader change in progress), so back off.
+const FREE_REDIRECTS: u32 = 3;
+
+/// Where to go after a call to `addrs[current]` failed with `status`: to the
+/// leader the status names (added to `addrs` if new), else to the next
+/// address. Returns the new index and whether it followed a redirect.
+pub fn next_master(
+    addrs: &mut Vec<String>,
+    current: usize,
+    status: Option<&Status>,
+) -> (usize, bool) {
+    let current_addr = addrs.get(current).map(String::as_str);
+    let hint = status
+        .and_then(leader_hint)
+        .map(|h| h.trim().to_string())
+        .filter(|h| is_host_port(h) && Some(h.as_str()) != current_addr);
+    if let Some(leader) = hint {
+        let i = match addrs.iter().position(|a| *a == leader) {
+            Some(i) => i,
+            None => {
+                addrs.push(leader);
+                addrs.len() - 1
+            }
+        };
+        return (i, true);
+    }
+    if addrs.is_empty() {
+        return (0, false);
+    }
+    ((current + 1) % addrs.len(), false)
+}
+
+/// `HOST:PORT` with a usable port: a hint must not poison the list.
+fn is_host_port(s: &str) -> bool {
+    matches!(s.rsplit_once(':'), Some((host, port))
+        if !host.is_empty() && !host.contains('/') && port.parse::<u16>().is_ok_and(|p| p != 0))
+}
 
 /// The masters this agent knows, and which one it talks to now.
 pub struct Masters {
+    current: Mutex<Current>,
+}
+
+struct Current {
     addrs: Vec<String>,
-    current: Mutex<(usize, Option<Channel>)>,
+    index: usize,
+    channel: Option<Channel>,
 }
 
 impl Masters {
     pub fn new(addrs: Vec<String>) -> Masters {
         Masters {
-            addrs,
-            current: Mutex::new((0, None)),
+            current: Mutex::new(Current {
+                addrs,
+                index: 0,
+                channel: None,
+            }),
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, (usize, Option<Channel>)> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Current> {
         self.current.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     pub fn current_addr(&self) -> String {
-        let i = self.lock().0;
-        self.addrs.get(i).cloned().unwrap_or_default()
+        let cur = self.lock();
+        cur.addrs.get(cur.index).cloned().unwrap_or_default()
     }
 
-    /// A client for the current master (the channel reconnects by itself).
-    pub fn client(&self) -> Result<AgentManagerClient<Channel>, String> {
+    /// The current master's address and a client for it (the channel
+    /// reconnects by itself).
+    pub fn client(&self) -> Result<(String, AgentManagerClient<Channel>), String> {
         let mut cur = self.lock();
-        if let Some(ch) = &cur.1 {
-            return Ok(AgentManagerClient::new(ch.clone()));
+        let addr = cur.addrs.get(cur.index).cloned().unwrap_or_default();
+        if let Some(ch) = &cur.channel {
+            return Ok((addr, AgentManagerClient::new(ch.clone())));
         }
-        let addr = self.addrs.get(cur.0).cloned().unwrap_or_default();
         let ch = Endpoint::from_shared(format!("http://{addr}"))
             .map_err(|e| format!("master address {addr:?}: {e}"))?
             .connect_timeout(CONNECT_TIMEOUT)
             .timeout(RPC_TIMEOUT)
             .connect_lazy();
-        cur.1 = Some(ch.clone());
-        Ok(AgentManagerClient::new(ch))
+        cur.channel = Some(ch.clone());
+        Ok((addr, AgentManagerClient::new(ch)))
     }
 
-    /// Moves on to the next master address (after a failure).
-    pub fn rotate(&self) {
+    /// After a call to `failed` failed: goes to the leader `status` names,
+    /// or to the next address. Returns true when the next try may follow at
+    /// once: a redirect, or another caller already moved away from `failed`.
+    pub fn after_failure(&self, failed: &str, status: Option<&Status>) -> bool {
         let mut cur = self.lock();
-        if self.addrs.len() > 1 {
-            cur.0 = (cur.0 + 1) % self.addrs.len();
-            cur.1 = None;
+        if cur.addrs.get(cur.index).map(String::as_str) != Some(failed) {
+            return true;
         }
+        let cur = &mut *cur;
+        let (index, redirected) = next_master(&mut cur.addrs, cur.index, status);
+        if index != cur.index {
+            cur.index = index;
+            cur.channel = None;
+        }
+        if redirected {
+            tracing::info!(from = %failed, leader = %cur.addrs[index], "following the master's redirect to the leader");
+        }
+        redirected
     }
 }
 
 fn next_backoff(b: Duration) -> Duration {
     (b * 2).min(BACKOFF_MAX)
+}
+
+/// Why a session ended.
+#[derive(Debug)]
+struct SessionError {
+    /// The master the session talked to.
+    addr: String,
+    message: String,
+    /// The master's answer, when a call failed (it may name the leader).
+    status: Option<Status>,
+    /// Whether the session got as far as registering.
+    registered: bool,
+}
+
+impl SessionError {
+    fn rpc(addr: &str, what: &str, status: Status, registered: bool) -> Self {
+        SessionError {
+            addr: addr.to_string(),
+            message: format!("{what}: {}", status.message()),
+            status: Some(status),
+            registered,
+        }
+    }
+
+    fn other(addr: &str, message: String, registered: bool) -> Self {
+        SessionError {
+            addr: addr.to_string(),
+            message,
+            status: None,
+            registered,
+        }
+    }
 }
 
 /// Registration, heartbeats and the desired-task watch, until shutdown.
@@ -85,35 +183,44 @@ pub async fn run(
     mut shutdown: watch::Receiver<bool>,
 ) {
     let mut backoff = BACKOFF_MIN;
+    let mut redirects = 0;
     loop {
         if *shutdown.borrow() {
             return;
         }
-        let result = tokio::select! {
+        let e = tokio::select! {
             r = session(&masters, &info, &executor) => r,
             _ = shutdown.changed() => return,
         };
-        if let Err(e) = result {
-            tracing::warn!(master = %masters.current_addr(), error = %e, retry_in_ms = backoff.as_millis() as u64, "master connection failed");
-            masters.rotate();
-            tokio::select! {
-                _ = tokio::time::sleep(backoff) => {}
-                _ = shutdown.changed() => return,
-            }
-            backoff = next_backoff(backoff);
-        } else {
+        // A session that registered ran fine until now (e.g. its leader
+        // stepped down): reconnect quickly.
+        if e.registered {
             backoff = BACKOFF_MIN;
+            redirects = 0;
         }
+        let addr = &e.addr;
+        if masters.after_failure(addr, e.status.as_ref()) && redirects < FREE_REDIRECTS {
+            redirects += 1;
+            tracing::info!(master = %addr, error = %e.message, next = %masters.current_addr(), "master connection ended; reconnecting now");
+            continue;
+        }
+        redirects = 0;
+        tracing::warn!(master = %addr, error = %e.message, retry_in_ms = backoff.as_millis() as u64, "master connection failed");
+        tokio::select! {
+            _ = tokio::time::sleep(backoff) => {}
+            _ = shutdown.changed() => return,
+        }
+        backoff = next_backoff(backoff);
     }
 }
 
 /// One registration and what follows it; returns on the first failure.
-async fn session(
-    masters: &Masters,
-    info: &AgentInfo,
-    executor: &Arc<Executor>,
-) -> Result<(), String> {
-    let mut client = masters.client()?;
+/// Tasks keep running meanwhile: nothing here tells the executor to stop.
+async fn session(masters: &Masters, info: &AgentInfo, executor: &Arc<Executor>) -> SessionError {
+    let (addr, mut client) = match masters.client() {
+        Ok(c) => c,
+        Err(e) => return SessionError::other(&masters.current_addr(), e, false),
+    };
     let mut req = pb::RegisterRequest {
         agent_id: info.id.clone(),
         hostname: info.hostname.clone(),
@@ -132,21 +239,22 @@ async fn session(
         cuda_driver_version: info.cuda_driver_version.clone().unwrap_or_default(),
     };
     req.running_task_ids.sort();
-    let resp = client
-        .register(req)
-        .await
-        .map_err(|s| format!("register: {}", s.message()))?
-        .into_inner();
+    let resp = match client.register(req).await {
+        Ok(r) => r.into_inner(),
+        Err(s) => return SessionError::rpc(&addr, "register", s, false),
+    };
     let interval = Duration::from_millis(u64::from(resp.heartbeat_interval_ms.max(100)));
-    tracing::info!(master = %masters.current_addr(), agent_id = %info.id, "registered with master");
+    tracing::info!(master = %addr, agent_id = %info.id, "registered with master");
 
-    let mut watch = client
+    let mut watch = match client
         .watch_tasks(pb::WatchTasksRequest {
             agent_id: info.id.clone(),
         })
         .await
-        .map_err(|s| format!("watch tasks: {}", s.message()))?
-        .into_inner();
+    {
+        Ok(r) => r.into_inner(),
+        Err(s) => return SessionError::rpc(&addr, "watch tasks", s, true),
+    };
     let mut heartbeat = tokio::time::interval(interval);
     heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -160,19 +268,22 @@ async fn session(
                             // Skipping a bad spec would make the executor
                             // kill the task if it were running; better to
                             // fail loudly and retry the whole session.
-                            Err(e) => return Err(format!("master sent an invalid task: {e}")),
+                            Err(e) => return SessionError::other(&addr, format!("master sent an invalid task: {e}"), true),
                         }
                     }
                     executor.reconcile(tasks, desired.kill);
                 }
-                Some(Err(s)) => return Err(format!("watch tasks: {}", s.message())),
-                None => return Err("watch tasks: stream ended".into()),
+                Some(Err(s)) => return SessionError::rpc(&addr, "watch tasks", s, true),
+                // A leader that steps down ends its streams.
+                None => return SessionError::other(&addr, "watch tasks: stream ended".into(), true),
             },
             _ = heartbeat.tick() => {
-                client
+                if let Err(s) = client
                     .heartbeat(pb::HeartbeatRequest { agent_id: info.id.clone() })
                     .await
-                    .map_err(|s| format!("heartbeat: {}", s.message()))?;
+                {
+                    return SessionError::rpc(&addr, "heartbeat", s, true);
+                }
             }
         }
     }
@@ -190,6 +301,7 @@ const ACK_POLL: Duration = Duration::from_millis(500);
 pub async fn status_sender(masters: Arc<Masters>, mut rx: mpsc::Receiver<StatusUpdate>) {
     let mut queues: BTreeMap<String, VecDeque<StatusUpdate>> = BTreeMap::new();
     let mut backoff = BACKOFF_MIN;
+    let mut redirects = 0;
     let mut closed = false;
     loop {
         while let Ok(u) = rx.try_recv() {
@@ -207,16 +319,19 @@ pub async fn status_sender(masters: Arc<Masters>, mut rx: mpsc::Receiver<StatusU
         }
         let mut progress = false;
         let mut unreachable = false;
+        let mut redirected = false;
         for queue in queues.values_mut() {
             let Some(update) = queue.front() else {
                 continue;
             };
-            let result = match masters.client() {
-                Ok(mut c) => {
-                    c.update_status(pb::StatusUpdate::from(update.clone()))
-                        .await
+            let (addr, result) = match masters.client() {
+                Ok((addr, mut c)) => {
+                    let r = c
+                        .update_status(pb::StatusUpdate::from(update.clone()))
+                        .await;
+                    (addr, r)
                 }
-                Err(e) => Err(tonic::Status::unavailable(e)),
+                Err(e) => (masters.current_addr(), Err(tonic::Status::unavailable(e))),
             };
             match result {
                 Ok(ack) if ack.get_ref().acknowledged => {
@@ -240,8 +355,15 @@ pub async fn status_sender(masters: Arc<Masters>, mut rx: mpsc::Receiver<StatusU
                     progress = true;
                 }
                 Err(s) => {
-                    tracing::debug!(task_id = %update.task_id, error = %s.message(), "status update not delivered; retrying");
-                    unreachable = true;
+                    tracing::debug!(task_id = %update.task_id, master = %addr, error = %s.message(), "status update not delivered; retrying");
+                    // Not the leader, down, or the connection broke (a
+                    // transport error): go where the answer points.
+                    let moved = retry_elsewhere(&s) || std::error::Error::source(&s).is_some();
+                    if moved && masters.after_failure(&addr, Some(&s)) {
+                        redirected = true;
+                    } else {
+                        unreachable = true;
+                    }
                     break;
                 }
             }
@@ -249,7 +371,15 @@ pub async fn status_sender(masters: Arc<Masters>, mut rx: mpsc::Receiver<StatusU
         queues.retain(|_, q| !q.is_empty());
         if progress {
             backoff = BACKOFF_MIN;
+            redirects = 0;
             continue;
+        }
+        if redirected && redirects < FREE_REDIRECTS {
+            redirects += 1;
+            continue;
+        }
+        if redirected {
+            unreachable = true;
         }
         let wait = if unreachable {
             let b = backoff;
@@ -265,5 +395,79 @@ pub async fn status_sender(masters: Arc<Masters>, mut rx: mpsc::Receiver<StatusU
             },
             _ = tokio::time::sleep(wait) => {}
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpuctl_proto::leader::not_leader;
+
+    fn list(addrs: &[&str]) -> Vec<String> {
+        addrs.iter().map(|a| a.to_string()).collect()
+    }
+
+    #[test]
+    fn a_redirect_goes_to_the_named_leader() {
+        let mut addrs = list(&["m1:7050", "m2:7050", "m3:7050"]);
+        let s = not_leader(Some((3, "m3:7050")));
+        assert_eq!(next_master(&mut addrs, 0, Some(&s)), (2, true));
+        assert_eq!(addrs.len(), 3);
+    }
+
+    #[test]
+    fn an_unknown_leader_is_added() {
+        let mut addrs = list(&["m1:7050", "m2:7050"]);
+        let s = not_leader(Some((4, "m4:7050")));
+        assert_eq!(next_master(&mut addrs, 1, Some(&s)), (2, true));
+        assert_eq!(addrs, list(&["m1:7050", "m2:7050", "m4:7050"]));
+    }
+
+    #[test]
+    fn without_a_hint_the_next_address_is_tried() {
+        let mut addrs = list(&["m1:7050", "m2:7050", "m3:7050"]);
+        let election = not_leader(None);
+        assert_eq!(next_master(&mut addrs, 0, Some(&election)), (1, false));
+        assert_eq!(next_master(&mut addrs, 2, Some(&election)), (0, false));
+        let down = Status::unavailable("tcp connect error");
+        assert_eq!(next_master(&mut addrs, 1, Some(&down)), (2, false));
+        // A stream that just ended: no status at all.
+        assert_eq!(next_master(&mut addrs, 1, None), (2, false));
+        let mut one = list(&["m1:7050"]);
+        assert_eq!(next_master(&mut one, 0, None), (0, false));
+    }
+
+    #[test]
+    fn useless_hints_are_ignored() {
+        let mut addrs = list(&["m1:7050", "m2:7050"]);
+        // Naming the master that just refused, or something that is not
+        // HOST:PORT, is no redirect.
+        for bad in ["m1:7050", "nonsense", "m9:0", ":7050", "http://m9:7050/x"] {
+            let s = not_leader(Some((1, bad)));
+            assert_eq!(next_master(&mut addrs, 0, Some(&s)), (1, false), "{bad}");
+        }
+        // A hint on an error that is not a redirect does not count either.
+        let mut s = Status::internal("boom");
+        s.metadata_mut().insert(
+            gpuctl_proto::leader::LEADER_METADATA,
+            tonic::metadata::MetadataValue::from_static("m2:7050"),
+        );
+        assert_eq!(next_master(&mut addrs, 0, Some(&s)), (1, false));
+        assert_eq!(addrs.len(), 2);
+    }
+
+    #[tokio::test]
+    async fn only_the_first_caller_to_fail_moves_the_agent() {
+        let masters = Masters::new(list(&["m1:7050", "m2:7050", "m3:7050"]));
+        assert!(!masters.after_failure("m1:7050", None));
+        assert_eq!(masters.current_addr(), "m2:7050");
+        // Another task's failure at m1 is old news: it just tries m2 now.
+        assert!(masters.after_failure("m1:7050", None));
+        assert_eq!(masters.current_addr(), "m2:7050");
+        let s = not_leader(Some((3, "m3:7050")));
+        assert!(masters.after_failure("m2:7050", Some(&s)));
+        assert_eq!(masters.current_addr(), "m3:7050");
+        let (addr, _client) = masters.client().unwrap();
+        assert_eq!(addr, "m3:7050");
     }
 }

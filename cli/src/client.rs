@@ -1,20 +1,49 @@
-//! Connecting to the masters.
+//! Connecting to the masters and following the leader.
 //!
 //! `--master` (or `GPUCTL_MASTER`) is a comma separated list of `HOST:PORT`.
-//! The CLI talks to the first one that accepts a connection; any master will
-//! do, because followers forward what they cannot answer to the leader.
+//! The CLI connects to the first one that accepts a connection. Only the
+//! Raft leader serves the API: a follower answers `UNAVAILABLE`, naming the
+//! leader in the `gpuctl-leader` metadata when it knows it
+//! (`gpuctl_proto::leader`). [`Master::call`] follows such redirects, tries
+//! the next address when there is no hint (an election, a master down) and
+//! gives up after [`LEADER_DEADLINE`].
 
 use std::fmt;
+use std::future::Future;
 use std::time::Duration;
 
+use gpuctl_proto::leader::{leader_hint, retry_elsewhere};
 use gpuctl_proto::pb::operator_client::OperatorClient;
+use tokio::time::Instant;
 use tonic::transport::{Channel, Endpoint};
+use tonic::{Code, Status};
+
+use crate::commands::CliError;
 
 /// The default `--master`.
 pub const DEFAULT_MASTER: &str = "127.0.0.1:7050";
 
 /// How long one address may take to accept a connection before the next is tried.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// How long a call keeps looking for the leader (redirects, an election, a
+/// master down) before it reports the last error.
+pub const LEADER_DEADLINE: Duration = Duration::from_secs(15);
+
+/// Longest one attempt of an ordinary call may take.
+pub const RPC_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Longest `AddMaster`/`RemoveMaster` may take: a new master first catches
+/// up as a learner, removing the leader first hands leadership on.
+pub const MEMBERSHIP_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Pauses between attempts that got no leader hint.
+const BACKOFF_MIN: Duration = Duration::from_millis(100);
+const BACKOFF_MAX: Duration = Duration::from_secs(1);
+
+/// Redirects followed at once, without a pause; more in a row means the
+/// hints are stale (a leader change in progress), so back off.
+const FREE_REDIRECTS: u32 = 3;
 
 /// Largest reply the CLI accepts (a big cluster's job list is large).
 const MAX_MESSAGE_BYTES: usize = 64 * 1024 * 1024;
@@ -35,36 +64,93 @@ impl fmt::Display for MasterList {
 pub fn parse_master_list(s: &str) -> Result<MasterList, String> {
     let mut out = Vec::new();
     for raw in s.split(',') {
-        let entry = raw.trim();
-        let entry = entry.strip_prefix("http://").unwrap_or(entry);
-        if entry.is_empty() {
+        if raw.trim().is_empty() {
             return Err(format!(
                 "empty address in {s:?} (expected HOST:PORT[,HOST:PORT...])"
             ));
         }
-        let Some((host, port)) = entry.rsplit_once(':') else {
-            return Err(format!("{entry:?} has no port (expected HOST:PORT)"));
-        };
-        if host.is_empty() {
-            return Err(format!("{entry:?} has no host (expected HOST:PORT)"));
-        }
-        // A bare IPv6 address must be bracketed: "[::1]:7050".
-        if host.contains(':') && !(host.starts_with('[') && host.ends_with(']')) {
-            return Err(format!(
-                "{entry:?}: write an IPv6 address in brackets, e.g. [::1]:7050"
-            ));
-        }
-        match port.parse::<u16>() {
-            Ok(p) if p != 0 => {}
-            _ => {
-                return Err(format!(
-                    "{entry:?}: port {port:?} is not a number in 1..65535"
-                ))
-            }
-        }
-        out.push(entry.to_string());
+        out.push(parse_address(raw)?);
     }
     Ok(MasterList(out))
+}
+
+/// Parses one `HOST:PORT` (a leading `http://` is dropped).
+pub fn parse_address(raw: &str) -> Result<String, String> {
+    let entry = raw.trim();
+    let entry = entry.strip_prefix("http://").unwrap_or(entry);
+    if entry.is_empty() {
+        return Err("empty address (expected HOST:PORT)".to_string());
+    }
+    let Some((host, port)) = entry.rsplit_once(':') else {
+        return Err(format!("{entry:?} has no port (expected HOST:PORT)"));
+    };
+    if host.is_empty() {
+        return Err(format!("{entry:?} has no host (expected HOST:PORT)"));
+    }
+    // A bare IPv6 address must be bracketed: "[::1]:7050".
+    if host.contains(':') && !(host.starts_with('[') && host.ends_with(']')) {
+        return Err(format!(
+            "{entry:?}: write an IPv6 address in brackets, e.g. [::1]:7050"
+        ));
+    }
+    match port.parse::<u16>() {
+        Ok(p) if p != 0 => Ok(entry.to_string()),
+        _ => Err(format!(
+            "{entry:?}: port {port:?} is not a number in 1..65535"
+        )),
+    }
+}
+
+/// When a failed call may be sent again (to the leader, or later).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Retry {
+    /// Repeating it is harmless (reads, cancel): retried after any error
+    /// that another master or a later try may not have.
+    Always,
+    /// Applying it twice would do harm (submit: a second job; membership
+    /// changes): retried only when the failure proves the master did not
+    /// apply it. A connection lost mid-call, a deadline passed after
+    /// sending or a leader losing leadership while committing leave the
+    /// outcome unknown; those are reported, never resent.
+    IfNotApplied,
+}
+
+/// Whether a call that failed with `status` is sent again under `policy`.
+pub fn may_retry(policy: Retry, status: &Status) -> bool {
+    match policy {
+        // A master dying mid-call breaks the connection with whatever code
+        // the transport error maps to ("h2 protocol error": Unknown).
+        Retry::Always => retry_elsewhere(status) || crate::commands::is_transport_error(status),
+        Retry::IfNotApplied => not_applied(status),
+    }
+}
+
+/// Whether the failure proves the call was not applied: the master said it
+/// refused before proposing (a redirect, no leader elected yet, a new leader
+/// still catching up), a full proposal queue, or a connection that was never
+/// made. A leader's "leadership lost while committing" carries no such mark:
+/// it may still commit.
+pub fn not_applied(status: &Status) -> bool {
+    if gpuctl_proto::leader::not_proposed(status) || never_sent(status) {
+        return true;
+    }
+    if crate::commands::is_transport_error(status) {
+        return false;
+    }
+    // The master's "proposal queue full": refused before proposing.
+    status.code() == Code::ResourceExhausted
+}
+
+/// Whether the call failed while connecting, so no byte of it was sent.
+pub fn never_sent(status: &Status) -> bool {
+    let mut source = std::error::Error::source(status);
+    while let Some(e) = source {
+        if e.downcast_ref::<tonic::ConnectError>().is_some() {
+            return true;
+        }
+        source = e.source();
+    }
+    false
 }
 
 /// No master in the list accepted a connection.
@@ -78,11 +164,13 @@ pub struct ConnectError {
 /// A connected Operator client and the address it talks to.
 #[derive(Debug, Clone)]
 pub struct Master {
-    /// The address that answered.
+    /// The address calls go to now.
     pub addr: String,
-    /// Every address of `--master`, for reconnecting after a failover.
+    /// Every address of `--master`, and leaders learned from redirects.
     pub addrs: Vec<String>,
     pub client: OperatorClient<Channel>,
+    /// How long a call follows the leader before giving up.
+    pub retry_for: Duration,
 }
 
 impl Master {
@@ -99,13 +187,11 @@ impl Master {
         for addr in addrs {
             match connect_one(addr, timeout).await {
                 Ok(channel) => {
-                    let client = OperatorClient::new(channel)
-                        .max_decoding_message_size(MAX_MESSAGE_BYTES)
-                        .max_encoding_message_size(MAX_MESSAGE_BYTES);
                     return Ok(Master {
                         addr: addr.clone(),
                         addrs: addrs.to_vec(),
-                        client,
+                        client: operator_client(channel),
+                        retry_for: LEADER_DEADLINE,
                     });
                 }
                 Err(e) => {
@@ -120,12 +206,130 @@ impl Master {
         })
     }
 
-    /// Connects again, to whichever master of the list answers first now.
-    pub async fn reconnect(&mut self) -> Result<(), ConnectError> {
-        let fresh = Self::connect(&self.addrs).await?;
-        *self = fresh;
-        Ok(())
+    /// Calls `f` with a client of the current master, following the leader
+    /// under `policy`, each attempt bounded by [`RPC_TIMEOUT`].
+    pub async fn call<T, F, Fut>(&mut self, policy: Retry, f: F) -> Result<T, CliError>
+    where
+        F: FnMut(OperatorClient<Channel>) -> Fut,
+        Fut: Future<Output = Result<tonic::Response<T>, Status>>,
+    {
+        let deadline = Instant::now() + self.retry_for;
+        self.call_until(policy, Some(RPC_TIMEOUT), deadline, f)
+            .await
     }
+
+    /// [`Master::call`] with its own limits: `attempt` bounds each try
+    /// (`None`: a stream that may take long to open), `deadline` the search
+    /// for the leader.
+    pub async fn call_until<T, F, Fut>(
+        &mut self,
+        policy: Retry,
+        attempt: Option<Duration>,
+        deadline: Instant,
+        mut f: F,
+    ) -> Result<T, CliError>
+    where
+        F: FnMut(OperatorClient<Channel>) -> Fut,
+        Fut: Future<Output = Result<tonic::Response<T>, Status>>,
+    {
+        let started = Instant::now();
+        let mut backoff = BACKOFF_MIN;
+        let mut redirects = 0;
+        // Addresses that refused a connection during this call.
+        let mut down: Vec<String> = Vec::new();
+        loop {
+            let call = f(self.client.clone());
+            let result = match attempt {
+                Some(limit) => tokio::time::timeout(limit, call).await.unwrap_or_else(|_| {
+                    Err(Status::deadline_exceeded(format!(
+                        "master {} did not answer within {}s",
+                        self.addr,
+                        limit.as_secs_f64()
+                    )))
+                }),
+                None => call.await,
+            };
+            let status = match result {
+                Ok(response) => return Ok(response.into_inner()),
+                Err(status) => status,
+            };
+            if !may_retry(policy, &status) {
+                return Err(CliError::rpc(self, status));
+            }
+            if never_sent(&status) {
+                down.push(self.addr.clone());
+            }
+            // A follower may still name the leader that just died.
+            let redirect = leader_hint(&status)
+                .and_then(|h| parse_address(&h).ok())
+                .filter(|h| *h != self.addr && !down.contains(h));
+            let pause = if redirect.is_some() && redirects < FREE_REDIRECTS {
+                redirects += 1;
+                Duration::ZERO
+            } else {
+                let b = backoff;
+                backoff = (backoff * 2).min(BACKOFF_MAX);
+                b
+            };
+            if Instant::now() + pause >= deadline {
+                return Err(CliError::GaveUp {
+                    secs: deadline
+                        .saturating_duration_since(started)
+                        .as_secs_f64()
+                        .round() as u64,
+                    tried: self.addrs.join(", "),
+                    last: Box::new(CliError::rpc(self, status)),
+                });
+            }
+            tracing::debug!(
+                addr = %self.addr,
+                leader = ?redirect,
+                error = %status.message(),
+                "master cannot serve the call; trying another"
+            );
+            tokio::time::sleep(pause).await;
+            let next = match redirect {
+                Some(leader) => leader,
+                None => self.next_addr(),
+            };
+            self.switch_to(next);
+        }
+    }
+
+    /// The address after the current one, round the list.
+    fn next_addr(&self) -> String {
+        let i = self.addrs.iter().position(|a| *a == self.addr);
+        let next = i.map_or(0, |i| (i + 1) % self.addrs.len().max(1));
+        self.addrs
+            .get(next)
+            .cloned()
+            .unwrap_or_else(|| self.addr.clone())
+    }
+
+    /// Talks to `addr` from now on (a leader learned from a redirect joins
+    /// the list). The connection is made by the next call: if it fails, that
+    /// call fails before sending anything, which [`never_sent`] recognises.
+    pub fn switch_to(&mut self, addr: String) {
+        let endpoint = match Endpoint::from_shared(format!("http://{addr}")) {
+            Ok(e) => e.connect_timeout(CONNECT_TIMEOUT).tcp_nodelay(true),
+            Err(e) => {
+                // Only a redirect can bring an unchecked address; keep ours.
+                tracing::debug!(addr = %addr, error = %e, "ignoring a bad master address");
+                return;
+            }
+        };
+        if !self.addrs.contains(&addr) {
+            self.addrs.push(addr.clone());
+        }
+        self.client = operator_client(endpoint.connect_lazy());
+        self.addr = addr;
+    }
+}
+
+fn operator_client(channel: Channel) -> OperatorClient<Channel> {
+    OperatorClient::new(channel)
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES)
 }
 
 async fn connect_one(addr: &str, timeout: Duration) -> Result<Channel, String> {

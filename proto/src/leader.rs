@@ -14,10 +14,33 @@ use tonic::{Code, Status};
 /// Metadata key of the leader's API address (`HOST:PORT`) in a redirect.
 pub const LEADER_METADATA: &str = "gpuctl-leader";
 
+/// Metadata key present when the master refused the call before proposing
+/// anything, so sending it again (submit included) cannot apply it twice.
+pub const NOT_PROPOSED_METADATA: &str = "gpuctl-not-proposed";
+
+fn mark_not_proposed(mut s: Status) -> Status {
+    s.metadata_mut()
+        .insert(NOT_PROPOSED_METADATA, MetadataValue::from_static("1"));
+    s
+}
+
+/// Whether the master said it refused the call before proposing anything.
+pub fn not_proposed(status: &Status) -> bool {
+    status.metadata().get(NOT_PROPOSED_METADATA).is_some()
+}
+
+/// The answer of a leader just elected, still applying what earlier leaders
+/// committed (it serves once it has).
+pub fn catching_up() -> Status {
+    mark_not_proposed(Status::unavailable(
+        "this master was just elected leader and is catching up; retry",
+    ))
+}
+
 /// The answer of a master that is not the leader. `leader` is the leader's
 /// node id and API address when known.
 pub fn not_leader(leader: Option<(u64, &str)>) -> Status {
-    match leader {
+    let s = match leader {
         Some((id, addr)) => {
             let mut s = Status::unavailable(format!(
                 "this master is not the leader; the leader is master {id} at {addr}"
@@ -30,7 +53,8 @@ pub fn not_leader(leader: Option<(u64, &str)>) -> Status {
         None => {
             Status::unavailable("this master is not the leader and no leader is elected yet; retry")
         }
-    }
+    };
+    mark_not_proposed(s)
 }
 
 /// The leader's address carried by a redirect, if any.
@@ -66,6 +90,9 @@ mod tests {
         );
         assert_eq!(leader_hint(&s).as_deref(), Some("10.0.0.2:7050"));
         assert!(retry_elsewhere(&s));
+        assert!(not_proposed(&s));
+        assert!(not_proposed(&catching_up()));
+        assert!(!not_proposed(&Status::unavailable("leadership lost")));
     }
 
     #[test]

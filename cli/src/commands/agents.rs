@@ -7,7 +7,7 @@ use clap::Subcommand;
 use gpuctl_proto::pb;
 
 use super::{CliError, JsonFlag, EXIT_OK};
-use crate::client::Master;
+use crate::client::{Master, Retry};
 use crate::output::{self, AgentJson};
 
 #[derive(Debug, Subcommand)]
@@ -39,11 +39,11 @@ pub async fn run(
 /// The agents, sorted by hostname then id.
 pub async fn fetch_agents(master: &mut Master) -> Result<Vec<pb::Agent>, CliError> {
     let resp = master
-        .client
-        .list_agents(pb::ListAgentsRequest {})
-        .await
-        .map_err(|s| CliError::rpc(master, s))?;
-    let mut agents = resp.into_inner().agents;
+        .call(Retry::Always, |mut c| async move {
+            c.list_agents(pb::ListAgentsRequest {}).await
+        })
+        .await?;
+    let mut agents = resp.agents;
     agents.sort_by(|a, b| (&a.hostname, &a.id).cmp(&(&b.hostname, &b.id)));
     Ok(agents)
 }

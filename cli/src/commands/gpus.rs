@@ -5,17 +5,17 @@ use std::io::Write;
 use gpuctl_proto::pb;
 
 use super::CliError;
-use crate::client::Master;
+use crate::client::{Master, Retry};
 use crate::output::{self, GpuStatusJson};
 
 /// The GPUs, sorted by agent then index.
 pub async fn fetch_gpus(master: &mut Master) -> Result<Vec<pb::GpuStatus>, CliError> {
     let resp = master
-        .client
-        .list_gpus(pb::ListGpusRequest {})
-        .await
-        .map_err(|s| CliError::rpc(master, s))?;
-    let mut gpus = resp.into_inner().gpus;
+        .call(Retry::Always, |mut c| async move {
+            c.list_gpus(pb::ListGpusRequest {}).await
+        })
+        .await?;
+    let mut gpus = resp.gpus;
     gpus.sort_by_key(|s| {
         let index = s.gpu.as_ref().map_or(0, |g| g.index);
         (s.agent_id.clone(), index)

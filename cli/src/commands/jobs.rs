@@ -7,19 +7,22 @@ use std::time::Duration;
 
 use clap::{Args, Subcommand};
 use gpuctl_proto::convert::job_state_name;
+use gpuctl_proto::leader::leader_hint;
 use gpuctl_proto::pb;
 use tokio::time::Instant;
 
 use super::{now_ms, parse_secs, CliError, JsonFlag, EXIT_FAILURE, EXIT_OK};
-use crate::client::Master;
+use crate::client::{may_retry, Master, Retry, RPC_TIMEOUT};
 use crate::output::{self, JobJson};
 
 /// How often `jobs wait` asks for the job.
 pub const WAIT_POLL: Duration = Duration::from_millis(200);
-/// Longest a single GetJob of `jobs wait` may take.
-const RPC_TIMEOUT: Duration = Duration::from_secs(10);
-/// How long `jobs wait` keeps trying while no master can be reached.
+/// How long `jobs wait` keeps trying while no master can serve it.
 const UNREACHABLE_GRACE: Duration = Duration::from_secs(60);
+/// Log streams opened again in a row that brought no new output before
+/// `jobs logs` stops (a stream that keeps failing, or a task that ended
+/// while the master has not heard of it yet).
+const MAX_FRUITLESS_STREAMS: u32 = 5;
 
 #[derive(Debug, Subcommand)]
 pub enum JobsCommand {
@@ -168,21 +171,26 @@ pub async fn run(
 }
 
 pub async fn submit(master: &mut Master, spec: pb::JobSpec) -> Result<String, CliError> {
+    // Resent only when the master provably did not take it: after an
+    // ambiguous failure a second submit could run the job twice.
     let resp = master
-        .client
-        .submit_job(pb::SubmitJobRequest { spec: Some(spec) })
-        .await
-        .map_err(|s| CliError::rpc(master, s))?;
-    Ok(resp.into_inner().job_id)
+        .call(Retry::IfNotApplied, |mut c| {
+            let req = pb::SubmitJobRequest {
+                spec: Some(spec.clone()),
+            };
+            async move { c.submit_job(req).await }
+        })
+        .await?;
+    Ok(resp.job_id)
 }
 
 pub async fn fetch_jobs(master: &mut Master) -> Result<Vec<pb::Job>, CliError> {
     let resp = master
-        .client
-        .list_jobs(pb::ListJobsRequest {})
-        .await
-        .map_err(|s| CliError::rpc(master, s))?;
-    let mut jobs = resp.into_inner().jobs;
+        .call(Retry::Always, |mut c| async move {
+            c.list_jobs(pb::ListJobsRequest {}).await
+        })
+        .await?;
+    let mut jobs = resp.jobs;
     jobs.sort_by(|a, b| (a.submitted_at_ms, &a.id).cmp(&(b.submitted_at_ms, &b.id)));
     Ok(jobs)
 }
@@ -199,14 +207,24 @@ pub async fn list(master: &mut Master, json: bool, out: &mut dyn Write) -> Resul
 }
 
 pub async fn get_job(master: &mut Master, id: &str) -> Result<pb::Job, CliError> {
-    let resp = master
-        .client
-        .get_job(pb::GetJobRequest {
-            job_id: id.to_string(),
+    let deadline = Instant::now() + master.retry_for;
+    get_job_until(master, id, RPC_TIMEOUT, deadline).await
+}
+
+async fn get_job_until(
+    master: &mut Master,
+    id: &str,
+    attempt: Duration,
+    deadline: Instant,
+) -> Result<pb::Job, CliError> {
+    master
+        .call_until(Retry::Always, Some(attempt), deadline, |mut c| {
+            let req = pb::GetJobRequest {
+                job_id: id.to_string(),
+            };
+            async move { c.get_job(req).await }
         })
         .await
-        .map_err(|s| CliError::rpc(master, s))?;
-    Ok(resp.into_inner())
 }
 
 pub async fn get(
@@ -226,6 +244,12 @@ pub async fn get(
 
 /// Streams a job's output to `sink`, chunk by chunk, until the master ends
 /// the stream (at once without `follow`, when the task ends with it).
+///
+/// Survives a master failover: a stream that breaks is opened again at the
+/// leader. A new stream starts from the task's first byte, so what was
+/// already written is skipped. With `follow`, a stream that ends while the
+/// job says its task still runs was ended by a master losing leadership,
+/// and is opened again too.
 pub async fn stream_logs<F>(
     master: &mut Master,
     id: &str,
@@ -235,35 +259,95 @@ pub async fn stream_logs<F>(
 where
     F: FnMut(&[u8]) -> io::Result<()>,
 {
-    let mut stream = master
-        .client
-        .job_logs(pb::JobLogsRequest {
-            job_id: id.to_string(),
-            follow,
+    let mut written: u64 = 0;
+    let mut fruitless = 0;
+    loop {
+        let mut stream = open_logs(master, id, follow).await?;
+        let before = written;
+        let mut seen: u64 = 0;
+        let broken = loop {
+            match stream.message().await {
+                Ok(Some(chunk)) => {
+                    let data = &chunk.data[..];
+                    let skip = written.saturating_sub(seen).min(data.len() as u64) as usize;
+                    seen += data.len() as u64;
+                    if skip < data.len() {
+                        sink(&data[skip..])?;
+                        written += (data.len() - skip) as u64;
+                    }
+                }
+                Ok(None) => break None,
+                // Reading again is harmless: any failure another master
+                // may not have (the master died: a transport error) counts.
+                Err(status) if may_retry(Retry::Always, &status) => break Some(status),
+                Err(status) => return Err(CliError::rpc(master, status)),
+            }
+        };
+        fruitless = if written > before { 0 } else { fruitless + 1 };
+        match broken {
+            Some(status) => {
+                if fruitless >= MAX_FRUITLESS_STREAMS {
+                    return Err(CliError::rpc(master, status));
+                }
+                tracing::debug!(addr = %master.addr, error = %status.message(), "log stream broke; opening it again");
+                if let Some(leader) = leader_hint(&status) {
+                    master.switch_to(leader);
+                }
+            }
+            None if !follow => return Ok(()),
+            None => {
+                if fruitless >= MAX_FRUITLESS_STREAMS || task_ended(master, id).await? {
+                    return Ok(());
+                }
+                tracing::debug!(addr = %master.addr, "log stream ended before the task; opening it again");
+            }
+        }
+        if fruitless > 0 {
+            tokio::time::sleep(WAIT_POLL).await;
+        }
+    }
+}
+
+async fn open_logs(
+    master: &mut Master,
+    id: &str,
+    follow: bool,
+) -> Result<tonic::Streaming<pb::LogChunk>, CliError> {
+    // With --follow the master answers once the job is placed: no limit.
+    let attempt = (!follow).then_some(RPC_TIMEOUT);
+    let deadline = Instant::now() + master.retry_for;
+    master
+        .call_until(Retry::Always, attempt, deadline, |mut c| {
+            let req = pb::JobLogsRequest {
+                job_id: id.to_string(),
+                follow,
+            };
+            async move { c.job_logs(req).await }
         })
         .await
-        .map_err(|s| CliError::rpc(master, s))?
-        .into_inner();
-    while let Some(chunk) = stream
-        .message()
-        .await
-        .map_err(|s| CliError::rpc(master, s))?
-    {
-        sink(&chunk.data)?;
-    }
-    Ok(())
+}
+
+/// Whether the job, or its latest task, has ended.
+async fn task_ended(master: &mut Master, id: &str) -> Result<bool, CliError> {
+    let job = get_job(master, id).await?;
+    let task_done = job.tasks.last().is_some_and(|t| {
+        gpuctl_proto::convert::task_state_from_pb("state", t.state).is_ok_and(|s| s.is_terminal())
+    });
+    Ok(is_terminal(job.state) || task_done)
 }
 
 /// Cancels a job; returns its state afterwards (wire value).
 pub async fn cancel(master: &mut Master, id: &str) -> Result<i32, CliError> {
+    // Cancelling twice answers the same state: safe to resend.
     let resp = master
-        .client
-        .cancel_job(pb::CancelJobRequest {
-            job_id: id.to_string(),
+        .call(Retry::Always, |mut c| {
+            let req = pb::CancelJobRequest {
+                job_id: id.to_string(),
+            };
+            async move { c.cancel_job(req).await }
         })
-        .await
-        .map_err(|s| CliError::rpc(master, s))?;
-    Ok(resp.into_inner().state)
+        .await?;
+    Ok(resp.state)
 }
 
 pub fn is_terminal(state: i32) -> bool {
@@ -282,8 +366,8 @@ pub fn wait_exit_code(state: i32) -> u8 {
 }
 
 /// Polls the job every `poll` until it is terminal and returns it. Rides
-/// out a master failover: while no master answers it reconnects (any
-/// address of `--master`) for up to a minute.
+/// out a master failover: each poll follows the leader, for up to a minute
+/// while no master can serve it.
 pub async fn wait(
     master: &mut Master,
     id: &str,
@@ -294,40 +378,28 @@ pub async fn wait(
     let deadline = timeout.map(|t| start + t);
     let remaining = || deadline.map(|d| d.saturating_duration_since(Instant::now()));
     let mut last_state = String::from("unknown state");
-    let mut unreachable_since: Option<Instant> = None;
     loop {
-        let call_limit = remaining()
+        let now = Instant::now();
+        let grace = now + UNREACHABLE_GRACE;
+        let search_until = deadline.map_or(grace, |d| d.min(grace));
+        let attempt = remaining()
             .map_or(RPC_TIMEOUT, |r| r.min(RPC_TIMEOUT))
             .max(Duration::from_millis(50));
-        let req = pb::GetJobRequest {
-            job_id: id.to_string(),
-        };
-        match tokio::time::timeout(call_limit, master.client.get_job(req)).await {
-            Ok(Ok(resp)) => {
-                unreachable_since = None;
-                let job = resp.into_inner();
+        match get_job_until(master, id, attempt, search_until).await {
+            Ok(job) => {
                 if is_terminal(job.state) {
                     return Ok(job);
                 }
                 last_state = format!("still {}", job_state_name(job.state));
             }
-            Ok(Err(status))
-                if status.code() == tonic::Code::Unavailable
-                    || super::is_transport_error(&status) =>
-            {
-                let since = *unreachable_since.get_or_insert_with(Instant::now);
-                if since.elapsed() >= UNREACHABLE_GRACE {
-                    return Err(CliError::rpc(master, status));
-                }
-                tracing::debug!(addr = %master.addr, "master unreachable, reconnecting");
-                if let Err(e) = master.reconnect().await {
-                    tracing::debug!(error = %e, "no master answered yet");
-                }
+            // Gave up because --timeout came first: a timeout, not an error.
+            Err(CliError::GaveUp { last, .. }) if deadline.is_some_and(|d| d <= grace) => {
+                let waited = timeout.unwrap_or_default().as_secs_f64();
+                return Err(CliError::Timeout(format!(
+                    "timed out after {waited}s waiting for job {id} ({last_state}; last error: {last})"
+                )));
             }
-            Ok(Err(status)) => return Err(CliError::rpc(master, status)),
-            Err(_) => {
-                tracing::debug!(addr = %master.addr, "GetJob took longer than {call_limit:?}");
-            }
+            Err(e) => return Err(e),
         }
         if let Some(r) = remaining() {
             if r.is_zero() {
@@ -551,6 +623,18 @@ mod tests {
         async fn list_masters(
             &self,
             _: tonic::Request<pb::ListMastersRequest>,
+        ) -> Result<tonic::Response<pb::ListMastersResponse>, tonic::Status> {
+            Err(tonic::Status::unimplemented("not used by these tests"))
+        }
+        async fn add_master(
+            &self,
+            _: tonic::Request<pb::AddMasterRequest>,
+        ) -> Result<tonic::Response<pb::ListMastersResponse>, tonic::Status> {
+            Err(tonic::Status::unimplemented("not used by these tests"))
+        }
+        async fn remove_master(
+            &self,
+            _: tonic::Request<pb::RemoveMasterRequest>,
         ) -> Result<tonic::Response<pb::ListMastersResponse>, tonic::Status> {
             Err(tonic::Status::unimplemented("not used by these tests"))
         }

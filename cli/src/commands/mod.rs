@@ -10,6 +10,8 @@ use crate::client::{self, ConnectError, Master, MasterList};
 
 pub mod agents;
 pub mod demo;
+#[cfg(test)]
+mod failover_tests;
 pub mod gpus;
 pub mod jobs;
 pub mod masters;
@@ -33,7 +35,7 @@ pub const EXIT_NOT_FOUND: u8 = 3;
     propagate_version = true
 )]
 pub struct Cli {
-    /// Masters to talk to, HOST:PORT[,HOST:PORT...]; the first that answers is used.
+    /// Masters to talk to, HOST:PORT[,HOST:PORT...]; calls follow the Raft leader among them.
     #[arg(
         long,
         global = true,
@@ -58,8 +60,9 @@ pub enum Command {
     Agents(agents::AgentsCommand),
     /// List every GPU of the cluster and the task holding it.
     Gpus(JsonFlag),
-    /// List the masters: id, address, role, Raft term, commit and applied index.
-    Masters(JsonFlag),
+    /// List the masters (id, address, role, voter, Raft term, commit and
+    /// applied index), or add or remove one.
+    Masters(masters::MastersArgs),
     /// Start a master and an agent in this process, run two GPU jobs and show the cluster.
     Demo(demo::DemoArgs),
 }
@@ -79,6 +82,13 @@ pub enum CliError {
     Connect(#[from] ConnectError),
     #[error("{}", rpc_message(addr, status))]
     Rpc { addr: String, status: tonic::Status },
+    /// No master served the call before the leader-following deadline.
+    #[error("no master served the call within {secs}s (tried {tried}): {last}")]
+    GaveUp {
+        secs: u64,
+        tried: String,
+        last: Box<CliError>,
+    },
     #[error("{0}")]
     Timeout(String),
     #[error("writing output: {0}")]
@@ -146,6 +156,7 @@ impl CliError {
                 Code::DeadlineExceeded => EXIT_TIMEOUT,
                 _ => EXIT_FAILURE,
             },
+            CliError::GaveUp { last, .. } => last.exit_code(),
             CliError::Timeout(_) => EXIT_TIMEOUT,
             CliError::NotFound(_) => EXIT_NOT_FOUND,
             _ => EXIT_FAILURE,
@@ -168,8 +179,8 @@ pub async fn run(cli: Cli) -> Result<u8, CliError> {
             return demo::run(args).await;
         }
         Command::Jobs(cmd) => {
-            // Submission must not be sent twice, reads may be retried; either
-            // way we only connect here.
+            // Each call follows the leader; a submission is only resent
+            // when it provably was not applied (client::Retry).
             let mut master = Master::connect(&cli.master.0).await?;
             jobs::run(&mut master, cmd, &mut out).await?
         }
@@ -182,9 +193,9 @@ pub async fn run(cli: Cli) -> Result<u8, CliError> {
             gpus::list(&mut master, flag.json, &mut out).await?;
             EXIT_OK
         }
-        Command::Masters(flag) => {
+        Command::Masters(args) => {
             let mut master = Master::connect(&cli.master.0).await?;
-            masters::list(&mut master, flag.json, &mut out).await?;
+            masters::run(&mut master, args, &mut out).await?;
             EXIT_OK
         }
     };

@@ -5,6 +5,12 @@
 //! acknowledges their status updates, relaunches a task that ends in ERROR
 //! or LOST once, and tears itself down when every task has ended. The
 //! decisions live in `plan.rs` (pure, tested); this file does the I/O.
+//!
+//! With several masters only the Raft leader serves: a follower answers
+//! `UNAVAILABLE`, naming the leader in the `gpuctl-leader` metadata when it
+//! knows it. The framework subscribes at the leader and, when its stream
+//! ends or a call is redirected, subscribes again there with its framework
+//! id (a failover: it keeps its tasks).
 
 mod plan;
 
@@ -12,29 +18,39 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{CommandFactory, Parser};
+use gpuctl_proto::leader::leader_hint;
 use gpuctl_proto::pb::{self, event::Event, scheduler_client::SchedulerClient};
+use tokio::time::Instant;
 use tonic::transport::{Channel, Endpoint};
-use tonic::Streaming;
+use tonic::{Code, Status, Streaming};
 use tracing::{debug, warn};
 
 use plan::{Config, OfferControl, Plan};
 
 /// How long one master may take to accept a connection.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
-/// Pause between attempts to subscribe again after the stream ended.
+/// Pause between attempts to subscribe again when no master took it, and
+/// the least time between two subscriptions (a stream that ends at once
+/// must not make a busy loop).
 const RESUBSCRIBE_BACKOFF: Duration = Duration::from_secs(1);
+/// How long the first subscription waits for a leader to be elected.
+const FIRST_SUBSCRIBE_PATIENCE: Duration = Duration::from_secs(15);
+/// Redirects followed by one subscription attempt, beyond one try per address.
+const FREE_REDIRECTS: usize = 3;
 /// Wait for the first event (SUBSCRIBED) at most this long.
 const FIRST_EVENT_TIMEOUT: Duration = Duration::from_secs(30);
 /// The stream counts as dead after this many heartbeat intervals of silence.
 const MISSED_HEARTBEATS: f64 = 3.0;
-/// How long the final Teardown may take.
+/// How long the final Teardown may take (looking for the leader included).
 const TEARDOWN_TIMEOUT: Duration = Duration::from_secs(5);
+/// Pause between Teardown attempts that got no leader hint.
+const TEARDOWN_RETRY: Duration = Duration::from_millis(200);
 
 /// Runs TASKS copies of a command on a gpuctl cluster through the framework API.
 #[derive(Debug, Parser)]
 #[command(version)]
 struct Args {
-    /// Masters, HOST:PORT[,HOST:PORT...]; the first that answers is used.
+    /// Masters, HOST:PORT[,HOST:PORT...]; the framework finds their leader.
     #[arg(long, env = "GPUCTL_MASTER", default_value = "127.0.0.1:7050")]
     master: String,
     /// How many tasks to run.
@@ -69,7 +85,12 @@ struct Args {
 #[derive(Debug, thiserror::Error)]
 enum Error {
     #[error("could not subscribe at any master ({tried}): {last}")]
-    Subscribe { tried: String, last: String },
+    Subscribe {
+        tried: String,
+        last: String,
+        /// A master answered that it is not the leader: one may be elected soon.
+        no_leader: bool,
+    },
     #[error("the master sent an error: {0}")]
     Master(String),
 }
@@ -118,6 +139,7 @@ async fn main() -> ExitCode {
 
     let mut fw = Framework {
         masters,
+        current: 0,
         info: pb::FrameworkInfo {
             id: String::new(),
             name: args.name.clone(),
@@ -126,6 +148,7 @@ async fn main() -> ExitCode {
             failover_timeout_secs: 60.0,
         },
         client: None,
+        resubscribe: false,
         plan: Plan::new(config),
         json: args.json,
     };
@@ -165,46 +188,74 @@ async fn main() -> ExitCode {
 
 struct Framework {
     masters: Vec<String>,
+    /// Index in `masters` of the master we subscribe at (the leader, once known).
+    current: usize,
     /// Our FrameworkInfo; `id` is set once SUBSCRIBED arrives.
     info: pb::FrameworkInfo,
     /// The master we subscribed at; calls go there too.
     client: Option<SchedulerClient<Channel>>,
+    /// A call was redirected: subscribe again, at the leader.
+    resubscribe: bool,
     plan: Plan,
     json: bool,
 }
 
 impl Framework {
     /// Subscribes, handles events until every task has ended, and subscribes
-    /// again (with our framework id, to keep our tasks) if the stream ends.
+    /// again (with our framework id, to keep our tasks) if the stream ends:
+    /// the master may have lost leadership.
     async fn run(&mut self) -> Result<(), Error> {
-        let mut events = self.subscribe().await?;
-        while !self.follow(&mut events).await? {
+        let first_deadline = Instant::now() + FIRST_SUBSCRIBE_PATIENCE;
+        let mut events = loop {
+            match self.subscribe().await {
+                Ok(events) => break events,
+                // An election: wait for it rather than give up.
+                Err(Error::Subscribe {
+                    no_leader: true, ..
+                }) if Instant::now() + RESUBSCRIBE_BACKOFF < first_deadline => {
+                    debug!("no leader elected yet");
+                    tokio::time::sleep(RESUBSCRIBE_BACKOFF).await;
+                }
+                Err(e) => return Err(e),
+            }
+        };
+        loop {
+            let subscribed = Instant::now();
+            if self.follow(&mut events).await? {
+                return Ok(());
+            }
+            tokio::time::sleep(RESUBSCRIBE_BACKOFF.saturating_sub(subscribed.elapsed())).await;
             events = loop {
-                tokio::time::sleep(RESUBSCRIBE_BACKOFF).await;
                 match self.subscribe().await {
                     Ok(events) => break events,
                     Err(e) => warn!("{e}"),
                 }
+                tokio::time::sleep(RESUBSCRIBE_BACKOFF).await;
             };
         }
-        Ok(())
     }
 
-    /// Calls Subscribe at the first master that answers.
+    /// Calls Subscribe, starting at the current master: follows the leader a
+    /// redirect names, else tries the next address.
     async fn subscribe(&mut self) -> Result<Streaming<pb::Event>, Error> {
         let mut last = String::from("no address");
-        for addr in &self.masters {
-            let endpoint = match Endpoint::from_shared(format!("http://{addr}")) {
-                Ok(e) => e.connect_timeout(CONNECT_TIMEOUT),
+        let mut tried: Vec<String> = Vec::new();
+        let mut no_leader = false;
+        let mut down: Vec<String> = Vec::new();
+        let mut i = self.current;
+        for _ in 0..self.masters.len() + FREE_REDIRECTS {
+            let Some(addr) = self.masters.get(i).cloned() else {
+                break;
+            };
+            if !tried.contains(&addr) {
+                tried.push(addr.clone());
+            }
+            let mut client = match connect(&addr).await {
+                Ok(client) => client,
                 Err(e) => {
                     last = format!("{addr}: {e}");
-                    continue;
-                }
-            };
-            let mut client = match endpoint.connect().await {
-                Ok(channel) => SchedulerClient::new(channel),
-                Err(e) => {
-                    last = format!("{addr}: {}", with_sources(&e));
+                    down.push(addr);
+                    i = next_master(&mut self.masters, i, None);
                     continue;
                 }
             };
@@ -214,16 +265,41 @@ impl Framework {
             match client.subscribe(request).await {
                 Ok(response) => {
                     debug!(master = %addr, "subscribed");
+                    self.current = i;
                     self.client = Some(client);
                     return Ok(response.into_inner());
                 }
-                Err(status) => last = format!("{addr}: {}", status.message()),
+                Err(status) => {
+                    last = format!("{addr}: {}", status.message());
+                    no_leader |= status.code() == Code::Unavailable;
+                    let next = next_master(&mut self.masters, i, Some(&status));
+                    // A follower may still name the leader that just died.
+                    i = match down.contains(&self.masters[next]) {
+                        true => next_master(&mut self.masters, i, None),
+                        false => next,
+                    };
+                }
             }
         }
         Err(Error::Subscribe {
-            tried: self.masters.join(","),
+            tried: tried.join(","),
             last,
+            no_leader,
         })
+    }
+
+    /// After a call failed: a redirect or a master gone means our stream is
+    /// at a master that no longer leads; subscribe again (at the leader the
+    /// answer names, if any). Returns whether to.
+    fn after_call_failure(&mut self, status: &Status) -> bool {
+        if status.code() != Code::Unavailable {
+            return false;
+        }
+        if leader_hint(status).is_some() {
+            self.current = next_master(&mut self.masters, self.current, Some(status));
+        }
+        self.resubscribe = true;
+        true
     }
 
     /// Handles events until every task has ended (`true`) or the stream
@@ -239,6 +315,9 @@ impl Framework {
                 }
                 Ok(Err(status)) => {
                     warn!("event stream: {status}");
+                    if leader_hint(&status).is_some() {
+                        self.current = next_master(&mut self.masters, self.current, Some(&status));
+                    }
                     return Ok(false);
                 }
                 Err(_) => {
@@ -274,7 +353,13 @@ impl Framework {
             if self.plan.is_done() {
                 return Ok(true);
             }
-            self.control_offers().await;
+            if !self.resubscribe {
+                self.control_offers().await;
+            }
+            if std::mem::take(&mut self.resubscribe) {
+                warn!("the master no longer leads; subscribing again");
+                return Ok(false);
+            }
         }
     }
 
@@ -305,6 +390,10 @@ impl Framework {
             if let Err(status) = client.accept(request).await {
                 warn!(%offer_id, "Accept failed, the tasks wait for another offer: {status}");
                 self.plan.launch_failed(&task_ids);
+                if self.after_call_failure(&status) {
+                    // The offers came from a master that no longer leads.
+                    return;
+                }
             }
         }
         if !decision.declines.is_empty() {
@@ -317,6 +406,7 @@ impl Framework {
             };
             if let Err(status) = client.decline(request).await {
                 warn!("Decline failed: {status}");
+                self.after_call_failure(&status);
             }
         }
     }
@@ -337,6 +427,7 @@ impl Framework {
             // If this fails the agent resends the update, and we ack it then.
             if let Err(status) = client.acknowledge(request).await {
                 warn!("Acknowledge failed: {status}");
+                self.after_call_failure(&status);
             }
         }
     }
@@ -367,6 +458,7 @@ impl Framework {
         if let Err(status) = result {
             warn!("Suppress/Revive failed (retried on the next event): {status}");
             self.plan.offer_flow_unknown();
+            self.after_call_failure(&status);
         }
     }
 
@@ -383,25 +475,69 @@ impl Framework {
         };
         if let Err(status) = client.reconcile(request).await {
             warn!("Reconcile failed: {status}");
+            self.after_call_failure(&status);
         }
     }
 
-    /// Removes the framework (the master kills whatever still runs).
+    /// Removes the framework (the master kills whatever still runs). When
+    /// the master we are subscribed at no longer leads or is gone, the
+    /// leader is looked for: left behind, the framework's tasks would run
+    /// until its failover timeout.
     async fn teardown(&mut self) {
-        let Some(mut client) = self.client.clone() else {
+        let Some(client) = self.client.clone() else {
             return;
         };
         if self.info.id.is_empty() {
             return;
         }
-        let request = pb::TeardownRequest {
-            framework_id: self.info.id.clone(),
-        };
-        match tokio::time::timeout(TEARDOWN_TIMEOUT, client.teardown(request)).await {
-            Ok(Ok(_)) => debug!("torn down"),
-            Ok(Err(status)) => warn!("Teardown failed: {status}"),
-            Err(_) => warn!("Teardown timed out"),
+        let deadline = Instant::now() + TEARDOWN_TIMEOUT;
+        let mut client = Some(client);
+        let mut i = self.current;
+        let mut last = String::from("no master answered");
+        while Instant::now() < deadline {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let Some(addr) = self.masters.get(i).cloned() else {
+                break;
+            };
+            let mut c = match client.take() {
+                Some(c) => c,
+                None => match tokio::time::timeout(left, connect(&addr)).await {
+                    Ok(Ok(c)) => c,
+                    Ok(Err(e)) => {
+                        last = format!("{addr}: {e}");
+                        i = next_master(&mut self.masters, i, None);
+                        tokio::time::sleep(TEARDOWN_RETRY.min(left)).await;
+                        continue;
+                    }
+                    Err(_) => break,
+                },
+            };
+            let request = pb::TeardownRequest {
+                framework_id: self.info.id.clone(),
+            };
+            let status = match tokio::time::timeout(left, c.teardown(request)).await {
+                Ok(Ok(_)) => {
+                    debug!(master = %addr, "torn down");
+                    return;
+                }
+                Ok(Err(status)) => status,
+                Err(_) => break,
+            };
+            // Not the leader (now), or the connection broke: ask another.
+            let elsewhere =
+                status.code() == Code::Unavailable || std::error::Error::source(&status).is_some();
+            if !elsewhere {
+                warn!("Teardown failed: {status}");
+                return;
+            }
+            last = format!("{addr}: {}", status.message());
+            let redirected = leader_hint(&status).is_some();
+            i = next_master(&mut self.masters, i, Some(&status));
+            if !redirected {
+                tokio::time::sleep(TEARDOWN_RETRY.min(left)).await;
+            }
         }
+        warn!("Teardown failed within {TEARDOWN_TIMEOUT:?}: {last}");
     }
 
     /// Progress goes to stdout, or to stderr when stdout carries the JSON.
@@ -432,6 +568,42 @@ impl Framework {
     }
 }
 
+/// Connects to one master.
+async fn connect(addr: &str) -> Result<SchedulerClient<Channel>, String> {
+    let endpoint = Endpoint::from_shared(format!("http://{addr}"))
+        .map_err(|e| e.to_string())?
+        .connect_timeout(CONNECT_TIMEOUT);
+    match endpoint.connect().await {
+        Ok(channel) => Ok(SchedulerClient::new(channel)),
+        Err(e) => Err(with_sources(&e)),
+    }
+}
+
+/// Where to subscribe after `masters[current]` failed with `status`: at the
+/// leader the answer names (added to the list if new), else at the next
+/// address. Returns its index.
+fn next_master(masters: &mut Vec<String>, current: usize, status: Option<&Status>) -> usize {
+    let hint = status
+        .and_then(leader_hint)
+        .filter(|h| is_host_port(h) && masters.get(current) != Some(h));
+    if let Some(leader) = hint {
+        return match masters.iter().position(|m| *m == leader) {
+            Some(i) => i,
+            None => {
+                masters.push(leader);
+                masters.len() - 1
+            }
+        };
+    }
+    (current + 1) % masters.len().max(1)
+}
+
+/// `HOST:PORT` with a usable port: a bad hint must not join the list.
+fn is_host_port(s: &str) -> bool {
+    matches!(s.rsplit_once(':'), Some((host, port))
+        if !host.is_empty() && !host.contains('/') && port.parse::<u16>().is_ok_and(|p| p != 0))
+}
+
 /// `e: its source: its source's source...` (tonic's transport errors say
 /// little more than "transport error" on their own).
 fn with_sources(e: &dyn std::error::Error) -> String {
@@ -442,4 +614,41 @@ fn with_sources(e: &dyn std::error::Error) -> String {
         source = s.source();
     }
     text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpuctl_proto::leader::not_leader;
+
+    fn list(addrs: &[&str]) -> Vec<String> {
+        addrs.iter().map(|a| a.to_string()).collect()
+    }
+
+    #[test]
+    fn follows_the_named_leader_else_the_next_address() {
+        let mut m = list(&["m1:1", "m2:1", "m3:1"]);
+        assert_eq!(
+            next_master(&mut m, 0, Some(&not_leader(Some((3, "m3:1"))))),
+            2
+        );
+        assert_eq!(next_master(&mut m, 0, Some(&not_leader(None))), 1);
+        assert_eq!(next_master(&mut m, 2, None), 0);
+        // A leader not in --master joins the list.
+        assert_eq!(
+            next_master(&mut m, 1, Some(&not_leader(Some((4, "m4:1"))))),
+            3
+        );
+        assert_eq!(m, list(&["m1:1", "m2:1", "m3:1", "m4:1"]));
+        // A hint naming the refusing master itself, or no HOST:PORT, is ignored.
+        assert_eq!(
+            next_master(&mut m, 0, Some(&not_leader(Some((1, "m1:1"))))),
+            1
+        );
+        assert_eq!(
+            next_master(&mut m, 0, Some(&not_leader(Some((1, "junk"))))),
+            1
+        );
+        assert_eq!(m.len(), 4);
+    }
 }

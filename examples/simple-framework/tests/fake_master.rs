@@ -21,10 +21,14 @@ enum Script {
     NoOffers,
     /// Sends ERROR right after SUBSCRIBED.
     Error,
+    /// Ends the first stream right after SUBSCRIBED (a master losing
+    /// leadership), then goes on like `AllFinishLosingOne`.
+    FailoverOnce,
 }
 
 struct Fake {
     script: Script,
+    subscriptions: Mutex<u32>,
     calls: Arc<Mutex<Vec<String>>>,
     events: Mutex<Option<mpsc::Sender<Result<pb::Event, Status>>>>,
 }
@@ -90,10 +94,19 @@ impl scheduler_server::Scheduler for Fake {
         request: Request<pb::SubscribeRequest>,
     ) -> Result<Response<Self::SubscribeStream>, Status> {
         let info = request.into_inner().framework.unwrap_or_default();
-        self.record(format!(
-            "subscribe {} roles={:?} caps={:?} failover={}",
-            info.name, info.roles, info.capabilities, info.failover_timeout_secs
-        ));
+        let nth = {
+            let mut n = self.subscriptions.lock().expect("subscriptions");
+            *n += 1;
+            *n
+        };
+        if nth > 1 {
+            self.record(format!("subscribe again as {:?}", info.id));
+        } else {
+            self.record(format!(
+                "subscribe {} roles={:?} caps={:?} failover={}",
+                info.name, info.roles, info.capabilities, info.failover_timeout_secs
+            ));
+        }
         let (tx, rx) = mpsc::channel(64);
         *self.events.lock().expect("events") = Some(tx);
         self.send(Event::Subscribed(pb::Subscribed {
@@ -102,6 +115,10 @@ impl scheduler_server::Scheduler for Fake {
         }))
         .await;
         match self.script {
+            Script::FailoverOnce if nth == 1 => {
+                // Dropping the only sender ends the stream after SUBSCRIBED.
+                *self.events.lock().expect("events") = None;
+            }
             Script::NoOffers => {}
             Script::Error => self.send(Event::Error("framework removed".into())).await,
             _ => {
@@ -237,6 +254,40 @@ struct Run {
 
 /// Serves a fake master with `script` and runs the framework against it.
 async fn run(script: Script, args: &[&str]) -> Run {
+    run_with(script, args, false).await
+}
+
+/// A follower: answers every Scheduler call with a redirect to `leader`.
+#[derive(Clone)]
+struct Redirector {
+    leader: String,
+}
+
+impl tonic::server::NamedService for Redirector {
+    const NAME: &'static str = "gpuctl.v1.Scheduler";
+}
+
+impl tonic::codegen::Service<tonic::codegen::http::Request<tonic::body::BoxBody>> for Redirector {
+    type Response = tonic::codegen::http::Response<tonic::body::BoxBody>;
+    type Error = std::convert::Infallible;
+    type Future = std::future::Ready<Result<Self::Response, Self::Error>>;
+
+    fn poll_ready(
+        &mut self,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, _: tonic::codegen::http::Request<tonic::body::BoxBody>) -> Self::Future {
+        let status = gpuctl_proto::leader::not_leader(Some((1, &self.leader)));
+        std::future::ready(Ok(status.into_http()))
+    }
+}
+
+/// Like `run`; with `redirect`, the framework is only given a follower
+/// (after a dead address) that names the fake as the leader.
+async fn run_with(script: Script, args: &[&str], redirect: bool) -> Run {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");
@@ -244,6 +295,7 @@ async fn run(script: Script, args: &[&str]) -> Run {
     let calls = Arc::new(Mutex::new(Vec::new()));
     let fake = Fake {
         script,
+        subscriptions: Mutex::new(0),
         calls: calls.clone(),
         events: Mutex::new(None),
     };
@@ -253,7 +305,21 @@ async fn run(script: Script, args: &[&str]) -> Run {
             .serve_with_incoming(TcpListenerStream::new(listener)),
     );
     // An address where nobody listens comes first: the framework moves on.
-    let masters = format!("127.0.0.1:1,{addr}");
+    let mut masters = format!("127.0.0.1:1,{addr}");
+    let mut follower = None;
+    if redirect {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        masters = format!("127.0.0.1:1,{}", listener.local_addr().expect("addr"));
+        follower = Some(tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(Redirector {
+                    leader: addr.to_string(),
+                })
+                .serve_with_incoming(TcpListenerStream::new(listener)),
+        ));
+    }
     let output = tokio::time::timeout(
         Duration::from_secs(30),
         tokio::process::Command::new(env!("CARGO_BIN_EXE_simple-framework"))
@@ -265,6 +331,9 @@ async fn run(script: Script, args: &[&str]) -> Run {
     .expect("the framework ends")
     .expect("the framework runs");
     server.abort();
+    if let Some(f) = follower {
+        f.abort();
+    }
     eprintln!("{}", String::from_utf8_lossy(&output.stderr));
     let calls = calls.lock().expect("calls").clone();
     Run {
@@ -347,4 +416,34 @@ async fn a_timeout_exits_two_and_tears_down() {
 async fn an_error_event_exits_one() {
     let r = run(Script::Error, &["--", "true"]).await;
     assert_eq!(r.code, Some(1));
+}
+
+#[tokio::test]
+async fn follows_a_redirect_to_the_leader() {
+    let r = run_with(
+        Script::AllFinishLosingOne,
+        &["--tasks", "1", "--", "true"],
+        true,
+    )
+    .await;
+    assert_eq!(r.code, Some(0), "calls: {:#?}", r.calls);
+    assert!(
+        r.calls[0].starts_with("subscribe simple-framework"),
+        "{:#?}",
+        r.calls
+    );
+    assert_eq!(r.calls.last().map(String::as_str), Some("teardown fw-1"));
+}
+
+#[tokio::test]
+async fn subscribes_again_with_its_id_when_the_stream_ends() {
+    let r = run(Script::FailoverOnce, &["--tasks", "1", "--", "true"]).await;
+    assert_eq!(r.code, Some(0), "calls: {:#?}", r.calls);
+    assert_eq!(r.calls[1], "subscribe again as \"fw-1\"", "{:#?}", r.calls);
+    assert!(
+        r.calls.iter().any(|c| c.starts_with("accept o1")),
+        "{:#?}",
+        r.calls
+    );
+    assert_eq!(r.calls.last().map(String::as_str), Some("teardown fw-1"));
 }

@@ -57,9 +57,7 @@ where
         if !st.serving && !served_by_any_master(req.uri().path()) {
             let status = if st.role == Role::Leader {
                 // Elected, still applying what earlier leaders committed.
-                tonic::Status::unavailable(
-                    "this master was just elected leader and is catching up; retry",
-                )
+                gpuctl_proto::leader::catching_up()
             } else {
                 let leader = self.raft.leader();
                 gpuctl_proto::leader::not_leader(leader.as_ref().map(|(id, a)| (*id, a.as_str())))

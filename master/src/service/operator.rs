@@ -225,7 +225,8 @@ impl pb::operator_server::Operator for OperatorService {
             }
         };
         if address.is_empty() {
-            return Err(Status::unavailable(format!(
+            // Not a master problem: another master would not do better.
+            return Err(Status::failed_precondition(format!(
                 "the agent running task {task_id} has no address for logs"
             )));
         }
@@ -233,7 +234,7 @@ impl pb::operator_server::Operator for OperatorService {
             .map_err(|e| Status::internal(format!("agent address {address}: {e}")))?
             .connect_timeout(Duration::from_secs(5));
         let channel = endpoint.connect().await.map_err(|e| {
-            Status::unavailable(format!("cannot reach agent at {address} for logs: {e}"))
+            Status::failed_precondition(format!("cannot reach agent at {address} for logs: {e}"))
         })?;
         let mut client = pb::agent_api_client::AgentApiClient::new(channel);
         let mut upstream = client
