@@ -31,6 +31,9 @@ const BACKOFF_MIN: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(5);
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 const RPC_TIMEOUT: Duration = Duration::from_secs(10);
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(1);
+const ELECTION_POLL: Duration = Duration::from_millis(200);
+const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(3);
 /// Redirects followed in a row without a pause; more means stale hints (a
 /// leader change in progress), so back off.
 const FREE_REDIRECTS: u32 = 3;
@@ -113,6 +116,12 @@ impl Masters {
             .map_err(|e| format!("master address {addr:?}: {e}"))?
             .connect_timeout(CONNECT_TIMEOUT)
             .timeout(RPC_TIMEOUT)
+            // A master whose machine vanished sends no reset: pings find
+            // out in seconds and end the task watch, so the agent moves on
+            // to the new leader instead of waiting for a heartbeat timeout.
+            .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
+            .keep_alive_timeout(KEEPALIVE_TIMEOUT)
+            .keep_alive_while_idle(true)
             .connect_lazy();
         cur.channel = Some(ch.clone());
         Ok((addr, AgentManagerClient::new(ch)))
@@ -137,6 +146,19 @@ impl Masters {
         }
         redirected
     }
+}
+
+/// 200 to 300 ms, spread over agents and time so they do not all call at once.
+fn election_poll(agent_id: &str) -> Duration {
+    let seed = agent_id.bytes().fold(
+        u64::from(
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.subsec_nanos()),
+        ),
+        |h, b| h.wrapping_mul(31).wrapping_add(u64::from(b)),
+    );
+    ELECTION_POLL + Duration::from_millis(seed % 100)
 }
 
 fn next_backoff(b: Duration) -> Duration {
@@ -205,12 +227,27 @@ pub async fn run(
             continue;
         }
         redirects = 0;
-        tracing::warn!(master = %addr, error = %e.message, retry_in_ms = backoff.as_millis() as u64, "master connection failed");
+        // A master answered that there is no leader yet (an election) or
+        // that it is catching up: a leader is a moment away, so poll at a
+        // short, jittered interval instead of backing off, and the agents
+        // of a cluster come back together right after the election.
+        let electing = e
+            .status
+            .as_ref()
+            .is_some_and(gpuctl_proto::leader::not_proposed);
+        let wait = if electing {
+            election_poll(&info.id)
+        } else {
+            backoff
+        };
+        tracing::warn!(master = %addr, error = %e.message, retry_in_ms = wait.as_millis() as u64, "master connection failed");
         tokio::select! {
-            _ = tokio::time::sleep(backoff) => {}
+            _ = tokio::time::sleep(wait) => {}
             _ = shutdown.changed() => return,
         }
-        backoff = next_backoff(backoff);
+        if !electing {
+            backoff = next_backoff(backoff);
+        }
     }
 }
 
@@ -401,6 +438,17 @@ pub async fn status_sender(masters: Arc<Masters>, mut rx: mpsc::Receiver<StatusU
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn election_poll_is_short_and_jittered() {
+        for id in ["a", "node-1", "gpu-host-17-abcdef01"] {
+            let d = election_poll(id);
+            assert!(
+                d >= ELECTION_POLL && d < ELECTION_POLL + Duration::from_millis(100),
+                "{d:?}"
+            );
+        }
+    }
     use gpuctl_proto::leader::not_leader;
 
     fn list(addrs: &[&str]) -> Vec<String> {

@@ -52,6 +52,18 @@ pub fn bin_dir() -> &'static Path {
     })
 }
 
+/// Builds `name` of `package` with the release profile (for benchmarks;
+/// the tests use the debug binaries of [`bin_dir`]) and returns its path.
+pub fn release_bin(package: &str, name: &str) -> PathBuf {
+    let status = Command::new(env!("CARGO"))
+        .current_dir(workspace_root())
+        .args(["build", "--release", "-p", package, "--bin", name])
+        .status()
+        .expect("run cargo build --release");
+    assert!(status.success(), "building {name} (release) failed");
+    target_dir().join("release").join(name)
+}
+
 /// Cargo's target directory (it may be moved by CARGO_TARGET_DIR or a
 /// .cargo/config, so ask cargo).
 pub fn target_dir() -> PathBuf {
@@ -131,13 +143,22 @@ pub fn busybox_image() -> String {
     })
 }
 
-/// A free loopback port (bound then released; good enough for tests).
+/// A free loopback port (bound then released; good enough for tests). Never
+/// the same port twice in one process, so that parallel tests do not pick
+/// a port another test was given but has not bound yet.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    static GIVEN: std::sync::Mutex<std::collections::BTreeSet<u16>> =
+        std::sync::Mutex::new(std::collections::BTreeSet::new());
+    loop {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        if GIVEN.lock().unwrap_or_else(|p| p.into_inner()).insert(port) {
+            return port;
+        }
+    }
 }
 
 /// A child daemon, stopped with SIGTERM (then SIGKILL) when dropped.
@@ -148,7 +169,8 @@ pub struct Daemon {
 }
 
 impl Daemon {
-    fn spawn(
+    /// Starts `program` with `args`, its stdout and stderr appended to `log`.
+    pub fn spawn(
         name: &str,
         program: &Path,
         args: &[String],
@@ -178,6 +200,14 @@ impl Daemon {
 
     pub fn pid(&self) -> i32 {
         self.child.as_ref().map_or(0, |c| c.id() as i32)
+    }
+
+    /// Whether the process was started and has not been stopped or killed
+    /// through this handle (nor exited on its own).
+    pub fn is_running(&mut self) -> bool {
+        self.child
+            .as_mut()
+            .is_some_and(|c| matches!(c.try_wait(), Ok(None)))
     }
 
     /// SIGTERM and wait (SIGKILL after 20 s).
@@ -445,6 +475,464 @@ impl Cluster {
             out.status.code().unwrap_or(-1),
             String::from_utf8_lossy(&out.stdout).trim().to_string(),
         )
+    }
+}
+
+/// Runs `gpuctl --master <masters> args...` (`masters`: `HOST:PORT[,...]`).
+pub fn gpuctl_at(masters: &str, args: &[&str]) -> Output {
+    Command::new(bin("gpuctl"))
+        .arg("--master")
+        .arg(masters)
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap()
+}
+
+/// `s` without ANSI escape sequences (the daemons colour their logs).
+pub fn strip_ansi(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut chars = s.chars().peekable();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            if chars.peek() == Some(&'[') {
+                chars.next();
+                // Parameters, then one final byte in '@'..='~'.
+                for c in chars.by_ref() {
+                    if ('@'..='~').contains(&c) {
+                        break;
+                    }
+                }
+            }
+            continue;
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// One master of an [`HaCluster`].
+pub struct HaMaster {
+    pub id: u64,
+    /// `127.0.0.1:PORT`: its API, which also carries Raft.
+    pub addr: String,
+    pub data_dir: PathBuf,
+    pub daemon: Daemon,
+    args: Vec<String>,
+}
+
+/// Several masters forming one Raft group (`--peers`), and agents given
+/// every master's address, in one temp dir. Masters are numbered from 1
+/// (their Raft node ids).
+pub struct HaCluster {
+    pub dir: tempfile::TempDir,
+    /// By node id, including masters that were killed or added later.
+    pub masters: std::collections::BTreeMap<u64, HaMaster>,
+    pub agents: Vec<Daemon>,
+    agent_args: Vec<(Vec<String>, Env)>,
+}
+
+/// The agent timeout of [`HaCluster`] masters unless told otherwise: long
+/// enough that no agent is marked lost during a failover.
+pub const HA_AGENT_TIMEOUT_SECS: &str = "15";
+
+impl HaCluster {
+    /// Starts `n` masters (ids 1..=n, all with `--peers` naming every one,
+    /// plus `extra` flags) and waits until one leads and serves.
+    pub fn start(n: u64, extra: &[&str]) -> HaCluster {
+        assert!(n >= 1);
+        let dir = tempfile::tempdir().unwrap();
+        let addrs: Vec<(u64, String)> = (1..=n)
+            .map(|id| (id, format!("127.0.0.1:{}", free_port())))
+            .collect();
+        let peers = addrs
+            .iter()
+            .map(|(id, a)| format!("{id}={a}"))
+            .collect::<Vec<_>>()
+            .join(",");
+        let mut c = HaCluster {
+            dir,
+            masters: Default::default(),
+            agents: vec![],
+            agent_args: vec![],
+        };
+        for (id, addr) in addrs {
+            let mut args = vec!["--peers".to_string(), peers.clone()];
+            args.extend(extra.iter().map(|s| s.to_string()));
+            c.spawn_master(id, addr, args);
+        }
+        c.wait_serving();
+        c
+    }
+
+    fn spawn_master(&mut self, id: u64, addr: String, mut args: Vec<String>) {
+        let data_dir = self.dir.path().join(format!("master{id}"));
+        let mut all = vec![
+            "--node-id".to_string(),
+            id.to_string(),
+            "--listen".into(),
+            addr.clone(),
+            "--data-dir".into(),
+            data_dir.display().to_string(),
+        ];
+        if !args.iter().any(|a| a == "--agent-timeout-secs") {
+            all.push("--agent-timeout-secs".into());
+            all.push(HA_AGENT_TIMEOUT_SECS.into());
+        }
+        all.append(&mut args);
+        let daemon = Daemon::spawn(
+            &format!("master{id}"),
+            &bin("gpuctl-master"),
+            &all,
+            &[],
+            self.dir.path().join(format!("master{id}.log")),
+        );
+        self.masters.insert(
+            id,
+            HaMaster {
+                id,
+                addr,
+                data_dir,
+                daemon,
+                args: all,
+            },
+        );
+    }
+
+    /// Starts master `id` with `--join` (empty, waiting for `gpuctl masters
+    /// add`) on a new port; returns its address. It is not a member yet.
+    pub fn start_joining_master(&mut self, id: u64, extra: &[&str]) -> String {
+        assert!(!self.masters.contains_key(&id), "master {id} exists");
+        let addr = format!("127.0.0.1:{}", free_port());
+        let mut args = vec!["--join".to_string()];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        self.spawn_master(id, addr.clone(), args);
+        wait_for(Duration::from_secs(30), "joining master answers", || {
+            gpuctl_at(&addr, &["masters", "--json"]).status.success()
+        });
+        self.assert_running(id);
+        addr
+    }
+
+    /// Panics (with its log) when master `id` exited, e.g. because another
+    /// process took its port, in which case that process may have answered
+    /// in its place.
+    pub fn assert_running(&mut self, id: u64) {
+        let m = self.masters.get_mut(&id).expect("known master");
+        assert!(
+            m.daemon.is_running(),
+            "master {id} ({}) exited:\n{}",
+            m.addr,
+            strip_ansi(&tail(&m.daemon.log_text(), 20))
+        );
+    }
+
+    /// Every master's address, in id order, as `--master` takes them.
+    pub fn addrs(&self) -> String {
+        self.masters
+            .values()
+            .map(|m| m.addr.as_str())
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// The addresses of the masters whose process runs, in id order.
+    pub fn live_addrs(&mut self) -> String {
+        self.masters
+            .values_mut()
+            .filter_map(|m| m.daemon.is_running().then_some(m.addr.clone()))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    pub fn addr(&self, id: u64) -> &str {
+        &self.masters[&id].addr
+    }
+
+    /// `gpuctl masters --json` asked of `masters` (any master answers it).
+    pub fn members_at(&self, masters: &str) -> Option<Vec<Value>> {
+        let out = gpuctl_at(masters, &["masters", "--json"]);
+        if !out.status.success() {
+            return None;
+        }
+        serde_json::from_slice::<Value>(&out.stdout)
+            .ok()?
+            .as_array()
+            .cloned()
+    }
+
+    /// The leader as the live masters report themselves: each live master
+    /// is asked for the group, and the reachable member calling itself
+    /// leader with the highest term wins. None during an election.
+    pub fn try_leader_id(&mut self) -> Option<u64> {
+        let live = self.live_addrs();
+        let members = self.members_at(&live)?;
+        let leader = members
+            .iter()
+            .filter(|m| m["reachable"] == true && m["role"] == "leader")
+            .max_by_key(|m| m["term"].as_u64().unwrap_or(0))?;
+        let id = leader["id"].as_u64()?;
+        // A master just killed may still be listed from a stale view.
+        self.masters
+            .get_mut(&id)
+            .is_some_and(|m| m.daemon.is_running())
+            .then_some(id)
+    }
+
+    /// Waits (up to 30 s) for a leader and returns its id.
+    pub fn leader_id(&mut self) -> u64 {
+        let mut id = None;
+        let found = try_wait_for(Duration::from_secs(30), || {
+            id = self.try_leader_id();
+            id.is_some()
+        });
+        assert!(found, "no leader elected\n{}", self.diagnostics());
+        id.unwrap_or_default()
+    }
+
+    /// Waits until a master other than `old` leads; returns its id.
+    pub fn wait_new_leader(&mut self, old: u64) -> u64 {
+        let mut id = None;
+        let found = try_wait_for(Duration::from_secs(30), || {
+            id = self.try_leader_id().filter(|l| *l != old);
+            id.is_some()
+        });
+        assert!(
+            found,
+            "no new leader after master {old}\n{}",
+            self.diagnostics()
+        );
+        id.unwrap_or_default()
+    }
+
+    /// Waits until a leader serves the API (a read through every address).
+    pub fn wait_serving(&mut self) {
+        self.leader_id();
+        let ids: Vec<u64> = self.masters.keys().copied().collect();
+        for id in ids {
+            self.assert_running(id);
+        }
+        let ok = try_wait_for(Duration::from_secs(30), || {
+            self.gpuctl(&["jobs", "list", "--json"]).status.success()
+        });
+        assert!(ok, "the masters do not serve\n{}", self.diagnostics());
+    }
+
+    /// SIGKILL: a crash of master `id`.
+    pub fn kill_master(&mut self, id: u64) {
+        self.masters
+            .get_mut(&id)
+            .expect("known master")
+            .daemon
+            .kill();
+    }
+
+    /// SIGTERM, and wait for the exit.
+    pub fn stop_master(&mut self, id: u64) {
+        self.masters
+            .get_mut(&id)
+            .expect("known master")
+            .daemon
+            .stop();
+    }
+
+    /// Starts master `id` again (after a kill or stop) with the same
+    /// arguments, data dir and address, and waits until it answers.
+    pub fn restart_master(&mut self, id: u64) {
+        let log = self.dir.path().join(format!("master{id}.log"));
+        let m = self.masters.get_mut(&id).expect("known master");
+        m.daemon.kill();
+        m.daemon = Daemon::spawn(
+            &format!("master{id}"),
+            &bin("gpuctl-master"),
+            &m.args,
+            &[],
+            log,
+        );
+        let addr = m.addr.clone();
+        wait_for(Duration::from_secs(30), "restarted master answers", || {
+            gpuctl_at(&addr, &["masters", "--json"]).status.success()
+        });
+        self.assert_running(id);
+    }
+
+    /// Stops master `id`, deletes its data dir and starts it again, empty,
+    /// with `--join` on the same address (to be added back with `gpuctl
+    /// masters add` after it was removed).
+    pub fn wipe_and_join(&mut self, id: u64) {
+        let m = self.masters.get_mut(&id).expect("known master");
+        m.daemon.stop();
+        std::fs::remove_dir_all(&m.data_dir).unwrap();
+        let addr = m.addr.clone();
+        self.masters.remove(&id);
+        self.spawn_master(id, addr.clone(), vec!["--join".to_string()]);
+        wait_for(Duration::from_secs(30), "joining master answers", || {
+            gpuctl_at(&addr, &["masters", "--json"]).status.success()
+        });
+        self.assert_running(id);
+    }
+
+    /// Starts an agent given every master's address and waits until it is
+    /// ACTIVE; returns its id.
+    pub fn add_agent(&mut self, opts: AgentOpts) -> String {
+        let n = self.agents.len();
+        let work = self.dir.path().join(format!("agent{n}"));
+        let mut args = vec![
+            "--master".to_string(),
+            self.addrs(),
+            "--work-dir".into(),
+            work.display().to_string(),
+            "--listen".into(),
+            format!("127.0.0.1:{}", free_port()),
+            "--runtime".into(),
+            opts.runtime.into(),
+            "--kill-grace-secs".into(),
+            "2".into(),
+        ];
+        if let Some(s) = opts.simulate_gpus {
+            args.push("--simulate-gpus".into());
+            args.push(s.into());
+        }
+        args.extend(opts.extra);
+        let before: Vec<String> = self
+            .agents_json()
+            .iter()
+            .filter_map(|a| a["id"].as_str().map(str::to_string))
+            .collect();
+        self.agents.push(Daemon::spawn(
+            &format!("agent{n}"),
+            &bin("gpuctl-agent"),
+            &args,
+            &opts.env,
+            self.dir.path().join(format!("agent{n}.log")),
+        ));
+        self.agent_args.push((args, opts.env));
+        let mut id = String::new();
+        wait_for(Duration::from_secs(30), "agent registers", || {
+            match self.agents_json().iter().find(|a| {
+                a["state"] == "ACTIVE"
+                    && !before.contains(&a["id"].as_str().unwrap_or("").to_string())
+            }) {
+                Some(a) => {
+                    id = a["id"].as_str().unwrap_or_default().to_string();
+                    true
+                }
+                None => false,
+            }
+        });
+        id
+    }
+
+    /// Starts agent `n` again with the same options and work dir.
+    pub fn restart_agent(&mut self, n: usize) {
+        let (args, env) = self.agent_args[n].clone();
+        self.agents[n].kill();
+        self.agents[n] = Daemon::spawn(
+            &format!("agent{n}"),
+            &bin("gpuctl-agent"),
+            &args,
+            &env,
+            self.dir.path().join(format!("agent{n}.log")),
+        );
+    }
+
+    /// `agents list --json`, empty when it fails.
+    pub fn agents_json(&self) -> Vec<Value> {
+        let out = self.gpuctl(&["agents", "list", "--json"]);
+        if !out.status.success() {
+            return vec![];
+        }
+        serde_json::from_slice::<Value>(&out.stdout)
+            .ok()
+            .and_then(|v| v.as_array().cloned())
+            .unwrap_or_default()
+    }
+
+    /// Runs `gpuctl --master <every master> args...`.
+    pub fn gpuctl(&self, args: &[&str]) -> Output {
+        gpuctl_at(&self.addrs(), args)
+    }
+
+    /// Runs gpuctl against every master, asserts success, returns stdout.
+    pub fn ok(&self, args: &[&str]) -> String {
+        self.ok_at(&self.addrs(), args)
+    }
+
+    /// Runs gpuctl against `masters`, asserts success, returns stdout.
+    pub fn ok_at(&self, masters: &str, args: &[&str]) -> String {
+        let out = gpuctl_at(masters, args);
+        assert!(
+            out.status.success(),
+            "gpuctl --master {masters} {args:?} failed ({:?}): {}\n{}",
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr),
+            self.diagnostics()
+        );
+        String::from_utf8(out.stdout).unwrap()
+    }
+
+    pub fn json(&self, args: &[&str]) -> Value {
+        let s = self.ok(args);
+        serde_json::from_str(&s).unwrap_or_else(|e| panic!("gpuctl {args:?}: bad JSON {e}: {s}"))
+    }
+
+    /// Submits a job and returns its id.
+    pub fn submit(&self, args: &[&str]) -> String {
+        let mut all = vec!["jobs", "submit"];
+        all.extend_from_slice(args);
+        let id = self.ok(&all).trim().to_string();
+        assert!(id.starts_with("job-"), "unexpected job id {id:?}");
+        id
+    }
+
+    pub fn job(&self, id: &str) -> Value {
+        self.json(&["jobs", "get", id, "--json"])
+    }
+
+    /// Waits until the job is in `state` (e.g. "RUNNING").
+    pub fn wait_state(&self, id: &str, state: &str, timeout: Duration) -> Value {
+        let mut last = Value::Null;
+        let found = try_wait_for(timeout, || {
+            last = self.job(id);
+            last["state"] == state
+        });
+        assert!(
+            found,
+            "job {id} did not reach {state}; last: {last}\n{}",
+            self.diagnostics()
+        );
+        last
+    }
+
+    /// `gpuctl jobs wait`, returning (exit code, stdout).
+    pub fn wait_job(&self, id: &str, timeout_secs: u32) -> (i32, String) {
+        let t = timeout_secs.to_string();
+        let out = self.gpuctl(&["jobs", "wait", id, "--timeout", &t]);
+        (
+            out.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&out.stdout).trim().to_string(),
+        )
+    }
+
+    /// The last lines of every master's and agent's log, for failures.
+    pub fn diagnostics(&self) -> String {
+        let mut s = String::new();
+        for m in self.masters.values() {
+            s.push_str(&format!(
+                "--- master {} ({}) ---\n{}\n",
+                m.id,
+                m.addr,
+                strip_ansi(&tail(&m.daemon.log_text(), 25))
+            ));
+        }
+        for a in &self.agents {
+            s.push_str(&format!(
+                "--- {} ---\n{}\n",
+                a.name,
+                strip_ansi(&tail(&a.log_text(), 15))
+            ));
+        }
+        s
     }
 }
 

@@ -59,6 +59,10 @@ pub async fn list(ctx: &Ctx) -> pb::ListMastersResponse {
             if id == st.id {
                 let mut me = self_info(ctx);
                 me.answered = true;
+                if !st.voters.contains(&id) && !st.learners.contains(&id) {
+                    // Started with --join and not added yet, or removed.
+                    me.role = "non-member".into();
+                }
                 return me;
             }
             match peer_status(&addr).await {

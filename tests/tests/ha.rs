@@ -1,0 +1,572 @@
+//! High availability with real processes: three `gpuctl-master`s in one
+//! Raft group, agents (process runtime, simulated GPUs) and `gpuctl` given
+//! every master's address. A leader is SIGKILLed under load, a follower
+//! falls behind a compacted log, masters are added and removed, and a
+//! follower redirects clients. Only correctness is checked, never timing.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use gpuctl_tests::{gpuctl_at, strip_ansi, try_wait_for, wait_for, AgentOpts, HaCluster};
+use serde_json::Value;
+
+/// What one `gpuctl jobs submit` of the load loop got.
+struct Submitted {
+    name: String,
+    /// The job id the CLI printed, when it exited 0.
+    acked: Option<String>,
+    error: String,
+    /// Started after the leader was killed.
+    after_kill: bool,
+}
+
+fn lines(path: &std::path::Path) -> Vec<String> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .map(str::to_string)
+        .collect()
+}
+
+fn jobs(c: &HaCluster) -> Vec<Value> {
+    c.json(&["jobs", "list", "--json"])
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+}
+
+/// Master `id` in a `masters --json` listing, if listed.
+fn find(members: &[Value], id: u64) -> Option<&Value> {
+    members.iter().find(|m| m["id"] == id)
+}
+
+fn member(members: &[Value], id: u64) -> Value {
+    members
+        .iter()
+        .find(|m| m["id"] == id)
+        .cloned()
+        .unwrap_or_else(|| panic!("master {id} not listed: {members:?}"))
+}
+
+#[test]
+fn leader_sigkill_loses_no_acknowledged_job() {
+    let mut c = HaCluster::start(3, &[]);
+    let agent_ids = [
+        c.add_agent(AgentOpts::default()),
+        c.add_agent(AgentOpts::default()),
+    ];
+    let marker = c.dir.path().join("marker");
+    let runs = c.dir.path().join("runs.txt");
+
+    // A long task that writes one line each time it starts.
+    let long = c.submit(&[
+        "--name",
+        "long",
+        "--gpus",
+        "1",
+        "--cpus",
+        "0.1",
+        "--",
+        "sh",
+        "-c",
+        &format!(
+            "echo \"$GPUCTL_TASK_ID\" >> '{}'; exec sleep 300",
+            marker.display()
+        ),
+    ]);
+    let job = c.wait_state(&long, "RUNNING", Duration::from_secs(30));
+    let long_task = job["tasks"][0]["id"].as_str().unwrap().to_string();
+    let long_agent = job["tasks"][0]["agent_id"].as_str().unwrap().to_string();
+    wait_for(Duration::from_secs(10), "the long task started", || {
+        lines(&marker).len() == 1
+    });
+
+    let old_leader = c.leader_id();
+    let addrs = c.addrs();
+    let killed = Arc::new(AtomicBool::new(false));
+    let stop = Arc::new(AtomicBool::new(false));
+    let submitter = {
+        let (killed, stop, runs) = (killed.clone(), stop.clone(), runs.clone());
+        std::thread::spawn(move || {
+            let mut out = Vec::new();
+            for i in 0.. {
+                if stop.load(Ordering::SeqCst) {
+                    break;
+                }
+                let name = format!("r{i}");
+                let after_kill = killed.load(Ordering::SeqCst);
+                let cmd = format!("echo {name} >> '{}'", runs.display());
+                let o = gpuctl_at(
+                    &addrs,
+                    &[
+                        "jobs", "submit", "--name", &name, "--cpus", "0.1", "--", "sh", "-c", &cmd,
+                    ],
+                );
+                let stdout = String::from_utf8_lossy(&o.stdout).trim().to_string();
+                let acked = (o.status.success() && stdout.starts_with("job-")).then_some(stdout);
+                out.push(Submitted {
+                    name,
+                    acked,
+                    error: String::from_utf8_lossy(&o.stderr).trim().to_string(),
+                    after_kill,
+                });
+            }
+            out
+        })
+    };
+
+    // Let some submits through, crash the leader mid-loop, keep going.
+    std::thread::sleep(Duration::from_secs(2));
+    killed.store(true, Ordering::SeqCst);
+    c.kill_master(old_leader);
+    let new_leader = c.wait_new_leader(old_leader);
+    // Submits go on for a while under the new leader.
+    std::thread::sleep(Duration::from_secs(3));
+    stop.store(true, Ordering::SeqCst);
+    let submitted = submitter.join().unwrap();
+
+    let acked: Vec<(&str, &str)> = submitted
+        .iter()
+        .filter_map(|s| s.acked.as_deref().map(|id| (s.name.as_str(), id)))
+        .collect();
+    let failed: Vec<&Submitted> = submitted.iter().filter(|s| s.acked.is_none()).collect();
+    let acked_after = submitted
+        .iter()
+        .filter(|s| s.after_kill && s.acked.is_some())
+        .count();
+    eprintln!(
+        "{} submits: {} acknowledged ({} started after the kill), {} failed; leader {old_leader} -> {new_leader}",
+        submitted.len(),
+        acked.len(),
+        acked_after,
+        failed.len()
+    );
+    for f in &failed {
+        eprintln!("failed submit {}: {}", f.name, f.error);
+    }
+    assert!(acked_after > 0, "no submit succeeded after the failover");
+    assert!(
+        failed.len() <= 3,
+        "too many failed submits ({}): {:?}",
+        failed.len(),
+        failed.iter().map(|f| &f.error).collect::<Vec<_>>()
+    );
+    // Acknowledged ids are distinct.
+    let ids: BTreeSet<&str> = acked.iter().map(|(_, id)| *id).collect();
+    assert_eq!(ids.len(), acked.len(), "an id was acknowledged twice");
+
+    // Every acknowledged job exists under its name and succeeds; no job of
+    // the loop (an ambiguous failed submit may have made one) fails.
+    let mut last = Vec::new();
+    let done = try_wait_for(Duration::from_secs(60), || {
+        last = jobs(&c);
+        let by_id: BTreeMap<&str, &Value> = last
+            .iter()
+            .map(|j| (j["id"].as_str().unwrap(), j))
+            .collect();
+        acked.iter().all(|(_, id)| by_id.contains_key(id))
+            && last
+                .iter()
+                .filter(|j| j["name"].as_str().unwrap().starts_with('r'))
+                .all(|j| j["state"] == "SUCCEEDED")
+    });
+    let by_id: BTreeMap<&str, &Value> = last
+        .iter()
+        .map(|j| (j["id"].as_str().unwrap(), j))
+        .collect();
+    assert!(
+        done,
+        "jobs did not all succeed: missing {:?}, not succeeded {:?}\n{}",
+        acked
+            .iter()
+            .filter(|(_, id)| !by_id.contains_key(id))
+            .collect::<Vec<_>>(),
+        last.iter()
+            .filter(|j| j["name"] != "long" && j["state"] != "SUCCEEDED")
+            .map(|j| format!("{} {} {}", j["id"], j["name"], j["state"]))
+            .collect::<Vec<_>>(),
+        c.diagnostics()
+    );
+    for (name, id) in &acked {
+        assert_eq!(by_id[id]["name"], *name, "job {id}");
+    }
+
+    // Exactly once: each job of the loop has one task and ran once; no
+    // name ran twice or without a job.
+    let mut jobs_per_name: BTreeMap<&str, usize> = BTreeMap::new();
+    for j in last.iter().filter(|j| j["name"] != "long") {
+        *jobs_per_name
+            .entry(j["name"].as_str().unwrap())
+            .or_default() += 1;
+        assert_eq!(
+            j["tasks"].as_array().map(Vec::len),
+            Some(1),
+            "job {} has other than one task: {j}",
+            j["id"]
+        );
+    }
+    let mut ran: BTreeMap<String, usize> = BTreeMap::new();
+    for l in lines(&runs) {
+        *ran.entry(l).or_default() += 1;
+    }
+    for (name, n) in &jobs_per_name {
+        assert_eq!(*n, 1, "{n} jobs named {name}");
+        assert_eq!(
+            ran.get(*name).copied().unwrap_or(0),
+            1,
+            "{name} ran {:?} times",
+            ran.get(*name)
+        );
+    }
+    for (name, n) in &ran {
+        assert!(
+            jobs_per_name.contains_key(name.as_str()),
+            "{name} ran ({n} times) but no job has that name"
+        );
+    }
+    for (name, _) in &acked {
+        assert_eq!(ran.get(*name), Some(&1), "acknowledged {name}");
+    }
+
+    // The long task was neither lost nor launched again.
+    let job = c.job(&long);
+    assert_eq!(job["state"], "RUNNING", "{job}");
+    assert_eq!(job["tasks"].as_array().unwrap().len(), 1, "{job}");
+    assert_eq!(job["tasks"][0]["id"], long_task.as_str());
+    assert_eq!(job["tasks"][0]["agent_id"], long_agent.as_str());
+    assert_eq!(job["tasks"][0]["state"], "RUNNING");
+    assert_eq!(lines(&marker), vec![long_task.clone()]);
+
+    // Both agents serve the new leader: ACTIVE, and each runs a task the
+    // new leader placed. Two jobs of three GPUs that only end once both
+    // run: one agent has three GPUs free (the long task holds one), the
+    // other four, so they must run on different agents at the same time.
+    let agents = c.agents_json();
+    for id in &agent_ids {
+        let a = agents.iter().find(|a| a["id"] == id.as_str()).unwrap();
+        assert_eq!(a["state"], "ACTIVE", "{a}");
+    }
+    let flag = |i: usize| format!("'{}'", c.dir.path().join(format!("wide{i}")).display());
+    let wide: Vec<String> = (0..2)
+        .map(|i| {
+            let script = format!(
+                "touch {}; n=0; until [ -e {} ] && [ -e {} ]; do n=$((n+1)); [ $n -gt 300 ] && exit 1; sleep 0.1; done",
+                flag(i),
+                flag(0),
+                flag(1)
+            );
+            c.submit(&[
+                "--name",
+                &format!("wide{i}"),
+                "--gpus",
+                "3",
+                "--cpus",
+                "0.1",
+                "--",
+                "sh",
+                "-c",
+                &script,
+            ])
+        })
+        .collect();
+    let mut placed = BTreeSet::new();
+    for j in &wide {
+        assert_eq!(
+            c.wait_job(j, 60),
+            (0, "SUCCEEDED".to_string()),
+            "{}\n{}",
+            c.job(j),
+            c.diagnostics()
+        );
+        placed.insert(
+            c.job(j)["tasks"][0]["agent_id"]
+                .as_str()
+                .unwrap()
+                .to_string(),
+        );
+    }
+    assert_eq!(placed, agent_ids.iter().cloned().collect::<BTreeSet<_>>());
+    // Still one start of the long task.
+    assert_eq!(lines(&marker).len(), 1);
+}
+
+#[test]
+fn restarted_master_catches_up() {
+    let mut c = HaCluster::start(3, &["--snapshot-every", "20"]);
+    let leader = c.leader_id();
+    let behind = *c.masters.keys().find(|id| **id != leader).unwrap();
+    c.kill_master(behind);
+
+    let mut ids = BTreeSet::new();
+    for i in 0..60 {
+        ids.insert(c.submit(&["--name", &format!("j{i}"), "--", "true"]));
+    }
+    // The log was compacted past what the killed master has.
+    let leader_log = strip_ansi(&c.masters[&leader].daemon.log_text());
+    assert!(
+        leader_log.contains("snapshot taken"),
+        "the leader took no snapshot\n{}",
+        c.diagnostics()
+    );
+
+    c.restart_master(behind);
+    let behind_addr = c.addr(behind).to_string();
+    let mut last = Vec::new();
+    let caught_up = try_wait_for(Duration::from_secs(30), || {
+        let Some(members) = c.members_at(c.addr(leader)) else {
+            return false;
+        };
+        let (Some(l), Some(b)) = (find(&members, leader), find(&members, behind)) else {
+            return false;
+        };
+        let done = b["reachable"] == true
+            && b["applied_index"].as_u64().unwrap() >= l["commit_index"].as_u64().unwrap()
+            && l["applied_index"].as_u64().unwrap() >= l["commit_index"].as_u64().unwrap();
+        last = members;
+        done
+    });
+    assert!(
+        caught_up,
+        "master {behind} did not catch up: {last:?}\n{}",
+        c.diagnostics()
+    );
+    let behind_log = strip_ansi(&c.masters[&behind].daemon.log_text());
+    assert!(
+        behind_log.contains("installed a snapshot"),
+        "master {behind} caught up without the leader's snapshot\n{}",
+        c.diagnostics()
+    );
+
+    // Crash leaders until the restarted master leads (each crash leaves a
+    // majority: the master crashed before is back first).
+    let mut leader = leader;
+    let mut down: Option<u64> = None;
+    for _ in 0..10 {
+        if leader == behind {
+            break;
+        }
+        if let Some(d) = down.take() {
+            c.restart_master(d);
+            let d_addr = c.addr(d).to_string();
+            wait_for(
+                Duration::from_secs(30),
+                "restarted master caught up",
+                || {
+                    c.members_at(&d_addr).is_some_and(|m| {
+                        let (Some(me), Some(l)) = (find(&m, d), find(&m, leader)) else {
+                            return false;
+                        };
+                        me["applied_index"].as_u64() >= l["commit_index"].as_u64()
+                    })
+                },
+            );
+        }
+        c.kill_master(leader);
+        down = Some(leader);
+        leader = c.wait_new_leader(leader);
+    }
+    assert_eq!(leader, behind, "master {behind} never led");
+    let listed = gpuctl_tests::gpuctl_at(&behind_addr, &["jobs", "list", "--json"]);
+    assert!(
+        listed.status.success(),
+        "{}",
+        String::from_utf8_lossy(&listed.stderr)
+    );
+    let listed: Value = serde_json::from_slice(&listed.stdout).unwrap();
+    let got: BTreeSet<String> = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|j| j["id"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(got, ids);
+    // And it takes writes: ids keep counting.
+    let next = c.submit(&["--name", "after", "--", "true"]);
+    assert_eq!(next, "job-61");
+}
+
+#[test]
+fn masters_add_and_remove() {
+    let mut c = HaCluster::start(3, &[]);
+    let mut ids = BTreeSet::new();
+    for i in 0..5 {
+        ids.insert(c.submit(&["--name", &format!("j{i}"), "--", "true"]));
+    }
+    let addr4 = c.start_joining_master(4, &[]);
+    let added = c.json(&["masters", "add", "4", &addr4, "--json"]);
+    let m4 = member(added.as_array().unwrap(), 4);
+    assert_eq!(m4["voter"], true, "{added}");
+    assert_eq!(m4["address"], addr4.as_str());
+    assert_eq!(
+        added
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|m| m["voter"] == true)
+            .count(),
+        4,
+        "{added}"
+    );
+    // It has the log: its applied index reaches the leader's commit.
+    let leader = c.leader_id();
+    wait_for(Duration::from_secs(20), "master 4 caught up", || {
+        c.members_at(&addr4).is_some_and(|m| {
+            let (Some(me), Some(l)) = (find(&m, 4), find(&m, leader)) else {
+                return false;
+            };
+            me["applied_index"].as_u64() >= l["commit_index"].as_u64() && me["voter"] == true
+        })
+    });
+
+    // Errors: an unknown id, a master that already votes.
+    let out = c.gpuctl(&["masters", "remove", "9"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "removing master 9 succeeded");
+    assert!(err.contains('9'), "{err}");
+    let out = c.gpuctl(&["masters", "add", "4", &addr4]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "adding master 4 twice succeeded");
+    assert!(err.contains("already"), "{err}");
+
+    // Removing the leader hands leadership over first.
+    let removed = c.json(&["masters", "remove", &leader.to_string(), "--json"]);
+    let voters: Vec<u64> = removed
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|m| m["voter"] == true)
+        .map(|m| m["id"].as_u64().unwrap())
+        .collect();
+    assert_eq!(voters.len(), 3, "{removed}");
+    assert!(!voters.contains(&leader), "{removed}");
+    // Asked of the remaining masters only: the removed one may not have
+    // applied its own removal.
+    let rest: String = voters
+        .iter()
+        .map(|id| c.addr(*id).to_string())
+        .collect::<Vec<_>>()
+        .join(",");
+    let mut new_leader = 0;
+    wait_for(
+        Duration::from_secs(20),
+        "a new leader among 3 voters",
+        || {
+            let Some(m) = c.members_at(&rest) else {
+                return false;
+            };
+            let v: Vec<&Value> = m.iter().filter(|m| m["voter"] == true).collect();
+            match m
+                .iter()
+                .find(|m| m["role"] == "leader" && m["reachable"] == true)
+            {
+                Some(l) if v.len() == 3 && !m.iter().any(|m| m["id"] == leader) => {
+                    new_leader = l["id"].as_u64().unwrap();
+                    true
+                }
+                _ => false,
+            }
+        },
+    );
+    assert_ne!(new_leader, leader);
+    c.stop_master(leader);
+    // The group serves without it, master 4 included in its majority.
+    let listed = c.ok_at(&rest, &["jobs", "list", "--json"]);
+    let got: BTreeSet<String> = serde_json::from_str::<Value>(&listed)
+        .unwrap()
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|j| j["id"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(got, ids);
+    let next = gpuctl_at(&rest, &["jobs", "submit", "--name", "after", "--", "true"]);
+    assert!(
+        next.status.success(),
+        "{}",
+        String::from_utf8_lossy(&next.stderr)
+    );
+    assert_eq!(String::from_utf8_lossy(&next.stdout).trim(), "job-6");
+    ids.insert("job-6".to_string());
+
+    // The removed master comes back under its old id with an empty data
+    // dir, as a new member.
+    c.wipe_and_join(leader);
+    let back_addr = c.addr(leader).to_string();
+    let added = serde_json::from_str::<Value>(&c.ok_at(
+        &rest,
+        &["masters", "add", &leader.to_string(), &back_addr, "--json"],
+    ))
+    .unwrap();
+    assert_eq!(
+        member(added.as_array().unwrap(), leader)["voter"],
+        true,
+        "{added}"
+    );
+    assert_eq!(
+        added
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|m| m["voter"] == true)
+            .count(),
+        4,
+        "{added}"
+    );
+    wait_for(
+        Duration::from_secs(20),
+        "the re-added master caught up",
+        || {
+            c.members_at(&back_addr).is_some_and(|m| {
+                let (Some(me), Some(l)) = (find(&m, leader), find(&m, new_leader)) else {
+                    return false;
+                };
+                me["voter"] == true && me["applied_index"].as_u64() >= l["commit_index"].as_u64()
+            })
+        },
+    );
+    let listed = c.ok(&["jobs", "list", "--json"]);
+    let got: BTreeSet<String> = serde_json::from_str::<Value>(&listed)
+        .unwrap()
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|j| j["id"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(got, ids);
+}
+
+#[test]
+fn a_follower_redirects_to_the_leader() {
+    let mut c = HaCluster::start(3, &[]);
+    let leader = c.leader_id();
+    let follower = *c.masters.keys().find(|id| **id != leader).unwrap();
+    let faddr = c.addr(follower).to_string();
+
+    // Calls given only the follower follow its redirect.
+    let id = c.ok_at(
+        &faddr,
+        &["jobs", "submit", "--name", "via-follower", "--", "true"],
+    );
+    assert_eq!(id.trim(), "job-1");
+    let listed: Value =
+        serde_json::from_str(&c.ok_at(&faddr, &["jobs", "list", "--json"])).unwrap();
+    assert_eq!(listed[0]["id"], "job-1");
+    assert_eq!(listed[0]["name"], "via-follower");
+
+    // The follower answers `masters` itself, naming the leader.
+    let members: Value = serde_json::from_str(&c.ok_at(&faddr, &["masters", "--json"])).unwrap();
+    let members = members.as_array().unwrap();
+    assert_eq!(members.len(), 3);
+    let l = member(members, leader);
+    assert_eq!(l["role"], "leader", "{members:?}");
+    assert_eq!(l["address"], c.addr(leader));
+    assert_eq!(member(members, follower)["role"], "follower");
+    assert!(members
+        .iter()
+        .all(|m| m["voter"] == true && m["reachable"] == true));
+    let table = c.ok_at(&faddr, &["masters"]);
+    assert!(table.contains("leader"), "{table}");
+}
