@@ -55,11 +55,12 @@ pub async fn list(ctx: &Ctx) -> pb::ListMastersResponse {
     let lookups = ids.iter().map(|&id| {
         let addr = ctx.raft.addresses().get(id).unwrap_or_default();
         let voter = st.voters.contains(&id);
+        let member = voter || st.learners.contains(&id);
         async move {
             if id == st.id {
                 let mut me = self_info(ctx);
                 me.answered = true;
-                if !st.voters.contains(&id) && !st.learners.contains(&id) {
+                if !member {
                     // Started with --join and not added yet, or removed.
                     me.role = "non-member".into();
                 }
