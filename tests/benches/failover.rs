@@ -393,6 +393,7 @@ async fn first_write(
                 let started = Instant::now();
                 let call = c.submit_job(pb::SubmitJobRequest {
                     spec: Some(poll_spec(round)),
+                    ..Default::default()
                 });
                 if let Ok(Ok(r)) = tokio::time::timeout(Duration::from_secs(1), call).await {
                     return (shared.now_ns(), r.into_inner().job_id, i);

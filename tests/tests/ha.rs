@@ -148,9 +148,11 @@ fn leader_sigkill_loses_no_acknowledged_job() {
         eprintln!("failed submit {}: {}", f.name, f.error);
     }
     assert!(acked_after > 0, "no submit succeeded after the failover");
+    // Each submit carries an idempotency key and the CLI resends it until
+    // a leader answers, so none fails across a failover.
     assert!(
-        failed.len() <= 3,
-        "too many failed submits ({}): {:?}",
+        failed.is_empty(),
+        "failed submits ({}): {:?}",
         failed.len(),
         failed.iter().map(|f| &f.error).collect::<Vec<_>>()
     );
@@ -159,7 +161,7 @@ fn leader_sigkill_loses_no_acknowledged_job() {
     assert_eq!(ids.len(), acked.len(), "an id was acknowledged twice");
 
     // Every acknowledged job exists under its name and succeeds; no job of
-    // the loop (an ambiguous failed submit may have made one) fails.
+    // the loop fails.
     let mut last = Vec::new();
     let done = try_wait_for(Duration::from_secs(60), || {
         last = jobs(&c);
@@ -569,4 +571,115 @@ fn a_follower_redirects_to_the_leader() {
         .all(|m| m["voter"] == true && m["reachable"] == true));
     let table = c.ok_at(&faddr, &["masters"]);
     assert!(table.contains("leader"), "{table}");
+}
+
+#[test]
+fn a_frozen_leader_is_replaced_and_rejoins_as_follower() {
+    // SIGSTOP: the machine hangs rather than dies; connections stay open and
+    // silent, so agents must notice by themselves (HTTP/2 keepalive).
+    let mut c = HaCluster::start(3, &[]);
+    let agent = c.add_agent(AgentOpts::default());
+    let marker = c.dir.path().join("marker");
+    let long = c.submit(&[
+        "--name",
+        "long",
+        "--gpus",
+        "1",
+        "--",
+        "sh",
+        "-c",
+        &format!("echo started >> '{}'; exec sleep 300", marker.display()),
+    ]);
+    let before = c.wait_state(&long, "RUNNING", Duration::from_secs(30));
+    let old = c.leader_id();
+    let pid = c.masters[&old].daemon.pid();
+    assert_eq!(signal(pid, "STOP"), 0);
+    let new = c.wait_new_leader(old);
+    // The agent finds the new leader and takes work from it.
+    let quick = c.submit(&["--name", "quick", "--gpus", "1", "--", "true"]);
+    assert_eq!(c.wait_job(&quick, 60).0, 0, "{}", c.diagnostics());
+    let agents = c.agents_json();
+    assert!(agents
+        .iter()
+        .any(|a| a["id"] == agent.as_str() && a["state"] == "ACTIVE"));
+
+    // Thawed, the old leader follows the new one (pre-vote: no disruption).
+    assert_eq!(signal(pid, "CONT"), 0);
+    wait_for(Duration::from_secs(20), "the old leader to follow", || {
+        c.members_at(c.addr(old)).is_some_and(|m| {
+            member(&m, old)["role"] == "follower" && member(&m, new)["role"] == "leader"
+        })
+    });
+    let after = c.job(&long);
+    assert_eq!(after["state"], "RUNNING");
+    assert_eq!(after["tasks"][0]["id"], before["tasks"][0]["id"]);
+    assert_eq!(lines(&marker).len(), 1, "the long task was not relaunched");
+}
+
+/// Sends a signal by name through kill(1) (tests hold no unsafe code).
+fn signal(pid: i32, sig: &str) -> i32 {
+    std::process::Command::new("kill")
+        .args([&format!("-{sig}"), &pid.to_string()])
+        .status()
+        .unwrap()
+        .code()
+        .unwrap_or(-1)
+}
+
+#[test]
+fn a_framework_follows_the_leader_across_failover() {
+    let mut c = HaCluster::start(3, &[]);
+    c.add_agent(AgentOpts::default());
+    let runs = c.dir.path().join("fw-runs");
+    let mut fw = std::process::Command::new(gpuctl_tests::bin("simple-framework"))
+        .args([
+            "--master",
+            &c.addrs(),
+            "--tasks",
+            "6",
+            "--gpu-tasks",
+            "2",
+            "--gpus-per-task",
+            "1",
+            "--timeout",
+            "120",
+            "--json",
+            "--",
+            "sh",
+            "-c",
+            &format!("echo x >> '{}'; sleep 3", runs.display()),
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Kill the leader while the framework's first tasks run.
+    wait_for(
+        Duration::from_secs(60),
+        "the framework's tasks to start",
+        || !lines(&runs).is_empty(),
+    );
+    let old = c.leader_id();
+    c.kill_master(old);
+    c.wait_new_leader(old);
+    let deadline = std::time::Instant::now() + Duration::from_secs(150);
+    while fw.try_wait().unwrap().is_none() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "framework did not finish\n{}",
+            c.diagnostics()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let out = fw.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}\n{}", c.diagnostics());
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let tasks = report["tasks"].as_array().unwrap();
+    assert_eq!(tasks.len(), 6, "{report}");
+    for t in tasks {
+        assert_eq!(t["state"], "FINISHED", "{report}\n{stderr}");
+    }
+    // Each task ran once: none was lost and relaunched across the failover.
+    assert_eq!(lines(&runs).len(), 6, "{stderr}");
 }

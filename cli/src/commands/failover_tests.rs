@@ -45,6 +45,8 @@ struct Node {
     job_states: Mutex<Vec<pb::JobState>>,
     logs: Mutex<Logs>,
     members: Mutex<Vec<pb::MasterInfo>>,
+    /// The idempotency key of every submit received.
+    submit_keys: Mutex<Vec<String>>,
 }
 
 impl Node {
@@ -55,6 +57,7 @@ impl Node {
             job_states: Mutex::new(vec![pb::JobState::JobSucceeded]),
             logs: Mutex::new(Logs::Whole(vec!["hello ", "world\n"])),
             members: Mutex::new(vec![member(1, "leader"), member(2, "follower")]),
+            submit_keys: Mutex::new(Vec::new()),
         })
     }
 
@@ -107,8 +110,12 @@ fn chunks(data: &[&'static str]) -> Vec<Result<pb::LogChunk, Status>> {
 impl pb::operator_server::Operator for Node {
     async fn submit_job(
         &self,
-        _: Request<pb::SubmitJobRequest>,
+        r: Request<pb::SubmitJobRequest>,
     ) -> Result<Response<pb::SubmitJobResponse>, Status> {
+        self.submit_keys
+            .lock()
+            .unwrap()
+            .push(r.into_inner().request_id);
         self.gate("submit")?;
         Ok(Response::new(pb::SubmitJobResponse {
             job_id: "job-7".into(),
@@ -369,18 +376,29 @@ async fn a_submit_is_resent_after_a_refused_connection() {
 }
 
 #[tokio::test]
-async fn a_submit_is_not_resent_after_an_ambiguous_failure() {
+async fn a_submit_is_resent_with_the_same_key_after_an_ambiguous_failure() {
     let leader = Node::new(Role::Leader);
     let ambiguous = Node::new(Role::Ambiguous);
     let mut m = Master::connect(&[serve(ambiguous.clone()).await, serve(leader.clone()).await])
         .await
         .unwrap();
     let (r, out) = run_cmd(&mut m, &["jobs", "submit", "--name", "x", "--", "true"]).await;
-    let err = r.unwrap_err();
-    assert_eq!(err.to_string(), AMBIGUOUS);
-    assert_eq!(out, "");
+    assert_eq!(r.unwrap(), EXIT_OK);
+    assert_eq!(out.trim(), "job-7");
     assert_eq!(ambiguous.count("submit"), 1);
-    assert_eq!(leader.count("submit"), 0, "the job could now exist twice");
+    assert_eq!(leader.count("submit"), 1);
+    // The master dedupes by key: the resend carries the first one's key.
+    let first = ambiguous.submit_keys.lock().unwrap().clone();
+    let second = leader.submit_keys.lock().unwrap().clone();
+    assert_eq!(first.len(), 1);
+    assert!(!first[0].is_empty());
+    assert_eq!(first, second);
+    // Another submit gets another key.
+    let (r, _) = run_cmd(&mut m, &["jobs", "submit", "--name", "y", "--", "true"]).await;
+    assert_eq!(r.unwrap(), EXIT_OK);
+    let keys = leader.submit_keys.lock().unwrap().clone();
+    assert_eq!(keys.len(), 2);
+    assert_ne!(keys[0], keys[1]);
     // A read may be retried after the same error.
     let (r, _) = run_cmd(&mut m, &["jobs", "list"]).await;
     assert_eq!(r.unwrap(), EXIT_OK);

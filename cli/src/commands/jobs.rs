@@ -171,17 +171,36 @@ pub async fn run(
 }
 
 pub async fn submit(master: &mut Master, spec: pb::JobSpec) -> Result<String, CliError> {
-    // Resent only when the master provably did not take it: after an
-    // ambiguous failure a second submit could run the job twice.
+    // Every try carries the same idempotency key, so the master creates the
+    // job at most once even when a try failed with an unknown outcome (a
+    // connection lost mid-call, a leader deposed while committing): resending
+    // is always safe.
+    let request_id = new_request_id();
     let resp = master
-        .call(Retry::IfNotApplied, |mut c| {
+        .call(Retry::Always, |mut c| {
             let req = pb::SubmitJobRequest {
                 spec: Some(spec.clone()),
+                request_id: request_id.clone(),
             };
             async move { c.submit_job(req).await }
         })
         .await?;
     Ok(resp.job_id)
+}
+
+/// 128 random bits in hex, from the kernel; the clock and pid if that fails.
+pub fn new_request_id() -> String {
+    use std::io::Read as _;
+    let mut b = [0u8; 16];
+    let random = std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut b));
+    if random.is_err() {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        b[..12].copy_from_slice(&now.to_le_bytes()[..12]);
+        b[12..].copy_from_slice(&std::process::id().to_le_bytes());
+    }
+    b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
 pub async fn fetch_jobs(master: &mut Master) -> Result<Vec<pb::Job>, CliError> {

@@ -38,6 +38,7 @@ fn submit(name: &str) -> Command {
             resources: Resources::default(),
         },
         at_ms: 1,
+        request_id: None,
     }
 }
 

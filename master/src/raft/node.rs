@@ -789,6 +789,7 @@ mod tests {
                 resources: Resources::default(),
             },
             at_ms: 1,
+            request_id: None,
         }
     }
 

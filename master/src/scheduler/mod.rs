@@ -190,6 +190,7 @@ mod tests {
                 },
             },
             at_ms: 0,
+            request_id: None,
         }
     }
 

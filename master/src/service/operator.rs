@@ -89,8 +89,20 @@ impl pb::operator_server::Operator for OperatorService {
         &self,
         req: Request<pb::SubmitJobRequest>,
     ) -> Result<Response<pb::SubmitJobResponse>, Status> {
+        let req = req.into_inner();
+        let request_id = if req.request_id.is_empty() {
+            None
+        } else {
+            gpuctl_proto::convert::check_id("request_id", &req.request_id)?;
+            // A resend of a submit already committed: answer from the state.
+            if let Some((job_id, _)) = self.ctx.raft.state().submit_requests.get(&req.request_id) {
+                return Ok(Response::new(pb::SubmitJobResponse {
+                    job_id: job_id.clone(),
+                }));
+            }
+            Some(req.request_id)
+        };
         let spec = req
-            .into_inner()
             .spec
             .ok_or_else(|| Status::invalid_argument("invalid spec: missing"))?;
         let spec = JobSpec::try_from(spec)?;
@@ -100,6 +112,7 @@ impl pb::operator_server::Operator for OperatorService {
             .propose(Command::SubmitJob {
                 spec,
                 at_ms: now_ms(),
+                request_id,
             })
             .await?
         {

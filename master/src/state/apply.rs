@@ -97,8 +97,34 @@ impl State {
                 at_ms,
             } => self.register_agent(info, running_task_ids, *at_ms),
             Command::AgentLost { agent_id, at_ms } => self.agent_lost(agent_id, *at_ms),
-            Command::SubmitJob { spec, at_ms } => {
+            Command::SubmitJob {
+                spec,
+                at_ms,
+                request_id,
+            } => {
+                // Forget keys older than the TTL (by the proposer's clock,
+                // carried in the command, so every master forgets the same).
+                while let Some((t, _)) = self.submit_request_order.first() {
+                    if t.saturating_add(super::SUBMIT_REQUEST_TTL_MS) >= *at_ms {
+                        break;
+                    }
+                    if let Some((_, key)) = self.submit_request_order.pop_first() {
+                        self.submit_requests.remove(&key);
+                    }
+                }
+                if let Some(key) = request_id {
+                    if let Some((job_id, _)) = self.submit_requests.get(key) {
+                        return Ok(Outcome::JobSubmitted {
+                            job_id: job_id.clone(),
+                        });
+                    }
+                }
                 let job_id = format!("job-{}", self.next_job_seq);
+                if let Some(key) = request_id {
+                    self.submit_requests
+                        .insert(key.clone(), (job_id.clone(), *at_ms));
+                    self.submit_request_order.insert((*at_ms, key.clone()));
+                }
                 self.next_job_seq += 1;
                 self.jobs.insert(
                     job_id.clone(),
@@ -572,6 +598,31 @@ mod tests {
         }
     }
 
+    #[test]
+    fn a_repeated_submit_key_returns_the_first_job_until_it_expires() {
+        let mut t = T::new();
+        let submit = |key: &str, at_ms: u64| Command::SubmitJob {
+            spec: spec(0),
+            at_ms,
+            request_id: Some(key.into()),
+        };
+        let first = t.apply(submit("k1", 1_000)).unwrap();
+        let again = t.apply(submit("k1", 2_000)).unwrap();
+        assert_eq!(first, again);
+        assert_eq!(t.s.jobs.len(), 1, "no second job");
+        t.apply(submit("k2", 3_000)).unwrap();
+        assert_eq!(t.s.jobs.len(), 2);
+        // After the TTL the key is forgotten (and only the old one).
+        let later = 1_000 + super::super::SUBMIT_REQUEST_TTL_MS + 1;
+        t.apply(submit("k3", later)).unwrap();
+        assert!(!t.s.submit_requests.contains_key("k1"));
+        assert!(t.s.submit_requests.contains_key("k2"));
+        assert_eq!(t.s.submit_request_order.len(), 2);
+        let fresh = t.apply(submit("k1", later + 1)).unwrap();
+        assert_ne!(fresh, first);
+        assert_eq!(t.s.jobs.len(), 4);
+    }
+
     fn spec(gpus: u32) -> JobSpec {
         JobSpec {
             name: "j".into(),
@@ -615,6 +666,7 @@ mod tests {
                 .apply(Command::SubmitJob {
                     spec: spec(gpus),
                     at_ms: 2,
+                    request_id: None,
                 })
                 .unwrap()
             {
@@ -759,6 +811,7 @@ mod tests {
         t.apply(Command::SubmitJob {
             spec: big,
             at_ms: 1,
+            request_id: None,
         })
         .unwrap();
         assert!(matches!(
@@ -779,6 +832,7 @@ mod tests {
         t.apply(Command::SubmitJob {
             spec: img,
             at_ms: 1,
+            request_id: None,
         })
         .unwrap();
         let err = t.launch("job-3", "a3", &[]).unwrap_err();
@@ -939,6 +993,7 @@ mod tests {
             Command::SubmitJob {
                 spec: spec(2),
                 at_ms: 2,
+                request_id: None,
             },
             Command::LaunchTasks {
                 launches: vec![Launch {

@@ -36,6 +36,9 @@ pub enum Command {
     SubmitJob {
         spec: JobSpec,
         at_ms: u64,
+        /// The client's idempotency key (see `State::submit_requests`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        request_id: Option<String>,
     },
     /// Place queued jobs: all launches in the command happen or none does.
     LaunchTasks {

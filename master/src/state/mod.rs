@@ -118,6 +118,9 @@ pub struct FrameworkRecord {
     pub removed: bool,
 }
 
+/// How long a submit's idempotency key is remembered.
+pub const SUBMIT_REQUEST_TTL_MS: u64 = 24 * 60 * 60 * 1000;
+
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct State {
     pub agents: BTreeMap<AgentId, AgentRecord>,
@@ -134,6 +137,14 @@ pub struct State {
     /// Sequence for framework ids (`fw-<n>`).
     #[serde(default)]
     pub next_framework_seq: u64,
+    /// Idempotency keys of recent submits: key to (job id, submit time).
+    /// A repeated submit with a known key returns that job.
+    #[serde(default)]
+    pub submit_requests: BTreeMap<String, (JobId, u64)>,
+    /// The same keys by submit time, to forget them after
+    /// [`SUBMIT_REQUEST_TTL_MS`].
+    #[serde(default)]
+    pub submit_request_order: std::collections::BTreeSet<(u64, String)>,
     /// API address of each master of the Raft group, by node id, so that
     /// every master (a joining one too) can reach every other.
     #[serde(default)]
