@@ -37,6 +37,9 @@ pub struct AgentConfig {
     pub dev_root: PathBuf,
     /// Root under which the driver's ld.so cache, libraries and binaries are.
     pub driver_root: PathBuf,
+    /// Operator-set attributes (rack, zone...), for `--constraint`; they
+    /// override discovered ones of the same name.
+    pub attributes: std::collections::BTreeMap<String, String>,
 }
 
 impl AgentConfig {
@@ -56,6 +59,7 @@ impl AgentConfig {
             cgroup_root: PathBuf::from("/sys/fs/cgroup"),
             dev_root: PathBuf::from("/dev"),
             driver_root: PathBuf::from("/"),
+            attributes: Default::default(),
         }
     }
 }
@@ -124,6 +128,11 @@ pub struct Options {
     /// Log filter (tracing EnvFilter syntax), e.g. `info`.
     #[arg(long, env = "GPUCTL_LOG", default_value = "info")]
     pub log: String,
+    /// An attribute of this agent that jobs can require with
+    /// `gpuctl jobs submit --constraint KEY=VALUE`, e.g. `zone=us-east`;
+    /// repeatable (in the file: `attributes = ["zone=us-east"]`).
+    #[arg(long = "attribute", value_name = "KEY=VALUE")]
+    pub attributes: Vec<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -143,6 +152,7 @@ struct FileOptions {
     cgroup_root: Option<PathBuf>,
     dev_root: Option<PathBuf>,
     driver_root: Option<PathBuf>,
+    attributes: Option<Vec<String>>,
     log: Option<String>,
 }
 
@@ -219,6 +229,7 @@ impl Options {
             fill!(cgroup_root);
             fill!(dev_root);
             fill!(driver_root);
+            fill!(attributes);
             fill!(log);
         }
         Ok(o)
@@ -243,6 +254,23 @@ impl Options {
         if let Some(spec) = &self.simulate_gpus {
             crate::gpu::parse_spec(spec).map_err(|e| AgentError::Config(e.to_string()))?;
         }
+        let mut attributes = std::collections::BTreeMap::new();
+        for a in &self.attributes {
+            match a.split_once('=') {
+                Some((k, v))
+                    if !k.trim().is_empty()
+                        && !k.contains(char::is_whitespace)
+                        && !v.chars().any(char::is_control) =>
+                {
+                    attributes.insert(k.trim().to_string(), v.to_string());
+                }
+                _ => {
+                    return Err(AgentError::Config(format!(
+                        "attribute: {a:?} is not KEY=VALUE"
+                    )))
+                }
+            }
+        }
         Ok(AgentConfig {
             masters,
             work_dir: self.work_dir.clone(),
@@ -258,6 +286,7 @@ impl Options {
             cgroup_root: self.cgroup_root.clone(),
             dev_root: self.dev_root.clone(),
             driver_root: self.driver_root.clone(),
+            attributes,
         })
     }
 }
@@ -271,6 +300,26 @@ fn read_file(path: &Path) -> Result<FileOptions, AgentError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn attributes_are_key_value_pairs() {
+        let o = Options::load_from([
+            "gpuctl-agent",
+            "--attribute",
+            "zone=us-east",
+            "--attribute",
+            "rack=r 7",
+        ])
+        .unwrap();
+        let c = o.to_config().unwrap();
+        assert_eq!(c.attributes["zone"], "us-east");
+        assert_eq!(c.attributes["rack"], "r 7");
+        for bad in ["zone", "=x", "a b=c"] {
+            let o = Options::load_from(["gpuctl-agent", "--attribute", bad]).unwrap();
+            let e = o.to_config().unwrap_err().to_string();
+            assert!(e.contains("attribute"), "{bad}: {e}");
+        }
+    }
 
     #[test]
     fn file_fills_unset_options_and_flags_win() {

@@ -171,6 +171,7 @@ pub async fn serve(
     if simulated {
         attributes.insert("gpuctl.io/simulated-gpus".into(), "true".into());
     }
+    attributes.extend(config.attributes.clone());
     // One level per agent, so that agents sharing a host never touch each
     // other's cgroups and each can sweep what it left itself.
     let isolator = isolation::Isolator::new(

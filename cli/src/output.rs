@@ -68,9 +68,40 @@ pub struct JobJson {
     pub command: Vec<String>,
     pub env: BTreeMap<String, String>,
     pub resources: ResourcesJson,
+    pub placement: PlacementJson,
     pub message: String,
+    /// Why a QUEUED job waits (`Resources: ...`, or the requirement no agent
+    /// meets, e.g. `no agent has GPU model H100*`); `null` otherwise.
+    pub reason: Option<String>,
     pub submitted_at_ms: u64,
     pub tasks: Vec<TaskJson>,
+}
+
+/// Where a job may run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PlacementJson {
+    /// `bundle`, `spread`, or `null`: the cluster's default.
+    pub policy: Option<String>,
+    pub gpu_model: Option<String>,
+    pub gpu_mem_min_mib: u64,
+    pub constraints: BTreeMap<String, String>,
+}
+
+impl From<Option<&pb::Placement>> for PlacementJson {
+    fn from(p: Option<&pb::Placement>) -> Self {
+        let p = p.cloned().unwrap_or_default();
+        PlacementJson {
+            policy: (!p.policy.is_empty()).then_some(p.policy),
+            gpu_model: (!p.gpu_model.is_empty()).then_some(p.gpu_model),
+            gpu_mem_min_mib: p.gpu_mem_min_mib,
+            constraints: p.constraints.into_iter().collect(),
+        }
+    }
+}
+
+/// The wait reason of a queued job (its message), if any.
+fn wait_reason(j: &pb::Job) -> Option<String> {
+    (j.state == pb::JobState::JobQueued as i32 && !j.message.is_empty()).then(|| j.message.clone())
 }
 
 impl From<&pb::Job> for JobJson {
@@ -84,7 +115,9 @@ impl From<&pb::Job> for JobJson {
             command: spec.command,
             env: spec.env.into_iter().collect(),
             resources: ResourcesJson::from(spec.resources.as_ref()),
+            placement: PlacementJson::from(spec.placement.as_ref()),
             message: j.message.clone(),
+            reason: wait_reason(j),
             submitted_at_ms: j.submitted_at_ms,
             tasks: j.tasks.iter().map(TaskJson::from).collect(),
         }
@@ -321,7 +354,9 @@ impl Table {
 /// `jobs list`: ID, NAME, STATE, GPUS, AGENT, AGE, EXIT. AGENT and EXIT
 /// are those of the job's latest task.
 pub fn jobs_table(jobs: &[pb::Job], now_ms: u64) -> Table {
-    let mut t = Table::new(&["ID", "NAME", "STATE", "GPUS", "AGENT", "AGE", "EXIT"]);
+    let mut t = Table::new(&[
+        "ID", "NAME", "STATE", "GPUS", "AGENT", "AGE", "EXIT", "REASON",
+    ]);
     for j in jobs {
         let spec = j.spec.clone().unwrap_or_default();
         let gpus = spec.resources.map_or(0, |r| r.gpus);
@@ -336,6 +371,7 @@ pub fn jobs_table(jobs: &[pb::Job], now_ms: u64) -> Table {
             last.and_then(|t| t.exit_code)
                 .map(|c| c.to_string())
                 .unwrap_or_default(),
+            wait_reason(j).unwrap_or_default().replace('\n', " "),
         ]);
     }
     t
@@ -690,6 +726,7 @@ mod tests {
         pb::Job {
             id: "job-7".into(),
             spec: Some(pb::JobSpec {
+                placement: None,
                 name: "train".into(),
                 image: "busybox:latest".into(),
                 command: vec!["sh".into(), "-c".into(), "echo hi".into()],
@@ -870,7 +907,7 @@ mod tests {
     fn empty_table_is_the_header() {
         assert_eq!(
             jobs_table(&[], 0).render(),
-            "ID  NAME  STATE  GPUS  AGENT  AGE  EXIT\n"
+            "ID  NAME  STATE  GPUS  AGENT  AGE  EXIT  REASON\n"
         );
     }
 
@@ -882,8 +919,33 @@ mod tests {
         let cells: Vec<&str> = lines[1].split_whitespace().collect();
         assert_eq!(
             cells,
-            vec!["job-7", "train", "SUCCEEDED", "2", "agent-a", "65s", "0"]
+            vec![
+                "job-7",
+                "train",
+                "SUCCEEDED",
+                "2",
+                "agent-a",
+                "65s",
+                "0",
+                "-"
+            ]
         );
+        // A queued job says why it waits; JSON has it as `reason`.
+        let mut q = job();
+        q.state = pb::JobState::JobQueued as i32;
+        q.tasks.clear();
+        q.message = "no agent has GPU model H100*".into();
+        let out = jobs_table(&[q.clone()], 1_700_000_065_000).render();
+        assert!(
+            out.lines()
+                .nth(1)
+                .unwrap()
+                .ends_with("no agent has GPU model H100*"),
+            "{out}"
+        );
+        let v = serde_json::to_value(JobJson::from(&q)).unwrap();
+        assert_eq!(v["reason"], "no agent has GPU model H100*");
+        assert!(serde_json::to_value(JobJson::from(&job())).unwrap()["reason"].is_null());
     }
 
     #[test]

@@ -13,7 +13,7 @@ use serde::Deserialize;
 use crate::allocator::{AllocatorConfig, RoleConfig};
 use crate::leader::frameworks::FrameworkSettings;
 use crate::MasterError;
-use gpuctl_proto::types::Resources;
+use gpuctl_proto::types::{PlacementPolicy, Resources};
 
 #[derive(Debug, Clone)]
 pub struct MasterConfig {
@@ -38,6 +38,8 @@ pub struct MasterConfig {
     pub election_timeout: Duration,
     /// Entries between snapshots of the state machine.
     pub snapshot_every: u64,
+    /// How the built-in scheduler places jobs that do not choose.
+    pub placement: PlacementPolicy,
 }
 
 impl MasterConfig {
@@ -54,6 +56,7 @@ impl MasterConfig {
             join: false,
             election_timeout: Duration::from_secs(1),
             snapshot_every: 10_000,
+            placement: PlacementPolicy::Bundle,
         }
     }
 }
@@ -125,6 +128,11 @@ pub struct Options {
     /// Log entries between snapshots of the state (and log compaction).
     #[arg(long, env = "GPUCTL_MASTER_SNAPSHOT_EVERY", default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..))]
     pub snapshot_every: u64,
+    /// How jobs are placed unless they choose: `bundle` packs GPU jobs onto
+    /// the fewest agents (whole agents stay free for big jobs), `spread`
+    /// does the opposite.
+    #[arg(long, env = "GPUCTL_MASTER_PLACEMENT", default_value = "bundle", value_parser = ["bundle", "spread"])]
+    pub placement: String,
     /// Log filter (tracing EnvFilter syntax), e.g. `info` or `gpuctl_master=debug`.
     #[arg(long, env = "GPUCTL_LOG", default_value = "info")]
     pub log: String,
@@ -247,6 +255,7 @@ struct FileOptions {
     join: Option<bool>,
     election_timeout_ms: Option<u64>,
     snapshot_every: Option<u64>,
+    placement: Option<String>,
     log: Option<String>,
 }
 
@@ -338,6 +347,9 @@ impl Options {
             if let (Some(v), true) = (f.snapshot_every, unset(&matches, "snapshot_every")) {
                 o.snapshot_every = v.max(1);
             }
+            if let (Some(v), true) = (f.placement, unset(&matches, "placement")) {
+                o.placement = v;
+            }
             if let (Some(v), true) = (f.log, unset(&matches, "log")) {
                 o.log = v;
             }
@@ -380,7 +392,12 @@ impl Options {
                 self.election_timeout_ms
             )));
         }
+        let placement = self
+            .placement
+            .parse::<PlacementPolicy>()
+            .map_err(|e| MasterError::Config(format!("placement: {e}")))?;
         Ok(MasterConfig {
+            placement,
             peers,
             advertise,
             join: self.join,

@@ -174,13 +174,82 @@ impl TryFrom<pb::JobSpec> for JobSpec {
                 format!("must be <= {MAX_GPUS}"),
             ));
         }
+        let placement = match s.placement {
+            None => PlacementSpec::default(),
+            Some(p) => placement_from_pb(p)?,
+        };
         Ok(JobSpec {
             name: s.name,
             image,
             command: s.command,
             env: s.env.into_iter().collect(),
             resources,
+            placement,
         })
+    }
+}
+
+/// Longest GPU model pattern, attribute key or value.
+const MAX_ATTR_LEN: usize = 256;
+
+fn check_printable(field: &str, s: &str, allow_space: bool) -> Result<()> {
+    if s.len() > MAX_ATTR_LEN {
+        return Err(ConvertError::new(
+            field,
+            format!("longer than {MAX_ATTR_LEN} characters"),
+        ));
+    }
+    if let Some(c) = s
+        .chars()
+        .find(|c| c.is_control() || (!allow_space && c.is_whitespace()))
+    {
+        return Err(ConvertError::new(field, format!("contains {c:?}")));
+    }
+    Ok(())
+}
+
+fn placement_from_pb(p: pb::Placement) -> Result<PlacementSpec> {
+    let policy = if p.policy.is_empty() {
+        None
+    } else {
+        Some(
+            p.policy
+                .parse::<PlacementPolicy>()
+                .map_err(|e| ConvertError::new("spec.placement.policy", e))?,
+        )
+    };
+    let gpu_model = if p.gpu_model.is_empty() {
+        None
+    } else {
+        check_printable("spec.placement.gpu_model", &p.gpu_model, false)?;
+        Some(p.gpu_model)
+    };
+    for (k, v) in &p.constraints {
+        if k.is_empty() {
+            return Err(ConvertError::new(
+                "spec.placement.constraints",
+                "a key is empty",
+            ));
+        }
+        check_printable("spec.placement.constraints", k, false)?;
+        check_printable(&format!("spec.placement.constraints[{k}]"), v, true)?;
+    }
+    Ok(PlacementSpec {
+        policy,
+        gpu_model,
+        gpu_mem_min_mib: p.gpu_mem_min_mib,
+        constraints: p.constraints.into_iter().collect(),
+    })
+}
+
+impl From<PlacementSpec> for pb::Placement {
+    fn from(p: PlacementSpec) -> Self {
+        pb::Placement {
+            policy: p.policy.map(|x| x.to_string()).unwrap_or_default(),
+            gpu_model: p.gpu_model.unwrap_or_default(),
+            gpu_mem_min_mib: p.gpu_mem_min_mib,
+            constraints: p.constraints.into_iter().collect(),
+        }
     }
 }
 
@@ -192,6 +261,7 @@ impl From<JobSpec> for pb::JobSpec {
             command: s.command,
             env: s.env.into_iter().collect(),
             resources: Some(s.resources.into()),
+            placement: (!s.placement.is_default()).then(|| s.placement.into()),
         }
     }
 }
@@ -529,6 +599,7 @@ mod tests {
 
     fn spec() -> pb::JobSpec {
         pb::JobSpec {
+            placement: None,
             name: "train-1".into(),
             image: "busybox:latest".into(),
             command: vec!["sh".into(), "-c".into(), "echo hi".into()],

@@ -204,6 +204,61 @@ impl fmt::Display for JobState {
     }
 }
 
+/// How the scheduler packs GPU jobs onto agents.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum PlacementPolicy {
+    /// Fewest agents: keeps whole agents free for big jobs.
+    #[default]
+    Bundle,
+    /// Most free GPUs first: spreads jobs over agents.
+    Spread,
+}
+
+impl fmt::Display for PlacementPolicy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            PlacementPolicy::Bundle => "bundle",
+            PlacementPolicy::Spread => "spread",
+        })
+    }
+}
+
+impl std::str::FromStr for PlacementPolicy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "bundle" => Ok(PlacementPolicy::Bundle),
+            "spread" => Ok(PlacementPolicy::Spread),
+            other => Err(format!(
+                "{other:?} is not a placement policy (bundle, spread)"
+            )),
+        }
+    }
+}
+
+/// Where a job may run and how it is placed.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PlacementSpec {
+    /// `None`: the cluster's default policy.
+    #[serde(default)]
+    pub policy: Option<PlacementPolicy>,
+    /// Glob on the GPU model (`A100*`), case-insensitive.
+    #[serde(default)]
+    pub gpu_model: Option<String>,
+    /// Each GPU has at least this much memory; 0: any.
+    #[serde(default)]
+    pub gpu_mem_min_mib: u64,
+    /// Agent attributes that must match (values may be globs).
+    #[serde(default)]
+    pub constraints: BTreeMap<String, String>,
+}
+
+impl PlacementSpec {
+    pub fn is_default(&self) -> bool {
+        *self == PlacementSpec::default()
+    }
+}
+
 /// What a user asks to run.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct JobSpec {
@@ -213,6 +268,8 @@ pub struct JobSpec {
     pub command: Vec<String>,
     pub env: BTreeMap<String, String>,
     pub resources: Resources,
+    #[serde(default, skip_serializing_if = "PlacementSpec::is_default")]
+    pub placement: PlacementSpec,
 }
 
 impl JobSpec {

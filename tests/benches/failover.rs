@@ -365,6 +365,7 @@ async fn wait_registered(shared: &Shared, leader: usize, after_ns: u64) -> Optio
 
 fn poll_spec(round: usize) -> pb::JobSpec {
     pb::JobSpec {
+        placement: None,
         name: format!("failover-probe-{round}"),
         // No agent here has Docker: the job stays queued, placing nothing.
         image: "busybox".into(),

@@ -60,9 +60,29 @@ fn process_jobs_run_and_state_survives_a_master_restart() {
     let job = c.job(&big);
     assert_eq!(job["state"], "QUEUED");
     assert!(
-        job["message"].as_str().unwrap().contains("large enough"),
+        job["message"]
+            .as_str()
+            .unwrap()
+            .contains("no agent has 8 GPUs"),
         "{job}"
     );
+    assert_eq!(job["reason"], job["message"]);
+    // A constraint nothing satisfies is named, like squeue's reasons.
+    let h100 = c.submit(&[
+        "--name",
+        "h100",
+        "--gpus",
+        "1",
+        "--gpu-model",
+        "H100*",
+        "--",
+        "true",
+    ]);
+    let job = c.job(&h100);
+    assert_eq!(job["state"], "QUEUED");
+    assert_eq!(job["reason"], "no agent has GPU model H100*", "{job}");
+    assert_eq!(job["placement"]["gpu_model"], "H100*");
+    c.ok(&["jobs", "cancel", &h100]);
 
     // The master reports itself as the Raft group's leader.
     let masters = c.json(&["masters", "--json"]);

@@ -403,6 +403,7 @@ async fn drive(
 /// The spec of a demo job.
 fn demo_spec(name: &str, gpus: u32, image: Option<&str>) -> pb::JobSpec {
     pb::JobSpec {
+        placement: None,
         name: name.to_string(),
         image: image.unwrap_or_default().to_string(),
         command: vec!["sh".into(), "-c".into(), DEMO_SCRIPT.into()],

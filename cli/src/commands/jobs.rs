@@ -81,6 +81,20 @@ pub struct SubmitArgs {
     /// Environment variable for the job, repeatable.
     #[arg(long = "env", value_name = "K=V", value_parser = parse_env_pair)]
     pub env: Vec<(String, String)>,
+    /// Placement policy: bundle (fewest agents) or spread; default: the
+    /// cluster's (`gpuctl-master --placement`).
+    #[arg(long, value_name = "POLICY", value_parser = ["bundle", "spread"])]
+    pub placement: Option<String>,
+    /// Only GPUs whose model matches this glob, e.g. 'A100*' (case-insensitive).
+    #[arg(long, value_name = "PATTERN")]
+    pub gpu_model: Option<String>,
+    /// Only GPUs with at least this much memory, in MiB.
+    #[arg(long, value_name = "MIB", default_value_t = 0)]
+    pub gpu_mem_min: u64,
+    /// Only agents whose attribute KEY matches VALUE (a glob), repeatable,
+    /// e.g. nvidia.com/cuda.driver-version.major=12 (see `gpuctl agents describe`).
+    #[arg(long = "constraint", value_name = "KEY=VALUE", value_parser = parse_constraint)]
+    pub constraints: Vec<(String, String)>,
     /// The command and its arguments, after `--` (so that a mistyped
     /// flag is an error, not the job's command).
     #[arg(value_name = "CMD", required = true, num_args = 1.., last = true)]
@@ -89,7 +103,14 @@ pub struct SubmitArgs {
 
 impl SubmitArgs {
     pub fn to_spec(&self) -> pb::JobSpec {
+        let placement = pb::Placement {
+            policy: self.placement.clone().unwrap_or_default(),
+            gpu_model: self.gpu_model.clone().unwrap_or_default(),
+            gpu_mem_min_mib: self.gpu_mem_min,
+            constraints: self.constraints.iter().cloned().collect(),
+        };
         pb::JobSpec {
+            placement: (placement != pb::Placement::default()).then_some(placement),
             name: self.name.clone(),
             image: self.image.clone().unwrap_or_default(),
             command: self.command.clone(),
@@ -100,6 +121,16 @@ impl SubmitArgs {
                 gpus: self.gpus,
             }),
         }
+    }
+}
+
+/// `KEY=VALUE` of `--constraint`: both sides non-empty.
+pub fn parse_constraint(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.trim().is_empty() && !v.is_empty() => {
+            Ok((k.trim().to_string(), v.to_string()))
+        }
+        _ => Err(format!("{s:?} is not KEY=VALUE")),
     }
 }
 
@@ -570,6 +601,7 @@ mod tests {
         pb::Job {
             id: id.into(),
             spec: Some(pb::JobSpec {
+                placement: None,
                 name: format!("name-{id}"),
                 ..Default::default()
             }),

@@ -21,6 +21,7 @@ use crate::raft::RaftHandle;
 use crate::scheduler::{place_in, Available};
 use crate::state::frameworks::BUILTIN_FRAMEWORK_ID;
 use crate::state::Command;
+use gpuctl_proto::types::PlacementPolicy;
 
 /// Declined agents come back quickly: a job submitted meanwhile revives
 /// offers anyway, and the allocator's other frameworks come first by DRF.
@@ -36,7 +37,12 @@ fn info() -> FrameworkInfo {
     }
 }
 
-pub async fn run(raft: RaftHandle, hub: Arc<Hub>, mut shutdown: watch::Receiver<bool>) {
+pub async fn run(
+    raft: RaftHandle,
+    hub: Arc<Hub>,
+    default_policy: PlacementPolicy,
+    mut shutdown: watch::Receiver<bool>,
+) {
     let mut status = raft.status_watch();
     let mut backoff = Duration::from_millis(100);
     loop {
@@ -91,7 +97,7 @@ pub async fn run(raft: RaftHandle, hub: Arc<Hub>, mut shutdown: watch::Receiver<
                 }
                 e = rx.recv() => match e {
                     Some(Ok(pb::Event { event: Some(pb::event::Event::Offers(offers)) })) => {
-                        handle_offers(&raft, &hub, offers.offers).await;
+                        handle_offers(&raft, &hub, offers.offers, default_policy).await;
                     }
                     Some(_) => {}
                     None => break,
@@ -103,7 +109,12 @@ pub async fn run(raft: RaftHandle, hub: Arc<Hub>, mut shutdown: watch::Receiver<
 
 /// Places queued jobs on the offers; with nothing waiting, declines them and
 /// suppresses offers until a job is submitted.
-async fn handle_offers(raft: &RaftHandle, hub: &Hub, offers: Vec<pb::Offer>) {
+async fn handle_offers(
+    raft: &RaftHandle,
+    hub: &Hub,
+    offers: Vec<pb::Offer>,
+    default_policy: PlacementPolicy,
+) {
     let ids: Vec<String> = offers.iter().map(|o| o.id.clone()).collect();
     let agents: BTreeSet<String> = offers.iter().map(|o| o.agent_id.clone()).collect();
     let launches = {
@@ -131,7 +142,7 @@ async fn handle_offers(raft: &RaftHandle, hub: &Hub, offers: Vec<pb::Offer>) {
             });
             a.gpus.extend(o.gpus.iter().map(|g| g.uuid.clone()));
         }
-        place_in(&state, &available)
+        place_in(&state, &available, default_policy)
     };
     // Accept: the offers are used (what is not launched on is declined).
     if let Err(e) = hub.take_offers(BUILTIN_FRAMEWORK_ID, &ids) {

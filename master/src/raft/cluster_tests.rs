@@ -31,6 +31,7 @@ struct Group {
 fn submit(name: &str) -> Command {
     Command::SubmitJob {
         spec: JobSpec {
+            placement: Default::default(),
             name: name.into(),
             image: None,
             command: vec!["true".into()],

@@ -782,6 +782,7 @@ mod tests {
     fn submit() -> Command {
         Command::SubmitJob {
             spec: JobSpec {
+                placement: Default::default(),
                 name: "j".into(),
                 image: None,
                 command: vec!["true".into()],

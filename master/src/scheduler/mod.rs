@@ -2,15 +2,19 @@
 //! launches to propose. The state machine re-checks every launch when it is
 //! applied, so a stale decision is refused there, never double-booked.
 //!
-//! Policy for now: jobs in submission order; each goes to the agent that fits
-//! it with the fewest free GPUs left (bundle: keeps whole nodes free for big
-//! jobs), GPUs by lowest index. A job that fits nowhere waits and does not
-//! block smaller jobs behind it. Priority, spread, constraints and topology
-//! come with the GPU-aware scheduling issue.
+//! Jobs are taken in submission order; each is placed by the engine in
+//! [`placement`] (bundle or spread, GPU model and memory, agent attribute
+//! constraints) with GPUs chosen by interconnect ([`topology`]). A job that
+//! fits nowhere waits and does not block smaller jobs behind it. Not built
+//! yet (the rest of the GPU-aware scheduling issue): priority and
+//! preemption, gangs (`--replicas`), retries.
+
+pub mod placement;
+pub mod topology;
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use gpuctl_proto::types::{Resources, Runtime};
+use gpuctl_proto::types::{JobSpec, PlacementPolicy, Resources};
 
 use crate::state::{AgentState, Launch, State};
 
@@ -56,91 +60,122 @@ pub fn place(
             )
         })
         .collect();
-    place_in(state, &available)
+    place_in(state, &available, PlacementPolicy::Bundle)
+}
+
+/// The engine's policy for a job: its own, or the cluster's default.
+pub fn policy_of(spec: &JobSpec, default: PlacementPolicy) -> placement::Policy {
+    match spec.placement.policy.unwrap_or(default) {
+        PlacementPolicy::Bundle => placement::Policy::Bundle,
+        PlacementPolicy::Spread => placement::Policy::Spread,
+    }
+}
+
+/// What a job's task asks of the placement engine.
+pub fn request(spec: &JobSpec) -> placement::TaskRequest<'_> {
+    placement::TaskRequest {
+        resources: spec.resources,
+        runtime: spec.runtime(),
+        gpu_model: spec.placement.gpu_model.as_deref(),
+        gpu_mem_min_mib: spec.placement.gpu_mem_min_mib,
+        constraints: &spec.placement.constraints,
+    }
 }
 
 /// Placements for queued jobs using exactly `available` (what the built-in
-/// framework was offered), bundle policy: the agent that fits with the
-/// fewest GPUs left over; GPUs by lowest index.
-pub fn place_in(state: &State, available: &BTreeMap<String, Available>) -> Vec<Launch> {
+/// framework was offered): jobs in submission order, each placed by the
+/// engine (`placement`) with its policy, constraints and GPU topology, on
+/// what the jobs before it left. A job that fits nowhere waits and does not
+/// block smaller jobs behind it.
+pub fn place_in(
+    state: &State,
+    available: &BTreeMap<String, Available>,
+    default_policy: PlacementPolicy,
+) -> Vec<Launch> {
     let mut free: BTreeMap<&str, Resources> = available
         .iter()
         .map(|(id, a)| (id.as_str(), a.resources))
         .collect();
-    let mut used_gpus: BTreeSet<&str> = BTreeSet::new();
+    let mut used_gpus: BTreeSet<String> = BTreeSet::new();
+    let agents: Vec<_> = state
+        .agents
+        .values()
+        .filter(|a| a.state == AgentState::Active && available.contains_key(&a.info.id))
+        .collect();
     let mut out = Vec::new();
     for job in state.queued_jobs() {
-        let need = job.spec.resources;
-        let runtime = job.spec.runtime();
-        let best = state
-            .agents
-            .values()
-            .filter(|a| a.state == AgentState::Active && a.info.runtimes.contains(&runtime))
+        let nodes: Vec<placement::NodeView> = agents
+            .iter()
             .filter_map(|a| {
                 let offered = available.get(&a.info.id)?;
-                let f = free.get(a.info.id.as_str())?;
-                if !f.fits(&need) {
-                    return None;
-                }
-                let mut g: Vec<_> = a
-                    .info
-                    .gpus
-                    .iter()
-                    .filter(|g| {
-                        g.healthy
-                            && offered.gpus.contains(&g.uuid)
-                            && !used_gpus.contains(g.uuid.as_str())
-                    })
-                    .collect();
-                g.sort_by_key(|g| g.index);
-                let gpus: Vec<&str> = g.into_iter().map(|g| g.uuid.as_str()).collect();
-                if gpus.len() < need.gpus as usize {
-                    return None;
-                }
-                Some((gpus.len() - need.gpus as usize, a.info.id.as_str(), gpus))
+                Some(placement::NodeView {
+                    id: a.info.id.as_str(),
+                    attributes: &a.info.attributes,
+                    runtimes: &a.info.runtimes,
+                    free: *free.get(a.info.id.as_str())?,
+                    free_gpus: a
+                        .info
+                        .gpus
+                        .iter()
+                        .filter(|g| {
+                            g.healthy
+                                && offered.gpus.contains(&g.uuid)
+                                && !used_gpus.contains(&g.uuid)
+                        })
+                        .collect(),
+                    all_gpus: &a.info.gpus,
+                })
             })
-            .min_by(|x, y| (x.0, x.1).cmp(&(y.0, y.1)));
-        let Some((_, agent_id, gpus)) = best else {
+            .collect();
+        let req = request(&job.spec);
+        let Some(p) = placement::place_task(&req, &nodes, policy_of(&job.spec, default_policy))
+        else {
             continue;
         };
-        let chosen: Vec<&str> = gpus.into_iter().take(need.gpus as usize).collect();
-        if let Some(f) = free.get_mut(agent_id) {
-            *f = f.saturating_sub(&need);
+        if let Some(f) = free.get_mut(p.node.as_str()) {
+            *f = f.saturating_sub(&job.spec.resources);
         }
-        used_gpus.extend(chosen.iter().copied());
+        used_gpus.extend(p.gpus.iter().cloned());
         out.push(Launch {
             job_id: job.id.clone(),
-            agent_id: agent_id.to_string(),
-            gpu_uuids: chosen.into_iter().map(str::to_string).collect(),
+            agent_id: p.node,
+            gpu_uuids: p.gpus,
         });
     }
     out
 }
 
-/// Why a queued job is not placed, in one line (for `gpuctl jobs list`).
+/// Why a queued job is not placed, in one line (for `gpuctl jobs list`,
+/// like Slurm's squeue): a requirement no agent could ever meet ("no agent
+/// has GPU model H100*"), or `Resources` when some agent could run it once
+/// resources are freed.
 pub fn wait_reason(state: &State, job_id: &str) -> Option<String> {
     let job = state.jobs.get(job_id)?;
-    let runtime = job.spec.runtime();
     let active: Vec<_> = state
         .agents
         .values()
         .filter(|a| a.state == AgentState::Active)
         .collect();
-    if active.is_empty() {
-        return Some("no active agent".into());
-    }
-    if !state.has_runtime(runtime) {
-        return Some(match runtime {
-            Runtime::Docker => "no agent with Docker (the job names an image)".into(),
-            Runtime::Process => "no agent runs host processes".into(),
-        });
-    }
-    let need = job.spec.resources;
-    if !active.iter().any(|a| a.info.total.fits(&need)) {
-        return Some(format!(
-            "no agent is large enough ({} GPUs, {} cpus, {} MiB)",
-            need.gpus, need.cpus, need.mem_mib
-        ));
+    let nodes: Vec<placement::NodeView> = active
+        .iter()
+        .map(|a| placement::NodeView {
+            id: a.info.id.as_str(),
+            attributes: &a.info.attributes,
+            runtimes: &a.info.runtimes,
+            free: a.info.total,
+            free_gpus: a.info.gpus.iter().collect(),
+            all_gpus: &a.info.gpus,
+        })
+        .collect();
+    let totals = |id: &str| {
+        state
+            .agents
+            .get(id)
+            .map(|a| a.info.total)
+            .unwrap_or_default()
+    };
+    if let Some(why) = placement::unsatisfiable(&request(&job.spec), &nodes, &totals) {
+        return Some(why);
     }
     Some("Resources: waiting for resources to be freed".into())
 }
@@ -149,7 +184,7 @@ pub fn wait_reason(state: &State, job_id: &str) -> Option<String> {
 mod tests {
     use super::*;
     use crate::state::Command;
-    use gpuctl_proto::types::{AgentInfo, GpuInfo, JobSpec};
+    use gpuctl_proto::types::{AgentInfo, GpuInfo, JobSpec, Runtime};
 
     fn agent(id: &str, gpus: u32, runtimes: Vec<Runtime>) -> Command {
         Command::RegisterAgent {
@@ -179,6 +214,7 @@ mod tests {
     fn job(gpus: u32, image: bool) -> Command {
         Command::SubmitJob {
             spec: JobSpec {
+                placement: Default::default(),
                 name: "j".into(),
                 image: image.then(|| "busybox".into()),
                 command: vec!["true".into()],
@@ -277,7 +313,7 @@ mod tests {
         assert_eq!(l[0].agent_id, "d");
         let s = state(vec![agent("p", 2, vec![Runtime::Process]), job(1, true)]);
         assert!(place(&s, &BTreeSet::new(), &BTreeMap::new()).is_empty());
-        assert!(wait_reason(&s, "job-1").unwrap().contains("Docker"));
+        assert_eq!(wait_reason(&s, "job-1").unwrap(), "no agent runs docker");
     }
 
     #[test]
@@ -286,7 +322,8 @@ mod tests {
         let l = place(&s, &BTreeSet::new(), &BTreeMap::new());
         assert_eq!(l.len(), 1);
         assert_eq!(l[0].job_id, "job-2");
-        assert!(wait_reason(&s, "job-1").unwrap().contains("large enough"));
+        let why = wait_reason(&s, "job-1").unwrap();
+        assert!(why.contains("no agent has 4 GPUs"), "{why}");
     }
 
     #[test]
@@ -321,7 +358,7 @@ mod tests {
                 gpus: vec!["GPU-b-2".into(), "GPU-b-3".into()],
             },
         )]);
-        let l = place_in(&s, &available);
+        let l = place_in(&s, &available, PlacementPolicy::Bundle);
         assert_eq!(
             l.len(),
             1,
@@ -332,6 +369,6 @@ mod tests {
             l[0].gpu_uuids,
             vec!["GPU-b-2".to_string(), "GPU-b-3".to_string()]
         );
-        assert!(place_in(&s, &BTreeMap::new()).is_empty());
+        assert!(place_in(&s, &BTreeMap::new(), PlacementPolicy::Bundle).is_empty());
     }
 }

@@ -625,6 +625,7 @@ mod tests {
 
     fn spec(gpus: u32) -> JobSpec {
         JobSpec {
+            placement: Default::default(),
             name: "j".into(),
             image: None,
             command: vec!["true".into()],
