@@ -143,3 +143,68 @@ fn gpu_model_memory_and_attributes_choose_the_agent_or_explain_the_wait() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("KEY=VALUE"));
 }
+
+/// Four GPUs discovered through NVML (fake-nvml): 0-2 NVLinked, 1-3
+/// NVLinked (not neighbours by index, so lowest-index choice would be
+/// wrong), each pair on its own PCIe switch.
+fn two_nvlink_pairs(dir: &std::path::Path) -> (std::path::PathBuf, Vec<String>) {
+    let mut cfg: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(gpuctl_tests::fake_nvml_config("mixed")).unwrap(),
+    )
+    .unwrap();
+    let gpus = cfg["gpus"].as_array_mut().unwrap();
+    let bus: Vec<String> = gpus
+        .iter()
+        .map(|g| g["pci_bus_id"].as_str().unwrap().to_string())
+        .collect();
+    for (i, g) in gpus.iter_mut().enumerate() {
+        let partner = i ^ 2;
+        g["name"] = "NVIDIA A100-SXM4-40GB".into();
+        g["memory_total_mib"] = 40960.into();
+        g["pci_switch"] = format!("sw{}", i % 2).into();
+        g["nvlinks"] = serde_json::json!([bus[partner], bus[partner]]);
+    }
+    let uuids = gpus
+        .iter()
+        .map(|g| g["uuid"].as_str().unwrap().to_string())
+        .collect();
+    let path = dir.join("two-pairs.json");
+    std::fs::write(&path, serde_json::to_vec_pretty(&cfg).unwrap()).unwrap();
+    (path, uuids)
+}
+
+fn gpus_of(c: &Cluster, job: &str) -> BTreeSet<String> {
+    let j = c.wait_state(job, "RUNNING", Duration::from_secs(30));
+    j["tasks"][0]["gpus"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|g| g.as_str().unwrap().to_string())
+        .collect()
+}
+
+#[test]
+fn gpus_are_chosen_by_nvlink_topology() {
+    let mut c = Cluster::start(&[]);
+    let (cfg, uuids) = two_nvlink_pairs(c.dir.path());
+    c.add_agent(AgentOpts {
+        simulate_gpus: None,
+        extra: vec![
+            "--nvml-lib".into(),
+            gpuctl_tests::fake_nvml_lib().display().to_string(),
+        ],
+        env: vec![("FAKE_NVML_CONFIG".into(), cfg.display().to_string())],
+        ..Default::default()
+    });
+    let set =
+        |ids: &[usize]| -> BTreeSet<String> { ids.iter().map(|i| uuids[*i].clone()).collect() };
+    // The first 1-GPU task takes GPU 0; the second takes its NVLink partner,
+    // GPU 2, rather than GPU 1, which would break up the 1-3 pair.
+    let a = sleeper(&c, "a", &["--gpus", "1"]);
+    assert_eq!(gpus_of(&c, &a), set(&[0]));
+    let b = sleeper(&c, "b", &["--gpus", "1"]);
+    assert_eq!(gpus_of(&c, &b), set(&[2]));
+    // So a 2-GPU task still gets an NVLinked pair.
+    let pair = sleeper(&c, "pair", &["--gpus", "2"]);
+    assert_eq!(gpus_of(&c, &pair), set(&[1, 3]));
+}
