@@ -405,77 +405,6 @@ impl Cluster {
             .filter_map(|a| a["id"].as_str().map(str::to_string))
             .collect()
     }
-
-    /// Runs `gpuctl --master <this master> args...`.
-    pub fn gpuctl(&self, args: &[&str]) -> Output {
-        Command::new(bin("gpuctl"))
-            .arg("--master")
-            .arg(&self.master_addr)
-            .args(args)
-            .stdin(Stdio::null())
-            .output()
-            .unwrap()
-    }
-
-    /// Runs gpuctl, asserts success and returns stdout.
-    pub fn ok(&self, args: &[&str]) -> String {
-        let out = self.gpuctl(args);
-        assert!(
-            out.status.success(),
-            "gpuctl {args:?} failed ({:?}): {}\n--- master log ---\n{}",
-            out.status.code(),
-            String::from_utf8_lossy(&out.stderr),
-            tail(&self.master.log_text(), 40)
-        );
-        String::from_utf8(out.stdout).unwrap()
-    }
-
-    pub fn json(&self, args: &[&str]) -> Value {
-        let s = self.ok(args);
-        serde_json::from_str(&s).unwrap_or_else(|e| panic!("gpuctl {args:?}: bad JSON {e}: {s}"))
-    }
-
-    /// Submits a job and returns its id.
-    pub fn submit(&self, args: &[&str]) -> String {
-        let mut all = vec!["jobs", "submit"];
-        all.extend_from_slice(args);
-        let id = self.ok(&all).trim().to_string();
-        assert!(id.starts_with("job-"), "unexpected job id {id:?}");
-        id
-    }
-
-    pub fn job(&self, id: &str) -> Value {
-        self.json(&["jobs", "get", id, "--json"])
-    }
-
-    /// Waits until the job is in `state` (e.g. "RUNNING").
-    pub fn wait_state(&self, id: &str, state: &str, timeout: Duration) -> Value {
-        let mut last = Value::Null;
-        let found = try_wait_for(timeout, || {
-            last = self.job(id);
-            last["state"] == state
-        });
-        assert!(
-            found,
-            "job {id} did not reach {state}; last: {last}\n--- agent logs ---\n{}",
-            self.agents
-                .iter()
-                .map(|a| tail(&a.log_text(), 30))
-                .collect::<Vec<_>>()
-                .join("\n")
-        );
-        last
-    }
-
-    /// `gpuctl jobs wait`, returning (exit code, stdout).
-    pub fn wait_job(&self, id: &str, timeout_secs: u32) -> (i32, String) {
-        let t = timeout_secs.to_string();
-        let out = self.gpuctl(&["jobs", "wait", id, "--timeout", &t]);
-        (
-            out.status.code().unwrap_or(-1),
-            String::from_utf8_lossy(&out.stdout).trim().to_string(),
-        )
-    }
 }
 
 /// Runs `gpuctl --master <masters> args...` (`masters`: `HOST:PORT[,...]`).
@@ -847,23 +776,23 @@ impl HaCluster {
             .and_then(|v| v.as_array().cloned())
             .unwrap_or_default()
     }
+}
 
-    /// Runs `gpuctl --master <every master> args...`.
-    pub fn gpuctl(&self, args: &[&str]) -> Output {
-        gpuctl_at(&self.addrs(), args)
-    }
+/// The gpuctl calls both fixtures make; they differ only in how gpuctl is
+/// run (which masters) and in what a failure prints.
+pub trait Gpuctl {
+    /// Runs `gpuctl --master ... args...`.
+    fn gpuctl(&self, args: &[&str]) -> Output;
 
-    /// Runs gpuctl against every master, asserts success, returns stdout.
-    pub fn ok(&self, args: &[&str]) -> String {
-        self.ok_at(&self.addrs(), args)
-    }
+    /// The last lines of the daemons' logs, for failure messages.
+    fn diagnostics(&self) -> String;
 
-    /// Runs gpuctl against `masters`, asserts success, returns stdout.
-    pub fn ok_at(&self, masters: &str, args: &[&str]) -> String {
-        let out = gpuctl_at(masters, args);
+    /// Runs gpuctl, asserts success and returns stdout.
+    fn ok(&self, args: &[&str]) -> String {
+        let out = self.gpuctl(args);
         assert!(
             out.status.success(),
-            "gpuctl --master {masters} {args:?} failed ({:?}): {}\n{}",
+            "gpuctl {args:?} failed ({:?}): {}\n{}",
             out.status.code(),
             String::from_utf8_lossy(&out.stderr),
             self.diagnostics()
@@ -871,13 +800,13 @@ impl HaCluster {
         String::from_utf8(out.stdout).unwrap()
     }
 
-    pub fn json(&self, args: &[&str]) -> Value {
+    fn json(&self, args: &[&str]) -> Value {
         let s = self.ok(args);
         serde_json::from_str(&s).unwrap_or_else(|e| panic!("gpuctl {args:?}: bad JSON {e}: {s}"))
     }
 
     /// Submits a job and returns its id.
-    pub fn submit(&self, args: &[&str]) -> String {
+    fn submit(&self, args: &[&str]) -> String {
         let mut all = vec!["jobs", "submit"];
         all.extend_from_slice(args);
         let id = self.ok(&all).trim().to_string();
@@ -885,12 +814,12 @@ impl HaCluster {
         id
     }
 
-    pub fn job(&self, id: &str) -> Value {
+    fn job(&self, id: &str) -> Value {
         self.json(&["jobs", "get", id, "--json"])
     }
 
     /// Waits until the job is in `state` (e.g. "RUNNING").
-    pub fn wait_state(&self, id: &str, state: &str, timeout: Duration) -> Value {
+    fn wait_state(&self, id: &str, state: &str, timeout: Duration) -> Value {
         let mut last = Value::Null;
         let found = try_wait_for(timeout, || {
             last = self.job(id);
@@ -905,7 +834,7 @@ impl HaCluster {
     }
 
     /// `gpuctl jobs wait`, returning (exit code, stdout).
-    pub fn wait_job(&self, id: &str, timeout_secs: u32) -> (i32, String) {
+    fn wait_job(&self, id: &str, timeout_secs: u32) -> (i32, String) {
         let t = timeout_secs.to_string();
         let out = self.gpuctl(&["jobs", "wait", id, "--timeout", &t]);
         (
@@ -913,9 +842,55 @@ impl HaCluster {
             String::from_utf8_lossy(&out.stdout).trim().to_string(),
         )
     }
+}
 
-    /// The last lines of every master's and agent's log, for failures.
-    pub fn diagnostics(&self) -> String {
+impl Gpuctl for Cluster {
+    /// Runs `gpuctl --master <this master> args...`.
+    fn gpuctl(&self, args: &[&str]) -> Output {
+        Command::new(bin("gpuctl"))
+            .arg("--master")
+            .arg(&self.master_addr)
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap()
+    }
+
+    fn diagnostics(&self) -> String {
+        let mut s = format!(
+            "--- master log ---\n{}\n",
+            tail(&self.master.log_text(), 40)
+        );
+        for a in &self.agents {
+            s.push_str(&format!("--- agent log ---\n{}\n", tail(&a.log_text(), 30)));
+        }
+        s
+    }
+}
+
+impl HaCluster {
+    /// Runs gpuctl against `masters`, asserts success, returns stdout.
+    pub fn ok_at(&self, masters: &str, args: &[&str]) -> String {
+        let out = gpuctl_at(masters, args);
+        assert!(
+            out.status.success(),
+            "gpuctl --master {masters} {args:?} failed ({:?}): {}\n{}",
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr),
+            self.diagnostics()
+        );
+        String::from_utf8(out.stdout).unwrap()
+    }
+}
+
+impl Gpuctl for HaCluster {
+    /// Runs `gpuctl --master <every master> args...`.
+    fn gpuctl(&self, args: &[&str]) -> Output {
+        gpuctl_at(&self.addrs(), args)
+    }
+
+    /// The last lines of every master's and agent's log.
+    fn diagnostics(&self) -> String {
         let mut s = String::new();
         for m in self.masters.values() {
             s.push_str(&format!(

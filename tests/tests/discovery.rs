@@ -7,6 +7,7 @@ use std::path::Path;
 use std::sync::Mutex;
 
 use gpuctl_agent::gpu::{discover, labels, Discovery};
+use gpuctl_tests::Gpuctl;
 use gpuctl_tests::{fake_nvml_config, fake_nvml_lib, AgentOpts, Cluster};
 use serde_json::{json, Value};
 

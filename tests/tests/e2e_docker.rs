@@ -5,6 +5,7 @@
 
 use std::time::Duration;
 
+use gpuctl_tests::Gpuctl;
 use gpuctl_tests::{
     busybox_image, containers_with_label, docker_or_skip, wait_for, AgentOpts, Cluster,
 };

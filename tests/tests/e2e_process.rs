@@ -4,6 +4,7 @@
 
 use std::time::Duration;
 
+use gpuctl_tests::Gpuctl;
 use gpuctl_tests::{wait_for, AgentOpts, Cluster};
 
 #[test]

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use gpuctl_proto::pb;
+use gpuctl_tests::Gpuctl;
 use gpuctl_tests::{AgentOpts, Cluster};
 use pb::scheduler_client::SchedulerClient;
 

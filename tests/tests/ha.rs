@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use gpuctl_tests::Gpuctl;
 use gpuctl_tests::{gpuctl_at, strip_ansi, try_wait_for, wait_for, AgentOpts, HaCluster};
 use serde_json::Value;
 

@@ -9,6 +9,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use gpuctl_tests::Gpuctl;
 use gpuctl_tests::{
     busybox_image, cgroup_dirs, cgroup_v1_or_skip, containers_with_label, docker_or_skip,
     fake_nvml_config, fake_nvml_lib, make_dev_root, make_driver_tree, try_wait_for, wait_for,

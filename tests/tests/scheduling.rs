@@ -7,6 +7,7 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
+use gpuctl_tests::Gpuctl;
 use gpuctl_tests::{AgentOpts, Cluster};
 
 fn sleeper(c: &Cluster, name: &str, extra: &[&str]) -> String {
