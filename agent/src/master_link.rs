@@ -439,6 +439,8 @@ pub async fn status_sender(masters: Arc<Masters>, mut rx: mpsc::Receiver<StatusU
 mod tests {
     use super::*;
 
+    use gpuctl_proto::leader::not_leader;
+
     #[test]
     fn election_poll_is_short_and_jittered() {
         for id in ["a", "node-1", "gpu-host-17-abcdef01"] {
@@ -449,7 +451,6 @@ mod tests {
             );
         }
     }
-    use gpuctl_proto::leader::not_leader;
 
     fn list(addrs: &[&str]) -> Vec<String> {
         addrs.iter().map(|a| a.to_string()).collect()

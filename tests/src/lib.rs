@@ -258,7 +258,7 @@ pub struct Cluster {
     master_args: Vec<String>,
     pub agents: Vec<Daemon>,
     /// Each agent's arguments and environment, for `restart_agent`.
-    agent_args: Vec<(Vec<String>, Env)>,
+    agent_args: Vec<AgentArgs>,
 }
 
 pub struct AgentOpts<'a> {
@@ -333,77 +333,19 @@ impl Cluster {
 
     /// Starts an agent and waits until it is ACTIVE; returns its id.
     pub fn add_agent(&mut self, opts: AgentOpts) -> String {
-        let n = self.agents.len();
-        let work = self.dir.path().join(format!("agent{n}"));
-        let mut args = vec![
-            "--master".to_string(),
-            self.master_addr.clone(),
-            "--work-dir".into(),
-            work.display().to_string(),
-            "--listen".into(),
-            format!("127.0.0.1:{}", free_port()),
-            "--runtime".into(),
-            opts.runtime.into(),
-            "--kill-grace-secs".into(),
-            "2".into(),
-        ];
-        if let Some(s) = opts.simulate_gpus {
-            args.push("--simulate-gpus".into());
-            args.push(s.into());
-        }
-        args.extend(opts.extra);
-        let before: Vec<String> = self.agent_ids();
-        self.agents.push(Daemon::spawn(
-            &format!("agent{n}"),
-            &bin("gpuctl-agent"),
-            &args,
-            &opts.env,
-            self.dir.path().join(format!("agent{n}.log")),
-        ));
-        self.agent_args.push((args, opts.env));
-        let mut id = String::new();
-        wait_for(Duration::from_secs(30), "agent registers", || {
-            let agents = self.json(&["agents", "list", "--json"]);
-            match agents.as_array().into_iter().flatten().find(|a| {
-                a["state"] == "ACTIVE"
-                    && !before.contains(&a["id"].as_str().unwrap_or("").to_string())
-            }) {
-                Some(a) => {
-                    id = a["id"].as_str().unwrap_or_default().to_string();
-                    true
-                }
-                None => false,
-            }
-        });
-        id
+        let before = agent_ids(&self.agents_json());
+        let (daemon, args) =
+            spawn_agent(self.dir.path(), self.agents.len(), &self.master_addr, opts);
+        self.agents.push(daemon);
+        self.agent_args.push(args);
+        wait_new_agent(&before, || self.agents_json())
     }
 
     /// Starts agent `n` again with the same options and work dir (after a
     /// `stop` or `kill`).
     pub fn restart_agent(&mut self, n: usize) {
-        let (args, env) = self.agent_args[n].clone();
         self.agents[n].kill();
-        self.agents[n] = Daemon::spawn(
-            &format!("agent{n}"),
-            &bin("gpuctl-agent"),
-            &args,
-            &env,
-            self.dir.path().join(format!("agent{n}.log")),
-        );
-    }
-
-    fn agent_ids(&self) -> Vec<String> {
-        let out = self.gpuctl(&["agents", "list", "--json"]);
-        if !out.status.success() {
-            return vec![];
-        }
-        serde_json::from_slice::<Value>(&out.stdout)
-            .ok()
-            .and_then(|v| v.as_array().cloned())
-            .unwrap_or_default()
-            .iter()
-            .filter_map(|a| a["id"].as_str().map(str::to_string))
-            .collect()
+        self.agents[n] = respawn_agent(self.dir.path(), n, &self.agent_args[n]);
     }
 }
 
@@ -458,7 +400,7 @@ pub struct HaCluster {
     /// By node id, including masters that were killed or added later.
     pub masters: std::collections::BTreeMap<u64, HaMaster>,
     pub agents: Vec<Daemon>,
-    agent_args: Vec<(Vec<String>, Env)>,
+    agent_args: Vec<AgentArgs>,
 }
 
 /// The agent timeout of [`HaCluster`] masters unless told otherwise: long
@@ -704,77 +646,17 @@ impl HaCluster {
     /// Starts an agent given every master's address and waits until it is
     /// ACTIVE; returns its id.
     pub fn add_agent(&mut self, opts: AgentOpts) -> String {
-        let n = self.agents.len();
-        let work = self.dir.path().join(format!("agent{n}"));
-        let mut args = vec![
-            "--master".to_string(),
-            self.addrs(),
-            "--work-dir".into(),
-            work.display().to_string(),
-            "--listen".into(),
-            format!("127.0.0.1:{}", free_port()),
-            "--runtime".into(),
-            opts.runtime.into(),
-            "--kill-grace-secs".into(),
-            "2".into(),
-        ];
-        if let Some(s) = opts.simulate_gpus {
-            args.push("--simulate-gpus".into());
-            args.push(s.into());
-        }
-        args.extend(opts.extra);
-        let before: Vec<String> = self
-            .agents_json()
-            .iter()
-            .filter_map(|a| a["id"].as_str().map(str::to_string))
-            .collect();
-        self.agents.push(Daemon::spawn(
-            &format!("agent{n}"),
-            &bin("gpuctl-agent"),
-            &args,
-            &opts.env,
-            self.dir.path().join(format!("agent{n}.log")),
-        ));
-        self.agent_args.push((args, opts.env));
-        let mut id = String::new();
-        wait_for(Duration::from_secs(30), "agent registers", || {
-            match self.agents_json().iter().find(|a| {
-                a["state"] == "ACTIVE"
-                    && !before.contains(&a["id"].as_str().unwrap_or("").to_string())
-            }) {
-                Some(a) => {
-                    id = a["id"].as_str().unwrap_or_default().to_string();
-                    true
-                }
-                None => false,
-            }
-        });
-        id
+        let before = agent_ids(&self.agents_json());
+        let (daemon, args) = spawn_agent(self.dir.path(), self.agents.len(), &self.addrs(), opts);
+        self.agents.push(daemon);
+        self.agent_args.push(args);
+        wait_new_agent(&before, || self.agents_json())
     }
 
     /// Starts agent `n` again with the same options and work dir.
     pub fn restart_agent(&mut self, n: usize) {
-        let (args, env) = self.agent_args[n].clone();
         self.agents[n].kill();
-        self.agents[n] = Daemon::spawn(
-            &format!("agent{n}"),
-            &bin("gpuctl-agent"),
-            &args,
-            &env,
-            self.dir.path().join(format!("agent{n}.log")),
-        );
-    }
-
-    /// `agents list --json`, empty when it fails.
-    pub fn agents_json(&self) -> Vec<Value> {
-        let out = self.gpuctl(&["agents", "list", "--json"]);
-        if !out.status.success() {
-            return vec![];
-        }
-        serde_json::from_slice::<Value>(&out.stdout)
-            .ok()
-            .and_then(|v| v.as_array().cloned())
-            .unwrap_or_default()
+        self.agents[n] = respawn_agent(self.dir.path(), n, &self.agent_args[n]);
     }
 }
 
@@ -831,6 +713,18 @@ pub trait Gpuctl {
             self.diagnostics()
         );
         last
+    }
+
+    /// `agents list --json`, empty when it fails.
+    fn agents_json(&self) -> Vec<Value> {
+        let out = self.gpuctl(&["agents", "list", "--json"]);
+        if !out.status.success() {
+            return vec![];
+        }
+        serde_json::from_slice::<Value>(&out.stdout)
+            .ok()
+            .and_then(|v| v.as_array().cloned())
+            .unwrap_or_default()
     }
 
     /// `gpuctl jobs wait`, returning (exit code, stdout).
@@ -909,6 +803,67 @@ impl Gpuctl for HaCluster {
         }
         s
     }
+}
+
+/// How an agent of a test cluster was started: its arguments and environment.
+type AgentArgs = (Vec<String>, Env);
+
+/// Starts agent `n` of a test cluster (work dir and log under `dir`),
+/// talking to `masters`.
+fn spawn_agent(dir: &Path, n: usize, masters: &str, opts: AgentOpts) -> (Daemon, AgentArgs) {
+    let work = dir.join(format!("agent{n}"));
+    let mut args = vec![
+        "--master".to_string(),
+        masters.to_string(),
+        "--work-dir".into(),
+        work.display().to_string(),
+        "--listen".into(),
+        format!("127.0.0.1:{}", free_port()),
+        "--runtime".into(),
+        opts.runtime.into(),
+        "--kill-grace-secs".into(),
+        "2".into(),
+    ];
+    if let Some(s) = opts.simulate_gpus {
+        args.push("--simulate-gpus".into());
+        args.push(s.into());
+    }
+    args.extend(opts.extra);
+    let started = (args, opts.env);
+    (respawn_agent(dir, n, &started), started)
+}
+
+/// Starts agent `n` again with the arguments it was first started with.
+fn respawn_agent(dir: &Path, n: usize, (args, env): &AgentArgs) -> Daemon {
+    Daemon::spawn(
+        &format!("agent{n}"),
+        &bin("gpuctl-agent"),
+        args,
+        env,
+        dir.join(format!("agent{n}.log")),
+    )
+}
+
+fn agent_ids(agents: &[Value]) -> Vec<String> {
+    agents
+        .iter()
+        .filter_map(|a| a["id"].as_str().map(str::to_string))
+        .collect()
+}
+
+/// Waits until an agent not in `before` is ACTIVE in `list()`; its id.
+fn wait_new_agent(before: &[String], list: impl Fn() -> Vec<Value>) -> String {
+    let mut id = String::new();
+    wait_for(Duration::from_secs(30), "agent registers", || {
+        let found = list()
+            .into_iter()
+            .find(|a| a["state"] == "ACTIVE" && !before.iter().any(|b| a["id"] == b.as_str()));
+        if let Some(a) = found {
+            id = a["id"].as_str().unwrap_or_default().to_string();
+        }
+        !id.is_empty()
+    });
+    id
 }
 
 pub fn tail(s: &str, lines: usize) -> String {

@@ -40,6 +40,16 @@ fn jobs(c: &HaCluster) -> Vec<Value> {
 }
 
 /// Master `id` in a `masters --json` listing, if listed.
+/// How many of the members a `masters --json` answer lists are voters.
+fn voter_count(members: &Value) -> usize {
+    members
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|m| m["voter"] == true)
+        .count()
+}
+
 fn find(members: &[Value], id: u64) -> Option<&Value> {
     members.iter().find(|m| m["id"] == id)
 }
@@ -403,16 +413,7 @@ fn masters_add_and_remove() {
     let m4 = member(added.as_array().unwrap(), 4);
     assert_eq!(m4["voter"], true, "{added}");
     assert_eq!(m4["address"], addr4.as_str());
-    assert_eq!(
-        added
-            .as_array()
-            .unwrap()
-            .iter()
-            .filter(|m| m["voter"] == true)
-            .count(),
-        4,
-        "{added}"
-    );
+    assert_eq!(voter_count(&added), 4, "{added}");
     // It has the log: its applied index reaches the leader's commit.
     let leader = c.leader_id();
     wait_for(Duration::from_secs(20), "master 4 caught up", || {
@@ -508,16 +509,7 @@ fn masters_add_and_remove() {
         true,
         "{added}"
     );
-    assert_eq!(
-        added
-            .as_array()
-            .unwrap()
-            .iter()
-            .filter(|m| m["voter"] == true)
-            .count(),
-        4,
-        "{added}"
-    );
+    assert_eq!(voter_count(&added), 4, "{added}");
     wait_for(
         Duration::from_secs(20),
         "the re-added master caught up",

@@ -49,10 +49,7 @@ impl Addresses {
         if addr.is_empty() {
             return;
         }
-        let mut m = self.write();
-        if m.get(&id).map(String::as_str) != Some(addr) {
-            m.insert(id, addr.to_string());
-        }
+        self.write().insert(id, addr.to_string());
     }
 
     /// Records an address only when none is known (a message's sender).

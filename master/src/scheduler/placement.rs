@@ -511,7 +511,6 @@ pub fn unsatisfiable(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use gpuctl_proto::types::GpuPeer;
 
     /// A node as tests own it; [`Node::view`] borrows it.
     #[derive(Debug, Clone)]
@@ -895,7 +894,7 @@ mod tests {
     fn topology_inside_the_chosen_node() {
         // 0-1 on one PCIe switch, 2-3 NVLinked: a 2-GPU task takes 2-3.
         let mut n = Node::new("a", 4, "A100", 40960);
-        use super::super::topology::placement_tests::link;
+        use crate::scheduler::topology::placement_tests::link;
         link(&mut n.gpus, 0, 1, 0, "PIX");
         link(&mut n.gpus, 2, 3, 2, "SYS");
         let nodes = vec![n];
@@ -1275,17 +1274,9 @@ mod tests {
                         for b in a + 1..n {
                             let nvlinks = if next(3) == 0 { next(4) as u32 } else { 0 };
                             let pcie = PCIE[next(6) as usize];
-                            let (ua, ub) = (gpus[a].uuid.clone(), gpus[b].uuid.clone());
-                            gpus[a].peers.push(GpuPeer {
-                                uuid: ub,
-                                nvlinks,
-                                pcie: pcie.into(),
-                            });
-                            gpus[b].peers.push(GpuPeer {
-                                uuid: ua,
-                                nvlinks,
-                                pcie: pcie.into(),
-                            });
+                            crate::scheduler::topology::placement_tests::link(
+                                &mut gpus, a, b, nvlinks, pcie,
+                            );
                         }
                     }
                     let mut attributes = BTreeMap::new();
