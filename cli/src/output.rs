@@ -40,6 +40,8 @@ pub struct TaskJson {
     pub exit_code: Option<i32>,
     pub message: String,
     pub updated_at_ms: u64,
+    /// Its rank in the job's gang (`GPUCTL_RANK`).
+    pub rank: u32,
 }
 
 impl From<&pb::Task> for TaskJson {
@@ -52,6 +54,7 @@ impl From<&pb::Task> for TaskJson {
             exit_code: t.exit_code,
             message: t.message.clone(),
             updated_at_ms: t.updated_at_ms,
+            rank: t.rank,
         }
     }
 }
@@ -69,9 +72,20 @@ pub struct JobJson {
     pub env: BTreeMap<String, String>,
     pub resources: ResourcesJson,
     pub placement: PlacementJson,
+    pub priority: i32,
+    /// Tasks started together (a gang); 1 for a plain job.
+    pub replicas: u32,
+    pub max_retries: u32,
+    /// Failed attempts started again so far.
+    pub retries: u32,
+    pub no_requeue: bool,
+    /// Times its tasks were preempted.
+    pub preemptions: u32,
     pub message: String,
-    /// Why a QUEUED job waits (`Resources: ...`, or the requirement no agent
-    /// meets, e.g. `no agent has GPU model H100*`); `null` otherwise.
+    /// Why a QUEUED job waits (`Resources: ...`, `Priority: ...`,
+    /// `Preempting: ...`, `Quota: ...`, `PREEMPTED by job-N; ...`, or the
+    /// requirement no agent meets, e.g. `no agent has GPU model H100*`);
+    /// `null` otherwise.
     pub reason: Option<String>,
     pub submitted_at_ms: u64,
     pub tasks: Vec<TaskJson>,
@@ -116,6 +130,12 @@ impl From<&pb::Job> for JobJson {
             env: spec.env.into_iter().collect(),
             resources: ResourcesJson::from(spec.resources.as_ref()),
             placement: PlacementJson::from(spec.placement.as_ref()),
+            priority: spec.priority,
+            replicas: spec.replicas.max(1),
+            max_retries: spec.max_retries,
+            retries: j.retries,
+            no_requeue: spec.no_requeue,
+            preemptions: j.preemptions,
             message: j.message.clone(),
             reason: wait_reason(j),
             submitted_at_ms: j.submitted_at_ms,
@@ -351,21 +371,28 @@ impl Table {
     }
 }
 
-/// `jobs list`: ID, NAME, STATE, GPUS, AGENT, AGE, EXIT. AGENT and EXIT
-/// are those of the job's latest task.
+/// `jobs list`: ID, NAME, STATE, PRIO, GPUS, AGENT, AGE, EXIT, REASON.
+/// GPUS is per task, `Rx` in front for a gang of R; AGENT and EXIT are
+/// those of the job's latest task.
 pub fn jobs_table(jobs: &[pb::Job], now_ms: u64) -> Table {
     let mut t = Table::new(&[
-        "ID", "NAME", "STATE", "GPUS", "AGENT", "AGE", "EXIT", "REASON",
+        "ID", "NAME", "STATE", "PRIO", "GPUS", "AGENT", "AGE", "EXIT", "REASON",
     ]);
     for j in jobs {
         let spec = j.spec.clone().unwrap_or_default();
         let gpus = spec.resources.map_or(0, |r| r.gpus);
+        let gpus = if spec.replicas > 1 {
+            format!("{}x{gpus}", spec.replicas)
+        } else {
+            gpus.to_string()
+        };
         let last = j.tasks.last();
         t.row(vec![
             j.id.clone(),
             spec.name,
             job_state_name(j.state).to_string(),
-            gpus.to_string(),
+            spec.priority.to_string(),
+            gpus,
             last.map(|t| t.agent_id.clone()).unwrap_or_default(),
             fmt_age(j.submitted_at_ms, now_ms),
             last.and_then(|t| t.exit_code)
@@ -379,10 +406,11 @@ pub fn jobs_table(jobs: &[pb::Job], now_ms: u64) -> Table {
 
 /// A task table (inside `jobs get`).
 pub fn tasks_table(tasks: &[pb::Task]) -> Table {
-    let mut t = Table::new(&["TASK", "AGENT", "STATE", "GPUS", "EXIT", "MESSAGE"]);
+    let mut t = Table::new(&["TASK", "RANK", "AGENT", "STATE", "GPUS", "EXIT", "MESSAGE"]);
     for task in tasks {
         t.row(vec![
             task.id.clone(),
+            task.rank.to_string(),
             task.agent_id.clone(),
             task_state_name(task.state).to_string(),
             task.gpu_uuids.join(","),
@@ -426,6 +454,22 @@ pub fn job_detail(j: &pb::Job, now_ms: u64) -> String {
         ("GPUs", res.gpus.to_string()),
         ("CPUs", fmt_cpus(res.cpus)),
         ("Memory", mem),
+        ("Replicas", spec.replicas.max(1).to_string()),
+        ("Priority", spec.priority.to_string()),
+        ("Retries", format!("{} of {}", j.retries, spec.max_retries)),
+        (
+            "Preempted",
+            format!(
+                "{} time{}{}",
+                j.preemptions,
+                if j.preemptions == 1 { "" } else { "s" },
+                if spec.no_requeue {
+                    " (--no-requeue)"
+                } else {
+                    ""
+                }
+            ),
+        ),
         (
             "Submitted",
             format!(
@@ -736,6 +780,7 @@ mod tests {
                     mem_mib: 2048,
                     gpus: 2,
                 }),
+                ..Default::default()
             }),
             state: pb::JobState::JobSucceeded as i32,
             tasks: vec![pb::Task {
@@ -746,9 +791,12 @@ mod tests {
                 exit_code: Some(0),
                 message: "exited".into(),
                 updated_at_ms: 1_700_000_001_000,
+                rank: 0,
             }],
             submitted_at_ms: 1_700_000_000_000,
             message: String::new(),
+            retries: 0,
+            preemptions: 0,
         }
     }
 
@@ -907,7 +955,7 @@ mod tests {
     fn empty_table_is_the_header() {
         assert_eq!(
             jobs_table(&[], 0).render(),
-            "ID  NAME  STATE  GPUS  AGENT  AGE  EXIT  REASON\n"
+            "ID  NAME  STATE  PRIO  GPUS  AGENT  AGE  EXIT  REASON\n"
         );
     }
 
@@ -923,6 +971,7 @@ mod tests {
                 "job-7",
                 "train",
                 "SUCCEEDED",
+                "0",
                 "2",
                 "agent-a",
                 "65s",
@@ -997,7 +1046,22 @@ mod tests {
             out.contains("Submitted: 2023-11-14T22:13:20Z (65s ago)\n"),
             "{out}"
         );
-        assert!(out.contains("TASK     AGENT    STATE"), "{out}");
+        assert!(out.contains("TASK     RANK  AGENT    STATE"), "{out}");
+        assert!(out.contains("Retries:   0 of 0\n"), "{out}");
+        // A gang shows replicas times GPUs per task, and its priority.
+        let mut g = job();
+        if let Some(spec) = g.spec.as_mut() {
+            spec.replicas = 3;
+            spec.priority = -5;
+        }
+        let row = jobs_table(&[g.clone()], 1_700_000_065_000).render();
+        let cells: Vec<&str> = row.lines().nth(1).unwrap().split_whitespace().collect();
+        assert_eq!(&cells[3..5], &["-5", "3x2"], "{row}");
+        let v = serde_json::to_value(JobJson::from(&g)).unwrap();
+        assert_eq!(
+            (v["replicas"].as_u64(), v["priority"].as_i64()),
+            (Some(3), Some(-5))
+        );
         assert!(out.contains("GPU-1,GPU-2"), "{out}");
     }
 

@@ -43,6 +43,18 @@ pub struct MasterConfig {
 }
 
 impl MasterConfig {
+    /// What the built-in scheduler's queue pass needs of the configuration.
+    pub fn queue_config(&self) -> crate::scheduler::queue::QueueConfig {
+        crate::scheduler::queue::QueueConfig {
+            default_policy: self.placement,
+            jobs_quota: self
+                .frameworks
+                .roles
+                .get(crate::state::frameworks::JOBS_ROLE)
+                .and_then(|r| r.quota),
+        }
+    }
+
     pub fn new(listen: SocketAddr, data_dir: PathBuf) -> Self {
         MasterConfig {
             listen,

@@ -112,7 +112,7 @@ pub async fn serve(
     let jobs_task = tokio::spawn(leader::jobs::run(
         handle.clone(),
         hub.clone(),
-        config.placement,
+        config.queue_config(),
         stop_rx.clone(),
     ));
     let ctx = service::Ctx {

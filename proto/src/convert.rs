@@ -178,6 +178,19 @@ impl TryFrom<pb::JobSpec> for JobSpec {
             None => PlacementSpec::default(),
             Some(p) => placement_from_pb(p)?,
         };
+        let replicas = s.replicas.max(1);
+        if replicas > MAX_REPLICAS {
+            return Err(ConvertError::new(
+                "spec.replicas",
+                format!("must be <= {MAX_REPLICAS}"),
+            ));
+        }
+        if s.max_retries > MAX_RETRIES {
+            return Err(ConvertError::new(
+                "spec.max_retries",
+                format!("must be <= {MAX_RETRIES}"),
+            ));
+        }
         Ok(JobSpec {
             name: s.name,
             image,
@@ -185,9 +198,18 @@ impl TryFrom<pb::JobSpec> for JobSpec {
             env: s.env.into_iter().collect(),
             resources,
             placement,
+            priority: s.priority,
+            replicas,
+            max_retries: s.max_retries,
+            no_requeue: s.no_requeue,
         })
     }
 }
+
+/// Most tasks in one gang.
+pub const MAX_REPLICAS: u32 = 4096;
+/// Most retries of one job.
+pub const MAX_RETRIES: u32 = 1000;
 
 /// Longest GPU model pattern, attribute key or value.
 const MAX_ATTR_LEN: usize = 256;
@@ -262,6 +284,10 @@ impl From<JobSpec> for pb::JobSpec {
             env: s.env.into_iter().collect(),
             resources: Some(s.resources.into()),
             placement: (!s.placement.is_default()).then(|| s.placement.into()),
+            priority: s.priority,
+            replicas: s.replicas,
+            max_retries: s.max_retries,
+            no_requeue: s.no_requeue,
         }
     }
 }
@@ -609,6 +635,10 @@ mod tests {
                 mem_mib: 256,
                 gpus: 2,
             }),
+            priority: -3,
+            replicas: 4,
+            max_retries: 2,
+            no_requeue: true,
         }
     }
 
@@ -617,7 +647,15 @@ mod tests {
         let s = JobSpec::try_from(spec()).unwrap();
         assert_eq!(s.image.as_deref(), Some("busybox:latest"));
         assert_eq!(s.resources.gpus, 2);
+        assert_eq!(
+            (s.priority, s.replicas, s.max_retries, s.no_requeue),
+            (-3, 4, 2, true)
+        );
         assert_eq!(pb::JobSpec::from(s), spec());
+        // An old client's spec (no replicas) is one task.
+        let mut old = spec();
+        old.replicas = 0;
+        assert_eq!(JobSpec::try_from(old).unwrap().replicas, 1);
     }
 
     #[test]
@@ -655,6 +693,8 @@ mod tests {
                 },
                 "spec.env[\"A=B\"]",
             ),
+            (|s| s.replicas = MAX_REPLICAS + 1, "spec.replicas"),
+            (|s| s.max_retries = MAX_RETRIES + 1, "spec.max_retries"),
         ];
         for (mutate, field) in cases {
             let mut p = spec();

@@ -270,9 +270,64 @@ pub struct JobSpec {
     pub resources: Resources,
     #[serde(default, skip_serializing_if = "PlacementSpec::is_default")]
     pub placement: PlacementSpec,
+    /// Higher is placed first and may preempt lower (default 0).
+    #[serde(default, skip_serializing_if = "is_zero_i32")]
+    pub priority: i32,
+    /// Tasks started all or nothing (a gang); at least 1.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub replicas: u32,
+    /// Failed attempts started again, at most this many times.
+    #[serde(default, skip_serializing_if = "is_zero_u32")]
+    pub max_retries: u32,
+    /// When preempted, end FAILED instead of going back to QUEUED.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub no_requeue: bool,
+}
+
+fn one() -> u32 {
+    1
+}
+
+fn is_one(n: &u32) -> bool {
+    *n == 1
+}
+
+fn is_zero_u32(n: &u32) -> bool {
+    *n == 0
+}
+
+fn is_zero_i32(n: &i32) -> bool {
+    *n == 0
+}
+
+impl Default for JobSpec {
+    fn default() -> Self {
+        JobSpec::new("", Vec::new(), Resources::default())
+    }
 }
 
 impl JobSpec {
+    /// A plain job: one task, priority 0, no retries, default placement.
+    pub fn new(name: impl Into<String>, command: Vec<String>, resources: Resources) -> JobSpec {
+        JobSpec {
+            name: name.into(),
+            image: None,
+            command,
+            env: BTreeMap::new(),
+            resources,
+            placement: PlacementSpec::default(),
+            priority: 0,
+            replicas: 1,
+            max_retries: 0,
+            no_requeue: false,
+        }
+    }
+
+    /// Tasks per attempt (at least 1).
+    pub fn replicas(&self) -> u32 {
+        self.replicas.max(1)
+    }
+
     pub fn runtime(&self) -> Runtime {
         if self.image.is_some() {
             Runtime::Docker

@@ -413,6 +413,7 @@ fn demo_spec(name: &str, gpus: u32, image: Option<&str>) -> pb::JobSpec {
             mem_mib: 0,
             gpus,
         }),
+        ..Default::default()
     }
 }
 

@@ -95,6 +95,25 @@ pub struct SubmitArgs {
     /// e.g. nvidia.com/cuda.driver-version.major=12 (see `gpuctl agents describe`).
     #[arg(long = "constraint", value_name = "KEY=VALUE", value_parser = parse_constraint)]
     pub constraints: Vec<(String, String)>,
+    /// Priority: higher is placed first and may preempt running jobs of
+    /// lower priority (negative allowed).
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = 0,
+        allow_negative_numbers = true
+    )]
+    pub priority: i32,
+    /// When preempted, end FAILED instead of going back to the queue.
+    #[arg(long)]
+    pub no_requeue: bool,
+    /// Start R tasks of this spec all or nothing (a gang); each gets
+    /// GPUCTL_RANK, GPUCTL_WORLD_SIZE and GPUCTL_PEERS.
+    #[arg(long, value_name = "R", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=i64::from(gpuctl_proto::convert::MAX_REPLICAS)))]
+    pub replicas: u32,
+    /// Start a failed job (the whole gang) again, up to N times.
+    #[arg(long, value_name = "N", default_value_t = 0, value_parser = clap::value_parser!(u32).range(..=i64::from(gpuctl_proto::convert::MAX_RETRIES)))]
+    pub max_retries: u32,
     /// The command and its arguments, after `--` (so that a mistyped
     /// flag is an error, not the job's command).
     #[arg(value_name = "CMD", required = true, num_args = 1.., last = true)]
@@ -120,6 +139,10 @@ impl SubmitArgs {
                 mem_mib: self.mem,
                 gpus: self.gpus,
             }),
+            priority: self.priority,
+            replicas: self.replicas,
+            max_retries: self.max_retries,
+            no_requeue: self.no_requeue,
         }
     }
 }

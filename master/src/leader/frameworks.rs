@@ -92,6 +92,7 @@ pub fn task_status(t: &TaskRecord, reason_override: Option<pb::Reason>) -> pb::T
         TaskReason::FrameworkRemoved => pb::Reason::FrameworkRemoved,
         TaskReason::KilledByFramework => pb::Reason::KilledByFramework,
         TaskReason::ContainerLaunchFailed => pb::Reason::ContainerLaunchFailed,
+        TaskReason::Preempted => pb::Reason::Preempted,
     });
     pb::TaskStatus {
         task_id: t.framework_task_id.clone(),

@@ -1,10 +1,15 @@
 //! The built-in job scheduler behind `gpuctl jobs`, as a framework like any
 //! other: it subscribes to the leader's offers (in process, through the same
 //! Hub the gRPC service uses), places queued jobs on what it is offered
-//! (bundle policy, `scheduler::place_in`), launches them (the state machine
-//! re-checks every launch), declines the rest, and suppresses offers while
-//! no job waits. Fairness with other frameworks comes from the allocator's
-//! DRF, where the jobs' tasks count as this framework's allocation.
+//! (`scheduler::place_in`: priority order, placement policy, gangs whole),
+//! launches them (the state machine re-checks every launch), declines the
+//! rest, and suppresses offers while no job waits. Fairness with other
+//! frameworks comes from the allocator's DRF, where the jobs' tasks count
+//! as this framework's allocation.
+//!
+//! Preemption does not wait for offers (a full cluster makes none): after
+//! the state changes, while jobs wait, the queue pass (`scheduler::queue`)
+//! runs on the whole state and its preemption, if any, is proposed.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -18,9 +23,10 @@ use super::frameworks::{Hub, EVENT_BUFFER};
 use crate::allocator::refuse_until;
 use crate::now_ms;
 use crate::raft::RaftHandle;
+use crate::scheduler::queue::{self, QueueConfig};
 use crate::scheduler::{place_in, Available};
-use crate::state::frameworks::BUILTIN_FRAMEWORK_ID;
-use crate::state::Command;
+use crate::state::frameworks::{BUILTIN_FRAMEWORK_ID, JOBS_ROLE};
+use crate::state::{Command, Launch};
 use gpuctl_proto::types::PlacementPolicy;
 
 /// Declined agents come back quickly: a job submitted meanwhile revives
@@ -31,18 +37,22 @@ fn info() -> FrameworkInfo {
     FrameworkInfo {
         id: BUILTIN_FRAMEWORK_ID.to_string(),
         name: "gpuctl jobs".to_string(),
-        roles: vec!["jobs".to_string()],
+        roles: vec![JOBS_ROLE.to_string()],
         gpu_capable: true,
         failover_timeout_ms: 0,
     }
 }
 
+/// How often, at most, the queue pass looks for preemptions.
+const PREEMPT_EVERY: Duration = Duration::from_millis(250);
+
 pub async fn run(
     raft: RaftHandle,
     hub: Arc<Hub>,
-    default_policy: PlacementPolicy,
+    cfg: QueueConfig,
     mut shutdown: watch::Receiver<bool>,
 ) {
+    let default_policy = cfg.default_policy;
     let mut status = raft.status_watch();
     let mut backoff = Duration::from_millis(100);
     loop {
@@ -72,6 +82,10 @@ pub async fn run(
         let (tx, mut rx) = mpsc::channel(EVENT_BUFFER);
         let conn = hub.connect(BUILTIN_FRAMEWORK_ID, tx);
         let mut applied = raft.applied();
+        let mut tick = tokio::time::interval(PREEMPT_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // Something changed since the last queue pass.
+        let mut dirty = true;
         loop {
             tokio::select! {
                 _ = shutdown.changed() => {
@@ -93,7 +107,12 @@ pub async fn run(
                     // again, so freed resources reach them at once.
                     if !raft.state().queued_jobs().is_empty() {
                         hub.revive(BUILTIN_FRAMEWORK_ID);
+                        dirty = true;
                     }
+                }
+                _ = tick.tick(), if dirty => {
+                    dirty = false;
+                    preempt(&raft, &cfg).await;
                 }
                 e = rx.recv() => match e {
                     Some(Ok(pb::Event { event: Some(pb::event::Event::Offers(offers)) })) => {
@@ -149,18 +168,27 @@ async fn handle_offers(
         tracing::debug!(error = %e, "built-in scheduler's offers were rescinded meanwhile");
         return;
     }
+    // One command per job: a gang's launches start together or not at all.
+    let mut per_job: Vec<Vec<Launch>> = Vec::new();
     for launch in launches {
-        let (job_id, agent_id) = (launch.job_id.clone(), launch.agent_id.clone());
+        match per_job.last_mut() {
+            Some(group) if group[0].job_id == launch.job_id => group.push(launch),
+            _ => per_job.push(vec![launch]),
+        }
+    }
+    for group in per_job {
+        let job_id = group[0].job_id.clone();
+        let agents: Vec<String> = group.iter().map(|l| l.agent_id.clone()).collect();
         match raft
             .propose(Command::LaunchTasks {
-                launches: vec![launch],
+                launches: group,
                 at_ms: now_ms(),
             })
             .await
         {
-            Ok(_) => tracing::info!(job_id = %job_id, agent_id = %agent_id, "job placed"),
+            Ok(_) => tracing::info!(job_id = %job_id, agents = ?agents, "job placed"),
             Err(e) => {
-                tracing::warn!(job_id = %job_id, agent_id = %agent_id, error = %e, "placement refused")
+                tracing::warn!(job_id = %job_id, agents = ?agents, error = %e, "placement refused")
             }
         }
     }
@@ -169,4 +197,29 @@ async fn handle_offers(
         &agents,
         refuse_until(now_ms(), Some(DECLINE_SECONDS)),
     );
+}
+
+/// Runs the queue pass and proposes the preemption it finds, if any.
+async fn preempt(raft: &RaftHandle, cfg: &QueueConfig) {
+    let preemption = {
+        let state = raft.state();
+        if state.queued_jobs().is_empty() {
+            return;
+        }
+        queue::plan(&state, cfg).preemption
+    };
+    let Some(p) = preemption else {
+        return;
+    };
+    tracing::info!(job_id = %p.job_id, victims = ?p.victims, "preempting jobs of lower priority");
+    if let Err(e) = raft
+        .propose(Command::PreemptJobs {
+            job_id: p.job_id.clone(),
+            victims: p.victims,
+            at_ms: now_ms(),
+        })
+        .await
+    {
+        tracing::warn!(job_id = %p.job_id, error = %e, "preemption refused");
+    }
 }

@@ -37,6 +37,7 @@ fn submit(name: &str) -> Command {
             command: vec!["true".into()],
             env: Default::default(),
             resources: Resources::default(),
+            ..Default::default()
         },
         at_ms: 1,
         request_id: None,

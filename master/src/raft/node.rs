@@ -788,6 +788,7 @@ mod tests {
                 command: vec!["true".into()],
                 env: Default::default(),
                 resources: Resources::default(),
+                ..Default::default()
             },
             at_ms: 1,
             request_id: None,

@@ -1,22 +1,25 @@
-//! The built-in job scheduler's placement. PURE: reads a state, returns the
-//! launches to propose. The state machine re-checks every launch when it is
-//! applied, so a stale decision is refused there, never double-booked.
+//! The built-in job scheduler's decisions. PURE: reads a state, returns the
+//! launches and preemptions to propose. The state machine re-checks every
+//! command when it is applied, so a stale decision is refused there, never
+//! double-booked.
 //!
-//! Jobs are taken in submission order; each is placed by the engine in
-//! [`placement`] (bundle or spread, GPU model and memory, agent attribute
-//! constraints) with GPUs chosen by interconnect ([`topology`]). A job that
-//! fits nowhere waits and does not block smaller jobs behind it. Not built
-//! yet (the rest of the GPU-aware scheduling issue): priority and
-//! preemption, gangs (`--replicas`), retries.
+//! Queued jobs are taken highest priority first, then oldest; each is placed
+//! by the engine in [`placement`] (bundle or spread, GPU model and memory,
+//! agent attribute constraints, gangs all or nothing) with GPUs chosen by
+//! interconnect ([`topology`]). A job that fits nowhere waits and does not
+//! block smaller jobs behind it (backfill), except on agents where tasks are
+//! being preempted for a job of higher priority: those are kept for it.
+//! Which jobs to preempt, and why each queued job waits, is [`queue`].
 
 pub mod placement;
+pub mod queue;
 pub mod topology;
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use gpuctl_proto::types::{JobSpec, PlacementPolicy, Resources};
+use gpuctl_proto::types::{AgentId, GpuInfo, JobId, JobSpec, PlacementPolicy, Resources};
 
-use crate::state::{AgentState, Launch, State};
+use crate::state::{AgentRecord, AgentState, JobRecord, Launch, State, Stopping};
 
 /// What the scheduler may use on one agent: resources and exact GPUs (the
 /// built-in scheduler's offers).
@@ -24,43 +27,6 @@ use crate::state::{AgentState, Launch, State};
 pub struct Available {
     pub resources: Resources,
     pub gpus: Vec<String>,
-}
-
-/// Placements for as many queued jobs as fit, one launch per job, using
-/// only the agents' free resources minus what is offered to frameworks
-/// (`offered_*`). The state's own view; tests and `wait_reason` use it.
-pub fn place(
-    state: &State,
-    offered_gpus: &BTreeSet<String>,
-    offered: &BTreeMap<String, Resources>,
-) -> Vec<Launch> {
-    let available: BTreeMap<String, Available> = state
-        .agents
-        .values()
-        .filter(|a| a.state == AgentState::Active)
-        .map(|a| {
-            let o = offered.get(&a.info.id).copied().unwrap_or_default();
-            let gpus = a
-                .info
-                .gpus
-                .iter()
-                .filter(|g| {
-                    g.healthy
-                        && !state.gpu_owner.contains_key(&g.uuid)
-                        && !offered_gpus.contains(&g.uuid)
-                })
-                .map(|g| g.uuid.clone())
-                .collect();
-            (
-                a.info.id.clone(),
-                Available {
-                    resources: a.free().saturating_sub(&o),
-                    gpus,
-                },
-            )
-        })
-        .collect();
-    place_in(state, &available, PlacementPolicy::Bundle)
 }
 
 /// The engine's policy for a job: its own, or the cluster's default.
@@ -82,102 +48,254 @@ pub fn request(spec: &JobSpec) -> placement::TaskRequest<'_> {
     }
 }
 
+/// Free resources and GPUs per active agent, changed as a pass places
+/// (takes) and preempts (gives back).
+#[derive(Clone)]
+pub(crate) struct Pool<'s> {
+    nodes: BTreeMap<&'s str, PoolNode<'s>>,
+}
+
+#[derive(Clone)]
+pub(crate) struct PoolNode<'s> {
+    pub agent: &'s AgentRecord,
+    pub free: Resources,
+    pub free_gpus: BTreeSet<&'s str>,
+}
+
+impl<'s> Pool<'s> {
+    /// What `available` (the offers) holds, on active agents.
+    pub fn from_available(state: &'s State, available: &BTreeMap<String, Available>) -> Pool<'s> {
+        let nodes = active_agents(state)
+            .filter_map(|a| {
+                let offered = available.get(&a.info.id)?;
+                let free_gpus = a
+                    .info
+                    .gpus
+                    .iter()
+                    .filter(|g| g.healthy && offered.gpus.contains(&g.uuid))
+                    .map(|g| g.uuid.as_str())
+                    .collect();
+                Some((
+                    a.info.id.as_str(),
+                    PoolNode {
+                        agent: a,
+                        free: offered.resources,
+                        free_gpus,
+                    },
+                ))
+            })
+            .collect();
+        Pool { nodes }
+    }
+
+    /// What the state says is free, counting tasks being stopped
+    /// (`kill_requested`) as gone already: they are.
+    pub fn from_state(state: &'s State) -> Pool<'s> {
+        let mut pool = Pool {
+            nodes: active_agents(state)
+                .map(|a| {
+                    let free_gpus = a
+                        .info
+                        .gpus
+                        .iter()
+                        .filter(|g| g.healthy && !state.gpu_owner.contains_key(&g.uuid))
+                        .map(|g| g.uuid.as_str())
+                        .collect();
+                    (
+                        a.info.id.as_str(),
+                        PoolNode {
+                            agent: a,
+                            free: a.free(),
+                            free_gpus,
+                        },
+                    )
+                })
+                .collect(),
+        };
+        for t in state
+            .tasks
+            .values()
+            .filter(|t| t.kill_requested && !t.state.is_terminal())
+        {
+            pool.give(&t.agent_id, &t.resources, &t.gpu_uuids);
+        }
+        pool
+    }
+
+    /// Engine views of the agents `usable` allows.
+    pub fn views(&self, usable: &dyn Fn(&str) -> bool) -> Vec<placement::NodeView<'s>> {
+        self.nodes
+            .values()
+            .filter(|n| usable(n.agent.info.id.as_str()))
+            .map(|n| n.view())
+            .collect()
+    }
+
+    pub fn node(&self, id: &str) -> Option<&PoolNode<'s>> {
+        self.nodes.get(id)
+    }
+
+    pub fn take(&mut self, agent_id: &str, resources: &Resources, gpus: &[String]) {
+        if let Some(n) = self.nodes.get_mut(agent_id) {
+            n.free = n.free.saturating_sub(resources);
+            for g in gpus {
+                n.free_gpus.remove(g.as_str());
+            }
+        }
+    }
+
+    /// Gives back what a task held (only GPUs of the agent that are healthy).
+    pub fn give(&mut self, agent_id: &str, resources: &Resources, gpus: &[String]) {
+        if let Some(n) = self.nodes.get_mut(agent_id) {
+            n.free = n.free.add(resources);
+            for g in n
+                .agent
+                .info
+                .gpus
+                .iter()
+                .filter(|g| g.healthy && gpus.contains(&g.uuid))
+            {
+                n.free_gpus.insert(g.uuid.as_str());
+            }
+        }
+    }
+}
+
+impl<'s> PoolNode<'s> {
+    pub fn view(&self) -> placement::NodeView<'s> {
+        let info = &self.agent.info;
+        placement::NodeView {
+            id: info.id.as_str(),
+            attributes: &info.attributes,
+            runtimes: &info.runtimes,
+            free: self.free,
+            free_gpus: info
+                .gpus
+                .iter()
+                .filter(|g| self.free_gpus.contains(g.uuid.as_str()))
+                .collect::<Vec<&GpuInfo>>(),
+            all_gpus: &info.gpus,
+        }
+    }
+}
+
+fn active_agents(state: &State) -> impl Iterator<Item = &AgentRecord> {
+    state
+        .agents
+        .values()
+        .filter(|a| a.state == AgentState::Active)
+}
+
+/// Agents where tasks are being preempted for a queued job, with that job
+/// and its priority (the highest, when several). Until the job starts they
+/// are kept for it: nothing of lower or equal priority is placed there, so
+/// what its victims free is not taken by somebody else.
+pub fn reservations(state: &State) -> BTreeMap<AgentId, (JobId, i32)> {
+    let mut out: BTreeMap<AgentId, (JobId, i32)> = BTreeMap::new();
+    for victim in state.jobs.values() {
+        let Some(Stopping::Preempted { by, .. }) = &victim.stopping else {
+            continue;
+        };
+        let Some(preemptor) = state
+            .jobs
+            .get(by)
+            .filter(|p| p.state == gpuctl_proto::types::JobState::Queued && !p.cancel_requested)
+        else {
+            continue;
+        };
+        for t in victim
+            .current_tasks()
+            .iter()
+            .filter_map(|t| state.tasks.get(t))
+            .filter(|t| !t.state.is_terminal())
+        {
+            let p = preemptor.spec.priority;
+            match out.get(&t.agent_id) {
+                Some((_, q)) if *q >= p => {}
+                _ => {
+                    out.insert(t.agent_id.clone(), (by.clone(), p));
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Whether `job` may be placed on `agent_id` given the reservations.
+pub fn may_use(
+    reserved: &BTreeMap<AgentId, (JobId, i32)>,
+    job: &JobRecord,
+    agent_id: &str,
+) -> bool {
+    reserved
+        .get(agent_id)
+        .is_none_or(|(by, p)| *by == job.id || *p < job.spec.priority)
+}
+
 /// Placements for queued jobs using exactly `available` (what the built-in
-/// framework was offered): jobs in submission order, each placed by the
-/// engine (`placement`) with its policy, constraints and GPU topology, on
-/// what the jobs before it left. A job that fits nowhere waits and does not
-/// block smaller jobs behind it.
+/// framework was offered): jobs in priority order, each placed by the
+/// engine with its policy, constraints and GPU topology on what the jobs
+/// before it left; a gang's `replicas` launches together, in rank order.
 pub fn place_in(
     state: &State,
     available: &BTreeMap<String, Available>,
     default_policy: PlacementPolicy,
 ) -> Vec<Launch> {
-    let mut free: BTreeMap<&str, Resources> = available
-        .iter()
-        .map(|(id, a)| (id.as_str(), a.resources))
-        .collect();
-    let mut used_gpus: BTreeSet<String> = BTreeSet::new();
-    let agents: Vec<_> = state
-        .agents
-        .values()
-        .filter(|a| a.state == AgentState::Active && available.contains_key(&a.info.id))
-        .collect();
+    let reserved = reservations(state);
+    let mut pool = Pool::from_available(state, available);
     let mut out = Vec::new();
     for job in state.queued_jobs() {
-        let nodes: Vec<placement::NodeView> = agents
-            .iter()
-            .filter_map(|a| {
-                let offered = available.get(&a.info.id)?;
-                Some(placement::NodeView {
-                    id: a.info.id.as_str(),
-                    attributes: &a.info.attributes,
-                    runtimes: &a.info.runtimes,
-                    free: *free.get(a.info.id.as_str())?,
-                    free_gpus: a
-                        .info
-                        .gpus
-                        .iter()
-                        .filter(|g| {
-                            g.healthy
-                                && offered.gpus.contains(&g.uuid)
-                                && !used_gpus.contains(&g.uuid)
-                        })
-                        .collect(),
-                    all_gpus: &a.info.gpus,
-                })
-            })
-            .collect();
-        let req = request(&job.spec);
-        let Some(p) = placement::place_task(&req, &nodes, policy_of(&job.spec, default_policy))
-        else {
+        let nodes = pool.views(&|id| may_use(&reserved, job, id));
+        let Some(placements) = placement::place_gang(
+            &request(&job.spec),
+            job.spec.replicas(),
+            &nodes,
+            policy_of(&job.spec, default_policy),
+        ) else {
             continue;
         };
-        if let Some(f) = free.get_mut(p.node.as_str()) {
-            *f = f.saturating_sub(&job.spec.resources);
+        for p in placements {
+            pool.take(&p.node, &job.spec.resources, &p.gpus);
+            out.push(Launch {
+                job_id: job.id.clone(),
+                agent_id: p.node,
+                gpu_uuids: p.gpus,
+            });
         }
-        used_gpus.extend(p.gpus.iter().cloned());
-        out.push(Launch {
-            job_id: job.id.clone(),
-            agent_id: p.node,
-            gpu_uuids: p.gpus,
-        });
     }
     out
 }
 
-/// Why a queued job is not placed, in one line (for `gpuctl jobs list`,
-/// like Slurm's squeue): a requirement no agent could ever meet ("no agent
-/// has GPU model H100*"), or `Resources` when some agent could run it once
-/// resources are freed.
-pub fn wait_reason(state: &State, job_id: &str) -> Option<String> {
-    let job = state.jobs.get(job_id)?;
-    let active: Vec<_> = state
-        .agents
-        .values()
-        .filter(|a| a.state == AgentState::Active)
-        .collect();
-    let nodes: Vec<placement::NodeView> = active
-        .iter()
-        .map(|a| placement::NodeView {
-            id: a.info.id.as_str(),
-            attributes: &a.info.attributes,
-            runtimes: &a.info.runtimes,
-            free: a.info.total,
-            free_gpus: a.info.gpus.iter().collect(),
-            all_gpus: &a.info.gpus,
+/// Placements for as many queued jobs as fit on the agents' free resources
+/// minus what is offered to frameworks (`offered_*`). The state's own view,
+/// for tests.
+pub fn place(
+    state: &State,
+    offered_gpus: &BTreeSet<String>,
+    offered: &BTreeMap<String, Resources>,
+) -> Vec<Launch> {
+    let available: BTreeMap<String, Available> = active_agents(state)
+        .map(|a| {
+            let o = offered.get(&a.info.id).copied().unwrap_or_default();
+            let gpus = a
+                .info
+                .gpus
+                .iter()
+                .filter(|g| {
+                    !state.gpu_owner.contains_key(&g.uuid) && !offered_gpus.contains(&g.uuid)
+                })
+                .map(|g| g.uuid.clone())
+                .collect();
+            (
+                a.info.id.clone(),
+                Available {
+                    resources: a.free().saturating_sub(&o),
+                    gpus,
+                },
+            )
         })
         .collect();
-    let totals = |id: &str| {
-        state
-            .agents
-            .get(id)
-            .map(|a| a.info.total)
-            .unwrap_or_default()
-    };
-    if let Some(why) = placement::unsatisfiable(&request(&job.spec), &nodes, &totals) {
-        return Some(why);
-    }
-    Some("Resources: waiting for resources to be freed".into())
+    place_in(state, &available, PlacementPolicy::Bundle)
 }
 
 #[cfg(test)]
@@ -224,6 +342,7 @@ mod tests {
                     mem_mib: 0,
                     gpus,
                 },
+                ..Default::default()
             },
             at_ms: 0,
             request_id: None,
@@ -313,7 +432,10 @@ mod tests {
         assert_eq!(l[0].agent_id, "d");
         let s = state(vec![agent("p", 2, vec![Runtime::Process]), job(1, true)]);
         assert!(place(&s, &BTreeSet::new(), &BTreeMap::new()).is_empty());
-        assert_eq!(wait_reason(&s, "job-1").unwrap(), "no agent runs docker");
+        assert_eq!(
+            queue::wait_reason(&s, &Default::default(), "job-1").unwrap(),
+            "no agent runs docker"
+        );
     }
 
     #[test]
@@ -322,7 +444,7 @@ mod tests {
         let l = place(&s, &BTreeSet::new(), &BTreeMap::new());
         assert_eq!(l.len(), 1);
         assert_eq!(l[0].job_id, "job-2");
-        let why = wait_reason(&s, "job-1").unwrap();
+        let why = queue::wait_reason(&s, &Default::default(), "job-1").unwrap();
         assert!(why.contains("no agent has 4 GPUs"), "{why}");
     }
 

@@ -1,5 +1,6 @@
 //! Operator: what gpuctl uses.
 
+use std::collections::BTreeMap;
 use std::pin::Pin;
 use std::time::Duration;
 
@@ -11,7 +12,7 @@ use tonic::{Request, Response, Status};
 
 use super::Ctx;
 use crate::now_ms;
-use crate::scheduler::wait_reason;
+use crate::scheduler::queue;
 use crate::state::{AgentRecord, AgentState, Command, JobRecord, Outcome, State, TaskRecord};
 
 pub struct OperatorService {
@@ -27,12 +28,15 @@ pub fn task_to_pb(t: &TaskRecord) -> pb::Task {
         exit_code: t.exit_code,
         message: t.message.clone(),
         updated_at_ms: t.updated_at_ms,
+        rank: t.rank,
     }
 }
 
-pub fn job_to_pb(state: &State, j: &JobRecord) -> pb::Job {
-    let message = if j.state == JobState::Queued && j.message.is_empty() {
-        wait_reason(state, &j.id).unwrap_or_default()
+/// A job as the API shows it; `reasons` says why queued jobs wait (see
+/// `scheduler::queue`), and is the message of a QUEUED job.
+pub fn job_to_pb(state: &State, j: &JobRecord, reasons: &BTreeMap<String, String>) -> pb::Job {
+    let message = if j.state == JobState::Queued {
+        reasons.get(&j.id).cloned().unwrap_or_default()
     } else {
         j.message.clone()
     };
@@ -48,6 +52,8 @@ pub fn job_to_pb(state: &State, j: &JobRecord) -> pb::Job {
             .collect(),
         submitted_at_ms: j.submitted_at_ms,
         message,
+        retries: j.retries,
+        preemptions: j.preemptions,
     }
 }
 
@@ -132,7 +138,12 @@ impl pb::operator_server::Operator for OperatorService {
             .jobs
             .get(&id)
             .ok_or_else(|| Status::not_found(format!("job {id} not found")))?;
-        Ok(Response::new(job_to_pb(&state, job)))
+        let reasons = if job.state == JobState::Queued {
+            queue::plan(&state, &self.ctx.config.queue_config()).reasons
+        } else {
+            BTreeMap::new()
+        };
+        Ok(Response::new(job_to_pb(&state, job, &reasons)))
     }
 
     async fn list_jobs(
@@ -142,8 +153,12 @@ impl pb::operator_server::Operator for OperatorService {
         let state = self.ctx.raft.state();
         let mut jobs: Vec<&JobRecord> = state.jobs.values().collect();
         jobs.sort_by_key(|j| crate::state::job_seq(&j.id));
+        let reasons = queue::plan(&state, &self.ctx.config.queue_config()).reasons;
         Ok(Response::new(pb::ListJobsResponse {
-            jobs: jobs.into_iter().map(|j| job_to_pb(&state, j)).collect(),
+            jobs: jobs
+                .into_iter()
+                .map(|j| job_to_pb(&state, j, &reasons))
+                .collect(),
         }))
     }
 

@@ -8,13 +8,13 @@ use gpuctl_proto::types::{
     AgentId, AgentInfo, JobState, Resources, Runtime, StatusUpdate, TaskId, TaskState,
 };
 
-use super::{AgentRecord, AgentState, Command, JobRecord, Launch, State, TaskReason, TaskRecord};
+use super::{AgentRecord, AgentState, Command, JobRecord, State, TaskReason};
 
 /// What the launches checked so far in one command take.
 #[derive(Debug, Default)]
 pub(super) struct Pending {
-    resources: std::collections::BTreeMap<String, Resources>,
-    gpus: BTreeSet<String>,
+    pub(super) resources: std::collections::BTreeMap<String, Resources>,
+    pub(super) gpus: BTreeSet<String>,
 }
 
 /// What a successful apply produced, returned to the proposer.
@@ -137,6 +137,10 @@ impl State {
                         task_ids: Vec::new(),
                         cancel_requested: false,
                         message: String::new(),
+                        retries: 0,
+                        preemptions: 0,
+                        stopping: None,
+                        preempted_by: None,
                     },
                 );
                 Ok(Outcome::JobSubmitted { job_id })
@@ -144,6 +148,11 @@ impl State {
             Command::LaunchTasks { launches, at_ms } => self.launch_tasks(launches, *at_ms),
             Command::UpdateTaskStatus { update, at_ms } => self.update_task(update, *at_ms),
             Command::CancelJob { job_id, at_ms } => self.cancel_job(job_id, *at_ms),
+            Command::PreemptJobs {
+                job_id,
+                victims,
+                at_ms,
+            } => self.preempt_jobs(job_id, victims, *at_ms),
             Command::SubscribeFramework { info, at_ms } => self.subscribe_framework(info, *at_ms),
             Command::UpdateFramework { info, .. } => self.update_framework(info),
             Command::RemoveFramework {
@@ -250,32 +259,6 @@ impl State {
         Ok(Outcome::Done)
     }
 
-    /// Checks every launch against the current state (and against the other
-    /// launches of the same command) before changing anything.
-    fn check_launches(&self, launches: &[Launch]) -> Result<(), ApplyError> {
-        let mut pending = Pending::default();
-        for l in launches {
-            let job = self
-                .jobs
-                .get(&l.job_id)
-                .ok_or_else(|| ApplyError::JobNotFound(l.job_id.clone()))?;
-            if job.state != JobState::Queued || job.cancel_requested {
-                return Err(ApplyError::JobNotQueued {
-                    job_id: job.id.clone(),
-                    state: job.state,
-                });
-            }
-            self.check_fit(
-                &l.agent_id,
-                job.spec.runtime(),
-                &job.spec.resources,
-                &l.gpu_uuids,
-                &mut pending,
-            )?;
-        }
-        Ok(())
-    }
-
     /// Whether `resources` with exactly the GPUs `gpus` fit on the agent now,
     /// counting what earlier launches of the same command (`pending`) took.
     /// On success `pending` includes this launch.
@@ -346,49 +329,6 @@ impl State {
         Ok(())
     }
 
-    fn launch_tasks(&mut self, launches: &[Launch], at_ms: u64) -> Result<Outcome, ApplyError> {
-        self.check_launches(launches)?;
-        for l in launches {
-            let Some(job) = self.jobs.get_mut(&l.job_id) else {
-                continue; // checked above
-            };
-            let task_id = format!("{}.{}", job.id, job.task_ids.len());
-            job.task_ids.push(task_id.clone());
-            job.state = JobState::Starting;
-            job.updated_at_ms = at_ms;
-            let resources = job.spec.resources;
-            for uuid in &l.gpu_uuids {
-                self.gpu_owner.insert(uuid.clone(), task_id.clone());
-            }
-            if let Some(agent) = self.agents.get_mut(&l.agent_id) {
-                agent.allocated = agent.allocated.add(&resources);
-            }
-            self.tasks.insert(
-                task_id.clone(),
-                TaskRecord {
-                    id: task_id,
-                    job_id: l.job_id.clone(),
-                    agent_id: l.agent_id.clone(),
-                    gpu_uuids: l.gpu_uuids.clone(),
-                    resources,
-                    state: TaskState::Staging,
-                    exit_code: None,
-                    message: String::new(),
-                    kill_requested: false,
-                    created_at_ms: at_ms,
-                    updated_at_ms: at_ms,
-                    framework_id: String::new(),
-                    framework_task_id: String::new(),
-                    launch: None,
-                    reason: TaskReason::Unspecified,
-                    last_update_uuid: Vec::new(),
-                    acked_uuid: Vec::new(),
-                },
-            );
-        }
-        Ok(Outcome::Done)
-    }
-
     fn update_task(&mut self, u: &StatusUpdate, at_ms: u64) -> Result<Outcome, ApplyError> {
         let Some(task) = self.tasks.get(&u.task_id) else {
             return Ok(Outcome::StaleUpdate);
@@ -443,49 +383,10 @@ impl State {
                 task.message = u.message.clone();
             }
         }
-        if let Some(job) = self.jobs.get_mut(&job_id) {
-            if !job.state.is_terminal() && job.task_ids.last() == Some(&u.task_id) {
-                job.state = if u.state == TaskState::Running {
-                    JobState::Running
-                } else {
-                    JobState::Starting
-                };
-                job.updated_at_ms = at_ms;
-            }
+        if !job_id.is_empty() {
+            self.job_task_progressed(&job_id, &u.task_id, at_ms);
         }
         Ok(Outcome::Done)
-    }
-
-    fn cancel_job(&mut self, job_id: &str, at_ms: u64) -> Result<Outcome, ApplyError> {
-        let job = self
-            .jobs
-            .get_mut(job_id)
-            .ok_or_else(|| ApplyError::JobNotFound(job_id.to_string()))?;
-        if job.state.is_terminal() {
-            return Ok(Outcome::JobCancelled { state: job.state });
-        }
-        job.cancel_requested = true;
-        job.updated_at_ms = at_ms;
-        if job.state == JobState::Queued {
-            job.state = JobState::Cancelled;
-            job.message = "cancelled before it started".into();
-            return Ok(Outcome::JobCancelled {
-                state: JobState::Cancelled,
-            });
-        }
-        let live: Vec<TaskId> = job
-            .task_ids
-            .iter()
-            .filter(|t| self.tasks.get(*t).is_some_and(|t| !t.state.is_terminal()))
-            .cloned()
-            .collect();
-        for t in &live {
-            if let Some(task) = self.tasks.get_mut(t) {
-                task.kill_requested = true;
-                task.updated_at_ms = at_ms;
-            }
-        }
-        Ok(Outcome::JobCancelled { state: job.state })
     }
 
     /// Moves a task to a terminal state, frees what it held and updates its job.
@@ -525,32 +426,9 @@ impl State {
         if let Some(agent) = self.agents.get_mut(&agent_id) {
             agent.allocated = agent.allocated.saturating_sub(&resources);
         }
-        let Some(job) = self.jobs.get_mut(&job_id) else {
-            return;
-        };
-        if job.state.is_terminal() {
-            return;
+        if !job_id.is_empty() {
+            self.job_task_ended(&job_id, task_id, at_ms);
         }
-        job.updated_at_ms = at_ms;
-        let (new_state, msg) = match state {
-            TaskState::Finished if exit_code.unwrap_or(0) == 0 => {
-                (JobState::Succeeded, String::new())
-            }
-            _ if job.cancel_requested => (JobState::Cancelled, "cancelled".to_string()),
-            TaskState::Finished | TaskState::Failed => (
-                JobState::Failed,
-                match exit_code {
-                    Some(c) => format!("task {task_id} exited with code {c}"),
-                    None => format!("task {task_id} failed: {message}"),
-                },
-            ),
-            TaskState::Killed => (JobState::Failed, format!("task {task_id} was killed")),
-            TaskState::Lost => (JobState::Failed, format!("task {task_id} lost: {message}")),
-            TaskState::Error => (JobState::Failed, format!("task {task_id} error: {message}")),
-            TaskState::Staging | TaskState::Starting | TaskState::Running => return,
-        };
-        job.state = new_state;
-        job.message = msg;
     }
 
     fn recompute_allocated(&mut self, agent_id: &str) {
@@ -575,6 +453,7 @@ impl State {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::state::Launch;
     use gpuctl_proto::types::{GpuInfo, JobSpec};
 
     fn agent(id: &str, gpus: u32) -> AgentInfo {
@@ -635,6 +514,7 @@ mod tests {
                 mem_mib: 128,
                 gpus,
             },
+            ..Default::default()
         }
     }
 

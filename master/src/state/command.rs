@@ -53,6 +53,15 @@ pub enum Command {
         job_id: JobId,
         at_ms: u64,
     },
+    /// Stop the current attempts of `victims` (jobs of lower priority) so
+    /// that the queued `job_id` can run: their tasks are killed (SIGTERM,
+    /// then SIGKILL after the agent's grace) and they go back to the queue
+    /// (or end FAILED with `--no-requeue`). All victims or none.
+    PreemptJobs {
+        job_id: JobId,
+        victims: Vec<JobId>,
+        at_ms: u64,
+    },
     /// A framework subscribes: new (empty id: apply assigns `fw-<n>`) or
     /// re-attaching with its id.
     SubscribeFramework {
@@ -104,7 +113,9 @@ pub struct FrameworkTask {
     pub gpu_uuids: Vec<GpuUuid>,
 }
 
-/// One job placed on one agent with exact GPUs.
+/// One task of a job placed on one agent with exact GPUs. A job of
+/// `replicas` tasks (a gang) needs that many launches in one command, in
+/// rank order.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Launch {
     pub job_id: JobId,
@@ -157,6 +168,7 @@ impl Command {
             Command::LaunchTasks { .. } => "launch_tasks",
             Command::UpdateTaskStatus { .. } => "update_task_status",
             Command::CancelJob { .. } => "cancel_job",
+            Command::PreemptJobs { .. } => "preempt_jobs",
             Command::SubscribeFramework { .. } => "subscribe_framework",
             Command::UpdateFramework { .. } => "update_framework",
             Command::RemoveFramework { .. } => "remove_framework",

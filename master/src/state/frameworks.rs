@@ -13,6 +13,8 @@ use super::{
 /// The built-in job scheduler's framework id (reserved: no other framework
 /// may use it). Its tasks are the jobs' tasks.
 pub const BUILTIN_FRAMEWORK_ID: &str = "gpuctl-jobs";
+/// The built-in scheduler's role: `--role jobs=...` sets its weight and quota.
+pub const JOBS_ROLE: &str = "jobs";
 
 /// The state's id of a framework's task.
 pub fn task_key(framework_id: &str, framework_task_id: &str) -> String {
@@ -194,6 +196,7 @@ impl State {
                 reason: TaskReason::Unspecified,
                 last_update_uuid: Vec::new(),
                 acked_uuid: Vec::new(),
+                rank: 0,
             };
             match refusal {
                 Some(reason) => {

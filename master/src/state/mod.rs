@@ -5,6 +5,7 @@
 mod apply;
 pub mod command;
 pub mod frameworks;
+mod jobs;
 
 use std::collections::BTreeMap;
 
@@ -48,7 +49,43 @@ pub struct JobRecord {
     /// Every task ever started for this job, oldest first.
     pub task_ids: Vec<TaskId>,
     pub cancel_requested: bool,
+    /// How it ended; for a job back in the queue, why its last attempt ended.
     pub message: String,
+    /// Failed attempts started again so far (at most `spec.max_retries`).
+    #[serde(default)]
+    pub retries: u32,
+    /// Times its tasks were preempted.
+    #[serde(default)]
+    pub preemptions: u32,
+    /// Its current attempt is being stopped: what happens once its last
+    /// task has ended.
+    #[serde(default)]
+    pub stopping: Option<Stopping>,
+    /// The job that preempted it, while it waits to run again.
+    #[serde(default)]
+    pub preempted_by: Option<JobId>,
+}
+
+/// Why a job's current attempt is being stopped.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Stopping {
+    /// One of its tasks failed: queued again when `retry`, else FAILED.
+    Failed { message: String, retry: bool },
+    /// Preempted by a job of higher priority: queued again when `requeue`
+    /// (not `--no-requeue`), else FAILED.
+    Preempted { by: JobId, requeue: bool },
+}
+
+impl JobRecord {
+    /// The tasks of its latest attempt, in rank order (every launch starts
+    /// `replicas` tasks). Empty before the first launch.
+    pub fn current_tasks(&self) -> &[TaskId] {
+        let n = self.spec.replicas() as usize;
+        if self.task_ids.len() < n {
+            return &[];
+        }
+        &self.task_ids[self.task_ids.len() - n..]
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -84,6 +121,9 @@ pub struct TaskRecord {
     pub last_update_uuid: Vec<u8>,
     #[serde(default)]
     pub acked_uuid: Vec<u8>,
+    /// Its rank in its job's gang (0 for a single task).
+    #[serde(default)]
+    pub rank: u32,
 }
 
 /// What a framework's task runs.
@@ -105,6 +145,8 @@ pub enum TaskReason {
     FrameworkRemoved,
     KilledByFramework,
     ContainerLaunchFailed,
+    /// Stopped for a job of higher priority.
+    Preempted,
 }
 
 /// A framework as the replicated state knows it. Whether it is connected is
@@ -162,14 +204,21 @@ impl State {
         }
     }
 
-    /// Jobs waiting for placement, oldest first.
+    /// Jobs waiting for placement in the order they are placed: highest
+    /// priority first, then oldest.
     pub fn queued_jobs(&self) -> Vec<&JobRecord> {
         let mut q: Vec<&JobRecord> = self
             .jobs
             .values()
             .filter(|j| j.state == JobState::Queued && !j.cancel_requested)
             .collect();
-        q.sort_by_key(|j| (j.submitted_at_ms, job_seq(&j.id)));
+        q.sort_by_key(|j| {
+            (
+                std::cmp::Reverse(j.spec.priority),
+                j.submitted_at_ms,
+                job_seq(&j.id),
+            )
+        });
         q
     }
 
@@ -193,7 +242,7 @@ impl State {
                 (None, Some(job)) => (
                     job.spec.image.clone(),
                     job.spec.command.clone(),
-                    job.spec.env.clone(),
+                    self.job_task_env(job, t),
                 ),
                 (None, None) => continue,
             };
@@ -209,6 +258,28 @@ impl State {
             });
         }
         (run, kill)
+    }
+
+    /// A job task's environment: the job's, and where it stands in its
+    /// gang: `GPUCTL_RANK`, `GPUCTL_WORLD_SIZE` and `GPUCTL_PEERS` (the
+    /// hostnames of its attempt's ranks in rank order, comma-separated).
+    /// The agent adds `GPUCTL_JOB_ID` and `GPUCTL_TASK_ID`.
+    fn job_task_env(&self, job: &JobRecord, task: &TaskRecord) -> BTreeMap<String, String> {
+        let mut env = job.spec.env.clone();
+        let peers: Vec<&str> = job
+            .current_tasks()
+            .iter()
+            .filter_map(|id| self.tasks.get(id))
+            .map(|t| {
+                self.agents
+                    .get(&t.agent_id)
+                    .map_or(t.agent_id.as_str(), |a| a.info.hostname.as_str())
+            })
+            .collect();
+        env.insert("GPUCTL_RANK".into(), task.rank.to_string());
+        env.insert("GPUCTL_WORLD_SIZE".into(), job.spec.replicas().to_string());
+        env.insert("GPUCTL_PEERS".into(), peers.join(","));
+        env
     }
 
     /// Whether the agent may forget the status update `uuid` of `task_id`:

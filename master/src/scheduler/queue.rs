@@ -1,0 +1,1068 @@
+//! The queue pass: one walk over the queued jobs, highest priority first,
+//! on a simulated copy of what is free, that decides (1) which jobs to
+//! preempt, if any, and (2) why each queued job waits. PURE.
+//!
+//! In the walk each job either fits on what the jobs before it left (it is
+//! being started, or waits for tasks already being preempted for it), or it
+//! may preempt, or it waits for a reason. At most one preemption comes out
+//! of a pass; the leader proposes it and runs the pass again once it is
+//! applied, when its victims count as free already.
+//!
+//! **Victims** are gpuctl jobs of strictly lower priority whose attempt is
+//! running and not already stopping. Frameworks' tasks are never preempted.
+//! A victim is a whole job: preempting a gang stops all its tasks. For one
+//! task that does not fit, on each agent that could take it:
+//! 1. the agent's deficit: GPUs (matching the job's model and memory), CPUs
+//!    and memory it lacks;
+//! 2. victims are taken one at a time, the lowest priority first; among
+//!    equal priority, one that covers the rest of the deficit on its own
+//!    first, the fewest GPUs freed beyond the need first (all the GPUs it
+//!    holds, on any agent, count), then the most recently started;
+//! 3. then any victim whose removal still leaves the deficit covered is
+//!    dropped (the highest priority, then the longest running first), so no
+//!    more is preempted than needed.
+//!
+//! The agent chosen is the one whose victims have the lowest highest
+//! priority, then free the fewest GPUs beyond the need, then are fewest,
+//! then the first by id. A gang is handled replica by replica: on free
+//! resources when it fits, else with victims as above; all replicas or no
+//! preemption at all.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use gpuctl_proto::types::{GpuInfo, JobId, JobState, PlacementPolicy, Resources};
+
+use super::placement::{self, model_matches, Placement, TaskRequest};
+use super::{may_use, policy_of, request, reservations, Pool};
+use crate::state::{job_seq, JobRecord, State, Stopping};
+
+/// What the pass needs besides the state.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct QueueConfig {
+    pub default_policy: PlacementPolicy,
+    /// The quota of the jobs' role (`gpuctl-master --role jobs=...`).
+    pub jobs_quota: Option<Resources>,
+}
+
+/// Stop `victims` so that `job_id` can run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Preemption {
+    pub job_id: JobId,
+    pub victims: Vec<JobId>,
+}
+
+#[derive(Debug, Default)]
+pub struct QueuePlan {
+    pub preemption: Option<Preemption>,
+    /// Why each queued job waits, in one line (`gpuctl jobs list`).
+    pub reasons: BTreeMap<JobId, String>,
+}
+
+/// The pass over the queue (see the module's doc).
+pub fn plan(state: &State, cfg: &QueueConfig) -> QueuePlan {
+    let reserved = reservations(state);
+    let real = Pool::from_state(state);
+    let mut sim = Pool::from_state(state);
+    let mut usage = jobs_usage(state);
+    let mut out = QueuePlan::default();
+    for job in state.queued_jobs() {
+        let base = pass_job(
+            state, cfg, &reserved, &real, &mut sim, &mut usage, job, &mut out,
+        );
+        out.reasons.insert(job.id.clone(), decorate(job, base));
+    }
+    out
+}
+
+/// The reason for one job, for a caller that wants only that.
+pub fn wait_reason(state: &State, cfg: &QueueConfig, job_id: &str) -> Option<String> {
+    plan(state, cfg).reasons.remove(job_id)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn pass_job<'s>(
+    state: &'s State,
+    cfg: &QueueConfig,
+    reserved: &BTreeMap<String, (JobId, i32)>,
+    real: &Pool<'s>,
+    sim: &mut Pool<'s>,
+    usage: &mut Resources,
+    job: &'s JobRecord,
+    out: &mut QueuePlan,
+) -> String {
+    let spec = &job.spec;
+    let req = request(spec);
+    let replicas = spec.replicas();
+    let policy = policy_of(spec, cfg.default_policy);
+    if let Some(why) = never_fits(state, &req, replicas) {
+        return why;
+    }
+    let need = times(&spec.resources, replicas);
+    if let Some(q) = cfg.jobs_quota {
+        if !q.fits(&usage.add(&need)) {
+            return quota_reason(&q, usage, &need);
+        }
+    }
+    let stopping_for_it = tasks_preempted_for(state, &job.id);
+    let usable = |id: &str| may_use(reserved, job, id);
+    if let Some(ps) = placement::place_gang(&req, replicas, &sim.views(&usable), policy) {
+        for p in &ps {
+            sim.take(&p.node, &spec.resources, &p.gpus);
+        }
+        *usage = usage.add(&need);
+        return if stopping_for_it > 0 {
+            preempting_reason(stopping_for_it)
+        } else {
+            "Scheduling: resources are free; starting it".into()
+        };
+    }
+    if out.preemption.is_none() {
+        if let Some((victims, ps)) = find_victims(state, sim, reserved, job, &req, policy) {
+            let mut freed = 0;
+            for v in &victims {
+                for t in live_tasks(state, v) {
+                    sim.give(&t.agent_id, &t.resources, &t.gpu_uuids);
+                    *usage = usage.saturating_sub(&t.resources);
+                    freed += 1;
+                }
+            }
+            for p in &ps {
+                sim.take(&p.node, &spec.resources, &p.gpus);
+            }
+            *usage = usage.add(&need);
+            out.preemption = Some(Preemption {
+                job_id: job.id.clone(),
+                victims,
+            });
+            return preempting_reason(stopping_for_it + freed);
+        }
+    }
+    if stopping_for_it > 0 {
+        return preempting_reason(stopping_for_it);
+    }
+    if placement::place_gang(&req, replicas, &real.views(&|_| true), policy).is_some() {
+        return "Priority: the free resources it fits go to jobs ahead of it (higher priority, or older)".into();
+    }
+    "Resources: waiting for resources to be freed".into()
+}
+
+/// A requeued job says why it was requeued.
+fn decorate(job: &JobRecord, base: String) -> String {
+    let mut s = match &job.preempted_by {
+        Some(by) => format!("PREEMPTED by {by}; {base}"),
+        None => base,
+    };
+    if job.retries > 0 {
+        s.push_str(&format!(
+            " (retry {} of {}",
+            job.retries, job.spec.max_retries
+        ));
+        if !job.message.is_empty() && job.preempted_by.is_none() {
+            s.push_str(&format!(" after {}", job.message));
+        }
+        s.push(')');
+    }
+    s
+}
+
+fn preempting_reason(n: usize) -> String {
+    format!(
+        "Preempting: waiting for {n} task{} of lower priority to stop",
+        if n == 1 { "" } else { "s" }
+    )
+}
+
+fn quota_reason(q: &Resources, usage: &Resources, need: &Resources) -> String {
+    let mut parts = Vec::new();
+    if need.gpus > 0 && usage.gpus.saturating_add(need.gpus) > q.gpus {
+        parts.push(format!(
+            "{} GPUs in use + {} asked > {}",
+            usage.gpus, need.gpus, q.gpus
+        ));
+    }
+    if usage.cpus + need.cpus > q.cpus + 1e-9 {
+        parts.push(format!(
+            "{} cpus in use + {} asked > {}",
+            usage.cpus, need.cpus, q.cpus
+        ));
+    }
+    if usage.mem_mib.saturating_add(need.mem_mib) > q.mem_mib {
+        parts.push(format!(
+            "{} MiB in use + {} asked > {}",
+            usage.mem_mib, need.mem_mib, q.mem_mib
+        ));
+    }
+    format!("Quota: the jobs role's quota: {}", parts.join(", "))
+}
+
+/// What a requirement no agent could ever meet is, or a gang that could
+/// not fit even on an empty cluster.
+fn never_fits(state: &State, req: &TaskRequest, replicas: u32) -> Option<String> {
+    let active: Vec<_> = state
+        .agents
+        .values()
+        .filter(|a| a.state == crate::state::AgentState::Active)
+        .collect();
+    let nodes: Vec<placement::NodeView> = active
+        .iter()
+        .map(|a| placement::NodeView {
+            id: a.info.id.as_str(),
+            attributes: &a.info.attributes,
+            runtimes: &a.info.runtimes,
+            free: a.info.total,
+            free_gpus: a.info.gpus.iter().collect(),
+            all_gpus: &a.info.gpus,
+        })
+        .collect();
+    let totals = |id: &str| {
+        state
+            .agents
+            .get(id)
+            .map(|a| a.info.total)
+            .unwrap_or_default()
+    };
+    if let Some(why) = placement::unsatisfiable(req, &nodes, &totals) {
+        return Some(why);
+    }
+    if replicas > 1
+        && placement::place_gang(req, replicas, &nodes, placement::Policy::Bundle).is_none()
+    {
+        let g = req.resources.gpus;
+        return Some(format!(
+            "the agents cannot hold {replicas} replicas of {g} GPU{} at once",
+            if g == 1 { "" } else { "s" }
+        ));
+    }
+    None
+}
+
+fn times(r: &Resources, n: u32) -> Resources {
+    Resources {
+        cpus: r.cpus * f64::from(n),
+        mem_mib: r.mem_mib.saturating_mul(u64::from(n)),
+        gpus: r.gpus.saturating_mul(n),
+    }
+}
+
+/// What gpuctl's jobs hold, not counting tasks being stopped.
+fn jobs_usage(state: &State) -> Resources {
+    state
+        .tasks
+        .values()
+        .filter(|t| t.framework_id.is_empty() && !t.state.is_terminal() && !t.kill_requested)
+        .fold(Resources::default(), |acc, t| acc.add(&t.resources))
+}
+
+/// Tasks still running that were preempted for `job_id`.
+fn tasks_preempted_for(state: &State, job_id: &str) -> usize {
+    state
+        .jobs
+        .values()
+        .filter(|j| matches!(&j.stopping, Some(Stopping::Preempted { by, .. }) if by == job_id))
+        .map(|j| {
+            j.current_tasks()
+                .iter()
+                .filter(|t| state.tasks.get(*t).is_some_and(|t| !t.state.is_terminal()))
+                .count()
+        })
+        .sum()
+}
+
+/// The live tasks of a job's current attempt.
+fn live_tasks<'s>(
+    state: &'s State,
+    job_id: &str,
+) -> impl Iterator<Item = &'s crate::state::TaskRecord> {
+    state
+        .jobs
+        .get(job_id)
+        .map(|j| j.current_tasks())
+        .unwrap_or_default()
+        .iter()
+        .filter_map(|t| state.tasks.get(t))
+        .filter(|t| !t.state.is_terminal() && !t.kill_requested)
+}
+
+/// A job that may be preempted, as the victim search sees it.
+struct Victim<'s> {
+    job: &'s JobRecord,
+    /// Every GPU it holds, on any agent.
+    gpus_total: u32,
+    /// When its attempt started (its tasks' launch).
+    started_ms: u64,
+}
+
+/// What a victim frees on one agent, in the units of the deficit.
+#[derive(Debug, Clone, Copy, Default)]
+struct Amount {
+    gpus: i64,
+    cpus: f64,
+    mem: i64,
+}
+
+impl Amount {
+    fn covered_by(&self, got: &Amount) -> bool {
+        got.gpus >= self.gpus && got.cpus + 1e-9 >= self.cpus && got.mem >= self.mem
+    }
+    fn helps(&self, by: &Amount) -> bool {
+        (self.gpus > 0 && by.gpus > 0)
+            || (self.cpus > 1e-9 && by.cpus > 1e-9)
+            || (self.mem > 0 && by.mem > 0)
+    }
+    fn add(&self, o: &Amount) -> Amount {
+        Amount {
+            gpus: self.gpus + o.gpus,
+            cpus: self.cpus + o.cpus,
+            mem: self.mem + o.mem,
+        }
+    }
+}
+
+fn gpu_matches(req: &TaskRequest, g: &GpuInfo) -> bool {
+    g.healthy
+        && g.memory_mib >= req.gpu_mem_min_mib
+        && req.gpu_model.is_none_or(|p| model_matches(p, &g.model))
+}
+
+/// How good an agent's victims are, lower first: their highest priority,
+/// the GPUs freed beyond the need, how many, the agent's id.
+type NodeScore = (i32, i64, usize, String);
+
+/// Victims (jobs) and the placements of all of the
+/// job's replicas once they are gone; `None` when preempting every job
+/// it may preempt would still not make it fit.
+fn find_victims<'s>(
+    state: &'s State,
+    sim: &Pool<'s>,
+    reserved: &BTreeMap<String, (JobId, i32)>,
+    job: &JobRecord,
+    req: &TaskRequest,
+    policy: placement::Policy,
+) -> Option<(Vec<JobId>, Vec<Placement>)> {
+    let priority = job.spec.priority;
+    let cands: Vec<Victim> = state
+        .jobs
+        .values()
+        .filter(|v| state.preemptible(priority, &v.id).is_ok())
+        .filter_map(|v| {
+            let tasks: Vec<_> = live_tasks(state, &v.id).collect();
+            if tasks.is_empty() {
+                return None;
+            }
+            Some(Victim {
+                job: v,
+                gpus_total: tasks.iter().map(|t| t.gpu_uuids.len() as u32).sum(),
+                started_ms: tasks.iter().map(|t| t.created_at_ms).max().unwrap_or(0),
+            })
+        })
+        .collect();
+    if cands.is_empty() {
+        return None;
+    }
+    let mut pool = sim.clone();
+    let mut chosen: Vec<JobId> = Vec::new();
+    let mut placements = Vec::new();
+    let usable = |id: &str| may_use(reserved, job, id);
+    for _ in 0..job.spec.replicas() {
+        if let Some(p) = placement::place_task(req, &pool.views(&usable), policy) {
+            pool.take(&p.node, &req.resources, &p.gpus);
+            placements.push(p);
+            continue;
+        }
+        let left: Vec<&Victim> = cands
+            .iter()
+            .filter(|v| !chosen.contains(&v.job.id))
+            .collect();
+        let mut best: Option<(NodeScore, String, Vec<JobId>)> = None;
+        for node in pool.views(&usable) {
+            if !placement::node_matches(req, &node) {
+                continue;
+            }
+            let Some((set, excess)) = victims_on_node(state, &pool, node.id, req, &left) else {
+                continue;
+            };
+            let top = set
+                .iter()
+                .filter_map(|id| state.jobs.get(id))
+                .map(|j| j.spec.priority)
+                .max()
+                .unwrap_or(i32::MIN);
+            let score = (top, excess, set.len(), node.id.to_string());
+            if best.as_ref().is_none_or(|(s, _, _)| score < *s) {
+                best = Some((score, node.id.to_string(), set));
+            }
+        }
+        let (_, node, set) = best?;
+        for v in &set {
+            for t in live_tasks(state, v) {
+                pool.give(&t.agent_id, &t.resources, &t.gpu_uuids);
+            }
+        }
+        chosen.extend(set);
+        let view = pool.node(&node)?.view();
+        let p = placement::place_task(req, std::slice::from_ref(&view), policy)?;
+        pool.take(&p.node, &req.resources, &p.gpus);
+        placements.push(p);
+    }
+    if chosen.is_empty() {
+        return None; // it fits without preempting
+    }
+    Some((chosen, placements))
+}
+
+/// The fewest victims on `node_id` that make one task fit there (see the
+/// module's doc), and the GPUs they free beyond the need.
+fn victims_on_node(
+    state: &State,
+    pool: &Pool,
+    node_id: &str,
+    req: &TaskRequest,
+    cands: &[&Victim],
+) -> Option<(Vec<JobId>, i64)> {
+    let node = pool.node(node_id)?;
+    let need = req.resources;
+    let gpu_of = |uuid: &str| node.agent.info.gpus.iter().find(|g| g.uuid == uuid);
+    let free_matching = node
+        .free_gpus
+        .iter()
+        .filter(|u| gpu_of(u).is_some_and(|g| gpu_matches(req, g)))
+        .count() as i64;
+    let deficit = Amount {
+        gpus: (i64::from(need.gpus) - free_matching).max(0),
+        cpus: (need.cpus - node.free.cpus).max(0.0),
+        mem: (need.mem_mib as i64 - node.free.mem_mib.min(i64::MAX as u64) as i64).max(0),
+    };
+    // What each candidate frees here.
+    let local: Vec<(&Victim, Amount)> = cands
+        .iter()
+        .map(|v| {
+            let mut a = Amount::default();
+            for t in live_tasks(state, &v.job.id).filter(|t| t.agent_id == node_id) {
+                a.cpus += t.resources.cpus;
+                a.mem += t.resources.mem_mib.min(i64::MAX as u64) as i64;
+                a.gpus += t
+                    .gpu_uuids
+                    .iter()
+                    .filter(|u| gpu_of(u).is_some_and(|g| gpu_matches(req, g)))
+                    .count() as i64;
+            }
+            (*v, a)
+        })
+        .filter(|(_, a)| deficit.helps(a))
+        .collect();
+    let mut got = Amount::default();
+    let mut chosen: Vec<usize> = Vec::new();
+    while !deficit.covered_by(&got) {
+        let rest = Amount {
+            gpus: (deficit.gpus - got.gpus).max(0),
+            cpus: (deficit.cpus - got.cpus).max(0.0),
+            mem: (deficit.mem - got.mem).max(0),
+        };
+        let pick = local
+            .iter()
+            .enumerate()
+            .filter(|(i, (_, a))| !chosen.contains(i) && rest.helps(a))
+            .min_by_key(|(_, (v, a))| {
+                let covers = rest.covered_by(a);
+                let excess = if covers {
+                    i64::from(v.gpus_total) - rest.gpus
+                } else {
+                    0
+                };
+                (
+                    v.job.spec.priority,
+                    !covers,
+                    excess,
+                    std::cmp::Reverse(v.started_ms),
+                    std::cmp::Reverse(job_seq(&v.job.id)),
+                )
+            })
+            .map(|(i, _)| i)?;
+        got = got.add(&local[pick].1);
+        chosen.push(pick);
+    }
+    // Drop what is not needed: the least wanted victims first.
+    let mut order = chosen.clone();
+    order.sort_by_key(|i| {
+        let v = local[*i].0;
+        (
+            std::cmp::Reverse(v.job.spec.priority),
+            v.started_ms,
+            job_seq(&v.job.id),
+        )
+    });
+    for i in order {
+        let without = chosen
+            .iter()
+            .filter(|j| **j != i)
+            .fold(Amount::default(), |acc, j| acc.add(&local[*j].1));
+        if deficit.covered_by(&without) {
+            chosen.retain(|j| *j != i);
+        }
+    }
+    let freed_gpus: i64 = chosen
+        .iter()
+        .map(|i| i64::from(local[*i].0.gpus_total))
+        .sum();
+    let ids: BTreeSet<usize> = chosen.iter().copied().collect();
+    let victims = ids.iter().map(|i| local[*i].0.job.id.clone()).collect();
+    Some((victims, freed_gpus - deficit.gpus))
+}
+
+/// Whether a queued job is waiting for preempted tasks (for tests and the
+/// leader's logs).
+pub fn is_preempting(state: &State, job_id: &str) -> bool {
+    state
+        .jobs
+        .get(job_id)
+        .is_some_and(|j| j.state == JobState::Queued)
+        && tasks_preempted_for(state, job_id) > 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::scheduler::{place, place_in, Available};
+    use crate::state::{Command, Launch, Outcome};
+    use gpuctl_proto::types::{AgentInfo, GpuInfo, JobSpec, Runtime, StatusUpdate, TaskState};
+
+    /// A state driven through commands, as the leader would.
+    struct H {
+        s: State,
+        i: u64,
+    }
+
+    impl H {
+        fn new(agents: &[(&str, u32)]) -> H {
+            let mut h = H {
+                s: State::new(),
+                i: 0,
+            };
+            for (id, gpus) in agents {
+                h.apply(Command::RegisterAgent {
+                    info: AgentInfo {
+                        id: (*id).into(),
+                        hostname: (*id).into(),
+                        address: String::new(),
+                        total: Resources {
+                            cpus: 64.0,
+                            mem_mib: 1 << 20,
+                            gpus: *gpus,
+                        },
+                        gpus: (0..*gpus)
+                            .map(|i| GpuInfo::new(format!("GPU-{id}-{i}"), i, "A100", 40960))
+                            .collect(),
+                        runtimes: vec![Runtime::Process],
+                        simulated_gpus: true,
+                        attributes: Default::default(),
+                        driver_version: None,
+                        cuda_driver_version: None,
+                    },
+                    running_task_ids: vec![],
+                    at_ms: 0,
+                });
+            }
+            h
+        }
+
+        fn apply(&mut self, c: Command) -> Outcome {
+            self.i += 1;
+            match self.s.apply(self.i, &c) {
+                Ok(o) => o,
+                Err(e) => panic!("{c:?}: {e}"),
+            }
+        }
+
+        fn submit(&mut self, gpus: u32, priority: i32, replicas: u32) -> String {
+            let mut spec = JobSpec::new(
+                "j",
+                vec!["sleep".into()],
+                Resources {
+                    cpus: 1.0,
+                    mem_mib: 0,
+                    gpus,
+                },
+            );
+            spec.priority = priority;
+            spec.replicas = replicas;
+            let at_ms = self.i;
+            match self.apply(Command::SubmitJob {
+                spec,
+                at_ms,
+                request_id: None,
+            }) {
+                Outcome::JobSubmitted { job_id } => job_id,
+                o => panic!("{o:?}"),
+            }
+        }
+
+        /// Places what fits now, as the built-in scheduler would with
+        /// everything offered; returns the jobs started.
+        fn schedule(&mut self) -> Vec<String> {
+            let launches = place(&self.s, &Default::default(), &Default::default());
+            let mut started = Vec::new();
+            let mut by_job: BTreeMap<String, Vec<Launch>> = BTreeMap::new();
+            for l in launches {
+                by_job.entry(l.job_id.clone()).or_default().push(l);
+            }
+            for (job, launches) in by_job {
+                let at_ms = self.i * 10;
+                self.apply(Command::LaunchTasks { launches, at_ms });
+                started.push(job);
+            }
+            started
+        }
+
+        /// Submits a job and starts it (it must fit).
+        fn running(&mut self, gpus: u32, priority: i32) -> String {
+            let j = self.submit(gpus, priority, 1);
+            assert_eq!(self.schedule(), vec![j.clone()]);
+            j
+        }
+
+        fn plan(&self) -> QueuePlan {
+            plan(&self.s, &QueueConfig::default())
+        }
+
+        fn victims(&self) -> Vec<String> {
+            self.plan()
+                .preemption
+                .map(|p| p.victims)
+                .unwrap_or_default()
+        }
+
+        fn agent_of(&self, job: &str) -> String {
+            self.s.latest_task(job).unwrap().agent_id.clone()
+        }
+
+        /// Applies the plan's preemption and has the agents report the
+        /// victims' tasks killed.
+        fn preempt_and_stop(&mut self) -> Vec<String> {
+            let p = self.plan().preemption.expect("a preemption");
+            let victims = p.victims.clone();
+            self.apply(Command::PreemptJobs {
+                job_id: p.job_id,
+                victims: p.victims,
+                at_ms: 0,
+            });
+            for v in &victims {
+                for t in self.s.jobs[v].current_tasks().to_vec() {
+                    let agent_id = self.s.tasks[&t].agent_id.clone();
+                    self.apply(Command::UpdateTaskStatus {
+                        update: StatusUpdate {
+                            agent_id,
+                            task_id: t,
+                            state: TaskState::Killed,
+                            exit_code: None,
+                            message: String::new(),
+                            uuid: Vec::new(),
+                        },
+                        at_ms: 0,
+                    });
+                }
+            }
+            victims
+        }
+    }
+
+    #[test]
+    fn the_lowest_priority_goes_first_even_when_a_higher_one_fits_better() {
+        let mut h = H::new(&[("a", 4)]);
+        let p1 = h.running(2, 1); // frees exactly 2
+        let p0a = h.running(1, 0);
+        let p0b = h.running(1, 0);
+        let hi = h.submit(2, 5, 1);
+        let mut v = h.victims();
+        v.sort();
+        assert_eq!(v, vec![p0a, p0b]);
+        assert!(!v.contains(&p1));
+        let r = &h.plan().reasons[&hi];
+        assert!(r.starts_with("Preempting: waiting for 2 tasks"), "{r}");
+    }
+
+    #[test]
+    fn among_equals_one_that_covers_alone_with_the_least_excess() {
+        // 8 GPUs: 1, 1, 2 and 4 held at priority 0; a 2-GPU job needs 2.
+        let mut h = H::new(&[("a", 8)]);
+        let ones = [h.running(1, 0), h.running(1, 0)];
+        let two = h.running(2, 0);
+        let four = h.running(4, 0);
+        h.submit(2, 1, 1);
+        assert_eq!(h.victims(), vec![two.clone()], "not {ones:?} nor {four}");
+        // Needing 3: nothing covers alone but the 4 (excess 1); with
+        // priority first it takes the 4 rather than 2 + 1.
+        let mut h = H::new(&[("a", 8)]);
+        let _one = h.running(1, 0);
+        let _one2 = h.running(1, 0);
+        let _two = h.running(2, 0);
+        let four = h.running(4, 0);
+        h.submit(3, 1, 1);
+        assert_eq!(h.victims(), vec![four]);
+    }
+
+    #[test]
+    fn ties_go_to_the_most_recently_started() {
+        let mut h = H::new(&[("a", 2)]);
+        let _old = h.running(1, 0);
+        let new = h.running(1, 0);
+        h.submit(1, 3, 1);
+        assert_eq!(h.victims(), vec![new]);
+    }
+
+    #[test]
+    fn never_more_than_needed() {
+        // The priority-0 1-GPU job comes first, but the priority-1 2-GPU
+        // job alone covers the need: the first is dropped again.
+        let mut h = H::new(&[("a", 3)]);
+        let _low1 = h.running(1, 0);
+        let mid2 = h.running(2, 1);
+        h.submit(2, 5, 1);
+        assert_eq!(h.victims(), vec![mid2]);
+    }
+
+    #[test]
+    fn equal_or_higher_priority_is_never_preempted() {
+        let mut h = H::new(&[("a", 2)]);
+        h.running(2, 3);
+        let eq = h.submit(1, 3, 1);
+        let lower = h.submit(2, 0, 1);
+        let p = h.plan();
+        assert!(p.preemption.is_none());
+        assert!(p.reasons[&eq].starts_with("Resources:"), "{:?}", p.reasons);
+        assert!(p.reasons[&lower].starts_with("Resources:"));
+    }
+
+    #[test]
+    fn the_agent_with_the_cheapest_victims_is_chosen() {
+        let mut h = H::new(&[("a", 2), ("b", 2)]);
+        let on_a = h.running(2, 2);
+        let on_b = h.running(2, 1);
+        assert_ne!(h.agent_of(&on_a), h.agent_of(&on_b));
+        h.submit(2, 5, 1);
+        assert_eq!(h.victims(), vec![on_b]);
+    }
+
+    #[test]
+    fn preempted_resources_are_kept_for_the_preemptor() {
+        let mut h = H::new(&[("a", 4)]);
+        let low = h.running(4, 0);
+        let hi = h.submit(2, 5, 1);
+        let p = h.plan().preemption.unwrap();
+        assert_eq!(p.victims, vec![low.clone()]);
+        h.apply(Command::PreemptJobs {
+            job_id: p.job_id,
+            victims: p.victims,
+            at_ms: 0,
+        });
+        // While the victim stops: no second preemption, the preemptor
+        // says why it waits, and the requeued victim cannot take the agent.
+        let small = h.submit(1, 0, 1);
+        let plan = h.plan();
+        assert!(plan.preemption.is_none());
+        assert!(plan.reasons[&hi].starts_with("Preempting: waiting for 1 task"));
+        h.apply(Command::UpdateTaskStatus {
+            update: StatusUpdate {
+                agent_id: "a".into(),
+                task_id: format!("{low}.0"),
+                state: TaskState::Killed,
+                exit_code: None,
+                message: String::new(),
+                uuid: Vec::new(),
+            },
+            at_ms: 0,
+        });
+        let r = &h.plan().reasons[&low];
+        assert!(r.starts_with(&format!("PREEMPTED by {hi}; ")), "{r}");
+        // Now the GPUs are free: the preemptor first, then what fits behind.
+        let mut started = h.schedule();
+        started.sort();
+        assert_eq!(started, vec![hi.clone(), small.clone()]);
+        assert_eq!(h.s.jobs[&low].state, JobState::Queued);
+    }
+
+    #[test]
+    fn reserved_agents_are_not_backfilled_by_lower_priority() {
+        let mut h = H::new(&[("a", 4)]);
+        let a = h.running(2, 0);
+        let _b = h.running(2, 0);
+        // Frees 2 of 4 now... the preemptor needs all 4.
+        let hi = h.submit(4, 5, 1);
+        let victims = h.victims();
+        assert_eq!(victims.len(), 2);
+        let p = h.plan().preemption.unwrap();
+        h.apply(Command::PreemptJobs {
+            job_id: hi.clone(),
+            victims: p.victims,
+            at_ms: 0,
+        });
+        // One victim stops; its 2 GPUs are free but kept for the preemptor.
+        h.apply(Command::UpdateTaskStatus {
+            update: StatusUpdate {
+                agent_id: "a".into(),
+                task_id: format!("{a}.0"),
+                state: TaskState::Killed,
+                exit_code: None,
+                message: String::new(),
+                uuid: Vec::new(),
+            },
+            at_ms: 0,
+        });
+        let filler = h.submit(2, 0, 1);
+        assert!(
+            h.schedule().is_empty(),
+            "nothing placed on the reserved agent"
+        );
+        let r = &h.plan().reasons[&filler];
+        assert!(r.starts_with("Priority:"), "{r}");
+        // A job of higher priority than the preemptor may use it.
+        let urgent = h.submit(2, 9, 1);
+        assert_eq!(h.schedule(), vec![urgent]);
+    }
+
+    #[test]
+    fn a_gang_preempts_all_it_needs_or_nothing() {
+        let mut h = H::new(&[("a", 2), ("b", 2)]);
+        let on_a = h.running(2, 0);
+        let on_b = h.running(2, 0);
+        h.submit(2, 5, 2);
+        let mut v = h.victims();
+        v.sort();
+        assert_eq!(v, vec![on_a, on_b]);
+        // With one agent held by a job of higher priority: no preemption at all.
+        let mut h = H::new(&[("a", 2), ("b", 2)]);
+        let _low = h.running(2, 0);
+        let _high = h.running(2, 9);
+        let g = h.submit(2, 5, 2);
+        let p = h.plan();
+        assert!(p.preemption.is_none());
+        assert!(p.reasons[&g].starts_with("Resources:"), "{}", p.reasons[&g]);
+    }
+
+    #[test]
+    fn preempting_a_gang_frees_all_its_ranks() {
+        let mut h = H::new(&[("a", 2), ("b", 2)]);
+        let gang = h.submit(2, 0, 2);
+        assert_eq!(h.schedule(), vec![gang.clone()]);
+        let hi = h.submit(2, 1, 1);
+        assert_eq!(h.preempt_and_stop(), vec![gang.clone()]);
+        assert_eq!(h.s.jobs[&gang].state, JobState::Queued);
+        assert!(h.s.gpu_owner.is_empty());
+        assert_eq!(h.schedule(), vec![hi]);
+        // The gang cannot run on what is left (one agent of 2): it waits.
+        assert!(h.schedule().is_empty());
+    }
+
+    #[test]
+    fn a_gang_never_starts_partly() {
+        let mut h = H::new(&[("a", 2), ("b", 2)]);
+        let _filler = h.running(1, 0);
+        let g = h.submit(2, 0, 2);
+        assert!(h.schedule().is_empty());
+        assert!(h.s.jobs[&g].task_ids.is_empty());
+        let r = &h.plan().reasons[&g];
+        assert!(r.starts_with("Resources:"), "{r}");
+        // One that could never fit says so.
+        let big = h.submit(2, 0, 3);
+        let r = &h.plan().reasons[&big];
+        assert_eq!(r, "the agents cannot hold 3 replicas of 2 GPUs at once");
+    }
+
+    #[test]
+    fn higher_priority_is_placed_first() {
+        let mut h = H::new(&[("a", 2)]);
+        let low = h.submit(2, 0, 1);
+        let high = h.submit(2, 1, 1);
+        assert_eq!(h.schedule(), vec![high]);
+        assert_eq!(h.s.jobs[&low].state, JobState::Queued);
+        // Offers name only some agents: place_in keeps to them.
+        let none: BTreeMap<String, Available> = BTreeMap::new();
+        assert!(place_in(&h.s, &none, PlacementPolicy::Bundle).is_empty());
+    }
+
+    #[test]
+    fn quota_of_the_jobs_role_is_a_reason_and_blocks_preemption() {
+        let mut h = H::new(&[("a", 4)]);
+        let _low = h.running(2, 0);
+        let hi = h.submit(2, 5, 1);
+        let cfg = QueueConfig {
+            jobs_quota: Some(Resources {
+                cpus: f64::MAX,
+                mem_mib: u64::MAX,
+                gpus: 3,
+            }),
+            ..Default::default()
+        };
+        let p = plan(&h.s, &cfg);
+        assert!(p.preemption.is_none());
+        assert_eq!(
+            p.reasons[&hi],
+            "Quota: the jobs role's quota: 2 GPUs in use + 2 asked > 3"
+        );
+    }
+
+    #[test]
+    fn retried_jobs_say_so_and_keep_their_place() {
+        let mut h = H::new(&[("a", 1)]);
+        let mut spec = JobSpec::new("j", vec!["x".into()], Resources::default());
+        spec.resources.gpus = 1;
+        spec.max_retries = 2;
+        let j = match h.apply(Command::SubmitJob {
+            spec,
+            at_ms: 0,
+            request_id: None,
+        }) {
+            Outcome::JobSubmitted { job_id } => job_id,
+            o => panic!("{o:?}"),
+        };
+        assert_eq!(h.schedule(), vec![j.clone()]);
+        let later = h.submit(1, 0, 1);
+        h.apply(Command::UpdateTaskStatus {
+            update: StatusUpdate {
+                agent_id: "a".into(),
+                task_id: format!("{j}.0"),
+                state: TaskState::Failed,
+                exit_code: Some(2),
+                message: String::new(),
+                uuid: Vec::new(),
+            },
+            at_ms: 0,
+        });
+        let plan = h.plan();
+        assert_eq!(
+            plan.reasons[&j],
+            format!(
+                "Scheduling: resources are free; starting it \
+                 (retry 1 of 2 after task {j}.0 exited with code 2)"
+            )
+        );
+        let r = &plan.reasons[&later];
+        assert!(r.starts_with("Priority:"), "{r}");
+        assert_eq!(
+            h.schedule(),
+            vec![j.clone()],
+            "submitted first, placed first"
+        );
+        assert_eq!(h.s.jobs[&j].retries, 1);
+    }
+
+    mod properties {
+        use super::*;
+        use proptest::prelude::*;
+
+        /// Agents' GPU counts, running jobs (GPUs, priority) placed in
+        /// order, and the job that arrives (GPUs, priority, replicas).
+        type Scenario = (Vec<u32>, Vec<(u32, i32)>, (u32, i32, u32));
+
+        fn scenario() -> impl Strategy<Value = Scenario> {
+            (
+                prop::collection::vec(1u32..=8, 1..=4),
+                prop::collection::vec((1u32..=4, 0i32..4), 0..12),
+                (1u32..=8, 0i32..5, 1u32..=3),
+            )
+        }
+
+        fn build(agents: &[u32], running: &[(u32, i32)]) -> H {
+            let names: Vec<String> = (0..agents.len()).map(|i| format!("n{i}")).collect();
+            let list: Vec<(&str, u32)> = names
+                .iter()
+                .map(String::as_str)
+                .zip(agents.iter().copied())
+                .collect();
+            let mut h = H::new(&list);
+            for (gpus, prio) in running {
+                let j = h.submit(*gpus, *prio, 1);
+                h.schedule();
+                if h.s.jobs[&j].state == JobState::Queued {
+                    h.apply(Command::CancelJob {
+                        job_id: j,
+                        at_ms: 0,
+                    });
+                }
+            }
+            h
+        }
+
+        /// Preempts `victims` for `job` (stopping their tasks) and says
+        /// whether the job then starts.
+        fn starts_after(h: &H, job: &str, victims: &[String]) -> bool {
+            let mut h = H {
+                s: h.s.clone(),
+                i: h.i,
+            };
+            if !victims.is_empty() {
+                h.apply(Command::PreemptJobs {
+                    job_id: job.to_string(),
+                    victims: victims.to_vec(),
+                    at_ms: 0,
+                });
+                for v in victims {
+                    for t in h.s.jobs[v].current_tasks().to_vec() {
+                        let agent_id = h.s.tasks[&t].agent_id.clone();
+                        h.apply(Command::UpdateTaskStatus {
+                            update: StatusUpdate {
+                                agent_id,
+                                task_id: t,
+                                state: TaskState::Killed,
+                                exit_code: None,
+                                message: String::new(),
+                                uuid: Vec::new(),
+                            },
+                            at_ms: 0,
+                        });
+                    }
+                }
+            }
+            h.schedule().iter().any(|j| j == job)
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+
+            /// Victims are of lower priority, enough, and (for one task) no
+            /// more than needed; and when no preemption is planned, even
+            /// preempting every lower-priority job would not help.
+            #[test]
+            fn preemption_is_sufficient_minimal_and_complete((agents, running, (gpus, prio, replicas)) in scenario()) {
+                let mut h = build(&agents, &running);
+                let job = h.submit(gpus, prio, replicas);
+                if h.clone_fits(&job) {
+                    return Ok(());
+                }
+                let all_lower: Vec<String> = h
+                    .s
+                    .jobs
+                    .values()
+                    .filter(|v| h.s.preemptible(prio, &v.id).is_ok())
+                    .map(|v| v.id.clone())
+                    .collect();
+                match h.plan().preemption {
+                    Some(p) => {
+                        prop_assert_eq!(&p.job_id, &job);
+                        for v in &p.victims {
+                            prop_assert!(h.s.jobs[v].spec.priority < prio);
+                        }
+                        prop_assert!(starts_after(&h, &job, &p.victims), "victims {:?} not enough", p.victims);
+                        if replicas == 1 {
+                            for v in &p.victims {
+                                let fewer: Vec<String> = p.victims.iter().filter(|x| *x != v).cloned().collect();
+                                prop_assert!(!starts_after(&h, &job, &fewer), "{v} was not needed in {:?}", p.victims);
+                            }
+                        }
+                    }
+                    None => {
+                        if replicas == 1 {
+                            prop_assert!(!starts_after(&h, &job, &all_lower), "a preemption was possible");
+                        }
+                    }
+                }
+            }
+        }
+
+        impl H {
+            /// Whether the job would start without preempting.
+            fn clone_fits(&mut self, job: &str) -> bool {
+                starts_after(self, job, &[])
+            }
+        }
+    }
+}

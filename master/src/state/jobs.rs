@@ -1,0 +1,663 @@
+//! gpuctl jobs in the state machine: launching an attempt (one task, or a
+//! gang of `replicas` tasks, all or nothing), ending it (success, failure
+//! with retries, cancel, preemption) and preempting jobs of lower priority.
+//!
+//! An attempt ends when its last task has ended. The first task that fails
+//! decides what follows ([`Stopping`]) and the rest of the gang is killed;
+//! a job goes back to QUEUED only once none of its tasks holds anything, so
+//! a new attempt never overlaps the old one.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use gpuctl_proto::types::{JobState, TaskState};
+
+use super::apply::Pending;
+use super::{ApplyError, Launch, Outcome, State, Stopping, TaskReason, TaskRecord};
+
+impl State {
+    /// Checks every launch against the current state (and against the other
+    /// launches of the same command) before changing anything: each job
+    /// queued, given exactly `replicas` launches, each fitting.
+    pub(super) fn check_launches(&self, launches: &[Launch]) -> Result<(), ApplyError> {
+        let mut pending = Pending::default();
+        let mut per_job: BTreeMap<&str, u32> = BTreeMap::new();
+        for l in launches {
+            let job = self
+                .jobs
+                .get(&l.job_id)
+                .ok_or_else(|| ApplyError::JobNotFound(l.job_id.clone()))?;
+            if job.state != JobState::Queued || job.cancel_requested {
+                return Err(ApplyError::JobNotQueued {
+                    job_id: job.id.clone(),
+                    state: job.state,
+                });
+            }
+            *per_job.entry(job.id.as_str()).or_default() += 1;
+            self.check_fit(
+                &l.agent_id,
+                job.spec.runtime(),
+                &job.spec.resources,
+                &l.gpu_uuids,
+                &mut pending,
+            )?;
+        }
+        for (job_id, n) in per_job {
+            let want = self.jobs.get(job_id).map_or(1, |j| j.spec.replicas());
+            if n != want {
+                return Err(ApplyError::DoesNotFit(format!(
+                    "job {job_id} has {want} replicas, {n} launched (all start or none)"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Starts an attempt of each job named: tasks `<job>.<n>` with ranks in
+    /// the order of the launches.
+    pub(super) fn launch_tasks(
+        &mut self,
+        launches: &[Launch],
+        at_ms: u64,
+    ) -> Result<Outcome, ApplyError> {
+        self.check_launches(launches)?;
+        let mut rank: BTreeMap<String, u32> = BTreeMap::new();
+        for l in launches {
+            let Some(job) = self.jobs.get_mut(&l.job_id) else {
+                continue; // checked above
+            };
+            let r = rank.entry(job.id.clone()).or_default();
+            let task_id = format!("{}.{}", job.id, job.task_ids.len());
+            job.task_ids.push(task_id.clone());
+            job.state = JobState::Starting;
+            job.updated_at_ms = at_ms;
+            job.preempted_by = None;
+            job.stopping = None;
+            let resources = job.spec.resources;
+            for uuid in &l.gpu_uuids {
+                self.gpu_owner.insert(uuid.clone(), task_id.clone());
+            }
+            if let Some(agent) = self.agents.get_mut(&l.agent_id) {
+                agent.allocated = agent.allocated.add(&resources);
+            }
+            self.tasks.insert(
+                task_id.clone(),
+                TaskRecord {
+                    id: task_id,
+                    job_id: l.job_id.clone(),
+                    agent_id: l.agent_id.clone(),
+                    gpu_uuids: l.gpu_uuids.clone(),
+                    resources,
+                    state: TaskState::Staging,
+                    exit_code: None,
+                    message: String::new(),
+                    kill_requested: false,
+                    created_at_ms: at_ms,
+                    updated_at_ms: at_ms,
+                    framework_id: String::new(),
+                    framework_task_id: String::new(),
+                    launch: None,
+                    reason: TaskReason::Unspecified,
+                    last_update_uuid: Vec::new(),
+                    acked_uuid: Vec::new(),
+                    rank: *r,
+                },
+            );
+            *r += 1;
+        }
+        Ok(Outcome::Done)
+    }
+
+    /// A task of the job's current attempt moved forward (STARTING,
+    /// RUNNING): the job is RUNNING once all its tasks are.
+    pub(super) fn job_task_progressed(&mut self, job_id: &str, task_id: &str, at_ms: u64) {
+        let Some(job) = self.jobs.get(job_id) else {
+            return;
+        };
+        if job.state.is_terminal() || job.stopping.is_some() {
+            return;
+        }
+        let current = job.current_tasks();
+        if !current.iter().any(|t| t == task_id) {
+            return;
+        }
+        let all_running = current.iter().all(|t| {
+            self.tasks
+                .get(t)
+                .is_some_and(|t| t.state == TaskState::Running)
+        });
+        if let Some(job) = self.jobs.get_mut(job_id) {
+            job.state = if all_running {
+                JobState::Running
+            } else {
+                JobState::Starting
+            };
+            job.updated_at_ms = at_ms;
+        }
+    }
+
+    /// A task of the job ended (the task itself is already updated). The
+    /// first failure of an attempt decides its fate and stops the rest of
+    /// the gang; once every task of the attempt has ended the job moves on.
+    pub(super) fn job_task_ended(&mut self, job_id: &str, task_id: &str, at_ms: u64) {
+        let Some(job) = self.jobs.get(job_id) else {
+            return;
+        };
+        if job.state.is_terminal() || job.state == JobState::Queued {
+            return;
+        }
+        let current: Vec<String> = job.current_tasks().to_vec();
+        if !current.iter().any(|t| t == task_id) {
+            return; // a task of an earlier attempt
+        }
+        let Some(task) = self.tasks.get(task_id) else {
+            return;
+        };
+        let ok = task.state == TaskState::Finished && task.exit_code.unwrap_or(0) == 0;
+        if !ok && !job.cancel_requested && job.stopping.is_none() {
+            let message = failure_message(task);
+            let retry = job.retries < job.spec.max_retries;
+            let others: Vec<String> = current
+                .iter()
+                .filter(|t| t.as_str() != task_id)
+                .cloned()
+                .collect();
+            if let Some(job) = self.jobs.get_mut(job_id) {
+                job.stopping = Some(Stopping::Failed {
+                    message: message.clone(),
+                    retry,
+                });
+            }
+            let why = format!("stopped: {message}");
+            self.kill_live(&others, &why, None, at_ms);
+        }
+        let tasks: Vec<&TaskRecord> = current.iter().filter_map(|t| self.tasks.get(t)).collect();
+        let all_ended = tasks.iter().all(|t| t.state.is_terminal());
+        let all_ok = tasks
+            .iter()
+            .all(|t| t.state == TaskState::Finished && t.exit_code.unwrap_or(0) == 0);
+        let Some(job) = self.jobs.get_mut(job_id) else {
+            return;
+        };
+        job.updated_at_ms = at_ms;
+        if !all_ended {
+            return;
+        }
+        let stopping = job.stopping.take();
+        let (state, message) = if all_ok {
+            (JobState::Succeeded, String::new())
+        } else if job.cancel_requested {
+            (JobState::Cancelled, "cancelled".to_string())
+        } else {
+            match stopping {
+                Some(Stopping::Preempted { by, requeue: true }) => {
+                    job.preempted_by = Some(by.clone());
+                    (JobState::Queued, format!("preempted by {by}"))
+                }
+                Some(Stopping::Preempted { by, requeue: false }) => (
+                    JobState::Failed,
+                    format!("preempted by {by} (submitted with --no-requeue)"),
+                ),
+                Some(Stopping::Failed {
+                    message,
+                    retry: true,
+                }) => {
+                    job.retries += 1;
+                    (JobState::Queued, message)
+                }
+                Some(Stopping::Failed {
+                    message,
+                    retry: false,
+                }) => (JobState::Failed, message),
+                // Not reached: the first failure sets `stopping`.
+                None => (JobState::Failed, "attempt ended".to_string()),
+            }
+        };
+        job.state = state;
+        job.message = message;
+    }
+
+    /// Asks the agents to stop the given tasks that still run.
+    fn kill_live(&mut self, tasks: &[String], why: &str, reason: Option<TaskReason>, at_ms: u64) {
+        for id in tasks {
+            if let Some(t) = self.tasks.get_mut(id) {
+                if t.state.is_terminal() || t.kill_requested {
+                    continue;
+                }
+                t.kill_requested = true;
+                t.updated_at_ms = at_ms;
+                t.message = why.to_string();
+                if let Some(r) = reason {
+                    t.reason = r;
+                }
+            }
+        }
+    }
+
+    /// Why a job may not preempt `victim`, if it may not: the victim must be
+    /// a job of lower priority whose attempt runs and is not already being
+    /// stopped.
+    pub fn preemptible(&self, priority: i32, victim: &str) -> Result<(), ApplyError> {
+        let v = self
+            .jobs
+            .get(victim)
+            .ok_or_else(|| ApplyError::JobNotFound(victim.to_string()))?;
+        let live = v
+            .current_tasks()
+            .iter()
+            .any(|t| self.tasks.get(t).is_some_and(|t| !t.state.is_terminal()));
+        let invalid = |reason: String| ApplyError::Invalid {
+            field: "victims".into(),
+            reason,
+        };
+        if v.state.is_terminal() || v.state == JobState::Queued || !live {
+            return Err(invalid(format!("job {victim} is not running")));
+        }
+        if v.stopping.is_some() || v.cancel_requested {
+            return Err(invalid(format!("job {victim} is already stopping")));
+        }
+        if v.spec.priority >= priority {
+            return Err(invalid(format!(
+                "job {victim} has priority {}, not lower than {priority}",
+                v.spec.priority
+            )));
+        }
+        Ok(())
+    }
+
+    pub(super) fn preempt_jobs(
+        &mut self,
+        job_id: &str,
+        victims: &[String],
+        at_ms: u64,
+    ) -> Result<Outcome, ApplyError> {
+        let job = self
+            .jobs
+            .get(job_id)
+            .ok_or_else(|| ApplyError::JobNotFound(job_id.to_string()))?;
+        if job.state != JobState::Queued || job.cancel_requested {
+            return Err(ApplyError::JobNotQueued {
+                job_id: job_id.to_string(),
+                state: job.state,
+            });
+        }
+        let priority = job.spec.priority;
+        let unique: BTreeSet<&String> = victims.iter().collect();
+        if victims.is_empty() || unique.len() != victims.len() {
+            return Err(ApplyError::Invalid {
+                field: "victims".into(),
+                reason: "must be distinct and not empty".into(),
+            });
+        }
+        for v in victims {
+            self.preemptible(priority, v)?;
+        }
+        let why = format!("preempted by {job_id} (priority {priority})");
+        for v in victims {
+            let Some(victim) = self.jobs.get_mut(v) else {
+                continue; // checked above
+            };
+            victim.stopping = Some(Stopping::Preempted {
+                by: job_id.to_string(),
+                requeue: !victim.spec.no_requeue,
+            });
+            victim.preemptions += 1;
+            victim.updated_at_ms = at_ms;
+            let tasks = victim.current_tasks().to_vec();
+            self.kill_live(&tasks, &why, Some(TaskReason::Preempted), at_ms);
+        }
+        Ok(Outcome::Done)
+    }
+
+    /// Cancels a job: at once when queued, else its live tasks are killed
+    /// and it ends CANCELLED when the last has ended.
+    pub(super) fn cancel_job(&mut self, job_id: &str, at_ms: u64) -> Result<Outcome, ApplyError> {
+        let job = self
+            .jobs
+            .get_mut(job_id)
+            .ok_or_else(|| ApplyError::JobNotFound(job_id.to_string()))?;
+        if job.state.is_terminal() {
+            return Ok(Outcome::JobCancelled { state: job.state });
+        }
+        job.cancel_requested = true;
+        job.updated_at_ms = at_ms;
+        if job.state == JobState::Queued {
+            job.state = JobState::Cancelled;
+            job.message = "cancelled before it started".into();
+            return Ok(Outcome::JobCancelled {
+                state: JobState::Cancelled,
+            });
+        }
+        let state = job.state;
+        let live = job.current_tasks().to_vec();
+        self.kill_live(&live, "cancelled", None, at_ms);
+        Ok(Outcome::JobCancelled { state })
+    }
+}
+
+/// What a failed task says, for its job's message.
+fn failure_message(t: &TaskRecord) -> String {
+    let who = format!("task {}", t.id);
+    match (t.state, t.exit_code) {
+        (TaskState::Finished | TaskState::Failed, Some(c)) => format!("{who} exited with code {c}"),
+        (TaskState::Killed, _) => format!("{who} was killed"),
+        (TaskState::Lost, _) => format!("{who} lost: {}", t.message),
+        (TaskState::Error, _) => format!("{who} error: {}", t.message),
+        _ => format!("{who} failed: {}", t.message),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::state::Command;
+    use gpuctl_proto::types::{AgentInfo, GpuInfo, JobSpec, Resources, Runtime, StatusUpdate};
+
+    fn agent(id: &str, gpus: u32) -> Command {
+        Command::RegisterAgent {
+            info: AgentInfo {
+                id: id.into(),
+                hostname: format!("{id}.host"),
+                address: String::new(),
+                total: Resources {
+                    cpus: 8.0,
+                    mem_mib: 8192,
+                    gpus,
+                },
+                gpus: (0..gpus)
+                    .map(|i| GpuInfo::new(format!("GPU-{id}-{i}"), i, "A100", 40960))
+                    .collect(),
+                runtimes: vec![Runtime::Process],
+                simulated_gpus: true,
+                attributes: Default::default(),
+                driver_version: None,
+                cuda_driver_version: None,
+            },
+            running_task_ids: vec![],
+            at_ms: 0,
+        }
+    }
+
+    struct T {
+        s: State,
+        i: u64,
+    }
+
+    impl T {
+        fn new(agents: &[(&str, u32)]) -> T {
+            let mut t = T {
+                s: State::new(),
+                i: 0,
+            };
+            for (id, g) in agents {
+                t.apply(agent(id, *g)).unwrap();
+            }
+            t
+        }
+        fn apply(&mut self, c: Command) -> Result<Outcome, ApplyError> {
+            self.i += 1;
+            self.s.apply(self.i, &c)
+        }
+        fn submit(&mut self, spec: JobSpec) -> String {
+            match self.apply(Command::SubmitJob {
+                spec,
+                at_ms: self.i,
+                request_id: None,
+            }) {
+                Ok(Outcome::JobSubmitted { job_id }) => job_id,
+                o => panic!("{o:?}"),
+            }
+        }
+        fn launch(&mut self, job: &str, at: &[(&str, &[&str])]) -> Result<Outcome, ApplyError> {
+            let launches = at
+                .iter()
+                .map(|(a, g)| Launch {
+                    job_id: job.into(),
+                    agent_id: (*a).into(),
+                    gpu_uuids: g.iter().map(|s| s.to_string()).collect(),
+                })
+                .collect();
+            self.apply(Command::LaunchTasks {
+                launches,
+                at_ms: self.i,
+            })
+        }
+        fn report(&mut self, task: &str, state: TaskState, code: Option<i32>) {
+            let agent_id = self.s.tasks[task].agent_id.clone();
+            self.apply(Command::UpdateTaskStatus {
+                update: StatusUpdate {
+                    agent_id,
+                    task_id: task.into(),
+                    state,
+                    exit_code: code,
+                    message: String::new(),
+                    uuid: Vec::new(),
+                },
+                at_ms: self.i,
+            })
+            .unwrap();
+        }
+        fn job(&self, id: &str) -> &crate::state::JobRecord {
+            &self.s.jobs[id]
+        }
+    }
+
+    fn spec(gpus: u32, replicas: u32) -> JobSpec {
+        let mut s = JobSpec::new(
+            "j",
+            vec!["true".into()],
+            Resources {
+                cpus: 1.0,
+                mem_mib: 0,
+                gpus,
+            },
+        );
+        s.replicas = replicas;
+        s
+    }
+
+    #[test]
+    fn a_gang_launches_whole_with_ranks_and_peer_env() {
+        let mut t = T::new(&[("a", 2), ("b", 2)]);
+        let j = t.submit(spec(1, 3));
+        // Fewer launches than replicas: refused, nothing changes.
+        let before = t.s.clone();
+        let err = t
+            .launch(&j, &[("a", &["GPU-a-0"]), ("b", &["GPU-b-0"])])
+            .unwrap_err();
+        assert!(err.to_string().contains("3 replicas, 2 launched"), "{err}");
+        assert_eq!(t.s.jobs, before.jobs);
+        assert!(t.s.gpu_owner.is_empty());
+        t.launch(
+            &j,
+            &[
+                ("b", &["GPU-b-0"]),
+                ("a", &["GPU-a-0"]),
+                ("a", &["GPU-a-1"]),
+            ],
+        )
+        .unwrap();
+        let ranks: Vec<(String, u32)> = t
+            .job(&j)
+            .current_tasks()
+            .iter()
+            .map(|id| (t.s.tasks[id].agent_id.clone(), t.s.tasks[id].rank))
+            .collect();
+        assert_eq!(
+            ranks,
+            vec![("b".into(), 0), ("a".into(), 1), ("a".into(), 2)]
+        );
+        let (run, _) = t.s.desired_tasks("a");
+        assert_eq!(run.len(), 2);
+        for task in &run {
+            assert_eq!(task.env["GPUCTL_WORLD_SIZE"], "3");
+            assert_eq!(task.env["GPUCTL_PEERS"], "b.host,a.host,a.host");
+        }
+        let mut r: Vec<&str> = run.iter().map(|t| t.env["GPUCTL_RANK"].as_str()).collect();
+        r.sort();
+        assert_eq!(r, vec!["1", "2"]);
+        // RUNNING only once every rank runs.
+        t.report("job-1.0", TaskState::Running, None);
+        t.report("job-1.1", TaskState::Running, None);
+        assert_eq!(t.job(&j).state, JobState::Starting);
+        t.report("job-1.2", TaskState::Running, None);
+        assert_eq!(t.job(&j).state, JobState::Running);
+        // SUCCEEDED only once every rank exited 0.
+        t.report("job-1.0", TaskState::Finished, Some(0));
+        t.report("job-1.1", TaskState::Finished, Some(0));
+        assert_eq!(t.job(&j).state, JobState::Running);
+        t.report("job-1.2", TaskState::Finished, Some(0));
+        assert_eq!(t.job(&j).state, JobState::Succeeded);
+        assert!(t.s.gpu_owner.is_empty());
+    }
+
+    #[test]
+    fn a_failed_rank_stops_the_gang_then_retries_then_fails() {
+        let mut t = T::new(&[("a", 2)]);
+        let mut s = spec(1, 2);
+        s.max_retries = 1;
+        let j = t.submit(s);
+        t.launch(&j, &[("a", &["GPU-a-0"]), ("a", &["GPU-a-1"])])
+            .unwrap();
+        t.report("job-1.0", TaskState::Running, None);
+        t.report("job-1.1", TaskState::Failed, Some(3));
+        // Rank 0 is asked to stop; the job is not queued while it holds a GPU.
+        assert!(t.s.tasks["job-1.0"].kill_requested);
+        assert!(t.s.tasks["job-1.0"].message.contains("exited with code 3"));
+        assert_eq!(t.job(&j).state, JobState::Starting);
+        assert_eq!(t.s.gpu_owner.len(), 1);
+        let (run, kill) = t.s.desired_tasks("a");
+        assert!(run.is_empty());
+        assert_eq!(kill, vec!["job-1.0".to_string()]);
+        t.report("job-1.0", TaskState::Killed, None);
+        assert_eq!(t.job(&j).state, JobState::Queued);
+        assert_eq!(t.job(&j).retries, 1);
+        assert!(t.job(&j).message.contains("job-1.1 exited with code 3"));
+        // The second attempt: new tasks, new ranks.
+        t.launch(&j, &[("a", &["GPU-a-1"]), ("a", &["GPU-a-0"])])
+            .unwrap();
+        assert_eq!(t.job(&j).current_tasks(), ["job-1.2", "job-1.3"]);
+        assert_eq!(t.s.tasks["job-1.3"].rank, 1);
+        // A late update of the first attempt changes nothing.
+        let before = t.job(&j).clone();
+        t.report("job-1.0", TaskState::Finished, Some(0));
+        assert_eq!(*t.job(&j), before);
+        // No retries left: the next failure ends it.
+        t.report("job-1.2", TaskState::Lost, None);
+        t.report("job-1.3", TaskState::Killed, None);
+        assert_eq!(t.job(&j).state, JobState::Failed);
+        assert!(
+            t.job(&j).message.contains("job-1.2 lost"),
+            "{}",
+            t.job(&j).message
+        );
+        assert_eq!(t.job(&j).retries, 1);
+    }
+
+    #[test]
+    fn cancel_wins_over_retry() {
+        let mut t = T::new(&[("a", 1)]);
+        let mut s = spec(1, 1);
+        s.max_retries = 5;
+        let j = t.submit(s);
+        t.launch(&j, &[("a", &["GPU-a-0"])]).unwrap();
+        t.apply(Command::CancelJob {
+            job_id: j.clone(),
+            at_ms: 9,
+        })
+        .unwrap();
+        t.report("job-1.0", TaskState::Killed, None);
+        assert_eq!(t.job(&j).state, JobState::Cancelled);
+        assert_eq!(t.job(&j).retries, 0);
+    }
+
+    #[test]
+    fn preemption_requeues_victims_or_fails_them_with_no_requeue() {
+        let mut t = T::new(&[("a", 4)]);
+        let low = t.submit(spec(2, 1));
+        let mut s = spec(2, 1);
+        s.no_requeue = true;
+        let once = t.submit(s);
+        t.launch(&low, &[("a", &["GPU-a-0", "GPU-a-1"])]).unwrap();
+        t.launch(&once, &[("a", &["GPU-a-2", "GPU-a-3"])]).unwrap();
+        let mut s = spec(4, 1);
+        s.priority = 5;
+        let high = t.submit(s);
+        // Victims of equal or higher priority, unknown or queued: refused.
+        let mut eq = spec(1, 1);
+        eq.priority = 5;
+        let queued = t.submit(eq);
+        for victims in [
+            vec![high.clone()],
+            vec![queued.clone()],
+            vec![],
+            vec!["job-9".into()],
+        ] {
+            let before = t.s.clone();
+            assert!(t
+                .apply(Command::PreemptJobs {
+                    job_id: high.clone(),
+                    victims,
+                    at_ms: 1,
+                })
+                .is_err());
+            assert_eq!(t.s.jobs, before.jobs);
+            assert_eq!(t.s.tasks, before.tasks);
+        }
+        t.apply(Command::PreemptJobs {
+            job_id: high.clone(),
+            victims: vec![low.clone(), once.clone()],
+            at_ms: 10,
+        })
+        .unwrap();
+        for task in ["job-1.0", "job-2.0"] {
+            let task = &t.s.tasks[task];
+            assert!(task.kill_requested);
+            assert_eq!(task.reason, TaskReason::Preempted);
+            assert_eq!(task.message, "preempted by job-3 (priority 5)");
+        }
+        // Already stopping: cannot be preempted twice.
+        assert!(t
+            .apply(Command::PreemptJobs {
+                job_id: high.clone(),
+                victims: vec![low.clone()],
+                at_ms: 11,
+            })
+            .is_err());
+        t.report("job-1.0", TaskState::Killed, None);
+        t.report("job-2.0", TaskState::Killed, None);
+        assert_eq!(t.job(&low).state, JobState::Queued);
+        assert_eq!(t.job(&low).preempted_by.as_deref(), Some("job-3"));
+        assert_eq!(t.job(&low).preemptions, 1);
+        assert_eq!(t.job(&low).retries, 0, "preemption is not a retry");
+        assert_eq!(t.job(&once).state, JobState::Failed);
+        assert!(t.job(&once).message.contains("--no-requeue"));
+        // The preemptor gets the GPUs; the victim runs again later.
+        t.launch(
+            &high,
+            &[("a", &["GPU-a-0", "GPU-a-1", "GPU-a-2", "GPU-a-3"])],
+        )
+        .unwrap();
+        t.report("job-3.0", TaskState::Finished, Some(0));
+        t.launch(&low, &[("a", &["GPU-a-0", "GPU-a-1"])]).unwrap();
+        assert_eq!(t.job(&low).preempted_by, None);
+        assert_eq!(t.job(&low).current_tasks(), ["job-1.1"]);
+    }
+
+    #[test]
+    fn a_victim_that_finishes_before_the_kill_succeeds() {
+        let mut t = T::new(&[("a", 1)]);
+        let low = t.submit(spec(1, 1));
+        t.launch(&low, &[("a", &["GPU-a-0"])]).unwrap();
+        let mut s = spec(1, 1);
+        s.priority = 1;
+        let high = t.submit(s);
+        t.apply(Command::PreemptJobs {
+            job_id: high,
+            victims: vec![low.clone()],
+            at_ms: 5,
+        })
+        .unwrap();
+        t.report("job-1.0", TaskState::Finished, Some(0));
+        assert_eq!(t.job(&low).state, JobState::Succeeded);
+    }
+}
