@@ -470,13 +470,18 @@ fn allocate(state: &State, g: &mut Inner, settings: &FrameworkSettings, now: u64
             }
         })
         .collect();
+    // What each framework holds; gpuctl jobs' tasks are the built-in
+    // scheduler's, so its role's share and quota count them.
     let mut held: BTreeMap<&str, Resources> = BTreeMap::new();
-    for t in state
-        .tasks
-        .values()
-        .filter(|t| !t.framework_id.is_empty() && !t.state.is_terminal())
-    {
-        let e = held.entry(t.framework_id.as_str()).or_default();
+    for t in state.tasks.values().filter(|t| !t.state.is_terminal()) {
+        let owner = if !t.framework_id.is_empty() {
+            t.framework_id.as_str()
+        } else if !t.job_id.is_empty() {
+            crate::state::frameworks::BUILTIN_FRAMEWORK_ID
+        } else {
+            continue;
+        };
+        let e = held.entry(owner).or_default();
         *e = e.add(&t.resources);
     }
     let frameworks: Vec<FrameworkView> = state

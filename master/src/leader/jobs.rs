@@ -203,7 +203,7 @@ async fn handle_offers(
 async fn preempt(raft: &RaftHandle, cfg: &QueueConfig) {
     let preemption = {
         let state = raft.state();
-        if state.queued_jobs().is_empty() {
+        if !queue::may_preempt(&state) {
             return;
         }
         queue::plan(&state, cfg).preemption

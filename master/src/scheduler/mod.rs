@@ -53,6 +53,9 @@ pub fn request(spec: &JobSpec) -> placement::TaskRequest<'_> {
 #[derive(Clone)]
 pub(crate) struct Pool<'s> {
     nodes: BTreeMap<&'s str, PoolNode<'s>>,
+    /// Views of all nodes, kept until the pool changes: most queued jobs
+    /// change nothing (they do not fit), so a pass builds views rarely.
+    cache: Option<Vec<placement::NodeView<'s>>>,
 }
 
 #[derive(Clone)]
@@ -85,7 +88,7 @@ impl<'s> Pool<'s> {
                 ))
             })
             .collect();
-        Pool { nodes }
+        Pool { nodes, cache: None }
     }
 
     /// What the state says is free, counting tasks being stopped
@@ -111,6 +114,7 @@ impl<'s> Pool<'s> {
                     )
                 })
                 .collect(),
+            cache: None,
         };
         for t in state
             .tasks
@@ -131,11 +135,27 @@ impl<'s> Pool<'s> {
             .collect()
     }
 
+    /// Views of the agents `job` may use given the reservations.
+    pub fn usable_views(
+        &mut self,
+        reserved: &BTreeMap<AgentId, (JobId, i32)>,
+        job: &JobRecord,
+    ) -> std::borrow::Cow<'_, [placement::NodeView<'s>]> {
+        if !reserved.is_empty() {
+            return std::borrow::Cow::Owned(self.views(&|id| may_use(reserved, job, id)));
+        }
+        if self.cache.is_none() {
+            self.cache = Some(self.views(&|_| true));
+        }
+        std::borrow::Cow::Borrowed(self.cache.as_deref().unwrap_or_default())
+    }
+
     pub fn node(&self, id: &str) -> Option<&PoolNode<'s>> {
         self.nodes.get(id)
     }
 
     pub fn take(&mut self, agent_id: &str, resources: &Resources, gpus: &[String]) {
+        self.cache = None;
         if let Some(n) = self.nodes.get_mut(agent_id) {
             n.free = n.free.saturating_sub(resources);
             for g in gpus {
@@ -146,6 +166,7 @@ impl<'s> Pool<'s> {
 
     /// Gives back what a task held (only GPUs of the agent that are healthy).
     pub fn give(&mut self, agent_id: &str, resources: &Resources, gpus: &[String]) {
+        self.cache = None;
         if let Some(n) = self.nodes.get_mut(agent_id) {
             n.free = n.free.add(resources);
             for g in n
@@ -245,11 +266,10 @@ pub fn place_in(
     let mut pool = Pool::from_available(state, available);
     let mut out = Vec::new();
     for job in state.queued_jobs() {
-        let nodes = pool.views(&|id| may_use(&reserved, job, id));
         let Some(placements) = placement::place_gang(
             &request(&job.spec),
             job.spec.replicas(),
-            &nodes,
+            &pool.usable_views(&reserved, job),
             policy_of(&job.spec, default_policy),
         ) else {
             continue;

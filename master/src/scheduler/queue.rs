@@ -28,7 +28,7 @@
 //! resources when it fits, else with victims as above; all replicas or no
 //! preemption at all.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use gpuctl_proto::types::{GpuInfo, JobId, JobState, PlacementPolicy, Resources};
 
@@ -64,14 +64,40 @@ pub fn plan(state: &State, cfg: &QueueConfig) -> QueuePlan {
     let real = Pool::from_state(state);
     let mut sim = Pool::from_state(state);
     let mut usage = jobs_usage(state);
+    let empty = empty_views(state);
+    let real = real.views(&|_| true);
+    let totals: HashMap<&str, Resources> = empty.iter().map(|n| (n.id, n.free)).collect();
+    let preempted_for = tasks_preempted_for(state);
+    let ctx = PassCtx {
+        state,
+        cfg,
+        reserved: &reserved,
+        real: &real,
+        empty: &empty,
+        totals: &totals,
+        preempted_for: &preempted_for,
+        never_fits: Default::default(),
+    };
     let mut out = QueuePlan::default();
     for job in state.queued_jobs() {
-        let base = pass_job(
-            state, cfg, &reserved, &real, &mut sim, &mut usage, job, &mut out,
-        );
+        let base = pass_job(&ctx, &mut sim, &mut usage, job, &mut out);
         out.reasons.insert(job.id.clone(), decorate(job, base));
     }
     out
+}
+
+/// Whether some queued job has a priority above some running job's: only
+/// then can the pass find a preemption (a cheap test that spares the
+/// leader the pass in a cluster that does not use priorities).
+pub fn may_preempt(state: &State) -> bool {
+    let Some(top) = state.queued_jobs().first().map(|j| j.spec.priority) else {
+        return false;
+    };
+    state.jobs.values().any(|j| {
+        j.spec.priority < top
+            && matches!(j.state, JobState::Starting | JobState::Running)
+            && j.stopping.is_none()
+    })
 }
 
 /// The reason for one job, for a caller that wants only that.
@@ -79,22 +105,57 @@ pub fn wait_reason(state: &State, cfg: &QueueConfig, job_id: &str) -> Option<Str
     plan(state, cfg).reasons.remove(job_id)
 }
 
-#[allow(clippy::too_many_arguments)]
-fn pass_job<'s>(
+/// What stays the same over a pass.
+struct PassCtx<'p, 's> {
     state: &'s State,
-    cfg: &QueueConfig,
-    reserved: &BTreeMap<String, (JobId, i32)>,
-    real: &Pool<'s>,
+    cfg: &'p QueueConfig,
+    reserved: &'p BTreeMap<String, (JobId, i32)>,
+    /// What is free now, before the pass.
+    real: &'p [placement::NodeView<'s>],
+    /// Every agent as if empty.
+    empty: &'p [placement::NodeView<'s>],
+    /// Each active agent's total.
+    totals: &'p HashMap<&'s str, Resources>,
+    /// Tasks being preempted for each queued job.
+    preempted_for: &'p HashMap<&'s str, usize>,
+    /// `never_fits` by what a job asks.
+    never_fits: std::cell::RefCell<HashMap<String, Option<String>>>,
+}
+
+fn pass_job<'s>(
+    ctx: &PassCtx<'_, 's>,
     sim: &mut Pool<'s>,
     usage: &mut Resources,
     job: &'s JobRecord,
     out: &mut QueuePlan,
 ) -> String {
+    let PassCtx {
+        state,
+        cfg,
+        reserved,
+        real,
+        empty,
+        ..
+    } = *ctx;
     let spec = &job.spec;
     let req = request(spec);
     let replicas = spec.replicas();
     let policy = policy_of(spec, cfg.default_policy);
-    if let Some(why) = never_fits(state, &req, replicas) {
+    // Jobs alike in what they ask share the answer (queues are often many
+    // copies of a few specs).
+    let key = format!(
+        "{:?}|{:?}|{:?}|{replicas}",
+        spec.resources,
+        spec.runtime(),
+        spec.placement
+    );
+    let never = ctx
+        .never_fits
+        .borrow_mut()
+        .entry(key)
+        .or_insert_with(|| never_fits(ctx.totals, empty, &req, replicas))
+        .clone();
+    if let Some(why) = never {
         return why;
     }
     let need = times(&spec.resources, replicas);
@@ -103,9 +164,9 @@ fn pass_job<'s>(
             return quota_reason(&q, usage, &need);
         }
     }
-    let stopping_for_it = tasks_preempted_for(state, &job.id);
-    let usable = |id: &str| may_use(reserved, job, id);
-    if let Some(ps) = placement::place_gang(&req, replicas, &sim.views(&usable), policy) {
+    let stopping_for_it = ctx.preempted_for.get(job.id.as_str()).copied().unwrap_or(0);
+    let fits = placement::place_gang(&req, replicas, &sim.usable_views(reserved, job), policy);
+    if let Some(ps) = fits {
         for p in &ps {
             sim.take(&p.node, &spec.resources, &p.gpus);
         }
@@ -140,7 +201,7 @@ fn pass_job<'s>(
     if stopping_for_it > 0 {
         return preempting_reason(stopping_for_it);
     }
-    if placement::place_gang(&req, replicas, &real.views(&|_| true), policy).is_some() {
+    if placement::place_gang(&req, replicas, real, policy).is_some() {
         return "Priority: the free resources it fits go to jobs ahead of it (higher priority, or older)".into();
     }
     "Resources: waiting for resources to be freed".into()
@@ -195,16 +256,12 @@ fn quota_reason(q: &Resources, usage: &Resources, need: &Resources) -> String {
     format!("Quota: the jobs role's quota: {}", parts.join(", "))
 }
 
-/// What a requirement no agent could ever meet is, or a gang that could
-/// not fit even on an empty cluster.
-fn never_fits(state: &State, req: &TaskRequest, replicas: u32) -> Option<String> {
-    let active: Vec<_> = state
+/// Every active agent as if empty: what could ever run.
+fn empty_views(state: &State) -> Vec<placement::NodeView<'_>> {
+    state
         .agents
         .values()
         .filter(|a| a.state == crate::state::AgentState::Active)
-        .collect();
-    let nodes: Vec<placement::NodeView> = active
-        .iter()
         .map(|a| placement::NodeView {
             id: a.info.id.as_str(),
             attributes: &a.info.attributes,
@@ -213,19 +270,23 @@ fn never_fits(state: &State, req: &TaskRequest, replicas: u32) -> Option<String>
             free_gpus: a.info.gpus.iter().collect(),
             all_gpus: &a.info.gpus,
         })
-        .collect();
-    let totals = |id: &str| {
-        state
-            .agents
-            .get(id)
-            .map(|a| a.info.total)
-            .unwrap_or_default()
-    };
-    if let Some(why) = placement::unsatisfiable(req, &nodes, &totals) {
+        .collect()
+}
+
+/// What a requirement no agent could ever meet is, or a gang that could
+/// not fit even on an empty cluster.
+fn never_fits(
+    totals: &HashMap<&str, Resources>,
+    nodes: &[placement::NodeView],
+    req: &TaskRequest,
+    replicas: u32,
+) -> Option<String> {
+    let totals = |id: &str| totals.get(id).copied().unwrap_or_default();
+    if let Some(why) = placement::unsatisfiable(req, nodes, &totals) {
         return Some(why);
     }
     if replicas > 1
-        && placement::place_gang(req, replicas, &nodes, placement::Policy::Bundle).is_none()
+        && placement::place_gang(req, replicas, nodes, placement::Policy::Bundle).is_none()
     {
         let g = req.resources.gpus;
         return Some(format!(
@@ -253,19 +314,22 @@ fn jobs_usage(state: &State) -> Resources {
         .fold(Resources::default(), |acc, t| acc.add(&t.resources))
 }
 
-/// Tasks still running that were preempted for `job_id`.
-fn tasks_preempted_for(state: &State, job_id: &str) -> usize {
-    state
-        .jobs
-        .values()
-        .filter(|j| matches!(&j.stopping, Some(Stopping::Preempted { by, .. }) if by == job_id))
-        .map(|j| {
-            j.current_tasks()
-                .iter()
-                .filter(|t| state.tasks.get(*t).is_some_and(|t| !t.state.is_terminal()))
-                .count()
-        })
-        .sum()
+/// Tasks still running that were preempted, by the job they were
+/// preempted for.
+fn tasks_preempted_for(state: &State) -> HashMap<&str, usize> {
+    let mut out: HashMap<&str, usize> = HashMap::new();
+    for j in state.jobs.values() {
+        let Some(Stopping::Preempted { by, .. }) = &j.stopping else {
+            continue;
+        };
+        let live = j
+            .current_tasks()
+            .iter()
+            .filter(|t| state.tasks.get(*t).is_some_and(|t| !t.state.is_terminal()))
+            .count();
+        *out.entry(by.as_str()).or_default() += live;
+    }
+    out
 }
 
 /// The live tasks of a job's current attempt.
@@ -359,6 +423,16 @@ fn find_victims<'s>(
     if cands.is_empty() {
         return None;
     }
+    // The candidates with tasks on each agent: only those agents can gain.
+    let mut by_node: BTreeMap<&str, Vec<usize>> = BTreeMap::new();
+    for (i, v) in cands.iter().enumerate() {
+        for t in live_tasks(state, &v.job.id) {
+            let list = by_node.entry(t.agent_id.as_str()).or_default();
+            if list.last() != Some(&i) {
+                list.push(i);
+            }
+        }
+    }
     let mut pool = sim.clone();
     let mut chosen: Vec<JobId> = Vec::new();
     let mut placements = Vec::new();
@@ -369,16 +443,23 @@ fn find_victims<'s>(
             placements.push(p);
             continue;
         }
-        let left: Vec<&Victim> = cands
-            .iter()
-            .filter(|v| !chosen.contains(&v.job.id))
-            .collect();
         let mut best: Option<(NodeScore, String, Vec<JobId>)> = None;
-        for node in pool.views(&usable) {
-            if !placement::node_matches(req, &node) {
+        for (node_id, idx) in &by_node {
+            if !usable(node_id) {
                 continue;
             }
-            let Some((set, excess)) = victims_on_node(state, &pool, node.id, req, &left) else {
+            let Some(node) = pool.node(node_id) else {
+                continue;
+            };
+            if !placement::node_matches(req, &node.view()) {
+                continue;
+            }
+            let left: Vec<&Victim> = idx
+                .iter()
+                .map(|i| &cands[*i])
+                .filter(|v| !chosen.contains(&v.job.id))
+                .collect();
+            let Some((set, excess)) = victims_on_node(state, &pool, node_id, req, &left) else {
                 continue;
             };
             let top = set
@@ -387,9 +468,9 @@ fn find_victims<'s>(
                 .map(|j| j.spec.priority)
                 .max()
                 .unwrap_or(i32::MIN);
-            let score = (top, excess, set.len(), node.id.to_string());
+            let score = (top, excess, set.len(), node_id.to_string());
             if best.as_ref().is_none_or(|(s, _, _)| score < *s) {
-                best = Some((score, node.id.to_string(), set));
+                best = Some((score, node_id.to_string(), set));
             }
         }
         let (_, node, set) = best?;
@@ -516,7 +597,9 @@ pub fn is_preempting(state: &State, job_id: &str) -> bool {
         .jobs
         .get(job_id)
         .is_some_and(|j| j.state == JobState::Queued)
-        && tasks_preempted_for(state, job_id) > 0
+        && tasks_preempted_for(state)
+            .get(job_id)
+            .is_some_and(|n| *n > 0)
 }
 
 #[cfg(test)]

@@ -403,7 +403,10 @@ impl State {
         };
         task.state = state;
         task.exit_code = exit_code;
-        if !message.is_empty() {
+        // A task the master asked to stop keeps the master's reason
+        // ("preempted by ...") over the agent's "killed".
+        let keep = task.kill_requested && !task.message.is_empty();
+        if !message.is_empty() && !keep {
             task.message = message.to_string();
         }
         task.updated_at_ms = at_ms;

@@ -1,0 +1,142 @@
+//! The queue pass (`scheduler::queue::plan`): why every queued job waits,
+//! and the preemption to make, over 1,000 and 10,000 agents of 8 GPUs that
+//! running jobs of priority 0 fill (1, 2, 4 or 8 GPUs each, nearly full),
+//! with 100 queued jobs of mixed sizes, half of them of priority 5 (so the
+//! pass looks for victims). `gpuctl jobs list` runs this pass once; the
+//! leader runs it after state changes while jobs wait, at most every 250 ms.
+//!
+//! Run: `cargo bench -p gpuctl-master --bench queue`
+
+use std::hint::black_box;
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use gpuctl_master::scheduler::place;
+use gpuctl_master::scheduler::queue::{plan, QueueConfig};
+use gpuctl_master::state::{Command, Launch, Outcome, State};
+use gpuctl_proto::types::{AgentInfo, GpuInfo, JobSpec, Resources, Runtime};
+
+const GPUS: u32 = 8;
+
+fn state(agents: usize, queued: usize) -> State {
+    let mut s = State::new();
+    let mut i = 0u64;
+    let mut apply = |s: &mut State, c: Command| {
+        i += 1;
+        s.apply(i, &c)
+    };
+    for a in 0..agents {
+        let id = format!("agent-{a:05}");
+        let info = AgentInfo {
+            id: id.clone(),
+            hostname: id.clone(),
+            address: String::new(),
+            total: Resources {
+                cpus: 128.0,
+                mem_mib: 1 << 20,
+                gpus: GPUS,
+            },
+            gpus: (0..GPUS)
+                .map(|g| GpuInfo::new(format!("GPU-{a:05}-{g}"), g, "NVIDIA A100", 40_960))
+                .collect(),
+            runtimes: vec![Runtime::Process],
+            simulated_gpus: true,
+            attributes: Default::default(),
+            driver_version: None,
+            cuda_driver_version: None,
+        };
+        let _ = apply(
+            &mut s,
+            Command::RegisterAgent {
+                info,
+                running_task_ids: vec![],
+                at_ms: 0,
+            },
+        );
+    }
+    let spec = |gpus: u32, priority: i32| {
+        let mut s = JobSpec::new(
+            "bench",
+            vec!["true".into()],
+            Resources {
+                cpus: 1.0,
+                mem_mib: 0,
+                gpus,
+            },
+        );
+        s.priority = priority;
+        s
+    };
+    // Fill each agent: 8 = 4 + 2 + 1 (+ 1 left free on one agent in four).
+    for a in 0..agents {
+        let sizes: &[u32] = if a % 4 == 0 {
+            &[4, 2, 1]
+        } else {
+            &[4, 2, 1, 1]
+        };
+        let mut next = 0;
+        for &g in sizes {
+            let Ok(Outcome::JobSubmitted { job_id }) = apply(
+                &mut s,
+                Command::SubmitJob {
+                    spec: spec(g, 0),
+                    at_ms: 0,
+                    request_id: None,
+                },
+            ) else {
+                continue;
+            };
+            let gpus = (next..next + g)
+                .map(|x| format!("GPU-{a:05}-{x}"))
+                .collect();
+            next += g;
+            let _ = apply(
+                &mut s,
+                Command::LaunchTasks {
+                    launches: vec![Launch {
+                        job_id,
+                        agent_id: format!("agent-{a:05}"),
+                        gpu_uuids: gpus,
+                    }],
+                    at_ms: 1,
+                },
+            );
+        }
+    }
+    for q in 0..queued {
+        let gpus = [1, 2, 4, 8][q % 4];
+        let priority = if q % 2 == 0 { 5 } else { 0 };
+        let _ = apply(
+            &mut s,
+            Command::SubmitJob {
+                spec: spec(gpus, priority),
+                at_ms: 2,
+                request_id: None,
+            },
+        );
+    }
+    s
+}
+
+fn bench(c: &mut Criterion) {
+    let mut g = c.benchmark_group("queue_pass");
+    g.sample_size(10);
+    for agents in [1_000usize, 10_000] {
+        let s = state(agents, 100);
+        let p = plan(&s, &QueueConfig::default());
+        assert_eq!(p.reasons.len(), 100);
+        assert!(
+            p.preemption.is_some(),
+            "the bench must exercise the victim search"
+        );
+        g.bench_with_input(BenchmarkId::new("plan_100_queued", agents), &s, |b, s| {
+            b.iter(|| black_box(plan(s, &QueueConfig::default())))
+        });
+        g.bench_with_input(BenchmarkId::new("place_100_queued", agents), &s, |b, s| {
+            b.iter(|| black_box(place(s, &Default::default(), &Default::default())))
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);
