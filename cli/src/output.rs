@@ -261,6 +261,8 @@ pub struct GpuStatusJson {
     pub pci_bus_id: String,
     /// The task holding the GPU; `null` when it is free.
     pub task_id: Option<String>,
+    /// Taken out of service by an operator (`gpuctl gpus cordon`).
+    pub cordoned: bool,
 }
 
 impl From<&pb::GpuStatus> for GpuStatusJson {
@@ -277,6 +279,7 @@ impl From<&pb::GpuStatus> for GpuStatusJson {
             unhealthy_reason: g.unhealthy_reason,
             pci_bus_id: g.pci_bus_id,
             task_id: (!s.task_id.is_empty()).then(|| s.task_id.clone()),
+            cordoned: s.cordoned,
         }
     }
 }
@@ -667,7 +670,12 @@ pub fn gpus_table(gpus: &[pb::GpuStatus]) -> Table {
             g.uuid,
             g.model,
             fmt_mib(g.memory_mib),
-            if g.healthy { "healthy" } else { "UNHEALTHY" }.to_string(),
+            match (g.healthy, s.cordoned) {
+                (true, false) => "healthy".to_string(),
+                (true, true) => "CORDONED".to_string(),
+                (false, false) => "UNHEALTHY".to_string(),
+                (false, true) => "UNHEALTHY,CORDONED".to_string(),
+            },
             s.task_id.clone(),
         ]);
     }
@@ -915,6 +923,7 @@ mod tests {
             gpu: Some(gpu(0)),
             agent_id: "agent-a".into(),
             task_id: String::new(),
+            cordoned: false,
         };
         let busy = pb::GpuStatus {
             task_id: "job-7.0".into(),
@@ -1022,7 +1031,14 @@ mod tests {
             gpu: Some(gpu(3)),
             agent_id: "agent-a".into(),
             task_id: String::new(),
+            cordoned: false,
         };
+        let cordoned = pb::GpuStatus {
+            cordoned: true,
+            ..s.clone()
+        };
+        let out = gpus_table(&[cordoned]).render();
+        assert!(out.contains(" CORDONED "), "{out}");
         let out = gpus_table(&[s]).render();
         let mut lines = out.lines();
         assert_eq!(

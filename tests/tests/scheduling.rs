@@ -209,3 +209,33 @@ fn gpus_are_chosen_by_nvlink_topology() {
     let pair = sleeper(&c, "pair", &["--gpus", "2"]);
     assert_eq!(gpus_of(&c, &pair), set(&[1, 3]));
 }
+
+#[test]
+fn a_cordoned_gpu_gets_no_new_task_until_uncordoned() {
+    let mut c = Cluster::start(&[]);
+    agent_with(&mut c, "1xA100", &[]);
+    let gpus = c.json(&["gpus", "--json"]);
+    let uuid = gpus[0]["uuid"].as_str().unwrap().to_string();
+    let out = c.ok(&["gpus", "cordon", &uuid]);
+    assert!(out.contains("CORDONED"), "{out}");
+    assert_eq!(c.json(&["gpus", "--json"])[0]["cordoned"], true);
+    let job = sleeper(&c, "waits", &["--gpus", "1"]);
+    std::thread::sleep(Duration::from_millis(1500));
+    let j = c.job(&job);
+    assert_eq!(j["state"], "QUEUED", "{j}");
+    assert!(
+        j["reason"].as_str().unwrap().starts_with("Resources:"),
+        "{j}"
+    );
+    // An unknown GPU is refused, naming the field.
+    let bad = c.gpuctl(&["gpus", "cordon", "GPU-nope"]);
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("uuid"));
+    let g = c.json(&["gpus", "uncordon", &uuid, "--json"]);
+    assert_eq!(
+        (g["uuid"].as_str(), &g["cordoned"]),
+        (Some(uuid.as_str()), &false.into()),
+        "{g}"
+    );
+    agent_of(&c, &job);
+}

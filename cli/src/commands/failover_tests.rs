@@ -170,6 +170,13 @@ impl pb::operator_server::Operator for Node {
         self.gate("gpus")?;
         Ok(Response::new(pb::ListGpusResponse::default()))
     }
+    async fn cordon_gpu(
+        &self,
+        _: Request<pb::CordonGpuRequest>,
+    ) -> Result<Response<pb::GpuStatus>, Status> {
+        self.gate("cordon")?;
+        Ok(Response::new(pb::GpuStatus::default()))
+    }
     type JobLogsStream = LogStream;
     async fn job_logs(
         &self,

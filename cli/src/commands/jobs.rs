@@ -693,6 +693,12 @@ mod tests {
         ) -> Result<tonic::Response<pb::ListGpusResponse>, tonic::Status> {
             Ok(tonic::Response::new(pb::ListGpusResponse::default()))
         }
+        async fn cordon_gpu(
+            &self,
+            _: tonic::Request<pb::CordonGpuRequest>,
+        ) -> Result<tonic::Response<pb::GpuStatus>, tonic::Status> {
+            Err(tonic::Status::unimplemented("not in this fake"))
+        }
         type JobLogsStream = LogStream;
         async fn list_masters(
             &self,

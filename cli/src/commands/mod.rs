@@ -58,8 +58,9 @@ pub enum Command {
     /// Look at the agents (the machines that run tasks).
     #[command(subcommand)]
     Agents(agents::AgentsCommand),
-    /// List every GPU of the cluster and the task holding it.
-    Gpus(JsonFlag),
+    /// List every GPU of the cluster and the task holding it, or cordon
+    /// or uncordon one.
+    Gpus(gpus::GpusArgs),
     /// List the masters (id, address, role, voter, Raft term, commit and
     /// applied index), or add or remove one.
     Masters(masters::MastersArgs),
@@ -188,9 +189,9 @@ pub async fn run(cli: Cli) -> Result<u8, CliError> {
             let mut master = Master::connect(&cli.master.0).await?;
             agents::run(&mut master, cmd, &mut out).await?
         }
-        Command::Gpus(flag) => {
+        Command::Gpus(args) => {
             let mut master = Master::connect(&cli.master.0).await?;
-            gpus::list(&mut master, flag.json, &mut out).await?;
+            gpus::run(&mut master, args, &mut out).await?;
             EXIT_OK
         }
         Command::Masters(args) => {

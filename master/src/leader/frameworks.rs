@@ -459,7 +459,7 @@ fn allocate(state: &State, g: &mut Inner, settings: &FrameworkSettings, now: u64
                     .gpus
                     .iter()
                     .filter(|gpu| {
-                        gpu.healthy
+                        state.schedulable(gpu)
                             && !state.gpu_owner.contains_key(&gpu.uuid)
                             && !offered_gpus.contains(&gpu.uuid)
                     })

@@ -56,6 +56,8 @@ pub(crate) struct Pool<'s> {
     /// Views of all nodes, kept until the pool changes: most queued jobs
     /// change nothing (they do not fit), so a pass builds views rarely.
     cache: Option<Vec<placement::NodeView<'s>>>,
+    /// GPUs an operator took out of service: never given back to the pool.
+    cordoned: &'s BTreeSet<String>,
 }
 
 #[derive(Clone)]
@@ -75,7 +77,7 @@ impl<'s> Pool<'s> {
                     .info
                     .gpus
                     .iter()
-                    .filter(|g| g.healthy && offered.gpus.contains(&g.uuid))
+                    .filter(|g| state.schedulable(g) && offered.gpus.contains(&g.uuid))
                     .map(|g| g.uuid.as_str())
                     .collect();
                 Some((
@@ -88,7 +90,11 @@ impl<'s> Pool<'s> {
                 ))
             })
             .collect();
-        Pool { nodes, cache: None }
+        Pool {
+            nodes,
+            cache: None,
+            cordoned: &state.cordoned,
+        }
     }
 
     /// What the state says is free, counting tasks being stopped
@@ -101,7 +107,7 @@ impl<'s> Pool<'s> {
                         .info
                         .gpus
                         .iter()
-                        .filter(|g| g.healthy && !state.gpu_owner.contains_key(&g.uuid))
+                        .filter(|g| state.schedulable(g) && !state.gpu_owner.contains_key(&g.uuid))
                         .map(|g| g.uuid.as_str())
                         .collect();
                     (
@@ -115,6 +121,7 @@ impl<'s> Pool<'s> {
                 })
                 .collect(),
             cache: None,
+            cordoned: &state.cordoned,
         };
         for t in state
             .tasks
@@ -169,12 +176,10 @@ impl<'s> Pool<'s> {
         self.cache = None;
         if let Some(n) = self.nodes.get_mut(agent_id) {
             n.free = n.free.add(resources);
-            for g in n
-                .agent
-                .info
-                .gpus
-                .iter()
-                .filter(|g| g.healthy && gpus.contains(&g.uuid))
+            for g in
+                n.agent.info.gpus.iter().filter(|g| {
+                    g.healthy && gpus.contains(&g.uuid) && !self.cordoned.contains(&g.uuid)
+                })
             {
                 n.free_gpus.insert(g.uuid.as_str());
             }

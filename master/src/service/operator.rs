@@ -57,6 +57,15 @@ pub fn job_to_pb(state: &State, j: &JobRecord, reasons: &BTreeMap<String, String
     }
 }
 
+fn gpu_status(state: &State, agent_id: &str, g: &gpuctl_proto::types::GpuInfo) -> pb::GpuStatus {
+    pb::GpuStatus {
+        gpu: Some(g.clone().into()),
+        agent_id: agent_id.to_string(),
+        task_id: state.gpu_owner.get(&g.uuid).cloned().unwrap_or_default(),
+        cordoned: state.cordoned.contains(&g.uuid),
+    }
+}
+
 pub fn agent_to_pb(a: &AgentRecord) -> pb::Agent {
     pb::Agent {
         id: a.info.id.clone(),
@@ -202,14 +211,39 @@ impl pb::operator_server::Operator for OperatorService {
         let mut gpus = Vec::new();
         for a in state.agents.values() {
             for g in &a.info.gpus {
-                gpus.push(pb::GpuStatus {
-                    gpu: Some(g.clone().into()),
-                    agent_id: a.info.id.clone(),
-                    task_id: state.gpu_owner.get(&g.uuid).cloned().unwrap_or_default(),
-                });
+                gpus.push(gpu_status(&state, &a.info.id, g));
             }
         }
         Ok(Response::new(pb::ListGpusResponse { gpus }))
+    }
+
+    async fn cordon_gpu(
+        &self,
+        req: Request<pb::CordonGpuRequest>,
+    ) -> Result<Response<pb::GpuStatus>, Status> {
+        let req = req.into_inner();
+        gpuctl_proto::convert::check_id("uuid", &req.uuid)?;
+        self.ctx
+            .raft
+            .propose(Command::CordonGpu {
+                uuid: req.uuid.clone(),
+                cordon: req.cordon,
+            })
+            .await?;
+        tracing::info!(uuid = %req.uuid, cordon = req.cordon, "GPU cordon changed");
+        let state = self.ctx.raft.state();
+        state
+            .agents
+            .values()
+            .find_map(|a| {
+                a.info
+                    .gpus
+                    .iter()
+                    .find(|g| g.uuid == req.uuid)
+                    .map(|g| gpu_status(&state, &a.info.id, g))
+            })
+            .map(Response::new)
+            .ok_or_else(|| Status::not_found(format!("GPU {} not found", req.uuid)))
     }
 
     type JobLogsStream = LogStream;

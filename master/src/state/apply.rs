@@ -148,6 +148,24 @@ impl State {
             Command::LaunchTasks { launches, at_ms } => self.launch_tasks(launches, *at_ms),
             Command::UpdateTaskStatus { update, at_ms } => self.update_task(update, *at_ms),
             Command::CancelJob { job_id, at_ms } => self.cancel_job(job_id, *at_ms),
+            Command::CordonGpu { uuid, cordon } => {
+                if !self
+                    .agents
+                    .values()
+                    .any(|a| a.info.gpus.iter().any(|g| &g.uuid == uuid))
+                {
+                    return Err(ApplyError::Invalid {
+                        field: "uuid".into(),
+                        reason: format!("no agent has GPU {uuid}"),
+                    });
+                }
+                if *cordon {
+                    self.cordoned.insert(uuid.clone());
+                } else {
+                    self.cordoned.remove(uuid);
+                }
+                Ok(Outcome::Done)
+            }
             Command::PreemptJobs {
                 job_id,
                 victims,
@@ -297,6 +315,9 @@ impl State {
             };
             if !gpu.healthy {
                 return Err(ApplyError::DoesNotFit(format!("GPU {uuid} is unhealthy")));
+            }
+            if self.cordoned.contains(uuid) {
+                return Err(ApplyError::DoesNotFit(format!("GPU {uuid} is cordoned")));
             }
             if let Some(owner) = self.gpu_owner.get(uuid) {
                 return Err(ApplyError::GpuTaken {
@@ -864,6 +885,31 @@ mod tests {
             t.status("job-9.0", "a1", TaskState::Running, None),
             Outcome::StaleUpdate
         );
+    }
+
+    #[test]
+    fn a_cordoned_gpu_is_not_launched_on_until_uncordoned() {
+        let mut t = T::new();
+        t.register("a1", 2);
+        let j = t.submit(1);
+        let cordon = |uuid: &str, cordon: bool| Command::CordonGpu {
+            uuid: uuid.into(),
+            cordon,
+        };
+        let err = t.apply(cordon("GPU-nope", true)).unwrap_err();
+        assert!(err.to_string().contains("uuid"), "{err}");
+        assert!(t.s.cordoned.is_empty());
+        t.apply(cordon("GPU-a1-0", true)).unwrap();
+        let err = t.launch(&j, "a1", &["GPU-a1-0"]).unwrap_err();
+        assert!(err.to_string().contains("cordoned"), "{err}");
+        // The scheduler does not pick it either.
+        let l = crate::scheduler::place(&t.s, &Default::default(), &Default::default());
+        assert_eq!(l[0].gpu_uuids, vec!["GPU-a1-1".to_string()]);
+        // It survives the agent registering again; uncordon gives it back.
+        t.register("a1", 2);
+        assert!(t.s.cordoned.contains("GPU-a1-0"));
+        t.apply(cordon("GPU-a1-0", false)).unwrap();
+        t.launch(&j, "a1", &["GPU-a1-0"]).unwrap();
     }
 
     #[test]

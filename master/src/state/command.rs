@@ -53,6 +53,11 @@ pub enum Command {
         job_id: JobId,
         at_ms: u64,
     },
+    /// An operator cordons (`cordon`) or uncordons a GPU.
+    CordonGpu {
+        uuid: GpuUuid,
+        cordon: bool,
+    },
     /// Stop the current attempts of `victims` (jobs of lower priority) so
     /// that the queued `job_id` can run: their tasks are killed (SIGTERM,
     /// then SIGKILL after the agent's grace) and they go back to the queue
@@ -169,6 +174,7 @@ impl Command {
             Command::UpdateTaskStatus { .. } => "update_task_status",
             Command::CancelJob { .. } => "cancel_job",
             Command::PreemptJobs { .. } => "preempt_jobs",
+            Command::CordonGpu { .. } => "cordon_gpu",
             Command::SubscribeFramework { .. } => "subscribe_framework",
             Command::UpdateFramework { .. } => "update_framework",
             Command::RemoveFramework { .. } => "remove_framework",

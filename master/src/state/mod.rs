@@ -191,6 +191,10 @@ pub struct State {
     /// every master (a joining one too) can reach every other.
     #[serde(default)]
     pub masters: BTreeMap<u64, String>,
+    /// GPUs an operator took out of service (`gpuctl gpus cordon`): no new
+    /// task gets them; tasks already on them keep running.
+    #[serde(default)]
+    pub cordoned: std::collections::BTreeSet<GpuUuid>,
     /// Index of the last log entry applied.
     pub applied_index: u64,
 }
@@ -301,6 +305,11 @@ impl State {
             return true;
         }
         uuid.is_empty() || t.acked_uuid == uuid || t.last_update_uuid != uuid
+    }
+
+    /// Whether new tasks may get this GPU (healthy is the agent's word).
+    pub fn schedulable(&self, gpu: &gpuctl_proto::types::GpuInfo) -> bool {
+        gpu.healthy && !self.cordoned.contains(&gpu.uuid)
     }
 
     /// The job's most recent task.
