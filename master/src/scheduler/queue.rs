@@ -718,6 +718,22 @@ mod tests {
             self.s.latest_task(job).unwrap().agent_id.clone()
         }
 
+        /// The task's agent reports it ended in `state`.
+        fn report(&mut self, task_id: &str, state: TaskState, exit_code: Option<i32>) {
+            let agent_id = self.s.tasks[task_id].agent_id.clone();
+            self.apply(Command::UpdateTaskStatus {
+                update: StatusUpdate {
+                    agent_id,
+                    task_id: task_id.to_string(),
+                    state,
+                    exit_code,
+                    message: String::new(),
+                    uuid: Vec::new(),
+                },
+                at_ms: 0,
+            });
+        }
+
         /// Applies the plan's preemption and has the agents report the
         /// victims' tasks killed.
         fn preempt_and_stop(&mut self) -> Vec<String> {
@@ -730,18 +746,7 @@ mod tests {
             });
             for v in &victims {
                 for t in self.s.jobs[v].current_tasks().to_vec() {
-                    let agent_id = self.s.tasks[&t].agent_id.clone();
-                    self.apply(Command::UpdateTaskStatus {
-                        update: StatusUpdate {
-                            agent_id,
-                            task_id: t,
-                            state: TaskState::Killed,
-                            exit_code: None,
-                            message: String::new(),
-                            uuid: Vec::new(),
-                        },
-                        at_ms: 0,
-                    });
+                    self.report(&t, TaskState::Killed, None);
                 }
             }
             victims
@@ -843,17 +848,7 @@ mod tests {
         let plan = h.plan();
         assert!(plan.preemption.is_none());
         assert!(plan.reasons[&hi].starts_with("Preempting: waiting for 1 task"));
-        h.apply(Command::UpdateTaskStatus {
-            update: StatusUpdate {
-                agent_id: "a".into(),
-                task_id: format!("{low}.0"),
-                state: TaskState::Killed,
-                exit_code: None,
-                message: String::new(),
-                uuid: Vec::new(),
-            },
-            at_ms: 0,
-        });
+        h.report(&format!("{low}.0"), TaskState::Killed, None);
         let r = &h.plan().reasons[&low];
         assert!(r.starts_with(&format!("PREEMPTED by {hi}; ")), "{r}");
         // Now the GPUs are free: the preemptor first, then what fits behind.
@@ -879,17 +874,7 @@ mod tests {
             at_ms: 0,
         });
         // One victim stops; its 2 GPUs are free but kept for the preemptor.
-        h.apply(Command::UpdateTaskStatus {
-            update: StatusUpdate {
-                agent_id: "a".into(),
-                task_id: format!("{a}.0"),
-                state: TaskState::Killed,
-                exit_code: None,
-                message: String::new(),
-                uuid: Vec::new(),
-            },
-            at_ms: 0,
-        });
+        h.report(&format!("{a}.0"), TaskState::Killed, None);
         let filler = h.submit(2, 0, 1);
         assert!(
             h.schedule().is_empty(),
@@ -999,17 +984,7 @@ mod tests {
         };
         assert_eq!(h.schedule(), vec![j.clone()]);
         let later = h.submit(1, 0, 1);
-        h.apply(Command::UpdateTaskStatus {
-            update: StatusUpdate {
-                agent_id: "a".into(),
-                task_id: format!("{j}.0"),
-                state: TaskState::Failed,
-                exit_code: Some(2),
-                message: String::new(),
-                uuid: Vec::new(),
-            },
-            at_ms: 0,
-        });
+        h.report(&format!("{j}.0"), TaskState::Failed, Some(2));
         let plan = h.plan();
         assert_eq!(
             plan.reasons[&j],
@@ -1080,18 +1055,7 @@ mod tests {
                 });
                 for v in victims {
                     for t in h.s.jobs[v].current_tasks().to_vec() {
-                        let agent_id = h.s.tasks[&t].agent_id.clone();
-                        h.apply(Command::UpdateTaskStatus {
-                            update: StatusUpdate {
-                                agent_id,
-                                task_id: t,
-                                state: TaskState::Killed,
-                                exit_code: None,
-                                message: String::new(),
-                                uuid: Vec::new(),
-                            },
-                            at_ms: 0,
-                        });
+                        h.report(&t, TaskState::Killed, None);
                     }
                 }
             }
