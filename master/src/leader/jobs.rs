@@ -43,8 +43,12 @@ fn info() -> FrameworkInfo {
     }
 }
 
-/// How often, at most, the queue pass looks for preemptions.
+/// How often, at most, the queue pass looks for preemptions; less often
+/// when a pass is slow (a huge cluster): its cost times [`PASS_SPACING`], so
+/// the pass (which holds the state's read lock) takes at most a tenth of
+/// the leader's time.
 const PREEMPT_EVERY: Duration = Duration::from_millis(250);
+const PASS_SPACING: u32 = 10;
 
 pub async fn run(
     raft: RaftHandle,
@@ -82,8 +86,7 @@ pub async fn run(
         let (tx, mut rx) = mpsc::channel(EVENT_BUFFER);
         let conn = hub.connect(BUILTIN_FRAMEWORK_ID, tx);
         let mut applied = raft.applied();
-        let mut tick = tokio::time::interval(PREEMPT_EVERY);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut next_pass = tokio::time::Instant::now();
         // Something changed since the last queue pass.
         let mut dirty = true;
         loop {
@@ -110,9 +113,10 @@ pub async fn run(
                         dirty = true;
                     }
                 }
-                _ = tick.tick(), if dirty => {
+                _ = tokio::time::sleep_until(next_pass), if dirty => {
                     dirty = false;
-                    preempt(&raft, &cfg).await;
+                    let cost = preempt(&raft, &cfg).await;
+                    next_pass = tokio::time::Instant::now() + PREEMPT_EVERY.max(cost * PASS_SPACING);
                 }
                 e = rx.recv() => match e {
                     Some(Ok(pb::Event { event: Some(pb::event::Event::Offers(offers)) })) => {
@@ -199,17 +203,20 @@ async fn handle_offers(
     );
 }
 
-/// Runs the queue pass and proposes the preemption it finds, if any.
-async fn preempt(raft: &RaftHandle, cfg: &QueueConfig) {
+/// Runs the queue pass and proposes the preemption it finds, if any;
+/// returns how long the pass took.
+async fn preempt(raft: &RaftHandle, cfg: &QueueConfig) -> Duration {
+    let started = std::time::Instant::now();
     let preemption = {
         let state = raft.state();
         if !queue::may_preempt(&state) {
-            return;
+            return started.elapsed();
         }
         queue::plan(&state, cfg).preemption
     };
+    let cost = started.elapsed();
     let Some(p) = preemption else {
-        return;
+        return cost;
     };
     tracing::info!(job_id = %p.job_id, victims = ?p.victims, "preempting jobs of lower priority");
     if let Err(e) = raft
@@ -222,4 +229,5 @@ async fn preempt(raft: &RaftHandle, cfg: &QueueConfig) {
     {
         tracing::warn!(job_id = %p.job_id, error = %e, "preemption refused");
     }
+    cost
 }
