@@ -607,7 +607,7 @@ mod tests {
     use super::*;
     use crate::scheduler::{place, place_in, Available};
     use crate::state::{Command, Launch, Outcome};
-    use gpuctl_proto::types::{AgentInfo, GpuInfo, JobSpec, Runtime, StatusUpdate, TaskState};
+    use gpuctl_proto::types::{JobSpec, StatusUpdate, TaskState};
 
     /// A state driven through commands, as the leader would.
     struct H {
@@ -622,28 +622,7 @@ mod tests {
                 i: 0,
             };
             for (id, gpus) in agents {
-                h.apply(Command::RegisterAgent {
-                    info: AgentInfo {
-                        id: (*id).into(),
-                        hostname: (*id).into(),
-                        address: String::new(),
-                        total: Resources {
-                            cpus: 64.0,
-                            mem_mib: 1 << 20,
-                            gpus: *gpus,
-                        },
-                        gpus: (0..*gpus)
-                            .map(|i| GpuInfo::new(format!("GPU-{id}-{i}"), i, "A100", 40960))
-                            .collect(),
-                        runtimes: vec![Runtime::Process],
-                        simulated_gpus: true,
-                        attributes: Default::default(),
-                        driver_version: None,
-                        cuda_driver_version: None,
-                    },
-                    running_task_ids: vec![],
-                    at_ms: 0,
-                });
+                h.apply(crate::state::testkit::register(id, *gpus));
             }
             h
         }

@@ -350,32 +350,7 @@ fn failure_message(t: &TaskRecord) -> String {
 mod tests {
     use super::*;
     use crate::state::Command;
-    use gpuctl_proto::types::{AgentInfo, GpuInfo, JobSpec, Resources, Runtime, StatusUpdate};
-
-    fn agent(id: &str, gpus: u32) -> Command {
-        Command::RegisterAgent {
-            info: AgentInfo {
-                id: id.into(),
-                hostname: format!("{id}.host"),
-                address: String::new(),
-                total: Resources {
-                    cpus: 8.0,
-                    mem_mib: 8192,
-                    gpus,
-                },
-                gpus: (0..gpus)
-                    .map(|i| GpuInfo::new(format!("GPU-{id}-{i}"), i, "A100", 40960))
-                    .collect(),
-                runtimes: vec![Runtime::Process],
-                simulated_gpus: true,
-                attributes: Default::default(),
-                driver_version: None,
-                cuda_driver_version: None,
-            },
-            running_task_ids: vec![],
-            at_ms: 0,
-        }
-    }
+    use gpuctl_proto::types::{JobSpec, Resources, StatusUpdate};
 
     struct T {
         s: State,
@@ -389,7 +364,7 @@ mod tests {
                 i: 0,
             };
             for (id, g) in agents {
-                t.apply(agent(id, *g)).unwrap();
+                t.apply(crate::state::testkit::register(id, *g)).unwrap();
             }
             t
         }

@@ -6,6 +6,8 @@ mod apply;
 pub mod command;
 pub mod frameworks;
 mod jobs;
+#[cfg(test)]
+pub(crate) mod testkit;
 
 use std::collections::BTreeMap;
 
