@@ -590,18 +590,6 @@ fn victims_on_node(
     Some((victims, freed_gpus - deficit.gpus))
 }
 
-/// Whether a queued job is waiting for preempted tasks (for tests and the
-/// leader's logs).
-pub fn is_preempting(state: &State, job_id: &str) -> bool {
-    state
-        .jobs
-        .get(job_id)
-        .is_some_and(|j| j.state == JobState::Queued)
-        && tasks_preempted_for(state)
-            .get(job_id)
-            .is_some_and(|n| *n > 0)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
