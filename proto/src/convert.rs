@@ -213,6 +213,8 @@ pub const MAX_RETRIES: u32 = 1000;
 
 /// Longest GPU model pattern, attribute key or value.
 const MAX_ATTR_LEN: usize = 256;
+/// A GPU's unhealthy reason, as an agent reports it.
+const MAX_REASON_LEN: usize = 4096;
 
 fn check_printable(field: &str, s: &str, allow_space: bool) -> Result<()> {
     if s.len() > MAX_ATTR_LEN {
@@ -602,6 +604,7 @@ impl TryFrom<pb::StatusUpdate> for StatusUpdate {
             exit_code: u.exit_code,
             message: u.message,
             uuid: u.uuid,
+            gpu_unhealthy: u.reason == pb::Reason::GpuUnhealthy as i32,
         })
     }
 }
@@ -615,6 +618,72 @@ impl From<StatusUpdate> for pb::StatusUpdate {
             exit_code: u.exit_code,
             message: u.message,
             uuid: u.uuid,
+            reason: if u.gpu_unhealthy {
+                pb::Reason::GpuUnhealthy as i32
+            } else {
+                pb::Reason::Unspecified as i32
+            },
+        }
+    }
+}
+
+impl From<pb::GpuSample> for GpuSample {
+    fn from(s: pb::GpuSample) -> Self {
+        GpuSample {
+            utilization_pct: s.utilization_pct.min(100),
+            memory_used_mib: s.memory_used_mib,
+            memory_total_mib: s.memory_total_mib,
+            temperature_c: s.temperature_c,
+            power_w: s.power_w.filter(|w| w.is_finite() && *w >= 0.0),
+            sampled_at_ms: s.sampled_at_ms,
+            xid_errors: s.xid_errors,
+        }
+    }
+}
+
+impl From<GpuSample> for pb::GpuSample {
+    fn from(s: GpuSample) -> Self {
+        pb::GpuSample {
+            utilization_pct: s.utilization_pct,
+            memory_used_mib: s.memory_used_mib,
+            memory_total_mib: s.memory_total_mib,
+            temperature_c: s.temperature_c,
+            power_w: s.power_w,
+            sampled_at_ms: s.sampled_at_ms,
+            xid_errors: s.xid_errors,
+        }
+    }
+}
+
+impl TryFrom<pb::GpuReport> for GpuReport {
+    type Error = ConvertError;
+    fn try_from(r: pb::GpuReport) -> Result<Self> {
+        check_printable("gpus.uuid", &r.uuid, false)?;
+        if r.uuid.is_empty() {
+            return Err(ConvertError::new("gpus.uuid", "must not be empty"));
+        }
+        if r.unhealthy_reason.len() > MAX_REASON_LEN {
+            return Err(ConvertError::new(
+                "gpus.unhealthy_reason",
+                format!("longer than {MAX_REASON_LEN} bytes"),
+            ));
+        }
+        Ok(GpuReport {
+            uuid: r.uuid,
+            healthy: r.healthy,
+            unhealthy_reason: r.unhealthy_reason,
+            sample: r.sample.map(Into::into),
+        })
+    }
+}
+
+impl From<GpuReport> for pb::GpuReport {
+    fn from(r: GpuReport) -> Self {
+        pb::GpuReport {
+            uuid: r.uuid,
+            healthy: r.healthy,
+            unhealthy_reason: r.unhealthy_reason,
+            sample: r.sample.map(Into::into),
         }
     }
 }

@@ -11,6 +11,7 @@ pub mod pb {
 
 pub mod convert;
 pub mod leader;
+pub mod metrics;
 pub mod types;
 
 pub use convert::ConvertError;

@@ -382,6 +382,33 @@ pub struct StatusUpdate {
     /// Identifies this update for acknowledgement; empty from old agents.
     #[serde(default)]
     pub uuid: Vec<u8>,
+    /// The task ended because one of its GPUs failed a health check.
+    #[serde(default)]
+    pub gpu_unhealthy: bool,
+}
+
+/// One reading of a GPU's gauges, by the agent's health probe.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct GpuSample {
+    /// GPU (SM) busy time over NVML's last sample period, 0 to 100.
+    pub utilization_pct: u32,
+    pub memory_used_mib: u64,
+    pub memory_total_mib: u64,
+    pub temperature_c: Option<u32>,
+    pub power_w: Option<f64>,
+    /// Agent clock, ms since the Unix epoch.
+    pub sampled_at_ms: u64,
+    /// Critical XID events seen since the agent started.
+    pub xid_errors: u64,
+}
+
+/// A GPU's health as its agent sees it now, with its latest reading.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct GpuReport {
+    pub uuid: GpuUuid,
+    pub healthy: bool,
+    pub unhealthy_reason: String,
+    pub sample: Option<GpuSample>,
 }
 
 /// A framework as it registers (the framework API).
