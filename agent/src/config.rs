@@ -10,6 +10,7 @@ use clap::{ArgMatches, CommandFactory, FromArgMatches, Parser};
 use gpuctl_proto::types::Runtime;
 use serde::Deserialize;
 
+use crate::gpu::health::HealthConfig;
 use crate::AgentError;
 
 #[derive(Debug, Clone)]
@@ -40,6 +41,10 @@ pub struct AgentConfig {
     /// Operator-set attributes (rack, zone...), for `--constraint`; they
     /// override discovered ones of the same name.
     pub attributes: std::collections::BTreeMap<String, String>,
+    /// GPU health checks (NVML GPUs only).
+    pub health: HealthConfig,
+    /// Where to serve Prometheus metrics (`/metrics`); none when unset.
+    pub metrics_listen: Option<SocketAddr>,
 }
 
 impl AgentConfig {
@@ -60,6 +65,8 @@ impl AgentConfig {
             dev_root: PathBuf::from("/dev"),
             driver_root: PathBuf::from("/"),
             attributes: Default::default(),
+            health: HealthConfig::default(),
+            metrics_listen: None,
         }
     }
 }
@@ -133,6 +140,28 @@ pub struct Options {
     /// repeatable (in the file: `attributes = ["zone=us-east"]`).
     #[arg(long = "attribute", value_name = "KEY=VALUE")]
     pub attributes: Vec<String>,
+    /// Seconds between two NVML health probes of every GPU.
+    #[arg(long, env = "GPUCTL_AGENT_HEALTH_INTERVAL_SECS", default_value_t = 5.0)]
+    pub health_interval_secs: f64,
+    /// Seconds an unhealthy GPU must pass its probes, with no new fault,
+    /// before it returns to service.
+    #[arg(
+        long,
+        env = "GPUCTL_AGENT_HEALTH_RECOVERY_SECS",
+        default_value_t = 60.0
+    )]
+    pub health_recovery_secs: f64,
+    /// Critical XID errors that do not make a GPU unhealthy (caused by
+    /// applications), comma separated; "none" to ignore none.
+    #[arg(
+        long,
+        env = "GPUCTL_AGENT_HEALTH_IGNORE_XIDS",
+        default_value = "13,31,43,45,68,109"
+    )]
+    pub health_ignore_xids: String,
+    /// Serve Prometheus metrics at http://HOST:PORT/metrics.
+    #[arg(long, env = "GPUCTL_AGENT_METRICS_LISTEN")]
+    pub metrics_listen: Option<SocketAddr>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -154,6 +183,10 @@ struct FileOptions {
     driver_root: Option<PathBuf>,
     attributes: Option<Vec<String>>,
     log: Option<String>,
+    health_interval_secs: Option<f64>,
+    health_recovery_secs: Option<f64>,
+    health_ignore_xids: Option<String>,
+    metrics_listen: Option<SocketAddr>,
 }
 
 fn unset(m: &ArgMatches, id: &str) -> bool {
@@ -231,6 +264,10 @@ impl Options {
             fill!(driver_root);
             fill!(attributes);
             fill!(log);
+            fill!(health_interval_secs);
+            fill!(health_recovery_secs);
+            fill!(health_ignore_xids);
+            fill!(opt metrics_listen);
         }
         Ok(o)
     }
@@ -254,6 +291,20 @@ impl Options {
         if let Some(spec) = &self.simulate_gpus {
             crate::gpu::parse_spec(spec).map_err(|e| AgentError::Config(e.to_string()))?;
         }
+        let secs = |name: &str, v: f64, min: f64| {
+            if v.is_finite() && (min..=86_400.0).contains(&v) {
+                Ok(Duration::from_secs_f64(v))
+            } else {
+                Err(AgentError::Config(format!(
+                    "{name} must be between {min} and 86400, got {v}"
+                )))
+            }
+        };
+        let health = HealthConfig {
+            interval: secs("health_interval_secs", self.health_interval_secs, 0.05)?,
+            recovery: secs("health_recovery_secs", self.health_recovery_secs, 0.0)?,
+            ignored_xids: parse_xids(&self.health_ignore_xids)?,
+        };
         let mut attributes = std::collections::BTreeMap::new();
         for a in &self.attributes {
             match a.split_once('=') {
@@ -287,8 +338,31 @@ impl Options {
             dev_root: self.dev_root.clone(),
             driver_root: self.driver_root.clone(),
             attributes,
+            health,
+            metrics_listen: self.metrics_listen,
         })
     }
+}
+
+/// `13,31,43` or `none`.
+pub fn parse_xids(s: &str) -> Result<std::collections::BTreeSet<u64>, AgentError> {
+    if s.trim().eq_ignore_ascii_case("none") {
+        return Ok(Default::default());
+    }
+    let parts = split_list(s);
+    if parts.is_empty() {
+        return Err(AgentError::Config(
+            "health_ignore_xids: empty list (write \"none\" to ignore no XID)".into(),
+        ));
+    }
+    parts
+        .iter()
+        .map(|p| {
+            p.parse::<u64>().map_err(|_| {
+                AgentError::Config(format!("health_ignore_xids: {p:?} is not an XID number"))
+            })
+        })
+        .collect()
 }
 
 fn read_file(path: &Path) -> Result<FileOptions, AgentError> {
@@ -362,5 +436,50 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("gpus"), "{err}");
+    }
+
+    #[test]
+    fn health_options_parse_and_bad_ones_are_named() {
+        let c = Options::load_from(["gpuctl-agent"])
+            .unwrap()
+            .to_config()
+            .unwrap();
+        assert_eq!(c.health, HealthConfig::default());
+        assert_eq!(
+            c.health.ignored_xids.iter().copied().collect::<Vec<_>>(),
+            vec![13, 31, 43, 45, 68, 109]
+        );
+        let c = Options::load_from([
+            "gpuctl-agent",
+            "--health-interval-secs",
+            "0.5",
+            "--health-recovery-secs",
+            "0",
+            "--health-ignore-xids",
+            "none",
+            "--metrics-listen",
+            "127.0.0.1:9400",
+        ])
+        .unwrap()
+        .to_config()
+        .unwrap();
+        assert_eq!(c.health.interval, Duration::from_millis(500));
+        assert_eq!(c.health.recovery, Duration::ZERO);
+        assert!(c.health.ignored_xids.is_empty());
+        assert_eq!(c.metrics_listen, Some("127.0.0.1:9400".parse().unwrap()));
+        for (flag, bad) in [
+            ("--health-interval-secs", "0"),
+            ("--health-recovery-secs", "1e9"),
+            ("--health-ignore-xids", "13,x"),
+            ("--health-ignore-xids", ","),
+        ] {
+            let e = Options::load_from(["gpuctl-agent", flag, bad])
+                .unwrap()
+                .to_config()
+                .unwrap_err()
+                .to_string();
+            let name = flag.trim_start_matches("--").replace('-', "_");
+            assert!(e.contains(&name), "{flag} {bad}: {e}");
+        }
     }
 }

@@ -19,6 +19,10 @@ pub const LOG_FILE: &str = "output.log";
 
 struct LocalTask {
     kill: watch::Sender<bool>,
+    job_id: String,
+    gpus: Vec<String>,
+    /// Set when one of its GPUs failed a health check: why it is stopped.
+    gpu_failure: Option<String>,
 }
 
 #[derive(Default)]
@@ -29,6 +33,13 @@ struct Tasks {
     /// desired set computed before our final update was applied does not
     /// launch them again.
     ended: HashSet<String>,
+    /// This agent's unhealthy GPUs and why, by UUID (the health checks'
+    /// latest view).
+    gpu_faults: BTreeMap<String, String>,
+}
+
+fn gpu_failure(uuid: &str, reason: &str) -> String {
+    format!("GPU {uuid} unhealthy: {reason}")
 }
 
 /// What the executor needs to isolate tasks.
@@ -131,7 +142,25 @@ impl Executor {
                     continue;
                 }
                 let (kill, kill_rx) = watch::channel(false);
-                t.active.insert(spec.task_id.clone(), LocalTask { kill });
+                // Never start a task on a GPU known to be unhealthy (the
+                // master may not have heard yet).
+                let gpu_failure = spec
+                    .gpu_uuids
+                    .iter()
+                    .find_map(|g| t.gpu_faults.get_key_value(g))
+                    .map(|(uuid, reason)| gpu_failure(uuid, reason));
+                if gpu_failure.is_some() {
+                    let _ = kill.send(true);
+                }
+                t.active.insert(
+                    spec.task_id.clone(),
+                    LocalTask {
+                        kill,
+                        job_id: spec.job_id.clone(),
+                        gpus: spec.gpu_uuids.clone(),
+                        gpu_failure,
+                    },
+                );
                 to_launch.push((spec, kill_rx));
             }
         }
@@ -143,6 +172,7 @@ impl Executor {
                     TaskState::Killed,
                     None,
                     "killed before it started".into(),
+                    false,
                 )
                 .await;
             });
@@ -151,6 +181,42 @@ impl Executor {
             let me = self.clone();
             tokio::spawn(async move { me.run_task(spec, kill_rx).await });
         }
+    }
+
+    /// The task (and its job) running on each GPU, by UUID.
+    pub fn gpu_tasks(&self) -> HashMap<String, (String, String)> {
+        let t = self.lock();
+        let mut out = HashMap::new();
+        for (id, task) in &t.active {
+            for g in &task.gpus {
+                out.insert(g.clone(), (id.clone(), task.job_id.clone()));
+            }
+        }
+        out
+    }
+
+    /// Tasks launched and not yet ended.
+    pub fn active_tasks(&self) -> usize {
+        self.lock().active.len()
+    }
+
+    /// The health checks' latest view: tasks on a GPU that just turned
+    /// unhealthy are stopped and will end FAILED with the GPU's reason, and
+    /// no task is started on an unhealthy GPU.
+    pub fn set_gpu_faults(&self, faults: BTreeMap<String, String>) {
+        let mut t = self.lock();
+        for (id, task) in t.active.iter_mut() {
+            if task.gpu_failure.is_some() {
+                continue;
+            }
+            if let Some((uuid, reason)) = task.gpus.iter().find_map(|g| faults.get_key_value(g)) {
+                let why = gpu_failure(uuid, reason);
+                tracing::warn!(task_id = %id, reason = %why, "stopping task: its GPU failed");
+                task.gpu_failure = Some(why);
+                let _ = task.kill.send(true);
+            }
+        }
+        t.gpu_faults = faults;
     }
 
     /// Kills every task (agent shutdown) and waits up to `timeout` for them.
@@ -167,7 +233,14 @@ impl Executor {
         }
     }
 
-    async fn send(&self, task_id: &str, state: TaskState, exit_code: Option<i32>, message: String) {
+    async fn send(
+        &self,
+        task_id: &str,
+        state: TaskState,
+        exit_code: Option<i32>,
+        message: String,
+        gpu_unhealthy: bool,
+    ) {
         let u = StatusUpdate {
             agent_id: self.agent_id.clone(),
             task_id: task_id.to_string(),
@@ -175,6 +248,7 @@ impl Executor {
             exit_code,
             message,
             uuid: uuid::Uuid::new_v4().as_bytes().to_vec(),
+            gpu_unhealthy,
         };
         if self.updates.send(u).await.is_err() {
             tracing::error!(task_id, "status channel closed; update dropped");
@@ -207,15 +281,24 @@ impl Executor {
 
     async fn run_task(self: Arc<Self>, spec: TaskSpec, kill: watch::Receiver<bool>) {
         let task_id = spec.task_id.clone();
-        let (state, code, message) = self.run_task_inner(spec, kill).await;
-        tracing::info!(task_id = %task_id, state = %state, exit_code = ?code, "task ended");
-        {
+        let (mut state, code, mut message) = self.run_task_inner(spec, kill).await;
+        let gpu_failure = {
             let mut t = self.lock();
-            t.active.remove(&task_id);
+            let local = t.active.remove(&task_id);
             t.ended.insert(task_id.clone());
+            local.and_then(|l| l.gpu_failure)
+        };
+        // A task stopped (or dying by itself) because its GPU failed fails
+        // with the GPU's reason; one that finished cleanly first succeeded.
+        let gpu_unhealthy = gpu_failure.is_some() && state != TaskState::Finished;
+        if let (Some(why), true) = (gpu_failure, gpu_unhealthy) {
+            state = TaskState::Failed;
+            message = why;
         }
+        tracing::info!(task_id = %task_id, state = %state, exit_code = ?code, "task ended");
         self.ended_tx.send_modify(|n| *n += 1);
-        self.send(&task_id, state, code, message).await;
+        self.send(&task_id, state, code, message, gpu_unhealthy)
+            .await;
     }
 
     async fn run_task_inner(
@@ -236,7 +319,10 @@ impl Executor {
                 format!("this agent has no {kind} runtime"),
             );
         };
-        self.send(&task_id, TaskState::Starting, None, String::new())
+        if *kill.borrow() {
+            return (TaskState::Killed, None, "killed before it started".into());
+        }
+        self.send(&task_id, TaskState::Starting, None, String::new(), false)
             .await;
         let sandbox = self.sandbox(&task_id);
         if let Err(e) = tokio::fs::create_dir_all(&sandbox).await {
@@ -294,7 +380,7 @@ impl Executor {
         let run = runtime.run(launch, running_tx, kill);
         let report_running = async {
             if running_rx.await.is_ok() {
-                self.send(&task_id, TaskState::Running, None, String::new())
+                self.send(&task_id, TaskState::Running, None, String::new(), false)
                     .await;
             }
             std::future::pending::<std::convert::Infallible>().await

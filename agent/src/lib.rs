@@ -10,6 +10,7 @@ pub mod executor;
 pub mod gpu;
 pub mod isolation;
 pub mod master_link;
+pub mod metrics;
 pub mod runtime;
 pub mod volume;
 
@@ -23,6 +24,7 @@ pub use config::AgentConfig;
 use gpuctl_proto::pb;
 use gpuctl_proto::types::{AgentInfo, Resources, Runtime};
 use runtime::{ContainerRuntime, DockerRuntime, ProcessRuntime};
+use std::sync::atomic::{AtomicBool, Ordering};
 use tokio::sync::{mpsc, watch};
 
 #[derive(Debug, thiserror::Error)]
@@ -40,6 +42,13 @@ pub enum AgentError {
     Serve(#[from] tonic::transport::Error),
     #[error("isolation: {0}")]
     Isolation(#[from] isolation::IsolationError),
+    #[error("listen on {addr}: {source}")]
+    Listen {
+        addr: String,
+        source: std::io::Error,
+    },
+    #[error("start the GPU health checks: {0}")]
+    HealthThread(std::io::Error),
 }
 
 const AGENT_ID_FILE: &str = "agent-id";
@@ -119,6 +128,28 @@ async fn make_runtimes(
         out.insert(Runtime::Process, Arc::new(ProcessRuntime::new()));
     }
     Ok(out)
+}
+
+/// Hands the executor every change in the GPUs' health, so that tasks on a
+/// GPU that failed are stopped at once, whether or not a master is reachable.
+async fn stop_tasks_on_failed_gpus(
+    executor: Arc<executor::Executor>,
+    mut health: watch::Receiver<gpu::health::Snapshot>,
+) {
+    let mut seen = None;
+    loop {
+        let (generation, faults) = {
+            let s = health.borrow_and_update();
+            (s.generation, s.faults())
+        };
+        if seen != Some(generation) {
+            seen = Some(generation);
+            executor.set_gpu_faults(faults);
+        }
+        if health.changed().await.is_err() {
+            return;
+        }
+    }
 }
 
 /// Runs an agent until `shutdown` resolves. Its tasks are killed on shutdown.
@@ -224,6 +255,28 @@ pub async fn serve(
     };
     let gpus = discovery.gpus;
 
+    // Health checks run on NVML GPUs only: simulated ones cannot fail.
+    let health_stop = Arc::new(AtomicBool::new(false));
+    let (health_tx, health_rx) = watch::channel(gpu::health::Snapshot::default());
+    if !simulated && !gpus.is_empty() {
+        tracing::info!(
+            interval_secs = config.health.interval.as_secs_f64(),
+            recovery_secs = config.health.recovery.as_secs_f64(),
+            ignored_xids = ?config.health.ignored_xids,
+            "GPU health checks on"
+        );
+        gpu::health::spawn(
+            config.nvml_lib.clone(),
+            gpus.clone(),
+            config.health.clone(),
+            health_tx,
+            health_stop.clone(),
+        )
+        .map_err(AgentError::HealthThread)?;
+    } else {
+        drop(health_tx);
+    }
+
     let runtimes = make_runtimes(config.runtimes.as_deref()).await?;
     for (kind, rt) in &runtimes {
         match rt.cleanup_orphans(&agent_id).await {
@@ -269,6 +322,8 @@ pub async fn serve(
     };
     tracing::info!(agent_id = %info.id, address = %info.address, runtimes = ?info.runtimes, gpus = info.gpus.len(), "agent starting");
 
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let metrics_gpus = info.gpus.clone();
     let (updates_tx, updates_rx) = mpsc::channel(1024);
     let executor = executor::Executor::new(
         agent_id,
@@ -278,14 +333,37 @@ pub async fn serve(
         isolation_setup,
         updates_tx,
     );
+    if let Some(addr) = config.metrics_listen {
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(|source| AgentError::Listen {
+                addr: addr.to_string(),
+                source,
+            })?;
+        tracing::info!(%addr, "serving Prometheus metrics at /metrics");
+        let render = metrics::renderer(metrics_gpus, health_rx.clone(), executor.clone());
+        let mut stop = stop_rx.clone();
+        tokio::spawn(async move {
+            let shutdown = async move {
+                let _ = stop.changed().await;
+            };
+            if let Err(e) = gpuctl_proto::metrics::serve(listener, render, shutdown).await {
+                tracing::error!(error = %e, "metrics server failed");
+            }
+        });
+    }
     let masters = Arc::new(master_link::Masters::new(config.masters.clone()));
-    let (stop_tx, stop_rx) = watch::channel(false);
     let sender = tokio::spawn(master_link::status_sender(masters.clone(), updates_rx));
     let link = tokio::spawn(master_link::run(
         masters,
         info,
         executor.clone(),
+        health_rx.clone(),
         stop_rx.clone(),
+    ));
+    tokio::spawn(stop_tasks_on_failed_gpus(
+        executor.clone(),
+        health_rx.clone(),
     ));
 
     let api = pb::agent_api_server::AgentApiServer::new(api::AgentApiService {
@@ -304,6 +382,7 @@ pub async fn serve(
     shutdown.await;
     tracing::info!("agent shutting down: killing its tasks");
     let _ = stop_tx.send(true);
+    health_stop.store(true, Ordering::Relaxed);
     let _ = link.await;
     executor
         .kill_all(config.kill_grace + Duration::from_secs(5))

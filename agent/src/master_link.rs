@@ -20,12 +20,13 @@ use futures::StreamExt;
 use gpuctl_proto::leader::{leader_hint, retry_elsewhere};
 use gpuctl_proto::pb;
 use gpuctl_proto::pb::agent_manager_client::AgentManagerClient;
-use gpuctl_proto::types::{AgentInfo, StatusUpdate, TaskSpec};
+use gpuctl_proto::types::{AgentInfo, GpuInfo, StatusUpdate, TaskSpec};
 use tokio::sync::{mpsc, watch};
 use tonic::transport::{Channel, Endpoint};
 use tonic::Status;
 
 use crate::executor::Executor;
+use crate::gpu::health::Snapshot;
 
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(5);
@@ -202,6 +203,7 @@ pub async fn run(
     masters: Arc<Masters>,
     info: AgentInfo,
     executor: Arc<Executor>,
+    health: watch::Receiver<Snapshot>,
     mut shutdown: watch::Receiver<bool>,
 ) {
     let mut backoff = BACKOFF_MIN;
@@ -211,7 +213,7 @@ pub async fn run(
             return;
         }
         let e = tokio::select! {
-            r = session(&masters, &info, &executor) => r,
+            r = session(&masters, &info, &executor, health.clone()) => r,
             _ = shutdown.changed() => return,
         };
         // A session that registered ran fine until now (e.g. its leader
@@ -253,17 +255,27 @@ pub async fn run(
 
 /// One registration and what follows it; returns on the first failure.
 /// Tasks keep running meanwhile: nothing here tells the executor to stop.
-async fn session(masters: &Masters, info: &AgentInfo, executor: &Arc<Executor>) -> SessionError {
+async fn session(
+    masters: &Masters,
+    info: &AgentInfo,
+    executor: &Arc<Executor>,
+    mut health: watch::Receiver<Snapshot>,
+) -> SessionError {
     let (addr, mut client) = match masters.client() {
         Ok(c) => c,
         Err(e) => return SessionError::other(&masters.current_addr(), e, false),
+    };
+    // Registration carries the health checks' verdict too.
+    let (gpus, mut told) = {
+        let snapshot = health.borrow_and_update();
+        (with_health(&info.gpus, &snapshot), snapshot.generation)
     };
     let mut req = pb::RegisterRequest {
         agent_id: info.id.clone(),
         hostname: info.hostname.clone(),
         address: info.address.clone(),
         total: Some(info.total.into()),
-        gpus: info.gpus.iter().cloned().map(Into::into).collect(),
+        gpus: gpus.into_iter().map(Into::into).collect(),
         runtimes: info
             .runtimes
             .iter()
@@ -294,6 +306,7 @@ async fn session(masters: &Masters, info: &AgentInfo, executor: &Arc<Executor>) 
     };
     let mut heartbeat = tokio::time::interval(interval);
     heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut health_open = true;
     loop {
         tokio::select! {
             msg = watch.next() => match msg {
@@ -314,15 +327,58 @@ async fn session(masters: &Masters, info: &AgentInfo, executor: &Arc<Executor>) 
                 // A leader that steps down ends its streams.
                 None => return SessionError::other(&addr, "watch tasks: stream ended".into(), true),
             },
+            changed = health.changed(), if health_open => {
+                if changed.is_err() {
+                    health_open = false;
+                    continue;
+                }
+                // A GPU's health changed: tell the master now rather than
+                // at the next tick, so it stops placing work there at once.
+                let req = {
+                    let snapshot = health.borrow();
+                    if snapshot.generation == told {
+                        continue;
+                    }
+                    told = snapshot.generation;
+                    heartbeat_request(&info.id, &snapshot)
+                };
+                heartbeat.reset();
+                if let Err(s) = client.heartbeat(req).await {
+                    return SessionError::rpc(&addr, "heartbeat", s, true);
+                }
+            }
             _ = heartbeat.tick() => {
-                if let Err(s) = client
-                    .heartbeat(pb::HeartbeatRequest { agent_id: info.id.clone() })
-                    .await
-                {
+                let req = {
+                    let snapshot = health.borrow();
+                    told = snapshot.generation;
+                    heartbeat_request(&info.id, &snapshot)
+                };
+                if let Err(s) = client.heartbeat(req).await {
                     return SessionError::rpc(&addr, "heartbeat", s, true);
                 }
             }
         }
+    }
+}
+
+/// The discovered GPUs with the health checks' current verdict.
+fn with_health(gpus: &[GpuInfo], health: &Snapshot) -> Vec<GpuInfo> {
+    gpus.iter()
+        .cloned()
+        .map(|mut g| {
+            if let Some(h) = health.gpus.iter().find(|h| h.uuid == g.uuid) {
+                g.healthy = h.healthy;
+                g.unhealthy_reason = h.reason.clone();
+            }
+            g
+        })
+        .collect()
+}
+
+fn heartbeat_request(agent_id: &str, health: &Snapshot) -> pb::HeartbeatRequest {
+    pb::HeartbeatRequest {
+        agent_id: agent_id.to_string(),
+        gpus: health.gpus.iter().map(|g| g.report().into()).collect(),
     }
 }
 

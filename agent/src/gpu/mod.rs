@@ -6,6 +6,7 @@
 //! for every pair of GPUs the active NVLink links between them and their
 //! PCIe path; per host: driver and CUDA driver versions. See docs/hardware.md.
 
+pub mod health;
 mod labels;
 mod simulate;
 

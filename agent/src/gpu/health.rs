@@ -1,0 +1,641 @@
+//! GPU health checks: a periodic NVML probe of every GPU and a watch of
+//! NVML's critical events (XID errors, double-bit ECC errors).
+//!
+//! A GPU turns unhealthy at once when it is lost, fails the probe, raises a
+//! critical XID that is not on the ignore list (by default the XIDs an
+//! application causes itself), or reports a double-bit ECC error. It comes
+//! back only after passing every probe for `recovery` with no new fault:
+//! hysteresis, so that a flapping GPU does not take work, fail it and take
+//! more. The state machine ([`Tracker`]) is pure and tested without NVML;
+//! [`spawn`] runs it against NVML on a thread of its own (NVML blocks).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use gpuctl_proto::types::{GpuInfo, GpuReport, GpuSample};
+use nvml_wrapper::bitmasks::event::EventTypes;
+use nvml_wrapper::enum_wrappers::device::TemperatureSensor;
+use nvml_wrapper::enums::event::XidError;
+use nvml_wrapper::error::NvmlError;
+use nvml_wrapper::{Device, EventSet, Nvml};
+use tokio::sync::watch;
+
+/// XIDs caused by applications, not by the GPU (NVIDIA's device plugin
+/// ignores the same by default): 13 graphics engine exception, 31 memory
+/// page fault, 43 GPU stopped processing, 45 preemptive cleanup, 68 video
+/// processor exception, 109 context switch timeout.
+pub const DEFAULT_IGNORED_XIDS: &[u64] = &[13, 31, 43, 45, 68, 109];
+
+/// Longest a blocking NVML event wait lasts, so that stopping is prompt.
+const MAX_WAIT: Duration = Duration::from_millis(500);
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct HealthConfig {
+    /// Between two probes of every GPU.
+    pub interval: Duration,
+    /// How long an unhealthy GPU must pass its probes, with no new fault,
+    /// before it returns to service.
+    pub recovery: Duration,
+    pub ignored_xids: BTreeSet<u64>,
+}
+
+impl Default for HealthConfig {
+    fn default() -> Self {
+        HealthConfig {
+            interval: Duration::from_secs(5),
+            recovery: Duration::from_secs(60),
+            ignored_xids: DEFAULT_IGNORED_XIDS.iter().copied().collect(),
+        }
+    }
+}
+
+/// What the checks know about one GPU.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GpuHealth {
+    pub uuid: String,
+    pub index: u32,
+    pub model: String,
+    pub healthy: bool,
+    /// Why it is unhealthy (the first fault since it was last healthy).
+    pub reason: String,
+    pub sample: Option<GpuSample>,
+    /// Critical XID events seen, by XID, ignored ones included.
+    pub xid_errors: BTreeMap<u64, u64>,
+    pub double_bit_ecc_errors: u64,
+}
+
+impl GpuHealth {
+    pub fn report(&self) -> GpuReport {
+        GpuReport {
+            uuid: self.uuid.clone(),
+            healthy: self.healthy,
+            unhealthy_reason: self.reason.clone(),
+            sample: self.sample.clone(),
+        }
+    }
+}
+
+/// The checks' view of every GPU; `generation` moves when any GPU's health
+/// changes (not on every sample), so that listeners can act on changes only.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Snapshot {
+    pub gpus: Vec<GpuHealth>,
+    pub generation: u64,
+}
+
+impl Snapshot {
+    /// Unhealthy GPUs and why, by UUID.
+    pub fn faults(&self) -> BTreeMap<String, String> {
+        self.gpus
+            .iter()
+            .filter(|g| !g.healthy)
+            .map(|g| (g.uuid.clone(), g.reason.clone()))
+            .collect()
+    }
+}
+
+/// A fault NVML reported as an event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Event {
+    /// A critical XID error; `None`: NVML could not tell which.
+    Xid(Option<u64>),
+    DoubleBitEcc,
+}
+
+/// A probe's outcome for one GPU.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Probe {
+    Passed(GpuSample),
+    Failed(String),
+}
+
+struct Tracked {
+    health: GpuHealth,
+    /// When it last failed a probe or raised a fault.
+    last_fault: Option<Instant>,
+}
+
+/// The health state machine of an agent's GPUs.
+pub struct Tracker {
+    config: HealthConfig,
+    gpus: Vec<Tracked>,
+    generation: u64,
+}
+
+/// A short description of the XIDs that most often mean a broken GPU.
+fn xid_meaning(xid: u64) -> &'static str {
+    match xid {
+        48 => "double-bit ECC error",
+        61 | 62 => "internal micro-controller error",
+        63 | 64 => "ECC page retirement or row remapping",
+        74 => "NVLink error",
+        79 => "GPU has fallen off the bus",
+        92 => "high single-bit ECC error rate",
+        94 => "contained ECC error",
+        95 => "uncontained ECC error",
+        119 | 120 => "GSP error",
+        _ => "critical error",
+    }
+}
+
+impl Tracker {
+    /// Starts from discovery's view: a GPU discovery found broken starts
+    /// unhealthy with discovery's reason.
+    pub fn new(config: HealthConfig, gpus: &[GpuInfo], now: Instant) -> Tracker {
+        Tracker {
+            gpus: gpus
+                .iter()
+                .map(|g| Tracked {
+                    health: GpuHealth {
+                        uuid: g.uuid.clone(),
+                        index: g.index,
+                        model: g.model.clone(),
+                        healthy: g.healthy,
+                        reason: g.unhealthy_reason.clone(),
+                        sample: None,
+                        xid_errors: BTreeMap::new(),
+                        double_bit_ecc_errors: 0,
+                    },
+                    last_fault: (!g.healthy).then_some(now),
+                })
+                .collect(),
+            config,
+            generation: 0,
+        }
+    }
+
+    pub fn snapshot(&self) -> Snapshot {
+        Snapshot {
+            gpus: self.gpus.iter().map(|t| t.health.clone()).collect(),
+            generation: self.generation,
+        }
+    }
+
+    fn find(&mut self, uuid: &str) -> Option<&mut Tracked> {
+        self.gpus.iter_mut().find(|t| t.health.uuid == uuid)
+    }
+
+    /// Records a fault: the GPU turns unhealthy (keeping the first reason
+    /// if it already was) and its recovery clock restarts.
+    fn fault(&mut self, uuid: &str, reason: String, now: Instant) -> bool {
+        let Some(t) = self.find(uuid) else {
+            return false;
+        };
+        t.last_fault = Some(now);
+        if !t.health.healthy {
+            return false;
+        }
+        tracing::warn!(uuid, index = t.health.index, reason = %reason, "GPU unhealthy: withdrawn from service");
+        t.health.healthy = false;
+        t.health.reason = reason;
+        self.generation += 1;
+        true
+    }
+
+    /// A probe's outcome; returns whether the GPU's health changed.
+    pub fn probe(&mut self, uuid: &str, probe: Probe, now: Instant) -> bool {
+        match probe {
+            Probe::Failed(reason) => {
+                if let Some(t) = self.find(uuid) {
+                    t.health.sample = None;
+                }
+                self.fault(uuid, reason, now)
+            }
+            Probe::Passed(mut sample) => {
+                let recovery = self.config.recovery;
+                let Some(t) = self.find(uuid) else {
+                    return false;
+                };
+                sample.xid_errors = t.health.xid_errors.values().sum();
+                t.health.sample = Some(sample);
+                if t.health.healthy {
+                    return false;
+                }
+                let quiet = t
+                    .last_fault
+                    .is_none_or(|at| now.saturating_duration_since(at) >= recovery);
+                if !quiet {
+                    return false;
+                }
+                tracing::info!(uuid, index = t.health.index, was = %t.health.reason, "GPU healthy again: back in service");
+                t.health.healthy = true;
+                t.health.reason.clear();
+                t.last_fault = None;
+                self.generation += 1;
+                true
+            }
+        }
+    }
+
+    /// An NVML event; returns whether the GPU's health changed.
+    pub fn event(&mut self, uuid: &str, event: Event, now: Instant) -> bool {
+        let ignored = match event {
+            Event::Xid(Some(x)) => self.config.ignored_xids.contains(&x),
+            _ => false,
+        };
+        let Some(t) = self.find(uuid) else {
+            return false;
+        };
+        let reason = match event {
+            Event::Xid(xid) => {
+                let code = xid.unwrap_or(999);
+                *t.health.xid_errors.entry(code).or_insert(0) += 1;
+                if let Some(s) = &mut t.health.sample {
+                    s.xid_errors += 1;
+                }
+                if ignored {
+                    tracing::info!(
+                        uuid,
+                        xid = code,
+                        "XID error caused by an application; ignored for health"
+                    );
+                    return false;
+                }
+                match xid {
+                    Some(x) => format!("XID {x} ({})", xid_meaning(x)),
+                    None => "XID error of unknown kind".to_string(),
+                }
+            }
+            Event::DoubleBitEcc => {
+                t.health.double_bit_ecc_errors += 1;
+                "double-bit ECC error".to_string()
+            }
+        };
+        self.fault(uuid, reason, now)
+    }
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+const LOST: &str = "GPU is lost (fallen off the bus or inaccessible)";
+
+fn describe(what: &str, e: &NvmlError) -> String {
+    match e {
+        NvmlError::GpuLost => LOST.to_string(),
+        e => format!("probe failed: {what}: {e}"),
+    }
+}
+
+/// Reads a GPU's gauges. The GPU must answer its handle, memory and
+/// utilization queries; temperature and power are read when supported, and
+/// a GPU that is lost there fails too.
+fn probe_device(nvml: &Nvml, uuid: &str) -> Probe {
+    let dev = match nvml.device_by_uuid(uuid) {
+        Ok(d) => d,
+        Err(NvmlError::NotFound) => return Probe::Failed("GPU not found by NVML".into()),
+        Err(e) => return Probe::Failed(describe("handle", &e)),
+    };
+    let memory = match dev.memory_info() {
+        Ok(m) => m,
+        Err(e) => return Probe::Failed(describe("memory", &e)),
+    };
+    let utilization_pct = match dev.utilization_rates() {
+        Ok(u) => u.gpu.min(100),
+        Err(NvmlError::NotSupported) => 0,
+        Err(e) => return Probe::Failed(describe("utilization", &e)),
+    };
+    let optional = |r: Result<u32, NvmlError>| match r {
+        Ok(v) => Ok(Some(v)),
+        Err(NvmlError::GpuLost) => Err(LOST.to_string()),
+        Err(_) => Ok(None),
+    };
+    let temperature_c = match optional(dev.temperature(TemperatureSensor::Gpu)) {
+        Ok(t) => t,
+        Err(e) => return Probe::Failed(e),
+    };
+    let power_mw = match optional(dev.power_usage()) {
+        Ok(p) => p,
+        Err(e) => return Probe::Failed(e),
+    };
+    Probe::Passed(GpuSample {
+        utilization_pct,
+        memory_used_mib: memory.used / (1024 * 1024),
+        memory_total_mib: memory.total / (1024 * 1024),
+        temperature_c,
+        power_w: power_mw.map(|mw| f64::from(mw) / 1000.0),
+        sampled_at_ms: now_ms(),
+        xid_errors: 0,
+    })
+}
+
+const WATCHED_EVENTS: EventTypes =
+    EventTypes::CRITICAL_XID_ERROR.union(EventTypes::DOUBLE_BIT_ECC_ERROR);
+
+/// An event set watching every GPU in `uuids` that supports it; returns
+/// it and the GPUs it watches. NVML frees a set when a registration fails,
+/// so the set is built again without the GPU that refused.
+fn event_set<'n>(nvml: &'n Nvml, uuids: &[String]) -> (Option<EventSet<'n>>, BTreeSet<String>) {
+    let mut skip = BTreeSet::new();
+    'rebuild: loop {
+        let mut set = match nvml.create_event_set() {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "NVML events unavailable: XID and ECC errors are not watched");
+                return (None, BTreeSet::new());
+            }
+        };
+        let mut watched = BTreeSet::new();
+        for uuid in uuids {
+            if skip.contains(uuid) {
+                continue;
+            }
+            let types = nvml
+                .device_by_uuid(uuid.as_str())
+                .and_then(|d: Device| d.supported_event_types().map(|t| (d, t)));
+            let (dev, supported) = match types {
+                Ok(x) => x,
+                Err(e) => {
+                    tracing::warn!(uuid = %uuid, error = %e, "GPU events not watched");
+                    skip.insert(uuid.clone());
+                    continue;
+                }
+            };
+            let wanted = supported & WATCHED_EVENTS;
+            if wanted.is_empty() {
+                skip.insert(uuid.clone());
+                continue;
+            }
+            set = match dev.register_events(wanted, set) {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::warn!(uuid = %uuid, error = %e.error, "GPU events not watched");
+                    skip.insert(uuid.clone());
+                    continue 'rebuild;
+                }
+            };
+            watched.insert(uuid.clone());
+        }
+        return (Some(set), watched);
+    }
+}
+
+/// Runs the checks on a thread until `stop` is set, publishing every change
+/// (health or sample) on `tx`.
+pub fn spawn(
+    nvml_lib: Option<PathBuf>,
+    gpus: Vec<GpuInfo>,
+    config: HealthConfig,
+    tx: watch::Sender<Snapshot>,
+    stop: Arc<AtomicBool>,
+) -> std::io::Result<std::thread::JoinHandle<()>> {
+    std::thread::Builder::new()
+        .name("gpu-health".into())
+        .spawn(move || run(nvml_lib, gpus, config, tx, stop))
+}
+
+fn run(
+    nvml_lib: Option<PathBuf>,
+    gpus: Vec<GpuInfo>,
+    config: HealthConfig,
+    tx: watch::Sender<Snapshot>,
+    stop: Arc<AtomicBool>,
+) {
+    let interval = config.interval;
+    let mut tracker = Tracker::new(config, &gpus, Instant::now());
+    tx.send_replace(tracker.snapshot());
+    let init = || match &nvml_lib {
+        Some(p) => Nvml::builder().lib_path(p.as_os_str()).init(),
+        None => Nvml::init(),
+    };
+    let nvml = loop {
+        match init() {
+            Ok(n) => break n,
+            Err(e) => {
+                for g in &gpus {
+                    tracker.probe(
+                        &g.uuid,
+                        Probe::Failed(format!("NVML unavailable: {e}")),
+                        Instant::now(),
+                    );
+                }
+                tx.send_replace(tracker.snapshot());
+                if sleep_unless_stopped(&stop, interval) {
+                    return;
+                }
+            }
+        }
+    };
+    let uuids: Vec<String> = gpus.iter().map(|g| g.uuid.clone()).collect();
+    let (mut set, mut watched) = event_set(&nvml, &uuids);
+    let mut wait_failed = false;
+    let mut next_probe = Instant::now();
+    while !stop.load(Ordering::Relaxed) {
+        let now = Instant::now();
+        if now >= next_probe {
+            for uuid in &uuids {
+                tracker.probe(uuid, probe_device(&nvml, uuid), Instant::now());
+            }
+            // A GPU that could not be watched (lost when the set was made)
+            // and is healthy again is watched from now on.
+            let snapshot = tracker.snapshot();
+            if snapshot
+                .gpus
+                .iter()
+                .any(|g| g.healthy && !watched.contains(&g.uuid))
+                && watched.len() < uuids.len()
+                && set.is_some()
+            {
+                drop(set);
+                (set, watched) = event_set(&nvml, &uuids);
+            }
+            tx.send_replace(snapshot);
+            next_probe = now + interval;
+        }
+        let wait = next_probe
+            .saturating_duration_since(Instant::now())
+            .min(MAX_WAIT);
+        let Some(s) = &set else {
+            if sleep_unless_stopped(&stop, wait) {
+                return;
+            }
+            continue;
+        };
+        match s.wait(wait.as_millis() as u32) {
+            Ok(ev) => {
+                wait_failed = false;
+                let uuid = ev.device.uuid().or_else(|_| {
+                    ev.device
+                        .index()
+                        .ok()
+                        .and_then(|i| gpus.iter().find(|g| g.index == i))
+                        .map(|g| g.uuid.clone())
+                        .ok_or(NvmlError::NotFound)
+                });
+                let Ok(uuid) = uuid else {
+                    tracing::warn!(kind = ?ev.event_type, "NVML event for a GPU not known here; ignored");
+                    continue;
+                };
+                let event = if ev.event_type.contains(EventTypes::CRITICAL_XID_ERROR) {
+                    Event::Xid(match ev.event_data {
+                        Some(XidError::Value(x)) => Some(x),
+                        _ => None,
+                    })
+                } else {
+                    Event::DoubleBitEcc
+                };
+                tracker.event(&uuid, event, Instant::now());
+                tx.send_replace(tracker.snapshot());
+            }
+            Err(NvmlError::Timeout) => {}
+            Err(e) => {
+                // Said once per run of failures; the probe still runs.
+                if !wait_failed {
+                    tracing::warn!(error = %e, "waiting for NVML events failed");
+                    wait_failed = true;
+                }
+                if sleep_unless_stopped(&stop, wait) {
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// Sleeps `d`, waking early to return true when `stop` is set.
+fn sleep_unless_stopped(stop: &AtomicBool, d: Duration) -> bool {
+    let end = Instant::now() + d;
+    loop {
+        if stop.load(Ordering::Relaxed) {
+            return true;
+        }
+        let left = end.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return false;
+        }
+        std::thread::sleep(left.min(Duration::from_millis(50)));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tracker(recovery_secs: u64) -> (Tracker, Instant) {
+        let now = Instant::now();
+        let mut lost = GpuInfo::new("GPU-1", 1, "A100", 40960);
+        lost.healthy = false;
+        lost.unhealthy_reason = LOST.into();
+        let t = Tracker::new(
+            HealthConfig {
+                interval: Duration::from_secs(1),
+                recovery: Duration::from_secs(recovery_secs),
+                ..Default::default()
+            },
+            &[GpuInfo::new("GPU-0", 0, "A100", 40960), lost],
+            now,
+        );
+        (t, now)
+    }
+
+    fn sample() -> GpuSample {
+        GpuSample {
+            utilization_pct: 50,
+            memory_used_mib: 100,
+            memory_total_mib: 40960,
+            ..Default::default()
+        }
+    }
+
+    fn secs(s: u64) -> Duration {
+        Duration::from_secs(s)
+    }
+
+    #[test]
+    fn discovery_faults_carry_over() {
+        let (t, _) = tracker(10);
+        let s = t.snapshot();
+        assert!(s.gpus[0].healthy);
+        assert!(!s.gpus[1].healthy);
+        assert_eq!(s.faults()["GPU-1"], LOST);
+    }
+
+    #[test]
+    fn a_critical_xid_withdraws_the_gpu_and_an_ignored_one_does_not() {
+        let (mut t, now) = tracker(10);
+        assert!(!t.event("GPU-0", Event::Xid(Some(13)), now));
+        assert!(t.snapshot().gpus[0].healthy);
+        assert_eq!(t.snapshot().gpus[0].xid_errors[&13], 1);
+        assert!(t.event("GPU-0", Event::Xid(Some(79)), now));
+        let g = &t.snapshot().gpus[0];
+        assert!(!g.healthy);
+        assert_eq!(g.reason, "XID 79 (GPU has fallen off the bus)");
+        assert_eq!(t.snapshot().generation, 1);
+        // A second fault keeps the first reason and is no change.
+        assert!(!t.event("GPU-0", Event::DoubleBitEcc, now));
+        assert_eq!(
+            t.snapshot().gpus[0].reason,
+            "XID 79 (GPU has fallen off the bus)"
+        );
+        assert_eq!(t.snapshot().gpus[0].double_bit_ecc_errors, 1);
+    }
+
+    #[test]
+    fn the_ignore_list_is_configurable() {
+        let now = Instant::now();
+        let mut t = Tracker::new(
+            HealthConfig {
+                ignored_xids: [79].into_iter().collect(),
+                ..Default::default()
+            },
+            &[GpuInfo::new("GPU-0", 0, "A100", 40960)],
+            now,
+        );
+        assert!(!t.event("GPU-0", Event::Xid(Some(79)), now));
+        assert!(t.event("GPU-0", Event::Xid(Some(13)), now));
+        assert_eq!(t.snapshot().gpus[0].reason, "XID 13 (critical error)");
+        assert_eq!(t.snapshot().gpus[0].xid_errors[&13], 1);
+        assert_eq!(t.snapshot().gpus[0].xid_errors.get(&79), Some(&1));
+    }
+
+    #[test]
+    fn recovery_waits_for_a_quiet_period_and_a_new_fault_restarts_it() {
+        let (mut t, now) = tracker(10);
+        assert!(t.probe("GPU-0", Probe::Failed(LOST.into()), now));
+        assert!(t.snapshot().gpus[0].sample.is_none());
+        // Passing again, but not for long enough.
+        assert!(!t.probe("GPU-0", Probe::Passed(sample()), now + secs(5)));
+        assert!(!t.snapshot().gpus[0].healthy);
+        assert_eq!(t.snapshot().gpus[0].sample, Some(sample()));
+        // A fault in the quiet period starts it over.
+        assert!(!t.event("GPU-0", Event::Xid(Some(79)), now + secs(8)));
+        assert!(!t.probe("GPU-0", Probe::Passed(sample()), now + secs(12)));
+        assert!(!t.snapshot().gpus[0].healthy);
+        assert!(t.probe("GPU-0", Probe::Passed(sample()), now + secs(18)));
+        let g = &t.snapshot().gpus[0];
+        assert!(g.healthy);
+        assert!(g.reason.is_empty());
+        assert_eq!(t.snapshot().generation, 2);
+        // The GPU that discovery found lost recovers the same way.
+        assert!(t.probe("GPU-1", Probe::Passed(sample()), now + secs(10)));
+    }
+
+    #[test]
+    fn zero_recovery_returns_at_the_first_passing_probe() {
+        let (mut t, now) = tracker(0);
+        assert!(t.probe(
+            "GPU-0",
+            Probe::Failed("probe failed: memory: x".into()),
+            now
+        ));
+        assert!(t.probe("GPU-0", Probe::Passed(sample()), now));
+    }
+
+    #[test]
+    fn samples_count_xid_errors_and_unknown_gpus_are_ignored() {
+        let (mut t, now) = tracker(10);
+        t.event("GPU-0", Event::Xid(Some(13)), now);
+        t.event("GPU-0", Event::Xid(Some(31)), now);
+        t.probe("GPU-0", Probe::Passed(sample()), now);
+        assert_eq!(t.snapshot().gpus[0].sample.as_ref().unwrap().xid_errors, 2);
+        assert!(!t.event("GPU-9", Event::Xid(Some(79)), now));
+        assert!(!t.probe("GPU-9", Probe::Failed("x".into()), now));
+        assert_eq!(t.snapshot().generation, 0);
+    }
+}
