@@ -40,6 +40,8 @@ pub struct MasterConfig {
     pub snapshot_every: u64,
     /// How the built-in scheduler places jobs that do not choose.
     pub placement: PlacementPolicy,
+    /// Where to serve Prometheus metrics (`/metrics`); none when unset.
+    pub metrics_listen: Option<SocketAddr>,
 }
 
 impl MasterConfig {
@@ -69,6 +71,7 @@ impl MasterConfig {
             election_timeout: Duration::from_secs(1),
             snapshot_every: 10_000,
             placement: PlacementPolicy::Bundle,
+            metrics_listen: None,
         }
     }
 }
@@ -148,6 +151,9 @@ pub struct Options {
     /// Log filter (tracing EnvFilter syntax), e.g. `info` or `gpuctl_master=debug`.
     #[arg(long, env = "GPUCTL_LOG", default_value = "info")]
     pub log: String,
+    /// Serve Prometheus metrics at http://HOST:PORT/metrics.
+    #[arg(long, env = "GPUCTL_MASTER_METRICS_LISTEN")]
+    pub metrics_listen: Option<SocketAddr>,
 }
 
 /// Checks `HOST:PORT` (a bracketed IPv6 host is fine).
@@ -269,6 +275,7 @@ struct FileOptions {
     snapshot_every: Option<u64>,
     placement: Option<String>,
     log: Option<String>,
+    metrics_listen: Option<SocketAddr>,
 }
 
 /// True when the user did not set `id` by flag or environment.
@@ -365,6 +372,9 @@ impl Options {
             if let (Some(v), true) = (f.log, unset(&matches, "log")) {
                 o.log = v;
             }
+            if let (Some(v), true) = (f.metrics_listen, unset(&matches, "metrics_listen")) {
+                o.metrics_listen = Some(v);
+            }
         }
         Ok(o)
     }
@@ -409,6 +419,7 @@ impl Options {
             .parse::<PlacementPolicy>()
             .map_err(|e| MasterError::Config(format!("placement: {e}")))?;
         Ok(MasterConfig {
+            metrics_listen: self.metrics_listen,
             placement,
             peers,
             advertise,

@@ -7,6 +7,7 @@
 pub mod allocator;
 pub mod config;
 pub mod leader;
+pub mod metrics;
 pub mod raft;
 pub mod scheduler;
 pub mod service;
@@ -115,6 +116,30 @@ pub async fn serve(
         config.queue_config(),
         stop_rx.clone(),
     ));
+    let metrics_task = match config.metrics_listen {
+        Some(addr) => {
+            let listener = tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|source| MasterError::Listen {
+                    addr: addr.to_string(),
+                    source,
+                })?;
+            tracing::info!(%addr, "serving Prometheus metrics at /metrics");
+            let (raft, hub) = (handle.clone(), hub.clone());
+            let render: Arc<dyn Fn() -> String + Send + Sync> =
+                Arc::new(move || metrics::render(&raft, &hub.metrics, hub.offers_outstanding()));
+            let mut stop = stop_rx.clone();
+            Some(tokio::spawn(async move {
+                let shutdown = async move {
+                    let _ = stop.changed().await;
+                };
+                if let Err(e) = gpuctl_proto::metrics::serve(listener, render, shutdown).await {
+                    tracing::error!(error = %e, "metrics server failed");
+                }
+            }))
+        }
+        None => None,
+    };
     let ctx = service::Ctx {
         raft: handle.clone(),
         config: config.clone(),
@@ -159,6 +184,9 @@ pub async fn serve(
     leader_task.abort();
     frameworks_task.abort();
     jobs_task.abort();
+    if let Some(t) = metrics_task {
+        t.abort();
+    }
     match node_task.await {
         Ok(Err(e)) => return Err(e.into()),
         Err(e) => tracing::error!(error = %e, "raft node task failed"),

@@ -70,6 +70,8 @@ struct Inner {
 pub struct Hub {
     inner: Mutex<Inner>,
     wake: Notify,
+    /// The leader loops' counters and histograms, for `/metrics`.
+    pub metrics: crate::metrics::MasterMetrics,
 }
 
 impl Default for Hub {
@@ -77,6 +79,7 @@ impl Default for Hub {
         Hub {
             inner: Mutex::new(Inner::default()),
             wake: Notify::new(),
+            metrics: Default::default(),
         }
     }
 }
@@ -93,6 +96,7 @@ pub fn task_status(t: &TaskRecord, reason_override: Option<pb::Reason>) -> pb::T
         TaskReason::KilledByFramework => pb::Reason::KilledByFramework,
         TaskReason::ContainerLaunchFailed => pb::Reason::ContainerLaunchFailed,
         TaskReason::Preempted => pb::Reason::Preempted,
+        TaskReason::GpuUnhealthy => pb::Reason::GpuUnhealthy,
     });
     pb::TaskStatus {
         task_id: t.framework_task_id.clone(),
@@ -113,6 +117,11 @@ fn event(e: pb::event::Event) -> pb::Event {
 impl Hub {
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Offers made and still open (0 on a follower).
+    pub fn offers_outstanding(&self) -> usize {
+        self.lock().offers.as_ref().map_or(0, |b| b.len())
     }
 
     /// Something changed that may make new offers possible.
@@ -280,7 +289,11 @@ pub async fn run(
             }
             continue;
         }
+        let started = std::time::Instant::now();
         let expired = cycle(&raft, &hub, &settings);
+        hub.metrics
+            .allocation_cycle
+            .observe(started.elapsed().as_secs_f64());
         for framework_id in expired {
             tracing::warn!(framework_id = %framework_id, "framework failover timeout passed; removing it");
             if let Err(e) = raft
@@ -314,7 +327,10 @@ fn cycle(raft: &RaftHandle, hub: &Hub, settings: &FrameworkSettings) -> Vec<Stri
     rescind_stale(&state, &mut g, now, settings.offer_timeout);
     heartbeat(&mut g);
     let expired = failover_expired(&state, &mut g);
-    allocate(&state, &mut g, settings, now);
+    let made = allocate(&state, &mut g, settings, now);
+    hub.metrics
+        .offers_made
+        .fetch_add(made as u64, std::sync::atomic::Ordering::Relaxed);
     expired
 }
 
@@ -366,7 +382,8 @@ fn forward_failures(state: &State, g: &mut Inner) {
 }
 
 /// Withdraws offers that timed out or whose resources are gone (agent
-/// lost, a GPU taken by a launch that went through another path).
+/// lost, a GPU taken by a launch that went through another path, a GPU
+/// unhealthy or cordoned).
 fn rescind_stale(state: &State, g: &mut Inner, now: u64, timeout: Duration) {
     let Some(book) = g.offers.as_mut() else {
         return;
@@ -380,6 +397,13 @@ fn rescind_stale(state: &State, g: &mut Inner, now: u64, timeout: Duration) {
                 .get(&o.agent_id)
                 .is_none_or(|a| a.state != AgentState::Active)
                 || o.gpu_uuids.iter().any(|u| state.gpu_owner.contains_key(u))
+                // A GPU turned unhealthy or was cordoned since.
+                || state.agents.get(&o.agent_id).is_some_and(|a| {
+                    a.info
+                        .gpus
+                        .iter()
+                        .any(|g| o.gpu_uuids.contains(&g.uuid) && !state.schedulable(g))
+                })
         })
         .map(|o| o.agent_id.clone())
         .collect();
@@ -433,13 +457,14 @@ fn failover_expired(state: &State, g: &mut Inner) -> Vec<String> {
         .collect()
 }
 
-fn allocate(state: &State, g: &mut Inner, settings: &FrameworkSettings, now: u64) {
+/// Makes the offers the allocator plans; returns how many.
+fn allocate(state: &State, g: &mut Inner, settings: &FrameworkSettings, now: u64) -> usize {
     if g.conns.is_empty() {
-        return;
+        return 0;
     }
     g.filters.expire(now);
     let Some(book) = g.offers.as_ref() else {
-        return;
+        return 0;
     };
     let offered_gpus = book.offered_gpus();
     let offered_on = book.offered_by_agent();
@@ -509,12 +534,13 @@ fn allocate(state: &State, g: &mut Inner, settings: &FrameworkSettings, now: u64
         now,
     );
     if plans.is_empty() {
-        return;
+        return 0;
     }
     let Some(book) = g.offers.as_mut() else {
-        return;
+        return 0;
     };
     let made = book.record(plans, now);
+    let count = made.len();
     let mut by_framework: BTreeMap<String, Vec<pb::Offer>> = BTreeMap::new();
     for o in made {
         let Some(agent) = state.agents.get(&o.agent_id) else {
@@ -547,4 +573,5 @@ fn allocate(state: &State, g: &mut Inner, settings: &FrameworkSettings, now: u64
                 c.tx.try_send(Ok(event(pb::event::Event::Offers(pb::Offers { offers }))));
         }
     }
+    count
 }

@@ -8,6 +8,7 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use gpuctl_proto::types::{GpuReport, GpuSample};
 use tokio::sync::watch;
 
 use crate::raft::RaftHandle;
@@ -19,6 +20,9 @@ use crate::{now_ms, MasterConfig};
 #[derive(Debug, Default)]
 pub struct Liveness {
     last_seen: Mutex<HashMap<String, Instant>>,
+    /// What each agent's last heartbeat said of its GPUs (their latest
+    /// readings, for `gpuctl top`): leader memory only, like the clocks.
+    gpu_reports: Mutex<HashMap<String, Vec<GpuReport>>>,
 }
 
 impl Liveness {
@@ -46,6 +50,27 @@ impl Liveness {
 
     fn reset(&self) {
         self.lock().clear();
+        self.reports().clear();
+    }
+
+    fn reports(&self) -> std::sync::MutexGuard<'_, HashMap<String, Vec<GpuReport>>> {
+        self.gpu_reports.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Keeps an agent's latest GPU reports (an empty list keeps the old).
+    pub fn record_gpus(&self, agent_id: &str, reports: Vec<GpuReport>) {
+        if !reports.is_empty() {
+            self.reports().insert(agent_id.to_string(), reports);
+        }
+    }
+
+    /// The latest reading of every GPU heard of, by UUID.
+    pub fn gpu_samples(&self) -> HashMap<String, GpuSample> {
+        self.reports()
+            .values()
+            .flatten()
+            .filter_map(|r| r.sample.clone().map(|s| (r.uuid.clone(), s)))
+            .collect()
     }
 }
 

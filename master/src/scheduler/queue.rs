@@ -222,6 +222,9 @@ fn decorate(job: &JobRecord, base: String) -> String {
             s.push_str(&format!(" after {}", job.message));
         }
         s.push(')');
+    } else if job.preempted_by.is_none() && !job.task_ids.is_empty() && !job.message.is_empty() {
+        // Back without using a retry: its GPU failed under it.
+        s.push_str(&format!(" (requeued after {})", job.message));
     }
     s
 }
@@ -696,6 +699,7 @@ mod tests {
                     exit_code,
                     message: String::new(),
                     uuid: Vec::new(),
+                    gpu_unhealthy: false,
                 },
                 at_ms: 0,
             });

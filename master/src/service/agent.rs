@@ -5,13 +5,37 @@ use std::pin::Pin;
 
 use futures::Stream;
 use gpuctl_proto::pb;
-use gpuctl_proto::types::{AgentInfo, StatusUpdate, TaskSpec};
+use gpuctl_proto::types::{AgentInfo, GpuReport, StatusUpdate, TaskSpec, TaskState};
 use tokio::sync::mpsc;
 use tonic::{Request, Response, Status};
 
 use super::Ctx;
 use crate::now_ms;
-use crate::state::{AgentState, Command};
+use crate::state::{AgentState, Command, GpuHealthChange};
+
+/// The reported GPUs whose health differs from the state's (GPUs the
+/// agent did not register are left out: registration names them).
+fn health_changes(ctx: &Ctx, agent_id: &str, reports: &[GpuReport]) -> Vec<GpuHealthChange> {
+    let state = ctx.raft.state();
+    let Some(agent) = state.agents.get(agent_id) else {
+        return Vec::new();
+    };
+    reports
+        .iter()
+        .filter(|r| {
+            agent.info.gpus.iter().any(|g| {
+                g.uuid == r.uuid
+                    && (g.healthy != r.healthy
+                        || (!r.healthy && g.unhealthy_reason != r.unhealthy_reason))
+            })
+        })
+        .map(|r| GpuHealthChange {
+            uuid: r.uuid.clone(),
+            healthy: r.healthy,
+            reason: r.unhealthy_reason.clone(),
+        })
+        .collect()
+}
 
 pub struct AgentManagerService {
     pub(super) ctx: Ctx,
@@ -56,13 +80,41 @@ impl pb::agent_manager_server::AgentManager for AgentManagerService {
         &self,
         req: Request<pb::HeartbeatRequest>,
     ) -> Result<Response<pb::HeartbeatResponse>, Status> {
-        let id = req.into_inner().agent_id;
+        let req = req.into_inner();
+        let id = req.agent_id;
         if !agent_known(&self.ctx, &id) {
             return Err(Status::not_found(format!(
                 "agent {id} is not registered (or was marked lost); register again"
             )));
         }
         self.ctx.liveness.touch(&id);
+        let reports = req
+            .gpus
+            .into_iter()
+            .map(GpuReport::try_from)
+            .collect::<Result<Vec<_>, _>>()?;
+        // Record what changed in the GPUs' health; the readings stay in
+        // memory (they change every probe and matter only while fresh).
+        let changes = health_changes(&self.ctx, &id, &reports);
+        self.ctx.liveness.record_gpus(&id, reports);
+        if !changes.is_empty() {
+            for c in &changes {
+                if c.healthy {
+                    tracing::info!(agent_id = %id, gpu = %c.uuid, "GPU healthy again");
+                } else {
+                    tracing::warn!(agent_id = %id, gpu = %c.uuid, reason = %c.reason, "GPU unhealthy: no longer offered");
+                }
+            }
+            self.ctx
+                .raft
+                .propose(Command::SetGpuHealth {
+                    agent_id: id.clone(),
+                    gpus: changes,
+                    at_ms: now_ms(),
+                })
+                .await?;
+            self.ctx.hub.wake();
+        }
         Ok(Response::new(pb::HeartbeatResponse {}))
     }
 
@@ -135,6 +187,18 @@ impl pb::agent_manager_server::AgentManager for AgentManagerService {
                 .is_some_and(|t| t.last_update_uuid == uuid);
         if !recorded {
             tracing::info!(task_id = %update.task_id, agent_id = %update.agent_id, state = %update.state, exit_code = ?update.exit_code, "task status");
+            // Launch latency: from the launch's commit to the first RUNNING.
+            let launched_at_ms = (update.state == TaskState::Running)
+                .then(|| {
+                    self.ctx
+                        .raft
+                        .state()
+                        .tasks
+                        .get(&task_id)
+                        .filter(|t| matches!(t.state, TaskState::Staging | TaskState::Starting))
+                        .map(|t| t.created_at_ms)
+                })
+                .flatten();
             self.ctx
                 .raft
                 .propose(Command::UpdateTaskStatus {
@@ -142,6 +206,10 @@ impl pb::agent_manager_server::AgentManager for AgentManagerService {
                     at_ms: now_ms(),
                 })
                 .await?;
+            if let Some(at) = launched_at_ms {
+                let secs = now_ms().saturating_sub(at) as f64 / 1000.0;
+                self.ctx.hub.metrics.task_launch.observe(secs);
+            }
         }
         let acknowledged = self.ctx.raft.state().is_acknowledged(&task_id, &uuid);
         Ok(Response::new(pb::StatusAck { acknowledged }))

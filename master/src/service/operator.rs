@@ -1,12 +1,12 @@
 //! Operator: what gpuctl uses.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::pin::Pin;
 use std::time::Duration;
 
 use futures::{Stream, StreamExt};
 use gpuctl_proto::pb;
-use gpuctl_proto::types::{JobSpec, JobState};
+use gpuctl_proto::types::{GpuSample, JobSpec, JobState};
 use tokio::sync::mpsc;
 use tonic::{Request, Response, Status};
 
@@ -57,12 +57,26 @@ pub fn job_to_pb(state: &State, j: &JobRecord, reasons: &BTreeMap<String, String
     }
 }
 
-fn gpu_status(state: &State, agent_id: &str, g: &gpuctl_proto::types::GpuInfo) -> pb::GpuStatus {
+fn gpu_status(
+    state: &State,
+    agent: &AgentRecord,
+    g: &gpuctl_proto::types::GpuInfo,
+    samples: &HashMap<String, GpuSample>,
+) -> pb::GpuStatus {
+    let task_id = state.gpu_owner.get(&g.uuid).cloned().unwrap_or_default();
+    let job_id = state
+        .tasks
+        .get(&task_id)
+        .map(|t| t.job_id.clone())
+        .unwrap_or_default();
     pb::GpuStatus {
         gpu: Some(g.clone().into()),
-        agent_id: agent_id.to_string(),
-        task_id: state.gpu_owner.get(&g.uuid).cloned().unwrap_or_default(),
+        agent_id: agent.info.id.clone(),
+        task_id,
         cordoned: state.cordoned.contains(&g.uuid),
+        sample: samples.get(&g.uuid).cloned().map(Into::into),
+        job_id,
+        hostname: agent.info.hostname.clone(),
     }
 }
 
@@ -207,11 +221,12 @@ impl pb::operator_server::Operator for OperatorService {
         &self,
         _: Request<pb::ListGpusRequest>,
     ) -> Result<Response<pb::ListGpusResponse>, Status> {
+        let samples = self.ctx.liveness.gpu_samples();
         let state = self.ctx.raft.state();
         let mut gpus = Vec::new();
         for a in state.agents.values() {
             for g in &a.info.gpus {
-                gpus.push(gpu_status(&state, &a.info.id, g));
+                gpus.push(gpu_status(&state, a, g, &samples));
             }
         }
         Ok(Response::new(pb::ListGpusResponse { gpus }))
@@ -231,6 +246,7 @@ impl pb::operator_server::Operator for OperatorService {
             })
             .await?;
         tracing::info!(uuid = %req.uuid, cordon = req.cordon, "GPU cordon changed");
+        let samples = self.ctx.liveness.gpu_samples();
         let state = self.ctx.raft.state();
         state
             .agents
@@ -240,7 +256,7 @@ impl pb::operator_server::Operator for OperatorService {
                     .gpus
                     .iter()
                     .find(|g| g.uuid == req.uuid)
-                    .map(|g| gpu_status(&state, &a.info.id, g))
+                    .map(|g| gpu_status(&state, a, g, &samples))
             })
             .map(Response::new)
             .ok_or_else(|| Status::not_found(format!("GPU {} not found", req.uuid)))

@@ -148,6 +148,7 @@ impl State {
             Command::LaunchTasks { launches, at_ms } => self.launch_tasks(launches, *at_ms),
             Command::UpdateTaskStatus { update, at_ms } => self.update_task(update, *at_ms),
             Command::CancelJob { job_id, at_ms } => self.cancel_job(job_id, *at_ms),
+            Command::SetGpuHealth { agent_id, gpus, .. } => self.set_gpu_health(agent_id, gpus),
             Command::CordonGpu { uuid, cordon } => {
                 if !self
                     .agents
@@ -195,6 +196,39 @@ impl State {
                 uuid,
             } => self.acknowledge_update(framework_id, framework_task_id, uuid),
         }
+    }
+
+    /// Records an agent's new verdict on some of its GPUs. All or nothing:
+    /// a GPU the agent does not have refuses the whole command.
+    fn set_gpu_health(
+        &mut self,
+        agent_id: &str,
+        changes: &[super::command::GpuHealthChange],
+    ) -> Result<Outcome, ApplyError> {
+        let agent = self
+            .agents
+            .get_mut(agent_id)
+            .ok_or_else(|| ApplyError::AgentNotFound(agent_id.to_string()))?;
+        if let Some(c) = changes
+            .iter()
+            .find(|c| !agent.info.gpus.iter().any(|g| g.uuid == c.uuid))
+        {
+            return Err(ApplyError::Invalid {
+                field: "gpus".into(),
+                reason: format!("agent {agent_id} has no GPU {}", c.uuid),
+            });
+        }
+        for c in changes {
+            if let Some(g) = agent.info.gpus.iter_mut().find(|g| g.uuid == c.uuid) {
+                g.healthy = c.healthy;
+                g.unhealthy_reason = if c.healthy {
+                    String::new()
+                } else {
+                    c.reason.clone()
+                };
+            }
+        }
+        Ok(Outcome::Done)
     }
 
     fn register_agent(
@@ -370,10 +404,18 @@ impl State {
             return Ok(Outcome::StaleUpdate);
         }
         if u.state.is_terminal() {
+            // Known before the job hears of the end: a GPU failure is not
+            // the job's fault (see job_task_ended).
+            if u.gpu_unhealthy {
+                if let Some(task) = self.tasks.get_mut(&u.task_id) {
+                    task.reason = TaskReason::GpuUnhealthy;
+                }
+            }
             self.end_task(&u.task_id, u.state, u.exit_code, &u.message, at_ms);
             if let Some(task) = self.tasks.get_mut(&u.task_id) {
                 task.last_update_uuid = u.uuid.clone();
                 task.reason = match (u.state, u.exit_code) {
+                    _ if u.gpu_unhealthy => TaskReason::GpuUnhealthy,
                     (TaskState::Finished | TaskState::Failed, Some(_)) => TaskReason::CommandExited,
                     (TaskState::Failed | TaskState::Error, None) => {
                         TaskReason::ContainerLaunchFailed
@@ -604,6 +646,7 @@ mod tests {
                     exit_code: code,
                     message: String::new(),
                     uuid: Vec::new(),
+                    gpu_unhealthy: false,
                 },
                 at_ms: 4,
             })
@@ -870,6 +913,7 @@ mod tests {
                     exit_code: Some(0),
                     message: String::new(),
                     uuid: Vec::new(),
+                    gpu_unhealthy: false,
                 },
                 at_ms: 1
             }),
@@ -909,6 +953,48 @@ mod tests {
         t.register("a1", 2);
         assert!(t.s.cordoned.contains("GPU-a1-0"));
         t.apply(cordon("GPU-a1-0", false)).unwrap();
+        t.launch(&j, "a1", &["GPU-a1-0"]).unwrap();
+    }
+
+    #[test]
+    fn gpu_health_changes_are_recorded_all_or_nothing() {
+        let mut t = T::new();
+        t.register("a1", 2);
+        t.register("a2", 1);
+        let j = t.submit(1);
+        let health = |agent: &str, gpus: &[(&str, bool)]| Command::SetGpuHealth {
+            agent_id: agent.into(),
+            gpus: gpus
+                .iter()
+                .map(|(uuid, healthy)| crate::state::GpuHealthChange {
+                    uuid: uuid.to_string(),
+                    healthy: *healthy,
+                    reason: if *healthy { String::new() } else { "XID 79".into() },
+                })
+                .collect(),
+            at_ms: 5,
+        };
+        // A GPU of another agent (or none): nothing is applied.
+        let before = t.s.clone();
+        let err = t
+            .apply(health("a1", &[("GPU-a1-0", false), ("GPU-a2-0", false)]))
+            .unwrap_err();
+        assert!(err.to_string().contains("gpus"), "{err}");
+        assert_eq!(t.s.agents, before.agents);
+        assert!(t.apply(health("nope", &[])).is_err());
+        t.apply(health("a1", &[("GPU-a1-0", false)])).unwrap();
+        let g = &t.s.agents["a1"].info.gpus[0];
+        assert!(!g.healthy);
+        assert_eq!(g.unhealthy_reason, "XID 79");
+        // Neither launched on nor chosen by the scheduler.
+        let err = t.launch(&j, "a1", &["GPU-a1-0"]).unwrap_err();
+        assert!(err.to_string().contains("unhealthy"), "{err}");
+        let l = crate::scheduler::place(&t.s, &Default::default(), &Default::default());
+        assert_ne!(l[0].gpu_uuids, vec!["GPU-a1-0".to_string()]);
+        // Healthy again: the reason goes and the GPU can be used.
+        t.apply(health("a1", &[("GPU-a1-0", true)])).unwrap();
+        let g = &t.s.agents["a1"].info.gpus[0];
+        assert!(g.healthy && g.unhealthy_reason.is_empty());
         t.launch(&j, "a1", &["GPU-a1-0"]).unwrap();
     }
 

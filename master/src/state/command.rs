@@ -53,6 +53,14 @@ pub enum Command {
         job_id: JobId,
         at_ms: u64,
     },
+    /// An agent's health checks changed their verdict on some of its GPUs:
+    /// an unhealthy GPU is neither offered nor placed on until it is
+    /// healthy again. (The agent itself stops tasks on a failed GPU.)
+    SetGpuHealth {
+        agent_id: AgentId,
+        gpus: Vec<GpuHealthChange>,
+        at_ms: u64,
+    },
     /// An operator cordons (`cordon`) or uncordons a GPU.
     CordonGpu {
         uuid: GpuUuid,
@@ -121,6 +129,15 @@ pub struct FrameworkTask {
 /// One task of a job placed on one agent with exact GPUs. A job of
 /// `replicas` tasks (a gang) needs that many launches in one command, in
 /// rank order.
+/// A GPU's new health, as its agent's checks see it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GpuHealthChange {
+    pub uuid: GpuUuid,
+    pub healthy: bool,
+    /// Why it is unhealthy; empty when healthy.
+    pub reason: String,
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Launch {
     pub job_id: JobId,
@@ -175,6 +192,7 @@ impl Command {
             Command::CancelJob { .. } => "cancel_job",
             Command::PreemptJobs { .. } => "preempt_jobs",
             Command::CordonGpu { .. } => "cordon_gpu",
+            Command::SetGpuHealth { .. } => "set_gpu_health",
             Command::SubscribeFramework { .. } => "subscribe_framework",
             Command::UpdateFramework { .. } => "update_framework",
             Command::RemoveFramework { .. } => "remove_framework",

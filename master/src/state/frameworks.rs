@@ -508,6 +508,7 @@ mod tests {
                 exit_code: None,
                 message: String::new(),
                 uuid: uuid.to_vec(),
+                gpu_unhealthy: false,
             },
             at_ms: 9,
         };

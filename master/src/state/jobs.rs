@@ -155,17 +155,24 @@ impl State {
         let ok = task.state == TaskState::Finished && task.exit_code.unwrap_or(0) == 0;
         if !ok && !job.cancel_requested && job.stopping.is_none() {
             let message = failure_message(task);
-            let retry = job.retries < job.spec.max_retries;
+            let stopping = if task.reason == TaskReason::GpuUnhealthy {
+                Stopping::GpuFailed {
+                    message: message.clone(),
+                    requeue: !job.spec.no_requeue,
+                }
+            } else {
+                Stopping::Failed {
+                    message: message.clone(),
+                    retry: job.retries < job.spec.max_retries,
+                }
+            };
             let others: Vec<String> = current
                 .iter()
                 .filter(|t| t.as_str() != task_id)
                 .cloned()
                 .collect();
             if let Some(job) = self.jobs.get_mut(job_id) {
-                job.stopping = Some(Stopping::Failed {
-                    message: message.clone(),
-                    retry,
-                });
+                job.stopping = Some(stopping);
             }
             let why = format!("stopped: {message}");
             self.kill_live(&others, &why, None, at_ms);
@@ -208,6 +215,17 @@ impl State {
                     message,
                     retry: false,
                 }) => (JobState::Failed, message),
+                Some(Stopping::GpuFailed {
+                    message,
+                    requeue: true,
+                }) => (JobState::Queued, message),
+                Some(Stopping::GpuFailed {
+                    message,
+                    requeue: false,
+                }) => (
+                    JobState::Failed,
+                    format!("{message} (submitted with --no-requeue)"),
+                ),
                 // Not reached: the first failure sets `stopping`.
                 None => (JobState::Failed, "attempt ended".to_string()),
             }
@@ -337,6 +355,9 @@ impl State {
 /// What a failed task says, for its job's message.
 fn failure_message(t: &TaskRecord) -> String {
     let who = format!("task {}", t.id);
+    if t.reason == TaskReason::GpuUnhealthy {
+        return format!("{who} failed: {}", t.message);
+    }
     match (t.state, t.exit_code) {
         (TaskState::Finished | TaskState::Failed, Some(c)) => format!("{who} exited with code {c}"),
         (TaskState::Killed, _) => format!("{who} was killed"),
@@ -406,6 +427,24 @@ mod tests {
                     exit_code: code,
                     message: String::new(),
                     uuid: Vec::new(),
+                    gpu_unhealthy: false,
+                },
+                at_ms: self.i,
+            })
+            .unwrap();
+        }
+        /// The agent stopped the task because its GPU failed.
+        fn report_gpu_failure(&mut self, task: &str, gpu: &str) {
+            let agent_id = self.s.tasks[task].agent_id.clone();
+            self.apply(Command::UpdateTaskStatus {
+                update: StatusUpdate {
+                    agent_id,
+                    task_id: task.into(),
+                    state: TaskState::Failed,
+                    exit_code: None,
+                    message: format!("GPU {gpu} unhealthy: XID 79 (GPU has fallen off the bus)"),
+                    uuid: Vec::new(),
+                    gpu_unhealthy: true,
                 },
                 at_ms: self.i,
             })
@@ -526,6 +565,50 @@ mod tests {
             t.job(&j).message
         );
         assert_eq!(t.job(&j).retries, 1);
+    }
+
+    #[test]
+    fn a_gpu_failure_requeues_the_gang_without_using_a_retry() {
+        let mut t = T::new(&[("a", 2)]);
+        let j = t.submit(spec(1, 2));
+        t.launch(&j, &[("a", &["GPU-a-0"]), ("a", &["GPU-a-1"])])
+            .unwrap();
+        t.report("job-1.0", TaskState::Running, None);
+        t.report("job-1.1", TaskState::Running, None);
+        t.report_gpu_failure("job-1.1", "GPU-a-1");
+        let failed = &t.s.tasks["job-1.1"];
+        assert_eq!(failed.state, TaskState::Failed);
+        assert_eq!(failed.reason, TaskReason::GpuUnhealthy);
+        // The rest of the gang is stopped first.
+        assert!(t.s.tasks["job-1.0"].kill_requested);
+        assert_eq!(t.job(&j).state, JobState::Running);
+        t.report("job-1.0", TaskState::Killed, None);
+        // Back in the queue with no retries (max_retries is 0), none used.
+        let job = t.job(&j);
+        assert_eq!(job.state, JobState::Queued);
+        assert_eq!(job.retries, 0);
+        assert!(
+            job.message
+                .contains("task job-1.1 failed: GPU GPU-a-1 unhealthy: XID 79"),
+            "{}",
+            job.message
+        );
+        assert!(t.s.gpu_owner.is_empty());
+    }
+
+    #[test]
+    fn a_gpu_failure_fails_a_job_submitted_with_no_requeue() {
+        let mut t = T::new(&[("a", 1)]);
+        let mut s = spec(1, 1);
+        s.no_requeue = true;
+        s.max_retries = 3;
+        let j = t.submit(s);
+        t.launch(&j, &[("a", &["GPU-a-0"])]).unwrap();
+        t.report_gpu_failure("job-1.0", "GPU-a-0");
+        let job = t.job(&j);
+        assert_eq!(job.state, JobState::Failed);
+        assert!(job.message.contains("--no-requeue"), "{}", job.message);
+        assert_eq!(job.retries, 0);
     }
 
     #[test]

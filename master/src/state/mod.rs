@@ -18,7 +18,7 @@ use gpuctl_proto::types::{
 use serde::{Deserialize, Serialize};
 
 pub use apply::{ApplyError, Outcome};
-pub use command::{Command, FrameworkTask, Launch};
+pub use command::{Command, FrameworkTask, GpuHealthChange, Launch};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum AgentState {
@@ -76,6 +76,9 @@ pub enum Stopping {
     /// Preempted by a job of higher priority: queued again when `requeue`
     /// (not `--no-requeue`), else FAILED.
     Preempted { by: JobId, requeue: bool },
+    /// A GPU of one of its tasks failed: not the job's fault, so it is
+    /// queued again without using up a retry, unless `--no-requeue`.
+    GpuFailed { message: String, requeue: bool },
 }
 
 impl JobRecord {
@@ -149,6 +152,8 @@ pub enum TaskReason {
     ContainerLaunchFailed,
     /// Stopped for a job of higher priority.
     Preempted,
+    /// One of its GPUs failed a health check.
+    GpuUnhealthy,
 }
 
 /// A framework as the replicated state knows it. Whether it is connected is

@@ -1,0 +1,165 @@
+//! The master's Prometheus metrics (`--metrics-listen`). Gauges are read
+//! from the applied state at scrape time, so every master, a follower too,
+//! reports the cluster as it has applied it; counters and histograms are
+//! observed by the leader's own loops and stay at zero on a follower.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use gpuctl_proto::metrics::{Exposition, Histogram, Kind, LATENCY_BUCKETS};
+use gpuctl_proto::types::JobState;
+
+use crate::raft::RaftHandle;
+use crate::state::AgentState;
+
+#[derive(Debug)]
+pub struct MasterMetrics {
+    /// Offers made to frameworks (the built-in jobs framework included).
+    pub offers_made: AtomicU64,
+    /// One allocation cycle of the leader: updates, rescinds, offers.
+    pub allocation_cycle: Histogram,
+    /// From a task's launch being committed to its agent reporting it
+    /// RUNNING (image pull and container start included).
+    pub task_launch: Histogram,
+}
+
+impl Default for MasterMetrics {
+    fn default() -> Self {
+        MasterMetrics {
+            offers_made: AtomicU64::new(0),
+            allocation_cycle: Histogram::new(LATENCY_BUCKETS),
+            task_launch: Histogram::new(LATENCY_BUCKETS),
+        }
+    }
+}
+
+const JOB_STATES: [JobState; 6] = [
+    JobState::Queued,
+    JobState::Starting,
+    JobState::Running,
+    JobState::Succeeded,
+    JobState::Failed,
+    JobState::Cancelled,
+];
+
+/// The exposition of one scrape.
+pub fn render(raft: &RaftHandle, metrics: &MasterMetrics, offers_outstanding: usize) -> String {
+    let st = raft.status();
+    let mut out = Exposition::new();
+    let gauge = |out: &mut Exposition, name: &str, help: &str, v: f64| {
+        out.family(name, help, Kind::Gauge);
+        out.sample(name, &[], v);
+    };
+    gauge(
+        &mut out,
+        "gpuctl_raft_term",
+        "Current Raft term.",
+        st.term as f64,
+    );
+    gauge(
+        &mut out,
+        "gpuctl_raft_leader",
+        "1 if this master is the serving Raft leader, else 0.",
+        if st.serving { 1.0 } else { 0.0 },
+    );
+    gauge(
+        &mut out,
+        "gpuctl_raft_leader_id",
+        "Raft id of the leader this master knows of (0: none).",
+        st.leader_id as f64,
+    );
+    gauge(
+        &mut out,
+        "gpuctl_raft_commit_index",
+        "Highest Raft log index known to be committed.",
+        st.commit_index as f64,
+    );
+    gauge(
+        &mut out,
+        "gpuctl_raft_applied_index",
+        "Highest Raft log index applied to this master's state.",
+        st.applied_index as f64,
+    );
+
+    {
+        let state = raft.state();
+        out.family("gpuctl_agents", "Agents by state.", Kind::Gauge);
+        for (label, want) in [("active", AgentState::Active), ("lost", AgentState::Lost)] {
+            let n = state.agents.values().filter(|a| a.state == want).count();
+            out.sample("gpuctl_agents", &[("state", label)], n as f64);
+        }
+        let gpus: Vec<_> = state
+            .agents
+            .values()
+            .filter(|a| a.state == AgentState::Active)
+            .flat_map(|a| a.info.gpus.iter())
+            .collect();
+        gauge(
+            &mut out,
+            "gpuctl_gpus",
+            "GPUs of active agents.",
+            gpus.len() as f64,
+        );
+        gauge(
+            &mut out,
+            "gpuctl_gpus_allocated",
+            "GPUs of active agents held by a task.",
+            gpus.iter()
+                .filter(|g| state.gpu_owner.contains_key(&g.uuid))
+                .count() as f64,
+        );
+        gauge(
+            &mut out,
+            "gpuctl_gpus_unhealthy",
+            "GPUs of active agents that fail their health checks.",
+            gpus.iter().filter(|g| !g.healthy).count() as f64,
+        );
+        gauge(
+            &mut out,
+            "gpuctl_gpus_cordoned",
+            "GPUs of active agents taken out of service by an operator.",
+            gpus.iter()
+                .filter(|g| state.cordoned.contains(&g.uuid))
+                .count() as f64,
+        );
+        out.family("gpuctl_jobs", "gpuctl jobs by state.", Kind::Gauge);
+        for s in JOB_STATES {
+            let n = state.jobs.values().filter(|j| j.state == s).count();
+            let label = s.to_string().to_ascii_lowercase();
+            out.sample("gpuctl_jobs", &[("state", &label)], n as f64);
+        }
+    }
+
+    gauge(
+        &mut out,
+        "gpuctl_offers_outstanding",
+        "Offers made and not yet accepted, declined, rescinded or expired.",
+        offers_outstanding as f64,
+    );
+    out.family(
+        "gpuctl_offers_total",
+        "Offers made to frameworks by this master while leader.",
+        Kind::Counter,
+    );
+    out.sample(
+        "gpuctl_offers_total",
+        &[],
+        metrics.offers_made.load(Ordering::Relaxed) as f64,
+    );
+    out.family(
+        "gpuctl_allocation_cycle_seconds",
+        "Duration of the leader's allocation cycles.",
+        Kind::Histogram,
+    );
+    metrics
+        .allocation_cycle
+        .write(&mut out, "gpuctl_allocation_cycle_seconds", &[]);
+    out.family(
+        "gpuctl_task_launch_seconds",
+        "From a task's launch being committed to its agent reporting it RUNNING.",
+        Kind::Histogram,
+    );
+    metrics
+        .task_launch
+        .write(&mut out, "gpuctl_task_launch_seconds", &[]);
+    out.finish()
+}
