@@ -114,8 +114,9 @@ pub enum Probe {
 
 struct Tracked {
     health: GpuHealth,
-    /// When it last failed a probe or raised a fault.
-    last_fault: Option<Instant>,
+    /// While unhealthy: since when it has passed every probe with no new
+    /// fault (None: it has not passed one since its last fault).
+    passing_since: Option<Instant>,
 }
 
 /// The health state machine of an agent's GPUs.
@@ -159,7 +160,7 @@ impl Tracker {
                         xid_errors: BTreeMap::new(),
                         double_bit_ecc_errors: 0,
                     },
-                    last_fault: (!g.healthy).then_some(now),
+                    passing_since: None,
                 })
                 .collect(),
             config,
@@ -179,12 +180,12 @@ impl Tracker {
     }
 
     /// Records a fault: the GPU turns unhealthy (keeping the first reason
-    /// if it already was) and its recovery clock restarts.
-    fn fault(&mut self, uuid: &str, reason: String, now: Instant) -> bool {
+    /// if it already was) and its recovery clock stops.
+    fn fault(&mut self, uuid: &str, reason: String) -> bool {
         let Some(t) = self.find(uuid) else {
             return false;
         };
-        t.last_fault = Some(now);
+        t.passing_since = None;
         if !t.health.healthy {
             return false;
         }
@@ -202,7 +203,7 @@ impl Tracker {
                 if let Some(t) = self.find(uuid) {
                     t.health.sample = None;
                 }
-                self.fault(uuid, reason, now)
+                self.fault(uuid, reason)
             }
             Probe::Passed(mut sample) => {
                 let recovery = self.config.recovery;
@@ -214,16 +215,14 @@ impl Tracker {
                 if t.health.healthy {
                     return false;
                 }
-                let quiet = t
-                    .last_fault
-                    .is_none_or(|at| now.saturating_duration_since(at) >= recovery);
-                if !quiet {
+                let since = *t.passing_since.get_or_insert(now);
+                if now.saturating_duration_since(since) < recovery {
                     return false;
                 }
                 tracing::info!(uuid, index = t.health.index, was = %t.health.reason, "GPU healthy again: back in service");
                 t.health.healthy = true;
                 t.health.reason.clear();
-                t.last_fault = None;
+                t.passing_since = None;
                 self.generation += 1;
                 true
             }
@@ -231,7 +230,7 @@ impl Tracker {
     }
 
     /// An NVML event; returns whether the GPU's health changed.
-    pub fn event(&mut self, uuid: &str, event: Event, now: Instant) -> bool {
+    pub fn event(&mut self, uuid: &str, event: Event) -> bool {
         let ignored = match event {
             Event::Xid(Some(x)) => self.config.ignored_xids.contains(&x),
             _ => false,
@@ -264,7 +263,7 @@ impl Tracker {
                 "double-bit ECC error".to_string()
             }
         };
-        self.fault(uuid, reason, now)
+        self.fault(uuid, reason)
     }
 }
 
@@ -480,7 +479,7 @@ fn run(
                 } else {
                     Event::DoubleBitEcc
                 };
-                tracker.event(&uuid, event, Instant::now());
+                tracker.event(&uuid, event);
                 tx.send_replace(tracker.snapshot());
             }
             Err(NvmlError::Timeout) => {}
@@ -559,16 +558,16 @@ mod tests {
     #[test]
     fn a_critical_xid_withdraws_the_gpu_and_an_ignored_one_does_not() {
         let (mut t, now) = tracker(10);
-        assert!(!t.event("GPU-0", Event::Xid(Some(13)), now));
+        assert!(!t.event("GPU-0", Event::Xid(Some(13))));
         assert!(t.snapshot().gpus[0].healthy);
         assert_eq!(t.snapshot().gpus[0].xid_errors[&13], 1);
-        assert!(t.event("GPU-0", Event::Xid(Some(79)), now));
+        assert!(t.event("GPU-0", Event::Xid(Some(79))));
         let g = &t.snapshot().gpus[0];
         assert!(!g.healthy);
         assert_eq!(g.reason, "XID 79 (GPU has fallen off the bus)");
         assert_eq!(t.snapshot().generation, 1);
         // A second fault keeps the first reason and is no change.
-        assert!(!t.event("GPU-0", Event::DoubleBitEcc, now));
+        assert!(!t.event("GPU-0", Event::DoubleBitEcc));
         assert_eq!(
             t.snapshot().gpus[0].reason,
             "XID 79 (GPU has fallen off the bus)"
@@ -587,8 +586,8 @@ mod tests {
             &[GpuInfo::new("GPU-0", 0, "A100", 40960)],
             now,
         );
-        assert!(!t.event("GPU-0", Event::Xid(Some(79)), now));
-        assert!(t.event("GPU-0", Event::Xid(Some(13)), now));
+        assert!(!t.event("GPU-0", Event::Xid(Some(79))));
+        assert!(t.event("GPU-0", Event::Xid(Some(13))));
         assert_eq!(t.snapshot().gpus[0].reason, "XID 13 (critical error)");
         assert_eq!(t.snapshot().gpus[0].xid_errors[&13], 1);
         assert_eq!(t.snapshot().gpus[0].xid_errors.get(&79), Some(&1));
@@ -603,17 +602,20 @@ mod tests {
         assert!(!t.probe("GPU-0", Probe::Passed(sample()), now + secs(5)));
         assert!(!t.snapshot().gpus[0].healthy);
         assert_eq!(t.snapshot().gpus[0].sample, Some(sample()));
-        // A fault in the quiet period starts it over.
-        assert!(!t.event("GPU-0", Event::Xid(Some(79)), now + secs(8)));
+        // A fault in the quiet period starts it over: the clock runs from
+        // the first passing probe after it.
+        assert!(!t.event("GPU-0", Event::Xid(Some(79))));
         assert!(!t.probe("GPU-0", Probe::Passed(sample()), now + secs(12)));
+        assert!(!t.probe("GPU-0", Probe::Passed(sample()), now + secs(21)));
         assert!(!t.snapshot().gpus[0].healthy);
-        assert!(t.probe("GPU-0", Probe::Passed(sample()), now + secs(18)));
+        assert!(t.probe("GPU-0", Probe::Passed(sample()), now + secs(22)));
         let g = &t.snapshot().gpus[0];
         assert!(g.healthy);
         assert!(g.reason.is_empty());
         assert_eq!(t.snapshot().generation, 2);
         // The GPU that discovery found lost recovers the same way.
-        assert!(t.probe("GPU-1", Probe::Passed(sample()), now + secs(10)));
+        assert!(!t.probe("GPU-1", Probe::Passed(sample()), now + secs(1)));
+        assert!(t.probe("GPU-1", Probe::Passed(sample()), now + secs(11)));
     }
 
     #[test]
@@ -630,11 +632,11 @@ mod tests {
     #[test]
     fn samples_count_xid_errors_and_unknown_gpus_are_ignored() {
         let (mut t, now) = tracker(10);
-        t.event("GPU-0", Event::Xid(Some(13)), now);
-        t.event("GPU-0", Event::Xid(Some(31)), now);
+        t.event("GPU-0", Event::Xid(Some(13)));
+        t.event("GPU-0", Event::Xid(Some(31)));
         t.probe("GPU-0", Probe::Passed(sample()), now);
         assert_eq!(t.snapshot().gpus[0].sample.as_ref().unwrap().xid_errors, 2);
-        assert!(!t.event("GPU-9", Event::Xid(Some(79)), now));
+        assert!(!t.event("GPU-9", Event::Xid(Some(79))));
         assert!(!t.probe("GPU-9", Probe::Failed("x".into()), now));
         assert_eq!(t.snapshot().generation, 0);
     }
