@@ -84,9 +84,9 @@ impl Default for Hub {
     }
 }
 
-/// A task's status as its framework sees it.
-pub fn task_status(t: &TaskRecord, reason_override: Option<pb::Reason>) -> pb::TaskStatus {
-    let reason = reason_override.unwrap_or(match t.reason {
+/// The API's name for why a task is in its state.
+pub fn reason_to_pb(r: TaskReason) -> pb::Reason {
+    match r {
         TaskReason::Unspecified => pb::Reason::Unspecified,
         TaskReason::CommandExited => pb::Reason::CommandExited,
         TaskReason::TaskInvalid => pb::Reason::TaskInvalid,
@@ -97,7 +97,12 @@ pub fn task_status(t: &TaskRecord, reason_override: Option<pb::Reason>) -> pb::T
         TaskReason::ContainerLaunchFailed => pb::Reason::ContainerLaunchFailed,
         TaskReason::Preempted => pb::Reason::Preempted,
         TaskReason::GpuUnhealthy => pb::Reason::GpuUnhealthy,
-    });
+    }
+}
+
+/// A task's status as its framework sees it.
+pub fn task_status(t: &TaskRecord, reason_override: Option<pb::Reason>) -> pb::TaskStatus {
+    let reason = reason_override.unwrap_or(reason_to_pb(t.reason));
     pb::TaskStatus {
         task_id: t.framework_task_id.clone(),
         agent_id: t.agent_id.clone(),

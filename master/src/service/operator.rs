@@ -29,6 +29,7 @@ pub fn task_to_pb(t: &TaskRecord) -> pb::Task {
         message: t.message.clone(),
         updated_at_ms: t.updated_at_ms,
         rank: t.rank,
+        reason: crate::leader::frameworks::reason_to_pb(t.reason) as i32,
     }
 }
 

@@ -969,7 +969,11 @@ mod tests {
                 .map(|(uuid, healthy)| crate::state::GpuHealthChange {
                     uuid: uuid.to_string(),
                     healthy: *healthy,
-                    reason: if *healthy { String::new() } else { "XID 79".into() },
+                    reason: if *healthy {
+                        String::new()
+                    } else {
+                        "XID 79".into()
+                    },
                 })
                 .collect(),
             at_ms: 5,
