@@ -42,6 +42,9 @@ pub struct TaskJson {
     pub updated_at_ms: u64,
     /// Its rank in the job's gang (`GPUCTL_RANK`).
     pub rank: u32,
+    /// Why it is in its state, e.g. `GPU_UNHEALTHY`, `PREEMPTED`,
+    /// `COMMAND_EXITED`; `null` when there is none.
+    pub reason: Option<String>,
 }
 
 impl From<&pb::Task> for TaskJson {
@@ -55,6 +58,10 @@ impl From<&pb::Task> for TaskJson {
             message: t.message.clone(),
             updated_at_ms: t.updated_at_ms,
             rank: t.rank,
+            reason: pb::Reason::try_from(t.reason)
+                .ok()
+                .filter(|r| *r != pb::Reason::Unspecified)
+                .map(|r| r.as_str_name().trim_start_matches("REASON_").to_string()),
         }
     }
 }
@@ -800,6 +807,7 @@ mod tests {
                 message: "exited".into(),
                 updated_at_ms: 1_700_000_001_000,
                 rank: 0,
+                reason: pb::Reason::CommandExited as i32,
             }],
             submitted_at_ms: 1_700_000_000_000,
             message: String::new(),
@@ -924,6 +932,7 @@ mod tests {
             agent_id: "agent-a".into(),
             task_id: String::new(),
             cordoned: false,
+            ..Default::default()
         };
         let busy = pb::GpuStatus {
             task_id: "job-7.0".into(),
@@ -1032,6 +1041,7 @@ mod tests {
             agent_id: "agent-a".into(),
             task_id: String::new(),
             cordoned: false,
+            ..Default::default()
         };
         let cordoned = pb::GpuStatus {
             cordoned: true,

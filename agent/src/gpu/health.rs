@@ -145,7 +145,7 @@ fn xid_meaning(xid: u64) -> &'static str {
 impl Tracker {
     /// Starts from discovery's view: a GPU discovery found broken starts
     /// unhealthy with discovery's reason.
-    pub fn new(config: HealthConfig, gpus: &[GpuInfo], now: Instant) -> Tracker {
+    pub fn new(config: HealthConfig, gpus: &[GpuInfo]) -> Tracker {
         Tracker {
             gpus: gpus
                 .iter()
@@ -397,7 +397,7 @@ fn run(
     stop: Arc<AtomicBool>,
 ) {
     let interval = config.interval;
-    let mut tracker = Tracker::new(config, &gpus, Instant::now());
+    let mut tracker = Tracker::new(config, &gpus);
     tx.send_replace(tracker.snapshot());
     let init = || match &nvml_lib {
         Some(p) => Nvml::builder().lib_path(p.as_os_str()).init(),
@@ -528,7 +528,6 @@ mod tests {
                 ..Default::default()
             },
             &[GpuInfo::new("GPU-0", 0, "A100", 40960), lost],
-            now,
         );
         (t, now)
     }
@@ -557,7 +556,7 @@ mod tests {
 
     #[test]
     fn a_critical_xid_withdraws_the_gpu_and_an_ignored_one_does_not() {
-        let (mut t, now) = tracker(10);
+        let (mut t, _) = tracker(10);
         assert!(!t.event("GPU-0", Event::Xid(Some(13))));
         assert!(t.snapshot().gpus[0].healthy);
         assert_eq!(t.snapshot().gpus[0].xid_errors[&13], 1);
@@ -577,14 +576,12 @@ mod tests {
 
     #[test]
     fn the_ignore_list_is_configurable() {
-        let now = Instant::now();
         let mut t = Tracker::new(
             HealthConfig {
                 ignored_xids: [79].into_iter().collect(),
                 ..Default::default()
             },
             &[GpuInfo::new("GPU-0", 0, "A100", 40960)],
-            now,
         );
         assert!(!t.event("GPU-0", Event::Xid(Some(79))));
         assert!(t.event("GPU-0", Event::Xid(Some(13))));

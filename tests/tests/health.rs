@@ -1,0 +1,364 @@
+//! GPU health checks and metrics, end to end: a real master and agent, the
+//! agent's GPUs discovered through fake-nvml, faults injected by rewriting
+//! fake-nvml's machine description while the agent runs (it re-reads it on
+//! every call, and delivers the `events` it lists).
+#![allow(clippy::unwrap_used)]
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use gpuctl_tests::{free_port, try_wait_for, wait_for, AgentOpts, Cluster, Gpuctl};
+use serde_json::{json, Value};
+
+const GPU0: &str = "GPU-0c5e6a3e-0000-4000-8000-000000000000";
+const GPU1: &str = "GPU-0c5e6a3e-0000-4000-8000-000000000001";
+
+/// Two A100s; GPU 1 busy at 87% with 12 GiB used.
+fn machine() -> Value {
+    json!({
+        "gpus": [
+            { "uuid": GPU0, "name": "NVIDIA A100-SXM4-40GB", "memory_total_mib": 40960,
+              "temperature_c": 41, "power_mw": 61000 },
+            { "uuid": GPU1, "name": "NVIDIA A100-SXM4-40GB", "memory_total_mib": 40960,
+              "memory_used_mib": 12288, "utilization_gpu_pct": 87,
+              "temperature_c": 67, "power_mw": 250500 }
+        ],
+        "events": []
+    })
+}
+
+/// Replaces the file at once (write then rename), so fake-nvml never
+/// reads half a description.
+fn write_machine(path: &Path, m: &Value) {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, serde_json::to_vec_pretty(m).unwrap()).unwrap();
+    std::fs::rename(&tmp, path).unwrap();
+}
+
+struct Setup {
+    c: Cluster,
+    machine_path: PathBuf,
+    machine: Value,
+    master_metrics: String,
+    agent_metrics: String,
+}
+
+impl Setup {
+    /// A master and one agent with fast health checks; `recovery_secs` is
+    /// the agent's hysteresis.
+    fn start(recovery_secs: &str) -> Setup {
+        let master_metrics = format!("127.0.0.1:{}", free_port());
+        let mut c = Cluster::start(&["--metrics-listen", &master_metrics]);
+        let machine_path = c.dir.path().join("machine.json");
+        let machine = machine();
+        write_machine(&machine_path, &machine);
+        let agent_metrics = format!("127.0.0.1:{}", free_port());
+        c.add_agent(AgentOpts {
+            simulate_gpus: None,
+            extra: vec![
+                "--nvml-lib".into(),
+                gpuctl_tests::fake_nvml_lib().display().to_string(),
+                "--health-interval-secs".into(),
+                "0.2".into(),
+                "--health-recovery-secs".into(),
+                recovery_secs.into(),
+                "--metrics-listen".into(),
+                agent_metrics.clone(),
+            ],
+            env: vec![(
+                "FAKE_NVML_CONFIG".into(),
+                machine_path.display().to_string(),
+            )],
+            ..Default::default()
+        });
+        Setup {
+            c,
+            machine_path,
+            machine,
+            master_metrics,
+            agent_metrics,
+        }
+    }
+
+    fn change(&mut self, f: impl FnOnce(&mut Value)) {
+        f(&mut self.machine);
+        write_machine(&self.machine_path, &self.machine);
+    }
+
+    fn gpu(&self, uuid: &str) -> Value {
+        let all = self.c.json(&["gpus", "--json"]);
+        all.as_array()
+            .unwrap()
+            .iter()
+            .find(|g| g["uuid"] == uuid)
+            .cloned()
+            .unwrap_or_else(|| panic!("no GPU {uuid} in {all}"))
+    }
+
+    fn wait_health(&self, uuid: &str, healthy: bool) -> Value {
+        let mut last = Value::Null;
+        let ok = try_wait_for(Duration::from_secs(20), || {
+            last = self.gpu(uuid);
+            last["healthy"] == healthy
+        });
+        assert!(
+            ok,
+            "GPU {uuid} never became healthy={healthy}; last {last}\n{}",
+            self.c.diagnostics()
+        );
+        last
+    }
+
+    /// Starts a sleeping 1-GPU job and returns (job id, its GPU).
+    fn sleeper(&self, name: &str) -> (String, String) {
+        let id = self
+            .c
+            .submit(&["--name", name, "--gpus", "1", "--", "sleep", "600"]);
+        let j = self.c.wait_state(&id, "RUNNING", Duration::from_secs(30));
+        let gpu = j["tasks"][0]["gpus"][0].as_str().unwrap().to_string();
+        (id, gpu)
+    }
+}
+
+/// GET http://addr/path; panics unless 200.
+fn http_get(addr: &str, path: &str) -> String {
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).unwrap();
+    let (head, body) = resp.split_once("\r\n\r\n").unwrap();
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert!(
+        head.to_ascii_lowercase()
+            .contains("content-type: text/plain; version=0.0.4"),
+        "{head}"
+    );
+    body.to_string()
+}
+
+/// A scrape parsed by an independent parser (prometheus-parse).
+struct Scrape(prometheus_parse::Scrape);
+
+impl Scrape {
+    fn get(addr: &str) -> Scrape {
+        let body = http_get(addr, "/metrics");
+        let lines = body.lines().map(|l| Ok(l.to_string()));
+        Scrape(prometheus_parse::Scrape::parse(lines).expect("valid Prometheus text"))
+    }
+
+    /// The value of the one sample of `metric` whose labels include `labels`.
+    fn value(&self, metric: &str, labels: &[(&str, &str)]) -> Option<f64> {
+        let mut found = self.0.samples.iter().filter(|s| {
+            s.metric == metric && labels.iter().all(|(k, v)| s.labels.get(k) == Some(*v))
+        });
+        let s = found.next()?;
+        assert!(found.next().is_none(), "more than one {metric} {labels:?}");
+        match s.value {
+            prometheus_parse::Value::Counter(v)
+            | prometheus_parse::Value::Gauge(v)
+            | prometheus_parse::Value::Untyped(v) => Some(v),
+            ref other => panic!("{metric}: unexpected {other:?}"),
+        }
+    }
+
+    fn labels_of(&self, metric: &str, uuid: &str) -> HashMap<String, String> {
+        let s = self
+            .0
+            .samples
+            .iter()
+            .find(|s| s.metric == metric && s.labels.get("uuid") == Some(uuid))
+            .unwrap_or_else(|| panic!("no {metric} for {uuid}"));
+        ["uuid", "index", "model", "task", "job"]
+            .iter()
+            .filter_map(|k| s.labels.get(k).map(|v| (k.to_string(), v.to_string())))
+            .collect()
+    }
+
+    fn help(&self, metric: &str) -> bool {
+        self.0.docs.contains_key(metric)
+    }
+}
+
+/// A lost GPU: its task fails with GPU_UNHEALTHY, the job is requeued onto
+/// the other GPU, the GPU is shown unhealthy with the reason; once found
+/// again it returns, but not before the recovery time.
+#[test]
+fn a_lost_gpu_fails_its_task_requeues_the_job_and_comes_back_after_recovery() {
+    let mut s = Setup::start("3");
+    let (job, first) = s.sleeper("train");
+    let other = if first == GPU0 { GPU1 } else { GPU0 };
+    let index = if first == GPU0 { 0 } else { 1 };
+    s.change(|m| m["gpus"][index]["lost"] = true.into());
+
+    let g = s.wait_health(&first, false);
+    assert!(
+        g["unhealthy_reason"]
+            .as_str()
+            .unwrap()
+            .contains("GPU is lost"),
+        "{g}"
+    );
+    // The job runs again, on the other GPU, without using up a retry.
+    let mut j = Value::Null;
+    let moved = try_wait_for(Duration::from_secs(30), || {
+        j = s.c.job(&job);
+        j["state"] == "RUNNING" && j["tasks"].as_array().unwrap().len() == 2
+    });
+    assert!(moved, "job not requeued: {j}\n{}", s.c.diagnostics());
+    let failed = &j["tasks"][0];
+    assert_eq!(failed["state"], "FAILED", "{j}");
+    assert_eq!(failed["reason"], "GPU_UNHEALTHY", "{j}");
+    let msg = failed["message"].as_str().unwrap();
+    assert!(msg.contains(&format!("GPU {first} unhealthy")), "{msg}");
+    assert_eq!(j["tasks"][1]["gpus"][0], other, "{j}");
+    assert_eq!(j["retries"], 0, "{j}");
+
+    // `gpuctl top` shows the readings of the GPU in use and its task.
+    let top = s.c.json(&["top", "--once", "--json"]);
+    let row = top
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["uuid"] == other)
+        .cloned()
+        .unwrap();
+    assert_eq!(row["job_id"], job.as_str(), "{row}");
+    assert_eq!(row["task_id"], j["tasks"][1]["id"], "{row}");
+    if other == GPU1 {
+        assert_eq!(row["utilization_pct"], 87, "{row}");
+        assert_eq!(row["memory_used_mib"], 12288, "{row}");
+        assert_eq!(row["temperature_c"], 67, "{row}");
+    }
+
+    // Found again: back in service, after the recovery time and not before.
+    let found_at = Instant::now();
+    s.change(|m| m["gpus"][index]["lost"] = false.into());
+    let g = s.wait_health(&first, true);
+    assert!(
+        found_at.elapsed() >= Duration::from_secs(3),
+        "back after {:?}, before the 3 s recovery",
+        found_at.elapsed()
+    );
+    assert_eq!(g["unhealthy_reason"], "", "{g}");
+    // And it takes work again.
+    let (_, gpu) = s.sleeper("after");
+    assert_eq!(gpu, first);
+}
+
+/// NVML events: an application's XID 13 is counted but changes nothing;
+/// XID 79 and a double-bit ECC error withdraw their GPUs and fail the task
+/// on them; the metrics of agent and master say so.
+#[test]
+fn critical_events_withdraw_gpus_ignored_xids_do_not_and_metrics_show_it() {
+    let mut s = Setup::start("3600");
+    let (job, gpu) = s.sleeper("victim");
+    let index = if gpu == GPU0 { 0 } else { 1 };
+    let (other, other_index) = if gpu == GPU0 { (GPU1, 1) } else { (GPU0, 0) };
+    s.change(|m| m["events"] = json!([{ "id": 1, "gpu_index": index, "type": "xid", "data": 13 }]));
+    let xid = |s: &Setup, uuid: &str, code: &str| {
+        Scrape::get(&s.agent_metrics).value(
+            "gpuctl_gpu_xid_errors_total",
+            &[("uuid", uuid), ("xid", code)],
+        )
+    };
+    wait_for(Duration::from_secs(20), "XID 13 counted", || {
+        xid(&s, &gpu, "13") == Some(1.0)
+    });
+    assert_eq!(s.gpu(&gpu)["healthy"], true);
+    assert_eq!(s.c.job(&job)["state"], "RUNNING");
+
+    // The free GPU first, so that the job has nowhere to go afterwards.
+    s.change(|m| {
+        m["events"] = json!([
+            { "id": 1, "gpu_index": index, "type": "xid", "data": 13 },
+            { "id": 3, "gpu_index": other_index, "type": "double_bit_ecc" }
+        ])
+    });
+    let g = s.wait_health(other, false);
+    assert_eq!(g["unhealthy_reason"], "double-bit ECC error", "{g}");
+    assert_eq!(s.c.job(&job)["state"], "RUNNING");
+    s.change(|m| {
+        m["events"] = json!([
+            { "id": 1, "gpu_index": index, "type": "xid", "data": 13 },
+            { "id": 2, "gpu_index": index, "type": "xid", "data": 79 },
+            { "id": 3, "gpu_index": other_index, "type": "double_bit_ecc" }
+        ])
+    });
+    let g = s.wait_health(&gpu, false);
+    assert_eq!(
+        g["unhealthy_reason"], "XID 79 (GPU has fallen off the bus)",
+        "{g}"
+    );
+    // Its task failed; with no healthy GPU left, the job waits, saying why.
+    let j = s.c.wait_state(&job, "QUEUED", Duration::from_secs(30));
+    assert_eq!(j["tasks"][0]["reason"], "GPU_UNHEALTHY", "{j}");
+    let reason = j["reason"].as_str().unwrap();
+    assert!(
+        reason.contains("requeued after task") && reason.contains("XID 79"),
+        "{reason}"
+    );
+
+    // The agent's metrics.
+    let a = Scrape::get(&s.agent_metrics);
+    for uuid in [GPU0, GPU1] {
+        assert_eq!(a.value("gpuctl_gpu_healthy", &[("uuid", uuid)]), Some(0.0));
+        let l = a.labels_of("gpuctl_gpu_healthy", uuid);
+        assert_eq!(l["model"], "NVIDIA A100-SXM4-40GB");
+        assert_eq!(l["index"], if uuid == GPU0 { "0" } else { "1" });
+        assert_eq!(l["task"], "", "no task on a failed GPU");
+        assert_eq!(
+            a.value("gpuctl_gpu_memory_total_bytes", &[("uuid", uuid)]),
+            Some(40960.0 * 1024.0 * 1024.0)
+        );
+    }
+    assert_eq!(
+        a.value("gpuctl_gpu_utilization_ratio", &[("uuid", GPU1)]),
+        Some(0.87)
+    );
+    assert_eq!(
+        a.value("gpuctl_gpu_memory_used_bytes", &[("uuid", GPU1)]),
+        Some(12288.0 * 1024.0 * 1024.0)
+    );
+    assert_eq!(
+        a.value("gpuctl_gpu_temperature_celsius", &[("uuid", GPU0)]),
+        Some(41.0)
+    );
+    assert_eq!(
+        a.value("gpuctl_gpu_power_watts", &[("uuid", GPU1)]),
+        Some(250.5)
+    );
+    assert_eq!(xid(&s, &gpu, "79"), Some(1.0));
+    assert_eq!(
+        a.value("gpuctl_gpu_double_bit_ecc_errors_total", &[("uuid", other)]),
+        Some(1.0)
+    );
+    assert_eq!(a.value("gpuctl_agent_tasks_running", &[]), Some(0.0));
+    assert!(a.help("gpuctl_gpu_healthy"));
+
+    // The master's.
+    let m = Scrape::get(&s.master_metrics);
+    assert_eq!(m.value("gpuctl_raft_leader", &[]), Some(1.0));
+    assert!(m.value("gpuctl_raft_term", &[]).unwrap() >= 1.0);
+    assert!(m.value("gpuctl_raft_commit_index", &[]).unwrap() >= 1.0);
+    assert_eq!(m.value("gpuctl_agents", &[("state", "active")]), Some(1.0));
+    assert_eq!(m.value("gpuctl_gpus", &[]), Some(2.0));
+    assert_eq!(m.value("gpuctl_gpus_unhealthy", &[]), Some(2.0));
+    assert_eq!(m.value("gpuctl_gpus_allocated", &[]), Some(0.0));
+    assert_eq!(m.value("gpuctl_jobs", &[("state", "queued")]), Some(1.0));
+    assert_eq!(m.value("gpuctl_jobs", &[("state", "running")]), Some(0.0));
+    assert!(m.value("gpuctl_offers_total", &[]).unwrap() >= 1.0);
+    assert!(m.value("gpuctl_task_launch_seconds_count", &[]).unwrap() >= 1.0);
+    assert!(
+        m.value("gpuctl_allocation_cycle_seconds_count", &[])
+            .unwrap()
+            >= 1.0
+    );
+    assert!(m.help("gpuctl_allocation_cycle_seconds"));
+}
