@@ -15,6 +15,7 @@ mod failover_tests;
 pub mod gpus;
 pub mod jobs;
 pub mod masters;
+pub mod top;
 
 /// Success; for `jobs wait`, the job SUCCEEDED.
 pub const EXIT_OK: u8 = 0;
@@ -64,6 +65,9 @@ pub enum Command {
     /// List the masters (id, address, role, voter, Raft term, commit and
     /// applied index), or add or remove one.
     Masters(masters::MastersArgs),
+    /// A live table of every GPU: utilization, memory, temperature, power,
+    /// health and the task on it, refreshed until Ctrl-C.
+    Top(top::TopArgs),
     /// Start a master and an agent in this process, run two GPU jobs and show the cluster.
     Demo(demo::DemoArgs),
 }
@@ -198,6 +202,10 @@ pub async fn run(cli: Cli) -> Result<u8, CliError> {
             let mut master = Master::connect(&cli.master.0).await?;
             masters::run(&mut master, args, &mut out).await?;
             EXIT_OK
+        }
+        Command::Top(args) => {
+            let mut master = Master::connect(&cli.master.0).await?;
+            top::run(&mut master, args, &mut out).await?
         }
     };
     out.flush()?;
