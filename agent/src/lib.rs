@@ -334,23 +334,13 @@ pub async fn serve(
         updates_tx,
     );
     if let Some(addr) = config.metrics_listen {
-        let listener = tokio::net::TcpListener::bind(addr)
+        let render = metrics::renderer(metrics_gpus, health_rx.clone(), executor.clone());
+        gpuctl_proto::metrics::spawn_server(addr, render, stop_rx.clone())
             .await
             .map_err(|source| AgentError::Listen {
                 addr: addr.to_string(),
                 source,
             })?;
-        tracing::info!(%addr, "serving Prometheus metrics at /metrics");
-        let render = metrics::renderer(metrics_gpus, health_rx.clone(), executor.clone());
-        let mut stop = stop_rx.clone();
-        tokio::spawn(async move {
-            let shutdown = async move {
-                let _ = stop.changed().await;
-            };
-            if let Err(e) = gpuctl_proto::metrics::serve(listener, render, shutdown).await {
-                tracing::error!(error = %e, "metrics server failed");
-            }
-        });
     }
     let masters = Arc::new(master_link::Masters::new(config.masters.clone()));
     let sender = tokio::spawn(master_link::status_sender(masters.clone(), updates_rx));

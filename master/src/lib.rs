@@ -118,25 +118,16 @@ pub async fn serve(
     ));
     let metrics_task = match config.metrics_listen {
         Some(addr) => {
-            let listener = tokio::net::TcpListener::bind(addr)
+            let (raft, hub) = (handle.clone(), hub.clone());
+            let render: Arc<dyn Fn() -> String + Send + Sync> =
+                Arc::new(move || metrics::render(&raft, &hub.metrics, hub.offers_outstanding()));
+            let task = gpuctl_proto::metrics::spawn_server(addr, render, stop_rx.clone())
                 .await
                 .map_err(|source| MasterError::Listen {
                     addr: addr.to_string(),
                     source,
                 })?;
-            tracing::info!(%addr, "serving Prometheus metrics at /metrics");
-            let (raft, hub) = (handle.clone(), hub.clone());
-            let render: Arc<dyn Fn() -> String + Send + Sync> =
-                Arc::new(move || metrics::render(&raft, &hub.metrics, hub.offers_outstanding()));
-            let mut stop = stop_rx.clone();
-            Some(tokio::spawn(async move {
-                let shutdown = async move {
-                    let _ = stop.changed().await;
-                };
-                if let Err(e) = gpuctl_proto::metrics::serve(listener, render, shutdown).await {
-                    tracing::error!(error = %e, "metrics server failed");
-                }
-            }))
+            Some(task)
         }
         None => None,
     };

@@ -202,6 +202,26 @@ pub async fn serve(
         .await
 }
 
+/// Binds `addr` (so that a bad or taken address fails the daemon's start)
+/// and serves [`serve`] in the background until `stop` turns true or its
+/// sender goes.
+pub async fn spawn_server(
+    addr: std::net::SocketAddr,
+    render: Arc<dyn Fn() -> String + Send + Sync>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) -> std::io::Result<tokio::task::JoinHandle<()>> {
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    tracing::info!(%addr, "serving Prometheus metrics at /metrics");
+    Ok(tokio::spawn(async move {
+        let shutdown = async move {
+            let _ = stop.wait_for(|s| *s).await;
+        };
+        if let Err(e) = serve(listener, render, shutdown).await {
+            tracing::error!(error = %e, "metrics server failed");
+        }
+    }))
+}
+
 /// `[a-zA-Z_:][a-zA-Z0-9_:]*`
 fn is_metric_name(s: &str) -> bool {
     let mut chars = s.chars();
@@ -706,5 +726,24 @@ mod tests {
         assert!(result.is_ok(), "{result:?}");
         // The listener is gone with the server.
         assert!(tokio::net::TcpStream::connect(addr).await.is_err());
+    }
+
+    #[tokio::test]
+    async fn metrics_spawn_server_fails_on_a_taken_port_and_stops_on_request() {
+        let taken = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = taken.local_addr().unwrap();
+        let render: Arc<dyn Fn() -> String + Send + Sync> = Arc::new(|| "x 1\n".to_string());
+        let (stop_tx, stop) = tokio::sync::watch::channel(false);
+        let err = spawn_server(addr, render.clone(), stop.clone())
+            .await
+            .unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::AddrInUse);
+        drop(taken);
+        let task = spawn_server(addr, render, stop).await.unwrap();
+        stop_tx.send(true).unwrap();
+        tokio::time::timeout(std::time::Duration::from_secs(30), task)
+            .await
+            .expect("server stops when asked")
+            .unwrap();
     }
 }
