@@ -75,7 +75,10 @@ fn gpu_status(
         agent_id: agent.info.id.clone(),
         task_id,
         cordoned: state.cordoned.contains(&g.uuid),
-        sample: samples.get(&g.uuid).cloned().map(Into::into),
+        // A lost agent's last readings are stale: show none.
+        sample: (agent.state == AgentState::Active)
+            .then(|| samples.get(&g.uuid).cloned().map(Into::into))
+            .flatten(),
         job_id,
         hostname: agent.info.hostname.clone(),
     }
