@@ -4,15 +4,15 @@
 //! is never resent when it may have been applied, and that streams survive
 //! a failover.
 
-use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use clap::Parser;
 use gpuctl_proto::leader::not_leader;
 use gpuctl_proto::pb;
-use tonic::{Request, Response, Status};
+use tonic::Status;
 
+use super::testkit::{chunks, dead_addr, serve, FakeOperator};
 use super::{Cli, CliError, Command, EXIT_FAILURE, EXIT_OK};
 use crate::client::{may_retry, never_sent, not_applied, Master, Retry};
 
@@ -94,34 +94,15 @@ fn member(id: u64, role: &str) -> pb::MasterInfo {
     }
 }
 
-type LogStream = Pin<Box<dyn futures::Stream<Item = Result<pb::LogChunk, Status>> + Send>>;
-
-fn chunks(data: &[&'static str]) -> Vec<Result<pb::LogChunk, Status>> {
-    data.iter()
-        .map(|s| {
-            Ok(pb::LogChunk {
-                data: s.as_bytes().to_vec(),
-            })
-        })
-        .collect()
-}
-
-#[tonic::async_trait]
-impl pb::operator_server::Operator for Node {
-    async fn submit_job(
-        &self,
-        r: Request<pb::SubmitJobRequest>,
-    ) -> Result<Response<pb::SubmitJobResponse>, Status> {
-        self.submit_keys
-            .lock()
-            .unwrap()
-            .push(r.into_inner().request_id);
+impl FakeOperator for Node {
+    fn submit_job(&self, r: pb::SubmitJobRequest) -> Result<pb::SubmitJobResponse, Status> {
+        self.submit_keys.lock().unwrap().push(r.request_id);
         self.gate("submit")?;
-        Ok(Response::new(pb::SubmitJobResponse {
+        Ok(pb::SubmitJobResponse {
             job_id: "job-7".into(),
-        }))
+        })
     }
-    async fn get_job(&self, r: Request<pb::GetJobRequest>) -> Result<Response<pb::Job>, Status> {
+    fn get_job(&self, r: pb::GetJobRequest) -> Result<pb::Job, Status> {
         self.gate("get")?;
         let mut states = self.job_states.lock().unwrap();
         let state = if states.len() > 1 {
@@ -129,62 +110,31 @@ impl pb::operator_server::Operator for Node {
         } else {
             states[0]
         };
-        Ok(Response::new(pb::Job {
-            id: r.into_inner().job_id,
+        Ok(pb::Job {
+            id: r.job_id,
             state: state as i32,
             ..Default::default()
-        }))
+        })
     }
-    async fn list_jobs(
-        &self,
-        _: Request<pb::ListJobsRequest>,
-    ) -> Result<Response<pb::ListJobsResponse>, Status> {
+    fn list_jobs(&self, _: pb::ListJobsRequest) -> Result<pb::ListJobsResponse, Status> {
         self.gate("list")?;
-        Ok(Response::new(pb::ListJobsResponse {
+        Ok(pb::ListJobsResponse {
             jobs: vec![pb::Job {
                 id: "job-7".into(),
                 ..Default::default()
             }],
-        }))
+        })
     }
-    async fn cancel_job(
-        &self,
-        _: Request<pb::CancelJobRequest>,
-    ) -> Result<Response<pb::CancelJobResponse>, Status> {
+    fn cancel_job(&self, _: pb::CancelJobRequest) -> Result<pb::CancelJobResponse, Status> {
         self.gate("cancel")?;
-        Ok(Response::new(pb::CancelJobResponse {
+        Ok(pb::CancelJobResponse {
             state: pb::JobState::JobCancelled as i32,
-        }))
+        })
     }
-    async fn list_agents(
-        &self,
-        _: Request<pb::ListAgentsRequest>,
-    ) -> Result<Response<pb::ListAgentsResponse>, Status> {
-        self.gate("agents")?;
-        Ok(Response::new(pb::ListAgentsResponse::default()))
-    }
-    async fn list_gpus(
-        &self,
-        _: Request<pb::ListGpusRequest>,
-    ) -> Result<Response<pb::ListGpusResponse>, Status> {
-        self.gate("gpus")?;
-        Ok(Response::new(pb::ListGpusResponse::default()))
-    }
-    async fn cordon_gpu(
-        &self,
-        _: Request<pb::CordonGpuRequest>,
-    ) -> Result<Response<pb::GpuStatus>, Status> {
-        self.gate("cordon")?;
-        Ok(Response::new(pb::GpuStatus::default()))
-    }
-    type JobLogsStream = LogStream;
-    async fn job_logs(
-        &self,
-        _: Request<pb::JobLogsRequest>,
-    ) -> Result<Response<LogStream>, Status> {
+    fn job_logs(&self, _: pb::JobLogsRequest) -> Result<Vec<Result<pb::LogChunk, Status>>, Status> {
         self.gate("logs")?;
         let logs = self.logs.lock().unwrap().clone();
-        let items = match logs {
+        Ok(match logs {
             Logs::Whole(data) => chunks(&data),
             Logs::BreakAfter(data, leader) => {
                 let mut items = chunks(&data);
@@ -195,25 +145,17 @@ impl pb::operator_server::Operator for Node {
                 *self.role.lock().unwrap() = Role::Follower(Some(leader));
                 chunks(&data)
             }
-        };
-        Ok(Response::new(Box::pin(futures::stream::iter(items))))
+        })
     }
-    async fn list_masters(
-        &self,
-        _: Request<pb::ListMastersRequest>,
-    ) -> Result<Response<pb::ListMastersResponse>, Status> {
+    fn list_masters(&self, _: pb::ListMastersRequest) -> Result<pb::ListMastersResponse, Status> {
         // Any master answers this one.
         self.calls.lock().unwrap().push("masters".into());
-        Ok(Response::new(pb::ListMastersResponse {
+        Ok(pb::ListMastersResponse {
             masters: self.members.lock().unwrap().clone(),
-        }))
+        })
     }
-    async fn add_master(
-        &self,
-        r: Request<pb::AddMasterRequest>,
-    ) -> Result<Response<pb::ListMastersResponse>, Status> {
+    fn add_master(&self, r: pb::AddMasterRequest) -> Result<pb::ListMastersResponse, Status> {
         self.gate("add")?;
-        let r = r.into_inner();
         let mut members = self.members.lock().unwrap();
         members.push(pb::MasterInfo {
             id: r.id,
@@ -223,42 +165,18 @@ impl pb::operator_server::Operator for Node {
             reachable: true,
             ..Default::default()
         });
-        Ok(Response::new(pb::ListMastersResponse {
+        Ok(pb::ListMastersResponse {
             masters: members.clone(),
-        }))
+        })
     }
-    async fn remove_master(
-        &self,
-        r: Request<pb::RemoveMasterRequest>,
-    ) -> Result<Response<pb::ListMastersResponse>, Status> {
+    fn remove_master(&self, r: pb::RemoveMasterRequest) -> Result<pb::ListMastersResponse, Status> {
         self.gate("remove")?;
-        let id = r.into_inner().id;
         let mut members = self.members.lock().unwrap();
-        members.retain(|m| m.id != id);
-        Ok(Response::new(pb::ListMastersResponse {
+        members.retain(|m| m.id != r.id);
+        Ok(pb::ListMastersResponse {
             masters: members.clone(),
-        }))
+        })
     }
-}
-
-async fn serve(node: Arc<Node>) -> String {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap().to_string();
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(pb::operator_server::OperatorServer::from_arc(node))
-            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
-    );
-    addr
-}
-
-/// An address nobody listens on.
-fn dead_addr() -> String {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .to_string()
 }
 
 async fn run_cmd(m: &mut Master, args: &[&str]) -> (Result<u8, CliError>, String) {

@@ -491,9 +491,9 @@ pub async fn wait(
 #[allow(clippy::result_large_err)]
 mod tests {
     use super::*;
+    use crate::commands::testkit::{chunks, dead_addr, serve, FakeOperator};
     use crate::commands::{Cli, Command, EXIT_NOT_FOUND, EXIT_TIMEOUT, EXIT_USAGE};
     use clap::Parser;
-    use std::pin::Pin;
     use std::sync::{Arc, Mutex};
 
     fn parse(args: &[&str]) -> Result<Cli, clap::Error> {
@@ -633,125 +633,56 @@ mod tests {
         }
     }
 
-    type LogStream =
-        Pin<Box<dyn futures::Stream<Item = Result<pb::LogChunk, tonic::Status>> + Send>>;
-
-    #[tonic::async_trait]
-    impl pb::operator_server::Operator for Fake {
-        async fn submit_job(
+    impl FakeOperator for Fake {
+        fn submit_job(
             &self,
-            r: tonic::Request<pb::SubmitJobRequest>,
-        ) -> Result<tonic::Response<pb::SubmitJobResponse>, tonic::Status> {
-            let spec = r.into_inner().spec.unwrap_or_default();
+            r: pb::SubmitJobRequest,
+        ) -> Result<pb::SubmitJobResponse, tonic::Status> {
+            let spec = r.spec.unwrap_or_default();
             if spec.name.is_empty() {
                 return Err(tonic::Status::invalid_argument(
                     "invalid spec.name: must not be empty",
                 ));
             }
             self.submitted.lock().unwrap().push(spec);
-            Ok(tonic::Response::new(pb::SubmitJobResponse {
+            Ok(pb::SubmitJobResponse {
                 job_id: "job-1".into(),
-            }))
+            })
         }
-        async fn get_job(
-            &self,
-            r: tonic::Request<pb::GetJobRequest>,
-        ) -> Result<tonic::Response<pb::Job>, tonic::Status> {
-            let id = r.into_inner().job_id;
+        fn get_job(&self, r: pb::GetJobRequest) -> Result<pb::Job, tonic::Status> {
+            let id = r.job_id;
             let mut states = self.states.lock().unwrap();
             let Some(seq) = states.get_mut(&id) else {
                 return Err(tonic::Status::not_found(format!("job {id} not found")));
             };
             let s = if seq.len() > 1 { seq.remove(0) } else { seq[0] };
-            Ok(tonic::Response::new(job(&id, s)))
+            Ok(job(&id, s))
         }
-        async fn list_jobs(
-            &self,
-            _: tonic::Request<pb::ListJobsRequest>,
-        ) -> Result<tonic::Response<pb::ListJobsResponse>, tonic::Status> {
-            Ok(tonic::Response::new(pb::ListJobsResponse {
+        fn list_jobs(&self, _: pb::ListJobsRequest) -> Result<pb::ListJobsResponse, tonic::Status> {
+            Ok(pb::ListJobsResponse {
                 jobs: vec![job("b", pb::JobState::JobQueued)],
-            }))
+            })
         }
-        async fn cancel_job(
+        fn cancel_job(
             &self,
-            _: tonic::Request<pb::CancelJobRequest>,
-        ) -> Result<tonic::Response<pb::CancelJobResponse>, tonic::Status> {
-            Ok(tonic::Response::new(pb::CancelJobResponse {
+            _: pb::CancelJobRequest,
+        ) -> Result<pb::CancelJobResponse, tonic::Status> {
+            Ok(pb::CancelJobResponse {
                 state: pb::JobState::JobCancelled as i32,
-            }))
+            })
         }
-        async fn list_agents(
+        fn job_logs(
             &self,
-            _: tonic::Request<pb::ListAgentsRequest>,
-        ) -> Result<tonic::Response<pb::ListAgentsResponse>, tonic::Status> {
-            Ok(tonic::Response::new(pb::ListAgentsResponse::default()))
+            _: pb::JobLogsRequest,
+        ) -> Result<Vec<Result<pb::LogChunk, tonic::Status>>, tonic::Status> {
+            Ok(chunks(&["hello ", "world\n", "bye\n"]))
         }
-        async fn list_gpus(
-            &self,
-            _: tonic::Request<pb::ListGpusRequest>,
-        ) -> Result<tonic::Response<pb::ListGpusResponse>, tonic::Status> {
-            Ok(tonic::Response::new(pb::ListGpusResponse::default()))
-        }
-        async fn cordon_gpu(
-            &self,
-            _: tonic::Request<pb::CordonGpuRequest>,
-        ) -> Result<tonic::Response<pb::GpuStatus>, tonic::Status> {
-            Err(tonic::Status::unimplemented("not in this fake"))
-        }
-        type JobLogsStream = LogStream;
-        async fn list_masters(
-            &self,
-            _: tonic::Request<pb::ListMastersRequest>,
-        ) -> Result<tonic::Response<pb::ListMastersResponse>, tonic::Status> {
-            Err(tonic::Status::unimplemented("not used by these tests"))
-        }
-        async fn add_master(
-            &self,
-            _: tonic::Request<pb::AddMasterRequest>,
-        ) -> Result<tonic::Response<pb::ListMastersResponse>, tonic::Status> {
-            Err(tonic::Status::unimplemented("not used by these tests"))
-        }
-        async fn remove_master(
-            &self,
-            _: tonic::Request<pb::RemoveMasterRequest>,
-        ) -> Result<tonic::Response<pb::ListMastersResponse>, tonic::Status> {
-            Err(tonic::Status::unimplemented("not used by these tests"))
-        }
-
-        async fn job_logs(
-            &self,
-            _: tonic::Request<pb::JobLogsRequest>,
-        ) -> Result<tonic::Response<LogStream>, tonic::Status> {
-            let chunks = ["hello ", "world\n", "bye\n"]
-                .into_iter()
-                .map(|s| Ok(pb::LogChunk { data: s.into() }));
-            Ok(tonic::Response::new(Box::pin(futures::stream::iter(
-                chunks,
-            ))))
-        }
-    }
-
-    async fn serve(fake: Arc<Fake>) -> String {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap().to_string();
-        tokio::spawn(
-            tonic::transport::Server::builder()
-                .add_service(pb::operator_server::OperatorServer::from_arc(fake))
-                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
-        );
-        addr
     }
 
     /// A master at the second address; nobody listens at the first.
     async fn connect(fake: Arc<Fake>) -> Master {
-        let dead = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .to_string();
         let live = serve(fake).await;
-        let m = Master::connect(&[dead, live.clone()]).await.unwrap();
+        let m = Master::connect(&[dead_addr(), live.clone()]).await.unwrap();
         assert_eq!(m.addr, live);
         m
     }

@@ -15,6 +15,8 @@ mod failover_tests;
 pub mod gpus;
 pub mod jobs;
 pub mod masters;
+#[cfg(test)]
+pub(crate) mod testkit;
 pub mod top;
 
 /// Success; for `jobs wait`, the job SUCCEEDED.

@@ -473,7 +473,6 @@ pub async fn live(
 
 #[cfg(test)]
 mod tests {
-    use std::pin::Pin;
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::{Arc, Mutex};
 
@@ -481,7 +480,7 @@ mod tests {
     use serde_json::json;
 
     use super::*;
-    use crate::commands::{Cli, Command, EXIT_FAILURE};
+    use crate::commands::{testkit, Cli, Command, EXIT_FAILURE};
 
     fn gpu(agent: &str, host: &str, index: u32) -> pb::GpuStatus {
         pb::GpuStatus {
@@ -779,9 +778,6 @@ mod tests {
 
     // ------------------------------------------------ against a fake master
 
-    type LogStream =
-        Pin<Box<dyn futures::Stream<Item = Result<pb::LogChunk, tonic::Status>> + Send>>;
-
     /// An Operator that only lists GPUs, or fails when told to.
     #[derive(Default)]
     struct Fake {
@@ -789,95 +785,21 @@ mod tests {
         fail: AtomicBool,
     }
 
-    fn unused<T>() -> Result<tonic::Response<T>, tonic::Status> {
-        Err(tonic::Status::unimplemented("not in this fake"))
-    }
-
-    #[tonic::async_trait]
-    impl pb::operator_server::Operator for Fake {
-        async fn submit_job(
-            &self,
-            _: tonic::Request<pb::SubmitJobRequest>,
-        ) -> Result<tonic::Response<pb::SubmitJobResponse>, tonic::Status> {
-            unused()
-        }
-        async fn get_job(
-            &self,
-            _: tonic::Request<pb::GetJobRequest>,
-        ) -> Result<tonic::Response<pb::Job>, tonic::Status> {
-            unused()
-        }
-        async fn list_jobs(
-            &self,
-            _: tonic::Request<pb::ListJobsRequest>,
-        ) -> Result<tonic::Response<pb::ListJobsResponse>, tonic::Status> {
-            unused()
-        }
-        async fn cancel_job(
-            &self,
-            _: tonic::Request<pb::CancelJobRequest>,
-        ) -> Result<tonic::Response<pb::CancelJobResponse>, tonic::Status> {
-            unused()
-        }
-        async fn list_agents(
-            &self,
-            _: tonic::Request<pb::ListAgentsRequest>,
-        ) -> Result<tonic::Response<pb::ListAgentsResponse>, tonic::Status> {
-            unused()
-        }
-        async fn list_gpus(
-            &self,
-            _: tonic::Request<pb::ListGpusRequest>,
-        ) -> Result<tonic::Response<pb::ListGpusResponse>, tonic::Status> {
+    impl testkit::FakeOperator for Fake {
+        fn list_gpus(&self, _: pb::ListGpusRequest) -> Result<pb::ListGpusResponse, tonic::Status> {
             if self.fail.load(Ordering::SeqCst) {
                 return Err(tonic::Status::internal("state store on fire"));
             }
-            Ok(tonic::Response::new(pb::ListGpusResponse {
+            Ok(pb::ListGpusResponse {
                 gpus: self.gpus.lock().unwrap().clone(),
-            }))
-        }
-        async fn cordon_gpu(
-            &self,
-            _: tonic::Request<pb::CordonGpuRequest>,
-        ) -> Result<tonic::Response<pb::GpuStatus>, tonic::Status> {
-            unused()
-        }
-        type JobLogsStream = LogStream;
-        async fn job_logs(
-            &self,
-            _: tonic::Request<pb::JobLogsRequest>,
-        ) -> Result<tonic::Response<LogStream>, tonic::Status> {
-            unused()
-        }
-        async fn list_masters(
-            &self,
-            _: tonic::Request<pb::ListMastersRequest>,
-        ) -> Result<tonic::Response<pb::ListMastersResponse>, tonic::Status> {
-            unused()
-        }
-        async fn add_master(
-            &self,
-            _: tonic::Request<pb::AddMasterRequest>,
-        ) -> Result<tonic::Response<pb::ListMastersResponse>, tonic::Status> {
-            unused()
-        }
-        async fn remove_master(
-            &self,
-            _: tonic::Request<pb::RemoveMasterRequest>,
-        ) -> Result<tonic::Response<pb::ListMastersResponse>, tonic::Status> {
-            unused()
+            })
         }
     }
 
     async fn serve(fake: Arc<Fake>) -> Master {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap().to_string();
-        tokio::spawn(
-            tonic::transport::Server::builder()
-                .add_service(pb::operator_server::OperatorServer::from_arc(fake))
-                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
-        );
-        Master::connect(&[addr]).await.unwrap()
+        Master::connect(&[testkit::serve(fake).await])
+            .await
+            .unwrap()
     }
 
     fn args(argv: &[&str]) -> TopArgs {

@@ -1,0 +1,122 @@
+//! A fake master for tests: implement [`FakeOperator`] for the state a test
+//! needs, overriding only the calls it answers, and [`serve`] it.
+//!
+//! Calls are plain functions from request message to response message; a
+//! call not overridden answers `UNIMPLEMENTED`.
+
+use std::pin::Pin;
+use std::sync::Arc;
+
+use gpuctl_proto::pb;
+use tonic::{Request, Response, Status};
+
+fn unused<T>() -> Result<T, Status> {
+    Err(Status::unimplemented("not used by this test"))
+}
+
+/// The Operator service, one plain method per call.
+pub(crate) trait FakeOperator: Send + Sync + 'static {
+    fn submit_job(&self, _: pb::SubmitJobRequest) -> Result<pb::SubmitJobResponse, Status> {
+        unused()
+    }
+    fn get_job(&self, _: pb::GetJobRequest) -> Result<pb::Job, Status> {
+        unused()
+    }
+    fn list_jobs(&self, _: pb::ListJobsRequest) -> Result<pb::ListJobsResponse, Status> {
+        unused()
+    }
+    fn cancel_job(&self, _: pb::CancelJobRequest) -> Result<pb::CancelJobResponse, Status> {
+        unused()
+    }
+    fn list_agents(&self, _: pb::ListAgentsRequest) -> Result<pb::ListAgentsResponse, Status> {
+        unused()
+    }
+    fn list_gpus(&self, _: pb::ListGpusRequest) -> Result<pb::ListGpusResponse, Status> {
+        unused()
+    }
+    fn cordon_gpu(&self, _: pb::CordonGpuRequest) -> Result<pb::GpuStatus, Status> {
+        unused()
+    }
+    /// The items of the stream, sent in order; then the stream ends.
+    fn job_logs(&self, _: pb::JobLogsRequest) -> Result<Vec<Result<pb::LogChunk, Status>>, Status> {
+        unused()
+    }
+    fn list_masters(&self, _: pb::ListMastersRequest) -> Result<pb::ListMastersResponse, Status> {
+        unused()
+    }
+    fn add_master(&self, _: pb::AddMasterRequest) -> Result<pb::ListMastersResponse, Status> {
+        unused()
+    }
+    fn remove_master(&self, _: pb::RemoveMasterRequest) -> Result<pb::ListMastersResponse, Status> {
+        unused()
+    }
+}
+
+/// Log chunks holding these strings.
+pub(crate) fn chunks(data: &[&str]) -> Vec<Result<pb::LogChunk, Status>> {
+    data.iter()
+        .map(|s| {
+            Ok(pb::LogChunk {
+                data: s.as_bytes().to_vec(),
+            })
+        })
+        .collect()
+}
+
+/// Serves `fake` on a free local port; returns its address.
+pub(crate) async fn serve<F: FakeOperator>(fake: Arc<F>) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(pb::operator_server::OperatorServer::new(Served(fake)))
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    addr
+}
+
+/// An address nobody listens on.
+pub(crate) fn dead_addr() -> String {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .to_string()
+}
+
+struct Served<F>(Arc<F>);
+
+type LogStream = Pin<Box<dyn futures::Stream<Item = Result<pb::LogChunk, Status>> + Send>>;
+
+/// The generated trait, each call forwarded to the plain method.
+macro_rules! forward {
+    ($($name:ident($req:ty) -> $resp:ty;)*) => {
+        #[tonic::async_trait]
+        impl<F: FakeOperator> pb::operator_server::Operator for Served<F> {
+            $(async fn $name(&self, r: Request<$req>) -> Result<Response<$resp>, Status> {
+                self.0.$name(r.into_inner()).map(Response::new)
+            })*
+            type JobLogsStream = LogStream;
+            async fn job_logs(
+                &self,
+                r: Request<pb::JobLogsRequest>,
+            ) -> Result<Response<LogStream>, Status> {
+                let items = self.0.job_logs(r.into_inner())?;
+                Ok(Response::new(Box::pin(futures::stream::iter(items))))
+            }
+        }
+    };
+}
+
+forward! {
+    submit_job(pb::SubmitJobRequest) -> pb::SubmitJobResponse;
+    get_job(pb::GetJobRequest) -> pb::Job;
+    list_jobs(pb::ListJobsRequest) -> pb::ListJobsResponse;
+    cancel_job(pb::CancelJobRequest) -> pb::CancelJobResponse;
+    list_agents(pb::ListAgentsRequest) -> pb::ListAgentsResponse;
+    list_gpus(pb::ListGpusRequest) -> pb::ListGpusResponse;
+    cordon_gpu(pb::CordonGpuRequest) -> pb::GpuStatus;
+    list_masters(pb::ListMastersRequest) -> pb::ListMastersResponse;
+    add_master(pb::AddMasterRequest) -> pb::ListMastersResponse;
+    remove_master(pb::RemoveMasterRequest) -> pb::ListMastersResponse;
+}
