@@ -45,6 +45,13 @@ pub struct AgentConfig {
     pub health: HealthConfig,
     /// Where to serve Prometheus metrics (`/metrics`); none when unset.
     pub metrics_listen: Option<SocketAddr>,
+    /// The binary that runs host-process supervisors (`<exe> supervise
+    /// DIR`); `None`: this process's own executable.
+    pub supervisor_exe: Option<PathBuf>,
+    /// Stop every task when the agent stops. Off for a real agent (tasks
+    /// outlive it; emptying a node is `gpuctl agents drain`); on for the
+    /// throwaway agent of `gpuctl demo`.
+    pub stop_tasks_on_shutdown: bool,
 }
 
 impl AgentConfig {
@@ -67,6 +74,8 @@ impl AgentConfig {
             attributes: Default::default(),
             health: HealthConfig::default(),
             metrics_listen: None,
+            supervisor_exe: None,
+            stop_tasks_on_shutdown: false,
         }
     }
 }
@@ -340,6 +349,8 @@ impl Options {
             attributes,
             health,
             metrics_listen: self.metrics_listen,
+            supervisor_exe: None,
+            stop_tasks_on_shutdown: false,
         })
     }
 }

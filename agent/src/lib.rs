@@ -5,6 +5,7 @@
 //! tests and `gpuctl demo` can run one in-process.
 
 pub mod api;
+pub mod checkpoint;
 pub mod config;
 pub mod executor;
 pub mod gpu;
@@ -108,8 +109,16 @@ fn host_memory_mib() -> u64 {
 
 /// Which runtimes this agent offers, connecting to Docker when asked for
 /// (or, with no explicit choice, when its daemon answers).
+///
+/// A Docker daemon that is down when the agent starts does not stop it when
+/// Docker was asked for explicitly, or when Docker tasks of an earlier agent
+/// process are checkpointed here: their containers may well still run, and
+/// the agent waits for the daemon to answer (its heartbeats say Docker is
+/// down meanwhile).
 async fn make_runtimes(
     wanted: Option<&[Runtime]>,
+    supervisor_exe: PathBuf,
+    has_docker_tasks: bool,
 ) -> Result<BTreeMap<Runtime, Arc<dyn ContainerRuntime>>, AgentError> {
     let mut out: BTreeMap<Runtime, Arc<dyn ContainerRuntime>> = BTreeMap::new();
     let want = |r| wanted.is_none_or(|w| w.contains(&r));
@@ -118,16 +127,41 @@ async fn make_runtimes(
             Ok(d) => {
                 out.insert(Runtime::Docker, Arc::new(d));
             }
-            Err(e) if wanted.is_some() => return Err(AgentError::Docker(e)),
+            Err(e) if wanted.is_some() || has_docker_tasks => {
+                tracing::warn!(error = %e, "Docker does not answer; its tasks wait until it does");
+                let d = DockerRuntime::new().map_err(AgentError::Docker)?;
+                out.insert(Runtime::Docker, Arc::new(d));
+            }
             Err(e) => {
                 tracing::info!(error = %e, "Docker not available; image jobs will not run on this agent")
             }
         }
     }
     if want(Runtime::Process) {
-        out.insert(Runtime::Process, Arc::new(ProcessRuntime::new()));
+        out.insert(
+            Runtime::Process,
+            Arc::new(ProcessRuntime::new(supervisor_exe)),
+        );
     }
     Ok(out)
+}
+
+/// Whether an earlier agent process left Docker tasks (with an image) in
+/// the work dir's checkpoints.
+fn checkpointed_docker_tasks(work_dir: &Path) -> bool {
+    let root = work_dir.join(checkpoint::STATE_DIR);
+    std::fs::read_dir(root)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .any(|e| {
+            checkpoint::read_json::<gpuctl_proto::types::TaskSpec>(
+                &e.path().join(checkpoint::TASK_FILE),
+            )
+            .ok()
+            .flatten()
+            .is_some_and(|s| s.image.is_some())
+        })
 }
 
 /// Hands the executor every change in the GPUs' health, so that tasks on a
@@ -152,7 +186,8 @@ async fn stop_tasks_on_failed_gpus(
     }
 }
 
-/// Runs an agent until `shutdown` resolves. Its tasks are killed on shutdown.
+/// Runs an agent until `shutdown` resolves. Its tasks keep running after it
+/// (unless `config.stop_tasks_on_shutdown`).
 pub async fn serve(
     config: AgentConfig,
     listener: tokio::net::TcpListener,
@@ -211,14 +246,6 @@ pub async fn serve(
         &config.dev_root,
     )?;
     tracing::info!("{}", isolator.describe());
-    match isolator.remove_stale() {
-        Ok(0) => {}
-        Ok(n) => tracing::info!(
-            removed = n,
-            "removed task cgroups left by a previous agent process"
-        ),
-        Err(e) => tracing::warn!(error = %e, "could not remove earlier task cgroups"),
-    }
     let driver_volume = match &discovery.driver_version {
         Some(version) => {
             let (root, work, version) = (
@@ -277,18 +304,19 @@ pub async fn serve(
         drop(health_tx);
     }
 
-    let runtimes = make_runtimes(config.runtimes.as_deref()).await?;
-    for (kind, rt) in &runtimes {
-        match rt.cleanup_orphans(&agent_id).await {
-            Ok(0) => {}
-            Ok(n) => {
-                tracing::info!(runtime = %kind, removed = n, "removed tasks left by a previous agent process")
-            }
-            Err(e) => {
-                tracing::warn!(runtime = %kind, error = %e, "could not clean up earlier tasks")
-            }
-        }
-    }
+    let supervisor_exe = match &config.supervisor_exe {
+        Some(p) => p.clone(),
+        None => std::env::current_exe().map_err(|source| AgentError::WorkDir {
+            path: PathBuf::from("/proc/self/exe"),
+            source,
+        })?,
+    };
+    let runtimes = make_runtimes(
+        config.runtimes.as_deref(),
+        supervisor_exe,
+        checkpointed_docker_tasks(&config.work_dir),
+    )
+    .await?;
 
     let local = listener.local_addr().map_err(|e| AgentError::WorkDir {
         path: PathBuf::from("<listener>"),
@@ -342,8 +370,16 @@ pub async fn serve(
                 source,
             })?;
     }
+    // Tasks of an earlier agent process are found and followed again
+    // before the master hears from this one.
+    executor.recover();
     let masters = Arc::new(master_link::Masters::new(config.masters.clone()));
-    let sender = tokio::spawn(master_link::status_sender(masters.clone(), updates_rx));
+    let sender = tokio::spawn(master_link::status_sender(
+        masters.clone(),
+        updates_rx,
+        executor.clone(),
+    ));
+    tokio::spawn(executor.clone().tick(stop_rx.clone()));
     let link = tokio::spawn(master_link::run(
         masters,
         info,
@@ -370,20 +406,30 @@ pub async fn serve(
         );
     let server = tokio::spawn(server);
     shutdown.await;
-    tracing::info!("agent shutting down: killing its tasks");
     let _ = stop_tx.send(true);
     health_stop.store(true, Ordering::Relaxed);
     let _ = link.await;
-    executor
-        .kill_all(config.kill_grace + Duration::from_secs(5))
-        .await;
-    drop(executor);
-    // Give the final KILLED updates a moment to reach the master.
-    if tokio::time::timeout(Duration::from_secs(3), sender)
-        .await
-        .is_err()
-    {
-        tracing::warn!("some task status updates were not delivered before shutdown");
+    if config.stop_tasks_on_shutdown {
+        tracing::info!("agent shutting down: stopping its tasks");
+        executor
+            .kill_all(config.kill_grace + Duration::from_secs(5))
+            .await;
+        // Give the final KILLED updates a moment to reach the master.
+        drop(executor);
+        if tokio::time::timeout(Duration::from_secs(3), sender)
+            .await
+            .is_err()
+        {
+            tracing::warn!("some task status updates were not delivered before shutdown");
+        }
+    } else {
+        // Tasks go on under their supervisors and in Docker; the next agent
+        // process takes them over (`Executor::recover`) and sends what was
+        // not delivered (final statuses are checkpointed).
+        tracing::info!(
+            tasks = executor.active_tasks(),
+            "agent shutting down; its tasks keep running"
+        );
     }
     match server.await {
         Ok(r) => r?,

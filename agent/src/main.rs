@@ -1,11 +1,28 @@
 //! gpuctl-agent: parse options, set up logging, run until SIGTERM or Ctrl-C.
+//! `gpuctl-agent supervise DIR` is a task's supervisor (started by the agent).
 
 use std::process::ExitCode;
 
 use gpuctl_agent::config::Options;
 
-#[tokio::main]
-async fn main() -> ExitCode {
+fn main() -> ExitCode {
+    // Before any thread exists: the supervisor blocks signals for itself.
+    if let Some(code) = gpuctl_agent::runtime::supervisor::main_if_requested() {
+        return code;
+    }
+    match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt.block_on(agent_main()),
+        Err(e) => {
+            eprintln!("gpuctl-agent: start the async runtime: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+async fn agent_main() -> ExitCode {
     let opts = match Options::load() {
         Ok(o) => o,
         Err(e) => {

@@ -25,7 +25,7 @@ use tokio::sync::{mpsc, watch};
 use tonic::transport::{Channel, Endpoint};
 use tonic::Status;
 
-use crate::executor::Executor;
+use crate::executor::{Desired, Executor};
 use crate::gpu::health::Snapshot;
 
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
@@ -288,10 +288,19 @@ async fn session(
         cuda_driver_version: info.cuda_driver_version.clone().unwrap_or_default(),
     };
     req.running_task_ids.sort();
+    let sent_ms = crate::checkpoint::wall_ms();
     let resp = match client.register(req).await {
         Ok(r) => r.into_inner(),
         Err(s) => return SessionError::rpc(&addr, "register", s, false),
     };
+    // Until masters send their fence timeout (a later protocol field) the
+    // agent records contact without one: its tasks are not fenced.
+    let fence_timeout_ms = 0;
+    let contact = |sent_ms| crate::checkpoint::Contact {
+        last_contact_ms: sent_ms,
+        fence_timeout_ms,
+    };
+    executor.record_contact(contact(sent_ms));
     let interval = Duration::from_millis(u64::from(resp.heartbeat_interval_ms.max(100)));
     tracing::info!(master = %addr, agent_id = %info.id, "registered with master");
 
@@ -321,7 +330,10 @@ async fn session(
                             Err(e) => return SessionError::other(&addr, format!("master sent an invalid task: {e}"), true),
                         }
                     }
-                    executor.reconcile(tasks, desired.kill);
+                    executor.set_desired(Desired {
+                        run: tasks.into_iter().map(|t| (t.task_id.clone(), t)).collect(),
+                        kill: desired.kill.into_iter().collect(),
+                    });
                 }
                 Some(Err(s)) => return SessionError::rpc(&addr, "watch tasks", s, true),
                 // A leader that steps down ends its streams.
@@ -343,9 +355,11 @@ async fn session(
                     heartbeat_request(&info.id, &snapshot)
                 };
                 heartbeat.reset();
+                let sent_ms = crate::checkpoint::wall_ms();
                 if let Err(s) = client.heartbeat(req).await {
                     return SessionError::rpc(&addr, "heartbeat", s, true);
                 }
+                executor.record_contact(contact(sent_ms));
             }
             _ = heartbeat.tick() => {
                 let req = {
@@ -353,9 +367,11 @@ async fn session(
                     told = snapshot.generation;
                     heartbeat_request(&info.id, &snapshot)
                 };
+                let sent_ms = crate::checkpoint::wall_ms();
                 if let Err(s) = client.heartbeat(req).await {
                     return SessionError::rpc(&addr, "heartbeat", s, true);
                 }
+                executor.record_contact(contact(sent_ms));
             }
         }
     }
@@ -391,7 +407,11 @@ const ACK_POLL: Duration = Duration::from_millis(500);
 /// acknowledged it), Mesos' status update manager in small. Updates of
 /// different tasks do not wait for each other. Returns once the channel is
 /// closed and nothing is pending (the caller bounds that wait at shutdown).
-pub async fn status_sender(masters: Arc<Masters>, mut rx: mpsc::Receiver<StatusUpdate>) {
+pub async fn status_sender(
+    masters: Arc<Masters>,
+    mut rx: mpsc::Receiver<StatusUpdate>,
+    executor: Arc<Executor>,
+) {
     let mut queues: BTreeMap<String, VecDeque<StatusUpdate>> = BTreeMap::new();
     let mut backoff = BACKOFF_MIN;
     let mut redirects = 0;
@@ -428,7 +448,9 @@ pub async fn status_sender(masters: Arc<Masters>, mut rx: mpsc::Receiver<StatusU
             };
             match result {
                 Ok(ack) if ack.get_ref().acknowledged => {
-                    queue.pop_front();
+                    if let Some(u) = queue.pop_front() {
+                        executor.acknowledged(&u);
+                    }
                     progress = true;
                 }
                 // Recorded; its framework has not acknowledged it yet.
@@ -444,7 +466,10 @@ pub async fn status_sender(masters: Arc<Masters>, mut rx: mpsc::Receiver<StatusU
                     // The master will never accept it; retrying would block
                     // the task's later updates.
                     tracing::warn!(task_id = %update.task_id, error = %s.message(), "status update refused; dropped");
-                    queue.pop_front();
+                    // As good as acknowledged: it will never be taken.
+                    if let Some(u) = queue.pop_front() {
+                        executor.acknowledged(&u);
+                    }
                     progress = true;
                 }
                 Err(s) => {

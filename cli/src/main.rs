@@ -12,6 +12,11 @@ mod output;
 use commands::{Cli, EXIT_FAILURE, EXIT_OK, EXIT_USAGE};
 
 fn main() -> ExitCode {
+    // `gpuctl demo` runs an agent in-process; its host-process tasks run
+    // under `gpuctl supervise DIR` (this binary), like a real agent's.
+    if let Some(code) = gpuctl_agent::runtime::supervisor::main_if_requested() {
+        return code;
+    }
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) => {

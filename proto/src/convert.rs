@@ -338,6 +338,7 @@ impl TryFrom<pb::TaskSpec> for TaskSpec {
             env: s.env.into_iter().collect(),
             resources,
             gpu_uuids: s.gpu_uuids,
+            no_fence: s.no_fence,
         })
     }
 }
@@ -353,6 +354,7 @@ impl From<TaskSpec> for pb::TaskSpec {
             env: s.env.into_iter().collect(),
             resources: Some(s.resources.into()),
             gpu_uuids: s.gpu_uuids,
+            no_fence: s.no_fence,
         }
     }
 }
@@ -828,6 +830,7 @@ mod tests {
             }),
             gpu_uuids: vec![],
             framework_id: String::new(),
+            no_fence: false,
         };
         assert_eq!(
             TaskSpec::try_from(t.clone()).unwrap_err().field,

@@ -351,6 +351,9 @@ pub struct TaskSpec {
     pub env: BTreeMap<String, String>,
     pub resources: Resources,
     pub gpu_uuids: Vec<GpuUuid>,
+    /// Not stopped by its agent's fence (the job's `--no-fence`).
+    #[serde(default)]
+    pub no_fence: bool,
 }
 
 /// What an agent says about itself when it registers.

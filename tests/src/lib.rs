@@ -137,7 +137,7 @@ pub fn busybox_image() -> String {
         let docker = gpuctl_agent::runtime::DockerRuntime::connect()
             .await
             .expect("connect to Docker");
-        gpuctl_agent::runtime::image::ensure_busybox_image(docker.client())
+        gpuctl_agent::runtime::image::ensure_busybox_image(&docker.client().expect("docker client"))
             .await
             .expect("make the busybox image")
     })

@@ -272,7 +272,14 @@ impl CgroupManager {
     /// Removes every task cgroup under the parent, killing what still runs
     /// in them: what an earlier agent process (killed, crashed) left. Called
     /// at start, before any task of this process exists.
-    pub fn remove_all(&self) -> Result<usize, IsolationError> {
+    /// Kills what is left in, and removes, every task cgroup under the
+    /// parent except those of `keep` (tasks that still run, reattached by a
+    /// restarted agent). Goes on past a cgroup it cannot remove (a busy
+    /// container's) and reports the first failure at the end.
+    pub fn remove_all_except(
+        &self,
+        keep: &std::collections::BTreeSet<String>,
+    ) -> Result<usize, IsolationError> {
         let mut names = std::collections::BTreeSet::new();
         let entries = std::fs::read_dir(&self.root).map_err(|source| IsolationError::Io {
             path: self.root.clone(),
@@ -287,11 +294,22 @@ impl CgroupManager {
                 }
             }
         }
-        for name in &names {
+        let mut removed = 0;
+        let mut first_err = None;
+        for name in names.iter().filter(|n| !keep.contains(*n)) {
             self.kill_all_in(name);
-            self.remove(name)?;
+            match self.remove(name) {
+                Ok(()) => removed += 1,
+                Err(e) => {
+                    tracing::warn!(cgroup = %name, error = %e, "could not remove a stale task cgroup");
+                    first_err.get_or_insert(e);
+                }
+            }
         }
-        Ok(names.len())
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(removed),
+        }
     }
 
     /// SIGKILLs every process in the task's cgroup (orphans of a crashed
@@ -458,12 +476,17 @@ mod tests {
         for f in &t.procs_files {
             std::fs::write(f, orphan.id().to_string()).unwrap();
         }
-        assert_eq!(m.remove_all().unwrap(), 1);
+        // A task a restarted agent reattached to keeps its cgroup.
+        m.create("t-live", &[], &Resources::default()).unwrap();
+        let keep = std::collections::BTreeSet::from(["t-live".to_string()]);
+        assert_eq!(m.remove_all_except(&keep).unwrap(), 1);
         assert!(!m.exists("t-old"));
+        assert!(m.exists("t-live"));
+        m.remove("t-live").unwrap();
         // The orphan was killed, not left running outside any task.
         let status = orphan.wait().unwrap();
         assert!(!status.success());
-        assert_eq!(m.remove_all().unwrap(), 0);
+        assert_eq!(m.remove_all_except(&Default::default()).unwrap(), 0);
         let top = parent.split('/').next().unwrap();
         for c in CONTROLLERS {
             let _ = std::fs::remove_dir(Path::new(ROOT).join(c).join(&parent));

@@ -9,11 +9,20 @@ use super::IsolationError;
 
 /// Makes the child of `cmd` write itself into each `cgroup.procs` file
 /// between fork and exec. A failure there fails the spawn.
-#[allow(unsafe_code)]
 pub fn join_before_exec(
     cmd: &mut tokio::process::Command,
     procs_files: &[PathBuf],
 ) -> Result<(), IsolationError> {
+    join_before_exec_std(cmd.as_std_mut(), procs_files)
+}
+
+/// [`join_before_exec`] for a `std::process::Command` (the task supervisor).
+#[allow(unsafe_code)]
+pub fn join_before_exec_std(
+    cmd: &mut std::process::Command,
+    procs_files: &[PathBuf],
+) -> Result<(), IsolationError> {
+    use std::os::unix::process::CommandExt;
     if procs_files.is_empty() {
         return Ok(());
     }

@@ -147,10 +147,13 @@ impl Isolator {
     }
 
     /// Removes task cgroups an earlier agent process left (see
-    /// `CgroupManager::remove_all`); returns how many.
-    pub fn remove_stale(&self) -> Result<usize, IsolationError> {
+    /// `CgroupManager::remove_all_except`), but those of `keep`; returns how many.
+    pub fn remove_stale(
+        &self,
+        keep: &std::collections::BTreeSet<String>,
+    ) -> Result<usize, IsolationError> {
         match &self.mode {
-            Mode::V1(m) => m.remove_all(),
+            Mode::V1(m) => m.remove_all_except(keep),
             _ => Ok(0),
         }
     }

@@ -6,27 +6,28 @@
 //! default SIGTERM behaviour when the container is stopped.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
+use std::path::Path;
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use bollard::container::{
-    Config, CreateContainerOptions, ListContainersOptions, LogsOptions, RemoveContainerOptions,
-    StopContainerOptions, WaitContainerOptions,
+    Config, CreateContainerOptions, ListContainersOptions, LogOutput, LogsOptions,
+    RemoveContainerOptions, StopContainerOptions, WaitContainerOptions,
 };
 use bollard::errors::Error as BollardError;
 use bollard::image::CreateImageOptions;
-use bollard::models::{DeviceMapping, HostConfig};
+use bollard::models::{ContainerStateStatusEnum, DeviceMapping, HostConfig};
 use bollard::{ClientVersion, Docker};
 use futures::future::BoxFuture;
 use futures::{FutureExt, StreamExt};
 use gpuctl_proto::types::Runtime;
+use serde::{Deserialize, Serialize};
 use tokio::io::AsyncWriteExt;
-use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
 
 use super::{
-    ContainerRuntime, LaunchSpec, RuntimeError, TaskExit, LABEL_AGENT_ID, LABEL_JOB_ID,
-    LABEL_TASK_ID,
+    ContainerRuntime, Ended, LaunchSpec, Observed, RuntimeError, RuntimeStatus, TaskRef,
+    LABEL_AGENT_ID, LABEL_JOB_ID, LABEL_TASK_ID,
 };
 
 const DEFAULT_SOCKET: &str = "unix:///var/run/docker.sock";
@@ -43,59 +44,165 @@ const API_VERSION: ClientVersion = ClientVersion {
 const PING_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long the output may keep flowing after the container has ended.
 const LOG_DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
+/// Retries while the daemon does not answer.
+const OUTAGE_BACKOFF_MIN: Duration = Duration::from_millis(200);
+const OUTAGE_BACKOFF_MAX: Duration = Duration::from_secs(5);
+/// The log cursor is saved at most this often (and when the copy ends).
+const CURSOR_SAVE: Duration = Duration::from_millis(250);
+pub const LOG_CURSOR_FILE: &str = "log.cursor";
 
 /// Runs tasks as Docker containers named `gpuctl-<agent_id>-<task_id>`.
 #[derive(Debug, Clone)]
 pub struct DockerRuntime {
-    docker: Docker,
+    /// Made on first use: bollard refuses a socket path that does not exist,
+    /// which is what a daemon in the middle of a restart looks like.
+    docker: Arc<Mutex<Option<Docker>>>,
+    addr: String,
     /// With the cgroupfs driver containers can be put inside the task's
     /// cgroup; the systemd driver only takes slices, so there Docker's own
-    /// device rules are the only ones (see docs/isolation.md).
-    cgroupfs: bool,
+    /// device rules are the only ones (see docs/isolation.md). Learnt from
+    /// the daemon the first time it answers.
+    cgroupfs: Arc<OnceLock<bool>>,
+    health: Arc<Mutex<RuntimeStatus>>,
+}
+
+/// A transport failure (the daemon does not answer) as opposed to an
+/// answer from the daemon.
+fn is_outage(e: &BollardError) -> bool {
+    matches!(
+        e,
+        BollardError::IOError { .. }
+            | BollardError::HyperResponseError { .. }
+            | BollardError::HyperLegacyError { .. }
+            | BollardError::HttpClientError { .. }
+            | BollardError::SocketNotFoundError(_)
+            | BollardError::RequestTimeoutError
+    )
 }
 
 impl DockerRuntime {
-    /// Connects to the local daemon (`DOCKER_HOST` if it is a `unix://`
-    /// address, else `/var/run/docker.sock`) and checks that it answers.
-    pub async fn connect() -> Result<DockerRuntime, RuntimeError> {
+    /// A client for the local daemon (`DOCKER_HOST` if it is a `unix://`
+    /// address, else `/var/run/docker.sock`). Does not need the daemon to
+    /// answer: tasks outlive daemon restarts, and so does the agent's use of
+    /// it.
+    pub fn new() -> Result<DockerRuntime, RuntimeError> {
         let addr = std::env::var("DOCKER_HOST")
             .ok()
             .filter(|h| h.starts_with("unix://"))
             .unwrap_or_else(|| DEFAULT_SOCKET.to_string());
-        let unreachable =
-            |reason: String| RuntimeError::Other(format!("docker at {addr}: {reason}"));
-        let docker = Docker::connect_with_local(&addr, REQUEST_TIMEOUT_S, &API_VERSION)
-            .map_err(|e| unreachable(e.to_string()))?;
-        let docker = tokio::time::timeout(PING_TIMEOUT, async {
-            let docker = docker.negotiate_version().await?;
-            docker.ping().await?;
-            Ok::<_, BollardError>(docker)
-        })
-        .await
-        .map_err(|_| unreachable(format!("no answer within {PING_TIMEOUT:?}")))?
-        .map_err(|e| unreachable(e.to_string()))?;
-        let driver = docker
-            .info()
-            .await
-            .map_err(|e| unreachable(e.to_string()))?
-            .cgroup_driver
-            .map(|d| d.to_string())
-            .unwrap_or_default();
-        let cgroupfs = driver == "cgroupfs";
-        if !cgroupfs {
-            tracing::warn!(cgroup_driver = %driver, "Docker does not use the cgroupfs driver: containers are not placed in the task's cgroup and rely on Docker's own device rules");
-        }
-        Ok(DockerRuntime { docker, cgroupfs })
+        DockerRuntime::with_socket(addr)
     }
 
-    pub fn client(&self) -> &Docker {
-        &self.docker
+    /// A client for the daemon at `addr` (`unix://PATH`).
+    pub fn with_socket(addr: String) -> Result<DockerRuntime, RuntimeError> {
+        Ok(DockerRuntime {
+            docker: Arc::new(Mutex::new(None)),
+            addr,
+            cgroupfs: Arc::new(OnceLock::new()),
+            health: Arc::new(Mutex::new(RuntimeStatus {
+                available: false,
+                message: "not contacted yet".into(),
+            })),
+        })
+    }
+
+    /// Connects and checks that the daemon answers now.
+    pub async fn connect() -> Result<DockerRuntime, RuntimeError> {
+        let rt = DockerRuntime::new()?;
+        rt.probe().await?;
+        // Speak the daemon's version when it is older than ours.
+        if let Ok(Ok(d)) =
+            tokio::time::timeout(PING_TIMEOUT, rt.client()?.negotiate_version()).await
+        {
+            *rt.docker.lock().unwrap_or_else(|p| p.into_inner()) = Some(d);
+        }
+        Ok(rt)
+    }
+
+    /// The client, made now if it was not yet.
+    pub fn client(&self) -> Result<Docker, RuntimeError> {
+        let mut d = self.docker.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(d) = d.as_ref() {
+            return Ok(d.clone());
+        }
+        match Docker::connect_with_local(&self.addr, REQUEST_TIMEOUT_S, &API_VERSION) {
+            Ok(c) => {
+                *d = Some(c.clone());
+                Ok(c)
+            }
+            Err(e) => {
+                drop(d);
+                Err(self.err(e))
+            }
+        }
+    }
+
+    /// Pings the daemon and learns its cgroup driver; records the answer
+    /// in [`ContainerRuntime::status`].
+    pub async fn probe(&self) -> Result<(), RuntimeError> {
+        let docker = self.client()?;
+        let res = tokio::time::timeout(PING_TIMEOUT, async {
+            docker.ping().await?;
+            if self.cgroupfs.get().is_none() {
+                let driver = docker
+                    .info()
+                    .await?
+                    .cgroup_driver
+                    .map(|d| d.to_string())
+                    .unwrap_or_default();
+                let cgroupfs = driver == "cgroupfs";
+                if !cgroupfs {
+                    tracing::warn!(cgroup_driver = %driver, "Docker does not use the cgroupfs driver: containers are not placed in the task's cgroup and rely on Docker's own device rules");
+                }
+                let _ = self.cgroupfs.set(cgroupfs);
+            }
+            Ok::<_, BollardError>(())
+        })
+        .await;
+        match res {
+            Ok(Ok(())) => {
+                self.set_health(true, String::new());
+                Ok(())
+            }
+            Ok(Err(e)) => Err(self.err(e)),
+            Err(_) => Err(self.unavailable(format!("no answer within {PING_TIMEOUT:?}"))),
+        }
+    }
+
+    fn set_health(&self, available: bool, message: String) {
+        let mut h = self.health.lock().unwrap_or_else(|p| p.into_inner());
+        if h.available != available {
+            if available {
+                tracing::info!(docker = %self.addr, "Docker daemon answers again");
+            } else {
+                tracing::warn!(docker = %self.addr, reason = %message, "Docker daemon does not answer; tasks keep their state until it does");
+            }
+        }
+        *h = RuntimeStatus { available, message };
+    }
+
+    fn unavailable(&self, reason: String) -> RuntimeError {
+        self.set_health(false, reason.clone());
+        RuntimeError::Unavailable {
+            runtime: Runtime::Docker,
+            reason: format!("docker at {}: {reason}", self.addr),
+        }
+    }
+
+    /// Sorts a bollard error into an outage or an answer.
+    fn err(&self, e: BollardError) -> RuntimeError {
+        if is_outage(&e) {
+            self.unavailable(e.to_string())
+        } else {
+            self.set_health(true, String::new());
+            RuntimeError::Docker(e)
+        }
     }
 
     /// Makes sure `image` is present locally, pulling it if not, and reads
     /// what the container's configuration depends on.
     async fn ensure_image(&self, image: &str) -> Result<ImageFacts, RuntimeError> {
-        match self.docker.inspect_image(image).await {
+        match self.client()?.inspect_image(image).await {
             Ok(info) => return Ok(ImageFacts::from(&info)),
             Err(e) if is_not_found(&e) => {}
             Err(e) => {
@@ -107,7 +214,7 @@ impl DockerRuntime {
         }
         let (from_image, tag) = split_reference(image);
         tracing::info!(image, "image not present locally, pulling");
-        let mut pull = self.docker.create_image(
+        let mut pull = self.client()?.create_image(
             Some(CreateImageOptions {
                 from_image,
                 tag,
@@ -123,7 +230,7 @@ impl DockerRuntime {
             })?;
         }
         let info = self
-            .docker
+            .client()?
             .inspect_image(image)
             .await
             .map_err(|e| RuntimeError::Image {
@@ -134,23 +241,18 @@ impl DockerRuntime {
     }
 
     /// Force-removes a container; a missing one is fine.
-    async fn remove(&self, name: &str) -> Result<(), BollardError> {
+    async fn remove_container(&self, name: &str) -> Result<(), RuntimeError> {
         let opts = RemoveContainerOptions {
             force: true,
             ..Default::default()
         };
-        match self.docker.remove_container(name, Some(opts)).await {
-            Err(e) if !is_not_found(&e) => Err(e),
+        match self.client()?.remove_container(name, Some(opts)).await {
+            Err(e) if !is_not_found(&e) => Err(self.err(e)),
             _ => Ok(()),
         }
     }
 
-    async fn run_container(
-        &self,
-        spec: LaunchSpec,
-        running: oneshot::Sender<()>,
-        mut kill: watch::Receiver<bool>,
-    ) -> Result<TaskExit, RuntimeError> {
+    async fn start_task(&self, spec: &LaunchSpec) -> Result<(), RuntimeError> {
         let task_id = spec.task.task_id.as_str();
         let Some(image) = spec.task.image.as_deref() else {
             return Err(RuntimeError::Image {
@@ -158,184 +260,194 @@ impl DockerRuntime {
                 reason: format!("task {task_id}: the docker runtime needs an image"),
             });
         };
-        // Killed before it started: nothing to run, nothing to clean.
-        if *kill.borrow() {
-            return Ok(TaskExit::Killed);
-        }
-        let facts = tokio::select! {
-            pulled = self.ensure_image(image) => pulled?,
-            () = kill_requested(&mut kill) => return Ok(TaskExit::Killed),
-        };
-
         let name = container_name(&spec.agent_id, task_id);
-        // Left over from an agent that crashed while running this task.
-        self.remove(&name).await?;
-        // Opened before the container exists, so a bad path leaves nothing behind.
-        let log = tokio::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&spec.log_path)
-            .await
-            .map_err(|source| RuntimeError::Io {
-                path: spec.log_path.clone(),
-                source,
-            })?;
-
-        let mut guard = RemoveOnDrop {
-            docker: self.docker.clone(),
-            name: name.clone(),
-            armed: true,
-        };
-        self.docker
-            .create_container(
-                Some(CreateContainerOptions {
-                    name: name.clone(),
-                    platform: None,
-                }),
-                container_config(&spec, image, &facts, self.cgroupfs),
-            )
-            .await?;
-        tracing::debug!(task_id, container = %name, image, "container created");
-
-        let result = self.supervise(&name, &spec, log, running, &mut kill).await;
-        guard.armed = false;
-        if let Err(e) = self.remove(&name).await {
-            // cleanup_orphans catches it on the next agent start.
-            tracing::warn!(task_id, container = %name, error = %e, "could not remove container");
+        match self.client()?.inspect_container(&name, None).await {
+            Ok(info) => {
+                let created = info
+                    .state
+                    .and_then(|s| s.status)
+                    .is_some_and(|s| s == ContainerStateStatusEnum::CREATED);
+                if !created {
+                    // Started before (by this or an earlier agent process).
+                    return Ok(());
+                }
+                // Created by an agent that died before starting it.
+            }
+            Err(e) if is_not_found(&e) => {
+                if self.cgroupfs.get().is_none() {
+                    self.probe().await?;
+                }
+                let facts = self.ensure_image(image).await?;
+                let cgroupfs = self.cgroupfs.get().copied().unwrap_or(false);
+                self.client()?
+                    .create_container(
+                        Some(CreateContainerOptions {
+                            name: name.clone(),
+                            platform: None,
+                        }),
+                        container_config(spec, image, &facts, cgroupfs),
+                    )
+                    .await
+                    .map_err(|e| self.err(e))?;
+                tracing::debug!(task_id, container = %name, image, "container created");
+            }
+            Err(e) => return Err(self.err(e)),
         }
-        result
+        self.client()?
+            .start_container::<String>(&name, None)
+            .await
+            .map_err(|e| self.err(e))?;
+        self.set_health(true, String::new());
+        tracing::debug!(task_id, container = %name, "container started");
+        Ok(())
     }
 
-    /// Starts the created container and follows it to its end.
-    async fn supervise(
-        &self,
-        name: &str,
-        spec: &LaunchSpec,
-        log: tokio::fs::File,
-        running: oneshot::Sender<()>,
-        kill: &mut watch::Receiver<bool>,
-    ) -> Result<TaskExit, RuntimeError> {
-        let task_id = spec.task.task_id.as_str();
-        self.docker.start_container::<String>(name, None).await?;
-        tracing::debug!(task_id, container = %name, "container started");
-        let _ = running.send(());
+    async fn observe_task(&self, task: &TaskRef) -> Result<Observed, RuntimeError> {
+        let name = container_name(&task.agent_id, &task.task_id);
+        let info = match self.client()?.inspect_container(&name, None).await {
+            Ok(i) => i,
+            Err(e) if is_not_found(&e) => return Ok(Observed::NotStarted),
+            Err(e) => return Err(self.err(e)),
+        };
+        self.set_health(true, String::new());
+        let state = info.state.unwrap_or_default();
+        Ok(match state.status {
+            Some(ContainerStateStatusEnum::CREATED) | None => Observed::NotStarted,
+            Some(ContainerStateStatusEnum::EXITED | ContainerStateStatusEnum::DEAD) => {
+                Observed::Ended(Ended {
+                    code: state.exit_code.map(|c| i32::try_from(c).unwrap_or(-1)),
+                    fenced: false,
+                    error: None,
+                })
+            }
+            Some(_) => Observed::Running,
+        })
+    }
 
-        let mut pump: JoinHandle<Result<(), RuntimeError>> = tokio::spawn(pump_logs(
-            self.docker.clone(),
-            name.to_string(),
-            log,
-            spec.log_path.clone(),
-        ));
-
-        let exit = tokio::select! {
-            code = self.wait_exit(name) => match code {
-                Ok(code) => TaskExit::Exited(code),
-                Err(e) => {
-                    pump.abort();
-                    return Err(e);
+    /// Follows the container to its end, copying its output to the log,
+    /// through any number of daemon restarts.
+    async fn wait_task(&self, task: &TaskRef) -> Result<Ended, RuntimeError> {
+        let name = container_name(&task.agent_id, &task.task_id);
+        let mut backoff = OUTAGE_BACKOFF_MIN;
+        // Aborted if this future is dropped: one copy of the output at a time.
+        let mut pump: Option<AbortOnDrop> = None;
+        let ended = loop {
+            match self.observe_task(task).await {
+                Ok(Observed::Ended(e)) => break e,
+                Ok(Observed::NotStarted) => {
+                    break Ended {
+                        code: None,
+                        fenced: false,
+                        error: Some(format!("container {name} vanished")),
+                    }
                 }
-            },
-            () = kill_requested(kill) => {
-                self.stop(name, spec.kill_grace).await;
-                TaskExit::Killed
+                Ok(Observed::Running) => {
+                    backoff = OUTAGE_BACKOFF_MIN;
+                    if pump.as_ref().is_none_or(|p| p.0.is_finished()) {
+                        pump = Some(AbortOnDrop(tokio::spawn(pump_logs(
+                            self.clone(),
+                            name.clone(),
+                            task.clone(),
+                        ))));
+                    }
+                    // The answer only comes when the container stops, but
+                    // headers are sent at once, so the request timeout does
+                    // not cut long tasks short.
+                    let mut wait = self.client()?.wait_container(
+                        &name,
+                        Some(WaitContainerOptions {
+                            condition: "not-running",
+                        }),
+                    );
+                    match wait.next().await {
+                        Some(Ok(_)) | None => {}
+                        // A non-zero exit comes as an error; not one for us.
+                        Some(Err(BollardError::DockerContainerWaitError { .. })) => {}
+                        Some(Err(e)) if is_outage(&e) => {
+                            let _ = self.err(e);
+                            tokio::time::sleep(backoff).await;
+                            backoff = (backoff * 2).min(OUTAGE_BACKOFF_MAX);
+                        }
+                        Some(Err(e)) if is_not_found(&e) => {}
+                        Some(Err(e)) => {
+                            tracing::warn!(container = %name, error = %e, "waiting for the container failed; looking again");
+                            tokio::time::sleep(backoff).await;
+                            backoff = (backoff * 2).min(OUTAGE_BACKOFF_MAX);
+                        }
+                    }
+                }
+                Err(e) if e.is_unavailable() => {
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(OUTAGE_BACKOFF_MAX);
+                }
+                Err(e) => return Err(e),
             }
         };
-
-        match tokio::time::timeout(LOG_DRAIN_TIMEOUT, &mut pump).await {
+        // Copy what is left of the output (all of it after a reattach whose
+        // copy was not running).
+        let mut pump = match pump {
+            Some(p) if !p.0.is_finished() => p,
+            _ => AbortOnDrop(tokio::spawn(pump_logs(
+                self.clone(),
+                name.clone(),
+                task.clone(),
+            ))),
+        };
+        match tokio::time::timeout(LOG_DRAIN_TIMEOUT, &mut pump.0).await {
             Ok(Ok(Ok(()))) => {}
             Ok(Ok(Err(e))) => {
-                tracing::warn!(task_id, error = %e, "copying container output failed")
+                tracing::warn!(task_id = %task.task_id, error = %e, "copying container output failed")
             }
-            Ok(Err(e)) => tracing::warn!(task_id, error = %e, "log pump panicked"),
-            Err(_) => {
-                pump.abort();
-                tracing::warn!(
-                    task_id,
-                    "container output still flowing after exit; log cut short"
-                );
-            }
+            Ok(Err(e)) => tracing::warn!(task_id = %task.task_id, error = %e, "log pump panicked"),
+            Err(_) => tracing::warn!(
+                task_id = %task.task_id,
+                "container output still flowing after exit; log cut short"
+            ),
         }
-        tracing::debug!(task_id, ?exit, "container ended");
-        Ok(exit)
+        Ok(ended)
     }
 
-    /// Waits for the container to stop; its exit code from `inspect`.
-    async fn wait_exit(&self, name: &str) -> Result<i32, RuntimeError> {
-        // The answer only comes when the container stops, but headers are
-        // sent at once, so the request timeout does not cut long tasks short.
-        let mut wait = self.docker.wait_container(
-            name,
-            Some(WaitContainerOptions {
-                condition: "not-running",
-            }),
-        );
-        let waited = match wait.next().await {
-            Some(Ok(resp)) => Some(resp.status_code),
-            // bollard reports a non-zero exit code as an error; it is not one for us.
-            Some(Err(BollardError::DockerContainerWaitError { code, .. })) => Some(code),
-            Some(Err(e)) => return Err(e.into()),
-            None => None,
-        };
-        let info = self.docker.inspect_container(name, None).await?;
-        let code = info
-            .state
-            .and_then(|s| s.exit_code)
-            .or(waited)
-            .ok_or_else(|| RuntimeError::Other(format!("container {name}: no exit code")))?;
-        Ok(i32::try_from(code).unwrap_or(-1))
-    }
-
-    /// `docker stop`: SIGTERM, SIGKILL after `grace`. Failures are only
-    /// logged: the force-remove that follows kills the container anyway.
-    async fn stop(&self, name: &str, grace: Duration) {
+    /// `docker stop`: SIGTERM, SIGKILL after `grace`.
+    async fn stop_task(&self, task: &TaskRef, grace: Duration) -> Result<(), RuntimeError> {
+        let name = container_name(&task.agent_id, &task.task_id);
         let secs = grace.as_secs() + u64::from(grace.subsec_nanos() > 0);
         let t = i64::try_from(secs).unwrap_or(i64::MAX);
         // The daemon answers only once the container is down.
         let docker = self
-            .docker
-            .clone()
+            .client()?
             .with_timeout(Duration::from_secs(REQUEST_TIMEOUT_S.saturating_add(secs)));
-        if let Err(e) = docker
-            .stop_container(name, Some(StopContainerOptions { t }))
+        match docker
+            .stop_container(&name, Some(StopContainerOptions { t }))
             .await
         {
-            if !is_not_found(&e) {
-                tracing::warn!(container = %name, error = %e, "docker stop failed");
-            }
+            Ok(()) => Ok(()),
+            Err(e) if is_not_found(&e) => Ok(()),
+            // 304: already stopped.
+            Err(BollardError::DockerResponseServerError {
+                status_code: 304, ..
+            }) => Ok(()),
+            Err(e) => Err(self.err(e)),
         }
     }
 
-    async fn remove_orphans(&self, agent_id: &str) -> Result<usize, RuntimeError> {
+    async fn list_tasks(&self, agent_id: &str) -> Result<Vec<String>, RuntimeError> {
         let filters = HashMap::from([(
             "label".to_string(),
             vec![format!("{LABEL_AGENT_ID}={agent_id}")],
         )]);
         let containers = self
-            .docker
+            .client()?
             .list_containers(Some(ListContainersOptions {
                 all: true,
                 filters,
                 ..Default::default()
             }))
-            .await?;
-        let mut removed = 0;
-        let mut failed = vec![];
-        for id in containers.into_iter().filter_map(|c| c.id) {
-            match self.remove(&id).await {
-                Ok(()) => removed += 1,
-                Err(e) => failed.push(format!("{id}: {e}")),
-            }
-        }
-        if !failed.is_empty() {
-            return Err(RuntimeError::Other(format!(
-                "agent {agent_id}: removed {removed} orphan containers, could not remove {}",
-                failed.join("; ")
-            )));
-        }
-        if removed > 0 {
-            tracing::info!(agent_id, removed, "removed orphan containers");
-        }
-        Ok(removed)
+            .await
+            .map_err(|e| self.err(e))?;
+        Ok(containers
+            .into_iter()
+            .filter_map(|c| c.labels.and_then(|mut l| l.remove(LABEL_TASK_ID)))
+            .collect())
     }
 }
 
@@ -344,53 +456,43 @@ impl ContainerRuntime for DockerRuntime {
         Runtime::Docker
     }
 
-    fn run(
-        &self,
-        spec: LaunchSpec,
-        running: oneshot::Sender<()>,
-        kill: watch::Receiver<bool>,
-    ) -> BoxFuture<'_, Result<TaskExit, RuntimeError>> {
-        self.run_container(spec, running, kill).boxed()
+    fn start<'a>(&'a self, spec: &'a LaunchSpec) -> BoxFuture<'a, Result<(), RuntimeError>> {
+        self.start_task(spec).boxed()
     }
 
-    fn cleanup_orphans<'a>(
+    fn observe<'a>(&'a self, task: &'a TaskRef) -> BoxFuture<'a, Result<Observed, RuntimeError>> {
+        self.observe_task(task).boxed()
+    }
+
+    fn wait<'a>(&'a self, task: &'a TaskRef) -> BoxFuture<'a, Result<Ended, RuntimeError>> {
+        self.wait_task(task).boxed()
+    }
+
+    fn stop<'a>(
         &'a self,
-        agent_id: &'a str,
-    ) -> BoxFuture<'a, Result<usize, RuntimeError>> {
-        self.remove_orphans(agent_id).boxed()
+        task: &'a TaskRef,
+        grace: Duration,
+    ) -> BoxFuture<'a, Result<(), RuntimeError>> {
+        self.stop_task(task, grace).boxed()
     }
-}
 
-/// Removes the container if the run future is dropped half way (the
-/// executor gave up on it); the normal paths remove it themselves.
-struct RemoveOnDrop {
-    docker: Docker,
-    name: String,
-    armed: bool,
-}
-
-impl Drop for RemoveOnDrop {
-    fn drop(&mut self) {
-        if !self.armed {
-            return;
+    fn remove<'a>(&'a self, task: &'a TaskRef) -> BoxFuture<'a, Result<(), RuntimeError>> {
+        async move {
+            self.remove_container(&container_name(&task.agent_id, &task.task_id))
+                .await
         }
-        // No runtime (shutting down): cleanup_orphans handles it next start.
-        let Ok(handle) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
-        let docker = self.docker.clone();
-        let name = std::mem::take(&mut self.name);
-        handle.spawn(async move {
-            let opts = RemoveContainerOptions {
-                force: true,
-                ..Default::default()
-            };
-            if let Err(e) = docker.remove_container(&name, Some(opts)).await {
-                if !is_not_found(&e) {
-                    tracing::warn!(container = %name, error = %e, "could not remove container");
-                }
-            }
-        });
+        .boxed()
+    }
+
+    fn list<'a>(&'a self, agent_id: &'a str) -> BoxFuture<'a, Result<Vec<String>, RuntimeError>> {
+        self.list_tasks(agent_id).boxed()
+    }
+
+    fn status(&self) -> RuntimeStatus {
+        self.health
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 }
 
@@ -502,41 +604,176 @@ fn container_config(
     }
 }
 
-/// Appends the container's stdout and stderr, in order, to the log file
-/// until the container stops.
-async fn pump_logs(
-    docker: Docker,
-    name: String,
-    mut file: tokio::fs::File,
-    path: PathBuf,
-) -> Result<(), RuntimeError> {
+/// Aborts the task when dropped.
+struct AbortOnDrop(JoinHandle<Result<(), RuntimeError>>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// How far a container's output has been copied to the task's log: the
+/// timestamp of the last line copied (Docker's, as a sortable key) and how
+/// many lines with exactly that timestamp were copied. A copy resumed after
+/// an agent or daemon restart skips what it already wrote.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LogCursor {
+    pub key: String,
+    pub same_key: u64,
+}
+
+impl LogCursor {
+    /// Whether a line stamped `key` (the `seen`th line with that same key
+    /// since the copy resumed, counting from 1) is new; advances the cursor
+    /// when it is.
+    pub fn admit(&mut self, key: &str, seen: u64) -> bool {
+        match key.cmp(self.key.as_str()) {
+            std::cmp::Ordering::Less => false,
+            std::cmp::Ordering::Equal => {
+                if seen <= self.same_key {
+                    false
+                } else {
+                    self.same_key = seen;
+                    true
+                }
+            }
+            std::cmp::Ordering::Greater => {
+                self.key = key.to_string();
+                self.same_key = 1;
+                true
+            }
+        }
+    }
+
+    /// Whole seconds since the epoch of the cursor, for Docker's `since`.
+    pub fn since_secs(&self) -> i64 {
+        timestamp_secs(&self.key).unwrap_or(0)
+    }
+}
+
+/// Docker's RFC 3339 timestamp (`2024-05-01T12:34:56.123456789Z`, fraction
+/// of any length) as a key that sorts like the time: the second, then the
+/// fraction padded to nanoseconds.
+pub fn timestamp_key(ts: &str) -> Option<String> {
+    let ts = ts.strip_suffix('Z')?;
+    let (secs, frac) = ts.split_once('.').unwrap_or((ts, ""));
+    if secs.len() != 19 || frac.len() > 9 || !frac.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    Some(format!("{secs}.{frac:0<9}"))
+}
+
+/// Seconds since the epoch of a key made by [`timestamp_key`].
+fn timestamp_secs(key: &str) -> Option<i64> {
+    let num = |r: std::ops::Range<usize>| key.get(r)?.parse::<i64>().ok();
+    let (y, m, d) = (num(0..4)?, num(5..7)?, num(8..10)?);
+    let (hh, mm, ss) = (num(11..13)?, num(14..16)?, num(17..19)?);
+    // Days from civil (Howard Hinnant's algorithm).
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = if y >= 0 { y } else { y - 399 } / 400;
+    let yoe = y - era * 400;
+    let mp = (m + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + d - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    Some(days * 86_400 + hh * 3_600 + mm * 60 + ss)
+}
+
+/// Appends the container's stdout and stderr, in order, to the task's log
+/// until the container stops, resuming after what an earlier copy wrote.
+async fn pump_logs(rt: DockerRuntime, name: String, task: TaskRef) -> Result<(), RuntimeError> {
+    let path = task.log_path.clone();
+    let cursor_path = task.state_dir.join(LOG_CURSOR_FILE);
     let io_err = |source| RuntimeError::Io {
         path: path.clone(),
         source,
     };
+    let mut cursor: LogCursor = crate::checkpoint::read_json(&cursor_path)
+        .ok()
+        .flatten()
+        .unwrap_or_default();
+    let mut file = tokio::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&path)
+        .await
+        .map_err(io_err)?;
+    let docker = rt.client()?;
     let mut logs = docker.logs(
         &name,
         Some(LogsOptions::<String> {
             follow: true,
             stdout: true,
             stderr: true,
+            timestamps: true,
+            since: cursor.since_secs(),
             tail: "all".to_string(),
             ..Default::default()
         }),
     );
-    while let Some(chunk) = logs.next().await {
-        file.write_all(&chunk?.into_bytes()).await.map_err(io_err)?;
-    }
+    let (mut seen_key, mut seen) = (String::new(), 0u64);
+    let mut saved = tokio::time::Instant::now();
+    let mut dirty = false;
+    let result = loop {
+        let Some(chunk) = logs.next().await else {
+            break Ok(());
+        };
+        let bytes = match chunk {
+            Ok(LogOutput::StdOut { message } | LogOutput::StdErr { message })
+            | Ok(LogOutput::Console { message }) => message,
+            Ok(LogOutput::StdIn { .. }) => continue,
+            Err(e) => break Err(rt.err(e)),
+        };
+        let split = bytes.iter().position(|b| *b == b' ');
+        let (key, line) = match split.and_then(|i| {
+            std::str::from_utf8(&bytes[..i])
+                .ok()
+                .and_then(timestamp_key)
+                .map(|k| (k, &bytes[i + 1..]))
+        }) {
+            Some(x) => x,
+            // No timestamp: copy as is.
+            None => (String::new(), &bytes[..]),
+        };
+        if !key.is_empty() {
+            if key == seen_key {
+                seen += 1;
+            } else {
+                seen_key = key.clone();
+                seen = 1;
+            }
+            if !cursor.admit(&key, seen) {
+                continue;
+            }
+        }
+        file.write_all(line).await.map_err(io_err)?;
+        dirty = true;
+        if saved.elapsed() >= CURSOR_SAVE {
+            file.flush().await.map_err(io_err)?;
+            save_cursor(&cursor_path, &cursor);
+            saved = tokio::time::Instant::now();
+            dirty = false;
+        }
+    };
     // tokio writes in the background; make sure it all landed.
     file.flush().await.map_err(io_err)?;
-    Ok(())
+    if dirty {
+        save_cursor(&cursor_path, &cursor);
+    }
+    result
 }
 
-/// Resolves when the kill flag turns true; never if the sender is dropped
-/// without asking.
-async fn kill_requested(kill: &mut watch::Receiver<bool>) {
-    if kill.wait_for(|k| *k).await.is_err() {
-        futures::future::pending::<()>().await;
+/// Without fsync: losing the last quarter second of cursor only repeats
+/// those lines after a crash.
+fn save_cursor(path: &Path, cursor: &LogCursor) {
+    let tmp = path.with_extension("tmp");
+    let res = serde_json::to_vec(cursor)
+        .map_err(std::io::Error::other)
+        .and_then(|b| std::fs::write(&tmp, b))
+        .and_then(|()| std::fs::rename(&tmp, path));
+    if let Err(e) = res {
+        tracing::warn!(path = %path.display(), error = %e, "could not save the log cursor");
     }
 }
 
@@ -605,6 +842,7 @@ mod tests {
                     gpus: 0,
                 },
                 gpu_uuids: vec![],
+                no_fence: false,
             },
             agent_id: format!("agent-{task_id}"),
             env: BTreeMap::from([("GPUCTL_TASK_ID".to_string(), task_id.to_string())]),
@@ -612,6 +850,8 @@ mod tests {
             log_path: dir.join("task.log"),
             kill_grace: Duration::from_secs(3),
             isolation: Default::default(),
+            state_dir: dir.to_path_buf(),
+            fence: None,
         }
     }
 
@@ -625,7 +865,7 @@ mod tests {
     }
 
     async fn container_exists(rt: &DockerRuntime, name: &str) -> bool {
-        match rt.client().inspect_container(name, None).await {
+        match rt.client().unwrap().inspect_container(name, None).await {
             Ok(_) => true,
             Err(e) if is_not_found(&e) => false,
             Err(e) => panic!("inspect {name}: {e}"),
@@ -647,12 +887,66 @@ mod tests {
         assert_eq!(split_reference("img@sha256:abc"), ("img@sha256:abc", ""));
     }
 
+    /// Starts the task, follows it to its end, removes the container.
+    async fn run_to_end(rt: &DockerRuntime, s: &LaunchSpec) -> Result<Ended, RuntimeError> {
+        let t = s.task_ref();
+        rt.start(s).await?;
+        let ended = rt.wait(&t).await?;
+        rt.remove(&t).await?;
+        Ok(ended)
+    }
+
+    fn exited(code: i32) -> Ended {
+        Ended {
+            code: Some(code),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn docker_timestamps_sort_and_convert() {
+        let a = timestamp_key("2024-05-01T12:34:56.5Z").unwrap();
+        let b = timestamp_key("2024-05-01T12:34:56.123456789Z").unwrap();
+        let c = timestamp_key("2024-05-01T12:34:57Z").unwrap();
+        assert_eq!(a, "2024-05-01T12:34:56.500000000");
+        assert!(b < a && a < c, "{b} {a} {c}");
+        assert_eq!(
+            timestamp_key("2024-05-01 12:34:56Z"),
+            Some("2024-05-01 12:34:56.000000000".into())
+        );
+        assert_eq!(timestamp_key("garbage"), None);
+        assert_eq!(timestamp_key("2024-05-01T12:34:56.1234567890Z"), None);
+        // 2024-05-01T12:34:56Z is 1714566896.
+        let cursor = LogCursor {
+            key: a,
+            same_key: 1,
+        };
+        assert_eq!(cursor.since_secs(), 1_714_566_896);
+        assert_eq!(LogCursor::default().since_secs(), 0);
+    }
+
+    #[test]
+    fn docker_log_cursor_skips_what_was_copied() {
+        let mut c = LogCursor::default();
+        assert!(c.admit("t1", 1));
+        assert!(c.admit("t2", 1));
+        assert!(c.admit("t2", 2));
+        // A resumed copy sees t1 and t2 again, then new lines.
+        let mut resumed = c.clone();
+        assert!(!resumed.admit("t1", 1));
+        assert!(!resumed.admit("t2", 1));
+        assert!(!resumed.admit("t2", 2));
+        assert!(resumed.admit("t2", 3));
+        assert!(resumed.admit("t3", 1));
+        assert_eq!(resumed.key, "t3");
+    }
+
     #[tokio::test]
     async fn docker_exit_code_and_output() {
         let Some(rt) = connect_or_skip("docker_exit_code_and_output").await else {
             return;
         };
-        let image = ensure_busybox_image(rt.client()).await.unwrap();
+        let image = ensure_busybox_image(&rt.client().unwrap()).await.unwrap();
         let dir = tempfile::tempdir().unwrap();
         let task_id = unique("exit7");
         let s = spec(
@@ -666,11 +960,7 @@ mod tests {
             ],
         );
         let log = s.log_path.clone();
-        let (run_tx, run_rx) = oneshot::channel();
-        let (_kill_tx, kill_rx) = watch::channel(false);
-        let exit = rt.run(s, run_tx, kill_rx).await.unwrap();
-        assert_eq!(exit, TaskExit::Exited(7));
-        run_rx.await.expect("running was not sent");
+        assert_eq!(run_to_end(&rt, &s).await.unwrap(), exited(7));
         let text = std::fs::read_to_string(&log).unwrap();
         assert!(text.contains("out\n"), "{text}");
         assert!(text.contains("err\n"), "{text}");
@@ -685,35 +975,34 @@ mod tests {
         let Some(rt) = connect_or_skip("docker_exit_zero").await else {
             return;
         };
-        let image = ensure_busybox_image(rt.client()).await.unwrap();
+        let image = ensure_busybox_image(&rt.client().unwrap()).await.unwrap();
         let dir = tempfile::tempdir().unwrap();
         let s = spec(dir.path(), &unique("exit0"), &image, &["true"]);
-        let (run_tx, _run_rx) = oneshot::channel();
-        let (_kill_tx, kill_rx) = watch::channel(false);
-        assert_eq!(
-            rt.run(s, run_tx, kill_rx).await.unwrap(),
-            TaskExit::Exited(0)
-        );
+        assert_eq!(run_to_end(&rt, &s).await.unwrap(), exited(0));
     }
 
     #[tokio::test]
-    async fn docker_kill_labels_and_removal() {
-        let Some(rt) = connect_or_skip("docker_kill_labels_and_removal").await else {
+    async fn docker_stop_labels_and_removal() {
+        let Some(rt) = connect_or_skip("docker_stop_labels_and_removal").await else {
             return;
         };
-        let image = ensure_busybox_image(rt.client()).await.unwrap();
+        let image = ensure_busybox_image(&rt.client().unwrap()).await.unwrap();
         let dir = tempfile::tempdir().unwrap();
         let task_id = unique("kill");
         let s = spec(dir.path(), &task_id, &image, &["sleep", "300"]);
         let grace = s.kill_grace;
         let name = container_name(&format!("agent-{task_id}"), &task_id);
-        let (run_tx, run_rx) = oneshot::channel();
-        let (kill_tx, kill_rx) = watch::channel(false);
-        let rt2 = rt.clone();
-        let handle = tokio::spawn(async move { rt2.run(s, run_tx, kill_rx).await });
-        run_rx.await.unwrap();
+        let t = s.task_ref();
+        rt.start(&s).await.unwrap();
+        assert_eq!(rt.observe(&t).await.unwrap(), Observed::Running);
+        assert_eq!(rt.list(&s.agent_id).await.unwrap(), vec![task_id.clone()]);
 
-        let info = rt.client().inspect_container(&name, None).await.unwrap();
+        let info = rt
+            .client()
+            .unwrap()
+            .inspect_container(&name, None)
+            .await
+            .unwrap();
         let labels = info.config.and_then(|c| c.labels).unwrap();
         assert_eq!(labels.get(LABEL_TASK_ID), Some(&task_id));
         assert_eq!(labels.get(LABEL_JOB_ID), Some(&format!("job-{task_id}")));
@@ -728,109 +1017,92 @@ mod tests {
         assert_eq!(info.state.and_then(|s| s.running), Some(true));
 
         let started = Instant::now();
-        kill_tx.send(true).unwrap();
-        let exit = handle.await.unwrap().unwrap();
-        assert_eq!(exit, TaskExit::Killed);
+        rt.stop(&t, grace).await.unwrap();
+        let ended = rt.wait(&t).await.unwrap();
+        // `sleep` as a child of docker-init dies of the SIGTERM.
+        assert_eq!(ended.code, Some(143), "{ended:?}");
         assert!(
             started.elapsed() < grace,
-            "kill took {:?}, grace {grace:?}",
+            "stop took {:?}, grace {grace:?}",
             started.elapsed()
         );
+        assert!(matches!(rt.observe(&t).await.unwrap(), Observed::Ended(_)));
+        rt.remove(&t).await.unwrap();
         assert!(!container_exists(&rt, &name).await);
+        assert_eq!(rt.observe(&t).await.unwrap(), Observed::NotStarted);
     }
 
+    /// A task is started at most once, whoever asks: a second start of a
+    /// running or ended task changes nothing.
     #[tokio::test]
-    async fn docker_dropping_the_run_future_removes_the_container() {
-        let Some(rt) =
-            connect_or_skip("docker_dropping_the_run_future_removes_the_container").await
-        else {
+    async fn docker_start_is_idempotent() {
+        let Some(rt) = connect_or_skip("docker_start_is_idempotent").await else {
             return;
         };
-        let image = ensure_busybox_image(rt.client()).await.unwrap();
+        let image = ensure_busybox_image(&rt.client().unwrap()).await.unwrap();
         let dir = tempfile::tempdir().unwrap();
-        let task_id = unique("drop");
-        let s = spec(dir.path(), &task_id, &image, &["sleep", "300"]);
-        let name = container_name(&format!("agent-{task_id}"), &task_id);
-        let (run_tx, run_rx) = oneshot::channel();
-        let (_kill_tx, kill_rx) = watch::channel(false);
-        let rt2 = rt.clone();
-        let handle = tokio::spawn(async move { rt2.run(s, run_tx, kill_rx).await });
-        run_rx.await.unwrap();
-        assert!(container_exists(&rt, &name).await);
-        handle.abort();
-        let _ = handle.await;
+        let task_id = unique("once");
+        let s = spec(dir.path(), &task_id, &image, &["sh", "-c", "echo ran-once"]);
+        let t = s.task_ref();
+        rt.start(&s).await.unwrap();
+        assert_eq!(rt.wait(&t).await.unwrap(), exited(0));
+        rt.start(&s).await.unwrap();
+        assert_eq!(rt.wait(&t).await.unwrap(), exited(0));
+        let text = std::fs::read_to_string(&s.log_path).unwrap();
+        assert_eq!(text.matches("ran-once").count(), 1, "{text}");
+        rt.remove(&t).await.unwrap();
+    }
+
+    /// What a restarted agent does: a new runtime value finds the running
+    /// container by name, follows it to its end and copies each line of its
+    /// output exactly once, though an earlier copy already wrote some.
+    #[tokio::test]
+    async fn docker_reattach_copies_each_line_once() {
+        let Some(rt) = connect_or_skip("docker_reattach_copies_each_line_once").await else {
+            return;
+        };
+        let image = ensure_busybox_image(&rt.client().unwrap()).await.unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let task_id = unique("reattach");
+        let s = spec(
+            dir.path(),
+            &task_id,
+            &image,
+            &[
+                "sh",
+                "-c",
+                "for i in 1 2 3 4 5 6; do echo line-$i; sleep 0.4; done; exit 4",
+            ],
+        );
+        let t = s.task_ref();
+        rt.start(&s).await.unwrap();
+        // The first agent copies part of the output, then dies.
+        let first = tokio::spawn({
+            let rt = rt.clone();
+            let t = t.clone();
+            async move { rt.wait(&t).await }
+        });
         let deadline = Instant::now() + Duration::from_secs(10);
-        while container_exists(&rt, &name).await {
-            assert!(
-                Instant::now() < deadline,
-                "container {name} survived the dropped future"
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
+        while !log_has(&s.log_path, "line-2") {
+            assert!(Instant::now() < deadline, "no output copied");
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
-    }
-
-    #[tokio::test]
-    async fn docker_replaces_a_leftover_container() {
-        let Some(rt) = connect_or_skip("docker_replaces_a_leftover_container").await else {
-            return;
-        };
-        let image = ensure_busybox_image(rt.client()).await.unwrap();
-        let dir = tempfile::tempdir().unwrap();
-        let task_id = unique("leftover");
-        let s = spec(dir.path(), &task_id, &image, &["echo", "second"]);
-        rt.client()
-            .create_container(
-                Some(CreateContainerOptions {
-                    name: container_name(&format!("agent-{task_id}"), &task_id),
-                    platform: None,
-                }),
-                container_config(&s, &image, &ImageFacts::default(), true),
-            )
-            .await
-            .unwrap();
-        let log = s.log_path.clone();
-        let (run_tx, _run_rx) = oneshot::channel();
-        let (_kill_tx, kill_rx) = watch::channel(false);
-        assert_eq!(
-            rt.run(s, run_tx, kill_rx).await.unwrap(),
-            TaskExit::Exited(0)
-        );
-        assert!(log_has(&log, "second"));
-        assert!(
-            !container_exists(&rt, &container_name(&format!("agent-{task_id}"), &task_id)).await
-        );
-    }
-
-    #[tokio::test]
-    async fn docker_cleanup_orphans_removes_labelled_containers() {
-        let Some(rt) = connect_or_skip("docker_cleanup_orphans_removes_labelled_containers").await
-        else {
-            return;
-        };
-        let image = ensure_busybox_image(rt.client()).await.unwrap();
-        let dir = tempfile::tempdir().unwrap();
-        let task_id = unique("orphan");
-        let s = spec(dir.path(), &task_id, &image, &["sleep", "300"]);
-        let name = container_name(&format!("agent-{task_id}"), &task_id);
-        rt.client()
-            .create_container(
-                Some(CreateContainerOptions {
-                    name: name.clone(),
-                    platform: None,
-                }),
-                container_config(&s, &image, &ImageFacts::default(), true),
-            )
-            .await
-            .unwrap();
-        rt.client()
-            .start_container::<String>(&name, None)
-            .await
-            .unwrap();
-
-        assert_eq!(rt.cleanup_orphans("agent-nobody-here").await.unwrap(), 0);
-        assert!(container_exists(&rt, &name).await);
-        assert_eq!(rt.cleanup_orphans(&s.agent_id).await.unwrap(), 1);
-        assert!(!container_exists(&rt, &name).await);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        first.abort();
+        let _ = first.await;
+        // The next one takes over.
+        let rt2 = DockerRuntime::connect().await.unwrap();
+        assert_eq!(rt2.observe(&t).await.unwrap(), Observed::Running);
+        assert_eq!(rt2.wait(&t).await.unwrap(), exited(4));
+        let text = std::fs::read_to_string(&s.log_path).unwrap();
+        for i in 1..=6 {
+            assert_eq!(
+                text.matches(&format!("line-{i}\n")).count(),
+                1,
+                "line-{i} in {text:?}"
+            );
+        }
+        rt2.remove(&t).await.unwrap();
     }
 
     /// With `init: true` the container does start (the init is its process);
@@ -840,24 +1112,16 @@ mod tests {
         let Some(rt) = connect_or_skip("docker_missing_command_exits_127").await else {
             return;
         };
-        let image = ensure_busybox_image(rt.client()).await.unwrap();
+        let image = ensure_busybox_image(&rt.client().unwrap()).await.unwrap();
         let dir = tempfile::tempdir().unwrap();
         let task_id = unique("nocmd");
         let s = spec(dir.path(), &task_id, &image, &["/no/such/program"]);
         let log = s.log_path.clone();
-        let (run_tx, _run_rx) = oneshot::channel();
-        let (_kill_tx, kill_rx) = watch::channel(false);
-        assert_eq!(
-            rt.run(s, run_tx, kill_rx).await.unwrap(),
-            TaskExit::Exited(127)
-        );
+        assert_eq!(run_to_end(&rt, &s).await.unwrap(), exited(127));
         assert!(
             log_has(&log, "/no/such/program"),
             "{}",
             std::fs::read_to_string(&log).unwrap_or_default()
-        );
-        assert!(
-            !container_exists(&rt, &container_name(&format!("agent-{task_id}"), &task_id)).await
         );
     }
 
@@ -869,15 +1133,25 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let image = "gpuctl/no-such-image-for-tests:never";
         let s = spec(dir.path(), &unique("noimage"), image, &["true"]);
-        let (run_tx, run_rx) = oneshot::channel();
-        let (_kill_tx, kill_rx) = watch::channel(false);
-        match rt.run(s, run_tx, kill_rx).await {
+        match rt.start(&s).await {
             Err(RuntimeError::Image { image: got, .. }) => assert_eq!(got, image),
             other => panic!("expected an Image error, got {other:?}"),
         }
-        assert!(
-            run_rx.await.is_err(),
-            "running sent for a task that never started"
+        assert_eq!(
+            rt.observe(&s.task_ref()).await.unwrap(),
+            Observed::NotStarted
         );
+    }
+
+    /// A daemon that does not answer is an outage, not a task failure.
+    #[tokio::test]
+    async fn docker_unreachable_daemon_is_unavailable() {
+        let rt = DockerRuntime::with_socket("unix:///nonexistent/gpuctl-test.sock".into()).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let s = spec(dir.path(), &unique("down"), "busybox", &["true"]);
+        let err = rt.observe(&s.task_ref()).await.unwrap_err();
+        assert!(err.is_unavailable(), "{err:?}");
+        assert!(!rt.status().available);
+        assert!(rt.start(&s).await.unwrap_err().is_unavailable());
     }
 }

@@ -216,18 +216,17 @@ mod tests {
             return;
         };
         // Concurrent callers must all succeed.
-        let (a, b) = tokio::join!(
-            ensure_busybox_image(rt.client()),
-            ensure_busybox_image(rt.client())
-        );
+        let client = rt.client().unwrap();
+        let (a, b) = tokio::join!(ensure_busybox_image(&client), ensure_busybox_image(&client));
         assert_eq!(a.unwrap(), LOCAL_BUSYBOX_IMAGE);
         assert_eq!(b.unwrap(), LOCAL_BUSYBOX_IMAGE);
         rt.client()
+            .unwrap()
             .inspect_image(LOCAL_BUSYBOX_IMAGE)
             .await
             .unwrap();
         assert_eq!(
-            ensure_busybox_image(rt.client()).await.unwrap(),
+            ensure_busybox_image(&rt.client().unwrap()).await.unwrap(),
             LOCAL_BUSYBOX_IMAGE
         );
     }

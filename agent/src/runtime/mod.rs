@@ -1,10 +1,19 @@
 //! Container runtimes: how a task's command actually runs on this host.
 //!
-//! A runtime supervises one task for its whole life in a single call:
-//! [`ContainerRuntime::run`] prepares and starts it, reports that it is
-//! running, copies its output to the task's log file, waits for it to end,
-//! stops it when asked, and cleans up (a container is removed once its output
-//! has been saved). The executor spawns one such call per task.
+//! A runtime does not own a task's life in one call: tasks outlive the agent
+//! (a restart, a crash, an upgrade), so every step can be taken again by a
+//! new agent process from what the runtime itself reports:
+//!
+//! - [`ContainerRuntime::start`] starts a task, at most once (starting one
+//!   that was already started is a no-op);
+//! - [`ContainerRuntime::observe`] says whether it was started, runs or ended;
+//! - [`ContainerRuntime::wait`] follows it to its end (copying a container's
+//!   output to the task's log) and waits out outages of the runtime itself;
+//! - [`ContainerRuntime::stop`] asks it to stop (SIGTERM, SIGKILL after the
+//!   grace) and [`ContainerRuntime::remove`] removes what is left.
+//!
+//! An outage of the runtime (the Docker daemon restarting) is
+//! [`RuntimeError::Unavailable`]: a condition to wait out, never a task failure.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -12,11 +21,11 @@ use std::time::Duration;
 
 use futures::future::BoxFuture;
 use gpuctl_proto::types::{Runtime, TaskSpec};
-use tokio::sync::{oneshot, watch};
 
 pub mod docker;
 pub mod image;
 pub mod process;
+pub mod supervisor;
 
 pub use docker::DockerRuntime;
 pub use process::ProcessRuntime;
@@ -39,6 +48,31 @@ pub struct LaunchSpec {
     pub kill_grace: Duration,
     /// Devices, cgroup and driver volume (see `crate::isolation`).
     pub isolation: TaskIsolation,
+    /// The task's checkpoint directory (`<work-dir>/state/<task-id>`).
+    pub state_dir: PathBuf,
+    /// The agent's `contact.json`, for supervisors that fence; `None`: the
+    /// task is never fenced.
+    pub fence: Option<PathBuf>,
+}
+
+impl LaunchSpec {
+    pub fn task_ref(&self) -> TaskRef {
+        TaskRef {
+            task_id: self.task.task_id.clone(),
+            agent_id: self.agent_id.clone(),
+            state_dir: self.state_dir.clone(),
+            log_path: self.log_path.clone(),
+        }
+    }
+}
+
+/// A task that may have been started, by the names a runtime finds it by.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TaskRef {
+    pub task_id: String,
+    pub agent_id: String,
+    pub state_dir: PathBuf,
+    pub log_path: PathBuf,
 }
 
 /// How a runtime confines a task. Default: nothing (tests of the runtimes
@@ -60,18 +94,33 @@ pub struct TaskIsolation {
     pub gpu_task: bool,
 }
 
+/// What a runtime knows of a task.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Observed {
+    /// Never started (or nothing of it is left to find).
+    NotStarted,
+    Running,
+    Ended(Ended),
+}
+
 /// How a task ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum TaskExit {
-    /// The command exited by itself. A process killed by a signal that was
-    /// not ours reports 128 + signal number, like a shell.
-    Exited(i32),
-    /// Stopped because the executor asked (the kill channel turned true).
-    Killed,
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Ended {
+    /// Its exit code; 128 + signal for a process killed by a signal.
+    pub code: Option<i32>,
+    /// Its supervisor stopped it because the agent had no contact with a
+    /// master for the fence timeout.
+    pub fenced: bool,
+    /// It could not be started, or it vanished (no exit code to report).
+    pub error: Option<String>,
 }
 
 #[derive(Debug, thiserror::Error)]
 pub enum RuntimeError {
+    /// The runtime itself does not answer (the Docker daemon is down or
+    /// restarting): retry later, the task is not at fault.
+    #[error("{runtime} unavailable: {reason}")]
+    Unavailable { runtime: Runtime, reason: String },
     #[error("docker: {0}")]
     Docker(#[from] bollard::errors::Error),
     #[error("image {image}: {reason}")]
@@ -90,31 +139,52 @@ pub enum RuntimeError {
     Other(String),
 }
 
+impl RuntimeError {
+    pub fn is_unavailable(&self) -> bool {
+        matches!(self, RuntimeError::Unavailable { .. })
+    }
+}
+
+/// Whether a runtime answers, for heartbeats and `gpuctl agents`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RuntimeStatus {
+    pub available: bool,
+    /// Why not, when not.
+    pub message: String,
+}
+
 /// One way of running tasks. Object safe so the executor can hold
 /// `Arc<dyn ContainerRuntime>` per [`Runtime`] kind.
 pub trait ContainerRuntime: Send + Sync {
     fn kind(&self) -> Runtime;
 
-    /// Runs the task to its end.
-    ///
-    /// - sends on `running` once the command has started (never if it could
-    ///   not be started, in which case it returns `Err`);
-    /// - when `kill` turns `true`, stops the task (SIGTERM, then SIGKILL after
-    ///   `spec.kill_grace`) and returns `Ok(TaskExit::Killed)`;
-    /// - leaves nothing behind: no container, no process. The log file stays.
-    fn run(
-        &self,
-        spec: LaunchSpec,
-        running: oneshot::Sender<()>,
-        kill: watch::Receiver<bool>,
-    ) -> BoxFuture<'_, Result<TaskExit, RuntimeError>>;
+    /// Starts the task and returns once it runs. Idempotent: a task that
+    /// was started before (by this or an earlier agent process) is not
+    /// started again.
+    fn start<'a>(&'a self, spec: &'a LaunchSpec) -> BoxFuture<'a, Result<(), RuntimeError>>;
 
-    /// Removes whatever this agent started earlier and no longer knows about
-    /// (containers labelled with `agent_id` from a previous agent process).
-    fn cleanup_orphans<'a>(
+    /// Whether the task was started, runs or ended, from the runtime itself.
+    fn observe<'a>(&'a self, task: &'a TaskRef) -> BoxFuture<'a, Result<Observed, RuntimeError>>;
+
+    /// Follows a started task to its end. Outages of the runtime are waited
+    /// out here; an error means the task cannot be followed at all.
+    fn wait<'a>(&'a self, task: &'a TaskRef) -> BoxFuture<'a, Result<Ended, RuntimeError>>;
+
+    /// Asks the task to stop: SIGTERM now, SIGKILL after `grace`.
+    fn stop<'a>(
         &'a self,
-        agent_id: &'a str,
-    ) -> BoxFuture<'a, Result<usize, RuntimeError>>;
+        task: &'a TaskRef,
+        grace: Duration,
+    ) -> BoxFuture<'a, Result<(), RuntimeError>>;
+
+    /// Removes what is left of an ended task (a container); the log stays.
+    fn remove<'a>(&'a self, task: &'a TaskRef) -> BoxFuture<'a, Result<(), RuntimeError>>;
+
+    /// Ids of the tasks this runtime runs for `agent_id` (to find strays
+    /// the agent has no record of).
+    fn list<'a>(&'a self, agent_id: &'a str) -> BoxFuture<'a, Result<Vec<String>, RuntimeError>>;
+
+    fn status(&self) -> RuntimeStatus;
 }
 
 /// Label keys put on every container gpuctl starts.

@@ -229,9 +229,19 @@ async fn choose_runtimes(args: &DemoArgs) -> RuntimePlan {
         }
     };
     say("Docker answers; preparing the demo image");
+    let client = match docker.client() {
+        Ok(c) => c,
+        Err(e) => {
+            say(format!(
+                "Docker is not available ({}); jobs run as host processes",
+                one_line(&e.to_string())
+            ));
+            return processes;
+        }
+    };
     match tokio::time::timeout(
         IMAGE_TIMEOUT,
-        gpuctl_agent::runtime::image::ensure_busybox_image(docker.client()),
+        gpuctl_agent::runtime::image::ensure_busybox_image(&client),
     )
     .await
     {
@@ -312,6 +322,8 @@ async fn start_daemons(
     let mut config = gpuctl_agent::AgentConfig::new(vec![master_addr.to_string()], agent_dir);
     config.simulate_gpus = gpu_plan.simulate.clone();
     config.runtimes = Some(runtime_plan.runtimes.clone());
+    // A throwaway agent: its tasks go when the demo ends.
+    config.stop_tasks_on_shutdown = true;
     let agent = tokio::spawn({
         let exit = exit.clone();
         let shutdown = shutdown_signal(stop.clone());

@@ -266,6 +266,7 @@ impl State {
                 env,
                 resources: t.resources,
                 gpu_uuids: t.gpu_uuids.clone(),
+                no_fence: false,
             });
         }
         (run, kill)

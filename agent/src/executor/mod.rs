@@ -1,0 +1,925 @@
+//! The executor: a reconcile loop between the tasks the master wants on this
+//! agent and what actually runs here, read from the runtimes themselves
+//! (containers by name and label, host processes through their
+//! supervisors) and from the agent's checkpoints.
+//!
+//! The decision is pure code (`plan`); this module carries it out. It runs
+//! on every change (a desired set, a task's end, an acknowledgement, a GPU
+//! fault) and on a timer (`tick`), and every action is idempotent.
+//!
+//! Tasks outlive the agent. A restarted agent calls [`Executor::recover`]:
+//! every task checkpointed under `<work-dir>/state` is found again in its
+//! runtime and followed to its end; one that ended while the agent was down
+//! is reported with its real exit code; a final status not yet acknowledged
+//! is sent again, with the same uuid.
+
+mod plan;
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use gpuctl_proto::types::{Runtime, StatusUpdate, TaskSpec, TaskState};
+use tokio::sync::{mpsc, watch};
+
+use plan::{Action, Phase, TaskView};
+pub use plan::{Desired, StopReason};
+
+use crate::checkpoint::{self, Contact};
+use crate::isolation::Isolator;
+use crate::runtime::{ContainerRuntime, Ended, LaunchSpec, Observed, TaskIsolation, TaskRef};
+
+/// File name of a task's combined output inside its sandbox.
+pub const LOG_FILE: &str = "output.log";
+/// Written once the runtime has started the task: a task with it whose
+/// runtime knows nothing of it vanished.
+const STARTED_FILE: &str = "started";
+/// How often the loop runs without a change (fence, strays).
+pub const TICK: Duration = Duration::from_secs(1);
+/// Strays (containers labelled for this agent that it has no record of) are
+/// looked for every this many ticks.
+const STRAY_SCAN_TICKS: u64 = 10;
+const OUTAGE_BACKOFF_MIN: Duration = Duration::from_millis(200);
+const OUTAGE_BACKOFF_MAX: Duration = Duration::from_secs(5);
+
+struct LocalTask {
+    spec: TaskSpec,
+    phase: Phase,
+    stop: watch::Sender<Option<StopReason>>,
+    /// The uuid of its final update, once decided.
+    final_uuid: Option<Vec<u8>>,
+}
+
+impl LocalTask {
+    fn new(spec: TaskSpec, phase: Phase) -> LocalTask {
+        LocalTask {
+            spec,
+            phase,
+            stop: watch::channel(None).0,
+            final_uuid: None,
+        }
+    }
+
+    fn view(&self) -> TaskView {
+        TaskView {
+            phase: self.phase,
+            stopping: self.stop.borrow().clone(),
+            no_fence: self.spec.no_fence,
+            gpus: self.spec.gpu_uuids.clone(),
+        }
+    }
+
+    fn live(&self) -> bool {
+        matches!(self.phase, Phase::Launching | Phase::Running)
+    }
+}
+
+#[derive(Default)]
+struct Inner {
+    tasks: BTreeMap<String, LocalTask>,
+    /// The master's latest complete desired set; `None` since start until
+    /// the first one arrives.
+    desired: Option<Desired>,
+    /// This agent's unhealthy GPUs and why, by UUID.
+    gpu_faults: BTreeMap<String, String>,
+    contact: Option<Contact>,
+}
+
+/// What the executor needs to isolate tasks.
+pub struct IsolationSetup {
+    pub isolator: Isolator,
+    /// Minor number (hence /dev/nvidiaN) of each GPU of this agent, by UUID.
+    pub gpu_minors: HashMap<String, u32>,
+    /// The consolidated driver volume, when one could be built.
+    pub driver_volume: Option<PathBuf>,
+}
+
+/// How a task ended, as reported to the master.
+#[derive(Debug, Clone, PartialEq)]
+struct Outcome {
+    state: TaskState,
+    exit_code: Option<i32>,
+    message: String,
+    gpu_unhealthy: bool,
+}
+
+impl Outcome {
+    fn failed(message: impl Into<String>) -> Outcome {
+        Outcome {
+            state: TaskState::Failed,
+            exit_code: None,
+            message: message.into(),
+            gpu_unhealthy: false,
+        }
+    }
+
+    /// A task that ends without having started.
+    fn refused(reason: &StopReason, fence_timeout_ms: u64) -> Outcome {
+        match reason {
+            StopReason::GpuFailed(why) => Outcome {
+                gpu_unhealthy: true,
+                ..Outcome::failed(why.clone())
+            },
+            StopReason::Fenced => Outcome {
+                state: TaskState::Killed,
+                ..Outcome::failed(fence_message(fence_timeout_ms))
+            },
+            StopReason::Killed | StopReason::NotWanted => Outcome {
+                state: TaskState::Killed,
+                ..Outcome::failed("killed before it started")
+            },
+        }
+    }
+
+    /// A task that ran, ended as `ended`, while being stopped for `reason`.
+    fn ran(ended: Ended, reason: Option<&StopReason>, fence_timeout_ms: u64) -> Outcome {
+        if let Some(e) = ended.error {
+            return Outcome::failed(e);
+        }
+        let code = ended.code;
+        if ended.fenced || reason == Some(&StopReason::Fenced) {
+            return Outcome {
+                state: TaskState::Killed,
+                exit_code: code,
+                message: fence_message(fence_timeout_ms),
+                gpu_unhealthy: false,
+            };
+        }
+        match reason {
+            // One that finished cleanly first succeeded all the same.
+            Some(StopReason::GpuFailed(why)) if code != Some(0) => Outcome {
+                gpu_unhealthy: true,
+                exit_code: code,
+                ..Outcome::failed(why.clone())
+            },
+            Some(StopReason::Killed | StopReason::NotWanted) => Outcome {
+                state: TaskState::Killed,
+                exit_code: None,
+                message: "killed".into(),
+                gpu_unhealthy: false,
+            },
+            _ => match code {
+                Some(0) => Outcome {
+                    state: TaskState::Finished,
+                    exit_code: Some(0),
+                    message: String::new(),
+                    gpu_unhealthy: false,
+                },
+                Some(c) => Outcome {
+                    exit_code: Some(c),
+                    ..Outcome::failed(format!("exited with code {c}"))
+                },
+                None => Outcome::failed("ended without an exit code"),
+            },
+        }
+    }
+}
+
+fn fence_message(fence_timeout_ms: u64) -> String {
+    format!(
+        "fenced: the agent had no contact with a master for {:.0} s",
+        fence_timeout_ms as f64 / 1000.0
+    )
+}
+
+pub struct Executor {
+    agent_id: String,
+    work_dir: PathBuf,
+    runtimes: BTreeMap<Runtime, Arc<dyn ContainerRuntime>>,
+    kill_grace: Duration,
+    isolation: IsolationSetup,
+    inner: Mutex<Inner>,
+    updates: mpsc::Sender<StatusUpdate>,
+    /// Ticks whenever a task ends, for log followers.
+    ended_tx: watch::Sender<u64>,
+}
+
+impl Executor {
+    pub fn new(
+        agent_id: String,
+        work_dir: PathBuf,
+        runtimes: BTreeMap<Runtime, Arc<dyn ContainerRuntime>>,
+        kill_grace: Duration,
+        isolation: IsolationSetup,
+        updates: mpsc::Sender<StatusUpdate>,
+    ) -> Arc<Executor> {
+        Arc::new(Executor {
+            agent_id,
+            work_dir,
+            runtimes,
+            kill_grace,
+            isolation,
+            inner: Mutex::new(Inner::default()),
+            updates,
+            ended_tx: watch::channel(0).0,
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn sandbox(&self, task_id: &str) -> PathBuf {
+        self.work_dir.join("tasks").join(task_id)
+    }
+
+    fn state_dir(&self, task_id: &str) -> PathBuf {
+        self.work_dir.join(checkpoint::STATE_DIR).join(task_id)
+    }
+
+    fn task_ref(&self, task_id: &str) -> TaskRef {
+        TaskRef {
+            task_id: task_id.to_string(),
+            agent_id: self.agent_id.clone(),
+            state_dir: self.state_dir(task_id),
+            log_path: self.sandbox(task_id).join(LOG_FILE),
+        }
+    }
+
+    /// Finds every task an earlier agent process left in `<work-dir>/state`
+    /// and takes it over: running ones are followed to their end, final
+    /// statuses not yet acknowledged are sent again. Also removes the task
+    /// cgroups of tasks it does not know. Call once, before the master link.
+    pub fn recover(self: &Arc<Self>) {
+        let root = self.work_dir.join(checkpoint::STATE_DIR);
+        if let Err(e) = std::fs::create_dir_all(&root) {
+            tracing::error!(path = %root.display(), error = %e, "cannot create the state directory");
+        }
+        match checkpoint::read_contact(&checkpoint::contact_path(&self.work_dir)) {
+            Ok(c) => self.lock().contact = c,
+            Err(e) => tracing::warn!(error = %e, "unreadable contact record; starting without one"),
+        }
+        let mut resend = Vec::new();
+        let mut follow = Vec::new();
+        let entries = std::fs::read_dir(&root).into_iter().flatten().flatten();
+        for entry in entries {
+            let dir = entry.path();
+            let id = entry.file_name().to_string_lossy().into_owned();
+            let spec = match checkpoint::read_json::<TaskSpec>(&dir.join(checkpoint::TASK_FILE)) {
+                Ok(Some(s)) if s.task_id == id => s,
+                Ok(_) => {
+                    // Made by an agent that died before it wrote the spec:
+                    // nothing was started from it.
+                    let _ = std::fs::remove_dir_all(&dir);
+                    continue;
+                }
+                Err(e) => {
+                    tracing::error!(task_id = %id, error = %e, "unreadable task checkpoint; left alone");
+                    continue;
+                }
+            };
+            let final_update =
+                checkpoint::read_json::<StatusUpdate>(&dir.join(checkpoint::FINAL_FILE))
+                    .ok()
+                    .flatten();
+            let mut t = self.lock();
+            match final_update {
+                Some(u) => {
+                    let acked = dir.join(checkpoint::ACKED_FILE).exists();
+                    let mut local = LocalTask::new(spec, Phase::Ended { acked });
+                    local.final_uuid = Some(u.uuid.clone());
+                    t.tasks.insert(id.clone(), local);
+                    if !acked {
+                        resend.push(u);
+                    }
+                }
+                None => {
+                    let local = LocalTask::new(spec.clone(), Phase::Running);
+                    let stop = local.stop.subscribe();
+                    t.tasks.insert(id.clone(), local);
+                    follow.push((spec, stop));
+                }
+            }
+        }
+        let known: BTreeSet<String> = self.lock().tasks.keys().cloned().collect();
+        match self.isolation.isolator.remove_stale(&known) {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(removed = n, "removed task cgroups of tasks no longer here"),
+            Err(e) => tracing::warn!(error = %e, "could not remove every stale task cgroup"),
+        }
+        tracing::info!(
+            reattached = follow.len(),
+            unacknowledged = resend.len(),
+            known = known.len(),
+            "recovered tasks from the work dir"
+        );
+        for (spec, stop) in follow {
+            let me = self.clone();
+            tokio::spawn(async move { me.drive(spec, stop, true).await });
+        }
+        let updates = self.updates.clone();
+        tokio::spawn(async move {
+            for u in resend {
+                if updates.send(u).await.is_err() {
+                    return;
+                }
+            }
+        });
+    }
+
+    /// Tasks the master should keep for this agent when it (re)registers:
+    /// every task it knows, running or ended with a final update the
+    /// master may not have applied yet.
+    pub fn known_task_ids(&self) -> Vec<String> {
+        self.lock().tasks.keys().cloned().collect()
+    }
+
+    pub fn is_active(&self, task_id: &str) -> bool {
+        self.lock().tasks.get(task_id).is_some_and(LocalTask::live)
+    }
+
+    pub fn has_ended(&self, task_id: &str) -> bool {
+        self.lock()
+            .tasks
+            .get(task_id)
+            .is_some_and(|t| matches!(t.phase, Phase::Ended { .. }))
+    }
+
+    pub fn task_ended_watch(&self) -> watch::Receiver<u64> {
+        self.ended_tx.subscribe()
+    }
+
+    /// The task (and its job) running on each GPU, by UUID.
+    pub fn gpu_tasks(&self) -> HashMap<String, (String, String)> {
+        let t = self.lock();
+        let mut out = HashMap::new();
+        for (id, task) in t.tasks.iter().filter(|(_, t)| t.live()) {
+            for g in &task.spec.gpu_uuids {
+                out.insert(g.clone(), (id.clone(), task.spec.job_id.clone()));
+            }
+        }
+        out
+    }
+
+    /// Tasks launched and not yet ended.
+    pub fn active_tasks(&self) -> usize {
+        self.lock().tasks.values().filter(|t| t.live()).count()
+    }
+
+    /// The master's latest complete desired set.
+    pub fn set_desired(self: &Arc<Self>, desired: Desired) {
+        self.lock().desired = Some(desired);
+        self.reconcile();
+    }
+
+    /// The health checks' latest view: tasks on a GPU that just turned
+    /// unhealthy are stopped and end FAILED with the GPU's reason, and no
+    /// task is started on an unhealthy GPU.
+    pub fn set_gpu_faults(self: &Arc<Self>, faults: BTreeMap<String, String>) {
+        self.lock().gpu_faults = faults;
+        self.reconcile();
+    }
+
+    /// A leader answered a heartbeat sent at `sent_ms` (wall clock): the
+    /// fence deadline moves on. Recorded on disk for the supervisors and for
+    /// the next agent process.
+    pub fn record_contact(&self, contact: Contact) {
+        self.lock().contact = Some(contact);
+        if let Err(e) = checkpoint::write_json(&checkpoint::contact_path(&self.work_dir), &contact)
+        {
+            tracing::warn!(error = %e, "could not record the master contact");
+        }
+    }
+
+    /// The fence timeout the master asked for, as last recorded.
+    fn fence_timeout_ms(&self) -> u64 {
+        self.lock().contact.map_or(0, |c| c.fence_timeout_ms)
+    }
+
+    /// The master acknowledged `update`: a final one need not be sent again.
+    pub fn acknowledged(self: &Arc<Self>, update: &StatusUpdate) {
+        if !update.state.is_terminal() {
+            return;
+        }
+        {
+            let mut t = self.lock();
+            let Some(task) = t.tasks.get_mut(&update.task_id) else {
+                return;
+            };
+            if task.final_uuid.as_deref() != Some(update.uuid.as_slice()) {
+                return;
+            }
+            task.phase = Phase::Ended { acked: true };
+        }
+        let path = self.state_dir(&update.task_id).join(checkpoint::ACKED_FILE);
+        if let Err(e) = checkpoint::write_atomic(&path, b"") {
+            tracing::warn!(task_id = %update.task_id, error = %e, "could not record the acknowledgement");
+        }
+        self.reconcile();
+    }
+
+    /// Makes what runs here match what the master wants (see `plan`).
+    pub fn reconcile(self: &Arc<Self>) {
+        let mut launches = Vec::new();
+        let mut refusals = Vec::new();
+        let mut forgets = Vec::new();
+        let fence_ms;
+        {
+            let mut t = self.lock();
+            fence_ms = t.contact.map_or(0, |c| c.fence_timeout_ms);
+            let fenced = t
+                .contact
+                .is_some_and(|c| c.expired_at(checkpoint::wall_ms()));
+            let views: BTreeMap<String, TaskView> = t
+                .tasks
+                .iter()
+                .map(|(id, l)| (id.clone(), l.view()))
+                .collect();
+            let actions = plan::plan(&plan::Input {
+                desired: t.desired.as_ref(),
+                tasks: &views,
+                gpu_faults: &t.gpu_faults,
+                fenced,
+            });
+            for action in actions {
+                match action {
+                    Action::Launch(id) => {
+                        let Some(spec) = t.desired.as_ref().and_then(|d| d.run.get(&id)).cloned()
+                        else {
+                            continue;
+                        };
+                        let local = LocalTask::new(spec.clone(), Phase::Launching);
+                        let stop = local.stop.subscribe();
+                        t.tasks.insert(id, local);
+                        launches.push((spec, stop));
+                    }
+                    Action::Refuse { task_id, reason } => {
+                        let spec = t
+                            .desired
+                            .as_ref()
+                            .and_then(|d| d.run.get(&task_id))
+                            .cloned()
+                            .unwrap_or_else(|| TaskSpec {
+                                task_id: task_id.clone(),
+                                job_id: String::new(),
+                                framework_id: String::new(),
+                                image: None,
+                                command: Vec::new(),
+                                env: BTreeMap::new(),
+                                resources: Default::default(),
+                                gpu_uuids: Vec::new(),
+                                no_fence: false,
+                            });
+                        t.tasks
+                            .insert(task_id, LocalTask::new(spec.clone(), Phase::Launching));
+                        refusals.push((spec, reason));
+                    }
+                    Action::Stop { task_id, reason } => {
+                        if let Some(task) = t.tasks.get(&task_id) {
+                            tracing::info!(task_id = %task_id, reason = ?reason, "stopping task");
+                            task.stop.send_replace(Some(reason));
+                        }
+                    }
+                    Action::Forget(task_id) => {
+                        t.tasks.remove(&task_id);
+                        forgets.push(task_id);
+                    }
+                }
+            }
+        }
+        for (spec, stop) in launches {
+            let me = self.clone();
+            tokio::spawn(async move { me.drive(spec, stop, false).await });
+        }
+        for (spec, reason) in refusals {
+            let me = self.clone();
+            tokio::spawn(async move {
+                if let Err(e) = me.checkpoint_spec(&spec) {
+                    tracing::warn!(task_id = %spec.task_id, error = %e, "could not checkpoint a refused task");
+                }
+                let outcome = Outcome::refused(&reason, fence_ms);
+                me.finish(&spec.task_id, outcome).await;
+            });
+        }
+        for id in forgets {
+            let dir = self.state_dir(&id);
+            if let Err(e) = std::fs::remove_dir_all(&dir) {
+                if e.kind() != std::io::ErrorKind::NotFound {
+                    tracing::warn!(task_id = %id, error = %e, "could not remove the task's checkpoint");
+                }
+            }
+        }
+    }
+
+    /// Runs the loop on a timer: the fence deadline passes without any
+    /// event, and strays are looked for now and then.
+    pub async fn tick(self: Arc<Self>, mut shutdown: watch::Receiver<bool>) {
+        let mut interval = tokio::time::interval(TICK);
+        interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut n: u64 = 0;
+        loop {
+            tokio::select! {
+                _ = interval.tick() => {}
+                _ = shutdown.changed() => return,
+            }
+            self.reconcile();
+            n += 1;
+            if n % STRAY_SCAN_TICKS == 1 {
+                self.remove_strays().await;
+            }
+        }
+    }
+
+    /// Containers labelled for this agent that it has no record of (their
+    /// checkpoint was lost): nobody would ever report or stop them, and
+    /// they may hold GPUs the master gives to others. Stopped and removed.
+    async fn remove_strays(&self) {
+        for rt in self.runtimes.values() {
+            let Ok(ids) = rt.list(&self.agent_id).await else {
+                continue;
+            };
+            let strays: Vec<String> = {
+                let t = self.lock();
+                ids.into_iter()
+                    .filter(|id| !t.tasks.contains_key(id))
+                    .collect()
+            };
+            for id in strays {
+                tracing::warn!(task_id = %id, runtime = %rt.kind(), "a task this agent has no record of: removing it");
+                let tref = self.task_ref(&id);
+                let _ = rt.stop(&tref, self.kill_grace).await;
+                if let Err(e) = rt.remove(&tref).await {
+                    tracing::warn!(task_id = %id, error = %e, "could not remove a stray task");
+                }
+            }
+        }
+    }
+
+    /// Whether the runtimes answer, for heartbeats.
+    pub fn runtime_status(&self) -> Vec<(Runtime, crate::runtime::RuntimeStatus)> {
+        self.runtimes
+            .iter()
+            .map(|(k, rt)| (*k, rt.status()))
+            .collect()
+    }
+
+    /// Stops every task and waits up to `timeout` (an agent configured to
+    /// take its tasks down with it, such as the one `gpuctl demo` runs).
+    pub async fn kill_all(self: &Arc<Self>, timeout: Duration) {
+        {
+            let t = self.lock();
+            for task in t.tasks.values().filter(|t| t.live()) {
+                if task.stop.borrow().is_none() {
+                    task.stop.send_replace(Some(StopReason::Killed));
+                }
+            }
+        }
+        let deadline = tokio::time::Instant::now() + timeout;
+        while self.active_tasks() > 0 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    fn checkpoint_spec(&self, spec: &TaskSpec) -> Result<(), checkpoint::CheckpointError> {
+        let dir = self.state_dir(&spec.task_id);
+        std::fs::create_dir_all(&dir).map_err(|source| checkpoint::CheckpointError::Io {
+            path: dir.clone(),
+            source,
+        })?;
+        checkpoint::write_json(&dir.join(checkpoint::TASK_FILE), spec)
+    }
+
+    async fn send(&self, update: StatusUpdate) {
+        let task_id = update.task_id.clone();
+        if self.updates.send(update).await.is_err() {
+            tracing::error!(task_id = %task_id, "status channel closed; update dropped");
+        }
+    }
+
+    fn update(&self, task_id: &str, state: TaskState) -> StatusUpdate {
+        StatusUpdate {
+            agent_id: self.agent_id.clone(),
+            task_id: task_id.to_string(),
+            state,
+            exit_code: None,
+            message: String::new(),
+            uuid: uuid::Uuid::new_v4().as_bytes().to_vec(),
+            gpu_unhealthy: false,
+        }
+    }
+
+    /// Decides the task's final status once: checkpointed first, then sent
+    /// until acknowledged (again by the next agent process if need be).
+    async fn finish(self: &Arc<Self>, task_id: &str, outcome: Outcome) {
+        let mut u = self.update(task_id, outcome.state);
+        u.exit_code = outcome.exit_code;
+        u.message = outcome.message;
+        u.gpu_unhealthy = outcome.gpu_unhealthy;
+        let path = self.state_dir(task_id).join(checkpoint::FINAL_FILE);
+        if let Err(e) = checkpoint::write_json(&path, &u) {
+            tracing::error!(task_id, error = %e, "could not checkpoint the final status; sending it anyway");
+        }
+        {
+            let mut t = self.lock();
+            if let Some(task) = t.tasks.get_mut(task_id) {
+                task.phase = Phase::Ended { acked: false };
+                task.final_uuid = Some(u.uuid.clone());
+            }
+        }
+        tracing::info!(task_id, state = %u.state, exit_code = ?u.exit_code, message = %u.message, "task ended");
+        self.ended_tx.send_modify(|n| *n += 1);
+        self.send(u).await;
+        self.reconcile();
+    }
+
+    fn gpu_env(spec: &TaskSpec) -> BTreeMap<String, String> {
+        let mut env = spec.env.clone();
+        let ids = spec.gpu_uuids.join(",");
+        // A task without GPUs gets "void" (never inherit an image's "all").
+        env.insert(
+            "NVIDIA_VISIBLE_DEVICES".into(),
+            if ids.is_empty() {
+                "void".into()
+            } else {
+                ids.clone()
+            },
+        );
+        env.insert("CUDA_VISIBLE_DEVICES".into(), ids.clone());
+        env.insert("CUDA_DEVICE_ORDER".into(), "PCI_BUS_ID".into());
+        env.insert(
+            "NVIDIA_DRIVER_CAPABILITIES".into(),
+            "compute,utility".into(),
+        );
+        env.insert("GPUCTL_GPUS".into(), ids);
+        env.insert("GPUCTL_TASK_ID".into(), spec.task_id.clone());
+        env.insert("GPUCTL_JOB_ID".into(), spec.job_id.clone());
+        env
+    }
+
+    /// One task from launch (or reattachment) to its final status.
+    async fn drive(
+        self: Arc<Self>,
+        spec: TaskSpec,
+        mut stop: watch::Receiver<Option<StopReason>>,
+        reattach: bool,
+    ) {
+        let task_id = spec.task_id.clone();
+        let outcome = self.drive_inner(&spec, &mut stop, reattach).await;
+        self.finish(&task_id, outcome).await;
+    }
+
+    async fn drive_inner(
+        &self,
+        spec: &TaskSpec,
+        stop: &mut watch::Receiver<Option<StopReason>>,
+        reattach: bool,
+    ) -> Outcome {
+        let task_id = spec.task_id.as_str();
+        let fence_ms = self.fence_timeout_ms();
+        let kind = if spec.image.is_some() {
+            Runtime::Docker
+        } else {
+            Runtime::Process
+        };
+        let Some(rt) = self.runtimes.get(&kind).cloned() else {
+            return Outcome::failed(format!("this agent has no {kind} runtime"));
+        };
+        let tref = self.task_ref(task_id);
+        let mut started = false;
+        if reattach {
+            let mut backoff = OUTAGE_BACKOFF_MIN;
+            loop {
+                match rt.observe(&tref).await {
+                    Ok(Observed::NotStarted) => {
+                        if tref.state_dir.join(STARTED_FILE).exists() {
+                            self.release(task_id);
+                            return Outcome::failed("the task vanished while the agent was down");
+                        }
+                        break;
+                    }
+                    Ok(Observed::Running | Observed::Ended(_)) => {
+                        started = true;
+                        break;
+                    }
+                    Err(e) if e.is_unavailable() => {
+                        tokio::time::sleep(backoff).await;
+                        backoff = (backoff * 2).min(OUTAGE_BACKOFF_MAX);
+                    }
+                    Err(e) => return Outcome::failed(e.to_string()),
+                }
+            }
+        }
+        if !started {
+            if let Err(o) = self.start(spec, &rt, stop, fence_ms).await {
+                return o;
+            }
+        }
+        self.set_phase(task_id, Phase::Running);
+        self.send(self.update(task_id, TaskState::Running)).await;
+
+        // Follow it to its end; a stop request is carried out beside.
+        let wait = rt.wait(&tref);
+        tokio::pin!(wait);
+        let mut stopping = false;
+        let ended = loop {
+            if !stopping && stop.borrow().is_some() {
+                stopping = true;
+                tokio::spawn(stop_until_done(rt.clone(), tref.clone(), self.kill_grace));
+            }
+            tokio::select! {
+                r = &mut wait => break r,
+                r = stop.changed() => if r.is_err() {
+                    // The task was forgotten; it still runs to its end.
+                    break (&mut wait).await;
+                },
+            }
+        };
+        self.release(task_id);
+        remove_until_done(&rt, &tref).await;
+        let reason = stop.borrow().clone();
+        match ended {
+            Ok(e) => Outcome::ran(e, reason.as_ref(), fence_ms),
+            Err(e) => Outcome::failed(e.to_string()),
+        }
+    }
+
+    /// Prepares and starts a task; `Err` with its final outcome when it
+    /// ends before it ran.
+    async fn start(
+        &self,
+        spec: &TaskSpec,
+        rt: &Arc<dyn ContainerRuntime>,
+        stop: &mut watch::Receiver<Option<StopReason>>,
+        fence_ms: u64,
+    ) -> Result<(), Outcome> {
+        let task_id = spec.task_id.as_str();
+        if let Some(r) = stop.borrow().clone() {
+            return Err(Outcome::refused(&r, fence_ms));
+        }
+        self.checkpoint_spec(spec)
+            .map_err(|e| Outcome::failed(format!("checkpoint: {e}")))?;
+        self.send(self.update(task_id, TaskState::Starting)).await;
+        let sandbox = self.sandbox(task_id);
+        tokio::fs::create_dir_all(&sandbox)
+            .await
+            .map_err(|e| Outcome::failed(format!("create sandbox {}: {e}", sandbox.display())))?;
+        let minors: Vec<u32> = spec
+            .gpu_uuids
+            .iter()
+            .map(|u| self.isolation.gpu_minors.get(u).copied().ok_or(u))
+            .collect::<Result<_, _>>()
+            .map_err(|u| Outcome::failed(format!("GPU {u} is not a GPU of this agent")))?;
+        let prepared = self
+            .isolation
+            .isolator
+            .prepare(task_id, &minors, &spec.resources, rt.kind())
+            .map_err(|e| Outcome::failed(format!("isolation: {e}")))?;
+        let launch = LaunchSpec {
+            env: Self::gpu_env(spec),
+            log_path: sandbox.join(LOG_FILE),
+            sandbox,
+            agent_id: self.agent_id.clone(),
+            kill_grace: self.kill_grace,
+            isolation: TaskIsolation {
+                devices: prepared.devices,
+                cgroup_parent: prepared.cgroup.as_ref().map(|c| c.docker_parent()),
+                cgroup_procs: prepared
+                    .cgroup
+                    .as_ref()
+                    .map(|c| c.procs_files.clone())
+                    .unwrap_or_default(),
+                driver_volume: self.isolation.driver_volume.clone(),
+                gpu_task: !spec.gpu_uuids.is_empty(),
+            },
+            state_dir: self.state_dir(task_id),
+            fence: (!spec.no_fence).then(|| checkpoint::contact_path(&self.work_dir)),
+            task: spec.clone(),
+        };
+        let mut backoff = OUTAGE_BACKOFF_MIN;
+        loop {
+            match rt.start(&launch).await {
+                Ok(()) => break,
+                // The runtime is down: not the task's fault; try again
+                // until it answers or the task is no longer wanted.
+                Err(e) if e.is_unavailable() => {
+                    tracing::warn!(task_id, error = %e, "runtime unavailable; the launch waits");
+                    tokio::select! {
+                        _ = tokio::time::sleep(backoff) => {}
+                        _ = stop.changed() => {}
+                    }
+                    backoff = (backoff * 2).min(OUTAGE_BACKOFF_MAX);
+                    if let Some(r) = stop.borrow().clone() {
+                        self.release(task_id);
+                        return Err(Outcome::refused(&r, fence_ms));
+                    }
+                }
+                Err(e) => {
+                    self.release(task_id);
+                    return Err(Outcome::failed(e.to_string()));
+                }
+            }
+        }
+        if let Err(e) = checkpoint::write_atomic(&launch.state_dir.join(STARTED_FILE), b"") {
+            tracing::warn!(task_id, error = %e, "could not record that the task started");
+        }
+        Ok(())
+    }
+
+    fn set_phase(&self, task_id: &str, phase: Phase) {
+        if let Some(t) = self.lock().tasks.get_mut(task_id) {
+            t.phase = phase;
+        }
+    }
+
+    /// Removes the task's cgroup (its processes are gone by now).
+    fn release(&self, task_id: &str) {
+        if let Err(e) = self.isolation.isolator.release(task_id) {
+            tracing::warn!(task_id, error = %e, "could not remove the task's cgroup");
+        }
+    }
+}
+
+/// Asks the runtime to stop the task until it has taken the request (the
+/// Docker daemon may be restarting).
+async fn stop_until_done(rt: Arc<dyn ContainerRuntime>, tref: TaskRef, grace: Duration) {
+    let mut backoff = OUTAGE_BACKOFF_MIN;
+    loop {
+        match rt.stop(&tref, grace).await {
+            Ok(()) => return,
+            Err(e) if e.is_unavailable() => {
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(OUTAGE_BACKOFF_MAX);
+            }
+            Err(e) => {
+                tracing::warn!(task_id = %tref.task_id, error = %e, "could not stop the task");
+                return;
+            }
+        }
+    }
+}
+
+/// Removes an ended task's container, waiting out a short outage; a stray
+/// left behind is removed by the stray scan later.
+async fn remove_until_done(rt: &Arc<dyn ContainerRuntime>, tref: &TaskRef) {
+    let mut backoff = OUTAGE_BACKOFF_MIN;
+    for _ in 0..10 {
+        match rt.remove(tref).await {
+            Ok(()) => return,
+            Err(e) if e.is_unavailable() => {
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(OUTAGE_BACKOFF_MAX);
+            }
+            Err(e) => {
+                tracing::warn!(task_id = %tref.task_id, error = %e, "could not remove the ended task");
+                return;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn outcomes_of_a_task_that_ran() {
+        let code = |c| Ended {
+            code: Some(c),
+            ..Default::default()
+        };
+        let o = Outcome::ran(code(0), None, 0);
+        assert_eq!((o.state, o.exit_code), (TaskState::Finished, Some(0)));
+        let o = Outcome::ran(code(3), None, 0);
+        assert_eq!((o.state, o.exit_code), (TaskState::Failed, Some(3)));
+        assert_eq!(o.message, "exited with code 3");
+        let o = Outcome::ran(code(143), Some(&StopReason::Killed), 0);
+        assert_eq!(o.state, TaskState::Killed);
+        let gpu = StopReason::GpuFailed("GPU g unhealthy: lost".into());
+        let o = Outcome::ran(code(143), Some(&gpu), 0);
+        assert_eq!((o.state, o.gpu_unhealthy), (TaskState::Failed, true));
+        assert_eq!(o.message, "GPU g unhealthy: lost");
+        // Finished cleanly before the GPU's failure stopped it.
+        let o = Outcome::ran(code(0), Some(&gpu), 0);
+        assert_eq!(o.state, TaskState::Finished);
+        // Fenced by its supervisor while the agent was away.
+        let fenced = Ended {
+            code: Some(143),
+            fenced: true,
+            error: None,
+        };
+        let o = Outcome::ran(fenced, None, 75_000);
+        assert_eq!(o.state, TaskState::Killed);
+        assert!(o.message.contains("75 s"), "{}", o.message);
+        let o = Outcome::ran(
+            Ended {
+                error: Some("container gpuctl-a-t vanished".into()),
+                ..Default::default()
+            },
+            None,
+            0,
+        );
+        assert_eq!((o.state, o.exit_code), (TaskState::Failed, None));
+    }
+
+    #[test]
+    fn outcomes_of_a_task_that_never_ran() {
+        let o = Outcome::refused(&StopReason::Killed, 0);
+        assert_eq!(
+            (o.state, o.message.as_str()),
+            (TaskState::Killed, "killed before it started")
+        );
+        let o = Outcome::refused(&StopReason::GpuFailed("GPU g unhealthy: x".into()), 0);
+        assert_eq!((o.state, o.gpu_unhealthy), (TaskState::Failed, true));
+    }
+}

@@ -1,0 +1,381 @@
+//! The executor's decision, as pure code: what the master wants on this
+//! agent × what this agent has (from its checkpoints and the runtimes) →
+//! what to do. No I/O, no clock; table-tested below. The executor applies
+//! the actions and calls this again on every change and on a timer, so each
+//! action must be safe to repeat: a stop already under way is not stopped
+//! again (`stopping` is set), a launch already under way is not launched
+//! again (the task is known).
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use gpuctl_proto::types::TaskSpec;
+
+/// The master's wish for this agent: tasks to run and tasks to stop.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Desired {
+    pub run: BTreeMap<String, TaskSpec>,
+    pub kill: BTreeSet<String>,
+}
+
+/// Where a task known to this agent stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// Launching: being prepared and started.
+    Launching,
+    /// Started (by this or an earlier agent process) and not seen to end.
+    Running,
+    /// Its final status is decided; `acked` once the master acknowledged it.
+    Ended { acked: bool },
+}
+
+/// Why a task is being stopped; also what its final status will say.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StopReason {
+    /// The master asked (cancel, preemption, a framework's kill, a drain).
+    Killed,
+    /// No longer in the master's desired set (the master forgot it).
+    NotWanted,
+    /// One of its GPUs failed a health check: `GPU <uuid> unhealthy: why`.
+    GpuFailed(String),
+    /// No contact with a master for the fence timeout.
+    Fenced,
+}
+
+/// What the plan needs to know of a local task.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TaskView {
+    pub phase: Phase,
+    pub stopping: Option<StopReason>,
+    pub no_fence: bool,
+    pub gpus: Vec<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Action {
+    /// Start a task of the desired set.
+    Launch(String),
+    /// A task that must not start: it ends at once with this reason
+    /// (KILLED "killed before it started", or FAILED on a failed GPU).
+    Refuse { task_id: String, reason: StopReason },
+    /// Stop a running or launching task.
+    Stop { task_id: String, reason: StopReason },
+    /// Its final status is acknowledged and the master no longer lists it:
+    /// drop its checkpoint.
+    Forget(String),
+}
+
+pub struct Input<'a> {
+    /// `None` until the first complete desired set since the agent started:
+    /// until then nothing is launched, refused, stopped as unwanted or
+    /// forgotten (a restarted agent keeps its tasks until the master speaks).
+    pub desired: Option<&'a Desired>,
+    pub tasks: &'a BTreeMap<String, TaskView>,
+    /// Unhealthy GPUs of this agent and why, by UUID.
+    pub gpu_faults: &'a BTreeMap<String, String>,
+    /// Past the fence deadline: no master heard from for the fence timeout.
+    pub fenced: bool,
+}
+
+fn gpu_fault(gpus: &[String], faults: &BTreeMap<String, String>) -> Option<StopReason> {
+    gpus.iter()
+        .find_map(|g| faults.get_key_value(g))
+        .map(|(uuid, why)| StopReason::GpuFailed(format!("GPU {uuid} unhealthy: {why}")))
+}
+
+pub fn plan(input: &Input<'_>) -> Vec<Action> {
+    let mut actions = Vec::new();
+    for (id, t) in input.tasks {
+        match t.phase {
+            Phase::Launching | Phase::Running => {
+                if t.stopping.is_some() {
+                    continue;
+                }
+                let reason = if input.fenced && !t.no_fence {
+                    Some(StopReason::Fenced)
+                } else if let Some(r) = gpu_fault(&t.gpus, input.gpu_faults) {
+                    Some(r)
+                } else {
+                    input.desired.and_then(|d| {
+                        if d.kill.contains(id) {
+                            Some(StopReason::Killed)
+                        } else if !d.run.contains_key(id) {
+                            Some(StopReason::NotWanted)
+                        } else {
+                            None
+                        }
+                    })
+                };
+                if let Some(reason) = reason {
+                    actions.push(Action::Stop {
+                        task_id: id.clone(),
+                        reason,
+                    });
+                }
+            }
+            Phase::Ended { acked } => {
+                let listed = input
+                    .desired
+                    .is_none_or(|d| d.run.contains_key(id) || d.kill.contains(id));
+                if acked && !listed {
+                    actions.push(Action::Forget(id.clone()));
+                }
+            }
+        }
+    }
+    let Some(desired) = input.desired else {
+        return actions;
+    };
+    for (id, spec) in &desired.run {
+        if input.tasks.contains_key(id) || desired.kill.contains(id) {
+            continue;
+        }
+        if let Some(reason) = gpu_fault(&spec.gpu_uuids, input.gpu_faults) {
+            actions.push(Action::Refuse {
+                task_id: id.clone(),
+                reason,
+            });
+        } else if input.fenced && !spec.no_fence {
+            // Whatever the master wanted then, it may have given up on by
+            // now: start nothing until it is heard from again.
+            continue;
+        } else {
+            actions.push(Action::Launch(id.clone()));
+        }
+    }
+    for id in &desired.kill {
+        if !input.tasks.contains_key(id) {
+            actions.push(Action::Refuse {
+                task_id: id.clone(),
+                reason: StopReason::Killed,
+            });
+        }
+    }
+    actions
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpuctl_proto::types::Resources;
+
+    fn spec(id: &str, gpus: &[&str]) -> TaskSpec {
+        TaskSpec {
+            task_id: id.into(),
+            job_id: "job-1".into(),
+            framework_id: String::new(),
+            image: None,
+            command: vec!["true".into()],
+            env: Default::default(),
+            resources: Resources {
+                cpus: 1.0,
+                mem_mib: 1,
+                gpus: gpus.len() as u32,
+            },
+            gpu_uuids: gpus.iter().map(|g| g.to_string()).collect(),
+            no_fence: false,
+        }
+    }
+
+    fn view(phase: Phase, gpus: &[&str]) -> TaskView {
+        TaskView {
+            phase,
+            stopping: None,
+            no_fence: false,
+            gpus: gpus.iter().map(|g| g.to_string()).collect(),
+        }
+    }
+
+    fn desired(run: &[TaskSpec], kill: &[&str]) -> Desired {
+        Desired {
+            run: run.iter().map(|s| (s.task_id.clone(), s.clone())).collect(),
+            kill: kill.iter().map(|k| k.to_string()).collect(),
+        }
+    }
+
+    fn run_plan(
+        desired: Option<&Desired>,
+        tasks: &[(&str, TaskView)],
+        faults: &[(&str, &str)],
+        fenced: bool,
+    ) -> Vec<Action> {
+        let tasks: BTreeMap<String, TaskView> = tasks
+            .iter()
+            .map(|(id, v)| (id.to_string(), v.clone()))
+            .collect();
+        let faults: BTreeMap<String, String> = faults
+            .iter()
+            .map(|(g, r)| (g.to_string(), r.to_string()))
+            .collect();
+        plan(&Input {
+            desired,
+            tasks: &tasks,
+            gpu_faults: &faults,
+            fenced,
+        })
+    }
+
+    fn stop(id: &str, reason: StopReason) -> Action {
+        Action::Stop {
+            task_id: id.into(),
+            reason,
+        }
+    }
+
+    fn refuse(id: &str, reason: StopReason) -> Action {
+        Action::Refuse {
+            task_id: id.into(),
+            reason,
+        }
+    }
+
+    #[test]
+    fn desired_x_local_table() {
+        let running = view(Phase::Running, &["g0"]);
+        let acked = view(Phase::Ended { acked: true }, &[]);
+        let unacked = view(Phase::Ended { acked: false }, &[]);
+        let d = desired(&[spec("a", &["g0"]), spec("b", &[])], &["k"]);
+        let empty = desired(&[], &[]);
+        // (case, desired, local tasks, expected actions)
+        let cases: Vec<(&str, Option<&Desired>, Vec<(&str, TaskView)>, Vec<Action>)> =
+            vec![
+            (
+                "new tasks launch, unknown kills are refused at once",
+                Some(&d),
+                vec![],
+                vec![
+                    Action::Launch("a".into()),
+                    Action::Launch("b".into()),
+                    refuse("k", StopReason::Killed),
+                ],
+            ),
+            (
+                "a running desired task is left alone",
+                Some(&d),
+                vec![("a", running.clone()), ("b", running.clone())],
+                vec![refuse("k", StopReason::Killed)],
+            ),
+            (
+                "a running task in the kill list is stopped",
+                Some(&d),
+                vec![("a", running.clone()), ("b", running.clone()), ("k", running.clone())],
+                vec![stop("k", StopReason::Killed)],
+            ),
+            (
+                "a running task the master no longer lists is stopped",
+                Some(&empty),
+                vec![("x", running.clone())],
+                vec![stop("x", StopReason::NotWanted)],
+            ),
+            (
+                "an ended task is not launched again while listed",
+                Some(&d),
+                vec![("a", unacked.clone()), ("b", acked.clone())],
+                vec![refuse("k", StopReason::Killed)],
+            ),
+            (
+                "an acknowledged ended task is forgotten once unlisted, an unacknowledged one kept",
+                Some(&empty),
+                vec![("x", acked.clone()), ("y", unacked.clone())],
+                vec![Action::Forget("x".into())],
+            ),
+            (
+                "before the master speaks nothing is launched, stopped or forgotten",
+                None,
+                vec![("x", running.clone()), ("y", acked.clone())],
+                vec![],
+            ),
+        ];
+        for (case, desired, tasks, want) in cases {
+            assert_eq!(run_plan(desired, &tasks, &[], false), want, "{case}");
+        }
+    }
+
+    #[test]
+    fn stops_are_not_repeated() {
+        let mut v = view(Phase::Running, &[]);
+        v.stopping = Some(StopReason::Killed);
+        let d = desired(&[], &["x"]);
+        assert_eq!(run_plan(Some(&d), &[("x", v)], &[], false), vec![]);
+    }
+
+    #[test]
+    fn failed_gpus_stop_tasks_and_refuse_launches() {
+        let d = desired(&[spec("a", &["g0"]), spec("b", &["g1"])], &[]);
+        let why = StopReason::GpuFailed("GPU g0 unhealthy: XID 79".into());
+        // Running on the failed GPU: stopped, even before the master hears.
+        assert_eq!(
+            run_plan(
+                None,
+                &[("a", view(Phase::Running, &["g0"]))],
+                &[("g0", "XID 79")],
+                false
+            ),
+            vec![stop("a", why.clone())]
+        );
+        // Not started yet: refused, the other launches.
+        assert_eq!(
+            run_plan(Some(&d), &[], &[("g0", "XID 79")], false),
+            vec![refuse("a", why), Action::Launch("b".into())]
+        );
+    }
+
+    #[test]
+    fn fencing_stops_fenced_tasks_only_and_launches_nothing() {
+        let mut keep = view(Phase::Running, &[]);
+        keep.no_fence = true;
+        let d = desired(&[spec("n", &[]), spec("f", &[]), spec("new", &[])], &[]);
+        let tasks = vec![("f", view(Phase::Launching, &[])), ("n", keep)];
+        assert_eq!(
+            run_plan(Some(&d), &tasks, &[], true),
+            vec![stop("f", StopReason::Fenced)]
+        );
+        // Also with no desired set (an agent restarted during a cut).
+        assert_eq!(
+            run_plan(None, &tasks, &[], true),
+            vec![stop("f", StopReason::Fenced)]
+        );
+        // A task that opted out may still be started while fenced.
+        let mut nf = spec("nf", &[]);
+        nf.no_fence = true;
+        assert_eq!(
+            run_plan(Some(&desired(&[nf], &[])), &[], &[], true),
+            vec![Action::Launch("nf".into())]
+        );
+    }
+
+    /// Whatever the inputs, a task is never both launched and stopped, and
+    /// nothing known locally is launched again.
+    #[test]
+    fn plans_never_relaunch_known_tasks() {
+        let phases = [
+            Phase::Launching,
+            Phase::Running,
+            Phase::Ended { acked: false },
+            Phase::Ended { acked: true },
+        ];
+        for (i, phase) in phases.iter().enumerate() {
+            for listed in [0, 1, 2] {
+                for fenced in [false, true] {
+                    let d = match listed {
+                        0 => desired(&[], &[]),
+                        1 => desired(&[spec("t", &["g"])], &[]),
+                        _ => desired(&[], &["t"]),
+                    };
+                    let actions = run_plan(
+                        Some(&d),
+                        &[("t", view(*phase, &["g"]))],
+                        if i % 2 == 0 { &[] } else { &[("g", "bad")] },
+                        fenced,
+                    );
+                    assert!(
+                        !actions
+                            .iter()
+                            .any(|a| matches!(a, Action::Launch(_) | Action::Refuse { .. })),
+                        "{phase:?} listed={listed} fenced={fenced}: {actions:?}"
+                    );
+                    assert!(actions.len() <= 1, "{actions:?}");
+                }
+            }
+        }
+    }
+}

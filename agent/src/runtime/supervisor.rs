@@ -1,0 +1,456 @@
+//! The per-task supervisor of a host-process task: a small process that
+//! outlives the agent, like containerd's shim or a Mesos executor.
+//!
+//! The agent starts `gpuctl-agent supervise <state-dir>` (its own binary,
+//! in a session of its own) for every host-process task. The supervisor:
+//!
+//! - holds an exclusive `flock` on `supervisor.lock` for its whole life: the
+//!   lock is how anyone tells that it still lives (the kernel drops it when
+//!   the process dies, however it dies), and it makes a second supervisor of
+//!   the same task exit at once;
+//! - refuses to run a task that a supervisor already started once
+//!   (`supervisor.json` exists), so a task never runs twice;
+//! - starts the task in its own process group, its output appended to the
+//!   log, after the child joined the task's cgroups;
+//! - on SIGTERM stops the task: SIGTERM to the group, SIGKILL after the
+//!   grace;
+//! - stops the task itself once the agent's last contact with a leader is
+//!   older than the fence timeout (`contact.json`), so that a frozen, dead
+//!   or cut-off agent never leaves a task running past the point where the
+//!   master may start it elsewhere;
+//! - writes how the task ended to `exit.json`, then exits.
+//!
+//! It is synchronous and single-threaded on purpose: it must be small,
+//! start fast and never depend on the agent.
+
+use std::collections::BTreeMap;
+use std::os::fd::AsFd;
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::{Path, PathBuf};
+use std::process::{ExitCode, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use nix::errno::Errno;
+use nix::fcntl::{Flock, FlockArg};
+use nix::poll::{PollFd, PollFlags, PollTimeout};
+use nix::sys::signal::{killpg, SigSet, Signal};
+use nix::sys::signalfd::{SfdFlags, SignalFd};
+use nix::unistd::Pid;
+use serde::{Deserialize, Serialize};
+
+use crate::checkpoint::{self, CheckpointError};
+
+/// The hidden subcommand of the agent's binary (and of `gpuctl`, whose demo
+/// runs an agent in-process).
+pub const SUBCOMMAND: &str = "supervise";
+pub const LAUNCH_FILE: &str = "launch.json";
+pub const LOCK_FILE: &str = "supervisor.lock";
+pub const STATE_FILE: &str = "supervisor.json";
+pub const EXIT_FILE: &str = "exit.json";
+pub const LOG_FILE: &str = "supervisor.log";
+
+/// How often the supervisor looks at the fence and the kill deadline when
+/// no signal comes.
+const TICK: Duration = Duration::from_millis(200);
+
+/// What the supervisor runs, written by the agent before it starts one.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Launch {
+    pub program: String,
+    pub args: Vec<String>,
+    /// The whole environment of the task (nothing is inherited).
+    pub env: BTreeMap<String, String>,
+    pub cwd: PathBuf,
+    /// stdout and stderr are appended here.
+    pub log_path: PathBuf,
+    /// `cgroup.procs` files the task joins before it execs.
+    pub cgroup_procs: Vec<PathBuf>,
+    pub kill_grace_ms: u64,
+    /// The agent's `contact.json`; `None`: never fenced (`--no-fence`).
+    pub fence: Option<PathBuf>,
+}
+
+/// A process by pid and start time (clock ticks since boot, from
+/// `/proc/<pid>/stat`), so a recycled pid is never mistaken for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProcId {
+    pub pid: i32,
+    pub start_time: u64,
+}
+
+impl ProcId {
+    pub fn of(pid: i32) -> Option<ProcId> {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        let st = parse_stat(&stat)?;
+        Some(ProcId {
+            pid,
+            start_time: st.start_time,
+        })
+    }
+
+    /// The same process still exists and is not a zombie.
+    pub fn alive(&self) -> bool {
+        std::fs::read_to_string(format!("/proc/{}/stat", self.pid))
+            .ok()
+            .and_then(|s| parse_stat(&s))
+            .is_some_and(|st| st.start_time == self.start_time && st.state != 'Z')
+    }
+}
+
+/// `supervisor.json`: written before the task starts (without `task`) and
+/// again once it runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SupervisorState {
+    pub supervisor: ProcId,
+    pub task: Option<ProcId>,
+}
+
+/// `exit.json`: how the task ended.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExitRecord {
+    /// The exit code; 128 + signal for a task killed by a signal.
+    pub code: Option<i32>,
+    /// The supervisor stopped it (asked to, or fenced).
+    pub killed: bool,
+    /// Stopped because the agent had no contact with a leader for the
+    /// fence timeout.
+    pub fenced: bool,
+    /// The task could not be started.
+    pub error: Option<String>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SupervisorError {
+    #[error("usage: gpuctl-agent {SUBCOMMAND} STATE_DIR")]
+    Usage,
+    #[error("another supervisor holds {0}")]
+    AlreadySupervised(PathBuf),
+    #[error("{0}: this task was started before; it is never started twice")]
+    AlreadyStarted(PathBuf),
+    #[error("{0} is missing")]
+    NoLaunch(PathBuf),
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    #[error("{what}: {source}")]
+    Sys { what: &'static str, source: Errno },
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        source: std::io::Error,
+    },
+}
+
+impl SupervisorError {
+    fn exit_code(&self) -> u8 {
+        match self {
+            SupervisorError::Usage => 2,
+            SupervisorError::AlreadySupervised(_) | SupervisorError::AlreadyStarted(_) => 3,
+            _ => 1,
+        }
+    }
+}
+
+/// Runs the supervisor when the process was started as one
+/// (`<binary> supervise STATE_DIR`). Call it first thing in `main`, before
+/// any thread or async runtime exists.
+pub fn main_if_requested() -> Option<ExitCode> {
+    let mut args = std::env::args_os().skip(1);
+    if args.next()? != SUBCOMMAND {
+        return None;
+    }
+    let result = match (args.next(), args.next()) {
+        (Some(dir), None) => run(Path::new(&dir)),
+        _ => Err(SupervisorError::Usage),
+    };
+    Some(match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("gpuctl-agent {SUBCOMMAND}: {e}");
+            ExitCode::from(e.exit_code())
+        }
+    })
+}
+
+fn sys(what: &'static str) -> impl FnOnce(Errno) -> SupervisorError {
+    move |source| SupervisorError::Sys { what, source }
+}
+
+/// The supervisor proper.
+pub fn run(dir: &Path) -> Result<(), SupervisorError> {
+    let lock_path = dir.join(LOCK_FILE);
+    let lock = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&lock_path)
+        .map_err(|source| SupervisorError::Io {
+            what: lock_path.display().to_string(),
+            source,
+        })?;
+    // Rust opens files close-on-exec: the task does not inherit the lock.
+    let _lock = Flock::lock(lock, FlockArg::LockExclusiveNonblock)
+        .map_err(|_| SupervisorError::AlreadySupervised(lock_path.clone()))?;
+    let state_path = dir.join(STATE_FILE);
+    if state_path.exists() || dir.join(EXIT_FILE).exists() {
+        return Err(SupervisorError::AlreadyStarted(state_path));
+    }
+    let launch_path = dir.join(LAUNCH_FILE);
+    let launch: Launch =
+        checkpoint::read_json(&launch_path)?.ok_or(SupervisorError::NoLaunch(launch_path))?;
+    let me = ProcId::of(std::process::id() as i32).ok_or_else(|| SupervisorError::Io {
+        what: "/proc/self/stat".into(),
+        source: std::io::Error::other("unreadable"),
+    })?;
+    // Recorded before the task can exist: from here on, nobody starts it again.
+    checkpoint::write_json(
+        &state_path,
+        &SupervisorState {
+            supervisor: me,
+            task: None,
+        },
+    )?;
+
+    let mut mask = SigSet::empty();
+    for s in [
+        Signal::SIGTERM,
+        Signal::SIGINT,
+        Signal::SIGCHLD,
+        Signal::SIGHUP,
+    ] {
+        mask.add(s);
+    }
+    // Blocked here and read from a signalfd; the child starts with an empty
+    // mask (std resets it between fork and exec).
+    mask.thread_block().map_err(sys("block signals"))?;
+    let signals = SignalFd::with_flags(&mask, SfdFlags::SFD_NONBLOCK | SfdFlags::SFD_CLOEXEC)
+        .map_err(sys("signalfd"))?;
+
+    let mut child = match spawn(&launch) {
+        Ok(c) => c,
+        Err(e) => {
+            checkpoint::write_json(
+                &dir.join(EXIT_FILE),
+                &ExitRecord {
+                    code: None,
+                    killed: false,
+                    fenced: false,
+                    error: Some(e),
+                },
+            )?;
+            return Ok(());
+        }
+    };
+    let pid = child.id() as i32;
+    let pgid = Pid::from_raw(pid);
+    checkpoint::write_json(
+        &state_path,
+        &SupervisorState {
+            supervisor: me,
+            task: ProcId::of(pid),
+        },
+    )?;
+
+    let grace = Duration::from_millis(launch.kill_grace_ms);
+    let mut kill_deadline: Option<Instant> = None;
+    let mut fenced = false;
+    let mut status: Option<ExitStatus> = None;
+    loop {
+        if status.is_none() {
+            status = child.try_wait().map_err(|source| SupervisorError::Io {
+                what: format!("wait for task process {pid}"),
+                source,
+            })?;
+        }
+        let now = Instant::now();
+        match (status, kill_deadline) {
+            // Ended by itself: what it left in the background goes too.
+            (Some(_), None) => {
+                signal_group(pgid, Signal::SIGKILL);
+                break;
+            }
+            // Being stopped: the rest of the group gets what is left of
+            // the grace.
+            (Some(_), Some(deadline)) => {
+                if !group_alive(pgid) || now >= deadline {
+                    signal_group(pgid, Signal::SIGKILL);
+                    break;
+                }
+            }
+            (None, Some(deadline)) if now >= deadline => signal_group(pgid, Signal::SIGKILL),
+            _ => {}
+        }
+        if kill_deadline.is_none() && fence_expired(launch.fence.as_deref()) {
+            fenced = true;
+            eprintln!("gpuctl-agent {SUBCOMMAND}: no contact with a master for the fence timeout: stopping task process {pid}");
+            kill_deadline = Some(begin_stop(pgid, grace));
+        }
+        let mut fds = [PollFd::new(signals.as_fd(), PollFlags::POLLIN)];
+        match nix::poll::poll(&mut fds, PollTimeout::from(TICK.as_millis() as u16)) {
+            Ok(_) | Err(Errno::EINTR) => {}
+            Err(e) => return Err(sys("poll")(e)),
+        }
+        while let Ok(Some(info)) = signals.read_signal() {
+            let signo = info.ssi_signo as i32;
+            if (signo == Signal::SIGTERM as i32 || signo == Signal::SIGINT as i32)
+                && kill_deadline.is_none()
+            {
+                kill_deadline = Some(begin_stop(pgid, grace));
+            }
+        }
+    }
+    let status = match status {
+        Some(s) => s,
+        None => child.wait().map_err(|source| SupervisorError::Io {
+            what: format!("wait for task process {pid}"),
+            source,
+        })?,
+    };
+    checkpoint::write_json(
+        &dir.join(EXIT_FILE),
+        &ExitRecord {
+            code: Some(exit_code(status)),
+            killed: kill_deadline.is_some(),
+            fenced,
+            error: None,
+        },
+    )?;
+    Ok(())
+}
+
+fn begin_stop(pgid: Pid, grace: Duration) -> Instant {
+    signal_group(pgid, Signal::SIGTERM);
+    Instant::now() + grace
+}
+
+fn spawn(launch: &Launch) -> Result<std::process::Child, String> {
+    let open_log = || {
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&launch.log_path)
+            .map_err(|e| format!("open {}: {e}", launch.log_path.display()))
+    };
+    let (out, err) = (open_log()?, open_log()?);
+    let mut cmd = std::process::Command::new(&launch.program);
+    cmd.args(&launch.args)
+        .env_clear()
+        .envs(&launch.env)
+        .current_dir(&launch.cwd)
+        .stdin(Stdio::null())
+        .stdout(Stdio::from(out))
+        .stderr(Stdio::from(err))
+        // One signal reaches the command and everything it forks.
+        .process_group(0);
+    crate::isolation::join::join_before_exec_std(&mut cmd, &launch.cgroup_procs)
+        .map_err(|e| e.to_string())?;
+    cmd.spawn()
+        .map_err(|e| format!("spawn {}: {e}", launch.program))
+}
+
+fn fence_expired(contact: Option<&Path>) -> bool {
+    let Some(path) = contact else {
+        return false;
+    };
+    match checkpoint::read_contact(path) {
+        Ok(Some(c)) => c.expired_at(checkpoint::wall_ms()),
+        // No contact recorded yet, or unreadable: an agent that never
+        // reached a master launches nothing, so this is a damaged file;
+        // stopping a training run on it would be worse.
+        Ok(None) | Err(_) => false,
+    }
+}
+
+pub fn signal_group(pgid: Pid, signal: Signal) {
+    match killpg(pgid, signal) {
+        Ok(()) | Err(Errno::ESRCH) => {}
+        Err(e) => eprintln!(
+            "gpuctl-agent {SUBCOMMAND}: killpg {} {signal}: {e}",
+            pgid.as_raw()
+        ),
+    }
+}
+
+/// True while the group has a member that is not a zombie.
+pub fn group_alive(pgid: Pid) -> bool {
+    if matches!(killpg(pgid, None), Err(Errno::ESRCH)) {
+        return false;
+    }
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return true;
+    };
+    entries.flatten().any(|entry| {
+        let name = entry.file_name();
+        let Some(pid) = name
+            .to_str()
+            .filter(|n| n.bytes().all(|b| b.is_ascii_digit()))
+        else {
+            return false;
+        };
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|stat| parse_stat(&stat))
+            .is_some_and(|st| st.state != 'Z' && st.pgrp == pgid.as_raw())
+    })
+}
+
+/// The fields of `/proc/<pid>/stat` we use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stat {
+    pub state: char,
+    pub pgrp: i32,
+    pub start_time: u64,
+}
+
+/// "pid (comm) state ppid pgrp session tty tpgid flags minflt cminflt majflt
+/// cmajflt utime stime cutime cstime priority nice threads itrealvalue
+/// starttime ..."; comm may contain spaces and parentheses.
+pub fn parse_stat(stat: &str) -> Option<Stat> {
+    let (_, rest) = stat.rsplit_once(')')?;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    Some(Stat {
+        state: fields.first()?.chars().next()?,
+        pgrp: fields.get(2)?.parse().ok()?,
+        // starttime is field 22 of the line, the 20th after the comm.
+        start_time: fields.get(19)?.parse().ok()?,
+    })
+}
+
+/// The exit code, or 128 + signal for a process killed by a signal.
+pub fn exit_code(status: ExitStatus) -> i32 {
+    match (status.code(), status.signal()) {
+        (Some(code), _) => code,
+        (None, Some(sig)) => 128 + sig,
+        (None, None) => -1,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stat_lines_are_parsed() {
+        let line = "12 (a b) c)) S 1 12 12 0 -1 4194560 100 0 0 0 1 2 0 0 20 0 1 0 987654 1000 200";
+        assert_eq!(
+            parse_stat(line),
+            Some(Stat {
+                state: 'S',
+                pgrp: 12,
+                start_time: 987654
+            })
+        );
+        assert_eq!(parse_stat("garbage"), None);
+        assert_eq!(parse_stat("1 (x) S 1 2"), None);
+    }
+
+    #[test]
+    fn own_process_is_alive_and_a_wrong_start_time_is_not() {
+        let me = ProcId::of(std::process::id() as i32).unwrap();
+        assert!(me.alive());
+        let other = ProcId {
+            start_time: me.start_time + 1,
+            ..me
+        };
+        assert!(!other.alive());
+    }
+}
