@@ -236,7 +236,13 @@ mod tests {
         let d = desired(&[spec("a", &["g0"]), spec("b", &[])], &["k"]);
         let empty = desired(&[], &[]);
         // (case, desired, local tasks, expected actions)
-        let cases: Vec<(&str, Option<&Desired>, Vec<(&str, TaskView)>, Vec<Action>)> =
+        type Case<'a> = (
+            &'a str,
+            Option<&'a Desired>,
+            Vec<(&'a str, TaskView)>,
+            Vec<Action>,
+        );
+        let cases: Vec<Case> =
             vec![
             (
                 "new tasks launch, unknown kills are refused at once",

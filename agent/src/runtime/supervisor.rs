@@ -52,6 +52,8 @@ pub const LOG_FILE: &str = "supervisor.log";
 /// How often the supervisor looks at the fence and the kill deadline when
 /// no signal comes.
 const TICK: Duration = Duration::from_millis(200);
+/// Tries at the lock, 2 ms apart (see `run`).
+const LOCK_TRIES: u32 = 100;
 
 /// What the supervisor runs, written by the agent before it starts one.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -188,8 +190,21 @@ pub fn run(dir: &Path) -> Result<(), SupervisorError> {
             source,
         })?;
     // Rust opens files close-on-exec: the task does not inherit the lock.
-    let _lock = Flock::lock(lock, FlockArg::LockExclusiveNonblock)
-        .map_err(|_| SupervisorError::AlreadySupervised(lock_path.clone()))?;
+    // The agent probes liveness by taking the lock for an instant, so a
+    // failed try is retried for a moment before giving up.
+    let mut lock = lock;
+    let mut tries = 0;
+    let _lock = loop {
+        match Flock::lock(lock, FlockArg::LockExclusiveNonblock) {
+            Ok(l) => break l,
+            Err((f, _)) if tries < LOCK_TRIES => {
+                lock = f;
+                tries += 1;
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            Err(_) => return Err(SupervisorError::AlreadySupervised(lock_path.clone())),
+        }
+    };
     let state_path = dir.join(STATE_FILE);
     if state_path.exists() || dir.join(EXIT_FILE).exists() {
         return Err(SupervisorError::AlreadyStarted(state_path));
@@ -201,15 +216,6 @@ pub fn run(dir: &Path) -> Result<(), SupervisorError> {
         what: "/proc/self/stat".into(),
         source: std::io::Error::other("unreadable"),
     })?;
-    // Recorded before the task can exist: from here on, nobody starts it again.
-    checkpoint::write_json(
-        &state_path,
-        &SupervisorState {
-            supervisor: me,
-            task: None,
-        },
-    )?;
-
     let mut mask = SigSet::empty();
     for s in [
         Signal::SIGTERM,
@@ -219,11 +225,22 @@ pub fn run(dir: &Path) -> Result<(), SupervisorError> {
     ] {
         mask.add(s);
     }
-    // Blocked here and read from a signalfd; the child starts with an empty
-    // mask (std resets it between fork and exec).
+    // Blocked here and read from a signalfd. The mask is inherited across
+    // fork and exec, so the task's child unblocks everything (`spawn`).
     mask.thread_block().map_err(sys("block signals"))?;
     let signals = SignalFd::with_flags(&mask, SfdFlags::SFD_NONBLOCK | SfdFlags::SFD_CLOEXEC)
         .map_err(sys("signalfd"))?;
+
+    // Recorded before the task can exist: from here on, nobody starts it
+    // again. (Signals are blocked first: a stop that comes now waits in
+    // the signalfd instead of killing the supervisor.)
+    checkpoint::write_json(
+        &state_path,
+        &SupervisorState {
+            supervisor: me,
+            task: None,
+        },
+    )?;
 
     let mut child = match spawn(&launch) {
         Ok(c) => c,
@@ -270,11 +287,9 @@ pub fn run(dir: &Path) -> Result<(), SupervisorError> {
             }
             // Being stopped: the rest of the group gets what is left of
             // the grace.
-            (Some(_), Some(deadline)) => {
-                if !group_alive(pgid) || now >= deadline {
-                    signal_group(pgid, Signal::SIGKILL);
-                    break;
-                }
+            (Some(_), Some(deadline)) if !group_alive(pgid) || now >= deadline => {
+                signal_group(pgid, Signal::SIGKILL);
+                break;
             }
             (None, Some(deadline)) if now >= deadline => signal_group(pgid, Signal::SIGKILL),
             _ => {}
@@ -341,10 +356,26 @@ fn spawn(launch: &Launch) -> Result<std::process::Child, String> {
         .stderr(Stdio::from(err))
         // One signal reaches the command and everything it forks.
         .process_group(0);
+    unblock_signals_before_exec(&mut cmd);
     crate::isolation::join::join_before_exec_std(&mut cmd, &launch.cgroup_procs)
         .map_err(|e| e.to_string())?;
     cmd.spawn()
         .map_err(|e| format!("spawn {}: {e}", launch.program))
+}
+
+/// The task must get SIGTERM (and run its own handlers): std does not
+/// reset the signal mask the supervisor blocked for itself.
+#[allow(unsafe_code)]
+fn unblock_signals_before_exec(cmd: &mut std::process::Command) {
+    // SAFETY: runs in the forked child before exec; pthread_sigmask is
+    // async-signal-safe and the empty set is built without allocating.
+    unsafe {
+        cmd.pre_exec(|| {
+            SigSet::empty()
+                .thread_set_mask()
+                .map_err(std::io::Error::from)
+        });
+    }
 }
 
 fn fence_expired(contact: Option<&Path>) -> bool {
