@@ -249,6 +249,8 @@ impl Executor {
             message,
             uuid: uuid::Uuid::new_v4().as_bytes().to_vec(),
             gpu_unhealthy,
+            // The fence is the agent side's (not built yet).
+            fenced: false,
         };
         if self.updates.send(u).await.is_err() {
             tracing::error!(task_id, "status channel closed; update dropped");

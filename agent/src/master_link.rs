@@ -286,6 +286,9 @@ async fn session(
         attributes: info.attributes.clone().into_iter().collect(),
         driver_version: info.driver_version.clone().unwrap_or_default(),
         cuda_driver_version: info.cuda_driver_version.clone().unwrap_or_default(),
+        // 0: the master assumes the default 10 s (the agent side will send
+        // its --kill-grace-secs with the fence).
+        kill_grace_ms: 0,
     };
     req.running_task_ids.sort();
     let resp = match client.register(req).await {
@@ -379,6 +382,8 @@ fn heartbeat_request(agent_id: &str, health: &Snapshot) -> pb::HeartbeatRequest 
     pb::HeartbeatRequest {
         agent_id: agent_id.to_string(),
         gpus: health.gpus.iter().map(|g| g.report().into()).collect(),
+        // Not reported yet (the agent side will add runtime health).
+        runtimes: Vec::new(),
     }
 }
 

@@ -165,7 +165,7 @@ async fn session(shared: &Shared, i: usize, master: usize) -> (Option<Status>, b
                 Err(s) => return (Some(s), true),
             },
             _ = heartbeat.tick() => {
-                let call = client.heartbeat(pb::HeartbeatRequest { agent_id: agent_id.clone(), gpus: vec![] });
+                let call = client.heartbeat(pb::HeartbeatRequest { agent_id: agent_id.clone(), gpus: vec![], runtimes: vec![] });
                 match tokio::time::timeout(RPC_TIMEOUT, call).await {
                     Ok(Ok(_)) => {}
                     Ok(Err(s)) => return (Some(s), true),

@@ -605,6 +605,7 @@ mod tests {
                     gpus: 0,
                 },
                 gpu_uuids: vec![],
+                no_fence: false,
             },
             agent_id: format!("agent-{task_id}"),
             env: BTreeMap::from([("GPUCTL_TASK_ID".to_string(), task_id.to_string())]),

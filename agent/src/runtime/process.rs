@@ -275,6 +275,7 @@ mod tests {
                 env: BTreeMap::new(),
                 resources: Resources::default(),
                 gpu_uuids: vec![],
+                no_fence: false,
             },
             agent_id: "agent-proc-test".to_string(),
             env: BTreeMap::from([("GPUCTL_TASK_ID".to_string(), task_id.to_string())]),
