@@ -97,12 +97,32 @@ pub fn reason_to_pb(r: TaskReason) -> pb::Reason {
         TaskReason::ContainerLaunchFailed => pb::Reason::ContainerLaunchFailed,
         TaskReason::Preempted => pb::Reason::Preempted,
         TaskReason::GpuUnhealthy => pb::Reason::GpuUnhealthy,
+        TaskReason::Fenced => pb::Reason::Fenced,
+        TaskReason::AgentDrained => pb::Reason::AgentDraining,
     }
 }
 
-/// A task's status as its framework sees it.
+/// Why a task is in its state, as the API says it: an UNREACHABLE task's
+/// reason is its agent (the record keeps the reason it had, for when it
+/// comes back).
+pub fn wire_reason(t: &TaskRecord) -> pb::Reason {
+    if t.state == TaskState::Unreachable {
+        pb::Reason::AgentUnreachable
+    } else {
+        reason_to_pb(t.reason)
+    }
+}
+
+/// A task's status as its framework sees it. UNREACHABLE is the master's
+/// word, not an agent's update: it carries no uuid and needs no
+/// acknowledgement.
 pub fn task_status(t: &TaskRecord, reason_override: Option<pb::Reason>) -> pb::TaskStatus {
-    let reason = reason_override.unwrap_or(reason_to_pb(t.reason));
+    let reason = reason_override.unwrap_or(wire_reason(t));
+    let uuid = if t.state == TaskState::Unreachable {
+        Vec::new()
+    } else {
+        t.last_update_uuid.clone()
+    };
     pb::TaskStatus {
         task_id: t.framework_task_id.clone(),
         agent_id: t.agent_id.clone(),
@@ -110,7 +130,7 @@ pub fn task_status(t: &TaskRecord, reason_override: Option<pb::Reason>) -> pb::T
         reason: reason as i32,
         message: t.message.clone(),
         exit_code: t.exit_code,
-        uuid: t.last_update_uuid.clone(),
+        uuid,
         timestamp_ms: t.updated_at_ms,
     }
 }
@@ -387,7 +407,7 @@ fn forward_failures(state: &State, g: &mut Inner) {
 }
 
 /// Withdraws offers that timed out or whose resources are gone (agent
-/// lost, a GPU taken by a launch that went through another path, a GPU
+/// unreachable, lost or draining, a GPU taken by a launch that went through another path, a GPU
 /// unhealthy or cordoned).
 fn rescind_stale(state: &State, g: &mut Inner, now: u64, timeout: Duration) {
     let Some(book) = g.offers.as_mut() else {
@@ -400,7 +420,7 @@ fn rescind_stale(state: &State, g: &mut Inner, now: u64, timeout: Duration) {
             state
                 .agents
                 .get(&o.agent_id)
-                .is_none_or(|a| a.state != AgentState::Active)
+                .is_none_or(|a| !a.accepts_tasks())
                 || o.gpu_uuids.iter().any(|u| state.gpu_owner.contains_key(u))
                 // A GPU turned unhealthy or was cordoned since.
                 || state.agents.get(&o.agent_id).is_some_and(|a| {
@@ -477,7 +497,7 @@ fn allocate(state: &State, g: &mut Inner, settings: &FrameworkSettings, now: u64
     let agents: Vec<AgentView> = state
         .agents
         .values()
-        .filter(|a| a.state == AgentState::Active)
+        .filter(|a| a.accepts_tasks())
         .map(|a| {
             let offered = offered_on.get(&a.info.id).copied().unwrap_or_default();
             AgentView {
