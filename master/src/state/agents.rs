@@ -540,6 +540,23 @@ mod tests {
     }
 
     #[test]
+    fn a_gang_stays_running_while_its_agents_come_back_one_by_one() {
+        let mut t = T::new(&[("a", 1), ("b", 1)]);
+        let j = t.submit(1, |s| s.replicas = 2);
+        t.launch(&j, &[("a", &["GPU-a-0"]), ("b", &["GPU-b-0"])])
+            .unwrap();
+        t.report("job-1.0", TaskState::Running);
+        t.report("job-1.1", TaskState::Running);
+        t.unreachable("a", 1);
+        t.unreachable("b", 1);
+        t.back("a", 1, &["job-1.0"]);
+        assert_eq!(t.job_state(&j), JobState::Running);
+        t.back("b", 1, &["job-1.1"]);
+        assert_eq!(t.job_state(&j), JobState::Running);
+        assert_eq!(t.task("job-1.1").state, TaskState::Running);
+    }
+
+    #[test]
     fn a_staging_task_of_an_unreachable_agent_stays_staging_when_not_listed() {
         let mut t = T::new(&[("a", 1)]);
         let j = t.submit(1, |_| {});

@@ -124,10 +124,14 @@ impl State {
         if !current.iter().any(|t| t == task_id) {
             return;
         }
+        // A task on an unreachable agent counts as what it was: the job
+        // does not move while its agent is away.
         let all_running = current.iter().all(|t| {
-            self.tasks
-                .get(t)
-                .is_some_and(|t| t.state == TaskState::Running)
+            self.tasks.get(t).is_some_and(|t| {
+                t.state == TaskState::Running
+                    || (t.state == TaskState::Unreachable
+                        && t.before_unreachable == Some(TaskState::Running))
+            })
         });
         if let Some(job) = self.jobs.get_mut(job_id) {
             job.state = if all_running {
