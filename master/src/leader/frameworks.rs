@@ -600,3 +600,125 @@ fn allocate(state: &State, g: &mut Inner, settings: &FrameworkSettings, now: u64
     }
     count
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::state::testkit::register;
+    use crate::state::{FrameworkTask, Outcome};
+    use gpuctl_proto::types::{FrameworkInfo, StatusUpdate};
+
+    /// A framework task RUNNING on agent a (update uuid u1), in a state.
+    fn running_task() -> (State, String) {
+        let mut s = State::new();
+        let mut i = 0;
+        let mut apply = |s: &mut State, c: Command| {
+            i += 1;
+            s.apply(i, &c).unwrap()
+        };
+        apply(&mut s, register("a", 0));
+        let Outcome::FrameworkSubscribed { framework_id } = apply(
+            &mut s,
+            Command::SubscribeFramework {
+                info: FrameworkInfo {
+                    id: String::new(),
+                    name: "f".into(),
+                    roles: vec![],
+                    gpu_capable: true,
+                    failover_timeout_ms: 1_000,
+                },
+                at_ms: 0,
+            },
+        ) else {
+            panic!()
+        };
+        apply(
+            &mut s,
+            Command::LaunchFrameworkTasks {
+                framework_id: framework_id.clone(),
+                tasks: vec![FrameworkTask {
+                    task_id: "t1".into(),
+                    agent_id: "a".into(),
+                    image: None,
+                    command: vec!["true".into()],
+                    env: Default::default(),
+                    resources: Resources::default(),
+                    gpu_uuids: vec![],
+                }],
+                group: false,
+                at_ms: 0,
+            },
+        );
+        let key = crate::state::frameworks::task_key(&framework_id, "t1");
+        apply(
+            &mut s,
+            Command::UpdateTaskStatus {
+                update: StatusUpdate {
+                    agent_id: "a".into(),
+                    task_id: key.clone(),
+                    state: TaskState::Running,
+                    exit_code: None,
+                    message: String::new(),
+                    uuid: b"u1".to_vec(),
+                    gpu_unhealthy: false,
+                    fenced: false,
+                },
+                at_ms: 1,
+            },
+        );
+        (s, key)
+    }
+
+    #[test]
+    fn frameworks_hear_unreachable_without_a_uuid_then_running_again() {
+        let (mut s, key) = running_task();
+        let st = task_status(&s.tasks[&key], None);
+        assert_eq!(st.state, pb::TaskState::TaskRunning as i32);
+        assert_eq!(st.uuid, b"u1");
+        let i = s.applied_index + 1;
+        s.apply(
+            i,
+            &Command::AgentUnreachable {
+                agent_id: "a".into(),
+                at_ms: 2,
+            },
+        )
+        .unwrap();
+        let st = task_status(&s.tasks[&key], None);
+        assert_eq!(st.state, pb::TaskState::TaskUnreachable as i32);
+        assert_eq!(st.reason, pb::Reason::AgentUnreachable as i32);
+        assert!(
+            st.uuid.is_empty(),
+            "the master's word: nothing to acknowledge"
+        );
+        // Reconciliation answers say so too.
+        let st = task_status(&s.tasks[&key], Some(pb::Reason::Reconciliation));
+        assert_eq!(st.state, pb::TaskState::TaskUnreachable as i32);
+        let Command::RegisterAgent { info, .. } = register("a", 0) else {
+            unreachable!()
+        };
+        let i = s.applied_index + 1;
+        s.apply(
+            i,
+            &Command::RegisterAgent {
+                info,
+                running_task_ids: vec![key.clone()],
+                at_ms: 3,
+            },
+        )
+        .unwrap();
+        let st = task_status(&s.tasks[&key], None);
+        assert_eq!(st.state, pb::TaskState::TaskRunning as i32);
+        assert_eq!(st.reason, pb::Reason::Unspecified as i32);
+        assert_eq!(st.uuid, b"u1");
+    }
+
+    #[test]
+    fn new_reasons_have_their_wire_names() {
+        assert_eq!(reason_to_pb(TaskReason::Fenced), pb::Reason::Fenced);
+        assert_eq!(
+            reason_to_pb(TaskReason::AgentDrained),
+            pb::Reason::AgentDraining
+        );
+    }
+}
