@@ -286,6 +286,9 @@ async fn session(
         attributes: info.attributes.clone().into_iter().collect(),
         driver_version: info.driver_version.clone().unwrap_or_default(),
         cuda_driver_version: info.cuda_driver_version.clone().unwrap_or_default(),
+        // The master checks that its fence timeout plus this grace ends
+        // before it declares our tasks LOST.
+        kill_grace_ms: u32::try_from(executor.kill_grace().as_millis()).unwrap_or(u32::MAX),
     };
     req.running_task_ids.sort();
     let sent_ms = crate::checkpoint::wall_ms();
@@ -293,9 +296,8 @@ async fn session(
         Ok(r) => r.into_inner(),
         Err(s) => return SessionError::rpc(&addr, "register", s, false),
     };
-    // Until masters send their fence timeout (a later protocol field) the
-    // agent records contact without one: its tasks are not fenced.
-    let fence_timeout_ms = 0;
+    // 0 from a master that does not fence.
+    let fence_timeout_ms = resp.fence_timeout_ms;
     let contact = |sent_ms| crate::checkpoint::Contact {
         last_contact_ms: sent_ms,
         fence_timeout_ms,
@@ -352,7 +354,7 @@ async fn session(
                         continue;
                     }
                     told = snapshot.generation;
-                    heartbeat_request(&info.id, &snapshot)
+                    heartbeat_request(&info.id, &snapshot, executor)
                 };
                 heartbeat.reset();
                 let sent_ms = crate::checkpoint::wall_ms();
@@ -365,7 +367,7 @@ async fn session(
                 let req = {
                     let snapshot = health.borrow();
                     told = snapshot.generation;
-                    heartbeat_request(&info.id, &snapshot)
+                    heartbeat_request(&info.id, &snapshot, executor)
                 };
                 let sent_ms = crate::checkpoint::wall_ms();
                 if let Err(s) = client.heartbeat(req).await {
@@ -391,10 +393,25 @@ fn with_health(gpus: &[GpuInfo], health: &Snapshot) -> Vec<GpuInfo> {
         .collect()
 }
 
-fn heartbeat_request(agent_id: &str, health: &Snapshot) -> pb::HeartbeatRequest {
+fn heartbeat_request(
+    agent_id: &str,
+    health: &Snapshot,
+    executor: &Executor,
+) -> pb::HeartbeatRequest {
     pb::HeartbeatRequest {
         agent_id: agent_id.to_string(),
         gpus: health.gpus.iter().map(|g| g.report().into()).collect(),
+        // Whether Docker answers: a daemon restarting is shown in
+        // `gpuctl agents`, not taken out on the tasks.
+        runtimes: executor
+            .runtime_status()
+            .into_iter()
+            .map(|(runtime, s)| pb::RuntimeStatus {
+                runtime: pb::Runtime::from(runtime) as i32,
+                available: s.available,
+                message: s.message,
+            })
+            .collect(),
     }
 }
 

@@ -35,7 +35,8 @@ pub struct TaskJson {
     pub agent_id: String,
     /// UUIDs of the GPUs the task holds.
     pub gpus: Vec<String>,
-    /// STAGING, STARTING, RUNNING, FINISHED, FAILED, KILLED, LOST or ERROR.
+    /// STAGING, STARTING, RUNNING, UNREACHABLE (its agent stopped
+    /// heartbeating; not final), FINISHED, FAILED, KILLED, LOST or ERROR.
     pub state: String,
     pub exit_code: Option<i32>,
     pub message: String,
@@ -86,6 +87,9 @@ pub struct JobJson {
     /// Failed attempts started again so far.
     pub retries: u32,
     pub no_requeue: bool,
+    /// Submitted with `--no-fence`: its tasks are not stopped by their
+    /// agent's fence and never LOST by timeout.
+    pub no_fence: bool,
     /// Times its tasks were preempted.
     pub preemptions: u32,
     pub message: String,
@@ -142,6 +146,7 @@ impl From<&pb::Job> for JobJson {
             max_retries: spec.max_retries,
             retries: j.retries,
             no_requeue: spec.no_requeue,
+            no_fence: spec.no_fence,
             preemptions: j.preemptions,
             message: j.message.clone(),
             reason: wait_reason(j),
@@ -207,16 +212,49 @@ impl From<&pb::Gpu> for GpuJson {
     }
 }
 
+/// Whether one of an agent's runtimes works, as its last heartbeat said.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RuntimeStatusJson {
+    /// "docker", "process".
+    pub runtime: String,
+    pub available: bool,
+    /// Why it is down (or a note); empty when there is none.
+    pub message: String,
+}
+
+impl From<&pb::RuntimeStatus> for RuntimeStatusJson {
+    fn from(r: &pb::RuntimeStatus) -> Self {
+        RuntimeStatusJson {
+            runtime: runtime_name(r.runtime),
+            available: r.available,
+            message: r.message.clone(),
+        }
+    }
+}
+
 /// An agent (items of `agents list --json`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct AgentJson {
     pub id: String,
     pub hostname: String,
     pub address: String,
-    /// ACTIVE or LOST.
+    /// ACTIVE, UNREACHABLE (no heartbeat for the agent timeout) or LOST.
+    /// A drained agent is ACTIVE with `draining` true.
     pub state: String,
+    /// Drained (`gpuctl agents drain`): it gets no new tasks.
+    pub draining: bool,
+    /// When a drain kills the tasks still running (ms since the epoch);
+    /// `null`: no deadline (or not draining).
+    pub drain_deadline_ms: Option<u64>,
+    /// Since when it is UNREACHABLE or LOST (ms since the epoch); `null`
+    /// while ACTIVE.
+    pub unreachable_since_ms: Option<u64>,
     /// "docker", "process".
     pub runtimes: Vec<String>,
+    /// Each runtime's health from the agent's latest heartbeat; empty when
+    /// the agent does not report it (or the answering master is not the
+    /// leader).
+    pub runtime_status: Vec<RuntimeStatusJson>,
     pub simulated_gpus: bool,
     pub total: ResourcesJson,
     pub allocated: ResourcesJson,
@@ -235,7 +273,16 @@ impl From<&pb::Agent> for AgentJson {
             hostname: a.hostname.clone(),
             address: a.address.clone(),
             state: agent_state_name(a.state).to_string(),
+            draining: a.draining,
+            drain_deadline_ms: (a.draining && a.drain_deadline_ms != 0)
+                .then_some(a.drain_deadline_ms),
+            unreachable_since_ms: (a.unreachable_since_ms != 0).then_some(a.unreachable_since_ms),
             runtimes: a.runtimes.iter().map(|r| runtime_name(*r)).collect(),
+            runtime_status: a
+                .runtime_status
+                .iter()
+                .map(RuntimeStatusJson::from)
+                .collect(),
             simulated_gpus: a.simulated_gpus,
             total: ResourcesJson::from(a.total.as_ref()),
             allocated: ResourcesJson::from(a.allocated.as_ref()),
@@ -304,8 +351,39 @@ pub fn agent_state_name(v: i32) -> &'static str {
     match pb::AgentState::try_from(v) {
         Ok(pb::AgentState::AgentActive) => "ACTIVE",
         Ok(pb::AgentState::AgentLost) => "LOST",
+        Ok(pb::AgentState::AgentUnreachable) => "UNREACHABLE",
         _ => "UNKNOWN",
     }
+}
+
+/// The STATE of `agents list`: ACTIVE, UNREACHABLE or LOST, and DRAINING
+/// for a drained agent (`DRAINING` alone when it is ACTIVE).
+pub fn agent_display_state(a: &pb::Agent) -> String {
+    let state = agent_state_name(a.state);
+    match (a.draining, state) {
+        (false, _) => state.to_string(),
+        (true, "ACTIVE") => "DRAINING".to_string(),
+        (true, _) => format!("{state},DRAINING"),
+    }
+}
+
+/// The runtimes of an agent with their health: `docker (down: <why>)` for
+/// one its last heartbeat said is not available.
+pub fn agent_runtimes(a: &pb::Agent) -> String {
+    a.runtimes
+        .iter()
+        .map(|r| {
+            let name = runtime_name(*r);
+            match a.runtime_status.iter().find(|s| s.runtime == *r) {
+                Some(s) if !s.available && s.message.is_empty() => format!("{name} (down)"),
+                Some(s) if !s.available => {
+                    format!("{name} (down: {})", s.message.replace(['\n', '\r'], " "))
+                }
+                _ => name,
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 pub fn runtime_name(v: i32) -> String {
@@ -468,6 +546,14 @@ pub fn job_detail(j: &pb::Job, now_ms: u64) -> String {
         ("Priority", spec.priority.to_string()),
         ("Retries", format!("{} of {}", j.retries, spec.max_retries)),
         (
+            "Fencing",
+            if spec.no_fence {
+                "off (--no-fence: never LOST by timeout)".to_string()
+            } else {
+                "on".to_string()
+            },
+        ),
+        (
             "Preempted",
             format!(
                 "{} time{}{}",
@@ -523,7 +609,7 @@ pub fn agents_table(agents: &[pb::Agent]) -> Table {
         t.row(vec![
             a.id.clone(),
             a.hostname.clone(),
-            agent_state_name(a.state).to_string(),
+            agent_display_state(a),
             format!("{}/{}", total.gpus.saturating_sub(alloc.gpus), total.gpus),
             format!("{}/{}", fmt_cpus(free_cpus), fmt_cpus(total.cpus)),
             format!(
@@ -531,11 +617,7 @@ pub fn agents_table(agents: &[pb::Agent]) -> Table {
                 fmt_mib(total.mem_mib.saturating_sub(alloc.mem_mib)),
                 fmt_mib(total.mem_mib)
             ),
-            a.runtimes
-                .iter()
-                .map(|r| runtime_name(*r))
-                .collect::<Vec<_>>()
-                .join(","),
+            agent_runtimes(a),
         ]);
     }
     t
@@ -595,16 +677,25 @@ pub fn agent_detail(a: &pb::Agent, holders: &BTreeMap<String, String>) -> String
     let _ = writeln!(s, "ID:          {}", a.id);
     let _ = writeln!(s, "Hostname:    {}", a.hostname);
     let _ = writeln!(s, "Address:     {}", a.address);
-    let _ = writeln!(s, "State:       {}", agent_state_name(a.state));
-    let _ = writeln!(
-        s,
-        "Runtimes:    {}",
-        a.runtimes
-            .iter()
-            .map(|r| runtime_name(*r))
-            .collect::<Vec<_>>()
-            .join(",")
-    );
+    let _ = writeln!(s, "State:       {}", agent_display_state(a));
+    if a.unreachable_since_ms != 0 {
+        let _ = writeln!(s, "Silent since: {}", fmt_timestamp(a.unreachable_since_ms));
+    }
+    if a.draining {
+        let _ = writeln!(
+            s,
+            "Drain:       no new tasks; {}",
+            if a.drain_deadline_ms == 0 {
+                "running tasks run until they end".to_string()
+            } else {
+                format!(
+                    "running tasks killed at {}",
+                    fmt_timestamp(a.drain_deadline_ms)
+                )
+            }
+        );
+    }
+    let _ = writeln!(s, "Runtimes:    {}", agent_runtimes(a));
     let _ = writeln!(s, "Driver:      {}", dash(&a.driver_version));
     let _ = writeln!(s, "CUDA:        {}", dash(&a.cuda_driver_version));
     let _ = writeln!(
@@ -726,35 +817,12 @@ pub fn fmt_age(then_ms: u64, now_ms: u64) -> String {
     }
 }
 
-/// Milliseconds since the epoch as `YYYY-MM-DDTHH:MM:SSZ` (UTC).
+/// Milliseconds since the epoch as `YYYY-MM-DDTHH:MM:SSZ` (UTC); `-` for 0.
 pub fn fmt_timestamp(ms: u64) -> String {
     if ms == 0 {
         return "-".to_string();
     }
-    let secs = ms / 1000;
-    let days = (secs / 86400) as i64;
-    let rem = secs % 86400;
-    let (y, m, d) = civil_from_days(days);
-    format!(
-        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
-        rem / 3600,
-        (rem / 60) % 60,
-        rem % 60
-    )
-}
-
-/// Days since 1970-01-01 to (year, month, day); Howard Hinnant's algorithm.
-fn civil_from_days(z: i64) -> (i64, u32, u32) {
-    let z = z + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    (y, m, d)
+    gpuctl_proto::types::utc_timestamp(ms)
 }
 
 /// Quotes an argument for a POSIX shell when it needs it.
@@ -1032,6 +1100,98 @@ mod tests {
             ]
         );
         assert!(out.starts_with("ID "));
+    }
+
+    #[test]
+    fn agents_show_unreachable_draining_and_runtime_health() {
+        let mut a = agent();
+        a.draining = true;
+        a.drain_deadline_ms = 1_700_000_060_000;
+        a.runtime_status = vec![
+            pb::RuntimeStatus {
+                runtime: pb::Runtime::Docker as i32,
+                available: false,
+                message: "Cannot connect to the Docker daemon".into(),
+            },
+            pb::RuntimeStatus {
+                runtime: pb::Runtime::Process as i32,
+                available: true,
+                message: String::new(),
+            },
+        ];
+        let out = agents_table(&[a.clone()]).render();
+        let row = out.lines().nth(1).unwrap();
+        assert!(row.contains(" DRAINING "), "{row}");
+        assert!(
+            row.ends_with("docker (down: Cannot connect to the Docker daemon),process"),
+            "{row}"
+        );
+        let v = serde_json::to_value(AgentJson::from(&a)).unwrap();
+        assert_eq!(v["state"], "ACTIVE");
+        assert_eq!(v["draining"], true);
+        assert_eq!(v["drain_deadline_ms"], 1_700_000_060_000u64);
+        assert_eq!(v["unreachable_since_ms"], serde_json::Value::Null);
+        assert_eq!(
+            v["runtime_status"],
+            json!([
+                {"runtime": "docker", "available": false, "message": "Cannot connect to the Docker daemon"},
+                {"runtime": "process", "available": true, "message": ""}
+            ])
+        );
+        let d = agent_detail(&a, &BTreeMap::new());
+        assert!(d.contains("State:       DRAINING"), "{d}");
+        assert!(
+            d.contains("running tasks killed at 2023-11-14T22:14:20Z"),
+            "{d}"
+        );
+        // Unreachable, lost; a drained unreachable agent says both.
+        for (state, draining, want) in [
+            (pb::AgentState::AgentUnreachable, false, "UNREACHABLE"),
+            (pb::AgentState::AgentLost, false, "LOST"),
+            (
+                pb::AgentState::AgentUnreachable,
+                true,
+                "UNREACHABLE,DRAINING",
+            ),
+            (pb::AgentState::AgentActive, false, "ACTIVE"),
+        ] {
+            let mut a = agent();
+            a.state = state as i32;
+            a.draining = draining;
+            a.unreachable_since_ms = 1_700_000_000_000;
+            assert_eq!(agent_display_state(&a), want);
+            let row = agents_table(&[a.clone()]).render();
+            assert!(row.contains(&format!(" {want} ")), "{row}");
+            let v = serde_json::to_value(AgentJson::from(&a)).unwrap();
+            assert_eq!(v["state"], want.split(',').next().unwrap());
+            assert_eq!(v["unreachable_since_ms"], 1_700_000_000_000u64);
+        }
+        // A runtime down without a message.
+        let mut a = agent();
+        a.runtime_status = vec![pb::RuntimeStatus {
+            runtime: pb::Runtime::Docker as i32,
+            available: false,
+            message: String::new(),
+        }];
+        assert_eq!(agent_runtimes(&a), "docker (down),process");
+    }
+
+    #[test]
+    fn unreachable_tasks_and_no_fence_jobs_are_shown() {
+        let mut j = job();
+        j.spec.as_mut().unwrap().no_fence = true;
+        j.tasks[0].state = pb::TaskState::TaskUnreachable as i32;
+        j.tasks[0].reason = pb::Reason::AgentUnreachable as i32;
+        let v = serde_json::to_value(JobJson::from(&j)).unwrap();
+        assert_eq!(v["no_fence"], true);
+        assert_eq!(v["tasks"][0]["state"], "UNREACHABLE");
+        assert_eq!(v["tasks"][0]["reason"], "AGENT_UNREACHABLE");
+        let d = job_detail(&j, 1_700_000_000_000);
+        assert!(d.contains("Fencing:") && d.contains("--no-fence"), "{d}");
+        assert!(d.contains("UNREACHABLE"), "{d}");
+        j.spec.as_mut().unwrap().no_fence = false;
+        let v = serde_json::to_value(JobJson::from(&j)).unwrap();
+        assert_eq!(v["no_fence"], false);
     }
 
     #[test]

@@ -22,8 +22,17 @@ pub struct MasterConfig {
     pub node_id: u64,
     /// How often agents heartbeat.
     pub heartbeat_interval: Duration,
-    /// An agent silent for this long is marked lost and its tasks LOST.
+    /// An agent silent for this long is UNREACHABLE: its tasks too, still
+    /// holding their GPUs; nothing new goes to it.
     pub agent_timeout: Duration,
+    /// An agent silent for this long is LOST and its tasks LOST (their
+    /// GPUs stay held until the agent confirms they are gone). Larger than
+    /// `agent_fence_timeout` plus every agent's kill grace plus
+    /// [`FENCE_MARGIN`] (checked at registration).
+    pub agent_lost_timeout: Duration,
+    /// Sent to agents at registration: an agent that hears from no leader
+    /// for this long kills its tasks itself (the fence).
+    pub agent_fence_timeout: Duration,
     /// Offers to frameworks: roles, GPU scarcity, offer timeout.
     pub frameworks: crate::leader::frameworks::FrameworkSettings,
     /// The Raft group at bootstrap: node id to API address (empty: this
@@ -44,7 +53,86 @@ pub struct MasterConfig {
     pub metrics_listen: Option<SocketAddr>,
 }
 
+/// Default of `agent_lost_timeout_secs`.
+pub const DEFAULT_AGENT_LOST_TIMEOUT: Duration = Duration::from_secs(120);
+/// Default of `agent_fence_timeout_secs`.
+pub const DEFAULT_AGENT_FENCE_TIMEOUT: Duration = Duration::from_secs(75);
+/// What the master adds, beyond an agent's fence timeout and kill grace,
+/// before it may declare that agent's tasks LOST: clock rates, scheduling
+/// delays, the time the kill itself takes.
+pub const FENCE_MARGIN: Duration = Duration::from_secs(5);
+/// The kill grace assumed for an agent that does not say (an older agent,
+/// `kill_grace_ms` 0): the agents' default `--kill-grace-secs`.
+pub const DEFAULT_KILL_GRACE: Duration = Duration::from_secs(10);
+
 impl MasterConfig {
+    /// The three agent timeouts must be ordered:
+    /// `agent_timeout < agent_fence_timeout < agent_lost_timeout`.
+    ///
+    /// Why. An agent measures its fence clock from the *send* time of its
+    /// last successful heartbeat to the leader, which is never later than
+    /// the leader's receipt of it (the leader's clock for the agent starts
+    /// at the receipt; a new leader starts every clock afresh, later still).
+    /// So when the leader has heard nothing for `agent_lost_timeout`, the
+    /// agent has heard nothing for at least as long, and it began killing
+    /// its tasks at `agent_fence_timeout` and finished within its kill grace
+    /// (SIGTERM, then SIGKILL). Registration checks the rest:
+    /// `agent_fence_timeout + kill_grace + FENCE_MARGIN < agent_lost_timeout`
+    /// (see [`MasterConfig::check_kill_grace`]), so that the tasks are gone
+    /// before the master declares them LOST. (Their GPUs are given again
+    /// only once the agent confirms anyway; the fence is what lets their
+    /// jobs be retried elsewhere without two copies running.) The fence
+    /// must be longer than the agent timeout: an agent that is merely
+    /// UNREACHABLE for a moment must not kill anything.
+    pub fn check_timeouts(&self) -> Result<(), MasterError> {
+        if self.agent_fence_timeout <= self.agent_timeout {
+            return Err(MasterError::Config(format!(
+                "agent_fence_timeout_secs ({}) must be larger than agent_timeout_secs ({}): \
+                 an agent must not stop its tasks before the master even calls it unreachable",
+                self.agent_fence_timeout.as_secs_f64(),
+                self.agent_timeout.as_secs_f64()
+            )));
+        }
+        if self.agent_lost_timeout <= self.agent_fence_timeout {
+            return Err(MasterError::Config(format!(
+                "agent_lost_timeout_secs ({}) must be larger than agent_fence_timeout_secs ({}) \
+                 (plus the agents' kill grace and a {} s margin): an agent's tasks must be \
+                 stopped by its fence before the master declares them LOST",
+                self.agent_lost_timeout.as_secs_f64(),
+                self.agent_fence_timeout.as_secs_f64(),
+                FENCE_MARGIN.as_secs()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Whether an agent with this kill grace (`kill_grace_ms` of its
+    /// registration; 0: [`DEFAULT_KILL_GRACE`]) stops its fenced tasks in
+    /// time: `agent_fence_timeout + kill_grace + FENCE_MARGIN` must be less
+    /// than `agent_lost_timeout`. The error names the numbers.
+    pub fn check_kill_grace(&self, kill_grace_ms: u32) -> Result<(), String> {
+        let grace = if kill_grace_ms == 0 {
+            DEFAULT_KILL_GRACE
+        } else {
+            Duration::from_millis(u64::from(kill_grace_ms))
+        };
+        let needed = self.agent_fence_timeout + grace + FENCE_MARGIN;
+        if needed >= self.agent_lost_timeout {
+            return Err(format!(
+                "the agent's kill grace is too long for this master: fence timeout {} s + \
+                 kill grace {} s + margin {} s = {} s, which is not less than the agent lost \
+                 timeout {} s (agent_lost_timeout_secs); lower the agent's --kill-grace-secs \
+                 or raise the master's agent_lost_timeout_secs",
+                self.agent_fence_timeout.as_secs_f64(),
+                grace.as_secs_f64(),
+                FENCE_MARGIN.as_secs_f64(),
+                needed.as_secs_f64(),
+                self.agent_lost_timeout.as_secs_f64()
+            ));
+        }
+        Ok(())
+    }
+
     /// What the built-in scheduler's queue pass needs of the configuration.
     pub fn queue_config(&self) -> crate::scheduler::queue::QueueConfig {
         crate::scheduler::queue::QueueConfig {
@@ -64,6 +152,8 @@ impl MasterConfig {
             node_id: 1,
             heartbeat_interval: Duration::from_secs(1),
             agent_timeout: Duration::from_secs(10),
+            agent_lost_timeout: DEFAULT_AGENT_LOST_TIMEOUT,
+            agent_fence_timeout: DEFAULT_AGENT_FENCE_TIMEOUT,
             frameworks: Default::default(),
             peers: BTreeMap::new(),
             advertise: listen.to_string(),
@@ -104,9 +194,28 @@ pub struct Options {
         default_value_t = 1.0
     )]
     pub heartbeat_interval_secs: f64,
-    /// Seconds without a heartbeat before an agent is marked lost.
+    /// Seconds without a heartbeat before an agent is marked UNREACHABLE
+    /// (its tasks too; they keep their GPUs and nothing new goes there).
     #[arg(long, env = "GPUCTL_MASTER_AGENT_TIMEOUT_SECS", default_value_t = 10.0)]
     pub agent_timeout_secs: f64,
+    /// Seconds without a heartbeat before an agent is marked LOST and its
+    /// tasks LOST (their jobs are retried; their GPUs stay held until the
+    /// agent confirms the tasks are gone). Must exceed
+    /// agent_fence_timeout_secs plus the agents' kill grace plus 5 s.
+    #[arg(
+        long,
+        env = "GPUCTL_MASTER_AGENT_LOST_TIMEOUT_SECS",
+        default_value_t = 120.0
+    )]
+    pub agent_lost_timeout_secs: f64,
+    /// Seconds without a leader after which an agent kills its tasks itself
+    /// (sent to agents when they register). Must exceed agent_timeout_secs.
+    #[arg(
+        long,
+        env = "GPUCTL_MASTER_AGENT_FENCE_TIMEOUT_SECS",
+        default_value_t = 75.0
+    )]
+    pub agent_fence_timeout_secs: f64,
     /// A role of the framework API: `NAME=weight:W[,cpus:N][,mem_mib:N][,gpus:N]`
     /// (weight for DRF, default 1; the others a quota limit). Repeatable.
     #[arg(long = "role", value_name = "SPEC")]
@@ -265,6 +374,8 @@ struct FileOptions {
     node_id: Option<u64>,
     heartbeat_interval_secs: Option<f64>,
     agent_timeout_secs: Option<f64>,
+    agent_lost_timeout_secs: Option<f64>,
+    agent_fence_timeout_secs: Option<f64>,
     roles: Option<Vec<String>>,
     offer_gpu_agents_to_all: Option<bool>,
     offer_timeout_secs: Option<f64>,
@@ -336,6 +447,18 @@ impl Options {
             if let (Some(v), true) = (f.agent_timeout_secs, unset(&matches, "agent_timeout_secs")) {
                 o.agent_timeout_secs = v;
             }
+            if let (Some(v), true) = (
+                f.agent_lost_timeout_secs,
+                unset(&matches, "agent_lost_timeout_secs"),
+            ) {
+                o.agent_lost_timeout_secs = v;
+            }
+            if let (Some(v), true) = (
+                f.agent_fence_timeout_secs,
+                unset(&matches, "agent_fence_timeout_secs"),
+            ) {
+                o.agent_fence_timeout_secs = v;
+            }
             if let (Some(v), true) = (f.roles, unset(&matches, "roles")) {
                 o.roles = v;
             }
@@ -387,6 +510,8 @@ impl Options {
                 "agent_timeout_secs must be larger than heartbeat_interval_secs".into(),
             ));
         }
+        let agent_lost_timeout = secs("agent_lost_timeout_secs", self.agent_lost_timeout_secs)?;
+        let agent_fence_timeout = secs("agent_fence_timeout_secs", self.agent_fence_timeout_secs)?;
         let peers = parse_peers(&self.peers)?;
         if !peers.is_empty() && !self.join && !peers.contains_key(&self.node_id) {
             return Err(MasterError::Config(format!(
@@ -418,7 +543,7 @@ impl Options {
             .placement
             .parse::<PlacementPolicy>()
             .map_err(|e| MasterError::Config(format!("placement: {e}")))?;
-        Ok(MasterConfig {
+        let config = MasterConfig {
             metrics_listen: self.metrics_listen,
             placement,
             peers,
@@ -431,6 +556,8 @@ impl Options {
             node_id: self.node_id,
             heartbeat_interval,
             agent_timeout,
+            agent_lost_timeout,
+            agent_fence_timeout,
             frameworks: FrameworkSettings {
                 roles: self
                     .roles
@@ -442,7 +569,9 @@ impl Options {
                 },
                 offer_timeout: secs("offer_timeout_secs", self.offer_timeout_secs)?,
             },
-        })
+        };
+        config.check_timeouts()?;
+        Ok(config)
     }
 }
 
@@ -564,6 +693,116 @@ mod tests {
         let o = Options::load_from(["gpuctl-master", "--election-timeout-ms", "5"]).unwrap();
         let e = o.to_config().unwrap_err().to_string();
         assert!(e.contains("election_timeout_ms"), "{e}");
+    }
+
+    #[test]
+    fn the_agent_timeouts_default_and_come_from_flags_file_and_env() {
+        let c = Options::load_from(["gpuctl-master"])
+            .unwrap()
+            .to_config()
+            .unwrap();
+        assert_eq!(c.agent_timeout, Duration::from_secs(10));
+        assert_eq!(c.agent_fence_timeout, Duration::from_secs(75));
+        assert_eq!(c.agent_lost_timeout, Duration::from_secs(120));
+        assert_eq!(
+            MasterConfig::new("127.0.0.1:1".parse().unwrap(), "/x".into()).agent_lost_timeout,
+            c.agent_lost_timeout
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("master.toml");
+        std::fs::write(
+            &f,
+            "agent_lost_timeout_secs = 300\nagent_fence_timeout_secs = 200\n",
+        )
+        .unwrap();
+        let c = Options::load_from([
+            "gpuctl-master",
+            "--config",
+            f.to_str().unwrap(),
+            "--agent-fence-timeout-secs",
+            "100",
+        ])
+        .unwrap()
+        .to_config()
+        .unwrap();
+        assert_eq!(c.agent_lost_timeout, Duration::from_secs(300));
+        assert_eq!(c.agent_fence_timeout, Duration::from_secs(100), "flag wins");
+    }
+
+    #[test]
+    fn the_agent_timeouts_must_be_ordered() {
+        type Case<'a> = (&'a [&'a str], Option<(&'a str, &'a str)>);
+        let cases: &[Case] = &[
+            (&[], None),
+            // lost <= fence: names both keys.
+            (
+                &["--agent-lost-timeout-secs", "75"],
+                Some((
+                    "agent_lost_timeout_secs (75)",
+                    "agent_fence_timeout_secs (75)",
+                )),
+            ),
+            (
+                &["--agent-lost-timeout-secs", "60"],
+                Some((
+                    "agent_lost_timeout_secs (60)",
+                    "agent_fence_timeout_secs (75)",
+                )),
+            ),
+            // fence <= agent timeout.
+            (
+                &["--agent-fence-timeout-secs", "10"],
+                Some(("agent_fence_timeout_secs (10)", "agent_timeout_secs (10)")),
+            ),
+            (
+                &[
+                    "--agent-timeout-secs",
+                    "3",
+                    "--agent-fence-timeout-secs",
+                    "4",
+                    "--agent-lost-timeout-secs",
+                    "20",
+                ],
+                None,
+            ),
+        ];
+        for (flags, want) in cases {
+            let mut args = vec!["gpuctl-master"];
+            args.extend_from_slice(flags);
+            let r = Options::load_from(args).unwrap().to_config();
+            match (want, r) {
+                (None, Ok(_)) => {}
+                (Some((a, b)), Err(e)) => {
+                    let e = e.to_string();
+                    assert!(e.contains(a) && e.contains(b), "{flags:?}: {e}");
+                }
+                (want, r) => panic!("{flags:?}: wanted {want:?}, got {r:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn registration_needs_fence_plus_kill_grace_plus_margin_below_the_lost_timeout() {
+        let c = MasterConfig::new("127.0.0.1:1".parse().unwrap(), "/x".into());
+        // 75 + 10 (assumed for an old agent) + 5 < 120.
+        assert!(c.check_kill_grace(0).is_ok());
+        assert!(c.check_kill_grace(39_999).is_ok());
+        // 75 + 40 + 5 = 120: not less.
+        let e = c.check_kill_grace(40_000).unwrap_err();
+        for needle in [
+            "75",
+            "40",
+            "5",
+            "120",
+            "agent_lost_timeout_secs",
+            "kill grace",
+        ] {
+            assert!(e.contains(needle), "{needle}: {e}");
+        }
+        let mut short = c.clone();
+        short.agent_lost_timeout = Duration::from_secs(90);
+        assert!(short.check_kill_grace(0).is_err(), "75 + 10 + 5 = 90");
+        assert!(short.check_kill_grace(9_000).is_ok());
     }
 
     #[test]

@@ -55,6 +55,7 @@ pub async fn serve(
     listener: tokio::net::TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), MasterError> {
+    config.check_timeouts()?;
     std::fs::create_dir_all(&config.data_dir).map_err(|source| MasterError::DataDir {
         path: config.data_dir.clone(),
         source,

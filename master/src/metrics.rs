@@ -83,10 +83,31 @@ pub fn render(raft: &RaftHandle, metrics: &MasterMetrics, offers_outstanding: us
     {
         let state = raft.state();
         out.family("gpuctl_agents", "Agents by state.", Kind::Gauge);
-        for (label, want) in [("active", AgentState::Active), ("lost", AgentState::Lost)] {
+        for (label, want) in [
+            ("active", AgentState::Active),
+            ("unreachable", AgentState::Unreachable),
+            ("lost", AgentState::Lost),
+        ] {
             let n = state.agents.values().filter(|a| a.state == want).count();
             out.sample("gpuctl_agents", &[("state", label)], n as f64);
         }
+        gauge(
+            &mut out,
+            "gpuctl_agents_draining",
+            "Agents being drained (no new tasks), whatever their state.",
+            state.agents.values().filter(|a| a.drain.is_some()).count() as f64,
+        );
+        gauge(
+            &mut out,
+            "gpuctl_gpus_held_unconfirmed",
+            "GPUs still held by tasks that ended LOST without their agent's word that they are gone.",
+            state
+                .tasks
+                .values()
+                .filter(|t| t.holding)
+                .map(|t| t.gpu_uuids.len())
+                .sum::<usize>() as f64,
+        );
         let gpus: Vec<_> = state
             .agents
             .values()

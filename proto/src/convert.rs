@@ -202,6 +202,7 @@ impl TryFrom<pb::JobSpec> for JobSpec {
             replicas,
             max_retries: s.max_retries,
             no_requeue: s.no_requeue,
+            no_fence: s.no_fence,
         })
     }
 }
@@ -290,6 +291,7 @@ impl From<JobSpec> for pb::JobSpec {
             replicas: s.replicas,
             max_retries: s.max_retries,
             no_requeue: s.no_requeue,
+            no_fence: s.no_fence,
         }
     }
 }
@@ -531,6 +533,7 @@ pub fn task_state_from_pb(field: &str, v: i32) -> Result<TaskState> {
         Ok(P::TaskKilled) => TaskState::Killed,
         Ok(P::TaskLost) => TaskState::Lost,
         Ok(P::TaskError) => TaskState::Error,
+        Ok(P::TaskUnreachable) => TaskState::Unreachable,
         _ => return Err(ConvertError::new(field, format!("unknown task state {v}"))),
     })
 }
@@ -547,6 +550,7 @@ impl From<TaskState> for pb::TaskState {
             TaskState::Killed => P::TaskKilled,
             TaskState::Lost => P::TaskLost,
             TaskState::Error => P::TaskError,
+            TaskState::Unreachable => P::TaskUnreachable,
         }
     }
 }
@@ -590,6 +594,7 @@ pub fn task_state_name(v: i32) -> &'static str {
         Ok(TaskState::Killed) => "KILLED",
         Ok(TaskState::Lost) => "LOST",
         Ok(TaskState::Error) => "ERROR",
+        Ok(TaskState::Unreachable) => "UNREACHABLE",
         Err(_) => "UNKNOWN",
     }
 }
@@ -599,14 +604,29 @@ impl TryFrom<pb::StatusUpdate> for StatusUpdate {
     fn try_from(u: pb::StatusUpdate) -> Result<Self> {
         check_id("agent_id", &u.agent_id)?;
         check_id("task_id", &u.task_id)?;
+        let state = task_state_from_pb("state", u.state)?;
+        if state == TaskState::Unreachable {
+            return Err(ConvertError::new(
+                "state",
+                "TASK_UNREACHABLE is set by the master, not reported by agents",
+            ));
+        }
+        let fenced = u.reason == pb::Reason::Fenced as i32;
+        if fenced && !state.is_terminal() {
+            return Err(ConvertError::new(
+                "reason",
+                format!("REASON_FENCED needs a final state (KILLED), not {state}"),
+            ));
+        }
         Ok(StatusUpdate {
             agent_id: u.agent_id,
             task_id: u.task_id,
-            state: task_state_from_pb("state", u.state)?,
+            state,
             exit_code: u.exit_code,
             message: u.message,
             uuid: u.uuid,
             gpu_unhealthy: u.reason == pb::Reason::GpuUnhealthy as i32,
+            fenced,
         })
     }
 }
@@ -622,9 +642,38 @@ impl From<StatusUpdate> for pb::StatusUpdate {
             uuid: u.uuid,
             reason: if u.gpu_unhealthy {
                 pb::Reason::GpuUnhealthy as i32
+            } else if u.fenced {
+                pb::Reason::Fenced as i32
             } else {
                 pb::Reason::Unspecified as i32
             },
+        }
+    }
+}
+
+impl TryFrom<pb::RuntimeStatus> for RuntimeStatus {
+    type Error = ConvertError;
+    fn try_from(r: pb::RuntimeStatus) -> Result<Self> {
+        if r.message.len() > MAX_REASON_LEN {
+            return Err(ConvertError::new(
+                "runtimes.message",
+                format!("longer than {MAX_REASON_LEN} bytes"),
+            ));
+        }
+        Ok(RuntimeStatus {
+            runtime: runtime_from_pb("runtimes.runtime", r.runtime)?,
+            available: r.available,
+            message: r.message,
+        })
+    }
+}
+
+impl From<RuntimeStatus> for pb::RuntimeStatus {
+    fn from(r: RuntimeStatus) -> Self {
+        pb::RuntimeStatus {
+            runtime: pb::Runtime::from(r.runtime) as i32,
+            available: r.available,
+            message: r.message,
         }
     }
 }
@@ -710,6 +759,7 @@ mod tests {
             replicas: 4,
             max_retries: 2,
             no_requeue: true,
+            no_fence: true,
         }
     }
 
@@ -719,8 +769,14 @@ mod tests {
         assert_eq!(s.image.as_deref(), Some("busybox:latest"));
         assert_eq!(s.resources.gpus, 2);
         assert_eq!(
-            (s.priority, s.replicas, s.max_retries, s.no_requeue),
-            (-3, 4, 2, true)
+            (
+                s.priority,
+                s.replicas,
+                s.max_retries,
+                s.no_requeue,
+                s.no_fence
+            ),
+            (-3, 4, 2, true, true)
         );
         assert_eq!(pb::JobSpec::from(s), spec());
         // An old client's spec (no replicas) is one task.
@@ -830,7 +886,7 @@ mod tests {
             }),
             gpu_uuids: vec![],
             framework_id: String::new(),
-            no_fence: false,
+            no_fence: true,
         };
         assert_eq!(
             TaskSpec::try_from(t.clone()).unwrap_err().field,
@@ -845,7 +901,9 @@ mod tests {
             "task.job_id"
         );
         both.job_id.clear();
-        assert!(TaskSpec::try_from(both.clone()).is_ok());
+        let ok = TaskSpec::try_from(both.clone()).unwrap();
+        assert!(ok.no_fence);
+        assert_eq!(pb::TaskSpec::from(ok), both);
         both.framework_id.clear();
         assert_eq!(TaskSpec::try_from(both).unwrap_err().field, "task.job_id");
     }
@@ -857,6 +915,74 @@ mod tests {
             "SUCCEEDED"
         );
         assert_eq!(task_state_name(pb::TaskState::TaskKilled as i32), "KILLED");
+        assert_eq!(
+            task_state_name(pb::TaskState::TaskUnreachable as i32),
+            "UNREACHABLE"
+        );
+        assert!(!TaskState::Unreachable.is_terminal());
+        assert_eq!(TaskState::Unreachable.to_string(), "UNREACHABLE");
         assert_eq!(task_state_name(99), "UNKNOWN");
+    }
+
+    fn update(state: pb::TaskState, reason: pb::Reason) -> pb::StatusUpdate {
+        pb::StatusUpdate {
+            agent_id: "a1".into(),
+            task_id: "job-1.0".into(),
+            state: state as i32,
+            exit_code: None,
+            message: "no leader for 75s".into(),
+            uuid: b"u".to_vec(),
+            reason: reason as i32,
+        }
+    }
+
+    #[test]
+    fn fenced_updates_round_trip_and_agents_cannot_send_unreachable() {
+        let u =
+            StatusUpdate::try_from(update(pb::TaskState::TaskKilled, pb::Reason::Fenced)).unwrap();
+        assert!(u.fenced && !u.gpu_unhealthy);
+        assert_eq!(u.state, TaskState::Killed);
+        assert_eq!(
+            pb::StatusUpdate::from(u),
+            update(pb::TaskState::TaskKilled, pb::Reason::Fenced)
+        );
+        let plain =
+            StatusUpdate::try_from(update(pb::TaskState::TaskKilled, pb::Reason::Unspecified))
+                .unwrap();
+        assert!(!plain.fenced);
+        let err = StatusUpdate::try_from(update(pb::TaskState::TaskRunning, pb::Reason::Fenced))
+            .unwrap_err();
+        assert_eq!(err.field, "reason", "{err}");
+        let err = StatusUpdate::try_from(update(
+            pb::TaskState::TaskUnreachable,
+            pb::Reason::Unspecified,
+        ))
+        .unwrap_err();
+        assert_eq!(err.field, "state", "{err}");
+    }
+
+    #[test]
+    fn runtime_status_converts_and_checks_its_fields() {
+        let wire = pb::RuntimeStatus {
+            runtime: pb::Runtime::Docker as i32,
+            available: false,
+            message: "cannot connect to /var/run/docker.sock".into(),
+        };
+        let r = RuntimeStatus::try_from(wire.clone()).unwrap();
+        assert_eq!(r.runtime, Runtime::Docker);
+        assert!(!r.available);
+        assert_eq!(pb::RuntimeStatus::from(r), wire);
+        let mut bad = wire.clone();
+        bad.runtime = 42;
+        assert_eq!(
+            RuntimeStatus::try_from(bad).unwrap_err().field,
+            "runtimes.runtime"
+        );
+        let mut long = wire;
+        long.message = "x".repeat(MAX_REASON_LEN + 1);
+        assert_eq!(
+            RuntimeStatus::try_from(long).unwrap_err().field,
+            "runtimes.message"
+        );
     }
 }

@@ -142,6 +142,10 @@ pub enum TaskState {
     Killed,
     Lost,
     Error,
+    /// Its agent stopped heartbeating: NOT terminal. The task may still run
+    /// and keeps its GPUs; it goes back to the state it had when its agent
+    /// re-registers listing it, or LOST when its agent is declared lost.
+    Unreachable,
 }
 
 impl TaskState {
@@ -168,6 +172,7 @@ impl fmt::Display for TaskState {
             TaskState::Killed => "KILLED",
             TaskState::Lost => "LOST",
             TaskState::Error => "ERROR",
+            TaskState::Unreachable => "UNREACHABLE",
         })
     }
 }
@@ -282,6 +287,13 @@ pub struct JobSpec {
     /// When preempted, end FAILED instead of going back to QUEUED.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub no_requeue: bool,
+    /// Its tasks are not fenced: their agent keeps them running when it
+    /// loses the masters, and the master never declares them LOST by
+    /// timeout (they stay UNREACHABLE, holding their GPUs, until their
+    /// agent comes back). There is no operator command to give such GPUs
+    /// back while the agent stays away (out of scope for now).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub no_fence: bool,
 }
 
 fn one() -> u32 {
@@ -320,6 +332,7 @@ impl JobSpec {
             replicas: 1,
             max_retries: 0,
             no_requeue: false,
+            no_fence: false,
         }
     }
 
@@ -351,7 +364,8 @@ pub struct TaskSpec {
     pub env: BTreeMap<String, String>,
     pub resources: Resources,
     pub gpu_uuids: Vec<GpuUuid>,
-    /// Not stopped by its agent's fence (the job's `--no-fence`).
+    /// The agent must not stop it when it loses the masters (the job's
+    /// `no_fence`).
     #[serde(default)]
     pub no_fence: bool,
 }
@@ -388,6 +402,20 @@ pub struct StatusUpdate {
     /// The task ended because one of its GPUs failed a health check.
     #[serde(default)]
     pub gpu_unhealthy: bool,
+    /// The agent killed the task because it heard from no leader for its
+    /// fence timeout (wire: state KILLED, reason REASON_FENCED).
+    #[serde(default)]
+    pub fenced: bool,
+}
+
+/// Whether one of an agent's container runtimes works now, as its last
+/// heartbeat said.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RuntimeStatus {
+    pub runtime: Runtime,
+    pub available: bool,
+    /// Why it is not available (or a note); may be empty.
+    pub message: String,
 }
 
 /// One reading of a GPU's gauges, by the agent's health probe.
@@ -430,5 +458,46 @@ impl FrameworkInfo {
     /// The role its resources are accounted to (the first; "default" when none).
     pub fn role(&self) -> &str {
         self.roles.first().map_or("default", String::as_str)
+    }
+}
+
+/// Milliseconds since the Unix epoch as `YYYY-MM-DDTHH:MM:SSZ` (UTC). Pure:
+/// the state machine writes it into messages.
+pub fn utc_timestamp(ms: u64) -> String {
+    let secs = ms / 1000;
+    let days = (secs / 86400) as i64;
+    let rem = secs % 86400;
+    let (y, m, d) = civil_from_days(days);
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        (rem / 60) % 60,
+        rem % 60
+    )
+}
+
+/// Days since 1970-01-01 to (year, month, day); Howard Hinnant's algorithm.
+fn civil_from_days(z: i64) -> (i64, u32, u32) {
+    let z = z + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    (y, m, d)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn utc_timestamps() {
+        assert_eq!(utc_timestamp(0), "1970-01-01T00:00:00Z");
+        assert_eq!(utc_timestamp(951_782_400_000), "2000-02-29T00:00:00Z");
+        assert_eq!(utc_timestamp(1_700_000_000_999), "2023-11-14T22:13:20Z");
     }
 }

@@ -165,7 +165,7 @@ async fn session(shared: &Shared, i: usize, master: usize) -> (Option<Status>, b
                 Err(s) => return (Some(s), true),
             },
             _ = heartbeat.tick() => {
-                let call = client.heartbeat(pb::HeartbeatRequest { agent_id: agent_id.clone(), gpus: vec![] });
+                let call = client.heartbeat(pb::HeartbeatRequest { agent_id: agent_id.clone(), gpus: vec![], runtimes: vec![] });
                 match tokio::time::timeout(RPC_TIMEOUT, call).await {
                     Ok(Ok(_)) => {}
                     Ok(Err(s)) => return (Some(s), true),
@@ -482,7 +482,9 @@ fn main() {
         let mut rows = Vec::new();
         for round in 1..=rounds {
             let leader = settled_leader(&ops, &all).await;
-            let lost_before = masters.count_in_logs("marking it lost");
+            // An agent that missed the agent timeout is first marked
+            // unreachable (lost only after the much longer lost timeout).
+            let lost_before = masters.count_in_logs("marking it unreachable");
             let survivors: Vec<usize> = all.iter().copied().filter(|i| *i != leader).collect();
             let t0 = shared.now_ns();
             masters.daemons[leader].kill();
@@ -501,9 +503,9 @@ fn main() {
                 }
                 None => println!("| {n_agents} | {round} | {write_ms:.0} | (not all within {}s) | | |", ROUND_LIMIT.as_secs()),
             }
-            let lost = masters.count_in_logs("marking it lost") - lost_before;
+            let lost = masters.count_in_logs("marking it unreachable") - lost_before;
             if lost > 0 {
-                println!("  (round {round}: {lost} agents were marked lost)");
+                println!("  (round {round}: {lost} agents were marked unreachable)");
             }
             // Keep the queue empty for the next round.
             let mut c = ops[new_leader].clone();

@@ -175,6 +175,8 @@ fn master_example_config_is_accepted_and_shows_the_defaults() {
     assert_eq!(file.node_id, default.node_id);
     assert_eq!(file.heartbeat_interval, default.heartbeat_interval);
     assert_eq!(file.agent_timeout, default.agent_timeout);
+    assert_eq!(file.agent_fence_timeout, default.agent_fence_timeout);
+    assert_eq!(file.agent_lost_timeout, default.agent_lost_timeout);
     assert_eq!(
         unit_setting("gpuctl-master.service", "StateDirectory").as_deref(),
         Some("gpuctl/master"),

@@ -4,6 +4,8 @@
 
 use std::time::Duration;
 
+use serde_json::Value;
+
 use gpuctl_tests::Gpuctl;
 use gpuctl_tests::{wait_for, AgentOpts, Cluster};
 
@@ -174,12 +176,19 @@ fn follow_streams_output_and_cancel_kills_a_running_process() {
 }
 
 #[test]
-fn a_lost_agent_loses_its_tasks() {
+fn a_lost_agent_loses_its_tasks_but_its_gpus_wait_for_its_word() {
+    // Unreachable after 1.5 s, lost after 18 s: the fence (2 s) plus the
+    // kill grace the master assumes for an agent that sends none (10 s)
+    // plus the 5 s margin must stay below the lost timeout.
     let mut c = Cluster::start(&[
         "--heartbeat-interval-secs",
         "0.2",
         "--agent-timeout-secs",
         "1.5",
+        "--agent-fence-timeout-secs",
+        "2",
+        "--agent-lost-timeout-secs",
+        "18",
     ]);
     c.add_agent(AgentOpts::default());
     let j = c.submit(&[
@@ -193,17 +202,34 @@ fn a_lost_agent_loses_its_tasks() {
         "echo $$ > pid; exec sleep 300",
     ]);
     let job = c.wait_state(&j, "RUNNING", Duration::from_secs(30));
+    let task_id = job["tasks"][0]["id"].as_str().unwrap().to_string();
     c.agents[0].kill();
-    let job_after = c.wait_state(&j, "FAILED", Duration::from_secs(20));
+    // First UNREACHABLE: the job stays RUNNING, the GPU stays held.
+    wait_for(Duration::from_secs(10), "agent UNREACHABLE", || {
+        c.json(&["agents", "list", "--json"])[0]["state"] == "UNREACHABLE"
+    });
+    let job_mid = c.job(&j);
+    assert_eq!(job_mid["state"], "RUNNING");
+    assert_eq!(job_mid["tasks"][0]["state"], "UNREACHABLE");
+    // The tasks holding the agent's GPUs.
+    let held_by = |c: &Cluster| -> Vec<Value> {
+        c.json(&["gpus", "--json"])
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|g| g["task_id"].clone())
+            .filter(|t| !t.is_null())
+            .collect()
+    };
+    assert_eq!(held_by(&c), vec![Value::from(task_id.clone())]);
+    // Then LOST: the job fails (no retries), but the crashed agent never
+    // said the task is gone (it was not there to fence it), so its GPU
+    // stays held.
+    let job_after = c.wait_state(&j, "FAILED", Duration::from_secs(40));
     assert_eq!(job_after["tasks"][0]["state"], "LOST");
     let agents = c.json(&["agents", "list", "--json"]);
     assert_eq!(agents[0]["state"], "LOST");
-    let gpus = c.json(&["gpus", "--json"]);
-    assert!(gpus
-        .as_array()
-        .unwrap()
-        .iter()
-        .all(|g| g["task_id"].is_null()));
+    assert_eq!(held_by(&c), vec![Value::from(task_id.clone())]);
 
     // The crashed agent's task still runs on the host. When the agent comes
     // back it first kills what it left (that GPU was given up), then
@@ -224,6 +250,11 @@ fn a_lost_agent_loses_its_tasks() {
     c.restart_agent(0);
     wait_for(Duration::from_secs(20), "agent ACTIVE again", || {
         c.json(&["agents", "list", "--json"])[0]["state"] == "ACTIVE"
+    });
+    // It registered without the task: its word that the task is gone, and
+    // the GPU is free again.
+    wait_for(Duration::from_secs(10), "GPU released", || {
+        held_by(&c).is_empty()
     });
     // Found through the task's cgroup, so only where the agent has them.
     if nix::unistd::Uid::effective().is_root()

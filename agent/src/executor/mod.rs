@@ -102,6 +102,8 @@ struct Outcome {
     exit_code: Option<i32>,
     message: String,
     gpu_unhealthy: bool,
+    /// Stopped by the fence (REASON_FENCED).
+    fenced: bool,
 }
 
 impl Outcome {
@@ -111,6 +113,7 @@ impl Outcome {
             exit_code: None,
             message: message.into(),
             gpu_unhealthy: false,
+            fenced: false,
         }
     }
 
@@ -123,6 +126,7 @@ impl Outcome {
             },
             StopReason::Fenced => Outcome {
                 state: TaskState::Killed,
+                fenced: true,
                 ..Outcome::failed(fence_message(fence_timeout_ms))
             },
             StopReason::Killed | StopReason::NotWanted => Outcome {
@@ -144,6 +148,7 @@ impl Outcome {
                 exit_code: code,
                 message: fence_message(fence_timeout_ms),
                 gpu_unhealthy: false,
+                fenced: true,
             };
         }
         match reason {
@@ -158,6 +163,7 @@ impl Outcome {
                 exit_code: None,
                 message: "killed".into(),
                 gpu_unhealthy: false,
+                fenced: false,
             },
             _ => match code {
                 Some(0) => Outcome {
@@ -165,6 +171,7 @@ impl Outcome {
                     exit_code: Some(0),
                     message: String::new(),
                     gpu_unhealthy: false,
+                    fenced: false,
                 },
                 Some(c) => Outcome {
                     exit_code: Some(c),
@@ -382,6 +389,10 @@ impl Executor {
         }
     }
 
+    pub fn kill_grace(&self) -> Duration {
+        self.kill_grace
+    }
+
     /// The fence timeout the master asked for, as last recorded.
     fn fence_timeout_ms(&self) -> u64 {
         self.lock().contact.map_or(0, |c| c.fence_timeout_ms)
@@ -596,6 +607,7 @@ impl Executor {
             message: String::new(),
             uuid: uuid::Uuid::new_v4().as_bytes().to_vec(),
             gpu_unhealthy: false,
+            fenced: false,
         }
     }
 
@@ -606,6 +618,7 @@ impl Executor {
         u.exit_code = outcome.exit_code;
         u.message = outcome.message;
         u.gpu_unhealthy = outcome.gpu_unhealthy;
+        u.fenced = outcome.fenced;
         let path = self.state_dir(task_id).join(checkpoint::FINAL_FILE);
         if let Err(e) = checkpoint::write_json(&path, &u) {
             tracing::error!(task_id, error = %e, "could not checkpoint the final status; sending it anyway");
@@ -899,7 +912,7 @@ mod tests {
             error: None,
         };
         let o = Outcome::ran(fenced, None, 75_000);
-        assert_eq!(o.state, TaskState::Killed);
+        assert_eq!((o.state, o.fenced), (TaskState::Killed, true));
         assert!(o.message.contains("75 s"), "{}", o.message);
         let o = Outcome::ran(
             Ended {

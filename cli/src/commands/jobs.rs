@@ -104,9 +104,15 @@ pub struct SubmitArgs {
         allow_negative_numbers = true
     )]
     pub priority: i32,
-    /// When preempted, end FAILED instead of going back to the queue.
+    /// When preempted (or its agent is drained, or a GPU fails), end FAILED
+    /// instead of going back to the queue.
     #[arg(long)]
     pub no_requeue: bool,
+    /// Do not fence its tasks: an agent that loses the masters keeps them
+    /// running, and the master never declares them LOST by timeout (they
+    /// stay UNREACHABLE, holding their GPUs, until their agent comes back).
+    #[arg(long)]
+    pub no_fence: bool,
     /// Start R tasks of this spec all or nothing (a gang); each gets
     /// GPUCTL_RANK, GPUCTL_WORLD_SIZE and GPUCTL_PEERS.
     #[arg(long, value_name = "R", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=i64::from(gpuctl_proto::convert::MAX_REPLICAS)))]
@@ -143,6 +149,7 @@ impl SubmitArgs {
             replicas: self.replicas,
             max_retries: self.max_retries,
             no_requeue: self.no_requeue,
+            no_fence: self.no_fence,
         }
     }
 }
@@ -551,6 +558,13 @@ mod tests {
             })
         );
         assert!(spec.env.is_empty());
+        assert!(!spec.no_fence);
+    }
+
+    #[test]
+    fn submit_no_fence() {
+        let a = submit_args(&["jobs", "submit", "--name", "x", "--no-fence", "--", "true"]);
+        assert!(a.to_spec().no_fence);
     }
 
     #[test]

@@ -37,6 +37,12 @@ pub(crate) trait FakeOperator: Send + Sync + 'static {
     fn cordon_gpu(&self, _: pb::CordonGpuRequest) -> Result<pb::GpuStatus, Status> {
         unused()
     }
+    fn drain_agent(&self, _: pb::DrainAgentRequest) -> Result<pb::Agent, Status> {
+        unused()
+    }
+    fn undrain_agent(&self, _: pb::UndrainAgentRequest) -> Result<pb::Agent, Status> {
+        unused()
+    }
     /// The items of the stream, sent in order; then the stream ends.
     fn job_logs(&self, _: pb::JobLogsRequest) -> Result<Vec<Result<pb::LogChunk, Status>>, Status> {
         unused()
@@ -116,6 +122,8 @@ forward! {
     list_agents(pb::ListAgentsRequest) -> pb::ListAgentsResponse;
     list_gpus(pb::ListGpusRequest) -> pb::ListGpusResponse;
     cordon_gpu(pb::CordonGpuRequest) -> pb::GpuStatus;
+    drain_agent(pb::DrainAgentRequest) -> pb::Agent;
+    undrain_agent(pb::UndrainAgentRequest) -> pb::Agent;
     list_masters(pb::ListMastersRequest) -> pb::ListMastersResponse;
     add_master(pb::AddMasterRequest) -> pb::ListMastersResponse;
     remove_master(pb::RemoveMasterRequest) -> pb::ListMastersResponse;

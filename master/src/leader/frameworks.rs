@@ -97,12 +97,32 @@ pub fn reason_to_pb(r: TaskReason) -> pb::Reason {
         TaskReason::ContainerLaunchFailed => pb::Reason::ContainerLaunchFailed,
         TaskReason::Preempted => pb::Reason::Preempted,
         TaskReason::GpuUnhealthy => pb::Reason::GpuUnhealthy,
+        TaskReason::Fenced => pb::Reason::Fenced,
+        TaskReason::AgentDrained => pb::Reason::AgentDraining,
     }
 }
 
-/// A task's status as its framework sees it.
+/// Why a task is in its state, as the API says it: an UNREACHABLE task's
+/// reason is its agent (the record keeps the reason it had, for when it
+/// comes back).
+pub fn wire_reason(t: &TaskRecord) -> pb::Reason {
+    if t.state == TaskState::Unreachable {
+        pb::Reason::AgentUnreachable
+    } else {
+        reason_to_pb(t.reason)
+    }
+}
+
+/// A task's status as its framework sees it. UNREACHABLE is the master's
+/// word, not an agent's update: it carries no uuid and needs no
+/// acknowledgement.
 pub fn task_status(t: &TaskRecord, reason_override: Option<pb::Reason>) -> pb::TaskStatus {
-    let reason = reason_override.unwrap_or(reason_to_pb(t.reason));
+    let reason = reason_override.unwrap_or(wire_reason(t));
+    let uuid = if t.state == TaskState::Unreachable {
+        Vec::new()
+    } else {
+        t.last_update_uuid.clone()
+    };
     pb::TaskStatus {
         task_id: t.framework_task_id.clone(),
         agent_id: t.agent_id.clone(),
@@ -110,7 +130,7 @@ pub fn task_status(t: &TaskRecord, reason_override: Option<pb::Reason>) -> pb::T
         reason: reason as i32,
         message: t.message.clone(),
         exit_code: t.exit_code,
-        uuid: t.last_update_uuid.clone(),
+        uuid,
         timestamp_ms: t.updated_at_ms,
     }
 }
@@ -387,7 +407,7 @@ fn forward_failures(state: &State, g: &mut Inner) {
 }
 
 /// Withdraws offers that timed out or whose resources are gone (agent
-/// lost, a GPU taken by a launch that went through another path, a GPU
+/// unreachable, lost or draining, a GPU taken by a launch that went through another path, a GPU
 /// unhealthy or cordoned).
 fn rescind_stale(state: &State, g: &mut Inner, now: u64, timeout: Duration) {
     let Some(book) = g.offers.as_mut() else {
@@ -400,7 +420,7 @@ fn rescind_stale(state: &State, g: &mut Inner, now: u64, timeout: Duration) {
             state
                 .agents
                 .get(&o.agent_id)
-                .is_none_or(|a| a.state != AgentState::Active)
+                .is_none_or(|a| !a.accepts_tasks())
                 || o.gpu_uuids.iter().any(|u| state.gpu_owner.contains_key(u))
                 // A GPU turned unhealthy or was cordoned since.
                 || state.agents.get(&o.agent_id).is_some_and(|a| {
@@ -477,7 +497,7 @@ fn allocate(state: &State, g: &mut Inner, settings: &FrameworkSettings, now: u64
     let agents: Vec<AgentView> = state
         .agents
         .values()
-        .filter(|a| a.state == AgentState::Active)
+        .filter(|a| a.accepts_tasks())
         .map(|a| {
             let offered = offered_on.get(&a.info.id).copied().unwrap_or_default();
             AgentView {
@@ -579,4 +599,126 @@ fn allocate(state: &State, g: &mut Inner, settings: &FrameworkSettings, now: u64
         }
     }
     count
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::state::testkit::register;
+    use crate::state::{FrameworkTask, Outcome};
+    use gpuctl_proto::types::{FrameworkInfo, StatusUpdate};
+
+    /// A framework task RUNNING on agent a (update uuid u1), in a state.
+    fn running_task() -> (State, String) {
+        let mut s = State::new();
+        let mut i = 0;
+        let mut apply = |s: &mut State, c: Command| {
+            i += 1;
+            s.apply(i, &c).unwrap()
+        };
+        apply(&mut s, register("a", 0));
+        let Outcome::FrameworkSubscribed { framework_id } = apply(
+            &mut s,
+            Command::SubscribeFramework {
+                info: FrameworkInfo {
+                    id: String::new(),
+                    name: "f".into(),
+                    roles: vec![],
+                    gpu_capable: true,
+                    failover_timeout_ms: 1_000,
+                },
+                at_ms: 0,
+            },
+        ) else {
+            panic!()
+        };
+        apply(
+            &mut s,
+            Command::LaunchFrameworkTasks {
+                framework_id: framework_id.clone(),
+                tasks: vec![FrameworkTask {
+                    task_id: "t1".into(),
+                    agent_id: "a".into(),
+                    image: None,
+                    command: vec!["true".into()],
+                    env: Default::default(),
+                    resources: Resources::default(),
+                    gpu_uuids: vec![],
+                }],
+                group: false,
+                at_ms: 0,
+            },
+        );
+        let key = crate::state::frameworks::task_key(&framework_id, "t1");
+        apply(
+            &mut s,
+            Command::UpdateTaskStatus {
+                update: StatusUpdate {
+                    agent_id: "a".into(),
+                    task_id: key.clone(),
+                    state: TaskState::Running,
+                    exit_code: None,
+                    message: String::new(),
+                    uuid: b"u1".to_vec(),
+                    gpu_unhealthy: false,
+                    fenced: false,
+                },
+                at_ms: 1,
+            },
+        );
+        (s, key)
+    }
+
+    #[test]
+    fn frameworks_hear_unreachable_without_a_uuid_then_running_again() {
+        let (mut s, key) = running_task();
+        let st = task_status(&s.tasks[&key], None);
+        assert_eq!(st.state, pb::TaskState::TaskRunning as i32);
+        assert_eq!(st.uuid, b"u1");
+        let i = s.applied_index + 1;
+        s.apply(
+            i,
+            &Command::AgentUnreachable {
+                agent_id: "a".into(),
+                at_ms: 2,
+            },
+        )
+        .unwrap();
+        let st = task_status(&s.tasks[&key], None);
+        assert_eq!(st.state, pb::TaskState::TaskUnreachable as i32);
+        assert_eq!(st.reason, pb::Reason::AgentUnreachable as i32);
+        assert!(
+            st.uuid.is_empty(),
+            "the master's word: nothing to acknowledge"
+        );
+        // Reconciliation answers say so too.
+        let st = task_status(&s.tasks[&key], Some(pb::Reason::Reconciliation));
+        assert_eq!(st.state, pb::TaskState::TaskUnreachable as i32);
+        let Command::RegisterAgent { info, .. } = register("a", 0) else {
+            unreachable!()
+        };
+        let i = s.applied_index + 1;
+        s.apply(
+            i,
+            &Command::RegisterAgent {
+                info,
+                running_task_ids: vec![key.clone()],
+                at_ms: 3,
+            },
+        )
+        .unwrap();
+        let st = task_status(&s.tasks[&key], None);
+        assert_eq!(st.state, pb::TaskState::TaskRunning as i32);
+        assert_eq!(st.reason, pb::Reason::Unspecified as i32);
+        assert_eq!(st.uuid, b"u1");
+    }
+
+    #[test]
+    fn new_reasons_have_their_wire_names() {
+        assert_eq!(reason_to_pb(TaskReason::Fenced), pb::Reason::Fenced);
+        assert_eq!(
+            reason_to_pb(TaskReason::AgentDrained),
+            pb::Reason::AgentDraining
+        );
+    }
 }

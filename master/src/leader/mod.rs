@@ -4,25 +4,30 @@
 pub mod frameworks;
 pub mod jobs;
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use gpuctl_proto::types::{GpuReport, GpuSample};
+use gpuctl_proto::types::{GpuReport, GpuSample, RuntimeStatus};
 use tokio::sync::watch;
 
 use crate::raft::RaftHandle;
-use crate::state::{AgentState, Command};
+use crate::state::{AgentState, Command, State};
 use crate::{now_ms, MasterConfig};
 
 /// When the leader last heard from each agent. In memory only: a new leader
-/// starts every agent's clock afresh, giving each a full timeout to show up.
+/// starts every agent's clock afresh, giving each a full timeout to show up
+/// (later than the old leader would have: never earlier than the agent's
+/// own fence clock, see `MasterConfig::check_timeouts`).
 #[derive(Debug, Default)]
 pub struct Liveness {
     last_seen: Mutex<HashMap<String, Instant>>,
     /// What each agent's last heartbeat said of its GPUs (their latest
     /// readings, for `gpuctl top`): leader memory only, like the clocks.
     gpu_reports: Mutex<HashMap<String, Vec<GpuReport>>>,
+    /// What each agent's last heartbeat said of its runtimes (for
+    /// `gpuctl agents list`): leader memory only.
+    runtimes: Mutex<HashMap<String, Vec<RuntimeStatus>>>,
 }
 
 impl Liveness {
@@ -38,23 +43,31 @@ impl Liveness {
         self.last_seen.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Agents silent for longer than `timeout`; unknown agents start now.
-    fn expired(&self, agents: &[String], timeout: Duration, now: Instant) -> Vec<String> {
+    /// How long each agent has been silent at `now`; an agent not heard of
+    /// yet starts its clock now.
+    fn silence(&self, agents: &[String], now: Instant) -> BTreeMap<String, Duration> {
         let mut map = self.lock();
         agents
             .iter()
-            .filter(|id| now.duration_since(*map.entry((*id).clone()).or_insert(now)) > timeout)
-            .cloned()
+            .map(|id| {
+                let seen = *map.entry(id.clone()).or_insert(now);
+                (id.clone(), now.saturating_duration_since(seen))
+            })
             .collect()
     }
 
     fn reset(&self) {
         self.lock().clear();
         self.reports().clear();
+        self.runtime_lock().clear();
     }
 
     fn reports(&self) -> std::sync::MutexGuard<'_, HashMap<String, Vec<GpuReport>>> {
         self.gpu_reports.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn runtime_lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Vec<RuntimeStatus>>> {
+        self.runtimes.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Keeps an agent's latest GPU reports (an empty list keeps the old).
@@ -62,6 +75,22 @@ impl Liveness {
         if !reports.is_empty() {
             self.reports().insert(agent_id.to_string(), reports);
         }
+    }
+
+    /// Keeps an agent's latest runtime statuses (an empty list, from an
+    /// agent that does not report them, keeps the old).
+    pub fn record_runtimes(&self, agent_id: &str, runtimes: Vec<RuntimeStatus>) {
+        if !runtimes.is_empty() {
+            self.runtime_lock().insert(agent_id.to_string(), runtimes);
+        }
+    }
+
+    /// The latest runtime statuses an agent reported (empty: none yet).
+    pub fn runtime_status(&self, agent_id: &str) -> Vec<RuntimeStatus> {
+        self.runtime_lock()
+            .get(agent_id)
+            .cloned()
+            .unwrap_or_default()
     }
 
     /// The latest reading of every GPU heard of, by UUID.
@@ -74,8 +103,82 @@ impl Liveness {
     }
 }
 
-/// The agent liveness loop: marks agents lost that stopped heartbeating.
-/// (Jobs are placed by the built-in framework, `jobs`.)
+/// The timeouts the liveness pass applies.
+#[derive(Debug, Clone, Copy)]
+pub struct LivenessTimeouts {
+    /// Silence after which an ACTIVE agent becomes UNREACHABLE.
+    pub unreachable: Duration,
+    /// Silence after which an UNREACHABLE agent becomes LOST.
+    pub lost: Duration,
+}
+
+impl LivenessTimeouts {
+    pub fn of(config: &MasterConfig) -> Self {
+        LivenessTimeouts {
+            unreachable: config.agent_timeout,
+            lost: config.agent_lost_timeout,
+        }
+    }
+}
+
+/// The leader's liveness decisions. PURE: from the state, how long each
+/// agent has been silent (by the leader's clock; an agent missing from
+/// `silence` counts as just heard from) and the time, the commands to
+/// propose:
+///
+/// - an ACTIVE agent silent for more than `unreachable`: `AgentUnreachable`;
+/// - an UNREACHABLE agent silent for more than `lost`: `AgentLostAfterTimeout`
+///   (silence counts from the last heartbeat, not from when it became
+///   unreachable);
+/// - a drained agent whose deadline passed and that still has live tasks not
+///   being stopped: `DrainDeadlinePassed` (whatever its liveness: the kill
+///   reaches it when it is back).
+///
+/// Each command is re-checked when applied (a no-op if the agent came back
+/// meanwhile), so a stale decision is harmless.
+pub fn liveness_commands(
+    state: &State,
+    silence: &BTreeMap<String, Duration>,
+    now_ms: u64,
+    timeouts: &LivenessTimeouts,
+) -> Vec<Command> {
+    let mut out = Vec::new();
+    for a in state.agents.values() {
+        let id = &a.info.id;
+        let silent = silence.get(id).copied().unwrap_or_default();
+        match a.state {
+            AgentState::Active if silent > timeouts.unreachable => {
+                out.push(Command::AgentUnreachable {
+                    agent_id: id.clone(),
+                    at_ms: now_ms,
+                });
+            }
+            AgentState::Unreachable if silent > timeouts.lost => {
+                out.push(Command::AgentLostAfterTimeout {
+                    agent_id: id.clone(),
+                    at_ms: now_ms,
+                });
+            }
+            _ => {}
+        }
+        let due = a
+            .drain
+            .as_ref()
+            .and_then(|d| d.deadline_ms)
+            .is_some_and(|d| d <= now_ms);
+        if due && state.drain_victims(id).next().is_some() {
+            out.push(Command::DrainDeadlinePassed {
+                agent_id: id.clone(),
+                at_ms: now_ms,
+            });
+        }
+    }
+    out
+}
+
+/// The agent liveness loop: marks agents unreachable, then lost, when they
+/// stop heartbeating, and kills what drained agents still run once their
+/// deadline passes. (Jobs are placed by the built-in framework, `jobs`.)
 pub async fn run(
     raft: RaftHandle,
     config: MasterConfig,
@@ -98,7 +201,7 @@ pub async fn run(
         }
         was_leader = is_leader;
         if is_leader {
-            check_liveness(&raft, &liveness, config.agent_timeout).await;
+            check_liveness(&raft, &liveness, &LivenessTimeouts::of(&config)).await;
         }
     }
 }
@@ -126,24 +229,33 @@ async fn record_masters(raft: &RaftHandle) {
     }
 }
 
-async fn check_liveness(raft: &RaftHandle, liveness: &Liveness, timeout: Duration) {
-    let active: Vec<String> = raft
-        .state()
-        .agents
-        .values()
-        .filter(|a| a.state == AgentState::Active)
-        .map(|a| a.info.id.clone())
-        .collect();
-    for agent_id in liveness.expired(&active, timeout, Instant::now()) {
-        tracing::warn!(agent_id = %agent_id, timeout_secs = timeout.as_secs_f64(), "agent missed heartbeats; marking it lost");
-        if let Err(e) = raft
-            .propose(Command::AgentLost {
-                agent_id: agent_id.clone(),
-                at_ms: now_ms(),
-            })
-            .await
-        {
-            tracing::warn!(agent_id = %agent_id, error = %e, "could not mark agent lost");
+async fn check_liveness(raft: &RaftHandle, liveness: &Liveness, timeouts: &LivenessTimeouts) {
+    let commands = {
+        let state = raft.state();
+        let watched: Vec<String> = state
+            .agents
+            .values()
+            .filter(|a| a.state != AgentState::Lost)
+            .map(|a| a.info.id.clone())
+            .collect();
+        let silence = liveness.silence(&watched, Instant::now());
+        liveness_commands(&state, &silence, now_ms(), timeouts)
+    };
+    for cmd in commands {
+        match &cmd {
+            Command::AgentUnreachable { agent_id, .. } => {
+                tracing::warn!(agent_id = %agent_id, timeout_secs = timeouts.unreachable.as_secs_f64(), "agent missed heartbeats; marking it unreachable (its tasks keep their GPUs)");
+            }
+            Command::AgentLostAfterTimeout { agent_id, .. } => {
+                tracing::warn!(agent_id = %agent_id, timeout_secs = timeouts.lost.as_secs_f64(), "agent silent past the lost timeout; marking it and its tasks lost (their GPUs stay held until it confirms)");
+            }
+            Command::DrainDeadlinePassed { agent_id, .. } => {
+                tracing::info!(agent_id = %agent_id, "drain deadline passed; killing the agent's remaining tasks");
+            }
+            _ => {}
+        }
+        if let Err(e) = raft.propose(cmd.clone()).await {
+            tracing::warn!(command = cmd.kind(), error = %e, "could not propose a liveness decision");
         }
     }
 }
@@ -151,18 +263,232 @@ async fn check_liveness(raft: &RaftHandle, liveness: &Liveness, timeout: Duratio
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::state::testkit::register;
+    use crate::state::{Launch, Outcome};
+    use gpuctl_proto::types::{JobSpec, Resources, TaskState};
 
     #[test]
-    fn liveness_expires_only_silent_agents() {
+    fn liveness_measures_silence_from_the_last_heartbeat() {
         let l = Liveness::default();
         let t0 = Instant::now();
         let agents = vec!["a".to_string(), "b".to_string()];
         // First sight starts the clock.
-        assert!(l.expired(&agents, Duration::from_secs(5), t0).is_empty());
+        let s = l.silence(&agents, t0);
+        assert!(s.values().all(|d| d.is_zero()));
         l.touch_at("b", t0 + Duration::from_secs(4));
-        let later = t0 + Duration::from_secs(6);
-        assert_eq!(l.expired(&agents, Duration::from_secs(5), later), vec!["a"]);
+        let s = l.silence(&agents, t0 + Duration::from_secs(6));
+        assert_eq!(s["a"], Duration::from_secs(6));
+        assert_eq!(s["b"], Duration::from_secs(2));
         l.reset();
-        assert!(l.expired(&agents, Duration::from_secs(5), later).is_empty());
+        let s = l.silence(&agents, t0 + Duration::from_secs(6));
+        assert!(
+            s.values().all(|d| d.is_zero()),
+            "a new leader starts afresh"
+        );
+    }
+
+    #[test]
+    fn runtime_statuses_are_kept_per_agent() {
+        let l = Liveness::default();
+        let down = RuntimeStatus {
+            runtime: gpuctl_proto::types::Runtime::Docker,
+            available: false,
+            message: "daemon not answering".into(),
+        };
+        l.record_runtimes("a", vec![down.clone()]);
+        l.record_runtimes("a", vec![]);
+        assert_eq!(l.runtime_status("a"), vec![down]);
+        assert!(l.runtime_status("b").is_empty());
+        l.reset();
+        assert!(l.runtime_status("a").is_empty());
+    }
+
+    const T: LivenessTimeouts = LivenessTimeouts {
+        unreachable: Duration::from_secs(10),
+        lost: Duration::from_secs(120),
+    };
+
+    fn state() -> State {
+        let mut s = State::new();
+        for (i, (id, g)) in [("a", 1), ("b", 1), ("c", 1)].into_iter().enumerate() {
+            s.apply(i as u64 + 1, &register(id, g)).unwrap();
+        }
+        s
+    }
+
+    fn apply(s: &mut State, c: Command) {
+        let i = s.applied_index + 1;
+        s.apply(i, &c).unwrap();
+    }
+
+    fn silence(v: &[(&str, u64)]) -> BTreeMap<String, Duration> {
+        v.iter()
+            .map(|(id, secs)| (id.to_string(), Duration::from_secs(*secs)))
+            .collect()
+    }
+
+    fn agents_in(cmds: &[Command]) -> Vec<(&'static str, String)> {
+        cmds.iter()
+            .map(|c| match c {
+                Command::AgentUnreachable { agent_id, .. } => ("unreachable", agent_id.clone()),
+                Command::AgentLostAfterTimeout { agent_id, .. } => ("lost", agent_id.clone()),
+                Command::DrainDeadlinePassed { agent_id, .. } => ("deadline", agent_id.clone()),
+                other => panic!("{other:?}"),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn liveness_table() {
+        let mut s = state();
+        apply(
+            &mut s,
+            Command::AgentUnreachable {
+                agent_id: "b".into(),
+                at_ms: 1,
+            },
+        );
+        apply(
+            &mut s,
+            Command::AgentUnreachable {
+                agent_id: "c".into(),
+                at_ms: 1,
+            },
+        );
+        apply(
+            &mut s,
+            Command::AgentLostAfterTimeout {
+                agent_id: "c".into(),
+                at_ms: 2,
+            },
+        );
+        // a ACTIVE, b UNREACHABLE, c LOST.
+        type Case<'a> = (&'a [(&'a str, u64)], &'a [(&'a str, &'a str)]);
+        let cases: &[Case] = &[
+            (&[], &[]),
+            (&[("a", 10), ("b", 120), ("c", 9999)], &[]),
+            (&[("a", 11)], &[("unreachable", "a")]),
+            (&[("b", 11)], &[]),
+            (&[("b", 121)], &[("lost", "b")]),
+            (
+                &[("a", 500), ("b", 500), ("c", 500)],
+                &[("unreachable", "a"), ("lost", "b")],
+            ),
+        ];
+        for (quiet, want) in cases {
+            let got = liveness_commands(&s, &silence(quiet), 1_000, &T);
+            let want: Vec<(&str, String)> = want.iter().map(|(k, a)| (*k, a.to_string())).collect();
+            assert_eq!(agents_in(&got), want, "{quiet:?}");
+            for c in &got {
+                assert!(matches!(
+                    c,
+                    Command::AgentUnreachable { at_ms: 1_000, .. }
+                        | Command::AgentLostAfterTimeout { at_ms: 1_000, .. }
+                ));
+            }
+        }
+    }
+
+    #[test]
+    fn liveness_then_apply_holds_gpus_through_unreachable_and_lost() {
+        let mut s = state();
+        apply(
+            &mut s,
+            Command::SubmitJob {
+                spec: JobSpec::new(
+                    "j",
+                    vec!["true".into()],
+                    Resources {
+                        cpus: 1.0,
+                        mem_mib: 0,
+                        gpus: 1,
+                    },
+                ),
+                at_ms: 0,
+                request_id: None,
+            },
+        );
+        apply(
+            &mut s,
+            Command::LaunchTasks {
+                launches: vec![Launch {
+                    job_id: "job-1".into(),
+                    agent_id: "a".into(),
+                    gpu_uuids: vec!["GPU-a-0".into()],
+                }],
+                at_ms: 0,
+            },
+        );
+        // Over time, with no heartbeat from a.
+        for (secs, task_state) in [
+            (5, TaskState::Staging),
+            (11, TaskState::Unreachable),
+            (100, TaskState::Unreachable),
+            (121, TaskState::Lost),
+            (500, TaskState::Lost),
+        ] {
+            for c in liveness_commands(&s, &silence(&[("a", secs)]), secs * 1000, &T) {
+                let i = s.applied_index + 1;
+                assert_eq!(s.apply(i, &c), Ok(Outcome::Done));
+            }
+            assert_eq!(s.tasks["job-1.0"].state, task_state, "after {secs}s");
+            assert_eq!(
+                s.gpu_owner.get("GPU-a-0").map(String::as_str),
+                Some("job-1.0"),
+                "after {secs}s"
+            );
+        }
+    }
+
+    #[test]
+    fn a_passed_drain_deadline_is_proposed_once_while_tasks_remain() {
+        let mut s = state();
+        apply(
+            &mut s,
+            Command::SubmitJob {
+                spec: JobSpec::new("j", vec!["true".into()], Resources::default()),
+                at_ms: 0,
+                request_id: None,
+            },
+        );
+        apply(
+            &mut s,
+            Command::LaunchTasks {
+                launches: vec![Launch {
+                    job_id: "job-1".into(),
+                    agent_id: "a".into(),
+                    gpu_uuids: vec![],
+                }],
+                at_ms: 0,
+            },
+        );
+        apply(
+            &mut s,
+            Command::DrainAgent {
+                agent_id: "a".into(),
+                kill: false,
+                deadline_ms: Some(60_000),
+                at_ms: 0,
+            },
+        );
+        // Without a deadline, or with nothing to kill: nothing.
+        apply(
+            &mut s,
+            Command::DrainAgent {
+                agent_id: "b".into(),
+                kill: false,
+                deadline_ms: Some(1),
+                at_ms: 0,
+            },
+        );
+        let none = BTreeMap::new();
+        assert!(liveness_commands(&s, &none, 59_999, &T).is_empty());
+        let cmds = liveness_commands(&s, &none, 60_000, &T);
+        assert_eq!(agents_in(&cmds), vec![("deadline", "a".to_string())]);
+        for c in cmds {
+            apply(&mut s, c);
+        }
+        assert!(s.tasks["job-1.0"].kill_requested);
+        assert!(liveness_commands(&s, &none, 70_000, &T).is_empty());
     }
 }

@@ -19,7 +19,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use gpuctl_proto::types::{AgentId, GpuInfo, JobId, JobSpec, PlacementPolicy, Resources};
 
-use crate::state::{AgentRecord, AgentState, JobRecord, Launch, State, Stopping};
+use crate::state::{AgentRecord, JobRecord, Launch, State, Stopping};
 
 /// What the scheduler may use on one agent: resources and exact GPUs (the
 /// built-in scheduler's offers).
@@ -205,11 +205,9 @@ impl<'s> PoolNode<'s> {
     }
 }
 
+/// Agents that take new tasks: ACTIVE and not draining.
 fn active_agents(state: &State) -> impl Iterator<Item = &AgentRecord> {
-    state
-        .agents
-        .values()
-        .filter(|a| a.state == AgentState::Active)
+    state.agents.values().filter(|a| a.accepts_tasks())
 }
 
 /// Agents where tasks are being preempted for a queued job, with that job

@@ -77,6 +77,7 @@ pub fn plan(state: &State, cfg: &QueueConfig) -> QueuePlan {
         totals: &totals,
         preempted_for: &preempted_for,
         never_fits: Default::default(),
+        set_aside: set_aside(state),
     };
     let mut out = QueuePlan::default();
     for job in state.queued_jobs() {
@@ -120,6 +121,41 @@ struct PassCtx<'p, 's> {
     preempted_for: &'p HashMap<&'s str, usize>,
     /// `never_fits` by what a job asks.
     never_fits: std::cell::RefCell<HashMap<String, Option<String>>>,
+    /// Agents left out because they take no new tasks now (draining or
+    /// unreachable), for the reason of a job that fits nowhere else.
+    set_aside: String,
+}
+
+/// " (not counting agents draining: a1; unreachable: a2)", or "" when every
+/// agent that is not LOST takes new tasks.
+fn set_aside(state: &State) -> String {
+    use crate::state::AgentState;
+    let mut draining = Vec::new();
+    let mut unreachable = Vec::new();
+    for a in state.agents.values() {
+        match a.state {
+            AgentState::Unreachable => unreachable.push(a.info.id.as_str()),
+            AgentState::Active if a.drain.is_some() => draining.push(a.info.id.as_str()),
+            _ => {}
+        }
+    }
+    let mut parts = Vec::new();
+    for (what, ids) in [("draining", draining), ("unreachable", unreachable)] {
+        if !ids.is_empty() {
+            let more = if ids.len() > 3 {
+                format!(" and {} more", ids.len() - 3)
+            } else {
+                String::new()
+            };
+            let shown: Vec<&str> = ids.into_iter().take(3).collect();
+            parts.push(format!("{what}: {}{more}", shown.join(", ")));
+        }
+    }
+    if parts.is_empty() {
+        String::new()
+    } else {
+        format!(" (not counting agents {})", parts.join("; "))
+    }
 }
 
 fn pass_job<'s>(
@@ -156,7 +192,7 @@ fn pass_job<'s>(
         .or_insert_with(|| never_fits(ctx.totals, empty, &req, replicas))
         .clone();
     if let Some(why) = never {
-        return why;
+        return format!("{why}{}", ctx.set_aside);
     }
     let need = times(&spec.resources, replicas);
     if let Some(q) = cfg.jobs_quota {
@@ -259,12 +295,13 @@ fn quota_reason(q: &Resources, usage: &Resources, need: &Resources) -> String {
     format!("Quota: the jobs role's quota: {}", parts.join(", "))
 }
 
-/// Every active agent as if empty: what could ever run.
+/// Every agent that takes new tasks (active, not draining) as if empty:
+/// what could ever run.
 fn empty_views(state: &State) -> Vec<placement::NodeView<'_>> {
     state
         .agents
         .values()
-        .filter(|a| a.state == crate::state::AgentState::Active)
+        .filter(|a| a.accepts_tasks())
         .map(|a| placement::NodeView {
             id: a.info.id.as_str(),
             attributes: &a.info.attributes,
@@ -700,6 +737,7 @@ mod tests {
                     message: String::new(),
                     uuid: Vec::new(),
                     gpu_unhealthy: false,
+                    fenced: false,
                 },
                 at_ms: 0,
             });

@@ -5,7 +5,7 @@ use std::pin::Pin;
 
 use futures::Stream;
 use gpuctl_proto::pb;
-use gpuctl_proto::types::{AgentInfo, GpuReport, StatusUpdate, TaskSpec, TaskState};
+use gpuctl_proto::types::{AgentInfo, GpuReport, RuntimeStatus, StatusUpdate, TaskSpec, TaskState};
 use tokio::sync::mpsc;
 use tonic::{Request, Response, Status};
 
@@ -41,12 +41,22 @@ pub struct AgentManagerService {
     pub(super) ctx: Ctx,
 }
 
-fn agent_known(ctx: &Ctx, agent_id: &str) -> bool {
-    ctx.raft
-        .state()
-        .agents
-        .get(agent_id)
-        .is_some_and(|a| a.state == AgentState::Active)
+/// Whether the agent may heartbeat and watch its tasks: registered and
+/// ACTIVE. An agent the leader marked UNREACHABLE or LOST must register
+/// again, listing the tasks it runs: that is what brings them back.
+fn agent_known(ctx: &Ctx, agent_id: &str) -> Result<(), Status> {
+    match ctx.raft.state().agents.get(agent_id).map(|a| a.state) {
+        Some(AgentState::Active) => Ok(()),
+        Some(AgentState::Unreachable) => Err(Status::not_found(format!(
+            "agent {agent_id} was marked unreachable (no heartbeat in time); register again"
+        ))),
+        Some(AgentState::Lost) => Err(Status::not_found(format!(
+            "agent {agent_id} was marked lost; register again"
+        ))),
+        None => Err(Status::not_found(format!(
+            "agent {agent_id} is not registered; register again"
+        ))),
+    }
 }
 
 #[tonic::async_trait]
@@ -57,8 +67,17 @@ impl pb::agent_manager_server::AgentManager for AgentManagerService {
     ) -> Result<Response<pb::RegisterResponse>, Status> {
         let req = req.into_inner();
         let running = req.running_task_ids.clone();
+        let kill_grace_ms = req.kill_grace_ms;
         let info = AgentInfo::try_from(req)?;
         let agent_id = info.id.clone();
+        // An agent that could not stop its tasks before this master
+        // declares them LOST must not run any (see check_kill_grace).
+        if let Err(e) = self.ctx.config.check_kill_grace(kill_grace_ms) {
+            tracing::warn!(agent_id = %agent_id, kill_grace_ms, error = %e, "agent registration refused");
+            return Err(Status::failed_precondition(format!(
+                "agent {agent_id} refused: {e}"
+            )));
+        }
         tracing::info!(agent_id = %agent_id, hostname = %info.hostname, gpus = info.gpus.len(), "agent registering");
         // Counts as a heartbeat, so a slow commit cannot get it marked lost.
         self.ctx.liveness.touch(&agent_id);
@@ -71,8 +90,10 @@ impl pb::agent_manager_server::AgentManager for AgentManagerService {
             })
             .await?;
         self.ctx.liveness.touch(&agent_id);
+        self.ctx.hub.wake();
         Ok(Response::new(pb::RegisterResponse {
             heartbeat_interval_ms: self.ctx.config.heartbeat_interval.as_millis() as u32,
+            fence_timeout_ms: self.ctx.config.agent_fence_timeout.as_millis() as u64,
         }))
     }
 
@@ -82,17 +103,19 @@ impl pb::agent_manager_server::AgentManager for AgentManagerService {
     ) -> Result<Response<pb::HeartbeatResponse>, Status> {
         let req = req.into_inner();
         let id = req.agent_id;
-        if !agent_known(&self.ctx, &id) {
-            return Err(Status::not_found(format!(
-                "agent {id} is not registered (or was marked lost); register again"
-            )));
-        }
+        agent_known(&self.ctx, &id)?;
         self.ctx.liveness.touch(&id);
         let reports = req
             .gpus
             .into_iter()
             .map(GpuReport::try_from)
             .collect::<Result<Vec<_>, _>>()?;
+        let runtimes = req
+            .runtimes
+            .into_iter()
+            .map(RuntimeStatus::try_from)
+            .collect::<Result<Vec<_>, _>>()?;
+        self.ctx.liveness.record_runtimes(&id, runtimes);
         // Record what changed in the GPUs' health; the readings stay in
         // memory (they change every probe and matter only while fresh).
         let changes = health_changes(&self.ctx, &id, &reports);
@@ -125,11 +148,7 @@ impl pb::agent_manager_server::AgentManager for AgentManagerService {
         req: Request<pb::WatchTasksRequest>,
     ) -> Result<Response<Self::WatchTasksStream>, Status> {
         let agent_id = req.into_inner().agent_id;
-        if !agent_known(&self.ctx, &agent_id) {
-            return Err(Status::not_found(format!(
-                "agent {agent_id} is not registered; register again"
-            )));
-        }
+        agent_known(&self.ctx, &agent_id)?;
         let (tx, rx) = mpsc::channel(4);
         let raft = self.ctx.raft.clone();
         let mut applied = raft.applied();

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use futures::{Stream, StreamExt};
 use gpuctl_proto::pb;
-use gpuctl_proto::types::{GpuSample, JobSpec, JobState};
+use gpuctl_proto::types::{utc_timestamp, GpuSample, JobSpec, JobState, RuntimeStatus, TaskState};
 use tokio::sync::mpsc;
 use tonic::{Request, Response, Status};
 
@@ -29,15 +29,18 @@ pub fn task_to_pb(t: &TaskRecord) -> pb::Task {
         message: t.message.clone(),
         updated_at_ms: t.updated_at_ms,
         rank: t.rank,
-        reason: crate::leader::frameworks::reason_to_pb(t.reason) as i32,
+        reason: crate::leader::frameworks::wire_reason(t) as i32,
     }
 }
 
 /// A job as the API shows it; `reasons` says why queued jobs wait (see
-/// `scheduler::queue`), and is the message of a QUEUED job.
+/// `scheduler::queue`), and is the message of a QUEUED job. A job with
+/// tasks on an unreachable agent says so (it stays RUNNING meanwhile).
 pub fn job_to_pb(state: &State, j: &JobRecord, reasons: &BTreeMap<String, String>) -> pb::Job {
     let message = if j.state == JobState::Queued {
         reasons.get(&j.id).cloned().unwrap_or_default()
+    } else if let Some(why) = unreachable_note(state, j) {
+        why
     } else {
         j.message.clone()
     };
@@ -56,6 +59,33 @@ pub fn job_to_pb(state: &State, j: &JobRecord, reasons: &BTreeMap<String, String
         retries: j.retries,
         preemptions: j.preemptions,
     }
+}
+
+/// "task job-1.0: agent a1 unreachable since ..." for a live job whose
+/// current tasks include UNREACHABLE ones.
+fn unreachable_note(state: &State, j: &JobRecord) -> Option<String> {
+    if j.state.is_terminal() {
+        return None;
+    }
+    let notes: Vec<String> = j
+        .current_tasks()
+        .iter()
+        .filter_map(|t| state.tasks.get(t))
+        .filter(|t| t.state == TaskState::Unreachable)
+        .map(|t| {
+            let since = state
+                .agents
+                .get(&t.agent_id)
+                .and_then(|a| a.unreachable_since_ms)
+                .map(|ms| format!(" since {}", utc_timestamp(ms)))
+                .unwrap_or_default();
+            format!(
+                "task {} unreachable: agent {} unreachable{since} (its GPUs stay held)",
+                t.id, t.agent_id
+            )
+        })
+        .collect();
+    (!notes.is_empty()).then(|| notes.join("; "))
 }
 
 fn gpu_status(
@@ -84,7 +114,9 @@ fn gpu_status(
     }
 }
 
-pub fn agent_to_pb(a: &AgentRecord) -> pb::Agent {
+/// An agent as the API shows it, with the runtime statuses of its latest
+/// heartbeat (the leader's memory; empty elsewhere).
+pub fn agent_to_pb(a: &AgentRecord, runtimes: Vec<RuntimeStatus>) -> pb::Agent {
     pb::Agent {
         id: a.info.id.clone(),
         hostname: a.info.hostname.clone(),
@@ -92,6 +124,7 @@ pub fn agent_to_pb(a: &AgentRecord) -> pb::Agent {
         state: match a.state {
             AgentState::Active => pb::AgentState::AgentActive,
             AgentState::Lost => pb::AgentState::AgentLost,
+            AgentState::Unreachable => pb::AgentState::AgentUnreachable,
         } as i32,
         total: Some(a.info.total.into()),
         allocated: Some(a.allocated.into()),
@@ -107,6 +140,50 @@ pub fn agent_to_pb(a: &AgentRecord) -> pb::Agent {
         attributes: a.info.attributes.clone().into_iter().collect(),
         driver_version: a.info.driver_version.clone().unwrap_or_default(),
         cuda_driver_version: a.info.cuda_driver_version.clone().unwrap_or_default(),
+        draining: a.drain.is_some(),
+        drain_deadline_ms: a
+            .drain
+            .as_ref()
+            .and_then(|d| d.deadline_ms)
+            .unwrap_or_default(),
+        // A silent agent's last report is stale: show none.
+        runtime_status: if a.state == AgentState::Active {
+            runtimes.into_iter().map(Into::into).collect()
+        } else {
+            Vec::new()
+        },
+        unreachable_since_ms: a.unreachable_since_ms.unwrap_or_default(),
+    }
+}
+
+/// Longest drain deadline accepted: a year.
+const MAX_DRAIN_DEADLINE_SECS: f64 = 365.0 * 86400.0;
+
+/// `deadline_secs` of a drain, checked, as the deadline from `at_ms`.
+fn drain_deadline(at_ms: u64, secs: Option<f64>) -> Result<Option<u64>, Status> {
+    match secs {
+        None => Ok(None),
+        Some(s) if s.is_finite() && (0.0..=MAX_DRAIN_DEADLINE_SECS).contains(&s) => {
+            Ok(Some(at_ms.saturating_add((s * 1000.0) as u64)))
+        }
+        Some(s) => Err(Status::invalid_argument(format!(
+            "invalid deadline_secs: {s} is not a number of seconds between 0 and {MAX_DRAIN_DEADLINE_SECS}"
+        ))),
+    }
+}
+
+impl OperatorService {
+    /// The agent as the state has it now.
+    fn agent_reply(&self, agent_id: &str) -> Result<Response<pb::Agent>, Status> {
+        let state = self.ctx.raft.state();
+        let a = state
+            .agents
+            .get(agent_id)
+            .ok_or_else(|| Status::not_found(format!("agent {agent_id} not found")))?;
+        Ok(Response::new(agent_to_pb(
+            a,
+            self.ctx.liveness.runtime_status(agent_id),
+        )))
     }
 }
 
@@ -217,7 +294,11 @@ impl pb::operator_server::Operator for OperatorService {
     ) -> Result<Response<pb::ListAgentsResponse>, Status> {
         let state = self.ctx.raft.state();
         Ok(Response::new(pb::ListAgentsResponse {
-            agents: state.agents.values().map(agent_to_pb).collect(),
+            agents: state
+                .agents
+                .values()
+                .map(|a| agent_to_pb(a, self.ctx.liveness.runtime_status(&a.info.id)))
+                .collect(),
         }))
     }
 
@@ -264,6 +345,47 @@ impl pb::operator_server::Operator for OperatorService {
             })
             .map(Response::new)
             .ok_or_else(|| Status::not_found(format!("GPU {} not found", req.uuid)))
+    }
+
+    async fn drain_agent(
+        &self,
+        req: Request<pb::DrainAgentRequest>,
+    ) -> Result<Response<pb::Agent>, Status> {
+        let req = req.into_inner();
+        gpuctl_proto::convert::check_id("agent_id", &req.agent_id)?;
+        let at_ms = now_ms();
+        let deadline_ms = drain_deadline(at_ms, req.deadline_secs)?;
+        self.ctx
+            .raft
+            .propose(Command::DrainAgent {
+                agent_id: req.agent_id.clone(),
+                kill: req.kill,
+                deadline_ms,
+                at_ms,
+            })
+            .await?;
+        tracing::info!(agent_id = %req.agent_id, kill = req.kill, deadline_ms = ?deadline_ms, "agent draining");
+        // Its outstanding offers are rescinded by the next cycle.
+        self.ctx.hub.wake();
+        self.agent_reply(&req.agent_id)
+    }
+
+    async fn undrain_agent(
+        &self,
+        req: Request<pb::UndrainAgentRequest>,
+    ) -> Result<Response<pb::Agent>, Status> {
+        let req = req.into_inner();
+        gpuctl_proto::convert::check_id("agent_id", &req.agent_id)?;
+        self.ctx
+            .raft
+            .propose(Command::UndrainAgent {
+                agent_id: req.agent_id.clone(),
+                at_ms: now_ms(),
+            })
+            .await?;
+        tracing::info!(agent_id = %req.agent_id, "agent drain ended");
+        self.ctx.hub.wake();
+        self.agent_reply(&req.agent_id)
     }
 
     type JobLogsStream = LogStream;
@@ -373,5 +495,22 @@ impl pb::operator_server::Operator for OperatorService {
         super::masters::remove(&self.ctx, req.into_inner())
             .await
             .map(Response::new)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn drain_deadlines_are_checked_and_counted_from_the_proposal() {
+        assert_eq!(drain_deadline(1_000, None).unwrap(), None);
+        assert_eq!(drain_deadline(1_000, Some(0.0)).unwrap(), Some(1_000));
+        assert_eq!(drain_deadline(1_000, Some(2.5)).unwrap(), Some(3_500));
+        for bad in [-1.0, f64::NAN, f64::INFINITY, MAX_DRAIN_DEADLINE_SECS + 1.0] {
+            let e = drain_deadline(1_000, Some(bad)).unwrap_err();
+            assert_eq!(e.code(), tonic::Code::InvalidArgument);
+            assert!(e.message().contains("deadline_secs"), "{}", e.message());
+        }
     }
 }

@@ -4,11 +4,9 @@
 
 use std::collections::BTreeSet;
 
-use gpuctl_proto::types::{
-    AgentId, AgentInfo, JobState, Resources, Runtime, StatusUpdate, TaskId, TaskState,
-};
+use gpuctl_proto::types::{JobState, Resources, Runtime, StatusUpdate, TaskState};
 
-use super::{AgentRecord, AgentState, Command, JobRecord, State, TaskReason};
+use super::{AgentState, Command, JobRecord, State, TaskReason};
 
 /// What the launches checked so far in one command take.
 #[derive(Debug, Default)]
@@ -50,6 +48,12 @@ pub enum ApplyError {
     AgentNotFound(String),
     #[error("agent {0} is lost")]
     AgentLost(String),
+    #[error(
+        "agent {0} is unreachable (no heartbeat): it gets no new tasks until it registers again"
+    )]
+    AgentUnreachable(String),
+    #[error("agent {0} is draining: it gets no new tasks (gpuctl agents undrain {0})")]
+    AgentDraining(String),
     #[error("job {job_id} is {state}, not QUEUED")]
     JobNotQueued { job_id: String, state: JobState },
     #[error("GPU {gpu} is already held by task {task_id}")]
@@ -96,7 +100,23 @@ impl State {
                 running_task_ids,
                 at_ms,
             } => self.register_agent(info, running_task_ids, *at_ms),
-            Command::AgentLost { agent_id, at_ms } => self.agent_lost(agent_id, *at_ms),
+            Command::AgentLost { agent_id, at_ms } => self.agent_lost_legacy(agent_id, *at_ms),
+            Command::AgentUnreachable { agent_id, at_ms } => {
+                self.agent_unreachable(agent_id, *at_ms)
+            }
+            Command::AgentLostAfterTimeout { agent_id, at_ms } => {
+                self.agent_lost_after_timeout(agent_id, *at_ms)
+            }
+            Command::DrainAgent {
+                agent_id,
+                kill,
+                deadline_ms,
+                at_ms,
+            } => self.drain_agent(agent_id, *kill, *deadline_ms, *at_ms),
+            Command::UndrainAgent { agent_id, .. } => self.undrain_agent(agent_id),
+            Command::DrainDeadlinePassed { agent_id, at_ms } => {
+                self.drain_deadline_passed(agent_id, *at_ms)
+            }
             Command::SubmitJob {
                 spec,
                 at_ms,
@@ -231,86 +251,6 @@ impl State {
         Ok(Outcome::Done)
     }
 
-    fn register_agent(
-        &mut self,
-        info: &AgentInfo,
-        running: &[TaskId],
-        at_ms: u64,
-    ) -> Result<Outcome, ApplyError> {
-        // A GPU belongs to one agent: two agents claiming the same device
-        // would let two tasks use it.
-        for gpu in &info.gpus {
-            if let Some(other) = self.agents.values().find(|a| {
-                a.info.id != info.id
-                    && a.state == AgentState::Active
-                    && a.info.gpus.iter().any(|g| g.uuid == gpu.uuid)
-            }) {
-                return Err(ApplyError::GpuClaimed {
-                    gpu: gpu.uuid.clone(),
-                    agent_id: other.info.id.clone(),
-                });
-            }
-        }
-        let running: BTreeSet<&str> = running.iter().map(String::as_str).collect();
-        let forgotten: Vec<TaskId> = self
-            .tasks
-            .values()
-            // A STAGING task may simply not have reached the agent yet (it
-            // was placed while the agent was reconnecting): it stays, and
-            // reaches the agent through its desired set.
-            .filter(|t| {
-                t.agent_id == info.id
-                    && !t.state.is_terminal()
-                    && t.state != TaskState::Staging
-                    && !running.contains(t.id.as_str())
-            })
-            .map(|t| t.id.clone())
-            .collect();
-        let registered_at_ms = self
-            .agents
-            .get(&info.id)
-            .map(|a| a.registered_at_ms)
-            .unwrap_or(at_ms);
-        self.agents.insert(
-            info.id.clone(),
-            AgentRecord {
-                info: info.clone(),
-                state: AgentState::Active,
-                registered_at_ms,
-                allocated: Resources::default(),
-            },
-        );
-        for t in forgotten {
-            self.end_task(
-                &t,
-                TaskState::Lost,
-                None,
-                "agent re-registered without this task",
-                at_ms,
-            );
-        }
-        self.recompute_allocated(&info.id);
-        Ok(Outcome::Done)
-    }
-
-    fn agent_lost(&mut self, agent_id: &AgentId, at_ms: u64) -> Result<Outcome, ApplyError> {
-        let agent = self
-            .agents
-            .get_mut(agent_id)
-            .ok_or_else(|| ApplyError::AgentNotFound(agent_id.clone()))?;
-        agent.state = AgentState::Lost;
-        let tasks: Vec<TaskId> = self
-            .tasks
-            .values()
-            .filter(|t| &t.agent_id == agent_id && !t.state.is_terminal())
-            .map(|t| t.id.clone())
-            .collect();
-        for t in tasks {
-            self.end_task(&t, TaskState::Lost, None, "agent lost", at_ms);
-        }
-        Ok(Outcome::Done)
-    }
-
     /// Whether `resources` with exactly the GPUs `gpus` fit on the agent now,
     /// counting what earlier launches of the same command (`pending`) took.
     /// On success `pending` includes this launch.
@@ -326,8 +266,15 @@ impl State {
             .agents
             .get(agent_id)
             .ok_or_else(|| ApplyError::AgentNotFound(agent_id.to_string()))?;
-        if agent.state != AgentState::Active {
-            return Err(ApplyError::AgentLost(agent_id.to_string()));
+        match agent.state {
+            AgentState::Active => {}
+            AgentState::Unreachable => {
+                return Err(ApplyError::AgentUnreachable(agent_id.to_string()))
+            }
+            AgentState::Lost => return Err(ApplyError::AgentLost(agent_id.to_string())),
+        }
+        if agent.drain.is_some() {
+            return Err(ApplyError::AgentDraining(agent_id.to_string()));
         }
         if !agent.info.runtimes.contains(&runtime) {
             return Err(ApplyError::DoesNotFit(format!(
@@ -396,6 +343,13 @@ impl State {
             });
         }
         if task.state.is_terminal() {
+            // A final report of a task that ended without its agent's word
+            // (LOST by timeout): its processes are gone now, so its GPUs
+            // may be given again. The task itself stays as it ended.
+            if task.holding && u.state.is_terminal() {
+                self.release(&u.task_id);
+                return Ok(Outcome::Done);
+            }
             return Ok(Outcome::StaleUpdate);
         }
         // The agent resends an update until it is acknowledged: a repeat is
@@ -404,11 +358,16 @@ impl State {
             return Ok(Outcome::StaleUpdate);
         }
         if u.state.is_terminal() {
-            // Known before the job hears of the end: a GPU failure is not
-            // the job's fault (see job_task_ended).
-            if u.gpu_unhealthy {
+            // Known before the job hears of the end: a GPU failure or the
+            // agent's fence is not the command's own failure (see
+            // job_task_ended and failure_message).
+            if u.gpu_unhealthy || u.fenced {
                 if let Some(task) = self.tasks.get_mut(&u.task_id) {
-                    task.reason = TaskReason::GpuUnhealthy;
+                    task.reason = if u.gpu_unhealthy {
+                        TaskReason::GpuUnhealthy
+                    } else {
+                        TaskReason::Fenced
+                    };
                 }
             }
             self.end_task(&u.task_id, u.state, u.exit_code, &u.message, at_ms);
@@ -416,6 +375,7 @@ impl State {
                 task.last_update_uuid = u.uuid.clone();
                 task.reason = match (u.state, u.exit_code) {
                     _ if u.gpu_unhealthy => TaskReason::GpuUnhealthy,
+                    _ if u.fenced => TaskReason::Fenced,
                     (TaskState::Finished | TaskState::Failed, Some(_)) => TaskReason::CommandExited,
                     (TaskState::Failed | TaskState::Error, None) => {
                         TaskReason::ContainerLaunchFailed
@@ -434,6 +394,21 @@ impl State {
             TaskState::Starting => 1,
             _ => 2,
         };
+        if task.state == TaskState::Unreachable {
+            // News from an agent the leader had given up on (sent before
+            // its registration): remembered for when it registers again,
+            // which is what brings its tasks back.
+            let before = task.before_unreachable.unwrap_or(TaskState::Running);
+            if rank(u.state) <= rank(before) {
+                return Ok(Outcome::StaleUpdate);
+            }
+            if let Some(task) = self.tasks.get_mut(&u.task_id) {
+                task.before_unreachable = Some(u.state);
+                task.updated_at_ms = at_ms;
+                task.last_update_uuid = u.uuid.clone();
+            }
+            return Ok(Outcome::Done);
+        }
         if rank(u.state) <= rank(task.state) {
             return Ok(Outcome::StaleUpdate);
         }
@@ -452,7 +427,9 @@ impl State {
         Ok(Outcome::Done)
     }
 
-    /// Moves a task to a terminal state, frees what it held and updates its job.
+    /// Moves a task to a terminal state on its agent's word (the agent
+    /// reported it, or registered without it), frees what it held and
+    /// updates its job.
     pub(super) fn end_task(
         &mut self,
         task_id: &str,
@@ -461,9 +438,25 @@ impl State {
         message: &str,
         at_ms: u64,
     ) {
+        self.end_task_with(task_id, state, exit_code, message, at_ms, false);
+    }
+
+    /// Moves a task to a terminal state and updates its job. With `hold`
+    /// (the agent has not confirmed the end: LOST by timeout) its GPUs and
+    /// resources stay held until [`State::release`]; else they are freed.
+    pub(super) fn end_task_with(
+        &mut self,
+        task_id: &str,
+        state: TaskState,
+        exit_code: Option<i32>,
+        message: &str,
+        at_ms: u64,
+        hold: bool,
+    ) {
         let Some(task) = self.tasks.get_mut(task_id) else {
             return;
         };
+        task.before_unreachable = None;
         task.state = state;
         task.exit_code = exit_code;
         // A task the master asked to stop keeps the master's reason
@@ -478,9 +471,30 @@ impl State {
         if state == TaskState::Lost {
             task.reason = TaskReason::AgentLost;
         }
-        let (agent_id, job_id, gpus, resources) = (
+        let job_id = task.job_id.clone();
+        // Held (not yet released) until release() below or later.
+        task.holding = true;
+        if !hold {
+            self.release(task_id);
+        }
+        if !job_id.is_empty() {
+            self.job_task_ended(&job_id, task_id, at_ms);
+        }
+    }
+
+    /// Frees what an ended task held: its GPUs in `gpu_owner` and its
+    /// resources in its agent's `allocated`. Only for a task that ended
+    /// and still holds (`holding`); anything else is left alone.
+    pub(super) fn release(&mut self, task_id: &str) {
+        let Some(task) = self.tasks.get_mut(task_id) else {
+            return;
+        };
+        if !task.state.is_terminal() || !task.holding {
+            return;
+        }
+        task.holding = false;
+        let (agent_id, gpus, resources) = (
             task.agent_id.clone(),
-            task.job_id.clone(),
             task.gpu_uuids.clone(),
             task.resources,
         );
@@ -492,16 +506,13 @@ impl State {
         if let Some(agent) = self.agents.get_mut(&agent_id) {
             agent.allocated = agent.allocated.saturating_sub(&resources);
         }
-        if !job_id.is_empty() {
-            self.job_task_ended(&job_id, task_id, at_ms);
-        }
     }
 
-    fn recompute_allocated(&mut self, agent_id: &str) {
+    pub(super) fn recompute_allocated(&mut self, agent_id: &str) {
         let total = self
             .tasks
             .values()
-            .filter(|t| t.agent_id == agent_id && !t.state.is_terminal())
+            .filter(|t| t.agent_id == agent_id && t.holds_resources())
             .fold(Resources::default(), |acc, t| acc.add(&t.resources));
         if let Some(a) = self.agents.get_mut(agent_id) {
             a.allocated = total;
@@ -520,7 +531,7 @@ impl State {
 mod tests {
     use super::*;
     use crate::state::Launch;
-    use gpuctl_proto::types::{GpuInfo, JobSpec};
+    use gpuctl_proto::types::{AgentInfo, GpuInfo, JobSpec};
 
     fn agent(id: &str, gpus: u32) -> AgentInfo {
         AgentInfo {
@@ -647,6 +658,7 @@ mod tests {
                     message: String::new(),
                     uuid: Vec::new(),
                     gpu_unhealthy: false,
+                    fenced: false,
                 },
                 at_ms: 4,
             })
@@ -788,13 +800,19 @@ mod tests {
     }
 
     #[test]
-    fn lost_agent_loses_its_tasks_and_frees_gpus() {
+    fn lost_agent_loses_its_tasks_but_holds_gpus_until_it_registers_again() {
         let mut t = T::new();
         t.register("a1", 2);
         let j = t.submit(2);
         t.launch(&j, "a1", &["GPU-a1-0", "GPU-a1-1"]).unwrap();
         t.status("job-1.0", "a1", TaskState::Running, None);
-        t.apply(Command::AgentLost {
+        t.apply(Command::AgentUnreachable {
+            agent_id: "a1".into(),
+            at_ms: 8,
+        })
+        .unwrap();
+        assert_eq!(t.s.jobs[&j].state, JobState::Running);
+        t.apply(Command::AgentLostAfterTimeout {
             agent_id: "a1".into(),
             at_ms: 9,
         })
@@ -802,14 +820,17 @@ mod tests {
         assert_eq!(t.s.agents["a1"].state, AgentState::Lost);
         assert_eq!(t.s.tasks["job-1.0"].state, TaskState::Lost);
         assert_eq!(t.s.jobs[&j].state, JobState::Failed);
-        assert!(t.s.gpu_owner.is_empty());
+        // The agent has not said the task is gone: its GPUs stay held.
+        assert_eq!(t.s.gpu_owner.len(), 2);
         // A lost agent gets no launches until it registers again.
         let j2 = t.submit(1);
         assert!(matches!(
             t.launch(&j2, "a1", &["GPU-a1-0"]),
             Err(ApplyError::AgentLost(_))
         ));
+        // Back without the task: its word that the task is gone.
         t.register("a1", 2);
+        assert!(t.s.gpu_owner.is_empty());
         t.launch(&j2, "a1", &["GPU-a1-0"]).unwrap();
     }
 
@@ -914,6 +935,7 @@ mod tests {
                     message: String::new(),
                     uuid: Vec::new(),
                     gpu_unhealthy: false,
+                    fenced: false,
                 },
                 at_ms: 1
             }),
@@ -1023,9 +1045,23 @@ mod tests {
                 }],
                 at_ms: 3,
             },
-            Command::AgentLost {
+            Command::AgentUnreachable {
                 agent_id: "a1".into(),
                 at_ms: 4,
+            },
+            Command::DrainAgent {
+                agent_id: "a1".into(),
+                kill: false,
+                deadline_ms: Some(9),
+                at_ms: 5,
+            },
+            Command::AgentLostAfterTimeout {
+                agent_id: "a1".into(),
+                at_ms: 6,
+            },
+            Command::AgentLost {
+                agent_id: "a1".into(),
+                at_ms: 7,
             },
         ];
         let run = || {
@@ -1038,6 +1074,6 @@ mod tests {
             s
         };
         assert_eq!(run(), run());
-        assert_eq!(run().applied_index, 4);
+        assert_eq!(run().applied_index, 7);
     }
 }

@@ -22,14 +22,65 @@ pub enum Command {
         masters: BTreeMap<u64, String>,
     },
     /// An agent (re)registers. Tasks the master placed on it that it does
-    /// not list in `running_task_ids` are lost.
+    /// not list in `running_task_ids` are lost (the agent's word that they
+    /// are gone: their GPUs are released); UNREACHABLE tasks it lists go
+    /// back to the state they had; LOST tasks it still lists stay held and
+    /// go on its kill list.
     RegisterAgent {
         info: AgentInfo,
         running_task_ids: Vec<TaskId>,
         at_ms: u64,
     },
-    /// The leader has not heard from the agent for too long.
+    /// LEGACY, no longer proposed: written by masters before UNREACHABLE
+    /// existed, when an agent missed heartbeats for the agent timeout. It
+    /// is applied as it always was (the agent LOST, its tasks LOST and
+    /// their GPUs freed at once) so that old log entries replay to the same
+    /// state on every master. New masters propose `AgentUnreachable` and
+    /// `AgentLostAfterTimeout` instead.
     AgentLost {
+        agent_id: AgentId,
+        at_ms: u64,
+    },
+    /// The leader has not heard from an ACTIVE agent for the agent timeout
+    /// (`--agent-timeout-secs`): it becomes UNREACHABLE and so do its live
+    /// tasks, which keep their GPUs and resources (their jobs stay as they
+    /// are). Nothing new is placed on it. A no-op unless the agent is
+    /// ACTIVE (it may have registered again since the leader decided).
+    AgentUnreachable {
+        agent_id: AgentId,
+        at_ms: u64,
+    },
+    /// The leader has not heard from an UNREACHABLE agent for the lost
+    /// timeout (`--agent-lost-timeout-secs`): it becomes LOST and its tasks
+    /// LOST (their jobs follow their retry policy), except tasks of
+    /// `no_fence` jobs, which stay UNREACHABLE. A LOST task keeps holding
+    /// its GPUs until its agent confirms it is gone. A no-op unless the
+    /// agent is UNREACHABLE.
+    AgentLostAfterTimeout {
+        agent_id: AgentId,
+        at_ms: u64,
+    },
+    /// An operator drains an agent: no new tasks go to it. With `kill`
+    /// its live tasks are killed now; else they are killed at `deadline_ms`
+    /// (decided by the proposer: its clock plus `--deadline`) if they still
+    /// run, or never when `None`. Repeating it replaces the deadline.
+    DrainAgent {
+        agent_id: AgentId,
+        kill: bool,
+        #[serde(default)]
+        deadline_ms: Option<u64>,
+        at_ms: u64,
+    },
+    /// An operator ends a drain: the agent takes new tasks again. Tasks
+    /// already asked to stop stay so.
+    UndrainAgent {
+        agent_id: AgentId,
+        at_ms: u64,
+    },
+    /// The leader saw a drained agent's deadline pass: its live tasks are
+    /// killed. A no-op unless the agent is draining with a deadline at or
+    /// before `at_ms` (it may have been undrained since).
+    DrainDeadlinePassed {
         agent_id: AgentId,
         at_ms: u64,
     },
@@ -186,6 +237,11 @@ impl Command {
             Command::RecordMasters { .. } => "record_masters",
             Command::RegisterAgent { .. } => "register_agent",
             Command::AgentLost { .. } => "agent_lost",
+            Command::AgentUnreachable { .. } => "agent_unreachable",
+            Command::AgentLostAfterTimeout { .. } => "agent_lost_after_timeout",
+            Command::DrainAgent { .. } => "drain_agent",
+            Command::UndrainAgent { .. } => "undrain_agent",
+            Command::DrainDeadlinePassed { .. } => "drain_deadline_passed",
             Command::SubmitJob { .. } => "submit_job",
             Command::LaunchTasks { .. } => "launch_tasks",
             Command::UpdateTaskStatus { .. } => "update_task_status",

@@ -197,13 +197,19 @@ impl State {
                 last_update_uuid: Vec::new(),
                 acked_uuid: Vec::new(),
                 rank: 0,
+                before_unreachable: None,
+                holding: false,
             };
             match refusal {
                 Some(reason) => {
                     // Recorded in ERROR so the framework hears why; it holds
                     // nothing.
                     record.state = TaskState::Error;
-                    record.reason = if reason.contains("GPU") || reason.contains("free") {
+                    record.reason = if reason.contains("GPU")
+                        || reason.contains("free")
+                        || reason.contains("draining")
+                        || reason.contains("unreachable")
+                    {
                         TaskReason::ResourcesUnavailable
                     } else {
                         TaskReason::TaskInvalid
@@ -509,6 +515,7 @@ mod tests {
                 message: String::new(),
                 uuid: uuid.to_vec(),
                 gpu_unhealthy: false,
+                fenced: false,
             },
             at_ms: 9,
         };

@@ -4,8 +4,10 @@
 //!
 //! An attempt ends when its last task has ended. The first task that fails
 //! decides what follows ([`Stopping`]) and the rest of the gang is killed;
-//! a job goes back to QUEUED only once none of its tasks holds anything, so
-//! a new attempt never overlaps the old one.
+//! a job goes back to QUEUED only once all its tasks have ended, so a new
+//! attempt never overlaps the old one. (A task LOST by timeout has ended:
+//! its agent's fence stopped it before the lost timeout; its GPUs stay held
+//! until the agent confirms, so the new attempt runs on other GPUs.)
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -100,6 +102,8 @@ impl State {
                     last_update_uuid: Vec::new(),
                     acked_uuid: Vec::new(),
                     rank: *r,
+                    before_unreachable: None,
+                    holding: false,
                 },
             );
             *r += 1;
@@ -120,10 +124,14 @@ impl State {
         if !current.iter().any(|t| t == task_id) {
             return;
         }
+        // A task on an unreachable agent counts as what it was: the job
+        // does not move while its agent is away.
         let all_running = current.iter().all(|t| {
-            self.tasks
-                .get(t)
-                .is_some_and(|t| t.state == TaskState::Running)
+            self.tasks.get(t).is_some_and(|t| {
+                t.state == TaskState::Running
+                    || (t.state == TaskState::Unreachable
+                        && t.before_unreachable == Some(TaskState::Running))
+            })
         });
         if let Some(job) = self.jobs.get_mut(job_id) {
             job.state = if all_running {
@@ -226,6 +234,17 @@ impl State {
                     JobState::Failed,
                     format!("{message} (submitted with --no-requeue)"),
                 ),
+                Some(Stopping::Drained {
+                    agent_id,
+                    requeue: true,
+                }) => (JobState::Queued, format!("agent {agent_id} drained")),
+                Some(Stopping::Drained {
+                    agent_id,
+                    requeue: false,
+                }) => (
+                    JobState::Failed,
+                    format!("agent {agent_id} drained (submitted with --no-requeue)"),
+                ),
                 // Not reached: the first failure sets `stopping`.
                 None => (JobState::Failed, "attempt ended".to_string()),
             }
@@ -235,7 +254,13 @@ impl State {
     }
 
     /// Asks the agents to stop the given tasks that still run.
-    fn kill_live(&mut self, tasks: &[String], why: &str, reason: Option<TaskReason>, at_ms: u64) {
+    pub(super) fn kill_live(
+        &mut self,
+        tasks: &[String],
+        why: &str,
+        reason: Option<TaskReason>,
+        at_ms: u64,
+    ) {
         for id in tasks {
             if let Some(t) = self.tasks.get_mut(id) {
                 if t.state.is_terminal() || t.kill_requested {
@@ -358,6 +383,12 @@ fn failure_message(t: &TaskRecord) -> String {
     if t.reason == TaskReason::GpuUnhealthy {
         return format!("{who} failed: {}", t.message);
     }
+    if t.reason == TaskReason::Fenced {
+        return format!(
+            "{who} was stopped by its agent's fence (no leader for too long): {}",
+            t.message
+        );
+    }
     match (t.state, t.exit_code) {
         (TaskState::Finished | TaskState::Failed, Some(c)) => format!("{who} exited with code {c}"),
         (TaskState::Killed, _) => format!("{who} was killed"),
@@ -428,6 +459,7 @@ mod tests {
                     message: String::new(),
                     uuid: Vec::new(),
                     gpu_unhealthy: false,
+                    fenced: false,
                 },
                 at_ms: self.i,
             })
@@ -445,6 +477,7 @@ mod tests {
                     message: format!("GPU {gpu} unhealthy: XID 79 (GPU has fallen off the bus)"),
                     uuid: Vec::new(),
                     gpu_unhealthy: true,
+                    fenced: false,
                 },
                 at_ms: self.i,
             })

@@ -2,6 +2,7 @@
 //! `State::apply` is called with each committed log entry, in order, on every
 //! master; given the same entries it yields the same state.
 
+mod agents;
 mod apply;
 pub mod command;
 pub mod frameworks;
@@ -20,10 +21,21 @@ use serde::{Deserialize, Serialize};
 pub use apply::{ApplyError, Outcome};
 pub use command::{Command, FrameworkTask, GpuHealthChange, Launch};
 
+/// An agent's liveness, as the leader's clocks decided it (through
+/// commands: `AgentUnreachable`, `AgentLostAfterTimeout`).
+///
+/// ```text
+/// ACTIVE --(no heartbeat for --agent-timeout-secs)--> UNREACHABLE
+/// UNREACHABLE --(no heartbeat for --agent-lost-timeout-secs)--> LOST
+/// UNREACHABLE or LOST --(registers again)--> ACTIVE
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum AgentState {
     Active,
     Lost,
+    /// Silent for the agent timeout: its tasks are UNREACHABLE and keep
+    /// their GPUs; nothing new goes to it.
+    Unreachable,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -31,13 +43,37 @@ pub struct AgentRecord {
     pub info: AgentInfo,
     pub state: AgentState,
     pub registered_at_ms: u64,
-    /// Sum of the resources of this agent's non-terminal tasks.
+    /// Sum of the resources its tasks hold: live tasks, and ended tasks
+    /// whose end the agent has not confirmed yet ([`TaskRecord::holding`]).
     pub allocated: Resources,
+    /// When it became UNREACHABLE (kept while LOST); `None` while ACTIVE.
+    #[serde(default)]
+    pub unreachable_since_ms: Option<u64>,
+    /// Set by `gpuctl agents drain`: it takes no new tasks. Survives the
+    /// agent registering again and leader changes (it is replicated).
+    #[serde(default)]
+    pub drain: Option<Drain>,
+}
+
+/// An agent being drained.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Drain {
+    /// When the drain was asked for.
+    pub since_ms: u64,
+    /// When its remaining tasks are killed (the proposer's clock plus
+    /// `--deadline`); `None`: they run until they end.
+    pub deadline_ms: Option<u64>,
 }
 
 impl AgentRecord {
     pub fn free(&self) -> Resources {
         self.info.total.saturating_sub(&self.allocated)
+    }
+
+    /// Whether new tasks may be placed, launched or offered on it: ACTIVE
+    /// and not draining.
+    pub fn accepts_tasks(&self) -> bool {
+        self.state == AgentState::Active && self.drain.is_none()
     }
 }
 
@@ -79,6 +115,10 @@ pub enum Stopping {
     /// A GPU of one of its tasks failed: not the job's fault, so it is
     /// queued again without using up a retry, unless `--no-requeue`.
     GpuFailed { message: String, requeue: bool },
+    /// One of its tasks' agents is drained (`--kill`, or the drain's
+    /// deadline passed): like a preemption, queued again without using up
+    /// a retry, unless `--no-requeue`.
+    Drained { agent_id: AgentId, requeue: bool },
 }
 
 impl JobRecord {
@@ -129,6 +169,26 @@ pub struct TaskRecord {
     /// Its rank in its job's gang (0 for a single task).
     #[serde(default)]
     pub rank: u32,
+    /// While UNREACHABLE: the state it had before (STAGING, STARTING or
+    /// RUNNING), to go back to when its agent returns listing it. Agent
+    /// updates received meanwhile move it forward.
+    #[serde(default)]
+    pub before_unreachable: Option<TaskState>,
+    /// Ended (LOST by timeout) without its agent's word that its processes
+    /// are gone: its GPUs stay in `gpu_owner` and its resources in its
+    /// agent's `allocated`, so nothing else gets them, until its agent
+    /// confirms (registers again without it, or sends a final status
+    /// update for it). Always false for a live task.
+    #[serde(default)]
+    pub holding: bool,
+}
+
+impl TaskRecord {
+    /// Whether it holds its GPUs and resources: it is live, or it ended
+    /// without its agent's confirmation.
+    pub fn holds_resources(&self) -> bool {
+        !self.state.is_terminal() || self.holding
+    }
 }
 
 /// What a framework's task runs.
@@ -154,6 +214,11 @@ pub enum TaskReason {
     Preempted,
     /// One of its GPUs failed a health check.
     GpuUnhealthy,
+    /// Killed by its own agent, which heard from no leader for its fence
+    /// timeout. For its job it counts like LOST (the retry policy).
+    Fenced,
+    /// Killed because its agent is drained (`--kill` or the deadline).
+    AgentDrained,
 }
 
 /// A framework as the replicated state knows it. Whether it is connected is
@@ -234,7 +299,9 @@ impl State {
     }
 
     /// The tasks an agent should be running now (placed on it, not ended,
-    /// not asked to stop) and those it must stop. The agent also kills
+    /// not asked to stop) and those it must stop: asked to stop, or LOST
+    /// while still holding their GPUs (the agent came back still running
+    /// them; its final report releases the GPUs). The agent also kills
     /// whatever it runs that is in neither list.
     pub fn desired_tasks(&self, agent_id: &str) -> (Vec<TaskSpec>, Vec<TaskId>) {
         let mut run = Vec::new();
@@ -242,9 +309,9 @@ impl State {
         for t in self
             .tasks
             .values()
-            .filter(|t| t.agent_id == agent_id && !t.state.is_terminal())
+            .filter(|t| t.agent_id == agent_id && t.holds_resources())
         {
-            if t.kill_requested {
+            if t.kill_requested || t.state.is_terminal() {
                 kill.push(t.id.clone());
                 continue;
             }
@@ -266,10 +333,16 @@ impl State {
                 env,
                 resources: t.resources,
                 gpu_uuids: t.gpu_uuids.clone(),
-                no_fence: false,
+                no_fence: self.no_fence(t),
             });
         }
         (run, kill)
+    }
+
+    /// Whether the task opted out of fencing (its job's `no_fence`;
+    /// frameworks' tasks are always fenced).
+    pub fn no_fence(&self, t: &TaskRecord) -> bool {
+        !t.job_id.is_empty() && self.jobs.get(&t.job_id).is_some_and(|j| j.spec.no_fence)
     }
 
     /// A job task's environment: the job's, and where it stands in its

@@ -1,0 +1,305 @@
+//! The agent-facing and operator services of one in-process master, over
+//! gRPC on 127.0.0.1: the registration's fence contract (fence timeout
+//! sent, kill grace checked), runtime health in heartbeats, the
+//! UNREACHABLE agent sent back to registration, and drains.
+#![allow(clippy::unwrap_used)]
+
+use std::time::Duration;
+
+use gpuctl_master::MasterConfig;
+use gpuctl_proto::pb;
+use gpuctl_proto::pb::agent_manager_client::AgentManagerClient;
+use gpuctl_proto::pb::operator_client::OperatorClient;
+use tonic::transport::Channel;
+
+struct Master {
+    addr: String,
+    _dir: tempfile::TempDir,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Master {
+    async fn start(tune: impl FnOnce(&mut MasterConfig)) -> Master {
+        let dir = tempfile::tempdir().unwrap();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut config = MasterConfig::new(addr, dir.path().join("data"));
+        config.heartbeat_interval = Duration::from_millis(100);
+        config.election_timeout = Duration::from_millis(200);
+        tune(&mut config);
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(async move {
+            gpuctl_master::serve(config, listener, async {
+                let _ = rx.await;
+            })
+            .await
+            .unwrap();
+        });
+        let m = Master {
+            addr: addr.to_string(),
+            _dir: dir,
+            stop: Some(tx),
+            task,
+        };
+        // Serving once it answers a read.
+        for _ in 0..200 {
+            if let Ok(mut op) = m.operator().await {
+                if op.list_agents(pb::ListAgentsRequest {}).await.is_ok() {
+                    return m;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("master at {} never served", m.addr);
+    }
+
+    async fn channel(&self) -> Result<Channel, tonic::transport::Error> {
+        Channel::from_shared(format!("http://{}", self.addr))
+            .unwrap()
+            .connect()
+            .await
+    }
+
+    async fn agents(&self) -> AgentManagerClient<Channel> {
+        AgentManagerClient::new(self.channel().await.unwrap())
+    }
+
+    async fn operator(&self) -> Result<OperatorClient<Channel>, tonic::transport::Error> {
+        Ok(OperatorClient::new(self.channel().await?))
+    }
+
+    async fn agent(&self, id: &str) -> pb::Agent {
+        let mut op = self.operator().await.unwrap();
+        op.list_agents(pb::ListAgentsRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .agents
+            .into_iter()
+            .find(|a| a.id == id)
+            .unwrap()
+    }
+
+    async fn stop(mut self) {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+        let _ = tokio::time::timeout(Duration::from_secs(10), self.task).await;
+    }
+}
+
+fn register(id: &str, kill_grace_ms: u32) -> pb::RegisterRequest {
+    pb::RegisterRequest {
+        agent_id: id.into(),
+        hostname: format!("{id}.host"),
+        address: "127.0.0.1:9".into(),
+        total: Some(pb::Resources {
+            cpus: 4.0,
+            mem_mib: 4096,
+            gpus: 0,
+        }),
+        runtimes: vec![pb::Runtime::Docker as i32, pb::Runtime::Process as i32],
+        kill_grace_ms,
+        ..Default::default()
+    }
+}
+
+#[tokio::test]
+async fn registration_sends_the_fence_timeout_and_refuses_a_kill_grace_that_does_not_fit() {
+    let m = Master::start(|_| {}).await;
+    let mut agents = m.agents().await;
+    // An older agent (no kill grace): 75 + 10 + 5 < 120.
+    let r = agents
+        .register(register("old", 0))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(r.fence_timeout_ms, 75_000);
+    assert_eq!(r.heartbeat_interval_ms, 100);
+    agents.register(register("quick", 39_000)).await.unwrap();
+    // 75 + 40 + 5 = 120: refused, naming the numbers.
+    let err = agents.register(register("slow", 40_000)).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::FailedPrecondition);
+    for needle in ["slow", "75", "40", "120", "agent_lost_timeout_secs"] {
+        assert!(
+            err.message().contains(needle),
+            "{needle}: {}",
+            err.message()
+        );
+    }
+    let mut op = m.operator().await.unwrap();
+    let listed = op
+        .list_agents(pb::ListAgentsRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .agents;
+    assert!(listed.iter().all(|a| a.id != "slow"));
+    m.stop().await;
+}
+
+#[tokio::test]
+async fn heartbeats_carry_runtime_health_and_an_unreachable_agent_must_register_again() {
+    let m = Master::start(|c| {
+        c.agent_timeout = Duration::from_millis(600);
+        c.agent_fence_timeout = Duration::from_secs(5);
+        c.agent_lost_timeout = Duration::from_secs(60);
+    })
+    .await;
+    let mut agents = m.agents().await;
+    agents.register(register("a1", 1_000)).await.unwrap();
+    agents
+        .heartbeat(pb::HeartbeatRequest {
+            agent_id: "a1".into(),
+            gpus: vec![],
+            runtimes: vec![
+                pb::RuntimeStatus {
+                    runtime: pb::Runtime::Docker as i32,
+                    available: false,
+                    message: "Cannot connect to the Docker daemon".into(),
+                },
+                pb::RuntimeStatus {
+                    runtime: pb::Runtime::Process as i32,
+                    available: true,
+                    message: String::new(),
+                },
+            ],
+        })
+        .await
+        .unwrap();
+    let a = m.agent("a1").await;
+    assert_eq!(a.state, pb::AgentState::AgentActive as i32);
+    assert_eq!(a.runtime_status.len(), 2);
+    assert!(!a.runtime_status[0].available);
+    assert_eq!(
+        a.runtime_status[0].message,
+        "Cannot connect to the Docker daemon"
+    );
+    // A bad runtime in a heartbeat is refused naming the field.
+    let err = agents
+        .heartbeat(pb::HeartbeatRequest {
+            agent_id: "a1".into(),
+            gpus: vec![],
+            runtimes: vec![pb::RuntimeStatus {
+                runtime: 42,
+                available: true,
+                message: String::new(),
+            }],
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument);
+    assert!(
+        err.message().contains("runtimes.runtime"),
+        "{}",
+        err.message()
+    );
+    // Silent past the agent timeout: UNREACHABLE, and its heartbeat is
+    // sent back to registration.
+    let mut unreachable = None;
+    for _ in 0..100 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let a = m.agent("a1").await;
+        if a.state == pb::AgentState::AgentUnreachable as i32 {
+            unreachable = Some(a);
+            break;
+        }
+    }
+    let a = unreachable.expect("agent a1 never became UNREACHABLE");
+    assert_ne!(a.unreachable_since_ms, 0);
+    assert!(
+        a.runtime_status.is_empty(),
+        "a silent agent's report is stale"
+    );
+    let err = agents
+        .heartbeat(pb::HeartbeatRequest {
+            agent_id: "a1".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::NotFound);
+    assert!(err.message().contains("unreachable"), "{}", err.message());
+    agents.register(register("a1", 1_000)).await.unwrap();
+    let a = m.agent("a1").await;
+    assert_eq!(a.state, pb::AgentState::AgentActive as i32);
+    assert_eq!(a.unreachable_since_ms, 0);
+    m.stop().await;
+}
+
+#[tokio::test]
+async fn drain_and_undrain_through_the_operator_api() {
+    let m = Master::start(|_| {}).await;
+    let mut agents = m.agents().await;
+    agents.register(register("a1", 0)).await.unwrap();
+    let mut op = m.operator().await.unwrap();
+    let before = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    let a = op
+        .drain_agent(pb::DrainAgentRequest {
+            agent_id: "a1".into(),
+            kill: false,
+            deadline_secs: Some(30.0),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(a.draining);
+    assert!(
+        a.drain_deadline_ms >= before + 30_000,
+        "{}",
+        a.drain_deadline_ms
+    );
+    assert!(m.agent("a1").await.draining);
+    // It survives the agent registering again.
+    agents.register(register("a1", 0)).await.unwrap();
+    assert!(m.agent("a1").await.draining);
+    let err = op
+        .drain_agent(pb::DrainAgentRequest {
+            agent_id: "a1".into(),
+            kill: false,
+            deadline_secs: Some(-1.0),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument);
+    assert!(err.message().contains("deadline_secs"), "{}", err.message());
+    let err = op
+        .drain_agent(pb::DrainAgentRequest {
+            agent_id: "nope".into(),
+            kill: true,
+            deadline_secs: None,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::NotFound);
+    let a = op
+        .undrain_agent(pb::UndrainAgentRequest {
+            agent_id: "a1".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!a.draining);
+    assert_eq!(a.drain_deadline_ms, 0);
+    m.stop().await;
+}
+
+#[tokio::test]
+async fn a_master_refuses_to_start_with_misordered_timeouts() {
+    let dir = tempfile::tempdir().unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let mut config = MasterConfig::new(listener.local_addr().unwrap(), dir.path().join("d"));
+    config.agent_lost_timeout = config.agent_fence_timeout;
+    let err = gpuctl_master::serve(config, listener, async {})
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("agent_lost_timeout_secs") && err.contains("agent_fence_timeout_secs"),
+        "{err}"
+    );
+}
