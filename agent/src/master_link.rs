@@ -298,6 +298,7 @@ async fn session(
     let mut watch = match client
         .watch_tasks(pb::WatchTasksRequest {
             agent_id: info.id.clone(),
+            incremental: false,
         })
         .await
     {

@@ -7,6 +7,7 @@ mod masters;
 mod operator;
 mod raft;
 mod scheduler;
+mod task_stream;
 
 use std::sync::Arc;
 
