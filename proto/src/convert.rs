@@ -79,8 +79,13 @@ pub const MAX_ATTR_LEN: usize = 256;
 pub const MAX_ATTR_VALUE_LEN: usize = 1024;
 /// Attributes of one agent.
 pub const MAX_AGENT_ATTRIBUTES: usize = 256;
-/// GPUs of one agent (and NVLink/PCIe peers of one GPU).
-pub const MAX_AGENT_GPUS: usize = 128;
+/// GPUs of one agent (as many as `--simulate-gpus` allows); each GPU lists
+/// each other GPU at most once as a peer.
+pub const MAX_AGENT_GPUS: usize = 64;
+/// A GPU's UUID, bytes (NVML's are 40).
+pub const MAX_GPU_UUID_LEN: usize = 128;
+/// A peer's PCIe path (`PIX`, `PXB`, `PHB`, `NODE`, `SYS`), bytes.
+pub const MAX_PCIE_LEN: usize = 16;
 /// Runtimes an agent lists.
 pub const MAX_AGENT_RUNTIMES: usize = 16;
 /// Task ids an agent reports running when it registers.
@@ -545,7 +550,7 @@ pub fn gpu_from_pb(field: &str, g: pb::Gpu) -> Result<GpuInfo> {
             "must not be empty",
         ));
     }
-    check_printable(&format!("{field}.uuid"), &g.uuid, false)?;
+    check_text(&format!("{field}.uuid"), &g.uuid, MAX_GPU_UUID_LEN, false)?;
     check_printable(&format!("{field}.model"), &g.model, true)?;
     check_printable(&format!("{field}.pci_bus_id"), &g.pci_bus_id, true)?;
     check_printable(&format!("{field}.serial"), &g.serial, true)?;
@@ -576,15 +581,28 @@ pub fn gpu_from_pb(field: &str, g: pb::Gpu) -> Result<GpuInfo> {
         ));
     }
     let mut peers = Vec::with_capacity(g.peers.len());
+    let mut seen = std::collections::BTreeSet::new();
     for (i, p) in g.peers.into_iter().enumerate() {
+        let uuid_field = format!("{field}.peers[{i}].uuid");
         if p.uuid.is_empty() {
+            return Err(ConvertError::new(uuid_field, "must not be empty"));
+        }
+        check_text(&uuid_field, &p.uuid, MAX_GPU_UUID_LEN, false)?;
+        if p.uuid == g.uuid {
+            return Err(ConvertError::new(uuid_field, "a GPU is not its own peer"));
+        }
+        if !seen.insert(p.uuid.clone()) {
             return Err(ConvertError::new(
-                format!("{field}.peers[{i}].uuid"),
-                "must not be empty",
+                uuid_field,
+                format!("{} listed twice", p.uuid),
             ));
         }
-        check_printable(&format!("{field}.peers[{i}].uuid"), &p.uuid, false)?;
-        check_printable(&format!("{field}.peers[{i}].pcie"), &p.pcie, false)?;
+        check_text(
+            &format!("{field}.peers[{i}].pcie"),
+            &p.pcie,
+            MAX_PCIE_LEN,
+            false,
+        )?;
         peers.push(GpuPeer {
             uuid: p.uuid,
             nvlinks: p.nvlinks,
@@ -1508,13 +1526,63 @@ mod tests {
         let peer = |u: &str| pb::GpuPeer {
             uuid: u.into(),
             nvlinks: 1,
-            pcie: String::new(),
+            pcie: "SYS".into(),
+        };
+        // The most GPUs, each the peer of every other.
+        let mesh = |r: &mut pb::RegisterRequest| {
+            n(r, MAX_AGENT_GPUS);
+            for i in 0..MAX_AGENT_GPUS {
+                r.gpus[i].peers = (0..MAX_AGENT_GPUS)
+                    .filter(|j| *j != i)
+                    .map(|j| peer(&format!("GPU-{j}")))
+                    .collect();
+            }
         };
         boundary(
             &base,
-            |r| r.gpus[0].peers = vec![peer("GPU-0"); MAX_AGENT_GPUS],
-            |r| r.gpus[0].peers = vec![peer("GPU-0"); MAX_AGENT_GPUS + 1],
+            mesh,
+            |r| {
+                mesh(r);
+                r.gpus[0].peers = vec![peer("GPU-1"); MAX_AGENT_GPUS + 1];
+            },
             "gpus[0].peers",
+            register,
+        );
+        boundary(
+            &base,
+            mesh,
+            |r| {
+                mesh(r);
+                r.gpus[3].peers[5] = peer("GPU-1");
+            },
+            "gpus[3].peers[5].uuid",
+            register,
+        );
+        boundary(
+            &base,
+            mesh,
+            |r| {
+                mesh(r);
+                r.gpus[2].peers[0] = peer("GPU-2");
+            },
+            "gpus[2].peers[0].uuid",
+            register,
+        );
+        boundary(
+            &base,
+            mesh,
+            |r| {
+                mesh(r);
+                r.gpus[2].peers[0].pcie = "P".repeat(MAX_PCIE_LEN + 1);
+            },
+            "gpus[2].peers[0].pcie",
+            register,
+        );
+        boundary(
+            &base,
+            |r| r.gpus[0].uuid = "G".repeat(MAX_GPU_UUID_LEN),
+            |r| r.gpus[0].uuid = "G".repeat(MAX_GPU_UUID_LEN + 1),
+            "gpus[0].uuid",
             register,
         );
         boundary(
