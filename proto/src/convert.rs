@@ -847,6 +847,20 @@ impl From<JobState> for pb::JobState {
     }
 }
 
+/// A job state from the wire; unknown values (and UNSPECIFIED) are refused.
+pub fn job_state_from_pb(field: &str, v: i32) -> Result<JobState> {
+    use pb::JobState as P;
+    Ok(match P::try_from(v) {
+        Ok(P::JobQueued) => JobState::Queued,
+        Ok(P::JobStarting) => JobState::Starting,
+        Ok(P::JobRunning) => JobState::Running,
+        Ok(P::JobSucceeded) => JobState::Succeeded,
+        Ok(P::JobFailed) => JobState::Failed,
+        Ok(P::JobCancelled) => JobState::Cancelled,
+        _ => return Err(ConvertError::new(field, format!("unknown job state {v}"))),
+    })
+}
+
 /// Job state as the user-facing upper-case word (`QUEUED`, ...), from the wire value.
 pub fn job_state_name(v: i32) -> &'static str {
     use pb::JobState as P;

@@ -3,6 +3,7 @@
 
 mod agent;
 pub mod gate;
+mod jobs_page;
 mod masters;
 mod operator;
 mod raft;
