@@ -20,13 +20,14 @@ use futures::StreamExt;
 use gpuctl_proto::leader::{leader_hint, retry_elsewhere};
 use gpuctl_proto::pb;
 use gpuctl_proto::pb::agent_manager_client::AgentManagerClient;
-use gpuctl_proto::types::{AgentInfo, GpuInfo, StatusUpdate, TaskSpec};
+use gpuctl_proto::types::{AgentInfo, GpuInfo, StatusUpdate};
 use tokio::sync::{mpsc, watch};
 use tonic::transport::{Channel, Endpoint};
 use tonic::Status;
 
 use crate::executor::{Desired, Executor};
 use crate::gpu::health::Snapshot;
+use gpuctl_proto::desired::DesiredSet;
 
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(5);
@@ -309,6 +310,9 @@ async fn session(
     let mut watch = match client
         .watch_tasks(pb::WatchTasksRequest {
             agent_id: info.id.clone(),
+            // A snapshot in bounded messages, then only differences: no
+            // desired set, however large, outgrows the message limit.
+            incremental: true,
         })
         .await
     {
@@ -318,25 +322,23 @@ async fn session(
     let mut heartbeat = tokio::time::interval(interval);
     heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut health_open = true;
+    let mut desired = DesiredSet::new();
     loop {
         tokio::select! {
             msg = watch.next() => match msg {
-                Some(Ok(desired)) => {
-                    let mut tasks = Vec::with_capacity(desired.tasks.len());
-                    for t in desired.tasks {
-                        match TaskSpec::try_from(t) {
-                            Ok(t) => tasks.push(t),
-                            // Skipping a bad spec would make the executor
-                            // kill the task if it were running; better to
-                            // fail loudly and retry the whole session.
-                            Err(e) => return SessionError::other(&addr, format!("master sent an invalid task: {e}"), true),
-                        }
-                    }
-                    executor.set_desired(Desired {
-                        run: tasks.into_iter().map(|t| (t.task_id.clone(), t)).collect(),
-                        kill: desired.kill.into_iter().collect(),
-                    });
-                }
+                Some(Ok(msg)) => match desired.apply_owned(msg) {
+                    // Acted on only once complete: a half-received snapshot
+                    // must not make the executor stop what it does not list.
+                    Ok(true) => executor.set_desired(Desired {
+                        run: desired.run().clone(),
+                        kill: desired.kill().clone(),
+                    }),
+                    Ok(false) => {}
+                    // Skipping a bad spec would make the executor kill the
+                    // task if it were running; better to fail loudly and
+                    // start the session (and the snapshot) again.
+                    Err(e) => return SessionError::other(&addr, format!("master sent an invalid task: {e}"), true),
+                },
                 Some(Err(s)) => return SessionError::rpc(&addr, "watch tasks", s, true),
                 // A leader that steps down ends its streams.
                 None => return SessionError::other(&addr, "watch tasks: stream ended".into(), true),

@@ -1,6 +1,8 @@
 //! Wire <-> domain conversions. Every check of input that arrives over the
 //! wire lives here, and every failure names the field it is about.
 
+use std::collections::BTreeMap;
+
 use crate::pb;
 use crate::types::*;
 
@@ -29,11 +31,100 @@ impl From<ConvertError> for tonic::Status {
 
 type Result<T> = std::result::Result<T, ConvertError>;
 
+// ------------------------------------------------------------------ limits
+//
+// Every bound on the size of what a client or an agent sends, in one place
+// (documented in docs/cli.md and docs/framework-api.md). A job and a
+// framework's task are checked against the same limits when they enter the
+// cluster (SubmitJob, Accept). They are far above what a real training job
+// needs, and they keep one task's spec, as the master streams it to its
+// agent, well under 1 MiB: at most about 600 KiB, of which the env is
+// 256 KiB plus its 1024 names, the command 64 KiB, and GPUCTL_PEERS of a
+// 4096-task gang (hostnames of at most 64 bytes) 260 KiB. They also stay
+// within what Linux can exec: one env string under MAX_ARG_STRLEN (128 KiB),
+// command and env together far under ARG_MAX (2 MiB by default).
+
+/// Ids and job names: 1 to 128 characters.
 pub const MAX_NAME_LEN: usize = 128;
-pub const MAX_ARGS: usize = 4096;
-pub const MAX_ENV: usize = 1024;
+/// A container image reference (`registry/name:tag@sha256:...`), bytes.
+pub const MAX_IMAGE_LEN: usize = 512;
+/// Arguments of a command (argv), the program included.
+pub const MAX_COMMAND_ARGS: usize = 1024;
+/// Bytes of all arguments of a command together.
+pub const MAX_COMMAND_BYTES: usize = 64 * 1024;
+/// Variables of a job's (or a framework task's) environment.
+pub const MAX_ENV_VARS: usize = 1024;
+/// Bytes of one environment variable's name.
+pub const MAX_ENV_KEY_BYTES: usize = 256;
+/// Bytes of one environment variable's value.
+pub const MAX_ENV_VALUE_BYTES: usize = 32 * 1024;
+/// Bytes of all names and values of an environment together.
+pub const MAX_ENV_TOTAL_BYTES: usize = 256 * 1024;
+/// CPUs of a task (or an agent).
 pub const MAX_CPUS: f64 = 4096.0;
+/// Memory of a task (or an agent), in MiB: 2^40 MiB is 1 EiB.
+pub const MAX_MEM_MIB: u64 = 1 << 40;
+/// GPUs of one task of a job.
 pub const MAX_GPUS: u32 = 64;
+/// Most tasks in one gang.
+pub const MAX_REPLICAS: u32 = 4096;
+/// Most retries of one job.
+pub const MAX_RETRIES: u32 = 1000;
+/// Constraints of one job.
+pub const MAX_CONSTRAINTS: usize = 64;
+/// A GPU model pattern, a constraint's key or value, an agent attribute's
+/// key, a GPU's uuid, model, PCI bus id, serial; a driver version. Bytes.
+pub const MAX_ATTR_LEN: usize = 256;
+/// An agent attribute's value, bytes (GPU feature labels list models).
+pub const MAX_ATTR_VALUE_LEN: usize = 1024;
+/// Attributes of one agent.
+pub const MAX_AGENT_ATTRIBUTES: usize = 256;
+/// GPUs of one agent (as many as `--simulate-gpus` allows); each GPU lists
+/// each other GPU at most once as a peer.
+pub const MAX_AGENT_GPUS: usize = 64;
+/// A GPU's UUID, bytes (NVML's are 40).
+pub const MAX_GPU_UUID_LEN: usize = 128;
+/// A peer's PCIe path (`PIX`, `PXB`, `PHB`, `NODE`, `SYS`), bytes.
+pub const MAX_PCIE_LEN: usize = 16;
+/// Runtimes an agent lists.
+pub const MAX_AGENT_RUNTIMES: usize = 16;
+/// Task ids an agent reports running when it registers.
+pub const MAX_AGENT_TASKS: usize = 65536;
+/// An agent's hostname, bytes: Linux's HOST_NAME_MAX. Every rank of a gang
+/// gets all its ranks' hostnames in GPUCTL_PEERS, so this bounds that too.
+pub const MAX_HOSTNAME_LEN: usize = 64;
+/// An agent's address (`HOST:PORT`), bytes.
+pub const MAX_ADDRESS_LEN: usize = 512;
+/// A GPU's unhealthy reason, as an agent reports it, bytes.
+pub const MAX_REASON_LEN: usize = 4096;
+
+/// An env name as a field label: quoted, cut to 64 bytes.
+fn env_label(field: &str, key: &str) -> String {
+    format!("{field}[{:?}]", cut(key, 64))
+}
+
+/// At most `n` bytes of `s` (on a char boundary), with "..." when cut.
+fn cut(s: &str, n: usize) -> String {
+    if s.len() <= n {
+        return s.to_string();
+    }
+    let mut end = n;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}...", &s[..end])
+}
+
+/// `field` is `len` bytes where `max` are allowed; `what` names the part
+/// of the field that is (empty: the field itself).
+fn too_long(field: impl Into<String>, what: &str, len: usize, max: usize) -> ConvertError {
+    let what = if what.is_empty() {
+        String::new()
+    } else {
+        format!("{what} ")
+    };
+    ConvertError::new(field, format!("{what}is {len} bytes, at most {max}"))
+}
 
 /// An identifier chosen by the system or a user: 1..=128 chars of
 /// `[A-Za-z0-9._-]`, not starting with `-` or `.`.
@@ -62,6 +153,8 @@ pub fn check_id(field: &str, s: &str) -> Result<()> {
     Ok(())
 }
 
+/// Scalar resources: `cpus` finite, 0 to [`MAX_CPUS`]; `mem_mib` at most
+/// [`MAX_MEM_MIB`]. The callers bound `gpus` (per task, per agent).
 pub fn resources_from_pb(field: &str, r: Option<pb::Resources>) -> Result<Resources> {
     let r = r.unwrap_or_default();
     if !r.cpus.is_finite() || r.cpus < 0.0 {
@@ -74,6 +167,12 @@ pub fn resources_from_pb(field: &str, r: Option<pb::Resources>) -> Result<Resour
         return Err(ConvertError::new(
             format!("{field}.cpus"),
             format!("must be <= {MAX_CPUS}"),
+        ));
+    }
+    if r.mem_mib > MAX_MEM_MIB {
+        return Err(ConvertError::new(
+            format!("{field}.mem_mib"),
+            format!("is {}, at most {MAX_MEM_MIB} (2^40 MiB)", r.mem_mib),
         ));
     }
     Ok(Resources {
@@ -93,17 +192,13 @@ impl From<Resources> for pb::Resources {
     }
 }
 
-fn check_command(field: &str, command: &[String]) -> Result<()> {
-    if command.is_empty() {
+/// What any command must be: a program, no NUL bytes. Sizes are checked
+/// where it enters the cluster ([`check_payload`]).
+fn check_command_shape(field: &str, command: &[String]) -> Result<()> {
+    let Some(program) = command.first() else {
         return Err(ConvertError::new(field, "must not be empty"));
-    }
-    if command.len() > MAX_ARGS {
-        return Err(ConvertError::new(
-            field,
-            format!("more than {MAX_ARGS} arguments"),
-        ));
-    }
-    if command[0].is_empty() {
+    };
+    if program.is_empty() {
         return Err(ConvertError::new(
             format!("{field}[0]"),
             "program must not be empty",
@@ -118,23 +213,36 @@ fn check_command(field: &str, command: &[String]) -> Result<()> {
     Ok(())
 }
 
-fn check_env<'a>(field: &str, env: impl Iterator<Item = (&'a String, &'a String)>) -> Result<()> {
-    for (n, (k, v)) in env.enumerate() {
-        if n >= MAX_ENV {
-            return Err(ConvertError::new(
-                field,
-                format!("more than {MAX_ENV} variables"),
-            ));
-        }
+fn check_command_size(field: &str, command: &[String]) -> Result<()> {
+    if command.len() > MAX_COMMAND_ARGS {
+        return Err(ConvertError::new(
+            field,
+            format!(
+                "has {} arguments, at most {MAX_COMMAND_ARGS}",
+                command.len()
+            ),
+        ));
+    }
+    let bytes: usize = command.iter().map(String::len).sum();
+    if bytes > MAX_COMMAND_BYTES {
+        return Err(too_long(field, "", bytes, MAX_COMMAND_BYTES));
+    }
+    Ok(())
+}
+
+/// What any environment must be: names non-empty without '=' or NUL,
+/// values without NUL.
+fn check_env_shape(field: &str, env: &BTreeMap<String, String>) -> Result<()> {
+    for (k, v) in env {
         if k.is_empty() || k.contains(['=', '\0']) {
             return Err(ConvertError::new(
-                format!("{field}[{k:?}]"),
+                env_label(field, k),
                 "name must be non-empty without '=' or NUL",
             ));
         }
         if v.contains('\0') {
             return Err(ConvertError::new(
-                format!("{field}[{k:?}]"),
+                env_label(field, k),
                 "value contains a NUL byte",
             ));
         }
@@ -142,9 +250,42 @@ fn check_env<'a>(field: &str, env: impl Iterator<Item = (&'a String, &'a String)
     Ok(())
 }
 
+fn check_env_size(field: &str, env: &BTreeMap<String, String>) -> Result<()> {
+    if env.len() > MAX_ENV_VARS {
+        return Err(ConvertError::new(
+            field,
+            format!("has {} variables, at most {MAX_ENV_VARS}", env.len()),
+        ));
+    }
+    let mut total = 0;
+    for (k, v) in env {
+        if k.len() > MAX_ENV_KEY_BYTES {
+            return Err(too_long(
+                env_label(field, k),
+                "name",
+                k.len(),
+                MAX_ENV_KEY_BYTES,
+            ));
+        }
+        if v.len() > MAX_ENV_VALUE_BYTES {
+            return Err(too_long(
+                env_label(field, k),
+                "value",
+                v.len(),
+                MAX_ENV_VALUE_BYTES,
+            ));
+        }
+        total += k.len() + v.len();
+    }
+    if total > MAX_ENV_TOTAL_BYTES {
+        return Err(too_long(field, "", total, MAX_ENV_TOTAL_BYTES));
+    }
+    Ok(())
+}
+
 fn check_image(field: &str, image: &str) -> Result<()> {
-    if image.len() > 512 {
-        return Err(ConvertError::new(field, "longer than 512 characters"));
+    if image.len() > MAX_IMAGE_LEN {
+        return Err(too_long(field, "", image.len(), MAX_IMAGE_LEN));
     }
     if image.chars().any(|c| c.is_whitespace() || c.is_control()) {
         return Err(ConvertError::new(
@@ -155,18 +296,34 @@ fn check_image(field: &str, image: &str) -> Result<()> {
     Ok(())
 }
 
+/// What a job or a framework's task runs, as it enters the cluster: the
+/// image (empty: a host process), the command and the environment, each
+/// well formed and within the limits above. Fields are named under
+/// `prefix` (`spec` gives `spec.image`, `spec.command`, `spec.env["K"]`).
+pub fn check_payload(
+    prefix: &str,
+    image: &str,
+    command: &[String],
+    env: &BTreeMap<String, String>,
+) -> Result<()> {
+    if !image.is_empty() {
+        check_image(&format!("{prefix}.image"), image)?;
+    }
+    let field = format!("{prefix}.command");
+    check_command_shape(&field, command)?;
+    check_command_size(&field, command)?;
+    let field = format!("{prefix}.env");
+    check_env_shape(&field, env)?;
+    check_env_size(&field, env)
+}
+
 impl TryFrom<pb::JobSpec> for JobSpec {
     type Error = ConvertError;
     fn try_from(s: pb::JobSpec) -> Result<Self> {
         check_id("spec.name", &s.name)?;
-        let image = if s.image.is_empty() {
-            None
-        } else {
-            check_image("spec.image", &s.image)?;
-            Some(s.image)
-        };
-        check_command("spec.command", &s.command)?;
-        check_env("spec.env", s.env.iter())?;
+        let env: BTreeMap<String, String> = s.env.into_iter().collect();
+        check_payload("spec", &s.image, &s.command, &env)?;
+        let image = (!s.image.is_empty()).then_some(s.image);
         let resources = resources_from_pb("spec.resources", s.resources)?;
         if resources.gpus > MAX_GPUS {
             return Err(ConvertError::new(
@@ -195,7 +352,7 @@ impl TryFrom<pb::JobSpec> for JobSpec {
             name: s.name,
             image,
             command: s.command,
-            env: s.env.into_iter().collect(),
+            env,
             resources,
             placement,
             priority: s.priority,
@@ -207,22 +364,11 @@ impl TryFrom<pb::JobSpec> for JobSpec {
     }
 }
 
-/// Most tasks in one gang.
-pub const MAX_REPLICAS: u32 = 4096;
-/// Most retries of one job.
-pub const MAX_RETRIES: u32 = 1000;
-
-/// Longest GPU model pattern, attribute key or value.
-const MAX_ATTR_LEN: usize = 256;
-/// A GPU's unhealthy reason, as an agent reports it.
-const MAX_REASON_LEN: usize = 4096;
-
-fn check_printable(field: &str, s: &str, allow_space: bool) -> Result<()> {
-    if s.len() > MAX_ATTR_LEN {
-        return Err(ConvertError::new(
-            field,
-            format!("longer than {MAX_ATTR_LEN} characters"),
-        ));
+/// At most `max` bytes, no control characters, and no whitespace unless
+/// `allow_space`.
+fn check_text(field: &str, s: &str, max: usize, allow_space: bool) -> Result<()> {
+    if s.len() > max {
+        return Err(too_long(field, "", s.len(), max));
     }
     if let Some(c) = s
         .chars()
@@ -233,10 +379,15 @@ fn check_printable(field: &str, s: &str, allow_space: bool) -> Result<()> {
     Ok(())
 }
 
+fn check_printable(field: &str, s: &str, allow_space: bool) -> Result<()> {
+    check_text(field, s, MAX_ATTR_LEN, allow_space)
+}
+
 fn placement_from_pb(p: pb::Placement) -> Result<PlacementSpec> {
     let policy = if p.policy.is_empty() {
         None
     } else {
+        check_printable("spec.placement.policy", &p.policy, false)?;
         Some(
             p.policy
                 .parse::<PlacementPolicy>()
@@ -249,7 +400,23 @@ fn placement_from_pb(p: pb::Placement) -> Result<PlacementSpec> {
         check_printable("spec.placement.gpu_model", &p.gpu_model, false)?;
         Some(p.gpu_model)
     };
-    for (k, v) in &p.constraints {
+    if p.gpu_mem_min_mib > MAX_MEM_MIB {
+        return Err(ConvertError::new(
+            "spec.placement.gpu_mem_min_mib",
+            format!("is {}, at most {MAX_MEM_MIB}", p.gpu_mem_min_mib),
+        ));
+    }
+    if p.constraints.len() > MAX_CONSTRAINTS {
+        return Err(ConvertError::new(
+            "spec.placement.constraints",
+            format!(
+                "has {} constraints, at most {MAX_CONSTRAINTS}",
+                p.constraints.len()
+            ),
+        ));
+    }
+    let constraints: BTreeMap<String, String> = p.constraints.into_iter().collect();
+    for (k, v) in &constraints {
         if k.is_empty() {
             return Err(ConvertError::new(
                 "spec.placement.constraints",
@@ -257,13 +424,17 @@ fn placement_from_pb(p: pb::Placement) -> Result<PlacementSpec> {
             ));
         }
         check_printable("spec.placement.constraints", k, false)?;
-        check_printable(&format!("spec.placement.constraints[{k}]"), v, true)?;
+        check_printable(
+            &format!("spec.placement.constraints[{}]", cut(k, 64)),
+            v,
+            true,
+        )?;
     }
     Ok(PlacementSpec {
         policy,
         gpu_model,
         gpu_mem_min_mib: p.gpu_mem_min_mib,
-        constraints: p.constraints.into_iter().collect(),
+        constraints,
     })
 }
 
@@ -296,6 +467,11 @@ impl From<JobSpec> for pb::JobSpec {
     }
 }
 
+/// A task as the master sends it to its agent. Checked for shape only:
+/// sizes were checked when its job or launch entered the cluster (the
+/// master adds GPUCTL_RANK, GPUCTL_WORLD_SIZE and GPUCTL_PEERS to a job's
+/// env, and jobs submitted before the limits may exceed them), and the
+/// message carrying it is bounded by the gRPC limit.
 impl TryFrom<pb::TaskSpec> for TaskSpec {
     type Error = ConvertError;
     fn try_from(s: pb::TaskSpec) -> Result<Self> {
@@ -318,8 +494,9 @@ impl TryFrom<pb::TaskSpec> for TaskSpec {
             check_image("task.image", &s.image)?;
             Some(s.image)
         };
-        check_command("task.command", &s.command)?;
-        check_env("task.env", s.env.iter())?;
+        check_command_shape("task.command", &s.command)?;
+        let env: BTreeMap<String, String> = s.env.into_iter().collect();
+        check_env_shape("task.env", &env)?;
         let resources = resources_from_pb("task.resources", s.resources)?;
         if s.gpu_uuids.len() != resources.gpus as usize {
             return Err(ConvertError::new(
@@ -337,7 +514,7 @@ impl TryFrom<pb::TaskSpec> for TaskSpec {
             framework_id: s.framework_id,
             image,
             command: s.command,
-            env: s.env.into_iter().collect(),
+            env,
             resources,
             gpu_uuids: s.gpu_uuids,
             no_fence: s.no_fence,
@@ -364,52 +541,92 @@ impl From<TaskSpec> for pb::TaskSpec {
 impl TryFrom<pb::Gpu> for GpuInfo {
     type Error = ConvertError;
     fn try_from(g: pb::Gpu) -> Result<Self> {
-        if g.uuid.is_empty() {
-            return Err(ConvertError::new("gpus[].uuid", "must not be empty"));
-        }
-        let compute_capability = if g.compute_capability.is_empty() {
-            None
-        } else {
-            let parsed = g
-                .compute_capability
-                .split_once('.')
-                .and_then(|(a, b)| Some((a.parse().ok()?, b.parse().ok()?)));
-            Some(parsed.ok_or_else(|| {
-                ConvertError::new(
-                    "gpus[].compute_capability",
-                    format!("{:?} is not MAJOR.MINOR", g.compute_capability),
-                )
-            })?)
-        };
-        let mut peers = Vec::with_capacity(g.peers.len());
-        for p in g.peers {
-            if p.uuid.is_empty() {
-                return Err(ConvertError::new(
-                    "gpus[].peers[].uuid",
-                    "must not be empty",
-                ));
-            }
-            peers.push(GpuPeer {
-                uuid: p.uuid,
-                nvlinks: p.nvlinks,
-                pcie: p.pcie,
-            });
-        }
-        Ok(GpuInfo {
-            uuid: g.uuid,
-            index: g.index,
-            minor: g.minor,
-            model: g.model,
-            memory_mib: g.memory_mib,
-            healthy: g.healthy,
-            pci_bus_id: g.pci_bus_id,
-            serial: g.serial,
-            numa_node: g.numa_node,
-            compute_capability,
-            peers,
-            unhealthy_reason: g.unhealthy_reason,
-        })
+        gpu_from_pb("gpu", g)
     }
+}
+
+/// A GPU as its agent describes it, its fields named under `field`
+/// (`gpus[2]` gives `gpus[2].model`).
+pub fn gpu_from_pb(field: &str, g: pb::Gpu) -> Result<GpuInfo> {
+    if g.uuid.is_empty() {
+        return Err(ConvertError::new(
+            format!("{field}.uuid"),
+            "must not be empty",
+        ));
+    }
+    check_text(&format!("{field}.uuid"), &g.uuid, MAX_GPU_UUID_LEN, false)?;
+    check_printable(&format!("{field}.model"), &g.model, true)?;
+    check_printable(&format!("{field}.pci_bus_id"), &g.pci_bus_id, true)?;
+    check_printable(&format!("{field}.serial"), &g.serial, true)?;
+    check_text(
+        &format!("{field}.unhealthy_reason"),
+        &g.unhealthy_reason,
+        MAX_REASON_LEN,
+        true,
+    )?;
+    let compute_capability = if g.compute_capability.is_empty() {
+        None
+    } else {
+        let parsed = g
+            .compute_capability
+            .split_once('.')
+            .and_then(|(a, b)| Some((a.parse().ok()?, b.parse().ok()?)));
+        Some(parsed.ok_or_else(|| {
+            ConvertError::new(
+                format!("{field}.compute_capability"),
+                format!("{:?} is not MAJOR.MINOR", cut(&g.compute_capability, 64)),
+            )
+        })?)
+    };
+    if g.peers.len() > MAX_AGENT_GPUS {
+        return Err(ConvertError::new(
+            format!("{field}.peers"),
+            format!("has {} peers, at most {MAX_AGENT_GPUS}", g.peers.len()),
+        ));
+    }
+    let mut peers = Vec::with_capacity(g.peers.len());
+    let mut seen = std::collections::BTreeSet::new();
+    for (i, p) in g.peers.into_iter().enumerate() {
+        let uuid_field = format!("{field}.peers[{i}].uuid");
+        if p.uuid.is_empty() {
+            return Err(ConvertError::new(uuid_field, "must not be empty"));
+        }
+        check_text(&uuid_field, &p.uuid, MAX_GPU_UUID_LEN, false)?;
+        if p.uuid == g.uuid {
+            return Err(ConvertError::new(uuid_field, "a GPU is not its own peer"));
+        }
+        if !seen.insert(p.uuid.clone()) {
+            return Err(ConvertError::new(
+                uuid_field,
+                format!("{} listed twice", p.uuid),
+            ));
+        }
+        check_text(
+            &format!("{field}.peers[{i}].pcie"),
+            &p.pcie,
+            MAX_PCIE_LEN,
+            false,
+        )?;
+        peers.push(GpuPeer {
+            uuid: p.uuid,
+            nvlinks: p.nvlinks,
+            pcie: p.pcie,
+        });
+    }
+    Ok(GpuInfo {
+        uuid: g.uuid,
+        index: g.index,
+        minor: g.minor,
+        model: g.model,
+        memory_mib: g.memory_mib,
+        healthy: g.healthy,
+        pci_bus_id: g.pci_bus_id,
+        serial: g.serial,
+        numa_node: g.numa_node,
+        compute_capability,
+        peers,
+        unhealthy_reason: g.unhealthy_reason,
+    })
 }
 
 impl From<GpuInfo> for pb::Gpu {
@@ -466,14 +683,29 @@ impl TryFrom<pb::RegisterRequest> for AgentInfo {
         if r.hostname.is_empty() {
             return Err(ConvertError::new("hostname", "must not be empty"));
         }
+        check_text("hostname", &r.hostname, MAX_HOSTNAME_LEN, false)?;
+        if r.hostname.contains(',') {
+            // GPUCTL_PEERS lists hostnames comma separated.
+            return Err(ConvertError::new("hostname", "contains ','"));
+        }
+        check_text("address", &r.address, MAX_ADDRESS_LEN, false)?;
+        check_printable("driver_version", &r.driver_version, true)?;
+        check_printable("cuda_driver_version", &r.cuda_driver_version, true)?;
         let total = resources_from_pb("total", r.total)?;
+        if r.gpus.len() > MAX_AGENT_GPUS {
+            return Err(ConvertError::new(
+                "gpus",
+                format!("has {} GPUs, at most {MAX_AGENT_GPUS}", r.gpus.len()),
+            ));
+        }
         let mut gpus = Vec::with_capacity(r.gpus.len());
         let mut seen = std::collections::BTreeSet::new();
-        for g in r.gpus {
-            let g = GpuInfo::try_from(g)?;
+        for (i, g) in r.gpus.into_iter().enumerate() {
+            let field = format!("gpus[{i}]");
+            let g = gpu_from_pb(&field, g)?;
             if !seen.insert(g.uuid.clone()) {
                 return Err(ConvertError::new(
-                    "gpus[].uuid",
+                    format!("{field}.uuid"),
                     format!("{} listed twice", g.uuid),
                 ));
             }
@@ -485,6 +717,15 @@ impl TryFrom<pb::RegisterRequest> for AgentInfo {
                 format!("is {} but {} GPUs are listed", total.gpus, gpus.len()),
             ));
         }
+        if r.runtimes.len() > MAX_AGENT_RUNTIMES {
+            return Err(ConvertError::new(
+                "runtimes",
+                format!(
+                    "has {} entries, at most {MAX_AGENT_RUNTIMES}",
+                    r.runtimes.len()
+                ),
+            ));
+        }
         let runtimes = r
             .runtimes
             .iter()
@@ -492,18 +733,61 @@ impl TryFrom<pb::RegisterRequest> for AgentInfo {
             .collect::<Result<Vec<_>>>()?;
         let known: std::collections::BTreeSet<&str> =
             gpus.iter().map(|g| g.uuid.as_str()).collect();
-        for g in &gpus {
-            if let Some(p) = g.peers.iter().find(|p| !known.contains(p.uuid.as_str())) {
+        for (i, g) in gpus.iter().enumerate() {
+            if let Some((j, p)) = g
+                .peers
+                .iter()
+                .enumerate()
+                .find(|(_, p)| !known.contains(p.uuid.as_str()))
+            {
                 return Err(ConvertError::new(
-                    "gpus[].peers[].uuid",
+                    format!("gpus[{i}].peers[{j}].uuid"),
                     format!("{} is not a GPU of this agent", p.uuid),
                 ));
             }
         }
-        if let Some(k) = r.attributes.keys().find(|k| k.is_empty() || k.len() > 256) {
+        if r.attributes.len() > MAX_AGENT_ATTRIBUTES {
             return Err(ConvertError::new(
                 "attributes",
-                format!("key {k:?} must be 1..=256 characters"),
+                format!(
+                    "has {} attributes, at most {MAX_AGENT_ATTRIBUTES}",
+                    r.attributes.len()
+                ),
+            ));
+        }
+        let attributes: BTreeMap<String, String> = r.attributes.into_iter().collect();
+        for (k, v) in &attributes {
+            if k.is_empty() || k.len() > MAX_ATTR_LEN {
+                return Err(ConvertError::new(
+                    "attributes",
+                    format!("key {:?} must be 1..={MAX_ATTR_LEN} bytes", cut(k, 64)),
+                ));
+            }
+            check_text(
+                &format!("attributes[{:?}]", cut(k, 64)),
+                v,
+                MAX_ATTR_VALUE_LEN,
+                true,
+            )?;
+        }
+        if r.running_task_ids.len() > MAX_AGENT_TASKS {
+            return Err(ConvertError::new(
+                "running_task_ids",
+                format!(
+                    "has {} ids, at most {MAX_AGENT_TASKS}",
+                    r.running_task_ids.len()
+                ),
+            ));
+        }
+        // A task id is `job-N.R` or `<framework-id>.<its own id>`.
+        if let Some(i) = r
+            .running_task_ids
+            .iter()
+            .position(|t| t.len() > 2 * MAX_NAME_LEN + 1)
+        {
+            return Err(ConvertError::new(
+                format!("running_task_ids[{i}]"),
+                format!("longer than {} bytes", 2 * MAX_NAME_LEN + 1),
             ));
         }
         let opt = |s: String| (!s.is_empty()).then_some(s);
@@ -515,7 +799,7 @@ impl TryFrom<pb::RegisterRequest> for AgentInfo {
             gpus,
             runtimes,
             simulated_gpus: r.simulated_gpus,
-            attributes: r.attributes.into_iter().collect(),
+            attributes,
             driver_version: opt(r.driver_version),
             cuda_driver_version: opt(r.cuda_driver_version),
         })
@@ -567,6 +851,20 @@ impl From<JobState> for pb::JobState {
             JobState::Cancelled => P::JobCancelled,
         }
     }
+}
+
+/// A job state from the wire; unknown values (and UNSPECIFIED) are refused.
+pub fn job_state_from_pb(field: &str, v: i32) -> Result<JobState> {
+    use pb::JobState as P;
+    Ok(match P::try_from(v) {
+        Ok(P::JobQueued) => JobState::Queued,
+        Ok(P::JobStarting) => JobState::Starting,
+        Ok(P::JobRunning) => JobState::Running,
+        Ok(P::JobSucceeded) => JobState::Succeeded,
+        Ok(P::JobFailed) => JobState::Failed,
+        Ok(P::JobCancelled) => JobState::Cancelled,
+        _ => return Err(ConvertError::new(field, format!("unknown job state {v}"))),
+    })
 }
 
 /// Job state as the user-facing upper-case word (`QUEUED`, ...), from the wire value.
@@ -857,7 +1155,7 @@ mod tests {
         };
         assert_eq!(
             AgentInfo::try_from(r.clone()).unwrap_err().field,
-            "gpus[].uuid"
+            "gpus[1].uuid"
         );
         r.gpus = vec![gpu("GPU-1")];
         assert_eq!(
@@ -906,6 +1204,534 @@ mod tests {
         assert_eq!(pb::TaskSpec::from(ok), both);
         both.framework_id.clear();
         assert_eq!(TaskSpec::try_from(both).unwrap_err().field, "task.job_id");
+    }
+
+    /// `ok` applied to a valid spec passes; `bad` fails naming `field`,
+    /// as `InvalidArgument`.
+    fn boundary<T: Clone>(
+        base: &T,
+        ok: impl Fn(&mut T),
+        bad: impl Fn(&mut T),
+        field: &str,
+        convert: impl Fn(T) -> Result<()>,
+    ) {
+        let mut at = base.clone();
+        ok(&mut at);
+        if let Err(e) = convert(at) {
+            panic!("at the limit of {field}: {e}");
+        }
+        let mut past = base.clone();
+        bad(&mut past);
+        let err = convert(past).expect_err(field);
+        assert_eq!(err.field, field, "{err}");
+        let status = tonic::Status::from(err);
+        assert_eq!(status.code(), tonic::Code::InvalidArgument);
+        assert!(status.message().contains(field), "{}", status.message());
+    }
+
+    fn job(s: pb::JobSpec) -> Result<()> {
+        JobSpec::try_from(s).map(|_| ())
+    }
+
+    fn env_of(pairs: &[(&str, usize)]) -> std::collections::HashMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, n)| (k.to_string(), "v".repeat(*n)))
+            .collect()
+    }
+
+    #[test]
+    fn job_spec_limits_pass_at_and_fail_past() {
+        let base = spec();
+        boundary(
+            &base,
+            |s| s.name = "n".repeat(MAX_NAME_LEN),
+            |s| s.name = "n".repeat(MAX_NAME_LEN + 1),
+            "spec.name",
+            job,
+        );
+        boundary(
+            &base,
+            |s| s.image = "i".repeat(MAX_IMAGE_LEN),
+            |s| s.image = "i".repeat(MAX_IMAGE_LEN + 1),
+            "spec.image",
+            job,
+        );
+        boundary(
+            &base,
+            |s| s.command = vec!["a".into(); MAX_COMMAND_ARGS],
+            |s| s.command = vec!["a".into(); MAX_COMMAND_ARGS + 1],
+            "spec.command",
+            job,
+        );
+        let half = MAX_COMMAND_BYTES / 2;
+        boundary(
+            &base,
+            |s| s.command = vec!["a".repeat(half), "b".repeat(half)],
+            |s| s.command = vec!["a".repeat(half), "b".repeat(half + 1)],
+            "spec.command",
+            job,
+        );
+        boundary(
+            &base,
+            |s| s.env = env_of(&[(&"K".repeat(MAX_ENV_KEY_BYTES), 1)]),
+            |s| s.env = env_of(&[(&"K".repeat(MAX_ENV_KEY_BYTES + 1), 1)]),
+            // The name is cut in the field label.
+            &format!("spec.env[\"{}...\"]", "K".repeat(64)),
+            job,
+        );
+        boundary(
+            &base,
+            |s| s.env = env_of(&[("FOO", MAX_ENV_VALUE_BYTES)]),
+            |s| s.env = env_of(&[("FOO", MAX_ENV_VALUE_BYTES + 1)]),
+            "spec.env[\"FOO\"]",
+            job,
+        );
+        // 8 variables of 2 + 32766 bytes: exactly the total.
+        let full: Vec<(String, usize)> = (0..8)
+            .map(|i| (format!("K{i}"), MAX_ENV_VALUE_BYTES - 2))
+            .collect();
+        let full_ref: Vec<(&str, usize)> = full.iter().map(|(k, n)| (k.as_str(), *n)).collect();
+        assert_eq!(8 * MAX_ENV_VALUE_BYTES, MAX_ENV_TOTAL_BYTES);
+        boundary(
+            &base,
+            |s| s.env = env_of(&full_ref),
+            |s| {
+                s.env = env_of(&full_ref);
+                s.env.insert("X".into(), String::new());
+            },
+            "spec.env",
+            job,
+        );
+        boundary(
+            &base,
+            |s| {
+                s.env = (0..MAX_ENV_VARS)
+                    .map(|i| (format!("V{i}"), String::new()))
+                    .collect()
+            },
+            |s| {
+                s.env = (0..=MAX_ENV_VARS)
+                    .map(|i| (format!("V{i}"), String::new()))
+                    .collect()
+            },
+            "spec.env",
+            job,
+        );
+        boundary(
+            &base,
+            |s| s.replicas = MAX_REPLICAS,
+            |s| s.replicas = MAX_REPLICAS + 1,
+            "spec.replicas",
+            job,
+        );
+        boundary(
+            &base,
+            |s| s.max_retries = MAX_RETRIES,
+            |s| s.max_retries = MAX_RETRIES + 1,
+            "spec.max_retries",
+            job,
+        );
+        boundary(
+            &base,
+            |s| s.resources.as_mut().unwrap().cpus = MAX_CPUS,
+            |s| s.resources.as_mut().unwrap().cpus = MAX_CPUS + 0.5,
+            "spec.resources.cpus",
+            job,
+        );
+        boundary(
+            &base,
+            |s| s.resources.as_mut().unwrap().cpus = 0.0,
+            |s| s.resources.as_mut().unwrap().cpus = f64::INFINITY,
+            "spec.resources.cpus",
+            job,
+        );
+        boundary(
+            &base,
+            |s| s.resources.as_mut().unwrap().mem_mib = MAX_MEM_MIB,
+            |s| s.resources.as_mut().unwrap().mem_mib = MAX_MEM_MIB + 1,
+            "spec.resources.mem_mib",
+            job,
+        );
+        boundary(
+            &base,
+            |s| s.resources.as_mut().unwrap().mem_mib = 0,
+            |s| s.resources.as_mut().unwrap().mem_mib = u64::MAX,
+            "spec.resources.mem_mib",
+            job,
+        );
+        boundary(
+            &base,
+            |s| s.resources.as_mut().unwrap().gpus = MAX_GPUS,
+            |s| s.resources.as_mut().unwrap().gpus = MAX_GPUS + 1,
+            "spec.resources.gpus",
+            job,
+        );
+        boundary(
+            &base,
+            |s| {
+                s.placement.get_or_insert_with(Default::default).gpu_model =
+                    "m".repeat(MAX_ATTR_LEN)
+            },
+            |s| {
+                s.placement.get_or_insert_with(Default::default).gpu_model =
+                    "m".repeat(MAX_ATTR_LEN + 1)
+            },
+            "spec.placement.gpu_model",
+            job,
+        );
+        boundary(
+            &base,
+            |s| {
+                s.placement
+                    .get_or_insert_with(Default::default)
+                    .gpu_mem_min_mib = MAX_MEM_MIB
+            },
+            |s| {
+                s.placement
+                    .get_or_insert_with(Default::default)
+                    .gpu_mem_min_mib = MAX_MEM_MIB + 1
+            },
+            "spec.placement.gpu_mem_min_mib",
+            job,
+        );
+        boundary(
+            &base,
+            |s| {
+                s.placement.get_or_insert_with(Default::default).constraints = (0..MAX_CONSTRAINTS)
+                    .map(|i| (format!("k{i}"), "v".into()))
+                    .collect()
+            },
+            |s| {
+                s.placement.get_or_insert_with(Default::default).constraints = (0..=MAX_CONSTRAINTS)
+                    .map(|i| (format!("k{i}"), "v".into()))
+                    .collect()
+            },
+            "spec.placement.constraints",
+            job,
+        );
+        boundary(
+            &base,
+            |s| {
+                s.placement.get_or_insert_with(Default::default).constraints =
+                    [("k".repeat(MAX_ATTR_LEN), "v".into())].into()
+            },
+            |s| {
+                s.placement.get_or_insert_with(Default::default).constraints =
+                    [("k".repeat(MAX_ATTR_LEN + 1), "v".into())].into()
+            },
+            "spec.placement.constraints",
+            job,
+        );
+        boundary(
+            &base,
+            |s| {
+                s.placement.get_or_insert_with(Default::default).constraints =
+                    [("zone".into(), "v".repeat(MAX_ATTR_LEN))].into()
+            },
+            |s| {
+                s.placement.get_or_insert_with(Default::default).constraints =
+                    [("zone".into(), "v".repeat(MAX_ATTR_LEN + 1))].into()
+            },
+            "spec.placement.constraints[zone]",
+            job,
+        );
+    }
+
+    #[test]
+    fn the_issue_s_env_error_reads_as_documented() {
+        let mut s = spec();
+        s.env = env_of(&[("FOO", 40000)]);
+        assert_eq!(
+            JobSpec::try_from(s).unwrap_err().to_string(),
+            "invalid spec.env[\"FOO\"]: value is 40000 bytes, at most 32768"
+        );
+    }
+
+    #[test]
+    fn a_maximal_task_spec_encodes_under_one_mib() {
+        use prost::Message as _;
+        // Every limit at once, plus what the master adds to a gang's env.
+        let env: BTreeMap<String, String> = (0..MAX_ENV_VARS - 3)
+            .map(|i| {
+                (
+                    format!("{i:0>8}"),
+                    "v".repeat(MAX_ENV_TOTAL_BYTES / MAX_ENV_VARS - 8),
+                )
+            })
+            .collect();
+        let total: usize = env.iter().map(|(k, v)| k.len() + v.len()).sum();
+        assert!(total <= MAX_ENV_TOTAL_BYTES);
+        let mut env = env;
+        let peers = vec!["h".repeat(MAX_HOSTNAME_LEN); MAX_REPLICAS as usize].join(",");
+        env.insert("GPUCTL_PEERS".into(), peers);
+        env.insert("GPUCTL_RANK".into(), "4095".into());
+        env.insert("GPUCTL_WORLD_SIZE".into(), "4096".into());
+        let command: Vec<String> = (0..MAX_COMMAND_ARGS)
+            .map(|_| "c".repeat(MAX_COMMAND_BYTES / MAX_COMMAND_ARGS))
+            .collect();
+        let t = pb::TaskSpec::from(TaskSpec {
+            task_id: "t".repeat(2 * MAX_NAME_LEN + 1),
+            job_id: "j".repeat(MAX_NAME_LEN),
+            framework_id: String::new(),
+            image: Some("i".repeat(MAX_IMAGE_LEN)),
+            command,
+            env,
+            resources: Resources {
+                cpus: MAX_CPUS,
+                mem_mib: MAX_MEM_MIB,
+                gpus: MAX_GPUS,
+            },
+            gpu_uuids: (0..MAX_GPUS).map(|i| format!("GPU-{i:0>36}")).collect(),
+            no_fence: false,
+        });
+        let len = t.encoded_len();
+        assert!(len < 700 * 1024, "{len} bytes");
+    }
+
+    fn register_request() -> pb::RegisterRequest {
+        pb::RegisterRequest {
+            agent_id: "a1".into(),
+            hostname: "h".into(),
+            address: "127.0.0.1:1".into(),
+            total: Some(pb::Resources {
+                cpus: 2.0,
+                mem_mib: 1024,
+                gpus: 1,
+            }),
+            gpus: vec![pb::Gpu {
+                uuid: "GPU-0".into(),
+                ..Default::default()
+            }],
+            runtimes: vec![pb::Runtime::Process as i32],
+            ..Default::default()
+        }
+    }
+
+    fn register(r: pb::RegisterRequest) -> Result<()> {
+        AgentInfo::try_from(r).map(|_| ())
+    }
+
+    fn gpus(n: usize) -> Vec<pb::Gpu> {
+        (0..n)
+            .map(|i| pb::Gpu {
+                uuid: format!("GPU-{i}"),
+                ..Default::default()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn register_limits_pass_at_and_fail_past() {
+        let base = register_request();
+        let n = |r: &mut pb::RegisterRequest, count: usize| {
+            r.gpus = gpus(count);
+            r.total.as_mut().unwrap().gpus = count as u32;
+        };
+        boundary(
+            &base,
+            |r| n(r, MAX_AGENT_GPUS),
+            |r| n(r, MAX_AGENT_GPUS + 1),
+            "gpus",
+            register,
+        );
+        boundary(
+            &base,
+            |r| r.hostname = "h".repeat(MAX_HOSTNAME_LEN),
+            |r| r.hostname = "h".repeat(MAX_HOSTNAME_LEN + 1),
+            "hostname",
+            register,
+        );
+        boundary(
+            &base,
+            |r| r.hostname = "h-1.example".into(),
+            |r| r.hostname = "a,b".into(),
+            "hostname",
+            register,
+        );
+        boundary(
+            &base,
+            |r| r.address = "a".repeat(MAX_ADDRESS_LEN),
+            |r| r.address = "a".repeat(MAX_ADDRESS_LEN + 1),
+            "address",
+            register,
+        );
+        boundary(
+            &base,
+            |r| {
+                r.attributes = (0..MAX_AGENT_ATTRIBUTES)
+                    .map(|i| (format!("k{i}"), "v".into()))
+                    .collect()
+            },
+            |r| {
+                r.attributes = (0..=MAX_AGENT_ATTRIBUTES)
+                    .map(|i| (format!("k{i}"), "v".into()))
+                    .collect()
+            },
+            "attributes",
+            register,
+        );
+        boundary(
+            &base,
+            |r| r.attributes = [("k".repeat(MAX_ATTR_LEN), "v".into())].into(),
+            |r| r.attributes = [("k".repeat(MAX_ATTR_LEN + 1), "v".into())].into(),
+            "attributes",
+            register,
+        );
+        boundary(
+            &base,
+            |r| r.attributes = [("zone".into(), "v".repeat(MAX_ATTR_VALUE_LEN))].into(),
+            |r| r.attributes = [("zone".into(), "v".repeat(MAX_ATTR_VALUE_LEN + 1))].into(),
+            "attributes[\"zone\"]",
+            register,
+        );
+        boundary(
+            &base,
+            |r| r.gpus[0].model = "m".repeat(MAX_ATTR_LEN),
+            |r| r.gpus[0].model = "m".repeat(MAX_ATTR_LEN + 1),
+            "gpus[0].model",
+            register,
+        );
+        boundary(
+            &base,
+            |r| r.gpus[0].unhealthy_reason = "r".repeat(MAX_REASON_LEN),
+            |r| r.gpus[0].unhealthy_reason = "r".repeat(MAX_REASON_LEN + 1),
+            "gpus[0].unhealthy_reason",
+            register,
+        );
+        let peer = |u: &str| pb::GpuPeer {
+            uuid: u.into(),
+            nvlinks: 1,
+            pcie: "SYS".into(),
+        };
+        // The most GPUs, each the peer of every other.
+        let mesh = |r: &mut pb::RegisterRequest| {
+            n(r, MAX_AGENT_GPUS);
+            for i in 0..MAX_AGENT_GPUS {
+                r.gpus[i].peers = (0..MAX_AGENT_GPUS)
+                    .filter(|j| *j != i)
+                    .map(|j| peer(&format!("GPU-{j}")))
+                    .collect();
+            }
+        };
+        boundary(
+            &base,
+            mesh,
+            |r| {
+                mesh(r);
+                r.gpus[0].peers = vec![peer("GPU-1"); MAX_AGENT_GPUS + 1];
+            },
+            "gpus[0].peers",
+            register,
+        );
+        boundary(
+            &base,
+            mesh,
+            |r| {
+                mesh(r);
+                r.gpus[3].peers[5] = peer("GPU-1");
+            },
+            "gpus[3].peers[5].uuid",
+            register,
+        );
+        boundary(
+            &base,
+            mesh,
+            |r| {
+                mesh(r);
+                r.gpus[2].peers[0] = peer("GPU-2");
+            },
+            "gpus[2].peers[0].uuid",
+            register,
+        );
+        boundary(
+            &base,
+            mesh,
+            |r| {
+                mesh(r);
+                r.gpus[2].peers[0].pcie = "P".repeat(MAX_PCIE_LEN + 1);
+            },
+            "gpus[2].peers[0].pcie",
+            register,
+        );
+        boundary(
+            &base,
+            |r| r.gpus[0].uuid = "G".repeat(MAX_GPU_UUID_LEN),
+            |r| r.gpus[0].uuid = "G".repeat(MAX_GPU_UUID_LEN + 1),
+            "gpus[0].uuid",
+            register,
+        );
+        boundary(
+            &base,
+            |r| r.driver_version = "5".repeat(MAX_ATTR_LEN),
+            |r| r.driver_version = "5".repeat(MAX_ATTR_LEN + 1),
+            "driver_version",
+            register,
+        );
+        boundary(
+            &base,
+            |r| r.total.as_mut().unwrap().mem_mib = MAX_MEM_MIB,
+            |r| r.total.as_mut().unwrap().mem_mib = u64::MAX,
+            "total.mem_mib",
+            register,
+        );
+        boundary(
+            &base,
+            |r| r.running_task_ids = vec!["t".repeat(2 * MAX_NAME_LEN + 1)],
+            |r| r.running_task_ids = vec!["t".into(), "t".repeat(2 * MAX_NAME_LEN + 2)],
+            "running_task_ids[1]",
+            register,
+        );
+        boundary(
+            &base,
+            |r| r.running_task_ids = vec!["t".into(); MAX_AGENT_TASKS],
+            |r| r.running_task_ids = vec!["t".into(); MAX_AGENT_TASKS + 1],
+            "running_task_ids",
+            register,
+        );
+        boundary(
+            &base,
+            |r| r.runtimes = vec![pb::Runtime::Process as i32; MAX_AGENT_RUNTIMES],
+            |r| r.runtimes = vec![pb::Runtime::Process as i32; MAX_AGENT_RUNTIMES + 1],
+            "runtimes",
+            register,
+        );
+    }
+
+    #[test]
+    fn payload_check_names_fields_under_its_prefix() {
+        let env: BTreeMap<String, String> =
+            [("FOO".to_string(), "v".repeat(MAX_ENV_VALUE_BYTES + 1))].into();
+        let err = check_payload("operations[0].tasks[1]", "", &["true".into()], &env).unwrap_err();
+        assert_eq!(err.field, "operations[0].tasks[1].env[\"FOO\"]");
+        let err = check_payload("p", "bad image", &["true".into()], &BTreeMap::new()).unwrap_err();
+        assert_eq!(err.field, "p.image");
+        let err = check_payload("p", "", &[], &BTreeMap::new()).unwrap_err();
+        assert_eq!(err.field, "p.command");
+        assert!(check_payload("p", "busybox", &["true".into()], &BTreeMap::new()).is_ok());
+    }
+
+    #[test]
+    fn task_specs_from_the_master_are_checked_for_shape_not_size() {
+        // A job's env at its limit, plus the GPUCTL_* variables the master
+        // adds: the agent must take it.
+        let env = (0..MAX_ENV_VARS + 3)
+            .map(|i| (format!("V{i}"), String::new()))
+            .collect();
+        let t = pb::TaskSpec {
+            task_id: "job-1.0".into(),
+            job_id: "job-1".into(),
+            command: vec!["true".into()],
+            env,
+            ..Default::default()
+        };
+        assert!(TaskSpec::try_from(t.clone()).is_ok());
+        let mut bad = t;
+        bad.env.insert("A=B".into(), String::new());
+        assert_eq!(
+            TaskSpec::try_from(bad).unwrap_err().field,
+            "task.env[\"A=B\"]"
+        );
     }
 
     #[test]

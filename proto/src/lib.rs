@@ -10,6 +10,7 @@ pub mod pb {
 }
 
 pub mod convert;
+pub mod desired;
 pub mod leader;
 pub mod metrics;
 pub mod types;

@@ -148,6 +148,7 @@ async fn session(shared: &Shared, i: usize, master: usize) -> (Option<Status>, b
     let mut stream = match client
         .watch_tasks(pb::WatchTasksRequest {
             agent_id: agent_id.clone(),
+            incremental: true,
         })
         .await
     {

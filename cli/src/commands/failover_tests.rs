@@ -123,6 +123,7 @@ impl FakeOperator for Node {
                 id: "job-7".into(),
                 ..Default::default()
             }],
+            next_page_token: String::new(),
         })
     }
     fn cancel_job(&self, _: pb::CancelJobRequest) -> Result<pb::CancelJobResponse, Status> {

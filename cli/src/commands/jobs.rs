@@ -28,8 +28,8 @@ const MAX_FRUITLESS_STREAMS: u32 = 5;
 pub enum JobsCommand {
     /// Submit a job; prints its id.
     Submit(SubmitArgs),
-    /// List the jobs.
-    List(JsonFlag),
+    /// List the jobs, oldest first (all of them unless --limit).
+    List(ListArgs),
     /// Show one job and its tasks.
     Get {
         /// Job id.
@@ -59,6 +59,43 @@ pub enum JobsCommand {
         #[arg(long, value_name = "SECS", value_parser = parse_secs)]
         timeout: Option<Duration>,
     },
+}
+
+/// Filters of `jobs list`.
+#[derive(Debug, Clone, Default, Args)]
+pub struct ListArgs {
+    /// Only jobs in this state: QUEUED, STARTING, RUNNING, SUCCEEDED,
+    /// FAILED or CANCELLED (any case); repeatable or comma separated.
+    #[arg(long = "state", value_name = "STATE", value_delimiter = ',', value_parser = parse_job_state)]
+    pub states: Vec<pb::JobState>,
+    /// Only jobs of exactly this name.
+    #[arg(long, value_name = "NAME")]
+    pub name: Option<String>,
+    /// At most N jobs: the N most recently submitted. Default: all.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    pub limit: Option<u32>,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// A job state as `jobs list --state` takes it: the upper-case word, any case.
+pub fn parse_job_state(s: &str) -> Result<pb::JobState, String> {
+    use pb::JobState as P;
+    let all = [
+        P::JobQueued,
+        P::JobStarting,
+        P::JobRunning,
+        P::JobSucceeded,
+        P::JobFailed,
+        P::JobCancelled,
+    ];
+    let word = s.trim().to_ascii_uppercase();
+    all.into_iter()
+        .find(|st| job_state_name(*st as i32) == word)
+        .ok_or_else(|| {
+            format!("{s:?} is not a job state (QUEUED, STARTING, RUNNING, SUCCEEDED, FAILED, CANCELLED)")
+        })
 }
 
 #[derive(Debug, Clone, Args)]
@@ -190,7 +227,7 @@ pub async fn run(
             let id = submit(master, args.to_spec()).await?;
             writeln!(out, "{id}")?;
         }
-        JobsCommand::List(flags) => list(master, flags.json, out).await?,
+        JobsCommand::List(args) => list_filtered(master, &args, out).await?,
         JobsCommand::Get { id, flags } => get(master, &id, flags.json, out).await?,
         JobsCommand::Logs { id, follow } => {
             stream_logs(master, &id, follow, |data| {
@@ -264,20 +301,76 @@ pub fn new_request_id() -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
-pub async fn fetch_jobs(master: &mut Master) -> Result<Vec<pb::Job>, CliError> {
-    let resp = master
-        .call(Retry::Always, |mut c| async move {
-            c.list_jobs(pb::ListJobsRequest {}).await
-        })
-        .await?;
-    let mut jobs = resp.jobs;
-    jobs.sort_by(|a, b| (a.submitted_at_ms, &a.id).cmp(&(b.submitted_at_ms, &b.id)));
+/// Most jobs asked for in one ListJobs call (the master's maximum page).
+const PAGE_LIMIT: u32 = 1000;
+
+/// The jobs `args` selects, oldest first: page by page, following the
+/// master's page tokens (the master answers newest first), until the last
+/// page or `args.limit` jobs. A page is one call, retried and redirected
+/// to the leader like any read; the tokens hold for any master.
+pub async fn fetch_jobs(master: &mut Master, args: &ListArgs) -> Result<Vec<pb::Job>, CliError> {
+    let mut jobs: Vec<pb::Job> = Vec::new();
+    let mut token = String::new();
+    loop {
+        let want = args
+            .limit
+            .map_or(PAGE_LIMIT, |l| (l - jobs.len() as u32).min(PAGE_LIMIT));
+        let req = pb::ListJobsRequest {
+            states: args.states.iter().map(|s| *s as i32).collect(),
+            name: args.name.clone().unwrap_or_default(),
+            limit: want,
+            page_token: token.clone(),
+        };
+        let resp = master
+            .call(Retry::Always, |mut c| {
+                let req = req.clone();
+                async move { c.list_jobs(req).await }
+            })
+            .await?;
+        let got = resp.jobs.len();
+        jobs.extend(resp.jobs);
+        if let Some(limit) = args.limit {
+            // A master before paging answers with every job, oldest first.
+            jobs.sort_by_key(|j| std::cmp::Reverse(job_number(&j.id)));
+            jobs.truncate(limit as usize);
+            if jobs.len() >= limit as usize {
+                break;
+            }
+        }
+        // The last page; or a page that makes no progress (never from a
+        // sound master), rather than asking forever.
+        if resp.next_page_token.is_empty() || got == 0 || resp.next_page_token == token {
+            break;
+        }
+        token = resp.next_page_token;
+    }
+    jobs.sort_by_key(|j| (j.submitted_at_ms, job_number(&j.id), j.id.clone()));
     Ok(jobs)
 }
 
+/// N of `job-N` (jobs are numbered in submission order).
+fn job_number(id: &str) -> u64 {
+    id.strip_prefix("job-")
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(u64::MAX)
+}
+
+/// `jobs list` with no filter.
 pub async fn list(master: &mut Master, json: bool, out: &mut dyn Write) -> Result<(), CliError> {
-    let jobs = fetch_jobs(master).await?;
-    if json {
+    let args = ListArgs {
+        json,
+        ..ListArgs::default()
+    };
+    list_filtered(master, &args, out).await
+}
+
+pub async fn list_filtered(
+    master: &mut Master,
+    args: &ListArgs,
+    out: &mut dyn Write,
+) -> Result<(), CliError> {
+    let jobs = fetch_jobs(master, args).await?;
+    if args.json {
         let items: Vec<JobJson> = jobs.iter().map(JobJson::from).collect();
         out.write_all(output::to_json(&items)?.as_bytes())?;
     } else {
@@ -675,6 +768,7 @@ mod tests {
         fn list_jobs(&self, _: pb::ListJobsRequest) -> Result<pb::ListJobsResponse, tonic::Status> {
             Ok(pb::ListJobsResponse {
                 jobs: vec![job("b", pb::JobState::JobQueued)],
+                next_page_token: String::new(),
             })
         }
         fn cancel_job(
@@ -695,6 +789,10 @@ mod tests {
 
     /// A master at the second address; nobody listens at the first.
     async fn connect(fake: Arc<Fake>) -> Master {
+        connect_to(fake).await
+    }
+
+    async fn connect_to<F: FakeOperator>(fake: Arc<F>) -> Master {
         let live = serve(fake).await;
         let m = Master::connect(&[dead_addr(), live.clone()]).await.unwrap();
         assert_eq!(m.addr, live);
@@ -778,6 +876,194 @@ mod tests {
         assert_eq!(sent.len(), 1);
         assert_eq!(sent[0].command, vec!["echo", "hi"]);
         assert_eq!(sent[0].resources.map(|r| r.gpus), Some(1));
+    }
+
+    /// A master holding `n` jobs (`job-1`..`job-n`, named `even`/`odd`,
+    /// every third one RUNNING, the rest QUEUED) that pages like the real
+    /// one and records the requests.
+    #[derive(Default)]
+    struct Paged {
+        jobs: Vec<pb::Job>,
+        requests: Mutex<Vec<pb::ListJobsRequest>>,
+    }
+
+    impl Paged {
+        fn new(n: u64) -> Arc<Paged> {
+            let jobs = (1..=n)
+                .map(|i| pb::Job {
+                    id: format!("job-{i}"),
+                    spec: Some(pb::JobSpec {
+                        name: if i % 2 == 0 { "even" } else { "odd" }.into(),
+                        ..Default::default()
+                    }),
+                    state: if i % 3 == 0 {
+                        pb::JobState::JobRunning
+                    } else {
+                        pb::JobState::JobQueued
+                    } as i32,
+                    submitted_at_ms: 1000 + i,
+                    ..Default::default()
+                })
+                .collect();
+            Arc::new(Paged {
+                jobs,
+                requests: Mutex::new(Vec::new()),
+            })
+        }
+        fn requests(&self) -> Vec<pb::ListJobsRequest> {
+            self.requests.lock().unwrap().clone()
+        }
+    }
+
+    impl FakeOperator for Paged {
+        fn list_jobs(&self, r: pb::ListJobsRequest) -> Result<pb::ListJobsResponse, tonic::Status> {
+            self.requests.lock().unwrap().push(r.clone());
+            Ok(crate::commands::testkit::jobs_page(&self.jobs, &r))
+        }
+    }
+
+    fn listed_ids(out: &str) -> Vec<String> {
+        let v: serde_json::Value = serde_json::from_str(out).unwrap();
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|j| j["id"].as_str().unwrap().to_string())
+            .collect()
+    }
+
+    fn job_ids(range: impl Iterator<Item = u64>) -> Vec<String> {
+        range.map(|i| format!("job-{i}")).collect()
+    }
+
+    #[tokio::test]
+    async fn list_fetches_every_page_and_shows_oldest_first() {
+        let fake = Paged::new(2345);
+        let mut m = connect_to(fake.clone()).await;
+        let (r, out) = run_cmd(&mut m, &["jobs", "list", "--json"]).await;
+        r.unwrap();
+        assert_eq!(listed_ids(&out), job_ids(1..=2345));
+        let reqs = fake.requests();
+        let tokens: Vec<&str> = reqs.iter().map(|r| r.page_token.as_str()).collect();
+        assert_eq!(tokens, vec!["", "1346", "346"]);
+        assert!(reqs.iter().all(|r| r.limit == 1000 && r.states.is_empty()));
+        // The table too.
+        let (r, out) = run_cmd(&mut m, &["jobs", "list"]).await;
+        r.unwrap();
+        assert_eq!(out.lines().count(), 2346, "a header and every job");
+    }
+
+    #[tokio::test]
+    async fn list_limit_takes_the_newest_n() {
+        let fake = Paged::new(2345);
+        let mut m = connect_to(fake.clone()).await;
+        let (r, out) = run_cmd(&mut m, &["jobs", "list", "--json", "--limit", "5"]).await;
+        r.unwrap();
+        assert_eq!(listed_ids(&out), job_ids(2341..=2345));
+        assert_eq!(fake.requests().len(), 1);
+        assert_eq!(fake.requests()[0].limit, 5);
+
+        let fake = Paged::new(2345);
+        let mut m = connect_to(fake.clone()).await;
+        let (r, out) = run_cmd(&mut m, &["jobs", "list", "--json", "--limit", "1500"]).await;
+        r.unwrap();
+        assert_eq!(listed_ids(&out), job_ids(846..=2345));
+        let limits: Vec<u32> = fake.requests().iter().map(|r| r.limit).collect();
+        assert_eq!(limits, vec![1000, 500]);
+
+        // More than there are: all of them.
+        let fake = Paged::new(7);
+        let mut m = connect_to(fake.clone()).await;
+        let (r, out) = run_cmd(&mut m, &["jobs", "list", "--json", "--limit", "100"]).await;
+        r.unwrap();
+        assert_eq!(listed_ids(&out), job_ids(1..=7));
+    }
+
+    #[tokio::test]
+    async fn list_filters_by_state_and_name() {
+        let fake = Paged::new(30);
+        let mut m = connect_to(fake.clone()).await;
+        let (r, out) = run_cmd(&mut m, &["jobs", "list", "--json", "--state", "running"]).await;
+        r.unwrap();
+        assert_eq!(listed_ids(&out), job_ids((3..=30).step_by(3)));
+        assert_eq!(
+            fake.requests()[0].states,
+            vec![pb::JobState::JobRunning as i32]
+        );
+
+        // Repeated and comma separated; with a name and a limit.
+        let (r, out) = run_cmd(
+            &mut m,
+            &[
+                "jobs",
+                "list",
+                "--json",
+                "--state",
+                "QUEUED,running",
+                "--state",
+                "Failed",
+                "--name",
+                "even",
+                "--limit",
+                "4",
+            ],
+        )
+        .await;
+        r.unwrap();
+        assert_eq!(listed_ids(&out), job_ids([24, 26, 28, 30].into_iter()));
+        let last = fake.requests().pop().unwrap();
+        assert_eq!(
+            last.states,
+            vec![
+                pb::JobState::JobQueued as i32,
+                pb::JobState::JobRunning as i32,
+                pb::JobState::JobFailed as i32
+            ]
+        );
+        assert_eq!(last.name, "even");
+    }
+
+    /// A master from before paging: every job, oldest first, no token.
+    struct Unpaged(Arc<Paged>);
+
+    impl FakeOperator for Unpaged {
+        fn list_jobs(&self, r: pb::ListJobsRequest) -> Result<pb::ListJobsResponse, tonic::Status> {
+            self.0.requests.lock().unwrap().push(r);
+            Ok(pb::ListJobsResponse {
+                jobs: self.0.jobs.clone(),
+                next_page_token: String::new(),
+            })
+        }
+    }
+
+    #[tokio::test]
+    async fn list_works_with_a_master_before_paging() {
+        let fake = Arc::new(Unpaged(Paged::new(10)));
+        let mut m = connect_to(fake.clone()).await;
+        let (r, out) = run_cmd(&mut m, &["jobs", "list", "--json"]).await;
+        r.unwrap();
+        assert_eq!(listed_ids(&out), job_ids(1..=10));
+        let (r, out) = run_cmd(&mut m, &["jobs", "list", "--json", "--limit", "3"]).await;
+        r.unwrap();
+        assert_eq!(listed_ids(&out), job_ids(8..=10));
+        assert_eq!(fake.0.requests().len(), 2);
+    }
+
+    #[test]
+    fn list_flags_are_checked() {
+        for bad in [
+            vec!["jobs", "list", "--state", "DONE"],
+            vec!["jobs", "list", "--limit", "0"],
+            vec!["jobs", "list", "--limit", "-3"],
+        ] {
+            let err = parse(&bad).unwrap_err();
+            assert_eq!(err.exit_code(), i32::from(EXIT_USAGE), "{bad:?}");
+        }
+        let err = parse(&["jobs", "list", "--state", "DONE"]).unwrap_err();
+        assert!(err.to_string().contains("--state"), "{err}");
+        assert_eq!(
+            parse_job_state(" succeeded ").unwrap(),
+            pb::JobState::JobSucceeded
+        );
     }
 
     #[tokio::test]

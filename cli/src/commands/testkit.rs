@@ -69,6 +69,38 @@ pub(crate) fn chunks(data: &[&str]) -> Vec<Result<pb::LogChunk, Status>> {
         .collect()
 }
 
+/// A page of `jobs` as the master answers ListJobs: filtered by state and
+/// name, newest first by the N of `job-N`, `limit` jobs (0: 500, at most
+/// 1000), the token being the last job's N.
+pub(crate) fn jobs_page(jobs: &[pb::Job], req: &pb::ListJobsRequest) -> pb::ListJobsResponse {
+    let seq = |j: &pb::Job| -> u64 {
+        j.id.strip_prefix("job-")
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(u64::MAX)
+    };
+    let before: u64 = req.page_token.parse().unwrap_or(u64::MAX);
+    let mut matching: Vec<&pb::Job> = jobs
+        .iter()
+        .filter(|j| req.states.is_empty() || req.states.contains(&j.state))
+        .filter(|j| req.name.is_empty() || j.spec.as_ref().is_some_and(|s| s.name == req.name))
+        .filter(|j| req.page_token.is_empty() || seq(j) < before)
+        .collect();
+    matching.sort_by_key(|j| std::cmp::Reverse(seq(j)));
+    let limit = match req.limit {
+        0 => 500,
+        n => n.min(1000),
+    } as usize;
+    let page: Vec<pb::Job> = matching.iter().take(limit).map(|j| (*j).clone()).collect();
+    let next_page_token = match page.last() {
+        Some(last) if matching.len() > page.len() => seq(last).to_string(),
+        _ => String::new(),
+    };
+    pb::ListJobsResponse {
+        jobs: page,
+        next_page_token,
+    }
+}
+
 /// Serves `fake` on a free local port; returns its address.
 pub(crate) async fn serve<F: FakeOperator>(fake: Arc<F>) -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

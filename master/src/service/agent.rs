@@ -9,6 +9,7 @@ use gpuctl_proto::types::{AgentInfo, GpuReport, RuntimeStatus, StatusUpdate, Tas
 use tokio::sync::mpsc;
 use tonic::{Request, Response, Status};
 
+use super::task_stream::{self, TaskStream};
 use super::Ctx;
 use crate::now_ms;
 use crate::state::{AgentState, Command, GpuHealthChange};
@@ -147,7 +148,8 @@ impl pb::agent_manager_server::AgentManager for AgentManagerService {
         &self,
         req: Request<pb::WatchTasksRequest>,
     ) -> Result<Response<Self::WatchTasksStream>, Status> {
-        let agent_id = req.into_inner().agent_id;
+        let req = req.into_inner();
+        let (agent_id, incremental) = (req.agent_id, req.incremental);
         agent_known(&self.ctx, &agent_id)?;
         let (tx, rx) = mpsc::channel(4);
         let raft = self.ctx.raft.clone();
@@ -156,6 +158,9 @@ impl pb::agent_manager_server::AgentManager for AgentManagerService {
         let mut status = raft.status_watch();
         let ctx = self.ctx.clone();
         tokio::spawn(async move {
+            // Incremental agents: a snapshot, then differences, in messages
+            // of bounded size. Older agents: the full set on every change.
+            let mut stream = TaskStream::new(task_stream::MESSAGE_BUDGET);
             let mut last: Option<(Vec<TaskSpec>, Vec<String>)> = None;
             loop {
                 if !status.borrow().serving {
@@ -164,15 +169,26 @@ impl pb::agent_manager_server::AgentManager for AgentManagerService {
                     return;
                 }
                 let desired = raft.state().desired_tasks(&agent_id);
-                if last.as_ref() != Some(&desired) {
+                let msgs = if incremental {
+                    stream.update(desired.0, desired.1)
+                } else if last.as_ref() != Some(&desired) {
                     let msg = pb::DesiredTasks {
                         tasks: desired.0.iter().cloned().map(Into::into).collect(),
                         kill: desired.1.clone(),
+                        ..Default::default()
                     };
-                    if tx.send(Ok(msg)).await.is_err() {
-                        return; // the agent went away
-                    }
                     last = Some(desired);
+                    vec![msg]
+                } else {
+                    Vec::new()
+                };
+                for msg in msgs {
+                    tokio::select! {
+                        r = tx.send(Ok(msg)) => if r.is_err() {
+                            return; // the agent went away
+                        },
+                        _ = shutdown.changed() => return,
+                    }
                 }
                 tokio::select! {
                     r = applied.changed() => if r.is_err() { return },

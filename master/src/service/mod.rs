@@ -3,10 +3,12 @@
 
 mod agent;
 pub mod gate;
+mod jobs_page;
 mod masters;
 mod operator;
 mod raft;
 mod scheduler;
+mod task_stream;
 
 use std::sync::Arc;
 

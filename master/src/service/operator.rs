@@ -10,7 +10,7 @@ use gpuctl_proto::types::{utc_timestamp, GpuSample, JobSpec, JobState, RuntimeSt
 use tokio::sync::mpsc;
 use tonic::{Request, Response, Status};
 
-use super::Ctx;
+use super::{jobs_page, Ctx};
 use crate::now_ms;
 use crate::scheduler::queue;
 use crate::state::{AgentRecord, AgentState, Command, JobRecord, Outcome, State, TaskRecord};
@@ -252,18 +252,24 @@ impl pb::operator_server::Operator for OperatorService {
 
     async fn list_jobs(
         &self,
-        _: Request<pb::ListJobsRequest>,
+        req: Request<pb::ListJobsRequest>,
     ) -> Result<Response<pb::ListJobsResponse>, Status> {
+        let req = jobs_page::PageRequest::try_from(req.into_inner())?;
         let state = self.ctx.raft.state();
-        let mut jobs: Vec<&JobRecord> = state.jobs.values().collect();
-        jobs.sort_by_key(|j| crate::state::job_seq(&j.id));
-        let reasons = queue::plan(&state, &self.ctx.config.queue_config()).reasons;
-        Ok(Response::new(pb::ListJobsResponse {
-            jobs: jobs
-                .into_iter()
-                .map(|j| job_to_pb(&state, j, &reasons))
-                .collect(),
-        }))
+        // Why queued jobs wait: only worked out when the page may hold one.
+        let queued = state.jobs.values().any(|j| j.state == JobState::Queued)
+            && (req.states.is_empty() || req.states.contains(&JobState::Queued));
+        let reasons = if queued {
+            queue::plan(&state, &self.ctx.config.queue_config()).reasons
+        } else {
+            BTreeMap::new()
+        };
+        Ok(Response::new(jobs_page::page(
+            &state,
+            &req,
+            jobs_page::PAGE_BYTES,
+            |j| job_to_pb(&state, j, &reasons),
+        )))
     }
 
     async fn cancel_job(

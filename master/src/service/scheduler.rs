@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::pin::Pin;
 
 use futures::Stream;
-use gpuctl_proto::convert::{check_id, resources_from_pb};
+use gpuctl_proto::convert::{check_id, check_payload, resources_from_pb};
 use gpuctl_proto::pb;
 use gpuctl_proto::types::{FrameworkInfo, Resources};
 use tokio::sync::mpsc;
@@ -121,17 +121,15 @@ fn to_framework_task(
             t.agent_id
         )));
     }
-    if t.command.is_empty() || t.command[0].is_empty() {
-        return Err(Status::invalid_argument(format!(
-            "invalid {field}.command: must not be empty"
-        )));
-    }
+    // The same limits as a job's (docs/framework-api.md#limits).
+    let env: BTreeMap<String, String> = t.env.into_iter().collect();
+    check_payload(field, &t.image, &t.command, &env)?;
     Ok(FrameworkTask {
         task_id: t.task_id,
         agent_id: t.agent_id,
         image: (!t.image.is_empty()).then_some(t.image),
         command: t.command,
-        env: t.env.into_iter().collect(),
+        env,
         resources,
         gpu_uuids: t.gpu_uuids,
     })
@@ -414,5 +412,106 @@ impl pb::scheduler_server::Scheduler for SchedulerService {
             .await?;
         self.ctx.hub.wake();
         Ok(Response::new(pb::CallResponse {}))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpuctl_proto::convert::{
+        MAX_COMMAND_ARGS, MAX_ENV_TOTAL_BYTES, MAX_ENV_VALUE_BYTES, MAX_MEM_MIB,
+    };
+
+    fn offered() -> BTreeMap<String, (Resources, BTreeSet<String>)> {
+        let all = Resources {
+            cpus: 8.0,
+            mem_mib: MAX_MEM_MIB,
+            gpus: 1,
+        };
+        [("a1".to_string(), (all, ["GPU-0".to_string()].into()))].into()
+    }
+
+    fn task() -> pb::TaskInfo {
+        pb::TaskInfo {
+            task_id: "t1".into(),
+            agent_id: "a1".into(),
+            command: vec!["true".into()],
+            resources: Some(pb::Resources {
+                cpus: 1.0,
+                mem_mib: 64,
+                gpus: 0,
+            }),
+            ..Default::default()
+        }
+    }
+
+    /// The task converted as `operations[0].tasks[1]`; the field of the
+    /// error when it is refused.
+    fn launch(t: pb::TaskInfo) -> Result<FrameworkTask, String> {
+        to_framework_task(
+            "operations[0].tasks[1]",
+            t,
+            &offered(),
+            &mut BTreeMap::new(),
+        )
+        .map_err(|s| {
+            assert_eq!(s.code(), tonic::Code::InvalidArgument, "{s:?}");
+            s.message().to_string()
+        })
+    }
+
+    #[test]
+    fn framework_tasks_have_the_job_limits() {
+        let mut t = task();
+        t.env = [("FOO".to_string(), "v".repeat(MAX_ENV_VALUE_BYTES))].into();
+        assert!(launch(t.clone()).is_ok());
+        t.env = [("FOO".to_string(), "v".repeat(MAX_ENV_VALUE_BYTES + 1))].into();
+        let err = launch(t).unwrap_err();
+        assert!(
+            err.starts_with("invalid operations[0].tasks[1].env[\"FOO\"]: value is 32769 bytes"),
+            "{err}"
+        );
+
+        let mut t = task();
+        t.env = (0..9)
+            .map(|i| (format!("K{i}"), "v".repeat(MAX_ENV_TOTAL_BYTES / 8 - 2)))
+            .collect();
+        let err = launch(t).unwrap_err();
+        assert!(
+            err.starts_with("invalid operations[0].tasks[1].env:"),
+            "{err}"
+        );
+
+        let mut t = task();
+        t.command = vec!["a".into(); MAX_COMMAND_ARGS];
+        assert!(launch(t.clone()).is_ok());
+        t.command.push("b".into());
+        let err = launch(t).unwrap_err();
+        assert!(
+            err.starts_with("invalid operations[0].tasks[1].command:"),
+            "{err}"
+        );
+
+        let mut t = task();
+        t.image = "bad image".into();
+        assert!(launch(t)
+            .unwrap_err()
+            .starts_with("invalid operations[0].tasks[1].image:"));
+
+        let mut t = task();
+        t.command.clear();
+        assert!(launch(t)
+            .unwrap_err()
+            .starts_with("invalid operations[0].tasks[1].command:"));
+
+        let mut t = task();
+        if let Some(r) = t.resources.as_mut() {
+            r.mem_mib = u64::MAX;
+        }
+        let err = launch(t).unwrap_err();
+        assert!(
+            err.starts_with("invalid operations[0].tasks[1].resources.mem_mib:"),
+            "{err}"
+        );
     }
 }

@@ -1,0 +1,239 @@
+//! The receiving end of the agent's task stream (WatchTasks): the desired
+//! task set, rebuilt from the master's messages. PURE: plain data in, plain
+//! data out.
+//!
+//! An agent keeps one [`DesiredSet`] per stream (a new one on every
+//! WatchTasks call), [`apply`](DesiredSet::apply)s every message in order,
+//! and acts on [`run`](DesiredSet::run) and [`kill`](DesiredSet::kill) only
+//! when `apply` answers `true` (the message completed a snapshot or a batch
+//! of differences). The protocol is described on `DesiredTasks` in
+//! `proto/gpuctl/v1/agent.proto`.
+//!
+//! A master that predates incremental streams sends the full set in every
+//! message and never sets `reset`: when the first message of a stream has
+//! no `reset`, every message is read as the full set, complete.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use crate::convert::ConvertError;
+use crate::pb;
+use crate::types::{TaskId, TaskSpec};
+
+/// A message of the task stream that cannot be applied. The set is left
+/// as it was.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum DesiredError {
+    #[error("the master sent an invalid task {task_id:?}: {source}")]
+    InvalidTask {
+        task_id: String,
+        #[source]
+        source: ConvertError,
+    },
+}
+
+/// How the master streams, as learnt from the stream's first message.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+enum Mode {
+    /// No message yet.
+    #[default]
+    Unknown,
+    /// Snapshot, then differences.
+    Incremental,
+    /// Every message is the full set (masters before incremental streams).
+    Full,
+}
+
+/// The tasks the master wants on this agent: those to run and those to kill.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct DesiredSet {
+    run: BTreeMap<TaskId, TaskSpec>,
+    kill: BTreeSet<TaskId>,
+    mode: Mode,
+}
+
+impl DesiredSet {
+    /// An empty set, for a new stream.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Applies one message of the stream. `Ok(true)`: the message completed
+    /// a snapshot or a batch, the set is the master's desired set and the
+    /// agent may act on it; `Ok(false)`: more messages of the batch follow.
+    /// On an error (a task spec that does not convert) nothing is changed.
+    pub fn apply(&mut self, msg: &pb::DesiredTasks) -> Result<bool, DesiredError> {
+        self.apply_owned(msg.clone())
+    }
+
+    /// [`apply`](Self::apply), taking the message (no copy of its specs).
+    pub fn apply_owned(&mut self, msg: pb::DesiredTasks) -> Result<bool, DesiredError> {
+        // Convert every spec first, so that an error changes nothing.
+        let mut specs = Vec::with_capacity(msg.tasks.len());
+        for t in msg.tasks {
+            let task_id = t.task_id.clone();
+            let spec = TaskSpec::try_from(t)
+                .map_err(|source| DesiredError::InvalidTask { task_id, source })?;
+            specs.push(spec);
+        }
+        if self.mode == Mode::Unknown {
+            self.mode = if msg.reset {
+                Mode::Incremental
+            } else {
+                Mode::Full
+            };
+        }
+        let full = self.mode == Mode::Full;
+        if msg.reset || full {
+            self.run.clear();
+            self.kill.clear();
+        }
+        for spec in specs {
+            self.kill.remove(&spec.task_id);
+            self.run.insert(spec.task_id.clone(), spec);
+        }
+        for id in msg.kill {
+            self.run.remove(&id);
+            self.kill.insert(id);
+        }
+        for id in &msg.removed {
+            self.run.remove(id);
+            self.kill.remove(id);
+        }
+        Ok(msg.complete || full)
+    }
+
+    /// Tasks to run, by id.
+    pub fn run(&self) -> &BTreeMap<TaskId, TaskSpec> {
+        &self.run
+    }
+
+    /// Tasks to kill.
+    pub fn kill(&self) -> &BTreeSet<TaskId> {
+        &self.kill
+    }
+
+    /// The tasks to run, in id order (a copy, e.g. for an executor's
+    /// reconcile).
+    pub fn tasks(&self) -> Vec<TaskSpec> {
+        self.run.values().cloned().collect()
+    }
+
+    /// The ids to kill, in order (a copy).
+    pub fn kill_ids(&self) -> Vec<TaskId> {
+        self.kill.iter().cloned().collect()
+    }
+
+    /// Whether the master sends the full set in every message (a master
+    /// that predates incremental streams). False before the first message.
+    pub fn is_full_mode(&self) -> bool {
+        self.mode == Mode::Full
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(id: &str, arg: &str) -> pb::TaskSpec {
+        pb::TaskSpec {
+            task_id: id.into(),
+            job_id: "job-1".into(),
+            command: vec!["echo".into(), arg.into()],
+            ..Default::default()
+        }
+    }
+
+    fn ids(s: &DesiredSet) -> (Vec<&str>, Vec<&str>) {
+        (
+            s.run().keys().map(String::as_str).collect(),
+            s.kill().iter().map(String::as_str).collect(),
+        )
+    }
+
+    fn msg(tasks: Vec<pb::TaskSpec>, kill: &[&str], removed: &[&str]) -> pb::DesiredTasks {
+        pb::DesiredTasks {
+            tasks,
+            kill: kill.iter().map(|s| s.to_string()).collect(),
+            removed: removed.iter().map(|s| s.to_string()).collect(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn snapshot_in_parts_then_differences() {
+        let mut s = DesiredSet::new();
+        let mut first = msg(vec![spec("a", "1")], &[], &[]);
+        first.reset = true;
+        assert!(!s.apply(&first).unwrap(), "not complete yet");
+        let mut last = msg(vec![spec("b", "1")], &["k"], &[]);
+        last.complete = true;
+        assert!(s.apply(&last).unwrap());
+        assert_eq!(ids(&s), (vec!["a", "b"], vec!["k"]));
+        assert!(!s.is_full_mode());
+
+        // A batch: a changes, b is killed, k is gone, c is new.
+        assert!(!s.apply(&msg(vec![spec("a", "2")], &["b"], &[])).unwrap());
+        let mut end = msg(vec![spec("c", "1")], &[], &["k"]);
+        end.complete = true;
+        assert!(s.apply(&end).unwrap());
+        assert_eq!(ids(&s), (vec!["a", "c"], vec!["b"]));
+        assert_eq!(s.run()["a"].command[1], "2");
+
+        // A killed task wanted again; a removed one leaves both sets.
+        let mut back = msg(vec![spec("b", "1")], &[], &["c"]);
+        back.complete = true;
+        assert!(s.apply(&back).unwrap());
+        assert_eq!(ids(&s), (vec!["a", "b"], vec![]));
+        assert_eq!(s.tasks().len(), 2);
+        assert!(s.kill_ids().is_empty());
+
+        // A reset later starts over.
+        let mut again = msg(vec![spec("z", "1")], &[], &[]);
+        again.reset = true;
+        again.complete = true;
+        assert!(s.apply(&again).unwrap());
+        assert_eq!(ids(&s), (vec!["z"], vec![]));
+    }
+
+    #[test]
+    fn an_old_master_sends_full_sets() {
+        let mut s = DesiredSet::new();
+        assert!(s
+            .apply(&msg(vec![spec("a", "1"), spec("b", "1")], &["k"], &[]))
+            .unwrap());
+        assert!(s.is_full_mode());
+        assert!(s.apply(&msg(vec![spec("b", "1")], &[], &[])).unwrap());
+        assert_eq!(ids(&s), (vec!["b"], vec![]));
+    }
+
+    #[test]
+    fn an_invalid_spec_changes_nothing() {
+        let mut s = DesiredSet::new();
+        let mut first = msg(vec![spec("a", "1")], &["k"], &[]);
+        first.reset = true;
+        first.complete = true;
+        s.apply(&first).unwrap();
+        let before = s.clone();
+        let mut bad = spec("b", "1");
+        bad.command.clear();
+        let err = s
+            .apply(&msg(vec![spec("c", "1"), bad], &["a"], &["k"]))
+            .unwrap_err();
+        assert!(matches!(&err, DesiredError::InvalidTask { task_id, source }
+            if task_id == "b" && source.field == "task.command"));
+        assert_eq!(s, before);
+    }
+
+    #[test]
+    fn an_empty_snapshot_is_complete() {
+        let mut s = DesiredSet::new();
+        let m = pb::DesiredTasks {
+            reset: true,
+            complete: true,
+            ..Default::default()
+        };
+        assert!(s.apply(&m).unwrap());
+        assert_eq!(ids(&s), (vec![], vec![]));
+        assert!(!s.is_full_mode());
+    }
+}
