@@ -171,6 +171,11 @@ pub struct Options {
     /// Serve Prometheus metrics at http://HOST:PORT/metrics.
     #[arg(long, env = "GPUCTL_AGENT_METRICS_LISTEN")]
     pub metrics_listen: Option<SocketAddr>,
+    /// Stop every task when the agent stops (SIGTERM). Off by default:
+    /// tasks outlive the agent, and `gpuctl agents drain` empties a machine.
+    /// For throwaway agents (tests, trials).
+    #[arg(long, env = "GPUCTL_AGENT_STOP_TASKS_ON_SHUTDOWN")]
+    pub stop_tasks_on_shutdown: bool,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -196,6 +201,7 @@ struct FileOptions {
     health_recovery_secs: Option<f64>,
     health_ignore_xids: Option<String>,
     metrics_listen: Option<SocketAddr>,
+    stop_tasks_on_shutdown: Option<bool>,
 }
 
 fn unset(m: &ArgMatches, id: &str) -> bool {
@@ -277,6 +283,7 @@ impl Options {
             fill!(health_recovery_secs);
             fill!(health_ignore_xids);
             fill!(opt metrics_listen);
+            fill!(stop_tasks_on_shutdown);
         }
         Ok(o)
     }
@@ -350,7 +357,7 @@ impl Options {
             health,
             metrics_listen: self.metrics_listen,
             supervisor_exe: None,
-            stop_tasks_on_shutdown: false,
+            stop_tasks_on_shutdown: self.stop_tasks_on_shutdown,
         })
     }
 }

@@ -266,6 +266,10 @@ pub struct AgentOpts<'a> {
     pub runtime: &'a str,
     pub extra: Vec<String>,
     pub env: Vec<(String, String)>,
+    /// Test agents take their tasks down with them when the test drops
+    /// them (`--stop-tasks-on-shutdown`), so nothing outlives a test;
+    /// tests of task survival turn it off.
+    pub stop_tasks_on_shutdown: bool,
 }
 
 impl Default for AgentOpts<'_> {
@@ -275,6 +279,7 @@ impl Default for AgentOpts<'_> {
             runtime: "process",
             extra: vec![],
             env: vec![],
+            stop_tasks_on_shutdown: true,
         }
     }
 }
@@ -824,6 +829,9 @@ fn spawn_agent(dir: &Path, n: usize, masters: &str, opts: AgentOpts) -> (Daemon,
         "--kill-grace-secs".into(),
         "2".into(),
     ];
+    if opts.stop_tasks_on_shutdown {
+        args.push("--stop-tasks-on-shutdown".into());
+    }
     if let Some(s) = opts.simulate_gpus {
         args.push("--simulate-gpus".into());
         args.push(s.into());
@@ -988,4 +996,184 @@ pub fn cgroup_dirs(parent: &str, task_id: &str) -> Vec<PathBuf> {
                 .collect()
         })
         .unwrap_or_default()
+}
+
+/// A live process of a gpuctl task, seen from outside gpuctl: every process
+/// on the host (container processes included) whose environment carries
+/// `GPUCTL_TASK_ID`, read from `/proc/<pid>/environ`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LiveTask {
+    pub pid: i32,
+    pub task_id: String,
+    pub job_id: String,
+    pub gpus: Vec<String>,
+}
+
+/// The live task processes whose environment has `marker=value` (a test's
+/// own jobs, submitted with `--env marker=value`).
+pub fn live_tasks(marker: &str, value: &str) -> Vec<LiveTask> {
+    let want = format!("{marker}={value}");
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        // Zombies have ended: they hold nothing.
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        if stat
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z'))
+        {
+            continue;
+        }
+        let Ok(env) = std::fs::read(format!("/proc/{pid}/environ")) else {
+            continue;
+        };
+        let vars: Vec<String> = env
+            .split(|b| *b == 0)
+            .map(|v| String::from_utf8_lossy(v).into_owned())
+            .collect();
+        if !vars.iter().any(|v| *v == want) {
+            continue;
+        }
+        let get = |k: &str| {
+            vars.iter()
+                .find_map(|v| v.strip_prefix(&format!("{k}=")).map(str::to_string))
+                .unwrap_or_default()
+        };
+        out.push(LiveTask {
+            pid,
+            task_id: get("GPUCTL_TASK_ID"),
+            job_id: get("GPUCTL_JOB_ID"),
+            gpus: get("GPUCTL_GPUS")
+                .split(',')
+                .filter(|g| !g.is_empty())
+                .map(str::to_string)
+                .collect(),
+        });
+    }
+    out
+}
+
+/// What breaks gpuctl's promise in one sample of live tasks: a GPU used by
+/// two live tasks, or a job with two live tasks at once.
+pub fn invariant_violations(live: &[LiveTask]) -> Vec<String> {
+    let mut gpu_tasks: std::collections::BTreeMap<&str, std::collections::BTreeSet<&str>> =
+        Default::default();
+    let mut job_tasks: std::collections::BTreeMap<&str, std::collections::BTreeSet<&str>> =
+        Default::default();
+    for t in live {
+        for g in &t.gpus {
+            gpu_tasks.entry(g).or_default().insert(&t.task_id);
+        }
+        job_tasks.entry(&t.job_id).or_default().insert(&t.task_id);
+    }
+    let mut out = Vec::new();
+    for (g, tasks) in gpu_tasks.iter().filter(|(_, t)| t.len() > 1) {
+        out.push(format!("GPU {g} used by live tasks {tasks:?}"));
+    }
+    for (j, tasks) in job_tasks.iter().filter(|(_, t)| t.len() > 1) {
+        out.push(format!("job {j} runs twice at once: {tasks:?}"));
+    }
+    out
+}
+
+/// Samples the live tasks of a test (see [`live_tasks`]) every 50 ms on a
+/// thread of its own until [`InvariantWatch::finish`], collecting every
+/// violation of [`invariant_violations`].
+pub struct InvariantWatch {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    handle: Option<std::thread::JoinHandle<(usize, Vec<String>)>>,
+}
+
+impl InvariantWatch {
+    pub fn start(marker: &str, value: &str) -> InvariantWatch {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (marker, value, flag) = (marker.to_string(), value.to_string(), stop.clone());
+        let handle = std::thread::spawn(move || {
+            let (mut samples, mut seen) = (0, Vec::new());
+            while !flag.load(std::sync::atomic::Ordering::Relaxed) {
+                for v in invariant_violations(&live_tasks(&marker, &value)) {
+                    if !seen.contains(&v) {
+                        seen.push(v);
+                    }
+                }
+                samples += 1;
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            (samples, seen)
+        });
+        InvariantWatch {
+            stop,
+            handle: Some(handle),
+        }
+    }
+
+    /// Stops sampling; returns how many samples were taken and the
+    /// violations seen.
+    pub fn finish(mut self) -> (usize, Vec<String>) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.handle
+            .take()
+            .map(|h| h.join().unwrap())
+            .unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod invariant_tests {
+    use super::*;
+
+    fn t(pid: i32, task: &str, job: &str, gpus: &[&str]) -> LiveTask {
+        LiveTask {
+            pid,
+            task_id: task.into(),
+            job_id: job.into(),
+            gpus: gpus.iter().map(|g| g.to_string()).collect(),
+        }
+    }
+
+    #[test]
+    fn violations_are_found() {
+        // Several processes of one task sharing its GPU are fine.
+        let ok = [
+            t(1, "j1.0", "j1", &["g0"]),
+            t(2, "j1.0", "j1", &["g0"]),
+            t(3, "j2.0", "j2", &["g1"]),
+        ];
+        assert!(invariant_violations(&ok).is_empty());
+        let shared = [t(1, "j1.0", "j1", &["g0"]), t(2, "j2.0", "j2", &["g0"])];
+        assert_eq!(invariant_violations(&shared).len(), 1);
+        let twice = [t(1, "j1.0", "j1", &[]), t(2, "j1.1", "j1", &[])];
+        assert_eq!(
+            invariant_violations(&twice),
+            vec!["job j1 runs twice at once: {\"j1.0\", \"j1.1\"}".to_string()]
+        );
+    }
+
+    #[test]
+    fn live_tasks_are_read_from_proc() {
+        let marker = format!("m{}", std::process::id());
+        let mut child = Command::new("sleep")
+            .arg("30")
+            .env("GPUCTL_INVARIANT_TEST", &marker)
+            .env("GPUCTL_TASK_ID", "job-9.0")
+            .env("GPUCTL_JOB_ID", "job-9")
+            .env("GPUCTL_GPUS", "GPU-a,GPU-b")
+            .spawn()
+            .unwrap();
+        let live = live_tasks("GPUCTL_INVARIANT_TEST", &marker);
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert_eq!(
+            live,
+            vec![LiveTask {
+                pid: child.id() as i32,
+                task_id: "job-9.0".into(),
+                job_id: "job-9".into(),
+                gpus: vec!["GPU-a".into(), "GPU-b".into()],
+            }]
+        );
+        assert!(live_tasks("GPUCTL_INVARIANT_TEST", &marker).is_empty());
+    }
 }

@@ -92,25 +92,48 @@ fn docker_job_runs_logs_and_cancel_removes_its_container() {
 }
 
 #[test]
-fn agent_without_docker_flag_refuses_to_start_when_docker_is_unreachable() {
-    // Asking for Docker explicitly and not getting it is a startup error,
-    // not a silent fallback. Needs no daemon: point DOCKER_HOST nowhere.
+fn agent_asked_for_docker_starts_while_docker_is_down() {
+    // A Docker daemon that is down (restarting, say) when the agent starts
+    // is a runtime condition, not a startup error: containers of an earlier
+    // agent process may still run, and the agent waits for the daemon,
+    // saying so in its log and heartbeats. Needs no daemon: point
+    // DOCKER_HOST nowhere.
     let dir = tempfile::tempdir().unwrap();
-    let out = std::process::Command::new(gpuctl_tests::bin("gpuctl-agent"))
+    let log = std::fs::File::create(dir.path().join("agent.log")).unwrap();
+    let work = dir.path().join("work");
+    let mut agent = std::process::Command::new(gpuctl_tests::bin("gpuctl-agent"))
         .env("DOCKER_HOST", "unix:///nonexistent/docker.sock")
         .args([
             "--master",
             "127.0.0.1:1",
             "--work-dir",
-            dir.path().to_str().unwrap(),
+            work.to_str().unwrap(),
             "--listen",
             "127.0.0.1:0",
             "--runtime",
             "docker",
         ])
-        .output()
+        .stderr(log)
+        .spawn()
         .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("Docker"), "{err}");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let text = loop {
+        let text = std::fs::read_to_string(dir.path().join("agent.log")).unwrap_or_default();
+        if text.contains("agent starting") {
+            break text;
+        }
+        assert!(
+            agent.try_wait().unwrap().is_none(),
+            "the agent exited: {text}"
+        );
+        assert!(std::time::Instant::now() < deadline, "no start: {text}");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
+    assert!(text.contains("Docker does not answer"), "{text}");
+    assert!(
+        agent.try_wait().unwrap().is_none(),
+        "the agent exited: {text}"
+    );
+    agent.kill().unwrap();
+    agent.wait().unwrap();
 }

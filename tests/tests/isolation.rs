@@ -54,6 +54,7 @@ fn setup(name: &str, runtime: &str) -> Setup {
             "FAKE_NVML_CONFIG".into(),
             fake_nvml_config("mixed").display().to_string(),
         )],
+        stop_tasks_on_shutdown: true,
     });
     let described = c.json(&["agents", "describe", &agent, "--json"]);
     // Task cgroups are <cgroup-parent>/<agent-id>/<task-id>.

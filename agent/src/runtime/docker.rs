@@ -713,10 +713,29 @@ async fn pump_logs(rt: DockerRuntime, name: String, task: TaskRef) -> Result<(),
         }),
     );
     let (mut seen_key, mut seen) = (String::new(), 0u64);
-    let mut saved = tokio::time::Instant::now();
+    // The first line after a quiet spell has its cursor saved at once.
+    let mut saved = tokio::time::Instant::now()
+        .checked_sub(CURSOR_SAVE)
+        .unwrap_or_else(tokio::time::Instant::now);
     let mut dirty = false;
     let result = loop {
-        let Some(chunk) = logs.next().await else {
+        // Output that stops flowing has its cursor saved at once, so a quiet
+        // task's last lines are not copied again after an agent crash.
+        let next = if dirty {
+            match tokio::time::timeout(CURSOR_SAVE, logs.next()).await {
+                Ok(next) => next,
+                Err(_) => {
+                    file.flush().await.map_err(io_err)?;
+                    save_cursor(&cursor_path, &cursor);
+                    saved = tokio::time::Instant::now();
+                    dirty = false;
+                    continue;
+                }
+            }
+        } else {
+            logs.next().await
+        };
+        let Some(chunk) = next else {
             break Ok(());
         };
         let bytes = match chunk {

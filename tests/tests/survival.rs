@@ -1,0 +1,240 @@
+//! Training outlives the agent: an agent SIGKILLed or SIGTERMed under
+//! running Docker and host-process tasks loses none of them; a task that
+//! ends while the agent is down is reported with its real exit code; an
+//! agent frozen (SIGSTOP) past the agent timeout gets its tasks back, and
+//! one frozen past the lost timeout has fenced them before the job runs
+//! elsewhere. Throughout, a watcher reads every live process's environment
+//! from /proc (containers included) and checks that no GPU is used by two
+//! live tasks and no job runs twice at once: the invariant from outside
+//! the master. Needs root and Docker (skipped otherwise; required in CI).
+#![allow(clippy::unwrap_used)]
+
+use std::time::Duration;
+
+use gpuctl_tests::Gpuctl;
+use gpuctl_tests::{
+    busybox_image, docker_or_skip, live_tasks, wait_for, AgentOpts, Cluster, InvariantWatch,
+};
+
+const MARKER: &str = "GPUCTL_SURVIVAL_TEST";
+
+fn marker(test: &str) -> String {
+    format!("{test}-{}", std::process::id())
+}
+
+fn assert_no_violation(watch: InvariantWatch) {
+    let (samples, violations) = watch.finish();
+    assert!(
+        samples > 10,
+        "the invariant watcher took only {samples} samples"
+    );
+    assert!(
+        violations.is_empty(),
+        "GPU invariant broken: {violations:#?}"
+    );
+}
+
+/// Exactly one task ran for the job, and it ended as expected.
+fn assert_ran_once(c: &Cluster, job: &str, state: &str, exit_code: i64) {
+    let j = c.wait_state(job, state, Duration::from_secs(60));
+    let tasks = j["tasks"].as_array().unwrap();
+    assert_eq!(tasks.len(), 1, "{job} ran more than once: {j}");
+    assert_eq!(tasks[0]["exit_code"], exit_code, "{j}");
+}
+
+#[test]
+fn tasks_survive_agent_sigkill_and_sigterm_with_their_real_exit_codes() {
+    let test = "tasks_survive_agent_sigkill_and_sigterm_with_their_real_exit_codes";
+    if !docker_or_skip(test) {
+        return;
+    }
+    let image = busybox_image();
+    let m = marker("kill");
+    let env = format!("{MARKER}={m}");
+    let mut c = Cluster::start(&["--heartbeat-interval-secs", "0.2"]);
+    c.add_agent(AgentOpts {
+        runtime: "docker,process",
+        stop_tasks_on_shutdown: false,
+        ..Default::default()
+    });
+    let watch = InvariantWatch::start(MARKER, &m);
+    // Each writes a line when it starts, so a second start would show.
+    let proc_job = c.submit(&[
+        "--name",
+        "proc",
+        "--gpus",
+        "1",
+        "--env",
+        &env,
+        "--",
+        "sh",
+        "-c",
+        "echo started >> ../../starts-proc; sleep 8; exit 3",
+    ]);
+    let docker_job = c.submit(&[
+        "--name",
+        "ctr",
+        "--gpus",
+        "1",
+        "--image",
+        &image,
+        "--env",
+        &env,
+        "--",
+        "sh",
+        "-c",
+        "echo started; sleep 8; exit 5",
+    ]);
+    c.wait_state(&proc_job, "RUNNING", Duration::from_secs(60));
+    c.wait_state(&docker_job, "RUNNING", Duration::from_secs(60));
+    wait_for(Duration::from_secs(10), "both tasks live", || {
+        live_tasks(MARKER, &m)
+            .iter()
+            .map(|t| &t.task_id)
+            .collect::<std::collections::BTreeSet<_>>()
+            .len()
+            == 2
+    });
+
+    // The container's output is copied at least once: a crash within a
+    // quarter second of a line may copy that line again (docs/operations.md).
+    std::thread::sleep(Duration::from_millis(500));
+    // A crash: both tasks keep running, seen from outside.
+    c.agents[0].kill();
+    std::thread::sleep(Duration::from_secs(1));
+    let live = live_tasks(MARKER, &m);
+    let ids: std::collections::BTreeSet<_> = live.iter().map(|t| t.task_id.clone()).collect();
+    assert_eq!(ids.len(), 2, "tasks died with the agent: {live:?}");
+    c.restart_agent(0);
+    assert_ran_once(&c, &proc_job, "FAILED", 3);
+    assert_ran_once(&c, &docker_job, "FAILED", 5);
+    // The output survives the crash. (Known bug, open: after a reattach
+    // the container's first line may be copied a second time; the log copy
+    // is at least once, see docs/operations.md.)
+    let logs = c.ok(&["jobs", "logs", &docker_job]);
+    assert!(logs.contains("started"), "{logs}");
+
+    // A graceful stop (an upgrade): the task ends while no agent runs and
+    // is reported by the next one with its real exit code.
+    let quick = c.submit(&[
+        "--name",
+        "quick",
+        "--gpus",
+        "1",
+        "--env",
+        &env,
+        "--",
+        "sh",
+        "-c",
+        "sleep 3; exit 0",
+    ]);
+    c.wait_state(&quick, "RUNNING", Duration::from_secs(60));
+    c.agents[0].stop();
+    assert_eq!(
+        live_tasks(MARKER, &m).len(),
+        1,
+        "the task died with a SIGTERMed agent"
+    );
+    wait_for(
+        Duration::from_secs(15),
+        "the task ends while the agent is down",
+        || live_tasks(MARKER, &m).is_empty(),
+    );
+    assert_eq!(
+        c.job(&quick)["state"],
+        "RUNNING",
+        "nobody could have told the master"
+    );
+    c.restart_agent(0);
+    assert_ran_once(&c, &quick, "SUCCEEDED", 0);
+    assert_no_violation(watch);
+}
+
+#[test]
+fn a_frozen_agent_keeps_its_tasks_until_fenced_and_the_job_never_runs_twice() {
+    let test = "a_frozen_agent_keeps_its_tasks_until_fenced_and_the_job_never_runs_twice";
+    if !docker_or_skip(test) {
+        return;
+    }
+    let m = marker("freeze");
+    let env = format!("{MARKER}={m}");
+    // Unreachable after 1.5 s; the agent's tasks are fenced 4 s after its
+    // last contact (+ 2 s grace); lost after 12 s > 4 + 2 + 5.
+    let mut c = Cluster::start(&[
+        "--heartbeat-interval-secs",
+        "0.2",
+        "--agent-timeout-secs",
+        "1.5",
+        "--agent-fence-timeout-secs",
+        "4",
+        "--agent-lost-timeout-secs",
+        "12",
+    ]);
+    c.add_agent(AgentOpts {
+        simulate_gpus: Some("1xA100-SXM4-40GB"),
+        stop_tasks_on_shutdown: false,
+        ..Default::default()
+    });
+    let watch = InvariantWatch::start(MARKER, &m);
+    let j = c.submit(&[
+        "--name",
+        "train",
+        "--gpus",
+        "1",
+        "--max-retries",
+        "1",
+        "--env",
+        &env,
+        "--",
+        "sh",
+        "-c",
+        "exec sleep 300",
+    ]);
+    let job = c.wait_state(&j, "RUNNING", Duration::from_secs(60));
+    let first = job["tasks"][0]["id"].as_str().unwrap().to_string();
+    let pid = c.agents[0].pid();
+    let signal = |s| nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), s).unwrap();
+
+    // A short freeze (past the agent timeout, within the fence): the task
+    // is UNREACHABLE, still held, and RUNNING again when the agent is back.
+    signal(nix::sys::signal::Signal::SIGSTOP);
+    wait_for(Duration::from_secs(10), "task UNREACHABLE", || {
+        c.job(&j)["tasks"][0]["state"] == "UNREACHABLE"
+    });
+    assert_eq!(c.job(&j)["state"], "RUNNING");
+    signal(nix::sys::signal::Signal::SIGCONT);
+    wait_for(Duration::from_secs(10), "task RUNNING again", || {
+        c.job(&j)["tasks"][0]["state"] == "RUNNING"
+    });
+    assert_eq!(live_tasks(MARKER, &m).len(), 1);
+
+    // A second agent where the job may go once its task is LOST.
+    c.add_agent(AgentOpts {
+        simulate_gpus: Some("1xA100-SXM4-40GB"),
+        ..Default::default()
+    });
+    // A long freeze: the supervisor fences the task (the agent cannot), and
+    // only then does the master declare it LOST and start the job again.
+    signal(nix::sys::signal::Signal::SIGSTOP);
+    wait_for(
+        Duration::from_secs(15),
+        "the fence stops the frozen agent's task",
+        || !live_tasks(MARKER, &m).iter().any(|t| t.task_id == first),
+    );
+    wait_for(
+        Duration::from_secs(30),
+        "the job runs again elsewhere",
+        || live_tasks(MARKER, &m).iter().any(|t| t.task_id != first),
+    );
+    signal(nix::sys::signal::Signal::SIGCONT);
+    wait_for(Duration::from_secs(20), "the old task is released", || {
+        let j = c.job(&j);
+        j["tasks"][0]["id"] == first.as_str() && j["tasks"][0]["state"] != "UNREACHABLE"
+    });
+    let j2 = c.job(&j);
+    assert_eq!(j2["state"], "RUNNING", "{j2}");
+    assert_eq!(j2["tasks"].as_array().unwrap().len(), 2, "{j2}");
+    c.ok(&["jobs", "cancel", &j]);
+    c.wait_state(&j, "CANCELLED", Duration::from_secs(30));
+    assert_no_violation(watch);
+}
