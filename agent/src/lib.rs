@@ -125,11 +125,14 @@ async fn make_runtimes(
     if want(Runtime::Docker) {
         match DockerRuntime::connect().await {
             Ok(d) => {
+                let d = d.with_fence_watcher(supervisor_exe.clone());
                 out.insert(Runtime::Docker, Arc::new(d));
             }
             Err(e) if wanted.is_some() || has_docker_tasks => {
                 tracing::warn!(error = %e, "Docker does not answer; its tasks wait until it does");
-                let d = DockerRuntime::new().map_err(AgentError::Docker)?;
+                let d = DockerRuntime::new()
+                    .map_err(AgentError::Docker)?
+                    .with_fence_watcher(supervisor_exe.clone());
                 out.insert(Runtime::Docker, Arc::new(d));
             }
             Err(e) => {

@@ -237,3 +237,70 @@ fn a_frozen_agent_keeps_its_tasks_until_fenced_and_the_job_never_runs_twice() {
     c.wait_state(&j, "CANCELLED", Duration::from_secs(30));
     assert_no_violation(watch);
 }
+
+#[test]
+fn a_frozen_agents_container_is_fenced_by_its_watcher() {
+    let test = "a_frozen_agents_container_is_fenced_by_its_watcher";
+    if !docker_or_skip(test) {
+        return;
+    }
+    let image = busybox_image();
+    let m = marker("ctr-fence");
+    let env = format!("{MARKER}={m}");
+    let mut c = Cluster::start(&[
+        "--heartbeat-interval-secs",
+        "0.2",
+        "--agent-timeout-secs",
+        "1.5",
+        "--agent-fence-timeout-secs",
+        "4",
+        "--agent-lost-timeout-secs",
+        "30",
+    ]);
+    c.add_agent(AgentOpts {
+        runtime: "docker,process",
+        simulate_gpus: Some("1xA100-SXM4-40GB"),
+        stop_tasks_on_shutdown: false,
+        ..Default::default()
+    });
+    let watch = InvariantWatch::start(MARKER, &m);
+    let j = c.submit(&[
+        "--name", "ctr", "--gpus", "1", "--image", &image, "--env", &env, "--", "sleep", "300",
+    ]);
+    let job = c.wait_state(&j, "RUNNING", Duration::from_secs(60));
+    let first = job["tasks"][0]["id"].as_str().unwrap().to_string();
+    wait_for(Duration::from_secs(10), "the container runs", || {
+        live_tasks(MARKER, &m).iter().any(|t| t.task_id == first)
+    });
+    let pid = c.agents[0].pid();
+    let signal = |s| nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), s).unwrap();
+    // Frozen: the agent cannot stop anything; the container's own watcher
+    // stops it once the last contact is 4 s old (+ the 2 s grace).
+    signal(nix::sys::signal::Signal::SIGSTOP);
+    let frozen_at = std::time::Instant::now();
+    wait_for(
+        Duration::from_secs(20),
+        "the watcher stops the container",
+        || live_tasks(MARKER, &m).is_empty(),
+    );
+    assert!(
+        frozen_at.elapsed() >= Duration::from_secs(3),
+        "stopped before the fence: {:?}",
+        frozen_at.elapsed()
+    );
+    // Back before the lost timeout: the agent reports the task KILLED by
+    // the fence, with its reason.
+    signal(nix::sys::signal::Signal::SIGCONT);
+    wait_for(
+        Duration::from_secs(30),
+        "the fenced task is reported",
+        || c.job(&j)["tasks"][0]["state"] == "KILLED",
+    );
+    let job = c.job(&j);
+    let msg = job["tasks"][0]["message"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert!(msg.contains("fenced"), "{job}");
+    assert_no_violation(watch);
+}

@@ -6,7 +6,7 @@
 //! default SIGTERM behaviour when the container is stopped.
 
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
@@ -26,7 +26,7 @@ use tokio::io::AsyncWriteExt;
 use tokio::task::JoinHandle;
 
 use super::{
-    ContainerRuntime, Ended, LaunchSpec, Observed, RuntimeError, RuntimeStatus, TaskRef,
+    fence, ContainerRuntime, Ended, LaunchSpec, Observed, RuntimeError, RuntimeStatus, TaskRef,
     LABEL_AGENT_ID, LABEL_JOB_ID, LABEL_TASK_ID,
 };
 
@@ -64,6 +64,10 @@ pub struct DockerRuntime {
     /// the daemon the first time it answers.
     cgroupfs: Arc<OnceLock<bool>>,
     health: Arc<Mutex<RuntimeStatus>>,
+    /// The binary that runs each container's fence watcher
+    /// (`<exe> fence-container DIR`); `None`: containers are fenced only by
+    /// the agent process itself.
+    fence_exe: Option<PathBuf>,
 }
 
 /// A transport failure (the daemon does not answer) as opposed to an
@@ -103,7 +107,68 @@ impl DockerRuntime {
                 available: false,
                 message: "not contacted yet".into(),
             })),
+            fence_exe: None,
         })
+    }
+
+    /// Gives every fenced container a watcher process (`runtime::fence`)
+    /// that stops it when the agent's contact with the masters is older than
+    /// the fence timeout, even while the agent itself is frozen or dead.
+    pub fn with_fence_watcher(mut self, exe: PathBuf) -> DockerRuntime {
+        self.fence_exe = Some(exe);
+        self
+    }
+
+    /// Starts the container's fence watcher unless one runs (a second one
+    /// exits at once: the watcher holds a lock).
+    fn ensure_fence_watcher(&self, state_dir: &Path) {
+        let Some(exe) = &self.fence_exe else {
+            return;
+        };
+        if !state_dir.join(fence::CONFIG_FILE).exists() {
+            return; // not fenced (--no-fence)
+        }
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(state_dir.join("fence.log"));
+        let (out, err) = match log.and_then(|f| Ok((f.try_clone()?, f))) {
+            Ok((a, b)) => (std::process::Stdio::from(a), std::process::Stdio::from(b)),
+            Err(_) => (std::process::Stdio::null(), std::process::Stdio::null()),
+        };
+        let spawned = tokio::process::Command::new(exe)
+            .arg(fence::SUBCOMMAND)
+            .arg(state_dir)
+            .env_clear()
+            .stdin(std::process::Stdio::null())
+            .stdout(out)
+            .stderr(err)
+            .process_group(0)
+            .spawn();
+        if let Err(e) = spawned {
+            tracing::warn!(dir = %state_dir.display(), error = %e, "could not start the container's fence watcher");
+        }
+    }
+
+    /// Records what the container's fence watcher needs.
+    fn write_fence_config(&self, spec: &LaunchSpec) -> Result<(), RuntimeError> {
+        let Some(contact) = &spec.fence else {
+            return Ok(());
+        };
+        let config = fence::FenceConfig {
+            container: container_name(&spec.agent_id, &spec.task.task_id),
+            socket: PathBuf::from(self.addr.strip_prefix("unix://").unwrap_or(&self.addr)),
+            contact: contact.clone(),
+            kill_grace_ms: spec.kill_grace.as_millis() as u64,
+            // The container is in the task's cgroups only with cgroupfs.
+            cgroup_procs: if self.cgroupfs.get().copied().unwrap_or(false) {
+                spec.isolation.cgroup_procs.clone()
+            } else {
+                Vec::new()
+            },
+        };
+        crate::checkpoint::write_json(&spec.state_dir.join(fence::CONFIG_FILE), &config)
+            .map_err(|e| RuntimeError::Other(e.to_string()))
     }
 
     /// Connects and checks that the daemon answers now.
@@ -293,11 +358,15 @@ impl DockerRuntime {
             }
             Err(e) => return Err(self.err(e)),
         }
+        // The watcher's configuration is written before the container
+        // starts, so a container never runs unfenced past an agent crash.
+        self.write_fence_config(spec)?;
         self.client()?
             .start_container::<String>(&name, None)
             .await
             .map_err(|e| self.err(e))?;
         self.set_health(true, String::new());
+        self.ensure_fence_watcher(&spec.state_dir);
         tracing::debug!(task_id, container = %name, "container started");
         Ok(())
     }
@@ -316,7 +385,8 @@ impl DockerRuntime {
             Some(ContainerStateStatusEnum::EXITED | ContainerStateStatusEnum::DEAD) => {
                 Observed::Ended(Ended {
                     code: state.exit_code.map(|c| i32::try_from(c).unwrap_or(-1)),
-                    fenced: false,
+                    // Stopped by its fence watcher.
+                    fenced: task.state_dir.join(fence::FENCED_FILE).exists(),
                     error: None,
                 })
             }
@@ -343,6 +413,11 @@ impl DockerRuntime {
                 }
                 Ok(Observed::Running) => {
                     backoff = OUTAGE_BACKOFF_MIN;
+                    if pump.is_none() {
+                        // A reattached container gets its watcher back if
+                        // it died with the old agent's process group.
+                        self.ensure_fence_watcher(&task.state_dir);
+                    }
                     if pump.as_ref().is_none_or(|p| p.0.is_finished()) {
                         pump = Some(AbortOnDrop(tokio::spawn(pump_logs(
                             self.clone(),

@@ -23,6 +23,7 @@ use futures::future::BoxFuture;
 use gpuctl_proto::types::{Runtime, TaskSpec};
 
 pub mod docker;
+pub mod fence;
 pub mod image;
 pub mod process;
 pub mod supervisor;

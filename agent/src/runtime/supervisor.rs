@@ -155,7 +155,12 @@ impl SupervisorError {
 /// Runs the supervisor when the process was started as one
 /// (`<binary> supervise STATE_DIR`). Call it first thing in `main`, before
 /// any thread or async runtime exists.
+/// Also runs a container's fence watcher (`fence-container DIR`, see
+/// `runtime::fence`).
 pub fn main_if_requested() -> Option<ExitCode> {
+    if let Some(code) = super::fence::main_if_requested() {
+        return Some(code);
+    }
     let mut args = std::env::args_os().skip(1);
     if args.next()? != SUBCOMMAND {
         return None;

@@ -20,7 +20,7 @@ const FLAG_BYTES: usize = 4;
 
 /// One change of the receiver's sets, as it goes on the wire.
 enum Item {
-    Run(pb::TaskSpec),
+    Run(Box<pb::TaskSpec>),
     Kill(TaskId),
     Removed(TaskId),
 }
@@ -29,7 +29,7 @@ impl Item {
     /// Bytes it adds to a `DesiredTasks` message (its field, tag included).
     fn encoded_len(&self) -> usize {
         match self {
-            Item::Run(t) => field_len(1, prost::Message::encoded_len(t)),
+            Item::Run(t) => field_len(1, prost::Message::encoded_len(t.as_ref())),
             Item::Kill(id) => field_len(2, id.len()),
             Item::Removed(id) => field_len(5, id.len()),
         }
@@ -72,7 +72,7 @@ impl TaskStream {
             None => {
                 let items = run
                     .values()
-                    .map(|t| Item::Run(t.clone().into()))
+                    .map(|t| Item::Run(Box::new(t.clone().into())))
                     .chain(kill.iter().cloned().map(Item::Kill))
                     .collect::<Vec<_>>();
                 (true, items)
@@ -81,7 +81,7 @@ impl TaskStream {
                 let mut items: Vec<Item> = run
                     .values()
                     .filter(|t| sent_run.get(&t.task_id) != Some(*t))
-                    .map(|t| Item::Run(t.clone().into()))
+                    .map(|t| Item::Run(Box::new(t.clone().into())))
                     .collect();
                 items.extend(
                     kill.iter()
@@ -126,7 +126,7 @@ fn pack(items: Vec<Item>, reset: bool, budget: usize) -> Vec<pb::DesiredTasks> {
             size = FLAG_BYTES;
         }
         match item {
-            Item::Run(t) => msg.tasks.push(t),
+            Item::Run(t) => msg.tasks.push(*t),
             Item::Kill(id) => msg.kill.push(id),
             Item::Removed(id) => msg.removed.push(id),
         }
