@@ -313,8 +313,11 @@ impl CgroupManager {
     }
 
     /// SIGKILLs every process in the task's cgroup (orphans of a crashed
-    /// agent; a running task is stopped by its runtime, not here).
-    fn kill_all_in(&self, task_id: &str) {
+    /// agent, strays of an ended task; a running task is stopped by its
+    /// runtime, not here). Returns how many it signalled.
+    pub fn kill_all_in(&self, task_id: &str) -> usize {
+        // A process is listed in every hierarchy it is in: once is enough.
+        let mut pids = std::collections::BTreeSet::new();
         for ctrl in CONTROLLERS {
             let procs = self
                 .root
@@ -323,14 +326,18 @@ impl CgroupManager {
                 .join(task_id)
                 .join("cgroup.procs");
             if let Ok(text) = std::fs::read_to_string(&procs) {
-                for pid in text.lines().filter_map(|l| l.trim().parse::<i32>().ok()) {
-                    let _ = nix::sys::signal::kill(
-                        nix::unistd::Pid::from_raw(pid),
-                        nix::sys::signal::Signal::SIGKILL,
-                    );
-                }
+                pids.extend(text.lines().filter_map(|l| l.trim().parse::<i32>().ok()));
             }
         }
+        pids.into_iter()
+            .filter(|pid| {
+                nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(*pid),
+                    nix::sys::signal::Signal::SIGKILL,
+                )
+                .is_ok()
+            })
+            .count()
     }
 
     /// Whether any hierarchy still has the task's cgroup.
@@ -458,6 +465,32 @@ mod tests {
         assert!(!m.exists("t-1"));
         for c in CONTROLLERS {
             let _ = std::fs::remove_dir(Path::new(ROOT).join(c).join(&parent));
+        }
+    }
+
+    #[test]
+    fn processes_left_in_an_ended_tasks_cgroup_are_killed_before_it_is_removed() {
+        if !v1_or_skip() {
+            return;
+        }
+        let parent = format!("gpuctl-test-strays-{}/agent-x", std::process::id());
+        let m = CgroupManager::new(Path::new(ROOT), &parent).unwrap();
+        let t = m.create("t-ended", &[], &Resources::default()).unwrap();
+        let mut stray = std::process::Command::new("sleep")
+            .arg("300")
+            .spawn()
+            .unwrap();
+        for f in &t.procs_files {
+            std::fs::write(f, stray.id().to_string()).unwrap();
+        }
+        assert_eq!(m.kill_all_in("t-ended"), 1);
+        assert!(!stray.wait().unwrap().success());
+        m.remove("t-ended").unwrap();
+        assert!(!m.exists("t-ended"));
+        let top = parent.split('/').next().unwrap();
+        for c in CONTROLLERS {
+            let _ = std::fs::remove_dir(Path::new(ROOT).join(c).join(&parent));
+            let _ = std::fs::remove_dir(Path::new(ROOT).join(c).join(top));
         }
     }
 

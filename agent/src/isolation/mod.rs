@@ -158,10 +158,23 @@ impl Isolator {
         }
     }
 
-    /// Removes what `prepare` made. Idempotent.
+    /// Removes what `prepare` made, once the task has ended. Whatever is
+    /// still in the task's cgroups (a process that left the task's process
+    /// group, say) is killed first: the GPU is released on the agent's
+    /// report that the task is gone, so nothing of it may stay. Idempotent.
     pub fn release(&self, task_id: &str) -> Result<(), IsolationError> {
         match &self.mode {
-            Mode::V1(m) => m.remove(task_id),
+            Mode::V1(m) => {
+                let strays = m.kill_all_in(task_id);
+                if strays > 0 {
+                    tracing::warn!(
+                        task_id,
+                        strays,
+                        "killed processes left in an ended task's cgroup"
+                    );
+                }
+                m.remove(task_id)
+            }
             _ => Ok(()),
         }
     }
