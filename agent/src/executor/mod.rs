@@ -200,6 +200,8 @@ pub struct Executor {
     updates: mpsc::Sender<StatusUpdate>,
     /// Ticks whenever a task ends, for log followers.
     ended_tx: watch::Sender<u64>,
+    /// True once the first complete desired set was applied.
+    desired_ready: watch::Sender<bool>,
 }
 
 impl Executor {
@@ -220,6 +222,7 @@ impl Executor {
             inner: Mutex::new(Inner::default()),
             updates,
             ended_tx: watch::channel(0).0,
+            desired_ready: watch::channel(false).0,
         })
     }
 
@@ -368,6 +371,9 @@ impl Executor {
     pub fn set_desired(self: &Arc<Self>, desired: Desired) {
         self.lock().desired = Some(desired);
         self.reconcile();
+        // After the reconcile: a task waiting for this (see `drive_inner`)
+        // has its stop reason by now if it is no longer wanted.
+        self.desired_ready.send_replace(true);
     }
 
     /// The health checks' latest view: tasks on a GPU that just turned
@@ -714,6 +720,16 @@ impl Executor {
             }
         }
         if !started {
+            if reattach {
+                // Checkpointed by an agent that died before the runtime
+                // started it: start it only if the master still wants it,
+                // which the first desired set says (a stop comes with it).
+                let mut ready = self.desired_ready.subscribe();
+                tokio::select! {
+                    _ = ready.wait_for(|r| *r) => {}
+                    _ = stop.wait_for(|s| s.is_some()) => {}
+                }
+            }
             if let Err(o) = self.start(spec, &rt, stop, fence_ms).await {
                 return o;
             }
@@ -759,6 +775,14 @@ impl Executor {
         let task_id = spec.task_id.as_str();
         if let Some(r) = stop.borrow().clone() {
             return Err(Outcome::refused(&r, fence_ms));
+        }
+        // Nothing starts past the fence: the master may have given up on it.
+        let fenced = self
+            .lock()
+            .contact
+            .is_some_and(|c| c.expired_at(checkpoint::wall_ms()));
+        if fenced && !spec.no_fence {
+            return Err(Outcome::refused(&StopReason::Fenced, fence_ms));
         }
         self.checkpoint_spec(spec)
             .map_err(|e| Outcome::failed(format!("checkpoint: {e}")))?;
