@@ -34,6 +34,30 @@ fn assert_no_violation(watch: InvariantWatch) {
     );
 }
 
+/// A master with short timeouts (unreachable after 1.5 s, tasks fenced 4 s
+/// after the agent's last contact, + 2 s grace; lost after `lost_secs`,
+/// which must exceed 4 + 2 + 5) and one agent of one GPU whose tasks
+/// outlive it.
+fn fencing_cluster(lost_secs: &str, runtime: &str) -> Cluster {
+    let mut c = Cluster::start(&[
+        "--heartbeat-interval-secs",
+        "0.2",
+        "--agent-timeout-secs",
+        "1.5",
+        "--agent-fence-timeout-secs",
+        "4",
+        "--agent-lost-timeout-secs",
+        lost_secs,
+    ]);
+    c.add_agent(AgentOpts {
+        runtime,
+        simulate_gpus: Some("1xA100-SXM4-40GB"),
+        stop_tasks_on_shutdown: false,
+        ..Default::default()
+    });
+    c
+}
+
 /// Exactly one task ran for the job, and it ended as expected.
 fn assert_ran_once(c: &Cluster, job: &str, state: &str, exit_code: i64) {
     let j = c.wait_state(job, state, Duration::from_secs(60));
@@ -157,23 +181,7 @@ fn a_frozen_agent_keeps_its_tasks_until_fenced_and_the_job_never_runs_twice() {
     }
     let m = marker("freeze");
     let env = format!("{MARKER}={m}");
-    // Unreachable after 1.5 s; the agent's tasks are fenced 4 s after its
-    // last contact (+ 2 s grace); lost after 12 s > 4 + 2 + 5.
-    let mut c = Cluster::start(&[
-        "--heartbeat-interval-secs",
-        "0.2",
-        "--agent-timeout-secs",
-        "1.5",
-        "--agent-fence-timeout-secs",
-        "4",
-        "--agent-lost-timeout-secs",
-        "12",
-    ]);
-    c.add_agent(AgentOpts {
-        simulate_gpus: Some("1xA100-SXM4-40GB"),
-        stop_tasks_on_shutdown: false,
-        ..Default::default()
-    });
+    let mut c = fencing_cluster("12", "process");
     let watch = InvariantWatch::start(MARKER, &m);
     let j = c.submit(&[
         "--name",
@@ -247,22 +255,7 @@ fn a_frozen_agents_container_is_fenced_by_its_watcher() {
     let image = busybox_image();
     let m = marker("ctr-fence");
     let env = format!("{MARKER}={m}");
-    let mut c = Cluster::start(&[
-        "--heartbeat-interval-secs",
-        "0.2",
-        "--agent-timeout-secs",
-        "1.5",
-        "--agent-fence-timeout-secs",
-        "4",
-        "--agent-lost-timeout-secs",
-        "30",
-    ]);
-    c.add_agent(AgentOpts {
-        runtime: "docker,process",
-        simulate_gpus: Some("1xA100-SXM4-40GB"),
-        stop_tasks_on_shutdown: false,
-        ..Default::default()
-    });
+    let c = fencing_cluster("30", "docker,process");
     let watch = InvariantWatch::start(MARKER, &m);
     let j = c.submit(&[
         "--name", "ctr", "--gpus", "1", "--image", &image, "--env", &env, "--", "sleep", "300",
