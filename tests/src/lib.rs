@@ -1033,7 +1033,7 @@ pub fn live_tasks(marker: &str, value: &str) -> Vec<LiveTask> {
             .split(|b| *b == 0)
             .map(|v| String::from_utf8_lossy(v).into_owned())
             .collect();
-        if !vars.iter().any(|v| *v == want) {
+        if !vars.contains(&want) {
             continue;
         }
         let get = |k: &str| {

@@ -280,6 +280,10 @@ fn containers_outlive_a_docker_daemon_crash_and_report_their_real_exit_codes() {
         "agents list never showed docker unavailable; last: {last:?}\n{}",
         c.diagnostics()
     );
+    let why = last.as_ref().unwrap()["message"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(!why.is_empty(), "docker down without a reason: {last:?}");
     let a = &c.agents_json()[0];
     assert_eq!(a["state"], "ACTIVE", "{a}");
     let process = a["runtime_status"]
@@ -357,12 +361,16 @@ fn containers_outlive_a_docker_daemon_crash_and_report_their_real_exit_codes() {
     assert_eq!(wt.len(), 1, "{w}");
     assert_eq!(wt[0]["gpus"], gpus, "{w}");
     // The output was copied once across the outage.
-    let logs = c.ok(&["jobs", "logs", &gpu_job]);
-    assert_eq!(logs.matches("up").count(), 1, "{logs}");
+    for j in [&gpu_job, &short_job] {
+        let logs = c.ok(&["jobs", "logs", j]);
+        assert_eq!(logs.matches("up").count(), 1, "{j}: {logs}");
+    }
     // And the agent says Docker is back.
-    wait_for(Duration::from_secs(15), "docker reported available again", || {
-        docker_status(&c).is_some_and(|s| s["available"] == true)
-    });
+    wait_for(
+        Duration::from_secs(15),
+        "docker reported available again",
+        || docker_status(&c).is_some_and(|s| s["available"] == true),
+    );
     wait_for(Duration::from_secs(20), "containers removed", || {
         containers_with_label("gpuctl.agent_id", &agent).is_empty()
     });
