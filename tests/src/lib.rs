@@ -898,6 +898,27 @@ pub fn wait_for(timeout: Duration, what: &str, f: impl FnMut() -> bool) {
 }
 
 /// Containers (running or not) carrying `label=value`.
+/// The containers of one agent's task. Task ids repeat across test
+/// clusters (every cluster has a `job-1.0`), so the agent's label is needed
+/// too.
+pub fn task_containers(agent_id: &str, task_id: &str) -> Vec<String> {
+    let out = Command::new("docker")
+        .args([
+            "ps",
+            "-aq",
+            "--filter",
+            &format!("label=gpuctl.agent_id={agent_id}"),
+            "--filter",
+            &format!("label=gpuctl.task_id={task_id}"),
+        ])
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(str::to_string)
+        .collect()
+}
+
 pub fn containers_with_label(label: &str, value: &str) -> Vec<String> {
     let out = Command::new("docker")
         .args(["ps", "-aq", "--filter", &format!("label={label}={value}")])

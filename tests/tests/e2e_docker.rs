@@ -7,7 +7,8 @@ use std::time::Duration;
 
 use gpuctl_tests::Gpuctl;
 use gpuctl_tests::{
-    busybox_image, containers_with_label, docker_or_skip, wait_for, AgentOpts, Cluster,
+    busybox_image, containers_with_label, docker_or_skip, task_containers, wait_for, AgentOpts,
+    Cluster,
 };
 
 #[test]
@@ -53,7 +54,7 @@ fn docker_job_runs_logs_and_cancel_removes_its_container() {
     );
     assert!(logs.contains("to-stderr"), "{logs}");
     let task_id = job["tasks"][0]["id"].as_str().unwrap().to_string();
-    assert!(containers_with_label("gpuctl.task_id", &task_id).is_empty());
+    assert!(task_containers(&agent, &task_id).is_empty());
 
     // A failing container reports its exit code.
     let f = c.submit(&[
@@ -68,7 +69,7 @@ fn docker_job_runs_logs_and_cancel_removes_its_container() {
     ]);
     let job = c.wait_state(&long, "RUNNING", Duration::from_secs(60));
     let task_id = job["tasks"][0]["id"].as_str().unwrap().to_string();
-    let ids = containers_with_label("gpuctl.task_id", &task_id);
+    let ids = task_containers(&agent, &task_id);
     assert_eq!(ids.len(), 1, "one container for {task_id}");
     if gpuctl_tests::cgroup_v1_or_skip("task cgroup of a container") {
         assert!(!gpuctl_tests::cgroup_dirs(&format!("gpuctl/{agent}"), &task_id).is_empty());
@@ -82,7 +83,7 @@ fn docker_job_runs_logs_and_cancel_removes_its_container() {
     let (code, state) = c.wait_job(&long, 60);
     assert_eq!((code, state.as_str()), (1, "CANCELLED"));
     wait_for(Duration::from_secs(10), "container removed", || {
-        containers_with_label("gpuctl.task_id", &task_id).is_empty()
+        task_containers(&agent, &task_id).is_empty()
     });
     assert_eq!(c.job(&long)["tasks"][0]["state"], "KILLED");
     // And so is its cgroup (default parent: gpuctl/<agent-id>/<task-id>).

@@ -11,9 +11,8 @@ use std::time::Duration;
 
 use gpuctl_tests::Gpuctl;
 use gpuctl_tests::{
-    busybox_image, cgroup_dirs, cgroup_v1_or_skip, containers_with_label, docker_or_skip,
-    fake_nvml_config, fake_nvml_lib, make_dev_root, make_driver_tree, try_wait_for, wait_for,
-    AgentOpts, Cluster,
+    busybox_image, cgroup_dirs, cgroup_v1_or_skip, docker_or_skip, fake_nvml_config, fake_nvml_lib,
+    make_dev_root, make_driver_tree, task_containers, try_wait_for, wait_for, AgentOpts, Cluster,
 };
 use serde_json::Value;
 
@@ -235,7 +234,11 @@ fn docker_tasks_see_and_open_only_their_own_gpus() {
         wait_for(Duration::from_secs(10), "task cgroups removed", || {
             cgroup_dirs(&s.parent, &task).is_empty()
         });
-        assert!(containers_with_label("gpuctl.task_id", &task).is_empty());
+        assert!(
+            task_containers(s.parent.rsplit('/').next().unwrap(), &task).is_empty(),
+            "container of {task} left: {}",
+            s.c.diagnostics()
+        );
         // The volume was bound inside the container's mount namespace only.
         let mounts = read(Path::new("/proc/self/mountinfo"));
         assert!(!mounts.contains("nvidia_535.129.03"), "{mounts}");

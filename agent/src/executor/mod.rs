@@ -754,8 +754,10 @@ impl Executor {
                 },
             }
         };
-        self.release(task_id);
+        // The container first (Docker removes its own cgroup, inside the
+        // task's), then what is left in the task's cgroups.
         remove_until_done(&rt, &tref).await;
+        self.release(task_id);
         let reason = stop.borrow().clone();
         match ended {
             Ok(e) => Outcome::ran(e, reason.as_ref(), fence_ms),
@@ -886,20 +888,22 @@ async fn stop_until_done(rt: Arc<dyn ContainerRuntime>, tref: TaskRef, grace: Du
     }
 }
 
-/// Removes an ended task's container, waiting out a short outage; a stray
-/// left behind is removed by the stray scan later.
+/// Removes an ended task's container, waiting out a short outage or a
+/// daemon still busy with it ("removal already in progress"); one left
+/// behind is removed by the stray scan once the task is forgotten.
 async fn remove_until_done(rt: &Arc<dyn ContainerRuntime>, tref: &TaskRef) {
     let mut backoff = OUTAGE_BACKOFF_MIN;
-    for _ in 0..10 {
+    for attempt in 0..10 {
         match rt.remove(tref).await {
             Ok(()) => return,
-            Err(e) if e.is_unavailable() => {
+            Err(e) => {
+                if attempt == 9 {
+                    tracing::warn!(task_id = %tref.task_id, error = %e, "could not remove the ended task");
+                    return;
+                }
+                tracing::debug!(task_id = %tref.task_id, error = %e, "removing the ended task; retrying");
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(OUTAGE_BACKOFF_MAX);
-            }
-            Err(e) => {
-                tracing::warn!(task_id = %tref.task_id, error = %e, "could not remove the ended task");
-                return;
             }
         }
     }
