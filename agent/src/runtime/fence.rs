@@ -124,8 +124,14 @@ fn run(dir: &Path) -> u8 {
     }
 }
 
+/// Expired, or the contact file is gone (the agent's work dir was wiped:
+/// see the supervisor's `fence_expired`).
 fn fence_expired(contact: &Path) -> bool {
-    matches!(checkpoint::read_contact(contact), Ok(Some(c)) if c.expired_at(checkpoint::wall_ms()))
+    match checkpoint::read_contact(contact) {
+        Ok(Some(c)) => c.expired_at(checkpoint::wall_ms()),
+        Ok(None) => true,
+        Err(_) => false,
+    }
 }
 
 /// `docker stop`, or, when the daemon does not answer, SIGTERM and then

@@ -389,10 +389,14 @@ fn fence_expired(contact: Option<&Path>) -> bool {
     };
     match checkpoint::read_contact(path) {
         Ok(Some(c)) => c.expired_at(checkpoint::wall_ms()),
-        // No contact recorded yet, or unreadable: an agent that never
-        // reached a master launches nothing, so this is a damaged file;
-        // stopping a training run on it would be worse.
-        Ok(None) | Err(_) => false,
+        // Gone: the agent records a contact before it launches anything and
+        // replaces the file atomically, so its work dir was wiped. Nobody
+        // can report or stop this task any more, and it may hold a GPU the
+        // master will give away: stop it.
+        Ok(None) => true,
+        // Unreadable: a damaged file; stopping a training run on it would
+        // be worse (the agent's next heartbeat rewrites it).
+        Err(_) => false,
     }
 }
 
