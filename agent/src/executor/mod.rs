@@ -964,3 +964,305 @@ mod tests {
         assert_eq!((o.state, o.gpu_unhealthy), (TaskState::Failed, true));
     }
 }
+
+/// The executor's shell with an in-memory runtime: launch, report, forget,
+/// recovery after a restart, the fence and a runtime that is down, without
+/// processes or Docker (those are in `agent/tests` and `tests/`).
+#[cfg(test)]
+mod shell_tests {
+    use super::*;
+    use crate::runtime::RuntimeStatus;
+    use futures::future::BoxFuture;
+    use futures::FutureExt;
+    use gpuctl_proto::types::Resources;
+
+    /// Tasks by id; `Ended` ones end their `wait`.
+    #[derive(Default)]
+    struct Fake {
+        tasks: Mutex<BTreeMap<String, Observed>>,
+        /// Starts that fail as Unavailable before one succeeds.
+        down_for: Mutex<u32>,
+        changed: tokio::sync::Notify,
+    }
+
+    impl Fake {
+        fn set(&self, id: &str, o: Observed) {
+            self.tasks.lock().unwrap().insert(id.into(), o);
+            self.changed.notify_waiters();
+        }
+        fn get(&self, id: &str) -> Observed {
+            self.tasks
+                .lock()
+                .unwrap()
+                .get(id)
+                .cloned()
+                .unwrap_or(Observed::NotStarted)
+        }
+    }
+
+    struct FakeRuntime(Arc<Fake>);
+
+    impl ContainerRuntime for FakeRuntime {
+        fn kind(&self) -> Runtime {
+            Runtime::Process
+        }
+        fn start<'a>(
+            &'a self,
+            spec: &'a LaunchSpec,
+        ) -> BoxFuture<'a, Result<(), crate::runtime::RuntimeError>> {
+            let mut down = self.0.down_for.lock().unwrap();
+            if *down > 0 {
+                *down -= 1;
+                return futures::future::ready(Err(crate::runtime::RuntimeError::Unavailable {
+                    runtime: Runtime::Process,
+                    reason: "down".into(),
+                }))
+                .boxed();
+            }
+            drop(down);
+            if self.0.get(&spec.task.task_id) == Observed::NotStarted {
+                self.0.set(&spec.task.task_id, Observed::Running);
+            }
+            futures::future::ready(Ok(())).boxed()
+        }
+        fn observe<'a>(
+            &'a self,
+            t: &'a TaskRef,
+        ) -> BoxFuture<'a, Result<Observed, crate::runtime::RuntimeError>> {
+            futures::future::ready(Ok(self.0.get(&t.task_id))).boxed()
+        }
+        fn wait<'a>(
+            &'a self,
+            t: &'a TaskRef,
+        ) -> BoxFuture<'a, Result<Ended, crate::runtime::RuntimeError>> {
+            async move {
+                loop {
+                    let notified = self.0.changed.notified();
+                    if let Observed::Ended(e) = self.0.get(&t.task_id) {
+                        return Ok(e);
+                    }
+                    notified.await;
+                }
+            }
+            .boxed()
+        }
+        fn stop<'a>(
+            &'a self,
+            t: &'a TaskRef,
+            _g: Duration,
+        ) -> BoxFuture<'a, Result<(), crate::runtime::RuntimeError>> {
+            self.0.set(
+                &t.task_id,
+                Observed::Ended(Ended {
+                    code: Some(143),
+                    ..Default::default()
+                }),
+            );
+            futures::future::ready(Ok(())).boxed()
+        }
+        fn remove<'a>(
+            &'a self,
+            _t: &'a TaskRef,
+        ) -> BoxFuture<'a, Result<(), crate::runtime::RuntimeError>> {
+            futures::future::ready(Ok(())).boxed()
+        }
+        fn list<'a>(
+            &'a self,
+            _a: &'a str,
+        ) -> BoxFuture<'a, Result<Vec<String>, crate::runtime::RuntimeError>> {
+            futures::future::ready(Ok(Vec::new())).boxed()
+        }
+        fn status(&self) -> RuntimeStatus {
+            RuntimeStatus {
+                available: true,
+                message: String::new(),
+            }
+        }
+    }
+
+    struct Harness {
+        dir: tempfile::TempDir,
+        fake: Arc<Fake>,
+        exec: Arc<Executor>,
+        updates: mpsc::Receiver<StatusUpdate>,
+    }
+
+    /// An executor on `dir` (a new agent process on the same work dir).
+    fn harness_on(dir: tempfile::TempDir, fake: Arc<Fake>) -> Harness {
+        let mut runtimes: BTreeMap<Runtime, Arc<dyn ContainerRuntime>> = BTreeMap::new();
+        runtimes.insert(Runtime::Process, Arc::new(FakeRuntime(fake.clone())));
+        // No cgroup hierarchy and no NVIDIA devices here: nothing to isolate.
+        let isolator = Isolator::new(
+            &dir.path().join("no-cgroups"),
+            "gpuctl/a1",
+            &dir.path().join("dev"),
+        )
+        .unwrap();
+        let (tx, updates) = mpsc::channel(64);
+        let exec = Executor::new(
+            "a1".into(),
+            dir.path().to_path_buf(),
+            runtimes,
+            Duration::from_secs(1),
+            IsolationSetup {
+                isolator,
+                gpu_minors: HashMap::new(),
+                driver_volume: None,
+            },
+            tx,
+        );
+        Harness {
+            dir,
+            fake,
+            exec,
+            updates,
+        }
+    }
+
+    fn spec(id: &str) -> TaskSpec {
+        TaskSpec {
+            task_id: id.into(),
+            job_id: "job-1".into(),
+            framework_id: String::new(),
+            image: None,
+            command: vec!["true".into()],
+            env: BTreeMap::new(),
+            resources: Resources::default(),
+            gpu_uuids: vec![],
+            no_fence: false,
+        }
+    }
+
+    fn wants(ids: &[&str], kill: &[&str]) -> Desired {
+        Desired {
+            run: ids.iter().map(|i| (i.to_string(), spec(i))).collect(),
+            kill: kill.iter().map(|k| k.to_string()).collect(),
+        }
+    }
+
+    /// The next update, or a failure after 5 s.
+    async fn next(h: &mut Harness) -> StatusUpdate {
+        tokio::time::timeout(Duration::from_secs(5), h.updates.recv())
+            .await
+            .expect("no update within 5 s")
+            .expect("channel closed")
+    }
+
+    async fn until_state(h: &mut Harness, state: TaskState) -> StatusUpdate {
+        loop {
+            let u = next(h).await;
+            if u.state == state {
+                return u;
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn a_task_runs_ends_is_acknowledged_and_forgotten() {
+        let mut h = harness_on(tempfile::tempdir().unwrap(), Arc::default());
+        h.exec.set_desired(wants(&["t1"], &[]));
+        assert_eq!(next(&mut h).await.state, TaskState::Starting);
+        assert_eq!(next(&mut h).await.state, TaskState::Running);
+        h.fake.set(
+            "t1",
+            Observed::Ended(Ended {
+                code: Some(3),
+                ..Default::default()
+            }),
+        );
+        let fin = next(&mut h).await;
+        assert_eq!((fin.state, fin.exit_code), (TaskState::Failed, Some(3)));
+        let state_dir = h.dir.path().join("state/t1");
+        let saved: StatusUpdate = checkpoint::read_json(&state_dir.join(checkpoint::FINAL_FILE))
+            .unwrap()
+            .unwrap();
+        assert_eq!(saved, fin, "the final status is checkpointed as sent");
+        // Still listed by the master: kept, never launched again.
+        h.exec.acknowledged(&fin);
+        assert!(state_dir.join(checkpoint::ACKED_FILE).exists());
+        h.exec.set_desired(wants(&["t1"], &[]));
+        assert!(h.exec.has_ended("t1"));
+        // No longer listed: forgotten, checkpoint gone.
+        h.exec.set_desired(wants(&[], &[]));
+        assert!(h.exec.known_task_ids().is_empty());
+        assert!(!state_dir.exists());
+    }
+
+    #[tokio::test]
+    async fn a_restarted_agent_reattaches_and_resends_what_was_not_acknowledged() {
+        let fake: Arc<Fake> = Arc::default();
+        let mut h = harness_on(tempfile::tempdir().unwrap(), fake.clone());
+        h.exec.set_desired(wants(&["run", "done"], &[]));
+        until_state(&mut h, TaskState::Running).await;
+        until_state(&mut h, TaskState::Running).await;
+        fake.set(
+            "done",
+            Observed::Ended(Ended {
+                code: Some(0),
+                ..Default::default()
+            }),
+        );
+        let fin = until_state(&mut h, TaskState::Finished).await;
+        // The agent dies: no acknowledgement reached it.
+        let Harness { dir, .. } = h;
+        let mut h = harness_on(dir, fake.clone());
+        h.exec.recover();
+        let mut ids = h.exec.known_task_ids();
+        ids.sort();
+        assert_eq!(ids, vec!["done".to_string(), "run".to_string()]);
+        // The unacknowledged final goes out again, same uuid; the running
+        // task is followed again (RUNNING, no STARTING: never started twice).
+        let mut seen = Vec::new();
+        for _ in 0..2 {
+            seen.push(next(&mut h).await);
+        }
+        assert!(
+            seen.iter()
+                .any(|u| u.task_id == "done" && u.uuid == fin.uuid),
+            "{seen:?}"
+        );
+        assert!(
+            seen.iter()
+                .any(|u| u.task_id == "run" && u.state == TaskState::Running),
+            "{seen:?}"
+        );
+        assert!(h.exec.is_active("run"));
+        // The master kills it: stopped, reported KILLED.
+        h.exec.set_desired(wants(&[], &["run"]));
+        let killed = until_state(&mut h, TaskState::Killed).await;
+        assert_eq!(killed.task_id, "run");
+    }
+
+    #[tokio::test]
+    async fn past_the_fence_tasks_stop_and_nothing_starts() {
+        let mut h = harness_on(tempfile::tempdir().unwrap(), Arc::default());
+        h.exec.record_contact(Contact {
+            last_contact_ms: checkpoint::wall_ms(),
+            fence_timeout_ms: 60_000,
+        });
+        h.exec.set_desired(wants(&["t1"], &[]));
+        until_state(&mut h, TaskState::Running).await;
+        // The last contact is long past.
+        h.exec.record_contact(Contact {
+            last_contact_ms: checkpoint::wall_ms() - 120_000,
+            fence_timeout_ms: 60_000,
+        });
+        h.exec.reconcile();
+        let u = until_state(&mut h, TaskState::Killed).await;
+        assert!(u.fenced && u.message.contains("fenced"), "{u:?}");
+        h.exec.set_desired(wants(&["t1", "t2"], &[]));
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(!h.exec.is_active("t2"), "launched past the fence");
+    }
+
+    #[tokio::test]
+    async fn a_runtime_that_is_down_delays_the_launch_without_failing_it() {
+        let fake: Arc<Fake> = Arc::default();
+        *fake.down_for.lock().unwrap() = 2;
+        let mut h = harness_on(tempfile::tempdir().unwrap(), fake);
+        h.exec.set_desired(wants(&["t1"], &[]));
+        assert_eq!(next(&mut h).await.state, TaskState::Starting);
+        let u = next(&mut h).await;
+        assert_eq!(u.state, TaskState::Running, "{u:?}");
+    }
+}
