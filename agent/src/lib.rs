@@ -377,10 +377,12 @@ pub async fn serve(
     // before the master hears from this one.
     executor.recover();
     let masters = Arc::new(master_link::Masters::new(config.masters.clone()));
+    let (sender_done, sender_done_rx) = watch::channel(false);
     let sender = tokio::spawn(master_link::status_sender(
         masters.clone(),
         updates_rx,
         executor.clone(),
+        sender_done_rx,
     ));
     tokio::spawn(executor.clone().tick(stop_rx.clone()));
     let link = tokio::spawn(master_link::run(
@@ -418,7 +420,7 @@ pub async fn serve(
             .kill_all(config.kill_grace + Duration::from_secs(5))
             .await;
         // Give the final KILLED updates a moment to reach the master.
-        drop(executor);
+        let _ = sender_done.send(true);
         if tokio::time::timeout(Duration::from_secs(3), sender)
             .await
             .is_err()

@@ -425,11 +425,13 @@ const ACK_POLL: Duration = Duration::from_millis(500);
 /// (gpuctl's own jobs: once recorded; a framework's task: once its framework
 /// acknowledged it), Mesos' status update manager in small. Updates of
 /// different tasks do not wait for each other. Returns once the channel is
-/// closed and nothing is pending (the caller bounds that wait at shutdown).
+/// closed or `done` is true, and nothing is pending (the caller bounds that
+/// wait at shutdown).
 pub async fn status_sender(
     masters: Arc<Masters>,
     mut rx: mpsc::Receiver<StatusUpdate>,
     executor: Arc<Executor>,
+    mut done: watch::Receiver<bool>,
 ) {
     let mut queues: BTreeMap<String, VecDeque<StatusUpdate>> = BTreeMap::new();
     let mut backoff = BACKOFF_MIN;
@@ -440,12 +442,15 @@ pub async fn status_sender(
             queues.entry(u.task_id.clone()).or_default().push_back(u);
         }
         if queues.is_empty() {
-            if closed {
+            if closed || *done.borrow() {
                 return;
             }
-            match rx.recv().await {
-                Some(u) => queues.entry(u.task_id.clone()).or_default().push_back(u),
-                None => return,
+            tokio::select! {
+                u = rx.recv() => match u {
+                    Some(u) => queues.entry(u.task_id.clone()).or_default().push_back(u),
+                    None => return,
+                },
+                r = done.changed() => if r.is_err() { return },
             }
             continue;
         }
