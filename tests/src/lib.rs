@@ -1028,6 +1028,26 @@ pub struct LiveTask {
     pub task_id: String,
     pub job_id: String,
     pub gpus: Vec<String>,
+    /// Its cgroup in the v1 devices hierarchy (`/proc/<pid>/cgroup`), when
+    /// it is in a gpuctl task cgroup (`.../gpuctl/<agent>/<task>[/...]`).
+    pub task_cgroup: Option<String>,
+}
+
+/// The gpuctl task cgroup a process is in, from `/proc/<pid>/cgroup`'s
+/// devices line: the path below `/gpuctl/<agent-id>/`, i.e. `<task-id>`
+/// (a container's own cgroup nested inside it counts as the task's).
+pub fn devices_task_cgroup(proc_cgroup: &str) -> Option<String> {
+    proc_cgroup.lines().find_map(|l| {
+        let mut parts = l.splitn(3, ':');
+        let (_, ctrls, path) = (parts.next()?, parts.next()?, parts.next()?);
+        if !ctrls.split(',').any(|c| c == "devices") {
+            return None;
+        }
+        let rest = path.split("/gpuctl/").nth(1)?;
+        let mut comps = rest.split('/');
+        let _agent = comps.next()?;
+        comps.next().filter(|t| !t.is_empty()).map(str::to_string)
+    })
 }
 
 /// The live task processes whose environment has `marker=value` (a test's
@@ -1062,8 +1082,12 @@ pub fn live_tasks(marker: &str, value: &str) -> Vec<LiveTask> {
                 .find_map(|v| v.strip_prefix(&format!("{k}=")).map(str::to_string))
                 .unwrap_or_default()
         };
+        let task_cgroup = std::fs::read_to_string(format!("/proc/{pid}/cgroup"))
+            .ok()
+            .and_then(|c| devices_task_cgroup(&c));
         out.push(LiveTask {
             pid,
+            task_cgroup,
             task_id: get("GPUCTL_TASK_ID"),
             job_id: get("GPUCTL_JOB_ID"),
             gpus: get("GPUCTL_GPUS")
@@ -1077,7 +1101,8 @@ pub fn live_tasks(marker: &str, value: &str) -> Vec<LiveTask> {
 }
 
 /// What breaks gpuctl's promise in one sample of live tasks: a GPU used by
-/// two live tasks, or a job with two live tasks at once.
+/// two live tasks, a job with two live tasks at once, or a task's process in
+/// another task's cgroup (whose device rules are not its own).
 pub fn invariant_violations(live: &[LiveTask]) -> Vec<String> {
     let mut gpu_tasks: std::collections::BTreeMap<&str, std::collections::BTreeSet<&str>> =
         Default::default();
@@ -1090,6 +1115,14 @@ pub fn invariant_violations(live: &[LiveTask]) -> Vec<String> {
         job_tasks.entry(&t.job_id).or_default().insert(&t.task_id);
     }
     let mut out = Vec::new();
+    for t in live {
+        if let Some(cg) = t.task_cgroup.as_deref().filter(|cg| *cg != t.task_id) {
+            out.push(format!(
+                "process {} of task {} is in task {cg}'s cgroup",
+                t.pid, t.task_id
+            ));
+        }
+    }
     for (g, tasks) in gpu_tasks.iter().filter(|(_, t)| t.len() > 1) {
         out.push(format!("GPU {g} used by live tasks {tasks:?}"));
     }
@@ -1145,9 +1178,21 @@ impl InvariantWatch {
 mod invariant_tests {
     use super::*;
 
+    #[test]
+    fn task_cgroups_are_read_from_proc_cgroup_lines() {
+        let text = "12:devices:/gpuctl/vm-1/job-3.0\n3:memory:/gpuctl/vm-1/job-3.0\n";
+        assert_eq!(devices_task_cgroup(text), Some("job-3.0".into()));
+        // A container's cgroup nested in the task's (cgroup parent).
+        let nested = "5:devices:/gpuctl/vm-1/job-4.0/0123abcd\n";
+        assert_eq!(devices_task_cgroup(nested), Some("job-4.0".into()));
+        assert_eq!(devices_task_cgroup("5:devices:/user.slice\n"), None);
+        assert_eq!(devices_task_cgroup("4:cpu,cpuacct:/gpuctl/a/t\n"), None);
+    }
+
     fn t(pid: i32, task: &str, job: &str, gpus: &[&str]) -> LiveTask {
         LiveTask {
             pid,
+            task_cgroup: Some(task.into()),
             task_id: task.into(),
             job_id: job.into(),
             gpus: gpus.iter().map(|g| g.to_string()).collect(),
@@ -1165,6 +1210,12 @@ mod invariant_tests {
         assert!(invariant_violations(&ok).is_empty());
         let shared = [t(1, "j1.0", "j1", &["g0"]), t(2, "j2.0", "j2", &["g0"])];
         assert_eq!(invariant_violations(&shared).len(), 1);
+        let mut wrong = t(1, "j1.0", "j1", &["g0"]);
+        wrong.task_cgroup = Some("j2.0".into());
+        assert_eq!(
+            invariant_violations(&[wrong]),
+            vec!["process 1 of task j1.0 is in task j2.0's cgroup".to_string()]
+        );
         let twice = [t(1, "j1.0", "j1", &[]), t(2, "j1.1", "j1", &[])];
         assert_eq!(
             invariant_violations(&twice),
@@ -1190,6 +1241,7 @@ mod invariant_tests {
             live,
             vec![LiveTask {
                 pid: child.id() as i32,
+                task_cgroup: None,
                 task_id: "job-9.0".into(),
                 job_id: "job-9".into(),
                 gpus: vec!["GPU-a".into(), "GPU-b".into()],

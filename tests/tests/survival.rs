@@ -129,6 +129,13 @@ fn tasks_survive_agent_sigkill_and_sigterm_with_their_real_exit_codes() {
     let live = live_tasks(MARKER, &m);
     let ids: std::collections::BTreeSet<_> = live.iter().map(|t| t.task_id.clone()).collect();
     assert_eq!(ids.len(), 2, "tasks died with the agent: {live:?}");
+    // Seen from the kernel too: every process of both tasks (the container's
+    // included) is in its own task's cgroup.
+    assert!(
+        live.iter()
+            .all(|t| t.task_cgroup.as_deref() == Some(t.task_id.as_str())),
+        "{live:?}"
+    );
     c.restart_agent(0);
     assert_ran_once(&c, &proc_job, "FAILED", 3);
     assert_ran_once(&c, &docker_job, "FAILED", 5);
