@@ -1234,9 +1234,15 @@ mod invariant_tests {
             .env("GPUCTL_GPUS", "GPU-a,GPU-b")
             .spawn()
             .unwrap();
-        let live = live_tasks("GPUCTL_INVARIANT_TEST", &marker);
+        // Until the child has exec'd, its environ is still ours.
+        let mut live = Vec::new();
+        let found = try_wait_for(Duration::from_secs(5), || {
+            live = live_tasks("GPUCTL_INVARIANT_TEST", &marker);
+            !live.is_empty()
+        });
         child.kill().unwrap();
         child.wait().unwrap();
+        assert!(found, "the child never showed up in /proc");
         assert_eq!(
             live,
             vec![LiveTask {
