@@ -6,13 +6,14 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use cgroups_rs::cpu::CpuController;
-use cgroups_rs::devices::{DevicePermissions, DeviceType, DevicesController};
+use cgroups_rs::devices::DevicesController;
 use cgroups_rs::memory::MemController;
 use cgroups_rs::pid::PidController;
+use cgroups_rs::Controller;
 use cgroups_rs::{Cgroup, Hierarchy, Subsystem};
 use gpuctl_proto::types::Resources;
 
-use super::rules::{DeviceKind, DeviceRule};
+use super::rules::DeviceRule;
 use super::IsolationError;
 
 /// The controllers gpuctl configures. Others (cpuset, blkio, ...) may get
@@ -72,6 +73,30 @@ pub enum CgroupVersion {
     V2,
     /// Neither (not mounted, or not a cgroup root).
     None,
+}
+
+/// Writes each rule, in order, as its own text (the kernel's format, the
+/// rule's `Display`: what the tests check is what the kernel reads) to the
+/// cgroup's `devices.allow` or `devices.deny`, one write per rule.
+pub fn write_device_rules(dir: &Path, rules: &[DeviceRule]) -> Result<(), IsolationError> {
+    use std::io::Write;
+    for r in rules {
+        let path = dir.join(if r.allow {
+            "devices.allow"
+        } else {
+            "devices.deny"
+        });
+        let io = |source| IsolationError::Io {
+            path: path.clone(),
+            source,
+        };
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .map_err(io)?;
+        f.write_all(r.to_string().as_bytes()).map_err(io)?;
+    }
+    Ok(())
 }
 
 pub fn detect_version(root: &Path) -> CgroupVersion {
@@ -194,32 +219,7 @@ impl CgroupManager {
                 what: format!("{rel}: devices controller"),
                 reason: format!("not mounted under {}", self.root.display()),
             })?;
-        for r in rules {
-            let kind = match r.kind {
-                DeviceKind::Char => DeviceType::Char,
-                DeviceKind::Block => DeviceType::Block,
-                DeviceKind::All => DeviceType::All,
-            };
-            let mut perms = Vec::new();
-            if r.access.read {
-                perms.push(DevicePermissions::Read);
-            }
-            if r.access.write {
-                perms.push(DevicePermissions::Write);
-            }
-            if r.access.mknod {
-                perms.push(DevicePermissions::MkNod);
-            }
-            let major = r.major.map_or(-1, i64::from);
-            let minor = r.minor.map_or(-1, i64::from);
-            let what = format!("{rel}: {} {r}", if r.allow { "allow" } else { "deny" });
-            if r.allow {
-                devices.allow_device(kind, major, minor, &perms)
-            } else {
-                devices.deny_device(kind, major, minor, &perms)
-            }
-            .map_err(cg_err(what))?;
-        }
+        write_device_rules(devices.path(), rules)?;
         if resources.mem_mib > 0 {
             if let Some(mem) = cg.controller_of::<MemController>() {
                 let bytes = (resources.mem_mib as i64).saturating_mul(1024 * 1024);
@@ -466,6 +466,36 @@ mod tests {
         for c in CONTROLLERS {
             let _ = std::fs::remove_dir(Path::new(ROOT).join(c).join(&parent));
         }
+    }
+
+    /// What the kernel reads is each rule's own text, one write per rule,
+    /// to the file of its kind; checked without root on plain files.
+    #[test]
+    fn device_rules_are_written_as_their_own_text() {
+        use crate::isolation::rules::{Access, DeviceKind};
+        let dir = tempfile::tempdir().unwrap();
+        for f in ["devices.allow", "devices.deny"] {
+            std::fs::write(dir.path().join(f), "").unwrap();
+        }
+        let r = |allow, major, minor, access| DeviceRule {
+            allow,
+            kind: DeviceKind::Char,
+            major,
+            minor,
+            access,
+        };
+        let rules = [
+            r(false, Some(195), Some(1), Access::RW),
+            r(true, Some(195), Some(0), Access::RWM),
+            r(true, Some(508), None, Access::RWM),
+        ];
+        write_device_rules(dir.path(), &rules).unwrap();
+        let read = |f: &str| std::fs::read_to_string(dir.path().join(f)).unwrap();
+        assert_eq!(read("devices.deny"), "c 195:1 rw");
+        assert_eq!(read("devices.allow"), "c 195:0 rwmc 508:* rwm");
+        // A missing file (no devices controller) names the path.
+        let err = write_device_rules(&dir.path().join("nope"), &rules).unwrap_err();
+        assert!(err.to_string().contains("nope/devices.deny"), "{err}");
     }
 
     #[test]

@@ -270,4 +270,63 @@ mod tests {
             }
         }
     }
+
+    /// The kernel's v1 semantics for these rule sets, on top of a parent
+    /// that allows everything: the read and write a device is left with.
+    fn read_write_allowed(rules: &[DeviceRule], major: u32, minor: u32) -> (bool, bool) {
+        let (mut read, mut write) = (true, true);
+        for r in rules {
+            let matches = r.kind != DeviceKind::Block
+                && r.major.is_none_or(|m| m == major)
+                && r.minor.is_none_or(|m| m == minor);
+            if !matches {
+                continue;
+            }
+            if r.access.read {
+                read = r.allow;
+            }
+            if r.access.write {
+                write = r.allow;
+            }
+        }
+        (read, write)
+    }
+
+    proptest::proptest! {
+        /// Whatever GPUs a host has and a task is given: every GPU not given
+        /// is denied, every GPU given is allowed, and the control devices
+        /// are allowed exactly when a GPU is given.
+        #[test]
+        fn rule_sets_deny_every_other_gpu(
+            host_minors in proptest::collection::btree_set(0u32..16, 0..8),
+            pick in proptest::collection::vec(proptest::bool::ANY, 16),
+        ) {
+            let host = HostDevices {
+                gpus: host_minors
+                    .iter()
+                    .map(|&i| (i, node(&format!("nvidia{i}"), 195, i)))
+                    .collect(),
+                control: host().control,
+            };
+            let given: Vec<u32> = host_minors
+                .iter()
+                .copied()
+                .filter(|m| pick[*m as usize])
+                .collect();
+            let rules = task_rules(&host, &given);
+            for &m in &host_minors {
+                let (r, w) = read_write_allowed(&rules, 195, m);
+                if given.contains(&m) {
+                    proptest::prop_assert!(r && w, "GPU {m} given but not allowed: {:?}", text(&rules));
+                } else {
+                    proptest::prop_assert!(!r && !w, "GPU {m} not given but open: {:?}", text(&rules));
+                }
+            }
+            for c in &host.control {
+                let (r, w) = read_write_allowed(&rules, c.major, c.minor);
+                proptest::prop_assert_eq!(r && w, !given.is_empty(), "{:?}", text(&rules));
+                proptest::prop_assert_eq!(r || w, !given.is_empty(), "{:?}", text(&rules));
+            }
+        }
+    }
 }
