@@ -178,14 +178,6 @@ impl Isolator {
             _ => Ok(()),
         }
     }
-
-    /// Whether the task's cgroup still exists (for tests and checks).
-    pub fn cgroup_exists(&self, task_id: &str) -> bool {
-        match &self.mode {
-            Mode::V1(m) => m.exists(task_id),
-            _ => false,
-        }
-    }
 }
 
 #[cfg(test)]
