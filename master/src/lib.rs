@@ -111,7 +111,7 @@ pub async fn serve(
         liveness.clone(),
         stop_rx.clone(),
     ));
-    let jobs_task = tokio::spawn(leader::jobs::run(
+    let jobs_task = tokio::spawn(scheduler::runner::run(
         handle.clone(),
         hub.clone(),
         config.queue_config(),
@@ -159,7 +159,7 @@ pub async fn serve(
         .add_service(service::raft_server(ctx.clone()))
         .add_service(service::operator_server(ctx.clone()))
         .add_service(service::agent_manager_server(ctx.clone()))
-        .add_service(service::scheduler_server(ctx.clone()))
+        .add_service(service::framework_server(ctx.clone()))
         .serve_with_incoming_shutdown(incoming, async move {
             // A master whose raft node stopped must not go on answering.
             tokio::select! {

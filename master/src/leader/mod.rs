@@ -2,7 +2,6 @@
 //! applied state and propose commands; apply has the last word.
 
 pub mod frameworks;
-pub mod jobs;
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;

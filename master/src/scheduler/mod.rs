@@ -1,5 +1,7 @@
-//! The built-in job scheduler's decisions. PURE: reads a state, returns the
-//! launches and preemptions to propose. The state machine re-checks every
+//! The built-in job scheduler behind `gpuctl jobs`. Its decisions (this
+//! module, [`placement`], [`queue`], [`topology`]) are PURE: they read a
+//! state and return the launches and preemptions to propose; [`runner`] is
+//! the loop that runs them against the leader's offers, as a framework. The state machine re-checks every
 //! command when it is applied, so a stale decision is refused there, never
 //! double-booked.
 //!
@@ -13,6 +15,7 @@
 
 pub mod placement;
 pub mod queue;
+pub mod runner;
 pub mod topology;
 
 use std::collections::{BTreeMap, BTreeSet};

@@ -2,12 +2,12 @@
 //! read the applied state or propose a command, convert the answer.
 
 mod agent;
+mod framework;
 pub mod gate;
 mod jobs_page;
 mod masters;
 mod operator;
 mod raft;
-mod scheduler;
 mod task_stream;
 
 use std::sync::Arc;
@@ -58,10 +58,10 @@ pub fn raft_server(ctx: Ctx) -> pb::raft_transport_server::RaftTransportServer<r
         .max_decoding_message_size(crate::raft::transport::MAX_RAFT_MESSAGE_BYTES)
 }
 
-pub fn scheduler_server(
+pub fn framework_server(
     ctx: Ctx,
-) -> pb::scheduler_server::SchedulerServer<scheduler::SchedulerService> {
-    pb::scheduler_server::SchedulerServer::new(scheduler::SchedulerService { ctx })
+) -> pb::scheduler_server::SchedulerServer<framework::SchedulerService> {
+    pb::scheduler_server::SchedulerServer::new(framework::SchedulerService { ctx })
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
 }
 

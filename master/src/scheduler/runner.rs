@@ -19,8 +19,8 @@ use gpuctl_proto::pb;
 use gpuctl_proto::types::FrameworkInfo;
 use tokio::sync::{mpsc, watch};
 
-use super::frameworks::{Hub, EVENT_BUFFER};
 use crate::allocator::refuse_until;
+use crate::leader::frameworks::{Hub, EVENT_BUFFER};
 use crate::now_ms;
 use crate::raft::RaftHandle;
 use crate::scheduler::queue::{self, QueueConfig};
