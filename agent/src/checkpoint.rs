@@ -97,13 +97,9 @@ pub fn read_json<T: DeserializeOwned>(path: &Path) -> Result<Option<T>, Checkpoi
     }
 }
 
-/// Milliseconds since the Unix epoch (wall clock: the fence deadline must
-/// survive an agent restart, which a monotonic clock does not).
-pub fn wall_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
-}
+/// Wall-clock milliseconds: the fence deadline must survive an agent
+/// restart, which a monotonic clock does not.
+pub use gpuctl_proto::time::now_ms as wall_ms;
 
 /// When the agent last reached a leader, and how long its tasks may run
 /// without that (the master's fence timeout). Written after every

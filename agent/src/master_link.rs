@@ -20,6 +20,7 @@ use futures::StreamExt;
 use gpuctl_proto::leader::{leader_hint, retry_elsewhere};
 use gpuctl_proto::pb;
 use gpuctl_proto::pb::agent_manager_client::AgentManagerClient;
+use gpuctl_proto::time::Backoff;
 use gpuctl_proto::types::{AgentInfo, GpuInfo, StatusUpdate};
 use tokio::sync::{mpsc, watch};
 use tonic::transport::{Channel, Endpoint};
@@ -163,10 +164,6 @@ fn election_poll(agent_id: &str) -> Duration {
     ELECTION_POLL + Duration::from_millis(seed % 100)
 }
 
-fn next_backoff(b: Duration) -> Duration {
-    (b * 2).min(BACKOFF_MAX)
-}
-
 /// Why a session ended.
 #[derive(Debug)]
 struct SessionError {
@@ -207,7 +204,7 @@ pub async fn run(
     health: watch::Receiver<Snapshot>,
     mut shutdown: watch::Receiver<bool>,
 ) {
-    let mut backoff = BACKOFF_MIN;
+    let mut backoff = Backoff::new(BACKOFF_MIN, BACKOFF_MAX);
     let mut redirects = 0;
     loop {
         if *shutdown.borrow() {
@@ -220,7 +217,7 @@ pub async fn run(
         // A session that registered ran fine until now (e.g. its leader
         // stepped down): reconnect quickly.
         if e.registered {
-            backoff = BACKOFF_MIN;
+            backoff.reset();
             redirects = 0;
         }
         let addr = &e.addr;
@@ -241,7 +238,7 @@ pub async fn run(
         let wait = if electing {
             election_poll(&info.id)
         } else {
-            backoff
+            backoff.peek()
         };
         tracing::warn!(master = %addr, error = %e.message, retry_in_ms = wait.as_millis() as u64, "master connection failed");
         tokio::select! {
@@ -249,7 +246,7 @@ pub async fn run(
             _ = shutdown.changed() => return,
         }
         if !electing {
-            backoff = next_backoff(backoff);
+            backoff.next_wait();
         }
     }
 }
@@ -434,7 +431,7 @@ pub async fn status_sender(
     mut done: watch::Receiver<bool>,
 ) {
     let mut queues: BTreeMap<String, VecDeque<StatusUpdate>> = BTreeMap::new();
-    let mut backoff = BACKOFF_MIN;
+    let mut backoff = Backoff::new(BACKOFF_MIN, BACKOFF_MAX);
     let mut redirects = 0;
     let mut closed = false;
     loop {
@@ -512,7 +509,7 @@ pub async fn status_sender(
         }
         queues.retain(|_, q| !q.is_empty());
         if progress {
-            backoff = BACKOFF_MIN;
+            backoff.reset();
             redirects = 0;
             continue;
         }
@@ -524,9 +521,7 @@ pub async fn status_sender(
             unreachable = true;
         }
         let wait = if unreachable {
-            let b = backoff;
-            backoff = next_backoff(backoff);
-            b
+            backoff.next_wait()
         } else {
             ACK_POLL
         };

@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use gpuctl_proto::leader::{leader_hint, retry_elsewhere};
 use gpuctl_proto::pb::operator_client::OperatorClient;
+use gpuctl_proto::time::Backoff;
 use tokio::time::Instant;
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Status};
@@ -233,7 +234,7 @@ impl Master {
         Fut: Future<Output = Result<tonic::Response<T>, Status>>,
     {
         let started = Instant::now();
-        let mut backoff = BACKOFF_MIN;
+        let mut backoff = Backoff::new(BACKOFF_MIN, BACKOFF_MAX);
         let mut redirects = 0;
         // Addresses that refused a connection during this call.
         let mut down: Vec<String> = Vec::new();
@@ -267,9 +268,7 @@ impl Master {
                 redirects += 1;
                 Duration::ZERO
             } else {
-                let b = backoff;
-                backoff = (backoff * 2).min(BACKOFF_MAX);
-                b
+                backoff.next_wait()
             };
             if Instant::now() + pause >= deadline {
                 return Err(CliError::GaveUp {

@@ -43,11 +43,7 @@ pub enum MasterError {
 }
 
 /// Milliseconds since the Unix epoch: the proposer's clock, carried in commands.
-pub fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
-}
+pub use gpuctl_proto::time::now_ms;
 
 /// Runs a master until `shutdown` resolves.
 pub async fn serve(

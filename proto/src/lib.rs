@@ -13,6 +13,7 @@ pub mod convert;
 pub mod desired;
 pub mod leader;
 pub mod metrics;
+pub mod time;
 pub mod types;
 
 pub use convert::ConvertError;

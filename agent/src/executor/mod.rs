@@ -20,6 +20,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use gpuctl_proto::time::Backoff;
 use gpuctl_proto::types::{Runtime, StatusUpdate, TaskSpec, TaskState};
 use tokio::sync::{mpsc, watch};
 
@@ -697,7 +698,7 @@ impl Executor {
         let tref = self.task_ref(task_id);
         let mut started = false;
         if reattach {
-            let mut backoff = OUTAGE_BACKOFF_MIN;
+            let mut backoff = Backoff::new(OUTAGE_BACKOFF_MIN, OUTAGE_BACKOFF_MAX);
             loop {
                 match rt.observe(&tref).await {
                     Ok(Observed::NotStarted) => {
@@ -712,8 +713,7 @@ impl Executor {
                         break;
                     }
                     Err(e) if e.is_unavailable() => {
-                        tokio::time::sleep(backoff).await;
-                        backoff = (backoff * 2).min(OUTAGE_BACKOFF_MAX);
+                        tokio::time::sleep(backoff.next_wait()).await;
                     }
                     Err(e) => return Outcome::failed(e.to_string()),
                 }
@@ -825,7 +825,7 @@ impl Executor {
             fence: (!spec.no_fence).then(|| checkpoint::contact_path(&self.work_dir)),
             task: spec.clone(),
         };
-        let mut backoff = OUTAGE_BACKOFF_MIN;
+        let mut backoff = Backoff::new(OUTAGE_BACKOFF_MIN, OUTAGE_BACKOFF_MAX);
         loop {
             match rt.start(&launch).await {
                 Ok(()) => break,
@@ -834,10 +834,9 @@ impl Executor {
                 Err(e) if e.is_unavailable() => {
                     tracing::warn!(task_id, error = %e, "runtime unavailable; the launch waits");
                     tokio::select! {
-                        _ = tokio::time::sleep(backoff) => {}
+                        _ = tokio::time::sleep(backoff.next_wait()) => {}
                         _ = stop.changed() => {}
                     }
-                    backoff = (backoff * 2).min(OUTAGE_BACKOFF_MAX);
                     if let Some(r) = stop.borrow().clone() {
                         self.release(task_id);
                         return Err(Outcome::refused(&r, fence_ms));
@@ -872,13 +871,12 @@ impl Executor {
 /// Asks the runtime to stop the task until it has taken the request (the
 /// Docker daemon may be restarting).
 async fn stop_until_done(rt: Arc<dyn ContainerRuntime>, tref: TaskRef, grace: Duration) {
-    let mut backoff = OUTAGE_BACKOFF_MIN;
+    let mut backoff = Backoff::new(OUTAGE_BACKOFF_MIN, OUTAGE_BACKOFF_MAX);
     loop {
         match rt.stop(&tref, grace).await {
             Ok(()) => return,
             Err(e) if e.is_unavailable() => {
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(OUTAGE_BACKOFF_MAX);
+                tokio::time::sleep(backoff.next_wait()).await;
             }
             Err(e) => {
                 tracing::warn!(task_id = %tref.task_id, error = %e, "could not stop the task");
@@ -892,7 +890,7 @@ async fn stop_until_done(rt: Arc<dyn ContainerRuntime>, tref: TaskRef, grace: Du
 /// daemon still busy with it ("removal already in progress"); one left
 /// behind is removed by the stray scan once the task is forgotten.
 async fn remove_until_done(rt: &Arc<dyn ContainerRuntime>, tref: &TaskRef) {
-    let mut backoff = OUTAGE_BACKOFF_MIN;
+    let mut backoff = Backoff::new(OUTAGE_BACKOFF_MIN, OUTAGE_BACKOFF_MAX);
     for attempt in 0..10 {
         match rt.remove(tref).await {
             Ok(()) => return,
@@ -902,8 +900,7 @@ async fn remove_until_done(rt: &Arc<dyn ContainerRuntime>, tref: &TaskRef) {
                     return;
                 }
                 tracing::debug!(task_id = %tref.task_id, error = %e, "removing the ended task; retrying");
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(OUTAGE_BACKOFF_MAX);
+                tokio::time::sleep(backoff.next_wait()).await;
             }
         }
     }

@@ -13,7 +13,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use gpuctl_proto::types::{GpuInfo, GpuReport, GpuSample};
 use nvml_wrapper::bitmasks::event::EventTypes;
@@ -267,11 +267,7 @@ impl Tracker {
     }
 }
 
-fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
-}
+use gpuctl_proto::time::now_ms;
 
 const LOST: &str = "GPU is lost (fallen off the bus or inaccessible)";
 

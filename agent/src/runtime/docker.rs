@@ -20,6 +20,7 @@ use bollard::models::{ContainerStateStatusEnum, DeviceMapping, HostConfig};
 use bollard::{ClientVersion, Docker};
 use futures::future::BoxFuture;
 use futures::{FutureExt, StreamExt};
+use gpuctl_proto::time::Backoff;
 use gpuctl_proto::types::Runtime;
 use serde::{Deserialize, Serialize};
 use tokio::io::AsyncWriteExt;
@@ -398,7 +399,7 @@ impl DockerRuntime {
     /// through any number of daemon restarts.
     async fn wait_task(&self, task: &TaskRef) -> Result<Ended, RuntimeError> {
         let name = container_name(&task.agent_id, &task.task_id);
-        let mut backoff = OUTAGE_BACKOFF_MIN;
+        let mut backoff = Backoff::new(OUTAGE_BACKOFF_MIN, OUTAGE_BACKOFF_MAX);
         // Aborted if this future is dropped: one copy of the output at a time.
         let mut pump: Option<AbortOnDrop> = None;
         let ended = loop {
@@ -412,7 +413,7 @@ impl DockerRuntime {
                     }
                 }
                 Ok(Observed::Running) => {
-                    backoff = OUTAGE_BACKOFF_MIN;
+                    backoff.reset();
                     if pump.is_none() {
                         // A reattached container gets its watcher back if
                         // it died with the old agent's process group.
@@ -440,20 +441,17 @@ impl DockerRuntime {
                         Some(Err(BollardError::DockerContainerWaitError { .. })) => {}
                         Some(Err(e)) if is_outage(&e) => {
                             let _ = self.err(e);
-                            tokio::time::sleep(backoff).await;
-                            backoff = (backoff * 2).min(OUTAGE_BACKOFF_MAX);
+                            tokio::time::sleep(backoff.next_wait()).await;
                         }
                         Some(Err(e)) if is_not_found(&e) => {}
                         Some(Err(e)) => {
                             tracing::warn!(container = %name, error = %e, "waiting for the container failed; looking again");
-                            tokio::time::sleep(backoff).await;
-                            backoff = (backoff * 2).min(OUTAGE_BACKOFF_MAX);
+                            tokio::time::sleep(backoff.next_wait()).await;
                         }
                     }
                 }
                 Err(e) if e.is_unavailable() => {
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(OUTAGE_BACKOFF_MAX);
+                    tokio::time::sleep(backoff.next_wait()).await;
                 }
                 Err(e) => return Err(e),
             }

@@ -214,12 +214,7 @@ pub async fn run(cli: Cli) -> Result<u8, CliError> {
     Ok(code)
 }
 
-/// Milliseconds since the Unix epoch, 0 if the clock is before it.
-pub fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
-}
+pub use gpuctl_proto::time::now_ms;
 
 /// Parses a number of seconds (`--timeout 1.5`) into a Duration.
 pub fn parse_secs(s: &str) -> Result<Duration, String> {
