@@ -11,9 +11,9 @@ use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use gpuctl_master::scheduler::placement::{
-    choose_gpus, place_gang, place_task, NodeView, Policy, TaskRequest,
+    choose_gpus, place_gang, place_task, NodeView, TaskRequest,
 };
-use gpuctl_proto::types::{GpuInfo, GpuPeer, Resources, Runtime};
+use gpuctl_proto::types::{GpuInfo, GpuPeer, PlacementPolicy, Resources, Runtime};
 
 const GPUS: u32 = 8;
 
@@ -106,20 +106,20 @@ fn placement(c: &mut Criterion) {
         gpu_mem_min_mib: 0,
         constraints: &none,
     };
-    let cases: [(&str, TaskRequest, u32, Policy); 4] = [
-        ("1gpu-bundle", task(1, None), 1, Policy::Bundle),
+    let cases: [(&str, TaskRequest, u32, PlacementPolicy); 4] = [
+        ("1gpu-bundle", task(1, None), 1, PlacementPolicy::Bundle),
         (
             "4gpu-h100-spread",
             task(4, Some("*h100*")),
             1,
-            Policy::Spread,
+            PlacementPolicy::Spread,
         ),
-        ("8gpu-bundle", task(8, None), 1, Policy::Bundle),
+        ("8gpu-bundle", task(8, None), 1, PlacementPolicy::Bundle),
         (
             "gang-16x8-bundle",
             task(8, Some("*A100*")),
             16,
-            Policy::Bundle,
+            PlacementPolicy::Bundle,
         ),
     ];
     let mut group = c.benchmark_group("placement");

@@ -230,13 +230,12 @@ impl fmt::Display for PlacementPolicy {
 
 impl std::str::FromStr for PlacementPolicy {
     type Err = String;
+    /// `bundle` or `spread`, in any case, spaces around ignored.
     fn from_str(s: &str) -> Result<Self, String> {
-        match s {
+        match s.trim().to_ascii_lowercase().as_str() {
             "bundle" => Ok(PlacementPolicy::Bundle),
             "spread" => Ok(PlacementPolicy::Spread),
-            other => Err(format!(
-                "{other:?} is not a placement policy (bundle, spread)"
-            )),
+            _ => Err(format!("{s:?} is not a placement policy (bundle, spread)")),
         }
     }
 }

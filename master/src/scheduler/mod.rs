@@ -33,11 +33,8 @@ pub struct Available {
 }
 
 /// The engine's policy for a job: its own, or the cluster's default.
-pub fn policy_of(spec: &JobSpec, default: PlacementPolicy) -> placement::Policy {
-    match spec.placement.policy.unwrap_or(default) {
-        PlacementPolicy::Bundle => placement::Policy::Bundle,
-        PlacementPolicy::Spread => placement::Policy::Spread,
-    }
+pub fn policy_of(spec: &JobSpec, default: PlacementPolicy) -> PlacementPolicy {
+    spec.placement.policy.unwrap_or(default)
 }
 
 /// What a job's task asks of the placement engine.

@@ -44,45 +44,10 @@
 //! of up to 3 nodes of 8 or 16 GPUs (`bundle_room_exhaustive_small_clusters`).
 
 use std::collections::BTreeMap;
-use std::fmt;
-use std::str::FromStr;
 
-use gpuctl_proto::types::{GpuInfo, Resources, Runtime};
+use gpuctl_proto::types::{GpuInfo, PlacementPolicy, Resources, Runtime};
 
 pub use super::topology::choose_gpus;
-
-/// How the scheduler spreads tasks over nodes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Policy {
-    /// Best fit: fill partly used nodes, keep whole nodes free.
-    #[default]
-    Bundle,
-    /// Worst fit: the emptiest node.
-    Spread,
-}
-
-impl FromStr for Policy {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "bundle" => Ok(Policy::Bundle),
-            "spread" => Ok(Policy::Spread),
-            _ => Err(format!(
-                "unknown placement policy {s:?} (expected bundle or spread)"
-            )),
-        }
-    }
-}
-
-impl fmt::Display for Policy {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Policy::Bundle => "bundle",
-            Policy::Spread => "spread",
-        })
-    }
-}
 
 /// What one task needs.
 #[derive(Debug, Clone, Copy)]
@@ -257,7 +222,7 @@ impl Cand<'_, '_> {
 }
 
 /// `Less` when `a` is the better node for one more replica.
-fn compare(policy: Policy, need: &Resources, a: &Cand, b: &Cand) -> std::cmp::Ordering {
+fn compare(policy: PlacementPolicy, need: &Resources, a: &Cand, b: &Cand) -> std::cmp::Ordering {
     let n = need.gpus as usize;
     let (fa, fb) = (a.free(), b.free());
     let left_a = a.matching.saturating_sub(a.taken.len() + n);
@@ -270,11 +235,11 @@ fn compare(policy: Policy, need: &Resources, a: &Cand, b: &Cand) -> std::cmp::Or
     let mem_b = fb.mem_mib.saturating_sub(need.mem_mib);
     let by_id = || a.node.id.cmp(b.node.id);
     match (policy, n > 0) {
-        (Policy::Bundle, true) => left_a
+        (PlacementPolicy::Bundle, true) => left_a
             .cmp(&left_b)
             .then(in_use_b.cmp(&in_use_a))
             .then_with(by_id),
-        (Policy::Bundle, false) => {
+        (PlacementPolicy::Bundle, false) => {
             // The gang took no GPUs here: free_gpus is still exact.
             let gpus_a = a.node.free_gpus.len();
             let gpus_b = b.node.free_gpus.len();
@@ -284,13 +249,13 @@ fn compare(policy: Policy, need: &Resources, a: &Cand, b: &Cand) -> std::cmp::Or
                 .then(mem_a.cmp(&mem_b))
                 .then_with(by_id)
         }
-        (Policy::Spread, true) => a
+        (PlacementPolicy::Spread, true) => a
             .replicas
             .cmp(&b.replicas)
             .then(left_b.cmp(&left_a))
             .then(in_use_a.cmp(&in_use_b))
             .then_with(by_id),
-        (Policy::Spread, false) => a
+        (PlacementPolicy::Spread, false) => a
             .replicas
             .cmp(&b.replicas)
             .then(cpus_b.total_cmp(&cpus_a))
@@ -300,7 +265,11 @@ fn compare(policy: Policy, need: &Resources, a: &Cand, b: &Cand) -> std::cmp::Or
 }
 
 /// Best node and GPUs for one task, or `None`. Deterministic.
-pub fn place_task(req: &TaskRequest, nodes: &[NodeView], policy: Policy) -> Option<Placement> {
+pub fn place_task(
+    req: &TaskRequest,
+    nodes: &[NodeView],
+    policy: PlacementPolicy,
+) -> Option<Placement> {
     place_gang(req, 1, nodes, policy)?.pop()
 }
 
@@ -312,7 +281,7 @@ pub fn place_gang(
     req: &TaskRequest,
     replicas: u32,
     nodes: &[NodeView],
-    policy: Policy,
+    policy: PlacementPolicy,
 ) -> Option<Vec<Placement>> {
     let need = req.resources;
     let n = need.gpus as usize;
@@ -585,7 +554,11 @@ mod tests {
     }
 
     /// Place and account, as the scheduler does.
-    fn place_and_take(nodes: &mut [Node], r: &TaskRequest, policy: Policy) -> Option<Placement> {
+    fn place_and_take(
+        nodes: &mut [Node],
+        r: &TaskRequest,
+        policy: PlacementPolicy,
+    ) -> Option<Placement> {
         let p = place_task(r, &views(nodes), policy)?;
         let node = nodes.iter_mut().find(|n| n.id == p.node).unwrap();
         node.take(&r.resources, &p.gpus);
@@ -614,19 +587,26 @@ mod tests {
 
     #[test]
     fn policy_parses_and_prints() {
-        assert_eq!("bundle".parse::<Policy>(), Ok(Policy::Bundle));
-        assert_eq!("Spread".parse::<Policy>(), Ok(Policy::Spread));
-        let err = "pack".parse::<Policy>().unwrap_err();
-        assert!(err.contains("bundle") && err.contains("spread"), "{err}");
-        assert_eq!(Policy::default(), Policy::Bundle);
-        assert_eq!(Policy::Spread.to_string(), "spread");
         assert_eq!(
-            serde_json::to_string(&Policy::Spread).unwrap(),
-            "\"spread\""
+            "bundle".parse::<PlacementPolicy>(),
+            Ok(PlacementPolicy::Bundle)
         );
         assert_eq!(
-            serde_json::from_str::<Policy>("\"bundle\"").unwrap(),
-            Policy::Bundle
+            "Spread".parse::<PlacementPolicy>(),
+            Ok(PlacementPolicy::Spread)
+        );
+        let err = "pack".parse::<PlacementPolicy>().unwrap_err();
+        assert!(err.contains("bundle") && err.contains("spread"), "{err}");
+        assert_eq!(PlacementPolicy::default(), PlacementPolicy::Bundle);
+        assert_eq!(PlacementPolicy::Spread.to_string(), "spread");
+        // Jobs in the Raft log carry it as written since the first release.
+        assert_eq!(
+            serde_json::to_string(&PlacementPolicy::Spread).unwrap(),
+            "\"Spread\""
+        );
+        assert_eq!(
+            serde_json::from_str::<PlacementPolicy>("\"Bundle\"").unwrap(),
+            PlacementPolicy::Bundle
         );
     }
 
@@ -650,14 +630,14 @@ mod tests {
     fn bundle_keeps_a_whole_node_for_a_big_task() {
         let mut nodes = four_by_four();
         for _ in 0..3 {
-            let p = place_and_take(&mut nodes, &req(1), Policy::Bundle).unwrap();
+            let p = place_and_take(&mut nodes, &req(1), PlacementPolicy::Bundle).unwrap();
             assert_eq!(p.node, "a");
         }
-        let p = place_and_take(&mut nodes, &req(4), Policy::Bundle).unwrap();
+        let p = place_and_take(&mut nodes, &req(4), PlacementPolicy::Bundle).unwrap();
         assert_eq!(p.node, "b");
         assert_eq!(p.gpus.len(), 4);
         // The 1 left on "a" is the best fit for the next small task.
-        let p = place_and_take(&mut nodes, &req(1), Policy::Bundle).unwrap();
+        let p = place_and_take(&mut nodes, &req(1), PlacementPolicy::Bundle).unwrap();
         assert_eq!(p.node, "a");
     }
 
@@ -678,15 +658,15 @@ mod tests {
         ];
         // a: 3 free, b: 3 free, c: 4 free. 2 GPUs: a and b leave 1; a has
         // more in use.
-        let p = place_task(&req(2), &views(&nodes), Policy::Bundle).unwrap();
+        let p = place_task(&req(2), &views(&nodes), PlacementPolicy::Bundle).unwrap();
         assert_eq!(p.node, "a");
         // 3 GPUs: a and b leave 0, a has more in use.
-        let p = place_task(&req(3), &views(&nodes), Policy::Bundle).unwrap();
+        let p = place_task(&req(3), &views(&nodes), PlacementPolicy::Bundle).unwrap();
         assert_eq!(p.node, "a");
         // 4 GPUs: only c.
-        let p = place_task(&req(4), &views(&nodes), Policy::Bundle).unwrap();
+        let p = place_task(&req(4), &views(&nodes), PlacementPolicy::Bundle).unwrap();
         assert_eq!(p.node, "c");
-        assert!(place_task(&req(5), &views(&nodes), Policy::Bundle).is_none());
+        assert!(place_task(&req(5), &views(&nodes), PlacementPolicy::Bundle).is_none());
     }
 
     #[test]
@@ -695,7 +675,7 @@ mod tests {
         let mut seen = Vec::new();
         for _ in 0..4 {
             seen.push(
-                place_and_take(&mut nodes, &req(1), Policy::Spread)
+                place_and_take(&mut nodes, &req(1), PlacementPolicy::Spread)
                     .unwrap()
                     .node,
             );
@@ -705,14 +685,14 @@ mod tests {
         let mut nodes = vec![Node::new("a", 8, "A100", 1), Node::new("b", 4, "A100", 1)];
         nodes[0].held = (4..8).map(|i| format!("a-g{i}")).collect();
         assert_eq!(
-            place_task(&req(1), &views(&nodes), Policy::Spread)
+            place_task(&req(1), &views(&nodes), PlacementPolicy::Spread)
                 .unwrap()
                 .node,
             "b"
         );
         nodes[0].held.pop();
         assert_eq!(
-            place_task(&req(1), &views(&nodes), Policy::Spread)
+            place_task(&req(1), &views(&nodes), PlacementPolicy::Spread)
                 .unwrap()
                 .node,
             "a"
@@ -728,7 +708,7 @@ mod tests {
         ];
         nodes[2].free = res(4.0, 8192, 0);
         // Bundle: off the GPU node, onto the node with the least CPU left.
-        let p = place_task(&req(0), &views(&nodes), Policy::Bundle).unwrap();
+        let p = place_task(&req(0), &views(&nodes), PlacementPolicy::Bundle).unwrap();
         assert_eq!(
             p,
             Placement {
@@ -740,7 +720,7 @@ mod tests {
         let mut big = req(0);
         big.resources.cpus = 8.0;
         assert_eq!(
-            place_task(&big, &views(&nodes), Policy::Bundle)
+            place_task(&big, &views(&nodes), PlacementPolicy::Bundle)
                 .unwrap()
                 .node,
             "cpu-big"
@@ -748,7 +728,7 @@ mod tests {
         // Spread: the most free CPU (ties by id).
         nodes[1].free.cpus = 16.0;
         assert_eq!(
-            place_task(&req(0), &views(&nodes), Policy::Spread)
+            place_task(&req(0), &views(&nodes), PlacementPolicy::Spread)
                 .unwrap()
                 .node,
             "gpu"
@@ -757,7 +737,7 @@ mod tests {
         let mut nodes = vec![Node::new("x", 4, "A100", 1), Node::new("y", 4, "A100", 1)];
         nodes[1].held = vec!["y-g0".into()];
         assert_eq!(
-            place_task(&req(0), &views(&nodes), Policy::Bundle)
+            place_task(&req(0), &views(&nodes), PlacementPolicy::Bundle)
                 .unwrap()
                 .node,
             "y"
@@ -769,7 +749,7 @@ mod tests {
         let mut nodes = four_by_four();
         nodes[0].free = res(0.5, 1 << 20, 4);
         nodes[1].free = res(8.0, 512, 4);
-        let p = place_task(&req(1), &views(&nodes), Policy::Bundle).unwrap();
+        let p = place_task(&req(1), &views(&nodes), PlacementPolicy::Bundle).unwrap();
         assert_eq!(p.node, "c");
     }
 
@@ -784,16 +764,28 @@ mod tests {
         let mut r = req(2);
         r.gpu_model = Some("a100*");
         // Bundle: both A100 nodes fit, a40 is the best fit.
-        assert_eq!(place_task(&r, &v, Policy::Bundle).unwrap().node, "a40");
+        assert_eq!(
+            place_task(&r, &v, PlacementPolicy::Bundle).unwrap().node,
+            "a40"
+        );
         r.gpu_mem_min_mib = 81920;
-        assert_eq!(place_task(&r, &v, Policy::Bundle).unwrap().node, "a80");
+        assert_eq!(
+            place_task(&r, &v, PlacementPolicy::Bundle).unwrap().node,
+            "a80"
+        );
         r.gpu_model = Some("*HBM?");
-        assert_eq!(place_task(&r, &v, Policy::Bundle).unwrap().node, "h");
+        assert_eq!(
+            place_task(&r, &v, PlacementPolicy::Bundle).unwrap().node,
+            "h"
+        );
         r.gpu_model = Some("V100");
-        assert!(place_task(&r, &v, Policy::Bundle).is_none());
+        assert!(place_task(&r, &v, PlacementPolicy::Bundle).is_none());
         r.gpu_model = None;
         r.gpu_mem_min_mib = 40960;
-        assert_eq!(place_task(&r, &v, Policy::Bundle).unwrap().node, "a40");
+        assert_eq!(
+            place_task(&r, &v, PlacementPolicy::Bundle).unwrap().node,
+            "a40"
+        );
     }
 
     #[test]
@@ -805,15 +797,17 @@ mod tests {
         let nodes = vec![n, Node::new("v", 3, "V100", 16384)];
         let mut r = req(2);
         r.gpu_model = Some("A100*");
-        let p = place_task(&r, &views(&nodes), Policy::Spread).unwrap();
+        let p = place_task(&r, &views(&nodes), PlacementPolicy::Spread).unwrap();
         assert_eq!(p.gpus, ["mix-g0", "mix-g2"]);
         r.gpu_model = Some("V100");
         // Bundle: "mix" has exactly 2 V100s.
-        let p = place_task(&r, &views(&nodes), Policy::Bundle).unwrap();
+        let p = place_task(&r, &views(&nodes), PlacementPolicy::Bundle).unwrap();
         assert_eq!(p.gpus, ["mix-g1", "mix-g3"]);
         r.resources.gpus = 3;
         assert_eq!(
-            place_task(&r, &views(&nodes), Policy::Bundle).unwrap().node,
+            place_task(&r, &views(&nodes), PlacementPolicy::Bundle)
+                .unwrap()
+                .node,
             "v"
         );
     }
@@ -824,15 +818,15 @@ mod tests {
         n.gpus[0].healthy = false;
         n.held = vec!["a-g1".into()];
         let nodes = vec![n];
-        let p = place_task(&req(2), &views(&nodes), Policy::Bundle).unwrap();
+        let p = place_task(&req(2), &views(&nodes), PlacementPolicy::Bundle).unwrap();
         assert_eq!(p.gpus, ["a-g2", "a-g3"]);
-        assert!(place_task(&req(3), &views(&nodes), Policy::Bundle).is_none());
+        assert!(place_task(&req(3), &views(&nodes), PlacementPolicy::Bundle).is_none());
         // An unhealthy GPU someone put in free_gpus is still refused.
         let mut v = views(&nodes);
         v[0].free_gpus = nodes[0].gpus.iter().collect();
-        let p = place_task(&req(3), &v, Policy::Bundle).unwrap();
+        let p = place_task(&req(3), &v, PlacementPolicy::Bundle).unwrap();
         assert_eq!(p.gpus, ["a-g1", "a-g2", "a-g3"]);
-        assert!(place_task(&req(4), &v, Policy::Bundle).is_none());
+        assert!(place_task(&req(4), &v, PlacementPolicy::Bundle).is_none());
     }
 
     #[test]
@@ -851,15 +845,21 @@ mod tests {
         c.insert("zone".to_string(), "US-*".to_string());
         let mut r = req(1);
         r.constraints = &c;
-        assert_eq!(place_task(&r, &v, Policy::Spread).unwrap().node, "a");
+        assert_eq!(
+            place_task(&r, &v, PlacementPolicy::Spread).unwrap().node,
+            "a"
+        );
         c.insert("ib".to_string(), "true".to_string());
         let mut r = req(1);
         r.constraints = &c;
-        assert_eq!(place_task(&r, &v, Policy::Spread).unwrap().node, "b");
+        assert_eq!(
+            place_task(&r, &v, PlacementPolicy::Spread).unwrap().node,
+            "b"
+        );
         c.insert("zone".to_string(), "eu-*".to_string());
         let mut r = req(1);
         r.constraints = &c;
-        assert!(place_task(&r, &v, Policy::Spread).is_none());
+        assert!(place_task(&r, &v, PlacementPolicy::Spread).is_none());
         assert!(!node_matches(&r, &v[1]));
 
         // Runtime: c runs only docker.
@@ -867,9 +867,15 @@ mod tests {
         nodes[0].runtimes = vec![Runtime::Docker];
         nodes[1].runtimes = vec![Runtime::Docker];
         let v = views(&nodes);
-        assert_eq!(place_task(&r, &v, Policy::Spread).unwrap().node, "d");
+        assert_eq!(
+            place_task(&r, &v, PlacementPolicy::Spread).unwrap().node,
+            "d"
+        );
         r.runtime = Runtime::Docker;
-        assert_eq!(place_task(&r, &v, Policy::Spread).unwrap().node, "a");
+        assert_eq!(
+            place_task(&r, &v, PlacementPolicy::Spread).unwrap().node,
+            "a"
+        );
         assert!(node_matches(&r, &v[2]));
         r.runtime = Runtime::Process;
         assert!(!node_matches(&r, &v[2]));
@@ -883,7 +889,7 @@ mod tests {
         let v = n.view();
         assert!(node_matches(&req(4), &v));
         assert!(!node_matches(&req(5), &v));
-        assert!(place_task(&req(2), std::slice::from_ref(&v), Policy::Bundle).is_none());
+        assert!(place_task(&req(2), std::slice::from_ref(&v), PlacementPolicy::Bundle).is_none());
         let mut r = req(1);
         r.gpu_model = Some("H100");
         assert!(!node_matches(&r, &v));
@@ -898,7 +904,7 @@ mod tests {
         link(&mut n.gpus, 0, 1, 0, "PIX");
         link(&mut n.gpus, 2, 3, 2, "SYS");
         let nodes = vec![n];
-        let p = place_task(&req(2), &views(&nodes), Policy::Bundle).unwrap();
+        let p = place_task(&req(2), &views(&nodes), PlacementPolicy::Bundle).unwrap();
         assert_eq!(p.gpus, ["a-g2", "a-g3"]);
     }
 
@@ -908,7 +914,7 @@ mod tests {
             Node::new("a", 4, "A100", 40960),
             Node::new("b", 2, "A100", 40960),
         ];
-        for policy in [Policy::Bundle, Policy::Spread] {
+        for policy in [PlacementPolicy::Bundle, PlacementPolicy::Spread] {
             let g = place_gang(&req(2), 3, &views(&nodes), policy).unwrap();
             assert_eq!(g.len(), 3);
             let mut per_node = BTreeMap::new();
@@ -923,7 +929,7 @@ mod tests {
             assert_eq!(all.len(), 6, "{policy}: distinct GPUs");
         }
         nodes[1].held = vec!["b-g0".into()];
-        for policy in [Policy::Bundle, Policy::Spread] {
+        for policy in [PlacementPolicy::Bundle, PlacementPolicy::Spread] {
             assert_eq!(place_gang(&req(2), 3, &views(&nodes), policy), None);
             assert_eq!(
                 place_gang(&req(2), 2, &views(&nodes), policy).map(|g| g.len()),
@@ -931,7 +937,7 @@ mod tests {
             );
         }
         assert_eq!(
-            place_gang(&req(2), 0, &views(&nodes), Policy::Bundle),
+            place_gang(&req(2), 0, &views(&nodes), PlacementPolicy::Bundle),
             Some(vec![])
         );
     }
@@ -946,12 +952,12 @@ mod tests {
         nodes[1].free = res(1.0, 1 << 20, 8);
         let mut r = req(1);
         r.resources.cpus = 1.0;
-        let g = place_gang(&r, 4, &views(&nodes), Policy::Bundle).unwrap();
+        let g = place_gang(&r, 4, &views(&nodes), PlacementPolicy::Bundle).unwrap();
         let on: Vec<&str> = g.iter().map(|p| p.node.as_str()).collect();
         assert_eq!(on, ["a", "a", "a", "b"]);
-        assert!(place_gang(&r, 5, &views(&nodes), Policy::Bundle).is_none());
+        assert!(place_gang(&r, 5, &views(&nodes), PlacementPolicy::Bundle).is_none());
         // 0-GPU gang: cpus only.
-        let g = place_gang(&req(0), 4, &views(&nodes), Policy::Spread).unwrap();
+        let g = place_gang(&req(0), 4, &views(&nodes), PlacementPolicy::Spread).unwrap();
         assert_eq!(g.iter().filter(|p| p.node == "a").count(), 3);
     }
 
@@ -962,10 +968,10 @@ mod tests {
             Node::new("b", 2, "A100", 1),
             Node::new("c", 2, "A100", 1),
         ];
-        let g = place_gang(&req(2), 3, &views(&nodes), Policy::Spread).unwrap();
+        let g = place_gang(&req(2), 3, &views(&nodes), PlacementPolicy::Spread).unwrap();
         let on: Vec<&str> = g.iter().map(|p| p.node.as_str()).collect();
         assert_eq!(on, ["a", "b", "c"]);
-        let g = place_gang(&req(2), 3, &views(&nodes), Policy::Bundle).unwrap();
+        let g = place_gang(&req(2), 3, &views(&nodes), PlacementPolicy::Bundle).unwrap();
         let on: Vec<&str> = g.iter().map(|p| p.node.as_str()).collect();
         assert_eq!(on, ["b", "c", "a"]);
     }
@@ -1100,7 +1106,7 @@ mod tests {
             resources: res(0.0, 0, g),
             ..req(g)
         };
-        let run = |caps: &[u32], stream: &[u32], policy: Policy| {
+        let run = |caps: &[u32], stream: &[u32], policy: PlacementPolicy| {
             let mut nodes: Vec<Node> = caps
                 .iter()
                 .enumerate()
@@ -1115,16 +1121,34 @@ mod tests {
         };
         // A task skipped by spread only: 4+4, tasks 1, 1, 4. Bundle places
         // all three and keeps 2 on one node; spread skips the 4 and keeps 3.
-        assert_eq!(run(&[4, 4], &[1, 1, 4], Policy::Bundle), (3, vec![2, 0]));
-        assert_eq!(run(&[4, 4], &[1, 1, 4], Policy::Spread), (2, vec![3, 3]));
+        assert_eq!(
+            run(&[4, 4], &[1, 1, 4], PlacementPolicy::Bundle),
+            (3, vec![2, 0])
+        );
+        assert_eq!(
+            run(&[4, 4], &[1, 1, 4], PlacementPolicy::Spread),
+            (2, vec![3, 3])
+        );
         // Sizes not in a divisibility chain: 8+8, tasks 1, 2, 2, 4; a 5-GPU
         // task then fits only under spread.
-        assert_eq!(run(&[8, 8], &[1, 2, 2, 4], Policy::Bundle), (4, vec![3, 4]));
-        assert_eq!(run(&[8, 8], &[1, 2, 2, 4], Policy::Spread), (4, vec![5, 2]));
+        assert_eq!(
+            run(&[8, 8], &[1, 2, 2, 4], PlacementPolicy::Bundle),
+            (4, vec![3, 4])
+        );
+        assert_eq!(
+            run(&[8, 8], &[1, 2, 2, 4], PlacementPolicy::Spread),
+            (4, vec![5, 2])
+        );
         // Node sizes not multiples of the largest task (a GPU down): 3+2,
         // tasks 1, 2; a 2-GPU task then fits only under spread.
-        assert_eq!(run(&[3, 2], &[1, 2], Policy::Bundle), (2, vec![1, 1]));
-        assert_eq!(run(&[3, 2], &[1, 2], Policy::Spread), (2, vec![2, 0]));
+        assert_eq!(
+            run(&[3, 2], &[1, 2], PlacementPolicy::Bundle),
+            (2, vec![1, 1])
+        );
+        assert_eq!(
+            run(&[3, 2], &[1, 2], PlacementPolicy::Spread),
+            (2, vec![2, 0])
+        );
     }
 
     /// The bundle/spread claim of the module doc, over EVERY stream of 1-,
@@ -1139,24 +1163,25 @@ mod tests {
             ..req(g)
         };
         // One step from free counts `free` under `policy`.
-        let step = |caps: &[u32], free: &[u32], g: u32, policy: Policy| -> Option<Vec<u32>> {
-            let mut nodes: Vec<Node> = caps
-                .iter()
-                .enumerate()
-                .map(|(i, &c)| {
-                    let mut n = Node::new(&format!("n{i}"), c, "A100", 40960);
-                    n.held = (0..c - free[i]).map(|x| format!("n{i}-g{x}")).collect();
-                    n
-                })
-                .collect();
-            place_and_take(&mut nodes, &gpu_task(g), policy)?;
-            Some(
-                nodes
+        let step =
+            |caps: &[u32], free: &[u32], g: u32, policy: PlacementPolicy| -> Option<Vec<u32>> {
+                let mut nodes: Vec<Node> = caps
                     .iter()
-                    .map(|n| n.view().free_gpus.len() as u32)
-                    .collect(),
-            )
-        };
+                    .enumerate()
+                    .map(|(i, &c)| {
+                        let mut n = Node::new(&format!("n{i}"), c, "A100", 40960);
+                        n.held = (0..c - free[i]).map(|x| format!("n{i}-g{x}")).collect();
+                        n
+                    })
+                    .collect();
+                place_and_take(&mut nodes, &gpu_task(g), policy)?;
+                Some(
+                    nodes
+                        .iter()
+                        .map(|n| n.view().free_gpus.len() as u32)
+                        .collect(),
+                )
+            };
         let room = |free: &[u32], s: u32| free.iter().map(|f| f / s).sum::<u32>();
         let mut explored = 0;
         for k in 1..=3u32 {
@@ -1167,8 +1192,8 @@ mod tests {
                 let mut seen = std::collections::BTreeSet::new();
                 // Each policy alone reaches few states; the pairs are many.
                 let mut memo: BTreeMap<(Vec<u32>, u32, bool), Option<Vec<u32>>> = BTreeMap::new();
-                let mut next = |free: &[u32], g: u32, policy: Policy| {
-                    memo.entry((free.to_vec(), g, policy == Policy::Bundle))
+                let mut next = |free: &[u32], g: u32, policy: PlacementPolicy| {
+                    memo.entry((free.to_vec(), g, policy == PlacementPolicy::Bundle))
                         .or_insert_with(|| step(&caps, free, g, policy))
                         .clone()
                 };
@@ -1183,7 +1208,10 @@ mod tests {
                         assert!(room(&b, z) >= room(&s, z), "caps {caps:?}: {b:?} vs {s:?}");
                     }
                     for g in SIZES {
-                        match (next(&b, g, Policy::Bundle), next(&s, g, Policy::Spread)) {
+                        match (
+                            next(&b, g, PlacementPolicy::Bundle),
+                            next(&s, g, PlacementPolicy::Spread),
+                        ) {
                             (Some(nb), Some(ns)) => todo.push((nb, ns)),
                             (None, Some(_)) => {
                                 panic!("caps {caps:?}: bundle {b:?} skips {g}, spread {s:?} not")
@@ -1340,7 +1368,7 @@ mod tests {
         fn run_stream(
             mut nodes: Vec<Node>,
             jobs: &[Job],
-            policy: Policy,
+            policy: PlacementPolicy,
         ) -> Result<(Vec<Node>, usize), TestCaseError> {
             let mut given: BTreeSet<String> = BTreeSet::new();
             let mut skipped = 0;
@@ -1472,7 +1500,7 @@ mod tests {
                 jobs in prop::collection::vec(job(), 1..40),
                 spread in any::<bool>(),
             ) {
-                let policy = if spread { Policy::Spread } else { Policy::Bundle };
+                let policy = if spread { PlacementPolicy::Spread } else { PlacementPolicy::Bundle };
                 run_stream(nodes, &jobs, policy)?;
             }
 
@@ -1538,8 +1566,8 @@ mod tests {
                     prop_assert_eq!(why.is_none(), some, "{:?}", why);
                     // A task that can never run is never placed.
                     if why.is_some() {
-                        prop_assert!(place_task(r, &v, Policy::Bundle).is_none());
-                        prop_assert!(place_task(r, &v, Policy::Spread).is_none());
+                        prop_assert!(place_task(r, &v, PlacementPolicy::Bundle).is_none());
+                        prop_assert!(place_task(r, &v, PlacementPolicy::Spread).is_none());
                     }
                     Ok(())
                 })?;
@@ -1548,12 +1576,12 @@ mod tests {
             #[test]
             fn gangs_are_all_or_nothing(nodes in cluster(), job in job(), replicas in 1u32..=6) {
                 let v = views(&nodes);
-                let got = job.with(|r| place_gang(r, replicas, &v, Policy::Bundle));
+                let got = job.with(|r| place_gang(r, replicas, &v, PlacementPolicy::Bundle));
                 let capacity: u32 = job.with(|r| {
                     v.iter().map(|n| replicas_fitting(r, n)).fold(0, u32::saturating_add)
                 });
                 prop_assert_eq!(got.is_some(), capacity >= replicas, "capacity {}", capacity);
-                let spread = job.with(|r| place_gang(r, replicas, &v, Policy::Spread));
+                let spread = job.with(|r| place_gang(r, replicas, &v, PlacementPolicy::Spread));
                 prop_assert_eq!(spread.is_some(), got.is_some());
             }
 
@@ -1590,7 +1618,7 @@ mod tests {
                 for (i, x) in exps.iter().enumerate() {
                     let g = 1u32 << x.min(&e);
                     let r = TaskRequest { resources: res(0.0, 0, g), ..req(g) };
-                    let pb = place_and_take(&mut b, &r, Policy::Bundle);
+                    let pb = place_and_take(&mut b, &r, PlacementPolicy::Bundle);
                     let total: usize = free_counts(&b).iter().sum();
                     for &z in &sizes {
                         prop_assert_eq!(
@@ -1602,7 +1630,7 @@ mod tests {
                     if !in_step {
                         continue;
                     }
-                    let ps = place_and_take(&mut s, &r, Policy::Spread);
+                    let ps = place_and_take(&mut s, &r, PlacementPolicy::Spread);
                     prop_assert!(
                         pb.is_some() || ps.is_none(),
                         "bundle skipped a task spread placed"

@@ -326,7 +326,7 @@ fn never_fits(
         return Some(why);
     }
     if replicas > 1
-        && placement::place_gang(req, replicas, nodes, placement::Policy::Bundle).is_none()
+        && placement::place_gang(req, replicas, nodes, PlacementPolicy::Bundle).is_none()
     {
         let g = req.resources.gpus;
         return Some(format!(
@@ -441,7 +441,7 @@ fn find_victims<'s>(
     reserved: &BTreeMap<String, (JobId, i32)>,
     job: &JobRecord,
     req: &TaskRequest,
-    policy: placement::Policy,
+    policy: PlacementPolicy,
 ) -> Option<(Vec<JobId>, Vec<Placement>)> {
     let priority = job.spec.priority;
     let cands: Vec<Victim> = state
