@@ -90,11 +90,6 @@ pub struct Entry {
 }
 
 impl Entry {
-    /// Whether the entry is an ELF library for glibc.
-    pub fn is_elf_libc6(&self) -> bool {
-        self.flags & FLAG_TYPE_MASK == FLAG_ELF_LIBC6
-    }
-
     /// The ELF class the cache's ABI flags imply. A hint only: the flags
     /// name an ABI, and RISC-V's do not say 32 or 64 bits. The volume
     /// trusts the file's own ELF header instead.

@@ -518,13 +518,6 @@ impl State {
             a.allocated = total;
         }
     }
-
-    /// Runtimes any active agent offers (for "why is my job waiting").
-    pub fn has_runtime(&self, r: Runtime) -> bool {
-        self.agents
-            .values()
-            .any(|a| a.state == AgentState::Active && a.info.runtimes.contains(&r))
-    }
 }
 
 #[cfg(test)]
