@@ -1050,6 +1050,12 @@ pub fn devices_task_cgroup(proc_cgroup: &str) -> Option<String> {
     })
 }
 
+/// A marker value for one test's jobs (`--env MARKER=value`), unique across
+/// test processes, so that [`live_tasks`] sees that test's tasks only.
+pub fn test_marker(test: &str) -> String {
+    format!("{test}-{}", std::process::id())
+}
+
 /// The live task processes whose environment has `marker=value` (a test's
 /// own jobs, submitted with `--env marker=value`).
 pub fn live_tasks(marker: &str, value: &str) -> Vec<LiveTask> {
@@ -1161,6 +1167,20 @@ impl InvariantWatch {
             stop,
             handle: Some(handle),
         }
+    }
+
+    /// Stops sampling and fails the test on any violation seen, or when too
+    /// few samples were taken for the check to mean anything.
+    pub fn assert_held(self) {
+        let (samples, violations) = self.finish();
+        assert!(
+            samples > 10,
+            "the invariant watcher took only {samples} samples"
+        );
+        assert!(
+            violations.is_empty(),
+            "GPU invariant broken: {violations:#?}"
+        );
     }
 
     /// Stops sampling; returns how many samples were taken and the

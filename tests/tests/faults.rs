@@ -13,26 +13,10 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use gpuctl_tests::Gpuctl;
 use gpuctl_tests::{live_tasks, try_wait_for, wait_for, AgentOpts, Cluster, InvariantWatch};
+use gpuctl_tests::{test_marker, Gpuctl};
 
 const MARKER: &str = "GPUCTL_FAULTS_TEST";
-
-fn marker(test: &str) -> String {
-    format!("{test}-{}", std::process::id())
-}
-
-fn assert_no_violation(watch: InvariantWatch) {
-    let (samples, violations) = watch.finish();
-    assert!(
-        samples > 10,
-        "the invariant watcher took only {samples} samples"
-    );
-    assert!(
-        violations.is_empty(),
-        "GPU invariant broken: {violations:#?}"
-    );
-}
 
 /// The job ids of `gpuctl jobs list ... --json`, in the order printed.
 fn listed_ids(c: &Cluster, args: &[&str]) -> Vec<String> {
@@ -68,7 +52,7 @@ fn live_jobs(m: &str) -> BTreeSet<String> {
 
 #[test]
 fn an_agent_sigkilled_during_launches_starts_every_task_exactly_once() {
-    let m = marker("launch");
+    let m = test_marker("launch");
     let env = format!("{MARKER}={m}");
     let dir = tempfile::tempdir().unwrap();
     let ran = dir.path().join("ran");
@@ -161,7 +145,7 @@ fn an_agent_sigkilled_during_launches_starts_every_task_exactly_once() {
     }
     assert_eq!(lines.lines().count(), jobs.len(), "{lines}");
     assert!(live_jobs(&m).is_empty());
-    assert_no_violation(watch);
+    watch.assert_held();
 }
 
 /// Runs `gpuctl jobs submit ARGS`, which must fail with one line on stderr
@@ -258,7 +242,7 @@ fn sizes_are_refused_at_the_door_and_jobs_list_limits_and_filters() {
 
 #[test]
 fn more_than_4_mib_of_environment_across_one_agents_tasks() {
-    let m = marker("bulk");
+    let m = test_marker("bulk");
     let env = format!("{MARKER}={m}");
     let mut c = Cluster::start(&["--heartbeat-interval-secs", "0.2"]);
     c.add_agent(AgentOpts {
@@ -350,7 +334,7 @@ fn more_than_4_mib_of_environment_across_one_agents_tasks() {
     }
     let gone = try_wait_for(Duration::from_secs(30), || live_jobs(&m).is_empty());
     assert!(gone, "task processes left: {:?}", live_jobs(&m));
-    assert_no_violation(watch);
+    watch.assert_held();
 }
 
 /// Submits `sleep 300` on `gpus` GPUs.
@@ -382,7 +366,7 @@ fn assert_requeued_by_drain(job: &Value, tasks: usize) {
 
 #[test]
 fn drain_moves_new_work_away_kills_at_its_deadline_and_requeues() {
-    let m = marker("drain");
+    let m = test_marker("drain");
     let env = format!("{MARKER}={m}");
     let mut c = Cluster::start(&["--heartbeat-interval-secs", "0.2"]);
     let a = c.add_agent(AgentOpts {
@@ -501,5 +485,5 @@ fn drain_moves_new_work_away_kills_at_its_deadline_and_requeues() {
         c.ok(&["jobs", "cancel", j]);
     }
     c.wait_state(&moved, "CANCELLED", Duration::from_secs(30));
-    assert_no_violation(watch);
+    watch.assert_held();
 }

@@ -11,28 +11,12 @@
 
 use std::time::Duration;
 
-use gpuctl_tests::Gpuctl;
 use gpuctl_tests::{
     busybox_image, docker_or_skip, live_tasks, wait_for, AgentOpts, Cluster, InvariantWatch,
 };
+use gpuctl_tests::{test_marker, Gpuctl};
 
 const MARKER: &str = "GPUCTL_SURVIVAL_TEST";
-
-fn marker(test: &str) -> String {
-    format!("{test}-{}", std::process::id())
-}
-
-fn assert_no_violation(watch: InvariantWatch) {
-    let (samples, violations) = watch.finish();
-    assert!(
-        samples > 10,
-        "the invariant watcher took only {samples} samples"
-    );
-    assert!(
-        violations.is_empty(),
-        "GPU invariant broken: {violations:#?}"
-    );
-}
 
 /// A master with short timeouts (unreachable after 1.5 s, tasks fenced 4 s
 /// after the agent's last contact, + 2 s grace; lost after `lost_secs`,
@@ -73,7 +57,7 @@ fn tasks_survive_agent_sigkill_and_sigterm_with_their_real_exit_codes() {
         return;
     }
     let image = busybox_image();
-    let m = marker("kill");
+    let m = test_marker("kill");
     let env = format!("{MARKER}={m}");
     let mut c = Cluster::start(&["--heartbeat-interval-secs", "0.2"]);
     c.add_agent(AgentOpts {
@@ -177,7 +161,7 @@ fn tasks_survive_agent_sigkill_and_sigterm_with_their_real_exit_codes() {
     );
     c.restart_agent(0);
     assert_ran_once(&c, &quick, "SUCCEEDED", 0);
-    assert_no_violation(watch);
+    watch.assert_held();
 }
 
 #[test]
@@ -186,7 +170,7 @@ fn a_frozen_agent_keeps_its_tasks_until_fenced_and_the_job_never_runs_twice() {
     if !docker_or_skip(test) {
         return;
     }
-    let m = marker("freeze");
+    let m = test_marker("freeze");
     let env = format!("{MARKER}={m}");
     let mut c = fencing_cluster("12", "process");
     let watch = InvariantWatch::start(MARKER, &m);
@@ -250,7 +234,7 @@ fn a_frozen_agent_keeps_its_tasks_until_fenced_and_the_job_never_runs_twice() {
     assert_eq!(j2["tasks"].as_array().unwrap().len(), 2, "{j2}");
     c.ok(&["jobs", "cancel", &j]);
     c.wait_state(&j, "CANCELLED", Duration::from_secs(30));
-    assert_no_violation(watch);
+    watch.assert_held();
 }
 
 #[test]
@@ -260,7 +244,7 @@ fn a_frozen_agents_container_is_fenced_by_its_watcher() {
         return;
     }
     let image = busybox_image();
-    let m = marker("ctr-fence");
+    let m = test_marker("ctr-fence");
     let env = format!("{MARKER}={m}");
     let c = fencing_cluster("30", "docker,process");
     let watch = InvariantWatch::start(MARKER, &m);
@@ -302,5 +286,5 @@ fn a_frozen_agents_container_is_fenced_by_its_watcher() {
         .unwrap_or_default()
         .to_string();
     assert!(msg.contains("fenced"), "{job}");
-    assert_no_violation(watch);
+    watch.assert_held();
 }

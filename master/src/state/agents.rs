@@ -320,30 +320,29 @@ impl State {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::state::testkit::register;
-    use crate::state::{Command, Launch};
+    use crate::state::testkit::{register, status, Driver};
+    use crate::state::Command;
     use gpuctl_proto::types::{JobSpec, JobState, Resources, StatusUpdate};
 
-    /// A state driven by commands, with an index and a clock.
-    struct T {
-        s: State,
-        i: u64,
+    /// The shared driver, and what these tests add to it.
+    struct T(Driver);
+
+    impl std::ops::Deref for T {
+        type Target = Driver;
+        fn deref(&self) -> &Driver {
+            &self.0
+        }
+    }
+
+    impl std::ops::DerefMut for T {
+        fn deref_mut(&mut self) -> &mut Driver {
+            &mut self.0
+        }
     }
 
     impl T {
         fn new(agents: &[(&str, u32)]) -> T {
-            let mut t = T {
-                s: State::new(),
-                i: 0,
-            };
-            for (id, g) in agents {
-                t.apply(register(id, *g)).unwrap();
-            }
-            t
-        }
-        fn apply(&mut self, c: Command) -> Result<Outcome, ApplyError> {
-            self.i += 1;
-            self.s.apply(self.i, &c)
+            T(Driver::new(agents))
         }
         fn submit(&mut self, gpus: u32, f: impl FnOnce(&mut JobSpec)) -> String {
             let mut spec = JobSpec::new(
@@ -366,15 +365,7 @@ mod tests {
             }
         }
         fn launch(&mut self, job: &str, at: &[(&str, &[&str])]) -> Result<Outcome, ApplyError> {
-            let launches = at
-                .iter()
-                .map(|(a, g)| Launch {
-                    job_id: job.into(),
-                    agent_id: (*a).into(),
-                    gpu_uuids: g.iter().map(|s| s.to_string()).collect(),
-                })
-                .collect();
-            self.apply(Command::LaunchTasks { launches, at_ms: 2 })
+            self.launch_at(job, at, 2)
         }
         fn update(
             &mut self,
@@ -382,16 +373,7 @@ mod tests {
             state: TaskState,
             f: impl FnOnce(&mut StatusUpdate),
         ) -> Outcome {
-            let mut u = StatusUpdate {
-                agent_id: self.s.tasks[task].agent_id.clone(),
-                task_id: task.into(),
-                state,
-                exit_code: None,
-                message: String::new(),
-                uuid: Vec::new(),
-                gpu_unhealthy: false,
-                fenced: false,
-            };
+            let mut u = status(&self.s.tasks[task].agent_id, task, state);
             f(&mut u);
             self.apply(Command::UpdateTaskStatus {
                 update: u,

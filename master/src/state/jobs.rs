@@ -401,33 +401,35 @@ fn failure_message(t: &TaskRecord) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::state::testkit::{status, Driver};
     use crate::state::Command;
-    use gpuctl_proto::types::{JobSpec, Resources, StatusUpdate};
+    use gpuctl_proto::types::{JobSpec, Resources};
 
-    struct T {
-        s: State,
-        i: u64,
+    /// The shared driver, and what these tests add to it.
+    struct T(Driver);
+
+    impl std::ops::Deref for T {
+        type Target = Driver;
+        fn deref(&self) -> &Driver {
+            &self.0
+        }
+    }
+
+    impl std::ops::DerefMut for T {
+        fn deref_mut(&mut self) -> &mut Driver {
+            &mut self.0
+        }
     }
 
     impl T {
         fn new(agents: &[(&str, u32)]) -> T {
-            let mut t = T {
-                s: State::new(),
-                i: 0,
-            };
-            for (id, g) in agents {
-                t.apply(crate::state::testkit::register(id, *g)).unwrap();
-            }
-            t
-        }
-        fn apply(&mut self, c: Command) -> Result<Outcome, ApplyError> {
-            self.i += 1;
-            self.s.apply(self.i, &c)
+            T(Driver::new(agents))
         }
         fn submit(&mut self, spec: JobSpec) -> String {
+            let at_ms = self.i;
             match self.apply(Command::SubmitJob {
                 spec,
-                at_ms: self.i,
+                at_ms,
                 request_id: None,
             }) {
                 Ok(Outcome::JobSubmitted { job_id }) => job_id,
@@ -435,53 +437,24 @@ mod tests {
             }
         }
         fn launch(&mut self, job: &str, at: &[(&str, &[&str])]) -> Result<Outcome, ApplyError> {
-            let launches = at
-                .iter()
-                .map(|(a, g)| Launch {
-                    job_id: job.into(),
-                    agent_id: (*a).into(),
-                    gpu_uuids: g.iter().map(|s| s.to_string()).collect(),
-                })
-                .collect();
-            self.apply(Command::LaunchTasks {
-                launches,
-                at_ms: self.i,
-            })
+            let at_ms = self.i;
+            self.launch_at(job, at, at_ms)
         }
         fn report(&mut self, task: &str, state: TaskState, code: Option<i32>) {
-            let agent_id = self.s.tasks[task].agent_id.clone();
-            self.apply(Command::UpdateTaskStatus {
-                update: StatusUpdate {
-                    agent_id,
-                    task_id: task.into(),
-                    state,
-                    exit_code: code,
-                    message: String::new(),
-                    uuid: Vec::new(),
-                    gpu_unhealthy: false,
-                    fenced: false,
-                },
-                at_ms: self.i,
-            })
-            .unwrap();
+            let mut update = status(&self.s.tasks[task].agent_id, task, state);
+            update.exit_code = code;
+            let at_ms = self.i;
+            self.apply(Command::UpdateTaskStatus { update, at_ms })
+                .unwrap();
         }
         /// The agent stopped the task because its GPU failed.
         fn report_gpu_failure(&mut self, task: &str, gpu: &str) {
-            let agent_id = self.s.tasks[task].agent_id.clone();
-            self.apply(Command::UpdateTaskStatus {
-                update: StatusUpdate {
-                    agent_id,
-                    task_id: task.into(),
-                    state: TaskState::Failed,
-                    exit_code: None,
-                    message: format!("GPU {gpu} unhealthy: XID 79 (GPU has fallen off the bus)"),
-                    uuid: Vec::new(),
-                    gpu_unhealthy: true,
-                    fenced: false,
-                },
-                at_ms: self.i,
-            })
-            .unwrap();
+            let mut update = status(&self.s.tasks[task].agent_id, task, TaskState::Failed);
+            update.message = format!("GPU {gpu} unhealthy: XID 79 (GPU has fallen off the bus)");
+            update.gpu_unhealthy = true;
+            let at_ms = self.i;
+            self.apply(Command::UpdateTaskStatus { update, at_ms })
+                .unwrap();
         }
         fn job(&self, id: &str) -> &crate::state::JobRecord {
             &self.s.jobs[id]
