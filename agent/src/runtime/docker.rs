@@ -129,24 +129,8 @@ impl DockerRuntime {
         if !state_dir.join(fence::CONFIG_FILE).exists() {
             return; // not fenced (--no-fence)
         }
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(state_dir.join("fence.log"));
-        let (out, err) = match log.and_then(|f| Ok((f.try_clone()?, f))) {
-            Ok((a, b)) => (std::process::Stdio::from(a), std::process::Stdio::from(b)),
-            Err(_) => (std::process::Stdio::null(), std::process::Stdio::null()),
-        };
-        let spawned = tokio::process::Command::new(exe)
-            .arg(fence::SUBCOMMAND)
-            .arg(state_dir)
-            .env_clear()
-            .stdin(std::process::Stdio::null())
-            .stdout(out)
-            .stderr(err)
-            .process_group(0)
-            .spawn();
-        if let Err(e) = spawned {
+        let log = state_dir.join("fence.log");
+        if let Err(e) = super::spawn_helper(exe, fence::SUBCOMMAND, state_dir, &log) {
             tracing::warn!(dir = %state_dir.display(), error = %e, "could not start the container's fence watcher");
         }
     }

@@ -16,11 +16,11 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use nix::fcntl::{Flock, FlockArg};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use serde::{Deserialize, Serialize};
 
+use super::supervisor;
 use crate::checkpoint;
 
 pub const SUBCOMMAND: &str = "fence-container";
@@ -32,7 +32,6 @@ pub const FENCED_FILE: &str = "fenced";
 const TICK: Duration = Duration::from_millis(250);
 /// How often the container's state is asked for (to exit once it ended).
 const STATE_EVERY: Duration = Duration::from_secs(2);
-const LOCK_TRIES: u32 = 100;
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FenceConfig {
@@ -66,29 +65,13 @@ pub fn main_if_requested() -> Option<ExitCode> {
 
 fn run(dir: &Path) -> u8 {
     let lock_path = dir.join(LOCK_FILE);
-    let Ok(mut file) = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(&lock_path)
-    else {
-        eprintln!(
-            "gpuctl-agent {SUBCOMMAND}: cannot open {}",
-            lock_path.display()
-        );
-        return 1;
-    };
-    let mut tries = 0;
-    let _lock = loop {
-        match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
-            Ok(l) => break l,
-            Err((f, _)) if tries < LOCK_TRIES => {
-                file = f;
-                tries += 1;
-                std::thread::sleep(Duration::from_millis(2));
-            }
-            // Another watcher has it.
-            Err(_) => return 3,
+    let _lock = match supervisor::lock_or_give_up(&lock_path) {
+        Ok(Some(l)) => l,
+        // Another watcher has it.
+        Ok(None) => return 3,
+        Err(e) => {
+            eprintln!("gpuctl-agent {SUBCOMMAND}: {}: {e}", lock_path.display());
+            return 1;
         }
     };
     let config: FenceConfig = match checkpoint::read_json(&dir.join(CONFIG_FILE)) {
@@ -103,7 +86,7 @@ fn run(dir: &Path) -> u8 {
     };
     let mut last_state = Instant::now();
     loop {
-        if fence_expired(&config.contact) {
+        if supervisor::fence_expired(Some(&config.contact)) {
             eprintln!(
                 "gpuctl-agent {SUBCOMMAND}: no contact with a master for the fence timeout: stopping container {}",
                 config.container
@@ -121,16 +104,6 @@ fn run(dir: &Path) -> u8 {
             }
         }
         std::thread::sleep(TICK);
-    }
-}
-
-/// Expired, or the contact file is gone (the agent's work dir was wiped:
-/// see the supervisor's `fence_expired`).
-fn fence_expired(contact: &Path) -> bool {
-    match checkpoint::read_contact(contact) {
-        Ok(Some(c)) => c.expired_at(checkpoint::wall_ms()),
-        Ok(None) => true,
-        Err(_) => false,
     }
 }
 

@@ -188,6 +188,33 @@ pub trait ContainerRuntime: Send + Sync {
     fn status(&self) -> RuntimeStatus;
 }
 
+/// Starts `<exe> <subcommand> <dir>` (a task supervisor, a container's
+/// fence watcher): with an empty environment, its output appended to
+/// `log`, in a process group of its own so that a Ctrl-C or a signal to
+/// the agent's group does not reach it. It is not killed when the agent
+/// exits.
+pub(crate) fn spawn_helper(
+    exe: &std::path::Path,
+    subcommand: &str,
+    dir: &std::path::Path,
+    log: &std::path::Path,
+) -> std::io::Result<tokio::process::Child> {
+    let out = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)?;
+    let err = out.try_clone()?;
+    tokio::process::Command::new(exe)
+        .arg(subcommand)
+        .arg(dir)
+        .env_clear()
+        .stdin(std::process::Stdio::null())
+        .stdout(out)
+        .stderr(err)
+        .process_group(0)
+        .spawn()
+}
+
 /// Label keys put on every container gpuctl starts.
 pub const LABEL_TASK_ID: &str = "gpuctl.task_id";
 pub const LABEL_JOB_ID: &str = "gpuctl.job_id";

@@ -8,7 +8,6 @@
 //! device rules); this runtime is for hosts without Docker and for tests.
 
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::time::Duration;
 
 use futures::future::BoxFuture;
@@ -17,7 +16,6 @@ use gpuctl_proto::types::Runtime;
 use nix::fcntl::{Flock, FlockArg};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
-use tokio::process::Command;
 
 use super::supervisor::{
     self, ExitRecord, Launch, SupervisorState, EXIT_FILE, LAUNCH_FILE, LOCK_FILE, STATE_FILE,
@@ -145,23 +143,7 @@ impl ProcessRuntime {
         };
         checkpoint::write_json(&dir.join(LAUNCH_FILE), &launch).map_err(checkpoint_err)?;
         let log_path = dir.join(supervisor::LOG_FILE);
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&log_path)
-            .map_err(io_err(&log_path))?;
-        let log2 = log.try_clone().map_err(io_err(&log_path))?;
-        let mut child = Command::new(&self.exe)
-            .arg(supervisor::SUBCOMMAND)
-            .arg(dir)
-            .env_clear()
-            .stdin(Stdio::null())
-            .stdout(Stdio::from(log))
-            .stderr(Stdio::from(log2))
-            // Its own group: a Ctrl-C or a signal to the agent's group does
-            // not reach it. It is not killed when the agent exits.
-            .process_group(0)
-            .spawn()
+        let mut child = super::spawn_helper(&self.exe, supervisor::SUBCOMMAND, dir, &log_path)
             .map_err(|source| RuntimeError::Spawn {
                 program: self.exe.display().to_string(),
                 source,

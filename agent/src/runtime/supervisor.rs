@@ -182,32 +182,40 @@ fn sys(what: &'static str) -> impl FnOnce(Errno) -> SupervisorError {
     move |source| SupervisorError::Sys { what, source }
 }
 
-/// The supervisor proper.
-pub fn run(dir: &Path) -> Result<(), SupervisorError> {
-    let lock_path = dir.join(LOCK_FILE);
-    let lock = std::fs::OpenOptions::new()
+/// Takes the exclusive lock that a helper process (a supervisor, a fence
+/// watcher) holds for its whole life; `None` when another process holds
+/// it. The agent probes liveness by taking the lock for an instant, so a
+/// failed try is retried for a moment before giving up. (Rust opens files
+/// close-on-exec: a task never inherits the lock.)
+pub fn lock_or_give_up(path: &Path) -> std::io::Result<Option<Flock<std::fs::File>>> {
+    let mut file = std::fs::OpenOptions::new()
         .create(true)
         .truncate(false)
         .write(true)
-        .open(&lock_path)
-        .map_err(|source| SupervisorError::Io {
-            what: lock_path.display().to_string(),
-            source,
-        })?;
-    // Rust opens files close-on-exec: the task does not inherit the lock.
-    // The agent probes liveness by taking the lock for an instant, so a
-    // failed try is retried for a moment before giving up.
-    let mut lock = lock;
-    let mut tries = 0;
-    let _lock = loop {
-        match Flock::lock(lock, FlockArg::LockExclusiveNonblock) {
-            Ok(l) => break l,
-            Err((f, _)) if tries < LOCK_TRIES => {
-                lock = f;
-                tries += 1;
+        .open(path)?;
+    for _ in 0..LOCK_TRIES {
+        match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
+            Ok(l) => return Ok(Some(l)),
+            Err((f, _)) => {
+                file = f;
                 std::thread::sleep(Duration::from_millis(2));
             }
-            Err(_) => return Err(SupervisorError::AlreadySupervised(lock_path.clone())),
+        }
+    }
+    Ok(None)
+}
+
+/// The supervisor proper.
+pub fn run(dir: &Path) -> Result<(), SupervisorError> {
+    let lock_path = dir.join(LOCK_FILE);
+    let _lock = match lock_or_give_up(&lock_path) {
+        Ok(Some(l)) => l,
+        Ok(None) => return Err(SupervisorError::AlreadySupervised(lock_path)),
+        Err(source) => {
+            return Err(SupervisorError::Io {
+                what: lock_path.display().to_string(),
+                source,
+            })
         }
     };
     let state_path = dir.join(STATE_FILE);
@@ -383,7 +391,9 @@ fn unblock_signals_before_exec(cmd: &mut std::process::Command) {
     }
 }
 
-fn fence_expired(contact: Option<&Path>) -> bool {
+/// Whether the fence has fallen for a task fenced by `contact` (the
+/// agent's `contact.json`; `None`: never fenced).
+pub fn fence_expired(contact: Option<&Path>) -> bool {
     let Some(path) = contact else {
         return false;
     };
