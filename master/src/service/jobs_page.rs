@@ -137,45 +137,56 @@ pub fn page(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::state::testkit::Driver;
     use crate::state::{Command, Outcome};
     use gpuctl_proto::types::{JobSpec, Resources};
     use prost::Message as _;
 
-    struct T {
-        s: State,
-        i: u64,
+    /// The state tests' driver, with jobs and pages.
+    struct T(Driver);
+
+    impl std::ops::Deref for T {
+        type Target = Driver;
+        fn deref(&self) -> &Driver {
+            &self.0
+        }
+    }
+
+    impl std::ops::DerefMut for T {
+        fn deref_mut(&mut self) -> &mut Driver {
+            &mut self.0
+        }
     }
 
     impl T {
         fn new() -> T {
-            T {
-                s: State::new(),
-                i: 0,
-            }
-        }
-        fn apply(&mut self, c: Command) -> Outcome {
-            self.i += 1;
-            self.s.apply(self.i, &c).unwrap()
+            T(Driver::new(&[]))
         }
         fn submit(&mut self, name: &str, env_bytes: usize) -> String {
             let mut spec = JobSpec::new(name, vec!["true".into()], Resources::default());
             if env_bytes > 0 {
                 spec.env.insert("BIG".into(), "x".repeat(env_bytes));
             }
-            match self.apply(Command::SubmitJob {
-                spec,
-                at_ms: self.i,
-                request_id: None,
-            }) {
+            let at_ms = self.i;
+            match self
+                .apply(Command::SubmitJob {
+                    spec,
+                    at_ms,
+                    request_id: None,
+                })
+                .unwrap()
+            {
                 Outcome::JobSubmitted { job_id } => job_id,
                 o => panic!("{o:?}"),
             }
         }
         fn cancel(&mut self, id: &str) {
+            let at_ms = self.i;
             self.apply(Command::CancelJob {
                 job_id: id.into(),
-                at_ms: self.i,
-            });
+                at_ms,
+            })
+            .unwrap();
         }
         /// One page as the service answers it.
         fn page(&self, r: &pb::ListJobsRequest, budget: usize) -> pb::ListJobsResponse {
