@@ -676,3 +676,74 @@ fn a_framework_follows_the_leader_across_failover() {
     // Each task ran once: none was lost and relaunched across the failover.
     assert_eq!(lines(&runs).len(), 6, "{stderr}");
 }
+
+/// Foul weather on both sides at once: the leader and the agent are
+/// SIGKILLed together while tasks run. The tasks go on (their supervisors
+/// outlive the agent), the new leader gives the agent a full timeout, the
+/// restarted agent reattaches and reports the real exit code, nothing runs
+/// twice; checked from /proc throughout.
+#[test]
+fn leader_and_agent_sigkilled_together_lose_no_task() {
+    let mut c = HaCluster::start(3, &[]);
+    c.add_agent(AgentOpts {
+        stop_tasks_on_shutdown: false,
+        ..Default::default()
+    });
+    let m = gpuctl_tests::test_marker("ha-kill");
+    let env = format!("GPUCTL_HA_TEST={m}");
+    let watch = gpuctl_tests::InvariantWatch::start("GPUCTL_HA_TEST", &m);
+    let ends = c.submit(&[
+        "--name",
+        "ends",
+        "--gpus",
+        "1",
+        "--env",
+        &env,
+        "--",
+        "sh",
+        "-c",
+        "sleep 8; exit 3",
+    ]);
+    let long = c.submit(&[
+        "--name", "long", "--gpus", "1", "--env", &env, "--", "sleep", "300",
+    ]);
+    c.wait_state(&ends, "RUNNING", Duration::from_secs(30));
+    let before = c.wait_state(&long, "RUNNING", Duration::from_secs(30));
+    wait_for(Duration::from_secs(10), "both tasks live", || {
+        gpuctl_tests::live_tasks("GPUCTL_HA_TEST", &m)
+            .iter()
+            .map(|t| t.task_id.clone())
+            .collect::<BTreeSet<_>>()
+            .len()
+            == 2
+    });
+
+    let old = c.leader_id();
+    c.kill_master(old);
+    c.agents[0].kill();
+    c.wait_new_leader(old);
+    assert_eq!(
+        gpuctl_tests::live_tasks("GPUCTL_HA_TEST", &m)
+            .iter()
+            .map(|t| t.task_id.clone())
+            .collect::<BTreeSet<_>>()
+            .len(),
+        2,
+        "tasks died with the agent or the leader"
+    );
+    c.restart_agent(0);
+
+    let done = c.wait_state(&ends, "FAILED", Duration::from_secs(60));
+    assert_eq!(done["tasks"].as_array().unwrap().len(), 1, "{done}");
+    assert_eq!(done["tasks"][0]["exit_code"], 3, "{done}");
+    let after = c.job(&long);
+    assert_eq!(after["state"], "RUNNING", "{after}");
+    assert_eq!(after["tasks"].as_array().unwrap().len(), 1, "{after}");
+    assert_eq!(after["tasks"][0]["id"], before["tasks"][0]["id"]);
+    c.ok(&["jobs", "cancel", &long]);
+    c.wait_state(&long, "CANCELLED", Duration::from_secs(30));
+    wait_for(Duration::from_secs(15), "no task left", || {
+        gpuctl_tests::live_tasks("GPUCTL_HA_TEST", &m).is_empty()
+    });
+    watch.assert_held();
+}
