@@ -1,5 +1,7 @@
-//! Compiles the .proto files with protox (a protobuf compiler in Rust), so
-//! building needs no system `protoc`.
+//! Compiles the services of the .proto files with protox (a protobuf
+//! compiler in Rust, so building needs no system `protoc`) and tonic-build.
+//! The messages are gpuctl-core's (`extern_path`): one set of types, and
+//! the core links no RPC stack.
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let files = [
         "proto/gpuctl/v1/common.proto",
@@ -15,6 +17,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     tonic_build::configure()
         .build_server(true)
         .build_client(true)
+        .extern_path(".gpuctl.v1", "::gpuctl_core::pb")
         .compile_fds(fds)?;
     Ok(())
 }

@@ -1,5 +1,6 @@
 //! AgentApi: what the master asks of this agent directly (task output).
 
+use gpuctl_proto::invalid_argument;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
@@ -33,7 +34,7 @@ impl pb::agent_api_server::AgentApi for AgentApiService {
     ) -> Result<Response<Self::TaskLogsStream>, Status> {
         let req = req.into_inner();
         // The id becomes a path: only plain identifiers, never "../x".
-        gpuctl_proto::convert::check_id("task_id", &req.task_id)?;
+        gpuctl_core::convert::check_id("task_id", &req.task_id).map_err(invalid_argument)?;
         let exec = self.executor.clone();
         let path = exec.sandbox(&req.task_id).join(LOG_FILE);
         if !req.follow && !exec.is_active(&req.task_id) && !path.exists() {

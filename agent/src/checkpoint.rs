@@ -99,7 +99,7 @@ pub fn read_json<T: DeserializeOwned>(path: &Path) -> Result<Option<T>, Checkpoi
 
 /// Wall-clock milliseconds: the fence deadline must survive an agent
 /// restart, which a monotonic clock does not.
-pub use gpuctl_proto::time::now_ms as wall_ms;
+pub use gpuctl_core::time::now_ms as wall_ms;
 
 /// When the agent last reached a leader, and how long its tasks may run
 /// without that (the master's fence timeout). Written after every

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use clap::parser::ValueSource;
 use clap::{ArgMatches, CommandFactory, FromArgMatches, Parser};
-use gpuctl_proto::types::Runtime;
+use gpuctl_core::types::Runtime;
 use serde::Deserialize;
 
 use crate::gpu::health::HealthConfig;

@@ -22,8 +22,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub use config::AgentConfig;
+use gpuctl_core::types::{AgentInfo, Resources, Runtime};
 use gpuctl_proto::pb;
-use gpuctl_proto::types::{AgentInfo, Resources, Runtime};
 use runtime::{ContainerRuntime, DockerRuntime, ProcessRuntime};
 use std::sync::atomic::{AtomicBool, Ordering};
 use tokio::sync::{mpsc, watch};
@@ -65,7 +65,7 @@ pub fn load_or_create_agent_id(work_dir: &Path, hostname: &str) -> Result<String
     match std::fs::read_to_string(&path) {
         Ok(s) => {
             let id = s.trim().to_string();
-            gpuctl_proto::convert::check_id("agent_id", &id)
+            gpuctl_core::convert::check_id("agent_id", &id)
                 .map_err(|e| AgentError::Config(format!("{}: {e}", path.display())))?;
             Ok(id)
         }
@@ -158,7 +158,7 @@ fn checkpointed_docker_tasks(work_dir: &Path) -> bool {
         .flatten()
         .flatten()
         .any(|e| {
-            checkpoint::read_json::<gpuctl_proto::types::TaskSpec>(
+            checkpoint::read_json::<gpuctl_core::types::TaskSpec>(
                 &e.path().join(checkpoint::TASK_FILE),
             )
             .ok()
@@ -366,7 +366,7 @@ pub async fn serve(
     );
     if let Some(addr) = config.metrics_listen {
         let render = metrics::renderer(metrics_gpus, health_rx.clone(), executor.clone());
-        gpuctl_proto::metrics::spawn_server(addr, render, stop_rx.clone())
+        gpuctl_proto::metrics_server::spawn_server(addr, render, stop_rx.clone())
             .await
             .map_err(|source| AgentError::Listen {
                 addr: addr.to_string(),

@@ -17,18 +17,18 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::StreamExt;
+use gpuctl_core::time::Backoff;
+use gpuctl_core::types::{AgentInfo, GpuInfo, StatusUpdate};
 use gpuctl_proto::leader::{leader_hint, retry_elsewhere};
 use gpuctl_proto::pb;
 use gpuctl_proto::pb::agent_manager_client::AgentManagerClient;
-use gpuctl_proto::time::Backoff;
-use gpuctl_proto::types::{AgentInfo, GpuInfo, StatusUpdate};
 use tokio::sync::{mpsc, watch};
 use tonic::transport::{Channel, Endpoint};
 use tonic::Status;
 
 use crate::executor::{Desired, Executor};
 use crate::gpu::health::Snapshot;
-use gpuctl_proto::desired::DesiredSet;
+use gpuctl_core::desired::DesiredSet;
 
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(5);

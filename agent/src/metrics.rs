@@ -4,8 +4,8 @@
 
 use std::sync::Arc;
 
-use gpuctl_proto::metrics::{Exposition, Kind};
-use gpuctl_proto::types::GpuInfo;
+use gpuctl_core::metrics::{Exposition, Kind};
+use gpuctl_core::types::GpuInfo;
 use tokio::sync::watch;
 
 use crate::executor::Executor;
@@ -128,7 +128,7 @@ pub fn render(gpus: &[GpuInfo], health: &Snapshot, executor: &Executor) -> Strin
     out.finish()
 }
 
-/// A render function for [`gpuctl_proto::metrics::serve`].
+/// A render function for [`gpuctl_core::metrics_server::serve`].
 pub fn renderer(
     gpus: Vec<GpuInfo>,
     health: watch::Receiver<Snapshot>,

@@ -19,7 +19,7 @@ use gpuctl_agent::runtime::supervisor::{self, SupervisorState, STATE_FILE};
 use gpuctl_agent::runtime::{
     ContainerRuntime, Ended, LaunchSpec, Observed, ProcessRuntime, RuntimeError, TaskRef,
 };
-use gpuctl_proto::types::{Resources, TaskSpec};
+use gpuctl_core::types::{Resources, TaskSpec};
 use nix::sys::signal::{kill, killpg, Signal};
 use nix::unistd::Pid;
 use tempfile::TempDir;

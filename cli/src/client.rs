@@ -12,9 +12,9 @@ use std::fmt;
 use std::future::Future;
 use std::time::Duration;
 
+use gpuctl_core::time::Backoff;
 use gpuctl_proto::leader::{leader_hint, retry_elsewhere};
 use gpuctl_proto::pb::operator_client::OperatorClient;
-use gpuctl_proto::time::Backoff;
 use tokio::time::Instant;
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Status};

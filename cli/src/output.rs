@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
-use gpuctl_proto::convert::{job_state_name, task_state_name};
+use gpuctl_core::convert::{job_state_name, task_state_name};
 use gpuctl_proto::pb;
 use serde::{Deserialize, Serialize};
 
@@ -387,7 +387,7 @@ pub fn agent_runtimes(a: &pb::Agent) -> String {
 }
 
 pub fn runtime_name(v: i32) -> String {
-    match gpuctl_proto::convert::runtime_from_pb("runtime", v) {
+    match gpuctl_core::convert::runtime_from_pb("runtime", v) {
         Ok(r) => r.to_string(),
         Err(_) => format!("unknown({v})"),
     }
@@ -822,7 +822,7 @@ pub fn fmt_timestamp(ms: u64) -> String {
     if ms == 0 {
         return "-".to_string();
     }
-    gpuctl_proto::types::utc_timestamp(ms)
+    gpuctl_core::types::utc_timestamp(ms)
 }
 
 /// Quotes an argument for a POSIX shell when it needs it.

@@ -8,10 +8,10 @@ use std::collections::BTreeMap;
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use gpuctl_core::types::{GpuInfo, Resources};
 use gpuctl_master::allocator::{
     allocate, AgentView, AllocatorConfig, Filters, FrameworkView, RoleConfig,
 };
-use gpuctl_proto::types::{GpuInfo, Resources};
 
 const FRAMEWORKS: usize = 100;
 const ROLES: usize = 10;

@@ -10,10 +10,10 @@ use std::collections::BTreeMap;
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use gpuctl_core::types::{GpuInfo, GpuPeer, PlacementPolicy, Resources, Runtime};
 use gpuctl_master::scheduler::placement::{
     choose_gpus, place_gang, place_task, NodeView, TaskRequest,
 };
-use gpuctl_proto::types::{GpuInfo, GpuPeer, PlacementPolicy, Resources, Runtime};
 
 const GPUS: u32 = 8;
 

@@ -10,10 +10,10 @@
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use gpuctl_core::types::{AgentInfo, GpuInfo, JobSpec, Resources, Runtime};
 use gpuctl_master::scheduler::place;
 use gpuctl_master::scheduler::queue::{plan, QueueConfig};
 use gpuctl_master::state::{Command, Launch, Outcome, State};
-use gpuctl_proto::types::{AgentInfo, GpuInfo, JobSpec, Resources, Runtime};
 
 const GPUS: u32 = 8;
 

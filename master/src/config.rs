@@ -13,7 +13,7 @@ use serde::Deserialize;
 use crate::allocator::{AllocatorConfig, RoleConfig};
 use crate::leader::frameworks::FrameworkSettings;
 use crate::MasterError;
-use gpuctl_proto::types::{PlacementPolicy, Resources};
+use gpuctl_core::types::{PlacementPolicy, Resources};
 
 #[derive(Debug, Clone)]
 pub struct MasterConfig {
@@ -306,7 +306,7 @@ pub fn parse_peers(spec: &str) -> Result<BTreeMap<u64, String>, MasterError> {
 pub fn parse_role(spec: &str) -> Result<(String, RoleConfig), MasterError> {
     let bad = |why: String| MasterError::Config(format!("role {spec:?}: {why}"));
     let (name, rest) = spec.split_once('=').unwrap_or((spec, ""));
-    gpuctl_proto::convert::check_id("role", name.trim()).map_err(|e| bad(e.to_string()))?;
+    gpuctl_core::convert::check_id("role", name.trim()).map_err(|e| bad(e.to_string()))?;
     let mut role = RoleConfig::default();
     let mut quota = Resources::default();
     let mut limited = false;

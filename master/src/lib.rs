@@ -43,7 +43,7 @@ pub enum MasterError {
 }
 
 /// Milliseconds since the Unix epoch: the proposer's clock, carried in commands.
-pub use gpuctl_proto::time::now_ms;
+pub use gpuctl_core::time::now_ms;
 
 /// Runs a master until `shutdown` resolves.
 pub async fn serve(
@@ -118,7 +118,7 @@ pub async fn serve(
             let (raft, hub) = (handle.clone(), hub.clone());
             let render: Arc<dyn Fn() -> String + Send + Sync> =
                 Arc::new(move || metrics::render(&raft, &hub.metrics, hub.offers_outstanding()));
-            let task = gpuctl_proto::metrics::spawn_server(addr, render, stop_rx.clone())
+            let task = gpuctl_proto::metrics_server::spawn_server(addr, render, stop_rx.clone())
                 .await
                 .map_err(|source| MasterError::Listen {
                     addr: addr.to_string(),

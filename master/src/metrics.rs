@@ -5,8 +5,8 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use gpuctl_proto::metrics::{Exposition, Histogram, Kind, LATENCY_BUCKETS};
-use gpuctl_proto::types::JobState;
+use gpuctl_core::metrics::{Exposition, Histogram, Kind, LATENCY_BUCKETS};
+use gpuctl_core::types::JobState;
 
 use crate::raft::RaftHandle;
 use crate::state::AgentState;

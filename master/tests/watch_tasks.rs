@@ -7,7 +7,7 @@
 
 use std::time::Duration;
 
-use gpuctl_proto::desired::DesiredSet;
+use gpuctl_core::desired::DesiredSet;
 use gpuctl_proto::pb;
 use gpuctl_proto::pb::agent_manager_client::AgentManagerClient;
 use gpuctl_proto::pb::operator_client::OperatorClient;

@@ -1,19 +1,24 @@
-//! The gpuctl gRPC API (v1) and the domain types shared by master, agent and CLI.
+//! The gpuctl gRPC API (v1): the services' clients and servers, the leader
+//! redirect every client follows, and (feature `metrics-server`) the
+//! daemons' `/metrics` server.
 //!
-//! `pb` is the generated wire code. `types` are the plain Rust types the rest of
-//! the code works with; `convert` turns one into the other and is the single
-//! place where bad input from the wire is rejected, naming the field.
+//! The messages, the domain types and the conversion between them live in
+//! `gpuctl-core`, which links no RPC stack; `pb` here re-exports its
+//! messages beside the generated services, so `pb::OperatorClient`'s
+//! requests are `pb::…` as before.
 
 #[allow(clippy::all, clippy::unwrap_used, missing_docs)]
 pub mod pb {
+    pub use gpuctl_core::pb::*;
     tonic::include_proto!("gpuctl.v1");
 }
 
-pub mod convert;
-pub mod desired;
 pub mod leader;
-pub mod metrics;
-pub mod time;
-pub mod types;
+#[cfg(feature = "metrics-server")]
+pub mod metrics_server;
 
-pub use convert::ConvertError;
+/// Bad input as the API answers it: `INVALID_ARGUMENT` with the field named.
+/// (A function, not a `From`: neither type is this crate's.)
+pub fn invalid_argument(e: gpuctl_core::ConvertError) -> tonic::Status {
+    tonic::Status::invalid_argument(e.to_string())
+}

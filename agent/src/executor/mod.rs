@@ -20,8 +20,8 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use gpuctl_proto::time::Backoff;
-use gpuctl_proto::types::{Runtime, StatusUpdate, TaskSpec, TaskState};
+use gpuctl_core::time::Backoff;
+use gpuctl_core::types::{Runtime, StatusUpdate, TaskSpec, TaskState};
 use tokio::sync::{mpsc, watch};
 
 use plan::{Action, Phase, TaskView};
@@ -971,7 +971,7 @@ mod shell_tests {
     use crate::runtime::RuntimeStatus;
     use futures::future::BoxFuture;
     use futures::FutureExt;
-    use gpuctl_proto::types::Resources;
+    use gpuctl_core::types::Resources;
 
     /// Tasks by id; `Ended` ones end their `wait`.
     #[derive(Default)]

@@ -8,7 +8,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use gpuctl_proto::types::TaskSpec;
+use gpuctl_core::types::TaskSpec;
 
 /// The master's wish for this agent: tasks to run and tasks to stop.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -156,7 +156,7 @@ pub fn plan(input: &Input<'_>) -> Vec<Action> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use gpuctl_proto::types::Resources;
+    use gpuctl_core::types::Resources;
 
     fn spec(id: &str, gpus: &[&str]) -> TaskSpec {
         TaskSpec {

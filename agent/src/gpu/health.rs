@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use gpuctl_proto::types::{GpuInfo, GpuReport, GpuSample};
+use gpuctl_core::types::{GpuInfo, GpuReport, GpuSample};
 use nvml_wrapper::bitmasks::event::EventTypes;
 use nvml_wrapper::enum_wrappers::device::TemperatureSensor;
 use nvml_wrapper::enums::event::XidError;
@@ -267,7 +267,7 @@ impl Tracker {
     }
 }
 
-use gpuctl_proto::time::now_ms;
+use gpuctl_core::time::now_ms;
 
 const LOST: &str = "GPU is lost (fallen off the bus or inaccessible)";
 

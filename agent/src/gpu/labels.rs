@@ -4,7 +4,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use gpuctl_proto::types::GpuInfo;
+use gpuctl_core::types::GpuInfo;
 
 /// The architecture family of a compute capability, as GFD's `gpu.family`.
 pub fn family(cc: (u32, u32)) -> &'static str {

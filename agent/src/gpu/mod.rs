@@ -12,7 +12,7 @@ mod simulate;
 
 use std::path::Path;
 
-use gpuctl_proto::types::{GpuInfo, GpuPeer};
+use gpuctl_core::types::{GpuInfo, GpuPeer};
 use nvml_wrapper::enum_wrappers::device::TopologyLevel;
 use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::{Device, Nvml};

@@ -3,7 +3,7 @@
 //! Memory is taken from the spec, else from a `<N>GB` suffix of the model,
 //! else from a table of common models.
 
-use gpuctl_proto::types::GpuInfo;
+use gpuctl_core::types::GpuInfo;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SimSpec {

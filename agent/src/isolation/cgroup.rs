@@ -11,7 +11,7 @@ use cgroups_rs::memory::MemController;
 use cgroups_rs::pid::PidController;
 use cgroups_rs::Controller;
 use cgroups_rs::{Cgroup, Hierarchy, Subsystem};
-use gpuctl_proto::types::Resources;
+use gpuctl_core::types::Resources;
 
 use super::rules::DeviceRule;
 use super::IsolationError;
@@ -158,7 +158,7 @@ impl CgroupManager {
                 c.is_empty()
                     || c == "."
                     || c == ".."
-                    || gpuctl_proto::convert::check_id("cgroup_parent", c).is_err()
+                    || gpuctl_core::convert::check_id("cgroup_parent", c).is_err()
             })
         {
             return Err(IsolationError::Config(format!(
@@ -189,7 +189,7 @@ impl CgroupManager {
         rules: &[DeviceRule],
         resources: &Resources,
     ) -> Result<TaskCgroup, IsolationError> {
-        gpuctl_proto::convert::check_id("task_id", task_id)
+        gpuctl_core::convert::check_id("task_id", task_id)
             .map_err(|e| IsolationError::Config(e.to_string()))?;
         let rel = format!("{}/{task_id}", self.parent);
         let cg = Cgroup::new(self.hierarchy(), &rel).map_err(cg_err(format!("create {rel}")))?;

@@ -20,7 +20,7 @@ pub mod rules;
 
 use std::path::{Path, PathBuf};
 
-use gpuctl_proto::types::{Resources, Runtime};
+use gpuctl_core::types::{Resources, Runtime};
 
 pub use cgroup::{detect_version, CgroupManager, CgroupVersion, TaskCgroup};
 pub use rules::{DeviceNode, DeviceRule, HostDevices};

@@ -20,8 +20,8 @@ use bollard::models::{ContainerStateStatusEnum, DeviceMapping, HostConfig};
 use bollard::{ClientVersion, Docker};
 use futures::future::BoxFuture;
 use futures::{FutureExt, StreamExt};
-use gpuctl_proto::time::Backoff;
-use gpuctl_proto::types::Runtime;
+use gpuctl_core::time::Backoff;
+use gpuctl_core::types::Runtime;
 use serde::{Deserialize, Serialize};
 use tokio::io::AsyncWriteExt;
 use tokio::task::JoinHandle;
@@ -899,7 +899,7 @@ mod tests {
     use std::path::Path;
     use std::time::Instant;
 
-    use gpuctl_proto::types::{Resources, TaskSpec};
+    use gpuctl_core::types::{Resources, TaskSpec};
 
     use crate::runtime::image::ensure_busybox_image;
 

@@ -20,7 +20,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use futures::future::BoxFuture;
-use gpuctl_proto::types::{Runtime, TaskSpec};
+use gpuctl_core::types::{Runtime, TaskSpec};
 
 pub mod docker;
 pub mod fence;

@@ -8,9 +8,9 @@ use std::path::Path;
 use std::time::Duration;
 
 use clap::Args;
-use gpuctl_proto::convert::job_state_name;
+use gpuctl_core::convert::job_state_name;
+use gpuctl_core::types::Runtime;
 use gpuctl_proto::pb;
-use gpuctl_proto::types::Runtime;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -605,7 +605,7 @@ mod tests {
         assert_eq!(s.resources.map(|r| r.gpus), Some(2));
         assert_eq!(demo_spec("demo-1gpu", 1, None).image, "");
         // The names pass the master's validation.
-        let domain = gpuctl_proto::types::JobSpec::try_from(s);
+        let domain = gpuctl_core::types::JobSpec::try_from(s);
         assert!(domain.is_ok(), "{domain:?}");
     }
 }

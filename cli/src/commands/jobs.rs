@@ -6,7 +6,7 @@ use std::io::{self, Write};
 use std::time::Duration;
 
 use clap::{Args, Subcommand};
-use gpuctl_proto::convert::job_state_name;
+use gpuctl_core::convert::job_state_name;
 use gpuctl_proto::leader::leader_hint;
 use gpuctl_proto::pb;
 use tokio::time::Instant;
@@ -152,10 +152,10 @@ pub struct SubmitArgs {
     pub no_fence: bool,
     /// Start R tasks of this spec all or nothing (a gang); each gets
     /// GPUCTL_RANK, GPUCTL_WORLD_SIZE and GPUCTL_PEERS.
-    #[arg(long, value_name = "R", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=i64::from(gpuctl_proto::convert::MAX_REPLICAS)))]
+    #[arg(long, value_name = "R", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=i64::from(gpuctl_core::convert::MAX_REPLICAS)))]
     pub replicas: u32,
     /// Start a failed job (the whole gang) again, up to N times.
-    #[arg(long, value_name = "N", default_value_t = 0, value_parser = clap::value_parser!(u32).range(..=i64::from(gpuctl_proto::convert::MAX_RETRIES)))]
+    #[arg(long, value_name = "N", default_value_t = 0, value_parser = clap::value_parser!(u32).range(..=i64::from(gpuctl_core::convert::MAX_RETRIES)))]
     pub max_retries: u32,
     /// The command and its arguments, after `--` (so that a mistyped
     /// flag is an error, not the job's command).
@@ -504,7 +504,7 @@ async fn open_logs(
 async fn task_ended(master: &mut Master, id: &str) -> Result<bool, CliError> {
     let job = get_job(master, id).await?;
     let task_done = job.tasks.last().is_some_and(|t| {
-        gpuctl_proto::convert::task_state_from_pb("state", t.state).is_ok_and(|s| s.is_terminal())
+        gpuctl_core::convert::task_state_from_pb("state", t.state).is_ok_and(|s| s.is_terminal())
     });
     Ok(is_terminal(job.state) || task_done)
 }

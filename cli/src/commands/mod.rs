@@ -214,7 +214,7 @@ pub async fn run(cli: Cli) -> Result<u8, CliError> {
     Ok(code)
 }
 
-pub use gpuctl_proto::time::now_ms;
+pub use gpuctl_core::time::now_ms;
 
 /// Parses a number of seconds (`--timeout 1.5`) into a Duration.
 pub fn parse_secs(s: &str) -> Result<Duration, String> {

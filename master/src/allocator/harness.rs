@@ -5,7 +5,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use gpuctl_proto::types::{GpuInfo, Resources};
+use gpuctl_core::types::{GpuInfo, Resources};
 
 use super::{
     allocate, refuse_until, AgentView, AllocatorConfig, Filters, FrameworkView, Offer, OfferBook,

@@ -56,7 +56,7 @@ use std::cmp::Ordering;
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::hash::{BuildHasher, Hasher};
 
-use gpuctl_proto::types::{GpuInfo, Resources};
+use gpuctl_core::types::{GpuInfo, Resources};
 
 pub use filters::{refuse_until, Filters, DEFAULT_REFUSE_SECONDS, MAX_REFUSE_SECONDS};
 pub use offers::{Offer, OfferBook, OfferError};

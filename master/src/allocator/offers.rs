@@ -4,7 +4,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use gpuctl_proto::types::Resources;
+use gpuctl_core::types::Resources;
 
 use super::OfferPlan;
 

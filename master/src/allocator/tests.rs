@@ -1,6 +1,6 @@
 use std::collections::{BTreeMap, BTreeSet};
 
-use gpuctl_proto::types::Resources;
+use gpuctl_core::types::Resources;
 
 use super::harness::{agent, fw, gpu, idle_agent, res, Harness};
 use super::*;

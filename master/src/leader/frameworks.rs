@@ -11,8 +11,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use gpuctl_core::types::{Resources, TaskState};
 use gpuctl_proto::pb;
-use gpuctl_proto::types::{Resources, TaskState};
 use tokio::sync::{mpsc, watch, Notify};
 
 use crate::allocator::{
@@ -606,7 +606,7 @@ mod tests {
     use super::*;
     use crate::state::testkit::register;
     use crate::state::{FrameworkTask, Outcome};
-    use gpuctl_proto::types::{FrameworkInfo, StatusUpdate};
+    use gpuctl_core::types::{FrameworkInfo, StatusUpdate};
 
     /// A framework task RUNNING on agent a (update uuid u1), in a state.
     fn running_task() -> (State, String) {

@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use gpuctl_proto::types::{GpuReport, GpuSample, RuntimeStatus};
+use gpuctl_core::types::{GpuReport, GpuSample, RuntimeStatus};
 use tokio::sync::watch;
 
 use crate::raft::RaftHandle;
@@ -264,7 +264,7 @@ mod tests {
     use super::*;
     use crate::state::testkit::register;
     use crate::state::{Launch, Outcome};
-    use gpuctl_proto::types::{JobSpec, Resources, TaskState};
+    use gpuctl_core::types::{JobSpec, Resources, TaskState};
 
     #[test]
     fn liveness_measures_silence_from_the_last_heartbeat() {
@@ -290,7 +290,7 @@ mod tests {
     fn runtime_statuses_are_kept_per_agent() {
         let l = Liveness::default();
         let down = RuntimeStatus {
-            runtime: gpuctl_proto::types::Runtime::Docker,
+            runtime: gpuctl_core::types::Runtime::Docker,
             available: false,
             message: "daemon not answering".into(),
         };

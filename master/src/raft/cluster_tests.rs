@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use gpuctl_proto::types::{JobSpec, Resources};
+use gpuctl_core::types::{JobSpec, Resources};
 use raft::eraftpb::{ConfChange, ConfChangeType};
 use tokio::sync::watch;
 

@@ -776,7 +776,7 @@ fn proposal_id(context: &[u8], node_id: u64) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use gpuctl_proto::types::{JobSpec, Resources};
+    use gpuctl_core::types::{JobSpec, Resources};
     use raft::Storage as _;
 
     fn submit() -> Command {

@@ -20,7 +20,7 @@ pub mod topology;
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use gpuctl_proto::types::{AgentId, GpuInfo, JobId, JobSpec, PlacementPolicy, Resources};
+use gpuctl_core::types::{AgentId, GpuInfo, JobId, JobSpec, PlacementPolicy, Resources};
 
 use crate::state::{AgentRecord, JobRecord, Launch, State, Stopping};
 
@@ -223,7 +223,7 @@ pub fn reservations(state: &State) -> BTreeMap<AgentId, (JobId, i32)> {
         let Some(preemptor) = state
             .jobs
             .get(by)
-            .filter(|p| p.state == gpuctl_proto::types::JobState::Queued && !p.cancel_requested)
+            .filter(|p| p.state == gpuctl_core::types::JobState::Queued && !p.cancel_requested)
         else {
             continue;
         };
@@ -325,7 +325,7 @@ pub fn place(
 mod tests {
     use super::*;
     use crate::state::Command;
-    use gpuctl_proto::types::{AgentInfo, GpuInfo, JobSpec, Runtime};
+    use gpuctl_core::types::{AgentInfo, GpuInfo, JobSpec, Runtime};
 
     fn agent(id: &str, gpus: u32, runtimes: Vec<Runtime>) -> Command {
         Command::RegisterAgent {

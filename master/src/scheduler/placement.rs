@@ -45,7 +45,7 @@
 
 use std::collections::BTreeMap;
 
-use gpuctl_proto::types::{GpuInfo, PlacementPolicy, Resources, Runtime};
+use gpuctl_core::types::{GpuInfo, PlacementPolicy, Resources, Runtime};
 
 pub use super::topology::choose_gpus;
 

@@ -30,7 +30,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use gpuctl_proto::types::{GpuInfo, JobId, JobState, PlacementPolicy, Resources};
+use gpuctl_core::types::{GpuInfo, JobId, JobState, PlacementPolicy, Resources};
 
 use super::placement::{self, model_matches, Placement, TaskRequest};
 use super::{may_use, policy_of, request, reservations, Pool};
@@ -635,7 +635,7 @@ mod tests {
     use super::*;
     use crate::scheduler::{place, place_in, Available};
     use crate::state::{Command, Launch, Outcome};
-    use gpuctl_proto::types::{JobSpec, StatusUpdate, TaskState};
+    use gpuctl_core::types::{JobSpec, StatusUpdate, TaskState};
 
     /// A state driven through commands, as the leader would.
     struct H {

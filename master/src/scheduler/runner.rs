@@ -15,8 +15,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
+use gpuctl_core::types::FrameworkInfo;
 use gpuctl_proto::pb;
-use gpuctl_proto::types::FrameworkInfo;
 use tokio::sync::{mpsc, watch};
 
 use crate::allocator::refuse_until;
@@ -27,7 +27,7 @@ use crate::scheduler::queue::{self, QueueConfig};
 use crate::scheduler::{place_in, Available};
 use crate::state::frameworks::{BUILTIN_FRAMEWORK_ID, JOBS_ROLE};
 use crate::state::{Command, Launch};
-use gpuctl_proto::types::PlacementPolicy;
+use gpuctl_core::types::PlacementPolicy;
 
 /// Declined agents come back quickly: a job submitted meanwhile revives
 /// offers anyway, and the allocator's other frameworks come first by DRF.
@@ -158,7 +158,7 @@ async fn handle_offers(
         for o in &offers {
             let a = available.entry(o.agent_id.clone()).or_default();
             let r = o.resources.unwrap_or_default();
-            a.resources = a.resources.add(&gpuctl_proto::types::Resources {
+            a.resources = a.resources.add(&gpuctl_core::types::Resources {
                 cpus: r.cpus,
                 mem_mib: r.mem_mib,
                 gpus: r.gpus,

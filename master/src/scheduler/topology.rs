@@ -11,7 +11,7 @@
 //! lowest indices. Without topology data every set ties and the lowest
 //! indices win.
 
-use gpuctl_proto::types::GpuInfo;
+use gpuctl_core::types::GpuInfo;
 
 /// Score of one NVLink link between two GPUs.
 pub const NVLINK_SCORE: u64 = 100;
@@ -224,7 +224,7 @@ fn binomial(k: u64, n: u64) -> u64 {
 #[cfg(test)]
 pub(crate) mod placement_tests {
     use super::*;
-    use gpuctl_proto::types::GpuPeer;
+    use gpuctl_core::types::GpuPeer;
 
     /// GPUs 0..n named "g0".. with no topology.
     fn gpus(n: u32) -> Vec<GpuInfo> {

@@ -1,11 +1,12 @@
 //! AgentManager: agents register, heartbeat, watch their desired tasks and
 //! report task status.
 
+use gpuctl_proto::invalid_argument;
 use std::pin::Pin;
 
 use futures::Stream;
+use gpuctl_core::types::{AgentInfo, GpuReport, RuntimeStatus, StatusUpdate, TaskSpec, TaskState};
 use gpuctl_proto::pb;
-use gpuctl_proto::types::{AgentInfo, GpuReport, RuntimeStatus, StatusUpdate, TaskSpec, TaskState};
 use tokio::sync::mpsc;
 use tonic::{Request, Response, Status};
 
@@ -69,7 +70,7 @@ impl pb::agent_manager_server::AgentManager for AgentManagerService {
         let req = req.into_inner();
         let running = req.running_task_ids.clone();
         let kill_grace_ms = req.kill_grace_ms;
-        let info = AgentInfo::try_from(req)?;
+        let info = AgentInfo::try_from(req).map_err(invalid_argument)?;
         let agent_id = info.id.clone();
         // An agent that could not stop its tasks before this master
         // declares them LOST must not run any (see check_kill_grace).
@@ -110,12 +111,14 @@ impl pb::agent_manager_server::AgentManager for AgentManagerService {
             .gpus
             .into_iter()
             .map(GpuReport::try_from)
-            .collect::<Result<Vec<_>, _>>()?;
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(invalid_argument)?;
         let runtimes = req
             .runtimes
             .into_iter()
             .map(RuntimeStatus::try_from)
-            .collect::<Result<Vec<_>, _>>()?;
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(invalid_argument)?;
         self.ctx.liveness.record_runtimes(&id, runtimes);
         // Record what changed in the GPUs' health; the readings stay in
         // memory (they change every probe and matter only while fresh).
@@ -207,7 +210,7 @@ impl pb::agent_manager_server::AgentManager for AgentManagerService {
         &self,
         req: Request<pb::StatusUpdate>,
     ) -> Result<Response<pb::StatusAck>, Status> {
-        let update = StatusUpdate::try_from(req.into_inner())?;
+        let update = StatusUpdate::try_from(req.into_inner()).map_err(invalid_argument)?;
         self.ctx.liveness.touch(&update.agent_id);
         let (task_id, uuid) = (update.task_id.clone(), update.uuid.clone());
         // A resend of an update already recorded (waiting for its framework's

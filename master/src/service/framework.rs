@@ -1,13 +1,14 @@
 //! The Scheduler (framework) service: calls are validated here, turned
 //! into replicated commands or leader-side offer bookkeeping (Hub).
 
+use gpuctl_proto::invalid_argument;
 use std::collections::{BTreeMap, BTreeSet};
 use std::pin::Pin;
 
 use futures::Stream;
-use gpuctl_proto::convert::{check_id, check_payload, resources_from_pb};
+use gpuctl_core::convert::{check_id, check_payload, resources_from_pb};
+use gpuctl_core::types::{FrameworkInfo, Resources};
 use gpuctl_proto::pb;
-use gpuctl_proto::types::{FrameworkInfo, Resources};
 use tokio::sync::mpsc;
 use tonic::{Request, Response, Status};
 
@@ -27,7 +28,7 @@ const MAX_FAILOVER_SECS: f64 = 7.0 * 24.0 * 3600.0;
 fn framework_info(f: Option<pb::FrameworkInfo>) -> Result<FrameworkInfo, Status> {
     let f = f.ok_or_else(|| Status::invalid_argument("invalid framework: missing"))?;
     if !f.id.is_empty() {
-        check_id("framework.id", &f.id)?;
+        check_id("framework.id", &f.id).map_err(invalid_argument)?;
     }
     if f.id == crate::state::frameworks::BUILTIN_FRAMEWORK_ID {
         return Err(Status::invalid_argument(
@@ -40,7 +41,7 @@ fn framework_info(f: Option<pb::FrameworkInfo>) -> Result<FrameworkInfo, Status>
         ));
     }
     for r in &f.roles {
-        check_id("framework.roles[]", r)?;
+        check_id("framework.roles[]", r).map_err(invalid_argument)?;
     }
     if !f.failover_timeout_secs.is_finite()
         || !(0.0..=MAX_FAILOVER_SECS).contains(&f.failover_timeout_secs)
@@ -72,7 +73,7 @@ impl SchedulerService {
 
     /// The framework must exist, not be removed, and be connected.
     fn connected(&self, framework_id: &str) -> Result<(), Status> {
-        check_id("framework_id", framework_id)?;
+        check_id("framework_id", framework_id).map_err(invalid_argument)?;
         self.leader()?;
         if !self.ctx.hub.is_connected(framework_id) {
             return Err(Status::failed_precondition(format!(
@@ -92,14 +93,15 @@ fn to_framework_task(
     offered: &BTreeMap<String, (Resources, BTreeSet<String>)>,
     used: &mut BTreeMap<String, Resources>,
 ) -> Result<FrameworkTask, Status> {
-    check_id(&format!("{field}.task_id"), &t.task_id)?;
+    check_id(&format!("{field}.task_id"), &t.task_id).map_err(invalid_argument)?;
     let (res_offered, gpus_offered) = offered.get(&t.agent_id).ok_or_else(|| {
         Status::invalid_argument(format!(
             "invalid {field}.agent_id: {} is not in the accepted offers",
             t.agent_id
         ))
     })?;
-    let resources = resources_from_pb(&format!("{field}.resources"), t.resources)?;
+    let resources =
+        resources_from_pb(&format!("{field}.resources"), t.resources).map_err(invalid_argument)?;
     if t.gpu_uuids.len() != resources.gpus as usize {
         return Err(Status::invalid_argument(format!(
             "invalid {field}.gpu_uuids: names {} GPUs, resources.gpus is {}",
@@ -123,7 +125,7 @@ fn to_framework_task(
     }
     // The same limits as a job's (docs/framework-api.md#limits).
     let env: BTreeMap<String, String> = t.env.into_iter().collect();
-    check_payload(field, &t.image, &t.command, &env)?;
+    check_payload(field, &t.image, &t.command, &env).map_err(invalid_argument)?;
     Ok(FrameworkTask {
         task_id: t.task_id,
         agent_id: t.agent_id,
@@ -298,7 +300,7 @@ impl pb::scheduler_server::Scheduler for SchedulerService {
     ) -> Result<Response<pb::CallResponse>, Status> {
         let req = req.into_inner();
         self.connected(&req.framework_id)?;
-        check_id("task_id", &req.task_id)?;
+        check_id("task_id", &req.task_id).map_err(invalid_argument)?;
         self.ctx
             .raft
             .propose(Command::KillTask {
@@ -316,7 +318,7 @@ impl pb::scheduler_server::Scheduler for SchedulerService {
     ) -> Result<Response<pb::CallResponse>, Status> {
         let req = req.into_inner();
         self.connected(&req.framework_id)?;
-        check_id("task_id", &req.task_id)?;
+        check_id("task_id", &req.task_id).map_err(invalid_argument)?;
         if req.uuid.is_empty() {
             return Err(Status::invalid_argument("invalid uuid: must not be empty"));
         }
@@ -382,7 +384,7 @@ impl pb::scheduler_server::Scheduler for SchedulerService {
         req: Request<pb::TeardownRequest>,
     ) -> Result<Response<pb::CallResponse>, Status> {
         let req = req.into_inner();
-        check_id("framework_id", &req.framework_id)?;
+        check_id("framework_id", &req.framework_id).map_err(invalid_argument)?;
         self.leader()?;
         self.ctx
             .raft
@@ -418,7 +420,7 @@ impl pb::scheduler_server::Scheduler for SchedulerService {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use gpuctl_proto::convert::{
+    use gpuctl_core::convert::{
         MAX_COMMAND_ARGS, MAX_ENV_TOTAL_BYTES, MAX_ENV_VALUE_BYTES, MAX_MEM_MIB,
     };
 

@@ -10,9 +10,9 @@
 
 use std::collections::HashSet;
 
-use gpuctl_proto::convert::{check_id, job_state_from_pb, ConvertError};
+use gpuctl_core::convert::{check_id, job_state_from_pb, ConvertError};
+use gpuctl_core::types::JobState;
 use gpuctl_proto::pb;
-use gpuctl_proto::types::JobState;
 use prost::encoding::{encoded_len_varint, key_len};
 
 use crate::state::{job_seq, JobRecord, State};
@@ -139,7 +139,7 @@ mod tests {
     use super::*;
     use crate::state::testkit::Driver;
     use crate::state::{Command, Outcome};
-    use gpuctl_proto::types::{JobSpec, Resources};
+    use gpuctl_core::types::{JobSpec, Resources};
     use prost::Message as _;
 
     /// The state tests' driver, with jobs and pages.
@@ -363,7 +363,7 @@ mod tests {
         // gRPC's default 4 MiB limit.
         let mut t = T::new();
         for _ in 0..40 {
-            t.submit("max", gpuctl_proto::convert::MAX_ENV_TOTAL_BYTES - 3);
+            t.submit("max", gpuctl_core::convert::MAX_ENV_TOTAL_BYTES - 3);
         }
         let resp = t.page(&pb::ListJobsRequest::default(), PAGE_BYTES);
         assert!(resp.encoded_len() <= PAGE_BYTES);

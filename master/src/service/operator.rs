@@ -1,12 +1,13 @@
 //! Operator: what gpuctl uses.
 
+use gpuctl_proto::invalid_argument;
 use std::collections::{BTreeMap, HashMap};
 use std::pin::Pin;
 use std::time::Duration;
 
 use futures::{Stream, StreamExt};
+use gpuctl_core::types::{utc_timestamp, GpuSample, JobSpec, JobState, RuntimeStatus, TaskState};
 use gpuctl_proto::pb;
-use gpuctl_proto::types::{utc_timestamp, GpuSample, JobSpec, JobState, RuntimeStatus, TaskState};
 use tokio::sync::mpsc;
 use tonic::{Request, Response, Status};
 
@@ -91,7 +92,7 @@ fn unreachable_note(state: &State, j: &JobRecord) -> Option<String> {
 fn gpu_status(
     state: &State,
     agent: &AgentRecord,
-    g: &gpuctl_proto::types::GpuInfo,
+    g: &gpuctl_core::types::GpuInfo,
     samples: &HashMap<String, GpuSample>,
 ) -> pb::GpuStatus {
     let task_id = state.gpu_owner.get(&g.uuid).cloned().unwrap_or_default();
@@ -188,7 +189,7 @@ impl OperatorService {
 }
 
 fn job_id_arg(id: &str) -> Result<(), Status> {
-    gpuctl_proto::convert::check_id("job_id", id).map_err(Status::from)
+    gpuctl_core::convert::check_id("job_id", id).map_err(invalid_argument)
 }
 
 type LogStream = Pin<Box<dyn Stream<Item = Result<pb::LogChunk, Status>> + Send>>;
@@ -203,7 +204,8 @@ impl pb::operator_server::Operator for OperatorService {
         let request_id = if req.request_id.is_empty() {
             None
         } else {
-            gpuctl_proto::convert::check_id("request_id", &req.request_id)?;
+            gpuctl_core::convert::check_id("request_id", &req.request_id)
+                .map_err(invalid_argument)?;
             // A resend of a submit already committed: answer from the state.
             if let Some((job_id, _)) = self.ctx.raft.state().submit_requests.get(&req.request_id) {
                 return Ok(Response::new(pb::SubmitJobResponse {
@@ -215,7 +217,7 @@ impl pb::operator_server::Operator for OperatorService {
         let spec = req
             .spec
             .ok_or_else(|| Status::invalid_argument("invalid spec: missing"))?;
-        let spec = JobSpec::try_from(spec)?;
+        let spec = JobSpec::try_from(spec).map_err(invalid_argument)?;
         match self
             .ctx
             .raft
@@ -254,7 +256,7 @@ impl pb::operator_server::Operator for OperatorService {
         &self,
         req: Request<pb::ListJobsRequest>,
     ) -> Result<Response<pb::ListJobsResponse>, Status> {
-        let req = jobs_page::PageRequest::try_from(req.into_inner())?;
+        let req = jobs_page::PageRequest::try_from(req.into_inner()).map_err(invalid_argument)?;
         let state = self.ctx.raft.state();
         // Why queued jobs wait: only worked out when the page may hold one.
         let queued = state.jobs.values().any(|j| j.state == JobState::Queued)
@@ -328,7 +330,7 @@ impl pb::operator_server::Operator for OperatorService {
         req: Request<pb::CordonGpuRequest>,
     ) -> Result<Response<pb::GpuStatus>, Status> {
         let req = req.into_inner();
-        gpuctl_proto::convert::check_id("uuid", &req.uuid)?;
+        gpuctl_core::convert::check_id("uuid", &req.uuid).map_err(invalid_argument)?;
         self.ctx
             .raft
             .propose(Command::CordonGpu {
@@ -358,7 +360,7 @@ impl pb::operator_server::Operator for OperatorService {
         req: Request<pb::DrainAgentRequest>,
     ) -> Result<Response<pb::Agent>, Status> {
         let req = req.into_inner();
-        gpuctl_proto::convert::check_id("agent_id", &req.agent_id)?;
+        gpuctl_core::convert::check_id("agent_id", &req.agent_id).map_err(invalid_argument)?;
         let at_ms = now_ms();
         let deadline_ms = drain_deadline(at_ms, req.deadline_secs)?;
         self.ctx
@@ -381,7 +383,7 @@ impl pb::operator_server::Operator for OperatorService {
         req: Request<pb::UndrainAgentRequest>,
     ) -> Result<Response<pb::Agent>, Status> {
         let req = req.into_inner();
-        gpuctl_proto::convert::check_id("agent_id", &req.agent_id)?;
+        gpuctl_core::convert::check_id("agent_id", &req.agent_id).map_err(invalid_argument)?;
         self.ctx
             .raft
             .propose(Command::UndrainAgent {

@@ -1,18 +1,18 @@
 //! The sending end of an agent's incremental task stream (WatchTasks with
 //! `incremental`): a snapshot, then only the differences, in messages of
 //! bounded size. PURE: no I/O, no clock. The receiving end is
-//! `gpuctl_proto::desired::DesiredSet`; the protocol is described on
+//! `gpuctl_core::desired::DesiredSet`; the protocol is described on
 //! `DesiredTasks` in `proto/gpuctl/v1/agent.proto`.
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use gpuctl_core::types::{TaskId, TaskSpec};
 use gpuctl_proto::pb;
-use gpuctl_proto::types::{TaskId, TaskSpec};
 use prost::encoding::{encoded_len_varint, key_len};
 
 /// Most bytes of one encoded message (a quarter of gRPC's default 4 MiB
 /// limit). A task spec is at most about 600 KiB within the limits of
-/// `gpuctl_proto::convert`; one bigger than this would be sent alone.
+/// `gpuctl_core::convert`; one bigger than this would be sent alone.
 pub const MESSAGE_BUDGET: usize = 1024 * 1024;
 
 /// `reset` and `complete`, when set: one key byte and one value byte each.
@@ -141,8 +141,8 @@ fn pack(items: Vec<Item>, reset: bool, budget: usize) -> Vec<pb::DesiredTasks> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use gpuctl_proto::desired::DesiredSet;
-    use gpuctl_proto::types::Resources;
+    use gpuctl_core::desired::DesiredSet;
+    use gpuctl_core::types::Resources;
     use proptest::prelude::*;
     use prost::Message as _;
 

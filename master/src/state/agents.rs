@@ -21,7 +21,7 @@
 
 use std::collections::BTreeSet;
 
-use gpuctl_proto::types::{utc_timestamp, AgentId, AgentInfo, TaskId, TaskState};
+use gpuctl_core::types::{utc_timestamp, AgentId, AgentInfo, TaskId, TaskState};
 
 use super::{
     AgentRecord, AgentState, ApplyError, Drain, Outcome, State, Stopping, TaskReason, TaskRecord,
@@ -322,7 +322,7 @@ mod tests {
     use super::*;
     use crate::state::testkit::{register, status, Driver};
     use crate::state::Command;
-    use gpuctl_proto::types::{JobSpec, JobState, Resources, StatusUpdate};
+    use gpuctl_core::types::{JobSpec, JobState, Resources, StatusUpdate};
 
     /// The shared driver, and what these tests add to it.
     struct T(Driver);

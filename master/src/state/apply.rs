@@ -4,7 +4,7 @@
 
 use std::collections::BTreeSet;
 
-use gpuctl_proto::types::{JobState, Resources, Runtime, StatusUpdate, TaskState};
+use gpuctl_core::types::{JobState, Resources, Runtime, StatusUpdate, TaskState};
 
 use super::{AgentState, Command, JobRecord, State, TaskReason};
 
@@ -524,7 +524,7 @@ impl State {
 mod tests {
     use super::*;
     use crate::state::Launch;
-    use gpuctl_proto::types::{AgentInfo, GpuInfo, JobSpec};
+    use gpuctl_core::types::{AgentInfo, GpuInfo, JobSpec};
 
     fn agent(id: &str, gpus: u32) -> AgentInfo {
         AgentInfo {

@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use gpuctl_proto::types::{
+use gpuctl_core::types::{
     AgentId, AgentInfo, FrameworkId, FrameworkInfo, GpuUuid, JobId, JobSpec, Resources,
     StatusUpdate, TaskId,
 };

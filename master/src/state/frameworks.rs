@@ -2,8 +2,8 @@
 //! tasks on offered resources (re-checked here: no GPU is ever given
 //! twice), kill them, acknowledge their updates, and are removed.
 
-use gpuctl_proto::convert::check_id;
-use gpuctl_proto::types::{FrameworkInfo, Runtime, TaskState};
+use gpuctl_core::convert::check_id;
+use gpuctl_core::types::{FrameworkInfo, Runtime, TaskState};
 
 use super::apply::Pending;
 use super::{
@@ -282,7 +282,7 @@ impl State {
 mod tests {
     use super::*;
     use crate::state::Command;
-    use gpuctl_proto::types::{AgentInfo, GpuInfo, Resources, StatusUpdate};
+    use gpuctl_core::types::{AgentInfo, GpuInfo, Resources, StatusUpdate};
 
     fn state() -> State {
         let mut s = State::new();

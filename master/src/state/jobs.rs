@@ -11,7 +11,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use gpuctl_proto::types::{JobState, TaskState};
+use gpuctl_core::types::{JobState, TaskState};
 
 use super::apply::Pending;
 use super::{ApplyError, Launch, Outcome, State, Stopping, TaskReason, TaskRecord};
@@ -403,7 +403,7 @@ mod tests {
     use super::*;
     use crate::state::testkit::{status, Driver};
     use crate::state::Command;
-    use gpuctl_proto::types::{JobSpec, Resources};
+    use gpuctl_core::types::{JobSpec, Resources};
 
     /// The shared driver, and what these tests add to it.
     struct T(Driver);

@@ -12,7 +12,7 @@ pub(crate) mod testkit;
 
 use std::collections::BTreeMap;
 
-use gpuctl_proto::types::{
+use gpuctl_core::types::{
     AgentId, AgentInfo, FrameworkId, FrameworkInfo, GpuUuid, JobId, JobSpec, JobState, Resources,
     TaskId, TaskSpec, TaskState,
 };
@@ -389,7 +389,7 @@ impl State {
     }
 
     /// Whether new tasks may get this GPU (healthy is the agent's word).
-    pub fn schedulable(&self, gpu: &gpuctl_proto::types::GpuInfo) -> bool {
+    pub fn schedulable(&self, gpu: &gpuctl_core::types::GpuInfo) -> bool {
         gpu.healthy && !self.cordoned.contains(&gpu.uuid)
     }
 

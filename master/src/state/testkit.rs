@@ -1,6 +1,6 @@
 //! What tests that drive a state through commands share.
 
-use gpuctl_proto::types::{AgentInfo, GpuInfo, Resources, Runtime, StatusUpdate, TaskState};
+use gpuctl_core::types::{AgentInfo, GpuInfo, Resources, Runtime, StatusUpdate, TaskState};
 
 use super::{ApplyError, Command, Launch, Outcome, State};
 
