@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use gpuctl_core::time::Backoff;
-use gpuctl_core::types::{AgentInfo, GpuInfo, StatusUpdate};
+use gpuctl_core::types::{AgentInfo, GpuInfo, RuntimeStatus, StatusUpdate};
 use gpuctl_proto::leader::{leader_hint, retry_elsewhere};
 use gpuctl_proto::pb;
 use gpuctl_proto::pb::agent_manager_client::AgentManagerClient;
@@ -269,24 +269,15 @@ async fn session(
         (with_health(&info.gpus, &snapshot), snapshot.generation)
     };
     let mut req = pb::RegisterRequest {
-        agent_id: info.id.clone(),
-        hostname: info.hostname.clone(),
-        address: info.address.clone(),
-        total: Some(info.total.into()),
-        gpus: gpus.into_iter().map(Into::into).collect(),
-        runtimes: info
-            .runtimes
-            .iter()
-            .map(|r| pb::Runtime::from(*r) as i32)
-            .collect(),
         running_task_ids: executor.known_task_ids(),
-        simulated_gpus: info.simulated_gpus,
-        attributes: info.attributes.clone().into_iter().collect(),
-        driver_version: info.driver_version.clone().unwrap_or_default(),
-        cuda_driver_version: info.cuda_driver_version.clone().unwrap_or_default(),
         // The master checks that its fence timeout plus this grace ends
         // before it declares our tasks LOST.
         kill_grace_ms: u32::try_from(executor.kill_grace().as_millis()).unwrap_or(u32::MAX),
+        ..AgentInfo {
+            gpus,
+            ..info.clone()
+        }
+        .into()
     };
     req.running_task_ids.sort();
     let sent_ms = crate::checkpoint::wall_ms();
@@ -405,10 +396,13 @@ fn heartbeat_request(
         runtimes: executor
             .runtime_status()
             .into_iter()
-            .map(|(runtime, s)| pb::RuntimeStatus {
-                runtime: pb::Runtime::from(runtime) as i32,
-                available: s.available,
-                message: s.message,
+            .map(|(runtime, s)| {
+                RuntimeStatus {
+                    runtime,
+                    available: s.available,
+                    message: s.message,
+                }
+                .into()
             })
             .collect(),
     }

@@ -670,6 +670,31 @@ impl From<Runtime> for pb::Runtime {
     }
 }
 
+/// The registration of an agent; the agent adds what is not its info
+/// (`running_task_ids`, `kill_grace_ms`).
+impl From<AgentInfo> for pb::RegisterRequest {
+    fn from(a: AgentInfo) -> Self {
+        pb::RegisterRequest {
+            agent_id: a.id,
+            hostname: a.hostname,
+            address: a.address,
+            total: Some(a.total.into()),
+            gpus: a.gpus.into_iter().map(Into::into).collect(),
+            runtimes: a
+                .runtimes
+                .into_iter()
+                .map(|r| pb::Runtime::from(r) as i32)
+                .collect(),
+            simulated_gpus: a.simulated_gpus,
+            attributes: a.attributes.into_iter().collect(),
+            driver_version: a.driver_version.unwrap_or_default(),
+            cuda_driver_version: a.cuda_driver_version.unwrap_or_default(),
+            running_task_ids: Vec::new(),
+            kill_grace_ms: 0,
+        }
+    }
+}
+
 impl TryFrom<pb::RegisterRequest> for AgentInfo {
     type Error = ConvertError;
     fn try_from(r: pb::RegisterRequest) -> Result<Self> {
@@ -829,6 +854,25 @@ impl From<TaskState> for pb::TaskState {
             TaskState::Lost => P::TaskLost,
             TaskState::Error => P::TaskError,
             TaskState::Unreachable => P::TaskUnreachable,
+        }
+    }
+}
+
+impl From<TaskReason> for pb::Reason {
+    fn from(r: TaskReason) -> Self {
+        match r {
+            TaskReason::Unspecified => pb::Reason::Unspecified,
+            TaskReason::CommandExited => pb::Reason::CommandExited,
+            TaskReason::TaskInvalid => pb::Reason::TaskInvalid,
+            TaskReason::ResourcesUnavailable => pb::Reason::ResourcesUnavailable,
+            TaskReason::AgentLost => pb::Reason::AgentLost,
+            TaskReason::FrameworkRemoved => pb::Reason::FrameworkRemoved,
+            TaskReason::KilledByFramework => pb::Reason::KilledByFramework,
+            TaskReason::ContainerLaunchFailed => pb::Reason::ContainerLaunchFailed,
+            TaskReason::Preempted => pb::Reason::Preempted,
+            TaskReason::GpuUnhealthy => pb::Reason::GpuUnhealthy,
+            TaskReason::Fenced => pb::Reason::Fenced,
+            TaskReason::AgentDrained => pb::Reason::AgentDraining,
         }
     }
 }
@@ -1031,6 +1075,150 @@ impl From<GpuReport> for pb::GpuReport {
     }
 }
 
+// ------------------------------------------------------------ framework API
+
+/// Longest failover timeout a framework may ask for: a week.
+pub const MAX_FAILOVER_SECS: f64 = 7.0 * 24.0 * 3600.0;
+/// Longest framework name.
+pub const MAX_FRAMEWORK_NAME: usize = 128;
+
+/// A framework as it subscribes (`framework`, required).
+pub fn framework_info_from_pb(f: Option<pb::FrameworkInfo>) -> Result<FrameworkInfo> {
+    let f = f.ok_or_else(|| ConvertError::new("framework", "missing"))?;
+    if !f.id.is_empty() {
+        check_id("framework.id", &f.id)?;
+    }
+    if f.id == BUILTIN_FRAMEWORK_ID {
+        return Err(ConvertError::new(
+            "framework.id",
+            "reserved for gpuctl's own job scheduler",
+        ));
+    }
+    if f.name.trim().is_empty() || f.name.len() > MAX_FRAMEWORK_NAME {
+        return Err(ConvertError::new(
+            "framework.name",
+            format!("1 to {MAX_FRAMEWORK_NAME} characters"),
+        ));
+    }
+    for r in &f.roles {
+        check_id("framework.roles[]", r)?;
+    }
+    if !f.failover_timeout_secs.is_finite()
+        || !(0.0..=MAX_FAILOVER_SECS).contains(&f.failover_timeout_secs)
+    {
+        return Err(ConvertError::new(
+            "framework.failover_timeout_secs",
+            format!("must be 0..={MAX_FAILOVER_SECS}"),
+        ));
+    }
+    Ok(FrameworkInfo {
+        id: f.id,
+        name: f.name,
+        roles: f.roles,
+        gpu_capable: f
+            .capabilities
+            .contains(&(pb::FrameworkCapability::GpuResources as i32)),
+        failover_timeout_ms: (f.failover_timeout_secs * 1000.0) as u64,
+    })
+}
+
+/// A framework's task as it enters the cluster (`field` names it, e.g.
+/// `operations[0].tasks[1]`): the same checks of image, command and
+/// environment as a job's ([`check_payload`]), its ids, its resources, and
+/// as many GPUs named as it asks for. Whether its agent and GPUs were
+/// offered is the master's to check.
+pub fn framework_task_from_pb(field: &str, t: pb::TaskInfo) -> Result<FrameworkTask> {
+    check_id(&format!("{field}.task_id"), &t.task_id)?;
+    check_id(&format!("{field}.agent_id"), &t.agent_id)?;
+    let resources = resources_from_pb(&format!("{field}.resources"), t.resources)?;
+    if t.gpu_uuids.len() != resources.gpus as usize {
+        return Err(ConvertError::new(
+            format!("{field}.gpu_uuids"),
+            format!(
+                "names {} GPUs, resources.gpus is {}",
+                t.gpu_uuids.len(),
+                resources.gpus
+            ),
+        ));
+    }
+    for (i, g) in t.gpu_uuids.iter().enumerate() {
+        check_id(&format!("{field}.gpu_uuids[{i}]"), g)?;
+    }
+    let env: BTreeMap<String, String> = t.env.into_iter().collect();
+    check_payload(field, &t.image, &t.command, &env)?;
+    Ok(FrameworkTask {
+        task_id: t.task_id,
+        agent_id: t.agent_id,
+        image: (!t.image.is_empty()).then_some(t.image),
+        command: t.command,
+        env,
+        resources,
+        gpu_uuids: t.gpu_uuids,
+    })
+}
+
+// ---------------------------------------------------------------- operator
+
+/// Jobs in a ListJobs page when the request says 0.
+pub const DEFAULT_PAGE_LIMIT: u32 = 500;
+/// Most jobs in a ListJobs page; a larger limit is read as this.
+pub const MAX_PAGE_LIMIT: u32 = 1000;
+
+impl TryFrom<pb::ListJobsRequest> for JobsQuery {
+    type Error = ConvertError;
+    fn try_from(r: pb::ListJobsRequest) -> Result<Self> {
+        let states = r
+            .states
+            .iter()
+            .enumerate()
+            .map(|(i, v)| job_state_from_pb(&format!("states[{i}]"), *v))
+            .collect::<Result<std::collections::HashSet<_>>>()?;
+        let name = if r.name.is_empty() {
+            None
+        } else {
+            check_id("name", &r.name)?;
+            Some(r.name)
+        };
+        let limit = match r.limit {
+            0 => DEFAULT_PAGE_LIMIT,
+            n => n.min(MAX_PAGE_LIMIT),
+        } as usize;
+        let before = if r.page_token.is_empty() {
+            None
+        } else {
+            Some(r.page_token.parse::<u64>().map_err(|_| {
+                ConvertError::new(
+                    "page_token",
+                    "not a token from a ListJobs response (send it as it came)",
+                )
+            })?)
+        };
+        Ok(JobsQuery {
+            states,
+            name,
+            limit,
+            before,
+        })
+    }
+}
+
+/// Longest drain deadline accepted: a year.
+pub const MAX_DRAIN_DEADLINE_SECS: f64 = 365.0 * 86400.0;
+
+/// A drain's `deadline_secs`, checked, as the deadline counted from `at_ms`.
+pub fn drain_deadline(at_ms: u64, secs: Option<f64>) -> Result<Option<u64>> {
+    match secs {
+        None => Ok(None),
+        Some(s) if s.is_finite() && (0.0..=MAX_DRAIN_DEADLINE_SECS).contains(&s) => {
+            Ok(Some(at_ms.saturating_add((s * 1000.0) as u64)))
+        }
+        Some(s) => Err(ConvertError::new(
+            "deadline_secs",
+            format!("{s} is not a number of seconds between 0 and {MAX_DRAIN_DEADLINE_SECS}"),
+        )),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1198,8 +1386,7 @@ mod tests {
         assert_eq!(TaskSpec::try_from(both).unwrap_err().field, "task.job_id");
     }
 
-    /// `ok` applied to a valid spec passes; `bad` fails naming `field`,
-    /// as `InvalidArgument`.
+    /// `ok` applied to a valid spec passes; `bad` fails naming `field`.
     fn boundary<T: Clone>(
         base: &T,
         ok: impl Fn(&mut T),
@@ -1496,6 +1683,18 @@ mod tests {
             runtimes: vec![pb::Runtime::Process as i32],
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn agent_info_round_trips_through_its_registration() {
+        let mut r = register_request();
+        r.attributes = [("gpu.family".to_string(), "hopper".to_string())].into();
+        r.driver_version = "550.54".into();
+        let info = AgentInfo::try_from(r).unwrap();
+        let back = AgentInfo::try_from(pb::RegisterRequest::from(info.clone())).unwrap();
+        assert_eq!(back, info);
+        assert_eq!(back.driver_version.as_deref(), Some("550.54"));
+        assert_eq!(back.cuda_driver_version, None);
     }
 
     fn register(r: pb::RegisterRequest) -> Result<()> {
@@ -1799,6 +1998,144 @@ mod tests {
         assert_eq!(
             RuntimeStatus::try_from(long).unwrap_err().field,
             "runtimes.message"
+        );
+    }
+
+    type Mutate<T> = fn(&mut T);
+
+    fn framework_task() -> pb::TaskInfo {
+        pb::TaskInfo {
+            task_id: "t1".into(),
+            agent_id: "a1".into(),
+            command: vec!["true".into()],
+            resources: Some(pb::Resources {
+                cpus: 1.0,
+                mem_mib: 64,
+                gpus: 0,
+            }),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn framework_tasks_are_checked_like_jobs() {
+        let field = "operations[0].tasks[1]";
+        let convert = |t| framework_task_from_pb("operations[0].tasks[1]", t).map(|_| ());
+        // The same limits as a job's, at the limit and one past it.
+        boundary(
+            &framework_task(),
+            |t| t.env = [("FOO".into(), "v".repeat(MAX_ENV_VALUE_BYTES))].into(),
+            |t| t.env = [("FOO".into(), "v".repeat(MAX_ENV_VALUE_BYTES + 1))].into(),
+            &format!("{field}.env[\"FOO\"]"),
+            convert,
+        );
+        boundary(
+            &framework_task(),
+            |t| t.command = vec!["a".into(); MAX_COMMAND_ARGS],
+            |t| t.command = vec!["a".into(); MAX_COMMAND_ARGS + 1],
+            &format!("{field}.command"),
+            convert,
+        );
+        let cases: Vec<(Mutate<pb::TaskInfo>, &str)> = vec![
+            (|t| t.image = "bad image".into(), "image"),
+            (|t| t.command.clear(), "command"),
+            (|t| t.command = vec!["a\0".into()], "command[0]"),
+            (
+                |t| t.env = [("A=B".into(), "x".into())].into(),
+                "env[\"A=B\"]",
+            ),
+            (|t| t.task_id = "../x".into(), "task_id"),
+            (|t| t.agent_id = String::new(), "agent_id"),
+            (
+                |t| {
+                    if let Some(r) = t.resources.as_mut() {
+                        r.mem_mib = u64::MAX;
+                    }
+                },
+                "resources.mem_mib",
+            ),
+            (|t| t.gpu_uuids = vec!["GPU-0".into()], "gpu_uuids"),
+            (
+                |t| {
+                    t.gpu_uuids = vec!["GPU 0".into()];
+                    if let Some(r) = t.resources.as_mut() {
+                        r.gpus = 1;
+                    }
+                },
+                "gpu_uuids[0]",
+            ),
+        ];
+        for (mutate, sub) in cases {
+            let mut t = framework_task();
+            mutate(&mut t);
+            let err = framework_task_from_pb(field, t).expect_err(sub);
+            assert_eq!(err.field, format!("{field}.{sub}"), "{err}");
+        }
+        let ok = framework_task_from_pb(field, framework_task()).unwrap();
+        assert_eq!((ok.image, ok.command), (None, vec!["true".to_string()]));
+    }
+
+    #[test]
+    fn framework_info_is_checked() {
+        let info = || pb::FrameworkInfo {
+            name: "trainer".into(),
+            roles: vec!["research".into()],
+            failover_timeout_secs: 60.0,
+            capabilities: vec![pb::FrameworkCapability::GpuResources as i32],
+            ..Default::default()
+        };
+        let ok = framework_info_from_pb(Some(info())).unwrap();
+        assert!(ok.gpu_capable);
+        assert_eq!(ok.failover_timeout_ms, 60_000);
+        assert_eq!(framework_info_from_pb(None).unwrap_err().field, "framework");
+        let cases: Vec<(Mutate<pb::FrameworkInfo>, &str)> = vec![
+            (|f| f.id = BUILTIN_FRAMEWORK_ID.into(), "framework.id"),
+            (|f| f.id = "a/b".into(), "framework.id"),
+            (|f| f.name = " ".into(), "framework.name"),
+            (
+                |f| f.name = "n".repeat(MAX_FRAMEWORK_NAME + 1),
+                "framework.name",
+            ),
+            (|f| f.roles = vec!["".into()], "framework.roles[]"),
+            (
+                |f| f.failover_timeout_secs = f64::NAN,
+                "framework.failover_timeout_secs",
+            ),
+            (
+                |f| f.failover_timeout_secs = MAX_FAILOVER_SECS + 1.0,
+                "framework.failover_timeout_secs",
+            ),
+        ];
+        for (mutate, field) in cases {
+            let mut f = info();
+            mutate(&mut f);
+            assert_eq!(framework_info_from_pb(Some(f)).unwrap_err().field, field);
+        }
+    }
+
+    #[test]
+    fn drain_deadlines_are_checked() {
+        assert_eq!(drain_deadline(1_000, None), Ok(None));
+        assert_eq!(drain_deadline(1_000, Some(0.0)), Ok(Some(1_000)));
+        assert_eq!(drain_deadline(1_000, Some(2.5)), Ok(Some(3_500)));
+        for bad in [-1.0, f64::INFINITY, f64::NAN, MAX_DRAIN_DEADLINE_SECS * 2.0] {
+            assert_eq!(
+                drain_deadline(0, Some(bad)).unwrap_err().field,
+                "deadline_secs"
+            );
+        }
+    }
+
+    #[test]
+    fn task_reasons_have_their_wire_names() {
+        assert_eq!(pb::Reason::from(TaskReason::Fenced), pb::Reason::Fenced);
+        assert_eq!(
+            pb::Reason::from(TaskReason::AgentDrained),
+            pb::Reason::AgentDraining
+        );
+        assert_eq!(
+            pb::Reason::from(TaskReason::default()),
+            pb::Reason::Unspecified
         );
     }
 }

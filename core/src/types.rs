@@ -441,6 +441,58 @@ pub struct GpuReport {
     pub sample: Option<GpuSample>,
 }
 
+/// Why a task is in its state (the API's `Reason`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum TaskReason {
+    #[default]
+    Unspecified,
+    CommandExited,
+    TaskInvalid,
+    ResourcesUnavailable,
+    AgentLost,
+    FrameworkRemoved,
+    KilledByFramework,
+    ContainerLaunchFailed,
+    /// Stopped for a job of higher priority.
+    Preempted,
+    /// One of its GPUs failed a health check.
+    GpuUnhealthy,
+    /// Killed by its own agent, which heard from no leader for its fence
+    /// timeout. For its job it counts like LOST (the retry policy).
+    Fenced,
+    /// Killed because its agent is drained (`--kill` or the deadline).
+    AgentDrained,
+}
+
+/// The id of gpuctl's own job scheduler, which runs as a framework; no
+/// other framework may take it.
+pub const BUILTIN_FRAMEWORK_ID: &str = "gpuctl-jobs";
+
+/// A task as a framework launches it (checked in `convert`; checked
+/// against the accepted offers and the state by the master).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FrameworkTask {
+    /// The framework's own id for it.
+    pub task_id: String,
+    pub agent_id: AgentId,
+    pub image: Option<String>,
+    pub command: Vec<String>,
+    pub env: BTreeMap<String, String>,
+    pub resources: Resources,
+    pub gpu_uuids: Vec<GpuUuid>,
+}
+
+/// A checked ListJobs request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct JobsQuery {
+    /// Empty: any state.
+    pub states: std::collections::HashSet<JobState>,
+    pub name: Option<String>,
+    pub limit: usize,
+    /// Only jobs with a smaller sequence number (from the page token).
+    pub before: Option<u64>,
+}
+
 /// A framework as it registers (the framework API).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct FrameworkInfo {

@@ -20,7 +20,7 @@ use crate::allocator::{
 };
 use crate::now_ms;
 use crate::raft::RaftHandle;
-use crate::state::{AgentState, Command, State, TaskReason, TaskRecord};
+use crate::state::{AgentState, Command, State, TaskRecord};
 
 pub type EventSender = mpsc::Sender<Result<pb::Event, tonic::Status>>;
 
@@ -84,24 +84,6 @@ impl Default for Hub {
     }
 }
 
-/// The API's name for why a task is in its state.
-pub fn reason_to_pb(r: TaskReason) -> pb::Reason {
-    match r {
-        TaskReason::Unspecified => pb::Reason::Unspecified,
-        TaskReason::CommandExited => pb::Reason::CommandExited,
-        TaskReason::TaskInvalid => pb::Reason::TaskInvalid,
-        TaskReason::ResourcesUnavailable => pb::Reason::ResourcesUnavailable,
-        TaskReason::AgentLost => pb::Reason::AgentLost,
-        TaskReason::FrameworkRemoved => pb::Reason::FrameworkRemoved,
-        TaskReason::KilledByFramework => pb::Reason::KilledByFramework,
-        TaskReason::ContainerLaunchFailed => pb::Reason::ContainerLaunchFailed,
-        TaskReason::Preempted => pb::Reason::Preempted,
-        TaskReason::GpuUnhealthy => pb::Reason::GpuUnhealthy,
-        TaskReason::Fenced => pb::Reason::Fenced,
-        TaskReason::AgentDrained => pb::Reason::AgentDraining,
-    }
-}
-
 /// Why a task is in its state, as the API says it: an UNREACHABLE task's
 /// reason is its agent (the record keeps the reason it had, for when it
 /// comes back).
@@ -109,7 +91,7 @@ pub fn wire_reason(t: &TaskRecord) -> pb::Reason {
     if t.state == TaskState::Unreachable {
         pb::Reason::AgentUnreachable
     } else {
-        reason_to_pb(t.reason)
+        pb::Reason::from(t.reason)
     }
 }
 
@@ -711,14 +693,5 @@ mod tests {
         assert_eq!(st.state, pb::TaskState::TaskRunning as i32);
         assert_eq!(st.reason, pb::Reason::Unspecified as i32);
         assert_eq!(st.uuid, b"u1");
-    }
-
-    #[test]
-    fn new_reasons_have_their_wire_names() {
-        assert_eq!(reason_to_pb(TaskReason::Fenced), pb::Reason::Fenced);
-        assert_eq!(
-            reason_to_pb(TaskReason::AgentDrained),
-            pb::Reason::AgentDraining
-        );
     }
 }

@@ -6,8 +6,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::pin::Pin;
 
 use futures::Stream;
-use gpuctl_core::convert::{check_id, check_payload, resources_from_pb};
-use gpuctl_core::types::{FrameworkInfo, Resources};
+use gpuctl_core::convert::{check_id, framework_info_from_pb, framework_task_from_pb};
+use gpuctl_core::types::{FrameworkTask, Resources};
 use gpuctl_proto::pb;
 use tokio::sync::mpsc;
 use tonic::{Request, Response, Status};
@@ -17,48 +17,10 @@ use crate::allocator::refuse_until;
 use crate::leader::frameworks::{task_status, EVENT_BUFFER};
 use crate::now_ms;
 use crate::state::frameworks::task_key;
-use crate::state::{Command, FrameworkTask, Outcome};
+use crate::state::{Command, Outcome};
 
 pub struct SchedulerService {
     pub(super) ctx: Ctx,
-}
-
-const MAX_FAILOVER_SECS: f64 = 7.0 * 24.0 * 3600.0;
-
-fn framework_info(f: Option<pb::FrameworkInfo>) -> Result<FrameworkInfo, Status> {
-    let f = f.ok_or_else(|| Status::invalid_argument("invalid framework: missing"))?;
-    if !f.id.is_empty() {
-        check_id("framework.id", &f.id).map_err(invalid_argument)?;
-    }
-    if f.id == crate::state::frameworks::BUILTIN_FRAMEWORK_ID {
-        return Err(Status::invalid_argument(
-            "invalid framework.id: reserved for gpuctl's own job scheduler",
-        ));
-    }
-    if f.name.trim().is_empty() || f.name.len() > 128 {
-        return Err(Status::invalid_argument(
-            "invalid framework.name: 1 to 128 characters",
-        ));
-    }
-    for r in &f.roles {
-        check_id("framework.roles[]", r).map_err(invalid_argument)?;
-    }
-    if !f.failover_timeout_secs.is_finite()
-        || !(0.0..=MAX_FAILOVER_SECS).contains(&f.failover_timeout_secs)
-    {
-        return Err(Status::invalid_argument(format!(
-            "invalid framework.failover_timeout_secs: must be 0..={MAX_FAILOVER_SECS}"
-        )));
-    }
-    Ok(FrameworkInfo {
-        id: f.id,
-        name: f.name,
-        roles: f.roles,
-        gpu_capable: f
-            .capabilities
-            .contains(&(pb::FrameworkCapability::GpuResources as i32)),
-        failover_timeout_ms: (f.failover_timeout_secs * 1000.0) as u64,
-    })
 }
 
 impl SchedulerService {
@@ -84,31 +46,22 @@ impl SchedulerService {
     }
 }
 
-/// Checks a task against the offers taken for it: its agent was offered,
-/// its GPUs are among that agent's offered GPUs, and all tasks on an agent
-/// fit in what was offered there.
-fn to_framework_task(
+/// Checks a task (its shape already checked at the door) against the
+/// offers taken for it: its agent was offered, its GPUs are among that
+/// agent's offered GPUs, and all tasks on an agent fit in what was offered
+/// there.
+fn within_offers(
     field: &str,
-    t: pb::TaskInfo,
+    t: &FrameworkTask,
     offered: &BTreeMap<String, (Resources, BTreeSet<String>)>,
     used: &mut BTreeMap<String, Resources>,
-) -> Result<FrameworkTask, Status> {
-    check_id(&format!("{field}.task_id"), &t.task_id).map_err(invalid_argument)?;
+) -> Result<(), Status> {
     let (res_offered, gpus_offered) = offered.get(&t.agent_id).ok_or_else(|| {
         Status::invalid_argument(format!(
             "invalid {field}.agent_id: {} is not in the accepted offers",
             t.agent_id
         ))
     })?;
-    let resources =
-        resources_from_pb(&format!("{field}.resources"), t.resources).map_err(invalid_argument)?;
-    if t.gpu_uuids.len() != resources.gpus as usize {
-        return Err(Status::invalid_argument(format!(
-            "invalid {field}.gpu_uuids: names {} GPUs, resources.gpus is {}",
-            t.gpu_uuids.len(),
-            resources.gpus
-        )));
-    }
     if let Some(g) = t.gpu_uuids.iter().find(|g| !gpus_offered.contains(*g)) {
         return Err(Status::invalid_argument(format!(
             "invalid {field}.gpu_uuids: {g} was not offered on agent {}",
@@ -116,25 +69,14 @@ fn to_framework_task(
         )));
     }
     let total = used.entry(t.agent_id.clone()).or_default();
-    *total = total.add(&resources);
+    *total = total.add(&t.resources);
     if !res_offered.fits(total) {
         return Err(Status::invalid_argument(format!(
             "invalid {field}.resources: more than offered on agent {}",
             t.agent_id
         )));
     }
-    // The same limits as a job's (docs/framework-api.md#limits).
-    let env: BTreeMap<String, String> = t.env.into_iter().collect();
-    check_payload(field, &t.image, &t.command, &env).map_err(invalid_argument)?;
-    Ok(FrameworkTask {
-        task_id: t.task_id,
-        agent_id: t.agent_id,
-        image: (!t.image.is_empty()).then_some(t.image),
-        command: t.command,
-        env,
-        resources,
-        gpu_uuids: t.gpu_uuids,
-    })
+    Ok(())
 }
 
 type EventStream = Pin<Box<dyn Stream<Item = Result<pb::Event, Status>> + Send>>;
@@ -148,7 +90,7 @@ impl pb::scheduler_server::Scheduler for SchedulerService {
         req: Request<pb::SubscribeRequest>,
     ) -> Result<Response<Self::SubscribeStream>, Status> {
         self.leader()?;
-        let info = framework_info(req.into_inner().framework)?;
+        let info = framework_info_from_pb(req.into_inner().framework).map_err(invalid_argument)?;
         let framework_id = match self
             .ctx
             .raft
@@ -215,12 +157,11 @@ impl pb::scheduler_server::Scheduler for SchedulerService {
             };
             let mut tasks = Vec::with_capacity(launch.tasks.len());
             for (j, t) in launch.tasks.into_iter().enumerate() {
-                match to_framework_task(
-                    &format!("operations[{i}].tasks[{j}]"),
-                    t,
-                    &offered,
-                    &mut used,
-                ) {
+                let field = format!("operations[{i}].tasks[{j}]");
+                let checked = framework_task_from_pb(&field, t)
+                    .map_err(invalid_argument)
+                    .and_then(|t| within_offers(&field, &t, &offered, &mut used).map(|()| t));
+                match checked {
                     Ok(t) => tasks.push(t),
                     Err(e) => {
                         // The offers are used up either way (as in Mesos);
@@ -403,7 +344,7 @@ impl pb::scheduler_server::Scheduler for SchedulerService {
         &self,
         req: Request<pb::UpdateFrameworkRequest>,
     ) -> Result<Response<pb::CallResponse>, Status> {
-        let info = framework_info(req.into_inner().framework)?;
+        let info = framework_info_from_pb(req.into_inner().framework).map_err(invalid_argument)?;
         self.connected(&info.id)?;
         self.ctx
             .raft
@@ -420,99 +361,63 @@ impl pb::scheduler_server::Scheduler for SchedulerService {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use gpuctl_core::convert::{
-        MAX_COMMAND_ARGS, MAX_ENV_TOTAL_BYTES, MAX_ENV_VALUE_BYTES, MAX_MEM_MIB,
-    };
 
     fn offered() -> BTreeMap<String, (Resources, BTreeSet<String>)> {
         let all = Resources {
             cpus: 8.0,
-            mem_mib: MAX_MEM_MIB,
+            mem_mib: 1024,
             gpus: 1,
         };
         [("a1".to_string(), (all, ["GPU-0".to_string()].into()))].into()
     }
 
-    fn task() -> pb::TaskInfo {
-        pb::TaskInfo {
+    fn task(agent: &str, gpus: &[&str], mem_mib: u64) -> FrameworkTask {
+        FrameworkTask {
             task_id: "t1".into(),
-            agent_id: "a1".into(),
+            agent_id: agent.into(),
+            image: None,
             command: vec!["true".into()],
-            resources: Some(pb::Resources {
+            env: BTreeMap::new(),
+            resources: Resources {
                 cpus: 1.0,
-                mem_mib: 64,
-                gpus: 0,
-            }),
-            ..Default::default()
+                mem_mib,
+                gpus: gpus.len() as u32,
+            },
+            gpu_uuids: gpus.iter().map(|g| g.to_string()).collect(),
         }
     }
 
-    /// The task converted as `operations[0].tasks[1]`; the field of the
-    /// error when it is refused.
-    fn launch(t: pb::TaskInfo) -> Result<FrameworkTask, String> {
-        to_framework_task(
-            "operations[0].tasks[1]",
-            t,
-            &offered(),
-            &mut BTreeMap::new(),
-        )
-        .map_err(|s| {
-            assert_eq!(s.code(), tonic::Code::InvalidArgument, "{s:?}");
-            s.message().to_string()
-        })
+    fn check(tasks: &[FrameworkTask]) -> Result<(), String> {
+        let offered = offered();
+        let mut used = BTreeMap::new();
+        for t in tasks {
+            within_offers("operations[0].tasks[1]", t, &offered, &mut used).map_err(|s| {
+                assert_eq!(s.code(), tonic::Code::InvalidArgument, "{s:?}");
+                s.message().to_string()
+            })?;
+        }
+        Ok(())
     }
 
     #[test]
-    fn framework_tasks_have_the_job_limits() {
-        let mut t = task();
-        t.env = [("FOO".to_string(), "v".repeat(MAX_ENV_VALUE_BYTES))].into();
-        assert!(launch(t.clone()).is_ok());
-        t.env = [("FOO".to_string(), "v".repeat(MAX_ENV_VALUE_BYTES + 1))].into();
-        let err = launch(t).unwrap_err();
+    fn tasks_must_stay_within_what_was_offered() {
+        assert_eq!(check(&[task("a1", &["GPU-0"], 512)]), Ok(()));
+        let err = check(&[task("a2", &[], 1)]).unwrap_err();
         assert!(
-            err.starts_with("invalid operations[0].tasks[1].env[\"FOO\"]: value is 32769 bytes"),
+            err.starts_with(
+                "invalid operations[0].tasks[1].agent_id: a2 is not in the accepted offers"
+            ),
             "{err}"
         );
-
-        let mut t = task();
-        t.env = (0..9)
-            .map(|i| (format!("K{i}"), "v".repeat(MAX_ENV_TOTAL_BYTES / 8 - 2)))
-            .collect();
-        let err = launch(t).unwrap_err();
+        let err = check(&[task("a1", &["GPU-9"], 1)]).unwrap_err();
         assert!(
-            err.starts_with("invalid operations[0].tasks[1].env:"),
+            err.starts_with("invalid operations[0].tasks[1].gpu_uuids: GPU-9 was not offered"),
             "{err}"
         );
-
-        let mut t = task();
-        t.command = vec!["a".into(); MAX_COMMAND_ARGS];
-        assert!(launch(t.clone()).is_ok());
-        t.command.push("b".into());
-        let err = launch(t).unwrap_err();
+        // Each task fits alone; together they ask more memory than offered.
+        let err = check(&[task("a1", &[], 600), task("a1", &[], 600)]).unwrap_err();
         assert!(
-            err.starts_with("invalid operations[0].tasks[1].command:"),
-            "{err}"
-        );
-
-        let mut t = task();
-        t.image = "bad image".into();
-        assert!(launch(t)
-            .unwrap_err()
-            .starts_with("invalid operations[0].tasks[1].image:"));
-
-        let mut t = task();
-        t.command.clear();
-        assert!(launch(t)
-            .unwrap_err()
-            .starts_with("invalid operations[0].tasks[1].command:"));
-
-        let mut t = task();
-        if let Some(r) = t.resources.as_mut() {
-            r.mem_mib = u64::MAX;
-        }
-        let err = launch(t).unwrap_err();
-        assert!(
-            err.starts_with("invalid operations[0].tasks[1].resources.mem_mib:"),
+            err.starts_with("invalid operations[0].tasks[1].resources: more than offered"),
             "{err}"
         );
     }

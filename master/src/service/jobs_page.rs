@@ -8,19 +8,12 @@
 //! skipped or repeated. Each page ends at `limit` jobs or before its
 //! encoded size passes the byte budget, whichever comes first.
 
-use std::collections::HashSet;
-
-use gpuctl_core::convert::{check_id, job_state_from_pb, ConvertError};
-use gpuctl_core::types::JobState;
+use gpuctl_core::types::JobsQuery;
 use gpuctl_proto::pb;
 use prost::encoding::{encoded_len_varint, key_len};
 
 use crate::state::{job_seq, JobRecord, State};
 
-/// Jobs in a page when the request says 0.
-pub const DEFAULT_LIMIT: u32 = 500;
-/// Most jobs in a page; a larger limit is read as this.
-pub const MAX_LIMIT: u32 = 1000;
 /// Most bytes of an encoded page: gRPC's default message limit, so that
 /// any client can read any page, whatever the jobs hold. A single job
 /// bigger than that (impossible within the limits on a spec, but a job
@@ -29,61 +22,10 @@ pub const PAGE_BYTES: usize = 4 * 1024 * 1024;
 /// Room kept for `next_page_token` (a decimal u64 and its field header).
 const TOKEN_BYTES: usize = 32;
 
-/// A checked ListJobs request.
-#[derive(Debug, Clone, PartialEq)]
-pub struct PageRequest {
-    /// Empty: any state.
-    pub states: HashSet<JobState>,
-    pub name: Option<String>,
-    pub limit: usize,
-    /// Only jobs with a smaller sequence number (from the page token).
-    pub before: Option<u64>,
-}
-
-impl TryFrom<pb::ListJobsRequest> for PageRequest {
-    type Error = ConvertError;
-    fn try_from(r: pb::ListJobsRequest) -> Result<Self, ConvertError> {
-        let states = r
-            .states
-            .iter()
-            .enumerate()
-            .map(|(i, v)| job_state_from_pb(&format!("states[{i}]"), *v))
-            .collect::<Result<HashSet<_>, _>>()?;
-        let name = if r.name.is_empty() {
-            None
-        } else {
-            check_id("name", &r.name)?;
-            Some(r.name)
-        };
-        let limit = match r.limit {
-            0 => DEFAULT_LIMIT,
-            n => n.min(MAX_LIMIT),
-        } as usize;
-        let before = if r.page_token.is_empty() {
-            None
-        } else {
-            Some(r.page_token.parse::<u64>().map_err(|_| {
-                ConvertError::new(
-                    "page_token",
-                    "not a token from a ListJobs response (send it as it came)",
-                )
-            })?)
-        };
-        Ok(PageRequest {
-            states,
-            name,
-            limit,
-            before,
-        })
-    }
-}
-
-impl PageRequest {
-    fn wants(&self, j: &JobRecord) -> bool {
-        (self.states.is_empty() || self.states.contains(&j.state))
-            && self.name.as_ref().is_none_or(|n| *n == j.spec.name)
-            && self.before.is_none_or(|b| job_seq(&j.id) < b)
-    }
+fn wanted(req: &JobsQuery, j: &JobRecord) -> bool {
+    (req.states.is_empty() || req.states.contains(&j.state))
+        && req.name.as_ref().is_none_or(|n| *n == j.spec.name)
+        && req.before.is_none_or(|b| job_seq(&j.id) < b)
 }
 
 /// The page of jobs `req` asks for, newest first, each converted by
@@ -91,14 +33,14 @@ impl PageRequest {
 /// one job, if any matches).
 pub fn page(
     state: &State,
-    req: &PageRequest,
+    req: &JobsQuery,
     budget: usize,
     mut to_pb: impl FnMut(&JobRecord) -> pb::Job,
 ) -> pb::ListJobsResponse {
     let mut matching: Vec<(u64, &JobRecord)> = state
         .jobs
         .values()
-        .filter(|j| req.wants(j))
+        .filter(|j| wanted(req, j))
         .map(|j| (job_seq(&j.id), j))
         .collect();
     // The newest limit + 1 (one more tells whether a next page exists),
@@ -190,7 +132,7 @@ mod tests {
         }
         /// One page as the service answers it.
         fn page(&self, r: &pb::ListJobsRequest, budget: usize) -> pb::ListJobsResponse {
-            let req = PageRequest::try_from(r.clone()).unwrap();
+            let req = JobsQuery::try_from(r.clone()).unwrap();
             page(&self.s, &req, budget, |j| pb::Job {
                 id: j.id.clone(),
                 spec: Some(j.spec.clone().into()),
@@ -407,7 +349,7 @@ mod tests {
             ),
         ];
         for (r, field) in cases {
-            assert_eq!(PageRequest::try_from(r).unwrap_err().field, field);
+            assert_eq!(JobsQuery::try_from(r).unwrap_err().field, field);
         }
     }
 }

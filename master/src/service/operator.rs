@@ -6,7 +6,10 @@ use std::pin::Pin;
 use std::time::Duration;
 
 use futures::{Stream, StreamExt};
-use gpuctl_core::types::{utc_timestamp, GpuSample, JobSpec, JobState, RuntimeStatus, TaskState};
+use gpuctl_core::convert::drain_deadline;
+use gpuctl_core::types::{
+    utc_timestamp, GpuSample, JobSpec, JobState, JobsQuery, RuntimeStatus, TaskState,
+};
 use gpuctl_proto::pb;
 use tokio::sync::mpsc;
 use tonic::{Request, Response, Status};
@@ -157,22 +160,6 @@ pub fn agent_to_pb(a: &AgentRecord, runtimes: Vec<RuntimeStatus>) -> pb::Agent {
     }
 }
 
-/// Longest drain deadline accepted: a year.
-const MAX_DRAIN_DEADLINE_SECS: f64 = 365.0 * 86400.0;
-
-/// `deadline_secs` of a drain, checked, as the deadline from `at_ms`.
-fn drain_deadline(at_ms: u64, secs: Option<f64>) -> Result<Option<u64>, Status> {
-    match secs {
-        None => Ok(None),
-        Some(s) if s.is_finite() && (0.0..=MAX_DRAIN_DEADLINE_SECS).contains(&s) => {
-            Ok(Some(at_ms.saturating_add((s * 1000.0) as u64)))
-        }
-        Some(s) => Err(Status::invalid_argument(format!(
-            "invalid deadline_secs: {s} is not a number of seconds between 0 and {MAX_DRAIN_DEADLINE_SECS}"
-        ))),
-    }
-}
-
 impl OperatorService {
     /// The agent as the state has it now.
     fn agent_reply(&self, agent_id: &str) -> Result<Response<pb::Agent>, Status> {
@@ -256,7 +243,7 @@ impl pb::operator_server::Operator for OperatorService {
         &self,
         req: Request<pb::ListJobsRequest>,
     ) -> Result<Response<pb::ListJobsResponse>, Status> {
-        let req = jobs_page::PageRequest::try_from(req.into_inner()).map_err(invalid_argument)?;
+        let req = JobsQuery::try_from(req.into_inner()).map_err(invalid_argument)?;
         let state = self.ctx.raft.state();
         // Why queued jobs wait: only worked out when the page may hold one.
         let queued = state.jobs.values().any(|j| j.state == JobState::Queued)
@@ -362,7 +349,7 @@ impl pb::operator_server::Operator for OperatorService {
         let req = req.into_inner();
         gpuctl_core::convert::check_id("agent_id", &req.agent_id).map_err(invalid_argument)?;
         let at_ms = now_ms();
-        let deadline_ms = drain_deadline(at_ms, req.deadline_secs)?;
+        let deadline_ms = drain_deadline(at_ms, req.deadline_secs).map_err(invalid_argument)?;
         self.ctx
             .raft
             .propose(Command::DrainAgent {
@@ -503,22 +490,5 @@ impl pb::operator_server::Operator for OperatorService {
         super::masters::remove(&self.ctx, req.into_inner())
             .await
             .map(Response::new)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn drain_deadlines_are_checked_and_counted_from_the_proposal() {
-        assert_eq!(drain_deadline(1_000, None).unwrap(), None);
-        assert_eq!(drain_deadline(1_000, Some(0.0)).unwrap(), Some(1_000));
-        assert_eq!(drain_deadline(1_000, Some(2.5)).unwrap(), Some(3_500));
-        for bad in [-1.0, f64::NAN, f64::INFINITY, MAX_DRAIN_DEADLINE_SECS + 1.0] {
-            let e = drain_deadline(1_000, Some(bad)).unwrap_err();
-            assert_eq!(e.code(), tonic::Code::InvalidArgument);
-            assert!(e.message().contains("deadline_secs"), "{}", e.message());
-        }
     }
 }

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 
 use gpuctl_core::types::{
-    AgentId, AgentInfo, FrameworkId, FrameworkInfo, GpuUuid, JobId, JobSpec, Resources,
+    AgentId, AgentInfo, FrameworkId, FrameworkInfo, FrameworkTask, GpuUuid, JobId, JobSpec,
     StatusUpdate, TaskId,
 };
 use serde::{Deserialize, Serialize};
@@ -162,19 +162,6 @@ pub enum Command {
         framework_task_id: String,
         uuid: Vec<u8>,
     },
-}
-
-/// A task as a framework launches it.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct FrameworkTask {
-    /// The framework's own id for it.
-    pub task_id: String,
-    pub agent_id: AgentId,
-    pub image: Option<String>,
-    pub command: Vec<String>,
-    pub env: BTreeMap<String, String>,
-    pub resources: Resources,
-    pub gpu_uuids: Vec<GpuUuid>,
 }
 
 /// One task of a job placed on one agent with exact GPUs. A job of

@@ -2,7 +2,6 @@
 //! tasks on offered resources (re-checked here: no GPU is ever given
 //! twice), kill them, acknowledge their updates, and are removed.
 
-use gpuctl_core::convert::check_id;
 use gpuctl_core::types::{FrameworkInfo, Runtime, TaskState};
 
 use super::apply::Pending;
@@ -12,7 +11,7 @@ use super::{
 
 /// The built-in job scheduler's framework id (reserved: no other framework
 /// may use it). Its tasks are the jobs' tasks.
-pub const BUILTIN_FRAMEWORK_ID: &str = "gpuctl-jobs";
+pub use gpuctl_core::types::BUILTIN_FRAMEWORK_ID;
 /// The built-in scheduler's role: `--role jobs=...` sets its weight and quota.
 pub const JOBS_ROLE: &str = "jobs";
 
@@ -127,16 +126,15 @@ impl State {
         let mut pending = Pending::default();
         let mut verdicts: Vec<Result<(), String>> = Vec::with_capacity(tasks.len());
         let mut seen = std::collections::BTreeSet::new();
+        // Each task's shape (ids, command, env, image, resources) was
+        // checked where it entered (`convert::framework_task_from_pb`);
+        // here, only what depends on the state.
         for t in tasks {
             let verdict = (|| {
-                check_id("task_id", &t.task_id).map_err(|e| e.to_string())?;
                 if !seen.insert(t.task_id.as_str())
                     || self.tasks.contains_key(&task_key(framework_id, &t.task_id))
                 {
                     return Err(format!("task id {} is already used", t.task_id));
-                }
-                if t.command.is_empty() {
-                    return Err("invalid command: must not be empty".to_string());
                 }
                 let runtime = if t.image.is_some() {
                     Runtime::Docker

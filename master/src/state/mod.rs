@@ -19,7 +19,8 @@ use gpuctl_core::types::{
 use serde::{Deserialize, Serialize};
 
 pub use apply::{ApplyError, Outcome};
-pub use command::{Command, FrameworkTask, GpuHealthChange, Launch};
+pub use command::{Command, GpuHealthChange, Launch};
+pub use gpuctl_core::types::{FrameworkTask, TaskReason};
 
 /// An agent's liveness, as the leader's clocks decided it (through
 /// commands: `AgentUnreachable`, `AgentLostAfterTimeout`).
@@ -197,28 +198,6 @@ pub struct TaskLaunch {
     pub image: Option<String>,
     pub command: Vec<String>,
     pub env: BTreeMap<String, String>,
-}
-
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub enum TaskReason {
-    #[default]
-    Unspecified,
-    CommandExited,
-    TaskInvalid,
-    ResourcesUnavailable,
-    AgentLost,
-    FrameworkRemoved,
-    KilledByFramework,
-    ContainerLaunchFailed,
-    /// Stopped for a job of higher priority.
-    Preempted,
-    /// One of its GPUs failed a health check.
-    GpuUnhealthy,
-    /// Killed by its own agent, which heard from no leader for its fence
-    /// timeout. For its job it counts like LOST (the retry policy).
-    Fenced,
-    /// Killed because its agent is drained (`--kill` or the deadline).
-    AgentDrained,
 }
 
 /// A framework as the replicated state knows it. Whether it is connected is
