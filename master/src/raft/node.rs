@@ -293,7 +293,7 @@ pub fn start(
     } else {
         serde_json::from_slice::<State>(&snap_data)?
     };
-    for (id, addr) in &initial_state.masters {
+    for (id, addr) in initial_state.masters() {
         addresses.set(*id, addr);
     }
     let snapshot_index = snap_meta.index;
@@ -585,7 +585,7 @@ impl Node {
         let meta = snap.get_metadata();
         let new_state: State = serde_json::from_slice(&snap.data)?;
         self.raw.store().apply_snapshot(snap)?;
-        for (id, addr) in &new_state.masters {
+        for (id, addr) in new_state.masters() {
             self.addresses.set(*id, addr);
         }
         tracing::info!(
@@ -606,7 +606,7 @@ impl Node {
             .state
             .read()
             .unwrap_or_else(|p| p.into_inner())
-            .applied_index;
+            .applied_index();
         if applied < self.snapshot_index + self.snapshot_every && !self.snapshot_due {
             return Ok(());
         }
@@ -617,10 +617,10 @@ impl Node {
     fn snapshot_now(&mut self) -> Result<(), NodeError> {
         let (applied, data) = {
             let s = self.state.read().unwrap_or_else(|p| p.into_inner());
-            if s.applied_index <= self.snapshot_index {
+            if s.applied_index() <= self.snapshot_index {
                 return Ok(());
             }
-            (s.applied_index, serde_json::to_vec(&*s)?)
+            (s.applied_index(), serde_json::to_vec(&*s)?)
         };
         let term = self.raw.raft.raft_log.term(applied)?;
         self.raw.store().compact(applied, term, data)?;
@@ -831,7 +831,7 @@ mod tests {
     async fn snapshots_compact_the_log_and_a_restart_starts_from_them() {
         let dir = tempfile::tempdir().unwrap();
         let (first, _) = run_node(dir.path(), 12).await;
-        assert_eq!(first.jobs.len(), 12);
+        assert_eq!(first.jobs().len(), 12);
         {
             let storage = SledStorage::open(dir.path(), &[1]).unwrap();
             let (meta, data) = storage.snapshot_data().unwrap();
@@ -842,8 +842,8 @@ mod tests {
         // Restarted from the snapshot plus the log after it: the same state,
         // and ids keep counting.
         let (second, _) = run_node(dir.path(), 1).await;
-        assert_eq!(second.jobs.len(), 13);
-        assert!(second.jobs.contains_key("job-13"));
-        assert_eq!(second.jobs["job-12"], first.jobs["job-12"]);
+        assert_eq!(second.jobs().len(), 13);
+        assert!(second.jobs().contains_key("job-13"));
+        assert_eq!(second.jobs()["job-12"], first.jobs()["job-12"]);
     }
 }

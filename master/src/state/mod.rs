@@ -280,6 +280,76 @@ impl State {
         }
     }
 
+    // Read access for code outside `state/`.
+
+    pub fn agents(&self) -> &BTreeMap<AgentId, AgentRecord> {
+        &self.agents
+    }
+
+    pub fn agent(&self, id: &str) -> Option<&AgentRecord> {
+        self.agents.get(id)
+    }
+
+    pub fn jobs(&self) -> &BTreeMap<JobId, JobRecord> {
+        &self.jobs
+    }
+
+    pub fn job(&self, id: &str) -> Option<&JobRecord> {
+        self.jobs.get(id)
+    }
+
+    pub fn tasks(&self) -> &BTreeMap<TaskId, TaskRecord> {
+        &self.tasks
+    }
+
+    pub fn task(&self, id: &str) -> Option<&TaskRecord> {
+        self.tasks.get(id)
+    }
+
+    /// The task holding this GPU, if any.
+    pub fn gpu_owner(&self, uuid: &str) -> Option<&TaskId> {
+        self.gpu_owner.get(uuid)
+    }
+
+    /// Every GPU held, and by which task.
+    pub fn gpu_owners(&self) -> &BTreeMap<GpuUuid, TaskId> {
+        &self.gpu_owner
+    }
+
+    pub fn frameworks(&self) -> &BTreeMap<FrameworkId, FrameworkRecord> {
+        &self.frameworks
+    }
+
+    pub fn framework(&self, id: &str) -> Option<&FrameworkRecord> {
+        self.frameworks.get(id)
+    }
+
+    /// The job a submit with this idempotency key created, while the key is
+    /// remembered.
+    pub fn submitted_job(&self, request_id: &str) -> Option<&JobId> {
+        self.submit_requests
+            .get(request_id)
+            .map(|(job_id, _)| job_id)
+    }
+
+    /// API address of each master of the Raft group, by node id.
+    pub fn masters(&self) -> &BTreeMap<u64, String> {
+        &self.masters
+    }
+
+    pub fn cordoned(&self) -> &std::collections::BTreeSet<GpuUuid> {
+        &self.cordoned
+    }
+
+    pub fn is_cordoned(&self, uuid: &str) -> bool {
+        self.cordoned.contains(uuid)
+    }
+
+    /// Index of the last log entry applied.
+    pub fn applied_index(&self) -> u64 {
+        self.applied_index
+    }
+
     /// Jobs waiting for placement in the order they are placed: highest
     /// priority first, then oldest.
     pub fn queued_jobs(&self) -> Vec<&JobRecord> {
