@@ -17,7 +17,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use super::storage::SledStorage;
 use super::transport::Transport;
 use super::Addresses;
-use crate::state::{ApplyError, Command, Outcome, State};
+use crate::state::{ApplyError, Command, MemberChange, Outcome, State};
 
 #[derive(Debug, Clone)]
 pub struct RaftNodeConfig {
@@ -681,16 +681,18 @@ impl Node {
         Ok(())
     }
 
+    /// An entry that carries no command still counts as applied.
     fn bump_applied(&self, index: u64) {
-        let mut s = self.state.write().unwrap_or_else(|p| p.into_inner());
-        s.applied_index = s.applied_index.max(index);
+        self.state
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .apply_noop(index);
     }
 
     /// Keeps the address book of the group in the replicated state: a
     /// change adding a master carries its API address in its context.
     fn record_member(&mut self, index: u64, cc: &ConfChange) {
         let mut s = self.state.write().unwrap_or_else(|p| p.into_inner());
-        s.applied_index = s.applied_index.max(index);
         match cc.get_change_type() {
             ConfChangeType::AddNode | ConfChangeType::AddLearnerNode => {
                 // The bootstrap configuration is not in the log, so a new
@@ -700,15 +702,17 @@ impl Node {
                 // asks for entries the log no longer has and gets this
                 // snapshot.
                 self.snapshot_due = true;
-                if let Ok(addr) = std::str::from_utf8(&cc.context) {
-                    if !addr.is_empty() {
-                        s.masters.insert(cc.node_id, addr.to_string());
-                        self.addresses.set(cc.node_id, addr);
+                match std::str::from_utf8(&cc.context) {
+                    Ok(addr) if !addr.is_empty() => {
+                        let id = cc.node_id;
+                        s.apply_member_change(index, MemberChange::Added { id, addr });
+                        self.addresses.set(id, addr);
                     }
+                    _ => s.apply_noop(index),
                 }
             }
             ConfChangeType::RemoveNode => {
-                s.masters.remove(&cc.node_id);
+                s.apply_member_change(index, MemberChange::Removed { id: cc.node_id });
                 if cc.node_id != self.id {
                     self.addresses.remove(cc.node_id);
                 }

@@ -18,7 +18,7 @@ use gpuctl_proto::types::{
 };
 use serde::{Deserialize, Serialize};
 
-pub use apply::{ApplyError, Outcome};
+pub use apply::{ApplyError, MemberChange, Outcome};
 pub use command::{Command, FrameworkTask, GpuHealthChange, Launch};
 
 /// An agent's liveness, as the leader's clocks decided it (through
