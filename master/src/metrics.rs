@@ -88,28 +88,32 @@ pub fn render(raft: &RaftHandle, metrics: &MasterMetrics, offers_outstanding: us
             ("unreachable", AgentState::Unreachable),
             ("lost", AgentState::Lost),
         ] {
-            let n = state.agents.values().filter(|a| a.state == want).count();
+            let n = state.agents().values().filter(|a| a.state == want).count();
             out.sample("gpuctl_agents", &[("state", label)], n as f64);
         }
         gauge(
             &mut out,
             "gpuctl_agents_draining",
             "Agents being drained (no new tasks), whatever their state.",
-            state.agents.values().filter(|a| a.drain.is_some()).count() as f64,
+            state
+                .agents()
+                .values()
+                .filter(|a| a.drain.is_some())
+                .count() as f64,
         );
         gauge(
             &mut out,
             "gpuctl_gpus_held_unconfirmed",
             "GPUs still held by tasks that ended LOST without their agent's word that they are gone.",
             state
-                .tasks
+                .tasks()
                 .values()
                 .filter(|t| t.holding)
                 .map(|t| t.gpu_uuids.len())
                 .sum::<usize>() as f64,
         );
         let gpus: Vec<_> = state
-            .agents
+            .agents()
             .values()
             .filter(|a| a.state == AgentState::Active)
             .flat_map(|a| a.info.gpus.iter())
@@ -125,7 +129,7 @@ pub fn render(raft: &RaftHandle, metrics: &MasterMetrics, offers_outstanding: us
             "gpuctl_gpus_allocated",
             "GPUs of active agents held by a task.",
             gpus.iter()
-                .filter(|g| state.gpu_owner.contains_key(&g.uuid))
+                .filter(|g| state.gpu_owner(&g.uuid).is_some())
                 .count() as f64,
         );
         gauge(
@@ -138,13 +142,11 @@ pub fn render(raft: &RaftHandle, metrics: &MasterMetrics, offers_outstanding: us
             &mut out,
             "gpuctl_gpus_cordoned",
             "GPUs of active agents taken out of service by an operator.",
-            gpus.iter()
-                .filter(|g| state.cordoned.contains(&g.uuid))
-                .count() as f64,
+            gpus.iter().filter(|g| state.is_cordoned(&g.uuid)).count() as f64,
         );
         out.family("gpuctl_jobs", "gpuctl jobs by state.", Kind::Gauge);
         for s in JOB_STATES {
-            let n = state.jobs.values().filter(|j| j.state == s).count();
+            let n = state.jobs().values().filter(|j| j.state == s).count();
             let label = s.to_string().to_ascii_lowercase();
             out.sample("gpuctl_jobs", &[("state", &label)], n as f64);
         }

@@ -343,7 +343,11 @@ fn cycle(raft: &RaftHandle, hub: &Hub, settings: &FrameworkSettings) -> Vec<Stri
 
 fn forward_updates(state: &State, g: &mut Inner) {
     let Inner { conns, sent, .. } = g;
-    for t in state.tasks.values().filter(|t| !t.framework_id.is_empty()) {
+    for t in state
+        .tasks()
+        .values()
+        .filter(|t| !t.framework_id.is_empty())
+    {
         let Some(conn) = conns.get(&t.framework_id) else {
             continue;
         };
@@ -372,7 +376,7 @@ fn forward_updates(state: &State, g: &mut Inner) {
 
 fn forward_failures(state: &State, g: &mut Inner) {
     let lost: BTreeSet<String> = state
-        .agents
+        .agents()
         .values()
         .filter(|a| a.state == AgentState::Lost)
         .map(|a| a.info.id.clone())
@@ -400,12 +404,11 @@ fn rescind_stale(state: &State, g: &mut Inner, now: u64, timeout: Duration) {
         .iter()
         .filter(|o| {
             state
-                .agents
-                .get(&o.agent_id)
+                .agent(&o.agent_id)
                 .is_none_or(|a| !a.accepts_tasks())
-                || o.gpu_uuids.iter().any(|u| state.gpu_owner.contains_key(u))
+                || o.gpu_uuids.iter().any(|u| state.gpu_owner(u).is_some())
                 // A GPU turned unhealthy or was cordoned since.
-                || state.agents.get(&o.agent_id).is_some_and(|a| {
+                || state.agent(&o.agent_id).is_some_and(|a| {
                     a.info
                         .gpus
                         .iter()
@@ -442,7 +445,7 @@ fn heartbeat(g: &mut Inner) {
 
 fn failover_expired(state: &State, g: &mut Inner) -> Vec<String> {
     // A framework this leader has never seen connected starts its clock now.
-    for (id, f) in &state.frameworks {
+    for (id, f) in state.frameworks() {
         if id == crate::state::frameworks::BUILTIN_FRAMEWORK_ID {
             continue;
         }
@@ -456,7 +459,7 @@ fn failover_expired(state: &State, g: &mut Inner) -> Vec<String> {
         .iter()
         .filter(|(id, _)| id.as_str() != crate::state::frameworks::BUILTIN_FRAMEWORK_ID)
         .filter(|(id, since)| {
-            state.frameworks.get(*id).is_some_and(|f| {
+            state.framework(id).is_some_and(|f| {
                 !f.removed && since.elapsed() > Duration::from_millis(f.info.failover_timeout_ms)
             })
         })
@@ -477,7 +480,7 @@ fn allocate(state: &State, g: &mut Inner, settings: &FrameworkSettings, now: u64
     let offered_on = book.offered_by_agent();
     let offered_by = book.offered_by_framework();
     let agents: Vec<AgentView> = state
-        .agents
+        .agents()
         .values()
         .filter(|a| a.accepts_tasks())
         .map(|a| {
@@ -492,7 +495,7 @@ fn allocate(state: &State, g: &mut Inner, settings: &FrameworkSettings, now: u64
                     .iter()
                     .filter(|gpu| {
                         state.schedulable(gpu)
-                            && !state.gpu_owner.contains_key(&gpu.uuid)
+                            && state.gpu_owner(&gpu.uuid).is_none()
                             && !offered_gpus.contains(&gpu.uuid)
                     })
                     .cloned()
@@ -505,7 +508,7 @@ fn allocate(state: &State, g: &mut Inner, settings: &FrameworkSettings, now: u64
     // What each framework holds; gpuctl jobs' tasks are the built-in
     // scheduler's, so its role's share and quota count them.
     let mut held: BTreeMap<&str, Resources> = BTreeMap::new();
-    for t in state.tasks.values().filter(|t| !t.state.is_terminal()) {
+    for t in state.tasks().values().filter(|t| !t.state.is_terminal()) {
         let owner = if !t.framework_id.is_empty() {
             t.framework_id.as_str()
         } else if !t.job_id.is_empty() {
@@ -517,7 +520,7 @@ fn allocate(state: &State, g: &mut Inner, settings: &FrameworkSettings, now: u64
         *e = e.add(&t.resources);
     }
     let frameworks: Vec<FrameworkView> = state
-        .frameworks
+        .frameworks()
         .values()
         .filter(|f| !f.removed && g.conns.contains_key(&f.info.id))
         .map(|f| FrameworkView {
@@ -550,7 +553,7 @@ fn allocate(state: &State, g: &mut Inner, settings: &FrameworkSettings, now: u64
     let count = made.len();
     let mut by_framework: BTreeMap<String, Vec<pb::Offer>> = BTreeMap::new();
     for o in made {
-        let Some(agent) = state.agents.get(&o.agent_id) else {
+        let Some(agent) = state.agent(&o.agent_id) else {
             continue;
         };
         let gpus = agent
@@ -654,10 +657,10 @@ mod tests {
     #[test]
     fn frameworks_hear_unreachable_without_a_uuid_then_running_again() {
         let (mut s, key) = running_task();
-        let st = task_status(&s.tasks[&key], None);
+        let st = task_status(&s.tasks()[&key], None);
         assert_eq!(st.state, pb::TaskState::TaskRunning as i32);
         assert_eq!(st.uuid, b"u1");
-        let i = s.applied_index + 1;
+        let i = s.applied_index() + 1;
         s.apply(
             i,
             &Command::AgentUnreachable {
@@ -666,7 +669,7 @@ mod tests {
             },
         )
         .unwrap();
-        let st = task_status(&s.tasks[&key], None);
+        let st = task_status(&s.tasks()[&key], None);
         assert_eq!(st.state, pb::TaskState::TaskUnreachable as i32);
         assert_eq!(st.reason, pb::Reason::AgentUnreachable as i32);
         assert!(
@@ -674,12 +677,12 @@ mod tests {
             "the master's word: nothing to acknowledge"
         );
         // Reconciliation answers say so too.
-        let st = task_status(&s.tasks[&key], Some(pb::Reason::Reconciliation));
+        let st = task_status(&s.tasks()[&key], Some(pb::Reason::Reconciliation));
         assert_eq!(st.state, pb::TaskState::TaskUnreachable as i32);
         let Command::RegisterAgent { info, .. } = register("a", 0) else {
             unreachable!()
         };
-        let i = s.applied_index + 1;
+        let i = s.applied_index() + 1;
         s.apply(
             i,
             &Command::RegisterAgent {
@@ -689,7 +692,7 @@ mod tests {
             },
         )
         .unwrap();
-        let st = task_status(&s.tasks[&key], None);
+        let st = task_status(&s.tasks()[&key], None);
         assert_eq!(st.state, pb::TaskState::TaskRunning as i32);
         assert_eq!(st.reason, pb::Reason::Unspecified as i32);
         assert_eq!(st.uuid, b"u1");

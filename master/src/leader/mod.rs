@@ -142,7 +142,7 @@ pub fn liveness_commands(
     timeouts: &LivenessTimeouts,
 ) -> Vec<Command> {
     let mut out = Vec::new();
-    for a in state.agents.values() {
+    for a in state.agents().values() {
         let id = &a.info.id;
         let silent = silence.get(id).copied().unwrap_or_default();
         match a.state {
@@ -216,7 +216,7 @@ async fn record_masters(raft: &RaftHandle) {
         st.voters
             .iter()
             .chain(&st.learners)
-            .filter(|id| !state.masters.contains_key(id))
+            .filter(|id| !state.masters().contains_key(id))
             .filter_map(|id| known.get(id).map(|a| (*id, a.clone())))
             .collect()
     };
@@ -232,7 +232,7 @@ async fn check_liveness(raft: &RaftHandle, liveness: &Liveness, timeouts: &Liven
     let commands = {
         let state = raft.state();
         let watched: Vec<String> = state
-            .agents
+            .agents()
             .values()
             .filter(|a| a.state != AgentState::Lost)
             .map(|a| a.info.id.clone())
@@ -316,7 +316,7 @@ mod tests {
     }
 
     fn apply(s: &mut State, c: Command) {
-        let i = s.applied_index + 1;
+        let i = s.applied_index() + 1;
         s.apply(i, &c).unwrap();
     }
 
@@ -427,12 +427,12 @@ mod tests {
             (500, TaskState::Lost),
         ] {
             for c in liveness_commands(&s, &silence(&[("a", secs)]), secs * 1000, &T) {
-                let i = s.applied_index + 1;
+                let i = s.applied_index() + 1;
                 assert_eq!(s.apply(i, &c), Ok(Outcome::Done));
             }
-            assert_eq!(s.tasks["job-1.0"].state, task_state, "after {secs}s");
+            assert_eq!(s.tasks()["job-1.0"].state, task_state, "after {secs}s");
             assert_eq!(
-                s.gpu_owner.get("GPU-a-0").map(String::as_str),
+                s.gpu_owner("GPU-a-0").map(String::as_str),
                 Some("job-1.0"),
                 "after {secs}s"
             );
@@ -487,7 +487,7 @@ mod tests {
         for c in cmds {
             apply(&mut s, c);
         }
-        assert!(s.tasks["job-1.0"].kill_requested);
+        assert!(s.tasks()["job-1.0"].kill_requested);
         assert!(liveness_commands(&s, &none, 70_000, &T).is_empty());
     }
 }

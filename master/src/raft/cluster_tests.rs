@@ -119,15 +119,15 @@ impl Group {
 
     /// Waits until every node of `ids` has applied what `of` has.
     async fn converge(&self, of: u64, ids: &[u64]) {
-        let target = self.h(of).state().applied_index;
+        let target = self.h(of).state().applied_index();
         eventually("followers to catch up", Duration::from_secs(10), || {
             ids.iter()
-                .all(|id| self.h(*id).state().applied_index >= target)
+                .all(|id| self.h(*id).state().applied_index() >= target)
         })
         .await;
-        let reference = self.h(of).state().jobs.clone();
+        let reference = self.h(of).state().jobs().clone();
         for id in ids {
-            assert_eq!(self.h(*id).state().jobs, reference, "node {id} differs");
+            assert_eq!(self.h(*id).state().jobs(), &reference, "node {id} differs");
         }
     }
 }
@@ -150,7 +150,7 @@ async fn three_masters_elect_one_leader_and_replicate() {
         propose_ok(g.h(leader), &format!("j{i}")).await;
     }
     g.converge(leader, &[1, 2, 3]).await;
-    assert_eq!(g.h(1).state().jobs.len(), 5);
+    assert_eq!(g.h(1).state().jobs().len(), 5);
     // Only the leader serves, and only once it has applied its term's start.
     for id in 1..=3 {
         assert_eq!(g.h(id).status().serving, id == leader, "node {id}");
@@ -202,7 +202,7 @@ async fn an_isolated_leader_steps_down_cannot_commit_and_rejoins() {
     // Healed: the old leader follows, drops its uncommitted entry, catches up.
     g.net.heal();
     g.converge(new, &[1, 2, 3]).await;
-    let jobs = g.h(old).state().jobs.clone();
+    let jobs = g.h(old).state().jobs().clone();
     let names: Vec<&str> = jobs.values().map(|j| j.spec.name.as_str()).collect();
     assert_eq!(names, vec!["before", "during"]);
     assert_eq!(g.leader(&[1, 2, 3]).await, new, "pre-vote: no disruption");
@@ -236,7 +236,7 @@ async fn a_lagging_master_catches_up_from_a_snapshot_and_restarts_from_it() {
     let leader = g.leader(&[1, 2, 3]).await;
     let lagging = (1..=3).find(|id| *id != leader).unwrap();
     g.net.isolate(lagging, &[1, 2, 3]);
-    let behind = g.h(lagging).state().applied_index;
+    let behind = g.h(lagging).state().applied_index();
     for i in 0..23 {
         propose_ok(g.h(leader), &format!("j{i}")).await;
     }
@@ -244,15 +244,15 @@ async fn a_lagging_master_catches_up_from_a_snapshot_and_restarts_from_it() {
     assert!(g.h(leader).status().snapshot_index > behind + 1);
     g.net.heal();
     g.converge(leader, &[1, 2, 3]).await;
-    assert_eq!(g.h(lagging).state().jobs.len(), 23);
+    assert_eq!(g.h(lagging).state().jobs().len(), 23);
     assert!(g.h(lagging).status().snapshot_index > behind);
 
     // Restarted, it comes back from its own storage with the same state.
-    let before = g.h(lagging).state().jobs.clone();
+    let before = g.h(lagging).state().jobs().clone();
     g.stop(lagging).await;
     g.start(lagging, &[]);
     eventually("replay", Duration::from_secs(5), || {
-        g.h(lagging).state().jobs == before
+        g.h(lagging).state().jobs() == &before
     })
     .await;
     propose_ok(g.h(g.leader(&[1, 2, 3]).await), "more").await;
@@ -286,7 +286,7 @@ async fn a_master_joins_as_learner_becomes_voter_and_is_removed() {
         .await
         .unwrap();
     eventually("the learner to catch up", Duration::from_secs(10), || {
-        g.h(2).state().applied_index >= g.h(1).state().applied_index
+        g.h(2).state().applied_index() >= g.h(1).state().applied_index()
     })
     .await;
     assert_eq!(g.h(1).status().learners, vec![2]);
@@ -304,7 +304,7 @@ async fn a_master_joins_as_learner_becomes_voter_and_is_removed() {
         "joined from a snapshot"
     );
     assert_eq!(
-        g.h(2).state().masters.get(&2).map(String::as_str),
+        g.h(2).state().masters().get(&2).map(String::as_str),
         Some("m2:7050")
     );
     assert_eq!(g.h(2).addresses().get(2).as_deref(), Some("m2:7050"));
@@ -316,7 +316,7 @@ async fn a_master_joins_as_learner_becomes_voter_and_is_removed() {
         .await
         .unwrap();
     assert_eq!(g.h(1).status().voters, vec![1]);
-    assert!(!g.h(1).state().masters.contains_key(&2));
+    assert!(!g.h(1).state().masters().contains_key(&2));
     // Removing the last voter is refused before anything is proposed.
     let err = g
         .h(1)

@@ -17,7 +17,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use super::storage::SledStorage;
 use super::transport::Transport;
 use super::Addresses;
-use crate::state::{ApplyError, Command, Outcome, State};
+use crate::state::{ApplyError, Command, MemberChange, Outcome, State};
 
 #[derive(Debug, Clone)]
 pub struct RaftNodeConfig {
@@ -293,7 +293,7 @@ pub fn start(
     } else {
         serde_json::from_slice::<State>(&snap_data)?
     };
-    for (id, addr) in &initial_state.masters {
+    for (id, addr) in initial_state.masters() {
         addresses.set(*id, addr);
     }
     let snapshot_index = snap_meta.index;
@@ -585,7 +585,7 @@ impl Node {
         let meta = snap.get_metadata();
         let new_state: State = serde_json::from_slice(&snap.data)?;
         self.raw.store().apply_snapshot(snap)?;
-        for (id, addr) in &new_state.masters {
+        for (id, addr) in new_state.masters() {
             self.addresses.set(*id, addr);
         }
         tracing::info!(
@@ -606,7 +606,7 @@ impl Node {
             .state
             .read()
             .unwrap_or_else(|p| p.into_inner())
-            .applied_index;
+            .applied_index();
         if applied < self.snapshot_index + self.snapshot_every && !self.snapshot_due {
             return Ok(());
         }
@@ -617,10 +617,10 @@ impl Node {
     fn snapshot_now(&mut self) -> Result<(), NodeError> {
         let (applied, data) = {
             let s = self.state.read().unwrap_or_else(|p| p.into_inner());
-            if s.applied_index <= self.snapshot_index {
+            if s.applied_index() <= self.snapshot_index {
                 return Ok(());
             }
-            (s.applied_index, serde_json::to_vec(&*s)?)
+            (s.applied_index(), serde_json::to_vec(&*s)?)
         };
         let term = self.raw.raft.raft_log.term(applied)?;
         self.raw.store().compact(applied, term, data)?;
@@ -681,16 +681,18 @@ impl Node {
         Ok(())
     }
 
+    /// An entry that carries no command still counts as applied.
     fn bump_applied(&self, index: u64) {
-        let mut s = self.state.write().unwrap_or_else(|p| p.into_inner());
-        s.applied_index = s.applied_index.max(index);
+        self.state
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .apply_noop(index);
     }
 
     /// Keeps the address book of the group in the replicated state: a
     /// change adding a master carries its API address in its context.
     fn record_member(&mut self, index: u64, cc: &ConfChange) {
         let mut s = self.state.write().unwrap_or_else(|p| p.into_inner());
-        s.applied_index = s.applied_index.max(index);
         match cc.get_change_type() {
             ConfChangeType::AddNode | ConfChangeType::AddLearnerNode => {
                 // The bootstrap configuration is not in the log, so a new
@@ -700,15 +702,17 @@ impl Node {
                 // asks for entries the log no longer has and gets this
                 // snapshot.
                 self.snapshot_due = true;
-                if let Ok(addr) = std::str::from_utf8(&cc.context) {
-                    if !addr.is_empty() {
-                        s.masters.insert(cc.node_id, addr.to_string());
-                        self.addresses.set(cc.node_id, addr);
+                match std::str::from_utf8(&cc.context) {
+                    Ok(addr) if !addr.is_empty() => {
+                        let id = cc.node_id;
+                        s.apply_member_change(index, MemberChange::Added { id, addr });
+                        self.addresses.set(id, addr);
                     }
+                    _ => s.apply_noop(index),
                 }
             }
             ConfChangeType::RemoveNode => {
-                s.masters.remove(&cc.node_id);
+                s.apply_member_change(index, MemberChange::Removed { id: cc.node_id });
                 if cc.node_id != self.id {
                     self.addresses.remove(cc.node_id);
                 }
@@ -831,7 +835,7 @@ mod tests {
     async fn snapshots_compact_the_log_and_a_restart_starts_from_them() {
         let dir = tempfile::tempdir().unwrap();
         let (first, _) = run_node(dir.path(), 12).await;
-        assert_eq!(first.jobs.len(), 12);
+        assert_eq!(first.jobs().len(), 12);
         {
             let storage = SledStorage::open(dir.path(), &[1]).unwrap();
             let (meta, data) = storage.snapshot_data().unwrap();
@@ -842,8 +846,8 @@ mod tests {
         // Restarted from the snapshot plus the log after it: the same state,
         // and ids keep counting.
         let (second, _) = run_node(dir.path(), 1).await;
-        assert_eq!(second.jobs.len(), 13);
-        assert!(second.jobs.contains_key("job-13"));
-        assert_eq!(second.jobs["job-12"], first.jobs["job-12"]);
+        assert_eq!(second.jobs().len(), 13);
+        assert!(second.jobs().contains_key("job-13"));
+        assert_eq!(second.jobs()["job-12"], first.jobs()["job-12"]);
     }
 }

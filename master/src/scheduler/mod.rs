@@ -93,7 +93,7 @@ impl<'s> Pool<'s> {
         Pool {
             nodes,
             cache: None,
-            cordoned: &state.cordoned,
+            cordoned: state.cordoned(),
         }
     }
 
@@ -107,7 +107,7 @@ impl<'s> Pool<'s> {
                         .info
                         .gpus
                         .iter()
-                        .filter(|g| state.schedulable(g) && !state.gpu_owner.contains_key(&g.uuid))
+                        .filter(|g| state.schedulable(g) && state.gpu_owner(&g.uuid).is_none())
                         .map(|g| g.uuid.as_str())
                         .collect();
                     (
@@ -121,10 +121,10 @@ impl<'s> Pool<'s> {
                 })
                 .collect(),
             cache: None,
-            cordoned: &state.cordoned,
+            cordoned: state.cordoned(),
         };
         for t in state
-            .tasks
+            .tasks()
             .values()
             .filter(|t| t.kill_requested && !t.state.is_terminal())
         {
@@ -207,7 +207,7 @@ impl<'s> PoolNode<'s> {
 
 /// Agents that take new tasks: ACTIVE and not draining.
 fn active_agents(state: &State) -> impl Iterator<Item = &AgentRecord> {
-    state.agents.values().filter(|a| a.accepts_tasks())
+    state.agents().values().filter(|a| a.accepts_tasks())
 }
 
 /// Agents where tasks are being preempted for a queued job, with that job
@@ -216,13 +216,12 @@ fn active_agents(state: &State) -> impl Iterator<Item = &AgentRecord> {
 /// what its victims free is not taken by somebody else.
 pub fn reservations(state: &State) -> BTreeMap<AgentId, (JobId, i32)> {
     let mut out: BTreeMap<AgentId, (JobId, i32)> = BTreeMap::new();
-    for victim in state.jobs.values() {
+    for victim in state.jobs().values() {
         let Some(Stopping::Preempted { by, .. }) = &victim.stopping else {
             continue;
         };
         let Some(preemptor) = state
-            .jobs
-            .get(by)
+            .job(by)
             .filter(|p| p.state == gpuctl_core::types::JobState::Queued && !p.cancel_requested)
         else {
             continue;
@@ -230,7 +229,7 @@ pub fn reservations(state: &State) -> BTreeMap<AgentId, (JobId, i32)> {
         for t in victim
             .current_tasks()
             .iter()
-            .filter_map(|t| state.tasks.get(t))
+            .filter_map(|t| state.task(t))
             .filter(|t| !t.state.is_terminal())
         {
             let p = preemptor.spec.priority;
@@ -304,9 +303,7 @@ pub fn place(
                 .info
                 .gpus
                 .iter()
-                .filter(|g| {
-                    !state.gpu_owner.contains_key(&g.uuid) && !offered_gpus.contains(&g.uuid)
-                })
+                .filter(|g| state.gpu_owner(&g.uuid).is_none() && !offered_gpus.contains(&g.uuid))
                 .map(|g| g.uuid.clone())
                 .collect();
             (
@@ -424,7 +421,7 @@ mod tests {
             },
         )
         .unwrap();
-        let a_or_b = s.tasks["job-1.0"].agent_id.clone();
+        let a_or_b = s.tasks()["job-1.0"].agent_id.clone();
         s.apply(11, &job(1, false)).unwrap();
         let l = place(&s, &BTreeSet::new(), &BTreeMap::new());
         assert_eq!(l[0].agent_id, a_or_b);

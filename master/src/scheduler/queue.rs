@@ -94,7 +94,7 @@ pub fn may_preempt(state: &State) -> bool {
     let Some(top) = state.queued_jobs().first().map(|j| j.spec.priority) else {
         return false;
     };
-    state.jobs.values().any(|j| {
+    state.jobs().values().any(|j| {
         j.spec.priority < top
             && matches!(j.state, JobState::Starting | JobState::Running)
             && j.stopping.is_none()
@@ -132,7 +132,7 @@ fn set_aside(state: &State) -> String {
     use crate::state::AgentState;
     let mut draining = Vec::new();
     let mut unreachable = Vec::new();
-    for a in state.agents.values() {
+    for a in state.agents().values() {
         match a.state {
             AgentState::Unreachable => unreachable.push(a.info.id.as_str()),
             AgentState::Active if a.drain.is_some() => draining.push(a.info.id.as_str()),
@@ -299,7 +299,7 @@ fn quota_reason(q: &Resources, usage: &Resources, need: &Resources) -> String {
 /// what could ever run.
 fn empty_views(state: &State) -> Vec<placement::NodeView<'_>> {
     state
-        .agents
+        .agents()
         .values()
         .filter(|a| a.accepts_tasks())
         .map(|a| placement::NodeView {
@@ -348,7 +348,7 @@ fn times(r: &Resources, n: u32) -> Resources {
 /// What gpuctl's jobs hold, not counting tasks being stopped.
 fn jobs_usage(state: &State) -> Resources {
     state
-        .tasks
+        .tasks()
         .values()
         .filter(|t| t.framework_id.is_empty() && !t.state.is_terminal() && !t.kill_requested)
         .fold(Resources::default(), |acc, t| acc.add(&t.resources))
@@ -358,14 +358,14 @@ fn jobs_usage(state: &State) -> Resources {
 /// preempted for.
 fn tasks_preempted_for(state: &State) -> HashMap<&str, usize> {
     let mut out: HashMap<&str, usize> = HashMap::new();
-    for j in state.jobs.values() {
+    for j in state.jobs().values() {
         let Some(Stopping::Preempted { by, .. }) = &j.stopping else {
             continue;
         };
         let live = j
             .current_tasks()
             .iter()
-            .filter(|t| state.tasks.get(*t).is_some_and(|t| !t.state.is_terminal()))
+            .filter(|t| state.task(t).is_some_and(|t| !t.state.is_terminal()))
             .count();
         *out.entry(by.as_str()).or_default() += live;
     }
@@ -378,12 +378,11 @@ fn live_tasks<'s>(
     job_id: &str,
 ) -> impl Iterator<Item = &'s crate::state::TaskRecord> {
     state
-        .jobs
-        .get(job_id)
+        .job(job_id)
         .map(|j| j.current_tasks())
         .unwrap_or_default()
         .iter()
-        .filter_map(|t| state.tasks.get(t))
+        .filter_map(|t| state.task(t))
         .filter(|t| !t.state.is_terminal() && !t.kill_requested)
 }
 
@@ -445,7 +444,7 @@ fn find_victims<'s>(
 ) -> Option<(Vec<JobId>, Vec<Placement>)> {
     let priority = job.spec.priority;
     let cands: Vec<Victim> = state
-        .jobs
+        .jobs()
         .values()
         .filter(|v| state.preemptible(priority, &v.id).is_ok())
         .filter_map(|v| {
@@ -504,7 +503,7 @@ fn find_victims<'s>(
             };
             let top = set
                 .iter()
-                .filter_map(|id| state.jobs.get(id))
+                .filter_map(|id| state.job(id))
                 .map(|j| j.spec.priority)
                 .max()
                 .unwrap_or(i32::MIN);
@@ -727,7 +726,7 @@ mod tests {
 
         /// The task's agent reports it ended in `state`.
         fn report(&mut self, task_id: &str, state: TaskState, exit_code: Option<i32>) {
-            let agent_id = self.s.tasks[task_id].agent_id.clone();
+            let agent_id = self.s.tasks()[task_id].agent_id.clone();
             self.apply(Command::UpdateTaskStatus {
                 update: StatusUpdate {
                     agent_id,
@@ -754,7 +753,7 @@ mod tests {
                 at_ms: 0,
             });
             for v in &victims {
-                for t in self.s.jobs[v].current_tasks().to_vec() {
+                for t in self.s.jobs()[v].current_tasks().to_vec() {
                     self.report(&t, TaskState::Killed, None);
                 }
             }
@@ -864,7 +863,7 @@ mod tests {
         let mut started = h.schedule();
         started.sort();
         assert_eq!(started, vec![hi.clone(), small.clone()]);
-        assert_eq!(h.s.jobs[&low].state, JobState::Queued);
+        assert_eq!(h.s.jobs()[&low].state, JobState::Queued);
     }
 
     #[test]
@@ -922,8 +921,8 @@ mod tests {
         assert_eq!(h.schedule(), vec![gang.clone()]);
         let hi = h.submit(2, 1, 1);
         assert_eq!(h.preempt_and_stop(), vec![gang.clone()]);
-        assert_eq!(h.s.jobs[&gang].state, JobState::Queued);
-        assert!(h.s.gpu_owner.is_empty());
+        assert_eq!(h.s.jobs()[&gang].state, JobState::Queued);
+        assert!(h.s.gpu_owners().is_empty());
         assert_eq!(h.schedule(), vec![hi]);
         // The gang cannot run on what is left (one agent of 2): it waits.
         assert!(h.schedule().is_empty());
@@ -935,7 +934,7 @@ mod tests {
         let _filler = h.running(1, 0);
         let g = h.submit(2, 0, 2);
         assert!(h.schedule().is_empty());
-        assert!(h.s.jobs[&g].task_ids.is_empty());
+        assert!(h.s.jobs()[&g].task_ids.is_empty());
         let r = &h.plan().reasons[&g];
         assert!(r.starts_with("Resources:"), "{r}");
         // One that could never fit says so.
@@ -950,7 +949,7 @@ mod tests {
         let low = h.submit(2, 0, 1);
         let high = h.submit(2, 1, 1);
         assert_eq!(h.schedule(), vec![high]);
-        assert_eq!(h.s.jobs[&low].state, JobState::Queued);
+        assert_eq!(h.s.jobs()[&low].state, JobState::Queued);
         // Offers name only some agents: place_in keeps to them.
         let none: BTreeMap<String, Available> = BTreeMap::new();
         assert!(place_in(&h.s, &none, PlacementPolicy::Bundle).is_empty());
@@ -1009,7 +1008,7 @@ mod tests {
             vec![j.clone()],
             "submitted first, placed first"
         );
-        assert_eq!(h.s.jobs[&j].retries, 1);
+        assert_eq!(h.s.jobs()[&j].retries, 1);
     }
 
     mod properties {
@@ -1039,7 +1038,7 @@ mod tests {
             for (gpus, prio) in running {
                 let j = h.submit(*gpus, *prio, 1);
                 h.schedule();
-                if h.s.jobs[&j].state == JobState::Queued {
+                if h.s.jobs()[&j].state == JobState::Queued {
                     h.apply(Command::CancelJob {
                         job_id: j,
                         at_ms: 0,
@@ -1063,7 +1062,7 @@ mod tests {
                     at_ms: 0,
                 });
                 for v in victims {
-                    for t in h.s.jobs[v].current_tasks().to_vec() {
+                    for t in h.s.jobs()[v].current_tasks().to_vec() {
                         h.report(&t, TaskState::Killed, None);
                     }
                 }
@@ -1086,7 +1085,7 @@ mod tests {
                 }
                 let all_lower: Vec<String> = h
                     .s
-                    .jobs
+                    .jobs()
                     .values()
                     .filter(|v| h.s.preemptible(prio, &v.id).is_ok())
                     .map(|v| v.id.clone())
@@ -1095,7 +1094,7 @@ mod tests {
                     Some(p) => {
                         prop_assert_eq!(&p.job_id, &job);
                         for v in &p.victims {
-                            prop_assert!(h.s.jobs[v].spec.priority < prio);
+                            prop_assert!(h.s.jobs()[v].spec.priority < prio);
                         }
                         prop_assert!(starts_after(&h, &job, &p.victims), "victims {:?} not enough", p.victims);
                         if replicas == 1 {

@@ -19,7 +19,7 @@ use crate::state::{AgentState, Command, GpuHealthChange};
 /// agent did not register are left out: registration names them).
 fn health_changes(ctx: &Ctx, agent_id: &str, reports: &[GpuReport]) -> Vec<GpuHealthChange> {
     let state = ctx.raft.state();
-    let Some(agent) = state.agents.get(agent_id) else {
+    let Some(agent) = state.agent(agent_id) else {
         return Vec::new();
     };
     reports
@@ -47,7 +47,7 @@ pub struct AgentManagerService {
 /// ACTIVE. An agent the leader marked UNREACHABLE or LOST must register
 /// again, listing the tasks it runs: that is what brings them back.
 fn agent_known(ctx: &Ctx, agent_id: &str) -> Result<(), Status> {
-    match ctx.raft.state().agents.get(agent_id).map(|a| a.state) {
+    match ctx.raft.state().agent(agent_id).map(|a| a.state) {
         Some(AgentState::Active) => Ok(()),
         Some(AgentState::Unreachable) => Err(Status::not_found(format!(
             "agent {agent_id} was marked unreachable (no heartbeat in time); register again"
@@ -220,8 +220,7 @@ impl pb::agent_manager_server::AgentManager for AgentManagerService {
                 .ctx
                 .raft
                 .state()
-                .tasks
-                .get(&task_id)
+                .task(&task_id)
                 .is_some_and(|t| t.last_update_uuid == uuid);
         if !recorded {
             tracing::info!(task_id = %update.task_id, agent_id = %update.agent_id, state = %update.state, exit_code = ?update.exit_code, "task status");
@@ -231,8 +230,7 @@ impl pb::agent_manager_server::AgentManager for AgentManagerService {
                     self.ctx
                         .raft
                         .state()
-                        .tasks
-                        .get(&task_id)
+                        .task(&task_id)
                         .filter(|t| matches!(t.state, TaskState::Staging | TaskState::Starting))
                         .map(|t| t.created_at_ms)
                 })

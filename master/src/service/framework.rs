@@ -285,7 +285,7 @@ impl pb::scheduler_server::Scheduler for SchedulerService {
             if req.tasks.is_empty() {
                 // Implicit: the latest state of every task not yet ended.
                 state
-                    .tasks
+                    .tasks()
                     .values()
                     .filter(|t| t.framework_id == req.framework_id && !t.state.is_terminal())
                     .map(|t| task_status(t, Some(pb::Reason::Reconciliation)))
@@ -294,7 +294,7 @@ impl pb::scheduler_server::Scheduler for SchedulerService {
                 req.tasks
                     .iter()
                     .map(
-                        |rt| match state.tasks.get(&task_key(&req.framework_id, &rt.task_id)) {
+                        |rt| match state.task(&task_key(&req.framework_id, &rt.task_id)) {
                             Some(t) => task_status(t, Some(pb::Reason::Reconciliation)),
                             // Unknown to the master: lost, as Mesos answers.
                             None => pb::TaskStatus {

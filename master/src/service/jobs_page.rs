@@ -38,7 +38,7 @@ pub fn page(
     mut to_pb: impl FnMut(&JobRecord) -> pb::Job,
 ) -> pb::ListJobsResponse {
     let mut matching: Vec<(u64, &JobRecord)> = state
-        .jobs
+        .jobs()
         .values()
         .filter(|j| wanted(req, j))
         .map(|j| (job_seq(&j.id), j))

@@ -55,7 +55,7 @@ pub fn job_to_pb(state: &State, j: &JobRecord, reasons: &BTreeMap<String, String
         tasks: j
             .task_ids
             .iter()
-            .filter_map(|t| state.tasks.get(t))
+            .filter_map(|t| state.task(t))
             .map(task_to_pb)
             .collect(),
         submitted_at_ms: j.submitted_at_ms,
@@ -74,12 +74,11 @@ fn unreachable_note(state: &State, j: &JobRecord) -> Option<String> {
     let notes: Vec<String> = j
         .current_tasks()
         .iter()
-        .filter_map(|t| state.tasks.get(t))
+        .filter_map(|t| state.task(t))
         .filter(|t| t.state == TaskState::Unreachable)
         .map(|t| {
             let since = state
-                .agents
-                .get(&t.agent_id)
+                .agent(&t.agent_id)
                 .and_then(|a| a.unreachable_since_ms)
                 .map(|ms| format!(" since {}", utc_timestamp(ms)))
                 .unwrap_or_default();
@@ -98,17 +97,16 @@ fn gpu_status(
     g: &gpuctl_core::types::GpuInfo,
     samples: &HashMap<String, GpuSample>,
 ) -> pb::GpuStatus {
-    let task_id = state.gpu_owner.get(&g.uuid).cloned().unwrap_or_default();
+    let task_id = state.gpu_owner(&g.uuid).cloned().unwrap_or_default();
     let job_id = state
-        .tasks
-        .get(&task_id)
+        .task(&task_id)
         .map(|t| t.job_id.clone())
         .unwrap_or_default();
     pb::GpuStatus {
         gpu: Some(g.clone().into()),
         agent_id: agent.info.id.clone(),
         task_id,
-        cordoned: state.cordoned.contains(&g.uuid),
+        cordoned: state.is_cordoned(&g.uuid),
         // A lost agent's last readings are stale: show none.
         sample: (agent.state == AgentState::Active)
             .then(|| samples.get(&g.uuid).cloned().map(Into::into))
@@ -165,8 +163,7 @@ impl OperatorService {
     fn agent_reply(&self, agent_id: &str) -> Result<Response<pb::Agent>, Status> {
         let state = self.ctx.raft.state();
         let a = state
-            .agents
-            .get(agent_id)
+            .agent(agent_id)
             .ok_or_else(|| Status::not_found(format!("agent {agent_id} not found")))?;
         Ok(Response::new(agent_to_pb(
             a,
@@ -194,7 +191,7 @@ impl pb::operator_server::Operator for OperatorService {
             gpuctl_core::convert::check_id("request_id", &req.request_id)
                 .map_err(invalid_argument)?;
             // A resend of a submit already committed: answer from the state.
-            if let Some((job_id, _)) = self.ctx.raft.state().submit_requests.get(&req.request_id) {
+            if let Some(job_id) = self.ctx.raft.state().submitted_job(&req.request_id) {
                 return Ok(Response::new(pb::SubmitJobResponse {
                     job_id: job_id.clone(),
                 }));
@@ -228,8 +225,7 @@ impl pb::operator_server::Operator for OperatorService {
         job_id_arg(&id)?;
         let state = self.ctx.raft.state();
         let job = state
-            .jobs
-            .get(&id)
+            .job(&id)
             .ok_or_else(|| Status::not_found(format!("job {id} not found")))?;
         let reasons = if job.state == JobState::Queued {
             queue::plan(&state, &self.ctx.config.queue_config()).reasons
@@ -246,7 +242,7 @@ impl pb::operator_server::Operator for OperatorService {
         let req = JobsQuery::try_from(req.into_inner()).map_err(invalid_argument)?;
         let state = self.ctx.raft.state();
         // Why queued jobs wait: only worked out when the page may hold one.
-        let queued = state.jobs.values().any(|j| j.state == JobState::Queued)
+        let queued = state.jobs().values().any(|j| j.state == JobState::Queued)
             && (req.states.is_empty() || req.states.contains(&JobState::Queued));
         let reasons = if queued {
             queue::plan(&state, &self.ctx.config.queue_config()).reasons
@@ -290,7 +286,7 @@ impl pb::operator_server::Operator for OperatorService {
         let state = self.ctx.raft.state();
         Ok(Response::new(pb::ListAgentsResponse {
             agents: state
-                .agents
+                .agents()
                 .values()
                 .map(|a| agent_to_pb(a, self.ctx.liveness.runtime_status(&a.info.id)))
                 .collect(),
@@ -304,7 +300,7 @@ impl pb::operator_server::Operator for OperatorService {
         let samples = self.ctx.liveness.gpu_samples();
         let state = self.ctx.raft.state();
         let mut gpus = Vec::new();
-        for a in state.agents.values() {
+        for a in state.agents().values() {
             for g in &a.info.gpus {
                 gpus.push(gpu_status(&state, a, g, &samples));
             }
@@ -329,7 +325,7 @@ impl pb::operator_server::Operator for OperatorService {
         let samples = self.ctx.liveness.gpu_samples();
         let state = self.ctx.raft.state();
         state
-            .agents
+            .agents()
             .values()
             .find_map(|a| {
                 a.info
@@ -399,13 +395,11 @@ impl pb::operator_server::Operator for OperatorService {
             {
                 let state = raft.state();
                 let job = state
-                    .jobs
-                    .get(&job_id)
+                    .job(&job_id)
                     .ok_or_else(|| Status::not_found(format!("job {job_id} not found")))?;
                 if let Some(t) = state.latest_task(&job_id) {
                     let addr = state
-                        .agents
-                        .get(&t.agent_id)
+                        .agent(&t.agent_id)
                         .map(|a| a.info.address.clone())
                         .unwrap_or_default();
                     break (t.id.clone(), addr);

@@ -39,6 +39,20 @@ pub enum Outcome {
     StaleUpdate,
 }
 
+/// A committed change of the Raft group's members, for
+/// [`State::apply_member_change`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MemberChange<'a> {
+    /// A master joined, reachable at this API address.
+    Added {
+        id: u64,
+        addr: &'a str,
+    },
+    Removed {
+        id: u64,
+    },
+}
+
 /// Why a command was refused. Deterministic: every master refuses it alike.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum ApplyError {
@@ -215,6 +229,32 @@ impl State {
                 framework_task_id,
                 uuid,
             } => self.acknowledge_update(framework_id, framework_task_id, uuid),
+        }
+    }
+
+    // The log also holds entries that carry no `Command`; Raft commits
+    // them like the others, so they are applied here too, alike on every
+    // master, rather than by the Raft node writing the fields itself.
+
+    /// Applies an entry at `index` that changes nothing but the applied
+    /// index: a new leader's empty entry, an undecodable one, or a
+    /// membership change that was refused or carries no address.
+    pub fn apply_noop(&mut self, index: u64) {
+        self.applied_index = self.applied_index.max(index);
+    }
+
+    /// Applies a membership change of the Raft group committed at `index`
+    /// (a Raft conf change entry, not a `Command`): keeps the address book
+    /// of the masters.
+    pub fn apply_member_change(&mut self, index: u64, change: MemberChange<'_>) {
+        self.apply_noop(index);
+        match change {
+            MemberChange::Added { id, addr } => {
+                self.masters.insert(id, addr.to_string());
+            }
+            MemberChange::Removed { id } => {
+                self.masters.remove(&id);
+            }
         }
     }
 

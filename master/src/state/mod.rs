@@ -18,7 +18,7 @@ use gpuctl_core::types::{
 };
 use serde::{Deserialize, Serialize};
 
-pub use apply::{ApplyError, Outcome};
+pub use apply::{ApplyError, MemberChange, Outcome};
 pub use command::{Command, GpuHealthChange, Launch};
 pub use gpuctl_core::types::{FrameworkTask, TaskReason};
 
@@ -214,40 +214,46 @@ pub struct FrameworkRecord {
 /// How long a submit's idempotency key is remembered.
 pub const SUBMIT_REQUEST_TTL_MS: u64 = 24 * 60 * 60 * 1000;
 
+/// The replicated state. Its fields are private so that it changes only by
+/// applying committed log entries ([`State::apply`], and for the entries
+/// that carry no command [`State::apply_noop`] and
+/// [`State::apply_member_change`]), alike on every master; others read it
+/// through the accessors. A Raft snapshot is its serde form (so the field
+/// names are the snapshot format) and replaces it whole.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct State {
-    pub agents: BTreeMap<AgentId, AgentRecord>,
-    pub jobs: BTreeMap<JobId, JobRecord>,
-    pub tasks: BTreeMap<TaskId, TaskRecord>,
+    agents: BTreeMap<AgentId, AgentRecord>,
+    jobs: BTreeMap<JobId, JobRecord>,
+    tasks: BTreeMap<TaskId, TaskRecord>,
     /// Which task holds each GPU. The single source of truth for "no GPU is
     /// ever given to two tasks": a launch is refused unless all its GPUs are
     /// absent here.
-    pub gpu_owner: BTreeMap<GpuUuid, TaskId>,
+    gpu_owner: BTreeMap<GpuUuid, TaskId>,
     /// Sequence for job ids (`job-<n>`), advanced by apply.
-    pub next_job_seq: u64,
+    next_job_seq: u64,
     #[serde(default)]
-    pub frameworks: BTreeMap<FrameworkId, FrameworkRecord>,
+    frameworks: BTreeMap<FrameworkId, FrameworkRecord>,
     /// Sequence for framework ids (`fw-<n>`).
     #[serde(default)]
-    pub next_framework_seq: u64,
+    next_framework_seq: u64,
     /// Idempotency keys of recent submits: key to (job id, submit time).
     /// A repeated submit with a known key returns that job.
     #[serde(default)]
-    pub submit_requests: BTreeMap<String, (JobId, u64)>,
+    submit_requests: BTreeMap<String, (JobId, u64)>,
     /// The same keys by submit time, to forget them after
     /// [`SUBMIT_REQUEST_TTL_MS`].
     #[serde(default)]
-    pub submit_request_order: std::collections::BTreeSet<(u64, String)>,
+    submit_request_order: std::collections::BTreeSet<(u64, String)>,
     /// API address of each master of the Raft group, by node id, so that
     /// every master (a joining one too) can reach every other.
     #[serde(default)]
-    pub masters: BTreeMap<u64, String>,
+    masters: BTreeMap<u64, String>,
     /// GPUs an operator took out of service (`gpuctl gpus cordon`): no new
     /// task gets them; tasks already on them keep running.
     #[serde(default)]
-    pub cordoned: std::collections::BTreeSet<GpuUuid>,
+    cordoned: std::collections::BTreeSet<GpuUuid>,
     /// Index of the last log entry applied.
-    pub applied_index: u64,
+    applied_index: u64,
 }
 
 impl State {
@@ -257,6 +263,76 @@ impl State {
             next_framework_seq: 1,
             ..Default::default()
         }
+    }
+
+    // Read access for code outside `state/`.
+
+    pub fn agents(&self) -> &BTreeMap<AgentId, AgentRecord> {
+        &self.agents
+    }
+
+    pub fn agent(&self, id: &str) -> Option<&AgentRecord> {
+        self.agents.get(id)
+    }
+
+    pub fn jobs(&self) -> &BTreeMap<JobId, JobRecord> {
+        &self.jobs
+    }
+
+    pub fn job(&self, id: &str) -> Option<&JobRecord> {
+        self.jobs.get(id)
+    }
+
+    pub fn tasks(&self) -> &BTreeMap<TaskId, TaskRecord> {
+        &self.tasks
+    }
+
+    pub fn task(&self, id: &str) -> Option<&TaskRecord> {
+        self.tasks.get(id)
+    }
+
+    /// The task holding this GPU, if any.
+    pub fn gpu_owner(&self, uuid: &str) -> Option<&TaskId> {
+        self.gpu_owner.get(uuid)
+    }
+
+    /// Every GPU held, and by which task.
+    pub fn gpu_owners(&self) -> &BTreeMap<GpuUuid, TaskId> {
+        &self.gpu_owner
+    }
+
+    pub fn frameworks(&self) -> &BTreeMap<FrameworkId, FrameworkRecord> {
+        &self.frameworks
+    }
+
+    pub fn framework(&self, id: &str) -> Option<&FrameworkRecord> {
+        self.frameworks.get(id)
+    }
+
+    /// The job a submit with this idempotency key created, while the key is
+    /// remembered.
+    pub fn submitted_job(&self, request_id: &str) -> Option<&JobId> {
+        self.submit_requests
+            .get(request_id)
+            .map(|(job_id, _)| job_id)
+    }
+
+    /// API address of each master of the Raft group, by node id.
+    pub fn masters(&self) -> &BTreeMap<u64, String> {
+        &self.masters
+    }
+
+    pub fn cordoned(&self) -> &std::collections::BTreeSet<GpuUuid> {
+        &self.cordoned
+    }
+
+    pub fn is_cordoned(&self, uuid: &str) -> bool {
+        self.cordoned.contains(uuid)
+    }
+
+    /// Index of the last log entry applied.
+    pub fn applied_index(&self) -> u64 {
+        self.applied_index
     }
 
     /// Jobs waiting for placement in the order they are placed: highest
