@@ -1075,6 +1075,29 @@ impl From<GpuReport> for pb::GpuReport {
     }
 }
 
+/// Checks a master's `HOST:PORT` (a bracketed IPv6 host is fine).
+pub fn check_host_port(field: &str, addr: &str) -> Result<()> {
+    let Some((host, port)) = addr.rsplit_once(':') else {
+        return Err(ConvertError::new(
+            field,
+            format!("{addr:?} is not HOST:PORT"),
+        ));
+    };
+    if host.is_empty() || (host.contains(':') && !(host.starts_with('[') && host.ends_with(']'))) {
+        return Err(ConvertError::new(
+            field,
+            format!("{addr:?} has no valid host"),
+        ));
+    }
+    match port.parse::<u16>() {
+        Ok(p) if p != 0 => Ok(()),
+        _ => Err(ConvertError::new(
+            field,
+            format!("{addr:?} has no valid port"),
+        )),
+    }
+}
+
 // ------------------------------------------------------------ framework API
 
 /// Longest failover timeout a framework may ask for: a week.

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use clap::parser::ValueSource;
 use clap::{ArgMatches, CommandFactory, FromArgMatches, Parser};
+use gpuctl_core::convert::check_host_port;
 use serde::Deserialize;
 
 use crate::allocator::{AllocatorConfig, RoleConfig};
@@ -265,20 +266,6 @@ pub struct Options {
     pub metrics_listen: Option<SocketAddr>,
 }
 
-/// Checks `HOST:PORT` (a bracketed IPv6 host is fine).
-pub fn check_host_port(field: &str, addr: &str) -> Result<(), String> {
-    let Some((host, port)) = addr.rsplit_once(':') else {
-        return Err(format!("{field}: {addr:?} is not HOST:PORT"));
-    };
-    if host.is_empty() || (host.contains(':') && !(host.starts_with('[') && host.ends_with(']'))) {
-        return Err(format!("{field}: {addr:?} has no valid host"));
-    }
-    match port.parse::<u16>() {
-        Ok(p) if p != 0 => Ok(()),
-        _ => Err(format!("{field}: {addr:?} has no valid port")),
-    }
-}
-
 /// Parses `ID=HOST:PORT[,ID=HOST:PORT...]` (empty: none).
 pub fn parse_peers(spec: &str) -> Result<BTreeMap<u64, String>, MasterError> {
     let mut out = BTreeMap::new();
@@ -294,7 +281,7 @@ pub fn parse_peers(spec: &str) -> Result<BTreeMap<u64, String>, MasterError> {
             .filter(|i| *i >= 1)
             .ok_or_else(|| bad(format!("node id {id:?} is not a number >= 1")))?;
         let addr = addr.trim();
-        check_host_port("peers", addr).map_err(bad)?;
+        check_host_port("peers", addr).map_err(|e| bad(e.to_string()))?;
         if out.insert(id, addr.to_string()).is_some() {
             return Err(bad(format!("node id {id} appears twice")));
         }
@@ -521,7 +508,7 @@ impl Options {
         }
         let advertise = match (&self.advertise, peers.get(&self.node_id)) {
             (Some(a), _) => {
-                check_host_port("advertise", a).map_err(MasterError::Config)?;
+                check_host_port("advertise", a).map_err(|e| MasterError::Config(e.to_string()))?;
                 a.clone()
             }
             (None, Some(a)) => a.clone(),

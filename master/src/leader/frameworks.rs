@@ -84,6 +84,16 @@ impl Default for Hub {
     }
 }
 
+/// Why offers could not be taken for Accept or Decline.
+#[derive(Debug, thiserror::Error)]
+pub enum TakeOffersError {
+    /// Not the leader, or not yet making offers.
+    #[error("this master is not making offers")]
+    NotOffering,
+    #[error("invalid offer_ids: {0}")]
+    Offer(#[from] allocator::OfferError),
+}
+
 /// Why a task is in its state, as the API says it: an UNREACHABLE task's
 /// reason is its agent (the record keeps the reason it had, for when it
 /// comes back).
@@ -189,14 +199,10 @@ impl Hub {
         &self,
         framework_id: &str,
         offer_ids: &[String],
-    ) -> Result<Vec<allocator::Offer>, tonic::Status> {
+    ) -> Result<Vec<allocator::Offer>, TakeOffersError> {
         let mut g = self.lock();
-        let book = g
-            .offers
-            .as_mut()
-            .ok_or_else(|| tonic::Status::unavailable("this master is not making offers"))?;
-        book.take(offer_ids, framework_id)
-            .map_err(|e| tonic::Status::failed_precondition(format!("invalid offer_ids: {e}")))
+        let book = g.offers.as_mut().ok_or(TakeOffersError::NotOffering)?;
+        Ok(book.take(offer_ids, framework_id)?)
     }
 
     /// Don't offer these agents to the framework until `until_ms`.

@@ -1,7 +1,6 @@
 //! AgentManager: agents register, heartbeat, watch their desired tasks and
 //! report task status.
 
-use gpuctl_proto::invalid_argument;
 use std::pin::Pin;
 
 use futures::Stream;
@@ -11,7 +10,7 @@ use tokio::sync::mpsc;
 use tonic::{Request, Response, Status};
 
 use super::task_stream::{self, TaskStream};
-use super::Ctx;
+use super::{reply, Ctx, MustRegister, ServiceError};
 use crate::now_ms;
 use crate::state::{AgentState, Command, GpuHealthChange};
 
@@ -39,6 +38,8 @@ fn health_changes(ctx: &Ctx, agent_id: &str, reports: &[GpuReport]) -> Vec<GpuHe
         .collect()
 }
 
+type TaskStreamOut = Pin<Box<dyn Stream<Item = Result<pb::DesiredTasks, Status>> + Send>>;
+
 pub struct AgentManagerService {
     pub(super) ctx: Ctx,
 }
@@ -46,39 +47,70 @@ pub struct AgentManagerService {
 /// Whether the agent may heartbeat and watch its tasks: registered and
 /// ACTIVE. An agent the leader marked UNREACHABLE or LOST must register
 /// again, listing the tasks it runs: that is what brings them back.
-fn agent_known(ctx: &Ctx, agent_id: &str) -> Result<(), Status> {
-    match ctx.raft.state().agent(agent_id).map(|a| a.state) {
-        Some(AgentState::Active) => Ok(()),
-        Some(AgentState::Unreachable) => Err(Status::not_found(format!(
-            "agent {agent_id} was marked unreachable (no heartbeat in time); register again"
-        ))),
-        Some(AgentState::Lost) => Err(Status::not_found(format!(
-            "agent {agent_id} was marked lost; register again"
-        ))),
-        None => Err(Status::not_found(format!(
-            "agent {agent_id} is not registered; register again"
-        ))),
-    }
+fn agent_known(ctx: &Ctx, agent_id: &str) -> Result<(), ServiceError> {
+    let why = match ctx.raft.state().agent(agent_id).map(|a| a.state) {
+        Some(AgentState::Active) => return Ok(()),
+        Some(AgentState::Unreachable) => MustRegister::Unreachable,
+        Some(AgentState::Lost) => MustRegister::Lost,
+        None => MustRegister::Unknown,
+    };
+    Err(ServiceError::MustRegister {
+        agent_id: agent_id.to_string(),
+        why,
+    })
 }
 
 #[tonic::async_trait]
 impl pb::agent_manager_server::AgentManager for AgentManagerService {
+    type WatchTasksStream = TaskStreamOut;
     async fn register(
         &self,
         req: Request<pb::RegisterRequest>,
     ) -> Result<Response<pb::RegisterResponse>, Status> {
-        let req = req.into_inner();
+        reply(self.register(req.into_inner()).await)
+    }
+
+    async fn heartbeat(
+        &self,
+        req: Request<pb::HeartbeatRequest>,
+    ) -> Result<Response<pb::HeartbeatResponse>, Status> {
+        reply(self.heartbeat(req.into_inner()).await)
+    }
+
+    async fn watch_tasks(
+        &self,
+        req: Request<pb::WatchTasksRequest>,
+    ) -> Result<Response<Self::WatchTasksStream>, Status> {
+        reply(self.watch_tasks(req.into_inner()).await)
+    }
+
+    async fn update_status(
+        &self,
+        req: Request<pb::StatusUpdate>,
+    ) -> Result<Response<pb::StatusAck>, Status> {
+        reply(self.update_status(req.into_inner()).await)
+    }
+}
+
+/// Each RPC's logic; the `AgentManager` impl above only turns its
+/// errors into `Status` (`reply`).
+impl AgentManagerService {
+    async fn register(
+        &self,
+        req: pb::RegisterRequest,
+    ) -> Result<pb::RegisterResponse, ServiceError> {
         let running = req.running_task_ids.clone();
         let kill_grace_ms = req.kill_grace_ms;
-        let info = AgentInfo::try_from(req).map_err(invalid_argument)?;
+        let info = AgentInfo::try_from(req)?;
         let agent_id = info.id.clone();
         // An agent that could not stop its tasks before this master
         // declares them LOST must not run any (see check_kill_grace).
         if let Err(e) = self.ctx.config.check_kill_grace(kill_grace_ms) {
             tracing::warn!(agent_id = %agent_id, kill_grace_ms, error = %e, "agent registration refused");
-            return Err(Status::failed_precondition(format!(
-                "agent {agent_id} refused: {e}"
-            )));
+            return Err(ServiceError::KillGrace {
+                agent_id,
+                reason: e,
+            });
         }
         tracing::info!(agent_id = %agent_id, hostname = %info.hostname, gpus = info.gpus.len(), "agent registering");
         // Counts as a heartbeat, so a slow commit cannot get it marked lost.
@@ -93,17 +125,16 @@ impl pb::agent_manager_server::AgentManager for AgentManagerService {
             .await?;
         self.ctx.liveness.touch(&agent_id);
         self.ctx.hub.wake();
-        Ok(Response::new(pb::RegisterResponse {
+        Ok(pb::RegisterResponse {
             heartbeat_interval_ms: self.ctx.config.heartbeat_interval.as_millis() as u32,
             fence_timeout_ms: self.ctx.config.agent_fence_timeout.as_millis() as u64,
-        }))
+        })
     }
 
     async fn heartbeat(
         &self,
-        req: Request<pb::HeartbeatRequest>,
-    ) -> Result<Response<pb::HeartbeatResponse>, Status> {
-        let req = req.into_inner();
+        req: pb::HeartbeatRequest,
+    ) -> Result<pb::HeartbeatResponse, ServiceError> {
         let id = req.agent_id;
         agent_known(&self.ctx, &id)?;
         self.ctx.liveness.touch(&id);
@@ -111,14 +142,12 @@ impl pb::agent_manager_server::AgentManager for AgentManagerService {
             .gpus
             .into_iter()
             .map(GpuReport::try_from)
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(invalid_argument)?;
+            .collect::<Result<Vec<_>, _>>()?;
         let runtimes = req
             .runtimes
             .into_iter()
             .map(RuntimeStatus::try_from)
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(invalid_argument)?;
+            .collect::<Result<Vec<_>, _>>()?;
         self.ctx.liveness.record_runtimes(&id, runtimes);
         // Record what changed in the GPUs' health; the readings stay in
         // memory (they change every probe and matter only while fresh).
@@ -142,16 +171,10 @@ impl pb::agent_manager_server::AgentManager for AgentManagerService {
                 .await?;
             self.ctx.hub.wake();
         }
-        Ok(Response::new(pb::HeartbeatResponse {}))
+        Ok(pb::HeartbeatResponse {})
     }
 
-    type WatchTasksStream = Pin<Box<dyn Stream<Item = Result<pb::DesiredTasks, Status>> + Send>>;
-
-    async fn watch_tasks(
-        &self,
-        req: Request<pb::WatchTasksRequest>,
-    ) -> Result<Response<Self::WatchTasksStream>, Status> {
-        let req = req.into_inner();
+    async fn watch_tasks(&self, req: pb::WatchTasksRequest) -> Result<TaskStreamOut, ServiceError> {
         let (agent_id, incremental) = (req.agent_id, req.incremental);
         agent_known(&self.ctx, &agent_id)?;
         let (tx, rx) = mpsc::channel(4);
@@ -168,7 +191,7 @@ impl pb::agent_manager_server::AgentManager for AgentManagerService {
             loop {
                 if !status.borrow().serving {
                     // Deposed: send the agent to the new leader.
-                    let _ = tx.send(Err(ctx.not_leader())).await;
+                    let _ = tx.send(Err(ctx.not_leader().into())).await;
                     return;
                 }
                 let desired = raft.state().desired_tasks(&agent_id);
@@ -201,16 +224,11 @@ impl pb::agent_manager_server::AgentManager for AgentManagerService {
                 }
             }
         });
-        Ok(Response::new(Box::pin(
-            tokio_stream::wrappers::ReceiverStream::new(rx),
-        )))
+        Ok(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx)))
     }
 
-    async fn update_status(
-        &self,
-        req: Request<pb::StatusUpdate>,
-    ) -> Result<Response<pb::StatusAck>, Status> {
-        let update = StatusUpdate::try_from(req.into_inner()).map_err(invalid_argument)?;
+    async fn update_status(&self, req: pb::StatusUpdate) -> Result<pb::StatusAck, ServiceError> {
+        let update = StatusUpdate::try_from(req)?;
         self.ctx.liveness.touch(&update.agent_id);
         let (task_id, uuid) = (update.task_id.clone(), update.uuid.clone());
         // A resend of an update already recorded (waiting for its framework's
@@ -248,6 +266,6 @@ impl pb::agent_manager_server::AgentManager for AgentManagerService {
             }
         }
         let acknowledged = self.ctx.raft.state().is_acknowledged(&task_id, &uuid);
-        Ok(Response::new(pb::StatusAck { acknowledged }))
+        Ok(pb::StatusAck { acknowledged })
     }
 }

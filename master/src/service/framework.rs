@@ -1,18 +1,18 @@
 //! The Scheduler (framework) service: calls are validated here, turned
 //! into replicated commands or leader-side offer bookkeeping (Hub).
 
-use gpuctl_proto::invalid_argument;
 use std::collections::{BTreeMap, BTreeSet};
 use std::pin::Pin;
 
 use futures::Stream;
 use gpuctl_core::convert::{check_id, framework_info_from_pb, framework_task_from_pb};
 use gpuctl_core::types::{FrameworkTask, Resources};
+use gpuctl_core::ConvertError;
 use gpuctl_proto::pb;
 use tokio::sync::mpsc;
 use tonic::{Request, Response, Status};
 
-use super::Ctx;
+use super::{reply, Ctx, ServiceError};
 use crate::allocator::refuse_until;
 use crate::leader::frameworks::{task_status, EVENT_BUFFER};
 use crate::now_ms;
@@ -24,23 +24,21 @@ pub struct SchedulerService {
 }
 
 impl SchedulerService {
-    fn leader(&self) -> Result<(), Status> {
+    fn leader(&self) -> Result<(), ServiceError> {
         if !self.ctx.raft.status().serving {
-            return Err(Status::unavailable(
-                "this master is not the leader; subscribe to the leader",
-            ));
+            return Err(ServiceError::FrameworkApiNotServed);
         }
         Ok(())
     }
 
     /// The framework must exist, not be removed, and be connected.
-    fn connected(&self, framework_id: &str) -> Result<(), Status> {
-        check_id("framework_id", framework_id).map_err(invalid_argument)?;
+    fn connected(&self, framework_id: &str) -> Result<(), ServiceError> {
+        check_id("framework_id", framework_id)?;
         self.leader()?;
         if !self.ctx.hub.is_connected(framework_id) {
-            return Err(Status::failed_precondition(format!(
-                "framework {framework_id} is not subscribed to this master"
-            )));
+            return Err(ServiceError::NotSubscribed {
+                framework_id: framework_id.to_string(),
+            });
         }
         Ok(())
     }
@@ -55,26 +53,26 @@ fn within_offers(
     t: &FrameworkTask,
     offered: &BTreeMap<String, (Resources, BTreeSet<String>)>,
     used: &mut BTreeMap<String, Resources>,
-) -> Result<(), Status> {
+) -> Result<(), ConvertError> {
     let (res_offered, gpus_offered) = offered.get(&t.agent_id).ok_or_else(|| {
-        Status::invalid_argument(format!(
-            "invalid {field}.agent_id: {} is not in the accepted offers",
-            t.agent_id
-        ))
+        ConvertError::new(
+            format!("{field}.agent_id"),
+            format!("{} is not in the accepted offers", t.agent_id),
+        )
     })?;
     if let Some(g) = t.gpu_uuids.iter().find(|g| !gpus_offered.contains(*g)) {
-        return Err(Status::invalid_argument(format!(
-            "invalid {field}.gpu_uuids: {g} was not offered on agent {}",
-            t.agent_id
-        )));
+        return Err(ConvertError::new(
+            format!("{field}.gpu_uuids"),
+            format!("{g} was not offered on agent {}", t.agent_id),
+        ));
     }
     let total = used.entry(t.agent_id.clone()).or_default();
     *total = total.add(&t.resources);
     if !res_offered.fits(total) {
-        return Err(Status::invalid_argument(format!(
-            "invalid {field}.resources: more than offered on agent {}",
-            t.agent_id
-        )));
+        return Err(ConvertError::new(
+            format!("{field}.resources"),
+            format!("more than offered on agent {}", t.agent_id),
+        ));
     }
     Ok(())
 }
@@ -84,13 +82,83 @@ type EventStream = Pin<Box<dyn Stream<Item = Result<pb::Event, Status>> + Send>>
 #[tonic::async_trait]
 impl pb::scheduler_server::Scheduler for SchedulerService {
     type SubscribeStream = EventStream;
-
     async fn subscribe(
         &self,
         req: Request<pb::SubscribeRequest>,
     ) -> Result<Response<Self::SubscribeStream>, Status> {
+        reply(self.subscribe(req.into_inner()).await)
+    }
+
+    async fn accept(
+        &self,
+        req: Request<pb::AcceptRequest>,
+    ) -> Result<Response<pb::CallResponse>, Status> {
+        reply(self.accept(req.into_inner()).await)
+    }
+
+    async fn decline(
+        &self,
+        req: Request<pb::DeclineRequest>,
+    ) -> Result<Response<pb::CallResponse>, Status> {
+        reply(self.decline(req.into_inner()).await)
+    }
+
+    async fn revive(
+        &self,
+        req: Request<pb::ReviveRequest>,
+    ) -> Result<Response<pb::CallResponse>, Status> {
+        reply(self.revive(req.into_inner()).await)
+    }
+
+    async fn suppress(
+        &self,
+        req: Request<pb::SuppressRequest>,
+    ) -> Result<Response<pb::CallResponse>, Status> {
+        reply(self.suppress(req.into_inner()).await)
+    }
+
+    async fn kill(
+        &self,
+        req: Request<pb::KillRequest>,
+    ) -> Result<Response<pb::CallResponse>, Status> {
+        reply(self.kill(req.into_inner()).await)
+    }
+
+    async fn acknowledge(
+        &self,
+        req: Request<pb::AcknowledgeRequest>,
+    ) -> Result<Response<pb::CallResponse>, Status> {
+        reply(self.acknowledge(req.into_inner()).await)
+    }
+
+    async fn reconcile(
+        &self,
+        req: Request<pb::ReconcileRequest>,
+    ) -> Result<Response<pb::CallResponse>, Status> {
+        reply(self.reconcile(req.into_inner()).await)
+    }
+
+    async fn teardown(
+        &self,
+        req: Request<pb::TeardownRequest>,
+    ) -> Result<Response<pb::CallResponse>, Status> {
+        reply(self.teardown(req.into_inner()).await)
+    }
+
+    async fn update_framework(
+        &self,
+        req: Request<pb::UpdateFrameworkRequest>,
+    ) -> Result<Response<pb::CallResponse>, Status> {
+        reply(self.update_framework(req.into_inner()).await)
+    }
+}
+
+/// Each RPC's logic; the `Scheduler` impl above only turns its errors
+/// into `Status` (`reply`).
+impl SchedulerService {
+    async fn subscribe(&self, req: pb::SubscribeRequest) -> Result<EventStream, ServiceError> {
         self.leader()?;
-        let info = framework_info_from_pb(req.into_inner().framework).map_err(invalid_argument)?;
+        let info = framework_info_from_pb(req.framework)?;
         let framework_id = match self
             .ctx
             .raft
@@ -101,7 +169,7 @@ impl pb::scheduler_server::Scheduler for SchedulerService {
             .await?
         {
             Outcome::FrameworkSubscribed { framework_id } => framework_id,
-            other => return Err(Status::internal(format!("unexpected outcome {other:?}"))),
+            other => return Err(ServiceError::unexpected("subscribe_framework", other)),
         };
         tracing::info!(framework_id = %framework_id, "framework subscribed");
         let (tx, rx) = mpsc::channel(EVENT_BUFFER);
@@ -116,24 +184,16 @@ impl pb::scheduler_server::Scheduler for SchedulerService {
             tracing::info!(framework_id = %framework_id, "framework disconnected");
             hub.disconnect(&framework_id, conn);
         });
-        Ok(Response::new(Box::pin(
-            tokio_stream::wrappers::ReceiverStream::new(rx),
-        )))
+        Ok(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx)))
     }
 
-    async fn accept(
-        &self,
-        req: Request<pb::AcceptRequest>,
-    ) -> Result<Response<pb::CallResponse>, Status> {
-        let req = req.into_inner();
+    async fn accept(&self, req: pb::AcceptRequest) -> Result<pb::CallResponse, ServiceError> {
         self.connected(&req.framework_id)?;
         // Check the operations' shape before taking the offers, so a
         // malformed call leaves them outstanding.
         for (i, op) in req.operations.iter().enumerate() {
             if op.operation.is_none() {
-                return Err(Status::invalid_argument(format!(
-                    "invalid operations[{i}]: empty"
-                )));
+                return Err(ConvertError::new(format!("operations[{i}]"), "empty").into());
             }
         }
         let offers = self
@@ -159,7 +219,6 @@ impl pb::scheduler_server::Scheduler for SchedulerService {
             for (j, t) in launch.tasks.into_iter().enumerate() {
                 let field = format!("operations[{i}].tasks[{j}]");
                 let checked = framework_task_from_pb(&field, t)
-                    .map_err(invalid_argument)
                     .and_then(|t| within_offers(&field, &t, &offered, &mut used).map(|()| t));
                 match checked {
                     Ok(t) => tasks.push(t),
@@ -169,7 +228,7 @@ impl pb::scheduler_server::Scheduler for SchedulerService {
                         self.ctx
                             .hub
                             .filter(&req.framework_id, &BTreeSet::new(), None);
-                        return Err(e);
+                        return Err(e.into());
                     }
                 }
             }
@@ -194,14 +253,10 @@ impl pb::scheduler_server::Scheduler for SchedulerService {
         self.ctx
             .hub
             .filter(&req.framework_id, &agents, refuse_until(now_ms(), refuse));
-        Ok(Response::new(pb::CallResponse {}))
+        Ok(pb::CallResponse {})
     }
 
-    async fn decline(
-        &self,
-        req: Request<pb::DeclineRequest>,
-    ) -> Result<Response<pb::CallResponse>, Status> {
-        let req = req.into_inner();
+    async fn decline(&self, req: pb::DeclineRequest) -> Result<pb::CallResponse, ServiceError> {
         self.connected(&req.framework_id)?;
         let offers = self
             .ctx
@@ -212,36 +267,24 @@ impl pb::scheduler_server::Scheduler for SchedulerService {
         self.ctx
             .hub
             .filter(&req.framework_id, &agents, refuse_until(now_ms(), refuse));
-        Ok(Response::new(pb::CallResponse {}))
+        Ok(pb::CallResponse {})
     }
 
-    async fn revive(
-        &self,
-        req: Request<pb::ReviveRequest>,
-    ) -> Result<Response<pb::CallResponse>, Status> {
-        let req = req.into_inner();
+    async fn revive(&self, req: pb::ReviveRequest) -> Result<pb::CallResponse, ServiceError> {
         self.connected(&req.framework_id)?;
         self.ctx.hub.revive(&req.framework_id);
-        Ok(Response::new(pb::CallResponse {}))
+        Ok(pb::CallResponse {})
     }
 
-    async fn suppress(
-        &self,
-        req: Request<pb::SuppressRequest>,
-    ) -> Result<Response<pb::CallResponse>, Status> {
-        let req = req.into_inner();
+    async fn suppress(&self, req: pb::SuppressRequest) -> Result<pb::CallResponse, ServiceError> {
         self.connected(&req.framework_id)?;
         self.ctx.hub.suppress(&req.framework_id);
-        Ok(Response::new(pb::CallResponse {}))
+        Ok(pb::CallResponse {})
     }
 
-    async fn kill(
-        &self,
-        req: Request<pb::KillRequest>,
-    ) -> Result<Response<pb::CallResponse>, Status> {
-        let req = req.into_inner();
+    async fn kill(&self, req: pb::KillRequest) -> Result<pb::CallResponse, ServiceError> {
         self.connected(&req.framework_id)?;
-        check_id("task_id", &req.task_id).map_err(invalid_argument)?;
+        check_id("task_id", &req.task_id)?;
         self.ctx
             .raft
             .propose(Command::KillTask {
@@ -250,18 +293,17 @@ impl pb::scheduler_server::Scheduler for SchedulerService {
                 at_ms: now_ms(),
             })
             .await?;
-        Ok(Response::new(pb::CallResponse {}))
+        Ok(pb::CallResponse {})
     }
 
     async fn acknowledge(
         &self,
-        req: Request<pb::AcknowledgeRequest>,
-    ) -> Result<Response<pb::CallResponse>, Status> {
-        let req = req.into_inner();
+        req: pb::AcknowledgeRequest,
+    ) -> Result<pb::CallResponse, ServiceError> {
         self.connected(&req.framework_id)?;
-        check_id("task_id", &req.task_id).map_err(invalid_argument)?;
+        check_id("task_id", &req.task_id)?;
         if req.uuid.is_empty() {
-            return Err(Status::invalid_argument("invalid uuid: must not be empty"));
+            return Err(ConvertError::new("uuid", "must not be empty").into());
         }
         self.ctx
             .raft
@@ -271,14 +313,10 @@ impl pb::scheduler_server::Scheduler for SchedulerService {
                 uuid: req.uuid,
             })
             .await?;
-        Ok(Response::new(pb::CallResponse {}))
+        Ok(pb::CallResponse {})
     }
 
-    async fn reconcile(
-        &self,
-        req: Request<pb::ReconcileRequest>,
-    ) -> Result<Response<pb::CallResponse>, Status> {
-        let req = req.into_inner();
+    async fn reconcile(&self, req: pb::ReconcileRequest) -> Result<pb::CallResponse, ServiceError> {
         self.connected(&req.framework_id)?;
         let statuses: Vec<pb::TaskStatus> = {
             let state = self.ctx.raft.state();
@@ -317,15 +355,11 @@ impl pb::scheduler_server::Scheduler for SchedulerService {
                 .hub
                 .send(&req.framework_id, pb::event::Event::Update(s));
         }
-        Ok(Response::new(pb::CallResponse {}))
+        Ok(pb::CallResponse {})
     }
 
-    async fn teardown(
-        &self,
-        req: Request<pb::TeardownRequest>,
-    ) -> Result<Response<pb::CallResponse>, Status> {
-        let req = req.into_inner();
-        check_id("framework_id", &req.framework_id).map_err(invalid_argument)?;
+    async fn teardown(&self, req: pb::TeardownRequest) -> Result<pb::CallResponse, ServiceError> {
+        check_id("framework_id", &req.framework_id)?;
         self.leader()?;
         self.ctx
             .raft
@@ -337,14 +371,14 @@ impl pb::scheduler_server::Scheduler for SchedulerService {
             .await?;
         tracing::info!(framework_id = %req.framework_id, "framework torn down");
         self.ctx.hub.close(&req.framework_id);
-        Ok(Response::new(pb::CallResponse {}))
+        Ok(pb::CallResponse {})
     }
 
     async fn update_framework(
         &self,
-        req: Request<pb::UpdateFrameworkRequest>,
-    ) -> Result<Response<pb::CallResponse>, Status> {
-        let info = framework_info_from_pb(req.into_inner().framework).map_err(invalid_argument)?;
+        req: pb::UpdateFrameworkRequest,
+    ) -> Result<pb::CallResponse, ServiceError> {
+        let info = framework_info_from_pb(req.framework)?;
         self.connected(&info.id)?;
         self.ctx
             .raft
@@ -354,7 +388,7 @@ impl pb::scheduler_server::Scheduler for SchedulerService {
             })
             .await?;
         self.ctx.hub.wake();
-        Ok(Response::new(pb::CallResponse {}))
+        Ok(pb::CallResponse {})
     }
 }
 
@@ -391,10 +425,8 @@ mod tests {
         let offered = offered();
         let mut used = BTreeMap::new();
         for t in tasks {
-            within_offers("operations[0].tasks[1]", t, &offered, &mut used).map_err(|s| {
-                assert_eq!(s.code(), tonic::Code::InvalidArgument, "{s:?}");
-                s.message().to_string()
-            })?;
+            within_offers("operations[0].tasks[1]", t, &offered, &mut used)
+                .map_err(|e| e.to_string())?;
         }
         Ok(())
     }

@@ -8,14 +8,15 @@
 
 use std::time::{Duration, Instant};
 
+use gpuctl_core::convert::check_host_port;
+use gpuctl_core::ConvertError;
 use gpuctl_proto::pb;
 use gpuctl_proto::pb::raft_transport_client::RaftTransportClient;
 use raft::eraftpb::{ConfChange, ConfChangeType};
 use tonic::transport::Endpoint;
-use tonic::Status;
 
 use super::raft::self_info;
-use super::Ctx;
+use super::{Ctx, ServiceError};
 use crate::raft::Role;
 
 /// How long a new master may take to catch up before it stays a learner.
@@ -102,18 +103,19 @@ fn conf_change(kind: ConfChangeType, id: u64, address: &str) -> ConfChange {
     cc
 }
 
-pub async fn add(ctx: &Ctx, req: pb::AddMasterRequest) -> Result<pb::ListMastersResponse, Status> {
+pub async fn add(
+    ctx: &Ctx,
+    req: pb::AddMasterRequest,
+) -> Result<pb::ListMastersResponse, ServiceError> {
     let id = req.id;
     if id == 0 {
-        return Err(Status::invalid_argument("id: must be >= 1"));
+        return Err(ConvertError::new("id", "must be >= 1").into());
     }
     let addr = req.address.trim().to_string();
-    crate::config::check_host_port("address", &addr).map_err(Status::invalid_argument)?;
+    check_host_port("address", &addr)?;
     let st = ctx.raft.status();
     if st.voters.contains(&id) {
-        return Err(Status::already_exists(format!(
-            "master {id} is already a voting member"
-        )));
+        return Err(ServiceError::AlreadyVoter { id });
     }
     if !st.learners.contains(&id) {
         tracing::info!(id, address = %addr, "adding a master as a learner");
@@ -133,10 +135,13 @@ pub async fn add(ctx: &Ctx, req: pb::AddMasterRequest) -> Result<pb::ListMasters
             return Err(ctx.not_leader());
         }
         if Instant::now() >= deadline {
-            return Err(Status::deadline_exceeded(format!(
-                "master {id} at {addr} has not caught up within {}s (it has index {matched} of {target}); it stays a learner. Check that it runs with --join and that the masters reach each other, then run `gpuctl masters add {id} {addr}` again, or remove it",
-                CATCH_UP.as_secs()
-            )));
+            return Err(ServiceError::CatchUpTimeout {
+                id,
+                address: addr,
+                secs: CATCH_UP.as_secs(),
+                matched,
+                target,
+            });
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
@@ -150,17 +155,15 @@ pub async fn add(ctx: &Ctx, req: pb::AddMasterRequest) -> Result<pb::ListMasters
 pub async fn remove(
     ctx: &Ctx,
     req: pb::RemoveMasterRequest,
-) -> Result<pb::ListMastersResponse, Status> {
+) -> Result<pb::ListMastersResponse, ServiceError> {
     let id = req.id;
     let st = ctx.raft.status();
     let is_voter = st.voters.contains(&id);
     if !is_voter && !st.learners.contains(&id) {
-        return Err(Status::not_found(format!("master {id} is not a member")));
+        return Err(ServiceError::NotAMember { id });
     }
     if is_voter && st.voters.len() == 1 {
-        return Err(Status::failed_precondition(format!(
-            "master {id} is the only voting member; add another before removing it"
-        )));
+        return Err(ServiceError::LastVoter { id });
     }
     if id == st.id {
         // Hand over first, to the voter with the most of the log; the
@@ -173,7 +176,7 @@ pub async fn remove(
             .max_by_key(|v| progress.get(v).copied().unwrap_or(0))
             .copied()
         else {
-            return Err(Status::failed_precondition("no other voter to lead"));
+            return Err(ServiceError::NoOtherVoter);
         };
         tracing::info!(
             to = next,
@@ -190,12 +193,10 @@ pub async fn remove(
         });
         let _ = wait.await;
         return Err(match ctx.raft.addresses().get(next) {
-            Some(a) if ctx.raft.status().role != Role::Leader => {
-                gpuctl_proto::leader::not_leader(Some((next, &a)))
-            }
-            _ => Status::unavailable(format!(
-                "leadership transfer to master {next} did not complete; retry"
-            )),
+            Some(a) if ctx.raft.status().role != Role::Leader => ServiceError::NotLeader {
+                leader: Some((next, a)),
+            },
+            _ => ServiceError::TransferIncomplete { to: next },
         });
     }
     tracing::info!(id, "removing a master");

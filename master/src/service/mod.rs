@@ -1,7 +1,10 @@
-//! tonic services. Thin: validate input (through gpuctl-proto's convert),
-//! read the applied state or propose a command, convert the answer.
+//! tonic services. Thin: validate input (through gpuctl-core's convert),
+//! read the applied state or propose a command, convert the answer. Each
+//! RPC's logic returns a `ServiceError` (error.rs), which alone becomes a
+//! `Status`.
 
 mod agent;
+mod error;
 mod framework;
 pub mod gate;
 mod jobs_page;
@@ -12,13 +15,13 @@ mod task_stream;
 
 use std::sync::Arc;
 
+pub use error::{reply, Missing, MustRegister, ServiceError};
 use gpuctl_proto::pb;
 use tokio::sync::watch;
 
 use crate::leader::frameworks::Hub;
 use crate::leader::Liveness;
-use crate::raft::{ProposeError, RaftHandle};
-use crate::state::ApplyError;
+use crate::raft::RaftHandle;
 use crate::MasterConfig;
 
 #[derive(Clone)]
@@ -32,9 +35,10 @@ pub struct Ctx {
 
 impl Ctx {
     /// The redirect this master answers with when it is not the leader.
-    pub fn not_leader(&self) -> tonic::Status {
-        let leader = self.raft.leader();
-        gpuctl_proto::leader::not_leader(leader.as_ref().map(|(id, a)| (*id, a.as_str())))
+    pub fn not_leader(&self) -> ServiceError {
+        ServiceError::NotLeader {
+            leader: self.raft.leader(),
+        }
     }
 }
 
@@ -63,31 +67,4 @@ pub fn framework_server(
 ) -> pb::scheduler_server::SchedulerServer<framework::SchedulerService> {
     pb::scheduler_server::SchedulerServer::new(framework::SchedulerService { ctx })
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
-}
-
-impl From<ProposeError> for tonic::Status {
-    fn from(e: ProposeError) -> Self {
-        match e {
-            // Never proposed: the client may retry at the leader.
-            ProposeError::NotLeader { leader } => gpuctl_proto::leader::not_leader(
-                leader.as_ref().map(|(id, addr)| (*id, addr.as_str())),
-            ),
-            // Proposed but not known to be committed: no leader hint, so
-            // clients do not resubmit blindly.
-            ProposeError::LeadershipLost | ProposeError::Stopped => {
-                tonic::Status::unavailable(e.to_string())
-            }
-            ProposeError::Membership(m) => tonic::Status::failed_precondition(m),
-            ProposeError::Busy => tonic::Status::resource_exhausted(e.to_string()),
-            ProposeError::Rejected(a) => match a {
-                ApplyError::JobNotFound(_)
-                | ApplyError::AgentNotFound(_)
-                | ApplyError::FrameworkNotFound(_)
-                | ApplyError::TaskNotFound(_) => tonic::Status::not_found(a.to_string()),
-                ApplyError::Undecodable { .. } => tonic::Status::internal(a.to_string()),
-                ApplyError::Invalid { .. } => tonic::Status::invalid_argument(a.to_string()),
-                _ => tonic::Status::failed_precondition(a.to_string()),
-            },
-        }
-    }
 }

@@ -1,6 +1,5 @@
 //! Operator: what gpuctl uses.
 
-use gpuctl_proto::invalid_argument;
 use std::collections::{BTreeMap, HashMap};
 use std::pin::Pin;
 use std::time::Duration;
@@ -10,11 +9,12 @@ use gpuctl_core::convert::drain_deadline;
 use gpuctl_core::types::{
     utc_timestamp, GpuSample, JobSpec, JobState, JobsQuery, RuntimeStatus, TaskState,
 };
+use gpuctl_core::ConvertError;
 use gpuctl_proto::pb;
 use tokio::sync::mpsc;
 use tonic::{Request, Response, Status};
 
-use super::{jobs_page, Ctx};
+use super::{jobs_page, reply, Ctx, Missing, ServiceError};
 use crate::now_ms;
 use crate::scheduler::queue;
 use crate::state::{AgentRecord, AgentState, Command, JobRecord, Outcome, State, TaskRecord};
@@ -160,48 +160,136 @@ pub fn agent_to_pb(a: &AgentRecord, runtimes: Vec<RuntimeStatus>) -> pb::Agent {
 
 impl OperatorService {
     /// The agent as the state has it now.
-    fn agent_reply(&self, agent_id: &str) -> Result<Response<pb::Agent>, Status> {
+    fn agent_reply(&self, agent_id: &str) -> Result<pb::Agent, ServiceError> {
         let state = self.ctx.raft.state();
         let a = state
             .agent(agent_id)
-            .ok_or_else(|| Status::not_found(format!("agent {agent_id} not found")))?;
-        Ok(Response::new(agent_to_pb(
-            a,
-            self.ctx.liveness.runtime_status(agent_id),
-        )))
+            .ok_or_else(|| ServiceError::not_found(Missing::Agent, agent_id))?;
+        Ok(agent_to_pb(a, self.ctx.liveness.runtime_status(agent_id)))
     }
 }
 
-fn job_id_arg(id: &str) -> Result<(), Status> {
-    gpuctl_core::convert::check_id("job_id", id).map_err(invalid_argument)
+fn job_id_arg(id: &str) -> Result<(), ConvertError> {
+    gpuctl_core::convert::check_id("job_id", id)
 }
 
 type LogStream = Pin<Box<dyn Stream<Item = Result<pb::LogChunk, Status>> + Send>>;
 
 #[tonic::async_trait]
 impl pb::operator_server::Operator for OperatorService {
+    type JobLogsStream = LogStream;
     async fn submit_job(
         &self,
         req: Request<pb::SubmitJobRequest>,
     ) -> Result<Response<pb::SubmitJobResponse>, Status> {
-        let req = req.into_inner();
+        reply(self.submit_job(req.into_inner()).await)
+    }
+
+    async fn get_job(&self, req: Request<pb::GetJobRequest>) -> Result<Response<pb::Job>, Status> {
+        reply(self.get_job(req.into_inner()).await)
+    }
+
+    async fn list_jobs(
+        &self,
+        req: Request<pb::ListJobsRequest>,
+    ) -> Result<Response<pb::ListJobsResponse>, Status> {
+        reply(self.list_jobs(req.into_inner()).await)
+    }
+
+    async fn cancel_job(
+        &self,
+        req: Request<pb::CancelJobRequest>,
+    ) -> Result<Response<pb::CancelJobResponse>, Status> {
+        reply(self.cancel_job(req.into_inner()).await)
+    }
+
+    async fn list_agents(
+        &self,
+        req: Request<pb::ListAgentsRequest>,
+    ) -> Result<Response<pb::ListAgentsResponse>, Status> {
+        reply(self.list_agents(req.into_inner()).await)
+    }
+
+    async fn list_gpus(
+        &self,
+        req: Request<pb::ListGpusRequest>,
+    ) -> Result<Response<pb::ListGpusResponse>, Status> {
+        reply(self.list_gpus(req.into_inner()).await)
+    }
+
+    async fn cordon_gpu(
+        &self,
+        req: Request<pb::CordonGpuRequest>,
+    ) -> Result<Response<pb::GpuStatus>, Status> {
+        reply(self.cordon_gpu(req.into_inner()).await)
+    }
+
+    async fn drain_agent(
+        &self,
+        req: Request<pb::DrainAgentRequest>,
+    ) -> Result<Response<pb::Agent>, Status> {
+        reply(self.drain_agent(req.into_inner()).await)
+    }
+
+    async fn undrain_agent(
+        &self,
+        req: Request<pb::UndrainAgentRequest>,
+    ) -> Result<Response<pb::Agent>, Status> {
+        reply(self.undrain_agent(req.into_inner()).await)
+    }
+
+    async fn job_logs(
+        &self,
+        req: Request<pb::JobLogsRequest>,
+    ) -> Result<Response<Self::JobLogsStream>, Status> {
+        reply(self.job_logs(req.into_inner()).await)
+    }
+
+    async fn list_masters(
+        &self,
+        req: Request<pb::ListMastersRequest>,
+    ) -> Result<Response<pb::ListMastersResponse>, Status> {
+        reply(self.list_masters(req.into_inner()).await)
+    }
+
+    async fn add_master(
+        &self,
+        req: Request<pb::AddMasterRequest>,
+    ) -> Result<Response<pb::ListMastersResponse>, Status> {
+        reply(self.add_master(req.into_inner()).await)
+    }
+
+    async fn remove_master(
+        &self,
+        req: Request<pb::RemoveMasterRequest>,
+    ) -> Result<Response<pb::ListMastersResponse>, Status> {
+        reply(self.remove_master(req.into_inner()).await)
+    }
+}
+
+/// Each RPC's logic; the `Operator` impl above only turns its errors
+/// into `Status` (`reply`).
+impl OperatorService {
+    async fn submit_job(
+        &self,
+        req: pb::SubmitJobRequest,
+    ) -> Result<pb::SubmitJobResponse, ServiceError> {
         let request_id = if req.request_id.is_empty() {
             None
         } else {
-            gpuctl_core::convert::check_id("request_id", &req.request_id)
-                .map_err(invalid_argument)?;
+            gpuctl_core::convert::check_id("request_id", &req.request_id)?;
             // A resend of a submit already committed: answer from the state.
             if let Some(job_id) = self.ctx.raft.state().submitted_job(&req.request_id) {
-                return Ok(Response::new(pb::SubmitJobResponse {
+                return Ok(pb::SubmitJobResponse {
                     job_id: job_id.clone(),
-                }));
+                });
             }
             Some(req.request_id)
         };
         let spec = req
             .spec
-            .ok_or_else(|| Status::invalid_argument("invalid spec: missing"))?;
-        let spec = JobSpec::try_from(spec).map_err(invalid_argument)?;
+            .ok_or_else(|| ConvertError::new("spec", "missing"))?;
+        let spec = JobSpec::try_from(spec)?;
         match self
             .ctx
             .raft
@@ -214,32 +302,32 @@ impl pb::operator_server::Operator for OperatorService {
         {
             Outcome::JobSubmitted { job_id } => {
                 tracing::info!(job_id = %job_id, "job submitted");
-                Ok(Response::new(pb::SubmitJobResponse { job_id }))
+                Ok(pb::SubmitJobResponse { job_id })
             }
-            other => Err(Status::internal(format!("unexpected outcome {other:?}"))),
+            other => Err(ServiceError::unexpected("submit_job", other)),
         }
     }
 
-    async fn get_job(&self, req: Request<pb::GetJobRequest>) -> Result<Response<pb::Job>, Status> {
-        let id = req.into_inner().job_id;
+    async fn get_job(&self, req: pb::GetJobRequest) -> Result<pb::Job, ServiceError> {
+        let id = req.job_id;
         job_id_arg(&id)?;
         let state = self.ctx.raft.state();
         let job = state
             .job(&id)
-            .ok_or_else(|| Status::not_found(format!("job {id} not found")))?;
+            .ok_or_else(|| ServiceError::not_found(Missing::Job, &id))?;
         let reasons = if job.state == JobState::Queued {
             queue::plan(&state, &self.ctx.config.queue_config()).reasons
         } else {
             BTreeMap::new()
         };
-        Ok(Response::new(job_to_pb(&state, job, &reasons)))
+        Ok(job_to_pb(&state, job, &reasons))
     }
 
     async fn list_jobs(
         &self,
-        req: Request<pb::ListJobsRequest>,
-    ) -> Result<Response<pb::ListJobsResponse>, Status> {
-        let req = JobsQuery::try_from(req.into_inner()).map_err(invalid_argument)?;
+        req: pb::ListJobsRequest,
+    ) -> Result<pb::ListJobsResponse, ServiceError> {
+        let req = JobsQuery::try_from(req)?;
         let state = self.ctx.raft.state();
         // Why queued jobs wait: only worked out when the page may hold one.
         let queued = state.jobs().values().any(|j| j.state == JobState::Queued)
@@ -249,19 +337,16 @@ impl pb::operator_server::Operator for OperatorService {
         } else {
             BTreeMap::new()
         };
-        Ok(Response::new(jobs_page::page(
-            &state,
-            &req,
-            jobs_page::PAGE_BYTES,
-            |j| job_to_pb(&state, j, &reasons),
-        )))
+        Ok(jobs_page::page(&state, &req, jobs_page::PAGE_BYTES, |j| {
+            job_to_pb(&state, j, &reasons)
+        }))
     }
 
     async fn cancel_job(
         &self,
-        req: Request<pb::CancelJobRequest>,
-    ) -> Result<Response<pb::CancelJobResponse>, Status> {
-        let job_id = req.into_inner().job_id;
+        req: pb::CancelJobRequest,
+    ) -> Result<pb::CancelJobResponse, ServiceError> {
+        let job_id = req.job_id;
         job_id_arg(&job_id)?;
         match self
             .ctx
@@ -272,31 +357,31 @@ impl pb::operator_server::Operator for OperatorService {
             })
             .await?
         {
-            Outcome::JobCancelled { state } => Ok(Response::new(pb::CancelJobResponse {
+            Outcome::JobCancelled { state } => Ok(pb::CancelJobResponse {
                 state: pb::JobState::from(state) as i32,
-            })),
-            other => Err(Status::internal(format!("unexpected outcome {other:?}"))),
+            }),
+            other => Err(ServiceError::unexpected("cancel_job", other)),
         }
     }
 
     async fn list_agents(
         &self,
-        _: Request<pb::ListAgentsRequest>,
-    ) -> Result<Response<pb::ListAgentsResponse>, Status> {
+        _req: pb::ListAgentsRequest,
+    ) -> Result<pb::ListAgentsResponse, ServiceError> {
         let state = self.ctx.raft.state();
-        Ok(Response::new(pb::ListAgentsResponse {
+        Ok(pb::ListAgentsResponse {
             agents: state
                 .agents()
                 .values()
                 .map(|a| agent_to_pb(a, self.ctx.liveness.runtime_status(&a.info.id)))
                 .collect(),
-        }))
+        })
     }
 
     async fn list_gpus(
         &self,
-        _: Request<pb::ListGpusRequest>,
-    ) -> Result<Response<pb::ListGpusResponse>, Status> {
+        _req: pb::ListGpusRequest,
+    ) -> Result<pb::ListGpusResponse, ServiceError> {
         let samples = self.ctx.liveness.gpu_samples();
         let state = self.ctx.raft.state();
         let mut gpus = Vec::new();
@@ -305,15 +390,11 @@ impl pb::operator_server::Operator for OperatorService {
                 gpus.push(gpu_status(&state, a, g, &samples));
             }
         }
-        Ok(Response::new(pb::ListGpusResponse { gpus }))
+        Ok(pb::ListGpusResponse { gpus })
     }
 
-    async fn cordon_gpu(
-        &self,
-        req: Request<pb::CordonGpuRequest>,
-    ) -> Result<Response<pb::GpuStatus>, Status> {
-        let req = req.into_inner();
-        gpuctl_core::convert::check_id("uuid", &req.uuid).map_err(invalid_argument)?;
+    async fn cordon_gpu(&self, req: pb::CordonGpuRequest) -> Result<pb::GpuStatus, ServiceError> {
+        gpuctl_core::convert::check_id("uuid", &req.uuid)?;
         self.ctx
             .raft
             .propose(Command::CordonGpu {
@@ -334,18 +415,13 @@ impl pb::operator_server::Operator for OperatorService {
                     .find(|g| g.uuid == req.uuid)
                     .map(|g| gpu_status(&state, a, g, &samples))
             })
-            .map(Response::new)
-            .ok_or_else(|| Status::not_found(format!("GPU {} not found", req.uuid)))
+            .ok_or_else(|| ServiceError::not_found(Missing::Gpu, &req.uuid))
     }
 
-    async fn drain_agent(
-        &self,
-        req: Request<pb::DrainAgentRequest>,
-    ) -> Result<Response<pb::Agent>, Status> {
-        let req = req.into_inner();
-        gpuctl_core::convert::check_id("agent_id", &req.agent_id).map_err(invalid_argument)?;
+    async fn drain_agent(&self, req: pb::DrainAgentRequest) -> Result<pb::Agent, ServiceError> {
+        gpuctl_core::convert::check_id("agent_id", &req.agent_id)?;
         let at_ms = now_ms();
-        let deadline_ms = drain_deadline(at_ms, req.deadline_secs).map_err(invalid_argument)?;
+        let deadline_ms = drain_deadline(at_ms, req.deadline_secs)?;
         self.ctx
             .raft
             .propose(Command::DrainAgent {
@@ -361,12 +437,8 @@ impl pb::operator_server::Operator for OperatorService {
         self.agent_reply(&req.agent_id)
     }
 
-    async fn undrain_agent(
-        &self,
-        req: Request<pb::UndrainAgentRequest>,
-    ) -> Result<Response<pb::Agent>, Status> {
-        let req = req.into_inner();
-        gpuctl_core::convert::check_id("agent_id", &req.agent_id).map_err(invalid_argument)?;
+    async fn undrain_agent(&self, req: pb::UndrainAgentRequest) -> Result<pb::Agent, ServiceError> {
+        gpuctl_core::convert::check_id("agent_id", &req.agent_id)?;
         self.ctx
             .raft
             .propose(Command::UndrainAgent {
@@ -379,13 +451,7 @@ impl pb::operator_server::Operator for OperatorService {
         self.agent_reply(&req.agent_id)
     }
 
-    type JobLogsStream = LogStream;
-
-    async fn job_logs(
-        &self,
-        req: Request<pb::JobLogsRequest>,
-    ) -> Result<Response<Self::JobLogsStream>, Status> {
-        let req = req.into_inner();
+    async fn job_logs(&self, req: pb::JobLogsRequest) -> Result<LogStream, ServiceError> {
         job_id_arg(&req.job_id)?;
         let raft = self.ctx.raft.clone();
         let job_id = req.job_id;
@@ -396,7 +462,7 @@ impl pb::operator_server::Operator for OperatorService {
                 let state = raft.state();
                 let job = state
                     .job(&job_id)
-                    .ok_or_else(|| Status::not_found(format!("job {job_id} not found")))?;
+                    .ok_or_else(|| ServiceError::not_found(Missing::Job, &job_id))?;
                 if let Some(t) = state.latest_task(&job_id) {
                     let addr = state
                         .agent(&t.agent_id)
@@ -405,37 +471,42 @@ impl pb::operator_server::Operator for OperatorService {
                     break (t.id.clone(), addr);
                 }
                 if job.state.is_terminal() {
-                    return Ok(Response::new(Box::pin(futures::stream::empty())));
+                    return Ok(Box::pin(futures::stream::empty()));
                 }
                 if !req.follow {
-                    return Err(Status::failed_precondition(format!(
-                        "job {job_id} has not started yet (use --follow to wait for it)"
-                    )));
+                    return Err(ServiceError::JobNotStarted { job_id });
                 }
             }
             if applied.changed().await.is_err() {
-                return Err(Status::unavailable("master is shutting down"));
+                return Err(ServiceError::ShuttingDown);
             }
         };
         if address.is_empty() {
             // Not a master problem: another master would not do better.
-            return Err(Status::failed_precondition(format!(
-                "the agent running task {task_id} has no address for logs"
-            )));
+            return Err(ServiceError::NoLogAddress { task_id });
         }
         let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{address}"))
-            .map_err(|e| Status::internal(format!("agent address {address}: {e}")))?
+            .map_err(|source| ServiceError::AgentAddress {
+                address: address.clone(),
+                source,
+            })?
             .connect_timeout(Duration::from_secs(5));
-        let channel = endpoint.connect().await.map_err(|e| {
-            Status::failed_precondition(format!("cannot reach agent at {address} for logs: {e}"))
-        })?;
+        let channel =
+            endpoint
+                .connect()
+                .await
+                .map_err(|source| ServiceError::AgentUnreachable {
+                    address: address.clone(),
+                    source,
+                })?;
         let mut client = pb::agent_api_client::AgentApiClient::new(channel);
         let mut upstream = client
             .task_logs(pb::TaskLogsRequest {
                 task_id,
                 follow: req.follow,
             })
-            .await?
+            .await
+            .map_err(ServiceError::Agent)?
             .into_inner();
         let (tx, rx) = mpsc::channel(16);
         let mut shutdown = self.ctx.shutdown.clone();
@@ -456,33 +527,27 @@ impl pb::operator_server::Operator for OperatorService {
                 }
             }
         });
-        Ok(Response::new(Box::pin(
-            tokio_stream::wrappers::ReceiverStream::new(rx),
-        )))
+        Ok(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx)))
     }
 
     async fn list_masters(
         &self,
-        _: Request<pb::ListMastersRequest>,
-    ) -> Result<Response<pb::ListMastersResponse>, Status> {
-        Ok(Response::new(super::masters::list(&self.ctx).await))
+        _req: pb::ListMastersRequest,
+    ) -> Result<pb::ListMastersResponse, ServiceError> {
+        Ok(super::masters::list(&self.ctx).await)
     }
 
     async fn add_master(
         &self,
-        req: Request<pb::AddMasterRequest>,
-    ) -> Result<Response<pb::ListMastersResponse>, Status> {
-        super::masters::add(&self.ctx, req.into_inner())
-            .await
-            .map(Response::new)
+        req: pb::AddMasterRequest,
+    ) -> Result<pb::ListMastersResponse, ServiceError> {
+        super::masters::add(&self.ctx, req).await
     }
 
     async fn remove_master(
         &self,
-        req: Request<pb::RemoveMasterRequest>,
-    ) -> Result<Response<pb::ListMastersResponse>, Status> {
-        super::masters::remove(&self.ctx, req.into_inner())
-            .await
-            .map(Response::new)
+        req: pb::RemoveMasterRequest,
+    ) -> Result<pb::ListMastersResponse, ServiceError> {
+        super::masters::remove(&self.ctx, req).await
     }
 }

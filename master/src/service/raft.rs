@@ -1,12 +1,14 @@
 //! RaftTransport: raft messages from other masters, and this master's view
 //! of itself for `gpuctl masters`.
 
+use gpuctl_core::convert::check_host_port;
+use gpuctl_core::ConvertError;
 use gpuctl_proto::pb;
 use protobuf::Message as _;
 use raft::eraftpb::Message;
 use tonic::{Request, Response, Status};
 
-use super::Ctx;
+use super::{reply, Ctx, ServiceError};
 
 pub struct RaftService {
     pub(super) ctx: Ctx,
@@ -28,43 +30,51 @@ pub fn self_info(ctx: &Ctx) -> pb::MasterInfo {
     }
 }
 
-#[tonic::async_trait]
-impl pb::raft_transport_server::RaftTransport for RaftService {
-    async fn step(
-        &self,
-        req: Request<pb::StepRequest>,
-    ) -> Result<Response<pb::StepResponse>, Status> {
-        let req = req.into_inner();
+impl RaftService {
+    /// Steps the messages into the local node (each checked: from the
+    /// sender, to this master).
+    fn step(&self, req: pb::StepRequest) -> Result<pb::StepResponse, ConvertError> {
         let me = self.ctx.config.node_id;
         if req.from == 0 || req.from == me {
-            return Err(Status::invalid_argument(format!(
-                "from: {} is not another master's node id",
-                req.from
-            )));
+            return Err(ConvertError::new(
+                "from",
+                format!("{} is not another master's node id", req.from),
+            ));
         }
         if !req.from_address.is_empty() {
-            if let Err(e) = crate::config::check_host_port("from_address", &req.from_address) {
-                return Err(Status::invalid_argument(e));
-            }
+            check_host_port("from_address", &req.from_address)?;
             // So that a master we have not heard of (one joining) gets answers.
             self.ctx.raft.addresses().learn(req.from, &req.from_address);
         }
         for (i, bytes) in req.messages.iter().enumerate() {
             let m = Message::parse_from_bytes(bytes).map_err(|e| {
-                Status::invalid_argument(format!("messages[{i}]: not a raft message: {e}"))
+                ConvertError::new(format!("messages[{i}]"), format!("not a raft message: {e}"))
             })?;
             if m.from != req.from || m.to != me {
-                return Err(Status::invalid_argument(format!(
-                    "messages[{i}]: from {} to {}, but this is master {me} and the sender {}",
-                    m.from, m.to, req.from
-                )));
+                return Err(ConvertError::new(
+                    format!("messages[{i}]"),
+                    format!(
+                        "from {} to {}, but this is master {me} and the sender {}",
+                        m.from, m.to, req.from
+                    ),
+                ));
             }
             // A full queue drops the rest: Raft resends.
             if self.ctx.raft.step(m).is_err() {
                 break;
             }
         }
-        Ok(Response::new(pb::StepResponse {}))
+        Ok(pb::StepResponse {})
+    }
+}
+
+#[tonic::async_trait]
+impl pb::raft_transport_server::RaftTransport for RaftService {
+    async fn step(
+        &self,
+        req: Request<pb::StepRequest>,
+    ) -> Result<Response<pb::StepResponse>, Status> {
+        reply(self.step(req.into_inner()).map_err(ServiceError::from))
     }
 
     async fn status(
