@@ -119,12 +119,14 @@ impl DesiredSet {
     }
 
     /// The ids to kill, in order (a copy).
+    #[cfg(test)]
     pub fn kill_ids(&self) -> Vec<TaskId> {
         self.kill.iter().cloned().collect()
     }
 
     /// Whether the master sends the full set in every message (a master
     /// that predates incremental streams). False before the first message.
+    #[cfg(test)]
     pub fn is_full_mode(&self) -> bool {
         self.mode == Mode::Full
     }

@@ -631,13 +631,7 @@ fn container_config(
         ),
         // Inside the task's cgroup, whose device rules deny the other GPUs.
         cgroup_parent: iso.cgroup_parent.clone().filter(|_| cgroupfs),
-        binds: volume.map(|v| {
-            vec![format!(
-                "{}:{}:ro",
-                v.display(),
-                crate::volume::CONTAINER_PATH
-            )]
-        }),
+        binds: volume.map(|v| vec![crate::volume::docker_bind(v)]),
         ..Default::default()
     };
     let mut env = spec.env.clone();

@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use futures::future::BoxFuture;
 use futures::FutureExt;
+use gpuctl_core::time::Backoff;
 use gpuctl_core::types::Runtime;
 use nix::fcntl::{Flock, FlockArg};
 use nix::sys::signal::{kill, Signal};
@@ -149,7 +150,7 @@ impl ProcessRuntime {
                 source,
             })?;
         let deadline = tokio::time::Instant::now() + START_TIMEOUT;
-        let mut pause = Duration::from_millis(2);
+        let mut pause = Backoff::new(Duration::from_millis(2), Duration::from_millis(50));
         loop {
             if let Some(rec) =
                 checkpoint::read_json::<ExitRecord>(&dir.join(EXIT_FILE)).map_err(checkpoint_err)?
@@ -183,8 +184,7 @@ impl ProcessRuntime {
                     "task supervisor did not start the task within {START_TIMEOUT:?}"
                 )));
             }
-            tokio::time::sleep(pause).await;
-            pause = (pause * 2).min(Duration::from_millis(50));
+            tokio::time::sleep(pause.next_wait()).await;
         }
     }
 

@@ -29,11 +29,10 @@ pub struct DriverVolume {
     pub path: PathBuf,
 }
 
-impl DriverVolume {
-    /// The Docker bind that mounts the volume read-only at [`CONTAINER_PATH`].
-    pub fn docker_bind(&self) -> String {
-        format!("{}:{CONTAINER_PATH}:ro", self.path.display())
-    }
+/// The Docker bind that mounts the volume at `path` read-only at
+/// [`CONTAINER_PATH`].
+pub fn docker_bind(path: &Path) -> String {
+    format!("{}:{CONTAINER_PATH}:ro", path.display())
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -674,7 +673,7 @@ mod tests {
         let v = build(&root, &work, "535.129.03").unwrap();
         assert_eq!(v.path, work.join("volumes/nvidia_535.129.03"));
         assert_eq!(
-            v.docker_bind(),
+            docker_bind(&v.path),
             format!("{}:/usr/local/nvidia:ro", v.path.display())
         );
         let p = &v.path;

@@ -35,30 +35,11 @@ const NEW_ENTRY: usize = 24;
 /// being read whole.
 pub const MAX_SIZE: u64 = 64 << 20;
 
-/// `FLAG_TYPE_MASK`: the library kind in the low byte of `flags`.
-pub const FLAG_TYPE_MASK: i32 = 0x00ff;
 /// `FLAG_ELF_LIBC6`: an ELF library for glibc, which every modern entry is.
 pub const FLAG_ELF_LIBC6: i32 = 0x0003;
-/// `FLAG_REQUIRED_MASK`: the ABI in the second byte of `flags`.
-pub const FLAG_REQUIRED_MASK: i32 = 0xff00;
-pub const FLAG_SPARC_LIB64: i32 = 0x0100;
-pub const FLAG_IA64_LIB64: i32 = 0x0200;
+/// The x86-64 ABI, in the second byte of `flags` (tests write entries).
+#[cfg(test)]
 pub const FLAG_X8664_LIB64: i32 = 0x0300;
-pub const FLAG_S390_LIB64: i32 = 0x0400;
-pub const FLAG_POWERPC_LIB64: i32 = 0x0500;
-pub const FLAG_MIPS64_LIBN32: i32 = 0x0600;
-pub const FLAG_MIPS64_LIBN64: i32 = 0x0700;
-pub const FLAG_X8664_LIBX32: i32 = 0x0800;
-pub const FLAG_ARM_LIBHF: i32 = 0x0900;
-pub const FLAG_AARCH64_LIB64: i32 = 0x0a00;
-pub const FLAG_ARM_LIBSF: i32 = 0x0b00;
-pub const FLAG_MIPS_LIB32_NAN2008: i32 = 0x0c00;
-pub const FLAG_MIPS64_LIBN32_NAN2008: i32 = 0x0d00;
-pub const FLAG_MIPS64_LIBN64_NAN2008: i32 = 0x0e00;
-pub const FLAG_RISCV_FLOAT_ABI_SOFT: i32 = 0x0f00;
-pub const FLAG_RISCV_FLOAT_ABI_DOUBLE: i32 = 0x1000;
-pub const FLAG_LARCH_FLOAT_ABI_SOFT: i32 = 0x1100;
-pub const FLAG_LARCH_FLOAT_ABI_DOUBLE: i32 = 0x1200;
 
 /// An ELF file class: `e_ident[EI_CLASS]`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -87,35 +68,6 @@ pub struct Entry {
     /// The hardware capabilities the entry needs (new format only; entries
     /// from `glibc-hwcaps` subdirectories have bits here).
     pub hwcap: u64,
-}
-
-impl Entry {
-    /// The ELF class the cache's ABI flags imply. A hint only: the flags
-    /// name an ABI, and RISC-V's do not say 32 or 64 bits. The volume
-    /// trusts the file's own ELF header instead.
-    pub fn elf_class_hint(&self) -> Option<ElfClass> {
-        match self.flags & FLAG_REQUIRED_MASK {
-            FLAG_SPARC_LIB64
-            | FLAG_IA64_LIB64
-            | FLAG_X8664_LIB64
-            | FLAG_S390_LIB64
-            | FLAG_POWERPC_LIB64
-            | FLAG_MIPS64_LIBN64
-            | FLAG_AARCH64_LIB64
-            | FLAG_MIPS64_LIBN64_NAN2008
-            | FLAG_LARCH_FLOAT_ABI_SOFT
-            | FLAG_LARCH_FLOAT_ABI_DOUBLE => Some(ElfClass::Elf64),
-            // No ABI bits: the 32-bit default (i386 on an x86_64 host).
-            0 if self.flags & FLAG_TYPE_MASK != 0 => Some(ElfClass::Elf32),
-            FLAG_MIPS64_LIBN32
-            | FLAG_X8664_LIBX32
-            | FLAG_ARM_LIBHF
-            | FLAG_ARM_LIBSF
-            | FLAG_MIPS_LIB32_NAN2008
-            | FLAG_MIPS64_LIBN32_NAN2008 => Some(ElfClass::Elf32),
-            _ => None,
-        }
-    }
 }
 
 /// A parsed cache.
@@ -516,36 +468,6 @@ mod tests {
             bytes[at..at + 8].copy_from_slice(&[0xff; 8]);
         }
         assert_eq!(keys(&parse(&bytes).unwrap()), ENTRIES);
-    }
-
-    #[test]
-    fn class_hint_follows_the_abi_flags() {
-        let hint = |flags| {
-            Entry {
-                flags,
-                key: String::new(),
-                value: PathBuf::new(),
-                hwcap: 0,
-            }
-            .elf_class_hint()
-        };
-        assert_eq!(hint(X64), Some(ElfClass::Elf64));
-        assert_eq!(
-            hint(FLAG_ELF_LIBC6 | FLAG_AARCH64_LIB64),
-            Some(ElfClass::Elf64)
-        );
-        assert_eq!(
-            hint(FLAG_ELF_LIBC6 | FLAG_POWERPC_LIB64),
-            Some(ElfClass::Elf64)
-        );
-        assert_eq!(hint(FLAG_ELF_LIBC6), Some(ElfClass::Elf32));
-        assert_eq!(
-            hint(FLAG_ELF_LIBC6 | FLAG_X8664_LIBX32),
-            Some(ElfClass::Elf32)
-        );
-        assert_eq!(hint(FLAG_ELF_LIBC6 | FLAG_ARM_LIBHF), Some(ElfClass::Elf32));
-        assert_eq!(hint(FLAG_ELF_LIBC6 | FLAG_RISCV_FLOAT_ABI_DOUBLE), None);
-        assert_eq!(hint(0x7f03), None);
     }
 
     #[test]

@@ -25,9 +25,9 @@ pub mod manifest;
 mod build;
 
 pub use build::{
-    build, container_env, container_env_with, elf_class, resolve_in_root, validate_version,
-    volume_path, wants_volume, DriverVolume, VolumeError, BIN_DIRS, CONTAINER_PATH, DEFAULT_PATH,
-    IMAGE_LABEL,
+    build, container_env, container_env_with, docker_bind, elf_class, resolve_in_root,
+    validate_version, volume_path, wants_volume, DriverVolume, VolumeError, BIN_DIRS,
+    CONTAINER_PATH, DEFAULT_PATH, IMAGE_LABEL,
 };
 pub use ldcache::ElfClass;
 pub use manifest::Capability;

@@ -15,6 +15,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
+use gpuctl_core::time::Backoff;
 use gpuctl_core::types::FrameworkInfo;
 use gpuctl_proto::pb;
 use tokio::sync::{mpsc, watch};
@@ -58,7 +59,7 @@ pub async fn run(
 ) {
     let default_policy = cfg.default_policy;
     let mut status = raft.status_watch();
-    let mut backoff = Duration::from_millis(100);
+    let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
     loop {
         // Wait to lead.
         while !raft.status().serving {
@@ -77,12 +78,11 @@ pub async fn run(
             tracing::warn!(error = %e, "built-in scheduler could not subscribe; retrying");
             tokio::select! {
                 _ = shutdown.changed() => return,
-                _ = tokio::time::sleep(backoff) => {}
+                _ = tokio::time::sleep(backoff.next_wait()) => {}
             }
-            backoff = (backoff * 2).min(Duration::from_secs(5));
             continue;
         }
-        backoff = Duration::from_millis(100);
+        backoff.reset();
         let (tx, mut rx) = mpsc::channel(EVENT_BUFFER);
         let conn = hub.connect(BUILTIN_FRAMEWORK_ID, tx);
         let mut applied = raft.applied();

@@ -297,6 +297,7 @@ impl State {
     }
 
     /// Every GPU held, and by which task.
+    #[cfg(test)]
     pub fn gpu_owners(&self) -> &BTreeMap<GpuUuid, TaskId> {
         &self.gpu_owner
     }
