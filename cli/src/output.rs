@@ -881,6 +881,7 @@ mod tests {
             message: String::new(),
             retries: 0,
             preemptions: 0,
+            wait_reason: None,
         }
     }
 

@@ -58,6 +58,7 @@ pub fn job_to_pb(state: &State, j: &JobRecord, reasons: &BTreeMap<String, String
         message,
         retries: j.retries,
         preemptions: j.preemptions,
+        wait_reason: None,
     }
 }
 
