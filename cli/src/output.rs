@@ -8,6 +8,9 @@ use gpuctl_core::convert::{job_state_name, task_state_name};
 use gpuctl_proto::pb;
 use serde::{Deserialize, Serialize};
 
+mod wait_reason;
+pub use wait_reason::WaitReasonJson;
+
 // ---------------------------------------------------------------- JSON shapes
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -92,12 +95,16 @@ pub struct JobJson {
     pub no_fence: bool,
     /// Times its tasks were preempted.
     pub preemptions: u32,
+    /// Why it is in its state; for a QUEUED job, the same as `reason`.
     pub message: String,
-    /// Why a QUEUED job waits (`Resources: ...`, `Priority: ...`,
+    /// Why a QUEUED job waits, in words (`Resources: ...`, `Priority: ...`,
     /// `Preempting: ...`, `Quota: ...`, `PREEMPTED by job-N; ...`, or the
     /// requirement no agent meets, e.g. `no agent has GPU model H100*`);
     /// `null` otherwise.
     pub reason: Option<String>,
+    /// The same as data (docs/cli.md); `null` when not QUEUED, or from a
+    /// master that does not send it.
+    pub wait_reason: Option<WaitReasonJson>,
     pub submitted_at_ms: u64,
     pub tasks: Vec<TaskJson>,
 }
@@ -124,9 +131,35 @@ impl From<Option<&pb::Placement>> for PlacementJson {
     }
 }
 
-/// The wait reason of a queued job (its message), if any.
-fn wait_reason(j: &pb::Job) -> Option<String> {
-    (j.state == pb::JobState::JobQueued as i32 && !j.message.is_empty()).then(|| j.message.clone())
+fn is_queued(j: &pb::Job) -> bool {
+    j.state == pb::JobState::JobQueued as i32
+}
+
+/// Why a queued job waits, as data, if the master sent one this gpuctl
+/// can read.
+fn wait_reason_data(j: &pb::Job) -> Option<WaitReasonJson> {
+    is_queued(j)
+        .then_some(j.wait_reason.as_ref())
+        .flatten()
+        .and_then(WaitReasonJson::from_pb)
+}
+
+/// Why a queued job waits, in words. A master older than `wait_reason`
+/// (or newer, with a kind this gpuctl does not know) said it in words in
+/// the job's message: that is shown then.
+pub fn wait_reason(j: &pb::Job) -> Option<String> {
+    if !is_queued(j) {
+        return None;
+    }
+    match wait_reason_data(j) {
+        Some(w) => Some(w.to_string()),
+        None => (!j.message.is_empty()).then(|| j.message.clone()),
+    }
+}
+
+/// The job's message as gpuctl shows it: why it waits for a QUEUED job.
+pub fn job_message(j: &pb::Job) -> String {
+    wait_reason(j).unwrap_or_else(|| j.message.clone())
 }
 
 impl From<&pb::Job> for JobJson {
@@ -148,8 +181,9 @@ impl From<&pb::Job> for JobJson {
             no_requeue: spec.no_requeue,
             no_fence: spec.no_fence,
             preemptions: j.preemptions,
-            message: j.message.clone(),
+            message: job_message(j),
             reason: wait_reason(j),
+            wait_reason: wait_reason_data(j),
             submitted_at_ms: j.submitted_at_ms,
             tasks: j.tasks.iter().map(TaskJson::from).collect(),
         }
@@ -576,10 +610,9 @@ pub fn job_detail(j: &pb::Job, now_ms: u64) -> String {
         ),
         (
             "Message",
-            if j.message.is_empty() {
-                "-".to_string()
-            } else {
-                j.message.replace('\n', " ")
+            match job_message(j) {
+                m if m.is_empty() => "-".to_string(),
+                m => m.replace('\n', " "),
             },
         ),
     ];
@@ -881,6 +914,7 @@ mod tests {
             message: String::new(),
             retries: 0,
             preemptions: 0,
+            wait_reason: None,
         }
     }
 
@@ -1080,7 +1114,38 @@ mod tests {
         );
         let v = serde_json::to_value(JobJson::from(&q)).unwrap();
         assert_eq!(v["reason"], "no agent has GPU model H100*");
+        assert!(v["wait_reason"].is_null(), "a master without wait_reason");
         assert!(serde_json::to_value(JobJson::from(&job())).unwrap()["reason"].is_null());
+        // From the data when the master sends it; the message then is the
+        // state machine's (here, how the last attempt ended).
+        q.message = "task job-7.0 exited with code 1".into();
+        q.wait_reason = Some(pb::WaitReason {
+            kind: Some(pb::wait_reason::Kind::Preempting(
+                pb::wait_reason::Preempting {
+                    waiting_for_tasks: 2,
+                },
+            )),
+            requeued: None,
+        });
+        let why = "Preempting: waiting for 2 tasks of lower priority to stop";
+        let out = jobs_table(&[q.clone()], 1_700_000_065_000).render();
+        assert!(out.lines().nth(1).unwrap().ends_with(why), "{out}");
+        let v = serde_json::to_value(JobJson::from(&q)).unwrap();
+        assert_eq!(v["reason"], why);
+        assert_eq!(v["message"], why);
+        assert_eq!(v["wait_reason"]["kind"], "preempting");
+        let detail = job_detail(&q, 1_700_000_065_000);
+        assert!(
+            detail
+                .lines()
+                .any(|l| l.starts_with("Message:") && l.ends_with(why)),
+            "{detail}"
+        );
+        // Other states ignore it.
+        q.state = pb::JobState::JobFailed as i32;
+        let v = serde_json::to_value(JobJson::from(&q)).unwrap();
+        assert!(v["reason"].is_null() && v["wait_reason"].is_null(), "{v}");
+        assert_eq!(v["message"], "task job-7.0 exited with code 1");
     }
 
     #[test]

@@ -109,7 +109,7 @@ fn gpu_model_memory_and_attributes_choose_the_agent_or_explain_the_wait() {
         ),
         (
             vec!["--gpus", "3", "--gpu-model", "H100*"],
-            "no agent has 3 GPUs of model H100*",
+            "no agent has 3 GPUs of model H100* (at most 2)",
         ),
     ] {
         let id = sleeper(&c, "never", &args);

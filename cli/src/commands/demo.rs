@@ -448,8 +448,10 @@ fn job_summary(job: &pb::Job) -> String {
                 t.gpu_uuids.join(", ")
             )
         }
-        None if job.message.is_empty() => state.to_string(),
-        None => format!("{state}: {}", one_line(&job.message)),
+        None => match crate::output::job_message(job) {
+            m if m.is_empty() => state.to_string(),
+            m => format!("{state}: {}", one_line(&m)),
+        },
     }
 }
 
@@ -511,7 +513,7 @@ async fn follow_job(
             return Err(CliError::Timeout(format!(
                 "job {name} ({id}) was not placed within {}s (still {})",
                 timeout.as_secs(),
-                job_state_name(job.state)
+                job_summary(&job)
             )));
         }
         tokio::time::sleep(POLL).await;

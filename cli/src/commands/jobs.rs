@@ -563,7 +563,10 @@ pub async fn wait(
                 if is_terminal(job.state) {
                     return Ok(job);
                 }
-                last_state = format!("still {}", job_state_name(job.state));
+                last_state = match crate::output::wait_reason(&job) {
+                    Some(why) => format!("still {}: {why}", job_state_name(job.state)),
+                    None => format!("still {}", job_state_name(job.state)),
+                };
             }
             // Gave up because --timeout came first: a timeout, not an error.
             Err(CliError::GaveUp { last, .. }) if deadline.is_some_and(|d| d <= grace) => {
@@ -728,6 +731,11 @@ mod tests {
     }
 
     fn job(id: &str, state: pb::JobState) -> pb::Job {
+        // A queued job waits for resources, as the master says it.
+        let wait_reason = (state == pb::JobState::JobQueued).then(|| pb::WaitReason {
+            kind: Some(pb::wait_reason::Kind::Resources(Default::default())),
+            requeued: None,
+        });
         pb::Job {
             id: id.into(),
             spec: Some(pb::JobSpec {
@@ -736,6 +744,7 @@ mod tests {
                 ..Default::default()
             }),
             state: state as i32,
+            wait_reason,
             ..Default::default()
         }
     }
@@ -846,6 +855,19 @@ mod tests {
         assert!(err.to_string().contains("RUNNING"), "{err}");
         assert_eq!(out, "");
         assert!(started.elapsed() < Duration::from_secs(3));
+    }
+
+    #[tokio::test]
+    async fn wait_times_out_saying_why_a_queued_job_waits() {
+        let mut m = connect(fake_with("j", vec![pb::JobState::JobQueued])).await;
+        let (r, _) = run_cmd(&mut m, &["jobs", "wait", "j", "--timeout", "0.3"]).await;
+        let err = r.unwrap_err();
+        assert_eq!(err.exit_code(), EXIT_TIMEOUT);
+        assert!(
+            err.to_string()
+                .contains("(still QUEUED: Resources: waiting for resources to be freed)"),
+            "{err}"
+        );
     }
 
     #[tokio::test]

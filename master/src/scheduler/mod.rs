@@ -11,10 +11,12 @@
 //! interconnect ([`topology`]). A job that fits nowhere waits and does not
 //! block smaller jobs behind it (backfill), except on agents where tasks are
 //! being preempted for a job of higher priority: those are kept for it.
-//! Which jobs to preempt, and why each queued job waits, is [`queue`].
+//! Which jobs to preempt, and why each queued job waits, is [`queue`]
+//! (the why as data: [`reason`]).
 
 pub mod placement;
 pub mod queue;
+pub mod reason;
 pub mod runner;
 pub mod topology;
 
@@ -454,7 +456,17 @@ mod tests {
         assert!(place(&s, &BTreeSet::new(), &BTreeMap::new()).is_empty());
         assert_eq!(
             queue::wait_reason(&s, &Default::default(), "job-1").unwrap(),
-            "no agent runs docker"
+            reason::Waiting {
+                reason: reason::WaitReason::NeverFits {
+                    why: reason::NeverFits::Missing {
+                        need: reason::Requirement::Runtime(Runtime::Docker),
+                        among: vec![],
+                        largest: None,
+                    },
+                    set_aside: Default::default(),
+                },
+                requeued: None,
+            }
         );
     }
 
@@ -465,7 +477,21 @@ mod tests {
         assert_eq!(l.len(), 1);
         assert_eq!(l[0].job_id, "job-2");
         let why = queue::wait_reason(&s, &Default::default(), "job-1").unwrap();
-        assert!(why.contains("no agent has 4 GPUs"), "{why}");
+        assert_eq!(
+            why.reason,
+            reason::WaitReason::NeverFits {
+                why: reason::NeverFits::Missing {
+                    need: reason::Requirement::Gpus(reason::GpuAsk {
+                        count: 4,
+                        model: None,
+                        mem_min_mib: 0,
+                    }),
+                    among: vec![],
+                    largest: Some(2.0),
+                },
+                set_aside: Default::default(),
+            }
+        );
     }
 
     #[test]

@@ -47,6 +47,7 @@ use std::collections::BTreeMap;
 
 use gpuctl_core::types::{GpuInfo, PlacementPolicy, Resources, Runtime};
 
+use super::reason::{AgentCounts, GpuAsk, NeverFits, Requirement};
 pub use super::topology::choose_gpus;
 
 /// What one task needs.
@@ -353,26 +354,31 @@ enum Need<'r> {
     Mem,
 }
 
+impl Need<'_> {
+    fn is_gpu(&self) -> bool {
+        matches!(self, Need::Model | Need::Memory | Need::Count)
+    }
+}
+
 /// Why no node could EVER run this task (ignoring current usage: every GPU
-/// of the node, healthy or not, and its total capacity from `totals`), in one
-/// line for `gpuctl jobs list`. `None` when some node could.
+/// of the node, healthy or not, and its total capacity from `totals`).
+/// `None` when some node could.
 ///
 /// Requirements are checked in order: runtime, each constraint, GPU model,
 /// GPU memory, GPU count, cpus, memory. The first that no remaining node
-/// meets is named: "no agent runs docker", "no agent has attribute
-/// zone=us-east", "no agent has GPU model H100*", "no agent has a GPU with at
-/// least 81920 MiB", "no agent has 8 GPUs of model A100*", "no agent has 64
-/// cpus", "no agent has 524288 MiB of memory"; "no active agent" when there
-/// are no nodes. When some node meets it alone but none together with the
-/// earlier requirements, those are named too: "no agent has 8 GPUs among
-/// those that run docker and have zone=us-east".
+/// meets is named ("no agent runs docker", "no agent has GPU model H100*"),
+/// with the most a node has of it ("no agent has 9 GPUs (at most 8)");
+/// [`NeverFits::NoActiveAgent`] when there are no nodes. When some node
+/// meets it alone but none together with the earlier requirements, those
+/// are named too: "no agent has 8 GPUs among those that run docker and
+/// have zone=us-east" (the words are the CLI's).
 pub fn unsatisfiable(
     req: &TaskRequest,
     nodes: &[NodeView],
     totals: &dyn Fn(&str) -> Resources,
-) -> Option<String> {
+) -> Option<NeverFits> {
     if nodes.is_empty() {
-        return Some("no active agent".into());
+        return Some(NeverFits::NoActiveAgent);
     }
     let need = req.resources;
     let n = need.gpus as usize;
@@ -396,43 +402,22 @@ pub fn unsatisfiable(
     steps.push(Need::Cpus);
     steps.push(Need::Mem);
 
-    let of_model = model.map(|m| format!(" of model {m}")).unwrap_or_default();
-    let with_mem = if mem > 0 {
-        format!(" with at least {mem} MiB")
-    } else {
-        String::new()
+    let ask = || GpuAsk {
+        count: need.gpus,
+        model: model.map(String::from),
+        mem_min_mib: mem,
     };
-    let gpus = format!(
-        "{n} GPU{}{of_model}{with_mem}",
-        if n == 1 { "" } else { "s" }
-    );
-    // (what no agent has, how it reads as a qualifier of later steps)
-    let describe = |step: &Need| -> (String, Option<String>) {
-        match step {
-            Need::Runtime(rt) => (format!("runs {rt}"), Some(format!("run {rt}"))),
-            Need::Attribute(k, v) => (
-                format!("has attribute {k}={v}"),
-                Some(format!("have {k}={v}")),
-            ),
-            // As qualifiers, the GPU steps read as the whole GPU need.
-            Need::Model => (
-                format!("has GPU model {}", model.unwrap_or("*")),
-                Some(format!("have {gpus}")),
-            ),
-            Need::Memory => (
-                format!("has a GPU{of_model}{with_mem}"),
-                Some(format!("have {gpus}")),
-            ),
-            Need::Count => (format!("has {gpus}"), Some(format!("have {gpus}"))),
-            Need::Cpus => (
-                format!("has {} cpus", need.cpus),
-                Some(format!("have {} cpus", need.cpus)),
-            ),
-            Need::Mem => (
-                format!("has {} MiB of memory", need.mem_mib),
-                Some(format!("have {} MiB of memory", need.mem_mib)),
-            ),
-        }
+    let requirement = |step: &Need| match step {
+        Need::Runtime(rt) => Requirement::Runtime(*rt),
+        Need::Attribute(k, v) => Requirement::Attribute {
+            key: k.to_string(),
+            pattern: v.to_string(),
+        },
+        Need::Model => Requirement::GpuModel(ask()),
+        Need::Memory => Requirement::GpuMemory(ask()),
+        Need::Count => Requirement::Gpus(ask()),
+        Need::Cpus => Requirement::Cpus(need.cpus),
+        Need::Mem => Requirement::Memory(need.mem_mib),
     };
 
     let mut filter = GpuFilter::new(req);
@@ -453,28 +438,132 @@ pub fn unsatisfiable(
     };
 
     let mut left: Vec<&NodeView> = nodes.iter().collect();
-    let mut qualifiers: Vec<String> = Vec::new();
+    // What narrowed `left`; the GPU steps once, as the whole GPU need.
+    let mut among: Vec<Requirement> = Vec::new();
     for step in &steps {
         let before = left.len();
-        left.retain(|node| meets(step, node));
-        let (what, qualifier) = describe(step);
-        if left.is_empty() {
+        let kept: Vec<&NodeView> = left.iter().copied().filter(|n| meets(step, n)).collect();
+        if kept.is_empty() {
             let alone = nodes.iter().any(|node| meets(step, node));
-            qualifiers.retain(|q| Some(q) != qualifier.as_ref());
-            return Some(if alone && !qualifiers.is_empty() {
-                format!(
-                    "no agent {what} among those that {}",
-                    qualifiers.join(" and ")
-                )
+            if step.is_gpu() {
+                among.retain(|r| !matches!(r, Requirement::Gpus(_)));
+            }
+            // The most is of the agents the words are about.
+            let (among, looked_at) = if alone && !among.is_empty() {
+                (among, left)
             } else {
-                format!("no agent {what}")
+                (Vec::new(), nodes.iter().collect())
+            };
+            return Some(NeverFits::Missing {
+                need: requirement(step),
+                among,
+                largest: largest(req, step, &looked_at, totals),
             });
         }
-        if left.len() < before {
-            qualifiers.extend(qualifier.filter(|q| !qualifiers.contains(q)));
+        if kept.len() < before {
+            let r = if step.is_gpu() {
+                Requirement::Gpus(ask())
+            } else {
+                requirement(step)
+            };
+            if !among.contains(&r) {
+                among.push(r);
+            }
         }
+        left = kept;
     }
     None
+}
+
+/// The most one of `nodes` has of what `step` asks, in its unit.
+fn largest(
+    req: &TaskRequest,
+    step: &Need,
+    nodes: &[&NodeView],
+    totals: &dyn Fn(&str) -> Resources,
+) -> Option<f64> {
+    let mut filter = GpuFilter::new(req);
+    let mut model_only = GpuFilter::new(&TaskRequest {
+        gpu_mem_min_mib: 0,
+        ..*req
+    });
+    let mut of = |node: &NodeView| -> Option<f64> {
+        match step {
+            Need::Runtime(_) | Need::Attribute(..) | Need::Model => None,
+            Need::Memory => node
+                .all_gpus
+                .iter()
+                .filter(|g| model_only.matches(g))
+                .map(|g| g.memory_mib)
+                .max()
+                .map(|m| m as f64),
+            Need::Count => Some(node.all_gpus.iter().filter(|g| filter.matches(g)).count() as f64),
+            Need::Cpus => Some(totals(node.id).cpus),
+            Need::Mem => Some(totals(node.id).mem_mib as f64),
+        }
+    };
+    nodes.iter().filter_map(|n| of(n)).max_by(f64::total_cmp)
+}
+
+/// Why each node cannot take one task now, counted once per node for the
+/// first thing it lacks: its runtime, constraints, GPU model, GPU memory,
+/// its size in all (`totals`), then free GPUs, cpus, memory (a job waiting
+/// for resources says where they are short).
+pub fn agent_counts(
+    req: &TaskRequest,
+    nodes: &[NodeView],
+    totals: &dyn Fn(&str) -> Resources,
+) -> AgentCounts {
+    let need = req.resources;
+    let n = need.gpus as usize;
+    let mut filter = GpuFilter::new(req);
+    let mut model_only = GpuFilter::new(&TaskRequest {
+        gpu_mem_min_mib: 0,
+        ..*req
+    });
+    let mut c = AgentCounts {
+        agents: u32::try_from(nodes.len()).unwrap_or(u32::MAX),
+        ..AgentCounts::default()
+    };
+    for node in nodes {
+        let scalars = Resources { gpus: 0, ..need };
+        let slot = if !node.runtimes.contains(&req.runtime) {
+            &mut c.filtered_runtime
+        } else if !constraints_ok(req.constraints, node.attributes) {
+            &mut c.filtered_constraints
+        } else if n > 0
+            && req.gpu_model.is_some()
+            && !node.all_gpus.iter().any(|g| model_only.matches(g))
+        {
+            &mut c.filtered_gpu_model
+        } else if n > 0
+            && req.gpu_mem_min_mib > 0
+            && !node.all_gpus.iter().any(|g| filter.matches(g))
+        {
+            &mut c.filtered_gpu_memory
+        } else if node.all_gpus.iter().filter(|g| filter.matches(g)).count() < n
+            || !totals(node.id).fits(&scalars)
+        {
+            &mut c.filtered_too_small
+        } else if node.free.gpus < need.gpus
+            || node
+                .free_gpus
+                .iter()
+                .filter(|g| g.healthy && filter.matches(g))
+                .count()
+                < n
+        {
+            &mut c.exhausted_gpus
+        } else if need.cpus > node.free.cpus + 1e-9 {
+            &mut c.exhausted_cpus
+        } else if need.mem_mib > node.free.mem_mib {
+            &mut c.exhausted_memory
+        } else {
+            &mut c.fit_one
+        };
+        *slot += 1;
+    }
+    c
 }
 
 #[cfg(test)]
@@ -986,6 +1075,22 @@ mod tests {
         }
     }
 
+    fn ask(count: u32, model: Option<&str>, mem_min_mib: u64) -> GpuAsk {
+        GpuAsk {
+            count,
+            model: model.map(String::from),
+            mem_min_mib,
+        }
+    }
+
+    fn missing(need: Requirement, among: Vec<Requirement>, largest: Option<f64>) -> NeverFits {
+        NeverFits::Missing {
+            need,
+            among,
+            largest,
+        }
+    }
+
     #[test]
     fn unsatisfiable_reasons() {
         let mut nodes = vec![
@@ -1003,54 +1108,96 @@ mod tests {
         let why =
             |r: &TaskRequest, nodes: &[Node]| unsatisfiable(r, &views(nodes), &totals_of(nodes));
         assert_eq!(why(&req(8), &nodes), None);
-        assert_eq!(why(&req(9), &nodes).unwrap(), "no agent has 9 GPUs");
-        assert_eq!(why(&req(1), &[]).unwrap(), "no active agent");
+        // "no agent has 9 GPUs (at most 8)"
+        assert_eq!(
+            why(&req(9), &nodes),
+            Some(missing(
+                Requirement::Gpus(ask(9, None, 0)),
+                vec![],
+                Some(8.0)
+            ))
+        );
+        assert_eq!(why(&req(1), &[]), Some(NeverFits::NoActiveAgent));
 
         let mut r = req(1);
         r.gpu_model = Some("V100*");
-        assert_eq!(why(&r, &nodes).unwrap(), "no agent has GPU model V100*");
+        assert_eq!(
+            why(&r, &nodes),
+            Some(missing(
+                Requirement::GpuModel(ask(1, Some("V100*"), 0)),
+                vec![],
+                None
+            ))
+        );
+        // The model narrowed the agents, but no agent has 9 GPUs at all.
         r.gpu_model = Some("A100*");
         r.resources.gpus = 9;
         assert_eq!(
-            why(&r, &nodes).unwrap(),
-            "no agent has 9 GPUs of model A100*"
+            why(&r, &nodes),
+            Some(missing(
+                Requirement::Gpus(ask(9, Some("A100*"), 0)),
+                vec![],
+                Some(8.0)
+            ))
         );
+        // The most memory of one GPU of the model.
         r.resources.gpus = 4;
         r.gpu_mem_min_mib = 98304;
         assert_eq!(
-            why(&r, &nodes).unwrap(),
-            "no agent has a GPU of model A100* with at least 98304 MiB"
+            why(&r, &nodes),
+            Some(missing(
+                Requirement::GpuMemory(ask(4, Some("A100*"), 98304)),
+                vec![],
+                Some(81920.0)
+            ))
         );
         r.gpu_model = None;
         assert_eq!(
-            why(&r, &nodes).unwrap(),
-            "no agent has a GPU with at least 98304 MiB"
+            why(&r, &nodes),
+            Some(missing(
+                Requirement::GpuMemory(ask(4, None, 98304)),
+                vec![],
+                Some(81920.0)
+            ))
         );
         r.gpu_mem_min_mib = 81920;
         r.resources.gpus = 9;
         assert_eq!(
-            why(&r, &nodes).unwrap(),
-            "no agent has 9 GPUs with at least 81920 MiB"
+            why(&r, &nodes),
+            Some(missing(
+                Requirement::Gpus(ask(9, None, 81920)),
+                vec![],
+                Some(8.0)
+            ))
         );
         r.resources.gpus = 8;
         assert_eq!(why(&r, &nodes), None);
 
+        let zone = |pattern: &str| Requirement::Attribute {
+            key: "zone".into(),
+            pattern: pattern.into(),
+        };
         let mut c = BTreeMap::from([("zone".to_string(), "us-west".to_string())]);
         let mut r = req(1);
         r.constraints = &c;
         assert_eq!(
-            why(&r, &nodes).unwrap(),
-            "no agent has attribute zone=us-west"
+            why(&r, &nodes),
+            Some(missing(zone("us-west"), vec![], None))
         );
         c.insert("zone".into(), "us-*".into());
         let mut r = req(1);
         r.constraints = &c;
         assert_eq!(why(&r, &nodes), None);
-        // Each requirement alone is met, not together.
+        // Each requirement alone is met, not together: the most is of the
+        // agents with the attribute.
         r.resources.gpus = 8;
         assert_eq!(
-            why(&r, &nodes).unwrap(),
-            "no agent has 8 GPUs among those that have zone=us-*"
+            why(&r, &nodes),
+            Some(missing(
+                Requirement::Gpus(ask(8, None, 0)),
+                vec![zone("us-*")],
+                Some(4.0)
+            ))
         );
 
         let mut r = req(1);
@@ -1058,30 +1205,48 @@ mod tests {
         assert_eq!(why(&r, &nodes), None);
         r.gpu_model = Some("H100*");
         assert_eq!(
-            why(&r, &nodes).unwrap(),
-            "no agent has GPU model H100* among those that run docker"
+            why(&r, &nodes),
+            Some(missing(
+                Requirement::GpuModel(ask(1, Some("H100*"), 0)),
+                vec![Requirement::Runtime(Runtime::Docker)],
+                None
+            ))
         );
         nodes[0].runtimes = vec![Runtime::Process];
-        assert_eq!(why(&r, &nodes).unwrap(), "no agent runs docker");
+        assert_eq!(
+            why(&r, &nodes),
+            Some(missing(Requirement::Runtime(Runtime::Docker), vec![], None))
+        );
 
         let mut r = req(0);
         r.resources.cpus = 64.0;
-        assert_eq!(why(&r, &nodes).unwrap(), "no agent has 64 cpus");
+        assert_eq!(
+            why(&r, &nodes),
+            Some(missing(Requirement::Cpus(64.0), vec![], Some(32.0)))
+        );
         r.resources.cpus = 1.5;
         r.resources.mem_mib = 1 << 20;
         assert_eq!(
-            why(&r, &nodes).unwrap(),
-            "no agent has 1048576 MiB of memory"
+            why(&r, &nodes),
+            Some(missing(
+                Requirement::Memory(1 << 20),
+                vec![],
+                Some(262_144.0)
+            ))
         );
-        // Requirements met apart, not together: the GPU need is named.
+        // Requirements met apart, not together: the GPU need is named once.
         let mut r = req(8);
         r.gpu_model = Some("A100*");
         r.resources.cpus = 24.0;
         nodes[1].total.cpus = 16.0;
         nodes[2].total.cpus = 48.0;
         assert_eq!(
-            why(&r, &nodes).unwrap(),
-            "no agent has 24 cpus among those that have 8 GPUs of model A100*"
+            why(&r, &nodes),
+            Some(missing(
+                Requirement::Cpus(24.0),
+                vec![Requirement::Gpus(ask(8, Some("A100*"), 0))],
+                Some(16.0)
+            ))
         );
         r.resources.gpus = 2;
         assert_eq!(why(&r, &nodes), None);
@@ -1089,13 +1254,64 @@ mod tests {
         r.gpu_mem_min_mib = 81920;
         r.gpu_model = Some("*");
         assert_eq!(
-            why(&r, &nodes).unwrap(),
-            "no agent has 24 cpus among those that have 8 GPUs of model * with at least 81920 MiB"
+            why(&r, &nodes),
+            Some(missing(
+                Requirement::Cpus(24.0),
+                vec![Requirement::Gpus(ask(8, Some("*"), 81920))],
+                Some(16.0)
+            ))
         );
         // 0-GPU tasks ignore the GPU model.
         let mut r = req(0);
         r.gpu_model = Some("V100");
         assert_eq!(why(&r, &nodes), None);
+    }
+
+    #[test]
+    fn agent_counts_name_what_each_agent_lacks_first() {
+        let mut nodes = vec![
+            Node::new("docker-less", 8, "A100-SXM4-80GB", 81920),
+            Node::new("zone-b", 8, "A100-SXM4-80GB", 81920),
+            Node::new("h100", 8, "H100-80GB-HBM3", 81920),
+            Node::new("small-gpus", 8, "A100-SXM4-40GB", 40960),
+            Node::new("two", 2, "A100-SXM4-80GB", 81920),
+            Node::new("busy-gpus", 8, "A100-SXM4-80GB", 81920),
+            Node::new("busy-cpus", 8, "A100-SXM4-80GB", 81920),
+            Node::new("busy-mem", 8, "A100-SXM4-80GB", 81920),
+            Node::new("free", 8, "A100-SXM4-80GB", 81920),
+        ];
+        nodes[0].runtimes = vec![Runtime::Process];
+        for n in &mut nodes[1..] {
+            n.attributes.insert("zone".into(), "a".into());
+        }
+        nodes[1].attributes.insert("zone".into(), "b".into());
+        nodes[5].held = nodes[5].gpus[..6].iter().map(|g| g.uuid.clone()).collect();
+        nodes[6].free.cpus = 0.5;
+        nodes[7].free.mem_mib = 10;
+        let constraints = BTreeMap::from([("zone".to_string(), "a".to_string())]);
+        let r = TaskRequest {
+            runtime: Runtime::Docker,
+            gpu_model: Some("A100*"),
+            gpu_mem_min_mib: 81920,
+            constraints: &constraints,
+            ..req(4)
+        };
+        let got = agent_counts(&r, &views(&nodes), &totals_of(&nodes));
+        assert_eq!(
+            got,
+            AgentCounts {
+                agents: 9,
+                filtered_runtime: 1,
+                filtered_constraints: 1,
+                filtered_gpu_model: 1,
+                filtered_gpu_memory: 1,
+                filtered_too_small: 1,
+                exhausted_gpus: 1,
+                exhausted_cpus: 1,
+                exhausted_memory: 1,
+                fit_one: 1,
+            }
+        );
     }
 
     /// "Bundle leaves room for the largest job" fails when any condition of
@@ -1569,6 +1785,22 @@ mod tests {
                         prop_assert!(place_task(r, &v, PlacementPolicy::Bundle).is_none());
                         prop_assert!(place_task(r, &v, PlacementPolicy::Spread).is_none());
                     }
+                    // Each node is counted once, and some node has room for
+                    // the task exactly when it is placed.
+                    let c = agent_counts(r, &v, &totals);
+                    let counted = c.filtered_runtime
+                        + c.filtered_constraints
+                        + c.filtered_gpu_model
+                        + c.filtered_gpu_memory
+                        + c.filtered_too_small
+                        + c.exhausted_gpus
+                        + c.exhausted_cpus
+                        + c.exhausted_memory
+                        + c.fit_one;
+                    prop_assert_eq!(counted as usize, v.len());
+                    prop_assert_eq!(c.agents as usize, v.len());
+                    let placed = place_task(r, &v, PlacementPolicy::Bundle).is_some();
+                    prop_assert_eq!(c.fit_one > 0, placed, "{:?}", c);
                     Ok(())
                 })?;
             }

@@ -33,6 +33,9 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use gpuctl_core::types::{GpuInfo, JobId, JobState, PlacementPolicy, Resources};
 
 use super::placement::{self, model_matches, Placement, TaskRequest};
+use super::reason::{
+    AgentCounts, AgentIds, Dimension, NeverFits, Requeued, SetAside, WaitReason, Waiting,
+};
 use super::{may_use, policy_of, request, reservations, Pool};
 use crate::state::{job_seq, JobRecord, State, Stopping};
 
@@ -54,16 +57,14 @@ pub struct Preemption {
 #[derive(Debug, Default)]
 pub struct QueuePlan {
     pub preemption: Option<Preemption>,
-    /// Why each queued job waits, in one line (`gpuctl jobs list`).
-    pub reasons: BTreeMap<JobId, String>,
+    /// Why each queued job waits (`gpuctl jobs list` renders it).
+    pub reasons: BTreeMap<JobId, Waiting>,
 }
 
 /// The pass over the queue (see the module's doc).
 pub fn plan(state: &State, cfg: &QueueConfig) -> QueuePlan {
     let reserved = reservations(state);
     let real = Pool::from_state(state);
-    let mut sim = Pool::from_state(state);
-    let mut usage = jobs_usage(state);
     let empty = empty_views(state);
     let real = real.views(&|_| true);
     let totals: HashMap<&str, Resources> = empty.iter().map(|n| (n.id, n.free)).collect();
@@ -76,13 +77,24 @@ pub fn plan(state: &State, cfg: &QueueConfig) -> QueuePlan {
         empty: &empty,
         totals: &totals,
         preempted_for: &preempted_for,
-        never_fits: Default::default(),
+        known: Default::default(),
         set_aside: set_aside(state),
+    };
+    let mut walk = Walk {
+        sim: Pool::from_state(state),
+        usage: jobs_usage(state),
+        first_taker: HashMap::new(),
     };
     let mut out = QueuePlan::default();
     for job in state.queued_jobs() {
-        let base = pass_job(&ctx, &mut sim, &mut usage, job, &mut out);
-        out.reasons.insert(job.id.clone(), decorate(job, base));
+        let reason = pass_job(&ctx, &mut walk, job, &mut out);
+        out.reasons.insert(
+            job.id.clone(),
+            Waiting {
+                reason,
+                requeued: requeued(job),
+            },
+        );
     }
     out
 }
@@ -102,7 +114,7 @@ pub fn may_preempt(state: &State) -> bool {
 }
 
 /// The reason for one job, for a caller that wants only that.
-pub fn wait_reason(state: &State, cfg: &QueueConfig, job_id: &str) -> Option<String> {
+pub fn wait_reason(state: &State, cfg: &QueueConfig, job_id: &str) -> Option<Waiting> {
     plan(state, cfg).reasons.remove(job_id)
 }
 
@@ -119,16 +131,45 @@ struct PassCtx<'p, 's> {
     totals: &'p HashMap<&'s str, Resources>,
     /// Tasks being preempted for each queued job.
     preempted_for: &'p HashMap<&'s str, usize>,
-    /// `never_fits` by what a job asks.
-    never_fits: std::cell::RefCell<HashMap<String, Option<String>>>,
+    /// What depends only on what a job asks (queues are often many copies
+    /// of a few specs), by [`ask_key`].
+    known: std::cell::RefCell<HashMap<String, Known>>,
     /// Agents left out because they take no new tasks now (draining or
     /// unreachable), for the reason of a job that fits nowhere else.
-    set_aside: String,
+    set_aside: SetAside,
 }
 
-/// " (not counting agents draining: a1; unreachable: a2)", or "" when every
-/// agent that is not LOST takes new tasks.
-fn set_aside(state: &State) -> String {
+#[derive(Default)]
+struct Known {
+    never_fits: Option<NeverFits>,
+    /// Worked out for the first such job waiting for resources.
+    busy: Option<AgentCounts>,
+}
+
+/// What changes as the pass walks the queue.
+struct Walk<'s> {
+    /// What is free once the jobs before take theirs.
+    sim: Pool<'s>,
+    /// What gpuctl's jobs hold, for the quota.
+    usage: Resources,
+    /// The first job of the walk to take resources on each agent: who a
+    /// job that fits what is free now waits behind.
+    first_taker: HashMap<String, JobId>,
+}
+
+impl<'s> Walk<'s> {
+    fn take(&mut self, job: &JobRecord, resources: &Resources, ps: &[Placement]) {
+        for p in ps {
+            self.sim.take(&p.node, resources, &p.gpus);
+            if !self.first_taker.contains_key(&p.node) {
+                self.first_taker.insert(p.node.clone(), job.id.clone());
+            }
+        }
+    }
+}
+
+/// Agents that are not LOST but take no new tasks (draining, unreachable).
+fn set_aside(state: &State) -> SetAside {
     use crate::state::AgentState;
     let mut draining = Vec::new();
     let mut unreachable = Vec::new();
@@ -139,32 +180,30 @@ fn set_aside(state: &State) -> String {
             _ => {}
         }
     }
-    let mut parts = Vec::new();
-    for (what, ids) in [("draining", draining), ("unreachable", unreachable)] {
-        if !ids.is_empty() {
-            let more = if ids.len() > 3 {
-                format!(" and {} more", ids.len() - 3)
-            } else {
-                String::new()
-            };
-            let shown: Vec<&str> = ids.into_iter().take(3).collect();
-            parts.push(format!("{what}: {}{more}", shown.join(", ")));
-        }
+    SetAside {
+        draining: AgentIds::of(draining),
+        unreachable: AgentIds::of(unreachable),
     }
-    if parts.is_empty() {
-        String::new()
-    } else {
-        format!(" (not counting agents {})", parts.join("; "))
-    }
+}
+
+/// Jobs alike in what they ask share what [`Known`] holds.
+fn ask_key(job: &JobRecord) -> String {
+    let spec = &job.spec;
+    format!(
+        "{:?}|{:?}|{:?}|{}",
+        spec.resources,
+        spec.runtime(),
+        spec.placement,
+        spec.replicas()
+    )
 }
 
 fn pass_job<'s>(
     ctx: &PassCtx<'_, 's>,
-    sim: &mut Pool<'s>,
-    usage: &mut Resources,
+    walk: &mut Walk<'s>,
     job: &'s JobRecord,
     out: &mut QueuePlan,
-) -> String {
+) -> WaitReason {
     let PassCtx {
         state,
         cfg,
@@ -177,56 +216,57 @@ fn pass_job<'s>(
     let req = request(spec);
     let replicas = spec.replicas();
     let policy = policy_of(spec, cfg.default_policy);
-    // Jobs alike in what they ask share the answer (queues are often many
-    // copies of a few specs).
-    let key = format!(
-        "{:?}|{:?}|{:?}|{replicas}",
-        spec.resources,
-        spec.runtime(),
-        spec.placement
-    );
+    let key = ask_key(job);
     let never = ctx
-        .never_fits
+        .known
         .borrow_mut()
-        .entry(key)
-        .or_insert_with(|| never_fits(ctx.totals, empty, &req, replicas))
+        .entry(key.clone())
+        .or_insert_with(|| Known {
+            never_fits: never_fits(ctx.totals, empty, &req, replicas),
+            busy: None,
+        })
+        .never_fits
         .clone();
     if let Some(why) = never {
-        return format!("{why}{}", ctx.set_aside);
+        return WaitReason::NeverFits {
+            why,
+            set_aside: ctx.set_aside.clone(),
+        };
     }
     let need = times(&spec.resources, replicas);
     if let Some(q) = cfg.jobs_quota {
-        if !q.fits(&usage.add(&need)) {
-            return quota_reason(&q, usage, &need);
+        if !q.fits(&walk.usage.add(&need)) {
+            return quota_reason(&q, &walk.usage, &need);
         }
     }
     let stopping_for_it = ctx.preempted_for.get(job.id.as_str()).copied().unwrap_or(0);
-    let fits = placement::place_gang(&req, replicas, &sim.usable_views(reserved, job), policy);
+    let fits = placement::place_gang(
+        &req,
+        replicas,
+        &walk.sim.usable_views(reserved, job),
+        policy,
+    );
     if let Some(ps) = fits {
-        for p in &ps {
-            sim.take(&p.node, &spec.resources, &p.gpus);
-        }
-        *usage = usage.add(&need);
+        walk.take(job, &spec.resources, &ps);
+        walk.usage = walk.usage.add(&need);
         return if stopping_for_it > 0 {
             preempting_reason(stopping_for_it)
         } else {
-            "Scheduling: resources are free; starting it".into()
+            WaitReason::Starting
         };
     }
     if out.preemption.is_none() {
-        if let Some((victims, ps)) = find_victims(state, sim, reserved, job, &req, policy) {
+        if let Some((victims, ps)) = find_victims(state, &walk.sim, reserved, job, &req, policy) {
             let mut freed = 0;
             for v in &victims {
                 for t in live_tasks(state, v) {
-                    sim.give(&t.agent_id, &t.resources, &t.gpu_uuids);
-                    *usage = usage.saturating_sub(&t.resources);
+                    walk.sim.give(&t.agent_id, &t.resources, &t.gpu_uuids);
+                    walk.usage = walk.usage.saturating_sub(&t.resources);
                     freed += 1;
                 }
             }
-            for p in &ps {
-                sim.take(&p.node, &spec.resources, &p.gpus);
-            }
-            *usage = usage.add(&need);
+            walk.take(job, &spec.resources, &ps);
+            walk.usage = walk.usage.add(&need);
             out.preemption = Some(Preemption {
                 job_id: job.id.clone(),
                 victims,
@@ -237,62 +277,86 @@ fn pass_job<'s>(
     if stopping_for_it > 0 {
         return preempting_reason(stopping_for_it);
     }
-    if placement::place_gang(&req, replicas, real, policy).is_some() {
-        return "Priority: the free resources it fits go to jobs ahead of it (higher priority, or older)".into();
+    if let Some(ps) = placement::place_gang(&req, replicas, real, policy) {
+        return priority_reason(ctx, walk, job, &ps);
     }
-    "Resources: waiting for resources to be freed".into()
+    let totals = |id: &str| ctx.totals.get(id).copied().unwrap_or_default();
+    let counts = *ctx
+        .known
+        .borrow_mut()
+        .entry(key)
+        .or_default()
+        .busy
+        .get_or_insert_with(|| placement::agent_counts(&req, real, &totals));
+    WaitReason::Resources(counts)
 }
 
-/// A requeued job says why it was requeued.
-fn decorate(job: &JobRecord, base: String) -> String {
-    let mut s = match &job.preempted_by {
-        Some(by) => format!("PREEMPTED by {by}; {base}"),
-        None => base,
-    };
-    if job.retries > 0 {
-        s.push_str(&format!(
-            " (retry {} of {}",
-            job.retries, job.spec.max_retries
-        ));
-        if !job.message.is_empty() && job.preempted_by.is_none() {
-            s.push_str(&format!(" after {}", job.message));
+/// A job that fits what is free now waits behind the first job of the walk
+/// that took resources on one of the agents it would use, or behind the
+/// preemptor an agent is kept for.
+fn priority_reason(ctx: &PassCtx, walk: &Walk, job: &JobRecord, ps: &[Placement]) -> WaitReason {
+    for p in ps {
+        if !may_use(ctx.reserved, job, &p.node) {
+            if let Some((by, _)) = ctx.reserved.get(&p.node) {
+                return WaitReason::Priority {
+                    blocked_by: Some(by.clone()),
+                    kept_for_preemption: true,
+                };
+            }
         }
-        s.push(')');
-    } else if job.preempted_by.is_none() && !job.task_ids.is_empty() && !job.message.is_empty() {
-        // Back without using a retry: its GPU failed under it.
-        s.push_str(&format!(" (requeued after {})", job.message));
+        if let Some(by) = walk.first_taker.get(&p.node) {
+            return WaitReason::Priority {
+                blocked_by: Some(by.clone()),
+                kept_for_preemption: false,
+            };
+        }
     }
-    s
+    WaitReason::Priority {
+        blocked_by: None,
+        kept_for_preemption: false,
+    }
 }
 
-fn preempting_reason(n: usize) -> String {
-    format!(
-        "Preempting: waiting for {n} task{} of lower priority to stop",
-        if n == 1 { "" } else { "s" }
-    )
+/// How a requeued job came back: preempted, retried after a failure, or
+/// requeued without a retry (its GPU failed under it).
+fn requeued(job: &JobRecord) -> Option<Requeued> {
+    let preempted_by = job.preempted_by.clone();
+    let after = (!job.message.is_empty()
+        && preempted_by.is_none()
+        && (job.retries > 0 || !job.task_ids.is_empty()))
+    .then(|| job.message.clone());
+    let back = preempted_by.is_some() || job.retries > 0 || after.is_some();
+    back.then_some(Requeued {
+        preempted_by,
+        retries: job.retries,
+        max_retries: job.spec.max_retries,
+        after,
+    })
 }
 
-fn quota_reason(q: &Resources, usage: &Resources, need: &Resources) -> String {
-    let mut parts = Vec::new();
+fn preempting_reason(n: usize) -> WaitReason {
+    WaitReason::Preempting {
+        waiting_for_tasks: u32::try_from(n).unwrap_or(u32::MAX),
+    }
+}
+
+fn quota_reason(q: &Resources, usage: &Resources, need: &Resources) -> WaitReason {
+    let mut over = Vec::new();
     if need.gpus > 0 && usage.gpus.saturating_add(need.gpus) > q.gpus {
-        parts.push(format!(
-            "{} GPUs in use + {} asked > {}",
-            usage.gpus, need.gpus, q.gpus
-        ));
+        over.push(Dimension::Gpus);
     }
     if usage.cpus + need.cpus > q.cpus + 1e-9 {
-        parts.push(format!(
-            "{} cpus in use + {} asked > {}",
-            usage.cpus, need.cpus, q.cpus
-        ));
+        over.push(Dimension::Cpus);
     }
     if usage.mem_mib.saturating_add(need.mem_mib) > q.mem_mib {
-        parts.push(format!(
-            "{} MiB in use + {} asked > {}",
-            usage.mem_mib, need.mem_mib, q.mem_mib
-        ));
+        over.push(Dimension::Memory);
     }
-    format!("Quota: the jobs role's quota: {}", parts.join(", "))
+    WaitReason::Quota {
+        used: *usage,
+        asked: *need,
+        limit: *q,
+        over,
+    }
 }
 
 /// Every agent that takes new tasks (active, not draining) as if empty:
@@ -320,7 +384,7 @@ fn never_fits(
     nodes: &[placement::NodeView],
     req: &TaskRequest,
     replicas: u32,
-) -> Option<String> {
+) -> Option<NeverFits> {
     let totals = |id: &str| totals.get(id).copied().unwrap_or_default();
     if let Some(why) = placement::unsatisfiable(req, nodes, &totals) {
         return Some(why);
@@ -328,11 +392,10 @@ fn never_fits(
     if replicas > 1
         && placement::place_gang(req, replicas, nodes, PlacementPolicy::Bundle).is_none()
     {
-        let g = req.resources.gpus;
-        return Some(format!(
-            "the agents cannot hold {replicas} replicas of {g} GPU{} at once",
-            if g == 1 { "" } else { "s" }
-        ));
+        return Some(NeverFits::Gang {
+            replicas,
+            gpus: req.resources.gpus,
+        });
     }
     None
 }
@@ -773,7 +836,15 @@ mod tests {
         assert_eq!(v, vec![p0a, p0b]);
         assert!(!v.contains(&p1));
         let r = &h.plan().reasons[&hi];
-        assert!(r.starts_with("Preempting: waiting for 2 tasks"), "{r}");
+        assert_eq!(
+            *r,
+            Waiting {
+                reason: WaitReason::Preempting {
+                    waiting_for_tasks: 2
+                },
+                requeued: None
+            }
+        );
     }
 
     #[test]
@@ -824,8 +895,14 @@ mod tests {
         let lower = h.submit(2, 0, 1);
         let p = h.plan();
         assert!(p.preemption.is_none());
-        assert!(p.reasons[&eq].starts_with("Resources:"), "{:?}", p.reasons);
-        assert!(p.reasons[&lower].starts_with("Resources:"));
+        // The one agent could run them, but its GPUs are held.
+        let busy = WaitReason::Resources(AgentCounts {
+            agents: 1,
+            exhausted_gpus: 1,
+            ..Default::default()
+        });
+        assert_eq!(p.reasons[&eq].reason, busy, "{:?}", p.reasons);
+        assert_eq!(p.reasons[&lower].reason, busy);
     }
 
     #[test]
@@ -855,10 +932,30 @@ mod tests {
         let small = h.submit(1, 0, 1);
         let plan = h.plan();
         assert!(plan.preemption.is_none());
-        assert!(plan.reasons[&hi].starts_with("Preempting: waiting for 1 task"));
+        assert_eq!(
+            plan.reasons[&hi].reason,
+            WaitReason::Preempting {
+                waiting_for_tasks: 1
+            }
+        );
         h.report(&format!("{low}.0"), TaskState::Killed, None);
-        let r = &h.plan().reasons[&low];
-        assert!(r.starts_with(&format!("PREEMPTED by {hi}; ")), "{r}");
+        // The victim, back in the queue, says by whom; the preemptor is
+        // ahead of it on what is free.
+        assert_eq!(
+            h.plan().reasons[&low],
+            Waiting {
+                reason: WaitReason::Priority {
+                    blocked_by: Some(hi.clone()),
+                    kept_for_preemption: false
+                },
+                requeued: Some(Requeued {
+                    preempted_by: Some(hi.clone()),
+                    retries: 0,
+                    max_retries: 0,
+                    after: None
+                })
+            }
+        );
         // Now the GPUs are free: the preemptor first, then what fits behind.
         let mut started = h.schedule();
         started.sort();
@@ -888,8 +985,13 @@ mod tests {
             h.schedule().is_empty(),
             "nothing placed on the reserved agent"
         );
-        let r = &h.plan().reasons[&filler];
-        assert!(r.starts_with("Priority:"), "{r}");
+        assert_eq!(
+            h.plan().reasons[&filler].reason,
+            WaitReason::Priority {
+                blocked_by: Some(hi.clone()),
+                kept_for_preemption: true
+            }
+        );
         // A job of higher priority than the preemptor may use it.
         let urgent = h.submit(2, 9, 1);
         assert_eq!(h.schedule(), vec![urgent]);
@@ -911,7 +1013,14 @@ mod tests {
         let g = h.submit(2, 5, 2);
         let p = h.plan();
         assert!(p.preemption.is_none());
-        assert!(p.reasons[&g].starts_with("Resources:"), "{}", p.reasons[&g]);
+        assert_eq!(
+            p.reasons[&g].reason,
+            WaitReason::Resources(AgentCounts {
+                agents: 2,
+                exhausted_gpus: 2,
+                ..Default::default()
+            })
+        );
     }
 
     #[test]
@@ -935,12 +1044,28 @@ mod tests {
         let g = h.submit(2, 0, 2);
         assert!(h.schedule().is_empty());
         assert!(h.s.jobs()[&g].task_ids.is_empty());
-        let r = &h.plan().reasons[&g];
-        assert!(r.starts_with("Resources:"), "{r}");
+        // One agent has room for one replica, not two.
+        assert_eq!(
+            h.plan().reasons[&g].reason,
+            WaitReason::Resources(AgentCounts {
+                agents: 2,
+                exhausted_gpus: 1,
+                fit_one: 1,
+                ..Default::default()
+            })
+        );
         // One that could never fit says so.
         let big = h.submit(2, 0, 3);
-        let r = &h.plan().reasons[&big];
-        assert_eq!(r, "the agents cannot hold 3 replicas of 2 GPUs at once");
+        assert_eq!(
+            h.plan().reasons[&big].reason,
+            WaitReason::NeverFits {
+                why: NeverFits::Gang {
+                    replicas: 3,
+                    gpus: 2
+                },
+                set_aside: SetAside::default()
+            }
+        );
     }
 
     #[test]
@@ -970,9 +1095,19 @@ mod tests {
         };
         let p = plan(&h.s, &cfg);
         assert!(p.preemption.is_none());
+        let res = |gpus| Resources {
+            cpus: 1.0,
+            mem_mib: 0,
+            gpus,
+        };
         assert_eq!(
-            p.reasons[&hi],
-            "Quota: the jobs role's quota: 2 GPUs in use + 2 asked > 3"
+            p.reasons[&hi].reason,
+            WaitReason::Quota {
+                used: res(2),
+                asked: res(2),
+                limit: cfg.jobs_quota.unwrap(),
+                over: vec![Dimension::Gpus]
+            }
         );
     }
 
@@ -996,13 +1131,26 @@ mod tests {
         let plan = h.plan();
         assert_eq!(
             plan.reasons[&j],
-            format!(
-                "Scheduling: resources are free; starting it \
-                 (retry 1 of 2 after task {j}.0 exited with code 2)"
-            )
+            Waiting {
+                reason: WaitReason::Starting,
+                requeued: Some(Requeued {
+                    preempted_by: None,
+                    retries: 1,
+                    max_retries: 2,
+                    after: Some(format!("task {j}.0 exited with code 2"))
+                })
+            }
         );
-        let r = &plan.reasons[&later];
-        assert!(r.starts_with("Priority:"), "{r}");
+        assert_eq!(
+            plan.reasons[&later],
+            Waiting {
+                reason: WaitReason::Priority {
+                    blocked_by: Some(j.clone()),
+                    kept_for_preemption: false
+                },
+                requeued: None
+            }
+        );
         assert_eq!(
             h.schedule(),
             vec![j.clone()],

@@ -17,6 +17,7 @@ use tonic::{Request, Response, Status};
 use super::{jobs_page, reply, Ctx, Missing, ServiceError};
 use crate::now_ms;
 use crate::scheduler::queue;
+use crate::scheduler::reason::Waiting;
 use crate::state::{AgentRecord, AgentState, Command, JobRecord, Outcome, State, TaskRecord};
 
 pub struct OperatorService {
@@ -38,16 +39,14 @@ pub fn task_to_pb(t: &TaskRecord) -> pb::Task {
 }
 
 /// A job as the API shows it; `reasons` says why queued jobs wait (see
-/// `scheduler::queue`), and is the message of a QUEUED job. A job with
-/// tasks on an unreachable agent says so (it stays RUNNING meanwhile).
-pub fn job_to_pb(state: &State, j: &JobRecord, reasons: &BTreeMap<String, String>) -> pb::Job {
-    let message = if j.state == JobState::Queued {
-        reasons.get(&j.id).cloned().unwrap_or_default()
-    } else if let Some(why) = unreachable_note(state, j) {
-        why
-    } else {
-        j.message.clone()
-    };
+/// `scheduler::queue`), as data: the CLI words it. A job with tasks on an
+/// unreachable agent says so in its message (it stays RUNNING meanwhile).
+pub fn job_to_pb(state: &State, j: &JobRecord, reasons: &BTreeMap<String, Waiting>) -> pb::Job {
+    let message = unreachable_note(state, j).unwrap_or_else(|| j.message.clone());
+    let wait_reason = (j.state == JobState::Queued)
+        .then(|| reasons.get(&j.id))
+        .flatten()
+        .map(pb::WaitReason::from);
     pb::Job {
         id: j.id.clone(),
         spec: Some(j.spec.clone().into()),
@@ -62,6 +61,7 @@ pub fn job_to_pb(state: &State, j: &JobRecord, reasons: &BTreeMap<String, String
         message,
         retries: j.retries,
         preemptions: j.preemptions,
+        wait_reason,
     }
 }
 
@@ -549,5 +549,53 @@ impl OperatorService {
         req: pb::RemoveMasterRequest,
     ) -> Result<pb::ListMastersResponse, ServiceError> {
         super::masters::remove(&self.ctx, req).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_queued_job_carries_why_it_waits_as_data_and_its_own_message() {
+        use crate::scheduler::reason::WaitReason;
+        use crate::state::testkit::Driver;
+        use gpuctl_core::types::Resources;
+        let mut d = Driver::new(&[("a", 1)]);
+        let submit = |d: &mut Driver, gpus| {
+            let spec = JobSpec::new(
+                "j",
+                vec!["true".into()],
+                Resources {
+                    cpus: 1.0,
+                    mem_mib: 0,
+                    gpus,
+                },
+            );
+            match d.apply(Command::SubmitJob {
+                spec,
+                at_ms: 0,
+                request_id: None,
+            }) {
+                Ok(Outcome::JobSubmitted { job_id }) => job_id,
+                o => panic!("{o:?}"),
+            }
+        };
+        let big = submit(&mut d, 8);
+        let small = submit(&mut d, 1);
+        d.launch_at(&small, &[("a", &["GPU-a-0"])], 1).unwrap();
+        let reasons = queue::plan(&d.s, &Default::default()).reasons;
+        let j = job_to_pb(&d.s, &d.s.jobs()[&big], &reasons);
+        assert_eq!(j.message, "", "the words are the client's");
+        let w = j.wait_reason.expect("a reason");
+        assert!(
+            matches!(
+                Waiting::try_from(&w).map(|w| w.reason),
+                Ok(WaitReason::NeverFits { .. })
+            ),
+            "{w:?}"
+        );
+        let j = job_to_pb(&d.s, &d.s.jobs()[&small], &reasons);
+        assert_eq!(j.wait_reason, None, "not queued");
     }
 }

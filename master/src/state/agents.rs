@@ -739,15 +739,48 @@ mod tests {
 
     #[test]
     fn a_job_that_fits_only_on_agents_set_aside_says_so() {
+        use crate::scheduler::reason::{
+            AgentIds, GpuAsk, NeverFits, Requirement, SetAside, WaitReason,
+        };
         let mut t = T::new(&[("a", 4), ("b", 1)]);
         let j = t.submit(4, |_| {});
         t.drain("a", false, None, 1);
         let cfg = Default::default();
-        let why = crate::scheduler::queue::wait_reason(&t.s, &cfg, &j).unwrap();
-        assert!(why.contains("not counting agents draining: a"), "{why}");
+        let why =
+            |t: &T| match crate::scheduler::queue::wait_reason(&t.s, &cfg, &j).map(|w| w.reason) {
+                Some(WaitReason::NeverFits { why, set_aside }) => (why, set_aside),
+                other => panic!("{other:?}"),
+            };
+        let (never, set_aside) = why(&t);
+        assert_eq!(
+            never,
+            NeverFits::Missing {
+                need: Requirement::Gpus(GpuAsk {
+                    count: 4,
+                    model: None,
+                    mem_min_mib: 0
+                }),
+                among: vec![],
+                largest: Some(1.0)
+            }
+        );
+        assert_eq!(
+            set_aside,
+            SetAside {
+                draining: AgentIds::of(["a"]),
+                unreachable: AgentIds::default()
+            }
+        );
         t.unreachable("b", 2);
-        let why = crate::scheduler::queue::wait_reason(&t.s, &cfg, &j).unwrap();
-        assert!(why.contains("draining: a; unreachable: b"), "{why}");
+        let (never, set_aside) = why(&t);
+        assert_eq!(never, NeverFits::NoActiveAgent);
+        assert_eq!(
+            set_aside,
+            SetAside {
+                draining: AgentIds::of(["a"]),
+                unreachable: AgentIds::of(["b"])
+            }
+        );
     }
 
     #[test]

@@ -1,0 +1,856 @@
+//! Why a queued job waits: the master sends it as data
+//! (`pb::WaitReason`); this is its JSON shape (`wait_reason` in
+//! `jobs get/list --json`) and the one place it becomes words (the
+//! `REASON` column, `reason` in JSON, `jobs get`, `jobs wait`). The words
+//! of each kind are listed in docs/scheduling.md.
+
+use std::fmt;
+
+use gpuctl_proto::pb;
+use gpuctl_proto::pb::wait_reason as wr;
+use serde::{Deserialize, Serialize};
+
+use super::{runtime_name, ResourcesJson};
+
+/// Why a QUEUED job waits, as data.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WaitReasonJson {
+    #[serde(flatten)]
+    pub kind: WaitKindJson,
+    /// How it came back to the queue; `null` for a job never started.
+    pub requeued: Option<RequeuedJson>,
+}
+
+/// The kinds, tagged `kind`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum WaitKindJson {
+    /// No agent that takes tasks could ever run it, even idle.
+    NeverFits {
+        why: NeverFitsJson,
+        set_aside: SetAsideJson,
+    },
+    /// Starting it would take the jobs role past its quota.
+    Quota {
+        used: ResourcesJson,
+        asked: ResourcesJson,
+        limit: ResourcesJson,
+        /// `gpus`, `cpus`, `memory`: where used + asked > limit.
+        over: Vec<String>,
+    },
+    /// The resources are free: it is being placed.
+    Starting,
+    /// Tasks of lower priority are being stopped for it.
+    Preempting { waiting_for_tasks: u32 },
+    /// It fits in what is free, but jobs ahead of it take that first.
+    Priority {
+        blocked_by: Option<String>,
+        kept_for_preemption: bool,
+    },
+    /// Some agent could run it, but not with what is free now.
+    Resources(BusyJson),
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum NeverFitsJson {
+    NoActiveAgent,
+    /// The first requirement no agent meets; `among`: earlier requirements
+    /// that narrowed the agents; `largest`: the most an agent has of it.
+    Missing {
+        need: RequirementJson,
+        among: Vec<RequirementJson>,
+        largest: Option<f64>,
+    },
+    /// A gang the agents cannot hold at once.
+    Gang {
+        replicas: u32,
+        gpus: u32,
+    },
+}
+
+/// One requirement of a job's task, tagged `kind`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum RequirementJson {
+    Runtime { runtime: String },
+    Attribute { key: String, pattern: String },
+    GpuModel(GpuAskJson),
+    GpuMemory(GpuAskJson),
+    Gpus(GpuAskJson),
+    Cpus { cpus: f64 },
+    Memory { mem_mib: u64 },
+}
+
+/// The GPUs a task asks for.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GpuAskJson {
+    pub gpus: u32,
+    pub gpu_model: Option<String>,
+    pub gpu_mem_min_mib: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SetAsideJson {
+    pub draining: AgentIdsJson,
+    pub unreachable: AgentIdsJson,
+}
+
+/// The first few agents' ids and how many there are.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct AgentIdsJson {
+    pub first: Vec<String>,
+    pub count: u32,
+}
+
+/// Every agent that takes tasks, counted once for the first thing it lacks.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct BusyJson {
+    pub agents: u32,
+    pub filtered_runtime: u32,
+    pub filtered_constraints: u32,
+    pub filtered_gpu_model: u32,
+    pub filtered_gpu_memory: u32,
+    pub filtered_too_small: u32,
+    pub exhausted_gpus: u32,
+    pub exhausted_cpus: u32,
+    pub exhausted_memory: u32,
+    pub fit_one: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RequeuedJson {
+    pub preempted_by: Option<String>,
+    pub retries: u32,
+    pub max_retries: u32,
+    /// How its last attempt ended, when that is why it is back.
+    pub after: Option<String>,
+}
+
+fn non_empty(s: &str) -> Option<String> {
+    (!s.is_empty()).then(|| s.to_string())
+}
+
+fn ids(a: Option<&wr::AgentIds>) -> AgentIdsJson {
+    a.map(|a| AgentIdsJson {
+        first: a.first.clone(),
+        count: a.count,
+    })
+    .unwrap_or_default()
+}
+
+impl RequirementJson {
+    /// `None` for a kind this gpuctl does not know (a newer master).
+    fn from_pb(r: &wr::Requirement) -> Option<Self> {
+        use wr::requirement::Kind;
+        let gpus = || GpuAskJson {
+            gpus: r.gpus,
+            gpu_model: non_empty(&r.gpu_model),
+            gpu_mem_min_mib: r.gpu_mem_min_mib,
+        };
+        Some(match Kind::try_from(r.kind).ok()? {
+            Kind::Unspecified => return None,
+            Kind::Runtime => RequirementJson::Runtime {
+                runtime: runtime_name(r.runtime),
+            },
+            Kind::Attribute => RequirementJson::Attribute {
+                key: r.key.clone(),
+                pattern: r.pattern.clone(),
+            },
+            Kind::GpuModel => RequirementJson::GpuModel(gpus()),
+            Kind::GpuMemory => RequirementJson::GpuMemory(gpus()),
+            Kind::Gpus => RequirementJson::Gpus(gpus()),
+            Kind::Cpus => RequirementJson::Cpus { cpus: r.cpus },
+            Kind::Memory => RequirementJson::Memory { mem_mib: r.mem_mib },
+        })
+    }
+}
+
+impl WaitReasonJson {
+    /// `None` when the reason has no kind this gpuctl knows (a newer
+    /// master's): the caller falls back to the job's message.
+    pub fn from_pb(w: &pb::WaitReason) -> Option<Self> {
+        use wr::Kind;
+        let kind = match w.kind.as_ref()? {
+            Kind::NeverFits(n) => WaitKindJson::NeverFits {
+                why: match n.why.as_ref()? {
+                    wr::never_fits::Why::NoActiveAgent(_) => NeverFitsJson::NoActiveAgent,
+                    wr::never_fits::Why::Missing(m) => NeverFitsJson::Missing {
+                        need: RequirementJson::from_pb(m.need.as_ref()?)?,
+                        among: m
+                            .among
+                            .iter()
+                            .map(RequirementJson::from_pb)
+                            .collect::<Option<_>>()?,
+                        largest: m.largest,
+                    },
+                    wr::never_fits::Why::Gang(g) => NeverFitsJson::Gang {
+                        replicas: g.replicas,
+                        gpus: g.gpus,
+                    },
+                },
+                set_aside: SetAsideJson {
+                    draining: ids(n.set_aside.as_ref().and_then(|s| s.draining.as_ref())),
+                    unreachable: ids(n.set_aside.as_ref().and_then(|s| s.unreachable.as_ref())),
+                },
+            },
+            Kind::Quota(q) => WaitKindJson::Quota {
+                used: ResourcesJson::from(q.used.as_ref()),
+                asked: ResourcesJson::from(q.asked.as_ref()),
+                limit: ResourcesJson::from(q.limit.as_ref()),
+                over: q
+                    .over
+                    .iter()
+                    .filter_map(|d| match wr::Dimension::try_from(*d).ok()? {
+                        wr::Dimension::Gpus => Some("gpus"),
+                        wr::Dimension::Cpus => Some("cpus"),
+                        wr::Dimension::Memory => Some("memory"),
+                        wr::Dimension::Unspecified => None,
+                    })
+                    .map(String::from)
+                    .collect(),
+            },
+            Kind::Starting(_) => WaitKindJson::Starting,
+            Kind::Preempting(p) => WaitKindJson::Preempting {
+                waiting_for_tasks: p.waiting_for_tasks,
+            },
+            Kind::Priority(p) => WaitKindJson::Priority {
+                blocked_by: non_empty(&p.blocked_by),
+                kept_for_preemption: p.kept_for_preemption,
+            },
+            Kind::Resources(b) => WaitKindJson::Resources(BusyJson {
+                agents: b.agents,
+                filtered_runtime: b.filtered_runtime,
+                filtered_constraints: b.filtered_constraints,
+                filtered_gpu_model: b.filtered_gpu_model,
+                filtered_gpu_memory: b.filtered_gpu_memory,
+                filtered_too_small: b.filtered_too_small,
+                exhausted_gpus: b.exhausted_gpus,
+                exhausted_cpus: b.exhausted_cpus,
+                exhausted_memory: b.exhausted_memory,
+                fit_one: b.fit_one,
+            }),
+        };
+        Some(WaitReasonJson {
+            kind,
+            requeued: w.requeued.as_ref().map(|r| RequeuedJson {
+                preempted_by: non_empty(&r.preempted_by),
+                retries: r.retries,
+                max_retries: r.max_retries,
+                after: non_empty(&r.after),
+            }),
+        })
+    }
+}
+
+fn plural(n: impl Into<u64>) -> &'static str {
+    if n.into() == 1 {
+        ""
+    } else {
+        "s"
+    }
+}
+
+impl GpuAskJson {
+    /// "8 GPUs of model A100* with at least 81920 MiB".
+    fn words(&self) -> String {
+        let mut s = format!("{} GPU{}", self.gpus, plural(self.gpus));
+        s.push_str(&self.of_model_with_mem());
+        s
+    }
+
+    fn of_model_with_mem(&self) -> String {
+        let mut s = String::new();
+        if let Some(m) = &self.gpu_model {
+            s.push_str(&format!(" of model {m}"));
+        }
+        if self.gpu_mem_min_mib > 0 {
+            s.push_str(&format!(" with at least {} MiB", self.gpu_mem_min_mib));
+        }
+        s
+    }
+}
+
+impl RequirementJson {
+    /// What no agent has: "has GPU model H100*" (after "no agent").
+    fn missing(&self) -> String {
+        match self {
+            RequirementJson::Runtime { runtime } => format!("runs {runtime}"),
+            RequirementJson::Attribute { key, pattern } => {
+                format!("has attribute {key}={pattern}")
+            }
+            RequirementJson::GpuModel(g) => {
+                format!("has GPU model {}", g.gpu_model.as_deref().unwrap_or("*"))
+            }
+            RequirementJson::GpuMemory(g) => format!("has a GPU{}", g.of_model_with_mem()),
+            RequirementJson::Gpus(g) => format!("has {}", g.words()),
+            RequirementJson::Cpus { cpus } => format!("has {cpus} cpus"),
+            RequirementJson::Memory { mem_mib } => format!("has {mem_mib} MiB of memory"),
+        }
+    }
+
+    /// The agents it leaves: "have zone=us-*" (after "among those that").
+    fn qualifier(&self) -> String {
+        match self {
+            RequirementJson::Runtime { runtime } => format!("run {runtime}"),
+            RequirementJson::Attribute { key, pattern } => format!("have {key}={pattern}"),
+            RequirementJson::GpuModel(g)
+            | RequirementJson::GpuMemory(g)
+            | RequirementJson::Gpus(g) => format!("have {}", g.words()),
+            RequirementJson::Cpus { cpus } => format!("have {cpus} cpus"),
+            RequirementJson::Memory { mem_mib } => format!("have {mem_mib} MiB of memory"),
+        }
+    }
+
+    /// "at most 8" for the largest amount an agent has of it.
+    fn at_most(&self, largest: f64) -> Option<String> {
+        match self {
+            RequirementJson::Gpus(_) | RequirementJson::Cpus { .. } => {
+                Some(format!("at most {largest}"))
+            }
+            RequirementJson::GpuMemory(_) | RequirementJson::Memory { .. } => {
+                Some(format!("at most {largest} MiB"))
+            }
+            _ => None,
+        }
+    }
+}
+
+impl AgentIdsJson {
+    /// "a1, a2, a3 and 2 more".
+    fn words(&self) -> String {
+        let more = (self.count as usize).saturating_sub(self.first.len());
+        let mut s = self.first.join(", ");
+        if more > 0 {
+            s.push_str(&format!(" and {more} more"));
+        }
+        s
+    }
+}
+
+impl SetAsideJson {
+    /// "not counting agents draining: a1; unreachable: a2", or `None`.
+    fn words(&self) -> Option<String> {
+        let parts: Vec<String> = [
+            ("draining", &self.draining),
+            ("unreachable", &self.unreachable),
+        ]
+        .into_iter()
+        .filter(|(_, ids)| ids.count > 0)
+        .map(|(what, ids)| format!("{what}: {}", ids.words()))
+        .collect();
+        (!parts.is_empty()).then(|| format!("not counting agents {}", parts.join("; ")))
+    }
+}
+
+impl BusyJson {
+    /// "of 4 agents: 3 short of free GPUs, 1 too small", or `None`.
+    fn words(&self) -> Option<String> {
+        let parts: Vec<String> = [
+            (self.exhausted_gpus, "short of free GPUs"),
+            (self.exhausted_cpus, "short of free cpus"),
+            (self.exhausted_memory, "short of free memory"),
+            (self.fit_one, "with room for one replica"),
+            (self.filtered_runtime, "without the runtime"),
+            (self.filtered_constraints, "not matching the constraints"),
+            (self.filtered_gpu_model, "without the GPU model"),
+            (self.filtered_gpu_memory, "without a GPU with the memory"),
+            (self.filtered_too_small, "too small"),
+        ]
+        .into_iter()
+        .filter(|(n, _)| *n > 0)
+        .map(|(n, what)| format!("{n} {what}"))
+        .collect();
+        (self.agents > 0 && !parts.is_empty()).then(|| {
+            format!(
+                "of {} agent{}: {}",
+                self.agents,
+                plural(self.agents),
+                parts.join(", ")
+            )
+        })
+    }
+}
+
+impl fmt::Display for WaitKindJson {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            WaitKindJson::NeverFits { why, set_aside } => {
+                let mut notes = Vec::new();
+                match why {
+                    NeverFitsJson::NoActiveAgent => write!(f, "no active agent")?,
+                    NeverFitsJson::Missing {
+                        need,
+                        among,
+                        largest,
+                    } => {
+                        write!(f, "no agent {}", need.missing())?;
+                        if !among.is_empty() {
+                            let q: Vec<String> = among.iter().map(|r| r.qualifier()).collect();
+                            write!(f, " among those that {}", q.join(" and "))?;
+                        }
+                        notes.extend(largest.and_then(|l| need.at_most(l)));
+                    }
+                    NeverFitsJson::Gang { replicas, gpus } => write!(
+                        f,
+                        "the agents cannot hold {replicas} replicas of {gpus} GPU{} at once",
+                        plural(*gpus)
+                    )?,
+                }
+                notes.extend(set_aside.words());
+                if !notes.is_empty() {
+                    write!(f, " ({})", notes.join("; "))?;
+                }
+                Ok(())
+            }
+            WaitKindJson::Quota {
+                used,
+                asked,
+                limit,
+                over,
+            } => {
+                let parts: Vec<String> = over
+                    .iter()
+                    .filter_map(|d| match d.as_str() {
+                        "gpus" => Some(format!(
+                            "{} GPUs in use + {} asked > {}",
+                            used.gpus, asked.gpus, limit.gpus
+                        )),
+                        "cpus" => Some(format!(
+                            "{} cpus in use + {} asked > {}",
+                            used.cpus, asked.cpus, limit.cpus
+                        )),
+                        "memory" => Some(format!(
+                            "{} MiB in use + {} asked > {}",
+                            used.mem_mib, asked.mem_mib, limit.mem_mib
+                        )),
+                        _ => None,
+                    })
+                    .collect();
+                write!(f, "Quota: the jobs role's quota: {}", parts.join(", "))
+            }
+            WaitKindJson::Starting => write!(f, "Scheduling: resources are free; starting it"),
+            WaitKindJson::Preempting { waiting_for_tasks } => write!(
+                f,
+                "Preempting: waiting for {waiting_for_tasks} task{} of lower priority to stop",
+                plural(*waiting_for_tasks)
+            ),
+            WaitKindJson::Priority {
+                blocked_by,
+                kept_for_preemption,
+            } => {
+                write!(
+                    f,
+                    "Priority: the free resources it fits go to jobs ahead of it \
+                     (higher priority, or older)"
+                )?;
+                if let Some(by) = blocked_by {
+                    write!(f, ", first {by}")?;
+                    if *kept_for_preemption {
+                        write!(f, " (kept for its preemption)")?;
+                    }
+                }
+                Ok(())
+            }
+            WaitKindJson::Resources(busy) => {
+                write!(f, "Resources: waiting for resources to be freed")?;
+                if let Some(w) = busy.words() {
+                    write!(f, " ({w})")?;
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+/// One line, as `gpuctl jobs list` shows it under `REASON`.
+impl fmt::Display for WaitReasonJson {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let Some(r) = &self.requeued else {
+            return write!(f, "{}", self.kind);
+        };
+        if let Some(by) = &r.preempted_by {
+            write!(f, "PREEMPTED by {by}; ")?;
+        }
+        write!(f, "{}", self.kind)?;
+        if r.retries > 0 {
+            write!(f, " (retry {} of {}", r.retries, r.max_retries)?;
+            if let Some(after) = &r.after {
+                write!(f, " after {after}")?;
+            }
+            write!(f, ")")
+        } else if let Some(after) = &r.after {
+            write!(f, " (requeued after {after})")
+        } else {
+            Ok(())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use wr::requirement::Kind as R;
+
+    fn text(kind: wr::Kind, requeued: Option<wr::Requeued>) -> String {
+        let w = pb::WaitReason {
+            kind: Some(kind),
+            requeued,
+        };
+        WaitReasonJson::from_pb(&w)
+            .expect("a known kind")
+            .to_string()
+    }
+
+    fn req(kind: R) -> wr::Requirement {
+        wr::Requirement {
+            kind: kind as i32,
+            ..Default::default()
+        }
+    }
+
+    fn gpus(kind: R, n: u32, model: &str, mem: u64) -> wr::Requirement {
+        wr::Requirement {
+            gpus: n,
+            gpu_model: model.into(),
+            gpu_mem_min_mib: mem,
+            ..req(kind)
+        }
+    }
+
+    fn missing(
+        need: wr::Requirement,
+        among: Vec<wr::Requirement>,
+        largest: Option<f64>,
+        set_aside: Option<wr::SetAside>,
+    ) -> wr::Kind {
+        wr::Kind::NeverFits(wr::NeverFits {
+            why: Some(wr::never_fits::Why::Missing(wr::Missing {
+                need: Some(need),
+                among,
+                largest,
+            })),
+            set_aside,
+        })
+    }
+
+    #[test]
+    fn never_fits_names_what_no_agent_has() {
+        let runtime = wr::Requirement {
+            runtime: pb::Runtime::Docker as i32,
+            ..req(R::Runtime)
+        };
+        assert_eq!(
+            text(missing(runtime.clone(), vec![], None, None), None),
+            "no agent runs docker"
+        );
+        let zone = wr::Requirement {
+            key: "zone".into(),
+            pattern: "us-*".into(),
+            ..req(R::Attribute)
+        };
+        assert_eq!(
+            text(missing(zone.clone(), vec![], None, None), None),
+            "no agent has attribute zone=us-*"
+        );
+        assert_eq!(
+            text(
+                missing(gpus(R::GpuModel, 1, "H100*", 0), vec![runtime], None, None),
+                None
+            ),
+            "no agent has GPU model H100* among those that run docker"
+        );
+        assert_eq!(
+            text(
+                missing(
+                    gpus(R::GpuMemory, 4, "A100*", 98304),
+                    vec![],
+                    Some(81920.0),
+                    None
+                ),
+                None
+            ),
+            "no agent has a GPU of model A100* with at least 98304 MiB (at most 81920 MiB)"
+        );
+        assert_eq!(
+            text(
+                missing(gpus(R::Gpus, 9, "", 0), vec![], Some(8.0), None),
+                None
+            ),
+            "no agent has 9 GPUs (at most 8)"
+        );
+        assert_eq!(
+            text(
+                missing(gpus(R::Gpus, 8, "", 0), vec![zone], Some(4.0), None),
+                None
+            ),
+            "no agent has 8 GPUs among those that have zone=us-* (at most 4)"
+        );
+        let cpus = wr::Requirement {
+            cpus: 24.0,
+            ..req(R::Cpus)
+        };
+        assert_eq!(
+            text(
+                missing(
+                    cpus,
+                    vec![gpus(R::Gpus, 8, "A100*", 81920)],
+                    Some(16.0),
+                    None
+                ),
+                None
+            ),
+            "no agent has 24 cpus among those that have 8 GPUs of model A100* \
+             with at least 81920 MiB (at most 16)"
+        );
+        let mem = wr::Requirement {
+            mem_mib: 1 << 20,
+            ..req(R::Memory)
+        };
+        assert_eq!(
+            text(missing(mem, vec![], Some(524288.0), None), None),
+            "no agent has 1048576 MiB of memory (at most 524288 MiB)"
+        );
+    }
+
+    #[test]
+    fn never_fits_without_agents_a_gang_and_agents_set_aside() {
+        let set_aside = wr::SetAside {
+            draining: Some(wr::AgentIds {
+                first: vec!["a1".into(), "a2".into(), "a3".into()],
+                count: 5,
+            }),
+            unreachable: Some(wr::AgentIds {
+                first: vec!["b".into()],
+                count: 1,
+            }),
+        };
+        let none = wr::Kind::NeverFits(wr::NeverFits {
+            why: Some(wr::never_fits::Why::NoActiveAgent(wr::NoActiveAgent {})),
+            set_aside: Some(set_aside.clone()),
+        });
+        assert_eq!(
+            text(none, None),
+            "no active agent (not counting agents draining: a1, a2, a3 and 2 more; unreachable: b)"
+        );
+        let gang = wr::Kind::NeverFits(wr::NeverFits {
+            why: Some(wr::never_fits::Why::Gang(wr::Gang {
+                replicas: 3,
+                gpus: 1,
+            })),
+            set_aside: None,
+        });
+        assert_eq!(
+            text(gang, None),
+            "the agents cannot hold 3 replicas of 1 GPU at once"
+        );
+        let draining_only = wr::SetAside {
+            draining: Some(wr::AgentIds {
+                first: vec!["a".into()],
+                count: 1,
+            }),
+            unreachable: None,
+        };
+        assert_eq!(
+            text(
+                missing(
+                    gpus(R::Gpus, 4, "", 0),
+                    vec![],
+                    Some(1.0),
+                    Some(draining_only)
+                ),
+                None
+            ),
+            "no agent has 4 GPUs (at most 1; not counting agents draining: a)"
+        );
+    }
+
+    #[test]
+    fn the_other_kinds() {
+        let res = |cpus, mem_mib, gpus| {
+            Some(pb::Resources {
+                cpus,
+                mem_mib,
+                gpus,
+            })
+        };
+        let quota = wr::Kind::Quota(wr::Quota {
+            used: res(3.0, 1024, 2),
+            asked: res(1.5, 512, 2),
+            limit: res(4.0, 1 << 20, 3),
+            over: vec![wr::Dimension::Gpus as i32, wr::Dimension::Cpus as i32],
+        });
+        assert_eq!(
+            text(quota, None),
+            "Quota: the jobs role's quota: 2 GPUs in use + 2 asked > 3, \
+             3 cpus in use + 1.5 asked > 4"
+        );
+        let quota = wr::Kind::Quota(wr::Quota {
+            used: res(0.0, 4096, 0),
+            asked: res(0.0, 2048, 0),
+            limit: res(0.0, 5000, 0),
+            over: vec![wr::Dimension::Memory as i32],
+        });
+        assert_eq!(
+            text(quota, None),
+            "Quota: the jobs role's quota: 4096 MiB in use + 2048 asked > 5000"
+        );
+        assert_eq!(
+            text(wr::Kind::Starting(wr::Starting {}), None),
+            "Scheduling: resources are free; starting it"
+        );
+        for (n, words) in [(1, "1 task"), (2, "2 tasks")] {
+            let k = wr::Kind::Preempting(wr::Preempting {
+                waiting_for_tasks: n,
+            });
+            assert_eq!(
+                text(k, None),
+                format!("Preempting: waiting for {words} of lower priority to stop")
+            );
+        }
+        let prio = "Priority: the free resources it fits go to jobs ahead of it \
+                    (higher priority, or older)";
+        assert_eq!(
+            text(wr::Kind::Priority(wr::Priority::default()), None),
+            prio
+        );
+        let k = wr::Kind::Priority(wr::Priority {
+            blocked_by: "job-7".into(),
+            kept_for_preemption: false,
+        });
+        assert_eq!(text(k, None), format!("{prio}, first job-7"));
+        let k = wr::Kind::Priority(wr::Priority {
+            blocked_by: "job-7".into(),
+            kept_for_preemption: true,
+        });
+        assert_eq!(
+            text(k, None),
+            format!("{prio}, first job-7 (kept for its preemption)")
+        );
+        assert_eq!(
+            text(wr::Kind::Resources(wr::Busy::default()), None),
+            "Resources: waiting for resources to be freed"
+        );
+        let busy = wr::Busy {
+            agents: 7,
+            filtered_runtime: 1,
+            filtered_constraints: 1,
+            filtered_gpu_model: 1,
+            filtered_gpu_memory: 1,
+            filtered_too_small: 1,
+            exhausted_gpus: 1,
+            exhausted_cpus: 0,
+            exhausted_memory: 0,
+            fit_one: 1,
+        };
+        assert_eq!(
+            text(wr::Kind::Resources(busy), None),
+            "Resources: waiting for resources to be freed (of 7 agents: 1 short of free GPUs, \
+             1 with room for one replica, 1 without the runtime, 1 not matching the constraints, \
+             1 without the GPU model, 1 without a GPU with the memory, 1 too small)"
+        );
+        let busy = wr::Busy {
+            agents: 1,
+            exhausted_cpus: 1,
+            ..Default::default()
+        };
+        assert_eq!(
+            text(wr::Kind::Resources(busy), None),
+            "Resources: waiting for resources to be freed (of 1 agent: 1 short of free cpus)"
+        );
+    }
+
+    #[test]
+    fn requeued_jobs_say_how_they_came_back() {
+        let starting = || wr::Kind::Starting(wr::Starting {});
+        let requeued = |by: &str, retries, after: &str| {
+            Some(wr::Requeued {
+                preempted_by: by.into(),
+                retries,
+                max_retries: 2,
+                after: after.into(),
+            })
+        };
+        assert_eq!(
+            text(
+                starting(),
+                requeued("", 1, "task job-1.0 exited with code 2")
+            ),
+            "Scheduling: resources are free; starting it \
+             (retry 1 of 2 after task job-1.0 exited with code 2)"
+        );
+        assert_eq!(
+            text(starting(), requeued("job-3", 1, "")),
+            "PREEMPTED by job-3; Scheduling: resources are free; starting it (retry 1 of 2)"
+        );
+        assert_eq!(
+            text(starting(), requeued("", 0, "GPU GPU-1 unhealthy")),
+            "Scheduling: resources are free; starting it (requeued after GPU GPU-1 unhealthy)"
+        );
+        assert_eq!(
+            text(starting(), requeued("job-3", 0, "")),
+            "PREEMPTED by job-3; Scheduling: resources are free; starting it"
+        );
+    }
+
+    #[test]
+    fn json_is_tagged_by_kind() {
+        let w = pb::WaitReason {
+            kind: Some(missing(
+                gpus(R::Gpus, 9, "A100*", 0),
+                vec![],
+                Some(8.0),
+                None,
+            )),
+            requeued: Some(wr::Requeued {
+                preempted_by: "job-3".into(),
+                ..Default::default()
+            }),
+        };
+        let j = WaitReasonJson::from_pb(&w).unwrap();
+        let v = serde_json::to_value(&j).unwrap();
+        assert_eq!(
+            v,
+            serde_json::json!({
+                "kind": "never_fits",
+                "why": {
+                    "kind": "missing",
+                    "need": {"kind": "gpus", "gpus": 9, "gpu_model": "A100*", "gpu_mem_min_mib": 0},
+                    "among": [],
+                    "largest": 8.0
+                },
+                "set_aside": {
+                    "draining": {"first": [], "count": 0},
+                    "unreachable": {"first": [], "count": 0}
+                },
+                "requeued": {"preempted_by": "job-3", "retries": 0, "max_retries": 0, "after": null}
+            })
+        );
+        let back: WaitReasonJson = serde_json::from_value(v).unwrap();
+        assert_eq!(back, j);
+        let v = serde_json::to_value(
+            WaitReasonJson::from_pb(&pb::WaitReason {
+                kind: Some(wr::Kind::Preempting(wr::Preempting {
+                    waiting_for_tasks: 2,
+                })),
+                requeued: None,
+            })
+            .unwrap(),
+        )
+        .unwrap();
+        assert_eq!(
+            v,
+            serde_json::json!({"kind": "preempting", "waiting_for_tasks": 2, "requeued": null})
+        );
+    }
+
+    #[test]
+    fn an_unknown_kind_reads_as_none() {
+        assert_eq!(WaitReasonJson::from_pb(&pb::WaitReason::default()), None);
+        let w = pb::WaitReason {
+            kind: Some(missing(req(R::Unspecified), vec![], None, None)),
+            requeued: None,
+        };
+        assert_eq!(WaitReasonJson::from_pb(&w), None);
+    }
+}

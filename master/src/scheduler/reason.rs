@@ -1,0 +1,607 @@
+//! Why a queued job waits, as data: what the queue pass ([`super::queue`])
+//! found while it placed, in the spirit of Nomad's `AllocMetric` (what was
+//! asked, what the agents have, which agents were left out for what).
+//! The master never turns it into words: it goes on the wire as
+//! `pb::WaitReason` (the conversions are here) and the CLI renders it.
+
+use gpuctl_core::convert::{runtime_from_pb, ConvertError};
+use gpuctl_core::types::{AgentId, JobId, Resources, Runtime};
+use gpuctl_proto::pb;
+use gpuctl_proto::pb::wait_reason as wr;
+
+/// Why one queued job waits, and how it came back to the queue.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Waiting {
+    pub reason: WaitReason,
+    /// `None` for a job never started.
+    pub requeued: Option<Requeued>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum WaitReason {
+    /// No agent that takes tasks could ever run it, even idle.
+    NeverFits {
+        why: NeverFits,
+        /// Agents left out because they take no new tasks now: the job
+        /// might fit there.
+        set_aside: SetAside,
+    },
+    /// Starting it would take the jobs role past its quota.
+    Quota {
+        /// What gpuctl's jobs hold (tasks being stopped aside).
+        used: Resources,
+        /// What this job asks, all replicas.
+        asked: Resources,
+        limit: Resources,
+        /// Where `used + asked > limit`.
+        over: Vec<Dimension>,
+    },
+    /// The resources are free: it is being placed.
+    Starting,
+    /// Tasks of lower priority are being stopped for it.
+    Preempting { waiting_for_tasks: u32 },
+    /// It fits in what is free, but jobs ahead of it (higher priority, or
+    /// older) take that first.
+    Priority {
+        /// The first job ahead of it that takes resources on an agent where
+        /// it would fit now (or that the agent is kept for).
+        blocked_by: Option<JobId>,
+        /// That agent is kept for `blocked_by`, which is preempting there.
+        kept_for_preemption: bool,
+    },
+    /// Some agent could run it, but not with what is free now.
+    Resources(AgentCounts),
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum NeverFits {
+    NoActiveAgent,
+    /// The first requirement (runtime, constraints, GPU model, GPU memory,
+    /// GPU count, cpus, memory) that no agent meets.
+    Missing {
+        need: Requirement,
+        /// Earlier requirements that narrowed the agents, when some agent
+        /// meets `need` alone but none of those left. The GPU ones are
+        /// named once, as [`Requirement::Gpus`]; none when `need` is one.
+        among: Vec<Requirement>,
+        /// The most one of those agents has of `need`, in its unit: GPUs,
+        /// MiB of one GPU, cpus, MiB of memory. `None` for the kinds
+        /// without an amount.
+        largest: Option<f64>,
+    },
+    /// A gang the agents cannot hold at once (each replica alone fits).
+    Gang {
+        replicas: u32,
+        gpus: u32,
+    },
+}
+
+/// One requirement of a job's task.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Requirement {
+    Runtime(Runtime),
+    /// An agent attribute matching a glob.
+    Attribute {
+        key: String,
+        pattern: String,
+    },
+    /// Some GPU of the model.
+    GpuModel(GpuAsk),
+    /// Some GPU of the model with the memory.
+    GpuMemory(GpuAsk),
+    /// All the GPUs asked, of the model, with the memory.
+    Gpus(GpuAsk),
+    /// Cpus in all.
+    Cpus(f64),
+    /// MiB of memory in all.
+    Memory(u64),
+}
+
+/// The GPUs one task asks for: each GPU requirement carries the whole ask,
+/// which is what an agent that meets it has.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuAsk {
+    pub count: u32,
+    pub model: Option<String>,
+    pub mem_min_mib: u64,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SetAside {
+    pub draining: AgentIds,
+    pub unreachable: AgentIds,
+}
+
+/// Agents named in a reason: the first few and how many in all (a reason
+/// is one line, and a cluster may drain a whole rack).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AgentIds {
+    pub first: Vec<AgentId>,
+    pub count: u32,
+}
+
+impl AgentIds {
+    /// How many ids are kept.
+    pub const SHOWN: usize = 3;
+
+    pub fn of<'a>(ids: impl IntoIterator<Item = &'a str>) -> AgentIds {
+        let mut out = AgentIds::default();
+        for id in ids {
+            if out.first.len() < Self::SHOWN {
+                out.first.push(id.to_string());
+            }
+            out.count = out.count.saturating_add(1);
+        }
+        out
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dimension {
+    Gpus,
+    Cpus,
+    Memory,
+}
+
+/// Every agent that takes tasks, counted once for the first thing it
+/// lacks (Nomad's "nodes filtered" and "dimension exhausted").
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct AgentCounts {
+    pub agents: u32,
+    /// Left out whatever is free, by the requirement they fail.
+    pub filtered_runtime: u32,
+    pub filtered_constraints: u32,
+    pub filtered_gpu_model: u32,
+    pub filtered_gpu_memory: u32,
+    /// Fewer GPUs of the model and memory, cpus or memory in all than one
+    /// task asks.
+    pub filtered_too_small: u32,
+    /// Could run a task, but short of it now.
+    pub exhausted_gpus: u32,
+    pub exhausted_cpus: u32,
+    pub exhausted_memory: u32,
+    /// Could take one task now: a gang waits for room for all replicas.
+    pub fit_one: u32,
+}
+
+/// How a job came back to the queue.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Requeued {
+    pub preempted_by: Option<JobId>,
+    /// Failed attempts started again so far.
+    pub retries: u32,
+    pub max_retries: u32,
+    /// How its last attempt ended, when that is why it is back.
+    pub after: Option<String>,
+}
+
+// ------------------------------------------------------------ to the wire
+
+fn non_empty(s: &str) -> Option<String> {
+    (!s.is_empty()).then(|| s.to_string())
+}
+
+impl From<&Waiting> for pb::WaitReason {
+    fn from(w: &Waiting) -> Self {
+        let kind = match &w.reason {
+            WaitReason::NeverFits { why, set_aside } => wr::Kind::NeverFits(wr::NeverFits {
+                why: Some(match why {
+                    NeverFits::NoActiveAgent => {
+                        wr::never_fits::Why::NoActiveAgent(wr::NoActiveAgent {})
+                    }
+                    NeverFits::Missing {
+                        need,
+                        among,
+                        largest,
+                    } => wr::never_fits::Why::Missing(wr::Missing {
+                        need: Some(need.into()),
+                        among: among.iter().map(Into::into).collect(),
+                        largest: *largest,
+                    }),
+                    NeverFits::Gang { replicas, gpus } => wr::never_fits::Why::Gang(wr::Gang {
+                        replicas: *replicas,
+                        gpus: *gpus,
+                    }),
+                }),
+                set_aside: Some(wr::SetAside {
+                    draining: Some((&set_aside.draining).into()),
+                    unreachable: Some((&set_aside.unreachable).into()),
+                }),
+            }),
+            WaitReason::Quota {
+                used,
+                asked,
+                limit,
+                over,
+            } => wr::Kind::Quota(wr::Quota {
+                used: Some((*used).into()),
+                asked: Some((*asked).into()),
+                limit: Some((*limit).into()),
+                over: over
+                    .iter()
+                    .map(|d| wr::Dimension::from(*d) as i32)
+                    .collect(),
+            }),
+            WaitReason::Starting => wr::Kind::Starting(wr::Starting {}),
+            WaitReason::Preempting { waiting_for_tasks } => wr::Kind::Preempting(wr::Preempting {
+                waiting_for_tasks: *waiting_for_tasks,
+            }),
+            WaitReason::Priority {
+                blocked_by,
+                kept_for_preemption,
+            } => wr::Kind::Priority(wr::Priority {
+                blocked_by: blocked_by.clone().unwrap_or_default(),
+                kept_for_preemption: *kept_for_preemption,
+            }),
+            WaitReason::Resources(c) => wr::Kind::Resources(wr::Busy {
+                agents: c.agents,
+                filtered_runtime: c.filtered_runtime,
+                filtered_constraints: c.filtered_constraints,
+                filtered_gpu_model: c.filtered_gpu_model,
+                filtered_gpu_memory: c.filtered_gpu_memory,
+                filtered_too_small: c.filtered_too_small,
+                exhausted_gpus: c.exhausted_gpus,
+                exhausted_cpus: c.exhausted_cpus,
+                exhausted_memory: c.exhausted_memory,
+                fit_one: c.fit_one,
+            }),
+        };
+        pb::WaitReason {
+            kind: Some(kind),
+            requeued: w.requeued.as_ref().map(|r| wr::Requeued {
+                preempted_by: r.preempted_by.clone().unwrap_or_default(),
+                retries: r.retries,
+                max_retries: r.max_retries,
+                after: r.after.clone().unwrap_or_default(),
+            }),
+        }
+    }
+}
+
+impl From<&Requirement> for wr::Requirement {
+    fn from(r: &Requirement) -> Self {
+        use wr::requirement::Kind;
+        let gpus = |kind: Kind, g: &GpuAsk| wr::Requirement {
+            kind: kind as i32,
+            gpus: g.count,
+            gpu_model: g.model.clone().unwrap_or_default(),
+            gpu_mem_min_mib: g.mem_min_mib,
+            ..Default::default()
+        };
+        match r {
+            Requirement::Runtime(rt) => wr::Requirement {
+                kind: Kind::Runtime as i32,
+                runtime: pb::Runtime::from(*rt) as i32,
+                ..Default::default()
+            },
+            Requirement::Attribute { key, pattern } => wr::Requirement {
+                kind: Kind::Attribute as i32,
+                key: key.clone(),
+                pattern: pattern.clone(),
+                ..Default::default()
+            },
+            Requirement::GpuModel(g) => gpus(Kind::GpuModel, g),
+            Requirement::GpuMemory(g) => gpus(Kind::GpuMemory, g),
+            Requirement::Gpus(g) => gpus(Kind::Gpus, g),
+            Requirement::Cpus(cpus) => wr::Requirement {
+                kind: Kind::Cpus as i32,
+                cpus: *cpus,
+                ..Default::default()
+            },
+            Requirement::Memory(mem_mib) => wr::Requirement {
+                kind: Kind::Memory as i32,
+                mem_mib: *mem_mib,
+                ..Default::default()
+            },
+        }
+    }
+}
+
+impl From<&AgentIds> for wr::AgentIds {
+    fn from(a: &AgentIds) -> Self {
+        wr::AgentIds {
+            first: a.first.clone(),
+            count: a.count,
+        }
+    }
+}
+
+impl From<Dimension> for wr::Dimension {
+    fn from(d: Dimension) -> Self {
+        match d {
+            Dimension::Gpus => wr::Dimension::Gpus,
+            Dimension::Cpus => wr::Dimension::Cpus,
+            Dimension::Memory => wr::Dimension::Memory,
+        }
+    }
+}
+
+// ---------------------------------------------------------- from the wire
+
+type Result<T> = std::result::Result<T, ConvertError>;
+
+fn missing(field: &str) -> ConvertError {
+    ConvertError::new(field, "missing")
+}
+
+/// Plain copies: a reason's amounts are the master's own, not checked as a
+/// job's ask (a quota may be unbounded).
+fn resources(field: &str, r: Option<&pb::Resources>) -> Result<Resources> {
+    let r = r.ok_or_else(|| missing(field))?;
+    Ok(Resources {
+        cpus: r.cpus,
+        mem_mib: r.mem_mib,
+        gpus: r.gpus,
+    })
+}
+
+fn ids(a: Option<&wr::AgentIds>) -> AgentIds {
+    a.map(|a| AgentIds {
+        first: a.first.clone(),
+        count: a.count,
+    })
+    .unwrap_or_default()
+}
+
+impl TryFrom<&wr::Requirement> for Requirement {
+    type Error = ConvertError;
+
+    fn try_from(r: &wr::Requirement) -> Result<Self> {
+        use wr::requirement::Kind;
+        let gpus = || GpuAsk {
+            count: r.gpus,
+            model: non_empty(&r.gpu_model),
+            mem_min_mib: r.gpu_mem_min_mib,
+        };
+        Ok(match Kind::try_from(r.kind) {
+            Ok(Kind::Runtime) => Requirement::Runtime(runtime_from_pb("runtime", r.runtime)?),
+            Ok(Kind::Attribute) => Requirement::Attribute {
+                key: r.key.clone(),
+                pattern: r.pattern.clone(),
+            },
+            Ok(Kind::GpuModel) => Requirement::GpuModel(gpus()),
+            Ok(Kind::GpuMemory) => Requirement::GpuMemory(gpus()),
+            Ok(Kind::Gpus) => Requirement::Gpus(gpus()),
+            Ok(Kind::Cpus) => Requirement::Cpus(r.cpus),
+            Ok(Kind::Memory) => Requirement::Memory(r.mem_mib),
+            Ok(Kind::Unspecified) | Err(_) => {
+                return Err(ConvertError::new(
+                    "kind",
+                    format!("unknown requirement {}", r.kind),
+                ))
+            }
+        })
+    }
+}
+
+impl TryFrom<&pb::WaitReason> for Waiting {
+    type Error = ConvertError;
+
+    fn try_from(w: &pb::WaitReason) -> Result<Self> {
+        let reason = match w.kind.as_ref().ok_or_else(|| missing("kind"))? {
+            wr::Kind::NeverFits(n) => WaitReason::NeverFits {
+                why: match n.why.as_ref().ok_or_else(|| missing("never_fits.why"))? {
+                    wr::never_fits::Why::NoActiveAgent(_) => NeverFits::NoActiveAgent,
+                    wr::never_fits::Why::Missing(m) => NeverFits::Missing {
+                        need: m
+                            .need
+                            .as_ref()
+                            .ok_or_else(|| missing("never_fits.missing.need"))?
+                            .try_into()?,
+                        among: m
+                            .among
+                            .iter()
+                            .map(Requirement::try_from)
+                            .collect::<Result<_>>()?,
+                        largest: m.largest,
+                    },
+                    wr::never_fits::Why::Gang(g) => NeverFits::Gang {
+                        replicas: g.replicas,
+                        gpus: g.gpus,
+                    },
+                },
+                set_aside: SetAside {
+                    draining: ids(n.set_aside.as_ref().and_then(|s| s.draining.as_ref())),
+                    unreachable: ids(n.set_aside.as_ref().and_then(|s| s.unreachable.as_ref())),
+                },
+            },
+            wr::Kind::Quota(q) => WaitReason::Quota {
+                used: resources("quota.used", q.used.as_ref())?,
+                asked: resources("quota.asked", q.asked.as_ref())?,
+                limit: resources("quota.limit", q.limit.as_ref())?,
+                over: q
+                    .over
+                    .iter()
+                    .map(|d| match wr::Dimension::try_from(*d) {
+                        Ok(wr::Dimension::Gpus) => Ok(Dimension::Gpus),
+                        Ok(wr::Dimension::Cpus) => Ok(Dimension::Cpus),
+                        Ok(wr::Dimension::Memory) => Ok(Dimension::Memory),
+                        _ => Err(ConvertError::new(
+                            "quota.over",
+                            format!("unknown dimension {d}"),
+                        )),
+                    })
+                    .collect::<Result<_>>()?,
+            },
+            wr::Kind::Starting(_) => WaitReason::Starting,
+            wr::Kind::Preempting(p) => WaitReason::Preempting {
+                waiting_for_tasks: p.waiting_for_tasks,
+            },
+            wr::Kind::Priority(p) => WaitReason::Priority {
+                blocked_by: non_empty(&p.blocked_by),
+                kept_for_preemption: p.kept_for_preemption,
+            },
+            wr::Kind::Resources(b) => WaitReason::Resources(AgentCounts {
+                agents: b.agents,
+                filtered_runtime: b.filtered_runtime,
+                filtered_constraints: b.filtered_constraints,
+                filtered_gpu_model: b.filtered_gpu_model,
+                filtered_gpu_memory: b.filtered_gpu_memory,
+                filtered_too_small: b.filtered_too_small,
+                exhausted_gpus: b.exhausted_gpus,
+                exhausted_cpus: b.exhausted_cpus,
+                exhausted_memory: b.exhausted_memory,
+                fit_one: b.fit_one,
+            }),
+        };
+        Ok(Waiting {
+            reason,
+            requeued: w.requeued.as_ref().map(|r| Requeued {
+                preempted_by: non_empty(&r.preempted_by),
+                retries: r.retries,
+                max_retries: r.max_retries,
+                after: non_empty(&r.after),
+            }),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gpus(count: u32, model: Option<&str>, mem_min_mib: u64) -> GpuAsk {
+        GpuAsk {
+            count,
+            model: model.map(String::from),
+            mem_min_mib,
+        }
+    }
+
+    fn round_trip(w: Waiting) {
+        let wire = pb::WaitReason::from(&w);
+        // Through the bytes too: what the CLI decodes.
+        let bytes = prost::Message::encode_to_vec(&wire);
+        let decoded: pb::WaitReason = prost::Message::decode(bytes.as_slice()).expect("decodes");
+        assert_eq!(Waiting::try_from(&decoded), Ok(w));
+    }
+
+    #[test]
+    fn every_kind_round_trips_through_the_wire() {
+        let set_aside = SetAside {
+            draining: AgentIds::of(["a1", "a2", "a3", "a4"]),
+            unreachable: AgentIds::of(["b"]),
+        };
+        assert_eq!(set_aside.draining.first, ["a1", "a2", "a3"]);
+        assert_eq!(set_aside.draining.count, 4);
+        let res = |cpus, mem_mib, gpus| Resources {
+            cpus,
+            mem_mib,
+            gpus,
+        };
+        let requeued = Some(Requeued {
+            preempted_by: Some("job-3".into()),
+            retries: 1,
+            max_retries: 2,
+            after: Some("task job-1.0 exited with code 2".into()),
+        });
+        let reasons = [
+            WaitReason::NeverFits {
+                why: NeverFits::NoActiveAgent,
+                set_aside: set_aside.clone(),
+            },
+            WaitReason::NeverFits {
+                why: NeverFits::Missing {
+                    need: Requirement::Cpus(24.5),
+                    among: vec![
+                        Requirement::Runtime(Runtime::Docker),
+                        Requirement::Attribute {
+                            key: "zone".into(),
+                            pattern: "us-*".into(),
+                        },
+                        Requirement::Gpus(gpus(8, Some("A100*"), 81920)),
+                    ],
+                    largest: Some(16.0),
+                },
+                set_aside: SetAside::default(),
+            },
+            WaitReason::NeverFits {
+                why: NeverFits::Missing {
+                    need: Requirement::GpuModel(gpus(1, Some("H100*"), 0)),
+                    among: vec![Requirement::Runtime(Runtime::Process)],
+                    largest: None,
+                },
+                set_aside: SetAside::default(),
+            },
+            WaitReason::NeverFits {
+                why: NeverFits::Missing {
+                    need: Requirement::GpuMemory(gpus(2, None, 98304)),
+                    among: vec![Requirement::Memory(1 << 20)],
+                    largest: Some(81920.0),
+                },
+                set_aside: SetAside::default(),
+            },
+            WaitReason::NeverFits {
+                why: NeverFits::Gang {
+                    replicas: 3,
+                    gpus: 2,
+                },
+                set_aside,
+            },
+            WaitReason::Quota {
+                used: res(2.0, 1024, 2),
+                asked: res(1.5, 0, 3),
+                limit: res(f64::MAX, u64::MAX, 2),
+                over: vec![Dimension::Gpus, Dimension::Cpus, Dimension::Memory],
+            },
+            WaitReason::Starting,
+            WaitReason::Preempting {
+                waiting_for_tasks: 2,
+            },
+            WaitReason::Priority {
+                blocked_by: None,
+                kept_for_preemption: false,
+            },
+            WaitReason::Priority {
+                blocked_by: Some("job-7".into()),
+                kept_for_preemption: true,
+            },
+            WaitReason::Resources(AgentCounts {
+                agents: 45,
+                filtered_runtime: 1,
+                filtered_constraints: 2,
+                filtered_gpu_model: 3,
+                filtered_gpu_memory: 4,
+                filtered_too_small: 5,
+                exhausted_gpus: 6,
+                exhausted_cpus: 7,
+                exhausted_memory: 8,
+                fit_one: 9,
+            }),
+        ];
+        for reason in reasons {
+            round_trip(Waiting {
+                reason: reason.clone(),
+                requeued: None,
+            });
+            round_trip(Waiting {
+                reason,
+                requeued: requeued.clone(),
+            });
+        }
+    }
+
+    #[test]
+    fn what_the_wire_lacks_is_named() {
+        let err = Waiting::try_from(&pb::WaitReason::default()).unwrap_err();
+        assert_eq!(err.field, "kind");
+        let mut w = pb::WaitReason::from(&Waiting {
+            reason: WaitReason::NeverFits {
+                why: NeverFits::Missing {
+                    need: Requirement::Cpus(1.0),
+                    among: Vec::new(),
+                    largest: None,
+                },
+                set_aside: SetAside::default(),
+            },
+            requeued: None,
+        });
+        if let Some(wr::Kind::NeverFits(n)) = &mut w.kind {
+            if let Some(wr::never_fits::Why::Missing(m)) = &mut n.why {
+                m.need = Some(wr::Requirement::default());
+            }
+        }
+        let err = Waiting::try_from(&w).unwrap_err();
+        assert!(err.reason.contains("unknown requirement 0"), "{err}");
+    }
+}
