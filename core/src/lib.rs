@@ -17,5 +17,6 @@ pub mod desired;
 pub mod metrics;
 pub mod time;
 pub mod types;
+pub mod wait;
 
 pub use convert::ConvertError;

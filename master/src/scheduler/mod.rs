@@ -12,11 +12,10 @@
 //! block smaller jobs behind it (backfill), except on agents where tasks are
 //! being preempted for a job of higher priority: those are kept for it.
 //! Which jobs to preempt, and why each queued job waits, is [`queue`]
-//! (the why as data: [`reason`]).
+//! (the why as data: `gpuctl_core::wait`).
 
 pub mod placement;
 pub mod queue;
-pub mod reason;
 pub mod runner;
 pub mod topology;
 
@@ -325,6 +324,7 @@ mod tests {
     use super::*;
     use crate::state::Command;
     use gpuctl_core::types::{AgentInfo, GpuInfo, JobSpec, Runtime};
+    use gpuctl_core::wait as reason;
 
     fn agent(id: &str, gpus: u32, runtimes: Vec<Runtime>) -> Command {
         Command::RegisterAgent {

@@ -47,8 +47,8 @@ use std::collections::BTreeMap;
 
 use gpuctl_core::types::{GpuInfo, PlacementPolicy, Resources, Runtime};
 
-use super::reason::{AgentCounts, GpuAsk, NeverFits, Requirement};
 pub use super::topology::choose_gpus;
+use gpuctl_core::wait::{AgentCounts, GpuAsk, NeverFits, Requirement};
 
 /// What one task needs.
 #[derive(Debug, Clone, Copy)]

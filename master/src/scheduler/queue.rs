@@ -33,11 +33,11 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use gpuctl_core::types::{GpuInfo, JobId, JobState, PlacementPolicy, Resources};
 
 use super::placement::{self, model_matches, Placement, TaskRequest};
-use super::reason::{
-    AgentCounts, AgentIds, Dimension, NeverFits, Requeued, SetAside, WaitReason, Waiting,
-};
 use super::{may_use, policy_of, request, reservations, Pool};
 use crate::state::{job_seq, JobRecord, State, Stopping};
+use gpuctl_core::wait::{
+    AgentCounts, AgentIds, Dimension, NeverFits, Requeued, SetAside, WaitReason, Waiting,
+};
 
 /// What the pass needs besides the state.
 #[derive(Debug, Clone, Copy, Default)]

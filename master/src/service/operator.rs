@@ -17,8 +17,8 @@ use tonic::{Request, Response, Status};
 use super::{jobs_page, reply, Ctx, Missing, ServiceError};
 use crate::now_ms;
 use crate::scheduler::queue;
-use crate::scheduler::reason::Waiting;
 use crate::state::{AgentRecord, AgentState, Command, JobRecord, Outcome, State, TaskRecord};
+use gpuctl_core::wait::Waiting;
 
 pub struct OperatorService {
     pub(super) ctx: Ctx,
@@ -558,9 +558,9 @@ mod tests {
 
     #[test]
     fn a_queued_job_carries_why_it_waits_as_data_and_its_own_message() {
-        use crate::scheduler::reason::WaitReason;
         use crate::state::testkit::Driver;
         use gpuctl_core::types::Resources;
+        use gpuctl_core::wait::WaitReason;
         let mut d = Driver::new(&[("a", 1)]);
         let submit = |d: &mut Driver, gpus| {
             let spec = JobSpec::new(

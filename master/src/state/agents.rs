@@ -739,9 +739,7 @@ mod tests {
 
     #[test]
     fn a_job_that_fits_only_on_agents_set_aside_says_so() {
-        use crate::scheduler::reason::{
-            AgentIds, GpuAsk, NeverFits, Requirement, SetAside, WaitReason,
-        };
+        use gpuctl_core::wait::{AgentIds, GpuAsk, NeverFits, Requirement, SetAside, WaitReason};
         let mut t = T::new(&[("a", 4), ("b", 1)]);
         let j = t.submit(4, |_| {});
         t.drain("a", false, None, 1);

@@ -1,13 +1,14 @@
-//! Why a queued job waits, as data: what the queue pass ([`super::queue`])
-//! found while it placed, in the spirit of Nomad's `AllocMetric` (what was
+//! Why a queued job waits, as data: what the master's queue pass
+//! (`scheduler::queue`) found while it placed, in the spirit of Nomad's `AllocMetric` (what was
 //! asked, what the agents have, which agents were left out for what).
 //! The master never turns it into words: it goes on the wire as
-//! `pb::WaitReason` (the conversions are here) and the CLI renders it.
+//! `pb::WaitReason` (the conversions are here, in the pure core beside the
+//! others) and the CLI renders it.
 
-use gpuctl_core::convert::{runtime_from_pb, ConvertError};
-use gpuctl_core::types::{AgentId, JobId, Resources, Runtime};
-use gpuctl_proto::pb;
-use gpuctl_proto::pb::wait_reason as wr;
+use crate::convert::{runtime_from_pb, ConvertError};
+use crate::pb;
+use crate::pb::wait_reason as wr;
+use crate::types::{AgentId, JobId, Resources, Runtime};
 
 /// Why one queued job waits, and how it came back to the queue.
 #[derive(Debug, Clone, PartialEq)]
