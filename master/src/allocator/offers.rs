@@ -130,6 +130,32 @@ impl OfferBook {
             .collect())
     }
 
+    /// Removes and returns those of `offer_ids` that are still outstanding
+    /// offers of `framework_id`, ignoring the rest (unknown, rescinded,
+    /// taken, another framework's). What a failed [`take`](Self::take)
+    /// releases, and what a scheduler that may race with rescinds uses:
+    /// no offer it was sent is ever left outstanding by a bad neighbour.
+    pub fn take_outstanding<S: AsRef<str>>(
+        &mut self,
+        offer_ids: &[S],
+        framework_id: &str,
+    ) -> Vec<Offer> {
+        let mut taken = Vec::new();
+        for id in offer_ids {
+            let Some(n) = self.number(id.as_ref()) else {
+                continue;
+            };
+            if self
+                .offers
+                .get(&n)
+                .is_some_and(|o| o.framework_id == framework_id)
+            {
+                taken.extend(self.offers.remove(&n));
+            }
+        }
+        taken
+    }
+
     /// The number of an id this book issued, if it did.
     fn number(&self, id: &str) -> Option<u64> {
         let digits = id.strip_prefix("offer-")?;

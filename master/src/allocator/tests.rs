@@ -778,6 +778,12 @@ fn offer_book_ids_and_take() {
     // Numbers keep going; a book started later refuses earlier numbers.
     let next = book.record(vec![plan("f1", "a1", &[])], 200);
     assert_eq!(next[0].id, "offer-4");
+    // Taking what is still outstanding skips the rest: offer-1 was taken,
+    // offer-3 is f2's, offer-9 was never made.
+    let taken = book.take_outstanding(&["offer-1", "offer-3", "offer-4", "offer-9"], "f1");
+    let ids: Vec<&str> = taken.iter().map(|o| o.id.as_str()).collect();
+    assert_eq!(ids, vec!["offer-4"]);
+    assert_eq!(book.len(), 1, "only f2's offer-3 is left");
     let mut later = OfferBook::starting_at(1 << 32);
     let o = later.record(vec![plan("f1", "a1", &[])], 0);
     assert_eq!(o[0].id, format!("offer-{}", 1u64 << 32));

@@ -65,6 +65,30 @@ struct Inner {
     sent: BTreeMap<String, (TaskState, Vec<u8>)>,
     lost_agents: BTreeSet<String>,
     last_heartbeat: Option<Instant>,
+    /// Agents with accepted offers being launched on (see `Hub::launching`).
+    launching: BTreeMap<String, usize>,
+}
+
+/// Agents being launched on; dropping it makes them offerable again.
+pub struct Launching<'h> {
+    hub: &'h Hub,
+    agents: BTreeSet<String>,
+}
+
+impl Drop for Launching<'_> {
+    fn drop(&mut self) {
+        let mut g = self.hub.lock();
+        for a in &self.agents {
+            if let Some(n) = g.launching.get_mut(a) {
+                *n = n.saturating_sub(1);
+                if *n == 0 {
+                    g.launching.remove(a);
+                }
+            }
+        }
+        drop(g);
+        self.hub.wake();
+    }
 }
 
 pub struct Hub {
@@ -194,7 +218,10 @@ impl Hub {
         self.lock().conns.contains_key(framework_id)
     }
 
-    /// Takes offers for Accept/Decline (all or nothing).
+    /// Takes offers for Accept/Decline: all or nothing, as the API says.
+    /// When one is at fault, the caller's others are released all the same
+    /// (as Mesos recovers the valid offers of a bad Accept), so that no
+    /// agent waits out the offer timeout behind an offer nobody holds.
     pub fn take_offers(
         &self,
         framework_id: &str,
@@ -202,7 +229,45 @@ impl Hub {
     ) -> Result<Vec<allocator::Offer>, TakeOffersError> {
         let mut g = self.lock();
         let book = g.offers.as_mut().ok_or(TakeOffersError::NotOffering)?;
-        Ok(book.take(offer_ids, framework_id)?)
+        match book.take(offer_ids, framework_id) {
+            Ok(taken) => Ok(taken),
+            Err(e) => {
+                let released = book.take_outstanding(offer_ids, framework_id);
+                drop(g);
+                if !released.is_empty() {
+                    self.wake();
+                }
+                Err(e.into())
+            }
+        }
+    }
+
+    /// Takes those of the offers still outstanding (some may have been
+    /// rescinded since they were sent), for the built-in scheduler.
+    pub fn take_outstanding(
+        &self,
+        framework_id: &str,
+        offer_ids: &[String],
+    ) -> Vec<allocator::Offer> {
+        let mut g = self.lock();
+        g.offers
+            .as_mut()
+            .map(|b| b.take_outstanding(offer_ids, framework_id))
+            .unwrap_or_default()
+    }
+
+    /// Marks agents as launching what was accepted on them until the guard
+    /// drops: nothing of theirs is offered meanwhile, since what is being
+    /// launched is not in the state until its command commits.
+    pub fn launching(&self, agents: &BTreeSet<String>) -> Launching<'_> {
+        let mut g = self.lock();
+        for a in agents {
+            *g.launching.entry(a.clone()).or_default() += 1;
+        }
+        Launching {
+            hub: self,
+            agents: agents.clone(),
+        }
     }
 
     /// Don't offer these agents to the framework until `until_ms`.
@@ -488,7 +553,7 @@ fn allocate(state: &State, g: &mut Inner, settings: &FrameworkSettings, now: u64
     let agents: Vec<AgentView> = state
         .agents()
         .values()
-        .filter(|a| a.accepts_tasks())
+        .filter(|a| a.accepts_tasks() && !g.launching.contains_key(&a.info.id))
         .map(|a| {
             let offered = offered_on.get(&a.info.id).copied().unwrap_or_default();
             AgentView {

@@ -79,6 +79,11 @@ pub fn plan(state: &State, cfg: &QueueConfig) -> QueuePlan {
         preempted_for: &preempted_for,
         known: Default::default(),
         set_aside: set_aside(state),
+        preemptible: state
+            .jobs()
+            .values()
+            .filter(|v| state.preemptible(i32::MAX, &v.id).is_ok())
+            .collect(),
     };
     let mut walk = Walk {
         sim: Pool::from_state(state),
@@ -137,6 +142,10 @@ struct PassCtx<'p, 's> {
     /// Agents left out because they take no new tasks now (draining or
     /// unreachable), for the reason of a job that fits nowhere else.
     set_aside: SetAside,
+    /// The jobs that could be preempted by some priority (running, not
+    /// stopping), found once per pass: looking through every job for each
+    /// queued one made the pass quadratic in the number of jobs.
+    preemptible: Vec<&'s JobRecord>,
 }
 
 #[derive(Default)]
@@ -256,7 +265,7 @@ fn pass_job<'s>(
         };
     }
     if out.preemption.is_none() {
-        if let Some((victims, ps)) = find_victims(state, &walk.sim, reserved, job, &req, policy) {
+        if let Some((victims, ps)) = find_victims(ctx, &walk.sim, job, &req, policy) {
             let mut freed = 0;
             for v in &victims {
                 for t in live_tasks(state, v) {
@@ -498,18 +507,19 @@ type NodeScore = (i32, i64, usize, String);
 /// job's replicas once they are gone; `None` when preempting every job
 /// it may preempt would still not make it fit.
 fn find_victims<'s>(
-    state: &'s State,
+    ctx: &PassCtx<'_, 's>,
     sim: &Pool<'s>,
-    reserved: &BTreeMap<String, (JobId, i32)>,
     job: &JobRecord,
     req: &TaskRequest,
     policy: PlacementPolicy,
 ) -> Option<(Vec<JobId>, Vec<Placement>)> {
+    let (state, reserved) = (ctx.state, ctx.reserved);
     let priority = job.spec.priority;
-    let cands: Vec<Victim> = state
-        .jobs()
-        .values()
-        .filter(|v| state.preemptible(priority, &v.id).is_ok())
+    let cands: Vec<Victim> = ctx
+        .preemptible
+        .iter()
+        .copied()
+        .filter(|v| v.spec.priority < priority)
         .filter_map(|v| {
             let tasks: Vec<_> = live_tasks(state, &v.id).collect();
             if tasks.is_empty() {

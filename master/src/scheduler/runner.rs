@@ -132,6 +132,12 @@ pub async fn run(
 
 /// Places queued jobs on the offers; with nothing waiting, declines them and
 /// suppresses offers until a job is submitted.
+///
+/// Every offer it is sent is answered: those still outstanding are taken
+/// first (an offer rescinded meanwhile is skipped, never a reason to leave
+/// the others outstanding until the offer timeout), what is not launched
+/// on is declined, and the launches of the whole batch are proposed
+/// together so that Raft commits them in few entries.
 async fn handle_offers(
     raft: &RaftHandle,
     hub: &Hub,
@@ -139,39 +145,36 @@ async fn handle_offers(
     default_policy: PlacementPolicy,
 ) {
     let ids: Vec<String> = offers.iter().map(|o| o.id.clone()).collect();
-    let agents: BTreeSet<String> = offers.iter().map(|o| o.agent_id.clone()).collect();
+    let taken = hub.take_outstanding(BUILTIN_FRAMEWORK_ID, &ids);
+    if taken.is_empty() {
+        return;
+    }
+    let agents: BTreeSet<String> = taken.iter().map(|o| o.agent_id.clone()).collect();
+    let decline = |hub: &Hub| {
+        hub.filter(
+            BUILTIN_FRAMEWORK_ID,
+            &agents,
+            refuse_until(now_ms(), Some(DECLINE_SECONDS)),
+        )
+    };
     let launches = {
         let state = raft.state();
         if state.queued_jobs().is_empty() {
             drop(state);
-            if hub.take_offers(BUILTIN_FRAMEWORK_ID, &ids).is_ok() {
-                hub.filter(
-                    BUILTIN_FRAMEWORK_ID,
-                    &agents,
-                    refuse_until(now_ms(), Some(DECLINE_SECONDS)),
-                );
-            }
+            decline(hub);
             hub.suppress(BUILTIN_FRAMEWORK_ID);
             return;
         }
         let mut available: BTreeMap<String, Available> = BTreeMap::new();
-        for o in &offers {
+        for o in &taken {
             let a = available.entry(o.agent_id.clone()).or_default();
-            let r = o.resources.unwrap_or_default();
-            a.resources = a.resources.add(&gpuctl_core::types::Resources {
-                cpus: r.cpus,
-                mem_mib: r.mem_mib,
-                gpus: r.gpus,
-            });
-            a.gpus.extend(o.gpus.iter().map(|g| g.uuid.clone()));
+            a.resources = a.resources.add(&o.resources);
+            a.gpus.extend(o.gpu_uuids.iter().cloned());
         }
         place_in(&state, &available, default_policy)
     };
-    // Accept: the offers are used (what is not launched on is declined).
-    if let Err(e) = hub.take_offers(BUILTIN_FRAMEWORK_ID, &ids) {
-        tracing::debug!(error = %e, "built-in scheduler's offers were rescinded meanwhile");
-        return;
-    }
+    // Until the launches commit, nothing of these agents is offered again.
+    let launching = hub.launching(&agents);
     // One command per job: a gang's launches start together or not at all.
     let mut per_job: Vec<Vec<Launch>> = Vec::new();
     for launch in launches {
@@ -180,13 +183,14 @@ async fn handle_offers(
             _ => per_job.push(vec![launch]),
         }
     }
-    for group in per_job {
+    let at_ms = now_ms();
+    let proposals = per_job.into_iter().map(|group| async move {
         let job_id = group[0].job_id.clone();
         let agents: Vec<String> = group.iter().map(|l| l.agent_id.clone()).collect();
         match raft
             .propose(Command::LaunchTasks {
                 launches: group,
-                at_ms: now_ms(),
+                at_ms,
             })
             .await
         {
@@ -195,12 +199,12 @@ async fn handle_offers(
                 tracing::warn!(job_id = %job_id, agents = ?agents, error = %e, "placement refused")
             }
         }
-    }
-    hub.filter(
-        BUILTIN_FRAMEWORK_ID,
-        &agents,
-        refuse_until(now_ms(), Some(DECLINE_SECONDS)),
-    );
+    });
+    futures::future::join_all(proposals).await;
+    // What was not launched on is declined (briefly: any change while jobs
+    // wait revives offers).
+    decline(hub);
+    drop(launching);
 }
 
 /// Runs the queue pass and proposes the preemption it finds, if any;

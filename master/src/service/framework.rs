@@ -207,6 +207,8 @@ impl SchedulerService {
             e.1.extend(o.gpu_uuids.iter().cloned());
         }
         let agents: BTreeSet<String> = offered.keys().cloned().collect();
+        // Until the launches commit, nothing of these agents is offered.
+        let _launching = self.ctx.hub.launching(&agents);
         let mut used = BTreeMap::new();
         let mut commands = Vec::new();
         for (i, op) in req.operations.into_iter().enumerate() {
