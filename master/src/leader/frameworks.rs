@@ -768,4 +768,57 @@ mod tests {
         assert_eq!(st.reason, pb::Reason::Unspecified as i32);
         assert_eq!(st.uuid, b"u1");
     }
+
+    /// A hub making offers, with framework `f` (subscribed in `s`) connected.
+    fn offering_hub(s: &State, f: &str) -> (Hub, mpsc::Receiver<Result<pb::Event, tonic::Status>>) {
+        let hub = Hub::default();
+        let (tx, rx) = mpsc::channel(EVENT_BUFFER);
+        hub.connect(f, tx);
+        hub.lock().offers = Some(OfferBook::new());
+        assert!(s.framework(f).is_some());
+        (hub, rx)
+    }
+
+    fn offer_ids(hub: &Hub) -> Vec<String> {
+        let g = hub.lock();
+        g.offers
+            .as_ref()
+            .map(|b| b.iter().map(|o| o.id.clone()).collect())
+            .unwrap_or_default()
+    }
+
+    #[test]
+    fn agents_being_launched_on_are_not_offered_until_the_launch_ends() {
+        let (s, key) = running_task();
+        let f = s.task(&key).map(|t| t.framework_id.clone()).unwrap();
+        let (hub, _rx) = offering_hub(&s, &f);
+        let settings = FrameworkSettings::default();
+        let agents: BTreeSet<String> = ["a".to_string()].into();
+        let launching = hub.launching(&agents);
+        assert_eq!(allocate(&s, &mut hub.lock(), &settings, 10), 0);
+        drop(launching);
+        assert_eq!(allocate(&s, &mut hub.lock(), &settings, 10), 1);
+        assert_eq!(offer_ids(&hub).len(), 1);
+    }
+
+    #[test]
+    fn a_failed_take_releases_the_callers_valid_offers() {
+        let (s, key) = running_task();
+        let f = s.task(&key).map(|t| t.framework_id.clone()).unwrap();
+        let (hub, _rx) = offering_hub(&s, &f);
+        let settings = FrameworkSettings::default();
+        assert_eq!(allocate(&s, &mut hub.lock(), &settings, 10), 1);
+        let mut ids = offer_ids(&hub);
+        ids.push("offer-999".into());
+        let err = hub.take_offers(&f, &ids).unwrap_err();
+        assert!(err.to_string().contains("offer-999"), "{err}");
+        assert!(offer_ids(&hub).is_empty(), "the valid offer is released");
+        // Its agent is offered again at once.
+        assert_eq!(allocate(&s, &mut hub.lock(), &settings, 11), 1);
+        // The scheduler's partial take skips what is gone.
+        let mut ids = offer_ids(&hub);
+        ids.push("offer-999".into());
+        assert_eq!(hub.take_outstanding(&f, &ids).len(), 1);
+        assert!(offer_ids(&hub).is_empty());
+    }
 }
