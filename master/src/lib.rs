@@ -107,9 +107,11 @@ pub async fn serve(
         liveness.clone(),
         stop_rx.clone(),
     ));
+    let waits = Arc::new(scheduler::board::WaitBoard::default());
     let jobs_task = tokio::spawn(scheduler::runner::run(
         handle.clone(),
         hub.clone(),
+        waits.clone(),
         config.queue_config(),
         stop_rx.clone(),
     ));
@@ -133,6 +135,7 @@ pub async fn serve(
         config: config.clone(),
         liveness,
         hub,
+        waits,
         shutdown: stop_rx.clone(),
     };
     let (node_done_tx, mut node_done) = watch::channel(());

@@ -705,6 +705,23 @@ pub trait Gpuctl {
         self.json(&["jobs", "get", id, "--json"])
     }
 
+    /// The job once the leader's queue pass has said why it waits (the
+    /// pass publishes reasons after state changes, at most every 250 ms),
+    /// or once it left the queue.
+    fn job_with_reason(&self, id: &str) -> Value {
+        let mut last = Value::Null;
+        let found = try_wait_for(Duration::from_secs(15), || {
+            last = self.job(id);
+            last["state"] != "QUEUED" || last["reason"].as_str().is_some_and(|r| !r.is_empty())
+        });
+        assert!(
+            found,
+            "job {id} got no wait reason; last: {last}\n{}",
+            self.diagnostics()
+        );
+        last
+    }
+
     /// Waits until the job is in `state` (e.g. "RUNNING").
     fn wait_state(&self, id: &str, state: &str, timeout: Duration) -> Value {
         let mut last = Value::Null;

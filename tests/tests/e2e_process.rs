@@ -60,7 +60,7 @@ fn process_jobs_run_and_state_survives_a_master_restart() {
 
     // A job that cannot start waits with a reason.
     let big = c.submit(&["--name", "big", "--gpus", "8", "--", "true"]);
-    let job = c.job(&big);
+    let job = c.job_with_reason(&big);
     assert_eq!(job["state"], "QUEUED");
     assert!(
         job["message"]
@@ -81,7 +81,7 @@ fn process_jobs_run_and_state_survives_a_master_restart() {
         "--",
         "true",
     ]);
-    let job = c.job(&h100);
+    let job = c.job_with_reason(&h100);
     assert_eq!(job["state"], "QUEUED");
     assert_eq!(job["reason"], "no agent has GPU model H100*", "{job}");
     assert_eq!(job["placement"]["gpu_model"], "H100*");
@@ -307,8 +307,7 @@ fn image_jobs_wait_for_an_agent_with_docker() {
     let mut c = Cluster::start(&[]);
     c.add_agent(AgentOpts::default()); // process runtime only
     let j = c.submit(&["--name", "img", "--image", "busybox", "--", "true"]);
-    std::thread::sleep(Duration::from_millis(500));
-    let job = c.job(&j);
+    let job = c.job_with_reason(&j);
     assert_eq!(job["state"], "QUEUED");
     assert_eq!(job["reason"], "no agent runs docker", "{job}");
     // Host-process jobs still run beside it.

@@ -407,8 +407,7 @@ fn drain_moves_new_work_away_kills_at_its_deadline_and_requeues() {
     assert_eq!(job["tasks"][0]["agent_id"], b.as_str(), "{job}");
     // ...and a job only A could hold waits, saying so.
     let only_a = sleeper(&c, &env, "only-a", "2", &[]);
-    std::thread::sleep(Duration::from_millis(1000));
-    let job = c.job(&only_a);
+    let job = c.job_with_reason(&only_a);
     assert_eq!(job["state"], "QUEUED", "{job}");
     let reason = job["reason"].as_str().unwrap_or_default();
     assert!(

@@ -297,7 +297,8 @@ fn critical_events_withdraw_gpus_ignored_xids_do_not_and_metrics_show_it() {
         "{g}"
     );
     // Its task failed; with no healthy GPU left, the job waits, saying why.
-    let j = s.c.wait_state(&job, "QUEUED", Duration::from_secs(30));
+    s.c.wait_state(&job, "QUEUED", Duration::from_secs(30));
+    let j = s.c.job_with_reason(&job);
     assert_eq!(j["tasks"][0]["reason"], "GPU_UNHEALTHY", "{j}");
     let reason = j["reason"].as_str().unwrap();
     assert!(

@@ -124,7 +124,7 @@ fn preemption_stops_the_lowest_priority_and_requeues_it() {
         "{ja}"
     );
     // While A takes its time to stop, H waits for it, and says so.
-    let j = c.job(&h);
+    let j = c.job_with_reason(&h);
     assert_eq!(j["state"], "QUEUED", "H ran before A stopped: {j}");
     assert_eq!(j["priority"], 10);
     assert!(reason(&j).starts_with("Preempting:"), "{j}");
@@ -135,8 +135,8 @@ fn preemption_stops_the_lowest_priority_and_requeues_it() {
 
     c.wait_state(&h, "RUNNING", T);
     // A, the lowest priority, went back to the queue once its task ended.
-    let ja = wait_job_until(&c, &a, "A is requeued", |j| {
-        j["state"] == "QUEUED" && j["tasks"][0]["state"] != "RUNNING"
+    let ja = wait_job_until(&c, &a, "A is requeued, saying why", |j| {
+        j["state"] == "QUEUED" && j["tasks"][0]["state"] != "RUNNING" && !reason(j).is_empty()
     });
     assert_eq!(ja["preemptions"], 1, "{ja}");
     assert_eq!(ja["retries"], 0, "a preemption is no retry: {ja}");
@@ -267,7 +267,9 @@ fn preemption_of_several_victims_is_a_minimal_set() {
     let h = trapper(&c, "h", 3, 1, &[]);
     c.wait_state(&h, "RUNNING", T);
     for v in [&x2, &y] {
-        let j = wait_job_until(&c, v, "requeued", |j| j["state"] == "QUEUED");
+        let j = wait_job_until(&c, v, "requeued, saying why", |j| {
+            j["state"] == "QUEUED" && !reason(j).is_empty()
+        });
         assert_eq!(j["preemptions"], 1, "{j}");
         assert!(reason(&j).starts_with(&format!("PREEMPTED by {h}")), "{j}");
     }

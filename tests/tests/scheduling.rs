@@ -113,8 +113,7 @@ fn gpu_model_memory_and_attributes_choose_the_agent_or_explain_the_wait() {
         ),
     ] {
         let id = sleeper(&c, "never", &args);
-        std::thread::sleep(Duration::from_millis(300));
-        let job = c.job(&id);
+        let job = c.job_with_reason(&id);
         assert_eq!(job["state"], "QUEUED", "{job}");
         assert_eq!(job["reason"], why, "{job}");
         c.ok(&["jobs", "cancel", &id]);
@@ -122,8 +121,7 @@ fn gpu_model_memory_and_attributes_choose_the_agent_or_explain_the_wait() {
     // Both H100 GPUs are busy (the "model" and "memory" jobs): another H100
     // job waits for resources, not for a constraint.
     let id = sleeper(&c, "more", &["--gpus", "1", "--gpu-model", "H100*"]);
-    std::thread::sleep(Duration::from_millis(500));
-    let job = c.job(&id);
+    let job = c.job_with_reason(&id);
     assert_eq!(job["state"], "QUEUED", "{job}");
     assert!(
         job["reason"].as_str().unwrap().starts_with("Resources"),

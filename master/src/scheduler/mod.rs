@@ -14,6 +14,7 @@
 //! Which jobs to preempt, and why each queued job waits, is [`queue`]
 //! (the why as data: `gpuctl_core::wait`).
 
+pub mod board;
 pub mod placement;
 pub mod queue;
 pub mod runner;

@@ -9,7 +9,8 @@
 //!
 //! Preemption does not wait for offers (a full cluster makes none): after
 //! the state changes, while jobs wait, the queue pass (`scheduler::queue`)
-//! runs on the whole state and its preemption, if any, is proposed.
+//! runs on the whole state, its preemption, if any, is proposed, and why
+//! each job waits is published on the `WaitBoard` that the API reads.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -24,6 +25,7 @@ use crate::allocator::refuse_until;
 use crate::leader::frameworks::{Hub, EVENT_BUFFER};
 use crate::now_ms;
 use crate::raft::RaftHandle;
+use crate::scheduler::board::WaitBoard;
 use crate::scheduler::queue::{self, QueueConfig};
 use crate::scheduler::{place_in, Available};
 use crate::state::frameworks::{BUILTIN_FRAMEWORK_ID, JOBS_ROLE};
@@ -44,16 +46,17 @@ fn info() -> FrameworkInfo {
     }
 }
 
-/// How often, at most, the queue pass looks for preemptions; less often
+/// How often, at most, the queue pass runs (reasons, preemptions); less often
 /// when a pass is slow (a huge cluster): its cost times [`PASS_SPACING`], so
 /// the pass (which holds the state's read lock) takes at most a tenth of
 /// the leader's time.
-const PREEMPT_EVERY: Duration = Duration::from_millis(250);
+const PASS_EVERY: Duration = Duration::from_millis(250);
 const PASS_SPACING: u32 = 10;
 
 pub async fn run(
     raft: RaftHandle,
     hub: Arc<Hub>,
+    board: Arc<WaitBoard>,
     cfg: QueueConfig,
     mut shutdown: watch::Receiver<bool>,
 ) {
@@ -98,6 +101,7 @@ pub async fn run(
                 r = status.changed() => {
                     if r.is_err() || !raft.status().serving {
                         hub.disconnect(BUILTIN_FRAMEWORK_ID, conn);
+                        board.clear();
                         break;
                     }
                 }
@@ -110,13 +114,15 @@ pub async fn run(
                     // again, so freed resources reach them at once.
                     if !raft.state().queued_jobs().is_empty() {
                         hub.revive(BUILTIN_FRAMEWORK_ID);
-                        dirty = true;
                     }
+                    // The reasons on the board may be out of date (a job
+                    // submitted, started or gone).
+                    dirty = true;
                 }
                 _ = tokio::time::sleep_until(next_pass), if dirty => {
                     dirty = false;
-                    let cost = preempt(&raft, &cfg).await;
-                    next_pass = tokio::time::Instant::now() + PREEMPT_EVERY.max(cost * PASS_SPACING);
+                    let cost = pass(&raft, &cfg, &board).await;
+                    next_pass = tokio::time::Instant::now() + PASS_EVERY.max(cost * PASS_SPACING);
                 }
                 e = rx.recv() => match e {
                     Some(Ok(pb::Event { event: Some(pb::event::Event::Offers(offers)) })) => {
@@ -207,16 +213,22 @@ async fn handle_offers(
     drop(launching);
 }
 
-/// Runs the queue pass and proposes the preemption it finds, if any;
-/// returns how long the pass took.
-async fn preempt(raft: &RaftHandle, cfg: &QueueConfig) -> Duration {
+/// Runs the queue pass, publishes why each queued job waits, and proposes
+/// the preemption it finds, if any; returns how long the pass took.
+async fn pass(raft: &RaftHandle, cfg: &QueueConfig, board: &WaitBoard) -> Duration {
     let started = std::time::Instant::now();
     let preemption = {
         let state = raft.state();
-        if !queue::may_preempt(&state) {
+        if state.queued_jobs().is_empty() {
+            drop(state);
+            board.clear();
             return started.elapsed();
         }
-        queue::plan(&state, cfg).preemption
+        let plan = queue::plan(&state, cfg);
+        let preemption = plan.preemption.filter(|_| queue::may_preempt(&state));
+        drop(state);
+        board.publish(plan.reasons);
+        preemption
     };
     let cost = started.elapsed();
     let Some(p) = preemption else {

@@ -22,6 +22,7 @@ use tokio::sync::watch;
 use crate::leader::frameworks::Hub;
 use crate::leader::Liveness;
 use crate::raft::RaftHandle;
+use crate::scheduler::board::WaitBoard;
 use crate::MasterConfig;
 
 #[derive(Clone)]
@@ -30,6 +31,8 @@ pub struct Ctx {
     pub config: MasterConfig,
     pub liveness: Arc<Liveness>,
     pub hub: Arc<Hub>,
+    /// Why queued jobs wait, as the leader's last queue pass found it.
+    pub waits: Arc<WaitBoard>,
     pub shutdown: watch::Receiver<bool>,
 }
 

@@ -16,7 +16,6 @@ use tonic::{Request, Response, Status};
 
 use super::{jobs_page, reply, Ctx, Missing, ServiceError};
 use crate::now_ms;
-use crate::scheduler::queue;
 use crate::state::{AgentRecord, AgentState, Command, JobRecord, Outcome, State, TaskRecord};
 use gpuctl_core::wait::Waiting;
 
@@ -315,11 +314,7 @@ impl OperatorService {
         let job = state
             .job(&id)
             .ok_or_else(|| ServiceError::not_found(Missing::Job, &id))?;
-        let reasons = if job.state == JobState::Queued {
-            queue::plan(&state, &self.ctx.config.queue_config()).reasons
-        } else {
-            BTreeMap::new()
-        };
+        let reasons = self.ctx.waits.reasons();
         Ok(job_to_pb(&state, job, &reasons))
     }
 
@@ -329,14 +324,7 @@ impl OperatorService {
     ) -> Result<pb::ListJobsResponse, ServiceError> {
         let req = JobsQuery::try_from(req)?;
         let state = self.ctx.raft.state();
-        // Why queued jobs wait: only worked out when the page may hold one.
-        let queued = state.jobs().values().any(|j| j.state == JobState::Queued)
-            && (req.states.is_empty() || req.states.contains(&JobState::Queued));
-        let reasons = if queued {
-            queue::plan(&state, &self.ctx.config.queue_config()).reasons
-        } else {
-            BTreeMap::new()
-        };
+        let reasons = self.ctx.waits.reasons();
         Ok(jobs_page::page(&state, &req, jobs_page::PAGE_BYTES, |j| {
             job_to_pb(&state, j, &reasons)
         }))
@@ -584,7 +572,7 @@ mod tests {
         let big = submit(&mut d, 8);
         let small = submit(&mut d, 1);
         d.launch_at(&small, &[("a", &["GPU-a-0"])], 1).unwrap();
-        let reasons = queue::plan(&d.s, &Default::default()).reasons;
+        let reasons = crate::scheduler::queue::plan(&d.s, &Default::default()).reasons;
         let j = job_to_pb(&d.s, &d.s.jobs()[&big], &reasons);
         assert_eq!(j.message, "", "the words are the client's");
         let w = j.wait_reason.expect("a reason");
