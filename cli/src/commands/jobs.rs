@@ -7,9 +7,11 @@ use std::time::Duration;
 
 use clap::{Args, Subcommand};
 use gpuctl_core::convert::job_state_name;
+use gpuctl_core::time::Backoff;
 use gpuctl_proto::leader::leader_hint;
 use gpuctl_proto::pb;
 use tokio::time::Instant;
+use tonic::{Code, Status};
 
 use super::{now_ms, parse_secs, CliError, JsonFlag, EXIT_FAILURE, EXIT_OK};
 use crate::client::{may_retry, Master, Retry, RPC_TIMEOUT};
@@ -538,19 +540,141 @@ pub fn wait_exit_code(state: i32) -> u8 {
     }
 }
 
-/// Polls the job every `poll` until it is terminal and returns it. Rides
-/// out a master failover: each poll follows the leader, for up to a minute
-/// while no master can serve it.
+/// How a job's current state reads in a `jobs wait` timeout.
+fn still(job: &pb::Job) -> String {
+    match crate::output::wait_reason(job) {
+        Some(why) => format!("still {}: {why}", job_state_name(job.state)),
+        None => format!("still {}", job_state_name(job.state)),
+    }
+}
+
+/// How following the job's watch stream ended.
+enum Watched {
+    Ended(pb::Job),
+    /// `--timeout` passed.
+    TimedOut,
+    /// A master without `WatchJob`: poll instead.
+    Unsupported,
+}
+
+/// Waits until the job is terminal and returns it, following the master's
+/// `WatchJob` stream (one message per change, no polling); a broken stream
+/// (the leader changed, the master died) is opened again at the leader.
+/// A master too old to watch is polled every `poll`.
 pub async fn wait(
     master: &mut Master,
     id: &str,
     timeout: Option<Duration>,
     poll: Duration,
 ) -> Result<pb::Job, CliError> {
-    let start = Instant::now();
-    let deadline = timeout.map(|t| start + t);
-    let remaining = || deadline.map(|d| d.saturating_duration_since(Instant::now()));
+    let deadline = timeout.map(|t| Instant::now() + t);
     let mut last_state = String::from("unknown state");
+    match watch(master, id, deadline, &mut last_state).await? {
+        Watched::Ended(job) => Ok(job),
+        Watched::TimedOut => {
+            let waited = timeout.unwrap_or_default().as_secs_f64();
+            Err(CliError::Timeout(format!(
+                "timed out after {waited}s waiting for job {id} ({last_state})"
+            )))
+        }
+        Watched::Unsupported => {
+            poll_until_done(master, id, timeout, deadline, poll, last_state).await
+        }
+    }
+}
+
+async fn watch(
+    master: &mut Master,
+    id: &str,
+    deadline: Option<Instant>,
+    last_state: &mut String,
+) -> Result<Watched, CliError> {
+    let remaining = || deadline.map(|d| d.saturating_duration_since(Instant::now()));
+    // Streams in a row that ended with nothing new: a master that keeps
+    // ending them is given up on, with a pause between tries.
+    let mut fruitless = 0;
+    let mut seen: Option<pb::Job> = None;
+    let mut pause = Backoff::new(Duration::from_millis(100), Duration::from_secs(2));
+    loop {
+        let search_until = {
+            let grace = Instant::now() + UNREACHABLE_GRACE;
+            deadline.map_or(grace, |d| d.min(grace))
+        };
+        let opened = master
+            .call_until(Retry::Always, Some(RPC_TIMEOUT), search_until, |mut c| {
+                let req = pb::GetJobRequest {
+                    job_id: id.to_string(),
+                };
+                async move { c.watch_job(req).await }
+            })
+            .await;
+        let mut stream = match opened {
+            Ok(s) => s,
+            Err(CliError::Rpc { status, .. }) if status.code() == Code::Unimplemented => {
+                return Ok(Watched::Unsupported)
+            }
+            // Gave up because --timeout came first: a timeout, not an error.
+            Err(CliError::GaveUp { last, .. }) if deadline.is_some_and(|d| d <= search_until) => {
+                last_state.push_str(&format!("; last error: {last}"));
+                return Ok(Watched::TimedOut);
+            }
+            Err(e) => return Err(e),
+        };
+        let broken = loop {
+            let next = match remaining() {
+                Some(r) => match tokio::time::timeout(r, stream.message()).await {
+                    Ok(m) => m,
+                    Err(_) => return Ok(Watched::TimedOut),
+                },
+                None => stream.message().await,
+            };
+            match next {
+                Ok(Some(job)) => {
+                    if is_terminal(job.state) {
+                        return Ok(Watched::Ended(job));
+                    }
+                    if seen.as_ref() != Some(&job) {
+                        fruitless = 0;
+                        pause.reset();
+                        *last_state = still(&job);
+                        seen = Some(job);
+                    }
+                }
+                // The master ended the stream without the end: watch again.
+                Ok(None) => break None,
+                Err(status) if may_retry(Retry::Always, &status) => break Some(status),
+                Err(status) => return Err(CliError::rpc(master, status)),
+            }
+        };
+        fruitless += 1;
+        if fruitless >= MAX_FRUITLESS_STREAMS {
+            let status = broken.unwrap_or_else(|| Status::unavailable("the watch kept ending"));
+            return Err(CliError::rpc(master, status));
+        }
+        if let Some(leader) = broken.as_ref().and_then(leader_hint) {
+            master.switch_to(leader);
+        }
+        let wait = remaining().map_or(pause.peek(), |r| r.min(pause.peek()));
+        if remaining().is_some_and(|r| r.is_zero()) {
+            return Ok(Watched::TimedOut);
+        }
+        tokio::time::sleep(wait).await;
+        pause.next_wait();
+    }
+}
+
+/// Polls the job every `poll` until it is terminal and returns it. Rides
+/// out a master failover: each poll follows the leader, for up to a minute
+/// while no master can serve it.
+async fn poll_until_done(
+    master: &mut Master,
+    id: &str,
+    timeout: Option<Duration>,
+    deadline: Option<Instant>,
+    poll: Duration,
+    mut last_state: String,
+) -> Result<pb::Job, CliError> {
+    let remaining = || deadline.map(|d| d.saturating_duration_since(Instant::now()));
     loop {
         let now = Instant::now();
         let grace = now + UNREACHABLE_GRACE;
@@ -563,10 +687,7 @@ pub async fn wait(
                 if is_terminal(job.state) {
                     return Ok(job);
                 }
-                last_state = match crate::output::wait_reason(&job) {
-                    Some(why) => format!("still {}: {why}", job_state_name(job.state)),
-                    None => format!("still {}", job_state_name(job.state)),
-                };
+                last_state = still(&job);
             }
             // Gave up because --timeout came first: a timeout, not an error.
             Err(CliError::GaveUp { last, .. }) if deadline.is_some_and(|d| d <= grace) => {
@@ -821,6 +942,78 @@ mod tests {
         let mut out = Vec::new();
         let r = run(m, cmd, &mut out).await;
         (r, String::from_utf8(out).unwrap())
+    }
+
+    /// A master with WatchJob: it streams each change; `get_job` is never
+    /// called (the fake refuses it).
+    struct Watcher {
+        items: Vec<Result<pb::Job, tonic::Status>>,
+        opened: Mutex<u32>,
+    }
+
+    impl FakeOperator for Watcher {
+        fn watch_job(
+            &self,
+            r: pb::GetJobRequest,
+        ) -> Result<Vec<Result<pb::Job, tonic::Status>>, tonic::Status> {
+            assert_eq!(r.job_id, "j");
+            *self.opened.lock().unwrap() += 1;
+            Ok(self.items.clone())
+        }
+    }
+
+    #[tokio::test]
+    async fn wait_follows_the_watch_stream_without_polling() {
+        use pb::JobState::*;
+        let fake = Arc::new(Watcher {
+            items: [JobQueued, JobRunning, JobFailed]
+                .into_iter()
+                .map(|s| Ok(job("j", s)))
+                .collect(),
+            opened: Mutex::new(0),
+        });
+        let addr = serve(fake.clone()).await;
+        let mut m = Master::connect(&[addr]).await.unwrap();
+        let (r, out) = run_cmd(&mut m, &["jobs", "wait", "j"]).await;
+        assert_eq!(r.unwrap(), 1, "FAILED exits 1");
+        assert_eq!(out, "FAILED\n");
+        assert_eq!(*fake.opened.lock().unwrap(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_watch_that_keeps_ending_early_is_opened_again_then_given_up() {
+        let fake = Arc::new(Watcher {
+            items: vec![Ok(job("j", pb::JobState::JobQueued))],
+            opened: Mutex::new(0),
+        });
+        let addr = serve(fake.clone()).await;
+        let mut m = Master::connect(&[addr]).await.unwrap();
+        let (r, _) = run_cmd(&mut m, &["jobs", "wait", "j"]).await;
+        assert!(r.is_err());
+        assert_eq!(*fake.opened.lock().unwrap(), MAX_FRUITLESS_STREAMS);
+    }
+
+    #[tokio::test]
+    async fn a_watch_stops_at_the_timeout_saying_why_the_job_waits() {
+        // One item, then the stream stays open with nothing new.
+        struct Quiet;
+        impl FakeOperator for Quiet {
+            fn watch_job(
+                &self,
+                _: pb::GetJobRequest,
+            ) -> Result<Vec<Result<pb::Job, tonic::Status>>, tonic::Status> {
+                Ok(vec![Ok(job("j", pb::JobState::JobQueued))])
+            }
+            fn watch_stays_open(&self) -> bool {
+                true
+            }
+        }
+        let addr = serve(Arc::new(Quiet)).await;
+        let mut m = Master::connect(&[addr]).await.unwrap();
+        let (r, _) = run_cmd(&mut m, &["jobs", "wait", "j", "--timeout", "1"]).await;
+        let err = r.unwrap_err();
+        assert_eq!(err.exit_code(), EXIT_TIMEOUT, "{err}");
+        assert!(err.to_string().contains("still QUEUED"), "{err}");
     }
 
     #[tokio::test]

@@ -4,6 +4,7 @@
 //! Calls are plain functions from request message to response message; a
 //! call not overridden answers `UNIMPLEMENTED`.
 
+use futures::StreamExt as _;
 use std::pin::Pin;
 use std::sync::Arc;
 
@@ -42,6 +43,17 @@ pub(crate) trait FakeOperator: Send + Sync + 'static {
     }
     fn undrain_agent(&self, _: pb::UndrainAgentRequest) -> Result<pb::Agent, Status> {
         unused()
+    }
+    /// The items of the stream, sent in order; then the stream ends.
+    /// UNIMPLEMENTED unless a test says otherwise, as from a master that
+    /// predates WatchJob: `jobs wait` then polls `get_job`.
+    fn watch_job(&self, _: pb::GetJobRequest) -> Result<Vec<Result<pb::Job, Status>>, Status> {
+        Err(Status::unimplemented("WatchJob"))
+    }
+    /// Whether the watch stream stays open after its items (a job that
+    /// does not change) instead of ending.
+    fn watch_stays_open(&self) -> bool {
+        false
     }
     /// The items of the stream, sent in order; then the stream ends.
     fn job_logs(&self, _: pb::JobLogsRequest) -> Result<Vec<Result<pb::LogChunk, Status>>, Status> {
@@ -125,6 +137,7 @@ pub(crate) fn dead_addr() -> String {
 struct Served<F>(Arc<F>);
 
 type LogStream = Pin<Box<dyn futures::Stream<Item = Result<pb::LogChunk, Status>> + Send>>;
+type JobStream = Pin<Box<dyn futures::Stream<Item = Result<pb::Job, Status>> + Send>>;
 
 /// The generated trait, each call forwarded to the plain method.
 macro_rules! forward {
@@ -141,6 +154,18 @@ macro_rules! forward {
             ) -> Result<Response<LogStream>, Status> {
                 let items = self.0.job_logs(r.into_inner())?;
                 Ok(Response::new(Box::pin(futures::stream::iter(items))))
+            }
+            type WatchJobStream = JobStream;
+            async fn watch_job(
+                &self,
+                r: Request<pb::GetJobRequest>,
+            ) -> Result<Response<JobStream>, Status> {
+                let items = futures::stream::iter(self.0.watch_job(r.into_inner())?);
+                if self.0.watch_stays_open() {
+                    Ok(Response::new(Box::pin(items.chain(futures::stream::pending()))))
+                } else {
+                    Ok(Response::new(Box::pin(items)))
+                }
             }
         }
     };

@@ -15,9 +15,20 @@ use gpuctl_core::wait::Waiting;
 
 pub type Reasons = BTreeMap<JobId, Waiting>;
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct WaitBoard {
     reasons: RwLock<Arc<Reasons>>,
+    /// Bumped on every publish, for watchers (`WatchJob`).
+    published: tokio::sync::watch::Sender<u64>,
+}
+
+impl Default for WaitBoard {
+    fn default() -> Self {
+        WaitBoard {
+            reasons: RwLock::default(),
+            published: tokio::sync::watch::Sender::new(0),
+        }
+    }
 }
 
 impl WaitBoard {
@@ -31,6 +42,12 @@ impl WaitBoard {
 
     pub fn publish(&self, reasons: Reasons) {
         *self.reasons.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(reasons);
+        self.published.send_modify(|n| *n = n.wrapping_add(1));
+    }
+
+    /// Changes each time new reasons are published.
+    pub fn subscribe(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.published.subscribe()
     }
 
     /// On losing leadership: what a next leader says may differ.

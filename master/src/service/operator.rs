@@ -5,7 +5,7 @@ use std::pin::Pin;
 use std::time::Duration;
 
 use futures::{Stream, StreamExt};
-use gpuctl_core::convert::drain_deadline;
+use gpuctl_core::convert::{drain_deadline, job_state_from_pb};
 use gpuctl_core::types::{
     utc_timestamp, GpuSample, JobSpec, JobState, JobsQuery, RuntimeStatus, TaskState,
 };
@@ -173,10 +173,19 @@ fn job_id_arg(id: &str) -> Result<(), ConvertError> {
 }
 
 type LogStream = Pin<Box<dyn Stream<Item = Result<pb::LogChunk, Status>> + Send>>;
+type JobStream = Pin<Box<dyn Stream<Item = Result<pb::Job, Status>> + Send>>;
 
 #[tonic::async_trait]
 impl pb::operator_server::Operator for OperatorService {
     type JobLogsStream = LogStream;
+    type WatchJobStream = JobStream;
+
+    async fn watch_job(
+        &self,
+        req: Request<pb::GetJobRequest>,
+    ) -> Result<Response<Self::WatchJobStream>, Status> {
+        reply(self.watch_job(req.into_inner()).await)
+    }
     async fn submit_job(
         &self,
         req: Request<pb::SubmitJobRequest>,
@@ -305,6 +314,57 @@ impl OperatorService {
             }
             other => Err(ServiceError::unexpected("submit_job", other)),
         }
+    }
+
+    /// The job, then each change of it, until it ends. Wakes on applied
+    /// entries and on newly published wait reasons; sends only when what
+    /// the client would see differs. Bounded: one message in flight.
+    async fn watch_job(&self, req: pb::GetJobRequest) -> Result<JobStream, ServiceError> {
+        let first = self.get_job(req.clone()).await?;
+        let id = req.job_id;
+        let (tx, rx) = mpsc::channel(1);
+        let ctx = self.ctx.clone();
+        tokio::spawn(async move {
+            let mut applied = ctx.raft.applied();
+            let mut published = ctx.waits.subscribe();
+            let mut status = ctx.raft.status_watch();
+            let mut shutdown = ctx.shutdown.clone();
+            let mut last = first;
+            if tx.send(Ok(last.clone())).await.is_err() {
+                return;
+            }
+            while !job_state_from_pb("state", last.state).is_ok_and(|s| s.is_terminal()) {
+                tokio::select! {
+                    r = applied.changed() => if r.is_err() { return },
+                    r = published.changed() => if r.is_err() { return },
+                    r = status.changed() => if r.is_err() { return },
+                    _ = shutdown.changed() => return,
+                    _ = tx.closed() => return,
+                }
+                if !ctx.raft.status().serving {
+                    let _ = tx.send(Err(ctx.not_leader().into())).await;
+                    return;
+                }
+                let job = {
+                    let state = ctx.raft.state();
+                    state
+                        .job(&id)
+                        .map(|j| job_to_pb(&state, j, &ctx.waits.reasons()))
+                };
+                let Some(job) = job else {
+                    let gone = ServiceError::not_found(Missing::Job, &id);
+                    let _ = tx.send(Err(gone.into())).await;
+                    return;
+                };
+                if job != last {
+                    last = job;
+                    if tx.send(Ok(last.clone())).await.is_err() {
+                        return;
+                    }
+                }
+            }
+        });
+        Ok(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx)))
     }
 
     async fn get_job(&self, req: pb::GetJobRequest) -> Result<pb::Job, ServiceError> {
