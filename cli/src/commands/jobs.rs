@@ -550,7 +550,7 @@ fn still(job: &pb::Job) -> String {
 
 /// How following the job's watch stream ended.
 enum Watched {
-    Ended(pb::Job),
+    Ended(Box<pb::Job>),
     /// `--timeout` passed.
     TimedOut,
     /// A master without `WatchJob`: poll instead.
@@ -570,7 +570,7 @@ pub async fn wait(
     let deadline = timeout.map(|t| Instant::now() + t);
     let mut last_state = String::from("unknown state");
     match watch(master, id, deadline, &mut last_state).await? {
-        Watched::Ended(job) => Ok(job),
+        Watched::Ended(job) => Ok(*job),
         Watched::TimedOut => {
             let waited = timeout.unwrap_or_default().as_secs_f64();
             Err(CliError::Timeout(format!(
@@ -631,7 +631,7 @@ async fn watch(
             match next {
                 Ok(Some(job)) => {
                     if is_terminal(job.state) {
-                        return Ok(Watched::Ended(job));
+                        return Ok(Watched::Ended(Box::new(job)));
                     }
                     if seen.as_ref() != Some(&job) {
                         fruitless = 0;
