@@ -314,7 +314,7 @@ impl OperatorService {
         let state = self.ctx.raft.state();
         let job = state
             .job(&id)
-            .ok_or_else(|| ServiceError::not_found(Missing::Job, &id))?;
+            .ok_or_else(|| ServiceError::job_not_found(&state, &id))?;
         let reasons = if job.state == JobState::Queued {
             queue::plan(&state, &self.ctx.config.queue_config()).reasons
         } else {
@@ -462,7 +462,7 @@ impl OperatorService {
                 let state = raft.state();
                 let job = state
                     .job(&job_id)
-                    .ok_or_else(|| ServiceError::not_found(Missing::Job, &job_id))?;
+                    .ok_or_else(|| ServiceError::job_not_found(&state, &job_id))?;
                 if let Some(t) = state.latest_task(&job_id) {
                     let addr = state
                         .agent(&t.agent_id)
