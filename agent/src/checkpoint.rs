@@ -15,6 +15,9 @@
 //!   final.json            the task's final status update, decided once
 //!   acked                 the master acknowledged final.json
 //! tasks/<task-id>/        the task's sandbox; output.log is kept after the end
+//! retired/<task-id>       when the agent forgot the task (its final status
+//!                         acknowledged, no longer wanted): its sandbox goes
+//!                         --task-retention later (executor/retention.rs)
 //! ```
 //!
 //! Every file is replaced atomically (write a temporary file, fsync, rename),
@@ -27,6 +30,8 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 pub const STATE_DIR: &str = "state";
+pub const SANDBOX_DIR: &str = "tasks";
+pub const RETIRED_DIR: &str = "retired";
 pub const CONTACT_FILE: &str = "contact.json";
 pub const TASK_FILE: &str = "task.json";
 pub const FINAL_FILE: &str = "final.json";

@@ -31,6 +31,9 @@ pub struct AgentConfig {
     pub mem_mib: Option<u64>,
     /// Between SIGTERM and SIGKILL when a task is killed.
     pub kill_grace: Duration,
+    /// How long an ended task's sandbox and log are kept once the master no
+    /// longer wants the task and acknowledged its end.
+    pub task_retention: Duration,
     /// Task cgroups live under `<cgroup_root>/<controller>/<cgroup_parent>`.
     pub cgroup_parent: String,
     pub cgroup_root: PathBuf,
@@ -67,6 +70,7 @@ impl AgentConfig {
             cpus: None,
             mem_mib: None,
             kill_grace: Duration::from_secs(10),
+            task_retention: DEFAULT_TASK_RETENTION,
             cgroup_parent: "gpuctl".into(),
             cgroup_root: PathBuf::from("/sys/fs/cgroup"),
             dev_root: PathBuf::from("/dev"),
@@ -79,6 +83,9 @@ impl AgentConfig {
         }
     }
 }
+
+/// Default of `--task-retention`.
+pub const DEFAULT_TASK_RETENTION: Duration = Duration::from_secs(24 * 3600);
 
 /// gpuctl-agent: runs gpuctl tasks on this host's GPUs.
 #[derive(Debug, Parser)]
@@ -124,6 +131,11 @@ pub struct Options {
     /// Seconds between SIGTERM and SIGKILL when a task is killed.
     #[arg(long, env = "GPUCTL_AGENT_KILL_GRACE_SECS", default_value_t = 10.0)]
     pub kill_grace_secs: f64,
+    /// How long an ended task's sandbox (`tasks/<id>/`, its output.log
+    /// among it) is kept once the master acknowledged its end and no longer
+    /// wants it, e.g. 24h, 7d, 30m; then it is removed.
+    #[arg(long, env = "GPUCTL_AGENT_TASK_RETENTION", default_value = "24h")]
+    pub task_retention: String,
     /// Task cgroups are created under this parent in each hierarchy.
     #[arg(long, env = "GPUCTL_AGENT_CGROUP_PARENT", default_value = "gpuctl")]
     pub cgroup_parent: String,
@@ -191,6 +203,7 @@ struct FileOptions {
     cpus: Option<f64>,
     mem_mib: Option<u64>,
     kill_grace_secs: Option<f64>,
+    task_retention: Option<String>,
     cgroup_parent: Option<String>,
     cgroup_root: Option<PathBuf>,
     dev_root: Option<PathBuf>,
@@ -273,6 +286,7 @@ impl Options {
             fill!(opt cpus);
             fill!(opt mem_mib);
             fill!(kill_grace_secs);
+            fill!(task_retention);
             fill!(cgroup_parent);
             fill!(cgroup_root);
             fill!(dev_root);
@@ -338,7 +352,17 @@ impl Options {
                 }
             }
         }
+        let task_retention = gpuctl_core::time::parse_duration(&self.task_retention)
+            .ok()
+            .filter(|d| !d.is_zero())
+            .ok_or_else(|| {
+                AgentError::Config(format!(
+                    "task_retention: {:?} is not a duration above 0 (a number with a unit: s, m, h or d, e.g. 24h)",
+                    self.task_retention
+                ))
+            })?;
         Ok(AgentConfig {
+            task_retention,
             masters,
             work_dir: self.work_dir.clone(),
             listen: self.listen,
@@ -392,6 +416,40 @@ fn read_file(path: &Path) -> Result<FileOptions, AgentError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn task_retention_defaults_and_comes_from_flags_and_file() {
+        let c = Options::load_from(["gpuctl-agent"])
+            .unwrap()
+            .to_config()
+            .unwrap();
+        assert_eq!(c.task_retention, Duration::from_secs(24 * 3600));
+        assert_eq!(
+            AgentConfig::new(vec![], "/x".into()).task_retention,
+            c.task_retention
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("agent.toml");
+        std::fs::write(&f, "task_retention = \"3d\"\n").unwrap();
+        let file = ["gpuctl-agent", "--config", f.to_str().unwrap()];
+        let c = Options::load_from(file).unwrap().to_config().unwrap();
+        assert_eq!(c.task_retention, Duration::from_secs(3 * 24 * 3600));
+        let mut flags = file.to_vec();
+        flags.extend(["--task-retention", "90m"]);
+        let c = Options::load_from(flags).unwrap().to_config().unwrap();
+        assert_eq!(c.task_retention, Duration::from_secs(90 * 60), "flag wins");
+        for bad in ["0", "1y", "later"] {
+            let e = Options::load_from(["gpuctl-agent", "--task-retention", bad])
+                .unwrap()
+                .to_config()
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("task_retention") && e.contains(bad),
+                "{bad}: {e}"
+            );
+        }
+    }
 
     #[test]
     fn attributes_are_key_value_pairs() {

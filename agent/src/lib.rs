@@ -361,6 +361,7 @@ pub async fn serve(
         config.work_dir.clone(),
         runtimes,
         config.kill_grace,
+        config.task_retention,
         isolation_setup,
         updates_tx,
     );
@@ -385,6 +386,7 @@ pub async fn serve(
         sender_done_rx,
     ));
     tokio::spawn(executor.clone().tick(stop_rx.clone()));
+    tokio::spawn(executor.clone().sweep_sandboxes_until(stop_rx.clone()));
     let link = tokio::spawn(master_link::run(
         masters,
         info,

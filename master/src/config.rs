@@ -52,6 +52,9 @@ pub struct MasterConfig {
     pub placement: PlacementPolicy,
     /// Where to serve Prometheus metrics (`/metrics`); none when unset.
     pub metrics_listen: Option<SocketAddr>,
+    /// How long, and how many, finished jobs and ended framework tasks are
+    /// kept before they are forgotten.
+    pub retention: crate::leader::retention::Retention,
 }
 
 /// Default of `agent_lost_timeout_secs`.
@@ -163,6 +166,7 @@ impl MasterConfig {
             snapshot_every: 10_000,
             placement: PlacementPolicy::Bundle,
             metrics_listen: None,
+            retention: Default::default(),
         }
     }
 }
@@ -264,6 +268,15 @@ pub struct Options {
     /// Serve Prometheus metrics at http://HOST:PORT/metrics.
     #[arg(long, env = "GPUCTL_MASTER_METRICS_LISTEN")]
     pub metrics_listen: Option<SocketAddr>,
+    /// How long a finished job (with its tasks) is kept after it ended,
+    /// e.g. 7d, 24h, 90m; then it is forgotten (`gpuctl jobs get` says so).
+    /// Ended framework tasks too, once acknowledged.
+    #[arg(long, env = "GPUCTL_MASTER_JOB_RETENTION", default_value = "7d")]
+    pub job_retention: String,
+    /// Most finished jobs kept (and most ended framework tasks): beyond it
+    /// the oldest are forgotten before their retention ends.
+    #[arg(long, env = "GPUCTL_MASTER_JOB_RETENTION_MAX", default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub job_retention_max: u64,
 }
 
 /// Parses `ID=HOST:PORT[,ID=HOST:PORT...]` (empty: none).
@@ -374,6 +387,8 @@ struct FileOptions {
     placement: Option<String>,
     log: Option<String>,
     metrics_listen: Option<SocketAddr>,
+    job_retention: Option<String>,
+    job_retention_max: Option<u64>,
 }
 
 /// True when the user did not set `id` by flag or environment.
@@ -485,6 +500,18 @@ impl Options {
             if let (Some(v), true) = (f.metrics_listen, unset(&matches, "metrics_listen")) {
                 o.metrics_listen = Some(v);
             }
+            if let (Some(v), true) = (f.job_retention, unset(&matches, "job_retention")) {
+                o.job_retention = v;
+            }
+            if let (Some(v), true) = (f.job_retention_max, unset(&matches, "job_retention_max")) {
+                if v == 0 {
+                    return Err(MasterError::Config(format!(
+                        "{}: job_retention_max must be >= 1",
+                        path.display()
+                    )));
+                }
+                o.job_retention_max = v;
+            }
         }
         Ok(o)
     }
@@ -530,7 +557,20 @@ impl Options {
             .placement
             .parse::<PlacementPolicy>()
             .map_err(|e| MasterError::Config(format!("placement: {e}")))?;
+        let max_age = gpuctl_core::time::parse_duration(&self.job_retention)
+            .ok()
+            .filter(|d| !d.is_zero())
+            .ok_or_else(|| {
+                MasterError::Config(format!(
+                    "job_retention: {:?} is not a duration above 0 (a number with a unit: s, m, h or d, e.g. 7d)",
+                    self.job_retention
+                ))
+            })?;
         let config = MasterConfig {
+            retention: crate::leader::retention::Retention {
+                max_age,
+                max_finished: usize::try_from(self.job_retention_max).unwrap_or(usize::MAX),
+            },
             metrics_listen: self.metrics_listen,
             placement,
             peers,
@@ -790,6 +830,45 @@ mod tests {
         short.agent_lost_timeout = Duration::from_secs(90);
         assert!(short.check_kill_grace(0).is_err(), "75 + 10 + 5 = 90");
         assert!(short.check_kill_grace(9_000).is_ok());
+    }
+
+    #[test]
+    fn job_retention_defaults_and_comes_from_flags_file_and_env() {
+        let c = Options::load_from(["gpuctl-master"])
+            .unwrap()
+            .to_config()
+            .unwrap();
+        assert_eq!(c.retention.max_age, Duration::from_secs(7 * 24 * 3600));
+        assert_eq!(c.retention.max_finished, 10_000);
+        assert_eq!(
+            MasterConfig::new("127.0.0.1:1".parse().unwrap(), "/x".into()).retention,
+            c.retention
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("master.toml");
+        std::fs::write(&f, "job_retention = \"36h\"\njob_retention_max = 500\n").unwrap();
+        let file = ["gpuctl-master", "--config", f.to_str().unwrap()];
+        let c = Options::load_from(file).unwrap().to_config().unwrap();
+        assert_eq!(c.retention.max_age, Duration::from_secs(36 * 3600));
+        assert_eq!(c.retention.max_finished, 500);
+        let mut flags = file.to_vec();
+        flags.extend(["--job-retention", "1s", "--job-retention-max", "7"]);
+        let c = Options::load_from(flags).unwrap().to_config().unwrap();
+        assert_eq!(c.retention.max_age, Duration::from_secs(1), "flag wins");
+        assert_eq!(c.retention.max_finished, 7);
+        for bad in ["0s", "7w", "soon"] {
+            let e = Options::load_from(["gpuctl-master", "--job-retention", bad])
+                .unwrap()
+                .to_config()
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("job_retention") && e.contains(bad), "{bad}: {e}");
+        }
+        std::fs::write(&f, "job_retention_max = 0\n").unwrap();
+        let e = Options::load_from(["gpuctl-master", "--config", f.to_str().unwrap()])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("job_retention_max"), "{e}");
     }
 
     #[test]

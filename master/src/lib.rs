@@ -107,6 +107,11 @@ pub async fn serve(
         liveness.clone(),
         stop_rx.clone(),
     ));
+    let retention_task = tokio::spawn(leader::retention::run(
+        handle.clone(),
+        config.retention,
+        stop_rx.clone(),
+    ));
     let waits = Arc::new(scheduler::board::WaitBoard::default());
     let jobs_task = tokio::spawn(scheduler::runner::run(
         handle.clone(),
@@ -175,6 +180,7 @@ pub async fn serve(
     leader_task.abort();
     frameworks_task.abort();
     jobs_task.abort();
+    retention_task.abort();
     if let Some(t) = metrics_task {
         t.abort();
     }

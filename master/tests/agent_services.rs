@@ -1,7 +1,8 @@
 //! The agent-facing and operator services of one in-process master, over
 //! gRPC on 127.0.0.1: the registration's fence contract (fence timeout
 //! sent, kill grace checked), runtime health in heartbeats, the
-//! UNREACHABLE agent sent back to registration, and drains.
+//! UNREACHABLE agent sent back to registration, drains, and finished jobs
+//! forgotten after the job retention.
 #![allow(clippy::unwrap_used)]
 
 use std::time::Duration;
@@ -302,4 +303,101 @@ async fn a_master_refuses_to_start_with_misordered_timeouts() {
         err.contains("agent_lost_timeout_secs") && err.contains("agent_fence_timeout_secs"),
         "{err}"
     );
+}
+
+#[tokio::test]
+async fn a_finished_job_is_forgotten_after_the_retention_and_get_says_so() {
+    let m = Master::start(|c| {
+        c.retention.max_age = Duration::from_millis(500);
+    })
+    .await;
+    let mut op = m.operator().await.unwrap();
+    let submit = |name: &str| pb::SubmitJobRequest {
+        spec: Some(pb::JobSpec {
+            name: name.into(),
+            command: vec!["true".into()],
+            resources: Some(pb::Resources {
+                cpus: 0.5,
+                mem_mib: 0,
+                gpus: 0,
+            }),
+            ..Default::default()
+        }),
+        request_id: format!("key-{name}"),
+    };
+    // No agent: the first stays queued (never forgotten), the second is
+    // cancelled at once (finished).
+    let queued = op
+        .submit_job(submit("queued"))
+        .await
+        .unwrap()
+        .into_inner()
+        .job_id;
+    let done = op
+        .submit_job(submit("done"))
+        .await
+        .unwrap()
+        .into_inner()
+        .job_id;
+    op.cancel_job(pb::CancelJobRequest {
+        job_id: done.clone(),
+    })
+    .await
+    .unwrap();
+    let listed = |op: &mut OperatorClient<Channel>| {
+        let mut op = op.clone();
+        async move {
+            op.list_jobs(pb::ListJobsRequest::default())
+                .await
+                .unwrap()
+                .into_inner()
+                .jobs
+                .into_iter()
+                .map(|j| j.id)
+                .collect::<Vec<_>>()
+        }
+    };
+    // Recent: listed, newest first.
+    assert_eq!(listed(&mut op).await, vec![done.clone(), queued.clone()]);
+    let mut gone = false;
+    for _ in 0..100 {
+        if listed(&mut op).await == vec![queued.clone()] {
+            gone = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(gone, "{done} still listed after 10 s");
+    let err = op
+        .get_job(pb::GetJobRequest {
+            job_id: done.clone(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::NotFound);
+    assert!(
+        err.message().contains(&format!("job {done} not found"))
+            && err.message().contains("forgotten")
+            && err.message().contains("--job-retention"),
+        "{}",
+        err.message()
+    );
+    // A job never submitted is merely not found.
+    let err = op
+        .get_job(pb::GetJobRequest {
+            job_id: "job-99".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.message(), "job job-99 not found");
+    // A resent submit of the forgotten job gets its id, not a second job.
+    let again = op
+        .submit_job(submit("done"))
+        .await
+        .unwrap()
+        .into_inner()
+        .job_id;
+    assert_eq!(again, done);
+    assert_eq!(listed(&mut op).await, vec![queued]);
+    m.stop().await;
 }

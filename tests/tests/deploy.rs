@@ -177,6 +177,7 @@ fn master_example_config_is_accepted_and_shows_the_defaults() {
     assert_eq!(file.agent_timeout, default.agent_timeout);
     assert_eq!(file.agent_fence_timeout, default.agent_fence_timeout);
     assert_eq!(file.agent_lost_timeout, default.agent_lost_timeout);
+    assert_eq!(file.retention, default.retention);
     assert_eq!(
         unit_setting("gpuctl-master.service", "StateDirectory").as_deref(),
         Some("gpuctl/master"),
@@ -213,6 +214,7 @@ fn agent_example_config_is_accepted_and_shows_the_defaults() {
     assert_eq!(file.work_dir, default.work_dir);
     assert_eq!(file.listen, default.listen);
     assert_eq!(file.kill_grace, default.kill_grace);
+    assert_eq!(file.task_retention, default.task_retention);
     assert_eq!(
         unit_setting("gpuctl-agent.service", "StateDirectory").as_deref(),
         Some("gpuctl/agent"),

@@ -314,3 +314,46 @@ fn image_jobs_wait_for_an_agent_with_docker() {
     let p = c.submit(&["--name", "p", "--", "true"]);
     assert_eq!(c.wait_job(&p, 30).0, 0);
 }
+
+#[test]
+fn finished_jobs_and_their_sandboxes_are_forgotten_after_the_retention() {
+    let mut c = Cluster::start(&["--job-retention", "3s"]);
+    c.add_agent(AgentOpts {
+        extra: vec!["--task-retention".into(), "3s".into()],
+        ..AgentOpts::default()
+    });
+    let j = c.submit(&["--name", "brief", "--", "sh", "-c", "echo kept-for-now"]);
+    assert_eq!(c.wait_job(&j, 30), (0, "SUCCEEDED".to_string()));
+    let task = format!("{j}.0");
+    // Recent: listed, with its log.
+    let listed = |c: &Cluster| {
+        c.json(&["jobs", "list", "--json"])
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|x| x["id"] == j.as_str())
+    };
+    assert!(listed(&c));
+    assert!(c.ok(&["jobs", "logs", &j]).contains("kept-for-now"));
+    let sandbox = c.dir.path().join("agent0/tasks").join(&task);
+    assert!(sandbox.join("output.log").exists());
+    // Then the master forgets the job and the agent removes its sandbox.
+    wait_for(Duration::from_secs(30), "the job leaves the list", || {
+        !listed(&c)
+    });
+    let out = c.gpuctl(&["jobs", "get", &j]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{err}");
+    assert!(
+        err.contains(&format!("job {j} not found")) && err.contains("--job-retention"),
+        "{err}"
+    );
+    wait_for(Duration::from_secs(30), "the sandbox is removed", || {
+        !sandbox.exists()
+    });
+    assert!(!c.dir.path().join("agent0/retired").join(&task).exists());
+    // The cluster goes on: a new job gets the next id.
+    let next = c.submit(&["--name", "next", "--", "true"]);
+    assert_eq!(c.wait_job(&next, 30).0, 0);
+    assert_ne!(next, j);
+}

@@ -14,6 +14,7 @@
 //! is sent again, with the same uuid.
 
 mod plan;
+mod retention;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::PathBuf;
@@ -196,6 +197,8 @@ pub struct Executor {
     work_dir: PathBuf,
     runtimes: BTreeMap<Runtime, Arc<dyn ContainerRuntime>>,
     kill_grace: Duration,
+    /// How long an ended task's sandbox is kept once the task is forgotten.
+    task_retention: Duration,
     isolation: IsolationSetup,
     inner: Mutex<Inner>,
     updates: mpsc::Sender<StatusUpdate>,
@@ -211,6 +214,7 @@ impl Executor {
         work_dir: PathBuf,
         runtimes: BTreeMap<Runtime, Arc<dyn ContainerRuntime>>,
         kill_grace: Duration,
+        task_retention: Duration,
         isolation: IsolationSetup,
         updates: mpsc::Sender<StatusUpdate>,
     ) -> Arc<Executor> {
@@ -219,6 +223,7 @@ impl Executor {
             work_dir,
             runtimes,
             kill_grace,
+            task_retention,
             isolation,
             inner: Mutex::new(Inner::default()),
             updates,
@@ -232,7 +237,7 @@ impl Executor {
     }
 
     pub fn sandbox(&self, task_id: &str) -> PathBuf {
-        self.work_dir.join("tasks").join(task_id)
+        self.work_dir.join(checkpoint::SANDBOX_DIR).join(task_id)
     }
 
     fn state_dir(&self, task_id: &str) -> PathBuf {
@@ -511,6 +516,9 @@ impl Executor {
             });
         }
         for id in forgets {
+            // Before the checkpoint goes: a crash between the two forgets
+            // the task again after recovery, restarting the clock.
+            self.retire(&id);
             let dir = self.state_dir(&id);
             if let Err(e) = std::fs::remove_dir_all(&dir) {
                 if e.kind() != std::io::ErrorKind::NotFound {
@@ -1101,6 +1109,7 @@ mod shell_tests {
             dir.path().to_path_buf(),
             runtimes,
             Duration::from_secs(1),
+            Duration::from_secs(3600),
             IsolationSetup {
                 isolator,
                 gpu_minors: HashMap::new(),
@@ -1183,6 +1192,44 @@ mod shell_tests {
         h.exec.set_desired(wants(&[], &[]));
         assert!(h.exec.known_task_ids().is_empty());
         assert!(!state_dir.exists());
+    }
+
+    #[tokio::test]
+    async fn an_ended_tasks_sandbox_goes_a_retention_after_it_is_forgotten() {
+        let mut h = harness_on(tempfile::tempdir().unwrap(), Arc::default());
+        h.exec.set_desired(wants(&["t1", "t2"], &[]));
+        until_state(&mut h, TaskState::Running).await;
+        until_state(&mut h, TaskState::Running).await;
+        let work = h.dir.path().to_path_buf();
+        let sandbox = |id: &str| work.join(checkpoint::SANDBOX_DIR).join(id);
+        std::fs::write(sandbox("t1").join(LOG_FILE), "done\n").unwrap();
+        h.fake.set(
+            "t1",
+            Observed::Ended(Ended {
+                code: Some(0),
+                ..Default::default()
+            }),
+        );
+        let fin = until_state(&mut h, TaskState::Finished).await;
+        // Ended but not yet acknowledged, then acknowledged but still
+        // listed: kept whatever the time.
+        let far = checkpoint::wall_ms() + 10 * 3_600_000;
+        assert_eq!(h.exec.sweep_sandboxes(far), 0);
+        h.exec.acknowledged(&fin);
+        assert_eq!(h.exec.sweep_sandboxes(far), 0);
+        assert!(sandbox("t1").join(LOG_FILE).exists());
+        // No longer listed: forgotten, and its retention (an hour) starts.
+        h.exec.set_desired(wants(&["t2"], &[]));
+        let forgotten = checkpoint::wall_ms();
+        let retired = work.join(checkpoint::RETIRED_DIR);
+        assert!(retired.join("t1").exists());
+        // The running task's sandbox stays even with a stale record.
+        std::fs::write(retired.join("t2"), r#"{"forgotten_at_ms":0}"#).unwrap();
+        assert_eq!(h.exec.sweep_sandboxes(forgotten + 3_599_000), 0);
+        assert!(sandbox("t1").join(LOG_FILE).exists());
+        assert_eq!(h.exec.sweep_sandboxes(forgotten + 3_601_000), 1);
+        assert!(!sandbox("t1").exists() && !retired.join("t1").exists());
+        assert!(sandbox("t2").exists() && h.exec.is_active("t2"));
     }
 
     #[tokio::test]

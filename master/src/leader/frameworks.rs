@@ -414,6 +414,9 @@ fn cycle(raft: &RaftHandle, hub: &Hub, settings: &FrameworkSettings) -> Vec<Stri
 
 fn forward_updates(state: &State, g: &mut Inner) {
     let Inner { conns, sent, .. } = g;
+    // Tasks forgotten by the retention pass would stay here for as long as
+    // their framework stays connected.
+    sent.retain(|id, _| state.task(id).is_some());
     for t in state
         .tasks()
         .values()

@@ -1,7 +1,9 @@
-//! Leader-only loops: agent liveness and job placement. Both only read the
-//! applied state and propose commands; apply has the last word.
+//! Leader-only loops: agent liveness and job placement, and (in
+//! `retention.rs`) forgetting finished work. They only read the applied
+//! state and propose commands; apply has the last word.
 
 pub mod frameworks;
+pub mod retention;
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;

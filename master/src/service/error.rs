@@ -8,7 +8,7 @@ use tonic::Status;
 
 use crate::leader::frameworks::TakeOffersError;
 use crate::raft::ProposeError;
-use crate::state::{ApplyError, Outcome};
+use crate::state::{ApplyError, Outcome, State};
 
 /// What was looked for and not found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -47,6 +47,9 @@ pub enum ServiceError {
     Propose(#[from] ProposeError),
     #[error("{what} {id} not found")]
     NotFound { what: Missing, id: String },
+    /// A job the master had and forgot (see `State::job_forgotten`).
+    #[error("job {job_id} not found: it ended and was forgotten after the master's job retention (--job-retention, --job-retention-max)")]
+    JobForgotten { job_id: String },
     /// Not the leader (or not done catching up): the client goes to
     /// `leader` when known.
     #[error("this master is not the leader")]
@@ -122,6 +125,17 @@ impl ServiceError {
         }
     }
 
+    /// A job the state does not have; one it had and forgot says so.
+    pub fn job_not_found(state: &State, id: &str) -> ServiceError {
+        if state.job_forgotten(id) {
+            ServiceError::JobForgotten {
+                job_id: id.to_string(),
+            }
+        } else {
+            ServiceError::not_found(Missing::Job, id)
+        }
+    }
+
     pub fn unexpected(command: &'static str, outcome: Outcome) -> ServiceError {
         ServiceError::UnexpectedOutcome {
             command,
@@ -140,9 +154,10 @@ impl From<ServiceError> for Status {
             E::NotLeader { leader } => {
                 gpuctl_proto::leader::not_leader(leader.as_ref().map(|(id, a)| (*id, a.as_str())))
             }
-            E::NotFound { .. } | E::NotAMember { .. } | E::MustRegister { .. } => {
-                Status::not_found(message)
-            }
+            E::NotFound { .. }
+            | E::JobForgotten { .. }
+            | E::NotAMember { .. }
+            | E::MustRegister { .. } => Status::not_found(message),
             E::Offers(TakeOffersError::NotOffering)
             | E::FrameworkApiNotServed
             | E::ShuttingDown
@@ -208,6 +223,13 @@ mod tests {
                 ServiceError::not_found(Missing::Job, "job-7"),
                 Code::NotFound,
                 "job job-7 not found",
+            ),
+            (
+                ServiceError::JobForgotten {
+                    job_id: "job-3".into(),
+                },
+                Code::NotFound,
+                "job job-3 not found: it ended and was forgotten after the master's job retention",
             ),
             (
                 ServiceError::MustRegister {

@@ -347,14 +347,18 @@ impl OperatorService {
                 }
                 let job = {
                     let state = ctx.raft.state();
-                    state
-                        .job(&id)
-                        .map(|j| job_to_pb(&state, j, &ctx.waits.reasons()))
+                    match state.job(&id) {
+                        Some(j) => Ok(job_to_pb(&state, j, &ctx.waits.reasons())),
+                        // Forgotten (--job-retention) while watched.
+                        None => Err(ServiceError::job_not_found(&state, &id)),
+                    }
                 };
-                let Some(job) = job else {
-                    let gone = ServiceError::not_found(Missing::Job, &id);
-                    let _ = tx.send(Err(gone.into())).await;
-                    return;
+                let job = match job {
+                    Ok(job) => job,
+                    Err(gone) => {
+                        let _ = tx.send(Err(gone.into())).await;
+                        return;
+                    }
                 };
                 if job != last {
                     last = job;
@@ -373,7 +377,7 @@ impl OperatorService {
         let state = self.ctx.raft.state();
         let job = state
             .job(&id)
-            .ok_or_else(|| ServiceError::not_found(Missing::Job, &id))?;
+            .ok_or_else(|| ServiceError::job_not_found(&state, &id))?;
         let reasons = self.ctx.waits.reasons();
         Ok(job_to_pb(&state, job, &reasons))
     }
@@ -510,7 +514,7 @@ impl OperatorService {
                 let state = raft.state();
                 let job = state
                     .job(&job_id)
-                    .ok_or_else(|| ServiceError::not_found(Missing::Job, &job_id))?;
+                    .ok_or_else(|| ServiceError::job_not_found(&state, &job_id))?;
                 if let Some(t) = state.latest_task(&job_id) {
                     let addr = state
                         .agent(&t.agent_id)

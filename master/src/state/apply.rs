@@ -229,6 +229,10 @@ impl State {
                 framework_task_id,
                 uuid,
             } => self.acknowledge_update(framework_id, framework_task_id, uuid),
+            Command::ForgetJobs { job_ids, at_ms } => Ok(self.forget_jobs(job_ids, *at_ms)),
+            Command::ForgetFrameworkTasks { task_ids, at_ms } => {
+                Ok(self.forget_framework_tasks(task_ids, *at_ms))
+            }
         }
     }
 
@@ -1096,6 +1100,10 @@ mod tests {
                 agent_id: "a1".into(),
                 at_ms: 7,
             },
+            Command::ForgetJobs {
+                job_ids: vec!["job-1".into()],
+                at_ms: 8,
+            },
         ];
         let run = || {
             let mut s = State::new();
@@ -1107,6 +1115,8 @@ mod tests {
             s
         };
         assert_eq!(run(), run());
-        assert_eq!(run().applied_index, 7);
+        assert_eq!(run().applied_index, 8);
+        // Its task is LOST but holds its GPUs (unconfirmed): kept.
+        assert!(run().jobs.contains_key("job-1"));
     }
 }

@@ -162,6 +162,22 @@ pub enum Command {
         framework_task_id: String,
         uuid: Vec<u8>,
     },
+    /// Finished jobs past the retention (`--job-retention`,
+    /// `--job-retention-max`), chosen by the leader at `at_ms`: each goes
+    /// with all its tasks. Apply re-checks each and skips one that is gone
+    /// already, has not ended, changed after `at_ms`, or has a task still
+    /// holding GPUs or resources (its agent has not confirmed the end).
+    ForgetJobs {
+        job_ids: Vec<JobId>,
+        at_ms: u64,
+    },
+    /// Ended framework tasks past the retention whose framework
+    /// acknowledged their last update (or is gone): removed. The same
+    /// re-checks as `ForgetJobs`.
+    ForgetFrameworkTasks {
+        task_ids: Vec<TaskId>,
+        at_ms: u64,
+    },
 }
 
 /// One task of a job placed on one agent with exact GPUs. A job of
@@ -242,6 +258,8 @@ impl Command {
             Command::LaunchFrameworkTasks { .. } => "launch_framework_tasks",
             Command::KillTask { .. } => "kill_task",
             Command::AcknowledgeUpdate { .. } => "acknowledge_update",
+            Command::ForgetJobs { .. } => "forget_jobs",
+            Command::ForgetFrameworkTasks { .. } => "forget_framework_tasks",
         }
     }
 }

@@ -7,6 +7,7 @@ mod apply;
 pub mod command;
 pub mod frameworks;
 mod jobs;
+mod retention;
 #[cfg(test)]
 pub(crate) mod testkit;
 

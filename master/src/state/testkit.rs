@@ -88,3 +88,75 @@ pub fn register(id: &str, gpus: u32) -> Command {
         at_ms: 0,
     }
 }
+
+impl State {
+    /// What breaks the state's cross-references, in words (empty: none):
+    /// a job naming a task that is missing or not its own, a job's task
+    /// whose job does not list it, a GPU held by a missing task or by one
+    /// that holds nothing, an agent's `allocated` that is not the sum of
+    /// its holding tasks, a submit key naming a job never given, or the two
+    /// key indexes disagreeing.
+    pub fn invariant_violations(&self) -> Vec<String> {
+        let mut bad = Vec::new();
+        for (id, j) in &self.jobs {
+            for t in &j.task_ids {
+                match self.tasks.get(t) {
+                    None => bad.push(format!("job {id} names missing task {t}")),
+                    Some(t) if &t.job_id != id => {
+                        bad.push(format!("job {id} names task {} of {}", t.id, t.job_id))
+                    }
+                    Some(_) => {}
+                }
+            }
+        }
+        for (id, t) in &self.tasks {
+            if !t.job_id.is_empty()
+                && !self
+                    .jobs
+                    .get(&t.job_id)
+                    .is_some_and(|j| j.task_ids.contains(id))
+            {
+                bad.push(format!("task {id} of job {} not listed by it", t.job_id));
+            }
+        }
+        for (gpu, owner) in &self.gpu_owner {
+            match self.tasks.get(owner) {
+                None => bad.push(format!("GPU {gpu} held by missing task {owner}")),
+                Some(t) if !t.holds_resources() => bad.push(format!(
+                    "GPU {gpu} held by task {owner}, which holds nothing"
+                )),
+                Some(_) => {}
+            }
+        }
+        for (id, a) in &self.agents {
+            let held = self
+                .tasks
+                .values()
+                .filter(|t| &t.agent_id == id && t.holds_resources())
+                .fold(gpuctl_core::types::Resources::default(), |acc, t| {
+                    acc.add(&t.resources)
+                });
+            if held.gpus != a.allocated.gpus
+                || held.mem_mib != a.allocated.mem_mib
+                || (held.cpus - a.allocated.cpus).abs() > 1e-6
+            {
+                bad.push(format!(
+                    "agent {id} allocated {:?}, its tasks hold {held:?}",
+                    a.allocated
+                ));
+            }
+        }
+        for (key, (job_id, at)) in &self.submit_requests {
+            if !self.jobs.contains_key(job_id) && !self.job_forgotten(job_id) {
+                bad.push(format!("submit key {key} names job {job_id}, never given"));
+            }
+            if !self.submit_request_order.contains(&(*at, key.clone())) {
+                bad.push(format!("submit key {key} missing from the order"));
+            }
+        }
+        if self.submit_request_order.len() != self.submit_requests.len() {
+            bad.push("submit key indexes differ in size".into());
+        }
+        bad
+    }
+}
