@@ -3,15 +3,14 @@
 //! every agent has registered again with the new leader.
 //!
 //! Three `gpuctl-master` processes (release build) form a Raft group on
-//! loopback. The agents are simulated in this process: each is a small task
-//! speaking the real AgentManager API (Register with 4 simulated GPUs,
+//! loopback. The agents are simulated in this process (`gpuctl_tests::sim`):
+//! each speaks the real AgentManager API (Register with 4 simulated GPUs,
 //! WatchTasks, a Heartbeat every interval the master asks for) and, like
 //! `gpuctl-agent`, registers again whenever its stream or a call fails,
 //! going where the `gpuctl-leader` redirect points or else to the next
 //! address, with the agent's own backoff (100 ms doubling to 5 s; three
 //! redirects in a row are followed at once; "no leader yet" is polled every
-//! 200-300 ms). They share a few HTTP/2
-//! connections per master.
+//! 200-300 ms). They share a few HTTP/2 connections per master.
 //!
 //! Each round: SIGKILL the leader at T0; poll `SubmitJob` at both survivors
 //! every 20 ms until one accepts (the new leader serves writes); wait until
@@ -30,25 +29,18 @@
 //! as in `gpuctl-agent`; a small value shows what the masters alone cost).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use gpuctl_proto::leader::leader_hint;
 use gpuctl_proto::pb;
-use gpuctl_proto::pb::agent_manager_client::AgentManagerClient;
 use gpuctl_proto::pb::operator_client::OperatorClient;
+use gpuctl_tests::sim::{SimAgents, SimConfig};
 use gpuctl_tests::{free_port, strip_ansi, Daemon};
 use tonic::transport::{Channel, Endpoint};
-use tonic::Status;
 
 const MASTERS: usize = 3;
 const GPUS_PER_AGENT: u32 = 4;
-/// `gpuctl-agent`'s reconnection policy (agent/src/master_link.rs).
-const BACKOFF_MIN: Duration = Duration::from_millis(100);
+/// `gpuctl-agent`'s longest pause between registration attempts.
 const BACKOFF_MAX_MS: usize = 5000;
-const FREE_REDIRECTS: u32 = 3;
-const RPC_TIMEOUT: Duration = Duration::from_secs(10);
 const POLL_EVERY: Duration = Duration::from_millis(20);
 /// No round may take longer than this.
 const ROUND_LIMIT: Duration = Duration::from_secs(180);
@@ -62,36 +54,6 @@ fn env_usize(name: &str, default: usize) -> usize {
     }
 }
 
-/// What one simulated agent reports to the bench.
-#[derive(Default)]
-struct AgentStat {
-    /// Nanoseconds after `Shared::epoch` of its latest successful Register
-    /// (0: never).
-    registered_ns: AtomicU64,
-    /// Index of the master it registered with.
-    master: AtomicUsize,
-}
-
-struct Shared {
-    epoch: Instant,
-    backoff_max: Duration,
-    addrs: Vec<String>,
-    /// `channels[master][k]`: the connections the agents share.
-    channels: Vec<Vec<Channel>>,
-    agents: Vec<AgentStat>,
-}
-
-impl Shared {
-    fn now_ns(&self) -> u64 {
-        self.epoch.elapsed().as_nanos() as u64
-    }
-
-    fn channel(&self, master: usize, agent: usize) -> Channel {
-        let c = &self.channels[master];
-        c[agent % c.len()].clone()
-    }
-}
-
 fn channel(addr: &str) -> Channel {
     Endpoint::from_shared(format!("http://{addr}"))
         .unwrap()
@@ -100,127 +62,9 @@ fn channel(addr: &str) -> Channel {
         .connect_lazy()
 }
 
-fn register_request(i: usize) -> pb::RegisterRequest {
-    let gpus = (0..GPUS_PER_AGENT)
-        .map(|g| pb::Gpu {
-            uuid: format!("GPU-bench-{i:06}-{g}"),
-            index: g,
-            minor: g,
-            model: "NVIDIA A100-SXM4-40GB".into(),
-            memory_mib: 40_960,
-            healthy: true,
-            pci_bus_id: format!("00000000:{:02X}:00.0", g + 1),
-            serial: format!("bench{i}{g}"),
-            compute_capability: "8.0".into(),
-            ..Default::default()
-        })
-        .collect();
-    pb::RegisterRequest {
-        agent_id: format!("bench-agent-{i:06}"),
-        hostname: format!("bench-{i:06}"),
-        // Nobody fetches task logs here.
-        address: "127.0.0.1:9".into(),
-        total: Some(pb::Resources {
-            cpus: 32.0,
-            mem_mib: 262_144,
-            gpus: GPUS_PER_AGENT,
-        }),
-        gpus,
-        runtimes: vec![pb::Runtime::Process as i32],
-        simulated_gpus: true,
-        ..Default::default()
-    }
-}
-
-/// One registration and what follows, until something fails. Returns the
-/// failure (a status when a call failed) and whether it registered.
-async fn session(shared: &Shared, i: usize, master: usize) -> (Option<Status>, bool) {
-    let mut client = AgentManagerClient::new(shared.channel(master, i));
-    let resp = match tokio::time::timeout(RPC_TIMEOUT, client.register(register_request(i))).await {
-        Ok(Ok(r)) => r.into_inner(),
-        Ok(Err(s)) => return (Some(s), false),
-        Err(_) => return (None, false),
-    };
-    let stat = &shared.agents[i];
-    stat.master.store(master, Ordering::SeqCst);
-    stat.registered_ns.store(shared.now_ns(), Ordering::SeqCst);
-    let agent_id = format!("bench-agent-{i:06}");
-    let mut stream = match client
-        .watch_tasks(pb::WatchTasksRequest {
-            agent_id: agent_id.clone(),
-            incremental: true,
-        })
-        .await
-    {
-        Ok(r) => r.into_inner(),
-        Err(s) => return (Some(s), true),
-    };
-    let interval = Duration::from_millis(u64::from(resp.heartbeat_interval_ms.max(100)));
-    let mut heartbeat = tokio::time::interval_at(tokio::time::Instant::now() + interval, interval);
-    heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            msg = stream.message() => match msg {
-                Ok(Some(_desired)) => {}
-                Ok(None) => return (None, true),
-                Err(s) => return (Some(s), true),
-            },
-            _ = heartbeat.tick() => {
-                let call = client.heartbeat(pb::HeartbeatRequest { agent_id: agent_id.clone(), gpus: vec![], runtimes: vec![] });
-                match tokio::time::timeout(RPC_TIMEOUT, call).await {
-                    Ok(Ok(_)) => {}
-                    Ok(Err(s)) => return (Some(s), true),
-                    Err(_) => return (None, true),
-                }
-            }
-        }
-    }
-}
-
-/// A simulated agent: sessions forever, reconnecting like `gpuctl-agent`.
-async fn agent(shared: Arc<Shared>, i: usize) {
-    let mut master = 0;
-    let mut backoff = BACKOFF_MIN;
-    let mut redirects = 0;
-    loop {
-        let (status, registered) = session(&shared, i, master).await;
-        if registered {
-            backoff = BACKOFF_MIN;
-            redirects = 0;
-        }
-        let hint = status
-            .as_ref()
-            .and_then(leader_hint)
-            .and_then(|h| shared.addrs.iter().position(|a| *a == h))
-            .filter(|m| *m != master);
-        match hint {
-            Some(m) => {
-                master = m;
-                if redirects < FREE_REDIRECTS {
-                    redirects += 1;
-                    continue;
-                }
-            }
-            None => master = (master + 1) % shared.addrs.len(),
-        }
-        redirects = 0;
-        // As the agent: "no leader yet" / "catching up" is polled every
-        // 200-300 ms (jittered) without growing the backoff.
-        if status
-            .as_ref()
-            .is_some_and(gpuctl_proto::leader::not_proposed)
-        {
-            let jitter = (i as u64).wrapping_mul(7919).wrapping_add(u64::from(
-                std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(0, |d| d.subsec_nanos()),
-            )) % 100;
-            tokio::time::sleep(Duration::from_millis(200 + jitter)).await;
-            continue;
-        }
-        tokio::time::sleep(backoff).await;
-        backoff = (backoff * 2).min(shared.backoff_max);
-    }
+/// Nanoseconds since the agents' epoch.
+fn now_ns(sim: &SimAgents) -> u64 {
+    sim.now().as_nanos() as u64
 }
 
 struct Masters {
@@ -338,17 +182,20 @@ async fn settled_leader(ops: &[OperatorClient<Channel>], live: &[usize]) -> usiz
 
 /// Waits until every agent's latest Register succeeded after `after_ns` at
 /// master `leader`; returns the per-agent delays from `after_ns`.
-async fn wait_registered(shared: &Shared, leader: usize, after_ns: u64) -> Option<Vec<u64>> {
+async fn wait_registered(sim: &SimAgents, leader: usize, after_ns: u64) -> Option<Vec<u64>> {
     let deadline = Instant::now() + ROUND_LIMIT;
     loop {
-        let mut delays = Vec::with_capacity(shared.agents.len());
-        for a in &shared.agents {
-            let t = a.registered_ns.load(Ordering::SeqCst);
-            if t > after_ns && a.master.load(Ordering::SeqCst) == leader {
+        let mut delays = Vec::with_capacity(sim.len());
+        for i in 0..sim.len() {
+            let Some(r) = sim.registration(i) else {
+                continue;
+            };
+            let t = r.at.as_nanos() as u64;
+            if t > after_ns && r.master == leader {
                 delays.push(t - after_ns);
             }
         }
-        if delays.len() == shared.agents.len() {
+        if delays.len() == sim.len() {
             delays.sort_unstable();
             return Some(delays);
         }
@@ -356,7 +203,7 @@ async fn wait_registered(shared: &Shared, leader: usize, after_ns: u64) -> Optio
             eprintln!(
                 "only {} of {} agents registered again",
                 delays.len(),
-                shared.agents.len()
+                sim.len()
             );
             return None;
         }
@@ -383,7 +230,7 @@ fn poll_spec(round: usize) -> pb::JobSpec {
 /// Polls SubmitJob at every master of `survivors` every 20 ms until one
 /// accepts; returns when (ns after the epoch) and the job id.
 async fn first_write(
-    shared: &Shared,
+    sim: &SimAgents,
     ops: &[OperatorClient<Channel>],
     survivors: &[usize],
     round: usize,
@@ -398,7 +245,7 @@ async fn first_write(
                     ..Default::default()
                 });
                 if let Ok(Ok(r)) = tokio::time::timeout(Duration::from_secs(1), call).await {
-                    return (shared.now_ns(), r.into_inner().job_id, i);
+                    return (now_ns(sim), r.into_inner().job_id, i);
                 }
                 tokio::time::sleep(POLL_EVERY.saturating_sub(started.elapsed())).await;
             }
@@ -421,7 +268,8 @@ fn main() {
     let agent_timeout = env_usize("FAILOVER_AGENT_TIMEOUT_SECS", 10);
     let backoff_max =
         Duration::from_millis(env_usize("FAILOVER_BACKOFF_MAX_MS", BACKOFF_MAX_MS) as u64)
-            .max(BACKOFF_MIN);
+            // The agents' shortest pause (gpuctl_tests::sim, as the agent).
+            .max(Duration::from_millis(100));
     // `cargo bench` passes --bench. Built and run by `cargo test
     // --all-targets` (without it), this only says how to run it.
     if !std::env::args().any(|a| a == "--bench") {
@@ -449,22 +297,20 @@ fn main() {
             .collect();
         let all: Vec<usize> = (0..MASTERS).collect();
         let leader = settled_leader(&ops, &all).await;
-        let shared = Arc::new(Shared {
-            epoch: Instant::now(),
-            backoff_max,
-            addrs: masters.addrs.clone(),
-            channels: masters
-                .addrs
-                .iter()
-                .map(|a| (0..conns).map(|_| channel(a)).collect())
-                .collect(),
-            agents: (0..n_agents).map(|_| AgentStat::default()).collect(),
-        });
-        let started = shared.now_ns();
-        for i in 0..n_agents {
-            tokio::spawn(agent(shared.clone(), i));
-        }
-        let Some(first) = wait_registered(&shared, leader, 0).await else {
+        let sim = SimAgents::start(
+            &masters.addrs,
+            SimConfig {
+                agents: n_agents,
+                gpus_per_agent: GPUS_PER_AGENT,
+                connections: conns,
+                backoff_max,
+                id_prefix: "bench".into(),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let started = now_ns(&sim);
+        let Some(first) = wait_registered(&sim, leader, 0).await else {
             panic!("the agents did not all register");
         };
         println!(
@@ -487,10 +333,10 @@ fn main() {
             // unreachable (lost only after the much longer lost timeout).
             let lost_before = masters.count_in_logs("marking it unreachable");
             let survivors: Vec<usize> = all.iter().copied().filter(|i| *i != leader).collect();
-            let t0 = shared.now_ns();
+            let t0 = now_ns(&sim);
             masters.daemons[leader].kill();
-            let (written, job_id, new_leader) = first_write(&shared, &ops, &survivors, round).await;
-            let delays = wait_registered(&shared, new_leader, t0).await;
+            let (written, job_id, new_leader) = first_write(&sim, &ops, &survivors, round).await;
+            let delays = wait_registered(&sim, new_leader, t0).await;
             let write_ms = (written - t0) as f64 / 1e6;
             match &delays {
                 Some(d) => {

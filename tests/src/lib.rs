@@ -5,7 +5,12 @@
 //! Tests that need root and a Docker daemon call [`docker_or_skip`]: without
 //! them it prints why and the test returns; with `GPUCTL_REQUIRE_DOCKER=1`
 //! (CI) it fails instead.
+//!
+//! [`sim`] runs many simulated agents inside the test process, against a
+//! master's real agent API, for tests and benchmarks at scale.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+pub mod sim;
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
