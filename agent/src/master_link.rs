@@ -17,6 +17,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::StreamExt;
+use gpuctl_core::convert::MAX_STATUS_BATCH;
 use gpuctl_core::time::Backoff;
 use gpuctl_core::types::{AgentInfo, GpuInfo, RuntimeStatus, StatusUpdate};
 use gpuctl_proto::leader::{leader_hint, retry_elsewhere};
@@ -428,6 +429,7 @@ pub async fn status_sender(
     let mut backoff = Backoff::new(BACKOFF_MIN, BACKOFF_MAX);
     let mut redirects = 0;
     let mut closed = false;
+    let mut batching = true;
     loop {
         while let Ok(u) = rx.try_recv() {
             queues.entry(u.task_id.clone()).or_default().push_back(u);
@@ -445,60 +447,21 @@ pub async fn status_sender(
             }
             continue;
         }
-        let mut progress = false;
-        let mut unreachable = false;
-        let mut redirected = false;
-        for queue in queues.values_mut() {
-            let Some(update) = queue.front() else {
+        let sent = if batching {
+            send_batch(&masters, &mut queues, &executor).await
+        } else {
+            send_each(&masters, &mut queues, &executor).await
+        };
+        let (mut progress, mut unreachable, mut redirected) = (false, false, false);
+        match sent {
+            Sent::Progress => progress = true,
+            Sent::Waiting => {}
+            Sent::Redirected => redirected = true,
+            Sent::Unreachable => unreachable = true,
+            Sent::Unsupported => {
+                // A master that predates UpdateStatuses: one call each.
+                batching = false;
                 continue;
-            };
-            let (addr, result) = match masters.client() {
-                Ok((addr, mut c)) => {
-                    let r = c
-                        .update_status(pb::StatusUpdate::from(update.clone()))
-                        .await;
-                    (addr, r)
-                }
-                Err(e) => (masters.current_addr(), Err(tonic::Status::unavailable(e))),
-            };
-            match result {
-                Ok(ack) if ack.get_ref().acknowledged => {
-                    if let Some(u) = queue.pop_front() {
-                        executor.acknowledged(&u);
-                    }
-                    progress = true;
-                }
-                // Recorded; its framework has not acknowledged it yet.
-                Ok(_) => {}
-                Err(s)
-                    if matches!(
-                        s.code(),
-                        tonic::Code::InvalidArgument
-                            | tonic::Code::FailedPrecondition
-                            | tonic::Code::NotFound
-                    ) =>
-                {
-                    // The master will never accept it; retrying would block
-                    // the task's later updates.
-                    tracing::warn!(task_id = %update.task_id, error = %s.message(), "status update refused; dropped");
-                    // As good as acknowledged: it will never be taken.
-                    if let Some(u) = queue.pop_front() {
-                        executor.acknowledged(&u);
-                    }
-                    progress = true;
-                }
-                Err(s) => {
-                    tracing::debug!(task_id = %update.task_id, master = %addr, error = %s.message(), "status update not delivered; retrying");
-                    // Not the leader, down, or the connection broke (a
-                    // transport error): go where the answer points.
-                    let moved = retry_elsewhere(&s) || std::error::Error::source(&s).is_some();
-                    if moved && masters.after_failure(&addr, Some(&s)) {
-                        redirected = true;
-                    } else {
-                        unreachable = true;
-                    }
-                    break;
-                }
             }
         }
         queues.retain(|_, q| !q.is_empty());
@@ -527,6 +490,138 @@ pub async fn status_sender(
             _ = tokio::time::sleep(wait) => {}
         }
     }
+}
+
+/// How one round of sending went.
+#[derive(Debug, PartialEq)]
+enum Sent {
+    /// Some update was acknowledged (or refused for good).
+    Progress,
+    /// Delivered, waiting for frameworks' acknowledgements.
+    Waiting,
+    /// Sent elsewhere by a redirect: try again at once.
+    Redirected,
+    /// No master took it: back off.
+    Unreachable,
+    /// The master has no UpdateStatuses.
+    Unsupported,
+}
+
+/// What to do after a failed call to `addr`.
+fn after_error(masters: &Masters, addr: &str, s: &tonic::Status) -> Sent {
+    // Not the leader, down, or the connection broke (a transport error):
+    // go where the answer points.
+    let moved = retry_elsewhere(s) || std::error::Error::source(s).is_some();
+    if moved && masters.after_failure(addr, Some(s)) {
+        Sent::Redirected
+    } else {
+        Sent::Unreachable
+    }
+}
+
+/// The first update of every task in one `UpdateStatuses` call: the
+/// master records them together (their commands share Raft's writes).
+async fn send_batch(
+    masters: &Masters,
+    queues: &mut BTreeMap<String, VecDeque<StatusUpdate>>,
+    executor: &Arc<Executor>,
+) -> Sent {
+    let batch: Vec<StatusUpdate> = queues
+        .values()
+        .filter_map(|q| q.front().cloned())
+        .take(MAX_STATUS_BATCH)
+        .collect();
+    let (addr, result) = match masters.client() {
+        Ok((addr, mut c)) => {
+            let req = pb::StatusUpdates {
+                updates: batch.iter().cloned().map(Into::into).collect(),
+            };
+            (addr, c.update_statuses(req).await)
+        }
+        Err(e) => (masters.current_addr(), Err(tonic::Status::unavailable(e))),
+    };
+    let verdicts = match result {
+        Ok(r) if r.get_ref().verdicts.len() == batch.len() => r.into_inner().verdicts,
+        Ok(r) => {
+            tracing::warn!(master = %addr, sent = batch.len(), verdicts = r.get_ref().verdicts.len(), "status verdicts do not match the updates; retrying");
+            return Sent::Unreachable;
+        }
+        Err(s) if s.code() == tonic::Code::Unimplemented => return Sent::Unsupported,
+        Err(s) => {
+            tracing::debug!(updates = batch.len(), master = %addr, error = %s.message(), "status updates not delivered; retrying");
+            return after_error(masters, &addr, &s);
+        }
+    };
+    let mut sent = Sent::Waiting;
+    for (update, verdict) in batch.iter().zip(verdicts) {
+        use pb::status_verdict::Kind;
+        match Kind::try_from(verdict.kind) {
+            Ok(Kind::Recorded) => continue,
+            Ok(Kind::Refused) => {
+                // The master will never take it; retrying would block the
+                // task's later updates. As good as acknowledged.
+                tracing::warn!(task_id = %update.task_id, error = %verdict.message, "status update refused; dropped");
+            }
+            Ok(Kind::Acknowledged) => {}
+            // A verdict this agent does not know: ask again later.
+            Err(_) => continue,
+        }
+        if let Some(u) = queues
+            .get_mut(&update.task_id)
+            .and_then(VecDeque::pop_front)
+        {
+            executor.acknowledged(&u);
+        }
+        sent = Sent::Progress;
+    }
+    sent
+}
+
+/// One `UpdateStatus` call per task, for a master without UpdateStatuses.
+async fn send_each(
+    masters: &Masters,
+    queues: &mut BTreeMap<String, VecDeque<StatusUpdate>>,
+    executor: &Arc<Executor>,
+) -> Sent {
+    let mut sent = Sent::Waiting;
+    for queue in queues.values_mut() {
+        let Some(update) = queue.front() else {
+            continue;
+        };
+        let (addr, result) = match masters.client() {
+            Ok((addr, mut c)) => {
+                let r = c
+                    .update_status(pb::StatusUpdate::from(update.clone()))
+                    .await;
+                (addr, r)
+            }
+            Err(e) => (masters.current_addr(), Err(tonic::Status::unavailable(e))),
+        };
+        match result {
+            Ok(ack) if ack.get_ref().acknowledged => {}
+            // Recorded; its framework has not acknowledged it yet.
+            Ok(_) => continue,
+            Err(s)
+                if matches!(
+                    s.code(),
+                    tonic::Code::InvalidArgument
+                        | tonic::Code::FailedPrecondition
+                        | tonic::Code::NotFound
+                ) =>
+            {
+                tracing::warn!(task_id = %update.task_id, error = %s.message(), "status update refused; dropped");
+            }
+            Err(s) => {
+                tracing::debug!(task_id = %update.task_id, master = %addr, error = %s.message(), "status update not delivered; retrying");
+                return after_error(masters, &addr, &s);
+            }
+        }
+        if let Some(u) = queue.pop_front() {
+            executor.acknowledged(&u);
+        }
+        sent = Sent::Progress;
+    }
+    sent
 }
 
 #[cfg(test)]

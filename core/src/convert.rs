@@ -40,6 +40,8 @@ type Result<T> = std::result::Result<T, ConvertError>;
 
 /// Ids and job names: 1 to 128 characters.
 pub const MAX_NAME_LEN: usize = 128;
+/// Most status updates in one `UpdateStatuses` call.
+pub const MAX_STATUS_BATCH: usize = 1024;
 /// A container image reference (`registry/name:tag@sha256:...`), bytes.
 pub const MAX_IMAGE_LEN: usize = 512;
 /// Arguments of a command (argv), the program included.

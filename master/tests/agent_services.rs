@@ -1,8 +1,9 @@
 //! The agent-facing and operator services of one in-process master, over
 //! gRPC on 127.0.0.1: the registration's fence contract (fence timeout
 //! sent, kill grace checked), runtime health in heartbeats, the
-//! UNREACHABLE agent sent back to registration, drains, and finished jobs
-//! forgotten after the job retention.
+//! UNREACHABLE agent sent back to registration, drains, finished jobs
+//! forgotten after the job retention, status updates in batches and a job
+//! followed with WatchJob.
 #![allow(clippy::unwrap_used)]
 
 use std::time::Duration;
@@ -399,5 +400,118 @@ async fn a_finished_job_is_forgotten_after_the_retention_and_get_says_so() {
         .job_id;
     assert_eq!(again, done);
     assert_eq!(listed(&mut op).await, vec![queued]);
+    m.stop().await;
+}
+
+#[tokio::test]
+async fn status_updates_in_one_call_get_one_verdict_each_and_a_watch_follows_the_job_to_its_end() {
+    let m = Master::start(|_| {}).await;
+    let mut agents = m.agents().await;
+    agents.register(register("a1", 0)).await.unwrap();
+    let mut op = m.operator().await.unwrap();
+    let job_id = op
+        .submit_job(pb::SubmitJobRequest {
+            spec: Some(pb::JobSpec {
+                name: "batched".into(),
+                command: vec!["true".into()],
+                resources: Some(pb::Resources {
+                    cpus: 0.5,
+                    mem_mib: 0,
+                    gpus: 0,
+                }),
+                ..Default::default()
+            }),
+            request_id: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .job_id;
+    let mut watch = op
+        .watch_job(pb::GetJobRequest {
+            job_id: job_id.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let first = watch.message().await.unwrap().unwrap();
+    assert_eq!(first.id, job_id);
+    // The built-in scheduler places it on a1.
+    let task_id = format!("{job_id}.0");
+    let mut placed = false;
+    for _ in 0..100 {
+        let job = op
+            .get_job(pb::GetJobRequest {
+                job_id: job_id.clone(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        if job.tasks.iter().any(|t| t.id == task_id) {
+            placed = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(placed, "{job_id} never placed");
+    let update = |task: &str, state: pb::TaskState, uuid: &[u8]| pb::StatusUpdate {
+        agent_id: "a1".into(),
+        task_id: task.into(),
+        state: state as i32,
+        uuid: uuid.to_vec(),
+        exit_code: (state == pb::TaskState::TaskFinished).then_some(0),
+        ..Default::default()
+    };
+    use pb::status_verdict::Kind;
+    let verdicts = agents
+        .update_statuses(pb::StatusUpdates {
+            updates: vec![
+                update(&task_id, pb::TaskState::TaskRunning, b"u1"),
+                // Another agent's word on a1's task: refused for good.
+                pb::StatusUpdate {
+                    agent_id: "a2".into(),
+                    ..update(&task_id, pb::TaskState::TaskFailed, b"u2")
+                },
+            ],
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .verdicts;
+    let kinds: Vec<i32> = verdicts.iter().map(|v| v.kind).collect();
+    // The jobs' own updates need no framework's acknowledgement.
+    assert_eq!(
+        kinds,
+        vec![Kind::Acknowledged as i32, Kind::Refused as i32],
+        "{verdicts:?}"
+    );
+    assert!(verdicts[1].message.contains("agent a2"), "{verdicts:?}");
+    let ended = agents
+        .update_statuses(pb::StatusUpdates {
+            updates: vec![update(&task_id, pb::TaskState::TaskFinished, b"u3")],
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .verdicts;
+    assert_eq!(ended[0].kind, Kind::Acknowledged as i32, "{ended:?}");
+    // The watch saw the changes and ends with the job.
+    let mut last = first;
+    while let Some(job) = tokio::time::timeout(Duration::from_secs(10), watch.message())
+        .await
+        .expect("the watch ends with the job")
+        .unwrap()
+    {
+        last = job;
+    }
+    assert_eq!(last.state, pb::JobState::JobSucceeded as i32, "{last:?}");
+    // A batch past the limit is refused whole, naming the field.
+    let too_many = vec![update(&task_id, pb::TaskState::TaskRunning, b"x"); 1025];
+    let err = agents
+        .update_statuses(pb::StatusUpdates { updates: too_many })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument);
+    assert!(err.message().contains("updates"), "{}", err.message());
     m.stop().await;
 }

@@ -4,10 +4,12 @@
 use std::pin::Pin;
 
 use futures::Stream;
+use gpuctl_core::convert::MAX_STATUS_BATCH;
 use gpuctl_core::types::{AgentInfo, GpuReport, RuntimeStatus, StatusUpdate, TaskSpec, TaskState};
+use gpuctl_core::ConvertError;
 use gpuctl_proto::pb;
 use tokio::sync::mpsc;
-use tonic::{Request, Response, Status};
+use tonic::{Code, Request, Response, Status};
 
 use super::task_stream::{self, TaskStream};
 use super::{reply, Ctx, MustRegister, ServiceError};
@@ -89,6 +91,13 @@ impl pb::agent_manager_server::AgentManager for AgentManagerService {
         req: Request<pb::StatusUpdate>,
     ) -> Result<Response<pb::StatusAck>, Status> {
         reply(self.update_status(req.into_inner()).await)
+    }
+
+    async fn update_statuses(
+        &self,
+        req: Request<pb::StatusUpdates>,
+    ) -> Result<Response<pb::StatusVerdicts>, Status> {
+        reply(self.update_statuses(req.into_inner()).await)
     }
 }
 
@@ -225,6 +234,50 @@ impl AgentManagerService {
             }
         });
         Ok(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx)))
+    }
+
+    /// Records the updates concurrently, so that their commands reach Raft
+    /// together and share its writes (group commit).
+    async fn update_statuses(
+        &self,
+        req: pb::StatusUpdates,
+    ) -> Result<pb::StatusVerdicts, ServiceError> {
+        if req.updates.len() > MAX_STATUS_BATCH {
+            return Err(ConvertError::new(
+                "updates",
+                format!(
+                    "{} updates, at most {MAX_STATUS_BATCH} in one call",
+                    req.updates.len()
+                ),
+            )
+            .into());
+        }
+        let results =
+            futures::future::join_all(req.updates.into_iter().map(|u| self.update_status(u))).await;
+        let mut verdicts = Vec::with_capacity(results.len());
+        for r in results {
+            use pb::status_verdict::Kind;
+            let verdict = match r {
+                Ok(ack) if ack.acknowledged => (Kind::Acknowledged, String::new()),
+                Ok(_) => (Kind::Recorded, String::new()),
+                Err(e) => {
+                    let status = Status::from(e);
+                    if !matches!(
+                        status.code(),
+                        Code::InvalidArgument | Code::FailedPrecondition | Code::NotFound
+                    ) {
+                        // Not the leader, busy, ...: none is surely recorded.
+                        return Err(ServiceError::Relayed(status));
+                    }
+                    (Kind::Refused, status.message().to_string())
+                }
+            };
+            verdicts.push(pb::StatusVerdict {
+                kind: verdict.0 as i32,
+                message: verdict.1,
+            });
+        }
+        Ok(pb::StatusVerdicts { verdicts })
     }
 
     async fn update_status(&self, req: pb::StatusUpdate) -> Result<pb::StatusAck, ServiceError> {

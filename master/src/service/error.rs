@@ -86,9 +86,10 @@ pub enum ServiceError {
         #[source]
         source: tonic::transport::Error,
     },
-    /// An agent's own answer, passed on as it came.
-    #[error("agent: {0}")]
-    Agent(Status),
+    /// A status made elsewhere (an agent's answer to a proxied call, the
+    /// verdict on one update of a batch), passed on as it came.
+    #[error("{}", .0.message())]
+    Relayed(Status),
     #[error("master is shutting down")]
     ShuttingDown,
     #[error("master {id} is already a voting member")]
@@ -170,7 +171,7 @@ impl From<ServiceError> for Status {
             | E::AgentUnreachable { .. }
             | E::LastVoter { .. }
             | E::NoOtherVoter => Status::failed_precondition(message),
-            E::Agent(s) => s,
+            E::Relayed(s) => s,
             E::AlreadyVoter { .. } => Status::already_exists(message),
             E::CatchUpTimeout { .. } => Status::deadline_exceeded(message),
             E::AgentAddress { .. } | E::UnexpectedOutcome { .. } => Status::internal(message),

@@ -558,7 +558,7 @@ impl OperatorService {
                 follow: req.follow,
             })
             .await
-            .map_err(ServiceError::Agent)?
+            .map_err(ServiceError::Relayed)?
             .into_inner();
         let (tx, rx) = mpsc::channel(16);
         let mut shutdown = self.ctx.shutdown.clone();
