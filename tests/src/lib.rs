@@ -717,7 +717,9 @@ pub trait Gpuctl {
         let mut last = Value::Null;
         let found = try_wait_for(Duration::from_secs(15), || {
             last = self.job(id);
-            last["state"] != "QUEUED" || last["reason"].as_str().is_some_and(|r| !r.is_empty())
+            // `reason` falls back to the job's message; `wait_reason` is
+            // the pass's own.
+            last["state"] != "QUEUED" || !last["wait_reason"].is_null()
         });
         assert!(
             found,

@@ -136,7 +136,7 @@ fn preemption_stops_the_lowest_priority_and_requeues_it() {
     c.wait_state(&h, "RUNNING", T);
     // A, the lowest priority, went back to the queue once its task ended.
     let ja = wait_job_until(&c, &a, "A is requeued, saying why", |j| {
-        j["state"] == "QUEUED" && j["tasks"][0]["state"] != "RUNNING" && !reason(j).is_empty()
+        j["state"] == "QUEUED" && j["tasks"][0]["state"] != "RUNNING" && !j["wait_reason"].is_null()
     });
     assert_eq!(ja["preemptions"], 1, "{ja}");
     assert_eq!(ja["retries"], 0, "a preemption is no retry: {ja}");
@@ -228,7 +228,7 @@ fn preemption_takes_no_more_than_needed_and_respects_no_requeue() {
     // A job of the same priority as the running ones never preempts them.
     let e = trapper(&c, "e", 1, 0, &[]);
     let je = wait_job_until(&c, &e, "it has a reason", |j| {
-        !reason(j).is_empty() || j["state"] != "QUEUED"
+        !j["wait_reason"].is_null() || j["state"] != "QUEUED"
     });
     assert_eq!(je["state"], "QUEUED", "{je}");
     assert!(reason(&je).starts_with("Resources:"), "{je}");
@@ -268,7 +268,7 @@ fn preemption_of_several_victims_is_a_minimal_set() {
     c.wait_state(&h, "RUNNING", T);
     for v in [&x2, &y] {
         let j = wait_job_until(&c, v, "requeued, saying why", |j| {
-            j["state"] == "QUEUED" && !reason(j).is_empty()
+            j["state"] == "QUEUED" && !j["wait_reason"].is_null()
         });
         assert_eq!(j["preemptions"], 1, "{j}");
         assert!(reason(&j).starts_with(&format!("PREEMPTED by {h}")), "{j}");
@@ -321,7 +321,7 @@ fn gang_starts_all_or_nothing_with_rank_env() {
     ]);
     // One agent has 1 GPU free: neither replica starts.
     let j = wait_job_until(&c, &gang, "it has a reason", |j| {
-        !reason(j).is_empty() || j["state"] != "QUEUED"
+        !j["wait_reason"].is_null() || j["state"] != "QUEUED"
     });
     assert_eq!(j["state"], "QUEUED", "{j}");
     assert_eq!(j["replicas"], 2, "{j}");
@@ -462,7 +462,7 @@ fn a_failed_rank_stops_the_gang_and_it_is_retried() {
     // A gang that could never fit waits and says so.
     let big = trapper(&c, "big", 4, 0, &["--replicas", "3"]);
     let jb = wait_job_until(&c, &big, "it has a reason", |j| {
-        !reason(j).is_empty() || j["state"] != "QUEUED"
+        !j["wait_reason"].is_null() || j["state"] != "QUEUED"
     });
     assert_eq!(jb["state"], "QUEUED", "{jb}");
     assert_eq!(
@@ -489,7 +489,7 @@ fn a_job_over_the_jobs_quota_waits_with_a_quota_reason() {
     // A job that needs more than the quota leaves waits, whatever is free.
     let big = trapper(&c, "big", 3, 0, &[]);
     let j = wait_job_until(&c, &big, "it has a reason", |j| {
-        !reason(j).is_empty() || j["state"] != "QUEUED"
+        !j["wait_reason"].is_null() || j["state"] != "QUEUED"
     });
     assert_eq!(j["state"], "QUEUED", "{j}");
     assert_eq!(
@@ -501,7 +501,7 @@ fn a_job_over_the_jobs_quota_waits_with_a_quota_reason() {
     // Two GPUs are free, but the jobs may hold only 2.
     let second = trapper(&c, "second", 2, 0, &[]);
     let j = wait_job_until(&c, &second, "it has a reason", |j| {
-        !reason(j).is_empty() || j["state"] != "QUEUED"
+        !j["wait_reason"].is_null() || j["state"] != "QUEUED"
     });
     assert_eq!(j["state"], "QUEUED", "{j}");
     assert!(reason(&j).starts_with("Quota:"), "{j}");

@@ -55,9 +55,12 @@ pub fn request(spec: &JobSpec) -> placement::TaskRequest<'_> {
 #[derive(Clone)]
 pub(crate) struct Pool<'s> {
     nodes: BTreeMap<&'s str, PoolNode<'s>>,
-    /// Views of all nodes, kept until the pool changes: most queued jobs
-    /// change nothing (they do not fit), so a pass builds views rarely.
+    /// Views of all nodes, built once and then kept up to date node by
+    /// node as the pool changes (rebuilding them all after every take made
+    /// a pass over a big queue cost queue times agents).
     cache: Option<Vec<placement::NodeView<'s>>>,
+    /// Where each node's view is in `cache` (the nodes' order).
+    cache_at: std::collections::HashMap<&'s str, usize>,
     /// GPUs an operator took out of service: never given back to the pool.
     cordoned: &'s BTreeSet<String>,
 }
@@ -95,6 +98,7 @@ impl<'s> Pool<'s> {
         Pool {
             nodes,
             cache: None,
+            cache_at: Default::default(),
             cordoned: state.cordoned(),
         }
     }
@@ -123,6 +127,7 @@ impl<'s> Pool<'s> {
                 })
                 .collect(),
             cache: None,
+            cache_at: Default::default(),
             cordoned: state.cordoned(),
         };
         for t in state
@@ -155,6 +160,12 @@ impl<'s> Pool<'s> {
         }
         if self.cache.is_none() {
             self.cache = Some(self.views(&|_| true));
+            self.cache_at = self
+                .nodes
+                .keys()
+                .enumerate()
+                .map(|(i, id)| (*id, i))
+                .collect();
         }
         std::borrow::Cow::Borrowed(self.cache.as_deref().unwrap_or_default())
     }
@@ -164,18 +175,31 @@ impl<'s> Pool<'s> {
     }
 
     pub fn take(&mut self, agent_id: &str, resources: &Resources, gpus: &[String]) {
-        self.cache = None;
         if let Some(n) = self.nodes.get_mut(agent_id) {
             n.free = n.free.saturating_sub(resources);
             for g in gpus {
                 n.free_gpus.remove(g.as_str());
             }
         }
+        self.refresh(agent_id);
+    }
+
+    /// Brings the cached view of one node up to date.
+    fn refresh(&mut self, agent_id: &str) {
+        let (Some(cache), Some(&i), Some(n)) = (
+            self.cache.as_mut(),
+            self.cache_at.get(agent_id),
+            self.nodes.get(agent_id),
+        ) else {
+            return;
+        };
+        if let Some(v) = cache.get_mut(i) {
+            *v = n.view();
+        }
     }
 
     /// Gives back what a task held (only GPUs of the agent that are healthy).
     pub fn give(&mut self, agent_id: &str, resources: &Resources, gpus: &[String]) {
-        self.cache = None;
         if let Some(n) = self.nodes.get_mut(agent_id) {
             n.free = n.free.add(resources);
             for g in
@@ -186,6 +210,7 @@ impl<'s> Pool<'s> {
                 n.free_gpus.insert(g.uuid.as_str());
             }
         }
+        self.refresh(agent_id);
     }
 }
 

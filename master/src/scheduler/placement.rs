@@ -278,39 +278,49 @@ pub fn place_task(
 /// free resources accounted across replicas (several replicas may share a
 /// node if it fits; spread prefers distinct nodes). `Some(vec![])` for 0
 /// replicas.
-pub fn place_gang(
+pub fn place_gang<'v, 'a>(
     req: &TaskRequest,
     replicas: u32,
-    nodes: &[NodeView],
+    nodes: &'v [NodeView<'a>],
     policy: PlacementPolicy,
 ) -> Option<Vec<Placement>> {
     let need = req.resources;
     let n = need.gpus as usize;
     let mut filter = GpuFilter::new(req);
-    let mut cands: Vec<Cand> = nodes
-        .iter()
+    let mut cand = |node: &'v NodeView<'a>| {
         // Scalars first: they need no look at the GPUs themselves.
-        .filter(|node| node.free.fits(&need) && static_ok(req, node))
-        .filter_map(|node| {
-            let matching = if n == 0 {
-                0
-            } else {
-                node.free_gpus
-                    .iter()
-                    .filter(|g| g.healthy && filter.matches(g))
-                    .count()
-            };
-            let c = Cand {
-                node,
-                matching,
-                in_use: node.all_gpus.len().saturating_sub(node.free_gpus.len()),
-                used: Resources::default(),
-                taken: Vec::new(),
-                replicas: 0,
-            };
-            c.fits(&need).then_some(c)
-        })
-        .collect();
+        if !(node.free.fits(&need) && static_ok(req, node)) {
+            return None;
+        }
+        let matching = if n == 0 {
+            0
+        } else {
+            node.free_gpus
+                .iter()
+                .filter(|g| g.healthy && filter.matches(g))
+                .count()
+        };
+        let c = Cand {
+            node,
+            matching,
+            in_use: node.all_gpus.len().saturating_sub(node.free_gpus.len()),
+            used: Resources::default(),
+            taken: Vec::new(),
+            replicas: 0,
+        };
+        c.fits(&need).then_some(c)
+    };
+    // One task (most jobs): the best node in one pass, without keeping
+    // every candidate (the queue pass calls this for every queued job).
+    let mut cands: Vec<Cand> = if replicas == 1 {
+        let best = nodes
+            .iter()
+            .filter_map(&mut cand)
+            .min_by(|a, b| compare(policy, &need, a, b));
+        best.into_iter().collect()
+    } else {
+        nodes.iter().filter_map(&mut cand).collect()
+    };
     let mut out = Vec::with_capacity(replicas as usize);
     for _ in 0..replicas {
         let best = cands

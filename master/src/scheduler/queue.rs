@@ -89,6 +89,7 @@ pub fn plan(state: &State, cfg: &QueueConfig) -> QueuePlan {
         sim: Pool::from_state(state),
         usage: jobs_usage(state),
         first_taker: HashMap::new(),
+        misses: Default::default(),
     };
     let mut out = QueuePlan::default();
     for job in state.queued_jobs() {
@@ -153,6 +154,9 @@ struct Known {
     never_fits: Option<NeverFits>,
     /// Worked out for the first such job waiting for resources.
     busy: Option<AgentCounts>,
+    /// Where it would go in what is free now, before the walk (constant
+    /// over a pass).
+    fits_now: Option<Option<Vec<Placement>>>,
 }
 
 /// What changes as the pass walks the queue.
@@ -164,6 +168,13 @@ struct Walk<'s> {
     /// The first job of the walk to take resources on each agent: who a
     /// job that fits what is free now waits behind.
     first_taker: HashMap<String, JobId>,
+    /// Asks (with the priority, which decides the agents kept for a
+    /// preemptor a job may use) that found no room in `sim`: what is free
+    /// only shrinks as the walk goes on, so a later job asking the same
+    /// fails too, without placing again. Emptied when `sim` gains (the
+    /// victims of a preemption). A burst of alike jobs past the cluster's
+    /// size is then linear in the queue, not queue times agents.
+    misses: std::collections::HashSet<(String, i32)>,
 }
 
 impl<'s> Walk<'s> {
@@ -233,6 +244,7 @@ fn pass_job<'s>(
         .or_insert_with(|| Known {
             never_fits: never_fits(ctx.totals, empty, &req, replicas),
             busy: None,
+            fits_now: None,
         })
         .never_fits
         .clone();
@@ -249,12 +261,22 @@ fn pass_job<'s>(
         }
     }
     let stopping_for_it = ctx.preempted_for.get(job.id.as_str()).copied().unwrap_or(0);
-    let fits = placement::place_gang(
-        &req,
-        replicas,
-        &walk.sim.usable_views(reserved, job),
-        policy,
-    );
+    // The preemptor itself may use the agents kept for it: not alike.
+    let miss =
+        (!reserved.values().any(|(by, _)| *by == job.id)).then(|| (key.clone(), spec.priority));
+    let fits = if miss.as_ref().is_some_and(|m| walk.misses.contains(m)) {
+        None
+    } else {
+        placement::place_gang(
+            &req,
+            replicas,
+            &walk.sim.usable_views(reserved, job),
+            policy,
+        )
+    };
+    if fits.is_none() {
+        walk.misses.extend(miss);
+    }
     if let Some(ps) = fits {
         walk.take(job, &spec.resources, &ps);
         walk.usage = walk.usage.add(&need);
@@ -267,6 +289,7 @@ fn pass_job<'s>(
     if out.preemption.is_none() {
         if let Some((victims, ps)) = find_victims(ctx, &walk.sim, job, &req, policy) {
             let mut freed = 0;
+            walk.misses.clear();
             for v in &victims {
                 for t in live_tasks(state, v) {
                     walk.sim.give(&t.agent_id, &t.resources, &t.gpu_uuids);
@@ -286,7 +309,15 @@ fn pass_job<'s>(
     if stopping_for_it > 0 {
         return preempting_reason(stopping_for_it);
     }
-    if let Some(ps) = placement::place_gang(&req, replicas, real, policy) {
+    let fits_now = ctx
+        .known
+        .borrow_mut()
+        .entry(key.clone())
+        .or_default()
+        .fits_now
+        .get_or_insert_with(|| placement::place_gang(&req, replicas, real, policy))
+        .clone();
+    if let Some(ps) = fits_now {
         return priority_reason(ctx, walk, job, &ps);
     }
     let totals = |id: &str| ctx.totals.get(id).copied().unwrap_or_default();
