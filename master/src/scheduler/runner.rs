@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use gpuctl_core::time::Backoff;
-use gpuctl_core::types::FrameworkInfo;
+use gpuctl_core::types::{FrameworkInfo, Resources};
 use gpuctl_proto::pb;
 use tokio::sync::{mpsc, watch};
 
@@ -29,7 +29,7 @@ use crate::scheduler::board::WaitBoard;
 use crate::scheduler::queue::{self, QueueConfig};
 use crate::scheduler::{place_in, Available};
 use crate::state::frameworks::{BUILTIN_FRAMEWORK_ID, JOBS_ROLE};
-use crate::state::{Command, Launch};
+use crate::state::{Command, Launch, State};
 use gpuctl_core::types::PlacementPolicy;
 
 /// Declined agents come back quickly: a job submitted meanwhile revives
@@ -92,6 +92,7 @@ pub async fn run(
         let mut next_pass = tokio::time::Instant::now();
         // Something changed since the last queue pass.
         let mut dirty = true;
+        let mut seen = Revival::of(&raft.state());
         loop {
             tokio::select! {
                 _ = shutdown.changed() => {
@@ -109,12 +110,17 @@ pub async fn run(
                     if r.is_err() {
                         return;
                     }
-                    // Something changed (a job submitted, resources freed)
-                    // while jobs wait: clear our filters and ask for offers
-                    // again, so freed resources reach them at once.
-                    if !raft.state().queued_jobs().is_empty() {
+                    // A job submitted or resources freed while jobs wait:
+                    // clear our filters and ask for offers again, so they
+                    // meet at once. Other changes (a job started, an update)
+                    // do not revive: offers of agents that could not take
+                    // a waiting job would only come back to be declined
+                    // (the declines' 1 s filters expire anyway).
+                    let now = Revival::of(&raft.state());
+                    if now.worth_reviving_after(&seen) {
                         hub.revive(BUILTIN_FRAMEWORK_ID);
                     }
+                    seen = now;
                     // The reasons on the board may be out of date (a job
                     // submitted, started or gone).
                     dirty = true;
@@ -133,6 +139,34 @@ pub async fn run(
                 },
             }
         }
+    }
+}
+
+/// What decides whether a state change is worth asking for offers again.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Revival {
+    queued: bool,
+    submitted: u64,
+    free: Resources,
+}
+
+impl Revival {
+    fn of(state: &State) -> Revival {
+        Revival {
+            queued: state.has_queued(),
+            submitted: state.jobs_submitted(),
+            free: state.free_total(),
+        }
+    }
+
+    /// Jobs wait, and one was submitted or something was freed.
+    fn worth_reviving_after(&self, before: &Revival) -> bool {
+        let (now, was) = (&self.free, &before.free);
+        self.queued
+            && (self.submitted != before.submitted
+                || now.gpus > was.gpus
+                || now.cpus > was.cpus
+                || now.mem_mib > was.mem_mib)
     }
 }
 
@@ -165,7 +199,7 @@ async fn handle_offers(
     };
     let launches = {
         let state = raft.state();
-        if state.queued_jobs().is_empty() {
+        if !state.has_queued() {
             drop(state);
             decline(hub);
             hub.suppress(BUILTIN_FRAMEWORK_ID);
@@ -219,7 +253,7 @@ async fn pass(raft: &RaftHandle, cfg: &QueueConfig, board: &WaitBoard) -> Durati
     let started = std::time::Instant::now();
     let preemption = {
         let state = raft.state();
-        if state.queued_jobs().is_empty() {
+        if !state.has_queued() {
             drop(state);
             board.clear();
             return started.elapsed();
@@ -246,4 +280,38 @@ async fn pass(raft: &RaftHandle, cfg: &QueueConfig, board: &WaitBoard) -> Durati
         tracing::warn!(job_id = %p.job_id, error = %e, "preemption refused");
     }
     cost
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn revival(queued: bool, submitted: u64, gpus: u32) -> Revival {
+        Revival {
+            queued,
+            submitted,
+            free: Resources {
+                cpus: 8.0,
+                mem_mib: 1024,
+                gpus,
+            },
+        }
+    }
+
+    #[test]
+    fn offers_are_asked_for_again_only_when_a_waiting_job_may_now_start() {
+        let before = revival(true, 10, 2);
+        // A job submitted, or GPUs freed, while jobs wait.
+        assert!(revival(true, 11, 2).worth_reviving_after(&before));
+        assert!(revival(true, 10, 3).worth_reviving_after(&before));
+        // A job started (less free), or nothing that matters changed.
+        assert!(!revival(true, 10, 1).worth_reviving_after(&before));
+        assert!(!revival(true, 10, 2).worth_reviving_after(&before));
+        // Nothing waits.
+        assert!(!revival(false, 11, 8).worth_reviving_after(&before));
+        // CPUs or memory freed count too (jobs may ask for no GPU).
+        let mut more_cpus = before;
+        more_cpus.free.cpus += 1.0;
+        assert!(more_cpus.worth_reviving_after(&before));
+    }
 }

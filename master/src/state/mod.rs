@@ -337,6 +337,28 @@ impl State {
         self.applied_index
     }
 
+    /// Jobs ever submitted (the next job's sequence number minus one).
+    pub fn jobs_submitted(&self) -> u64 {
+        self.next_job_seq.saturating_sub(1)
+    }
+
+    /// Whether some job waits for placement (cheaper than
+    /// [`queued_jobs`](Self::queued_jobs): no list, no sort).
+    pub fn has_queued(&self) -> bool {
+        self.jobs
+            .values()
+            .any(|j| j.state == JobState::Queued && !j.cancel_requested)
+    }
+
+    /// What agents that take tasks have free, summed: it grows only when
+    /// something ends, an agent comes or a GPU comes back.
+    pub fn free_total(&self) -> Resources {
+        self.agents
+            .values()
+            .filter(|a| a.accepts_tasks())
+            .fold(Resources::default(), |sum, a| sum.add(&a.free()))
+    }
+
     /// Jobs waiting for placement in the order they are placed: highest
     /// priority first, then oldest.
     pub fn queued_jobs(&self) -> Vec<&JobRecord> {
