@@ -145,7 +145,7 @@ pub async fn run(
 /// What decides whether a state change is worth asking for offers again.
 #[derive(Debug, Clone, Copy, PartialEq)]
 struct Revival {
-    queued: bool,
+    queued: usize,
     submitted: u64,
     free: Resources,
 }
@@ -153,17 +153,19 @@ struct Revival {
 impl Revival {
     fn of(state: &State) -> Revival {
         Revival {
-            queued: state.has_queued(),
+            queued: state.count_queued(),
             submitted: state.jobs_submitted(),
             free: state.free_total(),
         }
     }
 
-    /// Jobs wait, and one was submitted or something was freed.
+    /// Jobs wait, and one was submitted or came back to the queue (a
+    /// retry, a preemption, its agent lost), or something was freed.
     fn worth_reviving_after(&self, before: &Revival) -> bool {
         let (now, was) = (&self.free, &before.free);
-        self.queued
+        self.queued > 0
             && (self.submitted != before.submitted
+                || self.queued > before.queued
                 || now.gpus > was.gpus
                 || now.cpus > was.cpus
                 || now.mem_mib > was.mem_mib)
@@ -286,7 +288,7 @@ async fn pass(raft: &RaftHandle, cfg: &QueueConfig, board: &WaitBoard) -> Durati
 mod tests {
     use super::*;
 
-    fn revival(queued: bool, submitted: u64, gpus: u32) -> Revival {
+    fn revival(queued: usize, submitted: u64, gpus: u32) -> Revival {
         Revival {
             queued,
             submitted,
@@ -300,15 +302,20 @@ mod tests {
 
     #[test]
     fn offers_are_asked_for_again_only_when_a_waiting_job_may_now_start() {
-        let before = revival(true, 10, 2);
+        let before = revival(2, 10, 2);
         // A job submitted, or GPUs freed, while jobs wait.
-        assert!(revival(true, 11, 2).worth_reviving_after(&before));
-        assert!(revival(true, 10, 3).worth_reviving_after(&before));
-        // A job started (less free), or nothing that matters changed.
-        assert!(!revival(true, 10, 1).worth_reviving_after(&before));
-        assert!(!revival(true, 10, 2).worth_reviving_after(&before));
+        assert!(revival(3, 11, 2).worth_reviving_after(&before));
+        assert!(revival(2, 10, 3).worth_reviving_after(&before));
+        // A job back in the queue (its agent lost, a retry): it may fit
+        // what the others do not.
+        assert!(revival(3, 10, 2).worth_reviving_after(&before));
+        assert!(revival(1, 10, 2).worth_reviving_after(&revival(0, 10, 2)));
+        // A job started (less free, one less waiting), or nothing that
+        // matters changed.
+        assert!(!revival(1, 10, 1).worth_reviving_after(&before));
+        assert!(!revival(2, 10, 2).worth_reviving_after(&before));
         // Nothing waits.
-        assert!(!revival(false, 11, 8).worth_reviving_after(&before));
+        assert!(!revival(0, 11, 8).worth_reviving_after(&before));
         // CPUs or memory freed count too (jobs may ask for no GPU).
         let mut more_cpus = before;
         more_cpus.free.cpus += 1.0;

@@ -23,6 +23,11 @@ pub use apply::{ApplyError, MemberChange, Outcome};
 pub use command::{Command, GpuHealthChange, Launch};
 pub use gpuctl_core::types::{FrameworkTask, TaskReason};
 
+/// A job waiting for placement.
+fn waits(j: &&JobRecord) -> bool {
+    j.state == JobState::Queued && !j.cancel_requested
+}
+
 /// An agent's liveness, as the leader's clocks decided it (through
 /// commands: `AgentUnreachable`, `AgentLostAfterTimeout`).
 ///
@@ -345,9 +350,12 @@ impl State {
     /// Whether some job waits for placement (cheaper than
     /// [`queued_jobs`](Self::queued_jobs): no list, no sort).
     pub fn has_queued(&self) -> bool {
-        self.jobs
-            .values()
-            .any(|j| j.state == JobState::Queued && !j.cancel_requested)
+        self.jobs.values().any(|j| waits(&j))
+    }
+
+    /// How many jobs wait for placement.
+    pub fn count_queued(&self) -> usize {
+        self.jobs.values().filter(waits).count()
     }
 
     /// What agents that take tasks have free, summed: it grows only when
@@ -362,11 +370,7 @@ impl State {
     /// Jobs waiting for placement in the order they are placed: highest
     /// priority first, then oldest.
     pub fn queued_jobs(&self) -> Vec<&JobRecord> {
-        let mut q: Vec<&JobRecord> = self
-            .jobs
-            .values()
-            .filter(|j| j.state == JobState::Queued && !j.cancel_requested)
-            .collect();
+        let mut q: Vec<&JobRecord> = self.jobs.values().filter(waits).collect();
         q.sort_by_key(|j| {
             (
                 std::cmp::Reverse(j.spec.priority),
