@@ -282,10 +282,29 @@ pub fn may_use(
         .is_none_or(|(by, p)| *by == job.id || *p < job.spec.priority)
 }
 
+/// Jobs alike in what they ask place alike: the key of what a job asks.
+pub(crate) fn ask_key(job: &JobRecord) -> String {
+    let spec = &job.spec;
+    format!(
+        "{:?}|{:?}|{:?}|{}",
+        spec.resources,
+        spec.runtime(),
+        spec.placement,
+        spec.replicas()
+    )
+}
+
+/// Most launches the built-in scheduler places in one round of offers: it
+/// bounds how long a round reads the state, and the size of the batch it
+/// proposes; the jobs beyond wait for the next round (at once: the rest of
+/// the round's offers are declined without a filter).
+pub const MAX_LAUNCHES_PER_ROUND: usize = 2048;
+
 /// Placements for queued jobs using exactly `available` (what the built-in
 /// framework was offered): jobs in priority order, each placed by the
 /// engine with its policy, constraints and GPU topology on what the jobs
 /// before it left; a gang's `replicas` launches together, in rank order.
+/// At most [`MAX_LAUNCHES_PER_ROUND`] launches (a gang is never cut).
 pub fn place_in(
     state: &State,
     available: &BTreeMap<String, Available>,
@@ -294,13 +313,25 @@ pub fn place_in(
     let reserved = reservations(state);
     let mut pool = Pool::from_available(state, available);
     let mut out = Vec::new();
+    // Asks (and priority) that found no room: what is free only shrinks
+    // here, so a later job asking the same fails too, without placing.
+    let mut misses = std::collections::HashSet::new();
     for job in state.queued_jobs() {
+        if out.len() >= MAX_LAUNCHES_PER_ROUND {
+            break;
+        }
+        let preemptor = reserved.values().any(|(by, _)| *by == job.id);
+        let miss = (!preemptor).then(|| (ask_key(job), job.spec.priority));
+        if miss.as_ref().is_some_and(|m| misses.contains(m)) {
+            continue;
+        }
         let Some(placements) = placement::place_gang(
             &request(&job.spec),
             job.spec.replicas(),
             &pool.usable_views(&reserved, job),
             policy_of(&job.spec, default_policy),
         ) else {
+            misses.extend(miss);
             continue;
         };
         for p in placements {
@@ -430,6 +461,26 @@ mod tests {
         s.apply(100, &Command::LaunchTasks { launches, at_ms: 1 })
             .unwrap();
         assert!(s.queued_jobs().is_empty());
+    }
+
+    #[test]
+    fn a_round_places_at_most_its_cap_and_alike_misses_are_not_placed_again() {
+        // 300 agents of 8 GPUs, 2,500 one-GPU jobs and then 500 of 9 GPUs
+        // (fit nowhere: each found at once among the misses).
+        let mut cmds: Vec<Command> = (0..300)
+            .map(|i| agent(&format!("a{i:03}"), 8, both()))
+            .collect();
+        cmds.extend((0..2_500).map(|_| job(1, false)));
+        cmds.extend((0..500).map(|_| job(9, false)));
+        let s = state(cmds);
+        let launches = place(&s, &BTreeSet::new(), &BTreeMap::new());
+        assert_eq!(launches.len(), MAX_LAUNCHES_PER_ROUND);
+        // The first in the queue, each on a GPU of its own.
+        let mut seen = BTreeSet::new();
+        for (i, l) in launches.iter().enumerate() {
+            assert_eq!(l.job_id, format!("job-{}", i + 1));
+            assert!(l.gpu_uuids.iter().all(|g| seen.insert(g.clone())));
+        }
     }
 
     #[test]

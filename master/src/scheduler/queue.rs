@@ -33,7 +33,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use gpuctl_core::types::{GpuInfo, JobId, JobState, PlacementPolicy, Resources};
 
 use super::placement::{self, model_matches, Placement, TaskRequest};
-use super::{may_use, policy_of, request, reservations, Pool};
+use super::{ask_key, may_use, policy_of, request, reservations, Pool};
 use crate::state::{job_seq, JobRecord, State, Stopping};
 use gpuctl_core::wait::{
     AgentCounts, AgentIds, Dimension, NeverFits, Requeued, SetAside, WaitReason, Waiting,
@@ -204,18 +204,6 @@ fn set_aside(state: &State) -> SetAside {
         draining: AgentIds::of(draining),
         unreachable: AgentIds::of(unreachable),
     }
-}
-
-/// Jobs alike in what they ask share what [`Known`] holds.
-fn ask_key(job: &JobRecord) -> String {
-    let spec = &job.spec;
-    format!(
-        "{:?}|{:?}|{:?}|{}",
-        spec.resources,
-        spec.runtime(),
-        spec.placement,
-        spec.replicas()
-    )
 }
 
 fn pass_job<'s>(

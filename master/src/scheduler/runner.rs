@@ -27,7 +27,7 @@ use crate::now_ms;
 use crate::raft::RaftHandle;
 use crate::scheduler::board::WaitBoard;
 use crate::scheduler::queue::{self, QueueConfig};
-use crate::scheduler::{place_in, Available};
+use crate::scheduler::{place_in, Available, MAX_LAUNCHES_PER_ROUND};
 use crate::state::frameworks::{BUILTIN_FRAMEWORK_ID, JOBS_ROLE};
 use crate::state::{Command, Launch, State};
 use gpuctl_core::types::PlacementPolicy;
@@ -231,6 +231,8 @@ async fn handle_offers(
         }
         place_in(&state, &available, default_policy)
     };
+    // A full round: more jobs may fit what is left of these offers.
+    let capped = launches.len() >= MAX_LAUNCHES_PER_ROUND;
     // Until the launches commit, nothing of these agents is offered again.
     let launching = hub.launching(&agents);
     // One command per job: a gang's launches start together or not at all.
@@ -259,9 +261,12 @@ async fn handle_offers(
         }
     });
     futures::future::join_all(proposals).await;
-    // What was not launched on is declined (briefly: any change while jobs
-    // wait revives offers).
-    decline(hub);
+    // What was not launched on is declined: briefly (a job submitted or
+    // resources freed revive offers), or not at all after a full round, so
+    // the next round has it at once.
+    if !capped {
+        decline(hub);
+    }
     drop(launching);
 }
 
