@@ -19,23 +19,31 @@
 //! 4. gangs: `--gangs` jobs of `--gang-replicas` tasks of `--gang-gpus`
 //!    GPUs, first submit to the last task's RUNNING acknowledged; then
 //!    cancelled;
-//! 5. placements: `--jobs` one-GPU jobs that run until the end, first
+//! 5. filler (`--filler-jobs`, off by default): jobs submitted and
+//!    cancelled at once, so that the state holds that many more when
+//!    ListJobs is timed, without a queue of as many;
+//! 6. placements: `--jobs` one-GPU jobs that run until the end, first
 //!    submit to the last RUNNING acknowledged (jobs beyond the cluster's
 //!    GPUs stay queued, and count in the state);
-//! 6. ListJobs' first page (the default request: 500 jobs) at the leader,
+//! 7. ListJobs' first page (the default request: 500 jobs) at the leader,
 //!    with everything above in the state; the leader's allocation-cycle
 //!    histogram (`/metrics`); each master's data dir;
-//! 7. failover: the leader is killed (its runtime dropped at once, as a
+//! 8. failover: the leader is killed (its runtime dropped at once, as a
 //!    crash), until a survivor accepts a SubmitJob, and until every agent
 //!    registered again with the new leader;
-//! 8. the raft log and snapshot in each master's sled trees, once stopped;
-//! 9. the allocation cycle: `gpuctl_master::allocator::allocate` on views
-//!    of `--alloc-agents` agents built as master/benches/allocator.rs
-//!    builds them (the pure cycle, no state to views);
-//! 10. memory: three `gpuctl-master` release processes (not in this
+//! 9. the raft log and snapshot in each master's sled trees, once stopped;
+//! 10. the allocation cycle: `gpuctl_master::allocator::allocate` on views
+//!     of `--alloc-agents` agents built as master/benches/allocator.rs
+//!     builds them (the pure cycle, no state to views);
+//! 11. memory: three `gpuctl-master` release processes (not in this
 //!     process, so that their RSS is theirs alone), VmRSS of each before
 //!     agents, after `--memory-agents` agents with no GPUs, after as many
 //!     with 8 GPUs, after `--memory-jobs` one-GPU jobs RUNNING.
+//!
+//! Calls go to the leader and follow its redirects as `gpuctl` does (a call
+//! the master refused before proposing is sent again; one whose outcome is
+//! unknown counts as an error), so a leader change under load shows in the
+//! figures (errors, `leader.changed`) instead of ending the run.
 //!
 //! ```text
 //! cargo run --release -p gpuctl-tests --bin scale-bench -- --agents 1000 --jobs 10000
@@ -50,6 +58,7 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use futures::StreamExt;
+use gpuctl_proto::leader::{leader_hint, not_proposed};
 use gpuctl_proto::pb;
 use gpuctl_proto::pb::operator_client::OperatorClient;
 use gpuctl_tests::sim::{InProcessMaster, SimAgents, SimConfig, SimCounts};
@@ -144,6 +153,17 @@ struct Opts {
     /// Keep the masters' data and logs here (default: a temp dir, removed).
     #[arg(long)]
     dir: Option<PathBuf>,
+    /// Jobs submitted and cancelled at once (they ask for a GPU model no
+    /// agent has, so they never run): the state then holds that many more
+    /// jobs, CANCELLED, when ListJobs is timed, without a queue of as many
+    /// (needs --job-retention-max above it, or they are forgotten).
+    #[arg(long, default_value_t = 0)]
+    filler_jobs: usize,
+    /// The in-process masters' --job-retention-max (most finished jobs
+    /// kept; default: the master's, 10,000). Raise it to keep 100,000 jobs
+    /// in the state for ListJobs without a queue of 100,000.
+    #[arg(long)]
+    job_retention_max: Option<usize>,
     /// An experiment, not what `gpuctl-master` does: set TCP_NODELAY on the
     /// in-process masters' listening sockets, which their accepted
     /// connections inherit on Linux (the master's gRPC server leaves Nagle's
@@ -304,6 +324,75 @@ fn channel(addr: &str, connections: usize) -> BenchResult<Vec<OperatorClient<Cha
         .collect()
 }
 
+/// Operator clients of every master, and which one leads now: calls go to
+/// the leader and follow its redirects, as `gpuctl` does.
+struct Ops {
+    addrs: Vec<String>,
+    /// `clients[master][k]`: `connections` channels per master.
+    clients: Vec<Vec<OperatorClient<Channel>>>,
+    leader: AtomicUsize,
+    /// Calls retried after a redirect or "no leader yet".
+    redirects: AtomicUsize,
+}
+
+impl Ops {
+    fn new(addrs: &[String], leader: usize, connections: usize) -> BenchResult<Ops> {
+        Ok(Ops {
+            addrs: addrs.to_vec(),
+            clients: addrs
+                .iter()
+                .map(|a| channel(a, connections))
+                .collect::<BenchResult<_>>()?,
+            leader: AtomicUsize::new(leader),
+            redirects: AtomicUsize::new(0),
+        })
+    }
+
+    fn leader(&self) -> usize {
+        self.leader.load(Ordering::SeqCst)
+    }
+
+    /// Runs `call` on a client of the leader (the `n`th, round robin); when
+    /// the master refused it before proposing anything (not the leader, no
+    /// leader yet), follows the redirect or waits, and calls again, for at
+    /// most `limit`. Any other failure is returned.
+    async fn call<T, F, Fut>(&self, n: usize, limit: Duration, call: F) -> Result<T, tonic::Status>
+    where
+        F: Fn(OperatorClient<Channel>) -> Fut,
+        Fut: std::future::Future<Output = Result<T, tonic::Status>>,
+    {
+        let deadline = Instant::now() + limit;
+        loop {
+            let m = self.leader();
+            let per = &self.clients[m];
+            match call(per[n % per.len()].clone()).await {
+                Ok(v) => return Ok(v),
+                Err(s) if not_proposed(&s) && Instant::now() < deadline => {
+                    self.redirects.fetch_add(1, Ordering::Relaxed);
+                    let hint =
+                        leader_hint(&s).and_then(|h| self.addrs.iter().position(|a| *a == h));
+                    match hint {
+                        Some(i) if i != m => {
+                            let _ = self.leader.compare_exchange(
+                                m,
+                                i,
+                                Ordering::SeqCst,
+                                Ordering::SeqCst,
+                            );
+                        }
+                        _ => tokio::time::sleep(Duration::from_millis(200)).await,
+                    }
+                }
+                Err(s) => return Err(s),
+            }
+        }
+    }
+}
+
+fn status_text(s: &tonic::Status) -> String {
+    format!("{:?}: {}", s.code(), s.message())
+}
+
 fn one_gpu_job(name: String, command: Vec<String>) -> pb::JobSpec {
     pb::JobSpec {
         name,
@@ -451,38 +540,42 @@ struct Submitted {
     done: Duration,
 }
 
-/// Submits every spec, `concurrency` calls in flight, spread over
-/// `clients`; counts the successes in `ok` as they come, sets `finished`.
+/// Submits every spec, `concurrency` calls in flight, at the leader;
+/// counts the successes in `ok` as they come, sets `finished`.
 async fn submit_all(
     sim: &SimAgents,
-    clients: &[OperatorClient<Channel>],
+    ops: &Ops,
     specs: Vec<pb::JobSpec>,
-    concurrency: usize,
+    opts: &Opts,
     ok: &AtomicUsize,
     finished: &AtomicBool,
 ) -> Submitted {
     let first = sim.now();
+    let limit = Duration::from_secs(opts.stall_secs);
     let results: Vec<(Duration, Result<String, String>)> =
         futures::stream::iter(specs.into_iter().enumerate())
-            .map(|(n, spec)| {
-                let mut c = clients[n % clients.len()].clone();
-                async move {
-                    let at = sim.now();
-                    let r = c
-                        .submit_job(pb::SubmitJobRequest {
-                            spec: Some(spec),
-                            ..Default::default()
-                        })
-                        .await
-                        .map(|r| r.into_inner().job_id)
-                        .map_err(|s| format!("{}: {}", s.code(), s.message()));
-                    if r.is_ok() {
-                        ok.fetch_add(1, Ordering::SeqCst);
-                    }
-                    (at, r)
+            .map(|(n, spec)| async move {
+                let at = sim.now();
+                let r = ops
+                    .call(n, limit, |mut c| {
+                        let spec = spec.clone();
+                        async move {
+                            c.submit_job(pb::SubmitJobRequest {
+                                spec: Some(spec),
+                                ..Default::default()
+                            })
+                            .await
+                        }
+                    })
+                    .await
+                    .map(|r| r.into_inner().job_id)
+                    .map_err(|s| status_text(&s));
+                if r.is_ok() {
+                    ok.fetch_add(1, Ordering::SeqCst);
                 }
+                (at, r)
             })
-            .buffer_unordered(concurrency.max(1))
+            .buffer_unordered(opts.submit_concurrency.max(1))
             .collect()
             .await;
     finished.store(true, Ordering::SeqCst);
@@ -580,10 +673,10 @@ fn finite(v: f64) -> Value {
     }
 }
 
-/// The agents, and the clients of the leader that jobs are submitted to.
+/// The agents, and the clients that jobs are submitted through.
 struct On<'a> {
     sim: &'a SimAgents,
-    clients: &'a [OperatorClient<Channel>],
+    ops: &'a Ops,
 }
 
 /// Submits `specs` (`tasks_per_job` tasks each) and waits until `count`
@@ -597,7 +690,7 @@ async fn batch(
     count: Count,
     opts: &Opts,
 ) -> Batch {
-    let On { sim, clients } = on;
+    let On { sim, ops } = on;
     let base = count.of(&sim.counts());
     let (cpu0, wall0) = (cpu_secs(), Instant::now());
     let ok = AtomicUsize::new(0);
@@ -608,7 +701,7 @@ async fn batch(
             .then(|| ok.load(Ordering::SeqCst).min(cap_jobs) * tasks_per_job)
     };
     let (submitted, progress) = tokio::join!(
-        submit_all(sim, clients, specs, opts.submit_concurrency, &ok, &finished),
+        submit_all(sim, ops, specs, opts, &ok, &finished),
         wait_for(sim, label, count, base, goal, opts)
     );
     let cores_busy = (cpu_secs() - cpu0) / wall0.elapsed().as_secs_f64().max(1e-9);
@@ -660,21 +753,22 @@ async fn batch(
 /// `tasks` tasks were acknowledged (counted from `ended_base`).
 async fn cancel_all(
     sim: &SimAgents,
-    clients: &[OperatorClient<Channel>],
+    ops: &Ops,
     jobs: &[(String, Duration)],
     tasks: usize,
     ended_base: usize,
     opts: &Opts,
 ) -> BenchResult<()> {
+    let limit = Duration::from_secs(opts.stall_secs);
     let errors: Vec<String> = futures::stream::iter(jobs.iter().enumerate())
-        .map(|(n, (id, _))| {
-            let mut c = clients[n % clients.len()].clone();
-            async move {
+        .map(|(n, (id, _))| async move {
+            ops.call(n, limit, |mut c| async move {
                 c.cancel_job(pb::CancelJobRequest { job_id: id.clone() })
                     .await
-                    .err()
-                    .map(|s| format!("{id}: {}: {}", s.code(), s.message()))
-            }
+            })
+            .await
+            .err()
+            .map(|s| format!("{id}: {}", status_text(&s)))
         })
         .buffer_unordered(opts.submit_concurrency.max(1))
         .filter_map(|e| async move { e })
@@ -824,7 +918,8 @@ fn listener(nodelay: bool) -> std::io::Result<std::net::TcpListener> {
     socket.listen(1024)?.into_std()
 }
 
-fn start_masters(root: &Path, nodelay: bool) -> BenchResult<Masters> {
+fn start_masters(root: &Path, opts: &Opts) -> BenchResult<Masters> {
+    let nodelay = opts.listener_nodelay;
     let metrics: Vec<String> = (0..MASTERS)
         .map(|_| format!("127.0.0.1:{}", gpuctl_tests::free_port()))
         .collect();
@@ -834,6 +929,9 @@ fn start_masters(root: &Path, nodelay: bool) -> BenchResult<Masters> {
         .map_err(err("listen"))?;
     let masters = InProcessMaster::start_group_on(listeners, root, |i, c| {
         c.metrics_listen = metrics[i].parse().ok();
+        if let Some(n) = opts.job_retention_max {
+            c.retention.max_finished = n;
+        }
     })
     .map_err(err("start the masters"))?;
     let addrs: Vec<String> = masters.iter().map(|m| m.addr().to_string()).collect();
@@ -852,23 +950,26 @@ fn start_masters(root: &Path, nodelay: bool) -> BenchResult<Masters> {
 /// The latency phase: one job at a time on the idle cluster.
 async fn latency_phase(
     sim: &SimAgents,
-    clients: &[OperatorClient<Channel>],
+    ops: &Ops,
     opts: &Opts,
     report: &mut Report,
 ) -> BenchResult<()> {
     let ended_base = sim.counts().ended_acked;
     let mut jobs: Vec<(String, Duration)> = Vec::new();
-    let mut c = clients[0].clone();
+    let limit = Duration::from_secs(opts.stall_secs);
     for n in 0..opts.latency_jobs {
         let before = sim.counts().running_acked;
         let at = sim.now();
-        let id = c
-            .submit_job(pb::SubmitJobRequest {
-                spec: Some(one_gpu_job(format!("latency-{n}"), forever())),
-                ..Default::default()
+        let id = ops
+            .call(0, limit, |mut c| async move {
+                c.submit_job(pb::SubmitJobRequest {
+                    spec: Some(one_gpu_job(format!("latency-{n}"), forever())),
+                    ..Default::default()
+                })
+                .await
             })
             .await
-            .map_err(err("SubmitJob (latency)"))?
+            .map_err(|s| format!("SubmitJob (latency): {}", status_text(&s)))?
             .into_inner()
             .job_id;
         jobs.push((id, at));
@@ -924,7 +1025,7 @@ async fn latency_phase(
             "met": p50 < TARGET_LATENCY_P50_MS,
         }),
     );
-    cancel_all(sim, clients, &jobs, jobs.len(), ended_base, opts).await
+    cancel_all(sim, ops, &jobs, jobs.len(), ended_base, opts).await
 }
 
 fn print_batch(label: &str, b: &Batch, tasks_per_job: usize) {
@@ -946,7 +1047,91 @@ fn print_batch(label: &str, b: &Batch, tasks_per_job: usize) {
     );
 }
 
-/// Phases 1 to 8: the in-process masters.
+/// Submits and cancels `--filler-jobs` jobs that never run.
+async fn filler_phase(ops: &Ops, opts: &Opts, report: &mut Report) -> BenchResult<()> {
+    let limit = Duration::from_secs(opts.stall_secs);
+    let started = Instant::now();
+    let done = AtomicUsize::new(0);
+    let progress = async {
+        loop {
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            eprintln!(
+                "  [filler] {:.0} s: {} of {}",
+                started.elapsed().as_secs_f64(),
+                done.load(Ordering::Relaxed),
+                opts.filler_jobs
+            );
+        }
+    };
+    let work = futures::stream::iter(0..opts.filler_jobs)
+        .map(|n| {
+            let done = &done;
+            async move {
+                let id = ops
+                    .call(n, limit, |mut c| async move {
+                        c.submit_job(pb::SubmitJobRequest {
+                            spec: Some(pb::JobSpec {
+                                placement: Some(pb::Placement {
+                                    gpu_model: "no-such-gpu*".into(),
+                                    ..Default::default()
+                                }),
+                                ..one_gpu_job(format!("filler-{n}"), forever())
+                            }),
+                            ..Default::default()
+                        })
+                        .await
+                    })
+                    .await
+                    .map_err(|s| format!("SubmitJob (filler): {}", status_text(&s)))?
+                    .into_inner()
+                    .job_id;
+                ops.call(n, limit, |mut c| {
+                    let id = id.clone();
+                    async move { c.cancel_job(pb::CancelJobRequest { job_id: id }).await }
+                })
+                .await
+                .map_err(|s| format!("CancelJob (filler): {}", status_text(&s)))?;
+                done.fetch_add(1, Ordering::Relaxed);
+                Ok::<(), String>(())
+            }
+        })
+        .buffer_unordered(opts.submit_concurrency.max(1))
+        .collect::<Vec<_>>();
+    let results = tokio::select! {
+        r = work => r,
+        _ = progress => Vec::new(),
+    };
+    let secs = started.elapsed().as_secs_f64();
+    let errors: Vec<&String> = results.iter().filter_map(|r| r.as_ref().err()).collect();
+    let ok = results.len() - errors.len();
+    println!(
+        "filler: {ok} jobs submitted and cancelled in {secs:.1} s ({} pairs/s), {} errors{}",
+        n0(ok as f64 / secs),
+        errors.len(),
+        errors
+            .first()
+            .map_or(String::new(), |e| format!(", first: {e}"))
+    );
+    report.row(
+        "SubmitJob + CancelJob pairs/s (filler)",
+        format!("{} /s", n0(ok as f64 / secs)),
+        format!("{} jobs that never run", n0(ok as f64)),
+        String::new(),
+    );
+    report.set(
+        "filler",
+        json!({
+            "jobs": ok,
+            "errors": errors.len(),
+            "first_error": errors.first(),
+            "secs": secs,
+            "pairs_per_sec": ok as f64 / secs,
+        }),
+    );
+    Ok(())
+}
+
+/// Phases 1 to 9: the in-process masters.
 async fn cluster_phases(
     opts: &Opts,
     root: &Path,
@@ -954,7 +1139,7 @@ async fn cluster_phases(
     rss: &mut Vec<(String, u64)>,
 ) -> BenchResult<()> {
     let gpus = opts.agents * opts.gpus_per_agent as usize;
-    let mut m = start_masters(root, opts.listener_nodelay)?;
+    let mut m = start_masters(root, opts)?;
     let all: Vec<usize> = (0..MASTERS).collect();
     let leader = settled_leader(&m.ops, &m.addrs, &all, Duration::from_secs(60)).await?;
     println!(
@@ -1017,14 +1202,14 @@ async fn cluster_phases(
     // Heartbeats under way.
     tokio::time::sleep(Duration::from_secs(3)).await;
     note_rss("agents registered, idle");
-    let leader_ops = channel(&m.addrs[leader], opts.connections)?;
-    let metrics_before = scrape(&m.metrics[leader]).await?;
+    let ops = Ops::new(&m.addrs, leader, opts.connections)?;
+    let metrics_before = scrape(&m.metrics[ops.leader()]).await?;
 
     // 2. Latency, idle.
     if opts.latency_jobs > 0 {
-        latency_phase(&sim, &leader_ops, opts, report).await?;
+        latency_phase(&sim, &ops, opts, report).await?;
     }
-    let metrics_idle = scrape(&m.metrics[leader]).await?;
+    let metrics_idle = scrape(&m.metrics[ops.leader()]).await?;
     let cycles_idle = Hist::parse(&metrics_idle, "gpuctl_allocation_cycle_seconds").since(
         &Hist::parse(&metrics_before, "gpuctl_allocation_cycle_seconds"),
     );
@@ -1038,7 +1223,7 @@ async fn cluster_phases(
         let b = batch(
             On {
                 sim: &sim,
-                clients: &leader_ops,
+                ops: &ops,
             },
             "completions",
             specs,
@@ -1050,13 +1235,15 @@ async fn cluster_phases(
         .await;
         print_batch("completions", &b, 1);
         // A few of them, as the master says.
-        let mut c = leader_ops[0].clone();
         let mut not_succeeded = 0;
+        let limit = Duration::from_secs(opts.stall_secs);
         for (id, _) in b.submitted.jobs.iter().rev().take(20) {
-            let j = c
-                .get_job(pb::GetJobRequest { job_id: id.clone() })
+            let j = ops
+                .call(0, limit, |mut c| async move {
+                    c.get_job(pb::GetJobRequest { job_id: id.clone() }).await
+                })
                 .await
-                .map_err(err("GetJob"))?
+                .map_err(|s| format!("GetJob: {}", status_text(&s)))?
                 .into_inner();
             if j.state != pb::JobState::JobSucceeded as i32 {
                 not_succeeded += 1;
@@ -1107,7 +1294,7 @@ async fn cluster_phases(
         let b = batch(
             On {
                 sim: &sim,
-                clients: &leader_ops,
+                ops: &ops,
             },
             "gangs",
             specs,
@@ -1144,7 +1331,7 @@ async fn cluster_phases(
         report.set("gangs", j);
         cancel_all(
             &sim,
-            &leader_ops,
+            &ops,
             &b.submitted.jobs,
             b.tasks_seen,
             ended_base,
@@ -1153,15 +1340,21 @@ async fn cluster_phases(
         .await?;
     }
 
-    // 5. Placements.
-    let metrics_pre = scrape(&m.metrics[leader]).await?;
+    // 5. Filler: jobs in the state that hold nothing.
+    if opts.filler_jobs > 0 {
+        filler_phase(&ops, opts, report).await?;
+    }
+
+    // 6. Placements.
+    let pre_leader = ops.leader();
+    let metrics_pre = scrape(&m.metrics[pre_leader]).await?;
     let specs = (0..opts.jobs)
         .map(|n| one_gpu_job(format!("place-{n}"), forever()))
         .collect();
     let b = batch(
         On {
             sim: &sim,
-            clients: &leader_ops,
+            ops: &ops,
         },
         "placements",
         specs,
@@ -1219,7 +1412,29 @@ async fn cluster_phases(
     tokio::time::sleep(Duration::from_secs(2)).await;
     note_rss("placement run done");
 
-    // 6. ListJobs, the cycle, the data dirs.
+    // 7. ListJobs, the cycle, the data dirs. The leader may have changed
+    // under the load: what follows asks the leader of now.
+    let first_leader = leader;
+    let leader = settled_leader(&m.ops, &m.addrs, &all, Duration::from_secs(60)).await?;
+    if leader != first_leader {
+        println!(
+            "THE LEADER CHANGED during the run: {} then {}",
+            m.addrs[first_leader], m.addrs[leader]
+        );
+    }
+    report.set(
+        "leader",
+        json!({
+            "at_start": m.addrs[first_leader],
+            "after_placements": m.addrs[leader],
+            "changed": leader != first_leader,
+            "calls_redirected_or_retried": ops.redirects.load(Ordering::Relaxed),
+            "lost_leadership_in_log": std::fs::read_to_string(root.join("masters.log"))
+                .map(|t| t.matches("lost leadership").count())
+                .unwrap_or(0),
+        }),
+    );
+    ops.leader.store(leader, Ordering::SeqCst);
     let metrics_post = scrape(&m.metrics[leader]).await?;
     let jobs_in_state: f64 = [
         "queued",
@@ -1232,7 +1447,7 @@ async fn cluster_phases(
     .iter()
     .filter_map(|s| gauge(&metrics_post, &format!("gpuctl_jobs{{state=\"{s}\"}}")))
     .sum();
-    let mut c = leader_ops[0].clone();
+    let mut c = ops.clients[leader][0].clone();
     let mut list_ms = Vec::new();
     let mut page_len = 0;
     for _ in 0..20 {
@@ -1279,10 +1494,15 @@ async fn cluster_phases(
         }),
     );
     let cycles_all = Hist::parse(&metrics_post, "gpuctl_allocation_cycle_seconds");
-    let cycles_run = cycles_all.since(&Hist::parse(
-        &metrics_pre,
-        "gpuctl_allocation_cycle_seconds",
-    ));
+    // A new leader's histogram starts when it took over.
+    let cycles_run = if leader == pre_leader {
+        cycles_all.since(&Hist::parse(
+            &metrics_pre,
+            "gpuctl_allocation_cycle_seconds",
+        ))
+    } else {
+        cycles_all.clone()
+    };
     report.row(
         "live allocation cycle, idle (leader /metrics)",
         cycles_idle.describe(),
@@ -1307,7 +1527,7 @@ async fn cluster_phases(
     let unreachable_gauge = gauge(&metrics_post, "gpuctl_agents{state=\"unreachable\"}");
     let dirs_after_run: Vec<u64> = m.masters.iter().map(|x| dir_bytes(x.data_dir())).collect();
 
-    // 7. Failover.
+    // 8. Failover.
     if !opts.no_failover {
         let survivors: Vec<usize> = all.iter().copied().filter(|i| *i != leader).collect();
         let t0 = sim.now();
@@ -1408,7 +1628,7 @@ async fn cluster_phases(
     let violations = sim.violations();
     drop(sim);
 
-    // 8. Log and snapshot sizes, once the masters stopped.
+    // 9. Log and snapshot sizes, once the masters stopped.
     let data_dirs: Vec<PathBuf> = m
         .masters
         .iter()
@@ -1836,14 +2056,14 @@ async fn memory_phase(opts: &Opts, report: &mut Report) -> BenchResult<()> {
     .map_err(err("start the agents"))?;
     wait_registered(&with_gpus, opts).await?;
     let r2 = rss(Duration::from_secs(5)).await;
-    let leader_ops = channel(&addrs[leader], opts.connections)?;
+    let mops = Ops::new(&addrs, leader, opts.connections)?;
     let specs = (0..jobs)
         .map(|n| one_gpu_job(format!("mem-{n}"), forever()))
         .collect();
     let b = batch(
         On {
             sim: &with_gpus,
-            clients: &leader_ops,
+            ops: &mops,
         },
         "memory jobs",
         specs,
@@ -1935,6 +2155,12 @@ fn main() -> std::process::ExitCode {
 }
 
 fn run(opts: &Opts) -> BenchResult<()> {
+    if opts.filler_jobs > 10_000 && opts.job_retention_max.is_none_or(|n| n < opts.filler_jobs) {
+        return Err(format!(
+            "--filler-jobs {} needs --job-retention-max of at least as many (the master forgets finished jobs beyond its 10,000 by default)",
+            opts.filler_jobs
+        ));
+    }
     let temp;
     let root = match &opts.dir {
         Some(d) => {
@@ -1979,6 +2205,8 @@ fn run(opts: &Opts) -> BenchResult<()> {
         "commit": commit,
         "log": opts.log,
         "listener_nodelay": opts.listener_nodelay,
+        "job_retention_max": opts.job_retention_max,
+        "filler_jobs": opts.filler_jobs,
     });
     println!("scale-bench: {config}");
     let mut report = Report::default();
