@@ -13,7 +13,9 @@
 //!   desired set with [`DesiredSet`], and acts only on complete sets;
 //! - heartbeats at the interval the RegisterResponse asks for;
 //! - "launches" each task it has not seen: reports STARTING then RUNNING;
-//!   after [`SimConfig::run_time`], if set, the task ends with exit code 0
+//!   after [`SimConfig::run_time`], if set (or the `SECONDS` of a task
+//!   whose command is `sleep SECONDS`, with
+//!   [`SimConfig::run_time_from_command`]), the task ends with exit code 0
 //!   (FINISHED); a task in the kill list, or a live one in neither set, is
 //!   reported KILLED;
 //! - sends each status update (a fresh uuid per update) until the master
@@ -31,7 +33,8 @@
 //! are the benchmark's data.
 //!
 //! [`InProcessMaster`] runs a real master in the same process, for tests
-//! that want one without building and starting the binary.
+//! that want one without building and starting the binary;
+//! [`InProcessMaster::start_group`] runs several forming one Raft group.
 //!
 //! All agents share a few HTTP/2 connections per master
 //! ([`SimConfig::connections`]; the master does not limit streams per
@@ -78,6 +81,11 @@ pub struct SimConfig {
     /// How long a task runs before it ends with exit code 0; `None`: until
     /// it is killed.
     pub run_time: Option<Duration>,
+    /// A task whose command is `sleep SECONDS` (a finite number, as
+    /// `sleep 0.5`) ends after that long with exit code 0, whatever
+    /// `run_time` says; others follow `run_time`. Lets one set of agents
+    /// run short and long jobs side by side.
+    pub run_time_from_command: bool,
     /// HTTP/2 connections per master shared by all agents.
     pub connections: usize,
     /// The longest pause between registration attempts.
@@ -94,6 +102,7 @@ impl Default for SimConfig {
             gpus_per_agent: 8,
             docker: false,
             run_time: None,
+            run_time_from_command: false,
             connections: 4,
             backoff_max: Duration::from_secs(5),
             id_prefix: "sim".into(),
@@ -458,6 +467,22 @@ impl Shared {
         }
     }
 
+    /// How long a task with this command runs (`None`: until killed).
+    fn run_time(&self, command: &[String]) -> Option<Duration> {
+        if self.config.run_time_from_command {
+            if let [sleep, secs] = command {
+                if let Some(d) = (sleep == "sleep")
+                    .then(|| secs.parse::<f64>().ok())
+                    .flatten()
+                    .and_then(|s| Duration::try_from_secs_f64(s).ok())
+                {
+                    return Some(d);
+                }
+            }
+        }
+        self.config.run_time
+    }
+
     /// Acts on a complete desired set, as the agent's executor plans:
     /// launches what it has not seen, kills what is in the kill list or in
     /// neither set. Updates are queued for the status sender.
@@ -505,8 +530,7 @@ impl Shared {
                     },
                     live: true,
                     finish_at: self
-                        .config
-                        .run_time
+                        .run_time(&spec.command)
                         .map(|d| tokio::time::Instant::now() + d),
                 },
             );
@@ -863,11 +887,13 @@ async fn run_status_sender(shared: Arc<Shared>, i: usize) {
 /// A real master serving in this process (`gpuctl_master::serve`) on
 /// 127.0.0.1, on a runtime and threads of its own, as the binary runs it, so
 /// that simulated agents in the caller's runtime do not take its threads.
-/// Stopped (gracefully) when dropped. Logs go wherever the process's
-/// `tracing` subscriber sends them.
+/// Stopped (gracefully) when dropped, or at once with [`kill`](Self::kill).
+/// Logs go wherever the process's `tracing` subscriber sends them.
 pub struct InProcessMaster {
     addr: String,
+    data_dir: std::path::PathBuf,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
+    abort: Option<tokio::sync::oneshot::Sender<()>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
@@ -879,35 +905,110 @@ impl InProcessMaster {
         tweak: impl FnOnce(&mut gpuctl_master::MasterConfig),
     ) -> std::io::Result<InProcessMaster> {
         let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
-        listener.set_nonblocking(true)?;
         let addr = listener.local_addr()?;
         let mut config = gpuctl_master::MasterConfig::new(addr, data_dir);
         tweak(&mut config);
+        InProcessMaster::spawn(listener, config)
+    }
+
+    /// Starts `n` masters forming one Raft group on loopback, as
+    /// `gpuctl-master --node-id I --peers 1=ADDR,2=ADDR,...` would: master
+    /// `i` (0-based) is node `i + 1`, keeps its data in
+    /// `data_root/master{i+1}` and advertises its own address. Each starts
+    /// with the binary's defaults, changed by `tweak(i, config)`. They elect
+    /// a leader among themselves; the caller waits for it.
+    pub fn start_group(
+        n: usize,
+        data_root: &std::path::Path,
+        tweak: impl Fn(usize, &mut gpuctl_master::MasterConfig),
+    ) -> std::io::Result<Vec<InProcessMaster>> {
+        // Every address is known before any master starts.
+        let listeners = (0..n)
+            .map(|_| std::net::TcpListener::bind("127.0.0.1:0"))
+            .collect::<std::io::Result<Vec<_>>>()?;
+        InProcessMaster::start_group_on(listeners, data_root, tweak)
+    }
+
+    /// [`start_group`](Self::start_group) on listeners the caller bound
+    /// (one master per listener), e.g. with socket options of its own.
+    pub fn start_group_on(
+        listeners: Vec<std::net::TcpListener>,
+        data_root: &std::path::Path,
+        tweak: impl Fn(usize, &mut gpuctl_master::MasterConfig),
+    ) -> std::io::Result<Vec<InProcessMaster>> {
+        let n = listeners.len();
+        let addrs = listeners
+            .iter()
+            .map(|l| l.local_addr())
+            .collect::<std::io::Result<Vec<_>>>()?;
+        let peers: BTreeMap<u64, String> = (1u64..)
+            .zip(&addrs)
+            .map(|(id, a)| (id, a.to_string()))
+            .collect();
+        let mut out = Vec::with_capacity(n);
+        for (i, (listener, addr)) in listeners.into_iter().zip(addrs).enumerate() {
+            let mut config =
+                gpuctl_master::MasterConfig::new(addr, data_root.join(format!("master{}", i + 1)));
+            config.node_id = i as u64 + 1;
+            config.peers = peers.clone();
+            config.advertise = addr.to_string();
+            tweak(i, &mut config);
+            out.push(InProcessMaster::spawn(listener, config)?);
+        }
+        Ok(out)
+    }
+
+    fn spawn(
+        listener: std::net::TcpListener,
+        config: gpuctl_master::MasterConfig,
+    ) -> std::io::Result<InProcessMaster> {
+        listener.set_nonblocking(true)?;
+        let addr = listener.local_addr()?;
+        let data_dir = config.data_dir.clone();
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .enable_all()
             .thread_name("master")
             .build()?;
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let (abort, mut aborted) = tokio::sync::oneshot::channel::<()>();
         let thread = std::thread::Builder::new()
             .name("master".into())
             .spawn(move || {
-                runtime.block_on(async move {
+                let crashed = runtime.block_on(async move {
                     let listener = match tokio::net::TcpListener::from_std(listener) {
                         Ok(l) => l,
-                        Err(e) => return eprintln!("in-process master: {e}"),
+                        Err(e) => {
+                            eprintln!("in-process master: {e}");
+                            return false;
+                        }
                     };
                     let shutdown = async move {
                         let _ = stopped.await;
                     };
-                    if let Err(e) = gpuctl_master::serve(config, listener, shutdown).await {
-                        eprintln!("in-process master: {e}");
+                    tokio::select! {
+                        r = gpuctl_master::serve(config, listener, shutdown) => {
+                            if let Err(e) = r {
+                                eprintln!("in-process master: {e}");
+                            }
+                            false
+                        }
+                        // A dropped sender (a graceful stop) disables this.
+                        Ok(()) = &mut aborted => true,
                     }
                 });
-                runtime.shutdown_timeout(Duration::from_secs(5));
+                if crashed {
+                    // Its tasks, connections and listener are dropped
+                    // without a goodbye, as when the process dies.
+                    runtime.shutdown_background();
+                } else {
+                    runtime.shutdown_timeout(Duration::from_secs(5));
+                }
             })?;
         Ok(InProcessMaster {
             addr: addr.to_string(),
+            data_dir,
             stop: Some(stop),
+            abort: Some(abort),
             thread: Some(thread),
         })
     }
@@ -915,6 +1016,29 @@ impl InProcessMaster {
     /// `127.0.0.1:PORT`.
     pub fn addr(&self) -> &str {
         &self.addr
+    }
+
+    /// Where it keeps its log and state.
+    pub fn data_dir(&self) -> &std::path::Path {
+        &self.data_dir
+    }
+
+    /// Stops it at once, as a crash would: its runtime is dropped with
+    /// every task, stream and connection, without the graceful shutdown of
+    /// the server (what was flushed stays on disk, as after SIGKILL).
+    /// Returns once its thread ended.
+    pub fn kill(&mut self) {
+        if let Some(abort) = self.abort.take() {
+            let _ = abort.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+
+    /// Whether it is still serving (not killed or stopped).
+    pub fn is_running(&self) -> bool {
+        self.thread.as_ref().is_some_and(|t| !t.is_finished())
     }
 }
 

@@ -1,7 +1,9 @@
 //! The simulated agents (`gpuctl_tests::sim`) against a real master in
 //! process: tasks that end by themselves (FINISHED, their GPUs given again)
 //! and a cancelled one (KILLED) end their jobs as a real agent's would, and
-//! the agents record when each step was acknowledged.
+//! the agents record when each step was acknowledged. And a Raft group of
+//! three masters in process, whose killed leader is replaced, with agents
+//! whose `sleep SECONDS` tasks end by themselves.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::time::{Duration, Instant};
@@ -124,4 +126,103 @@ async fn sim_agents_run_finish_and_kill_tasks() {
     assert!(sim.violations().is_empty(), "{:?}", sim.violations());
     drop(sim);
     drop(master);
+}
+
+/// Master `i`'s view of the group: the leader's index, if it knows one.
+async fn leader_seen_by(addrs: &[String], i: usize) -> Option<usize> {
+    let ch = Endpoint::from_shared(format!("http://{}", addrs[i]))
+        .unwrap()
+        .connect_timeout(Duration::from_secs(1))
+        .timeout(Duration::from_secs(2))
+        .connect_lazy();
+    let ms = OperatorClient::new(ch)
+        .list_masters(pb::ListMastersRequest {})
+        .await
+        .ok()?
+        .into_inner()
+        .masters;
+    let leader = ms.iter().find(|m| m.role == "leader" && m.reachable)?;
+    addrs.iter().position(|a| *a == leader.address)
+}
+
+/// The leader as master `ask` sees it, once it is not `not`.
+async fn wait_leader(addrs: &[String], ask: usize, not: Option<usize>) -> usize {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Some(l) = leader_seen_by(addrs, ask).await.filter(|l| Some(*l) != not) {
+            return l;
+        }
+        assert!(Instant::now() < deadline, "no leader elected");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_in_process_group_serves_after_its_leader_is_killed_and_sleep_tasks_end() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut masters = InProcessMaster::start_group(3, dir.path(), |_, _| {}).unwrap();
+    let addrs: Vec<String> = masters.iter().map(|m| m.addr().to_string()).collect();
+    for (i, m) in masters.iter().enumerate() {
+        assert_eq!(m.data_dir(), dir.path().join(format!("master{}", i + 1)));
+    }
+    let old = wait_leader(&addrs, 0, None).await;
+    let sim = SimAgents::start(
+        &addrs,
+        SimConfig {
+            agents: 2,
+            gpus_per_agent: 1,
+            run_time_from_command: true,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    eventually("both agents registered", || async { sim.registered() == 2 }).await;
+
+    // A crash of the leader: another is elected, and the agents follow it.
+    masters[old].kill();
+    assert!(!masters[old].is_running());
+    let new = wait_leader(&addrs, (old + 1) % 3, Some(old)).await;
+    eventually("the agents registered with the new leader", || async {
+        (0..2).all(|i| sim.registration(i).is_some_and(|r| r.master == new))
+    })
+    .await;
+
+    // `sleep 0.2` ends by itself (SUCCEEDED); `sleep infinity` runs on.
+    let ops = OperatorClient::new(
+        Endpoint::from_shared(format!("http://{}", addrs[new]))
+            .unwrap()
+            .connect_lazy(),
+    );
+    for (name, secs) in [("short", "0.2"), ("long", "infinity")] {
+        ops.clone()
+            .submit_job(pb::SubmitJobRequest {
+                spec: Some(pb::JobSpec {
+                    name: name.into(),
+                    command: vec!["sleep".into(), secs.into()],
+                    resources: Some(pb::Resources {
+                        cpus: 1.0,
+                        mem_mib: 0,
+                        gpus: 1,
+                    }),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+    }
+    eventually("the short job ended, the long one runs", || async {
+        let c = sim.counts();
+        c.running_acked == 2 && c.ended_acked == 1
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(sim.counts().ended_acked, 1, "the long job runs on");
+    let tasks = sim.tasks();
+    let ended: Vec<_> = tasks.iter().filter(|t| t.end_state.is_some()).collect();
+    assert_eq!(ended.len(), 1);
+    assert_eq!(ended[0].end_state, Some(pb::TaskState::TaskFinished));
+    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+    drop(sim);
+    drop(masters);
 }
