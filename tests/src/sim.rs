@@ -57,7 +57,7 @@ use gpuctl_proto::pb::agent_manager_client::AgentManagerClient;
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tonic::transport::{Channel, Endpoint};
-use tonic::{Code, Status};
+use tonic::Status;
 
 /// `gpuctl-agent`'s reconnection policy (agent/src/master_link.rs).
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
@@ -809,42 +809,47 @@ enum Sent {
 /// Sends the front update of each task once, one call at a time.
 async fn send_pending(shared: &Shared, i: usize) -> Sent {
     let agent = &shared.agents[i];
+    // The front update of every task, in one UpdateStatuses call, as the
+    // agent sends them.
     let fronts: Vec<pb::StatusUpdate> = lock(&agent.tasks)
         .pending
         .values()
         .filter_map(|q| q.front().cloned())
+        .take(gpuctl_core::convert::MAX_STATUS_BATCH)
         .collect();
-    let mut progress = false;
-    for update in fronts {
-        let mut client = shared.client(i);
-        match tokio::time::timeout(RPC_TIMEOUT, client.update_status(update.clone())).await {
-            Ok(Ok(ack)) if ack.get_ref().acknowledged => {
-                shared.acknowledged(i, &update);
-                progress = true;
-            }
-            Ok(Ok(_)) => {}
-            // The master will never take it; retrying would block the
-            // task's later updates (as the agent, it is dropped).
-            Ok(Err(s))
-                if matches!(
-                    s.code(),
-                    Code::InvalidArgument | Code::FailedPrecondition | Code::NotFound
-                ) =>
+    if fronts.is_empty() {
+        return Sent::Waiting;
+    }
+    let mut client = shared.client(i);
+    let call = client.update_statuses(pb::StatusUpdates {
+        updates: fronts.clone(),
+    });
+    let verdicts = match tokio::time::timeout(RPC_TIMEOUT, call).await {
+        Ok(Ok(r)) if r.get_ref().verdicts.len() == fronts.len() => r.into_inner().verdicts,
+        Ok(Ok(_)) => return Sent::Failed,
+        Ok(Err(s)) => {
+            let master = agent.master.load(Ordering::SeqCst);
+            if let Some(m) = leader_hint(&s)
+                .and_then(|h| shared.addrs.iter().position(|a| *a == h))
+                .filter(|m| *m != master)
             {
-                shared.acknowledged(i, &update);
-                progress = true;
+                agent.master.store(m, Ordering::SeqCst);
             }
-            Ok(Err(s)) => {
-                let master = agent.master.load(Ordering::SeqCst);
-                if let Some(m) = leader_hint(&s)
-                    .and_then(|h| shared.addrs.iter().position(|a| *a == h))
-                    .filter(|m| *m != master)
-                {
-                    agent.master.store(m, Ordering::SeqCst);
-                }
-                return Sent::Failed;
-            }
-            Err(_) => return Sent::Failed,
+            return Sent::Failed;
+        }
+        Err(_) => return Sent::Failed,
+    };
+    let mut progress = false;
+    for (update, verdict) in fronts.iter().zip(verdicts) {
+        use pb::status_verdict::Kind;
+        // Acknowledged, or refused for good (the agent drops it: retrying
+        // would block the task's later updates).
+        if matches!(
+            Kind::try_from(verdict.kind),
+            Ok(Kind::Acknowledged | Kind::Refused)
+        ) {
+            shared.acknowledged(i, update);
+            progress = true;
         }
     }
     if progress {
