@@ -2249,6 +2249,11 @@ fn run(opts: &Opts) -> BenchResult<()> {
     }
     rt.shutdown_timeout(Duration::from_secs(5));
     println!();
+    if opts.listener_nodelay {
+        println!(
+            "NOTE: --listener-nodelay: the masters' connections had TCP_NODELAY, which gpuctl-master does not set; these figures are an experiment, not the product's"
+        );
+    }
     report.print_table();
     println!();
     println!("{}", Value::Object(report.json));
