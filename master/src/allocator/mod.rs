@@ -44,6 +44,7 @@
 //! Cost: O(agents × (log frameworks + roles)) in the usual case; candidates
 //! live in ordered sets keyed by share and re-keyed after each offer.
 
+pub mod bench_cluster;
 mod filters;
 mod offers;
 
