@@ -181,13 +181,28 @@ fn offers_name_gpus_and_a_double_booking_accept_is_refused() {
             })
             .await
             .unwrap();
-        let pb::event::Event::Update(refused) = next_event(
-            &mut events,
-            |e| matches!(e, pb::event::Event::Update(u) if u.task_id == "b"),
-        )
-        .await
-        else {
-            unreachable!()
+        // "a" may report STARTING before "b"'s refusal arrives: acknowledge
+        // it on the way, or the master holds a's later updates back.
+        let refused = loop {
+            let pb::event::Event::Update(u) = next_event(&mut events, |e| {
+                matches!(e, pb::event::Event::Update(u) if u.task_id == "a" || u.task_id == "b")
+            })
+            .await
+            else {
+                unreachable!()
+            };
+            if u.task_id == "b" {
+                break u;
+            }
+            client
+                .acknowledge(pb::AcknowledgeRequest {
+                    framework_id: fw.clone(),
+                    agent_id: u.agent_id.clone(),
+                    task_id: u.task_id.clone(),
+                    uuid: u.uuid.clone(),
+                })
+                .await
+                .unwrap();
         };
         assert_eq!(refused.state, pb::TaskState::TaskError as i32);
         assert_eq!(refused.reason, pb::Reason::ResourcesUnavailable as i32);
