@@ -4,6 +4,7 @@ mod logger;
 pub mod node;
 pub mod storage;
 pub mod transport;
+pub mod wakeups;
 
 #[cfg(test)]
 mod cluster_tests;
@@ -16,6 +17,7 @@ use std::sync::{Arc, RwLock};
 pub use node::{NodeStatus, ProposeError, RaftHandle, RaftNodeConfig, Reporter, Role};
 pub use storage::SledStorage;
 pub use transport::{GrpcTransport, Transport};
+pub use wakeups::{AgentWakeup, AgentWakeups};
 
 /// API address (`HOST:PORT`) of each master by node id: from `--peers`,
 /// from the replicated state (`State::masters`) and from the senders of raft

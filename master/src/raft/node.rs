@@ -16,6 +16,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 
 use super::storage::SledStorage;
 use super::transport::Transport;
+use super::wakeups::{AgentWakeup, AgentWakeups};
 use super::Addresses;
 use crate::state::{ApplyError, Command, MemberChange, Outcome, State};
 
@@ -155,6 +156,7 @@ pub struct RaftHandle {
     applied: watch::Receiver<u64>,
     status: watch::Receiver<NodeStatus>,
     addresses: Addresses,
+    wakeups: AgentWakeups,
 }
 
 impl RaftHandle {
@@ -203,6 +205,13 @@ impl RaftHandle {
         // Apply never panics half way (it checks before it changes), so a
         // poisoned lock still guards consistent data.
         self.state.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Wakes whenever an applied entry may change what `agent` should run
+    /// (`State::desired_tasks`), and once after a snapshot replaced the
+    /// state.
+    pub fn agent_wakeup(&self, agent: &str) -> AgentWakeup {
+        self.wakeups.subscribe(agent)
     }
 
     /// Changes whenever a log entry is applied.
@@ -263,6 +272,7 @@ struct Node {
     transport: Arc<dyn Transport>,
     reporter: Reporter,
     addresses: Addresses,
+    wakeups: AgentWakeups,
 }
 
 /// What [`start`] returns: the handle, the node task, and the commit index
@@ -320,6 +330,7 @@ pub fn start(
         raw.campaign()?;
     }
     let state = Arc::new(RwLock::new(initial_state));
+    let wakeups = AgentWakeups::default();
     let (applied_tx, applied_rx) = watch::channel(snapshot_index);
     let status0 = NodeStatus {
         id: config.node_id,
@@ -341,6 +352,7 @@ pub fn start(
         applied: applied_rx,
         status: status_rx,
         addresses: addresses.clone(),
+        wakeups: wakeups.clone(),
     };
     let mut node = Node {
         raw,
@@ -361,6 +373,7 @@ pub fn start(
         transport,
         reporter: Reporter { tx },
         addresses,
+        wakeups,
     };
     node.publish_status();
     let tick = config.tick;
@@ -595,6 +608,7 @@ impl Node {
         );
         *self.state.write().unwrap_or_else(|p| p.into_inner()) = new_state;
         self.snapshot_index = meta.index;
+        self.wake_touched(meta.index);
         self.applied_tx.send_replace(meta.index);
         Ok(())
     }
@@ -676,9 +690,20 @@ impl Node {
             }
         }
         if let Some(index) = last {
+            self.wake_touched(index);
             self.applied_tx.send_replace(index);
         }
         Ok(())
+    }
+
+    /// Wakes the task streams of the agents the applied entries touched.
+    fn wake_touched(&self, index: u64) {
+        let touched = self
+            .state
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .take_touched();
+        self.wakeups.notify(&touched, index);
     }
 
     /// An entry that carries no command still counts as applied.

@@ -188,7 +188,8 @@ impl AgentManagerService {
         agent_known(&self.ctx, &agent_id)?;
         let (tx, rx) = mpsc::channel(4);
         let raft = self.ctx.raft.clone();
-        let mut applied = raft.applied();
+        // Subscribed before the first look at the state: no change is missed.
+        let mut wakeup = raft.agent_wakeup(&agent_id);
         let mut shutdown = self.ctx.shutdown.clone();
         let mut status = raft.status_watch();
         let ctx = self.ctx.clone();
@@ -226,7 +227,7 @@ impl AgentManagerService {
                     }
                 }
                 tokio::select! {
-                    r = applied.changed() => if r.is_err() { return },
+                    _ = wakeup.changed() => {},
                     r = status.changed() => if r.is_err() { return },
                     _ = shutdown.changed() => return,
                     _ = tx.closed() => return,

@@ -38,11 +38,11 @@ impl State {
         // would let two tasks use it. An unreachable agent still has its
         // GPUs (its tasks may run on them).
         for gpu in &info.gpus {
-            if let Some(other) = self.agents.values().find(|a| {
-                a.info.id != info.id
-                    && a.state != AgentState::Lost
-                    && a.info.gpus.iter().any(|g| g.uuid == gpu.uuid)
-            }) {
+            if let Some(other) = self
+                .agents
+                .claiming(&gpu.uuid)
+                .find(|a| a.info.id != info.id && a.state != AgentState::Lost)
+            {
                 return Err(ApplyError::GpuClaimed {
                     gpu: gpu.uuid.clone(),
                     agent_id: other.info.id.clone(),
@@ -52,8 +52,8 @@ impl State {
         let running: BTreeSet<&str> = running.iter().map(String::as_str).collect();
         let mine: Vec<&TaskRecord> = self
             .tasks
-            .values()
-            .filter(|t| t.agent_id == info.id && t.holds_resources())
+            .on(&info.id)
+            .filter(|t| t.holds_resources())
             .collect();
         // UNREACHABLE tasks it still runs: back to the state they had.
         let back: Vec<TaskId> = mine
@@ -94,6 +94,14 @@ impl State {
             .get(&info.id)
             .map(|a| (a.registered_at_ms, a.drain.clone()))
             .unwrap_or((at_ms, None));
+        // Gang tasks elsewhere name this agent's hostname (GPUCTL_PEERS).
+        if self
+            .agents
+            .get(&info.id)
+            .is_some_and(|a| a.info.hostname != info.hostname)
+        {
+            self.tasks.touch_all();
+        }
         self.agents.insert(
             info.id.clone(),
             AgentRecord {
@@ -149,8 +157,8 @@ impl State {
         agent.state = AgentState::Lost;
         let tasks: Vec<TaskId> = self
             .tasks
-            .values()
-            .filter(|t| &t.agent_id == agent_id && !t.state.is_terminal())
+            .on(agent_id)
+            .filter(|t| !t.state.is_terminal())
             .map(|t| t.id.clone())
             .collect();
         for t in tasks {
@@ -177,19 +185,19 @@ impl State {
             "agent {agent_id} unreachable since {}",
             utc_timestamp(at_ms)
         );
-        for t in self
-            .tasks
-            .values_mut()
-            .filter(|t| t.agent_id == agent_id && !t.state.is_terminal())
-        {
-            t.before_unreachable = Some(t.state);
-            t.state = TaskState::Unreachable;
-            t.updated_at_ms = at_ms;
-            // A task being stopped keeps the master's reason for it.
-            if !t.kill_requested {
-                t.message = note.clone();
-            }
-        }
+        self.tasks.update_on(
+            agent_id,
+            |t| !t.state.is_terminal(),
+            |t| {
+                t.before_unreachable = Some(t.state);
+                t.state = TaskState::Unreachable;
+                t.updated_at_ms = at_ms;
+                // A task being stopped keeps the master's reason for it.
+                if !t.kill_requested {
+                    t.message = note.clone();
+                }
+            },
+        );
         Ok(Outcome::Done)
     }
 
@@ -213,8 +221,8 @@ impl State {
         );
         let tasks: Vec<TaskId> = self
             .tasks
-            .values()
-            .filter(|t| t.agent_id == agent_id && !t.state.is_terminal())
+            .on(agent_id)
+            .filter(|t| !t.state.is_terminal())
             .filter(|t| !self.no_fence(t))
             .map(|t| t.id.clone())
             .collect();
@@ -287,8 +295,8 @@ impl State {
         agent_id: &'a str,
     ) -> impl Iterator<Item = &'a TaskRecord> + 'a {
         self.tasks
-            .values()
-            .filter(move |t| t.agent_id == agent_id && !t.state.is_terminal() && !t.kill_requested)
+            .on(agent_id)
+            .filter(|t| !t.state.is_terminal() && !t.kill_requested)
     }
 
     /// Kills the live tasks of a drained agent. A job with a task there

@@ -555,8 +555,8 @@ impl State {
     pub(super) fn recompute_allocated(&mut self, agent_id: &str) {
         let total = self
             .tasks
-            .values()
-            .filter(|t| t.agent_id == agent_id && t.holds_resources())
+            .on(agent_id)
+            .filter(|t| t.holds_resources())
             .fold(Resources::default(), |acc, t| acc.add(&t.resources));
         if let Some(a) = self.agents.get_mut(agent_id) {
             a.allocated = total;

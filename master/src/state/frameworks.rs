@@ -100,16 +100,15 @@ impl State {
         if let Some(f) = self.frameworks.get_mut(id) {
             f.removed = true;
         }
-        for t in self
-            .tasks
-            .values_mut()
-            .filter(|t| t.framework_id == id && !t.state.is_terminal())
-        {
-            t.kill_requested = true;
-            t.reason = TaskReason::FrameworkRemoved;
-            t.message = format!("framework removed: {reason}");
-            t.updated_at_ms = at_ms;
-        }
+        self.tasks.update_where(
+            |t| t.framework_id == id && !t.state.is_terminal(),
+            |t| {
+                t.kill_requested = true;
+                t.reason = TaskReason::FrameworkRemoved;
+                t.message = format!("framework removed: {reason}");
+                t.updated_at_ms = at_ms;
+            },
+        );
         Ok(Outcome::Done)
     }
 

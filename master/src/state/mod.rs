@@ -8,8 +8,11 @@ pub mod command;
 pub mod frameworks;
 mod jobs;
 mod retention;
+pub mod tables;
 #[cfg(test)]
 pub(crate) mod testkit;
+#[cfg(test)]
+mod touched_tests;
 
 use std::collections::BTreeMap;
 
@@ -22,6 +25,8 @@ use serde::{Deserialize, Serialize};
 pub use apply::{ApplyError, MemberChange, Outcome};
 pub use command::{Command, GpuHealthChange, Launch};
 pub use gpuctl_core::types::{FrameworkTask, TaskReason};
+pub use tables::Touched;
+use tables::{AgentTable, TaskTable};
 
 /// A job waiting for placement.
 fn waits(j: &&JobRecord) -> bool {
@@ -228,9 +233,9 @@ pub const SUBMIT_REQUEST_TTL_MS: u64 = 24 * 60 * 60 * 1000;
 /// names are the snapshot format) and replaces it whole.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct State {
-    agents: BTreeMap<AgentId, AgentRecord>,
+    agents: AgentTable,
     jobs: BTreeMap<JobId, JobRecord>,
-    tasks: BTreeMap<TaskId, TaskRecord>,
+    tasks: TaskTable,
     /// Which task holds each GPU. The single source of truth for "no GPU is
     /// ever given to two tasks": a launch is refused unless all its GPUs are
     /// absent here.
@@ -381,6 +386,12 @@ impl State {
         q
     }
 
+    /// Agents whose [`State::desired_tasks`] may have changed since the
+    /// last call (the leader wakes their task streams).
+    pub fn take_touched(&mut self) -> Touched {
+        self.tasks.take_touched()
+    }
+
     /// The tasks an agent should be running now (placed on it, not ended,
     /// not asked to stop) and those it must stop: asked to stop, or LOST
     /// while still holding their GPUs (the agent came back still running
@@ -389,11 +400,7 @@ impl State {
     pub fn desired_tasks(&self, agent_id: &str) -> (Vec<TaskSpec>, Vec<TaskId>) {
         let mut run = Vec::new();
         let mut kill = Vec::new();
-        for t in self
-            .tasks
-            .values()
-            .filter(|t| t.agent_id == agent_id && t.holds_resources())
-        {
+        for t in self.tasks.on(agent_id).filter(|t| t.holds_resources()) {
             if t.kill_requested || t.state.is_terminal() {
                 kill.push(t.id.clone());
                 continue;

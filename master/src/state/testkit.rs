@@ -98,6 +98,12 @@ impl State {
     /// key indexes disagreeing.
     pub fn invariant_violations(&self) -> Vec<String> {
         let mut bad = Vec::new();
+        if !self.tasks.index_agrees() {
+            bad.push("the tasks' index by agent disagrees with the tasks".to_string());
+        }
+        if !self.agents.index_agrees() {
+            bad.push("the agents' index by GPU disagrees with the agents".to_string());
+        }
         for (id, j) in &self.jobs {
             for t in &j.task_ids {
                 match self.tasks.get(t) {

@@ -165,12 +165,6 @@ struct Opts {
     /// in the state for ListJobs without a queue of 100,000.
     #[arg(long)]
     job_retention_max: Option<usize>,
-    /// An experiment, not what `gpuctl-master` does: set TCP_NODELAY on the
-    /// in-process masters' listening sockets, which their accepted
-    /// connections inherit on Linux (the master's gRPC server leaves Nagle's
-    /// algorithm on for the connections it accepts).
-    #[arg(long)]
-    listener_nodelay: bool,
 }
 
 type BenchResult<T> = Result<T, String>;
@@ -911,21 +905,19 @@ struct Masters {
     ops: Vec<OperatorClient<Channel>>,
 }
 
-/// A loopback listener, with TCP_NODELAY set when `nodelay`.
-fn listener(nodelay: bool) -> std::io::Result<std::net::TcpListener> {
+/// A loopback listener (the master sets TCP_NODELAY on what it accepts).
+fn listener() -> std::io::Result<std::net::TcpListener> {
     let socket = tokio::net::TcpSocket::new_v4()?;
-    socket.set_nodelay(nodelay)?;
     socket.bind(([127, 0, 0, 1], 0).into())?;
     socket.listen(1024)?.into_std()
 }
 
 fn start_masters(root: &Path, opts: &Opts) -> BenchResult<Masters> {
-    let nodelay = opts.listener_nodelay;
     let metrics: Vec<String> = (0..MASTERS)
         .map(|_| format!("127.0.0.1:{}", gpuctl_tests::free_port()))
         .collect();
     let listeners = (0..MASTERS)
-        .map(|_| listener(nodelay))
+        .map(|_| listener())
         .collect::<std::io::Result<Vec<_>>>()
         .map_err(err("listen"))?;
     let masters = InProcessMaster::start_group_on(listeners, root, |i, c| {
@@ -2078,7 +2070,6 @@ fn run(opts: &Opts) -> BenchResult<()> {
         "cpus": cpus,
         "commit": commit,
         "log": opts.log,
-        "listener_nodelay": opts.listener_nodelay,
         "job_retention_max": opts.job_retention_max,
         "filler_jobs": opts.filler_jobs,
     });
@@ -2123,11 +2114,6 @@ fn run(opts: &Opts) -> BenchResult<()> {
     }
     rt.shutdown_timeout(Duration::from_secs(5));
     println!();
-    if opts.listener_nodelay {
-        println!(
-            "NOTE: --listener-nodelay: the masters' connections had TCP_NODELAY, which gpuctl-master does not set; these figures are an experiment, not the product's"
-        );
-    }
     report.print_table();
     println!();
     println!("{}", Value::Object(report.json));

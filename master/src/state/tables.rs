@@ -1,0 +1,452 @@
+//! The state's tasks and agents, each with the indexes that keep the
+//! per-agent and per-GPU questions from walking the whole cluster. The
+//! indexes are derived: not serialized (a snapshot is the plain maps), built
+//! again when a snapshot is read, and ignored by equality.
+//!
+//! Reads go through `Deref` to the map. Changes go through the methods
+//! here, which keep the indexes right and note which agents' desired task
+//! sets may have changed ([`Touched`]), so that the leader wakes only those
+//! agents' task streams.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::ops::Deref;
+
+use gpuctl_core::types::{AgentId, GpuUuid, TaskId};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use super::{AgentRecord, TaskRecord};
+
+/// Agents whose desired task set may have changed since the last
+/// [`State::take_touched`](super::State::take_touched).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Touched {
+    /// Every agent (a change that reaches beyond one agent's tasks).
+    pub all: bool,
+    pub agents: BTreeSet<AgentId>,
+}
+
+impl Touched {
+    pub fn is_empty(&self) -> bool {
+        !self.all && self.agents.is_empty()
+    }
+
+    /// Whether `agent` may have to hear of a change.
+    pub fn contains(&self, agent: &str) -> bool {
+        self.all || self.agents.contains(agent)
+    }
+}
+
+/// Every task by id, and the ids of each agent's tasks. A task's
+/// `agent_id` never changes once it is inserted.
+#[derive(Debug, Clone, Default)]
+pub struct TaskTable {
+    map: BTreeMap<TaskId, TaskRecord>,
+    by_agent: HashMap<AgentId, BTreeSet<TaskId>>,
+    touched: Touched,
+}
+
+impl TaskTable {
+    fn from_map(map: BTreeMap<TaskId, TaskRecord>) -> TaskTable {
+        let mut by_agent: HashMap<AgentId, BTreeSet<TaskId>> = HashMap::new();
+        for t in map.values() {
+            by_agent
+                .entry(t.agent_id.clone())
+                .or_default()
+                .insert(t.id.clone());
+        }
+        TaskTable {
+            map,
+            by_agent,
+            // Whoever reads a state built from a snapshot starts afresh.
+            touched: Touched {
+                all: true,
+                agents: BTreeSet::new(),
+            },
+        }
+    }
+
+    /// A task to change; its agent is told.
+    pub fn get_mut(&mut self, id: &str) -> Option<&mut TaskRecord> {
+        let t = self.map.get_mut(id)?;
+        if !self.touched.all {
+            self.touched.agents.insert(t.agent_id.clone());
+        }
+        Some(t)
+    }
+
+    /// Changes every task that `which` picks; their agents are told.
+    pub fn update_where(
+        &mut self,
+        which: impl Fn(&TaskRecord) -> bool,
+        mut change: impl FnMut(&mut TaskRecord),
+    ) {
+        for t in self.map.values_mut().filter(|t| which(t)) {
+            change(t);
+            if !self.touched.all && !self.touched.agents.contains(&t.agent_id) {
+                self.touched.agents.insert(t.agent_id.clone());
+            }
+        }
+    }
+
+    /// Changes the tasks on `agent` that `which` picks.
+    pub fn update_on(
+        &mut self,
+        agent: &str,
+        which: impl Fn(&TaskRecord) -> bool,
+        mut change: impl FnMut(&mut TaskRecord),
+    ) {
+        let Some(ids) = self.by_agent.get(agent) else {
+            return;
+        };
+        let mut changed = false;
+        for id in ids {
+            if let Some(t) = self.map.get_mut(id).filter(|t| which(t)) {
+                change(t);
+                changed = true;
+            }
+        }
+        if changed {
+            self.touch(agent);
+        }
+    }
+
+    pub fn insert(&mut self, id: TaskId, task: TaskRecord) {
+        debug_assert_eq!(id, task.id);
+        let agent = task.agent_id.clone();
+        if let Some(old) = self.map.insert(id.clone(), task) {
+            if old.agent_id != agent {
+                self.unindex(&old.agent_id, &id);
+                self.touch(&old.agent_id);
+            }
+        }
+        self.by_agent.entry(agent.clone()).or_default().insert(id);
+        self.touch(&agent);
+    }
+
+    pub fn remove(&mut self, id: &str) -> Option<TaskRecord> {
+        let t = self.map.remove(id)?;
+        self.unindex(&t.agent_id, id);
+        self.touch(&t.agent_id);
+        Some(t)
+    }
+
+    /// The ids of the tasks placed on `agent`, in id order.
+    pub fn ids_on(&self, agent: &str) -> impl Iterator<Item = &TaskId> + '_ {
+        self.by_agent.get(agent).into_iter().flatten()
+    }
+
+    /// The tasks placed on `agent`, in id order.
+    pub fn on(&self, agent: &str) -> impl Iterator<Item = &TaskRecord> + '_ {
+        self.ids_on(agent).filter_map(|id| self.map.get(id))
+    }
+
+    /// Every agent may have to hear of a change.
+    pub fn touch_all(&mut self) {
+        self.touched.all = true;
+        self.touched.agents.clear();
+    }
+
+    pub fn take_touched(&mut self) -> Touched {
+        std::mem::take(&mut self.touched)
+    }
+
+    /// Whether the index says what the tasks say (for tests' invariants).
+    #[cfg(test)]
+    pub fn index_agrees(&self) -> bool {
+        let mut want: HashMap<AgentId, BTreeSet<TaskId>> = HashMap::new();
+        for t in self.map.values() {
+            want.entry(t.agent_id.clone())
+                .or_default()
+                .insert(t.id.clone());
+        }
+        want == self.by_agent
+    }
+
+    fn touch(&mut self, agent: &str) {
+        if !self.touched.all && !self.touched.agents.contains(agent) {
+            self.touched.agents.insert(agent.to_string());
+        }
+    }
+
+    fn unindex(&mut self, agent: &str, id: &str) {
+        if let Some(ids) = self.by_agent.get_mut(agent) {
+            ids.remove(id);
+            if ids.is_empty() {
+                self.by_agent.remove(agent);
+            }
+        }
+    }
+}
+
+impl Deref for TaskTable {
+    type Target = BTreeMap<TaskId, TaskRecord>;
+    fn deref(&self) -> &Self::Target {
+        &self.map
+    }
+}
+
+impl<'a> IntoIterator for &'a TaskTable {
+    type Item = (&'a TaskId, &'a TaskRecord);
+    type IntoIter = std::collections::btree_map::Iter<'a, TaskId, TaskRecord>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.map.iter()
+    }
+}
+
+/// Equal when the tasks are: the rest is derived from them.
+impl PartialEq for TaskTable {
+    fn eq(&self, other: &Self) -> bool {
+        self.map == other.map
+    }
+}
+
+impl Serialize for TaskTable {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.map.serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for TaskTable {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        BTreeMap::deserialize(d).map(TaskTable::from_map)
+    }
+}
+
+/// Every agent by id, and which agents claim each GPU. An agent's `info`
+/// changes only through [`AgentTable::insert`]; other fields through
+/// [`AgentTable::get_mut`].
+#[derive(Debug, Clone, Default)]
+pub struct AgentTable {
+    map: BTreeMap<AgentId, AgentRecord>,
+    /// Usually one agent per GPU; a LOST agent's GPUs may be claimed again
+    /// by the agent that replaced it.
+    by_gpu: HashMap<GpuUuid, BTreeSet<AgentId>>,
+}
+
+impl AgentTable {
+    fn from_map(map: BTreeMap<AgentId, AgentRecord>) -> AgentTable {
+        let mut t = AgentTable {
+            map: BTreeMap::new(),
+            by_gpu: HashMap::new(),
+        };
+        for (id, a) in map {
+            t.insert(id, a);
+        }
+        t
+    }
+
+    /// Adds or replaces an agent's record (its GPUs with it).
+    pub fn insert(&mut self, id: AgentId, agent: AgentRecord) {
+        debug_assert_eq!(id, agent.info.id);
+        for g in &agent.info.gpus {
+            self.by_gpu
+                .entry(g.uuid.clone())
+                .or_default()
+                .insert(id.clone());
+        }
+        if let Some(old) = self.map.insert(id.clone(), agent) {
+            let now: BTreeSet<&str> = self.map[&id]
+                .info
+                .gpus
+                .iter()
+                .map(|g| g.uuid.as_str())
+                .collect();
+            for g in old
+                .info
+                .gpus
+                .iter()
+                .filter(|g| !now.contains(g.uuid.as_str()))
+            {
+                if let Some(ids) = self.by_gpu.get_mut(&g.uuid) {
+                    ids.remove(&id);
+                    if ids.is_empty() {
+                        self.by_gpu.remove(&g.uuid);
+                    }
+                }
+            }
+        }
+    }
+
+    /// An agent's record to change, but not its `info` (see the type).
+    pub fn get_mut(&mut self, id: &str) -> Option<&mut AgentRecord> {
+        self.map.get_mut(id)
+    }
+
+    /// Whether the index says what the agents say (for tests' invariants).
+    #[cfg(test)]
+    pub fn index_agrees(&self) -> bool {
+        let mut want: HashMap<GpuUuid, BTreeSet<AgentId>> = HashMap::new();
+        for a in self.map.values() {
+            for g in &a.info.gpus {
+                want.entry(g.uuid.clone())
+                    .or_default()
+                    .insert(a.info.id.clone());
+            }
+        }
+        want == self.by_gpu
+    }
+
+    /// The agents whose `info` lists this GPU.
+    pub fn claiming(&self, gpu: &str) -> impl Iterator<Item = &AgentRecord> + '_ {
+        self.by_gpu
+            .get(gpu)
+            .into_iter()
+            .flatten()
+            .filter_map(|id| self.map.get(id))
+    }
+}
+
+impl Deref for AgentTable {
+    type Target = BTreeMap<AgentId, AgentRecord>;
+    fn deref(&self) -> &Self::Target {
+        &self.map
+    }
+}
+
+impl<'a> IntoIterator for &'a AgentTable {
+    type Item = (&'a AgentId, &'a AgentRecord);
+    type IntoIter = std::collections::btree_map::Iter<'a, AgentId, AgentRecord>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.map.iter()
+    }
+}
+
+/// Equal when the agents are: the rest is derived from them.
+impl PartialEq for AgentTable {
+    fn eq(&self, other: &Self) -> bool {
+        self.map == other.map
+    }
+}
+
+impl Serialize for AgentTable {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.map.serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for AgentTable {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        BTreeMap::deserialize(d).map(AgentTable::from_map)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::state::{AgentState, TaskState};
+    use gpuctl_core::types::{AgentInfo, GpuInfo, Resources};
+
+    fn task(id: &str, agent: &str) -> TaskRecord {
+        TaskRecord {
+            id: id.into(),
+            job_id: "job-1".into(),
+            agent_id: agent.into(),
+            gpu_uuids: vec![],
+            resources: Resources::default(),
+            state: TaskState::Running,
+            exit_code: None,
+            message: String::new(),
+            kill_requested: false,
+            created_at_ms: 0,
+            updated_at_ms: 0,
+            framework_id: String::new(),
+            framework_task_id: String::new(),
+            launch: None,
+            reason: Default::default(),
+            last_update_uuid: vec![],
+            acked_uuid: vec![],
+            rank: 0,
+            before_unreachable: None,
+            holding: false,
+        }
+    }
+
+    fn agent(id: &str, gpus: &[&str]) -> AgentRecord {
+        AgentRecord {
+            info: AgentInfo {
+                id: id.into(),
+                hostname: id.into(),
+                address: String::new(),
+                total: Resources::default(),
+                gpus: gpus
+                    .iter()
+                    .enumerate()
+                    .map(|(i, u)| GpuInfo::new(u.to_string(), i as u32, "A100", 40960))
+                    .collect(),
+                runtimes: vec![],
+                simulated_gpus: true,
+                attributes: BTreeMap::new(),
+                driver_version: None,
+                cuda_driver_version: None,
+            },
+            state: AgentState::Active,
+            registered_at_ms: 0,
+            allocated: Resources::default(),
+            unreachable_since_ms: None,
+            drain: None,
+        }
+    }
+
+    #[test]
+    fn tasks_are_indexed_by_agent_and_changes_touch_their_agent() {
+        let mut t = TaskTable::default();
+        t.insert("j.0".into(), task("j.0", "a"));
+        t.insert("j.1".into(), task("j.1", "b"));
+        t.insert("j.2".into(), task("j.2", "a"));
+        let touched = t.take_touched();
+        assert_eq!(touched.agents, ["a".to_string(), "b".to_string()].into());
+        assert!(!touched.all);
+        assert!(t.take_touched().is_empty(), "taken");
+        let on_a: Vec<&str> = t.on("a").map(|t| t.id.as_str()).collect();
+        assert_eq!(on_a, ["j.0", "j.2"]);
+        // Reading does not touch; changing does.
+        assert!(t.get("j.1").is_some());
+        assert!(t.take_touched().is_empty());
+        t.get_mut("j.1").unwrap().kill_requested = true;
+        assert_eq!(t.take_touched().agents, ["b".to_string()].into());
+        assert!(t.remove("j.0").is_some());
+        assert_eq!(t.take_touched().agents, ["a".to_string()].into());
+        assert_eq!(t.ids_on("a").collect::<Vec<_>>(), ["j.2"]);
+        assert!(t.remove("j.2").is_some());
+        assert_eq!(t.ids_on("a").count(), 0);
+        assert!(!t.by_agent.contains_key("a"), "no empty sets left behind");
+        t.touch_all();
+        t.get_mut("j.1").unwrap().kill_requested = false;
+        let touched = t.take_touched();
+        assert!(touched.all && touched.contains("anyone"));
+    }
+
+    #[test]
+    fn a_table_read_from_a_snapshot_has_its_index_and_touches_everyone() {
+        let mut t = TaskTable::default();
+        t.insert("j.0".into(), task("j.0", "a"));
+        t.insert("k.0".into(), task("k.0", "b"));
+        let json = serde_json::to_string(&t).unwrap();
+        let plain: BTreeMap<TaskId, TaskRecord> = serde_json::from_str(&json).unwrap();
+        assert_eq!(plain.len(), 2, "the snapshot is the plain map");
+        let mut back: TaskTable = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, t);
+        assert_eq!(back.on("b").count(), 1);
+        assert!(back.take_touched().all);
+    }
+
+    #[test]
+    fn agents_are_indexed_by_gpu_through_every_change_of_their_gpus() {
+        let mut t = AgentTable::default();
+        t.insert("a".into(), agent("a", &["GPU-1", "GPU-2"]));
+        t.insert("b".into(), agent("b", &["GPU-2"]));
+        let ids = |t: &AgentTable, g: &str| -> Vec<String> {
+            t.claiming(g).map(|a| a.info.id.clone()).collect()
+        };
+        assert_eq!(ids(&t, "GPU-2"), ["a", "b"]);
+        // a comes back without GPU-2 and with GPU-3.
+        t.insert("a".into(), agent("a", &["GPU-1", "GPU-3"]));
+        assert_eq!(ids(&t, "GPU-2"), ["b"]);
+        assert_eq!(ids(&t, "GPU-3"), ["a"]);
+        assert_eq!(ids(&t, "GPU-1"), ["a"]);
+        let back: AgentTable = serde_json::from_str(&serde_json::to_string(&t).unwrap()).unwrap();
+        assert_eq!(back, t);
+        assert_eq!(ids(&back, "GPU-3"), ["a"]);
+        assert!(ids(&back, "GPU-9").is_empty());
+    }
+}
