@@ -204,10 +204,13 @@ impl AgentManagerService {
                     let _ = tx.send(Err(ctx.not_leader().into())).await;
                     return;
                 }
-                let desired = raft.state().desired_tasks(&agent_id);
                 let msgs = if incremental {
-                    stream.update(desired.0, desired.1)
-                } else if last.as_ref() != Some(&desired) {
+                    let state = raft.state();
+                    let (run, kill) = state.desired_task_ids(&agent_id);
+                    stream.update_with(run, kill, |id| state.task_spec(id))
+                } else if let Some(desired) =
+                    Some(raft.state().desired_tasks(&agent_id)).filter(|d| last.as_ref() != Some(d))
+                {
                     let msg = pb::DesiredTasks {
                         tasks: desired.0.iter().cloned().map(Into::into).collect(),
                         kill: desired.1.clone(),

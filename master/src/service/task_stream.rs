@@ -4,7 +4,7 @@
 //! `gpuctl_core::desired::DesiredSet`; the protocol is described on
 //! `DesiredTasks` in `proto/gpuctl/v1/agent.proto`.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 
 use gpuctl_core::types::{TaskId, TaskSpec};
 use gpuctl_proto::pb;
@@ -41,13 +41,19 @@ fn field_len(tag: u32, len: usize) -> usize {
     key_len(tag) + encoded_len_varint(len as u64) + len
 }
 
-/// One stream's sender: remembers what the receiver holds.
+/// One stream's sender: remembers which tasks the receiver holds.
+///
+/// A task's spec is sent once, when it enters the run set: the agent starts
+/// a task from the first spec it gets and ignores later ones, so the specs
+/// of tasks already sent are neither built nor compared again (a change of
+/// one, such as a gang peer's new hostname, reaches an agent that
+/// reconnects, in its snapshot).
 #[derive(Debug)]
 pub struct TaskStream {
     budget: usize,
-    /// What the receiver holds after the messages returned so far; `None`
-    /// before the snapshot.
-    sent: Option<(BTreeMap<TaskId, TaskSpec>, BTreeSet<TaskId>)>,
+    /// The run and kill sets the receiver holds after the messages
+    /// returned so far; `None` before the snapshot.
+    sent: Option<(BTreeSet<TaskId>, BTreeSet<TaskId>)>,
 }
 
 impl TaskStream {
@@ -55,52 +61,62 @@ impl TaskStream {
         TaskStream { budget, sent: None }
     }
 
-    /// The messages that take the receiver to the desired set (`run`,
-    /// `kill`; an id in both is killed). The first call gives the snapshot
-    /// (first message `reset`, last `complete`, at least one message);
-    /// later calls the differences, last message `complete`, or nothing
-    /// when nothing changed. Every message encodes to at most the budget,
-    /// unless it holds a single task spec bigger than the budget.
+    /// [`TaskStream::update_with`] given the specs themselves.
+    #[cfg(test)]
     pub fn update(&mut self, run: Vec<TaskSpec>, kill: Vec<TaskId>) -> Vec<pb::DesiredTasks> {
+        let ids = run.iter().map(|t| t.task_id.clone()).collect();
+        let mut specs: std::collections::BTreeMap<TaskId, TaskSpec> =
+            run.into_iter().map(|t| (t.task_id.clone(), t)).collect();
+        self.update_with(ids, kill, |id| specs.remove(id))
+    }
+
+    /// The messages that take the receiver to the desired set (`run`,
+    /// `kill`; an id in both is killed), asking `spec` for the specs of
+    /// the tasks new to the run set (one it has no spec for is left out).
+    /// The first call gives the snapshot (first message `reset`, last
+    /// `complete`, at least one message); later calls the differences, last
+    /// message `complete`, or nothing when nothing changed. Every message
+    /// encodes to at most the budget, unless it holds a single task spec
+    /// bigger than the budget.
+    pub fn update_with(
+        &mut self,
+        run: Vec<TaskId>,
+        kill: Vec<TaskId>,
+        mut spec: impl FnMut(&TaskId) -> Option<TaskSpec>,
+    ) -> Vec<pb::DesiredTasks> {
         let kill: BTreeSet<TaskId> = kill.into_iter().collect();
-        let run: BTreeMap<TaskId, TaskSpec> = run
-            .into_iter()
-            .filter(|t| !kill.contains(&t.task_id))
-            .map(|t| (t.task_id.clone(), t))
-            .collect();
-        let (reset, items) = match &self.sent {
-            None => {
-                let items = run
-                    .values()
-                    .map(|t| Item::Run(Box::new(t.clone().into())))
-                    .chain(kill.iter().cloned().map(Item::Kill))
-                    .collect::<Vec<_>>();
-                (true, items)
-            }
-            Some((sent_run, sent_kill)) => {
-                let mut items: Vec<Item> = run
-                    .values()
-                    .filter(|t| sent_run.get(&t.task_id) != Some(*t))
-                    .map(|t| Item::Run(Box::new(t.clone().into())))
-                    .collect();
-                items.extend(
-                    kill.iter()
-                        .filter(|id| !sent_kill.contains(*id))
-                        .cloned()
-                        .map(Item::Kill),
-                );
-                items.extend(
-                    sent_run
-                        .keys()
-                        .chain(sent_kill.iter())
-                        .filter(|id| !run.contains_key(*id) && !kill.contains(*id))
-                        .cloned()
-                        .map(Item::Removed),
-                );
-                (false, items)
-            }
+        let empty = BTreeSet::new();
+        let (reset, sent_run, sent_kill) = match &self.sent {
+            None => (true, &empty, &empty),
+            Some((r, k)) => (false, r, k),
         };
-        self.sent = Some((run, kill));
+        let mut items = Vec::new();
+        let mut now_run = BTreeSet::new();
+        for id in run {
+            if kill.contains(&id) {
+                continue;
+            }
+            if !sent_run.contains(&id) {
+                let Some(t) = spec(&id) else { continue };
+                items.push(Item::Run(Box::new(t.into())));
+            }
+            now_run.insert(id);
+        }
+        items.extend(
+            kill.iter()
+                .filter(|id| !sent_kill.contains(*id))
+                .cloned()
+                .map(Item::Kill),
+        );
+        items.extend(
+            sent_run
+                .iter()
+                .chain(sent_kill.iter())
+                .filter(|id| !now_run.contains(*id) && !kill.contains(*id))
+                .cloned()
+                .map(Item::Removed),
+        );
+        self.sent = Some((now_run, kill));
         if !reset && items.is_empty() {
             return Vec::new();
         }
@@ -145,6 +161,7 @@ mod tests {
     use gpuctl_core::types::Resources;
     use proptest::prelude::*;
     use prost::Message as _;
+    use std::collections::BTreeMap;
 
     fn task(id: &str, env_bytes: usize) -> TaskSpec {
         TaskSpec {
@@ -256,18 +273,20 @@ mod tests {
         // Unchanged: no message at all.
         assert!(stream.update(v1.clone(), ids(&["k"])).is_empty());
 
-        // a changed, b killed (run -> kill), c unchanged, d new, k gone.
+        // a's spec changed (not sent again: the agent keeps the first), b
+        // killed (run -> kill), c unchanged, d new, k gone.
         let v2 = vec![task("a", 2), task("c", 1), task("d", 1)];
         let msgs = stream.update(v2.clone(), ids(&["b"]));
         assert_eq!(msgs.len(), 1);
         let m = &msgs[0];
         assert!(!m.reset && m.complete);
         let sent: Vec<&str> = m.tasks.iter().map(|t| t.task_id.as_str()).collect();
-        assert_eq!(sent, vec!["a", "d"]);
+        assert_eq!(sent, vec!["d"]);
         assert_eq!(m.kill, ids(&["b"]));
         assert_eq!(m.removed, ids(&["k"]));
         assert!(apply_all(&mut set, &msgs));
-        holds(&set, &v2, &ids(&["b"]));
+        let v2_held = vec![task("a", 1), task("c", 1), task("d", 1)];
+        holds(&set, &v2_held, &ids(&["b"]));
 
         // b ends (gone from both sets); a kill for a wins over its spec.
         let v3 = vec![task("a", 2), task("c", 1), task("d", 1)];
@@ -278,9 +297,10 @@ mod tests {
         assert!(apply_all(&mut set, &msgs));
         holds(&set, &v3, &ids(&["a"]));
 
-        // A killed task wanted again (kill -> run).
+        // A killed task wanted again (kill -> run): its spec as it is now.
         let msgs = stream.update(v3.clone(), vec![]);
         assert_eq!(msgs[0].tasks.len(), 1);
+        assert_eq!(msgs[0].tasks[0], task("a", 2).into());
         assert!(msgs[0].kill.is_empty() && msgs[0].removed.is_empty());
         assert!(apply_all(&mut set, &msgs));
         holds(&set, &v3, &[]);
@@ -343,8 +363,17 @@ mod tests {
             let mut stream = TaskStream::new(budget);
             let mut set = DesiredSet::new();
             let mut all = Vec::new();
+            // What the receiver should hold: a task keeps the spec it had
+            // when it entered the run set.
+            let mut held: BTreeMap<TaskId, TaskSpec> = BTreeMap::new();
             for (run, kill) in &sets {
                 let msgs = stream.update(run.clone(), kill.clone());
+                held = run
+                    .iter()
+                    .filter(|t| !kill.contains(&t.task_id))
+                    .map(|t| (t.task_id.clone(), held.get(&t.task_id).unwrap_or(t).clone()))
+                    .collect();
+                let run = &held.values().cloned().collect::<Vec<_>>();
                 for m in &msgs {
                     // Over budget only alone.
                     let items = m.tasks.len() + m.kill.len() + m.removed.len();
@@ -360,8 +389,8 @@ mod tests {
             for m in &all {
                 fresh.apply(m).unwrap();
             }
-            let (run, kill) = sets.last().unwrap();
-            holds(&fresh, run, kill);
+            let (_, kill) = sets.last().unwrap();
+            holds(&fresh, &held.into_values().collect::<Vec<_>>(), kill);
         }
     }
 }

@@ -398,35 +398,52 @@ impl State {
     /// them; its final report releases the GPUs). The agent also kills
     /// whatever it runs that is in neither list.
     pub fn desired_tasks(&self, agent_id: &str) -> (Vec<TaskSpec>, Vec<TaskId>) {
+        let (run, kill) = self.desired_task_ids(agent_id);
+        let run = run.iter().filter_map(|id| self.task_spec(id)).collect();
+        (run, kill)
+    }
+
+    /// [`State::desired_tasks`] by id only: what the agent should run, in
+    /// id order (those whose spec [`State::task_spec`] can make), and what
+    /// it must stop.
+    pub fn desired_task_ids(&self, agent_id: &str) -> (Vec<TaskId>, Vec<TaskId>) {
         let mut run = Vec::new();
         let mut kill = Vec::new();
         for t in self.tasks.on(agent_id).filter(|t| t.holds_resources()) {
             if t.kill_requested || t.state.is_terminal() {
                 kill.push(t.id.clone());
-                continue;
+            } else if t.launch.is_some() || self.jobs.contains_key(&t.job_id) {
+                run.push(t.id.clone());
             }
-            let (image, command, env) = match (&t.launch, self.jobs.get(&t.job_id)) {
-                (Some(l), _) => (l.image.clone(), l.command.clone(), l.env.clone()),
-                (None, Some(job)) => (
-                    job.spec.image.clone(),
-                    job.spec.command.clone(),
-                    self.job_task_env(job, t),
-                ),
-                (None, None) => continue,
-            };
-            run.push(TaskSpec {
-                task_id: t.id.clone(),
-                job_id: t.job_id.clone(),
-                framework_id: t.framework_id.clone(),
-                image,
-                command,
-                env,
-                resources: t.resources,
-                gpu_uuids: t.gpu_uuids.clone(),
-                no_fence: self.no_fence(t),
-            });
         }
         (run, kill)
+    }
+
+    /// What an agent needs to start a task: its command, environment,
+    /// resources and GPUs. `None` for a task unknown, or a job task whose
+    /// job is gone.
+    pub fn task_spec(&self, task_id: &str) -> Option<TaskSpec> {
+        let t = self.tasks.get(task_id)?;
+        let (image, command, env) = match (&t.launch, self.jobs.get(&t.job_id)) {
+            (Some(l), _) => (l.image.clone(), l.command.clone(), l.env.clone()),
+            (None, Some(job)) => (
+                job.spec.image.clone(),
+                job.spec.command.clone(),
+                self.job_task_env(job, t),
+            ),
+            (None, None) => return None,
+        };
+        Some(TaskSpec {
+            task_id: t.id.clone(),
+            job_id: t.job_id.clone(),
+            framework_id: t.framework_id.clone(),
+            image,
+            command,
+            env,
+            resources: t.resources,
+            gpu_uuids: t.gpu_uuids.clone(),
+            no_fence: self.no_fence(t),
+        })
     }
 
     /// Whether the task opted out of fencing (its job's `no_fence`;
