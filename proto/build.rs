@@ -18,6 +18,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .build_server(true)
         .build_client(true)
         .extern_path(".gpuctl.v1", "::gpuctl_core::pb")
+        // Smaller per-call buffers (see src/codec.rs).
+        .codec_path("crate::codec::GpuctlCodec")
         .compile_fds(fds)?;
     Ok(())
 }

@@ -13,6 +13,7 @@ pub mod pb {
     tonic::include_proto!("gpuctl.v1");
 }
 
+pub mod codec;
 pub mod leader;
 #[cfg(feature = "metrics-server")]
 pub mod metrics_server;

@@ -550,35 +550,7 @@ fn allocate(state: &State, g: &mut Inner, settings: &FrameworkSettings, now: u64
     let Some(book) = g.offers.as_ref() else {
         return 0;
     };
-    let offered_gpus = book.offered_gpus();
-    let offered_on = book.offered_by_agent();
     let offered_by = book.offered_by_framework();
-    let agents: Vec<AgentView> = state
-        .agents()
-        .values()
-        .filter(|a| a.accepts_tasks() && !g.launching.contains_key(&a.info.id))
-        .map(|a| {
-            let offered = offered_on.get(&a.info.id).copied().unwrap_or_default();
-            AgentView {
-                id: a.info.id.clone(),
-                hostname: a.info.hostname.clone(),
-                free: a.free().saturating_sub(&offered),
-                free_gpus: a
-                    .info
-                    .gpus
-                    .iter()
-                    .filter(|gpu| {
-                        state.schedulable(gpu)
-                            && state.gpu_owner(&gpu.uuid).is_none()
-                            && !offered_gpus.contains(&gpu.uuid)
-                    })
-                    .cloned()
-                    .collect(),
-                total: a.info.total,
-                attributes: a.info.attributes.clone(),
-            }
-        })
-        .collect();
     // What each framework holds; gpuctl jobs' tasks are the built-in
     // scheduler's, so its role's share and quota count them.
     let mut held: BTreeMap<&str, Resources> = BTreeMap::new();
@@ -609,7 +581,47 @@ fn allocate(state: &State, g: &mut Inner, settings: &FrameworkSettings, now: u64
                 .add(&offered_by.get(&f.info.id).copied().unwrap_or_default()),
         })
         .collect();
-    let plans = allocator::allocate(
+    // Nobody to offer to (the built-in scheduler suppresses offers while no
+    // job waits): no need to look at the agents.
+    if frameworks.iter().all(|f| f.suppressed) {
+        return 0;
+    }
+    let offered_gpus = book.offered_gpus();
+    let offered_on = book.offered_by_agent();
+    let accepting = || state.agents().values().filter(|a| a.accepts_tasks());
+    let total = allocator::cluster_total(accepting().map(|a| &a.info.total));
+    // Views of the agents with something to offer only.
+    let agents: Vec<AgentView> = accepting()
+        .filter(|a| !g.launching.contains_key(&a.info.id))
+        .filter_map(|a| {
+            let offered = offered_on.get(&a.info.id).copied().unwrap_or_default();
+            let free = a.free().saturating_sub(&offered);
+            if free.gpus == 0 && free.mem_mib == 0 && free.cpus <= 0.0 {
+                return None;
+            }
+            Some(AgentView {
+                id: a.info.id.clone(),
+                hostname: a.info.hostname.clone(),
+                free,
+                free_gpus: a
+                    .info
+                    .gpus
+                    .iter()
+                    .filter(|gpu| {
+                        free.gpus > 0
+                            && state.schedulable(gpu)
+                            && state.gpu_owner(&gpu.uuid).is_none()
+                            && !offered_gpus.contains(&gpu.uuid)
+                    })
+                    .cloned()
+                    .collect(),
+                total: a.info.total,
+                attributes: a.info.attributes.clone(),
+            })
+        })
+        .collect();
+    let plans = allocator::allocate_within(
+        total,
         &agents,
         &frameworks,
         &settings.roles,

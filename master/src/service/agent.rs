@@ -8,7 +8,6 @@ use gpuctl_core::convert::MAX_STATUS_BATCH;
 use gpuctl_core::types::{AgentInfo, GpuReport, RuntimeStatus, StatusUpdate, TaskSpec, TaskState};
 use gpuctl_core::ConvertError;
 use gpuctl_proto::pb;
-use tokio::sync::mpsc;
 use tonic::{Code, Request, Response, Status};
 
 use super::task_stream::{self, TaskStream};
@@ -101,6 +100,76 @@ impl pb::agent_manager_server::AgentManager for AgentManagerService {
     }
 }
 
+/// One agent's WatchTasks stream (see `watch_tasks`).
+struct TaskWatch {
+    raft: crate::raft::RaftHandle,
+    ctx: Ctx,
+    agent_id: String,
+    /// Incremental agents get a snapshot, then differences, in messages of
+    /// bounded size; older agents the full set on every change.
+    incremental: bool,
+    wakeup: crate::raft::AgentWakeup,
+    status: tokio::sync::watch::Receiver<crate::raft::NodeStatus>,
+    shutdown: tokio::sync::watch::Receiver<bool>,
+    stream: TaskStream,
+    last: Option<(Vec<TaskSpec>, Vec<String>)>,
+    /// Messages of one update not yet sent.
+    pending: std::collections::VecDeque<pb::DesiredTasks>,
+    ended: bool,
+}
+
+impl TaskWatch {
+    /// The next message; `None` ends the stream.
+    async fn next(&mut self) -> Option<Result<pb::DesiredTasks, Status>> {
+        loop {
+            if self.ended {
+                return None;
+            }
+            if let Some(msg) = self.pending.pop_front() {
+                return Some(Ok(msg));
+            }
+            if *self.shutdown.borrow() {
+                return None;
+            }
+            if !self.status.borrow().serving {
+                // Deposed: send the agent to the new leader.
+                self.ended = true;
+                return Some(Err(self.ctx.not_leader().into()));
+            }
+            let msgs = self.changes();
+            if !msgs.is_empty() {
+                self.pending.extend(msgs);
+                continue;
+            }
+            tokio::select! {
+                _ = self.wakeup.changed() => {},
+                r = self.status.changed() => if r.is_err() { return None },
+                _ = self.shutdown.changed() => return None,
+            }
+        }
+    }
+
+    /// The messages that bring the agent up to date, none if it is.
+    fn changes(&mut self) -> Vec<pb::DesiredTasks> {
+        let state = self.raft.state();
+        if self.incremental {
+            let (run, kill) = state.desired_task_ids(&self.agent_id);
+            return self.stream.update_with(run, kill, |id| state.task_spec(id));
+        }
+        let desired = state.desired_tasks(&self.agent_id);
+        if self.last.as_ref() == Some(&desired) {
+            return Vec::new();
+        }
+        let msg = pb::DesiredTasks {
+            tasks: desired.0.iter().cloned().map(Into::into).collect(),
+            kill: desired.1.clone(),
+            ..Default::default()
+        };
+        self.last = Some(desired);
+        vec![msg]
+    }
+}
+
 /// Each RPC's logic; the `AgentManager` impl above only turns its
 /// errors into `Status` (`reply`).
 impl AgentManagerService {
@@ -183,61 +252,35 @@ impl AgentManagerService {
         Ok(pb::HeartbeatResponse {})
     }
 
+    /// The agent's desired tasks, as a stream that computes its next
+    /// message when the connection asks for one: no task and no channel per
+    /// agent (they were 8 KB of each agent's bookkeeping at the leader),
+    /// and changes made while the agent reads coalesce into one difference.
     async fn watch_tasks(&self, req: pb::WatchTasksRequest) -> Result<TaskStreamOut, ServiceError> {
         let (agent_id, incremental) = (req.agent_id, req.incremental);
         agent_known(&self.ctx, &agent_id)?;
-        let (tx, rx) = mpsc::channel(4);
         let raft = self.ctx.raft.clone();
-        // Subscribed before the first look at the state: no change is missed.
-        let mut wakeup = raft.agent_wakeup(&agent_id);
-        let mut shutdown = self.ctx.shutdown.clone();
-        let mut status = raft.status_watch();
-        let ctx = self.ctx.clone();
-        tokio::spawn(async move {
-            // Incremental agents: a snapshot, then differences, in messages
-            // of bounded size. Older agents: the full set on every change.
-            let mut stream = TaskStream::new(task_stream::MESSAGE_BUDGET);
-            let mut last: Option<(Vec<TaskSpec>, Vec<String>)> = None;
-            loop {
-                if !status.borrow().serving {
-                    // Deposed: send the agent to the new leader.
-                    let _ = tx.send(Err(ctx.not_leader().into())).await;
-                    return;
-                }
-                let msgs = if incremental {
-                    let state = raft.state();
-                    let (run, kill) = state.desired_task_ids(&agent_id);
-                    stream.update_with(run, kill, |id| state.task_spec(id))
-                } else if let Some(desired) =
-                    Some(raft.state().desired_tasks(&agent_id)).filter(|d| last.as_ref() != Some(d))
-                {
-                    let msg = pb::DesiredTasks {
-                        tasks: desired.0.iter().cloned().map(Into::into).collect(),
-                        kill: desired.1.clone(),
-                        ..Default::default()
-                    };
-                    last = Some(desired);
-                    vec![msg]
-                } else {
-                    Vec::new()
-                };
-                for msg in msgs {
-                    tokio::select! {
-                        r = tx.send(Ok(msg)) => if r.is_err() {
-                            return; // the agent went away
-                        },
-                        _ = shutdown.changed() => return,
-                    }
-                }
-                tokio::select! {
-                    _ = wakeup.changed() => {},
-                    r = status.changed() => if r.is_err() { return },
-                    _ = shutdown.changed() => return,
-                    _ = tx.closed() => return,
-                }
-            }
-        });
-        Ok(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx)))
+        let watch = TaskWatch {
+            // Subscribed before the first look at the state: no change is missed.
+            wakeup: raft.agent_wakeup(&agent_id),
+            status: raft.status_watch(),
+            shutdown: self.ctx.shutdown.clone(),
+            ctx: self.ctx.clone(),
+            raft,
+            agent_id,
+            incremental,
+            stream: TaskStream::new(task_stream::MESSAGE_BUDGET),
+            last: None,
+            pending: std::collections::VecDeque::new(),
+            ended: false,
+        };
+        Ok(Box::pin(futures::stream::unfold(
+            watch,
+            |mut w| async move {
+                let msg = w.next().await?;
+                Some((msg, w))
+            },
+        )))
     }
 
     /// Records the updates concurrently, so that their commands reach Raft
