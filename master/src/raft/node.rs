@@ -267,12 +267,24 @@ struct Node {
     snapshot_index: u64,
     /// Snapshot at the end of this ready (a master was added).
     snapshot_due: bool,
+    /// The periodic snapshot being serialized on a blocking thread.
+    snapshot_job: Option<SnapshotJob>,
     /// While leader: the index of the first entry of its term.
     lead_start: Option<u64>,
     transport: Arc<dyn Transport>,
     reporter: Reporter,
     addresses: Addresses,
     wakeups: AgentWakeups,
+}
+
+/// A copy of the state at `index` (of `term`), being serialized off the
+/// node's loop: at 10,000 agents and 100,000 jobs the JSON is ~100 MiB and
+/// takes about a second, during which the loop would neither tick nor
+/// answer, and the leader lost its term.
+struct SnapshotJob {
+    index: u64,
+    term: u64,
+    data: oneshot::Receiver<Result<Vec<u8>, serde_json::Error>>,
 }
 
 /// What [`start`] returns: the handle, the node task, and the commit index
@@ -369,6 +381,7 @@ pub fn start(
         snapshot_every: config.snapshot_every.max(1),
         snapshot_index,
         snapshot_due: false,
+        snapshot_job: None,
         lead_start: None,
         transport,
         reporter: Reporter { tx },
@@ -402,6 +415,13 @@ pub fn start(
             node.publish_status();
         }
         node.fail_pending(|| ProposeError::Stopped);
+        // A snapshot under way is kept: it saves replaying its entries at
+        // the next start.
+        if let Some(job) = node.snapshot_job.take() {
+            if let Ok(Ok(data)) = job.data.await {
+                node.store_snapshot(job.index, job.term, data)?;
+            }
+        }
         Ok(())
     });
     Ok((handle, task, initial_commit))
@@ -613,19 +633,64 @@ impl Node {
         Ok(())
     }
 
-    /// Every `snapshot_every` applied entries: serialize the state machine,
-    /// store it as the snapshot and drop the log before it.
+    /// Every `snapshot_every` applied entries: copy the state machine,
+    /// serialize the copy on a blocking thread, and once it is done (checked
+    /// at each ready, so within a tick) store it as the snapshot and drop
+    /// the log before it. A snapshot asked for by a membership change is
+    /// taken at once, on the loop.
     fn maybe_snapshot(&mut self) -> Result<(), NodeError> {
-        let applied = self
-            .state
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .applied_index();
-        if applied < self.snapshot_index + self.snapshot_every && !self.snapshot_due {
+        if self.snapshot_due {
+            self.snapshot_due = false;
+            return self.snapshot_now();
+        }
+        if let Some(job) = self.snapshot_job.as_mut() {
+            match job.data.try_recv() {
+                Err(oneshot::error::TryRecvError::Empty) => return Ok(()),
+                Ok(Ok(data)) => {
+                    let (index, term) = (job.index, job.term);
+                    self.snapshot_job = None;
+                    self.store_snapshot(index, term, data)?;
+                }
+                Ok(Err(e)) => {
+                    self.snapshot_job = None;
+                    return Err(e.into());
+                }
+                Err(oneshot::error::TryRecvError::Closed) => {
+                    self.snapshot_job = None;
+                    tracing::error!("state machine snapshot failed (its thread ended); will retry");
+                }
+            }
+        }
+        let (applied, copy) = {
+            let s = self.state.read().unwrap_or_else(|p| p.into_inner());
+            let applied = s.applied_index();
+            if applied < self.snapshot_index + self.snapshot_every {
+                return Ok(());
+            }
+            (applied, s.clone())
+        };
+        let term = self.raw.raft.raft_log.term(applied)?;
+        let (tx, rx) = oneshot::channel();
+        tokio::task::spawn_blocking(move || {
+            let _ = tx.send(serde_json::to_vec(&copy));
+        });
+        self.snapshot_job = Some(SnapshotJob {
+            index: applied,
+            term,
+            data: rx,
+        });
+        Ok(())
+    }
+
+    fn store_snapshot(&mut self, index: u64, term: u64, data: Vec<u8>) -> Result<(), NodeError> {
+        if index <= self.snapshot_index {
+            // A newer one was installed or taken meanwhile.
             return Ok(());
         }
-        self.snapshot_due = false;
-        self.snapshot_now()
+        self.raw.store().compact(index, term, data)?;
+        tracing::info!(index, term, "state machine snapshot taken; log compacted");
+        self.snapshot_index = index;
+        Ok(())
     }
 
     fn snapshot_now(&mut self) -> Result<(), NodeError> {
@@ -637,14 +702,7 @@ impl Node {
             (s.applied_index(), serde_json::to_vec(&*s)?)
         };
         let term = self.raw.raft.raft_log.term(applied)?;
-        self.raw.store().compact(applied, term, data)?;
-        tracing::info!(
-            index = applied,
-            term,
-            "state machine snapshot taken; log compacted"
-        );
-        self.snapshot_index = applied;
-        Ok(())
+        self.store_snapshot(applied, term, data)
     }
 
     fn apply_entries(&mut self, entries: Vec<Entry>) -> Result<(), NodeError> {
@@ -866,6 +924,10 @@ mod tests {
             let (meta, data) = storage.snapshot_data().unwrap();
             assert!(meta.index >= 10, "snapshot at {}", meta.index);
             assert!(!data.is_empty());
+            // The state serialized off the loop is the one at the
+            // snapshot's index, not a later one.
+            let snap: State = serde_json::from_slice(&data).unwrap();
+            assert_eq!(snap.applied_index(), meta.index);
             assert_eq!(storage.first_index().unwrap(), meta.index + 1);
         }
         // Restarted from the snapshot plus the log after it: the same state,
