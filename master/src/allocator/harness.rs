@@ -113,6 +113,7 @@ impl Harness {
 
     /// The views the leader would build from its state and the offer book.
     pub fn views(&self) -> (Vec<AgentView>, Vec<FrameworkView>) {
+        assert!(self.book.index_agrees(), "the offer book's indexes drifted");
         let offered_gpus = self.book.offered_gpus();
         let by_agent = self.book.offered_by_agent();
         let by_fw = self.book.offered_by_framework();

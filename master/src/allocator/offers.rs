@@ -2,7 +2,7 @@
 //! leader starts an empty book; what frameworks still hold from the old one
 //! is unknown to it and refused.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use gpuctl_core::types::Resources;
 
@@ -44,6 +44,11 @@ pub struct OfferBook {
     first: u64,
     next: u64,
     offers: BTreeMap<u64, Offer>,
+    /// The offers of each agent, and the offer naming each GPU: what an
+    /// allocation cycle asks of every agent it views, without building
+    /// sets of the whole book (80,000 UUIDs at 10,000 agents) each cycle.
+    by_agent: HashMap<String, BTreeSet<u64>>,
+    by_gpu: HashMap<String, u64>,
 }
 
 impl Default for OfferBook {
@@ -67,7 +72,38 @@ impl OfferBook {
             first,
             next: first,
             offers: BTreeMap::new(),
+            by_agent: HashMap::new(),
+            by_gpu: HashMap::new(),
         }
+    }
+
+    fn insert(&mut self, n: u64, offer: Offer) {
+        self.by_agent
+            .entry(offer.agent_id.clone())
+            .or_default()
+            .insert(n);
+        for g in &offer.gpu_uuids {
+            self.by_gpu.insert(g.clone(), n);
+        }
+        self.offers.insert(n, offer);
+    }
+
+    fn remove(&mut self, n: u64) -> Option<Offer> {
+        let offer = self.offers.remove(&n)?;
+        if let Some(ns) = self.by_agent.get_mut(&offer.agent_id) {
+            ns.remove(&n);
+            if ns.is_empty() {
+                self.by_agent.remove(&offer.agent_id);
+            }
+        }
+        for g in &offer.gpu_uuids {
+            // Only this offer's own entry (a caller could list one UUID in
+            // two offers; the allocator never does).
+            if self.by_gpu.get(g) == Some(&n) {
+                self.by_gpu.remove(g);
+            }
+        }
+        Some(offer)
     }
 
     /// Turns plans into offers, numbered in plan order.
@@ -85,7 +121,7 @@ impl OfferBook {
                 created_ms: now_ms,
             };
             made.push(offer.clone());
-            self.offers.insert(n, offer);
+            self.insert(n, offer);
         }
         made
     }
@@ -124,10 +160,7 @@ impl OfferBook {
             }
             numbers.push(n);
         }
-        Ok(numbers
-            .into_iter()
-            .filter_map(|n| self.offers.remove(&n))
-            .collect())
+        Ok(numbers.into_iter().filter_map(|n| self.remove(n)).collect())
     }
 
     /// Removes and returns those of `offer_ids` that are still outstanding
@@ -150,7 +183,7 @@ impl OfferBook {
                 .get(&n)
                 .is_some_and(|o| o.framework_id == framework_id)
             {
-                taken.extend(self.offers.remove(&n));
+                taken.extend(self.remove(n));
             }
         }
         taken
@@ -178,7 +211,12 @@ impl OfferBook {
     /// Removes and returns the offers of an agent (lost, removed, or its
     /// resources changed), to rescind.
     pub fn rescind_agent(&mut self, agent_id: &str) -> Vec<Offer> {
-        self.remove_where(|o| o.agent_id == agent_id)
+        let numbers: Vec<u64> = self
+            .by_agent
+            .get(agent_id)
+            .map(|ns| ns.iter().copied().collect())
+            .unwrap_or_default();
+        numbers.into_iter().filter_map(|n| self.remove(n)).collect()
     }
 
     /// Removes and returns the offers of a framework (gone, or suppressed).
@@ -193,10 +231,7 @@ impl OfferBook {
             .filter(|(_, o)| f(o))
             .map(|(n, _)| *n)
             .collect();
-        numbers
-            .into_iter()
-            .filter_map(|n| self.offers.remove(&n))
-            .collect()
+        numbers.into_iter().filter_map(|n| self.remove(n)).collect()
     }
 
     /// Offered resources by framework: add them to `FrameworkView::allocated`.
@@ -217,12 +252,32 @@ impl OfferBook {
     }
 
     /// Offered resources of one agent: subtract them from `AgentView::free`.
-    /// O(offers): to build every agent's view, use [`Self::offered_by_agent`].
     pub fn offered_on_agent(&self, agent_id: &str) -> Resources {
-        self.offers
-            .values()
-            .filter(|o| o.agent_id == agent_id)
+        self.by_agent
+            .get(agent_id)
+            .into_iter()
+            .flatten()
+            .filter_map(|n| self.offers.get(n))
             .fold(Resources::default(), |acc, o| acc.add(&o.resources))
+    }
+
+    /// Whether an outstanding offer names the GPU.
+    pub fn is_gpu_offered(&self, uuid: &str) -> bool {
+        self.by_gpu.contains_key(uuid)
+    }
+
+    /// Whether the indexes say what the offers say (for tests).
+    #[cfg(test)]
+    pub fn index_agrees(&self) -> bool {
+        let mut by_agent: HashMap<String, BTreeSet<u64>> = HashMap::new();
+        let mut by_gpu: HashMap<String, u64> = HashMap::new();
+        for (n, o) in &self.offers {
+            by_agent.entry(o.agent_id.clone()).or_default().insert(*n);
+            for g in &o.gpu_uuids {
+                by_gpu.insert(g.clone(), *n);
+            }
+        }
+        by_agent == self.by_agent && by_gpu == self.by_gpu
     }
 
     /// Offered resources by agent, in one pass.

@@ -815,6 +815,8 @@ fn offer_book_expiry_rescind_and_accounting() {
     assert_eq!(book.offered_on_agent("a2"), res(8.0, 2 * GIB, 3));
     assert_eq!(book.offered_on_agent("nowhere"), Resources::default());
     assert_eq!(book.offered_by_agent()["a2"], res(8.0, 2 * GIB, 3));
+    assert!(book.is_gpu_offered("g3") && !book.is_gpu_offered("g9"));
+    assert!(book.index_agrees());
 
     assert!(book.expired(1_999, 1_000).is_empty());
     let gone: Vec<String> = book
@@ -823,9 +825,13 @@ fn offer_book_expiry_rescind_and_accounting() {
         .map(|o| o.id)
         .collect();
     assert_eq!(gone, vec!["offer-1", "offer-2"]);
+    assert!(!book.is_gpu_offered("g1") && book.is_gpu_offered("g4"));
+    assert!(book.index_agrees());
 
     let gone: Vec<String> = book.rescind_agent("a2").into_iter().map(|o| o.id).collect();
     assert_eq!(gone, vec!["offer-3"]);
+    assert_eq!(book.offered_on_agent("a2"), Resources::default());
+    assert!(!book.is_gpu_offered("g3") && book.index_agrees());
     let gone: Vec<String> = book
         .rescind_framework("f3")
         .into_iter()
@@ -833,6 +839,7 @@ fn offer_book_expiry_rescind_and_accounting() {
         .collect();
     assert_eq!(gone, vec!["offer-4"]);
     assert!(book.is_empty());
+    assert!(book.index_agrees());
     assert!(book.offered_gpus().is_empty());
     assert!(book.offered_by_framework().is_empty());
 }

@@ -155,6 +155,22 @@ fn event(e: pb::event::Event) -> pb::Event {
     pb::Event { event: Some(e) }
 }
 
+/// Tells the framework an offer is withdrawn. Not the built-in scheduler:
+/// it takes only what is still outstanding and ignores rescinds, and one
+/// event per offer (thousands when a big cluster's offers time out
+/// together) would fill its stream ahead of the next offers.
+fn send_rescind(conns: &BTreeMap<String, Conn>, offer: allocator::Offer) {
+    if offer.framework_id == crate::state::frameworks::BUILTIN_FRAMEWORK_ID {
+        return;
+    }
+    if let Some(c) = conns.get(&offer.framework_id) {
+        let _ =
+            c.tx.try_send(Ok(event(pb::event::Event::Rescind(pb::Rescind {
+                offer_id: offer.id,
+            }))));
+    }
+}
+
 impl Hub {
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
@@ -297,13 +313,8 @@ impl Hub {
             .as_mut()
             .map(|b| b.rescind_framework(framework_id))
             .unwrap_or_default();
-        if let Some(c) = g.conns.get(framework_id) {
-            for o in rescinded {
-                let _ =
-                    c.tx.try_send(Ok(event(pb::event::Event::Rescind(pb::Rescind {
-                        offer_id: o.id,
-                    }))));
-            }
+        for o in rescinded {
+            send_rescind(&g.conns, o);
         }
     }
 
@@ -323,16 +334,6 @@ impl Hub {
         g.suppressed.remove(framework_id);
         if let Some(b) = g.offers.as_mut() {
             b.rescind_framework(framework_id);
-        }
-    }
-
-    /// GPUs and resources currently offered (the built-in scheduler leaves
-    /// them alone).
-    pub fn offered(&self) -> (BTreeSet<String>, BTreeMap<String, Resources>) {
-        let g = self.lock();
-        match &g.offers {
-            Some(b) => (b.offered_gpus(), b.offered_by_agent()),
-            None => (BTreeSet::new(), BTreeMap::new()),
         }
     }
 }
@@ -495,12 +496,7 @@ fn rescind_stale(state: &State, g: &mut Inner, now: u64, timeout: Duration) {
         gone.extend(book.rescind_agent(&a));
     }
     for o in gone {
-        if let Some(c) = g.conns.get(&o.framework_id) {
-            let _ =
-                c.tx.try_send(Ok(event(pb::event::Event::Rescind(pb::Rescind {
-                    offer_id: o.id,
-                }))));
-        }
+        send_rescind(&g.conns, o);
     }
 }
 
@@ -586,16 +582,13 @@ fn allocate(state: &State, g: &mut Inner, settings: &FrameworkSettings, now: u64
     if frameworks.iter().all(|f| f.suppressed) {
         return 0;
     }
-    let offered_gpus = book.offered_gpus();
-    let offered_on = book.offered_by_agent();
     let accepting = || state.agents().values().filter(|a| a.accepts_tasks());
     let total = allocator::cluster_total(accepting().map(|a| &a.info.total));
     // Views of the agents with something to offer only.
     let agents: Vec<AgentView> = accepting()
         .filter(|a| !g.launching.contains_key(&a.info.id))
         .filter_map(|a| {
-            let offered = offered_on.get(&a.info.id).copied().unwrap_or_default();
-            let free = a.free().saturating_sub(&offered);
+            let free = a.free().saturating_sub(&book.offered_on_agent(&a.info.id));
             if free.gpus == 0 && free.mem_mib == 0 && free.cpus <= 0.0 {
                 return None;
             }
@@ -611,7 +604,7 @@ fn allocate(state: &State, g: &mut Inner, settings: &FrameworkSettings, now: u64
                         free.gpus > 0
                             && state.schedulable(gpu)
                             && state.gpu_owner(&gpu.uuid).is_none()
-                            && !offered_gpus.contains(&gpu.uuid)
+                            && !book.is_gpu_offered(&gpu.uuid)
                     })
                     .cloned()
                     .collect(),
@@ -663,13 +656,26 @@ fn allocate(state: &State, g: &mut Inner, settings: &FrameworkSettings, now: u64
                 attributes: agent.info.attributes.clone().into_iter().collect(),
             });
     }
+    let mut withdrawn = 0;
     for (fw, offers) in by_framework {
-        if let Some(c) = g.conns.get(&fw) {
-            let _ =
-                c.tx.try_send(Ok(event(pb::event::Event::Offers(pb::Offers { offers }))));
+        let ids: Vec<String> = offers.iter().map(|o| o.id.clone()).collect();
+        let sent = g.conns.get(&fw).is_some_and(|c| {
+            c.tx.try_send(Ok(event(pb::event::Event::Offers(pb::Offers { offers }))))
+                .is_ok()
+        });
+        if !sent {
+            // Offers a framework never received would stay outstanding,
+            // their agents offered to nobody, until the offer timeout:
+            // they are withdrawn, and made again once its stream has room.
+            let back = g
+                .offers
+                .as_mut()
+                .map_or(0, |b| b.take_outstanding(&ids, &fw).len());
+            withdrawn += back;
+            tracing::warn!(framework_id = %fw, offers = back, "framework's event stream full; offers withdrawn");
         }
     }
-    count
+    count - withdrawn
 }
 
 #[cfg(test)]
@@ -814,6 +820,53 @@ mod tests {
         drop(launching);
         assert_eq!(allocate(&s, &mut hub.lock(), &settings, 10), 1);
         assert_eq!(offer_ids(&hub).len(), 1);
+    }
+
+    #[test]
+    fn offers_a_full_stream_cannot_take_are_not_left_outstanding() {
+        let (s, key) = running_task();
+        let f = s.task(&key).map(|t| t.framework_id.clone()).unwrap();
+        let hub = Hub::default();
+        let (tx, mut rx) = mpsc::channel(1);
+        hub.connect(&f, tx); // SUBSCRIBED fills the stream
+        hub.lock().offers = Some(OfferBook::new());
+        let settings = FrameworkSettings::default();
+        assert_eq!(allocate(&s, &mut hub.lock(), &settings, 10), 0);
+        assert!(offer_ids(&hub).is_empty(), "nothing outstanding unsent");
+        // Once the framework reads, the agent is offered at once.
+        assert!(rx.try_recv().is_ok());
+        assert_eq!(allocate(&s, &mut hub.lock(), &settings, 11), 1);
+        assert_eq!(offer_ids(&hub).len(), 1);
+        let Ok(Ok(pb::Event {
+            event: Some(pb::event::Event::Offers(o)),
+        })) = rx.try_recv()
+        else {
+            panic!("an Offers event")
+        };
+        assert_eq!(o.offers[0].id, offer_ids(&hub)[0]);
+    }
+
+    #[test]
+    fn the_built_in_scheduler_gets_no_rescind_events() {
+        let hub = Hub::default();
+        let (tx, mut rx) = mpsc::channel(8);
+        let builtin = crate::state::frameworks::BUILTIN_FRAMEWORK_ID;
+        hub.connect(builtin, tx);
+        assert!(rx.try_recv().is_ok(), "SUBSCRIBED");
+        let mut book = OfferBook::new();
+        book.record(
+            vec![allocator::OfferPlan {
+                framework_id: builtin.into(),
+                agent_id: "a".into(),
+                resources: Resources::default(),
+                gpu_uuids: vec![],
+            }],
+            0,
+        );
+        hub.lock().offers = Some(book);
+        hub.suppress(builtin);
+        assert!(offer_ids(&hub).is_empty(), "the offer is rescinded");
+        assert!(rx.try_recv().is_err(), "but no event is sent for it");
     }
 
     #[test]
