@@ -869,6 +869,58 @@ mod tests {
         assert!(rx.try_recv().is_err(), "but no event is sent for it");
     }
 
+    /// The 10,000-agent benchmark's gang stall: the built-in scheduler's
+    /// offers of more than EVENT_BUFFER agents expired together; one
+    /// Rescind event each filled its stream, so the offers made again in
+    /// the same cycle were dropped, stayed outstanding unseen, expired
+    /// again 30 s later, and so on: nothing was placed again.
+    #[test]
+    fn offers_made_after_a_mass_expiry_reach_the_built_in_scheduler() {
+        let builtin = crate::state::frameworks::BUILTIN_FRAMEWORK_ID;
+        let agents = EVENT_BUFFER + 100;
+        let mut s = State::new();
+        let mut i = 0;
+        let mut apply = |s: &mut State, c: Command| {
+            i += 1;
+            s.apply(i, &c).unwrap();
+        };
+        for n in 0..agents {
+            apply(&mut s, register(&format!("a{n:05}"), 0));
+        }
+        apply(
+            &mut s,
+            Command::SubscribeFramework {
+                info: FrameworkInfo {
+                    id: builtin.into(),
+                    name: "gpuctl jobs".into(),
+                    roles: vec![crate::state::frameworks::JOBS_ROLE.into()],
+                    gpu_capable: true,
+                    failover_timeout_ms: 0,
+                },
+                at_ms: 0,
+            },
+        );
+        let (hub, mut rx) = offering_hub(&s, builtin);
+        let settings = FrameworkSettings::default();
+        let offers_in = |rx: &mut mpsc::Receiver<_>| {
+            let mut n = 0;
+            while let Ok(Ok(pb::Event { event: Some(e) })) = rx.try_recv() {
+                if let pb::event::Event::Offers(o) = e {
+                    n += o.offers.len();
+                }
+            }
+            n
+        };
+        assert_eq!(allocate(&s, &mut hub.lock(), &settings, 0), agents);
+        assert_eq!(offers_in(&mut rx), agents);
+        // The scheduler never answers them (busy); they all expire at once.
+        let timeout = settings.offer_timeout;
+        let later = timeout.as_millis() as u64;
+        rescind_stale(&s, &mut hub.lock(), later, timeout);
+        assert_eq!(allocate(&s, &mut hub.lock(), &settings, later), agents);
+        assert_eq!(offers_in(&mut rx), agents, "the new offers reach it");
+    }
+
     #[test]
     fn a_failed_take_releases_the_callers_valid_offers() {
         let (s, key) = running_task();

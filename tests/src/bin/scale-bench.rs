@@ -116,9 +116,14 @@ struct Opts {
     #[arg(long, default_value_t = 256)]
     submit_concurrency: usize,
     /// HTTP/2 connections per master shared by the agents (and by the
-    /// benchmark's own calls).
-    #[arg(long, default_value_t = 4)]
-    connections: usize,
+    /// benchmark's own calls). Default: one per 200 agents, at least 4. Real
+    /// agents have a connection each; thousands on one connection fail
+    /// together (when many of them time out at once, h2 closes the whole
+    /// connection for too many locally reset streams), which a real
+    /// cluster never sees, and the registration storm that follows is
+    /// what such a run then measures.
+    #[arg(long)]
+    connections: Option<usize>,
     /// Agent counts of the allocator measurement.
     #[arg(long, value_delimiter = ',', default_value = "1000,10000,50000")]
     alloc_agents: Vec<usize>,
@@ -165,6 +170,17 @@ struct Opts {
     /// in the state for ListJobs without a queue of 100,000.
     #[arg(long)]
     job_retention_max: Option<usize>,
+}
+
+/// Simulated agents per HTTP/2 connection when `--connections` is not given.
+const AGENTS_PER_CONNECTION: usize = 200;
+
+impl Opts {
+    /// Connections per master for `agents` simulated agents.
+    fn connections(&self, agents: usize) -> usize {
+        self.connections
+            .unwrap_or_else(|| agents.div_ceil(AGENTS_PER_CONNECTION).max(4))
+    }
 }
 
 type BenchResult<T> = Result<T, String>;
@@ -1156,7 +1172,7 @@ async fn cluster_phases(
             gpus_per_agent: opts.gpus_per_agent,
             run_time: None,
             run_time_from_command: true,
-            connections: opts.connections,
+            connections: opts.connections(opts.agents),
             id_prefix: "scale".into(),
             ..Default::default()
         },
@@ -1195,7 +1211,7 @@ async fn cluster_phases(
     // Heartbeats under way.
     tokio::time::sleep(Duration::from_secs(3)).await;
     note_rss("agents registered, idle");
-    let ops = Ops::new(&m.addrs, leader, opts.connections)?;
+    let ops = Ops::new(&m.addrs, leader, opts.connections(opts.agents))?;
     let metrics_before = scrape(&m.metrics[ops.leader()]).await?;
 
     // 2. Latency, idle.
@@ -1901,7 +1917,7 @@ async fn memory_phase(opts: &Opts, report: &mut Report) -> BenchResult<()> {
         SimConfig {
             agents,
             gpus_per_agent: 0,
-            connections: opts.connections,
+            connections: opts.connections(agents),
             id_prefix: "bare".into(),
             ..Default::default()
         },
@@ -1914,7 +1930,7 @@ async fn memory_phase(opts: &Opts, report: &mut Report) -> BenchResult<()> {
         SimConfig {
             agents,
             gpus_per_agent: opts.gpus_per_agent,
-            connections: opts.connections,
+            connections: opts.connections(agents),
             id_prefix: "gpus".into(),
             ..Default::default()
         },
@@ -1922,7 +1938,7 @@ async fn memory_phase(opts: &Opts, report: &mut Report) -> BenchResult<()> {
     .map_err(err("start the agents"))?;
     wait_registered(&with_gpus, opts).await?;
     let r2 = rss(Duration::from_secs(5)).await;
-    let mops = Ops::new(&addrs, leader, opts.connections)?;
+    let mops = Ops::new(&addrs, leader, opts.connections(agents))?;
     let specs = (0..jobs)
         .map(|n| one_gpu_job(format!("mem-{n}"), forever()))
         .collect();
@@ -2066,7 +2082,7 @@ fn run(opts: &Opts) -> BenchResult<()> {
         "short_run_ms": opts.short_run_ms,
         "latency_jobs": opts.latency_jobs,
         "submit_concurrency": opts.submit_concurrency,
-        "connections": opts.connections,
+        "connections": opts.connections(opts.agents),
         "cpus": cpus,
         "commit": commit,
         "log": opts.log,
