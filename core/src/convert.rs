@@ -1168,6 +1168,13 @@ pub fn framework_task_from_pb(field: &str, t: pb::TaskInfo) -> Result<FrameworkT
     }
     for (i, g) in t.gpu_uuids.iter().enumerate() {
         check_id(&format!("{field}.gpu_uuids[{i}]"), g)?;
+        // One GPU twice would count as two and be visible as two.
+        if t.gpu_uuids[..i].contains(g) {
+            return Err(ConvertError::new(
+                format!("{field}.gpu_uuids[{i}]"),
+                format!("GPU {g} is named twice"),
+            ));
+        }
     }
     let env: BTreeMap<String, String> = t.env.into_iter().collect();
     check_payload(field, &t.image, &t.command, &env)?;
@@ -2088,6 +2095,16 @@ mod tests {
                     }
                 },
                 "gpu_uuids[0]",
+            ),
+            // The same GPU twice: the second is named.
+            (
+                |t| {
+                    t.gpu_uuids = vec!["GPU-0".into(), "GPU-0".into()];
+                    if let Some(r) = t.resources.as_mut() {
+                        r.gpus = 2;
+                    }
+                },
+                "gpu_uuids[1]",
             ),
         ];
         for (mutate, sub) in cases {

@@ -1,6 +1,7 @@
 //! The framework API end to end: the example framework on a real cluster,
-//! and a raw client checking that offers name GPUs and that a launch that
-//! would give a GPU twice is refused with an ERROR update.
+//! and a raw client checking that offers name GPUs and that an Accept that
+//! would give a GPU twice, or reuse a task id, is refused whole with the
+//! offers left outstanding.
 #![allow(clippy::unwrap_used)]
 
 use std::collections::BTreeSet;
@@ -96,7 +97,7 @@ async fn next_event(
 }
 
 #[test]
-fn offers_name_gpus_and_a_double_booking_accept_is_refused() {
+fn offers_name_gpus_and_bad_accepts_are_refused_leaving_the_offers() {
     let mut c = Cluster::start(&[]);
     let agent = c.add_agent(AgentOpts::default());
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -166,47 +167,94 @@ fn offers_name_gpus_and_a_double_booking_accept_is_refused() {
             gpu_uuids: vec![gpu.clone()],
             ..Default::default()
         };
-        // Two tasks naming the same GPU: the first gets it, the second is
-        // refused with an ERROR update and a reason.
+        let accept = |ops: Vec<pb::TaskInfo>, offer_id: &str| pb::AcceptRequest {
+            framework_id: fw.clone(),
+            offer_ids: vec![offer_id.to_string()],
+            operations: vec![pb::Operation {
+                operation: Some(pb::operation::Operation::Launch(pb::Launch { tasks: ops })),
+            }],
+            filters: None,
+        };
+        // Two tasks naming the same GPU: refused before anything is taken,
+        // naming the second, and the offer stays outstanding.
+        let err = client
+            .accept(accept(vec![task("a"), task("b")], &offer.id))
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), tonic::Code::InvalidArgument);
+        assert!(
+            err.message()
+                .contains("operations[0].tasks[1].gpu_uuids[0]"),
+            "{err}"
+        );
+        // One task naming one GPU twice: the same.
+        let mut twice = task("a");
+        twice.gpu_uuids = vec![gpu.clone(), gpu.clone()];
+        if let Some(r) = twice.resources.as_mut() {
+            r.gpus = 2;
+        }
+        let err = client
+            .accept(accept(vec![twice], &offer.id))
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), tonic::Code::InvalidArgument);
+        assert!(
+            err.message()
+                .contains("operations[0].tasks[0].gpu_uuids[1]"),
+            "{err}"
+        );
+        // The same offer, used right: "a" launches.
         client
-            .accept(pb::AcceptRequest {
+            .accept(accept(vec![task("a")], &offer.id))
+            .await
+            .unwrap();
+        // A task id in use: AlreadyExists, naming it, and that offer too is
+        // left for another try.
+        // (a's updates come meanwhile: acknowledge them, or the master
+        // holds its later ones back.)
+        let more = loop {
+            match next_event(&mut events, |e| {
+                matches!(e, pb::event::Event::Offers(_) | pb::event::Event::Update(_))
+            })
+            .await
+            {
+                pb::event::Event::Offers(o) => break o,
+                pb::event::Event::Update(u) => {
+                    client
+                        .acknowledge(pb::AcknowledgeRequest {
+                            framework_id: fw.clone(),
+                            agent_id: u.agent_id.clone(),
+                            task_id: u.task_id.clone(),
+                            uuid: u.uuid.clone(),
+                        })
+                        .await
+                        .unwrap();
+                }
+                _ => unreachable!(),
+            }
+        };
+        let again = more.offers[0].clone();
+        let other_gpu = again.gpus[0].uuid.clone();
+        assert_ne!(other_gpu, gpu, "a's GPU is not offered again");
+        let mut reused = task("a");
+        reused.gpu_uuids = vec![other_gpu];
+        let err = client
+            .accept(accept(vec![reused], &again.id))
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), tonic::Code::AlreadyExists);
+        assert!(
+            err.message().contains("operations[0].tasks[0].task_id"),
+            "{err}"
+        );
+        client
+            .decline(pb::DeclineRequest {
                 framework_id: fw.clone(),
-                offer_ids: vec![offer.id.clone()],
-                operations: vec![pb::Operation {
-                    operation: Some(pb::operation::Operation::Launch(pb::Launch {
-                        tasks: vec![task("a"), task("b")],
-                    })),
-                }],
+                offer_ids: vec![again.id.clone()],
                 filters: None,
             })
             .await
             .unwrap();
-        // "a" may report STARTING before "b"'s refusal arrives: acknowledge
-        // it on the way, or the master holds a's later updates back.
-        let refused = loop {
-            let pb::event::Event::Update(u) = next_event(&mut events, |e| {
-                matches!(e, pb::event::Event::Update(u) if u.task_id == "a" || u.task_id == "b")
-            })
-            .await
-            else {
-                unreachable!()
-            };
-            if u.task_id == "b" {
-                break u;
-            }
-            client
-                .acknowledge(pb::AcknowledgeRequest {
-                    framework_id: fw.clone(),
-                    agent_id: u.agent_id.clone(),
-                    task_id: u.task_id.clone(),
-                    uuid: u.uuid.clone(),
-                })
-                .await
-                .unwrap();
-        };
-        assert_eq!(refused.state, pb::TaskState::TaskError as i32);
-        assert_eq!(refused.reason, pb::Reason::ResourcesUnavailable as i32);
-        assert!(refused.message.contains(&gpu), "{}", refused.message);
         let gpus = c.json(&["gpus", "--json"]);
         let holders: Vec<&str> = gpus
             .as_array()

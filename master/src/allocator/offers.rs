@@ -134,6 +134,32 @@ impl OfferBook {
         offer_ids: &[S],
         framework_id: &str,
     ) -> Result<Vec<Offer>, OfferError> {
+        let numbers = self.check(offer_ids, framework_id)?;
+        Ok(numbers.into_iter().filter_map(|n| self.remove(n)).collect())
+    }
+
+    /// What [`take`](Self::take) would take, leaving the book unchanged:
+    /// a caller checks what it will do with the offers first, so that a
+    /// refusal leaves them outstanding.
+    pub fn peek<S: AsRef<str>>(
+        &self,
+        offer_ids: &[S],
+        framework_id: &str,
+    ) -> Result<Vec<Offer>, OfferError> {
+        let numbers = self.check(offer_ids, framework_id)?;
+        Ok(numbers
+            .into_iter()
+            .filter_map(|n| self.offers.get(&n).cloned())
+            .collect())
+    }
+
+    /// The numbers of `offer_ids`, all outstanding offers of `framework_id`
+    /// named once, or the error naming the first at fault.
+    fn check<S: AsRef<str>>(
+        &self,
+        offer_ids: &[S],
+        framework_id: &str,
+    ) -> Result<Vec<u64>, OfferError> {
         let mut numbers = Vec::with_capacity(offer_ids.len());
         let mut seen = BTreeSet::new();
         for id in offer_ids {
@@ -160,7 +186,7 @@ impl OfferBook {
             }
             numbers.push(n);
         }
-        Ok(numbers.into_iter().filter_map(|n| self.remove(n)).collect())
+        Ok(numbers)
     }
 
     /// Removes and returns those of `offer_ids` that are still outstanding

@@ -258,6 +258,29 @@ impl Hub {
         }
     }
 
+    /// The offers Accept names, left outstanding: checked like
+    /// [`take_offers`](Self::take_offers), with the same release of the
+    /// caller's valid offers when one is at fault.
+    pub fn peek_offers(
+        &self,
+        framework_id: &str,
+        offer_ids: &[String],
+    ) -> Result<Vec<allocator::Offer>, TakeOffersError> {
+        let mut g = self.lock();
+        let book = g.offers.as_mut().ok_or(TakeOffersError::NotOffering)?;
+        match book.peek(offer_ids, framework_id) {
+            Ok(offers) => Ok(offers),
+            Err(e) => {
+                let released = book.take_outstanding(offer_ids, framework_id);
+                drop(g);
+                if !released.is_empty() {
+                    self.wake();
+                }
+                Err(e.into())
+            }
+        }
+    }
+
     /// Takes those of the offers still outstanding (some may have been
     /// rescinded since they were sent), for the built-in scheduler.
     pub fn take_outstanding(

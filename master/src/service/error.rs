@@ -102,6 +102,8 @@ pub enum ServiceError {
         matched: u64,
         target: u64,
     },
+    #[error("{field}: task id {task_id} is already used by a task of this framework")]
+    TaskIdInUse { field: String, task_id: String },
     #[error("master {id} is not a member")]
     NotAMember { id: u64 },
     #[error("master {id} is the only voting member; add another before removing it")]
@@ -172,7 +174,7 @@ impl From<ServiceError> for Status {
             | E::LastVoter { .. }
             | E::NoOtherVoter => Status::failed_precondition(message),
             E::Relayed(s) => s,
-            E::AlreadyVoter { .. } => Status::already_exists(message),
+            E::AlreadyVoter { .. } | E::TaskIdInUse { .. } => Status::already_exists(message),
             E::CatchUpTimeout { .. } => Status::deadline_exceeded(message),
             E::AgentAddress { .. } | E::UnexpectedOutcome { .. } => Status::internal(message),
         }
@@ -261,6 +263,14 @@ mod tests {
                 ServiceError::AlreadyVoter { id: 2 },
                 Code::AlreadyExists,
                 "master 2",
+            ),
+            (
+                ServiceError::TaskIdInUse {
+                    field: "operations[0].tasks[1].task_id".into(),
+                    task_id: "t1".into(),
+                },
+                Code::AlreadyExists,
+                "operations[0].tasks[1].task_id: task id t1",
             ),
             (
                 ServiceError::unexpected("submit_job", Outcome::Done),

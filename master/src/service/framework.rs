@@ -17,7 +17,7 @@ use crate::allocator::refuse_until;
 use crate::leader::frameworks::{task_status, EVENT_BUFFER};
 use crate::now_ms;
 use crate::state::frameworks::task_key;
-use crate::state::{Command, Outcome};
+use crate::state::{Command, Outcome, State};
 
 pub struct SchedulerService {
     pub(super) ctx: Ctx,
@@ -45,14 +45,15 @@ impl SchedulerService {
 }
 
 /// Checks a task (its shape already checked at the door) against the
-/// offers taken for it: its agent was offered, its GPUs are among that
-/// agent's offered GPUs, and all tasks on an agent fit in what was offered
-/// there.
+/// offers named for it: its agent was offered, its GPUs are among that
+/// agent's offered GPUs and named by no other task of the call, and all
+/// tasks on an agent fit in what was offered there.
 fn within_offers(
     field: &str,
     t: &FrameworkTask,
     offered: &BTreeMap<String, (Resources, BTreeSet<String>)>,
     used: &mut BTreeMap<String, Resources>,
+    used_gpus: &mut BTreeSet<String>,
 ) -> Result<(), ConvertError> {
     let (res_offered, gpus_offered) = offered.get(&t.agent_id).ok_or_else(|| {
         ConvertError::new(
@@ -60,11 +61,19 @@ fn within_offers(
             format!("{} is not in the accepted offers", t.agent_id),
         )
     })?;
-    if let Some(g) = t.gpu_uuids.iter().find(|g| !gpus_offered.contains(*g)) {
-        return Err(ConvertError::new(
-            format!("{field}.gpu_uuids"),
-            format!("{g} was not offered on agent {}", t.agent_id),
-        ));
+    for (i, g) in t.gpu_uuids.iter().enumerate() {
+        if !gpus_offered.contains(g) {
+            return Err(ConvertError::new(
+                format!("{field}.gpu_uuids[{i}]"),
+                format!("{g} was not offered on agent {}", t.agent_id),
+            ));
+        }
+        if !used_gpus.insert(g.clone()) {
+            return Err(ConvertError::new(
+                format!("{field}.gpu_uuids[{i}]"),
+                format!("GPU {g} is named by another task of this call"),
+            ));
+        }
     }
     let total = used.entry(t.agent_id.clone()).or_default();
     *total = total.add(&t.resources);
@@ -75,6 +84,55 @@ fn within_offers(
         ));
     }
     Ok(())
+}
+
+/// Every operation of an Accept turned into its launch command, or the
+/// first refusal, naming the field. Checked before any offer is taken, so
+/// that a refused call leaves its offers outstanding.
+fn launch_commands(
+    state: &State,
+    framework_id: &str,
+    operations: Vec<pb::Operation>,
+    offered: &BTreeMap<String, (Resources, BTreeSet<String>)>,
+) -> Result<Vec<Command>, ServiceError> {
+    let mut used = BTreeMap::new();
+    let mut used_gpus = BTreeSet::new();
+    let mut ids = BTreeSet::new();
+    let mut commands = Vec::new();
+    for (i, op) in operations.into_iter().enumerate() {
+        let (launch, group) = match op.operation {
+            Some(pb::operation::Operation::Launch(l)) => (l, false),
+            Some(pb::operation::Operation::LaunchGroup(l)) => (l, true),
+            None => return Err(ConvertError::new(format!("operations[{i}]"), "empty").into()),
+        };
+        let mut tasks = Vec::with_capacity(launch.tasks.len());
+        for (j, t) in launch.tasks.into_iter().enumerate() {
+            let field = format!("operations[{i}].tasks[{j}]");
+            let t = framework_task_from_pb(&field, t)?;
+            if !ids.insert(t.task_id.clone()) {
+                return Err(ConvertError::new(
+                    format!("{field}.task_id"),
+                    format!("task id {} is named twice in this call", t.task_id),
+                )
+                .into());
+            }
+            if state.task(&task_key(framework_id, &t.task_id)).is_some() {
+                return Err(ServiceError::TaskIdInUse {
+                    field: format!("{field}.task_id"),
+                    task_id: t.task_id,
+                });
+            }
+            within_offers(&field, &t, offered, &mut used, &mut used_gpus)?;
+            tasks.push(t);
+        }
+        commands.push(Command::LaunchFrameworkTasks {
+            framework_id: framework_id.to_string(),
+            tasks,
+            group,
+            at_ms: now_ms(),
+        });
+    }
+    Ok(commands)
 }
 
 type EventStream = Pin<Box<dyn Stream<Item = Result<pb::Event, Status>> + Send>>;
@@ -189,64 +247,56 @@ impl SchedulerService {
 
     async fn accept(&self, req: pb::AcceptRequest) -> Result<pb::CallResponse, ServiceError> {
         self.connected(&req.framework_id)?;
-        // Check the operations' shape before taking the offers, so a
-        // malformed call leaves them outstanding.
-        for (i, op) in req.operations.iter().enumerate() {
-            if op.operation.is_none() {
-                return Err(ConvertError::new(format!("operations[{i}]"), "empty").into());
-            }
-        }
+        // All or nothing: every task is checked before the offers are
+        // taken, so a refused call leaves them outstanding for another try.
         let offers = self
             .ctx
             .hub
-            .take_offers(&req.framework_id, &req.offer_ids)?;
+            .peek_offers(&req.framework_id, &req.offer_ids)?;
         let mut offered: BTreeMap<String, (Resources, BTreeSet<String>)> = BTreeMap::new();
         for o in &offers {
             let e = offered.entry(o.agent_id.clone()).or_default();
             e.0 = e.0.add(&o.resources);
             e.1.extend(o.gpu_uuids.iter().cloned());
         }
+        let commands = launch_commands(
+            &self.ctx.raft.state(),
+            &req.framework_id,
+            req.operations,
+            &offered,
+        )?;
+        self.ctx
+            .hub
+            .take_offers(&req.framework_id, &req.offer_ids)?;
         let agents: BTreeSet<String> = offered.keys().cloned().collect();
         // Until the launches commit, nothing of these agents is offered.
         let _launching = self.ctx.hub.launching(&agents);
-        let mut used = BTreeMap::new();
-        let mut commands = Vec::new();
-        for (i, op) in req.operations.into_iter().enumerate() {
-            let (launch, group) = match op.operation {
-                Some(pb::operation::Operation::Launch(l)) => (l, false),
-                Some(pb::operation::Operation::LaunchGroup(l)) => (l, true),
-                None => continue,
-            };
-            let mut tasks = Vec::with_capacity(launch.tasks.len());
-            for (j, t) in launch.tasks.into_iter().enumerate() {
-                let field = format!("operations[{i}].tasks[{j}]");
-                let checked = framework_task_from_pb(&field, t)
-                    .and_then(|t| within_offers(&field, &t, &offered, &mut used).map(|()| t));
-                match checked {
-                    Ok(t) => tasks.push(t),
-                    Err(e) => {
-                        // The offers are used up either way (as in Mesos);
-                        // their agents become offerable again at once.
-                        self.ctx
-                            .hub
-                            .filter(&req.framework_id, &BTreeSet::new(), None);
-                        return Err(e.into());
-                    }
-                }
-            }
-            commands.push(Command::LaunchFrameworkTasks {
-                framework_id: req.framework_id.clone(),
-                tasks,
-                group,
-                at_ms: now_ms(),
-            });
-        }
         for c in commands {
-            if let Outcome::FrameworkTasksLaunched { refused, .. } =
-                self.ctx.raft.propose(c).await?
+            if let Outcome::FrameworkTasksLaunched {
+                refused,
+                unrecorded,
+                ..
+            } = self.ctx.raft.propose(c).await?
             {
+                // Refused when applied (the state changed since the check):
+                // recorded in ERROR, whose update the framework gets like
+                // any other; or, with an id taken meanwhile, not recorded,
+                // so it hears of it here.
                 for (task, reason) in refused {
                     tracing::info!(framework_id = %req.framework_id, task_id = %task, %reason, "launch refused");
+                }
+                for (task, reason) in unrecorded {
+                    tracing::info!(framework_id = %req.framework_id, task_id = %task, %reason, "launch refused");
+                    self.ctx.hub.send(
+                        &req.framework_id,
+                        pb::event::Event::Update(pb::TaskStatus {
+                            task_id: task,
+                            state: pb::TaskState::TaskError as i32,
+                            reason: pb::Reason::TaskInvalid as i32,
+                            message: reason,
+                            ..Default::default()
+                        }),
+                    );
                 }
             }
         }
@@ -426,9 +476,16 @@ mod tests {
     fn check(tasks: &[FrameworkTask]) -> Result<(), String> {
         let offered = offered();
         let mut used = BTreeMap::new();
+        let mut used_gpus = BTreeSet::new();
         for t in tasks {
-            within_offers("operations[0].tasks[1]", t, &offered, &mut used)
-                .map_err(|e| e.to_string())?;
+            within_offers(
+                "operations[0].tasks[1]",
+                t,
+                &offered,
+                &mut used,
+                &mut used_gpus,
+            )
+            .map_err(|e| e.to_string())?;
         }
         Ok(())
     }
@@ -445,13 +502,21 @@ mod tests {
         );
         let err = check(&[task("a1", &["GPU-9"], 1)]).unwrap_err();
         assert!(
-            err.starts_with("invalid operations[0].tasks[1].gpu_uuids: GPU-9 was not offered"),
+            err.starts_with("invalid operations[0].tasks[1].gpu_uuids[0]: GPU-9 was not offered"),
             "{err}"
         );
         // Each task fits alone; together they ask more memory than offered.
         let err = check(&[task("a1", &[], 600), task("a1", &[], 600)]).unwrap_err();
         assert!(
             err.starts_with("invalid operations[0].tasks[1].resources: more than offered"),
+            "{err}"
+        );
+        // One GPU in two tasks of the call.
+        let err = check(&[task("a1", &["GPU-0"], 1), task("a1", &["GPU-0"], 1)]).unwrap_err();
+        assert!(
+            err.starts_with(
+                "invalid operations[0].tasks[1].gpu_uuids[0]: GPU GPU-0 is named by another task"
+            ),
             "{err}"
         );
     }

@@ -29,10 +29,12 @@ pub enum Outcome {
         framework_id: String,
     },
     /// Per task of a LaunchFrameworkTasks: launched, or recorded in ERROR
-    /// with the reason.
+    /// with the reason, or (`unrecorded`) refused without a record because
+    /// its id is another task's.
     FrameworkTasksLaunched {
         launched: Vec<String>,
         refused: Vec<(String, String)>,
+        unrecorded: Vec<(String, String)>,
     },
     /// The update was about a task that already ended or that this master
     /// does not know; accepted (so the agent stops retrying) and ignored.

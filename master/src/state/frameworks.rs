@@ -154,6 +154,7 @@ impl State {
         let group_failed = group && verdicts.iter().any(Result::is_err);
         let mut launched = Vec::new();
         let mut refused = Vec::new();
+        let mut unrecorded = Vec::new();
         for (t, verdict) in tasks.iter().zip(verdicts) {
             let key = task_key(framework_id, &t.task_id);
             let refusal = match verdict {
@@ -167,7 +168,7 @@ impl State {
             // (it would overwrite the task that has the id).
             if self.tasks.contains_key(&key) {
                 if let Some(reason) = refusal {
-                    refused.push((t.task_id.clone(), reason));
+                    unrecorded.push((t.task_id.clone(), reason));
                 }
                 continue;
             }
@@ -227,7 +228,11 @@ impl State {
             }
             self.tasks.insert(key, record);
         }
-        Ok(Outcome::FrameworkTasksLaunched { launched, refused })
+        Ok(Outcome::FrameworkTasksLaunched {
+            launched,
+            refused,
+            unrecorded,
+        })
     }
 
     pub(super) fn kill_framework_task(
@@ -435,13 +440,17 @@ mod tests {
             o,
             Outcome::FrameworkTasksLaunched {
                 launched: vec!["t1".into()],
-                refused: vec![]
+                refused: vec![],
+                unrecorded: vec![]
             }
         );
         let owners = s.gpu_owner.clone();
         let allocated = s.agents["a1"].allocated;
         let o = launch(&mut s, &f, vec![task("t2", &["GPU-0"])], false);
-        let Outcome::FrameworkTasksLaunched { launched, refused } = o else {
+        let Outcome::FrameworkTasksLaunched {
+            launched, refused, ..
+        } = o
+        else {
             panic!()
         };
         assert!(launched.is_empty());
@@ -461,7 +470,10 @@ mod tests {
             vec![task("t3", &["GPU-1"]), task("t4", &["GPU-1"])],
             false,
         );
-        let Outcome::FrameworkTasksLaunched { launched, refused } = o else {
+        let Outcome::FrameworkTasksLaunched {
+            launched, refused, ..
+        } = o
+        else {
             panic!()
         };
         assert_eq!(launched, vec!["t3".to_string()]);
@@ -478,7 +490,10 @@ mod tests {
             vec![task("g1", &["GPU-0"]), task("g2", &["GPU-7"])],
             true,
         );
-        let Outcome::FrameworkTasksLaunched { launched, refused } = o else {
+        let Outcome::FrameworkTasksLaunched {
+            launched, refused, ..
+        } = o
+        else {
             panic!()
         };
         assert!(launched.is_empty());
