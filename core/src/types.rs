@@ -512,6 +512,45 @@ impl FrameworkInfo {
     }
 }
 
+/// Orders ids as people read them: runs of digits by their value, so
+/// `fw-2` < `fw-10`; the rest byte by byte. Ties (`fw-01`, `fw-1`) fall
+/// back to the plain byte order, so the order is total.
+pub fn natural_cmp(a: &str, b: &str) -> std::cmp::Ordering {
+    use std::cmp::Ordering;
+    let (x, y) = (a.as_bytes(), b.as_bytes());
+    let (mut i, mut j) = (0, 0);
+    while i < x.len() && j < y.len() {
+        if x[i].is_ascii_digit() && y[j].is_ascii_digit() {
+            let (si, sj) = (i, j);
+            while i < x.len() && x[i].is_ascii_digit() {
+                i += 1;
+            }
+            while j < y.len() && y[j].is_ascii_digit() {
+                j += 1;
+            }
+            // Compare values without parsing: strip leading zeros, then
+            // the longer run is larger, then digit by digit.
+            let strip = |d: &[u8]| {
+                let z = d.iter().take_while(|&&c| c == b'0').count();
+                d[z..].to_vec()
+            };
+            let (p, q) = (strip(&x[si..i]), strip(&y[sj..j]));
+            let o = p.len().cmp(&q.len()).then_with(|| p.cmp(&q));
+            if o != Ordering::Equal {
+                return o;
+            }
+        } else {
+            let o = x[i].cmp(&y[j]);
+            if o != Ordering::Equal {
+                return o;
+            }
+            i += 1;
+            j += 1;
+        }
+    }
+    (x.len() - i).cmp(&(y.len() - j)).then_with(|| a.cmp(b))
+}
+
 /// Milliseconds since the Unix epoch as `YYYY-MM-DDTHH:MM:SSZ` (UTC). Pure:
 /// the state machine writes it into messages.
 pub fn utc_timestamp(ms: u64) -> String {
@@ -543,6 +582,36 @@ fn civil_from_days(z: i64) -> (i64, u32, u32) {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn ids_are_ordered_by_their_numbers() {
+        use super::natural_cmp;
+        let mut ids = vec![
+            "fw-10",
+            "fw-2",
+            "fw-1",
+            "gpuctl-jobs",
+            "fw-02",
+            "fw-1a",
+            "fw",
+        ];
+        ids.sort_by(|a, b| natural_cmp(a, b));
+        assert_eq!(
+            ids,
+            [
+                "fw",
+                "fw-1",
+                "fw-1a",
+                "fw-02",
+                "fw-2",
+                "fw-10",
+                "gpuctl-jobs"
+            ]
+        );
+        assert_eq!(
+            natural_cmp("a99999999999999999999", "a100000000000000000000"),
+            std::cmp::Ordering::Less
+        );
+    }
     use super::*;
 
     #[test]

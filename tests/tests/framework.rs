@@ -539,3 +539,127 @@ fn gpuctl_jobs_and_an_external_framework_share_the_cluster() {
         }
     }
 }
+
+/// The stream ends with an ERROR saying why, when a newer subscription
+/// replaces it and at Teardown; Suppress and Revive honour `roles`.
+#[test]
+fn replaced_and_torn_down_streams_end_with_error_and_suppress_honours_roles() {
+    let mut c = Cluster::start(&[]);
+    c.add_agent(AgentOpts::default());
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let mut client = SchedulerClient::connect(format!("http://{}", c.master_addr))
+            .await
+            .unwrap();
+        let mut request = info("", 30.0);
+        if let Some(f) = request.framework.as_mut() {
+            f.roles = vec!["ml".into(), "batch".into()];
+        }
+        let mut first = client
+            .subscribe(request.clone())
+            .await
+            .unwrap()
+            .into_inner();
+        let pb::event::Event::Subscribed(sub) =
+            next_event(&mut first, |e| matches!(e, pb::event::Event::Subscribed(_))).await
+        else {
+            unreachable!()
+        };
+        let fw = sub.framework_id;
+        next_event(&mut first, |e| matches!(e, pb::event::Event::Offers(_))).await;
+
+        // Suppress with a role the framework does not have: refused,
+        // naming it.
+        let err = client
+            .suppress(pb::SuppressRequest {
+                framework_id: fw.clone(),
+                roles: vec!["ml".into(), "web".into()],
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), tonic::Code::InvalidArgument);
+        assert!(err.message().contains("roles[1]"), "{err}");
+        // A role it has but is not offered in ("batch"; offers come in its
+        // first role): nothing changes, its offer stays outstanding.
+        client
+            .suppress(pb::SuppressRequest {
+                framework_id: fw.clone(),
+                roles: vec!["batch".into()],
+            })
+            .await
+            .unwrap();
+        // Its own offer role: the outstanding offer is rescinded and no
+        // other comes, even after a revive of "batch" only.
+        client
+            .suppress(pb::SuppressRequest {
+                framework_id: fw.clone(),
+                roles: vec!["ml".into()],
+            })
+            .await
+            .unwrap();
+        next_event(&mut first, |e| matches!(e, pb::event::Event::Rescind(_))).await;
+        client
+            .revive(pb::ReviveRequest {
+                framework_id: fw.clone(),
+                roles: vec!["batch".into()],
+            })
+            .await
+            .unwrap();
+        let quiet = tokio::time::timeout(
+            Duration::from_secs(3),
+            next_event(&mut first, |e| matches!(e, pb::event::Event::Offers(_))),
+        )
+        .await;
+        assert!(quiet.is_err(), "no offer while its role is suppressed");
+        client
+            .revive(pb::ReviveRequest {
+                framework_id: fw.clone(),
+                roles: vec!["ml".into()],
+            })
+            .await
+            .unwrap();
+        next_event(&mut first, |e| matches!(e, pb::event::Event::Offers(_))).await;
+
+        // A second subscription with the framework id replaces the first,
+        // whose stream gets ERROR and ends.
+        if let Some(f) = request.framework.as_mut() {
+            f.id = fw.clone();
+        }
+        let mut second = client.subscribe(request).await.unwrap().into_inner();
+        let pb::event::Event::Error(why) =
+            next_event(&mut first, |e| matches!(e, pb::event::Event::Error(_))).await
+        else {
+            unreachable!()
+        };
+        assert!(why.contains("another connection"), "{why}");
+        let end = tokio::time::timeout(Duration::from_secs(10), first.next())
+            .await
+            .expect("the replaced stream ends");
+        assert!(end.is_none(), "{end:?}");
+        next_event(&mut second, |e| {
+            matches!(e, pb::event::Event::Subscribed(_))
+        })
+        .await;
+
+        // Teardown ends the stream with ERROR too.
+        client
+            .teardown(pb::TeardownRequest {
+                framework_id: fw.clone(),
+            })
+            .await
+            .unwrap();
+        let pb::event::Event::Error(why) =
+            next_event(&mut second, |e| matches!(e, pb::event::Event::Error(_))).await
+        else {
+            unreachable!()
+        };
+        assert!(why.contains("teardown"), "{why}");
+        let end = tokio::time::timeout(Duration::from_secs(10), second.next())
+            .await
+            .expect("the torn down stream ends");
+        assert!(end.is_none(), "{end:?}");
+    });
+}

@@ -57,7 +57,7 @@ use std::cmp::Ordering;
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::hash::{BuildHasher, Hasher};
 
-use gpuctl_core::types::{GpuInfo, Resources};
+use gpuctl_core::types::{natural_cmp, GpuInfo, Resources};
 
 pub use filters::{refuse_until, Filters, DEFAULT_REFUSE_SECONDS, MAX_REFUSE_SECONDS};
 pub use offers::{Offer, OfferBook, OfferError};
@@ -401,7 +401,7 @@ impl<'a> Sorter<'a> {
         total: Resources,
     ) -> Self {
         let mut ranks: Vec<usize> = (0..frameworks.len()).collect();
-        ranks.sort_by(|&a, &b| frameworks[a].id.cmp(&frameworks[b].id));
+        ranks.sort_by(|&a, &b| natural_cmp(&frameworks[a].id, &frameworks[b].id));
         let names: BTreeSet<&str> = frameworks.iter().map(|f| f.role.as_str()).collect();
         let role_index: BTreeMap<&str, usize> =
             names.iter().enumerate().map(|(i, n)| (*n, i)).collect();

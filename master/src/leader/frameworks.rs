@@ -348,10 +348,15 @@ impl Hub {
         }
     }
 
-    /// Ends the framework's stream (Teardown).
-    pub fn close(&self, framework_id: &str) {
+    /// Ends the framework's stream (Teardown, removal) with an ERROR event
+    /// saying why.
+    pub fn close(&self, framework_id: &str, why: &str) {
         let mut g = self.lock();
-        g.conns.remove(framework_id);
+        if let Some(c) = g.conns.remove(framework_id) {
+            let _ = c.tx.try_send(Ok(event(pb::event::Event::Error(format!(
+                "framework {framework_id} removed: {why}"
+            )))));
+        }
         g.disconnected_at.remove(framework_id);
         g.filters.remove_framework(framework_id);
         g.suppressed.remove(framework_id);

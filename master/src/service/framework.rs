@@ -4,7 +4,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::pin::Pin;
 
-use futures::Stream;
+use futures::{Stream, StreamExt};
 use gpuctl_core::convert::{check_id, framework_info_from_pb, framework_task_from_pb};
 use gpuctl_core::types::{FrameworkTask, Resources};
 use gpuctl_core::ConvertError;
@@ -29,6 +29,38 @@ impl SchedulerService {
             return Err(ServiceError::FrameworkApiNotServed);
         }
         Ok(())
+    }
+
+    /// Whether Suppress/Revive's `roles` concern the role the framework is
+    /// offered in (its first): an empty list means all its roles; a role it
+    /// did not subscribe with is refused, naming it.
+    fn names_offer_role(&self, framework_id: &str, roles: &[String]) -> Result<bool, ServiceError> {
+        if roles.is_empty() {
+            return Ok(true);
+        }
+        let state = self.ctx.raft.state();
+        let Some(f) = state.framework(framework_id) else {
+            return Err(ServiceError::NotSubscribed {
+                framework_id: framework_id.to_string(),
+            });
+        };
+        let mut names_it = false;
+        for (i, r) in roles.iter().enumerate() {
+            let subscribed = if f.info.roles.is_empty() {
+                r == f.info.role()
+            } else {
+                f.info.roles.contains(r)
+            };
+            if !subscribed {
+                return Err(ConvertError::new(
+                    format!("roles[{i}]"),
+                    format!("{r:?} is not one of the framework's roles"),
+                )
+                .into());
+            }
+            names_it |= r == f.info.role();
+        }
+        Ok(names_it)
     }
 
     /// The framework must exist, not be removed, and be connected.
@@ -137,6 +169,23 @@ fn launch_commands(
 
 type EventStream = Pin<Box<dyn Stream<Item = Result<pb::Event, Status>> + Send>>;
 
+/// Lives as long as a framework's event stream: when tonic drops the
+/// stream (the framework disconnected), the hub forgets that connection.
+struct StreamGuard {
+    hub: std::sync::Arc<crate::leader::frameworks::Hub>,
+    framework_id: String,
+    conn: u64,
+    /// Dropped with the guard, which ends the shutdown watcher.
+    _gone: tokio::sync::oneshot::Sender<()>,
+}
+
+impl Drop for StreamGuard {
+    fn drop(&mut self) {
+        tracing::info!(framework_id = %self.framework_id, "framework disconnected");
+        self.hub.disconnect(&self.framework_id, self.conn);
+    }
+}
+
 #[tonic::async_trait]
 impl pb::scheduler_server::Scheduler for SchedulerService {
     type SubscribeStream = EventStream;
@@ -231,18 +280,32 @@ impl SchedulerService {
         };
         tracing::info!(framework_id = %framework_id, "framework subscribed");
         let (tx, rx) = mpsc::channel(EVENT_BUFFER);
-        let conn = self.ctx.hub.connect(&framework_id, tx.clone());
+        // The hub holds the only sender: when it lets go (Teardown, a newer
+        // subscription, leadership lost), the stream ends after the events
+        // queued before, ERROR included.
+        let conn = self.ctx.hub.connect(&framework_id, tx);
+        let (gone_tx, gone_rx) = tokio::sync::oneshot::channel::<()>();
+        let guard = StreamGuard {
+            hub: self.ctx.hub.clone(),
+            framework_id: framework_id.clone(),
+            conn,
+            _gone: gone_tx,
+        };
         let hub = self.ctx.hub.clone();
         let mut shutdown = self.ctx.shutdown.clone();
         tokio::spawn(async move {
             tokio::select! {
-                _ = tx.closed() => {}
-                _ = shutdown.changed() => {}
+                // The framework went away (the guard dropped with the stream).
+                _ = gone_rx => {}
+                // The master stops: end the stream so shutdown need not wait.
+                _ = shutdown.changed() => hub.disconnect(&framework_id, conn),
             }
-            tracing::info!(framework_id = %framework_id, "framework disconnected");
-            hub.disconnect(&framework_id, conn);
         });
-        Ok(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx)))
+        let stream = tokio_stream::wrappers::ReceiverStream::new(rx).map(move |e| {
+            let _ = &guard;
+            e
+        });
+        Ok(Box::pin(stream))
     }
 
     async fn accept(&self, req: pb::AcceptRequest) -> Result<pb::CallResponse, ServiceError> {
@@ -324,13 +387,17 @@ impl SchedulerService {
 
     async fn revive(&self, req: pb::ReviveRequest) -> Result<pb::CallResponse, ServiceError> {
         self.connected(&req.framework_id)?;
-        self.ctx.hub.revive(&req.framework_id);
+        if self.names_offer_role(&req.framework_id, &req.roles)? {
+            self.ctx.hub.revive(&req.framework_id);
+        }
         Ok(pb::CallResponse {})
     }
 
     async fn suppress(&self, req: pb::SuppressRequest) -> Result<pb::CallResponse, ServiceError> {
         self.connected(&req.framework_id)?;
-        self.ctx.hub.suppress(&req.framework_id);
+        if self.names_offer_role(&req.framework_id, &req.roles)? {
+            self.ctx.hub.suppress(&req.framework_id);
+        }
         Ok(pb::CallResponse {})
     }
 
@@ -422,7 +489,7 @@ impl SchedulerService {
             })
             .await?;
         tracing::info!(framework_id = %req.framework_id, "framework torn down");
-        self.ctx.hub.close(&req.framework_id);
+        self.ctx.hub.close(&req.framework_id, "teardown");
         Ok(pb::CallResponse {})
     }
 
