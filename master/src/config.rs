@@ -232,6 +232,26 @@ pub struct Options {
     /// Seconds before an unanswered offer is rescinded.
     #[arg(long, env = "GPUCTL_MASTER_OFFER_TIMEOUT_SECS", default_value_t = 30.0)]
     pub offer_timeout_secs: f64,
+    /// Milliseconds between allocation rounds (10 to 10000); freed or new
+    /// resources and a Revive start a round at once.
+    #[arg(
+        long,
+        env = "GPUCTL_MASTER_ALLOCATION_INTERVAL_MS",
+        default_value_t = 100
+    )]
+    pub allocation_interval_ms: u64,
+    /// Cpus kept for each free GPU of an agent (at most the agent's cpus
+    /// per GPU): offers without the GPU leave them, an offer with it
+    /// carries them.
+    #[arg(long, env = "GPUCTL_MASTER_GPU_RESERVED_CPUS", default_value_t = 2.0)]
+    pub gpu_reserved_cpus: f64,
+    /// MiB of memory kept for each free GPU, like `--gpu-reserved-cpus`.
+    #[arg(
+        long,
+        env = "GPUCTL_MASTER_GPU_RESERVED_MEM_MIB",
+        default_value_t = 8192
+    )]
+    pub gpu_reserved_mem_mib: u64,
     /// The masters of the Raft group at bootstrap, this one included:
     /// `ID=HOST:PORT,ID=HOST:PORT,...` (their API addresses, which also carry
     /// Raft). Only read when the data dir is new; later changes go through
@@ -379,6 +399,9 @@ struct FileOptions {
     roles: Option<Vec<String>>,
     offer_gpu_agents_to_all: Option<bool>,
     offer_timeout_secs: Option<f64>,
+    allocation_interval_ms: Option<u64>,
+    gpu_reserved_cpus: Option<f64>,
+    gpu_reserved_mem_mib: Option<u64>,
     peers: Option<String>,
     advertise: Option<String>,
     join: Option<bool>,
@@ -473,6 +496,21 @@ impl Options {
             if let (Some(v), true) = (f.offer_timeout_secs, unset(&matches, "offer_timeout_secs")) {
                 o.offer_timeout_secs = v;
             }
+            if let (Some(v), true) = (
+                f.allocation_interval_ms,
+                unset(&matches, "allocation_interval_ms"),
+            ) {
+                o.allocation_interval_ms = v;
+            }
+            if let (Some(v), true) = (f.gpu_reserved_cpus, unset(&matches, "gpu_reserved_cpus")) {
+                o.gpu_reserved_cpus = v;
+            }
+            if let (Some(v), true) = (
+                f.gpu_reserved_mem_mib,
+                unset(&matches, "gpu_reserved_mem_mib"),
+            ) {
+                o.gpu_reserved_mem_mib = v;
+            }
             if let (Some(v), true) = (f.peers, unset(&matches, "peers")) {
                 o.peers = v;
             }
@@ -547,6 +585,19 @@ impl Options {
             }
             (None, None) => self.listen.to_string(),
         };
+        if !(10..=10_000).contains(&self.allocation_interval_ms) {
+            return Err(MasterError::Config(format!(
+                "allocation_interval_ms must be between 10 and 10000, got {}",
+                self.allocation_interval_ms
+            )));
+        }
+        if !(self.gpu_reserved_cpus.is_finite() && (0.0..=4096.0).contains(&self.gpu_reserved_cpus))
+        {
+            return Err(MasterError::Config(format!(
+                "gpu_reserved_cpus must be between 0 and 4096, got {}",
+                self.gpu_reserved_cpus
+            )));
+        }
         if !(100..=60_000).contains(&self.election_timeout_ms) {
             return Err(MasterError::Config(format!(
                 "election_timeout_ms must be between 100 and 60000, got {}",
@@ -593,8 +644,14 @@ impl Options {
                     .collect::<Result<_, _>>()?,
                 allocator: AllocatorConfig {
                     gpu_agents_for_gpu_frameworks_only: !self.offer_gpu_agents_to_all,
+                    gpu_reserve: gpuctl_core::types::Resources {
+                        cpus: self.gpu_reserved_cpus,
+                        mem_mib: self.gpu_reserved_mem_mib,
+                        gpus: 0,
+                    },
                 },
                 offer_timeout: secs("offer_timeout_secs", self.offer_timeout_secs)?,
+                allocation_interval: Duration::from_millis(self.allocation_interval_ms),
             },
         };
         config.check_timeouts()?;

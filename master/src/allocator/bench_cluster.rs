@@ -75,6 +75,7 @@ pub fn cluster(n_agents: usize) -> Cluster {
             gpu_capable: gpu_capable(j),
             suppressed: false,
             allocated: held_by[j],
+            demand: super::Demand::Whole,
         })
         .collect();
     let n = n_agents as f64;

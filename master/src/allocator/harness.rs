@@ -8,8 +8,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use gpuctl_core::types::{GpuInfo, Resources};
 
 use super::{
-    allocate, refuse_until, AgentView, AllocatorConfig, Filters, FrameworkView, Offer, OfferBook,
-    RoleConfig,
+    allocate, refuse_until, AgentView, AllocatorConfig, Demand, Filters, FrameworkView, Offer,
+    OfferBook, RoleConfig,
 };
 
 pub fn res(cpus: f64, mem_mib: u64, gpus: u32) -> Resources {
@@ -50,6 +50,7 @@ pub fn fw(id: &str, role: &str, gpu_capable: bool, allocated: Resources) -> Fram
         gpu_capable,
         suppressed: false,
         allocated,
+        demand: Demand::Whole,
     }
 }
 
@@ -69,6 +70,7 @@ pub struct SimFramework {
     pub suppressed: bool,
     /// Held by its launched tasks.
     pub running: Resources,
+    pub demand: Demand,
 }
 
 #[derive(Default)]
@@ -107,6 +109,7 @@ impl Harness {
             gpu_capable,
             suppressed: false,
             running: Resources::default(),
+            demand: Demand::Whole,
         });
         self
     }
@@ -147,6 +150,7 @@ impl Harness {
                 role: f.role.clone(),
                 gpu_capable: f.gpu_capable,
                 suppressed: f.suppressed,
+                demand: f.demand,
                 allocated: f
                     .running
                     .add(&by_fw.get(&f.id).copied().unwrap_or_default()),

@@ -59,7 +59,7 @@ use std::hash::{BuildHasher, Hasher};
 
 use gpuctl_core::types::{natural_cmp, GpuInfo, Resources};
 
-pub use filters::{refuse_until, Filters, DEFAULT_REFUSE_SECONDS, MAX_REFUSE_SECONDS};
+pub use filters::{refuse_until, Filter, Filters, DEFAULT_REFUSE_SECONDS, MAX_REFUSE_SECONDS};
 pub use offers::{Offer, OfferBook, OfferError};
 
 /// Below this many cpus a quantity counts as zero: sums of fractions leave
@@ -89,7 +89,29 @@ pub struct FrameworkView {
     pub suppressed: bool,
     /// Its running tasks plus its outstanding offers.
     pub allocated: Resources,
+    /// What it has shown it asks for, which sizes its offers when several
+    /// frameworks want one agent.
+    pub demand: Demand,
 }
+
+/// What a framework asks for, as the leader learnt it from its calls.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub enum Demand {
+    /// Nothing launched yet: when it shares an agent with others it is
+    /// offered an equal part of it, once.
+    #[default]
+    Unknown,
+    /// It launches tasks of (at least) this size: offered in units of it.
+    Task(Resources),
+    /// Offered whatever is left of an agent in its turn (Mesos' coarse
+    /// offers): a framework that declined a part, and the built-in
+    /// scheduler, whose queue holds jobs of every size.
+    Whole,
+}
+
+/// The most units one agent is cut into in one cycle: a framework of tiny
+/// tasks gets the rest at the next cycle rather than making this one long.
+pub const MAX_UNITS_PER_AGENT: usize = 256;
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct RoleConfig {
@@ -108,18 +130,30 @@ impl Default for RoleConfig {
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct AllocatorConfig {
     /// Agents with GPUs are offered only to frameworks with GPU_RESOURCES,
     /// so that CPU-only work does not strand scarce GPUs (Mesos'
     /// `--filter_gpu_resources`).
     pub gpu_agents_for_gpu_frameworks_only: bool,
+    /// Cpus and memory kept for each free GPU (its `gpus` unused): offers
+    /// without that GPU leave them, an offer with it carries them. At most
+    /// the agent's own cpus and memory per GPU.
+    pub gpu_reserve: Resources,
 }
+
+/// Per GPU: 2 cpus and 8 GiB, well under what GPU hosts have per GPU.
+pub const DEFAULT_GPU_RESERVE: Resources = Resources {
+    cpus: 2.0,
+    mem_mib: 8192,
+    gpus: 0,
+};
 
 impl Default for AllocatorConfig {
     fn default() -> Self {
         AllocatorConfig {
             gpu_agents_for_gpu_frameworks_only: true,
+            gpu_reserve: DEFAULT_GPU_RESERVE,
         }
     }
 }
@@ -194,9 +228,22 @@ pub fn allocate_within(
             cpus: clean_cpus(agent.free.cpus),
             mem_mib: agent.free.mem_mib,
             gpus: &gpus,
+            reserve: gpu_reserve(config, &agent.total),
         };
         let gpu_only = config.gpu_agents_for_gpu_frameworks_only && agent.total.gpus > 0;
         served.clear();
+        if sorter.contended(&agent.id, gpu_only, &left, now_ms) {
+            split_agent(
+                &mut sorter,
+                agent,
+                gpu_only,
+                left,
+                now_ms,
+                frameworks,
+                &mut plans,
+            );
+            continue;
+        }
         while !left.is_empty() {
             let Some((fw, slice)) = sorter.pick(&agent.id, gpu_only, &left, &served, now_ms) else {
                 break;
@@ -214,12 +261,159 @@ pub fn allocate_within(
                 cpus: clean_cpus(left.cpus - slice.cpus),
                 mem_mib: left.mem_mib.saturating_sub(slice.mem_mib),
                 gpus: rest,
+                reserve: left.reserve,
             };
             sorter.charge(fw, &slice);
             served.push(fw);
         }
     }
     plans
+}
+
+/// Shares one agent between several frameworks that want it, by
+/// progressive filling (the DRF paper's): the framework lowest in the DRF
+/// order gets one unit of its demand, its share grows, and again, until no
+/// unit fits. A framework of unknown demand gets one equal part of the
+/// agent; one that asks for whole agents gets what is left in its turn.
+/// What fits no unit stays unoffered this cycle.
+fn split_agent(
+    sorter: &mut Sorter<'_>,
+    agent: &AgentView,
+    gpu_only: bool,
+    mut left: Free<'_>,
+    now_ms: u64,
+    frameworks: &[FrameworkView],
+    plans: &mut Vec<OfferPlan>,
+) {
+    let contenders = sorter.contenders(&agent.id, gpu_only, &left, now_ms);
+    let start_gpus = left.gpus;
+    let n = contenders.len().max(1);
+    let part = Resources {
+        cpus: left.cpus / n as f64,
+        mem_mib: left.mem_mib / n as u64,
+        gpus: (left.gpus.len() as u32).div_ceil(n as u32),
+    };
+    // Per framework index: what it got on this agent, in the order it first
+    // got something (which hands out the GPUs).
+    let mut given: Vec<(usize, Resources)> = Vec::new();
+    let mut done: Vec<usize> = Vec::new();
+    for _ in 0..MAX_UNITS_PER_AGENT {
+        let picked = sorter.pick_by(gpu_only, |rank| {
+            let (i, room) = sorter.offerable(rank, &agent.id, &left, &[], now_ms)?;
+            if done.contains(&i) || !contenders.contains(&i) {
+                return None;
+            }
+            let r = left.reserve;
+            let unit = match frameworks[i].demand {
+                Demand::Whole => room,
+                Demand::Unknown => {
+                    let g = covered(&r, part.cpus, part.mem_mib, part.gpus.min(room.gpus));
+                    min_res(
+                        &Resources { gpus: g, ..part },
+                        &sorter.slice_for(i, &left, g),
+                    )
+                }
+                Demand::Task(shape) => {
+                    let mut shape = clean(&shape);
+                    if !sorter.fws[i].gpu_capable {
+                        shape.gpus = 0;
+                    }
+                    // A GPU goes with at least its reserve.
+                    shape.cpus = shape.cpus.max(r.cpus * f64::from(shape.gpus));
+                    shape.mem_mib = shape
+                        .mem_mib
+                        .max(r.mem_mib.saturating_mul(u64::from(shape.gpus)));
+                    let fit = sorter.slice_for(i, &left, shape.gpus);
+                    if fit.gpus != shape.gpus || !fits(&shape, &fit) {
+                        return None;
+                    }
+                    shape
+                }
+            };
+            (!is_zero(&unit)).then_some((i, unit))
+        });
+        let Some((i, unit)) = picked else {
+            break;
+        };
+        if !matches!(frameworks[i].demand, Demand::Task(_)) {
+            done.push(i);
+        }
+        match given.iter_mut().find(|(j, _)| *j == i) {
+            Some((_, r)) => *r = r.add(&unit),
+            None => given.push((i, unit)),
+        }
+        let (_, rest) = left
+            .gpus
+            .split_at((unit.gpus as usize).min(left.gpus.len()));
+        left = Free {
+            cpus: clean_cpus(left.cpus - unit.cpus),
+            mem_mib: left.mem_mib.saturating_sub(unit.mem_mib),
+            gpus: rest,
+            reserve: left.reserve,
+        };
+        sorter.charge(i, &unit);
+    }
+    // The GPUs were counted off the front of the list; hand them out in the
+    // same order.
+    let mut gpus = start_gpus;
+    for (i, r) in given {
+        let (taken, rest) = gpus.split_at((r.gpus as usize).min(gpus.len()));
+        gpus = rest;
+        plans.push(OfferPlan {
+            framework_id: frameworks[i].id.clone(),
+            agent_id: agent.id.clone(),
+            resources: r,
+            gpu_uuids: taken.iter().map(|g| g.uuid.clone()).collect(),
+        });
+    }
+}
+
+/// How many of `gpus` GPUs `cpus` and `mem` give their reserve `r` to.
+fn covered(r: &Resources, cpus: f64, mem: u64, gpus: u32) -> u32 {
+    let mut g = gpus;
+    if r.cpus > CPU_EPSILON {
+        g = g.min(((cpus + CPU_EPSILON) / r.cpus).floor() as u32);
+    }
+    if let Some(n) = mem.checked_div(r.mem_mib) {
+        g = g.min(u32::try_from(n).unwrap_or(u32::MAX));
+    }
+    g
+}
+
+/// The cpus and memory kept per GPU on an agent of `total`: the configured
+/// reserve, at most the agent's own cpus and memory per GPU (so that a small
+/// host still offers all its GPUs, each with its part).
+fn gpu_reserve(config: &AllocatorConfig, total: &Resources) -> Resources {
+    if total.gpus == 0 {
+        return Resources::default();
+    }
+    let n = total.gpus;
+    Resources {
+        cpus: config
+            .gpu_reserve
+            .cpus
+            .min(clean_cpus(total.cpus) / f64::from(n))
+            .max(0.0),
+        mem_mib: config.gpu_reserve.mem_mib.min(total.mem_mib / u64::from(n)),
+        gpus: 0,
+    }
+}
+
+fn min_res(a: &Resources, b: &Resources) -> Resources {
+    Resources {
+        cpus: a.cpus.min(b.cpus),
+        mem_mib: a.mem_mib.min(b.mem_mib),
+        gpus: a.gpus.min(b.gpus),
+    }
+}
+
+/// `a` fits in `b` in every dimension.
+fn fits(a: &Resources, b: &Resources) -> bool {
+    a.cpus <= b.cpus + CPU_EPSILON && a.mem_mib <= b.mem_mib && a.gpus <= b.gpus
+}
+
+fn is_zero(r: &Resources) -> bool {
+    clean_cpus(r.cpus) <= 0.0 && r.mem_mib == 0 && r.gpus == 0
 }
 
 /// A fast, fixed hasher for the GPU guard: SipHash of 80,000 UUIDs was half
@@ -264,6 +458,8 @@ struct Free<'a> {
     cpus: f64,
     mem_mib: u64,
     gpus: &'a [&'a GpuInfo],
+    /// The cpus and memory each GPU keeps (see [`AllocatorConfig`]).
+    reserve: Resources,
 }
 
 impl Free<'_> {
@@ -377,7 +573,8 @@ struct FwState<'a> {
     active: bool,
     allocated: Resources,
     share: Share,
-    filters: Option<&'a BTreeMap<String, u64>>,
+    demand: Demand,
+    filters: Option<&'a BTreeMap<String, Filter>>,
 }
 
 /// The hierarchical DRF sorter: roles keyed by (weighted share, name rank),
@@ -439,6 +636,7 @@ impl<'a> Sorter<'a> {
                     active: !f.suppressed,
                     allocated,
                     share: Share(dominant_share(&allocated, &total)),
+                    demand: f.demand,
                     filters: filters.for_framework(&f.id),
                 }
             })
@@ -482,6 +680,53 @@ impl<'a> Sorter<'a> {
         served: &[usize],
         now_ms: u64,
     ) -> Option<(usize, Resources)> {
+        self.pick_by(gpu_only, |rank| {
+            self.offerable(rank, agent_id, left, served, now_ms)
+        })
+    }
+
+    /// The frameworks that could be offered something of this agent.
+    fn contenders(
+        &self,
+        agent_id: &str,
+        gpu_only: bool,
+        left: &Free<'_>,
+        now_ms: u64,
+    ) -> Vec<usize> {
+        self.role_order
+            .iter()
+            .flat_map(|&(_, r)| self.roles[r].members(gpu_only).iter())
+            .filter_map(|&(_, rank)| self.offerable(rank, agent_id, left, &[], now_ms))
+            .map(|(i, _)| i)
+            .collect()
+    }
+
+    /// Several frameworks want this agent and one of them asks for less
+    /// than a whole agent: the agent is split ([`split_agent`]).
+    fn contended(&self, agent_id: &str, gpu_only: bool, left: &Free<'_>, now_ms: u64) -> bool {
+        let mut wanting = 0;
+        let mut partial = false;
+        for &(_, r) in &self.role_order {
+            for &(_, rank) in self.roles[r].members(gpu_only) {
+                if let Some((i, _)) = self.offerable(rank, agent_id, left, &[], now_ms) {
+                    wanting += 1;
+                    partial |= self.fws[i].demand != Demand::Whole;
+                    if wanting > 1 && partial {
+                        return true;
+                    }
+                }
+            }
+        }
+        false
+    }
+
+    /// The first framework in (role share, framework share, id) order for
+    /// which `offer` (given its rank) says what to offer.
+    fn pick_by(
+        &self,
+        gpu_only: bool,
+        offer: impl Fn(usize) -> Option<(usize, Resources)>,
+    ) -> Option<(usize, Resources)> {
         let mut roles = self.role_order.iter().peekable();
         while let Some(&(share, first)) = roles.next() {
             let tied = roles.peek().is_some_and(|&&(s, _)| s == share);
@@ -489,7 +734,7 @@ impl<'a> Sorter<'a> {
                 self.roles[first]
                     .members(gpu_only)
                     .iter()
-                    .find_map(|&(_, rank)| self.offerable(rank, agent_id, left, served, now_ms))
+                    .find_map(|&(_, rank)| offer(rank))
             } else {
                 // Roles with equal shares are merged so that the framework
                 // share decides between them, as the (role, framework, id)
@@ -516,7 +761,7 @@ impl<'a> Sorter<'a> {
                         break;
                     };
                     head.next();
-                    found = self.offerable(rank, agent_id, left, served, now_ms);
+                    found = offer(rank);
                 }
                 found
             };
@@ -543,14 +788,7 @@ impl<'a> Sorter<'a> {
         if served.contains(&i) {
             return None;
         }
-        if fw
-            .filters
-            .and_then(|f| f.get(agent_id))
-            .is_some_and(|&until| until > now_ms)
-        {
-            return None;
-        }
-        let mut slice = Resources {
+        let wanted = Resources {
             cpus: left.cpus,
             mem_mib: left.mem_mib,
             gpus: if fw.gpu_capable {
@@ -559,17 +797,47 @@ impl<'a> Sorter<'a> {
                 0
             },
         };
-        if let Some(room) = self.roles[fw.role].room() {
-            slice = Resources {
-                cpus: clean_cpus(slice.cpus.min(room.cpus)),
-                mem_mib: slice.mem_mib.min(room.mem_mib),
-                gpus: slice.gpus.min(room.gpus),
-            };
+        if fw
+            .filters
+            .and_then(|f| f.get(agent_id))
+            .is_some_and(|f| f.refuses(&wanted, now_ms))
+        {
+            return None;
         }
+        let slice = self.slice_for(i, left, wanted.gpus);
         if slice.cpus <= 0.0 && slice.mem_mib == 0 && slice.gpus == 0 {
             return None;
         }
         Some((i, slice))
+    }
+
+    /// What framework `i` may be offered of `left` taking at most `gpus` of
+    /// its GPUs: capped by its role's quota, and keeping each GPU's reserve
+    /// of cpus and memory: the GPUs it takes carry theirs, and those it
+    /// leaves keep theirs for whoever takes them. A GPU whose reserve the
+    /// agent no longer has is not offered.
+    fn slice_for(&self, i: usize, left: &Free<'_>, gpus: u32) -> Resources {
+        let mut want = Resources {
+            cpus: left.cpus,
+            mem_mib: left.mem_mib,
+            gpus,
+        };
+        if let Some(room) = self.roles[self.fws[i].role].room() {
+            want = min_res(&clean(&want), &clean(&room));
+        }
+        let r = left.reserve;
+        // GPUs the agent can still give their reserve to.
+        let usable = covered(&r, left.cpus, left.mem_mib, left.gpus.len() as u32);
+        let g = covered(&r, want.cpus, want.mem_mib, want.gpus.min(usable));
+        let kept = usable - g;
+        Resources {
+            cpus: clean_cpus(want.cpus.min(left.cpus - r.cpus * f64::from(kept))),
+            mem_mib: want.mem_mib.min(
+                left.mem_mib
+                    .saturating_sub(r.mem_mib.saturating_mul(u64::from(kept))),
+            ),
+            gpus: g,
+        }
     }
 
     /// Adds an offered slice to the framework and its role, and re-keys them.

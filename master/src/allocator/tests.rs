@@ -276,6 +276,7 @@ fn quota_table() {
         let frameworks = [fw("quota-fw", "q", c.gpu_capable, c.held)];
         let config = AllocatorConfig {
             gpu_agents_for_gpu_frameworks_only: false,
+            gpu_reserve: Resources::default(),
         };
         let plans = allocate(&agents, &frameworks, &roles, &Filters::new(), &config, 0);
         let got = plans.first().map(|p| {
@@ -349,7 +350,12 @@ fn quota_holds_across_agents_in_one_cycle() {
         &frameworks,
         &roles,
         &Filters::new(),
-        &AllocatorConfig::default(),
+        // Without GPU reserves, which would keep cpus and memory of the
+        // GPUs the quota leaves (tested below).
+        &AllocatorConfig {
+            gpu_reserve: Resources::default(),
+            ..AllocatorConfig::default()
+        },
         0,
     );
     let sum = plans
@@ -540,6 +546,7 @@ fn gpu_scarcity_flag() {
         &Filters::new(),
         &AllocatorConfig {
             gpu_agents_for_gpu_frameworks_only: false,
+            gpu_reserve: Resources::default(),
         },
         0,
     );
@@ -581,6 +588,7 @@ fn with_the_flag_off_the_gpus_a_cpu_framework_cannot_take_go_to_a_gpu_framework(
     ];
     let config = AllocatorConfig {
         gpu_agents_for_gpu_frameworks_only: false,
+        gpu_reserve: Resources::default(),
     };
     let plans = allocate(
         &agents,
@@ -918,6 +926,7 @@ fn generate(rng: &mut Lcg) -> Generated {
             role: format!("role-{}", rng.below(4)),
             gpu_capable: rng.chance(50),
             suppressed: rng.chance(15),
+            demand: Demand::Whole,
             allocated: res(
                 rng.below(64) as f64 * 0.5,
                 rng.below(256) * GIB,
@@ -954,6 +963,7 @@ fn generate(rng: &mut Lcg) -> Generated {
         filters,
         config: AllocatorConfig {
             gpu_agents_for_gpu_frameworks_only: rng.chance(70),
+            gpu_reserve: Resources::default(),
         },
         now_ms,
     }
@@ -1118,4 +1128,107 @@ fn check(g: &Generated, plans: &[OfferPlan], case: usize) {
             );
         }
     }
+}
+
+/// The DRF paper's example, one round at a time: two frameworks of
+/// unknown demand get half the agent each; once their task sizes are
+/// known, progressive filling ends A at 3 tasks and B at 2.
+#[test]
+fn contended_agents_are_split_by_progressive_filling() {
+    let total = res(9.0, 18 * GIB, 0);
+    let mut a = fw("A", "r", false, Resources::default());
+    let mut b = fw("B", "r", false, Resources::default());
+    a.demand = Demand::Unknown;
+    b.demand = Demand::Unknown;
+    let plans = run(&[idle_agent("x", total)], &[a.clone(), b.clone()]);
+    let split: Vec<_> = plans
+        .iter()
+        .map(|p| (p.framework_id.as_str(), p.resources))
+        .collect();
+    assert_eq!(
+        split,
+        [("A", res(4.5, 9 * GIB, 0)), ("B", res(4.5, 9 * GIB, 0))]
+    );
+    // Greedy, they launched what fit: A 2 of <1, 4 GiB>, B 1 of <3, 1 GiB>.
+    a.demand = Demand::Task(res(1.0, 4 * GIB, 0));
+    b.demand = Demand::Task(res(3.0, GIB, 0));
+    a.allocated = res(2.0, 8 * GIB, 0);
+    b.allocated = res(3.0, GIB, 0);
+    let free = res(4.0, 9 * GIB, 0);
+    for order in [[a.clone(), b.clone()], [b.clone(), a.clone()]] {
+        let plans = run(&[agent("x", free, total)], &order);
+        let mut got: Vec<_> = plans
+            .iter()
+            .map(|p| (p.framework_id.as_str(), p.resources))
+            .collect();
+        got.sort_by(|x, y| x.0.cmp(y.0));
+        assert_eq!(got, [("A", res(1.0, 4 * GIB, 0)), ("B", res(3.0, GIB, 0))]);
+    }
+    // A framework asking for whole agents gets the rest in its turn.
+    b.demand = Demand::Whole;
+    let plans = run(&[agent("x", free, total)], &[a, b]);
+    let got: Vec<_> = plans
+        .iter()
+        .map(|p| (p.framework_id.as_str(), p.resources))
+        .collect();
+    assert_eq!(
+        got,
+        [("B", free)],
+        "B is lower (1/3 < 4/9) and takes it all"
+    );
+}
+
+/// Each free GPU keeps its reserve of cpus and memory: a framework without
+/// GPUs gets only what is beyond it, and an offer of GPUs carries theirs.
+#[test]
+fn gpus_keep_their_reserve_of_cpus_and_memory() {
+    let total = res(64.0, 256 * GIB, 8);
+    let config = AllocatorConfig {
+        gpu_agents_for_gpu_frameworks_only: false,
+        gpu_reserve: res(2.0, 8 * GIB, 0),
+    };
+    let plans = allocate(
+        &[idle_agent("x", total)],
+        &[fw("cpu", "r", false, Resources::default())],
+        &no_roles(),
+        &Filters::new(),
+        &config,
+        0,
+    );
+    assert_eq!(plans[0].resources, res(48.0, 192 * GIB, 0));
+    // What is left: 16 cpus and 64 GiB for the 8 GPUs, all offered.
+    let left = res(16.0, 64 * GIB, 8);
+    let plans = allocate(
+        &[agent("x", left, total)],
+        &[fw("gpu", "r", true, Resources::default())],
+        &no_roles(),
+        &Filters::new(),
+        &config,
+        0,
+    );
+    assert_eq!(plans[0].resources, left);
+    // With cpus for only 3 GPUs' reserves, only 3 GPUs are offered.
+    let short = res(6.5, 64 * GIB, 8);
+    let plans = allocate(
+        &[agent("x", short, total)],
+        &[fw("gpu", "r", true, Resources::default())],
+        &no_roles(),
+        &Filters::new(),
+        &config,
+        0,
+    );
+    assert_eq!(plans[0].resources.gpus, 3);
+    assert_eq!(plans[0].gpu_uuids.len(), 3);
+    // A small host (2 cpus, 8 GPUs): the reserve is its own share per GPU,
+    // so a whole offer still carries all its GPUs.
+    let small = res(2.0, 24 * GIB, 8);
+    let plans = allocate(
+        &[idle_agent("y", small)],
+        &[fw("gpu", "r", true, Resources::default())],
+        &no_roles(),
+        &Filters::new(),
+        &config,
+        0,
+    );
+    assert_eq!(plans[0].resources, small);
 }

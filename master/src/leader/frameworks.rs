@@ -16,7 +16,7 @@ use gpuctl_proto::pb;
 use tokio::sync::{mpsc, watch, Notify};
 
 use crate::allocator::{
-    self, AgentView, AllocatorConfig, Filters, FrameworkView, OfferBook, RoleConfig,
+    self, AgentView, AllocatorConfig, Demand, Filters, FrameworkView, OfferBook, RoleConfig,
 };
 use crate::now_ms;
 use crate::raft::RaftHandle;
@@ -29,6 +29,7 @@ pub type EventSender = mpsc::Sender<Result<pb::Event, tonic::Status>>;
 pub const EVENT_BUFFER: usize = 1024;
 const TICK: Duration = Duration::from_secs(1);
 pub const HEARTBEAT_INTERVAL: Duration = Duration::from_secs(10);
+pub const DEFAULT_ALLOCATION_INTERVAL: Duration = Duration::from_millis(100);
 
 #[derive(Debug, Clone)]
 pub struct FrameworkSettings {
@@ -36,6 +37,10 @@ pub struct FrameworkSettings {
     pub allocator: AllocatorConfig,
     /// Outstanding offers older than this are rescinded.
     pub offer_timeout: Duration,
+    /// Allocation runs in rounds at most this often, so that frameworks
+    /// that come or call within one round share it; resources freed or
+    /// added, and a Revive, start a round at once.
+    pub allocation_interval: Duration,
 }
 
 impl Default for FrameworkSettings {
@@ -44,6 +49,7 @@ impl Default for FrameworkSettings {
             roles: BTreeMap::new(),
             allocator: AllocatorConfig::default(),
             offer_timeout: Duration::from_secs(30),
+            allocation_interval: DEFAULT_ALLOCATION_INTERVAL,
         }
     }
 }
@@ -67,6 +73,42 @@ struct Inner {
     last_heartbeat: Option<Instant>,
     /// Agents with accepted offers being launched on (see `Hub::launching`).
     launching: BTreeMap<String, usize>,
+    /// What each framework has shown it asks for (see [`Demand`]).
+    demands: BTreeMap<String, Demand>,
+    /// A round is due at once (a Revive).
+    prompt: bool,
+    /// The free resources at the last round, to see what was freed since.
+    last_free: FreeMark,
+}
+
+/// The cluster's free resources, summed: when any grows, a round starts.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct FreeMark {
+    agents: usize,
+    cpus: f64,
+    mem_mib: u64,
+    gpus: u64,
+}
+
+impl FreeMark {
+    fn of(state: &State) -> FreeMark {
+        let mut m = FreeMark::default();
+        for a in state.agents().values().filter(|a| a.accepts_tasks()) {
+            let f = a.free();
+            m.agents += 1;
+            m.cpus += f.cpus;
+            m.mem_mib += f.mem_mib;
+            m.gpus += u64::from(f.gpus);
+        }
+        m
+    }
+
+    fn grew_from(&self, before: &FreeMark) -> bool {
+        self.agents > before.agents
+            || self.cpus > before.cpus + 1e-9
+            || self.mem_mib > before.mem_mib
+            || self.gpus > before.gpus
+    }
 }
 
 /// Agents being launched on; dropping it makes them offerable again.
@@ -309,6 +351,40 @@ impl Hub {
         }
     }
 
+    /// Don't offer these agents to the framework until `until_ms`, unless
+    /// one has more than what it declined there (`refused`, by agent).
+    pub fn filter_declined(
+        &self,
+        framework_id: &str,
+        refused: &BTreeMap<String, Resources>,
+        until_ms: Option<u64>,
+    ) {
+        if let Some(until) = until_ms {
+            let mut g = self.lock();
+            for (a, r) in refused {
+                g.filters.add_refusing(framework_id, a, until, Some(*r));
+            }
+        }
+        self.wake();
+    }
+
+    /// What the framework's last call showed it asks for: the tasks it
+    /// launched (the smallest of each resource), or, when it launched
+    /// nothing of what it was offered, a whole agent.
+    pub fn learn_demand(&self, framework_id: &str, launched: &[Resources]) {
+        let demand = launched
+            .iter()
+            .copied()
+            .reduce(|a, b| Resources {
+                cpus: a.cpus.min(b.cpus),
+                mem_mib: a.mem_mib.min(b.mem_mib),
+                gpus: a.gpus.min(b.gpus),
+            })
+            .filter(|r| r.cpus > 1e-9 || r.mem_mib > 0 || r.gpus > 0)
+            .map_or(Demand::Whole, Demand::Task);
+        self.lock().demands.insert(framework_id.to_string(), demand);
+    }
+
     /// Don't offer these agents to the framework until `until_ms`.
     pub fn filter(&self, framework_id: &str, agents: &BTreeSet<String>, until_ms: Option<u64>) {
         if let Some(until) = until_ms {
@@ -324,6 +400,7 @@ impl Hub {
         let mut g = self.lock();
         g.filters.revive(framework_id);
         g.suppressed.remove(framework_id);
+        g.prompt = true;
         drop(g);
         self.wake();
     }
@@ -360,6 +437,7 @@ impl Hub {
         g.disconnected_at.remove(framework_id);
         g.filters.remove_framework(framework_id);
         g.suppressed.remove(framework_id);
+        g.demands.remove(framework_id);
         if let Some(b) = g.offers.as_mut() {
             b.rescind_framework(framework_id);
         }
@@ -376,13 +454,22 @@ pub async fn run(
     let mut applied = raft.applied();
     let mut tick = tokio::time::interval(TICK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let interval = settings.allocation_interval;
+    // A change not yet allocated for, since when: its round comes one
+    // interval later, so that what arrives within it is allocated together.
+    let mut pending: Option<tokio::time::Instant> = Some(tokio::time::Instant::now());
+    let mut last_round = tokio::time::Instant::now();
     loop {
+        let due = pending.map(|since| (since + interval).max(last_round + interval));
         tokio::select! {
             _ = shutdown.changed() => return,
             r = applied.changed() => if r.is_err() { return },
             _ = hub.wake.notified() => {}
             _ = tick.tick() => {}
+            _ = tokio::time::sleep_until(due.unwrap_or_else(tokio::time::Instant::now)), if due.is_some() => {}
         }
+        let now = tokio::time::Instant::now();
+        pending.get_or_insert(now);
         if !raft.status().serving {
             // Offers are the leader's; a deposed leader withdraws them and
             // sends its frameworks to the new leader.
@@ -397,10 +484,22 @@ pub async fn run(
             continue;
         }
         let started = std::time::Instant::now();
-        let expired = cycle(&raft, &hub, &settings);
-        hub.metrics
-            .allocation_cycle
-            .observe(started.elapsed().as_secs_f64());
+        let round = {
+            let state = raft.state();
+            let mark = FreeMark::of(&state);
+            let mut g = hub.lock();
+            let prompt = std::mem::take(&mut g.prompt) || mark.grew_from(&g.last_free);
+            g.last_free = mark;
+            prompt || due.is_some_and(|d| now >= d)
+        };
+        let expired = cycle(&raft, &hub, &settings, round);
+        if round {
+            pending = None;
+            last_round = now;
+            hub.metrics
+                .allocation_cycle
+                .observe(started.elapsed().as_secs_f64());
+        }
         for framework_id in expired {
             tracing::warn!(framework_id = %framework_id, "framework failover timeout passed; removing it");
             if let Err(e) = raft
@@ -414,14 +513,14 @@ pub async fn run(
                 tracing::warn!(framework_id = %framework_id, error = %e, "could not remove framework");
             }
         }
-        // Coalesce bursts of changes into one cycle.
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        // Coalesce bursts of changes into one pass.
+        tokio::time::sleep(Duration::from_millis(20).min(interval)).await;
     }
 }
 
-/// One pass: updates, failures, rescinds, heartbeats, allocation. Returns
-/// frameworks whose failover timeout passed.
-fn cycle(raft: &RaftHandle, hub: &Hub, settings: &FrameworkSettings) -> Vec<String> {
+/// One pass: updates, failures, rescinds, heartbeats, and, when `round`,
+/// allocation. Returns frameworks whose failover timeout passed.
+fn cycle(raft: &RaftHandle, hub: &Hub, settings: &FrameworkSettings, round: bool) -> Vec<String> {
     let state = raft.state();
     let mut g = hub.lock();
     let now = now_ms();
@@ -434,7 +533,11 @@ fn cycle(raft: &RaftHandle, hub: &Hub, settings: &FrameworkSettings) -> Vec<Stri
     rescind_stale(&state, &mut g, now, settings.offer_timeout);
     heartbeat(&mut g);
     let expired = failover_expired(&state, &mut g);
-    let made = allocate(&state, &mut g, settings, now);
+    let made = if round {
+        allocate(&state, &mut g, settings, now)
+    } else {
+        0
+    };
     hub.metrics
         .offers_made
         .fetch_add(made as u64, std::sync::atomic::Ordering::Relaxed);
@@ -598,6 +701,12 @@ fn allocate(state: &State, g: &mut Inner, settings: &FrameworkSettings, now: u64
             role: f.info.role().to_string(),
             gpu_capable: f.info.gpu_capable,
             suppressed: g.suppressed.contains(&f.info.id),
+            // The built-in scheduler's queue holds jobs of every size.
+            demand: if f.info.id == crate::state::frameworks::BUILTIN_FRAMEWORK_ID {
+                Demand::Whole
+            } else {
+                g.demands.get(&f.info.id).copied().unwrap_or_default()
+            },
             allocated: held
                 .get(f.info.id.as_str())
                 .copied()
@@ -947,6 +1056,110 @@ mod tests {
         rescind_stale(&s, &mut hub.lock(), later, timeout);
         assert_eq!(allocate(&s, &mut hub.lock(), &settings, later), agents);
         assert_eq!(offers_in(&mut rx), agents, "the new offers reach it");
+    }
+
+    /// Resources freed on an agent whose rest the framework holds in an
+    /// offer, or declined with a filter, are offered at the next round:
+    /// the filter refuses only offers no larger than what was declined.
+    #[test]
+    fn freed_resources_are_offered_at_once_past_a_decline_filter() {
+        let mut s = State::new();
+        let mut i = 0;
+        let mut apply = |s: &mut State, c: Command| {
+            i += 1;
+            s.apply(i, &c).unwrap()
+        };
+        apply(&mut s, register("a", 2));
+        let Outcome::FrameworkSubscribed { framework_id: f } = apply(
+            &mut s,
+            Command::SubscribeFramework {
+                info: FrameworkInfo {
+                    id: String::new(),
+                    name: "f".into(),
+                    roles: vec![],
+                    gpu_capable: true,
+                    failover_timeout_ms: 1_000,
+                },
+                at_ms: 0,
+            },
+        ) else {
+            panic!()
+        };
+        // One GPU runs a task of f's; the other is offered, and declined
+        // with a long filter.
+        let task = |id: &str, gpu: &str| FrameworkTask {
+            task_id: id.into(),
+            agent_id: "a".into(),
+            image: None,
+            command: vec!["true".into()],
+            env: Default::default(),
+            resources: Resources {
+                cpus: 2.0,
+                mem_mib: 1024,
+                gpus: 1,
+            },
+            gpu_uuids: vec![gpu.into()],
+        };
+        apply(
+            &mut s,
+            Command::LaunchFrameworkTasks {
+                framework_id: f.clone(),
+                tasks: vec![task("t1", "GPU-a-0")],
+                group: false,
+                at_ms: 0,
+            },
+        );
+        let (hub, _rx) = offering_hub(&s, &f);
+        let settings = FrameworkSettings::default();
+        assert_eq!(allocate(&s, &mut hub.lock(), &settings, 10), 1);
+        let first = hub
+            .lock()
+            .offers
+            .as_ref()
+            .unwrap()
+            .iter()
+            .next()
+            .cloned()
+            .unwrap();
+        assert_eq!(first.gpu_uuids, ["GPU-a-1"]);
+        let taken = hub
+            .take_offers(&f, std::slice::from_ref(&first.id))
+            .unwrap();
+        let refused: BTreeMap<String, Resources> = [("a".to_string(), taken[0].resources)].into();
+        hub.filter_declined(&f, &refused, Some(3_600_000));
+        assert_eq!(allocate(&s, &mut hub.lock(), &settings, 20), 0, "filtered");
+        // t1 ends: its GPU, cpus and memory are free again; the agent now
+        // has more than was declined, so it is offered at once, whole.
+        apply(
+            &mut s,
+            Command::UpdateTaskStatus {
+                update: StatusUpdate {
+                    agent_id: "a".into(),
+                    task_id: crate::state::frameworks::task_key(&f, "t1"),
+                    state: TaskState::Finished,
+                    exit_code: Some(0),
+                    message: String::new(),
+                    uuid: b"u1".to_vec(),
+                    gpu_unhealthy: false,
+                    fenced: false,
+                },
+                at_ms: 30,
+            },
+        );
+        let freed = s.agent("a").unwrap().free();
+        assert_eq!(freed.gpus, 2, "a terminal task frees its GPU");
+        assert_eq!(allocate(&s, &mut hub.lock(), &settings, 40), 1);
+        let again = hub
+            .lock()
+            .offers
+            .as_ref()
+            .unwrap()
+            .iter()
+            .next()
+            .cloned()
+            .unwrap();
+        assert_eq!(again.gpu_uuids.len(), 2);
+        assert_eq!(again.resources, freed);
     }
 
     #[test]

@@ -167,6 +167,12 @@ fn launch_commands(
     Ok(commands)
 }
 
+/// Where a task of an Accept goes and what it takes.
+struct Launched {
+    agent_id: String,
+    resources: Resources,
+}
+
 type EventStream = Pin<Box<dyn Stream<Item = Result<pb::Event, Status>> + Send>>;
 
 /// Lives as long as a framework's event stream: when tonic drops the
@@ -331,6 +337,17 @@ impl SchedulerService {
         self.ctx
             .hub
             .take_offers(&req.framework_id, &req.offer_ids)?;
+        let launched: Vec<Launched> = commands
+            .iter()
+            .flat_map(|c| match c {
+                Command::LaunchFrameworkTasks { tasks, .. } => tasks.as_slice(),
+                _ => &[],
+            })
+            .map(|t| Launched {
+                agent_id: t.agent_id.clone(),
+                resources: t.resources,
+            })
+            .collect();
         let agents: BTreeSet<String> = offered.keys().cloned().collect();
         // Until the launches commit, nothing of these agents is offered.
         let _launching = self.ctx.hub.launching(&agents);
@@ -363,11 +380,23 @@ impl SchedulerService {
                 }
             }
         }
-        // What was not used is declined, with the call's filters.
+        // What was not used is declined, with the call's filters; what was
+        // launched tells the allocator what this framework asks for.
+        let mut refused: BTreeMap<String, Resources> =
+            offered.iter().map(|(a, (r, _))| (a.clone(), *r)).collect();
+        for t in &launched {
+            if let Some(r) = refused.get_mut(&t.agent_id) {
+                *r = r.saturating_sub(&t.resources);
+            }
+        }
+        self.ctx.hub.learn_demand(
+            &req.framework_id,
+            &launched.iter().map(|t| t.resources).collect::<Vec<_>>(),
+        );
         let refuse = req.filters.and_then(|f| f.refuse_seconds);
         self.ctx
             .hub
-            .filter(&req.framework_id, &agents, refuse_until(now_ms(), refuse));
+            .filter_declined(&req.framework_id, &refused, refuse_until(now_ms(), refuse));
         Ok(pb::CallResponse {})
     }
 
@@ -377,11 +406,17 @@ impl SchedulerService {
             .ctx
             .hub
             .take_offers(&req.framework_id, &req.offer_ids)?;
-        let agents: BTreeSet<String> = offers.iter().map(|o| o.agent_id.clone()).collect();
+        let mut refused: BTreeMap<String, Resources> = BTreeMap::new();
+        for o in &offers {
+            let r = refused.entry(o.agent_id.clone()).or_default();
+            *r = r.add(&o.resources);
+        }
+        // It wants none of what it was offered: next time, whole agents.
+        self.ctx.hub.learn_demand(&req.framework_id, &[]);
         let refuse = req.filters.and_then(|f| f.refuse_seconds);
         self.ctx
             .hub
-            .filter(&req.framework_id, &agents, refuse_until(now_ms(), refuse));
+            .filter_declined(&req.framework_id, &refused, refuse_until(now_ms(), refuse));
         Ok(pb::CallResponse {})
     }
 

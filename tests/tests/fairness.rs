@@ -1,0 +1,341 @@
+//! Fair allocation among greedy frameworks, end to end: real masters and
+//! agents, frameworks over gRPC that launch as many tasks as each offer
+//! holds and decline the rest. The split is checked from outside the
+//! master too: the tasks' live processes.
+#![allow(clippy::unwrap_used)]
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use gpuctl_proto::pb;
+use gpuctl_tests::{AgentOpts, Cluster, Gpuctl};
+use pb::scheduler_client::SchedulerClient;
+
+/// A framework that fills every offer with tasks of one shape.
+#[derive(Clone)]
+struct Greedy {
+    name: &'static str,
+    role: &'static str,
+    cpus: f64,
+    mem_mib: u64,
+    gpus: u32,
+    /// How long each task runs (seconds; `sleep` in the task).
+    run_secs: &'static str,
+    /// Every offer it got, for checks on their shape.
+    offers: Arc<Mutex<Vec<pb::Offer>>>,
+}
+
+impl Greedy {
+    fn new(name: &'static str, role: &'static str, cpus: f64, mem_mib: u64, gpus: u32) -> Self {
+        Greedy {
+            name,
+            role,
+            cpus,
+            mem_mib,
+            gpus,
+            run_secs: "600",
+            offers: Arc::default(),
+        }
+    }
+
+    /// The marker in its tasks' command lines, to find their processes.
+    fn marker(&self, test: &str) -> String {
+        format!("fairness-{test}-{}", self.name)
+    }
+
+    /// Subscribes, and returns once SUBSCRIBED came; then runs until the
+    /// runtime ends.
+    async fn start(self, master: String, test: &'static str) {
+        let mut client = SchedulerClient::connect(format!("http://{master}"))
+            .await
+            .unwrap();
+        let mut capabilities = vec![];
+        if self.gpus > 0 {
+            capabilities.push(pb::FrameworkCapability::GpuResources as i32);
+        }
+        let mut events = client
+            .subscribe(pb::SubscribeRequest {
+                framework: Some(pb::FrameworkInfo {
+                    name: self.name.into(),
+                    roles: vec![self.role.into()],
+                    capabilities,
+                    failover_timeout_secs: 60.0,
+                    ..Default::default()
+                }),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        let Some(pb::event::Event::Subscribed(sub)) = events.next().await.unwrap().unwrap().event
+        else {
+            panic!("SUBSCRIBED first")
+        };
+        let fw = sub.framework_id;
+        let marker = self.marker(test);
+        tokio::spawn(async move {
+            let mut next = 0u32;
+            while let Some(Ok(e)) = events.next().await {
+                match e.event {
+                    Some(pb::event::Event::Offers(o)) => {
+                        for offer in o.offers {
+                            self.offers.lock().unwrap().push(offer.clone());
+                            let r = offer.resources.unwrap_or_default();
+                            let mut fit = u32::MAX;
+                            if self.cpus > 0.0 {
+                                fit = fit.min(((r.cpus + 1e-9) / self.cpus) as u32);
+                            }
+                            if let Some(n) = r.mem_mib.checked_div(self.mem_mib) {
+                                fit = fit.min(n as u32);
+                            }
+                            if let Some(n) = (offer.gpus.len() as u32).checked_div(self.gpus) {
+                                fit = fit.min(n);
+                            }
+                            let mut gpus = offer.gpus.iter().map(|g| g.uuid.clone());
+                            let tasks: Vec<pb::TaskInfo> = (0..fit)
+                                .map(|_| {
+                                    next += 1;
+                                    pb::TaskInfo {
+                                        task_id: format!("{}-{next}", self.name),
+                                        agent_id: offer.agent_id.clone(),
+                                        command: vec![
+                                            "sh".into(),
+                                            "-c".into(),
+                                            format!("sleep {}; :", self.run_secs),
+                                            marker.clone(),
+                                        ],
+                                        resources: Some(pb::Resources {
+                                            cpus: self.cpus,
+                                            mem_mib: self.mem_mib,
+                                            gpus: self.gpus,
+                                        }),
+                                        gpu_uuids: gpus.by_ref().take(self.gpus as usize).collect(),
+                                        ..Default::default()
+                                    }
+                                })
+                                .collect();
+                            if tasks.is_empty() {
+                                let _ = client
+                                    .decline(pb::DeclineRequest {
+                                        framework_id: fw.clone(),
+                                        offer_ids: vec![offer.id.clone()],
+                                        filters: None,
+                                    })
+                                    .await;
+                                continue;
+                            }
+                            client
+                                .accept(pb::AcceptRequest {
+                                    framework_id: fw.clone(),
+                                    offer_ids: vec![offer.id.clone()],
+                                    operations: vec![pb::Operation {
+                                        operation: Some(pb::operation::Operation::Launch(
+                                            pb::Launch { tasks },
+                                        )),
+                                    }],
+                                    filters: None,
+                                })
+                                .await
+                                .unwrap();
+                        }
+                    }
+                    Some(pb::event::Event::Update(u)) if !u.uuid.is_empty() => {
+                        let _ = client
+                            .acknowledge(pb::AcknowledgeRequest {
+                                framework_id: fw.clone(),
+                                agent_id: u.agent_id,
+                                task_id: u.task_id,
+                                uuid: u.uuid,
+                            })
+                            .await;
+                    }
+                    _ => {}
+                }
+            }
+        });
+    }
+}
+
+/// Live processes whose command line holds `marker`, counted from /proc:
+/// what runs, whatever the master believes.
+fn live_tasks(marker: &str) -> usize {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().parse::<u32>().is_ok())
+        .filter_map(|e| std::fs::read(e.path().join("cmdline")).ok())
+        .filter(|c| {
+            let args: Vec<&[u8]> = c.split(|&b| b == 0).collect();
+            // sh -c 'sleep N; :' MARKER: the task's shell, not its sleep.
+            args.first() == Some(&&b"sh"[..]) && args.contains(&marker.as_bytes())
+        })
+        .count()
+}
+
+/// GPUs held per framework name, as the master reports them (task ids
+/// are `<framework id>.<name>-<n>`).
+fn gpus_by_name(c: &Cluster) -> BTreeMap<String, usize> {
+    let mut by = BTreeMap::new();
+    for g in c.json(&["gpus", "--json"]).as_array().unwrap() {
+        if let Some(t) = g["task_id"].as_str() {
+            let name = t.rsplit('.').next().unwrap_or(t);
+            let name = name.split('-').next().unwrap_or("").to_string();
+            *by.entry(name).or_default() += 1;
+        }
+    }
+    by
+}
+
+/// Waits until `check` holds for 3 s in a row (the split is stable).
+fn settles(what: &str, within: Duration, mut check: impl FnMut() -> Result<(), String>) {
+    let deadline = Instant::now() + within;
+    let mut since: Option<Instant> = None;
+    loop {
+        match check() {
+            Ok(()) => {
+                let s = *since.get_or_insert_with(Instant::now);
+                if s.elapsed() >= Duration::from_secs(3) {
+                    return;
+                }
+            }
+            Err(e) => {
+                since = None;
+                assert!(Instant::now() < deadline, "{what}: {e}");
+            }
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
+/// The DRF paper's example: one agent of 9 cpus and 18 GiB; A runs tasks
+/// of <1 cpu, 4 GiB>, B of <3 cpus, 1 GiB>. DRF gives A 3 tasks and B 2
+/// (both at a dominant share of 2/3), whichever subscribes first, even
+/// though both take everything they are offered.
+#[test]
+fn greedy_frameworks_get_the_drf_split_whichever_subscribes_first() {
+    for (run, first_a) in [("ab", true), ("ba", false)] {
+        let mut c = Cluster::start(&[]);
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let test: &'static str = if first_a { "drf-ab" } else { "drf-ba" };
+        let a = Greedy::new("A", "default", 1.0, 4096, 0);
+        let b = Greedy::new("B", "default", 3.0, 1024, 0);
+        let (ma, mb) = (a.marker(test), b.marker(test));
+        let order = if first_a { [a, b] } else { [b, a] };
+        for f in order {
+            rt.block_on(f.start(c.master_addr.clone(), test));
+        }
+        // Both are subscribed when the agent's resources appear.
+        c.add_agent(AgentOpts {
+            simulate_gpus: None,
+            extra: vec![
+                "--cpus".into(),
+                "9".into(),
+                "--mem-mib".into(),
+                (18 * 1024).to_string(),
+            ],
+            ..AgentOpts::default()
+        });
+        settles(run, Duration::from_secs(60), || {
+            let live = (live_tasks(&ma), live_tasks(&mb));
+            if live == (3, 2) {
+                Ok(())
+            } else {
+                Err(format!("{run}: live A/B {live:?}"))
+            }
+        });
+        drop(rt);
+    }
+}
+
+/// Roles weighted 1:3 over 16 GPUs: A (weight 1) comes first and takes all
+/// of them; B (weight 3) comes later. As A's tasks end, the GPUs go to the
+/// role furthest below its weight, and the split converges to 4/12.
+#[test]
+fn weighted_roles_converge_to_their_weights_as_tasks_end() {
+    let mut c = Cluster::start(&["--role", "light=weight:1", "--role", "heavy=weight:3"]);
+    for _ in 0..2 {
+        c.add_agent(AgentOpts {
+            simulate_gpus: Some("8xA100-SXM4-40GB"),
+            ..AgentOpts::default()
+        });
+    }
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let test = "weights";
+    let mut a = Greedy::new("A", "light", 0.05, 16, 1);
+    let mut b = Greedy::new("B", "heavy", 0.05, 16, 1);
+    a.run_secs = "3";
+    b.run_secs = "3";
+    let (ma, mb) = (a.marker(test), b.marker(test));
+    rt.block_on(a.start(c.master_addr.clone(), test));
+    settles("A alone", Duration::from_secs(60), || {
+        let n = live_tasks(&ma);
+        (n == 16).then_some(()).ok_or(format!("A runs {n}"))
+    });
+    rt.block_on(b.start(c.master_addr.clone(), test));
+    // Tasks last 3 s and are replaced at once: a few rounds.
+    settles("weights 1:3", Duration::from_secs(90), || {
+        let live = (live_tasks(&ma), live_tasks(&mb));
+        let held = gpus_by_name(&c);
+        let held = (
+            held.get("A").copied().unwrap_or(0),
+            held.get("B").copied().unwrap_or(0),
+        );
+        // A task may be between its end and its replacement.
+        let near = |(a, b): (usize, usize)| (3..=4).contains(&a) && (11..=12).contains(&b);
+        if near(live) && near(held) {
+            Ok(())
+        } else {
+            Err(format!("live A/B {live:?}, GPUs held by A/B {held:?}"))
+        }
+    });
+    drop(rt);
+}
+
+/// A CPU-only framework that takes every cpu it is offered cannot leave
+/// an 8-GPU agent's GPUs without the cpus and memory to use them, even
+/// when GPU agents are offered to all; no offer carries GPUs without
+/// their reserve.
+#[test]
+fn cpu_only_work_cannot_strand_gpus() {
+    let mut c = Cluster::start(&["--offer-gpu-agents-to-all"]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let test = "strand";
+    let cpu = Greedy::new("C", "default", 1.0, 1024, 0);
+    let gpu = Greedy::new("G", "default", 1.0, 1024, 1);
+    let (mc, mg) = (cpu.marker(test), gpu.marker(test));
+    let gpu_offers = gpu.offers.clone();
+    rt.block_on(cpu.start(c.master_addr.clone(), test));
+    c.add_agent(AgentOpts {
+        simulate_gpus: Some("8xA100-SXM4-40GB"),
+        extra: vec![
+            "--cpus".into(),
+            "64".into(),
+            "--mem-mib".into(),
+            (256 * 1024).to_string(),
+        ],
+        ..AgentOpts::default()
+    });
+    // All but the 8 GPUs' reserve (2 cpus, 8 GiB each): 48 tasks.
+    settles("cpu-only", Duration::from_secs(60), || {
+        let n = live_tasks(&mc);
+        (n == 48).then_some(()).ok_or(format!("C runs {n}"))
+    });
+    rt.block_on(gpu.start(c.master_addr.clone(), test));
+    settles("gpu", Duration::from_secs(60), || {
+        let n = live_tasks(&mg);
+        (n == 8).then_some(()).ok_or(format!("G runs {n}"))
+    });
+    for o in gpu_offers.lock().unwrap().iter() {
+        let r = o.resources.unwrap_or_default();
+        let g = o.gpus.len() as f64;
+        assert!(
+            r.cpus + 1e-9 >= 2.0 * g && r.mem_mib as f64 >= 8192.0 * g,
+            "an offer of {} GPUs with {} cpus and {} MiB",
+            o.gpus.len(),
+            r.cpus,
+            r.mem_mib
+        );
+    }
+    drop(rt);
+}
