@@ -17,17 +17,24 @@
 //!   framework id), lowest first (Mesos breaks a tie between roles by role
 //!   name; here the framework share, then the id, does). Roles absent from the role table have weight
 //!   1 and no quota; a weight that is not a positive number counts as 1.
-//! - **Coarse-grained offers.** Agents are visited by id. Each agent with
-//!   something free goes, whole, to the first eligible framework in that
-//!   order; that framework's and its role's allocations then grow, so others
-//!   come first for the next agent. A framework may receive several agents in
-//!   one cycle. What a framework could not take of an agent (the rest of a
-//!   quota slice, or the GPUs a framework without GPU_RESOURCES never sees)
-//!   goes to the next eligible framework, so one agent may appear in several
-//!   offers, each framework at most once.
+//! - **Offers.** Agents are visited by id. An agent that one eligible
+//!   framework alone wants goes to it whole (Mesos' coarse-grained offer).
+//!   An agent that several want is split by progressive filling
+//!   (`split_agent`): the lowest framework in the order gets one unit of
+//!   its [`Demand`], its share grows, and again, until no unit fits (at
+//!   most [`MAX_UNITS_PER_AGENT`] units). Allocations grow as offers are
+//!   made, so others come first for the next agent. A framework may
+//!   receive several agents in one cycle. What a framework could not take
+//!   of an agent (the rest of a quota slice, or the GPUs a framework
+//!   without GPU_RESOURCES never sees) goes to the next eligible
+//!   framework, so one agent may appear in several offers.
+//! - **GPU reserve.** Each free GPU keeps [`AllocatorConfig::gpu_reserve`]
+//!   cpus and memory (at most the agent's own per GPU): a slice without
+//!   the GPU leaves them, a slice with it carries them, and a GPU whose
+//!   reserve the agent no longer has is not offered.
 //! - **Eligibility.** A framework is skipped when it is suppressed, when a
 //!   filter refuses this agent to it ([`Filters`]; from Decline and Accept's
-//!   `refuse_seconds`), or, when [`AllocatorConfig::gpu_agents_for_gpu_frameworks_only`]
+//!   `refuse_seconds`; only while the agent has no more than was declined), or, when [`AllocatorConfig::gpu_agents_for_gpu_frameworks_only`]
 //!   is on (the default) and the agent has GPUs (`total.gpus > 0`), when it
 //!   lacks GPU_RESOURCES. A framework without GPU_RESOURCES is never offered
 //!   GPUs, even when that flag is off (it then gets the cpus and mem).
