@@ -285,19 +285,7 @@ impl Hub {
         framework_id: &str,
         offer_ids: &[String],
     ) -> Result<Vec<allocator::Offer>, TakeOffersError> {
-        let mut g = self.lock();
-        let book = g.offers.as_mut().ok_or(TakeOffersError::NotOffering)?;
-        match book.take(offer_ids, framework_id) {
-            Ok(taken) => Ok(taken),
-            Err(e) => {
-                let released = book.take_outstanding(offer_ids, framework_id);
-                drop(g);
-                if !released.is_empty() {
-                    self.wake();
-                }
-                Err(e.into())
-            }
-        }
+        self.checked_offers(framework_id, offer_ids, true)
     }
 
     /// The offers Accept names, left outstanding: checked like
@@ -308,9 +296,23 @@ impl Hub {
         framework_id: &str,
         offer_ids: &[String],
     ) -> Result<Vec<allocator::Offer>, TakeOffersError> {
+        self.checked_offers(framework_id, offer_ids, false)
+    }
+
+    fn checked_offers(
+        &self,
+        framework_id: &str,
+        offer_ids: &[String],
+        take: bool,
+    ) -> Result<Vec<allocator::Offer>, TakeOffersError> {
         let mut g = self.lock();
         let book = g.offers.as_mut().ok_or(TakeOffersError::NotOffering)?;
-        match book.peek(offer_ids, framework_id) {
+        let checked = if take {
+            book.take(offer_ids, framework_id)
+        } else {
+            book.peek(offer_ids, framework_id)
+        };
+        match checked {
             Ok(offers) => Ok(offers),
             Err(e) => {
                 let released = book.take_outstanding(offer_ids, framework_id);
