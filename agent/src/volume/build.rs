@@ -210,6 +210,9 @@ fn plan(driver_root: &Path) -> Result<Plan, VolumeError> {
         other => other?,
     };
     let mut plan = Plan::default();
+    // Where the driver's libraries are: a driver installed under a prefix
+    // (`/usr/local/nvidia/lib64`) has its programs in that prefix's `bin`.
+    let mut lib_dirs: Vec<PathBuf> = Vec::new();
     let selected = manifest::select_libraries(
         cache
             .entries
@@ -245,6 +248,16 @@ fn plan(driver_root: &Path) -> Result<Plan, VolumeError> {
             }
         };
         let file_name = file_name.to_os_string();
+        if let Some(prefix_bin) = s
+            .path
+            .parent()
+            .and_then(Path::parent)
+            .map(|p| p.join("bin"))
+        {
+            if !lib_dirs.contains(&prefix_bin) {
+                lib_dirs.push(prefix_bin);
+            }
+        }
         plan.files
             .entry((dir, file_name.clone()))
             .or_insert_with(|| real.clone());
@@ -272,16 +285,40 @@ fn plan(driver_root: &Path) -> Result<Plan, VolumeError> {
             root: driver_root.to_path_buf(),
         });
     }
+    let dirs: Vec<PathBuf> = BIN_DIRS
+        .iter()
+        .map(|d| Path::new("/").join(d))
+        .chain(lib_dirs)
+        .collect();
+    // `/bin` is often `/usr/bin`: one warning per real file.
+    let mut skipped: Vec<PathBuf> = Vec::new();
     for b in manifest::BINARIES {
-        for dir in BIN_DIRS {
-            let candidate = Path::new("/").join(dir).join(b.name);
-            if let Some(real) = resolve_in_root(driver_root, &candidate)? {
-                if real.is_file() {
-                    // Under the name it is run as, whatever the real file is called.
-                    plan.files.insert(("bin", b.name.into()), real);
-                    break;
-                }
+        for dir in &dirs {
+            let candidate = dir.join(b.name);
+            let Some(real) = resolve_in_root(driver_root, &candidate)? else {
+                continue;
+            };
+            if !real.is_file() {
+                continue;
             }
+            // Only the driver's own program: a host's wrapper script (one
+            // that finds the real program elsewhere, seen on a GPU sandbox)
+            // would run the image's shell and reach for host paths.
+            if file_elf_class(&real)?.is_none() {
+                if skipped.contains(&real) {
+                    continue;
+                }
+                skipped.push(real);
+                tracing::warn!(
+                    program = %candidate.display(),
+                    root = %driver_root.display(),
+                    "driver program skipped: not an ELF file"
+                );
+                continue;
+            }
+            // Under the name it is run as, whatever the real file is called.
+            plan.files.insert(("bin", b.name.into()), real);
+            break;
         }
     }
     Ok(plan)
@@ -542,12 +579,9 @@ mod tests {
         .unwrap();
         symlink("libnvidia-ml.so.1", l64.join("libnvidia-ml.so")).unwrap();
         symlink("/usr/lib/x86_64-linux-gnu", root.join("lib64")).unwrap();
-        write(
-            &root.join("usr/bin/nvidia-smi.real"),
-            b"#!/bin/sh\necho smi\n",
-        );
+        write(&root.join("usr/bin/nvidia-smi.real"), &elf(2, 777));
         symlink("nvidia-smi.real", root.join("usr/bin/nvidia-smi")).unwrap();
-        write(&root.join("sbin/nvidia-persistenced"), b"#!/bin/sh\n");
+        write(&root.join("sbin/nvidia-persistenced"), &elf(2, 10));
         let cache = encode(
             Format::New,
             &[
@@ -702,7 +736,7 @@ mod tests {
         );
         assert_eq!(
             std::fs::read(p.join("bin/nvidia-smi")).unwrap(),
-            b"#!/bin/sh\necho smi\n"
+            elf(2, 777)
         );
         assert!(p.join("bin/nvidia-persistenced").is_file());
         let names: Vec<String> = listing(p).into_iter().map(|e| e.0).collect();
@@ -731,6 +765,36 @@ mod tests {
             .map(|e| e.unwrap().file_name())
             .collect();
         assert_eq!(volumes, ["nvidia_535.129.03"]);
+    }
+
+    /// A driver installed under a prefix, with a wrapper script in
+    /// `/usr/bin` (as a GPU sandbox had): the volume takes the real program
+    /// from the prefix's `bin`, beside its `lib64`.
+    #[test]
+    fn programs_are_elf_files_found_beside_the_libraries_too() {
+        let t = tempfile::tempdir().unwrap();
+        let (root, work) = (t.path().join("root"), t.path().join("work"));
+        let prefix = root.join("usr/local/nvidia");
+        write(&prefix.join("lib64/libcuda.so.580.1"), &elf(2, 64));
+        symlink("libcuda.so.580.1", prefix.join("lib64/libcuda.so.1")).unwrap();
+        write(&prefix.join("bin/nvidia-smi"), &elf(2, 99));
+        write(
+            &root.join("usr/bin/nvidia-smi"),
+            b"#!/bin/sh\nexec /usr/local/nvidia/bin/nvidia-smi \"$@\"\n",
+        );
+        write(&root.join("usr/bin/nvidia-debugdump"), b"#!/bin/sh\n");
+        let cache = encode(
+            Format::New,
+            &[(X64, "libcuda.so.1", "/usr/local/nvidia/lib64/libcuda.so.1")],
+        );
+        write(&root.join("etc/ld.so.cache"), &cache);
+        let v = build(&root, &work, "580.1").unwrap();
+        assert_eq!(
+            std::fs::read(v.path.join("bin/nvidia-smi")).unwrap(),
+            elf(2, 99)
+        );
+        // A script and nothing better: no program rather than the script.
+        assert!(!v.path.join("bin/nvidia-debugdump").exists());
     }
 
     #[test]

@@ -1,0 +1,285 @@
+#!/bin/bash
+# gpuctl's check on a real GPU host (docs/hardware.md). Run as root on a host
+# with an NVIDIA driver and no other gpuctl running:
+#
+#   GPUCTL_BIN=target/release bash tests/hardware/check.sh
+#
+# It starts a master and an agent on loopback, compares what the agent
+# discovered with nvidia-smi, runs jobs in containers (if dockerd answers)
+# and as host processes, and checks from outside gpuctl (CUDA inside the task,
+# nvidia-smi's process list, the agent's metrics) that each task sees and uses
+# exactly its GPUs, that the driver volume works and is read-only, and that a
+# container's GPU work outlives an agent SIGKILL. Each check prints
+# PASS/FAIL/SKIP; the summary is in $OUT/summary.txt, logs beside it.
+#
+# Env: GPUCTL_BIN (dir of gpuctl, gpuctl-master, gpuctl-agent), OUT (results
+# dir), BUSYBOX (static busybox for the test image), NVCC (to build
+# cudacheck.cu; without it the CUDA checks are skipped).
+set -u
+HERE=$(cd "$(dirname "$0")" && pwd)
+BIN=${GPUCTL_BIN:-target/release}
+BIN=$(cd "$BIN" && pwd)
+OUT=${OUT:-/tmp/gpuctl-hw}
+BUSYBOX=${BUSYBOX:-/bin/busybox}
+NVCC=${NVCC:-nvcc}
+W=$(mktemp -d /tmp/gpuctl-hw.XXXXXX)
+G="$BIN/gpuctl --master 127.0.0.1:17050"
+mkdir -p "$OUT"
+: >"$OUT/summary.txt"
+
+say() { echo "$*" | tee -a "$OUT/summary.txt"; }
+pass() { say "PASS $1: $2"; }
+fail() { say "FAIL $1: $2"; }
+skip() { say "SKIP $1: $2"; }
+check() { # name, detail, condition...
+  local n=$1 d=$2; shift 2
+  if "$@"; then pass "$n" "$d"; else fail "$n" "$d"; fi
+}
+sec() { echo; echo "######## $*"; }
+cleanup() {
+  for p in ${AGENT_PID:-} ${MASTER_PID:-}; do kill "$p" 2>/dev/null; done
+  wait 2>/dev/null
+  umount "$W/cg1/devices" 2>/dev/null
+}
+trap cleanup EXIT
+
+sec host
+nvidia-smi || { fail driver "nvidia-smi does not run"; exit 1; }
+nvidia-smi --query-gpu=index,uuid,name,memory.total,pci.bus_id,serial,driver_version --format=csv
+nvidia-smi topo -m
+ls -l /dev/nvidia* 2>&1
+# Where the driver's files are: what the driver volume is built from.
+for f in $(command -v nvidia-smi) /usr/bin/nvidia-smi /usr/local/nvidia/bin/nvidia-smi; do
+  [ -e "$f" ] && { ls -la "$f"; readlink -f "$f"; head -c 4 "$f" | od -c | head -1; }
+done
+ldconfig -p | grep -E 'libcuda\.|libnvidia-ml\.' ; cat /etc/ld.so.conf.d/* 2>/dev/null | head
+cat /usr/bin/nvidia-smi 2>/dev/null | head -20
+ls -laL /lib/libcuda.so.1 /usr/local/nvidia/lib64/libcuda.so.1 2>&1; md5sum -b /lib/libcuda.so.1 /usr/local/nvidia/lib64/libcuda.so.1 2>&1
+CGV=v1; [ -f /sys/fs/cgroup/cgroup.controllers ] && CGV=v2
+echo "cgroup: $CGV"; cat /proc/self/cgroup
+NGPU=$(nvidia-smi -L | grep -c '^GPU ')
+DRIVER=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1)
+DOCKER=0
+if python3 - <<'EOF' 2>/dev/null; then DOCKER=1; fi
+import socket; s = socket.socket(socket.AF_UNIX); s.connect('/var/run/docker.sock')
+s.send(b'GET /_ping HTTP/1.0\r\n\r\n'); assert b'OK' in s.recv(200)
+EOF
+echo "gpus=$NGPU driver=$DRIVER docker=$DOCKER"
+
+sec "test program and image"
+CUDA=0
+R=$W/rootfs
+mkdir -p "$R/bin" "$R/tmp" "$R/etc"
+if command -v "$NVCC" >/dev/null && "$NVCC" -O2 -cudart static -o "$R/bin/cudacheck" "$HERE/cudacheck.cu"; then
+  CUDA=1
+  for l in $(ldd "$R/bin/cudacheck" | grep -o '/[^ ]*'); do cp --parents -L "$l" "$R/"; done
+  # What libcuda itself loads (a CUDA image has these).
+  for l in libm.so.6 libdl.so.2 libpthread.so.0 librt.so.1; do
+    p=$(ldconfig -p | awk -v l="$l" '$1 == l && /x86-64/ {print $NF; exit}')
+    [ -n "$p" ] && cp --parents -L "$p" "$R/"
+  done
+  "$R/bin/cudacheck" || true
+fi
+if [ "$DOCKER" = 1 ] && [ -x "$BUSYBOX" ]; then
+  cp "$BUSYBOX" "$R/bin/busybox"
+  for c in sh ls cat echo sleep env grep wc head id touch; do ln -sf busybox "$R/bin/$c"; done
+  tar -C "$R" -cf "$W/rootfs.tar" .
+  python3 "$HERE/docker-import.py" "$W/rootfs.tar" gpuctl-hw
+  # An image that asks for every GPU the way NVIDIA's images do.
+  python3 "$HERE/docker-import.py" "$W/rootfs.tar" gpuctl-hw-all 'ENV NVIDIA_VISIBLE_DEVICES=all'
+fi
+
+start_agent() { # extra agent flags
+  "$BIN/gpuctl-agent" --master 127.0.0.1:17050 --listen 127.0.0.1:17051 \
+    --work-dir "$W/agent" --metrics-listen 127.0.0.1:19101 \
+    --health-interval-secs 2 "$@" >>"$OUT/agent.log" 2>&1 &
+  AGENT_PID=$!
+}
+wait_gpus() {
+  for _ in $(seq 60); do
+    [ "$($G gpus --json 2>/dev/null | python3 -c 'import json,sys;print(len(json.load(sys.stdin)))' 2>/dev/null)" = "$NGPU" ] && return 0
+    sleep 1
+  done
+  return 1
+}
+# run NAME SUBMIT-ARGS... -- CMD: submits, waits, leaves the job id in $J and
+# the job's output in $LOG.
+run() {
+  local name=$1; shift
+  J=$($G jobs submit --name "$name" "$@")
+  timeout 200 $G jobs wait "$J" --timeout 180 >/dev/null 2>&1
+  $G jobs get "$J" >"$OUT/job-$name.txt" 2>&1
+  LOG=$($G jobs logs "$J" 2>&1)
+  echo "--- $name ($J)"; cat "$OUT/job-$name.txt"; echo "$LOG"
+}
+has() { grep -q "$1" <<<"$LOG"; }
+hasnt() { ! grep -q "$1" <<<"$LOG"; }
+state() { $G jobs get "$1" --json 2>/dev/null | python3 -c 'import json,sys;print(json.load(sys.stdin)["state"])' 2>/dev/null; }
+metric() { # name, task: the value of the sample of that task
+  python3 - "$1" "$2" <<'EOF'
+import sys, urllib.request
+name, task = sys.argv[1], sys.argv[2]
+body = urllib.request.urlopen('http://127.0.0.1:19101/metrics').read().decode()
+for line in body.splitlines():
+    if line.startswith(name + '{') and f'task="{task}"' in line:
+        print(line.rsplit(' ', 1)[1]); break
+EOF
+}
+
+sec cluster
+"$BIN/gpuctl-master" --listen 127.0.0.1:17050 --data-dir "$W/master" >"$OUT/master.log" 2>&1 &
+MASTER_PID=$!
+start_agent
+if ! wait_gpus; then
+  fail discovery "the agent did not report $NGPU GPUs"; tail -40 "$OUT/agent.log"; exit 1
+fi
+AID=$($G agents list --json | python3 -c 'import json,sys;print(json.load(sys.stdin)[0]["id"])')
+$G agents describe "$AID" | tee "$OUT/describe.txt"
+$G agents list --json | python3 -c 'import json,sys;print(json.dumps([g for a in json.load(sys.stdin) for g in a["gpus"]]))' >"$OUT/gpus.json"
+
+sec discovery
+nvidia-smi -q >"$W/smi-q.txt"
+python3 - "$OUT/gpus.json" "$W/smi-q.txt" <<'EOF' >"$W/disc.txt"
+import csv, json, subprocess, sys
+ours = {g['uuid']: g for g in json.load(open(sys.argv[1]))}
+q = ['index', 'uuid', 'name', 'memory.total', 'pci.bus_id', 'serial']
+rows = csv.reader(subprocess.run(['nvidia-smi', '--query-gpu=' + ','.join(q),
+    '--format=csv,noheader,nounits'], capture_output=True, text=True).stdout.splitlines())
+minors = [l.split(':')[1].strip() for l in open(sys.argv[2]) if l.strip().startswith('Minor Number')]
+for i, r in enumerate(rows):
+    idx, uuid, name, mem, bus, serial = [c.strip() for c in r]
+    g = ours.get(uuid)
+    if g is None:
+        print(f'FAIL discovery.{idx}: {uuid} not reported'); continue
+    want = {'index': int(idx), 'model': name, 'memory_mib': int(mem),
+            'pci_bus_id': bus.lower(), 'serial': '' if serial.startswith('[') else serial,
+            'minor': int(minors[i]) if i < len(minors) else None, 'healthy': True}
+    got = dict(g, pci_bus_id=g['pci_bus_id'].lower())
+    bad = [f'{k}: ours {got.get(k)!r}, nvidia-smi {v!r}' for k, v in want.items()
+           if v is not None and got.get(k) != v]
+    print(('FAIL' if bad else 'PASS') + f' discovery.{idx}: {uuid} ' + ('; '.join(bad) or
+          f"{g['model']}, {g['memory_mib']} MiB, {g['pci_bus_id']}, minor {g['minor']}, cc {g['compute_capability']}"))
+EOF
+while read -r v n rest; do say "$v $n $rest"; done <"$W/disc.txt"
+check discovery.driver "describe shows driver $DRIVER" grep -q "$DRIVER" "$OUT/describe.txt"
+UUID0=$(python3 -c 'import json,sys;print(sorted(json.load(open(sys.argv[1])),key=lambda g:g["index"])[0]["uuid"])' "$OUT/gpus.json")
+
+sec "driver volume"
+VOL=$(ls -d "$W"/agent/volumes/*/ 2>/dev/null | head -1)
+if [ -n "$VOL" ]; then
+  (cd "$VOL" && ls -la bin lib lib64) | tee "$OUT/volume.txt"
+  check volume.libs "libcuda and libnvidia-ml in the volume" \
+    sh -c "ls $VOL/lib64 2>/dev/null | grep -q libcuda.so && ls $VOL/lib64 | grep -q libnvidia-ml.so"
+  check volume.smi "nvidia-smi in the volume" test -e "$VOL/bin/nvidia-smi"
+else
+  fail volume "no driver volume under $W/agent/volumes"
+fi
+
+if [ "$DOCKER" = 1 ]; then
+  sec containers
+  run c-gpu --gpus 1 --image gpuctl-hw:1 -- sh -c 'ls /dev | grep nvidia; echo NVD=$NVIDIA_VISIBLE_DEVICES; env | grep -E "^(PATH|LD_LIBRARY_PATH)="; cat /proc/driver/nvidia/version; LD_DEBUG=libs cudacheck 2>&1 | grep -iE "libcuda|libnvidia|cannot|error" | head -30; /usr/local/nvidia/bin/nvidia-smi -L; echo smi_rc=$?; cudacheck; echo cuda_rc=$?; touch /usr/local/nvidia/x 2>/dev/null && echo VOLUME_WRITABLE; true'
+  check container.succeeded "a 1-GPU container job SUCCEEDED" [ "$(state "$J")" = SUCCEEDED ]
+  check container.smi "nvidia-smi from the driver volume lists the GPU" has "smi_rc=0"
+  check container.ro "the driver volume is read-only" hasnt VOLUME_WRITABLE
+  if [ "$CUDA" = 1 ]; then
+    check container.cuda "CUDA in the container sees one GPU" has "cuda_count=1 "
+    check container.cuda.uuid "and it is $UUID0" has "uuid=$UUID0"
+  fi
+  run c-none --image gpuctl-hw-all:1 -- sh -c 'ls /dev | grep nvidia; echo NVD=$NVIDIA_VISIBLE_DEVICES; cudacheck; echo cuda_rc=$?'
+  check container.nogpu.nodes "a job without GPUs has no /dev/nvidia* (image asks for all)" hasnt '^nvidia'
+  check container.nogpu.env "NVIDIA_VISIBLE_DEVICES=void for it" has "NVD=void"
+  if [ "$CUDA" = 1 ]; then
+    check container.nogpu.cuda "CUDA there finds no device" hasnt 'cuda_count=[1-9]'
+
+    sec "metrics while a task burns its GPU"
+    J=$($G jobs submit --name burn --gpus 1 --image gpuctl-hw:1 -- cudacheck 40)
+    for _ in $(seq 60); do [ "$(state "$J")" = RUNNING ] && break; sleep 1; done
+    TASK=$($G jobs get "$J" --json | python3 -c 'import json,sys;print(json.load(sys.stdin)["tasks"][0]["id"])')
+    sleep 12
+    UTIL=$(metric gpuctl_gpu_utilization_ratio "$TASK")
+    MEMU=$(metric gpuctl_gpu_memory_used_bytes "$TASK")
+    $G top --once | tee "$OUT/top.txt"
+    nvidia-smi --query-gpu=utilization.gpu,memory.used,power.draw --format=csv
+    check metrics.util "utilization of $TASK's GPU is ${UTIL:-missing}" \
+      python3 -c "import sys; sys.exit(not (float('${UTIL:-0}') >= 0.5))"
+    check metrics.memory "memory used on it is ${MEMU:-missing} bytes" \
+      python3 -c "import sys; sys.exit(not (float('${MEMU:-0}') > 0))"
+    check metrics.top "gpuctl top names the task" grep -q "$J" "$OUT/top.txt"
+
+    sec "agent SIGKILL while the task burns"
+    PIDS_BEFORE=$(nvidia-smi --query-compute-apps=pid --format=csv,noheader | sort | tr '\n' ' ')
+    kill -9 "$AGENT_PID"; wait "$AGENT_PID" 2>/dev/null
+    sleep 2
+    PIDS_DOWN=$(nvidia-smi --query-compute-apps=pid --format=csv,noheader | sort | tr '\n' ' ')
+    start_agent
+    sleep 8
+    check fault.alive "the GPU process outlived the agent's SIGKILL ($PIDS_BEFORE)" \
+      [ -n "$PIDS_BEFORE" -a "$PIDS_BEFORE" = "$PIDS_DOWN" ]
+    check fault.running "the job is RUNNING again under the restarted agent" [ "$(state "$J")" = RUNNING ]
+    timeout 100 $G jobs wait "$J" --timeout 90 >/dev/null 2>&1
+    LOG=$($G jobs logs "$J" 2>&1)
+    check fault.done "it then SUCCEEDED" [ "$(state "$J")" = SUCCEEDED ]
+    check fault.output "with the output of its whole run" has "burn done"
+
+    sec "cancel frees the GPU"
+    J=$($G jobs submit --name cancel --gpus 1 --image gpuctl-hw:1 -- cudacheck 300)
+    for _ in $(seq 60); do [ -n "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader)" ] && break; sleep 1; done
+    $G jobs cancel "$J"
+    for _ in $(seq 30); do [ -z "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader)" ] && break; sleep 1; done
+    check cancel.gone "no process left on the GPU after cancel" \
+      [ -z "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader)" ]
+  fi
+else
+  skip containers "dockerd does not answer on /var/run/docker.sock"
+fi
+
+sec "host processes"
+run p-gpu --gpus 1 -- sh -c 'nvidia-smi -L; echo NVD=$NVIDIA_VISIBLE_DEVICES'
+P_GPU=$(state "$J")
+run p-none -- sh -c 'cat /dev/nvidia0 2>&1 | head -c 200; echo; nvidia-smi -L 2>&1 | head -3'
+P_NONE=$(state "$J")
+if [ "$CGV" = v2 ]; then
+  # gpuctl does not install an eBPF device filter yet (issue 19): it must
+  # refuse such tasks rather than run them unisolated.
+  check process.v2.refused "cgroup v2: a host-process task is refused ($P_GPU, $P_NONE)" \
+    [ "$P_GPU" = FAILED -a "$P_NONE" = FAILED ]
+  grep -h "refused\|eBPF" "$OUT"/job-p-*.txt | head -2
+else
+  check process.gpu "a 1-GPU host process SUCCEEDED and nvidia-smi saw the GPU" \
+    [ "$P_GPU" = SUCCEEDED ]
+  check process.nogpu "a host process without GPUs is denied /dev/nvidia0" \
+    has "Operation not permitted"
+fi
+
+# On a v2 host the devices controller is free for a v1 hierarchy (v2 has
+# none; it uses eBPF). Mounted beside v2, it lets the agent's v1 isolation of
+# host processes be checked against the real driver.
+if [ "$CGV" = v2 ]; then
+  sec "host processes under a v1 devices hierarchy beside v2"
+  mkdir -p "$W/cg1/devices"
+  if mount -t cgroup -o devices none "$W/cg1/devices" 2>"$W/mount.err"; then
+    kill "$AGENT_PID"; wait "$AGENT_PID" 2>/dev/null
+    start_agent --cgroup-root "$W/cg1"
+    wait_gpus || fail v1.agent "the agent did not come back"
+    sleep 2
+    run v1-gpu --gpus 1 -- sh -c 'nvidia-smi -L; echo smi_rc=$?; echo NVD=$NVIDIA_VISIBLE_DEVICES'
+    check process.v1.gpu "a 1-GPU host process SUCCEEDED" [ "$(state "$J")" = SUCCEEDED ]
+    check process.v1.smi "nvidia-smi in it lists the GPU" has "smi_rc=0"
+    if [ "$CUDA" = 1 ]; then
+      run v1-cuda --gpus 1 -- "$R/bin/cudacheck"
+      check process.v1.cuda "CUDA in a 1-GPU host process sees $UUID0" has "uuid=$UUID0"
+      run v1-cuda-none -- "$R/bin/cudacheck"
+      check process.v1.cuda.none "CUDA in a host process without GPUs finds no device" hasnt 'cuda_count=[1-9]'
+    fi
+    run v1-none -- sh -c 'cat /dev/nvidia0 2>&1 | head -c 200; cat /dev/nvidiactl 2>&1 | head -c 200; echo'
+    check process.v1.denied "a host process without GPUs is denied /dev/nvidia0" has "Operation not permitted"
+  else
+    skip process.v1 "mounting a v1 devices hierarchy failed: $(cat "$W/mount.err")"
+  fi
+fi
+
+sec logs
+tail -40 "$OUT/agent.log"; tail -20 "$OUT/master.log"
+echo
+cat "$OUT/summary.txt"
+! grep -q '^FAIL' "$OUT/summary.txt"
