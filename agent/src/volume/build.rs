@@ -290,9 +290,13 @@ fn plan(driver_root: &Path) -> Result<Plan, VolumeError> {
         .map(|d| Path::new("/").join(d))
         .chain(lib_dirs)
         .collect();
-    // `/bin` is often `/usr/bin`: one warning per real file.
-    let mut skipped: Vec<PathBuf> = Vec::new();
     for b in manifest::BINARIES {
+        // The first ELF file wins; a script only when there is none. A
+        // host's wrapper script (a GPU sandbox's `/usr/bin/nvidia-smi` runs
+        // `/usr/local/nvidia/bin/nvidia-smi`) would run in the container,
+        // where that path is the volume's own copy of the script.
+        let mut script = None;
+        let mut elf = None;
         for dir in &dirs {
             let candidate = dir.join(b.name);
             let Some(real) = resolve_in_root(driver_root, &candidate)? else {
@@ -301,25 +305,26 @@ fn plan(driver_root: &Path) -> Result<Plan, VolumeError> {
             if !real.is_file() {
                 continue;
             }
-            // Only the driver's own program: a host's wrapper script (one
-            // that finds the real program elsewhere, seen on a GPU sandbox)
-            // would run the image's shell and reach for host paths.
-            if file_elf_class(&real)?.is_none() {
-                if skipped.contains(&real) {
-                    continue;
-                }
-                skipped.push(real);
+            if file_elf_class(&real)?.is_some() {
+                elf = Some(real);
+                break;
+            }
+            script.get_or_insert((candidate, real));
+        }
+        let chosen = match (elf, script) {
+            (Some(real), _) => real,
+            (None, Some((candidate, real))) => {
                 tracing::warn!(
                     program = %candidate.display(),
                     root = %driver_root.display(),
-                    "driver program skipped: not an ELF file"
+                    "driver program is not an ELF file (a wrapper?); taken, as there is no other"
                 );
-                continue;
+                real
             }
-            // Under the name it is run as, whatever the real file is called.
-            plan.files.insert(("bin", b.name.into()), real);
-            break;
-        }
+            (None, None) => continue,
+        };
+        // Under the name it is run as, whatever the real file is called.
+        plan.files.insert(("bin", b.name.into()), chosen);
     }
     Ok(plan)
 }
@@ -581,7 +586,7 @@ mod tests {
         symlink("/usr/lib/x86_64-linux-gnu", root.join("lib64")).unwrap();
         write(&root.join("usr/bin/nvidia-smi.real"), &elf(2, 777));
         symlink("nvidia-smi.real", root.join("usr/bin/nvidia-smi")).unwrap();
-        write(&root.join("sbin/nvidia-persistenced"), &elf(2, 10));
+        write(&root.join("sbin/nvidia-persistenced"), b"#!/bin/sh\n");
         let cache = encode(
             Format::New,
             &[
@@ -769,7 +774,7 @@ mod tests {
 
     /// A driver installed under a prefix, with a wrapper script in
     /// `/usr/bin` (as a GPU sandbox had): the volume takes the real program
-    /// from the prefix's `bin`, beside its `lib64`.
+    /// from the prefix's `bin`, beside its `lib64`, over the script.
     #[test]
     fn programs_are_elf_files_found_beside_the_libraries_too() {
         let t = tempfile::tempdir().unwrap();
@@ -793,8 +798,11 @@ mod tests {
             std::fs::read(v.path.join("bin/nvidia-smi")).unwrap(),
             elf(2, 99)
         );
-        // A script and nothing better: no program rather than the script.
-        assert!(!v.path.join("bin/nvidia-debugdump").exists());
+        // A script and nothing better: the script.
+        assert_eq!(
+            std::fs::read(v.path.join("bin/nvidia-debugdump")).unwrap(),
+            b"#!/bin/sh\n"
+        );
     }
 
     #[test]
