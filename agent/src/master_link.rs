@@ -528,7 +528,7 @@ async fn send_batch(
 ) -> Sent {
     let batch: Vec<StatusUpdate> = queues
         .values()
-        .filter_map(|q| q.front().cloned())
+        .filter_map(with_latest_state)
         .take(MAX_STATUS_BATCH)
         .collect();
     let (addr, result) = match masters.client() {
@@ -577,6 +577,18 @@ async fn send_batch(
     sent
 }
 
+/// A task's next update to send, saying the state of the newest one
+/// queued behind it: a task that ended while an earlier update waits for
+/// its framework's acknowledgement frees its GPUs in the master at once.
+fn with_latest_state(queue: &VecDeque<StatusUpdate>) -> Option<StatusUpdate> {
+    let mut next = queue.front()?.clone();
+    next.latest_state = queue
+        .back()
+        .filter(|_| queue.len() > 1)
+        .map(|last| last.state);
+    Some(next)
+}
+
 /// One `UpdateStatus` call per task, for a master without UpdateStatuses.
 async fn send_each(
     masters: &Masters,
@@ -585,7 +597,7 @@ async fn send_each(
 ) -> Sent {
     let mut sent = Sent::Waiting;
     for queue in queues.values_mut() {
-        let Some(update) = queue.front() else {
+        let Some(update) = with_latest_state(queue) else {
             continue;
         };
         let (addr, result) = match masters.client() {

@@ -956,6 +956,18 @@ impl TryFrom<pb::StatusUpdate> for StatusUpdate {
                 format!("REASON_FENCED needs a final state (KILLED), not {state}"),
             ));
         }
+        let latest_state = match u.latest_state {
+            0 => None,
+            v => match task_state_from_pb("latest_state", v)? {
+                TaskState::Unreachable => {
+                    return Err(ConvertError::new(
+                        "latest_state",
+                        "TASK_UNREACHABLE is set by the master, not reported by agents",
+                    ))
+                }
+                s => Some(s),
+            },
+        };
         Ok(StatusUpdate {
             agent_id: u.agent_id,
             task_id: u.task_id,
@@ -965,6 +977,7 @@ impl TryFrom<pb::StatusUpdate> for StatusUpdate {
             uuid: u.uuid,
             gpu_unhealthy: u.reason == pb::Reason::GpuUnhealthy as i32,
             fenced,
+            latest_state,
         })
     }
 }
@@ -985,6 +998,11 @@ impl From<StatusUpdate> for pb::StatusUpdate {
             } else {
                 pb::Reason::Unspecified as i32
             },
+            latest_state: u
+                .latest_state
+                .map_or(pb::TaskState::Unspecified as i32, |s| {
+                    pb::TaskState::from(s) as i32
+                }),
         }
     }
 }
@@ -1980,6 +1998,7 @@ mod tests {
             message: "no leader for 75s".into(),
             uuid: b"u".to_vec(),
             reason: reason as i32,
+            latest_state: 0,
         }
     }
 

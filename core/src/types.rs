@@ -405,6 +405,11 @@ pub struct StatusUpdate {
     /// fence timeout (wire: state KILLED, reason REASON_FENCED).
     #[serde(default)]
     pub fenced: bool,
+    /// The state of a newer update the agent holds behind this one (until
+    /// this one is acknowledged); a final one means the task's processes
+    /// are gone and its GPUs may be given again. None: this is the latest.
+    #[serde(default)]
+    pub latest_state: Option<TaskState>,
 }
 
 /// Whether one of an agent's container runtimes works now, as its last

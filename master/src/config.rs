@@ -240,6 +240,10 @@ pub struct Options {
         default_value_t = 100
     )]
     pub allocation_interval_ms: u64,
+    /// Seconds before a task update its framework has not acknowledged is
+    /// sent to it again (then twice as long each time, up to 600 s).
+    #[arg(long, env = "GPUCTL_MASTER_UPDATE_RESEND_SECS", default_value_t = 10.0)]
+    pub update_resend_secs: f64,
     /// Cpus kept for each free GPU of an agent (at most the agent's cpus
     /// per GPU): offers without the GPU leave them, an offer with it
     /// carries them.
@@ -400,6 +404,7 @@ struct FileOptions {
     offer_gpu_agents_to_all: Option<bool>,
     offer_timeout_secs: Option<f64>,
     allocation_interval_ms: Option<u64>,
+    update_resend_secs: Option<f64>,
     gpu_reserved_cpus: Option<f64>,
     gpu_reserved_mem_mib: Option<u64>,
     peers: Option<String>,
@@ -501,6 +506,9 @@ impl Options {
                 unset(&matches, "allocation_interval_ms"),
             ) {
                 o.allocation_interval_ms = v;
+            }
+            if let (Some(v), true) = (f.update_resend_secs, unset(&matches, "update_resend_secs")) {
+                o.update_resend_secs = v;
             }
             if let (Some(v), true) = (f.gpu_reserved_cpus, unset(&matches, "gpu_reserved_cpus")) {
                 o.gpu_reserved_cpus = v;
@@ -652,6 +660,7 @@ impl Options {
                 },
                 offer_timeout: secs("offer_timeout_secs", self.offer_timeout_secs)?,
                 allocation_interval: Duration::from_millis(self.allocation_interval_ms),
+                update_resend_interval: secs("update_resend_secs", self.update_resend_secs)?,
             },
         };
         config.check_timeouts()?;

@@ -57,6 +57,7 @@ impl Greedy {
         }
         let mut events = client
             .subscribe(pb::SubscribeRequest {
+                suppressed: false,
                 framework: Some(pb::FrameworkInfo {
                     name: self.name.into(),
                     roles: vec![self.role.into()],

@@ -111,6 +111,7 @@ fn offers_name_gpus_and_bad_accepts_are_refused_leaving_the_offers() {
         // Bad input names the field.
         let err = client
             .subscribe(pb::SubscribeRequest {
+                suppressed: false,
                 framework: Some(pb::FrameworkInfo {
                     name: String::new(),
                     ..Default::default()
@@ -123,6 +124,7 @@ fn offers_name_gpus_and_bad_accepts_are_refused_leaving_the_offers() {
 
         let mut events = client
             .subscribe(pb::SubscribeRequest {
+                suppressed: false,
                 framework: Some(pb::FrameworkInfo {
                     name: "raw".into(),
                     roles: vec!["ml".into()],
@@ -323,6 +325,7 @@ fn info(id: &str, failover_secs: f64) -> pb::SubscribeRequest {
             capabilities: vec![pb::FrameworkCapability::GpuResources as i32],
             failover_timeout_secs: failover_secs,
         }),
+        suppressed: false,
     }
 }
 
@@ -661,5 +664,183 @@ fn replaced_and_torn_down_streams_end_with_error_and_suppress_honours_roles() {
             .await
             .expect("the torn down stream ends");
         assert!(end.is_none(), "{end:?}");
+    });
+}
+
+/// Whether a live process has `marker` in its command line (from /proc,
+/// not from gpuctl).
+fn process_alive(marker: &str) -> bool {
+    std::fs::read_dir("/proc").unwrap().flatten().any(|e| {
+        std::fs::read(e.path().join("cmdline"))
+            .map(|c| String::from_utf8_lossy(&c).contains(marker))
+            .unwrap_or(false)
+    })
+}
+
+/// An update whose acknowledgement does not come is forwarded again on
+/// the same stream; and the task, ended on its agent meanwhile, frees its
+/// GPU at once (the agent's latest_state), though its framework hears of
+/// the end only after acknowledging the earlier updates.
+#[test]
+fn unacknowledged_updates_are_resent_and_an_ended_task_frees_its_gpu_at_once() {
+    let mut c = Cluster::start(&["--update-resend-secs", "1"]);
+    let agent = c.add_agent(AgentOpts::default());
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let addr = format!("http://{}", c.master_addr);
+        let mut client = SchedulerClient::connect(addr).await.unwrap();
+        let mut events = client.subscribe(info("", 30.0)).await.unwrap().into_inner();
+        let pb::event::Event::Subscribed(sub) = next_event(&mut events, |e| {
+            matches!(e, pb::event::Event::Subscribed(_))
+        })
+        .await
+        else {
+            unreachable!()
+        };
+        let fw = sub.framework_id;
+        let pb::event::Event::Offers(offers) =
+            next_event(&mut events, |e| matches!(e, pb::event::Event::Offers(_))).await
+        else {
+            unreachable!()
+        };
+        let offer = &offers.offers[0];
+        let gpu = offer.gpus[0].uuid.clone();
+        let marker = format!("gpuctl-latest-state-{}", std::process::id());
+        client
+            .accept(pb::AcceptRequest {
+                framework_id: fw.clone(),
+                offer_ids: vec![offer.id.clone()],
+                operations: vec![pb::Operation {
+                    operation: Some(pb::operation::Operation::Launch(pb::Launch {
+                        tasks: vec![pb::TaskInfo {
+                            task_id: "quick".into(),
+                            agent_id: agent.clone(),
+                            command: vec![
+                                "sh".into(),
+                                "-c".into(),
+                                "sleep 1; true".into(),
+                                marker.clone(),
+                            ],
+                            resources: Some(pb::Resources {
+                                cpus: 0.1,
+                                mem_mib: 16,
+                                gpus: 1,
+                            }),
+                            gpu_uuids: vec![gpu.clone()],
+                            ..Default::default()
+                        }],
+                    })),
+                }],
+                filters: None,
+            })
+            .await
+            .unwrap();
+        let quick = |e: &pb::event::Event| {
+            matches!(e, pb::event::Event::Update(u) if u.task_id == "quick" && !u.uuid.is_empty())
+        };
+        let pb::event::Event::Update(first) = next_event(&mut events, quick).await else {
+            unreachable!()
+        };
+        assert_eq!(first.state, pb::TaskState::TaskStarting as i32);
+        // Not acknowledged: the same update again, on the same stream.
+        let pb::event::Event::Update(again) = next_event(&mut events, quick).await else {
+            unreachable!()
+        };
+        assert_eq!((again.state, &again.uuid), (first.state, &first.uuid));
+
+        // The task ends on the agent (RUNNING and FINISHED wait behind the
+        // unacknowledged STARTING): its process is gone, and its GPU is
+        // free in the master and offered again, while the framework still
+        // sees STARTING.
+        let freed = tokio::time::timeout(Duration::from_secs(20), async {
+            loop {
+                let gpus: serde_json::Value =
+                    serde_json::from_str(&c.ok(&["gpus", "--json"])).unwrap();
+                let ours = gpus
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .find(|g| g["uuid"] == gpu.as_str())
+                    .cloned()
+                    .unwrap();
+                if ours["task_id"].is_null() && !process_alive(&marker) {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        })
+        .await;
+        assert!(freed.is_ok(), "the ended task's GPU was not freed");
+        let pb::event::Event::Offers(o) = next_event(&mut events, |e| {
+            matches!(e, pb::event::Event::Offers(o)
+                if o.offers.iter().any(|o| o.gpus.iter().any(|g| g.uuid == gpu)))
+        })
+        .await
+        else {
+            unreachable!()
+        };
+        assert!(!o.offers.is_empty());
+
+        // Acknowledging brings the rest, in order.
+        let mut seen = vec![first.state];
+        let mut u = first;
+        loop {
+            client
+                .acknowledge(pb::AcknowledgeRequest {
+                    framework_id: fw.clone(),
+                    agent_id: u.agent_id.clone(),
+                    task_id: u.task_id.clone(),
+                    uuid: u.uuid.clone(),
+                })
+                .await
+                .unwrap();
+            if u.state == pb::TaskState::TaskFinished as i32 {
+                break;
+            }
+            let prev = u.uuid.clone();
+            let pb::event::Event::Update(next) = next_event(&mut events, |e| {
+                matches!(e, pb::event::Event::Update(x)
+                    if x.task_id == "quick" && !x.uuid.is_empty() && x.uuid != prev)
+            })
+            .await
+            else {
+                unreachable!()
+            };
+            seen.push(next.state);
+            u = next;
+        }
+        assert_eq!(
+            seen,
+            vec![
+                pb::TaskState::TaskStarting as i32,
+                pb::TaskState::TaskRunning as i32,
+                pb::TaskState::TaskFinished as i32
+            ]
+        );
+
+        // Reconciling a task the master never knew: LOST, and said why.
+        client
+            .reconcile(pb::ReconcileRequest {
+                framework_id: fw.clone(),
+                tasks: vec![pb::ReconcileTask {
+                    task_id: "never-launched".into(),
+                    agent_id: agent.clone(),
+                }],
+            })
+            .await
+            .unwrap();
+        let pb::event::Event::Update(u) = next_event(&mut events, |e| {
+            matches!(e, pb::event::Event::Update(u) if u.task_id == "never-launched")
+        })
+        .await
+        else {
+            unreachable!()
+        };
+        assert_eq!(u.state, pb::TaskState::TaskLost as i32);
+        assert_eq!(u.reason, pb::Reason::TaskUnknown as i32);
+        assert!(u.uuid.is_empty());
     });
 }

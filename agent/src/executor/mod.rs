@@ -623,6 +623,7 @@ impl Executor {
             uuid: uuid::Uuid::new_v4().as_bytes().to_vec(),
             gpu_unhealthy: false,
             fenced: false,
+            latest_state: None,
         }
     }
 

@@ -133,6 +133,9 @@ class Framework:
         self._call = None          # the Subscribe call (the event stream)
         self._resubscribe = False  # end this stream and subscribe again
         self._closed = False
+        # Restated at each subscription: the master keeps suppression in
+        # the leader's memory only, so a new leader learns it from us.
+        self._suppressed = False
 
     @property
     def framework_id(self):
@@ -215,7 +218,8 @@ class Framework:
                 with self._lock:
                     self._resubscribe = False
                     self._connect(addr)
-                    call = self._stub.Subscribe(pb.SubscribeRequest(framework=self.info))
+                    call = self._stub.Subscribe(pb.SubscribeRequest(
+                        framework=self.info, suppressed=self._suppressed))
                     self._call = call
                 events = queue.Queue()
                 threading.Thread(target=_pump, args=(call, events),
@@ -326,20 +330,23 @@ class Framework:
         self._rpc("Reconcile", pb.ReconcileRequest(framework_id=self.info.id, tasks=wanted))
 
     def suppress(self, roles=None):
-        """Stops offers until revive()."""
+        """Stops offers until revive(), across re-subscriptions and
+        failovers too (the client restates it when it subscribes)."""
         self._rpc("Suppress", pb.SuppressRequest(
             framework_id=self.info.id, roles=list(self.info.roles if roles is None else roles)))
+        self._suppressed = True
 
     def revive(self, roles=None):
         """Clears this framework's filters and resumes offers."""
         self._rpc("Revive", pb.ReviveRequest(
             framework_id=self.info.id, roles=list(self.info.roles if roles is None else roles)))
+        self._suppressed = False
 
     def resubscribe(self):
         """Ends the current stream: events() subscribes again, with the
-        framework id. The master then resends every update not yet
-        acknowledged (it forwards each update once per subscription, so an
-        update whose Acknowledge failed comes back only this way)."""
+        framework id. The master then resends at once every update not yet
+        acknowledged (on the same stream it resends them too, after
+        --update-resend-secs, doubling)."""
         with self._lock:
             self._resubscribe = True
             if self._call is not None:

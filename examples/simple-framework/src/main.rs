@@ -261,6 +261,7 @@ impl Framework {
             };
             let request = pb::SubscribeRequest {
                 framework: Some(self.info.clone()),
+                suppressed: false,
             };
             match client.subscribe(request).await {
                 Ok(response) => {

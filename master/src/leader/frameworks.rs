@@ -41,7 +41,14 @@ pub struct FrameworkSettings {
     /// that come or call within one round share it; resources freed or
     /// added, and a Revive, start a round at once.
     pub allocation_interval: Duration,
+    /// An update its framework has not acknowledged is sent again after
+    /// this, then after twice as long each time, up to
+    /// [`MAX_UPDATE_RESEND`] (Mesos' status update retry, 10 s to 10 min).
+    pub update_resend_interval: Duration,
 }
+
+/// The longest wait between two sends of an unacknowledged update.
+pub const MAX_UPDATE_RESEND: Duration = Duration::from_secs(600);
 
 impl Default for FrameworkSettings {
     fn default() -> Self {
@@ -50,6 +57,7 @@ impl Default for FrameworkSettings {
             allocator: AllocatorConfig::default(),
             offer_timeout: Duration::from_secs(30),
             allocation_interval: DEFAULT_ALLOCATION_INTERVAL,
+            update_resend_interval: Duration::from_secs(10),
         }
     }
 }
@@ -67,8 +75,9 @@ struct Inner {
     suppressed: BTreeSet<String>,
     filters: Filters,
     offers: Option<OfferBook>,
-    /// The last (state, update uuid) sent per task, to send each change once.
-    sent: BTreeMap<String, (TaskState, Vec<u8>)>,
+    /// The last update sent per task: each change is sent once, and again
+    /// while unacknowledged.
+    sent: BTreeMap<String, Sent>,
     lost_agents: BTreeSet<String>,
     last_heartbeat: Option<Instant>,
     /// Agents with accepted offers being launched on (see `Hub::launching`).
@@ -79,6 +88,25 @@ struct Inner {
     prompt: bool,
     /// The free resources at the last round, to see what was freed since.
     last_free: FreeMark,
+}
+
+/// A task's update as last sent to its framework.
+struct Sent {
+    /// (state, update uuid): a change of either is a new update.
+    key: (TaskState, Vec<u8>),
+    at: Instant,
+    /// Sends of this update after the first.
+    resends: u32,
+}
+
+impl Sent {
+    /// When it is due again if still unacknowledged.
+    fn due(&self, first: Duration) -> Instant {
+        let wait = first
+            .saturating_mul(1u32 << self.resends.min(16))
+            .min(MAX_UPDATE_RESEND.max(first));
+        self.at + wait
+    }
 }
 
 /// The cluster's free resources, summed: when any grows, a round starts.
@@ -231,7 +259,30 @@ impl Hub {
     /// Attaches a framework's event stream (replacing an older one) and
     /// queues SUBSCRIBED. Returns the connection id.
     pub fn connect(&self, framework_id: &str, tx: EventSender) -> u64 {
+        self.connect_suppressed(framework_id, tx, None)
+    }
+
+    /// [`connect`](Self::connect), the subscription stating whether the
+    /// framework wants offers (`Some`), as Mesos' SUBSCRIBE states its
+    /// suppressed roles: suppression is the leader's memory, not Raft's, so
+    /// a framework restates it when it subscribes at a new leader. `None`
+    /// keeps what this leader knew.
+    pub fn connect_suppressed(
+        &self,
+        framework_id: &str,
+        tx: EventSender,
+        suppressed: Option<bool>,
+    ) -> u64 {
         let mut g = self.lock();
+        match suppressed {
+            Some(true) => {
+                g.suppressed.insert(framework_id.to_string());
+            }
+            Some(false) => {
+                g.suppressed.remove(framework_id);
+            }
+            None => {}
+        }
         g.next_conn += 1;
         let id = g.next_conn;
         let _ = tx.try_send(Ok(event(pb::event::Event::Subscribed(pb::Subscribed {
@@ -530,7 +581,12 @@ fn cycle(raft: &RaftHandle, hub: &Hub, settings: &FrameworkSettings, round: bool
         // Ids unique across leaders: start from the clock.
         g.offers = Some(OfferBook::starting_at(now));
     }
-    forward_updates(&state, &mut g);
+    forward_updates(
+        &state,
+        &mut g,
+        Instant::now(),
+        settings.update_resend_interval,
+    );
     forward_failures(&state, &mut g);
     rescind_stale(&state, &mut g, now, settings.offer_timeout);
     heartbeat(&mut g);
@@ -546,7 +602,10 @@ fn cycle(raft: &RaftHandle, hub: &Hub, settings: &FrameworkSettings, round: bool
     expired
 }
 
-fn forward_updates(state: &State, g: &mut Inner) {
+/// Sends each task's new update to its connected framework, and sends an
+/// unacknowledged one again (its Acknowledge may have been lost) with a
+/// growing wait, as Mesos' agents retry until the framework acknowledges.
+fn forward_updates(state: &State, g: &mut Inner, now: Instant, resend_after: Duration) {
     let Inner { conns, sent, .. } = g;
     // Tasks forgotten by the retention pass would stay here for as long as
     // their framework stays connected.
@@ -560,24 +619,38 @@ fn forward_updates(state: &State, g: &mut Inner) {
             continue;
         };
         let key = (t.state, t.last_update_uuid.clone());
-        if sent.get(&t.id) == Some(&key) {
+        let send = || {
+            conn.tx
+                .try_send(Ok(event(pb::event::Event::Update(task_status(t, None)))))
+                .is_ok()
+        };
+        if let Some(s) = sent.get_mut(&t.id).filter(|s| s.key == key) {
+            // UNREACHABLE is the master's word: nothing to acknowledge.
+            let unacked = t.state != TaskState::Unreachable
+                && !t.last_update_uuid.is_empty()
+                && t.acked_uuid != t.last_update_uuid;
+            if unacked && now >= s.due(resend_after) && send() {
+                s.at = now;
+                s.resends += 1;
+            }
             continue;
         }
+        let first = Sent {
+            key,
+            at: now,
+            resends: 0,
+        };
         // Nothing new for a task that ended and was acknowledged before the
         // framework (re)connected.
         if t.state.is_terminal()
             && !t.last_update_uuid.is_empty()
             && t.acked_uuid == t.last_update_uuid
         {
-            sent.insert(t.id.clone(), key);
+            sent.insert(t.id.clone(), first);
             continue;
         }
-        if conn
-            .tx
-            .try_send(Ok(event(pb::event::Event::Update(task_status(t, None)))))
-            .is_ok()
-        {
-            sent.insert(t.id.clone(), key);
+        if send() {
+            sent.insert(t.id.clone(), first);
         }
     }
 }
@@ -878,6 +951,7 @@ mod tests {
                     uuid: b"u1".to_vec(),
                     gpu_unhealthy: false,
                     fenced: false,
+                    latest_state: None,
                 },
                 at_ms: 1,
             },
@@ -1144,6 +1218,7 @@ mod tests {
                     uuid: b"u1".to_vec(),
                     gpu_unhealthy: false,
                     fenced: false,
+                    latest_state: None,
                 },
                 at_ms: 30,
             },
@@ -1162,6 +1237,72 @@ mod tests {
             .unwrap();
         assert_eq!(again.gpu_uuids.len(), 2);
         assert_eq!(again.resources, freed);
+    }
+
+    /// A subscription states the framework's suppression (a new leader
+    /// knows nothing of it otherwise): suppressed, no offers; subscribed
+    /// again unsuppressed, offers.
+    #[test]
+    fn a_subscription_states_suppression() {
+        let (s, key) = running_task();
+        let f = s.task(&key).map(|t| t.framework_id.clone()).unwrap();
+        let hub = Hub::default();
+        let (tx, _rx) = mpsc::channel(EVENT_BUFFER);
+        hub.connect_suppressed(&f, tx, Some(true));
+        hub.lock().offers = Some(OfferBook::new());
+        let settings = FrameworkSettings::default();
+        assert_eq!(allocate(&s, &mut hub.lock(), &settings, 10), 0);
+        // Re-subscribing without saying keeps it; saying false ends it.
+        let (tx, _rx2) = mpsc::channel(EVENT_BUFFER);
+        hub.connect(&f, tx);
+        assert_eq!(allocate(&s, &mut hub.lock(), &settings, 20), 0);
+        let (tx, _rx3) = mpsc::channel(EVENT_BUFFER);
+        hub.connect_suppressed(&f, tx, Some(false));
+        assert_eq!(allocate(&s, &mut hub.lock(), &settings, 30), 1);
+    }
+
+    /// An update whose Acknowledge never came is sent again on the same
+    /// connection after 10 s, then 20 s, 40 s, ...; once acknowledged, not.
+    #[test]
+    fn unacknowledged_updates_are_sent_again_with_a_growing_wait() {
+        let (mut s, key) = running_task();
+        let f = s.task(&key).map(|t| t.framework_id.clone()).unwrap();
+        let (hub, mut rx) = offering_hub(&s, &f);
+        let every = Duration::from_secs(10);
+        let t0 = Instant::now();
+        let _ = rx.try_recv(); // SUBSCRIBED
+        let mut updates_at = |s: &State, secs: u64| {
+            forward_updates(s, &mut hub.lock(), t0 + Duration::from_secs(secs), every);
+            let mut n = 0;
+            while let Ok(e) = rx.try_recv() {
+                match e.unwrap().event {
+                    Some(pb::event::Event::Update(u)) => {
+                        assert_eq!(u.uuid, b"u1");
+                        assert_eq!(u.state, pb::TaskState::TaskRunning as i32);
+                        n += 1;
+                    }
+                    other => panic!("{other:?}"),
+                }
+            }
+            n
+        };
+        assert_eq!(updates_at(&s, 0), 1, "sent");
+        assert_eq!(updates_at(&s, 9), 0);
+        assert_eq!(updates_at(&s, 10), 1, "again after 10 s");
+        assert_eq!(updates_at(&s, 29), 0);
+        assert_eq!(updates_at(&s, 30), 1, "then after 20 s");
+        assert_eq!(updates_at(&s, 69), 0);
+        assert_eq!(updates_at(&s, 70), 1, "then after 40 s");
+        s.apply(
+            100,
+            &Command::AcknowledgeUpdate {
+                framework_id: f.clone(),
+                framework_task_id: "t1".into(),
+                uuid: b"u1".to_vec(),
+            },
+        )
+        .unwrap();
+        assert_eq!(updates_at(&s, 1000), 0, "acknowledged: never again");
     }
 
     #[test]

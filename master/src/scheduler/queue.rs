@@ -829,6 +829,7 @@ mod tests {
                     uuid: Vec::new(),
                     gpu_unhealthy: false,
                     fenced: false,
+                    latest_state: None,
                 },
                 at_ms: 0,
             });

@@ -333,13 +333,14 @@ impl AgentManagerService {
         let (task_id, uuid) = (update.task_id.clone(), update.uuid.clone());
         // A resend of an update already recorded (waiting for its framework's
         // acknowledgement) is answered from the state, not logged again.
+        // Unless it now says the task ended behind it (latest_state): that
+        // frees the task's GPUs, once.
+        let ended_behind = update.latest_state.is_some_and(TaskState::is_terminal);
         let recorded = !uuid.is_empty()
-            && self
-                .ctx
-                .raft
-                .state()
-                .task(&task_id)
-                .is_some_and(|t| t.last_update_uuid == uuid);
+            && self.ctx.raft.state().task(&task_id).is_some_and(|t| {
+                t.last_update_uuid == uuid
+                    && !(ended_behind && !t.state.is_terminal() && !t.released)
+            });
         if !recorded {
             tracing::info!(task_id = %update.task_id, agent_id = %update.agent_id, state = %update.state, exit_code = ?update.exit_code, "task status");
             // Launch latency: from the launch's commit to the first RUNNING.

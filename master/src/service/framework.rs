@@ -272,6 +272,7 @@ impl SchedulerService {
     async fn subscribe(&self, req: pb::SubscribeRequest) -> Result<EventStream, ServiceError> {
         self.leader()?;
         let info = framework_info_from_pb(req.framework)?;
+        let suppressed = req.suppressed;
         let framework_id = match self
             .ctx
             .raft
@@ -289,7 +290,10 @@ impl SchedulerService {
         // The hub holds the only sender: when it lets go (Teardown, a newer
         // subscription, leadership lost), the stream ends after the events
         // queued before, ERROR included.
-        let conn = self.ctx.hub.connect(&framework_id, tx);
+        let conn = self
+            .ctx
+            .hub
+            .connect_suppressed(&framework_id, tx, Some(suppressed));
         let (gone_tx, gone_rx) = tokio::sync::oneshot::channel::<()>();
         let guard = StreamGuard {
             hub: self.ctx.hub.clone(),
@@ -493,7 +497,7 @@ impl SchedulerService {
                                 task_id: rt.task_id.clone(),
                                 agent_id: rt.agent_id.clone(),
                                 state: pb::TaskState::TaskLost as i32,
-                                reason: pb::Reason::Reconciliation as i32,
+                                reason: pb::Reason::TaskUnknown as i32,
                                 message: "unknown task".into(),
                                 ..Default::default()
                             },

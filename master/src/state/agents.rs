@@ -50,10 +50,12 @@ impl State {
             }
         }
         let running: BTreeSet<&str> = running.iter().map(String::as_str).collect();
+        // (A live task released early, on its agent's latest_state, is
+        // still the agent's to end.)
         let mine: Vec<&TaskRecord> = self
             .tasks
             .on(&info.id)
-            .filter(|t| t.holds_resources())
+            .filter(|t| t.holds_resources() || !t.state.is_terminal())
             .collect();
         // UNREACHABLE tasks it still runs: back to the state they had.
         let back: Vec<TaskId> = mine

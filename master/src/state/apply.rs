@@ -398,10 +398,22 @@ impl State {
             }
             return Ok(Outcome::StaleUpdate);
         }
+        // The task ended on its agent, which holds the final update behind
+        // this one until this one is acknowledged: free what it held now.
+        let released = u.latest_state.is_some_and(TaskState::is_terminal)
+            && !task.released
+            && self.release_early(&u.task_id);
+        let Some(task) = self.tasks.get(&u.task_id) else {
+            return Ok(Outcome::StaleUpdate);
+        };
         // The agent resends an update until it is acknowledged: a repeat is
         // not news.
         if !u.uuid.is_empty() && task.last_update_uuid == u.uuid {
-            return Ok(Outcome::StaleUpdate);
+            return Ok(if released {
+                Outcome::Done
+            } else {
+                Outcome::StaleUpdate
+            });
         }
         if u.state.is_terminal() {
             // Known before the job hears of the end: a GPU failure or the
@@ -456,7 +468,11 @@ impl State {
             return Ok(Outcome::Done);
         }
         if rank(u.state) <= rank(task.state) {
-            return Ok(Outcome::StaleUpdate);
+            return Ok(if released {
+                Outcome::Done
+            } else {
+                Outcome::StaleUpdate
+            });
         }
         let job_id = task.job_id.clone();
         if let Some(task) = self.tasks.get_mut(&u.task_id) {
@@ -518,8 +534,9 @@ impl State {
             task.reason = TaskReason::AgentLost;
         }
         let job_id = task.job_id.clone();
-        // Held (not yet released) until release() below or later.
-        task.holding = true;
+        // Held (not yet released) until release() below or later; unless
+        // its agent's latest_state freed it already.
+        task.holding = !task.released;
         if !hold {
             self.release(task_id);
         }
@@ -552,6 +569,32 @@ impl State {
         if let Some(agent) = self.agents.get_mut(&agent_id) {
             agent.allocated = agent.allocated.saturating_sub(&resources);
         }
+    }
+
+    /// Frees the GPUs and resources of a live task whose agent reported
+    /// its end ahead of its updates (`latest_state`). True if it held any.
+    fn release_early(&mut self, task_id: &str) -> bool {
+        let Some(task) = self.tasks.get_mut(task_id) else {
+            return false;
+        };
+        if task.state.is_terminal() || task.released {
+            return false;
+        }
+        task.released = true;
+        let (agent_id, gpus, resources) = (
+            task.agent_id.clone(),
+            task.gpu_uuids.clone(),
+            task.resources,
+        );
+        for g in &gpus {
+            if self.gpu_owner.get(g).map(String::as_str) == Some(task_id) {
+                self.gpu_owner.remove(g);
+            }
+        }
+        if let Some(agent) = self.agents.get_mut(&agent_id) {
+            agent.allocated = agent.allocated.saturating_sub(&resources);
+        }
+        true
     }
 
     pub(super) fn recompute_allocated(&mut self, agent_id: &str) {
@@ -698,6 +741,7 @@ mod tests {
                     uuid: Vec::new(),
                     gpu_unhealthy: false,
                     fenced: false,
+                    latest_state: None,
                 },
                 at_ms: 4,
             })
@@ -975,6 +1019,7 @@ mod tests {
                     uuid: Vec::new(),
                     gpu_unhealthy: false,
                     fenced: false,
+                    latest_state: None,
                 },
                 at_ms: 1
             }),

@@ -197,6 +197,7 @@ impl State {
                 rank: 0,
                 before_unreachable: None,
                 holding: false,
+                released: false,
             };
             match refusal {
                 Some(reason) => {
@@ -528,6 +529,7 @@ mod tests {
                 uuid: uuid.to_vec(),
                 gpu_unhealthy: false,
                 fenced: false,
+                latest_state: None,
             },
             at_ms: 9,
         };
@@ -563,6 +565,98 @@ mod tests {
         assert!(s.is_acknowledged(&key, b"u1"));
         // gpuctl's own jobs and unknown tasks need no acknowledgement.
         assert!(s.is_acknowledged("job-1.0", b"x"));
+    }
+
+    /// The agent resends an unacknowledged RUNNING saying the task ended
+    /// behind it: its GPU and resources are free at once, the task stays
+    /// RUNNING for its framework until the final update itself comes, and
+    /// nothing is freed twice.
+    #[test]
+    fn a_final_latest_state_frees_the_gpus_before_the_final_update() {
+        let mut s = state();
+        let f = subscribe(&mut s);
+        launch(&mut s, &f, vec![task("t1", &["GPU-0"])], false);
+        let key = task_key(&f, "t1");
+        let free_before = s.agents["a1"].free();
+        let up = |uuid: &[u8], state, latest: Option<TaskState>| Command::UpdateTaskStatus {
+            update: StatusUpdate {
+                agent_id: "a1".into(),
+                task_id: key.clone(),
+                state,
+                exit_code: state.is_terminal().then_some(0),
+                message: String::new(),
+                uuid: uuid.to_vec(),
+                gpu_unhealthy: false,
+                fenced: false,
+                latest_state: latest,
+            },
+            at_ms: 9,
+        };
+        s.apply(10, &up(b"u1", TaskState::Running, None)).unwrap();
+        assert_eq!(s.gpu_owner.get("GPU-0"), Some(&key));
+        // A resend with a live latest state changes nothing.
+        assert_eq!(
+            s.apply(11, &up(b"u1", TaskState::Running, Some(TaskState::Running)))
+                .unwrap(),
+            Outcome::StaleUpdate
+        );
+        assert_eq!(
+            s.apply(
+                12,
+                &up(b"u1", TaskState::Running, Some(TaskState::Finished))
+            )
+            .unwrap(),
+            Outcome::Done
+        );
+        let t = &s.tasks[&key];
+        assert_eq!(t.state, TaskState::Running, "the framework has not heard");
+        assert!(t.released && !t.holds_resources());
+        assert!(s.gpu_owner.is_empty(), "GPU-0 is free");
+        let freed = s.agents["a1"].free();
+        assert_eq!(freed.gpus, free_before.gpus + 1);
+        assert!(
+            s.invariant_violations().is_empty(),
+            "{:?}",
+            s.invariant_violations()
+        );
+        // Said again: nothing more.
+        assert_eq!(
+            s.apply(
+                13,
+                &up(b"u1", TaskState::Running, Some(TaskState::Finished))
+            )
+            .unwrap(),
+            Outcome::StaleUpdate
+        );
+        // Another task may take GPU-0 now.
+        let o = launch(&mut s, &f, vec![task("t2", &["GPU-0"])], false);
+        assert!(
+            matches!(&o, Outcome::FrameworkTasksLaunched { launched, .. } if launched == &["t2"]),
+            "{o:?}"
+        );
+        let with_t2 = s.agents["a1"].free();
+        // The acknowledgement comes; then the final update: t1 ends and
+        // nothing is freed again (t2 keeps GPU-0 and its resources).
+        s.apply(
+            14,
+            &Command::AcknowledgeUpdate {
+                framework_id: f.clone(),
+                framework_task_id: "t1".into(),
+                uuid: b"u1".to_vec(),
+            },
+        )
+        .unwrap();
+        s.apply(15, &up(b"u2", TaskState::Finished, None)).unwrap();
+        let t = &s.tasks[&key];
+        assert_eq!(t.state, TaskState::Finished);
+        assert!(!t.holding);
+        assert_eq!(s.gpu_owner.get("GPU-0"), Some(&task_key(&f, "t2")));
+        assert_eq!(s.agents["a1"].free(), with_t2);
+        assert!(
+            s.invariant_violations().is_empty(),
+            "{:?}",
+            s.invariant_violations()
+        );
     }
 
     #[test]

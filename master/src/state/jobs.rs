@@ -104,6 +104,7 @@ impl State {
                     rank: *r,
                     before_unreachable: None,
                     holding: false,
+                    released: false,
                 },
             );
             *r += 1;

@@ -193,13 +193,19 @@ pub struct TaskRecord {
     /// update for it). Always false for a live task.
     #[serde(default)]
     pub holding: bool,
+    /// Not yet ended as its framework sees it, but its agent reported a
+    /// final state behind an unacknowledged update (`latest_state`): its
+    /// processes are gone, so its GPUs and resources are free already.
+    #[serde(default)]
+    pub released: bool,
 }
 
 impl TaskRecord {
-    /// Whether it holds its GPUs and resources: it is live, or it ended
-    /// without its agent's confirmation.
+    /// Whether it holds its GPUs and resources: it is live (and its agent
+    /// has not reported its end ahead of its updates), or it ended without
+    /// its agent's confirmation.
     pub fn holds_resources(&self) -> bool {
-        !self.state.is_terminal() || self.holding
+        (!self.state.is_terminal() && !self.released) || self.holding
     }
 }
 

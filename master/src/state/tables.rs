@@ -358,6 +358,7 @@ mod tests {
             rank: 0,
             before_unreachable: None,
             holding: false,
+            released: false,
         }
     }
 

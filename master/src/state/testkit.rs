@@ -59,6 +59,7 @@ pub fn status(agent: &str, task: &str, state: TaskState) -> StatusUpdate {
         uuid: Vec::new(),
         gpu_unhealthy: false,
         fenced: false,
+        latest_state: None,
     }
 }
 
