@@ -524,15 +524,22 @@ pub async fn run(
         let now = tokio::time::Instant::now();
         pending.get_or_insert(now);
         if !raft.status().serving {
+            // No round is due on a follower: without this, `due` stays in
+            // the past and the loop spins (it did, taking two of three
+            // masters' CPU in the scale benchmark).
+            pending = None;
             // Offers are the leader's; a deposed leader withdraws them and
             // sends its frameworks to the new leader.
-            let leader = raft.leader();
-            let redirect =
-                gpuctl_proto::leader::not_leader(leader.as_ref().map(|(id, a)| (*id, a.as_str())));
             let mut g = hub.lock();
             g.offers = None;
-            for (_, c) in std::mem::take(&mut g.conns) {
-                let _ = c.tx.try_send(Err(redirect.clone()));
+            if !g.conns.is_empty() {
+                let leader = raft.leader();
+                let redirect = gpuctl_proto::leader::not_leader(
+                    leader.as_ref().map(|(id, a)| (*id, a.as_str())),
+                );
+                for (_, c) in std::mem::take(&mut g.conns) {
+                    let _ = c.tx.try_send(Err(redirect.clone()));
+                }
             }
             continue;
         }
