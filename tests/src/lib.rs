@@ -1142,7 +1142,10 @@ pub fn invariant_violations(live: &[LiveTask]) -> Vec<String> {
         for g in &t.gpus {
             gpu_tasks.entry(g).or_default().insert(&t.task_id);
         }
-        job_tasks.entry(&t.job_id).or_default().insert(&t.task_id);
+        // A framework's tasks belong to no job.
+        if !t.job_id.is_empty() {
+            job_tasks.entry(&t.job_id).or_default().insert(&t.task_id);
+        }
     }
     let mut out = Vec::new();
     for t in live {

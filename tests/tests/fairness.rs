@@ -112,6 +112,9 @@ impl Greedy {
                                             gpus: self.gpus,
                                         }),
                                         gpu_uuids: gpus.by_ref().take(self.gpus as usize).collect(),
+                                        // For gpuctl_tests::live_tasks: the
+                                        // GPUs each live process was given.
+                                        env: [(MARKER_VAR.to_string(), env_marker(test))].into(),
                                         ..Default::default()
                                     }
                                 })
@@ -156,6 +159,13 @@ impl Greedy {
             }
         });
     }
+}
+
+/// The environment variable naming a test's tasks (all its frameworks').
+const MARKER_VAR: &str = "GPUCTL_FAIRNESS_TEST";
+
+fn env_marker(test: &str) -> String {
+    gpuctl_tests::test_marker(&format!("fairness-{test}"))
 }
 
 /// Live processes whose command line holds `marker`, counted from /proc:
@@ -290,6 +300,62 @@ fn weighted_roles_converge_to_their_weights_as_tasks_end() {
             Err(format!("live A/B {live:?}, GPUs held by A/B {held:?}"))
         }
     });
+    drop(rt);
+}
+
+/// Foul weather for the weighted split: once it has converged, one of the
+/// two agents is SIGKILLed while its tasks run, stays down for 5 s (its
+/// tasks end meanwhile, unseen), and comes back. The master learns what
+/// ended from the restarted agent, and the split converges to 1:3 again.
+/// Throughout, from /proc: no GPU is used by two live processes of either
+/// framework.
+#[test]
+fn the_weighted_split_recovers_from_an_agent_sigkill_without_sharing_a_gpu() {
+    let mut c = Cluster::start(&["--role", "light=weight:1", "--role", "heavy=weight:3"]);
+    for _ in 0..2 {
+        c.add_agent(AgentOpts {
+            simulate_gpus: Some("8xA100-SXM4-40GB"),
+            ..AgentOpts::default()
+        });
+    }
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let test = "weights-kill";
+    let mut a = Greedy::new("A", "light", 0.05, 16, 1);
+    let mut b = Greedy::new("B", "heavy", 0.05, 16, 1);
+    a.run_secs = "3";
+    b.run_secs = "3";
+    let (ma, mb) = (a.marker(test), b.marker(test));
+    // Every live process of both frameworks, every 50 ms.
+    let watch = gpuctl_tests::InvariantWatch::start(MARKER_VAR, &env_marker(test));
+    rt.block_on(a.start(c.master_addr.clone(), test));
+    rt.block_on(b.start(c.master_addr.clone(), test));
+    let converged = |what: &str, c: &Cluster| {
+        settles(what, Duration::from_secs(90), || {
+            let live = (live_tasks(&ma), live_tasks(&mb));
+            let held = gpus_by_name(c);
+            let held = (
+                held.get("A").copied().unwrap_or(0),
+                held.get("B").copied().unwrap_or(0),
+            );
+            let near = |(a, b): (usize, usize)| (3..=4).contains(&a) && (11..=12).contains(&b);
+            if near(live) && near(held) {
+                Ok(())
+            } else {
+                Err(format!("live A/B {live:?}, GPUs held by A/B {held:?}"))
+            }
+        })
+    };
+    converged("weights 1:3", &c);
+    c.agents[0].kill();
+    std::thread::sleep(Duration::from_secs(5));
+    c.restart_agent(0);
+    converged("weights 1:3 after the agent's SIGKILL", &c);
+    // The watch saw the tasks (a shell and its sleep each).
+    let live = gpuctl_tests::live_tasks(MARKER_VAR, &env_marker(test));
+    let tasks: std::collections::BTreeSet<&str> = live.iter().map(|t| t.task_id.as_str()).collect();
+    assert!(tasks.len() >= 14, "{} live tasks", tasks.len());
+    assert!(live.iter().all(|t| t.gpus.len() == 1));
+    watch.assert_held();
     drop(rt);
 }
 
