@@ -178,6 +178,11 @@ fn master_example_config_is_accepted_and_shows_the_defaults() {
     assert_eq!(file.agent_fence_timeout, default.agent_fence_timeout);
     assert_eq!(file.agent_lost_timeout, default.agent_lost_timeout);
     assert_eq!(file.retention, default.retention);
+    let (f, d) = (&file.frameworks, &default.frameworks);
+    assert_eq!(f.offer_timeout, d.offer_timeout);
+    assert_eq!(f.allocation_interval, d.allocation_interval);
+    assert_eq!(f.update_resend_interval, d.update_resend_interval);
+    assert_eq!(f.allocator.gpu_reserve, d.allocator.gpu_reserve);
     assert_eq!(
         unit_setting("gpuctl-master.service", "StateDirectory").as_deref(),
         Some("gpuctl/master"),
