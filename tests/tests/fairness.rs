@@ -285,9 +285,16 @@ fn weighted_roles_converge_to_their_weights_as_tasks_end() {
     });
     rt.block_on(b.start(c.master_addr.clone(), test));
     // Tasks last 3 s and are replaced at once: a few rounds.
-    settles("weights 1:3", Duration::from_secs(90), || {
-        let live = (live_tasks(&ma), live_tasks(&mb));
-        let held = gpus_by_name(&c);
+    settles_one_to_three("weights 1:3", &c, &ma, &mb);
+    drop(rt);
+}
+
+/// Waits until A and B (markers `ma`, `mb`) run and hold 4 and 12 of 16
+/// GPUs, as live processes and in the master's view: weights 1:3.
+fn settles_one_to_three(what: &str, c: &Cluster, ma: &str, mb: &str) {
+    settles(what, Duration::from_secs(90), || {
+        let live = (live_tasks(ma), live_tasks(mb));
+        let held = gpus_by_name(c);
         let held = (
             held.get("A").copied().unwrap_or(0),
             held.get("B").copied().unwrap_or(0),
@@ -300,7 +307,6 @@ fn weighted_roles_converge_to_their_weights_as_tasks_end() {
             Err(format!("live A/B {live:?}, GPUs held by A/B {held:?}"))
         }
     });
-    drop(rt);
 }
 
 /// Foul weather for the weighted split: once it has converged, one of the
@@ -329,27 +335,11 @@ fn the_weighted_split_recovers_from_an_agent_sigkill_without_sharing_a_gpu() {
     let watch = gpuctl_tests::InvariantWatch::start(MARKER_VAR, &env_marker(test));
     rt.block_on(a.start(c.master_addr.clone(), test));
     rt.block_on(b.start(c.master_addr.clone(), test));
-    let converged = |what: &str, c: &Cluster| {
-        settles(what, Duration::from_secs(90), || {
-            let live = (live_tasks(&ma), live_tasks(&mb));
-            let held = gpus_by_name(c);
-            let held = (
-                held.get("A").copied().unwrap_or(0),
-                held.get("B").copied().unwrap_or(0),
-            );
-            let near = |(a, b): (usize, usize)| (3..=4).contains(&a) && (11..=12).contains(&b);
-            if near(live) && near(held) {
-                Ok(())
-            } else {
-                Err(format!("live A/B {live:?}, GPUs held by A/B {held:?}"))
-            }
-        })
-    };
-    converged("weights 1:3", &c);
+    settles_one_to_three("weights 1:3", &c, &ma, &mb);
     c.agents[0].kill();
     std::thread::sleep(Duration::from_secs(5));
     c.restart_agent(0);
-    converged("weights 1:3 after the agent's SIGKILL", &c);
+    settles_one_to_three("weights 1:3 after the agent's SIGKILL", &c, &ma, &mb);
     // The watch saw the tasks (a shell and its sleep each).
     let live = gpuctl_tests::live_tasks(MARKER_VAR, &env_marker(test));
     let tasks: std::collections::BTreeSet<&str> = live.iter().map(|t| t.task_id.as_str()).collect();

@@ -556,19 +556,7 @@ impl State {
             return;
         }
         task.holding = false;
-        let (agent_id, gpus, resources) = (
-            task.agent_id.clone(),
-            task.gpu_uuids.clone(),
-            task.resources,
-        );
-        for g in &gpus {
-            if self.gpu_owner.get(g).map(String::as_str) == Some(task_id) {
-                self.gpu_owner.remove(g);
-            }
-        }
-        if let Some(agent) = self.agents.get_mut(&agent_id) {
-            agent.allocated = agent.allocated.saturating_sub(&resources);
-        }
+        self.free_held(task_id);
     }
 
     /// Frees the GPUs and resources of a live task whose agent reported
@@ -581,12 +569,19 @@ impl State {
             return false;
         }
         task.released = true;
-        let (agent_id, gpus, resources) = (
-            task.agent_id.clone(),
-            task.gpu_uuids.clone(),
-            task.resources,
-        );
-        for g in &gpus {
+        self.free_held(task_id);
+        true
+    }
+
+    /// Takes the task's GPUs out of `gpu_owner` (those still its own) and
+    /// its resources out of its agent's `allocated`; the callers decide
+    /// when (once per task).
+    fn free_held(&mut self, task_id: &str) {
+        let Some(task) = self.tasks.get(task_id) else {
+            return;
+        };
+        let (agent_id, resources) = (task.agent_id.clone(), task.resources);
+        for g in &task.gpu_uuids {
             if self.gpu_owner.get(g).map(String::as_str) == Some(task_id) {
                 self.gpu_owner.remove(g);
             }
@@ -594,7 +589,6 @@ impl State {
         if let Some(agent) = self.agents.get_mut(&agent_id) {
             agent.allocated = agent.allocated.saturating_sub(&resources);
         }
-        true
     }
 
     pub(super) fn recompute_allocated(&mut self, agent_id: &str) {
