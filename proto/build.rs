@@ -9,6 +9,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "proto/gpuctl/v1/agent.proto",
         "proto/gpuctl/v1/scheduler.proto",
         "proto/gpuctl/v1/raft.proto",
+        "proto/gpuctl/v1/access.proto",
     ];
     for f in &files {
         println!("cargo:rerun-if-changed={f}");

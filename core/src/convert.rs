@@ -344,6 +344,19 @@ impl TryFrom<pb::JobSpec> for JobSpec {
                 format!("must be <= {MAX_RETRIES}"),
             ));
         }
+        if !s.tenant.is_empty() {
+            check_id("spec.tenant", &s.tenant)?;
+        }
+        let mut secret_env = std::collections::BTreeSet::new();
+        for (i, k) in s.secret_env.into_iter().enumerate() {
+            if !env.contains_key(&k) {
+                return Err(ConvertError::new(
+                    format!("spec.secret_env[{i}]"),
+                    format!("{:?} is not a variable of spec.env", cut(&k, 64)),
+                ));
+            }
+            secret_env.insert(k);
+        }
         Ok(JobSpec {
             name: s.name,
             image,
@@ -356,6 +369,8 @@ impl TryFrom<pb::JobSpec> for JobSpec {
             max_retries: s.max_retries,
             no_requeue: s.no_requeue,
             no_fence: s.no_fence,
+            tenant: s.tenant,
+            secret_env,
         })
     }
 }
@@ -459,6 +474,8 @@ impl From<JobSpec> for pb::JobSpec {
             max_retries: s.max_retries,
             no_requeue: s.no_requeue,
             no_fence: s.no_fence,
+            tenant: s.tenant,
+            secret_env: s.secret_env.into_iter().collect(),
         }
     }
 }
@@ -1162,6 +1179,7 @@ pub fn framework_info_from_pb(f: Option<pb::FrameworkInfo>) -> Result<FrameworkI
             .capabilities
             .contains(&(pb::FrameworkCapability::GpuResources as i32)),
         failover_timeout_ms: (f.failover_timeout_secs * 1000.0) as u64,
+        tenant: String::new(),
     })
 }
 
@@ -1290,6 +1308,7 @@ mod tests {
             max_retries: 2,
             no_requeue: true,
             no_fence: true,
+            ..Default::default()
         }
     }
 

@@ -293,7 +293,19 @@ pub struct JobSpec {
     /// back while the agent stays away (out of scope for now).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub no_fence: bool,
+    /// The tenant the job is charged to, set by the master from the
+    /// submitter's token (an admin may name one). Empty: the default tenant
+    /// (no security configured, or submitted before tenants existed).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub tenant: String,
+    /// Names of `env` variables whose values are secret: the task gets
+    /// them, but the API shows them as `<secret>`, and they are never logged.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeSet::is_empty")]
+    pub secret_env: std::collections::BTreeSet<String>,
 }
+
+/// How a secret env value is shown.
+pub const SECRET_PLACEHOLDER: &str = "<secret>";
 
 fn one() -> u32 {
     1
@@ -332,7 +344,20 @@ impl JobSpec {
             max_retries: 0,
             no_requeue: false,
             no_fence: false,
+            tenant: String::new(),
+            secret_env: Default::default(),
         }
+    }
+
+    /// The spec as shown to people: secret env values replaced.
+    pub fn redacted(&self) -> JobSpec {
+        let mut s = self.clone();
+        for (k, v) in s.env.iter_mut() {
+            if self.secret_env.contains(k) {
+                *v = SECRET_PLACEHOLDER.to_string();
+            }
+        }
+        s
     }
 
     /// Tasks per attempt (at least 1).
@@ -508,6 +533,10 @@ pub struct FrameworkInfo {
     /// Capability GPU_RESOURCES.
     pub gpu_capable: bool,
     pub failover_timeout_ms: u64,
+    /// The tenant it acts for, set by the master from its token (not part
+    /// of the API: a framework cannot choose it). Empty: the default tenant.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub tenant: String,
 }
 
 impl FrameworkInfo {

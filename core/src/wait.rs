@@ -37,6 +37,13 @@ pub enum WaitReason {
         /// Where `used + asked > limit`.
         over: Vec<Dimension>,
     },
+    /// Starting it would take its tenant past its GPU quota.
+    TenantQuota {
+        tenant: String,
+        quota: u32,
+        used: u32,
+        asked: u32,
+    },
     /// The resources are free: it is being placed.
     Starting,
     /// Tasks of lower priority are being stopped for it.
@@ -222,6 +229,17 @@ impl From<&Waiting> for pb::WaitReason {
                     .iter()
                     .map(|d| wr::Dimension::from(*d) as i32)
                     .collect(),
+            }),
+            WaitReason::TenantQuota {
+                tenant,
+                quota,
+                used,
+                asked,
+            } => wr::Kind::TenantQuota(wr::TenantQuota {
+                tenant: tenant.clone(),
+                quota: *quota,
+                used: *used,
+                asked: *asked,
             }),
             WaitReason::Starting => wr::Kind::Starting(wr::Starting {}),
             WaitReason::Preempting { waiting_for_tasks } => wr::Kind::Preempting(wr::Preempting {
@@ -424,6 +442,12 @@ impl TryFrom<&pb::WaitReason> for Waiting {
                     })
                     .collect::<Result<_>>()?,
             },
+            wr::Kind::TenantQuota(q) => WaitReason::TenantQuota {
+                tenant: q.tenant.clone(),
+                quota: q.quota,
+                used: q.used,
+                asked: q.asked,
+            },
             wr::Kind::Starting(_) => WaitReason::Starting,
             wr::Kind::Preempting(p) => WaitReason::Preempting {
                 waiting_for_tasks: p.waiting_for_tasks,
@@ -544,6 +568,12 @@ mod tests {
                 asked: res(1.5, 0, 3),
                 limit: res(f64::MAX, u64::MAX, 2),
                 over: vec![Dimension::Gpus, Dimension::Cpus, Dimension::Memory],
+            },
+            WaitReason::TenantQuota {
+                tenant: "vision".into(),
+                quota: 4,
+                used: 3,
+                asked: 2,
             },
             WaitReason::Starting,
             WaitReason::Preempting {

@@ -55,7 +55,32 @@ pub struct MasterConfig {
     /// How long, and how many, finished jobs and ended framework tasks are
     /// kept before they are forgotten.
     pub retention: crate::leader::retention::Retention,
+    /// Mutual TLS and tokens; `None`: neither (loopback only, every caller
+    /// may do everything).
+    pub security: Option<SecurityConfig>,
 }
+
+/// Where a master's key material is and how long what it signs lasts.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SecurityConfig {
+    pub tls: gpuctl_auth::tls::TlsPaths,
+    /// The CA's private key: lets this master sign agents' certificates
+    /// when they join or renew. Without it agents need certificates made
+    /// offline (`gpuctl certs issue`).
+    pub ca_key: Option<PathBuf>,
+    /// A file holding the first admin token (`gpuctl certs init` writes
+    /// it): the leader puts it in the replicated state once.
+    pub bootstrap_token: Option<PathBuf>,
+    pub agent_cert_ttl: Duration,
+    pub client_cert_ttl: Duration,
+}
+
+/// Default lifetime of the certificates agents get when they join or renew.
+pub const DEFAULT_AGENT_CERT_TTL: Duration = Duration::from_secs(7 * 86_400);
+/// Default lifetime of client certificates got with an access token.
+pub const DEFAULT_CLIENT_CERT_TTL: Duration = Duration::from_secs(30 * 86_400);
+/// The port masters listen on unless told otherwise.
+pub const DEFAULT_PORT: u16 = 7050;
 
 /// Default of `agent_lost_timeout_secs`.
 pub const DEFAULT_AGENT_LOST_TIMEOUT: Duration = Duration::from_secs(120);
@@ -167,6 +192,7 @@ impl MasterConfig {
             placement: PlacementPolicy::Bundle,
             metrics_listen: None,
             retention: Default::default(),
+            security: None,
         }
     }
 }
@@ -179,9 +205,44 @@ pub struct Options {
     /// with '_' for '-'). Flags and environment variables override it.
     #[arg(long, env = "GPUCTL_MASTER_CONFIG")]
     pub config: Option<PathBuf>,
-    /// Address for the gRPC API (gpuctl, agents, frameworks).
-    #[arg(long, env = "GPUCTL_MASTER_LISTEN", default_value = "0.0.0.0:7050")]
-    pub listen: SocketAddr,
+    /// Address for the gRPC API (gpuctl, agents, frameworks). Default:
+    /// 0.0.0.0:7050 with TLS, 127.0.0.1:7050 without (only --insecure lets
+    /// a master without TLS listen beyond loopback).
+    #[arg(long, env = "GPUCTL_MASTER_LISTEN")]
+    pub listen: Option<SocketAddr>,
+    /// Directory of this master's TLS files as `gpuctl certs init` writes
+    /// them: ca.crt, master-<node_id>.crt and .key, and if present ca.key
+    /// (to sign agents' certificates) and bootstrap.token (the first admin
+    /// token). Turns on mutual TLS and tokens.
+    #[arg(long, env = "GPUCTL_MASTER_TLS_DIR")]
+    pub tls_dir: Option<PathBuf>,
+    /// The CA certificates to trust (default: <tls_dir>/ca.crt).
+    #[arg(long, env = "GPUCTL_MASTER_TLS_CA")]
+    pub tls_ca: Option<PathBuf>,
+    /// This master's certificate (default: <tls_dir>/master-<node_id>.crt).
+    #[arg(long, env = "GPUCTL_MASTER_TLS_CERT")]
+    pub tls_cert: Option<PathBuf>,
+    /// Its key (default: <tls_dir>/master-<node_id>.key).
+    #[arg(long, env = "GPUCTL_MASTER_TLS_KEY")]
+    pub tls_key: Option<PathBuf>,
+    /// The CA's key, to sign agents' certificates (default:
+    /// <tls_dir>/ca.key when it exists).
+    #[arg(long, env = "GPUCTL_MASTER_CA_KEY")]
+    pub ca_key: Option<PathBuf>,
+    /// File with the first admin token (default: <tls_dir>/bootstrap.token
+    /// when it exists).
+    #[arg(long, env = "GPUCTL_MASTER_BOOTSTRAP_TOKEN_FILE")]
+    pub bootstrap_token_file: Option<PathBuf>,
+    /// Lifetime of agents' certificates (renewed after two thirds), e.g. 7d.
+    #[arg(long, env = "GPUCTL_MASTER_AGENT_CERT_TTL", default_value = "7d")]
+    pub agent_cert_ttl: String,
+    /// Lifetime of client certificates got with `gpuctl login`, e.g. 30d.
+    #[arg(long, env = "GPUCTL_MASTER_CLIENT_CERT_TTL", default_value = "30d")]
+    pub client_cert_ttl: String,
+    /// Serve without TLS on a non-loopback address: anyone who reaches the
+    /// port can run anything as root on every agent. For isolated labs only.
+    #[arg(long, env = "GPUCTL_MASTER_INSECURE")]
+    pub insecure: bool,
     /// Where the replicated log and state are kept.
     #[arg(
         long,
@@ -394,6 +455,15 @@ pub fn parse_role(spec: &str) -> Result<(String, RoleConfig), MasterError> {
 #[serde(deny_unknown_fields)]
 struct FileOptions {
     listen: Option<SocketAddr>,
+    tls_dir: Option<PathBuf>,
+    tls_ca: Option<PathBuf>,
+    tls_cert: Option<PathBuf>,
+    tls_key: Option<PathBuf>,
+    ca_key: Option<PathBuf>,
+    bootstrap_token_file: Option<PathBuf>,
+    agent_cert_ttl: Option<String>,
+    client_cert_ttl: Option<String>,
+    insecure: Option<bool>,
     data_dir: Option<PathBuf>,
     node_id: Option<u64>,
     heartbeat_interval_secs: Option<f64>,
@@ -454,7 +524,37 @@ impl Options {
         if let Some(path) = o.config.clone() {
             let f = read_file(&path)?;
             if let (Some(v), true) = (f.listen, unset(&matches, "listen")) {
-                o.listen = v;
+                o.listen = Some(v);
+            }
+            if let (Some(v), true) = (f.tls_dir, unset(&matches, "tls_dir")) {
+                o.tls_dir = Some(v);
+            }
+            if let (Some(v), true) = (f.tls_ca, unset(&matches, "tls_ca")) {
+                o.tls_ca = Some(v);
+            }
+            if let (Some(v), true) = (f.tls_cert, unset(&matches, "tls_cert")) {
+                o.tls_cert = Some(v);
+            }
+            if let (Some(v), true) = (f.tls_key, unset(&matches, "tls_key")) {
+                o.tls_key = Some(v);
+            }
+            if let (Some(v), true) = (f.ca_key, unset(&matches, "ca_key")) {
+                o.ca_key = Some(v);
+            }
+            if let (Some(v), true) = (
+                f.bootstrap_token_file,
+                unset(&matches, "bootstrap_token_file"),
+            ) {
+                o.bootstrap_token_file = Some(v);
+            }
+            if let (Some(v), true) = (f.agent_cert_ttl, unset(&matches, "agent_cert_ttl")) {
+                o.agent_cert_ttl = v;
+            }
+            if let (Some(v), true) = (f.client_cert_ttl, unset(&matches, "client_cert_ttl")) {
+                o.client_cert_ttl = v;
+            }
+            if let (Some(v), true) = (f.insecure, unset(&matches, "insecure")) {
+                o.insecure = v;
             }
             if let (Some(v), true) = (f.data_dir, unset(&matches, "data_dir")) {
                 o.data_dir = v;
@@ -562,7 +662,83 @@ impl Options {
         Ok(o)
     }
 
+    /// The security options, resolved: `None` when no TLS is configured.
+    pub fn security(&self) -> Result<Option<SecurityConfig>, MasterError> {
+        let dir = self.tls_dir.as_deref();
+        let in_dir = |name: String| dir.map(|d| d.join(name));
+        let ca = self.tls_ca.clone().or_else(|| in_dir("ca.crt".into()));
+        let cert = self
+            .tls_cert
+            .clone()
+            .or_else(|| in_dir(format!("master-{}.crt", self.node_id)));
+        let key = self
+            .tls_key
+            .clone()
+            .or_else(|| in_dir(format!("master-{}.key", self.node_id)));
+        let (ca, cert, key) = match (ca, cert, key) {
+            (None, None, None) => {
+                if self.ca_key.is_some() || self.bootstrap_token_file.is_some() {
+                    return Err(MasterError::Config(
+                        "ca_key and bootstrap_token_file need TLS: set tls_dir (or tls_ca, \
+                         tls_cert and tls_key)"
+                            .into(),
+                    ));
+                }
+                return Ok(None);
+            }
+            (Some(ca), Some(cert), Some(key)) => (ca, cert, key),
+            _ => {
+                return Err(MasterError::Config(
+                    "tls_ca, tls_cert and tls_key go together (or tls_dir for all three)".into(),
+                ))
+            }
+        };
+        let existing = |p: Option<PathBuf>| p.filter(|p| p.exists());
+        let ca_key = match &self.ca_key {
+            Some(p) => Some(p.clone()),
+            None => existing(in_dir("ca.key".into())),
+        };
+        let bootstrap_token = match &self.bootstrap_token_file {
+            Some(p) => Some(p.clone()),
+            None => existing(in_dir("bootstrap.token".into())),
+        };
+        let ttl = |field: &str, v: &str| {
+            gpuctl_core::time::parse_duration(v)
+                .ok()
+                .filter(|d| *d >= Duration::from_secs(60))
+                .ok_or_else(|| {
+                    MasterError::Config(format!(
+                        "{field}: {v:?} is not a duration of at least 1 minute (e.g. 7d, 12h)"
+                    ))
+                })
+        };
+        Ok(Some(SecurityConfig {
+            tls: gpuctl_auth::tls::TlsPaths { ca, cert, key },
+            ca_key,
+            bootstrap_token,
+            agent_cert_ttl: ttl("agent_cert_ttl", &self.agent_cert_ttl)?,
+            client_cert_ttl: ttl("client_cert_ttl", &self.client_cert_ttl)?,
+        }))
+    }
+
     pub fn to_config(&self) -> Result<MasterConfig, MasterError> {
+        let security = self.security()?;
+        let listen = self.listen.unwrap_or_else(|| {
+            let ip = if security.is_some() {
+                std::net::Ipv4Addr::UNSPECIFIED
+            } else {
+                std::net::Ipv4Addr::LOCALHOST
+            };
+            SocketAddr::from((ip, DEFAULT_PORT))
+        });
+        if security.is_none() && !listen.ip().is_loopback() && !self.insecure {
+            return Err(MasterError::Config(format!(
+                "listen {listen}: without TLS a master serves loopback only, because anyone \
+                 who reaches its port could run anything as root on every agent; set tls_dir \
+                 (make one with `gpuctl certs init`), or listen on 127.0.0.1, or (isolated \
+                 labs only) insecure = true"
+            )));
+        }
         let heartbeat_interval = secs("heartbeat_interval_secs", self.heartbeat_interval_secs)?;
         let agent_timeout = secs("agent_timeout_secs", self.agent_timeout_secs)?;
         if agent_timeout <= heartbeat_interval {
@@ -585,13 +761,13 @@ impl Options {
                 a.clone()
             }
             (None, Some(a)) => a.clone(),
-            (None, None) if self.listen.ip().is_unspecified() => {
+            (None, None) if listen.ip().is_unspecified() => {
                 let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
                     .map(|h| h.trim().to_string())
                     .unwrap_or_else(|_| "localhost".into());
-                format!("{host}:{}", self.listen.port())
+                format!("{host}:{}", listen.port())
             }
-            (None, None) => self.listen.to_string(),
+            (None, None) => listen.to_string(),
         };
         if !(10..=10_000).contains(&self.allocation_interval_ms) {
             return Err(MasterError::Config(format!(
@@ -637,7 +813,8 @@ impl Options {
             join: self.join,
             election_timeout: Duration::from_millis(self.election_timeout_ms),
             snapshot_every: self.snapshot_every,
-            listen: self.listen,
+            listen,
+            security,
             data_dir: self.data_dir.clone(),
             node_id: self.node_id,
             heartbeat_interval,
@@ -695,7 +872,7 @@ mod tests {
             "/tmp/flag",
         ])
         .unwrap();
-        assert_eq!(o.listen.to_string(), "127.0.0.1:9000");
+        assert_eq!(o.listen.unwrap().to_string(), "127.0.0.1:9000");
         assert_eq!(o.data_dir, PathBuf::from("/tmp/flag"));
         let c = o.to_config().unwrap();
         assert_eq!(c.agent_timeout, Duration::from_secs(30));

@@ -10,6 +10,7 @@ pub mod leader;
 pub mod metrics;
 pub mod raft;
 pub mod scheduler;
+pub mod security;
 pub mod service;
 pub mod state;
 
@@ -64,6 +65,10 @@ pub async fn serve(
     } else {
         config.peers.keys().copied().collect()
     };
+    let security = match &config.security {
+        Some(sc) => Some(Arc::new(security::Security::load(sc, config.node_id)?)),
+        None => None,
+    };
     let storage = raft::SledStorage::open(&config.data_dir, &voters)?;
     let mut known = config.peers.clone();
     known.insert(config.node_id, config.advertise.clone());
@@ -72,6 +77,7 @@ pub async fn serve(
         config.node_id,
         config.advertise.clone(),
         addresses.clone(),
+        security.as_ref().map(|s| s.tls.clone()),
     ));
     let mut raft_config = raft::RaftNodeConfig::new(config.node_id);
     raft_config.tick = config.election_timeout / raft_config.election_ticks as u32;
@@ -91,7 +97,25 @@ pub async fn serve(
         .local_addr()
         .map(|a| a.to_string())
         .unwrap_or_default();
-    tracing::info!(%addr, advertise = %config.advertise, data_dir = %config.data_dir.display(), node_id = config.node_id, replayed = initial_commit, "master serving");
+    tracing::info!(%addr, advertise = %config.advertise, data_dir = %config.data_dir.display(), node_id = config.node_id, replayed = initial_commit, tls = security.is_some(), "master serving");
+    if security.is_none() {
+        tracing::warn!(
+            %addr,
+            "no TLS configured: no certificates, no tokens, every caller may do everything; \
+             serving loopback only unless --insecure (see docs/security.md)"
+        );
+    }
+    let mut side_tasks = Vec::new();
+    if let Some(sec) = &security {
+        side_tasks.push(sec.spawn_reloader(stop_rx.clone()));
+        if let Some(token) = sec.bootstrap_token()? {
+            side_tasks.push(tokio::spawn(security::seed_bootstrap_token(
+                handle.clone(),
+                token,
+                stop_rx.clone(),
+            )));
+        }
+    }
 
     let liveness = Arc::new(leader::Liveness::default());
     let hub = Arc::new(leader::frameworks::Hub::default());
@@ -142,6 +166,7 @@ pub async fn serve(
         hub,
         waits,
         shutdown: stop_rx.clone(),
+        security: security.clone(),
     };
     let (node_done_tx, mut node_done) = watch::channel(());
     let node_task = tokio::spawn(async move {
@@ -155,18 +180,12 @@ pub async fn serve(
             }
         }
     });
-    // Small gRPC messages must not wait for Nagle's algorithm: with the
-    // client's delayed ACK it added about 40 ms to calls (the scale bench's
-    // idle submit-to-RUNNING p50 and ListJobs).
-    let incoming = tokio_stream::StreamExt::map(
-        tokio_stream::wrappers::TcpListenerStream::new(listener),
-        |s| {
-            let s = s?;
-            s.set_nodelay(true)?;
-            Ok::<_, std::io::Error>(s)
-        },
-    );
-    let server = tonic::transport::Server::builder()
+    let router = tonic::transport::Server::builder()
+        // Outermost: who is calling, and may they (service/auth.rs).
+        .layer(service::auth::AuthLayer {
+            raft: handle.clone(),
+            security: security.clone(),
+        })
         .layer(service::gate::LeaderGateLayer {
             raft: handle.clone(),
         })
@@ -174,23 +193,54 @@ pub async fn serve(
         .add_service(service::operator_server(ctx.clone()))
         .add_service(service::agent_manager_server(ctx.clone()))
         .add_service(service::framework_server(ctx.clone()))
-        .serve_with_incoming_shutdown(incoming, async move {
-            // A master whose raft node stopped must not go on answering.
-            tokio::select! {
-                _ = shutdown => {}
-                _ = node_done.changed() => {
-                    tracing::error!("raft node stopped; shutting the master down");
-                }
+        .add_service(service::identity_server(ctx.clone()))
+        .add_service(service::access_server(ctx.clone()));
+    let shutdown = async move {
+        // A master whose raft node stopped must not go on answering.
+        tokio::select! {
+            _ = shutdown => {}
+            _ = node_done.changed() => {
+                tracing::error!("raft node stopped; shutting the master down");
             }
-            let _ = stop_tx.send(true);
-        });
-    let result = server.await;
+        }
+        let _ = stop_tx.send(true);
+    };
+    let result = match &security {
+        Some(sec) => {
+            router
+                .serve_with_incoming_shutdown(
+                    gpuctl_auth::tls::incoming(listener, sec.tls.clone()),
+                    shutdown,
+                )
+                .await
+        }
+        None => {
+            // Small gRPC messages must not wait for Nagle's algorithm: with
+            // the client's delayed ACK it added about 40 ms to calls (the
+            // scale bench's idle submit-to-RUNNING p50 and ListJobs). The
+            // TLS accept stream sets it too.
+            let incoming = tokio_stream::StreamExt::map(
+                tokio_stream::wrappers::TcpListenerStream::new(listener),
+                |s| {
+                    let s = s?;
+                    s.set_nodelay(true)?;
+                    Ok::<_, std::io::Error>(s)
+                },
+            );
+            router
+                .serve_with_incoming_shutdown(incoming, shutdown)
+                .await
+        }
+    };
     // Streams and loops watch `stop_rx`; the node flushes nothing more after
     // this point (every write was flushed before it was acknowledged).
     leader_task.abort();
     frameworks_task.abort();
     jobs_task.abort();
     retention_task.abort();
+    for t in side_tasks {
+        t.abort();
+    }
     if let Some(t) = metrics_task {
         t.abort();
     }

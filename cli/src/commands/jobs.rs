@@ -120,6 +120,14 @@ pub struct SubmitArgs {
     /// Environment variable for the job, repeatable.
     #[arg(long = "env", value_name = "K=V", value_parser = parse_env_pair)]
     pub env: Vec<(String, String)>,
+    /// Like --env, but the value is secret: the task gets it, `jobs get`
+    /// and every other answer of the API show `<secret>`. Repeatable.
+    #[arg(long = "secret-env", value_name = "K=V", value_parser = parse_env_pair)]
+    pub secret_env: Vec<(String, String)>,
+    /// The tenant to charge the job to (admins only; others are charged
+    /// to their token's tenant).
+    #[arg(long, value_name = "TENANT")]
+    pub tenant: Option<String>,
     /// Placement policy: bundle (fewest agents) or spread; default: the
     /// cluster's (`gpuctl-master --placement`).
     #[arg(long, value_name = "POLICY", value_parser = ["bundle", "spread"])]
@@ -178,7 +186,12 @@ impl SubmitArgs {
             name: self.name.clone(),
             image: self.image.clone().unwrap_or_default(),
             command: self.command.clone(),
-            env: self.env.iter().cloned().collect::<HashMap<_, _>>(),
+            env: self
+                .env
+                .iter()
+                .chain(&self.secret_env)
+                .cloned()
+                .collect::<HashMap<_, _>>(),
             resources: Some(pb::Resources {
                 cpus: self.cpus,
                 mem_mib: self.mem,
@@ -189,6 +202,8 @@ impl SubmitArgs {
             max_retries: self.max_retries,
             no_requeue: self.no_requeue,
             no_fence: self.no_fence,
+            tenant: self.tenant.clone().unwrap_or_default(),
+            secret_env: self.secret_env.iter().map(|(k, _)| k.clone()).collect(),
         }
     }
 }

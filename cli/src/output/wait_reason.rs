@@ -38,6 +38,13 @@ pub enum WaitKindJson {
         /// `gpus`, `cpus`, `memory`: where used + asked > limit.
         over: Vec<String>,
     },
+    /// Starting it would take its tenant past its GPU quota.
+    TenantQuota {
+        tenant: String,
+        quota: u32,
+        used: u32,
+        asked: u32,
+    },
     /// The resources are free: it is being placed.
     Starting,
     /// Tasks of lower priority are being stopped for it.
@@ -209,6 +216,12 @@ impl WaitReasonJson {
                     })
                     .map(String::from)
                     .collect(),
+            },
+            Kind::TenantQuota(q) => WaitKindJson::TenantQuota {
+                tenant: q.tenant.clone(),
+                quota: q.quota,
+                used: q.used,
+                asked: q.asked,
             },
             Kind::Starting(_) => WaitKindJson::Starting,
             Kind::Preempting(p) => WaitKindJson::Preempting {
@@ -429,6 +442,16 @@ impl fmt::Display for WaitKindJson {
                     .collect();
                 write!(f, "Quota: the jobs role's quota: {}", parts.join(", "))
             }
+            WaitKindJson::TenantQuota {
+                tenant,
+                quota,
+                used,
+                asked,
+            } => write!(
+                f,
+                "Quota: tenant {tenant}'s GPU quota: {used} GPUs in use + {asked} asked > {quota} \
+                 (gpuctl quota)"
+            ),
             WaitKindJson::Starting => write!(f, "Scheduling: resources are free; starting it"),
             WaitKindJson::Preempting { waiting_for_tasks } => write!(
                 f,

@@ -357,6 +357,7 @@ mod tests {
                     roles: vec!["ml".into()],
                     gpu_capable: false,
                     failover_timeout_ms: 60_000,
+                    tenant: String::new(),
                 },
                 at_ms: 0,
             })

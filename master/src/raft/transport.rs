@@ -7,9 +7,11 @@
 //! unreachable, or that a snapshot failed, so it can retry sooner.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use gpuctl_auth::tls::Tls;
+use gpuctl_auth::CertRole;
 use gpuctl_proto::pb;
 use gpuctl_proto::pb::raft_transport_client::RaftTransportClient;
 use protobuf::Message as _;
@@ -48,15 +50,23 @@ pub struct GrpcTransport {
     address: String,
     addresses: Addresses,
     peers: Mutex<HashMap<u64, Peer>>,
+    /// This master's TLS (its master certificate) when TLS is on.
+    tls: Option<Arc<Tls>>,
 }
 
 impl GrpcTransport {
-    pub fn new(id: u64, address: String, addresses: Addresses) -> GrpcTransport {
+    pub fn new(
+        id: u64,
+        address: String,
+        addresses: Addresses,
+        tls: Option<Arc<Tls>>,
+    ) -> GrpcTransport {
         GrpcTransport {
             id,
             address,
             addresses,
             peers: Mutex::new(HashMap::new()),
+            tls,
         }
     }
 
@@ -69,6 +79,7 @@ impl GrpcTransport {
             addr.clone(),
             rx,
             reporter,
+            self.tls.clone(),
         ));
         Peer { addr, tx }
     }
@@ -107,6 +118,7 @@ async fn peer_loop(
     addr: String,
     mut rx: mpsc::Receiver<Message>,
     reporter: Reporter,
+    tls: Option<Arc<Tls>>,
 ) {
     let endpoint = match Endpoint::from_shared(format!("http://{addr}")) {
         Ok(e) => e,
@@ -115,13 +127,14 @@ async fn peer_loop(
             return;
         }
     };
-    let channel = endpoint
+    let endpoint = endpoint
         .connect_timeout(CONNECT_TIMEOUT)
         .timeout(CALL_TIMEOUT)
         .tcp_nodelay(true)
         .http2_keep_alive_interval(Duration::from_secs(1))
-        .keep_alive_timeout(Duration::from_secs(3))
-        .connect_lazy();
+        .keep_alive_timeout(Duration::from_secs(3));
+    // The peer must hold a master certificate (checked by the connector).
+    let channel = gpuctl_auth::tls::channel(&endpoint, tls.as_ref(), CertRole::Master);
     let mut client = RaftTransportClient::new(channel)
         .max_encoding_message_size(MAX_RAFT_MESSAGE_BYTES)
         .max_decoding_message_size(MAX_RAFT_MESSAGE_BYTES);

@@ -18,6 +18,7 @@ pub mod board;
 pub mod placement;
 pub mod queue;
 pub mod runner;
+pub mod tenants;
 pub mod topology;
 
 use std::collections::{BTreeMap, BTreeSet};

@@ -34,6 +34,7 @@ use gpuctl_core::types::{GpuInfo, JobId, JobState, PlacementPolicy, Resources};
 
 use super::placement::{self, model_matches, Placement, TaskRequest};
 use super::{ask_key, may_use, policy_of, request, reservations, Pool};
+use crate::state::access::tenant_of;
 use crate::state::{job_seq, JobRecord, State, Stopping};
 use gpuctl_core::wait::{
     AgentCounts, AgentIds, Dimension, NeverFits, Requeued, SetAside, WaitReason, Waiting,
@@ -88,6 +89,17 @@ pub fn plan(state: &State, cfg: &QueueConfig) -> QueuePlan {
     let mut walk = Walk {
         sim: Pool::from_state(state),
         usage: jobs_usage(state),
+        // Counted only when some tenant has a quota: a pass over every
+        // job and task the queue pass otherwise spares.
+        tenant_gpus: if state.quotas().is_empty() {
+            HashMap::new()
+        } else {
+            crate::scheduler::tenants::usage(state)
+                .into_iter()
+                .filter(|(t, _)| state.quotas().contains_key(t))
+                .map(|(t, u)| (t, u.gpus))
+                .collect()
+        },
         first_taker: HashMap::new(),
         misses: Default::default(),
     };
@@ -175,6 +187,8 @@ struct Walk<'s> {
     /// victims of a preemption). A burst of alike jobs past the cluster's
     /// size is then linear in the queue, not queue times agents.
     misses: std::collections::HashSet<(String, i32)>,
+    /// GPUs held by the jobs of each tenant that has a quota.
+    tenant_gpus: HashMap<String, u32>,
 }
 
 impl<'s> Walk<'s> {
@@ -248,6 +262,18 @@ fn pass_job<'s>(
             return quota_reason(&q, &walk.usage, &need);
         }
     }
+    let tenant = tenant_of(spec);
+    if let Some(&quota) = state.quotas().get(tenant) {
+        let used = walk.tenant_gpus.get(tenant).copied().unwrap_or(0);
+        if need.gpus > 0 && used.saturating_add(need.gpus) > quota {
+            return WaitReason::TenantQuota {
+                tenant: tenant.to_string(),
+                quota,
+                used,
+                asked: need.gpus,
+            };
+        }
+    }
     let stopping_for_it = ctx.preempted_for.get(job.id.as_str()).copied().unwrap_or(0);
     // The preemptor itself may use the agents kept for it: not alike.
     let miss =
@@ -268,6 +294,7 @@ fn pass_job<'s>(
     if let Some(ps) = fits {
         walk.take(job, &spec.resources, &ps);
         walk.usage = walk.usage.add(&need);
+        *walk.tenant_gpus.entry(tenant.to_string()).or_default() += need.gpus;
         return if stopping_for_it > 0 {
             preempting_reason(stopping_for_it)
         } else {
@@ -279,14 +306,19 @@ fn pass_job<'s>(
             let mut freed = 0;
             walk.misses.clear();
             for v in &victims {
+                let victim_tenant = state.job(v).map_or("", |j| tenant_of(&j.spec));
                 for t in live_tasks(state, v) {
                     walk.sim.give(&t.agent_id, &t.resources, &t.gpu_uuids);
                     walk.usage = walk.usage.saturating_sub(&t.resources);
+                    if let Some(g) = walk.tenant_gpus.get_mut(victim_tenant) {
+                        *g = g.saturating_sub(t.resources.gpus);
+                    }
                     freed += 1;
                 }
             }
             walk.take(job, &spec.resources, &ps);
             walk.usage = walk.usage.add(&need);
+            *walk.tenant_gpus.entry(tenant.to_string()).or_default() += need.gpus;
             out.preemption = Some(Preemption {
                 job_id: job.id.clone(),
                 victims,
@@ -534,11 +566,15 @@ fn find_victims<'s>(
 ) -> Option<(Vec<JobId>, Vec<Placement>)> {
     let (state, reserved) = (ctx.state, ctx.reserved);
     let priority = job.spec.priority;
+    // Priorities order a tenant's own jobs: a job never preempts another
+    // tenant's (else any user could take every GPU by asking a high
+    // priority). Without tokens every job is the default tenant's.
+    let tenant = tenant_of(&job.spec);
     let cands: Vec<Victim> = ctx
         .preemptible
         .iter()
         .copied()
-        .filter(|v| v.spec.priority < priority)
+        .filter(|v| v.spec.priority < priority && tenant_of(&v.spec) == tenant)
         .filter_map(|v| {
             let tasks: Vec<_> = live_tasks(state, &v.id).collect();
             if tasks.is_empty() {

@@ -10,6 +10,7 @@ use gpuctl_core::ConvertError;
 use gpuctl_proto::pb;
 use tonic::{Code, Request, Response, Status};
 
+use super::auth::Caller;
 use super::task_stream::{self, TaskStream};
 use super::{reply, Ctx, MustRegister, ServiceError};
 use crate::now_ms;
@@ -68,6 +69,7 @@ impl pb::agent_manager_server::AgentManager for AgentManagerService {
         &self,
         req: Request<pb::RegisterRequest>,
     ) -> Result<Response<pb::RegisterResponse>, Status> {
+        Caller::of(&req).check_agent(&req.get_ref().agent_id)?;
         reply(self.register(req.into_inner()).await)
     }
 
@@ -75,6 +77,7 @@ impl pb::agent_manager_server::AgentManager for AgentManagerService {
         &self,
         req: Request<pb::HeartbeatRequest>,
     ) -> Result<Response<pb::HeartbeatResponse>, Status> {
+        Caller::of(&req).check_agent(&req.get_ref().agent_id)?;
         reply(self.heartbeat(req.into_inner()).await)
     }
 
@@ -82,6 +85,7 @@ impl pb::agent_manager_server::AgentManager for AgentManagerService {
         &self,
         req: Request<pb::WatchTasksRequest>,
     ) -> Result<Response<Self::WatchTasksStream>, Status> {
+        Caller::of(&req).check_agent(&req.get_ref().agent_id)?;
         reply(self.watch_tasks(req.into_inner()).await)
     }
 
@@ -89,6 +93,8 @@ impl pb::agent_manager_server::AgentManager for AgentManagerService {
         &self,
         req: Request<pb::StatusUpdate>,
     ) -> Result<Response<pb::StatusAck>, Status> {
+        // The state checks that the task is this agent's (WrongAgent).
+        Caller::of(&req).check_agent(&req.get_ref().agent_id)?;
         reply(self.update_status(req.into_inner()).await)
     }
 
@@ -96,6 +102,10 @@ impl pb::agent_manager_server::AgentManager for AgentManagerService {
         &self,
         req: Request<pb::StatusUpdates>,
     ) -> Result<Response<pb::StatusVerdicts>, Status> {
+        let caller = Caller::of(&req);
+        for u in &req.get_ref().updates {
+            caller.check_agent(&u.agent_id)?;
+        }
         reply(self.update_statuses(req.into_inner()).await)
     }
 }

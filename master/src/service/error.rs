@@ -16,6 +16,7 @@ pub enum Missing {
     Job,
     Agent,
     Gpu,
+    Token,
 }
 
 impl std::fmt::Display for Missing {
@@ -24,6 +25,7 @@ impl std::fmt::Display for Missing {
             Missing::Job => "job",
             Missing::Agent => "agent",
             Missing::Gpu => "GPU",
+            Missing::Token => "token",
         })
     }
 }
@@ -112,6 +114,16 @@ pub enum ServiceError {
     NoOtherVoter,
     #[error("leadership transfer to master {to} did not complete; retry")]
     TransferIncomplete { to: u64 },
+    /// The caller may not do this (another agent's tasks, another
+    /// tenant's job, another tenant's framework).
+    #[error("{0}")]
+    Forbidden(String),
+    /// The caller proved nothing: a bad, unknown, expired or revoked token.
+    #[error("{0}")]
+    Unauthenticated(String),
+    /// This master cannot sign certificates (no CA key) or read its CA.
+    #[error("{0}")]
+    CannotSign(String),
     /// A command answered with an outcome of another command: a bug.
     #[error("unexpected outcome of {command}: {outcome:?}")]
     UnexpectedOutcome {
@@ -174,6 +186,9 @@ impl From<ServiceError> for Status {
             | E::LastVoter { .. }
             | E::NoOtherVoter => Status::failed_precondition(message),
             E::Relayed(s) => s,
+            E::Forbidden(_) => Status::permission_denied(message),
+            E::Unauthenticated(_) => Status::unauthenticated(message),
+            E::CannotSign(_) => Status::failed_precondition(message),
             E::AlreadyVoter { .. } | E::TaskIdInUse { .. } => Status::already_exists(message),
             E::CatchUpTimeout { .. } => Status::deadline_exceeded(message),
             E::AgentAddress { .. } | E::UnexpectedOutcome { .. } => Status::internal(message),

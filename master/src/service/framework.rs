@@ -12,12 +12,16 @@ use gpuctl_proto::pb;
 use tokio::sync::mpsc;
 use tonic::{Request, Response, Status};
 
+use super::auth::Caller;
 use super::{reply, Ctx, ServiceError};
 use crate::allocator::refuse_until;
 use crate::leader::frameworks::{task_status, EVENT_BUFFER};
 use crate::now_ms;
+use crate::state::access::{TokenRole, DEFAULT_TENANT};
 use crate::state::frameworks::task_key;
+use crate::state::frameworks::BUILTIN_FRAMEWORK_ID;
 use crate::state::{Command, Outcome, State};
+use gpuctl_core::types::FrameworkInfo;
 
 pub struct SchedulerService {
     pub(super) ctx: Ctx,
@@ -63,6 +67,66 @@ impl SchedulerService {
         Ok(names_it)
     }
 
+    /// Refuses unless `caller` may act for framework `framework_id`: the
+    /// framework is its tenant's (admins: any), and never the built-in
+    /// scheduler's (only the master itself acts for it). A framework the
+    /// state does not know is left to the call's own answer.
+    fn check_framework(&self, caller: &Caller, framework_id: &str) -> Result<(), ServiceError> {
+        if *caller == Caller::Open {
+            return Ok(());
+        }
+        if framework_id == BUILTIN_FRAMEWORK_ID {
+            return Err(ServiceError::Forbidden(format!(
+                "framework {framework_id} is the master's own job scheduler"
+            )));
+        }
+        let state = self.ctx.raft.state();
+        match state.framework(framework_id) {
+            Some(f) if !caller.may_access(framework_tenant(&f.info)) => {
+                Err(ServiceError::Forbidden(format!(
+                    "framework {framework_id} belongs to another tenant than yours ({})",
+                    caller.tenant()
+                )))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Checks a subscription or update against the caller's token (its
+    /// roles must be among those the token allows; an existing framework
+    /// must be the caller's tenant's) and sets the framework's tenant.
+    fn authorize(&self, caller: &Caller, info: &mut FrameworkInfo) -> Result<(), ServiceError> {
+        if let Caller::Token(t) = caller {
+            if t.role == TokenRole::Framework {
+                let asked: Vec<&str> = if info.roles.is_empty() {
+                    vec![info.role()]
+                } else {
+                    info.roles.iter().map(String::as_str).collect()
+                };
+                if let Some(r) = asked
+                    .iter()
+                    .find(|r| !t.framework_roles.iter().any(|a| a == *r))
+                {
+                    return Err(ServiceError::Forbidden(format!(
+                        "framework.roles: your token does not allow role {r:?} (it allows {})",
+                        t.framework_roles.join(", ")
+                    )));
+                }
+            }
+        }
+        if info.id.is_empty() {
+            info.tenant = caller.tenant().to_string();
+            return Ok(());
+        }
+        self.check_framework(caller, &info.id)?;
+        let state = self.ctx.raft.state();
+        info.tenant = match state.framework(&info.id) {
+            Some(f) => f.info.tenant.clone(),
+            None => caller.tenant().to_string(),
+        };
+        Ok(())
+    }
+
     /// The framework must exist, not be removed, and be connected.
     fn connected(&self, framework_id: &str) -> Result<(), ServiceError> {
         check_id("framework_id", framework_id)?;
@@ -73,6 +137,15 @@ impl SchedulerService {
             });
         }
         Ok(())
+    }
+}
+
+/// The tenant a framework acts for.
+fn framework_tenant(info: &FrameworkInfo) -> &str {
+    if info.tenant.is_empty() {
+        DEFAULT_TENANT
+    } else {
+        &info.tenant
     }
 }
 
@@ -199,13 +272,18 @@ impl pb::scheduler_server::Scheduler for SchedulerService {
         &self,
         req: Request<pb::SubscribeRequest>,
     ) -> Result<Response<Self::SubscribeStream>, Status> {
-        reply(self.subscribe(req.into_inner()).await)
+        let caller = Caller::of(&req);
+        reply(self.subscribe(&caller, req.into_inner()).await)
     }
 
     async fn accept(
         &self,
         req: Request<pb::AcceptRequest>,
     ) -> Result<Response<pb::CallResponse>, Status> {
+        let caller = Caller::of(&req);
+        if let Err(e) = self.check_framework(&caller, &req.get_ref().framework_id) {
+            return Err(e.into());
+        }
         reply(self.accept(req.into_inner()).await)
     }
 
@@ -213,6 +291,10 @@ impl pb::scheduler_server::Scheduler for SchedulerService {
         &self,
         req: Request<pb::DeclineRequest>,
     ) -> Result<Response<pb::CallResponse>, Status> {
+        let caller = Caller::of(&req);
+        if let Err(e) = self.check_framework(&caller, &req.get_ref().framework_id) {
+            return Err(e.into());
+        }
         reply(self.decline(req.into_inner()).await)
     }
 
@@ -220,6 +302,10 @@ impl pb::scheduler_server::Scheduler for SchedulerService {
         &self,
         req: Request<pb::ReviveRequest>,
     ) -> Result<Response<pb::CallResponse>, Status> {
+        let caller = Caller::of(&req);
+        if let Err(e) = self.check_framework(&caller, &req.get_ref().framework_id) {
+            return Err(e.into());
+        }
         reply(self.revive(req.into_inner()).await)
     }
 
@@ -227,6 +313,10 @@ impl pb::scheduler_server::Scheduler for SchedulerService {
         &self,
         req: Request<pb::SuppressRequest>,
     ) -> Result<Response<pb::CallResponse>, Status> {
+        let caller = Caller::of(&req);
+        if let Err(e) = self.check_framework(&caller, &req.get_ref().framework_id) {
+            return Err(e.into());
+        }
         reply(self.suppress(req.into_inner()).await)
     }
 
@@ -234,6 +324,10 @@ impl pb::scheduler_server::Scheduler for SchedulerService {
         &self,
         req: Request<pb::KillRequest>,
     ) -> Result<Response<pb::CallResponse>, Status> {
+        let caller = Caller::of(&req);
+        if let Err(e) = self.check_framework(&caller, &req.get_ref().framework_id) {
+            return Err(e.into());
+        }
         reply(self.kill(req.into_inner()).await)
     }
 
@@ -241,6 +335,10 @@ impl pb::scheduler_server::Scheduler for SchedulerService {
         &self,
         req: Request<pb::AcknowledgeRequest>,
     ) -> Result<Response<pb::CallResponse>, Status> {
+        let caller = Caller::of(&req);
+        if let Err(e) = self.check_framework(&caller, &req.get_ref().framework_id) {
+            return Err(e.into());
+        }
         reply(self.acknowledge(req.into_inner()).await)
     }
 
@@ -248,6 +346,10 @@ impl pb::scheduler_server::Scheduler for SchedulerService {
         &self,
         req: Request<pb::ReconcileRequest>,
     ) -> Result<Response<pb::CallResponse>, Status> {
+        let caller = Caller::of(&req);
+        if let Err(e) = self.check_framework(&caller, &req.get_ref().framework_id) {
+            return Err(e.into());
+        }
         reply(self.reconcile(req.into_inner()).await)
     }
 
@@ -255,6 +357,10 @@ impl pb::scheduler_server::Scheduler for SchedulerService {
         &self,
         req: Request<pb::TeardownRequest>,
     ) -> Result<Response<pb::CallResponse>, Status> {
+        let caller = Caller::of(&req);
+        if let Err(e) = self.check_framework(&caller, &req.get_ref().framework_id) {
+            return Err(e.into());
+        }
         reply(self.teardown(req.into_inner()).await)
     }
 
@@ -262,16 +368,22 @@ impl pb::scheduler_server::Scheduler for SchedulerService {
         &self,
         req: Request<pb::UpdateFrameworkRequest>,
     ) -> Result<Response<pb::CallResponse>, Status> {
-        reply(self.update_framework(req.into_inner()).await)
+        let caller = Caller::of(&req);
+        reply(self.update_framework(&caller, req.into_inner()).await)
     }
 }
 
 /// Each RPC's logic; the `Scheduler` impl above only turns its errors
 /// into `Status` (`reply`).
 impl SchedulerService {
-    async fn subscribe(&self, req: pb::SubscribeRequest) -> Result<EventStream, ServiceError> {
+    async fn subscribe(
+        &self,
+        caller: &Caller,
+        req: pb::SubscribeRequest,
+    ) -> Result<EventStream, ServiceError> {
         self.leader()?;
-        let info = framework_info_from_pb(req.framework)?;
+        let mut info = framework_info_from_pb(req.framework)?;
+        self.authorize(caller, &mut info)?;
         let suppressed = req.suppressed;
         let framework_id = match self
             .ctx
@@ -534,9 +646,14 @@ impl SchedulerService {
 
     async fn update_framework(
         &self,
+        caller: &Caller,
         req: pb::UpdateFrameworkRequest,
     ) -> Result<pb::CallResponse, ServiceError> {
-        let info = framework_info_from_pb(req.framework)?;
+        let mut info = framework_info_from_pb(req.framework)?;
+        if info.id.is_empty() {
+            return Err(ConvertError::new("framework.id", "must not be empty").into());
+        }
+        self.authorize(caller, &mut info)?;
         self.connected(&info.id)?;
         self.ctx
             .raft

@@ -12,6 +12,7 @@ use gpuctl_core::types::JobsQuery;
 use gpuctl_proto::pb;
 use prost::encoding::{encoded_len_varint, key_len};
 
+use crate::state::access::tenant_of;
 use crate::state::{job_seq, JobRecord, State};
 
 /// Most bytes of an encoded page: gRPC's default message limit, so that
@@ -22,8 +23,9 @@ pub const PAGE_BYTES: usize = 4 * 1024 * 1024;
 /// Room kept for `next_page_token` (a decimal u64 and its field header).
 const TOKEN_BYTES: usize = 32;
 
-fn wanted(req: &JobsQuery, j: &JobRecord) -> bool {
-    (req.states.is_empty() || req.states.contains(&j.state))
+fn wanted(req: &JobsQuery, tenant: Option<&str>, j: &JobRecord) -> bool {
+    tenant.is_none_or(|t| t == tenant_of(&j.spec))
+        && (req.states.is_empty() || req.states.contains(&j.state))
         && req.name.as_ref().is_none_or(|n| *n == j.spec.name)
         && req.before.is_none_or(|b| job_seq(&j.id) < b)
 }
@@ -34,13 +36,14 @@ fn wanted(req: &JobsQuery, j: &JobRecord) -> bool {
 pub fn page(
     state: &State,
     req: &JobsQuery,
+    tenant: Option<&str>,
     budget: usize,
     mut to_pb: impl FnMut(&JobRecord) -> pb::Job,
 ) -> pb::ListJobsResponse {
     let mut matching: Vec<(u64, &JobRecord)> = state
         .jobs()
         .values()
-        .filter(|j| wanted(req, j))
+        .filter(|j| wanted(req, tenant, j))
         .map(|j| (job_seq(&j.id), j))
         .collect();
     // The newest limit + 1 (one more tells whether a next page exists),
@@ -133,7 +136,7 @@ mod tests {
         /// One page as the service answers it.
         fn page(&self, r: &pb::ListJobsRequest, budget: usize) -> pb::ListJobsResponse {
             let req = JobsQuery::try_from(r.clone()).unwrap();
-            page(&self.s, &req, budget, |j| pb::Job {
+            page(&self.s, &req, None, budget, |j| pb::Job {
                 id: j.id.clone(),
                 spec: Some(j.spec.clone().into()),
                 state: pb::JobState::from(j.state) as i32,

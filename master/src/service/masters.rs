@@ -24,13 +24,16 @@ const CATCH_UP: Duration = Duration::from_secs(30);
 /// How long a peer may take to say how it is.
 const PEER_STATUS_TIMEOUT: Duration = Duration::from_millis(800);
 
-async fn peer_status(addr: &str) -> Option<pb::MasterInfo> {
+async fn peer_status(ctx: &Ctx, addr: &str) -> Option<pb::MasterInfo> {
     let endpoint = Endpoint::from_shared(format!("http://{addr}"))
         .ok()?
         .connect_timeout(PEER_STATUS_TIMEOUT)
         .timeout(PEER_STATUS_TIMEOUT);
     let call = async {
-        let channel = endpoint.connect().await.ok()?;
+        let channel =
+            gpuctl_auth::tls::connect(&endpoint, ctx.tls(), gpuctl_auth::CertRole::Master)
+                .await
+                .ok()?;
         RaftTransportClient::new(channel)
             .status(pb::StatusRequest {})
             .await
@@ -67,7 +70,7 @@ pub async fn list(ctx: &Ctx) -> pb::ListMastersResponse {
                 }
                 return me;
             }
-            match peer_status(&addr).await {
+            match peer_status(ctx, &addr).await {
                 Some(mut info) => {
                     info.id = id;
                     info.address = addr;

@@ -3,7 +3,9 @@
 //! RPC's logic returns a `ServiceError` (error.rs), which alone becomes a
 //! `Status`.
 
+mod access;
 mod agent;
+pub mod auth;
 mod error;
 mod framework;
 pub mod gate;
@@ -34,9 +36,16 @@ pub struct Ctx {
     /// Why queued jobs wait, as the leader's last queue pass found it.
     pub waits: Arc<WaitBoard>,
     pub shutdown: watch::Receiver<bool>,
+    /// TLS and the CA key; `None`: no security configured.
+    pub security: Option<Arc<crate::security::Security>>,
 }
 
 impl Ctx {
+    /// This master's TLS, for the connections it makes (to peers, agents).
+    pub fn tls(&self) -> Option<&Arc<gpuctl_auth::tls::Tls>> {
+        self.security.as_ref().map(|s| &s.tls)
+    }
+
     /// The redirect this master answers with when it is not the leader.
     pub fn not_leader(&self) -> ServiceError {
         ServiceError::NotLeader {
@@ -63,6 +72,16 @@ pub fn agent_manager_server(
 pub fn raft_server(ctx: Ctx) -> pb::raft_transport_server::RaftTransportServer<raft::RaftService> {
     pb::raft_transport_server::RaftTransportServer::new(raft::RaftService { ctx })
         .max_decoding_message_size(crate::raft::transport::MAX_RAFT_MESSAGE_BYTES)
+}
+
+pub fn identity_server(ctx: Ctx) -> pb::identity_server::IdentityServer<access::IdentityService> {
+    pb::identity_server::IdentityServer::new(access::IdentityService { ctx })
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+}
+
+pub fn access_server(ctx: Ctx) -> pb::access_server::AccessServer<access::AccessService> {
+    pb::access_server::AccessServer::new(access::AccessService { ctx })
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
 }
 
 pub fn framework_server(

@@ -14,8 +14,10 @@ use gpuctl_proto::pb;
 use tokio::sync::mpsc;
 use tonic::{Request, Response, Status};
 
+use super::auth::Caller;
 use super::{jobs_page, reply, Ctx, Missing, ServiceError};
 use crate::now_ms;
+use crate::state::access::tenant_of;
 use crate::state::{AgentRecord, AgentState, Command, JobRecord, Outcome, State, TaskRecord};
 use gpuctl_core::wait::Waiting;
 
@@ -48,7 +50,9 @@ pub fn job_to_pb(state: &State, j: &JobRecord, reasons: &BTreeMap<String, Waitin
         .map(pb::WaitReason::from);
     pb::Job {
         id: j.id.clone(),
-        spec: Some(j.spec.clone().into()),
+        // Secret env values never leave the master (the agent gets them
+        // through WatchTasks).
+        spec: Some(j.spec.redacted().into()),
         state: pb::JobState::from(j.state) as i32,
         tasks: j
             .task_ids
@@ -184,31 +188,36 @@ impl pb::operator_server::Operator for OperatorService {
         &self,
         req: Request<pb::GetJobRequest>,
     ) -> Result<Response<Self::WatchJobStream>, Status> {
-        reply(self.watch_job(req.into_inner()).await)
+        let caller = Caller::of(&req);
+        reply(self.watch_job(&caller, req.into_inner()).await)
     }
     async fn submit_job(
         &self,
         req: Request<pb::SubmitJobRequest>,
     ) -> Result<Response<pb::SubmitJobResponse>, Status> {
-        reply(self.submit_job(req.into_inner()).await)
+        let caller = Caller::of(&req);
+        reply(self.submit_job(&caller, req.into_inner()).await)
     }
 
     async fn get_job(&self, req: Request<pb::GetJobRequest>) -> Result<Response<pb::Job>, Status> {
-        reply(self.get_job(req.into_inner()).await)
+        let caller = Caller::of(&req);
+        reply(self.get_job(&caller, req.into_inner()).await)
     }
 
     async fn list_jobs(
         &self,
         req: Request<pb::ListJobsRequest>,
     ) -> Result<Response<pb::ListJobsResponse>, Status> {
-        reply(self.list_jobs(req.into_inner()).await)
+        let caller = Caller::of(&req);
+        reply(self.list_jobs(&caller, req.into_inner()).await)
     }
 
     async fn cancel_job(
         &self,
         req: Request<pb::CancelJobRequest>,
     ) -> Result<Response<pb::CancelJobResponse>, Status> {
-        reply(self.cancel_job(req.into_inner()).await)
+        let caller = Caller::of(&req);
+        reply(self.cancel_job(&caller, req.into_inner()).await)
     }
 
     async fn list_agents(
@@ -250,7 +259,8 @@ impl pb::operator_server::Operator for OperatorService {
         &self,
         req: Request<pb::JobLogsRequest>,
     ) -> Result<Response<Self::JobLogsStream>, Status> {
-        reply(self.job_logs(req.into_inner()).await)
+        let caller = Caller::of(&req);
+        reply(self.job_logs(&caller, req.into_inner()).await)
     }
 
     async fn list_masters(
@@ -278,8 +288,24 @@ impl pb::operator_server::Operator for OperatorService {
 /// Each RPC's logic; the `Operator` impl above only turns its errors
 /// into `Status` (`reply`).
 impl OperatorService {
+    /// Refuses when the job is another tenant's (a job that does not exist
+    /// is left to the caller's own not-found answer).
+    fn check_job_access(&self, caller: &Caller, job_id: &str) -> Result<(), ServiceError> {
+        let state = self.ctx.raft.state();
+        match state.job(job_id) {
+            Some(j) if !caller.may_access(tenant_of(&j.spec)) => {
+                Err(ServiceError::Forbidden(format!(
+                    "job {job_id} belongs to another tenant than yours ({})",
+                    caller.tenant()
+                )))
+            }
+            _ => Ok(()),
+        }
+    }
+
     async fn submit_job(
         &self,
+        caller: &Caller,
         req: pb::SubmitJobRequest,
     ) -> Result<pb::SubmitJobResponse, ServiceError> {
         let request_id = if req.request_id.is_empty() {
@@ -297,7 +323,17 @@ impl OperatorService {
         let spec = req
             .spec
             .ok_or_else(|| ConvertError::new("spec", "missing"))?;
-        let spec = JobSpec::try_from(spec)?;
+        let mut spec = JobSpec::try_from(spec)?;
+        // Charged to the caller's tenant; only an admin may name another.
+        if spec.tenant.is_empty() {
+            spec.tenant = caller.tenant().to_string();
+        } else if !caller.may_access(&spec.tenant) {
+            return Err(ServiceError::Forbidden(format!(
+                "spec.tenant: your token is tenant {}'s; it cannot submit jobs for tenant {}",
+                caller.tenant(),
+                spec.tenant
+            )));
+        }
         match self
             .ctx
             .raft
@@ -319,8 +355,12 @@ impl OperatorService {
     /// The job, then each change of it, until it ends. Wakes on applied
     /// entries and on newly published wait reasons; sends only when what
     /// the client would see differs. Bounded: one message in flight.
-    async fn watch_job(&self, req: pb::GetJobRequest) -> Result<JobStream, ServiceError> {
-        let first = self.get_job(req.clone()).await?;
+    async fn watch_job(
+        &self,
+        caller: &Caller,
+        req: pb::GetJobRequest,
+    ) -> Result<JobStream, ServiceError> {
+        let first = self.get_job(caller, req.clone()).await?;
         let id = req.job_id;
         let (tx, rx) = mpsc::channel(1);
         let ctx = self.ctx.clone();
@@ -371,9 +411,14 @@ impl OperatorService {
         Ok(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx)))
     }
 
-    async fn get_job(&self, req: pb::GetJobRequest) -> Result<pb::Job, ServiceError> {
+    async fn get_job(
+        &self,
+        caller: &Caller,
+        req: pb::GetJobRequest,
+    ) -> Result<pb::Job, ServiceError> {
         let id = req.job_id;
         job_id_arg(&id)?;
+        self.check_job_access(caller, &id)?;
         let state = self.ctx.raft.state();
         let job = state
             .job(&id)
@@ -384,22 +429,29 @@ impl OperatorService {
 
     async fn list_jobs(
         &self,
+        caller: &Caller,
         req: pb::ListJobsRequest,
     ) -> Result<pb::ListJobsResponse, ServiceError> {
         let req = JobsQuery::try_from(req)?;
         let state = self.ctx.raft.state();
         let reasons = self.ctx.waits.reasons();
-        Ok(jobs_page::page(&state, &req, jobs_page::PAGE_BYTES, |j| {
-            job_to_pb(&state, j, &reasons)
-        }))
+        Ok(jobs_page::page(
+            &state,
+            &req,
+            caller.tenant_scope(),
+            jobs_page::PAGE_BYTES,
+            |j| job_to_pb(&state, j, &reasons),
+        ))
     }
 
     async fn cancel_job(
         &self,
+        caller: &Caller,
         req: pb::CancelJobRequest,
     ) -> Result<pb::CancelJobResponse, ServiceError> {
         let job_id = req.job_id;
         job_id_arg(&job_id)?;
+        self.check_job_access(caller, &job_id)?;
         match self
             .ctx
             .raft
@@ -503,8 +555,13 @@ impl OperatorService {
         self.agent_reply(&req.agent_id)
     }
 
-    async fn job_logs(&self, req: pb::JobLogsRequest) -> Result<LogStream, ServiceError> {
+    async fn job_logs(
+        &self,
+        caller: &Caller,
+        req: pb::JobLogsRequest,
+    ) -> Result<LogStream, ServiceError> {
         job_id_arg(&req.job_id)?;
+        self.check_job_access(caller, &req.job_id)?;
         let raft = self.ctx.raft.clone();
         let job_id = req.job_id;
         // Find the job's task and its agent; with --follow wait until placed.
@@ -543,9 +600,10 @@ impl OperatorService {
                 source,
             })?
             .connect_timeout(Duration::from_secs(5));
+        // The agent must hold an agent certificate (checked by the
+        // connector); it checks ours is a master's.
         let channel =
-            endpoint
-                .connect()
+            gpuctl_auth::tls::connect(&endpoint, self.ctx.tls(), gpuctl_auth::CertRole::Agent)
                 .await
                 .map_err(|source| ServiceError::AgentUnreachable {
                     address: address.clone(),

@@ -235,6 +235,14 @@ impl State {
             Command::ForgetFrameworkTasks { task_ids, at_ms } => {
                 Ok(self.forget_framework_tasks(task_ids, *at_ms))
             }
+            Command::CreateToken { record } => self.create_token(record),
+            Command::RevokeToken { id, at_ms } => self.revoke_token(id, *at_ms),
+            Command::UseJoinToken {
+                id,
+                agent_id,
+                at_ms,
+            } => self.use_join_token(id, agent_id, *at_ms),
+            Command::SetQuota { tenant, gpus } => self.set_quota(tenant, *gpus),
         }
     }
 

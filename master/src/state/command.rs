@@ -178,6 +178,28 @@ pub enum Command {
         task_ids: Vec<TaskId>,
         at_ms: u64,
     },
+    /// An admin created a token (or the leader put the bootstrap admin
+    /// token in place). Refused if the id exists.
+    CreateToken {
+        record: super::access::TokenRecord,
+    },
+    /// The token stops working (revoking twice keeps the first time).
+    RevokeToken {
+        id: String,
+        at_ms: u64,
+    },
+    /// An agent joins with a join token: marks it used. Committed before
+    /// the master signs the agent's certificate.
+    UseJoinToken {
+        id: String,
+        agent_id: AgentId,
+        at_ms: u64,
+    },
+    /// An admin sets a tenant's GPU quota (0: none).
+    SetQuota {
+        tenant: String,
+        gpus: u32,
+    },
 }
 
 /// One task of a job placed on one agent with exact GPUs. A job of
@@ -260,6 +282,10 @@ impl Command {
             Command::AcknowledgeUpdate { .. } => "acknowledge_update",
             Command::ForgetJobs { .. } => "forget_jobs",
             Command::ForgetFrameworkTasks { .. } => "forget_framework_tasks",
+            Command::CreateToken { .. } => "create_token",
+            Command::RevokeToken { .. } => "revoke_token",
+            Command::UseJoinToken { .. } => "use_join_token",
+            Command::SetQuota { .. } => "set_quota",
         }
     }
 }

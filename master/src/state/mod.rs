@@ -2,6 +2,7 @@
 //! `State::apply` is called with each committed log entry, in order, on every
 //! master; given the same entries it yields the same state.
 
+pub mod access;
 mod agents;
 mod apply;
 pub mod command;
@@ -269,6 +270,12 @@ pub struct State {
     /// task gets them; tasks already on them keep running.
     #[serde(default)]
     cordoned: std::collections::BTreeSet<GpuUuid>,
+    /// Access tokens by id (hashes only).
+    #[serde(default)]
+    tokens: BTreeMap<String, access::TokenRecord>,
+    /// Tenants' GPU quotas.
+    #[serde(default)]
+    quotas: BTreeMap<String, u32>,
     /// Index of the last log entry applied.
     applied_index: u64,
 }

@@ -341,6 +341,7 @@ proptest! {
                 roles: vec![],
                 gpu_capable: true,
                 failover_timeout_ms: 1000,
+                tenant: String::new(),
             },
             at_ms: 1,
         }) {

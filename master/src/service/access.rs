@@ -1,0 +1,512 @@
+//! Identity (agents join and renew their certificates) and Access (tokens,
+//! who am I, tenants' quotas).
+
+use std::time::Duration;
+
+use gpuctl_auth::token::Token;
+use gpuctl_auth::CertRole;
+use gpuctl_core::convert::check_id;
+use gpuctl_core::ConvertError;
+use gpuctl_proto::pb;
+use tonic::{Request, Response, Status};
+
+use super::auth::{Caller, TokenCaller};
+use super::{reply, Ctx, Missing, ServiceError};
+use crate::now_ms;
+use crate::state::access::{check_tenant, TokenRecord, TokenRole};
+use crate::state::Command;
+
+/// Join tokens last this long unless asked otherwise.
+pub const DEFAULT_JOIN_TOKEN_TTL: Duration = Duration::from_secs(3600);
+/// Longest lifetime a token may be given.
+const MAX_TOKEN_TTL_SECS: u64 = 10 * 365 * 86_400;
+/// Longest description.
+const MAX_DESCRIPTION: usize = 256;
+/// Most framework roles one token may allow.
+const MAX_FRAMEWORK_ROLES: usize = 32;
+/// Largest signing request accepted.
+const MAX_CSR_BYTES: usize = 16 * 1024;
+
+pub struct IdentityService {
+    pub(super) ctx: Ctx,
+}
+
+pub struct AccessService {
+    pub(super) ctx: Ctx,
+}
+
+fn role_to_pb(r: TokenRole) -> pb::TokenRole {
+    match r {
+        TokenRole::Admin => pb::TokenRole::Admin,
+        TokenRole::User => pb::TokenRole::User,
+        TokenRole::Framework => pb::TokenRole::Framework,
+        TokenRole::Join => pb::TokenRole::Join,
+    }
+}
+
+pub fn token_info(t: &TokenRecord) -> pb::TokenInfo {
+    pb::TokenInfo {
+        id: t.id.clone(),
+        role: role_to_pb(t.role) as i32,
+        tenant: t.tenant.clone(),
+        description: t.description.clone(),
+        created_at_ms: t.created_at_ms,
+        expires_at_ms: t.expires_at_ms.unwrap_or(0),
+        revoked_at_ms: t.revoked_at_ms.unwrap_or(0),
+        used_at_ms: t.used.as_ref().map(|u| u.0).unwrap_or(0),
+        used_by: t.used.as_ref().map(|u| u.1.clone()).unwrap_or_default(),
+        agent_id: t.agent_id.clone().unwrap_or_default(),
+        framework_roles: t.framework_roles.clone(),
+        allow_root: t.allow_root,
+        created_by: t.created_by.clone(),
+    }
+}
+
+fn check_csr(csr: &str) -> Result<(), ServiceError> {
+    if csr.is_empty() || csr.len() > MAX_CSR_BYTES {
+        return Err(ConvertError::new(
+            "csr_pem",
+            format!("must be 1 to {MAX_CSR_BYTES} bytes of PEM"),
+        )
+        .into());
+    }
+    Ok(())
+}
+
+impl IdentityService {
+    fn security(&self) -> Result<&crate::security::Security, ServiceError> {
+        self.ctx.security.as_deref().ok_or_else(|| {
+            ServiceError::CannotSign(
+                "this master runs without TLS: agents and clients need no certificate".into(),
+            )
+        })
+    }
+
+    /// Signs `csr` as `role`/`name` for at most `ttl`.
+    fn sign(
+        &self,
+        csr: &str,
+        role: CertRole,
+        name: &str,
+        ttl: Duration,
+    ) -> Result<pb::JoinResponse, ServiceError> {
+        let sec = self.security()?;
+        let ca = sec.ca.as_ref().ok_or_else(|| {
+            ServiceError::CannotSign(
+                "this master has no CA key (ca_key) and cannot sign certificates; make them \
+                 with `gpuctl certs issue` where the CA key is"
+                    .into(),
+            )
+        })?;
+        let issued = ca
+            .sign_request(csr, role, name, ttl, &[])
+            .map_err(|e| ConvertError::new("csr_pem", e.to_string()))?;
+        let ca_pem = sec
+            .ca_bundle()
+            .map_err(|e| ServiceError::CannotSign(format!("cannot read the CA file: {e}")))?;
+        Ok(pb::JoinResponse {
+            cert_pem: issued.cert_pem,
+            ca_pem,
+            not_after_ms: issued.not_after_ms,
+        })
+    }
+
+    async fn join(&self, req: pb::JoinRequest) -> Result<pb::JoinResponse, ServiceError> {
+        let sec = self.security()?;
+        check_csr(&req.csr_pem)?;
+        let token =
+            Token::parse(&req.token).map_err(|e| ServiceError::Unauthenticated(e.to_string()))?;
+        let now = now_ms();
+        let record = {
+            let state = self.ctx.raft.state();
+            state
+                .token(token.id())
+                .filter(|r| token.matches(&r.hash))
+                .cloned()
+                .ok_or_else(|| ServiceError::Unauthenticated("unknown token".into()))?
+        };
+        record
+            .usable_at(now)
+            .map_err(|why| ServiceError::Unauthenticated(format!("{why} (token {})", record.id)))?;
+        if record.role == TokenRole::Join {
+            check_id("agent_id", &req.agent_id)?;
+            // Single use, decided by the replicated log before anything is
+            // signed: two agents racing with one token cannot both join.
+            self.ctx
+                .raft
+                .propose(Command::UseJoinToken {
+                    id: record.id.clone(),
+                    agent_id: req.agent_id.clone(),
+                    at_ms: now,
+                })
+                .await
+                .map_err(|e| match e {
+                    crate::raft::ProposeError::Rejected(a) => {
+                        ServiceError::Unauthenticated(a.to_string())
+                    }
+                    e => e.into(),
+                })?;
+            tracing::info!(agent_id = %req.agent_id, token_id = %record.id, "agent joined");
+            return self.sign(
+                &req.csr_pem,
+                CertRole::Agent,
+                &req.agent_id,
+                sec.config.agent_cert_ttl,
+            );
+        }
+        // An access token: a client certificate for its holder, lasting no
+        // longer than the token.
+        let mut ttl = sec.config.client_cert_ttl;
+        if let Some(exp) = record.expires_at_ms {
+            ttl = ttl.min(Duration::from_millis(exp.saturating_sub(now)));
+        }
+        let tenant = if record.tenant.is_empty() {
+            "admin"
+        } else {
+            &record.tenant
+        };
+        let name = format!("{tenant}.{}", record.id);
+        tracing::info!(%name, "client certificate issued");
+        self.sign(&req.csr_pem, CertRole::Client, &name, ttl)
+    }
+
+    async fn renew(
+        &self,
+        caller: &Caller,
+        req: pb::RenewRequest,
+    ) -> Result<pb::JoinResponse, ServiceError> {
+        let sec = self.security()?;
+        check_csr(&req.csr_pem)?;
+        let Caller::Agent { agent_id } = caller else {
+            return Err(ServiceError::Forbidden(
+                "only an agent renews its certificate this way".into(),
+            ));
+        };
+        tracing::info!(%agent_id, "agent certificate renewed");
+        self.sign(
+            &req.csr_pem,
+            CertRole::Agent,
+            agent_id,
+            sec.config.agent_cert_ttl,
+        )
+    }
+}
+
+#[tonic::async_trait]
+impl pb::identity_server::Identity for IdentityService {
+    async fn join(
+        &self,
+        req: Request<pb::JoinRequest>,
+    ) -> Result<Response<pb::JoinResponse>, Status> {
+        reply(self.join(req.into_inner()).await)
+    }
+
+    async fn renew(
+        &self,
+        req: Request<pb::RenewRequest>,
+    ) -> Result<Response<pb::JoinResponse>, Status> {
+        let caller = Caller::of(&req);
+        reply(self.renew(&caller, req.into_inner()).await)
+    }
+}
+
+impl AccessService {
+    async fn create_token(
+        &self,
+        caller: &Caller,
+        req: pb::CreateTokenRequest,
+    ) -> Result<pb::CreateTokenResponse, ServiceError> {
+        let role = match pb::TokenRole::try_from(req.role) {
+            Ok(pb::TokenRole::Admin) => TokenRole::Admin,
+            Ok(pb::TokenRole::User) => TokenRole::User,
+            Ok(pb::TokenRole::Framework) => TokenRole::Framework,
+            Ok(pb::TokenRole::Join) => TokenRole::Join,
+            _ => {
+                return Err(ConvertError::new(
+                    "role",
+                    "must be one of admin, user, framework, join",
+                )
+                .into())
+            }
+        };
+        let tenant = req.tenant.trim().to_string();
+        match role {
+            TokenRole::User | TokenRole::Framework if tenant.is_empty() => {
+                return Err(ConvertError::new(
+                    "tenant",
+                    "a user or framework token must name its tenant",
+                )
+                .into())
+            }
+            TokenRole::Join if !tenant.is_empty() => {
+                return Err(ConvertError::new("tenant", "join tokens have no tenant").into())
+            }
+            _ => {}
+        }
+        if !tenant.is_empty() {
+            check_tenant(&tenant).map_err(|r| ConvertError::new("tenant", r))?;
+        }
+        if req.ttl_secs > MAX_TOKEN_TTL_SECS {
+            return Err(ConvertError::new(
+                "ttl_secs",
+                format!("at most {MAX_TOKEN_TTL_SECS} (10 years)"),
+            )
+            .into());
+        }
+        if req.description.len() > MAX_DESCRIPTION || req.description.chars().any(char::is_control)
+        {
+            return Err(ConvertError::new(
+                "description",
+                format!("at most {MAX_DESCRIPTION} bytes, no control characters"),
+            )
+            .into());
+        }
+        let agent_id = if req.agent_id.is_empty() {
+            None
+        } else if role != TokenRole::Join {
+            return Err(ConvertError::new("agent_id", "only join tokens name an agent").into());
+        } else {
+            check_id("agent_id", &req.agent_id)?;
+            Some(req.agent_id.clone())
+        };
+        if !req.framework_roles.is_empty() && role != TokenRole::Framework {
+            return Err(
+                ConvertError::new("framework_roles", "only framework tokens allow roles").into(),
+            );
+        }
+        if req.framework_roles.len() > MAX_FRAMEWORK_ROLES {
+            return Err(ConvertError::new(
+                "framework_roles",
+                format!("at most {MAX_FRAMEWORK_ROLES}"),
+            )
+            .into());
+        }
+        for (i, r) in req.framework_roles.iter().enumerate() {
+            check_id(&format!("framework_roles[{i}]"), r)?;
+        }
+        let framework_roles = if role == TokenRole::Framework && req.framework_roles.is_empty() {
+            vec![tenant.clone()]
+        } else {
+            req.framework_roles.clone()
+        };
+        if req.allow_root && !matches!(role, TokenRole::User | TokenRole::Admin) {
+            return Err(
+                ConvertError::new("allow_root", "only user and admin tokens run jobs").into(),
+            );
+        }
+        let now = now_ms();
+        let ttl_ms = match (req.ttl_secs, role) {
+            (0, TokenRole::Join) => Some(DEFAULT_JOIN_TOKEN_TTL.as_millis() as u64),
+            (0, _) => None,
+            (s, _) => Some(s * 1000),
+        };
+        let token = Token::generate().map_err(|e| ServiceError::CannotSign(e.to_string()))?;
+        let creator = match caller {
+            Caller::Token(t) => t.id.clone(),
+            Caller::Open => "open".into(),
+            _ => String::new(),
+        };
+        let record = TokenRecord {
+            id: token.id().to_string(),
+            hash: token.hash(),
+            role,
+            tenant,
+            description: req.description.clone(),
+            created_at_ms: now,
+            expires_at_ms: ttl_ms.map(|t| now + t),
+            revoked_at_ms: None,
+            agent_id,
+            used: None,
+            framework_roles,
+            allow_root: req.allow_root,
+            created_by: creator,
+        };
+        self.ctx
+            .raft
+            .propose(Command::CreateToken {
+                record: record.clone(),
+            })
+            .await?;
+        tracing::info!(token_id = %record.id, role = record.role.as_str(), tenant = %record.tenant, "token created");
+        Ok(pb::CreateTokenResponse {
+            info: Some(token_info(&record)),
+            token: token.reveal(),
+        })
+    }
+
+    fn list_tokens(&self, req: pb::ListTokensRequest) -> pb::ListTokensResponse {
+        let now = now_ms();
+        let state = self.ctx.raft.state();
+        let tokens = state
+            .tokens()
+            .values()
+            .filter(|t| req.all || t.usable_at(now).is_ok())
+            .map(token_info)
+            .collect();
+        pb::ListTokensResponse { tokens }
+    }
+
+    async fn revoke_token(
+        &self,
+        req: pb::RevokeTokenRequest,
+    ) -> Result<pb::TokenInfo, ServiceError> {
+        if !gpuctl_auth::token::is_token_id(&req.id) {
+            return Err(ConvertError::new("id", "not a token id (16 hex digits)").into());
+        }
+        if self.ctx.raft.state().token(&req.id).is_none() {
+            return Err(ServiceError::not_found(Missing::Token, req.id));
+        }
+        self.ctx
+            .raft
+            .propose(Command::RevokeToken {
+                id: req.id.clone(),
+                at_ms: now_ms(),
+            })
+            .await?;
+        tracing::info!(token_id = %req.id, "token revoked");
+        let state = self.ctx.raft.state();
+        state
+            .token(&req.id)
+            .map(token_info)
+            .ok_or_else(|| ServiceError::not_found(Missing::Token, &req.id))
+    }
+
+    fn who_am_i(&self, caller: &Caller) -> pb::WhoAmIResponse {
+        match caller {
+            Caller::Token(TokenCaller { id, .. }) => {
+                let state = self.ctx.raft.state();
+                pb::WhoAmIResponse {
+                    kind: "token".into(),
+                    token: state.token(id).map(token_info),
+                    cert_role: CertRole::Client.to_string(),
+                    cert_name: String::new(),
+                }
+            }
+            Caller::Open => pb::WhoAmIResponse {
+                kind: "open".into(),
+                ..Default::default()
+            },
+            Caller::Master { node_id } => pb::WhoAmIResponse {
+                kind: "master".into(),
+                cert_role: "master".into(),
+                cert_name: node_id.to_string(),
+                ..Default::default()
+            },
+            Caller::Agent { agent_id } => pb::WhoAmIResponse {
+                kind: "agent".into(),
+                cert_role: "agent".into(),
+                cert_name: agent_id.clone(),
+                ..Default::default()
+            },
+            Caller::Anonymous => pb::WhoAmIResponse {
+                kind: "anonymous".into(),
+                ..Default::default()
+            },
+        }
+    }
+
+    async fn set_quota(&self, req: pb::SetQuotaRequest) -> Result<pb::TenantQuota, ServiceError> {
+        check_tenant(&req.tenant).map_err(|r| ConvertError::new("tenant", r))?;
+        self.ctx
+            .raft
+            .propose(Command::SetQuota {
+                tenant: req.tenant.clone(),
+                gpus: req.gpus,
+            })
+            .await?;
+        tracing::info!(tenant = %req.tenant, gpus = req.gpus, "quota set");
+        let all = self.list_quotas(&Caller::Open);
+        Ok(all
+            .tenants
+            .into_iter()
+            .find(|t| t.tenant == req.tenant)
+            .unwrap_or(pb::TenantQuota {
+                tenant: req.tenant,
+                gpu_quota: req.gpus,
+                ..Default::default()
+            }))
+    }
+
+    fn list_quotas(&self, caller: &Caller) -> pb::ListQuotasResponse {
+        let state = self.ctx.raft.state();
+        let usage = crate::scheduler::tenants::usage(&state);
+        let mut tenants: std::collections::BTreeMap<String, pb::TenantQuota> = usage
+            .into_iter()
+            .map(|(tenant, u)| {
+                (
+                    tenant.clone(),
+                    pb::TenantQuota {
+                        tenant,
+                        gpu_quota: 0,
+                        gpus_used: u.gpus,
+                        jobs_queued: u.queued,
+                        jobs_running: u.running,
+                    },
+                )
+            })
+            .collect();
+        for (tenant, q) in state.quotas() {
+            tenants
+                .entry(tenant.clone())
+                .or_insert_with(|| pb::TenantQuota {
+                    tenant: tenant.clone(),
+                    ..Default::default()
+                })
+                .gpu_quota = *q;
+        }
+        pb::ListQuotasResponse {
+            tenants: tenants
+                .into_values()
+                .filter(|t| caller.may_access(&t.tenant))
+                .collect(),
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl pb::access_server::Access for AccessService {
+    async fn create_token(
+        &self,
+        req: Request<pb::CreateTokenRequest>,
+    ) -> Result<Response<pb::CreateTokenResponse>, Status> {
+        let caller = Caller::of(&req);
+        reply(self.create_token(&caller, req.into_inner()).await)
+    }
+
+    async fn list_tokens(
+        &self,
+        req: Request<pb::ListTokensRequest>,
+    ) -> Result<Response<pb::ListTokensResponse>, Status> {
+        Ok(Response::new(self.list_tokens(req.into_inner())))
+    }
+
+    async fn revoke_token(
+        &self,
+        req: Request<pb::RevokeTokenRequest>,
+    ) -> Result<Response<pb::TokenInfo>, Status> {
+        reply(self.revoke_token(req.into_inner()).await)
+    }
+
+    async fn who_am_i(
+        &self,
+        req: Request<pb::WhoAmIRequest>,
+    ) -> Result<Response<pb::WhoAmIResponse>, Status> {
+        let caller = Caller::of(&req);
+        Ok(Response::new(self.who_am_i(&caller)))
+    }
+
+    async fn set_quota(
+        &self,
+        req: Request<pb::SetQuotaRequest>,
+    ) -> Result<Response<pb::TenantQuota>, Status> {
+        reply(self.set_quota(req.into_inner()).await)
+    }
+
+    async fn list_quotas(
+        &self,
+        req: Request<pb::ListQuotasRequest>,
+    ) -> Result<Response<pb::ListQuotasResponse>, Status> {
+        let caller = Caller::of(&req);
+        Ok(Response::new(self.list_quotas(&caller)))
+    }
+}

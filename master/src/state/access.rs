@@ -1,0 +1,396 @@
+//! Access tokens and tenants' GPU quotas, replicated like everything else so
+//! that a revocation holds on every master at once and survives failover.
+//! Only the SHA-256 of each token's secret is kept (gpuctl-auth's `token`).
+
+use serde::{Deserialize, Serialize};
+
+use super::{ApplyError, Outcome, State};
+
+/// What a token lets its holder do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum TokenRole {
+    /// Agents, masters, cordons, drains, tokens, quotas; every tenant.
+    Admin,
+    /// Its tenant's jobs: submit, see, follow, cancel, read logs.
+    User,
+    /// A framework of its tenant, with the allocator roles it allows.
+    Framework,
+    /// One agent joining, once.
+    Join,
+}
+
+impl TokenRole {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TokenRole::Admin => "admin",
+            TokenRole::User => "user",
+            TokenRole::Framework => "framework",
+            TokenRole::Join => "join",
+        }
+    }
+}
+
+/// A token as the state keeps it: never its secret.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TokenRecord {
+    pub id: String,
+    /// Hex SHA-256 of the secret.
+    pub hash: String,
+    pub role: TokenRole,
+    /// Empty only for admin tokens that name none.
+    pub tenant: String,
+    pub description: String,
+    pub created_at_ms: u64,
+    /// `None`: never expires.
+    pub expires_at_ms: Option<u64>,
+    pub revoked_at_ms: Option<u64>,
+    /// Join tokens: the one agent id it may join as (`None`: any new id).
+    #[serde(default)]
+    pub agent_id: Option<String>,
+    /// Join tokens: when and by which agent it was used.
+    #[serde(default)]
+    pub used: Option<(u64, String)>,
+    /// Framework tokens: the allocator roles it may subscribe with.
+    #[serde(default)]
+    pub framework_roles: Vec<String>,
+    /// Whether its tenant's host-process jobs may run as root.
+    #[serde(default)]
+    pub allow_root: bool,
+    /// Token id of its creator; "bootstrap" for the first admin's.
+    pub created_by: String,
+}
+
+impl TokenRecord {
+    /// Whether it may be used at `now_ms`: not revoked, not expired, and
+    /// (a join token) not used yet.
+    pub fn usable_at(&self, now_ms: u64) -> Result<(), &'static str> {
+        if self.revoked_at_ms.is_some() {
+            return Err("the token was revoked");
+        }
+        if self.expires_at_ms.is_some_and(|t| now_ms >= t) {
+            return Err("the token expired");
+        }
+        if self.used.is_some() {
+            return Err("the join token was used already");
+        }
+        Ok(())
+    }
+}
+
+/// The tenant of jobs submitted without tokens (no security configured),
+/// and of jobs recorded before tenants existed.
+pub const DEFAULT_TENANT: &str = "default";
+
+/// The tenant a job is charged to.
+pub fn tenant_of(spec: &gpuctl_core::types::JobSpec) -> &str {
+    if spec.tenant.is_empty() {
+        DEFAULT_TENANT
+    } else {
+        &spec.tenant
+    }
+}
+
+/// Longest tenant name.
+pub const MAX_TENANT_LEN: usize = 64;
+
+/// Checks a tenant name: 1 to 64 of `[a-z0-9-]`, starting with a letter or
+/// digit (it names an allocator role and appears in file and metric names).
+pub fn check_tenant(tenant: &str) -> Result<(), String> {
+    if tenant.is_empty() || tenant.len() > MAX_TENANT_LEN {
+        return Err(format!(
+            "must be 1 to {MAX_TENANT_LEN} characters, got {}",
+            tenant.len()
+        ));
+    }
+    if !tenant
+        .bytes()
+        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        || tenant.starts_with('-')
+    {
+        return Err(format!(
+            "{tenant:?}: only a-z, 0-9 and '-' (not first) are allowed"
+        ));
+    }
+    Ok(())
+}
+
+impl State {
+    pub fn tokens(&self) -> &std::collections::BTreeMap<String, TokenRecord> {
+        &self.tokens
+    }
+
+    pub fn token(&self, id: &str) -> Option<&TokenRecord> {
+        self.tokens.get(id)
+    }
+
+    /// Tenants' GPU quotas (a tenant absent has none).
+    pub fn quotas(&self) -> &std::collections::BTreeMap<String, u32> {
+        &self.quotas
+    }
+
+    pub(super) fn create_token(&mut self, record: &TokenRecord) -> Result<Outcome, ApplyError> {
+        if self.tokens.contains_key(&record.id) {
+            return Err(ApplyError::Invalid {
+                field: "id".into(),
+                reason: format!("token {} exists already", record.id),
+            });
+        }
+        // User and framework tokens act for a tenant; admin and join tokens
+        // may name one (shown in lists) or not.
+        let needs_tenant = matches!(record.role, TokenRole::User | TokenRole::Framework);
+        if needs_tenant || !record.tenant.is_empty() {
+            check_tenant(&record.tenant).map_err(|reason| ApplyError::Invalid {
+                field: "tenant".into(),
+                reason,
+            })?;
+        }
+        self.tokens.insert(record.id.clone(), record.clone());
+        Ok(Outcome::Done)
+    }
+
+    pub(super) fn revoke_token(&mut self, id: &str, at_ms: u64) -> Result<Outcome, ApplyError> {
+        let t = self.tokens.get_mut(id).ok_or_else(|| ApplyError::Invalid {
+            field: "id".into(),
+            reason: format!("no token {id}"),
+        })?;
+        // Revoking twice keeps the first time.
+        t.revoked_at_ms.get_or_insert(at_ms);
+        Ok(Outcome::Done)
+    }
+
+    /// A join token is used by `agent_id`: refused unless it is a usable
+    /// join token for that id, and (a token for any id) the id is new.
+    /// Committed before the certificate is signed, so a token joins once
+    /// even when two agents race with it through two leaders.
+    pub(super) fn use_join_token(
+        &mut self,
+        id: &str,
+        agent_id: &str,
+        at_ms: u64,
+    ) -> Result<Outcome, ApplyError> {
+        let invalid = |reason: String| ApplyError::Invalid {
+            field: "token".into(),
+            reason,
+        };
+        let known_agent = self.agents.contains_key(agent_id);
+        let t = self
+            .tokens
+            .get_mut(id)
+            .ok_or_else(|| invalid("unknown token".into()))?;
+        if t.role != TokenRole::Join {
+            return Err(invalid("not a join token".into()));
+        }
+        t.usable_at(at_ms).map_err(|r| invalid(r.into()))?;
+        match &t.agent_id {
+            Some(only) if only != agent_id => {
+                return Err(invalid(format!(
+                    "this join token is for agent {only}, not {agent_id}"
+                )))
+            }
+            Some(_) => {}
+            None if known_agent => {
+                return Err(invalid(format!(
+                    "agent {agent_id} exists already; to join as it again, use a token made \
+                     for it (gpuctl tokens create --join --agent {agent_id})"
+                )))
+            }
+            None => {}
+        }
+        t.used = Some((at_ms, agent_id.to_string()));
+        Ok(Outcome::Done)
+    }
+
+    pub(super) fn set_quota(&mut self, tenant: &str, gpus: u32) -> Result<Outcome, ApplyError> {
+        check_tenant(tenant).map_err(|reason| ApplyError::Invalid {
+            field: "tenant".into(),
+            reason,
+        })?;
+        if gpus == 0 {
+            self.quotas.remove(tenant);
+        } else {
+            self.quotas.insert(tenant.to_string(), gpus);
+        }
+        Ok(Outcome::Done)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::state::Command;
+
+    fn join_token(id: &str, agent: Option<&str>) -> TokenRecord {
+        TokenRecord {
+            id: id.into(),
+            hash: "h".into(),
+            role: TokenRole::Join,
+            tenant: String::new(),
+            description: String::new(),
+            created_at_ms: 0,
+            expires_at_ms: Some(1000),
+            revoked_at_ms: None,
+            agent_id: agent.map(str::to_string),
+            used: None,
+            framework_roles: Vec::new(),
+            allow_root: false,
+            created_by: "bootstrap".into(),
+        }
+    }
+
+    #[test]
+    fn a_join_token_joins_once_before_it_expires() {
+        let mut s = State::new();
+        let record = join_token("j1", None);
+        s.apply(1, &Command::CreateToken { record }).unwrap();
+        assert!(
+            s.apply(
+                2,
+                &Command::UseJoinToken {
+                    id: "j1".into(),
+                    agent_id: "a1".into(),
+                    at_ms: 2000
+                }
+            )
+            .is_err(),
+            "expired"
+        );
+        s.apply(
+            3,
+            &Command::UseJoinToken {
+                id: "j1".into(),
+                agent_id: "a1".into(),
+                at_ms: 10,
+            },
+        )
+        .unwrap();
+        let e = s
+            .apply(
+                4,
+                &Command::UseJoinToken {
+                    id: "j1".into(),
+                    agent_id: "a2".into(),
+                    at_ms: 11,
+                },
+            )
+            .unwrap_err();
+        assert!(e.to_string().contains("used already"), "{e}");
+        assert_eq!(s.token("j1").unwrap().used, Some((10, "a1".into())));
+    }
+
+    #[test]
+    fn a_join_token_for_an_agent_joins_only_as_it() {
+        let mut s = State::new();
+        let record = join_token("j2", Some("a9"));
+        s.apply(1, &Command::CreateToken { record }).unwrap();
+        let e = s
+            .apply(
+                2,
+                &Command::UseJoinToken {
+                    id: "j2".into(),
+                    agent_id: "a1".into(),
+                    at_ms: 1,
+                },
+            )
+            .unwrap_err();
+        assert!(e.to_string().contains("for agent a9"), "{e}");
+        s.apply(
+            3,
+            &Command::UseJoinToken {
+                id: "j2".into(),
+                agent_id: "a9".into(),
+                at_ms: 1,
+            },
+        )
+        .unwrap();
+    }
+
+    #[test]
+    fn revocation_and_bad_tenants() {
+        let mut s = State::new();
+        let mut record = join_token("t1", None);
+        record.role = TokenRole::User;
+        record.expires_at_ms = None;
+        record.tenant = "Team A".into();
+        let e = s
+            .apply(
+                1,
+                &Command::CreateToken {
+                    record: record.clone(),
+                },
+            )
+            .unwrap_err();
+        assert!(e.to_string().contains("tenant"), "{e}");
+        record.tenant = "team-a".into();
+        s.apply(
+            2,
+            &Command::CreateToken {
+                record: record.clone(),
+            },
+        )
+        .unwrap();
+        assert!(
+            s.apply(3, &Command::CreateToken { record }).is_err(),
+            "duplicate id"
+        );
+        s.apply(
+            4,
+            &Command::RevokeToken {
+                id: "t1".into(),
+                at_ms: 5,
+            },
+        )
+        .unwrap();
+        s.apply(
+            5,
+            &Command::RevokeToken {
+                id: "t1".into(),
+                at_ms: 9,
+            },
+        )
+        .unwrap();
+        let t = s.token("t1").unwrap();
+        assert_eq!(t.revoked_at_ms, Some(5));
+        assert_eq!(t.usable_at(6), Err("the token was revoked"));
+        assert!(s
+            .apply(
+                6,
+                &Command::RevokeToken {
+                    id: "nope".into(),
+                    at_ms: 5
+                }
+            )
+            .is_err());
+    }
+
+    #[test]
+    fn quotas_are_set_and_removed() {
+        let mut s = State::new();
+        s.apply(
+            1,
+            &Command::SetQuota {
+                tenant: "ml".into(),
+                gpus: 4,
+            },
+        )
+        .unwrap();
+        assert_eq!(s.quotas().get("ml"), Some(&4));
+        s.apply(
+            2,
+            &Command::SetQuota {
+                tenant: "ml".into(),
+                gpus: 0,
+            },
+        )
+        .unwrap();
+        assert!(s.quotas().is_empty());
+        assert!(s
+            .apply(
+                3,
+                &Command::SetQuota {
+                    tenant: "".into(),
+                    gpus: 1
+                }
+            )
+            .is_err());
+    }
+}
