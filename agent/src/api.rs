@@ -20,6 +20,9 @@ const WAIT_FOR_START: Duration = Duration::from_secs(60);
 
 pub struct AgentApiService {
     pub executor: Arc<Executor>,
+    /// With TLS: only masters (which check the caller's tenant) may read
+    /// task output.
+    pub masters_only: bool,
 }
 
 type LogStream = Pin<Box<dyn Stream<Item = Result<pb::TaskLogChunk, Status>> + Send>>;
@@ -32,6 +35,22 @@ impl pb::agent_api_server::AgentApi for AgentApiService {
         &self,
         req: Request<pb::TaskLogsRequest>,
     ) -> Result<Response<Self::TaskLogsStream>, Status> {
+        if self.masters_only {
+            match gpuctl_auth::peer::identity(req.extensions()) {
+                Some(Ok(id)) if id.role == gpuctl_auth::CertRole::Master => {}
+                Some(Ok(id)) => {
+                    return Err(Status::permission_denied(format!(
+                        "a {} certificate cannot read task output (masters only)",
+                        id.role
+                    )))
+                }
+                _ => {
+                    return Err(Status::unauthenticated(
+                        "task output needs a master certificate of this cluster",
+                    ))
+                }
+            }
+        }
         let req = req.into_inner();
         // The id becomes a path: only plain identifiers, never "../x".
         gpuctl_core::convert::check_id("task_id", &req.task_id).map_err(invalid_argument)?;

@@ -21,6 +21,8 @@ pub struct AgentConfig {
     pub listen: SocketAddr,
     /// Address the master uses to reach this agent; default from `listen`.
     pub advertise: Option<String>,
+    /// Mutual TLS with the masters; `None`: none (loopback only).
+    pub security: Option<AgentSecurity>,
     /// `COUNTxMODEL[:MEMORY],...`: report simulated GPUs instead of NVML's.
     pub simulate_gpus: Option<String>,
     /// Which runtimes to offer; `None`: Docker when its daemon answers, plus
@@ -64,6 +66,7 @@ impl AgentConfig {
             work_dir,
             listen: SocketAddr::from(([0, 0, 0, 0], 7051)),
             advertise: None,
+            security: None,
             simulate_gpus: None,
             runtimes: None,
             nvml_lib: None,
@@ -83,6 +86,21 @@ impl AgentConfig {
         }
     }
 }
+
+/// Where an agent keeps its certificate, and how it gets one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AgentSecurity {
+    /// Holds ca.crt (the cluster CA, given by the operator), and agent.pem
+    /// (its certificate and key, written when the agent joins, replaced when
+    /// it renews).
+    pub tls_dir: PathBuf,
+    /// A join token (`gpuctl tokens create --join`), used when the agent
+    /// has no certificate yet.
+    pub join_token: Option<String>,
+}
+
+/// The agent API's port unless told otherwise.
+pub const DEFAULT_PORT: u16 = 7051;
 
 /// Default of `--task-retention`.
 pub const DEFAULT_TASK_RETENTION: Duration = Duration::from_secs(24 * 3600);
@@ -105,9 +123,26 @@ pub struct Options {
         default_value = "/var/lib/gpuctl/agent"
     )]
     pub work_dir: PathBuf,
-    /// Address for the agent API (task logs), HOST:PORT.
-    #[arg(long, env = "GPUCTL_AGENT_LISTEN", default_value = "0.0.0.0:7051")]
-    pub listen: SocketAddr,
+    /// Address for the agent API (task logs), HOST:PORT. Default:
+    /// 0.0.0.0:7051 with TLS, 127.0.0.1:7051 without (only --insecure lets
+    /// an agent without TLS listen beyond loopback).
+    #[arg(long, env = "GPUCTL_AGENT_LISTEN")]
+    pub listen: Option<SocketAddr>,
+    /// Directory for TLS: ca.crt (the cluster's CA, from the operator), and
+    /// agent.pem (certificate and key), which the agent writes when it joins
+    /// with --join-token and renews before it expires. Turns on mutual TLS.
+    #[arg(long, env = "GPUCTL_AGENT_TLS_DIR")]
+    pub tls_dir: Option<PathBuf>,
+    /// A join token (`gpuctl tokens create --join`), used once, when the
+    /// agent has no certificate in tls_dir yet.
+    #[arg(long, env = "GPUCTL_AGENT_JOIN_TOKEN", hide_env_values = true)]
+    pub join_token: Option<String>,
+    /// A file holding the join token (instead of --join-token).
+    #[arg(long, env = "GPUCTL_AGENT_JOIN_TOKEN_FILE")]
+    pub join_token_file: Option<PathBuf>,
+    /// Serve without TLS on a non-loopback address. For isolated labs only.
+    #[arg(long, env = "GPUCTL_AGENT_INSECURE")]
+    pub insecure: bool,
     /// Address the master uses to reach this agent (default: the listen
     /// address, with this host's name when listening on all interfaces).
     #[arg(long, env = "GPUCTL_AGENT_ADVERTISE")]
@@ -196,6 +231,10 @@ struct FileOptions {
     master: Option<String>,
     work_dir: Option<PathBuf>,
     listen: Option<SocketAddr>,
+    tls_dir: Option<PathBuf>,
+    join_token: Option<String>,
+    join_token_file: Option<PathBuf>,
+    insecure: Option<bool>,
     advertise: Option<String>,
     simulate_gpus: Option<String>,
     runtime: Option<String>,
@@ -278,7 +317,11 @@ impl Options {
             }
             fill!(master);
             fill!(work_dir);
-            fill!(listen);
+            fill!(opt listen);
+            fill!(opt tls_dir);
+            fill!(opt join_token);
+            fill!(opt join_token_file);
+            fill!(insecure);
             fill!(opt advertise);
             fill!(opt simulate_gpus);
             fill!(opt runtime);
@@ -361,11 +404,59 @@ impl Options {
                     self.task_retention
                 ))
             })?;
+        let join_token = match (&self.join_token, &self.join_token_file) {
+            (Some(_), Some(_)) => {
+                return Err(AgentError::Config(
+                    "join_token and join_token_file: give one of them".into(),
+                ))
+            }
+            (Some(t), None) => Some(t.trim().to_string()),
+            (None, Some(p)) => Some(
+                std::fs::read_to_string(p)
+                    .map_err(|e| {
+                        AgentError::Config(format!("join_token_file {}: {e}", p.display()))
+                    })?
+                    .trim()
+                    .to_string(),
+            ),
+            (None, None) => None,
+        };
+        let security = match &self.tls_dir {
+            Some(dir) => Some(AgentSecurity {
+                tls_dir: dir.clone(),
+                join_token,
+            }),
+            None if join_token.is_some() => {
+                return Err(AgentError::Config(
+                    "join_token needs tls_dir: the directory that holds the cluster's ca.crt \
+                     and where the agent keeps its certificate"
+                        .into(),
+                ))
+            }
+            None => None,
+        };
+        let listen = self.listen.unwrap_or_else(|| {
+            let ip = if security.is_some() {
+                std::net::Ipv4Addr::UNSPECIFIED
+            } else {
+                std::net::Ipv4Addr::LOCALHOST
+            };
+            SocketAddr::from((ip, DEFAULT_PORT))
+        });
+        if security.is_none() && !listen.ip().is_loopback() && !self.insecure {
+            return Err(AgentError::Config(format!(
+                "listen {listen}: without TLS an agent serves loopback only, because anyone \
+                 who reaches its port could read every task's output; set tls_dir (see \
+                 docs/security.md), or listen on 127.0.0.1, or (isolated labs only) \
+                 insecure = true"
+            )));
+        }
         Ok(AgentConfig {
             task_retention,
             masters,
             work_dir: self.work_dir.clone(),
-            listen: self.listen,
+            listen,
+            security,
             advertise: self.advertise.clone(),
             simulate_gpus: self.simulate_gpus.clone(),
             runtimes: self.runtime.as_deref().map(parse_runtimes).transpose()?,

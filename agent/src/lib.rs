@@ -13,6 +13,7 @@ pub mod isolation;
 pub mod master_link;
 pub mod metrics;
 pub mod runtime;
+pub mod security;
 pub mod volume;
 
 use std::collections::BTreeMap;
@@ -206,6 +207,18 @@ pub async fn serve(
         .map(|h| h.to_string_lossy().into_owned())
         .unwrap_or_else(|_| "localhost".into());
     let agent_id = load_or_create_agent_id(&config.work_dir, &hostname)?;
+    // Before anything else talks to a master: join if need be.
+    let tls = match &config.security {
+        Some(sec) => Some(security::establish(sec, &agent_id, &config.masters).await?),
+        None => {
+            tracing::warn!(
+                listen = %config.listen,
+                "no TLS configured: the agent API serves loopback only unless --insecure \
+                 (see docs/security.md)"
+            );
+            None
+        }
+    };
 
     let (discovery, simulated) = match &config.simulate_gpus {
         Some(spec) => {
@@ -377,7 +390,18 @@ pub async fn serve(
     // Tasks of an earlier agent process are found and followed again
     // before the master hears from this one.
     executor.recover();
-    let masters = Arc::new(master_link::Masters::new(config.masters.clone()));
+    let masters = Arc::new(master_link::Masters::with_tls(
+        config.masters.clone(),
+        tls.clone(),
+    ));
+    if let (Some(tls), Some(sec)) = (&tls, &config.security) {
+        security::spawn_renewer(
+            tls.clone(),
+            sec.tls_dir.clone(),
+            config.masters.clone(),
+            stop_rx.clone(),
+        );
+    }
     let (sender_done, sender_done_rx) = watch::channel(false);
     let sender = tokio::spawn(master_link::status_sender(
         masters.clone(),
@@ -401,17 +425,25 @@ pub async fn serve(
 
     let api = pb::agent_api_server::AgentApiServer::new(api::AgentApiService {
         executor: executor.clone(),
+        masters_only: tls.is_some(),
     });
     let mut server_stop = stop_rx.clone();
-    let server = tonic::transport::Server::builder()
-        .add_service(api)
-        .serve_with_incoming_shutdown(
+    let server_stopped = async move {
+        let _ = server_stop.changed().await;
+    };
+    let router = tonic::transport::Server::builder().add_service(api);
+    let server = match &tls {
+        // Only masters may connect (a client certificate is required at
+        // the handshake; api.rs checks it is a master's).
+        Some(tls) => tokio::spawn(router.serve_with_incoming_shutdown(
+            gpuctl_auth::tls::incoming(listener, tls.clone()),
+            server_stopped,
+        )),
+        None => tokio::spawn(router.serve_with_incoming_shutdown(
             tokio_stream::wrappers::TcpListenerStream::new(listener),
-            async move {
-                let _ = server_stop.changed().await;
-            },
-        );
-    let server = tokio::spawn(server);
+            server_stopped,
+        )),
+    };
     shutdown.await;
     let _ = stop_tx.send(true);
     health_stop.store(true, Ordering::Relaxed);

@@ -80,22 +80,37 @@ fn is_host_port(s: &str) -> bool {
 /// The masters this agent knows, and which one it talks to now.
 pub struct Masters {
     current: Mutex<Current>,
+    /// This agent's TLS (its agent certificate) when TLS is on.
+    tls: Option<std::sync::Arc<gpuctl_auth::tls::Tls>>,
 }
 
 struct Current {
     addrs: Vec<String>,
     index: usize,
     channel: Option<Channel>,
+    /// The end of validity of the certificate `channel` was made with: a
+    /// renewed certificate needs a new connection (the master refuses
+    /// calls on a connection whose certificate expired).
+    channel_cert: u64,
 }
 
 impl Masters {
     pub fn new(addrs: Vec<String>) -> Masters {
+        Self::with_tls(addrs, None)
+    }
+
+    pub fn with_tls(
+        addrs: Vec<String>,
+        tls: Option<std::sync::Arc<gpuctl_auth::tls::Tls>>,
+    ) -> Masters {
         Masters {
             current: Mutex::new(Current {
                 addrs,
                 index: 0,
                 channel: None,
+                channel_cert: 0,
             }),
+            tls,
         }
     }
 
@@ -111,12 +126,21 @@ impl Masters {
     /// The current master's address and a client for it (the channel
     /// reconnects by itself).
     pub fn client(&self) -> Result<(String, AgentManagerClient<Channel>), String> {
+        let cert = self
+            .tls
+            .as_ref()
+            .and_then(|t| t.identity())
+            .map_or(0, |i| i.not_after_ms);
         let mut cur = self.lock();
         let addr = cur.addrs.get(cur.index).cloned().unwrap_or_default();
+        if cur.channel_cert != cert {
+            cur.channel = None;
+            cur.channel_cert = cert;
+        }
         if let Some(ch) = &cur.channel {
             return Ok((addr, AgentManagerClient::new(ch.clone())));
         }
-        let ch = Endpoint::from_shared(format!("http://{addr}"))
+        let endpoint = Endpoint::from_shared(format!("http://{addr}"))
             .map_err(|e| format!("master address {addr:?}: {e}"))?
             .connect_timeout(CONNECT_TIMEOUT)
             .timeout(RPC_TIMEOUT)
@@ -125,8 +149,10 @@ impl Masters {
             // to the new leader instead of waiting for a heartbeat timeout.
             .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
             .keep_alive_timeout(KEEPALIVE_TIMEOUT)
-            .keep_alive_while_idle(true)
-            .connect_lazy();
+            .keep_alive_while_idle(true);
+        // Over TLS the server must hold a master certificate.
+        let ch =
+            gpuctl_auth::tls::channel(&endpoint, self.tls.as_ref(), gpuctl_auth::CertRole::Master);
         cur.channel = Some(ch.clone());
         Ok((addr, AgentManagerClient::new(ch)))
     }
@@ -349,6 +375,7 @@ async fn session(
                 };
                 heartbeat.reset();
                 let sent_ms = crate::checkpoint::wall_ms();
+                refresh(masters, &addr, &mut client);
                 if let Err(s) = client.heartbeat(req).await {
                     return SessionError::rpc(&addr, "heartbeat", s, true);
                 }
@@ -361,11 +388,23 @@ async fn session(
                     heartbeat_request(&info.id, &snapshot, executor)
                 };
                 let sent_ms = crate::checkpoint::wall_ms();
+                refresh(masters, &addr, &mut client);
                 if let Err(s) = client.heartbeat(req).await {
                     return SessionError::rpc(&addr, "heartbeat", s, true);
                 }
                 executor.record_contact(contact(sent_ms));
             }
+        }
+    }
+}
+
+/// Takes the current client for `addr`: a new connection once the agent's
+/// certificate was renewed (the master refuses new calls on a connection
+/// whose certificate expired; the task watch already open goes on).
+fn refresh(masters: &Masters, addr: &str, client: &mut AgentManagerClient<Channel>) {
+    if let Ok((a, c)) = masters.client() {
+        if a == addr {
+            *client = c;
         }
     }
 }

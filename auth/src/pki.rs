@@ -110,8 +110,9 @@ fn leaf_params(
     dn.push(DnType::CommonName, format!("{}:{name}", role.as_str()));
     dn.push(DnType::OrganizationName, "gpuctl");
     params.distinguished_name = dn;
-    let start = now() - BACKDATE;
-    params.not_before = start;
+    // A tenth of a short lifetime at most, so that renewing after two
+    // thirds of it stays after the moment it was issued.
+    params.not_before = now() - BACKDATE.min(ttl / 10);
     params.not_after = now() + ttl;
     params.serial_number = Some(random_serial()?);
     let mut names = vec![

@@ -1,4 +1,5 @@
 //! Real TLS handshakes over loopback between [`incoming`] and [`Connector`].
+#![allow(clippy::unwrap_used)]
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -14,8 +14,14 @@ use std::time::Duration;
 
 use gpuctl_core::time::Backoff;
 use gpuctl_proto::leader::{leader_hint, retry_elsewhere};
+use std::sync::Arc;
+
+use gpuctl_auth::tls::Tls;
+use gpuctl_auth::CertRole;
 use gpuctl_proto::pb::operator_client::OperatorClient;
 use tokio::time::Instant;
+use tonic::metadata::{Ascii, MetadataValue};
+use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Status};
 
@@ -162,6 +168,52 @@ pub struct ConnectError {
     pub last_error: String,
 }
 
+/// What the CLI proves itself with: a client certificate (mutual TLS) and
+/// a bearer token. Both absent for a cluster without security.
+#[derive(Clone, Default)]
+pub struct Credentials {
+    pub tls: Option<Arc<Tls>>,
+    /// `Bearer <token>`, ready for the `authorization` header.
+    pub token: Option<MetadataValue<Ascii>>,
+}
+
+impl fmt::Debug for Credentials {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Credentials")
+            .field("tls", &self.tls.as_ref().map(|t| t.identity()))
+            .field("token", &self.token.as_ref().map(|_| "<hidden>"))
+            .finish()
+    }
+}
+
+impl Credentials {
+    pub fn with_token(mut self, token: &str) -> Result<Credentials, String> {
+        let token = gpuctl_auth::token::Token::parse(token).map_err(|e| e.to_string())?;
+        self.token = Some(
+            format!("Bearer {}", token.reveal())
+                .parse()
+                .map_err(|_| "token: not valid in a header".to_string())?,
+        );
+        Ok(self)
+    }
+}
+
+/// Adds the token to every call.
+#[derive(Clone)]
+pub struct AddToken(Option<MetadataValue<Ascii>>);
+
+impl tonic::service::Interceptor for AddToken {
+    fn call(&mut self, mut req: tonic::Request<()>) -> Result<tonic::Request<()>, Status> {
+        if let Some(t) = &self.0 {
+            req.metadata_mut().insert("authorization", t.clone());
+        }
+        Ok(req)
+    }
+}
+
+/// A channel to a master that carries the credentials.
+pub type Conn = InterceptedService<Channel, AddToken>;
+
 /// A connected Operator client and the address it talks to.
 #[derive(Debug, Clone)]
 pub struct Master {
@@ -169,7 +221,10 @@ pub struct Master {
     pub addr: String,
     /// Every address of `--master`, and leaders learned from redirects.
     pub addrs: Vec<String>,
-    pub client: OperatorClient<Channel>,
+    pub client: OperatorClient<Conn>,
+    /// The same connection, for the other services' clients.
+    pub conn: Conn,
+    pub creds: Credentials,
     /// How long a call follows the leader before giving up.
     pub retry_for: Duration,
 }
@@ -177,21 +232,30 @@ pub struct Master {
 impl Master {
     /// Connects to the first address of `addrs` that answers.
     pub async fn connect(addrs: &[String]) -> Result<Master, ConnectError> {
-        Self::connect_with_timeout(addrs, CONNECT_TIMEOUT).await
+        Self::connect_as(addrs, &Credentials::default()).await
+    }
+
+    /// Connects with credentials.
+    pub async fn connect_as(addrs: &[String], creds: &Credentials) -> Result<Master, ConnectError> {
+        Self::connect_with_timeout(addrs, CONNECT_TIMEOUT, creds).await
     }
 
     pub async fn connect_with_timeout(
         addrs: &[String],
         timeout: Duration,
+        creds: &Credentials,
     ) -> Result<Master, ConnectError> {
         let mut last_error = String::from("no address given");
         for addr in addrs {
-            match connect_one(addr, timeout).await {
+            match connect_one(addr, timeout, creds).await {
                 Ok(channel) => {
+                    let conn = InterceptedService::new(channel, AddToken(creds.token.clone()));
                     return Ok(Master {
                         addr: addr.clone(),
                         addrs: addrs.to_vec(),
-                        client: operator_client(channel),
+                        client: operator_client(conn.clone()),
+                        conn,
+                        creds: creds.clone(),
                         retry_for: LEADER_DEADLINE,
                     });
                 }
@@ -211,7 +275,7 @@ impl Master {
     /// under `policy`, each attempt bounded by [`RPC_TIMEOUT`].
     pub async fn call<T, F, Fut>(&mut self, policy: Retry, f: F) -> Result<T, CliError>
     where
-        F: FnMut(OperatorClient<Channel>) -> Fut,
+        F: FnMut(OperatorClient<Conn>) -> Fut,
         Fut: Future<Output = Result<tonic::Response<T>, Status>>,
     {
         let deadline = Instant::now() + self.retry_for;
@@ -227,10 +291,43 @@ impl Master {
         policy: Retry,
         attempt: Option<Duration>,
         deadline: Instant,
+        f: F,
+    ) -> Result<T, CliError>
+    where
+        F: FnMut(OperatorClient<Conn>) -> Fut,
+        Fut: Future<Output = Result<tonic::Response<T>, Status>>,
+    {
+        self.call_client(policy, attempt, deadline, operator_client, f)
+            .await
+    }
+
+    /// Like [`Master::call`] for another service's client, made by `make`
+    /// from the connection.
+    pub async fn call_service<C, T, F, Fut>(
+        &mut self,
+        policy: Retry,
+        make: fn(Conn) -> C,
+        f: F,
+    ) -> Result<T, CliError>
+    where
+        F: FnMut(C) -> Fut,
+        Fut: Future<Output = Result<tonic::Response<T>, Status>>,
+    {
+        let deadline = Instant::now() + self.retry_for;
+        self.call_client(policy, Some(RPC_TIMEOUT), deadline, make, f)
+            .await
+    }
+
+    async fn call_client<C, T, F, Fut>(
+        &mut self,
+        policy: Retry,
+        attempt: Option<Duration>,
+        deadline: Instant,
+        make: fn(Conn) -> C,
         mut f: F,
     ) -> Result<T, CliError>
     where
-        F: FnMut(OperatorClient<Channel>) -> Fut,
+        F: FnMut(C) -> Fut,
         Fut: Future<Output = Result<tonic::Response<T>, Status>>,
     {
         let started = Instant::now();
@@ -239,7 +336,7 @@ impl Master {
         // Addresses that refused a connection during this call.
         let mut down: Vec<String> = Vec::new();
         loop {
-            let call = f(self.client.clone());
+            let call = f(make(self.conn.clone()));
             let result = match attempt {
                 Some(limit) => tokio::time::timeout(limit, call).await.unwrap_or_else(|_| {
                     Err(Status::deadline_exceeded(format!(
@@ -320,24 +417,32 @@ impl Master {
         if !self.addrs.contains(&addr) {
             self.addrs.push(addr.clone());
         }
-        self.client = operator_client(endpoint.connect_lazy());
+        let channel =
+            gpuctl_auth::tls::channel(&endpoint, self.creds.tls.as_ref(), CertRole::Master);
+        self.conn = InterceptedService::new(channel, AddToken(self.creds.token.clone()));
+        self.client = operator_client(self.conn.clone());
         self.addr = addr;
     }
 }
 
-fn operator_client(channel: Channel) -> OperatorClient<Channel> {
+fn operator_client(channel: Conn) -> OperatorClient<Conn> {
     OperatorClient::new(channel)
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_MESSAGE_BYTES)
 }
 
-async fn connect_one(addr: &str, timeout: Duration) -> Result<Channel, String> {
+async fn connect_one(
+    addr: &str,
+    timeout: Duration,
+    creds: &Credentials,
+) -> Result<Channel, String> {
     let endpoint = Endpoint::from_shared(format!("http://{addr}"))
         .map_err(|e| error_chain(&e))?
         .connect_timeout(timeout)
         .tcp_nodelay(true);
     // The outer timeout also bounds name resolution.
-    match tokio::time::timeout(timeout, endpoint.connect()).await {
+    let connect = gpuctl_auth::tls::connect(&endpoint, creds.tls.as_ref(), CertRole::Master);
+    match tokio::time::timeout(timeout, connect).await {
         Ok(Ok(channel)) => Ok(channel),
         Ok(Err(e)) => Err(error_chain(&e)),
         Err(_) => Err(format!("no answer within {}s", timeout.as_secs_f64())),
@@ -405,9 +510,13 @@ mod tests {
             let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
             addrs.push(l.local_addr().unwrap().to_string());
         }
-        let err = Master::connect_with_timeout(&addrs, Duration::from_millis(500))
-            .await
-            .unwrap_err();
+        let err = Master::connect_with_timeout(
+            &addrs,
+            Duration::from_millis(500),
+            &Credentials::default(),
+        )
+        .await
+        .unwrap_err();
         let msg = err.to_string();
         assert!(msg.contains(&addrs[0]) && msg.contains(&addrs[1]), "{msg}");
         assert!(!msg.contains('\n'));

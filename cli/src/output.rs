@@ -75,6 +75,9 @@ impl From<&pb::Task> for TaskJson {
 pub struct JobJson {
     pub id: String,
     pub name: String,
+    /// The tenant it is charged to ("" from a master without tenants).
+    #[serde(default)]
+    pub tenant: String,
     /// QUEUED, STARTING, RUNNING, SUCCEEDED, FAILED or CANCELLED.
     pub state: String,
     /// `null` for a job that runs as a host process.
@@ -167,6 +170,7 @@ impl From<&pb::Job> for JobJson {
         let spec = j.spec.clone().unwrap_or_default();
         JobJson {
             id: j.id.clone(),
+            tenant: spec.tenant.clone(),
             name: spec.name,
             state: job_state_name(j.state).to_string(),
             image: (!spec.image.is_empty()).then_some(spec.image),
@@ -569,6 +573,7 @@ pub fn job_detail(j: &pb::Job, now_ms: u64) -> String {
     let fields = [
         ("ID", j.id.clone()),
         ("Name", spec.name.clone()),
+        ("Tenant", spec.tenant.clone()),
         ("State", job_state_name(j.state).to_string()),
         ("Image", image),
         ("Command", shell_join(&spec.command)),

@@ -705,10 +705,10 @@ impl Options {
         let ttl = |field: &str, v: &str| {
             gpuctl_core::time::parse_duration(v)
                 .ok()
-                .filter(|d| *d >= Duration::from_secs(60))
+                .filter(|d| *d >= Duration::from_secs(10))
                 .ok_or_else(|| {
                     MasterError::Config(format!(
-                        "{field}: {v:?} is not a duration of at least 1 minute (e.g. 7d, 12h)"
+                        "{field}: {v:?} is not a duration of at least 10 s (e.g. 7d, 12h)"
                     ))
                 })
         };

@@ -8,6 +8,7 @@ use tonic::Code;
 
 use crate::client::{self, ConnectError, Master, MasterList};
 
+pub mod access;
 pub mod agents;
 pub mod demo;
 #[cfg(test)]
@@ -38,16 +39,27 @@ pub const EXIT_NOT_FOUND: u8 = 3;
     propagate_version = true
 )]
 pub struct Cli {
-    /// Masters to talk to, HOST:PORT[,HOST:PORT...]; calls follow the Raft leader among them.
+    /// Masters to talk to, HOST:PORT[,HOST:PORT...]; calls follow the Raft
+    /// leader among them. Default: the config file's, else 127.0.0.1:7050.
     #[arg(
         long,
         global = true,
         env = "GPUCTL_MASTER",
-        default_value = client::DEFAULT_MASTER,
         value_name = "HOST:PORT[,...]",
         value_parser = client::parse_master_list
     )]
-    pub master: MasterList,
+    pub master: Option<MasterList>,
+    /// Config file with `master`, `token` and `tls_dir` (default:
+    /// ~/.config/gpuctl/config.toml when it exists).
+    #[arg(long, global = true, env = "GPUCTL_CONFIG", value_name = "FILE")]
+    pub config: Option<std::path::PathBuf>,
+    /// Access token (from `gpuctl tokens create`).
+    #[arg(long, global = true, env = "GPUCTL_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+    /// Directory with ca.crt, client.crt and client.key: talk to the
+    /// masters over mutual TLS.
+    #[arg(long, global = true, env = "GPUCTL_TLS_DIR", value_name = "DIR")]
+    pub tls_dir: Option<std::path::PathBuf>,
 
     #[command(subcommand)]
     pub command: Command,
@@ -72,6 +84,16 @@ pub enum Command {
     Top(top::TopArgs),
     /// Start a master and an agent in this process, run two GPU jobs and show the cluster.
     Demo(demo::DemoArgs),
+    /// Make the cluster CA and certificates (locally, no master needed).
+    #[command(subcommand)]
+    Certs(access::CertsCommand),
+    /// Create, list and revoke access and join tokens (admin).
+    #[command(subcommand)]
+    Tokens(access::TokensCommand),
+    /// Show who the master takes this caller for.
+    Whoami,
+    /// Tenants' GPU use and quotas; `quota set TENANT --gpus N` (admin).
+    Quota(access::QuotaArgs),
 }
 
 /// `--json` of the read commands.
@@ -180,33 +202,68 @@ impl CliError {
 pub async fn run(cli: Cli) -> Result<u8, CliError> {
     let stdout = io::stdout();
     let mut out = stdout.lock();
-    let code = match cli.command {
+    let command = match cli.command {
         Command::Demo(args) => {
             drop(out);
             return demo::run(args).await;
         }
+        Command::Certs(cmd) => return access::run_certs(cmd, &mut out),
+        other => other,
+    };
+    // Flags and environment first, then the config file.
+    let file = match cli.config.clone().or_else(access::default_config) {
+        Some(path) => access::read_config(&path)?,
+        None => access::ConfigFile::default(),
+    };
+    let masters = match (cli.master, &file.master) {
+        (Some(m), _) => m.0,
+        (None, Some(m)) => {
+            client::parse_master_list(m)
+                .map_err(|e| CliError::Other(format!("config master: {e}")))?
+                .0
+        }
+        (None, None) => vec![client::DEFAULT_MASTER.to_string()],
+    };
+    let creds = access::credentials(
+        cli.tls_dir.as_deref().or(file.tls_dir.as_deref()),
+        cli.token.as_deref().or(file.token.as_deref()),
+    )?;
+    let code = match command {
+        Command::Demo(_) | Command::Certs(_) => EXIT_OK,
+        Command::Tokens(cmd) => {
+            let mut master = Master::connect_as(&masters, &creds).await?;
+            access::run_tokens(&mut master, cmd, &mut out).await?
+        }
+        Command::Whoami => {
+            let mut master = Master::connect_as(&masters, &creds).await?;
+            access::run_whoami(&mut master, &mut out).await?
+        }
+        Command::Quota(args) => {
+            let mut master = Master::connect_as(&masters, &creds).await?;
+            access::run_quota(&mut master, args, &mut out).await?
+        }
         Command::Jobs(cmd) => {
             // Each call follows the leader; a submission is only resent
             // when it provably was not applied (client::Retry).
-            let mut master = Master::connect(&cli.master.0).await?;
+            let mut master = Master::connect_as(&masters, &creds).await?;
             jobs::run(&mut master, cmd, &mut out).await?
         }
         Command::Agents(cmd) => {
-            let mut master = Master::connect(&cli.master.0).await?;
+            let mut master = Master::connect_as(&masters, &creds).await?;
             agents::run(&mut master, cmd, &mut out).await?
         }
         Command::Gpus(args) => {
-            let mut master = Master::connect(&cli.master.0).await?;
+            let mut master = Master::connect_as(&masters, &creds).await?;
             gpus::run(&mut master, args, &mut out).await?;
             EXIT_OK
         }
         Command::Masters(args) => {
-            let mut master = Master::connect(&cli.master.0).await?;
+            let mut master = Master::connect_as(&masters, &creds).await?;
             masters::run(&mut master, args, &mut out).await?;
             EXIT_OK
         }
         Command::Top(args) => {
-            let mut master = Master::connect(&cli.master.0).await?;
+            let mut master = Master::connect_as(&masters, &creds).await?;
             top::run(&mut master, args, &mut out).await?
         }
     };
@@ -242,9 +299,9 @@ mod tests {
     fn master_defaults_and_is_global() {
         let cli = Cli::try_parse_from(["gpuctl", "gpus"]).unwrap();
         // GPUCTL_MASTER may be set where the tests run; only check the shape.
-        assert!(!cli.master.0.is_empty());
+        assert!(cli.master.is_none_or(|m| !m.0.is_empty()));
         let cli = Cli::try_parse_from(["gpuctl", "jobs", "list", "--master", "a:1,b:2"]).unwrap();
-        assert_eq!(cli.master.0, vec!["a:1", "b:2"]);
+        assert_eq!(cli.master.unwrap().0, vec!["a:1", "b:2"]);
         let err = Cli::try_parse_from(["gpuctl", "--master", "nope", "gpus"]).unwrap_err();
         assert_eq!(err.exit_code(), i32::from(EXIT_USAGE));
     }

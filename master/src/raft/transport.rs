@@ -134,10 +134,24 @@ async fn peer_loop(
         .http2_keep_alive_interval(Duration::from_secs(1))
         .keep_alive_timeout(Duration::from_secs(3));
     // The peer must hold a master certificate (checked by the connector).
-    let channel = gpuctl_auth::tls::channel(&endpoint, tls.as_ref(), CertRole::Master);
-    let mut client = RaftTransportClient::new(channel)
+    let connect = || {
+        RaftTransportClient::new(gpuctl_auth::tls::channel(
+            &endpoint,
+            tls.as_ref(),
+            CertRole::Master,
+        ))
         .max_encoding_message_size(MAX_RAFT_MESSAGE_BYTES)
-        .max_decoding_message_size(MAX_RAFT_MESSAGE_BYTES);
+        .max_decoding_message_size(MAX_RAFT_MESSAGE_BYTES)
+    };
+    // A rotated certificate needs a new connection: peers refuse calls on
+    // one whose certificate expired.
+    let cert_of = || {
+        tls.as_ref()
+            .and_then(|t| t.identity())
+            .map_or(0, |i| i.not_after_ms)
+    };
+    let mut client = connect();
+    let mut cert = cert_of();
     let mut last_warn: Option<Instant> = None;
     while let Some(first) = rx.recv().await {
         let mut batch = vec![first];
@@ -157,6 +171,10 @@ async fn peer_loop(
                 Ok(b) => messages.push(b),
                 Err(e) => tracing::error!(to, error = %e, "cannot encode raft message"),
             }
+        }
+        if cert_of() != cert {
+            client = connect();
+            cert = cert_of();
         }
         let req = pb::StepRequest {
             from,
