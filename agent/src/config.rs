@@ -97,6 +97,8 @@ pub struct AgentSecurity {
     /// A join token (`gpuctl tokens create --join`), used when the agent
     /// has no certificate yet.
     pub join_token: Option<String>,
+    /// Or a file holding it, read only then.
+    pub join_token_file: Option<PathBuf>,
 }
 
 /// The agent API's port unless told otherwise.
@@ -404,29 +406,19 @@ impl Options {
                     self.task_retention
                 ))
             })?;
-        let join_token = match (&self.join_token, &self.join_token_file) {
-            (Some(_), Some(_)) => {
-                return Err(AgentError::Config(
-                    "join_token and join_token_file: give one of them".into(),
-                ))
-            }
-            (Some(t), None) => Some(t.trim().to_string()),
-            (None, Some(p)) => Some(
-                std::fs::read_to_string(p)
-                    .map_err(|e| {
-                        AgentError::Config(format!("join_token_file {}: {e}", p.display()))
-                    })?
-                    .trim()
-                    .to_string(),
-            ),
-            (None, None) => None,
-        };
+        if self.join_token.is_some() && self.join_token_file.is_some() {
+            return Err(AgentError::Config(
+                "join_token and join_token_file: give one of them".into(),
+            ));
+        }
+        let join_token = self.join_token.as_ref().map(|t| t.trim().to_string());
         let security = match &self.tls_dir {
             Some(dir) => Some(AgentSecurity {
                 tls_dir: dir.clone(),
                 join_token,
+                join_token_file: self.join_token_file.clone(),
             }),
-            None if join_token.is_some() => {
+            None if join_token.is_some() || self.join_token_file.is_some() => {
                 return Err(AgentError::Config(
                     "join_token needs tls_dir: the directory that holds the cluster's ca.crt \
                      and where the agent keeps its certificate"

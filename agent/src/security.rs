@@ -76,7 +76,16 @@ pub async fn establish(
         )));
     }
     if !p.cert.exists() {
-        let Some(token) = &sec.join_token else {
+        let from_file = match &sec.join_token_file {
+            Some(f) => Some(
+                std::fs::read_to_string(f)
+                    .map_err(|e| config_err(format!("join_token_file {}: {e}", f.display())))?
+                    .trim()
+                    .to_string(),
+            ),
+            None => None,
+        };
+        let Some(token) = sec.join_token.as_ref().or(from_file.as_ref()) else {
             return Err(config_err(format!(
                 "no certificate in {} and no join token: run the agent once with \
                  --join-token (an admin makes one with `gpuctl tokens create --join`)",
@@ -225,14 +234,21 @@ async fn renew(tls: &Arc<Tls>, dir: &Path, masters: &[String]) -> Result<u64, Ag
     })
     .await
     .map_err(|s| config_err(format!("renewal refused: {}", s.message())))?;
+    // The masters' CA bundle (during a CA rotation, old and new CA), else
+    // the one we have.
+    let ca = if resp.ca_pem.trim().is_empty() {
+        std::fs::read(&p.ca).map_err(|source| AgentError::WorkDir {
+            path: p.ca.clone(),
+            source,
+        })?
+    } else {
+        resp.ca_pem.clone().into_bytes()
+    };
     // In use first (so the files never hold what failed to load), then kept.
-    let ca = std::fs::read(&p.ca).map_err(|source| AgentError::WorkDir {
-        path: p.ca.clone(),
-        source,
-    })?;
     tls.replace(&ca, resp.cert_pem.as_bytes(), key.as_bytes())
         .map_err(|e| config_err(e.to_string()))?;
     write_file(&p.cert, format!("{}{key}", resp.cert_pem).as_bytes(), true)?;
+    write_file(&p.ca, &ca, false)?;
     Ok(resp.not_after_ms)
 }
 

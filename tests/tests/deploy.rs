@@ -170,7 +170,13 @@ fn master_example_config_is_accepted_and_shows_the_defaults() {
         .expect("defaults")
         .to_config()
         .expect("defaults");
-    assert_eq!(file.listen, default.listen);
+    // With TLS (tls_dir) the master listens on every interface; without it
+    // on loopback only.
+    let security = file.security.as_ref().expect("master.toml turns TLS on");
+    assert_eq!(security.tls.ca, Path::new("/etc/gpuctl/tls/ca.crt"));
+    assert_eq!(file.listen.to_string(), "0.0.0.0:7050");
+    assert!(default.security.is_none());
+    assert_eq!(default.listen.to_string(), "127.0.0.1:7050");
     assert_eq!(file.data_dir, default.data_dir);
     assert_eq!(file.node_id, default.node_id);
     assert_eq!(file.heartbeat_interval, default.heartbeat_interval);
@@ -217,7 +223,9 @@ fn agent_example_config_is_accepted_and_shows_the_defaults() {
         .expect("defaults");
     assert_eq!(file.masters, default.masters);
     assert_eq!(file.work_dir, default.work_dir);
-    assert_eq!(file.listen, default.listen);
+    assert!(file.security.is_some(), "agent.toml turns TLS on");
+    assert_eq!(file.listen.to_string(), "0.0.0.0:7051");
+    assert_eq!(default.listen.to_string(), "127.0.0.1:7051");
     assert_eq!(file.kill_grace, default.kill_grace);
     assert_eq!(file.task_retention, default.task_retention);
     assert_eq!(

@@ -159,6 +159,11 @@ def main():
     parser.add_argument("--timeout", type=int, default=120, help="give up (exit 2) after this")
     parser.add_argument("--auto-acknowledge", action="store_true",
                         help="let the client acknowledge updates (default: the example does)")
+    parser.add_argument("--tls-dir", default=os.environ.get("GPUCTL_TLS_DIR"),
+                        help="ca.crt, client.crt and client.key of a cluster with TLS")
+    parser.add_argument("--token", default=os.environ.get("GPUCTL_TOKEN"),
+                        help="a framework token (gpuctl tokens create --role framework)")
+    parser.add_argument("--role", default="default", help="the allocator role to subscribe with")
     parser.add_argument("-v", "--verbose", action="store_true")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARG...]")
     args = parser.parse_args()
@@ -178,7 +183,8 @@ def main():
 
     tasks = [Task(i) for i in range(args.tasks)]
     fw = Framework(args.master, name=args.name, failover_timeout=60,
-                   auto_acknowledge=args.auto_acknowledge)
+                   roles=(args.role,), auto_acknowledge=args.auto_acknowledge,
+                   tls_dir=args.tls_dir, token=args.token)
     code = 1
     try:
         run(fw, tasks, args)

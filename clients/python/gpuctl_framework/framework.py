@@ -20,6 +20,7 @@ updates not yet acknowledged.
 """
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -112,7 +113,8 @@ class Framework:
     def __init__(self, masters, name, roles=("default",),
                  capabilities=(pb.GPU_RESOURCES,), failover_timeout=60.0,
                  framework_id="", auto_acknowledge=False, call_timeout=15.0,
-                 subscribe_patience=60.0, backoff=1.0):
+                 subscribe_patience=60.0, backoff=1.0, tls_dir=None,
+                 token=None):
         if isinstance(masters, str):
             masters = masters.split(",")
         self.masters = [m.strip() for m in masters if m.strip()]
@@ -123,6 +125,7 @@ class Framework:
             capabilities=list(capabilities),
             failover_timeout_secs=failover_timeout)
         self.auto_acknowledge = auto_acknowledge
+        self._credentials = _credentials(tls_dir, token)
         self.call_timeout = call_timeout
         self.subscribe_patience = subscribe_patience
         self.backoff = backoff
@@ -458,7 +461,13 @@ class Framework:
     def _connect(self, addr):
         """Points the stub at a new channel to `addr` (lock held)."""
         self._disconnect()
-        self._channel = grpc.insecure_channel(addr)
+        if self._credentials is None:
+            self._channel = grpc.insecure_channel(addr)
+        else:
+            # The master's certificate names its role, not its host.
+            self._channel = grpc.secure_channel(
+                addr, self._credentials,
+                options=[("grpc.ssl_target_name_override", MASTER_SERVER_NAME)])
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
 
     def _disconnect(self):
@@ -473,6 +482,31 @@ class Framework:
     def _drop_channel(self):
         with self._lock:
             self._disconnect()
+
+
+MASTER_SERVER_NAME = "master.gpuctl"
+
+
+def _credentials(tls_dir, token):
+    """Channel credentials for a cluster with TLS (docs/security.md):
+    tls_dir holds ca.crt, client.crt and client.key; the token goes in
+    every call's `authorization: Bearer` header. None without tls_dir."""
+    if tls_dir is None:
+        if token:
+            raise ValueError("a token needs tls_dir: tokens are only sent over TLS")
+        return None
+
+    def read(name):
+        with open(os.path.join(tls_dir, name), "rb") as f:
+            return f.read()
+
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=read("ca.crt"), private_key=read("client.key"),
+        certificate_chain=read("client.crt"))
+    if token:
+        creds = grpc.composite_channel_credentials(
+            creds, grpc.access_token_call_credentials(token.strip()))
+    return creds
 
 
 def _pump(call, events):

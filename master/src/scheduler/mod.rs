@@ -25,6 +25,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use gpuctl_core::types::{AgentId, GpuInfo, JobId, JobSpec, PlacementPolicy, Resources};
 
+use crate::state::access::tenant_of;
 use crate::state::{AgentRecord, JobRecord, Launch, State, Stopping};
 
 /// What the scheduler may use on one agent: resources and exact GPUs (the
@@ -317,9 +318,26 @@ pub fn place_in(
     // Asks (and priority) that found no room: what is free only shrinks
     // here, so a later job asking the same fails too, without placing.
     let mut misses = std::collections::HashSet::new();
+    // GPUs of each tenant that has a quota (`gpuctl quota set`).
+    let mut tenant_gpus: BTreeMap<String, u32> = if state.quotas().is_empty() {
+        BTreeMap::new()
+    } else {
+        tenants::usage(state)
+            .into_iter()
+            .map(|(t, u)| (t, u.gpus))
+            .collect()
+    };
     for job in state.queued_jobs() {
         if out.len() >= MAX_LAUNCHES_PER_ROUND {
             break;
+        }
+        let tenant = tenant_of(&job.spec);
+        let gpus = job.spec.resources.gpus.saturating_mul(job.spec.replicas());
+        if let Some(&quota) = state.quotas().get(tenant) {
+            let used = tenant_gpus.get(tenant).copied().unwrap_or(0);
+            if gpus > 0 && used.saturating_add(gpus) > quota {
+                continue;
+            }
         }
         let preemptor = reserved.values().any(|(by, _)| *by == job.id);
         let miss = (!preemptor).then(|| (ask_key(job), job.spec.priority));
@@ -335,6 +353,7 @@ pub fn place_in(
             misses.extend(miss);
             continue;
         };
+        *tenant_gpus.entry(tenant.to_string()).or_default() += gpus;
         for p in placements {
             pool.take(&p.node, &job.spec.resources, &p.gpus);
             out.push(Launch {

@@ -890,6 +890,85 @@ mod tests {
         }
     }
 
+    /// Submits a job of `tenant`.
+    fn submit_as(h: &mut H, tenant: &str, gpus: u32, priority: i32) -> String {
+        let mut spec = JobSpec::new(
+            "j",
+            vec!["sleep".into()],
+            Resources {
+                cpus: 1.0,
+                mem_mib: 0,
+                gpus,
+            },
+        );
+        spec.priority = priority;
+        spec.tenant = tenant.into();
+        let at_ms = h.i;
+        match h.apply(Command::SubmitJob {
+            spec,
+            at_ms,
+            request_id: None,
+        }) {
+            Outcome::JobSubmitted { job_id } => job_id,
+            o => panic!("{o:?}"),
+        }
+    }
+
+    #[test]
+    fn a_tenant_over_its_gpu_quota_waits_and_others_run() {
+        let mut h = H::new(&[("a", 9)]);
+        h.apply(Command::SetQuota {
+            tenant: "vision".into(),
+            gpus: 3,
+        });
+        let v1 = submit_as(&mut h, "vision", 2, 0);
+        let v2 = submit_as(&mut h, "vision", 2, 0);
+        let v3 = submit_as(&mut h, "vision", 1, 0);
+        let n1 = submit_as(&mut h, "nlp", 4, 0);
+        let mut started = h.schedule();
+        started.sort();
+        // 2 + 1 of vision's fit its 3; the second 2 would make 5.
+        let mut want = vec![v1, v3, n1];
+        want.sort();
+        assert_eq!(started, want);
+        assert_eq!(
+            h.plan().reasons[&v2].reason,
+            WaitReason::TenantQuota {
+                tenant: "vision".into(),
+                quota: 3,
+                used: 3,
+                asked: 2,
+            }
+        );
+        // Raised: it runs.
+        h.apply(Command::SetQuota {
+            tenant: "vision".into(),
+            gpus: 5,
+        });
+        assert_eq!(h.schedule(), vec![v2]);
+    }
+
+    #[test]
+    fn a_job_never_preempts_another_tenants() {
+        let mut h = H::new(&[("a", 2)]);
+        let theirs = submit_as(&mut h, "nlp", 2, 0);
+        assert_eq!(h.schedule(), vec![theirs.clone()]);
+        let mine = submit_as(&mut h, "vision", 2, 100);
+        assert!(h.plan().preemption.is_none(), "preempted across tenants");
+        assert_ne!(
+            h.plan().reasons[&mine].reason,
+            WaitReason::Preempting {
+                waiting_for_tasks: 1
+            }
+        );
+        // Within a tenant, priority preempts as before.
+        let own_low = submit_as(&mut h, "nlp", 0, 0);
+        let _ = own_low;
+        let hi = submit_as(&mut h, "nlp", 2, 100);
+        let p = h.plan().preemption.expect("preempts within its tenant");
+        assert_eq!((p.job_id, p.victims), (hi, vec![theirs]));
+    }
+
     #[test]
     fn the_lowest_priority_goes_first_even_when_a_higher_one_fits_better() {
         let mut h = H::new(&[("a", 4)]);
