@@ -350,6 +350,9 @@ pub async fn serve(
         attributes,
         driver_version: discovery.driver_version,
         cuda_driver_version: discovery.cuda_driver_version,
+        // Nothing beyond the defaults until the agent enforces it.
+        allow_root_tasks: false,
+        allowed_mounts: Vec::new(),
     };
     tracing::info!(agent_id = %info.id, address = %info.address, runtimes = ?info.runtimes, gpus = info.gpus.len(), "agent starting");
 

@@ -62,6 +62,7 @@ impl Task {
                 resources: Resources::default(),
                 gpu_uuids: vec![],
                 no_fence: false,
+                security: Default::default(),
             },
             agent_id: "agent-proc-test".to_string(),
             env: BTreeMap::from([("GPUCTL_TASK_ID".to_string(), task_id.to_string())]),

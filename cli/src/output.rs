@@ -93,6 +93,9 @@ pub struct JobJson {
     /// Submitted with `--no-fence`: its tasks are not stopped by their
     /// agent's fence and never LOST by timeout.
     pub no_fence: bool,
+    /// Its user, host mounts and root (`--user`, `--mount`, `--run-as-root`).
+    #[serde(default)]
+    pub security: SecurityJson,
     /// Times its tasks were preempted.
     pub preemptions: u32,
     /// Why it is in its state; for a QUEUED job, the same as `reason`.
@@ -127,6 +130,72 @@ impl From<Option<&pb::Placement>> for PlacementJson {
             gpu_model: (!p.gpu_model.is_empty()).then_some(p.gpu_model),
             gpu_mem_min_mib: p.gpu_mem_min_mib,
             constraints: p.constraints.into_iter().collect(),
+        }
+    }
+}
+
+/// What a job's tasks may do (`security`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct SecurityJson {
+    /// `UID:GID` or `UID`; `null`: the image's user, or the agent's
+    /// task_user for a host process.
+    pub user: Option<String>,
+    pub mounts: Vec<MountJson>,
+    pub run_as_root: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MountJson {
+    pub host_path: String,
+    pub container_path: String,
+    pub read_only: bool,
+}
+
+impl From<Option<&pb::TaskSecurity>> for SecurityJson {
+    fn from(s: Option<&pb::TaskSecurity>) -> Self {
+        let s = s.cloned().unwrap_or_default();
+        SecurityJson {
+            user: (!s.user.is_empty()).then_some(s.user),
+            mounts: s
+                .mounts
+                .into_iter()
+                .map(|m| MountJson {
+                    host_path: m.host_path,
+                    container_path: m.container_path,
+                    read_only: !m.read_write,
+                })
+                .collect(),
+            run_as_root: s.run_as_root,
+        }
+    }
+}
+
+impl SecurityJson {
+    /// `jobs get`'s line: "user 1234:1234, mounts /data:/data:ro" or
+    /// "default".
+    fn words(&self) -> String {
+        let mut parts = Vec::new();
+        if self.run_as_root {
+            parts.push("root (--run-as-root)".to_string());
+        }
+        if let Some(u) = &self.user {
+            parts.push(format!("user {u}"));
+        }
+        if !self.mounts.is_empty() {
+            let m: Vec<String> = self
+                .mounts
+                .iter()
+                .map(|m| {
+                    let mode = if m.read_only { "ro" } else { "rw" };
+                    format!("{}:{}:{mode}", m.host_path, m.container_path)
+                })
+                .collect();
+            parts.push(format!("mounts {}", m.join(" ")));
+        }
+        if parts.is_empty() {
+            "default".to_string()
+        } else {
+            parts.join(", ")
         }
     }
 }
@@ -180,6 +249,7 @@ impl From<&pb::Job> for JobJson {
             retries: j.retries,
             no_requeue: spec.no_requeue,
             no_fence: spec.no_fence,
+            security: SecurityJson::from(spec.security.as_ref()),
             preemptions: j.preemptions,
             message: job_message(j),
             reason: wait_reason(j),
@@ -298,6 +368,12 @@ pub struct AgentJson {
     pub attributes: BTreeMap<String, String>,
     pub driver_version: Option<String>,
     pub cuda_driver_version: Option<String>,
+    /// It runs host-process tasks as root for jobs that ask.
+    #[serde(default)]
+    pub allow_root_tasks: bool,
+    /// Host path prefixes its containers may mount.
+    #[serde(default)]
+    pub allowed_mounts: Vec<String>,
 }
 
 impl From<&pb::Agent> for AgentJson {
@@ -330,6 +406,8 @@ impl From<&pb::Agent> for AgentJson {
             driver_version: (!a.driver_version.is_empty()).then(|| a.driver_version.clone()),
             cuda_driver_version: (!a.cuda_driver_version.is_empty())
                 .then(|| a.cuda_driver_version.clone()),
+            allow_root_tasks: a.allow_root_tasks,
+            allowed_mounts: a.allowed_mounts.clone(),
         }
     }
 }
@@ -577,6 +655,10 @@ pub fn job_detail(j: &pb::Job, now_ms: u64) -> String {
         ("CPUs", fmt_cpus(res.cpus)),
         ("Memory", mem),
         ("Replicas", spec.replicas.max(1).to_string()),
+        (
+            "Security",
+            SecurityJson::from(spec.security.as_ref()).words(),
+        ),
         ("Priority", spec.priority.to_string()),
         ("Retries", format!("{} of {}", j.retries, spec.max_retries)),
         (

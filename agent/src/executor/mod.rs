@@ -483,6 +483,7 @@ impl Executor {
                                 resources: Default::default(),
                                 gpu_uuids: Vec::new(),
                                 no_fence: false,
+                                security: Default::default(),
                             });
                         t.tasks
                             .insert(task_id, LocalTask::new(spec.clone(), Phase::Launching));
@@ -1137,6 +1138,7 @@ mod shell_tests {
             resources: Resources::default(),
             gpu_uuids: vec![],
             no_fence: false,
+            security: Default::default(),
         }
     }
 

@@ -913,6 +913,7 @@ mod tests {
                 },
                 gpu_uuids: vec![],
                 no_fence: false,
+                security: Default::default(),
             },
             agent_id: format!("agent-{task_id}"),
             env: BTreeMap::from([("GPUCTL_TASK_ID".to_string(), task_id.to_string())]),

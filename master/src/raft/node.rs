@@ -101,7 +101,9 @@ pub enum ProposeError {
 
 enum NodeMsg {
     Propose {
-        command: Command,
+        // Boxed: a job's spec makes a command several hundred bytes, and
+        // every message of the node's queue would be that big.
+        command: Box<Command>,
         reply: oneshot::Sender<Result<Outcome, ProposeError>>,
     },
     ConfChange {
@@ -170,7 +172,10 @@ impl RaftHandle {
     /// Proposes a command and waits until it is committed and applied.
     pub async fn propose(&self, command: Command) -> Result<Outcome, ProposeError> {
         let (reply, rx) = oneshot::channel();
-        self.send(NodeMsg::Propose { command, reply })?;
+        self.send(NodeMsg::Propose {
+            command: Box::new(command),
+            reply,
+        })?;
         rx.await.map_err(|_| ProposeError::Stopped)?
     }
 

@@ -154,6 +154,8 @@ pub fn agent_to_pb(a: &AgentRecord, runtimes: Vec<RuntimeStatus>) -> pb::Agent {
             Vec::new()
         },
         unreachable_since_ms: a.unreachable_since_ms.unwrap_or_default(),
+        allow_root_tasks: a.info.allow_root_tasks,
+        allowed_mounts: a.info.allowed_mounts.clone(),
     }
 }
 
