@@ -13,6 +13,7 @@ pub mod isolation;
 pub mod master_link;
 pub mod metrics;
 pub mod runtime;
+pub mod security;
 pub mod volume;
 
 use std::collections::BTreeMap;
@@ -278,10 +279,22 @@ pub async fn serve(
         .iter()
         .map(|g| (g.uuid.clone(), g.minor))
         .collect();
+    let policy = security::TaskPolicy::for_this_process(
+        config.task_user,
+        config.allow_root_tasks,
+        config.allowed_mounts.clone(),
+    );
+    if config.allow_root_tasks && !policy.agent_is_root() {
+        tracing::warn!(
+            "allow_root_tasks is set but the agent does not run as root: no task runs as root here"
+        );
+    }
+    tracing::info!("{}", policy.describe());
     let isolation_setup = executor::IsolationSetup {
         isolator,
         gpu_minors,
         driver_volume,
+        policy: policy.clone(),
     };
     let gpus = discovery.gpus;
 
@@ -350,9 +363,9 @@ pub async fn serve(
         attributes,
         driver_version: discovery.driver_version,
         cuda_driver_version: discovery.cuda_driver_version,
-        // Nothing beyond the defaults until the agent enforces it.
-        allow_root_tasks: false,
-        allowed_mounts: Vec::new(),
+        // What the master places here: only what this agent will run.
+        allow_root_tasks: policy.runs_root_tasks(),
+        allowed_mounts: policy.allowed_mounts.clone(),
     };
     tracing::info!(agent_id = %info.id, address = %info.address, runtimes = ?info.runtimes, gpus = info.gpus.len(), "agent starting");
 

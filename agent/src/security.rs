@@ -1,0 +1,500 @@
+//! What a task may do on this agent (docs/isolation.md, "What a task may
+//! do"): the agent's policy (`task_user`, `allow_root_tasks`,
+//! `allowed_mounts`) and what it makes of a task's `security` before a
+//! runtime starts it. A task asking for more than the agent allows is
+//! refused with a message naming the field or the option.
+
+use std::path::{Path, PathBuf};
+
+use gpuctl_core::types::{path_within, Runtime, TaskSpec, UserIds};
+
+/// Capabilities a container keeps (everything else is dropped, and
+/// `no-new-privileges` keeps a setuid program from getting more). Docker's
+/// default set minus what matters on a shared GPU host whose containers use
+/// the host's network: NET_RAW (forged packets on the host's interfaces),
+/// NET_BIND_SERVICE (the host's ports below 1024), MKNOD (device nodes;
+/// the cgroup would refuse opening them, but nothing needs them),
+/// AUDIT_WRITE (the host's audit log) and SETFCAP (file capabilities).
+/// What is kept lets an image's root manage its own files and drop to a
+/// user of its own (package managers, `gosu`, `su-exec` entrypoints):
+///
+/// - CHOWN, DAC_OVERRIDE, FOWNER, FSETID: root's usual say over the
+///   container's own files (`pip install`, `apt-get`, `chown` in an
+///   entrypoint);
+/// - SETUID, SETGID: switching to another user inside the container;
+/// - SETPCAP: dropping capabilities from its own bounding set (sandboxing
+///   its children);
+/// - KILL: signalling its own processes that run as another user;
+/// - SYS_CHROOT: `chroot` inside its own filesystem (build tools).
+///
+/// A container that runs as a non-root `user` has none of them in effect.
+pub const CONTAINER_CAPABILITIES: [&str; 9] = [
+    "CHOWN",
+    "DAC_OVERRIDE",
+    "FOWNER",
+    "FSETID",
+    "KILL",
+    "SETGID",
+    "SETUID",
+    "SETPCAP",
+    "SYS_CHROOT",
+];
+
+/// The option that lets a job's host-process tasks run as root.
+const ROOT_OPTION: &str = "allow_root_tasks (--allow-root-tasks)";
+/// The option that lists the host paths a container may mount.
+const MOUNTS_OPTION: &str = "allowed_mounts (--allowed-mounts)";
+
+/// Default of `task_user`: nobody.
+pub const DEFAULT_TASK_USER: UserIds = UserIds {
+    uid: 65534,
+    gid: 65534,
+};
+
+/// A host path a container gets, resolved and allowed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BindMount {
+    /// With symlinks resolved: what was checked is what is mounted.
+    pub host_path: PathBuf,
+    pub container_path: String,
+    pub read_only: bool,
+}
+
+impl BindMount {
+    /// Docker's `Binds` syntax, `HOST:CONTAINER:ro|rw`.
+    pub fn docker_bind(&self) -> String {
+        format!(
+            "{}:{}:{}",
+            self.host_path.display(),
+            self.container_path,
+            if self.read_only { "ro" } else { "rw" }
+        )
+    }
+}
+
+/// What a runtime applies to one task, decided by [`TaskPolicy::resolve`].
+/// The default (no user, no mounts) runs a host process as the agent's own
+/// user and a container as its image's user: what tests of the runtimes
+/// themselves use.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LaunchSecurity {
+    /// A host process switches to this user and group (supplementary
+    /// groups dropped) before exec; a container runs as it (Docker's
+    /// `User`). `None`: a host process stays the agent's user (root, for a
+    /// job allowed to run as root), a container its image's.
+    pub user: Option<UserIds>,
+    /// A container's bind mounts beside the driver volume.
+    pub mounts: Vec<BindMount>,
+}
+
+/// The agent's policy for what tasks may do.
+#[derive(Debug, Clone)]
+pub struct TaskPolicy {
+    /// Host-process tasks run as this when their job names no user.
+    pub task_user: UserIds,
+    /// Jobs that ask may run host-process tasks as root.
+    pub allow_root_tasks: bool,
+    /// Host path prefixes a container may mount, as configured (and as
+    /// the master is told).
+    pub allowed_mounts: Vec<String>,
+    /// The same with symlinks resolved, for resolved host paths.
+    resolved_mounts: Vec<String>,
+    /// The agent's own user and group.
+    pub agent_ids: UserIds,
+}
+
+impl TaskPolicy {
+    /// The policy of an agent running as `agent_ids`. Allowed mounts are
+    /// also resolved (a prefix that is a symlink covers where it points);
+    /// one that does not exist yet is kept as written.
+    pub fn new(
+        task_user: UserIds,
+        allow_root_tasks: bool,
+        allowed_mounts: Vec<String>,
+        agent_ids: UserIds,
+    ) -> TaskPolicy {
+        let resolved_mounts = allowed_mounts
+            .iter()
+            .map(|p| {
+                std::fs::canonicalize(p)
+                    .ok()
+                    .and_then(|r| r.to_str().map(str::to_string))
+                    .unwrap_or_else(|| p.clone())
+            })
+            .collect();
+        TaskPolicy {
+            task_user,
+            allow_root_tasks,
+            allowed_mounts,
+            resolved_mounts,
+            agent_ids,
+        }
+    }
+
+    /// The policy of this process: its effective user and group.
+    pub fn for_this_process(
+        task_user: UserIds,
+        allow_root_tasks: bool,
+        allowed_mounts: Vec<String>,
+    ) -> TaskPolicy {
+        let agent_ids = UserIds {
+            uid: nix::unistd::geteuid().as_raw(),
+            gid: nix::unistd::getegid().as_raw(),
+        };
+        TaskPolicy::new(task_user, allow_root_tasks, allowed_mounts, agent_ids)
+    }
+
+    /// Only root can run a task as another user (or as root).
+    pub fn agent_is_root(&self) -> bool {
+        self.agent_ids.uid == 0
+    }
+
+    /// Whether root tasks run here, as the master is told: the option, on
+    /// an agent that can honour it.
+    pub fn runs_root_tasks(&self) -> bool {
+        self.allow_root_tasks && self.agent_is_root()
+    }
+
+    /// One line for the agent's log at start.
+    pub fn describe(&self) -> String {
+        let users = if self.agent_is_root() {
+            format!(
+                "host-process tasks run as {} unless their job names a user{}",
+                self.task_user,
+                if self.allow_root_tasks {
+                    "; as root when their job asks (allow_root_tasks)"
+                } else {
+                    ""
+                }
+            )
+        } else {
+            format!(
+                "the agent does not run as root: host-process tasks run as its own user {} (task_user and allow_root_tasks do not apply)",
+                self.agent_ids
+            )
+        };
+        let mounts = if self.allowed_mounts.is_empty() {
+            "containers may mount no host path".to_string()
+        } else {
+            format!(
+                "containers may mount under {}",
+                self.allowed_mounts.join(", ")
+            )
+        };
+        format!("{users}; {mounts}")
+    }
+
+    /// What the runtime applies to `task`, or why the task is refused.
+    /// `resolve` turns a host path into the path it names (symlinks
+    /// resolved): `std::fs::canonicalize` outside tests.
+    pub fn resolve(
+        &self,
+        task: &TaskSpec,
+        resolve: impl Fn(&Path) -> std::io::Result<PathBuf>,
+    ) -> Result<LaunchSecurity, String> {
+        let sec = &task.security;
+        if sec.privileged {
+            return Err("security.privileged: privileged containers are never allowed".into());
+        }
+        let user = sec
+            .user
+            .as_deref()
+            .map(|u| {
+                u.parse::<UserIds>()
+                    .map_err(|e| format!("security.user: {e}"))
+            })
+            .transpose()?;
+        let runtime = if task.image.is_some() {
+            Runtime::Docker
+        } else {
+            Runtime::Process
+        };
+        match runtime {
+            Runtime::Process => {
+                if !sec.mounts.is_empty() {
+                    return Err("security.mounts: host-process tasks take no mounts".into());
+                }
+                if sec.run_as_root {
+                    if !self.allow_root_tasks {
+                        return Err(format!(
+                            "refused: the job asks to run as root (security.run_as_root) and this agent does not allow root tasks (agent option {ROOT_OPTION})"
+                        ));
+                    }
+                    if !self.agent_is_root() {
+                        return Err(format!(
+                            "refused: the job asks to run as root (security.run_as_root) and this agent does not run as root (uid {})",
+                            self.agent_ids.uid
+                        ));
+                    }
+                    if user.is_some() {
+                        return Err(
+                            "security.run_as_root cannot be asked together with security.user"
+                                .into(),
+                        );
+                    }
+                    return Ok(LaunchSecurity::default());
+                }
+                let user = user.unwrap_or(self.task_user);
+                if user.is_root() {
+                    return Err(format!(
+                        "security.user: {user} is root; a host-process job asks for security.run_as_root instead"
+                    ));
+                }
+                if self.agent_is_root() {
+                    Ok(LaunchSecurity {
+                        user: Some(user),
+                        mounts: Vec::new(),
+                    })
+                } else if sec.user.is_none() || user == self.agent_ids {
+                    // A user agent (`gpuctl demo` on a laptop) runs its
+                    // tasks as itself: it has nothing more to give away.
+                    Ok(LaunchSecurity::default())
+                } else {
+                    Err(format!(
+                        "refused: security.user {user}: this agent does not run as root (uid {}), so it cannot run a task as another user",
+                        self.agent_ids.uid
+                    ))
+                }
+            }
+            Runtime::Docker => {
+                if sec.run_as_root {
+                    return Err(
+                        "security.run_as_root: only for host-process jobs (a container runs as its image's user or security.user)"
+                            .into(),
+                    );
+                }
+                let mut mounts = Vec::with_capacity(sec.mounts.len());
+                for (i, m) in sec.mounts.iter().enumerate() {
+                    let field = format!("security.mounts[{i}].host_path");
+                    let resolved = resolve(Path::new(&m.host_path))
+                        .map_err(|e| format!("{field}: {}: {e}", m.host_path))?;
+                    let Some(r) = resolved.to_str().filter(|r| !r.contains([':', ','])) else {
+                        return Err(format!(
+                            "{field}: {} resolves to {}, which Docker cannot bind-mount (':' or ',')",
+                            m.host_path,
+                            resolved.display()
+                        ));
+                    };
+                    if !path_within(&self.resolved_mounts, r) {
+                        let via = if r == m.host_path {
+                            String::new()
+                        } else {
+                            format!(" (it resolves to {r})")
+                        };
+                        let allowed = if self.allowed_mounts.is_empty() {
+                            "none".to_string()
+                        } else {
+                            self.allowed_mounts.join(", ")
+                        };
+                        return Err(format!(
+                            "refused: {field}: {}{via} is not under this agent's allowed mounts ({allowed}; agent option {MOUNTS_OPTION})",
+                            m.host_path
+                        ));
+                    }
+                    mounts.push(BindMount {
+                        host_path: resolved,
+                        container_path: m.container_path.clone(),
+                        read_only: m.read_only,
+                    });
+                }
+                Ok(LaunchSecurity { user, mounts })
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpuctl_core::types::{HostMount, TaskSecurity};
+
+    const ROOT: UserIds = UserIds { uid: 0, gid: 0 };
+
+    fn policy(allow_root: bool, mounts: &[&str], agent: UserIds) -> TaskPolicy {
+        TaskPolicy::new(
+            DEFAULT_TASK_USER,
+            allow_root,
+            mounts.iter().map(|s| s.to_string()).collect(),
+            agent,
+        )
+    }
+
+    fn task(image: Option<&str>, security: TaskSecurity) -> TaskSpec {
+        TaskSpec {
+            task_id: "job-1.0".into(),
+            job_id: "job-1".into(),
+            framework_id: String::new(),
+            image: image.map(str::to_string),
+            command: vec!["true".into()],
+            env: Default::default(),
+            resources: Default::default(),
+            gpu_uuids: vec![],
+            no_fence: false,
+            security,
+        }
+    }
+
+    /// Paths as written (no symlinks in these tests).
+    fn as_is(p: &Path) -> std::io::Result<PathBuf> {
+        Ok(p.to_path_buf())
+    }
+
+    fn ids(uid: u32, gid: u32) -> UserIds {
+        UserIds { uid, gid }
+    }
+
+    #[test]
+    fn host_tasks_run_as_the_task_user_unless_their_job_names_one() {
+        let p = policy(false, &[], ROOT);
+        let got = p.resolve(&task(None, TaskSecurity::default()), as_is);
+        assert_eq!(got.unwrap().user, Some(DEFAULT_TASK_USER));
+        let sec = TaskSecurity {
+            user: Some("1234".into()),
+            ..Default::default()
+        };
+        let got = p.resolve(&task(None, sec), as_is).unwrap();
+        assert_eq!(got.user, Some(ids(1234, 1234)));
+        // A framework's task (default security) too.
+        let mut t = task(None, TaskSecurity::default());
+        t.job_id.clear();
+        t.framework_id = "fw-1".into();
+        assert_eq!(p.resolve(&t, as_is).unwrap().user, Some(DEFAULT_TASK_USER));
+    }
+
+    #[test]
+    fn root_host_tasks_need_the_option_and_a_root_agent() {
+        let root = TaskSecurity {
+            run_as_root: true,
+            ..Default::default()
+        };
+        let err = policy(false, &[], ROOT)
+            .resolve(&task(None, root.clone()), as_is)
+            .unwrap_err();
+        assert!(err.contains("allow_root_tasks"), "{err}");
+        assert!(err.contains("security.run_as_root"), "{err}");
+        let ok = policy(true, &[], ROOT)
+            .resolve(&task(None, root.clone()), as_is)
+            .unwrap();
+        assert_eq!(ok, LaunchSecurity::default(), "stays root");
+        let err = policy(true, &[], ids(1000, 1000))
+            .resolve(&task(None, root), as_is)
+            .unwrap_err();
+        assert!(err.contains("does not run as root"), "{err}");
+        assert!(!policy(true, &[], ids(1000, 1000)).runs_root_tasks());
+        assert!(policy(true, &[], ROOT).runs_root_tasks());
+        assert!(!policy(false, &[], ROOT).runs_root_tasks());
+        // Root by another name is refused too, whatever the option.
+        for user in ["0", "0:0", "1000:0", "0:1000"] {
+            let sec = TaskSecurity {
+                user: Some(user.into()),
+                ..Default::default()
+            };
+            let err = policy(true, &[], ROOT)
+                .resolve(&task(None, sec), as_is)
+                .unwrap_err();
+            assert!(err.contains("security.user"), "{user}: {err}");
+        }
+    }
+
+    #[test]
+    fn a_user_agent_runs_tasks_as_itself_only() {
+        let me = ids(1000, 1000);
+        let p = policy(false, &[], me);
+        let got = p.resolve(&task(None, TaskSecurity::default()), as_is);
+        assert_eq!(got.unwrap(), LaunchSecurity::default());
+        let named = |u: &str| {
+            task(
+                None,
+                TaskSecurity {
+                    user: Some(u.into()),
+                    ..Default::default()
+                },
+            )
+        };
+        assert_eq!(p.resolve(&named("1000"), as_is).unwrap().user, None);
+        let err = p.resolve(&named("1234"), as_is).unwrap_err();
+        assert!(err.contains("does not run as root"), "{err}");
+    }
+
+    #[test]
+    fn containers_get_their_user_and_only_allowed_mounts() {
+        let p = policy(false, &["/data", "/scratch"], ROOT);
+        let mount = |h: &str, c: &str, ro: bool| HostMount {
+            host_path: h.into(),
+            container_path: c.into(),
+            read_only: ro,
+        };
+        let sec = TaskSecurity {
+            user: Some("1234:5".into()),
+            mounts: vec![
+                mount("/data/sets", "/in", true),
+                mount("/scratch", "/out", false),
+            ],
+            ..Default::default()
+        };
+        let got = p.resolve(&task(Some("img"), sec), as_is).unwrap();
+        assert_eq!(got.user, Some(ids(1234, 5)));
+        let binds: Vec<String> = got.mounts.iter().map(BindMount::docker_bind).collect();
+        assert_eq!(binds, ["/data/sets:/in:ro", "/scratch:/out:rw"]);
+        // No user: the image's.
+        let got = p.resolve(&task(Some("img"), TaskSecurity::default()), as_is);
+        assert_eq!(got.unwrap(), LaunchSecurity::default());
+
+        let refused = |p: &TaskPolicy, host: &str| {
+            let sec = TaskSecurity {
+                mounts: vec![mount("/data", "/a", true), mount(host, "/b", true)],
+                ..Default::default()
+            };
+            p.resolve(&task(Some("img"), sec), as_is).unwrap_err()
+        };
+        let err = refused(&p, "/database");
+        assert!(err.contains("security.mounts[1].host_path"), "{err}");
+        assert!(err.contains("allowed_mounts"), "{err}");
+        assert!(err.contains("/data, /scratch"), "{err}");
+        let err = refused(&policy(false, &[], ROOT), "/data");
+        assert!(err.contains("security.mounts[0]"), "{err}");
+        assert!(err.contains("(none;"), "{err}");
+        // A symlink under an allowed prefix that leads out of it.
+        let via_link = |path: &Path| {
+            Ok(if path == Path::new("/data/link") {
+                PathBuf::from("/etc")
+            } else {
+                path.to_path_buf()
+            })
+        };
+        let sec = TaskSecurity {
+            mounts: vec![mount("/data/link", "/b", true)],
+            ..Default::default()
+        };
+        let err = p.resolve(&task(Some("img"), sec), via_link).unwrap_err();
+        assert!(err.contains("resolves to /etc"), "{err}");
+        // A path that does not exist is refused, not created by Docker.
+        let sec = TaskSecurity {
+            mounts: vec![mount("/data/missing", "/b", true)],
+            ..Default::default()
+        };
+        let err = p
+            .resolve(&task(Some("img"), sec), |_| {
+                Err(std::io::Error::from(std::io::ErrorKind::NotFound))
+            })
+            .unwrap_err();
+        assert!(
+            err.contains("security.mounts[0].host_path: /data/missing"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn privileged_is_never_allowed() {
+        let sec = TaskSecurity {
+            privileged: true,
+            ..Default::default()
+        };
+        for image in [None, Some("img")] {
+            let err = policy(true, &["/"], ROOT)
+                .resolve(&task(image, sec.clone()), as_is)
+                .unwrap_err();
+            assert!(err.contains("never allowed"), "{err}");
+        }
+    }
+}
