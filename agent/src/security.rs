@@ -41,9 +41,9 @@ pub const CONTAINER_CAPABILITIES: [&str; 9] = [
 ];
 
 /// The option that lets a job's host-process tasks run as root.
-const ROOT_OPTION: &str = "allow_root_tasks (--allow-root-tasks)";
+const ROOT_OPTION: &str = "allow_root_tasks, --allow-root-tasks";
 /// The option that lists the host paths a container may mount.
-const MOUNTS_OPTION: &str = "allowed_mounts (--allowed-mounts)";
+const MOUNTS_OPTION: &str = "allowed_mounts, --allowed-mounts";
 
 /// Default of `task_user`: nobody.
 pub const DEFAULT_TASK_USER: UserIds = UserIds {
@@ -287,7 +287,7 @@ impl TaskPolicy {
                             self.allowed_mounts.join(", ")
                         };
                         return Err(format!(
-                            "refused: {field}: {}{via} is not under this agent's allowed mounts ({allowed}; agent option {MOUNTS_OPTION})",
+                            "refused: {field}: {}{via} is not under any allowed mount of this agent ({allowed}; agent option {MOUNTS_OPTION})",
                             m.host_path
                         ));
                     }
