@@ -815,6 +815,16 @@ pub fn agent_detail(a: &pb::Agent, holders: &BTreeMap<String, String>) -> String
     let _ = writeln!(s, "CUDA:        {}", dash(&a.cuda_driver_version));
     let _ = writeln!(
         s,
+        "Root tasks:  {}",
+        if a.allow_root_tasks {
+            "allowed (allow_root_tasks)"
+        } else {
+            "no"
+        }
+    );
+    let _ = writeln!(s, "Mounts:      {}", dash(&a.allowed_mounts.join(", ")));
+    let _ = writeln!(
+        s,
         "GPUs:        {} free of {}{}",
         total.gpus.saturating_sub(alloc.gpus),
         total.gpus,
@@ -1462,6 +1472,16 @@ mod tests {
         let holders: BTreeMap<String, String> =
             [("GPU-1".to_string(), "job-7.0".to_string())].into();
         let d = agent_detail(&a, &holders);
+        assert!(d.contains("Root tasks:  no\n"), "{d}");
+        assert!(d.contains("Mounts:      -\n"), "{d}");
+        a.allow_root_tasks = true;
+        a.allowed_mounts = vec!["/data".into(), "/scratch".into()];
+        let d = agent_detail(&a, &holders);
+        assert!(
+            d.contains("Root tasks:  allowed (allow_root_tasks)\n"),
+            "{d}"
+        );
+        assert!(d.contains("Mounts:      /data, /scratch\n"), "{d}");
         assert!(d.contains("Driver:      535.129.03"), "{d}");
         assert!(d.contains("CUDA:        -"), "{d}");
         assert!(d.contains("GPUs:        2 free of 4 (simulated)"), "{d}");
