@@ -72,6 +72,76 @@ impl BindMount {
     }
 }
 
+/// What the policy asks of the host's file systems (faked in tests).
+pub trait HostPaths {
+    /// The path `p` names, symlinks resolved.
+    fn resolve(&self, p: &Path) -> std::io::Result<PathBuf>;
+    /// Mount points strictly below `p`.
+    fn mounts_below(&self, p: &Path) -> Vec<PathBuf>;
+}
+
+/// The agent's own view: `canonicalize` and `/proc/self/mountinfo`.
+#[derive(Debug, Clone, Copy)]
+pub struct RealHost;
+
+impl HostPaths for RealHost {
+    fn resolve(&self, p: &Path) -> std::io::Result<PathBuf> {
+        std::fs::canonicalize(p)
+    }
+
+    fn mounts_below(&self, p: &Path) -> Vec<PathBuf> {
+        let text = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+        mount_points(&text)
+            .into_iter()
+            .filter(|m| m != p && m.starts_with(p))
+            .collect()
+    }
+}
+
+/// Paths as a closure resolves them, with nothing mounted below any.
+impl<F: Fn(&Path) -> std::io::Result<PathBuf>> HostPaths for F {
+    fn resolve(&self, p: &Path) -> std::io::Result<PathBuf> {
+        self(p)
+    }
+
+    fn mounts_below(&self, _p: &Path) -> Vec<PathBuf> {
+        Vec::new()
+    }
+}
+
+/// The mount points of a `mountinfo` (the fifth field; spaces and other
+/// bytes escaped as `\ooo`).
+pub fn mount_points(mountinfo: &str) -> Vec<PathBuf> {
+    use std::os::unix::ffi::OsStringExt;
+    mountinfo
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .map(|field| {
+            let b = field.as_bytes();
+            let mut out = Vec::with_capacity(b.len());
+            let mut i = 0;
+            while i < b.len() {
+                let octal = b.get(i + 1..i + 4).and_then(|d| {
+                    std::str::from_utf8(d)
+                        .ok()
+                        .and_then(|d| u8::from_str_radix(d, 8).ok())
+                });
+                match (b[i], octal) {
+                    (b'\\', Some(c)) => {
+                        out.push(c);
+                        i += 4;
+                    }
+                    (c, _) => {
+                        out.push(c);
+                        i += 1;
+                    }
+                }
+            }
+            PathBuf::from(std::ffi::OsString::from_vec(out))
+        })
+        .collect()
+}
+
 /// What a runtime applies to one task, decided by [`TaskPolicy::resolve`].
 /// The default (no user, no mounts) runs a host process as the agent's own
 /// user and a container as its image's user: what tests of the runtimes
@@ -185,13 +255,9 @@ impl TaskPolicy {
     }
 
     /// What the runtime applies to `task`, or why the task is refused.
-    /// `resolve` turns a host path into the path it names (symlinks
-    /// resolved): `std::fs::canonicalize` outside tests.
-    pub fn resolve(
-        &self,
-        task: &TaskSpec,
-        resolve: impl Fn(&Path) -> std::io::Result<PathBuf>,
-    ) -> Result<LaunchSecurity, String> {
+    /// `host` resolves host paths and finds what is mounted below them
+    /// ([`RealHost`] outside tests).
+    pub fn resolve(&self, task: &TaskSpec, host: &dyn HostPaths) -> Result<LaunchSecurity, String> {
         let sec = &task.security;
         if sec.privileged {
             return Err("security.privileged: privileged containers are never allowed".into());
@@ -266,7 +332,8 @@ impl TaskPolicy {
                 let mut mounts = Vec::with_capacity(sec.mounts.len());
                 for (i, m) in sec.mounts.iter().enumerate() {
                     let field = format!("security.mounts[{i}].host_path");
-                    let resolved = resolve(Path::new(&m.host_path))
+                    let resolved = host
+                        .resolve(Path::new(&m.host_path))
                         .map_err(|e| format!("{field}: {}: {e}", m.host_path))?;
                     let Some(r) = resolved.to_str().filter(|r| !r.contains([':', ','])) else {
                         return Err(format!(
@@ -290,6 +357,18 @@ impl TaskPolicy {
                             "refused: {field}: {}{via} is not under any allowed mount of this agent ({allowed}; agent option {MOUNTS_OPTION})",
                             m.host_path
                         ));
+                    }
+                    // Docker (before 25, and with the API we speak) makes
+                    // only the top of a read-only bind read-only: file
+                    // systems mounted below it would stay writable.
+                    if m.read_only {
+                        if let Some(below) = host.mounts_below(&resolved).first() {
+                            return Err(format!(
+                                    "refused: {field}: {} has a file system mounted below it ({}), which a read-only mount would leave writable; mount that path itself, or read-write",
+                                    m.host_path,
+                                    below.display()
+                                ));
+                        }
                     }
                     mounts.push(BindMount {
                         host_path: resolved,
@@ -346,19 +425,19 @@ mod tests {
     #[test]
     fn host_tasks_run_as_the_task_user_unless_their_job_names_one() {
         let p = policy(false, &[], ROOT);
-        let got = p.resolve(&task(None, TaskSecurity::default()), as_is);
+        let got = p.resolve(&task(None, TaskSecurity::default()), &as_is);
         assert_eq!(got.unwrap().user, Some(DEFAULT_TASK_USER));
         let sec = TaskSecurity {
             user: Some("1234".into()),
             ..Default::default()
         };
-        let got = p.resolve(&task(None, sec), as_is).unwrap();
+        let got = p.resolve(&task(None, sec), &as_is).unwrap();
         assert_eq!(got.user, Some(ids(1234, 1234)));
         // A framework's task (default security) too.
         let mut t = task(None, TaskSecurity::default());
         t.job_id.clear();
         t.framework_id = "fw-1".into();
-        assert_eq!(p.resolve(&t, as_is).unwrap().user, Some(DEFAULT_TASK_USER));
+        assert_eq!(p.resolve(&t, &as_is).unwrap().user, Some(DEFAULT_TASK_USER));
     }
 
     #[test]
@@ -368,16 +447,16 @@ mod tests {
             ..Default::default()
         };
         let err = policy(false, &[], ROOT)
-            .resolve(&task(None, root.clone()), as_is)
+            .resolve(&task(None, root.clone()), &as_is)
             .unwrap_err();
         assert!(err.contains("allow_root_tasks"), "{err}");
         assert!(err.contains("security.run_as_root"), "{err}");
         let ok = policy(true, &[], ROOT)
-            .resolve(&task(None, root.clone()), as_is)
+            .resolve(&task(None, root.clone()), &as_is)
             .unwrap();
         assert_eq!(ok, LaunchSecurity::default(), "stays root");
         let err = policy(true, &[], ids(1000, 1000))
-            .resolve(&task(None, root), as_is)
+            .resolve(&task(None, root), &as_is)
             .unwrap_err();
         assert!(err.contains("does not run as root"), "{err}");
         assert!(!policy(true, &[], ids(1000, 1000)).runs_root_tasks());
@@ -390,7 +469,7 @@ mod tests {
                 ..Default::default()
             };
             let err = policy(true, &[], ROOT)
-                .resolve(&task(None, sec), as_is)
+                .resolve(&task(None, sec), &as_is)
                 .unwrap_err();
             assert!(err.contains("security.user"), "{user}: {err}");
         }
@@ -400,7 +479,7 @@ mod tests {
     fn a_user_agent_runs_tasks_as_itself_only() {
         let me = ids(1000, 1000);
         let p = policy(false, &[], me);
-        let got = p.resolve(&task(None, TaskSecurity::default()), as_is);
+        let got = p.resolve(&task(None, TaskSecurity::default()), &as_is);
         assert_eq!(got.unwrap(), LaunchSecurity::default());
         let named = |u: &str| {
             task(
@@ -411,8 +490,8 @@ mod tests {
                 },
             )
         };
-        assert_eq!(p.resolve(&named("1000"), as_is).unwrap().user, None);
-        let err = p.resolve(&named("1234"), as_is).unwrap_err();
+        assert_eq!(p.resolve(&named("1000"), &as_is).unwrap().user, None);
+        let err = p.resolve(&named("1234"), &as_is).unwrap_err();
         assert!(err.contains("does not run as root"), "{err}");
     }
 
@@ -432,12 +511,12 @@ mod tests {
             ],
             ..Default::default()
         };
-        let got = p.resolve(&task(Some("img"), sec), as_is).unwrap();
+        let got = p.resolve(&task(Some("img"), sec), &as_is).unwrap();
         assert_eq!(got.user, Some(ids(1234, 5)));
         let binds: Vec<String> = got.mounts.iter().map(BindMount::docker_bind).collect();
         assert_eq!(binds, ["/data/sets:/in:ro", "/scratch:/out:rw"]);
         // No user: the image's.
-        let got = p.resolve(&task(Some("img"), TaskSecurity::default()), as_is);
+        let got = p.resolve(&task(Some("img"), TaskSecurity::default()), &as_is);
         assert_eq!(got.unwrap(), LaunchSecurity::default());
 
         let refused = |p: &TaskPolicy, host: &str| {
@@ -445,7 +524,7 @@ mod tests {
                 mounts: vec![mount("/data", "/a", true), mount(host, "/b", true)],
                 ..Default::default()
             };
-            p.resolve(&task(Some("img"), sec), as_is).unwrap_err()
+            p.resolve(&task(Some("img"), sec), &as_is).unwrap_err()
         };
         let err = refused(&p, "/database");
         assert!(err.contains("security.mounts[1].host_path"), "{err}");
@@ -466,7 +545,7 @@ mod tests {
             mounts: vec![mount("/data/link", "/b", true)],
             ..Default::default()
         };
-        let err = p.resolve(&task(Some("img"), sec), via_link).unwrap_err();
+        let err = p.resolve(&task(Some("img"), sec), &via_link).unwrap_err();
         assert!(err.contains("resolves to /etc"), "{err}");
         // A path that does not exist is refused, not created by Docker.
         let sec = TaskSecurity {
@@ -474,7 +553,7 @@ mod tests {
             ..Default::default()
         };
         let err = p
-            .resolve(&task(Some("img"), sec), |_| {
+            .resolve(&task(Some("img"), sec), &|_: &Path| {
                 Err(std::io::Error::from(std::io::ErrorKind::NotFound))
             })
             .unwrap_err();
@@ -482,6 +561,63 @@ mod tests {
             err.contains("security.mounts[0].host_path: /data/missing"),
             "{err}"
         );
+    }
+
+    /// A read-only mount with a file system mounted below it is refused:
+    /// Docker would leave that one writable.
+    #[test]
+    fn read_only_mounts_with_file_systems_below_are_refused() {
+        struct Host;
+        impl HostPaths for Host {
+            fn resolve(&self, p: &Path) -> std::io::Result<PathBuf> {
+                Ok(p.to_path_buf())
+            }
+            fn mounts_below(&self, p: &Path) -> Vec<PathBuf> {
+                let m = PathBuf::from("/data/nfs");
+                if m != p && m.starts_with(p) {
+                    vec![m]
+                } else {
+                    Vec::new()
+                }
+            }
+        }
+        let p = policy(false, &["/data"], ROOT);
+        let ask = |host: &str, read_only: bool| {
+            let sec = TaskSecurity {
+                mounts: vec![HostMount {
+                    host_path: host.into(),
+                    container_path: "/in".into(),
+                    read_only,
+                }],
+                ..Default::default()
+            };
+            p.resolve(&task(Some("img"), sec), &Host)
+        };
+        let err = ask("/data", true).unwrap_err();
+        assert!(err.contains("mounted below it (/data/nfs)"), "{err}");
+        assert!(ask("/data", false).is_ok(), "read-write: writable anyway");
+        assert!(ask("/data/nfs", true).is_ok(), "the mount itself");
+        assert!(ask("/data/sets", true).is_ok());
+    }
+
+    #[test]
+    fn mountinfo_mount_points_are_unescaped() {
+        let text = "36 35 98:0 /mnt1 /mnt/parent rw,noatime master:1 - ext3 /dev/root rw\n\
+                    37 36 0:5 / /mnt/with\\040space rw - tmpfs tmpfs rw\n\
+                    38 36 0:6 / /a\\134b rw - tmpfs tmpfs rw\n";
+        assert_eq!(
+            mount_points(text),
+            [
+                PathBuf::from("/mnt/parent"),
+                PathBuf::from("/mnt/with space"),
+                PathBuf::from("/a\\b")
+            ]
+        );
+        // This process's own view has at least the root.
+        let mine = mount_points(&std::fs::read_to_string("/proc/self/mountinfo").unwrap());
+        assert!(mine.contains(&PathBuf::from("/")), "{mine:?}");
+        let below = RealHost.mounts_below(Path::new("/"));
+        assert!(!below.contains(&PathBuf::from("/")));
     }
 
     #[test]
@@ -492,7 +628,7 @@ mod tests {
         };
         for image in [None, Some("img")] {
             let err = policy(true, &["/"], ROOT)
-                .resolve(&task(image, sec.clone()), as_is)
+                .resolve(&task(image, sec.clone()), &as_is)
                 .unwrap_err();
             assert!(err.contains("never allowed"), "{err}");
         }

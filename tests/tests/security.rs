@@ -270,6 +270,37 @@ fn containers_keep_only_the_default_capabilities_and_allowed_mounts() {
     let logs = c.gpuctl(&["jobs", "logs", &j]);
     assert!(!logs.status.success() && logs.stdout.is_empty(), "{logs:?}");
 
+    // A file system mounted below a read-only mount would stay writable in
+    // the container (Docker makes only the top read-only): refused.
+    let nested = allowed.join("nested");
+    let fs = nested.join("fs");
+    std::fs::create_dir_all(&fs).unwrap();
+    let mounted = Command::new("mount")
+        .args(["-t", "tmpfs", "tmpfs"])
+        .arg(&fs)
+        .status()
+        .unwrap();
+    assert!(mounted.success(), "mount a tmpfs at {}", fs.display());
+    struct Unmount(std::path::PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+        }
+    }
+    let _unmount = Unmount(fs.clone());
+    let ro = format!("{}:/in", nested.display());
+    let j = c.submit(&[
+        "--name", "sub", "--image", &image, "--mount", &ro, "--", "touch", "/in/fs/x",
+    ]);
+    assert_eq!(c.wait_job(&j, 60).1, "FAILED");
+    let job = c.job(&j);
+    let msg = task_field(&job, "message");
+    assert!(
+        msg.contains(&format!("file system mounted below it ({})", fs.display())),
+        "{job}"
+    );
+    assert!(!fs.join("x").exists());
+
     // What is never allowed is refused when submitted, naming the field.
     for (args, field) in [
         (

@@ -809,7 +809,7 @@ impl Executor {
         let security = self
             .isolation
             .policy
-            .resolve(spec, |p| std::fs::canonicalize(p))
+            .resolve(spec, &crate::security::RealHost)
             .map_err(|why| {
                 tracing::warn!(task_id, reason = %why, "task refused");
                 Outcome::failed(why)
