@@ -74,6 +74,28 @@ impl pb::agent_api_server::AgentApi for AgentApiService {
     }
 }
 
+/// Opens a task's log for reading. A host-process task's user owns its
+/// sandbox and could put a symlink (to /etc/shadow, say) or a FIFO where
+/// the log was, or a hard link to a file it cannot read itself: the agent,
+/// root, must not read through those. `None` for anything but a plain file
+/// with one name.
+async fn open_log(path: &std::path::Path) -> Option<tokio::fs::File> {
+    use std::os::unix::fs::MetadataExt;
+    let file = tokio::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_NONBLOCK)
+        .open(path)
+        .await
+        .ok()?;
+    let md = file.metadata().await.ok()?;
+    if md.is_file() && md.nlink() == 1 {
+        Some(file)
+    } else {
+        tracing::warn!(path = %path.display(), "a task's log is not a plain file: not served");
+        None
+    }
+}
+
 /// Copies the log file to the stream; when following, keeps going until the
 /// task has ended and the file is read to its end.
 async fn pump(
@@ -93,7 +115,7 @@ async fn pump(
         // already, what we read next is all there will ever be.
         let active = exec.is_active(task_id);
         if file.is_none() {
-            file = tokio::fs::File::open(path).await.ok();
+            file = open_log(path).await;
         }
         if let Some(f) = file.as_mut() {
             loop {

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use clap::parser::ValueSource;
 use clap::{ArgMatches, CommandFactory, FromArgMatches, Parser};
-use gpuctl_core::types::Runtime;
+use gpuctl_core::types::{Runtime, UserIds};
 use serde::Deserialize;
 
 use crate::gpu::health::HealthConfig;
@@ -57,6 +57,13 @@ pub struct AgentConfig {
     /// outlive it; emptying a node is `gpuctl agents drain`); on for the
     /// throwaway agent of `gpuctl demo`.
     pub stop_tasks_on_shutdown: bool,
+    /// Host-process tasks run as this user when their job names none.
+    pub task_user: UserIds,
+    /// Jobs that ask (`security.run_as_root`) may run host-process tasks
+    /// as root here.
+    pub allow_root_tasks: bool,
+    /// Host path prefixes containers may bind-mount.
+    pub allowed_mounts: Vec<String>,
 }
 
 impl AgentConfig {
@@ -83,6 +90,9 @@ impl AgentConfig {
             metrics_listen: None,
             supervisor_exe: None,
             stop_tasks_on_shutdown: false,
+            task_user: crate::security::DEFAULT_TASK_USER,
+            allow_root_tasks: false,
+            allowed_mounts: Vec::new(),
         }
     }
 }
@@ -225,6 +235,29 @@ pub struct Options {
     /// For throwaway agents (tests, trials).
     #[arg(long, env = "GPUCTL_AGENT_STOP_TASKS_ON_SHUTDOWN")]
     pub stop_tasks_on_shutdown: bool,
+    /// The user host-process tasks run as when their job names none,
+    /// UID[:GID] (numeric; never root). Applies when the agent runs as root.
+    #[arg(
+        long,
+        env = "GPUCTL_AGENT_TASK_USER",
+        default_value = "65534:65534",
+        value_name = "UID[:GID]"
+    )]
+    pub task_user: String,
+    /// Run host-process tasks as root for jobs that ask for it
+    /// (`gpuctl jobs submit --run-as-root`). Off: such jobs are not placed
+    /// here, and refused if they come.
+    #[arg(long, env = "GPUCTL_AGENT_ALLOW_ROOT_TASKS")]
+    pub allow_root_tasks: bool,
+    /// Host path prefixes that jobs' containers may bind-mount (`gpuctl
+    /// jobs submit --mount`), comma separated or repeated; none by default.
+    #[arg(
+        long,
+        env = "GPUCTL_AGENT_ALLOWED_MOUNTS",
+        value_delimiter = ',',
+        value_name = "PATH"
+    )]
+    pub allowed_mounts: Vec<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -256,6 +289,9 @@ struct FileOptions {
     health_ignore_xids: Option<String>,
     metrics_listen: Option<SocketAddr>,
     stop_tasks_on_shutdown: Option<bool>,
+    task_user: Option<String>,
+    allow_root_tasks: Option<bool>,
+    allowed_mounts: Option<Vec<String>>,
 }
 
 fn unset(m: &ArgMatches, id: &str) -> bool {
@@ -343,6 +379,9 @@ impl Options {
             fill!(health_ignore_xids);
             fill!(opt metrics_listen);
             fill!(stop_tasks_on_shutdown);
+            fill!(task_user);
+            fill!(allow_root_tasks);
+            fill!(allowed_mounts);
         }
         Ok(o)
     }
@@ -443,7 +482,20 @@ impl Options {
                  insecure = true"
             )));
         }
+        let task_user: UserIds = self
+            .task_user
+            .parse()
+            .map_err(|e| AgentError::Config(format!("task_user: {e}")))?;
+        if task_user.is_root() {
+            return Err(AgentError::Config(format!(
+                "task_user: {task_user} is root (uid or gid 0); host-process tasks run as root only for jobs that ask, with allow_root_tasks"
+            )));
+        }
+        let allowed_mounts = parse_allowed_mounts(&self.allowed_mounts)?;
         Ok(AgentConfig {
+            task_user,
+            allow_root_tasks: self.allow_root_tasks,
+            allowed_mounts,
             task_retention,
             masters,
             work_dir: self.work_dir.clone(),
@@ -467,6 +519,28 @@ impl Options {
             stop_tasks_on_shutdown: self.stop_tasks_on_shutdown,
         })
     }
+}
+
+/// Absolute plain paths (as a job's mount host paths must be), trimmed,
+/// at most [`gpuctl_core::convert::MAX_ALLOWED_MOUNTS`].
+pub fn parse_allowed_mounts(paths: &[String]) -> Result<Vec<String>, AgentError> {
+    use gpuctl_core::convert::{check_abs_path, MAX_ALLOWED_MOUNTS};
+    let paths: Vec<String> = paths
+        .iter()
+        .map(|p| p.trim().to_string())
+        .filter(|p| !p.is_empty())
+        .collect();
+    if paths.len() > MAX_ALLOWED_MOUNTS {
+        return Err(AgentError::Config(format!(
+            "allowed_mounts: {} paths, at most {MAX_ALLOWED_MOUNTS}",
+            paths.len()
+        )));
+    }
+    for (i, p) in paths.iter().enumerate() {
+        check_abs_path(&format!("allowed_mounts[{i}]"), p)
+            .map_err(|e| AgentError::Config(e.to_string()))?;
+    }
+    Ok(paths)
 }
 
 /// `13,31,43` or `none`.
@@ -531,6 +605,98 @@ mod tests {
                 e.contains("task_retention") && e.contains(bad),
                 "{bad}: {e}"
             );
+        }
+    }
+
+    #[test]
+    fn task_security_options_default_and_come_from_flags_env_and_file() {
+        let c = Options::load_from(["gpuctl-agent"])
+            .unwrap()
+            .to_config()
+            .unwrap();
+        assert_eq!(
+            c.task_user,
+            UserIds {
+                uid: 65534,
+                gid: 65534
+            }
+        );
+        assert!(!c.allow_root_tasks);
+        assert!(c.allowed_mounts.is_empty());
+        let d = AgentConfig::new(vec![], "/x".into());
+        assert_eq!(
+            (d.task_user, d.allow_root_tasks, d.allowed_mounts.len()),
+            (c.task_user, false, 0)
+        );
+
+        let c = Options::load_from([
+            "gpuctl-agent",
+            "--task-user",
+            "1000",
+            "--allow-root-tasks",
+            "--allowed-mounts",
+            "/data,/scratch",
+            "--allowed-mounts",
+            "/models",
+        ])
+        .unwrap()
+        .to_config()
+        .unwrap();
+        assert_eq!(
+            c.task_user,
+            UserIds {
+                uid: 1000,
+                gid: 1000
+            }
+        );
+        assert!(c.allow_root_tasks);
+        assert_eq!(c.allowed_mounts, ["/data", "/scratch", "/models"]);
+
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("agent.toml");
+        std::fs::write(
+            &f,
+            "task_user = \"2000:3000\"\nallow_root_tasks = true\nallowed_mounts = [\"/datasets\"]\n",
+        )
+        .unwrap();
+        let file = ["gpuctl-agent", "--config", f.to_str().unwrap()];
+        let c = Options::load_from(file).unwrap().to_config().unwrap();
+        assert_eq!(
+            c.task_user,
+            UserIds {
+                uid: 2000,
+                gid: 3000
+            }
+        );
+        assert!(c.allow_root_tasks);
+        assert_eq!(c.allowed_mounts, ["/datasets"]);
+        let mut flags = file.to_vec();
+        flags.extend(["--task-user", "4000:4000", "--allowed-mounts", "/x"]);
+        let c = Options::load_from(flags).unwrap().to_config().unwrap();
+        assert_eq!(
+            c.task_user,
+            UserIds {
+                uid: 4000,
+                gid: 4000
+            },
+            "flag wins"
+        );
+        assert_eq!(c.allowed_mounts, ["/x"], "flag wins");
+
+        for (flag, bad, words) in [
+            ("--task-user", "0", "root"),
+            ("--task-user", "1000:0", "root"),
+            ("--task-user", "nobody", "UID"),
+            ("--allowed-mounts", "data", "allowed_mounts[0]"),
+            ("--allowed-mounts", "/a,/b/../etc", "allowed_mounts[1]"),
+        ] {
+            let e = Options::load_from(["gpuctl-agent", flag, bad])
+                .unwrap()
+                .to_config()
+                .unwrap_err()
+                .to_string();
+            let name = flag.trim_start_matches("--").replace('-', "_");
+            assert!(e.contains(&name) && e.contains(words), "{flag} {bad}: {e}");
         }
     }
 

@@ -9,6 +9,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod executor;
 pub mod gpu;
+pub mod identity;
 pub mod isolation;
 pub mod master_link;
 pub mod metrics;
@@ -209,7 +210,7 @@ pub async fn serve(
     let agent_id = load_or_create_agent_id(&config.work_dir, &hostname)?;
     // Before anything else talks to a master: join if need be.
     let tls = match &config.security {
-        Some(sec) => Some(security::establish(sec, &agent_id, &config.masters).await?),
+        Some(sec) => Some(identity::establish(sec, &agent_id, &config.masters).await?),
         None => {
             tracing::warn!(
                 listen = %config.listen,
@@ -291,10 +292,22 @@ pub async fn serve(
         .iter()
         .map(|g| (g.uuid.clone(), g.minor))
         .collect();
+    let policy = security::TaskPolicy::for_this_process(
+        config.task_user,
+        config.allow_root_tasks,
+        config.allowed_mounts.clone(),
+    );
+    if config.allow_root_tasks && !policy.agent_is_root() {
+        tracing::warn!(
+            "allow_root_tasks is set but the agent does not run as root: no task runs as root here"
+        );
+    }
+    tracing::info!("{}", policy.describe());
     let isolation_setup = executor::IsolationSetup {
         isolator,
         gpu_minors,
         driver_volume,
+        policy: policy.clone(),
     };
     let gpus = discovery.gpus;
 
@@ -363,6 +376,9 @@ pub async fn serve(
         attributes,
         driver_version: discovery.driver_version,
         cuda_driver_version: discovery.cuda_driver_version,
+        // What the master places here: only what this agent will run.
+        allow_root_tasks: policy.runs_root_tasks(),
+        allowed_mounts: policy.allowed_mounts.clone(),
     };
     tracing::info!(agent_id = %info.id, address = %info.address, runtimes = ?info.runtimes, gpus = info.gpus.len(), "agent starting");
 
@@ -395,7 +411,7 @@ pub async fn serve(
         tls.clone(),
     ));
     if let (Some(tls), Some(sec)) = (&tls, &config.security) {
-        security::spawn_renewer(
+        identity::spawn_renewer(
             tls.clone(),
             sec.tls_dir.clone(),
             config.masters.clone(),

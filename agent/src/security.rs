@@ -1,265 +1,636 @@
-//! The agent's identity: a certificate for its own agent id, got once with a
-//! join token (`Identity.Join`, the key never leaves this host: the master
-//! signs a request) and renewed before it expires (`Identity.Renew`, over
-//! mutual TLS with the certificate it replaces).
+//! What a task may do on this agent (docs/isolation.md, "What a task may
+//! do"): the agent's policy (`task_user`, `allow_root_tasks`,
+//! `allowed_mounts`) and what it makes of a task's `security` before a
+//! runtime starts it. A task asking for more than the agent allows is
+//! refused with a message naming the field or the option.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
-use std::time::Duration;
 
-use gpuctl_auth::pki::{now_ms, signing_request};
-use gpuctl_auth::tls::{ClientAuth, Tls, TlsPaths};
-use gpuctl_auth::CertRole;
-use gpuctl_proto::pb;
-use tokio::sync::watch;
-use tonic::transport::Endpoint;
+use gpuctl_core::types::{path_within, Runtime, TaskSpec, UserIds};
 
-use crate::config::AgentSecurity;
-use crate::AgentError;
+/// Capabilities a container keeps (everything else is dropped, and
+/// `no-new-privileges` keeps a setuid program from getting more). Docker's
+/// default set minus what matters on a shared GPU host whose containers use
+/// the host's network: NET_RAW (forged packets on the host's interfaces),
+/// NET_BIND_SERVICE (the host's ports below 1024), MKNOD (device nodes;
+/// the cgroup would refuse opening them, but nothing needs them),
+/// AUDIT_WRITE (the host's audit log) and SETFCAP (file capabilities).
+/// What is kept lets an image's root manage its own files and drop to a
+/// user of its own (package managers, `gosu`, `su-exec` entrypoints):
+///
+/// - CHOWN, DAC_OVERRIDE, FOWNER, FSETID: root's usual say over the
+///   container's own files (`pip install`, `apt-get`, `chown` in an
+///   entrypoint);
+/// - SETUID, SETGID: switching to another user inside the container;
+/// - SETPCAP: dropping capabilities from its own bounding set (sandboxing
+///   its children);
+/// - KILL: signalling its own processes that run as another user;
+/// - SYS_CHROOT: `chroot` inside its own filesystem (build tools).
+///
+/// A container that runs as a non-root `user` has none of them in effect.
+pub const CONTAINER_CAPABILITIES: [&str; 9] = [
+    "CHOWN",
+    "DAC_OVERRIDE",
+    "FOWNER",
+    "FSETID",
+    "KILL",
+    "SETGID",
+    "SETUID",
+    "SETPCAP",
+    "SYS_CHROOT",
+];
 
-pub const CA_FILE: &str = "ca.crt";
-/// The agent's certificate and key in one file, replaced by one rename, so
-/// that a crash mid-renewal never leaves a key that does not match.
-pub const IDENTITY_FILE: &str = "agent.pem";
+/// The option that lets a job's host-process tasks run as root.
+const ROOT_OPTION: &str = "allow_root_tasks, --allow-root-tasks";
+/// The option that lists the host paths a container may mount.
+const MOUNTS_OPTION: &str = "allowed_mounts, --allowed-mounts";
 
-const CALL_TIMEOUT: Duration = Duration::from_secs(10);
-/// Between failed renewals.
-const RENEW_RETRY: Duration = Duration::from_secs(30);
+/// Default of `task_user`: nobody.
+pub const DEFAULT_TASK_USER: UserIds = UserIds {
+    uid: 65534,
+    gid: 65534,
+};
 
-fn paths(dir: &Path) -> TlsPaths {
-    TlsPaths {
-        ca: dir.join(CA_FILE),
-        cert: dir.join(IDENTITY_FILE),
-        key: dir.join(IDENTITY_FILE),
+/// A host path a container gets, resolved and allowed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BindMount {
+    /// With symlinks resolved: what was checked is what is mounted.
+    pub host_path: PathBuf,
+    pub container_path: String,
+    pub read_only: bool,
+}
+
+impl BindMount {
+    /// Docker's `Binds` syntax, `HOST:CONTAINER:ro|rw`.
+    pub fn docker_bind(&self) -> String {
+        format!(
+            "{}:{}:{}",
+            self.host_path.display(),
+            self.container_path,
+            if self.read_only { "ro" } else { "rw" }
+        )
     }
 }
 
-fn config_err(msg: impl Into<String>) -> AgentError {
-    AgentError::Config(msg.into())
+/// What the policy asks of the host's file systems (faked in tests).
+pub trait HostPaths {
+    /// The path `p` names, symlinks resolved.
+    fn resolve(&self, p: &Path) -> std::io::Result<PathBuf>;
+    /// Mount points strictly below `p`.
+    fn mounts_below(&self, p: &Path) -> Vec<PathBuf>;
 }
 
-/// Writes `data` to `path` atomically (a temporary file renamed over it),
-/// readable by the owner only when `secret`.
-pub fn write_file(path: &Path, data: &[u8], secret: bool) -> Result<(), AgentError> {
-    use std::io::Write;
-    use std::os::unix::fs::OpenOptionsExt;
-    let tmp = path.with_extension("tmp");
-    let io = |source| AgentError::WorkDir {
-        path: path.to_path_buf(),
-        source,
-    };
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(if secret { 0o600 } else { 0o644 })
-        .open(&tmp)
-        .map_err(io)?;
-    f.write_all(data).map_err(io)?;
-    f.sync_all().map_err(io)?;
-    std::fs::rename(&tmp, path).map_err(io)
-}
+/// The agent's own view: `canonicalize` and `/proc/self/mountinfo`.
+#[derive(Debug, Clone, Copy)]
+pub struct RealHost;
 
-/// The agent's TLS: from the files in `tls_dir`, joining first (with the
-/// join token) when there is no certificate yet. The certificate must name
-/// this agent.
-pub async fn establish(
-    sec: &AgentSecurity,
-    agent_id: &str,
-    masters: &[String],
-) -> Result<Arc<Tls>, AgentError> {
-    let p = paths(&sec.tls_dir);
-    if !p.ca.exists() {
-        return Err(config_err(format!(
-            "{}: missing; copy the cluster's ca.crt there (from `gpuctl certs init`)",
-            p.ca.display()
-        )));
+impl HostPaths for RealHost {
+    fn resolve(&self, p: &Path) -> std::io::Result<PathBuf> {
+        std::fs::canonicalize(p)
     }
-    if !p.cert.exists() {
-        let from_file = match &sec.join_token_file {
-            Some(f) => Some(
-                std::fs::read_to_string(f)
-                    .map_err(|e| config_err(format!("join_token_file {}: {e}", f.display())))?
-                    .trim()
-                    .to_string(),
-            ),
-            None => None,
-        };
-        let Some(token) = sec.join_token.as_ref().or(from_file.as_ref()) else {
-            return Err(config_err(format!(
-                "no certificate in {} and no join token: run the agent once with \
-                 --join-token (an admin makes one with `gpuctl tokens create --join`)",
-                sec.tls_dir.display()
-            )));
-        };
-        join(&p, token, agent_id, masters).await?;
-    }
-    let tls = Tls::from_files(&p, ClientAuth::Required).map_err(|e| config_err(e.to_string()))?;
-    match tls.identity() {
-        Some(id) if id.role == CertRole::Agent && id.name == agent_id => Ok(Arc::new(tls)),
-        Some(id) => Err(config_err(format!(
-            "{} names {} {}, but this agent is {agent_id} (its id is in the work dir); \
-             join again with a token for it (`gpuctl tokens create --join --agent {agent_id}`) \
-             after removing the old certificate",
-            p.cert.display(),
-            id.role,
-            id.name
-        ))),
-        None => Err(config_err(format!("{}: no certificate", p.cert.display()))),
+
+    fn mounts_below(&self, p: &Path) -> Vec<PathBuf> {
+        let text = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+        mount_points(&text)
+            .into_iter()
+            .filter(|m| m != p && m.starts_with(p))
+            .collect()
     }
 }
 
-/// Calls `f` on each master in turn, following a redirect to the leader,
-/// until one answers.
-async fn on_masters<T, F, Fut>(
-    tls: &Arc<Tls>,
-    masters: &[String],
-    mut f: F,
-) -> Result<T, tonic::Status>
-where
-    F: FnMut(pb::identity_client::IdentityClient<tonic::transport::Channel>) -> Fut,
-    Fut: std::future::Future<Output = Result<T, tonic::Status>>,
-{
-    let mut queue: std::collections::VecDeque<String> = masters.iter().cloned().collect();
-    let mut last = tonic::Status::unavailable("no master address");
-    let mut tries = 0;
-    while let Some(addr) = queue.pop_front() {
-        tries += 1;
-        if tries > masters.len() + 3 {
-            break;
-        }
-        let endpoint = match Endpoint::from_shared(format!("http://{addr}")) {
-            Ok(e) => e.connect_timeout(CALL_TIMEOUT).timeout(CALL_TIMEOUT),
-            Err(e) => {
-                last = tonic::Status::invalid_argument(format!("master address {addr}: {e}"));
-                continue;
-            }
-        };
-        let channel = gpuctl_auth::tls::channel(&endpoint, Some(tls), CertRole::Master);
-        match f(pb::identity_client::IdentityClient::new(channel)).await {
-            Ok(v) => return Ok(v),
-            Err(status) => {
-                if let Some(leader) = gpuctl_proto::leader::leader_hint(&status) {
-                    queue.push_front(leader);
-                }
-                last = status;
-            }
-        }
+/// Paths as a closure resolves them, with nothing mounted below any.
+impl<F: Fn(&Path) -> std::io::Result<PathBuf>> HostPaths for F {
+    fn resolve(&self, p: &Path) -> std::io::Result<PathBuf> {
+        self(p)
     }
-    Err(last)
+
+    fn mounts_below(&self, _p: &Path) -> Vec<PathBuf> {
+        Vec::new()
+    }
 }
 
-async fn join(
-    p: &TlsPaths,
-    token: &str,
-    agent_id: &str,
-    masters: &[String],
-) -> Result<(), AgentError> {
-    let ca = std::fs::read(&p.ca).map_err(|source| AgentError::WorkDir {
-        path: p.ca.clone(),
-        source,
-    })?;
-    // Trusts the cluster CA, shows no certificate: Join needs none.
-    let anonymous = Arc::new(
-        Tls::from_pem(&ca, None, ClientAuth::Required).map_err(|e| config_err(e.to_string()))?,
-    );
-    let (csr, key) = signing_request().map_err(|e| config_err(e.to_string()))?;
-    let resp = on_masters(&anonymous, masters, |mut c| {
-        let req = pb::JoinRequest {
-            token: token.to_string(),
-            agent_id: agent_id.to_string(),
-            csr_pem: csr.clone(),
-        };
-        async move { c.join(req).await.map(|r| r.into_inner()) }
-    })
-    .await
-    .map_err(|s| config_err(format!("joining the cluster failed: {}", s.message())))?;
-    write_file(&p.cert, format!("{}{key}", resp.cert_pem).as_bytes(), true)?;
-    tracing::info!(%agent_id, not_after_ms = resp.not_after_ms, "joined the cluster: certificate written");
-    Ok(())
-}
-
-/// When to renew: after two thirds of the certificate's life.
-fn renew_at_ms(not_before_ms: u64, not_after_ms: u64) -> u64 {
-    not_before_ms + (not_after_ms.saturating_sub(not_before_ms)) * 2 / 3
-}
-
-/// Renews the certificate in `dir` before it expires, for as long as the
-/// agent runs; each new one is written and put in use at once.
-pub fn spawn_renewer(
-    tls: Arc<Tls>,
-    dir: PathBuf,
-    masters: Vec<String>,
-    mut stop: watch::Receiver<bool>,
-) -> tokio::task::JoinHandle<()> {
-    tokio::spawn(async move {
-        loop {
-            let wait = match tls.identity() {
-                Some(id) => Duration::from_millis(
-                    renew_at_ms(id.not_before_ms, id.not_after_ms).saturating_sub(now_ms()),
-                ),
-                None => RENEW_RETRY,
-            };
-            tokio::select! {
-                _ = tokio::time::sleep(wait) => {}
-                _ = stop.changed() => return,
-            }
-            if *stop.borrow() {
-                return;
-            }
-            match renew(&tls, &dir, &masters).await {
-                Ok(not_after_ms) => {
-                    tracing::info!(not_after_ms, "agent certificate renewed")
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "renewing the agent certificate failed; retrying");
-                    tokio::select! {
-                        _ = tokio::time::sleep(RENEW_RETRY) => {}
-                        _ = stop.changed() => return,
+/// The mount points of a `mountinfo` (the fifth field; spaces and other
+/// bytes escaped as `\ooo`).
+pub fn mount_points(mountinfo: &str) -> Vec<PathBuf> {
+    use std::os::unix::ffi::OsStringExt;
+    mountinfo
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .map(|field| {
+            let b = field.as_bytes();
+            let mut out = Vec::with_capacity(b.len());
+            let mut i = 0;
+            while i < b.len() {
+                let octal = b.get(i + 1..i + 4).and_then(|d| {
+                    std::str::from_utf8(d)
+                        .ok()
+                        .and_then(|d| u8::from_str_radix(d, 8).ok())
+                });
+                match (b[i], octal) {
+                    (b'\\', Some(c)) => {
+                        out.push(c);
+                        i += 4;
+                    }
+                    (c, _) => {
+                        out.push(c);
+                        i += 1;
                     }
                 }
             }
-        }
-    })
+            PathBuf::from(std::ffi::OsString::from_vec(out))
+        })
+        .collect()
 }
 
-async fn renew(tls: &Arc<Tls>, dir: &Path, masters: &[String]) -> Result<u64, AgentError> {
-    let p = paths(dir);
-    let (csr, key) = signing_request().map_err(|e| config_err(e.to_string()))?;
-    let resp = on_masters(tls, masters, |mut c| {
-        let req = pb::RenewRequest {
-            csr_pem: csr.clone(),
+/// What a runtime applies to one task, decided by [`TaskPolicy::resolve`].
+/// The default (no user, no mounts) runs a host process as the agent's own
+/// user and a container as its image's user: what tests of the runtimes
+/// themselves use.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LaunchSecurity {
+    /// A host process switches to this user and group (supplementary
+    /// groups dropped) before exec; a container runs as it (Docker's
+    /// `User`). `None`: a host process stays the agent's user (root, for a
+    /// job allowed to run as root), a container its image's.
+    pub user: Option<UserIds>,
+    /// A container's bind mounts beside the driver volume.
+    pub mounts: Vec<BindMount>,
+}
+
+/// The agent's policy for what tasks may do.
+#[derive(Debug, Clone)]
+pub struct TaskPolicy {
+    /// Host-process tasks run as this when their job names no user.
+    pub task_user: UserIds,
+    /// Jobs that ask may run host-process tasks as root.
+    pub allow_root_tasks: bool,
+    /// Host path prefixes a container may mount, as configured (and as
+    /// the master is told).
+    pub allowed_mounts: Vec<String>,
+    /// The same with symlinks resolved, for resolved host paths.
+    resolved_mounts: Vec<String>,
+    /// The agent's own user and group.
+    pub agent_ids: UserIds,
+}
+
+impl TaskPolicy {
+    /// The policy of an agent running as `agent_ids`. Allowed mounts are
+    /// also resolved (a prefix that is a symlink covers where it points);
+    /// one that does not exist yet is kept as written.
+    pub fn new(
+        task_user: UserIds,
+        allow_root_tasks: bool,
+        allowed_mounts: Vec<String>,
+        agent_ids: UserIds,
+    ) -> TaskPolicy {
+        let resolved_mounts = allowed_mounts
+            .iter()
+            .map(|p| {
+                std::fs::canonicalize(p)
+                    .ok()
+                    .and_then(|r| r.to_str().map(str::to_string))
+                    .unwrap_or_else(|| p.clone())
+            })
+            .collect();
+        TaskPolicy {
+            task_user,
+            allow_root_tasks,
+            allowed_mounts,
+            resolved_mounts,
+            agent_ids,
+        }
+    }
+
+    /// The policy of this process: its effective user and group.
+    pub fn for_this_process(
+        task_user: UserIds,
+        allow_root_tasks: bool,
+        allowed_mounts: Vec<String>,
+    ) -> TaskPolicy {
+        let agent_ids = UserIds {
+            uid: nix::unistd::geteuid().as_raw(),
+            gid: nix::unistd::getegid().as_raw(),
         };
-        async move { c.renew(req).await.map(|r| r.into_inner()) }
-    })
-    .await
-    .map_err(|s| config_err(format!("renewal refused: {}", s.message())))?;
-    // The masters' CA bundle (during a CA rotation, old and new CA), else
-    // the one we have.
-    let ca = if resp.ca_pem.trim().is_empty() {
-        std::fs::read(&p.ca).map_err(|source| AgentError::WorkDir {
-            path: p.ca.clone(),
-            source,
-        })?
-    } else {
-        resp.ca_pem.clone().into_bytes()
-    };
-    // In use first (so the files never hold what failed to load), then kept.
-    tls.replace(&ca, resp.cert_pem.as_bytes(), key.as_bytes())
-        .map_err(|e| config_err(e.to_string()))?;
-    write_file(&p.cert, format!("{}{key}", resp.cert_pem).as_bytes(), true)?;
-    write_file(&p.ca, &ca, false)?;
-    Ok(resp.not_after_ms)
+        TaskPolicy::new(task_user, allow_root_tasks, allowed_mounts, agent_ids)
+    }
+
+    /// Only root can run a task as another user (or as root).
+    pub fn agent_is_root(&self) -> bool {
+        self.agent_ids.uid == 0
+    }
+
+    /// Whether root tasks run here, as the master is told: the option, on
+    /// an agent that can honour it.
+    pub fn runs_root_tasks(&self) -> bool {
+        self.allow_root_tasks && self.agent_is_root()
+    }
+
+    /// One line for the agent's log at start.
+    pub fn describe(&self) -> String {
+        let users = if self.agent_is_root() {
+            format!(
+                "host-process tasks run as {} unless their job names a user{}",
+                self.task_user,
+                if self.allow_root_tasks {
+                    "; as root when their job asks (allow_root_tasks)"
+                } else {
+                    ""
+                }
+            )
+        } else {
+            format!(
+                "the agent does not run as root: host-process tasks run as its own user {} (task_user and allow_root_tasks do not apply)",
+                self.agent_ids
+            )
+        };
+        let mounts = if self.allowed_mounts.is_empty() {
+            "containers may mount no host path".to_string()
+        } else {
+            format!(
+                "containers may mount under {}",
+                self.allowed_mounts.join(", ")
+            )
+        };
+        format!("{users}; {mounts}")
+    }
+
+    /// What the runtime applies to `task`, or why the task is refused.
+    /// `host` resolves host paths and finds what is mounted below them
+    /// ([`RealHost`] outside tests).
+    pub fn resolve(&self, task: &TaskSpec, host: &dyn HostPaths) -> Result<LaunchSecurity, String> {
+        let sec = &task.security;
+        if sec.privileged {
+            return Err("security.privileged: privileged containers are never allowed".into());
+        }
+        let user = sec
+            .user
+            .as_deref()
+            .map(|u| {
+                u.parse::<UserIds>()
+                    .map_err(|e| format!("security.user: {e}"))
+            })
+            .transpose()?;
+        let runtime = if task.image.is_some() {
+            Runtime::Docker
+        } else {
+            Runtime::Process
+        };
+        match runtime {
+            Runtime::Process => {
+                if !sec.mounts.is_empty() {
+                    return Err("security.mounts: host-process tasks take no mounts".into());
+                }
+                if sec.run_as_root {
+                    if !self.allow_root_tasks {
+                        return Err(format!(
+                            "refused: the job asks to run as root (security.run_as_root) and this agent does not allow root tasks (agent option {ROOT_OPTION})"
+                        ));
+                    }
+                    if !self.agent_is_root() {
+                        return Err(format!(
+                            "refused: the job asks to run as root (security.run_as_root) and this agent does not run as root (uid {})",
+                            self.agent_ids.uid
+                        ));
+                    }
+                    if user.is_some() {
+                        return Err(
+                            "security.run_as_root cannot be asked together with security.user"
+                                .into(),
+                        );
+                    }
+                    return Ok(LaunchSecurity::default());
+                }
+                let user = user.unwrap_or(self.task_user);
+                if user.is_root() {
+                    return Err(format!(
+                        "security.user: {user} is root; a host-process job asks for security.run_as_root instead"
+                    ));
+                }
+                if self.agent_is_root() {
+                    Ok(LaunchSecurity {
+                        user: Some(user),
+                        mounts: Vec::new(),
+                    })
+                } else if sec.user.is_none() || user == self.agent_ids {
+                    // A user agent (`gpuctl demo` on a laptop) runs its
+                    // tasks as itself: it has nothing more to give away.
+                    Ok(LaunchSecurity::default())
+                } else {
+                    Err(format!(
+                        "refused: security.user {user}: this agent does not run as root (uid {}), so it cannot run a task as another user",
+                        self.agent_ids.uid
+                    ))
+                }
+            }
+            Runtime::Docker => {
+                if sec.run_as_root {
+                    return Err(
+                        "security.run_as_root: only for host-process jobs (a container runs as its image's user or security.user)"
+                            .into(),
+                    );
+                }
+                let mut mounts = Vec::with_capacity(sec.mounts.len());
+                for (i, m) in sec.mounts.iter().enumerate() {
+                    let field = format!("security.mounts[{i}].host_path");
+                    let resolved = host
+                        .resolve(Path::new(&m.host_path))
+                        .map_err(|e| format!("{field}: {}: {e}", m.host_path))?;
+                    let Some(r) = resolved.to_str().filter(|r| !r.contains([':', ','])) else {
+                        return Err(format!(
+                            "{field}: {} resolves to {}, which Docker cannot bind-mount (':' or ',')",
+                            m.host_path,
+                            resolved.display()
+                        ));
+                    };
+                    if !path_within(&self.resolved_mounts, r) {
+                        let via = if r == m.host_path {
+                            String::new()
+                        } else {
+                            format!(" (it resolves to {r})")
+                        };
+                        let allowed = if self.allowed_mounts.is_empty() {
+                            "none".to_string()
+                        } else {
+                            self.allowed_mounts.join(", ")
+                        };
+                        return Err(format!(
+                            "refused: {field}: {}{via} is not under any allowed mount of this agent ({allowed}; agent option {MOUNTS_OPTION})",
+                            m.host_path
+                        ));
+                    }
+                    // Docker (before 25, and with the API we speak) makes
+                    // only the top of a read-only bind read-only: file
+                    // systems mounted below it would stay writable.
+                    if m.read_only {
+                        if let Some(below) = host.mounts_below(&resolved).first() {
+                            return Err(format!(
+                                    "refused: {field}: {} has a file system mounted below it ({}), which a read-only mount would leave writable; mount that path itself, or read-write",
+                                    m.host_path,
+                                    below.display()
+                                ));
+                        }
+                    }
+                    mounts.push(BindMount {
+                        host_path: resolved,
+                        container_path: m.container_path.clone(),
+                        read_only: m.read_only,
+                    });
+                }
+                Ok(LaunchSecurity { user, mounts })
+            }
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use gpuctl_core::types::{HostMount, TaskSecurity};
+
+    const ROOT: UserIds = UserIds { uid: 0, gid: 0 };
+
+    fn policy(allow_root: bool, mounts: &[&str], agent: UserIds) -> TaskPolicy {
+        TaskPolicy::new(
+            DEFAULT_TASK_USER,
+            allow_root,
+            mounts.iter().map(|s| s.to_string()).collect(),
+            agent,
+        )
+    }
+
+    fn task(image: Option<&str>, security: TaskSecurity) -> TaskSpec {
+        TaskSpec {
+            task_id: "job-1.0".into(),
+            job_id: "job-1".into(),
+            framework_id: String::new(),
+            image: image.map(str::to_string),
+            command: vec!["true".into()],
+            env: Default::default(),
+            resources: Default::default(),
+            gpu_uuids: vec![],
+            no_fence: false,
+            security,
+        }
+    }
+
+    /// Paths as written (no symlinks in these tests).
+    fn as_is(p: &Path) -> std::io::Result<PathBuf> {
+        Ok(p.to_path_buf())
+    }
+
+    fn ids(uid: u32, gid: u32) -> UserIds {
+        UserIds { uid, gid }
+    }
 
     #[test]
-    fn renewal_comes_after_two_thirds_of_the_life() {
-        assert_eq!(renew_at_ms(1000, 4000), 3000);
-        assert_eq!(renew_at_ms(5000, 5000), 5000);
-        assert_eq!(renew_at_ms(5000, 10), 5000);
+    fn host_tasks_run_as_the_task_user_unless_their_job_names_one() {
+        let p = policy(false, &[], ROOT);
+        let got = p.resolve(&task(None, TaskSecurity::default()), &as_is);
+        assert_eq!(got.unwrap().user, Some(DEFAULT_TASK_USER));
+        let sec = TaskSecurity {
+            user: Some("1234".into()),
+            ..Default::default()
+        };
+        let got = p.resolve(&task(None, sec), &as_is).unwrap();
+        assert_eq!(got.user, Some(ids(1234, 1234)));
+        // A framework's task (default security) too.
+        let mut t = task(None, TaskSecurity::default());
+        t.job_id.clear();
+        t.framework_id = "fw-1".into();
+        assert_eq!(p.resolve(&t, &as_is).unwrap().user, Some(DEFAULT_TASK_USER));
+    }
+
+    #[test]
+    fn root_host_tasks_need_the_option_and_a_root_agent() {
+        let root = TaskSecurity {
+            run_as_root: true,
+            ..Default::default()
+        };
+        let err = policy(false, &[], ROOT)
+            .resolve(&task(None, root.clone()), &as_is)
+            .unwrap_err();
+        assert!(err.contains("allow_root_tasks"), "{err}");
+        assert!(err.contains("security.run_as_root"), "{err}");
+        let ok = policy(true, &[], ROOT)
+            .resolve(&task(None, root.clone()), &as_is)
+            .unwrap();
+        assert_eq!(ok, LaunchSecurity::default(), "stays root");
+        let err = policy(true, &[], ids(1000, 1000))
+            .resolve(&task(None, root), &as_is)
+            .unwrap_err();
+        assert!(err.contains("does not run as root"), "{err}");
+        assert!(!policy(true, &[], ids(1000, 1000)).runs_root_tasks());
+        assert!(policy(true, &[], ROOT).runs_root_tasks());
+        assert!(!policy(false, &[], ROOT).runs_root_tasks());
+        // Root by another name is refused too, whatever the option.
+        for user in ["0", "0:0", "1000:0", "0:1000"] {
+            let sec = TaskSecurity {
+                user: Some(user.into()),
+                ..Default::default()
+            };
+            let err = policy(true, &[], ROOT)
+                .resolve(&task(None, sec), &as_is)
+                .unwrap_err();
+            assert!(err.contains("security.user"), "{user}: {err}");
+        }
+    }
+
+    #[test]
+    fn a_user_agent_runs_tasks_as_itself_only() {
+        let me = ids(1000, 1000);
+        let p = policy(false, &[], me);
+        let got = p.resolve(&task(None, TaskSecurity::default()), &as_is);
+        assert_eq!(got.unwrap(), LaunchSecurity::default());
+        let named = |u: &str| {
+            task(
+                None,
+                TaskSecurity {
+                    user: Some(u.into()),
+                    ..Default::default()
+                },
+            )
+        };
+        assert_eq!(p.resolve(&named("1000"), &as_is).unwrap().user, None);
+        let err = p.resolve(&named("1234"), &as_is).unwrap_err();
+        assert!(err.contains("does not run as root"), "{err}");
+    }
+
+    #[test]
+    fn containers_get_their_user_and_only_allowed_mounts() {
+        let p = policy(false, &["/data", "/scratch"], ROOT);
+        let mount = |h: &str, c: &str, ro: bool| HostMount {
+            host_path: h.into(),
+            container_path: c.into(),
+            read_only: ro,
+        };
+        let sec = TaskSecurity {
+            user: Some("1234:5".into()),
+            mounts: vec![
+                mount("/data/sets", "/in", true),
+                mount("/scratch", "/out", false),
+            ],
+            ..Default::default()
+        };
+        let got = p.resolve(&task(Some("img"), sec), &as_is).unwrap();
+        assert_eq!(got.user, Some(ids(1234, 5)));
+        let binds: Vec<String> = got.mounts.iter().map(BindMount::docker_bind).collect();
+        assert_eq!(binds, ["/data/sets:/in:ro", "/scratch:/out:rw"]);
+        // No user: the image's.
+        let got = p.resolve(&task(Some("img"), TaskSecurity::default()), &as_is);
+        assert_eq!(got.unwrap(), LaunchSecurity::default());
+
+        let refused = |p: &TaskPolicy, host: &str| {
+            let sec = TaskSecurity {
+                mounts: vec![mount("/data", "/a", true), mount(host, "/b", true)],
+                ..Default::default()
+            };
+            p.resolve(&task(Some("img"), sec), &as_is).unwrap_err()
+        };
+        let err = refused(&p, "/database");
+        assert!(err.contains("security.mounts[1].host_path"), "{err}");
+        assert!(err.contains("allowed_mounts"), "{err}");
+        assert!(err.contains("/data, /scratch"), "{err}");
+        let err = refused(&policy(false, &[], ROOT), "/data");
+        assert!(err.contains("security.mounts[0]"), "{err}");
+        assert!(err.contains("(none;"), "{err}");
+        // A symlink under an allowed prefix that leads out of it.
+        let via_link = |path: &Path| {
+            Ok(if path == Path::new("/data/link") {
+                PathBuf::from("/etc")
+            } else {
+                path.to_path_buf()
+            })
+        };
+        let sec = TaskSecurity {
+            mounts: vec![mount("/data/link", "/b", true)],
+            ..Default::default()
+        };
+        let err = p.resolve(&task(Some("img"), sec), &via_link).unwrap_err();
+        assert!(err.contains("resolves to /etc"), "{err}");
+        // A path that does not exist is refused, not created by Docker.
+        let sec = TaskSecurity {
+            mounts: vec![mount("/data/missing", "/b", true)],
+            ..Default::default()
+        };
+        let err = p
+            .resolve(&task(Some("img"), sec), &|_: &Path| {
+                Err(std::io::Error::from(std::io::ErrorKind::NotFound))
+            })
+            .unwrap_err();
+        assert!(
+            err.contains("security.mounts[0].host_path: /data/missing"),
+            "{err}"
+        );
+    }
+
+    /// A read-only mount with a file system mounted below it is refused:
+    /// Docker would leave that one writable.
+    #[test]
+    fn read_only_mounts_with_file_systems_below_are_refused() {
+        struct Host;
+        impl HostPaths for Host {
+            fn resolve(&self, p: &Path) -> std::io::Result<PathBuf> {
+                Ok(p.to_path_buf())
+            }
+            fn mounts_below(&self, p: &Path) -> Vec<PathBuf> {
+                let m = PathBuf::from("/data/nfs");
+                if m != p && m.starts_with(p) {
+                    vec![m]
+                } else {
+                    Vec::new()
+                }
+            }
+        }
+        let p = policy(false, &["/data"], ROOT);
+        let ask = |host: &str, read_only: bool| {
+            let sec = TaskSecurity {
+                mounts: vec![HostMount {
+                    host_path: host.into(),
+                    container_path: "/in".into(),
+                    read_only,
+                }],
+                ..Default::default()
+            };
+            p.resolve(&task(Some("img"), sec), &Host)
+        };
+        let err = ask("/data", true).unwrap_err();
+        assert!(err.contains("mounted below it (/data/nfs)"), "{err}");
+        assert!(ask("/data", false).is_ok(), "read-write: writable anyway");
+        assert!(ask("/data/nfs", true).is_ok(), "the mount itself");
+        assert!(ask("/data/sets", true).is_ok());
+    }
+
+    #[test]
+    fn mountinfo_mount_points_are_unescaped() {
+        let text = "36 35 98:0 /mnt1 /mnt/parent rw,noatime master:1 - ext3 /dev/root rw\n\
+                    37 36 0:5 / /mnt/with\\040space rw - tmpfs tmpfs rw\n\
+                    38 36 0:6 / /a\\134b rw - tmpfs tmpfs rw\n";
+        assert_eq!(
+            mount_points(text),
+            [
+                PathBuf::from("/mnt/parent"),
+                PathBuf::from("/mnt/with space"),
+                PathBuf::from("/a\\b")
+            ]
+        );
+        // This process's own view has at least the root.
+        let mine = mount_points(&std::fs::read_to_string("/proc/self/mountinfo").unwrap());
+        assert!(mine.contains(&PathBuf::from("/")), "{mine:?}");
+        let below = RealHost.mounts_below(Path::new("/"));
+        assert!(!below.contains(&PathBuf::from("/")));
+    }
+
+    #[test]
+    fn privileged_is_never_allowed() {
+        let sec = TaskSecurity {
+            privileged: true,
+            ..Default::default()
+        };
+        for image in [None, Some("img")] {
+            let err = policy(true, &["/"], ROOT)
+                .resolve(&task(image, sec.clone()), &as_is)
+                .unwrap_err();
+            assert!(err.contains("never allowed"), "{err}");
+        }
     }
 }

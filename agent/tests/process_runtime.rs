@@ -19,7 +19,7 @@ use gpuctl_agent::runtime::supervisor::{self, SupervisorState, STATE_FILE};
 use gpuctl_agent::runtime::{
     ContainerRuntime, Ended, LaunchSpec, Observed, ProcessRuntime, RuntimeError, TaskRef,
 };
-use gpuctl_core::types::{Resources, TaskSpec};
+use gpuctl_core::types::{Resources, TaskSpec, UserIds};
 use nix::sys::signal::{kill, killpg, Signal};
 use nix::unistd::Pid;
 use tempfile::TempDir;
@@ -62,6 +62,7 @@ impl Task {
                 resources: Resources::default(),
                 gpu_uuids: vec![],
                 no_fence: false,
+                security: Default::default(),
             },
             agent_id: "agent-proc-test".to_string(),
             env: BTreeMap::from([("GPUCTL_TASK_ID".to_string(), task_id.to_string())]),
@@ -73,6 +74,8 @@ impl Task {
             isolation: Default::default(),
             state_dir,
             fence: None,
+            // As the agent itself (root here): the user tests below set one.
+            security: Default::default(),
         };
         Task {
             rt: runtime(),
@@ -759,4 +762,132 @@ async fn the_supervisor_and_the_task_lead_process_groups_of_their_own() {
     task.stop().await;
     let e = task.wait(task.spec.kill_grace + SLACK).await;
     assert!(e.code.is_some() && !e.fenced, "{e:?}");
+}
+
+// --- the task's user -------------------------------------------------------
+
+/// Switching users needs root; says so when it is not there.
+fn root_or_skip(test: &str) -> bool {
+    if nix::unistd::geteuid().is_root() {
+        return true;
+    }
+    eprintln!("skipped: {test}: needs root to run a task as another user");
+    false
+}
+
+/// A task that prints who it is and what it may do.
+const WHO_AM_I: &str = "id -u; id -g; id -G; grep -E '^(NoNewPrivs|CapEff):' /proc/self/status; \
+    if cat /etc/shadow >/dev/null 2>&1; then echo shadow-read; else echo shadow-denied; fi; \
+    echo mine > file-of-mine && echo wrote-sandbox";
+
+fn as_user(task_id: &str, command: &[&str], uid: u32, gid: u32) -> Task {
+    let mut t = Task::new(task_id, command);
+    t.spec.security.user = Some(UserIds { uid, gid });
+    t
+}
+
+#[tokio::test]
+async fn a_task_runs_as_its_user_without_groups_or_new_privileges() {
+    if !root_or_skip("a_task_runs_as_its_user_without_groups_or_new_privileges") {
+        return;
+    }
+    let task = as_user("proc-user", &["sh", "-c", WHO_AM_I], 65534, 65534);
+    task.start().await.unwrap();
+    assert_eq!(task.wait(Duration::from_secs(10)).await, ended(0));
+    let text = task.log();
+    let lines: Vec<&str> = text.lines().collect();
+    // uid, gid, and no group but its own (the agent's root groups dropped).
+    assert_eq!(lines[..3], ["65534", "65534", "65534"], "{text}");
+    assert!(text.contains("NoNewPrivs:\t1\n"), "{text}");
+    assert!(text.contains("CapEff:\t0000000000000000\n"), "{text}");
+    assert!(text.contains("shadow-denied\n"), "{text}");
+    assert!(text.contains("wrote-sandbox\n"), "{text}");
+    // Its sandbox is its own and private; its log stays the agent's.
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let sandbox = std::fs::metadata(&task.spec.sandbox).unwrap();
+    assert_eq!((sandbox.uid(), sandbox.gid()), (65534, 65534));
+    assert_eq!(sandbox.permissions().mode() & 0o777, 0o700);
+    let log = std::fs::metadata(&task.spec.log_path).unwrap();
+    assert_eq!(log.uid(), 0);
+    let mine = std::fs::metadata(task.spec.sandbox.join("file-of-mine")).unwrap();
+    assert_eq!(mine.uid(), 65534);
+}
+
+#[tokio::test]
+async fn a_task_as_root_keeps_root() {
+    if !root_or_skip("a_task_as_root_keeps_root") {
+        return;
+    }
+    // No user in the launch: the supervisor's (what run_as_root gives).
+    let task = Task::new("proc-root", &["sh", "-c", WHO_AM_I]);
+    task.start().await.unwrap();
+    assert_eq!(task.wait(Duration::from_secs(10)).await, ended(0));
+    let text = task.log();
+    assert_eq!(text.lines().next(), Some("0"), "{text}");
+    assert!(text.contains("shadow-read\n"), "{text}");
+    // Even root's task cannot gain privileges through exec.
+    assert!(text.contains("NoNewPrivs:\t1\n"), "{text}");
+}
+
+/// The task joins its cgroup as root, then becomes its user: not one
+/// instruction of it runs outside the cgroup, and it cannot leave it.
+#[tokio::test]
+async fn a_task_of_another_user_still_joins_its_cgroup_first() {
+    if !root_or_skip("a_task_of_another_user_still_joins_its_cgroup_first") {
+        return;
+    }
+    let root = PathBuf::from("/sys/fs/cgroup/pids");
+    if !root.join("cgroup.procs").exists() {
+        eprintln!("skipped: no cgroup v1 pids hierarchy at {}", root.display());
+        return;
+    }
+    let name = format!("gpuctl-test-user-{}", std::process::id());
+    let cg = root.join(&name);
+    std::fs::create_dir_all(&cg).unwrap();
+    struct Remove(PathBuf);
+    impl Drop for Remove {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir(&self.0);
+        }
+    }
+    let _cleanup = Remove(cg.clone());
+    let mut task = as_user(
+        "proc-user-cg",
+        &[
+            "sh",
+            "-c",
+            "id -u; grep pids /proc/self/cgroup; echo $$ > /sys/fs/cgroup/pids/cgroup.procs && echo left || echo stayed",
+        ],
+        1234,
+        1234,
+    );
+    task.spec.isolation.cgroup_procs = vec![cg.join("cgroup.procs")];
+    task.start().await.unwrap();
+    assert_eq!(task.wait(Duration::from_secs(10)).await, ended(0));
+    let text = task.log();
+    assert_eq!(text.lines().next(), Some("1234"), "{text}");
+    assert!(text.contains(&format!(":pids:/{name}\n")), "{text}");
+    assert!(text.contains("stayed\n"), "{text}");
+}
+
+/// A link put where the log goes (by another task of the same user, in the
+/// sandbox it owns) is refused, not written through.
+#[tokio::test]
+async fn the_log_is_never_written_through_a_link() {
+    if !root_or_skip("the_log_is_never_written_through_a_link") {
+        return;
+    }
+    let task = as_user("proc-link", &["true"], 65534, 65534);
+    let target = task._dir.path().join("precious");
+    std::fs::write(&target, "precious\n").unwrap();
+    std::os::unix::fs::symlink(&target, &task.spec.log_path).unwrap();
+    let err = task.start().await.unwrap_err().to_string();
+    assert!(err.contains("output.log"), "{err}");
+    assert_eq!(std::fs::read_to_string(&target).unwrap(), "precious\n");
+    // The supervisor refuses a link too (it checks the file it opens).
+    std::fs::remove_file(&task.spec.log_path).unwrap();
+    std::fs::hard_link(&target, &task.spec.log_path).unwrap();
+    let err = supervisor::open_log(&task.spec.log_path).unwrap_err();
+    assert!(err.contains("refused"), "{err}");
+    assert_eq!(std::fs::read_to_string(&target).unwrap(), "precious\n");
 }

@@ -96,6 +96,9 @@ pub struct JobJson {
     /// Submitted with `--no-fence`: its tasks are not stopped by their
     /// agent's fence and never LOST by timeout.
     pub no_fence: bool,
+    /// Its user, host mounts and root (`--user`, `--mount`, `--run-as-root`).
+    #[serde(default)]
+    pub security: SecurityJson,
     /// Times its tasks were preempted.
     pub preemptions: u32,
     /// Why it is in its state; for a QUEUED job, the same as `reason`.
@@ -130,6 +133,72 @@ impl From<Option<&pb::Placement>> for PlacementJson {
             gpu_model: (!p.gpu_model.is_empty()).then_some(p.gpu_model),
             gpu_mem_min_mib: p.gpu_mem_min_mib,
             constraints: p.constraints.into_iter().collect(),
+        }
+    }
+}
+
+/// What a job's tasks may do (`security`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct SecurityJson {
+    /// `UID:GID` or `UID`; `null`: the image's user, or the agent's
+    /// task_user for a host process.
+    pub user: Option<String>,
+    pub mounts: Vec<MountJson>,
+    pub run_as_root: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MountJson {
+    pub host_path: String,
+    pub container_path: String,
+    pub read_only: bool,
+}
+
+impl From<Option<&pb::TaskSecurity>> for SecurityJson {
+    fn from(s: Option<&pb::TaskSecurity>) -> Self {
+        let s = s.cloned().unwrap_or_default();
+        SecurityJson {
+            user: (!s.user.is_empty()).then_some(s.user),
+            mounts: s
+                .mounts
+                .into_iter()
+                .map(|m| MountJson {
+                    host_path: m.host_path,
+                    container_path: m.container_path,
+                    read_only: !m.read_write,
+                })
+                .collect(),
+            run_as_root: s.run_as_root,
+        }
+    }
+}
+
+impl SecurityJson {
+    /// `jobs get`'s line: "user 1234:1234, mounts /data:/data:ro" or
+    /// "default".
+    fn words(&self) -> String {
+        let mut parts = Vec::new();
+        if self.run_as_root {
+            parts.push("root (--run-as-root)".to_string());
+        }
+        if let Some(u) = &self.user {
+            parts.push(format!("user {u}"));
+        }
+        if !self.mounts.is_empty() {
+            let m: Vec<String> = self
+                .mounts
+                .iter()
+                .map(|m| {
+                    let mode = if m.read_only { "ro" } else { "rw" };
+                    format!("{}:{}:{mode}", m.host_path, m.container_path)
+                })
+                .collect();
+            parts.push(format!("mounts {}", m.join(" ")));
+        }
+        if parts.is_empty() {
+            "default".to_string()
+        } else {
+            parts.join(", ")
         }
     }
 }
@@ -184,6 +253,7 @@ impl From<&pb::Job> for JobJson {
             retries: j.retries,
             no_requeue: spec.no_requeue,
             no_fence: spec.no_fence,
+            security: SecurityJson::from(spec.security.as_ref()),
             preemptions: j.preemptions,
             message: job_message(j),
             reason: wait_reason(j),
@@ -302,6 +372,12 @@ pub struct AgentJson {
     pub attributes: BTreeMap<String, String>,
     pub driver_version: Option<String>,
     pub cuda_driver_version: Option<String>,
+    /// It runs host-process tasks as root for jobs that ask.
+    #[serde(default)]
+    pub allow_root_tasks: bool,
+    /// Host path prefixes its containers may mount.
+    #[serde(default)]
+    pub allowed_mounts: Vec<String>,
 }
 
 impl From<&pb::Agent> for AgentJson {
@@ -334,6 +410,8 @@ impl From<&pb::Agent> for AgentJson {
             driver_version: (!a.driver_version.is_empty()).then(|| a.driver_version.clone()),
             cuda_driver_version: (!a.cuda_driver_version.is_empty())
                 .then(|| a.cuda_driver_version.clone()),
+            allow_root_tasks: a.allow_root_tasks,
+            allowed_mounts: a.allowed_mounts.clone(),
         }
     }
 }
@@ -582,6 +660,10 @@ pub fn job_detail(j: &pb::Job, now_ms: u64) -> String {
         ("CPUs", fmt_cpus(res.cpus)),
         ("Memory", mem),
         ("Replicas", spec.replicas.max(1).to_string()),
+        (
+            "Security",
+            SecurityJson::from(spec.security.as_ref()).words(),
+        ),
         ("Priority", spec.priority.to_string()),
         ("Retries", format!("{} of {}", j.retries, spec.max_retries)),
         (
@@ -736,6 +818,16 @@ pub fn agent_detail(a: &pb::Agent, holders: &BTreeMap<String, String>) -> String
     let _ = writeln!(s, "Runtimes:    {}", agent_runtimes(a));
     let _ = writeln!(s, "Driver:      {}", dash(&a.driver_version));
     let _ = writeln!(s, "CUDA:        {}", dash(&a.cuda_driver_version));
+    let _ = writeln!(
+        s,
+        "Root tasks:  {}",
+        if a.allow_root_tasks {
+            "allowed (allow_root_tasks)"
+        } else {
+            "no"
+        }
+    );
+    let _ = writeln!(s, "Mounts:      {}", dash(&a.allowed_mounts.join(", ")));
     let _ = writeln!(
         s,
         "GPUs:        {} free of {}{}",
@@ -1385,6 +1477,16 @@ mod tests {
         let holders: BTreeMap<String, String> =
             [("GPU-1".to_string(), "job-7.0".to_string())].into();
         let d = agent_detail(&a, &holders);
+        assert!(d.contains("Root tasks:  no\n"), "{d}");
+        assert!(d.contains("Mounts:      -\n"), "{d}");
+        a.allow_root_tasks = true;
+        a.allowed_mounts = vec!["/data".into(), "/scratch".into()];
+        let d = agent_detail(&a, &holders);
+        assert!(
+            d.contains("Root tasks:  allowed (allow_root_tasks)\n"),
+            "{d}"
+        );
+        assert!(d.contains("Mounts:      /data, /scratch\n"), "{d}");
         assert!(d.contains("Driver:      535.129.03"), "{d}");
         assert!(d.contains("CUDA:        -"), "{d}");
         assert!(d.contains("GPUs:        2 free of 4 (simulated)"), "{d}");

@@ -93,6 +93,16 @@ pub const MAX_HOSTNAME_LEN: usize = 64;
 pub const MAX_ADDRESS_LEN: usize = 512;
 /// A GPU's unhealthy reason, as an agent reports it, bytes.
 pub const MAX_REASON_LEN: usize = 4096;
+/// Host mounts of one job's containers.
+pub const MAX_MOUNTS: usize = 16;
+/// A mount's host or container path, an allowed mount prefix, bytes.
+pub const MAX_PATH_LEN: usize = 1024;
+/// A job's `security.user` (`UID:GID` is at most 21 bytes), bytes.
+pub const MAX_USER_LEN: usize = 32;
+/// Mount prefixes an agent allows.
+pub const MAX_ALLOWED_MOUNTS: usize = 64;
+/// Where GPU containers get the driver volume: no job mounts there.
+pub const DRIVER_VOLUME_PATH: &str = "/usr/local/nvidia";
 
 /// An env name as a field label: quoted, cut to 64 bytes.
 fn env_label(field: &str, key: &str) -> String {
@@ -313,6 +323,155 @@ pub fn check_payload(
     check_env_size(&field, env)
 }
 
+/// An absolute path in plain form, as a mount or an allowed mount prefix:
+/// starts with '/', has no empty, '.' or '..' part (so no '//' and no
+/// trailing '/', "/" itself aside), no ':' or ',' (Docker's bind syntax),
+/// no control characters, at most [`MAX_PATH_LEN`] bytes.
+pub fn check_abs_path(field: &str, p: &str) -> Result<()> {
+    if p.len() > MAX_PATH_LEN {
+        return Err(too_long(field, "", p.len(), MAX_PATH_LEN));
+    }
+    if !p.starts_with('/') || p.split('/').any(|part| part == "..") {
+        return Err(ConvertError::new(
+            field,
+            "must be an absolute path without '..'",
+        ));
+    }
+    if p != "/"
+        && p.split('/')
+            .skip(1)
+            .any(|part| part.is_empty() || part == ".")
+    {
+        return Err(ConvertError::new(
+            field,
+            "must be a plain path (no '.' part, '//' or trailing '/')",
+        ));
+    }
+    if let Some(c) = p.chars().find(|c| c.is_control() || matches!(c, ':' | ',')) {
+        return Err(ConvertError::new(field, format!("must not contain {c:?}")));
+    }
+    Ok(())
+}
+
+/// What a job asks to be allowed (`security`), checked for a job of
+/// `runtime` as it enters the cluster; fields are named under `prefix`
+/// (`spec` gives `spec.security.user`). Says only whether the ask is well
+/// formed and ever allowed: whether a tenant may ask it is the caller's
+/// business, and whether an agent allows it the agent's.
+pub fn check_security(prefix: &str, s: &TaskSecurity, runtime: Runtime) -> Result<()> {
+    let field = |f: &str| format!("{prefix}.security.{f}");
+    if s.privileged {
+        return Err(ConvertError::new(
+            field("privileged"),
+            "privileged containers are never allowed",
+        ));
+    }
+    if let Some(user) = &s.user {
+        if user.len() > MAX_USER_LEN {
+            return Err(too_long(field("user"), "", user.len(), MAX_USER_LEN));
+        }
+        let ids: UserIds = user
+            .parse()
+            .map_err(|e| ConvertError::new(field("user"), e))?;
+        if s.run_as_root {
+            return Err(ConvertError::new(
+                field("run_as_root"),
+                "cannot be asked together with security.user",
+            ));
+        }
+        if runtime == Runtime::Process && ids.is_root() {
+            return Err(ConvertError::new(
+                field("user"),
+                format!("{user} is root (uid or gid 0); a host-process job asks for security.run_as_root instead"),
+            ));
+        }
+    }
+    if s.run_as_root && runtime != Runtime::Process {
+        return Err(ConvertError::new(
+            field("run_as_root"),
+            "only for host-process jobs (a container runs as its image's user or security.user)",
+        ));
+    }
+    if !s.mounts.is_empty() && runtime != Runtime::Docker {
+        return Err(ConvertError::new(
+            field("mounts"),
+            "only containers take host mounts (this job has no image)",
+        ));
+    }
+    if s.mounts.len() > MAX_MOUNTS {
+        return Err(ConvertError::new(
+            field("mounts"),
+            format!("has {} mounts, at most {MAX_MOUNTS}", s.mounts.len()),
+        ));
+    }
+    let mut targets = std::collections::BTreeSet::new();
+    for (i, m) in s.mounts.iter().enumerate() {
+        let f = |part: &str| field(&format!("mounts[{i}].{part}"));
+        check_abs_path(&f("host_path"), &m.host_path)?;
+        check_abs_path(&f("container_path"), &m.container_path)?;
+        if m.container_path == "/" {
+            return Err(ConvertError::new(
+                f("container_path"),
+                "must not be / (the container's root)",
+            ));
+        }
+        if path_within(&[DRIVER_VOLUME_PATH], &m.container_path) {
+            return Err(ConvertError::new(
+                f("container_path"),
+                format!("{DRIVER_VOLUME_PATH} is where the driver volume goes"),
+            ));
+        }
+        if !targets.insert(m.container_path.as_str()) {
+            return Err(ConvertError::new(
+                f("container_path"),
+                format!("{} is mounted twice", m.container_path),
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn security_from_pb(s: Option<pb::TaskSecurity>) -> TaskSecurity {
+    let s = s.unwrap_or_default();
+    TaskSecurity {
+        user: (!s.user.is_empty()).then_some(s.user),
+        mounts: s
+            .mounts
+            .into_iter()
+            .map(|m| HostMount {
+                host_path: m.host_path,
+                container_path: m.container_path,
+                read_only: !m.read_write,
+            })
+            .collect(),
+        privileged: s.privileged,
+        run_as_root: s.run_as_root,
+    }
+}
+
+impl From<TaskSecurity> for pb::TaskSecurity {
+    fn from(s: TaskSecurity) -> Self {
+        pb::TaskSecurity {
+            user: s.user.unwrap_or_default(),
+            mounts: s
+                .mounts
+                .into_iter()
+                .map(|m| pb::HostMount {
+                    host_path: m.host_path,
+                    container_path: m.container_path,
+                    read_write: !m.read_only,
+                })
+                .collect(),
+            privileged: s.privileged,
+            run_as_root: s.run_as_root,
+        }
+    }
+}
+
+fn security_to_pb(s: TaskSecurity) -> Option<pb::TaskSecurity> {
+    (!s.is_default()).then(|| s.into())
+}
+
 impl TryFrom<pb::JobSpec> for JobSpec {
     type Error = ConvertError;
     fn try_from(s: pb::JobSpec) -> Result<Self> {
@@ -357,6 +516,13 @@ impl TryFrom<pb::JobSpec> for JobSpec {
             }
             secret_env.insert(k);
         }
+        let security = security_from_pb(s.security);
+        let runtime = if image.is_some() {
+            Runtime::Docker
+        } else {
+            Runtime::Process
+        };
+        check_security("spec", &security, runtime)?;
         Ok(JobSpec {
             name: s.name,
             image,
@@ -371,6 +537,7 @@ impl TryFrom<pb::JobSpec> for JobSpec {
             no_fence: s.no_fence,
             tenant: s.tenant,
             secret_env,
+            security,
         })
     }
 }
@@ -476,6 +643,7 @@ impl From<JobSpec> for pb::JobSpec {
             no_fence: s.no_fence,
             tenant: s.tenant,
             secret_env: s.secret_env.into_iter().collect(),
+            security: security_to_pb(s.security),
         }
     }
 }
@@ -521,6 +689,13 @@ impl TryFrom<pb::TaskSpec> for TaskSpec {
                 ),
             ));
         }
+        let security = security_from_pb(s.security);
+        let runtime = if image.is_some() {
+            Runtime::Docker
+        } else {
+            Runtime::Process
+        };
+        check_security("task", &security, runtime)?;
         Ok(TaskSpec {
             task_id: s.task_id,
             job_id: s.job_id,
@@ -531,6 +706,7 @@ impl TryFrom<pb::TaskSpec> for TaskSpec {
             resources,
             gpu_uuids: s.gpu_uuids,
             no_fence: s.no_fence,
+            security,
         })
     }
 }
@@ -547,6 +723,7 @@ impl From<TaskSpec> for pb::TaskSpec {
             resources: Some(s.resources.into()),
             gpu_uuids: s.gpu_uuids,
             no_fence: s.no_fence,
+            security: security_to_pb(s.security),
         }
     }
 }
@@ -710,6 +887,8 @@ impl From<AgentInfo> for pb::RegisterRequest {
             cuda_driver_version: a.cuda_driver_version.unwrap_or_default(),
             running_task_ids: Vec::new(),
             kill_grace_ms: 0,
+            allow_root_tasks: a.allow_root_tasks,
+            allowed_mounts: a.allowed_mounts,
         }
     }
 }
@@ -828,6 +1007,18 @@ impl TryFrom<pb::RegisterRequest> for AgentInfo {
                 format!("longer than {} bytes", 2 * MAX_NAME_LEN + 1),
             ));
         }
+        if r.allowed_mounts.len() > MAX_ALLOWED_MOUNTS {
+            return Err(ConvertError::new(
+                "allowed_mounts",
+                format!(
+                    "has {} entries, at most {MAX_ALLOWED_MOUNTS}",
+                    r.allowed_mounts.len()
+                ),
+            ));
+        }
+        for (i, p) in r.allowed_mounts.iter().enumerate() {
+            check_abs_path(&format!("allowed_mounts[{i}]"), p)?;
+        }
         let opt = |s: String| (!s.is_empty()).then_some(s);
         Ok(AgentInfo {
             id: r.agent_id,
@@ -840,6 +1031,8 @@ impl TryFrom<pb::RegisterRequest> for AgentInfo {
             attributes,
             driver_version: opt(r.driver_version),
             cuda_driver_version: opt(r.cuda_driver_version),
+            allow_root_tasks: r.allow_root_tasks,
+            allowed_mounts: r.allowed_mounts,
         })
     }
 }
@@ -1308,6 +1501,15 @@ mod tests {
             max_retries: 2,
             no_requeue: true,
             no_fence: true,
+            security: Some(pb::TaskSecurity {
+                user: "1234:1234".into(),
+                mounts: vec![pb::HostMount {
+                    host_path: "/data/sets".into(),
+                    container_path: "/data".into(),
+                    read_write: false,
+                }],
+                ..Default::default()
+            }),
             ..Default::default()
         }
     }
@@ -1327,6 +1529,15 @@ mod tests {
             ),
             (-3, 4, 2, true, true)
         );
+        assert_eq!(s.security.user.as_deref(), Some("1234:1234"));
+        assert_eq!(
+            s.security.mounts,
+            [HostMount {
+                host_path: "/data/sets".into(),
+                container_path: "/data".into(),
+                read_only: true,
+            }]
+        );
         assert_eq!(pb::JobSpec::from(s), spec());
         // An old client's spec (no replicas) is one task.
         let mut old = spec();
@@ -1338,6 +1549,8 @@ mod tests {
     fn empty_image_means_host_process() {
         let mut p = spec();
         p.image.clear();
+        // (Host processes take no mounts.)
+        p.security = None;
         assert_eq!(JobSpec::try_from(p).unwrap().runtime(), Runtime::Process);
     }
 
@@ -1379,6 +1592,277 @@ mod tests {
             assert_eq!(err.field, field, "{err}");
             assert!(err.to_string().contains(field), "{err}");
         }
+    }
+
+    /// A job with `security` as `edit` makes it, host process or container.
+    fn with_security(image: &str, edit: impl FnOnce(&mut pb::TaskSecurity)) -> pb::JobSpec {
+        let mut s = spec();
+        s.image = image.into();
+        let mut sec = pb::TaskSecurity::default();
+        edit(&mut sec);
+        s.security = Some(sec);
+        s
+    }
+
+    fn mount(host: &str, container: &str) -> pb::HostMount {
+        pb::HostMount {
+            host_path: host.into(),
+            container_path: container.into(),
+            read_write: false,
+        }
+    }
+
+    #[test]
+    fn every_security_error_names_its_field() {
+        type Edit = Box<dyn Fn(&mut pb::TaskSecurity)>;
+        let long = format!("/{}", "p".repeat(MAX_PATH_LEN));
+        // (image, edit, field, words in the reason)
+        let cases: Vec<(&str, Edit, &str, &str)> = vec![
+            (
+                "img",
+                Box::new(|s| s.privileged = true),
+                "spec.security.privileged",
+                "privileged containers are never allowed",
+            ),
+            (
+                "",
+                Box::new(|s| s.privileged = true),
+                "spec.security.privileged",
+                "never allowed",
+            ),
+            (
+                "img",
+                Box::new(|s| s.user = "nobody".into()),
+                "spec.security.user",
+                "not UID or UID:GID",
+            ),
+            (
+                "",
+                Box::new(|s| s.user = "12:x".into()),
+                "spec.security.user",
+                "not UID or UID:GID",
+            ),
+            (
+                "",
+                Box::new(|s| s.user = "4294967295".into()),
+                "spec.security.user",
+                "not a valid id",
+            ),
+            (
+                "",
+                Box::new(|s| s.user = "1".repeat(33)),
+                "spec.security.user",
+                "at most 32",
+            ),
+            (
+                "",
+                Box::new(|s| s.user = "0".into()),
+                "spec.security.user",
+                "security.run_as_root instead",
+            ),
+            (
+                "",
+                Box::new(|s| s.user = "1000:0".into()),
+                "spec.security.user",
+                "root",
+            ),
+            (
+                "",
+                Box::new(|s| {
+                    s.user = "1000".into();
+                    s.run_as_root = true;
+                }),
+                "spec.security.run_as_root",
+                "together with security.user",
+            ),
+            (
+                "img",
+                Box::new(|s| s.run_as_root = true),
+                "spec.security.run_as_root",
+                "only for host-process jobs",
+            ),
+            (
+                "",
+                Box::new(|s| s.mounts = vec![mount("/data", "/data")]),
+                "spec.security.mounts",
+                "only containers",
+            ),
+            (
+                "img",
+                Box::new(|s| s.mounts = vec![mount("/data", "/data"); MAX_MOUNTS + 1]),
+                "spec.security.mounts",
+                "at most 16",
+            ),
+            (
+                "img",
+                Box::new(|s| s.mounts = vec![mount("data", "/data")]),
+                "spec.security.mounts[0].host_path",
+                "must be an absolute path without '..'",
+            ),
+            (
+                "img",
+                Box::new(|s| s.mounts = vec![mount("/data", "/d"), mount("/data/../etc", "/data")]),
+                "spec.security.mounts[1].host_path",
+                "must be an absolute path without '..'",
+            ),
+            (
+                "img",
+                Box::new(|s| s.mounts = vec![mount("", "/data")]),
+                "spec.security.mounts[0].host_path",
+                "absolute",
+            ),
+            (
+                "img",
+                Box::new(|s| s.mounts = vec![mount("/data//x", "/data")]),
+                "spec.security.mounts[0].host_path",
+                "plain path",
+            ),
+            (
+                "img",
+                Box::new(|s| s.mounts = vec![mount("/data/./x", "/data")]),
+                "spec.security.mounts[0].host_path",
+                "plain path",
+            ),
+            (
+                "img",
+                Box::new(|s| s.mounts = vec![mount("/data/", "/data")]),
+                "spec.security.mounts[0].host_path",
+                "plain path",
+            ),
+            (
+                "img",
+                Box::new(|s| s.mounts = vec![mount("/data:/etc", "/data")]),
+                "spec.security.mounts[0].host_path",
+                "':'",
+            ),
+            (
+                "img",
+                Box::new(|s| s.mounts = vec![mount("/a,b", "/data")]),
+                "spec.security.mounts[0].host_path",
+                "','",
+            ),
+            (
+                "img",
+                Box::new(|s| s.mounts = vec![mount("/a\nb", "/data")]),
+                "spec.security.mounts[0].host_path",
+                "'\\n'",
+            ),
+            (
+                "img",
+                Box::new(move |s| s.mounts = vec![mount(&long, "/data")]),
+                "spec.security.mounts[0].host_path",
+                "at most 1024",
+            ),
+            (
+                "img",
+                Box::new(|s| s.mounts = vec![mount("/data", "data")]),
+                "spec.security.mounts[0].container_path",
+                "absolute path without '..'",
+            ),
+            (
+                "img",
+                Box::new(|s| s.mounts = vec![mount("/data", "/x/..")]),
+                "spec.security.mounts[0].container_path",
+                "absolute path without '..'",
+            ),
+            (
+                "img",
+                Box::new(|s| s.mounts = vec![mount("/data", "/")]),
+                "spec.security.mounts[0].container_path",
+                "must not be /",
+            ),
+            (
+                "img",
+                Box::new(|s| s.mounts = vec![mount("/data", "/usr/local/nvidia/lib")]),
+                "spec.security.mounts[0].container_path",
+                "driver volume",
+            ),
+            (
+                "img",
+                Box::new(|s| s.mounts = vec![mount("/a", "/data"), mount("/b", "/data")]),
+                "spec.security.mounts[1].container_path",
+                "mounted twice",
+            ),
+        ];
+        for (image, edit, field, words) in cases {
+            let err = JobSpec::try_from(with_security(image, edit)).unwrap_err();
+            assert_eq!(err.field, field, "{err}");
+            assert!(err.reason.contains(words), "{field}: {err}");
+        }
+        // The issue's wording.
+        let err = JobSpec::try_from(with_security("img", |s| {
+            s.mounts = vec![mount("/data/../etc", "/data")]
+        }))
+        .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "invalid spec.security.mounts[0].host_path: must be an absolute path without '..'"
+        );
+    }
+
+    #[test]
+    fn allowed_security_passes_and_limits_hold_at_the_edge() {
+        let ok: Vec<pb::JobSpec> = vec![
+            with_security("", |_| {}),
+            with_security("", |s| s.user = "1234".into()),
+            with_security("", |s| s.user = "65534:65534".into()),
+            with_security("", |s| s.run_as_root = true),
+            // A container may run as its own root: it has no more than the
+            // default capabilities.
+            with_security("img", |s| s.user = "0:0".into()),
+            with_security("img", |s| {
+                s.mounts = (0..MAX_MOUNTS)
+                    .map(|i| mount("/", &format!("/m{i}")))
+                    .collect()
+            }),
+            with_security("img", |s| {
+                s.mounts = vec![mount(
+                    &format!("/{}", "p".repeat(MAX_PATH_LEN - 1)),
+                    "/usr/local/nvidiax",
+                )]
+            }),
+        ];
+        for spec in ok {
+            let sec = spec.security.clone();
+            let j = JobSpec::try_from(spec).unwrap_or_else(|e| panic!("{sec:?}: {e}"));
+            // What the master sends the agent passes the agent's check too.
+            let task = pb::TaskSpec::from(TaskSpec {
+                task_id: "job-1.0".into(),
+                job_id: "job-1".into(),
+                framework_id: String::new(),
+                image: j.image.clone(),
+                command: j.command.clone(),
+                env: j.env.clone(),
+                resources: Resources::default(),
+                gpu_uuids: vec![],
+                no_fence: false,
+                security: j.security.clone(),
+            });
+            assert_eq!(TaskSpec::try_from(task).unwrap().security, j.security);
+        }
+        // The default is not sent, and an absent one is the default.
+        let mut s = spec();
+        s.security = None;
+        let j = JobSpec::try_from(s).unwrap();
+        assert!(j.security.is_default());
+        assert_eq!(pb::JobSpec::from(j).security, None);
+    }
+
+    #[test]
+    fn old_specs_without_security_still_decode() {
+        // A job as stored (log, snapshot) before `security` existed.
+        let old = r#"{"name":"j","image":null,"command":["true"],"env":{},"resources":{"cpus":1.0,"mem_mib":0,"gpus":0}}"#;
+        let j: JobSpec = serde_json::from_str(old).unwrap();
+        assert!(j.security.is_default());
+        // And a default one is not written, so specs stay as they were.
+        assert!(!serde_json::to_string(&j).unwrap().contains("security"));
+        let t = r#"{"task_id":"t","job_id":"j","image":null,"command":["true"],"env":{},"resources":{"cpus":1.0,"mem_mib":0,"gpus":0},"gpu_uuids":[]}"#;
+        let t: TaskSpec = serde_json::from_str(t).unwrap();
+        assert!(t.security.is_default());
+        // A mount without read_only is read-only.
+        let m: HostMount =
+            serde_json::from_str(r#"{"host_path":"/a","container_path":"/b"}"#).unwrap();
+        assert!(m.read_only);
     }
 
     #[test]
@@ -1434,6 +1918,7 @@ mod tests {
             gpu_uuids: vec![],
             framework_id: String::new(),
             no_fence: true,
+            security: None,
         };
         assert_eq!(
             TaskSpec::try_from(t.clone()).unwrap_err().field,
@@ -1730,6 +2215,18 @@ mod tests {
             },
             gpu_uuids: (0..MAX_GPUS).map(|i| format!("GPU-{i:0>36}")).collect(),
             no_fence: false,
+            security: TaskSecurity {
+                user: Some("4294967294:4294967294".into()),
+                mounts: (0..MAX_MOUNTS)
+                    .map(|i| HostMount {
+                        host_path: format!("/{i:0>1023}"),
+                        container_path: format!("/{i:1>1023}"),
+                        read_only: false,
+                    })
+                    .collect(),
+                privileged: false,
+                run_as_root: false,
+            },
         });
         let len = t.encoded_len();
         assert!(len < 700 * 1024, "{len} bytes");
@@ -1759,7 +2256,11 @@ mod tests {
         let mut r = register_request();
         r.attributes = [("gpu.family".to_string(), "hopper".to_string())].into();
         r.driver_version = "550.54".into();
+        r.allow_root_tasks = true;
+        r.allowed_mounts = vec!["/data".into(), "/".into()];
         let info = AgentInfo::try_from(r).unwrap();
+        assert!(info.allow_root_tasks);
+        assert_eq!(info.allowed_mounts, ["/data", "/"]);
         let back = AgentInfo::try_from(pb::RegisterRequest::from(info.clone())).unwrap();
         assert_eq!(back, info);
         assert_eq!(back.driver_version.as_deref(), Some("550.54"));
@@ -1791,6 +2292,20 @@ mod tests {
             |r| n(r, MAX_AGENT_GPUS),
             |r| n(r, MAX_AGENT_GPUS + 1),
             "gpus",
+            register,
+        );
+        boundary(
+            &base,
+            |r| r.allowed_mounts = vec!["/data".into(); MAX_ALLOWED_MOUNTS],
+            |r| r.allowed_mounts = vec!["/data".into(); MAX_ALLOWED_MOUNTS + 1],
+            "allowed_mounts",
+            register,
+        );
+        boundary(
+            &base,
+            |r| r.allowed_mounts = vec!["/a".into(), "/data".into()],
+            |r| r.allowed_mounts = vec!["/a".into(), "data/../x".into()],
+            "allowed_mounts[1]",
             register,
         );
         boundary(

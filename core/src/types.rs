@@ -302,6 +302,114 @@ pub struct JobSpec {
     /// them, but the API shows them as `<secret>`, and they are never logged.
     #[serde(default, skip_serializing_if = "std::collections::BTreeSet::is_empty")]
     pub secret_env: std::collections::BTreeSet<String>,
+    /// What its tasks may do on their agent (user, mounts, root).
+    #[serde(default, skip_serializing_if = "TaskSecurity::is_default")]
+    pub security: TaskSecurity,
+}
+
+/// What a task may do on its agent beyond the defaults (docs/isolation.md,
+/// "What a task may do"). Checked when a job enters the cluster
+/// (`convert::check_security`) and enforced by the agent.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TaskSecurity {
+    /// Run as `UID` or `UID:GID` (numeric: names differ between hosts and
+    /// images; `UID` alone is `UID:UID`). A container gets it as Docker's
+    /// `User`; a host process switches to it before exec. `None`: the
+    /// image's user, or the agent's `task_user` for a host process.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
+    /// Host paths bind-mounted into a container (containers only); the
+    /// agent refuses any outside its `allowed_mounts`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mounts: Vec<HostMount>,
+    /// Only so that asking is refused clearly: never allowed.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub privileged: bool,
+    /// A host-process task runs as root; only on agents with
+    /// `allow_root_tasks`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub run_as_root: bool,
+}
+
+impl TaskSecurity {
+    pub fn is_default(&self) -> bool {
+        *self == TaskSecurity::default()
+    }
+}
+
+/// A host path bind-mounted into a container.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HostMount {
+    pub host_path: String,
+    pub container_path: String,
+    /// Read-only unless asked otherwise.
+    #[serde(default = "yes")]
+    pub read_only: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// Whether `path` is one of `prefixes` or below one, by whole components:
+/// `/data` covers `/data` and `/data/x`, not `/database`; `/` covers all.
+/// Paths are compared as written (the agent resolves symlinks first).
+pub fn path_within<S: AsRef<str>>(prefixes: &[S], path: &str) -> bool {
+    prefixes.iter().any(|p| {
+        let p = p.as_ref().trim_end_matches('/');
+        path == p
+            || path
+                .strip_prefix(p)
+                .is_some_and(|rest| rest.starts_with('/'))
+    })
+}
+
+/// A numeric user and group, as `UID:GID`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UserIds {
+    pub uid: u32,
+    pub gid: u32,
+}
+
+impl UserIds {
+    /// Root: uid 0, or gid 0 (the root group reads what root's files share
+    /// with it).
+    pub fn is_root(&self) -> bool {
+        self.uid == 0 || self.gid == 0
+    }
+}
+
+impl fmt::Display for UserIds {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}", self.uid, self.gid)
+    }
+}
+
+impl std::str::FromStr for UserIds {
+    type Err = String;
+    /// `UID` (read as `UID:UID`) or `UID:GID`, decimal.
+    fn from_str(s: &str) -> Result<Self, String> {
+        let num = |p: &str| {
+            if p.is_empty() || !p.bytes().all(|b| b.is_ascii_digit()) {
+                return Err(format!("{s:?} is not UID or UID:GID (numbers)"));
+            }
+            p.parse::<u32>()
+                .ok()
+                // (u32::MAX is -1 to the kernel: "leave unchanged".)
+                .filter(|n| *n != u32::MAX)
+                .ok_or_else(|| format!("{s:?}: {p} is not a valid id"))
+        };
+        match s.split_once(':') {
+            Some((u, g)) => Ok(UserIds {
+                uid: num(u)?,
+                gid: num(g)?,
+            }),
+            None => {
+                let uid = num(s)?;
+                Ok(UserIds { uid, gid: uid })
+            }
+        }
+    }
 }
 
 /// How a secret env value is shown.
@@ -346,6 +454,7 @@ impl JobSpec {
             no_fence: false,
             tenant: String::new(),
             secret_env: Default::default(),
+            security: TaskSecurity::default(),
         }
     }
 
@@ -392,6 +501,9 @@ pub struct TaskSpec {
     /// `no_fence`).
     #[serde(default)]
     pub no_fence: bool,
+    /// The job's `security` (default for a framework's task).
+    #[serde(default, skip_serializing_if = "TaskSecurity::is_default")]
+    pub security: TaskSecurity,
 }
 
 /// What an agent says about itself when it registers.
@@ -411,6 +523,12 @@ pub struct AgentInfo {
     pub driver_version: Option<String>,
     #[serde(default)]
     pub cuda_driver_version: Option<String>,
+    /// Host-process tasks may run as root here (`allow_root_tasks`).
+    #[serde(default)]
+    pub allow_root_tasks: bool,
+    /// Host path prefixes containers may mount here (`allowed_mounts`).
+    #[serde(default)]
+    pub allowed_mounts: Vec<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -647,6 +765,55 @@ mod tests {
         );
     }
     use super::*;
+
+    #[test]
+    fn user_ids_parse() {
+        assert_eq!(
+            "1234".parse(),
+            Ok(UserIds {
+                uid: 1234,
+                gid: 1234
+            })
+        );
+        assert_eq!("1234:5".parse(), Ok(UserIds { uid: 1234, gid: 5 }));
+        assert_eq!(
+            "65534:65534".parse::<UserIds>().unwrap().to_string(),
+            "65534:65534"
+        );
+        for bad in [
+            "",
+            ":",
+            "1:",
+            ":1",
+            "a",
+            "1:b",
+            "-1",
+            "+1",
+            "1 ",
+            "1:2:3",
+            "4294967295",
+            "99999999999",
+        ] {
+            assert!(bad.parse::<UserIds>().is_err(), "{bad:?}");
+        }
+        assert!("0:5".parse::<UserIds>().unwrap().is_root());
+        assert!("5:0".parse::<UserIds>().unwrap().is_root());
+        assert!(!"5".parse::<UserIds>().unwrap().is_root());
+    }
+
+    #[test]
+    fn paths_are_within_prefixes_by_whole_components() {
+        let allowed = ["/data", "/scratch/"];
+        assert!(path_within(&allowed, "/data"));
+        assert!(path_within(&allowed, "/data/x/y"));
+        assert!(path_within(&allowed, "/scratch"));
+        assert!(path_within(&allowed, "/scratch/a"));
+        assert!(!path_within(&allowed, "/database"));
+        assert!(!path_within(&allowed, "/"));
+        assert!(!path_within(&allowed, "/etc"));
+        assert!(path_within(&["/"], "/etc/shadow"));
+        assert!(!path_within::<&str>(&[], "/data"));
+    }
 
     #[test]
     fn utc_timestamps() {

@@ -103,6 +103,10 @@ pub enum Requirement {
     Cpus(f64),
     /// MiB of memory in all.
     Memory(u64),
+    /// Allows root host-process tasks (the agent's `allow_root_tasks`).
+    RootTasks,
+    /// Allows mounting this host path (the agent's `allowed_mounts`).
+    Mount(String),
 }
 
 /// The GPUs one task asks for: each GPU requirement carries the whole ask,
@@ -170,6 +174,9 @@ pub struct AgentCounts {
     pub exhausted_memory: u32,
     /// Could take one task now: a gang waits for room for all replicas.
     pub fit_one: u32,
+    /// Left out whatever is free: they do not allow the job's `security`
+    /// (root host-process tasks, a mount). Counted after the runtime.
+    pub filtered_security: u32,
 }
 
 /// How a job came back to the queue.
@@ -263,6 +270,7 @@ impl From<&Waiting> for pb::WaitReason {
                 exhausted_cpus: c.exhausted_cpus,
                 exhausted_memory: c.exhausted_memory,
                 fit_one: c.fit_one,
+                filtered_security: c.filtered_security,
             }),
         };
         pb::WaitReason {
@@ -310,6 +318,15 @@ impl From<&Requirement> for wr::Requirement {
             Requirement::Memory(mem_mib) => wr::Requirement {
                 kind: Kind::Memory as i32,
                 mem_mib: *mem_mib,
+                ..Default::default()
+            },
+            Requirement::RootTasks => wr::Requirement {
+                kind: Kind::RootTasks as i32,
+                ..Default::default()
+            },
+            Requirement::Mount(path) => wr::Requirement {
+                kind: Kind::Mount as i32,
+                path: path.clone(),
                 ..Default::default()
             },
         }
@@ -383,6 +400,8 @@ impl TryFrom<&wr::Requirement> for Requirement {
             Ok(Kind::Gpus) => Requirement::Gpus(gpus()),
             Ok(Kind::Cpus) => Requirement::Cpus(r.cpus),
             Ok(Kind::Memory) => Requirement::Memory(r.mem_mib),
+            Ok(Kind::RootTasks) => Requirement::RootTasks,
+            Ok(Kind::Mount) => Requirement::Mount(r.path.clone()),
             Ok(Kind::Unspecified) | Err(_) => {
                 return Err(ConvertError::new(
                     "kind",
@@ -467,6 +486,7 @@ impl TryFrom<&pb::WaitReason> for Waiting {
                 exhausted_cpus: b.exhausted_cpus,
                 exhausted_memory: b.exhausted_memory,
                 fit_one: b.fit_one,
+                filtered_security: b.filtered_security,
             }),
         };
         Ok(Waiting {
@@ -557,6 +577,17 @@ mod tests {
                 set_aside: SetAside::default(),
             },
             WaitReason::NeverFits {
+                why: NeverFits::Missing {
+                    need: Requirement::Mount("/data/sets".into()),
+                    among: vec![
+                        Requirement::Runtime(Runtime::Process),
+                        Requirement::RootTasks,
+                    ],
+                    largest: None,
+                },
+                set_aside: SetAside::default(),
+            },
+            WaitReason::NeverFits {
                 why: NeverFits::Gang {
                     replicas: 3,
                     gpus: 2,
@@ -598,6 +629,7 @@ mod tests {
                 exhausted_cpus: 7,
                 exhausted_memory: 8,
                 fit_one: 9,
+                filtered_security: 10,
             }),
         ];
         for reason in reasons {

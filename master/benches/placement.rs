@@ -86,6 +86,8 @@ fn views(agents: &[Agent]) -> Vec<NodeView<'_>> {
             id: &a.id,
             attributes: &a.attributes,
             runtimes: &RUNTIMES,
+            allow_root_tasks: false,
+            allowed_mounts: &[],
             free: a.free,
             free_gpus: a.gpus[a.held as usize..].iter().collect(),
             all_gpus: &a.gpus,
@@ -105,6 +107,8 @@ fn placement(c: &mut Criterion) {
         gpu_model: model,
         gpu_mem_min_mib: 0,
         constraints: &none,
+        run_as_root: false,
+        mounts: &[],
     };
     let cases: [(&str, TaskRequest, u32, PlacementPolicy); 4] = [
         ("1gpu-bundle", task(1, None), 1, PlacementPolicy::Bundle),

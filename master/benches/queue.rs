@@ -42,6 +42,8 @@ fn agent(a: usize) -> AgentInfo {
         attributes: Default::default(),
         driver_version: None,
         cuda_driver_version: None,
+        allow_root_tasks: false,
+        allowed_mounts: Vec::new(),
     }
 }
 

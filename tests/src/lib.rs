@@ -148,6 +148,20 @@ pub fn busybox_image() -> String {
     })
 }
 
+/// The user host-process tasks run as unless their job names one (the
+/// agents' default `task_user`): tests run their agents as root, not their
+/// tasks.
+pub const TASK_USER: (u32, u32) = (65534, 65534);
+
+/// Makes `dir` and gives it to [`TASK_USER`], for a test whose host-process
+/// tasks leave files there (a test's temp dir is root's). Returns it.
+pub fn task_writable_dir(dir: &Path) -> PathBuf {
+    std::fs::create_dir_all(dir).unwrap();
+    std::os::unix::fs::chown(dir, Some(TASK_USER.0), Some(TASK_USER.1))
+        .unwrap_or_else(|e| panic!("chown {}: {e}", dir.display()));
+    dir.to_path_buf()
+}
+
 /// A free loopback port (bound then released; good enough for tests). Never
 /// the same port twice in one process, so that parallel tests do not pick
 /// a port another test was given but has not bound yet.

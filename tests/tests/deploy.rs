@@ -228,6 +228,9 @@ fn agent_example_config_is_accepted_and_shows_the_defaults() {
     assert_eq!(default.listen.to_string(), "127.0.0.1:7051");
     assert_eq!(file.kill_grace, default.kill_grace);
     assert_eq!(file.task_retention, default.task_retention);
+    assert_eq!(file.task_user, default.task_user);
+    assert_eq!(file.allow_root_tasks, default.allow_root_tasks);
+    assert_eq!(file.allowed_mounts, default.allowed_mounts);
     assert_eq!(
         unit_setting("gpuctl-agent.service", "StateDirectory").as_deref(),
         Some("gpuctl/agent"),
@@ -247,6 +250,7 @@ fn agent_example_config_is_accepted_and_shows_the_defaults() {
     // Make sure the examples were found and enabled.
     assert!(c.advertise.is_some() && c.simulate_gpus.is_some() && c.runtimes.is_some());
     assert!(c.nvml_lib.is_some() && c.cpus.is_some() && c.mem_mib.is_some());
+    assert_eq!(c.allowed_mounts, ["/datasets", "/scratch"]);
 }
 
 /// The agent stops its tasks on SIGTERM, waiting up to kill_grace_secs for

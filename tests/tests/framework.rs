@@ -213,7 +213,8 @@ fn offers_name_gpus_and_bad_accepts_are_refused_leaving_the_offers() {
         // A task id in use: AlreadyExists, naming it, and that offer too is
         // left for another try.
         // (a's updates come meanwhile: acknowledge them, or the master
-        // holds its later ones back.)
+        // holds its later ones back. A STAGING not overtaken by STARTING
+        // before it was forwarded has no uuid and needs none.)
         let more = loop {
             match next_event(&mut events, |e| {
                 matches!(e, pb::event::Event::Offers(_) | pb::event::Event::Update(_))
@@ -221,6 +222,7 @@ fn offers_name_gpus_and_bad_accepts_are_refused_leaving_the_offers() {
             .await
             {
                 pb::event::Event::Offers(o) => break o,
+                pb::event::Event::Update(u) if u.uuid.is_empty() => {}
                 pb::event::Event::Update(u) => {
                     client
                         .acknowledge(pb::AcknowledgeRequest {

@@ -11,7 +11,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use gpuctl_tests::Gpuctl;
-use gpuctl_tests::{gpuctl_at, strip_ansi, try_wait_for, wait_for, AgentOpts, HaCluster};
+use gpuctl_tests::{
+    gpuctl_at, strip_ansi, task_writable_dir, try_wait_for, wait_for, AgentOpts, HaCluster,
+};
 use serde_json::Value;
 
 /// What one `gpuctl jobs submit` of the load loop got.
@@ -69,8 +71,10 @@ fn leader_sigkill_loses_no_acknowledged_job() {
         c.add_agent(AgentOpts::default()),
         c.add_agent(AgentOpts::default()),
     ];
-    let marker = c.dir.path().join("marker");
-    let runs = c.dir.path().join("runs.txt");
+    // Written by the tasks, which do not run as root.
+    let shared = task_writable_dir(&c.dir.path().join("shared"));
+    let marker = shared.join("marker");
+    let runs = shared.join("runs.txt");
 
     // A long task that writes one line each time it starts.
     let long = c.submit(&[
@@ -262,7 +266,7 @@ fn leader_sigkill_loses_no_acknowledged_job() {
         let a = agents.iter().find(|a| a["id"] == id.as_str()).unwrap();
         assert_eq!(a["state"], "ACTIVE", "{a}");
     }
-    let flag = |i: usize| format!("'{}'", c.dir.path().join(format!("wide{i}")).display());
+    let flag = |i: usize| format!("'{}'", shared.join(format!("wide{i}")).display());
     let wide: Vec<String> = (0..2)
         .map(|i| {
             let script = format!(
@@ -572,7 +576,7 @@ fn a_frozen_leader_is_replaced_and_rejoins_as_follower() {
     // silent, so agents must notice by themselves (HTTP/2 keepalive).
     let mut c = HaCluster::start(3, &[]);
     let agent = c.add_agent(AgentOpts::default());
-    let marker = c.dir.path().join("marker");
+    let marker = task_writable_dir(&c.dir.path().join("shared")).join("marker");
     let long = c.submit(&[
         "--name",
         "long",
@@ -623,7 +627,7 @@ fn signal(pid: i32, sig: &str) -> i32 {
 fn a_framework_follows_the_leader_across_failover() {
     let mut c = HaCluster::start(3, &[]);
     c.add_agent(AgentOpts::default());
-    let runs = c.dir.path().join("fw-runs");
+    let runs = task_writable_dir(&c.dir.path().join("shared")).join("fw-runs");
     let mut fw = std::process::Command::new(gpuctl_tests::bin("simple-framework"))
         .args([
             "--master",

@@ -2,7 +2,8 @@
 //! made with mknod in a temp dev root, fake-nvml, and a fake driver tree
 //! whose ld.so cache is written by the real ldconfig. A process allowed a
 //! GPU node gets ENXIO when it opens it (no driver behind it); a denied one
-//! gets EPERM.
+//! gets EPERM. A container cannot make device nodes (no CAP_MKNOD): its
+//! cgroup's rules are tried from the host, by a process put in it.
 #![allow(clippy::unwrap_used)]
 
 use std::collections::BTreeMap;
@@ -105,6 +106,57 @@ echo "caps=$NVIDIA_DRIVER_CAPABILITIES"
     )
 }
 
+/// The container cannot make a node for any GPU (it has no CAP_MKNOD).
+const MKNOD_SCRIPT: &str = r#"for i in 0 1 2 3; do
+  if mknod /tmp/n$i c 195 $i 2>/tmp/e; then echo "mknod$i made"; else echo "mknod$i $(cat /tmp/e)"; fi
+done
+"#;
+
+/// The devices cgroup of the running container of `task` (inside the
+/// task's).
+fn container_devices_cgroup(parent: &str, task: &str) -> PathBuf {
+    let devices = Path::new("/sys/fs/cgroup/devices").join(parent).join(task);
+    let mut found = None;
+    wait_for(Duration::from_secs(10), "the container's cgroup", || {
+        found = std::fs::read_dir(&devices)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .find(|e| e.path().is_dir())
+            .map(|e| e.path());
+        found.is_some()
+    });
+    found.unwrap()
+}
+
+/// What the container's cgroup lets a process do with each GPU: a shell
+/// run from the host as root joins it, makes a node for every GPU in a
+/// temp dir (root may; the container may not) and opens each.
+fn probe_from_cgroup(cgroup: &Path) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().display();
+    let script = format!(
+        r#"echo $$ > {procs} || exit 9
+for i in 0 1 2 3; do
+  mknod {d}/n$i c 195 $i
+  if cat {d}/n$i 2>{d}/e; then echo "mk$i ok"; else echo "mk$i $(cat {d}/e)"; fi
+done
+"#,
+        procs = cgroup.join("cgroup.procs").display()
+    );
+    let out = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(&script)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "joining {}: {out:?}",
+        cgroup.display()
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
 fn line<'a>(out: &'a str, prefix: &str) -> &'a str {
     out.lines()
         .find(|l| l.starts_with(prefix))
@@ -137,10 +189,11 @@ fn docker_tasks_see_and_open_only_their_own_gpus() {
     }
     let image = busybox_image();
     let s = setup("docker", "docker,process");
-    // Each opens its own node, then tries the others through mknod'ed
-    // copies (Docker allows mknod; the cgroup must refuse the open).
+    // Each opens its own node and cannot make nodes for the others; while
+    // it runs, a process put in its cgroup from the host makes them and
+    // finds them refused there too.
     let script = format!(
-        "{}\nfor i in 0 1 2 3; do mknod /tmp/n$i c 195 $i; if cat /tmp/n$i 2>/tmp/e; then echo \"mk$i ok\"; else echo \"mk$i $(cat /tmp/e)\"; fi; done\nls /usr/local/nvidia/lib64 /usr/local/nvidia/bin\ntouch /usr/local/nvidia/x 2>&1 || true\necho \"path=$PATH\"\necho \"ld=$LD_LIBRARY_PATH\"\nsleep 3\n",
+        "{}\n{MKNOD_SCRIPT}ls /usr/local/nvidia/lib64 /usr/local/nvidia/bin\ntouch /usr/local/nvidia/x 2>&1 || true\necho \"path=$PATH\"\necho \"ld=$LD_LIBRARY_PATH\"\nsleep 3\n",
         probe_script("/dev")
     );
     let jobs: Vec<String> = (0..2)
@@ -163,6 +216,7 @@ fn docker_tasks_see_and_open_only_their_own_gpus() {
         .collect();
     // While they run: each has its cgroup with the memory limit, and its
     // container's device list holds its own GPU only.
+    let mut from_cgroup = BTreeMap::new();
     for j in &jobs {
         let job = s.c.wait_state(j, "RUNNING", Duration::from_secs(60));
         let (task, gpus) = task_of(&job);
@@ -191,6 +245,10 @@ fn docker_tasks_see_and_open_only_their_own_gpus() {
                 "{container_list}"
             );
         }
+        from_cgroup.insert(
+            j.clone(),
+            probe_from_cgroup(&container_devices_cgroup(&s.parent, &task)),
+        );
     }
     let mut seen = Vec::new();
     for j in &jobs {
@@ -208,9 +266,11 @@ fn docker_tasks_see_and_open_only_their_own_gpus() {
         for i in 0..4u32 {
             let present = out.contains(&format!("node{i} present"));
             assert_eq!(present, i == minor, "node{i} for GPU {minor}:\n{out}");
-            let mk = line(&out, &format!("mk{i} "));
+            let mk = line(&from_cgroup[j], &format!("mk{i} "));
             let want = if i == minor { ENXIO } else { EPERM };
             assert!(mk.contains(want), "mk{i} for GPU {minor}: {mk}");
+            let mknod = line(&out, &format!("mknod{i} "));
+            assert!(mknod.contains(EPERM), "{mknod}");
         }
         assert!(line(&out, &format!("open{minor} ")).contains(ENXIO));
         assert!(line(&out, "ctl ").contains(ENXIO), "{out}");
@@ -278,12 +338,14 @@ fn a_task_without_gpus_gets_none_even_if_its_image_says_all() {
 
     let s = setup("nogpu", "docker,process");
     let script = format!(
-        "{}\nfor i in 0 1 2 3; do mknod /tmp/n$i c 195 $i; if cat /tmp/n$i 2>/tmp/e; then echo \"mk$i ok\"; else echo \"mk$i $(cat /tmp/e)\"; fi; done\nls /usr/local/nvidia/lib64\n",
+        "{}\n{MKNOD_SCRIPT}ls /usr/local/nvidia/lib64\nsleep 2\n",
         probe_script("/dev")
     );
     let j = s.c.submit(&[
         "--name", "nogpu", "--image", image, "--", "sh", "-c", &script,
     ]);
+    let (task, _) = task_of(&s.c.wait_state(&j, "RUNNING", Duration::from_secs(60)));
+    let from_cgroup = probe_from_cgroup(&container_devices_cgroup(&s.parent, &task));
     assert_eq!(
         s.c.wait_job(&j, 60).0,
         0,
@@ -297,14 +359,15 @@ fn a_task_without_gpus_gets_none_even_if_its_image_says_all() {
         "no GPU node in the container:\n{out}"
     );
     for i in 0..4 {
-        assert!(line(&out, &format!("mk{i} ")).contains(EPERM), "{out}");
+        assert!(line(&out, &format!("mknod{i} ")).contains(EPERM), "{out}");
+        let mk = line(&from_cgroup, &format!("mk{i} "));
+        assert!(mk.contains(EPERM), "{from_cgroup}");
     }
     assert_eq!(line(&out, "visible="), "visible=void");
     assert_eq!(line(&out, "cuda="), "cuda=");
     // The image asked for the driver volume: it gets the libraries, and
     // still no device.
     assert!(out.contains("libnvidia-ml.so.1"), "{out}");
-    let (task, _) = task_of(&s.c.job(&j));
     wait_for(Duration::from_secs(10), "cgroup removed", || {
         cgroup_dirs(&s.parent, &task).is_empty()
     });

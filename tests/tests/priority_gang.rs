@@ -296,8 +296,8 @@ fn gang_starts_all_or_nothing_with_rank_env() {
     let mut c = Cluster::start(&[]);
     agent(&mut c, "2xA100-SXM4-40GB");
     agent(&mut c, "2xA100-SXM4-40GB");
-    let out = c.dir.path().join("out");
-    std::fs::create_dir_all(&out).unwrap();
+    // The ranks write here, as the agents' task user.
+    let out = gpuctl_tests::task_writable_dir(&c.dir.path().join("out"));
     let filler = trapper(&c, "filler", 1, 0, &[]);
     running_task(&c, &filler);
 
@@ -388,8 +388,8 @@ fn gang_starts_all_or_nothing_with_rank_env() {
 fn a_failed_rank_stops_the_gang_and_it_is_retried() {
     let mut c = Cluster::start(&[]);
     agent(&mut c, "4xA100-SXM4-40GB");
-    let out = c.dir.path().join("out");
-    std::fs::create_dir_all(&out).unwrap();
+    // The ranks write here, as the agents' task user.
+    let out = gpuctl_tests::task_writable_dir(&c.dir.path().join("out"));
     let env = format!("OUT={}", out.display());
     let gang = c.submit(&[
         "--name",

@@ -242,7 +242,8 @@ fn the_python_client_follows_the_leader_across_a_failover() {
         .map(|id| c.addr(*id).to_string())
         .collect::<Vec<_>>()
         .join(",");
-    let runs = c.dir.path().join("runs");
+    // The tasks run as the agent's task user, not root.
+    let runs = gpuctl_tests::task_writable_dir(&c.dir.path().join("shared")).join("runs");
     let script = format!(
         "echo $NVIDIA_VISIBLE_DEVICES >> '{}'; sleep 4",
         runs.display()

@@ -353,6 +353,27 @@ fn a_secure_cluster_runs_jobs_and_refuses_what_an_outsider_tried() {
     let logs = c.ok_with(Some(&vision), &["jobs", "logs", &job]);
     assert!(logs.contains("ran-as-"), "{logs}");
 
+    // Root on a host needs a token that allows it (and an agent that
+    // does); privileged containers are refused to everyone.
+    let out = c.gpuctl_with(
+        Some(&vision),
+        &[
+            "jobs",
+            "submit",
+            "--name",
+            "root",
+            "--run-as-root",
+            "--",
+            "id",
+            "-u",
+        ],
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("does not allow root"),
+        "{err}"
+    );
+
     // Another tenant sees nothing of it and cannot touch it.
     for args in [
         vec!["jobs", "get", &job],
@@ -459,6 +480,53 @@ fn a_secure_cluster_runs_jobs_and_refuses_what_an_outsider_tried() {
         // A client certificate: no token, a user's token, Raft.
         let chan = channel(&leader, Some(&client_tls), CertRole::Master);
         let mut op = pb::operator_client::OperatorClient::new(chan.clone());
+        // Privileged mode, asked straight through the API: refused, named.
+        let spec = pb::JobSpec {
+            name: "priv".into(),
+            image: "busybox".into(),
+            command: vec!["true".into()],
+            security: Some(pb::TaskSecurity {
+                privileged: true,
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let refused = op
+            .submit_job(with_token(
+                pb::SubmitJobRequest {
+                    spec: Some(spec),
+                    ..Default::default()
+                },
+                &vision,
+            ))
+            .await
+            .unwrap_err();
+        assert_eq!(refused.code(), Code::InvalidArgument);
+        assert!(
+            refused.message().contains("privileged"),
+            "{}",
+            refused.message()
+        );
+        // Another tenant's name on a submission.
+        let spec = pb::JobSpec {
+            name: "theirs".into(),
+            command: vec!["true".into()],
+            tenant: "nlp".into(),
+            ..Default::default()
+        };
+        assert_eq!(
+            code(
+                op.submit_job(with_token(
+                    pb::SubmitJobRequest {
+                        spec: Some(spec),
+                        ..Default::default()
+                    },
+                    &vision
+                ))
+                .await
+            ),
+            Code::PermissionDenied
+        );
         assert_eq!(
             code(op.list_jobs(pb::ListJobsRequest::default()).await),
             Code::Unauthenticated

@@ -77,7 +77,7 @@ fn tasks_survive_agent_sigkill_and_sigterm_with_their_real_exit_codes() {
         "--",
         "sh",
         "-c",
-        "echo started >> ../../starts-proc; sleep 8; exit 3",
+        "echo started; sleep 8; exit 3",
     ]);
     let docker_job = c.submit(&[
         "--name",
@@ -126,6 +126,8 @@ fn tasks_survive_agent_sigkill_and_sigterm_with_their_real_exit_codes() {
     // The output survives the crash, each line copied once (the cursor
     // is saved as soon as the output pauses).
     let logs = c.ok(&["jobs", "logs", &docker_job]);
+    assert_eq!(logs.matches("started").count(), 1, "{logs}");
+    let logs = c.ok(&["jobs", "logs", &proc_job]);
     assert_eq!(logs.matches("started").count(), 1, "{logs}");
 
     // A graceful stop (an upgrade): the task ends while no agent runs and

@@ -95,6 +95,8 @@ pub struct IsolationSetup {
     pub gpu_minors: HashMap<String, u32>,
     /// The consolidated driver volume, when one could be built.
     pub driver_volume: Option<PathBuf>,
+    /// What tasks may do here: users, root, mounts.
+    pub policy: crate::security::TaskPolicy,
 }
 
 /// How a task ended, as reported to the master.
@@ -261,6 +263,10 @@ impl Executor {
         let root = self.work_dir.join(checkpoint::STATE_DIR);
         if let Err(e) = std::fs::create_dir_all(&root) {
             tracing::error!(path = %root.display(), error = %e, "cannot create the state directory");
+        }
+        // Launch records hold every task's environment: no task reads them.
+        if let Err(e) = set_mode(&root, 0o700) {
+            tracing::warn!(path = %root.display(), error = %e, "cannot make the state directory private");
         }
         match checkpoint::read_contact(&checkpoint::contact_path(&self.work_dir)) {
             Ok(c) => self.lock().contact = c,
@@ -483,6 +489,7 @@ impl Executor {
                                 resources: Default::default(),
                                 gpu_uuids: Vec::new(),
                                 no_fence: false,
+                                security: Default::default(),
                             });
                         t.tasks
                             .insert(task_id, LocalTask::new(spec.clone(), Phase::Launching));
@@ -797,10 +804,21 @@ impl Executor {
         }
         self.checkpoint_spec(spec)
             .map_err(|e| Outcome::failed(format!("checkpoint: {e}")))?;
+        // Refused before anything is made for it when it asks for more
+        // than this agent allows.
+        let security = self
+            .isolation
+            .policy
+            .resolve(spec, &crate::security::RealHost)
+            .map_err(|why| {
+                tracing::warn!(task_id, reason = %why, "task refused");
+                Outcome::failed(why)
+            })?;
         self.send(self.update(task_id, TaskState::Starting)).await;
         let sandbox = self.sandbox(task_id);
         tokio::fs::create_dir_all(&sandbox)
             .await
+            .and_then(|()| set_mode(&sandbox, 0o700))
             .map_err(|e| Outcome::failed(format!("create sandbox {}: {e}", sandbox.display())))?;
         let minors: Vec<u32> = spec
             .gpu_uuids
@@ -832,6 +850,7 @@ impl Executor {
             },
             state_dir: self.state_dir(task_id),
             fence: (!spec.no_fence).then(|| checkpoint::contact_path(&self.work_dir)),
+            security,
             task: spec.clone(),
         };
         let mut backoff = Backoff::new(OUTAGE_BACKOFF_MIN, OUTAGE_BACKOFF_MAX);
@@ -875,6 +894,11 @@ impl Executor {
             tracing::warn!(task_id, error = %e, "could not remove the task's cgroup");
         }
     }
+}
+
+fn set_mode(path: &std::path::Path, mode: u32) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
 }
 
 /// Asks the runtime to stop the task until it has taken the request (the
@@ -1097,6 +1121,8 @@ mod shell_tests {
     fn harness_on(dir: tempfile::TempDir, fake: Arc<Fake>) -> Harness {
         let mut runtimes: BTreeMap<Runtime, Arc<dyn ContainerRuntime>> = BTreeMap::new();
         runtimes.insert(Runtime::Process, Arc::new(FakeRuntime(fake.clone())));
+        // (Image tasks too, for the checks made before any runtime.)
+        runtimes.insert(Runtime::Docker, Arc::new(FakeRuntime(fake.clone())));
         // No cgroup hierarchy and no NVIDIA devices here: nothing to isolate.
         let isolator = Isolator::new(
             &dir.path().join("no-cgroups"),
@@ -1115,6 +1141,12 @@ mod shell_tests {
                 isolator,
                 gpu_minors: HashMap::new(),
                 driver_volume: None,
+                policy: crate::security::TaskPolicy::new(
+                    crate::security::DEFAULT_TASK_USER,
+                    false,
+                    Vec::new(),
+                    gpuctl_core::types::UserIds { uid: 0, gid: 0 },
+                ),
             },
             tx,
         );
@@ -1137,6 +1169,7 @@ mod shell_tests {
             resources: Resources::default(),
             gpu_uuids: vec![],
             no_fence: false,
+            security: Default::default(),
         }
     }
 
@@ -1193,6 +1226,44 @@ mod shell_tests {
         h.exec.set_desired(wants(&[], &[]));
         assert!(h.exec.known_task_ids().is_empty());
         assert!(!state_dir.exists());
+    }
+
+    /// A task asking for more than the agent allows ends FAILED with a
+    /// message naming the option, and the runtime never sees it.
+    #[tokio::test]
+    async fn a_task_asking_for_more_than_the_agent_allows_is_refused() {
+        let mut h = harness_on(tempfile::tempdir().unwrap(), Arc::default());
+        let mut root = spec("root");
+        root.security.run_as_root = true;
+        h.exec.set_desired(Desired {
+            run: [("root".to_string(), root)].into(),
+            kill: Default::default(),
+        });
+        let u = next(&mut h).await;
+        assert_eq!(u.state, TaskState::Failed, "{u:?}");
+        assert!(u.message.contains("allow_root_tasks"), "{}", u.message);
+        assert_eq!(h.fake.get("root"), Observed::NotStarted);
+        assert!(!h.exec.sandbox("root").exists(), "nothing made for it");
+
+        let mut mount = spec("mount");
+        mount.image = Some("img".into());
+        mount.security.mounts = vec![gpuctl_core::types::HostMount {
+            host_path: "/".into(),
+            container_path: "/host".into(),
+            read_only: true,
+        }];
+        h.exec.set_desired(Desired {
+            run: [("mount".to_string(), mount)].into(),
+            kill: Default::default(),
+        });
+        let u = next(&mut h).await;
+        assert_eq!(u.state, TaskState::Failed, "{u:?}");
+        assert!(u.message.contains("allowed_mounts"), "{}", u.message);
+        assert!(
+            u.message.contains("security.mounts[0].host_path"),
+            "{}",
+            u.message
+        );
     }
 
     #[tokio::test]

@@ -173,6 +173,7 @@ mod tests {
             },
             gpu_uuids: gpus.iter().map(|g| g.to_string()).collect(),
             no_fence: false,
+            security: Default::default(),
         }
     }
 

@@ -4,6 +4,12 @@
 //! Containers use the host network (agents may run Docker without a bridge)
 //! and `init: true`, so that the task's command is not PID 1 and gets the
 //! default SIGTERM behaviour when the container is stopped.
+//!
+//! What a container may do is decided here, in its host config, never by
+//! its image: not privileged, every capability dropped but
+//! [`crate::security::CONTAINER_CAPABILITIES`], `no-new-privileges`, the
+//! job's user, and no host path but the driver volume and the mounts the
+//! agent allowed (docs/isolation.md, "What a task may do").
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -631,7 +637,23 @@ fn container_config(
         ),
         // Inside the task's cgroup, whose device rules deny the other GPUs.
         cgroup_parent: iso.cgroup_parent.clone().filter(|_| cgroupfs),
-        binds: volume.map(|v| vec![crate::volume::docker_bind(v)]),
+        // The driver volume and the allowed mounts: no other host path.
+        binds: Some(
+            volume
+                .map(|v| crate::volume::docker_bind(v))
+                .into_iter()
+                .chain(spec.security.mounts.iter().map(|m| m.docker_bind()))
+                .collect(),
+        ),
+        privileged: Some(false),
+        cap_drop: Some(vec!["ALL".to_string()]),
+        cap_add: Some(
+            crate::security::CONTAINER_CAPABILITIES
+                .iter()
+                .map(|c| c.to_string())
+                .collect(),
+        ),
+        security_opt: Some(vec!["no-new-privileges".to_string()]),
         ..Default::default()
     };
     let mut env = spec.env.clone();
@@ -649,6 +671,8 @@ fn container_config(
         // "all") can never widen what the task was given.
         env: Some(env.iter().map(|(k, v)| format!("{k}={v}")).collect()),
         labels: Some(labels),
+        // `None`: the image's user, with no more than the capabilities above.
+        user: spec.security.user.map(|u| u.to_string()),
         stop_timeout: i64::try_from(spec.kill_grace.as_secs()).ok(),
         host_config: Some(host_config),
         ..Default::default()
@@ -893,7 +917,7 @@ mod tests {
     use std::path::Path;
     use std::time::Instant;
 
-    use gpuctl_core::types::{Resources, TaskSpec};
+    use gpuctl_core::types::{Resources, TaskSpec, UserIds};
 
     use crate::runtime::image::ensure_busybox_image;
 
@@ -913,6 +937,7 @@ mod tests {
                 },
                 gpu_uuids: vec![],
                 no_fence: false,
+                security: Default::default(),
             },
             agent_id: format!("agent-{task_id}"),
             env: BTreeMap::from([("GPUCTL_TASK_ID".to_string(), task_id.to_string())]),
@@ -922,6 +947,7 @@ mod tests {
             isolation: Default::default(),
             state_dir: dir.to_path_buf(),
             fence: None,
+            security: Default::default(),
         }
     }
 
@@ -1211,6 +1237,108 @@ mod tests {
             rt.observe(&s.task_ref()).await.unwrap(),
             Observed::NotStarted
         );
+    }
+
+    /// What a container may do is ours, whatever its image: not privileged,
+    /// only the default capabilities, no new privileges, the job's user,
+    /// and no host path but the mounts the agent allowed, read-only unless
+    /// asked otherwise.
+    #[tokio::test]
+    async fn docker_containers_get_no_more_than_the_default_set() {
+        use crate::security::{BindMount, CONTAINER_CAPABILITIES};
+        let Some(rt) = connect_or_skip("docker_containers_get_no_more_than_the_default_set").await
+        else {
+            return;
+        };
+        let image = ensure_busybox_image(&rt.client().unwrap()).await.unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let (ro, rw) = (dir.path().join("ro"), dir.path().join("rw"));
+        std::fs::create_dir_all(&ro).unwrap();
+        std::fs::create_dir_all(&rw).unwrap();
+        std::fs::write(ro.join("f"), "from-the-host\n").unwrap();
+        let script = "grep -E '^(CapEff|NoNewPrivs):' /proc/self/status; id -u; id -g; \
+             cat /in/f; touch /in/x 2>/dev/null && echo ro-written || echo ro-refused; \
+             touch /out/x && echo rw-written";
+        let mounts = vec![
+            BindMount {
+                host_path: ro.clone(),
+                container_path: "/in".into(),
+                read_only: true,
+            },
+            BindMount {
+                host_path: rw.clone(),
+                container_path: "/out".into(),
+                read_only: false,
+            },
+        ];
+        let run = |name: &str, user: Option<UserIds>| {
+            let mut s = spec(dir.path(), &unique(name), &image, &["sh", "-c", script]);
+            s.log_path = dir.path().join(format!("{name}.log"));
+            s.security = crate::security::LaunchSecurity {
+                user,
+                mounts: mounts.clone(),
+            };
+            s
+        };
+        // The image's user (root in the container).
+        let s = run("caps", None);
+        let t = s.task_ref();
+        rt.start(&s).await.unwrap();
+        assert_eq!(rt.wait(&t).await.unwrap(), exited(0));
+        let name = container_name(&s.agent_id, &s.task.task_id);
+        let info = rt
+            .client()
+            .unwrap()
+            .inspect_container(&name, None)
+            .await
+            .unwrap();
+        rt.remove(&t).await.unwrap();
+        let host = info.host_config.unwrap();
+        assert_eq!(host.privileged, Some(false));
+        assert_eq!(host.cap_drop, Some(vec!["ALL".to_string()]));
+        let caps: Vec<String> = CONTAINER_CAPABILITIES
+            .iter()
+            .map(|c| c.to_string())
+            .collect();
+        assert_eq!(host.cap_add, Some(caps));
+        assert_eq!(
+            host.security_opt,
+            Some(vec!["no-new-privileges".to_string()])
+        );
+        assert_eq!(
+            host.binds,
+            Some(vec![
+                format!("{}:/in:ro", ro.display()),
+                format!("{}:/out:rw", rw.display())
+            ])
+        );
+        let text = std::fs::read_to_string(&s.log_path).unwrap();
+        // CHOWN 0, DAC_OVERRIDE 1, FOWNER 3, FSETID 4, KILL 5, SETGID 6,
+        // SETUID 7, SETPCAP 8, SYS_CHROOT 18.
+        assert!(text.contains("CapEff:\t00000000000401fb\n"), "{text}");
+        assert!(text.contains("NoNewPrivs:\t1\n"), "{text}");
+        assert!(text.contains("0\n0\nfrom-the-host\n"), "{text}");
+        assert!(text.contains("ro-refused\n"), "{text}");
+        assert!(text.contains("rw-written\n"), "{text}");
+        assert!(!ro.join("x").exists());
+
+        // A user of the job's: no capability in effect.
+        let s = run(
+            "user",
+            Some(UserIds {
+                uid: 1234,
+                gid: 1234,
+            }),
+        );
+        assert_eq!(
+            run_to_end(&rt, &s).await.unwrap(),
+            exited(1),
+            "/out is root's"
+        );
+        let text = std::fs::read_to_string(&s.log_path).unwrap();
+        assert!(text.contains("CapEff:\t0000000000000000\n"), "{text}");
+        assert!(text.contains("1234\n1234\nfrom-the-host\n"), "{text}");
+        assert!(text.contains("ro-refused\n"), "{text}");
     }
 
     /// A daemon that does not answer is an outage, not a task failure.

@@ -54,6 +54,8 @@ pub struct LaunchSpec {
     /// The agent's `contact.json`, for supervisors that fence; `None`: the
     /// task is never fenced.
     pub fence: Option<PathBuf>,
+    /// Its user and mounts, as the agent's policy allowed them.
+    pub security: crate::security::LaunchSecurity,
 }
 
 impl LaunchSpec {

@@ -4,8 +4,11 @@
 //! the agent. Everything the agent needs to find the task again is in the
 //! task's state directory.
 //!
-//! There is no isolation beyond what the executor sets up around it (cgroup,
-//! device rules); this runtime is for hosts without Docker and for tests.
+//! Beyond what the executor sets up around it (cgroup, device rules), the
+//! task runs as the user its launch names (the agent's `task_user` by
+//! default), without supplementary groups and with `no_new_privs`; the
+//! sandbox is given to that user, the log stays the agent's. This runtime is
+//! for hosts without Docker and for tests.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -13,7 +16,7 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 use futures::FutureExt;
 use gpuctl_core::time::Backoff;
-use gpuctl_core::types::Runtime;
+use gpuctl_core::types::{Runtime, UserIds};
 use nix::fcntl::{Flock, FlockArg};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
@@ -114,6 +117,18 @@ fn observe_dir(dir: &Path) -> Result<Observed, RuntimeError> {
     }
 }
 
+/// Makes the sandbox the task user's own (its working directory and HOME),
+/// readable by nobody else. The log is made first, as the agent's: the
+/// supervisor appends to it and the agent serves it, and neither follows a
+/// link put in its place (`supervisor::open_log`).
+fn give_sandbox_to(sandbox: &Path, log: &Path, user: UserIds) -> Result<(), RuntimeError> {
+    use std::os::unix::fs::PermissionsExt;
+    supervisor::open_log(log).map_err(RuntimeError::Other)?;
+    std::os::unix::fs::chown(sandbox, Some(user.uid), Some(user.gid)).map_err(io_err(sandbox))?;
+    std::fs::set_permissions(sandbox, std::fs::Permissions::from_mode(0o700))
+        .map_err(io_err(sandbox))
+}
+
 impl ProcessRuntime {
     async fn start_task(&self, spec: &LaunchSpec) -> Result<(), RuntimeError> {
         let dir = &spec.state_dir;
@@ -132,6 +147,10 @@ impl ProcessRuntime {
         env.entry("PATH".into())
             .or_insert_with(|| std::env::var("PATH").unwrap_or_else(|_| DEFAULT_PATH.to_string()));
         env.insert("HOME".into(), spec.sandbox.display().to_string());
+        let user = spec.security.user;
+        if let Some(u) = user {
+            give_sandbox_to(&spec.sandbox, &spec.log_path, u)?;
+        }
         let launch = Launch {
             program: program.clone(),
             args: args.to_vec(),
@@ -141,6 +160,7 @@ impl ProcessRuntime {
             cgroup_procs: spec.isolation.cgroup_procs.clone(),
             kill_grace_ms: spec.kill_grace.as_millis() as u64,
             fence: spec.fence.clone(),
+            user,
         };
         checkpoint::write_json(&dir.join(LAUNCH_FILE), &launch).map_err(checkpoint_err)?;
         let log_path = dir.join(supervisor::LOG_FILE);

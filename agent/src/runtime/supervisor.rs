@@ -30,6 +30,7 @@ use std::path::{Path, PathBuf};
 use std::process::{ExitCode, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
+use gpuctl_core::types::UserIds;
 use nix::errno::Errno;
 use nix::fcntl::{Flock, FlockArg};
 use nix::poll::{PollFd, PollFlags, PollTimeout};
@@ -70,6 +71,11 @@ pub struct Launch {
     pub kill_grace_ms: u64,
     /// The agent's `contact.json`; `None`: never fenced (`--no-fence`).
     pub fence: Option<PathBuf>,
+    /// The task switches to this user and group, without supplementary
+    /// groups, after joining its cgroups and before exec; `None`: it keeps
+    /// the supervisor's (root, for a job allowed to run as root).
+    #[serde(default)]
+    pub user: Option<UserIds>,
 }
 
 /// A process by pid and start time (clock ticks since boot, from
@@ -350,14 +356,41 @@ fn begin_stop(pgid: Pid, grace: Duration) -> Instant {
     Instant::now() + grace
 }
 
+/// Opens (or creates) a task's log for appending, as the agent. The log
+/// lies in the sandbox, which the task's user owns: a symlink, hard link or
+/// FIFO the task (or another task of the same user) put there is refused
+/// rather than followed, so the agent never writes to a file of its
+/// choosing.
+pub fn open_log(path: &Path) -> Result<std::fs::File, String> {
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .mode(0o640)
+        // O_NONBLOCK: a FIFO fails at once instead of blocking the open.
+        .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| format!("open {}: {e}", path.display()))?;
+    let md = file
+        .metadata()
+        .map_err(|e| format!("stat {}: {e}", path.display()))?;
+    if !md.is_file() || md.nlink() != 1 || md.uid() != nix::unistd::geteuid().as_raw() {
+        return Err(format!(
+            "{} is not a plain file of the agent's (a link, or made by the task): refused",
+            path.display()
+        ));
+    }
+    use std::os::fd::AsRawFd;
+    nix::fcntl::fcntl(
+        file.as_raw_fd(),
+        nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_APPEND),
+    )
+    .map_err(|e| format!("fcntl {}: {e}", path.display()))?;
+    Ok(file)
+}
+
 fn spawn(launch: &Launch) -> Result<std::process::Child, String> {
-    let open_log = || {
-        std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&launch.log_path)
-            .map_err(|e| format!("open {}: {e}", launch.log_path.display()))
-    };
+    let open_log = || open_log(&launch.log_path);
     let (out, err) = (open_log()?, open_log()?);
     let mut cmd = std::process::Command::new(&launch.program);
     cmd.args(&launch.args)
@@ -370,8 +403,11 @@ fn spawn(launch: &Launch) -> Result<std::process::Child, String> {
         // One signal reaches the command and everything it forks.
         .process_group(0);
     unblock_signals_before_exec(&mut cmd);
+    // As root: cgroup.procs is root's to write.
     crate::isolation::join::join_before_exec_std(&mut cmd, &launch.cgroup_procs)
         .map_err(|e| e.to_string())?;
+    // Last, so that nothing above runs as the task's user.
+    drop_privileges_before_exec(&mut cmd, launch.user);
     cmd.spawn()
         .map_err(|e| format!("spawn {}: {e}", launch.program))
 }
@@ -387,6 +423,31 @@ fn unblock_signals_before_exec(cmd: &mut std::process::Command) {
             SigSet::empty()
                 .thread_set_mask()
                 .map_err(std::io::Error::from)
+        });
+    }
+}
+
+/// Makes the child switch to `user` (when given) just before exec: no
+/// supplementary groups, then the group, then the user (after which it
+/// cannot go back). `std`'s own `uid`/`gid` are not used because they
+/// switch before the `pre_exec` closures, and joining the cgroups must be
+/// done as root. Every task also gets `no_new_privs`: a setuid or
+/// file-capability program (`sudo`, `su`, `ping`) cannot raise its
+/// privileges again.
+#[allow(unsafe_code)]
+fn drop_privileges_before_exec(cmd: &mut std::process::Command, user: Option<UserIds>) {
+    use nix::unistd::{setgid, setgroups, setuid, Gid, Uid};
+    // SAFETY: runs in the forked child before exec; setgroups (with an
+    // empty slice), setgid, setuid and prctl are plain system calls that
+    // neither allocate nor lock.
+    unsafe {
+        cmd.pre_exec(move || {
+            if let Some(u) = user {
+                setgroups(&[]).map_err(std::io::Error::from)?;
+                setgid(Gid::from_raw(u.gid)).map_err(std::io::Error::from)?;
+                setuid(Uid::from_raw(u.uid)).map_err(std::io::Error::from)?;
+            }
+            nix::sys::prctl::set_no_new_privs().map_err(std::io::Error::from)
         });
     }
 }

@@ -29,7 +29,8 @@ const MAX_FRUITLESS_STREAMS: u32 = 5;
 #[derive(Debug, Subcommand)]
 pub enum JobsCommand {
     /// Submit a job; prints its id.
-    Submit(SubmitArgs),
+    // Boxed: by far the largest command's arguments.
+    Submit(Box<SubmitArgs>),
     /// List the jobs, oldest first (all of them unless --limit).
     List(ListArgs),
     /// Show one job and its tasks.
@@ -164,6 +165,20 @@ pub struct SubmitArgs {
     /// GPUCTL_RANK, GPUCTL_WORLD_SIZE and GPUCTL_PEERS.
     #[arg(long, value_name = "R", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=i64::from(gpuctl_core::convert::MAX_REPLICAS)))]
     pub replicas: u32,
+    /// Run its tasks as this numeric user: UID or UID:GID (UID alone is
+    /// UID:UID). Default: a container runs as its image's user, a host
+    /// process as its agent's task_user (nobody).
+    #[arg(long, value_name = "UID[:GID]")]
+    pub user: Option<String>,
+    /// Bind-mount a host path into the container (image jobs only),
+    /// read-only unless `:rw`; repeatable. Only agents whose
+    /// allowed_mounts cover HOST take it.
+    #[arg(long = "mount", value_name = "HOST:CONTAINER[:rw]", value_parser = parse_mount)]
+    pub mounts: Vec<pb::HostMount>,
+    /// Run a host-process job's tasks as root. Only agents started with
+    /// --allow-root-tasks take it (and the cluster may refuse it).
+    #[arg(long)]
+    pub run_as_root: bool,
     /// Start a failed job (the whole gang) again, up to N times.
     #[arg(long, value_name = "N", default_value_t = 0, value_parser = clap::value_parser!(u32).range(..=i64::from(gpuctl_core::convert::MAX_RETRIES)))]
     pub max_retries: u32,
@@ -204,8 +219,40 @@ impl SubmitArgs {
             no_fence: self.no_fence,
             tenant: self.tenant.clone().unwrap_or_default(),
             secret_env: self.secret_env.iter().map(|(k, _)| k.clone()).collect(),
+            security: self.security(),
         }
     }
+
+    /// `None` when nothing is asked (the defaults).
+    fn security(&self) -> Option<pb::TaskSecurity> {
+        let s = pb::TaskSecurity {
+            user: self.user.clone().unwrap_or_default(),
+            mounts: self.mounts.clone(),
+            privileged: false,
+            run_as_root: self.run_as_root,
+        };
+        (s != pb::TaskSecurity::default()).then_some(s)
+    }
+}
+
+/// `HOST:CONTAINER[:ro|:rw]` of `--mount`: read-only unless `rw`. The
+/// paths themselves are checked by the master.
+pub fn parse_mount(s: &str) -> Result<pb::HostMount, String> {
+    let parts: Vec<&str> = s.split(':').collect();
+    let (host, container, read_write) = match parts[..] {
+        [h, c] => (h, c, false),
+        [h, c, "ro"] => (h, c, false),
+        [h, c, "rw"] => (h, c, true),
+        _ => return Err(format!("{s:?} is not HOST:CONTAINER[:rw]")),
+    };
+    if host.is_empty() || container.is_empty() {
+        return Err(format!("{s:?} is not HOST:CONTAINER[:rw]"));
+    }
+    Ok(pb::HostMount {
+        host_path: host.to_string(),
+        container_path: container.to_string(),
+        read_write,
+    })
 }
 
 /// `KEY=VALUE` of `--constraint`: both sides non-empty.
@@ -741,7 +788,7 @@ mod tests {
 
     fn submit_args(args: &[&str]) -> SubmitArgs {
         match parse(args).unwrap().command {
-            Command::Jobs(JobsCommand::Submit(a)) => a,
+            Command::Jobs(JobsCommand::Submit(a)) => *a,
             other => panic!("parsed as {other:?}"),
         }
     }
@@ -791,6 +838,55 @@ mod tests {
         );
         assert!(spec.env.is_empty());
         assert!(!spec.no_fence);
+        assert_eq!(spec.security, None, "the defaults are not sent");
+    }
+
+    #[test]
+    fn submit_security_flags() {
+        let a = submit_args(&[
+            "jobs",
+            "submit",
+            "--name",
+            "x",
+            "--image",
+            "img",
+            "--user",
+            "1234:5",
+            "--mount",
+            "/data/sets:/data",
+            "--mount",
+            "/scratch:/out:rw",
+            "--mount",
+            "/models:/m:ro",
+            "--",
+            "true",
+        ]);
+        let s = a.to_spec().security.unwrap();
+        assert_eq!(s.user, "1234:5");
+        let m = |h: &str, c: &str, rw: bool| pb::HostMount {
+            host_path: h.into(),
+            container_path: c.into(),
+            read_write: rw,
+        };
+        assert_eq!(
+            s.mounts,
+            [
+                m("/data/sets", "/data", false),
+                m("/scratch", "/out", true),
+                m("/models", "/m", false)
+            ]
+        );
+        assert!(!s.run_as_root && !s.privileged);
+        let a = submit_args(&["jobs", "submit", "--name", "x", "--run-as-root", "--", "id"]);
+        assert!(a.to_spec().security.unwrap().run_as_root);
+        for bad in ["/a", "/a:/b:x", ":/b", "/a:", "/a:/b:rw:x"] {
+            let err = parse(&[
+                "jobs", "submit", "--name", "x", "--mount", bad, "--", "true",
+            ])
+            .unwrap_err();
+            assert_eq!(err.exit_code(), i32::from(EXIT_USAGE));
+            assert!(err.to_string().contains("--mount"), "{bad}: {err}");
+        }
     }
 
     #[test]

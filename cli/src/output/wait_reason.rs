@@ -80,13 +80,28 @@ pub enum NeverFitsJson {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum RequirementJson {
-    Runtime { runtime: String },
-    Attribute { key: String, pattern: String },
+    Runtime {
+        runtime: String,
+    },
+    Attribute {
+        key: String,
+        pattern: String,
+    },
     GpuModel(GpuAskJson),
     GpuMemory(GpuAskJson),
     Gpus(GpuAskJson),
-    Cpus { cpus: f64 },
-    Memory { mem_mib: u64 },
+    Cpus {
+        cpus: f64,
+    },
+    Memory {
+        mem_mib: u64,
+    },
+    /// Allows root host-process tasks (the agent's allow_root_tasks).
+    RootTasks,
+    /// Allows mounting `path` (the agent's allowed_mounts).
+    Mount {
+        path: String,
+    },
 }
 
 /// The GPUs a task asks for.
@@ -123,6 +138,8 @@ pub struct BusyJson {
     pub exhausted_cpus: u32,
     pub exhausted_memory: u32,
     pub fit_one: u32,
+    #[serde(default)]
+    pub filtered_security: u32,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -169,6 +186,10 @@ impl RequirementJson {
             Kind::Gpus => RequirementJson::Gpus(gpus()),
             Kind::Cpus => RequirementJson::Cpus { cpus: r.cpus },
             Kind::Memory => RequirementJson::Memory { mem_mib: r.mem_mib },
+            Kind::RootTasks => RequirementJson::RootTasks,
+            Kind::Mount => RequirementJson::Mount {
+                path: r.path.clone(),
+            },
         })
     }
 }
@@ -242,6 +263,7 @@ impl WaitReasonJson {
                 exhausted_cpus: b.exhausted_cpus,
                 exhausted_memory: b.exhausted_memory,
                 fit_one: b.fit_one,
+                filtered_security: b.filtered_security,
             }),
         };
         Some(WaitReasonJson {
@@ -299,6 +321,12 @@ impl RequirementJson {
             RequirementJson::Gpus(g) => format!("has {}", g.words()),
             RequirementJson::Cpus { cpus } => format!("has {cpus} cpus"),
             RequirementJson::Memory { mem_mib } => format!("has {mem_mib} MiB of memory"),
+            RequirementJson::RootTasks => {
+                "allows root tasks (agent option allow_root_tasks)".to_string()
+            }
+            RequirementJson::Mount { path } => {
+                format!("allows mounting {path} (agent option allowed_mounts)")
+            }
         }
     }
 
@@ -312,6 +340,8 @@ impl RequirementJson {
             | RequirementJson::Gpus(g) => format!("have {}", g.words()),
             RequirementJson::Cpus { cpus } => format!("have {cpus} cpus"),
             RequirementJson::Memory { mem_mib } => format!("have {mem_mib} MiB of memory"),
+            RequirementJson::RootTasks => "allow root tasks".to_string(),
+            RequirementJson::Mount { path } => format!("allow mounting {path}"),
         }
     }
 
@@ -365,6 +395,7 @@ impl BusyJson {
             (self.exhausted_memory, "short of free memory"),
             (self.fit_one, "with room for one replica"),
             (self.filtered_runtime, "without the runtime"),
+            (self.filtered_security, "not allowing its root or mounts"),
             (self.filtered_constraints, "not matching the constraints"),
             (self.filtered_gpu_model, "without the GPU model"),
             (self.filtered_gpu_memory, "without a GPU with the memory"),
@@ -634,6 +665,22 @@ mod tests {
             text(missing(mem, vec![], Some(524288.0), None), None),
             "no agent has 1048576 MiB of memory (at most 524288 MiB)"
         );
+        assert_eq!(
+            text(missing(req(R::RootTasks), vec![], None, None), None),
+            "no agent allows root tasks (agent option allow_root_tasks)"
+        );
+        let mount = |p: &str| wr::Requirement {
+            path: p.into(),
+            ..req(R::Mount)
+        };
+        assert_eq!(
+            text(
+                missing(mount("/data/b"), vec![mount("/data/a")], None, None),
+                None
+            ),
+            "no agent allows mounting /data/b (agent option allowed_mounts) \
+             among those that allow mounting /data/a"
+        );
     }
 
     #[test]
@@ -765,12 +812,14 @@ mod tests {
             exhausted_cpus: 0,
             exhausted_memory: 0,
             fit_one: 1,
+            filtered_security: 1,
         };
         assert_eq!(
             text(wr::Kind::Resources(busy), None),
             "Resources: waiting for resources to be freed (of 7 agents: 1 short of free GPUs, \
-             1 with room for one replica, 1 without the runtime, 1 not matching the constraints, \
-             1 without the GPU model, 1 without a GPU with the memory, 1 too small)"
+             1 with room for one replica, 1 without the runtime, 1 not allowing its root or mounts, \
+             1 not matching the constraints, 1 without the GPU model, \
+             1 without a GPU with the memory, 1 too small)"
         );
         let busy = wr::Busy {
             agents: 1,

@@ -49,6 +49,8 @@ pub fn request(spec: &JobSpec) -> placement::TaskRequest<'_> {
         gpu_model: spec.placement.gpu_model.as_deref(),
         gpu_mem_min_mib: spec.placement.gpu_mem_min_mib,
         constraints: &spec.placement.constraints,
+        run_as_root: spec.security.run_as_root,
+        mounts: &spec.security.mounts,
     }
 }
 
@@ -223,6 +225,8 @@ impl<'s> PoolNode<'s> {
             id: info.id.as_str(),
             attributes: &info.attributes,
             runtimes: &info.runtimes,
+            allow_root_tasks: info.allow_root_tasks,
+            allowed_mounts: &info.allowed_mounts,
             free: self.free,
             free_gpus: info
                 .gpus
@@ -287,12 +291,22 @@ pub fn may_use(
 /// Jobs alike in what they ask place alike: the key of what a job asks.
 pub(crate) fn ask_key(job: &JobRecord) -> String {
     let spec = &job.spec;
+    // Only what placement reads of `security`: root and the mounts' host
+    // paths.
+    let mounts: Vec<&str> = spec
+        .security
+        .mounts
+        .iter()
+        .map(|m| m.host_path.as_str())
+        .collect();
     format!(
-        "{:?}|{:?}|{:?}|{}",
+        "{:?}|{:?}|{:?}|{}|{}|{:?}",
         spec.resources,
         spec.runtime(),
         spec.placement,
-        spec.replicas()
+        spec.replicas(),
+        spec.security.run_as_root,
+        mounts
     )
 }
 
@@ -422,6 +436,8 @@ mod tests {
                 attributes: Default::default(),
                 driver_version: None,
                 cuda_driver_version: None,
+                allow_root_tasks: false,
+                allowed_mounts: Vec::new(),
             },
             running_task_ids: vec![],
             at_ms: 0,
@@ -563,6 +579,48 @@ mod tests {
                     set_aside: Default::default(),
                 },
                 requeued: None,
+            }
+        );
+    }
+
+    /// A root host-process job goes only to an agent that allows root
+    /// tasks, and waits saying so when none does; alike jobs that differ
+    /// in their security are not taken for each other's misses.
+    #[test]
+    fn root_jobs_go_only_to_agents_that_allow_them() {
+        let root_job = || {
+            let mut c = job(1, false);
+            if let Command::SubmitJob { spec, .. } = &mut c {
+                spec.security.run_as_root = true;
+            }
+            c
+        };
+        let mut allowing = agent("r", 2, both());
+        if let Command::RegisterAgent { info, .. } = &mut allowing {
+            info.allow_root_tasks = true;
+        }
+        let s = state(vec![agent("p", 2, both()), allowing, root_job()]);
+        let l = place(&s, &BTreeSet::new(), &BTreeMap::new());
+        assert_eq!(l.len(), 1);
+        assert_eq!(l[0].agent_id, "r");
+
+        // None allows it: it waits and says why; a plain job just like it
+        // is placed all the same.
+        let s = state(vec![agent("p", 2, both()), root_job(), job(1, false)]);
+        let l = place(&s, &BTreeSet::new(), &BTreeMap::new());
+        assert_eq!(l.len(), 1);
+        assert_eq!(l[0].job_id, "job-2");
+        assert_eq!(
+            queue::wait_reason(&s, &Default::default(), "job-1")
+                .unwrap()
+                .reason,
+            reason::WaitReason::NeverFits {
+                why: reason::NeverFits::Missing {
+                    need: reason::Requirement::RootTasks,
+                    among: vec![],
+                    largest: None,
+                },
+                set_aside: Default::default(),
             }
         );
     }

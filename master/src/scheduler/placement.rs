@@ -2,7 +2,8 @@
 //! PURE and deterministic: the same views give the same answer.
 //!
 //! Rules:
-//! - A node qualifies when it runs the task's runtime, every constraint
+//! - A node qualifies when it runs the task's runtime, allows what its
+//!   security asks (root host-process tasks, each host mount), every constraint
 //!   `KEY=GLOB` matches its attribute `KEY` (case-insensitive glob on the
 //!   value), `free.fits(resources)`, and enough of its `free_gpus` are
 //!   healthy and match: model glob (`*`, `?`, case-insensitive) and
@@ -45,7 +46,7 @@
 
 use std::collections::BTreeMap;
 
-use gpuctl_core::types::{GpuInfo, PlacementPolicy, Resources, Runtime};
+use gpuctl_core::types::{path_within, GpuInfo, HostMount, PlacementPolicy, Resources, Runtime};
 
 pub use super::topology::choose_gpus;
 use gpuctl_core::wait::{AgentCounts, GpuAsk, NeverFits, Requirement};
@@ -62,6 +63,10 @@ pub struct TaskRequest<'a> {
     pub gpu_mem_min_mib: u64,
     /// Agent attribute `KEY=VALUE`, the value may be a glob; all must match.
     pub constraints: &'a BTreeMap<String, String>,
+    /// A host-process task that runs as root: only on agents that allow it.
+    pub run_as_root: bool,
+    /// Host mounts: each under one of the agent's allowed mounts.
+    pub mounts: &'a [HostMount],
 }
 
 /// One agent as the placer sees it.
@@ -70,6 +75,10 @@ pub struct NodeView<'a> {
     pub id: &'a str,
     pub attributes: &'a BTreeMap<String, String>,
     pub runtimes: &'a [Runtime],
+    /// It runs host-process tasks as root for jobs that ask.
+    pub allow_root_tasks: bool,
+    /// Host path prefixes its containers may mount.
+    pub allowed_mounts: &'a [String],
     /// Free cpus, memory and GPU count.
     pub free: Resources,
     /// GPUs usable now (healthy, not held, not offered to frameworks).
@@ -174,9 +183,20 @@ impl GpuFilter {
     }
 }
 
-/// Runtime and constraints.
+/// Runtime, security and constraints.
 fn static_ok(req: &TaskRequest, node: &NodeView) -> bool {
-    node.runtimes.contains(&req.runtime) && constraints_ok(req.constraints, node.attributes)
+    node.runtimes.contains(&req.runtime)
+        && security_ok(req, node)
+        && constraints_ok(req.constraints, node.attributes)
+}
+
+/// The agent allows what the task's security asks: root, its mounts.
+fn security_ok(req: &TaskRequest, node: &NodeView) -> bool {
+    (!req.run_as_root || node.allow_root_tasks)
+        && req
+            .mounts
+            .iter()
+            .all(|m| path_within(node.allowed_mounts, &m.host_path))
 }
 
 fn constraints_ok(
@@ -189,7 +209,7 @@ fn constraints_ok(
 }
 
 /// Whether a node satisfies the task's static requirements: runtime,
-/// constraints, and enough GPUs of the model/memory among ALL its GPUs
+/// security, constraints, and enough GPUs of the model/memory among ALL its GPUs
 /// (healthy or not, busy or not).
 pub fn node_matches(req: &TaskRequest, node: &NodeView) -> bool {
     let n = req.resources.gpus as usize;
@@ -353,6 +373,8 @@ pub fn place_gang<'v, 'a>(
 /// One requirement of a task, checked on its own by [`unsatisfiable`].
 enum Need<'r> {
     Runtime(Runtime),
+    RootTasks,
+    Mount(&'r str),
     Attribute(&'r str, &'r str),
     /// Some GPU of the model (memory aside).
     Model,
@@ -374,8 +396,8 @@ impl Need<'_> {
 /// of the node, healthy or not, and its total capacity from `totals`).
 /// `None` when some node could.
 ///
-/// Requirements are checked in order: runtime, each constraint, GPU model,
-/// GPU memory, GPU count, cpus, memory. The first that no remaining node
+/// Requirements are checked in order: runtime, root tasks, each mount, each
+/// constraint, GPU model, GPU memory, GPU count, cpus, memory. The first that no remaining node
 /// meets is named ("no agent runs docker", "no agent has GPU model H100*"),
 /// with the most a node has of it ("no agent has 9 GPUs (at most 8)");
 /// [`NeverFits::NoActiveAgent`] when there are no nodes. When some node
@@ -395,6 +417,10 @@ pub fn unsatisfiable(
     let model = req.gpu_model;
     let mem = req.gpu_mem_min_mib;
     let mut steps = vec![Need::Runtime(req.runtime)];
+    if req.run_as_root {
+        steps.push(Need::RootTasks);
+    }
+    steps.extend(req.mounts.iter().map(|m| Need::Mount(m.host_path.as_str())));
     steps.extend(
         req.constraints
             .iter()
@@ -419,6 +445,8 @@ pub fn unsatisfiable(
     };
     let requirement = |step: &Need| match step {
         Need::Runtime(rt) => Requirement::Runtime(*rt),
+        Need::RootTasks => Requirement::RootTasks,
+        Need::Mount(p) => Requirement::Mount(p.to_string()),
         Need::Attribute(k, v) => Requirement::Attribute {
             key: k.to_string(),
             pattern: v.to_string(),
@@ -438,6 +466,8 @@ pub fn unsatisfiable(
     let mut meets = |step: &Need, node: &NodeView| -> bool {
         match step {
             Need::Runtime(rt) => node.runtimes.contains(rt),
+            Need::RootTasks => node.allow_root_tasks,
+            Need::Mount(p) => path_within(node.allowed_mounts, p),
             Need::Attribute(k, pat) => node.attributes.get(*k).is_some_and(|v| glob_match(pat, v)),
             Need::Model => node.all_gpus.iter().any(|g| model_only.matches(g)),
             Need::Memory => node.all_gpus.iter().any(|g| filter.matches(g)),
@@ -499,7 +529,11 @@ fn largest(
     });
     let mut of = |node: &NodeView| -> Option<f64> {
         match step {
-            Need::Runtime(_) | Need::Attribute(..) | Need::Model => None,
+            Need::Runtime(_)
+            | Need::RootTasks
+            | Need::Mount(_)
+            | Need::Attribute(..)
+            | Need::Model => None,
             Need::Memory => node
                 .all_gpus
                 .iter()
@@ -516,7 +550,7 @@ fn largest(
 }
 
 /// Why each node cannot take one task now, counted once per node for the
-/// first thing it lacks: its runtime, constraints, GPU model, GPU memory,
+/// first thing it lacks: its runtime, security, constraints, GPU model, GPU memory,
 /// its size in all (`totals`), then free GPUs, cpus, memory (a job waiting
 /// for resources says where they are short).
 pub fn agent_counts(
@@ -539,6 +573,8 @@ pub fn agent_counts(
         let scalars = Resources { gpus: 0, ..need };
         let slot = if !node.runtimes.contains(&req.runtime) {
             &mut c.filtered_runtime
+        } else if !security_ok(req, node) {
+            &mut c.filtered_security
         } else if !constraints_ok(req.constraints, node.attributes) {
             &mut c.filtered_constraints
         } else if n > 0
@@ -586,6 +622,8 @@ mod tests {
         id: String,
         attributes: BTreeMap<String, String>,
         runtimes: Vec<Runtime>,
+        allow_root_tasks: bool,
+        allowed_mounts: Vec<String>,
         total: Resources,
         free: Resources,
         gpus: Vec<GpuInfo>,
@@ -598,6 +636,8 @@ mod tests {
                 id: id.into(),
                 attributes: BTreeMap::new(),
                 runtimes: vec![Runtime::Docker, Runtime::Process],
+                allow_root_tasks: false,
+                allowed_mounts: Vec::new(),
                 total: res(32.0, 262_144, n),
                 free: res(32.0, 262_144, n),
                 gpus: (0..n)
@@ -612,6 +652,8 @@ mod tests {
                 id: &self.id,
                 attributes: &self.attributes,
                 runtimes: &self.runtimes,
+                allow_root_tasks: self.allow_root_tasks,
+                allowed_mounts: &self.allowed_mounts,
                 free: self.free,
                 free_gpus: self
                     .gpus
@@ -649,6 +691,8 @@ mod tests {
             gpu_model: None,
             gpu_mem_min_mib: 0,
             constraints: &NONE,
+            run_as_root: false,
+            mounts: &[],
         }
     }
 
@@ -1320,8 +1364,91 @@ mod tests {
                 exhausted_cpus: 1,
                 exhausted_memory: 1,
                 fit_one: 1,
+                filtered_security: 0,
             }
         );
+    }
+
+    /// A task asking for root or a mount goes only to an agent that allows
+    /// it; when none does, the reason names what is not allowed.
+    #[test]
+    fn security_asks_go_only_to_agents_that_allow_them() {
+        let mut nodes = vec![
+            Node::new("plain", 2, "A100", 40960),
+            Node::new("root-ok", 1, "A100", 40960),
+            Node::new("mounts-ok", 1, "A100", 40960),
+        ];
+        nodes[1].allow_root_tasks = true;
+        nodes[2].allowed_mounts = vec!["/data".into()];
+        let mount = |p: &str| HostMount {
+            host_path: p.into(),
+            container_path: "/in".into(),
+            read_only: true,
+        };
+        let bundle = PlacementPolicy::Bundle;
+        let root = TaskRequest {
+            run_as_root: true,
+            ..req(1)
+        };
+        assert_eq!(
+            place_task(&root, &views(&nodes), bundle).unwrap().node,
+            "root-ok"
+        );
+        let data = [mount("/data/sets")];
+        let m = TaskRequest {
+            runtime: Runtime::Docker,
+            mounts: &data,
+            ..req(1)
+        };
+        assert_eq!(
+            place_task(&m, &views(&nodes), bundle).unwrap().node,
+            "mounts-ok"
+        );
+        // Prefixes by whole components.
+        let database = [mount("/data"), mount("/database")];
+        let m2 = TaskRequest {
+            mounts: &database,
+            ..m
+        };
+        assert_eq!(place_task(&m2, &views(&nodes), bundle), None);
+        assert_eq!(
+            unsatisfiable(&m2, &views(&nodes), &totals_of(&nodes)),
+            Some(missing(
+                Requirement::Mount("/database".into()),
+                vec![],
+                None
+            ))
+        );
+        // Each allowed alone, never together: both named.
+        let both = TaskRequest {
+            run_as_root: true,
+            mounts: &data,
+            ..req(1)
+        };
+        assert_eq!(
+            unsatisfiable(&both, &views(&nodes), &totals_of(&nodes)),
+            Some(missing(
+                Requirement::Mount("/data/sets".into()),
+                vec![Requirement::RootTasks],
+                None
+            ))
+        );
+        // With no agent allowing root, that is the reason.
+        nodes[1].allow_root_tasks = false;
+        assert_eq!(
+            unsatisfiable(&root, &views(&nodes), &totals_of(&nodes)),
+            Some(missing(Requirement::RootTasks, vec![], None))
+        );
+        assert_eq!(place_task(&root, &views(&nodes), bundle), None);
+        // Counted after the runtime, before the rest.
+        nodes[2].runtimes = vec![Runtime::Process];
+        let c = agent_counts(&m, &views(&nodes), &totals_of(&nodes));
+        assert_eq!(
+            (c.agents, c.filtered_runtime, c.filtered_security, c.fit_one),
+            (3, 1, 2, 0)
+        );
+        // Asking nothing is placed as before.
+        assert!(place_task(&req(1), &views(&nodes), bundle).is_some());
     }
 
     /// "Bundle leaves room for the largest job" fails when any condition of
@@ -1476,6 +1603,7 @@ mod tests {
             zone: Option<&'static str>,
             runtime: Runtime,
             replicas: u32,
+            run_as_root: bool,
         }
 
         impl Job {
@@ -1491,6 +1619,8 @@ mod tests {
                     gpu_model: self.model,
                     gpu_mem_min_mib: self.mem,
                     constraints: &c,
+                    run_as_root: self.run_as_root,
+                    mounts: &[],
                 })
             }
         }
@@ -1548,6 +1678,8 @@ mod tests {
                         id,
                         attributes,
                         runtimes,
+                        allow_root_tasks: next(3) == 0,
+                        allowed_mounts: Vec::new(),
                         total,
                         free: Resources {
                             gpus: healthy,
@@ -1573,20 +1705,24 @@ mod tests {
                 prop::option::weighted(0.2, prop_oneof![Just("zone-1"), Just("ZONE-*")]),
                 any::<bool>(),
                 prop_oneof![4 => Just(1u32), 1 => 2u32..=4],
+                prop::bool::weighted(0.2),
             )
-                .prop_map(|(gpus, cpus, model, mem, zone, docker, replicas)| Job {
-                    gpus,
-                    cpus: f64::from(cpus) / 2.0,
-                    model: model.map(|m| PATTERNS[m]),
-                    mem,
-                    zone,
-                    runtime: if docker {
-                        Runtime::Docker
-                    } else {
-                        Runtime::Process
+                .prop_map(
+                    |(gpus, cpus, model, mem, zone, docker, replicas, run_as_root)| Job {
+                        gpus,
+                        cpus: f64::from(cpus) / 2.0,
+                        model: model.map(|m| PATTERNS[m]),
+                        mem,
+                        zone,
+                        runtime: if docker {
+                            Runtime::Docker
+                        } else {
+                            Runtime::Process
+                        },
+                        replicas,
+                        run_as_root,
                     },
-                    replicas,
-                })
+                )
         }
 
         /// Places the stream one job at a time and checks every placement;
@@ -1626,6 +1762,10 @@ mod tests {
                     let Some(node) = node else { unreachable!() };
                     prop_assert_eq!(p.gpus.len(), job.gpus as usize);
                     prop_assert!(node.runtimes.contains(&job.runtime));
+                    prop_assert!(
+                        !job.run_as_root || node.allow_root_tasks,
+                        "root where not allowed"
+                    );
                     if let Some(z) = job.zone {
                         prop_assert!(node
                             .attributes
@@ -1799,6 +1939,7 @@ mod tests {
                     // the task exactly when it is placed.
                     let c = agent_counts(r, &v, &totals);
                     let counted = c.filtered_runtime
+                        + c.filtered_security
                         + c.filtered_constraints
                         + c.filtered_gpu_model
                         + c.filtered_gpu_memory

@@ -430,6 +430,8 @@ fn empty_views(state: &State) -> Vec<placement::NodeView<'_>> {
             id: a.info.id.as_str(),
             attributes: &a.info.attributes,
             runtimes: &a.info.runtimes,
+            allow_root_tasks: a.info.allow_root_tasks,
+            allowed_mounts: &a.info.allowed_mounts,
             free: a.info.total,
             free_gpus: a.info.gpus.iter().collect(),
             all_gpus: &a.info.gpus,

@@ -158,6 +158,8 @@ pub fn agent_to_pb(a: &AgentRecord, runtimes: Vec<RuntimeStatus>) -> pb::Agent {
             Vec::new()
         },
         unreachable_since_ms: a.unreachable_since_ms.unwrap_or_default(),
+        allow_root_tasks: a.info.allow_root_tasks,
+        allowed_mounts: a.info.allowed_mounts.clone(),
     }
 }
 
@@ -333,6 +335,19 @@ impl OperatorService {
                 caller.tenant(),
                 spec.tenant
             )));
+        }
+        // Root on a host needs the agent's consent (allow_root_tasks, in
+        // placement) and the tenant's: its token must allow it.
+        if spec.security.run_as_root {
+            if let Caller::Token(t) = caller {
+                if !t.allow_root {
+                    return Err(ServiceError::Forbidden(format!(
+                        "spec.security.run_as_root: tenant {}'s token does not allow root \
+                         tasks (an admin makes one with `gpuctl tokens create --allow-root`)",
+                        caller.tenant()
+                    )));
+                }
+            }
         }
         match self
             .ctx

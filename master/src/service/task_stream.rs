@@ -174,6 +174,7 @@ mod tests {
             resources: Resources::default(),
             gpu_uuids: vec![],
             no_fence: false,
+            security: Default::default(),
         }
     }
 

@@ -306,6 +306,8 @@ mod tests {
             attributes: Default::default(),
             driver_version: None,
             cuda_driver_version: None,
+            allow_root_tasks: false,
+            allowed_mounts: Vec::new(),
         };
         s.apply(
             1,

@@ -437,12 +437,19 @@ impl State {
     /// job is gone.
     pub fn task_spec(&self, task_id: &str) -> Option<TaskSpec> {
         let t = self.tasks.get(task_id)?;
-        let (image, command, env) = match (&t.launch, self.jobs.get(&t.job_id)) {
-            (Some(l), _) => (l.image.clone(), l.command.clone(), l.env.clone()),
+        // A framework's task has the default security.
+        let (image, command, env, security) = match (&t.launch, self.jobs.get(&t.job_id)) {
+            (Some(l), _) => (
+                l.image.clone(),
+                l.command.clone(),
+                l.env.clone(),
+                Default::default(),
+            ),
             (None, Some(job)) => (
                 job.spec.image.clone(),
                 job.spec.command.clone(),
                 self.job_task_env(job, t),
+                job.spec.security.clone(),
             ),
             (None, None) => return None,
         };
@@ -456,6 +463,7 @@ impl State {
             resources: t.resources,
             gpu_uuids: t.gpu_uuids.clone(),
             no_fence: self.no_fence(t),
+            security,
         })
     }
 

@@ -379,6 +379,8 @@ mod tests {
                 attributes: BTreeMap::new(),
                 driver_version: None,
                 cuda_driver_version: None,
+                allow_root_tasks: false,
+                allowed_mounts: Vec::new(),
             },
             state: AgentState::Active,
             registered_at_ms: 0,

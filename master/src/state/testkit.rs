@@ -84,6 +84,8 @@ pub fn register(id: &str, gpus: u32) -> Command {
             attributes: Default::default(),
             driver_version: None,
             cuda_driver_version: None,
+            allow_root_tasks: false,
+            allowed_mounts: Vec::new(),
         },
         running_task_ids: vec![],
         at_ms: 0,
