@@ -1258,7 +1258,7 @@ mod tests {
         std::fs::write(ro.join("f"), "from-the-host\n").unwrap();
         let script = "grep -E '^(CapEff|NoNewPrivs):' /proc/self/status; id -u; id -g; \
              cat /in/f; touch /in/x 2>/dev/null && echo ro-written || echo ro-refused; \
-             touch /out/x && echo rw-written";
+             touch /out/x 2>/dev/null && echo rw-written || echo rw-refused";
         let mounts = vec![
             BindMount {
                 host_path: ro.clone(),
@@ -1330,15 +1330,14 @@ mod tests {
                 gid: 1234,
             }),
         );
-        assert_eq!(
-            run_to_end(&rt, &s).await.unwrap(),
-            exited(1),
-            "/out is root's"
-        );
+        assert_eq!(run_to_end(&rt, &s).await.unwrap(), exited(0));
         let text = std::fs::read_to_string(&s.log_path).unwrap();
         assert!(text.contains("CapEff:\t0000000000000000\n"), "{text}");
         assert!(text.contains("1234\n1234\nfrom-the-host\n"), "{text}");
         assert!(text.contains("ro-refused\n"), "{text}");
+        // /out is root's: the job's user may not write it. (Its stderr is
+        // silenced: Docker may order another stream's lines before it.)
+        assert!(text.contains("rw-refused\n"), "{text}");
     }
 
     /// A daemon that does not answer is an outage, not a task failure.
