@@ -801,6 +801,46 @@ fn a_secure_cluster_runs_jobs_and_refuses_what_an_outsider_tried() {
         assert_eq!(code(id.join(req("another")).await), Code::Unauthenticated);
     });
 
+    // A tenant's GPU quota: vision holds 1 GPU; with a quota of 1 its next
+    // GPU job waits, saying so, while nlp's runs; raised, it runs.
+    c.admin(&["quota", "set", "vision", "--gpus", "1"]);
+    let waits = c
+        .ok_with(
+            Some(&vision),
+            &["jobs", "submit", "--name", "q", "--gpus", "1", "--", "true"],
+        )
+        .trim()
+        .to_string();
+    let other = c
+        .ok_with(
+            Some(&nlp),
+            &["jobs", "submit", "--name", "q", "--gpus", "1", "--", "true"],
+        )
+        .trim()
+        .to_string();
+    assert_eq!(
+        c.ok_with(Some(&nlp), &["jobs", "wait", &other, "--timeout", "60"])
+            .trim(),
+        "SUCCEEDED"
+    );
+    wait_for(Duration::from_secs(20), "a quota wait reason", || {
+        c.job(&vision, &waits)["wait_reason"]["kind"] == "tenant_quota"
+    });
+    assert_eq!(c.job(&vision, &waits)["state"], "QUEUED");
+    let quotas = c.ok_with(Some(&vision), &["quota"]);
+    assert!(
+        quotas.contains("vision") && !quotas.contains("nlp"),
+        "{quotas}"
+    );
+    let out = c.gpuctl_with(Some(&vision), &["quota", "set", "vision", "--gpus", "9"]);
+    assert!(!out.status.success(), "a user set a quota");
+    c.admin(&["quota", "set", "vision", "--gpus", "2"]);
+    assert_eq!(
+        c.ok_with(Some(&vision), &["jobs", "wait", &waits, "--timeout", "60"])
+            .trim(),
+        "SUCCEEDED"
+    );
+
     // The leader dies: a new one serves the same tokens and runs jobs.
     let leader_id = c
         .masters
