@@ -833,7 +833,7 @@ fn allocate(state: &State, g: &mut Inner, settings: &FrameworkSettings, now: u64
         })
         .collect();
     // Tenants' GPU quotas apply to their roles too.
-    let roles = crate::scheduler::tenants::roles_with_quotas(&settings.roles, &state);
+    let roles = crate::scheduler::tenants::roles_with_quotas(&settings.roles, state);
     let plans = allocator::allocate_within(
         total,
         &agents,
