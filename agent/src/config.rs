@@ -466,22 +466,14 @@ impl Options {
             }
             None => None,
         };
-        let listen = self.listen.unwrap_or_else(|| {
-            let ip = if security.is_some() {
-                std::net::Ipv4Addr::UNSPECIFIED
-            } else {
-                std::net::Ipv4Addr::LOCALHOST
-            };
-            SocketAddr::from((ip, DEFAULT_PORT))
-        });
-        if security.is_none() && !listen.ip().is_loopback() && !self.insecure {
-            return Err(AgentError::Config(format!(
-                "listen {listen}: without TLS an agent serves loopback only, because anyone \
-                 who reaches its port could read every task's output; set tls_dir (see \
-                 docs/security.md), or listen on 127.0.0.1, or (isolated labs only) \
-                 insecure = true"
-            )));
-        }
+        let listen = gpuctl_auth::tls::listen_address(
+            self.listen,
+            security.is_some(),
+            self.insecure,
+            DEFAULT_PORT,
+            "read every task's output",
+        )
+        .map_err(AgentError::Config)?;
         let task_user: UserIds = self
             .task_user
             .parse()

@@ -23,6 +23,34 @@ use tokio_rustls::{TlsAcceptor, TlsConnector};
 use crate::pki::{certs_from_pem, identity_of, Identity};
 use crate::{read, AuthError, CertRole};
 
+/// Where a daemon listens: `given`, else every interface with TLS and
+/// loopback without. Without TLS a non-loopback address is refused unless
+/// `insecure`: whoever reaches the port could `why` (the error says so).
+pub fn listen_address(
+    given: Option<std::net::SocketAddr>,
+    tls: bool,
+    insecure: bool,
+    port: u16,
+    why: &str,
+) -> Result<std::net::SocketAddr, String> {
+    let listen = given.unwrap_or_else(|| {
+        let ip = if tls {
+            std::net::Ipv4Addr::UNSPECIFIED
+        } else {
+            std::net::Ipv4Addr::LOCALHOST
+        };
+        std::net::SocketAddr::from((ip, port))
+    });
+    if !tls && !listen.ip().is_loopback() && !insecure {
+        return Err(format!(
+            "listen {listen}: without TLS only a loopback address is served, because anyone \
+             who reaches the port could {why}; set tls_dir (see docs/security.md), or listen \
+             on 127.0.0.1, or (isolated labs only) insecure = true"
+        ));
+    }
+    Ok(listen)
+}
+
 /// How long a TLS handshake may take before the connection is dropped: a
 /// client that opens a connection and says nothing must not hold a slot.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -423,5 +451,24 @@ pub async fn connect(
                 .await
         }
         None => endpoint.connect().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn without_tls_only_loopback_is_served() {
+        let l = |given: Option<&str>, tls, insecure| {
+            listen_address(given.map(|g| g.parse().unwrap()), tls, insecure, 7050, "x")
+        };
+        assert_eq!(l(None, false, false).unwrap().to_string(), "127.0.0.1:7050");
+        assert_eq!(l(None, true, false).unwrap().to_string(), "0.0.0.0:7050");
+        assert!(l(Some("[::1]:1"), false, false).is_ok());
+        let e = l(Some("0.0.0.0:1"), false, false).unwrap_err();
+        assert!(e.contains("tls_dir") && e.contains("could x"), "{e}");
+        assert!(l(Some("0.0.0.0:1"), false, true).is_ok());
+        assert!(l(Some("10.0.0.1:1"), true, false).is_ok());
     }
 }

@@ -723,22 +723,14 @@ impl Options {
 
     pub fn to_config(&self) -> Result<MasterConfig, MasterError> {
         let security = self.security()?;
-        let listen = self.listen.unwrap_or_else(|| {
-            let ip = if security.is_some() {
-                std::net::Ipv4Addr::UNSPECIFIED
-            } else {
-                std::net::Ipv4Addr::LOCALHOST
-            };
-            SocketAddr::from((ip, DEFAULT_PORT))
-        });
-        if security.is_none() && !listen.ip().is_loopback() && !self.insecure {
-            return Err(MasterError::Config(format!(
-                "listen {listen}: without TLS a master serves loopback only, because anyone \
-                 who reaches its port could run anything as root on every agent; set tls_dir \
-                 (make one with `gpuctl certs init`), or listen on 127.0.0.1, or (isolated \
-                 labs only) insecure = true"
-            )));
-        }
+        let listen = gpuctl_auth::tls::listen_address(
+            self.listen,
+            security.is_some(),
+            self.insecure,
+            DEFAULT_PORT,
+            "run anything as root on every agent",
+        )
+        .map_err(MasterError::Config)?;
         let heartbeat_interval = secs("heartbeat_interval_secs", self.heartbeat_interval_secs)?;
         let agent_timeout = secs("agent_timeout_secs", self.agent_timeout_secs)?;
         if agent_timeout <= heartbeat_interval {

@@ -1235,6 +1235,158 @@ impl InvariantWatch {
     }
 }
 
+/// A master with mutual TLS and tokens (`gpuctl certs init`) and one agent
+/// that joined it with a join token, in one temp dir; gpuctl runs as the
+/// bootstrap admin (`pki/gpuctl.toml`).
+pub struct SecureSingle {
+    pub dir: tempfile::TempDir,
+    /// What `gpuctl certs init` wrote.
+    pub pki: PathBuf,
+    pub addr: String,
+    pub master: Daemon,
+    pub agent: Daemon,
+    /// The agent's TLS dir (`ca.crt`, and `agent.pem` once joined).
+    pub agent_tls: PathBuf,
+    /// The agent's arguments, to start it again.
+    pub agent_args: Vec<String>,
+}
+
+impl SecureSingle {
+    /// `master_extra`: more flags for the master; the agent has simulated
+    /// GPUs (`gpus`, e.g. "2xA100-SXM4-40GB") and the process runtime.
+    pub fn start(master_extra: &[&str], gpus: &str) -> SecureSingle {
+        let dir = tempfile::tempdir().unwrap();
+        let pki = dir.path().join("pki");
+        let addr = format!("127.0.0.1:{}", free_port());
+        let out = Command::new(bin("gpuctl"))
+            .args(["certs", "init", "--dir"])
+            .arg(&pki)
+            .args(["--for-master", &addr])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let mut args = vec![
+            "--listen".to_string(),
+            addr.clone(),
+            "--data-dir".into(),
+            dir.path().join("m").display().to_string(),
+            "--tls-dir".into(),
+            pki.display().to_string(),
+        ];
+        args.extend(master_extra.iter().map(|s| s.to_string()));
+        let master = Daemon::spawn(
+            "master",
+            &bin("gpuctl-master"),
+            &args,
+            &[],
+            dir.path().join("master.log"),
+        );
+        let config = pki.join("gpuctl.toml");
+        wait_for(Duration::from_secs(30), "master serves", || {
+            secure_gpuctl(&config, &["whoami"]).status.success()
+        });
+        let join = secure_gpuctl(&config, &["tokens", "create", "--join"]);
+        assert!(join.status.success());
+        let join = String::from_utf8_lossy(&join.stdout).trim().to_string();
+        let agent_tls = dir.path().join("agent-tls");
+        std::fs::create_dir_all(&agent_tls).unwrap();
+        std::fs::copy(pki.join("ca.crt"), agent_tls.join("ca.crt")).unwrap();
+        let agent_args: Vec<String> = [
+            "--master",
+            &addr,
+            "--work-dir",
+            &dir.path().join("agent").display().to_string(),
+            "--listen",
+            &format!("127.0.0.1:{}", free_port()),
+            "--runtime",
+            "process",
+            "--simulate-gpus",
+            gpus,
+            "--stop-tasks-on-shutdown",
+            "--tls-dir",
+            &agent_tls.display().to_string(),
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let agent = Daemon::spawn(
+            "agent",
+            &bin("gpuctl-agent"),
+            &agent_args,
+            &[("GPUCTL_AGENT_JOIN_TOKEN".into(), join)],
+            dir.path().join("agent.log"),
+        );
+        let c = SecureSingle {
+            dir,
+            pki,
+            addr,
+            master,
+            agent,
+            agent_tls,
+            agent_args,
+        };
+        wait_for(Duration::from_secs(30), "agent joined", || c.agent_active());
+        c
+    }
+
+    /// gpuctl as the bootstrap admin.
+    pub fn gpuctl(&self, args: &[&str]) -> Output {
+        secure_gpuctl(&self.pki.join("gpuctl.toml"), args)
+    }
+
+    /// gpuctl as the admin; asserts success, returns stdout trimmed.
+    pub fn ok(&self, args: &[&str]) -> String {
+        let out = self.gpuctl(args);
+        assert!(
+            out.status.success(),
+            "gpuctl {args:?}: {}\n--- master ---\n{}\n--- agent ---\n{}",
+            String::from_utf8_lossy(&out.stderr),
+            tail(&self.master.log_text(), 20),
+            tail(&self.agent.log_text(), 20)
+        );
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    }
+
+    /// Whether the one agent is registered and ACTIVE.
+    pub fn agent_active(&self) -> bool {
+        let out = self.gpuctl(&["agents", "list", "--json"]);
+        serde_json::from_slice::<Value>(&out.stdout)
+            .ok()
+            .and_then(|v| v.as_array().cloned())
+            .is_some_and(|a| a.len() == 1 && a[0]["state"] == "ACTIVE")
+    }
+
+    /// Starts the agent again (after it was killed), without a join token.
+    pub fn restart_agent(&mut self) {
+        self.agent.kill();
+        self.agent = Daemon::spawn(
+            "agent",
+            &bin("gpuctl-agent"),
+            &self.agent_args,
+            &[],
+            self.dir.path().join("agent.log"),
+        );
+    }
+}
+
+/// Runs `gpuctl --config CONFIG args...`, ignoring the caller's GPUCTL_*.
+pub fn secure_gpuctl(config: &Path, args: &[&str]) -> Output {
+    Command::new(bin("gpuctl"))
+        .arg("--config")
+        .arg(config)
+        .args(args)
+        .env_remove("GPUCTL_TOKEN")
+        .env_remove("GPUCTL_MASTER")
+        .env_remove("GPUCTL_TLS_DIR")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap()
+}
+
 #[cfg(test)]
 mod invariant_tests {
     use super::*;

@@ -329,84 +329,9 @@ fn the_python_client_speaks_tls_with_a_framework_token() {
     let Some(python) = python_or_skip("the_python_client_speaks_tls_with_a_framework_token") else {
         return;
     };
-    let dir = tempfile::tempdir().unwrap();
-    let pki = dir.path().join("pki");
-    let addr = format!("127.0.0.1:{}", gpuctl_tests::free_port());
-    let out = Command::new(gpuctl_tests::bin("gpuctl"))
-        .args(["certs", "init", "--dir"])
-        .arg(&pki)
-        .args(["--for-master", &addr])
-        .output()
-        .unwrap();
-    assert!(out.status.success());
-    let master = gpuctl_tests::Daemon::spawn(
-        "master",
-        &gpuctl_tests::bin("gpuctl-master"),
-        &[
-            "--listen".to_string(),
-            addr.clone(),
-            "--data-dir".into(),
-            dir.path().join("m").display().to_string(),
-            "--tls-dir".into(),
-            pki.display().to_string(),
-        ],
-        &[],
-        dir.path().join("master.log"),
-    );
-    let gpuctl = |args: &[&str]| {
-        let out = Command::new(gpuctl_tests::bin("gpuctl"))
-            .arg("--config")
-            .arg(pki.join("gpuctl.toml"))
-            .args(args)
-            .env_remove("GPUCTL_TOKEN")
-            .env_remove("GPUCTL_MASTER")
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "gpuctl {args:?}: {}\n{}",
-            String::from_utf8_lossy(&out.stderr),
-            gpuctl_tests::tail(&master.log_text(), 20)
-        );
-        String::from_utf8(out.stdout).unwrap().trim().to_string()
-    };
-    wait_for(Duration::from_secs(30), "master serves", || {
-        Command::new(gpuctl_tests::bin("gpuctl"))
-            .arg("--config")
-            .arg(pki.join("gpuctl.toml"))
-            .arg("whoami")
-            .output()
-            .is_ok_and(|o| o.status.success())
-    });
-    let join = gpuctl(&["tokens", "create", "--join"]);
-    let tls = dir.path().join("agent-tls");
-    std::fs::create_dir_all(&tls).unwrap();
-    std::fs::copy(pki.join("ca.crt"), tls.join("ca.crt")).unwrap();
-    let _agent = gpuctl_tests::Daemon::spawn(
-        "agent",
-        &gpuctl_tests::bin("gpuctl-agent"),
-        &[
-            "--master",
-            &addr,
-            "--work-dir",
-            &dir.path().join("agent").display().to_string(),
-            "--listen",
-            &format!("127.0.0.1:{}", gpuctl_tests::free_port()),
-            "--runtime",
-            "process",
-            "--simulate-gpus",
-            "2xA100-SXM4-40GB",
-            "--stop-tasks-on-shutdown",
-            "--tls-dir",
-            &tls.display().to_string(),
-        ]
-        .map(String::from),
-        &[("GPUCTL_AGENT_JOIN_TOKEN".into(), join)],
-        dir.path().join("agent.log"),
-    );
-    wait_for(Duration::from_secs(30), "agent joined", || {
-        gpuctl(&["agents", "list", "--json"]).contains("ACTIVE")
-    });
+    let c = gpuctl_tests::SecureSingle::start(&[], "2xA100-SXM4-40GB");
+    let (addr, pki) = (c.addr.clone(), c.pki.clone());
+    let gpuctl = |args: &[&str]| c.ok(args);
     let token = gpuctl(&[
         "tokens",
         "create",
@@ -425,7 +350,7 @@ fn the_python_client_speaks_tls_with_a_framework_token() {
         Duration::from_secs(120),
         || {},
     );
-    assert_all_finished(&out, 2, &gpuctl_tests::tail(&master.log_text(), 30));
+    assert_all_finished(&out, 2, &gpuctl_tests::tail(&c.master.log_text(), 30));
     // Another tenant's role: refused, and the example gives up.
     let out = run_tasks(
         &python,

@@ -18,7 +18,7 @@ use gpuctl_auth::pki::Ca;
 use gpuctl_auth::tls::{ClientAuth, Tls, TlsPaths};
 use gpuctl_auth::CertRole;
 use gpuctl_proto::pb;
-use gpuctl_tests::{bin, free_port, tail, wait_for, Daemon};
+use gpuctl_tests::{bin, free_port, tail, wait_for, Daemon, SecureSingle};
 use serde_json::Value;
 use tonic::transport::{Channel, Endpoint};
 use tonic::Code;
@@ -902,83 +902,8 @@ fn a_secure_cluster_runs_jobs_and_refuses_what_an_outsider_tried() {
 
 #[test]
 fn an_agent_renews_its_certificate_and_keeps_its_place() {
-    let dir = tempfile::tempdir().unwrap();
-    let pki = dir.path().join("pki");
-    let addr = format!("127.0.0.1:{}", free_port());
-    let out = Command::new(bin("gpuctl"))
-        .args(["certs", "init", "--dir"])
-        .arg(&pki)
-        .args(["--for-master", &addr])
-        .output()
-        .unwrap();
-    assert!(out.status.success());
-    let _master = Daemon::spawn(
-        "master",
-        &bin("gpuctl-master"),
-        &[
-            "--listen".to_string(),
-            addr.clone(),
-            "--data-dir".into(),
-            dir.path().join("m").display().to_string(),
-            "--tls-dir".into(),
-            pki.display().to_string(),
-            "--agent-cert-ttl".into(),
-            "15s".into(),
-        ],
-        &[],
-        dir.path().join("master.log"),
-    );
-    let gpuctl = |args: &[&str]| {
-        Command::new(bin("gpuctl"))
-            .arg("--config")
-            .arg(pki.join("gpuctl.toml"))
-            .args(args)
-            .env_remove("GPUCTL_TOKEN")
-            .env_remove("GPUCTL_MASTER")
-            .output()
-            .unwrap()
-    };
-    wait_for(Duration::from_secs(30), "master serves", || {
-        gpuctl(&["whoami"]).status.success()
-    });
-    let join = String::from_utf8(gpuctl(&["tokens", "create", "--join"]).stdout).unwrap();
-    let tls = dir.path().join("agent-tls");
-    std::fs::create_dir_all(&tls).unwrap();
-    std::fs::copy(pki.join("ca.crt"), tls.join("ca.crt")).unwrap();
-    let agent_args: Vec<String> = [
-        "--master",
-        &addr,
-        "--work-dir",
-        &dir.path().join("agent").display().to_string(),
-        "--listen",
-        &format!("127.0.0.1:{}", free_port()),
-        "--runtime",
-        "process",
-        "--simulate-gpus",
-        "1xA100-SXM4-40GB",
-        "--stop-tasks-on-shutdown",
-        "--tls-dir",
-        &tls.display().to_string(),
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    let mut agent = Daemon::spawn(
-        "agent",
-        &bin("gpuctl-agent"),
-        &agent_args,
-        &[("GPUCTL_AGENT_JOIN_TOKEN".into(), join.trim().to_string())],
-        dir.path().join("agent.log"),
-    );
-    let active = || {
-        let out = gpuctl(&["agents", "list", "--json"]);
-        serde_json::from_slice::<Value>(&out.stdout)
-            .ok()
-            .and_then(|v| v.as_array().cloned())
-            .is_some_and(|a| a.len() == 1 && a[0]["state"] == "ACTIVE")
-    };
-    wait_for(Duration::from_secs(30), "agent joined", active);
-    let pem = tls.join("agent.pem");
+    let mut c = SecureSingle::start(&["--agent-cert-ttl", "15s"], "1xA100-SXM4-40GB");
+    let pem = c.agent_tls.join("agent.pem");
     let first = std::fs::read(&pem).unwrap();
     let mode = std::fs::metadata(&pem).unwrap().permissions();
     assert_eq!(std::os::unix::fs::PermissionsExt::mode(&mode) & 0o077, 0);
@@ -989,43 +914,32 @@ fn an_agent_renews_its_certificate_and_keeps_its_place() {
     });
     std::thread::sleep(Duration::from_secs(12));
     assert!(
-        active(),
+        c.agent_active(),
         "agent not active after its first certificate expired\n{}",
-        tail(&agent.log_text(), 30)
+        tail(&c.agent.log_text(), 30)
     );
-    assert!(agent.log_text().contains("renewed"));
+    assert!(c.agent.log_text().contains("renewed"));
     // No call failed for an expired certificate: each renewal was used.
     assert!(
-        !agent.log_text().contains("expired"),
+        !c.agent.log_text().contains("expired"),
         "{}",
-        tail(&agent.log_text(), 30)
+        tail(&c.agent.log_text(), 30)
     );
-    let job = String::from_utf8(
-        gpuctl(&[
-            "jobs",
-            "submit",
-            "--name",
-            "renewed",
-            "--gpus",
-            "1",
-            "--",
-            "echo",
-            "renewed-ok",
-        ])
-        .stdout,
-    )
-    .unwrap();
-    let out = gpuctl(&["jobs", "wait", job.trim(), "--timeout", "30"]);
-    assert!(out.status.success(), "{}", tail(&agent.log_text(), 30));
+    let job = c.ok(&[
+        "jobs",
+        "submit",
+        "--name",
+        "renewed",
+        "--gpus",
+        "1",
+        "--",
+        "echo",
+        "renewed-ok",
+    ]);
+    let out = c.gpuctl(&["jobs", "wait", &job, "--timeout", "30"]);
+    assert!(out.status.success(), "{}", tail(&c.agent.log_text(), 30));
     // Restarted, it needs no token: its certificate is on disk.
-    agent.kill();
-    let mut agent = Daemon::spawn(
-        "agent",
-        &bin("gpuctl-agent"),
-        &agent_args,
-        &[],
-        dir.path().join("agent.log"),
-    );
-    wait_for(Duration::from_secs(30), "agent back", active);
-    assert!(agent.is_running());
+    c.restart_agent();
+    wait_for(Duration::from_secs(30), "agent back", || c.agent_active());
+    assert!(c.agent.is_running());
 }
