@@ -943,3 +943,68 @@ fn an_agent_renews_its_certificate_and_keeps_its_place() {
     wait_for(Duration::from_secs(30), "agent back", || c.agent_active());
     assert!(c.agent.is_running());
 }
+
+/// A user given only the CA and a token logs in (a client certificate made
+/// here, signed by a master) and works with the config file login wrote;
+/// a revoked token cannot log in.
+#[test]
+fn a_user_logs_in_with_a_token() {
+    let c = SecureSingle::start(&[], "1xA100-SXM4-40GB");
+    let token = c.ok(&["tokens", "create", "--role", "user", "--tenant", "vision"]);
+    let home = c.dir.path().join("alice");
+    let login = |token: &str| {
+        Command::new(bin("gpuctl"))
+            .args(["--master", &c.addr, "--token", token, "login", "--ca"])
+            .arg(c.pki.join("ca.crt"))
+            .arg("--dir")
+            .arg(&home)
+            .env_remove("GPUCTL_CONFIG")
+            .output()
+            .unwrap()
+    };
+    let out = login(&token);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let key = std::fs::metadata(home.join("tls/client.key"))
+        .unwrap()
+        .permissions();
+    assert_eq!(std::os::unix::fs::PermissionsExt::mode(&key) & 0o077, 0);
+    let config = home.join("config.toml");
+    let me = gpuctl_tests::secure_gpuctl(&config, &["whoami"]);
+    let me = String::from_utf8_lossy(&me.stdout);
+    assert!(me.contains("role user tenant vision"), "{me}");
+    let job = gpuctl_tests::secure_gpuctl(
+        &config,
+        &[
+            "jobs",
+            "submit",
+            "--name",
+            "mine",
+            "--",
+            "echo",
+            "logged-in",
+        ],
+    );
+    let job = String::from_utf8_lossy(&job.stdout).trim().to_string();
+    let done = gpuctl_tests::secure_gpuctl(&config, &["jobs", "wait", &job, "--timeout", "30"]);
+    assert!(done.status.success());
+    // The certificate names the token's tenant and id.
+    let pem = std::fs::read(home.join("tls/client.crt")).unwrap();
+    let who = gpuctl_auth::pki::identity_of(
+        &gpuctl_auth::pki::certs_from_pem(&pem, "client.crt").unwrap()[0],
+    )
+    .unwrap();
+    assert_eq!(who.role, CertRole::Client);
+    assert_eq!(who.name, format!("vision.{}", &token[4..20]));
+    // Revoked: no more logins (and no more calls).
+    c.ok(&["tokens", "revoke", &token[4..20]]);
+    let out = login(&token);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("revoked"));
+    assert!(!gpuctl_tests::secure_gpuctl(&config, &["jobs", "list"])
+        .status
+        .success());
+}

@@ -157,6 +157,17 @@ pub struct CreateTokenArgs {
 }
 
 #[derive(Debug, Args)]
+pub struct LoginArgs {
+    /// The cluster's CA certificate (ca.crt, from an admin).
+    #[arg(long, value_name = "FILE")]
+    pub ca: PathBuf,
+    /// Where to write tls/ (ca.crt, client.crt, client.key) and config.toml
+    /// (default: ~/.config/gpuctl).
+    #[arg(long, value_name = "DIR")]
+    pub dir: Option<PathBuf>,
+}
+
+#[derive(Debug, Args)]
 #[command(args_conflicts_with_subcommands = true)]
 pub struct QuotaArgs {
     #[command(subcommand)]
@@ -505,5 +516,102 @@ pub async fn run_quota(
         ]);
     }
     out.write_all(t.render().as_bytes())?;
+    Ok(super::EXIT_OK)
+}
+
+/// `gpuctl login`: a new key pair here, a client certificate for it from a
+/// master (`Identity.Join` with the token: the key never leaves this host),
+/// and a config file naming the masters, the certificate and the token.
+pub async fn run_login(
+    masters: &[String],
+    token: Option<&str>,
+    args: LoginArgs,
+    out: &mut dyn Write,
+) -> Result<u8, CliError> {
+    let token = token.ok_or_else(|| {
+        CliError::Other("login needs a token: --token or GPUCTL_TOKEN (from an admin)".into())
+    })?;
+    Token::parse(token).map_err(|e| CliError::Other(e.to_string()))?;
+    let dir = match args.dir {
+        Some(d) => d,
+        None => std::env::var_os("XDG_CONFIG_HOME")
+            .map(PathBuf::from)
+            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".config")))
+            .ok_or_else(|| CliError::Other("no --dir and no HOME".into()))?
+            .join("gpuctl"),
+    };
+    let ca = std::fs::read(&args.ca)
+        .map_err(|e| CliError::Other(format!("--ca {}: {e}", args.ca.display())))?;
+    let anonymous = Arc::new(Tls::from_pem(&ca, None, ClientAuth::Required).map_err(auth_err)?);
+    let (csr, key) = gpuctl_auth::pki::signing_request().map_err(auth_err)?;
+    let creds = Credentials {
+        tls: Some(anonymous),
+        token: None,
+    };
+    let mut master = Master::connect_as(masters, &creds).await?;
+    let resp = master
+        .call_service(
+            Retry::Always,
+            pb::identity_client::IdentityClient::new,
+            |mut c| {
+                let req = pb::JoinRequest {
+                    token: token.trim().to_string(),
+                    agent_id: String::new(),
+                    csr_pem: csr.clone(),
+                };
+                async move { c.join(req).await }
+            },
+        )
+        .await?;
+    let tls = dir.join("tls");
+    std::fs::create_dir_all(&tls)
+        .map_err(|e| CliError::Other(format!("{}: {e}", tls.display())))?;
+    let write = |name: &str, data: &[u8], mode: u32| -> Result<(), CliError> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let path = tls.join(name);
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(mode)
+            .open(&path)
+            .map_err(|e| CliError::Other(format!("{}: {e}", path.display())))?;
+        f.write_all(data)
+            .map_err(|e| CliError::Other(format!("{}: {e}", path.display())))
+    };
+    write("client.key", key.as_bytes(), 0o600)?;
+    write("client.crt", resp.cert_pem.as_bytes(), 0o644)?;
+    let bundle = if resp.ca_pem.trim().is_empty() {
+        ca
+    } else {
+        resp.ca_pem.into_bytes()
+    };
+    write("ca.crt", &bundle, 0o644)?;
+    let config = dir.join("config.toml");
+    let text = format!(
+        "master = {:?}\ntls_dir = {:?}\ntoken = {:?}\n",
+        masters.join(","),
+        tls.display().to_string(),
+        token.trim()
+    );
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&config)
+            .map_err(|e| CliError::Other(format!("{}: {e}", config.display())))?;
+        f.write_all(text.as_bytes())
+            .map_err(|e| CliError::Other(format!("{}: {e}", config.display())))?;
+    }
+    writeln!(
+        out,
+        "Logged in: a client certificate until {} in {}, and {} (mode 0600).",
+        fmt_timestamp(resp.not_after_ms),
+        tls.display(),
+        config.display()
+    )?;
     Ok(super::EXIT_OK)
 }

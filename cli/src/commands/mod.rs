@@ -92,6 +92,9 @@ pub enum Command {
     Tokens(access::TokensCommand),
     /// Show who the master takes this caller for.
     Whoami,
+    /// Get a client certificate with a token (from an admin) and the
+    /// cluster's CA, and write a config file that uses them.
+    Login(access::LoginArgs),
     /// Tenants' GPU use and quotas; `quota set TENANT --gpus N` (admin).
     Quota(access::QuotaArgs),
 }
@@ -208,6 +211,13 @@ pub async fn run(cli: Cli) -> Result<u8, CliError> {
             return demo::run(args).await;
         }
         Command::Certs(cmd) => return access::run_certs(cmd, &mut out),
+        Command::Login(args) => {
+            let masters = match &cli.master {
+                Some(m) => m.0.clone(),
+                None => vec![client::DEFAULT_MASTER.to_string()],
+            };
+            return access::run_login(&masters, cli.token.as_deref(), args, &mut out).await;
+        }
         other => other,
     };
     // Flags and environment first, then the config file.
@@ -229,7 +239,7 @@ pub async fn run(cli: Cli) -> Result<u8, CliError> {
         cli.token.as_deref().or(file.token.as_deref()),
     )?;
     let code = match command {
-        Command::Demo(_) | Command::Certs(_) => EXIT_OK,
+        Command::Demo(_) | Command::Certs(_) | Command::Login(_) => EXIT_OK,
         Command::Tokens(cmd) => {
             let mut master = Master::connect_as(&masters, &creds).await?;
             access::run_tokens(&mut master, cmd, &mut out).await?
