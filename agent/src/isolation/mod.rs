@@ -13,6 +13,8 @@
 //! host-process tasks are refused on hosts with NVIDIA devices until gpuctl
 //! installs an eBPF filter itself. See docs/isolation.md.
 
+pub mod bpf;
+pub mod bpf_load;
 pub mod cgroup;
 pub mod devices;
 pub mod join;
