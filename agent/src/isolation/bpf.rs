@@ -204,7 +204,6 @@ pub fn task_rules_v2(host: &HostDevices, minors: &[u32]) -> Vec<DeviceRule> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::isolation::rules::DeviceNode;
 
     /// Runs the program in rbpf's interpreter over one access.
     fn verdict(prog: &[Insn], kind: i32, access: i32, major: u32, minor: u32) -> bool {
@@ -221,27 +220,7 @@ mod tests {
         }
     }
 
-    fn node(name: &str, major: u32, minor: u32) -> DeviceNode {
-        DeviceNode {
-            host_path: format!("/dev/{name}").into(),
-            container_path: format!("/dev/{name}"),
-            major,
-            minor,
-        }
-    }
-
-    fn host() -> HostDevices {
-        HostDevices {
-            gpus: (0..4)
-                .map(|i| (i, node(&format!("nvidia{i}"), 195, i)))
-                .collect(),
-            control: vec![
-                node("nvidiactl", 195, 255),
-                node("nvidia-uvm", 508, 0),
-                node("nvidia-uvm-tools", 508, 1),
-            ],
-        }
-    }
+    use crate::isolation::rules::test_host as host;
 
     const RW: i32 = ACC_READ | ACC_WRITE;
 

@@ -155,30 +155,41 @@ pub fn task_rules(host: &HostDevices, minors: &[u32]) -> Vec<DeviceRule> {
     rules
 }
 
+/// A device node `/dev/NAME`, for tests.
+#[cfg(test)]
+pub(crate) fn test_node(name: &str, major: u32, minor: u32) -> DeviceNode {
+    DeviceNode {
+        host_path: format!("/dev/{name}").into(),
+        container_path: format!("/dev/{name}"),
+        major,
+        minor,
+    }
+}
+
+/// A host of four GPUs (195:0 to 195:3) and three control nodes
+/// (nvidiactl 195:255, nvidia-uvm 508:0 and 508:1), for tests.
+#[cfg(test)]
+pub(crate) fn test_host() -> HostDevices {
+    let node = test_node;
+    HostDevices {
+        gpus: (0..4)
+            .map(|i| (i, node(&format!("nvidia{i}"), 195, i)))
+            .collect(),
+        control: vec![
+            node("nvidiactl", 195, 255),
+            node("nvidia-uvm", 508, 0),
+            node("nvidia-uvm-tools", 508, 1),
+        ],
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn node(name: &str, major: u32, minor: u32) -> DeviceNode {
-        DeviceNode {
-            host_path: format!("/dev/{name}").into(),
-            container_path: format!("/dev/{name}"),
-            major,
-            minor,
-        }
-    }
+    use test_node as node;
 
     fn host() -> HostDevices {
-        HostDevices {
-            gpus: (0..4)
-                .map(|i| (i, node(&format!("nvidia{i}"), 195, i)))
-                .collect(),
-            control: vec![
-                node("nvidiactl", 195, 255),
-                node("nvidia-uvm", 508, 0),
-                node("nvidia-uvm-tools", 508, 1),
-            ],
-        }
+        test_host()
     }
 
     fn text(rules: &[DeviceRule]) -> Vec<String> {

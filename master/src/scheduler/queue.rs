@@ -793,6 +793,11 @@ mod tests {
         }
 
         fn submit(&mut self, gpus: u32, priority: i32, replicas: u32) -> String {
+            self.submit_as("", gpus, priority, replicas)
+        }
+
+        /// Submits a job of `tenant` ("": the default tenant).
+        fn submit_as(&mut self, tenant: &str, gpus: u32, priority: i32, replicas: u32) -> String {
             let mut spec = JobSpec::new(
                 "j",
                 vec!["sleep".into()],
@@ -804,6 +809,7 @@ mod tests {
             );
             spec.priority = priority;
             spec.replicas = replicas;
+            spec.tenant = tenant.into();
             let at_ms = self.i;
             match self.apply(Command::SubmitJob {
                 spec,
@@ -892,30 +898,6 @@ mod tests {
         }
     }
 
-    /// Submits a job of `tenant`.
-    fn submit_as(h: &mut H, tenant: &str, gpus: u32, priority: i32) -> String {
-        let mut spec = JobSpec::new(
-            "j",
-            vec!["sleep".into()],
-            Resources {
-                cpus: 1.0,
-                mem_mib: 0,
-                gpus,
-            },
-        );
-        spec.priority = priority;
-        spec.tenant = tenant.into();
-        let at_ms = h.i;
-        match h.apply(Command::SubmitJob {
-            spec,
-            at_ms,
-            request_id: None,
-        }) {
-            Outcome::JobSubmitted { job_id } => job_id,
-            o => panic!("{o:?}"),
-        }
-    }
-
     #[test]
     fn a_tenant_over_its_gpu_quota_waits_and_others_run() {
         let mut h = H::new(&[("a", 9)]);
@@ -923,10 +905,10 @@ mod tests {
             tenant: "vision".into(),
             gpus: 3,
         });
-        let v1 = submit_as(&mut h, "vision", 2, 0);
-        let v2 = submit_as(&mut h, "vision", 2, 0);
-        let v3 = submit_as(&mut h, "vision", 1, 0);
-        let n1 = submit_as(&mut h, "nlp", 4, 0);
+        let v1 = h.submit_as("vision", 2, 0, 1);
+        let v2 = h.submit_as("vision", 2, 0, 1);
+        let v3 = h.submit_as("vision", 1, 0, 1);
+        let n1 = h.submit_as("nlp", 4, 0, 1);
         let mut started = h.schedule();
         started.sort();
         // 2 + 1 of vision's fit its 3; the second 2 would make 5.
@@ -953,9 +935,9 @@ mod tests {
     #[test]
     fn a_job_never_preempts_another_tenants() {
         let mut h = H::new(&[("a", 2)]);
-        let theirs = submit_as(&mut h, "nlp", 2, 0);
+        let theirs = h.submit_as("nlp", 2, 0, 1);
         assert_eq!(h.schedule(), vec![theirs.clone()]);
-        let mine = submit_as(&mut h, "vision", 2, 100);
+        let mine = h.submit_as("vision", 2, 100, 1);
         assert!(h.plan().preemption.is_none(), "preempted across tenants");
         assert_ne!(
             h.plan().reasons[&mine].reason,
@@ -964,9 +946,9 @@ mod tests {
             }
         );
         // Within a tenant, priority preempts as before.
-        let own_low = submit_as(&mut h, "nlp", 0, 0);
+        let own_low = h.submit_as("nlp", 0, 0, 1);
         let _ = own_low;
-        let hi = submit_as(&mut h, "nlp", 2, 100);
+        let hi = h.submit_as("nlp", 2, 100, 1);
         let p = h.plan().preemption.expect("preempts within its tenant");
         assert_eq!((p.job_id, p.victims), (hi, vec![theirs]));
     }
