@@ -11,7 +11,7 @@
 //!   supervisor.lock       held (flock) by the supervisor while it lives
 //!   supervisor.json       the supervisor's and the task's pid and start time
 //!   exit.json             how the task ended (written by the supervisor)
-//!   log.cursor            a container: the last log line copied
+//!   log.cursor            a container: how far its output was copied
 //!   final.json            the task's final status update, decided once
 //!   acked                 the master acknowledged final.json
 //! tasks/<task-id>/        the task's sandbox; output.log is kept after the end

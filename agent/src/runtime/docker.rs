@@ -688,59 +688,109 @@ impl Drop for AbortOnDrop {
     }
 }
 
-/// How far a container's output has been copied to the task's log: the
-/// timestamp of the last line copied (Docker's, as a sortable key) and how
-/// many lines with exactly that timestamp were copied. A copy resumed after
-/// an agent or daemon restart skips what it already wrote.
+/// How far a container's output has been copied to the task's log, as a
+/// position in Docker's answer to `logs --since SINCE`: the first `skip`
+/// lines of that answer were copied. Docker answers in the order lines were
+/// written, and that order is not the timestamps' order: stdout and stderr
+/// are stamped by two copiers before they take the log file's lock, so a
+/// later-stamped stderr line can be written before an earlier stdout one. A
+/// cursor of "the last timestamp copied" would drop such a line; a count in
+/// the answer's own order does not.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LogCursor {
-    pub key: String,
-    pub same_key: u64,
+    /// The container whose output this is: a task relaunched under the same
+    /// name gets a new container, and its copy starts afresh.
+    #[serde(default)]
+    pub container: String,
+    /// Whole seconds since the epoch, for Docker's `since`.
+    #[serde(default)]
+    pub since: i64,
+    #[serde(default)]
+    pub skip: u64,
 }
 
-impl LogCursor {
-    /// Whether a line stamped `key` (the `seen`th line with that same key
-    /// since the copy resumed, counting from 1) is new; advances the cursor
-    /// when it is.
-    pub fn admit(&mut self, key: &str, seen: u64) -> bool {
-        match key.cmp(self.key.as_str()) {
-            std::cmp::Ordering::Less => false,
-            std::cmp::Ordering::Equal => {
-                if seen <= self.same_key {
-                    false
-                } else {
-                    self.same_key = seen;
-                    true
-                }
-            }
-            std::cmp::Ordering::Greater => {
-                self.key = key.to_string();
-                self.same_key = 1;
-                true
-            }
+/// How far the cursor's `since` stays behind the newest line seen: a line
+/// stamped more than this before a line written ahead of it would be missed
+/// by a copy resumed after a crash (never by an uninterrupted one).
+const CURSOR_SLACK_S: i64 = 2;
+
+/// Follows one answer to `logs --since`, line by line, and says which
+/// lines are new and where a resumed copy should start.
+#[derive(Debug)]
+pub struct LogProgress {
+    start: LogCursor,
+    /// Lines of the answer seen so far.
+    read: u64,
+    /// Lines seen per second, for the seconds a later cursor may start at.
+    per_sec: std::collections::BTreeMap<i64, u64>,
+    newest: i64,
+}
+
+impl LogProgress {
+    pub fn new(start: LogCursor) -> Self {
+        LogProgress {
+            newest: start.since,
+            start,
+            read: 0,
+            per_sec: Default::default(),
         }
     }
 
-    /// Whole seconds since the epoch of the cursor, for Docker's `since`.
-    pub fn since_secs(&self) -> i64 {
-        timestamp_secs(&self.key).unwrap_or(0)
+    /// Records the next line of the answer, stamped `secs` (`None` when the
+    /// stamp did not parse); whether it is to be copied.
+    pub fn line(&mut self, secs: Option<i64>) -> bool {
+        self.read += 1;
+        let s = secs.unwrap_or(self.newest).max(self.start.since);
+        self.newest = self.newest.max(s);
+        *self.per_sec.entry(s).or_default() += 1;
+        let floor = self.floor();
+        if self.per_sec.keys().next().is_some_and(|k| *k < floor) {
+            self.per_sec = self.per_sec.split_off(&floor);
+        }
+        self.read > self.start.skip
+    }
+
+    fn floor(&self) -> i64 {
+        // Until the lines copied before are all seen again, the counts of
+        // later seconds are incomplete: stay where the copy started.
+        if self.read < self.start.skip {
+            return self.start.since;
+        }
+        self.start.since.max(self.newest - CURSOR_SLACK_S)
+    }
+
+    /// Where a copy resumed now would start: the lines Docker's answer from
+    /// `since` holds up to here are exactly those seen with that second or
+    /// later, whatever order they came in.
+    pub fn cursor(&self) -> LogCursor {
+        let since = self.floor();
+        let seen: u64 = self.per_sec.range(since..).map(|(_, n)| n).sum();
+        LogCursor {
+            container: self.start.container.clone(),
+            since,
+            skip: if since == self.start.since {
+                seen.max(self.start.skip)
+            } else {
+                seen
+            },
+        }
     }
 }
 
-/// Docker's RFC 3339 timestamp (`2024-05-01T12:34:56.123456789Z`, fraction
-/// of any length) as a key that sorts like the time: the second, then the
-/// fraction padded to nanoseconds.
-pub fn timestamp_key(ts: &str) -> Option<String> {
+/// Seconds since the epoch of Docker's RFC 3339 timestamp
+/// (`2024-05-01T12:34:56.123456789Z`, fraction of any length up to
+/// nanoseconds).
+pub fn timestamp_secs(ts: &str) -> Option<i64> {
     let ts = ts.strip_suffix('Z')?;
     let (secs, frac) = ts.split_once('.').unwrap_or((ts, ""));
     if secs.len() != 19 || frac.len() > 9 || !frac.bytes().all(|b| b.is_ascii_digit()) {
         return None;
     }
-    Some(format!("{secs}.{frac:0<9}"))
+    civil_secs(secs)
 }
 
-/// Seconds since the epoch of a key made by [`timestamp_key`].
-fn timestamp_secs(key: &str) -> Option<i64> {
+/// Seconds since the epoch of `YYYY-MM-DDTHH:MM:SS` (UTC).
+fn civil_secs(key: &str) -> Option<i64> {
     let num = |r: std::ops::Range<usize>| key.get(r)?.parse::<i64>().ok();
     let (y, m, d) = (num(0..4)?, num(5..7)?, num(8..10)?);
     let (hh, mm, ss) = (num(11..13)?, num(14..16)?, num(17..19)?);
@@ -764,30 +814,39 @@ async fn pump_logs(rt: DockerRuntime, name: String, task: TaskRef) -> Result<(),
         path: path.clone(),
         source,
     };
-    let mut cursor: LogCursor = crate::checkpoint::read_json(&cursor_path)
-        .ok()
-        .flatten()
+    let docker = rt.client()?;
+    let container = docker
+        .inspect_container(&name, None)
+        .await
+        .map_err(|e| rt.err(e))?
+        .id
         .unwrap_or_default();
+    let start = match crate::checkpoint::read_json::<LogCursor>(&cursor_path) {
+        Ok(Some(c)) if c.container == container => c,
+        _ => LogCursor {
+            container: container.clone(),
+            ..Default::default()
+        },
+    };
     let mut file = tokio::fs::OpenOptions::new()
         .create(true)
         .append(true)
         .open(&path)
         .await
         .map_err(io_err)?;
-    let docker = rt.client()?;
     let mut logs = docker.logs(
-        &name,
+        &container,
         Some(LogsOptions::<String> {
             follow: true,
             stdout: true,
             stderr: true,
             timestamps: true,
-            since: cursor.since_secs(),
+            since: start.since,
             tail: "all".to_string(),
             ..Default::default()
         }),
     );
-    let (mut seen_key, mut seen) = (String::new(), 0u64);
+    let mut progress = LogProgress::new(start);
     // The first line after a quiet spell has its cursor saved at once.
     let mut saved = tokio::time::Instant::now()
         .checked_sub(CURSOR_SAVE)
@@ -801,7 +860,7 @@ async fn pump_logs(rt: DockerRuntime, name: String, task: TaskRef) -> Result<(),
                 Ok(next) => next,
                 Err(_) => {
                     file.flush().await.map_err(io_err)?;
-                    save_cursor(&cursor_path, &cursor);
+                    save_cursor(&cursor_path, &progress.cursor());
                     saved = tokio::time::Instant::now();
                     dirty = false;
                     continue;
@@ -819,33 +878,26 @@ async fn pump_logs(rt: DockerRuntime, name: String, task: TaskRef) -> Result<(),
             Ok(LogOutput::StdIn { .. }) => continue,
             Err(e) => break Err(rt.err(e)),
         };
+        // "TIMESTAMP LINE"; a line without a stamp is copied as is.
         let split = bytes.iter().position(|b| *b == b' ');
-        let (key, line) = match split.and_then(|i| {
+        let stamped = split.and_then(|i| {
             std::str::from_utf8(&bytes[..i])
                 .ok()
-                .and_then(timestamp_key)
-                .map(|k| (k, &bytes[i + 1..]))
-        }) {
-            Some(x) => x,
-            // No timestamp: copy as is.
-            None => (String::new(), &bytes[..]),
+                .and_then(timestamp_secs)
+                .map(|secs| (secs, &bytes[i + 1..]))
+        });
+        let (secs, line) = match stamped {
+            Some((secs, line)) => (Some(secs), line),
+            None => (None, &bytes[..]),
         };
-        if !key.is_empty() {
-            if key == seen_key {
-                seen += 1;
-            } else {
-                seen_key = key.clone();
-                seen = 1;
-            }
-            if !cursor.admit(&key, seen) {
-                continue;
-            }
+        if !progress.line(secs) {
+            continue;
         }
         file.write_all(line).await.map_err(io_err)?;
         dirty = true;
         if saved.elapsed() >= CURSOR_SAVE {
             file.flush().await.map_err(io_err)?;
-            save_cursor(&cursor_path, &cursor);
+            save_cursor(&cursor_path, &progress.cursor());
             saved = tokio::time::Instant::now();
             dirty = false;
         }
@@ -853,7 +905,7 @@ async fn pump_logs(rt: DockerRuntime, name: String, task: TaskRef) -> Result<(),
     // tokio writes in the background; make sure it all landed.
     file.flush().await.map_err(io_err)?;
     if dirty {
-        save_cursor(&cursor_path, &cursor);
+        save_cursor(&cursor_path, &progress.cursor());
     }
     result
 }
@@ -1000,41 +1052,85 @@ mod tests {
     }
 
     #[test]
-    fn docker_timestamps_sort_and_convert() {
-        let a = timestamp_key("2024-05-01T12:34:56.5Z").unwrap();
-        let b = timestamp_key("2024-05-01T12:34:56.123456789Z").unwrap();
-        let c = timestamp_key("2024-05-01T12:34:57Z").unwrap();
-        assert_eq!(a, "2024-05-01T12:34:56.500000000");
-        assert!(b < a && a < c, "{b} {a} {c}");
-        assert_eq!(
-            timestamp_key("2024-05-01 12:34:56Z"),
-            Some("2024-05-01 12:34:56.000000000".into())
-        );
-        assert_eq!(timestamp_key("garbage"), None);
-        assert_eq!(timestamp_key("2024-05-01T12:34:56.1234567890Z"), None);
+    fn docker_timestamps_convert_to_seconds() {
         // 2024-05-01T12:34:56Z is 1714566896.
-        let cursor = LogCursor {
-            key: a,
-            same_key: 1,
-        };
-        assert_eq!(cursor.since_secs(), 1_714_566_896);
-        assert_eq!(LogCursor::default().since_secs(), 0);
+        assert_eq!(timestamp_secs("2024-05-01T12:34:56Z"), Some(1_714_566_896));
+        assert_eq!(
+            timestamp_secs("2024-05-01T12:34:56.123456789Z"),
+            Some(1_714_566_896)
+        );
+        assert_eq!(
+            timestamp_secs("2024-03-01T00:00:00.5Z"),
+            Some(1_709_251_200)
+        );
+        assert_eq!(timestamp_secs("garbage"), None);
+        assert_eq!(timestamp_secs("2024-05-01T12:34:56.1234567890Z"), None);
+        assert_eq!(timestamp_secs("2024-05-01T12:34:56.12a4Z"), None);
+    }
+
+    /// Docker's answer to `logs --since S`: the lines stamped S or later, in
+    /// the order they were written.
+    fn answer(file: &[(i64, u32)], since: i64) -> Vec<(i64, u32)> {
+        file.iter().copied().filter(|(t, _)| *t >= since).collect()
+    }
+
+    /// Copies `lines` of one answer from `start`; what was copied and the
+    /// cursor after each line.
+    fn copy(start: LogCursor, lines: &[(i64, u32)]) -> (Vec<u32>, Vec<LogCursor>) {
+        let mut p = LogProgress::new(start);
+        let mut copied = Vec::new();
+        let mut cursors = Vec::new();
+        for (t, id) in lines {
+            if p.line(Some(*t)) {
+                copied.push(*id);
+            }
+            cursors.push(p.cursor());
+        }
+        (copied, cursors)
     }
 
     #[test]
-    fn docker_log_cursor_skips_what_was_copied() {
-        let mut c = LogCursor::default();
-        assert!(c.admit("t1", 1));
-        assert!(c.admit("t2", 1));
-        assert!(c.admit("t2", 2));
-        // A resumed copy sees t1 and t2 again, then new lines.
-        let mut resumed = c.clone();
-        assert!(!resumed.admit("t1", 1));
-        assert!(!resumed.admit("t2", 1));
-        assert!(!resumed.admit("t2", 2));
-        assert!(resumed.admit("t2", 3));
-        assert!(resumed.admit("t3", 1));
-        assert_eq!(resumed.key, "t3");
+    fn a_line_stamped_before_one_written_ahead_of_it_is_copied() {
+        // stderr stamped 11 but written before stdout stamped 10 (seen in CI:
+        // the stdout line was dropped by a cursor of timestamps).
+        let file = [(10, 1), (11, 3), (10, 2), (12, 4)];
+        let (copied, _) = copy(LogCursor::default(), &answer(&file, 0));
+        assert_eq!(copied, vec![1, 3, 2, 4]);
+    }
+
+    #[test]
+    fn a_copy_resumed_anywhere_copies_every_line_once() {
+        // Seconds out of order by up to the slack, runs of one second, and
+        // a long gap that moves the cursor on.
+        let file: Vec<(i64, u32)> = [
+            100, 100, 101, 100, 102, 101, 103, 103, 105, 104, 104, 200, 199, 200, 201, 199, 202,
+            202,
+        ]
+        .into_iter()
+        .zip(1..)
+        .collect();
+        let all: Vec<u32> = file.iter().map(|(_, id)| *id).collect();
+        // Crash after k lines, resume (possibly crashing again after j more).
+        for k in 0..=file.len() {
+            let (first, cursors) = copy(LogCursor::default(), &answer(&file, 0)[..k]);
+            let c = cursors.last().cloned().unwrap_or_default();
+            let rest = answer(&file, c.since);
+            assert!(c.skip as usize <= rest.len(), "k={k} {c:?}");
+            for j in 0..=rest.len() {
+                let (second, cursors2) = copy(c.clone(), &rest[..j]);
+                let c2 = cursors2.last().cloned().unwrap_or(c.clone());
+                let (third, _) = copy(c2.clone(), &answer(&file, c2.since));
+                let mut got = first.clone();
+                got.extend(&second);
+                got.extend(&third);
+                assert_eq!(got, all, "k={k} j={j} cursors {c:?} {c2:?}");
+            }
+        }
+        // The cursor moves on: after the whole file it starts near the end.
+        let (_, cursors) = copy(LogCursor::default(), &file);
+        let last = cursors.last().unwrap();
+        assert_eq!(last.since, 200);
+        assert_eq!(last.skip, 5);
     }
 
     #[tokio::test]
