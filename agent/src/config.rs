@@ -36,7 +36,8 @@ pub struct AgentConfig {
     /// How long an ended task's sandbox and log are kept once the master no
     /// longer wants the task and acknowledged its end.
     pub task_retention: Duration,
-    /// Task cgroups live under `<cgroup_root>/<controller>/<cgroup_parent>`.
+    /// Task cgroups live under `<cgroup_root>/<controller>/<cgroup_parent>`
+    /// on v1, `<cgroup_root>/<cgroup_parent>` on v2.
     pub cgroup_parent: String,
     pub cgroup_root: PathBuf,
     /// Where `nvidia<N>`, `nvidiactl`, ... are found.

@@ -31,6 +31,11 @@ struct Setup {
 /// A master and one agent on the fake `mixed` machine (4 GPUs, minors 0-3),
 /// with its own dev root, driver root and cgroup parent.
 fn setup(name: &str, runtime: &str) -> Setup {
+    setup_with(name, runtime, vec![])
+}
+
+/// [`setup`] with more agent flags.
+fn setup_with(name: &str, runtime: &str, more: Vec<String>) -> Setup {
     let mut c = Cluster::start(&[]);
     let dev = c.dir.path().join("dev");
     make_dev_root(&dev, 4);
@@ -49,7 +54,10 @@ fn setup(name: &str, runtime: &str) -> Setup {
             driver.display().to_string(),
             "--cgroup-parent".into(),
             parent.clone(),
-        ],
+        ]
+        .into_iter()
+        .chain(more)
+        .collect(),
         env: vec![(
             "FAKE_NVML_CONFIG".into(),
             fake_nvml_config("mixed").display().to_string(),
@@ -437,4 +445,192 @@ fn host_processes_are_confined_to_their_gpus_too() {
         &s.parent, &task
     )
     .is_empty()));
+}
+
+/// A cgroup2 hierarchy mounted beside the machine's v1 one (the same
+/// unified hierarchy at every mount: what is made in it is removed here).
+struct Cgroup2 {
+    mnt: tempfile::TempDir,
+    /// Top directory made under it by the test.
+    top: String,
+}
+
+impl Cgroup2 {
+    fn mount(top: &str) -> Option<Cgroup2> {
+        let mnt = tempfile::tempdir().unwrap();
+        let ok = std::process::Command::new("mount")
+            .args(["-t", "cgroup2", "none"])
+            .arg(mnt.path())
+            .status()
+            .unwrap()
+            .success();
+        ok.then(|| Cgroup2 {
+            mnt,
+            top: top.to_string(),
+        })
+    }
+
+    fn path(&self) -> &Path {
+        self.mnt.path()
+    }
+}
+
+impl Drop for Cgroup2 {
+    fn drop(&mut self) {
+        // Deepest first; only empty cgroups go.
+        let top = self.mnt.path().join(&self.top);
+        let mut dirs: Vec<PathBuf> = vec![];
+        let mut stack = vec![top];
+        while let Some(d) = stack.pop() {
+            for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+                if e.path().is_dir() {
+                    stack.push(e.path());
+                }
+            }
+            dirs.push(d);
+        }
+        for d in dirs.iter().rev() {
+            let _ = std::fs::remove_dir(d);
+        }
+        let _ = std::process::Command::new("umount")
+            .arg(self.mnt.path())
+            .status();
+    }
+}
+
+/// The pids in a v2 cgroup.
+fn procs(cgroup: &Path) -> Vec<i32> {
+    std::fs::read_to_string(cgroup.join("cgroup.procs"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.trim().parse().ok())
+        .collect()
+}
+
+/// cgroup v2, where most GPU hosts are now: the agent's cgroup root is a
+/// unified hierarchy, and a host-process task runs in its own cgroup with
+/// the device program gpuctl generates. Checked from outside (the cgroup's
+/// members, /proc/PID/cgroup) and from inside (what opens), also across a
+/// SIGKILLed and restarted agent.
+#[test]
+fn host_processes_on_cgroup_v2_are_confined_by_gpuctls_device_program() {
+    let required = std::env::var("GPUCTL_REQUIRE_DOCKER").as_deref() == Ok("1");
+    if !nix::unistd::Uid::effective().is_root() {
+        assert!(!required, "cgroup v2 isolation needs root");
+        eprintln!("skipped: needs root");
+        return;
+    }
+    let top = format!("gpuctl-test-v2-{}", std::process::id());
+    let Some(cg2) = Cgroup2::mount(&top) else {
+        assert!(!required, "cannot mount cgroup2");
+        eprintln!("skipped: cannot mount cgroup2");
+        return;
+    };
+    let mut s = setup_with(
+        "v2",
+        "process",
+        vec!["--cgroup-root".into(), cg2.path().display().to_string()],
+    );
+    // setup() named the parent gpuctl-test-v2-PID/AGENT.
+    assert!(s.parent.starts_with(&top), "{}", s.parent);
+    let dev = s.dev.display().to_string();
+    let script = format!("{}\ncat /proc/self/cgroup\nsleep 2\n", probe_script(&dev));
+    let j = s.c.submit(&[
+        "--name", "v2", "--gpus", "1", "--mem", "32", "--", "sh", "-c", &script,
+    ]);
+    let job = s.c.wait_state(&j, "RUNNING", Duration::from_secs(30));
+    let (task, gpus) = task_of(&job);
+    let minor = s.minors[&gpus[0]];
+    let cgroup = cg2.path().join(&s.parent).join(&task);
+    // From outside: the task's process is a member, and nothing else is.
+    let members = procs(&cgroup);
+    assert!(!members.is_empty(), "no process in {}", cgroup.display());
+    for pid in &members {
+        let own = read(Path::new(&format!("/proc/{pid}/cgroup")));
+        assert!(
+            own.lines().any(|l| l == format!("0::/{}/{task}", s.parent)),
+            "{pid}: {own}"
+        );
+    }
+    // memory.max where the memory controller is on v2 (here it is bound to
+    // the v1 hierarchy, so the file is absent; the limit unit test covers
+    // the write).
+    if let Ok(max) = std::fs::read_to_string(cgroup.join("memory.max")) {
+        assert_eq!(max.trim(), "33554432");
+    }
+    assert_eq!(s.c.wait_job(&j, 30).0, 0);
+    let out = s.c.ok(&["jobs", "logs", &j]);
+    for i in 0..4u32 {
+        let want = if i == minor { ENXIO } else { EPERM };
+        assert!(
+            line(&out, &format!("open{i} ")).contains(want),
+            "open{i}:\n{out}"
+        );
+    }
+    assert!(line(&out, "ctl ").contains(ENXIO), "{out}");
+    assert!(
+        out.lines().any(|l| l == format!("0::/{}/{task}", s.parent)),
+        "it ran in its cgroup from its first instruction:\n{out}"
+    );
+    wait_for(Duration::from_secs(10), "the task's cgroup removed", || {
+        !cgroup.exists()
+    });
+
+    // Without GPUs: every GPU and the control device are denied.
+    let j =
+        s.c.submit(&["--name", "v2-none", "--", "sh", "-c", &probe_script(&dev)]);
+    assert_eq!(s.c.wait_job(&j, 30).0, 0);
+    let out = s.c.ok(&["jobs", "logs", &j]);
+    for i in 0..4 {
+        assert!(line(&out, &format!("open{i} ")).contains(EPERM), "{out}");
+    }
+    assert!(line(&out, "ctl ").contains(EPERM), "{out}");
+
+    // The agent is SIGKILLed and restarted under a running task: the task
+    // lives on in its cgroup, still confined (the kernel keeps the program
+    // attached with no agent holding it).
+    let looping = format!(
+        "while true; do\n{}echo round\nsleep 0.3\ndone\n",
+        probe_script(&dev)
+    );
+    let j = s.c.submit(&[
+        "--name", "v2-long", "--gpus", "1", "--", "sh", "-c", &looping,
+    ]);
+    let job = s.c.wait_state(&j, "RUNNING", Duration::from_secs(30));
+    let (task, gpus) = task_of(&job);
+    let minor = s.minors[&gpus[0]];
+    let cgroup = cg2.path().join(&s.parent).join(&task);
+    let before = procs(&cgroup);
+    assert!(!before.is_empty());
+    s.c.restart_agent(0);
+    wait_for(Duration::from_secs(30), "the agent back", || {
+        s.c.json(&["agents", "list", "--json"])[0]["state"] == "ACTIVE"
+    });
+    assert_eq!(procs(&cgroup), before, "the task's processes, unchanged");
+    let rounds = |out: &str| out.lines().filter(|l| *l == "round").count();
+    let seen = rounds(&s.c.ok(&["jobs", "logs", &j]));
+    wait_for(
+        Duration::from_secs(20),
+        "more rounds after the restart",
+        || rounds(&s.c.ok(&["jobs", "logs", &j])) >= seen + 3,
+    );
+    let out = s.c.ok(&["jobs", "logs", &j]);
+    let last: Vec<&str> = out.lines().rev().take(40).collect();
+    for i in 0..4u32 {
+        let want = if i == minor { ENXIO } else { EPERM };
+        let l = last
+            .iter()
+            .find(|l| l.starts_with(&format!("open{i} ")))
+            .unwrap_or_else(|| panic!("no open{i} in:\n{out}"));
+        assert!(l.contains(want), "open{i} after the restart: {l}");
+    }
+    s.c.ok(&["jobs", "cancel", &j]);
+    assert_eq!(s.c.wait_job(&j, 30).1, "CANCELLED");
+    wait_for(
+        Duration::from_secs(10),
+        "the cancelled task's cgroup removed",
+        || !cgroup.exists(),
+    );
+    drop(s);
+    drop(cg2);
 }

@@ -152,22 +152,9 @@ impl SourceText for cgroups_rs::error::Error {
 impl CgroupManager {
     /// `parent` is one or more plain path components (`gpuctl`, `ci/gpuctl`).
     pub fn new(root: &Path, parent: &str) -> Result<CgroupManager, IsolationError> {
-        let parent = parent.trim_matches('/').to_string();
-        if parent.is_empty()
-            || parent.split('/').any(|c| {
-                c.is_empty()
-                    || c == "."
-                    || c == ".."
-                    || gpuctl_core::convert::check_id("cgroup_parent", c).is_err()
-            })
-        {
-            return Err(IsolationError::Config(format!(
-                "cgroup parent {parent:?} must be plain path components of [A-Za-z0-9._-]"
-            )));
-        }
         Ok(CgroupManager {
             root: root.to_path_buf(),
-            parent,
+            parent: check_parent(parent)?,
         })
     }
 
@@ -349,9 +336,28 @@ impl CgroupManager {
     }
 }
 
+/// A cgroup parent as one or more plain path components, without slashes
+/// at either end.
+pub(crate) fn check_parent(parent: &str) -> Result<String, IsolationError> {
+    let parent = parent.trim_matches('/').to_string();
+    if parent.is_empty()
+        || parent.split('/').any(|c| {
+            c.is_empty()
+                || c == "."
+                || c == ".."
+                || gpuctl_core::convert::check_id("cgroup_parent", c).is_err()
+        })
+    {
+        return Err(IsolationError::Config(format!(
+            "cgroup parent {parent:?} must be plain path components of [A-Za-z0-9._-]"
+        )));
+    }
+    Ok(parent)
+}
+
 /// rmdir of a cgroup directory and its sub-cgroups (cgroupfs directories
 /// hold only kernel files, so rmdir, not unlink, is what removes them).
-fn remove_tree(dir: &Path) -> Result<(), IsolationError> {
+pub(crate) fn remove_tree(dir: &Path) -> Result<(), IsolationError> {
     let io = |source| IsolationError::Io {
         path: dir.to_path_buf(),
         source,

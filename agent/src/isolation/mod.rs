@@ -2,20 +2,23 @@
 //!
 //! - `rules`: device rules as plain data (kernel format) and a task's rule set;
 //! - `devices`: the NVIDIA device nodes under `--dev-root`;
-//! - `cgroup`: per-task cgroups (v1) through cgroups-rs.
+//! - `cgroup`: per-task cgroups (v1) through cgroups-rs;
+//! - `cgroup2`, `bpf`, `bpf_load`: per-task cgroups on v2, with the device
+//!   rules as an eBPF program.
 //!
 //! On cgroup v1 every task gets `<parent>/<task-id>` in the devices, memory,
 //! cpu and pids hierarchies, denying every GPU that is not its own. Docker
 //! containers are created inside it (`--cgroup-parent`), so the kernel keeps
 //! them from the other GPUs whatever Docker allows; host processes join it
-//! before they exec. On cgroup v2 device rules are eBPF programs: Docker
-//! installs its own for containers (only the devices passed are allowed);
-//! host-process tasks are refused on hosts with NVIDIA devices until gpuctl
-//! installs an eBPF filter itself. See docs/isolation.md.
+//! before they exec. On cgroup v2 a host-process task gets
+//! `<parent>/<task-id>` with a device program gpuctl generates and attaches
+//! before the process joins; containers get Docker's own device program
+//! (only the devices passed are allowed). See docs/isolation.md.
 
 pub mod bpf;
 pub mod bpf_load;
 pub mod cgroup;
+pub mod cgroup2;
 pub mod devices;
 pub mod join;
 pub mod rules;
@@ -25,6 +28,7 @@ use std::path::{Path, PathBuf};
 use gpuctl_core::types::{Resources, Runtime};
 
 pub use cgroup::{detect_version, CgroupManager, CgroupVersion, TaskCgroup};
+pub use cgroup2::CgroupV2Manager;
 pub use rules::{DeviceNode, DeviceRule, HostDevices};
 
 #[derive(Debug, thiserror::Error)]
@@ -40,12 +44,15 @@ pub enum IsolationError {
     Config(String),
     #[error("{0}")]
     Unsupported(String),
+    #[error(transparent)]
+    Bpf(#[from] bpf_load::BpfError),
 }
 
 #[derive(Debug)]
 enum Mode {
     V1(CgroupManager),
-    V2,
+    /// Host processes get a cgroup of their own; containers Docker's.
+    V2(CgroupV2Manager),
     /// No usable cgroups (not mounted, not root): only hosts without NVIDIA
     /// devices can run tasks then, as there is nothing to isolate.
     Unavailable(String),
@@ -72,11 +79,14 @@ impl Isolator {
         parent: &str,
         dev_root: &Path,
     ) -> Result<Isolator, IsolationError> {
-        let manager = CgroupManager::new(cgroup_root, parent)?;
+        let root = nix::unistd::Uid::effective().is_root();
         let mode = match detect_version(cgroup_root) {
-            CgroupVersion::V1 if nix::unistd::Uid::effective().is_root() => Mode::V1(manager),
-            CgroupVersion::V1 => Mode::Unavailable("not running as root".into()),
-            CgroupVersion::V2 => Mode::V2,
+            CgroupVersion::V1 if root => Mode::V1(CgroupManager::new(cgroup_root, parent)?),
+            CgroupVersion::V2 if root => Mode::V2(CgroupV2Manager::new(cgroup_root, parent)?),
+            CgroupVersion::V1 | CgroupVersion::V2 => {
+                cgroup::check_parent(parent)?;
+                Mode::Unavailable("not running as root".into())
+            }
             CgroupVersion::None => {
                 Mode::Unavailable(format!("no cgroup hierarchy at {}", cgroup_root.display()))
             }
@@ -95,8 +105,13 @@ impl Isolator {
                 m.root().display(),
                 self.dev_root.display()
             ),
-            Mode::V2 => format!(
-                "cgroup v2: Docker enforces device rules for containers; host-process tasks are refused where NVIDIA devices exist (dev root {})",
+            Mode::V2(m) => format!(
+                "cgroup v2 under {}: host processes get a gpuctl device program and limits ({}), containers Docker's device program (dev root {})",
+                m.root().display(),
+                match m.controllers() {
+                    c if c.is_empty() => "no limit controller offered".to_string(),
+                    c => c.join(", "),
+                },
                 self.dev_root.display()
             ),
             Mode::Unavailable(why) => format!(
@@ -132,12 +147,10 @@ impl Isolator {
         let devices = host.nodes_for(minors);
         let cgroup = match &self.mode {
             Mode::V1(m) => Some(m.create(task_id, &rules::task_rules(&host, minors), resources)?),
-            Mode::V2 if runtime == Runtime::Process && !host.is_empty() => {
-                return Err(IsolationError::Unsupported(
-                    "host-process tasks are refused on this cgroup v2 host: GPU device isolation for processes needs an eBPF device filter, which gpuctl does not install yet; run the job in a container (--image)".into(),
-                ))
+            Mode::V2(m) if runtime == Runtime::Process => {
+                Some(m.create(task_id, &bpf::task_rules_v2(&host, minors), resources)?)
             }
-            Mode::V2 => None,
+            Mode::V2(_) => None,
             Mode::Unavailable(why) if !host.is_empty() => {
                 return Err(IsolationError::Unsupported(format!(
                     "cannot isolate GPUs on this host ({why})"
@@ -156,7 +169,8 @@ impl Isolator {
     ) -> Result<usize, IsolationError> {
         match &self.mode {
             Mode::V1(m) => m.remove_all_except(keep),
-            _ => Ok(0),
+            Mode::V2(m) => m.remove_all_except(keep),
+            Mode::Unavailable(_) => Ok(0),
         }
     }
 
@@ -177,7 +191,18 @@ impl Isolator {
                 }
                 m.remove(task_id)
             }
-            _ => Ok(()),
+            Mode::V2(m) => {
+                let strays = m.kill_all_in(task_id);
+                if strays > 0 {
+                    tracing::warn!(
+                        task_id,
+                        strays,
+                        "killed processes left in an ended task's cgroup"
+                    );
+                }
+                m.remove(task_id)
+            }
+            Mode::Unavailable(_) => Ok(()),
         }
     }
 }
@@ -197,18 +222,28 @@ mod tests {
     }
 
     #[test]
-    fn on_cgroup_v2_without_nvidia_devices_everything_runs() {
+    fn on_cgroup_v2_a_process_task_without_its_device_program_is_refused() {
+        if !nix::unistd::Uid::effective().is_root() {
+            eprintln!("skipped: needs root");
+            return;
+        }
+        // Looks like a v2 root but is a plain directory: the program cannot
+        // be attached, so the task must not run (agent/tests/bpf_cgroup2.rs
+        // runs tasks on a real cgroup2 mount).
         let root = v2_root();
         let dev = tempfile::tempdir().unwrap();
         let iso = Isolator::new(root.path(), "gpuctl/a", dev.path()).unwrap();
         assert!(iso.describe().contains("cgroup v2"));
-        let p = iso.prepare("t1", &[], &res(), Runtime::Process).unwrap();
-        assert!(p.cgroup.is_none() && p.devices.is_empty());
-        assert!(iso.prepare("t2", &[], &res(), Runtime::Docker).is_ok());
+        let err = iso
+            .prepare("t1", &[], &res(), Runtime::Process)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("device program"), "{err}");
+        assert!(!root.path().join("gpuctl/a/t1").exists(), "half made");
     }
 
     #[test]
-    fn on_cgroup_v2_with_nvidia_devices_process_tasks_are_refused() {
+    fn on_cgroup_v2_containers_get_their_devices_and_dockers_program() {
         if !nix::unistd::Uid::effective().is_root() {
             eprintln!("skipped: mknod needs root");
             return;
@@ -226,16 +261,10 @@ mod tests {
             .unwrap();
         }
         let iso = Isolator::new(root.path(), "gpuctl/a", dev.path()).unwrap();
-        let err = iso
-            .prepare("t1", &[0], &res(), Runtime::Process)
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("cgroup v2") && err.contains("eBPF"), "{err}");
-        // Without GPUs too: nothing would keep it from opening them.
-        assert!(iso.prepare("t2", &[], &res(), Runtime::Process).is_err());
         // Containers get exactly their GPU and the control device; Docker's
-        // own device filter does the rest.
+        // own device program does the rest.
         let p = iso.prepare("t3", &[1], &res(), Runtime::Docker).unwrap();
+        assert!(p.cgroup.is_none());
         let names: Vec<&str> = p
             .devices
             .iter()
