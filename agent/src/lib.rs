@@ -127,14 +127,17 @@ async fn make_runtimes(
     if want(Runtime::Docker) {
         match DockerRuntime::connect().await {
             Ok(d) => {
-                let d = d.with_fence_watcher(supervisor_exe.clone());
+                let d = d
+                    .with_fence_watcher(supervisor_exe.clone())
+                    .with_device_check(supervisor_exe.clone());
                 out.insert(Runtime::Docker, Arc::new(d));
             }
             Err(e) if wanted.is_some() || has_docker_tasks => {
                 tracing::warn!(error = %e, "Docker does not answer; its tasks wait until it does");
                 let d = DockerRuntime::new()
                     .map_err(AgentError::Docker)?
-                    .with_fence_watcher(supervisor_exe.clone());
+                    .with_fence_watcher(supervisor_exe.clone())
+                    .with_device_check(supervisor_exe.clone());
                 out.insert(Runtime::Docker, Arc::new(d));
             }
             Err(e) => {

@@ -634,3 +634,93 @@ fn host_processes_on_cgroup_v2_are_confined_by_gpuctls_device_program() {
     drop(s);
     drop(cg2);
 }
+
+/// The agent's check of a started container (`gpuctl-agent probe-devices`
+/// from the container's cgroups), against real containers: one given its
+/// GPU and the control node passes; one whose cgroup allows every NVIDIA
+/// device (what a wrong runtime or driver setting gives) is caught, and
+/// the error names each GPU it could open. The agent runs the same check
+/// after every container it starts, so the Docker tests above pass it too.
+#[test]
+fn the_device_check_catches_a_container_that_can_open_other_gpus() {
+    use gpuctl_agent::isolation::probe::{check, probe};
+    if !docker_or_skip("the_device_check_catches_a_container_that_can_open_other_gpus") {
+        return;
+    }
+    let image = gpuctl_tests::busybox_image();
+    let dir = tempfile::tempdir().unwrap();
+    let dev = dir.path().join("dev");
+    make_dev_root(&dev, 2);
+    let nodes: Vec<PathBuf> = ["nvidia0", "nvidia1", "nvidiactl"]
+        .iter()
+        .map(|n| dev.join(n))
+        .collect();
+    let name = |what: &str| format!("gpuctl-test-probe-{what}-{}", std::process::id());
+    let run = |what: &str, args: &[String]| -> i64 {
+        let _ = std::process::Command::new("docker")
+            .args(["rm", "-f", &name(what)])
+            .output();
+        let out = std::process::Command::new("docker")
+            .args(["run", "-d", "--name", &name(what)])
+            .args(args)
+            .args([image.as_str(), "sleep", "60"])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        let pid = std::process::Command::new("docker")
+            .args(["inspect", "--format", "{{.State.Pid}}", &name(what)])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&pid.stdout).trim().parse().unwrap()
+    };
+    struct Remove(Vec<String>);
+    impl Drop for Remove {
+        fn drop(&mut self) {
+            for n in &self.0 {
+                let _ = std::process::Command::new("docker")
+                    .args(["rm", "-f", n])
+                    .output();
+            }
+        }
+    }
+    let _cleanup = Remove(vec![name("good"), name("leaky")]);
+    let exe = gpuctl_tests::bin("gpuctl-agent");
+
+    let given = |n: &str| format!("{}:/dev/{n}", dev.join(n).display());
+    let good = run(
+        "good",
+        &[
+            "--device".into(),
+            given("nvidia1"),
+            "--device".into(),
+            given("nvidiactl"),
+        ],
+    );
+    let seen = probe(&exe, good, &nodes).unwrap();
+    let errno = |p: &Path| seen.iter().find(|(n, _)| n == p).unwrap().1;
+    assert_eq!(errno(&nodes[0]), nix::libc::EPERM, "{seen:?}");
+    assert_eq!(errno(&nodes[1]), nix::libc::ENXIO, "{seen:?}");
+    assert_eq!(errno(&nodes[2]), nix::libc::ENXIO, "{seen:?}");
+    check(&seen, &nodes[1..]).unwrap();
+
+    let leaky = run(
+        "leaky",
+        &[
+            "--device".into(),
+            given("nvidia1"),
+            "--device-cgroup-rule".into(),
+            "c 195:* rwm".into(),
+        ],
+    );
+    let seen = probe(&exe, leaky, &nodes).unwrap();
+    let err = check(&seen, &[nodes[1].clone()]).unwrap_err();
+    assert!(
+        err.contains(&format!("{} not given", nodes[0].display())),
+        "{err}"
+    );
+    assert!(
+        err.contains(&format!("{} not given", nodes[2].display())),
+        "{err}"
+    );
+    assert!(!err.contains("nvidia1"), "{err}");
+}

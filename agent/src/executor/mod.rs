@@ -847,6 +847,7 @@ impl Executor {
                     .unwrap_or_default(),
                 driver_volume: self.isolation.driver_volume.clone(),
                 gpu_task: !spec.gpu_uuids.is_empty(),
+                host_nodes: prepared.host_nodes,
             },
             state_dir: self.state_dir(task_id),
             fence: (!spec.no_fence).then(|| checkpoint::contact_path(&self.work_dir)),

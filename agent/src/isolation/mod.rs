@@ -21,6 +21,7 @@ pub mod cgroup;
 pub mod cgroup2;
 pub mod devices;
 pub mod join;
+pub mod probe;
 pub mod rules;
 
 use std::path::{Path, PathBuf};
@@ -65,6 +66,8 @@ pub struct Prepared {
     /// control devices (none for a task without GPUs).
     pub devices: Vec<DeviceNode>,
     pub cgroup: Option<TaskCgroup>,
+    /// Every NVIDIA node of the host (GPUs and control nodes).
+    pub host_nodes: Vec<PathBuf>,
 }
 
 #[derive(Debug)]
@@ -158,7 +161,18 @@ impl Isolator {
             }
             Mode::Unavailable(_) => None,
         };
-        Ok(Prepared { devices, cgroup })
+        let host_nodes = host
+            .gpus
+            .iter()
+            .map(|(_, n)| n)
+            .chain(&host.control)
+            .map(|n| n.host_path.clone())
+            .collect();
+        Ok(Prepared {
+            devices,
+            cgroup,
+            host_nodes,
+        })
     }
 
     /// Removes task cgroups an earlier agent process left (see

@@ -65,17 +65,32 @@ pub struct DockerRuntime {
     /// which is what a daemon in the middle of a restart looks like.
     docker: Arc<Mutex<Option<Docker>>>,
     addr: String,
-    /// With the cgroupfs driver containers can be put inside the task's
-    /// cgroup; the systemd driver only takes slices, so there Docker's own
-    /// device rules are the only ones (see docs/isolation.md). Learnt from
-    /// the daemon the first time it answers.
-    cgroupfs: Arc<OnceLock<bool>>,
+    /// Learnt from the daemon the first time it answers: with the cgroupfs
+    /// driver containers go inside the task's cgroup; the systemd driver
+    /// only takes slices, so there they go into [`SYSTEMD_SLICE`] and
+    /// Docker's own device rules are the ones that hold (see
+    /// docs/isolation.md).
+    driver: Arc<OnceLock<CgroupDriver>>,
     health: Arc<Mutex<RuntimeStatus>>,
     /// The binary that runs each container's fence watcher
     /// (`<exe> fence-container DIR`); `None`: containers are fenced only by
     /// the agent process itself.
     fence_exe: Option<PathBuf>,
+    /// The binary whose `probe-devices` checks each started container's
+    /// device access from outside (`isolation::probe`); `None`: unchecked.
+    device_check: Option<PathBuf>,
 }
+
+/// Docker's cgroup driver.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CgroupDriver {
+    Cgroupfs,
+    Systemd,
+}
+
+/// The slice task containers go into under the systemd driver, so they can
+/// be told apart from other containers and limited together.
+pub const SYSTEMD_SLICE: &str = "gpuctl.slice";
 
 /// A transport failure (the daemon does not answer) as opposed to an
 /// answer from the daemon.
@@ -109,12 +124,13 @@ impl DockerRuntime {
         Ok(DockerRuntime {
             docker: Arc::new(Mutex::new(None)),
             addr,
-            cgroupfs: Arc::new(OnceLock::new()),
+            driver: Arc::new(OnceLock::new()),
             health: Arc::new(Mutex::new(RuntimeStatus {
                 available: false,
                 message: "not contacted yet".into(),
             })),
             fence_exe: None,
+            device_check: None,
         })
     }
 
@@ -123,6 +139,13 @@ impl DockerRuntime {
     /// the fence timeout, even while the agent itself is frozen or dead.
     pub fn with_fence_watcher(mut self, exe: PathBuf) -> DockerRuntime {
         self.fence_exe = Some(exe);
+        self
+    }
+
+    /// Checks each started container's device access from outside, with
+    /// `<exe> probe-devices` (see `isolation::probe`).
+    pub fn with_device_check(mut self, exe: PathBuf) -> DockerRuntime {
+        self.device_check = Some(exe);
         self
     }
 
@@ -152,7 +175,7 @@ impl DockerRuntime {
             contact: contact.clone(),
             kill_grace_ms: spec.kill_grace.as_millis() as u64,
             // The container is in the task's cgroups only with cgroupfs.
-            cgroup_procs: if self.cgroupfs.get().copied().unwrap_or(false) {
+            cgroup_procs: if self.driver.get() == Some(&CgroupDriver::Cgroupfs) {
                 spec.isolation.cgroup_procs.clone()
             } else {
                 Vec::new()
@@ -199,18 +222,20 @@ impl DockerRuntime {
         let docker = self.client()?;
         let res = tokio::time::timeout(PING_TIMEOUT, async {
             docker.ping().await?;
-            if self.cgroupfs.get().is_none() {
+            if self.driver.get().is_none() {
                 let driver = docker
                     .info()
                     .await?
                     .cgroup_driver
                     .map(|d| d.to_string())
                     .unwrap_or_default();
-                let cgroupfs = driver == "cgroupfs";
-                if !cgroupfs {
-                    tracing::warn!(cgroup_driver = %driver, "Docker does not use the cgroupfs driver: containers are not placed in the task's cgroup and rely on Docker's own device rules");
-                }
-                let _ = self.cgroupfs.set(cgroupfs);
+                let driver = if driver == "systemd" {
+                    tracing::info!("Docker uses the systemd cgroup driver: task containers go into {SYSTEMD_SLICE} with Docker's device rules, checked after each start");
+                    CgroupDriver::Systemd
+                } else {
+                    CgroupDriver::Cgroupfs
+                };
+                let _ = self.driver.set(driver);
             }
             Ok::<_, BollardError>(())
         })
@@ -330,18 +355,18 @@ impl DockerRuntime {
                 // Created by an agent that died before starting it.
             }
             Err(e) if is_not_found(&e) => {
-                if self.cgroupfs.get().is_none() {
+                if self.driver.get().is_none() {
                     self.probe().await?;
                 }
                 let facts = self.ensure_image(image).await?;
-                let cgroupfs = self.cgroupfs.get().copied().unwrap_or(false);
+                let driver = self.driver.get().copied().unwrap_or(CgroupDriver::Cgroupfs);
                 self.client()?
                     .create_container(
                         Some(CreateContainerOptions {
                             name: name.clone(),
                             platform: None,
                         }),
-                        container_config(spec, image, &facts, cgroupfs),
+                        container_config(spec, image, &facts, driver),
                     )
                     .await
                     .map_err(|e| self.err(e))?;
@@ -359,6 +384,62 @@ impl DockerRuntime {
         self.set_health(true, String::new());
         self.ensure_fence_watcher(&spec.state_dir);
         tracing::debug!(task_id, container = %name, "container started");
+        if let Err(e) = self.check_devices(spec, &name).await {
+            tracing::error!(task_id, container = %name, error = %e, "stopping a container whose device isolation does not hold");
+            self.remove_container(&name).await?;
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// Opens every NVIDIA node of the host from the running container's
+    /// cgroups: its own must open, every other one must be denied. A
+    /// container that has already ended is not checked.
+    async fn check_devices(&self, spec: &LaunchSpec, name: &str) -> Result<(), RuntimeError> {
+        let Some(exe) = self.device_check.clone() else {
+            return Ok(());
+        };
+        let iso = &spec.isolation;
+        if iso.host_nodes.is_empty() {
+            return Ok(());
+        }
+        let running_pid = |info: bollard::models::ContainerInspectResponse| {
+            info.state
+                .filter(|s| s.running == Some(true))
+                .and_then(|s| s.pid)
+                .filter(|p| *p > 0)
+        };
+        let info = self
+            .client()?
+            .inspect_container(name, None)
+            .await
+            .map_err(|e| self.err(e))?;
+        let Some(pid) = running_pid(info) else {
+            return Ok(());
+        };
+        let nodes = iso.host_nodes.clone();
+        let seen =
+            tokio::task::spawn_blocking(move || crate::isolation::probe::probe(&exe, pid, &nodes))
+                .await
+                .map_err(|e| RuntimeError::Other(format!("device probe: {e}")))?;
+        let seen = match seen {
+            Ok(s) => s,
+            Err(e) => {
+                // It may have ended between the inspection and the probe.
+                let info = self
+                    .client()?
+                    .inspect_container(name, None)
+                    .await
+                    .map_err(|e| self.err(e))?;
+                if running_pid(info).is_none() {
+                    return Ok(());
+                }
+                return Err(RuntimeError::Isolation(e.to_string()));
+            }
+        };
+        let allowed: Vec<PathBuf> = iso.devices.iter().map(|d| d.host_path.clone()).collect();
+        crate::isolation::probe::check(&seen, &allowed).map_err(RuntimeError::Isolation)?;
+        tracing::debug!(container = %name, nodes = seen.len(), "device isolation checked");
         Ok(())
     }
 
@@ -604,7 +685,7 @@ fn container_config(
     spec: &LaunchSpec,
     image: &str,
     facts: &ImageFacts,
-    cgroupfs: bool,
+    driver: CgroupDriver,
 ) -> Config<String> {
     let res = &spec.task.resources;
     let labels = HashMap::from([
@@ -635,8 +716,12 @@ fn container_config(
                 })
                 .collect(),
         ),
-        // Inside the task's cgroup, whose device rules deny the other GPUs.
-        cgroup_parent: iso.cgroup_parent.clone().filter(|_| cgroupfs),
+        // cgroupfs: inside the task's cgroup, whose device rules deny the
+        // other GPUs. systemd: gpuctl's slice (it takes only slices).
+        cgroup_parent: match driver {
+            CgroupDriver::Cgroupfs => iso.cgroup_parent.clone(),
+            CgroupDriver::Systemd => Some(SYSTEMD_SLICE.to_string()),
+        },
         // The driver volume and the allowed mounts: no other host path.
         binds: Some(
             volume
@@ -1001,6 +1086,23 @@ mod tests {
             fence: None,
             security: Default::default(),
         }
+    }
+
+    #[test]
+    fn the_cgroup_driver_decides_where_a_container_goes() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut s = spec(dir.path(), "t1", "img", &["true"]);
+        s.isolation.cgroup_parent = Some("/gpuctl/a/t1".into());
+        let parent = |driver| {
+            container_config(&s, "img", &ImageFacts::default(), driver)
+                .host_config
+                .unwrap()
+                .cgroup_parent
+        };
+        // cgroupfs: inside the task's own cgroup (its device rules hold).
+        assert_eq!(parent(CgroupDriver::Cgroupfs), Some("/gpuctl/a/t1".into()));
+        // systemd takes only slices: gpuctl's.
+        assert_eq!(parent(CgroupDriver::Systemd), Some("gpuctl.slice".into()));
     }
 
     /// A task id no other test run uses at the same time.

@@ -95,6 +95,9 @@ pub struct TaskIsolation {
     pub driver_volume: Option<PathBuf>,
     /// The task holds GPUs.
     pub gpu_task: bool,
+    /// Every NVIDIA node of the host, for the check of a started
+    /// container's device access.
+    pub host_nodes: Vec<PathBuf>,
 }
 
 /// What a runtime knows of a task.
@@ -138,6 +141,10 @@ pub enum RuntimeError {
         path: PathBuf,
         source: std::io::Error,
     },
+    /// The running container's cgroup lets it open devices it was not
+    /// given, or not those it was (see `isolation::probe`).
+    #[error("device isolation check failed: {0}")]
+    Isolation(String),
     #[error("{0}")]
     Other(String),
 }

@@ -167,6 +167,9 @@ pub fn main_if_requested() -> Option<ExitCode> {
     if let Some(code) = super::fence::main_if_requested() {
         return Some(code);
     }
+    if let Some(code) = crate::isolation::probe::main_if_requested() {
+        return Some(code);
+    }
     let mut args = std::env::args_os().skip(1);
     if args.next()? != SUBCOMMAND {
         return None;
