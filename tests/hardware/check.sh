@@ -162,6 +162,36 @@ for i, r in enumerate(rows):
 EOF
 while read -r v n rest; do say "$v $n $rest"; done <"$W/disc.txt"
 check discovery.driver "describe shows driver $DRIVER" grep -q "$DRIVER" "$OUT/describe.txt"
+check discovery.healthy "the health probes pass on every GPU" python3 -c '
+import json, sys; sys.exit(not all(g["healthy"] for g in json.load(open(sys.argv[1]))))' "$OUT/gpus.json"
+# The topology matrix against nvidia-smi topo -m: NV<n>, PIX, PXB, PHB,
+# NODE or SYS for every pair of GPUs.
+if [ "$NGPU" -gt 1 ]; then
+  nvidia-smi topo -m >"$W/topo.txt"
+  python3 - "$OUT/gpus.json" "$W/topo.txt" <<'EOF2' >"$W/topo-check.txt"
+import json, re, sys
+gpus = sorted(json.load(open(sys.argv[1])), key=lambda g: g['index'])
+rows = {}
+for line in open(sys.argv[2]):
+    cells = re.sub(r'\x1b\[[0-9;]*m', '', line).split()
+    if cells and re.fullmatch(r'GPU\d+', cells[0]):
+        rows[int(cells[0][3:])] = cells[1:1 + len(gpus)]
+bad = []
+for a in gpus:
+    for b in gpus:
+        if a['uuid'] == b['uuid']:
+            continue
+        p = next((p for p in a.get('peers', []) if p['uuid'] == b['uuid']), None)
+        ours = '?' if p is None else (f"NV{p['nvlinks']}" if p.get('nvlinks') else p.get('pcie', '?'))
+        smi = rows.get(a['index'], [])[b['index']] if b['index'] < len(rows.get(a['index'], [])) else '?'
+        if ours != smi:
+            bad.append(f"GPU{a['index']}-GPU{b['index']}: ours {ours}, nvidia-smi {smi}")
+print(('FAIL' if bad else 'PASS') + ' discovery.topology: ' + ('; '.join(bad) or f'{len(gpus)} GPUs, every pair as nvidia-smi topo -m'))
+EOF2
+  while read -r v n rest; do say "$v $n $rest"; done <"$W/topo-check.txt"
+else
+  skip discovery.topology "one GPU: no pair to compare"
+fi
 UUID0=$(python3 -c 'import json,sys;print(sorted(json.load(open(sys.argv[1])),key=lambda g:g["index"])[0]["uuid"])' "$OUT/gpus.json")
 
 sec "driver volume"
@@ -239,11 +269,17 @@ P_GPU=$(state "$J")
 run p-none -- sh -c 'cat /dev/nvidia0 2>&1 | head -c 200; echo; nvidia-smi -L 2>&1 | head -3'
 P_NONE=$(state "$J")
 if [ "$CGV" = v2 ]; then
-  # gpuctl does not install an eBPF device filter yet (issue 19): it must
-  # refuse such tasks rather than run them unisolated.
-  check process.v2.refused "cgroup v2: a host-process task is refused ($P_GPU, $P_NONE)" \
-    [ "$P_GPU" = FAILED -a "$P_NONE" = FAILED ]
-  grep -h "refused\|eBPF" "$OUT"/job-p-*.txt | head -2
+  # cgroup v2: the task's cgroup carries gpuctl's eBPF device program.
+  check process.v2.gpu "a 1-GPU host process SUCCEEDED under the device program ($P_GPU)" \
+    [ "$P_GPU" = SUCCEEDED ]
+  check process.v2.denied "a host process without GPUs is denied /dev/nvidia0 ($P_NONE)" \
+    has "Operation not permitted"
+  if [ "$CUDA" = 1 ]; then
+    run v2-cuda --gpus 1 -- "$R/bin/cudacheck"
+    check process.v2.cuda "CUDA in a 1-GPU host process sees $UUID0" has "uuid=$UUID0"
+    run v2-cuda-none -- "$R/bin/cudacheck"
+    check process.v2.cuda.none "CUDA in a host process without GPUs finds no device" hasnt 'cuda_count=[1-9]'
+  fi
 else
   check process.gpu "a 1-GPU host process SUCCEEDED and nvidia-smi saw the GPU" \
     [ "$P_GPU" = SUCCEEDED ]
