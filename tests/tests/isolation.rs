@@ -171,6 +171,20 @@ fn line<'a>(out: &'a str, prefix: &str) -> &'a str {
         .unwrap_or_else(|| panic!("no line {prefix:?} in:\n{out}"))
 }
 
+/// What the probe script printed says the task opened GPU `minor` and
+/// the control node with it (neither without a GPU), and no other GPU.
+fn assert_only_its_gpu(out: &str, minor: Option<u32>) {
+    for i in 0..4u32 {
+        let want = if Some(i) == minor { ENXIO } else { EPERM };
+        assert!(
+            line(out, &format!("open{i} ")).contains(want),
+            "open{i}:\n{out}"
+        );
+    }
+    let ctl = if minor.is_some() { ENXIO } else { EPERM };
+    assert!(line(out, "ctl ").contains(ctl), "{out}");
+}
+
 fn task_of(job: &Value) -> (String, Vec<String>) {
     let t = &job["tasks"][0];
     (
@@ -404,14 +418,7 @@ fn host_processes_are_confined_to_their_gpus_too() {
     assert_eq!(read(&mem.join("memory.limit_in_bytes")).trim(), "33554432");
     assert_eq!(s.c.wait_job(&j, 30).0, 0);
     let out = s.c.ok(&["jobs", "logs", &j]);
-    for i in 0..4u32 {
-        let want = if i == minor { ENXIO } else { EPERM };
-        assert!(
-            line(&out, &format!("open{i} ")).contains(want),
-            "open{i}:\n{out}"
-        );
-    }
-    assert!(line(&out, "ctl ").contains(ENXIO), "{out}");
+    assert_only_its_gpu(&out, Some(minor));
     // It ran inside its cgroup from its first instruction.
     assert!(
         out.lines()
@@ -427,10 +434,7 @@ fn host_processes_are_confined_to_their_gpus_too() {
         s.c.submit(&["--name", "p0", "--", "sh", "-c", &probe_script(&dev)]);
     assert_eq!(s.c.wait_job(&j, 30).0, 0);
     let out = s.c.ok(&["jobs", "logs", &j]);
-    for i in 0..4 {
-        assert!(line(&out, &format!("open{i} ")).contains(EPERM), "{out}");
-    }
-    assert!(line(&out, "ctl ").contains(EPERM), "{out}");
+    assert_only_its_gpu(&out, None);
     assert_eq!(line(&out, "visible="), "visible=void");
 
     // A killed process task leaves no cgroup either.
@@ -560,14 +564,7 @@ fn host_processes_on_cgroup_v2_are_confined_by_gpuctls_device_program() {
     }
     assert_eq!(s.c.wait_job(&j, 30).0, 0);
     let out = s.c.ok(&["jobs", "logs", &j]);
-    for i in 0..4u32 {
-        let want = if i == minor { ENXIO } else { EPERM };
-        assert!(
-            line(&out, &format!("open{i} ")).contains(want),
-            "open{i}:\n{out}"
-        );
-    }
-    assert!(line(&out, "ctl ").contains(ENXIO), "{out}");
+    assert_only_its_gpu(&out, Some(minor));
     assert!(
         out.lines().any(|l| l == format!("0::/{}/{task}", s.parent)),
         "it ran in its cgroup from its first instruction:\n{out}"
@@ -581,10 +578,7 @@ fn host_processes_on_cgroup_v2_are_confined_by_gpuctls_device_program() {
         s.c.submit(&["--name", "v2-none", "--", "sh", "-c", &probe_script(&dev)]);
     assert_eq!(s.c.wait_job(&j, 30).0, 0);
     let out = s.c.ok(&["jobs", "logs", &j]);
-    for i in 0..4 {
-        assert!(line(&out, &format!("open{i} ")).contains(EPERM), "{out}");
-    }
-    assert!(line(&out, "ctl ").contains(EPERM), "{out}");
+    assert_only_its_gpu(&out, None);
 
     // The agent is SIGKILLed and restarted under a running task: the task
     // lives on in its cgroup, still confined (the kernel keeps the program

@@ -281,22 +281,10 @@ impl CgroupManager {
                 }
             }
         }
-        let mut removed = 0;
-        let mut first_err = None;
-        for name in names.iter().filter(|n| !keep.contains(*n)) {
+        sweep(names.iter().filter(|n| !keep.contains(*n)), |name| {
             self.kill_all_in(name);
-            match self.remove(name) {
-                Ok(()) => removed += 1,
-                Err(e) => {
-                    tracing::warn!(cgroup = %name, error = %e, "could not remove a stale task cgroup");
-                    first_err.get_or_insert(e);
-                }
-            }
-        }
-        match first_err {
-            Some(e) => Err(e),
-            None => Ok(removed),
-        }
+            self.remove(name)
+        })
     }
 
     /// SIGKILLs every process in the task's cgroup (orphans of a crashed
@@ -333,6 +321,30 @@ impl CgroupManager {
         std::fs::read_dir(&self.root)
             .map(|entries| entries.flatten().any(|e| e.path().join(&rel).is_dir()))
             .unwrap_or(false)
+    }
+}
+
+/// Kills and removes each stale task cgroup of `names` with
+/// `kill_and_remove`, going on past one it cannot remove (a busy
+/// container's); how many went, or the first failure at the end.
+pub(crate) fn sweep<'a>(
+    names: impl Iterator<Item = &'a String>,
+    mut kill_and_remove: impl FnMut(&str) -> Result<(), IsolationError>,
+) -> Result<usize, IsolationError> {
+    let mut removed = 0;
+    let mut first_err = None;
+    for name in names {
+        match kill_and_remove(name) {
+            Ok(()) => removed += 1,
+            Err(e) => {
+                tracing::warn!(cgroup = %name, error = %e, "could not remove a stale task cgroup");
+                first_err.get_or_insert(e);
+            }
+        }
+    }
+    match first_err {
+        Some(e) => Err(e),
+        None => Ok(removed),
     }
 }
 

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use gpuctl_core::types::Resources;
 
-use super::cgroup::{check_parent, remove_tree, TaskCgroup};
+use super::cgroup::{check_parent, remove_tree, sweep, TaskCgroup};
 use super::rules::DeviceRule;
 use super::{bpf, bpf_load, IsolationError};
 
@@ -226,22 +226,10 @@ impl CgroupV2Manager {
             .map(|e| e.file_name().to_string_lossy().into_owned())
             .filter(|n| !keep.contains(n))
             .collect();
-        let mut removed = 0;
-        let mut first_err = None;
-        for name in &names {
+        sweep(names.iter(), |name| {
             self.kill_all_in(name);
-            match self.remove(name) {
-                Ok(()) => removed += 1,
-                Err(e) => {
-                    tracing::warn!(cgroup = %name, error = %e, "could not remove a stale task cgroup");
-                    first_err.get_or_insert(e);
-                }
-            }
-        }
-        match first_err {
-            Some(e) => Err(e),
-            None => Ok(removed),
-        }
+            self.remove(name)
+        })
     }
 
     pub fn exists(&self, task_id: &str) -> bool {

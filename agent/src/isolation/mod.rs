@@ -193,31 +193,19 @@ impl Isolator {
     /// group, say) is killed first: the GPU is released on the agent's
     /// report that the task is gone, so nothing of it may stay. Idempotent.
     pub fn release(&self, task_id: &str) -> Result<(), IsolationError> {
-        match &self.mode {
-            Mode::V1(m) => {
-                let strays = m.kill_all_in(task_id);
-                if strays > 0 {
-                    tracing::warn!(
-                        task_id,
-                        strays,
-                        "killed processes left in an ended task's cgroup"
-                    );
-                }
-                m.remove(task_id)
-            }
-            Mode::V2(m) => {
-                let strays = m.kill_all_in(task_id);
-                if strays > 0 {
-                    tracing::warn!(
-                        task_id,
-                        strays,
-                        "killed processes left in an ended task's cgroup"
-                    );
-                }
-                m.remove(task_id)
-            }
-            Mode::Unavailable(_) => Ok(()),
+        let (strays, removed) = match &self.mode {
+            Mode::V1(m) => (m.kill_all_in(task_id), m.remove(task_id)),
+            Mode::V2(m) => (m.kill_all_in(task_id), m.remove(task_id)),
+            Mode::Unavailable(_) => return Ok(()),
+        };
+        if strays > 0 {
+            tracing::warn!(
+                task_id,
+                strays,
+                "killed processes left in an ended task's cgroup"
+            );
         }
+        removed
     }
 }
 
