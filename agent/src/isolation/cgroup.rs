@@ -304,15 +304,7 @@ impl CgroupManager {
                 pids.extend(text.lines().filter_map(|l| l.trim().parse::<i32>().ok()));
             }
         }
-        pids.into_iter()
-            .filter(|pid| {
-                nix::sys::signal::kill(
-                    nix::unistd::Pid::from_raw(*pid),
-                    nix::sys::signal::Signal::SIGKILL,
-                )
-                .is_ok()
-            })
-            .count()
+        sigkill_all(pids)
     }
 
     /// Whether any hierarchy still has the task's cgroup.
@@ -322,6 +314,19 @@ impl CgroupManager {
             .map(|entries| entries.flatten().any(|e| e.path().join(&rel).is_dir()))
             .unwrap_or(false)
     }
+}
+
+/// SIGKILLs each pid; how many it signalled.
+pub(crate) fn sigkill_all(pids: std::collections::BTreeSet<i32>) -> usize {
+    pids.into_iter()
+        .filter(|pid| {
+            nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(*pid),
+                nix::sys::signal::Signal::SIGKILL,
+            )
+            .is_ok()
+        })
+        .count()
 }
 
 /// Kills and removes each stale task cgroup of `names` with

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use gpuctl_core::types::Resources;
 
-use super::cgroup::{check_parent, remove_tree, sweep, TaskCgroup};
+use super::cgroup::{check_parent, remove_tree, sigkill_all, sweep, TaskCgroup};
 use super::rules::DeviceRule;
 use super::{bpf, bpf_load, IsolationError};
 
@@ -192,15 +192,7 @@ impl CgroupV2Manager {
     pub fn kill_all_in(&self, task_id: &str) -> usize {
         let mut pids = std::collections::BTreeSet::new();
         collect_pids(&self.dir(task_id), &mut pids);
-        pids.into_iter()
-            .filter(|pid| {
-                nix::sys::signal::kill(
-                    nix::unistd::Pid::from_raw(*pid),
-                    nix::sys::signal::Signal::SIGKILL,
-                )
-                .is_ok()
-            })
-            .count()
+        sigkill_all(pids)
     }
 
     /// Kills what is left in, and removes, every task cgroup under the
