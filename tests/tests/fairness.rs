@@ -281,7 +281,12 @@ fn weighted_roles_converge_to_their_weights_as_tasks_end() {
     rt.block_on(a.start(c.master_addr.clone(), test));
     settles("A alone", Duration::from_secs(60), || {
         let n = live_tasks(&ma);
-        (n == 16).then_some(()).ok_or(format!("A runs {n}"))
+        // All 16, but one may be between its end and its replacement (3 s
+        // tasks: on a loaded machine there nearly always is one).
+        (15..=16)
+            .contains(&n)
+            .then_some(())
+            .ok_or(format!("A runs {n}"))
     });
     rt.block_on(b.start(c.master_addr.clone(), test));
     // Tasks last 3 s and are replaced at once: a few rounds.
