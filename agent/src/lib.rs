@@ -5,6 +5,7 @@
 //! tests and `gpuctl demo` can run one in-process.
 
 pub mod api;
+pub mod cdi;
 pub mod checkpoint;
 pub mod config;
 pub mod executor;
