@@ -44,6 +44,9 @@ pub struct AgentConfig {
     pub dev_root: PathBuf,
     /// Root under which the driver's ld.so cache, libraries and binaries are.
     pub driver_root: PathBuf,
+    /// Where the agent writes the CDI spec of its GPUs; `None`: no spec,
+    /// and containers never get their GPUs through CDI (`--no-cdi`).
+    pub cdi_dir: Option<PathBuf>,
     /// Operator-set attributes (rack, zone...), for `--constraint`; they
     /// override discovered ones of the same name.
     pub attributes: std::collections::BTreeMap<String, String>,
@@ -86,6 +89,7 @@ impl AgentConfig {
             cgroup_root: PathBuf::from("/sys/fs/cgroup"),
             dev_root: PathBuf::from("/dev"),
             driver_root: PathBuf::from("/"),
+            cdi_dir: Some(PathBuf::from(crate::cdi::DEFAULT_DIR)),
             attributes: Default::default(),
             health: HealthConfig::default(),
             metrics_listen: None,
@@ -201,6 +205,14 @@ pub struct Options {
     /// found (like the NVIDIA container toolkit's driver root).
     #[arg(long, env = "GPUCTL_AGENT_DRIVER_ROOT", default_value = "/")]
     pub driver_root: PathBuf,
+    /// Directory the CDI spec of this machine's GPUs (gpuctl.io/gpu) is
+    /// written to, for Docker and other CDI runtimes. /var/run/cdi is
+    /// CDI's directory for specs generated at run time.
+    #[arg(long, env = "GPUCTL_AGENT_CDI_DIR", default_value = crate::cdi::DEFAULT_DIR)]
+    pub cdi_dir: PathBuf,
+    /// Write no CDI spec, and give containers their GPUs with --device only.
+    #[arg(long, env = "GPUCTL_AGENT_NO_CDI")]
+    pub no_cdi: bool,
     /// Log filter (tracing EnvFilter syntax), e.g. `info`.
     #[arg(long, env = "GPUCTL_LOG", default_value = "info")]
     pub log: String,
@@ -283,6 +295,8 @@ struct FileOptions {
     cgroup_root: Option<PathBuf>,
     dev_root: Option<PathBuf>,
     driver_root: Option<PathBuf>,
+    cdi_dir: Option<PathBuf>,
+    no_cdi: Option<bool>,
     attributes: Option<Vec<String>>,
     log: Option<String>,
     health_interval_secs: Option<f64>,
@@ -373,6 +387,8 @@ impl Options {
             fill!(cgroup_root);
             fill!(dev_root);
             fill!(driver_root);
+            fill!(cdi_dir);
+            fill!(no_cdi);
             fill!(attributes);
             fill!(log);
             fill!(health_interval_secs);
@@ -485,7 +501,14 @@ impl Options {
             )));
         }
         let allowed_mounts = parse_allowed_mounts(&self.allowed_mounts)?;
+        if !self.cdi_dir.is_absolute() {
+            return Err(AgentError::Config(format!(
+                "cdi_dir: {} is not an absolute path",
+                self.cdi_dir.display()
+            )));
+        }
         Ok(AgentConfig {
+            cdi_dir: (!self.no_cdi).then(|| self.cdi_dir.clone()),
             task_user,
             allow_root_tasks: self.allow_root_tasks,
             allowed_mounts,
@@ -691,6 +714,47 @@ mod tests {
             let name = flag.trim_start_matches("--").replace('-', "_");
             assert!(e.contains(&name) && e.contains(words), "{flag} {bad}: {e}");
         }
+    }
+
+    #[test]
+    fn cdi_options_default_and_come_from_flags_env_and_file() {
+        let c = Options::load_from(["gpuctl-agent"])
+            .unwrap()
+            .to_config()
+            .unwrap();
+        assert_eq!(c.cdi_dir, Some(PathBuf::from("/var/run/cdi")));
+        assert_eq!(AgentConfig::new(vec![], "/x".into()).cdi_dir, c.cdi_dir);
+        let c = Options::load_from(["gpuctl-agent", "--cdi-dir", "/etc/cdi"])
+            .unwrap()
+            .to_config()
+            .unwrap();
+        assert_eq!(c.cdi_dir, Some(PathBuf::from("/etc/cdi")));
+        let c = Options::load_from(["gpuctl-agent", "--no-cdi"])
+            .unwrap()
+            .to_config()
+            .unwrap();
+        assert_eq!(c.cdi_dir, None);
+
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("agent.toml");
+        std::fs::write(&f, "cdi_dir = \"/run/gpuctl-cdi\"\nno_cdi = false\n").unwrap();
+        let file = ["gpuctl-agent", "--config", f.to_str().unwrap()];
+        let c = Options::load_from(file).unwrap().to_config().unwrap();
+        assert_eq!(c.cdi_dir, Some(PathBuf::from("/run/gpuctl-cdi")));
+        let mut flags = file.to_vec();
+        flags.push("--no-cdi");
+        let c = Options::load_from(flags).unwrap().to_config().unwrap();
+        assert_eq!(c.cdi_dir, None, "flag wins");
+        std::fs::write(&f, "no_cdi = true\n").unwrap();
+        let c = Options::load_from(file).unwrap().to_config().unwrap();
+        assert_eq!(c.cdi_dir, None);
+
+        let e = Options::load_from(["gpuctl-agent", "--cdi-dir", "cdi"])
+            .unwrap()
+            .to_config()
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("cdi_dir") && e.contains("absolute"), "{e}");
     }
 
     #[test]

@@ -5,6 +5,7 @@
 //! tests and `gpuctl demo` can run one in-process.
 
 pub mod api;
+pub mod cdi;
 pub mod checkpoint;
 pub mod config;
 pub mod executor;
@@ -290,6 +291,39 @@ pub async fn serve(
         }
         None => None,
     };
+    // The CDI spec (simulated GPUs have no nodes to describe).
+    let cdi_publisher = match &config.cdi_dir {
+        Some(dir) if !simulated => {
+            let gpus = discovery
+                .gpus
+                .iter()
+                .map(|g| cdi::SpecGpu {
+                    index: g.index,
+                    uuid: g.uuid.clone(),
+                    minor: g.minor,
+                })
+                .collect();
+            let p = Arc::new(cdi::Publisher::new(
+                dir.clone(),
+                config.dev_root.clone(),
+                gpus,
+                driver_volume.clone(),
+            ));
+            // Before any task starts, so that its names are known.
+            let first = p.clone();
+            if let Err(e) = tokio::task::spawn_blocking(move || first.refresh()).await {
+                tracing::warn!(error = %e, "CDI spec refresh panicked");
+            }
+            Some(p)
+        }
+        Some(_) => None,
+        None => {
+            tracing::info!(
+                "CDI off (no_cdi): no CDI spec is written; containers get their GPUs with --device"
+            );
+            None
+        }
+    };
     let gpu_minors = discovery
         .gpus
         .iter()
@@ -311,6 +345,10 @@ pub async fn serve(
         gpu_minors,
         driver_volume,
         policy: policy.clone(),
+        cdi: cdi_publisher
+            .as_ref()
+            .map(|p| p.names())
+            .unwrap_or_default(),
     };
     let gpus = discovery.gpus;
 
@@ -386,6 +424,11 @@ pub async fn serve(
     tracing::info!(agent_id = %info.id, address = %info.address, runtimes = ?info.runtimes, gpus = info.gpus.len(), "agent starting");
 
     let (stop_tx, stop_rx) = watch::channel(false);
+    // With no GPU there is nothing to keep in step (the first refresh
+    // removed a spec left from before).
+    if let Some(p) = cdi_publisher.filter(|p| p.has_gpus()) {
+        tokio::spawn(cdi::keep_in_step(p, cdi::REFRESH, stop_rx.clone()));
+    }
     let metrics_gpus = info.gpus.clone();
     let (updates_tx, updates_rx) = mpsc::channel(1024);
     let executor = executor::Executor::new(

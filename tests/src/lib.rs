@@ -851,6 +851,13 @@ impl Gpuctl for HaCluster {
 /// How an agent of a test cluster was started: its arguments and environment.
 type AgentArgs = (Vec<String>, Env);
 
+/// Where agent `n` of a test cluster in `dir` writes its CDI spec: a
+/// directory of its own, never the host's /var/run/cdi (agents of parallel
+/// tests would overwrite each other's spec there, naming temp dirs).
+pub fn agent_cdi_dir(dir: &Path, n: usize) -> PathBuf {
+    dir.join(format!("agent{n}-cdi"))
+}
+
 /// Starts agent `n` of a test cluster (work dir and log under `dir`),
 /// talking to `masters`.
 fn spawn_agent(dir: &Path, n: usize, masters: &str, opts: AgentOpts) -> (Daemon, AgentArgs) {
@@ -873,6 +880,14 @@ fn spawn_agent(dir: &Path, n: usize, masters: &str, opts: AgentOpts) -> (Daemon,
     if let Some(s) = opts.simulate_gpus {
         args.push("--simulate-gpus".into());
         args.push(s.into());
+    }
+    if !opts
+        .extra
+        .iter()
+        .any(|a| a.starts_with("--cdi-dir") || a == "--no-cdi")
+    {
+        args.push("--cdi-dir".into());
+        args.push(agent_cdi_dir(dir, n).display().to_string());
     }
     args.extend(opts.extra);
     let started = (args, opts.env);

@@ -231,6 +231,7 @@ fn agent_example_config_is_accepted_and_shows_the_defaults() {
     assert_eq!(file.task_user, default.task_user);
     assert_eq!(file.allow_root_tasks, default.allow_root_tasks);
     assert_eq!(file.allowed_mounts, default.allowed_mounts);
+    assert_eq!(file.cdi_dir, default.cdi_dir);
     assert_eq!(
         unit_setting("gpuctl-agent.service", "StateDirectory").as_deref(),
         Some("gpuctl/agent"),
@@ -251,6 +252,7 @@ fn agent_example_config_is_accepted_and_shows_the_defaults() {
     assert!(c.advertise.is_some() && c.simulate_gpus.is_some() && c.runtimes.is_some());
     assert!(c.nvml_lib.is_some() && c.cpus.is_some() && c.mem_mib.is_some());
     assert_eq!(c.allowed_mounts, ["/datasets", "/scratch"]);
+    assert_eq!(c.cdi_dir, None, "the no_cdi example");
 }
 
 /// The agent stops its tasks on SIGTERM, waiting up to kill_grace_secs for

@@ -12,8 +12,9 @@ use std::time::Duration;
 
 use gpuctl_tests::Gpuctl;
 use gpuctl_tests::{
-    busybox_image, cgroup_dirs, cgroup_v1_or_skip, docker_or_skip, fake_nvml_config, fake_nvml_lib,
-    make_dev_root, make_driver_tree, task_containers, try_wait_for, wait_for, AgentOpts, Cluster,
+    agent_cdi_dir, busybox_image, cgroup_dirs, cgroup_v1_or_skip, docker_or_skip, fake_nvml_config,
+    fake_nvml_lib, make_dev_root, make_driver_tree, task_containers, try_wait_for, wait_for,
+    AgentOpts, Cluster,
 };
 use serde_json::Value;
 
@@ -328,7 +329,46 @@ fn docker_tasks_see_and_open_only_their_own_gpus() {
     seen.sort();
     seen.dedup();
     assert_eq!(seen.len(), 2, "two tasks, two different GPUs");
-    let _ = &s.dev;
+    // The agent described its GPUs in a CDI spec (nodes under its dev
+    // root), and this Docker (20.10, API 1.41) got them with --device.
+    let spec = agent_cdi_dir(s.c.dir.path(), 0).join("gpuctl.io-gpu.json");
+    let spec: Value = serde_json::from_str(&read(&spec)).unwrap();
+    assert_eq!(spec["kind"], "gpuctl.io/gpu");
+    let names: Vec<&str> = spec["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["name"].as_str().unwrap())
+        .collect();
+    for (uuid, minor) in &s.minors {
+        assert!(names.contains(&uuid.as_str()), "{uuid} in {names:?}");
+        let node = &spec["devices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|d| d["name"] == uuid.as_str())
+            .unwrap()["containerEdits"]["deviceNodes"][0];
+        assert_eq!(node["path"], format!("/dev/nvidia{minor}"));
+        assert_eq!(
+            node["hostPath"],
+            s.dev.join(format!("nvidia{minor}")).display().to_string()
+        );
+    }
+    let docker_version = std::process::Command::new("docker")
+        .args(["version", "--format", "{{.Server.APIVersion}}"])
+        .output()
+        .unwrap();
+    let api = String::from_utf8_lossy(&docker_version.stdout)
+        .trim()
+        .to_string();
+    if !gpuctl_agent::runtime::docker::api_at_least(&api, (1, 44)) {
+        let log = s.c.agents[0].log_text();
+        assert!(
+            log.contains("GPU containers get their GPUs through --device, not CDI")
+                && log.contains("older than 1.44"),
+            "{log}"
+        );
+    }
 }
 
 #[test]

@@ -97,6 +97,9 @@ pub struct IsolationSetup {
     pub driver_volume: Option<PathBuf>,
     /// What tasks may do here: users, root, mounts.
     pub policy: crate::security::TaskPolicy,
+    /// Each GPU's CDI name, kept current by the CDI publisher; empty when
+    /// CDI is off.
+    pub cdi: crate::cdi::Names,
 }
 
 /// How a task ended, as reported to the master.
@@ -848,6 +851,7 @@ impl Executor {
                 driver_volume: self.isolation.driver_volume.clone(),
                 gpu_task: !spec.gpu_uuids.is_empty(),
                 host_nodes: prepared.host_nodes,
+                cdi_devices: self.isolation.cdi.for_gpus(&spec.gpu_uuids),
             },
             state_dir: self.state_dir(task_id),
             fence: (!spec.no_fence).then(|| checkpoint::contact_path(&self.work_dir)),
@@ -1148,6 +1152,7 @@ mod shell_tests {
                     Vec::new(),
                     gpuctl_core::types::UserIds { uid: 0, gid: 0 },
                 ),
+                cdi: Default::default(),
             },
             tx,
         );

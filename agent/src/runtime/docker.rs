@@ -22,7 +22,7 @@ use bollard::container::{
 };
 use bollard::errors::Error as BollardError;
 use bollard::image::CreateImageOptions;
-use bollard::models::{ContainerStateStatusEnum, DeviceMapping, HostConfig};
+use bollard::models::{ContainerStateStatusEnum, DeviceMapping, DeviceRequest, HostConfig};
 use bollard::{ClientVersion, Docker};
 use futures::future::BoxFuture;
 use futures::{FutureExt, StreamExt};
@@ -79,6 +79,9 @@ pub struct DockerRuntime {
     /// The binary whose `probe-devices` checks each started container's
     /// device access from outside (`isolation::probe`); `None`: unchecked.
     device_check: Option<PathBuf>,
+    /// How GPU containers got their GPUs last (CDI or `--device`, and why),
+    /// so that the agent says so when it changes, not for every task.
+    gpu_path: Arc<Mutex<Option<String>>>,
 }
 
 /// Docker's cgroup driver.
@@ -131,6 +134,7 @@ impl DockerRuntime {
             })),
             fence_exe: None,
             device_check: None,
+            gpu_path: Arc::new(Mutex::new(None)),
         })
     }
 
@@ -321,6 +325,50 @@ impl DockerRuntime {
         Ok(ImageFacts::from(&info))
     }
 
+    /// What the daemon says of CDI: its API version and the directories
+    /// its CDI registry reads (empty: CDI off, or a Docker before 25).
+    async fn daemon_cdi(&self) -> Result<DaemonCdi, RuntimeError> {
+        let docker = self.client()?;
+        let version = docker.version().await.map_err(|e| self.err(e))?;
+        let info = docker.info().await.map_err(|e| self.err(e))?;
+        Ok(DaemonCdi {
+            api_version: version.api_version.unwrap_or_default(),
+            // Docker resolves symlinks in its own (/var/run/cdi is /run/cdi).
+            spec_dirs: info
+                .cdi_spec_dirs
+                .unwrap_or_default()
+                .iter()
+                .map(|d| std::fs::canonicalize(d).unwrap_or_else(|_| PathBuf::from(d)))
+                .collect(),
+        })
+    }
+
+    /// The CDI device request for a task's GPUs when the daemon takes one;
+    /// `None`: they go with `--device`, as with every Docker before 25.
+    async fn cdi_request(&self, devices: &[crate::cdi::CdiDevice]) -> Option<DeviceRequest> {
+        if devices.is_empty() {
+            return None;
+        }
+        let decision = match self.daemon_cdi().await {
+            Ok(daemon) => cdi_device_request(&daemon, devices),
+            Err(e) => Err(format!("the daemon's CDI support is unknown ({e})")),
+        };
+        let way = match &decision {
+            Ok(_) => "CDI device requests (HostConfig.DeviceRequests, driver cdi)".to_string(),
+            Err(why) => format!("--device, not CDI: {why}"),
+        };
+        let mut last = self.gpu_path.lock().unwrap_or_else(|p| p.into_inner());
+        if last.as_deref() != Some(way.as_str()) {
+            tracing::info!("GPU containers get their GPUs through {way}");
+            *last = Some(way);
+        }
+        drop(last);
+        if let Ok(r) = &decision {
+            tracing::debug!(devices = ?r.device_ids, "CDI device request");
+        }
+        decision.ok()
+    }
+
     /// Force-removes a container; a missing one is fine.
     async fn remove_container(&self, name: &str) -> Result<(), RuntimeError> {
         let opts = RemoveContainerOptions {
@@ -360,13 +408,14 @@ impl DockerRuntime {
                 }
                 let facts = self.ensure_image(image).await?;
                 let driver = self.driver.get().copied().unwrap_or(CgroupDriver::Cgroupfs);
+                let cdi = self.cdi_request(&spec.isolation.cdi_devices).await;
                 self.client()?
                     .create_container(
                         Some(CreateContainerOptions {
                             name: name.clone(),
                             platform: None,
                         }),
-                        container_config(spec, image, &facts, driver),
+                        container_config(spec, image, &facts, driver, cdi.as_ref()),
                     )
                     .await
                     .map_err(|e| self.err(e))?;
@@ -681,11 +730,81 @@ impl From<&bollard::models::ImageInspect> for ImageFacts {
     }
 }
 
+/// What a daemon says of its CDI support.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DaemonCdi {
+    /// Its API version, e.g. `1.47` (the newest it speaks, whatever the
+    /// version gpuctl speaks to it).
+    pub api_version: String,
+    /// `CDISpecDirs` of `/info`, symlinks resolved: where its CDI registry
+    /// reads specs; empty when CDI is off.
+    pub spec_dirs: Vec<PathBuf>,
+}
+
+/// Docker takes CDI device requests from API 1.44 (Docker 25).
+pub const CDI_MIN_API: (u32, u32) = (1, 44);
+
+/// Whether an API version (`1.47`) is at least `min`.
+pub fn api_at_least(version: &str, min: (u32, u32)) -> bool {
+    let mut parts = version.trim().split('.').map(str::parse::<u32>);
+    match (parts.next(), parts.next()) {
+        (Some(Ok(major)), Some(Ok(minor))) => (major, minor) >= min,
+        _ => false,
+    }
+}
+
+/// The CDI device request for these devices (`HostConfig.DeviceRequests`,
+/// driver `cdi`), or why the daemon cannot take it: an API before 1.44, CDI
+/// not enabled, or a spec in a directory its registry does not read. PURE.
+pub fn cdi_device_request(
+    daemon: &DaemonCdi,
+    devices: &[crate::cdi::CdiDevice],
+) -> Result<DeviceRequest, String> {
+    if devices.is_empty() {
+        return Err("no CDI names for the task's GPUs".into());
+    }
+    if !api_at_least(&daemon.api_version, CDI_MIN_API) {
+        return Err(format!(
+            "Docker API {:?} is older than {}.{} (CDI needs Docker 25 or later)",
+            daemon.api_version, CDI_MIN_API.0, CDI_MIN_API.1
+        ));
+    }
+    if daemon.spec_dirs.is_empty() {
+        return Err(
+            "CDI is not enabled in Docker (no CDISpecDirs; the daemon's `cdi` feature)".into(),
+        );
+    }
+    if let Some(d) = devices
+        .iter()
+        .find(|d| !daemon.spec_dirs.contains(&d.spec_dir))
+    {
+        return Err(format!(
+            "Docker does not read CDI specs from {} ({}); its CDISpecDirs are {:?}",
+            d.spec_dir.display(),
+            d.name,
+            daemon.spec_dirs
+        ));
+    }
+    Ok(DeviceRequest {
+        driver: Some("cdi".to_string()),
+        device_ids: Some(devices.iter().map(|d| d.name.clone()).collect()),
+        ..Default::default()
+    })
+}
+
+/// `/dev/nvidia<N>`: a GPU's node, as opposed to a control node.
+fn is_gpu_node(container_path: &str) -> bool {
+    container_path
+        .strip_prefix("/dev/nvidia")
+        .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+}
+
 fn container_config(
     spec: &LaunchSpec,
     image: &str,
     facts: &ImageFacts,
     driver: CgroupDriver,
+    cdi: Option<&DeviceRequest>,
 ) -> Config<String> {
     let res = &spec.task.resources;
     let labels = HashMap::from([
@@ -706,9 +825,13 @@ fn container_config(
         init: Some(true),
         // The task's GPUs and the control devices, nothing else: Docker
         // creates these nodes and allows them in the container's cgroup.
+        // With CDI the GPUs come from the request; the control nodes are
+        // passed here as well, so that one that appeared since the spec was
+        // written is there (CDI replaces a node passed twice).
         devices: Some(
             iso.devices
                 .iter()
+                .filter(|d| cdi.is_none() || !is_gpu_node(&d.container_path))
                 .map(|d| DeviceMapping {
                     path_on_host: Some(d.host_path.display().to_string()),
                     path_in_container: Some(d.container_path.clone()),
@@ -716,6 +839,7 @@ fn container_config(
                 })
                 .collect(),
         ),
+        device_requests: cdi.map(|r| vec![r.clone()]),
         // cgroupfs: inside the task's cgroup, whose device rules deny the
         // other GPUs. systemd: gpuctl's slice (it takes only slices).
         cgroup_parent: match driver {
@@ -1094,7 +1218,7 @@ mod tests {
         let mut s = spec(dir.path(), "t1", "img", &["true"]);
         s.isolation.cgroup_parent = Some("/gpuctl/a/t1".into());
         let parent = |driver| {
-            container_config(&s, "img", &ImageFacts::default(), driver)
+            container_config(&s, "img", &ImageFacts::default(), driver, None)
                 .host_config
                 .unwrap()
                 .cgroup_parent
@@ -1120,6 +1244,187 @@ mod tests {
             Err(e) if is_not_found(&e) => false,
             Err(e) => panic!("inspect {name}: {e}"),
         }
+    }
+
+    fn cdi_dev(name: &str, dir: &str) -> crate::cdi::CdiDevice {
+        crate::cdi::CdiDevice {
+            name: name.into(),
+            spec_dir: dir.into(),
+        }
+    }
+
+    #[test]
+    fn api_versions_compare_by_number() {
+        for (v, want) in [
+            ("1.44", true),
+            ("1.47", true),
+            ("1.100", true),
+            ("2.0", true),
+            ("1.43", false),
+            ("1.41", false),
+            ("1.4", false),
+            ("", false),
+            ("1", false),
+            ("one.44", false),
+        ] {
+            assert_eq!(api_at_least(v, CDI_MIN_API), want, "{v:?}");
+        }
+    }
+
+    #[test]
+    fn gpus_go_through_cdi_only_when_the_daemon_reads_their_specs() {
+        let run = cdi_dev("gpuctl.io/gpu=GPU-a", "/run/cdi");
+        let etc = cdi_dev("nvidia.com/gpu=GPU-b", "/etc/cdi");
+        let daemon = |api: &str, dirs: &[&str]| DaemonCdi {
+            api_version: api.into(),
+            spec_dirs: dirs.iter().map(PathBuf::from).collect(),
+        };
+        let both = daemon("1.47", &["/etc/cdi", "/run/cdi"]);
+        let r = cdi_device_request(&both, &[run.clone(), etc.clone()]).unwrap();
+        assert_eq!(
+            r,
+            DeviceRequest {
+                driver: Some("cdi".into()),
+                device_ids: Some(vec![
+                    "gpuctl.io/gpu=GPU-a".into(),
+                    "nvidia.com/gpu=GPU-b".into()
+                ]),
+                count: None,
+                capabilities: None,
+                options: None,
+            }
+        );
+        for (what, d, devices, words) in [
+            (
+                "Docker 20.10",
+                daemon("1.41", &["/etc/cdi", "/run/cdi"]),
+                vec![run.clone()],
+                "1.41",
+            ),
+            (
+                "Docker 24",
+                daemon("1.43", &[]),
+                vec![run.clone()],
+                "older than 1.44",
+            ),
+            (
+                "CDI off",
+                daemon("1.47", &[]),
+                vec![run.clone()],
+                "not enabled",
+            ),
+            (
+                "a directory it does not read",
+                daemon("1.47", &["/etc/cdi"]),
+                vec![etc.clone(), run.clone()],
+                "/run/cdi",
+            ),
+            ("no names", both.clone(), vec![], "no CDI names"),
+        ] {
+            let why = cdi_device_request(&d, &devices).unwrap_err();
+            assert!(why.contains(words), "{what}: {why}");
+        }
+    }
+
+    fn gpu_launch(dir: &Path, cdi: Vec<crate::cdi::CdiDevice>) -> LaunchSpec {
+        use crate::isolation::DeviceNode;
+        let node = |name: &str, major, minor| DeviceNode {
+            host_path: dir.join(name),
+            container_path: format!("/dev/{name}"),
+            major,
+            minor,
+        };
+        let mut s = spec(dir, "t-gpu", "img", &["true"]);
+        s.task.gpu_uuids = vec!["GPU-a".into()];
+        s.isolation = crate::runtime::TaskIsolation {
+            devices: vec![
+                node("nvidia1", 195, 1),
+                node("nvidiactl", 195, 255),
+                node("nvidia-uvm", 240, 0),
+            ],
+            cgroup_parent: Some("/gpuctl/a1/t-gpu".into()),
+            driver_volume: Some(dir.join("volumes/nvidia_535.129.03")),
+            gpu_task: true,
+            cdi_devices: cdi,
+            ..Default::default()
+        };
+        s
+    }
+
+    fn device_paths(c: &Config<String>) -> Vec<String> {
+        c.host_config
+            .as_ref()
+            .and_then(|h| h.devices.as_ref())
+            .into_iter()
+            .flatten()
+            .filter_map(|d| d.path_in_container.clone())
+            .collect()
+    }
+
+    #[test]
+    fn without_cdi_the_container_config_is_the_device_one() {
+        let dir = Path::new("/tmp/t");
+        let s = gpu_launch(dir, vec![cdi_dev("gpuctl.io/gpu=GPU-a", "/run/cdi")]);
+        let c = container_config(
+            &s,
+            "img",
+            &ImageFacts::default(),
+            CgroupDriver::Cgroupfs,
+            None,
+        );
+        assert_eq!(
+            device_paths(&c),
+            ["/dev/nvidia1", "/dev/nvidiactl", "/dev/nvidia-uvm"]
+        );
+        let h = c.host_config.as_ref().unwrap();
+        assert_eq!(h.device_requests, None, "nothing Docker 20.10 has not seen");
+        assert_eq!(h.cgroup_parent.as_deref(), Some("/gpuctl/a1/t-gpu"));
+        assert_eq!(
+            h.binds.as_deref().unwrap(),
+            ["/tmp/t/volumes/nvidia_535.129.03:/usr/local/nvidia:ro"]
+        );
+    }
+
+    #[test]
+    fn with_cdi_the_gpus_come_from_the_request_and_the_rest_stays() {
+        let dir = Path::new("/tmp/t");
+        let s = gpu_launch(dir, vec![cdi_dev("gpuctl.io/gpu=GPU-a", "/run/cdi")]);
+        let daemon = DaemonCdi {
+            api_version: "1.47".into(),
+            spec_dirs: vec!["/etc/cdi".into(), "/run/cdi".into()],
+        };
+        let r = cdi_device_request(&daemon, &s.isolation.cdi_devices).unwrap();
+        let facts = ImageFacts {
+            path: Some("/opt/conda/bin:/usr/bin:/bin".into()),
+            ..Default::default()
+        };
+        let with = container_config(&s, "img", &facts, CgroupDriver::Cgroupfs, Some(&r));
+        let without = container_config(&s, "img", &facts, CgroupDriver::Cgroupfs, None);
+        // The GPU's node is the request's; control nodes are passed too.
+        assert_eq!(device_paths(&with), ["/dev/nvidiactl", "/dev/nvidia-uvm"]);
+        let h = with.host_config.as_ref().unwrap();
+        assert_eq!(h.device_requests.as_deref(), Some(&[r][..]));
+        // Everything else is as without CDI: the cgroup parent, the volume
+        // (a bind at the spec's mount point replaces the spec's mount), the
+        // image-aware PATH, the capabilities.
+        let w = without.host_config.as_ref().unwrap();
+        assert_eq!(h.cgroup_parent, w.cgroup_parent);
+        assert_eq!(h.binds, w.binds);
+        assert_eq!(
+            (&h.cap_add, &h.cap_drop, &h.security_opt),
+            (&w.cap_add, &w.cap_drop, &w.security_opt)
+        );
+        assert_eq!(with.env, without.env);
+        assert!(with
+            .env
+            .as_ref()
+            .unwrap()
+            .contains(&"PATH=/usr/local/nvidia/bin:/opt/conda/bin:/usr/bin:/bin".to_string()));
+        assert!(
+            is_gpu_node("/dev/nvidia12")
+                && !is_gpu_node("/dev/nvidiactl")
+                && !is_gpu_node("/dev/nvidia")
+        );
     }
 
     #[test]
@@ -1441,6 +1746,84 @@ mod tests {
     /// only the default capabilities, no new privileges, the job's user,
     /// and no host path but the mounts the agent allowed, read-only unless
     /// asked otherwise.
+    #[tokio::test]
+    async fn docker_gpu_task_with_cdi_names_falls_back_to_devices_here() {
+        // The daemon's answers are read for real; its CDI registry does not
+        // read the (temporary) spec directory named here, so on any Docker
+        // (20.10 here: API 1.41) the GPU goes with --device, as before CDI.
+        let Some(rt) =
+            connect_or_skip("docker_gpu_task_with_cdi_names_falls_back_to_devices_here").await
+        else {
+            return;
+        };
+        if !nix::unistd::Uid::effective().is_root() {
+            eprintln!("skipped: mknod needs root");
+            return;
+        }
+        let daemon = rt.daemon_cdi().await.unwrap();
+        assert!(api_at_least(&daemon.api_version, (1, 24)), "{daemon:?}");
+        let image = ensure_busybox_image(&rt.client().unwrap()).await.unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let dev = dir.path().join("dev");
+        std::fs::create_dir_all(&dev).unwrap();
+        for (name, minor) in [("nvidia1", 1), ("nvidiactl", 255)] {
+            nix::sys::stat::mknod(
+                &dev.join(name),
+                nix::sys::stat::SFlag::S_IFCHR,
+                nix::sys::stat::Mode::from_bits_truncate(0o666),
+                nix::sys::stat::makedev(195, minor),
+            )
+            .unwrap();
+        }
+        let mut s = gpu_launch(
+            &dev,
+            vec![cdi_dev(
+                "gpuctl.io/gpu=GPU-a",
+                dir.path().join("cdi").to_str().unwrap(),
+            )],
+        );
+        s.isolation.devices.truncate(2);
+        s.isolation.cgroup_parent = None;
+        s.isolation.driver_volume = None;
+        s.task.task_id = unique("cdi-fallback");
+        s.task.image = Some(image.clone());
+        s.task.command = ["sh", "-c", "ls /dev; cat /dev/nvidia1"]
+            .iter()
+            .map(|a| a.to_string())
+            .collect();
+        s.sandbox = dir.path().to_path_buf();
+        s.state_dir = dir.path().to_path_buf();
+        s.log_path = dir.path().join("task.log");
+        let t = s.task_ref();
+        rt.start(&s).await.unwrap();
+        assert_eq!(rt.wait(&t).await.unwrap(), exited(1));
+        let name = container_name(&s.agent_id, &s.task.task_id);
+        let info = rt
+            .client()
+            .unwrap()
+            .inspect_container(&name, None)
+            .await
+            .unwrap();
+        rt.remove(&t).await.unwrap();
+        let host = info.host_config.unwrap();
+        assert!(
+            host.device_requests.unwrap_or_default().is_empty(),
+            "no CDI request"
+        );
+        let devices: Vec<String> = host
+            .devices
+            .unwrap_or_default()
+            .into_iter()
+            .filter_map(|d| d.path_in_container)
+            .collect();
+        assert_eq!(devices, ["/dev/nvidia1", "/dev/nvidiactl"]);
+        let text = std::fs::read_to_string(&s.log_path).unwrap();
+        assert!(text.contains("nvidia1\n"), "{text}");
+        assert!(text.contains("No such device or address"), "{text}");
+        let way = rt.gpu_path.lock().unwrap().clone().unwrap();
+        assert!(way.starts_with("--device, not CDI: "), "{way}");
+    }
+
     #[tokio::test]
     async fn docker_containers_get_no_more_than_the_default_set() {
         use crate::security::{BindMount, CONTAINER_CAPABILITIES};

@@ -39,16 +39,7 @@ pub async fn ensure_busybox_image(docker: &Docker) -> Result<String, RuntimeErro
         Err(e) => return Err(image_error(format!("inspect: {e}"))),
     }
 
-    let busybox = tokio::fs::read(BUSYBOX_PATH)
-        .await
-        .map_err(|e| image_error(format!("{BUSYBOX_PATH}: {e} (install busybox-static)")))?;
-    check_static_elf(&busybox).map_err(|reason| {
-        image_error(format!(
-            "{BUSYBOX_PATH}: {reason}; a static busybox is required (install busybox-static)"
-        ))
-    })?;
-    let rootfs = build_rootfs(&busybox)
-        .map_err(|e| image_error(format!("building the rootfs tarball: {e}")))?;
+    let rootfs = busybox_rootfs()?;
 
     tracing::info!(
         image = LOCAL_BUSYBOX_IMAGE,
@@ -70,6 +61,20 @@ pub async fn ensure_busybox_image(docker: &Docker) -> Result<String, RuntimeErro
         progress.map_err(|e| image_error(format!("import: {e}")))?;
     }
     Ok(LOCAL_BUSYBOX_IMAGE.to_string())
+}
+
+/// The image's root filesystem as a tar archive: the host's static
+/// busybox, its applets and a minimal /etc (for `docker import`, `podman
+/// import`).
+pub fn busybox_rootfs() -> Result<Vec<u8>, RuntimeError> {
+    let busybox = std::fs::read(BUSYBOX_PATH)
+        .map_err(|e| image_error(format!("{BUSYBOX_PATH}: {e} (install busybox-static)")))?;
+    check_static_elf(&busybox).map_err(|reason| {
+        image_error(format!(
+            "{BUSYBOX_PATH}: {reason}; a static busybox is required (install busybox-static)"
+        ))
+    })?;
+    build_rootfs(&busybox).map_err(|e| image_error(format!("building the rootfs tarball: {e}")))
 }
 
 fn image_error(reason: String) -> RuntimeError {

@@ -98,6 +98,10 @@ pub struct TaskIsolation {
     /// Every NVIDIA node of the host, for the check of a started
     /// container's device access.
     pub host_nodes: Vec<PathBuf>,
+    /// The CDI names of all the task's GPUs (none when CDI is off or a GPU
+    /// has no name): Docker gets the GPUs through a CDI device request when
+    /// the daemon takes one, else through `devices`.
+    pub cdi_devices: Vec<crate::cdi::CdiDevice>,
 }
 
 /// What a runtime knows of a task.
