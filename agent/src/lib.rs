@@ -308,6 +308,10 @@ pub async fn serve(
         gpu_minors,
         driver_volume,
         policy: policy.clone(),
+        driver: runtime::HostDriver {
+            version: discovery.driver_version.clone(),
+            cuda: discovery.cuda_driver_version.clone(),
+        },
     };
     let gpus = discovery.gpus;
 

@@ -30,7 +30,9 @@ pub use plan::{Desired, StopReason};
 
 use crate::checkpoint::{self, Contact};
 use crate::isolation::Isolator;
-use crate::runtime::{ContainerRuntime, Ended, LaunchSpec, Observed, TaskIsolation, TaskRef};
+use crate::runtime::{
+    ContainerRuntime, Ended, LaunchSpec, Observed, RuntimeError, TaskIsolation, TaskRef,
+};
 
 /// File name of a task's combined output inside its sandbox.
 pub const LOG_FILE: &str = "output.log";
@@ -97,6 +99,8 @@ pub struct IsolationSetup {
     pub driver_volume: Option<PathBuf>,
     /// What tasks may do here: users, root, mounts.
     pub policy: crate::security::TaskPolicy,
+    /// The host's NVIDIA driver, for what images require of it.
+    pub driver: crate::runtime::HostDriver,
 }
 
 /// How a task ended, as reported to the master.
@@ -108,6 +112,10 @@ struct Outcome {
     gpu_unhealthy: bool,
     /// Stopped by the fence (REASON_FENCED).
     fenced: bool,
+    /// Refused because the host's driver does not meet what the image
+    /// requires: all the image's requirements
+    /// (REASON_DRIVER_REQUIREMENT_UNMET).
+    requires: Vec<String>,
 }
 
 impl Outcome {
@@ -118,6 +126,7 @@ impl Outcome {
             message: message.into(),
             gpu_unhealthy: false,
             fenced: false,
+            requires: Vec::new(),
         }
     }
 
@@ -153,6 +162,7 @@ impl Outcome {
                 message: fence_message(fence_timeout_ms),
                 gpu_unhealthy: false,
                 fenced: true,
+                requires: Vec::new(),
             };
         }
         match reason {
@@ -168,6 +178,7 @@ impl Outcome {
                 message: "killed".into(),
                 gpu_unhealthy: false,
                 fenced: false,
+                requires: Vec::new(),
             },
             _ => match code {
                 Some(0) => Outcome {
@@ -176,6 +187,7 @@ impl Outcome {
                     message: String::new(),
                     gpu_unhealthy: false,
                     fenced: false,
+                    requires: Vec::new(),
                 },
                 Some(c) => Outcome {
                     exit_code: Some(c),
@@ -630,6 +642,7 @@ impl Executor {
             uuid: uuid::Uuid::new_v4().as_bytes().to_vec(),
             gpu_unhealthy: false,
             fenced: false,
+            requires: Vec::new(),
             latest_state: None,
         }
     }
@@ -642,6 +655,7 @@ impl Executor {
         u.message = outcome.message;
         u.gpu_unhealthy = outcome.gpu_unhealthy;
         u.fenced = outcome.fenced;
+        u.requires = outcome.requires;
         let path = self.state_dir(task_id).join(checkpoint::FINAL_FILE);
         if let Err(e) = checkpoint::write_json(&path, &u) {
             tracing::error!(task_id, error = %e, "could not checkpoint the final status; sending it anyway");
@@ -847,6 +861,7 @@ impl Executor {
                     .unwrap_or_default(),
                 driver_volume: self.isolation.driver_volume.clone(),
                 gpu_task: !spec.gpu_uuids.is_empty(),
+                driver: self.isolation.driver.clone(),
             },
             state_dir: self.state_dir(task_id),
             fence: (!spec.no_fence).then(|| checkpoint::contact_path(&self.work_dir)),
@@ -872,7 +887,15 @@ impl Executor {
                 }
                 Err(e) => {
                     self.release(task_id);
-                    return Err(Outcome::failed(e.to_string()));
+                    let requires = match &e {
+                        RuntimeError::DriverRequirement { requires, .. } => requires.clone(),
+                        _ => Vec::new(),
+                    };
+                    tracing::warn!(task_id, error = %e, "task could not start");
+                    return Err(Outcome {
+                        requires,
+                        ..Outcome::failed(e.to_string())
+                    });
                 }
             }
         }
@@ -1147,6 +1170,7 @@ mod shell_tests {
                     Vec::new(),
                     gpuctl_core::types::UserIds { uid: 0, gid: 0 },
                 ),
+                driver: Default::default(),
             },
             tx,
         );

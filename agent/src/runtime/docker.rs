@@ -26,6 +26,7 @@ use bollard::models::{ContainerStateStatusEnum, DeviceMapping, HostConfig};
 use bollard::{ClientVersion, Docker};
 use futures::future::BoxFuture;
 use futures::{FutureExt, StreamExt};
+use gpuctl_core::cuda_req::{self, Expr, RequireError};
 use gpuctl_core::time::Backoff;
 use gpuctl_core::types::Runtime;
 use serde::{Deserialize, Serialize};
@@ -33,8 +34,8 @@ use tokio::io::AsyncWriteExt;
 use tokio::task::JoinHandle;
 
 use super::{
-    fence, ContainerRuntime, Ended, LaunchSpec, Observed, RuntimeError, RuntimeStatus, TaskRef,
-    LABEL_AGENT_ID, LABEL_JOB_ID, LABEL_TASK_ID,
+    fence, ContainerRuntime, Ended, HostDriver, LaunchSpec, Observed, RuntimeError, RuntimeStatus,
+    TaskRef, LABEL_AGENT_ID, LABEL_JOB_ID, LABEL_TASK_ID,
 };
 
 const DEFAULT_SOCKET: &str = "unix:///var/run/docker.sock";
@@ -334,6 +335,11 @@ impl DockerRuntime {
                     self.probe().await?;
                 }
                 let facts = self.ensure_image(image).await?;
+                // As NVIDIA's hook: checked in every container that gets
+                // the driver, before anything is made for it.
+                if spec.isolation.gpu_task || facts.wants_driver_volume {
+                    check_driver(image, &facts, &spec.isolation.driver)?;
+                }
                 let cgroupfs = self.cgroupfs.get().copied().unwrap_or(false);
                 self.client()?
                     .create_container(
@@ -566,7 +572,7 @@ pub fn container_name(agent_id: &str, task_id: &str) -> String {
 }
 
 /// What the container's configuration takes from its image.
-#[derive(Debug, Clone, Default, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct ImageFacts {
     /// The image's PATH, which the driver volume's bin is put in front of.
     pub path: Option<String>,
@@ -575,6 +581,45 @@ pub struct ImageFacts {
     pub ld_library_path: Option<String>,
     /// `com.nvidia.volumes.needed=nvidia_driver`.
     pub wants_driver_volume: bool,
+    /// What it requires of the NVIDIA driver, each with the variable it
+    /// comes from (`NVIDIA_REQUIRE_CUDA`...), or why that cannot be read.
+    pub requires: Result<Vec<(String, Expr)>, RequireError>,
+}
+
+impl Default for ImageFacts {
+    fn default() -> Self {
+        ImageFacts {
+            path: None,
+            ld_library_path: None,
+            wants_driver_volume: false,
+            requires: Ok(Vec::new()),
+        }
+    }
+}
+
+/// Whether this host's driver meets what the image requires. An image
+/// whose requirements cannot be read cannot be checked: refused, naming
+/// the variable (NVIDIA's hook refuses it too).
+fn check_driver(image: &str, facts: &ImageFacts, host: &HostDriver) -> Result<(), RuntimeError> {
+    let requires = facts.requires.as_ref().map_err(|e| RuntimeError::Image {
+        image: image.to_string(),
+        reason: format!("what it requires of the NVIDIA driver cannot be read: {e}"),
+    })?;
+    let have = host.facts();
+    let unmet: Vec<String> = requires
+        .iter()
+        .filter(|(_, e)| !e.met_by(&have))
+        .map(|(var, e)| format!("{var}={}", e.short()))
+        .collect();
+    if unmet.is_empty() {
+        return Ok(());
+    }
+    Err(RuntimeError::DriverRequirement {
+        image: image.to_string(),
+        unmet: unmet.join(" and "),
+        host: host.words(),
+        requires: requires.iter().map(|(_, e)| e.text().to_string()).collect(),
+    })
 }
 
 impl From<&bollard::models::ImageInspect> for ImageFacts {
@@ -592,10 +637,12 @@ impl From<&bollard::models::ImageInspect> for ImageFacts {
             .and_then(|c| c.labels.as_ref())
             .and_then(|l| l.get(crate::volume::IMAGE_LABEL))
             .is_some_and(|v| v == "nvidia_driver");
+        let env = config.and_then(|c| c.env.as_deref()).unwrap_or_default();
         ImageFacts {
             path,
             ld_library_path,
             wants_driver_volume,
+            requires: cuda_req::image_requirements(env.iter().map(String::as_str)),
         }
     }
 }
@@ -1434,6 +1481,178 @@ mod tests {
         // /out is root's: the job's user may not write it. (Its stderr is
         // silenced: Docker may order another stream's lines before it.)
         assert!(text.contains("rw-refused\n"), "{text}");
+    }
+
+    /// What an image's config says of the driver, as bollard reads it.
+    fn inspect(env: &[&str], labels: &[(&str, &str)]) -> bollard::models::ImageInspect {
+        bollard::models::ImageInspect {
+            config: Some(bollard::models::ImageConfig {
+                env: Some(env.iter().map(|e| e.to_string()).collect()),
+                labels: Some(
+                    labels
+                        .iter()
+                        .map(|(k, v)| (k.to_string(), v.to_string()))
+                        .collect(),
+                ),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    const REQUIRE_12_2: &str =
+        "NVIDIA_REQUIRE_CUDA=cuda>=12.2 brand=tesla,driver>=470,driver<471 brand=tesla,driver>=525,driver<526";
+
+    fn host(driver: &str, cuda: &str) -> HostDriver {
+        HostDriver {
+            version: Some(driver.into()),
+            cuda: Some(cuda.into()),
+        }
+    }
+
+    #[test]
+    fn the_host_driver_is_checked_against_the_image_requirements() {
+        let facts = ImageFacts::from(&inspect(
+            &["PATH=/usr/bin", REQUIRE_12_2, "NVIDIA_REQUIRE_ARCH=arch>=7.0"],
+            &[("com.nvidia.volumes.needed", "nvidia_driver")],
+        ));
+        assert!(facts.wants_driver_volume);
+        let img = "cuda:12.2";
+        assert_eq!(check_driver(img, &facts, &host("535.129.03", "12.2")).map_err(|e| e.to_string()), Ok(()));
+        // Forward compatibility: the 525 branch (brand unknown here).
+        assert!(check_driver(img, &facts, &host("525.60.13", "12.0")).is_ok());
+        // Unknown versions (simulated GPUs, no NVML): nothing to check.
+        assert!(check_driver(img, &facts, &HostDriver::default()).is_ok());
+        match check_driver(img, &facts, &host("510.47.03", "11.6")) {
+            Err(RuntimeError::DriverRequirement {
+                image,
+                unmet,
+                host,
+                requires,
+            }) => {
+                assert_eq!(image, img);
+                assert_eq!(unmet, "NVIDIA_REQUIRE_CUDA=cuda>=12.2 (+2 alternatives)");
+                assert_eq!(host, "driver 510.47.03, CUDA 11.6");
+                // All of them, in full: the master learns what the image needs.
+                assert_eq!(
+                    requires,
+                    [
+                        "arch>=7.0",
+                        REQUIRE_12_2.trim_start_matches("NVIDIA_REQUIRE_CUDA=")
+                    ]
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        let e = check_driver(img, &facts, &host("510.47.03", "11.6")).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "image cuda:12.2 requires NVIDIA_REQUIRE_CUDA=cuda>=12.2 (+2 alternatives) of the \
+             NVIDIA driver; this agent has driver 510.47.03, CUDA 11.6"
+        );
+        // Disabled, as NVIDIA's toolkit allows.
+        let off = ImageFacts::from(&inspect(&[REQUIRE_12_2, "NVIDIA_DISABLE_REQUIRE=true"], &[]));
+        assert!(check_driver(img, &off, &host("450.80.02", "11.0")).is_ok());
+        // Malformed: refused with the variable named, whatever the driver.
+        let bad = ImageFacts::from(&inspect(&["NVIDIA_REQUIRE_CUDA=cuda>=12.2,drivr>=1"], &[]));
+        match check_driver(img, &bad, &host("535.129.03", "12.2")) {
+            Err(RuntimeError::Image { reason, .. }) => {
+                assert!(reason.contains("NVIDIA_REQUIRE_CUDA: \"drivr>=1\": unknown key"), "{reason}")
+            }
+            other => panic!("{other:?}"),
+        }
+        // No image config at all: nothing required.
+        let none = ImageFacts::from(&bollard::models::ImageInspect::default());
+        assert_eq!(none, ImageFacts::default());
+    }
+
+    /// `docker build` of a local image from `base` with these Dockerfile
+    /// lines (no registry: the base is the local busybox).
+    fn build_image(base: &str, tag: &str, lines: &[&str]) {
+        use std::io::Write;
+        let dockerfile = format!("FROM {base}\n{}\n", lines.join("\n"));
+        let mut build = std::process::Command::new("docker")
+            .args(["build", "-q", "-t", tag, "-"])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        build
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(dockerfile.as_bytes())
+            .unwrap();
+        assert!(build.wait().unwrap().success(), "docker build of {tag}");
+    }
+
+    /// A container that gets the driver (it holds GPUs, or its image asks
+    /// for the volume) is refused before it is made when the host's driver
+    /// does not meet the image's NVIDIA_REQUIRE_CUDA; others are not
+    /// checked. An image with the volume label and a requirement it meets
+    /// gets the volume.
+    #[tokio::test]
+    async fn docker_refuses_an_image_the_driver_is_too_old_for() {
+        let Some(rt) = connect_or_skip("docker_refuses_an_image_the_driver_is_too_old_for").await
+        else {
+            return;
+        };
+        let base = ensure_busybox_image(&rt.client().unwrap()).await.unwrap();
+        let plain = "gpuctl-test/cuda-require:12.2";
+        let labelled = "gpuctl-test/cuda-require-volume:12.2";
+        let env = format!("ENV {}", REQUIRE_12_2.replacen('=', "=\"", 1) + "\"");
+        build_image(&base, plain, &[&env]);
+        build_image(
+            &base,
+            labelled,
+            &[&env, "LABEL com.nvidia.volumes.needed=nvidia_driver"],
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let volume = dir.path().join("nvidia_535.129.03");
+        std::fs::create_dir_all(volume.join("lib64")).unwrap();
+        std::fs::write(volume.join("lib64/libnvidia-ml.so.1"), "").unwrap();
+        let launch = |name: &str, image: &str, gpu_task: bool, driver: HostDriver| {
+            let mut s = spec(
+                dir.path(),
+                &unique(name),
+                image,
+                &["sh", "-c", "ls /usr/local/nvidia/lib64 2>&1; echo done"],
+            );
+            s.log_path = dir.path().join(format!("{name}.log"));
+            s.isolation.gpu_task = gpu_task;
+            s.isolation.driver = driver;
+            s.isolation.driver_volume = Some(volume.clone());
+            s
+        };
+        let old = || host("510.47.03", "11.6");
+        // A GPU task on an old driver: refused, no container made.
+        let s = launch("gpu-old", plain, true, old());
+        match rt.start(&s).await {
+            Err(RuntimeError::DriverRequirement { requires, .. }) => {
+                assert_eq!(requires.len(), 1);
+                assert!(requires[0].starts_with("cuda>=12.2 "), "{requires:?}");
+            }
+            other => panic!("expected a DriverRequirement refusal, got {other:?}"),
+        }
+        let name = container_name(&s.agent_id, &s.task.task_id);
+        assert!(!container_exists(&rt, &name).await);
+        assert_eq!(rt.observe(&s.task_ref()).await.unwrap(), Observed::NotStarted);
+        // The label alone gets the driver too: checked, refused.
+        let s = launch("label-old", labelled, false, old());
+        assert!(matches!(
+            rt.start(&s).await,
+            Err(RuntimeError::DriverRequirement { .. })
+        ));
+        // No GPU, no label: NVIDIA's hook would not touch it; neither do we.
+        let s = launch("cpu-old", plain, false, old());
+        assert_eq!(run_to_end(&rt, &s).await.unwrap(), exited(0));
+        let text = std::fs::read_to_string(&s.log_path).unwrap();
+        assert!(!text.contains("libnvidia-ml.so.1"), "{text}");
+        // A new enough driver: the labelled image runs with the volume.
+        let s = launch("label-new", labelled, false, host("535.129.03", "12.2"));
+        assert_eq!(run_to_end(&rt, &s).await.unwrap(), exited(0));
+        let text = std::fs::read_to_string(&s.log_path).unwrap();
+        assert!(text.contains("libnvidia-ml.so.1\ndone"), "{text}");
     }
 
     /// A daemon that does not answer is an outage, not a task failure.
