@@ -673,7 +673,10 @@ pub fn job_detail(j: &pb::Job, now_ms: u64) -> String {
             "Security",
             SecurityJson::from(spec.security.as_ref()).words(),
         ),
-        ("Driver", driver_words(&spec.require_cuda, &j.image_requires)),
+        (
+            "Driver",
+            driver_words(&spec.require_cuda, &j.image_requires),
+        ),
         ("Priority", spec.priority.to_string()),
         ("Retries", format!("{} of {}", j.retries, spec.max_retries)),
         (

@@ -552,8 +552,8 @@ fn require_cuda_from_pb(text: &str) -> Result<Option<crate::cuda_req::Expr>> {
         return Ok(None);
     }
     check_text(FIELD, text, crate::cuda_req::MAX_EXPR_LEN, true)?;
-    let e = crate::cuda_req::Expr::parse(text)
-        .map_err(|e| ConvertError::new(FIELD, e.to_string()))?;
+    let e =
+        crate::cuda_req::Expr::parse(text).map_err(|e| ConvertError::new(FIELD, e.to_string()))?;
     if e.is_empty() {
         return Err(ConvertError::new(
             FIELD,
@@ -1205,7 +1205,7 @@ impl TryFrom<pb::StatusUpdate> for StatusUpdate {
             },
         };
         let unmet = u.reason == pb::Reason::DriverRequirementUnmet as i32;
-        if unmet != !u.requires.is_empty() {
+        if unmet == u.requires.is_empty() {
             return Err(ConvertError::new(
                 "requires",
                 "is set with REASON_DRIVER_REQUIREMENT_UNMET, and only with it",
@@ -2600,7 +2600,10 @@ mod tests {
 
     #[test]
     fn driver_refusals_carry_the_image_requirements() {
-        let mut wire = update(pb::TaskState::TaskFailed, pb::Reason::DriverRequirementUnmet);
+        let mut wire = update(
+            pb::TaskState::TaskFailed,
+            pb::Reason::DriverRequirementUnmet,
+        );
         wire.requires = vec!["cuda>=12.2 brand=tesla,driver>=470,driver<471".into()];
         let u = StatusUpdate::try_from(wire.clone()).unwrap();
         assert_eq!(u.requires, wire.requires);
@@ -2645,7 +2648,10 @@ mod tests {
             ok.require_cuda.as_ref().map(|e| e.text()),
             Some("cuda>=12.2 driver>=470,driver<471")
         );
-        assert_eq!(pb::JobSpec::from(ok).require_cuda, "cuda>=12.2 driver>=470,driver<471");
+        assert_eq!(
+            pb::JobSpec::from(ok).require_cuda,
+            "cuda>=12.2 driver>=470,driver<471"
+        );
         assert_eq!(JobSpec::try_from(spec("  ")).unwrap().require_cuda, None);
         for (bad, why) in [
             ("cuda>=twelve", "not a version"),

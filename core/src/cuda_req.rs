@@ -113,13 +113,11 @@ impl Version {
     /// otherwise.
     pub fn parse(s: &str) -> Option<Version> {
         let mut parts = [0u32; VERSION_PARTS];
-        let mut n = 0;
-        for p in s.split('.') {
+        for (n, p) in s.split('.').enumerate() {
             if p.is_empty() || !p.bytes().all(|b| b.is_ascii_digit()) || n == VERSION_PARTS {
                 return None;
             }
             parts[n] = p.parse().ok()?;
-            n += 1;
         }
         Some(Version(parts))
     }
@@ -224,11 +222,9 @@ impl Condition {
     fn parse(text: &str) -> Result<Condition, RequireError> {
         let condition = || text.to_string();
         let is_op = |c: char| matches!(c, '<' | '>' | '=' | '!');
-        let start = text
-            .find(is_op)
-            .ok_or_else(|| RequireError::NoOperator {
-                condition: condition(),
-            })?;
+        let start = text.find(is_op).ok_or_else(|| RequireError::NoOperator {
+            condition: condition(),
+        })?;
         let key = &text[..start];
         let rest = &text[start..];
         let end = rest.find(|c: char| !is_op(c)).unwrap_or(rest.len());
@@ -534,7 +530,16 @@ mod tests {
             assert_eq!(v(a).cmp(&v(b)), want, "{a} vs {b}");
         }
         for bad in [
-            "", ".", "12.", ".2", "12..2", "12.2a", "v12", "1.2.3.4.5.6.7", "99999999999", "-1",
+            "",
+            ".",
+            "12.",
+            ".2",
+            "12..2",
+            "12.2a",
+            "v12",
+            "1.2.3.4.5.6.7",
+            "99999999999",
+            "-1",
             " 12",
         ] {
             assert_eq!(Version::parse(bad), None, "{bad:?}");
@@ -566,10 +571,25 @@ mod tests {
             ("CUDA>=12.2", "535.129.03", "12.2", true),
             ("Driver<500", "535.129.03", "12.2", false),
             // OR of ANDs: the first alternative that holds wins.
-            ("cuda>=12.2 driver>=470,driver<471", "470.57.02", "11.4", true),
-            ("cuda>=12.2 driver>=470,driver<471", "510.47.03", "11.6", false),
+            (
+                "cuda>=12.2 driver>=470,driver<471",
+                "470.57.02",
+                "11.4",
+                true,
+            ),
+            (
+                "cuda>=12.2 driver>=470,driver<471",
+                "510.47.03",
+                "11.6",
+                false,
+            ),
             // Whitespace runs and empty conditions are skipped.
-            ("  cuda>=12.2 ,, \t driver>=535 ", "525.60.13", "12.0", false),
+            (
+                "  cuda>=12.2 ,, \t driver>=535 ",
+                "525.60.13",
+                "12.0",
+                false,
+            ),
             ("cuda>=12.2,,", "535.129.03", "12.2", true),
             // No condition: always met.
             ("", "1", "1", true),
@@ -577,14 +597,24 @@ mod tests {
         ];
         for &(e, driver, cuda, met) in cases {
             let expr = Expr::parse(e).unwrap_or_else(|err| panic!("{e:?}: {err}"));
-            assert_eq!(expr.met_by(&facts(driver, cuda)), met, "{e:?} on {driver}/{cuda}");
+            assert_eq!(
+                expr.met_by(&facts(driver, cuda)),
+                met,
+                "{e:?} on {driver}/{cuda}"
+            );
         }
     }
 
     #[test]
     fn unknown_facts_satisfy_their_conditions() {
         let unknown = Facts::default();
-        for e in ["cuda>=99", "driver<1", "arch>=9.0", "brand=tesla", CUDA_12_2] {
+        for e in [
+            "cuda>=99",
+            "driver<1",
+            "arch>=9.0",
+            "brand=tesla",
+            CUDA_12_2,
+        ] {
             assert!(Expr::parse(e).unwrap().met_by(&unknown), "{e}");
         }
         // Known CUDA, unknown driver: only the CUDA condition decides.
@@ -651,8 +681,18 @@ mod tests {
         use RequireError as E;
         let c = |s: &str| s.to_string();
         let cases: Vec<(&str, RequireError)> = vec![
-            ("cuda", E::NoOperator { condition: c("cuda") }),
-            (">=12.2", E::NoKey { condition: c(">=12.2") }),
+            (
+                "cuda",
+                E::NoOperator {
+                    condition: c("cuda"),
+                },
+            ),
+            (
+                ">=12.2",
+                E::NoKey {
+                    condition: c(">=12.2"),
+                },
+            ),
             (
                 "cudnn>=8",
                 E::UnknownKey {
@@ -674,7 +714,12 @@ mod tests {
                     op: c("!"),
                 },
             ),
-            ("cuda>=", E::NoValue { condition: c("cuda>=") }),
+            (
+                "cuda>=",
+                E::NoValue {
+                    condition: c("cuda>="),
+                },
+            ),
             (
                 "cuda>=12.x",
                 E::BadVersion {
@@ -764,11 +809,12 @@ mod tests {
         );
         // Legacy images: CUDA_VERSION without NVIDIA_REQUIRE_CUDA.
         assert_eq!(texts(&["CUDA_VERSION=10.0.130"]), vec!["cuda>=10.0"]);
-        let vars: Vec<String> = image_requirements(["CUDA_VERSION=9.2", "NVIDIA_REQUIRE_X=driver>=1"])
-            .unwrap()
-            .into_iter()
-            .map(|(var, _)| var)
-            .collect();
+        let vars: Vec<String> =
+            image_requirements(["CUDA_VERSION=9.2", "NVIDIA_REQUIRE_X=driver>=1"])
+                .unwrap()
+                .into_iter()
+                .map(|(var, _)| var)
+                .collect();
         assert_eq!(vars, ["NVIDIA_REQUIRE_X", "CUDA_VERSION"]);
         assert_eq!(texts(&["CUDA_VERSION=11.6"]), vec!["cuda>=11.6"]);
         assert_eq!(

@@ -26,7 +26,7 @@ use bollard::models::{ContainerStateStatusEnum, DeviceMapping, HostConfig};
 use bollard::{ClientVersion, Docker};
 use futures::future::BoxFuture;
 use futures::{FutureExt, StreamExt};
-use gpuctl_core::cuda_req::{self, Expr, RequireError};
+use gpuctl_core::cuda_req;
 use gpuctl_core::time::Backoff;
 use gpuctl_core::types::Runtime;
 use serde::{Deserialize, Serialize};
@@ -338,7 +338,7 @@ impl DockerRuntime {
                 // As NVIDIA's hook: checked in every container that gets
                 // the driver, before anything is made for it.
                 if spec.isolation.gpu_task || facts.wants_driver_volume {
-                    check_driver(image, &facts, &spec.isolation.driver)?;
+                    check_driver(image, &facts, &spec.env, &spec.isolation.driver)?;
                 }
                 let cgroupfs = self.cgroupfs.get().copied().unwrap_or(false);
                 self.client()?
@@ -572,7 +572,7 @@ pub fn container_name(agent_id: &str, task_id: &str) -> String {
 }
 
 /// What the container's configuration takes from its image.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct ImageFacts {
     /// The image's PATH, which the driver volume's bin is put in front of.
     pub path: Option<String>,
@@ -581,30 +581,30 @@ pub struct ImageFacts {
     pub ld_library_path: Option<String>,
     /// `com.nvidia.volumes.needed=nvidia_driver`.
     pub wants_driver_volume: bool,
-    /// What it requires of the NVIDIA driver, each with the variable it
-    /// comes from (`NVIDIA_REQUIRE_CUDA`...), or why that cannot be read.
-    pub requires: Result<Vec<(String, Expr)>, RequireError>,
+    /// Its environment (`KEY=value`), where NVIDIA's images say what they
+    /// require of the driver (`NVIDIA_REQUIRE_CUDA`...).
+    pub env: Vec<String>,
 }
 
-impl Default for ImageFacts {
-    fn default() -> Self {
-        ImageFacts {
-            path: None,
-            ld_library_path: None,
-            wants_driver_volume: false,
-            requires: Ok(Vec::new()),
-        }
-    }
-}
-
-/// Whether this host's driver meets what the image requires. An image
-/// whose requirements cannot be read cannot be checked: refused, naming
-/// the variable (NVIDIA's hook refuses it too).
-fn check_driver(image: &str, facts: &ImageFacts, host: &HostDriver) -> Result<(), RuntimeError> {
-    let requires = facts.requires.as_ref().map_err(|e| RuntimeError::Image {
-        image: image.to_string(),
-        reason: format!("what it requires of the NVIDIA driver cannot be read: {e}"),
-    })?;
+/// Whether this host's driver meets what the container requires: the
+/// NVIDIA_REQUIRE_* of its environment, the image's overridden by the
+/// task's (`env`), as NVIDIA's hook reads the container's (so a job may
+/// set NVIDIA_DISABLE_REQUIRE as with `docker run -e`). Requirements that
+/// cannot be read cannot be checked: refused, naming the variable
+/// (NVIDIA's hook refuses them too).
+fn check_driver(
+    image: &str,
+    facts: &ImageFacts,
+    env: &std::collections::BTreeMap<String, String>,
+    host: &HostDriver,
+) -> Result<(), RuntimeError> {
+    let task_env: Vec<String> = env.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    let requires =
+        cuda_req::image_requirements(facts.env.iter().chain(&task_env).map(String::as_str))
+            .map_err(|e| RuntimeError::Image {
+                image: image.to_string(),
+                reason: format!("what it requires of the NVIDIA driver cannot be read: {e}"),
+            })?;
     let have = host.facts();
     let unmet: Vec<String> = requires
         .iter()
@@ -642,7 +642,7 @@ impl From<&bollard::models::ImageInspect> for ImageFacts {
             path,
             ld_library_path,
             wants_driver_volume,
-            requires: cuda_req::image_requirements(env.iter().map(String::as_str)),
+            env: env.to_vec(),
         }
     }
 }
@@ -1513,17 +1513,26 @@ mod tests {
     #[test]
     fn the_host_driver_is_checked_against_the_image_requirements() {
         let facts = ImageFacts::from(&inspect(
-            &["PATH=/usr/bin", REQUIRE_12_2, "NVIDIA_REQUIRE_ARCH=arch>=7.0"],
+            &[
+                "PATH=/usr/bin",
+                REQUIRE_12_2,
+                "NVIDIA_REQUIRE_ARCH=arch>=7.0",
+            ],
             &[("com.nvidia.volumes.needed", "nvidia_driver")],
         ));
         assert!(facts.wants_driver_volume);
         let img = "cuda:12.2";
-        assert_eq!(check_driver(img, &facts, &host("535.129.03", "12.2")).map_err(|e| e.to_string()), Ok(()));
+        let none = BTreeMap::new();
+        assert_eq!(
+            check_driver(img, &facts, &none, &host("535.129.03", "12.2"))
+                .map_err(|e| e.to_string()),
+            Ok(())
+        );
         // Forward compatibility: the 525 branch (brand unknown here).
-        assert!(check_driver(img, &facts, &host("525.60.13", "12.0")).is_ok());
+        assert!(check_driver(img, &facts, &none, &host("525.60.13", "12.0")).is_ok());
         // Unknown versions (simulated GPUs, no NVML): nothing to check.
-        assert!(check_driver(img, &facts, &HostDriver::default()).is_ok());
-        match check_driver(img, &facts, &host("510.47.03", "11.6")) {
+        assert!(check_driver(img, &facts, &none, &HostDriver::default()).is_ok());
+        match check_driver(img, &facts, &none, &host("510.47.03", "11.6")) {
             Err(RuntimeError::DriverRequirement {
                 image,
                 unmet,
@@ -1544,26 +1553,45 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
-        let e = check_driver(img, &facts, &host("510.47.03", "11.6")).unwrap_err();
+        let e = check_driver(img, &facts, &none, &host("510.47.03", "11.6")).unwrap_err();
         assert_eq!(
             e.to_string(),
             "image cuda:12.2 requires NVIDIA_REQUIRE_CUDA=cuda>=12.2 (+2 alternatives) of the \
              NVIDIA driver; this agent has driver 510.47.03, CUDA 11.6"
         );
         // Disabled, as NVIDIA's toolkit allows.
-        let off = ImageFacts::from(&inspect(&[REQUIRE_12_2, "NVIDIA_DISABLE_REQUIRE=true"], &[]));
-        assert!(check_driver(img, &off, &host("450.80.02", "11.0")).is_ok());
+        let off = ImageFacts::from(&inspect(
+            &[REQUIRE_12_2, "NVIDIA_DISABLE_REQUIRE=true"],
+            &[],
+        ));
+        assert!(check_driver(img, &off, &none, &host("450.80.02", "11.0")).is_ok());
         // Malformed: refused with the variable named, whatever the driver.
         let bad = ImageFacts::from(&inspect(&["NVIDIA_REQUIRE_CUDA=cuda>=12.2,drivr>=1"], &[]));
-        match check_driver(img, &bad, &host("535.129.03", "12.2")) {
+        match check_driver(img, &bad, &none, &host("535.129.03", "12.2")) {
             Err(RuntimeError::Image { reason, .. }) => {
-                assert!(reason.contains("NVIDIA_REQUIRE_CUDA: \"drivr>=1\": unknown key"), "{reason}")
+                assert!(
+                    reason.contains("NVIDIA_REQUIRE_CUDA: \"drivr>=1\": unknown key"),
+                    "{reason}"
+                )
             }
             other => panic!("{other:?}"),
         }
+        // The task's environment overrides the image's, as `docker run -e`.
+        let old = host("450.80.02", "11.0");
+        let env = |k: &str, v: &str| BTreeMap::from([(k.to_string(), v.to_string())]);
+        assert!(check_driver(img, &facts, &env("NVIDIA_DISABLE_REQUIRE", "1"), &old).is_ok());
+        assert!(check_driver(img, &facts, &env("NVIDIA_REQUIRE_CUDA", "cuda>=11.0"), &old).is_ok());
+        assert!(check_driver(
+            img,
+            &ImageFacts::default(),
+            &env("NVIDIA_REQUIRE_X", "driver>=535"),
+            &old
+        )
+        .is_err());
         // No image config at all: nothing required.
-        let none = ImageFacts::from(&bollard::models::ImageInspect::default());
-        assert_eq!(none, ImageFacts::default());
+        let empty = ImageFacts::from(&bollard::models::ImageInspect::default());
+        assert_eq!(empty, ImageFacts::default());
+        assert!(check_driver(img, &empty, &none, &old).is_ok());
     }
 
     /// `docker build` of a local image from `base` with these Dockerfile
@@ -1636,7 +1664,10 @@ mod tests {
         }
         let name = container_name(&s.agent_id, &s.task.task_id);
         assert!(!container_exists(&rt, &name).await);
-        assert_eq!(rt.observe(&s.task_ref()).await.unwrap(), Observed::NotStarted);
+        assert_eq!(
+            rt.observe(&s.task_ref()).await.unwrap(),
+            Observed::NotStarted
+        );
         // The label alone gets the driver too: checked, refused.
         let s = launch("label-old", labelled, false, old());
         assert!(matches!(

@@ -871,7 +871,10 @@ mod tests {
             "--",
             "true",
         ]);
-        assert_eq!(a.to_spec().require_cuda, "cuda>=12.2 driver>=470,driver<471");
+        assert_eq!(
+            a.to_spec().require_cuda,
+            "cuda>=12.2 driver>=470,driver<471"
+        );
         let none = submit_args(&["jobs", "submit", "--name", "x", "--", "true"]);
         assert_eq!(none.to_spec().require_cuda, "");
         for (bad, why) in [
@@ -892,7 +895,10 @@ mod tests {
             .unwrap_err();
             assert_eq!(err.exit_code(), i32::from(EXIT_USAGE));
             let text = err.to_string();
-            assert!(text.contains("--require-cuda") && text.contains(why), "{text}");
+            assert!(
+                text.contains("--require-cuda") && text.contains(why),
+                "{text}"
+            );
         }
     }
 

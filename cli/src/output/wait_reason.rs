@@ -783,7 +783,10 @@ mod tests {
         );
         // Text this gpuctl cannot read is shown as it is.
         assert_eq!(
-            text(missing(driver(&["cuda~12"], None), vec![], None, None), None),
+            text(
+                missing(driver(&["cuda~12"], None), vec![], None, None),
+                None
+            ),
             "no agent has a driver for cuda~12"
         );
         let busy = wr::Kind::Resources(wr::Busy {
@@ -803,10 +806,17 @@ mod tests {
             ..Default::default()
         };
         assert!(text(
-            missing(driver(&[CUDA_12_2], Some(("470.57.02", "11.4"))), vec![], None, None),
+            missing(
+                driver(&[CUDA_12_2], Some(("470.57.02", "11.4"))),
+                vec![],
+                None,
+                None
+            ),
             Some(refused)
         )
-        .ends_with("(requeued after task job-1.0 refused by agent a1: image cuda:12.2 requires ...)"));
+        .ends_with(
+            "(requeued after task job-1.0 refused by agent a1: image cuda:12.2 requires ...)"
+        ));
     }
 
     #[test]

@@ -506,7 +506,10 @@ pub fn unsatisfiable(
         Need::Cpus => Requirement::Cpus(need.cpus),
         Need::Mem => Requirement::Memory(need.mem_mib),
         Need::Driver => Requirement::Driver(DriverAsk {
-            requires: req.driver_requires().map(|e| e.text().to_string()).collect(),
+            requires: req
+                .driver_requires()
+                .map(|e| e.text().to_string())
+                .collect(),
             newest_driver: None,
             newest_cuda: None,
         }),
@@ -1486,17 +1489,32 @@ mod tests {
                 .map(|n| n.id.to_string())
                 .collect();
             got.sort();
-            (got, place_task(&r, &views(&nodes), PlacementPolicy::Bundle).map(|p| p.node))
+            (
+                got,
+                place_task(&r, &views(&nodes), PlacementPolicy::Bundle).map(|p| p.node),
+            )
         };
         let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
-        assert_eq!(place(None, &[]), (s(&["mid", "new", "old"]), Some("mid".into())));
-        assert_eq!(place(Some(&cuda_12_2), &[]), (s(&["new"]), Some("new".into())));
+        assert_eq!(
+            place(None, &[]),
+            (s(&["mid", "new", "old"]), Some("mid".into()))
+        );
+        assert_eq!(
+            place(Some(&cuda_12_2), &[]),
+            (s(&["new"]), Some("new".into()))
+        );
         // The image's alternatives: 12.0 or the 470 branch.
-        assert_eq!(place(None, &image), (s(&["mid", "new", "old"]), Some("mid".into())));
+        assert_eq!(
+            place(None, &image),
+            (s(&["mid", "new", "old"]), Some("mid".into()))
+        );
         // Both must hold.
         let both = [image[0].clone(), driver_535.clone()];
         assert_eq!(place(None, &both), (s(&["new"]), Some("new".into())));
-        assert_eq!(place(Some(&Expr::parse("cuda>=13").unwrap()), &[]), (s(&[]), None));
+        assert_eq!(
+            place(Some(&Expr::parse("cuda>=13").unwrap()), &[]),
+            (s(&[]), None)
+        );
         // A node that reports no versions: unknown, so it qualifies.
         let unknown = Node::new("unknown", 4, "A100", 40960);
         let r = TaskRequest {

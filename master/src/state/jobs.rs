@@ -626,7 +626,8 @@ mod tests {
         assert_eq!(job.state, JobState::Queued);
         assert_eq!(job.retries, 0, "a refusal is not a failed attempt");
         assert!(
-            job.message.starts_with("task job-1.0 refused by agent old: image cuda:12.2 requires"),
+            job.message
+                .starts_with("task job-1.0 refused by agent old: image cuda:12.2 requires"),
             "{}",
             job.message
         );
@@ -691,9 +692,12 @@ mod tests {
         t.report_refusal("job-1.3", &["cuda>>12"]);
         assert_eq!(t.job(&j).state, JobState::Failed);
         assert_eq!(t.learned(&j), [CUDA_12_2, "driver>=535"]);
-        assert!(t.job(&j).message.contains("job-1.3 error")
-            || t.job(&j).message.contains("job-1.3 failed"),
-            "{}", t.job(&j).message);
+        assert!(
+            t.job(&j).message.contains("job-1.3 error")
+                || t.job(&j).message.contains("job-1.3 failed"),
+            "{}",
+            t.job(&j).message
+        );
     }
 
     #[test]
@@ -732,7 +736,11 @@ mod tests {
         t.report("job-1.2", TaskState::Killed, None);
         let job = t.job(&j);
         assert_eq!((job.state, job.retries), (JobState::Queued, 0));
-        assert!(job.message.contains("job-1.0 refused by agent old"), "{}", job.message);
+        assert!(
+            job.message.contains("job-1.0 refused by agent old"),
+            "{}",
+            job.message
+        );
         assert!(t.s.gpu_owner.is_empty());
     }
 
