@@ -349,6 +349,10 @@ pub async fn serve(
             .as_ref()
             .map(|p| p.names())
             .unwrap_or_default(),
+        driver: runtime::HostDriver {
+            version: discovery.driver_version.clone(),
+            cuda: discovery.cuda_driver_version.clone(),
+        },
     };
     let gpus = discovery.gpus;
 

@@ -99,6 +99,13 @@ pub struct JobJson {
     /// Its user, host mounts and root (`--user`, `--mount`, `--run-as-root`).
     #[serde(default)]
     pub security: SecurityJson,
+    /// What it needs of the NVIDIA driver (`--require-cuda`); `null`: none.
+    #[serde(default)]
+    pub require_cuda: Option<String>,
+    /// What its image requires of the NVIDIA driver (its NVIDIA_REQUIRE_*
+    /// values), learned from agents whose driver did not meet it.
+    #[serde(default)]
+    pub image_requires: Vec<String>,
     /// Times its tasks were preempted.
     pub preemptions: u32,
     /// Why it is in its state; for a QUEUED job, the same as `reason`.
@@ -254,6 +261,8 @@ impl From<&pb::Job> for JobJson {
             no_requeue: spec.no_requeue,
             no_fence: spec.no_fence,
             security: SecurityJson::from(spec.security.as_ref()),
+            require_cuda: (!spec.require_cuda.is_empty()).then(|| spec.require_cuda.clone()),
+            image_requires: j.image_requires.clone(),
             preemptions: j.preemptions,
             message: job_message(j),
             reason: wait_reason(j),
@@ -664,6 +673,10 @@ pub fn job_detail(j: &pb::Job, now_ms: u64) -> String {
             "Security",
             SecurityJson::from(spec.security.as_ref()).words(),
         ),
+        (
+            "Driver",
+            driver_words(&spec.require_cuda, &j.image_requires),
+        ),
         ("Priority", spec.priority.to_string()),
         ("Retries", format!("{} of {}", j.retries, spec.max_retries)),
         (
@@ -716,6 +729,30 @@ pub fn job_detail(j: &pb::Job, now_ms: u64) -> String {
         out.push_str(&tasks_table(&j.tasks).render());
     }
     out
+}
+
+/// `jobs get`'s Driver line: what the job needs of the NVIDIA driver,
+/// each requirement shortened (the whole text is in `--json`).
+fn driver_words(require_cuda: &str, image_requires: &[String]) -> String {
+    let mut parts = Vec::new();
+    if !require_cuda.is_empty() {
+        parts.push(format!(
+            "{} (--require-cuda)",
+            wait_reason::short_require(require_cuda)
+        ));
+    }
+    if !image_requires.is_empty() {
+        let each: Vec<String> = image_requires
+            .iter()
+            .map(|r| wait_reason::short_require(r))
+            .collect();
+        parts.push(format!("{} (its image's)", each.join(" and ")));
+    }
+    if parts.is_empty() {
+        "any".to_string()
+    } else {
+        parts.join("; ")
+    }
 }
 
 /// `agents list`: ID, HOSTNAME, STATE, GPUS, CPUS, MEM, RUNTIMES. GPUS,
@@ -1012,6 +1049,7 @@ mod tests {
             retries: 0,
             preemptions: 0,
             wait_reason: None,
+            image_requires: Vec::new(),
         }
     }
 
@@ -1411,6 +1449,36 @@ mod tests {
             (Some(3), Some(-5))
         );
         assert!(out.contains("GPU-1,GPU-2"), "{out}");
+        assert!(out.contains("Driver:    any\n"), "{out}");
+    }
+
+    #[test]
+    fn what_a_job_needs_of_the_driver_is_shown() {
+        let mut j = job();
+        if let Some(spec) = j.spec.as_mut() {
+            spec.require_cuda = "driver>=535".into();
+        }
+        j.image_requires = vec![
+            "cuda>=12.2 brand=tesla,driver>=470,driver<471".into(),
+            "arch>=8.0".into(),
+        ];
+        let out = job_detail(&j, 1_700_000_065_000);
+        assert!(
+            out.contains(
+                "Driver:    driver>=535 (--require-cuda); cuda>=12.2 (+1 alternative) \
+                 and arch>=8.0 (its image's)\n"
+            ),
+            "{out}"
+        );
+        let v = serde_json::to_value(JobJson::from(&j)).unwrap();
+        assert_eq!(v["require_cuda"], "driver>=535");
+        assert_eq!(
+            v["image_requires"],
+            json!(["cuda>=12.2 brand=tesla,driver>=470,driver<471", "arch>=8.0"])
+        );
+        let plain = serde_json::to_value(JobJson::from(&job())).unwrap();
+        assert_eq!(plain["require_cuda"], json!(null));
+        assert_eq!(plain["image_requires"], json!([]));
     }
 
     #[test]

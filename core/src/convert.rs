@@ -523,6 +523,7 @@ impl TryFrom<pb::JobSpec> for JobSpec {
             Runtime::Process
         };
         check_security("spec", &security, runtime)?;
+        let require_cuda = require_cuda_from_pb(&s.require_cuda)?;
         Ok(JobSpec {
             name: s.name,
             image,
@@ -538,8 +539,28 @@ impl TryFrom<pb::JobSpec> for JobSpec {
             tenant: s.tenant,
             secret_env,
             security,
+            require_cuda,
         })
     }
+}
+
+/// A job's `require_cuda`: `None` when blank; an error naming the field and
+/// the faulty condition when it does not parse or asks nothing.
+fn require_cuda_from_pb(text: &str) -> Result<Option<crate::cuda_req::Expr>> {
+    const FIELD: &str = "spec.require_cuda";
+    if text.trim().is_empty() {
+        return Ok(None);
+    }
+    check_text(FIELD, text, crate::cuda_req::MAX_EXPR_LEN, true)?;
+    let e =
+        crate::cuda_req::Expr::parse(text).map_err(|e| ConvertError::new(FIELD, e.to_string()))?;
+    if e.is_empty() {
+        return Err(ConvertError::new(
+            FIELD,
+            format!("{:?} has no condition", cut(text, 64)),
+        ));
+    }
+    Ok(Some(e))
 }
 
 /// At most `max` bytes, no control characters, and no whitespace unless
@@ -644,6 +665,10 @@ impl From<JobSpec> for pb::JobSpec {
             tenant: s.tenant,
             secret_env: s.secret_env.into_iter().collect(),
             security: security_to_pb(s.security),
+            require_cuda: s
+                .require_cuda
+                .map(|e| e.text().to_string())
+                .unwrap_or_default(),
         }
     }
 }
@@ -1085,6 +1110,7 @@ impl From<TaskReason> for pb::Reason {
             TaskReason::GpuUnhealthy => pb::Reason::GpuUnhealthy,
             TaskReason::Fenced => pb::Reason::Fenced,
             TaskReason::AgentDrained => pb::Reason::AgentDraining,
+            TaskReason::DriverRequirementUnmet => pb::Reason::DriverRequirementUnmet,
         }
     }
 }
@@ -1178,6 +1204,37 @@ impl TryFrom<pb::StatusUpdate> for StatusUpdate {
                 s => Some(s),
             },
         };
+        let unmet = u.reason == pb::Reason::DriverRequirementUnmet as i32;
+        if unmet == u.requires.is_empty() {
+            return Err(ConvertError::new(
+                "requires",
+                "is set with REASON_DRIVER_REQUIREMENT_UNMET, and only with it",
+            ));
+        }
+        if unmet && state != TaskState::Failed {
+            return Err(ConvertError::new(
+                "reason",
+                format!("REASON_DRIVER_REQUIREMENT_UNMET needs state FAILED, not {state}"),
+            ));
+        }
+        if u.requires.len() > crate::cuda_req::MAX_EXPRS {
+            return Err(ConvertError::new(
+                "requires",
+                format!(
+                    "has {} requirements, at most {}",
+                    u.requires.len(),
+                    crate::cuda_req::MAX_EXPRS
+                ),
+            ));
+        }
+        for (i, r) in u.requires.iter().enumerate() {
+            check_text(
+                &format!("requires[{i}]"),
+                r,
+                crate::cuda_req::MAX_EXPR_LEN,
+                true,
+            )?;
+        }
         Ok(StatusUpdate {
             agent_id: u.agent_id,
             task_id: u.task_id,
@@ -1188,6 +1245,7 @@ impl TryFrom<pb::StatusUpdate> for StatusUpdate {
             gpu_unhealthy: u.reason == pb::Reason::GpuUnhealthy as i32,
             fenced,
             latest_state,
+            requires: u.requires,
         })
     }
 }
@@ -1205,6 +1263,8 @@ impl From<StatusUpdate> for pb::StatusUpdate {
                 pb::Reason::GpuUnhealthy as i32
             } else if u.fenced {
                 pb::Reason::Fenced as i32
+            } else if !u.requires.is_empty() {
+                pb::Reason::DriverRequirementUnmet as i32
             } else {
                 pb::Reason::Unspecified as i32
             },
@@ -1213,6 +1273,7 @@ impl From<StatusUpdate> for pb::StatusUpdate {
                 .map_or(pb::TaskState::Unspecified as i32, |s| {
                     pb::TaskState::from(s) as i32
                 }),
+            requires: u.requires,
         }
     }
 }
@@ -2533,6 +2594,75 @@ mod tests {
             uuid: b"u".to_vec(),
             reason: reason as i32,
             latest_state: 0,
+            requires: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn driver_refusals_carry_the_image_requirements() {
+        let mut wire = update(
+            pb::TaskState::TaskFailed,
+            pb::Reason::DriverRequirementUnmet,
+        );
+        wire.requires = vec!["cuda>=12.2 brand=tesla,driver>=470,driver<471".into()];
+        let u = StatusUpdate::try_from(wire.clone()).unwrap();
+        assert_eq!(u.requires, wire.requires);
+        assert_eq!(pb::StatusUpdate::from(u), wire);
+        // The reason without requirements, requirements without the
+        // reason, another state, too many: refused, naming the field.
+        let mut bad = wire.clone();
+        bad.requires.clear();
+        assert_eq!(StatusUpdate::try_from(bad).unwrap_err().field, "requires");
+        let mut bad = wire.clone();
+        bad.reason = pb::Reason::Unspecified as i32;
+        assert_eq!(StatusUpdate::try_from(bad).unwrap_err().field, "requires");
+        let mut bad = wire.clone();
+        bad.state = pb::TaskState::TaskKilled as i32;
+        assert_eq!(StatusUpdate::try_from(bad).unwrap_err().field, "reason");
+        let mut bad = wire.clone();
+        bad.requires = vec!["cuda>=1".into(); crate::cuda_req::MAX_EXPRS + 1];
+        assert_eq!(StatusUpdate::try_from(bad).unwrap_err().field, "requires");
+        let mut bad = wire;
+        bad.requires = vec!["cuda>=1\n".into()];
+        assert_eq!(
+            StatusUpdate::try_from(bad).unwrap_err().field,
+            "requires[0]"
+        );
+    }
+
+    #[test]
+    fn require_cuda_is_checked_at_submit() {
+        let spec = |require_cuda: &str| pb::JobSpec {
+            name: "j".into(),
+            command: vec!["true".into()],
+            resources: Some(pb::Resources {
+                cpus: 1.0,
+                mem_mib: 0,
+                gpus: 0,
+            }),
+            require_cuda: require_cuda.into(),
+            ..Default::default()
+        };
+        let ok = JobSpec::try_from(spec("cuda>=12.2 driver>=470,driver<471")).unwrap();
+        assert_eq!(
+            ok.require_cuda.as_ref().map(|e| e.text()),
+            Some("cuda>=12.2 driver>=470,driver<471")
+        );
+        assert_eq!(
+            pb::JobSpec::from(ok).require_cuda,
+            "cuda>=12.2 driver>=470,driver<471"
+        );
+        assert_eq!(JobSpec::try_from(spec("  ")).unwrap().require_cuda, None);
+        for (bad, why) in [
+            ("cuda>=twelve", "not a version"),
+            ("cudnn>=8", "unknown key"),
+            ("cuda=>12", "unknown operator"),
+            (",", "has no condition"),
+            ("cuda>=12\tdriver>=1", "contains"),
+        ] {
+            let err = JobSpec::try_from(spec(bad)).unwrap_err();
+            assert_eq!(err.field, "spec.require_cuda", "{bad}");
+            assert!(err.reason.contains(why), "{bad}: {err}");
         }
     }
 

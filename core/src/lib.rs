@@ -13,6 +13,7 @@ pub mod pb {
 }
 
 pub mod convert;
+pub mod cuda_req;
 pub mod desired;
 pub mod metrics;
 pub mod time;

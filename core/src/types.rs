@@ -305,6 +305,10 @@ pub struct JobSpec {
     /// What its tasks may do on their agent (user, mounts, root).
     #[serde(default, skip_serializing_if = "TaskSecurity::is_default")]
     pub security: TaskSecurity,
+    /// What its tasks need of the NVIDIA driver (`--require-cuda`): only
+    /// agents whose driver meets it get them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub require_cuda: Option<crate::cuda_req::Expr>,
 }
 
 /// What a task may do on its agent beyond the defaults (docs/isolation.md,
@@ -455,6 +459,7 @@ impl JobSpec {
             tenant: String::new(),
             secret_env: Default::default(),
             security: TaskSecurity::default(),
+            require_cuda: None,
         }
     }
 
@@ -553,6 +558,13 @@ pub struct StatusUpdate {
     /// are gone and its GPUs may be given again. None: this is the latest.
     #[serde(default)]
     pub latest_state: Option<TaskState>,
+    /// Not empty: the agent refused to start the task because its driver
+    /// does not meet what the image requires (wire: state FAILED, reason
+    /// REASON_DRIVER_REQUIREMENT_UNMET); these are all the image's
+    /// requirements, as text (the master parses them when it applies the
+    /// update, so that an agent's bad text never makes the log unreadable).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub requires: Vec<String>,
 }
 
 /// Whether one of an agent's container runtimes works now, as its last
@@ -610,6 +622,11 @@ pub enum TaskReason {
     Fenced,
     /// Killed because its agent is drained (`--kill` or the deadline).
     AgentDrained,
+    /// Refused before it started: its image requires of the NVIDIA driver
+    /// what its agent's does not offer. Its job goes back to the queue
+    /// without using a retry, placed from then on only where the driver
+    /// qualifies.
+    DriverRequirementUnmet,
 }
 
 /// The id of gpuctl's own job scheduler, which runs as a framework; no

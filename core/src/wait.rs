@@ -107,6 +107,19 @@ pub enum Requirement {
     RootTasks,
     /// Allows mounting this host path (the agent's `allowed_mounts`).
     Mount(String),
+    /// A driver that meets the job's `require_cuda` and its image's
+    /// requirements.
+    Driver(DriverAsk),
+}
+
+/// What a job needs of the NVIDIA driver: its `require_cuda` and its
+/// image's requirements (NVIDIA_REQUIRE_* expressions), all to hold; as
+/// the missing need, the newest an agent looked at has.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DriverAsk {
+    pub requires: Vec<String>,
+    pub newest_driver: Option<String>,
+    pub newest_cuda: Option<String>,
 }
 
 /// The GPUs one task asks for: each GPU requirement carries the whole ask,
@@ -177,6 +190,9 @@ pub struct AgentCounts {
     /// Left out whatever is free: they do not allow the job's `security`
     /// (root host-process tasks, a mount). Counted after the runtime.
     pub filtered_security: u32,
+    /// Left out whatever is free: their driver does not meet what the job
+    /// requires of it. Counted after the constraints.
+    pub filtered_driver: u32,
 }
 
 /// How a job came back to the queue.
@@ -271,6 +287,7 @@ impl From<&Waiting> for pb::WaitReason {
                 exhausted_memory: c.exhausted_memory,
                 fit_one: c.fit_one,
                 filtered_security: c.filtered_security,
+                filtered_driver: c.filtered_driver,
             }),
         };
         pb::WaitReason {
@@ -327,6 +344,13 @@ impl From<&Requirement> for wr::Requirement {
             Requirement::Mount(path) => wr::Requirement {
                 kind: Kind::Mount as i32,
                 path: path.clone(),
+                ..Default::default()
+            },
+            Requirement::Driver(d) => wr::Requirement {
+                kind: Kind::Driver as i32,
+                requires: d.requires.clone(),
+                newest_driver: d.newest_driver.clone().unwrap_or_default(),
+                newest_cuda: d.newest_cuda.clone().unwrap_or_default(),
                 ..Default::default()
             },
         }
@@ -402,6 +426,11 @@ impl TryFrom<&wr::Requirement> for Requirement {
             Ok(Kind::Memory) => Requirement::Memory(r.mem_mib),
             Ok(Kind::RootTasks) => Requirement::RootTasks,
             Ok(Kind::Mount) => Requirement::Mount(r.path.clone()),
+            Ok(Kind::Driver) => Requirement::Driver(DriverAsk {
+                requires: r.requires.clone(),
+                newest_driver: non_empty(&r.newest_driver),
+                newest_cuda: non_empty(&r.newest_cuda),
+            }),
             Ok(Kind::Unspecified) | Err(_) => {
                 return Err(ConvertError::new(
                     "kind",
@@ -487,6 +516,7 @@ impl TryFrom<&pb::WaitReason> for Waiting {
                 exhausted_memory: b.exhausted_memory,
                 fit_one: b.fit_one,
                 filtered_security: b.filtered_security,
+                filtered_driver: b.filtered_driver,
             }),
         };
         Ok(Waiting {
@@ -588,6 +618,25 @@ mod tests {
                 set_aside: SetAside::default(),
             },
             WaitReason::NeverFits {
+                why: NeverFits::Missing {
+                    need: Requirement::Driver(DriverAsk {
+                        requires: vec!["cuda>=12.2 driver>=470,driver<471".into()],
+                        newest_driver: Some("525.60.13".into()),
+                        newest_cuda: Some("12.0".into()),
+                    }),
+                    among: vec![
+                        Requirement::Runtime(Runtime::Docker),
+                        Requirement::Driver(DriverAsk {
+                            requires: vec!["cuda>=11".into(), "driver>=450".into()],
+                            newest_driver: None,
+                            newest_cuda: None,
+                        }),
+                    ],
+                    largest: None,
+                },
+                set_aside: SetAside::default(),
+            },
+            WaitReason::NeverFits {
                 why: NeverFits::Gang {
                     replicas: 3,
                     gpus: 2,
@@ -630,6 +679,7 @@ mod tests {
                 exhausted_memory: 8,
                 fit_one: 9,
                 filtered_security: 10,
+                filtered_driver: 11,
             }),
         ];
         for reason in reasons {

@@ -1,8 +1,10 @@
 //! Placement of one task (and one gang) among 1,000 and 10,000 agents of 8
 //! GPUs with a DGX-like topology (two NVLinked quads). One agent in four is
 //! half used (GPUs 0-3 held), one in ten is full; one in three has H100s,
-//! the rest A100s. Building the views is the caller's cost and is done once,
-//! outside the measurement.
+//! the rest A100s; every other agent has an old driver (460, CUDA 11.2),
+//! which the CUDA 12.2 image's NVIDIA_REQUIRE_CUDA (21 alternatives, all
+//! looked at before it is refused) leaves out. Building the views is the
+//! caller's cost and is done once, outside the measurement.
 //!
 //! Run: `cargo bench -p gpuctl-master --bench placement`
 
@@ -10,9 +12,10 @@ use std::collections::BTreeMap;
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use gpuctl_core::cuda_req::Expr;
 use gpuctl_core::types::{GpuInfo, GpuPeer, PlacementPolicy, Resources, Runtime};
 use gpuctl_master::scheduler::placement::{
-    choose_gpus, place_gang, place_task, NodeView, TaskRequest,
+    choose_gpus, place_gang, place_task, NodeDriver, NodeView, TaskRequest,
 };
 
 const GPUS: u32 = 8;
@@ -91,12 +94,31 @@ fn views(agents: &[Agent]) -> Vec<NodeView<'_>> {
             free: a.free,
             free_gpus: a.gpus[a.held as usize..].iter().collect(),
             all_gpus: &a.gpus,
+            driver: if a.id.ends_with(['0', '2', '4', '6', '8']) {
+                NodeDriver::new(Some("460.32.03"), Some("11.2"))
+            } else {
+                NodeDriver::new(Some("535.129.03"), Some("12.2"))
+            },
         })
         .collect()
 }
 
+/// `nvidia/cuda:12.2.0-base`'s NVIDIA_REQUIRE_CUDA.
+const CUDA_12_2: &str = "cuda>=12.2 brand=tesla,driver>=470,driver<471 \
+    brand=unknown,driver>=470,driver<471 brand=nvidia,driver>=470,driver<471 \
+    brand=nvidiartx,driver>=470,driver<471 brand=geforce,driver>=470,driver<471 \
+    brand=geforcertx,driver>=470,driver<471 brand=quadro,driver>=470,driver<471 \
+    brand=quadrortx,driver>=470,driver<471 brand=titan,driver>=470,driver<471 \
+    brand=titanrtx,driver>=470,driver<471 brand=tesla,driver>=525,driver<526 \
+    brand=unknown,driver>=525,driver<526 brand=nvidia,driver>=525,driver<526 \
+    brand=nvidiartx,driver>=525,driver<526 brand=geforce,driver>=525,driver<526 \
+    brand=geforcertx,driver>=525,driver<526 brand=quadro,driver>=525,driver<526 \
+    brand=quadrortx,driver>=525,driver<526 brand=titan,driver>=525,driver<526 \
+    brand=titanrtx,driver>=525,driver<526";
+
 fn placement(c: &mut Criterion) {
     let none = BTreeMap::new();
+    let image = [Expr::parse(CUDA_12_2).expect("NVIDIA's requirement parses")];
     let task = |gpus: u32, model: Option<&'static str>| TaskRequest {
         resources: Resources {
             cpus: 4.0,
@@ -109,8 +131,10 @@ fn placement(c: &mut Criterion) {
         constraints: &none,
         run_as_root: false,
         mounts: &[],
+        require_cuda: None,
+        image_requires: &[],
     };
-    let cases: [(&str, TaskRequest, u32, PlacementPolicy); 4] = [
+    let cases: [(&str, TaskRequest, u32, PlacementPolicy); 5] = [
         ("1gpu-bundle", task(1, None), 1, PlacementPolicy::Bundle),
         (
             "4gpu-h100-spread",
@@ -119,6 +143,15 @@ fn placement(c: &mut Criterion) {
             PlacementPolicy::Spread,
         ),
         ("8gpu-bundle", task(8, None), 1, PlacementPolicy::Bundle),
+        (
+            "1gpu-cuda12.2-image-bundle",
+            TaskRequest {
+                image_requires: &image,
+                ..task(1, None)
+            },
+            1,
+            PlacementPolicy::Bundle,
+        ),
         (
             "gang-16x8-bundle",
             task(8, Some("*A100*")),

@@ -30,7 +30,9 @@ pub use plan::{Desired, StopReason};
 
 use crate::checkpoint::{self, Contact};
 use crate::isolation::Isolator;
-use crate::runtime::{ContainerRuntime, Ended, LaunchSpec, Observed, TaskIsolation, TaskRef};
+use crate::runtime::{
+    ContainerRuntime, Ended, LaunchSpec, Observed, RuntimeError, TaskIsolation, TaskRef,
+};
 
 /// File name of a task's combined output inside its sandbox.
 pub const LOG_FILE: &str = "output.log";
@@ -100,6 +102,8 @@ pub struct IsolationSetup {
     /// Each GPU's CDI name, kept current by the CDI publisher; empty when
     /// CDI is off.
     pub cdi: crate::cdi::Names,
+    /// The host's NVIDIA driver, for what images require of it.
+    pub driver: crate::runtime::HostDriver,
 }
 
 /// How a task ended, as reported to the master.
@@ -111,6 +115,10 @@ struct Outcome {
     gpu_unhealthy: bool,
     /// Stopped by the fence (REASON_FENCED).
     fenced: bool,
+    /// Refused because the host's driver does not meet what the image
+    /// requires: all the image's requirements
+    /// (REASON_DRIVER_REQUIREMENT_UNMET).
+    requires: Vec<String>,
 }
 
 impl Outcome {
@@ -121,6 +129,7 @@ impl Outcome {
             message: message.into(),
             gpu_unhealthy: false,
             fenced: false,
+            requires: Vec::new(),
         }
     }
 
@@ -156,6 +165,7 @@ impl Outcome {
                 message: fence_message(fence_timeout_ms),
                 gpu_unhealthy: false,
                 fenced: true,
+                requires: Vec::new(),
             };
         }
         match reason {
@@ -171,6 +181,7 @@ impl Outcome {
                 message: "killed".into(),
                 gpu_unhealthy: false,
                 fenced: false,
+                requires: Vec::new(),
             },
             _ => match code {
                 Some(0) => Outcome {
@@ -179,6 +190,7 @@ impl Outcome {
                     message: String::new(),
                     gpu_unhealthy: false,
                     fenced: false,
+                    requires: Vec::new(),
                 },
                 Some(c) => Outcome {
                     exit_code: Some(c),
@@ -633,6 +645,7 @@ impl Executor {
             uuid: uuid::Uuid::new_v4().as_bytes().to_vec(),
             gpu_unhealthy: false,
             fenced: false,
+            requires: Vec::new(),
             latest_state: None,
         }
     }
@@ -645,6 +658,7 @@ impl Executor {
         u.message = outcome.message;
         u.gpu_unhealthy = outcome.gpu_unhealthy;
         u.fenced = outcome.fenced;
+        u.requires = outcome.requires;
         let path = self.state_dir(task_id).join(checkpoint::FINAL_FILE);
         if let Err(e) = checkpoint::write_json(&path, &u) {
             tracing::error!(task_id, error = %e, "could not checkpoint the final status; sending it anyway");
@@ -852,6 +866,7 @@ impl Executor {
                 gpu_task: !spec.gpu_uuids.is_empty(),
                 host_nodes: prepared.host_nodes,
                 cdi_devices: self.isolation.cdi.for_gpus(&spec.gpu_uuids),
+                driver: self.isolation.driver.clone(),
             },
             state_dir: self.state_dir(task_id),
             fence: (!spec.no_fence).then(|| checkpoint::contact_path(&self.work_dir)),
@@ -877,7 +892,15 @@ impl Executor {
                 }
                 Err(e) => {
                     self.release(task_id);
-                    return Err(Outcome::failed(e.to_string()));
+                    let requires = match &e {
+                        RuntimeError::DriverRequirement { requires, .. } => requires.clone(),
+                        _ => Vec::new(),
+                    };
+                    tracing::warn!(task_id, error = %e, "task could not start");
+                    return Err(Outcome {
+                        requires,
+                        ..Outcome::failed(e.to_string())
+                    });
                 }
             }
         }
@@ -1153,6 +1176,7 @@ mod shell_tests {
                     gpuctl_core::types::UserIds { uid: 0, gid: 0 },
                 ),
                 cdi: Default::default(),
+                driver: Default::default(),
             },
             tx,
         );

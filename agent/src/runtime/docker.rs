@@ -26,6 +26,7 @@ use bollard::models::{ContainerStateStatusEnum, DeviceMapping, DeviceRequest, Ho
 use bollard::{ClientVersion, Docker};
 use futures::future::BoxFuture;
 use futures::{FutureExt, StreamExt};
+use gpuctl_core::cuda_req;
 use gpuctl_core::time::Backoff;
 use gpuctl_core::types::Runtime;
 use serde::{Deserialize, Serialize};
@@ -33,8 +34,8 @@ use tokio::io::AsyncWriteExt;
 use tokio::task::JoinHandle;
 
 use super::{
-    fence, ContainerRuntime, Ended, LaunchSpec, Observed, RuntimeError, RuntimeStatus, TaskRef,
-    LABEL_AGENT_ID, LABEL_JOB_ID, LABEL_TASK_ID,
+    fence, ContainerRuntime, Ended, HostDriver, LaunchSpec, Observed, RuntimeError, RuntimeStatus,
+    TaskRef, LABEL_AGENT_ID, LABEL_JOB_ID, LABEL_TASK_ID,
 };
 
 const DEFAULT_SOCKET: &str = "unix:///var/run/docker.sock";
@@ -70,7 +71,7 @@ pub struct DockerRuntime {
     /// only takes slices, so there they go into [`SYSTEMD_SLICE`] and
     /// Docker's own device rules are the ones that hold (see
     /// docs/isolation.md).
-    driver: Arc<OnceLock<CgroupDriver>>,
+    cgroup_driver: Arc<OnceLock<CgroupDriver>>,
     health: Arc<Mutex<RuntimeStatus>>,
     /// The binary that runs each container's fence watcher
     /// (`<exe> fence-container DIR`); `None`: containers are fenced only by
@@ -127,7 +128,7 @@ impl DockerRuntime {
         Ok(DockerRuntime {
             docker: Arc::new(Mutex::new(None)),
             addr,
-            driver: Arc::new(OnceLock::new()),
+            cgroup_driver: Arc::new(OnceLock::new()),
             health: Arc::new(Mutex::new(RuntimeStatus {
                 available: false,
                 message: "not contacted yet".into(),
@@ -179,7 +180,7 @@ impl DockerRuntime {
             contact: contact.clone(),
             kill_grace_ms: spec.kill_grace.as_millis() as u64,
             // The container is in the task's cgroups only with cgroupfs.
-            cgroup_procs: if self.driver.get() == Some(&CgroupDriver::Cgroupfs) {
+            cgroup_procs: if self.cgroup_driver.get() == Some(&CgroupDriver::Cgroupfs) {
                 spec.isolation.cgroup_procs.clone()
             } else {
                 Vec::new()
@@ -226,7 +227,7 @@ impl DockerRuntime {
         let docker = self.client()?;
         let res = tokio::time::timeout(PING_TIMEOUT, async {
             docker.ping().await?;
-            if self.driver.get().is_none() {
+            if self.cgroup_driver.get().is_none() {
                 let driver = docker
                     .info()
                     .await?
@@ -239,7 +240,7 @@ impl DockerRuntime {
                 } else {
                     CgroupDriver::Cgroupfs
                 };
-                let _ = self.driver.set(driver);
+                let _ = self.cgroup_driver.set(driver);
             }
             Ok::<_, BollardError>(())
         })
@@ -403,11 +404,20 @@ impl DockerRuntime {
                 // Created by an agent that died before starting it.
             }
             Err(e) if is_not_found(&e) => {
-                if self.driver.get().is_none() {
+                if self.cgroup_driver.get().is_none() {
                     self.probe().await?;
                 }
                 let facts = self.ensure_image(image).await?;
-                let driver = self.driver.get().copied().unwrap_or(CgroupDriver::Cgroupfs);
+                // As NVIDIA's hook: checked in every container that gets
+                // the driver, before anything is made for it.
+                if spec.isolation.gpu_task || facts.wants_driver_volume {
+                    check_driver(image, &facts, &spec.env, &spec.isolation.driver)?;
+                }
+                let driver = self
+                    .cgroup_driver
+                    .get()
+                    .copied()
+                    .unwrap_or(CgroupDriver::Cgroupfs);
                 let cdi = self.cdi_request(&spec.isolation.cdi_devices).await;
                 self.client()?
                     .create_container(
@@ -705,6 +715,45 @@ pub struct ImageFacts {
     pub ld_library_path: Option<String>,
     /// `com.nvidia.volumes.needed=nvidia_driver`.
     pub wants_driver_volume: bool,
+    /// Its environment (`KEY=value`), where NVIDIA's images say what they
+    /// require of the driver (`NVIDIA_REQUIRE_CUDA`...).
+    pub env: Vec<String>,
+}
+
+/// Whether this host's driver meets what the container requires: the
+/// NVIDIA_REQUIRE_* of its environment, the image's overridden by the
+/// task's (`env`), as NVIDIA's hook reads the container's (so a job may
+/// set NVIDIA_DISABLE_REQUIRE as with `docker run -e`). Requirements that
+/// cannot be read cannot be checked: refused, naming the variable
+/// (NVIDIA's hook refuses them too).
+fn check_driver(
+    image: &str,
+    facts: &ImageFacts,
+    env: &std::collections::BTreeMap<String, String>,
+    host: &HostDriver,
+) -> Result<(), RuntimeError> {
+    let task_env: Vec<String> = env.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    let requires =
+        cuda_req::image_requirements(facts.env.iter().chain(&task_env).map(String::as_str))
+            .map_err(|e| RuntimeError::Image {
+                image: image.to_string(),
+                reason: format!("what it requires of the NVIDIA driver cannot be read: {e}"),
+            })?;
+    let have = host.facts();
+    let unmet: Vec<String> = requires
+        .iter()
+        .filter(|(_, e)| !e.met_by(&have))
+        .map(|(var, e)| format!("{var}={}", e.short()))
+        .collect();
+    if unmet.is_empty() {
+        return Ok(());
+    }
+    Err(RuntimeError::DriverRequirement {
+        image: image.to_string(),
+        unmet: unmet.join(" and "),
+        host: host.words(),
+        requires: requires.iter().map(|(_, e)| e.text().to_string()).collect(),
+    })
 }
 
 impl From<&bollard::models::ImageInspect> for ImageFacts {
@@ -722,10 +771,12 @@ impl From<&bollard::models::ImageInspect> for ImageFacts {
             .and_then(|c| c.labels.as_ref())
             .and_then(|l| l.get(crate::volume::IMAGE_LABEL))
             .is_some_and(|v| v == "nvidia_driver");
+        let env = config.and_then(|c| c.env.as_deref()).unwrap_or_default();
         ImageFacts {
             path,
             ld_library_path,
             wants_driver_volume,
+            env: env.to_vec(),
         }
     }
 }
@@ -1919,6 +1970,209 @@ mod tests {
         // /out is root's: the job's user may not write it. (Its stderr is
         // silenced: Docker may order another stream's lines before it.)
         assert!(text.contains("rw-refused\n"), "{text}");
+    }
+
+    /// What an image's config says of the driver, as bollard reads it.
+    fn inspect(env: &[&str], labels: &[(&str, &str)]) -> bollard::models::ImageInspect {
+        bollard::models::ImageInspect {
+            config: Some(bollard::models::ImageConfig {
+                env: Some(env.iter().map(|e| e.to_string()).collect()),
+                labels: Some(
+                    labels
+                        .iter()
+                        .map(|(k, v)| (k.to_string(), v.to_string()))
+                        .collect(),
+                ),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    const REQUIRE_12_2: &str =
+        "NVIDIA_REQUIRE_CUDA=cuda>=12.2 brand=tesla,driver>=470,driver<471 brand=tesla,driver>=525,driver<526";
+
+    fn host(driver: &str, cuda: &str) -> HostDriver {
+        HostDriver {
+            version: Some(driver.into()),
+            cuda: Some(cuda.into()),
+        }
+    }
+
+    #[test]
+    fn the_host_driver_is_checked_against_the_image_requirements() {
+        let facts = ImageFacts::from(&inspect(
+            &[
+                "PATH=/usr/bin",
+                REQUIRE_12_2,
+                "NVIDIA_REQUIRE_ARCH=arch>=7.0",
+            ],
+            &[("com.nvidia.volumes.needed", "nvidia_driver")],
+        ));
+        assert!(facts.wants_driver_volume);
+        let img = "cuda:12.2";
+        let none = BTreeMap::new();
+        assert_eq!(
+            check_driver(img, &facts, &none, &host("535.129.03", "12.2"))
+                .map_err(|e| e.to_string()),
+            Ok(())
+        );
+        // Forward compatibility: the 525 branch (brand unknown here).
+        assert!(check_driver(img, &facts, &none, &host("525.60.13", "12.0")).is_ok());
+        // Unknown versions (simulated GPUs, no NVML): nothing to check.
+        assert!(check_driver(img, &facts, &none, &HostDriver::default()).is_ok());
+        match check_driver(img, &facts, &none, &host("510.47.03", "11.6")) {
+            Err(RuntimeError::DriverRequirement {
+                image,
+                unmet,
+                host,
+                requires,
+            }) => {
+                assert_eq!(image, img);
+                assert_eq!(unmet, "NVIDIA_REQUIRE_CUDA=cuda>=12.2 (+2 alternatives)");
+                assert_eq!(host, "driver 510.47.03, CUDA 11.6");
+                // All of them, in full: the master learns what the image needs.
+                assert_eq!(
+                    requires,
+                    [
+                        "arch>=7.0",
+                        REQUIRE_12_2.trim_start_matches("NVIDIA_REQUIRE_CUDA=")
+                    ]
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        let e = check_driver(img, &facts, &none, &host("510.47.03", "11.6")).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "image cuda:12.2 requires NVIDIA_REQUIRE_CUDA=cuda>=12.2 (+2 alternatives) of the \
+             NVIDIA driver; this agent has driver 510.47.03, CUDA 11.6"
+        );
+        // Disabled, as NVIDIA's toolkit allows.
+        let off = ImageFacts::from(&inspect(
+            &[REQUIRE_12_2, "NVIDIA_DISABLE_REQUIRE=true"],
+            &[],
+        ));
+        assert!(check_driver(img, &off, &none, &host("450.80.02", "11.0")).is_ok());
+        // Malformed: refused with the variable named, whatever the driver.
+        let bad = ImageFacts::from(&inspect(&["NVIDIA_REQUIRE_CUDA=cuda>=12.2,drivr>=1"], &[]));
+        match check_driver(img, &bad, &none, &host("535.129.03", "12.2")) {
+            Err(RuntimeError::Image { reason, .. }) => {
+                assert!(
+                    reason.contains("NVIDIA_REQUIRE_CUDA: \"drivr>=1\": unknown key"),
+                    "{reason}"
+                )
+            }
+            other => panic!("{other:?}"),
+        }
+        // The task's environment overrides the image's, as `docker run -e`.
+        let old = host("450.80.02", "11.0");
+        let env = |k: &str, v: &str| BTreeMap::from([(k.to_string(), v.to_string())]);
+        assert!(check_driver(img, &facts, &env("NVIDIA_DISABLE_REQUIRE", "1"), &old).is_ok());
+        assert!(check_driver(img, &facts, &env("NVIDIA_REQUIRE_CUDA", "cuda>=11.0"), &old).is_ok());
+        assert!(check_driver(
+            img,
+            &ImageFacts::default(),
+            &env("NVIDIA_REQUIRE_X", "driver>=535"),
+            &old
+        )
+        .is_err());
+        // No image config at all: nothing required.
+        let empty = ImageFacts::from(&bollard::models::ImageInspect::default());
+        assert_eq!(empty, ImageFacts::default());
+        assert!(check_driver(img, &empty, &none, &old).is_ok());
+    }
+
+    /// `docker build` of a local image from `base` with these Dockerfile
+    /// lines (no registry: the base is the local busybox).
+    fn build_image(base: &str, tag: &str, lines: &[&str]) {
+        use std::io::Write;
+        let dockerfile = format!("FROM {base}\n{}\n", lines.join("\n"));
+        let mut build = std::process::Command::new("docker")
+            .args(["build", "-q", "-t", tag, "-"])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        build
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(dockerfile.as_bytes())
+            .unwrap();
+        assert!(build.wait().unwrap().success(), "docker build of {tag}");
+    }
+
+    /// A container that gets the driver (it holds GPUs, or its image asks
+    /// for the volume) is refused before it is made when the host's driver
+    /// does not meet the image's NVIDIA_REQUIRE_CUDA; others are not
+    /// checked. An image with the volume label and a requirement it meets
+    /// gets the volume.
+    #[tokio::test]
+    async fn docker_refuses_an_image_the_driver_is_too_old_for() {
+        let Some(rt) = connect_or_skip("docker_refuses_an_image_the_driver_is_too_old_for").await
+        else {
+            return;
+        };
+        let base = ensure_busybox_image(&rt.client().unwrap()).await.unwrap();
+        let plain = "gpuctl-test/cuda-require:12.2";
+        let labelled = "gpuctl-test/cuda-require-volume:12.2";
+        let env = format!("ENV {}", REQUIRE_12_2.replacen('=', "=\"", 1) + "\"");
+        build_image(&base, plain, &[&env]);
+        build_image(
+            &base,
+            labelled,
+            &[&env, "LABEL com.nvidia.volumes.needed=nvidia_driver"],
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let volume = dir.path().join("nvidia_535.129.03");
+        std::fs::create_dir_all(volume.join("lib64")).unwrap();
+        std::fs::write(volume.join("lib64/libnvidia-ml.so.1"), "").unwrap();
+        let launch = |name: &str, image: &str, gpu_task: bool, driver: HostDriver| {
+            let mut s = spec(
+                dir.path(),
+                &unique(name),
+                image,
+                &["sh", "-c", "ls /usr/local/nvidia/lib64 2>&1; echo done"],
+            );
+            s.log_path = dir.path().join(format!("{name}.log"));
+            s.isolation.gpu_task = gpu_task;
+            s.isolation.driver = driver;
+            s.isolation.driver_volume = Some(volume.clone());
+            s
+        };
+        let old = || host("510.47.03", "11.6");
+        // A GPU task on an old driver: refused, no container made.
+        let s = launch("gpu-old", plain, true, old());
+        match rt.start(&s).await {
+            Err(RuntimeError::DriverRequirement { requires, .. }) => {
+                assert_eq!(requires.len(), 1);
+                assert!(requires[0].starts_with("cuda>=12.2 "), "{requires:?}");
+            }
+            other => panic!("expected a DriverRequirement refusal, got {other:?}"),
+        }
+        let name = container_name(&s.agent_id, &s.task.task_id);
+        assert!(!container_exists(&rt, &name).await);
+        assert_eq!(
+            rt.observe(&s.task_ref()).await.unwrap(),
+            Observed::NotStarted
+        );
+        // The label alone gets the driver too: checked, refused.
+        let s = launch("label-old", labelled, false, old());
+        assert!(matches!(
+            rt.start(&s).await,
+            Err(RuntimeError::DriverRequirement { .. })
+        ));
+        // No GPU, no label: NVIDIA's hook would not touch it; neither do we.
+        let s = launch("cpu-old", plain, false, old());
+        assert_eq!(run_to_end(&rt, &s).await.unwrap(), exited(0));
+        let text = std::fs::read_to_string(&s.log_path).unwrap();
+        assert!(!text.contains("libnvidia-ml.so.1"), "{text}");
+        // A new enough driver: the labelled image runs with the volume.
+        let s = launch("label-new", labelled, false, host("535.129.03", "12.2"));
+        assert_eq!(run_to_end(&rt, &s).await.unwrap(), exited(0));
+        let text = std::fs::read_to_string(&s.log_path).unwrap();
+        assert!(text.contains("libnvidia-ml.so.1\ndone"), "{text}");
     }
 
     /// A daemon that does not answer is an outage, not a task failure.

@@ -102,6 +102,30 @@ pub struct TaskIsolation {
     /// has no name): Docker gets the GPUs through a CDI device request when
     /// the daemon takes one, else through `devices`.
     pub cdi_devices: Vec<crate::cdi::CdiDevice>,
+    /// The host's NVIDIA driver, which a container given the driver must
+    /// have what its image requires of (NVIDIA_REQUIRE_*).
+    pub driver: HostDriver,
+}
+
+/// The host's NVIDIA driver as NVML reports it (and the agent reports it to
+/// the master, whose placement checks the same facts); `None`: unknown.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct HostDriver {
+    /// `535.129.03`.
+    pub version: Option<String>,
+    /// `12.2`.
+    pub cuda: Option<String>,
+}
+
+impl HostDriver {
+    pub fn facts(&self) -> gpuctl_core::cuda_req::Facts {
+        gpuctl_core::cuda_req::Facts::reported(self.version.as_deref(), self.cuda.as_deref())
+    }
+
+    /// `driver 535.129.03, CUDA 12.2`.
+    pub fn words(&self) -> String {
+        gpuctl_core::cuda_req::Facts::words(self.version.as_deref(), self.cuda.as_deref())
+    }
 }
 
 /// What a runtime knows of a task.
@@ -135,6 +159,17 @@ pub enum RuntimeError {
     Docker(#[from] bollard::errors::Error),
     #[error("image {image}: {reason}")]
     Image { image: String, reason: String },
+    /// The image requires of the NVIDIA driver what this host's does not
+    /// offer: the task is refused before its container is made.
+    #[error("image {image} requires {unmet} of the NVIDIA driver; this agent has {host}")]
+    DriverRequirement {
+        image: String,
+        /// The unmet requirements, as `VARIABLE=first alternative (+n)`.
+        unmet: String,
+        host: String,
+        /// Every requirement of the image, in full (the master learns them).
+        requires: Vec<String>,
+    },
     #[error("spawn {program}: {source}")]
     Spawn {
         program: String,

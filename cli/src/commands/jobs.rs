@@ -143,6 +143,13 @@ pub struct SubmitArgs {
     /// e.g. nvidia.com/cuda.driver-version.major=12 (see `gpuctl agents describe`).
     #[arg(long = "constraint", value_name = "KEY=VALUE", value_parser = parse_constraint)]
     pub constraints: Vec<(String, String)>,
+    /// Only agents whose NVIDIA driver meets this, in the language of
+    /// NVIDIA_REQUIRE_CUDA: e.g. 'cuda>=12.2' or 'driver>=535,cuda>=12.2'
+    /// (commas: all must hold; spaces: alternatives; keys cuda, driver,
+    /// arch, brand). Container images' own NVIDIA_REQUIRE_CUDA is checked
+    /// without it.
+    #[arg(long, value_name = "EXPR", value_parser = parse_require_cuda)]
+    pub require_cuda: Option<String>,
     /// Priority: higher is placed first and may preempt running jobs of
     /// lower priority (negative allowed).
     #[arg(
@@ -220,6 +227,7 @@ impl SubmitArgs {
             tenant: self.tenant.clone().unwrap_or_default(),
             secret_env: self.secret_env.iter().map(|(k, _)| k.clone()).collect(),
             security: self.security(),
+            require_cuda: self.require_cuda.clone().unwrap_or_default(),
         }
     }
 
@@ -233,6 +241,16 @@ impl SubmitArgs {
         };
         (s != pb::TaskSecurity::default()).then_some(s)
     }
+}
+
+/// `--require-cuda`: checked here so that a typo is an error before the
+/// request (the master checks it again).
+pub fn parse_require_cuda(s: &str) -> Result<String, String> {
+    let e = gpuctl_core::cuda_req::Expr::parse(s).map_err(|e| e.to_string())?;
+    if e.is_empty() {
+        return Err(format!("{s:?} has no condition"));
+    }
+    Ok(e.text().to_string())
 }
 
 /// `HOST:CONTAINER[:ro|:rw]` of `--mount`: read-only unless `rw`. The
@@ -839,6 +857,49 @@ mod tests {
         assert!(spec.env.is_empty());
         assert!(!spec.no_fence);
         assert_eq!(spec.security, None, "the defaults are not sent");
+    }
+
+    #[test]
+    fn submit_require_cuda() {
+        let a = submit_args(&[
+            "jobs",
+            "submit",
+            "--name",
+            "x",
+            "--require-cuda",
+            "cuda>=12.2 driver>=470,driver<471",
+            "--",
+            "true",
+        ]);
+        assert_eq!(
+            a.to_spec().require_cuda,
+            "cuda>=12.2 driver>=470,driver<471"
+        );
+        let none = submit_args(&["jobs", "submit", "--name", "x", "--", "true"]);
+        assert_eq!(none.to_spec().require_cuda, "");
+        for (bad, why) in [
+            ("cuda>=12.x", "not a version"),
+            ("cudnn>=8", "unknown key"),
+            (",", "no condition"),
+        ] {
+            let err = parse(&[
+                "jobs",
+                "submit",
+                "--name",
+                "x",
+                "--require-cuda",
+                bad,
+                "--",
+                "true",
+            ])
+            .unwrap_err();
+            assert_eq!(err.exit_code(), i32::from(EXIT_USAGE));
+            let text = err.to_string();
+            assert!(
+                text.contains("--require-cuda") && text.contains(why),
+                "{text}"
+            );
+        }
     }
 
     #[test]

@@ -102,6 +102,14 @@ pub enum RequirementJson {
     Mount {
         path: String,
     },
+    /// A driver that meets every one of `requires` (NVIDIA_REQUIRE_*
+    /// expressions: the job's --require-cuda and its image's); as the
+    /// missing need, the newest driver and CUDA of the agents looked at.
+    Driver {
+        requires: Vec<String>,
+        newest_driver: Option<String>,
+        newest_cuda: Option<String>,
+    },
 }
 
 /// The GPUs a task asks for.
@@ -140,6 +148,8 @@ pub struct BusyJson {
     pub fit_one: u32,
     #[serde(default)]
     pub filtered_security: u32,
+    #[serde(default)]
+    pub filtered_driver: u32,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -189,6 +199,11 @@ impl RequirementJson {
             Kind::RootTasks => RequirementJson::RootTasks,
             Kind::Mount => RequirementJson::Mount {
                 path: r.path.clone(),
+            },
+            Kind::Driver => RequirementJson::Driver {
+                requires: r.requires.clone(),
+                newest_driver: non_empty(&r.newest_driver),
+                newest_cuda: non_empty(&r.newest_cuda),
             },
         })
     }
@@ -264,6 +279,7 @@ impl WaitReasonJson {
                 exhausted_memory: b.exhausted_memory,
                 fit_one: b.fit_one,
                 filtered_security: b.filtered_security,
+                filtered_driver: b.filtered_driver,
             }),
         };
         Some(WaitReasonJson {
@@ -276,6 +292,21 @@ impl WaitReasonJson {
             }),
         })
     }
+}
+
+/// A requirement as NVIDIA's own error names it: its first alternative,
+/// and how many others (`cuda>=12.2 (+20 alternatives)`); the text as
+/// given when this gpuctl cannot read it.
+pub fn short_require(text: &str) -> String {
+    gpuctl_core::cuda_req::Expr::parse(text).map_or_else(|_| text.to_string(), |e| e.short())
+}
+
+fn shorts(requires: &[String]) -> String {
+    requires
+        .iter()
+        .map(|r| short_require(r))
+        .collect::<Vec<_>>()
+        .join(" and ")
 }
 
 fn plural(n: impl Into<u64>) -> &'static str {
@@ -327,6 +358,9 @@ impl RequirementJson {
             RequirementJson::Mount { path } => {
                 format!("allows mounting {path} (agent option allowed_mounts)")
             }
+            RequirementJson::Driver { requires, .. } => {
+                format!("has a driver for {}", shorts(requires))
+            }
         }
     }
 
@@ -342,7 +376,27 @@ impl RequirementJson {
             RequirementJson::Memory { mem_mib } => format!("have {mem_mib} MiB of memory"),
             RequirementJson::RootTasks => "allow root tasks".to_string(),
             RequirementJson::Mount { path } => format!("allow mounting {path}"),
+            RequirementJson::Driver { requires, .. } => {
+                format!("have a driver for {}", shorts(requires))
+            }
         }
+    }
+
+    /// "newest: driver 525.60.13, CUDA 12.0" for a driver no agent has.
+    fn newest(&self) -> Option<String> {
+        let RequirementJson::Driver {
+            newest_driver,
+            newest_cuda,
+            ..
+        } = self
+        else {
+            return None;
+        };
+        let parts: Vec<String> = [("driver", newest_driver), ("CUDA", newest_cuda)]
+            .into_iter()
+            .filter_map(|(what, v)| v.as_ref().map(|v| format!("{what} {v}")))
+            .collect();
+        (!parts.is_empty()).then(|| format!("newest: {}", parts.join(", ")))
     }
 
     /// "at most 8" for the largest amount an agent has of it.
@@ -397,6 +451,7 @@ impl BusyJson {
             (self.filtered_runtime, "without the runtime"),
             (self.filtered_security, "not allowing its root or mounts"),
             (self.filtered_constraints, "not matching the constraints"),
+            (self.filtered_driver, "whose driver does not qualify"),
             (self.filtered_gpu_model, "without the GPU model"),
             (self.filtered_gpu_memory, "without a GPU with the memory"),
             (self.filtered_too_small, "too small"),
@@ -434,6 +489,7 @@ impl fmt::Display for WaitKindJson {
                             write!(f, " among those that {}", q.join(" and "))?;
                         }
                         notes.extend(largest.and_then(|l| need.at_most(l)));
+                        notes.extend(need.newest());
                     }
                     NeverFitsJson::Gang { replicas, gpus } => write!(
                         f,
@@ -683,6 +739,86 @@ mod tests {
         );
     }
 
+    /// `nvidia/cuda:12.2.0`'s NVIDIA_REQUIRE_CUDA, cut to two branches.
+    const CUDA_12_2: &str = "cuda>=12.2 brand=tesla,driver>=470,driver<471 \
+                             brand=tesla,driver>=525,driver<526";
+
+    #[test]
+    fn a_driver_no_agent_has_is_named_shortly_with_the_newest() {
+        let driver = |requires: &[&str], newest: Option<(&str, &str)>| wr::Requirement {
+            requires: requires.iter().map(|r| r.to_string()).collect(),
+            newest_driver: newest.map(|n| n.0.to_string()).unwrap_or_default(),
+            newest_cuda: newest.map(|n| n.1.to_string()).unwrap_or_default(),
+            ..req(R::Driver)
+        };
+        assert_eq!(
+            text(
+                missing(
+                    driver(&[CUDA_12_2], Some(("470.57.02", "11.4"))),
+                    vec![],
+                    None,
+                    None
+                ),
+                None
+            ),
+            "no agent has a driver for cuda>=12.2 (+2 alternatives) \
+             (newest: driver 470.57.02, CUDA 11.4)"
+        );
+        let runtime = wr::Requirement {
+            runtime: pb::Runtime::Docker as i32,
+            ..req(R::Runtime)
+        };
+        assert_eq!(
+            text(
+                missing(
+                    gpus(R::Gpus, 8, "", 0),
+                    vec![runtime, driver(&["driver>=535", CUDA_12_2], None)],
+                    Some(4.0),
+                    None
+                ),
+                None
+            ),
+            "no agent has 8 GPUs among those that run docker and have a driver for \
+             driver>=535 and cuda>=12.2 (+2 alternatives) (at most 4)"
+        );
+        // Text this gpuctl cannot read is shown as it is.
+        assert_eq!(
+            text(
+                missing(driver(&["cuda~12"], None), vec![], None, None),
+                None
+            ),
+            "no agent has a driver for cuda~12"
+        );
+        let busy = wr::Kind::Resources(wr::Busy {
+            agents: 3,
+            exhausted_gpus: 1,
+            filtered_driver: 2,
+            ..Default::default()
+        });
+        assert_eq!(
+            text(busy, None),
+            "Resources: waiting for resources to be freed \
+             (of 3 agents: 1 short of free GPUs, 2 whose driver does not qualify)"
+        );
+        // Back from an agent that refused it: said how.
+        let refused = wr::Requeued {
+            after: "task job-1.0 refused by agent a1: image cuda:12.2 requires ...".into(),
+            ..Default::default()
+        };
+        assert!(text(
+            missing(
+                driver(&[CUDA_12_2], Some(("470.57.02", "11.4"))),
+                vec![],
+                None,
+                None
+            ),
+            Some(refused)
+        )
+        .ends_with(
+            "(requeued after task job-1.0 refused by agent a1: image cuda:12.2 requires ...)"
+        ));
+    }
+
     #[test]
     fn never_fits_without_agents_a_gang_and_agents_set_aside() {
         let set_aside = wr::SetAside {
@@ -813,6 +949,7 @@ mod tests {
             exhausted_memory: 0,
             fit_one: 1,
             filtered_security: 1,
+            filtered_driver: 0,
         };
         assert_eq!(
             text(wr::Kind::Resources(busy), None),

@@ -42,7 +42,8 @@ pub fn policy_of(spec: &JobSpec, default: PlacementPolicy) -> PlacementPolicy {
 }
 
 /// What a job's task asks of the placement engine.
-pub fn request(spec: &JobSpec) -> placement::TaskRequest<'_> {
+pub fn request(job: &JobRecord) -> placement::TaskRequest<'_> {
+    let spec = &job.spec;
     placement::TaskRequest {
         resources: spec.resources,
         runtime: spec.runtime(),
@@ -51,6 +52,8 @@ pub fn request(spec: &JobSpec) -> placement::TaskRequest<'_> {
         constraints: &spec.placement.constraints,
         run_as_root: spec.security.run_as_root,
         mounts: &spec.security.mounts,
+        require_cuda: spec.require_cuda.as_ref(),
+        image_requires: &job.image_requires,
     }
 }
 
@@ -234,6 +237,10 @@ impl<'s> PoolNode<'s> {
                 .filter(|g| self.free_gpus.contains(g.uuid.as_str()))
                 .collect::<Vec<&GpuInfo>>(),
             all_gpus: &info.gpus,
+            driver: placement::NodeDriver::new(
+                info.driver_version.as_deref(),
+                info.cuda_driver_version.as_deref(),
+            ),
         }
     }
 }
@@ -299,14 +306,16 @@ pub(crate) fn ask_key(job: &JobRecord) -> String {
         .iter()
         .map(|m| m.host_path.as_str())
         .collect();
+    let driver: Vec<&str> = job.driver_requires().map(|e| e.text()).collect();
     format!(
-        "{:?}|{:?}|{:?}|{}|{}|{:?}",
+        "{:?}|{:?}|{:?}|{}|{}|{:?}|{:?}",
         spec.resources,
         spec.runtime(),
         spec.placement,
         spec.replicas(),
         spec.security.run_as_root,
-        mounts
+        mounts,
+        driver
     )
 }
 
@@ -359,7 +368,7 @@ pub fn place_in(
             continue;
         }
         let Some(placements) = placement::place_gang(
-            &request(&job.spec),
+            &request(job),
             job.spec.replicas(),
             &pool.usable_views(&reserved, job),
             policy_of(&job.spec, default_policy),

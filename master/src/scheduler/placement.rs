@@ -5,7 +5,9 @@
 //! - A node qualifies when it runs the task's runtime, allows what its
 //!   security asks (root host-process tasks, each host mount), every constraint
 //!   `KEY=GLOB` matches its attribute `KEY` (case-insensitive glob on the
-//!   value), `free.fits(resources)`, and enough of its `free_gpus` are
+//!   value), its driver meets what the job requires of it (`require_cuda`
+//!   and the image's NVIDIA_REQUIRE_*, parsed once per job; see
+//!   `gpuctl_core::cuda_req`), `free.fits(resources)`, and enough of its `free_gpus` are
 //!   healthy and match: model glob (`*`, `?`, case-insensitive) and
 //!   `memory_mib >= gpu_mem_min_mib`. All GPUs of one task are on one node;
 //!   model and memory only apply to tasks that take GPUs.
@@ -46,10 +48,11 @@
 
 use std::collections::BTreeMap;
 
+use gpuctl_core::cuda_req::{Expr, Facts, Version};
 use gpuctl_core::types::{path_within, GpuInfo, HostMount, PlacementPolicy, Resources, Runtime};
 
 pub use super::topology::choose_gpus;
-use gpuctl_core::wait::{AgentCounts, GpuAsk, NeverFits, Requirement};
+use gpuctl_core::wait::{AgentCounts, DriverAsk, GpuAsk, NeverFits, Requirement};
 
 /// What one task needs.
 #[derive(Debug, Clone, Copy)]
@@ -67,6 +70,40 @@ pub struct TaskRequest<'a> {
     pub run_as_root: bool,
     /// Host mounts: each under one of the agent's allowed mounts.
     pub mounts: &'a [HostMount],
+    /// The job's `require_cuda`: the node's driver must meet it.
+    pub require_cuda: Option<&'a Expr>,
+    /// What the job's image requires of the driver (learned): all must hold.
+    pub image_requires: &'a [Expr],
+}
+
+impl TaskRequest<'_> {
+    /// Everything it requires of the driver.
+    fn driver_requires(&self) -> impl Iterator<Item = &Expr> {
+        self.require_cuda.into_iter().chain(self.image_requires)
+    }
+
+    fn asks_driver(&self) -> bool {
+        self.require_cuda.is_some() || !self.image_requires.is_empty()
+    }
+}
+
+/// A node's NVIDIA driver: its versions as the agent reported them, and
+/// parsed once per view (unknown when absent or unparsable).
+#[derive(Debug, Clone, Default)]
+pub struct NodeDriver<'a> {
+    pub version: Option<&'a str>,
+    pub cuda: Option<&'a str>,
+    pub facts: Facts,
+}
+
+impl<'a> NodeDriver<'a> {
+    pub fn new(version: Option<&'a str>, cuda: Option<&'a str>) -> Self {
+        NodeDriver {
+            version,
+            cuda,
+            facts: Facts::reported(version, cuda),
+        }
+    }
 }
 
 /// One agent as the placer sees it.
@@ -85,6 +122,7 @@ pub struct NodeView<'a> {
     pub free_gpus: Vec<&'a GpuInfo>,
     /// Every GPU of the node (scoring, topology, "could it ever fit").
     pub all_gpus: &'a [GpuInfo],
+    pub driver: NodeDriver<'a>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -183,11 +221,17 @@ impl GpuFilter {
     }
 }
 
-/// Runtime, security and constraints.
+/// Runtime, security, constraints and driver.
 fn static_ok(req: &TaskRequest, node: &NodeView) -> bool {
     node.runtimes.contains(&req.runtime)
         && security_ok(req, node)
         && constraints_ok(req.constraints, node.attributes)
+        && driver_ok(req, node)
+}
+
+/// The node's driver meets everything the job requires of it.
+fn driver_ok(req: &TaskRequest, node: &NodeView) -> bool {
+    req.driver_requires().all(|e| e.met_by(&node.driver.facts))
 }
 
 /// The agent allows what the task's security asks: root, its mounts.
@@ -376,6 +420,8 @@ enum Need<'r> {
     RootTasks,
     Mount(&'r str),
     Attribute(&'r str, &'r str),
+    /// A driver that meets what the job requires of it.
+    Driver,
     /// Some GPU of the model (memory aside).
     Model,
     /// Some GPU of the model with the memory.
@@ -397,7 +443,7 @@ impl Need<'_> {
 /// `None` when some node could.
 ///
 /// Requirements are checked in order: runtime, root tasks, each mount, each
-/// constraint, GPU model, GPU memory, GPU count, cpus, memory. The first that no remaining node
+/// constraint, the driver, GPU model, GPU memory, GPU count, cpus, memory. The first that no remaining node
 /// meets is named ("no agent runs docker", "no agent has GPU model H100*"),
 /// with the most a node has of it ("no agent has 9 GPUs (at most 8)");
 /// [`NeverFits::NoActiveAgent`] when there are no nodes. When some node
@@ -426,6 +472,9 @@ pub fn unsatisfiable(
             .iter()
             .map(|(k, v)| Need::Attribute(k.as_str(), v.as_str())),
     );
+    if req.asks_driver() {
+        steps.push(Need::Driver);
+    }
     if n > 0 {
         if model.is_some() {
             steps.push(Need::Model);
@@ -456,6 +505,14 @@ pub fn unsatisfiable(
         Need::Count => Requirement::Gpus(ask()),
         Need::Cpus => Requirement::Cpus(need.cpus),
         Need::Mem => Requirement::Memory(need.mem_mib),
+        Need::Driver => Requirement::Driver(DriverAsk {
+            requires: req
+                .driver_requires()
+                .map(|e| e.text().to_string())
+                .collect(),
+            newest_driver: None,
+            newest_cuda: None,
+        }),
     };
 
     let mut filter = GpuFilter::new(req);
@@ -469,6 +526,7 @@ pub fn unsatisfiable(
             Need::RootTasks => node.allow_root_tasks,
             Need::Mount(p) => path_within(node.allowed_mounts, p),
             Need::Attribute(k, pat) => node.attributes.get(*k).is_some_and(|v| glob_match(pat, v)),
+            Need::Driver => driver_ok(req, node),
             Need::Model => node.all_gpus.iter().any(|g| model_only.matches(g)),
             Need::Memory => node.all_gpus.iter().any(|g| filter.matches(g)),
             Need::Count => node.all_gpus.iter().filter(|g| filter.matches(g)).count() >= n,
@@ -494,8 +552,16 @@ pub fn unsatisfiable(
             } else {
                 (Vec::new(), nodes.iter().collect())
             };
+            let need = match requirement(step) {
+                Requirement::Driver(ask) => Requirement::Driver(DriverAsk {
+                    newest_driver: newest(&looked_at, |d| d.version),
+                    newest_cuda: newest(&looked_at, |d| d.cuda),
+                    ..ask
+                }),
+                other => other,
+            };
             return Some(NeverFits::Missing {
-                need: requirement(step),
+                need,
                 among,
                 largest: largest(req, step, &looked_at, totals),
             });
@@ -513,6 +579,22 @@ pub fn unsatisfiable(
         left = kept;
     }
     None
+}
+
+/// The newest version one of `nodes` reports (as it reports it), of its
+/// driver or its CUDA: compared as versions, unparsable ones left out.
+fn newest<'a>(
+    nodes: &[&NodeView<'a>],
+    of: impl Fn(&NodeDriver<'a>) -> Option<&'a str>,
+) -> Option<String> {
+    nodes
+        .iter()
+        .filter_map(|n| {
+            let text = of(&n.driver)?;
+            Some((Version::parse(text.trim())?, text))
+        })
+        .max_by_key(|(v, _)| *v)
+        .map(|(_, text)| text.to_string())
 }
 
 /// The most one of `nodes` has of what `step` asks, in its unit.
@@ -533,6 +615,7 @@ fn largest(
             | Need::RootTasks
             | Need::Mount(_)
             | Need::Attribute(..)
+            | Need::Driver
             | Need::Model => None,
             Need::Memory => node
                 .all_gpus
@@ -550,7 +633,7 @@ fn largest(
 }
 
 /// Why each node cannot take one task now, counted once per node for the
-/// first thing it lacks: its runtime, security, constraints, GPU model, GPU memory,
+/// first thing it lacks: its runtime, security, constraints, driver, GPU model, GPU memory,
 /// its size in all (`totals`), then free GPUs, cpus, memory (a job waiting
 /// for resources says where they are short).
 pub fn agent_counts(
@@ -577,6 +660,8 @@ pub fn agent_counts(
             &mut c.filtered_security
         } else if !constraints_ok(req.constraints, node.attributes) {
             &mut c.filtered_constraints
+        } else if !driver_ok(req, node) {
+            &mut c.filtered_driver
         } else if n > 0
             && req.gpu_model.is_some()
             && !node.all_gpus.iter().any(|g| model_only.matches(g))
@@ -628,6 +713,8 @@ mod tests {
         free: Resources,
         gpus: Vec<GpuInfo>,
         held: Vec<String>,
+        /// Driver and CUDA versions, as an agent reports them.
+        driver: (Option<String>, Option<String>),
     }
 
     impl Node {
@@ -644,6 +731,7 @@ mod tests {
                     .map(|i| GpuInfo::new(format!("{id}-g{i}"), i, model, mem))
                     .collect(),
                 held: Vec::new(),
+                driver: (None, None),
             }
         }
 
@@ -661,6 +749,7 @@ mod tests {
                     .filter(|g| g.healthy && !self.held.contains(&g.uuid))
                     .collect(),
                 all_gpus: &self.gpus,
+                driver: NodeDriver::new(self.driver.0.as_deref(), self.driver.1.as_deref()),
             }
         }
 
@@ -693,6 +782,8 @@ mod tests {
             constraints: &NONE,
             run_as_root: false,
             mounts: &[],
+            require_cuda: None,
+            image_requires: &[],
         }
     }
 
@@ -1365,8 +1456,131 @@ mod tests {
                 exhausted_memory: 1,
                 fit_one: 1,
                 filtered_security: 0,
+                filtered_driver: 0,
             }
         );
+    }
+
+    /// A node with the driver and CUDA versions an agent reports.
+    fn with_driver(mut n: Node, driver: &str, cuda: &str) -> Node {
+        n.driver = (Some(driver.into()), Some(cuda.into()));
+        n
+    }
+
+    #[test]
+    fn only_nodes_whose_driver_meets_the_requirements() {
+        let nodes = vec![
+            with_driver(Node::new("old", 4, "A100", 40960), "470.57.02", "11.4"),
+            with_driver(Node::new("mid", 4, "A100", 40960), "525.60.13", "12.0"),
+            with_driver(Node::new("new", 4, "A100", 40960), "535.129.03", "12.2"),
+        ];
+        let cuda_12_2 = Expr::parse("cuda>=12.2").unwrap();
+        let image = [Expr::parse("cuda>=12.0 driver>=470,driver<471").unwrap()];
+        let driver_535 = Expr::parse("driver>=535").unwrap();
+        let place = |require_cuda: Option<&Expr>, image_requires: &[Expr]| {
+            let r = TaskRequest {
+                require_cuda,
+                image_requires,
+                ..req(1)
+            };
+            let mut got: Vec<String> = views(&nodes)
+                .iter()
+                .filter(|n| node_matches(&r, n))
+                .map(|n| n.id.to_string())
+                .collect();
+            got.sort();
+            (
+                got,
+                place_task(&r, &views(&nodes), PlacementPolicy::Bundle).map(|p| p.node),
+            )
+        };
+        let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+        assert_eq!(
+            place(None, &[]),
+            (s(&["mid", "new", "old"]), Some("mid".into()))
+        );
+        assert_eq!(
+            place(Some(&cuda_12_2), &[]),
+            (s(&["new"]), Some("new".into()))
+        );
+        // The image's alternatives: 12.0 or the 470 branch.
+        assert_eq!(
+            place(None, &image),
+            (s(&["mid", "new", "old"]), Some("mid".into()))
+        );
+        // Both must hold.
+        let both = [image[0].clone(), driver_535.clone()];
+        assert_eq!(place(None, &both), (s(&["new"]), Some("new".into())));
+        assert_eq!(
+            place(Some(&Expr::parse("cuda>=13").unwrap()), &[]),
+            (s(&[]), None)
+        );
+        // A node that reports no versions: unknown, so it qualifies.
+        let unknown = Node::new("unknown", 4, "A100", 40960);
+        let r = TaskRequest {
+            require_cuda: Some(&cuda_12_2),
+            ..req(1)
+        };
+        assert!(node_matches(&r, &unknown.view()));
+    }
+
+    #[test]
+    fn a_driver_no_node_meets_is_named_with_the_newest() {
+        let mut old = with_driver(Node::new("old", 4, "A100", 40960), "470.57.02", "11.4");
+        old.attributes.insert("zone".into(), "a".into());
+        let mid = with_driver(Node::new("mid", 4, "A100", 40960), "525.60.13", "12.0");
+        let nodes = vec![old, mid];
+        let need = Expr::parse("cuda>=12.2 brand=tesla,driver>=470,driver<471").unwrap();
+        let big = Expr::parse("cuda>=12.2").unwrap();
+        let r = TaskRequest {
+            require_cuda: Some(&big),
+            ..req(1)
+        };
+        let got = unsatisfiable(&r, &views(&nodes), &totals_of(&nodes));
+        assert_eq!(
+            got,
+            Some(NeverFits::Missing {
+                need: Requirement::Driver(DriverAsk {
+                    requires: vec!["cuda>=12.2".into()],
+                    newest_driver: Some("525.60.13".into()),
+                    newest_cuda: Some("12.0".into()),
+                }),
+                among: vec![],
+                largest: None,
+            })
+        );
+        // The 470 branch is met by "old" alone, but the job's zone leaves
+        // only "mid": named with what narrowed, newest of those left.
+        let zone = BTreeMap::from([("zone".to_string(), "b*".to_string())]);
+        let r = TaskRequest {
+            image_requires: std::slice::from_ref(&need),
+            ..req(1)
+        };
+        assert_eq!(unsatisfiable(&r, &views(&nodes), &totals_of(&nodes)), None);
+        let mut nodes = nodes;
+        nodes[1].attributes.insert("zone".into(), "b1".into());
+        let r = TaskRequest {
+            constraints: &zone,
+            ..r
+        };
+        assert_eq!(
+            unsatisfiable(&r, &views(&nodes), &totals_of(&nodes)),
+            Some(NeverFits::Missing {
+                need: Requirement::Driver(DriverAsk {
+                    requires: vec![need.text().to_string()],
+                    newest_driver: Some("525.60.13".into()),
+                    newest_cuda: Some("12.0".into()),
+                }),
+                among: vec![Requirement::Attribute {
+                    key: "zone".into(),
+                    pattern: "b*".into(),
+                }],
+                largest: None,
+            })
+        );
+        // Counted once per node, after the constraints.
+        let c = agent_counts(&r, &views(&nodes), &totals_of(&nodes));
+        assert_eq!((c.filtered_constraints, c.filtered_driver), (1, 1));
     }
 
     /// A task asking for root or a mount goes only to an agent that allows
@@ -1621,6 +1835,8 @@ mod tests {
                     constraints: &c,
                     run_as_root: self.run_as_root,
                     mounts: &[],
+                    require_cuda: None,
+                    image_requires: &[],
                 })
             }
         }
@@ -1687,6 +1903,7 @@ mod tests {
                         },
                         gpus,
                         held: Vec::new(),
+                        driver: (None, None),
                     }
                 },
             )

@@ -235,7 +235,7 @@ fn pass_job<'s>(
         ..
     } = *ctx;
     let spec = &job.spec;
-    let req = request(spec);
+    let req = request(job);
     let replicas = spec.replicas();
     let policy = policy_of(spec, cfg.default_policy);
     let key = ask_key(job);
@@ -435,6 +435,10 @@ fn empty_views(state: &State) -> Vec<placement::NodeView<'_>> {
             free: a.info.total,
             free_gpus: a.info.gpus.iter().collect(),
             all_gpus: &a.info.gpus,
+            driver: placement::NodeDriver::new(
+                a.info.driver_version.as_deref(),
+                a.info.cuda_driver_version.as_deref(),
+            ),
         })
         .collect()
 }
@@ -872,6 +876,7 @@ mod tests {
                     message: String::new(),
                     uuid: Vec::new(),
                     gpu_unhealthy: false,
+                    requires: Vec::new(),
                     fenced: false,
                     latest_state: None,
                 },
@@ -930,6 +935,74 @@ mod tests {
             gpus: 5,
         });
         assert_eq!(h.schedule(), vec![v2]);
+    }
+
+    /// A job that needs a newer driver than some agents have: placed only
+    /// where it qualifies; waits, naming the newest driver, while none
+    /// does; runs once an agent with a new enough driver joins.
+    #[test]
+    fn jobs_go_only_to_agents_whose_driver_qualifies() {
+        use crate::state::testkit::register_with_driver;
+        use gpuctl_core::cuda_req::Expr;
+        use gpuctl_core::wait::{DriverAsk, Requirement};
+        let mut h = H::new(&[]);
+        h.apply(register_with_driver("old", 2, "470.57.02", "11.4"));
+        let submit = |h: &mut H, require: &str| {
+            let mut spec = JobSpec::new(
+                "j",
+                vec!["sleep".into()],
+                Resources {
+                    cpus: 1.0,
+                    mem_mib: 0,
+                    gpus: 1,
+                },
+            );
+            spec.require_cuda = Some(Expr::parse(require).unwrap());
+            let at_ms = h.i;
+            match h.apply(Command::SubmitJob {
+                spec,
+                at_ms,
+                request_id: None,
+            }) {
+                Outcome::JobSubmitted { job_id } => job_id,
+                o => panic!("{o:?}"),
+            }
+        };
+        let j = submit(&mut h, "cuda>=12.2");
+        let any = h.submit(1, 0, 1);
+        // The job without requirements takes the old agent; the other waits.
+        assert_eq!(h.schedule(), vec![any.clone()]);
+        let newest = |driver: &str, cuda: &str| WaitReason::NeverFits {
+            why: NeverFits::Missing {
+                need: Requirement::Driver(DriverAsk {
+                    requires: vec!["cuda>=12.2".into()],
+                    newest_driver: Some(driver.into()),
+                    newest_cuda: Some(cuda.into()),
+                }),
+                among: vec![],
+                largest: None,
+            },
+            set_aside: SetAside::default(),
+        };
+        assert_eq!(h.plan().reasons[&j].reason, newest("470.57.02", "11.4"));
+        h.apply(register_with_driver("mid", 1, "525.60.13", "12.0"));
+        assert_eq!(h.plan().reasons[&j].reason, newest("525.60.13", "12.0"));
+        assert!(h.schedule().is_empty());
+        // A new enough agent joins: it runs there.
+        h.apply(register_with_driver("new", 1, "535.129.03", "12.2"));
+        assert_eq!(h.plan().reasons[&j].reason, WaitReason::Starting);
+        assert_eq!(h.schedule(), vec![j.clone()]);
+        assert_eq!(h.agent_of(&j), "new");
+        // Another such job while that agent is busy waits for resources,
+        // the others counted as left out for their driver.
+        let j2 = submit(&mut h, "cuda>=12.2");
+        match &h.plan().reasons[&j2].reason {
+            WaitReason::Resources(c) => {
+                assert_eq!((c.agents, c.filtered_driver, c.exhausted_gpus), (3, 2, 1))
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(h.schedule().is_empty(), "not on old or mid, which are free");
     }
 
     #[test]

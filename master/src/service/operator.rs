@@ -65,6 +65,11 @@ pub fn job_to_pb(state: &State, j: &JobRecord, reasons: &BTreeMap<String, Waitin
         retries: j.retries,
         preemptions: j.preemptions,
         wait_reason,
+        image_requires: j
+            .image_requires
+            .iter()
+            .map(|e| e.text().to_string())
+            .collect(),
     }
 }
 

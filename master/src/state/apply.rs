@@ -177,6 +177,7 @@ impl State {
                         preemptions: 0,
                         stopping: None,
                         preempted_by: None,
+                        image_requires: Vec::new(),
                     },
                 );
                 Ok(Outcome::JobSubmitted { job_id })
@@ -424,9 +425,15 @@ impl State {
             });
         }
         if u.state.is_terminal() {
-            // Known before the job hears of the end: a GPU failure or the
-            // agent's fence is not the command's own failure (see
-            // job_task_ended and failure_message).
+            let refused = !u.requires.is_empty() && self.learn_driver_requires(&u.task_id, u);
+            // Known before the job hears of the end: a GPU failure, the
+            // agent's fence or a driver refusal is not the command's own
+            // failure (see job_task_ended and failure_message).
+            if refused {
+                if let Some(task) = self.tasks.get_mut(&u.task_id) {
+                    task.reason = TaskReason::DriverRequirementUnmet;
+                }
+            }
             if u.gpu_unhealthy || u.fenced {
                 if let Some(task) = self.tasks.get_mut(&u.task_id) {
                     task.reason = if u.gpu_unhealthy {
@@ -442,6 +449,7 @@ impl State {
                 task.reason = match (u.state, u.exit_code) {
                     _ if u.gpu_unhealthy => TaskReason::GpuUnhealthy,
                     _ if u.fenced => TaskReason::Fenced,
+                    _ if refused => TaskReason::DriverRequirementUnmet,
                     (TaskState::Finished | TaskState::Failed, Some(_)) => TaskReason::CommandExited,
                     (TaskState::Failed | TaskState::Error, None) => {
                         TaskReason::ContainerLaunchFailed
@@ -578,6 +586,55 @@ impl State {
         }
         task.released = true;
         self.free_held(task_id);
+        true
+    }
+
+    /// An agent refused to start `task_id` because its driver does not meet
+    /// what the image requires (`u.requires`). The job of a task of its
+    /// current attempt learns the requirements it did not know yet, so that
+    /// placement sends it only where the driver qualifies. True when the
+    /// refusal stands as one (a framework's task, whose framework hears
+    /// the reason; a job that learned something): then it is not a failed
+    /// attempt. A refusal that teaches nothing (placement applied these
+    /// already, so master and agent disagree about the agent's driver),
+    /// does not parse, or would take the job past `MAX_EXPRS` counts as an
+    /// ordinary failure: the job's retries bound it, never a loop.
+    fn learn_driver_requires(&mut self, task_id: &str, u: &StatusUpdate) -> bool {
+        use gpuctl_core::cuda_req::{Expr, MAX_EXPRS};
+        let Some(job_id) = self.tasks.get(task_id).map(|t| t.job_id.clone()) else {
+            return false;
+        };
+        if job_id.is_empty() {
+            return true;
+        }
+        let Ok(parsed) = u
+            .requires
+            .iter()
+            .map(|r| Expr::parse(r))
+            .collect::<Result<Vec<_>, _>>()
+        else {
+            return false;
+        };
+        let Some(job) = self.jobs.get_mut(&job_id) else {
+            return false;
+        };
+        if job.state.is_terminal() || !job.current_tasks().iter().any(|t| t == task_id) {
+            return false;
+        }
+        let mut new: Vec<Expr> = Vec::new();
+        for e in parsed {
+            let known = job
+                .driver_requires()
+                .chain(&new)
+                .any(|k| k.text() == e.text());
+            if !known && !e.is_empty() {
+                new.push(e);
+            }
+        }
+        if new.is_empty() || job.image_requires.len() + new.len() > MAX_EXPRS {
+            return false;
+        }
+        job.image_requires.extend(new);
         true
     }
 
@@ -744,6 +801,7 @@ mod tests {
                     message: String::new(),
                     uuid: Vec::new(),
                     gpu_unhealthy: false,
+                    requires: Vec::new(),
                     fenced: false,
                     latest_state: None,
                 },
@@ -1022,6 +1080,7 @@ mod tests {
                     message: String::new(),
                     uuid: Vec::new(),
                     gpu_unhealthy: false,
+                    requires: Vec::new(),
                     fenced: false,
                     latest_state: None,
                 },

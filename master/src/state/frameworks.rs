@@ -531,6 +531,7 @@ mod tests {
                 message: String::new(),
                 uuid: uuid.to_vec(),
                 gpu_unhealthy: false,
+                requires: Vec::new(),
                 fenced: false,
                 latest_state: None,
             },
@@ -570,6 +571,34 @@ mod tests {
         assert!(s.is_acknowledged("job-1.0", b"x"));
     }
 
+    /// A framework's task refused by its agent for its driver ends FAILED
+    /// with that reason, which its framework hears; nothing else changes.
+    #[test]
+    fn a_driver_refusal_of_a_framework_task_keeps_its_reason() {
+        let mut s = state();
+        let f = subscribe(&mut s);
+        launch(&mut s, &f, vec![task("t1", &["GPU-0"])], false);
+        let key = task_key(&f, "t1");
+        let update = StatusUpdate {
+            agent_id: "a1".into(),
+            task_id: key.clone(),
+            state: TaskState::Failed,
+            exit_code: None,
+            message: "image x requires cuda>=12.2".into(),
+            uuid: b"u1".to_vec(),
+            gpu_unhealthy: false,
+            requires: vec!["cuda>=12.2".into()],
+            fenced: false,
+            latest_state: None,
+        };
+        s.apply(10, &Command::UpdateTaskStatus { update, at_ms: 9 })
+            .unwrap();
+        let t = &s.tasks[&key];
+        assert_eq!(t.state, TaskState::Failed);
+        assert_eq!(t.reason, TaskReason::DriverRequirementUnmet);
+        assert!(s.gpu_owner.is_empty());
+    }
+
     /// The agent resends an unacknowledged RUNNING saying the task ended
     /// behind it: its GPU and resources are free at once, the task stays
     /// RUNNING for its framework until the final update itself comes, and
@@ -590,6 +619,7 @@ mod tests {
                 message: String::new(),
                 uuid: uuid.to_vec(),
                 gpu_unhealthy: false,
+                requires: Vec::new(),
                 fenced: false,
                 latest_state: latest,
             },

@@ -169,6 +169,10 @@ impl State {
                     message: message.clone(),
                     requeue: !job.spec.no_requeue,
                 }
+            } else if task.reason == TaskReason::DriverRequirementUnmet {
+                Stopping::DriverRefused {
+                    message: message.clone(),
+                }
             } else {
                 Stopping::Failed {
                     message: message.clone(),
@@ -246,6 +250,7 @@ impl State {
                     JobState::Failed,
                     format!("agent {agent_id} drained (submitted with --no-requeue)"),
                 ),
+                Some(Stopping::DriverRefused { message }) => (JobState::Queued, message),
                 // Not reached: the first failure sets `stopping`.
                 None => (JobState::Failed, "attempt ended".to_string()),
             }
@@ -384,6 +389,9 @@ fn failure_message(t: &TaskRecord) -> String {
     if t.reason == TaskReason::GpuUnhealthy {
         return format!("{who} failed: {}", t.message);
     }
+    if t.reason == TaskReason::DriverRequirementUnmet {
+        return format!("{who} refused by agent {}: {}", t.agent_id, t.message);
+    }
     if t.reason == TaskReason::Fenced {
         return format!(
             "{who} was stopped by its agent's fence (no leader for too long): {}",
@@ -404,7 +412,7 @@ mod tests {
     use super::*;
     use crate::state::testkit::{status, Driver};
     use crate::state::Command;
-    use gpuctl_core::types::{JobSpec, Resources};
+    use gpuctl_core::types::{JobSpec, Resources, StatusUpdate};
 
     /// The shared driver, and what these tests add to it.
     struct T(Driver);
@@ -460,7 +468,35 @@ mod tests {
         fn job(&self, id: &str) -> &crate::state::JobRecord {
             &self.s.jobs[id]
         }
+        /// The agent refused to start the task: its driver does not meet
+        /// what the image requires.
+        fn refusal(&self, task: &str, requires: &[&str]) -> StatusUpdate {
+            let mut update = status(&self.s.tasks[task].agent_id, task, TaskState::Failed);
+            update.message = format!(
+                "image cuda:12.2 requires {} (NVIDIA_REQUIRE_CUDA); this agent has \
+                 driver 470.57.02, CUDA 11.4",
+                requires[0]
+            );
+            update.requires = requires.iter().map(|r| r.to_string()).collect();
+            update.uuid = format!("{task}-refused").into_bytes();
+            update
+        }
+        fn report_refusal(&mut self, task: &str, requires: &[&str]) -> Outcome {
+            let update = self.refusal(task, requires);
+            let at_ms = self.i;
+            self.apply(Command::UpdateTaskStatus { update, at_ms })
+                .unwrap()
+        }
+        fn learned(&self, job: &str) -> Vec<&str> {
+            self.job(job)
+                .image_requires
+                .iter()
+                .map(|e| e.text())
+                .collect()
+        }
     }
+
+    const CUDA_12_2: &str = "cuda>=12.2 brand=tesla,driver>=470,driver<471";
 
     fn spec(gpus: u32, replicas: u32) -> JobSpec {
         let mut s = JobSpec::new(
@@ -572,6 +608,140 @@ mod tests {
             t.job(&j).message
         );
         assert_eq!(t.job(&j).retries, 1);
+    }
+
+    #[test]
+    fn a_driver_refusal_teaches_the_job_and_requeues_it_without_a_retry() {
+        let mut t = T::new(&[("old", 1), ("new", 1)]);
+        let mut s = spec(1, 1);
+        s.no_requeue = true; // nothing of it ran: requeued all the same
+        let j = t.submit(s);
+        t.launch(&j, &[("old", &["GPU-old-0"])]).unwrap();
+        t.report("job-1.0", TaskState::Starting, None);
+        assert_eq!(t.report_refusal("job-1.0", &[CUDA_12_2]), Outcome::Done);
+        let task = &t.s.tasks["job-1.0"];
+        assert_eq!(task.state, TaskState::Failed);
+        assert_eq!(task.reason, TaskReason::DriverRequirementUnmet);
+        let job = t.job(&j);
+        assert_eq!(job.state, JobState::Queued);
+        assert_eq!(job.retries, 0, "a refusal is not a failed attempt");
+        assert!(
+            job.message
+                .starts_with("task job-1.0 refused by agent old: image cuda:12.2 requires"),
+            "{}",
+            job.message
+        );
+        assert_eq!(t.learned(&j), [CUDA_12_2]);
+        assert!(t.s.gpu_owner.is_empty());
+        assert!(t.s.invariant_violations().is_empty());
+        // The agent sends it again until acknowledged: learned once.
+        let before = t.s.clone();
+        let again = t.refusal("job-1.0", &[CUDA_12_2]);
+        let at_ms = t.i;
+        let o = t
+            .apply(Command::UpdateTaskStatus {
+                update: again,
+                at_ms,
+            })
+            .unwrap();
+        assert_eq!(o, Outcome::StaleUpdate);
+        assert_eq!(t.s.jobs, before.jobs);
+        assert_eq!(t.s.tasks, before.tasks);
+        // A Raft snapshot is the state's serde form: what was learned
+        // survives a restore (and a failover to a master that restored).
+        let bytes = serde_json::to_vec(&t.s).unwrap();
+        let restored: State = serde_json::from_slice(&bytes).unwrap();
+        assert_eq!(restored.jobs, t.s.jobs);
+        assert_eq!(
+            restored.jobs[&j].image_requires[0].text(),
+            CUDA_12_2,
+            "parsed again from its text"
+        );
+        // Placed on the new agent, it runs.
+        t.launch(&j, &[("new", &["GPU-new-0"])]).unwrap();
+        t.report("job-1.1", TaskState::Running, None);
+        t.report("job-1.1", TaskState::Finished, Some(0));
+        assert_eq!(t.job(&j).state, JobState::Succeeded);
+    }
+
+    #[test]
+    fn a_refusal_that_teaches_nothing_is_a_failed_attempt() {
+        let mut t = T::new(&[("old", 1)]);
+        let mut s = spec(1, 1);
+        s.max_retries = 1;
+        let j = t.submit(s);
+        t.launch(&j, &[("old", &["GPU-old-0"])]).unwrap();
+        t.report_refusal("job-1.0", &[CUDA_12_2]);
+        assert_eq!((t.job(&j).state, t.job(&j).retries), (JobState::Queued, 0));
+        // Launched there again (master and agent disagree about its
+        // driver), refused for the same: counted, so it cannot loop.
+        t.launch(&j, &[("old", &["GPU-old-0"])]).unwrap();
+        t.report_refusal("job-1.1", &[CUDA_12_2]);
+        assert_eq!((t.job(&j).state, t.job(&j).retries), (JobState::Queued, 1));
+        assert_eq!(
+            t.s.tasks["job-1.1"].reason,
+            TaskReason::ContainerLaunchFailed
+        );
+        // A new requirement besides the known one is learned, not counted.
+        t.launch(&j, &[("old", &["GPU-old-0"])]).unwrap();
+        t.report_refusal("job-1.2", &[CUDA_12_2, "driver>=535"]);
+        assert_eq!((t.job(&j).state, t.job(&j).retries), (JobState::Queued, 1));
+        assert_eq!(t.learned(&j), [CUDA_12_2, "driver>=535"]);
+        // Unparsable: an ordinary failure; no retry left, so FAILED.
+        t.launch(&j, &[("old", &["GPU-old-0"])]).unwrap();
+        t.report_refusal("job-1.3", &["cuda>>12"]);
+        assert_eq!(t.job(&j).state, JobState::Failed);
+        assert_eq!(t.learned(&j), [CUDA_12_2, "driver>=535"]);
+        assert!(
+            t.job(&j).message.contains("job-1.3 error")
+                || t.job(&j).message.contains("job-1.3 failed"),
+            "{}",
+            t.job(&j).message
+        );
+    }
+
+    #[test]
+    fn a_refusal_the_job_asked_for_itself_is_a_failed_attempt() {
+        let mut t = T::new(&[("old", 1)]);
+        let mut s = spec(1, 1);
+        s.require_cuda = Some(gpuctl_core::cuda_req::Expr::parse("cuda>=12.2").unwrap());
+        let j = t.submit(s);
+        t.launch(&j, &[("old", &["GPU-old-0"])]).unwrap();
+        t.report_refusal("job-1.0", &["cuda>=12.2"]);
+        assert_eq!(t.job(&j).state, JobState::Failed);
+        assert!(t.learned(&j).is_empty());
+    }
+
+    #[test]
+    fn a_refused_rank_stops_the_gang_which_requeues_without_a_retry() {
+        let mut t = T::new(&[("old", 1), ("old2", 1), ("new", 2)]);
+        let j = t.submit(spec(1, 3));
+        t.launch(
+            &j,
+            &[
+                ("old", &["GPU-old-0"]),
+                ("old2", &["GPU-old2-0"]),
+                ("new", &["GPU-new-0"]),
+            ],
+        )
+        .unwrap();
+        t.report("job-1.2", TaskState::Running, None);
+        t.report_refusal("job-1.0", &[CUDA_12_2]);
+        // The running rank is asked to stop; the other refusal, the same
+        // requirement, changes nothing the first did not decide.
+        assert!(t.s.tasks["job-1.2"].kill_requested);
+        t.report_refusal("job-1.1", &[CUDA_12_2]);
+        assert_eq!(t.learned(&j), [CUDA_12_2]);
+        assert_ne!(t.job(&j).state, JobState::Queued);
+        t.report("job-1.2", TaskState::Killed, None);
+        let job = t.job(&j);
+        assert_eq!((job.state, job.retries), (JobState::Queued, 0));
+        assert!(
+            job.message.contains("job-1.0 refused by agent old"),
+            "{}",
+            job.message
+        );
+        assert!(t.s.gpu_owner.is_empty());
     }
 
     #[test]

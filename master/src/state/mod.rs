@@ -115,6 +115,12 @@ pub struct JobRecord {
     /// The job that preempted it, while it waits to run again.
     #[serde(default)]
     pub preempted_by: Option<JobId>,
+    /// What its image requires of the NVIDIA driver (its NVIDIA_REQUIRE_*
+    /// values, all to hold), learned from agents that refused to start it;
+    /// placement applies them with `spec.require_cuda`. At most
+    /// `cuda_req::MAX_EXPRS`, each once.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub image_requires: Vec<gpuctl_core::cuda_req::Expr>,
 }
 
 /// Why a job's current attempt is being stopped.
@@ -132,9 +138,20 @@ pub enum Stopping {
     /// deadline passed): like a preemption, queued again without using up
     /// a retry, unless `--no-requeue`.
     Drained { agent_id: AgentId, requeue: bool },
+    /// An agent refused to start one of its tasks because its driver does
+    /// not meet what the image requires, which the job has learned: queued
+    /// again without using up a retry (nothing of it ran, so even with
+    /// `--no-requeue`), to be placed only where the driver qualifies.
+    DriverRefused { message: String },
 }
 
 impl JobRecord {
+    /// Everything its tasks require of the NVIDIA driver: its own
+    /// `require_cuda`, then what its image taught.
+    pub fn driver_requires(&self) -> impl Iterator<Item = &gpuctl_core::cuda_req::Expr> {
+        self.spec.require_cuda.iter().chain(&self.image_requires)
+    }
+
     /// The tasks of its latest attempt, in rank order (every launch starts
     /// `replicas` tasks). Empty before the first launch.
     pub fn current_tasks(&self) -> &[TaskId] {

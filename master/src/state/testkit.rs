@@ -58,6 +58,7 @@ pub fn status(agent: &str, task: &str, state: TaskState) -> StatusUpdate {
         message: String::new(),
         uuid: Vec::new(),
         gpu_unhealthy: false,
+        requires: Vec::new(),
         fenced: false,
         latest_state: None,
     }
@@ -90,6 +91,16 @@ pub fn register(id: &str, gpus: u32) -> Command {
         running_task_ids: vec![],
         at_ms: 0,
     }
+}
+
+/// [`register`] with the driver and CUDA versions NVML would report.
+pub fn register_with_driver(id: &str, gpus: u32, driver: &str, cuda: &str) -> Command {
+    let mut c = register(id, gpus);
+    if let Command::RegisterAgent { info, .. } = &mut c {
+        info.driver_version = Some(driver.into());
+        info.cuda_driver_version = Some(cuda.into());
+    }
+    c
 }
 
 impl State {
