@@ -1264,6 +1264,37 @@ mod tests {
     }
 
     #[test]
+    fn who_gets_the_driver_volume() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut s = spec(dir.path(), "t1", "img", &["true"]);
+        s.isolation.driver_volume = Some(dir.path().join("vol"));
+        let binds = |s: &LaunchSpec, facts: &ImageFacts| {
+            container_config(s, "img", facts, CgroupDriver::Cgroupfs, None)
+                .host_config
+                .unwrap()
+                .binds
+                .unwrap()
+                .iter()
+                .any(|b| b.contains(":/usr/local/nvidia:ro"))
+        };
+        // No GPU, an image that says NVIDIA_VISIBLE_DEVICES=all: a CPU job.
+        let all = ImageFacts {
+            env: vec!["NVIDIA_VISIBLE_DEVICES=all".into()],
+            ..Default::default()
+        };
+        assert!(!binds(&s, &all));
+        // The nvidia-docker label asks for it.
+        let labelled = ImageFacts {
+            wants_driver_volume: true,
+            ..Default::default()
+        };
+        assert!(binds(&s, &labelled));
+        // A GPU task always gets it.
+        s.isolation.gpu_task = true;
+        assert!(binds(&s, &ImageFacts::default()));
+    }
+
+    #[test]
     fn the_cgroup_driver_decides_where_a_container_goes() {
         let dir = tempfile::tempdir().unwrap();
         let mut s = spec(dir.path(), "t1", "img", &["true"]);

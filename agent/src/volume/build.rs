@@ -523,26 +523,6 @@ pub fn container_env_with(
     ]
 }
 
-/// Whether a container gets the volume: every container that holds a GPU,
-/// and, as in Mesos, one whose image asks for it with the
-/// `com.nvidia.volumes.needed` label or a `NVIDIA_VISIBLE_DEVICES` that is
-/// neither empty nor `void`. `image_env` is `KEY=value` strings.
-pub fn wants_volume<'a>(
-    gpus: usize,
-    image_env: impl IntoIterator<Item = &'a str>,
-    image_label_keys: impl IntoIterator<Item = &'a str>,
-) -> bool {
-    if gpus > 0 || image_label_keys.into_iter().any(|k| k == IMAGE_LABEL) {
-        return true;
-    }
-    // The last definition wins, as in Docker.
-    image_env
-        .into_iter()
-        .filter_map(|kv| kv.strip_prefix("NVIDIA_VISIBLE_DEVICES="))
-        .last()
-        .is_some_and(|v| !v.is_empty() && v != "void")
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -963,23 +943,5 @@ mod tests {
             with[1].1,
             "/usr/local/cuda/compat:/usr/local/nvidia/lib64:/usr/local/nvidia/lib"
         );
-    }
-
-    #[test]
-    fn who_gets_the_volume() {
-        let none: [&str; 0] = [];
-        assert!(wants_volume(1, none, none));
-        assert!(!wants_volume(0, none, none));
-        assert!(wants_volume(0, none, [IMAGE_LABEL]));
-        assert!(!wants_volume(0, none, ["com.nvidia.cuda.version"]));
-        assert!(wants_volume(0, ["NVIDIA_VISIBLE_DEVICES=all"], none));
-        assert!(!wants_volume(0, ["NVIDIA_VISIBLE_DEVICES=void"], none));
-        assert!(!wants_volume(0, ["NVIDIA_VISIBLE_DEVICES="], none));
-        assert!(!wants_volume(
-            0,
-            ["NVIDIA_VISIBLE_DEVICES=all", "NVIDIA_VISIBLE_DEVICES=void"],
-            none
-        ));
-        assert!(!wants_volume(0, ["NVIDIA_VISIBLE_DEVICESX=all"], none));
     }
 }

@@ -26,8 +26,8 @@ mod build;
 
 pub use build::{
     build, container_env, container_env_with, docker_bind, elf_class, resolve_in_root,
-    validate_version, volume_path, wants_volume, DriverVolume, VolumeError, BIN_DIRS,
-    CONTAINER_PATH, DEFAULT_PATH, IMAGE_LABEL,
+    validate_version, volume_path, DriverVolume, VolumeError, BIN_DIRS, CONTAINER_PATH,
+    DEFAULT_PATH, IMAGE_LABEL,
 };
 pub use ldcache::ElfClass;
 pub use manifest::Capability;
