@@ -521,7 +521,11 @@ async fn follow_job(
 
     let mut prefixer = LinePrefixer::new(format!("[{name}] "));
     let left = deadline.saturating_duration_since(Instant::now());
-    let logs = jobs::stream_logs(&mut master, id, true, |data| {
+    let follow = jobs::LogSelection {
+        follow: true,
+        ..Default::default()
+    };
+    let logs = jobs::stream_logs(&mut master, id, &follow, |data| {
         prefixer.feed(data, &mut io::stdout())
     });
     match tokio::time::timeout(left, logs).await {

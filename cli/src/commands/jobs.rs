@@ -1,7 +1,7 @@
 //! `gpuctl jobs ...`. Each command is a function taking a connected
 //! [`Master`] and a writer, so `gpuctl demo` reuses them as they are.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::io::{self, Write};
 use std::time::Duration;
 
@@ -40,13 +40,21 @@ pub enum JobsCommand {
         #[command(flatten)]
         flags: JsonFlag,
     },
-    /// Print a job's output (stdout and stderr of its task).
+    /// Print a job's output (stdout and stderr of its tasks). A gang's
+    /// ranks are interleaved by line, each line prefixed with `[rank N]`.
     Logs {
         /// Job id.
         id: String,
-        /// Keep printing until the task ends.
+        /// Keep printing until the tasks end.
         #[arg(long, short)]
         follow: bool,
+        /// Only this rank's output.
+        #[arg(long, value_name = "N")]
+        rank: Option<u32>,
+        /// The output of this attempt (1 is the first); the latest when
+        /// not given.
+        #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+        attempt: Option<u32>,
     },
     /// Cancel a job; prints its resulting state.
     Cancel {
@@ -311,8 +319,18 @@ pub async fn run(
         }
         JobsCommand::List(args) => list_filtered(master, &args, out).await?,
         JobsCommand::Get { id, flags } => get(master, &id, flags.json, out).await?,
-        JobsCommand::Logs { id, follow } => {
-            stream_logs(master, &id, follow, |data| {
+        JobsCommand::Logs {
+            id,
+            follow,
+            rank,
+            attempt,
+        } => {
+            let which = LogSelection {
+                follow,
+                rank,
+                attempt,
+            };
+            stream_logs(master, &id, &which, |data| {
                 out.write_all(data)?;
                 out.flush()
             })
@@ -497,38 +515,102 @@ pub async fn get(
     Ok(())
 }
 
-/// Streams a job's output to `sink`, chunk by chunk, until the master ends
-/// the stream (at once without `follow`, when the task ends with it).
+/// Which output `jobs logs` asks for.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LogSelection {
+    pub follow: bool,
+    pub rank: Option<u32>,
+    pub attempt: Option<u32>,
+}
+
+/// Where each task's output stands in what was written.
+#[derive(Debug, Default)]
+struct TaskOutput {
+    /// Bytes of it written so far.
+    written: u64,
+    /// Bytes of it the current stream has carried.
+    seen: u64,
+    /// Whether the last byte written ended a line (a prefix comes next).
+    mid_line: bool,
+}
+
+/// Writes one task's bytes, each line prefixed when `prefix` is given.
+fn write_task_output<F>(
+    sink: &mut F,
+    prefix: Option<&str>,
+    data: &[u8],
+    at: &mut TaskOutput,
+) -> io::Result<()>
+where
+    F: FnMut(&[u8]) -> io::Result<()>,
+{
+    let Some(prefix) = prefix else {
+        return sink(data);
+    };
+    for piece in data.split_inclusive(|b| *b == b'\n') {
+        if !at.mid_line {
+            sink(prefix.as_bytes())?;
+        }
+        sink(piece)?;
+        at.mid_line = !piece.ends_with(b"\n");
+    }
+    Ok(())
+}
+
+/// Streams a job's output to `sink` until the master ends the stream (at
+/// once without `follow`, when the tasks end with it). With several tasks
+/// each line is prefixed with its task's rank.
 ///
 /// Survives a master failover: a stream that breaks is opened again at the
-/// leader. A new stream starts from the task's first byte, so what was
-/// already written is skipped. With `follow`, a stream that ends while the
-/// job says its task still runs was ended by a master losing leadership,
-/// and is opened again too.
+/// leader. A new stream starts each task from its first byte, so what was
+/// already written of each is skipped (counted per task: the interleaving
+/// of tasks may differ from one stream to the next). With `follow`, a
+/// stream that ends while the job says its task still runs was ended by a
+/// master losing leadership, and is opened again too.
 pub async fn stream_logs<F>(
     master: &mut Master,
     id: &str,
-    follow: bool,
+    which: &LogSelection,
     mut sink: F,
 ) -> Result<(), CliError>
 where
     F: FnMut(&[u8]) -> io::Result<()>,
 {
-    let mut written: u64 = 0;
+    let mut tasks: BTreeMap<String, TaskOutput> = BTreeMap::new();
+    // The task written last, when it stopped mid-line.
+    let mut open_line: Option<String> = None;
+    let total =
+        |tasks: &BTreeMap<String, TaskOutput>| tasks.values().map(|t| t.written).sum::<u64>();
     let mut fruitless = 0;
     loop {
-        let mut stream = open_logs(master, id, follow).await?;
-        let before = written;
-        let mut seen: u64 = 0;
+        let mut stream = open_logs(master, id, which).await?;
+        let before = total(&tasks);
+        for t in tasks.values_mut() {
+            t.seen = 0;
+        }
         let broken = loop {
             match stream.message().await {
                 Ok(Some(chunk)) => {
                     let data = &chunk.data[..];
-                    let skip = written.saturating_sub(seen).min(data.len() as u64) as usize;
-                    seen += data.len() as u64;
+                    let at = tasks.entry(chunk.task_id.clone()).or_default();
+                    let skip = at.written.saturating_sub(at.seen).min(data.len() as u64) as usize;
+                    at.seen += data.len() as u64;
                     if skip < data.len() {
-                        sink(&data[skip..])?;
-                        written += (data.len() - skip) as u64;
+                        let prefix = (chunk.tasks > 1).then(|| format!("[rank {}] ", chunk.rank));
+                        // Another task's line left open is ended here; its
+                        // rest comes later with its prefix again.
+                        if let Some(other) = open_line.take().filter(|o| *o != chunk.task_id) {
+                            sink(b"\n")?;
+                            if let Some(o) = tasks.get_mut(&other) {
+                                o.mid_line = false;
+                            }
+                        }
+                        let at = tasks.entry(chunk.task_id.clone()).or_default();
+                        write_task_output(&mut sink, prefix.as_deref(), &data[skip..], at)?;
+                        at.written += (data.len() - skip) as u64;
+                        if at.mid_line && prefix.is_some() {
+                            open_line = Some(chunk.task_id.clone());
+                        }
                     }
                 }
                 Ok(None) => break None,
@@ -538,7 +620,11 @@ where
                 Err(status) => return Err(CliError::rpc(master, status)),
             }
         };
-        fruitless = if written > before { 0 } else { fruitless + 1 };
+        fruitless = if total(&tasks) > before {
+            0
+        } else {
+            fruitless + 1
+        };
         match broken {
             Some(status) => {
                 if fruitless >= MAX_FRUITLESS_STREAMS {
@@ -549,9 +635,9 @@ where
                     master.switch_to(leader);
                 }
             }
-            None if !follow => return Ok(()),
+            None if !which.follow => return Ok(()),
             None => {
-                if fruitless >= MAX_FRUITLESS_STREAMS || task_ended(master, id).await? {
+                if fruitless >= MAX_FRUITLESS_STREAMS || selection_ended(master, id, which).await? {
                     return Ok(());
                 }
                 tracing::debug!(addr = %master.addr, "log stream ended before the task; opening it again");
@@ -566,29 +652,55 @@ where
 async fn open_logs(
     master: &mut Master,
     id: &str,
-    follow: bool,
+    which: &LogSelection,
 ) -> Result<tonic::Streaming<pb::LogChunk>, CliError> {
     // With --follow the master answers once the job is placed: no limit.
-    let attempt = (!follow).then_some(RPC_TIMEOUT);
+    let attempt = (!which.follow).then_some(RPC_TIMEOUT);
     let deadline = Instant::now() + master.retry_for;
     master
         .call_until(Retry::Always, attempt, deadline, |mut c| {
             let req = pb::JobLogsRequest {
                 job_id: id.to_string(),
-                follow,
+                follow: which.follow,
+                rank: which.rank,
+                attempt: which.attempt,
             };
             async move { c.job_logs(req).await }
         })
         .await
 }
 
-/// Whether the job, or its latest task, has ended.
-async fn task_ended(master: &mut Master, id: &str) -> Result<bool, CliError> {
+/// Whether the job, or every task whose output `which` selects, has ended.
+async fn selection_ended(
+    master: &mut Master,
+    id: &str,
+    which: &LogSelection,
+) -> Result<bool, CliError> {
     let job = get_job(master, id).await?;
-    let task_done = job.tasks.last().is_some_and(|t| {
-        gpuctl_core::convert::task_state_from_pb("state", t.state).is_ok_and(|s| s.is_terminal())
-    });
-    Ok(is_terminal(job.state) || task_done)
+    Ok(is_terminal(job.state) || selected_tasks_ended(&job.tasks, which))
+}
+
+/// The master's rule: an attempt starts all its ranks at once from rank 0.
+fn selected_tasks_ended(tasks: &[pb::Task], which: &LogSelection) -> bool {
+    let mut attempts: Vec<Vec<&pb::Task>> = Vec::new();
+    for t in tasks {
+        match attempts.last_mut() {
+            Some(a) if t.rank != 0 => a.push(t),
+            _ => attempts.push(vec![t]),
+        }
+    }
+    let chosen = match which.attempt {
+        Some(n) => attempts.get((n as usize).saturating_sub(1)),
+        None => attempts.last(),
+    };
+    chosen.is_some_and(|a| {
+        a.iter()
+            .filter(|t| which.rank.is_none_or(|r| r == t.rank))
+            .all(|t| {
+                gpuctl_core::convert::task_state_from_pb("state", t.state)
+                    .is_ok_and(|s| s.is_terminal())
+            })
+    })
 }
 
 /// Cancels a job; returns its state afterwards (wire value).
@@ -1451,6 +1563,53 @@ mod tests {
             parse_job_state(" succeeded ").unwrap(),
             pb::JobState::JobSucceeded
         );
+    }
+
+    #[test]
+    fn each_line_of_a_task_gets_its_prefix_across_chunks() {
+        let mut out = Vec::new();
+        let mut sink = |d: &[u8]| {
+            out.extend_from_slice(d);
+            Ok(())
+        };
+        let mut at = TaskOutput::default();
+        write_task_output(&mut sink, Some("[rank 1] "), b"a\nb", &mut at).unwrap();
+        assert!(at.mid_line);
+        write_task_output(&mut sink, Some("[rank 1] "), b"c\nd\n", &mut at).unwrap();
+        assert!(!at.mid_line);
+        write_task_output(&mut sink, None, b"raw", &mut at).unwrap();
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            "[rank 1] a\n[rank 1] bc\n[rank 1] d\nraw"
+        );
+    }
+
+    #[test]
+    fn the_selected_tasks_are_those_of_the_attempt_and_rank_asked() {
+        let task = |rank, state: pb::TaskState| pb::Task {
+            rank,
+            state: state as i32,
+            ..Default::default()
+        };
+        use pb::TaskState::{TaskFailed, TaskKilled, TaskRunning};
+        // Attempt 1 ended (ranks 0, 1); attempt 2 runs rank 0, rank 1 ended.
+        let tasks = vec![
+            task(0, TaskKilled),
+            task(1, TaskFailed),
+            task(0, TaskRunning),
+            task(1, TaskFailed),
+        ];
+        let sel = |attempt, rank| LogSelection {
+            follow: true,
+            rank,
+            attempt,
+        };
+        assert!(selected_tasks_ended(&tasks, &sel(Some(1), None)));
+        assert!(!selected_tasks_ended(&tasks, &sel(None, None)));
+        assert!(!selected_tasks_ended(&tasks, &sel(Some(2), Some(0))));
+        assert!(selected_tasks_ended(&tasks, &sel(None, Some(1))));
+        // An attempt that has not started has not ended.
+        assert!(!selected_tasks_ended(&tasks, &sel(Some(3), None)));
     }
 
     #[tokio::test]

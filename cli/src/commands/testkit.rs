@@ -76,6 +76,9 @@ pub(crate) fn chunks(data: &[&str]) -> Vec<Result<pb::LogChunk, Status>> {
         .map(|s| {
             Ok(pb::LogChunk {
                 data: s.as_bytes().to_vec(),
+                task_id: "job-1.0".into(),
+                rank: 0,
+                tasks: 1,
             })
         })
         .collect()

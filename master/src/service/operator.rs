@@ -184,6 +184,87 @@ fn job_id_arg(id: &str) -> Result<(), ConvertError> {
 }
 
 type LogStream = Pin<Box<dyn Stream<Item = Result<pb::LogChunk, Status>> + Send>>;
+
+/// A line longer than this is sent in pieces.
+const MAX_LINE: usize = 64 * 1024;
+/// A partial line waits this long for its end before it is sent as is (a
+/// progress bar redrawn with `\r` never ends its line).
+const PARTIAL_LINE_WAIT: Duration = Duration::from_millis(500);
+
+/// Copies one task's output into a job's log stream. With several tasks,
+/// in whole lines, so that their outputs interleave by line; with one, as
+/// it comes.
+struct LogRelay {
+    tx: mpsc::Sender<Result<pb::LogChunk, Status>>,
+    task_id: String,
+    rank: u32,
+    tasks: u32,
+}
+
+impl LogRelay {
+    fn chunk(&self, data: Vec<u8>) -> pb::LogChunk {
+        pb::LogChunk {
+            data,
+            task_id: self.task_id.clone(),
+            rank: self.rank,
+            tasks: self.tasks,
+        }
+    }
+
+    async fn send(&self, data: Vec<u8>) -> bool {
+        data.is_empty() || self.tx.send(Ok(self.chunk(data))).await.is_ok()
+    }
+
+    async fn run(
+        self,
+        mut upstream: tonic::Streaming<pb::TaskLogChunk>,
+        mut shutdown: tokio::sync::watch::Receiver<bool>,
+    ) {
+        let by_line = self.tasks > 1;
+        let mut partial: Vec<u8> = Vec::new();
+        loop {
+            // A follower must not hold up the master's shutdown.
+            let item = tokio::select! {
+                item = upstream.next() => item,
+                _ = tokio::time::sleep(PARTIAL_LINE_WAIT), if !partial.is_empty() => {
+                    if !self.send(std::mem::take(&mut partial)).await {
+                        return;
+                    }
+                    continue;
+                }
+                _ = shutdown.changed() => return,
+            };
+            let data = match item {
+                Some(Ok(c)) => c.data,
+                Some(Err(status)) => {
+                    let _ = self.send(std::mem::take(&mut partial)).await;
+                    let _ = self.tx.send(Err(status)).await;
+                    return;
+                }
+                None => break,
+            };
+            if !by_line {
+                if !self.send(data).await {
+                    return;
+                }
+                continue;
+            }
+            partial.extend_from_slice(&data);
+            let whole = match partial.iter().rposition(|b| *b == b'\n') {
+                Some(i) => i + 1,
+                None if partial.len() >= MAX_LINE => partial.len(),
+                None => 0,
+            };
+            if whole > 0 {
+                let rest = partial.split_off(whole);
+                if !self.send(std::mem::replace(&mut partial, rest)).await {
+                    return;
+                }
+            }
+        }
+        let _ = self.send(partial).await;
+    }
+}
 type JobStream = Pin<Box<dyn Stream<Item = Result<pb::Job, Status>> + Send>>;
 
 #[tonic::async_trait]
@@ -581,26 +662,62 @@ impl OperatorService {
         req: pb::JobLogsRequest,
     ) -> Result<LogStream, ServiceError> {
         job_id_arg(&req.job_id)?;
+        if req.attempt == Some(0) {
+            return Err(ConvertError::new("attempt", "attempts count from 1").into());
+        }
         self.check_job_access(caller, &req.job_id)?;
         let raft = self.ctx.raft.clone();
-        let job_id = req.job_id;
-        // Find the job's task and its agent; with --follow wait until placed.
+        let job_id = req.job_id.clone();
+        // The attempt's tasks and their agents; with --follow wait until
+        // that attempt is placed.
         let mut applied = raft.applied();
-        let (task_id, address) = loop {
+        let tasks: Vec<(u32, String, String)> = loop {
             {
                 let state = raft.state();
                 let job = state
                     .job(&job_id)
                     .ok_or_else(|| ServiceError::job_not_found(&state, &job_id))?;
-                if let Some(t) = state.latest_task(&job_id) {
-                    let addr = state
-                        .agent(&t.agent_id)
-                        .map(|a| a.info.address.clone())
-                        .unwrap_or_default();
-                    break (t.id.clone(), addr);
+                let attempts = state.attempts(&job_id);
+                let chosen = match req.attempt {
+                    Some(n) => attempts.get(n as usize - 1),
+                    None => attempts.last(),
+                };
+                if let Some(tasks) = chosen {
+                    let picked: Vec<(u32, String, String)> = tasks
+                        .iter()
+                        .filter(|t| req.rank.is_none_or(|r| r == t.rank))
+                        .map(|t| {
+                            let addr = state
+                                .agent(&t.agent_id)
+                                .map(|a| a.info.address.clone())
+                                .unwrap_or_default();
+                            (t.rank, t.id.clone(), addr)
+                        })
+                        .collect();
+                    if picked.is_empty() {
+                        return Err(ConvertError::new(
+                            "rank",
+                            format!(
+                                "job {job_id} has ranks 0 to {} in that attempt",
+                                tasks.len().saturating_sub(1)
+                            ),
+                        )
+                        .into());
+                    }
+                    break picked;
                 }
                 if job.state.is_terminal() {
-                    return Ok(Box::pin(futures::stream::empty()));
+                    return match req.attempt {
+                        Some(n) => Err(ConvertError::new(
+                            "attempt",
+                            format!(
+                                "job {job_id} ended after {} attempt(s), not {n}",
+                                attempts.len()
+                            ),
+                        )
+                        .into()),
+                        None => Ok(Box::pin(futures::stream::empty())),
+                    };
                 }
                 if !req.follow {
                     return Err(ServiceError::JobNotStarted { job_id });
@@ -610,6 +727,33 @@ impl OperatorService {
                 return Err(ServiceError::ShuttingDown);
             }
         };
+        let count = tasks.len() as u32;
+        let upstreams =
+            futures::future::try_join_all(tasks.into_iter().map(|(rank, task_id, address)| {
+                self.task_logs(rank, task_id, address, req.follow)
+            }))
+            .await?;
+        let (tx, rx) = mpsc::channel(16);
+        for (rank, task_id, upstream) in upstreams {
+            let relay = LogRelay {
+                tx: tx.clone(),
+                task_id,
+                rank,
+                tasks: count,
+            };
+            tokio::spawn(relay.run(upstream, self.ctx.shutdown.clone()));
+        }
+        Ok(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx)))
+    }
+
+    /// Opens one task's output at its agent.
+    async fn task_logs(
+        &self,
+        rank: u32,
+        task_id: String,
+        address: String,
+        follow: bool,
+    ) -> Result<(u32, String, tonic::Streaming<pb::TaskLogChunk>), ServiceError> {
         if address.is_empty() {
             // Not a master problem: another master would not do better.
             return Err(ServiceError::NoLogAddress { task_id });
@@ -630,34 +774,15 @@ impl OperatorService {
                     source,
                 })?;
         let mut client = pb::agent_api_client::AgentApiClient::new(channel);
-        let mut upstream = client
+        let upstream = client
             .task_logs(pb::TaskLogsRequest {
-                task_id,
-                follow: req.follow,
+                task_id: task_id.clone(),
+                follow,
             })
             .await
             .map_err(ServiceError::Relayed)?
             .into_inner();
-        let (tx, rx) = mpsc::channel(16);
-        let mut shutdown = self.ctx.shutdown.clone();
-        tokio::spawn(async move {
-            loop {
-                // A follower must not hold up the master's shutdown.
-                let item = tokio::select! {
-                    item = upstream.next() => item,
-                    _ = shutdown.changed() => break,
-                };
-                let Some(item) = item else { break };
-                if tx
-                    .send(item.map(|c| pb::LogChunk { data: c.data }))
-                    .await
-                    .is_err()
-                {
-                    break;
-                }
-            }
-        });
-        Ok(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx)))
+        Ok((rank, task_id, upstream))
     }
 
     async fn list_masters(

@@ -594,6 +594,19 @@ mod tests {
             .unwrap();
         assert_eq!(t.job(&j).current_tasks(), ["job-1.2", "job-1.3"]);
         assert_eq!(t.s.tasks["job-1.3"].rank, 1);
+        // Two attempts of two ranks each, as `jobs logs --attempt` reads them.
+        let attempts: Vec<Vec<(&str, u32)>> =
+            t.s.attempts(&j)
+                .iter()
+                .map(|a| a.iter().map(|t| (t.id.as_str(), t.rank)).collect())
+                .collect();
+        assert_eq!(
+            attempts,
+            vec![
+                vec![("job-1.0", 0), ("job-1.1", 1)],
+                vec![("job-1.2", 0), ("job-1.3", 1)]
+            ]
+        );
         // A late update of the first attempt changes nothing.
         let before = t.job(&j).clone();
         t.report("job-1.0", TaskState::Finished, Some(0));

@@ -543,6 +543,26 @@ impl State {
         let job = self.jobs.get(job_id)?;
         job.task_ids.last().and_then(|t| self.tasks.get(t))
     }
+
+    /// The job's attempts, oldest first, each its tasks in rank order. An
+    /// attempt launches all its ranks at once from rank 0, so a rank 0
+    /// starts the next one.
+    pub fn attempts(&self, job_id: &str) -> Vec<Vec<&TaskRecord>> {
+        let mut out: Vec<Vec<&TaskRecord>> = Vec::new();
+        let Some(job) = self.jobs.get(job_id) else {
+            return out;
+        };
+        for t in job.task_ids.iter().filter_map(|t| self.tasks.get(t)) {
+            match out.last_mut() {
+                Some(attempt) if t.rank != 0 => attempt.push(t),
+                _ => out.push(vec![t]),
+            }
+        }
+        for a in &mut out {
+            a.sort_by_key(|t| t.rank);
+        }
+        out
+    }
 }
 
 /// Numeric part of `job-<n>`, for ordering job ids numerically.
