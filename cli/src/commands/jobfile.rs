@@ -27,9 +27,9 @@ pub const SECRET_PLACEHOLDER: &str = "<secret>";
 #[serde(deny_unknown_fields)]
 pub struct JobFile {
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub name: Option<String>,
+    pub name: Option<Text>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub image: Option<String>,
+    pub image: Option<Text>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub command: Option<Vec<Text>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -48,7 +48,7 @@ pub struct JobFile {
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub secret_env: BTreeMap<String, Text>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tenant: Option<String>,
+    pub tenant: Option<Text>,
     #[serde(
         default,
         skip_serializing_if = "Option::is_none",
@@ -56,7 +56,7 @@ pub struct JobFile {
     )]
     pub placement: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub gpu_model: Option<String>,
+    pub gpu_model: Option<Text>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gpu_mem_min: Option<u64>,
     /// `--constraint KEY=VALUE`, as a map.
@@ -345,8 +345,8 @@ pub fn from_spec(spec: &pb::JobSpec) -> JobFile {
     let security = spec.security.clone().unwrap_or_default();
     let secret = |k: &String| spec.secret_env.contains(k);
     JobFile {
-        name: Some(spec.name.clone()),
-        image: some(&spec.image),
+        name: Some(Text(spec.name.clone())),
+        image: some(&spec.image).map(Text),
         command: Some(spec.command.iter().cloned().map(Text).collect()),
         gpus: Some(res.gpus),
         cpus: Some(res.cpus),
@@ -362,9 +362,9 @@ pub fn from_spec(spec: &pb::JobSpec) -> JobFile {
             .iter()
             .map(|k| (k.clone(), Text(SECRET_PLACEHOLDER.to_string())))
             .collect(),
-        tenant: some(&spec.tenant),
+        tenant: some(&spec.tenant).map(Text),
         placement: some(&placement.policy),
-        gpu_model: some(&placement.gpu_model),
+        gpu_model: some(&placement.gpu_model).map(Text),
         gpu_mem_min: (placement.gpu_mem_min_mib > 0).then_some(placement.gpu_mem_min_mib),
         constraint: placement
             .constraints
@@ -462,6 +462,21 @@ mod tests {
             Some(vec![Text("sleep".into()), Text("5".into())])
         );
         assert_eq!(f.user, Some(Text("1000".into())));
+        assert_eq!(
+            parse("j", "name: 42\n").unwrap().name,
+            Some(Text("42".into()))
+        );
+        // YAML 1.1 would read 1000:1000 as a base-60 number; ours is text.
+        let f = parse(
+            "j",
+            "user: 1000:1000\nconstraint: {nvidia.com/cuda.driver-version.major: 12}\n",
+        )
+        .unwrap();
+        assert_eq!(f.user, Some(Text("1000:1000".into())));
+        assert_eq!(
+            f.constraint["nvidia.com/cuda.driver-version.major"],
+            Text("12".into())
+        );
     }
 
     #[test]

@@ -246,9 +246,13 @@ impl SubmitArgs {
     /// `constraint`) are merged key by key, the flag's value winning; lists
     /// (`mount`, the command) given as flags replace the file's.
     pub fn spec_with(&self, file: JobFile) -> Result<pb::JobSpec, CliError> {
-        let name = self.name.clone().or(file.name).ok_or_else(|| {
-            CliError::Usage("no job name: give --name or `name:` in the job file".into())
-        })?;
+        let name = self
+            .name
+            .clone()
+            .or(file.name.map(|t| t.0))
+            .ok_or_else(|| {
+                CliError::Usage("no job name: give --name or `name:` in the job file".into())
+            })?;
         let command = if self.command.is_empty() {
             texts(file.command.unwrap_or_default())
         } else {
@@ -299,7 +303,7 @@ impl SubmitArgs {
             gpu_model: self
                 .gpu_model
                 .clone()
-                .or(file.gpu_model)
+                .or(file.gpu_model.map(|t| t.0))
                 .unwrap_or_default(),
             gpu_mem_min_mib: self.gpu_mem_min.or(file.gpu_mem_min).unwrap_or(0),
             constraints: constraints.into_iter().collect(),
@@ -317,7 +321,11 @@ impl SubmitArgs {
         Ok(pb::JobSpec {
             placement: (placement != pb::Placement::default()).then_some(placement),
             name,
-            image: self.image.clone().or(file.image).unwrap_or_default(),
+            image: self
+                .image
+                .clone()
+                .or(file.image.map(|t| t.0))
+                .unwrap_or_default(),
             command,
             env: env
                 .iter()
@@ -334,7 +342,11 @@ impl SubmitArgs {
             max_retries: self.max_retries.or(file.max_retries).unwrap_or(0),
             no_requeue: self.no_requeue || file.no_requeue.unwrap_or(false),
             no_fence: self.no_fence || file.no_fence.unwrap_or(false),
-            tenant: self.tenant.clone().or(file.tenant).unwrap_or_default(),
+            tenant: self
+                .tenant
+                .clone()
+                .or(file.tenant.map(|t| t.0))
+                .unwrap_or_default(),
             secret_env: secret_env.into_keys().collect(),
             // `None` when nothing is asked (the defaults).
             security: (security != pb::TaskSecurity::default()).then_some(security),
