@@ -169,3 +169,58 @@ fn job_files_submit_with_flags_over_them_and_round_trip() {
     assert_eq!(job3["env"], serde_json::json!({"N": "3"}));
     assert_eq!(c.wait_job(&id3, 30).0, 0);
 }
+
+/// `gpuctl completions` and `gpuctl man` need no master nor config file,
+/// and a closed pipe ends them quietly.
+#[test]
+fn completions_and_man_pages_from_the_binary() {
+    let gpuctl = |args: &[&str]| {
+        Command::new(bin("gpuctl"))
+            .args([
+                "--config",
+                "/nonexistent/gpuctl.toml",
+                "--master",
+                "127.0.0.1:1",
+            ])
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap()
+    };
+    let out = gpuctl(&["completions", "bash"]);
+    assert!(out.status.success(), "{}", stderr_of(&out));
+    let script = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        script.contains("gpuctl__subcmd__jobs__subcmd__submit"),
+        "bash names jobs submit"
+    );
+    let out = gpuctl(&["completions", "tcsh"]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr_of(&out));
+
+    let dir = tempfile::tempdir().unwrap();
+    let man = dir.path().join("man1");
+    let out = gpuctl(&["man", man.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr_of(&out));
+    let listed = String::from_utf8(out.stdout).unwrap();
+    let submit = man.join("gpuctl-jobs-submit.1");
+    assert!(
+        listed.lines().any(|l| l == submit.to_str().unwrap()),
+        "{listed}"
+    );
+    let page = std::fs::read_to_string(&submit).unwrap();
+    assert!(
+        page.contains("\\-\\-gpus") && page.contains("\\-\\-file"),
+        "{page}"
+    );
+
+    // `| head -1`: the pipe closes early; no panic, exit 0.
+    let mut child = Command::new(bin("gpuctl"))
+        .args(["completions", "zsh"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", stderr_of(&out));
+}
