@@ -13,7 +13,8 @@ use gpuctl_proto::pb;
 use tokio::time::Instant;
 use tonic::{Code, Status};
 
-use super::{now_ms, parse_secs, CliError, JsonFlag, EXIT_FAILURE, EXIT_OK};
+use super::jobfile::{self, JobFile, Text, SECRET_PLACEHOLDER};
+use super::{now_ms, parse_secs, CliError, EXIT_FAILURE, EXIT_OK};
 use crate::client::{may_retry, Master, Retry, RPC_TIMEOUT};
 use crate::output::{self, JobJson};
 
@@ -37,8 +38,13 @@ pub enum JobsCommand {
     Get {
         /// Job id.
         id: String,
-        #[command(flatten)]
-        flags: JsonFlag,
+        /// Print JSON instead of the details (as `-o json`).
+        #[arg(long, conflicts_with = "output")]
+        json: bool,
+        /// Print the job as json, or as yaml: its spec as a job file that
+        /// `gpuctl jobs submit -f` submits again (secret values left out).
+        #[arg(long, short = 'o', value_enum, value_name = "FORMAT")]
+        output: Option<GetFormat>,
     },
     /// Print a job's output (stdout and stderr of its tasks). A gang's
     /// ranks are interleaved by line, each line prefixed with `[rank N]`.
@@ -70,6 +76,13 @@ pub enum JobsCommand {
         #[arg(long, value_name = "SECS", value_parser = parse_secs)]
         timeout: Option<Duration>,
     },
+}
+
+/// `jobs get -o FORMAT`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum GetFormat {
+    Json,
+    Yaml,
 }
 
 /// Filters of `jobs list`.
@@ -109,23 +122,32 @@ pub fn parse_job_state(s: &str) -> Result<pb::JobState, String> {
         })
 }
 
+/// `jobs submit`. Options without a default value here are `Option`s (and
+/// booleans are false) when not given, so that a job file's value is used
+/// then: flags given on the command line override the file. The defaults
+/// are applied in [`SubmitArgs::spec_with`].
 #[derive(Debug, Clone, Args)]
 pub struct SubmitArgs {
+    /// Read the job from this YAML file ('-': standard input); flags given
+    /// here override its values, a command after `--` its command. Keys:
+    /// the flags' names with '_' for '-' (docs/cli.md, "Job files").
+    #[arg(long, short = 'f', value_name = "FILE")]
+    pub file: Option<std::path::PathBuf>,
     /// Job name: letters, digits, '.', '_', '-'.
-    #[arg(long)]
-    pub name: String,
+    #[arg(long, required_unless_present = "file")]
+    pub name: Option<String>,
     /// Container image; without it the command runs as a host process.
     #[arg(long)]
     pub image: Option<String>,
-    /// Number of GPUs.
-    #[arg(long, value_name = "N", default_value_t = 0)]
-    pub gpus: u32,
-    /// CPUs (fractions allowed).
-    #[arg(long, value_name = "C", default_value_t = 1.0, value_parser = parse_cpus, allow_negative_numbers = true)]
-    pub cpus: f64,
-    /// Memory limit in MiB; 0 means no limit.
-    #[arg(long, value_name = "MIB", default_value_t = 0)]
-    pub mem: u64,
+    /// Number of GPUs [default: 0].
+    #[arg(long, value_name = "N")]
+    pub gpus: Option<u32>,
+    /// CPUs (fractions allowed) [default: 1].
+    #[arg(long, value_name = "C", value_parser = parse_cpus, allow_negative_numbers = true)]
+    pub cpus: Option<f64>,
+    /// Memory limit in MiB; 0 means no limit [default: 0].
+    #[arg(long, value_name = "MIB")]
+    pub mem: Option<u64>,
     /// Environment variable for the job, repeatable.
     #[arg(long = "env", value_name = "K=V", value_parser = parse_env_pair)]
     pub env: Vec<(String, String)>,
@@ -144,9 +166,9 @@ pub struct SubmitArgs {
     /// Only GPUs whose model matches this glob, e.g. 'A100*' (case-insensitive).
     #[arg(long, value_name = "PATTERN")]
     pub gpu_model: Option<String>,
-    /// Only GPUs with at least this much memory, in MiB.
-    #[arg(long, value_name = "MIB", default_value_t = 0)]
-    pub gpu_mem_min: u64,
+    /// Only GPUs with at least this much memory, in MiB [default: 0].
+    #[arg(long, value_name = "MIB")]
+    pub gpu_mem_min: Option<u64>,
     /// Only agents whose attribute KEY matches VALUE (a glob), repeatable,
     /// e.g. nvidia.com/cuda.driver-version.major=12 (see `gpuctl agents describe`).
     #[arg(long = "constraint", value_name = "KEY=VALUE", value_parser = parse_constraint)]
@@ -159,14 +181,9 @@ pub struct SubmitArgs {
     #[arg(long, value_name = "EXPR", value_parser = parse_require_cuda)]
     pub require_cuda: Option<String>,
     /// Priority: higher is placed first and may preempt running jobs of
-    /// lower priority (negative allowed).
-    #[arg(
-        long,
-        value_name = "N",
-        default_value_t = 0,
-        allow_negative_numbers = true
-    )]
-    pub priority: i32,
+    /// lower priority (negative allowed) [default: 0].
+    #[arg(long, value_name = "N", allow_negative_numbers = true)]
+    pub priority: Option<i32>,
     /// When preempted (or its agent is drained, or a GPU fails), end FAILED
     /// instead of going back to the queue.
     #[arg(long)]
@@ -177,9 +194,9 @@ pub struct SubmitArgs {
     #[arg(long)]
     pub no_fence: bool,
     /// Start R tasks of this spec all or nothing (a gang); each gets
-    /// GPUCTL_RANK, GPUCTL_WORLD_SIZE and GPUCTL_PEERS.
-    #[arg(long, value_name = "R", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=i64::from(gpuctl_core::convert::MAX_REPLICAS)))]
-    pub replicas: u32,
+    /// GPUCTL_RANK, GPUCTL_WORLD_SIZE and GPUCTL_PEERS [default: 1].
+    #[arg(long, value_name = "R", value_parser = clap::value_parser!(u32).range(1..=i64::from(gpuctl_core::convert::MAX_REPLICAS)))]
+    pub replicas: Option<u32>,
     /// Run its tasks as this numeric user: UID or UID:GID (UID alone is
     /// UID:UID). Default: a container runs as its image's user, a host
     /// process as its agent's task_user (nobody).
@@ -194,61 +211,164 @@ pub struct SubmitArgs {
     /// --allow-root-tasks take it (and the cluster may refuse it).
     #[arg(long)]
     pub run_as_root: bool,
-    /// Start a failed job (the whole gang) again, up to N times.
-    #[arg(long, value_name = "N", default_value_t = 0, value_parser = clap::value_parser!(u32).range(..=i64::from(gpuctl_core::convert::MAX_RETRIES)))]
-    pub max_retries: u32,
+    /// Start a failed job (the whole gang) again, up to N times [default: 0].
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(..=i64::from(gpuctl_core::convert::MAX_RETRIES)))]
+    pub max_retries: Option<u32>,
     /// The command and its arguments, after `--` (so that a mistyped
-    /// flag is an error, not the job's command).
-    #[arg(value_name = "CMD", required = true, num_args = 1.., last = true)]
+    /// flag is an error, not the job's command); overrides the job file's.
+    #[arg(value_name = "CMD", required_unless_present = "file", num_args = 1.., last = true)]
     pub command: Vec<String>,
 }
 
 impl SubmitArgs {
-    pub fn to_spec(&self) -> pb::JobSpec {
-        let placement = pb::Placement {
-            policy: self.placement.clone().unwrap_or_default(),
-            gpu_model: self.gpu_model.clone().unwrap_or_default(),
-            gpu_mem_min_mib: self.gpu_mem_min,
-            constraints: self.constraints.iter().cloned().collect(),
-        };
-        pb::JobSpec {
-            placement: (placement != pb::Placement::default()).then_some(placement),
-            name: self.name.clone(),
-            image: self.image.clone().unwrap_or_default(),
-            command: self.command.clone(),
-            env: self
-                .env
-                .iter()
-                .chain(&self.secret_env)
-                .cloned()
-                .collect::<HashMap<_, _>>(),
-            resources: Some(pb::Resources {
-                cpus: self.cpus,
-                mem_mib: self.mem,
-                gpus: self.gpus,
-            }),
-            priority: self.priority,
-            replicas: self.replicas,
-            max_retries: self.max_retries,
-            no_requeue: self.no_requeue,
-            no_fence: self.no_fence,
-            tenant: self.tenant.clone().unwrap_or_default(),
-            secret_env: self.secret_env.iter().map(|(k, _)| k.clone()).collect(),
-            security: self.security(),
-            require_cuda: self.require_cuda.clone().unwrap_or_default(),
-        }
+    /// The spec from the flags alone (no job file).
+    pub fn to_spec(&self) -> Result<pb::JobSpec, CliError> {
+        self.spec_with(JobFile::default())
     }
 
-    /// `None` when nothing is asked (the defaults).
-    fn security(&self) -> Option<pb::TaskSecurity> {
-        let s = pb::TaskSecurity {
-            user: self.user.clone().unwrap_or_default(),
-            mounts: self.mounts.clone(),
-            privileged: false,
-            run_as_root: self.run_as_root,
+    /// The spec to submit: the job file of `--file` (if any) under the flags.
+    pub fn spec(&self) -> Result<pb::JobSpec, CliError> {
+        let Some(path) = &self.file else {
+            return self.to_spec();
         };
-        (s != pb::TaskSecurity::default()).then_some(s)
+        let (origin, text) = if path.as_os_str() == "-" {
+            let mut text = String::new();
+            io::Read::read_to_string(&mut io::stdin(), &mut text).map_err(|e| {
+                CliError::Usage(format!("cannot read the job file from stdin: {e}"))
+            })?;
+            ("stdin".to_string(), text)
+        } else {
+            let origin = path.display().to_string();
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| CliError::Usage(format!("cannot read job file {origin}: {e}")))?;
+            (origin, text)
+        };
+        let file = jobfile::parse(&origin, &text).map_err(CliError::Usage)?;
+        self.spec_with(file).map_err(|e| match e {
+            CliError::Usage(m) => CliError::Usage(format!("job file {origin}: {m}")),
+            other => other,
+        })
     }
+
+    /// The flags over `file`: a flag given wins; maps (`env`, `secret_env`,
+    /// `constraint`) are merged key by key, the flag's value winning; lists
+    /// (`mount`, the command) given as flags replace the file's.
+    pub fn spec_with(&self, file: JobFile) -> Result<pb::JobSpec, CliError> {
+        let name = self
+            .name
+            .clone()
+            .or(file.name.map(|t| t.0))
+            .ok_or_else(|| {
+                CliError::Usage("no job name: give --name or `name:` in the job file".into())
+            })?;
+        let command = if self.command.is_empty() {
+            texts(file.command.unwrap_or_default())
+        } else {
+            self.command.clone()
+        };
+        if command.is_empty() {
+            return Err(CliError::Usage(
+                "no command: give it after `--` or as `command:` in the job file".into(),
+            ));
+        }
+        let merge = |from_file: BTreeMap<String, Text>, flags: &[(String, String)]| {
+            let mut m: BTreeMap<String, String> =
+                from_file.into_iter().map(|(k, v)| (k, v.0)).collect();
+            m.extend(flags.iter().cloned());
+            m
+        };
+        let env = merge(file.env, &self.env);
+        let secret_env = merge(file.secret_env, &self.secret_env);
+        if let Some((k, _)) = secret_env.iter().find(|(_, v)| *v == SECRET_PLACEHOLDER) {
+            return Err(CliError::Usage(format!(
+                "secret_env {k} is {SECRET_PLACEHOLDER:?} (how `jobs get -o yaml` hides a \
+                 secret): give its value in the file or with --secret-env {k}=VALUE"
+            )));
+        }
+        let constraints = merge(file.constraint, &self.constraints);
+        if let Some((k, v)) = constraints
+            .iter()
+            .find(|(k, v)| k.trim().is_empty() || v.is_empty())
+        {
+            return Err(CliError::Usage(format!(
+                "constraint {k:?}: {v:?}: key and value must not be empty"
+            )));
+        }
+        let mounts = if self.mounts.is_empty() {
+            file.mount
+                .iter()
+                .map(|m| parse_mount(&m.0).map_err(|e| CliError::Usage(format!("mount: {e}"))))
+                .collect::<Result<Vec<_>, _>>()?
+        } else {
+            self.mounts.clone()
+        };
+        let placement = pb::Placement {
+            policy: self
+                .placement
+                .clone()
+                .or(file.placement)
+                .unwrap_or_default(),
+            gpu_model: self
+                .gpu_model
+                .clone()
+                .or(file.gpu_model.map(|t| t.0))
+                .unwrap_or_default(),
+            gpu_mem_min_mib: self.gpu_mem_min.or(file.gpu_mem_min).unwrap_or(0),
+            constraints: constraints.into_iter().collect(),
+        };
+        let security = pb::TaskSecurity {
+            user: self
+                .user
+                .clone()
+                .or(file.user.map(|t| t.0))
+                .unwrap_or_default(),
+            mounts,
+            privileged: false,
+            run_as_root: self.run_as_root || file.run_as_root.unwrap_or(false),
+        };
+        Ok(pb::JobSpec {
+            placement: (placement != pb::Placement::default()).then_some(placement),
+            name,
+            image: self
+                .image
+                .clone()
+                .or(file.image.map(|t| t.0))
+                .unwrap_or_default(),
+            command,
+            env: env
+                .iter()
+                .chain(&secret_env)
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect::<HashMap<_, _>>(),
+            resources: Some(pb::Resources {
+                cpus: self.cpus.or(file.cpus).unwrap_or(1.0),
+                mem_mib: self.mem.or(file.mem).unwrap_or(0),
+                gpus: self.gpus.or(file.gpus).unwrap_or(0),
+            }),
+            priority: self.priority.or(file.priority).unwrap_or(0),
+            replicas: self.replicas.or(file.replicas).unwrap_or(1),
+            max_retries: self.max_retries.or(file.max_retries).unwrap_or(0),
+            no_requeue: self.no_requeue || file.no_requeue.unwrap_or(false),
+            no_fence: self.no_fence || file.no_fence.unwrap_or(false),
+            tenant: self
+                .tenant
+                .clone()
+                .or(file.tenant.map(|t| t.0))
+                .unwrap_or_default(),
+            secret_env: secret_env.into_keys().collect(),
+            // `None` when nothing is asked (the defaults).
+            security: (security != pb::TaskSecurity::default()).then_some(security),
+            require_cuda: self
+                .require_cuda
+                .clone()
+                .or(file.require_cuda)
+                .unwrap_or_default(),
+        })
+    }
+}
+
+fn texts(v: Vec<Text>) -> Vec<String> {
+    v.into_iter().map(|t| t.0).collect()
 }
 
 /// `--require-cuda`: checked here so that a typo is an error before the
@@ -314,11 +434,14 @@ pub async fn run(
 ) -> Result<u8, CliError> {
     match cmd {
         JobsCommand::Submit(args) => {
-            let id = submit(master, args.to_spec()).await?;
+            let id = submit(master, args.spec()?).await?;
             writeln!(out, "{id}")?;
         }
         JobsCommand::List(args) => list_filtered(master, &args, out).await?,
-        JobsCommand::Get { id, flags } => get(master, &id, flags.json, out).await?,
+        JobsCommand::Get { id, json, output } => {
+            let format = if json { Some(GetFormat::Json) } else { output };
+            get_as(master, &id, format, out).await?
+        }
         JobsCommand::Logs {
             id,
             follow,
@@ -500,17 +623,22 @@ async fn get_job_until(
         .await
 }
 
-pub async fn get(
+/// `jobs get`: the details, or the job in `format`.
+pub async fn get_as(
     master: &mut Master,
     id: &str,
-    json: bool,
+    format: Option<GetFormat>,
     out: &mut dyn Write,
 ) -> Result<(), CliError> {
     let job = get_job(master, id).await?;
-    if json {
-        out.write_all(output::to_json(&JobJson::from(&job))?.as_bytes())?;
-    } else {
-        out.write_all(output::job_detail(&job, now_ms()).as_bytes())?;
+    match format {
+        Some(GetFormat::Json) => {
+            out.write_all(output::to_json(&JobJson::from(&job))?.as_bytes())?
+        }
+        Some(GetFormat::Yaml) => {
+            out.write_all(jobfile::to_yaml(&job).map_err(CliError::Other)?.as_bytes())?
+        }
+        None => out.write_all(output::job_detail(&job, now_ms()).as_bytes())?,
     }
     Ok(())
 }
@@ -954,7 +1082,7 @@ mod tests {
     #[test]
     fn submit_defaults() {
         let a = submit_args(&["jobs", "submit", "--name", "x", "--", "echo", "hi"]);
-        let spec = a.to_spec();
+        let spec = a.to_spec().unwrap();
         assert_eq!(spec.name, "x");
         assert_eq!(spec.image, "");
         assert_eq!(spec.command, vec!["echo", "hi"]);
@@ -984,11 +1112,11 @@ mod tests {
             "true",
         ]);
         assert_eq!(
-            a.to_spec().require_cuda,
+            a.to_spec().unwrap().require_cuda,
             "cuda>=12.2 driver>=470,driver<471"
         );
         let none = submit_args(&["jobs", "submit", "--name", "x", "--", "true"]);
-        assert_eq!(none.to_spec().require_cuda, "");
+        assert_eq!(none.to_spec().unwrap().require_cuda, "");
         for (bad, why) in [
             ("cuda>=12.x", "not a version"),
             ("cudnn>=8", "unknown key"),
@@ -1034,7 +1162,7 @@ mod tests {
             "--",
             "true",
         ]);
-        let s = a.to_spec().security.unwrap();
+        let s = a.to_spec().unwrap().security.unwrap();
         assert_eq!(s.user, "1234:5");
         let m = |h: &str, c: &str, rw: bool| pb::HostMount {
             host_path: h.into(),
@@ -1051,7 +1179,7 @@ mod tests {
         );
         assert!(!s.run_as_root && !s.privileged);
         let a = submit_args(&["jobs", "submit", "--name", "x", "--run-as-root", "--", "id"]);
-        assert!(a.to_spec().security.unwrap().run_as_root);
+        assert!(a.to_spec().unwrap().security.unwrap().run_as_root);
         for bad in ["/a", "/a:/b:x", ":/b", "/a:", "/a:/b:rw:x"] {
             let err = parse(&[
                 "jobs", "submit", "--name", "x", "--mount", bad, "--", "true",
@@ -1065,7 +1193,7 @@ mod tests {
     #[test]
     fn submit_no_fence() {
         let a = submit_args(&["jobs", "submit", "--name", "x", "--no-fence", "--", "true"]);
-        assert!(a.to_spec().no_fence);
+        assert!(a.to_spec().unwrap().no_fence);
     }
 
     #[test]
@@ -1092,7 +1220,7 @@ mod tests {
             "-c",
             "echo --gpus",
         ]);
-        let spec = a.to_spec();
+        let spec = a.to_spec().unwrap();
         assert_eq!(spec.image, "busybox");
         assert_eq!(spec.command, vec!["sh", "-c", "echo --gpus"]);
         assert_eq!(
@@ -1112,6 +1240,142 @@ mod tests {
         assert!(parse(&["jobs", "submit", "--", "true"]).is_err());
         assert!(parse(&["jobs", "submit", "--name", "x"]).is_err());
         assert!(parse(&["jobs", "submit", "--name", "x", "--cpus", "-1", "--", "true"]).is_err());
+    }
+
+    #[test]
+    fn job_file_under_flags() {
+        let file = jobfile::parse(
+            "j.yaml",
+            "name: from-file\nimage: busybox\ncommand: [sh, -c, 'echo $A']\ngpus: 2\n\
+             cpus: 0.5\nmem: 64\nenv: {A: 1, B: 2}\nsecret_env: {S: s3cret}\n\
+             constraint: {k: v}\nmount: ['/d:/e:rw']\npriority: 5\nreplicas: 2\n\
+             max_retries: 3\nno_fence: true\nplacement: spread\nrequire_cuda: cuda>=12.0\n",
+        )
+        .unwrap();
+        // -f alone: no --name, no command needed on the command line.
+        let a = submit_args(&["jobs", "submit", "-f", "j.yaml"]);
+        let spec = a.spec_with(file.clone()).unwrap();
+        assert_eq!(spec.name, "from-file");
+        assert_eq!(spec.command, ["sh", "-c", "echo $A"]);
+        assert_eq!(spec.image, "busybox");
+        assert_eq!(
+            spec.resources,
+            Some(pb::Resources {
+                cpus: 0.5,
+                mem_mib: 64,
+                gpus: 2
+            })
+        );
+        assert_eq!(spec.env["A"], "1");
+        assert_eq!(spec.env["S"], "s3cret");
+        assert_eq!(spec.secret_env, ["S"]);
+        assert_eq!((spec.priority, spec.replicas, spec.max_retries), (5, 2, 3));
+        assert!(spec.no_fence && !spec.no_requeue);
+        let p = spec.placement.unwrap();
+        assert_eq!(
+            (p.policy.as_str(), p.constraints["k"].as_str()),
+            ("spread", "v")
+        );
+        assert_eq!(spec.require_cuda, "cuda>=12.0");
+        assert!(spec.security.unwrap().mounts[0].read_write);
+
+        // Flags win; maps merge key by key; a command after -- replaces it.
+        let a = submit_args(&[
+            "jobs",
+            "submit",
+            "-f",
+            "j.yaml",
+            "--gpus",
+            "1",
+            "--env",
+            "B=x",
+            "--name",
+            "n",
+            "--priority",
+            "-1",
+            "--",
+            "true",
+        ]);
+        let spec = a.spec_with(file.clone()).unwrap();
+        assert_eq!(spec.name, "n");
+        assert_eq!(spec.resources.unwrap().gpus, 1);
+        assert_eq!(spec.resources.unwrap().cpus, 0.5, "the file's value stays");
+        assert_eq!((spec.env["A"].as_str(), spec.env["B"].as_str()), ("1", "x"));
+        assert_eq!(spec.priority, -1);
+        assert_eq!(spec.command, ["true"]);
+
+        // The placeholder of `jobs get -o yaml` is refused unless replaced.
+        let hidden =
+            jobfile::parse("j", "name: x\ncommand: [x]\nsecret_env: {S: <secret>}\n").unwrap();
+        let a = submit_args(&["jobs", "submit", "-f", "j"]);
+        let err = a.spec_with(hidden.clone()).unwrap_err();
+        assert_eq!(err.exit_code(), EXIT_USAGE);
+        assert!(err.to_string().contains("--secret-env S=VALUE"), "{err}");
+        let a = submit_args(&["jobs", "submit", "-f", "j", "--secret-env", "S=v"]);
+        assert_eq!(a.spec_with(hidden).unwrap().env["S"], "v");
+
+        // A file without a name or command, and no flags for them.
+        let a = submit_args(&["jobs", "submit", "-f", "j"]);
+        let err = a.spec_with(JobFile::default()).unwrap_err();
+        assert!(err.to_string().contains("--name"), "{err}");
+        let named = jobfile::parse("j", "name: x\n").unwrap();
+        let err = a.spec_with(named).unwrap_err();
+        assert!(err.to_string().contains("no command"), "{err}");
+    }
+
+    #[test]
+    fn job_file_read_errors_are_usage_errors_naming_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("job.yaml");
+        std::fs::write(&path, "name: x\ncommand: [true]\ngpu: 1\n").unwrap();
+        let p = path.to_str().unwrap();
+        let err = submit_args(&["jobs", "submit", "-f", p])
+            .spec()
+            .unwrap_err();
+        assert_eq!(err.exit_code(), EXIT_USAGE);
+        let text = err.to_string();
+        assert!(
+            text.contains(p) && text.contains("`gpu`") && text.contains("line 3"),
+            "{text}"
+        );
+        let missing = dir.path().join("nope.yaml");
+        let m = missing.to_str().unwrap();
+        let err = submit_args(&["jobs", "submit", "-f", m])
+            .spec()
+            .unwrap_err();
+        assert!(err.to_string().contains("cannot read job file"), "{err}");
+        std::fs::write(
+            &path,
+            "name: x\ncommand: [true]\nsecret_env: {S: <secret>}\n",
+        )
+        .unwrap();
+        let err = submit_args(&["jobs", "submit", "-f", p])
+            .spec()
+            .unwrap_err();
+        assert!(
+            err.to_string()
+                .starts_with(&format!("job file {p}: secret_env S")),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn get_output_formats() {
+        let get = |args: &[&str]| match parse(args).unwrap().command {
+            Command::Jobs(JobsCommand::Get { json, output, .. }) => (json, output),
+            other => panic!("parsed as {other:?}"),
+        };
+        assert_eq!(
+            get(&["jobs", "get", "j", "-o", "yaml"]),
+            (false, Some(GetFormat::Yaml))
+        );
+        assert_eq!(
+            get(&["jobs", "get", "j", "--output", "json"]),
+            (false, Some(GetFormat::Json))
+        );
+        assert_eq!(get(&["jobs", "get", "j", "--json"]), (true, None));
+        assert!(parse(&["jobs", "get", "j", "--json", "-o", "yaml"]).is_err());
+        assert!(parse(&["jobs", "get", "j", "-o", "xml"]).is_err());
     }
 
     #[test]

@@ -10,10 +10,12 @@ use crate::client::{self, ConnectError, Master, MasterList};
 
 pub mod access;
 pub mod agents;
+pub mod completions;
 pub mod demo;
 #[cfg(test)]
 mod failover_tests;
 pub mod gpus;
+pub mod jobfile;
 pub mod jobs;
 pub mod masters;
 #[cfg(test)]
@@ -97,6 +99,10 @@ pub enum Command {
     Login(access::LoginArgs),
     /// Tenants' GPU use and quotas; `quota set TENANT --gpus N` (admin).
     Quota(access::QuotaArgs),
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
+    Completions(completions::CompletionsArgs),
+    /// Write man pages, one per command (gpuctl.1, gpuctl-jobs-submit.1, ...).
+    Man(completions::ManArgs),
 }
 
 /// `--json` of the read commands.
@@ -129,6 +135,10 @@ pub enum CliError {
     Json(#[from] serde_json::Error),
     #[error("{0}")]
     NotFound(String),
+    /// Bad input found after parsing the flags (a job file): exit 2, like
+    /// the argument parser's own usage errors.
+    #[error("{0}")]
+    Usage(String),
     #[error("{0}")]
     Other(String),
 }
@@ -191,6 +201,7 @@ impl CliError {
             CliError::GaveUp { last, .. } => last.exit_code(),
             CliError::Timeout(_) => EXIT_TIMEOUT,
             CliError::NotFound(_) => EXIT_NOT_FOUND,
+            CliError::Usage(_) => EXIT_USAGE,
             _ => EXIT_FAILURE,
         }
     }
@@ -211,6 +222,8 @@ pub async fn run(cli: Cli) -> Result<u8, CliError> {
             return demo::run(args).await;
         }
         Command::Certs(cmd) => return access::run_certs(cmd, &mut out),
+        Command::Completions(args) => return completions::run_completions(&args, &mut out),
+        Command::Man(args) => return completions::run_man(&args, &mut out),
         Command::Login(args) => {
             let masters = match &cli.master {
                 Some(m) => m.0.clone(),
@@ -239,7 +252,11 @@ pub async fn run(cli: Cli) -> Result<u8, CliError> {
         cli.token.as_deref().or(file.token.as_deref()),
     )?;
     let code = match command {
-        Command::Demo(_) | Command::Certs(_) | Command::Login(_) => EXIT_OK,
+        Command::Demo(_)
+        | Command::Certs(_)
+        | Command::Login(_)
+        | Command::Completions(_)
+        | Command::Man(_) => EXIT_OK,
         Command::Tokens(cmd) => {
             let mut master = Master::connect_as(&masters, &creds).await?;
             access::run_tokens(&mut master, cmd, &mut out).await?
@@ -252,9 +269,18 @@ pub async fn run(cli: Cli) -> Result<u8, CliError> {
             let mut master = Master::connect_as(&masters, &creds).await?;
             access::run_quota(&mut master, args, &mut out).await?
         }
+        Command::Jobs(jobs::JobsCommand::Submit(args)) => {
+            // The job file is read and checked before connecting: bad input
+            // is a usage error whether or not a master is up.
+            let spec = args.spec()?;
+            let mut master = Master::connect_as(&masters, &creds).await?;
+            let id = jobs::submit(&mut master, spec).await?;
+            writeln!(out, "{id}")?;
+            EXIT_OK
+        }
         Command::Jobs(cmd) => {
-            // Each call follows the leader; a submission is only resent
-            // when it provably was not applied (client::Retry).
+            // Each call follows the leader; a submission is resent with the
+            // same idempotency key (jobs::submit).
             let mut master = Master::connect_as(&masters, &creds).await?;
             jobs::run(&mut master, cmd, &mut out).await?
         }

@@ -1,0 +1,542 @@
+//! Job files: `gpuctl jobs submit -f job.yaml` and `gpuctl jobs get ID -o yaml`.
+//!
+//! A job file is YAML whose keys are the `jobs submit` flags' names with
+//! `_` for `-` (`--gpu-mem-min` is `gpu_mem_min`), plus `command`. Flags
+//! given on the command line override the file (docs/cli.md, "Job files").
+//! Unknown keys and values of the wrong type are errors naming the key and
+//! its line, as serde_yaml_ng reports them; values are checked by the same
+//! rules as the flags' while the file is read, so those errors carry the
+//! line too.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use gpuctl_core::convert::{MAX_REPLICAS, MAX_RETRIES};
+use gpuctl_proto::pb;
+use serde::{de, Deserialize, Deserializer, Serialize};
+
+use super::jobs::{parse_mount, parse_require_cuda};
+
+/// What `jobs get -o yaml` prints for a secret env value. Submitting it is
+/// refused: the real value must come from the file or `--secret-env`.
+pub const SECRET_PLACEHOLDER: &str = "<secret>";
+
+/// The job file's schema. `None` and empty collections mean "not in the
+/// file": the flag's value, else the flag's default, is used.
+#[derive(Debug, Default, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JobFile {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<Text>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<Text>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub command: Option<Vec<Text>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpus: Option<u32>,
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "de_cpus"
+    )]
+    pub cpus: Option<f64>,
+    /// MiB; 0: no limit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mem: Option<u64>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub env: BTreeMap<String, Text>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub secret_env: BTreeMap<String, Text>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<Text>,
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "de_placement"
+    )]
+    pub placement: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_model: Option<Text>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_mem_min: Option<u64>,
+    /// `--constraint KEY=VALUE`, as a map.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub constraint: BTreeMap<String, Text>,
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "de_require_cuda"
+    )]
+    pub require_cuda: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority: Option<i32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub no_requeue: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub no_fence: Option<bool>,
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "de_replicas"
+    )]
+    pub replicas: Option<u32>,
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "de_max_retries"
+    )]
+    pub max_retries: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<Text>,
+    /// `--mount HOST:CONTAINER[:rw]`, one string per mount.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mount: Vec<Mount>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run_as_root: Option<bool>,
+}
+
+/// A string value that may be written as a YAML number or boolean
+/// (`EPOCHS: 3`, `user: 1000`): environment values and arguments are
+/// text, and making people quote every number would only trip them up.
+/// Floats are refused, since `1.0` would come out as `1`.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(transparent)]
+pub struct Text(pub String);
+
+impl<'de> Deserialize<'de> for Text {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl de::Visitor<'_> for V {
+            type Value = Text;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a string, an integer or a boolean")
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Text, E> {
+                Ok(Text(v.to_string()))
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<Text, E> {
+                Ok(Text(v.to_string()))
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<Text, E> {
+                Ok(Text(v.to_string()))
+            }
+            fn visit_bool<E: de::Error>(self, v: bool) -> Result<Text, E> {
+                Ok(Text(v.to_string()))
+            }
+            fn visit_f64<E: de::Error>(self, v: f64) -> Result<Text, E> {
+                Err(E::custom(format!(
+                    "{v} is a floating-point number: quote it to keep its text exactly"
+                )))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// One `mount` entry, checked like `--mount` when read.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(transparent)]
+pub struct Mount(pub String);
+
+impl<'de> Deserialize<'de> for Mount {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(Checked(StrCheck(check_mount))).map(Mount)
+    }
+}
+
+fn check_mount(s: &str) -> Result<String, String> {
+    parse_mount(s).map(|_| s.to_string())
+}
+
+// Values are checked inside the visitors: serde_yaml_ng gives an error the
+// key's path and line only when it is raised while it reads the value, not
+// once the value is returned.
+
+/// A checked value of the job file: the visitor for its YAML scalar.
+trait Check {
+    type Value;
+    fn expecting(&self) -> &'static str;
+    fn str(&self, _v: &str) -> Option<Result<Self::Value, String>> {
+        None
+    }
+    fn u64(&self, _v: u64) -> Option<Result<Self::Value, String>> {
+        None
+    }
+    fn i64(&self, v: i64) -> Option<Result<Self::Value, String>> {
+        u64::try_from(v).ok().and_then(|v| self.u64(v))
+    }
+    fn f64(&self, _v: f64) -> Option<Result<Self::Value, String>> {
+        None
+    }
+}
+
+struct Checked<C>(C);
+
+impl<'de, C: Check> de::Visitor<'de> for Checked<C> {
+    type Value = C::Value;
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str(self.0.expecting())
+    }
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<C::Value, E> {
+        match self.0.str(v) {
+            Some(r) => r.map_err(E::custom),
+            None => Err(E::invalid_type(de::Unexpected::Str(v), &self)),
+        }
+    }
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<C::Value, E> {
+        match self.0.u64(v) {
+            Some(r) => r.map_err(E::custom),
+            None => Err(E::invalid_type(de::Unexpected::Unsigned(v), &self)),
+        }
+    }
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<C::Value, E> {
+        match self.0.i64(v) {
+            Some(r) => r.map_err(E::custom),
+            None => Err(E::invalid_type(de::Unexpected::Signed(v), &self)),
+        }
+    }
+    fn visit_f64<E: de::Error>(self, v: f64) -> Result<C::Value, E> {
+        match self.0.f64(v) {
+            Some(r) => r.map_err(E::custom),
+            None => Err(E::invalid_type(de::Unexpected::Float(v), &self)),
+        }
+    }
+}
+
+/// `key: ~` is the same as no key.
+struct OrNull<C>(C);
+
+impl<'de, C: Check> de::Visitor<'de> for OrNull<C> {
+    type Value = Option<C::Value>;
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str(self.0.expecting())
+    }
+    fn visit_none<E: de::Error>(self) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+    fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+    fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_any(Checked(self.0)).map(Some)
+    }
+}
+
+/// A string checked (and normalized) by a function.
+struct StrCheck(fn(&str) -> Result<String, String>);
+
+impl Check for StrCheck {
+    type Value = String;
+    fn expecting(&self) -> &'static str {
+        "a string"
+    }
+    fn str(&self, v: &str) -> Option<Result<String, String>> {
+        Some((self.0)(v))
+    }
+}
+
+/// A whole number in `min..=max`.
+struct Range(u32, u32);
+
+impl Check for Range {
+    type Value = u32;
+    fn expecting(&self) -> &'static str {
+        "a whole number"
+    }
+    fn u64(&self, v: u64) -> Option<Result<u32, String>> {
+        let (min, max) = (self.0, self.1);
+        Some(
+            u32::try_from(v)
+                .ok()
+                .filter(|n| (min..=max).contains(n))
+                .ok_or_else(|| format!("{v} is not in {min}..={max}")),
+        )
+    }
+    fn i64(&self, v: i64) -> Option<Result<u32, String>> {
+        match u64::try_from(v) {
+            Ok(v) => self.u64(v),
+            Err(_) => Some(Err(format!("{v} is not in {}..={}", self.0, self.1))),
+        }
+    }
+}
+
+/// A number of CPUs, fractions allowed.
+struct Cpus;
+
+impl Check for Cpus {
+    type Value = f64;
+    fn expecting(&self) -> &'static str {
+        "a number of CPUs"
+    }
+    fn f64(&self, v: f64) -> Option<Result<f64, String>> {
+        Some(if v.is_finite() && v >= 0.0 {
+            Ok(v)
+        } else {
+            Err(format!("{v} is not a number of CPUs >= 0"))
+        })
+    }
+    fn u64(&self, v: u64) -> Option<Result<f64, String>> {
+        self.f64(v as f64)
+    }
+    fn i64(&self, v: i64) -> Option<Result<f64, String>> {
+        self.f64(v as f64)
+    }
+}
+
+fn check_placement(s: &str) -> Result<String, String> {
+    match s {
+        "bundle" | "spread" => Ok(s.to_string()),
+        _ => Err(format!(
+            "{s:?} is not a placement policy (bundle or spread)"
+        )),
+    }
+}
+
+fn de_cpus<'de, D: Deserializer<'de>>(d: D) -> Result<Option<f64>, D::Error> {
+    d.deserialize_option(OrNull(Cpus))
+}
+
+fn de_placement<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+    d.deserialize_option(OrNull(StrCheck(check_placement)))
+}
+
+fn de_require_cuda<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+    d.deserialize_option(OrNull(StrCheck(parse_require_cuda)))
+}
+
+fn de_replicas<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u32>, D::Error> {
+    d.deserialize_option(OrNull(Range(1, MAX_REPLICAS)))
+}
+
+fn de_max_retries<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u32>, D::Error> {
+    d.deserialize_option(OrNull(Range(0, MAX_RETRIES)))
+}
+
+/// Reads a job file's text. `origin` names it in errors (its path, or
+/// `stdin`). The message of serde_yaml_ng names the key (with its path,
+/// e.g. `env.EPOCHS`) and the line and column.
+pub fn parse(origin: &str, text: &str) -> Result<JobFile, String> {
+    // An empty file (or one of comments only) is an empty job file, not
+    // an error: every value then comes from the flags.
+    if text
+        .lines()
+        .all(|l| l.trim().is_empty() || l.trim_start().starts_with('#'))
+    {
+        return Ok(JobFile::default());
+    }
+    serde_yaml_ng::from_str(text).map_err(|e| {
+        // A file that is not a map at all: say what it should be rather
+        // than name our type.
+        let msg = e.to_string().replace(
+            "struct JobFile",
+            "a map of keys (name:, command:, gpus:, ...)",
+        );
+        format!("job file {origin}: {msg}")
+    })
+}
+
+/// The job file that submits `spec` again, as `jobs get -o yaml` prints it:
+/// resources always, the rest when not the default. Secret env values are
+/// not known to the API: they are written as [`SECRET_PLACEHOLDER`].
+pub fn from_spec(spec: &pb::JobSpec) -> JobFile {
+    let some = |s: &str| (!s.is_empty()).then(|| s.to_string());
+    let res = spec.resources.unwrap_or_default();
+    let placement = spec.placement.clone().unwrap_or_default();
+    let security = spec.security.clone().unwrap_or_default();
+    let secret = |k: &String| spec.secret_env.contains(k);
+    JobFile {
+        name: Some(Text(spec.name.clone())),
+        image: some(&spec.image).map(Text),
+        command: Some(spec.command.iter().cloned().map(Text).collect()),
+        gpus: Some(res.gpus),
+        cpus: Some(res.cpus),
+        mem: Some(res.mem_mib),
+        env: spec
+            .env
+            .iter()
+            .filter(|(k, _)| !secret(k))
+            .map(|(k, v)| (k.clone(), Text(v.clone())))
+            .collect(),
+        secret_env: spec
+            .secret_env
+            .iter()
+            .map(|k| (k.clone(), Text(SECRET_PLACEHOLDER.to_string())))
+            .collect(),
+        tenant: some(&spec.tenant).map(Text),
+        placement: some(&placement.policy),
+        gpu_model: some(&placement.gpu_model).map(Text),
+        gpu_mem_min: (placement.gpu_mem_min_mib > 0).then_some(placement.gpu_mem_min_mib),
+        constraint: placement
+            .constraints
+            .iter()
+            .map(|(k, v)| (k.clone(), Text(v.clone())))
+            .collect(),
+        require_cuda: some(&spec.require_cuda),
+        priority: (spec.priority != 0).then_some(spec.priority),
+        no_requeue: spec.no_requeue.then_some(true),
+        no_fence: spec.no_fence.then_some(true),
+        // 0 is read as 1 by the master.
+        replicas: (spec.replicas > 1).then_some(spec.replicas),
+        max_retries: (spec.max_retries > 0).then_some(spec.max_retries),
+        user: some(&security.user).map(Text),
+        mount: security
+            .mounts
+            .iter()
+            .map(|m| {
+                let rw = if m.read_write { ":rw" } else { "" };
+                Mount(format!("{}:{}{rw}", m.host_path, m.container_path))
+            })
+            .collect(),
+        run_as_root: security.run_as_root.then_some(true),
+    }
+}
+
+/// `jobs get ID -o yaml`: a comment line naming the job, then its job file.
+pub fn to_yaml(job: &pb::Job) -> Result<String, String> {
+    let spec = job.spec.clone().unwrap_or_default();
+    let file = from_spec(&spec);
+    let body = serde_yaml_ng::to_string(&file).map_err(|e| format!("encoding YAML: {e}"))?;
+    let mut out = format!(
+        "# {} ({}): submit it again with `gpuctl jobs submit -f FILE`\n",
+        job.id,
+        gpuctl_core::convert::job_state_name(job.state)
+    );
+    if !spec.secret_env.is_empty() {
+        out.push_str(&format!(
+            "# secret_env values are not shown: give them in this file or with --secret-env {}=VALUE\n",
+            spec.secret_env.first().map_or("K", String::as_str)
+        ));
+    }
+    out.push_str(&body);
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unknown_key_names_the_key_and_line() {
+        let err = parse("job.yaml", "name: t\ngpus: 2\ngpu: 1\ncommand: [true]\n").unwrap_err();
+        assert!(err.contains("job.yaml"), "{err}");
+        assert!(err.contains("unknown field `gpu`"), "{err}");
+        assert!(err.contains("line 3"), "{err}");
+    }
+
+    #[test]
+    fn wrong_types_name_the_field_and_line() {
+        let err = parse("j", "name: t\ngpus: two\n").unwrap_err();
+        assert!(err.contains("gpus") && err.contains("line 2"), "{err}");
+        let err = parse("j", "name: t\nenv:\n  A: 1\n  B: [x]\n").unwrap_err();
+        assert!(err.contains("env.B") && err.contains("line 4"), "{err}");
+        let err = parse("j", "name: t\n\nreplicas: 0\n").unwrap_err();
+        assert!(err.contains("replicas") && err.contains("line 3"), "{err}");
+        let err = parse("j", "cpus: -1\n").unwrap_err();
+        assert!(err.contains("cpus") && err.contains("line 1"), "{err}");
+        let err = parse("j", "placement: pack\n").unwrap_err();
+        assert!(err.contains("placement") && err.contains("bundle"), "{err}");
+        let err = parse("j", "mount:\n  - /a:/b\n  - /a\n").unwrap_err();
+        assert!(err.contains("mount[1]") && err.contains("line 3"), "{err}");
+        let err = parse("j", "require_cuda: cudnn>=8\n").unwrap_err();
+        assert!(err.contains("require_cuda"), "{err}");
+        let err = parse("j", "env: {LR: 1.5}\n").unwrap_err();
+        assert!(err.contains("env.LR") && err.contains("quote"), "{err}");
+        let err = parse("j", "- a\n- b\n").unwrap_err();
+        assert!(err.contains("expected a map of keys"), "{err}");
+        // Not YAML at all: the reader's own error, with its line.
+        let err = parse("j", "name: x\ngpus: 1\nimage: a: b\n").unwrap_err();
+        assert!(err.contains("line 3"), "{err}");
+    }
+
+    #[test]
+    fn numbers_and_booleans_are_text_where_text_is_expected() {
+        let f = parse(
+            "j",
+            "env: {EPOCHS: 3, DEBUG: true, NAME: x}\ncommand: [sleep, 5]\nuser: 1000\n",
+        )
+        .unwrap();
+        assert_eq!(f.env["EPOCHS"], Text("3".into()));
+        assert_eq!(f.env["DEBUG"], Text("true".into()));
+        assert_eq!(
+            f.command,
+            Some(vec![Text("sleep".into()), Text("5".into())])
+        );
+        assert_eq!(f.user, Some(Text("1000".into())));
+        assert_eq!(
+            parse("j", "name: 42\n").unwrap().name,
+            Some(Text("42".into()))
+        );
+        // YAML 1.1 would read 1000:1000 as a base-60 number; ours is text.
+        let f = parse(
+            "j",
+            "user: 1000:1000\nconstraint: {nvidia.com/cuda.driver-version.major: 12}\n",
+        )
+        .unwrap();
+        assert_eq!(f.user, Some(Text("1000:1000".into())));
+        assert_eq!(
+            f.constraint["nvidia.com/cuda.driver-version.major"],
+            Text("12".into())
+        );
+    }
+
+    #[test]
+    fn empty_file_is_empty() {
+        assert_eq!(parse("j", "").unwrap(), JobFile::default());
+        assert_eq!(parse("j", "# nothing\n\n").unwrap(), JobFile::default());
+    }
+
+    #[test]
+    fn spec_to_yaml_and_back() {
+        let spec = pb::JobSpec {
+            name: "t".into(),
+            image: "busybox".into(),
+            command: vec!["sh".into(), "-c".into(), "echo 3 --gpus".into()],
+            env: [("A", "1"), ("S", "<secret>"), ("E", "")]
+                .into_iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            resources: Some(pb::Resources {
+                cpus: 0.5,
+                mem_mib: 64,
+                gpus: 2,
+            }),
+            placement: Some(pb::Placement {
+                policy: "spread".into(),
+                gpu_model: "A100*".into(),
+                gpu_mem_min_mib: 1000,
+                constraints: [("k".to_string(), "v*".to_string())].into(),
+            }),
+            priority: -3,
+            replicas: 2,
+            max_retries: 1,
+            no_requeue: true,
+            no_fence: true,
+            tenant: "nlp".into(),
+            secret_env: vec!["S".into()],
+            security: Some(pb::TaskSecurity {
+                user: "1000:1000".into(),
+                mounts: vec![pb::HostMount {
+                    host_path: "/d".into(),
+                    container_path: "/e".into(),
+                    read_write: true,
+                }],
+                privileged: false,
+                run_as_root: false,
+            }),
+            require_cuda: "cuda>=12.2".into(),
+        };
+        let job = pb::Job {
+            id: "job-1".into(),
+            spec: Some(spec.clone()),
+            ..Default::default()
+        };
+        let yaml = to_yaml(&job).unwrap();
+        assert!(yaml.starts_with("# job-1 "), "{yaml}");
+        let back = parse("out", &yaml).unwrap();
+        assert_eq!(back, from_spec(&spec));
+        assert_eq!(back.secret_env["S"], Text(SECRET_PLACEHOLDER.into()));
+        assert!(!back.env.contains_key("S"), "{yaml}");
+        assert_eq!(back.env["E"], Text(String::new()));
+        assert_eq!(back.mount, vec![Mount("/d:/e:rw".into())]);
+    }
+}
