@@ -182,7 +182,12 @@ impl State {
                         events: Default::default(),
                     },
                 );
-                self.job_event(&job_id, EventKind::Queued, queued_words(spec), *at_ms);
+                self.job_event(
+                    &job_id,
+                    EventKind::Queued,
+                    super::events::queued_words(spec),
+                    *at_ms,
+                );
                 Ok(Outcome::JobSubmitted { job_id })
             }
             Command::LaunchTasks { launches, at_ms } => self.launch_tasks(launches, *at_ms),
@@ -1232,21 +1237,4 @@ mod tests {
         // Its task is LOST but holds its GPUs (unconfirmed): kept.
         assert!(run().jobs.contains_key("job-1"));
     }
-}
-
-/// The Queued event of a new job: what it asks.
-fn queued_words(spec: &gpuctl_core::types::JobSpec) -> String {
-    let r = spec.resources;
-    let n = spec.replicas();
-    let gang = if n > 1 {
-        format!("{n} replicas of ")
-    } else {
-        String::new()
-    };
-    format!(
-        "submitted: {gang}{} GPU{}, priority {}; waiting for placement",
-        r.gpus,
-        if r.gpus == 1 { "" } else { "s" },
-        spec.priority
-    )
 }

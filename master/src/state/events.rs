@@ -180,6 +180,23 @@ fn cut(mut s: String) -> String {
     s
 }
 
+/// The Queued event of a new job: what it asks.
+pub(super) fn queued_words(spec: &gpuctl_core::types::JobSpec) -> String {
+    let r = spec.resources;
+    let n = spec.replicas();
+    let gang = if n > 1 {
+        format!("{n} replicas of ")
+    } else {
+        String::new()
+    };
+    format!(
+        "submitted: {gang}{} GPU{}, priority {}; waiting for placement",
+        r.gpus,
+        if r.gpus == 1 { "" } else { "s" },
+        spec.priority
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
