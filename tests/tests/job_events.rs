@@ -104,6 +104,10 @@ fn jobs_get_tells_what_happened_in_order() {
         ],
         "{text}"
     );
+    // Replicated state: a master restarted from its log has the same
+    // events, with the same times.
+    c.restart_master();
+    assert_eq!(c.job(&ok)["events"], j["events"]);
     // A list answer stays small: no events.
     let list = c.json(&["jobs", "list", "--json"]);
     assert!(list

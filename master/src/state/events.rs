@@ -27,7 +27,9 @@ pub const MAX_EVENTS: usize = 50;
 pub const MAX_MESSAGE: usize = 512;
 
 /// What happened. The names are the API's and the CLI's words
-/// (`EventKind::as_str`); a new kind is a new variant at the end.
+/// (`EventKind::as_str`). Snapshots hold them by name: a master that does
+/// not know a kind cannot read a snapshot holding it, so a new kind, like
+/// any new shape of the state, needs every master upgraded first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum EventKind {
     /// Submitted: waiting for placement.
