@@ -161,21 +161,23 @@ impl State {
                         && t.before_unreachable == Some(TaskState::Running))
             })
         });
-        let agents: BTreeSet<&str> = current
-            .iter()
-            .filter_map(|t| self.tasks.get(t))
-            .map(|t| t.agent_id.as_str())
-            .collect();
-        let started = match (current.len(), agents.len()) {
-            (1, _) => format!("running on agent {}", join_cut(&agents)),
-            (n, 1) => format!("all {n} tasks running on agent {}", join_cut(&agents)),
-            (n, _) => format!("all {n} tasks running on agents {}", join_cut(&agents)),
-        };
+        // Started once per attempt: when it becomes RUNNING (an agent
+        // coming back changes nothing here).
+        let started = (all_running && job.state != JobState::Running).then(|| {
+            let agents: BTreeSet<&str> = current
+                .iter()
+                .filter_map(|t| self.tasks.get(t))
+                .map(|t| t.agent_id.as_str())
+                .collect();
+            match (current.len(), agents.len()) {
+                (1, _) => format!("running on agent {}", join_cut(&agents)),
+                (n, 1) => format!("all {n} tasks running on agent {}", join_cut(&agents)),
+                (n, _) => format!("all {n} tasks running on agents {}", join_cut(&agents)),
+            }
+        });
         if let Some(job) = self.jobs.get_mut(job_id) {
-            // Started once per attempt: when it becomes RUNNING (an agent
-            // coming back changes nothing here).
-            if all_running && job.state != JobState::Running {
-                job.events.record(EventKind::Started, started, at_ms);
+            if let Some(words) = started {
+                job.events.record(EventKind::Started, words, at_ms);
             }
             job.state = if all_running {
                 JobState::Running
