@@ -120,6 +120,46 @@ pub struct JobJson {
     pub wait_reason: Option<WaitReasonJson>,
     pub submitted_at_ms: u64,
     pub tasks: Vec<TaskJson>,
+    /// What happened to it, oldest first (`jobs get` only; `[]` in
+    /// `jobs list`).
+    pub events: Vec<EventJson>,
+    /// Older events the master dropped to keep at most 50.
+    pub events_dropped: u64,
+}
+
+/// One event of a job (`jobs get --json`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EventJson {
+    /// `Normal` or `Warning`, as kubectl says.
+    #[serde(rename = "type")]
+    pub kind_type: String,
+    /// What happened: `Scheduled`, `Started`, `Preempted`, ...
+    pub reason: String,
+    pub message: String,
+    pub first_ms: u64,
+    pub last_ms: u64,
+    pub count: u32,
+}
+
+impl From<&pb::JobEvent> for EventJson {
+    fn from(e: &pb::JobEvent) -> Self {
+        EventJson {
+            kind_type: event_type(e).to_string(),
+            reason: e.kind.clone(),
+            message: e.message.clone(),
+            first_ms: e.first_ms,
+            last_ms: e.last_ms,
+            count: e.count.max(1),
+        }
+    }
+}
+
+fn event_type(e: &pb::JobEvent) -> &'static str {
+    if e.warning {
+        "Warning"
+    } else {
+        "Normal"
+    }
 }
 
 /// Where a job may run.
@@ -269,6 +309,8 @@ impl From<&pb::Job> for JobJson {
             wait_reason: wait_reason_data(j),
             submitted_at_ms: j.submitted_at_ms,
             tasks: j.tasks.iter().map(TaskJson::from).collect(),
+            events: j.events.iter().map(EventJson::from).collect(),
+            events_dropped: j.events_dropped,
         }
     }
 }
@@ -728,6 +770,41 @@ pub fn job_detail(j: &pb::Job, now_ms: u64) -> String {
         out.push_str("Tasks:\n");
         out.push_str(&tasks_table(&j.tasks).render());
     }
+    out.push('\n');
+    out.push_str(&events_section(j, now_ms));
+    out
+}
+
+/// `jobs get`'s Events, as `kubectl describe` shows them: a repeated event
+/// is one row whose AGE reads `3m (x5 over 10m)`.
+pub fn events_section(j: &pb::Job, now_ms: u64) -> String {
+    if j.events.is_empty() {
+        return "Events: <none>\n".to_string();
+    }
+    let mut t = Table::new(&["TYPE", "REASON", "AGE", "MESSAGE"]);
+    for e in &j.events {
+        let age = if e.count > 1 {
+            format!(
+                "{} (x{} over {})",
+                fmt_age(e.last_ms, now_ms),
+                e.count,
+                fmt_age(e.first_ms, e.last_ms)
+            )
+        } else {
+            fmt_age(e.last_ms, now_ms)
+        };
+        t.row(vec![
+            event_type(e).to_string(),
+            e.kind.clone(),
+            age,
+            e.message.replace('\n', " "),
+        ]);
+    }
+    let mut out = String::from("Events:\n");
+    if j.events_dropped > 0 {
+        let _ = writeln!(out, "({} older events dropped)", j.events_dropped);
+    }
+    out.push_str(&t.render());
     out
 }
 
@@ -1050,6 +1127,8 @@ mod tests {
             preemptions: 0,
             wait_reason: None,
             image_requires: Vec::new(),
+            events: Vec::new(),
+            events_dropped: 0,
         }
     }
 
@@ -1450,6 +1529,78 @@ mod tests {
         );
         assert!(out.contains("GPU-1,GPU-2"), "{out}");
         assert!(out.contains("Driver:    any\n"), "{out}");
+    }
+
+    #[test]
+    fn job_detail_ends_with_events_like_kubectl_describe() {
+        let now = 1_700_000_600_000;
+        let mut j = job();
+        let out = job_detail(&j, now);
+        assert!(out.ends_with("\nEvents: <none>\n"), "{out}");
+        let ev = |kind: &str, warning, first_ms, last_ms, count, message: &str| pb::JobEvent {
+            kind: kind.into(),
+            warning,
+            message: message.into(),
+            first_ms,
+            last_ms,
+            count,
+        };
+        j.events = vec![
+            ev(
+                "Queued",
+                false,
+                1_700_000_000_000,
+                1_700_000_000_000,
+                1,
+                "submitted",
+            ),
+            ev(
+                "Preempted",
+                true,
+                1_700_000_060_000,
+                1_700_000_540_000,
+                5,
+                "preempted by job-9 (priority 5)",
+            ),
+            ev(
+                "Succeeded",
+                false,
+                1_700_000_590_000,
+                1_700_000_590_000,
+                1,
+                "exited with code 0",
+            ),
+        ];
+        j.events_dropped = 3;
+        let out = job_detail(&j, now);
+        let events = out.split("\nEvents:\n").nth(1).expect(&out);
+        let lines: Vec<&str> = events.lines().collect();
+        assert_eq!(lines[0], "(3 older events dropped)");
+        assert_eq!(
+            lines[1].split_whitespace().collect::<Vec<_>>(),
+            ["TYPE", "REASON", "AGE", "MESSAGE"]
+        );
+        assert!(lines[2].starts_with("Normal   Queued"), "{events}");
+        assert!(lines[2].contains("10m "), "{events}");
+        assert!(
+            lines[3].contains("Warning  Preempted  60s (x5 over 8m)  preempted by job-9"),
+            "{events}"
+        );
+        assert!(lines[4].ends_with("exited with code 0"), "{events}");
+        // --json: the same, as data.
+        let v = serde_json::to_value(JobJson::from(&j)).unwrap();
+        assert_eq!(v["events_dropped"], 3);
+        assert_eq!(
+            v["events"][1],
+            json!({
+                "type": "Warning",
+                "reason": "Preempted",
+                "message": "preempted by job-9 (priority 5)",
+                "first_ms": 1_700_000_060_000u64,
+                "last_ms": 1_700_000_540_000u64,
+                "count": 5,
+            })
+        );
     }
 
     #[test]

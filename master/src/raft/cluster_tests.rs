@@ -13,6 +13,7 @@ use tokio::sync::watch;
 use super::node::{start, NodeError};
 use super::sim::SimNet;
 use super::{Addresses, ProposeError, RaftHandle, RaftNodeConfig, Role, SledStorage};
+use crate::state::events::EventKind;
 use crate::state::{Command, Outcome};
 
 struct Member {
@@ -245,6 +246,13 @@ async fn a_lagging_master_catches_up_from_a_snapshot_and_restarts_from_it() {
     g.net.heal();
     g.converge(leader, &[1, 2, 3]).await;
     assert_eq!(g.h(lagging).state().jobs().len(), 23);
+    // Their events came in the snapshot too (converge compared them).
+    assert!(g
+        .h(lagging)
+        .state()
+        .jobs()
+        .values()
+        .all(|j| j.events.iter().any(|e| e.kind == EventKind::Queued)));
     assert!(g.h(lagging).status().snapshot_index > behind);
 
     // Restarted, it comes back from its own storage with the same state.

@@ -70,7 +70,33 @@ pub fn job_to_pb(state: &State, j: &JobRecord, reasons: &BTreeMap<String, Waitin
             .iter()
             .map(|e| e.text().to_string())
             .collect(),
+        events: Vec::new(),
+        events_dropped: 0,
     }
+}
+
+/// [`job_to_pb`] with the job's events: GetJob and WatchJob (ListJobs
+/// leaves them out, to keep its pages small).
+pub fn job_detail_to_pb(
+    state: &State,
+    j: &JobRecord,
+    reasons: &BTreeMap<String, Waiting>,
+) -> pb::Job {
+    let mut job = job_to_pb(state, j, reasons);
+    job.events = j
+        .events
+        .iter()
+        .map(|e| pb::JobEvent {
+            kind: e.kind.as_str().to_string(),
+            warning: e.kind.is_warning(),
+            message: e.message.clone(),
+            first_ms: e.first_ms,
+            last_ms: e.last_ms,
+            count: e.count,
+        })
+        .collect();
+    job.events_dropped = j.events.dropped();
+    job
 }
 
 /// "task job-1.0: agent a1 unreachable since ..." for a live job whose
@@ -489,7 +515,7 @@ impl OperatorService {
                 let job = {
                     let state = ctx.raft.state();
                     match state.job(&id) {
-                        Some(j) => Ok(job_to_pb(&state, j, &ctx.waits.reasons())),
+                        Some(j) => Ok(job_detail_to_pb(&state, j, &ctx.waits.reasons())),
                         // Forgotten (--job-retention) while watched.
                         None => Err(ServiceError::job_not_found(&state, &id)),
                     }
@@ -525,7 +551,7 @@ impl OperatorService {
             .job(&id)
             .ok_or_else(|| ServiceError::job_not_found(&state, &id))?;
         let reasons = self.ctx.waits.reasons();
-        Ok(job_to_pb(&state, job, &reasons))
+        Ok(job_detail_to_pb(&state, job, &reasons))
     }
 
     async fn list_jobs(
@@ -852,5 +878,16 @@ mod tests {
         );
         let j = job_to_pb(&d.s, &d.s.jobs()[&small], &reasons);
         assert_eq!(j.wait_reason, None, "not queued");
+        // Events: in GetJob's answer (and WatchJob's), not in list pages.
+        assert!(j.events.is_empty());
+        let j = job_detail_to_pb(&d.s, &d.s.jobs()[&small], &reasons);
+        let words: Vec<(&str, bool, u64, u32)> = j
+            .events
+            .iter()
+            .map(|e| (e.kind.as_str(), e.warning, e.last_ms, e.count))
+            .collect();
+        assert_eq!(words, [("Queued", false, 0, 1), ("Scheduled", false, 1, 1)]);
+        assert_eq!(j.events[1].message, "placed on agent a (GPUs GPU-a-0)");
+        assert_eq!(j.events_dropped, 0);
     }
 }

@@ -23,6 +23,7 @@ use std::collections::BTreeSet;
 
 use gpuctl_core::types::{utc_timestamp, AgentId, AgentInfo, TaskId, TaskState};
 
+use super::events::EventKind;
 use super::{
     AgentRecord, AgentState, ApplyError, Drain, Outcome, State, Stopping, TaskReason, TaskRecord,
 };
@@ -124,11 +125,20 @@ impl State {
                 }
             }
         }
+        let mut returned = BTreeSet::new();
         for id in &back {
             let job_id = self.tasks.get(id).map(|t| t.job_id.clone());
             if let Some(job_id) = job_id.filter(|j| !j.is_empty()) {
                 self.job_task_progressed(&job_id, id, at_ms);
+                returned.insert(job_id);
             }
+        }
+        for job_id in returned {
+            let words = format!(
+                "agent {} registered again, still running its tasks",
+                info.id
+            );
+            self.job_event(&job_id, EventKind::AgentReturned, words, at_ms);
         }
         for t in confirmed {
             self.release(&t);
@@ -187,6 +197,16 @@ impl State {
             "agent {agent_id} unreachable since {}",
             utc_timestamp(at_ms)
         );
+        let jobs: BTreeSet<String> = self
+            .tasks
+            .on(agent_id)
+            .filter(|t| !t.state.is_terminal() && !t.job_id.is_empty())
+            .map(|t| t.job_id.clone())
+            .collect();
+        for job_id in jobs {
+            let words = format!("agent {agent_id} stopped heartbeating; its tasks keep their GPUs");
+            self.job_event(&job_id, EventKind::AgentUnreachable, words, at_ms);
+        }
         self.tasks.update_on(
             agent_id,
             |t| !t.state.is_terminal(),
@@ -228,6 +248,19 @@ impl State {
             .filter(|t| !self.no_fence(t))
             .map(|t| t.id.clone())
             .collect();
+        let jobs: BTreeSet<String> = tasks
+            .iter()
+            .filter_map(|t| self.tasks.get(t))
+            .filter(|t| !t.job_id.is_empty())
+            .map(|t| t.job_id.clone())
+            .collect();
+        for job_id in jobs {
+            let words = format!(
+                "agent {agent_id} unreachable since {}: its tasks are LOST",
+                utc_timestamp(since)
+            );
+            self.job_event(&job_id, EventKind::AgentLost, words, at_ms);
+        }
         for t in tasks {
             // The master's word, not the agent's: a message of its own even
             // for a task being stopped.
@@ -319,6 +352,11 @@ impl State {
                         requeue: !job.spec.no_requeue,
                     });
                     job.updated_at_ms = at_ms;
+                    job.events.record(
+                        EventKind::Drained,
+                        format!("agent {agent_id} drained: stopping its attempt"),
+                        at_ms,
+                    );
                     tasks = job.current_tasks().to_vec();
                 }
             }

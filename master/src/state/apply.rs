@@ -6,6 +6,7 @@ use std::collections::BTreeSet;
 
 use gpuctl_core::types::{JobState, Resources, Runtime, StatusUpdate, TaskState};
 
+use super::events::EventKind;
 use super::{AgentState, Command, JobRecord, State, TaskReason};
 
 /// What the launches checked so far in one command take.
@@ -178,7 +179,14 @@ impl State {
                         stopping: None,
                         preempted_by: None,
                         image_requires: Vec::new(),
+                        events: Default::default(),
                     },
+                );
+                self.job_event(
+                    &job_id,
+                    EventKind::Queued,
+                    super::events::queued_words(spec),
+                    *at_ms,
                 );
                 Ok(Outcome::JobSubmitted { job_id })
             }

@@ -14,6 +14,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use gpuctl_core::types::{JobState, TaskState};
 
 use super::apply::Pending;
+use super::events::EventKind;
 use super::{ApplyError, Launch, Outcome, State, Stopping, TaskReason, TaskRecord};
 
 impl State {
@@ -63,6 +64,7 @@ impl State {
     ) -> Result<Outcome, ApplyError> {
         self.check_launches(launches)?;
         let mut rank: BTreeMap<String, u32> = BTreeMap::new();
+        let mut placed: BTreeMap<String, Vec<String>> = BTreeMap::new();
         for l in launches {
             let Some(job) = self.jobs.get_mut(&l.job_id) else {
                 continue; // checked above
@@ -107,7 +109,32 @@ impl State {
                     released: false,
                 },
             );
+            let gpus = if l.gpu_uuids.is_empty() {
+                "no GPUs".to_string()
+            } else {
+                format!("GPUs {}", l.gpu_uuids.join(","))
+            };
+            placed
+                .entry(l.job_id.clone())
+                .or_default()
+                .push(format!("agent {} ({gpus})", l.agent_id));
             *r += 1;
+        }
+        for (job_id, places) in placed {
+            // Rank order: the launches' order.
+            let message = match places.as_slice() {
+                [one] => format!("placed on {one}"),
+                many => format!(
+                    "{} tasks placed: {}",
+                    many.len(),
+                    many.iter()
+                        .enumerate()
+                        .map(|(rank, p)| format!("rank {rank} on {p}"))
+                        .collect::<Vec<_>>()
+                        .join("; ")
+                ),
+            };
+            self.job_event(&job_id, EventKind::Scheduled, message, at_ms);
         }
         Ok(Outcome::Done)
     }
@@ -134,7 +161,24 @@ impl State {
                         && t.before_unreachable == Some(TaskState::Running))
             })
         });
+        // Started once per attempt: when it becomes RUNNING (an agent
+        // coming back changes nothing here).
+        let started = (all_running && job.state != JobState::Running).then(|| {
+            let agents: BTreeSet<&str> = current
+                .iter()
+                .filter_map(|t| self.tasks.get(t))
+                .map(|t| t.agent_id.as_str())
+                .collect();
+            match (current.len(), agents.len()) {
+                (1, _) => format!("running on agent {}", join_cut(&agents)),
+                (n, 1) => format!("all {n} tasks running on agent {}", join_cut(&agents)),
+                (n, _) => format!("all {n} tasks running on agents {}", join_cut(&agents)),
+            }
+        });
         if let Some(job) = self.jobs.get_mut(job_id) {
+            if let Some(words) = started {
+                job.events.record(EventKind::Started, words, at_ms);
+            }
             job.state = if all_running {
                 JobState::Running
             } else {
@@ -184,8 +228,17 @@ impl State {
                 .filter(|t| t.as_str() != task_id)
                 .cloned()
                 .collect();
+            let event = match &stopping {
+                Stopping::GpuFailed { .. } => Some(EventKind::GpuFailed),
+                Stopping::DriverRefused { .. } => Some(EventKind::DriverRefused),
+                // What follows says it when the attempt ends.
+                _ => None,
+            };
             if let Some(job) = self.jobs.get_mut(job_id) {
                 job.stopping = Some(stopping);
+                if let Some(kind) = event {
+                    job.events.record(kind, message.clone(), at_ms);
+                }
             }
             let why = format!("stopped: {message}");
             self.kill_live(&others, &why, None, at_ms);
@@ -203,7 +256,16 @@ impl State {
             return;
         }
         let stopping = job.stopping.take();
+        let no_retry = "back in the queue (no retry used)";
+        let mut event = None;
         let (state, message) = if all_ok {
+            event = Some((
+                EventKind::Succeeded,
+                match tasks.len() {
+                    1 => "exited with code 0".to_string(),
+                    n => format!("all {n} tasks exited with code 0"),
+                },
+            ));
             (JobState::Succeeded, String::new())
         } else if job.cancel_requested {
             (JobState::Cancelled, "cancelled".to_string())
@@ -222,6 +284,13 @@ impl State {
                     retry: true,
                 }) => {
                     job.retries += 1;
+                    event = Some((
+                        EventKind::Retrying,
+                        format!(
+                            "{message}; retry {} of {}",
+                            job.retries, job.spec.max_retries
+                        ),
+                    ));
                     (JobState::Queued, message)
                 }
                 Some(Stopping::Failed {
@@ -231,7 +300,13 @@ impl State {
                 Some(Stopping::GpuFailed {
                     message,
                     requeue: true,
-                }) => (JobState::Queued, message),
+                }) => {
+                    event = Some((
+                        EventKind::Requeued,
+                        format!("after its GPU failed: {no_retry}"),
+                    ));
+                    (JobState::Queued, message)
+                }
                 Some(Stopping::GpuFailed {
                     message,
                     requeue: false,
@@ -250,11 +325,25 @@ impl State {
                     JobState::Failed,
                     format!("agent {agent_id} drained (submitted with --no-requeue)"),
                 ),
-                Some(Stopping::DriverRefused { message }) => (JobState::Queued, message),
+                Some(Stopping::DriverRefused { message }) => {
+                    event = Some((
+                        EventKind::Requeued,
+                        format!("to be placed where the driver qualifies: {no_retry}"),
+                    ));
+                    (JobState::Queued, message)
+                }
                 // Not reached: the first failure sets `stopping`.
                 None => (JobState::Failed, "attempt ended".to_string()),
             }
         };
+        // The event of the outcome; its message says what the job's does
+        // not already (the exit code, the retry count).
+        let (kind, words) = event.unwrap_or_else(|| match state {
+            JobState::Cancelled => (EventKind::Cancelled, message.clone()),
+            JobState::Queued => (EventKind::Requeued, format!("{message}: {no_retry}")),
+            _ => (EventKind::Failed, message.clone()),
+        });
+        job.events.record(kind, words, at_ms);
         job.state = state;
         job.message = message;
     }
@@ -341,6 +430,13 @@ impl State {
             self.preemptible(priority, v)?;
         }
         let why = format!("preempted by {job_id} (priority {priority})");
+        let names = victims.join(", ");
+        self.job_event(
+            job_id,
+            EventKind::Preempting,
+            format!("stopping lower-priority {names} to make room"),
+            at_ms,
+        );
         for v in victims {
             let Some(victim) = self.jobs.get_mut(v) else {
                 continue; // checked above
@@ -351,6 +447,9 @@ impl State {
             });
             victim.preemptions += 1;
             victim.updated_at_ms = at_ms;
+            victim
+                .events
+                .record(EventKind::Preempted, why.clone(), at_ms);
             let tasks = victim.current_tasks().to_vec();
             self.kill_live(&tasks, &why, Some(TaskReason::Preempted), at_ms);
         }
@@ -372,15 +471,32 @@ impl State {
         if job.state == JobState::Queued {
             job.state = JobState::Cancelled;
             job.message = "cancelled before it started".into();
+            job.events
+                .record(EventKind::Cancelled, job.message.clone(), at_ms);
             return Ok(Outcome::JobCancelled {
                 state: JobState::Cancelled,
             });
         }
         let state = job.state;
+        job.events.record(
+            EventKind::Cancelling,
+            "cancel asked: stopping its tasks",
+            at_ms,
+        );
         let live = job.current_tasks().to_vec();
         self.kill_live(&live, "cancelled", None, at_ms);
         Ok(Outcome::JobCancelled { state })
     }
+}
+
+/// Names joined with ", ", at most a few (an event's message is short).
+fn join_cut(names: &BTreeSet<&str>) -> String {
+    const MAX: usize = 8;
+    let mut s: Vec<&str> = names.iter().take(MAX).copied().collect();
+    if names.len() > MAX {
+        s.push("...");
+    }
+    s.join(", ")
 }
 
 /// What a failed task says, for its job's message.

@@ -6,6 +6,9 @@ pub mod access;
 mod agents;
 mod apply;
 pub mod command;
+pub mod events;
+#[cfg(test)]
+mod events_tests;
 pub mod frameworks;
 mod jobs;
 mod retention;
@@ -121,6 +124,9 @@ pub struct JobRecord {
     /// `cuda_req::MAX_EXPRS`, each once.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub image_requires: Vec<gpuctl_core::cuda_req::Expr>,
+    /// What happened to it, bounded (`events.rs`); recorded by apply.
+    #[serde(default)]
+    pub events: events::Events,
 }
 
 /// Why a job's current attempt is being stopped.
@@ -536,6 +542,19 @@ impl State {
     /// Whether new tasks may get this GPU (healthy is the agent's word).
     pub fn schedulable(&self, gpu: &gpuctl_core::types::GpuInfo) -> bool {
         gpu.healthy && !self.cordoned.contains(&gpu.uuid)
+    }
+
+    /// Records an event of a job (none if the job is gone).
+    pub(super) fn job_event(
+        &mut self,
+        job_id: &str,
+        kind: events::EventKind,
+        message: impl Into<String>,
+        at_ms: u64,
+    ) {
+        if let Some(j) = self.jobs.get_mut(job_id) {
+            j.events.record(kind, message, at_ms);
+        }
     }
 
     /// The job's most recent task.
