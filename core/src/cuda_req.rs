@@ -483,12 +483,11 @@ pub fn image_requirements<'a>(
     Ok(out)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
+/// Real images' requirements, for tests and benchmarks.
+#[doc(hidden)]
+pub mod examples {
     /// `nvidia/cuda:12.2.0-base-ubuntu22.04`'s NVIDIA_REQUIRE_CUDA.
-    const CUDA_12_2: &str = "cuda>=12.2 brand=tesla,driver>=470,driver<471 \
+    pub const CUDA_12_2: &str = "cuda>=12.2 brand=tesla,driver>=470,driver<471 \
         brand=unknown,driver>=470,driver<471 brand=nvidia,driver>=470,driver<471 \
         brand=nvidiartx,driver>=470,driver<471 brand=geforce,driver>=470,driver<471 \
         brand=geforcertx,driver>=470,driver<471 brand=quadro,driver>=470,driver<471 \
@@ -499,6 +498,13 @@ mod tests {
         brand=geforcertx,driver>=525,driver<526 brand=quadro,driver>=525,driver<526 \
         brand=quadrortx,driver>=525,driver<526 brand=titan,driver>=525,driver<526 \
         brand=titanrtx,driver>=525,driver<526";
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    use examples::CUDA_12_2;
 
     /// `nvidia/cuda:11.8.0-base-ubuntu22.04`'s.
     const CUDA_11_8: &str = "cuda>=11.8 brand=tesla,driver>=450,driver<451 \

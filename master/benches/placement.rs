@@ -103,18 +103,7 @@ fn views(agents: &[Agent]) -> Vec<NodeView<'_>> {
         .collect()
 }
 
-/// `nvidia/cuda:12.2.0-base`'s NVIDIA_REQUIRE_CUDA.
-const CUDA_12_2: &str = "cuda>=12.2 brand=tesla,driver>=470,driver<471 \
-    brand=unknown,driver>=470,driver<471 brand=nvidia,driver>=470,driver<471 \
-    brand=nvidiartx,driver>=470,driver<471 brand=geforce,driver>=470,driver<471 \
-    brand=geforcertx,driver>=470,driver<471 brand=quadro,driver>=470,driver<471 \
-    brand=quadrortx,driver>=470,driver<471 brand=titan,driver>=470,driver<471 \
-    brand=titanrtx,driver>=470,driver<471 brand=tesla,driver>=525,driver<526 \
-    brand=unknown,driver>=525,driver<526 brand=nvidia,driver>=525,driver<526 \
-    brand=nvidiartx,driver>=525,driver<526 brand=geforce,driver>=525,driver<526 \
-    brand=geforcertx,driver>=525,driver<526 brand=quadro,driver>=525,driver<526 \
-    brand=quadrortx,driver>=525,driver<526 brand=titan,driver>=525,driver<526 \
-    brand=titanrtx,driver>=525,driver<526";
+use gpuctl_core::cuda_req::examples::CUDA_12_2;
 
 fn placement(c: &mut Criterion) {
     let none = BTreeMap::new();

@@ -132,6 +132,25 @@ pub fn docker_or_skip(test: &str) -> bool {
     }
 }
 
+/// `docker build -t TAG -` of `dockerfile` (no context: a local base
+/// image and ENV/LABEL lines, no registry).
+pub fn docker_build(tag: &str, dockerfile: &str) {
+    use std::io::Write;
+    let mut build = Command::new("docker")
+        .args(["build", "-q", "-t", tag, "-"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    build
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(dockerfile.as_bytes())
+        .unwrap();
+    assert!(build.wait().unwrap().success(), "docker build of {tag}");
+}
+
 /// Makes sure the local busybox test image exists and returns its name.
 pub fn busybox_image() -> String {
     let rt = tokio::runtime::Builder::new_current_thread()

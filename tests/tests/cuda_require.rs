@@ -20,44 +20,20 @@ use gpuctl_tests::{
 };
 use serde_json::Value;
 
-/// `nvidia/cuda:12.2.0-base-ubuntu22.04`'s NVIDIA_REQUIRE_CUDA.
-const REQUIRE_CUDA_12_2: &str = "cuda>=12.2 brand=tesla,driver>=470,driver<471 \
-    brand=unknown,driver>=470,driver<471 brand=nvidia,driver>=470,driver<471 \
-    brand=nvidiartx,driver>=470,driver<471 brand=geforce,driver>=470,driver<471 \
-    brand=geforcertx,driver>=470,driver<471 brand=quadro,driver>=470,driver<471 \
-    brand=quadrortx,driver>=470,driver<471 brand=titan,driver>=470,driver<471 \
-    brand=titanrtx,driver>=470,driver<471 brand=tesla,driver>=525,driver<526 \
-    brand=unknown,driver>=525,driver<526 brand=nvidia,driver>=525,driver<526 \
-    brand=nvidiartx,driver>=525,driver<526 brand=geforce,driver>=525,driver<526 \
-    brand=geforcertx,driver>=525,driver<526 brand=quadro,driver>=525,driver<526 \
-    brand=quadrortx,driver>=525,driver<526 brand=titan,driver>=525,driver<526 \
-    brand=titanrtx,driver>=525,driver<526";
+use gpuctl_core::cuda_req::examples::CUDA_12_2 as REQUIRE_CUDA_12_2;
 
 const IMAGE: &str = "gpuctl-test/nvidia-cuda-like:12.2";
 
 /// The busybox image with NVIDIA's variables and label, as the official
 /// CUDA images have them (no registry: built on the local busybox).
 fn build_cuda_like_image() {
-    use std::io::Write;
     let dockerfile = format!(
         "FROM {}\nENV NVIDIA_REQUIRE_CUDA=\"{REQUIRE_CUDA_12_2}\" CUDA_VERSION=12.2.0 \
          NVIDIA_VISIBLE_DEVICES=all NVIDIA_DRIVER_CAPABILITIES=compute,utility\n\
          LABEL com.nvidia.volumes.needed=nvidia_driver\n",
         busybox_image()
     );
-    let mut build = std::process::Command::new("docker")
-        .args(["build", "-q", "-t", IMAGE, "-"])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    build
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(dockerfile.as_bytes())
-        .unwrap();
-    assert!(build.wait().unwrap().success(), "docker build of {IMAGE}");
+    gpuctl_tests::docker_build(IMAGE, &dockerfile);
 }
 
 /// An agent on a fake NVML machine of `gpus` GPUs with this driver (and

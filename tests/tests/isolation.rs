@@ -383,20 +383,7 @@ fn a_task_without_gpus_gets_none_even_if_its_image_says_all() {
     let dockerfile = format!(
         "FROM {base}\nENV NVIDIA_VISIBLE_DEVICES=all\nLABEL com.nvidia.volumes.needed=nvidia_driver\n"
     );
-    let mut build = std::process::Command::new("docker")
-        .args(["build", "-q", "-t", image, "-"])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    use std::io::Write;
-    build
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(dockerfile.as_bytes())
-        .unwrap();
-    assert!(build.wait().unwrap().success(), "docker build of {image}");
+    gpuctl_tests::docker_build(image, &dockerfile);
 
     let s = setup("nogpu", "docker,process");
     let script = format!(
