@@ -50,6 +50,9 @@ const API_VERSION: ClientVersion = ClientVersion {
     minor_version: 41,
 };
 const PING_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a container whose device probe failed may take to be seen
+/// ending (it was exiting) before the failure counts.
+const PROBE_SETTLE: Duration = Duration::from_secs(3);
 /// How long the output may keep flowing after the container has ended.
 const LOG_DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
 /// Retries while the daemon does not answer.
@@ -484,16 +487,24 @@ impl DockerRuntime {
         let seen = match seen {
             Ok(s) => s,
             Err(e) => {
-                // It may have ended between the inspection and the probe.
-                let info = self
-                    .client()?
-                    .inspect_container(name, None)
-                    .await
-                    .map_err(|e| self.err(e))?;
-                if running_pid(info).is_none() {
-                    return Ok(());
+                // It may have ended between the inspection and the probe:
+                // its cgroup is removed before the daemon marks it exited,
+                // so give the daemon a moment to say so.
+                let settle = tokio::time::Instant::now() + PROBE_SETTLE;
+                loop {
+                    let info = self
+                        .client()?
+                        .inspect_container(name, None)
+                        .await
+                        .map_err(|e| self.err(e))?;
+                    if running_pid(info) != Some(pid) {
+                        return Ok(());
+                    }
+                    if tokio::time::Instant::now() >= settle {
+                        return Err(RuntimeError::Isolation(e.to_string()));
+                    }
+                    tokio::time::sleep(Duration::from_millis(100)).await;
                 }
-                return Err(RuntimeError::Isolation(e.to_string()));
             }
         };
         let allowed: Vec<PathBuf> = iso.devices.iter().map(|d| d.host_path.clone()).collect();
