@@ -212,8 +212,10 @@ fn nvidia_require_cuda_places_jobs_only_where_the_driver_qualifies() {
     // 2. A new enough agent joins: both run there; the container got the
     // driver volume (the image's label) and only its GPU.
     let new = add_agent(&mut c, "new", "535.129.03", 12020, 2);
-    assert_eq!(c.wait_job(&j, 90), (0, "SUCCEEDED".to_string()));
-    assert_eq!(c.wait_job(&p, 60), (0, "SUCCEEDED".to_string()));
+    for (id, secs) in [(&j, 90), (&p, 60)] {
+        let end = c.wait_job(id, secs);
+        assert_eq!(end, (0, "SUCCEEDED".to_string()), "{}", c.job(id));
+    }
     let job = c.job(&j);
     assert_eq!(agents_of(&job), [old.clone(), new.clone()]);
     assert_eq!(job["retries"], 0);
