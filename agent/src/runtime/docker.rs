@@ -1322,6 +1322,27 @@ mod tests {
         assert_eq!(parent(CgroupDriver::Systemd), Some("gpuctl.slice".into()));
     }
 
+    /// Runs the task's container to its end (expecting `end`), removes it,
+    /// and returns the host configuration Docker had for it.
+    async fn run_and_inspect(
+        rt: &DockerRuntime,
+        s: &LaunchSpec,
+        end: Ended,
+    ) -> bollard::models::HostConfig {
+        let t = s.task_ref();
+        rt.start(s).await.unwrap();
+        assert_eq!(rt.wait(&t).await.unwrap(), end);
+        let name = container_name(&s.agent_id, &s.task.task_id);
+        let info = rt
+            .client()
+            .unwrap()
+            .inspect_container(&name, None)
+            .await
+            .unwrap();
+        rt.remove(&t).await.unwrap();
+        info.host_config.unwrap()
+    }
+
     /// A task id no other test run uses at the same time.
     fn unique(name: &str) -> String {
         format!("rt-{name}-{}", std::process::id())
@@ -1887,18 +1908,7 @@ mod tests {
         s.sandbox = dir.path().to_path_buf();
         s.state_dir = dir.path().to_path_buf();
         s.log_path = dir.path().join("task.log");
-        let t = s.task_ref();
-        rt.start(&s).await.unwrap();
-        assert_eq!(rt.wait(&t).await.unwrap(), exited(1));
-        let name = container_name(&s.agent_id, &s.task.task_id);
-        let info = rt
-            .client()
-            .unwrap()
-            .inspect_container(&name, None)
-            .await
-            .unwrap();
-        rt.remove(&t).await.unwrap();
-        let host = info.host_config.unwrap();
+        let host = run_and_inspect(&rt, &s, exited(1)).await;
         assert!(
             host.device_requests.unwrap_or_default().is_empty(),
             "no CDI request"
@@ -1956,18 +1966,7 @@ mod tests {
         };
         // The image's user (root in the container).
         let s = run("caps", None);
-        let t = s.task_ref();
-        rt.start(&s).await.unwrap();
-        assert_eq!(rt.wait(&t).await.unwrap(), exited(0));
-        let name = container_name(&s.agent_id, &s.task.task_id);
-        let info = rt
-            .client()
-            .unwrap()
-            .inspect_container(&name, None)
-            .await
-            .unwrap();
-        rt.remove(&t).await.unwrap();
-        let host = info.host_config.unwrap();
+        let host = run_and_inspect(&rt, &s, exited(0)).await;
         assert_eq!(host.privileged, Some(false));
         assert_eq!(host.cap_drop, Some(vec!["ALL".to_string()]));
         let caps: Vec<String> = CONTAINER_CAPABILITIES
