@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use clap::parser::ValueSource;
 use clap::{ArgMatches, CommandFactory, FromArgMatches, Parser};
-use gpuctl_core::types::{Runtime, UserIds};
+use gpuctl_core::types::{PortRange, Runtime, UserIds};
 use serde::Deserialize;
 
 use crate::gpu::health::HealthConfig;
@@ -68,6 +68,8 @@ pub struct AgentConfig {
     pub allow_root_tasks: bool,
     /// Host path prefixes containers may bind-mount.
     pub allowed_mounts: Vec<String>,
+    /// Host ports tasks may be given (`--ports`); `None`: none.
+    pub ports: Option<PortRange>,
 }
 
 impl AgentConfig {
@@ -98,6 +100,7 @@ impl AgentConfig {
             task_user: crate::security::DEFAULT_TASK_USER,
             allow_root_tasks: false,
             allowed_mounts: Vec::new(),
+            ports: PortRange::parse(DEFAULT_PORTS).ok(),
         }
     }
 }
@@ -271,6 +274,16 @@ pub struct Options {
         value_name = "PATH"
     )]
     pub allowed_mounts: Vec<String>,
+    /// Host ports tasks may be given, START-END (inclusive), or `none`.
+    /// Tasks use the host network: keep it clear of other services and of
+    /// the kernel's ephemeral range (`net.ipv4.ip_local_port_range`).
+    #[arg(
+        long,
+        env = "GPUCTL_AGENT_PORTS",
+        default_value = DEFAULT_PORTS,
+        value_name = "START-END|none"
+    )]
+    pub ports: String,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -307,6 +320,7 @@ struct FileOptions {
     task_user: Option<String>,
     allow_root_tasks: Option<bool>,
     allowed_mounts: Option<Vec<String>>,
+    ports: Option<String>,
 }
 
 fn unset(m: &ArgMatches, id: &str) -> bool {
@@ -399,6 +413,7 @@ impl Options {
             fill!(task_user);
             fill!(allow_root_tasks);
             fill!(allowed_mounts);
+            fill!(ports);
         }
         Ok(o)
     }
@@ -512,6 +527,7 @@ impl Options {
             task_user,
             allow_root_tasks: self.allow_root_tasks,
             allowed_mounts,
+            ports: parse_ports(&self.ports)?,
             task_retention,
             masters,
             work_dir: self.work_dir.clone(),
@@ -535,6 +551,21 @@ impl Options {
             stop_tasks_on_shutdown: self.stop_tasks_on_shutdown,
         })
     }
+}
+
+/// The default `--ports`: Mesos' default range, below Linux's ephemeral
+/// ports (32768-60999).
+pub const DEFAULT_PORTS: &str = "31000-32000";
+
+/// `--ports`: `START-END`, or `none` (or empty) for no ports.
+pub fn parse_ports(s: &str) -> Result<Option<PortRange>, AgentError> {
+    let s = s.trim();
+    if s.is_empty() || s.eq_ignore_ascii_case("none") {
+        return Ok(None);
+    }
+    PortRange::parse(s)
+        .map(Some)
+        .map_err(|e| AgentError::Config(format!("ports: {e}")))
 }
 
 /// Absolute plain paths (as a job's mount host paths must be), trimmed,
@@ -619,6 +650,38 @@ mod tests {
                 .to_string();
             assert!(
                 e.contains("task_retention") && e.contains(bad),
+                "{bad}: {e}"
+            );
+        }
+    }
+
+    #[test]
+    fn ports_default_to_mesos_range_and_come_from_flags_and_file() {
+        let load = |args: &[&str]| {
+            let mut a = vec!["gpuctl-agent"];
+            a.extend(args);
+            Options::load_from(a).unwrap().to_config()
+        };
+        let range = |s: u16, e: u16| Some(PortRange { start: s, end: e });
+        assert_eq!(load(&[]).unwrap().ports, range(31000, 32000));
+        assert_eq!(
+            AgentConfig::new(vec![], "/x".into()).ports,
+            range(31000, 32000)
+        );
+        assert_eq!(load(&["--ports", "none"]).unwrap().ports, None);
+        assert_eq!(
+            load(&["--ports", "5000-5009"]).unwrap().ports,
+            range(5000, 5009)
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("agent.toml");
+        std::fs::write(&f, "ports = \"6000-6001\"\n").unwrap();
+        let file = f.to_str().unwrap();
+        assert_eq!(load(&["--config", file]).unwrap().ports, range(6000, 6001));
+        for bad in ["5000", "9-1", "0-10", "70000-70001"] {
+            let e = load(&["--ports", bad]).unwrap_err().to_string();
+            assert!(
+                e.starts_with("ports:") || e.contains("ports: "),
                 "{bad}: {e}"
             );
         }

@@ -414,6 +414,7 @@ pub async fn serve(
             cpus,
             mem_mib: config.mem_mib.unwrap_or_else(host_memory_mib),
             gpus: gpus.len() as u32,
+            ports: config.ports.map_or(0, |r| r.len()),
         },
         gpus,
         runtimes: runtimes.keys().copied().collect(),
@@ -424,6 +425,7 @@ pub async fn serve(
         // What the master places here: only what this agent will run.
         allow_root_tasks: policy.runs_root_tasks(),
         allowed_mounts: policy.allowed_mounts.clone(),
+        ports: config.ports,
     };
     tracing::info!(agent_id = %info.id, address = %info.address, runtimes = ?info.runtimes, gpus = info.gpus.len(), "agent starting");
 

@@ -18,6 +18,9 @@ pub struct ResourcesJson {
     pub cpus: f64,
     pub mem_mib: u64,
     pub gpus: u32,
+    /// Host ports (a count).
+    #[serde(default)]
+    pub ports: u32,
 }
 
 impl From<Option<&pb::Resources>> for ResourcesJson {
@@ -27,6 +30,7 @@ impl From<Option<&pb::Resources>> for ResourcesJson {
             cpus: r.cpus,
             mem_mib: r.mem_mib,
             gpus: r.gpus,
+            ports: r.ports,
         }
     }
 }
@@ -49,6 +53,9 @@ pub struct TaskJson {
     /// Why it is in its state, e.g. `GPU_UNHEALTHY`, `PREEMPTED`,
     /// `COMMAND_EXITED`; `null` when there is none.
     pub reason: Option<String>,
+    /// Host ports it holds (`GPUCTL_PORTS`).
+    #[serde(default)]
+    pub ports: Vec<u32>,
 }
 
 impl From<&pb::Task> for TaskJson {
@@ -66,6 +73,7 @@ impl From<&pb::Task> for TaskJson {
                 .ok()
                 .filter(|r| *r != pb::Reason::Unspecified)
                 .map(|r| r.as_str_name().trim_start_matches("REASON_").to_string()),
+            ports: t.ports.clone(),
         }
     }
 }
@@ -429,6 +437,9 @@ pub struct AgentJson {
     /// Host path prefixes its containers may mount.
     #[serde(default)]
     pub allowed_mounts: Vec<String>,
+    /// Host ports its tasks may be given, `START-END`; `null`: none.
+    #[serde(default)]
+    pub ports: Option<String>,
 }
 
 impl From<&pb::Agent> for AgentJson {
@@ -463,6 +474,7 @@ impl From<&pb::Agent> for AgentJson {
                 .then(|| a.cuda_driver_version.clone()),
             allow_root_tasks: a.allow_root_tasks,
             allowed_mounts: a.allowed_mounts.clone(),
+            ports: a.ports.map(|r| format!("{}-{}", r.start, r.end)),
         }
     }
 }
@@ -661,19 +673,43 @@ pub fn jobs_table(jobs: &[pb::Job], now_ms: u64) -> Table {
 
 /// A task table (inside `jobs get`).
 pub fn tasks_table(tasks: &[pb::Task]) -> Table {
-    let mut t = Table::new(&["TASK", "RANK", "AGENT", "STATE", "GPUS", "EXIT", "MESSAGE"]);
+    let ports = tasks.iter().any(|t| !t.ports.is_empty());
+    let mut head = vec!["TASK", "RANK", "AGENT", "STATE", "GPUS"];
+    if ports {
+        head.push("PORTS");
+    }
+    head.extend(["EXIT", "MESSAGE"]);
+    let mut t = Table::new(&head);
     for task in tasks {
-        t.row(vec![
+        let mut row = vec![
             task.id.clone(),
             task.rank.to_string(),
             task.agent_id.clone(),
             task_state_name(task.state).to_string(),
             task.gpu_uuids.join(","),
+        ];
+        if ports {
+            row.push(fmt_ports(&task.ports));
+        }
+        row.extend([
             task.exit_code.map(|c| c.to_string()).unwrap_or_default(),
             task.message.clone(),
         ]);
+        t.row(row);
     }
     t
+}
+
+/// Ports as `31000,31001` (`-` for none).
+fn fmt_ports(ports: &[u32]) -> String {
+    if ports.is_empty() {
+        return "-".into();
+    }
+    ports
+        .iter()
+        .map(u32::to_string)
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 /// `jobs get`: `Key: value` lines, then the task table.
@@ -710,6 +746,7 @@ pub fn job_detail(j: &pb::Job, now_ms: u64) -> String {
         ("GPUs", res.gpus.to_string()),
         ("CPUs", fmt_cpus(res.cpus)),
         ("Memory", mem),
+        ("Ports", res.ports.to_string()),
         ("Replicas", spec.replicas.max(1).to_string()),
         (
             "Security",
@@ -961,6 +998,19 @@ pub fn agent_detail(a: &pb::Agent, holders: &BTreeMap<String, String>) -> String
         fmt_mib(total.mem_mib.saturating_sub(alloc.mem_mib)),
         fmt_mib(total.mem_mib)
     );
+    let _ = writeln!(
+        s,
+        "Ports:       {}",
+        match &a.ports {
+            Some(r) => format!(
+                "{} free of {}-{}",
+                total.ports.saturating_sub(alloc.ports),
+                r.start,
+                r.end
+            ),
+            None => "none".to_string(),
+        }
+    );
     if !a.gpus.is_empty() {
         let mut t = Table::new(&[
             "INDEX", "UUID", "MODEL", "MEMORY", "MINOR", "PCI", "NUMA", "CC", "HEALTH", "TASK",
@@ -1106,6 +1156,7 @@ mod tests {
                     cpus: 1.5,
                     mem_mib: 2048,
                     gpus: 2,
+                    ports: 0,
                 }),
                 ..Default::default()
             }),
@@ -1120,6 +1171,7 @@ mod tests {
                 updated_at_ms: 1_700_000_001_000,
                 rank: 0,
                 reason: pb::Reason::CommandExited as i32,
+                ports: vec![],
             }],
             submitted_at_ms: 1_700_000_000_000,
             message: String::new(),
@@ -1155,11 +1207,13 @@ mod tests {
                 cpus: 16.0,
                 mem_mib: 65536,
                 gpus: 4,
+                ports: 0,
             }),
             allocated: Some(pb::Resources {
                 cpus: 1.5,
                 mem_mib: 2048,
                 gpus: 2,
+                ports: 0,
             }),
             gpus: (0..4).map(gpu).collect(),
             runtimes: vec![pb::Runtime::Docker as i32, pb::Runtime::Process as i32],
@@ -1180,7 +1234,7 @@ mod tests {
         assert_eq!(v["env"], json!({"A": "1"}));
         assert_eq!(
             v["resources"],
-            json!({"cpus": 1.5, "mem_mib": 2048, "gpus": 2})
+            json!({"cpus": 1.5, "mem_mib": 2048, "gpus": 2, "ports": 0})
         );
         assert_eq!(v["message"], "");
         assert_eq!(v["submitted_at_ms"], 1_700_000_000_000u64);

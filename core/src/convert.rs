@@ -62,6 +62,8 @@ pub const MAX_CPUS: f64 = 4096.0;
 pub const MAX_MEM_MIB: u64 = 1 << 40;
 /// GPUs of one task of a job.
 pub const MAX_GPUS: u32 = 64;
+/// Most host ports one task may ask for.
+pub const MAX_TASK_PORTS: u32 = 256;
 /// Most tasks in one gang.
 pub const MAX_REPLICAS: u32 = 4096;
 /// Most retries of one job.
@@ -185,6 +187,7 @@ pub fn resources_from_pb(field: &str, r: Option<pb::Resources>) -> Result<Resour
         cpus: r.cpus,
         mem_mib: r.mem_mib,
         gpus: r.gpus,
+        ports: r.ports,
     })
 }
 
@@ -194,6 +197,7 @@ impl From<Resources> for pb::Resources {
             cpus: r.cpus,
             mem_mib: r.mem_mib,
             gpus: r.gpus,
+            ports: r.ports,
         }
     }
 }
@@ -479,18 +483,24 @@ impl TryFrom<pb::JobSpec> for JobSpec {
         let env: BTreeMap<String, String> = s.env.into_iter().collect();
         check_payload("spec", &s.image, &s.command, &env)?;
         let image = (!s.image.is_empty()).then_some(s.image);
-        let resources = resources_from_pb("spec.resources", s.resources)?;
+        let mut resources = resources_from_pb("spec.resources", s.resources)?;
         if resources.gpus > MAX_GPUS {
             return Err(ConvertError::new(
                 "spec.resources.gpus",
                 format!("must be <= {MAX_GPUS}"),
             ));
         }
+        check_task_ports("spec.resources.ports", resources.ports)?;
         let placement = match s.placement {
             None => PlacementSpec::default(),
             Some(p) => placement_from_pb(p)?,
         };
         let replicas = s.replicas.max(1);
+        // A gang's rank 0 needs a port for the others to meet it at
+        // (MASTER_PORT), so every rank of a gang holds at least one.
+        if replicas > 1 {
+            resources.ports = resources.ports.max(1);
+        }
         if replicas > MAX_REPLICAS {
             return Err(ConvertError::new(
                 "spec.replicas",
@@ -541,6 +551,63 @@ impl TryFrom<pb::JobSpec> for JobSpec {
             security,
             require_cuda,
         })
+    }
+}
+
+/// A task's host ports: at most [`MAX_TASK_PORTS`].
+fn check_task_ports(field: &str, ports: u32) -> Result<()> {
+    if ports > MAX_TASK_PORTS {
+        return Err(ConvertError::new(
+            field,
+            format!("is {ports}, at most {MAX_TASK_PORTS}"),
+        ));
+    }
+    Ok(())
+}
+
+/// An agent's port range: `start..=end` within 1..=65535, and its size
+/// `total.ports`.
+fn port_range_from_pb(r: Option<pb::PortRange>, total: u32) -> Result<Option<PortRange>> {
+    let Some(r) = r else {
+        if total != 0 {
+            return Err(ConvertError::new(
+                "total.ports",
+                format!("is {total} but no port range is given"),
+            ));
+        }
+        return Ok(None);
+    };
+    let port = |field: &str, v: u32| -> Result<u16> {
+        u16::try_from(v)
+            .ok()
+            .filter(|p| *p != 0)
+            .ok_or_else(|| ConvertError::new(field, format!("{v} is not a port (1-65535)")))
+    };
+    let range = PortRange {
+        start: port("ports.start", r.start)?,
+        end: port("ports.end", r.end)?,
+    };
+    if range.start > range.end {
+        return Err(ConvertError::new(
+            "ports",
+            format!("{}-{} is empty", range.start, range.end),
+        ));
+    }
+    if range.len() != total {
+        return Err(ConvertError::new(
+            "total.ports",
+            format!("is {total} but the range {range} holds {}", range.len()),
+        ));
+    }
+    Ok(Some(range))
+}
+
+impl From<PortRange> for pb::PortRange {
+    fn from(r: PortRange) -> Self {
+        pb::PortRange {
+            start: r.start.into(),
+            end: r.end.into(),
+        }
     }
 }
 
@@ -914,6 +981,7 @@ impl From<AgentInfo> for pb::RegisterRequest {
             kill_grace_ms: 0,
             allow_root_tasks: a.allow_root_tasks,
             allowed_mounts: a.allowed_mounts,
+            ports: a.ports.map(Into::into),
         }
     }
 }
@@ -1044,6 +1112,7 @@ impl TryFrom<pb::RegisterRequest> for AgentInfo {
         for (i, p) in r.allowed_mounts.iter().enumerate() {
             check_abs_path(&format!("allowed_mounts[{i}]"), p)?;
         }
+        let ports = port_range_from_pb(r.ports, total.ports)?;
         let opt = |s: String| (!s.is_empty()).then_some(s);
         Ok(AgentInfo {
             id: r.agent_id,
@@ -1058,6 +1127,7 @@ impl TryFrom<pb::RegisterRequest> for AgentInfo {
             cuda_driver_version: opt(r.cuda_driver_version),
             allow_root_tasks: r.allow_root_tasks,
             allowed_mounts: r.allowed_mounts,
+            ports,
         })
     }
 }
@@ -1446,6 +1516,7 @@ pub fn framework_task_from_pb(field: &str, t: pb::TaskInfo) -> Result<FrameworkT
     check_id(&format!("{field}.task_id"), &t.task_id)?;
     check_id(&format!("{field}.agent_id"), &t.agent_id)?;
     let resources = resources_from_pb(&format!("{field}.resources"), t.resources)?;
+    check_task_ports(&format!("{field}.resources.ports"), resources.ports)?;
     if t.gpu_uuids.len() != resources.gpus as usize {
         return Err(ConvertError::new(
             format!("{field}.gpu_uuids"),
@@ -1556,6 +1627,7 @@ mod tests {
                 cpus: 1.0,
                 mem_mib: 256,
                 gpus: 2,
+                ports: 0,
             }),
             priority: -3,
             replicas: 4,
@@ -1599,7 +1671,11 @@ mod tests {
                 read_only: true,
             }]
         );
-        assert_eq!(pb::JobSpec::from(s), spec());
+        // A gang asked no port: each rank holds one, for MASTER_PORT.
+        assert_eq!(s.resources.ports, 1);
+        let mut want = spec();
+        want.resources.as_mut().unwrap().ports = 1;
+        assert_eq!(pb::JobSpec::from(s), want);
         // An old client's spec (no replicas) is one task.
         let mut old = spec();
         old.replicas = 0;
@@ -1940,6 +2016,7 @@ mod tests {
                 cpus: 2.0,
                 mem_mib: 1024,
                 gpus: 2,
+                ports: 0,
             }),
             gpus: vec![gpu("GPU-1"), gpu("GPU-1")],
             runtimes: vec![pb::Runtime::Process as i32],
@@ -1975,6 +2052,7 @@ mod tests {
                 cpus: 0.0,
                 mem_mib: 0,
                 gpus: 1,
+                ports: 0,
             }),
             gpu_uuids: vec![],
             framework_id: String::new(),
@@ -2161,6 +2239,13 @@ mod tests {
         );
         boundary(
             &base,
+            |s| s.resources.as_mut().unwrap().ports = MAX_TASK_PORTS,
+            |s| s.resources.as_mut().unwrap().ports = MAX_TASK_PORTS + 1,
+            "spec.resources.ports",
+            job,
+        );
+        boundary(
+            &base,
             |s| {
                 s.placement.get_or_insert_with(Default::default).gpu_model =
                     "m".repeat(MAX_ATTR_LEN)
@@ -2273,6 +2358,7 @@ mod tests {
                 cpus: MAX_CPUS,
                 mem_mib: MAX_MEM_MIB,
                 gpus: MAX_GPUS,
+                ports: 0,
             },
             gpu_uuids: (0..MAX_GPUS).map(|i| format!("GPU-{i:0>36}")).collect(),
             no_fence: false,
@@ -2302,6 +2388,7 @@ mod tests {
                 cpus: 2.0,
                 mem_mib: 1024,
                 gpus: 1,
+                ports: 0,
             }),
             gpus: vec![pb::Gpu {
                 uuid: "GPU-0".into(),
@@ -2353,6 +2440,45 @@ mod tests {
             |r| n(r, MAX_AGENT_GPUS),
             |r| n(r, MAX_AGENT_GPUS + 1),
             "gpus",
+            register,
+        );
+        let ports = |r: &mut pb::RegisterRequest, start: u32, end: u32, total: u32| {
+            r.ports = Some(pb::PortRange { start, end });
+            r.total.as_mut().unwrap().ports = total;
+        };
+        boundary(
+            &base,
+            |r| ports(r, 31000, 32000, 1001),
+            |r| ports(r, 31000, 32000, 1000),
+            "total.ports",
+            register,
+        );
+        boundary(
+            &base,
+            |r| ports(r, 1, 65535, 65535),
+            |r| ports(r, 0, 65535, 65536),
+            "ports.start",
+            register,
+        );
+        boundary(
+            &base,
+            |r| ports(r, 9, 9, 1),
+            |r| ports(r, 9, 65536, 65528),
+            "ports.end",
+            register,
+        );
+        boundary(
+            &base,
+            |r| ports(r, 9, 9, 1),
+            |r| ports(r, 10, 9, 0),
+            "ports",
+            register,
+        );
+        boundary(
+            &base,
+            |r| r.total.as_mut().unwrap().ports = 0,
+            |r| r.total.as_mut().unwrap().ports = 5,
+            "total.ports",
             register,
         );
         boundary(
@@ -2639,6 +2765,7 @@ mod tests {
                 cpus: 1.0,
                 mem_mib: 0,
                 gpus: 0,
+                ports: 0,
             }),
             require_cuda: require_cuda.into(),
             ..Default::default()
@@ -2727,6 +2854,7 @@ mod tests {
                 cpus: 1.0,
                 mem_mib: 64,
                 gpus: 0,
+                ports: 0,
             }),
             ..Default::default()
         }

@@ -18,13 +18,20 @@ pub struct Resources {
     pub cpus: f64,
     pub mem_mib: u64,
     pub gpus: u32,
+    /// Host ports (a count; the numbers come from the agent's range,
+    /// [`AgentInfo::ports`], chosen by the master when a task launches).
+    #[serde(default)]
+    pub ports: u32,
 }
 
 impl Resources {
     /// True when `self` can hold `need`.
     pub fn fits(&self, need: &Resources) -> bool {
         // A small epsilon keeps 0.1 + 0.2 style sums from refusing an exact fit.
-        need.cpus <= self.cpus + 1e-9 && need.mem_mib <= self.mem_mib && need.gpus <= self.gpus
+        need.cpus <= self.cpus + 1e-9
+            && need.mem_mib <= self.mem_mib
+            && need.gpus <= self.gpus
+            && need.ports <= self.ports
     }
 
     pub fn saturating_sub(&self, other: &Resources) -> Resources {
@@ -32,6 +39,7 @@ impl Resources {
             cpus: (self.cpus - other.cpus).max(0.0),
             mem_mib: self.mem_mib.saturating_sub(other.mem_mib),
             gpus: self.gpus.saturating_sub(other.gpus),
+            ports: self.ports.saturating_sub(other.ports),
         }
     }
 
@@ -40,7 +48,56 @@ impl Resources {
             cpus: self.cpus + other.cpus,
             mem_mib: self.mem_mib.saturating_add(other.mem_mib),
             gpus: self.gpus.saturating_add(other.gpus),
+            ports: self.ports.saturating_add(other.ports),
         }
+    }
+}
+
+/// An agent's host ports for tasks, `start..=end` (`--ports START-END`).
+/// Tasks run on the host network, so a port is a host-wide resource: the
+/// master gives each number to one live task at a time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PortRange {
+    pub start: u16,
+    pub end: u16,
+}
+
+impl PortRange {
+    /// How many ports it holds.
+    pub fn len(&self) -> u32 {
+        (u32::from(self.end) + 1).saturating_sub(u32::from(self.start))
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn contains(&self, port: u16) -> bool {
+        (self.start..=self.end).contains(&port)
+    }
+
+    /// Parses `START-END` (inclusive, 1..=65535, START <= END).
+    pub fn parse(s: &str) -> Result<PortRange, String> {
+        let (a, b) = s
+            .split_once('-')
+            .ok_or_else(|| format!("{s:?}: expected START-END, e.g. 31000-32000"))?;
+        let num = |v: &str| -> Result<u16, String> {
+            match v.trim().parse::<u16>() {
+                Ok(0) | Err(_) => Err(format!("{s:?}: {v:?} is not a port (1-65535)")),
+                Ok(p) => Ok(p),
+            }
+        };
+        let (start, end) = (num(a)?, num(b)?);
+        if start > end {
+            return Err(format!("{s:?}: the range is empty ({start} > {end})"));
+        }
+        Ok(PortRange { start, end })
+    }
+}
+
+impl fmt::Display for PortRange {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}-{}", self.start, self.end)
     }
 }
 
@@ -534,6 +591,10 @@ pub struct AgentInfo {
     /// Host path prefixes containers may mount here (`allowed_mounts`).
     #[serde(default)]
     pub allowed_mounts: Vec<String>,
+    /// Host ports tasks may be given here (`total.ports` is its size);
+    /// `None` from agents that offer none.
+    #[serde(default)]
+    pub ports: Option<PortRange>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -751,6 +812,31 @@ fn civil_from_days(z: i64) -> (i64, u32, u32) {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn port_ranges_parse_inclusive_and_refuse_nonsense() {
+        use super::{PortRange, Resources};
+        let r = PortRange::parse("31000-32000").unwrap();
+        assert_eq!((r.start, r.end, r.len()), (31000, 32000, 1001));
+        assert!(r.contains(31000) && r.contains(32000) && !r.contains(32001));
+        assert_eq!(r.to_string(), "31000-32000");
+        assert_eq!(PortRange::parse(" 7 - 7 ").unwrap().len(), 1);
+        assert_eq!(PortRange::parse("1-65535").unwrap().len(), 65535);
+        for bad in ["", "31000", "0-10", "10-5", "1-65536", "a-b", "-5"] {
+            assert!(PortRange::parse(bad).is_err(), "{bad:?}");
+        }
+        // Ports count like the other scalars.
+        let free = Resources {
+            ports: 2,
+            ..Default::default()
+        };
+        let three = Resources {
+            ports: 3,
+            ..Default::default()
+        };
+        assert!(!free.fits(&three));
+        assert_eq!(free.add(&three).saturating_sub(&free).ports, 3);
+    }
+
     #[test]
     fn ids_are_ordered_by_their_numbers() {
         use super::natural_cmp;

@@ -103,6 +103,8 @@ pub enum Requirement {
     Cpus(f64),
     /// MiB of memory in all.
     Memory(u64),
+    /// Host ports in all (the agent's `--ports` range).
+    Ports(u32),
     /// Allows root host-process tasks (the agent's `allow_root_tasks`).
     RootTasks,
     /// Allows mounting this host path (the agent's `allowed_mounts`).
@@ -185,6 +187,8 @@ pub struct AgentCounts {
     pub exhausted_gpus: u32,
     pub exhausted_cpus: u32,
     pub exhausted_memory: u32,
+    /// Could run a task, but short of free host ports now.
+    pub exhausted_ports: u32,
     /// Could take one task now: a gang waits for room for all replicas.
     pub fit_one: u32,
     /// Left out whatever is free: they do not allow the job's `security`
@@ -285,6 +289,7 @@ impl From<&Waiting> for pb::WaitReason {
                 exhausted_gpus: c.exhausted_gpus,
                 exhausted_cpus: c.exhausted_cpus,
                 exhausted_memory: c.exhausted_memory,
+                exhausted_ports: c.exhausted_ports,
                 fit_one: c.fit_one,
                 filtered_security: c.filtered_security,
                 filtered_driver: c.filtered_driver,
@@ -335,6 +340,11 @@ impl From<&Requirement> for wr::Requirement {
             Requirement::Memory(mem_mib) => wr::Requirement {
                 kind: Kind::Memory as i32,
                 mem_mib: *mem_mib,
+                ..Default::default()
+            },
+            Requirement::Ports(ports) => wr::Requirement {
+                kind: Kind::Ports as i32,
+                ports: *ports,
                 ..Default::default()
             },
             Requirement::RootTasks => wr::Requirement {
@@ -392,6 +402,7 @@ fn resources(field: &str, r: Option<&pb::Resources>) -> Result<Resources> {
         cpus: r.cpus,
         mem_mib: r.mem_mib,
         gpus: r.gpus,
+        ports: r.ports,
     })
 }
 
@@ -424,6 +435,7 @@ impl TryFrom<&wr::Requirement> for Requirement {
             Ok(Kind::Gpus) => Requirement::Gpus(gpus()),
             Ok(Kind::Cpus) => Requirement::Cpus(r.cpus),
             Ok(Kind::Memory) => Requirement::Memory(r.mem_mib),
+            Ok(Kind::Ports) => Requirement::Ports(r.ports),
             Ok(Kind::RootTasks) => Requirement::RootTasks,
             Ok(Kind::Mount) => Requirement::Mount(r.path.clone()),
             Ok(Kind::Driver) => Requirement::Driver(DriverAsk {
@@ -514,6 +526,7 @@ impl TryFrom<&pb::WaitReason> for Waiting {
                 exhausted_gpus: b.exhausted_gpus,
                 exhausted_cpus: b.exhausted_cpus,
                 exhausted_memory: b.exhausted_memory,
+                exhausted_ports: b.exhausted_ports,
                 fit_one: b.fit_one,
                 filtered_security: b.filtered_security,
                 filtered_driver: b.filtered_driver,
@@ -563,6 +576,7 @@ mod tests {
             cpus,
             mem_mib,
             gpus,
+            ports: 0,
         };
         let requeued = Some(Requeued {
             preempted_by: Some("job-3".into()),
@@ -668,7 +682,7 @@ mod tests {
                 kept_for_preemption: true,
             },
             WaitReason::Resources(AgentCounts {
-                agents: 45,
+                agents: 57,
                 filtered_runtime: 1,
                 filtered_constraints: 2,
                 filtered_gpu_model: 3,
@@ -680,7 +694,16 @@ mod tests {
                 fit_one: 9,
                 filtered_security: 10,
                 filtered_driver: 11,
+                exhausted_ports: 12,
             }),
+            WaitReason::NeverFits {
+                why: NeverFits::Missing {
+                    need: Requirement::Ports(4),
+                    among: vec![Requirement::Memory(1024)],
+                    largest: Some(2.0),
+                },
+                set_aside: SetAside::default(),
+            },
         ];
         for reason in reasons {
             round_trip(Waiting {

@@ -33,6 +33,7 @@ fn agent(a: usize) -> AgentInfo {
             cpus: 128.0,
             mem_mib: 1 << 20,
             gpus: GPUS,
+            ports: 0,
         },
         gpus: (0..GPUS)
             .map(|g| GpuInfo::new(format!("GPU-{a:05}-{g}"), g, "NVIDIA A100", 40_960))
@@ -44,6 +45,7 @@ fn agent(a: usize) -> AgentInfo {
         cuda_driver_version: None,
         allow_root_tasks: false,
         allowed_mounts: Vec::new(),
+        ports: None,
     }
 }
 
@@ -73,6 +75,7 @@ fn state(agents: usize, queued: usize) -> State {
                 cpus: 1.0,
                 mem_mib: 0,
                 gpus,
+                ports: 0,
             },
         );
         s.priority = priority;
@@ -151,6 +154,7 @@ fn burst(agents: usize, queued: usize) -> State {
                 cpus: 1.0,
                 mem_mib: 0,
                 gpus: 1,
+                ports: 0,
             },
         );
         let submit = Command::SubmitJob {

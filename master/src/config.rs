@@ -446,6 +446,8 @@ pub fn parse_role(spec: &str) -> Result<(String, RoleConfig), MasterError> {
             } else {
                 u32::MAX
             },
+            // Ports are not a quota dimension (they are per host).
+            ports: u32::MAX,
         });
     }
     Ok((name.trim().to_string(), role))
@@ -825,6 +827,7 @@ impl Options {
                         cpus: self.gpu_reserved_cpus,
                         mem_mib: self.gpu_reserved_mem_mib,
                         gpus: 0,
+                        ports: 0,
                     },
                 },
                 offer_timeout: secs("offer_timeout_secs", self.offer_timeout_secs)?,

@@ -100,6 +100,7 @@ fn register(id: &str, kill_grace_ms: u32) -> pb::RegisterRequest {
             cpus: 4.0,
             mem_mib: 4096,
             gpus: 0,
+            ports: 0,
         }),
         runtimes: vec![pb::Runtime::Docker as i32, pb::Runtime::Process as i32],
         kill_grace_ms,
@@ -321,6 +322,7 @@ async fn a_finished_job_is_forgotten_after_the_retention_and_get_says_so() {
                 cpus: 0.5,
                 mem_mib: 0,
                 gpus: 0,
+                ports: 0,
             }),
             ..Default::default()
         }),
@@ -418,6 +420,7 @@ async fn status_updates_in_one_call_get_one_verdict_each_and_a_watch_follows_the
                     cpus: 0.5,
                     mem_mib: 0,
                     gpus: 0,
+                    ports: 0,
                 }),
                 ..Default::default()
             }),

@@ -60,6 +60,7 @@ fn register_request() -> pb::RegisterRequest {
             cpus: 64.0,
             mem_mib: 1 << 20,
             gpus: 0,
+            ports: 0,
         }),
         runtimes: vec![pb::Runtime::Process as i32],
         simulated_gpus: true,
@@ -140,6 +141,7 @@ async fn an_agent_gets_more_than_4_mib_of_tasks_incrementally() {
                 cpus: 0.5,
                 mem_mib: 0,
                 gpus: 0,
+                ports: 0,
             }),
             ..Default::default()
         };

@@ -222,6 +222,7 @@ fn poll_spec(round: usize) -> pb::JobSpec {
             cpus: 1.0,
             mem_mib: 0,
             gpus: 0,
+            ports: 0,
         }),
         ..Default::default()
     }

@@ -437,6 +437,7 @@ impl Shared {
                 cpus: 32.0,
                 mem_mib: 262_144,
                 gpus: self.config.gpus_per_agent,
+                ports: 0,
             }),
             gpus,
             runtimes,

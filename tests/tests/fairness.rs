@@ -110,6 +110,7 @@ impl Greedy {
                                             cpus: self.cpus,
                                             mem_mib: self.mem_mib,
                                             gpus: self.gpus,
+                                            ports: 0,
                                         }),
                                         gpu_uuids: gpus.by_ref().take(self.gpus as usize).collect(),
                                         // For gpuctl_tests::live_tasks: the

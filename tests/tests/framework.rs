@@ -165,6 +165,7 @@ fn offers_name_gpus_and_bad_accepts_are_refused_leaving_the_offers() {
                 cpus: 0.1,
                 mem_mib: 16,
                 gpus: 1,
+                ports: 0,
             }),
             gpu_uuids: vec![gpu.clone()],
             ..Default::default()
@@ -365,6 +366,7 @@ fn updates_wait_for_acknowledgement_and_frameworks_fail_over() {
                 cpus: 0.1,
                 mem_mib: 16,
                 gpus: 1,
+                ports: 0,
             }),
             gpu_uuids: vec![gpu.to_string()],
             ..Default::default()
@@ -730,6 +732,7 @@ fn unacknowledged_updates_are_resent_and_an_ended_task_frees_its_gpu_at_once() {
                                 cpus: 0.1,
                                 mem_mib: 16,
                                 gpus: 1,
+ports: 0,
                             }),
                             gpu_uuids: vec![gpu.clone()],
                             ..Default::default()

@@ -52,6 +52,7 @@ async fn sim_agents_run_finish_and_kill_tasks() {
                 cpus: 1.0,
                 mem_mib: 0,
                 gpus: 1,
+                ports: 0,
             }),
             ..Default::default()
         };
@@ -203,6 +204,7 @@ async fn an_in_process_group_serves_after_its_leader_is_killed_and_sleep_tasks_e
                         cpus: 1.0,
                         mem_mib: 0,
                         gpus: 1,
+                        ports: 0,
                     }),
                     ..Default::default()
                 }),
@@ -280,6 +282,7 @@ async fn gangs_are_placed_at_a_leader_elected_in_the_middle_of_a_burst() {
             cpus: 1.0,
             mem_mib: 0,
             gpus: 1,
+            ports: 0,
         }),
         ..Default::default()
     };
@@ -304,6 +307,7 @@ async fn gangs_are_placed_at_a_leader_elected_in_the_middle_of_a_burst() {
                     cpus: 1.0,
                     mem_mib: 0,
                     gpus: 8,
+                    ports: 0,
                 }),
                 replicas: 8,
                 ..Default::default()

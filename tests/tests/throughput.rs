@@ -114,6 +114,7 @@ fn job(n: usize) -> pb::JobSpec {
             cpus: 1.0,
             mem_mib: 0,
             gpus: 1,
+            ports: 0,
         }),
         ..Default::default()
     }

@@ -170,6 +170,7 @@ mod tests {
                 cpus: 1.0,
                 mem_mib: 1,
                 gpus: gpus.len() as u32,
+                ports: 0,
             },
             gpu_uuids: gpus.iter().map(|g| g.to_string()).collect(),
             no_fence: false,

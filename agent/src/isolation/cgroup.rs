@@ -461,6 +461,7 @@ mod tests {
             cpus: 1.5,
             mem_mib: 64,
             gpus: 1,
+            ports: 0,
         };
         let t = m.create("t-1", &rules, &res).unwrap();
         let dir = |c: &str| Path::new(ROOT).join(c).join(&parent).join("t-1");

@@ -1257,6 +1257,7 @@ mod tests {
                     cpus: 0.5,
                     mem_mib: 64,
                     gpus: 0,
+                    ports: 0,
                 },
                 gpu_uuids: vec![],
                 no_fence: false,

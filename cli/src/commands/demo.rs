@@ -424,6 +424,7 @@ fn demo_spec(name: &str, gpus: u32, image: Option<&str>) -> pb::JobSpec {
             cpus: 0.5,
             mem_mib: 0,
             gpus,
+            ports: 0,
         }),
         ..Default::default()
     }

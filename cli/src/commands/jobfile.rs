@@ -43,6 +43,9 @@ pub struct JobFile {
     /// MiB; 0: no limit.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mem: Option<u64>,
+    /// Host ports per task.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ports: Option<u32>,
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub env: BTreeMap<String, Text>,
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
@@ -351,6 +354,7 @@ pub fn from_spec(spec: &pb::JobSpec) -> JobFile {
         gpus: Some(res.gpus),
         cpus: Some(res.cpus),
         mem: Some(res.mem_mib),
+        ports: (res.ports > 0).then_some(res.ports),
         env: spec
             .env
             .iter()
@@ -499,6 +503,7 @@ mod tests {
                 cpus: 0.5,
                 mem_mib: 64,
                 gpus: 2,
+                ports: 0,
             }),
             placement: Some(pb::Placement {
                 policy: "spread".into(),

@@ -148,6 +148,10 @@ pub struct SubmitArgs {
     /// Memory limit in MiB; 0 means no limit [default: 0].
     #[arg(long, value_name = "MIB")]
     pub mem: Option<u64>,
+    /// Host ports per task, from the agent's range, in GPUCTL_PORTS (rank
+    /// 0's first is MASTER_PORT). A gang gets at least 1 [default: 0].
+    #[arg(long, value_name = "N")]
+    pub ports: Option<u32>,
     /// Environment variable for the job, repeatable.
     #[arg(long = "env", value_name = "K=V", value_parser = parse_env_pair)]
     pub env: Vec<(String, String)>,
@@ -344,6 +348,7 @@ impl SubmitArgs {
                 cpus: self.cpus.or(file.cpus).unwrap_or(1.0),
                 mem_mib: self.mem.or(file.mem).unwrap_or(0),
                 gpus: self.gpus.or(file.gpus).unwrap_or(0),
+                ports: self.ports.or(file.ports).unwrap_or(0),
             }),
             priority: self.priority.or(file.priority).unwrap_or(0),
             replicas: self.replicas.or(file.replicas).unwrap_or(1),
@@ -1091,7 +1096,8 @@ mod tests {
             Some(pb::Resources {
                 cpus: 1.0,
                 mem_mib: 0,
-                gpus: 0
+                gpus: 0,
+                ports: 0,
             })
         );
         assert!(spec.env.is_empty());
@@ -1228,7 +1234,8 @@ mod tests {
             Some(pb::Resources {
                 cpus: 0.5,
                 mem_mib: 1024,
-                gpus: 2
+                gpus: 2,
+                ports: 0,
             })
         );
         assert_eq!(spec.env.get("A").map(String::as_str), Some("1"));
@@ -1263,7 +1270,8 @@ mod tests {
             Some(pb::Resources {
                 cpus: 0.5,
                 mem_mib: 64,
-                gpus: 2
+                gpus: 2,
+                ports: 0,
             })
         );
         assert_eq!(spec.env["A"], "1");

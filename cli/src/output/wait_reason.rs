@@ -96,6 +96,10 @@ pub enum RequirementJson {
     Memory {
         mem_mib: u64,
     },
+    /// Host ports in all (the agent's --ports range).
+    Ports {
+        ports: u32,
+    },
     /// Allows root host-process tasks (the agent's allow_root_tasks).
     RootTasks,
     /// Allows mounting `path` (the agent's allowed_mounts).
@@ -145,6 +149,8 @@ pub struct BusyJson {
     pub exhausted_gpus: u32,
     pub exhausted_cpus: u32,
     pub exhausted_memory: u32,
+    #[serde(default)]
+    pub exhausted_ports: u32,
     pub fit_one: u32,
     #[serde(default)]
     pub filtered_security: u32,
@@ -196,6 +202,7 @@ impl RequirementJson {
             Kind::Gpus => RequirementJson::Gpus(gpus()),
             Kind::Cpus => RequirementJson::Cpus { cpus: r.cpus },
             Kind::Memory => RequirementJson::Memory { mem_mib: r.mem_mib },
+            Kind::Ports => RequirementJson::Ports { ports: r.ports },
             Kind::RootTasks => RequirementJson::RootTasks,
             Kind::Mount => RequirementJson::Mount {
                 path: r.path.clone(),
@@ -277,6 +284,7 @@ impl WaitReasonJson {
                 exhausted_gpus: b.exhausted_gpus,
                 exhausted_cpus: b.exhausted_cpus,
                 exhausted_memory: b.exhausted_memory,
+                exhausted_ports: b.exhausted_ports,
                 fit_one: b.fit_one,
                 filtered_security: b.filtered_security,
                 filtered_driver: b.filtered_driver,
@@ -352,6 +360,9 @@ impl RequirementJson {
             RequirementJson::Gpus(g) => format!("has {}", g.words()),
             RequirementJson::Cpus { cpus } => format!("has {cpus} cpus"),
             RequirementJson::Memory { mem_mib } => format!("has {mem_mib} MiB of memory"),
+            RequirementJson::Ports { ports } => {
+                format!("offers {ports} host ports (agent option --ports)")
+            }
             RequirementJson::RootTasks => {
                 "allows root tasks (agent option allow_root_tasks)".to_string()
             }
@@ -374,6 +385,7 @@ impl RequirementJson {
             | RequirementJson::Gpus(g) => format!("have {}", g.words()),
             RequirementJson::Cpus { cpus } => format!("have {cpus} cpus"),
             RequirementJson::Memory { mem_mib } => format!("have {mem_mib} MiB of memory"),
+            RequirementJson::Ports { ports } => format!("offer {ports} host ports"),
             RequirementJson::RootTasks => "allow root tasks".to_string(),
             RequirementJson::Mount { path } => format!("allow mounting {path}"),
             RequirementJson::Driver { requires, .. } => {
@@ -402,9 +414,9 @@ impl RequirementJson {
     /// "at most 8" for the largest amount an agent has of it.
     fn at_most(&self, largest: f64) -> Option<String> {
         match self {
-            RequirementJson::Gpus(_) | RequirementJson::Cpus { .. } => {
-                Some(format!("at most {largest}"))
-            }
+            RequirementJson::Gpus(_)
+            | RequirementJson::Cpus { .. }
+            | RequirementJson::Ports { .. } => Some(format!("at most {largest}")),
             RequirementJson::GpuMemory(_) | RequirementJson::Memory { .. } => {
                 Some(format!("at most {largest} MiB"))
             }
@@ -447,6 +459,7 @@ impl BusyJson {
             (self.exhausted_gpus, "short of free GPUs"),
             (self.exhausted_cpus, "short of free cpus"),
             (self.exhausted_memory, "short of free memory"),
+            (self.exhausted_ports, "short of free ports"),
             (self.fit_one, "with room for one replica"),
             (self.filtered_runtime, "without the runtime"),
             (self.filtered_security, "not allowing its root or mounts"),
@@ -878,6 +891,7 @@ mod tests {
                 cpus,
                 mem_mib,
                 gpus,
+                ports: 0,
             })
         };
         let quota = wr::Kind::Quota(wr::Quota {
@@ -950,6 +964,7 @@ mod tests {
             fit_one: 1,
             filtered_security: 1,
             filtered_driver: 0,
+            exhausted_ports: 0,
         };
         assert_eq!(
             text(wr::Kind::Resources(busy), None),
@@ -966,6 +981,15 @@ mod tests {
         assert_eq!(
             text(wr::Kind::Resources(busy), None),
             "Resources: waiting for resources to be freed (of 1 agent: 1 short of free cpus)"
+        );
+        let busy = wr::Busy {
+            agents: 2,
+            exhausted_ports: 2,
+            ..Default::default()
+        };
+        assert_eq!(
+            text(wr::Kind::Resources(busy), None),
+            "Resources: waiting for resources to be freed (of 2 agents: 2 short of free ports)"
         );
     }
 

@@ -352,6 +352,7 @@ fn task_info(config: &Config, task: &Task) -> pb::TaskInfo {
             cpus: TASK_CPUS,
             mem_mib: TASK_MEM_MIB,
             gpus: task.gpus.len() as u32,
+            ports: 0,
         }),
         gpu_uuids: task.gpus.clone(),
     }
@@ -442,6 +443,7 @@ mod tests {
                 cpus,
                 mem_mib,
                 gpus: gpus.len() as u32,
+                ports: 0,
             }),
             gpus,
             ..Default::default()
@@ -496,7 +498,8 @@ mod tests {
             Some(pb::Resources {
                 cpus: TASK_CPUS,
                 mem_mib: TASK_MEM_MIB,
-                gpus: 0
+                gpus: 0,
+                ports: 0,
             })
         );
         assert!(t.gpu_uuids.is_empty());

@@ -54,6 +54,7 @@ fn offer(id: &str, gpus: usize) -> Event {
                 cpus: 1.0,
                 mem_mib: 1024,
                 gpus: gpus.len() as u32,
+                ports: 0,
             }),
             gpus,
             ..Default::default()

@@ -78,6 +78,7 @@ impl Filters {
                         cpus: a.cpus.max(b.cpus),
                         mem_mib: a.mem_mib.max(b.mem_mib),
                         gpus: a.gpus.max(b.gpus),
+                        ports: a.ports.max(b.ports),
                     }),
                     _ => None,
                 };

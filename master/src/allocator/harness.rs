@@ -17,6 +17,7 @@ pub fn res(cpus: f64, mem_mib: u64, gpus: u32) -> Resources {
         cpus,
         mem_mib,
         gpus,
+        ports: 0,
     }
 }
 

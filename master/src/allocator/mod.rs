@@ -154,6 +154,7 @@ pub const DEFAULT_GPU_RESERVE: Resources = Resources {
     cpus: 2.0,
     mem_mib: 8192,
     gpus: 0,
+    ports: 0,
 };
 
 impl Default for AllocatorConfig {
@@ -299,6 +300,7 @@ fn split_agent(
         cpus: left.cpus / n as f64,
         mem_mib: left.mem_mib / n as u64,
         gpus: (left.gpus.len() as u32).div_ceil(n as u32),
+        ports: 0,
     };
     // Per framework index: what it got on this agent, in the order it first
     // got something (which hands out the GPUs).
@@ -403,6 +405,7 @@ fn gpu_reserve(config: &AllocatorConfig, total: &Resources) -> Resources {
             .max(0.0),
         mem_mib: config.gpu_reserve.mem_mib.min(total.mem_mib / u64::from(n)),
         gpus: 0,
+        ports: 0,
     }
 }
 
@@ -411,6 +414,7 @@ fn min_res(a: &Resources, b: &Resources) -> Resources {
         cpus: a.cpus.min(b.cpus),
         mem_mib: a.mem_mib.min(b.mem_mib),
         gpus: a.gpus.min(b.gpus),
+        ports: a.ports.min(b.ports),
     }
 }
 
@@ -561,6 +565,7 @@ impl RoleState {
                 cpus: clean_cpus(q.cpus - self.held.cpus),
                 mem_mib: q.mem_mib.saturating_sub(self.held.mem_mib),
                 gpus: q.gpus.saturating_sub(self.held.gpus),
+                ports: 0,
             }
         })
     }
@@ -803,6 +808,7 @@ impl<'a> Sorter<'a> {
             } else {
                 0
             },
+            ports: 0,
         };
         if fw
             .filters
@@ -828,6 +834,7 @@ impl<'a> Sorter<'a> {
             cpus: left.cpus,
             mem_mib: left.mem_mib,
             gpus,
+            ports: 0,
         };
         if let Some(room) = self.roles[self.fws[i].role].room() {
             want = min_res(&clean(&want), &clean(&room));
@@ -844,6 +851,7 @@ impl<'a> Sorter<'a> {
                     .saturating_sub(r.mem_mib.saturating_mul(u64::from(kept))),
             ),
             gpus: g,
+            ports: 0,
         }
     }
 

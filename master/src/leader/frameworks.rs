@@ -432,6 +432,7 @@ impl Hub {
                 cpus: a.cpus.min(b.cpus),
                 mem_mib: a.mem_mib.min(b.mem_mib),
                 gpus: a.gpus.min(b.gpus),
+                ports: a.ports.min(b.ports),
             })
             .filter(|r| r.cpus > 1e-9 || r.mem_mib > 0 || r.gpus > 0)
             .map_or(Demand::Whole, Demand::Task);
@@ -872,7 +873,14 @@ fn allocate(state: &State, g: &mut Inner, settings: &FrameworkSettings, now: u64
                 framework_id: o.framework_id.clone(),
                 agent_id: o.agent_id.clone(),
                 hostname: agent.info.hostname.clone(),
-                resources: Some(o.resources.into()),
+                // Ports go whole with every offer (see `accept`).
+                resources: Some(
+                    Resources {
+                        ports: agent.free().ports,
+                        ..o.resources
+                    }
+                    .into(),
+                ),
                 gpus,
                 attributes: agent.info.attributes.clone().into_iter().collect(),
             });
@@ -1186,6 +1194,7 @@ mod tests {
                 cpus: 2.0,
                 mem_mib: 1024,
                 gpus: 1,
+                ports: 0,
             },
             gpu_uuids: vec![gpu.into()],
         };
@@ -1250,7 +1259,8 @@ mod tests {
             .cloned()
             .unwrap();
         assert_eq!(again.gpu_uuids.len(), 2);
-        assert_eq!(again.resources, freed);
+        // The book does not divide ports: the wire offer carries them all.
+        assert_eq!(again.resources, Resources { ports: 0, ..freed });
     }
 
     /// A subscription states the framework's suppression (a new leader

@@ -403,6 +403,7 @@ mod tests {
                         cpus: 1.0,
                         mem_mib: 0,
                         gpus: 1,
+                        ports: 0,
                     },
                 ),
                 at_ms: 0,

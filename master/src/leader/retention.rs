@@ -183,6 +183,7 @@ mod tests {
                 cpus: 1.0,
                 mem_mib: 0,
                 gpus,
+                ports: 0,
             },
         )
     }
@@ -376,6 +377,7 @@ mod tests {
                 cpus: 1.0,
                 mem_mib: 0,
                 gpus: 0,
+                ports: 0,
             },
             gpu_uuids: vec![],
         };

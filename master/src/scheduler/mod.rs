@@ -436,6 +436,7 @@ mod tests {
                     cpus: 16.0,
                     mem_mib: 65536,
                     gpus,
+                    ports: 0,
                 },
                 gpus: (0..gpus)
                     .map(|i| GpuInfo::new(format!("GPU-{id}-{i}"), i, "A100", 40960))
@@ -447,6 +448,7 @@ mod tests {
                 cuda_driver_version: None,
                 allow_root_tasks: false,
                 allowed_mounts: Vec::new(),
+                ports: None,
             },
             running_task_ids: vec![],
             at_ms: 0,
@@ -465,6 +467,7 @@ mod tests {
                     cpus: 1.0,
                     mem_mib: 0,
                     gpus,
+                    ports: 0,
                 },
                 ..Default::default()
             },
@@ -686,6 +689,7 @@ mod tests {
                     cpus: 4.0,
                     mem_mib: 1024,
                     gpus: 2,
+                    ports: 0,
                 },
                 gpus: vec!["GPU-b-2".into(), "GPU-b-3".into()],
             },

@@ -430,6 +430,7 @@ enum Need<'r> {
     Count,
     Cpus,
     Mem,
+    Ports,
 }
 
 impl Need<'_> {
@@ -486,6 +487,9 @@ pub fn unsatisfiable(
     }
     steps.push(Need::Cpus);
     steps.push(Need::Mem);
+    if need.ports > 0 {
+        steps.push(Need::Ports);
+    }
 
     let ask = || GpuAsk {
         count: need.gpus,
@@ -505,6 +509,7 @@ pub fn unsatisfiable(
         Need::Count => Requirement::Gpus(ask()),
         Need::Cpus => Requirement::Cpus(need.cpus),
         Need::Mem => Requirement::Memory(need.mem_mib),
+        Need::Ports => Requirement::Ports(need.ports),
         Need::Driver => Requirement::Driver(DriverAsk {
             requires: req
                 .driver_requires()
@@ -532,6 +537,7 @@ pub fn unsatisfiable(
             Need::Count => node.all_gpus.iter().filter(|g| filter.matches(g)).count() >= n,
             Need::Cpus => need.cpus <= totals(node.id).cpus + 1e-9,
             Need::Mem => need.mem_mib <= totals(node.id).mem_mib,
+            Need::Ports => need.ports <= totals(node.id).ports,
         }
     };
 
@@ -627,6 +633,7 @@ fn largest(
             Need::Count => Some(node.all_gpus.iter().filter(|g| filter.matches(g)).count() as f64),
             Need::Cpus => Some(totals(node.id).cpus),
             Need::Mem => Some(totals(node.id).mem_mib as f64),
+            Need::Ports => Some(f64::from(totals(node.id).ports)),
         }
     };
     nodes.iter().filter_map(|n| of(n)).max_by(f64::total_cmp)
@@ -689,6 +696,8 @@ pub fn agent_counts(
             &mut c.exhausted_cpus
         } else if need.mem_mib > node.free.mem_mib {
             &mut c.exhausted_memory
+        } else if need.ports > node.free.ports {
+            &mut c.exhausted_ports
         } else {
             &mut c.fit_one
         };
@@ -764,6 +773,7 @@ mod tests {
             cpus,
             mem_mib,
             gpus,
+            ports: 0,
         }
     }
 
@@ -1457,6 +1467,7 @@ mod tests {
                 fit_one: 1,
                 filtered_security: 0,
                 filtered_driver: 0,
+                exhausted_ports: 0,
             }
         );
     }
@@ -2164,6 +2175,7 @@ mod tests {
                         + c.exhausted_gpus
                         + c.exhausted_cpus
                         + c.exhausted_memory
+                        + c.exhausted_ports
                         + c.fit_one;
                     prop_assert_eq!(counted as usize, v.len());
                     prop_assert_eq!(c.agents as usize, v.len());

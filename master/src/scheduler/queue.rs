@@ -471,6 +471,7 @@ fn times(r: &Resources, n: u32) -> Resources {
         cpus: r.cpus * f64::from(n),
         mem_mib: r.mem_mib.saturating_mul(u64::from(n)),
         gpus: r.gpus.saturating_mul(n),
+        ports: r.ports.saturating_mul(n),
     }
 }
 
@@ -809,6 +810,7 @@ mod tests {
                     cpus: 1.0,
                     mem_mib: 0,
                     gpus,
+                    ports: 0,
                 },
             );
             spec.priority = priority;
@@ -955,6 +957,7 @@ mod tests {
                     cpus: 1.0,
                     mem_mib: 0,
                     gpus: 1,
+                    ports: 0,
                 },
             );
             spec.require_cuda = Some(Expr::parse(require).unwrap());
@@ -1292,6 +1295,7 @@ mod tests {
                 cpus: f64::MAX,
                 mem_mib: u64::MAX,
                 gpus: 3,
+                ports: 0,
             }),
             ..Default::default()
         };
@@ -1301,6 +1305,7 @@ mod tests {
             cpus: 1.0,
             mem_mib: 0,
             gpus,
+            ports: 0,
         };
         assert_eq!(
             p.reasons[&hi].reason,

@@ -333,6 +333,7 @@ mod tests {
                 cpus: 8.0,
                 mem_mib: 1024,
                 gpus,
+                ports: 0,
             },
         }
     }

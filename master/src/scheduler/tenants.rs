@@ -78,6 +78,7 @@ pub fn roles_with_quotas<'r>(
             cpus: f64::MAX,
             mem_mib: u64::MAX,
             gpus: u32::MAX,
+            ports: u32::MAX,
         });
         limit.gpus = limit.gpus.min(quota.saturating_sub(jobs));
         role.quota = Some(limit);
@@ -115,6 +116,7 @@ mod tests {
                 cpus: 1.0,
                 mem_mib: 0,
                 gpus: 2,
+                ports: 0,
             },
         );
         spec.tenant = "vision".into();

@@ -444,12 +444,16 @@ impl SchedulerService {
             e.0 = e.0.add(&o.resources);
             e.1.extend(o.gpu_uuids.iter().cloned());
         }
-        let commands = launch_commands(
-            &self.ctx.raft.state(),
-            &req.framework_id,
-            req.operations,
-            &offered,
-        )?;
+        let commands = {
+            let state = self.ctx.raft.state();
+            // Host ports are not divided between offers: each offer of an agent
+            // carries all its free ports, and the launch's apply arbitrates
+            // (a task that lost the race is refused, RESOURCES_UNAVAILABLE).
+            for (agent_id, (r, _)) in offered.iter_mut() {
+                r.ports = state.agent(agent_id).map_or(0, |a| a.free().ports);
+            }
+            launch_commands(&state, &req.framework_id, req.operations, &offered)?
+        };
         self.ctx
             .hub
             .take_offers(&req.framework_id, &req.offer_ids)?;
@@ -676,6 +680,7 @@ mod tests {
             cpus: 8.0,
             mem_mib: 1024,
             gpus: 1,
+            ports: 0,
         };
         [("a1".to_string(), (all, ["GPU-0".to_string()].into()))].into()
     }
@@ -691,6 +696,7 @@ mod tests {
                 cpus: 1.0,
                 mem_mib,
                 gpus: gpus.len() as u32,
+                ports: 0,
             },
             gpu_uuids: gpus.iter().map(|g| g.to_string()).collect(),
         }

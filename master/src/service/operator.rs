@@ -36,6 +36,7 @@ pub fn task_to_pb(t: &TaskRecord) -> pb::Task {
         updated_at_ms: t.updated_at_ms,
         rank: t.rank,
         reason: crate::leader::frameworks::wire_reason(t) as i32,
+        ports: t.ports.iter().map(|p| u32::from(*p)).collect(),
     }
 }
 
@@ -191,6 +192,7 @@ pub fn agent_to_pb(a: &AgentRecord, runtimes: Vec<RuntimeStatus>) -> pb::Agent {
         unreachable_since_ms: a.unreachable_since_ms.unwrap_or_default(),
         allow_root_tasks: a.info.allow_root_tasks,
         allowed_mounts: a.info.allowed_mounts.clone(),
+        ports: a.info.ports.map(Into::into),
     }
 }
 
@@ -851,6 +853,7 @@ mod tests {
                     cpus: 1.0,
                     mem_mib: 0,
                     gpus,
+                    ports: 0,
                 },
             );
             match d.apply(Command::SubmitJob {

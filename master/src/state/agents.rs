@@ -400,6 +400,7 @@ mod tests {
                     cpus: 1.0,
                     mem_mib: 0,
                     gpus,
+                    ports: 0,
                 },
             );
             f(&mut spec);

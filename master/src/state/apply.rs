@@ -14,6 +14,8 @@ use super::{AgentState, Command, JobRecord, State, TaskReason};
 pub(super) struct Pending {
     pub(super) resources: std::collections::BTreeMap<String, Resources>,
     pub(super) gpus: BTreeSet<String>,
+    /// Host ports given, by agent.
+    pub(super) ports: std::collections::BTreeMap<String, BTreeSet<u16>>,
 }
 
 /// What a successful apply produced, returned to the proposer.
@@ -324,7 +326,7 @@ impl State {
         resources: &Resources,
         gpus: &[String],
         pending: &mut Pending,
-    ) -> Result<(), ApplyError> {
+    ) -> Result<Vec<u16>, ApplyError> {
         let agent = self
             .agents
             .get(agent_id)
@@ -384,14 +386,56 @@ impl State {
             .add(resources);
         if !agent.free().fits(&more) {
             return Err(ApplyError::DoesNotFit(format!(
-                "agent {agent_id} has {:.2} cpus and {} MiB free",
+                "agent {agent_id} has {:.2} cpus, {} MiB and {} ports free",
                 agent.free().cpus,
-                agent.free().mem_mib
+                agent.free().mem_mib,
+                agent.free().ports
             )));
         }
+        let taken = pending.ports.entry(agent_id.to_string()).or_default();
+        let ports = self.pick_ports(agent_id, resources.ports, taken)?;
+        taken.extend(&ports);
         pending.resources.insert(agent_id.to_string(), more);
         pending.gpus.extend(gpus.iter().cloned());
-        Ok(())
+        Ok(ports)
+    }
+
+    /// The `n` lowest ports of the agent's range that no task holding
+    /// resources there holds and that are not in `taken`. Deterministic, so
+    /// every replica picks the same. The count check (`Resources::ports`)
+    /// comes first; this also refuses when the numbers run out (a range
+    /// that shrank under tasks holding ports outside it).
+    fn pick_ports(
+        &self,
+        agent_id: &str,
+        n: u32,
+        taken: &BTreeSet<u16>,
+    ) -> Result<Vec<u16>, ApplyError> {
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let range = self
+            .agents
+            .get(agent_id)
+            .and_then(|a| a.info.ports)
+            .ok_or_else(|| ApplyError::DoesNotFit(format!("agent {agent_id} offers no ports")))?;
+        let held: BTreeSet<u16> = self
+            .tasks
+            .on(agent_id)
+            .filter(|t| t.holds_resources())
+            .flat_map(|t| t.ports.iter().copied())
+            .collect();
+        let picked: Vec<u16> = (range.start..=range.end)
+            .filter(|p| !held.contains(p) && !taken.contains(p))
+            .take(n as usize)
+            .collect();
+        if picked.len() < n as usize {
+            return Err(ApplyError::DoesNotFit(format!(
+                "agent {agent_id} has {} of its ports {range} free, {n} asked for",
+                picked.len()
+            )));
+        }
+        Ok(picked)
     }
 
     fn update_task(&mut self, u: &StatusUpdate, at_ms: u64) -> Result<Outcome, ApplyError> {
@@ -691,6 +735,7 @@ mod tests {
                 cpus: 8.0,
                 mem_mib: 16384,
                 gpus,
+                ports: 0,
             },
             gpus: (0..gpus)
                 .map(|i| GpuInfo::new(format!("GPU-{id}-{i}"), i, "A100", 40960))
@@ -702,6 +747,7 @@ mod tests {
             cuda_driver_version: None,
             allow_root_tasks: false,
             allowed_mounts: Vec::new(),
+            ports: None,
         }
     }
 
@@ -741,6 +787,7 @@ mod tests {
                 cpus: 1.0,
                 mem_mib: 128,
                 gpus,
+                ports: 0,
             },
             ..Default::default()
         }

@@ -16,6 +16,7 @@ fn spec(gpus: u32, f: impl FnOnce(&mut JobSpec)) -> JobSpec {
             cpus: 1.0,
             mem_mib: 0,
             gpus,
+            ports: 0,
         },
     );
     f(&mut s);

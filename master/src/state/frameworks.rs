@@ -123,7 +123,7 @@ impl State {
         // Check every task first (each against the state and the tasks
         // before it in this command), then record.
         let mut pending = Pending::default();
-        let mut verdicts: Vec<Result<(), String>> = Vec::with_capacity(tasks.len());
+        let mut verdicts: Vec<Result<Vec<u16>, String>> = Vec::with_capacity(tasks.len());
         let mut seen = std::collections::BTreeSet::new();
         // Each task's shape (ids, command, env, image, resources) was
         // checked where it entered (`convert::framework_task_from_pb`);
@@ -157,12 +157,13 @@ impl State {
         let mut unrecorded = Vec::new();
         for (t, verdict) in tasks.iter().zip(verdicts) {
             let key = task_key(framework_id, &t.task_id);
-            let refusal = match verdict {
-                Err(reason) => Some(reason),
-                Ok(()) if group_failed => {
-                    Some("another task of its group could not be launched".to_string())
-                }
-                Ok(()) => None,
+            let (refusal, ports) = match verdict {
+                Err(reason) => (Some(reason), Vec::new()),
+                Ok(_) if group_failed => (
+                    Some("another task of its group could not be launched".to_string()),
+                    Vec::new(),
+                ),
+                Ok(ports) => (None, ports),
             };
             // A refused task whose id is taken is reported, not recorded
             // (it would overwrite the task that has the id).
@@ -198,6 +199,7 @@ impl State {
                 before_unreachable: None,
                 holding: false,
                 released: false,
+                ports,
             };
             match refusal {
                 Some(reason) => {
@@ -285,7 +287,7 @@ impl State {
 mod tests {
     use super::*;
     use crate::state::Command;
-    use gpuctl_core::types::{AgentInfo, GpuInfo, Resources, StatusUpdate};
+    use gpuctl_core::types::{AgentInfo, GpuInfo, PortRange, Resources, StatusUpdate};
 
     fn state() -> State {
         let mut s = State::new();
@@ -297,6 +299,7 @@ mod tests {
                 cpus: 4.0,
                 mem_mib: 4096,
                 gpus: 2,
+                ports: 0,
             },
             gpus: (0..2)
                 .map(|i| GpuInfo::new(format!("GPU-{i}"), i, "A100", 40960))
@@ -308,6 +311,7 @@ mod tests {
             cuda_driver_version: None,
             allow_root_tasks: false,
             allowed_mounts: Vec::new(),
+            ports: None,
         };
         s.apply(
             1,
@@ -359,6 +363,7 @@ mod tests {
                 cpus: 1.0,
                 mem_mib: 128,
                 gpus: gpus.len() as u32,
+                ports: 0,
             },
             gpu_uuids: gpus.iter().map(|g| g.to_string()).collect(),
         }
@@ -375,6 +380,80 @@ mod tests {
             },
         )
         .unwrap()
+    }
+
+    /// A framework's task asking for ports gets the lowest free numbers of
+    /// its agent's range, in GPUCTL_PORTS; one asking more than are free
+    /// is refused and holds nothing.
+    #[test]
+    fn framework_tasks_get_host_ports_from_the_agents_range() {
+        let mut s = state();
+        let mut info = s.agent("a1").unwrap().info.clone();
+        info.ports = Some(PortRange {
+            start: 40000,
+            end: 40002,
+        });
+        info.total.ports = 3;
+        s.apply(
+            2,
+            &Command::RegisterAgent {
+                info,
+                running_task_ids: vec![],
+                at_ms: 0,
+            },
+        )
+        .unwrap();
+        let f = match s
+            .apply(
+                3,
+                &Command::SubscribeFramework {
+                    info: fw(""),
+                    at_ms: 0,
+                },
+            )
+            .unwrap()
+        {
+            Outcome::FrameworkSubscribed { framework_id } => framework_id,
+            o => panic!("{o:?}"),
+        };
+        let with_ports = |id: &str, n: u32| {
+            let mut t = task(id, &[]);
+            t.resources.ports = n;
+            t
+        };
+        let out = s
+            .apply(
+                4,
+                &Command::LaunchFrameworkTasks {
+                    framework_id: f.clone(),
+                    tasks: vec![with_ports("t1", 2), with_ports("t2", 2)],
+                    group: false,
+                    at_ms: 5,
+                },
+            )
+            .unwrap();
+        let Outcome::FrameworkTasksLaunched {
+            launched, refused, ..
+        } = out
+        else {
+            panic!("{out:?}")
+        };
+        assert_eq!(launched, ["t1"]);
+        assert_eq!(refused.len(), 1, "{refused:?}");
+        assert!(refused[0].1.contains("ports"), "{refused:?}");
+        let key = task_key(&f, "t1");
+        assert_eq!(s.tasks[&key].ports, [40000, 40001]);
+        assert!(s.tasks[&task_key(&f, "t2")].ports.is_empty());
+        assert_eq!(
+            s.task_spec(&key).unwrap().env["GPUCTL_PORTS"],
+            "40000,40001"
+        );
+        assert_eq!(s.agent("a1").unwrap().free().ports, 1);
+        assert!(
+            s.invariant_violations().is_empty(),
+            "{:?}",
+            s.invariant_violations()
+        );
     }
 
     #[test]

@@ -20,9 +20,11 @@ use super::{ApplyError, Launch, Outcome, State, Stopping, TaskReason, TaskRecord
 impl State {
     /// Checks every launch against the current state (and against the other
     /// launches of the same command) before changing anything: each job
-    /// queued, given exactly `replicas` launches, each fitting.
-    pub(super) fn check_launches(&self, launches: &[Launch]) -> Result<(), ApplyError> {
+    /// queued, given exactly `replicas` launches, each fitting. Returns each
+    /// launch's host ports.
+    pub(super) fn check_launches(&self, launches: &[Launch]) -> Result<Vec<Vec<u16>>, ApplyError> {
         let mut pending = Pending::default();
+        let mut ports = Vec::with_capacity(launches.len());
         let mut per_job: BTreeMap<&str, u32> = BTreeMap::new();
         for l in launches {
             let job = self
@@ -36,13 +38,13 @@ impl State {
                 });
             }
             *per_job.entry(job.id.as_str()).or_default() += 1;
-            self.check_fit(
+            ports.push(self.check_fit(
                 &l.agent_id,
                 job.spec.runtime(),
                 &job.spec.resources,
                 &l.gpu_uuids,
                 &mut pending,
-            )?;
+            )?);
         }
         for (job_id, n) in per_job {
             let want = self.jobs.get(job_id).map_or(1, |j| j.spec.replicas());
@@ -52,7 +54,7 @@ impl State {
                 )));
             }
         }
-        Ok(())
+        Ok(ports)
     }
 
     /// Starts an attempt of each job named: tasks `<job>.<n>` with ranks in
@@ -62,10 +64,10 @@ impl State {
         launches: &[Launch],
         at_ms: u64,
     ) -> Result<Outcome, ApplyError> {
-        self.check_launches(launches)?;
+        let ports = self.check_launches(launches)?;
         let mut rank: BTreeMap<String, u32> = BTreeMap::new();
         let mut placed: BTreeMap<String, Vec<String>> = BTreeMap::new();
-        for l in launches {
+        for (l, ports) in launches.iter().zip(ports) {
             let Some(job) = self.jobs.get_mut(&l.job_id) else {
                 continue; // checked above
             };
@@ -107,6 +109,7 @@ impl State {
                     before_unreachable: None,
                     holding: false,
                     released: false,
+                    ports,
                 },
             );
             let gpus = if l.gpu_uuids.is_empty() {
@@ -622,6 +625,7 @@ mod tests {
                 cpus: 1.0,
                 mem_mib: 0,
                 gpus,
+                ports: 0,
             },
         );
         s.replicas = replicas;
@@ -681,6 +685,122 @@ mod tests {
         t.report("job-1.2", TaskState::Finished, Some(0));
         assert_eq!(t.job(&j).state, JobState::Succeeded);
         assert!(t.s.gpu_owner.is_empty());
+    }
+
+    /// Host ports come from the agent's range, lowest free first, never
+    /// to two tasks holding resources at once, and are free again once a
+    /// task ends. A launch asking more than are free is refused whole.
+    #[test]
+    fn host_ports_are_given_once_and_freed_at_the_end() {
+        let mut t = T::new(&[("a", 0)]);
+        let ported = |n: u32| {
+            let mut s = spec(0, 1);
+            s.resources.ports = n;
+            s
+        };
+        let ports = |t: &T, task: &str| t.s.tasks[task].ports.clone();
+        let j1 = t.submit(ported(3));
+        let j2 = t.submit(ported(3));
+        let j3 = t.submit(ported(5));
+        t.launch(&j1, &[("a", &[])]).unwrap();
+        t.launch(&j2, &[("a", &[])]).unwrap();
+        assert_eq!(ports(&t, "job-1.0"), [31000, 31001, 31002]);
+        assert_eq!(ports(&t, "job-2.0"), [31003, 31004, 31005]);
+        // 4 of 10 left: refused, nothing changes.
+        let before = t.s.clone();
+        let err = t.launch(&j3, &[("a", &[])]).unwrap_err();
+        assert!(err.to_string().contains("4 ports free"), "{err}");
+        assert_eq!((&t.s.jobs, &t.s.tasks), (&before.jobs, &before.tasks));
+        // job-1 ends: its ports go to job-3, lowest first.
+        t.report("job-1.0", TaskState::Finished, Some(0));
+        t.launch(&j3, &[("a", &[])]).unwrap();
+        assert_eq!(ports(&t, "job-3.0"), [31000, 31001, 31002, 31006, 31007]);
+        let (run, _) = t.s.desired_tasks("a");
+        let env = |id: &str| run.iter().find(|r| r.task_id == id).unwrap().env.clone();
+        assert_eq!(
+            env("job-3.0")["GPUCTL_PORTS"],
+            "31000,31001,31002,31006,31007"
+        );
+        // A single task is its own rank 0.
+        assert_eq!(env("job-3.0")["MASTER_PORT"], "31000");
+        assert_eq!(env("job-3.0")["MASTER_ADDR"], "a.host");
+        assert_eq!(env("job-3.0")["WORLD_SIZE"], "1");
+        assert_eq!(t.s.agent("a").unwrap().allocated.ports, 8);
+        assert!(
+            t.s.invariant_violations().is_empty(),
+            "{:?}",
+            t.s.invariant_violations()
+        );
+        // A job without ports gets no GPUCTL_PORTS and no MASTER_PORT.
+        let j4 = t.submit(ported(0));
+        t.launch(&j4, &[("a", &[])]).unwrap();
+        let (run, _) = t.s.desired_tasks("a");
+        let e4 = &run.iter().find(|r| r.task_id == "job-4.0").unwrap().env;
+        assert!(!e4.contains_key("GPUCTL_PORTS") && !e4.contains_key("MASTER_PORT"));
+        assert_eq!(e4["RANK"], "0");
+    }
+
+    /// A gang's ranks get PyTorch's variables: rank 0's agent address and
+    /// first port, ranks local to each agent, agents in order of their
+    /// lowest rank. Two ranks on one agent hold different ports. The job's
+    /// own value of such a name wins.
+    #[test]
+    fn a_gang_gets_torchrun_variables() {
+        let mut t = T::new(&[("a", 2), ("b", 2)]);
+        let mut s = spec(1, 3);
+        s.resources.ports = 1;
+        s.env.insert("LOCAL_WORLD_SIZE".into(), "8".into());
+        let j = t.submit(s);
+        t.launch(
+            &j,
+            &[
+                ("b", &["GPU-b-0"]),
+                ("a", &["GPU-a-0"]),
+                ("a", &["GPU-a-1"]),
+            ],
+        )
+        .unwrap();
+        let mut envs = std::collections::BTreeMap::new();
+        for agent in ["a", "b"] {
+            for task in t.s.desired_tasks(agent).0 {
+                envs.insert(task.env["RANK"].clone(), task.env);
+            }
+        }
+        let get = |rank: &str, k: &str| envs[rank][k].as_str();
+        for rank in ["0", "1", "2"] {
+            assert_eq!(get(rank, "MASTER_ADDR"), "b.host");
+            assert_eq!(get(rank, "MASTER_PORT"), "31000");
+            assert_eq!(get(rank, "WORLD_SIZE"), "3");
+            assert_eq!(get(rank, "GPUCTL_RANK"), rank);
+            assert_eq!(get(rank, "LOCAL_WORLD_SIZE"), "8", "the job's own");
+        }
+        assert_eq!(
+            ["0", "1", "2"].map(|r| (get(r, "NODE_RANK"), get(r, "LOCAL_RANK"))),
+            [("0", "0"), ("1", "0"), ("1", "1")]
+        );
+        assert_eq!(
+            ["0", "1", "2"].map(|r| get(r, "GPUCTL_PORTS")),
+            ["31000", "31000", "31001"]
+        );
+        assert!(t.s.invariant_violations().is_empty());
+    }
+
+    #[test]
+    fn agent_hosts_come_from_the_advertised_address() {
+        use gpuctl_core::types::AgentInfo;
+        let info = |address: &str| {
+            let mut i: AgentInfo = match crate::state::testkit::register("x", 0) {
+                Command::RegisterAgent { info, .. } => info,
+                _ => unreachable!(),
+            };
+            i.address = address.into();
+            i
+        };
+        assert_eq!(crate::state::agent_host(&info("10.0.0.7:7051")), "10.0.0.7");
+        assert_eq!(crate::state::agent_host(&info("[fd00::7]:7051")), "fd00::7");
+        assert_eq!(crate::state::agent_host(&info("gpu7.lab:7051")), "gpu7.lab");
+        assert_eq!(crate::state::agent_host(&info("0.0.0.0:7051")), "x.host");
+        assert_eq!(crate::state::agent_host(&info("")), "x.host");
     }
 
     #[test]

@@ -222,6 +222,10 @@ pub struct TaskRecord {
     /// processes are gone, so its GPUs and resources are free already.
     #[serde(default)]
     pub released: bool,
+    /// Host ports it holds, from its agent's range (`GPUCTL_PORTS`), as
+    /// many as `resources.ports`; freed with its resources.
+    #[serde(default)]
+    pub ports: Vec<u16>,
 }
 
 impl TaskRecord {
@@ -462,12 +466,11 @@ impl State {
         let t = self.tasks.get(task_id)?;
         // A framework's task has the default security.
         let (image, command, env, security) = match (&t.launch, self.jobs.get(&t.job_id)) {
-            (Some(l), _) => (
-                l.image.clone(),
-                l.command.clone(),
-                l.env.clone(),
-                Default::default(),
-            ),
+            (Some(l), _) => {
+                let mut env = l.env.clone();
+                insert_ports(&mut env, &t.ports);
+                (l.image.clone(), l.command.clone(), env, Default::default())
+            }
             (None, Some(job)) => (
                 job.spec.image.clone(),
                 job.spec.command.clone(),
@@ -498,14 +501,19 @@ impl State {
 
     /// A job task's environment: the job's, and where it stands in its
     /// gang: `GPUCTL_RANK`, `GPUCTL_WORLD_SIZE` and `GPUCTL_PEERS` (the
-    /// hostnames of its attempt's ranks in rank order, comma-separated).
+    /// hostnames of its attempt's ranks in rank order, comma-separated),
+    /// `GPUCTL_PORTS` (its host ports), and the same in PyTorch's
+    /// convention ([`torch_env`]) unless the job sets those names itself.
     /// The agent adds `GPUCTL_JOB_ID` and `GPUCTL_TASK_ID`.
     fn job_task_env(&self, job: &JobRecord, task: &TaskRecord) -> BTreeMap<String, String> {
         let mut env = job.spec.env.clone();
-        let peers: Vec<&str> = job
+        let gang: Vec<&TaskRecord> = job
             .current_tasks()
             .iter()
             .filter_map(|id| self.tasks.get(id))
+            .collect();
+        let peers: Vec<&str> = gang
+            .iter()
             .map(|t| {
                 self.agents
                     .get(&t.agent_id)
@@ -515,6 +523,53 @@ impl State {
         env.insert("GPUCTL_RANK".into(), task.rank.to_string());
         env.insert("GPUCTL_WORLD_SIZE".into(), job.spec.replicas().to_string());
         env.insert("GPUCTL_PEERS".into(), peers.join(","));
+        insert_ports(&mut env, &task.ports);
+        for (k, v) in self.torch_env(job, task, &gang) {
+            env.entry(k.into()).or_insert(v);
+        }
+        env
+    }
+
+    /// `torchrun`'s variables for one process per task, so that
+    /// `init_process_group(init_method="env://")` needs no wrapper:
+    /// `RANK`, `WORLD_SIZE`; `LOCAL_RANK` and `LOCAL_WORLD_SIZE` among the
+    /// gang's tasks on the same agent (rank order); `NODE_RANK`, the
+    /// agent's place among the gang's agents in order of their lowest rank;
+    /// `MASTER_ADDR` and `MASTER_PORT`, rank 0's agent address and first
+    /// host port (absent when rank 0 has no port).
+    fn torch_env(
+        &self,
+        job: &JobRecord,
+        task: &TaskRecord,
+        gang: &[&TaskRecord],
+    ) -> Vec<(&'static str, String)> {
+        let mut nodes: Vec<&str> = Vec::new();
+        for t in gang {
+            if !nodes.contains(&t.agent_id.as_str()) {
+                nodes.push(&t.agent_id);
+            }
+        }
+        let local: Vec<&&TaskRecord> = gang
+            .iter()
+            .filter(|t| t.agent_id == task.agent_id)
+            .collect();
+        let local_rank = local.iter().position(|t| t.id == task.id).unwrap_or(0);
+        let node_rank = nodes.iter().position(|a| *a == task.agent_id).unwrap_or(0);
+        let mut env = vec![
+            ("RANK", task.rank.to_string()),
+            ("WORLD_SIZE", job.spec.replicas().to_string()),
+            ("LOCAL_RANK", local_rank.to_string()),
+            ("LOCAL_WORLD_SIZE", local.len().max(1).to_string()),
+            ("NODE_RANK", node_rank.to_string()),
+        ];
+        if let Some(rank0) = gang.iter().find(|t| t.rank == 0) {
+            if let (Some(port), Some(agent)) =
+                (rank0.ports.first(), self.agents.get(&rank0.agent_id))
+            {
+                env.push(("MASTER_ADDR", agent_host(&agent.info).to_string()));
+                env.push(("MASTER_PORT", port.to_string()));
+            }
+        }
         env
     }
 
@@ -589,4 +644,26 @@ pub fn job_seq(id: &str) -> u64 {
     id.strip_prefix("job-")
         .and_then(|n| n.parse().ok())
         .unwrap_or(u64::MAX)
+}
+
+/// `GPUCTL_PORTS`: the task's host ports, comma-separated (none: unset).
+fn insert_ports(env: &mut BTreeMap<String, String>, ports: &[u16]) {
+    if !ports.is_empty() {
+        let list: Vec<String> = ports.iter().map(u16::to_string).collect();
+        env.insert("GPUCTL_PORTS".into(), list.join(","));
+    }
+}
+
+/// Where other hosts reach an agent: the host of its advertised address
+/// (`HOST:PORT`, `[V6]:PORT`), or its hostname when that says nothing.
+pub(crate) fn agent_host(info: &gpuctl_core::types::AgentInfo) -> &str {
+    let a = info.address.as_str();
+    let host = match a.strip_prefix('[') {
+        Some(rest) => rest.split_once(']').map_or("", |(h, _)| h),
+        None => a.rsplit_once(':').map_or(a, |(h, _)| h),
+    };
+    match host {
+        "" | "0.0.0.0" | "::" => &info.hostname,
+        h => h,
+    }
 }

@@ -108,6 +108,7 @@ mod tests {
                 cpus: 1.0,
                 mem_mib: 64,
                 gpus,
+                ports: 0,
             },
         );
         s.max_retries = max_retries;
@@ -311,6 +312,7 @@ mod tests {
                 cpus: 1.0,
                 mem_mib: 64,
                 gpus: gpus.len() as u32,
+                ports: 0,
             },
             gpu_uuids: gpus.iter().map(|g| g.to_string()).collect(),
         }

@@ -359,6 +359,7 @@ mod tests {
             before_unreachable: None,
             holding: false,
             released: false,
+            ports: Vec::new(),
         }
     }
 
@@ -381,6 +382,7 @@ mod tests {
                 cuda_driver_version: None,
                 allow_root_tasks: false,
                 allowed_mounts: Vec::new(),
+                ports: None,
             },
             state: AgentState::Active,
             registered_at_ms: 0,

@@ -1,6 +1,8 @@
 //! What tests that drive a state through commands share.
 
-use gpuctl_core::types::{AgentInfo, GpuInfo, Resources, Runtime, StatusUpdate, TaskState};
+use gpuctl_core::types::{
+    AgentInfo, GpuInfo, PortRange, Resources, Runtime, StatusUpdate, TaskState,
+};
 
 use super::{ApplyError, Command, Launch, Outcome, State};
 
@@ -64,18 +66,20 @@ pub fn status(agent: &str, task: &str, state: TaskState) -> StatusUpdate {
     }
 }
 
-/// An agent `id` (hostname `<id>.host`) with `gpus` simulated A100s
-/// (`GPU-<id>-<n>`), 64 CPUs and 1 TiB, running host processes, registering.
+/// An agent `id` (hostname `<id>.host`, address `<id>.host:7051`) with
+/// `gpus` simulated A100s (`GPU-<id>-<n>`), 64 CPUs, 1 TiB and ports
+/// 31000-31009, running host processes, registering.
 pub fn register(id: &str, gpus: u32) -> Command {
     Command::RegisterAgent {
         info: AgentInfo {
             id: id.into(),
             hostname: format!("{id}.host"),
-            address: String::new(),
+            address: format!("{id}.host:7051"),
             total: Resources {
                 cpus: 64.0,
                 mem_mib: 1 << 20,
                 gpus,
+                ports: 10,
             },
             gpus: (0..gpus)
                 .map(|i| GpuInfo::new(format!("GPU-{id}-{i}"), i, "A100", 40960))
@@ -87,6 +91,10 @@ pub fn register(id: &str, gpus: u32) -> Command {
             cuda_driver_version: None,
             allow_root_tasks: false,
             allowed_mounts: Vec::new(),
+            ports: Some(PortRange {
+                start: 31000,
+                end: 31009,
+            }),
         },
         running_task_ids: vec![],
         at_ms: 0,
@@ -158,12 +166,37 @@ impl State {
                 });
             if held.gpus != a.allocated.gpus
                 || held.mem_mib != a.allocated.mem_mib
+                || held.ports != a.allocated.ports
                 || (held.cpus - a.allocated.cpus).abs() > 1e-6
             {
                 bad.push(format!(
                     "agent {id} allocated {:?}, its tasks hold {held:?}",
                     a.allocated
                 ));
+            }
+        }
+        // No host port held twice on one agent; each task holds as many
+        // as it asked for.
+        let mut port_owner: std::collections::BTreeMap<(&str, u16), &str> = Default::default();
+        for t in self.tasks.values() {
+            if !t.ports.is_empty() && t.ports.len() != t.resources.ports as usize {
+                bad.push(format!(
+                    "task {} holds {} ports, asked for {}",
+                    t.id,
+                    t.ports.len(),
+                    t.resources.ports
+                ));
+            }
+            if !t.holds_resources() {
+                continue;
+            }
+            for p in &t.ports {
+                if let Some(other) = port_owner.insert((t.agent_id.as_str(), *p), &t.id) {
+                    bad.push(format!(
+                        "port {p} of agent {} held by {other} and {}",
+                        t.agent_id, t.id
+                    ));
+                }
             }
         }
         for (key, (job_id, at)) in &self.submit_requests {

@@ -151,6 +151,7 @@ fn command(s: &State, op: &Op, at_ms: u64, fw: &str) -> Option<Command> {
                     cpus: 1.0,
                     mem_mib: 0,
                     gpus,
+                    ports: 0,
                 },
             );
             spec.replicas = replicas;
@@ -284,6 +285,7 @@ fn command(s: &State, op: &Op, at_ms: u64, fw: &str) -> Option<Command> {
                         cpus: 0.5,
                         mem_mib: 0,
                         gpus: 1,
+                        ports: 0,
                     },
                 }],
                 group: false,

@@ -412,6 +412,7 @@ fn one_gpu_job(name: String, command: Vec<String>) -> pb::JobSpec {
             cpus: 1.0,
             mem_mib: 0,
             gpus: 1,
+            ports: 0,
         }),
         ..Default::default()
     }
@@ -1294,6 +1295,7 @@ async fn cluster_phases(
                     cpus: 1.0,
                     mem_mib: 0,
                     gpus: opts.gang_gpus,
+                    ports: 0,
                 }),
                 replicas: opts.gang_replicas,
                 ..Default::default()
@@ -1559,6 +1561,7 @@ async fn cluster_phases(
                                     cpus: 1.0,
                                     mem_mib: 0,
                                     gpus: 0,
+                                    ports: 0,
                                 }),
                                 ..Default::default()
                             }),
