@@ -96,7 +96,13 @@ impl<'s> Pool<'s> {
                     a.info.id.as_str(),
                     PoolNode {
                         agent: a,
-                        free: offered.resources,
+                        // The allocator does not divide host ports: what
+                        // the agent has free goes with every offer, and the
+                        // launch's apply arbitrates.
+                        free: Resources {
+                            ports: a.free().ports,
+                            ..offered.resources
+                        },
                         free_gpus,
                     },
                 ))
