@@ -1768,5 +1768,14 @@ mod tests {
         assert!(d.contains("UNHEALTHY: name: GPU is lost"), "{d}");
         assert!(d.contains("Topology:"), "{d}");
         assert!(d.contains("  nvidia.com/gpu.count=4"), "{d}");
+        assert!(d.contains("Ports:       none\n"), "{d}");
+        a.ports = Some(pb::PortRange {
+            start: 31000,
+            end: 32000,
+        });
+        a.total.as_mut().unwrap().ports = 1001;
+        a.allocated.as_mut().unwrap().ports = 3;
+        let d = agent_detail(&a, &holders);
+        assert!(d.contains("Ports:       998 free of 31000-32000\n"), "{d}");
     }
 }

@@ -17,6 +17,7 @@ command: [sh, -c, 'echo "A=$A B=$B S=$S rank=$GPUCTL_RANK"']
 gpus: 1
 cpus: 0.5
 mem: 256
+ports: 2
 env:
   A: 1
   B: from-file
@@ -79,7 +80,7 @@ fn job_files_submit_with_flags_over_them_and_round_trip() {
     );
     assert_eq!(
         job["resources"],
-        serde_json::json!({"cpus": 0.5, "mem_mib": 256, "gpus": 2})
+        serde_json::json!({"cpus": 0.5, "mem_mib": 256, "gpus": 2, "ports": 2})
     );
     assert_eq!(
         job["env"],

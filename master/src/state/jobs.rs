@@ -731,11 +731,29 @@ mod tests {
             "{:?}",
             t.s.invariant_violations()
         );
-        // A job without ports gets no GPUCTL_PORTS and no MASTER_PORT.
-        let j4 = t.submit(ported(0));
+        // A snapshot (a new leader, a restarted master) keeps them.
+        let back: State = serde_json::from_slice(&serde_json::to_vec(&t.s).unwrap()).unwrap();
+        assert_eq!(back, t.s);
+        // The agent restarts with its tasks running: they keep their
+        // ports, and the next launch goes around them.
+        let mut again = crate::state::testkit::register("a", 0);
+        if let Command::RegisterAgent {
+            running_task_ids, ..
+        } = &mut again
+        {
+            *running_task_ids = vec!["job-2.0".into(), "job-3.0".into()];
+        }
+        t.apply(again).unwrap();
+        assert_eq!(ports(&t, "job-2.0"), [31003, 31004, 31005]);
+        let j4 = t.submit(ported(2));
         t.launch(&j4, &[("a", &[])]).unwrap();
+        assert_eq!(ports(&t, "job-4.0"), [31008, 31009]);
+        assert!(t.s.invariant_violations().is_empty());
+        // A job without ports gets no GPUCTL_PORTS and no MASTER_PORT.
+        let j5 = t.submit(ported(0));
+        t.launch(&j5, &[("a", &[])]).unwrap();
         let (run, _) = t.s.desired_tasks("a");
-        let e4 = &run.iter().find(|r| r.task_id == "job-4.0").unwrap().env;
+        let e4 = &run.iter().find(|r| r.task_id == "job-5.0").unwrap().env;
         assert!(!e4.contains_key("GPUCTL_PORTS") && !e4.contains_key("MASTER_PORT"));
         assert_eq!(e4["RANK"], "0");
     }
