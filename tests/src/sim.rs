@@ -437,7 +437,12 @@ impl Shared {
                 cpus: 32.0,
                 mem_mib: 262_144,
                 gpus: self.config.gpus_per_agent,
-                ports: 0,
+                // The real agent's default range (a gang holds a port a rank).
+                ports: 1001,
+            }),
+            ports: Some(pb::PortRange {
+                start: 31000,
+                end: 32000,
             }),
             gpus,
             runtimes,
