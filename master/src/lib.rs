@@ -6,6 +6,7 @@
 
 pub mod allocator;
 pub mod config;
+pub mod console;
 pub mod leader;
 pub mod metrics;
 pub mod raft;
@@ -159,6 +160,19 @@ pub async fn serve(
         }
         None => None,
     };
+    let console = match config.http_listen {
+        Some(addr) => Some(
+            console::spawn(
+                addr,
+                handle.clone(),
+                security.clone(),
+                config.node_id,
+                stop_rx.clone(),
+            )
+            .await?,
+        ),
+        None => None,
+    };
     let ctx = service::Ctx {
         raft: handle.clone(),
         config: config.clone(),
@@ -242,6 +256,9 @@ pub async fn serve(
         t.abort();
     }
     if let Some(t) = metrics_task {
+        t.abort();
+    }
+    for t in console.into_iter().flat_map(|c| c.tasks) {
         t.abort();
     }
     match node_task.await {
