@@ -557,7 +557,7 @@ function submitPage(root) {
   const num = (id, value, attrs) => h("input", Object.assign({ id, type: "number", value }, attrs || {}));
   const error = h("p", { id: "form-error", class: "error", hidden: true });
   const form = h("form", { id: "submit-form", class: "form", autocomplete: "off" },
-    field("Name", h("input", { id: "f-name", required: true, pattern: "[A-Za-z0-9._-]+", placeholder: "train-resnet" }),
+    field("Name", h("input", { id: "f-name", required: true, placeholder: "train-resnet" }),
       "letters, digits, '.', '_', '-'"),
     field("Image", h("input", { id: "f-image", placeholder: "busybox" }),
       "a container image; leave empty to run a host process"),
