@@ -29,7 +29,7 @@ fn runtime_name(v: i32) -> String {
 }
 
 pub fn resources(r: Option<&pb::Resources>) -> Value {
-    let r = r.cloned().unwrap_or_default();
+    let r = r.copied().unwrap_or_default();
     json!({ "cpus": r.cpus, "mem_mib": r.mem_mib, "gpus": r.gpus })
 }
 
@@ -172,7 +172,7 @@ fn event(e: &pb::JobEvent) -> Value {
 /// A job as the jobs page lists it: no tasks' details, no events.
 pub fn job_summary(j: &pb::Job) -> Value {
     let spec = j.spec.clone().unwrap_or_default();
-    let res = spec.resources.clone().unwrap_or_default();
+    let res = spec.resources.unwrap_or_default();
     let replicas = spec.replicas.max(1);
     json!({
         "id": j.id,
@@ -313,7 +313,7 @@ fn kind_text(k: &wr::Kind) -> String {
             format!("Unschedulable: {why}")
         }
         wr::Kind::Quota(q) => {
-            let n = |r: &Option<pb::Resources>| r.clone().unwrap_or_default();
+            let n = |r: &Option<pb::Resources>| r.unwrap_or_default();
             let (used, asked, limit) = (n(&q.used), n(&q.asked), n(&q.limit));
             let parts: Vec<String> = q
                 .over
@@ -433,6 +433,11 @@ pub const DEFAULT_CPUS: f64 = 1.0;
 
 impl SubmitForm {
     pub fn to_spec(&self) -> pb::JobSpec {
+        let resources = pb::Resources {
+            cpus: self.cpus.unwrap_or(DEFAULT_CPUS),
+            mem_mib: self.mem_mib,
+            gpus: self.gpus,
+        };
         let placement = (!self.gpu_model.is_empty()).then(|| pb::Placement {
             gpu_model: self.gpu_model.clone(),
             ..Default::default()
@@ -442,12 +447,7 @@ impl SubmitForm {
             image: self.image.clone(),
             command: self.command.clone(),
             env: self.env.clone().into_iter().collect(),
-            resources: Some(pb::Resources {
-                cpus: self.cpus.unwrap_or(DEFAULT_CPUS),
-                mem_mib: self.mem_mib,
-                gpus: self.gpus,
-                ..Default::default()
-            }),
+            resources: Some(resources),
             placement,
             priority: self.priority,
             replicas: self.replicas.max(1),
@@ -478,7 +478,6 @@ mod tests {
                     gpus: 2,
                     cpus: 1.5,
                     mem_mib: 10,
-                    ..Default::default()
                 }),
                 ..Default::default()
             }),
