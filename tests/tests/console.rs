@@ -290,8 +290,19 @@ fn console_overview_submit_logs_cancel_in_chromium() {
         .unwrap()
         .ends_with("#/submit"));
 
+    // A job no agent can hold waits, and the jobs page says why.
+    let big = c.submit(&["--name", "too-big", "--gpus", "4", "--", "true"]);
+
     // The jobs page lists them with their states.
     b.goto(&format!("{base}#/jobs"));
+    b.wait_for(
+        "why the big job waits",
+        &format!(
+            "document.querySelector('#jobs tr[data-job=\"{big}\"] .why')?.innerText \
+             .includes('no agent has 4 GPUs')"
+        ),
+        T,
+    );
     for (job, state) in [
         (&id, "SUCCEEDED"),
         (&gang, "SUCCEEDED"),

@@ -310,7 +310,7 @@ fn kind_text(k: &wr::Kind) -> String {
                     plural(g.gpus.into())
                 ),
             };
-            format!("Unschedulable: {why}")
+            why
         }
         wr::Kind::Quota(q) => {
             let n = |r: &Option<pb::Resources>| r.unwrap_or_default();
@@ -579,7 +579,7 @@ mod tests {
         };
         assert_eq!(
             wait_text(&w(wr::Kind::NeverFits(never), None)),
-            "Unschedulable: no agent has 8 GPUs of model H100*"
+            "no agent has 8 GPUs of model H100*"
         );
         let requeued = wr::Requeued {
             preempted_by: "job-9".into(),
