@@ -161,16 +161,24 @@ pub async fn serve(
         None => None,
     };
     let console = match config.http_listen {
-        Some(addr) => Some(
-            console::spawn(
+        Some(addr) => {
+            let spawned = console::spawn(
                 addr,
                 handle.clone(),
                 security.clone(),
                 config.node_id,
                 stop_rx.clone(),
             )
-            .await?,
-        ),
+            .await;
+            match spawned {
+                Ok(c) => Some(c),
+                Err(e) => {
+                    // The loops started above end with the stop signal.
+                    let _ = stop_tx.send(true);
+                    return Err(e);
+                }
+            }
+        }
         None => None,
     };
     let ctx = service::Ctx {

@@ -311,3 +311,69 @@ impl Gateway {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpuctl_auth::pki::Ca;
+
+    /// A master's TLS dir as `gpuctl certs init` writes it, with or
+    /// without the CA key.
+    fn security(dir: &std::path::Path, with_ca_key: bool) -> Arc<Security> {
+        let ca = Ca::generate("test", Duration::from_secs(3600)).unwrap();
+        let master = ca
+            .issue(CertRole::Master, "1", Duration::from_secs(3600), &[])
+            .unwrap();
+        std::fs::write(dir.join("ca.crt"), ca.cert_pem()).unwrap();
+        std::fs::write(dir.join("ca.key"), ca.key_pem()).unwrap();
+        std::fs::write(dir.join("master-1.crt"), &master.cert_pem).unwrap();
+        std::fs::write(dir.join("master-1.key"), master.key_pem.unwrap()).unwrap();
+        let config = crate::config::SecurityConfig {
+            tls: gpuctl_auth::tls::TlsPaths {
+                ca: dir.join("ca.crt"),
+                cert: dir.join("master-1.crt"),
+                key: dir.join("master-1.key"),
+            },
+            ca_key: with_ca_key.then(|| dir.join("ca.key")),
+            bootstrap_token: None,
+            agent_cert_ttl: Duration::from_secs(3600),
+            client_cert_ttl: Duration::from_secs(3600),
+        };
+        Arc::new(Security::load(&config, 1).unwrap())
+    }
+
+    #[tokio::test]
+    async fn a_master_with_the_ca_key_makes_its_consoles_client_certificate() {
+        let dir = tempfile::tempdir().unwrap();
+        let (_stop_tx, stop) = tokio::sync::watch::channel(false);
+        let (tls, task) = console_tls(security(dir.path(), true), 1, stop).unwrap();
+        let id = tls.identity().unwrap();
+        assert_eq!((id.role, id.name.as_str()), (CertRole::Client, "console-1"));
+        task.abort();
+    }
+
+    #[tokio::test]
+    async fn without_the_ca_key_it_reads_console_crt_or_says_how_to_make_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let sec = security(dir.path(), false);
+        let (_stop_tx, stop) = tokio::sync::watch::channel(false);
+        let e = console_tls(sec.clone(), 1, stop.clone())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("console.crt")
+                && e.contains("gpuctl certs issue")
+                && e.contains("--role client"),
+            "{e}"
+        );
+        let ca = Ca::load(&dir.path().join("ca.crt"), &dir.path().join("ca.key")).unwrap();
+        let c = ca
+            .issue(CertRole::Client, "console", Duration::from_secs(3600), &[])
+            .unwrap();
+        std::fs::write(dir.path().join("console.crt"), &c.cert_pem).unwrap();
+        std::fs::write(dir.path().join("console.key"), c.key_pem.unwrap()).unwrap();
+        let (tls, task) = console_tls(sec, 1, stop).unwrap();
+        assert_eq!(tls.identity().unwrap().name, "console");
+        task.abort();
+    }
+}
