@@ -200,8 +200,8 @@ let page = { stop() {} };
 function route() {
   page.stop();
   showBanner("");
-  const hash = location.hash.replace(/^#/, "") || "/";
-  const parts = hash.split("/").filter(Boolean).map(decodeURIComponent);
+  const [path, query] = (location.hash.replace(/^#/, "") || "/").split("?");
+  const parts = path.split("/").filter(Boolean).map(decodeURIComponent);
   let view = "overview";
   if (parts[0] === "jobs" && parts[1]) view = "job";
   else if (parts[0] === "jobs") view = "jobs";
@@ -214,7 +214,7 @@ function route() {
   const root = $("#view");
   root.replaceChildren();
   if (view === "overview") page = overviewPage(root);
-  else if (view === "jobs") page = jobsPage(root);
+  else if (view === "jobs") page = jobsPage(root, new URLSearchParams(query || ""));
   else if (view === "job") page = jobPage(root, parts[1]);
   else page = submitPage(root);
 }
@@ -344,9 +344,9 @@ function renderMasters(tbody, list) {
 
 // -------------------------------------------------------------------- jobs
 
-function jobsPage(root) {
+// `params`: the hash's query, e.g. #/jobs?state=QUEUED.
+function jobsPage(root, params) {
   const states = ["", "QUEUED", "STARTING", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"];
-  const params = new URLSearchParams(location.hash.split("?")[1] || "");
   const filter = h("select", { id: "state-filter", "aria-label": "state" },
     states.map((s) => h("option", { value: s, selected: s === (params.get("state") || "") }, s || "any state")));
   const tbody = h("tbody");
