@@ -85,8 +85,9 @@ struct Material {
     own: Option<(Vec<CertificateDer<'static>>, Arc<PrivateKeyDer<'static>>)>,
     identity: Option<Identity>,
     server: Option<Arc<ServerConfig>>,
-    /// The same certificate for browsers (the web console): HTTP/1.1, no
-    /// client certificate asked (a browser would prompt for one).
+    /// The same certificate for browsers (the web console): HTTP/2 or
+    /// HTTP/1.1, no client certificate asked (a browser would prompt for
+    /// one).
     web: Option<Arc<ServerConfig>>,
     client: Arc<ClientConfig>,
 }
@@ -177,7 +178,7 @@ fn build(
                 .with_protocol_versions(versions)?
                 .with_no_client_auth()
                 .with_single_cert(chain.clone(), key.clone_key())?;
-            web.alpn_protocols = vec![b"http/1.1".to_vec()];
+            web.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
             Some(Arc::new(web))
         }
         None => None,
@@ -310,8 +311,8 @@ impl Tls {
     }
 
     /// A server configuration with this node's certificate for HTTPS to
-    /// browsers: HTTP/1.1 by ALPN, no client certificate asked. Follows
-    /// reloads like the others.
+    /// browsers: HTTP/2 or HTTP/1.1 by ALPN, no client certificate asked.
+    /// Follows reloads like the others.
     pub fn web_server_config(&self) -> Option<Arc<ServerConfig>> {
         self.material().web.clone()
     }

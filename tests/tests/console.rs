@@ -372,6 +372,14 @@ fn console_over_tls_asks_for_a_token_and_refuses_a_wrong_one() {
 
     let base = format!("https://{http}/");
     b.goto(&base);
+    // Over TLS the browser speaks HTTP/2: its log streams share one
+    // connection instead of using up HTTP/1.1's six per host.
+    let protocol = b.wait_for(
+        "the page's protocol",
+        "performance.getEntriesByType('navigation')[0]?.nextHopProtocol",
+        T,
+    );
+    assert_eq!(protocol, "h2");
     // No token yet: the login box, with the master's words.
     let err = b.wait_for(
         "the login box",

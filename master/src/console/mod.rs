@@ -5,9 +5,11 @@
 //! token goes with every call, so the masters' auth layer decides what it
 //! may see and do, and the gateway follows the leader.
 //!
-//! HTTP/1.1; HTTPS with this master's certificate when TLS is configured
-//! (browsers must trust the cluster CA and the certificate must name the
-//! host they use), plain HTTP on loopback otherwise (config.rs).
+//! HTTPS with this master's certificate when TLS is configured (browsers
+//! must trust the cluster CA and the certificate must name the host they
+//! use), plain HTTP on loopback otherwise (config.rs). HTTP/2 where the
+//! browser speaks it (over TLS): a page with its log streams then holds one
+//! connection, not one of the six HTTP/1.1 allows per host.
 
 pub mod api;
 pub mod client;
@@ -25,7 +27,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::Router;
 use gpuctl_auth::tls::Tls;
-use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::watch;
 
@@ -37,6 +39,8 @@ use client::{AddressBook, Gateway};
 
 /// Connections served at once; more wait in the kernel's backlog.
 const MAX_CONNECTIONS: usize = 256;
+/// Requests (log streams included) at once on one HTTP/2 connection.
+const MAX_STREAMS: u32 = 64;
 /// How long a client may take to send a request's headers, and a TLS
 /// handshake: a silent connection must not hold a slot.
 const HEADER_TIMEOUT: Duration = Duration::from_secs(30);
@@ -165,11 +169,13 @@ fn is_loopback_host(host: &str) -> bool {
 /// headers every answer carries.
 async fn guard(checks: &Checks, req: Request, next: Next) -> Response {
     let h = req.headers();
+    // HTTP/2 carries the host in the URI (`:authority`), HTTP/1.1 in Host.
     let host = h
         .get(header::HOST)
         .and_then(|v| v.to_str().ok())
-        .unwrap_or_default()
-        .to_string();
+        .map(str::to_string)
+        .or_else(|| req.uri().authority().map(|a| a.to_string()))
+        .unwrap_or_default();
     let refusal = if checks.loopback_host_only && !is_loopback_host(host_of(&host)) {
         Some(ApiError::Forbidden(format!(
             "this console serves loopback names only (127.0.0.1, localhost), not {host:?}"
@@ -277,10 +283,16 @@ where
     I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let service = hyper_util::service::TowerToHyperService::new(app);
-    let conn = hyper::server::conn::http1::Builder::new()
+    let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
         .timer(TokioTimer::new())
-        .header_read_timeout(HEADER_TIMEOUT)
-        .serve_connection(TokioIo::new(io), service);
+        .header_read_timeout(HEADER_TIMEOUT);
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .max_concurrent_streams(MAX_STREAMS);
+    let conn = builder.serve_connection(TokioIo::new(io), service);
     tokio::select! {
         r = conn => {
             if let Err(e) = r {
@@ -429,6 +441,33 @@ mod tests {
         )
         .await;
         assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE);
+    }
+
+    #[tokio::test]
+    async fn an_http2_request_names_its_host_in_the_uri() {
+        let mut app = app(true);
+        let req = |uri: &str, origin: &str| {
+            axum::http::Request::post(uri)
+                .header(header::CONTENT_TYPE, "application/json")
+                .header(header::ORIGIN, origin)
+                .body(axum::body::Body::from("{}"))
+                .unwrap()
+        };
+        let (status, body, _) = send(
+            &mut app,
+            req("https://127.0.0.1:8443/api/jobs", "https://127.0.0.1:8443"),
+        )
+        .await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "past the checks: {body}");
+        let (status, _, _) = send(
+            &mut app,
+            req(
+                "https://evil.example:8443/api/jobs",
+                "https://evil.example:8443",
+            ),
+        )
+        .await;
+        assert_eq!(status, StatusCode::FORBIDDEN);
     }
 
     #[tokio::test]
