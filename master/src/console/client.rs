@@ -342,6 +342,126 @@ mod tests {
         Arc::new(Security::load(&config, 1).unwrap())
     }
 
+    use gpuctl_proto::pb;
+    use tonic::{Request, Response};
+
+    /// A master's Access service that either answers WhoAmI with its name
+    /// and the token it got, or redirects to `leader`.
+    struct FakeMaster {
+        name: &'static str,
+        leader: Option<String>,
+    }
+
+    type Answer<T> = Result<Response<T>, Status>;
+
+    #[tonic::async_trait]
+    impl pb::access_server::Access for FakeMaster {
+        async fn who_am_i(&self, req: Request<pb::WhoAmIRequest>) -> Answer<pb::WhoAmIResponse> {
+            if let Some(l) = &self.leader {
+                return Err(gpuctl_proto::leader::not_leader(Some((1, l))));
+            }
+            let token = req
+                .metadata()
+                .get("authorization")
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or_default()
+                .to_string();
+            Ok(Response::new(pb::WhoAmIResponse {
+                kind: format!("{} {token}", self.name),
+                ..Default::default()
+            }))
+        }
+        async fn create_token(
+            &self,
+            _: Request<pb::CreateTokenRequest>,
+        ) -> Answer<pb::CreateTokenResponse> {
+            Err(Status::unimplemented(""))
+        }
+        async fn list_tokens(
+            &self,
+            _: Request<pb::ListTokensRequest>,
+        ) -> Answer<pb::ListTokensResponse> {
+            Err(Status::unimplemented(""))
+        }
+        async fn revoke_token(&self, _: Request<pb::RevokeTokenRequest>) -> Answer<pb::TokenInfo> {
+            Err(Status::unimplemented(""))
+        }
+        async fn set_quota(&self, _: Request<pb::SetQuotaRequest>) -> Answer<pb::TenantQuota> {
+            Err(Status::unimplemented(""))
+        }
+        async fn list_quotas(
+            &self,
+            _: Request<pb::ListQuotasRequest>,
+        ) -> Answer<pb::ListQuotasResponse> {
+            Err(Status::permission_denied(
+                "a join token cannot call ListQuotas",
+            ))
+        }
+    }
+
+    async fn serve(name: &'static str, leader: Option<String>) -> String {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let svc = pb::access_server::AccessServer::new(FakeMaster { name, leader });
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(svc)
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(l)),
+        );
+        addr
+    }
+
+    async fn who(gw: &Gateway, token: &'static str) -> Result<String, CallError> {
+        let t = Token(Some(MetadataValue::from_static(token)));
+        let r = gw
+            .call(Some(RPC_TIMEOUT), |c| {
+                let req = t.request(pb::WhoAmIRequest {});
+                async move { pb::access_client::AccessClient::new(c).who_am_i(req).await }
+            })
+            .await?;
+        Ok(r.kind)
+    }
+
+    #[tokio::test]
+    async fn calls_follow_the_leaders_redirect_with_the_token() {
+        let leader = serve("leader", None).await;
+        let follower = serve("follower", Some(leader.clone())).await;
+        // A master that is down, first in the book: the next one is tried.
+        let down = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap().to_string()
+        };
+        let book: AddressBook = Arc::new(move || vec![down.clone(), follower.clone()]);
+        let gw = Gateway::new(book, None);
+        assert_eq!(
+            who(&gw, "Bearer gct_a").await.unwrap(),
+            "leader Bearer gct_a"
+        );
+        // A master's own refusal is the answer: not retried elsewhere.
+        let e = gw
+            .call(Some(RPC_TIMEOUT), |c| async move {
+                pb::access_client::AccessClient::new(c)
+                    .list_quotas(pb::ListQuotasRequest {})
+                    .await
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(e.status.code(), tonic::Code::PermissionDenied);
+        assert_eq!(e.gave_up_after, None);
+    }
+
+    #[tokio::test]
+    async fn without_a_leader_the_call_gives_up_at_its_deadline() {
+        // A follower naming a leader that is down.
+        let follower = serve("follower", Some("127.0.0.1:9".into())).await;
+        let book: AddressBook = Arc::new(move || vec![follower.clone()]);
+        let mut gw = Gateway::new(book, None);
+        gw.deadline = Duration::from_millis(800);
+        let e = who(&gw, "Bearer x").await.unwrap_err();
+        assert_eq!(e.status.code(), tonic::Code::Unavailable);
+        assert!(e.gave_up_after.is_some(), "{e:?}");
+    }
+
     #[tokio::test]
     async fn a_master_with_the_ca_key_makes_its_consoles_client_certificate() {
         let dir = tempfile::tempdir().unwrap();
