@@ -502,9 +502,39 @@ fn console_on_a_follower_follows_the_leader_across_its_death() {
         T,
     );
 
+    // A job's output followed through the follower while the leader dies:
+    // it goes on, each line once (the stream is opened again at the new
+    // leader and what was shown is skipped).
+    submit_through_form(
+        &b,
+        &base,
+        &[
+            ("#f-name", "ticker"),
+            (
+                "#f-command",
+                "for i in $(seq 1 40); do echo \"tick $i\"; sleep 0.5; done",
+            ),
+            ("#f-cpus", "0.5"),
+        ],
+    );
+    b.wait_for(
+        "the ticker's first lines",
+        "document.querySelector('#logs')?.innerText.includes('tick 3\\n')",
+        JOB_T,
+    );
     c.kill_master(leader);
     let new_leader = c.wait_new_leader(leader);
     assert_ne!(new_leader, leader);
+    b.wait_for(
+        "the ticker's output after the failover",
+        "document.querySelector('#logs')?.innerText.includes('tick 30\\n')",
+        JOB_T,
+    );
+    let logs = b.text("#logs");
+    for i in 1..=30 {
+        let n = logs.lines().filter(|l| *l == format!("tick {i}")).count();
+        assert_eq!(n, 1, "tick {i} shown {n} times:\n{logs}");
+    }
     // A fresh load of the same console: every call finds the new leader.
     b.goto(&base);
     b.wait_for(
