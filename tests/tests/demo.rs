@@ -52,18 +52,30 @@ fn http_get(addr: &str, path: &str) -> (String, String) {
     (head.lines().next().unwrap().to_string(), body.to_string())
 }
 
+/// Kills the demo if the test fails before it ends it.
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 #[test]
 fn demo_with_console_serves_its_jobs_until_interrupted() {
     use std::io::BufRead;
     use std::process::Stdio;
     let addr = format!("127.0.0.1:{}", gpuctl_tests::free_port());
-    let mut child = Command::new(gpuctl_tests::bin("gpuctl"))
-        .args(["demo", "--no-docker", "--console", &addr])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut child = KillOnDrop(
+        Command::new(gpuctl_tests::bin("gpuctl"))
+            .args(["demo", "--no-docker", "--console", &addr])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let mut lines = std::io::BufReader::new(child.0.stdout.take().unwrap()).lines();
     let mut seen = Vec::new();
     for line in lines.by_ref() {
         let line = line.unwrap();
@@ -95,12 +107,12 @@ fn demo_with_console_serves_its_jobs_until_interrupted() {
         .collect();
     assert_eq!(states, ["SUCCEEDED", "SUCCEEDED"], "{body}");
     nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::unistd::Pid::from_raw(child.0.id() as i32),
         nix::sys::signal::Signal::SIGINT,
     )
     .unwrap();
     let rest: Vec<String> = lines.map(|l| l.unwrap()).collect();
-    let status = child.wait().unwrap();
+    let status = child.0.wait().unwrap();
     assert!(status.success(), "{status:?}: {rest:?}");
     assert!(
         rest.iter().any(|l| l.contains("Both jobs SUCCEEDED")),
