@@ -85,6 +85,10 @@ struct Material {
     own: Option<(Vec<CertificateDer<'static>>, Arc<PrivateKeyDer<'static>>)>,
     identity: Option<Identity>,
     server: Option<Arc<ServerConfig>>,
+    /// The same certificate for browsers (the web console): HTTP/2 or
+    /// HTTP/1.1, no client certificate asked (a browser would prompt for
+    /// one).
+    web: Option<Arc<ServerConfig>>,
     client: Arc<ClientConfig>,
 }
 
@@ -168,11 +172,23 @@ fn build(
         }
         None => None,
     };
+    let web = match &own {
+        Some((chain, key)) => {
+            let mut web = ServerConfig::builder_with_provider(provider())
+                .with_protocol_versions(versions)?
+                .with_no_client_auth()
+                .with_single_cert(chain.clone(), key.clone_key())?;
+            web.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+            Some(Arc::new(web))
+        }
+        None => None,
+    };
     Ok(Material {
         roots,
         own,
         identity,
         server: server.clone(),
+        web,
         client: Arc::new(client),
     })
 }
@@ -292,6 +308,13 @@ impl Tls {
 
     pub fn server_config(&self) -> Option<Arc<ServerConfig>> {
         self.material().server.clone()
+    }
+
+    /// A server configuration with this node's certificate for HTTPS to
+    /// browsers: HTTP/2 or HTTP/1.1 by ALPN, no client certificate asked.
+    /// Follows reloads like the others.
+    pub fn web_server_config(&self) -> Option<Arc<ServerConfig>> {
+        self.material().web.clone()
     }
 }
 

@@ -12,8 +12,7 @@ use std::fmt;
 use std::future::Future;
 use std::time::Duration;
 
-use gpuctl_core::time::Backoff;
-use gpuctl_proto::leader::{leader_hint, retry_elsewhere};
+use gpuctl_proto::leader::{retry_elsewhere, LeaderSearch};
 use std::sync::Arc;
 
 use gpuctl_auth::tls::Tls;
@@ -47,10 +46,6 @@ pub const MEMBERSHIP_TIMEOUT: Duration = Duration::from_secs(60);
 /// Pauses between attempts that got no leader hint.
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(1);
-
-/// Redirects followed at once, without a pause; more in a row means the
-/// hints are stale (a leader change in progress), so back off.
-const FREE_REDIRECTS: u32 = 3;
 
 /// Largest reply the CLI accepts (a big cluster's job list is large).
 const MAX_MESSAGE_BYTES: usize = 64 * 1024 * 1024;
@@ -150,14 +145,7 @@ pub fn not_applied(status: &Status) -> bool {
 
 /// Whether the call failed while connecting, so no byte of it was sent.
 pub fn never_sent(status: &Status) -> bool {
-    let mut source = std::error::Error::source(status);
-    while let Some(e) = source {
-        if e.downcast_ref::<tonic::ConnectError>().is_some() {
-            return true;
-        }
-        source = e.source();
-    }
-    false
+    gpuctl_proto::leader::never_sent(status)
 }
 
 /// No master in the list accepted a connection.
@@ -331,10 +319,7 @@ impl Master {
         Fut: Future<Output = Result<tonic::Response<T>, Status>>,
     {
         let started = Instant::now();
-        let mut backoff = Backoff::new(BACKOFF_MIN, BACKOFF_MAX);
-        let mut redirects = 0;
-        // Addresses that refused a connection during this call.
-        let mut down: Vec<String> = Vec::new();
+        let mut search = LeaderSearch::new(BACKOFF_MIN, BACKOFF_MAX);
         loop {
             let call = f(make(self.conn.clone()));
             let result = match attempt {
@@ -354,20 +339,8 @@ impl Master {
             if !may_retry(policy, &status) {
                 return Err(CliError::rpc(self, status));
             }
-            if never_sent(&status) {
-                down.push(self.addr.clone());
-            }
-            // A follower may still name the leader that just died.
-            let redirect = leader_hint(&status)
-                .and_then(|h| parse_address(&h).ok())
-                .filter(|h| *h != self.addr && !down.contains(h));
-            let pause = if redirect.is_some() && redirects < FREE_REDIRECTS {
-                redirects += 1;
-                Duration::ZERO
-            } else {
-                backoff.next_wait()
-            };
-            if Instant::now() + pause >= deadline {
+            let next = search.next(&self.addr, &status, &self.addrs, |h| parse_address(h).ok());
+            if Instant::now() + next.pause >= deadline {
                 return Err(CliError::GaveUp {
                     secs: deadline
                         .saturating_duration_since(started)
@@ -379,27 +352,13 @@ impl Master {
             }
             tracing::debug!(
                 addr = %self.addr,
-                leader = ?redirect,
+                leader = ?next.redirected.then_some(&next.addr),
                 error = %status.message(),
                 "master cannot serve the call; trying another"
             );
-            tokio::time::sleep(pause).await;
-            let next = match redirect {
-                Some(leader) => leader,
-                None => self.next_addr(),
-            };
-            self.switch_to(next);
+            tokio::time::sleep(next.pause).await;
+            self.switch_to(next.addr);
         }
-    }
-
-    /// The address after the current one, round the list.
-    fn next_addr(&self) -> String {
-        let i = self.addrs.iter().position(|a| *a == self.addr);
-        let next = i.map_or(0, |i| (i + 1) % self.addrs.len().max(1));
-        self.addrs
-            .get(next)
-            .cloned()
-            .unwrap_or_else(|| self.addr.clone())
     }
 
     /// Talks to `addr` from now on (a leader learned from a redirect joins

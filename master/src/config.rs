@@ -52,6 +52,9 @@ pub struct MasterConfig {
     pub placement: PlacementPolicy,
     /// Where to serve Prometheus metrics (`/metrics`); none when unset.
     pub metrics_listen: Option<SocketAddr>,
+    /// Where to serve the web console (`console/`); none when unset. HTTPS
+    /// with this master's certificate when TLS is configured.
+    pub http_listen: Option<SocketAddr>,
     /// How long, and how many, finished jobs and ended framework tasks are
     /// kept before they are forgotten.
     pub retention: crate::leader::retention::Retention,
@@ -191,6 +194,7 @@ impl MasterConfig {
             snapshot_every: 10_000,
             placement: PlacementPolicy::Bundle,
             metrics_listen: None,
+            http_listen: None,
             retention: Default::default(),
             security: None,
         }
@@ -353,6 +357,11 @@ pub struct Options {
     /// Serve Prometheus metrics at http://HOST:PORT/metrics.
     #[arg(long, env = "GPUCTL_MASTER_METRICS_LISTEN")]
     pub metrics_listen: Option<SocketAddr>,
+    /// Serve the web console at HOST:PORT (docs/console.md): HTTPS with
+    /// this master's certificate when TLS is configured, else HTTP on a
+    /// loopback address only (unless --insecure). Off when unset.
+    #[arg(long, env = "GPUCTL_MASTER_HTTP_LISTEN")]
+    pub http_listen: Option<SocketAddr>,
     /// How long a finished job (with its tasks) is kept after it ended,
     /// e.g. 7d, 24h, 90m; then it is forgotten (`gpuctl jobs get` says so).
     /// Ended framework tasks too, once acknowledged.
@@ -487,6 +496,7 @@ struct FileOptions {
     placement: Option<String>,
     log: Option<String>,
     metrics_listen: Option<SocketAddr>,
+    http_listen: Option<SocketAddr>,
     job_retention: Option<String>,
     job_retention_max: Option<u64>,
 }
@@ -648,6 +658,9 @@ impl Options {
             if let (Some(v), true) = (f.metrics_listen, unset(&matches, "metrics_listen")) {
                 o.metrics_listen = Some(v);
             }
+            if let (Some(v), true) = (f.http_listen, unset(&matches, "http_listen")) {
+                o.http_listen = Some(v);
+            }
             if let (Some(v), true) = (f.job_retention, unset(&matches, "job_retention")) {
                 o.job_retention = v;
             }
@@ -733,6 +746,10 @@ impl Options {
             "run anything as root on every agent",
         )
         .map_err(MasterError::Config)?;
+        let http_listen = self
+            .http_listen
+            .map(|a| check_http_listen(a, security.is_some(), self.insecure))
+            .transpose()?;
         let heartbeat_interval = secs("heartbeat_interval_secs", self.heartbeat_interval_secs)?;
         let agent_timeout = secs("agent_timeout_secs", self.agent_timeout_secs)?;
         if agent_timeout <= heartbeat_interval {
@@ -801,6 +818,7 @@ impl Options {
                 max_finished: usize::try_from(self.job_retention_max).unwrap_or(usize::MAX),
             },
             metrics_listen: self.metrics_listen,
+            http_listen,
             placement,
             peers,
             advertise,
@@ -838,6 +856,25 @@ impl Options {
         config.check_timeouts()?;
         Ok(config)
     }
+}
+
+/// The console's address: like the API's, without TLS only loopback
+/// unless `insecure`, because whoever reaches it may do what the API lets
+/// an unauthenticated caller do on such a cluster: everything.
+fn check_http_listen(
+    addr: SocketAddr,
+    tls: bool,
+    insecure: bool,
+) -> Result<SocketAddr, MasterError> {
+    if !tls && !addr.ip().is_loopback() && !insecure {
+        return Err(MasterError::Config(format!(
+            "http_listen {addr}: without TLS the web console is served on a loopback address \
+             only, because anyone who reaches it could run anything as root on every agent; \
+             set tls_dir (the console then serves HTTPS, see docs/console.md), or listen on \
+             127.0.0.1, or (isolated labs only) insecure = true"
+        )));
+    }
+    Ok(addr)
 }
 
 fn read_file(path: &Path) -> Result<FileOptions, MasterError> {
@@ -1107,6 +1144,75 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("job_retention_max"), "{e}");
+    }
+
+    #[test]
+    fn http_listen_is_off_by_default_loopback_only_without_tls() {
+        let c = Options::load_from(["gpuctl-master"])
+            .unwrap()
+            .to_config()
+            .unwrap();
+        assert_eq!(c.http_listen, None, "the console is off unless asked for");
+        let c = Options::load_from(["gpuctl-master", "--http-listen", "127.0.0.1:8080"])
+            .unwrap()
+            .to_config()
+            .unwrap();
+        assert_eq!(c.http_listen, Some("127.0.0.1:8080".parse().unwrap()));
+        let e = Options::load_from(["gpuctl-master", "--http-listen", "0.0.0.0:8080"])
+            .unwrap()
+            .to_config()
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("http_listen 0.0.0.0:8080")
+                && e.contains("loopback")
+                && e.contains("tls_dir"),
+            "{e}"
+        );
+        let c = Options::load_from([
+            "gpuctl-master",
+            "--http-listen",
+            "0.0.0.0:8080",
+            "--insecure",
+        ])
+        .unwrap()
+        .to_config()
+        .unwrap();
+        assert!(c.http_listen.is_some());
+        // With TLS the console serves HTTPS, on any address.
+        let c = Options::load_from([
+            "gpuctl-master",
+            "--tls-dir",
+            "/etc/gpuctl/tls",
+            "--http-listen",
+            "0.0.0.0:8443",
+        ])
+        .unwrap()
+        .to_config()
+        .unwrap();
+        assert_eq!(c.http_listen, Some("0.0.0.0:8443".parse().unwrap()));
+        // From the config file, under the flag.
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("master.toml");
+        std::fs::write(&f, "http_listen = \"[::1]:8081\"\n").unwrap();
+        let file = ["gpuctl-master", "--config", f.to_str().unwrap()];
+        let c = Options::load_from(file).unwrap().to_config().unwrap();
+        assert_eq!(c.http_listen, Some("[::1]:8081".parse().unwrap()));
+        let mut flags = file.to_vec();
+        flags.extend(["--http-listen", "127.0.0.1:9"]);
+        let c = Options::load_from(flags).unwrap().to_config().unwrap();
+        assert_eq!(
+            c.http_listen,
+            Some("127.0.0.1:9".parse().unwrap()),
+            "flag wins"
+        );
+        std::fs::write(&f, "http_listen = \"10.0.0.1:8080\"\n").unwrap();
+        let e = Options::load_from(file)
+            .unwrap()
+            .to_config()
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("http_listen 10.0.0.1:8080"), "{e}");
     }
 
     #[test]

@@ -6,6 +6,7 @@
 
 pub mod allocator;
 pub mod config;
+pub mod console;
 pub mod leader;
 pub mod metrics;
 pub mod raft;
@@ -159,6 +160,27 @@ pub async fn serve(
         }
         None => None,
     };
+    let console = match config.http_listen {
+        Some(addr) => {
+            let spawned = console::spawn(
+                addr,
+                handle.clone(),
+                security.clone(),
+                config.node_id,
+                stop_rx.clone(),
+            )
+            .await;
+            match spawned {
+                Ok(c) => Some(c),
+                Err(e) => {
+                    // The loops started above end with the stop signal.
+                    let _ = stop_tx.send(true);
+                    return Err(e);
+                }
+            }
+        }
+        None => None,
+    };
     let ctx = service::Ctx {
         raft: handle.clone(),
         config: config.clone(),
@@ -242,6 +264,9 @@ pub async fn serve(
         t.abort();
     }
     if let Some(t) = metrics_task {
+        t.abort();
+    }
+    for t in console.into_iter().flat_map(|c| c.tasks) {
         t.abort();
     }
     match node_task.await {

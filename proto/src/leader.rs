@@ -75,9 +75,153 @@ pub fn retry_elsewhere(status: &Status) -> bool {
     ) || (status.code() == Code::Unknown && status.message().contains("transport"))
 }
 
+/// Whether a call failed on the connection (the master died, the network
+/// broke) rather than with the master's own answer.
+pub fn is_transport_error(status: &Status) -> bool {
+    std::error::Error::source(status).is_some()
+}
+
+/// Whether the call failed while connecting, so no byte of it was sent.
+pub fn never_sent(status: &Status) -> bool {
+    let mut source = std::error::Error::source(status);
+    while let Some(e) = source {
+        if e.downcast_ref::<tonic::ConnectError>().is_some() {
+            return true;
+        }
+        source = e.source();
+    }
+    false
+}
+
+/// Redirects followed at once, without a pause; more in a row means the
+/// hints are stale (a leader change in progress), so back off.
+pub const FREE_REDIRECTS: u32 = 3;
+
+/// One call's search for the leader, after a failure that may succeed
+/// elsewhere: where to send it next and how long to wait first. The same
+/// rules for every client that follows the leader (gpuctl, the master's web
+/// console): follow a hint at once (up to [`FREE_REDIRECTS`] in a row),
+/// never to a master that refused a connection during this call (a
+/// follower may still name the leader that just died); without a usable
+/// hint, back off and try the next known address.
+#[derive(Debug, Clone)]
+pub struct LeaderSearch {
+    backoff: gpuctl_core::time::Backoff,
+    redirects: u32,
+    /// Addresses that refused a connection during this call.
+    down: Vec<String>,
+}
+
+/// Where a [`LeaderSearch`] sends the call next.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NextTry {
+    /// The address to call: a leader's hint, or the next known address.
+    pub addr: String,
+    /// Whether `addr` came from a redirect (it may be new to the caller).
+    pub redirected: bool,
+    /// How long to wait before calling it.
+    pub pause: std::time::Duration,
+}
+
+impl LeaderSearch {
+    /// `min`, `max`: the pauses between tries that got no hint.
+    pub fn new(min: std::time::Duration, max: std::time::Duration) -> LeaderSearch {
+        LeaderSearch {
+            backoff: gpuctl_core::time::Backoff::new(min, max),
+            redirects: 0,
+            down: Vec::new(),
+        }
+    }
+
+    /// The call failed at `current` with `status` (which may be retried):
+    /// where to go next among `addrs`. `accept_hint` checks a hinted
+    /// address (`None`: unusable).
+    pub fn next(
+        &mut self,
+        current: &str,
+        status: &Status,
+        addrs: &[String],
+        accept_hint: impl Fn(&str) -> Option<String>,
+    ) -> NextTry {
+        if never_sent(status) && !self.down.iter().any(|d| d == current) {
+            self.down.push(current.to_string());
+        }
+        let redirect = leader_hint(status)
+            .and_then(|h| accept_hint(&h))
+            .filter(|h| h != current && !self.down.contains(h));
+        match redirect {
+            Some(addr) => {
+                let pause = if self.redirects < FREE_REDIRECTS {
+                    self.redirects += 1;
+                    std::time::Duration::ZERO
+                } else {
+                    self.backoff.next_wait()
+                };
+                NextTry {
+                    addr,
+                    redirected: true,
+                    pause,
+                }
+            }
+            None => NextTry {
+                addr: next_address(current, addrs),
+                redirected: false,
+                pause: self.backoff.next_wait(),
+            },
+        }
+    }
+}
+
+/// The address after `current` in `addrs`, round the list (the first when
+/// `current` is not in it; `current` itself when the list is empty).
+pub fn next_address(current: &str, addrs: &[String]) -> String {
+    let next = addrs
+        .iter()
+        .position(|a| a == current)
+        .map_or(0, |i| (i + 1) % addrs.len().max(1));
+    addrs
+        .get(next)
+        .cloned()
+        .unwrap_or_else(|| current.to_string())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
+
+    fn accept(h: &str) -> Option<String> {
+        Some(h.to_string())
+    }
+
+    #[test]
+    fn a_search_follows_hints_at_once_then_backs_off() {
+        let addrs: Vec<String> = ["a:1", "b:1", "c:1"].map(String::from).to_vec();
+        let mut s = LeaderSearch::new(Duration::from_millis(100), Duration::from_secs(1));
+        let hint = not_leader(Some((2, "b:1")));
+        for _ in 0..FREE_REDIRECTS {
+            let n = s.next("a:1", &hint, &addrs, accept);
+            assert_eq!(
+                (n.addr.as_str(), n.redirected, n.pause),
+                ("b:1", true, Duration::ZERO)
+            );
+        }
+        let n = s.next("a:1", &hint, &addrs, accept);
+        assert_eq!(n.addr, "b:1");
+        assert_eq!(n.pause, Duration::from_millis(100), "stale hints: back off");
+        // No hint: the next address, round the list, with a growing pause.
+        let n = s.next("c:1", &not_leader(None), &addrs, accept);
+        assert_eq!((n.addr.as_str(), n.redirected), ("a:1", false));
+        assert_eq!(n.pause, Duration::from_millis(200));
+        // A hint naming the master called, or one refused by accept_hint,
+        // is no hint.
+        let n = s.next("b:1", &hint, &addrs, accept);
+        assert_eq!((n.addr.as_str(), n.redirected), ("c:1", false));
+        let n = s.next("a:1", &hint, &addrs, |_| None);
+        assert_eq!((n.addr.as_str(), n.redirected), ("b:1", false));
+        assert_eq!(next_address("x:1", &addrs), "a:1");
+        assert_eq!(next_address("x:1", &[]), "x:1");
+    }
 
     #[test]
     fn redirect_names_the_leader_and_carries_its_address() {

@@ -10,6 +10,7 @@
 //! master's real agent API, for tests and benchmarks at scale.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+pub mod browser;
 pub mod sim;
 
 use std::net::TcpListener;
@@ -454,6 +455,12 @@ impl HaCluster {
     /// Starts `n` masters (ids 1..=n, all with `--peers` naming every one,
     /// plus `extra` flags) and waits until one leads and serves.
     pub fn start(n: u64, extra: &[&str]) -> HaCluster {
+        Self::start_each(n, |_| extra.iter().map(|s| s.to_string()).collect())
+    }
+
+    /// Like [`HaCluster::start`], with each master's own extra flags
+    /// (`extra(id)`), e.g. a port of its own.
+    pub fn start_each(n: u64, extra: impl Fn(u64) -> Vec<String>) -> HaCluster {
         assert!(n >= 1);
         let dir = tempfile::tempdir().unwrap();
         let addrs: Vec<(u64, String)> = (1..=n)
@@ -472,7 +479,7 @@ impl HaCluster {
         };
         for (id, addr) in addrs {
             let mut args = vec!["--peers".to_string(), peers.clone()];
-            args.extend(extra.iter().map(|s| s.to_string()));
+            args.extend(extra(id));
             c.spawn_master(id, addr, args);
         }
         c.wait_serving();

@@ -36,3 +36,86 @@ fn demo_runs_both_jobs_and_exits_zero() {
         assert!(stdout.contains("host processes"), "{stdout}");
     }
 }
+
+/// `GET path` over plain HTTP; the status line and body.
+fn http_get(addr: &str, path: &str) -> (String, String) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).unwrap();
+    let (head, body) = raw.split_once("\r\n\r\n").unwrap();
+    (head.lines().next().unwrap().to_string(), body.to_string())
+}
+
+/// Kills the demo if the test fails before it ends it.
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn demo_with_console_serves_its_jobs_until_interrupted() {
+    use std::io::BufRead;
+    use std::process::Stdio;
+    let addr = format!("127.0.0.1:{}", gpuctl_tests::free_port());
+    let mut child = KillOnDrop(
+        Command::new(gpuctl_tests::bin("gpuctl"))
+            .args(["demo", "--no-docker", "--console", &addr])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let mut lines = std::io::BufReader::new(child.0.stdout.take().unwrap()).lines();
+    let mut seen = Vec::new();
+    for line in lines.by_ref() {
+        let line = line.unwrap();
+        let done = line.contains("keeps running for the web console");
+        seen.push(line);
+        if done {
+            break;
+        }
+    }
+    let text = seen.join("\n");
+    assert!(
+        text.contains(&format!("Web console: http://{addr}/"))
+            && text.contains("demo-2gpu: SUCCEEDED"),
+        "{text}"
+    );
+    let (status, body) = http_get(&addr, "/");
+    assert!(
+        status.contains("200") && body.contains("gpuctl console"),
+        "{status}\n{body}"
+    );
+    let (status, body) = http_get(&addr, "/api/jobs");
+    assert!(status.contains("200"), "{status}: {body}");
+    let jobs: serde_json::Value = serde_json::from_str(body.trim()).unwrap();
+    let states: Vec<&str> = jobs["jobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|j| j["state"].as_str().unwrap())
+        .collect();
+    assert_eq!(states, ["SUCCEEDED", "SUCCEEDED"], "{body}");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.0.id() as i32),
+        nix::sys::signal::Signal::SIGINT,
+    )
+    .unwrap();
+    let rest: Vec<String> = lines.map(|l| l.unwrap()).collect();
+    let status = child.0.wait().unwrap();
+    assert!(status.success(), "{status:?}: {rest:?}");
+    assert!(
+        rest.iter().any(|l| l.contains("Both jobs SUCCEEDED")),
+        "{rest:?}"
+    );
+}

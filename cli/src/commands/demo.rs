@@ -41,6 +41,25 @@ pub struct DemoArgs {
     /// Give up if the jobs have not finished after this many seconds.
     #[arg(long, value_name = "SECS", default_value = "120", value_parser = parse_secs)]
     pub timeout: Duration,
+    /// Also serve the web console at this loopback address (e.g.
+    /// 127.0.0.1:8080), and keep the cluster running after the jobs until
+    /// Ctrl-C, to look at them there (docs/console.md).
+    #[arg(long, value_name = "HOST:PORT", value_parser = parse_console)]
+    pub console: Option<std::net::SocketAddr>,
+}
+
+/// The demo's console address: loopback only, as any master without TLS.
+fn parse_console(s: &str) -> Result<std::net::SocketAddr, String> {
+    let addr: std::net::SocketAddr = s
+        .parse()
+        .map_err(|_| format!("{s:?} is not HOST:PORT with an IP address, e.g. 127.0.0.1:8080"))?;
+    if !addr.ip().is_loopback() {
+        return Err(format!(
+            "{addr}: the demo's cluster has no TLS and no tokens, so its console serves a \
+             loopback address only (e.g. 127.0.0.1:8080)"
+        ));
+    }
+    Ok(addr)
 }
 
 /// One line of the demo's narration.
@@ -79,7 +98,15 @@ pub async fn run(args: DemoArgs) -> Result<u8, CliError> {
 
     let (stop_tx, stop_rx) = watch::channel(false);
     let (exit_tx, mut exit_rx) = mpsc::channel::<(&'static str, Result<(), String>)>(2);
-    let daemons = start_daemons(tmp.path(), &gpu_plan, &runtime_plan, &stop_rx, &exit_tx).await;
+    let daemons = start_daemons(
+        tmp.path(),
+        &gpu_plan,
+        &runtime_plan,
+        args.console,
+        &stop_rx,
+        &exit_tx,
+    )
+    .await;
     drop(exit_tx);
     let (master_addr, handles) = match daemons {
         Ok(d) => d,
@@ -97,6 +124,15 @@ pub async fn run(args: DemoArgs) -> Result<u8, CliError> {
         })),
         _ = tokio::signal::ctrl_c() => Err(CliError::Other("interrupted".to_string())),
     };
+    if let (Some(addr), Ok(_)) = (args.console, &outcome) {
+        say(format!(
+            "The cluster keeps running for the web console at http://{addr}/ ; Ctrl-C stops it"
+        ));
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            Some((name, _)) = exit_rx.recv() => say(format!("the {name} stopped")),
+        }
+    }
 
     say("Stopping the agent and the master");
     let _ = stop_tx.send(true);
@@ -281,6 +317,7 @@ async fn start_daemons(
     dir: &Path,
     gpu_plan: &GpuPlan,
     runtime_plan: &RuntimePlan,
+    console: Option<std::net::SocketAddr>,
     stop: &watch::Receiver<bool>,
     exit: &mpsc::Sender<(&'static str, Result<(), String>)>,
 ) -> Result<Daemons, CliError> {
@@ -295,7 +332,8 @@ async fn start_daemons(
     let master_addr = listener
         .local_addr()
         .map_err(|e| CliError::Other(format!("master listener address: {e}")))?;
-    let config = gpuctl_master::MasterConfig::new(master_addr, master_dir.clone());
+    let mut config = gpuctl_master::MasterConfig::new(master_addr, master_dir.clone());
+    config.http_listen = console;
     let master = tokio::spawn({
         let exit = exit.clone();
         let shutdown = shutdown_signal(stop.clone());
@@ -310,6 +348,9 @@ async fn start_daemons(
         "Master started on {master_addr} (data in {})",
         master_dir.display()
     ));
+    if let Some(addr) = console {
+        say(format!("Web console: http://{addr}/"));
+    }
 
     let agent_dir = dir.join("agent");
     if let Err(e) = std::fs::create_dir_all(&agent_dir) {

@@ -146,7 +146,7 @@ pub enum CliError {
 /// True when the status was made by the client from a transport error (no
 /// connection, connection lost) rather than sent by the master.
 pub fn is_transport_error(status: &tonic::Status) -> bool {
-    std::error::Error::source(status).is_some()
+    gpuctl_proto::leader::is_transport_error(status)
 }
 
 fn rpc_message(addr: &str, status: &tonic::Status) -> String {

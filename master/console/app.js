@@ -1,0 +1,662 @@
+// The gpuctl web console: plain JavaScript, no build step, no framework.
+// Every piece of data comes from the master's /api (a gateway to the same
+// gRPC API gpuctl calls, with this tab's token); pages are chosen by the
+// URL's hash: #/ (the cluster), #/jobs, #/jobs/ID, #/submit.
+"use strict";
+
+const TOKEN_KEY = "gpuctl-token";
+const POLL_MS = 3000;
+const JOB_POLL_MS = 2000;
+// The most log text kept on a job's page; older text is dropped.
+const MAX_LOG_CHARS = 2 * 1024 * 1024;
+const TERMINAL = new Set(["SUCCEEDED", "FAILED", "CANCELLED"]);
+
+// ------------------------------------------------------------------ helpers
+
+// An element: h("td", {class: "x"}, "text", child...). Text is always set
+// as text (job names and logs are other people's words), never as HTML.
+function h(tag, attrs, ...children) {
+  const el = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (v === null || v === undefined || v === false) continue;
+    if (k === "class") el.className = v;
+    else if (k === "dataset") Object.assign(el.dataset, v);
+    else if (k.startsWith("on")) el.addEventListener(k.slice(2), v);
+    else el.setAttribute(k, v === true ? "" : String(v));
+  }
+  for (const c of children.flat()) {
+    if (c === null || c === undefined || c === false) continue;
+    el.append(c instanceof Node ? c : String(c));
+  }
+  return el;
+}
+
+const $ = (sel, root = document) => root.querySelector(sel);
+
+function fmtAge(ms) {
+  if (!ms) return "";
+  const s = Math.max(0, Math.round((Date.now() - ms) / 1000));
+  if (s < 60) return `${s}s`;
+  if (s < 3600) return `${Math.floor(s / 60)}m`;
+  if (s < 86400) return `${Math.floor(s / 3600)}h`;
+  return `${Math.floor(s / 86400)}d`;
+}
+
+function fmtTime(ms) {
+  return ms ? new Date(ms).toLocaleString() : "";
+}
+
+function gib(mib) {
+  return mib === 0 ? "0" : (mib / 1024).toFixed(mib >= 10240 ? 0 : 1);
+}
+
+function fmtRes(r) {
+  const parts = [];
+  if (r.gpus) parts.push(`${r.gpus} GPU${r.gpus === 1 ? "" : "s"}`);
+  parts.push(`${r.cpus} cpu${r.cpus === 1 ? "" : "s"}`);
+  if (r.mem_mib) parts.push(`${r.mem_mib} MiB`);
+  return parts.join(", ");
+}
+
+function badge(state) {
+  return h("span", { class: `badge s-${String(state).toLowerCase()}` }, state);
+}
+
+// A bar from 0 to 100 with its label.
+function meter(pct, label) {
+  const p = Math.max(0, Math.min(100, pct));
+  const level = p >= 90 ? "hot" : p >= 60 ? "warm" : "ok";
+  const fill = h("div", { class: `fill ${level}` });
+  // Through the CSSOM: the page's policy forbids style attributes.
+  fill.style.width = `${p}%`;
+  return h("div", { class: "meter", title: label }, fill, h("span", {}, label));
+}
+
+function randomHex(bytes) {
+  const b = new Uint8Array(bytes);
+  crypto.getRandomValues(b);
+  return Array.from(b, (x) => x.toString(16).padStart(2, "0")).join("");
+}
+
+// ---------------------------------------------------------------------- API
+
+class ApiError extends Error {
+  constructor(status, message) {
+    super(message);
+    this.status = status;
+  }
+}
+
+function token() {
+  return sessionStorage.getItem(TOKEN_KEY) || "";
+}
+
+function headers(extra) {
+  const hd = Object.assign({ Accept: "application/json" }, extra || {});
+  const t = token();
+  if (t) hd.Authorization = `Bearer ${t}`;
+  return hd;
+}
+
+async function api(path, opts = {}) {
+  const init = { headers: headers(opts.headers), signal: opts.signal };
+  if (opts.body !== undefined) {
+    init.method = "POST";
+    init.headers["Content-Type"] = "application/json";
+    init.body = JSON.stringify(opts.body);
+  }
+  let resp;
+  try {
+    resp = await fetch(path, init);
+  } catch (e) {
+    if (e.name === "AbortError") throw e;
+    throw new ApiError(0, `the console's master does not answer (${e.message})`);
+  }
+  let data = null;
+  try {
+    data = await resp.json();
+  } catch (_) {
+    data = null;
+  }
+  if (!resp.ok) {
+    const msg = (data && data.error) || `${resp.status} ${resp.statusText}`;
+    throw new ApiError(resp.status, msg);
+  }
+  return data;
+}
+
+// ----------------------------------------------------------- banner, login
+
+function showBanner(msg) {
+  const b = $("#banner");
+  b.textContent = msg;
+  b.hidden = !msg;
+}
+
+// An error of a page's call: a missing or refused token opens the login
+// box with the master's words; anything else goes in the banner.
+function report(err) {
+  if (err && err.name === "AbortError") return;
+  if (err instanceof ApiError && err.status === 401) {
+    openLogin(err.message);
+    showBanner("");
+    return;
+  }
+  showBanner(err instanceof Error ? err.message : String(err));
+}
+
+function openLogin(message) {
+  $("#login").hidden = false;
+  const e = $("#login-error");
+  e.textContent = message || "";
+  e.hidden = !message;
+  $("#token-input").focus();
+}
+
+function closeLogin() {
+  $("#login").hidden = true;
+}
+
+async function whoami() {
+  try {
+    const w = await api("/api/whoami");
+    let text;
+    if (w.kind === "open") text = "open cluster (no tokens)";
+    else if (w.token) text = `${w.token.role}${w.token.tenant ? ` · ${w.token.tenant}` : ""} · ${w.token.id}`;
+    else text = w.kind;
+    $("#who").textContent = text;
+    return w;
+  } catch (e) {
+    $("#who").textContent = "";
+    throw e;
+  }
+}
+
+async function login(ev) {
+  ev.preventDefault();
+  const value = $("#token-input").value.trim();
+  if (!value) {
+    openLogin("Paste a token first.");
+    return;
+  }
+  sessionStorage.setItem(TOKEN_KEY, value);
+  try {
+    await whoami();
+    $("#token-input").value = "";
+    closeLogin();
+    showBanner("");
+    route();
+  } catch (e) {
+    sessionStorage.removeItem(TOKEN_KEY);
+    openLogin(e.message);
+  }
+}
+
+// ------------------------------------------------------------------- router
+
+// The page now shown: its timers and streams stop when another is shown.
+let page = { stop() {} };
+
+function route() {
+  page.stop();
+  showBanner("");
+  const [path, query] = (location.hash.replace(/^#/, "") || "/").split("?");
+  const parts = path.split("/").filter(Boolean).map(decodeURIComponent);
+  let view = "overview";
+  if (parts[0] === "jobs" && parts[1]) view = "job";
+  else if (parts[0] === "jobs") view = "jobs";
+  else if (parts[0] === "submit") view = "submit";
+  for (const a of document.querySelectorAll("nav a")) {
+    a.classList.toggle("active", a.dataset.nav === view || (view === "job" && a.dataset.nav === "jobs"));
+  }
+  document.body.dataset.view = view;
+  delete document.body.dataset.loaded;
+  const root = $("#view");
+  root.replaceChildren();
+  if (view === "overview") page = overviewPage(root);
+  else if (view === "jobs") page = jobsPage(root, new URLSearchParams(query || ""));
+  else if (view === "job") page = jobPage(root, parts[1]);
+  else page = submitPage(root);
+}
+
+// Calls `load` now and every `ms` until the page goes; `load` returns
+// false to stop polling.
+function poller(load, ms) {
+  let timer = null;
+  let stopped = false;
+  const tick = async () => {
+    let again = true;
+    try {
+      again = (await load()) !== false;
+      document.body.dataset.loaded = "1";
+      showBanner("");
+    } catch (e) {
+      report(e);
+    }
+    if (!stopped && again) timer = setTimeout(tick, ms);
+  };
+  tick();
+  return () => {
+    stopped = true;
+    clearTimeout(timer);
+  };
+}
+
+// ------------------------------------------------------------- the cluster
+
+function overviewPage(root) {
+  const summary = h("div", { class: "cards", id: "summary" });
+  const masters = h("tbody");
+  const agents = h("tbody");
+  const gpus = h("tbody");
+  root.append(
+    h("h1", {}, "Cluster"),
+    summary,
+    h("h2", {}, "GPUs"),
+    h("table", { id: "gpus", class: "grid" },
+      h("thead", {}, h("tr", {},
+        ["Agent", "GPU", "Model", "Utilization", "Memory", "Temp", "Power", "Health", "Task"].map((c) => h("th", {}, c)))),
+      gpus),
+    h("h2", {}, "Agents"),
+    h("table", { id: "agents", class: "grid" },
+      h("thead", {}, h("tr", {},
+        ["Agent", "Host", "State", "GPUs", "CPUs", "Memory", "Runtimes", "Driver", "Registered"].map((c) => h("th", {}, c)))),
+      agents),
+    h("h2", {}, "Masters"),
+    h("table", { id: "masters", class: "grid" },
+      h("thead", {}, h("tr", {}, ["Id", "Address", "Role", "Term", "Applied"].map((c) => h("th", {}, c)))),
+      masters),
+  );
+  const stop = poller(async () => {
+    const [a, g, m] = await Promise.all([api("/api/agents"), api("/api/gpus"), api("/api/masters")]);
+    renderGpus(gpus, g.gpus);
+    renderAgents(agents, a.agents);
+    renderMasters(masters, m.masters);
+    const busy = g.gpus.filter((x) => x.task_id).length;
+    const bad = g.gpus.filter((x) => x.health !== "healthy").length;
+    const active = a.agents.filter((x) => x.state === "ACTIVE").length;
+    const leader = m.masters.find((x) => x.role === "leader");
+    summary.replaceChildren(
+      card("GPUs", `${busy} / ${g.gpus.length} busy`, bad ? `${bad} not healthy` : "all healthy"),
+      card("Agents", `${active} / ${a.agents.length} active`, ""),
+      card("Masters", `${m.masters.length}`, leader ? `leader: master ${leader.id}` : "no leader known"),
+    );
+  }, POLL_MS);
+  return { stop };
+}
+
+function card(title, value, note) {
+  return h("div", { class: "card" }, h("div", { class: "card-title" }, title),
+    h("div", { class: "card-value" }, value), h("div", { class: "card-note" }, note));
+}
+
+function empty(tbody, cols, text) {
+  tbody.replaceChildren(h("tr", {}, h("td", { colspan: cols, class: "muted" }, text)));
+}
+
+function renderGpus(tbody, list) {
+  if (!list.length) return empty(tbody, 9, "No GPUs: no agent has registered one.");
+  tbody.replaceChildren(...list.map((s) => {
+    const m = s.sample;
+    const util = m ? meter(m.utilization_pct, `${m.utilization_pct}%`) : h("span", { class: "muted" }, "–");
+    const mem = m && m.memory_total_mib
+      ? meter(100 * m.memory_used_mib / m.memory_total_mib, `${gib(m.memory_used_mib)} / ${gib(m.memory_total_mib)} GiB`)
+      : h("span", { class: "muted" }, `${gib(s.gpu.memory_mib)} GiB`);
+    const task = s.task_id
+      ? (s.job_id ? h("a", { href: `#/jobs/${encodeURIComponent(s.job_id)}` }, s.task_id) : s.task_id)
+      : h("span", { class: "muted" }, "free");
+    const health = h("span", { class: `health h-${s.health}`, title: s.gpu.unhealthy_reason || "" }, s.health);
+    return h("tr", { dataset: { gpu: s.gpu.uuid, agent: s.agent_id } },
+      h("td", {}, s.hostname || s.agent_id),
+      h("td", { title: s.gpu.uuid }, String(s.gpu.index)),
+      h("td", {}, s.gpu.model),
+      h("td", { class: "util" }, util),
+      h("td", { class: "mem" }, mem),
+      h("td", { class: "temp" }, m && m.temperature_c != null ? `${m.temperature_c} °C` : "–"),
+      h("td", { class: "power" }, m && m.power_w != null ? `${Math.round(m.power_w)} W` : "–"),
+      h("td", { class: "health" }, health),
+      h("td", { class: "task" }, task));
+  }));
+}
+
+function renderAgents(tbody, list) {
+  if (!list.length) return empty(tbody, 9, "No agent has registered.");
+  tbody.replaceChildren(...list.map((a) => h("tr", { dataset: { agent: a.id } },
+    h("td", {}, a.id),
+    h("td", {}, a.hostname),
+    h("td", {}, badge(a.draining ? `${a.state} (draining)` : a.state)),
+    h("td", {}, `${a.allocated.gpus} / ${a.total.gpus}`),
+    h("td", {}, `${a.allocated.cpus} / ${a.total.cpus}`),
+    h("td", {}, `${gib(a.allocated.mem_mib)} / ${gib(a.total.mem_mib)} GiB`),
+    h("td", {}, a.runtimes.join(", ")),
+    h("td", {}, a.driver_version || (a.simulated_gpus ? "simulated" : "")),
+    h("td", { title: fmtTime(a.registered_at_ms) }, fmtAge(a.registered_at_ms)))));
+}
+
+function renderMasters(tbody, list) {
+  tbody.replaceChildren(...list.map((m) => h("tr", { class: m.answered ? "self" : "" },
+    h("td", {}, String(m.id)),
+    h("td", {}, m.address),
+    h("td", {}, badge(m.reachable ? m.role : "unreachable")),
+    h("td", {}, m.reachable ? String(m.term) : ""),
+    h("td", {}, m.reachable ? String(m.applied_index) : ""))));
+}
+
+// -------------------------------------------------------------------- jobs
+
+// `params`: the hash's query, e.g. #/jobs?state=QUEUED.
+function jobsPage(root, params) {
+  const states = ["", "QUEUED", "STARTING", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"];
+  const filter = h("select", { id: "state-filter", "aria-label": "state" },
+    states.map((s) => h("option", { value: s, selected: s === (params.get("state") || "") }, s || "any state")));
+  const tbody = h("tbody");
+  const more = h("p", { class: "muted" });
+  root.append(
+    h("div", { class: "title-row" }, h("h1", {}, "Jobs"), filter,
+      h("a", { class: "button", href: "#/submit" }, "Submit a job")),
+    h("table", { id: "jobs", class: "grid" },
+      h("thead", {}, h("tr", {},
+        ["Job", "Name", "State", "GPUs", "Priority", "Tenant", "Age", "Why"].map((c) => h("th", {}, c)))),
+      tbody),
+    more);
+  let stop = () => {};
+  const start = () => {
+    stop();
+    const q = filter.value ? `&state=${encodeURIComponent(filter.value)}` : "";
+    stop = poller(async () => {
+      const r = await api(`/api/jobs?limit=200${q}`);
+      if (!r.jobs.length) empty(tbody, 8, "No jobs.");
+      else tbody.replaceChildren(...r.jobs.map(jobRow));
+      more.textContent = r.more ? "Showing the newest 200 jobs." : "";
+    }, POLL_MS);
+  };
+  filter.addEventListener("change", start);
+  start();
+  return { stop: () => stop() };
+}
+
+function jobRow(j) {
+  return h("tr", { dataset: { job: j.id } },
+    h("td", {}, h("a", { href: `#/jobs/${encodeURIComponent(j.id)}` }, j.id)),
+    h("td", {}, j.name),
+    h("td", { class: "state" }, badge(j.state)),
+    h("td", {}, String(j.gpus)),
+    h("td", {}, String(j.priority)),
+    h("td", {}, j.tenant),
+    h("td", { title: fmtTime(j.submitted_at_ms) }, fmtAge(j.submitted_at_ms)),
+    h("td", { class: "why" }, j.reason || j.message || ""));
+}
+
+// --------------------------------------------------------------- one job
+
+function jobPage(root, id) {
+  const title = h("h1", {}, id);
+  const state = h("span", { id: "job-state" });
+  const cancel = h("button", { id: "cancel", type: "button", class: "danger", hidden: true }, "Cancel job");
+  const why = h("p", { id: "job-why", class: "why" });
+  const details = h("dl", { class: "details" });
+  const tasks = h("tbody");
+  const events = h("tbody");
+  const logStatus = h("span", { id: "log-status", class: "muted" });
+  const logs = h("pre", { id: "logs", class: "logs" });
+  root.append(
+    h("div", { class: "title-row" }, title, state, h("span", { class: "spacer" }), cancel),
+    why, details,
+    h("h2", {}, "Tasks"),
+    h("table", { id: "tasks", class: "grid" },
+      h("thead", {}, h("tr", {},
+        ["Task", "Rank", "Agent", "GPUs", "State", "Exit", "Updated", "Message"].map((c) => h("th", {}, c)))),
+      tasks),
+    h("h2", {}, "Events"),
+    h("table", { id: "events", class: "grid" },
+      h("thead", {}, h("tr", {}, ["Type", "Reason", "Age", "Message"].map((c) => h("th", {}, c)))),
+      events),
+    h("div", { class: "title-row" }, h("h2", {}, "Output"), logStatus),
+    logs);
+
+  let job = null;
+  cancel.addEventListener("click", async () => {
+    if (!confirm(`Cancel ${id}?`)) return;
+    cancel.disabled = true;
+    try {
+      await api(`/api/jobs/${encodeURIComponent(id)}/cancel`, { body: {} });
+    } catch (e) {
+      report(e);
+    } finally {
+      cancel.disabled = false;
+    }
+  });
+
+  const stopPoll = poller(async () => {
+    job = await api(`/api/jobs/${encodeURIComponent(id)}`);
+    renderJob(job, { title, state, cancel, why, details, tasks, events });
+    return !TERMINAL.has(job.state);
+  }, JOB_POLL_MS);
+  const stopLogs = followLogs(id, logs, logStatus);
+  return { stop: () => { stopPoll(); stopLogs(); } };
+}
+
+function renderJob(j, el) {
+  el.title.textContent = `${j.name} `;
+  el.title.append(h("span", { class: "muted" }, j.id));
+  el.state.replaceChildren(badge(j.state));
+  el.cancel.hidden = TERMINAL.has(j.state);
+  el.why.textContent = j.reason || j.message || "";
+  const s = j.spec;
+  const row = (k, v) => [h("dt", {}, k), h("dd", {}, v)];
+  el.details.replaceChildren(
+    ...row("Runs", s.image ? `image ${s.image}` : "host process"),
+    ...row("Command", h("code", {}, s.command.map(shellQuote).join(" "))),
+    ...row("Resources", `${fmtRes(s.resources)} per task`),
+    ...row("Replicas", String(s.replicas)),
+    ...row("Priority", String(s.priority)),
+    ...row("Retries", `${j.retries} of ${s.max_retries}`),
+    ...row("Tenant", s.tenant || "–"),
+    ...row("Submitted", fmtTime(j.submitted_at_ms)),
+    ...(s.gpu_model ? row("GPU model", s.gpu_model) : []),
+    ...(Object.keys(s.env).length ? row("Env", Object.entries(s.env).map(([k, v]) => `${k}=${v}`).join(" ")) : []),
+  );
+  if (!j.task_list.length) empty(el.tasks, 8, "Not placed yet.");
+  else el.tasks.replaceChildren(...j.task_list.map((t) => h("tr", { dataset: { task: t.id } },
+    h("td", {}, t.id),
+    h("td", {}, String(t.rank)),
+    h("td", {}, t.agent_id),
+    h("td", { title: t.gpu_uuids.join("\n") }, String(t.gpu_uuids.length)),
+    h("td", { class: "state" }, badge(t.state)),
+    h("td", {}, t.exit_code == null ? "" : String(t.exit_code)),
+    h("td", { title: fmtTime(t.updated_at_ms) }, fmtAge(t.updated_at_ms)),
+    h("td", {}, t.message))));
+  if (!j.events.length) empty(el.events, 4, "No events.");
+  else el.events.replaceChildren(...j.events.map((e) => h("tr", { class: e.warning ? "warning" : "" },
+    h("td", {}, e.warning ? "Warning" : "Normal"),
+    h("td", { class: "kind" }, e.kind),
+    h("td", { title: fmtTime(e.last_ms) },
+      fmtAge(e.last_ms) + (e.count > 1 ? ` (x${e.count} over ${fmtAge(e.first_ms)})` : "")),
+    h("td", {}, e.message))));
+  if (j.events_dropped) {
+    el.events.append(h("tr", {}, h("td", { colspan: 4, class: "muted" }, `${j.events_dropped} older events dropped`)));
+  }
+}
+
+function shellQuote(a) {
+  return /^[\w@%+=:,./-]+$/.test(a) ? a : `'${a.replace(/'/g, "'\\''")}'`;
+}
+
+// Streams the job's output into `pre` (newline-delimited JSON from the
+// gateway, read as it comes: fetch can send the token, EventSource not).
+function followLogs(id, pre, status) {
+  const ctl = new AbortController();
+  let chars = 0;
+  status.textContent = "waiting for output…";
+  const append = (text) => {
+    pre.append(document.createTextNode(text));
+    chars += text.length;
+    // Keep the page light on a long log: drop the oldest pieces.
+    while (chars > MAX_LOG_CHARS && pre.firstChild) {
+      chars -= pre.firstChild.textContent.length;
+      pre.firstChild.remove();
+    }
+    const atEnd = pre.scrollHeight - pre.scrollTop - pre.clientHeight < 40;
+    if (atEnd) pre.scrollTop = pre.scrollHeight;
+  };
+  (async () => {
+    let resp;
+    try {
+      resp = await fetch(`/api/jobs/${encodeURIComponent(id)}/logs?follow=true`,
+        { headers: headers(), signal: ctl.signal });
+    } catch (e) {
+      if (e.name !== "AbortError") status.textContent = `output unavailable: ${e.message}`;
+      return;
+    }
+    if (!resp.ok) {
+      let msg = `${resp.status}`;
+      try { msg = (await resp.json()).error || msg; } catch (_) { /* not JSON */ }
+      status.textContent = `output unavailable: ${msg}`;
+      status.classList.add("error");
+      return;
+    }
+    status.textContent = "streaming…";
+    pre.dataset.streaming = "1";
+    const reader = resp.body.getReader();
+    const decoder = new TextDecoder();
+    let buf = "";
+    try {
+      for (;;) {
+        const { value, done } = await reader.read();
+        if (done) break;
+        buf += decoder.decode(value, { stream: true });
+        let nl;
+        while ((nl = buf.indexOf("\n")) >= 0) {
+          const lineText = buf.slice(0, nl);
+          buf = buf.slice(nl + 1);
+          if (!lineText) continue;
+          const ev = JSON.parse(lineText);
+          if (ev.text) append(ev.text);
+          else if (ev.end) status.textContent = "end of output";
+          else if (ev.error) {
+            status.textContent = `output stopped: ${ev.error}`;
+            status.classList.add("error");
+          }
+        }
+      }
+    } catch (e) {
+      if (e.name !== "AbortError") status.textContent = `output stopped: ${e.message}`;
+    } finally {
+      delete pre.dataset.streaming;
+      if (status.textContent === "streaming…") status.textContent = "end of output";
+    }
+  })();
+  return () => ctl.abort();
+}
+
+// ------------------------------------------------------------------ submit
+
+function submitPage(root) {
+  const field = (label, input, hint) => h("label", { class: "field" },
+    h("span", { class: "label" }, label), input, hint ? h("span", { class: "hint" }, hint) : null);
+  const num = (id, value, attrs) => h("input", Object.assign({ id, type: "number", value }, attrs || {}));
+  const error = h("p", { id: "form-error", class: "error", hidden: true });
+  const form = h("form", { id: "submit-form", class: "form", autocomplete: "off" },
+    field("Name", h("input", { id: "f-name", required: true, placeholder: "train-resnet" }),
+      "letters, digits, '.', '_', '-'"),
+    field("Image", h("input", { id: "f-image", placeholder: "busybox" }),
+      "a container image; leave empty to run a host process"),
+    field("Command", h("textarea", { id: "f-command", rows: 3, required: true, placeholder: "echo hello from $GPUCTL_JOB_ID" })),
+    h("label", { class: "check" }, h("input", { id: "f-shell", type: "checkbox", checked: true }),
+      " run it with sh -c (else: split on spaces)"),
+    h("div", { class: "row" },
+      field("GPUs", num("f-gpus", 0, { min: 0 })),
+      field("CPUs", num("f-cpus", 1, { min: 0, step: "any" })),
+      field("Memory (MiB)", num("f-mem", 0, { min: 0 }), "0: no limit"),
+      field("Priority", num("f-priority", 0)),
+      field("Replicas", num("f-replicas", 1, { min: 1 }), "a gang: all or nothing"),
+      field("Retries", num("f-retries", 0, { min: 0 }))),
+    field("GPU model", h("input", { id: "f-gpu-model", placeholder: "A100*" }), "a glob; empty: any"),
+    field("Environment", h("textarea", { id: "f-env", rows: 3, placeholder: "KEY=VALUE, one a line" })),
+    h("div", { class: "row" }, h("button", { id: "f-submit", type: "submit" }, "Submit")),
+    error);
+  root.append(h("h1", {}, "Submit a job"), form);
+  // One key per form shown: submitting twice (a double click, a retry after
+  // an unknown outcome) makes one job.
+  const requestId = randomHex(16);
+  form.addEventListener("submit", async (ev) => {
+    ev.preventDefault();
+    error.hidden = true;
+    let body;
+    try {
+      body = formJob(requestId);
+    } catch (e) {
+      error.textContent = e.message;
+      error.hidden = false;
+      return;
+    }
+    const button = $("#f-submit");
+    button.disabled = true;
+    try {
+      const r = await api("/api/jobs", { body });
+      location.hash = `#/jobs/${encodeURIComponent(r.job_id)}`;
+    } catch (e) {
+      if (e instanceof ApiError && e.status === 401) report(e);
+      error.textContent = e.message;
+      error.hidden = false;
+    } finally {
+      button.disabled = false;
+    }
+  });
+  document.body.dataset.loaded = "1";
+  return { stop() {} };
+}
+
+// The form as the gateway's JSON; the master checks the values.
+function formJob(requestId) {
+  const v = (id) => $(`#${id}`).value;
+  const int = (id, name) => {
+    const s = v(id).trim();
+    if (s === "") return 0;
+    const n = Number(s);
+    if (!Number.isInteger(n)) throw new Error(`${name}: ${JSON.stringify(s)} is not a whole number`);
+    return n;
+  };
+  const text = v("f-command").trim();
+  if (!text) throw new Error("command: say what to run");
+  const command = $("#f-shell").checked ? ["sh", "-c", text] : text.split(/\s+/);
+  const env = {};
+  for (const [i, raw] of v("f-env").split("\n").entries()) {
+    const line = raw.trim();
+    if (!line) continue;
+    const eq = line.indexOf("=");
+    if (eq <= 0) throw new Error(`env line ${i + 1}: ${JSON.stringify(line)} is not KEY=VALUE`);
+    env[line.slice(0, eq)] = line.slice(eq + 1);
+  }
+  const cpus = v("f-cpus").trim();
+  return {
+    name: v("f-name").trim(),
+    image: v("f-image").trim(),
+    command,
+    gpus: int("f-gpus", "gpus"),
+    cpus: cpus === "" ? null : Number(cpus),
+    mem_mib: int("f-mem", "memory"),
+    priority: int("f-priority", "priority"),
+    replicas: int("f-replicas", "replicas"),
+    max_retries: int("f-retries", "retries"),
+    gpu_model: v("f-gpu-model").trim(),
+    env,
+    request_id: requestId,
+  };
+}
+
+// -------------------------------------------------------------------- start
+
+document.addEventListener("DOMContentLoaded", () => {
+  $("#login-form").addEventListener("submit", login);
+  $("#login-open").addEventListener("click", () => openLogin(""));
+  $("#login-cancel").addEventListener("click", closeLogin);
+  $("#logout").addEventListener("click", () => {
+    sessionStorage.removeItem(TOKEN_KEY);
+    $("#who").textContent = "";
+    openLogin("Token forgotten.");
+  });
+  window.addEventListener("hashchange", route);
+  whoami().catch(report);
+  route();
+});
