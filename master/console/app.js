@@ -55,6 +55,7 @@ function fmtRes(r) {
   if (r.gpus) parts.push(`${r.gpus} GPU${r.gpus === 1 ? "" : "s"}`);
   parts.push(`${r.cpus} cpu${r.cpus === 1 ? "" : "s"}`);
   if (r.mem_mib) parts.push(`${r.mem_mib} MiB`);
+  if (r.ports) parts.push(`${r.ports} port${r.ports === 1 ? "" : "s"}`);
   return parts.join(", ");
 }
 
@@ -405,7 +406,7 @@ function jobPage(root, id) {
     h("h2", {}, "Tasks"),
     h("table", { id: "tasks", class: "grid" },
       h("thead", {}, h("tr", {},
-        ["Task", "Rank", "Agent", "GPUs", "State", "Exit", "Updated", "Message"].map((c) => h("th", {}, c)))),
+        ["Task", "Rank", "Agent", "GPUs", "Ports", "State", "Exit", "Updated", "Message"].map((c) => h("th", {}, c)))),
       tasks),
     h("h2", {}, "Events"),
     h("table", { id: "events", class: "grid" },
@@ -456,12 +457,13 @@ function renderJob(j, el) {
     ...(s.gpu_model ? row("GPU model", s.gpu_model) : []),
     ...(Object.keys(s.env).length ? row("Env", Object.entries(s.env).map(([k, v]) => `${k}=${v}`).join(" ")) : []),
   );
-  if (!j.task_list.length) empty(el.tasks, 8, "Not placed yet.");
+  if (!j.task_list.length) empty(el.tasks, 9, "Not placed yet.");
   else el.tasks.replaceChildren(...j.task_list.map((t) => h("tr", { dataset: { task: t.id } },
     h("td", {}, t.id),
     h("td", {}, String(t.rank)),
     h("td", {}, t.agent_id),
     h("td", { title: t.gpu_uuids.join("\n") }, String(t.gpu_uuids.length)),
+    h("td", {}, (t.ports || []).join(",")),
     h("td", { class: "state" }, badge(t.state)),
     h("td", {}, t.exit_code == null ? "" : String(t.exit_code)),
     h("td", { title: fmtTime(t.updated_at_ms) }, fmtAge(t.updated_at_ms)),
@@ -568,6 +570,7 @@ function submitPage(root) {
       field("GPUs", num("f-gpus", 0, { min: 0 })),
       field("CPUs", num("f-cpus", 1, { min: 0, step: "any" })),
       field("Memory (MiB)", num("f-mem", 0, { min: 0 }), "0: no limit"),
+      field("Ports", num("f-ports", 0, { min: 0 }), "host ports per task (GPUCTL_PORTS)"),
       field("Priority", num("f-priority", 0)),
       field("Replicas", num("f-replicas", 1, { min: 1 }), "a gang: all or nothing"),
       field("Retries", num("f-retries", 0, { min: 0 }))),
@@ -636,6 +639,7 @@ function formJob(requestId) {
     gpus: int("f-gpus", "gpus"),
     cpus: cpus === "" ? null : Number(cpus),
     mem_mib: int("f-mem", "memory"),
+    ports: int("f-ports", "ports"),
     priority: int("f-priority", "priority"),
     replicas: int("f-replicas", "replicas"),
     max_retries: int("f-retries", "retries"),

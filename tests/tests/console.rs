@@ -144,6 +144,7 @@ fn console_overview_submit_logs_cancel_in_chromium() {
         ("#f-command", script),
         ("#f-gpus", "1"),
         ("#f-cpus", "0.5"),
+        ("#f-ports", "1"),
         ("#f-env", "GREETING=hello"),
     ] {
         b.type_into(sel, v);
@@ -164,6 +165,7 @@ fn console_overview_submit_logs_cancel_in_chromium() {
     assert_eq!(spec["command"], json!(["sh", "-c", script]), "{spec}");
     assert_eq!(spec["env"]["GREETING"], "hello", "{spec}");
     assert_eq!(spec["resources"]["gpus"], 1, "{spec}");
+    assert_eq!(spec["resources"]["ports"], 1, "{spec}");
 
     // Its output streams: the first line shows while the job still runs.
     b.wait_for(

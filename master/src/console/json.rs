@@ -30,7 +30,7 @@ fn runtime_name(v: i32) -> String {
 
 pub fn resources(r: Option<&pb::Resources>) -> Value {
     let r = r.copied().unwrap_or_default();
-    json!({ "cpus": r.cpus, "mem_mib": r.mem_mib, "gpus": r.gpus })
+    json!({ "cpus": r.cpus, "mem_mib": r.mem_mib, "gpus": r.gpus, "ports": r.ports })
 }
 
 fn gpu(g: &pb::Gpu) -> Value {
@@ -155,6 +155,7 @@ fn task(t: &pb::Task) -> Value {
         "message": t.message,
         "updated_at_ms": t.updated_at_ms,
         "rank": t.rank,
+        "ports": t.ports,
     })
 }
 
@@ -411,6 +412,9 @@ pub struct SubmitForm {
     pub cpus: Option<f64>,
     #[serde(default)]
     pub mem_mib: u64,
+    /// Host ports per task (GPUCTL_PORTS); a gang gets at least 1.
+    #[serde(default)]
+    pub ports: u32,
     #[serde(default)]
     pub priority: i32,
     /// Absent or 0: 1.
@@ -437,6 +441,7 @@ impl SubmitForm {
             cpus: self.cpus.unwrap_or(DEFAULT_CPUS),
             mem_mib: self.mem_mib,
             gpus: self.gpus,
+            ports: self.ports,
         };
         let placement = (!self.gpu_model.is_empty()).then(|| pb::Placement {
             gpu_model: self.gpu_model.clone(),
@@ -478,6 +483,7 @@ mod tests {
                     gpus: 2,
                     cpus: 1.5,
                     mem_mib: 10,
+                    ports: 1,
                 }),
                 ..Default::default()
             }),
@@ -499,7 +505,7 @@ mod tests {
         assert_eq!(v["gpus"], 4, "all replicas");
         assert_eq!(
             v["spec"]["resources"],
-            json!({"cpus": 1.5, "mem_mib": 10, "gpus": 2})
+            json!({"cpus": 1.5, "mem_mib": 10, "gpus": 2, "ports": 1})
         );
         assert_eq!(v["task_list"][0]["state"], "RUNNING");
         assert_eq!(v["task_list"][0]["exit_code"], Value::Null);
@@ -622,14 +628,17 @@ mod tests {
     fn the_form_becomes_a_spec_with_gpuctls_defaults() {
         let f: SubmitForm = serde_json::from_value(json!({
             "name": "t", "command": ["sh", "-c", "echo hi"], "gpus": 1,
-            "env": {"A": "1"}, "gpu_model": "A100*"
+            "env": {"A": "1"}, "gpu_model": "A100*", "ports": 2
         }))
         .unwrap();
         let s = f.to_spec();
         assert_eq!(s.command, ["sh", "-c", "echo hi"]);
         assert_eq!(s.image, "", "no image: a host process");
         let r = s.resources.unwrap();
-        assert_eq!((r.cpus, r.mem_mib, r.gpus), (DEFAULT_CPUS, 0, 1));
+        assert_eq!(
+            (r.cpus, r.mem_mib, r.gpus, r.ports),
+            (DEFAULT_CPUS, 0, 1, 2)
+        );
         assert_eq!(s.replicas, 1);
         assert_eq!(s.env.get("A").map(String::as_str), Some("1"));
         assert_eq!(s.placement.unwrap().gpu_model, "A100*");
