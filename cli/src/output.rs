@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
+pub use gpuctl_core::convert::agent_state_name;
 use gpuctl_core::convert::{job_state_name, task_state_name};
 use gpuctl_proto::pb;
 use serde::{Deserialize, Serialize};
@@ -525,15 +526,6 @@ pub fn to_json<T: Serialize + ?Sized>(value: &T) -> Result<String, serde_json::E
 }
 
 // ---------------------------------------------------------------- words
-
-pub fn agent_state_name(v: i32) -> &'static str {
-    match pb::AgentState::try_from(v) {
-        Ok(pb::AgentState::AgentActive) => "ACTIVE",
-        Ok(pb::AgentState::AgentLost) => "LOST",
-        Ok(pb::AgentState::AgentUnreachable) => "UNREACHABLE",
-        _ => "UNKNOWN",
-    }
-}
 
 /// The STATE of `agents list`: ACTIVE, UNREACHABLE or LOST, and DRAINING
 /// for a drained agent (`DRAINING` alone when it is ACTIVE).

@@ -23,3 +23,19 @@ pub mod metrics_server;
 pub fn invalid_argument(e: gpuctl_core::ConvertError) -> tonic::Status {
     tonic::Status::invalid_argument(e.to_string())
 }
+
+/// A new idempotency key for a submit (`SubmitJobRequest.request_id`): 128
+/// random bits in hex, from the kernel; the clock and pid if that fails.
+pub fn new_request_id() -> String {
+    use std::io::Read as _;
+    let mut b = [0u8; 16];
+    let random = std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut b));
+    if random.is_err() {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        b[..12].copy_from_slice(&now.to_le_bytes()[..12]);
+        b[12..].copy_from_slice(&std::process::id().to_le_bytes());
+    }
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}

@@ -6,10 +6,10 @@ use std::io::{self, Write};
 use std::time::Duration;
 
 use clap::{Args, Subcommand};
-use gpuctl_core::convert::job_state_name;
+use gpuctl_core::convert::{job_state_name, selected_tasks_ended};
 use gpuctl_core::time::Backoff;
 use gpuctl_proto::leader::leader_hint;
-use gpuctl_proto::pb;
+use gpuctl_proto::{new_request_id, pb};
 use tokio::time::Instant;
 use tonic::{Code, Status};
 
@@ -514,21 +514,6 @@ pub async fn submit(master: &mut Master, spec: pb::JobSpec) -> Result<String, Cl
     Ok(resp.job_id)
 }
 
-/// 128 random bits in hex, from the kernel; the clock and pid if that fails.
-pub fn new_request_id() -> String {
-    use std::io::Read as _;
-    let mut b = [0u8; 16];
-    let random = std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut b));
-    if random.is_err() {
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos());
-        b[..12].copy_from_slice(&now.to_le_bytes()[..12]);
-        b[12..].copy_from_slice(&std::process::id().to_le_bytes());
-    }
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
 /// Most jobs asked for in one ListJobs call (the master's maximum page).
 const PAGE_LIMIT: u32 = 1000;
 
@@ -810,30 +795,7 @@ async fn selection_ended(
     which: &LogSelection,
 ) -> Result<bool, CliError> {
     let job = get_job(master, id).await?;
-    Ok(is_terminal(job.state) || selected_tasks_ended(&job.tasks, which))
-}
-
-/// The master's rule: an attempt starts all its ranks at once from rank 0.
-fn selected_tasks_ended(tasks: &[pb::Task], which: &LogSelection) -> bool {
-    let mut attempts: Vec<Vec<&pb::Task>> = Vec::new();
-    for t in tasks {
-        match attempts.last_mut() {
-            Some(a) if t.rank != 0 => a.push(t),
-            _ => attempts.push(vec![t]),
-        }
-    }
-    let chosen = match which.attempt {
-        Some(n) => attempts.get((n as usize).saturating_sub(1)),
-        None => attempts.last(),
-    };
-    chosen.is_some_and(|a| {
-        a.iter()
-            .filter(|t| which.rank.is_none_or(|r| r == t.rank))
-            .all(|t| {
-                gpuctl_core::convert::task_state_from_pb("state", t.state)
-                    .is_ok_and(|s| s.is_terminal())
-            })
-    })
+    Ok(is_terminal(job.state) || selected_tasks_ended(&job.tasks, which.attempt, which.rank))
 }
 
 /// Cancels a job; returns its state afterwards (wire value).
@@ -1854,34 +1816,6 @@ mod tests {
             String::from_utf8(out).unwrap(),
             "[rank 1] a\n[rank 1] bc\n[rank 1] d\nraw"
         );
-    }
-
-    #[test]
-    fn the_selected_tasks_are_those_of_the_attempt_and_rank_asked() {
-        let task = |rank, state: pb::TaskState| pb::Task {
-            rank,
-            state: state as i32,
-            ..Default::default()
-        };
-        use pb::TaskState::{TaskFailed, TaskKilled, TaskRunning};
-        // Attempt 1 ended (ranks 0, 1); attempt 2 runs rank 0, rank 1 ended.
-        let tasks = vec![
-            task(0, TaskKilled),
-            task(1, TaskFailed),
-            task(0, TaskRunning),
-            task(1, TaskFailed),
-        ];
-        let sel = |attempt, rank| LogSelection {
-            follow: true,
-            rank,
-            attempt,
-        };
-        assert!(selected_tasks_ended(&tasks, &sel(Some(1), None)));
-        assert!(!selected_tasks_ended(&tasks, &sel(None, None)));
-        assert!(!selected_tasks_ended(&tasks, &sel(Some(2), Some(0))));
-        assert!(selected_tasks_ended(&tasks, &sel(None, Some(1))));
-        // An attempt that has not started has not ended.
-        assert!(!selected_tasks_ended(&tasks, &sel(Some(3), None)));
     }
 
     #[tokio::test]

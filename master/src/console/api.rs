@@ -293,22 +293,6 @@ async fn get_job(
     ok(json::job_detail(&job))
 }
 
-/// 128 random bits in hex: the idempotency key of a submit that came
-/// without one.
-fn new_request_id() -> String {
-    use std::io::Read as _;
-    let mut b = [0u8; 16];
-    let random = std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut b));
-    if random.is_err() {
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos());
-        b[..12].copy_from_slice(&now.to_le_bytes()[..12]);
-        b[12..].copy_from_slice(&std::process::id().to_le_bytes());
-    }
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
 /// Parses the submit form; the error names what is wrong with the JSON.
 pub fn parse_form(body: &[u8]) -> Result<json::SubmitForm, ApiError> {
     serde_json::from_slice(body).map_err(|e| ApiError::BadRequest(format!("job: {e}")))
@@ -319,7 +303,7 @@ async fn submit(State(gw): State<Arc<Gateway>>, headers: HeaderMap, body: Bytes)
     let form = parse_form(&body)?;
     let spec = form.to_spec();
     let request_id = if form.request_id.is_empty() {
-        new_request_id()
+        gpuctl_proto::new_request_id()
     } else {
         form.request_id.clone()
     };
@@ -489,6 +473,6 @@ mod tests {
         assert!(e.to_string().starts_with("job: invalid type"), "{e}");
         let e = parse_form(b"not json").unwrap_err();
         assert!(e.to_string().starts_with("job: "), "{e}");
-        assert_eq!(new_request_id().len(), 32);
+        assert_eq!(gpuctl_proto::new_request_id().len(), 32);
     }
 }

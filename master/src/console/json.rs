@@ -9,20 +9,11 @@
 
 use std::collections::BTreeMap;
 
-use gpuctl_core::convert::{job_state_name, runtime_from_pb, task_state_name};
+use gpuctl_core::convert::{agent_state_name, job_state_name, runtime_from_pb, task_state_name};
 use gpuctl_proto::pb;
 use gpuctl_proto::pb::wait_reason as wr;
 use serde::Deserialize;
 use serde_json::{json, Value};
-
-pub fn agent_state_name(v: i32) -> &'static str {
-    match pb::AgentState::try_from(v) {
-        Ok(pb::AgentState::AgentActive) => "ACTIVE",
-        Ok(pb::AgentState::AgentLost) => "LOST",
-        Ok(pb::AgentState::AgentUnreachable) => "UNREACHABLE",
-        _ => "UNKNOWN",
-    }
-}
 
 fn runtime_name(v: i32) -> String {
     runtime_from_pb("runtime", v).map_or_else(|_| format!("unknown({v})"), |r| r.to_string())

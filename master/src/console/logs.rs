@@ -164,34 +164,12 @@ async fn selection_ended(gateway: &Gateway, token: &Token, job_id: &str, which: 
         .await;
     match job {
         Ok(job) => {
-            super::json::job_is_terminal(job.state) || selected_tasks_ended(&job.tasks, which)
+            super::json::job_is_terminal(job.state)
+                || gpuctl_core::convert::selected_tasks_ended(&job.tasks, which.attempt, which.rank)
         }
         // The job is gone or may not be read any more: nothing to follow.
         Err(e) => !(retry_elsewhere(&e.status) || is_transport_error(&e.status)),
     }
-}
-
-/// The master's rule: an attempt starts all its ranks at once from rank 0.
-fn selected_tasks_ended(tasks: &[pb::Task], which: Selection) -> bool {
-    let mut attempts: Vec<Vec<&pb::Task>> = Vec::new();
-    for t in tasks {
-        match attempts.last_mut() {
-            Some(a) if t.rank != 0 => a.push(t),
-            _ => attempts.push(vec![t]),
-        }
-    }
-    let chosen = match which.attempt {
-        Some(n) => attempts.get((n as usize).saturating_sub(1)),
-        None => attempts.last(),
-    };
-    chosen.is_some_and(|a| {
-        a.iter()
-            .filter(|t| which.rank.is_none_or(|r| r == t.rank))
-            .all(|t| {
-                gpuctl_core::convert::task_state_from_pb("state", t.state)
-                    .is_ok_and(|s| s.is_terminal())
-            })
-    })
 }
 
 /// Relays `first` (and the streams opened after it breaks) to `out` until
@@ -308,33 +286,5 @@ mod tests {
         assert_eq!(r.chunk("t", 0, 1, &text[1..]), "é\n");
         // Bytes that are not UTF-8 at all are shown replaced.
         assert_eq!(r.chunk("t", 0, 1, b"\xff\n"), "\u{fffd}\n");
-    }
-
-    #[test]
-    fn the_latest_attempts_tasks_decide_whether_following_ends() {
-        let t = |rank, state: pb::TaskState| pb::Task {
-            rank,
-            state: state as i32,
-            ..Default::default()
-        };
-        let tasks = [
-            t(0, pb::TaskState::TaskFailed),
-            t(1, pb::TaskState::TaskFailed),
-            t(0, pb::TaskState::TaskRunning),
-            t(1, pb::TaskState::TaskFinished),
-        ];
-        let all = Selection::default();
-        assert!(!selected_tasks_ended(&tasks, all));
-        let rank1 = Selection {
-            rank: Some(1),
-            ..all
-        };
-        assert!(selected_tasks_ended(&tasks, rank1));
-        let first = Selection {
-            attempt: Some(1),
-            ..all
-        };
-        assert!(selected_tasks_ended(&tasks, first));
-        assert!(!selected_tasks_ended(&[], all), "not placed yet");
     }
 }
