@@ -5,36 +5,15 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
 pub use gpuctl_core::convert::agent_state_name;
-use gpuctl_core::convert::{job_state_name, task_state_name};
+use gpuctl_core::convert::{job_state_name, runtime_name, task_state_name};
+use gpuctl_core::wait_words::wait_reason_data;
 use gpuctl_proto::pb;
 use serde::{Deserialize, Serialize};
 
-mod wait_reason;
-pub use wait_reason::WaitReasonJson;
+pub use gpuctl_core::wait_words::{short_require, wait_reason_words as wait_reason};
+pub use gpuctl_core::wait_words::{ResourcesJson, WaitReasonJson};
 
 // ---------------------------------------------------------------- JSON shapes
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ResourcesJson {
-    pub cpus: f64,
-    pub mem_mib: u64,
-    pub gpus: u32,
-    /// Host ports (a count).
-    #[serde(default)]
-    pub ports: u32,
-}
-
-impl From<Option<&pb::Resources>> for ResourcesJson {
-    fn from(r: Option<&pb::Resources>) -> Self {
-        let r = r.copied().unwrap_or_default();
-        ResourcesJson {
-            cpus: r.cpus,
-            mem_mib: r.mem_mib,
-            gpus: r.gpus,
-            ports: r.ports,
-        }
-    }
-}
 
 /// One task of a job (`jobs get --json`, `jobs list --json`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -256,32 +235,6 @@ impl SecurityJson {
         } else {
             parts.join(", ")
         }
-    }
-}
-
-fn is_queued(j: &pb::Job) -> bool {
-    j.state == pb::JobState::JobQueued as i32
-}
-
-/// Why a queued job waits, as data, if the master sent one this gpuctl
-/// can read.
-fn wait_reason_data(j: &pb::Job) -> Option<WaitReasonJson> {
-    is_queued(j)
-        .then_some(j.wait_reason.as_ref())
-        .flatten()
-        .and_then(WaitReasonJson::from_pb)
-}
-
-/// Why a queued job waits, in words. A master older than `wait_reason`
-/// (or newer, with a kind this gpuctl does not know) said it in words in
-/// the job's message: that is shown then.
-pub fn wait_reason(j: &pb::Job) -> Option<String> {
-    if !is_queued(j) {
-        return None;
-    }
-    match wait_reason_data(j) {
-        Some(w) => Some(w.to_string()),
-        None => (!j.message.is_empty()).then(|| j.message.clone()),
     }
 }
 
@@ -555,13 +508,6 @@ pub fn agent_runtimes(a: &pb::Agent) -> String {
         })
         .collect::<Vec<_>>()
         .join(",")
-}
-
-pub fn runtime_name(v: i32) -> String {
-    match gpuctl_core::convert::runtime_from_pb("runtime", v) {
-        Ok(r) => r.to_string(),
-        Err(_) => format!("unknown({v})"),
-    }
 }
 
 // ---------------------------------------------------------------- tables
@@ -842,16 +788,10 @@ pub fn events_section(j: &pb::Job, now_ms: u64) -> String {
 fn driver_words(require_cuda: &str, image_requires: &[String]) -> String {
     let mut parts = Vec::new();
     if !require_cuda.is_empty() {
-        parts.push(format!(
-            "{} (--require-cuda)",
-            wait_reason::short_require(require_cuda)
-        ));
+        parts.push(format!("{} (--require-cuda)", short_require(require_cuda)));
     }
     if !image_requires.is_empty() {
-        let each: Vec<String> = image_requires
-            .iter()
-            .map(|r| wait_reason::short_require(r))
-            .collect();
+        let each: Vec<String> = image_requires.iter().map(|r| short_require(r)).collect();
         parts.push(format!("{} (its image's)", each.join(" and ")));
     }
     if parts.is_empty() {

@@ -1214,6 +1214,14 @@ pub fn job_state_from_pb(field: &str, v: i32) -> Result<JobState> {
 }
 
 /// Job state as the user-facing upper-case word (`QUEUED`, ...), from the wire value.
+/// A runtime's name (`docker`, `process`), or `unknown(N)`.
+pub fn runtime_name(v: i32) -> String {
+    match runtime_from_pb("runtime", v) {
+        Ok(r) => r.to_string(),
+        Err(_) => format!("unknown({v})"),
+    }
+}
+
 /// An agent's state in gpuctl's words (`ACTIVE`, `UNREACHABLE`, `LOST`).
 pub fn agent_state_name(v: i32) -> &'static str {
     match pb::AgentState::try_from(v) {

@@ -19,5 +19,6 @@ pub mod metrics;
 pub mod time;
 pub mod types;
 pub mod wait;
+pub mod wait_words;
 
 pub use convert::ConvertError;

@@ -3,21 +3,16 @@
 //!
 //! Enums become the words gpuctl prints (`RUNNING`, `ACTIVE`), times stay
 //! milliseconds since the epoch (the page shows ages in the reader's time),
-//! and a queued job's wait reason, which the master sends as data, gets a
-//! one-line summary here (gpuctl's full words are in
-//! `cli/src/output/wait_reason.rs` and docs/scheduling.md).
+//! and a queued job's wait reason, which the master sends as data, is in
+//! gpuctl's words (`gpuctl_core::wait_words`, listed in docs/scheduling.md).
 
 use std::collections::BTreeMap;
 
-use gpuctl_core::convert::{agent_state_name, job_state_name, runtime_from_pb, task_state_name};
+use gpuctl_core::convert::{agent_state_name, job_state_name, runtime_name, task_state_name};
+use gpuctl_core::wait_words::wait_reason_words;
 use gpuctl_proto::pb;
-use gpuctl_proto::pb::wait_reason as wr;
 use serde::Deserialize;
 use serde_json::{json, Value};
-
-fn runtime_name(v: i32) -> String {
-    runtime_from_pb("runtime", v).map_or_else(|_| format!("unknown({v})"), |r| r.to_string())
-}
 
 pub fn resources(r: Option<&pb::Resources>) -> Value {
     let r = r.copied().unwrap_or_default();
@@ -177,7 +172,7 @@ pub fn job_summary(j: &pb::Job) -> Value {
         "priority": spec.priority,
         "submitted_at_ms": j.submitted_at_ms,
         "message": j.message,
-        "reason": j.wait_reason.as_ref().map(wait_text),
+        "reason": wait_reason_words(j),
         "tasks": j.tasks.len(),
     })
 }
@@ -220,170 +215,6 @@ pub fn job_is_terminal(state: i32) -> bool {
         pb::JobState::try_from(state),
         Ok(pb::JobState::JobSucceeded | pb::JobState::JobFailed | pb::JobState::JobCancelled)
     )
-}
-
-fn plural(n: u64) -> &'static str {
-    if n == 1 {
-        ""
-    } else {
-        "s"
-    }
-}
-
-/// What a requirement no agent meets asks, after "no agent ".
-fn missing(r: &wr::Requirement) -> String {
-    use wr::requirement::Kind;
-    let model = if r.gpu_model.is_empty() {
-        String::new()
-    } else {
-        format!(" of model {}", r.gpu_model)
-    };
-    let mem = if r.gpu_mem_min_mib > 0 {
-        format!(" with at least {} MiB", r.gpu_mem_min_mib)
-    } else {
-        String::new()
-    };
-    match Kind::try_from(r.kind) {
-        Ok(Kind::Runtime) => format!("runs {}", runtime_name(r.runtime)),
-        Ok(Kind::Attribute) => format!("has attribute {}={}", r.key, r.pattern),
-        Ok(Kind::GpuModel) => format!("has GPU model {}", non_empty(&r.gpu_model).unwrap_or("*")),
-        Ok(Kind::GpuMemory) => format!("has a GPU{model}{mem}"),
-        Ok(Kind::Gpus) => format!("has {} GPU{}{model}{mem}", r.gpus, plural(r.gpus.into())),
-        Ok(Kind::Cpus) => format!("has {} cpus", r.cpus),
-        Ok(Kind::Memory) => format!("has {} MiB of memory", r.mem_mib),
-        Ok(Kind::RootTasks) => "allows root tasks (agent option allow_root_tasks)".into(),
-        Ok(Kind::Mount) => format!("allows mounting {} (agent option allowed_mounts)", r.path),
-        Ok(Kind::Driver) => format!("has a driver for {}", r.requires.join(" and ")),
-        _ => "meets its requirements".into(),
-    }
-}
-
-fn busy_words(b: &wr::Busy) -> Option<String> {
-    let parts: Vec<String> = [
-        (b.exhausted_gpus, "short of free GPUs"),
-        (b.exhausted_cpus, "short of free cpus"),
-        (b.exhausted_memory, "short of free memory"),
-        (b.fit_one, "with room for one replica"),
-        (b.filtered_runtime, "without the runtime"),
-        (b.filtered_security, "not allowing its root or mounts"),
-        (b.filtered_constraints, "not matching the constraints"),
-        (b.filtered_driver, "whose driver does not qualify"),
-        (b.filtered_gpu_model, "without the GPU model"),
-        (b.filtered_gpu_memory, "without a GPU with the memory"),
-        (b.filtered_too_small, "too small"),
-    ]
-    .into_iter()
-    .filter(|(n, _)| *n > 0)
-    .map(|(n, what)| format!("{n} {what}"))
-    .collect();
-    (b.agents > 0 && !parts.is_empty()).then(|| {
-        format!(
-            "of {} agent{}: {}",
-            b.agents,
-            plural(b.agents.into()),
-            parts.join(", ")
-        )
-    })
-}
-
-fn kind_text(k: &wr::Kind) -> String {
-    match k {
-        wr::Kind::NeverFits(n) => {
-            let why = match &n.why {
-                Some(wr::never_fits::Why::NoActiveAgent(_)) | None => "no active agent".into(),
-                Some(wr::never_fits::Why::Missing(m)) => match &m.need {
-                    Some(need) => format!("no agent {}", missing(need)),
-                    None => "no agent meets its requirements".into(),
-                },
-                Some(wr::never_fits::Why::Gang(g)) => format!(
-                    "the agents cannot hold {} replicas of {} GPU{} at once",
-                    g.replicas,
-                    g.gpus,
-                    plural(g.gpus.into())
-                ),
-            };
-            why
-        }
-        wr::Kind::Quota(q) => {
-            let n = |r: &Option<pb::Resources>| r.unwrap_or_default();
-            let (used, asked, limit) = (n(&q.used), n(&q.asked), n(&q.limit));
-            let parts: Vec<String> = q
-                .over
-                .iter()
-                .filter_map(|d| match wr::Dimension::try_from(*d) {
-                    Ok(wr::Dimension::Gpus) => Some(format!(
-                        "{} GPUs in use + {} asked > {}",
-                        used.gpus, asked.gpus, limit.gpus
-                    )),
-                    Ok(wr::Dimension::Cpus) => Some(format!(
-                        "{} cpus in use + {} asked > {}",
-                        used.cpus, asked.cpus, limit.cpus
-                    )),
-                    Ok(wr::Dimension::Memory) => Some(format!(
-                        "{} MiB in use + {} asked > {}",
-                        used.mem_mib, asked.mem_mib, limit.mem_mib
-                    )),
-                    _ => None,
-                })
-                .collect();
-            format!("Quota: the jobs role's quota: {}", parts.join(", "))
-        }
-        wr::Kind::TenantQuota(t) => format!(
-            "Quota: tenant {}'s GPU quota: {} GPUs in use + {} asked > {}",
-            t.tenant, t.used, t.asked, t.quota
-        ),
-        wr::Kind::Starting(_) => "Scheduling: resources are free; starting it".into(),
-        wr::Kind::Preempting(p) => format!(
-            "Preempting: waiting for {} task{} of lower priority to stop",
-            p.waiting_for_tasks,
-            plural(p.waiting_for_tasks.into())
-        ),
-        wr::Kind::Priority(p) => {
-            let mut s = "Priority: the free resources it fits go to jobs ahead of it \
-                         (higher priority, or older)"
-                .to_string();
-            if !p.blocked_by.is_empty() {
-                s.push_str(&format!(", first {}", p.blocked_by));
-                if p.kept_for_preemption {
-                    s.push_str(" (kept for its preemption)");
-                }
-            }
-            s
-        }
-        wr::Kind::Resources(b) => {
-            let mut s = "Resources: waiting for resources to be freed".to_string();
-            if let Some(w) = busy_words(b) {
-                s.push_str(&format!(" ({w})"));
-            }
-            s
-        }
-    }
-}
-
-/// One line saying why a queued job waits.
-pub fn wait_text(w: &pb::WaitReason) -> String {
-    let kind = w
-        .kind
-        .as_ref()
-        .map_or_else(|| "waiting".to_string(), kind_text);
-    let Some(r) = &w.requeued else {
-        return kind;
-    };
-    let mut s = String::new();
-    if !r.preempted_by.is_empty() {
-        s.push_str(&format!("PREEMPTED by {}; ", r.preempted_by));
-    }
-    s.push_str(&kind);
-    if r.retries > 0 {
-        s.push_str(&format!(" (retry {} of {}", r.retries, r.max_retries));
-        if !r.after.is_empty() {
-            s.push_str(&format!(" after {}", r.after));
-        }
-        s.push(')');
-    } else if !r.after.is_empty() {
-        s.push_str(&format!(" (requeued after {})", r.after));
-    }
-    s
 }
 
 /// The submit form as the browser posts it. Unknown keys are refused (a
@@ -544,22 +375,29 @@ mod tests {
         assert_eq!(health_word(false, true), "unhealthy");
     }
 
+    /// A queued job's reason is in gpuctl's words (the tables of words are
+    /// tested with them in `gpuctl_core::wait_words`); other jobs have none.
     #[test]
-    fn wait_reasons_read_as_one_line() {
-        let w = |kind, requeued| pb::WaitReason {
-            kind: Some(kind),
-            requeued,
+    fn queued_jobs_say_why_in_gpuctls_words() {
+        use pb::wait_reason as wr;
+        let queued = |kind, requeued| pb::Job {
+            state: pb::JobState::JobQueued as i32,
+            wait_reason: Some(pb::WaitReason {
+                kind: Some(kind),
+                requeued,
+            }),
+            ..Default::default()
         };
         let busy = wr::Busy {
             agents: 3,
             exhausted_gpus: 2,
-            filtered_too_small: 1,
+            exhausted_ports: 1,
             ..Default::default()
         };
         assert_eq!(
-            wait_text(&w(wr::Kind::Resources(busy), None)),
+            job_summary(&queued(wr::Kind::Resources(busy), None))["reason"],
             "Resources: waiting for resources to be freed \
-             (of 3 agents: 2 short of free GPUs, 1 too small)"
+             (of 3 agents: 2 short of free GPUs, 1 short of free ports)"
         );
         let need = wr::Requirement {
             kind: wr::requirement::Kind::Gpus as i32,
@@ -570,49 +408,28 @@ mod tests {
         let never = wr::NeverFits {
             why: Some(wr::never_fits::Why::Missing(wr::Missing {
                 need: Some(need),
+                largest: Some(4.0),
                 ..Default::default()
             })),
             set_aside: None,
         };
         assert_eq!(
-            wait_text(&w(wr::Kind::NeverFits(never), None)),
-            "no agent has 8 GPUs of model H100*"
+            job_summary(&queued(wr::Kind::NeverFits(never), None))["reason"],
+            "no agent has 8 GPUs of model H100* (at most 4)"
         );
         let requeued = wr::Requeued {
             preempted_by: "job-9".into(),
-            retries: 1,
+            retries: 0,
             max_retries: 3,
-            after: "exit code 2".into(),
+            after: String::new(),
         };
-        assert_eq!(
-            wait_text(&w(wr::Kind::Starting(wr::Starting {}), Some(requeued))),
-            "PREEMPTED by job-9; Scheduling: resources are free; starting it \
-             (retry 1 of 3 after exit code 2)"
-        );
-        let t = wr::TenantQuota {
-            tenant: "ml".into(),
-            quota: 4,
-            used: 4,
-            asked: 1,
-        };
-        assert_eq!(
-            wait_text(&w(wr::Kind::TenantQuota(t), None)),
-            "Quota: tenant ml's GPU quota: 4 GPUs in use + 1 asked > 4"
-        );
-        let j = pb::Job {
-            state: pb::JobState::JobQueued as i32,
-            wait_reason: Some(w(
-                wr::Kind::Preempting(wr::Preempting {
-                    waiting_for_tasks: 1,
-                }),
-                None,
-            )),
-            ..Default::default()
-        };
+        let mut j = queued(wr::Kind::Starting(wr::Starting {}), Some(requeued));
         assert_eq!(
             job_summary(&j)["reason"],
-            "Preempting: waiting for 1 task of lower priority to stop"
+            "PREEMPTED by job-9; Scheduling: resources are free; starting it"
         );
+        j.state = pb::JobState::JobRunning as i32;
+        assert_eq!(job_summary(&j)["reason"], Value::Null);
     }
 
     #[test]

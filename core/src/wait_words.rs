@@ -1,16 +1,62 @@
 //! Why a queued job waits: the master sends it as data
 //! (`pb::WaitReason`); this is its JSON shape (`wait_reason` in
-//! `jobs get/list --json`) and the one place it becomes words (the
-//! `REASON` column, `reason` in JSON, `jobs get`, `jobs wait`). The words
-//! of each kind are listed in docs/scheduling.md.
+//! `jobs get/list --json`, and the web console's) and the one place it
+//! becomes words (gpuctl's `REASON` column, `reason` in JSON, `jobs get`,
+//! `jobs wait`, the console's pages). The words of each kind are listed in
+//! docs/scheduling.md.
 
 use std::fmt;
 
-use gpuctl_proto::pb;
-use gpuctl_proto::pb::wait_reason as wr;
 use serde::{Deserialize, Serialize};
 
-use super::{runtime_name, ResourcesJson};
+use crate::convert::runtime_name;
+use crate::pb;
+use crate::pb::wait_reason as wr;
+
+/// Scalar resources in JSON (`jobs get --json`, the console).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ResourcesJson {
+    pub cpus: f64,
+    pub mem_mib: u64,
+    pub gpus: u32,
+    /// Host ports (a count).
+    #[serde(default)]
+    pub ports: u32,
+}
+
+impl From<Option<&pb::Resources>> for ResourcesJson {
+    fn from(r: Option<&pb::Resources>) -> Self {
+        let r = r.copied().unwrap_or_default();
+        ResourcesJson {
+            cpus: r.cpus,
+            mem_mib: r.mem_mib,
+            gpus: r.gpus,
+            ports: r.ports,
+        }
+    }
+}
+
+/// Why a queued job waits, as data, if the master sent one this build can
+/// read.
+pub fn wait_reason_data(j: &pb::Job) -> Option<WaitReasonJson> {
+    (j.state == pb::JobState::JobQueued as i32)
+        .then_some(j.wait_reason.as_ref())
+        .flatten()
+        .and_then(WaitReasonJson::from_pb)
+}
+
+/// Why a queued job waits, in words; `None` for a job not queued. A master
+/// older than `wait_reason` (or newer, with a kind this build does not
+/// know) said it in words in the job's message: that is given then.
+pub fn wait_reason_words(j: &pb::Job) -> Option<String> {
+    if j.state != pb::JobState::JobQueued as i32 {
+        return None;
+    }
+    match wait_reason_data(j) {
+        Some(w) => Some(w.to_string()),
+        None => (!j.message.is_empty()).then(|| j.message.clone()),
+    }
+}
 
 /// Why a QUEUED job waits, as data.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -306,7 +352,7 @@ impl WaitReasonJson {
 /// and how many others (`cuda>=12.2 (+20 alternatives)`); the text as
 /// given when this gpuctl cannot read it.
 pub fn short_require(text: &str) -> String {
-    gpuctl_core::cuda_req::Expr::parse(text).map_or_else(|_| text.to_string(), |e| e.short())
+    crate::cuda_req::Expr::parse(text).map_or_else(|_| text.to_string(), |e| e.short())
 }
 
 fn shorts(requires: &[String]) -> String {
