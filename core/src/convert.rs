@@ -1232,30 +1232,6 @@ pub fn agent_state_name(v: i32) -> &'static str {
     }
 }
 
-/// Whether the tasks a log stream follows have all ended: those of
-/// `attempt` (1-based; `None`: the latest), of one `rank` or all. Tasks
-/// come oldest first, and an attempt starts all its ranks at once from
-/// rank 0 (the master's rule), so a rank 0 starts the next one. An attempt
-/// not started yet has not ended.
-pub fn selected_tasks_ended(tasks: &[pb::Task], attempt: Option<u32>, rank: Option<u32>) -> bool {
-    let mut attempts: Vec<Vec<&pb::Task>> = Vec::new();
-    for t in tasks {
-        match attempts.last_mut() {
-            Some(a) if t.rank != 0 => a.push(t),
-            _ => attempts.push(vec![t]),
-        }
-    }
-    let chosen = match attempt {
-        Some(n) => attempts.get((n as usize).saturating_sub(1)),
-        None => attempts.last(),
-    };
-    chosen.is_some_and(|a| {
-        a.iter()
-            .filter(|t| rank.is_none_or(|r| r == t.rank))
-            .all(|t| task_state_from_pb("state", t.state).is_ok_and(|s| s.is_terminal()))
-    })
-}
-
 pub fn job_state_name(v: i32) -> &'static str {
     use pb::JobState as P;
     match P::try_from(v) {
@@ -1657,30 +1633,6 @@ pub fn drain_deadline(at_ms: u64, secs: Option<f64>) -> Result<Option<u64>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn the_selected_tasks_are_those_of_the_attempt_and_rank_asked() {
-        let task = |rank, state: pb::TaskState| pb::Task {
-            rank,
-            state: state as i32,
-            ..Default::default()
-        };
-        use pb::TaskState::{TaskFailed, TaskKilled, TaskRunning};
-        // Attempt 1 ended (ranks 0, 1); attempt 2 runs rank 0, rank 1 ended.
-        let tasks = vec![
-            task(0, TaskKilled),
-            task(1, TaskFailed),
-            task(0, TaskRunning),
-            task(1, TaskFailed),
-        ];
-        assert!(selected_tasks_ended(&tasks, Some(1), None));
-        assert!(!selected_tasks_ended(&tasks, None, None));
-        assert!(!selected_tasks_ended(&tasks, Some(2), Some(0)));
-        assert!(selected_tasks_ended(&tasks, None, Some(1)));
-        // An attempt that has not started has not ended.
-        assert!(!selected_tasks_ended(&tasks, Some(3), None));
-        assert!(!selected_tasks_ended(&[], None, None), "not placed yet");
-    }
 
     fn spec() -> pb::JobSpec {
         pb::JobSpec {

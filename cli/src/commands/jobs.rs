@@ -6,7 +6,8 @@ use std::io::{self, Write};
 use std::time::Duration;
 
 use clap::{Args, Subcommand};
-use gpuctl_core::convert::{job_state_name, selected_tasks_ended};
+use gpuctl_core::convert::job_state_name;
+pub use gpuctl_core::logs::LogSelection;
 use gpuctl_core::time::Backoff;
 use gpuctl_proto::leader::leader_hint;
 use gpuctl_proto::{new_request_id, pb};
@@ -633,14 +634,6 @@ pub async fn get_as(
     Ok(())
 }
 
-/// Which output `jobs logs` asks for.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct LogSelection {
-    pub follow: bool,
-    pub rank: Option<u32>,
-    pub attempt: Option<u32>,
-}
-
 /// Where each task's output stands in what was written.
 #[derive(Debug, Default)]
 struct TaskOutput {
@@ -795,7 +788,7 @@ async fn selection_ended(
     which: &LogSelection,
 ) -> Result<bool, CliError> {
     let job = get_job(master, id).await?;
-    Ok(is_terminal(job.state) || selected_tasks_ended(&job.tasks, which.attempt, which.rank))
+    Ok(is_terminal(job.state) || which.ended(&job.tasks))
 }
 
 /// Cancels a job; returns its state afterwards (wire value).

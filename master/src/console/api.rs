@@ -357,7 +357,7 @@ async fn job_logs(
 ) -> ApiResult {
     let t = token(&headers)?;
     let Query(q) = query.map_err(|e| ApiError::BadRequest(e.body_text()))?;
-    let which = logs::Selection {
+    let which = logs::LogSelection {
         follow: q.follow,
         rank: q.rank,
         attempt: q.attempt,

@@ -27,13 +27,7 @@ const MAX_FRUITLESS_STREAMS: u32 = 5;
 /// Pause before opening a stream again after one that brought nothing.
 const REOPEN_PAUSE: Duration = Duration::from_millis(500);
 
-/// Which output the page asks for.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Selection {
-    pub follow: bool,
-    pub rank: Option<u32>,
-    pub attempt: Option<u32>,
-}
+pub use gpuctl_core::logs::LogSelection;
 
 #[derive(Debug, Default)]
 struct TaskOutput {
@@ -135,7 +129,7 @@ pub async fn open(
     gateway: &Gateway,
     token: &Token,
     job_id: &str,
-    which: Selection,
+    which: LogSelection,
 ) -> Result<tonic::Streaming<pb::LogChunk>, CallError> {
     // With follow the master answers once the job is placed: no limit.
     let attempt = (!which.follow).then_some(RPC_TIMEOUT);
@@ -153,7 +147,12 @@ pub async fn open(
 }
 
 /// Whether the tasks `which` selects have all ended (or the job has).
-async fn selection_ended(gateway: &Gateway, token: &Token, job_id: &str, which: Selection) -> bool {
+async fn selection_ended(
+    gateway: &Gateway,
+    token: &Token,
+    job_id: &str,
+    which: LogSelection,
+) -> bool {
     let job = gateway
         .call(Some(RPC_TIMEOUT), |channel| {
             let req = token.request(pb::GetJobRequest {
@@ -163,10 +162,7 @@ async fn selection_ended(gateway: &Gateway, token: &Token, job_id: &str, which: 
         })
         .await;
     match job {
-        Ok(job) => {
-            super::json::job_is_terminal(job.state)
-                || gpuctl_core::convert::selected_tasks_ended(&job.tasks, which.attempt, which.rank)
-        }
+        Ok(job) => super::json::job_is_terminal(job.state) || which.ended(&job.tasks),
         // The job is gone or may not be read any more: nothing to follow.
         Err(e) => !(retry_elsewhere(&e.status) || is_transport_error(&e.status)),
     }
@@ -179,7 +175,7 @@ pub async fn relay(
     gateway: Arc<Gateway>,
     token: Token,
     job_id: String,
-    which: Selection,
+    which: LogSelection,
     first: tonic::Streaming<pb::LogChunk>,
     out: mpsc::Sender<Bytes>,
 ) {

@@ -873,14 +873,7 @@ fn allocate(state: &State, g: &mut Inner, settings: &FrameworkSettings, now: u64
                 framework_id: o.framework_id.clone(),
                 agent_id: o.agent_id.clone(),
                 hostname: agent.info.hostname.clone(),
-                // Ports go whole with every offer (see `accept`).
-                resources: Some(
-                    Resources {
-                        ports: agent.free().ports,
-                        ..o.resources
-                    }
-                    .into(),
-                ),
+                resources: Some(agent.with_free_ports(o.resources).into()),
                 gpus,
                 attributes: agent.info.attributes.clone().into_iter().collect(),
             });

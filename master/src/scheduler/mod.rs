@@ -96,13 +96,7 @@ impl<'s> Pool<'s> {
                     a.info.id.as_str(),
                     PoolNode {
                         agent: a,
-                        // The allocator does not divide host ports: what
-                        // the agent has free goes with every offer, and the
-                        // launch's apply arbitrates.
-                        free: Resources {
-                            ports: a.free().ports,
-                            ..offered.resources
-                        },
+                        free: a.with_free_ports(offered.resources),
                         free_gpus,
                     },
                 ))

@@ -446,11 +446,10 @@ impl SchedulerService {
         }
         let commands = {
             let state = self.ctx.raft.state();
-            // Host ports are not divided between offers: each offer of an agent
-            // carries all its free ports, and the launch's apply arbitrates
-            // (a task that lost the race is refused, RESOURCES_UNAVAILABLE).
             for (agent_id, (r, _)) in offered.iter_mut() {
-                r.ports = state.agent(agent_id).map_or(0, |a| a.free().ports);
+                if let Some(a) = state.agent(agent_id) {
+                    *r = a.with_free_ports(*r);
+                }
             }
             launch_commands(&state, &req.framework_id, req.operations, &offered)?
         };

@@ -86,6 +86,16 @@ impl AgentRecord {
         self.info.total.saturating_sub(&self.allocated)
     }
 
+    /// An offer of it with its host ports: the allocator does not divide
+    /// ports between offers, so each carries all the agent has free, and a
+    /// launch's apply arbitrates (the loser is refused).
+    pub fn with_free_ports(&self, offered: Resources) -> Resources {
+        Resources {
+            ports: self.free().ports,
+            ..offered
+        }
+    }
+
     /// Whether new tasks may be placed, launched or offered on it: ACTIVE
     /// and not draining.
     pub fn accepts_tasks(&self) -> bool {
