@@ -1,7 +1,8 @@
 //! Host ports and distributed training without wrappers: a two-rank gang
 //! meets over TCP at the MASTER_ADDR and MASTER_PORT gpuctl gives it, and
 //! tasks on one agent hold disjoint ports (each binds all of its own while
-//! the others hold theirs, which the kernel refuses for a port taken).
+//! the others hold theirs, which the kernel refuses for a port taken), and
+//! keep them across a SIGKILL and restart of their agent.
 //! Real master, agents and processes over loopback; the tasks are Python.
 #![allow(clippy::unwrap_used)]
 
@@ -233,6 +234,41 @@ fn tasks_on_one_agent_never_share_a_port() {
         "{w}"
     );
     c.ok(&["jobs", "cancel", &huge]);
+    // The agent is SIGKILLed and restarted under the holders: they run on
+    // (every port still answers, from outside), keep their ports, and the
+    // fourth still waits for them.
+    c.restart_agent(0);
+    let active = try_wait_for(Duration::from_secs(30), || {
+        c.agents_json()
+            .first()
+            .is_some_and(|a| a["state"] == "ACTIVE")
+    });
+    assert!(active, "agent not back\n{}", c.diagnostics());
+    for p in &seen {
+        TcpStream::connect(("127.0.0.1", *p))
+            .unwrap_or_else(|e| panic!("port {p} after the restart: {e}"));
+    }
+    for j in &holders {
+        let job = c.job(j);
+        let ports: BTreeSet<u16> = job["tasks"][0]["ports"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| p.as_u64().unwrap() as u16)
+            .collect();
+        let file = std::fs::read_to_string(out.join(j)).unwrap();
+        let bound: BTreeSet<u16> = file.split(',').map(|p| p.parse().unwrap()).collect();
+        assert_eq!(ports, bound, "{j} after the restart: {job}");
+    }
+    let w = c.job_with_reason(&fourth);
+    assert_eq!(w["state"], "QUEUED", "{w}");
+    assert!(
+        w["reason"]
+            .as_str()
+            .unwrap()
+            .contains("short of free ports"),
+        "{w}"
+    );
     // Released: the holders end and the fourth gets ports they freed.
     std::fs::write(out.join("release"), "").unwrap();
     for j in holders.iter().chain([&fourth]) {
