@@ -234,7 +234,8 @@ fn nvidia_require_cuda_places_jobs_only_where_the_driver_qualifies() {
     let k = c.submit(&[
         "--name", "cuda2", "--image", IMAGE, "--gpus", "1", "--", "sh", "-c", script,
     ]);
-    assert_eq!(c.wait_job(&k, 90), (0, "SUCCEEDED".to_string()));
+    let end = c.wait_job(&k, 90);
+    assert_eq!(end, (0, "SUCCEEDED".to_string()), "{}", c.job(&k));
     let job = c.job(&k);
     assert_eq!(job["retries"], 0, "{job}");
     assert_eq!(agents_of(&job), [old, new], "{job}");
