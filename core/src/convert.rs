@@ -611,6 +611,21 @@ impl From<PortRange> for pb::PortRange {
     }
 }
 
+/// Id ranges from the wire (a token's allowed uids or gids), checked like
+/// [`IdRanges::from_ranges`], the error naming `field`.
+pub fn id_ranges_from_pb(field: &str, ranges: &[pb::IdRange]) -> Result<IdRanges> {
+    IdRanges::from_ranges(ranges.iter().map(|r| (r.first, r.last)).collect())
+        .map_err(|e| ConvertError::new(field, e))
+}
+
+pub fn id_ranges_to_pb(ranges: &IdRanges) -> Vec<pb::IdRange> {
+    ranges
+        .ranges()
+        .iter()
+        .map(|&(first, last)| pb::IdRange { first, last })
+        .collect()
+}
+
 /// A job's `require_cuda`: `None` when blank; an error naming the field and
 /// the faulty condition when it does not parse or asks nothing.
 fn require_cuda_from_pb(text: &str) -> Result<Option<crate::cuda_req::Expr>> {

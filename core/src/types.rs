@@ -473,6 +473,153 @@ impl std::str::FromStr for UserIds {
     }
 }
 
+/// Numeric user or group ids as inclusive ranges (`1000-1999,2500`), kept
+/// sorted and merged; empty is "none". Used for the ids a token lets its
+/// holder choose (`gpuctl tokens create --allow-uids`), the ids an agent
+/// lets jobs choose (`allowed_users`) and an agent's own range for tasks
+/// (`task_users`). Never 0 (root is asked for with `run_as_root`) nor
+/// 4294967295 (-1 to the kernel: "leave unchanged").
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct IdRanges(Vec<(u32, u32)>);
+
+impl IdRanges {
+    /// Most ranges one list may hold (a token's and an agent's lists are
+    /// replicated and shown; a short list is all a policy needs).
+    pub const MAX_RANGES: usize = 32;
+
+    /// No id at all.
+    pub fn none() -> IdRanges {
+        IdRanges(Vec::new())
+    }
+
+    /// Every id a job may name: 1 to 4294967294.
+    pub fn all() -> IdRanges {
+        IdRanges(vec![(1, u32::MAX - 1)])
+    }
+
+    /// From `(first, last)` pairs, checked (each first <= last, within
+    /// 1..=4294967294, at most [`Self::MAX_RANGES`]); overlapping and
+    /// touching ranges are merged.
+    pub fn from_ranges(mut ranges: Vec<(u32, u32)>) -> Result<IdRanges, String> {
+        if ranges.len() > Self::MAX_RANGES {
+            return Err(format!(
+                "{} ranges, at most {}",
+                ranges.len(),
+                Self::MAX_RANGES
+            ));
+        }
+        for &(a, b) in &ranges {
+            if a == 0 || b == u32::MAX {
+                return Err(format!(
+                    "{a}-{b}: ids are 1 to 4294967294 (0 is root, asked for with run_as_root)"
+                ));
+            }
+            if a > b {
+                return Err(format!("{a}-{b}: the range is empty ({a} > {b})"));
+            }
+        }
+        ranges.sort_unstable();
+        let mut merged: Vec<(u32, u32)> = Vec::with_capacity(ranges.len());
+        for (a, b) in ranges {
+            match merged.last_mut() {
+                Some(last) if a <= last.1.saturating_add(1) => last.1 = last.1.max(b),
+                _ => merged.push((a, b)),
+            }
+        }
+        Ok(IdRanges(merged))
+    }
+
+    /// Parses `none` (or nothing) or a comma-separated list of `ID` and
+    /// `FIRST-LAST`, decimal.
+    pub fn parse(s: &str) -> Result<IdRanges, String> {
+        let t = s.trim();
+        if t.is_empty() || t == "none" {
+            return Ok(IdRanges::none());
+        }
+        let num = |v: &str| -> Result<u32, String> {
+            let v = v.trim();
+            if v.is_empty() || !v.bytes().all(|b| b.is_ascii_digit()) {
+                return Err(format!(
+                    "{s:?}: {v:?} is not an id (expected ID or FIRST-LAST, comma separated, or none)"
+                ));
+            }
+            v.parse::<u32>()
+                .map_err(|_| format!("{s:?}: {v} is not a valid id"))
+        };
+        let ranges = t
+            .split(',')
+            .map(|part| match part.split_once('-') {
+                Some((a, b)) => Ok((num(a)?, num(b)?)),
+                None => num(part).map(|n| (n, n)),
+            })
+            .collect::<Result<Vec<_>, String>>()?;
+        IdRanges::from_ranges(ranges).map_err(|e| format!("{s:?}: {e}"))
+    }
+
+    pub fn ranges(&self) -> &[(u32, u32)] {
+        &self.0
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    pub fn contains(&self, id: u32) -> bool {
+        self.0.iter().any(|&(a, b)| (a..=b).contains(&id))
+    }
+
+    /// Whether some id is in both.
+    pub fn overlaps(&self, other: &IdRanges) -> bool {
+        self.0
+            .iter()
+            .any(|&(a, b)| other.0.iter().any(|&(c, d)| a <= d && c <= b))
+    }
+
+    /// How many ids it holds.
+    pub fn count(&self) -> u64 {
+        self.0
+            .iter()
+            .map(|&(a, b)| u64::from(b) - u64::from(a) + 1)
+            .sum()
+    }
+
+    /// Its ids in order, from the first one at or after `from`, then
+    /// around from the start: the order in which an agent tries ids for
+    /// tasks, so the one most recently given out is tried last.
+    pub fn ids_from(&self, from: u32) -> impl Iterator<Item = u32> + '_ {
+        let after = self
+            .0
+            .iter()
+            .filter(move |&&(_, b)| b >= from)
+            .flat_map(move |&(a, b)| a.max(from)..=b);
+        let before = self
+            .0
+            .iter()
+            .filter(move |&&(a, _)| a < from)
+            .flat_map(move |&(a, b)| a..=b.min(from.saturating_sub(1)));
+        after.chain(before)
+    }
+}
+
+impl fmt::Display for IdRanges {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.0.is_empty() {
+            return f.write_str("none");
+        }
+        for (i, &(a, b)) in self.0.iter().enumerate() {
+            if i > 0 {
+                f.write_str(",")?;
+            }
+            if a == b {
+                write!(f, "{a}")?;
+            } else {
+                write!(f, "{a}-{b}")?;
+            }
+        }
+        Ok(())
+    }
+}
+
 /// How a secret env value is shown.
 pub const SECRET_PLACEHOLDER: &str = "<secret>";
 
@@ -868,6 +1015,54 @@ mod tests {
         );
     }
     use super::*;
+
+    #[test]
+    fn id_ranges_parse_merge_and_show() {
+        let r = IdRanges::parse("2000-2999, 1000-1999,5000,3000-3100").unwrap();
+        assert_eq!(r.ranges(), &[(1000, 3100), (5000, 5000)]);
+        assert_eq!(r.to_string(), "1000-3100,5000");
+        assert_eq!(IdRanges::parse(&r.to_string()).unwrap(), r);
+        assert_eq!(r.count(), 2102);
+        assert!(r.contains(1000) && r.contains(3100) && r.contains(5000));
+        assert!(!r.contains(999) && !r.contains(3101) && !r.contains(4999));
+        assert!(IdRanges::parse("none").unwrap().is_empty());
+        assert!(IdRanges::parse("").unwrap().is_empty());
+        assert_eq!(IdRanges::none().to_string(), "none");
+        for bad in [
+            "0",
+            "0-10",
+            "5-4294967295",
+            "10-5",
+            "a",
+            "1-",
+            "-1",
+            "1,,2",
+            "1-2-3",
+            "99999999999",
+        ] {
+            assert!(IdRanges::parse(bad).is_err(), "{bad:?}");
+        }
+        let many = (1..=33).map(|i| (i * 10).to_string()).collect::<Vec<_>>();
+        let err = IdRanges::parse(&many.join(",")).unwrap_err();
+        assert!(err.contains("at most 32"), "{err}");
+        let a = IdRanges::parse("100-200").unwrap();
+        assert!(a.overlaps(&IdRanges::parse("200-300").unwrap()));
+        assert!(a.overlaps(&IdRanges::parse("1-100").unwrap()));
+        assert!(!a.overlaps(&IdRanges::parse("201-300,1-99").unwrap()));
+        assert!(!a.overlaps(&IdRanges::none()));
+    }
+
+    #[test]
+    fn id_ranges_are_walked_round_robin() {
+        let r = IdRanges::parse("10-12,20-21").unwrap();
+        let from = |n| r.ids_from(n).collect::<Vec<_>>();
+        assert_eq!(from(0), [10, 11, 12, 20, 21]);
+        assert_eq!(from(11), [11, 12, 20, 21, 10]);
+        assert_eq!(from(15), [20, 21, 10, 11, 12]);
+        assert_eq!(from(21), [21, 10, 11, 12, 20]);
+        assert_eq!(from(99), [10, 11, 12, 20, 21]);
+        assert_eq!(IdRanges::none().ids_from(5).count(), 0);
+    }
 
     #[test]
     fn user_ids_parse() {

@@ -109,6 +109,10 @@ pub fn bootstrap_record(token: &Token, now_ms: u64) -> TokenRecord {
         used: None,
         framework_roles: Vec::new(),
         allow_root: true,
+        // Every id: the admin may make any token anyway. Agents still run
+        // only ids within their own `allowed_users`.
+        allowed_uids: gpuctl_core::types::IdRanges::all(),
+        allowed_gids: gpuctl_core::types::IdRanges::all(),
         created_by: "bootstrap".into(),
     }
 }

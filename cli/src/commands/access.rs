@@ -154,6 +154,14 @@ pub struct CreateTokenArgs {
     /// The tenant's host-process jobs may run as root (where agents allow).
     #[arg(long)]
     pub allow_root: bool,
+    /// User ids its jobs may name with --user, e.g. 2000-2999,3100
+    /// (default: none; jobs then run as their agent gives them, a host
+    /// process under a user of its own).
+    #[arg(long, value_name = "IDS", default_value = "none")]
+    pub allow_uids: String,
+    /// Group ids its jobs may name with --user UID:GID (default: none).
+    #[arg(long, value_name = "IDS", default_value = "none")]
+    pub allow_gids: String,
 }
 
 #[derive(Debug, Args)]
@@ -375,6 +383,13 @@ pub async fn run_tokens(
                     .as_secs()
                     .max(1),
             };
+            let ids = |flag: &str, text: &str| {
+                gpuctl_core::types::IdRanges::parse(text)
+                    .map(|r| gpuctl_core::convert::id_ranges_to_pb(&r))
+                    .map_err(|e| CliError::Other(format!("{flag}: {e}")))
+            };
+            let allowed_uids = ids("--allow-uids", &a.allow_uids)?;
+            let allowed_gids = ids("--allow-gids", &a.allow_gids)?;
             let req = pb::CreateTokenRequest {
                 role: role as i32,
                 tenant: a.tenant.clone().unwrap_or_default(),
@@ -383,6 +398,8 @@ pub async fn run_tokens(
                 agent_id: a.agent.clone().unwrap_or_default(),
                 framework_roles: a.framework_roles.clone(),
                 allow_root: a.allow_root,
+                allowed_uids,
+                allowed_gids,
             };
             // Not resent after an unknown outcome: a second token would be made.
             let resp = master
@@ -413,7 +430,16 @@ pub async fn run_tokens(
                 })
                 .await?;
             let now = super::now_ms();
-            let mut t = Table::new(&["ID", "ROLE", "TENANT", "STATE", "EXPIRES", "DESCRIPTION"]);
+            let mut t = Table::new(&[
+                "ID",
+                "ROLE",
+                "TENANT",
+                "STATE",
+                "EXPIRES",
+                "UIDS",
+                "GIDS",
+                "DESCRIPTION",
+            ]);
             for tok in &resp.tokens {
                 t.row(vec![
                     tok.id.clone(),
@@ -425,6 +451,8 @@ pub async fn run_tokens(
                     } else {
                         fmt_timestamp(tok.expires_at_ms)
                     },
+                    id_ranges_text(&tok.allowed_uids),
+                    id_ranges_text(&tok.allowed_gids),
                     tok.description.clone(),
                 ]);
             }
@@ -453,13 +481,22 @@ pub async fn run_whoami(master: &mut Master, out: &mut dyn Write) -> Result<u8, 
     match (resp.kind.as_str(), &resp.token) {
         ("token", Some(t)) => writeln!(
             out,
-            "token {} role {}{}",
+            "token {} role {}{}{}",
             t.id,
             role_name(t.role),
             if t.tenant.is_empty() {
                 String::new()
             } else {
                 format!(" tenant {}", t.tenant)
+            },
+            if t.allowed_uids.is_empty() && t.allowed_gids.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    " (--user: uids {}, gids {})",
+                    id_ranges_text(&t.allowed_uids),
+                    id_ranges_text(&t.allowed_gids)
+                )
             }
         )?,
         ("open", _) => writeln!(
@@ -614,4 +651,12 @@ pub async fn run_login(
         config.display()
     )?;
     Ok(super::EXIT_OK)
+}
+
+/// A token's allowed ids as `tokens list` and `whoami` show them
+/// (`none`, or `2000-2999,3100`).
+fn id_ranges_text(ranges: &[pb::IdRange]) -> String {
+    gpuctl_core::convert::id_ranges_from_pb("", ranges)
+        .map(|r| r.to_string())
+        .unwrap_or_else(|_| "?".into())
 }

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use gpuctl_auth::token::Token;
 use gpuctl_auth::CertRole;
-use gpuctl_core::convert::check_id;
+use gpuctl_core::convert::{check_id, id_ranges_from_pb, id_ranges_to_pb};
 use gpuctl_core::ConvertError;
 use gpuctl_proto::pb;
 use tonic::{Request, Response, Status};
@@ -59,6 +59,8 @@ pub fn token_info(t: &TokenRecord) -> pb::TokenInfo {
         framework_roles: t.framework_roles.clone(),
         allow_root: t.allow_root,
         created_by: t.created_by.clone(),
+        allowed_uids: id_ranges_to_pb(&t.allowed_uids),
+        allowed_gids: id_ranges_to_pb(&t.allowed_gids),
     }
 }
 
@@ -294,6 +296,16 @@ impl AccessService {
                 ConvertError::new("allow_root", "only user and admin tokens run jobs").into(),
             );
         }
+        let allowed_uids = id_ranges_from_pb("allowed_uids", &req.allowed_uids)?;
+        let allowed_gids = id_ranges_from_pb("allowed_gids", &req.allowed_gids)?;
+        for (field, ids) in [
+            ("allowed_uids", &allowed_uids),
+            ("allowed_gids", &allowed_gids),
+        ] {
+            if !ids.is_empty() && !matches!(role, TokenRole::User | TokenRole::Admin) {
+                return Err(ConvertError::new(field, "only user and admin tokens run jobs").into());
+            }
+        }
         let now = now_ms();
         let ttl_ms = match (req.ttl_secs, role) {
             (0, TokenRole::Join) => Some(DEFAULT_JOIN_TOKEN_TTL.as_millis() as u64),
@@ -319,6 +331,8 @@ impl AccessService {
             used: None,
             framework_roles,
             allow_root: req.allow_root,
+            allowed_uids,
+            allowed_gids,
             created_by: creator,
         };
         self.ctx

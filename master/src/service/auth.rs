@@ -45,6 +45,9 @@ pub struct TokenCaller {
     pub tenant: String,
     pub framework_roles: Vec<String>,
     pub allow_root: bool,
+    /// The user and group ids its jobs may name.
+    pub allowed_uids: gpuctl_core::types::IdRanges,
+    pub allowed_gids: gpuctl_core::types::IdRanges,
 }
 
 pub use crate::state::access::DEFAULT_TENANT;
@@ -297,6 +300,8 @@ pub fn authenticate(
                 tenant: record.tenant.clone(),
                 framework_roles: record.framework_roles.clone(),
                 allow_root: record.allow_root,
+                allowed_uids: record.allowed_uids.clone(),
+                allowed_gids: record.allowed_gids.clone(),
             }))
         }
     }
@@ -466,6 +471,8 @@ mod tests {
             tenant: "vision".into(),
             framework_roles: vec![],
             allow_root: false,
+            allowed_uids: Default::default(),
+            allowed_gids: Default::default(),
         });
         assert!(user.may_access("vision"));
         assert!(!user.may_access("nlp"));

@@ -463,6 +463,9 @@ impl OperatorService {
                 }
             }
         }
+        if let Caller::Token(t) = caller {
+            check_chosen_user(t, &spec.security)?;
+        }
         match self
             .ctx
             .raft
@@ -835,6 +838,38 @@ impl OperatorService {
     }
 }
 
+/// A job may name a user (`security.user`) only within the ids its token
+/// allows, uid and gid each (`gpuctl tokens create --allow-uids
+/// --allow-gids`). The job's form was checked on the way in, so the user
+/// parses; supplementary groups are never given (agents drop them). Id 0
+/// reaches here only for a container (a host process asks root with
+/// run_as_root), where it is what most images run as anyway.
+fn check_chosen_user(
+    token: &super::auth::TokenCaller,
+    security: &gpuctl_core::types::TaskSecurity,
+) -> Result<(), ServiceError> {
+    let Some(user) = security.user.as_deref() else {
+        return Ok(());
+    };
+    let ids: gpuctl_core::types::UserIds = user
+        .parse()
+        .map_err(|e: String| ConvertError::new("spec.security.user", e))?;
+    for (kind, id, allowed, flag) in [
+        ("uid", ids.uid, &token.allowed_uids, "--allow-uids"),
+        ("gid", ids.gid, &token.allowed_gids, "--allow-gids"),
+    ] {
+        if id != 0 && !allowed.contains(id) {
+            return Err(ServiceError::Forbidden(format!(
+                "spec.security.user: {kind} {id} is not among the {kind}s token {} allows ({allowed}); \
+                 an admin sets them with `gpuctl tokens create {flag}`, or leave --user out to run \
+                 under a user of the task's own",
+                token.id
+            )));
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -892,5 +927,59 @@ mod tests {
         assert_eq!(words, [("Queued", false, 0, 1), ("Scheduled", false, 1, 1)]);
         assert_eq!(j.events[1].message, "placed on agent a (GPUs GPU-a-0)");
         assert_eq!(j.events_dropped, 0);
+    }
+}
+
+#[cfg(test)]
+mod user_policy_tests {
+    use super::*;
+    use crate::state::access::TokenRole;
+    use gpuctl_core::types::{IdRanges, TaskSecurity};
+
+    fn token(uids: &str, gids: &str) -> super::super::auth::TokenCaller {
+        super::super::auth::TokenCaller {
+            id: "t1".into(),
+            role: TokenRole::User,
+            tenant: "vision".into(),
+            framework_roles: vec![],
+            allow_root: false,
+            allowed_uids: IdRanges::parse(uids).unwrap(),
+            allowed_gids: IdRanges::parse(gids).unwrap(),
+        }
+    }
+
+    fn user(u: Option<&str>) -> TaskSecurity {
+        TaskSecurity {
+            user: u.map(str::to_string),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_job_names_only_users_its_token_allows() {
+        let t = token("2000-2999", "2000-2999,3500");
+        for ok in [None, Some("2000"), Some("2999:3500"), Some("2500:2000")] {
+            assert!(check_chosen_user(&t, &user(ok)).is_ok(), "{ok:?}");
+        }
+        let refused = |u: &str, t| match check_chosen_user(t, &user(Some(u))) {
+            Err(ServiceError::Forbidden(m)) => m,
+            other => panic!("{u}: {other:?}"),
+        };
+        // Another tenant's uid.
+        let m = refused("1999", &t);
+        assert!(m.contains("spec.security.user: uid 1999"), "{m}");
+        assert!(m.contains("2000-2999") && m.contains("--allow-uids"), "{m}");
+        // A system group with an allowed uid (shadow is 42 on Debian).
+        let m = refused("2001:42", &t);
+        assert!(m.contains("spec.security.user: gid 42"), "{m}");
+        assert!(m.contains("--allow-gids"), "{m}");
+        // `UID` alone is `UID:UID`: its gid must be allowed too.
+        let wide = token("1-4294967294", "2000");
+        let m = refused("3500", &wide);
+        assert!(m.contains("gid 3500"), "{m}");
+        // A token without a policy (made before it existed) allows none.
+        let old = token("none", "none");
+        let m = refused("2000", &old);
+        assert!(m.contains("(none)"), "{m}");
     }
 }

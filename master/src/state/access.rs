@@ -2,6 +2,7 @@
 //! that a revocation holds on every master at once and survives failover.
 //! Only the SHA-256 of each token's secret is kept (gpuctl-auth's `token`).
 
+use gpuctl_core::types::IdRanges;
 use serde::{Deserialize, Serialize};
 
 use super::{ApplyError, Outcome, State};
@@ -56,6 +57,13 @@ pub struct TokenRecord {
     /// Whether its tenant's host-process jobs may run as root.
     #[serde(default)]
     pub allow_root: bool,
+    /// The user ids its jobs may name (`security.user`); none for tokens
+    /// made before the policy existed.
+    #[serde(default)]
+    pub allowed_uids: IdRanges,
+    /// The group ids its jobs may name.
+    #[serde(default)]
+    pub allowed_gids: IdRanges,
     /// Token id of its creator; "bootstrap" for the first admin's.
     pub created_by: String,
 }
@@ -233,6 +241,8 @@ mod tests {
             used: None,
             framework_roles: Vec::new(),
             allow_root: false,
+            allowed_uids: IdRanges::none(),
+            allowed_gids: IdRanges::none(),
             created_by: "bootstrap".into(),
         }
     }
