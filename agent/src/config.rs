@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use clap::parser::ValueSource;
 use clap::{ArgMatches, CommandFactory, FromArgMatches, Parser};
-use gpuctl_core::types::{PortRange, Runtime, UserIds};
+use gpuctl_core::types::{IdRanges, PortRange, Runtime, UserIds};
 use serde::Deserialize;
 
 use crate::gpu::health::HealthConfig;
@@ -61,8 +61,16 @@ pub struct AgentConfig {
     /// outlive it; emptying a node is `gpuctl agents drain`); on for the
     /// throwaway agent of `gpuctl demo`.
     pub stop_tasks_on_shutdown: bool,
-    /// Host-process tasks run as this user when their job names none.
+    /// Host-process tasks run as this user when their job names none and
+    /// `task_users` is none.
     pub task_user: UserIds,
+    /// Each host-process task whose job names no user runs under a uid
+    /// (and gid of the same number) of its own from these, leased until
+    /// the task is forgotten; none: they all run as `task_user`.
+    pub task_users: IdRanges,
+    /// The uids and gids a job may name (`security.user`), whatever the
+    /// master allowed: no system account, nor an id of `task_users`.
+    pub allowed_users: IdRanges,
     /// Jobs that ask (`security.run_as_root`) may run host-process tasks
     /// as root here.
     pub allow_root_tasks: bool,
@@ -98,6 +106,8 @@ impl AgentConfig {
             supervisor_exe: None,
             stop_tasks_on_shutdown: false,
             task_user: crate::security::DEFAULT_TASK_USER,
+            task_users: IdRanges::parse(DEFAULT_TASK_USERS).unwrap_or_default(),
+            allowed_users: IdRanges::parse(DEFAULT_ALLOWED_USERS).unwrap_or_default(),
             allow_root_tasks: false,
             allowed_mounts: Vec::new(),
             ports: PortRange::parse(DEFAULT_PORTS).ok(),
@@ -260,6 +270,27 @@ pub struct Options {
         value_name = "UID[:GID]"
     )]
     pub task_user: String,
+    /// The uids host-process tasks whose job names no user run under, one
+    /// per task (with a gid of the same number), e.g. 80000-89999 (comma
+    /// separated ranges), or `none` to run them all as --task-user. Keep
+    /// them clear of the host's users and of other services' ranges.
+    #[arg(
+        long,
+        env = "GPUCTL_AGENT_TASK_USERS",
+        default_value = DEFAULT_TASK_USERS,
+        value_name = "IDS|none"
+    )]
+    pub task_users: String,
+    /// The uids and gids jobs may choose with `--user` on this agent
+    /// (whatever their token allows), e.g. 1000-59999, or `none`. Must not
+    /// overlap --task-users.
+    #[arg(
+        long,
+        env = "GPUCTL_AGENT_ALLOWED_USERS",
+        default_value = DEFAULT_ALLOWED_USERS,
+        value_name = "IDS|none"
+    )]
+    pub allowed_users: String,
     /// Run host-process tasks as root for jobs that ask for it
     /// (`gpuctl jobs submit --run-as-root`). Off: such jobs are not placed
     /// here, and refused if they come.
@@ -318,6 +349,8 @@ struct FileOptions {
     metrics_listen: Option<SocketAddr>,
     stop_tasks_on_shutdown: Option<bool>,
     task_user: Option<String>,
+    task_users: Option<String>,
+    allowed_users: Option<String>,
     allow_root_tasks: Option<bool>,
     allowed_mounts: Option<Vec<String>>,
     ports: Option<String>,
@@ -411,6 +444,8 @@ impl Options {
             fill!(opt metrics_listen);
             fill!(stop_tasks_on_shutdown);
             fill!(task_user);
+            fill!(task_users);
+            fill!(allowed_users);
             fill!(allow_root_tasks);
             fill!(allowed_mounts);
             fill!(ports);
@@ -515,6 +550,16 @@ impl Options {
                 "task_user: {task_user} is root (uid or gid 0); host-process tasks run as root only for jobs that ask, with allow_root_tasks"
             )));
         }
+        let task_users = IdRanges::parse(&self.task_users)
+            .map_err(|e| AgentError::Config(format!("task_users: {e}")))?;
+        let allowed_users = IdRanges::parse(&self.allowed_users)
+            .map_err(|e| AgentError::Config(format!("allowed_users: {e}")))?;
+        if task_users.overlaps(&allowed_users) {
+            return Err(AgentError::Config(format!(
+                "allowed_users ({allowed_users}) overlaps task_users ({task_users}): a job could \
+                 choose the uid another task was given"
+            )));
+        }
         let allowed_mounts = parse_allowed_mounts(&self.allowed_mounts)?;
         if !self.cdi_dir.is_absolute() {
             return Err(AgentError::Config(format!(
@@ -525,6 +570,8 @@ impl Options {
         Ok(AgentConfig {
             cdi_dir: (!self.no_cdi).then(|| self.cdi_dir.clone()),
             task_user,
+            task_users,
+            allowed_users,
             allow_root_tasks: self.allow_root_tasks,
             allowed_mounts,
             ports: parse_ports(&self.ports)?,
@@ -552,6 +599,16 @@ impl Options {
         })
     }
 }
+
+/// The default `--task-users`: Nomad's default for its dynamic workload
+/// users, clear of Debian's users (1000-59999), its reserved ids
+/// (60000-64999), nobody (65534) and the first subordinate ids (100000+).
+pub const DEFAULT_TASK_USERS: &str = "80000-89999";
+
+/// The default `--allowed-users`: Debian's (and most distributions') range
+/// for people's accounts; system accounts and groups (`shadow`, `docker`,
+/// `disk`) lie below it.
+pub const DEFAULT_ALLOWED_USERS: &str = "1000-59999";
 
 /// The default `--ports`: Mesos' default range, below Linux's ephemeral
 /// ports (32768-60999).
@@ -685,6 +742,47 @@ mod tests {
                 "{bad}: {e}"
             );
         }
+    }
+
+    #[test]
+    fn task_user_ranges_default_come_from_flags_and_file_and_never_overlap() {
+        let load = |args: &[&str]| {
+            let mut a = vec!["gpuctl-agent"];
+            a.extend(args);
+            Options::load_from(a).unwrap().to_config()
+        };
+        let c = load(&[]).unwrap();
+        assert_eq!(c.task_users.to_string(), "80000-89999");
+        assert_eq!(c.allowed_users.to_string(), "1000-59999");
+        let fresh = AgentConfig::new(vec![], "/x".into());
+        assert_eq!(
+            (fresh.task_users, fresh.allowed_users),
+            (c.task_users, c.allowed_users)
+        );
+        let c = load(&["--task-users", "none", "--allowed-users", "2000-2999,5000"]).unwrap();
+        assert!(c.task_users.is_empty());
+        assert_eq!(c.allowed_users.to_string(), "2000-2999,5000");
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("agent.toml");
+        std::fs::write(
+            &f,
+            "task_users = \"70000-70009\"\nallowed_users = \"none\"\n",
+        )
+        .unwrap();
+        let c = load(&["--config", f.to_str().unwrap()]).unwrap();
+        assert_eq!(c.task_users.to_string(), "70000-70009");
+        assert!(c.allowed_users.is_empty());
+        let e = load(&["--task-users", "50000-50100"])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("overlaps task_users"), "{e}");
+        let e = load(&["--task-users", "0-10"]).unwrap_err().to_string();
+        assert!(
+            e.starts_with("task_users:") || e.contains("task_users: "),
+            "{e}"
+        );
+        let e = load(&["--allowed-users", "x"]).unwrap_err().to_string();
+        assert!(e.contains("allowed_users: "), "{e}");
     }
 
     #[test]

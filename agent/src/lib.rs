@@ -16,6 +16,7 @@ pub mod master_link;
 pub mod metrics;
 pub mod runtime;
 pub mod security;
+pub mod task_users;
 pub mod volume;
 
 use std::collections::BTreeMap;
@@ -329,11 +330,7 @@ pub async fn serve(
         .iter()
         .map(|g| (g.uuid.clone(), g.minor))
         .collect();
-    let policy = security::TaskPolicy::for_this_process(
-        config.task_user,
-        config.allow_root_tasks,
-        config.allowed_mounts.clone(),
-    );
+    let policy = security::TaskPolicy::for_this_process(&config);
     if config.allow_root_tasks && !policy.agent_is_root() {
         tracing::warn!(
             "allow_root_tasks is set but the agent does not run as root: no task runs as root here"
@@ -353,6 +350,7 @@ pub async fn serve(
             version: discovery.driver_version.clone(),
             cuda: discovery.cuda_driver_version.clone(),
         },
+        users: task_users::TaskUsers::new(config.task_users.clone(), &config.work_dir),
     };
     let gpus = discovery.gpus;
 

@@ -6,7 +6,7 @@
 
 use std::path::{Path, PathBuf};
 
-use gpuctl_core::types::{path_within, Runtime, TaskSpec, UserIds};
+use gpuctl_core::types::{path_within, IdRanges, Runtime, TaskSpec, UserIds};
 
 /// Capabilities a container keeps (everything else is dropped, and
 /// `no-new-privileges` keeps a setuid program from getting more). Docker's
@@ -44,6 +44,8 @@ pub const CONTAINER_CAPABILITIES: [&str; 9] = [
 const ROOT_OPTION: &str = "allow_root_tasks, --allow-root-tasks";
 /// The option that lists the host paths a container may mount.
 const MOUNTS_OPTION: &str = "allowed_mounts, --allowed-mounts";
+/// The option that lists the ids a job may choose.
+const USERS_OPTION: &str = "allowed_users, --allowed-users";
 
 /// Default of `task_user`: nobody.
 pub const DEFAULT_TASK_USER: UserIds = UserIds {
@@ -153,6 +155,12 @@ pub struct LaunchSecurity {
     /// `User`). `None`: a host process stays the agent's user (root, for a
     /// job allowed to run as root), a container its image's.
     pub user: Option<UserIds>,
+    /// The task gets a user of its own from the agent's `task_users`
+    /// (leased by the executor, which then sets `user`).
+    pub own_user: bool,
+    /// A host process runs in PID, mount and IPC namespaces of its own,
+    /// with private /tmp, /var/tmp and /dev/shm (`runtime::task_init`).
+    pub namespaces: bool,
     /// A container's bind mounts beside the driver volume.
     pub mounts: Vec<BindMount>,
 }
@@ -160,8 +168,14 @@ pub struct LaunchSecurity {
 /// The agent's policy for what tasks may do.
 #[derive(Debug, Clone)]
 pub struct TaskPolicy {
-    /// Host-process tasks run as this when their job names no user.
+    /// Host-process tasks run as this when their job names no user and
+    /// `task_users` is none.
     pub task_user: UserIds,
+    /// Host-process tasks whose job names no user each get a uid of their
+    /// own from these (none: they run as `task_user`).
+    pub task_users: IdRanges,
+    /// The uids and gids a job may name.
+    pub allowed_users: IdRanges,
     /// Jobs that ask may run host-process tasks as root.
     pub allow_root_tasks: bool,
     /// Host path prefixes a container may mount, as configured (and as
@@ -194,6 +208,8 @@ impl TaskPolicy {
             .collect();
         TaskPolicy {
             task_user,
+            task_users: IdRanges::none(),
+            allowed_users: IdRanges::all(),
             allow_root_tasks,
             allowed_mounts,
             resolved_mounts,
@@ -201,17 +217,28 @@ impl TaskPolicy {
         }
     }
 
-    /// The policy of this process: its effective user and group.
-    pub fn for_this_process(
-        task_user: UserIds,
-        allow_root_tasks: bool,
-        allowed_mounts: Vec<String>,
-    ) -> TaskPolicy {
+    /// With users of their own for tasks from `task_users`, and jobs
+    /// allowed to name only `allowed_users`.
+    pub fn with_users(mut self, task_users: IdRanges, allowed_users: IdRanges) -> TaskPolicy {
+        self.task_users = task_users;
+        self.allowed_users = allowed_users;
+        self
+    }
+
+    /// The policy of this process (its effective user and group) with the
+    /// agent's options.
+    pub fn for_this_process(config: &crate::config::AgentConfig) -> TaskPolicy {
         let agent_ids = UserIds {
             uid: nix::unistd::geteuid().as_raw(),
             gid: nix::unistd::getegid().as_raw(),
         };
-        TaskPolicy::new(task_user, allow_root_tasks, allowed_mounts, agent_ids)
+        TaskPolicy::new(
+            config.task_user,
+            config.allow_root_tasks,
+            config.allowed_mounts.clone(),
+            agent_ids,
+        )
+        .with_users(config.task_users.clone(), config.allowed_users.clone())
     }
 
     /// Only root can run a task as another user (or as root).
@@ -228,9 +255,14 @@ impl TaskPolicy {
     /// One line for the agent's log at start.
     pub fn describe(&self) -> String {
         let users = if self.agent_is_root() {
+            let default = if self.task_users.is_empty() {
+                self.task_user.to_string()
+            } else {
+                format!("a user of their own from {}", self.task_users)
+            };
             format!(
-                "host-process tasks run as {} unless their job names a user{}",
-                self.task_user,
+                "host-process tasks run in namespaces of their own, as {default} unless their job names a user (allowed: {}){}",
+                self.allowed_users,
                 if self.allow_root_tasks {
                     "; as root when their job asks (allow_root_tasks)"
                 } else {
@@ -270,6 +302,9 @@ impl TaskPolicy {
                     .map_err(|e| format!("security.user: {e}"))
             })
             .transpose()?;
+        if let Some(u) = user {
+            self.check_allowed(u)?;
+        }
         let runtime = if task.image.is_some() {
             Runtime::Docker
         } else {
@@ -298,7 +333,17 @@ impl TaskPolicy {
                                 .into(),
                         );
                     }
-                    return Ok(LaunchSecurity::default());
+                    return Ok(LaunchSecurity {
+                        namespaces: true,
+                        ..Default::default()
+                    });
+                }
+                if self.agent_is_root() && user.is_none() && !self.task_users.is_empty() {
+                    return Ok(LaunchSecurity {
+                        own_user: true,
+                        namespaces: true,
+                        ..Default::default()
+                    });
                 }
                 let user = user.unwrap_or(self.task_user);
                 if user.is_root() {
@@ -309,7 +354,8 @@ impl TaskPolicy {
                 if self.agent_is_root() {
                     Ok(LaunchSecurity {
                         user: Some(user),
-                        mounts: Vec::new(),
+                        namespaces: true,
+                        ..Default::default()
                     })
                 } else if sec.user.is_none() || user == self.agent_ids {
                     // A user agent (`gpuctl demo` on a laptop) runs its
@@ -376,9 +422,33 @@ impl TaskPolicy {
                         read_only: m.read_only,
                     });
                 }
-                Ok(LaunchSecurity { user, mounts })
+                Ok(LaunchSecurity {
+                    user,
+                    mounts,
+                    ..Default::default()
+                })
             }
         }
+    }
+
+    /// A user a job names must lie within `allowed_users`, uid and gid
+    /// each, whatever the master allowed: a master bug cannot run a task as
+    /// a system account or as another task's own user.
+    fn check_allowed(&self, u: UserIds) -> Result<(), String> {
+        for (kind, id) in [("uid", u.uid), ("gid", u.gid)] {
+            if id != 0 && !self.allowed_users.contains(id) {
+                let own = if self.task_users.contains(id) {
+                    " (it is one of the ids this agent gives tasks of their own)"
+                } else {
+                    ""
+                };
+                return Err(format!(
+                    "refused: security.user {u}: {kind} {id} is outside the ids this agent lets jobs choose ({}; agent option {USERS_OPTION}){own}",
+                    self.allowed_users
+                ));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -423,6 +493,76 @@ mod tests {
     }
 
     #[test]
+    fn host_tasks_get_users_of_their_own_and_namespaces() {
+        let p = policy(false, &[], ROOT).with_users(
+            IdRanges::parse("80000-89999").unwrap(),
+            IdRanges::parse("1000-59999").unwrap(),
+        );
+        let got = p.resolve(&task(None, TaskSecurity::default()), &as_is);
+        assert_eq!(
+            got.unwrap(),
+            LaunchSecurity {
+                own_user: true,
+                namespaces: true,
+                ..Default::default()
+            }
+        );
+        let named = |u: &str, image: Option<&str>| {
+            let sec = TaskSecurity {
+                user: Some(u.into()),
+                ..Default::default()
+            };
+            p.resolve(&task(image, sec), &as_is)
+        };
+        let got = named("2001:2002", None).unwrap();
+        assert_eq!(
+            (got.user, got.own_user, got.namespaces),
+            (Some(ids(2001, 2002)), false, true)
+        );
+        // Defence in depth: what the master should never have let through.
+        for (u, image, what) in [
+            ("65534:42", None, "uid 65534"),
+            ("3000:42", None, "gid 42"),
+            ("2001:42", Some("img"), "gid 42"),
+            ("999", None, "uid 999"),
+            ("80001", None, "uid 80001"),
+            ("2001:80001", Some("img"), "gid 80001"),
+        ] {
+            let err = named(u, image).unwrap_err();
+            assert!(
+                err.contains(what) && err.contains("allowed_users"),
+                "{u}: {err}"
+            );
+            assert!(err.contains("1000-59999"), "{u}: {err}");
+        }
+        let err = named("80001", None).unwrap_err();
+        assert!(err.contains("gives tasks of their own"), "{err}");
+        // Root asked for: namespaces, no user switch.
+        let root = TaskSecurity {
+            run_as_root: true,
+            ..Default::default()
+        };
+        let mut p = p.clone();
+        p.allow_root_tasks = true;
+        let got = p.resolve(&task(None, root), &as_is).unwrap();
+        assert_eq!(
+            (got.user, got.own_user, got.namespaces),
+            (None, false, true)
+        );
+        // Containers keep Docker's namespaces and their image's user.
+        let got = p.resolve(&task(Some("img"), TaskSecurity::default()), &as_is);
+        assert_eq!(got.unwrap(), LaunchSecurity::default());
+        // A user agent has no users to give: its tasks run as itself.
+        let me = ids(1000, 1000);
+        let user_agent = policy(false, &[], me).with_users(
+            IdRanges::parse("80000-89999").unwrap(),
+            IdRanges::parse("1000-59999").unwrap(),
+        );
+        let got = user_agent.resolve(&task(None, TaskSecurity::default()), &as_is);
+        assert_eq!(got.unwrap(), LaunchSecurity::default());
+    }
+
+    #[test]
     fn host_tasks_run_as_the_task_user_unless_their_job_names_one() {
         let p = policy(false, &[], ROOT);
         let got = p.resolve(&task(None, TaskSecurity::default()), &as_is);
@@ -454,7 +594,7 @@ mod tests {
         let ok = policy(true, &[], ROOT)
             .resolve(&task(None, root.clone()), &as_is)
             .unwrap();
-        assert_eq!(ok, LaunchSecurity::default(), "stays root");
+        assert_eq!((ok.user, ok.own_user), (None, false), "stays root");
         let err = policy(true, &[], ids(1000, 1000))
             .resolve(&task(None, root), &as_is)
             .unwrap_err();

@@ -891,3 +891,228 @@ async fn the_log_is_never_written_through_a_link() {
     assert!(err.contains("refused"), "{err}");
     assert_eq!(std::fs::read_to_string(&target).unwrap(), "precious\n");
 }
+
+// --- namespaces of its own ---------------------------------------------------
+
+/// A task as the agent runs a default host task: its own user, and PID,
+/// mount and IPC namespaces of its own under task-init.
+fn namespaced(task_id: &str, command: &[&str], uid: u32) -> Task {
+    let mut t = as_user(task_id, command, uid, uid);
+    t.spec.security.namespaces = true;
+    t
+}
+
+/// `pid:[inode]` of a process's PID namespace.
+fn pid_ns(pid: i32) -> Option<String> {
+    std::fs::read_link(format!("/proc/{pid}/ns/pid"))
+        .ok()
+        .map(|p| p.display().to_string())
+}
+
+/// Live processes of the host in the PID namespace `ns`.
+fn members_of(ns: &str) -> Vec<i32> {
+    let mut out = vec![];
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let alive = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|s| supervisor::parse_stat(&s))
+            .is_some_and(|st| st.state != 'Z');
+        if alive && pid_ns(pid).as_deref() == Some(ns) {
+            out.push(pid);
+        }
+    }
+    out
+}
+
+/// The `Uid:` line's real uid of a process.
+fn uid_of(pid: i32) -> u32 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))
+        .and_then(|v| v.split_whitespace().next())
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+#[tokio::test]
+async fn a_namespaced_task_sees_and_reaches_only_itself() {
+    if !root_or_skip("a_namespaced_task_sees_and_reaches_only_itself") {
+        return;
+    }
+    // Made on the host before the task starts: its private /tmp and
+    // /dev/shm do not show them.
+    let marker = format!("gpuctl-ns-test-{}", std::process::id());
+    std::fs::write(std::env::temp_dir().join(&marker), "host\n").unwrap();
+    let shm = std::path::Path::new("/dev/shm").join(&marker);
+    let _ = std::fs::write(&shm, "host\n");
+    let script = format!(
+        "echo pid=$$; echo procs=$(ls /proc | grep -c '^[0-9]'); \
+         echo init=$(tr '\\0' ' ' < /proc/1/cmdline | cut -d' ' -f2); \
+         if kill -0 $AGENT_PID 2>/dev/null; then echo agent-reached; else echo agent-unreachable; fi; \
+         if [ -e /tmp/{marker} ]; then echo host-tmp-seen; else echo host-tmp-private; fi; \
+         if [ -e /dev/shm/{marker} ]; then echo host-shm-seen; else echo host-shm-private; fi; \
+         echo x > /tmp/mine && echo tmp-writable; \
+         ls $HOME >/dev/null && echo sandbox-visible; \
+         ls $DEV_ROOT/nvidia0 >/dev/null && echo devices-visible; \
+         echo ready; sleep 300"
+    );
+    let mut task = namespaced("proc-ns", &["sh", "-c", &script], 80500);
+    let dev = task._dir.path().join("dev");
+    std::fs::create_dir_all(&dev).unwrap();
+    std::fs::write(dev.join("nvidia0"), "").unwrap();
+    task.spec.isolation.dev_root = Some(dev.clone());
+    task.spec
+        .env
+        .insert("AGENT_PID".into(), std::process::id().to_string());
+    task.spec
+        .env
+        .insert("DEV_ROOT".into(), dev.display().to_string());
+    task.start().await.unwrap();
+    task.log_contains("ready\n").await;
+    let text = task.log();
+    // The command is the namespace's second process, task-init its first.
+    assert!(text.contains("pid=2\n"), "{text}");
+    assert!(text.contains("init=task-init\n"), "{text}");
+    // task-init, the shell, its subshell, ls and grep at most.
+    let procs: usize = text
+        .lines()
+        .find_map(|l| l.strip_prefix("procs="))
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(procs <= 5, "{text}");
+    for want in [
+        "agent-unreachable",
+        "host-tmp-private",
+        "tmp-writable",
+        "sandbox-visible",
+        "devices-visible",
+    ] {
+        assert!(text.contains(&format!("{want}\n")), "{want}: {text}");
+    }
+    if shm.exists() {
+        assert!(text.contains("host-shm-private\n"), "{text}");
+    }
+    // From outside: task-init is in a PID namespace that is not ours, the
+    // command with it, as its user; task-init stays root.
+    let init = task.task_pid();
+    let ns = pid_ns(init).unwrap();
+    assert_ne!(Some(ns.clone()), pid_ns(std::process::id() as i32));
+    let members = members_of(&ns);
+    assert!(members.len() >= 2, "{members:?}");
+    assert_eq!(uid_of(init), 0);
+    for pid in members.iter().filter(|p| **p != init) {
+        assert_eq!(uid_of(*pid), 80500, "process {pid}");
+    }
+    // Nothing it mounted reached the host.
+    assert!(!std::path::Path::new("/tmp/mine").exists());
+    task.stop().await;
+    task.wait(Duration::from_secs(5)).await;
+    // The namespace died with its init: nothing of the task is left.
+    eventually("an empty namespace", Duration::from_secs(2), || {
+        members_of(&ns).is_empty()
+    })
+    .await;
+    let _ = std::fs::remove_file(std::env::temp_dir().join(&marker));
+    let _ = std::fs::remove_file(&shm);
+}
+
+#[tokio::test]
+async fn a_namespaced_task_gets_signals_exit_codes_and_no_survivors() {
+    if !root_or_skip("a_namespaced_task_gets_signals_exit_codes_and_no_survivors") {
+        return;
+    }
+    // SIGTERM reaches the command through task-init (a PID 1 would ignore
+    // it), and its own exit code is what the task ends with.
+    let task = namespaced(
+        "proc-ns-term",
+        &[
+            "sh",
+            "-c",
+            "trap 'echo got-term; exit 7' TERM; echo ready; while :; do sleep 1; done",
+        ],
+        80501,
+    );
+    task.start().await.unwrap();
+    task.log_contains("ready\n").await;
+    task.stop().await;
+    assert_eq!(task.wait(Duration::from_secs(5)).await, ended(7));
+    assert!(task.log().contains("got-term\n"), "{}", task.log());
+
+    for (id, script, code) in [
+        ("proc-ns-exit3", "exit 3", 3),
+        ("proc-ns-sig9", "kill -9 $$", 128 + 9),
+        ("proc-ns-exit0", "exit 0", 0),
+    ] {
+        let task = namespaced(id, &["sh", "-c", script], 80502);
+        task.start().await.unwrap();
+        assert_eq!(
+            task.wait(Duration::from_secs(10)).await,
+            ended(code),
+            "{script}"
+        );
+    }
+
+    // What the command left in the background dies with it.
+    let task = namespaced(
+        "proc-ns-bg",
+        &["sh", "-c", "sleep 300 & echo started; sleep 0.5; exit 0"],
+        80503,
+    );
+    task.start().await.unwrap();
+    task.log_contains("started\n").await;
+    let ns = pid_ns(task.task_pid()).unwrap();
+    assert!(members_of(&ns).len() >= 2);
+    assert_eq!(task.wait(Duration::from_secs(10)).await, ended(0));
+    eventually("an empty namespace", Duration::from_secs(2), || {
+        members_of(&ns).is_empty()
+    })
+    .await;
+
+    // A command that ignores SIGTERM is killed with its namespace after
+    // the grace.
+    let mut task = namespaced(
+        "proc-ns-stubborn",
+        &[
+            "sh",
+            "-c",
+            "trap '' TERM; echo ready; while :; do sleep 1; done",
+        ],
+        80504,
+    );
+    task.spec.kill_grace = Duration::from_millis(500);
+    task.start().await.unwrap();
+    task.log_contains("ready\n").await;
+    task.stop().await;
+    assert_eq!(task.wait(Duration::from_secs(5)).await, ended(128 + 9));
+}
+
+#[tokio::test]
+async fn a_namespaced_task_that_cannot_start_says_why() {
+    if !root_or_skip("a_namespaced_task_that_cannot_start_says_why") {
+        return;
+    }
+    let task = namespaced("proc-ns-missing", &[MISSING_PROGRAM], 80505);
+    // The supervisor starts task-init; task-init fails to start the
+    // command: the task ends with the error, not an exit code.
+    let _ = task.start().await;
+    let e = task.wait(Duration::from_secs(10)).await;
+    assert_eq!(e.code, None, "{e:?}");
+    assert!(
+        e.error
+            .as_deref()
+            .is_some_and(|m| m.contains(MISSING_PROGRAM)),
+        "{e:?}"
+    );
+    // A program its user may not run: the error names the user.
+    let task = namespaced("proc-ns-denied", &["/root/.gpuctl-no-such/x"], 80506);
+    let _ = task.start().await;
+    let e = task.wait(Duration::from_secs(10)).await;
+    let msg = e.error.unwrap_or_default();
+    assert!(msg.contains("80506:80506"), "{msg}");
+}

@@ -22,7 +22,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use gpuctl_core::time::Backoff;
-use gpuctl_core::types::{Runtime, StatusUpdate, TaskSpec, TaskState};
+use gpuctl_core::types::{Runtime, StatusUpdate, TaskSpec, TaskState, UserIds};
 use tokio::sync::{mpsc, watch};
 
 use plan::{Action, Phase, TaskView};
@@ -33,6 +33,7 @@ use crate::isolation::Isolator;
 use crate::runtime::{
     ContainerRuntime, Ended, LaunchSpec, Observed, RuntimeError, TaskIsolation, TaskRef,
 };
+use crate::task_users;
 
 /// File name of a task's combined output inside its sandbox.
 pub const LOG_FILE: &str = "output.log";
@@ -104,6 +105,8 @@ pub struct IsolationSetup {
     pub cdi: crate::cdi::Names,
     /// The host's NVIDIA driver, for what images require of it.
     pub driver: crate::runtime::HostDriver,
+    /// Users of their own for host-process tasks (`task_users`).
+    pub users: crate::task_users::TaskUsers,
 }
 
 /// How a task ended, as reported to the master.
@@ -306,6 +309,15 @@ impl Executor {
                     continue;
                 }
             };
+            // Whatever may still run under its user keeps it.
+            match checkpoint::read_json::<UserIds>(&dir.join(task_users::USER_FILE)) {
+                Ok(Some(ids)) => self.isolation.users.restore(&id, ids),
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::error!(task_id = %id, error = %e, "unreadable task user record; left alone");
+                    continue;
+                }
+            }
             let final_update =
                 checkpoint::read_json::<StatusUpdate>(&dir.join(checkpoint::FINAL_FILE))
                     .ok()
@@ -539,12 +551,18 @@ impl Executor {
         }
         for id in forgets {
             // Before the checkpoint goes: a crash between the two forgets
-            // the task again after recovery, restarting the clock.
+            // the task again after recovery, restarting the clock. The
+            // sandbox is the agent's again from here on.
             self.retire(&id);
             let dir = self.state_dir(&id);
-            if let Err(e) = std::fs::remove_dir_all(&dir) {
-                if e.kind() != std::io::ErrorKind::NotFound {
-                    tracing::warn!(task_id = %id, error = %e, "could not remove the task's checkpoint");
+            match std::fs::remove_dir_all(&dir) {
+                Ok(()) => self.isolation.users.release(&id),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                    self.isolation.users.release(&id)
+                }
+                // Its user stays leased while its record does.
+                Err(e) => {
+                    tracing::warn!(task_id = %id, error = %e, "could not remove the task's checkpoint")
                 }
             }
         }
@@ -823,7 +841,7 @@ impl Executor {
             .map_err(|e| Outcome::failed(format!("checkpoint: {e}")))?;
         // Refused before anything is made for it when it asks for more
         // than this agent allows.
-        let security = self
+        let mut security = self
             .isolation
             .policy
             .resolve(spec, &crate::security::RealHost)
@@ -831,6 +849,13 @@ impl Executor {
                 tracing::warn!(task_id, reason = %why, "task refused");
                 Outcome::failed(why)
             })?;
+        if security.own_user {
+            let ids = self.own_user(task_id).await.map_err(|why| {
+                tracing::warn!(task_id, reason = %why, "task refused");
+                Outcome::failed(why)
+            })?;
+            security.user = Some(ids);
+        }
         self.send(self.update(task_id, TaskState::Starting)).await;
         let sandbox = self.sandbox(task_id);
         tokio::fs::create_dir_all(&sandbox)
@@ -867,6 +892,7 @@ impl Executor {
                 host_nodes: prepared.host_nodes,
                 cdi_devices: self.isolation.cdi.for_gpus(&spec.gpu_uuids),
                 driver: self.isolation.driver.clone(),
+                dev_root: Some(self.isolation.isolator.dev_root().to_path_buf()),
             },
             state_dir: self.state_dir(task_id),
             fence: (!spec.no_fence).then(|| checkpoint::contact_path(&self.work_dir)),
@@ -908,6 +934,31 @@ impl Executor {
             tracing::warn!(task_id, error = %e, "could not record that the task started");
         }
         Ok(())
+    }
+
+    /// The task's own user: the one its checkpoint records (an agent
+    /// restarted before the task started), else a new lease, recorded
+    /// before the task can start.
+    async fn own_user(&self, task_id: &str) -> Result<UserIds, String> {
+        let path = self.state_dir(task_id).join(task_users::USER_FILE);
+        match checkpoint::read_json::<UserIds>(&path) {
+            Ok(Some(ids)) => {
+                self.isolation.users.restore(task_id, ids);
+                return Ok(ids);
+            }
+            Ok(None) => {}
+            Err(e) => return Err(format!("task user record: {e}")),
+        }
+        let host = tokio::task::spawn_blocking(task_users::HostIds::of_host)
+            .await
+            .map_err(|e| format!("reading the host's users: {e}"))?;
+        let ids = self.isolation.users.lease(task_id, &host)?;
+        if let Err(e) = checkpoint::write_json(&path, &ids) {
+            self.isolation.users.release(task_id);
+            return Err(format!("task user record: {e}"));
+        }
+        tracing::info!(task_id, user = %ids, "task user leased");
+        Ok(ids)
     }
 
     fn set_phase(&self, task_id: &str, phase: Phase) {
@@ -1032,7 +1083,7 @@ mod shell_tests {
     use crate::runtime::RuntimeStatus;
     use futures::future::BoxFuture;
     use futures::FutureExt;
-    use gpuctl_core::types::Resources;
+    use gpuctl_core::types::{IdRanges, Resources};
 
     /// Tasks by id; `Ended` ones end their `wait`.
     #[derive(Default)]
@@ -1158,6 +1209,8 @@ mod shell_tests {
             &dir.path().join("dev"),
         )
         .unwrap();
+        // Two users of their own for host tasks.
+        let users = IdRanges::parse("80000-80001").unwrap();
         let (tx, updates) = mpsc::channel(64);
         let exec = Executor::new(
             "a1".into(),
@@ -1174,9 +1227,11 @@ mod shell_tests {
                     false,
                     Vec::new(),
                     gpuctl_core::types::UserIds { uid: 0, gid: 0 },
-                ),
+                )
+                .with_users(users.clone(), IdRanges::parse("1000-59999").unwrap()),
                 cdi: Default::default(),
                 driver: Default::default(),
+                users: crate::task_users::TaskUsers::new(users, dir.path()),
             },
             tx,
         );
@@ -1256,6 +1311,60 @@ mod shell_tests {
         h.exec.set_desired(wants(&[], &[]));
         assert!(h.exec.known_task_ids().is_empty());
         assert!(!state_dir.exists());
+    }
+
+    /// Host tasks get users of their own, recorded before they start, held
+    /// across an agent restart and until the task is forgotten, never two
+    /// at once; with every id held, a task fails saying so.
+    #[tokio::test]
+    async fn host_tasks_hold_users_of_their_own_until_forgotten() {
+        let fake: Arc<Fake> = Arc::default();
+        let mut h = harness_on(tempfile::tempdir().unwrap(), fake.clone());
+        let user_of = |h: &Harness, id: &str| {
+            checkpoint::read_json::<UserIds>(&h.dir.path().join("state").join(id).join("user.json"))
+                .unwrap()
+        };
+        h.exec.set_desired(wants(&["a", "b"], &[]));
+        until_state(&mut h, TaskState::Running).await;
+        until_state(&mut h, TaskState::Running).await;
+        let (a, b) = (user_of(&h, "a").unwrap(), user_of(&h, "b").unwrap());
+        assert_ne!(a.uid, b.uid);
+        for u in [a, b] {
+            assert!((80000..=80001).contains(&u.uid) && u.gid == u.uid, "{u}");
+        }
+        // The agent restarts with both running: both keep theirs, and a
+        // third task finds none free.
+        let Harness { dir, .. } = h;
+        let mut h = harness_on(dir, fake.clone());
+        h.exec.recover();
+        assert_eq!(h.exec.isolation.users.of("a"), Some(a));
+        assert_eq!(h.exec.isolation.users.of("b"), Some(b));
+        h.exec.set_desired(wants(&["a", "b", "c"], &[]));
+        let refused = until_state(&mut h, TaskState::Failed).await;
+        assert_eq!(refused.task_id, "c");
+        assert!(
+            refused.message.contains("no free user"),
+            "{}",
+            refused.message
+        );
+        assert_eq!(fake.get("c"), Observed::NotStarted);
+        // "a" ends and is forgotten: its user is free again (and its
+        // sandbox the agent's).
+        fake.set(
+            "a",
+            Observed::Ended(Ended {
+                code: Some(0),
+                ..Default::default()
+            }),
+        );
+        let fin = until_state(&mut h, TaskState::Finished).await;
+        h.exec.acknowledged(&fin);
+        h.exec.set_desired(wants(&["b"], &[]));
+        assert_eq!(h.exec.isolation.users.of("a"), None);
+        assert_eq!(h.exec.isolation.users.held(), 1);
+        h.exec.set_desired(wants(&["b", "d"], &[]));
+        until_state(&mut h, TaskState::Running).await;
+        assert_eq!(user_of(&h, "d"), Some(a), "the freed id");
     }
 
     /// A task asking for more than the agent allows ends FAILED with a

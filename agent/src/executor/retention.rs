@@ -56,6 +56,20 @@ fn verdict(forgotten_at_ms: Option<u64>, now_ms: u64, retention: Duration) -> Ve
     }
 }
 
+/// Makes `dir` (not what is in it) `uid:gid`'s, mode 0700, unless it is
+/// already.
+fn take_back(dir: &Path, uid: u32, gid: u32) -> std::io::Result<()> {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let md = std::fs::symlink_metadata(dir)?;
+    if md.uid() != uid || md.gid() != gid {
+        std::os::unix::fs::chown(dir, Some(uid), Some(gid))?;
+    }
+    if md.mode() & 0o7777 != 0o700 {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))?;
+    }
+    Ok(())
+}
+
 fn record_path(work_dir: &Path, task_id: &str) -> std::path::PathBuf {
     work_dir.join(RETIRED_DIR).join(task_id)
 }
@@ -183,9 +197,16 @@ fn sweep<G>(
 }
 
 impl Executor {
-    /// The executor just forgot `task_id`: its sandbox's retention starts.
+    /// The executor just forgot `task_id`: its sandbox's retention starts,
+    /// and the sandbox is the agent's again (mode 0700), so that whoever is
+    /// given the task's user next cannot reach what the task left in it.
     pub(super) fn retire(&self, task_id: &str) {
-        if self.sandbox(task_id).is_dir() {
+        let sandbox = self.sandbox(task_id);
+        if sandbox.is_dir() {
+            let agent = self.isolation.policy.agent_ids;
+            if let Err(e) = take_back(&sandbox, agent.uid, agent.gid) {
+                tracing::warn!(task_id, error = %e, "could not take the sandbox back from the task's user");
+            }
             write_record(&self.work_dir, task_id, checkpoint::wall_ms());
         }
     }

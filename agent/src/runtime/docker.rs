@@ -1962,6 +1962,7 @@ mod tests {
             s.security = crate::security::LaunchSecurity {
                 user,
                 mounts: mounts.clone(),
+                ..Default::default()
             };
             s
         };

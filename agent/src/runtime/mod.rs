@@ -27,6 +27,7 @@ pub mod fence;
 pub mod image;
 pub mod process;
 pub mod supervisor;
+pub mod task_init;
 
 pub use docker::DockerRuntime;
 pub use process::ProcessRuntime;
@@ -105,6 +106,9 @@ pub struct TaskIsolation {
     /// The host's NVIDIA driver, which a container given the driver must
     /// have what its image requires of (NVIDIA_REQUIRE_*).
     pub driver: HostDriver,
+    /// The agent's device directory (`/dev`, or `--dev-root`): a host
+    /// process in namespaces of its own keeps seeing it where it is.
+    pub dev_root: Option<PathBuf>,
 }
 
 /// The host's NVIDIA driver as NVML reports it (and the agent reports it to

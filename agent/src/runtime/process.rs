@@ -151,6 +151,9 @@ impl ProcessRuntime {
         if let Some(u) = user {
             give_sandbox_to(&spec.sandbox, &spec.log_path, u)?;
         }
+        let keep_visible = std::iter::once(spec.sandbox.clone())
+            .chain(spec.isolation.dev_root.clone())
+            .collect();
         let launch = Launch {
             program: program.clone(),
             args: args.to_vec(),
@@ -161,6 +164,8 @@ impl ProcessRuntime {
             kill_grace_ms: spec.kill_grace.as_millis() as u64,
             fence: spec.fence.clone(),
             user,
+            namespaces: spec.security.namespaces,
+            keep_visible,
         };
         checkpoint::write_json(&dir.join(LAUNCH_FILE), &launch).map_err(checkpoint_err)?;
         let log_path = dir.join(supervisor::LOG_FILE);

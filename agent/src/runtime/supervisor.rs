@@ -76,6 +76,14 @@ pub struct Launch {
     /// the supervisor's (root, for a job allowed to run as root).
     #[serde(default)]
     pub user: Option<UserIds>,
+    /// The task runs in PID, mount and IPC namespaces of its own, under
+    /// `task-init` (`runtime::task_init`).
+    #[serde(default)]
+    pub namespaces: bool,
+    /// With `namespaces`: paths that stay visible where they are although
+    /// below a private directory (the sandbox, the device directory).
+    #[serde(default)]
+    pub keep_visible: Vec<PathBuf>,
 }
 
 /// A process by pid and start time (clock ticks since boot, from
@@ -168,6 +176,9 @@ pub fn main_if_requested() -> Option<ExitCode> {
         return Some(code);
     }
     if let Some(code) = crate::isolation::probe::main_if_requested() {
+        return Some(code);
+    }
+    if let Some(code) = super::task_init::main_if_requested() {
         return Some(code);
     }
     let mut args = std::env::args_os().skip(1);
@@ -264,7 +275,17 @@ pub fn run(dir: &Path) -> Result<(), SupervisorError> {
         },
     )?;
 
-    let mut child = match spawn(&launch) {
+    // The task's first process (task-init) is PID 1 of a namespace of its
+    // own. Only the supervisor's next child enters it, and the supervisor
+    // makes no other.
+    let unshared = if launch.namespaces {
+        nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWPID).map_err(|e| {
+            format!("the task's own PID namespace could not be made: unshare(CLONE_NEWPID): {e}")
+        })
+    } else {
+        Ok(())
+    };
+    let mut child = match unshared.and_then(|()| spawn(dir, &launch)) {
         Ok(c) => c,
         Err(e) => {
             checkpoint::write_json(
@@ -342,13 +363,18 @@ pub fn run(dir: &Path) -> Result<(), SupervisorError> {
             source,
         })?,
     };
+    // task-init says so when the command never ran.
+    let error = launch
+        .namespaces
+        .then(|| std::fs::read_to_string(dir.join(super::task_init::ERROR_FILE)).ok())
+        .flatten();
     checkpoint::write_json(
         &dir.join(EXIT_FILE),
         &ExitRecord {
-            code: Some(exit_code(status)),
+            code: error.is_none().then(|| exit_code(status)),
             killed: kill_deadline.is_some(),
             fenced,
-            error: None,
+            error,
         },
     )?;
     Ok(())
@@ -392,15 +418,26 @@ pub fn open_log(path: &Path) -> Result<std::fs::File, String> {
     Ok(file)
 }
 
-fn spawn(launch: &Launch) -> Result<std::process::Child, String> {
+fn spawn(dir: &Path, launch: &Launch) -> Result<std::process::Child, String> {
     let open_log = || open_log(&launch.log_path);
     let (out, err) = (open_log()?, open_log()?);
-    let mut cmd = std::process::Command::new(&launch.program);
-    cmd.args(&launch.args)
-        .env_clear()
-        .envs(&launch.env)
-        .current_dir(&launch.cwd)
-        .stdin(Stdio::null())
+    let mut cmd = if launch.namespaces {
+        // This very binary, as the namespace's init; it starts the command.
+        let mut c = std::process::Command::new("/proc/self/exe");
+        c.arg(super::task_init::SUBCOMMAND)
+            .arg(dir)
+            .env_clear()
+            .current_dir("/");
+        c
+    } else {
+        let mut c = std::process::Command::new(&launch.program);
+        c.args(&launch.args)
+            .env_clear()
+            .envs(&launch.env)
+            .current_dir(&launch.cwd);
+        c
+    };
+    cmd.stdin(Stdio::null())
         .stdout(Stdio::from(out))
         .stderr(Stdio::from(err))
         // One signal reaches the command and everything it forks.
@@ -409,16 +446,33 @@ fn spawn(launch: &Launch) -> Result<std::process::Child, String> {
     // As root: cgroup.procs is root's to write.
     crate::isolation::join::join_before_exec_std(&mut cmd, &launch.cgroup_procs)
         .map_err(|e| e.to_string())?;
+    if launch.namespaces {
+        // task-init needs root for its mounts and drops it for the command.
+        return cmd
+            .spawn()
+            .map_err(|e| format!("spawn the task's init (/proc/self/exe): {e}"));
+    }
     // Last, so that nothing above runs as the task's user.
     drop_privileges_before_exec(&mut cmd, launch.user);
-    cmd.spawn()
-        .map_err(|e| format!("spawn {}: {e}", launch.program))
+    cmd.spawn().map_err(|e| spawn_error(launch, &e))
+}
+
+/// Why the task's command could not be started, naming the user it was to
+/// run as when permission was what failed.
+pub(crate) fn spawn_error(launch: &Launch, e: &std::io::Error) -> String {
+    match (e.kind(), launch.user) {
+        (std::io::ErrorKind::PermissionDenied, Some(u)) => format!(
+            "spawn {}: {e} (the task runs as user {u}: the program and the directories above it must be readable and executable by it)",
+            launch.program
+        ),
+        _ => format!("spawn {}: {e}", launch.program),
+    }
 }
 
 /// The task must get SIGTERM (and run its own handlers): std does not
 /// reset the signal mask the supervisor blocked for itself.
 #[allow(unsafe_code)]
-fn unblock_signals_before_exec(cmd: &mut std::process::Command) {
+pub(crate) fn unblock_signals_before_exec(cmd: &mut std::process::Command) {
     // SAFETY: runs in the forked child before exec; pthread_sigmask is
     // async-signal-safe and the empty set is built without allocating.
     unsafe {
@@ -438,7 +492,7 @@ fn unblock_signals_before_exec(cmd: &mut std::process::Command) {
 /// file-capability program (`sudo`, `su`, `ping`) cannot raise its
 /// privileges again.
 #[allow(unsafe_code)]
-fn drop_privileges_before_exec(cmd: &mut std::process::Command, user: Option<UserIds>) {
+pub(crate) fn drop_privileges_before_exec(cmd: &mut std::process::Command, user: Option<UserIds>) {
     use nix::unistd::{setgid, setgroups, setuid, Gid, Uid};
     // SAFETY: runs in the forked child before exec; setgroups (with an
     // empty slice), setgid, setuid and prctl are plain system calls that
