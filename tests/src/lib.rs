@@ -168,18 +168,56 @@ pub fn busybox_image() -> String {
     })
 }
 
-/// The user host-process tasks run as unless their job names one (the
-/// agents' default `task_user`): tests run their agents as root, not their
-/// tasks.
-pub const TASK_USER: (u32, u32) = (65534, 65534);
+/// The users host-process tasks run as unless their job names one (the
+/// agents' default `task_users`, a user of each task's own): tests run
+/// their agents as root, not their tasks.
+pub const TASK_USERS: std::ops::RangeInclusive<u32> = 80000..=89999;
 
-/// Makes `dir` and gives it to [`TASK_USER`], for a test whose host-process
-/// tasks leave files there (a test's temp dir is root's). Returns it.
+/// Makes `dir` writable by every task's user (each task has one of its
+/// own), for a test whose host-process tasks leave files there. Files that
+/// several tasks append to are made by the test first (see
+/// [`task_shared_file`]). Returns it.
 pub fn task_writable_dir(dir: &Path) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
     std::fs::create_dir_all(dir).unwrap();
-    std::os::unix::fs::chown(dir, Some(TASK_USER.0), Some(TASK_USER.1))
-        .unwrap_or_else(|e| panic!("chown {}: {e}", dir.display()));
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o777))
+        .unwrap_or_else(|e| panic!("chmod {}: {e}", dir.display()));
     dir.to_path_buf()
+}
+
+/// An empty file that every task's user may append to (tasks of several
+/// jobs, or several runs of one, each with a user of its own).
+pub fn task_shared_file(path: &Path) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::write(path, "").unwrap();
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666))
+        .unwrap_or_else(|e| panic!("chmod {}: {e}", path.display()));
+    path.to_path_buf()
+}
+
+/// A test's own directory for its cluster, removed when dropped. Not under
+/// `/tmp`: host tasks get a private `/tmp` (and `/var/tmp`) of their own,
+/// so what a test shares with its tasks (files, scripts, device nodes)
+/// must lie elsewhere. Under `$GPUCTL_TEST_DIR`, else `/var/lib/gpuctl-tests`
+/// when running as root, else the usual temp dir (nothing runs as another
+/// user then). Mode 0755, like a real agent's work dir's parents, so that
+/// each task's user reaches its sandbox by its path.
+pub fn test_dir() -> tempfile::TempDir {
+    use std::os::unix::fs::PermissionsExt;
+    let base = match std::env::var_os("GPUCTL_TEST_DIR") {
+        Some(d) => PathBuf::from(d),
+        None if nix::unistd::Uid::effective().is_root() => PathBuf::from("/var/lib/gpuctl-tests"),
+        None => std::env::temp_dir(),
+    };
+    std::fs::create_dir_all(&base).unwrap_or_else(|e| panic!("mkdir {}: {e}", base.display()));
+    let dir = tempfile::Builder::new()
+        .prefix("gpuctl-")
+        .tempdir_in(&base)
+        .unwrap_or_else(|e| panic!("a temp dir in {}: {e}", base.display()));
+    for d in [&base, &dir.path().to_path_buf()] {
+        let _ = std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o755));
+    }
+    dir
 }
 
 /// A free loopback port (bound then released; good enough for tests). Never
@@ -326,7 +364,7 @@ impl Default for AgentOpts<'_> {
 impl Cluster {
     /// Starts a master (with `extra` flags) and waits until it answers.
     pub fn start(extra: &[&str]) -> Cluster {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = test_dir();
         let port = free_port();
         let master_addr = format!("127.0.0.1:{port}");
         let mut master_args = vec![
@@ -462,7 +500,7 @@ impl HaCluster {
     /// (`extra(id)`), e.g. a port of its own.
     pub fn start_each(n: u64, extra: impl Fn(u64) -> Vec<String>) -> HaCluster {
         assert!(n >= 1);
-        let dir = tempfile::tempdir().unwrap();
+        let dir = test_dir();
         let addrs: Vec<(u64, String)> = (1..=n)
             .map(|id| (id, format!("127.0.0.1:{}", free_port())))
             .collect();
@@ -1296,7 +1334,13 @@ impl SecureSingle {
     /// `master_extra`: more flags for the master; the agent has simulated
     /// GPUs (`gpus`, e.g. "2xA100-SXM4-40GB") and the process runtime.
     pub fn start(master_extra: &[&str], gpus: &str) -> SecureSingle {
-        let dir = tempfile::tempdir().unwrap();
+        SecureSingle::start_in(test_dir(), master_extra, gpus)
+    }
+
+    /// [`SecureSingle::start`] in `dir` (one outside `/tmp`, say, whose
+    /// paths host tasks then see as they are rather than behind their
+    /// private `/tmp`).
+    pub fn start_in(dir: tempfile::TempDir, master_extra: &[&str], gpus: &str) -> SecureSingle {
         let pki = dir.path().join("pki");
         let addr = format!("127.0.0.1:{}", free_port());
         let out = Command::new(bin("gpuctl"))

@@ -71,7 +71,7 @@ fn units_pass_systemd_analyze_verify() {
     }
 
     let bin_dir = built_binaries();
-    let dir = tempfile::tempdir().expect("temp dir");
+    let dir = gpuctl_tests::test_dir();
     let mut paths = Vec::new();
     for unit in UNITS {
         let text = read(&deploy_file(unit));
@@ -196,7 +196,7 @@ fn master_example_config_is_accepted_and_shows_the_defaults() {
     );
     assert_eq!(file.data_dir, Path::new("/var/lib/gpuctl/master"));
 
-    let dir = tempfile::tempdir().expect("temp dir");
+    let dir = gpuctl_tests::test_dir();
     let all = with_examples_enabled("master.toml", dir.path());
     Options::load_from([
         OsStr::new("gpuctl-master"),
@@ -239,7 +239,7 @@ fn agent_example_config_is_accepted_and_shows_the_defaults() {
     );
     assert_eq!(file.work_dir, Path::new("/var/lib/gpuctl/agent"));
 
-    let dir = tempfile::tempdir().expect("temp dir");
+    let dir = gpuctl_tests::test_dir();
     let all = with_examples_enabled("agent.toml", dir.path());
     let c = Options::load_from([
         OsStr::new("gpuctl-agent"),

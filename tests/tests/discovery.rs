@@ -26,7 +26,7 @@ fn config(name: &str) -> Value {
 
 /// Writes `machine` to a temp file and discovers it.
 fn discover_json(machine: &Value) -> Discovery {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = gpuctl_tests::test_dir();
     let path = dir.path().join("machine.json");
     std::fs::write(&path, machine.to_string()).unwrap();
     discover_with(&path)
@@ -234,7 +234,7 @@ fn agent_on_fake_nvml_shows_its_gpus_in_gpuctl() {
 
 #[test]
 fn agent_whose_nvml_init_fails_runs_with_zero_gpus_and_says_why_once() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = gpuctl_tests::test_dir();
     let machine = dir.path().join("broken.json");
     let mut cfg = config("mixed");
     cfg["init_error"] = json!("DRIVER_NOT_LOADED");

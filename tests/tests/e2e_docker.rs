@@ -99,7 +99,7 @@ fn agent_asked_for_docker_starts_while_docker_is_down() {
     // agent process may still run, and the agent waits for the daemon,
     // saying so in its log and heartbeats. Needs no daemon: point
     // DOCKER_HOST nowhere.
-    let dir = tempfile::tempdir().unwrap();
+    let dir = gpuctl_tests::test_dir();
     let log = std::fs::File::create(dir.path().join("agent.log")).unwrap();
     let work = dir.path().join("work");
     let mut agent = std::process::Command::new(gpuctl_tests::bin("gpuctl-agent"))

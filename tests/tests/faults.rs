@@ -54,7 +54,7 @@ fn live_jobs(m: &str) -> BTreeSet<String> {
 fn an_agent_sigkilled_during_launches_starts_every_task_exactly_once() {
     let m = test_marker("launch");
     let env = format!("{MARKER}={m}");
-    let dir = tempfile::tempdir().unwrap();
+    let dir = gpuctl_tests::test_dir();
     // Written by the tasks, which do not run as root.
     let ran = gpuctl_tests::task_writable_dir(dir.path()).join("ran");
     let mut c = Cluster::start(&["--heartbeat-interval-secs", "0.2"]);

@@ -142,7 +142,7 @@ fn container_devices_cgroup(parent: &str, task: &str) -> PathBuf {
 /// run from the host as root joins it, makes a node for every GPU in a
 /// temp dir (root may; the container may not) and opens each.
 fn probe_from_cgroup(cgroup: &Path) -> String {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = gpuctl_tests::test_dir();
     let d = dir.path().display();
     let script = format!(
         r#"echo $$ > {procs} || exit 9
@@ -488,7 +488,7 @@ struct Cgroup2 {
 
 impl Cgroup2 {
     fn mount(top: &str) -> Option<Cgroup2> {
-        let mnt = tempfile::tempdir().unwrap();
+        let mnt = gpuctl_tests::test_dir();
         let ok = std::process::Command::new("mount")
             .args(["-t", "cgroup2", "none"])
             .arg(mnt.path())
@@ -669,7 +669,7 @@ fn the_device_check_catches_a_container_that_can_open_other_gpus() {
         return;
     }
     let image = gpuctl_tests::busybox_image();
-    let dir = tempfile::tempdir().unwrap();
+    let dir = gpuctl_tests::test_dir();
     let dev = dir.path().join("dev");
     make_dev_root(&dev, 2);
     let nodes: Vec<PathBuf> = ["nvidia0", "nvidia1", "nvidiactl"]

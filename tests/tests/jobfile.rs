@@ -64,7 +64,7 @@ fn stderr_of(out: &std::process::Output) -> String {
 fn job_files_submit_with_flags_over_them_and_round_trip() {
     let mut c = Cluster::start(&[]);
     c.add_agent(AgentOpts::default());
-    let dir = tempfile::tempdir().unwrap();
+    let dir = gpuctl_tests::test_dir();
     let file = dir.path().join("job.yaml");
     std::fs::write(&file, JOB).unwrap();
     let path = file.to_str().unwrap();
@@ -198,7 +198,7 @@ fn completions_and_man_pages_from_the_binary() {
     let out = gpuctl(&["completions", "tcsh"]);
     assert_eq!(out.status.code(), Some(2), "{}", stderr_of(&out));
 
-    let dir = tempfile::tempdir().unwrap();
+    let dir = gpuctl_tests::test_dir();
     let man = dir.path().join("man1");
     let out = gpuctl(&["man", man.to_str().unwrap()]);
     assert!(out.status.success(), "{}", stderr_of(&out));

@@ -23,7 +23,7 @@ async fn eventually<F: std::future::Future<Output = bool>>(what: &str, mut f: im
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sim_agents_run_finish_and_kill_tasks() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = gpuctl_tests::test_dir();
     let master = InProcessMaster::start(dir.path().join("master"), |_| {}).unwrap();
     let ch = Endpoint::from_shared(format!("http://{}", master.addr()))
         .unwrap()
@@ -160,7 +160,7 @@ async fn wait_leader(addrs: &[String], ask: usize, not: Option<usize>) -> usize 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_in_process_group_serves_after_its_leader_is_killed_and_sleep_tasks_end() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = gpuctl_tests::test_dir();
     let mut masters = InProcessMaster::start_group(3, dir.path(), |_, _| {}).unwrap();
     let addrs: Vec<String> = masters.iter().map(|m| m.addr().to_string()).collect();
     for (i, m) in masters.iter().enumerate() {
@@ -256,7 +256,7 @@ async fn submit(addr: &str, spec: pb::JobSpec) -> String {
 async fn gangs_are_placed_at_a_leader_elected_in_the_middle_of_a_burst() {
     const AGENTS: usize = 120;
     const GANGS: usize = 12; // 8 tasks of 8 GPUs each: 96 of the 120 agents
-    let dir = tempfile::tempdir().unwrap();
+    let dir = gpuctl_tests::test_dir();
     let mut masters = InProcessMaster::start_group(3, dir.path(), |_, _| {}).unwrap();
     let addrs: Vec<String> = masters.iter().map(|m| m.addr().to_string()).collect();
     let old = wait_leader(&addrs, 0, None).await;

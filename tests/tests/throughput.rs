@@ -40,7 +40,7 @@ struct Master {
 
 impl Master {
     fn start() -> Master {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = gpuctl_tests::test_dir();
         let log = dir.path().join("master.log");
         // One test per binary: the subscriber is this process's.
         let file = std::fs::File::create(&log).unwrap();
