@@ -22,7 +22,11 @@ BIN=$(cd "$BIN" && pwd)
 OUT=${OUT:-/tmp/gpuctl-hw}
 BUSYBOX=${BUSYBOX:-/bin/busybox}
 NVCC=${NVCC:-nvcc}
-W=$(mktemp -d /tmp/gpuctl-hw.XXXXXX)
+# Not under /tmp: host tasks get a private /tmp of their own, and they run
+# programs from here (cudacheck) as users of their own.
+mkdir -p /var/lib/gpuctl-hw
+W=$(mktemp -d /var/lib/gpuctl-hw/run.XXXXXX)
+chmod 0755 /var/lib/gpuctl-hw "$W"
 G="$BIN/gpuctl --master 127.0.0.1:17050"
 mkdir -p "$OUT"
 : >"$OUT/summary.txt"
@@ -264,8 +268,17 @@ else
 fi
 
 sec "host processes"
-run p-gpu --gpus 1 -- sh -c 'nvidia-smi -L; echo NVD=$NVIDIA_VISIBLE_DEVICES'
+run p-gpu --gpus 1 -- sh -c 'nvidia-smi -L; echo NVD=$NVIDIA_VISIBLE_DEVICES; echo pid=$$ uid=$(id -u) gid=$(id -g) groups=$(id -G); echo procs=$(ls /proc | grep -c "^[0-9]"); ls /tmp | wc -l | sed "s/^/tmp_entries=/"; nvidia-smi -L >/dev/null 2>&1; echo smi_rc=$?'
 P_GPU=$(state "$J")
+# Issue 31: every host task in namespaces of its own, under a user of its
+# own, and the GPU still works there.
+check process.ns.pid "the command is pid 2 of its own PID namespace (task-init is 1)" has "pid=2 "
+check process.ns.user "it runs as a user of its own from 80000-89999, no other group" \
+  python3 -c "import re,sys; m=re.search(r'uid=(\d+) gid=(\d+) groups=(\S+)\n', sys.argv[1]); sys.exit(not (m and 80000 <= int(m[1]) <= 89999 and m[1] == m[2] == m[3]))" "$LOG"
+check process.ns.proc "its /proc shows only its own processes" \
+  python3 -c "import re,sys; m=re.search(r'procs=(\d+)', sys.argv[1]); sys.exit(not (m and int(m[1]) <= 6))" "$LOG"
+check process.ns.tmp "its /tmp is private and empty" has "tmp_entries=0"
+check process.ns.smi "nvidia-smi works as that user in those namespaces" has "smi_rc=0"
 run p-none -- sh -c 'cat /dev/nvidia0 2>&1 | head -c 200; echo; nvidia-smi -L 2>&1 | head -3'
 P_NONE=$(state "$J")
 if [ "$CGV" = v2 ]; then

@@ -195,6 +195,32 @@ pub fn task_shared_file(path: &Path) -> PathBuf {
     path.to_path_buf()
 }
 
+/// The live processes in the PID namespace `ns` (`pid:[INODE]`, what a
+/// host task reads with `readlink /proc/self/ns/pid`): how a test finds a
+/// task's processes from outside (inside its namespace the command is pid
+/// 2, and task ids repeat across the clusters of one test binary).
+pub fn pid_ns_members(ns: &str) -> Vec<i32> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let zombie = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|s| {
+                s.rsplit_once(')')
+                    .map(|(_, r)| r.trim_start().starts_with('Z'))
+            })
+            .unwrap_or(true);
+        let same = std::fs::read_link(format!("/proc/{pid}/ns/pid"))
+            .is_ok_and(|l| l.to_string_lossy() == ns);
+        if same && !zombie {
+            out.push(pid);
+        }
+    }
+    out
+}
+
 /// A test's own directory for its cluster, removed when dropped. Not under
 /// `/tmp`: host tasks get a private `/tmp` (and `/var/tmp`) of their own,
 /// so what a test shares with its tasks (files, scripts, device nodes)

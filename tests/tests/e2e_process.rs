@@ -146,9 +146,12 @@ fn follow_streams_output_and_cancel_kills_a_running_process() {
         "--",
         "sh",
         "-c",
-        "echo $$ > pid; exec sleep 300",
+        "readlink /proc/self/ns/pid > ns; exec sleep 300",
     ]);
-    c.wait_state(&long, "RUNNING", Duration::from_secs(30));
+    let running = c.wait_state(&long, "RUNNING", Duration::from_secs(30));
+    // Found from outside by its PID namespace (inside it, it is pid 2).
+    let ns = task_pid_ns(&c, &running);
+    assert!(!gpuctl_tests::pid_ns_members(&ns).is_empty());
     assert_eq!(c.ok(&["jobs", "cancel", &long]).trim(), "RUNNING");
     let (code, state) = c.wait_job(&long, 30);
     assert_eq!((code, state.as_str()), (1, "CANCELLED"));
@@ -162,17 +165,24 @@ fn follow_streams_output_and_cancel_kills_a_running_process() {
         .iter()
         .all(|g| g["task_id"].is_null()));
     // And the process is gone.
+    let left = gpuctl_tests::pid_ns_members(&ns);
+    assert!(left.is_empty(), "{left:?}");
+}
+
+/// The PID namespace a running task of agent 0 wrote to `ns` in its
+/// sandbox.
+fn task_pid_ns(c: &Cluster, job: &Value) -> String {
     let sandbox = c
         .dir
         .path()
         .join("agent0/tasks")
         .join(job["tasks"][0]["id"].as_str().unwrap());
-    let pid: i32 = std::fs::read_to_string(sandbox.join("pid"))
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap();
-    assert!(nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None).is_err());
+    let mut ns = String::new();
+    wait_for(Duration::from_secs(10), "the task's ns file", || {
+        ns = std::fs::read_to_string(sandbox.join("ns")).unwrap_or_default();
+        ns.ends_with('\n')
+    });
+    ns.trim().to_string()
 }
 
 #[test]
@@ -199,10 +209,13 @@ fn a_lost_agent_loses_its_tasks_but_its_gpus_wait_for_its_word() {
         "--",
         "sh",
         "-c",
-        "echo $$ > pid; exec sleep 300",
+        "readlink /proc/self/ns/pid > ns; exec sleep 300",
     ]);
     let job = c.wait_state(&j, "RUNNING", Duration::from_secs(30));
     let task_id = job["tasks"][0]["id"].as_str().unwrap().to_string();
+    let ns = task_pid_ns(&c, &job);
+    let live = || gpuctl_tests::pid_ns_members(&ns);
+    assert!(!live().is_empty());
     c.agents[0].kill();
     // First UNREACHABLE: the job stays RUNNING, the GPU stays held.
     wait_for(Duration::from_secs(10), "agent UNREACHABLE", || {
@@ -225,20 +238,8 @@ fn a_lost_agent_loses_its_tasks_but_its_gpus_wait_for_its_word() {
     // The crashed agent cannot stop its task, but the task's supervisor
     // can: its fence (2 s after the agent's last contact) stops it, long
     // before the master declares it lost.
-    let pid_file = c.dir.path().join("agent0/tasks").join(&task_id).join("pid");
-    let pid: i32 = std::fs::read_to_string(pid_file)
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap();
-    let alive = |pid: i32| {
-        std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
-            !s.rsplit_once(')')
-                .is_some_and(|(_, r)| r.trim_start().starts_with('Z'))
-        })
-    };
     wait_for(Duration::from_secs(10), "the fence stops the task", || {
-        !alive(pid)
+        live().is_empty()
     });
     // Then LOST: the job fails (no retries), but the crashed agent has not
     // said the task is gone, so its GPU stays held.

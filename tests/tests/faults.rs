@@ -56,7 +56,8 @@ fn an_agent_sigkilled_during_launches_starts_every_task_exactly_once() {
     let env = format!("{MARKER}={m}");
     let dir = gpuctl_tests::test_dir();
     // Written by the tasks, which do not run as root.
-    let ran = gpuctl_tests::task_writable_dir(dir.path()).join("ran");
+    let ran =
+        gpuctl_tests::task_shared_file(&gpuctl_tests::task_writable_dir(dir.path()).join("ran"));
     let mut c = Cluster::start(&["--heartbeat-interval-secs", "0.2"]);
     c.add_agent(AgentOpts {
         stop_tasks_on_shutdown: false,

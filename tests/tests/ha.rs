@@ -12,7 +12,8 @@ use std::time::Duration;
 
 use gpuctl_tests::Gpuctl;
 use gpuctl_tests::{
-    gpuctl_at, strip_ansi, task_writable_dir, try_wait_for, wait_for, AgentOpts, HaCluster,
+    gpuctl_at, strip_ansi, task_shared_file, task_writable_dir, try_wait_for, wait_for, AgentOpts,
+    HaCluster,
 };
 use serde_json::Value;
 
@@ -73,8 +74,9 @@ fn leader_sigkill_loses_no_acknowledged_job() {
     ];
     // Written by the tasks, which do not run as root.
     let shared = task_writable_dir(&c.dir.path().join("shared"));
-    let marker = shared.join("marker");
-    let runs = shared.join("runs.txt");
+    // Appended to by tasks of users of their own.
+    let marker = task_shared_file(&shared.join("marker"));
+    let runs = task_shared_file(&shared.join("runs.txt"));
 
     // A long task that writes one line each time it starts.
     let long = c.submit(&[
@@ -576,7 +578,7 @@ fn a_frozen_leader_is_replaced_and_rejoins_as_follower() {
     // silent, so agents must notice by themselves (HTTP/2 keepalive).
     let mut c = HaCluster::start(3, &[]);
     let agent = c.add_agent(AgentOpts::default());
-    let marker = task_writable_dir(&c.dir.path().join("shared")).join("marker");
+    let marker = task_shared_file(&task_writable_dir(&c.dir.path().join("shared")).join("marker"));
     let long = c.submit(&[
         "--name",
         "long",
@@ -627,7 +629,7 @@ fn signal(pid: i32, sig: &str) -> i32 {
 fn a_framework_follows_the_leader_across_failover() {
     let mut c = HaCluster::start(3, &[]);
     c.add_agent(AgentOpts::default());
-    let runs = task_writable_dir(&c.dir.path().join("shared")).join("fw-runs");
+    let runs = task_shared_file(&task_writable_dir(&c.dir.path().join("shared")).join("fw-runs"));
     let mut fw = std::process::Command::new(gpuctl_tests::bin("simple-framework"))
         .args([
             "--master",

@@ -408,7 +408,7 @@ fn a_failed_rank_stops_the_gang_and_it_is_retried() {
         "sh",
         "-c",
         "if [ \"$GPUCTL_RANK\" = 1 ]; then sleep 0.5; exit 3; fi; \
-         echo $$ > \"$OUT/pid-$GPUCTL_TASK_ID\"; exec sleep 120",
+         readlink /proc/self/ns/pid > \"$OUT/ns-$GPUCTL_TASK_ID\"; exec sleep 120",
     ]);
     let (code, state) = c.wait_job(&gang, 35);
     let j = c.job(&gang);
@@ -437,16 +437,11 @@ fn a_failed_rank_stops_the_gang_and_it_is_retried() {
                 t["message"].clone(),
                 format!("stopped: task {gang}.{} exited with code 3", n + 1),
             ));
-            // And its process is gone.
-            let pid: i32 = std::fs::read_to_string(out.join(format!("pid-{gang}.{n}")))
-                .unwrap()
-                .trim()
-                .parse()
-                .unwrap();
-            assert!(
-                nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None).is_err(),
-                "rank 0 ({gang}.{n}, pid {pid}) still runs"
-            );
+            // It ran, and nothing of it is left: its PID namespace (which
+            // it wrote down) is empty.
+            let ns = std::fs::read_to_string(out.join(format!("ns-{gang}.{n}"))).unwrap();
+            let left = gpuctl_tests::pid_ns_members(ns.trim());
+            assert!(left.is_empty(), "rank 0 ({gang}.{n}) still runs: {left:?}");
         }
     }
     // Every GPU is free again.

@@ -243,7 +243,9 @@ fn the_python_client_follows_the_leader_across_a_failover() {
         .collect::<Vec<_>>()
         .join(",");
     // The tasks run as the agent's task user, not root.
-    let runs = gpuctl_tests::task_writable_dir(&c.dir.path().join("shared")).join("runs");
+    let runs = gpuctl_tests::task_shared_file(
+        &gpuctl_tests::task_writable_dir(&c.dir.path().join("shared")).join("runs"),
+    );
     let script = format!(
         "echo $NVIDIA_VISIBLE_DEVICES >> '{}'; sleep 4",
         runs.display()

@@ -48,11 +48,16 @@ fn host_tasks_run_unprivileged_unless_an_agent_allows_root_and_the_job_asks() {
     let agents = c.json(&["agents", "list", "--json"]);
     assert_eq!(agents[0]["allow_root_tasks"], false);
 
-    // By default: nobody, no other group, no way up, its sandbox writable.
+    // By default: a user of its own (uid and gid of one number from the
+    // agent's task_users), no other group, no way up, its sandbox
+    // writable.
     let j = c.submit(&["--name", "who", "--", "sh", "-c", WHO_AM_I]);
     assert_eq!(c.wait_job(&j, 30), (0, "SUCCEEDED".to_string()));
     let out = c.ok(&["jobs", "logs", &j]);
-    assert_eq!(first_lines(&out, 3), ["65534", "65534", "65534"], "{out}");
+    let ids = first_lines(&out, 3);
+    let own: u32 = ids[0].parse().unwrap();
+    assert!(gpuctl_tests::TASK_USERS.contains(&own), "{out}");
+    assert_eq!(ids, [ids[0]; 3], "{out}");
     assert!(out.contains("NoNewPrivs:\t1\n"), "{out}");
     assert!(out.contains("CapEff:\t0000000000000000\n"), "{out}");
     assert!(out.contains("shadow-denied\n"), "{out}");
@@ -128,7 +133,8 @@ fn host_tasks_run_unprivileged_unless_an_agent_allows_root_and_the_job_asks() {
     let j = c.submit(&["--name", "who-2", "--", "sh", "-c", WHO_AM_I]);
     assert_eq!(c.wait_job(&j, 30), (0, "SUCCEEDED".to_string()));
     let out = c.ok(&["jobs", "logs", &j]);
-    assert_eq!(first_lines(&out, 1), ["65534"], "{out}");
+    let uid: u32 = first_lines(&out, 1)[0].parse().unwrap();
+    assert!(gpuctl_tests::TASK_USERS.contains(&uid), "{out}");
 }
 
 /// `docker inspect` of a task's running container, `{{json .KEY}}`.

@@ -2015,6 +2015,43 @@ mod tests {
         assert!(text.contains("rw-refused\n"), "{text}");
     }
 
+    /// A job's user runs with its group and no other, whatever the image's
+    /// `/etc/group` says of it: Docker adds an image's supplementary groups
+    /// only for a user given without a group, and the agent always gives
+    /// both (`UID` is `UID:UID`).
+    #[tokio::test]
+    async fn docker_a_jobs_user_gets_no_groups_from_its_image() {
+        let Some(rt) = connect_or_skip("docker_a_jobs_user_gets_no_groups_from_its_image").await
+        else {
+            return;
+        };
+        let base = ensure_busybox_image(&rt.client().unwrap()).await.unwrap();
+        let image = "gpuctl-test/image-groups:1";
+        build_image(
+            &base,
+            image,
+            &[
+                "RUN echo 'alice:x:2001:2001::/:/bin/sh' >> /etc/passwd && \\",
+                "    echo 'alice:x:2001:' >> /etc/group && \\",
+                "    echo 'shadow:x:42:alice' >> /etc/group && echo 'disk:x:6:alice' >> /etc/group",
+            ],
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let mut s = spec(
+            dir.path(),
+            &unique("groups"),
+            image,
+            &["sh", "-c", "id -u; id -G"],
+        );
+        s.security.user = Some(UserIds {
+            uid: 2001,
+            gid: 2001,
+        });
+        assert_eq!(run_to_end(&rt, &s).await.unwrap(), exited(0));
+        let text = std::fs::read_to_string(&s.log_path).unwrap();
+        assert_eq!(text, "2001\n2001\n");
+    }
+
     /// What an image's config says of the driver, as bollard reads it.
     fn inspect(env: &[&str], labels: &[(&str, &str)]) -> bollard::models::ImageInspect {
         bollard::models::ImageInspect {
