@@ -3,8 +3,9 @@
 //! after it unshared a PID namespace, so this process is the first of it.
 //! Like `docker --init` (tini) with a little of systemd's `PrivateTmp`:
 //!
-//! - it gives the task a mount namespace of its own (nothing it mounts
-//!   reaches the host), with a `/proc` that shows only the task's own
+//! - it gives the task a mount namespace of its own (nothing mounted in it
+//!   reaches the host; the host's later mounts do come in), with a `/proc`
+//!   that shows only the task's own
 //!   processes, and fresh, private `/tmp`, `/var/tmp` and `/dev/shm`
 //!   (tmpfs, gone with the task); paths the task needs that lie below them
 //!   on the host (its sandbox, the agent's device directory) are bound back
@@ -183,10 +184,11 @@ fn reap(main: Pid) -> Option<u8> {
 fn private_mounts(keep: &[PathBuf]) -> Result<(), String> {
     unshare(CloneFlags::CLONE_NEWNS | CloneFlags::CLONE_NEWIPC)
         .map_err(|e| format!("unshare(CLONE_NEWNS | CLONE_NEWIPC): {e}"))?;
-    // Nothing mounted here propagates back to the host (nor the host's
-    // later mounts in: the task sees the host as it was at its start).
-    mount::<str, str, str, str>(None, "/", None, MsFlags::MS_REC | MsFlags::MS_PRIVATE, None)
-        .map_err(|e| format!("make / private: {e}"))?;
+    // Nothing mounted here propagates back to the host, while the host's
+    // later mounts still come in (an automounted /home or dataset), as
+    // systemd does for PrivateTmp.
+    mount::<str, str, str, str>(None, "/", None, MsFlags::MS_REC | MsFlags::MS_SLAVE, None)
+        .map_err(|e| format!("make / a slave of the host's mounts: {e}"))?;
     let private: Vec<&str> = PRIVATE_DIRS
         .iter()
         .copied()
