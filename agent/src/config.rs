@@ -71,6 +71,8 @@ pub struct AgentConfig {
     /// The uids and gids a job may name (`security.user`), whatever the
     /// master allowed: no system account, nor an id of `task_users`.
     pub allowed_users: IdRanges,
+    /// Each task's limit of processes and threads; `None`: unlimited.
+    pub task_pids_max: Option<u64>,
     /// Jobs that ask (`security.run_as_root`) may run host-process tasks
     /// as root here.
     pub allow_root_tasks: bool,
@@ -108,6 +110,7 @@ impl AgentConfig {
             task_user: crate::security::DEFAULT_TASK_USER,
             task_users: IdRanges::parse(DEFAULT_TASK_USERS).unwrap_or_default(),
             allowed_users: IdRanges::parse(DEFAULT_ALLOWED_USERS).unwrap_or_default(),
+            task_pids_max: Some(DEFAULT_TASK_PIDS_MAX),
             allow_root_tasks: false,
             allowed_mounts: Vec::new(),
             ports: PortRange::parse(DEFAULT_PORTS).ok(),
@@ -291,6 +294,16 @@ pub struct Options {
         value_name = "IDS|none"
     )]
     pub allowed_users: String,
+    /// The most processes and threads one task may have at once (its
+    /// cgroup's pids.max, a container's PidsLimit), or `none`: one task
+    /// cannot use up the host's pids (kernel.pid_max) under the others.
+    #[arg(
+        long,
+        env = "GPUCTL_AGENT_TASK_PIDS_MAX",
+        default_value_t = DEFAULT_TASK_PIDS_MAX.to_string(),
+        value_name = "N|none"
+    )]
+    pub task_pids_max: String,
     /// Run host-process tasks as root for jobs that ask for it
     /// (`gpuctl jobs submit --run-as-root`). Off: such jobs are not placed
     /// here, and refused if they come.
@@ -351,9 +364,19 @@ struct FileOptions {
     task_user: Option<String>,
     task_users: Option<String>,
     allowed_users: Option<String>,
+    task_pids_max: Option<NumberOrNone>,
     allow_root_tasks: Option<bool>,
     allowed_mounts: Option<Vec<String>>,
     ports: Option<String>,
+}
+
+/// A file option that is a number or a word (`task_pids_max = 8192` or
+/// `"none"`).
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum NumberOrNone {
+    Number(u64),
+    Text(String),
 }
 
 fn unset(m: &ArgMatches, id: &str) -> bool {
@@ -446,6 +469,12 @@ impl Options {
             fill!(task_user);
             fill!(task_users);
             fill!(allowed_users);
+            if let (Some(v), true) = (f.task_pids_max, unset(&matches, "task_pids_max")) {
+                o.task_pids_max = match v {
+                    NumberOrNone::Number(n) => n.to_string(),
+                    NumberOrNone::Text(t) => t,
+                };
+            }
             fill!(allow_root_tasks);
             fill!(allowed_mounts);
             fill!(ports);
@@ -560,6 +589,17 @@ impl Options {
                  choose the uid another task was given"
             )));
         }
+        let task_pids_max = match self.task_pids_max.trim() {
+            "none" => None,
+            n => match n.parse::<u64>() {
+                Ok(n) if n >= MIN_TASK_PIDS => Some(n),
+                _ => {
+                    return Err(AgentError::Config(format!(
+                        "task_pids_max: {n:?} is not a number of {MIN_TASK_PIDS} or more, nor none"
+                    )))
+                }
+            },
+        };
         let allowed_mounts = parse_allowed_mounts(&self.allowed_mounts)?;
         if !self.cdi_dir.is_absolute() {
             return Err(AgentError::Config(format!(
@@ -572,6 +612,7 @@ impl Options {
             task_user,
             task_users,
             allowed_users,
+            task_pids_max,
             allow_root_tasks: self.allow_root_tasks,
             allowed_mounts,
             ports: parse_ports(&self.ports)?,
@@ -604,6 +645,13 @@ impl Options {
 /// users, clear of Debian's users (1000-59999), its reserved ids
 /// (60000-64999), nobody (65534) and the first subordinate ids (100000+).
 pub const DEFAULT_TASK_USERS: &str = "80000-89999";
+
+/// The default `--task-pids-max`: processes and threads of one task. A
+/// training process has a few hundred threads, its data loader workers
+/// as many again; a fork bomb stops here.
+pub const DEFAULT_TASK_PIDS_MAX: u64 = 8192;
+/// Fewer would not start a shell and its task-init.
+const MIN_TASK_PIDS: u64 = 16;
 
 /// The default `--allowed-users`: Debian's (and most distributions') range
 /// for people's accounts; system accounts and groups (`shadow`, `docker`,
@@ -766,12 +814,16 @@ mod tests {
         let f = dir.path().join("agent.toml");
         std::fs::write(
             &f,
-            "task_users = \"70000-70009\"\nallowed_users = \"none\"\n",
+            "task_users = \"70000-70009\"\nallowed_users = \"none\"\ntask_pids_max = 100\n",
         )
         .unwrap();
         let c = load(&["--config", f.to_str().unwrap()]).unwrap();
         assert_eq!(c.task_users.to_string(), "70000-70009");
         assert!(c.allowed_users.is_empty());
+        assert_eq!(c.task_pids_max, Some(100));
+        std::fs::write(&f, "task_pids_max = \"none\"\n").unwrap();
+        let c = load(&["--config", f.to_str().unwrap()]).unwrap();
+        assert_eq!(c.task_pids_max, None);
         let e = load(&["--task-users", "50000-50100"])
             .unwrap_err()
             .to_string();
@@ -783,6 +835,19 @@ mod tests {
         );
         let e = load(&["--allowed-users", "x"]).unwrap_err().to_string();
         assert!(e.contains("allowed_users: "), "{e}");
+        assert_eq!(load(&[]).unwrap().task_pids_max, Some(8192));
+        assert_eq!(
+            load(&["--task-pids-max", "none"]).unwrap().task_pids_max,
+            None
+        );
+        assert_eq!(
+            load(&["--task-pids-max", "64"]).unwrap().task_pids_max,
+            Some(64)
+        );
+        for bad in ["0", "15", "1e3", "lots"] {
+            let e = load(&["--task-pids-max", bad]).unwrap_err().to_string();
+            assert!(e.contains("task_pids_max"), "{bad}: {e}");
+        }
     }
 
     #[test]

@@ -266,7 +266,8 @@ pub async fn serve(
         &config.cgroup_root,
         &format!("{}/{agent_id}", config.cgroup_parent.trim_matches('/')),
         &config.dev_root,
-    )?;
+    )?
+    .with_pids_max(config.task_pids_max);
     tracing::info!("{}", isolator.describe());
     let driver_volume = match &discovery.driver_version {
         Some(version) => {

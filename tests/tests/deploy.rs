@@ -229,6 +229,9 @@ fn agent_example_config_is_accepted_and_shows_the_defaults() {
     assert_eq!(file.kill_grace, default.kill_grace);
     assert_eq!(file.task_retention, default.task_retention);
     assert_eq!(file.task_user, default.task_user);
+    assert_eq!(file.task_users, default.task_users);
+    assert_eq!(file.allowed_users, default.allowed_users);
+    assert_eq!(file.task_pids_max, default.task_pids_max);
     assert_eq!(file.allow_root_tasks, default.allow_root_tasks);
     assert_eq!(file.allowed_mounts, default.allowed_mounts);
     assert_eq!(file.cdi_dir, default.cdi_dir);

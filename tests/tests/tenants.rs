@@ -454,3 +454,99 @@ fn a_tenant_names_only_the_users_its_token_allows() {
         assert!(msg.contains("allowed_users"), "{user}: {j:#}");
     }
 }
+
+/// Forks 300 children that sleep, counting the forks the kernel allowed.
+const FORK_BOMB: &str = "import os, time
+n = 0
+for i in range(300):
+    try:
+        if os.fork() == 0:
+            time.sleep(60)
+            os._exit(0)
+        n += 1
+    except OSError:
+        pass
+print('forked', n, flush=True)
+time.sleep(60)
+";
+
+/// One task cannot use up the host's pids under its neighbours: a fork
+/// bomb stops at the agent's `task_pids_max` (the kernel counts the
+/// refusals in the task's `pids.events`), and the neighbour on the same
+/// agent still forks what it needs.
+#[test]
+fn a_tasks_fork_bomb_stops_at_its_pids_max() {
+    if !root_or_skip("a_tasks_fork_bomb_stops_at_its_pids_max") {
+        return;
+    }
+    let v1 = Path::new("/sys/fs/cgroup/pids/cgroup.procs").exists();
+    let v2 = Path::new("/sys/fs/cgroup/cgroup.controllers").exists();
+    if !v1 && !v2 {
+        eprintln!("skipped: no pids controller");
+        return;
+    }
+    let mut c = gpuctl_tests::Cluster::start(&[]);
+    let agent = c.add_agent(gpuctl_tests::AgentOpts {
+        extra: vec!["--task-pids-max".into(), "40".into()],
+        ..Default::default()
+    });
+    use gpuctl_tests::Gpuctl;
+    let bomb = c.submit(&[
+        "--name", "bomb", "--cpus", "0.25", "--", "python3", "-c", FORK_BOMB,
+    ]);
+    let job = c.wait_state(&bomb, "RUNNING", Duration::from_secs(30));
+    let task = job["tasks"][0]["id"].as_str().unwrap().to_string();
+    let cg = if v1 {
+        PathBuf::from("/sys/fs/cgroup/pids/gpuctl")
+            .join(&agent)
+            .join(&task)
+    } else {
+        PathBuf::from("/sys/fs/cgroup/gpuctl")
+            .join(&agent)
+            .join(&task)
+    };
+    let read = |f: &str| std::fs::read_to_string(cg.join(f)).unwrap_or_default();
+    let refused = || {
+        read("pids.events")
+            .split_whitespace()
+            .nth(1)
+            .and_then(|n| n.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    let hit = gpuctl_tests::try_wait_for(Duration::from_secs(20), || refused() > 0);
+    assert!(
+        hit,
+        "no fork refused in {}: max {:?}, current {:?}, events {:?}; log: {}",
+        cg.display(),
+        read("pids.max"),
+        read("pids.current"),
+        read("pids.events"),
+        c.ok(&["jobs", "logs", &bomb])
+    );
+    assert_eq!(read("pids.max").trim(), "40");
+    let current: u64 = read("pids.current").trim().parse().unwrap();
+    assert!(current <= 40, "{current}");
+    // Seen from inside: far fewer than 300 forks went through.
+    let mut log = String::new();
+    wait_for(Duration::from_secs(20), "the bomb's count", || {
+        log = c.ok(&["jobs", "logs", &bomb]);
+        log.contains("forked ")
+    });
+    let forked: u64 = log.trim().trim_start_matches("forked ").parse().unwrap();
+    assert!(forked < 40, "{log}");
+    // The neighbour forks 30 processes beside the bomb at its limit.
+    let neighbour = c.submit(&[
+        "--name",
+        "neighbour",
+        "--cpus",
+        "0.25",
+        "--",
+        "sh",
+        "-c",
+        "for i in $(seq 30); do sleep 1 & done; wait; echo neighbour-ok",
+    ]);
+    let (code, state) = c.wait_job(&neighbour, 60);
+    assert_eq!((code, state.as_str()), (0, "SUCCEEDED"));
+    assert!(c.ok(&["jobs", "logs", &neighbour]).contains("neighbour-ok"));
+    c.ok(&["jobs", "cancel", &bomb]);
+}

@@ -893,6 +893,7 @@ impl Executor {
                 cdi_devices: self.isolation.cdi.for_gpus(&spec.gpu_uuids),
                 driver: self.isolation.driver.clone(),
                 dev_root: Some(self.isolation.isolator.dev_root().to_path_buf()),
+                pids_max: self.isolation.isolator.pids_max(),
             },
             state_dir: self.state_dir(task_id),
             fence: (!spec.no_fence).then(|| checkpoint::contact_path(&self.work_dir)),

@@ -175,12 +175,13 @@ impl CgroupManager {
         task_id: &str,
         rules: &[DeviceRule],
         resources: &Resources,
+        pids_max: Option<u64>,
     ) -> Result<TaskCgroup, IsolationError> {
         gpuctl_core::convert::check_id("task_id", task_id)
             .map_err(|e| IsolationError::Config(e.to_string()))?;
         let rel = format!("{}/{task_id}", self.parent);
         let cg = Cgroup::new(self.hierarchy(), &rel).map_err(cg_err(format!("create {rel}")))?;
-        let result = self.configure(&cg, &rel, rules, resources);
+        let result = self.configure(&cg, &rel, rules, resources, pids_max);
         if let Err(e) = result {
             // Nothing half made is left behind.
             let _ = self.remove(task_id);
@@ -200,6 +201,7 @@ impl CgroupManager {
         rel: &str,
         rules: &[DeviceRule],
         resources: &Resources,
+        pids_max: Option<u64>,
     ) -> Result<(), IsolationError> {
         let devices: &DevicesController =
             cg.controller_of().ok_or_else(|| IsolationError::Cgroup {
@@ -222,6 +224,12 @@ impl CgroupManager {
                 cpu.set_shares(shares)
                     .map_err(cg_err(format!("{rel}: cpu shares {shares}")))?;
             }
+        }
+        // Hierarchical: a container in the task's cgroup counts too.
+        if let (Some(n), Some(pids)) = (pids_max, cg.controller_of::<PidController>()) {
+            let n = i64::try_from(n).unwrap_or(i64::MAX);
+            pids.set_pid_max(cgroups_rs::MaxValue::Value(n))
+                .map_err(cg_err(format!("{rel}: pids.max {n}")))?;
         }
         Ok(())
     }
@@ -463,13 +471,16 @@ mod tests {
             gpus: 1,
             ports: 0,
         };
-        let t = m.create("t-1", &rules, &res).unwrap();
+        let t = m.create("t-1", &rules, &res, Some(77)).unwrap();
         let dir = |c: &str| Path::new(ROOT).join(c).join(&parent).join("t-1");
         assert_eq!(
             read(dir("memory").join("memory.limit_in_bytes")).trim(),
             "67108864"
         );
         assert_eq!(read(dir("cpu").join("cpu.shares")).trim(), "1536");
+        if Path::new(ROOT).join("pids").is_dir() {
+            assert_eq!(read(dir("pids").join("pids.max")).trim(), "77");
+        }
         assert!(t.procs_files.iter().any(|p| p.starts_with(dir("devices"))));
         assert_eq!(t.docker_parent(), format!("/{parent}/t-1"));
         // A child in deny-by-default mode may allow its own GPU but the
@@ -529,7 +540,9 @@ mod tests {
         }
         let parent = format!("gpuctl-test-strays-{}/agent-x", std::process::id());
         let m = CgroupManager::new(Path::new(ROOT), &parent).unwrap();
-        let t = m.create("t-ended", &[], &Resources::default()).unwrap();
+        let t = m
+            .create("t-ended", &[], &Resources::default(), None)
+            .unwrap();
         let mut stray = std::process::Command::new("sleep")
             .arg("300")
             .spawn()
@@ -555,7 +568,7 @@ mod tests {
         }
         let parent = format!("gpuctl-test-stale-{}/agent-x", std::process::id());
         let m = CgroupManager::new(Path::new(ROOT), &parent).unwrap();
-        let t = m.create("t-old", &[], &Resources::default()).unwrap();
+        let t = m.create("t-old", &[], &Resources::default(), None).unwrap();
         let mut orphan = std::process::Command::new("sleep")
             .arg("300")
             .spawn()
@@ -564,7 +577,8 @@ mod tests {
             std::fs::write(f, orphan.id().to_string()).unwrap();
         }
         // A task a restarted agent reattached to keeps its cgroup.
-        m.create("t-live", &[], &Resources::default()).unwrap();
+        m.create("t-live", &[], &Resources::default(), None)
+            .unwrap();
         let keep = std::collections::BTreeSet::from(["t-live".to_string()]);
         assert_eq!(m.remove_all_except(&keep).unwrap(), 1);
         assert!(!m.exists("t-old"));

@@ -53,8 +53,13 @@ pub fn cpu_weight(cpus: f64) -> u64 {
 /// Writes the task's limits into its cgroup directory, for the controllers
 /// that are enabled there (their interface files exist): `memory.max` in
 /// bytes, `cpu.weight` (a weight, not a quota: idle CPUs stay usable, as
-/// on v1). A limit whose controller is not enabled is not set.
-pub fn write_limits(dir: &Path, resources: &Resources) -> Result<(), IsolationError> {
+/// on v1), `pids.max` (processes and threads). A limit whose controller is
+/// not enabled is not set.
+pub fn write_limits(
+    dir: &Path,
+    resources: &Resources,
+    pids_max: Option<u64>,
+) -> Result<(), IsolationError> {
     let write = |file: &str, value: String| -> Result<(), IsolationError> {
         let path = dir.join(file);
         if !path.exists() {
@@ -68,6 +73,9 @@ pub fn write_limits(dir: &Path, resources: &Resources) -> Result<(), IsolationEr
     }
     if resources.cpus > 0.0 {
         write("cpu.weight", cpu_weight(resources.cpus).to_string())?;
+    }
+    if let Some(n) = pids_max {
+        write("pids.max", n.to_string())?;
     }
     Ok(())
 }
@@ -138,6 +146,7 @@ impl CgroupV2Manager {
         task_id: &str,
         rules: &[DeviceRule],
         resources: &Resources,
+        pids_max: Option<u64>,
     ) -> Result<TaskCgroup, IsolationError> {
         gpuctl_core::convert::check_id("task_id", task_id)
             .map_err(|e| IsolationError::Config(e.to_string()))?;
@@ -148,7 +157,7 @@ impl CgroupV2Manager {
             self.remove(task_id)?;
         }
         std::fs::create_dir(&dir).map_err(io_err(&dir))?;
-        let result = write_limits(&dir, resources).and_then(|()| {
+        let result = write_limits(&dir, resources, pids_max).and_then(|()| {
             let prog = bpf_load::load(&bpf::program(rules, false))?;
             // The kernel keeps an attached program as long as the cgroup:
             // the descriptor may close, and a restarted agent finds its
@@ -264,15 +273,21 @@ mod tests {
             mem_mib: 512,
             ..Default::default()
         };
-        write_limits(d.path(), &r).unwrap();
+        write_limits(d.path(), &r, Some(100)).unwrap();
         assert_eq!(
             std::fs::read_to_string(d.path().join("memory.max")).unwrap(),
             (512u64 * 1024 * 1024).to_string()
         );
         // cpu is not enabled: nothing made up.
         assert!(!d.path().join("cpu.weight").exists());
+        assert!(!d.path().join("pids.max").exists());
         std::fs::write(d.path().join("cpu.weight"), "100\n").unwrap();
-        write_limits(d.path(), &r).unwrap();
+        std::fs::write(d.path().join("pids.max"), "max\n").unwrap();
+        write_limits(d.path(), &r, Some(100)).unwrap();
+        assert_eq!(
+            std::fs::read_to_string(d.path().join("pids.max")).unwrap(),
+            "100"
+        );
         assert_eq!(
             std::fs::read_to_string(d.path().join("cpu.weight")).unwrap(),
             "200"

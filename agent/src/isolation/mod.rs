@@ -74,6 +74,8 @@ pub struct Prepared {
 pub struct Isolator {
     dev_root: PathBuf,
     mode: Mode,
+    /// Each task's `pids.max` (processes and threads); `None`: unlimited.
+    pids_max: Option<u64>,
 }
 
 impl Isolator {
@@ -97,11 +99,32 @@ impl Isolator {
         Ok(Isolator {
             dev_root: dev_root.to_path_buf(),
             mode,
+            pids_max: None,
         })
+    }
+
+    /// Each task may have at most `n` processes and threads (its cgroup's
+    /// `pids.max`; a container's `PidsLimit`): one task cannot use up the
+    /// host's pids under the others.
+    pub fn with_pids_max(mut self, n: Option<u64>) -> Isolator {
+        self.pids_max = n;
+        self
+    }
+
+    pub fn pids_max(&self) -> Option<u64> {
+        self.pids_max
     }
 
     /// One line for the agent's start-up log.
     pub fn describe(&self) -> String {
+        let pids = match self.pids_max {
+            Some(n) => format!("; at most {n} processes and threads per task"),
+            None => "; no limit of processes per task".into(),
+        };
+        self.describe_mode() + &pids
+    }
+
+    fn describe_mode(&self) -> String {
         match &self.mode {
             Mode::V1(m) => format!(
                 "cgroup v1 device isolation under {} (dev root {})",
@@ -149,10 +172,18 @@ impl Isolator {
         }
         let devices = host.nodes_for(minors);
         let cgroup = match &self.mode {
-            Mode::V1(m) => Some(m.create(task_id, &rules::task_rules(&host, minors), resources)?),
-            Mode::V2(m) if runtime == Runtime::Process => {
-                Some(m.create(task_id, &bpf::task_rules_v2(&host, minors), resources)?)
-            }
+            Mode::V1(m) => Some(m.create(
+                task_id,
+                &rules::task_rules(&host, minors),
+                resources,
+                self.pids_max,
+            )?),
+            Mode::V2(m) if runtime == Runtime::Process => Some(m.create(
+                task_id,
+                &bpf::task_rules_v2(&host, minors),
+                resources,
+                self.pids_max,
+            )?),
             Mode::V2(_) => None,
             Mode::Unavailable(why) if !host.is_empty() => {
                 return Err(IsolationError::Unsupported(format!(

@@ -884,6 +884,8 @@ fn container_config(
         memory: (res.mem_mib > 0)
             .then(|| i64::try_from(res.mem_mib.saturating_mul(1024 * 1024)).unwrap_or(i64::MAX)),
         nano_cpus: (res.cpus > 0.0).then(|| (res.cpus * 1e9).round() as i64),
+        // The agent's task_pids_max, whichever cgroup Docker puts it in.
+        pids_limit: iso.pids_max.map(|n| i64::try_from(n).unwrap_or(i64::MAX)),
         init: Some(true),
         // The task's GPUs and the control devices, nothing else: Docker
         // creates these nodes and allows them in the container's cgroup.

@@ -109,6 +109,9 @@ pub struct TaskIsolation {
     /// The agent's device directory (`/dev`, or `--dev-root`): a host
     /// process in namespaces of its own keeps seeing it where it is.
     pub dev_root: Option<PathBuf>,
+    /// At most this many processes and threads (a container's
+    /// `PidsLimit`; a host process gets it from its cgroup).
+    pub pids_max: Option<u64>,
 }
 
 /// The host's NVIDIA driver as NVML reports it (and the agent reports it to
