@@ -260,13 +260,20 @@ fn check_env_shape(field: &str, env: &BTreeMap<String, String>) -> Result<()> {
     Ok(())
 }
 
-fn check_env_size(field: &str, env: &BTreeMap<String, String>) -> Result<()> {
-    if env.len() > MAX_ENV_VARS {
+/// Checked before the variables are sorted into a map: a request of a
+/// million variables is refused at once.
+fn check_env_count(field: &str, n: usize) -> Result<()> {
+    if n > MAX_ENV_VARS {
         return Err(ConvertError::new(
             field,
-            format!("has {} variables, at most {MAX_ENV_VARS}", env.len()),
+            format!("has {n} variables, at most {MAX_ENV_VARS}"),
         ));
     }
+    Ok(())
+}
+
+fn check_env_size(field: &str, env: &BTreeMap<String, String>) -> Result<()> {
+    check_env_count(field, env.len())?;
     let mut total = 0;
     for (k, v) in env {
         if k.len() > MAX_ENV_KEY_BYTES {
@@ -480,6 +487,7 @@ impl TryFrom<pb::JobSpec> for JobSpec {
     type Error = ConvertError;
     fn try_from(s: pb::JobSpec) -> Result<Self> {
         check_id("spec.name", &s.name)?;
+        check_env_count("spec.env", s.env.len())?;
         let env: BTreeMap<String, String> = s.env.into_iter().collect();
         check_payload("spec", &s.image, &s.command, &env)?;
         let image = (!s.image.is_empty()).then_some(s.image);
@@ -515,6 +523,13 @@ impl TryFrom<pb::JobSpec> for JobSpec {
         }
         if !s.tenant.is_empty() {
             check_id("spec.tenant", &s.tenant)?;
+        }
+        // A name may be repeated, so the count is not bounded by env's.
+        if s.secret_env.len() > MAX_ENV_VARS {
+            return Err(ConvertError::new(
+                "spec.secret_env",
+                format!("has {} names, at most {MAX_ENV_VARS}", s.secret_env.len()),
+            ));
         }
         let mut secret_env = std::collections::BTreeSet::new();
         for (i, k) in s.secret_env.into_iter().enumerate() {
@@ -1570,6 +1585,7 @@ pub fn framework_task_from_pb(field: &str, t: pb::TaskInfo) -> Result<FrameworkT
             ));
         }
     }
+    check_env_count(&format!("{field}.env"), t.env.len())?;
     let env: BTreeMap<String, String> = t.env.into_iter().collect();
     check_payload(field, &t.image, &t.command, &env)?;
     Ok(FrameworkTask {
@@ -2223,6 +2239,19 @@ mod tests {
         );
         boundary(
             &base,
+            |s| {
+                s.env = [("A".to_string(), String::new())].into();
+                s.secret_env = vec!["A".into(); MAX_ENV_VARS];
+            },
+            |s| {
+                s.env = [("A".to_string(), String::new())].into();
+                s.secret_env = vec!["A".into(); MAX_ENV_VARS + 1];
+            },
+            "spec.secret_env",
+            job,
+        );
+        boundary(
+            &base,
             |s| s.replicas = MAX_REPLICAS,
             |s| s.replicas = MAX_REPLICAS + 1,
             "spec.replicas",
@@ -2702,6 +2731,35 @@ mod tests {
         let err = check_payload("p", "", &[], &BTreeMap::new()).unwrap_err();
         assert_eq!(err.field, "p.command");
         assert!(check_payload("p", "busybox", &["true".into()], &BTreeMap::new()).is_ok());
+    }
+
+    #[test]
+    fn too_many_env_variables_are_refused_before_they_are_read() {
+        // Every name is bad and the image too: the count alone answers,
+        // before a million variables would be sorted and read.
+        let env: std::collections::HashMap<String, String> = (0..=MAX_ENV_VARS)
+            .map(|i| (format!("V={i}"), String::new()))
+            .collect();
+        let spec = pb::JobSpec {
+            name: "j".into(),
+            image: "bad image".into(),
+            command: vec!["true".into()],
+            env: env.clone(),
+            ..Default::default()
+        };
+        let err = JobSpec::try_from(spec).unwrap_err();
+        assert_eq!(err.field, "spec.env");
+        assert!(err.to_string().contains("has 1025 variables"), "{err}");
+        let task = pb::TaskInfo {
+            task_id: "t".into(),
+            agent_id: "a".into(),
+            image: "bad image".into(),
+            command: vec!["true".into()],
+            env,
+            ..Default::default()
+        };
+        let err = framework_task_from_pb("operations[0].tasks[0]", task).unwrap_err();
+        assert_eq!(err.field, "operations[0].tasks[0].env");
     }
 
     #[test]

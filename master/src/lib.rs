@@ -211,6 +211,8 @@ pub async fn serve(
         .layer(service::gate::LeaderGateLayer {
             raft: handle.clone(),
         })
+        // Each call's cap on its requests, checked at each message's prefix.
+        .layer(service::limits::RequestCapLayer)
         .add_service(service::raft_server(ctx.clone()))
         .add_service(service::operator_server(ctx.clone()))
         .add_service(service::agent_manager_server(ctx.clone()))

@@ -315,10 +315,19 @@ fn de_max_retries<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u32>, D::Err
     d.deserialize_option(OrNull(Range(0, MAX_RETRIES)))
 }
 
+/// How deep a job file may nest. Its schema needs 2 levels (its keys,
+/// then their lists and maps); the YAML reader takes time quadratic in
+/// the depth of flow collections.
+pub const MAX_DEPTH: usize = 64;
+
 /// Reads a job file's text. `origin` names it in errors (its path, or
 /// `stdin`). The message of serde_yaml_ng names the key (with its path,
-/// e.g. `env.EPOCHS`) and the line and column.
+/// e.g. `env.EPOCHS`) and the line and column. A file nested deeper than
+/// [`MAX_DEPTH`] is refused before the YAML reader sees it.
 pub fn parse(origin: &str, text: &str) -> Result<JobFile, String> {
+    super::yaml_depth::check(text, MAX_DEPTH).map_err(|e| {
+        format!("job file {origin}: {e} (a job file needs 2: its keys, then their lists and maps)")
+    })?;
     // An empty file (or one of comments only) is an empty job file, not
     // an error: every value then comes from the flags.
     if text
@@ -481,6 +490,47 @@ mod tests {
             f.constraint["nvidia.com/cuda.driver-version.major"],
             Text("12".into())
         );
+    }
+
+    #[test]
+    fn deep_files_are_refused_before_they_are_read() {
+        // 30,000 levels took the YAML reader 4 to 8 s (a debug build);
+        // refused at once, naming the file and the line.
+        let deep = [
+            format!(
+                "name: x\ncommand: {}{}\n",
+                "[".repeat(30_000),
+                "]".repeat(30_000)
+            ),
+            format!(
+                "name: x\nenv: {}b{}\n",
+                "{a: ".repeat(30_000),
+                "}".repeat(30_000)
+            ),
+            format!("name: x\ncommand:\n{}x\n", "- ".repeat(30_000)),
+        ];
+        for text in &deep {
+            let t = std::time::Instant::now();
+            let err = parse("deep.yaml", text).unwrap_err();
+            eprintln!("refused in {:?}: {err}", t.elapsed());
+            assert!(err.starts_with("job file deep.yaml: line "), "{err}");
+            assert!(err.contains("more than 64 levels"), "{err}");
+        }
+        let indented: String = (1..100).map(|i| format!("{}a:\n", " ".repeat(i))).collect();
+        let err = parse("j", &format!("env:\n{indented}")).unwrap_err();
+        assert!(err.contains("line 65:"), "{err}");
+    }
+
+    #[test]
+    fn scripts_with_brackets_are_not_deep() {
+        let f = parse(
+            "j",
+            "name: t\ncommand:\n  - sh\n  - -c\n  - |\n    if [[ -f x ]]; then\n        echo {[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[\n    fi\nenv:\n  A: echo [x\n  B: '{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{'\n",
+        )
+        .unwrap();
+        assert_eq!(f.env["A"], Text("echo [x".into()));
+        let command = f.command.unwrap_or_default();
+        assert!(command[2].0.contains("echo {[[[["), "{command:?}");
     }
 
     #[test]

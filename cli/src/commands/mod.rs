@@ -21,6 +21,7 @@ pub mod masters;
 #[cfg(test)]
 pub(crate) mod testkit;
 pub mod top;
+mod yaml_depth;
 
 /// Success; for `jobs wait`, the job SUCCEEDED.
 pub const EXIT_OK: u8 = 0;

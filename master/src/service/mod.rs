@@ -10,6 +10,7 @@ mod error;
 mod framework;
 pub mod gate;
 mod jobs_page;
+pub mod limits;
 mod masters;
 mod operator;
 mod raft;
@@ -54,39 +55,39 @@ impl Ctx {
     }
 }
 
-/// Upper bound on a gRPC message, both ways.
-const MAX_MESSAGE_BYTES: usize = 16 * 1024 * 1024;
+// Each call's own cap on its requests is enforced by `limits::RequestCapLayer`;
+// tonic's limit per service (the largest of its calls' caps) backs it up.
 
 pub fn operator_server(ctx: Ctx) -> pb::operator_server::OperatorServer<operator::OperatorService> {
     pb::operator_server::OperatorServer::new(operator::OperatorService { ctx })
-        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_decoding_message_size(limits::service_cap("gpuctl.v1.Operator"))
 }
 
 pub fn agent_manager_server(
     ctx: Ctx,
 ) -> pb::agent_manager_server::AgentManagerServer<agent::AgentManagerService> {
     pb::agent_manager_server::AgentManagerServer::new(agent::AgentManagerService { ctx })
-        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_decoding_message_size(limits::service_cap("gpuctl.v1.AgentManager"))
 }
 
 pub fn raft_server(ctx: Ctx) -> pb::raft_transport_server::RaftTransportServer<raft::RaftService> {
     pb::raft_transport_server::RaftTransportServer::new(raft::RaftService { ctx })
-        .max_decoding_message_size(crate::raft::transport::MAX_RAFT_MESSAGE_BYTES)
+        .max_decoding_message_size(limits::service_cap("gpuctl.v1.RaftTransport"))
 }
 
 pub fn identity_server(ctx: Ctx) -> pb::identity_server::IdentityServer<access::IdentityService> {
     pb::identity_server::IdentityServer::new(access::IdentityService { ctx })
-        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_decoding_message_size(limits::service_cap("gpuctl.v1.Identity"))
 }
 
 pub fn access_server(ctx: Ctx) -> pb::access_server::AccessServer<access::AccessService> {
     pb::access_server::AccessServer::new(access::AccessService { ctx })
-        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_decoding_message_size(limits::service_cap("gpuctl.v1.Access"))
 }
 
 pub fn framework_server(
     ctx: Ctx,
 ) -> pb::scheduler_server::SchedulerServer<framework::SchedulerService> {
     pb::scheduler_server::SchedulerServer::new(framework::SchedulerService { ctx })
-        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_decoding_message_size(limits::service_cap("gpuctl.v1.Scheduler"))
 }
