@@ -34,7 +34,7 @@ struct SecureHa {
 
 impl SecureHa {
     fn start() -> SecureHa {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = gpuctl_tests::test_dir();
         let pki = dir.path().join("pki");
         let addrs: Vec<(u64, String)> = (1..=3)
             .map(|id| (id, format!("127.0.0.1:{}", free_port())))
