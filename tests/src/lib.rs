@@ -152,6 +152,20 @@ pub fn docker_build(tag: &str, dockerfile: &str) {
     assert!(build.wait().unwrap().success(), "docker build of {tag}");
 }
 
+/// True when running as root (host tasks as other users need it).
+/// Otherwise prints why and returns false, or panics when
+/// `GPUCTL_REQUIRE_DOCKER=1` (CI runs everything).
+pub fn root_or_skip(test: &str) -> bool {
+    if nix::unistd::geteuid().is_root() {
+        return true;
+    }
+    if std::env::var("GPUCTL_REQUIRE_DOCKER").as_deref() == Ok("1") {
+        panic!("{test}: needs root (GPUCTL_REQUIRE_DOCKER=1)");
+    }
+    eprintln!("skipped: {test}: needs root to run tasks as other users");
+    false
+}
+
 /// Makes sure the local busybox test image exists and returns its name.
 pub fn busybox_image() -> String {
     let rt = tokio::runtime::Builder::new_current_thread()

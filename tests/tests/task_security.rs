@@ -12,23 +12,14 @@ use std::time::Duration;
 use serde_json::Value;
 
 use gpuctl_tests::Gpuctl;
-use gpuctl_tests::{busybox_image, docker_or_skip, task_containers, AgentOpts, Cluster};
+use gpuctl_tests::{
+    busybox_image, docker_or_skip, root_or_skip, task_containers, AgentOpts, Cluster,
+};
 
 /// What a task prints about itself.
 const WHO_AM_I: &str = "id -u; id -g; id -G; grep -E '^(CapEff|NoNewPrivs):' /proc/self/status; \
     if cat /etc/shadow >/dev/null 2>&1; then echo shadow-read; else echo shadow-denied; fi; \
     echo mine > file-of-mine && echo wrote-sandbox";
-
-fn root_or_skip(test: &str) -> bool {
-    if nix::unistd::geteuid().is_root() {
-        return true;
-    }
-    if std::env::var("GPUCTL_REQUIRE_DOCKER").as_deref() == Ok("1") {
-        panic!("{test}: needs root (GPUCTL_REQUIRE_DOCKER=1)");
-    }
-    eprintln!("skipped: {test}: needs root to run tasks as other users");
-    false
-}
 
 fn first_lines(out: &str, n: usize) -> Vec<&str> {
     out.lines().take(n).collect()

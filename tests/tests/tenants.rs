@@ -19,20 +19,8 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use gpuctl_tests::{tail, wait_for, SecureSingle, TASK_USERS};
+use gpuctl_tests::{root_or_skip, tail, wait_for, SecureSingle, TASK_USERS};
 use serde_json::Value;
-
-/// Host tasks as another user need the agent to run as root; CI requires it.
-fn root_or_skip(test: &str) -> bool {
-    if nix::unistd::geteuid().is_root() {
-        return true;
-    }
-    if std::env::var("GPUCTL_REQUIRE_DOCKER").as_deref() == Ok("1") {
-        panic!("{test}: needs root (GPUCTL_REQUIRE_DOCKER=1)");
-    }
-    eprintln!("skipped: {test}: needs root to run tasks as users of their own");
-    false
-}
 
 struct Tenants {
     c: SecureSingle,
