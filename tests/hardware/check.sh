@@ -327,6 +327,37 @@ if [ "$CGV" = v2 ]; then
   fi
 fi
 
+# Issue 31: one task's fork bomb stops at the agent's task_pids_max (on
+# this host's own cgroup version), counted by the kernel in pids.events.
+sec "processes per task"
+kill "$AGENT_PID"; wait "$AGENT_PID" 2>/dev/null
+start_agent --task-pids-max 40
+wait_gpus || fail pids.agent "the agent did not come back"
+sleep 2
+J=$($G jobs submit --name bomb -- python3 -c 'import os, time
+n = 0
+for i in range(300):
+    try:
+        if os.fork() == 0:
+            time.sleep(30); os._exit(0)
+        n += 1
+    except OSError:
+        pass
+print("forked", n, flush=True); time.sleep(30)')
+for _ in $(seq 30); do [ "$(state "$J")" = RUNNING ] && break; sleep 1; done
+TASK=$($G jobs get "$J" --json | python3 -c 'import json,sys;print(json.load(sys.stdin)["tasks"][0]["id"])')
+AID=$($G agents list --json | python3 -c 'import json,sys;print(json.load(sys.stdin)[0]["id"])')
+for d in /sys/fs/cgroup/gpuctl/$AID/$TASK /sys/fs/cgroup/pids/gpuctl/$AID/$TASK; do [ -e "$d/pids.max" ] && PCG=$d; done
+sleep 3
+LOG=$($G jobs logs "$J" 2>&1)
+echo "cgroup ${PCG:-none}: max $(cat "$PCG/pids.max" 2>&1) current $(cat "$PCG/pids.current" 2>&1) events $(cat "$PCG/pids.events" 2>&1); $LOG"
+check pids.max "the task's cgroup has pids.max 40 (${PCG:-no pids cgroup})" [ "$(cat "$PCG/pids.max" 2>/dev/null)" = 40 ]
+check pids.refused "the kernel refused its forks past it (pids.events)" \
+  python3 -c "import sys; sys.exit(not int(open(sys.argv[1]).read().split()[1]) > 0)" "$PCG/pids.events"
+check pids.inside "inside, fewer than 40 of 300 forks went through ($LOG)" \
+  python3 -c "import sys; sys.exit(not int(sys.argv[1].split()[1]) < 40)" "$LOG"
+$G jobs cancel "$J" >/dev/null
+
 sec logs
 tail -40 "$OUT/agent.log"; tail -20 "$OUT/master.log"
 echo

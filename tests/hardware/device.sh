@@ -24,7 +24,7 @@ start_dockerd() { # extra flags
   return 1
 }
 start_dockerd || { pkill dockerd; sleep 1; start_dockerd --storage-driver=vfs; } || echo "dockerd does not start: container checks are skipped"
-GPUCTL_BIN=/opt/gpuctl-hw/bin BUSYBOX="$D/busybox" OUT="$OUT" bash tests/hardware/check.sh
+GPUCTL_BIN=/opt/gpuctl-hw/bin BUSYBOX="$D/busybox" OUT="$OUT" bash tests/hardware/check.sh > >(tee "$OUT/check.log") 2>&1
 rc=$?
 pkill dockerd
 # Few files come back from such a machine: the summary, and the rest packed.
