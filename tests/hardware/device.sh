@@ -27,6 +27,7 @@ start_dockerd || { pkill dockerd; sleep 1; start_dockerd --storage-driver=vfs; }
 GPUCTL_BIN=/opt/gpuctl-hw/bin BUSYBOX="$D/busybox" OUT="$OUT" bash tests/hardware/check.sh > >(tee "$OUT/check.log") 2>&1
 rc=$?
 pkill dockerd
+sleep 1 # tee of check.log finishing
 # Few files come back from such a machine: the summary, and the rest packed.
 (cd "$OUT" && tar -czf /tmp/gpuctl-hw-all.tgz . && find . -type f ! -name summary.txt -delete &&
   mv /tmp/gpuctl-hw-all.tgz all.tgz)
