@@ -175,8 +175,8 @@ impl From<Option<&pb::Placement>> for PlacementJson {
 /// What a job's tasks may do (`security`).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct SecurityJson {
-    /// `UID:GID` or `UID`; `null`: the image's user, or the agent's
-    /// task_user for a host process.
+    /// `UID:GID` or `UID`; `null`: the image's user, or a user of its own
+    /// for a host process.
     pub user: Option<String>,
     pub mounts: Vec<MountJson>,
     pub run_as_root: bool,

@@ -203,8 +203,9 @@ pub struct SubmitArgs {
     #[arg(long, value_name = "R", value_parser = clap::value_parser!(u32).range(1..=i64::from(gpuctl_core::convert::MAX_REPLICAS)))]
     pub replicas: Option<u32>,
     /// Run its tasks as this numeric user: UID or UID:GID (UID alone is
-    /// UID:UID). Default: a container runs as its image's user, a host
-    /// process as its agent's task_user (nobody).
+    /// UID:UID), within what your token allows (tokens create
+    /// --allow-uids/--allow-gids). Default: a container runs as its
+    /// image's user, a host process under a user of its own.
     #[arg(long, value_name = "UID[:GID]")]
     pub user: Option<String>,
     /// Bind-mount a host path into the container (image jobs only),
