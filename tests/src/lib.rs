@@ -1498,6 +1498,68 @@ impl SecureSingle {
     }
 }
 
+/// Starts masters 1..=`n` with mutual TLS in `dir`: `gpuctl certs init`
+/// into `dir/pki` (the CA, a certificate per master, the admin's client
+/// certificate, `bootstrap.token`, `gpuctl.toml`), then each master on a
+/// free loopback port with `extra` flags. Returns the pki dir and each
+/// master's id, address and process; they are not waited for.
+pub fn start_secure_masters(
+    dir: &Path,
+    n: u64,
+    extra: &[&str],
+) -> (PathBuf, Vec<(u64, String, Daemon)>) {
+    let pki = dir.join("pki");
+    let addrs: Vec<(u64, String)> = (1..=n)
+        .map(|id| (id, format!("127.0.0.1:{}", free_port())))
+        .collect();
+    let join =
+        |f: &dyn Fn(&(u64, String)) -> String| addrs.iter().map(f).collect::<Vec<_>>().join(",");
+    let ids = join(&|(id, _)| id.to_string());
+    let all = join(&|(_, a)| a.clone());
+    let peers = join(&|(id, a)| format!("{id}={a}"));
+    let out = Command::new(bin("gpuctl"))
+        .args(["certs", "init", "--dir"])
+        .arg(&pki)
+        .args(["--masters", &ids, "--for-master", &all])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let masters = addrs
+        .into_iter()
+        .map(|(id, addr)| {
+            let mut args: Vec<String> = [
+                "--node-id",
+                &id.to_string(),
+                "--listen",
+                &addr,
+                "--peers",
+                &peers,
+                "--data-dir",
+                &dir.join(format!("m{id}")).display().to_string(),
+                "--tls-dir",
+                &pki.display().to_string(),
+            ]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+            args.extend(extra.iter().map(|s| s.to_string()));
+            let d = Daemon::spawn(
+                &format!("master{id}"),
+                &bin("gpuctl-master"),
+                &args,
+                &[],
+                dir.join(format!("master{id}.log")),
+            );
+            (id, addr, d)
+        })
+        .collect();
+    (pki, masters)
+}
+
 /// Runs `gpuctl --config CONFIG args...`, ignoring the caller's GPUCTL_*.
 pub fn secure_gpuctl(config: &Path, args: &[&str]) -> Output {
     Command::new(bin("gpuctl"))

@@ -10,7 +10,6 @@
 #![allow(clippy::unwrap_used)]
 
 use std::path::PathBuf;
-use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -18,7 +17,7 @@ use bytes::{BufMut, Bytes};
 use gpuctl_auth::tls::{ClientAuth, Tls, TlsPaths};
 use gpuctl_auth::CertRole;
 use gpuctl_proto::pb;
-use gpuctl_tests::{bin, free_port, secure_gpuctl, tail, wait_for, Daemon};
+use gpuctl_tests::{secure_gpuctl, tail, wait_for, Daemon};
 use prost::Message as _;
 use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
 use tonic::codegen::http::uri::PathAndQuery;
@@ -35,59 +34,7 @@ struct SecureHa {
 impl SecureHa {
     fn start() -> SecureHa {
         let dir = gpuctl_tests::test_dir();
-        let pki = dir.path().join("pki");
-        let addrs: Vec<(u64, String)> = (1..=3)
-            .map(|id| (id, format!("127.0.0.1:{}", free_port())))
-            .collect();
-        let all = addrs
-            .iter()
-            .map(|a| a.1.clone())
-            .collect::<Vec<_>>()
-            .join(",");
-        let out = Command::new(bin("gpuctl"))
-            .args(["certs", "init", "--dir"])
-            .arg(&pki)
-            .args(["--masters", "1,2,3", "--for-master", &all])
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let peers = addrs
-            .iter()
-            .map(|(id, a)| format!("{id}={a}"))
-            .collect::<Vec<_>>()
-            .join(",");
-        let masters = addrs
-            .into_iter()
-            .map(|(id, addr)| {
-                let args: Vec<String> = [
-                    "--node-id",
-                    &id.to_string(),
-                    "--listen",
-                    &addr,
-                    "--peers",
-                    &peers,
-                    "--data-dir",
-                    &dir.path().join(format!("m{id}")).display().to_string(),
-                    "--tls-dir",
-                    &pki.display().to_string(),
-                ]
-                .iter()
-                .map(|s| s.to_string())
-                .collect();
-                let d = Daemon::spawn(
-                    &format!("master{id}"),
-                    &bin("gpuctl-master"),
-                    &args,
-                    &[],
-                    dir.path().join(format!("master{id}.log")),
-                );
-                (id, addr, d)
-            })
-            .collect();
+        let (pki, masters) = gpuctl_tests::start_secure_masters(dir.path(), 3, &[]);
         let c = SecureHa {
             _dir: dir,
             pki,

@@ -135,26 +135,8 @@ impl Secure {
     /// Starts three masters with TLS and two agents that join with tokens.
     fn start() -> Secure {
         let dir = gpuctl_tests::test_dir();
-        let pki = dir.path().join("pki");
-        let addrs: Vec<(u64, String)> = (1..=3)
-            .map(|id| (id, format!("127.0.0.1:{}", free_port())))
-            .collect();
-        let all = addrs
-            .iter()
-            .map(|a| a.1.clone())
-            .collect::<Vec<_>>()
-            .join(",");
-        let out = Command::new(bin("gpuctl"))
-            .args(["certs", "init", "--dir"])
-            .arg(&pki)
-            .args(["--masters", "1,2,3", "--for-master", &all])
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        let (pki, masters) =
+            gpuctl_tests::start_secure_masters(dir.path(), 3, &["--agent-timeout-secs", "15"]);
         // The secrets are the owner's alone.
         for f in [
             "ca.key",
@@ -170,39 +152,10 @@ impl Secure {
                 "{f}"
             );
         }
-        let peers = addrs
-            .iter()
-            .map(|(id, a)| format!("{id}={a}"))
-            .collect::<Vec<_>>()
-            .join(",");
-        let mut masters = Vec::new();
-        for (id, addr) in &addrs {
-            let args: Vec<String> = [
-                "--node-id",
-                &id.to_string(),
-                "--listen",
-                addr,
-                "--peers",
-                &peers,
-                "--data-dir",
-                &dir.path().join(format!("m{id}")).display().to_string(),
-                "--tls-dir",
-                &pki.display().to_string(),
-                "--agent-timeout-secs",
-                "15",
-            ]
-            .iter()
-            .map(|s| s.to_string())
+        let masters = masters
+            .into_iter()
+            .map(|(id, addr, d)| (id, addr, Some(d)))
             .collect();
-            let d = Daemon::spawn(
-                &format!("master{id}"),
-                &bin("gpuctl-master"),
-                &args,
-                &[],
-                dir.path().join(format!("master{id}.log")),
-            );
-            masters.push((*id, addr.clone(), Some(d)));
-        }
         let mut c = Secure {
             dir,
             pki,
