@@ -79,6 +79,7 @@ pub async fn serve(
         config.advertise.clone(),
         addresses.clone(),
         security.as_ref().map(|s| s.tls.clone()),
+        config.election_timeout,
     ));
     let mut raft_config = raft::RaftNodeConfig::new(config.node_id);
     raft_config.tick = config.election_timeout / raft_config.election_ticks as u32;

@@ -151,6 +151,22 @@ impl Reporter {
     }
 }
 
+#[cfg(test)]
+impl Reporter {
+    /// A reporter whose reports are only counted (transport tests).
+    pub(crate) fn counting() -> (Reporter, impl FnMut() -> usize) {
+        let (tx, mut rx) = mpsc::channel(1024);
+        let mut count = 0;
+        let read = move || {
+            while rx.try_recv().is_ok() {
+                count += 1;
+            }
+            count
+        };
+        (Reporter { tx }, read)
+    }
+}
+
 /// Cheap to clone; what services use to read and change the state.
 #[derive(Clone)]
 pub struct RaftHandle {
@@ -281,6 +297,8 @@ struct Node {
     snapshot_job: Option<SnapshotJob>,
     /// While leader: the index of the first entry of its term.
     lead_start: Option<u64>,
+    /// The role and term last published (changes are logged).
+    role_term: (Role, u64),
     transport: Arc<dyn Transport>,
     reporter: Reporter,
     addresses: Addresses,
@@ -393,6 +411,7 @@ pub fn start(
         snapshot_due: false,
         snapshot_job: None,
         lead_start: None,
+        role_term: (Role::Follower, 0),
         transport,
         reporter: Reporter { tx },
         addresses,
@@ -585,6 +604,11 @@ impl Node {
             Role::Leader => Some(self.lead_start.unwrap_or_else(|| r.raft_log.last_index())),
             _ => None,
         };
+        if self.role_term != (role, r.term) {
+            // Elections are rare and each one pauses writes: worth a line.
+            tracing::info!(%role, term = r.term, leader = r.leader_id, "raft role changed");
+            self.role_term = (role, r.term);
+        }
         let serving = self
             .lead_start
             .is_some_and(|start| r.raft_log.applied >= start);

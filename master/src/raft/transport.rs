@@ -6,7 +6,7 @@
 //! call drops messages, which Raft resends; the node is told a peer is
 //! unreachable, or that a snapshot failed, so it can retry sooner.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -17,7 +17,7 @@ use gpuctl_proto::pb::raft_transport_client::RaftTransportClient;
 use protobuf::Message as _;
 use raft::eraftpb::{Message, MessageType};
 use tokio::sync::mpsc;
-use tonic::transport::Endpoint;
+use tonic::transport::{Channel, Endpoint};
 
 use super::node::Reporter;
 use super::Addresses;
@@ -34,10 +34,56 @@ const PEER_QUEUE: usize = 4096;
 const BATCH: usize = 256;
 /// Largest raft call (a snapshot is one message).
 pub const MAX_RAFT_MESSAGE_BYTES: usize = 1024 * 1024 * 1024;
-const CALL_TIMEOUT: Duration = Duration::from_secs(10);
-const CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
+/// Connections (lanes) to one peer at most, each with one call in flight.
+/// A lost packet stalls one TCP connection until it is retransmitted (a
+/// round trip or more, doubling with each loss); the next messages go out
+/// on another lane meanwhile. A fast link needs one: a lane is opened only
+/// when every open one is busy.
+pub const MAX_LANES: usize = 8;
 /// Failures to reach a peer are logged at most this often.
 const WARN_EVERY: Duration = Duration::from_secs(10);
+/// A round trip warned about at most this often per peer.
+const RTT_WARN_EVERY: Duration = Duration::from_secs(60);
+
+/// The transport's timeouts, all derived from the election timeout, so
+/// that a cluster set for a slow link (`--election-timeout-ms`) gets a
+/// transport that waits as long.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TransportTimeouts {
+    pub election: Duration,
+    /// Connecting to a peer: two election timeouts (at least 1 s), so
+    /// that a lost SYN, retransmitted after 1 s, still connects.
+    pub connect: Duration,
+    /// One call of ordinary messages: ten election timeouts (at least
+    /// 5 s). A call stuck longer holds a lane whose connection is dead.
+    pub call: Duration,
+    /// One call carrying a snapshot (up to 1 GiB): at least 5 minutes.
+    pub snapshot_call: Duration,
+    /// HTTP/2 pings on an idle connection, and how long one may go
+    /// unanswered before the connection is dropped (lanes reconnect).
+    pub keep_alive_interval: Duration,
+    pub keep_alive_timeout: Duration,
+}
+
+impl TransportTimeouts {
+    pub fn from_election(election: Duration) -> TransportTimeouts {
+        TransportTimeouts {
+            election,
+            connect: (election * 2).max(Duration::from_secs(1)),
+            call: (election * 10).max(Duration::from_secs(5)),
+            snapshot_call: (election * 100).max(Duration::from_secs(300)),
+            keep_alive_interval: election.max(Duration::from_millis(500)),
+            keep_alive_timeout: (election * 5).max(Duration::from_secs(3)),
+        }
+    }
+
+    /// A smoothed round trip this large or larger makes elections likely
+    /// on a link that also loses packets: heartbeats go out every tenth of
+    /// an election timeout, and a retransmission takes a round trip or two.
+    pub fn rtt_warning(&self) -> Duration {
+        self.election / 5
+    }
+}
 
 struct Peer {
     addr: String,
@@ -52,6 +98,9 @@ pub struct GrpcTransport {
     peers: Mutex<HashMap<u64, Peer>>,
     /// This master's TLS (its master certificate) when TLS is on.
     tls: Option<Arc<Tls>>,
+    timeouts: TransportTimeouts,
+    /// Smoothed round trip to each peer, for status and metrics.
+    rtts: Arc<Mutex<BTreeMap<u64, Duration>>>,
 }
 
 impl GrpcTransport {
@@ -60,6 +109,7 @@ impl GrpcTransport {
         address: String,
         addresses: Addresses,
         tls: Option<Arc<Tls>>,
+        election_timeout: Duration,
     ) -> GrpcTransport {
         GrpcTransport {
             id,
@@ -67,21 +117,40 @@ impl GrpcTransport {
             addresses,
             peers: Mutex::new(HashMap::new()),
             tls,
+            timeouts: TransportTimeouts::from_election(election_timeout),
+            rtts: Arc::default(),
         }
+    }
+
+    /// The smoothed round trip of Raft calls to each peer heard from.
+    pub fn round_trips(&self) -> RoundTrips {
+        RoundTrips(self.rtts.clone())
     }
 
     fn spawn_peer(&self, to: u64, addr: String, reporter: Reporter) -> Peer {
         let (tx, rx) = mpsc::channel(PEER_QUEUE);
-        tokio::spawn(peer_loop(
-            self.id,
-            self.address.clone(),
+        let link = PeerLink {
+            from: self.id,
+            from_address: self.address.clone(),
             to,
-            addr.clone(),
-            rx,
+            addr: addr.clone(),
             reporter,
-            self.tls.clone(),
-        ));
+            tls: self.tls.clone(),
+            timeouts: self.timeouts,
+            rtts: self.rtts.clone(),
+        };
+        tokio::spawn(link.run(rx));
         Peer { addr, tx }
+    }
+}
+
+/// A shared view of the transport's round trips, by peer id.
+#[derive(Clone, Default)]
+pub struct RoundTrips(Arc<Mutex<BTreeMap<u64, Duration>>>);
+
+impl RoundTrips {
+    pub fn get(&self) -> BTreeMap<u64, Duration> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 }
 
@@ -111,92 +180,380 @@ impl Transport for GrpcTransport {
     }
 }
 
-async fn peer_loop(
+/// One peer's sending side: its queue, its lanes, its round trip.
+struct PeerLink {
     from: u64,
     from_address: String,
     to: u64,
     addr: String,
-    mut rx: mpsc::Receiver<Message>,
     reporter: Reporter,
     tls: Option<Arc<Tls>>,
-) {
-    let endpoint = match Endpoint::from_shared(format!("http://{addr}")) {
-        Ok(e) => e,
-        Err(e) => {
-            tracing::warn!(to, addr = %addr, error = %e, "bad raft peer address");
-            return;
+    timeouts: TransportTimeouts,
+    rtts: Arc<Mutex<BTreeMap<u64, Duration>>>,
+}
+
+/// One connection to the peer, with at most one call in flight.
+struct Lane {
+    client: RaftTransportClient<Channel>,
+    /// The certificate expiry the connection was made with.
+    cert: u64,
+    busy: bool,
+}
+
+/// A batch, and when its oldest message was queued.
+struct Batch {
+    messages: Vec<Message>,
+    queued: Instant,
+}
+
+/// How a call ended.
+enum CallEnd {
+    Delivered(Duration),
+    /// Failed before a byte left: the batch may go again.
+    NeverSent(tonic::Status),
+    Failed(tonic::Status),
+}
+
+impl PeerLink {
+    async fn run(self, mut rx: mpsc::Receiver<Message>) {
+        let endpoint = match Endpoint::from_shared(format!("http://{}", self.addr)) {
+            Ok(e) => e,
+            Err(e) => {
+                tracing::warn!(to = self.to, addr = %self.addr, error = %e, "bad raft peer address");
+                return;
+            }
+        };
+        let t = self.timeouts;
+        let endpoint = endpoint
+            .connect_timeout(t.connect)
+            .tcp_nodelay(true)
+            .http2_keep_alive_interval(t.keep_alive_interval)
+            .keep_alive_timeout(t.keep_alive_timeout)
+            .keep_alive_while_idle(true);
+        let mut lanes: Vec<Lane> = Vec::new();
+        let (done_tx, mut done_rx) = mpsc::unbounded_channel::<(usize, Batch, CallEnd)>();
+        // A batch that failed before it was sent goes first next time.
+        let mut retry: Option<Batch> = None;
+        let mut last_ok = Instant::now();
+        let mut last_warn: Option<Instant> = None;
+        let mut last_rtt_warn: Option<Instant> = None;
+        let mut srtt: Option<Duration> = None;
+        let mut open = true;
+        loop {
+            let free = lanes.iter().position(|l| !l.busy);
+            let can_send = free.is_some() || lanes.len() < MAX_LANES;
+            tokio::select! {
+                first = rx.recv(), if open && can_send && retry.is_none() => {
+                    let Some(first) = first else {
+                        open = false;
+                        continue;
+                    };
+                    let mut messages = vec![first];
+                    while messages.len() < BATCH {
+                        match rx.try_recv() {
+                            Ok(m) => messages.push(m),
+                            Err(_) => break,
+                        }
+                    }
+                    let batch = Batch { messages, queued: Instant::now() };
+                    let lane = self.lane(&mut lanes, free, &endpoint);
+                    self.send(&mut lanes[lane], lane, batch, done_tx.clone());
+                }
+                _ = std::future::ready(()), if can_send && retry.is_some() => {
+                    if let Some(batch) = retry.take() {
+                        let lane = self.lane(&mut lanes, free, &endpoint);
+                        self.send(&mut lanes[lane], lane, batch, done_tx.clone());
+                    }
+                }
+                done = done_rx.recv() => {
+                    let Some((lane, batch, sent)) = done else { break };
+                    if let Some(l) = lanes.get_mut(lane) {
+                        l.busy = false;
+                    }
+                    let snapshots = batch
+                        .messages
+                        .iter()
+                        .filter(|m| m.get_msg_type() == MessageType::MsgSnapshot)
+                        .count();
+                    match sent {
+                        CallEnd::Delivered(rtt) => {
+                            last_ok = Instant::now();
+                            for _ in 0..snapshots {
+                                self.reporter.snapshot(self.to, true);
+                            }
+                            if last_warn.take().is_some() {
+                                tracing::info!(to = self.to, addr = %self.addr, "raft peer reachable again");
+                            }
+                            // Snapshots take as long as their size, not the link.
+                            if snapshots == 0 {
+                                let s = smooth(srtt, rtt);
+                                srtt = Some(s);
+                                self.rtts
+                                    .lock()
+                                    .unwrap_or_else(|p| p.into_inner())
+                                    .insert(self.to, s);
+                                if s >= t.rtt_warning()
+                                    && last_rtt_warn.is_none_or(|w| w.elapsed() >= RTT_WARN_EVERY)
+                                {
+                                    last_rtt_warn = Some(Instant::now());
+                                    tracing::warn!(
+                                        to = self.to,
+                                        addr = %self.addr,
+                                        round_trip_ms = s.as_millis() as u64,
+                                        election_timeout_ms = t.election.as_millis() as u64,
+                                        suggested_election_timeout_ms = (s * 10).as_millis() as u64,
+                                        "the round trip to this raft peer is a fifth of the election timeout or more: \
+                                         a lossy link will cause elections; set --election-timeout-ms to ten round trips \
+                                         or more on every master (docs/deployment.md)"
+                                    );
+                                }
+                            }
+                        }
+                        CallEnd::NeverSent(status) if snapshots == 0 && batch.queued.elapsed() < t.election => {
+                            // Never sent (no connection yet): keep it
+                            // rather than lose a round of heartbeats and
+                            // appends; stale after an election timeout,
+                            // when Raft has sent newer ones.
+                            self.failed(&status, snapshots, last_ok, &mut last_warn);
+                            retry = Some(batch);
+                            // Do not spin on a peer that refuses: the
+                            // next try waits for the connect timeout or
+                            // for new messages.
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                        }
+                        CallEnd::NeverSent(status) | CallEnd::Failed(status) => {
+                            self.failed(&status, snapshots, last_ok, &mut last_warn);
+                        }
+                    }
+                }
+            }
         }
-    };
-    let endpoint = endpoint
-        .connect_timeout(CONNECT_TIMEOUT)
-        .timeout(CALL_TIMEOUT)
-        .tcp_nodelay(true)
-        .http2_keep_alive_interval(Duration::from_secs(1))
-        .keep_alive_timeout(Duration::from_secs(3));
-    // The peer must hold a master certificate (checked by the connector).
-    let connect = || {
-        RaftTransportClient::new(gpuctl_auth::tls::channel(
-            &endpoint,
-            tls.as_ref(),
+    }
+
+    /// The lane to send on: `free`, or a new one.
+    fn lane(&self, lanes: &mut Vec<Lane>, free: Option<usize>, endpoint: &Endpoint) -> usize {
+        if let Some(i) = free {
+            // A rotated certificate needs a new connection: peers refuse
+            // calls on one whose certificate expired.
+            if lanes[i].cert != self.cert() {
+                lanes[i] = self.connect(endpoint);
+            }
+            return i;
+        }
+        lanes.push(self.connect(endpoint));
+        lanes.len() - 1
+    }
+
+    fn cert(&self) -> u64 {
+        self.tls
+            .as_ref()
+            .and_then(|t| t.identity())
+            .map_or(0, |i| i.not_after_ms)
+    }
+
+    fn connect(&self, endpoint: &Endpoint) -> Lane {
+        // The peer must hold a master certificate (checked by the connector).
+        let client = RaftTransportClient::new(gpuctl_auth::tls::channel(
+            endpoint,
+            self.tls.as_ref(),
             CertRole::Master,
         ))
         .max_encoding_message_size(MAX_RAFT_MESSAGE_BYTES)
-        .max_decoding_message_size(MAX_RAFT_MESSAGE_BYTES)
-    };
-    // A rotated certificate needs a new connection: peers refuse calls on
-    // one whose certificate expired.
-    let cert_of = || {
-        tls.as_ref()
-            .and_then(|t| t.identity())
-            .map_or(0, |i| i.not_after_ms)
-    };
-    let mut client = connect();
-    let mut cert = cert_of();
-    let mut last_warn: Option<Instant> = None;
-    while let Some(first) = rx.recv().await {
-        let mut batch = vec![first];
-        while batch.len() < BATCH {
-            match rx.try_recv() {
-                Ok(m) => batch.push(m),
-                Err(_) => break,
-            }
+        .max_decoding_message_size(MAX_RAFT_MESSAGE_BYTES);
+        Lane {
+            client,
+            cert: self.cert(),
+            busy: false,
         }
-        let snapshots = batch
-            .iter()
-            .filter(|m| m.get_msg_type() == MessageType::MsgSnapshot)
-            .count();
-        let mut messages = Vec::with_capacity(batch.len());
-        for m in &batch {
+    }
+
+    fn send(
+        &self,
+        lane: &mut Lane,
+        index: usize,
+        batch: Batch,
+        done: mpsc::UnboundedSender<(usize, Batch, CallEnd)>,
+    ) {
+        lane.busy = true;
+        let mut messages = Vec::with_capacity(batch.messages.len());
+        let mut snapshot = false;
+        for m in &batch.messages {
+            snapshot |= m.get_msg_type() == MessageType::MsgSnapshot;
             match m.write_to_bytes() {
                 Ok(b) => messages.push(b),
-                Err(e) => tracing::error!(to, error = %e, "cannot encode raft message"),
+                Err(e) => tracing::error!(to = self.to, error = %e, "cannot encode raft message"),
             }
-        }
-        if cert_of() != cert {
-            client = connect();
-            cert = cert_of();
         }
         let req = pb::StepRequest {
-            from,
-            from_address: from_address.clone(),
+            from: self.from,
+            from_address: self.from_address.clone(),
             messages,
         };
-        match client.step(req).await {
-            Ok(_) => {
-                for _ in 0..snapshots {
-                    reporter.snapshot(to, true);
+        let limit = if snapshot {
+            self.timeouts.snapshot_call
+        } else {
+            self.timeouts.call
+        };
+        let mut client = lane.client.clone();
+        tokio::spawn(async move {
+            let started = Instant::now();
+            let sent = match tokio::time::timeout(limit, client.step(req)).await {
+                Ok(Ok(_)) => CallEnd::Delivered(started.elapsed()),
+                Ok(Err(s)) if gpuctl_proto::leader::never_sent(&s) => CallEnd::NeverSent(s),
+                Ok(Err(s)) => CallEnd::Failed(s),
+                Err(_) => CallEnd::Failed(tonic::Status::deadline_exceeded(format!(
+                    "no answer within {} ms",
+                    limit.as_millis()
+                ))),
+            };
+            let _ = done.send((index, batch, sent));
+        });
+    }
+
+    /// Tells the node the peer is unreachable once nothing got through
+    /// for an election timeout (one lane failing while others deliver is
+    /// no reason to slow replication down), or a snapshot was lost.
+    fn failed(
+        &self,
+        status: &tonic::Status,
+        snapshots: usize,
+        last_ok: Instant,
+        last_warn: &mut Option<Instant>,
+    ) {
+        if snapshots > 0 || last_ok.elapsed() >= self.timeouts.election {
+            self.reporter.unreachable(self.to, snapshots > 0);
+        }
+        if last_warn.is_none_or(|t| t.elapsed() >= WARN_EVERY) {
+            tracing::warn!(to = self.to, addr = %self.addr, error = %status.message(), "cannot reach raft peer");
+            *last_warn = Some(Instant::now());
+        }
+    }
+}
+
+/// The smoothed round trip: TCP's estimator (RFC 6298), 7/8 old, 1/8 new.
+fn smooth(old: Option<Duration>, sample: Duration) -> Duration {
+    match old {
+        None => sample,
+        Some(o) => (o * 7 + sample) / 8,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timeouts_follow_the_election_timeout() {
+        let t = TransportTimeouts::from_election(Duration::from_secs(1));
+        assert_eq!(t.connect, Duration::from_secs(2));
+        assert_eq!(t.call, Duration::from_secs(10));
+        assert_eq!(t.keep_alive_timeout, Duration::from_secs(5));
+        assert_eq!(t.rtt_warning(), Duration::from_millis(200));
+        let slow = TransportTimeouts::from_election(Duration::from_secs(4));
+        assert_eq!(slow.connect, Duration::from_secs(8));
+        assert_eq!(slow.call, Duration::from_secs(40));
+        assert_eq!(slow.keep_alive_timeout, Duration::from_secs(20));
+        assert_eq!(slow.rtt_warning(), Duration::from_millis(800));
+        // Short election timeouts (tests) keep sane floors.
+        let fast = TransportTimeouts::from_election(Duration::from_millis(100));
+        assert_eq!(fast.connect, Duration::from_secs(1));
+        assert_eq!(fast.call, Duration::from_secs(5));
+        assert_eq!(fast.keep_alive_timeout, Duration::from_secs(3));
+    }
+
+    /// A peer whose first call hangs (a TCP connection stalled by a lost
+    /// packet): what is sent after it still arrives, on another lane.
+    #[tokio::test]
+    async fn a_stalled_call_does_not_hold_up_the_next_messages() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+
+        #[derive(Clone, Default)]
+        struct Peer {
+            calls: Arc<AtomicUsize>,
+            got: Arc<Mutex<Vec<u64>>>,
+        }
+        #[tonic::async_trait]
+        impl pb::raft_transport_server::RaftTransport for Peer {
+            async fn step(
+                &self,
+                req: tonic::Request<pb::StepRequest>,
+            ) -> Result<tonic::Response<pb::StepResponse>, tonic::Status> {
+                if self.calls.fetch_add(1, Ordering::SeqCst) == 0 {
+                    tokio::time::sleep(Duration::from_secs(3600)).await;
                 }
-                if last_warn.take().is_some() {
-                    tracing::info!(to, addr = %addr, "raft peer reachable again");
+                for b in req.into_inner().messages {
+                    let m = Message::parse_from_bytes(&b).unwrap();
+                    self.got.lock().unwrap().push(m.index);
                 }
+                Ok(tonic::Response::new(pb::StepResponse {}))
             }
-            Err(status) => {
-                reporter.unreachable(to, snapshots > 0);
-                if last_warn.is_none_or(|t| t.elapsed() >= WARN_EVERY) {
-                    tracing::warn!(to, addr = %addr, error = %status.message(), "cannot reach raft peer");
-                    last_warn = Some(Instant::now());
-                }
+            async fn status(
+                &self,
+                _: tonic::Request<pb::StatusRequest>,
+            ) -> Result<tonic::Response<pb::MasterInfo>, tonic::Status> {
+                Ok(tonic::Response::new(pb::MasterInfo::default()))
             }
         }
+
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let peer = Peer::default();
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(pb::raft_transport_server::RaftTransportServer::new(
+                    peer.clone(),
+                ))
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+        );
+        let addresses = Addresses::default();
+        addresses.set(2, &addr);
+        let t = GrpcTransport::new(1, "me".into(), addresses, None, Duration::from_secs(1));
+        let (reporter, mut reports) = Reporter::counting();
+        let msg = |index| Message {
+            to: 2,
+            index,
+            ..Default::default()
+        };
+        t.send(vec![msg(1)], &reporter);
+        let stuck = tokio::time::timeout(Duration::from_secs(10), async {
+            while peer.calls.load(Ordering::SeqCst) == 0 {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await;
+        assert!(stuck.is_ok(), "the first call never arrived");
+        // Sent one by one, each while the lanes before it are busy or free.
+        for i in 2..=4 {
+            t.send(vec![msg(i)], &reporter);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let arrived = tokio::time::timeout(Duration::from_secs(10), async {
+            loop {
+                if peer.got.lock().unwrap().len() >= 3 {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await;
+        assert!(
+            arrived.is_ok(),
+            "messages behind the stalled call did not arrive: {:?}",
+            peer.got.lock().unwrap()
+        );
+        let mut got = peer.got.lock().unwrap().clone();
+        got.sort_unstable();
+        assert_eq!(got, vec![2, 3, 4]);
+        // One stalled lane while the others deliver: not unreachable.
+        assert_eq!(reports(), 0);
+        assert!(t.round_trips().get().contains_key(&2));
+    }
+
+    #[test]
+    fn round_trips_are_smoothed() {
+        let ms = Duration::from_millis;
+        assert_eq!(smooth(None, ms(400)), ms(400));
+        assert_eq!(smooth(Some(ms(400)), ms(1200)), ms(500));
+        assert_eq!(smooth(Some(ms(800)), ms(0)), ms(700));
     }
 }
