@@ -308,9 +308,19 @@ async fn session(
     };
     req.running_task_ids.sort();
     let sent_ms = crate::checkpoint::wall_ms();
-    let resp = match client.register(req).await {
-        Ok(r) => r.into_inner(),
-        Err(s) => return SessionError::rpc(&addr, "register", s, false),
+    // Registering needs a commit, which a new leader over a slow link
+    // between masters may take long to make; meanwhile heartbeats that a
+    // leader answers keep the fence from falling.
+    // The first before registering: a leader still catching up refuses
+    // the registration at once, and answers this.
+    contact_once(&mut client, &info.id, &health, executor).await;
+    let keeping = keep_contact(client.clone(), &info.id, health.clone(), executor);
+    let resp = tokio::select! {
+        r = client.register(req) => match r {
+            Ok(r) => r.into_inner(),
+            Err(s) => return SessionError::rpc(&addr, "register", s, false),
+        },
+        never = keeping => match never {},
     };
     // 0 from a master that does not fence.
     let fence_timeout_ms = resp.fence_timeout_ms;
@@ -377,6 +387,9 @@ async fn session(
                 let sent_ms = crate::checkpoint::wall_ms();
                 refresh(masters, &addr, &mut client);
                 if let Err(s) = client.heartbeat(req).await {
+                    if gpuctl_proto::leader::heard(&s) {
+                        executor.record_contact(contact(sent_ms));
+                    }
                     return SessionError::rpc(&addr, "heartbeat", s, true);
                 }
                 executor.record_contact(contact(sent_ms));
@@ -390,11 +403,62 @@ async fn session(
                 let sent_ms = crate::checkpoint::wall_ms();
                 refresh(masters, &addr, &mut client);
                 if let Err(s) = client.heartbeat(req).await {
+                    if gpuctl_proto::leader::heard(&s) {
+                        executor.record_contact(contact(sent_ms));
+                    }
                     return SessionError::rpc(&addr, "heartbeat", s, true);
                 }
                 executor.record_contact(contact(sent_ms));
             }
         }
+    }
+}
+
+/// How often heartbeats keep the fence's clock while a registration waits.
+const CONTACT_EVERY: Duration = Duration::from_secs(1);
+
+/// Heartbeats `client`'s master every [`CONTACT_EVERY`] (see
+/// [`contact_once`]). Never returns; dropped when the registration ends.
+async fn keep_contact(
+    mut client: AgentManagerClient<Channel>,
+    agent_id: &str,
+    health: watch::Receiver<Snapshot>,
+    executor: &Arc<Executor>,
+) -> std::convert::Infallible {
+    loop {
+        tokio::time::sleep(CONTACT_EVERY).await;
+        contact_once(&mut client, agent_id, &health, executor).await;
+    }
+}
+
+/// One heartbeat sent to keep the fence's clock, recording the contact
+/// when a leader heard it: it answered, or refused with `gpuctl-heard`
+/// (the agent must register again, but the leader's clock for it
+/// restarted). Only a leader restarts that clock, serving or not; a
+/// follower's answer does not count, since a leader this agent cannot
+/// reach may be counting its silence. Nothing for an agent without a
+/// fence yet (never registered, or `fence_timeout` 0).
+async fn contact_once(
+    client: &mut AgentManagerClient<Channel>,
+    agent_id: &str,
+    health: &watch::Receiver<Snapshot>,
+    executor: &Arc<Executor>,
+) {
+    let fence_timeout_ms = executor.fence_timeout_ms();
+    if fence_timeout_ms == 0 {
+        return;
+    }
+    let req = heartbeat_request(agent_id, &health.borrow(), executor);
+    let sent_ms = crate::checkpoint::wall_ms();
+    let heard = match client.heartbeat(req).await {
+        Ok(_) => true,
+        Err(s) => gpuctl_proto::leader::heard(&s),
+    };
+    if heard {
+        executor.record_contact(crate::checkpoint::Contact {
+            last_contact_ms: sent_ms,
+            fence_timeout_ms,
+        });
     }
 }
 

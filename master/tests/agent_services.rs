@@ -224,10 +224,76 @@ async fn heartbeats_carry_runtime_health_and_an_unreachable_agent_must_register_
         .unwrap_err();
     assert_eq!(err.code(), tonic::Code::NotFound);
     assert!(err.message().contains("unreachable"), "{}", err.message());
+    // The leader heard it all the same: the agent's fence counts from it.
+    assert!(gpuctl_proto::leader::heard(&err));
+    // An agent the master never registered was not heard of.
+    let err = agents
+        .heartbeat(pb::HeartbeatRequest {
+            agent_id: "nobody".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::NotFound);
+    assert!(!gpuctl_proto::leader::heard(&err));
     agents.register(register("a1", 1_000)).await.unwrap();
     let a = m.agent("a1").await;
     assert_eq!(a.state, pb::AgentState::AgentActive as i32);
     assert_eq!(a.unreachable_since_ms, 0);
+    m.stop().await;
+}
+
+/// Issue 32: an UNREACHABLE agent whose heartbeats the leader hears (while
+/// it cannot register again, e.g. the masters are slow to commit) is not
+/// declared LOST: its fence counts from those answers, so the lost timeout
+/// must too.
+#[tokio::test]
+async fn an_unreachable_agent_that_keeps_heartbeating_is_not_declared_lost() {
+    let m = Master::start(|c| {
+        c.agent_timeout = Duration::from_millis(500);
+        c.agent_fence_timeout = Duration::from_secs(1);
+        c.agent_lost_timeout = Duration::from_secs(8);
+    })
+    .await;
+    let mut agents = m.agents().await;
+    agents.register(register("a1", 1_000)).await.unwrap();
+    let mut unreachable = false;
+    for _ in 0..100 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        if m.agent("a1").await.state == pb::AgentState::AgentUnreachable as i32 {
+            unreachable = true;
+            break;
+        }
+    }
+    assert!(unreachable, "agent a1 never became UNREACHABLE");
+    // Past the lost timeout, heartbeating (each refused: it must register).
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    while std::time::Instant::now() < until {
+        let err = agents
+            .heartbeat(pb::HeartbeatRequest {
+                agent_id: "a1".into(),
+                ..Default::default()
+            })
+            .await
+            .unwrap_err();
+        assert!(gpuctl_proto::leader::heard(&err), "{err:?}");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    assert_eq!(
+        m.agent("a1").await.state,
+        pb::AgentState::AgentUnreachable as i32,
+        "declared lost while heard"
+    );
+    // Silent now: lost after the timeout, as before.
+    let mut lost = false;
+    for _ in 0..150 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        if m.agent("a1").await.state == pb::AgentState::AgentLost as i32 {
+            lost = true;
+            break;
+        }
+    }
+    assert!(lost, "a silent agent was never declared lost");
     m.stop().await;
 }
 

@@ -18,6 +18,23 @@ pub const LEADER_METADATA: &str = "gpuctl-leader";
 /// anything, so sending it again (submit included) cannot apply it twice.
 pub const NOT_PROPOSED_METADATA: &str = "gpuctl-not-proposed";
 
+/// Metadata key on a heartbeat's answer, success or refusal, when a leader
+/// heard it and restarted its clock for the agent: the agent's fence may
+/// count from it (see `gpuctl-agent`'s master link).
+pub const HEARD_METADATA: &str = "gpuctl-heard";
+
+/// Marks a heartbeat's refusal as heard by the leader.
+pub fn mark_heard(mut s: Status) -> Status {
+    s.metadata_mut()
+        .insert(HEARD_METADATA, MetadataValue::from_static("1"));
+    s
+}
+
+/// Whether a leader heard the heartbeat this refusal answers.
+pub fn heard(status: &Status) -> bool {
+    status.metadata().get(HEARD_METADATA).is_some()
+}
+
 fn mark_not_proposed(mut s: Status) -> Status {
     s.metadata_mut()
         .insert(NOT_PROPOSED_METADATA, MetadataValue::from_static("1"));

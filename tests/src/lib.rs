@@ -366,7 +366,7 @@ impl Drop for Daemon {
     }
 }
 
-type Env = Vec<(String, String)>;
+pub type Env = Vec<(String, String)>;
 
 /// A master, and agents added to it, in one temp dir.
 pub struct Cluster {
@@ -954,7 +954,7 @@ impl Gpuctl for HaCluster {
 }
 
 /// How an agent of a test cluster was started: its arguments and environment.
-type AgentArgs = (Vec<String>, Env);
+pub type AgentArgs = (Vec<String>, Env);
 
 /// Where agent `n` of a test cluster in `dir` writes its CDI spec: a
 /// directory of its own, never the host's /var/run/cdi (agents of parallel
@@ -966,6 +966,13 @@ pub fn agent_cdi_dir(dir: &Path, n: usize) -> PathBuf {
 /// Starts agent `n` of a test cluster (work dir and log under `dir`),
 /// talking to `masters`.
 fn spawn_agent(dir: &Path, n: usize, masters: &str, opts: AgentOpts) -> (Daemon, AgentArgs) {
+    let started = agent_args(dir, n, masters, opts);
+    (respawn_agent(dir, n, &started), started)
+}
+
+/// The arguments and environment of test agent `n` (work dir
+/// `dir/agent{n}`), for fixtures that start it their own way.
+pub fn agent_args(dir: &Path, n: usize, masters: &str, opts: AgentOpts) -> AgentArgs {
     let work = dir.join(format!("agent{n}"));
     let mut args = vec![
         "--master".to_string(),
@@ -995,8 +1002,7 @@ fn spawn_agent(dir: &Path, n: usize, masters: &str, opts: AgentOpts) -> (Daemon,
         args.push(agent_cdi_dir(dir, n).display().to_string());
     }
     args.extend(opts.extra);
-    let started = (args, opts.env);
-    (respawn_agent(dir, n, &started), started)
+    (args, opts.env)
 }
 
 /// Starts agent `n` again with the arguments it was first started with.

@@ -11,7 +11,8 @@
 //! 400 ms round trip.
 //!
 //! Needs root (`root_or_skip`). Programs run in a host with
-//! [`NetLab::spawn`] (a [`Daemon`]) or [`NetLab::command`].
+//! [`NetLab::spawn`] (a [`Daemon`]) or [`NetLab::command`], in the host's
+//! network namespace only (same mounts, cgroups and processes).
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -104,12 +105,18 @@ impl NetLab {
         format!("10.99.0.{}", self.index(host) + 1)
     }
 
-    /// `program` to be run in `host` (`ip netns exec`, which execs it: the
-    /// child's pid is the program's, so signals reach it).
+    /// `program` to be run in `host`: `nsenter --net`, which execs it (the
+    /// child's pid is the program's, so signals reach it) and, unlike `ip
+    /// netns exec`, leaves the mounts alone (that one remounts /sys, and
+    /// the cgroup hierarchies under it with it).
     pub fn command(&self, host: &str, program: &Path) -> Command {
-        let mut c = Command::new("ip");
-        c.args(["netns", "exec", &self.ns(host)]).arg(program);
+        let mut c = Command::new("nsenter");
+        c.arg(self.net_arg(host)).arg(program);
         c
+    }
+
+    fn net_arg(&self, host: &str) -> String {
+        format!("--net=/var/run/netns/{}", self.ns(host))
     }
 
     /// Runs `program args` in `host` and waits for it.
@@ -130,14 +137,9 @@ impl NetLab {
         env: &[(String, String)],
         log: PathBuf,
     ) -> Daemon {
-        let mut all = vec![
-            "netns".to_string(),
-            "exec".into(),
-            self.ns(host),
-            program.display().to_string(),
-        ];
+        let mut all = vec![self.net_arg(host), program.display().to_string()];
         all.extend(args.iter().cloned());
-        Daemon::spawn(name, Path::new("/usr/sbin/ip"), &all, env, log)
+        Daemon::spawn(name, Path::new("/usr/bin/nsenter"), &all, env, log)
     }
 
     fn iptables(&self, host: &str, rule: &[&str]) {

@@ -439,7 +439,7 @@ impl Executor {
     }
 
     /// The fence timeout the master asked for, as last recorded.
-    fn fence_timeout_ms(&self) -> u64 {
+    pub(crate) fn fence_timeout_ms(&self) -> u64 {
         self.lock().contact.map_or(0, |c| c.fence_timeout_ms)
     }
 

@@ -62,6 +62,24 @@ fn agent_known(ctx: &Ctx, agent_id: &str) -> Result<(), ServiceError> {
     })
 }
 
+/// Restarts the leader's clock for an agent it knows and has not declared
+/// LOST (an UNREACHABLE one too: it must register again, but it is alive,
+/// and counting its silence further would declare it lost). Whether the
+/// clock was restarted.
+fn touch_if_known(ctx: &Ctx, agent_id: &str) -> bool {
+    if ctx.raft.status().role != crate::raft::Role::Leader {
+        return false;
+    }
+    let known = matches!(
+        ctx.raft.state().agent(agent_id).map(|a| a.state),
+        Some(AgentState::Active | AgentState::Unreachable)
+    );
+    if known {
+        ctx.liveness.touch(agent_id);
+    }
+    known
+}
+
 #[tonic::async_trait]
 impl pb::agent_manager_server::AgentManager for AgentManagerService {
     type WatchTasksStream = TaskStreamOut;
@@ -78,7 +96,17 @@ impl pb::agent_manager_server::AgentManager for AgentManagerService {
         req: Request<pb::HeartbeatRequest>,
     ) -> Result<Response<pb::HeartbeatResponse>, Status> {
         Caller::of(&req).check_agent(&req.get_ref().agent_id)?;
-        reply(self.heartbeat(req.into_inner()).await)
+        let id = req.get_ref().agent_id.clone();
+        // Heard even when refused: the leader's clock for the agent
+        // restarted, so the agent's fence may count from this answer.
+        let heard = touch_if_known(&self.ctx, &id);
+        reply(self.heartbeat(req.into_inner()).await).map_err(|s| {
+            if heard {
+                gpuctl_proto::leader::mark_heard(s)
+            } else {
+                s
+            }
+        })
     }
 
     async fn watch_tasks(
@@ -225,7 +253,6 @@ impl AgentManagerService {
     ) -> Result<pb::HeartbeatResponse, ServiceError> {
         let id = req.agent_id;
         agent_known(&self.ctx, &id)?;
-        self.ctx.liveness.touch(&id);
         let reports = req
             .gpus
             .into_iter()
@@ -249,15 +276,24 @@ impl AgentManagerService {
                     tracing::warn!(agent_id = %id, gpu = %c.uuid, reason = %c.reason, "GPU unhealthy: no longer offered");
                 }
             }
-            self.ctx
-                .raft
-                .propose(Command::SetGpuHealth {
-                    agent_id: id.clone(),
-                    gpus: changes,
-                    at_ms: now_ms(),
-                })
-                .await?;
-            self.ctx.hub.wake();
+            let propose = self.ctx.raft.propose(Command::SetGpuHealth {
+                agent_id: id.clone(),
+                gpus: changes,
+                at_ms: now_ms(),
+            });
+            // Answered within a heartbeat interval even when the masters
+            // are slow to commit (the agent's fence counts from answers):
+            // every heartbeat carries every GPU's health, so a change not
+            // committed yet is proposed again by the next one.
+            match tokio::time::timeout(self.ctx.config.heartbeat_interval, propose).await {
+                Ok(r) => {
+                    r?;
+                    self.ctx.hub.wake();
+                }
+                Err(_) => {
+                    tracing::info!(agent_id = %id, "GPU health change not committed within a heartbeat interval; the next heartbeat proposes it again");
+                }
+            }
         }
         Ok(pb::HeartbeatResponse {})
     }

@@ -40,6 +40,14 @@ pub fn served_by_any_master(path: &str) -> bool {
         || path.starts_with("/grpc.")
 }
 
+/// Calls a leader answers before it serves: an agent's heartbeat only
+/// restarts the leader's clock for the agent (no commit needed), and its
+/// answer keeps the agent's fence from falling while the masters are slow
+/// to commit among themselves (a new leader catching up over a lossy link).
+pub fn served_by_any_leader(path: &str) -> bool {
+    path == "/gpuctl.v1.AgentManager/Heartbeat"
+}
+
 impl<S, B> tower_service::Service<http::Request<B>> for LeaderGate<S>
 where
     S: tower_service::Service<http::Request<B>, Response = http::Response<BoxBody>>,
@@ -54,7 +62,11 @@ where
 
     fn call(&mut self, req: http::Request<B>) -> Self::Future {
         let st = self.raft.status();
-        if !st.serving && !served_by_any_master(req.uri().path()) {
+        let path = req.uri().path();
+        if !st.serving
+            && !served_by_any_master(path)
+            && !(st.role == Role::Leader && served_by_any_leader(path))
+        {
             let status = if st.role == Role::Leader {
                 // Elected, still applying what earlier leaders committed.
                 gpuctl_proto::leader::catching_up()
@@ -84,5 +96,7 @@ mod tests {
         ] {
             assert!(!served_by_any_master(p), "{p}");
         }
+        assert!(served_by_any_leader("/gpuctl.v1.AgentManager/Heartbeat"));
+        assert!(!served_by_any_leader("/gpuctl.v1.AgentManager/Register"));
     }
 }
