@@ -63,10 +63,10 @@ where
     fn call(&mut self, req: http::Request<B>) -> Self::Future {
         let st = self.raft.status();
         let path = req.uri().path();
-        if !st.serving
-            && !served_by_any_master(path)
-            && !(st.role == Role::Leader && served_by_any_leader(path))
-        {
+        let passes = st.serving
+            || served_by_any_master(path)
+            || (st.role == Role::Leader && served_by_any_leader(path));
+        if !passes {
             let status = if st.role == Role::Leader {
                 // Elected, still applying what earlier leaders committed.
                 gpuctl_proto::leader::catching_up()
