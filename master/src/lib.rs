@@ -81,6 +81,7 @@ pub async fn serve(
         security.as_ref().map(|s| s.tls.clone()),
         config.election_timeout,
     ));
+    let round_trips = transport.round_trips();
     let mut raft_config = raft::RaftNodeConfig::new(config.node_id);
     raft_config.tick = config.election_timeout / raft_config.election_ticks as u32;
     raft_config.snapshot_every = config.snapshot_every;
@@ -149,8 +150,14 @@ pub async fn serve(
     let metrics_task = match config.metrics_listen {
         Some(addr) => {
             let (raft, hub) = (handle.clone(), hub.clone());
-            let render: Arc<dyn Fn() -> String + Send + Sync> =
-                Arc::new(move || metrics::render(&raft, &hub.metrics, hub.offers_outstanding()));
+            let render: Arc<dyn Fn() -> String + Send + Sync> = Arc::new(move || {
+                metrics::render(
+                    &raft,
+                    &hub.metrics,
+                    hub.offers_outstanding(),
+                    &round_trips.get(),
+                )
+            });
             let task = gpuctl_proto::metrics_server::spawn_server(addr, render, stop_rx.clone())
                 .await
                 .map_err(|source| MasterError::Listen {

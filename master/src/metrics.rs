@@ -41,10 +41,29 @@ const JOB_STATES: [JobState; 6] = [
     JobState::Cancelled,
 ];
 
-/// The exposition of one scrape.
-pub fn render(raft: &RaftHandle, metrics: &MasterMetrics, offers_outstanding: usize) -> String {
+/// The exposition of one scrape. `round_trips`: the smoothed round trip of
+/// Raft calls to each peer (the transport's).
+pub fn render(
+    raft: &RaftHandle,
+    metrics: &MasterMetrics,
+    offers_outstanding: usize,
+    round_trips: &std::collections::BTreeMap<u64, std::time::Duration>,
+) -> String {
     let st = raft.status();
     let mut out = Exposition::new();
+    out.family(
+        "gpuctl_raft_peer_round_trip_seconds",
+        "Smoothed round trip of Raft calls to each other master (set election_timeout_ms to ten of them or more).",
+        Kind::Gauge,
+    );
+    for (peer, rtt) in round_trips {
+        let peer = peer.to_string();
+        out.sample(
+            "gpuctl_raft_peer_round_trip_seconds",
+            &[("peer", &peer)],
+            rtt.as_secs_f64(),
+        );
+    }
     let gauge = |out: &mut Exposition, name: &str, help: &str, v: f64| {
         out.family(name, help, Kind::Gauge);
         out.sample(name, &[], v);

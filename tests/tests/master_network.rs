@@ -276,7 +276,9 @@ fn lossy_slow_links_between_masters_keep_writes_flowing_and_fence_nothing() {
     if !root_or_skip("lossy_slow_links_between_masters_keep_writes_flowing_and_fence_nothing") {
         return;
     }
-    let mut c = LabCluster::start(&["a1"], &SHORT_FENCE);
+    let mut extra = SHORT_FENCE.to_vec();
+    extra.extend(["--metrics-listen", "0.0.0.0:9100"]);
+    let mut c = LabCluster::start(&["a1"], &extra);
     c.add_agent("a1");
     let job = c.submit(&["--name", "long", "--gpus", "1", "--", "sleep", "3600"]);
     let running = c.wait_state(&job, "RUNNING", Duration::from_secs(60));
@@ -317,6 +319,26 @@ fn lossy_slow_links_between_masters_keep_writes_flowing_and_fence_nothing() {
             .any(|m| strip_ansi(&m.log_text()).contains("the round trip to this raft peer")),
         "no master warned of the round trip\n{}",
         c.logs()
+    );
+    // And measures it: 400 ms or more (200 ms each way, and losses) to
+    // each peer it talks to (the leader to both, a follower to the leader).
+    let mut rtts: Vec<f64> = Vec::new();
+    for m in MASTERS {
+        let url = format!("http://{}:9100/metrics", c.lab.ip(m));
+        let out = c
+            .lab
+            .output("client", Path::new("/bin/busybox"), &["wget", "-qO-", &url]);
+        let text = String::from_utf8_lossy(&out.stdout);
+        rtts.extend(
+            text.lines()
+                .filter(|l| l.starts_with("gpuctl_raft_peer_round_trip_seconds{"))
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok()),
+        );
+    }
+    assert!(rtts.len() >= 4, "round trips measured: {rtts:?}");
+    assert!(
+        rtts.iter().all(|r| (0.35..5.0).contains(r)),
+        "round trips {rtts:?}"
     );
     // The task ran through it all, unfenced, as the same task.
     let after = c.job(&job);
