@@ -374,6 +374,7 @@ async fn a_finished_job_is_forgotten_after_the_retention_and_get_says_so() {
     let err = op
         .get_job(pb::GetJobRequest {
             job_id: done.clone(),
+            ..Default::default()
         })
         .await
         .unwrap_err();
@@ -389,6 +390,7 @@ async fn a_finished_job_is_forgotten_after_the_retention_and_get_says_so() {
     let err = op
         .get_job(pb::GetJobRequest {
             job_id: "job-99".into(),
+            ..Default::default()
         })
         .await
         .unwrap_err();
@@ -433,6 +435,7 @@ async fn status_updates_in_one_call_get_one_verdict_each_and_a_watch_follows_the
     let mut watch = op
         .watch_job(pb::GetJobRequest {
             job_id: job_id.clone(),
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -446,6 +449,7 @@ async fn status_updates_in_one_call_get_one_verdict_each_and_a_watch_follows_the
         let job = op
             .get_job(pb::GetJobRequest {
                 job_id: job_id.clone(),
+                ..Default::default()
             })
             .await
             .unwrap()

@@ -400,6 +400,7 @@ pub async fn run_tokens(
                 allow_root: a.allow_root,
                 allowed_uids,
                 allowed_gids,
+                request_id: String::new(),
             };
             // Not resent after an unknown outcome: a second token would be made.
             let resp = master

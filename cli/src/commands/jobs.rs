@@ -609,6 +609,7 @@ async fn get_job_until(
         .call_until(Retry::Always, Some(attempt), deadline, |mut c| {
             let req = pb::GetJobRequest {
                 job_id: id.to_string(),
+                ..Default::default()
             };
             async move { c.get_job(req).await }
         })
@@ -885,6 +886,7 @@ async fn watch(
             .call_until(Retry::Always, Some(RPC_TIMEOUT), search_until, |mut c| {
                 let req = pb::GetJobRequest {
                     job_id: id.to_string(),
+                    ..Default::default()
                 };
                 async move { c.watch_job(req).await }
             })

@@ -286,7 +286,10 @@ async fn get_job(
     let t = token(&headers)?;
     let job = gw
         .call(Some(RPC_TIMEOUT), |c| {
-            let req = t.request(pb::GetJobRequest { job_id: id.clone() });
+            let req = t.request(pb::GetJobRequest {
+                job_id: id.clone(),
+                ..Default::default()
+            });
             async move { operator(c).get_job(req).await }
         })
         .await?;
