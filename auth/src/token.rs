@@ -118,6 +118,81 @@ pub fn is_token_id(id: &str) -> bool {
     id.len() == ID_LEN && id.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
 }
 
+// A token created with a request id (`CreateTokenRequest.request_id`) can
+// be shown again to a resend of that request: masters keep its secret
+// sealed with a key derived from the request id, which only the caller
+// holds (the state keeps a hash of it, never the id). So the replicated
+// state and the Raft log still hold nothing that opens a token without
+// something only its creator has.
+
+/// Shortest request id that may seal a token's secret: 128 bits as gpuctl
+/// writes them (32 hex digits). A short, guessable id would make the sealed
+/// secret as weak as the id.
+pub const MIN_SEALING_REQUEST_ID: usize = 32;
+
+fn sealing_key(request_id: &str, token_id: &str) -> Result<ring::aead::LessSafeKey, AuthError> {
+    // One key per (request id, token id): a token id is random, so no key
+    // ever seals twice and a zero nonce is safe.
+    let mut ctx = ring::digest::Context::new(&ring::digest::SHA256);
+    ctx.update(b"gpuctl token seal v1\0");
+    ctx.update(request_id.as_bytes());
+    ctx.update(b"\0");
+    ctx.update(token_id.as_bytes());
+    let key = ring::aead::UnboundKey::new(&ring::aead::CHACHA20_POLY1305, ctx.finish().as_ref())
+        .map_err(|_| AuthError::invalid("token", "cannot make a sealing key"))?;
+    Ok(ring::aead::LessSafeKey::new(key))
+}
+
+/// What masters remember of a request id: hex SHA-256 of it, so that the
+/// state does not hold the id that opens a sealed secret.
+pub fn request_id_hash(request_id: &str) -> String {
+    let mut ctx = ring::digest::Context::new(&ring::digest::SHA256);
+    ctx.update(b"gpuctl request id v1\0");
+    ctx.update(request_id.as_bytes());
+    hex(ctx.finish().as_ref())
+}
+
+impl Token {
+    /// The secret sealed with `request_id` (ChaCha20-Poly1305), base64url:
+    /// only [`Token::unseal`] with the same request id opens it.
+    pub fn seal(&self, request_id: &str) -> Result<String, AuthError> {
+        let key = sealing_key(request_id, &self.id)?;
+        let mut data = self.secret.as_bytes().to_vec();
+        key.seal_in_place_append_tag(
+            ring::aead::Nonce::assume_unique_for_key([0u8; 12]),
+            ring::aead::Aad::from(self.id.as_bytes()),
+            &mut data,
+        )
+        .map_err(|_| AuthError::invalid("token", "cannot seal the secret"))?;
+        Ok(base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(data))
+    }
+
+    /// The token `id` whose secret `sealed` holds, opened with the request
+    /// id it was sealed with. Fails (without saying more) for another
+    /// request id, token id or a damaged seal.
+    pub fn unseal(id: &str, sealed: &str, request_id: &str) -> Result<Token, AuthError> {
+        let bad = || {
+            AuthError::invalid(
+                "token",
+                "the sealed secret does not open with this request id",
+            )
+        };
+        let mut data = base64::engine::general_purpose::URL_SAFE_NO_PAD
+            .decode(sealed)
+            .map_err(|_| bad())?;
+        let key = sealing_key(request_id, id)?;
+        let secret = key
+            .open_in_place(
+                ring::aead::Nonce::assume_unique_for_key([0u8; 12]),
+                ring::aead::Aad::from(id.as_bytes()),
+                &mut data,
+            )
+            .map_err(|_| bad())?;
+        let secret = std::str::from_utf8(secret).map_err(|_| bad())?;
+        Token::parse(&format!("{PREFIX}{id}_{secret}")).map_err(|_| bad())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -135,6 +210,32 @@ mod tests {
         assert_ne!(other.id(), t.id());
         assert!(is_token_id(t.id()));
         assert!(!format!("{t:?}").contains(&s[21..]));
+    }
+
+    #[test]
+    fn a_sealed_secret_opens_only_with_its_request_id() {
+        let t = Token::generate().unwrap();
+        let rid = "0123456789abcdef0123456789abcdef";
+        let sealed = t.seal(rid).unwrap();
+        assert!(!sealed.contains(&t.secret), "the seal hides the secret");
+        let back = Token::unseal(t.id(), &sealed, rid).unwrap();
+        assert_eq!(back, t);
+        assert!(back.matches(&t.hash()));
+        // Another request id, another token id, a damaged seal: refused.
+        assert!(Token::unseal(t.id(), &sealed, "0123456789abcdef0123456789abcdee").is_err());
+        let other = Token::generate().unwrap();
+        assert!(Token::unseal(other.id(), &sealed, rid).is_err());
+        let mut damaged = sealed.clone().into_bytes();
+        damaged[3] = if damaged[3] == b'A' { b'B' } else { b'A' };
+        assert!(Token::unseal(t.id(), &String::from_utf8(damaged).unwrap(), rid).is_err());
+        assert!(Token::unseal(t.id(), "not base64!", rid).is_err());
+        // The same request id seals two tokens under two keys.
+        assert_ne!(other.seal(rid).unwrap(), sealed);
+        // What masters keep of the id tells nothing of it.
+        let h = request_id_hash(rid);
+        assert_eq!(h.len(), 64);
+        assert!(!h.contains(rid));
+        assert_ne!(h, request_id_hash("0123456789abcdef0123456789abcdee"));
     }
 
     #[test]

@@ -22,7 +22,7 @@ use tokio::time::Instant;
 use tonic::metadata::{Ascii, MetadataValue};
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
-use tonic::{Code, Status};
+use tonic::Status;
 
 use crate::commands::CliError;
 
@@ -106,25 +106,34 @@ pub fn parse_address(raw: &str) -> Result<String, String> {
 /// When a failed call may be sent again (to the leader, or later).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Retry {
-    /// Repeating it is harmless (reads, cancel): retried after any error
-    /// that another master or a later try may not have.
+    /// A read: retried after any error that another master or a later try
+    /// may not have.
     Always,
-    /// Applying it twice would do harm (submit: a second job; membership
-    /// changes): retried only when the failure proves the master did not
-    /// apply it. A connection lost mid-call, a deadline passed after
-    /// sending or a leader losing leadership while committing leave the
-    /// outcome unknown; those are reported, never resent.
-    IfNotApplied,
+    /// A change that is safe to send again: idempotent (a cancel, a
+    /// cordon, a quota set, adding a master by its id), or a create that
+    /// carries a request id, which the master dedupes. Retried like a
+    /// read. When it fails in the end after a try that may have been
+    /// applied (the failure proves nothing: a connection lost mid-call, no
+    /// answer in time, a leader deposed while committing), its outcome is
+    /// unknown ([`CliError::Unknown`], exit 4), never an ordinary failure;
+    /// and from such a try on it looks for a leader
+    /// [`UNKNOWN_SEARCH_FACTOR`] times longer, since giving up then leaves
+    /// the user guessing.
+    Resend,
 }
 
-/// Whether a call that failed with `status` is sent again under `policy`.
-pub fn may_retry(policy: Retry, status: &Status) -> bool {
-    match policy {
-        // A master dying mid-call breaks the connection with whatever code
-        // the transport error maps to ("h2 protocol error": Unknown).
-        Retry::Always => retry_elsewhere(status) || crate::commands::is_transport_error(status),
-        Retry::IfNotApplied => not_applied(status),
-    }
+/// How much longer a change keeps looking for a leader once a try may have
+/// been applied: 15 s becomes 60 s, time for an election and the new
+/// leader's catch-up to end well inside it.
+pub const UNKNOWN_SEARCH_FACTOR: u32 = 4;
+
+/// Whether a call that failed with `status` is sent again, to another
+/// master or later (under either [`Retry`]: they differ in how a final
+/// failure is reported).
+pub fn may_retry(status: &Status) -> bool {
+    // A master dying mid-call breaks the connection with whatever code
+    // the transport error maps to ("h2 protocol error": Unknown).
+    retry_elsewhere(status) || crate::commands::is_transport_error(status)
 }
 
 /// Whether the failure proves the call was not applied: the master said it
@@ -133,19 +142,7 @@ pub fn may_retry(policy: Retry, status: &Status) -> bool {
 /// made. A leader's "leadership lost while committing" carries no such mark:
 /// it may still commit.
 pub fn not_applied(status: &Status) -> bool {
-    if gpuctl_proto::leader::not_proposed(status) || never_sent(status) {
-        return true;
-    }
-    if crate::commands::is_transport_error(status) {
-        return false;
-    }
-    // The master's "proposal queue full": refused before proposing.
-    status.code() == Code::ResourceExhausted
-}
-
-/// Whether the call failed while connecting, so no byte of it was sent.
-pub fn never_sent(status: &Status) -> bool {
-    gpuctl_proto::leader::never_sent(status)
+    gpuctl_proto::leader::not_applied(status)
 }
 
 /// No master in the list accepted a connection.
@@ -319,7 +316,10 @@ impl Master {
         Fut: Future<Output = Result<tonic::Response<T>, Status>>,
     {
         let started = Instant::now();
+        let mut deadline = deadline;
         let mut search = LeaderSearch::new(BACKOFF_MIN, BACKOFF_MAX);
+        // Some try of a change failed without proof that it was not applied.
+        let mut maybe_applied = false;
         loop {
             let call = f(make(self.conn.clone()));
             let result = match attempt {
@@ -336,19 +336,27 @@ impl Master {
                 Ok(response) => return Ok(response.into_inner()),
                 Err(status) => status,
             };
-            if !may_retry(policy, &status) {
-                return Err(CliError::rpc(self, status));
+            if !may_retry(&status) {
+                // The master's own answer: definite for this try, not for
+                // the earlier ones.
+                return Err(unknown_if(maybe_applied, CliError::rpc(self, status)));
+            }
+            if policy == Retry::Resend && !maybe_applied && !not_applied(&status) {
+                maybe_applied = true;
+                let searched = deadline.saturating_duration_since(started);
+                deadline = started + searched * UNKNOWN_SEARCH_FACTOR;
             }
             let next = search.next(&self.addr, &status, &self.addrs, |h| parse_address(h).ok());
             if Instant::now() + next.pause >= deadline {
-                return Err(CliError::GaveUp {
+                let gave_up = CliError::GaveUp {
                     secs: deadline
                         .saturating_duration_since(started)
                         .as_secs_f64()
                         .round() as u64,
                     tried: self.addrs.join(", "),
                     last: Box::new(CliError::rpc(self, status)),
-                });
+                };
+                return Err(unknown_if(maybe_applied, gave_up));
             }
             tracing::debug!(
                 addr = %self.addr,
@@ -363,7 +371,8 @@ impl Master {
 
     /// Talks to `addr` from now on (a leader learned from a redirect joins
     /// the list). The connection is made by the next call: if it fails, that
-    /// call fails before sending anything, which [`never_sent`] recognises.
+    /// call fails before sending anything, which
+    /// [`gpuctl_proto::leader::never_sent`] recognises.
     pub fn switch_to(&mut self, addr: String) {
         let endpoint = match Endpoint::from_shared(format!("http://{addr}")) {
             Ok(e) => e.connect_timeout(CONNECT_TIMEOUT).tcp_nodelay(true),
@@ -381,6 +390,16 @@ impl Master {
         self.conn = InterceptedService::new(channel, AddToken(self.creds.token.clone()));
         self.client = operator_client(self.conn.clone());
         self.addr = addr;
+    }
+}
+
+/// `err`, or an unknown outcome ending with it when some try may have
+/// been applied.
+fn unknown_if(maybe_applied: bool, err: CliError) -> CliError {
+    if maybe_applied {
+        CliError::unknown(err)
+    } else {
+        err
     }
 }
 

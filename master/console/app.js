@@ -82,9 +82,10 @@ function randomHex(bytes) {
 // ---------------------------------------------------------------------- API
 
 class ApiError extends Error {
-  constructor(status, message) {
+  constructor(status, message, data) {
     super(message);
     this.status = status;
+    this.data = data || null;
   }
 }
 
@@ -121,7 +122,7 @@ async function api(path, opts = {}) {
   }
   if (!resp.ok) {
     const msg = (data && data.error) || `${resp.status} ${resp.statusText}`;
-    throw new ApiError(resp.status, msg);
+    throw new ApiError(resp.status, msg, data);
   }
   return data;
 }
@@ -580,7 +581,8 @@ function submitPage(root) {
     error);
   root.append(h("h1", {}, "Submit a job"), form);
   // One key per form shown: submitting twice (a double click, a retry after
-  // an unknown outcome) makes one job.
+  // an unknown outcome) makes one job. The master refuses the key with
+  // another job (the form changed after an unknown outcome made the job).
   const requestId = randomHex(16);
   form.addEventListener("submit", async (ev) => {
     ev.preventDefault();
@@ -600,7 +602,16 @@ function submitPage(root) {
       location.hash = `#/jobs/${encodeURIComponent(r.job_id)}`;
     } catch (e) {
       if (e instanceof ApiError && e.status === 401) report(e);
-      error.textContent = e.message;
+      // No answer at all, or the gateway's "unknown": the job may exist.
+      const unknown = e instanceof ApiError &&
+        (e.status === 0 || (e.data && e.data.outcome === "unknown"));
+      const why = e.status === 0
+        ? `the outcome is unknown: the job may or may not have been made (${e.message})`
+        : e.message;
+      error.textContent = unknown
+        ? `${why}. Press Submit again without changing the form: it resends request id ` +
+          `${requestId}, which makes at most one job.`
+        : e.message;
       error.hidden = false;
     } finally {
       button.disabled = false;

@@ -129,6 +129,7 @@ pub async fn seed_bootstrap_token(raft: RaftHandle, token: Token, mut stop: watc
             }
             let cmd = Command::CreateToken {
                 record: bootstrap_record(&token, crate::now_ms()),
+                request: None,
             };
             match raft.propose(cmd).await {
                 Ok(_) => {

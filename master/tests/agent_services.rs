@@ -440,6 +440,7 @@ async fn a_finished_job_is_forgotten_after_the_retention_and_get_says_so() {
     let err = op
         .get_job(pb::GetJobRequest {
             job_id: done.clone(),
+            ..Default::default()
         })
         .await
         .unwrap_err();
@@ -455,6 +456,7 @@ async fn a_finished_job_is_forgotten_after_the_retention_and_get_says_so() {
     let err = op
         .get_job(pb::GetJobRequest {
             job_id: "job-99".into(),
+            ..Default::default()
         })
         .await
         .unwrap_err();
@@ -499,6 +501,7 @@ async fn status_updates_in_one_call_get_one_verdict_each_and_a_watch_follows_the
     let mut watch = op
         .watch_job(pb::GetJobRequest {
             job_id: job_id.clone(),
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -512,6 +515,7 @@ async fn status_updates_in_one_call_get_one_verdict_each_and_a_watch_follows_the
         let job = op
             .get_job(pb::GetJobRequest {
                 job_id: job_id.clone(),
+                ..Default::default()
             })
             .await
             .unwrap()

@@ -110,6 +110,23 @@ pub fn never_sent(status: &Status) -> bool {
     false
 }
 
+/// Whether a failed call provably changed nothing, so that its outcome is
+/// known: the master said it refused before proposing (a redirect, no
+/// leader elected yet, a new leader still catching up), its proposal queue
+/// was full, or the connection was never made. Anything else (a connection
+/// lost mid-call, no answer in time, a leader deposed while committing)
+/// leaves the outcome unknown: the call may yet be applied.
+pub fn not_applied(status: &Status) -> bool {
+    if not_proposed(status) || never_sent(status) {
+        return true;
+    }
+    if is_transport_error(status) {
+        return false;
+    }
+    // The master's "proposal queue full": refused before proposing.
+    status.code() == Code::ResourceExhausted
+}
+
 /// Redirects followed at once, without a pause; more in a row means the
 /// hints are stale (a leader change in progress), so back off.
 pub const FREE_REDIRECTS: u32 = 3;

@@ -211,6 +211,14 @@ fn offers_name_gpus_and_bad_accepts_are_refused_leaving_the_offers() {
             .accept(accept(vec![task("a")], &offer.id))
             .await
             .unwrap();
+        // The same Accept sent again (as after an unknown outcome) launches
+        // nothing: its offer is used up, whatever the first one did.
+        let err = client
+            .accept(accept(vec![task("a")], &offer.id))
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), tonic::Code::FailedPrecondition);
+        assert!(err.message().contains(&offer.id), "{err}");
         // A task id in use: AlreadyExists, naming it, and that offer too is
         // left for another try.
         // (a's updates come meanwhile: acknowledge them, or the master

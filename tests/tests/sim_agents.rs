@@ -86,11 +86,14 @@ async fn sim_agents_run_finish_and_kill_tasks() {
     let state = |id: &str| {
         let (id, mut ops) = (id.to_string(), ops.clone());
         async move {
-            ops.get_job(pb::GetJobRequest { job_id: id })
-                .await
-                .unwrap()
-                .into_inner()
-                .state
+            ops.get_job(pb::GetJobRequest {
+                job_id: id,
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .state
         }
     };
     eventually("every job ended", || async {

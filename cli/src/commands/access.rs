@@ -162,6 +162,26 @@ pub struct CreateTokenArgs {
     /// Group ids its jobs may name with --user UID:GID (default: none).
     #[arg(long, value_name = "IDS", default_value = "none")]
     pub allow_gids: String,
+    /// Idempotency key, at least 32 characters (gpuctl makes 32 random hex
+    /// digits): a create sent again by the same token with the same KEY
+    /// within 24 hours prints the token the first one made, secret
+    /// included, instead of making another.
+    #[arg(long, value_name = "KEY", value_parser = parse_token_request_id)]
+    pub request_id: Option<String>,
+}
+
+/// `tokens create --request-id`: an id, and long enough to seal a secret
+/// (the master keeps the token's secret sealed with it for a resend).
+pub fn parse_token_request_id(s: &str) -> Result<String, String> {
+    let id = super::parse_request_id(s)?;
+    let min = gpuctl_auth::token::MIN_SEALING_REQUEST_ID;
+    if id.len() < min {
+        return Err(format!(
+            "at least {min} characters: it seals the token's secret for a resend, so it must be \
+             as hard to guess as the 32 random hex digits gpuctl makes"
+        ));
+    }
+    Ok(id)
 }
 
 #[derive(Debug, Args)]
@@ -400,14 +420,33 @@ pub async fn run_tokens(
                 allow_root: a.allow_root,
                 allowed_uids,
                 allowed_gids,
+                request_id: a
+                    .request_id
+                    .clone()
+                    .unwrap_or_else(gpuctl_proto::new_request_id),
             };
-            // Not resent after an unknown outcome: a second token would be made.
+            // Every try carries one request id: the master makes one token
+            // and answers a resend with it, so resending is safe.
             let resp = master
-                .call_service(Retry::IfNotApplied, access_client, |mut c| {
+                .call_service(Retry::Resend, access_client, |mut c| {
                     let req = req.clone();
                     async move { c.create_token(req).await }
                 })
-                .await?;
+                .await
+                .map_err(|e| {
+                    e.unknown_as(
+                        format!(
+                            "the token may or may not have been created (request id {})",
+                            req.request_id
+                        ),
+                        format!(
+                            "run the same command again with `--request-id {}` added: it prints \
+                             the token the first try made, secret included, or makes it (request \
+                             ids are remembered for 24 hours)",
+                            req.request_id
+                        ),
+                    )
+                })?;
             let info = resp.info.unwrap_or_default();
             writeln!(out, "{}", resp.token)?;
             let _ = writeln!(
@@ -460,8 +499,9 @@ pub async fn run_tokens(
             Ok(super::EXIT_OK)
         }
         TokensCommand::Revoke { id } => {
+            // Revoking twice keeps the first time: safe to resend.
             let info = master
-                .call_service(Retry::Always, access_client, |mut c| {
+                .call_service(Retry::Resend, access_client, |mut c| {
                     let id = id.clone();
                     async move { c.revoke_token(pb::RevokeTokenRequest { id }).await }
                 })
@@ -514,8 +554,9 @@ pub async fn run_quota(
     out: &mut dyn Write,
 ) -> Result<u8, CliError> {
     if let Some(QuotaCommand::Set { tenant, gpus }) = args.command {
+        // A set: sending it twice sets the same quota.
         let q = master
-            .call_service(Retry::Always, access_client, |mut c| {
+            .call_service(Retry::Resend, access_client, |mut c| {
                 let tenant = tenant.clone();
                 async move { c.set_quota(pb::SetQuotaRequest { tenant, gpus }).await }
             })
@@ -659,4 +700,18 @@ fn id_ranges_text(ranges: &[pb::IdRange]) -> String {
     gpuctl_core::convert::id_ranges_from_pb("", ranges)
         .map(|r| r.to_string())
         .unwrap_or_else(|_| "?".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_token_request_id_must_be_long_enough_to_seal_a_secret() {
+        let made = gpuctl_proto::new_request_id();
+        assert_eq!(parse_token_request_id(&made).unwrap(), made);
+        let err = parse_token_request_id("short-key").unwrap_err();
+        assert!(err.contains("at least 32"), "{err}");
+        assert!(parse_token_request_id(&format!("{made} x")).is_err());
+    }
 }

@@ -82,7 +82,7 @@ pub async fn drain(
     kill: bool,
 ) -> Result<pb::Agent, CliError> {
     master
-        .call(Retry::Always, |mut c| {
+        .call(Retry::Resend, |mut c| {
             let req = pb::DrainAgentRequest {
                 agent_id: id.to_string(),
                 kill,
@@ -96,7 +96,7 @@ pub async fn drain(
 /// Ends an agent's drain; returns the agent.
 pub async fn undrain(master: &mut Master, id: &str) -> Result<pb::Agent, CliError> {
     master
-        .call(Retry::Always, |mut c| {
+        .call(Retry::Resend, |mut c| {
             let req = pb::UndrainAgentRequest {
                 agent_id: id.to_string(),
             };

@@ -415,7 +415,7 @@ async fn drive(
     let mut ids = Vec::new();
     for (name, gpus) in [("demo-1gpu", 1), ("demo-2gpu", gpu_plan.second_job_gpus)] {
         let spec = demo_spec(name, gpus, runtime_plan.image.as_deref());
-        let id = jobs::submit(&mut master, spec).await?;
+        let id = jobs::submit(&mut master, spec, None).await?;
         say(format!("Submitted job {name} ({gpus} GPU) as {id}"));
         ids.push((name, id));
     }

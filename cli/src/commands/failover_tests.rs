@@ -13,8 +13,9 @@ use gpuctl_proto::pb;
 use tonic::Status;
 
 use super::testkit::{chunks, dead_addr, serve, FakeOperator};
-use super::{Cli, CliError, Command, EXIT_FAILURE, EXIT_OK};
-use crate::client::{may_retry, never_sent, not_applied, Master, Retry};
+use super::{Cli, CliError, Command, EXIT_FAILURE, EXIT_NOT_FOUND, EXIT_OK, EXIT_UNKNOWN};
+use crate::client::{may_retry, not_applied, Master, Retry};
+use gpuctl_proto::leader::never_sent;
 
 const AMBIGUOUS: &str = "leadership lost while committing; the outcome is unknown";
 
@@ -104,6 +105,20 @@ impl FakeOperator for Node {
     }
     fn get_job(&self, r: pb::GetJobRequest) -> Result<pb::Job, Status> {
         self.gate("get")?;
+        if !r.request_id.is_empty() {
+            // Found when some submit carried it.
+            if !self.submit_keys.lock().unwrap().contains(&r.request_id) {
+                return Err(Status::not_found(format!(
+                    "no job was created with request id {} by this caller within the last 24 hours",
+                    r.request_id
+                )));
+            }
+            return Ok(pb::Job {
+                id: "job-7".into(),
+                state: pb::JobState::JobQueued as i32,
+                ..Default::default()
+            });
+        }
         let mut states = self.job_states.lock().unwrap();
         let state = if states.len() > 1 {
             states.remove(0)
@@ -173,6 +188,12 @@ impl FakeOperator for Node {
     fn remove_master(&self, r: pb::RemoveMasterRequest) -> Result<pb::ListMastersResponse, Status> {
         self.gate("remove")?;
         let mut members = self.members.lock().unwrap();
+        if !members.iter().any(|m| m.id == r.id) {
+            return Err(Status::not_found(format!(
+                "master {} is not a member",
+                r.id
+            )));
+        }
         members.retain(|m| m.id != r.id);
         Ok(pb::ListMastersResponse {
             masters: members.clone(),
@@ -346,27 +367,24 @@ async fn which_failures_prove_nothing_was_applied() {
     assert!(!not_applied(&Status::unavailable("raft node stopped")));
     let ambiguous = Status::unavailable(AMBIGUOUS);
     assert!(!not_applied(&ambiguous));
-    assert!(may_retry(Retry::Always, &ambiguous));
-    assert!(!may_retry(Retry::IfNotApplied, &ambiguous));
+    assert!(may_retry(&ambiguous));
     for s in [
         Status::deadline_exceeded("no answer"),
         Status::cancelled("connection closed"),
         Status::unknown("transport error"),
     ] {
-        assert!(!may_retry(Retry::IfNotApplied, &s), "{s:?}");
+        assert!(may_retry(&s), "{s:?}");
+        assert!(!not_applied(&s), "{s:?}");
     }
     // A master dying mid-call: a transport error the client made.
     let mut broken = Status::unknown("h2 protocol error: error reading a body from connection");
     broken.set_source(Arc::new(std::io::Error::from(
         std::io::ErrorKind::ConnectionReset,
     )));
-    assert!(may_retry(Retry::Always, &broken));
-    assert!(!may_retry(Retry::IfNotApplied, &broken));
-    assert!(!may_retry(Retry::Always, &Status::invalid_argument("bad")));
-    assert!(!may_retry(
-        Retry::Always,
-        &Status::failed_precondition("no")
-    ));
+    assert!(may_retry(&broken));
+    assert!(!not_applied(&broken));
+    assert!(!may_retry(&Status::invalid_argument("bad")));
+    assert!(!may_retry(&Status::failed_precondition("no")));
     // A real refused connection, made by tonic.
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", dead_addr()))
         .unwrap()
@@ -376,7 +394,7 @@ async fn which_failures_prove_nothing_was_applied() {
         .await
         .unwrap_err();
     assert!(never_sent(&status), "{status:?}");
-    assert!(may_retry(Retry::IfNotApplied, &status), "{status:?}");
+    assert!(not_applied(&status), "{status:?}");
 }
 
 #[tokio::test]
@@ -499,4 +517,161 @@ async fn a_stale_hint_naming_a_dead_leader_is_not_followed_twice() {
     assert_eq!(m.addr, leader_addr);
     assert_eq!(stale.count("submit"), 2);
     assert_eq!(leader.count("submit"), 1);
+}
+
+#[tokio::test]
+async fn a_submit_refused_by_every_master_is_an_ordinary_failure() {
+    // No leader anywhere: every try was refused before proposing.
+    let a = Node::new(Role::Follower(None));
+    let b = Node::new(Role::Follower(None));
+    let mut m = Master::connect(&[serve(a.clone()).await, serve(b.clone()).await])
+        .await
+        .unwrap();
+    m.retry_for = Duration::from_millis(700);
+    let started = std::time::Instant::now();
+    let (r, _) = run_cmd(&mut m, &["jobs", "submit", "--name", "x", "--", "true"]).await;
+    let err = r.unwrap_err();
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "no longer search"
+    );
+    assert_eq!(err.exit_code(), EXIT_FAILURE, "{err}");
+    let msg = err.to_string();
+    assert!(!msg.contains("unknown"), "{msg}");
+    assert!(msg.contains("no leader is elected yet"), "{msg}");
+}
+
+#[tokio::test]
+async fn a_submit_that_may_have_been_applied_ends_with_an_unknown_outcome() {
+    // The leader lost leadership while committing, then no master leads.
+    let ambiguous = Node::new(Role::Ambiguous);
+    let electing = Node::new(Role::Follower(None));
+    let mut m = Master::connect(&[
+        serve(ambiguous.clone()).await,
+        serve(electing.clone()).await,
+    ])
+    .await
+    .unwrap();
+    m.retry_for = Duration::from_millis(500);
+    let started = std::time::Instant::now();
+    let (r, out) = run_cmd(&mut m, &["jobs", "submit", "--name", "x", "--", "true"]).await;
+    let err = r.unwrap_err();
+    let took = started.elapsed();
+    assert_eq!(out, "", "no job id printed");
+    assert_eq!(err.exit_code(), EXIT_UNKNOWN, "{err}");
+    // Every try carried one key, and the error names it and what to run.
+    let keys: Vec<String> = ambiguous
+        .submit_keys
+        .lock()
+        .unwrap()
+        .iter()
+        .chain(electing.submit_keys.lock().unwrap().iter())
+        .cloned()
+        .collect();
+    assert!(keys.len() >= 2, "{keys:?}");
+    assert!(keys.iter().all(|k| *k == keys[0]), "{keys:?}");
+    let msg = err.to_string();
+    assert!(msg.starts_with("the outcome is unknown"), "{msg}");
+    assert!(
+        msg.contains(&format!("gpuctl jobs get --request-id {}", keys[0])),
+        "{msg}"
+    );
+    assert!(msg.contains(&format!("--request-id {}", keys[0])), "{msg}");
+    assert!(
+        msg.contains("Last error: no master served the call within 2s"),
+        "{msg}"
+    );
+    assert!(!msg.contains('\n'), "{msg}");
+    // Once a try may have been applied the search lasts 4 times as long.
+    assert!(took >= Duration::from_millis(1500), "{took:?}");
+    assert!(took < Duration::from_secs(5), "{took:?}");
+}
+
+#[tokio::test]
+async fn a_given_request_id_is_sent_and_finds_its_job() {
+    let leader = Node::new(Role::Leader);
+    let mut m = Master::connect(&[serve(leader.clone()).await])
+        .await
+        .unwrap();
+    let (r, out) = run_cmd(
+        &mut m,
+        &[
+            "jobs",
+            "submit",
+            "--name",
+            "x",
+            "--request-id",
+            "nightly-2026-11-26",
+            "--",
+            "true",
+        ],
+    )
+    .await;
+    assert_eq!(r.unwrap(), EXIT_OK);
+    assert_eq!(out, "job-7\n");
+    assert_eq!(
+        *leader.submit_keys.lock().unwrap(),
+        vec!["nightly-2026-11-26".to_string()]
+    );
+    let (r, out) = run_cmd(
+        &mut m,
+        &[
+            "jobs",
+            "get",
+            "--request-id",
+            "nightly-2026-11-26",
+            "--json",
+        ],
+    )
+    .await;
+    assert_eq!(r.unwrap(), EXIT_OK);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["id"], "job-7");
+    // A key no submit carried: not found, exit 3, naming the key.
+    let (r, _) = run_cmd(&mut m, &["jobs", "get", "--request-id", "never-sent"]).await;
+    let err = r.unwrap_err();
+    assert_eq!(err.exit_code(), EXIT_NOT_FOUND);
+    assert!(err.to_string().contains("never-sent"), "{err}");
+}
+
+#[tokio::test]
+async fn a_removal_resent_after_an_unknown_outcome_that_finds_it_gone_succeeds() {
+    // The first try's outcome is unknown (it did remove master 2); the
+    // resend finds master 2 no member.
+    let ambiguous = Node::new(Role::Ambiguous);
+    let leader = Node::new(Role::Leader);
+    leader.members.lock().unwrap().retain(|m| m.id != 2);
+    let mut m = Master::connect(&[serve(ambiguous.clone()).await, serve(leader.clone()).await])
+        .await
+        .unwrap();
+    let (r, out) = run_cmd(&mut m, &["masters", "remove", "2", "--json"]).await;
+    assert_eq!(r.unwrap(), EXIT_OK);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v.as_array().map(Vec::len), Some(1), "{out}");
+    assert_eq!(ambiguous.count("remove"), 1);
+    assert_eq!(leader.count("remove"), 1);
+    // Without an unknown try before, a non-member is not found.
+    let (r, _) = run_cmd(&mut m, &["masters", "remove", "5"]).await;
+    let err = r.unwrap_err();
+    assert_eq!(err.exit_code(), EXIT_NOT_FOUND, "{err}");
+}
+
+#[tokio::test]
+async fn idempotent_changes_with_an_unknown_outcome_say_so_too() {
+    let ambiguous = Node::new(Role::Ambiguous);
+    let mut m = Master::connect(&[serve(ambiguous.clone()).await])
+        .await
+        .unwrap();
+    m.retry_for = Duration::from_millis(300);
+    let (r, _) = run_cmd(&mut m, &["jobs", "cancel", "job-7"]).await;
+    let err = r.unwrap_err();
+    assert_eq!(err.exit_code(), EXIT_UNKNOWN, "{err}");
+    assert!(
+        err.to_string()
+            .contains("`gpuctl jobs cancel job-7` again is safe"),
+        "{err}"
+    );
+    // A read after the same failures is an ordinary failure.
+    let (r, _) = run_cmd(&mut m, &["jobs", "list"]).await;
+    assert_eq!(r.unwrap_err().exit_code(), EXIT_FAILURE);
 }

@@ -46,7 +46,7 @@ pub async fn run(master: &mut Master, args: GpusArgs, out: &mut dyn Write) -> Re
     };
     // Setting a flag to a value is idempotent: safe to resend.
     let status = master
-        .call(Retry::Always, |mut c| {
+        .call(Retry::Resend, |mut c| {
             let req = pb::CordonGpuRequest {
                 uuid: uuid.clone(),
                 cordon,

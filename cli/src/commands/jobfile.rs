@@ -96,6 +96,15 @@ pub struct JobFile {
     pub mount: Vec<Mount>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub run_as_root: Option<bool>,
+    /// `--request-id KEY`: submitting the file again within 24 hours gives
+    /// the same job. Never written by `jobs get -o yaml`: a copy of a job
+    /// is another job.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "de_request_id"
+    )]
+    pub request_id: Option<String>,
 }
 
 /// A string value that may be written as a YAML number or boolean
@@ -307,6 +316,10 @@ fn de_require_cuda<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D:
     d.deserialize_option(OrNull(StrCheck(parse_require_cuda)))
 }
 
+fn de_request_id<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+    d.deserialize_option(OrNull(StrCheck(super::parse_request_id)))
+}
+
 fn de_replicas<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u32>, D::Error> {
     d.deserialize_option(OrNull(Range(1, MAX_REPLICAS)))
 }
@@ -401,6 +414,9 @@ pub fn from_spec(spec: &pb::JobSpec) -> JobFile {
             })
             .collect(),
         run_as_root: security.run_as_root.then_some(true),
+        // A copy of a job is another job: resubmitting it must not be
+        // answered with the original.
+        request_id: None,
     }
 }
 
@@ -586,6 +602,8 @@ mod tests {
             ..Default::default()
         };
         let yaml = to_yaml(&job).unwrap();
+        // A copy of a job is another job: never its first submit's key.
+        assert!(!yaml.contains("request_id"), "{yaml}");
         assert!(yaml.starts_with("# job-1 "), "{yaml}");
         let back = parse("out", &yaml).unwrap();
         assert_eq!(back, from_spec(&spec));

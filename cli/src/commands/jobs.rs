@@ -38,7 +38,13 @@ pub enum JobsCommand {
     /// Show one job and its tasks.
     Get {
         /// Job id.
-        id: String,
+        #[arg(required_unless_present = "request_id")]
+        id: Option<String>,
+        /// Instead of a job id: the job this token submitted with this
+        /// request id (`jobs submit --request-id`, or the one an unknown
+        /// outcome named) within 24 hours. Not found: exit 3.
+        #[arg(long, value_name = "KEY", conflicts_with = "id", value_parser = super::parse_request_id)]
+        request_id: Option<String>,
         /// Print JSON instead of the details (as `-o json`).
         #[arg(long, conflicts_with = "output")]
         json: bool,
@@ -220,6 +226,12 @@ pub struct SubmitArgs {
     /// Start a failed job (the whole gang) again, up to N times [default: 0].
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(..=i64::from(gpuctl_core::convert::MAX_RETRIES)))]
     pub max_retries: Option<u32>,
+    /// Idempotency key (letters, digits, '.', '_', '-'): submits with the
+    /// same KEY by the same token within 24 hours make one job, and each
+    /// prints its id. Without it gpuctl makes one, kept across its own
+    /// retries, and names it when the outcome is unknown.
+    #[arg(long, value_name = "KEY", value_parser = super::parse_request_id)]
+    pub request_id: Option<String>,
     /// The command and its arguments, after `--` (so that a mistyped
     /// flag is an error, not the job's command); overrides the job file's.
     #[arg(value_name = "CMD", required_unless_present = "file", num_args = 1.., last = true)]
@@ -232,10 +244,12 @@ impl SubmitArgs {
         self.spec_with(JobFile::default())
     }
 
-    /// The spec to submit: the job file of `--file` (if any) under the flags.
-    pub fn spec(&self) -> Result<pb::JobSpec, CliError> {
+    /// The spec to submit (the job file of `--file`, if any, under the
+    /// flags) and its request id (`--request-id`, else the job
+    /// file's `request_id`, else none: `submit` makes one).
+    pub fn submission(&self) -> Result<(pb::JobSpec, Option<String>), CliError> {
         let Some(path) = &self.file else {
-            return self.to_spec();
+            return Ok((self.to_spec()?, self.request_id.clone()));
         };
         let (origin, text) = if path.as_os_str() == "-" {
             let mut text = String::new();
@@ -250,10 +264,12 @@ impl SubmitArgs {
             (origin, text)
         };
         let file = jobfile::parse(&origin, &text).map_err(CliError::Usage)?;
-        self.spec_with(file).map_err(|e| match e {
+        let request_id = self.request_id.clone().or_else(|| file.request_id.clone());
+        let spec = self.spec_with(file).map_err(|e| match e {
             CliError::Usage(m) => CliError::Usage(format!("job file {origin}: {m}")),
             other => other,
-        })
+        })?;
+        Ok((spec, request_id))
     }
 
     /// The flags over `file`: a flag given wins; maps (`env`, `secret_env`,
@@ -441,13 +457,27 @@ pub async fn run(
 ) -> Result<u8, CliError> {
     match cmd {
         JobsCommand::Submit(args) => {
-            let id = submit(master, args.spec()?).await?;
+            let (spec, request_id) = args.submission()?;
+            let id = submit(master, spec, request_id).await?;
             writeln!(out, "{id}")?;
         }
         JobsCommand::List(args) => list_filtered(master, &args, out).await?,
-        JobsCommand::Get { id, json, output } => {
+        JobsCommand::Get {
+            id,
+            request_id,
+            json,
+            output,
+        } => {
             let format = if json { Some(GetFormat::Json) } else { output };
-            get_as(master, &id, format, out).await?
+            let which = match (id, request_id) {
+                (_, Some(key)) => JobRef::Request(key),
+                (Some(id), None) => JobRef::Id(id),
+                // The parser requires one of them.
+                (None, None) => {
+                    return Err(CliError::Usage("give a job id or --request-id KEY".into()))
+                }
+            };
+            get_as(master, &which, format, out).await?
         }
         JobsCommand::Logs {
             id,
@@ -498,22 +528,50 @@ pub async fn run(
     Ok(EXIT_OK)
 }
 
-pub async fn submit(master: &mut Master, spec: pb::JobSpec) -> Result<String, CliError> {
-    // Every try carries the same idempotency key, so the master creates the
-    // job at most once even when a try failed with an unknown outcome (a
-    // connection lost mid-call, a leader deposed while committing): resending
-    // is always safe.
-    let request_id = new_request_id();
+/// Submits `spec`; returns the job's id. Every try carries the same
+/// idempotency key (`request_id`, else a new one), so the master creates the
+/// job at most once even when a try failed with an unknown outcome (a
+/// connection lost mid-call, a leader deposed while committing): resending
+/// is always safe. Giving up after such a try is an unknown outcome naming
+/// the key, never an ordinary failure.
+pub async fn submit(
+    master: &mut Master,
+    spec: pb::JobSpec,
+    request_id: Option<String>,
+) -> Result<String, CliError> {
+    let request_id = request_id.unwrap_or_else(new_request_id);
     let resp = master
-        .call(Retry::Always, |mut c| {
+        .call(Retry::Resend, |mut c| {
             let req = pb::SubmitJobRequest {
                 spec: Some(spec.clone()),
                 request_id: request_id.clone(),
             };
             async move { c.submit_job(req).await }
         })
-        .await?;
+        .await
+        .map_err(|e| {
+            e.unknown_as(
+                format!("the job may or may not have been created (request id {request_id})"),
+                unknown_submit_next(&request_id),
+            )
+        })?;
     Ok(resp.job_id)
+}
+
+/// What to do after a submit with an unknown outcome.
+pub fn unknown_submit_next(request_id: &str) -> String {
+    format!(
+        "look it up with `gpuctl jobs get --request-id {request_id}`, or submit again with \
+         `--request-id {request_id}` added to the same command: it makes at most one job \
+         (request ids are remembered for 24 hours)"
+    )
+}
+
+/// A job named by its id, or by the request id of its submit.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum JobRef {
+    Id(String),
+    Request(String),
 }
 
 /// Most jobs asked for in one ListJobs call (the master's maximum page).
@@ -609,6 +667,21 @@ async fn get_job_until(
         .call_until(Retry::Always, Some(attempt), deadline, |mut c| {
             let req = pb::GetJobRequest {
                 job_id: id.to_string(),
+                ..Default::default()
+            };
+            async move { c.get_job(req).await }
+        })
+        .await
+}
+
+/// The job its submit's request id names: the one this token submitted
+/// with it within 24 hours (NOT_FOUND, naming the key, otherwise).
+pub async fn get_job_by_request(master: &mut Master, key: &str) -> Result<pb::Job, CliError> {
+    master
+        .call(Retry::Always, |mut c| {
+            let req = pb::GetJobRequest {
+                request_id: key.to_string(),
+                ..Default::default()
             };
             async move { c.get_job(req).await }
         })
@@ -618,11 +691,14 @@ async fn get_job_until(
 /// `jobs get`: the details, or the job in `format`.
 pub async fn get_as(
     master: &mut Master,
-    id: &str,
+    which: &JobRef,
     format: Option<GetFormat>,
     out: &mut dyn Write,
 ) -> Result<(), CliError> {
-    let job = get_job(master, id).await?;
+    let job = match which {
+        JobRef::Id(id) => get_job(master, id).await?,
+        JobRef::Request(key) => get_job_by_request(master, key).await?,
+    };
     match format {
         Some(GetFormat::Json) => {
             out.write_all(output::to_json(&JobJson::from(&job))?.as_bytes())?
@@ -728,7 +804,7 @@ where
                 Ok(None) => break None,
                 // Reading again is harmless: any failure another master
                 // may not have (the master died: a transport error) counts.
-                Err(status) if may_retry(Retry::Always, &status) => break Some(status),
+                Err(status) if may_retry(&status) => break Some(status),
                 Err(status) => return Err(CliError::rpc(master, status)),
             }
         };
@@ -796,13 +872,19 @@ async fn selection_ended(
 pub async fn cancel(master: &mut Master, id: &str) -> Result<i32, CliError> {
     // Cancelling twice answers the same state: safe to resend.
     let resp = master
-        .call(Retry::Always, |mut c| {
+        .call(Retry::Resend, |mut c| {
             let req = pb::CancelJobRequest {
                 job_id: id.to_string(),
             };
             async move { c.cancel_job(req).await }
         })
-        .await?;
+        .await
+        .map_err(|e| {
+            e.unknown_as(
+                format!("job {id} may or may not have been asked to stop"),
+                format!("`gpuctl jobs cancel {id}` again is safe"),
+            )
+        })?;
     Ok(resp.state)
 }
 
@@ -885,6 +967,7 @@ async fn watch(
             .call_until(Retry::Always, Some(RPC_TIMEOUT), search_until, |mut c| {
                 let req = pb::GetJobRequest {
                     job_id: id.to_string(),
+                    ..Default::default()
                 };
                 async move { c.watch_job(req).await }
             })
@@ -923,7 +1006,7 @@ async fn watch(
                 }
                 // The master ended the stream without the end: watch again.
                 Ok(None) => break None,
-                Err(status) if may_retry(Retry::Always, &status) => break Some(status),
+                Err(status) if may_retry(&status) => break Some(status),
                 Err(status) => return Err(CliError::rpc(master, status)),
             }
         };
@@ -1294,7 +1377,7 @@ mod tests {
         std::fs::write(&path, "name: x\ncommand: [true]\ngpu: 1\n").unwrap();
         let p = path.to_str().unwrap();
         let err = submit_args(&["jobs", "submit", "-f", p])
-            .spec()
+            .submission()
             .unwrap_err();
         assert_eq!(err.exit_code(), EXIT_USAGE);
         let text = err.to_string();
@@ -1305,7 +1388,7 @@ mod tests {
         let missing = dir.path().join("nope.yaml");
         let m = missing.to_str().unwrap();
         let err = submit_args(&["jobs", "submit", "-f", m])
-            .spec()
+            .submission()
             .unwrap_err();
         assert!(err.to_string().contains("cannot read job file"), "{err}");
         std::fs::write(
@@ -1314,13 +1397,70 @@ mod tests {
         )
         .unwrap();
         let err = submit_args(&["jobs", "submit", "-f", p])
-            .spec()
+            .submission()
             .unwrap_err();
         assert!(
             err.to_string()
                 .starts_with(&format!("job file {p}: secret_env S")),
             "{err}"
         );
+    }
+
+    #[test]
+    fn a_request_id_comes_from_the_flag_over_the_job_file_and_is_checked() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("job.yaml");
+        std::fs::write(&path, "name: x\ncommand: [true]\nrequest_id: from-file\n").unwrap();
+        let p = path.to_str().unwrap();
+        let (_, key) = submit_args(&["jobs", "submit", "-f", p])
+            .submission()
+            .unwrap();
+        assert_eq!(key.as_deref(), Some("from-file"));
+        let (_, key) = submit_args(&["jobs", "submit", "-f", p, "--request-id", "flag"])
+            .submission()
+            .unwrap();
+        assert_eq!(key.as_deref(), Some("flag"));
+        let (_, key) = submit_args(&["jobs", "submit", "--name", "x", "--", "true"])
+            .submission()
+            .unwrap();
+        assert_eq!(key, None, "none given: submit makes one");
+        // The master's rules, as a usage error naming the flag or the key.
+        for bad in ["", "-x", ".x", "a b", "ä", &"k".repeat(129)] {
+            let flag = format!("--request-id={bad}");
+            let err = parse(&["jobs", "submit", "--name", "x", &flag, "--", "true"]).unwrap_err();
+            assert_eq!(err.exit_code(), i32::from(EXIT_USAGE), "{bad:?}");
+            assert!(err.to_string().contains("--request-id"), "{err}");
+        }
+        std::fs::write(&path, "name: x\ncommand: [true]\nrequest_id: \"a b\"\n").unwrap();
+        let err = submit_args(&["jobs", "submit", "-f", p])
+            .submission()
+            .unwrap_err();
+        assert_eq!(err.exit_code(), EXIT_USAGE);
+        assert!(
+            err.to_string().contains("request_id") && err.to_string().contains("line 3"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn get_takes_a_job_id_or_a_request_id() {
+        match parse(&["jobs", "get", "--request-id", "k1"])
+            .unwrap()
+            .command
+        {
+            Command::Jobs(JobsCommand::Get { id, request_id, .. }) => {
+                assert_eq!((id, request_id.as_deref()), (None, Some("k1")));
+            }
+            other => panic!("parsed as {other:?}"),
+        }
+        for bad in [
+            &["jobs", "get", "job-1", "--request-id", "k1"][..],
+            &["jobs", "get"][..],
+            &["jobs", "get", "--request-id", "a b"][..],
+        ] {
+            let err = parse(bad).unwrap_err();
+            assert_eq!(err.exit_code(), i32::from(EXIT_USAGE), "{bad:?}");
+        }
     }
 
     #[test]

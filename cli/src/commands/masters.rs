@@ -139,7 +139,8 @@ pub async fn list(master: &mut Master, json: bool, out: &mut dyn Write) -> Resul
     print_members(resp, json, out)
 }
 
-/// Adds a master. Sent again only if the failure proves it was not applied.
+/// Adds a master. Safe to resend: the master answers an add of a voter
+/// already there at the same address with the members.
 pub async fn add(
     master: &mut Master,
     id: u64,
@@ -150,7 +151,7 @@ pub async fn add(
     let deadline = Instant::now() + master.retry_for;
     let resp = master
         .call_until(
-            Retry::IfNotApplied,
+            Retry::Resend,
             Some(MEMBERSHIP_TIMEOUT),
             deadline,
             |mut c| {
@@ -161,12 +162,20 @@ pub async fn add(
                 async move { c.add_master(req).await }
             },
         )
-        .await?;
+        .await
+        .map_err(|e| {
+            e.unknown_as(
+                format!("master {id} may or may not have been added"),
+                format!("see `gpuctl masters`; `gpuctl masters add {id} {address}` again is safe"),
+            )
+        })?;
     print_members(resp, json, out)
 }
 
 /// Removes a master. Removing the leader: it hands leadership on and
-/// redirects, so the call is sent again to the new leader.
+/// redirects, so the call is sent again to the new leader. Safe to resend:
+/// a resend after an unknown outcome that finds the master gone means the
+/// earlier try removed it.
 pub async fn remove(
     master: &mut Master,
     id: u64,
@@ -174,15 +183,37 @@ pub async fn remove(
     out: &mut dyn Write,
 ) -> Result<(), CliError> {
     let deadline = Instant::now() + master.retry_for;
-    let resp = master
+    let result = master
         .call_until(
-            Retry::IfNotApplied,
+            Retry::Resend,
             Some(MEMBERSHIP_TIMEOUT),
             deadline,
             |mut c| async move { c.remove_master(pb::RemoveMasterRequest { id }).await },
         )
-        .await?;
+        .await;
+    let resp = match result {
+        Ok(resp) => resp,
+        Err(e @ CliError::Unknown { .. }) if removed_already(e.last()) => {
+            tracing::debug!(id, "master already removed by an earlier try");
+            master
+                .call(Retry::Always, |mut c| async move {
+                    c.list_masters(pb::ListMastersRequest {}).await
+                })
+                .await?
+        }
+        Err(e) => {
+            return Err(e.unknown_as(
+                format!("master {id} may or may not have been removed"),
+                format!("see `gpuctl masters`; `gpuctl masters remove {id}` again is safe"),
+            ))
+        }
+    };
     print_members(resp, json, out)
+}
+
+/// Whether a removal's answer says the master is no member (anymore).
+fn removed_already(e: &CliError) -> bool {
+    matches!(e, CliError::Rpc { status, .. } if status.code() == tonic::Code::NotFound)
 }
 
 fn print_members(

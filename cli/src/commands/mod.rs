@@ -33,6 +33,10 @@ pub const EXIT_USAGE: u8 = 2;
 pub const EXIT_TIMEOUT: u8 = 2;
 /// The job (or other object) named does not exist.
 pub const EXIT_NOT_FOUND: u8 = 3;
+/// Only for a change whose outcome is unknown: gpuctl gave up while some
+/// try may have been applied (`CliError::Unknown`). Running the same
+/// command again is safe (a create: with the request id it names).
+pub const EXIT_UNKNOWN: u8 = 4;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -63,6 +67,18 @@ pub struct Cli {
     /// masters over mutual TLS.
     #[arg(long, global = true, env = "GPUCTL_TLS_DIR", value_name = "DIR")]
     pub tls_dir: Option<std::path::PathBuf>,
+    /// How long a call looks for a leader before giving up (15 s; a change
+    /// whose outcome became unknown: 4 times as long). Hidden: for tests
+    /// that make leaders unavailable on purpose.
+    #[arg(
+        long,
+        global = true,
+        hide = true,
+        env = "GPUCTL_LEADER_DEADLINE",
+        value_name = "SECS",
+        value_parser = parse_secs
+    )]
+    pub leader_deadline: Option<Duration>,
 
     #[command(subcommand)]
     pub command: Command,
@@ -142,6 +158,16 @@ pub enum CliError {
     Usage(String),
     #[error("{0}")]
     Other(String),
+    /// A change that may or may not have been made: some try failed
+    /// without proof that the master did not apply it, and no later try
+    /// settled it. `what` says what may have happened, `next` what to do;
+    /// `last` is the last error.
+    #[error("the outcome is unknown: {what}; {next}. Last error: {last}")]
+    Unknown {
+        what: String,
+        next: String,
+        last: Box<CliError>,
+    },
 }
 
 /// True when the status was made by the client from a transport error (no
@@ -192,8 +218,40 @@ impl CliError {
         }
     }
 
+    /// An unknown outcome ending with `last`, in general words; the
+    /// command that knows more rewords it ([`CliError::unknown_as`]).
+    pub fn unknown(last: CliError) -> Self {
+        CliError::Unknown {
+            what: "the change may or may not have been made".into(),
+            next: "running the same command again is safe".into(),
+            last: Box::new(last),
+        }
+    }
+
+    /// An unknown outcome said in the words of the command that had it
+    /// (`what` may have happened, `next` to do); other errors as they are.
+    pub fn unknown_as(self, what: impl Into<String>, next: impl Into<String>) -> Self {
+        match self {
+            CliError::Unknown { last, .. } => CliError::Unknown {
+                what: what.into(),
+                next: next.into(),
+                last,
+            },
+            other => other,
+        }
+    }
+
+    /// The last error of an unknown outcome (itself otherwise).
+    pub fn last(&self) -> &CliError {
+        match self {
+            CliError::Unknown { last, .. } => last.last(),
+            other => other,
+        }
+    }
+
     pub fn exit_code(&self) -> u8 {
         match self {
+            CliError::Unknown { .. } => EXIT_UNKNOWN,
             CliError::Rpc { status, .. } => match status.code() {
                 Code::NotFound => EXIT_NOT_FOUND,
                 Code::DeadlineExceeded => EXIT_TIMEOUT,
@@ -252,6 +310,7 @@ pub async fn run(cli: Cli) -> Result<u8, CliError> {
         cli.tls_dir.as_deref().or(file.tls_dir.as_deref()),
         cli.token.as_deref().or(file.token.as_deref()),
     )?;
+    let deadline = cli.leader_deadline;
     let code = match command {
         Command::Demo(_)
         | Command::Certs(_)
@@ -259,48 +318,48 @@ pub async fn run(cli: Cli) -> Result<u8, CliError> {
         | Command::Completions(_)
         | Command::Man(_) => EXIT_OK,
         Command::Tokens(cmd) => {
-            let mut master = Master::connect_as(&masters, &creds).await?;
+            let mut master = connect(&masters, &creds, deadline).await?;
             access::run_tokens(&mut master, cmd, &mut out).await?
         }
         Command::Whoami => {
-            let mut master = Master::connect_as(&masters, &creds).await?;
+            let mut master = connect(&masters, &creds, deadline).await?;
             access::run_whoami(&mut master, &mut out).await?
         }
         Command::Quota(args) => {
-            let mut master = Master::connect_as(&masters, &creds).await?;
+            let mut master = connect(&masters, &creds, deadline).await?;
             access::run_quota(&mut master, args, &mut out).await?
         }
         Command::Jobs(jobs::JobsCommand::Submit(args)) => {
             // The job file is read and checked before connecting: bad input
             // is a usage error whether or not a master is up.
-            let spec = args.spec()?;
-            let mut master = Master::connect_as(&masters, &creds).await?;
-            let id = jobs::submit(&mut master, spec).await?;
+            let (spec, request_id) = args.submission()?;
+            let mut master = connect(&masters, &creds, deadline).await?;
+            let id = jobs::submit(&mut master, spec, request_id).await?;
             writeln!(out, "{id}")?;
             EXIT_OK
         }
         Command::Jobs(cmd) => {
             // Each call follows the leader; a submission is resent with the
             // same idempotency key (jobs::submit).
-            let mut master = Master::connect_as(&masters, &creds).await?;
+            let mut master = connect(&masters, &creds, deadline).await?;
             jobs::run(&mut master, cmd, &mut out).await?
         }
         Command::Agents(cmd) => {
-            let mut master = Master::connect_as(&masters, &creds).await?;
+            let mut master = connect(&masters, &creds, deadline).await?;
             agents::run(&mut master, cmd, &mut out).await?
         }
         Command::Gpus(args) => {
-            let mut master = Master::connect_as(&masters, &creds).await?;
+            let mut master = connect(&masters, &creds, deadline).await?;
             gpus::run(&mut master, args, &mut out).await?;
             EXIT_OK
         }
         Command::Masters(args) => {
-            let mut master = Master::connect_as(&masters, &creds).await?;
+            let mut master = connect(&masters, &creds, deadline).await?;
             masters::run(&mut master, args, &mut out).await?;
             EXIT_OK
         }
         Command::Top(args) => {
-            let mut master = Master::connect_as(&masters, &creds).await?;
+            let mut master = connect(&masters, &creds, deadline).await?;
             top::run(&mut master, args, &mut out).await?
         }
     };
@@ -308,7 +367,29 @@ pub async fn run(cli: Cli) -> Result<u8, CliError> {
     Ok(code)
 }
 
+/// Connects to the first master of `masters` that answers; `deadline`
+/// replaces the leader search's (the hidden `--leader-deadline`).
+async fn connect(
+    masters: &[String],
+    creds: &client::Credentials,
+    deadline: Option<Duration>,
+) -> Result<Master, CliError> {
+    let mut master = Master::connect_as(masters, creds).await?;
+    if let Some(d) = deadline {
+        master.retry_for = d;
+    }
+    Ok(master)
+}
+
 pub use gpuctl_core::time::now_ms;
+
+/// A request id given on the command line (`--request-id`): the master's
+/// rules for ids, checked before anything is sent.
+pub fn parse_request_id(s: &str) -> Result<String, String> {
+    gpuctl_core::convert::check_id("request_id", s)
+        .map(|()| s.to_string())
+        .map_err(|e| e.reason)
+}
 
 /// Parses a number of seconds (`--timeout 1.5`) into a Duration.
 pub fn parse_secs(s: &str) -> Result<Duration, String> {

@@ -57,6 +57,14 @@ pub enum ApiError {
     NotFound(String),
     #[error("{0}")]
     UnsupportedMediaType(String),
+    /// A submit whose outcome is unknown: some try may have made the job.
+    /// The browser sends it again with the same request id, which makes
+    /// at most one job.
+    #[error(
+        "the outcome is unknown: the job may or may not have been made ({message}); submit again \
+         with the same request id {request_id}: it makes at most one job"
+    )]
+    OutcomeUnknown { message: String, request_id: String },
 }
 
 /// The HTTP status for a gRPC code.
@@ -87,6 +95,7 @@ impl ApiError {
             ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            ApiError::OutcomeUnknown { .. } => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
 }
@@ -119,7 +128,15 @@ impl From<CallError> for ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        json_response(self.status(), &json!({ "error": self.to_string() }))
+        let body = match &self {
+            ApiError::OutcomeUnknown { request_id, .. } => json!({
+                "error": self.to_string(),
+                "outcome": "unknown",
+                "request_id": request_id,
+            }),
+            _ => json!({ "error": self.to_string() }),
+        };
+        json_response(self.status(), &body)
     }
 }
 
@@ -166,6 +183,7 @@ pub fn routes(gateway: Arc<Gateway>) -> Router {
         .route("/api/jobs/:id", get(get_job))
         .route("/api/jobs/:id/cancel", post(cancel))
         .route("/api/jobs/:id/logs", get(job_logs))
+        .route("/api/requests/:request_id", get(job_by_request))
         .route("/api/*rest", axum::routing::any(no_such_call))
         .with_state(gateway)
 }
@@ -286,7 +304,30 @@ async fn get_job(
     let t = token(&headers)?;
     let job = gw
         .call(Some(RPC_TIMEOUT), |c| {
-            let req = t.request(pb::GetJobRequest { job_id: id.clone() });
+            let req = t.request(pb::GetJobRequest {
+                job_id: id.clone(),
+                ..Default::default()
+            });
+            async move { operator(c).get_job(req).await }
+        })
+        .await?;
+    ok(json::job_detail(&job))
+}
+
+/// The job this browser's token submitted with a request id (after an
+/// unknown outcome: was it made?).
+async fn job_by_request(
+    State(gw): State<Arc<Gateway>>,
+    headers: HeaderMap,
+    Path(request_id): Path<String>,
+) -> ApiResult {
+    let t = token(&headers)?;
+    let job = gw
+        .call(Some(RPC_TIMEOUT), |c| {
+            let req = t.request(pb::GetJobRequest {
+                request_id: request_id.clone(),
+                ..Default::default()
+            });
             async move { operator(c).get_job(req).await }
         })
         .await?;
@@ -316,11 +357,26 @@ async fn submit(State(gw): State<Arc<Gateway>>, headers: HeaderMap, body: Bytes)
             });
             async move { operator(c).submit_job(req).await }
         })
-        .await?;
+        .await
+        .map_err(|e| submit_error(e, &request_id))?;
     Ok(json_response(
         StatusCode::CREATED,
         &json!({ "job_id": r.job_id }),
     ))
+}
+
+/// A failed submit: unknown when some try may have made the job, so that
+/// the browser says so and sends it again with the same request id.
+pub fn submit_error(e: CallError, request_id: &str) -> ApiError {
+    let maybe_applied = e.maybe_applied;
+    let err = ApiError::from(e);
+    match err {
+        ApiError::Rpc { message, .. } if maybe_applied => ApiError::OutcomeUnknown {
+            message,
+            request_id: request_id.to_string(),
+        },
+        other => other,
+    }
 }
 
 async fn cancel(
@@ -407,6 +463,7 @@ mod tests {
             status: tonic::Status::invalid_argument("resources.gpus: must be at most 64"),
             addr: "m1:7050".into(),
             gave_up_after: None,
+            maybe_applied: false,
         });
         assert_eq!(e.status(), StatusCode::BAD_REQUEST);
         assert_eq!(e.to_string(), "resources.gpus: must be at most 64");
@@ -414,6 +471,7 @@ mod tests {
             status: tonic::Status::unavailable("this master is not the leader"),
             addr: "m1:7050".into(),
             gave_up_after: Some(Duration::from_millis(15_200)),
+            maybe_applied: false,
         });
         assert_eq!(e.status(), StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(
@@ -424,8 +482,37 @@ mod tests {
             status: tonic::Status::unavailable(""),
             addr: "m2:7050".into(),
             gave_up_after: None,
+            maybe_applied: false,
         });
         assert_eq!(e.to_string(), "master m2:7050 could not be reached");
+    }
+
+    #[tokio::test]
+    async fn a_submit_that_may_have_been_applied_says_the_outcome_is_unknown() {
+        let gave_up = |maybe_applied| CallError {
+            status: tonic::Status::unavailable(
+                "this master is not the leader and no leader is elected yet; retry",
+            ),
+            addr: "m1:7050".into(),
+            gave_up_after: Some(Duration::from_secs(15)),
+            maybe_applied,
+        };
+        let e = submit_error(gave_up(true), "k1");
+        assert_eq!(e.status(), StatusCode::SERVICE_UNAVAILABLE);
+        let text = e.to_string();
+        assert!(
+            text.contains("outcome is unknown") && text.contains("k1"),
+            "{text}"
+        );
+        let r = e.into_response();
+        let body = axum::body::to_bytes(r.into_body(), 1 << 16).await.unwrap();
+        let v: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["outcome"], "unknown");
+        assert_eq!(v["request_id"], "k1");
+        // Every try provably refused: an ordinary error.
+        let e = submit_error(gave_up(false), "k1");
+        assert!(matches!(e, ApiError::Rpc { .. }), "{e:?}");
+        assert!(!e.to_string().contains("unknown"));
     }
 
     #[tokio::test]

@@ -201,6 +201,10 @@ pub struct CallError {
     pub addr: String,
     /// Gave up looking for the leader after this long.
     pub gave_up_after: Option<Duration>,
+    /// Some try failed without proof that nothing was applied
+    /// (`gpuctl_proto::leader::not_applied`): for a change, its outcome is
+    /// unknown.
+    pub maybe_applied: bool,
 }
 
 impl Gateway {
@@ -257,9 +261,11 @@ impl Gateway {
                 status: Status::unavailable("this master knows no master address"),
                 addr: String::new(),
                 gave_up_after: None,
+                maybe_applied: false,
             });
         };
         let mut search = LeaderSearch::new(BACKOFF_MIN, BACKOFF_MAX);
+        let mut maybe_applied = false;
         loop {
             let result = match self.channel(&addr) {
                 Ok(channel) => {
@@ -284,12 +290,16 @@ impl Gateway {
             };
             let transport = gpuctl_proto::leader::is_transport_error(&status);
             if !(retry_elsewhere(&status) || transport) {
+                // The master's own answer: definite for this try, not for
+                // the earlier ones.
                 return Err(CallError {
                     status,
                     addr,
                     gave_up_after: None,
+                    maybe_applied,
                 });
             }
+            maybe_applied |= !gpuctl_proto::leader::not_applied(&status);
             if transport {
                 // A broken connection is made again by the next call.
                 self.forget(&addr);
@@ -300,6 +310,7 @@ impl Gateway {
                     status,
                     addr,
                     gave_up_after: Some(started.elapsed()),
+                    maybe_applied,
                 });
             }
             tracing::debug!(%addr, next = %next.addr, error = %status.message(), "console: master cannot serve the call; trying another");

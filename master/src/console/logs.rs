@@ -157,6 +157,7 @@ async fn selection_ended(
         .call(Some(RPC_TIMEOUT), |channel| {
             let req = token.request(pb::GetJobRequest {
                 job_id: job_id.to_string(),
+                ..Default::default()
             });
             async move { super::api::operator(channel).get_job(req).await }
         })

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use gpuctl_auth::token::Token;
+use gpuctl_auth::token::{request_id_hash, Token, MIN_SEALING_REQUEST_ID};
 use gpuctl_auth::CertRole;
 use gpuctl_core::convert::{check_id, id_ranges_from_pb, id_ranges_to_pb};
 use gpuctl_core::ConvertError;
@@ -14,7 +14,8 @@ use super::auth::{Caller, TokenCaller};
 use super::{reply, Ctx, Missing, ServiceError};
 use crate::now_ms;
 use crate::state::access::{check_tenant, TokenRecord, TokenRole};
-use crate::state::Command;
+use crate::state::requests::{self, CreatedToken, TokenRequest};
+use crate::state::{Command, Outcome};
 
 /// Join tokens last this long unless asked otherwise.
 pub const DEFAULT_JOIN_TOKEN_TTL: Duration = Duration::from_secs(3600);
@@ -62,6 +63,22 @@ pub fn token_info(t: &TokenRecord) -> pb::TokenInfo {
         allowed_uids: id_ranges_to_pb(&t.allowed_uids),
         allowed_gids: id_ranges_to_pb(&t.allowed_gids),
     }
+}
+
+/// Whether a create asked for what `made` was made with: everything but
+/// the id, the secret and the times (a lifetime counts, not its start).
+fn same_settings(made: &TokenRecord, asked: &TokenRecord) -> bool {
+    let ttl = |r: &TokenRecord| r.expires_at_ms.map(|e| e.saturating_sub(r.created_at_ms));
+    made.role == asked.role
+        && made.tenant == asked.tenant
+        && made.description == asked.description
+        && ttl(made) == ttl(asked)
+        && made.agent_id == asked.agent_id
+        && made.framework_roles == asked.framework_roles
+        && made.allow_root == asked.allow_root
+        && made.allowed_uids == asked.allowed_uids
+        && made.allowed_gids == asked.allowed_gids
+        && made.created_by == asked.created_by
 }
 
 fn check_csr(csr: &str) -> Result<(), ServiceError> {
@@ -231,6 +248,28 @@ impl AccessService {
                 .into())
             }
         };
+        // The key is the caller's and holds only a hash of the request id,
+        // which seals the secret (gpuctl_auth::token::Token::seal).
+        let request_key = if req.request_id.is_empty() {
+            None
+        } else {
+            check_id("request_id", &req.request_id)?;
+            if req.request_id.len() < MIN_SEALING_REQUEST_ID {
+                return Err(ConvertError::new(
+                    "request_id",
+                    format!(
+                        "at least {MIN_SEALING_REQUEST_ID} characters: it seals the token's secret \
+                         for a resend, so it must be as hard to guess as 128 random bits (as gpuctl \
+                         makes them)"
+                    ),
+                )
+                .into());
+            }
+            Some(requests::request_key(
+                caller.request_scope(),
+                &request_id_hash(&req.request_id),
+            ))
+        };
         let tenant = req.tenant.trim().to_string();
         match role {
             TokenRole::User | TokenRole::Framework if tenant.is_empty() => {
@@ -335,13 +374,92 @@ impl AccessService {
             allowed_gids,
             created_by: creator,
         };
-        self.ctx
+        let Some(request_key) = request_key else {
+            self.ctx
+                .raft
+                .propose(Command::CreateToken {
+                    record: record.clone(),
+                    request: None,
+                })
+                .await?;
+            tracing::info!(token_id = %record.id, role = record.role.as_str(), tenant = %record.tenant, "token created");
+            return Ok(pb::CreateTokenResponse {
+                info: Some(token_info(&record)),
+                token: token.reveal(),
+            });
+        };
+        // A resend of a create already applied: the token it made, with
+        // its secret, never a second one.
+        let earlier = self.ctx.raft.state().created_token(&request_key).cloned();
+        if let Some(c) = earlier {
+            return self.created_again(&c, &record, &req.request_id);
+        }
+        let sealed = token
+            .seal(&req.request_id)
+            .map_err(|e| ServiceError::CannotSign(e.to_string()))?;
+        let outcome = self
+            .ctx
             .raft
             .propose(Command::CreateToken {
                 record: record.clone(),
+                request: Some(TokenRequest {
+                    key: request_key.clone(),
+                    sealed,
+                }),
             })
             .await?;
-        tracing::info!(token_id = %record.id, role = record.role.as_str(), tenant = %record.tenant, "token created");
+        match outcome {
+            Outcome::TokenCreated { token_id } if token_id == record.id => {
+                tracing::info!(token_id = %record.id, role = record.role.as_str(), tenant = %record.tenant, "token created");
+                Ok(pb::CreateTokenResponse {
+                    info: Some(token_info(&record)),
+                    token: token.reveal(),
+                })
+            }
+            // A resend raced its first send: the first one's token.
+            Outcome::TokenCreated { .. } => {
+                let c = self
+                    .ctx
+                    .raft
+                    .state()
+                    .created_token(&request_key)
+                    .cloned()
+                    .ok_or_else(|| ServiceError::NoSuchRequest {
+                        what: "token",
+                        request_id: req.request_id.clone(),
+                    })?;
+                self.created_again(&c, &record, &req.request_id)
+            }
+            other => Err(ServiceError::unexpected("create_token", other)),
+        }
+    }
+
+    /// The answer to a create sent again with the request id of one that
+    /// made token `c`: that token and its secret, opened with the request
+    /// id, when the settings asked (`asked`) are the ones it was made with.
+    fn created_again(
+        &self,
+        c: &CreatedToken,
+        asked: &TokenRecord,
+        request_id: &str,
+    ) -> Result<pb::CreateTokenResponse, ServiceError> {
+        let record = self
+            .ctx
+            .raft
+            .state()
+            .token(&c.token_id)
+            .cloned()
+            .ok_or_else(|| ServiceError::not_found(Missing::Token, &c.token_id))?;
+        if !same_settings(&record, asked) {
+            return Err(ServiceError::RequestIdReused(format!(
+                "this token already created token {} with this request id and other settings; \
+                 give another request id (or none) for another token",
+                record.id
+            )));
+        }
+        let token = Token::unseal(&record.id, &c.sealed, request_id)
+            .map_err(|e| ServiceError::CannotSign(e.to_string()))?;
+        tracing::info!(token_id = %record.id, "token create resent: answered with the token it made");
         Ok(pb::CreateTokenResponse {
             info: Some(token_info(&record)),
             token: token.reveal(),

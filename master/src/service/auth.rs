@@ -99,6 +99,17 @@ impl Caller {
         }
     }
 
+    /// Whose request ids these are: a request id names one request of one
+    /// caller (its token id), so that two callers choosing the same id
+    /// never see each other's requests. Empty without tokens (everyone is
+    /// one caller then), and for callers that create nothing.
+    pub fn request_scope(&self) -> &str {
+        match self {
+            Caller::Token(t) => &t.id,
+            _ => "",
+        }
+    }
+
     /// The agent id an agent caller may act as; `None` for open callers,
     /// who may act as any (and `Some("")` for others, who may act as none).
     pub fn agent_scope(&self) -> Option<&str> {

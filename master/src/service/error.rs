@@ -94,7 +94,7 @@ pub enum ServiceError {
     Relayed(Status),
     #[error("master is shutting down")]
     ShuttingDown,
-    #[error("master {id} is already a voting member")]
+    #[error("master {id} is already a voting member, at another address (see `gpuctl masters`)")]
     AlreadyVoter { id: u64 },
     #[error("master {id} at {address} has not caught up within {secs}s (it has index {matched} of {target}); it stays a learner. Check that it runs with --join and that the masters reach each other, then run `gpuctl masters add {id} {address}` again, or remove it")]
     CatchUpTimeout {
@@ -108,6 +108,16 @@ pub enum ServiceError {
     TaskIdInUse { field: String, task_id: String },
     #[error("master {id} is not a member")]
     NotAMember { id: u64 },
+    /// No create with this request id by this caller is remembered: it
+    /// was never applied, was another caller's, or is older than a day.
+    #[error("no {what} was created with request id {request_id} by this caller within the last 24 hours (it was not applied, or it was another token's)")]
+    NoSuchRequest {
+        what: &'static str,
+        request_id: String,
+    },
+    /// A request id sent again for a create with other settings.
+    #[error("request_id: {0}")]
+    RequestIdReused(String),
     #[error("master {id} is the only voting member; add another before removing it")]
     LastVoter { id: u64 },
     #[error("no other voter to lead")]
@@ -172,6 +182,7 @@ impl From<ServiceError> for Status {
             E::NotFound { .. }
             | E::JobForgotten { .. }
             | E::NotAMember { .. }
+            | E::NoSuchRequest { .. }
             | E::MustRegister { .. } => Status::not_found(message),
             E::Offers(TakeOffersError::NotOffering)
             | E::FrameworkApiNotServed
@@ -184,6 +195,7 @@ impl From<ServiceError> for Status {
             | E::NoLogAddress { .. }
             | E::AgentUnreachable { .. }
             | E::LastVoter { .. }
+            | E::RequestIdReused(_)
             | E::NoOtherVoter => Status::failed_precondition(message),
             E::Relayed(s) => s,
             E::Forbidden(_) => Status::permission_denied(message),

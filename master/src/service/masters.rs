@@ -118,6 +118,12 @@ pub async fn add(
     check_host_port("address", &addr)?;
     let st = ctx.raft.status();
     if st.voters.contains(&id) {
+        // The same add sent again (its first send's outcome unknown to the
+        // client): done already. The id at another address is a mistake.
+        if ctx.raft.addresses().get(id).as_deref() == Some(addr.as_str()) {
+            tracing::info!(id, address = %addr, "master add resent: already a voter");
+            return Ok(list(ctx).await);
+        }
         return Err(ServiceError::AlreadyVoter { id });
     }
     if !st.learners.contains(&id) {

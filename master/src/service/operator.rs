@@ -18,6 +18,7 @@ use super::auth::Caller;
 use super::{jobs_page, reply, Ctx, Missing, ServiceError};
 use crate::now_ms;
 use crate::state::access::tenant_of;
+use crate::state::requests::request_key;
 use crate::state::{AgentRecord, AgentState, Command, JobRecord, Outcome, State, TaskRecord};
 use gpuctl_core::wait::Waiting;
 
@@ -419,22 +420,41 @@ impl OperatorService {
         }
     }
 
+    /// The job a GetJob names: its `job_id`, or the job this caller
+    /// submitted with its `request_id` (exactly one of the two).
+    fn job_id_of(&self, caller: &Caller, req: pb::GetJobRequest) -> Result<String, ServiceError> {
+        if req.request_id.is_empty() {
+            return Ok(req.job_id);
+        }
+        if !req.job_id.is_empty() {
+            return Err(
+                ConvertError::new("request_id", "give job_id or request_id, not both").into(),
+            );
+        }
+        gpuctl_core::convert::check_id("request_id", &req.request_id)?;
+        let key = request_key(caller.request_scope(), &req.request_id);
+        self.ctx
+            .raft
+            .state()
+            .submitted_job(&key)
+            .cloned()
+            .ok_or(ServiceError::NoSuchRequest {
+                what: "job",
+                request_id: req.request_id,
+            })
+    }
+
     async fn submit_job(
         &self,
         caller: &Caller,
         req: pb::SubmitJobRequest,
     ) -> Result<pb::SubmitJobResponse, ServiceError> {
+        // The key is the caller's: another token's same id is another key.
         let request_id = if req.request_id.is_empty() {
             None
         } else {
             gpuctl_core::convert::check_id("request_id", &req.request_id)?;
-            // A resend of a submit already committed: answer from the state.
-            if let Some(job_id) = self.ctx.raft.state().submitted_job(&req.request_id) {
-                return Ok(pb::SubmitJobResponse {
-                    job_id: job_id.clone(),
-                });
-            }
-            Some(req.request_id)
+            Some(request_key(caller.request_scope(), &req.request_id))
         };
         let spec = req
             .spec
@@ -466,6 +486,19 @@ impl OperatorService {
         if let Caller::Token(t) = caller {
             check_chosen_user(t, &spec.security)?;
         }
+        // A resend of a submit already committed: answer from the state
+        // (apply dedupes too, for a resend racing its first send).
+        if let Some(key) = &request_id {
+            let state = self.ctx.raft.state();
+            if let Some(job_id) = state
+                .resubmitted(key, &spec, None)
+                .map_err(crate::raft::ProposeError::Rejected)?
+            {
+                return Ok(pb::SubmitJobResponse {
+                    job_id: job_id.clone(),
+                });
+            }
+        }
         match self
             .ctx
             .raft
@@ -492,8 +525,8 @@ impl OperatorService {
         caller: &Caller,
         req: pb::GetJobRequest,
     ) -> Result<JobStream, ServiceError> {
-        let first = self.get_job(caller, req.clone()).await?;
-        let id = req.job_id;
+        let first = self.get_job(caller, req).await?;
+        let id = first.id.clone();
         let (tx, rx) = mpsc::channel(1);
         let ctx = self.ctx.clone();
         tokio::spawn(async move {
@@ -548,7 +581,7 @@ impl OperatorService {
         caller: &Caller,
         req: pb::GetJobRequest,
     ) -> Result<pb::Job, ServiceError> {
-        let id = req.job_id;
+        let id = self.job_id_of(caller, req)?;
         job_id_arg(&id)?;
         self.check_job_access(caller, &id)?;
         let state = self.ctx.raft.state();

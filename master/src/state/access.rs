@@ -136,7 +136,19 @@ impl State {
         &self.quotas
     }
 
-    pub(super) fn create_token(&mut self, record: &TokenRecord) -> Result<Outcome, ApplyError> {
+    pub(super) fn create_token(
+        &mut self,
+        record: &TokenRecord,
+        request: Option<&super::requests::TokenRequest>,
+    ) -> Result<Outcome, ApplyError> {
+        // A resend of a create already applied: its token, not another.
+        if let Some(r) = request {
+            if let Some(c) = self.token_requests.get_at(&r.key, record.created_at_ms) {
+                return Ok(Outcome::TokenCreated {
+                    token_id: c.token_id.clone(),
+                });
+            }
+        }
         if self.tokens.contains_key(&record.id) {
             return Err(ApplyError::Invalid {
                 field: "id".into(),
@@ -153,7 +165,19 @@ impl State {
             })?;
         }
         self.tokens.insert(record.id.clone(), record.clone());
-        Ok(Outcome::Done)
+        if let Some(r) = request {
+            self.token_requests.insert(
+                &r.key,
+                super::requests::CreatedToken {
+                    token_id: record.id.clone(),
+                    sealed: r.sealed.clone(),
+                },
+                record.created_at_ms,
+            );
+        }
+        Ok(Outcome::TokenCreated {
+            token_id: record.id.clone(),
+        })
     }
 
     pub(super) fn revoke_token(&mut self, id: &str, at_ms: u64) -> Result<Outcome, ApplyError> {
@@ -247,11 +271,78 @@ mod tests {
         }
     }
 
+    fn token_request(key: &str) -> Option<crate::state::requests::TokenRequest> {
+        Some(crate::state::requests::TokenRequest {
+            key: key.into(),
+            sealed: format!("sealed-{key}"),
+        })
+    }
+
+    /// A create resent with its request id answers the first token and
+    /// records no second one, per caller, until the key's TTL.
+    #[test]
+    fn a_token_create_resent_with_its_request_id_makes_one_token() {
+        use crate::state::requests::REQUEST_TTL_MS;
+        let mut s = State::new();
+        let create = |id: &str, key: &str, at_ms: u64| {
+            let mut record = join_token(id, None);
+            record.created_at_ms = at_ms;
+            Command::CreateToken {
+                record,
+                request: token_request(key),
+            }
+        };
+        let first = s.apply(1, &create("t1", "admin1/h1", 1_000)).unwrap();
+        assert_eq!(
+            first,
+            Outcome::TokenCreated {
+                token_id: "t1".into()
+            }
+        );
+        // The resend minted another secret (t2); the state keeps t1's.
+        let again = s.apply(2, &create("t2", "admin1/h1", 2_000)).unwrap();
+        assert_eq!(again, first);
+        assert!(s.token("t2").is_none(), "no second token");
+        let c = s.created_token("admin1/h1").unwrap();
+        assert_eq!(
+            (c.token_id.as_str(), c.sealed.as_str()),
+            ("t1", "sealed-admin1/h1")
+        );
+        // Another caller's same request id is another token.
+        s.apply(3, &create("t3", "admin2/h1", 2_001)).unwrap();
+        assert!(s.token("t3").is_some());
+        // Past the TTL the key is forgotten: the id makes a new token.
+        let later = 1_000 + REQUEST_TTL_MS + 1;
+        s.apply(4, &create("t4", "admin1/h1", later)).unwrap();
+        assert!(s.token("t4").is_some());
+        assert_eq!(s.created_token("admin1/h1").unwrap().token_id, "t4");
+        // Without a request id: no memory at all.
+        let mut record = join_token("t5", None);
+        record.created_at_ms = later;
+        s.apply(
+            5,
+            &Command::CreateToken {
+                record,
+                request: None,
+            },
+        )
+        .unwrap();
+        assert!(s.token("t5").is_some());
+        assert_eq!(s.token_requests.len(), 2);
+    }
+
     #[test]
     fn a_join_token_joins_once_before_it_expires() {
         let mut s = State::new();
         let record = join_token("j1", None);
-        s.apply(1, &Command::CreateToken { record }).unwrap();
+        s.apply(
+            1,
+            &Command::CreateToken {
+                record,
+                request: None,
+            },
+        )
+        .unwrap();
         assert!(
             s.apply(
                 2,
@@ -291,7 +382,14 @@ mod tests {
     fn a_join_token_for_an_agent_joins_only_as_it() {
         let mut s = State::new();
         let record = join_token("j2", Some("a9"));
-        s.apply(1, &Command::CreateToken { record }).unwrap();
+        s.apply(
+            1,
+            &Command::CreateToken {
+                record,
+                request: None,
+            },
+        )
+        .unwrap();
         let e = s
             .apply(
                 2,
@@ -326,6 +424,7 @@ mod tests {
                 1,
                 &Command::CreateToken {
                     record: record.clone(),
+                    request: None,
                 },
             )
             .unwrap_err();
@@ -335,11 +434,19 @@ mod tests {
             2,
             &Command::CreateToken {
                 record: record.clone(),
+                request: None,
             },
         )
         .unwrap();
         assert!(
-            s.apply(3, &Command::CreateToken { record }).is_err(),
+            s.apply(
+                3,
+                &Command::CreateToken {
+                    record,
+                    request: None,
+                }
+            )
+            .is_err(),
             "duplicate id"
         );
         s.apply(

@@ -31,6 +31,11 @@ pub enum Outcome {
     FrameworkSubscribed {
         framework_id: String,
     },
+    /// The token of a CreateToken: the command's own, or (a resend of a
+    /// create that carried a request id) the one its first send made.
+    TokenCreated {
+        token_id: String,
+    },
     /// Per task of a LaunchFrameworkTasks: launched, or recorded in ERROR
     /// with the reason, or (`unrecorded`) refused without a record because
     /// its id is another task's.
@@ -97,6 +102,11 @@ pub enum ApplyError {
     TaskNotFound(String),
     #[error("invalid {field}: {reason}")]
     Invalid { field: String, reason: String },
+    #[error(
+        "request_id: this caller already submitted job {job_id} with this request id and another spec; \
+         give another request id (or none) for another job"
+    )]
+    RequestIdReused { job_id: String },
     #[error("undecodable command at index {index}: {reason}")]
     Undecodable { index: u64, reason: String },
 }
@@ -141,28 +151,30 @@ impl State {
                 at_ms,
                 request_id,
             } => {
-                // Forget keys older than the TTL (by the proposer's clock,
-                // carried in the command, so every master forgets the same).
-                while let Some((t, _)) = self.submit_request_order.first() {
-                    if t.saturating_add(super::SUBMIT_REQUEST_TTL_MS) >= *at_ms {
-                        break;
-                    }
-                    if let Some((_, key)) = self.submit_request_order.pop_first() {
-                        self.submit_requests.remove(&key);
-                    }
-                }
                 if let Some(key) = request_id {
-                    if let Some((job_id, _)) = self.submit_requests.get(key) {
+                    if let Some(job_id) = self.resubmitted(key, spec, Some(*at_ms))? {
                         return Ok(Outcome::JobSubmitted {
                             job_id: job_id.clone(),
                         });
                     }
                 }
+                // Forget keys older than the TTL (by the proposer's clock,
+                // carried in the command, so every master forgets the same).
+                super::requests::forget_expired(
+                    &mut self.submit_requests,
+                    &mut self.submit_request_order,
+                    *at_ms,
+                    super::requests::MAX_REMEMBERED,
+                );
                 let job_id = format!("job-{}", self.next_job_seq);
                 if let Some(key) = request_id {
-                    self.submit_requests
-                        .insert(key.clone(), (job_id.clone(), *at_ms));
-                    self.submit_request_order.insert((*at_ms, key.clone()));
+                    super::requests::remember(
+                        &mut self.submit_requests,
+                        &mut self.submit_request_order,
+                        key,
+                        job_id.clone(),
+                        *at_ms,
+                    );
                 }
                 self.next_job_seq += 1;
                 self.jobs.insert(
@@ -246,7 +258,7 @@ impl State {
             Command::ForgetFrameworkTasks { task_ids, at_ms } => {
                 Ok(self.forget_framework_tasks(task_ids, *at_ms))
             }
-            Command::CreateToken { record } => self.create_token(record),
+            Command::CreateToken { record, request } => self.create_token(record, request.as_ref()),
             Command::RevokeToken { id, at_ms } => self.revoke_token(id, *at_ms),
             Command::UseJoinToken {
                 id,
@@ -774,6 +786,63 @@ mod tests {
         let fresh = t.apply(submit("k1", later + 1)).unwrap();
         assert_ne!(fresh, first);
         assert_eq!(t.s.jobs.len(), 4);
+    }
+
+    /// Request ids are scoped by their caller (`requests::request_key`):
+    /// two callers' same id makes two jobs, each caller's resend its own.
+    #[test]
+    fn submit_keys_are_per_caller() {
+        let mut t = T::new();
+        let submit = |scope: &str, at_ms: u64| Command::SubmitJob {
+            spec: spec(0),
+            at_ms,
+            request_id: Some(super::super::requests::request_key(scope, "nightly")),
+        };
+        let a = t.apply(submit("aaaa", 1_000)).unwrap();
+        let b = t.apply(submit("bbbb", 1_001)).unwrap();
+        assert_ne!(a, b, "another caller's same id is another request");
+        assert_eq!(t.apply(submit("aaaa", 1_002)).unwrap(), a);
+        assert_eq!(t.apply(submit("bbbb", 1_003)).unwrap(), b);
+        assert_eq!(t.s.jobs.len(), 2);
+        let Outcome::JobSubmitted { job_id } = &a else {
+            panic!("{a:?}")
+        };
+        assert_eq!(t.s.submitted_job("aaaa/nightly"), Some(job_id));
+        assert_eq!(t.s.submitted_job("nightly"), None);
+    }
+
+    /// A key sent again with another spec (a job file edited, a form
+    /// changed after an unknown outcome) is refused, changing nothing,
+    /// rather than answered with the first job.
+    #[test]
+    fn a_submit_key_reused_for_another_spec_is_refused() {
+        let mut t = T::new();
+        let submit = |gpus: u32, at_ms: u64| Command::SubmitJob {
+            spec: spec(gpus),
+            at_ms,
+            request_id: Some("k1".into()),
+        };
+        t.apply(submit(0, 1_000)).unwrap();
+        let before = t.s.clone();
+        let err = t.apply(submit(1, 2_000)).unwrap_err();
+        assert_eq!(
+            err,
+            ApplyError::RequestIdReused {
+                job_id: "job-1".into()
+            }
+        );
+        assert!(err.to_string().contains("request_id"), "{err}");
+        let mut after = t.s.clone();
+        after.applied_index = before.applied_index;
+        assert_eq!(after, before, "a refused submit changes nothing");
+        // Past the TTL the key is free for another job.
+        let later = 1_000 + super::super::SUBMIT_REQUEST_TTL_MS + 1;
+        assert_eq!(
+            t.apply(submit(1, later)).unwrap(),
+            Outcome::JobSubmitted {
+                job_id: "job-2".into()
+            }
+        );
     }
 
     fn spec(gpus: u32) -> JobSpec {

@@ -182,6 +182,10 @@ pub enum Command {
     /// token in place). Refused if the id exists.
     CreateToken {
         record: super::access::TokenRecord,
+        /// The create's request id, remembered so that a resend answers
+        /// this token (absent: none, and in entries older than request ids).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        request: Option<super::requests::TokenRequest>,
     },
     /// The token stops working (revoking twice keeps the first time).
     RevokeToken {

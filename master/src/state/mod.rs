@@ -11,6 +11,7 @@ pub mod events;
 mod events_tests;
 pub mod frameworks;
 mod jobs;
+pub mod requests;
 mod retention;
 pub mod tables;
 #[cfg(test)]
@@ -267,7 +268,7 @@ pub struct FrameworkRecord {
 }
 
 /// How long a submit's idempotency key is remembered.
-pub const SUBMIT_REQUEST_TTL_MS: u64 = 24 * 60 * 60 * 1000;
+pub const SUBMIT_REQUEST_TTL_MS: u64 = requests::REQUEST_TTL_MS;
 
 /// The replicated state. Its fields are private so that it changes only by
 /// applying committed log entries ([`State::apply`], and for the entries
@@ -291,14 +292,18 @@ pub struct State {
     /// Sequence for framework ids (`fw-<n>`).
     #[serde(default)]
     next_framework_seq: u64,
-    /// Idempotency keys of recent submits: key to (job id, submit time).
-    /// A repeated submit with a known key returns that job.
+    /// Idempotency keys of recent submits (`requests::request_key`: the
+    /// caller's scope and its request id) to (job id, submit time). A
+    /// repeated submit with a known key returns that job.
     #[serde(default)]
     submit_requests: BTreeMap<String, (JobId, u64)>,
     /// The same keys by submit time, to forget them after
     /// [`SUBMIT_REQUEST_TTL_MS`].
     #[serde(default)]
     submit_request_order: std::collections::BTreeSet<(u64, String)>,
+    /// Idempotency keys of recent token creates, likewise.
+    #[serde(default)]
+    token_requests: requests::Remembered<requests::CreatedToken>,
     /// API address of each master of the Raft group, by node id, so that
     /// every master (a joining one too) can reach every other.
     #[serde(default)]
@@ -371,12 +376,41 @@ impl State {
         self.frameworks.get(id)
     }
 
-    /// The job a submit with this idempotency key created, while the key is
-    /// remembered.
-    pub fn submitted_job(&self, request_id: &str) -> Option<&JobId> {
-        self.submit_requests
-            .get(request_id)
-            .map(|(job_id, _)| job_id)
+    /// The job a submit with this idempotency key (`requests::request_key`)
+    /// created, while the key is remembered.
+    pub fn submitted_job(&self, key: &str) -> Option<&JobId> {
+        self.submit_requests.get(key).map(|(job_id, _)| job_id)
+    }
+
+    /// What a submit of `spec` sent again with this key gets: the job its
+    /// first send made, while the key is remembered (as of `now_ms` when
+    /// given); refused when that job is still kept and its spec differs
+    /// (the key was reused for another job: giving it the first job's id
+    /// would silently drop the new one).
+    pub fn resubmitted(
+        &self,
+        key: &str,
+        spec: &JobSpec,
+        now_ms: Option<u64>,
+    ) -> Result<Option<&JobId>, ApplyError> {
+        let Some((job_id, at_ms)) = self.submit_requests.get(key) else {
+            return Ok(None);
+        };
+        if now_ms.is_some_and(|now| !requests::live(*at_ms, now)) {
+            return Ok(None);
+        }
+        match self.jobs.get(job_id) {
+            Some(j) if j.spec != *spec => Err(ApplyError::RequestIdReused {
+                job_id: job_id.clone(),
+            }),
+            _ => Ok(Some(job_id)),
+        }
+    }
+
+    /// The token a create with this key (`requests::TokenRequest::key`)
+    /// made, while the key is remembered.
+    pub fn created_token(&self, key: &str) -> Option<&requests::CreatedToken> {
+        self.token_requests.get(key)
     }
 
     /// API address of each master of the Raft group, by node id.

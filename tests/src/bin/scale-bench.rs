@@ -1250,7 +1250,11 @@ async fn cluster_phases(
         for (id, _) in b.submitted.jobs.iter().rev().take(20) {
             let j = ops
                 .call(0, limit, |mut c| async move {
-                    c.get_job(pb::GetJobRequest { job_id: id.clone() }).await
+                    c.get_job(pb::GetJobRequest {
+                        job_id: id.clone(),
+                        ..Default::default()
+                    })
+                    .await
                 })
                 .await
                 .map_err(|s| format!("GetJob: {}", status_text(&s)))?
