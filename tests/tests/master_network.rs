@@ -431,3 +431,204 @@ fn a_leader_isolated_under_submits_loses_no_acknowledged_job() {
         jobs.len()
     );
 }
+
+/// One submit through the CLI, with its own request id.
+struct Try {
+    name: String,
+    request_id: String,
+    code: Option<i32>,
+    stdout: String,
+    stderr: String,
+}
+
+/// Issue 32 items 1 and 4: the followers' packets to the leader dropped (a
+/// one-way cut: the leader still reaches them) while a client submits
+/// through the CLI, each command with a request id of its own and a short
+/// search for the leader. Every command prints its job's id (exit 0), or
+/// says the outcome is unknown and names the request id (exit 4), or fails
+/// having proof that nothing was proposed (exit 1: then no job has its
+/// name); a resend with the same `--request-id` prints the job (it was
+/// made, or is made now) and never a second one.
+#[test]
+fn a_one_way_cut_under_submits_makes_each_job_exactly_once() {
+    if !root_or_skip("a_one_way_cut_under_submits_makes_each_job_exactly_once") {
+        return;
+    }
+    let mut c = LabCluster::start(&[], &[]);
+    let leader = c.leader_host();
+    let run = std::process::id();
+    let tries: Vec<Try> = std::thread::scope(|scope| {
+        let submitter = scope.spawn(|| {
+            let mut tries = Vec::new();
+            let start = Instant::now();
+            let mut n = 0;
+            while start.elapsed() < Duration::from_secs(25) {
+                n += 1;
+                let name = format!("cut-{n}");
+                let request_id = format!("t{run}-cut-{n}");
+                // A short search for the leader (2 s once the outcome is
+                // unknown), so that the cut leaves some outcomes unknown.
+                let out = c.gpuctl(&[
+                    "--leader-deadline",
+                    "0.5",
+                    "jobs",
+                    "submit",
+                    "--name",
+                    &name,
+                    "--request-id",
+                    &request_id,
+                    "--",
+                    "true",
+                ]);
+                tries.push(Try {
+                    name,
+                    request_id,
+                    code: out.status.code(),
+                    stdout: String::from_utf8_lossy(&out.stdout).trim().to_string(),
+                    stderr: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+                });
+            }
+            tries
+        });
+        std::thread::sleep(Duration::from_secs(4));
+        for m in MASTERS.iter().filter(|m| **m != leader) {
+            c.lab.cut(m, &leader);
+        }
+        submitter.join().unwrap()
+    });
+    // Each command said one of the three things, and nothing else.
+    let mut unknown = Vec::new();
+    let mut refused = Vec::new();
+    for t in &tries {
+        match t.code {
+            Some(0) => assert!(
+                t.stdout.starts_with("job-"),
+                "{}: exit 0 without a job id: {:?}",
+                t.name,
+                t.stdout
+            ),
+            Some(4) => {
+                assert!(
+                    t.stderr.contains("unknown") && t.stderr.contains(&t.request_id),
+                    "{}: exit 4 must say the outcome is unknown and name {}: {}",
+                    t.name,
+                    t.request_id,
+                    t.stderr
+                );
+                unknown.push(t);
+            }
+            Some(1) => refused.push(t),
+            other => panic!(
+                "{}: exit {other:?}, neither a job id nor an unknown outcome nor a refusal: {}\n{}",
+                t.name,
+                t.stderr,
+                c.logs()
+            ),
+        }
+    }
+    // The cut is still there: resending under it works too, once the
+    // followers have their own leader. Then heal and resend the rest.
+    let mut resent = std::collections::BTreeMap::new();
+    for t in &unknown {
+        let out = c.gpuctl(&[
+            "jobs",
+            "submit",
+            "--name",
+            &t.name,
+            "--request-id",
+            &t.request_id,
+            "--",
+            "true",
+        ]);
+        if out.status.success() {
+            resent.insert(
+                t.name.clone(),
+                String::from_utf8_lossy(&out.stdout).trim().to_string(),
+            );
+        }
+    }
+    c.lab.heal();
+    for t in &unknown {
+        if resent.contains_key(&t.name) {
+            continue;
+        }
+        let out = c.gpuctl(&[
+            "jobs",
+            "submit",
+            "--name",
+            &t.name,
+            "--request-id",
+            &t.request_id,
+            "--",
+            "true",
+        ]);
+        assert!(
+            out.status.success(),
+            "resending {} after the heal: {}",
+            t.request_id,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        resent.insert(
+            t.name.clone(),
+            String::from_utf8_lossy(&out.stdout).trim().to_string(),
+        );
+    }
+    // And sending every acknowledged one again answers the same job.
+    for t in tries.iter().filter(|t| t.code == Some(0)).take(5) {
+        let again = c.ok(&[
+            "jobs",
+            "submit",
+            "--name",
+            &t.name,
+            "--request-id",
+            &t.request_id,
+            "--",
+            "true",
+        ]);
+        assert_eq!(again.trim(), t.stdout, "{} resent", t.request_id);
+    }
+    let jobs = c.json(&["jobs", "list", "--json"]);
+    let jobs = jobs.as_array().unwrap();
+    // A refusal made nothing.
+    for t in &refused {
+        assert!(
+            !jobs.iter().any(|j| j["name"] == t.name.as_str()),
+            "{} was refused (exit 1: {}) yet made a job",
+            t.name,
+            t.stderr
+        );
+    }
+    for (i, t) in tries.iter().filter(|t| t.code != Some(1)).enumerate() {
+        let with_name: Vec<&serde_json::Value> = jobs
+            .iter()
+            .filter(|j| j["name"] == t.name.as_str())
+            .collect();
+        assert_eq!(
+            with_name.len(),
+            1,
+            "{} ({}) made {} jobs\n{}",
+            t.name,
+            t.request_id,
+            with_name.len(),
+            c.logs()
+        );
+        let id = if t.code == Some(0) {
+            &t.stdout
+        } else {
+            &resent[&t.name]
+        };
+        assert_eq!(with_name[0]["id"], id.as_str(), "{}", t.name);
+        // The request id finds it (every unknown one, and a sample).
+        if t.code == Some(4) || i % 50 == 0 {
+            let got = c.json(&["jobs", "get", "--request-id", &t.request_id, "--json"]);
+            assert_eq!(got["id"], id.as_str(), "{}", t.request_id);
+        }
+    }
+    println!(
+        "one-way cut (followers -> leader {leader}): {} submits, {} acknowledged, {} unknown then resent, {} refused (no job), one job each",
+        tries.len(),
+        tries.len() - unknown.len() - refused.len(),
+        unknown.len(),
+        refused.len()
+    );
+}
