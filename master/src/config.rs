@@ -132,23 +132,32 @@ impl MasterConfig {
                  stopped by its fence before the master declares them LOST",
                 self.agent_lost_timeout.as_secs_f64(),
                 self.agent_fence_timeout.as_secs_f64(),
-                FENCE_MARGIN.as_secs()
+                self.fence_margin().as_secs_f64()
             )));
         }
         Ok(())
     }
 
+    /// The margin the fence needs beyond the fence timeout and the kill
+    /// grace: [`FENCE_MARGIN`], plus two election timeouts, the most a
+    /// leader that lost its majority may go on answering heartbeats (a
+    /// contact for the agent's fence) before it notices and steps down,
+    /// while a new leader's clock for the agent already runs.
+    pub fn fence_margin(&self) -> Duration {
+        FENCE_MARGIN + self.election_timeout * 2
+    }
+
     /// Whether an agent with this kill grace (`kill_grace_ms` of its
     /// registration; 0: [`DEFAULT_KILL_GRACE`]) stops its fenced tasks in
-    /// time: `agent_fence_timeout + kill_grace + FENCE_MARGIN` must be less
-    /// than `agent_lost_timeout`. The error names the numbers.
+    /// time: `agent_fence_timeout + kill_grace + fence_margin()` must be
+    /// less than `agent_lost_timeout`. The error names the numbers.
     pub fn check_kill_grace(&self, kill_grace_ms: u32) -> Result<(), String> {
         let grace = if kill_grace_ms == 0 {
             DEFAULT_KILL_GRACE
         } else {
             Duration::from_millis(u64::from(kill_grace_ms))
         };
-        let needed = self.agent_fence_timeout + grace + FENCE_MARGIN;
+        let needed = self.agent_fence_timeout + grace + self.fence_margin();
         if needed >= self.agent_lost_timeout {
             return Err(format!(
                 "the agent's kill grace is too long for this master: fence timeout {} s + \
@@ -157,7 +166,7 @@ impl MasterConfig {
                  or raise the master's agent_lost_timeout_secs",
                 self.agent_fence_timeout.as_secs_f64(),
                 grace.as_secs_f64(),
-                FENCE_MARGIN.as_secs_f64(),
+                self.fence_margin().as_secs_f64(),
                 needed.as_secs_f64(),
                 self.agent_lost_timeout.as_secs_f64()
             ));
@@ -271,7 +280,8 @@ pub struct Options {
     /// Seconds without a heartbeat before an agent is marked LOST and its
     /// tasks LOST (their jobs are retried; their GPUs stay held until the
     /// agent confirms the tasks are gone). Must exceed
-    /// agent_fence_timeout_secs plus the agents' kill grace plus 5 s.
+    /// agent_fence_timeout_secs plus the agents' kill grace plus 5 s plus
+    /// two election timeouts.
     #[arg(
         long,
         env = "GPUCTL_MASTER_AGENT_LOST_TIMEOUT_SECS",
@@ -1086,15 +1096,15 @@ mod tests {
     #[test]
     fn registration_needs_fence_plus_kill_grace_plus_margin_below_the_lost_timeout() {
         let c = MasterConfig::new("127.0.0.1:1".parse().unwrap(), "/x".into());
-        // 75 + 10 (assumed for an old agent) + 5 < 120.
+        // 75 + 10 (assumed for an old agent) + 5 + 2 x 1 (election) < 120.
         assert!(c.check_kill_grace(0).is_ok());
-        assert!(c.check_kill_grace(39_999).is_ok());
-        // 75 + 40 + 5 = 120: not less.
-        let e = c.check_kill_grace(40_000).unwrap_err();
+        assert!(c.check_kill_grace(37_999).is_ok());
+        // 75 + 38 + 7 = 120: not less.
+        let e = c.check_kill_grace(38_000).unwrap_err();
         for needle in [
             "75",
-            "40",
-            "5",
+            "38",
+            "margin 7",
             "120",
             "agent_lost_timeout_secs",
             "kill grace",
@@ -1102,9 +1112,15 @@ mod tests {
             assert!(e.contains(needle), "{needle}: {e}");
         }
         let mut short = c.clone();
-        short.agent_lost_timeout = Duration::from_secs(90);
-        assert!(short.check_kill_grace(0).is_err(), "75 + 10 + 5 = 90");
+        short.agent_lost_timeout = Duration::from_secs(92);
+        assert!(short.check_kill_grace(0).is_err(), "75 + 10 + 7 = 92");
         assert!(short.check_kill_grace(9_000).is_ok());
+        // A slow link's election timeout widens the margin.
+        let mut slow = c.clone();
+        slow.election_timeout = Duration::from_secs(4);
+        assert_eq!(slow.fence_margin(), Duration::from_secs(13));
+        assert!(slow.check_kill_grace(31_999).is_ok());
+        assert!(slow.check_kill_grace(32_000).is_err(), "75 + 32 + 13 = 120");
     }
 
     #[test]

@@ -20,7 +20,7 @@ const MARKER: &str = "GPUCTL_SURVIVAL_TEST";
 
 /// A master with short timeouts (unreachable after 1.5 s, tasks fenced 4 s
 /// after the agent's last contact, + 2 s grace; lost after `lost_secs`,
-/// which must exceed 4 + 2 + 5) and one agent of one GPU whose tasks
+/// which must exceed 4 + 2 + 5 + 2 x 1 (the election timeout)) and one agent of one GPU whose tasks
 /// outlive it.
 fn fencing_cluster(lost_secs: &str, runtime: &str) -> Cluster {
     let mut c = Cluster::start(&[
@@ -174,7 +174,7 @@ fn a_frozen_agent_keeps_its_tasks_until_fenced_and_the_job_never_runs_twice() {
     }
     let m = test_marker("freeze");
     let env = format!("{MARKER}={m}");
-    let mut c = fencing_cluster("12", "process");
+    let mut c = fencing_cluster("14", "process");
     let watch = InvariantWatch::start(MARKER, &m);
     let j = c.submit(&[
         "--name",
