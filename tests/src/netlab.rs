@@ -166,42 +166,16 @@ impl NetLab {
     /// `delay_ms` > 0, arrives `delay_ms` late.
     pub fn degrade(&mut self, from: &str, to: &str, loss: f64, delay_ms: u64) {
         let ip = self.ip(to);
+        let to_peer = ["-A", "OUTPUT", "-d", ip.as_str()];
         if loss > 0.0 {
             let p = format!("{loss}");
-            self.iptables(
-                from,
-                &[
-                    "-A",
-                    "OUTPUT",
-                    "-d",
-                    &ip,
-                    "-m",
-                    "statistic",
-                    "--mode",
-                    "random",
-                    "--probability",
-                    &p,
-                    "-j",
-                    "DROP",
-                ],
-            );
+            let drop = ["-m", "statistic", "--mode", "random", "--probability", &p];
+            self.iptables(from, &[&to_peer[..], &drop, &["-j", "DROP"]].concat());
         }
         if delay_ms > 0 {
             self.start_delay(from, delay_ms);
-            self.iptables(
-                from,
-                &[
-                    "-A",
-                    "OUTPUT",
-                    "-d",
-                    &ip,
-                    "-j",
-                    "NFQUEUE",
-                    "--queue-num",
-                    "0",
-                    "--queue-bypass",
-                ],
-            );
+            let queue = ["-j", "NFQUEUE", "--queue-num", "0", "--queue-bypass"];
+            self.iptables(from, &[&to_peer[..], &queue].concat());
         }
     }
 

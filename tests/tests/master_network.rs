@@ -432,6 +432,23 @@ fn a_leader_isolated_under_submits_loses_no_acknowledged_job() {
     );
 }
 
+/// Sends `t`'s submit again, same name and request id: the answer and
+/// what it printed.
+fn resend(c: &LabCluster, t: &Try) -> (std::process::Output, String) {
+    let out = c.gpuctl(&[
+        "jobs",
+        "submit",
+        "--name",
+        &t.name,
+        "--request-id",
+        &t.request_id,
+        "--",
+        "true",
+    ]);
+    let printed = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    (out, printed)
+}
+
 /// One submit through the CLI, with its own request id.
 struct Try {
     name: String,
@@ -530,62 +547,31 @@ fn a_one_way_cut_under_submits_makes_each_job_exactly_once() {
     // followers have their own leader. Then heal and resend the rest.
     let mut resent = std::collections::BTreeMap::new();
     for t in &unknown {
-        let out = c.gpuctl(&[
-            "jobs",
-            "submit",
-            "--name",
-            &t.name,
-            "--request-id",
-            &t.request_id,
-            "--",
-            "true",
-        ]);
+        let (out, id) = resend(&c, t);
         if out.status.success() {
-            resent.insert(
-                t.name.clone(),
-                String::from_utf8_lossy(&out.stdout).trim().to_string(),
-            );
+            resent.insert(t.name.clone(), id);
         }
     }
     c.lab.heal();
-    for t in &unknown {
-        if resent.contains_key(&t.name) {
-            continue;
-        }
-        let out = c.gpuctl(&[
-            "jobs",
-            "submit",
-            "--name",
-            &t.name,
-            "--request-id",
-            &t.request_id,
-            "--",
-            "true",
-        ]);
+    let pending: Vec<&&Try> = unknown
+        .iter()
+        .filter(|t| !resent.contains_key(&t.name))
+        .collect();
+    for t in pending {
+        let (out, id) = resend(&c, t);
         assert!(
             out.status.success(),
             "resending {} after the heal: {}",
             t.request_id,
             String::from_utf8_lossy(&out.stderr)
         );
-        resent.insert(
-            t.name.clone(),
-            String::from_utf8_lossy(&out.stdout).trim().to_string(),
-        );
+        resent.insert(t.name.clone(), id);
     }
-    // And sending every acknowledged one again answers the same job.
+    // And sending acknowledged ones again answers the same job.
     for t in tries.iter().filter(|t| t.code == Some(0)).take(5) {
-        let again = c.ok(&[
-            "jobs",
-            "submit",
-            "--name",
-            &t.name,
-            "--request-id",
-            &t.request_id,
-            "--",
-            "true",
-        ]);
-        assert_eq!(again.trim(), t.stdout, "{} resent", t.request_id);
+        let (out, id) = resend(&c, t);
+        assert!(out.status.success(), "{} resent", t.request_id);
+        assert_eq!(id, t.stdout, "{} resent", t.request_id);
     }
     let jobs = c.json(&["jobs", "list", "--json"]);
     let jobs = jobs.as_array().unwrap();
