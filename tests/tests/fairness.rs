@@ -57,6 +57,7 @@ impl Greedy {
         }
         let mut events = client
             .subscribe(pb::SubscribeRequest {
+                request_id: String::new(),
                 suppressed: false,
                 framework: Some(pb::FrameworkInfo {
                     name: self.name.into(),

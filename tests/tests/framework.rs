@@ -111,6 +111,7 @@ fn offers_name_gpus_and_bad_accepts_are_refused_leaving_the_offers() {
         // Bad input names the field.
         let err = client
             .subscribe(pb::SubscribeRequest {
+                request_id: String::new(),
                 suppressed: false,
                 framework: Some(pb::FrameworkInfo {
                     name: String::new(),
@@ -124,6 +125,7 @@ fn offers_name_gpus_and_bad_accepts_are_refused_leaving_the_offers() {
 
         let mut events = client
             .subscribe(pb::SubscribeRequest {
+                request_id: String::new(),
                 suppressed: false,
                 framework: Some(pb::FrameworkInfo {
                     name: "raw".into(),
@@ -329,6 +331,7 @@ fn offers_name_gpus_and_bad_accepts_are_refused_leaving_the_offers() {
 
 fn info(id: &str, failover_secs: f64) -> pb::SubscribeRequest {
     pb::SubscribeRequest {
+        request_id: String::new(),
         framework: Some(pb::FrameworkInfo {
             id: id.into(),
             name: "failover".into(),
@@ -855,5 +858,53 @@ ports: 0,
         assert_eq!(u.state, pb::TaskState::TaskLost as i32);
         assert_eq!(u.reason, pb::Reason::TaskUnknown as i32);
         assert!(u.uuid.is_empty());
+    });
+}
+
+/// Issue 32: a new framework's Subscribe whose answer was lost (the stream
+/// dropped before SUBSCRIBED was read) is sent again with the same request
+/// id and re-attaches to the framework the first one made; another id
+/// makes another framework; a bad id is refused naming the field.
+#[test]
+fn a_subscribe_sent_again_with_its_request_id_makes_one_framework() {
+    let c = Cluster::start(&[]);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let addr = format!("http://{}", c.master_addr);
+        let subscribe = |key: &str| {
+            let mut req = info("", 30.0);
+            req.request_id = key.into();
+            let addr = addr.clone();
+            async move {
+                let mut client = SchedulerClient::connect(addr).await.unwrap();
+                client.subscribe(req).await
+            }
+        };
+        let id_of = |events: tonic::Streaming<pb::Event>| async move {
+            let mut events = events;
+            let pb::event::Event::Subscribed(sub) = next_event(&mut events, |e| {
+                matches!(e, pb::event::Event::Subscribed(_))
+            })
+            .await
+            else {
+                unreachable!()
+            };
+            sub.framework_id
+        };
+        // The first answer is read, then the stream is lost.
+        let first = id_of(subscribe("fw-key-1").await.unwrap().into_inner()).await;
+        let again = id_of(subscribe("fw-key-1").await.unwrap().into_inner()).await;
+        assert_eq!(again, first, "the same key re-attaches");
+        // Another key, another framework: the next one, so the resend
+        // made none in between.
+        let other = id_of(subscribe("fw-key-2").await.unwrap().into_inner()).await;
+        let number = |id: &str| id.trim_start_matches("fw-").parse::<u64>().unwrap();
+        assert_eq!(number(&other), number(&first) + 1, "{first} then {other}");
+        let err = subscribe("bad key").await.unwrap_err();
+        assert_eq!(err.code(), tonic::Code::InvalidArgument);
+        assert!(err.message().contains("request_id"), "{err}");
     });
 }

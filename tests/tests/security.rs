@@ -614,6 +614,7 @@ fn a_secure_cluster_runs_jobs_and_refuses_what_an_outsider_tried() {
             code(
                 s.subscribe(with_token(
                     pb::SubscribeRequest {
+                        request_id: String::new(),
                         framework: Some(info("nlp")),
                         suppressed: false
                     },
@@ -628,6 +629,7 @@ fn a_secure_cluster_runs_jobs_and_refuses_what_an_outsider_tried() {
             code(
                 s.subscribe(with_token(
                     pb::SubscribeRequest {
+                        request_id: String::new(),
                         framework: Some(info("vision")),
                         suppressed: false
                     },
@@ -640,6 +642,7 @@ fn a_secure_cluster_runs_jobs_and_refuses_what_an_outsider_tried() {
         let mut events = s
             .subscribe(with_token(
                 pb::SubscribeRequest {
+                    request_id: String::new(),
                     framework: Some(info("vision")),
                     suppressed: true,
                 },

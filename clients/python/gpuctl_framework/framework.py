@@ -125,6 +125,11 @@ class Framework:
             capabilities=list(capabilities),
             failover_timeout_secs=failover_timeout)
         self.auto_acknowledge = auto_acknowledge
+        # The idempotency key of this framework's first subscription, sent
+        # with every retry: one whose SUBSCRIBED never came re-attaches to
+        # the framework it made instead of registering a second (ignored
+        # once the framework has its id).
+        self.request_id = os.urandom(16).hex()
         self._credentials = _credentials(tls_dir, token)
         self.call_timeout = call_timeout
         self.subscribe_patience = subscribe_patience
@@ -222,7 +227,8 @@ class Framework:
                     self._resubscribe = False
                     self._connect(addr)
                     call = self._stub.Subscribe(pb.SubscribeRequest(
-                        framework=self.info, suppressed=self._suppressed))
+                        framework=self.info, suppressed=self._suppressed,
+                        request_id=self.request_id))
                     self._call = call
                 events = queue.Queue()
                 threading.Thread(target=_pump, args=(call, events),

@@ -147,6 +147,7 @@ async fn main() -> ExitCode {
             capabilities: vec![pb::FrameworkCapability::GpuResources as i32],
             failover_timeout_secs: 60.0,
         },
+        request_id: gpuctl_proto::new_request_id(),
         client: None,
         resubscribe: false,
         plan: Plan::new(config),
@@ -192,6 +193,8 @@ struct Framework {
     current: usize,
     /// Our FrameworkInfo; `id` is set once SUBSCRIBED arrives.
     info: pb::FrameworkInfo,
+    /// The idempotency key of our first subscription.
+    request_id: String,
     /// The master we subscribed at; calls go there too.
     client: Option<SchedulerClient<Channel>>,
     /// A call was redirected: subscribe again, at the leader.
@@ -262,6 +265,11 @@ impl Framework {
             let request = pb::SubscribeRequest {
                 framework: Some(self.info.clone()),
                 suppressed: false,
+                // One key for this process's first subscription, however
+                // often it is sent: a Subscribe whose answer was lost
+                // re-attaches to the framework it made (ignored once the
+                // framework has its id).
+                request_id: self.request_id.clone(),
             };
             match client.subscribe(request).await {
                 Ok(response) => {

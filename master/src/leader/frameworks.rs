@@ -919,6 +919,7 @@ mod tests {
         let Outcome::FrameworkSubscribed { framework_id } = apply(
             &mut s,
             Command::SubscribeFramework {
+                request_id: None,
                 info: FrameworkInfo {
                     id: String::new(),
                     name: "f".into(),
@@ -1115,6 +1116,7 @@ mod tests {
         apply(
             &mut s,
             Command::SubscribeFramework {
+                request_id: None,
                 info: FrameworkInfo {
                     id: builtin.into(),
                     name: "gpuctl jobs".into(),
@@ -1162,6 +1164,7 @@ mod tests {
         let Outcome::FrameworkSubscribed { framework_id: f } = apply(
             &mut s,
             Command::SubscribeFramework {
+                request_id: None,
                 info: FrameworkInfo {
                     id: String::new(),
                     name: "f".into(),

@@ -352,6 +352,7 @@ mod tests {
         let mut d = Driver::new(&[("a", 0)]);
         let f = match d
             .apply(Command::SubscribeFramework {
+                request_id: None,
                 info: FrameworkInfo {
                     id: String::new(),
                     name: "fw".into(),

@@ -74,6 +74,7 @@ pub async fn run(
         }
         if let Err(e) = raft
             .propose(Command::SubscribeFramework {
+                request_id: None,
                 info: info(),
                 at_ms: now_ms(),
             })

@@ -385,12 +385,22 @@ impl SchedulerService {
         let mut info = framework_info_from_pb(req.framework)?;
         self.authorize(caller, &mut info)?;
         let suppressed = req.suppressed;
+        let request_id = if req.request_id.is_empty() || !info.id.is_empty() {
+            None
+        } else {
+            gpuctl_core::convert::check_id("request_id", &req.request_id)?;
+            Some(crate::state::requests::request_key(
+                caller.request_scope(),
+                &req.request_id,
+            ))
+        };
         let framework_id = match self
             .ctx
             .raft
             .propose(Command::SubscribeFramework {
                 info,
                 at_ms: now_ms(),
+                request_id,
             })
             .await?
         {

@@ -231,7 +231,11 @@ impl State {
                 victims,
                 at_ms,
             } => self.preempt_jobs(job_id, victims, *at_ms),
-            Command::SubscribeFramework { info, at_ms } => self.subscribe_framework(info, *at_ms),
+            Command::SubscribeFramework {
+                info,
+                at_ms,
+                request_id,
+            } => self.subscribe_framework(info, *at_ms, request_id.as_deref()),
             Command::UpdateFramework { info, .. } => self.update_framework(info),
             Command::RemoveFramework {
                 framework_id,

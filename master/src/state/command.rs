@@ -131,6 +131,11 @@ pub enum Command {
     SubscribeFramework {
         info: FrameworkInfo,
         at_ms: u64,
+        /// A new framework's idempotency key (`requests::request_key`): a
+        /// subscription sent again with it re-attaches to the framework
+        /// the first one made instead of making a second.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        request_id: Option<String>,
     },
     UpdateFramework {
         info: FrameworkInfo,

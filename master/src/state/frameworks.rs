@@ -36,6 +36,7 @@ impl State {
         &mut self,
         info: &FrameworkInfo,
         at_ms: u64,
+        request_id: Option<&str>,
     ) -> Result<Outcome, ApplyError> {
         if info.id == BUILTIN_FRAMEWORK_ID {
             // Always there for a leader to use; never removed for good.
@@ -52,7 +53,21 @@ impl State {
             });
         }
         if info.id.is_empty() {
+            // Sent again after an unknown outcome: the framework the first
+            // one made, re-attached (unless it is gone since).
+            let made = request_id.and_then(|key| self.framework_requests.get_at(key, at_ms));
+            if let Some(id) = made.filter(|id| self.active_framework(id).is_ok()).cloned() {
+                let mut info = info.clone();
+                info.id = id.clone();
+                if let Some(f) = self.frameworks.get_mut(&id) {
+                    f.info = info;
+                }
+                return Ok(Outcome::FrameworkSubscribed { framework_id: id });
+            }
             let id = format!("fw-{}", self.next_framework_seq);
+            if let Some(key) = request_id {
+                self.framework_requests.insert(key, id.clone(), at_ms);
+            }
             self.next_framework_seq += 1;
             let mut info = info.clone();
             info.id = id.clone();
@@ -341,6 +356,7 @@ mod tests {
             .apply(
                 2,
                 &Command::SubscribeFramework {
+                    request_id: None,
                     info: fw(""),
                     at_ms: 0,
                 },
@@ -385,6 +401,52 @@ mod tests {
     /// A framework's task asking for ports gets the lowest free numbers of
     /// its agent's range, in GPUCTL_PORTS; one asking more than are free
     /// is refused and holds nothing.
+    /// Issue 32: a new framework's subscription sent again with its
+    /// request id re-attaches to the framework the first one made, while
+    /// the id is remembered and the framework is not removed.
+    #[test]
+    fn a_resent_subscription_reattaches_by_its_request_id() {
+        let mut s = state();
+        let mut index = 2;
+        let mut sub = |s: &mut State, key: Option<&str>, at_ms: u64| {
+            index += 1;
+            match s
+                .apply(
+                    index,
+                    &Command::SubscribeFramework {
+                        request_id: key.map(str::to_string),
+                        info: fw(""),
+                        at_ms,
+                    },
+                )
+                .unwrap()
+            {
+                Outcome::FrameworkSubscribed { framework_id } => framework_id,
+                o => panic!("{o:?}"),
+            }
+        };
+        let first = sub(&mut s, Some("k"), 1_000);
+        assert_eq!(sub(&mut s, Some("k"), 2_000), first);
+        let other = sub(&mut s, Some("k2"), 2_000);
+        assert_ne!(other, first);
+        assert_ne!(sub(&mut s, None, 2_000), first, "no key: a new framework");
+        // Past the TTL the key is forgotten: a new framework.
+        let late = 1_001 + crate::state::requests::REQUEST_TTL_MS;
+        let after_ttl = sub(&mut s, Some("k"), late);
+        assert_ne!(after_ttl, first);
+        // A removed framework is not re-attached to.
+        s.apply(
+            100,
+            &Command::RemoveFramework {
+                framework_id: other.clone(),
+                reason: "teardown".into(),
+                at_ms: late,
+            },
+        )
+        .unwrap();
+        assert_ne!(sub(&mut s, Some("k2"), late), other);
+    }
+
     #[test]
     fn framework_tasks_get_host_ports_from_the_agents_range() {
         let mut s = state();
@@ -407,6 +469,7 @@ mod tests {
             .apply(
                 3,
                 &Command::SubscribeFramework {
+                    request_id: None,
                     info: fw(""),
                     at_ms: 0,
                 },
@@ -466,6 +529,7 @@ mod tests {
             .apply(
                 4,
                 &Command::SubscribeFramework {
+                    request_id: None,
                     info: fw(&f),
                     at_ms: 1
                 }
@@ -475,6 +539,7 @@ mod tests {
             s.apply(
                 4,
                 &Command::SubscribeFramework {
+                    request_id: None,
                     info: fw("fw-9"),
                     at_ms: 1
                 }
@@ -506,6 +571,7 @@ mod tests {
             s.apply(
                 6,
                 &Command::SubscribeFramework {
+                    request_id: None,
                     info: fw(&f),
                     at_ms: 3
                 }

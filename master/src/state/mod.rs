@@ -304,6 +304,10 @@ pub struct State {
     /// Idempotency keys of recent token creates, likewise.
     #[serde(default)]
     token_requests: requests::Remembered<requests::CreatedToken>,
+    /// Idempotency keys of recent subscriptions of new frameworks, to the
+    /// framework each made.
+    #[serde(default)]
+    framework_requests: requests::Remembered<FrameworkId>,
     /// API address of each master of the Raft group, by node id, so that
     /// every master (a joining one too) can reach every other.
     #[serde(default)]

@@ -286,6 +286,7 @@ mod tests {
 
     fn framework(t: &mut T) -> String {
         match t.apply(Command::SubscribeFramework {
+            request_id: None,
             info: FrameworkInfo {
                 id: String::new(),
                 name: "fw".into(),

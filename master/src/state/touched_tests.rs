@@ -337,6 +337,7 @@ proptest! {
         let ids: Vec<(&str, u32)> = vec![("a0", GPUS), ("a1", GPUS), ("a2", GPUS), ("a3", GPUS)];
         let mut d = Driver::new(&ids);
         let fw = match d.apply(Command::SubscribeFramework {
+            request_id: None,
             info: FrameworkInfo {
                 id: String::new(),
                 name: "f".into(),
