@@ -84,6 +84,13 @@ pub const MAX_AGENT_GPUS: usize = 64;
 pub const MAX_GPU_UUID_LEN: usize = 128;
 /// A peer's PCIe path (`PIX`, `PXB`, `PHB`, `NODE`, `SYS`), bytes.
 pub const MAX_PCIE_LEN: usize = 16;
+/// Most MIG devices (and profiles) one GPU may report: an A100 or H100
+/// has at most 7 GPU instances; room for future parts.
+pub const MAX_MIG_DEVICES: usize = 16;
+/// Longest MIG profile name ("1g.10gb+me" is 10).
+pub const MAX_MIG_PROFILE_LEN: usize = 32;
+/// Most `nvidia-caps` minors one MIG device may name.
+pub const MAX_MIG_CAPS: usize = 8;
 /// Runtimes an agent lists.
 pub const MAX_AGENT_RUNTIMES: usize = 16;
 /// Task ids an agent reports running when it registers.
@@ -925,6 +932,10 @@ pub fn gpu_from_pb(field: &str, g: pb::Gpu) -> Result<GpuInfo> {
             pcie: p.pcie,
         });
     }
+    let mig = match g.mig {
+        Some(m) => mig_from_pb(&format!("{field}.mig"), &g.uuid, m)?,
+        None => MigInfo::default(),
+    };
     Ok(GpuInfo {
         uuid: g.uuid,
         index: g.index,
@@ -938,7 +949,118 @@ pub fn gpu_from_pb(field: &str, g: pb::Gpu) -> Result<GpuInfo> {
         compute_capability,
         peers,
         unhealthy_reason: g.unhealthy_reason,
+        mig,
     })
+}
+
+/// A GPU's MIG state, its fields named under `field`: bounded lists,
+/// non-empty distinct device uuids (never the parent's), printable names.
+fn mig_from_pb(field: &str, parent: &str, m: pb::MigInfo) -> Result<MigInfo> {
+    if m.devices.len() > MAX_MIG_DEVICES {
+        return Err(ConvertError::new(
+            format!("{field}.devices"),
+            format!("has {} devices, at most {MAX_MIG_DEVICES}", m.devices.len()),
+        ));
+    }
+    if m.free.len() > MAX_MIG_DEVICES {
+        return Err(ConvertError::new(
+            format!("{field}.free"),
+            format!("has {} profiles, at most {MAX_MIG_DEVICES}", m.free.len()),
+        ));
+    }
+    if !m.enabled && !m.devices.is_empty() {
+        return Err(ConvertError::new(
+            format!("{field}.devices"),
+            "MIG devices on a GPU whose MIG mode is off",
+        ));
+    }
+    let mut seen = std::collections::BTreeSet::new();
+    let mut devices = Vec::with_capacity(m.devices.len());
+    for (i, d) in m.devices.into_iter().enumerate() {
+        let f = format!("{field}.devices[{i}]");
+        if d.uuid.is_empty() {
+            return Err(ConvertError::new(format!("{f}.uuid"), "must not be empty"));
+        }
+        check_text(&format!("{f}.uuid"), &d.uuid, MAX_GPU_UUID_LEN, false)?;
+        if d.uuid == parent || !seen.insert(d.uuid.clone()) {
+            return Err(ConvertError::new(
+                format!("{f}.uuid"),
+                format!("{} is not unique on its GPU", d.uuid),
+            ));
+        }
+        check_text(
+            &format!("{f}.profile"),
+            &d.profile,
+            MAX_MIG_PROFILE_LEN,
+            false,
+        )?;
+        if d.caps_minors.len() > MAX_MIG_CAPS {
+            return Err(ConvertError::new(
+                format!("{f}.caps_minors"),
+                format!("has {} minors, at most {MAX_MIG_CAPS}", d.caps_minors.len()),
+            ));
+        }
+        devices.push(MigDevice {
+            uuid: d.uuid,
+            profile: d.profile,
+            memory_mib: d.memory_mib,
+            gpu_slices: d.gpu_slices,
+            compute_slices: d.compute_slices,
+            gi_id: d.gi_id,
+            ci_id: d.ci_id,
+            caps_minors: d.caps_minors,
+        });
+    }
+    let mut free = Vec::with_capacity(m.free.len());
+    for (i, c) in m.free.into_iter().enumerate() {
+        check_text(
+            &format!("{field}.free[{i}].profile"),
+            &c.profile,
+            MAX_MIG_PROFILE_LEN,
+            false,
+        )?;
+        free.push(MigCapacity {
+            profile: c.profile,
+            count: c.count,
+        });
+    }
+    Ok(MigInfo {
+        enabled: m.enabled,
+        pending: m.pending,
+        devices,
+        free,
+    })
+}
+
+impl From<MigInfo> for pb::MigInfo {
+    fn from(m: MigInfo) -> Self {
+        pb::MigInfo {
+            enabled: m.enabled,
+            pending: m.pending,
+            devices: m
+                .devices
+                .into_iter()
+                .map(|d| pb::MigDevice {
+                    uuid: d.uuid,
+                    profile: d.profile,
+                    memory_mib: d.memory_mib,
+                    gpu_slices: d.gpu_slices,
+                    compute_slices: d.compute_slices,
+                    gi_id: d.gi_id,
+                    ci_id: d.ci_id,
+                    caps_minors: d.caps_minors,
+                })
+                .collect(),
+            free: m
+                .free
+                .into_iter()
+                .map(|c| pb::MigCapacity {
+                    profile: c.profile,
+                    count: c.count,
+                })
+                .collect(),
+        }
+    }
 }
 
 impl From<GpuInfo> for pb::Gpu {
@@ -967,6 +1089,7 @@ impl From<GpuInfo> for pb::Gpu {
                 })
                 .collect(),
             unhealthy_reason: g.unhealthy_reason,
+            mig: (!g.mig.is_off()).then(|| g.mig.into()),
         }
     }
 }
@@ -1664,6 +1787,72 @@ pub fn drain_deadline(at_ms: u64, secs: Option<f64>) -> Result<Option<u64>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn mig_gpu() -> GpuInfo {
+        let mut g = GpuInfo::new("GPU-a", 0, "NVIDIA A100-SXM4-40GB", 40960);
+        g.mig = MigInfo {
+            enabled: true,
+            pending: None,
+            devices: vec![MigDevice {
+                uuid: "MIG-1".into(),
+                profile: "3g.20gb".into(),
+                memory_mib: 19968,
+                gpu_slices: 3,
+                compute_slices: 3,
+                gi_id: 1,
+                ci_id: 0,
+                caps_minors: vec![12, 13],
+            }],
+            free: vec![MigCapacity {
+                profile: "1g.5gb".into(),
+                count: 2,
+            }],
+        };
+        g
+    }
+
+    #[test]
+    fn mig_devices_round_trip_and_bad_ones_are_refused_naming_the_field() {
+        let g = mig_gpu();
+        assert_eq!(gpu_from_pb("gpus[0]", g.clone().into()).unwrap(), g);
+        // A GPU without MIG sends none and reads back as off.
+        let plain = GpuInfo::new("GPU-b", 1, "T4", 15360);
+        let pb_plain: pb::Gpu = plain.clone().into();
+        assert!(pb_plain.mig.is_none());
+        assert_eq!(gpu_from_pb("gpus[1]", pb_plain).unwrap(), plain);
+        let bad = |edit: fn(&mut pb::MigInfo), field: &str| {
+            let mut p: pb::Gpu = mig_gpu().into();
+            edit(p.mig.as_mut().unwrap());
+            let e = gpu_from_pb("gpus[0]", p).unwrap_err();
+            assert_eq!(e.field, field, "{e}");
+        };
+        bad(|m| m.enabled = false, "gpus[0].mig.devices");
+        bad(
+            |m| m.devices.push(m.devices[0].clone()),
+            "gpus[0].mig.devices[1].uuid",
+        );
+        bad(
+            |m| m.devices[0].uuid = "GPU-a".into(),
+            "gpus[0].mig.devices[0].uuid",
+        );
+        bad(|m| m.devices[0].uuid.clear(), "gpus[0].mig.devices[0].uuid");
+        bad(
+            |m| m.devices[0].profile = "x".repeat(33),
+            "gpus[0].mig.devices[0].profile",
+        );
+        bad(
+            |m| m.devices[0].caps_minors = vec![1; 9],
+            "gpus[0].mig.devices[0].caps_minors",
+        );
+        bad(
+            |m| m.devices = vec![m.devices[0].clone(); 17],
+            "gpus[0].mig.devices",
+        );
+        bad(
+            |m| m.free[0].profile = "bad\nname".into(),
+            "gpus[0].mig.free[0].profile",
+        );
+    }
 
     fn spec() -> pb::JobSpec {
         pb::JobSpec {

@@ -123,6 +123,62 @@ pub struct GpuInfo {
     pub peers: Vec<GpuPeer>,
     #[serde(default)]
     pub unhealthy_reason: String,
+    /// MIG: the GPU's mode, its MIG devices and what it could still host.
+    /// Default (off, none) for a GPU without MIG.
+    #[serde(default, skip_serializing_if = "MigInfo::is_off")]
+    pub mig: MigInfo,
+}
+
+/// A GPU's MIG state as its agent discovered it through NVML.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MigInfo {
+    /// MIG mode is on (NVML's current mode).
+    #[serde(default)]
+    pub enabled: bool,
+    /// The mode after the next GPU reset, when it differs (A100: a mode
+    /// change waits for a reset).
+    #[serde(default)]
+    pub pending: Option<bool>,
+    #[serde(default)]
+    pub devices: Vec<MigDevice>,
+    /// The profiles the GPU could still host next to its devices, and how
+    /// many of each (NVML's remaining capacity); empty when none fits.
+    #[serde(default)]
+    pub free: Vec<MigCapacity>,
+}
+
+impl MigInfo {
+    pub fn is_off(&self) -> bool {
+        *self == MigInfo::default()
+    }
+}
+
+/// One MIG device: a GPU instance and the compute instance spanning it,
+/// which CUDA sees as a device of its own.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MigDevice {
+    /// `MIG-…`, as in `NVIDIA_VISIBLE_DEVICES`.
+    pub uuid: String,
+    /// The profile's name, e.g. `1g.10gb`: compute slices and memory.
+    pub profile: String,
+    pub memory_mib: u64,
+    /// Slices of the GPU's compute (out of 7) and of its compute instance.
+    pub gpu_slices: u32,
+    pub compute_slices: u32,
+    /// NVML's GPU instance and compute instance ids.
+    pub gi_id: u32,
+    pub ci_id: u32,
+    /// Minors of the `/dev/nvidia-caps/nvidia-capN` nodes that grant
+    /// access to it (its GPU instance's and its compute instance's); empty
+    /// when the host does not say (no `mig-minors` file).
+    pub caps_minors: Vec<u32>,
+}
+
+/// How many more MIG devices of a profile a GPU could host.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MigCapacity {
+    pub profile: String,
+    pub count: u32,
 }
 
 impl GpuInfo {
@@ -146,6 +202,7 @@ impl GpuInfo {
             compute_capability: None,
             peers: Vec::new(),
             unhealthy_reason: String::new(),
+            mig: MigInfo::default(),
         }
     }
 }

@@ -349,6 +349,28 @@ mod tests {
                     })
                     .collect(),
                 unhealthy_reason: text("r", MAX_REASON_LEN),
+                mig: Some(pb::MigInfo {
+                    enabled: true,
+                    pending: Some(false),
+                    devices: (0..MAX_MIG_DEVICES)
+                        .map(|d| pb::MigDevice {
+                            uuid: text(&format!("MIG-{i}-{d}-"), MAX_GPU_UUID_LEN),
+                            profile: text("p", MAX_MIG_PROFILE_LEN),
+                            memory_mib: MAX_MEM_MIB,
+                            gpu_slices: 7,
+                            compute_slices: 7,
+                            gi_id: 14,
+                            ci_id: 7,
+                            caps_minors: vec![u32::MAX; MAX_MIG_CAPS],
+                        })
+                        .collect(),
+                    free: (0..MAX_MIG_DEVICES)
+                        .map(|_| pb::MigCapacity {
+                            profile: text("p", MAX_MIG_PROFILE_LEN),
+                            count: 7,
+                        })
+                        .collect(),
+                }),
             })
             .collect();
         let req = pb::RegisterRequest {
