@@ -42,6 +42,9 @@ pub struct AgentConfig {
     pub cgroup_root: PathBuf,
     /// Where `nvidia<N>`, `nvidiactl`, ... are found.
     pub dev_root: PathBuf,
+    /// Where the driver's `/proc` files are read (`driver/nvidia-caps/
+    /// mig-minors`): `/proc`, or a directory of fakes in tests.
+    pub nvidia_proc_root: PathBuf,
     /// Root under which the driver's ld.so cache, libraries and binaries are.
     pub driver_root: PathBuf,
     /// Where the agent writes the CDI spec of its GPUs; `None`: no spec,
@@ -100,6 +103,7 @@ impl AgentConfig {
             cgroup_parent: "gpuctl".into(),
             cgroup_root: PathBuf::from("/sys/fs/cgroup"),
             dev_root: PathBuf::from("/dev"),
+            nvidia_proc_root: PathBuf::from("/proc"),
             driver_root: PathBuf::from("/"),
             cdi_dir: Some(PathBuf::from(crate::cdi::DEFAULT_DIR)),
             attributes: Default::default(),
@@ -217,6 +221,11 @@ pub struct Options {
     /// Directory holding the NVIDIA device nodes (nvidia0, nvidiactl, ...).
     #[arg(long, env = "GPUCTL_AGENT_DEV_ROOT", default_value = "/dev")]
     pub dev_root: PathBuf,
+    /// Where the NVIDIA driver's /proc files are read: the MIG devices'
+    /// capability minors in driver/nvidia-caps/mig-minors (tests point it
+    /// at a directory of their own).
+    #[arg(long, env = "GPUCTL_AGENT_NVIDIA_PROC_ROOT", default_value = "/proc")]
+    pub nvidia_proc_root: PathBuf,
     /// Root under which the driver's ld.so cache, libraries and binaries are
     /// found (like the NVIDIA container toolkit's driver root).
     #[arg(long, env = "GPUCTL_AGENT_DRIVER_ROOT", default_value = "/")]
@@ -351,6 +360,7 @@ struct FileOptions {
     cgroup_parent: Option<String>,
     cgroup_root: Option<PathBuf>,
     dev_root: Option<PathBuf>,
+    nvidia_proc_root: Option<PathBuf>,
     driver_root: Option<PathBuf>,
     cdi_dir: Option<PathBuf>,
     no_cdi: Option<bool>,
@@ -456,6 +466,7 @@ impl Options {
             fill!(cgroup_parent);
             fill!(cgroup_root);
             fill!(dev_root);
+            fill!(nvidia_proc_root);
             fill!(driver_root);
             fill!(cdi_dir);
             fill!(no_cdi);
@@ -631,6 +642,7 @@ impl Options {
             cgroup_parent: self.cgroup_parent.clone(),
             cgroup_root: self.cgroup_root.clone(),
             dev_root: self.dev_root.clone(),
+            nvidia_proc_root: self.nvidia_proc_root.clone(),
             driver_root: self.driver_root.clone(),
             attributes,
             health,

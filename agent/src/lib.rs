@@ -238,7 +238,7 @@ pub async fn serve(
             (d, true)
         }
         None => {
-            let d = gpu::discover(config.nvml_lib.as_deref());
+            let d = gpu::discover(config.nvml_lib.as_deref(), &config.nvidia_proc_root);
             match &d.error {
                 Some(e) => tracing::warn!("{e}; reporting zero GPUs"),
                 None => {

@@ -15,9 +15,15 @@ use serde_json::{json, Value};
 static ENV: Mutex<()> = Mutex::new(());
 
 fn discover_with(config: &Path) -> Discovery {
+    discover_in(config, Path::new("/nonexistent-proc"))
+}
+
+/// Discovery with the driver's /proc files (MIG's `mig-minors`) under
+/// `proc_root`.
+fn discover_in(config: &Path, proc_root: &Path) -> Discovery {
     let _guard = ENV.lock().unwrap_or_else(|p| p.into_inner());
     std::env::set_var("FAKE_NVML_CONFIG", config);
-    discover(Some(&fake_nvml_lib()))
+    discover(Some(&fake_nvml_lib()), proc_root)
 }
 
 fn config(name: &str) -> Value {
@@ -150,7 +156,10 @@ fn init_failure_and_missing_library_give_zero_gpus_and_a_reason() {
     assert!(err.contains("NVML unavailable"), "{err}");
     assert!(err.to_lowercase().contains("driver"), "{err}");
 
-    let d = discover(Some(Path::new("/nonexistent/libnvidia-ml.so.1")));
+    let d = discover(
+        Some(Path::new("/nonexistent/libnvidia-ml.so.1")),
+        Path::new("/proc"),
+    );
     assert!(d.gpus.is_empty());
     assert!(d.error.unwrap().contains("/nonexistent/libnvidia-ml.so.1"));
 }

@@ -4,10 +4,12 @@
 //! What is read, per GPU: index, UUID, name, serial, memory, minor number
 //! (hence `/dev/nvidiaN`), PCI bus id, NUMA node, compute capability, and
 //! for every pair of GPUs the active NVLink links between them and their
-//! PCIe path; per host: driver and CUDA driver versions. See docs/hardware.md.
+//! PCIe path; its MIG mode, MIG devices and free MIG profiles (`mig.rs`);
+//! per host: driver and CUDA driver versions. See docs/hardware.md.
 
 pub mod health;
 mod labels;
+pub mod mig;
 mod simulate;
 
 use std::path::Path;
@@ -36,7 +38,9 @@ pub struct Discovery {
 
 /// Discovers the host's GPUs through NVML. Never fails: without a usable
 /// libnvidia-ml it returns zero GPUs and says why in `error`.
-pub fn discover(nvml_lib: Option<&Path>) -> Discovery {
+/// `nvidia_proc_root` holds the driver's `/proc` files (MIG's capability
+/// minors).
+pub fn discover(nvml_lib: Option<&Path>, nvidia_proc_root: &Path) -> Discovery {
     let nvml = match nvml_lib {
         Some(p) => Nvml::builder().lib_path(p.as_os_str()).init(),
         None => Nvml::init(),
@@ -69,10 +73,11 @@ pub fn discover(nvml_lib: Option<&Path>) -> Discovery {
             return d;
         }
     };
+    let caps = mig::CapsMinors::read(nvidia_proc_root);
     // Remote PCI bus ids of each GPU's active NVLink links, by position in d.gpus.
     let mut links: Vec<Vec<BusId>> = Vec::new();
     for index in 0..count {
-        match read_device(&nvml, index) {
+        match read_device(&nvml, index, &caps) {
             Ok((g, l)) => {
                 d.gpus.push(g);
                 links.push(l);
@@ -109,7 +114,11 @@ impl BusId {
     }
 }
 
-fn read_device(nvml: &Nvml, index: u32) -> Result<(GpuInfo, Vec<BusId>), NvmlError> {
+fn read_device(
+    nvml: &Nvml,
+    index: u32,
+    caps: &mig::CapsMinors,
+) -> Result<(GpuInfo, Vec<BusId>), NvmlError> {
     let dev = nvml.device_by_index(index)?;
     let uuid = dev.uuid()?;
     // The identity (UUID) is enough to report a GPU. A GPU that answers
@@ -158,6 +167,10 @@ fn read_device(nvml: &Nvml, index: u32) -> Result<(GpuInfo, Vec<BusId>), NvmlErr
             g.compute_capability = Some((c.major.max(0) as u32, c.minor.max(0) as u32));
         }
         Err(e) => note("compute capability", &e),
+    }
+    match mig::read(nvml, &dev, g.minor, caps) {
+        Ok(m) => g.mig = m,
+        Err(e) => note("MIG", &e),
     }
     let mut remote = Vec::new();
     for link in 0..MAX_NVLINKS {
@@ -227,7 +240,10 @@ mod tests {
 
     #[test]
     fn missing_library_gives_zero_gpus_and_a_reason() {
-        let d = discover(Some(Path::new("/nonexistent/libnvidia-ml.so.1")));
+        let d = discover(
+            Some(Path::new("/nonexistent/libnvidia-ml.so.1")),
+            Path::new("/proc"),
+        );
         assert!(d.gpus.is_empty());
         let e = d.error.unwrap();
         assert!(e.contains("/nonexistent/libnvidia-ml.so.1"), "{e}");
