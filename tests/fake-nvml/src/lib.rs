@@ -23,6 +23,8 @@ pub mod config;
 pub mod events;
 pub mod exports;
 pub mod ffi;
+pub mod mig;
+pub mod profiles;
 mod state;
 
 #[cfg(test)]

@@ -192,7 +192,7 @@ fn minimal_config_gets_defaults() {
     assert_eq!(g.numa_node, 0);
     assert_eq!(g.pci_switch, None);
     assert!(g.nvlinks.is_empty());
-    assert!(!g.lost && !g.mig_enabled);
+    assert!(!g.lost && !g.mig.mode && !g.mig.pending);
     assert!(g.errors.is_empty());
     let host = std::thread::available_parallelism().map_or(1, |n| n.get());
     assert_eq!(g.cpu_affinity.len(), host);
