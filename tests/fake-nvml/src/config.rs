@@ -11,6 +11,7 @@ use std::path::Path;
 use serde::{Deserialize, Deserializer};
 
 use crate::ffi::{self, nvmlReturn_t};
+use crate::profiles::{self, Profile, Table};
 
 /// Per-device functions an `errors` entry may name. Each of them consults
 /// the override before anything else it does for that GPU.
@@ -39,6 +40,41 @@ pub const PER_DEVICE_FUNCTIONS: &[&str] = &[
     "nvmlDeviceRegisterEvents",
     "nvmlDeviceGetSupportedEventTypes",
 ];
+
+/// The MIG functions an `errors` entry may name (besides
+/// nvmlDeviceGetMigMode above). Calls on a GPU instance, compute instance or
+/// MIG device consult the parent GPU's `errors`.
+pub const MIG_FUNCTIONS: &[&str] = &[
+    "nvmlDeviceSetMigMode",
+    "nvmlDeviceGetMaxMigDeviceCount",
+    "nvmlDeviceGetMigDeviceHandleByIndex",
+    "nvmlDeviceIsMigDeviceHandle",
+    "nvmlDeviceGetDeviceHandleFromMigDeviceHandle",
+    "nvmlDeviceGetAttributes_v2",
+    "nvmlDeviceGetGpuInstanceId",
+    "nvmlDeviceGetComputeInstanceId",
+    "nvmlDeviceGetGpuInstanceProfileInfo",
+    "nvmlDeviceGetGpuInstanceProfileInfoV",
+    "nvmlDeviceGetGpuInstancePossiblePlacements_v2",
+    "nvmlDeviceGetGpuInstanceRemainingCapacity",
+    "nvmlDeviceCreateGpuInstance",
+    "nvmlDeviceCreateGpuInstanceWithPlacement",
+    "nvmlDeviceGetGpuInstances",
+    "nvmlDeviceGetGpuInstanceById",
+    "nvmlGpuInstanceGetInfo",
+    "nvmlGpuInstanceDestroy",
+    "nvmlGpuInstanceGetComputeInstanceProfileInfo",
+    "nvmlGpuInstanceGetComputeInstanceProfileInfoV",
+    "nvmlGpuInstanceCreateComputeInstance",
+    "nvmlGpuInstanceGetComputeInstances",
+    "nvmlComputeInstanceGetInfo_v2",
+    "nvmlComputeInstanceDestroy",
+];
+
+/// Highest GPU instance id a config may name (real GPUs use 0..=14).
+pub const MAX_GI_ID: u32 = 63;
+/// Highest compute instance id a config may name (real GPUs use 0..=7).
+pub const MAX_CI_ID: u32 = 7;
 
 /// Highest CPU number a `cpu_affinity` list may name (keeps a typo from
 /// allocating gigabytes).
@@ -73,12 +109,105 @@ pub struct Gpu {
     pub utilization_memory_pct: u32,
     pub temperature_c: u32,
     pub power_mw: u32,
-    pub mig_enabled: bool,
+    pub mig: Mig,
     pub pci_switch: Option<String>,
     /// Remote bus id of each active link; link number = position.
     pub nvlinks: Vec<BusId>,
     pub lost: bool,
     pub errors: BTreeMap<String, ErrorCode>,
+}
+
+/// A GPU's MIG state, resolved.
+#[derive(Debug, Clone)]
+pub struct Mig {
+    /// The model's profile table; None: the model has no MIG.
+    pub table: Option<&'static Table>,
+    /// Current mode.
+    pub mode: bool,
+    /// Pending mode (what the next reset applies).
+    pub pending: bool,
+    pub needs_reset: bool,
+    /// In file order.
+    pub instances: Vec<GpuInstance>,
+}
+
+/// A GPU instance, resolved (ids assigned, uuid derived).
+#[derive(Debug, Clone)]
+pub struct GpuInstance {
+    pub profile: &'static Profile,
+    pub start: u32,
+    pub gi_id: u32,
+    /// Its one compute instance (spanning the whole GI); None: not created.
+    pub ci_id: Option<u32>,
+    pub uuid: String,
+    pub memory_used_mib: u64,
+    pub busy: bool,
+    /// Position in the file's `instances` list; None: created by a call and
+    /// not yet written.
+    pub file_pos: Option<usize>,
+}
+
+impl GpuInstance {
+    /// Memory slices it spans: start..end.
+    pub fn mem_range(&self) -> std::ops::Range<u32> {
+        self.start..self.start + self.profile.mem_slices
+    }
+}
+
+impl Mig {
+    /// The MIG devices (instances with a compute instance), in MIG device
+    /// index order: by GPU instance id.
+    pub fn devices(&self) -> Vec<&GpuInstance> {
+        let mut d: Vec<&GpuInstance> = self
+            .instances
+            .iter()
+            .filter(|i| i.ci_id.is_some())
+            .collect();
+        d.sort_by_key(|i| i.gi_id);
+        d
+    }
+
+    /// Whether `profile` fits at `start` next to the existing instances:
+    /// `start` is one of its placements, no memory slice is taken, and the
+    /// compute slices add up to at most 7.
+    pub fn fits(&self, profile: &Profile, start: u32) -> bool {
+        let range = start..start + profile.mem_slices;
+        let compute: u32 = self.instances.iter().map(|i| i.profile.slices).sum();
+        profile.starts.contains(&start)
+            && compute + profile.slices <= profiles::COMPUTE_SLICES
+            && !self
+                .instances
+                .iter()
+                .any(|i| i.mem_range().start < range.end && range.start < i.mem_range().end)
+    }
+
+    /// Lowest GPU instance id not in use (from 1).
+    pub fn free_gi_id(&self) -> Option<u32> {
+        (1..=MAX_GI_ID).find(|id| !self.instances.iter().any(|i| i.gi_id == *id))
+    }
+}
+
+/// The default MIG device uuid: `MIG-` and a v4-style uuid hashed from the
+/// parent's uuid and the GPU instance id (FNV-1a, two seeds).
+pub fn derived_mig_uuid(parent_uuid: &str, gi_id: u32) -> String {
+    let fnv = |seed: u64| {
+        let mut h = seed;
+        for b in parent_uuid.bytes().chain(gi_id.to_le_bytes()) {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0000_0100_0000_01B3);
+        }
+        h
+    };
+    let a = fnv(0xcbf2_9ce4_8422_2325);
+    let b = fnv(0x6c62_272e_07bb_0142);
+    format!(
+        "MIG-{:08x}-{:04x}-4{:03x}-{:04x}-{:012x}",
+        a >> 32,
+        (a >> 16) & 0xFFFF,
+        a & 0x0FFF,
+        0x8000 | ((b >> 48) & 0x3FFF),
+        b & 0xFFFF_FFFF_FFFF
+    )
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -291,7 +420,9 @@ struct GpuFile {
     #[serde(default = "default_power_mw")]
     power_mw: u32,
     #[serde(default)]
-    mig_enabled: bool,
+    mig_enabled: Option<bool>,
+    #[serde(default)]
+    mig: Option<MigFile>,
     #[serde(default)]
     pci_switch: Option<String>,
     #[serde(default)]
@@ -300,6 +431,178 @@ struct GpuFile {
     lost: bool,
     #[serde(default)]
     errors: BTreeMap<String, ErrorCode>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct MigFile {
+    #[serde(default)]
+    mode: Option<bool>,
+    #[serde(default)]
+    pending: Option<bool>,
+    #[serde(default)]
+    needs_reset: Option<bool>,
+    #[serde(default)]
+    instances: Vec<InstanceFile>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct InstanceFile {
+    profile: String,
+    start: u32,
+    #[serde(default)]
+    gi_id: Option<u32>,
+    #[serde(default)]
+    ci_id: Option<u32>,
+    #[serde(default)]
+    uuid: Option<String>,
+    #[serde(default)]
+    memory_used_mib: u64,
+    #[serde(default)]
+    busy: bool,
+}
+
+/// Resolves a GPU's `mig` object (and the older `mig_enabled`).
+fn resolve_mig(
+    name: &str,
+    uuid: &str,
+    mig_enabled: Option<bool>,
+    mig: Option<MigFile>,
+) -> Result<Mig, String> {
+    let table = profiles::table_for(name);
+    let file_mode = mig.as_ref().and_then(|m| m.mode);
+    let mode = match (mig_enabled, file_mode) {
+        (Some(a), Some(b)) if a != b => {
+            return Err(format!(
+                "mig_enabled ({a}) and mig.mode ({b}) disagree; write one"
+            ))
+        }
+        (a, b) => a.or(b).unwrap_or(false),
+    };
+    let mig = mig.unwrap_or(MigFile {
+        mode: None,
+        pending: None,
+        needs_reset: None,
+        instances: Vec::new(),
+    });
+    let Some(table) = table else {
+        if mode || mig.pending == Some(true) || !mig.instances.is_empty() {
+            return Err(format!("{name:?} has no MIG (no built-in profile table)"));
+        }
+        return Ok(Mig {
+            table: None,
+            mode: false,
+            pending: false,
+            needs_reset: mig.needs_reset.unwrap_or(false),
+            instances: Vec::new(),
+        });
+    };
+    let mut out = Mig {
+        table: Some(table),
+        mode,
+        pending: mig.pending.unwrap_or(mode),
+        needs_reset: mig.needs_reset.unwrap_or(table.needs_reset),
+        instances: Vec::new(),
+    };
+    if !mode && !mig.instances.is_empty() {
+        return Err("mig.instances without MIG mode (mig.mode is false)".to_string());
+    }
+    let explicit: Vec<u32> = mig.instances.iter().filter_map(|i| i.gi_id).collect();
+    for (pos, i) in mig.instances.into_iter().enumerate() {
+        let at = |what: String| format!("mig.instances[{pos}]: {what}");
+        let profile = table.by_name(&i.profile).ok_or_else(|| {
+            let names: Vec<&str> = table.profiles.iter().map(|p| p.name).collect();
+            at(format!(
+                "profile {:?} is not one of {name:?}'s: {}",
+                i.profile,
+                names.join(", ")
+            ))
+        })?;
+        if !out.fits(profile, i.start) {
+            return Err(at(format!(
+                "{} at start {} is not a free placement (starts {:?}, size {})",
+                profile.name, i.start, profile.starts, profile.mem_slices
+            )));
+        }
+        let gi_id = match i.gi_id {
+            Some(id) if id > MAX_GI_ID => return Err(at(format!("gi_id {id} > {MAX_GI_ID}"))),
+            Some(id) if out.instances.iter().any(|o| o.gi_id == id) => {
+                return Err(at(format!("duplicate gi_id {id}")))
+            }
+            Some(id) => id,
+            None => (1..=MAX_GI_ID)
+                .find(|id| !explicit.contains(id) && !out.instances.iter().any(|o| o.gi_id == *id))
+                .ok_or_else(|| at("no free gi_id".to_string()))?,
+        };
+        if let Some(ci) = i.ci_id.filter(|c| *c > MAX_CI_ID) {
+            return Err(at(format!("ci_id {ci} > {MAX_CI_ID}")));
+        }
+        let uuid = i.uuid.unwrap_or_else(|| derived_mig_uuid(uuid, gi_id));
+        if out.instances.iter().any(|o| o.uuid == uuid) {
+            return Err(at(format!("duplicate uuid {uuid:?}")));
+        }
+        out.instances.push(GpuInstance {
+            profile,
+            start: i.start,
+            gi_id,
+            ci_id: i.ci_id,
+            uuid,
+            memory_used_mib: i.memory_used_mib,
+            busy: i.busy,
+            file_pos: Some(pos),
+        });
+    }
+    Ok(out)
+}
+
+/// Writes `mig` into one GPU's JSON object (a config being written back):
+/// `mig.mode`, `mig.pending` and `mig.instances`; `mig_enabled` is folded
+/// into `mig.mode`. Every other field, of the GPU and of each instance that
+/// was in the file (`uuid`, `memory_used_mib`, `busy`, ...), stays as it was.
+pub fn write_mig(gpu: &mut serde_json::Value, mig: &Mig) -> Result<(), String> {
+    use serde_json::{json, Value};
+    let obj = gpu
+        .as_object_mut()
+        .ok_or_else(|| "a GPU is not a JSON object".to_string())?;
+    obj.remove("mig_enabled");
+    let old: Vec<Value> = obj
+        .get("mig")
+        .and_then(|m| m.get("instances"))
+        .and_then(Value::as_array)
+        .cloned()
+        .unwrap_or_default();
+    let entry = obj.entry("mig").or_insert_with(|| json!({}));
+    if !entry.is_object() {
+        *entry = json!({});
+    }
+    let m = entry
+        .as_object_mut()
+        .ok_or_else(|| "mig is not a JSON object".to_string())?;
+    m.insert("mode".into(), json!(mig.mode));
+    m.insert("pending".into(), json!(mig.pending));
+    let instances: Vec<Value> = mig
+        .instances
+        .iter()
+        .map(|i| {
+            let mut o = i
+                .file_pos
+                .and_then(|p| old.get(p))
+                .and_then(Value::as_object)
+                .cloned()
+                .unwrap_or_default();
+            o.insert("profile".into(), json!(i.profile.name));
+            o.insert("start".into(), json!(i.start));
+            o.insert("gi_id".into(), json!(i.gi_id));
+            match i.ci_id {
+                Some(ci) => o.insert("ci_id".into(), json!(ci)),
+                None => o.remove("ci_id"),
+            };
+            Value::Object(o)
+        })
+        .collect();
+    m.insert("instances".into(), Value::Array(instances));
+    Ok(())
 }
 
 fn default_memory_total_mib() -> u64 {
@@ -340,11 +643,9 @@ pub fn parse(text: &str) -> Result<Config, String> {
         if gpus.iter().any(|o: &Gpu| o.uuid == g.uuid) {
             return Err(at(format!("duplicate uuid {:?}", g.uuid)));
         }
-        if let Some(name) = g
-            .errors
-            .keys()
-            .find(|k| !PER_DEVICE_FUNCTIONS.contains(&k.as_str()))
-        {
+        if let Some(name) = g.errors.keys().find(|k| {
+            !PER_DEVICE_FUNCTIONS.contains(&k.as_str()) && !MIG_FUNCTIONS.contains(&k.as_str())
+        }) {
             return Err(at(format!(
                 "errors: {name:?} is not a per-device function this library exports"
             )));
@@ -369,7 +670,9 @@ pub fn parse(text: &str) -> Result<Config, String> {
             device: 0,
             function: 0,
         });
+        let mig = resolve_mig(&g.name, &g.uuid, g.mig_enabled, g.mig).map_err(at)?;
         gpus.push(Gpu {
+            mig,
             serial: g
                 .serial
                 .unwrap_or_else(|| (1_320_000_000_000 + n).to_string()),
@@ -387,7 +690,6 @@ pub fn parse(text: &str) -> Result<Config, String> {
             utilization_memory_pct: g.utilization_memory_pct,
             temperature_c: g.temperature_c,
             power_mw: g.power_mw,
-            mig_enabled: g.mig_enabled,
             pci_switch: g.pci_switch.filter(|s| !s.is_empty()),
             nvlinks: g.nvlinks,
             lost: g.lost,

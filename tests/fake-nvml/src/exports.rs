@@ -17,7 +17,7 @@ use std::os::raw::{c_char, c_int, c_uint, c_ulong, c_ulonglong};
 
 use crate::config::BusId;
 use crate::ffi::*;
-use crate::state::{self, device_identity, gpu_at, guard, in_str, out, out_array, out_str};
+use crate::state::{self, device_identity, gpu_at, guard, in_str, out, out_array, out_str, Dev};
 
 const MIB: u64 = 1024 * 1024;
 
@@ -228,8 +228,10 @@ pub unsafe extern "C" fn nvmlDeviceGetUUID(
     guard(NAME, || {
         let cfg = state::session()?;
         let out = unsafe { out_str(uuid, length) }?;
-        let (_, gpu) = device_identity(&cfg, device, NAME)?;
-        out.set_str(&gpu.uuid)
+        match state::any_device(&cfg, device, NAME, true)? {
+            Dev::Gpu(gpu) => out.set_str(&gpu.uuid),
+            Dev::Mig(_, _, inst) => out.set_str(&inst.uuid),
+        }
     })
 }
 
@@ -260,8 +262,12 @@ pub unsafe extern "C" fn nvmlDeviceGetName(
     guard(NAME, || {
         let cfg = state::session()?;
         let out = unsafe { out_str(name, length) }?;
-        let (_, gpu) = state::device(&cfg, device, NAME)?;
-        out.set_str(&gpu.name)
+        match state::any_device(&cfg, device, NAME, false)? {
+            Dev::Gpu(gpu) => out.set_str(&gpu.name),
+            Dev::Mig(_, gpu, inst) => {
+                out.set_str(&format!("{} MIG {}", gpu.name, inst.profile.name))
+            }
+        }
     })
 }
 
@@ -280,7 +286,19 @@ pub unsafe extern "C" fn nvmlDeviceGetSerial(
     })
 }
 
-/// v1: total/free/used in bytes; free = total - used.
+/// (total, used) in bytes of a GPU or of a MIG device (its profile's
+/// memory and the instance's `memory_used_mib`); used <= total.
+fn memory_of(dev: Dev<'_>) -> (u64, u64) {
+    let (total_mib, used_mib) = match dev {
+        Dev::Gpu(gpu) => (gpu.memory_total_mib, gpu.memory_used_mib),
+        Dev::Mig(_, _, inst) => (inst.profile.memory_mib, inst.memory_used_mib),
+    };
+    let total = total_mib * MIB;
+    (total, (used_mib * MIB).min(total))
+}
+
+/// v1: total/free/used in bytes; free = total - used. A MIG device answers
+/// for its instance.
 #[no_mangle]
 pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo(
     device: nvmlDevice_t,
@@ -290,9 +308,7 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo(
     guard(NAME, || {
         let cfg = state::session()?;
         let out = unsafe { out(memory) }?;
-        let (_, gpu) = state::device(&cfg, device, NAME)?;
-        let total = gpu.memory_total_mib * MIB;
-        let used = (gpu.memory_used_mib * MIB).min(total);
+        let (total, used) = memory_of(state::any_device(&cfg, device, NAME, false)?);
         out.set(nvmlMemory_t {
             total,
             free: total - used,
@@ -323,9 +339,7 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
             return Err(NVML_ERROR_ARGUMENT_VERSION_MISMATCH);
         }
         let out = unsafe { out(memory) }?;
-        let (_, gpu) = state::device(&cfg, device, NAME)?;
-        let total = gpu.memory_total_mib * MIB;
-        let used = (gpu.memory_used_mib * MIB).min(total);
+        let (total, used) = memory_of(state::any_device(&cfg, device, NAME, false)?);
         out.set(nvmlMemory_v2_t {
             version,
             total,
@@ -466,7 +480,8 @@ pub unsafe extern "C" fn nvmlDeviceGetPowerUsage(
     })
 }
 
-/// Current = pending = `mig_enabled`.
+/// `mig.mode` and `mig.pending`. A model without a MIG profile table:
+/// NOT_SUPPORTED.
 #[no_mangle]
 pub unsafe extern "C" fn nvmlDeviceGetMigMode(
     device: nvmlDevice_t,
@@ -479,13 +494,18 @@ pub unsafe extern "C" fn nvmlDeviceGetMigMode(
         let current = unsafe { out(currentMode) }?;
         let pending = unsafe { out(pendingMode) }?;
         let (_, gpu) = state::device(&cfg, device, NAME)?;
-        let mode = if gpu.mig_enabled {
-            NVML_DEVICE_MIG_ENABLE
-        } else {
-            NVML_DEVICE_MIG_DISABLE
+        if gpu.mig.table.is_none() {
+            return Err(NVML_ERROR_NOT_SUPPORTED);
+        }
+        let mode = |on: bool| {
+            if on {
+                NVML_DEVICE_MIG_ENABLE
+            } else {
+                NVML_DEVICE_MIG_DISABLE
+            }
         };
-        current.set(mode);
-        pending.set(mode);
+        current.set(mode(gpu.mig.mode));
+        pending.set(mode(gpu.mig.pending));
         Ok(())
     })
 }

@@ -17,6 +17,9 @@ pub const NVML_ERROR_NOT_FOUND: nvmlReturn_t = 6;
 pub const NVML_ERROR_INSUFFICIENT_SIZE: nvmlReturn_t = 7;
 pub const NVML_ERROR_TIMEOUT: nvmlReturn_t = 10;
 pub const NVML_ERROR_GPU_IS_LOST: nvmlReturn_t = 15;
+pub const NVML_ERROR_RESET_REQUIRED: nvmlReturn_t = 16;
+pub const NVML_ERROR_IN_USE: nvmlReturn_t = 19;
+pub const NVML_ERROR_INSUFFICIENT_RESOURCES: nvmlReturn_t = 23;
 pub const NVML_ERROR_ARGUMENT_VERSION_MISMATCH: nvmlReturn_t = 25;
 pub const NVML_ERROR_UNKNOWN: nvmlReturn_t = 999;
 
@@ -181,9 +184,198 @@ pub const SUPPORTED_EVENT_TYPES: c_ulonglong = nvmlEventTypeSingleBitEccError
 /// `gpuInstanceId` / `computeInstanceId` of an event not tied to a MIG instance.
 pub const NO_INSTANCE: c_uint = 0xFFFF_FFFF;
 
+// ----- MIG -----
+
+/// Opaque GPU instance; a tag, never dereferenced (see `state::gi_handle`).
+#[repr(C)]
+pub struct nvmlGpuInstance_st {
+    _unused: [u8; 0],
+}
+pub type nvmlGpuInstance_t = *mut nvmlGpuInstance_st;
+
+/// Opaque compute instance; a tag, never dereferenced (see `state::ci_handle`).
+#[repr(C)]
+pub struct nvmlComputeInstance_st {
+    _unused: [u8; 0],
+}
+pub type nvmlComputeInstance_t = *mut nvmlComputeInstance_st;
+
+pub const NVML_GPU_INSTANCE_PROFILE_COUNT: c_uint = 17;
+pub const NVML_COMPUTE_INSTANCE_PROFILE_COUNT: c_uint = 8;
+pub const NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED: c_uint = 0;
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct nvmlDeviceAttributes_t {
+    pub multiprocessorCount: c_uint,
+    pub sharedCopyEngineCount: c_uint,
+    pub sharedDecoderCount: c_uint,
+    pub sharedEncoderCount: c_uint,
+    pub sharedJpegCount: c_uint,
+    pub sharedOfaCount: c_uint,
+    pub gpuInstanceSliceCount: c_uint,
+    pub computeInstanceSliceCount: c_uint,
+    pub memorySizeMB: c_ulonglong,
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct nvmlGpuInstancePlacement_t {
+    pub start: c_uint,
+    pub size: c_uint,
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct nvmlGpuInstanceProfileInfo_t {
+    pub id: c_uint,
+    pub isP2pSupported: c_uint,
+    pub sliceCount: c_uint,
+    pub instanceCount: c_uint,
+    pub multiprocessorCount: c_uint,
+    pub copyEngineCount: c_uint,
+    pub decoderCount: c_uint,
+    pub encoderCount: c_uint,
+    pub jpegCount: c_uint,
+    pub ofaCount: c_uint,
+    pub memorySizeMB: c_ulonglong,
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct nvmlGpuInstanceProfileInfo_v2_t {
+    pub version: c_uint,
+    pub id: c_uint,
+    pub isP2pSupported: c_uint,
+    pub sliceCount: c_uint,
+    pub instanceCount: c_uint,
+    pub multiprocessorCount: c_uint,
+    pub copyEngineCount: c_uint,
+    pub decoderCount: c_uint,
+    pub encoderCount: c_uint,
+    pub jpegCount: c_uint,
+    pub ofaCount: c_uint,
+    pub memorySizeMB: c_ulonglong,
+    pub name: [c_char; 96],
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct nvmlGpuInstanceProfileInfo_v3_t {
+    pub version: c_uint,
+    pub id: c_uint,
+    pub sliceCount: c_uint,
+    pub instanceCount: c_uint,
+    pub multiprocessorCount: c_uint,
+    pub copyEngineCount: c_uint,
+    pub decoderCount: c_uint,
+    pub encoderCount: c_uint,
+    pub jpegCount: c_uint,
+    pub ofaCount: c_uint,
+    pub memorySizeMB: c_ulonglong,
+    pub name: [c_char; 96],
+    pub capabilities: c_uint,
+}
+
+/// `NVML_STRUCT_VERSION(GpuInstanceProfileInfo, 2)`.
+pub const nvmlGpuInstanceProfileInfo_v2: c_uint =
+    (std::mem::size_of::<nvmlGpuInstanceProfileInfo_v2_t>() as c_uint) | (2 << 24);
+/// `NVML_STRUCT_VERSION(GpuInstanceProfileInfo, 3)`.
+pub const nvmlGpuInstanceProfileInfo_v3: c_uint =
+    (std::mem::size_of::<nvmlGpuInstanceProfileInfo_v3_t>() as c_uint) | (3 << 24);
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct nvmlGpuInstanceInfo_t {
+    pub device: nvmlDevice_t,
+    pub id: c_uint,
+    pub profileId: c_uint,
+    pub placement: nvmlGpuInstancePlacement_t,
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct nvmlComputeInstancePlacement_t {
+    pub start: c_uint,
+    pub size: c_uint,
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct nvmlComputeInstanceProfileInfo_t {
+    pub id: c_uint,
+    pub sliceCount: c_uint,
+    pub instanceCount: c_uint,
+    pub multiprocessorCount: c_uint,
+    pub sharedCopyEngineCount: c_uint,
+    pub sharedDecoderCount: c_uint,
+    pub sharedEncoderCount: c_uint,
+    pub sharedJpegCount: c_uint,
+    pub sharedOfaCount: c_uint,
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct nvmlComputeInstanceProfileInfo_v2_t {
+    pub version: c_uint,
+    pub id: c_uint,
+    pub sliceCount: c_uint,
+    pub instanceCount: c_uint,
+    pub multiprocessorCount: c_uint,
+    pub sharedCopyEngineCount: c_uint,
+    pub sharedDecoderCount: c_uint,
+    pub sharedEncoderCount: c_uint,
+    pub sharedJpegCount: c_uint,
+    pub sharedOfaCount: c_uint,
+    pub name: [c_char; 96],
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct nvmlComputeInstanceProfileInfo_v3_t {
+    pub version: c_uint,
+    pub id: c_uint,
+    pub sliceCount: c_uint,
+    pub instanceCount: c_uint,
+    pub multiprocessorCount: c_uint,
+    pub sharedCopyEngineCount: c_uint,
+    pub sharedDecoderCount: c_uint,
+    pub sharedEncoderCount: c_uint,
+    pub sharedJpegCount: c_uint,
+    pub sharedOfaCount: c_uint,
+    pub name: [c_char; 96],
+    pub capabilities: c_uint,
+}
+
+/// `NVML_STRUCT_VERSION(ComputeInstanceProfileInfo, 2)`.
+pub const nvmlComputeInstanceProfileInfo_v2: c_uint =
+    (std::mem::size_of::<nvmlComputeInstanceProfileInfo_v2_t>() as c_uint) | (2 << 24);
+/// `NVML_STRUCT_VERSION(ComputeInstanceProfileInfo, 3)`.
+pub const nvmlComputeInstanceProfileInfo_v3: c_uint =
+    (std::mem::size_of::<nvmlComputeInstanceProfileInfo_v3_t>() as c_uint) | (3 << 24);
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct nvmlComputeInstanceInfo_t {
+    pub device: nvmlDevice_t,
+    pub gpuInstance: nvmlGpuInstance_t,
+    pub id: c_uint,
+    pub profileId: c_uint,
+    pub placement: nvmlComputeInstancePlacement_t,
+}
+
 /// Size checks: a mismatch here would corrupt nvml-wrapper's memory.
 const _: () = {
     assert!(std::mem::size_of::<nvmlPciInfo_t>() == 68);
     assert!(std::mem::size_of::<nvmlMemory_v2_t>() == 40);
     assert!(std::mem::size_of::<nvmlEventData_t>() == 32);
+    assert!(std::mem::size_of::<nvmlDeviceAttributes_t>() == 40);
+    assert!(std::mem::size_of::<nvmlGpuInstanceProfileInfo_t>() == 48);
+    assert!(std::mem::size_of::<nvmlGpuInstanceProfileInfo_v2_t>() == 152);
+    assert!(std::mem::size_of::<nvmlGpuInstanceProfileInfo_v3_t>() == 152);
+    assert!(std::mem::size_of::<nvmlComputeInstanceProfileInfo_t>() == 36);
+    assert!(std::mem::size_of::<nvmlComputeInstanceProfileInfo_v2_t>() == 136);
+    assert!(std::mem::size_of::<nvmlComputeInstanceProfileInfo_v3_t>() == 140);
+    assert!(std::mem::size_of::<nvmlGpuInstanceInfo_t>() == 24);
+    assert!(std::mem::size_of::<nvmlComputeInstanceInfo_t>() == 32);
 };

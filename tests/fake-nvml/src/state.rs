@@ -8,7 +8,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
 use std::ptr::{self, NonNull};
 
-use crate::config::{self, Config, Gpu};
+use crate::config::{self, Config, Gpu, GpuInstance};
 use crate::ffi::*;
 
 /// Result of an exported function's body; `Err` carries the NVML error code.
@@ -169,8 +169,13 @@ pub fn gpu_at<'c>(
     Ok(gpu)
 }
 
-/// The GPU behind `handle`, for per-device function `func`.
+/// The GPU behind `handle`, for per-device function `func`. A MIG device
+/// handle is NOT_SUPPORTED here: these functions are the ones real NVML
+/// refuses for MIG devices.
 pub fn device<'c>(cfg: &'c Config, handle: nvmlDevice_t, func: &str) -> Res<(usize, &'c Gpu)> {
+    if mig_of(handle).is_some() {
+        return Err(NVML_ERROR_NOT_SUPPORTED);
+    }
     let index = index_of(handle)?;
     Ok((index, gpu_at(cfg, index, func, false)?))
 }
@@ -181,8 +186,141 @@ pub fn device_identity<'c>(
     handle: nvmlDevice_t,
     func: &str,
 ) -> Res<(usize, &'c Gpu)> {
+    if mig_of(handle).is_some() {
+        return Err(NVML_ERROR_NOT_SUPPORTED);
+    }
     let index = index_of(handle)?;
     Ok((index, gpu_at(cfg, index, func, true)?))
+}
+
+// ----- MIG handles -----
+//
+// Tags like the GPU handles, in ranges of their own so that a MIG device, a
+// GPU instance, a compute instance and a GPU can never be taken for one
+// another: base + (gpu index << 9 | gi id << 3 | ci id), with gpu index <
+// 0x1_0000, gi id <= 63 and ci id <= 7 (config::MAX_GI_ID, MAX_CI_ID), so
+// each range spans 0x200_0000, below the GPU handles' 0x6e76_0000.
+
+const MIG_HANDLE_BASE: usize = 0x4000_0000;
+const GI_HANDLE_BASE: usize = 0x4400_0000;
+const CI_HANDLE_BASE: usize = 0x4800_0000;
+const INSTANCE_SPAN: usize = 0x200_0000;
+
+fn pack(base: usize, gpu: usize, gi: u32, ci: u32) -> usize {
+    base + ((gpu << 9) | ((gi as usize & 0x3F) << 3) | (ci as usize & 0x7))
+}
+
+fn unpack(base: usize, addr: usize) -> Option<(usize, u32, u32)> {
+    let off = addr.checked_sub(base).filter(|o| *o < INSTANCE_SPAN)?;
+    Some((off >> 9, ((off >> 3) & 0x3F) as u32, (off & 0x7) as u32))
+}
+
+/// The MIG device of GPU `gpu`, GPU instance `gi`, compute instance `ci`.
+pub fn mig_handle(gpu: usize, gi: u32, ci: u32) -> nvmlDevice_t {
+    ptr::without_provenance_mut(pack(MIG_HANDLE_BASE, gpu, gi, ci))
+}
+
+/// (GPU index, GI id, CI id) if `handle` is a MIG device handle.
+pub fn mig_of(handle: nvmlDevice_t) -> Option<(usize, u32, u32)> {
+    unpack(MIG_HANDLE_BASE, handle.addr())
+}
+
+pub fn gi_handle(gpu: usize, gi: u32) -> nvmlGpuInstance_t {
+    ptr::without_provenance_mut(pack(GI_HANDLE_BASE, gpu, gi, 0))
+}
+
+/// (GPU index, GI id) of a GPU instance handle; anything else is
+/// INVALID_ARGUMENT.
+pub fn gi_of(handle: nvmlGpuInstance_t) -> Res<(usize, u32)> {
+    match unpack(GI_HANDLE_BASE, handle.addr()) {
+        Some((gpu, gi, 0)) => Ok((gpu, gi)),
+        _ => Err(NVML_ERROR_INVALID_ARGUMENT),
+    }
+}
+
+pub fn ci_handle(gpu: usize, gi: u32, ci: u32) -> nvmlComputeInstance_t {
+    ptr::without_provenance_mut(pack(CI_HANDLE_BASE, gpu, gi, ci))
+}
+
+/// (GPU index, GI id, CI id) of a compute instance handle; anything else is
+/// INVALID_ARGUMENT.
+pub fn ci_of(handle: nvmlComputeInstance_t) -> Res<(usize, u32, u32)> {
+    unpack(CI_HANDLE_BASE, handle.addr()).ok_or(NVML_ERROR_INVALID_ARGUMENT)
+}
+
+/// What a device handle names: a GPU, or a MIG device of a GPU.
+pub enum Dev<'c> {
+    Gpu(&'c Gpu),
+    Mig(usize, &'c Gpu, &'c GpuInstance),
+}
+
+/// Resolves a GPU or MIG device handle for a function that accepts both.
+/// A MIG device answers its parent's `errors` override and `lost`; one whose
+/// compute instance no longer exists (or whose GPU left MIG mode) is
+/// INVALID_ARGUMENT.
+pub fn any_device<'c>(
+    cfg: &'c Config,
+    handle: nvmlDevice_t,
+    func: &str,
+    readable_when_lost: bool,
+) -> Res<Dev<'c>> {
+    if let Some((g, gi, ci)) = mig_of(handle) {
+        let gpu = gpu_at(cfg, g, func, false)?;
+        let inst = gpu
+            .mig
+            .instances
+            .iter()
+            .find(|i| i.gi_id == gi && i.ci_id == Some(ci))
+            .filter(|_| gpu.mig.mode)
+            .ok_or(NVML_ERROR_INVALID_ARGUMENT)?;
+        return Ok(Dev::Mig(g, gpu, inst));
+    }
+    let index = index_of(handle)?;
+    Ok(Dev::Gpu(gpu_at(cfg, index, func, readable_when_lost)?))
+}
+
+// ----- writing the config back (MIG create/destroy/set mode) -----
+
+/// One writer at a time in this process. Writers in other processes are
+/// not excluded: the last rename wins.
+static WRITE_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// A change to the machine: reads the config (as `session` does) and its
+/// raw JSON, lets `change` edit the JSON, checks that the result is still a
+/// valid config, and writes it back atomically (temp file in the same
+/// directory, then rename). If `change` fails nothing is written.
+pub fn transact<R>(change: impl FnOnce(&Config, &mut serde_json::Value) -> Res<R>) -> Res<R> {
+    require_init()?;
+    let Some(path) = config_path() else {
+        // load_config says why on stderr.
+        return Err(load_config().err().unwrap_or(NVML_ERROR_UNKNOWN));
+    };
+    let _lock = WRITE_LOCK
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let cfg = load_config()?;
+    let fail = |what: String| {
+        eprintln!("fake-nvml: cannot write config {}: {what}", path.display());
+        NVML_ERROR_UNKNOWN
+    };
+    let text = std::fs::read_to_string(&path).map_err(|e| fail(e.to_string()))?;
+    let mut root: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| fail(e.to_string()))?;
+    let r = change(&cfg, &mut root)?;
+    let mut new = serde_json::to_string_pretty(&root).map_err(|e| fail(e.to_string()))?;
+    new.push('\n');
+    config::parse(&new).map_err(|e| fail(format!("the change would make it invalid: {e}")))?;
+    let file = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let tmp = path.with_file_name(format!(".{file}.{}.tmp", std::process::id()));
+    std::fs::write(&tmp, new).map_err(|e| fail(e.to_string()))?;
+    std::fs::rename(&tmp, &path).map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        fail(e.to_string())
+    })?;
+    Ok(r)
 }
 
 // ----- caller memory -----
@@ -204,6 +342,28 @@ impl<T> Out<T> {
         // SAFETY: `out` checked non-null; its caller vouched for validity.
         unsafe { self.0.as_ptr().write(value) }
     }
+
+    /// Reads an in/out parameter (a count the caller set, a struct version).
+    pub fn get(&self) -> T
+    where
+        T: Copy,
+    {
+        // SAFETY: as for `set`; for in/out parameters the NVML contract also
+        // has the caller initialize the value.
+        unsafe { self.0.as_ptr().read() }
+    }
+}
+
+/// Reads a caller's input struct: null is INVALID_ARGUMENT.
+///
+/// # Safety
+/// `p` must be null or valid for a read of one initialized `T`.
+pub unsafe fn in_value<T: Copy>(p: *const T) -> Res<T> {
+    if p.is_null() {
+        return Err(NVML_ERROR_INVALID_ARGUMENT);
+    }
+    // SAFETY: non-null, and valid per the caller's contract.
+    Ok(unsafe { p.read() })
 }
 
 /// A checked caller buffer of `len` elements.

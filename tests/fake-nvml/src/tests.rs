@@ -192,7 +192,7 @@ fn minimal_config_gets_defaults() {
     assert_eq!(g.numa_node, 0);
     assert_eq!(g.pci_switch, None);
     assert!(g.nvlinks.is_empty());
-    assert!(!g.lost && !g.mig_enabled);
+    assert!(!g.lost && !g.mig.mode && !g.mig.pending);
     assert!(g.errors.is_empty());
     let host = std::thread::available_parallelism().map_or(1, |n| n.get());
     assert_eq!(g.cpu_affinity.len(), host);
@@ -283,7 +283,7 @@ fn example_configs_parse() {
             seen.push(path.file_name().map(|n| n.to_string_lossy().into_owned()));
         }
     }
-    for want in ["dgx-a100.json", "mixed.json", "none.json"] {
+    for want in ["dgx-a100.json", "mixed.json", "none.json", "mig.json"] {
         assert!(seen.contains(&Some(want.to_string())), "{want} missing");
     }
 }
@@ -1243,4 +1243,934 @@ fn event_set_misuse_is_an_error_not_a_crash() {
 fn a_panic_becomes_unknown() {
     let r = state::guard("test", || panic!("boom"));
     assert_eq!(r, NVML_ERROR_UNKNOWN);
+}
+
+// ----- MIG -----
+
+use crate::config::MIG_FUNCTIONS;
+use crate::mig::*;
+use crate::profiles;
+
+fn mig_json() -> Value {
+    let text = std::fs::read_to_string(configs_dir().join("mig.json")).expect("mig.json");
+    serde_json::from_str(&text).expect("json")
+}
+
+/// The config file as it is on disk now.
+fn on_disk(m: &Machine) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(&m.path).expect("read")).expect("json")
+}
+
+type U32Fn = unsafe extern "C" fn(nvmlDevice_t, *mut c_uint) -> nvmlReturn_t;
+
+fn get_u32(f: U32Fn, h: nvmlDevice_t) -> Result<u32, nvmlReturn_t> {
+    let mut v: c_uint = 0xDEAD;
+    match unsafe { f(h, &mut v) } {
+        NVML_SUCCESS => Ok(v),
+        e => Err(e),
+    }
+}
+
+fn mig_mode(h: nvmlDevice_t) -> Result<(u32, u32), nvmlReturn_t> {
+    let (mut c, mut p) = (9, 9);
+    match unsafe { nvmlDeviceGetMigMode(h, &mut c, &mut p) } {
+        NVML_SUCCESS => Ok((c, p)),
+        e => Err(e),
+    }
+}
+
+fn mig_device(h: nvmlDevice_t, index: u32) -> Result<nvmlDevice_t, nvmlReturn_t> {
+    let mut d = null_mut();
+    match unsafe { nvmlDeviceGetMigDeviceHandleByIndex(h, index, &mut d) } {
+        NVML_SUCCESS => Ok(d),
+        e => Err(e),
+    }
+}
+
+fn memory_v2(h: nvmlDevice_t) -> Result<nvmlMemory_v2_t, nvmlReturn_t> {
+    let mut m = unsafe { std::mem::zeroed::<nvmlMemory_v2_t>() };
+    m.version = nvmlMemory_v2;
+    match unsafe { nvmlDeviceGetMemoryInfo_v2(h, &mut m) } {
+        NVML_SUCCESS => Ok(m),
+        e => Err(e),
+    }
+}
+
+fn attributes(h: nvmlDevice_t) -> Result<nvmlDeviceAttributes_t, nvmlReturn_t> {
+    let mut a = unsafe { std::mem::zeroed::<nvmlDeviceAttributes_t>() };
+    match unsafe { nvmlDeviceGetAttributes_v2(h, &mut a) } {
+        NVML_SUCCESS => Ok(a),
+        e => Err(e),
+    }
+}
+
+fn remaining_capacity(h: nvmlDevice_t, profile_id: u32) -> Result<u32, nvmlReturn_t> {
+    let mut n = 0xDEAD;
+    match unsafe { nvmlDeviceGetGpuInstanceRemainingCapacity(h, profile_id, &mut n) } {
+        NVML_SUCCESS => Ok(n),
+        e => Err(e),
+    }
+}
+
+/// nvml-wrapper's `possible_placements`: count first, then the array.
+fn placements(h: nvmlDevice_t, profile_id: u32) -> Result<Vec<(u32, u32)>, nvmlReturn_t> {
+    let mut n: c_uint = 0;
+    let r =
+        unsafe { nvmlDeviceGetGpuInstancePossiblePlacements_v2(h, profile_id, null_mut(), &mut n) };
+    if r != NVML_SUCCESS {
+        return Err(r);
+    }
+    let mut v = vec![
+        nvmlGpuInstancePlacement_t {
+            start: 99,
+            size: 99
+        };
+        n as usize
+    ];
+    let r = unsafe {
+        nvmlDeviceGetGpuInstancePossiblePlacements_v2(h, profile_id, v.as_mut_ptr(), &mut n)
+    };
+    if r != NVML_SUCCESS {
+        return Err(r);
+    }
+    Ok(v.iter()
+        .take(n as usize)
+        .map(|p| (p.start, p.size))
+        .collect())
+}
+
+fn create_gi(h: nvmlDevice_t, profile_id: u32) -> Result<nvmlGpuInstance_t, nvmlReturn_t> {
+    let mut gi = null_mut();
+    match unsafe { nvmlDeviceCreateGpuInstance(h, profile_id, &mut gi) } {
+        NVML_SUCCESS => Ok(gi),
+        e => Err(e),
+    }
+}
+
+fn create_gi_at(
+    h: nvmlDevice_t,
+    profile_id: u32,
+    start: u32,
+    size: u32,
+) -> Result<nvmlGpuInstance_t, nvmlReturn_t> {
+    let mut gi = null_mut();
+    let p = nvmlGpuInstancePlacement_t { start, size };
+    match unsafe { nvmlDeviceCreateGpuInstanceWithPlacement(h, profile_id, &p, &mut gi) } {
+        NVML_SUCCESS => Ok(gi),
+        e => Err(e),
+    }
+}
+
+fn gi_info(gi: nvmlGpuInstance_t) -> Result<nvmlGpuInstanceInfo_t, nvmlReturn_t> {
+    let mut i = unsafe { std::mem::zeroed::<nvmlGpuInstanceInfo_t>() };
+    match unsafe { nvmlGpuInstanceGetInfo(gi, &mut i) } {
+        NVML_SUCCESS => Ok(i),
+        e => Err(e),
+    }
+}
+
+fn create_ci(gi: nvmlGpuInstance_t, profile: u32) -> Result<nvmlComputeInstance_t, nvmlReturn_t> {
+    let mut ci = null_mut();
+    match unsafe { nvmlGpuInstanceCreateComputeInstance(gi, profile, &mut ci) } {
+        NVML_SUCCESS => Ok(ci),
+        e => Err(e),
+    }
+}
+
+fn set_mig_mode(h: nvmlDevice_t, mode: u32) -> Result<nvmlReturn_t, nvmlReturn_t> {
+    let mut status = 12345;
+    match unsafe { nvmlDeviceSetMigMode(h, mode, &mut status) } {
+        NVML_SUCCESS => Ok(status),
+        e => Err(e),
+    }
+}
+
+fn is_mig_uuid(u: &str) -> bool {
+    let parts: Vec<&str> = u.strip_prefix("MIG-").unwrap_or("").split('-').collect();
+    parts.iter().map(|p| p.len()).collect::<Vec<_>>() == [8, 4, 4, 4, 12]
+        && parts
+            .iter()
+            .all(|p| p.chars().all(|c| c.is_ascii_hexdigit()))
+}
+
+#[test]
+fn profile_tables_are_consistent() {
+    for t in profiles::TABLES {
+        for p in t.profiles {
+            assert_eq!(p.starts.len() as u32, p.instance_count, "{}", p.name);
+            for s in p.starts {
+                assert!(
+                    s + p.mem_slices <= profiles::MEM_SLICES,
+                    "{} at {s}",
+                    p.name
+                );
+            }
+            assert!(p.slices <= profiles::COMPUTE_SLICES);
+            assert!(p.index < NVML_GPU_INSTANCE_PROFILE_COUNT);
+            assert!(p.name.starts_with(&format!("{}g.", p.slices)));
+        }
+    }
+    let a100 = profiles::table_for("NVIDIA A100-PCIE-40GB").expect("A100 table");
+    let mem: Vec<u64> = a100.profiles.iter().map(|p| p.memory_mib).collect();
+    assert_eq!(mem, [4864, 9856, 19968, 19968, 40192]);
+    let ids: Vec<u32> = a100.profiles.iter().map(|p| p.id).collect();
+    assert_eq!(ids, [19, 14, 9, 5, 0]);
+    assert!(a100.needs_reset);
+    let h100 = profiles::table_for("NVIDIA H100 PCIe").expect("H100 table");
+    assert!(!h100.needs_reset);
+    assert_eq!(
+        h100.by_index(9).map(|p| (p.id, p.name)),
+        Some((15, "1g.20gb"))
+    );
+    assert!(profiles::table_for("Tesla T4").is_none());
+}
+
+#[test]
+fn mig_example_config_is_what_it_says() {
+    let cfg = config::load(&configs_dir().join("mig.json")).expect("mig.json");
+    let a100 = &cfg.gpus[0].mig;
+    assert!(a100.mode && a100.pending && a100.needs_reset);
+    let names: Vec<&str> = a100.instances.iter().map(|i| i.profile.name).collect();
+    assert_eq!(names, ["3g.20gb", "2g.10gb", "1g.5gb"]);
+    let h100 = &cfg.gpus[1].mig;
+    assert!(h100.mode && !h100.needs_reset);
+    assert_eq!(h100.devices().len(), 7);
+    assert!(h100.instances.iter().all(|i| i.profile.name == "1g.10gb"));
+    let ids: Vec<u32> = h100.instances.iter().map(|i| i.gi_id).collect();
+    assert_eq!(
+        ids,
+        [1, 2, 3, 4, 5, 6, 7],
+        "default ids: lowest free from 1"
+    );
+    assert!(!cfg.gpus[2].mig.mode && cfg.gpus[2].mig.instances.is_empty());
+}
+
+#[test]
+fn mig_devices_are_discovered_with_their_identity() {
+    let cfg = mig_json();
+    let _m = Machine::new(&cfg);
+    let (a100, h100, plain) = (handle(0), handle(1), handle(2));
+    assert_eq!(mig_mode(a100), Ok((1, 1)));
+    assert_eq!(mig_mode(plain), Ok((0, 0)));
+    assert_eq!(get_u32(nvmlDeviceGetMaxMigDeviceCount, a100), Ok(7));
+    assert_eq!(get_u32(nvmlDeviceGetMaxMigDeviceCount, plain), Ok(0));
+    assert_eq!(get_u32(nvmlDeviceIsMigDeviceHandle, a100), Ok(0));
+
+    // A100: by GPU instance id: 2 (3g), 3 (2g), 9 (1g).
+    let parent_uuid = cfg["gpus"][0]["uuid"].as_str().expect("uuid");
+    let want = [
+        (2, "3g.20gb", 19968, 0, 42, 3),
+        (3, "2g.10gb", 9856, 0, 28, 2),
+        (9, "1g.5gb", 4864, 1024, 14, 1),
+    ];
+    let mut seen = Vec::new();
+    for (i, (gi, prof, mib, used, sms, slices)) in want.into_iter().enumerate() {
+        let d = mig_device(a100, i as u32).expect("mig device");
+        assert_ne!(d, a100);
+        assert_eq!(get_u32(nvmlDeviceIsMigDeviceHandle, d), Ok(1));
+        assert_eq!(get_u32(nvmlDeviceGetGpuInstanceId, d), Ok(gi));
+        assert_eq!(get_u32(nvmlDeviceGetComputeInstanceId, d), Ok(0));
+        let u = uuid(d).expect("uuid");
+        assert!(is_mig_uuid(&u), "{u}");
+        assert_eq!(u, config::derived_mig_uuid(parent_uuid, gi));
+        assert_eq!(
+            name(d).as_deref(),
+            Ok(format!("NVIDIA A100-SXM4-40GB MIG {prof}").as_str())
+        );
+        let m = memory_v2(d).expect("memory");
+        assert_eq!((m.total, m.used), (mib << 20, used << 20));
+        assert_eq!(m.free, (mib - used) << 20);
+        let mut m1 = nvmlMemory_t {
+            total: 0,
+            free: 0,
+            used: 0,
+        };
+        assert_eq!(unsafe { nvmlDeviceGetMemoryInfo(d, &mut m1) }, NVML_SUCCESS);
+        assert_eq!(m1.total, mib << 20);
+        let a = attributes(d).expect("attributes");
+        assert_eq!(a.multiprocessorCount, sms);
+        assert_eq!(a.gpuInstanceSliceCount, slices);
+        assert_eq!(a.computeInstanceSliceCount, slices);
+        assert_eq!(a.memorySizeMB, mib);
+        let mut parent = null_mut();
+        assert_eq!(
+            unsafe { nvmlDeviceGetDeviceHandleFromMigDeviceHandle(d, &mut parent) },
+            NVML_SUCCESS
+        );
+        assert_eq!(parent, a100);
+        seen.push(u);
+    }
+    assert_eq!(mig_device(a100, 3), Err(NVML_ERROR_NOT_FOUND));
+    assert_eq!(mig_device(a100, 7), Err(NVML_ERROR_INVALID_ARGUMENT));
+    assert_eq!(mig_device(plain, 0), Err(NVML_ERROR_NOT_FOUND));
+
+    // H100: seven 1g.10gb.
+    for i in 0..7 {
+        let d = mig_device(h100, i).expect("h100 mig device");
+        assert_eq!(name(d).as_deref(), Ok("NVIDIA H100 80GB HBM3 MIG 1g.10gb"));
+        assert_eq!(memory_v2(d).map(|m| m.total), Ok(9984 << 20));
+        assert_eq!(attributes(d).map(|a| a.multiprocessorCount), Ok(16));
+        seen.push(uuid(d).expect("uuid"));
+    }
+    assert_eq!(mig_device(h100, 7), Err(NVML_ERROR_INVALID_ARGUMENT));
+    let distinct: std::collections::BTreeSet<_> = seen.iter().collect();
+    assert_eq!(distinct.len(), 10);
+
+    // What a MIG device refuses, and what a GPU handle refuses.
+    let d = mig_device(a100, 0).expect("mig device");
+    let ns = NVML_ERROR_NOT_SUPPORTED;
+    unsafe {
+        let mut u: c_uint = 0;
+        let mut x = nvmlUtilization_t { gpu: 0, memory: 0 };
+        assert_eq!(nvmlDeviceGetMinorNumber(d, &mut u), ns);
+        assert_eq!(nvmlDeviceGetUtilizationRates(d, &mut x), ns);
+        assert_eq!(nvmlDeviceGetTemperature(d, 0, &mut u), ns);
+        assert_eq!(nvmlDeviceGetPowerUsage(d, &mut u), ns);
+        assert_eq!(nvmlDeviceGetNvLinkState(d, 0, &mut u), ns);
+        assert_eq!(nvmlDeviceGetTopologyCommonAncestor(d, h100, &mut u), ns);
+        assert_eq!(nvmlDeviceGetIndex(d, &mut u), ns);
+        assert_eq!(mig_mode(d), Err(ns));
+        assert_eq!(get_u32(nvmlDeviceGetMaxMigDeviceCount, d), Err(ns));
+        assert_eq!(pci_info(d).err(), Some(ns));
+        let mut parent = null_mut();
+        assert_eq!(
+            nvmlDeviceGetDeviceHandleFromMigDeviceHandle(a100, &mut parent),
+            NVML_ERROR_INVALID_ARGUMENT
+        );
+    }
+    assert_eq!(get_u32(nvmlDeviceGetGpuInstanceId, a100), Err(ns));
+    assert_eq!(get_u32(nvmlDeviceGetComputeInstanceId, a100), Err(ns));
+    assert_eq!(attributes(a100).err(), Some(ns));
+    // Handles of one kind are not taken for another.
+    let mut info = unsafe { std::mem::zeroed::<nvmlGpuInstanceInfo_t>() };
+    assert_eq!(
+        unsafe { nvmlGpuInstanceGetInfo(d.cast(), &mut info) },
+        NVML_ERROR_INVALID_ARGUMENT
+    );
+    assert_eq!(
+        unsafe { nvmlGpuInstanceGetInfo(a100.cast(), &mut info) },
+        NVML_ERROR_INVALID_ARGUMENT
+    );
+    assert_eq!(
+        name(state::gi_handle(0, 2).cast()),
+        Err(NVML_ERROR_INVALID_ARGUMENT)
+    );
+}
+
+#[test]
+fn a_model_without_mig_answers_not_supported() {
+    let _m = Machine::new(&json!({"gpus": [{"uuid": "GPU-t4", "name": "Tesla T4"}]}));
+    let h = handle(0);
+    let ns = NVML_ERROR_NOT_SUPPORTED;
+    assert_eq!(mig_mode(h), Err(ns));
+    assert_eq!(get_u32(nvmlDeviceGetMaxMigDeviceCount, h), Ok(0));
+    assert_eq!(mig_device(h, 0), Err(ns));
+    assert_eq!(set_mig_mode(h, NVML_DEVICE_MIG_ENABLE), Err(ns));
+    assert_eq!(placements(h, 19), Err(ns));
+    assert_eq!(create_gi(h, 19), Err(ns));
+    let mut info = unsafe { std::mem::zeroed::<nvmlGpuInstanceProfileInfo_t>() };
+    assert_eq!(
+        unsafe { nvmlDeviceGetGpuInstanceProfileInfo(h, 0, &mut info) },
+        ns
+    );
+}
+
+#[test]
+fn profile_info_placements_and_remaining_capacity() {
+    let _m = Machine::new(&mig_json());
+    let (a100, h100, plain) = (handle(0), handle(1), handle(2));
+    let mut info = unsafe { std::mem::zeroed::<nvmlGpuInstanceProfileInfo_t>() };
+    let r = unsafe { nvmlDeviceGetGpuInstanceProfileInfo(a100, 0, &mut info) };
+    assert_eq!(r, NVML_SUCCESS);
+    assert_eq!(
+        (
+            info.id,
+            info.sliceCount,
+            info.instanceCount,
+            info.multiprocessorCount
+        ),
+        (19, 1, 7, 14)
+    );
+    assert_eq!((info.memorySizeMB, info.copyEngineCount), (4864, 1));
+    // MIG mode is not needed to read profiles.
+    let r = unsafe { nvmlDeviceGetGpuInstanceProfileInfo(plain, 4, &mut info) };
+    assert_eq!(r, NVML_SUCCESS);
+    assert_eq!((info.id, info.sliceCount, info.memorySizeMB), (0, 7, 40192));
+    let r = unsafe { nvmlDeviceGetGpuInstanceProfileInfo(a100, 9, &mut info) };
+    assert_eq!(r, NVML_ERROR_NOT_SUPPORTED, "1g.20gb is H100's");
+    let r = unsafe { nvmlDeviceGetGpuInstanceProfileInfo(h100, 9, &mut info) };
+    assert_eq!(r, NVML_SUCCESS);
+    assert_eq!(
+        (info.id, info.instanceCount, info.multiprocessorCount),
+        (15, 4, 26)
+    );
+    let r = unsafe { nvmlDeviceGetGpuInstanceProfileInfo(a100, 17, &mut info) };
+    assert_eq!(r, NVML_ERROR_INVALID_ARGUMENT);
+
+    // The V form: version checked, name filled.
+    let mut v2 = unsafe { std::mem::zeroed::<nvmlGpuInstanceProfileInfo_v2_t>() };
+    let r = unsafe { nvmlDeviceGetGpuInstanceProfileInfoV(a100, 2, &mut v2) };
+    assert_eq!(r, NVML_ERROR_ARGUMENT_VERSION_MISMATCH);
+    v2.version = nvmlGpuInstanceProfileInfo_v2;
+    assert_eq!(nvmlGpuInstanceProfileInfo_v2, 0x0200_0098);
+    let r = unsafe { nvmlDeviceGetGpuInstanceProfileInfoV(a100, 2, &mut v2) };
+    assert_eq!(r, NVML_SUCCESS);
+    assert_eq!(cstr_field(&v2.name), "MIG 3g.20gb");
+    assert_eq!((v2.id, v2.sliceCount, v2.memorySizeMB), (9, 3, 19968));
+    assert_eq!(v2.version, nvmlGpuInstanceProfileInfo_v2);
+    let mut v3 = unsafe { std::mem::zeroed::<nvmlGpuInstanceProfileInfo_v3_t>() };
+    v3.version = nvmlGpuInstanceProfileInfo_v3;
+    let r = unsafe { nvmlDeviceGetGpuInstanceProfileInfoV(h100, 4, (&raw mut v3).cast()) };
+    assert_eq!(r, NVML_SUCCESS);
+    assert_eq!(cstr_field(&v3.name), "MIG 7g.80gb");
+    assert_eq!(
+        (v3.id, v3.multiprocessorCount, v3.memorySizeMB),
+        (0, 132, 81152)
+    );
+
+    // Placements: all of them, whatever exists.
+    assert_eq!(
+        placements(a100, 19),
+        Ok((0..7).map(|s| (s, 1)).collect::<Vec<_>>())
+    );
+    assert_eq!(placements(a100, 14), Ok(vec![(0, 2), (2, 2), (4, 2)]));
+    assert_eq!(placements(a100, 9), Ok(vec![(0, 4), (4, 4)]));
+    assert_eq!(placements(a100, 5), Ok(vec![(0, 4)]));
+    assert_eq!(placements(plain, 0), Ok(vec![(0, 8)]));
+    assert_eq!(
+        placements(h100, 15),
+        Ok(vec![(0, 2), (2, 2), (4, 2), (6, 2)])
+    );
+    assert_eq!(placements(a100, 15), Err(NVML_ERROR_INVALID_ARGUMENT));
+    assert_eq!(placements(a100, 99), Err(NVML_ERROR_INVALID_ARGUMENT));
+    let mut small = [nvmlGpuInstancePlacement_t { start: 9, size: 9 }; 1];
+    let mut n: c_uint = 1;
+    let r = unsafe {
+        nvmlDeviceGetGpuInstancePossiblePlacements_v2(a100, 9, small.as_mut_ptr(), &mut n)
+    };
+    assert_eq!((r, n), (NVML_ERROR_INSUFFICIENT_SIZE, 2));
+    assert_eq!(small[0].start, 9, "nothing written");
+
+    // A100: 2g@0, 1g@2, 3g@4 leave one 1g slot (slice 3) and nothing else.
+    assert_eq!(remaining_capacity(a100, 19), Ok(1));
+    for id in [14, 9, 5, 0] {
+        assert_eq!(remaining_capacity(a100, id), Ok(0), "profile {id}");
+    }
+    for id in [19, 15, 14, 9, 5, 0] {
+        assert_eq!(remaining_capacity(h100, id), Ok(0), "profile {id}");
+    }
+    assert_eq!(
+        remaining_capacity(a100, 99),
+        Err(NVML_ERROR_INVALID_ARGUMENT)
+    );
+    assert_eq!(remaining_capacity(plain, 19), Err(NVML_ERROR_NOT_SUPPORTED));
+
+    // An empty GPU in MIG mode.
+    let mut cfg = mig_json();
+    cfg["gpus"][2]["mig"] = json!({"mode": true});
+    let _m2 = Machine::new(&cfg);
+    let plain = handle(2);
+    let want = [(19, 7), (14, 3), (9, 2), (5, 1), (0, 1)];
+    for (id, n) in want {
+        assert_eq!(remaining_capacity(plain, id), Ok(n), "profile {id}");
+    }
+}
+
+#[test]
+fn create_gpu_and_compute_instances_persist_and_destroy() {
+    let m = Machine::new(&mig_json());
+    let a100 = handle(0);
+
+    // A GPU instance without a compute instance: no MIG device yet.
+    let gi = create_gi(a100, 19).expect("create 1g.5gb");
+    let info = gi_info(gi).expect("info");
+    assert_eq!(info.device, a100);
+    assert_eq!((info.id, info.profileId), (1, 19), "lowest free id");
+    assert_eq!(
+        info.placement,
+        nvmlGpuInstancePlacement_t { start: 3, size: 1 }
+    );
+    assert_eq!(mig_device(a100, 3), Err(NVML_ERROR_NOT_FOUND));
+    assert_eq!(remaining_capacity(a100, 19), Ok(0));
+    assert_eq!(create_gi(a100, 19), Err(NVML_ERROR_INSUFFICIENT_RESOURCES));
+
+    // Written back: other fields as they were.
+    let disk = on_disk(&m);
+    let inst = disk["gpus"][0]["mig"]["instances"]
+        .as_array()
+        .expect("instances")
+        .clone();
+    assert_eq!(inst.len(), 4);
+    assert_eq!(inst[2]["memory_used_mib"], json!(1024));
+    assert_eq!(
+        inst[3],
+        json!({"profile": "1g.5gb", "start": 3, "gi_id": 1})
+    );
+    assert_eq!(disk["gpus"][0]["serial"], json!("1562720054321"));
+    assert_eq!(disk["gpus"][1]["mig"]["instances"][6]["busy"], json!(true));
+    assert_eq!(disk["driver_version"], json!("535.129.03"));
+    // ... and read back by a later call (or another process).
+    let mut by_id = null_mut();
+    assert_eq!(
+        unsafe { nvmlDeviceGetGpuInstanceById(a100, 1, &mut by_id) },
+        NVML_SUCCESS
+    );
+    assert_eq!(by_id, gi);
+    assert_eq!(
+        unsafe { nvmlDeviceGetGpuInstanceById(a100, 5, &mut by_id) },
+        NVML_ERROR_NOT_FOUND
+    );
+
+    // Compute instance profiles: only the one spanning the GPU instance.
+    let mut cp = unsafe { std::mem::zeroed::<nvmlComputeInstanceProfileInfo_t>() };
+    let r = unsafe { nvmlGpuInstanceGetComputeInstanceProfileInfo(gi, 0, 0, &mut cp) };
+    assert_eq!(r, NVML_SUCCESS);
+    assert_eq!(
+        (
+            cp.id,
+            cp.sliceCount,
+            cp.instanceCount,
+            cp.multiprocessorCount
+        ),
+        (0, 1, 1, 14)
+    );
+    let r = unsafe { nvmlGpuInstanceGetComputeInstanceProfileInfo(gi, 1, 0, &mut cp) };
+    assert_eq!(r, NVML_ERROR_NOT_SUPPORTED);
+    let r = unsafe { nvmlGpuInstanceGetComputeInstanceProfileInfo(gi, 8, 0, &mut cp) };
+    assert_eq!(r, NVML_ERROR_INVALID_ARGUMENT);
+    let mut cv = unsafe { std::mem::zeroed::<nvmlComputeInstanceProfileInfo_v2_t>() };
+    cv.version = nvmlComputeInstanceProfileInfo_v2;
+    let r = unsafe { nvmlGpuInstanceGetComputeInstanceProfileInfoV(gi, 0, 0, &mut cv) };
+    assert_eq!(r, NVML_SUCCESS);
+    assert_eq!(cstr_field(&cv.name), "MIG 1g.5gb");
+    cv.version = 1;
+    let r = unsafe { nvmlGpuInstanceGetComputeInstanceProfileInfoV(gi, 0, 0, &mut cv) };
+    assert_eq!(r, NVML_ERROR_ARGUMENT_VERSION_MISMATCH);
+
+    // The compute instance makes the MIG device appear (first: lowest GI id).
+    assert_eq!(create_ci(gi, 1), Err(NVML_ERROR_NOT_SUPPORTED));
+    let ci = create_ci(gi, 0).expect("create ci");
+    assert_eq!(create_ci(gi, 0), Err(NVML_ERROR_INSUFFICIENT_RESOURCES));
+    let mut ci_info = unsafe { std::mem::zeroed::<nvmlComputeInstanceInfo_t>() };
+    assert_eq!(
+        unsafe { nvmlComputeInstanceGetInfo_v2(ci, &mut ci_info) },
+        NVML_SUCCESS
+    );
+    assert_eq!((ci_info.device, ci_info.gpuInstance), (a100, gi));
+    assert_eq!((ci_info.id, ci_info.profileId), (0, 0));
+    assert_eq!(ci_info.placement.size, 1);
+    let d = mig_device(a100, 0).expect("new mig device");
+    assert_eq!(get_u32(nvmlDeviceGetGpuInstanceId, d), Ok(1));
+    assert_eq!(name(d).as_deref(), Ok("NVIDIA A100-SXM4-40GB MIG 1g.5gb"));
+    assert!(mig_device(a100, 3).is_ok());
+    assert_eq!(
+        on_disk(&m)["gpus"][0]["mig"]["instances"][3]["ci_id"],
+        json!(0)
+    );
+    let mut cis = [null_mut(); 1];
+    let mut n: c_uint = 0;
+    assert_eq!(
+        unsafe { nvmlGpuInstanceGetComputeInstances(gi, 0, cis.as_mut_ptr(), &mut n) },
+        NVML_SUCCESS
+    );
+    assert_eq!((n, cis[0]), (1, ci));
+
+    // GPU instances by profile.
+    let mut gis = [null_mut(); 7];
+    assert_eq!(
+        unsafe { nvmlDeviceGetGpuInstances(a100, 19, gis.as_mut_ptr(), &mut n) },
+        NVML_SUCCESS
+    );
+    assert_eq!(n, 2);
+    let ids: Vec<u32> = gis[..2]
+        .iter()
+        .map(|g| gi_info(*g).expect("info").id)
+        .collect();
+    assert_eq!(ids, [1, 9]);
+
+    // Destroy: the GPU instance is in use while its compute instance lives.
+    assert_eq!(unsafe { nvmlGpuInstanceDestroy(gi) }, NVML_ERROR_IN_USE);
+    assert_eq!(unsafe { nvmlComputeInstanceDestroy(ci) }, NVML_SUCCESS);
+    assert_eq!(mig_device(a100, 3), Err(NVML_ERROR_NOT_FOUND));
+    assert_eq!(
+        unsafe { nvmlComputeInstanceGetInfo_v2(ci, &mut ci_info) },
+        NVML_ERROR_INVALID_ARGUMENT,
+        "a destroyed compute instance"
+    );
+    assert_eq!(unsafe { nvmlGpuInstanceDestroy(gi) }, NVML_SUCCESS);
+    assert_eq!(gi_info(gi).err(), Some(NVML_ERROR_INVALID_ARGUMENT));
+    let after = on_disk(&m);
+    assert_eq!(
+        after["gpus"][0]["mig"]["instances"]
+            .as_array()
+            .map(Vec::len),
+        Some(3)
+    );
+    assert_eq!(remaining_capacity(a100, 19), Ok(1));
+
+    // With a placement.
+    assert_eq!(
+        create_gi_at(a100, 19, 4, 1),
+        Err(NVML_ERROR_INSUFFICIENT_RESOURCES)
+    );
+    assert_eq!(
+        create_gi_at(a100, 19, 7, 1),
+        Err(NVML_ERROR_INSUFFICIENT_RESOURCES)
+    );
+    assert_eq!(
+        create_gi_at(a100, 19, 3, 2),
+        Err(NVML_ERROR_INVALID_ARGUMENT)
+    );
+    assert_eq!(
+        create_gi_at(a100, 99, 3, 1),
+        Err(NVML_ERROR_INVALID_ARGUMENT)
+    );
+    assert_eq!(create_gi(a100, 99), Err(NVML_ERROR_INVALID_ARGUMENT));
+    let gi = create_gi_at(a100, 19, 3, 1).expect("1g at 3");
+    assert_eq!(gi_info(gi).map(|i| i.placement.start), Ok(3));
+    let mut gi2 = null_mut();
+    assert_eq!(
+        unsafe { nvmlDeviceCreateGpuInstanceWithPlacement(a100, 19, ptr::null(), &mut gi2) },
+        NVML_ERROR_INVALID_ARGUMENT
+    );
+
+    // Busy instances (a process holds them) cannot be destroyed.
+    let h100 = handle(1);
+    let busy = mig_device(h100, 6).expect("busy device");
+    let gi_id = get_u32(nvmlDeviceGetGpuInstanceId, busy).expect("gi id");
+    let mut bgi = null_mut();
+    assert_eq!(
+        unsafe { nvmlDeviceGetGpuInstanceById(h100, gi_id, &mut bgi) },
+        NVML_SUCCESS
+    );
+    assert_eq!(
+        unsafe { nvmlGpuInstanceGetComputeInstances(bgi, 0, cis.as_mut_ptr(), &mut n) },
+        NVML_SUCCESS
+    );
+    assert_eq!(
+        unsafe { nvmlComputeInstanceDestroy(cis[0]) },
+        NVML_ERROR_IN_USE
+    );
+    let mut cfg = on_disk(&m);
+    cfg["gpus"][1]["mig"]["instances"][6]["ci_id"] = Value::Null;
+    if let Some(o) = cfg["gpus"][1]["mig"]["instances"][6].as_object_mut() {
+        o.remove("ci_id");
+    }
+    m.write(&cfg);
+    assert_eq!(unsafe { nvmlGpuInstanceDestroy(bgi) }, NVML_ERROR_IN_USE);
+
+    // MIG mode off: nothing to create or list.
+    let plain = handle(2);
+    assert_eq!(create_gi(plain, 19), Err(NVML_ERROR_NOT_SUPPORTED));
+    assert_eq!(
+        unsafe { nvmlDeviceGetGpuInstances(plain, 19, gis.as_mut_ptr(), &mut n) },
+        NVML_ERROR_NOT_SUPPORTED
+    );
+}
+
+#[test]
+fn set_mig_mode_is_pending_or_applied() {
+    let mut cfg = mig_json();
+    cfg["gpus"].as_array_mut().expect("gpus").push(json!({
+        "uuid": "GPU-h100-empty", "name": "NVIDIA H100 80GB HBM3",
+        "pci_bus_id": "00000000:C0:00.0"
+    }));
+    cfg["gpus"].as_array_mut().expect("gpus").push(json!({
+        "uuid": "GPU-t4", "name": "Tesla T4", "pci_bus_id": "00000000:C1:00.0"
+    }));
+    let m = Machine::new(&cfg);
+    let (a100, plain, h100, t4) = (handle(0), handle(2), handle(3), handle(4));
+
+    // A100: waits for a reset.
+    assert_eq!(
+        set_mig_mode(plain, NVML_DEVICE_MIG_ENABLE),
+        Ok(NVML_ERROR_RESET_REQUIRED)
+    );
+    assert_eq!(mig_mode(plain), Ok((0, 1)));
+    let disk = on_disk(&m);
+    assert_eq!(
+        disk["gpus"][2]["mig"],
+        json!({"mode": false, "pending": true, "instances": []})
+    );
+    assert_eq!(disk["gpus"][2]["serial"], json!("1562720054322"));
+    // The "reset": a test writes the mode.
+    let mut reset = disk.clone();
+    reset["gpus"][2]["mig"]["mode"] = json!(true);
+    m.write(&reset);
+    assert_eq!(mig_mode(plain), Ok((1, 1)));
+    assert_eq!(
+        set_mig_mode(plain, NVML_DEVICE_MIG_ENABLE),
+        Ok(NVML_SUCCESS)
+    );
+
+    // H100: applies at once when no instance exists.
+    assert_eq!(mig_mode(h100), Ok((0, 0)));
+    assert_eq!(set_mig_mode(h100, NVML_DEVICE_MIG_ENABLE), Ok(NVML_SUCCESS));
+    assert_eq!(mig_mode(h100), Ok((1, 1)));
+    assert_eq!(get_u32(nvmlDeviceGetMaxMigDeviceCount, h100), Ok(7));
+    assert_eq!(
+        set_mig_mode(h100, NVML_DEVICE_MIG_DISABLE),
+        Ok(NVML_SUCCESS)
+    );
+    assert_eq!(mig_mode(h100), Ok((0, 0)));
+
+    // Instances exist: leaving MIG mode is refused.
+    assert_eq!(
+        set_mig_mode(a100, NVML_DEVICE_MIG_DISABLE),
+        Err(NVML_ERROR_IN_USE)
+    );
+    assert_eq!(mig_mode(a100), Ok((1, 1)));
+    assert_eq!(set_mig_mode(a100, NVML_DEVICE_MIG_ENABLE), Ok(NVML_SUCCESS));
+
+    // needs_reset can be turned off for an A100 (and on for an H100).
+    let mut cfg = on_disk(&m);
+    cfg["gpus"][2]["mig"]["needs_reset"] = json!(false);
+    cfg["gpus"][3]["mig"] = json!({"needs_reset": true});
+    m.write(&cfg);
+    assert_eq!(
+        set_mig_mode(plain, NVML_DEVICE_MIG_DISABLE),
+        Ok(NVML_SUCCESS)
+    );
+    assert_eq!(mig_mode(plain), Ok((0, 0)));
+    assert_eq!(
+        set_mig_mode(h100, NVML_DEVICE_MIG_ENABLE),
+        Ok(NVML_ERROR_RESET_REQUIRED)
+    );
+    assert_eq!(mig_mode(h100), Ok((0, 1)));
+    assert_eq!(on_disk(&m)["gpus"][2]["mig"]["needs_reset"], json!(false));
+
+    // Errors.
+    assert_eq!(set_mig_mode(a100, 2), Err(NVML_ERROR_INVALID_ARGUMENT));
+    assert_eq!(
+        set_mig_mode(t4, NVML_DEVICE_MIG_ENABLE),
+        Err(NVML_ERROR_NOT_SUPPORTED)
+    );
+    assert_eq!(
+        unsafe { nvmlDeviceSetMigMode(a100, 1, null_mut()) },
+        NVML_ERROR_INVALID_ARGUMENT
+    );
+    let d = mig_device(a100, 0).expect("mig device");
+    assert_eq!(set_mig_mode(d, 1), Err(NVML_ERROR_NOT_SUPPORTED));
+}
+
+#[test]
+fn mig_enabled_is_an_alias_of_mig_mode() {
+    let cfg = config::parse(
+        r#"{"gpus": [{"uuid": "a", "name": "NVIDIA A100-SXM4-40GB", "mig_enabled": true}]}"#,
+    )
+    .expect("parses");
+    assert!(cfg.gpus[0].mig.mode && cfg.gpus[0].mig.pending);
+    let mut base = gpus(1);
+    base["gpus"][0]["mig_enabled"] = json!(true);
+    let m = Machine::new(&base);
+    let gi = create_gi(handle(0), 0).expect("7g");
+    assert!(!gi.is_null());
+    let disk = on_disk(&m);
+    assert_eq!(
+        disk["gpus"][0].get("mig_enabled"),
+        None,
+        "folded into mig.mode"
+    );
+    assert_eq!(disk["gpus"][0]["mig"]["mode"], json!(true));
+}
+
+#[test]
+fn mig_config_mistakes_are_errors() {
+    let a100 = |mig: Value| {
+        json!({"gpus": [{"uuid": "GPU-a", "name": "NVIDIA A100-SXM4-40GB", "mig": mig}]})
+            .to_string()
+    };
+    let bad = [
+        (a100(json!({"mode": true, "colour": 1})), "unknown field"),
+        (
+            a100(json!({"mode": true, "instances": [{"profile": "1g.5gb", "start": 0, "x": 1}]})),
+            "unknown field",
+        ),
+        (
+            a100(json!({"mode": true, "instances": [{"profile": "1g.10gb", "start": 0}]})),
+            "not one of",
+        ),
+        (
+            a100(json!({"mode": true, "instances": [{"profile": "3g.20gb", "start": 2}]})),
+            "not a free placement",
+        ),
+        (
+            a100(json!({"mode": true, "instances": [
+                {"profile": "4g.20gb", "start": 0}, {"profile": "2g.10gb", "start": 2}]})),
+            "not a free placement",
+        ),
+        (
+            a100(json!({"mode": true, "instances": [
+                {"profile": "1g.5gb", "start": 0, "gi_id": 3},
+                {"profile": "1g.5gb", "start": 1, "gi_id": 3}]})),
+            "duplicate gi_id",
+        ),
+        (
+            a100(json!({"mode": true, "instances": [
+                {"profile": "1g.5gb", "start": 0, "gi_id": 64}]})),
+            "gi_id 64",
+        ),
+        (
+            a100(json!({"mode": true, "instances": [
+                {"profile": "1g.5gb", "start": 0, "ci_id": 8}]})),
+            "ci_id 8",
+        ),
+        (
+            a100(json!({"mode": false, "instances": [{"profile": "1g.5gb", "start": 0}]})),
+            "without MIG mode",
+        ),
+        (
+            r#"{"gpus": [{"uuid": "a", "name": "NVIDIA A100-SXM4-40GB",
+                 "mig_enabled": true, "mig": {"mode": false}}]}"#
+                .to_string(),
+            "disagree",
+        ),
+        (
+            r#"{"gpus": [{"uuid": "a", "name": "Tesla T4", "mig": {"mode": true}}]}"#.to_string(),
+            "has no MIG",
+        ),
+        (
+            r#"{"gpus": [{"uuid": "a", "name": "Tesla T4", "mig_enabled": true}]}"#.to_string(),
+            "has no MIG",
+        ),
+    ];
+    for (text, want) in bad {
+        let e = config::parse(&text).expect_err(&text);
+        assert!(e.contains(want), "{text}: {e}");
+    }
+    // Explicit ids are kept clear of the defaults.
+    let ok = config::parse(&a100(json!({"mode": true, "instances": [
+        {"profile": "1g.5gb", "start": 0},
+        {"profile": "1g.5gb", "start": 1, "gi_id": 1}]})))
+    .expect("parses");
+    let ids: Vec<u32> = ok.gpus[0].mig.instances.iter().map(|i| i.gi_id).collect();
+    assert_eq!(ids, [2, 1]);
+}
+
+/// Calls MIG function `func` on GPU 0 of [`mig_override_machine`] with valid
+/// arguments.
+fn call_mig(func: &str) -> nvmlReturn_t {
+    let h = state::handle_for(0);
+    let mig = state::mig_handle(0, 1, 0);
+    let gi_with_ci = state::gi_handle(0, 1);
+    let gi_bare = state::gi_handle(0, 2);
+    let ci = state::ci_handle(0, 1, 0);
+    let mut u: c_uint = 0;
+    let mut dev = null_mut();
+    let mut gi = null_mut();
+    let mut cih = null_mut();
+    unsafe {
+        match func {
+            "nvmlDeviceSetMigMode" => nvmlDeviceSetMigMode(h, 1, &mut u),
+            "nvmlDeviceGetMaxMigDeviceCount" => nvmlDeviceGetMaxMigDeviceCount(h, &mut u),
+            "nvmlDeviceGetMigDeviceHandleByIndex" => {
+                nvmlDeviceGetMigDeviceHandleByIndex(h, 0, &mut dev)
+            }
+            "nvmlDeviceIsMigDeviceHandle" => nvmlDeviceIsMigDeviceHandle(mig, &mut u),
+            "nvmlDeviceGetDeviceHandleFromMigDeviceHandle" => {
+                nvmlDeviceGetDeviceHandleFromMigDeviceHandle(mig, &mut dev)
+            }
+            "nvmlDeviceGetAttributes_v2" => {
+                let mut a = std::mem::zeroed::<nvmlDeviceAttributes_t>();
+                nvmlDeviceGetAttributes_v2(mig, &mut a)
+            }
+            "nvmlDeviceGetGpuInstanceId" => nvmlDeviceGetGpuInstanceId(mig, &mut u),
+            "nvmlDeviceGetComputeInstanceId" => nvmlDeviceGetComputeInstanceId(mig, &mut u),
+            "nvmlDeviceGetGpuInstanceProfileInfo" => {
+                let mut i = std::mem::zeroed::<nvmlGpuInstanceProfileInfo_t>();
+                nvmlDeviceGetGpuInstanceProfileInfo(h, 0, &mut i)
+            }
+            "nvmlDeviceGetGpuInstanceProfileInfoV" => {
+                let mut i = std::mem::zeroed::<nvmlGpuInstanceProfileInfo_v2_t>();
+                i.version = nvmlGpuInstanceProfileInfo_v2;
+                nvmlDeviceGetGpuInstanceProfileInfoV(h, 0, &mut i)
+            }
+            "nvmlDeviceGetGpuInstancePossiblePlacements_v2" => {
+                nvmlDeviceGetGpuInstancePossiblePlacements_v2(h, 19, null_mut(), &mut u)
+            }
+            "nvmlDeviceGetGpuInstanceRemainingCapacity" => {
+                nvmlDeviceGetGpuInstanceRemainingCapacity(h, 19, &mut u)
+            }
+            "nvmlDeviceCreateGpuInstance" => nvmlDeviceCreateGpuInstance(h, 19, &mut gi),
+            "nvmlDeviceCreateGpuInstanceWithPlacement" => {
+                let p = nvmlGpuInstancePlacement_t { start: 6, size: 1 };
+                nvmlDeviceCreateGpuInstanceWithPlacement(h, 19, &p, &mut gi)
+            }
+            "nvmlDeviceGetGpuInstances" => {
+                let mut a = [null_mut(); 2];
+                nvmlDeviceGetGpuInstances(h, 9, a.as_mut_ptr(), &mut u)
+            }
+            "nvmlDeviceGetGpuInstanceById" => nvmlDeviceGetGpuInstanceById(h, 1, &mut gi),
+            "nvmlGpuInstanceGetInfo" => {
+                let mut i = std::mem::zeroed::<nvmlGpuInstanceInfo_t>();
+                nvmlGpuInstanceGetInfo(gi_with_ci, &mut i)
+            }
+            "nvmlGpuInstanceDestroy" => nvmlGpuInstanceDestroy(gi_bare),
+            "nvmlGpuInstanceGetComputeInstanceProfileInfo" => {
+                let mut i = std::mem::zeroed::<nvmlComputeInstanceProfileInfo_t>();
+                nvmlGpuInstanceGetComputeInstanceProfileInfo(gi_with_ci, 2, 0, &mut i)
+            }
+            "nvmlGpuInstanceGetComputeInstanceProfileInfoV" => {
+                let mut i = std::mem::zeroed::<nvmlComputeInstanceProfileInfo_v2_t>();
+                i.version = nvmlComputeInstanceProfileInfo_v2;
+                nvmlGpuInstanceGetComputeInstanceProfileInfoV(gi_with_ci, 2, 0, &mut i)
+            }
+            "nvmlGpuInstanceCreateComputeInstance" => {
+                nvmlGpuInstanceCreateComputeInstance(gi_bare, 0, &mut cih)
+            }
+            "nvmlGpuInstanceGetComputeInstances" => {
+                let mut a = [null_mut(); 1];
+                nvmlGpuInstanceGetComputeInstances(gi_with_ci, 2, a.as_mut_ptr(), &mut u)
+            }
+            "nvmlComputeInstanceGetInfo_v2" => {
+                let mut i = std::mem::zeroed::<nvmlComputeInstanceInfo_t>();
+                nvmlComputeInstanceGetInfo_v2(ci, &mut i)
+            }
+            "nvmlComputeInstanceDestroy" => nvmlComputeInstanceDestroy(ci),
+            other => panic!("no call for {other}"),
+        }
+    }
+}
+
+/// An A100 with a 3g.20gb MIG device (GI 1, CI 0) and a bare 1g.5gb (GI 2).
+fn mig_override_machine() -> Value {
+    json!({"gpus": [{
+        "uuid": "GPU-a", "name": "NVIDIA A100-SXM4-40GB",
+        "mig": {"mode": true, "instances": [
+            {"profile": "3g.20gb", "start": 0, "gi_id": 1, "ci_id": 0},
+            {"profile": "1g.5gb", "start": 4, "gi_id": 2}
+        ]}
+    }]})
+}
+
+#[test]
+fn every_mig_function_honours_its_error_override() {
+    let base = mig_override_machine();
+    let m = Machine::new(&base);
+    for func in MIG_FUNCTIONS {
+        m.write(&base);
+        assert_eq!(call_mig(func), NVML_SUCCESS, "{func} without override");
+        let mut cfg = base.clone();
+        cfg["gpus"][0]["errors"] = json!({ *func: "NO_PERMISSION" });
+        m.write(&cfg);
+        assert_eq!(call_mig(func), 4, "{func} with override");
+        assert_eq!(on_disk(&m), cfg, "{func}: a failed call writes nothing");
+    }
+}
+
+#[test]
+fn mig_calls_before_init_and_on_a_lost_gpu() {
+    let mut cfg = mig_override_machine();
+    let m = Machine::uninit(&cfg);
+    assert_eq!(
+        call_mig("nvmlDeviceCreateGpuInstance"),
+        NVML_ERROR_UNINITIALIZED
+    );
+    assert_eq!(call_mig("nvmlGpuInstanceGetInfo"), NVML_ERROR_UNINITIALIZED);
+    assert_eq!(nvmlInit_v2(), NVML_SUCCESS);
+    cfg["gpus"][0]["lost"] = json!(true);
+    m.write(&cfg);
+    for func in MIG_FUNCTIONS {
+        assert_eq!(call_mig(func), NVML_ERROR_GPU_IS_LOST, "{func}");
+    }
 }
