@@ -269,3 +269,83 @@ fn agent_whose_nvml_init_fails_runs_with_zero_gpus_and_says_why_once() {
     let j = c.submit(&["--name", "cpu-only", "--", "true"]);
     assert_eq!(c.wait_job(&j, 30).0, 0);
 }
+
+/// Issue 33: a GPU in MIG mode is reported with its MIG devices (through
+/// the real nvml-wrapper and the raw calls it lacks): uuid, profile,
+/// memory, slices, GPU and compute instance ids, the capability minors
+/// from the driver's `mig-minors` (under the proc root given), and the
+/// profiles it could still host. A GPU out of MIG mode reports it off.
+#[test]
+fn mig_devices_are_discovered_with_their_caps_and_free_profiles() {
+    let proc_root = tempfile::tempdir().unwrap();
+    let caps = proc_root.path().join("driver/nvidia-caps");
+    std::fs::create_dir_all(&caps).unwrap();
+    // As the driver writes it: the parent's /dev/nvidia minor, then the
+    // GPU instance's and compute instance's access minors.
+    std::fs::write(
+        caps.join("mig-minors"),
+        "config 1\nmonitor 2\ngpu0/gi2/access 21\ngpu0/gi2/ci0/access 22\n\
+         gpu0/gi3/access 30\ngpu0/gi3/ci0/access 31\ngpu0/gi9/access 84\n\
+         gpu0/gi9/ci0/access 85\ngpu1/gi1/access 147\ngpu1/gi1/ci0/access 148\n",
+    )
+    .unwrap();
+    let d = discover_in(&fake_nvml_config("mig"), proc_root.path());
+    assert!(d.error.is_none(), "{:?}", d.error);
+    assert_eq!(d.gpus.len(), 3);
+
+    let a100 = &d.gpus[0];
+    assert!(a100.healthy, "{}", a100.unhealthy_reason);
+    assert!(a100.mig.enabled);
+    assert_eq!(a100.mig.pending, None);
+    let got: Vec<(&str, u64, u32, u32, u32, Vec<u32>)> = a100
+        .mig
+        .devices
+        .iter()
+        .map(|m| {
+            (
+                m.profile.as_str(),
+                m.memory_mib,
+                m.gpu_slices,
+                m.gi_id,
+                m.ci_id,
+                m.caps_minors.clone(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        got,
+        vec![
+            ("3g.20gb", 19968, 3, 2, 0, vec![21, 22]),
+            ("2g.10gb", 9856, 2, 3, 0, vec![30, 31]),
+            ("1g.5gb", 4864, 1, 9, 0, vec![84, 85]),
+        ]
+    );
+    for m in &a100.mig.devices {
+        assert!(m.uuid.starts_with("MIG-"), "{}", m.uuid);
+        assert_ne!(m.uuid, a100.uuid);
+    }
+    // Slices 0-1 (2g), 2 (1g) and 4-7 (3g) are taken: one 1g.5gb fits.
+    let free: Vec<(&str, u32)> = a100
+        .mig
+        .free
+        .iter()
+        .map(|c| (c.profile.as_str(), c.count))
+        .collect();
+    assert_eq!(free, vec![("1g.5gb", 1)]);
+
+    let h100 = &d.gpus[1];
+    assert!(h100.mig.enabled);
+    assert_eq!(h100.mig.devices.len(), 7);
+    assert!(h100.mig.devices.iter().all(|m| m.profile == "1g.10gb"));
+    assert_eq!(h100.mig.devices[0].caps_minors, vec![147, 148]);
+    // Not in the file: no minors rather than wrong ones.
+    assert!(h100.mig.devices[1].caps_minors.is_empty());
+    assert!(h100.mig.free.is_empty(), "{:?}", h100.mig.free);
+    let uuids: std::collections::BTreeSet<&str> =
+        h100.mig.devices.iter().map(|m| m.uuid.as_str()).collect();
+    assert_eq!(uuids.len(), 7);
+
+    let plain = &d.gpus[2];
+    assert!(!plain.mig.enabled);
+    assert!(plain.mig.devices.is_empty());
+}

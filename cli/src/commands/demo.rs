@@ -177,7 +177,10 @@ async fn choose_gpus(args: &DemoArgs) -> GpuPlan {
         };
     }
     say("Looking for NVIDIA GPUs (NVML)");
-    let discovery = tokio::task::spawn_blocking(|| gpuctl_agent::gpu::discover(None, std::path::Path::new("/proc"))).await;
+    let discovery = tokio::task::spawn_blocking(|| {
+        gpuctl_agent::gpu::discover(None, std::path::Path::new("/proc"))
+    })
+    .await;
     let discovery = match discovery {
         Ok(d) => d,
         Err(e) => {
