@@ -297,27 +297,23 @@ fn mig_devices_are_discovered_with_their_caps_and_free_profiles() {
     assert!(a100.healthy, "{}", a100.unhealthy_reason);
     assert!(a100.mig.enabled);
     assert_eq!(a100.mig.pending, None);
-    let got: Vec<(&str, u64, u32, u32, u32, Vec<u32>)> = a100
+    let got: Vec<String> = a100
         .mig
         .devices
         .iter()
         .map(|m| {
-            (
-                m.profile.as_str(),
-                m.memory_mib,
-                m.gpu_slices,
-                m.gi_id,
-                m.ci_id,
-                m.caps_minors.clone(),
+            format!(
+                "{} {} MiB, {} slices, gi {} ci {}, caps {:?}",
+                m.profile, m.memory_mib, m.gpu_slices, m.gi_id, m.ci_id, m.caps_minors
             )
         })
         .collect();
     assert_eq!(
         got,
         vec![
-            ("3g.20gb", 19968, 3, 2, 0, vec![21, 22]),
-            ("2g.10gb", 9856, 2, 3, 0, vec![30, 31]),
-            ("1g.5gb", 4864, 1, 9, 0, vec![84, 85]),
+            "3g.20gb 19968 MiB, 3 slices, gi 2 ci 0, caps [21, 22]",
+            "2g.10gb 9856 MiB, 2 slices, gi 3 ci 0, caps [30, 31]",
+            "1g.5gb 4864 MiB, 1 slices, gi 9 ci 0, caps [84, 85]",
         ]
     );
     for m in &a100.mig.devices {
