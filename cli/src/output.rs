@@ -303,6 +303,9 @@ pub struct GpuJson {
     /// "MAJOR.MINOR", or null when unknown.
     pub compute_capability: Option<String>,
     pub peers: Vec<PeerJson>,
+    /// Its MIG mode, MIG devices and free profiles; absent without MIG.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mig: Option<MigJson>,
 }
 
 impl From<&pb::Gpu> for GpuJson {
@@ -329,6 +332,7 @@ impl From<&pb::Gpu> for GpuJson {
                     pcie: p.pcie.clone(),
                 })
                 .collect(),
+            mig: MigJson::of(g),
         }
     }
 }
@@ -450,11 +454,125 @@ pub struct GpuStatusJson {
     pub task_id: Option<String>,
     /// Taken out of service by an operator (`gpuctl gpus cordon`).
     pub cordoned: bool,
+    /// Its MIG mode, MIG devices and free profiles; absent without MIG.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mig: Option<MigJson>,
+}
+
+/// A GPU's MIG state (the `mig` of `gpus --json` and `agents describe --json`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MigJson {
+    pub enabled: bool,
+    /// The mode after the next GPU reset, when it differs; else null.
+    pub pending: Option<bool>,
+    pub devices: Vec<MigDeviceJson>,
+    /// Profiles that still fit, and how many of each.
+    pub free: Vec<MigFreeJson>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MigDeviceJson {
+    pub uuid: String,
+    pub profile: String,
+    pub memory_mib: u64,
+    pub gpu_slices: u32,
+    pub compute_slices: u32,
+    pub gi_id: u32,
+    pub ci_id: u32,
+    /// Minors of the /dev/nvidia-caps/nvidia-capN nodes granting access.
+    pub caps_minors: Vec<u32>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MigFreeJson {
+    pub profile: String,
+    pub count: u32,
+}
+
+impl MigJson {
+    /// `None` for a GPU without MIG.
+    pub fn of(g: &pb::Gpu) -> Option<MigJson> {
+        let m = g.mig.as_ref()?;
+        Some(MigJson {
+            enabled: m.enabled,
+            pending: m.pending,
+            devices: m
+                .devices
+                .iter()
+                .map(|d| MigDeviceJson {
+                    uuid: d.uuid.clone(),
+                    profile: d.profile.clone(),
+                    memory_mib: d.memory_mib,
+                    gpu_slices: d.gpu_slices,
+                    compute_slices: d.compute_slices,
+                    gi_id: d.gi_id,
+                    ci_id: d.ci_id,
+                    caps_minors: d.caps_minors.clone(),
+                })
+                .collect(),
+            free: m
+                .free
+                .iter()
+                .map(|c| MigFreeJson {
+                    profile: c.profile.clone(),
+                    count: c.count,
+                })
+                .collect(),
+        })
+    }
+}
+
+/// A GPU's model, marked when it is in MIG mode (or will be after a reset).
+fn model_label(g: &pb::Gpu) -> String {
+    match &g.mig {
+        Some(m) if m.enabled && m.pending == Some(false) => {
+            format!("{} [MIG, off after reset]", g.model)
+        }
+        Some(m) if m.enabled => format!("{} [MIG]", g.model),
+        Some(m) if m.pending == Some(true) => format!("{} [MIG after reset]", g.model),
+        _ => g.model.clone(),
+    }
+}
+
+/// The rows shown under a GPU in MIG mode, as (INDEX, UUID, MODEL,
+/// MEMORY): one per MIG device (`└ gi2`, its uuid, `MIG 3g.20gb`, its
+/// memory), then the profiles that still fit (`└ free`).
+fn mig_rows(g: &pb::Gpu) -> Vec<[String; 4]> {
+    let Some(m) = g.mig.as_ref().filter(|m| m.enabled) else {
+        return Vec::new();
+    };
+    let mut rows: Vec<[String; 4]> = m
+        .devices
+        .iter()
+        .map(|d| {
+            [
+                format!("└ gi{}", d.gi_id),
+                d.uuid.clone(),
+                format!("MIG {}", d.profile),
+                fmt_mib(d.memory_mib),
+            ]
+        })
+        .collect();
+    if !m.free.is_empty() {
+        let free: Vec<String> = m
+            .free
+            .iter()
+            .map(|c| format!("{} x{}", c.profile, c.count))
+            .collect();
+        rows.push([
+            "└ free".into(),
+            String::new(),
+            free.join(", "),
+            String::new(),
+        ]);
+    }
+    rows
 }
 
 impl From<&pb::GpuStatus> for GpuStatusJson {
     fn from(s: &pb::GpuStatus) -> Self {
         let g = s.gpu.clone().unwrap_or_default();
+        let mig = MigJson::of(&g);
         GpuStatusJson {
             uuid: g.uuid,
             agent_id: s.agent_id.clone(),
@@ -467,6 +585,7 @@ impl From<&pb::GpuStatus> for GpuStatusJson {
             pci_bus_id: g.pci_bus_id,
             task_id: (!s.task_id.is_empty()).then(|| s.task_id.clone()),
             cordoned: s.cordoned,
+            mig,
         }
     }
 }
@@ -950,22 +1069,43 @@ pub fn agent_detail(a: &pb::Agent, holders: &BTreeMap<String, String>) -> String
         let mut gpus: Vec<&pb::Gpu> = a.gpus.iter().collect();
         gpus.sort_by_key(|g| g.index);
         for g in &gpus {
+            let health = if g.healthy {
+                "healthy".to_string()
+            } else {
+                format!("UNHEALTHY: {}", g.unhealthy_reason)
+            };
             t.row(vec![
                 g.index.to_string(),
                 g.uuid.clone(),
-                g.model.clone(),
+                model_label(g),
                 fmt_mib(g.memory_mib),
                 g.minor.to_string(),
                 g.pci_bus_id.clone(),
                 g.numa_node.map(|n| n.to_string()).unwrap_or_default(),
                 g.compute_capability.clone(),
-                if g.healthy {
-                    "healthy".to_string()
-                } else {
-                    format!("UNHEALTHY: {}", g.unhealthy_reason)
-                },
+                health.clone(),
                 holders.get(&g.uuid).cloned().unwrap_or_default(),
             ]);
+            for [index, uuid, model, memory] in mig_rows(g) {
+                let mig_health = if uuid.is_empty() {
+                    String::new()
+                } else {
+                    health.clone()
+                };
+                let task = holders.get(&uuid).cloned().unwrap_or_default();
+                t.row(vec![
+                    index,
+                    uuid,
+                    model,
+                    memory,
+                    String::new(),
+                    String::new(),
+                    String::new(),
+                    String::new(),
+                    mig_health,
+                    task,
+                ]);
+            }
         }
         let _ = write!(s, "\nGPUs:\n{}", t.render());
         let _ = write!(s, "\nTopology:\n{}", topology_matrix(&a.gpus));
@@ -988,20 +1128,38 @@ pub fn gpus_table(gpus: &[pb::GpuStatus]) -> Table {
     ]);
     for s in gpus {
         let g = s.gpu.clone().unwrap_or_default();
+        let health = match (g.healthy, s.cordoned) {
+            (true, false) => "healthy".to_string(),
+            (true, true) => "CORDONED".to_string(),
+            (false, false) => "UNHEALTHY".to_string(),
+            (false, true) => "UNHEALTHY,CORDONED".to_string(),
+        };
         t.row(vec![
             s.agent_id.clone(),
             g.index.to_string(),
-            g.uuid,
-            g.model,
+            g.uuid.clone(),
+            model_label(&g),
             fmt_mib(g.memory_mib),
-            match (g.healthy, s.cordoned) {
-                (true, false) => "healthy".to_string(),
-                (true, true) => "CORDONED".to_string(),
-                (false, false) => "UNHEALTHY".to_string(),
-                (false, true) => "UNHEALTHY,CORDONED".to_string(),
-            },
+            health.clone(),
             s.task_id.clone(),
         ]);
+        // MIG devices are not placed yet (issue 33): no task column.
+        for [index, uuid, model, memory] in mig_rows(&g) {
+            let mig_health = if uuid.is_empty() {
+                String::new()
+            } else {
+                health.clone()
+            };
+            t.row(vec![
+                String::new(),
+                index,
+                uuid,
+                model,
+                memory,
+                mig_health,
+                String::new(),
+            ]);
+        }
     }
     t
 }

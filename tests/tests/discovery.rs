@@ -345,3 +345,72 @@ fn mig_devices_are_discovered_with_their_caps_and_free_profiles() {
     assert!(!plain.mig.enabled);
     assert!(plain.mig.devices.is_empty());
 }
+
+/// Issue 33: an agent on a MIG machine reports its MIG devices, and
+/// `gpuctl gpus` and `agents describe` show them under their parent, with
+/// the profiles the parent could still host.
+#[test]
+fn gpuctl_shows_mig_devices_under_their_parent() {
+    let proc_root = gpuctl_tests::test_dir();
+    let caps = proc_root.path().join("driver/nvidia-caps");
+    std::fs::create_dir_all(&caps).unwrap();
+    std::fs::write(
+        caps.join("mig-minors"),
+        "gpu0/gi2/access 21\ngpu0/gi2/ci0/access 22\n",
+    )
+    .unwrap();
+    let mut c = Cluster::start(&[]);
+    let agent = c.add_agent(AgentOpts {
+        simulate_gpus: None,
+        extra: vec![
+            "--nvml-lib".into(),
+            fake_nvml_lib().display().to_string(),
+            "--nvidia-proc-root".into(),
+            proc_root.path().display().to_string(),
+        ],
+        env: vec![(
+            "FAKE_NVML_CONFIG".into(),
+            fake_nvml_config("mig").display().to_string(),
+        )],
+        ..Default::default()
+    });
+    let gpus = c.json(&["gpus", "--json"]);
+    let gpus = gpus.as_array().unwrap();
+    assert_eq!(gpus.len(), 3);
+    let a100 = &gpus[0]["mig"];
+    assert_eq!(a100["enabled"], true);
+    let profiles: Vec<&str> = a100["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["profile"].as_str().unwrap())
+        .collect();
+    assert_eq!(profiles, vec!["3g.20gb", "2g.10gb", "1g.5gb"]);
+    assert_eq!(a100["devices"][0]["caps_minors"], json!([21, 22]));
+    assert_eq!(a100["free"], json!([{"profile": "1g.5gb", "count": 1}]));
+    assert_eq!(gpus[1]["mig"]["devices"].as_array().unwrap().len(), 7);
+    assert!(gpus[2]["mig"].is_null(), "{}", gpus[2]);
+
+    let table = c.ok(&["gpus"]);
+    let mig_uuid = a100["devices"][0]["uuid"].as_str().unwrap();
+    let row = table
+        .lines()
+        .find(|l| l.contains(mig_uuid))
+        .unwrap_or_else(|| panic!("{table}"));
+    assert!(
+        row.contains("└ gi2") && row.contains("MIG 3g.20gb"),
+        "{row}"
+    );
+    assert!(
+        table
+            .lines()
+            .any(|l| l.contains("└ free") && l.contains("1g.5gb x1")),
+        "{table}"
+    );
+    assert!(table.contains("NVIDIA A100-SXM4-40GB [MIG]"), "{table}");
+    let described = c.ok(&["agents", "describe", &agent]);
+    assert!(described.contains(mig_uuid), "{described}");
+    assert!(described.contains("MIG 1g.10gb"), "{described}");
+    let json = c.json(&["agents", "describe", &agent, "--json"]);
+    assert_eq!(json["gpus"][1]["mig"]["devices"][6]["profile"], "1g.10gb");
+}
