@@ -413,4 +413,8 @@ fn gpuctl_shows_mig_devices_under_their_parent() {
     assert!(described.contains("MIG 1g.10gb"), "{described}");
     let json = c.json(&["agents", "describe", &agent, "--json"]);
     assert_eq!(json["gpus"][1]["mig"]["devices"][6]["profile"], "1g.10gb");
+    // A whole-GPU job gets the one GPU out of MIG mode, never a parent.
+    let j = c.submit(&["--name", "whole", "--gpus", "1", "--", "true"]);
+    assert_eq!(c.wait_job(&j, 30).0, 0);
+    assert_eq!(c.job(&j)["tasks"][0]["gpus"][0], gpus[2]["uuid"]);
 }

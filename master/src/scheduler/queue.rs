@@ -553,6 +553,7 @@ impl Amount {
 
 fn gpu_matches(req: &TaskRequest, g: &GpuInfo) -> bool {
     g.healthy
+        && !g.mig.enabled
         && g.memory_mib >= req.gpu_mem_min_mib
         && req.gpu_model.is_none_or(|p| model_matches(p, &g.model))
 }

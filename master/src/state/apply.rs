@@ -378,6 +378,11 @@ impl State {
             if !gpu.healthy {
                 return Err(ApplyError::DoesNotFit(format!("GPU {uuid} is unhealthy")));
             }
+            if gpu.mig.enabled {
+                return Err(ApplyError::DoesNotFit(format!(
+                    "GPU {uuid} is in MIG mode: it is used through its MIG devices, never whole"
+                )));
+            }
             if self.cordoned.contains(uuid) {
                 return Err(ApplyError::DoesNotFit(format!("GPU {uuid} is cordoned")));
             }
@@ -1226,6 +1231,31 @@ mod tests {
             t.status("job-9.0", "a1", TaskState::Running, None),
             Outcome::StaleUpdate
         );
+    }
+
+    /// Issue 33: a GPU in MIG mode is never given whole, neither by the
+    /// scheduler nor by a launch naming it (CUDA would see none of it).
+    #[test]
+    fn a_gpu_in_mig_mode_is_never_given_whole() {
+        let mut t = T::new();
+        let mut info = agent("a1", 2);
+        info.gpus[0].mig.enabled = true;
+        t.apply(Command::RegisterAgent {
+            info,
+            running_task_ids: vec![],
+            at_ms: 1,
+        })
+        .unwrap();
+        let j = t.submit(1);
+        let err = t.launch(&j, "a1", &["GPU-a1-0"]).unwrap_err();
+        assert!(err.to_string().contains("MIG mode"), "{err}");
+        assert!(t.s.gpu_owner.is_empty());
+        let l = crate::scheduler::place(&t.s, &Default::default(), &Default::default());
+        assert_eq!(l[0].gpu_uuids, vec!["GPU-a1-1".to_string()]);
+        // A job needing both GPUs cannot be placed.
+        let j2 = t.submit(2);
+        let l = crate::scheduler::place(&t.s, &Default::default(), &Default::default());
+        assert!(l.iter().all(|p| p.job_id != j2), "{l:?}");
     }
 
     #[test]

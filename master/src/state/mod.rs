@@ -644,7 +644,9 @@ impl State {
 
     /// Whether new tasks may get this GPU (healthy is the agent's word).
     pub fn schedulable(&self, gpu: &gpuctl_core::types::GpuInfo) -> bool {
-        gpu.healthy && !self.cordoned.contains(&gpu.uuid)
+        // A GPU in MIG mode is never given whole: CUDA sees only its MIG
+        // devices (which are placed on their own, issue 33).
+        gpu.healthy && !gpu.mig.enabled && !self.cordoned.contains(&gpu.uuid)
     }
 
     /// Records an event of a job (none if the job is gone).
