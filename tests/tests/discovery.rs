@@ -418,3 +418,88 @@ fn gpuctl_shows_mig_devices_under_their_parent() {
     assert_eq!(c.wait_job(&j, 30).0, 0);
     assert_eq!(c.job(&j)["tasks"][0]["gpus"][0], gpus[2]["uuid"]);
 }
+
+/// NVML on the fake library with `config` (process-wide: one at a time).
+fn with_nvml<R>(config: &Path, f: impl FnOnce(&nvml_wrapper::Nvml) -> R) -> R {
+    let _guard = ENV.lock().unwrap_or_else(|p| p.into_inner());
+    std::env::set_var("FAKE_NVML_CONFIG", config);
+    let nvml = nvml_wrapper::Nvml::builder()
+        .lib_path(fake_nvml_lib().as_os_str())
+        .init()
+        .unwrap();
+    f(&nvml)
+}
+
+fn profiles_of(config: &Path, index: u32) -> Vec<String> {
+    let mut p: Vec<String> = discover_with(config).gpus[index as usize]
+        .mig
+        .devices
+        .iter()
+        .map(|m| m.profile.clone())
+        .collect();
+    p.sort();
+    p
+}
+
+/// Issue 33 (dynamic MIG, the NVML part): a GPU in MIG mode is
+/// repartitioned all or nothing. A layout that fits replaces the old one;
+/// one that cannot be made (a GPU instance in use, no room) puts the old
+/// layout back at its placements and says why; an unknown profile or a GPU
+/// out of MIG mode changes nothing.
+#[test]
+fn a_mig_layout_is_set_all_or_nothing() {
+    use gpuctl_agent::gpu::mig_layout::{layout, set_layout, LayoutError};
+    let dir = gpuctl_tests::test_dir();
+    // The fake writes its layout back to the file: a copy of its own.
+    let machine = dir.path().join("mig.json");
+    std::fs::copy(fake_nvml_config("mig"), &machine).unwrap();
+    let names = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+
+    // The A100 (3g + 2g + 1g): two 3g.20gb instead.
+    with_nvml(&machine, |nvml| {
+        let dev = nvml.device_by_index(0).unwrap();
+        set_layout(nvml, &dev, &names(&["3g.20gb", "3g.20gb"])).unwrap();
+        let now = layout(nvml, &dev).unwrap();
+        let starts: Vec<(String, u32)> = now.iter().map(|p| (p.profile.clone(), p.start)).collect();
+        assert_eq!(
+            starts,
+            vec![("3g.20gb".to_string(), 0), ("3g.20gb".to_string(), 4)]
+        );
+        // The same again is nothing to do.
+        set_layout(nvml, &dev, &names(&["3g.20gb", "3g.20gb"])).unwrap();
+    });
+    assert_eq!(profiles_of(&machine, 0), names(&["3g.20gb", "3g.20gb"]));
+    let a100 = &discover_with(&machine).gpus[0];
+    assert!(a100.mig.free.is_empty(), "{:?}", a100.mig.free);
+
+    // No room for a 1g.5gb beside a 7g.40gb: the two 3g.20gb come back.
+    with_nvml(&machine, |nvml| {
+        let dev = nvml.device_by_index(0).unwrap();
+        let before = layout(nvml, &dev).unwrap();
+        let err = set_layout(nvml, &dev, &names(&["7g.40gb", "1g.5gb"])).unwrap_err();
+        assert!(matches!(err, LayoutError::RolledBack { .. }), "{err}");
+        assert!(err.to_string().contains("1g.5gb"), "{err}");
+        assert_eq!(layout(nvml, &dev).unwrap(), before);
+        // An unknown profile: refused before anything is touched.
+        let err = set_layout(nvml, &dev, &names(&["9g.99gb"])).unwrap_err();
+        assert!(matches!(err, LayoutError::UnknownProfile(..)), "{err}");
+        assert!(err.to_string().contains("7g.40gb"), "{err}");
+        assert_eq!(layout(nvml, &dev).unwrap(), before);
+    });
+
+    // The H100's last 1g.10gb is in use: nothing changes.
+    with_nvml(&machine, |nvml| {
+        let dev = nvml.device_by_index(1).unwrap();
+        let before = layout(nvml, &dev).unwrap();
+        assert_eq!(before.len(), 7);
+        let err = set_layout(nvml, &dev, &names(&["7g.80gb"])).unwrap_err();
+        assert!(matches!(err, LayoutError::RolledBack { .. }), "{err}");
+        assert!(err.to_string().to_lowercase().contains("in use"), "{err}");
+        assert_eq!(layout(nvml, &dev).unwrap(), before);
+        // The GPU out of MIG mode is not repartitioned.
+        let plain = nvml.device_by_index(2).unwrap();
+        let err = set_layout(nvml, &plain, &names(&["1g.5gb"])).unwrap_err();
+        assert!(matches!(err, LayoutError::NotMig), "{err}");
+    });
+    assert_eq!(profiles_of(&machine, 1), vec!["1g.10gb".to_string(); 7]);
+}

@@ -211,7 +211,7 @@ fn free_profiles(nvml: &Nvml, dev: &Device) -> Vec<MigCapacity> {
 }
 
 /// NVML_STRUCT_VERSION(GpuInstanceProfileInfo, 2).
-const PROFILE_INFO_V2: u32 =
+pub(crate) const PROFILE_INFO_V2: u32 =
     (std::mem::size_of::<nvmlGpuInstanceProfileInfo_v2_t>() as u32) | (2 << 24);
 
 /// A profile's name from its slices and memory when NVML gives none:
