@@ -360,10 +360,12 @@ fn restarted_master_catches_up() {
     );
 
     // Crash leaders until the restarted master leads (each crash leaves a
-    // majority: the master crashed before is back first).
+    // majority: the master crashed before is back first). Who wins each
+    // election is chance, and not always even on a loaded machine (it
+    // failed once in CI after 10 rounds): 30 rounds, most runs need 1 to 3.
     let mut leader = leader;
     let mut down: Option<u64> = None;
-    for _ in 0..10 {
+    for _ in 0..30 {
         if leader == behind {
             break;
         }
