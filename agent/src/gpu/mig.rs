@@ -16,15 +16,12 @@
 //! `/dev/nvidia<minor>` (NVIDIA's container toolkit reads it the same way).
 
 use std::collections::BTreeMap;
-use std::ffi::CStr;
 use std::path::Path;
 
 use gpuctl_core::types::{MigCapacity, MigDevice, MigInfo};
 use nvml_wrapper::error::{nvml_sym, nvml_try, NvmlError};
 use nvml_wrapper::{Device, Nvml};
-use nvml_wrapper_sys::bindings::{
-    nvmlGpuInstanceProfileInfo_v2_t, NVML_GPU_INSTANCE_PROFILE_COUNT,
-};
+use nvml_wrapper_sys::bindings::nvmlGpuInstanceProfileInfo_v2_t;
 
 /// Where the driver lists the capability minors, under the proc root.
 pub const MIG_MINORS: &str = "driver/nvidia-caps/mig-minors";
@@ -164,45 +161,28 @@ fn instance_id(nvml: &Nvml, mig: &Device, which: Instance) -> Result<u32, NvmlEr
 
 /// The profiles `dev` could still host, by name, with how many more of
 /// each fit. Profiles NVML does not know on this GPU are skipped, as is
-/// everything when the driver lacks the calls. Raw calls: the safe API
-/// has neither the v2 profile info (with the name) nor the capacity.
+/// everything when the driver lacks the calls. Raw call: the safe API has
+/// no remaining capacity.
 #[allow(unsafe_code)]
 fn free_profiles(nvml: &Nvml, dev: &Device) -> Vec<MigCapacity> {
-    let lib = nvml.lib();
-    let (Ok(info_v2), Ok(capacity)) = (
-        nvml_sym(lib.nvmlDeviceGetGpuInstanceProfileInfoV.as_ref()),
-        nvml_sym(lib.nvmlDeviceGetGpuInstanceRemainingCapacity.as_ref()),
+    let Ok(capacity) = nvml_sym(
+        nvml.lib()
+            .nvmlDeviceGetGpuInstanceRemainingCapacity
+            .as_ref(),
     ) else {
         return Vec::new();
     };
+    let profiles = super::mig_layout::profiles(nvml, dev).unwrap_or_default();
     let mut out: Vec<MigCapacity> = Vec::new();
-    for profile in 0..NVML_GPU_INSTANCE_PROFILE_COUNT {
-        // SAFETY: a zeroed v2 struct with its version set, as NVML asks.
-        let mut p: nvmlGpuInstanceProfileInfo_v2_t = unsafe { std::mem::zeroed() };
-        p.version = PROFILE_INFO_V2;
-        // SAFETY: the handle is live for `dev`'s lifetime; NVML fills `p`.
-        if nvml_try(unsafe { info_v2(dev.handle(), profile, &mut p) }).is_err() {
-            continue;
-        }
+    for p in profiles {
         let mut count = 0;
-        // SAFETY: as above; NVML writes one uint.
+        // SAFETY: the handle is live for `dev`'s lifetime; NVML writes one uint.
         if nvml_try(unsafe { capacity(dev.handle(), p.id, &mut count) }).is_err() || count == 0 {
             continue;
         }
-        // A name not NUL-terminated within its array is not trusted.
-        let bytes: Vec<u8> = p.name.iter().map(|c| *c as u8).collect();
-        let raw = CStr::from_bytes_until_nul(&bytes)
-            .map(|c| c.to_string_lossy().into_owned())
-            .unwrap_or_default();
-        let name = raw
-            .trim()
-            .strip_prefix("MIG ")
-            .map(str::to_string)
-            .filter(|n| !n.is_empty())
-            .unwrap_or_else(|| profile_name(p.sliceCount, p.memorySizeMB));
-        if !out.iter().any(|c| c.profile == name) {
+        if !out.iter().any(|c| c.profile == p.name) {
             out.push(MigCapacity {
-                profile: name,
+                profile: p.name,
                 count,
             });
         }

@@ -74,7 +74,7 @@ pub struct Placed {
     pub size: u32,
 }
 
-/// The GPU instance profiles `dev` offers, largest first.
+/// The GPU instance profiles `dev` offers, in NVML's profile order.
 #[allow(unsafe_code)]
 pub fn profiles(nvml: &Nvml, dev: &Device) -> Result<Vec<GiProfile>, LayoutError> {
     let lib = nvml.lib();
@@ -105,7 +105,6 @@ pub fn profiles(nvml: &Nvml, dev: &Device) -> Result<Vec<GiProfile>, LayoutError
             });
         }
     }
-    out.sort_by(|a, b| b.slices.cmp(&a.slices).then(a.name.cmp(&b.name)));
     Ok(out)
 }
 
