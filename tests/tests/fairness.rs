@@ -131,7 +131,7 @@ impl Greedy {
                                     .await;
                                 continue;
                             }
-                            client
+                            let accepted = client
                                 .accept(pb::AcceptRequest {
                                     framework_id: fw.clone(),
                                     offer_ids: vec![offer.id.clone()],
@@ -142,8 +142,14 @@ impl Greedy {
                                     }],
                                     filters: None,
                                 })
-                                .await
-                                .unwrap();
+                                .await;
+                            // An offer rescinded meanwhile (its agent was
+                            // just SIGKILLed) is refused: a framework takes
+                            // the next one, as a real one would.
+                            if let Err(e) = accepted {
+                                assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e}");
+                                assert!(e.message().contains("no longer outstanding"), "{e}");
+                            }
                         }
                     }
                     Some(pb::event::Event::Update(u)) if !u.uuid.is_empty() => {
