@@ -412,7 +412,8 @@ pub async fn serve(
         total: Resources {
             cpus,
             mem_mib: config.mem_mib.unwrap_or_else(host_memory_mib),
-            gpus: gpus.len() as u32,
+            // Devices: a GPU in MIG mode counts as its MIG devices.
+            gpus: gpuctl_core::types::device_count(&gpus),
             ports: config.ports.map_or(0, |r| r.len()),
         },
         gpus,

@@ -481,6 +481,9 @@ pub struct MigDeviceJson {
     pub ci_id: u32,
     /// Minors of the /dev/nvidia-caps/nvidia-capN nodes granting access.
     pub caps_minors: Vec<u32>,
+    /// The task holding it (`gpus --json`); absent when free.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub task_id: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -508,6 +511,7 @@ impl MigJson {
                     gi_id: d.gi_id,
                     ci_id: d.ci_id,
                     caps_minors: d.caps_minors.clone(),
+                    task_id: None,
                 })
                 .collect(),
             free: m
@@ -572,7 +576,10 @@ fn mig_rows(g: &pb::Gpu) -> Vec<[String; 4]> {
 impl From<&pb::GpuStatus> for GpuStatusJson {
     fn from(s: &pb::GpuStatus) -> Self {
         let g = s.gpu.clone().unwrap_or_default();
-        let mig = MigJson::of(&g);
+        let mut mig = MigJson::of(&g);
+        for d in mig.iter_mut().flat_map(|m| &mut m.devices) {
+            d.task_id = s.mig_tasks.get(&d.uuid).cloned();
+        }
         GpuStatusJson {
             uuid: g.uuid,
             agent_id: s.agent_id.clone(),
@@ -1143,13 +1150,13 @@ pub fn gpus_table(gpus: &[pb::GpuStatus]) -> Table {
             health.clone(),
             s.task_id.clone(),
         ]);
-        // MIG devices are not placed yet (issue 33): no task column.
         for [index, uuid, model, memory] in mig_rows(&g) {
             let mig_health = if uuid.is_empty() {
                 String::new()
             } else {
                 health.clone()
             };
+            let task = s.mig_tasks.get(&uuid).cloned().unwrap_or_default();
             t.row(vec![
                 String::new(),
                 index,
@@ -1157,7 +1164,7 @@ pub fn gpus_table(gpus: &[pb::GpuStatus]) -> Table {
                 model,
                 memory,
                 mig_health,
-                String::new(),
+                task,
             ]);
         }
     }

@@ -510,6 +510,16 @@ impl TryFrom<pb::JobSpec> for JobSpec {
             None => PlacementSpec::default(),
             Some(p) => placement_from_pb(p)?,
         };
+        // CUDA uses one MIG device per process, so a task gets one.
+        if placement.mig.is_some() && resources.gpus != 1 {
+            return Err(ConvertError::new(
+                "spec.resources.gpus",
+                format!(
+                    "is {}, but a task with spec.placement.mig gets exactly 1 (one MIG device)",
+                    resources.gpus
+                ),
+            ));
+        }
         let replicas = s.replicas.max(1);
         // A gang's rank 0 needs a port for the others to meet it at
         // (MASTER_PORT), so every rank of a gang holds at least one.
@@ -733,12 +743,49 @@ fn placement_from_pb(p: pb::Placement) -> Result<PlacementSpec> {
             true,
         )?;
     }
+    let mig = if p.mig.is_empty() {
+        None
+    } else {
+        check_mig_profile("spec.placement.mig", &p.mig)?;
+        Some(p.mig)
+    };
     Ok(PlacementSpec {
         policy,
         gpu_model,
         gpu_mem_min_mib: p.gpu_mem_min_mib,
         constraints,
+        mig,
     })
+}
+
+/// A MIG profile's name as NVML gives it: `[<C>c.]<G>g.<M>gb`, then
+/// optional suffixes such as `+me`, `-me`, `+gfx` (`1g.10gb`, `1g.10gb+me`,
+/// `1c.3g.40gb`).
+fn check_mig_profile(field: &str, name: &str) -> Result<()> {
+    check_text(field, name, MAX_MIG_PROFILE_LEN, false)?;
+    fn number_then<'a>(s: &'a str, unit: &str) -> Option<&'a str> {
+        let digits = s.bytes().take_while(u8::is_ascii_digit).count();
+        (digits > 0).then(|| s[digits..].strip_prefix(unit))?
+    }
+    let core = name.split(['+', '-']).next().unwrap_or("");
+    let suffix = &name[core.len()..];
+    let body = number_then(core, "c.").unwrap_or(core);
+    let ok = number_then(body, "g.")
+        .and_then(|m| number_then(m, "gb"))
+        .is_some_and(str::is_empty)
+        && suffix
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'+' || b == b'-' || b == b'.');
+    if !ok {
+        return Err(ConvertError::new(
+            field,
+            format!(
+                "{:?} is not a MIG profile (one like 1g.10gb or 3g.40gb)",
+                cut(name, 64)
+            ),
+        ));
+    }
+    Ok(())
 }
 
 impl From<PlacementSpec> for pb::Placement {
@@ -748,6 +795,7 @@ impl From<PlacementSpec> for pb::Placement {
             gpu_model: p.gpu_model.unwrap_or_default(),
             gpu_mem_min_mib: p.gpu_mem_min_mib,
             constraints: p.constraints.into_iter().collect(),
+            mig: p.mig.unwrap_or_default(),
         }
     }
 }
@@ -1174,10 +1222,26 @@ impl TryFrom<pb::RegisterRequest> for AgentInfo {
             }
             gpus.push(g);
         }
-        if total.gpus as usize != gpus.len() {
+        let mut mig_seen = std::collections::BTreeSet::new();
+        for (i, g) in gpus.iter().enumerate() {
+            for (j, d) in g.mig.devices.iter().enumerate() {
+                if seen.contains(&d.uuid) || !mig_seen.insert(d.uuid.as_str()) {
+                    return Err(ConvertError::new(
+                        format!("gpus[{i}].mig.devices[{j}].uuid"),
+                        format!("{} is listed twice on the agent", d.uuid),
+                    ));
+                }
+            }
+        }
+        // Devices, not GPUs: a GPU in MIG mode counts as its MIG devices.
+        let devices = crate::types::device_count(&gpus);
+        if total.gpus != devices {
             return Err(ConvertError::new(
                 "total.gpus",
-                format!("is {} but {} GPUs are listed", total.gpus, gpus.len()),
+                format!(
+                    "is {} but the GPUs listed give {devices} devices (GPUs not in MIG mode and MIG devices)",
+                    total.gpus
+                ),
             ));
         }
         if r.runtimes.len() > MAX_AGENT_RUNTIMES {
@@ -2677,6 +2741,131 @@ mod tests {
                 ..Default::default()
             })
             .collect()
+    }
+
+    #[test]
+    fn mig_jobs_name_a_profile_and_get_one_device() {
+        let base = pb::JobSpec {
+            name: "m".into(),
+            command: vec!["true".into()],
+            resources: Some(pb::Resources {
+                gpus: 1,
+                ..Default::default()
+            }),
+            placement: Some(pb::Placement {
+                mig: "1g.10gb".into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        for good in [
+            "1g.10gb",
+            "7g.80gb",
+            "1g.10gb+me",
+            "1g.23gb-me",
+            "1c.3g.40gb",
+        ] {
+            let mut s = base.clone();
+            s.placement.as_mut().unwrap().mig = good.into();
+            if let Err(e) = job(s) {
+                panic!("{good}: {e}");
+            }
+        }
+        let spec = JobSpec::try_from(base.clone()).unwrap();
+        assert_eq!(spec.placement.mig.as_deref(), Some("1g.10gb"));
+        assert_eq!(
+            JobSpec::try_from(pb::JobSpec::from(spec.clone())).unwrap(),
+            spec
+        );
+        boundary(
+            &base,
+            |s| s.resources.as_mut().unwrap().gpus = 1,
+            |s| s.resources.as_mut().unwrap().gpus = 2,
+            "spec.resources.gpus",
+            job,
+        );
+        boundary(
+            &base,
+            |s| s.resources.as_mut().unwrap().gpus = 1,
+            |s| s.resources.as_mut().unwrap().gpus = 0,
+            "spec.resources.gpus",
+            job,
+        );
+        for bad in [
+            "10gb",
+            "1g 10gb",
+            "g.10gb",
+            "1g/10gb",
+            "1g.10gb\n",
+            "1g.gb",
+            "1g.10",
+            "+me",
+        ] {
+            let mut s = base.clone();
+            s.placement.as_mut().unwrap().mig = bad.into();
+            let err = job(s).expect_err(bad);
+            assert_eq!(err.field, "spec.placement.mig", "{bad}: {err}");
+        }
+        boundary(
+            &base,
+            |s| {
+                s.placement.as_mut().unwrap().mig =
+                    format!("1g.{}gb", "1".repeat(MAX_MIG_PROFILE_LEN - 5))
+            },
+            |s| {
+                s.placement.as_mut().unwrap().mig =
+                    format!("1g.{}gb", "1".repeat(MAX_MIG_PROFILE_LEN - 4))
+            },
+            "spec.placement.mig",
+            job,
+        );
+    }
+
+    #[test]
+    fn an_agent_counts_its_mig_devices_and_names_each_once() {
+        let dev = |uuid: &str| pb::MigDevice {
+            uuid: uuid.into(),
+            profile: "1g.10gb".into(),
+            ..Default::default()
+        };
+        let mut base = register_request();
+        base.gpus = vec![
+            pb::Gpu {
+                uuid: "GPU-0".into(),
+                mig: Some(pb::MigInfo {
+                    enabled: true,
+                    devices: vec![dev("MIG-0"), dev("MIG-1")],
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+            pb::Gpu {
+                uuid: "GPU-1".into(),
+                ..Default::default()
+            },
+        ];
+        // Two MIG devices and one whole GPU; GPU-0 is not given whole.
+        boundary(
+            &base,
+            |r| r.total.as_mut().unwrap().gpus = 3,
+            |r| r.total.as_mut().unwrap().gpus = 2,
+            "total.gpus",
+            register,
+        );
+        base.total.as_mut().unwrap().gpus = 3;
+        boundary(
+            &base,
+            |_| {},
+            |r| {
+                r.gpus[1].mig = Some(pb::MigInfo {
+                    enabled: true,
+                    devices: vec![dev("MIG-1")],
+                    ..Default::default()
+                })
+            },
+            "gpus[1].mig.devices[0].uuid",
+            register,
+        );
     }
 
     #[test]

@@ -174,6 +174,130 @@ pub struct MigDevice {
     pub caps_minors: Vec<u32>,
 }
 
+/// A device a task can be given: a whole GPU that is not in MIG mode, or
+/// one MIG device of a GPU that is. `Resources::gpus` counts devices, so a
+/// MIG device counts as one GPU in totals, quotas and fair shares.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Device<'a> {
+    Gpu(&'a GpuInfo),
+    Mig {
+        parent: &'a GpuInfo,
+        device: &'a MigDevice,
+    },
+}
+
+impl<'a> Device<'a> {
+    pub fn uuid(&self) -> &'a str {
+        match self {
+            Device::Gpu(g) => &g.uuid,
+            Device::Mig { device, .. } => &device.uuid,
+        }
+    }
+
+    /// The physical GPU: itself, or the MIG device's parent.
+    pub fn gpu(&self) -> &'a GpuInfo {
+        match self {
+            Device::Gpu(g) => g,
+            Device::Mig { parent, .. } => parent,
+        }
+    }
+
+    /// The MIG profile; `None` for a whole GPU.
+    pub fn mig_profile(&self) -> Option<&'a str> {
+        match self {
+            Device::Gpu(_) => None,
+            Device::Mig { device, .. } => Some(&device.profile),
+        }
+    }
+
+    pub fn memory_mib(&self) -> u64 {
+        match self {
+            Device::Gpu(g) => g.memory_mib,
+            Device::Mig { device, .. } => device.memory_mib,
+        }
+    }
+
+    /// The device as one entry of a list of GPUs (the allocator's unit):
+    /// a MIG device is its parent narrowed to it (its uuid and memory, MIG
+    /// mode with only this device, no peers).
+    pub fn to_gpu(&self) -> GpuInfo {
+        match self {
+            Device::Gpu(g) => (*g).clone(),
+            Device::Mig { parent, device } => GpuInfo {
+                uuid: device.uuid.clone(),
+                memory_mib: device.memory_mib,
+                peers: Vec::new(),
+                mig: MigInfo {
+                    enabled: true,
+                    pending: None,
+                    devices: vec![(*device).clone()],
+                    free: Vec::new(),
+                },
+                ..(*parent).clone()
+            },
+        }
+    }
+}
+
+/// What a list of GPUs says of the devices `uuids` (an offer's): each
+/// whole GPU named, and each parent of a MIG device named with only its
+/// named MIG devices listed. In the order of `gpus`.
+pub fn gpus_of_devices(gpus: &[GpuInfo], uuids: &[String]) -> Vec<GpuInfo> {
+    let named = |u: &str| uuids.iter().any(|x| x == u);
+    let mut out = Vec::new();
+    for g in gpus {
+        if !g.mig.enabled {
+            if named(&g.uuid) {
+                out.push(g.clone());
+            }
+            continue;
+        }
+        if g.mig.devices.iter().any(|d| named(&d.uuid)) {
+            let mut p = g.clone();
+            p.mig.devices.retain(|d| named(&d.uuid));
+            out.push(p);
+        }
+    }
+    out
+}
+
+/// Every device `gpus` give tasks: each GPU not in MIG mode, and each MIG
+/// device of those that are (a GPU in MIG mode is never given whole).
+pub fn devices(gpus: &[GpuInfo]) -> impl Iterator<Item = Device<'_>> {
+    gpus.iter().flat_map(|g| {
+        let whole = (!g.mig.enabled).then_some(Device::Gpu(g));
+        whole
+            .into_iter()
+            .chain(g.mig_devices().iter().map(move |d| Device::Mig {
+                parent: g,
+                device: d,
+            }))
+    })
+}
+
+/// How many devices `gpus` give tasks (an agent's `total.gpus`).
+pub fn device_count(gpus: &[GpuInfo]) -> u32 {
+    u32::try_from(devices(gpus).count()).unwrap_or(u32::MAX)
+}
+
+/// The device `uuid` names among `gpus`: a whole GPU (also one in MIG
+/// mode, which callers refuse by its mode) or a MIG device of a GPU in
+/// MIG mode.
+pub fn find_device<'a>(gpus: &'a [GpuInfo], uuid: &str) -> Option<Device<'a>> {
+    gpus.iter().find_map(|g| {
+        if g.uuid == uuid {
+            return Some(Device::Gpu(g));
+        }
+        g.mig_devices()
+            .iter()
+            .find(|d| d.uuid == uuid)
+            .map(|d| Device::Mig {
+                parent: g,
+                device: d,
+            })
+    })
+}
+
 /// How many more MIG devices of a profile a GPU could host.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MigCapacity {
@@ -182,6 +306,15 @@ pub struct MigCapacity {
 }
 
 impl GpuInfo {
+    /// Its MIG devices that tasks may be given: those of a GPU in MIG mode.
+    pub fn mig_devices(&self) -> &[MigDevice] {
+        if self.mig.enabled {
+            &self.mig.devices
+        } else {
+            &[]
+        }
+    }
+
     /// A GPU known only by identity; the rest is filled by discovery.
     pub fn new(
         uuid: impl Into<String>,
@@ -369,6 +502,11 @@ pub struct PlacementSpec {
     /// Agent attributes that must match (values may be globs).
     #[serde(default)]
     pub constraints: BTreeMap<String, String>,
+    /// Each task's GPU is a MIG device of this profile (`1g.10gb`), not a
+    /// whole GPU; `gpu_model` is then its parent's model and
+    /// `gpu_mem_min_mib` the MIG device's memory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mig: Option<String>,
 }
 
 impl PlacementSpec {
@@ -1016,6 +1154,50 @@ fn civil_from_days(z: i64) -> (i64, u32, u32) {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_gpu_in_mig_mode_gives_its_mig_devices_never_itself() {
+        use super::*;
+        let dev = |uuid: &str, profile: &str| MigDevice {
+            uuid: uuid.into(),
+            profile: profile.into(),
+            memory_mib: 9984,
+            gpu_slices: 1,
+            compute_slices: 1,
+            gi_id: 7,
+            ci_id: 0,
+            caps_minors: vec![66, 67],
+        };
+        let mut split = GpuInfo::new("GPU-a", 0, "H100", 81920);
+        split.mig.enabled = true;
+        split.mig.devices = vec![dev("MIG-1", "1g.10gb"), dev("MIG-2", "2g.20gb")];
+        let whole = GpuInfo::new("GPU-b", 1, "H100", 81920);
+        // MIG mode off: its listed devices (none should be) are not given.
+        let mut off = GpuInfo::new("GPU-c", 2, "H100", 81920);
+        off.mig.devices = vec![dev("MIG-3", "1g.10gb")];
+        let gpus = vec![split, whole, off];
+        let uuids: Vec<&str> = devices(&gpus).map(|d| d.uuid()).collect();
+        assert_eq!(uuids, ["MIG-1", "MIG-2", "GPU-b", "GPU-c"]);
+        assert_eq!(device_count(&gpus), 4);
+        let d = find_device(&gpus, "MIG-2").unwrap();
+        assert_eq!(
+            (d.gpu().uuid.as_str(), d.mig_profile()),
+            ("GPU-a", Some("2g.20gb"))
+        );
+        assert!(find_device(&gpus, "MIG-3").is_none());
+        // As an offer's entry: the parent narrowed to the device.
+        let g = d.to_gpu();
+        assert_eq!((g.uuid.as_str(), g.index, g.memory_mib), ("MIG-2", 0, 9984));
+        assert_eq!(g.mig.devices.len(), 1);
+        // An offer's GPUs: the parent with only the offered device.
+        let offered = gpus_of_devices(&gpus, &["MIG-1".into(), "GPU-b".into()]);
+        let names: Vec<(&str, usize)> = offered
+            .iter()
+            .map(|g| (g.uuid.as_str(), g.mig.devices.len()))
+            .collect();
+        assert_eq!(names, [("GPU-a", 1), ("GPU-b", 0)]);
+        assert_eq!(offered[0].mig.devices[0].uuid, "MIG-1");
+    }
+
     #[test]
     fn port_ranges_parse_inclusive_and_refuse_nonsense() {
         use super::{PortRange, Resources};

@@ -131,6 +131,8 @@ pub struct GpuAsk {
     pub count: u32,
     pub model: Option<String>,
     pub mem_min_mib: u64,
+    /// MIG devices of this profile rather than whole GPUs.
+    pub mig: Option<String>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -315,6 +317,7 @@ impl From<&Requirement> for wr::Requirement {
             gpus: g.count,
             gpu_model: g.model.clone().unwrap_or_default(),
             gpu_mem_min_mib: g.mem_min_mib,
+            mig: g.mig.clone().unwrap_or_default(),
             ..Default::default()
         };
         match r {
@@ -423,6 +426,7 @@ impl TryFrom<&wr::Requirement> for Requirement {
             count: r.gpus,
             model: non_empty(&r.gpu_model),
             mem_min_mib: r.gpu_mem_min_mib,
+            mig: (!r.mig.is_empty()).then(|| r.mig.clone()),
         };
         Ok(match Kind::try_from(r.kind) {
             Ok(Kind::Runtime) => Requirement::Runtime(runtime_from_pb("runtime", r.runtime)?),
@@ -553,6 +557,7 @@ mod tests {
             count,
             model: model.map(String::from),
             mem_min_mib,
+            mig: None,
         }
     }
 

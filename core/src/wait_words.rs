@@ -168,6 +168,9 @@ pub struct GpuAskJson {
     pub gpus: u32,
     pub gpu_model: Option<String>,
     pub gpu_mem_min_mib: u64,
+    /// MIG devices of this profile rather than whole GPUs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mig: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -233,6 +236,7 @@ impl RequirementJson {
             gpus: r.gpus,
             gpu_model: non_empty(&r.gpu_model),
             gpu_mem_min_mib: r.gpu_mem_min_mib,
+            mig: non_empty(&r.mig),
         };
         Some(match Kind::try_from(r.kind).ok()? {
             Kind::Unspecified => return None,
@@ -374,7 +378,10 @@ fn plural(n: impl Into<u64>) -> &'static str {
 impl GpuAskJson {
     /// "8 GPUs of model A100* with at least 81920 MiB".
     fn words(&self) -> String {
-        let mut s = format!("{} GPU{}", self.gpus, plural(self.gpus));
+        let mut s = match &self.mig {
+            Some(p) => format!("{} MIG device{} {p}", self.gpus, plural(self.gpus)),
+            None => format!("{} GPU{}", self.gpus, plural(self.gpus)),
+        };
         s.push_str(&self.of_model_with_mem());
         s
     }
@@ -402,7 +409,10 @@ impl RequirementJson {
             RequirementJson::GpuModel(g) => {
                 format!("has GPU model {}", g.gpu_model.as_deref().unwrap_or("*"))
             }
-            RequirementJson::GpuMemory(g) => format!("has a GPU{}", g.of_model_with_mem()),
+            RequirementJson::GpuMemory(g) => match &g.mig {
+                Some(p) => format!("has a MIG device {p}{}", g.of_model_with_mem()),
+                None => format!("has a GPU{}", g.of_model_with_mem()),
+            },
             RequirementJson::Gpus(g) => format!("has {}", g.words()),
             RequirementJson::Cpus { cpus } => format!("has {cpus} cpus"),
             RequirementJson::Memory { mem_mib } => format!("has {mem_mib} MiB of memory"),

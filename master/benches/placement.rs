@@ -95,6 +95,7 @@ fn views(agents: &[Agent]) -> Vec<NodeView<'_>> {
             free: a.free,
             free_gpus: a.gpus[a.held as usize..].iter().collect(),
             all_gpus: &a.gpus,
+            free_mig: Vec::new(),
             driver: if a.id.ends_with(['0', '2', '4', '6', '8']) {
                 NodeDriver::new(Some("460.32.03"), Some("11.2"))
             } else {
@@ -119,6 +120,7 @@ fn placement(c: &mut Criterion) {
         runtime: Runtime::Docker,
         gpu_model: model,
         gpu_mem_min_mib: 0,
+        mig: None,
         constraints: &none,
         run_as_root: false,
         mounts: &[],

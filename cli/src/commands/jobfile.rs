@@ -62,6 +62,9 @@ pub struct JobFile {
     pub gpu_model: Option<Text>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gpu_mem_min: Option<u64>,
+    /// `--mig PROFILE`: one MIG device of the profile per task.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mig: Option<Text>,
     /// `--constraint KEY=VALUE`, as a map.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub constraint: BTreeMap<String, Text>,
@@ -392,6 +395,7 @@ pub fn from_spec(spec: &pb::JobSpec) -> JobFile {
         placement: some(&placement.policy),
         gpu_model: some(&placement.gpu_model).map(Text),
         gpu_mem_min: (placement.gpu_mem_min_mib > 0).then_some(placement.gpu_mem_min_mib),
+        mig: some(&placement.mig).map(Text),
         constraint: placement
             .constraints
             .iter()
@@ -576,6 +580,7 @@ mod tests {
                 gpu_model: "A100*".into(),
                 gpu_mem_min_mib: 1000,
                 constraints: [("k".to_string(), "v*".to_string())].into(),
+                mig: String::new(),
             }),
             priority: -3,
             replicas: 2,

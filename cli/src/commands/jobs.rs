@@ -180,6 +180,11 @@ pub struct SubmitArgs {
     /// Only GPUs with at least this much memory, in MiB [default: 0].
     #[arg(long, value_name = "MIB")]
     pub gpu_mem_min: Option<u64>,
+    /// Each task gets one MIG device of this profile (e.g. 1g.10gb, as
+    /// `gpuctl gpus` lists them) instead of whole GPUs; --gpus is then 1.
+    /// --gpu-model is the parent GPU's, --gpu-mem-min the MIG device's.
+    #[arg(long, value_name = "PROFILE")]
+    pub mig: Option<String>,
     /// Only agents whose attribute KEY matches VALUE (a glob), repeatable,
     /// e.g. nvidia.com/cuda.driver-version.major=12 (see `gpuctl agents describe`).
     #[arg(long = "constraint", value_name = "KEY=VALUE", value_parser = parse_constraint)]
@@ -337,6 +342,23 @@ impl SubmitArgs {
                 .unwrap_or_default(),
             gpu_mem_min_mib: self.gpu_mem_min.or(file.gpu_mem_min).unwrap_or(0),
             constraints: constraints.into_iter().collect(),
+            mig: self
+                .mig
+                .clone()
+                .or(file.mig.map(|t| t.0))
+                .unwrap_or_default(),
+        };
+        let gpus = self.gpus.or(file.gpus);
+        // A MIG task gets exactly one MIG device: --gpus defaults to it.
+        let gpus = match (placement.mig.is_empty(), gpus) {
+            (true, g) => g.unwrap_or(0),
+            (false, None | Some(1)) => 1,
+            (false, Some(n)) => {
+                return Err(CliError::Usage(format!(
+                    "--mig {} gives each task one MIG device; --gpus {n} asks for {n} (leave --gpus out)",
+                    placement.mig
+                )))
+            }
         };
         let security = pb::TaskSecurity {
             user: self
@@ -365,7 +387,7 @@ impl SubmitArgs {
             resources: Some(pb::Resources {
                 cpus: self.cpus.or(file.cpus).unwrap_or(1.0),
                 mem_mib: self.mem.or(file.mem).unwrap_or(0),
-                gpus: self.gpus.or(file.gpus).unwrap_or(0),
+                gpus,
                 ports: self.ports.or(file.ports).unwrap_or(0),
             }),
             priority: self.priority.or(file.priority).unwrap_or(0),
@@ -1279,6 +1301,45 @@ mod tests {
         );
         assert_eq!(spec.env.get("A").map(String::as_str), Some("1"));
         assert_eq!(spec.env.get("B").map(String::as_str), Some("x=y"));
+    }
+
+    #[test]
+    fn submit_mig_gives_each_task_one_mig_device() {
+        let spec = |args: &[&str]| {
+            let mut all = vec!["jobs", "submit", "--name", "x"];
+            all.extend_from_slice(args);
+            all.extend_from_slice(&["--", "true"]);
+            submit_args(&all).to_spec()
+        };
+        let s = spec(&["--mig", "1g.10gb", "--replicas", "3"]).unwrap();
+        assert_eq!(s.placement.unwrap().mig, "1g.10gb");
+        assert_eq!(s.resources.unwrap().gpus, 1);
+        assert_eq!(s.replicas, 3);
+        assert_eq!(
+            spec(&["--mig", "1g.10gb", "--gpus", "1"])
+                .unwrap()
+                .resources
+                .unwrap()
+                .gpus,
+            1
+        );
+        let err = spec(&["--mig", "1g.10gb", "--gpus", "2"]).unwrap_err();
+        assert!(matches!(err, CliError::Usage(_)), "{err}");
+        assert!(err.to_string().contains("--mig 1g.10gb"), "{err}");
+        // From a job file.
+        let file = jobfile::parse(
+            "j.yaml",
+            "name: m
+command: [true]
+mig: 2g.20gb
+",
+        )
+        .unwrap();
+        let s = submit_args(&["jobs", "submit", "-f", "j.yaml"])
+            .spec_with(file)
+            .unwrap();
+        assert_eq!(s.placement.unwrap().mig, "2g.20gb");
+        assert_eq!(s.resources.unwrap().gpus, 1);
     }
 
     #[test]

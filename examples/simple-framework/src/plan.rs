@@ -206,7 +206,13 @@ impl Plan {
                 let free: Vec<&pb::Gpu> = offer
                     .gpus
                     .iter()
-                    .filter(|g| g.healthy && !used.contains(&g.uuid))
+                    // Whole GPUs only: a GPU in MIG mode is offered as its
+                    // MIG devices, which this framework does not use.
+                    .filter(|g| {
+                        g.healthy
+                            && !used.contains(&g.uuid)
+                            && g.mig.as_ref().is_none_or(|m| !m.enabled)
+                    })
                     .collect();
                 let Some(gpus) = choose_gpus(&free, config.gpus_for(task.index)) else {
                     continue; // not enough GPUs here: maybe a later task fits

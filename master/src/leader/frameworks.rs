@@ -816,17 +816,12 @@ fn allocate(state: &State, g: &mut Inner, settings: &FrameworkSettings, now: u64
                 id: a.info.id.clone(),
                 hostname: a.info.hostname.clone(),
                 free,
-                free_gpus: a
-                    .info
-                    .gpus
-                    .iter()
-                    .filter(|gpu| {
-                        free.gpus > 0
-                            && state.schedulable(gpu)
-                            && state.gpu_owner(&gpu.uuid).is_none()
-                            && !book.is_gpu_offered(&gpu.uuid)
+                // Devices: whole GPUs and MIG devices, one entry each.
+                free_gpus: gpuctl_core::types::devices(&a.info.gpus)
+                    .filter(|d| {
+                        free.gpus > 0 && state.device_free(*d) && !book.is_gpu_offered(d.uuid())
                     })
-                    .cloned()
+                    .map(|d| d.to_gpu())
                     .collect(),
                 total: a.info.total,
                 attributes: a.info.attributes.clone(),
@@ -857,12 +852,9 @@ fn allocate(state: &State, g: &mut Inner, settings: &FrameworkSettings, now: u64
         let Some(agent) = state.agent(&o.agent_id) else {
             continue;
         };
-        let gpus = agent
-            .info
-            .gpus
-            .iter()
-            .filter(|gpu| o.gpu_uuids.contains(&gpu.uuid))
-            .cloned()
+        // A MIG device is offered inside its parent's entry.
+        let gpus = gpuctl_core::types::gpus_of_devices(&agent.info.gpus, &o.gpu_uuids)
+            .into_iter()
             .map(Into::into)
             .collect();
         by_framework

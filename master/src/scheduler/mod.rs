@@ -23,7 +23,7 @@ pub mod topology;
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use gpuctl_core::types::{AgentId, GpuInfo, JobId, JobSpec, PlacementPolicy, Resources};
+use gpuctl_core::types::{devices, AgentId, GpuInfo, JobId, JobSpec, PlacementPolicy, Resources};
 
 use crate::state::access::tenant_of;
 use crate::state::{AgentRecord, JobRecord, Launch, State, Stopping};
@@ -49,6 +49,7 @@ pub fn request(job: &JobRecord) -> placement::TaskRequest<'_> {
         runtime: spec.runtime(),
         gpu_model: spec.placement.gpu_model.as_deref(),
         gpu_mem_min_mib: spec.placement.gpu_mem_min_mib,
+        mig: spec.placement.mig.as_deref(),
         constraints: &spec.placement.constraints,
         run_as_root: spec.security.run_as_root,
         mounts: &spec.security.mounts,
@@ -85,12 +86,11 @@ impl<'s> Pool<'s> {
         let nodes = active_agents(state)
             .filter_map(|a| {
                 let offered = available.get(&a.info.id)?;
-                let free_gpus = a
-                    .info
-                    .gpus
-                    .iter()
-                    .filter(|g| state.schedulable(g) && offered.gpus.contains(&g.uuid))
-                    .map(|g| g.uuid.as_str())
+                let free_gpus = devices(&a.info.gpus)
+                    .filter(|d| {
+                        state.device_schedulable(*d) && offered.gpus.iter().any(|u| u == d.uuid())
+                    })
+                    .map(|d| d.uuid())
                     .collect();
                 Some((
                     a.info.id.as_str(),
@@ -116,12 +116,9 @@ impl<'s> Pool<'s> {
         let mut pool = Pool {
             nodes: active_agents(state)
                 .map(|a| {
-                    let free_gpus = a
-                        .info
-                        .gpus
-                        .iter()
-                        .filter(|g| state.schedulable(g) && state.gpu_owner(&g.uuid).is_none())
-                        .map(|g| g.uuid.as_str())
+                    let free_gpus = devices(&a.info.gpus)
+                        .filter(|d| state.device_free(*d))
+                        .map(|d| d.uuid())
                         .collect();
                     (
                         a.info.id.as_str(),
@@ -205,16 +202,16 @@ impl<'s> Pool<'s> {
         }
     }
 
-    /// Gives back what a task held (only GPUs of the agent that are healthy).
+    /// Gives back what a task held (only devices of the agent on healthy,
+    /// uncordoned GPUs).
     pub fn give(&mut self, agent_id: &str, resources: &Resources, gpus: &[String]) {
         if let Some(n) = self.nodes.get_mut(agent_id) {
             n.free = n.free.add(resources);
-            for g in
-                n.agent.info.gpus.iter().filter(|g| {
-                    g.healthy && gpus.contains(&g.uuid) && !self.cordoned.contains(&g.uuid)
-                })
-            {
-                n.free_gpus.insert(g.uuid.as_str());
+            for d in devices(&n.agent.info.gpus).filter(|d| {
+                let g = d.gpu();
+                g.healthy && gpus.iter().any(|u| u == d.uuid()) && !self.cordoned.contains(&g.uuid)
+            }) {
+                n.free_gpus.insert(d.uuid());
             }
         }
         self.refresh(agent_id);
@@ -234,8 +231,14 @@ impl<'s> PoolNode<'s> {
             free_gpus: info
                 .gpus
                 .iter()
-                .filter(|g| self.free_gpus.contains(g.uuid.as_str()))
+                .filter(|g| !g.mig.enabled && self.free_gpus.contains(g.uuid.as_str()))
                 .collect::<Vec<&GpuInfo>>(),
+            free_mig: info
+                .gpus
+                .iter()
+                .flat_map(|g| g.mig_devices().iter().map(move |d| (g, d)))
+                .filter(|(_, d)| self.free_gpus.contains(d.uuid.as_str()))
+                .collect(),
             all_gpus: &info.gpus,
             driver: placement::NodeDriver::new(
                 info.driver_version.as_deref(),
@@ -400,12 +403,9 @@ pub fn place(
     let available: BTreeMap<String, Available> = active_agents(state)
         .map(|a| {
             let o = offered.get(&a.info.id).copied().unwrap_or_default();
-            let gpus = a
-                .info
-                .gpus
-                .iter()
-                .filter(|g| state.gpu_owner(&g.uuid).is_none() && !offered_gpus.contains(&g.uuid))
-                .map(|g| g.uuid.clone())
+            let gpus = devices(&a.info.gpus)
+                .filter(|d| state.gpu_owner(d.uuid()).is_none() && !offered_gpus.contains(d.uuid()))
+                .map(|d| d.uuid().to_string())
                 .collect();
             (
                 a.info.id.clone(),
@@ -652,6 +652,7 @@ mod tests {
                         count: 4,
                         model: None,
                         mem_min_mib: 0,
+                        mig: None,
                     }),
                     among: vec![],
                     largest: Some(2.0),

@@ -49,7 +49,9 @@
 use std::collections::BTreeMap;
 
 use gpuctl_core::cuda_req::{Expr, Facts, Version};
-use gpuctl_core::types::{path_within, GpuInfo, HostMount, PlacementPolicy, Resources, Runtime};
+use gpuctl_core::types::{
+    path_within, GpuInfo, HostMount, MigDevice, PlacementPolicy, Resources, Runtime,
+};
 
 pub use super::topology::choose_gpus;
 use gpuctl_core::wait::{AgentCounts, DriverAsk, GpuAsk, NeverFits, Requirement};
@@ -64,6 +66,9 @@ pub struct TaskRequest<'a> {
     pub gpu_model: Option<&'a str>,
     /// 0: no minimum; each chosen GPU has `memory_mib >=` it.
     pub gpu_mem_min_mib: u64,
+    /// Each GPU is a MIG device of this profile (its memory is the one
+    /// `gpu_mem_min_mib` applies to; `gpu_model` is its parent's).
+    pub mig: Option<&'a str>,
     /// Agent attribute `KEY=VALUE`, the value may be a glob; all must match.
     pub constraints: &'a BTreeMap<String, String>,
     /// A host-process task that runs as root: only on agents that allow it.
@@ -122,6 +127,9 @@ pub struct NodeView<'a> {
     pub free_gpus: Vec<&'a GpuInfo>,
     /// Every GPU of the node (scoring, topology, "could it ever fit").
     pub all_gpus: &'a [GpuInfo],
+    /// MIG devices usable now, with their parents (GPUs in MIG mode are
+    /// never in `free_gpus`).
+    pub free_mig: Vec<(&'a GpuInfo, &'a MigDevice)>,
     pub driver: NodeDriver<'a>,
 }
 
@@ -188,6 +196,8 @@ pub fn model_matches(pattern: &str, model: &str) -> bool {
 struct GpuFilter {
     model: Option<Vec<char>>,
     mem_min: u64,
+    /// MIG devices of this profile rather than whole GPUs.
+    mig: Option<String>,
     cache: Vec<(String, bool)>,
 }
 
@@ -196,6 +206,7 @@ impl GpuFilter {
         GpuFilter {
             model: req.gpu_model.map(lower),
             mem_min: req.gpu_mem_min_mib,
+            mig: req.mig.map(str::to_string),
             cache: Vec::new(),
         }
     }
@@ -218,6 +229,45 @@ impl GpuFilter {
     /// Model and memory; health is the caller's business.
     fn matches(&mut self, g: &GpuInfo) -> bool {
         g.memory_mib >= self.mem_min && self.model_ok(&g.model)
+    }
+
+    /// A MIG device of the profile asked, with the memory, on a GPU of the
+    /// model.
+    fn matches_mig(&mut self, parent: &GpuInfo, d: &MigDevice) -> bool {
+        self.mig.as_deref() == Some(d.profile.as_str())
+            && d.memory_mib >= self.mem_min
+            && self.model_ok(&parent.model)
+    }
+
+    /// How many devices of the node match, busy or not, healthy or not
+    /// ("could it ever fit"): MIG devices of the profile, or GPUs.
+    fn count_all(&mut self, node: &NodeView) -> usize {
+        if self.mig.is_some() {
+            let mut n = 0;
+            for g in node.all_gpus {
+                for d in g.mig_devices() {
+                    n += usize::from(self.matches_mig(g, d));
+                }
+            }
+            n
+        } else {
+            node.all_gpus.iter().filter(|g| self.matches(g)).count()
+        }
+    }
+
+    /// How many matching devices of the node are free and healthy now.
+    fn count_free(&mut self, node: &NodeView) -> usize {
+        if self.mig.is_some() {
+            node.free_mig
+                .iter()
+                .filter(|(g, d)| g.healthy && self.matches_mig(g, d))
+                .count()
+        } else {
+            node.free_gpus
+                .iter()
+                .filter(|g| g.healthy && self.matches(g))
+                .count()
+        }
     }
 }
 
@@ -258,8 +308,7 @@ fn constraints_ok(
 pub fn node_matches(req: &TaskRequest, node: &NodeView) -> bool {
     let n = req.resources.gpus as usize;
     let mut filter = GpuFilter::new(req);
-    static_ok(req, node)
-        && (n == 0 || node.all_gpus.iter().filter(|g| filter.matches(g)).count() >= n)
+    static_ok(req, node) && (n == 0 || filter.count_all(node) >= n)
 }
 
 /// A node that can take at least one replica, and what the gang has taken
@@ -356,14 +405,7 @@ pub fn place_gang<'v, 'a>(
         if !(node.free.fits(&need) && static_ok(req, node)) {
             return None;
         }
-        let matching = if n == 0 {
-            0
-        } else {
-            node.free_gpus
-                .iter()
-                .filter(|g| g.healthy && filter.matches(g))
-                .count()
-        };
+        let matching = if n == 0 { 0 } else { filter.count_free(node) };
         let c = Cand {
             node,
             matching,
@@ -393,6 +435,8 @@ pub fn place_gang<'v, 'a>(
             .min_by(|a, b| compare(policy, &need, a, b))?;
         let gpus = if n == 0 {
             Vec::new()
+        } else if req.mig.is_some() {
+            choose_mig(best.node, &best.taken, &mut filter, policy, n)?
         } else {
             let free: Vec<&GpuInfo> = best
                 .node
@@ -412,6 +456,44 @@ pub fn place_gang<'v, 'a>(
         });
     }
     Some(out)
+}
+
+/// `n` free MIG devices of the node that `filter` takes and `taken` does
+/// not hold. Bundle packs: the devices of the parent with the fewest free
+/// ones left first, so that whole GPUs stay free to be split another way;
+/// spread takes the parent with the most free ones first. Then by parent
+/// index and GPU instance. `None` when fewer than `n` qualify.
+fn choose_mig(
+    node: &NodeView,
+    taken: &[String],
+    filter: &mut GpuFilter,
+    policy: PlacementPolicy,
+    n: usize,
+) -> Option<Vec<String>> {
+    let free_on = |parent: &str| {
+        node.free_mig
+            .iter()
+            .filter(|(g, d)| g.uuid == parent && !taken.contains(&d.uuid))
+            .count()
+    };
+    let mut cands: Vec<(usize, u32, u32, &str)> = node
+        .free_mig
+        .iter()
+        .filter(|(g, d)| g.healthy && !taken.contains(&d.uuid) && filter.matches_mig(g, d))
+        .map(|(g, d)| {
+            let free = free_on(&g.uuid);
+            let key = match policy {
+                PlacementPolicy::Bundle => free,
+                PlacementPolicy::Spread => usize::MAX - free,
+            };
+            (key, g.index, d.gi_id, d.uuid.as_str())
+        })
+        .collect();
+    if cands.len() < n {
+        return None;
+    }
+    cands.sort();
+    Some(cands[..n].iter().map(|c| c.3.to_string()).collect())
 }
 
 /// One requirement of a task, checked on its own by [`unsatisfiable`].
@@ -495,6 +577,7 @@ pub fn unsatisfiable(
         count: need.gpus,
         model: model.map(String::from),
         mem_min_mib: mem,
+        mig: req.mig.map(String::from),
     };
     let requirement = |step: &Need| match step {
         Need::Runtime(rt) => Requirement::Runtime(*rt),
@@ -533,8 +616,8 @@ pub fn unsatisfiable(
             Need::Attribute(k, pat) => node.attributes.get(*k).is_some_and(|v| glob_match(pat, v)),
             Need::Driver => driver_ok(req, node),
             Need::Model => node.all_gpus.iter().any(|g| model_only.matches(g)),
-            Need::Memory => node.all_gpus.iter().any(|g| filter.matches(g)),
-            Need::Count => node.all_gpus.iter().filter(|g| filter.matches(g)).count() >= n,
+            Need::Memory => filter.count_all(node) > 0,
+            Need::Count => filter.count_all(node) >= n,
             Need::Cpus => need.cpus <= totals(node.id).cpus + 1e-9,
             Need::Mem => need.mem_mib <= totals(node.id).mem_mib,
             Need::Ports => need.ports <= totals(node.id).ports,
@@ -623,6 +706,14 @@ fn largest(
             | Need::Attribute(..)
             | Need::Driver
             | Need::Model => None,
+            Need::Memory if req.mig.is_some() => node
+                .all_gpus
+                .iter()
+                .flat_map(|g| g.mig_devices().iter().map(move |d| (g, d)))
+                .filter(|(g, d)| model_only.matches_mig(g, d))
+                .map(|(_, d)| d.memory_mib)
+                .max()
+                .map(|m| m as f64),
             Need::Memory => node
                 .all_gpus
                 .iter()
@@ -630,7 +721,7 @@ fn largest(
                 .map(|g| g.memory_mib)
                 .max()
                 .map(|m| m as f64),
-            Need::Count => Some(node.all_gpus.iter().filter(|g| filter.matches(g)).count() as f64),
+            Need::Count => Some(filter.count_all(node) as f64),
             Need::Cpus => Some(totals(node.id).cpus),
             Need::Mem => Some(totals(node.id).mem_mib as f64),
             Need::Ports => Some(f64::from(totals(node.id).ports)),
@@ -674,23 +765,11 @@ pub fn agent_counts(
             && !node.all_gpus.iter().any(|g| model_only.matches(g))
         {
             &mut c.filtered_gpu_model
-        } else if n > 0
-            && req.gpu_mem_min_mib > 0
-            && !node.all_gpus.iter().any(|g| filter.matches(g))
-        {
+        } else if n > 0 && req.gpu_mem_min_mib > 0 && filter.count_all(node) == 0 {
             &mut c.filtered_gpu_memory
-        } else if node.all_gpus.iter().filter(|g| filter.matches(g)).count() < n
-            || !totals(node.id).fits(&scalars)
-        {
+        } else if filter.count_all(node) < n || !totals(node.id).fits(&scalars) {
             &mut c.filtered_too_small
-        } else if node.free.gpus < need.gpus
-            || node
-                .free_gpus
-                .iter()
-                .filter(|g| g.healthy && filter.matches(g))
-                .count()
-                < n
-        {
+        } else if node.free.gpus < need.gpus || filter.count_free(node) < n {
             &mut c.exhausted_gpus
         } else if need.cpus > node.free.cpus + 1e-9 {
             &mut c.exhausted_cpus
@@ -758,6 +837,12 @@ mod tests {
                     .filter(|g| g.healthy && !self.held.contains(&g.uuid))
                     .collect(),
                 all_gpus: &self.gpus,
+                free_mig: self
+                    .gpus
+                    .iter()
+                    .flat_map(|g| g.mig_devices().iter().map(move |d| (g, d)))
+                    .filter(|(_, d)| !self.held.contains(&d.uuid))
+                    .collect(),
                 driver: NodeDriver::new(self.driver.0.as_deref(), self.driver.1.as_deref()),
             }
         }
@@ -789,6 +874,7 @@ mod tests {
             runtime: Runtime::Process,
             gpu_model: None,
             gpu_mem_min_mib: 0,
+            mig: None,
             constraints: &NONE,
             run_as_root: false,
             mounts: &[],
@@ -1235,6 +1321,7 @@ mod tests {
             count,
             model: model.map(String::from),
             mem_min_mib,
+            mig: None,
         }
     }
 
@@ -1843,6 +1930,7 @@ mod tests {
                     runtime: self.runtime,
                     gpu_model: self.model,
                     gpu_mem_min_mib: self.mem,
+                    mig: None,
                     constraints: &c,
                     run_as_root: self.run_as_root,
                     mounts: &[],

@@ -30,7 +30,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use gpuctl_core::types::{GpuInfo, JobId, JobState, PlacementPolicy, Resources};
+use gpuctl_core::types::{find_device, Device, JobId, JobState, PlacementPolicy, Resources};
 
 use super::placement::{self, model_matches, Placement, TaskRequest};
 use super::{ask_key, may_use, policy_of, request, reservations, Pool};
@@ -433,8 +433,14 @@ fn empty_views(state: &State) -> Vec<placement::NodeView<'_>> {
             allow_root_tasks: a.info.allow_root_tasks,
             allowed_mounts: &a.info.allowed_mounts,
             free: a.info.total,
-            free_gpus: a.info.gpus.iter().collect(),
+            free_gpus: a.info.gpus.iter().filter(|g| !g.mig.enabled).collect(),
             all_gpus: &a.info.gpus,
+            free_mig: a
+                .info
+                .gpus
+                .iter()
+                .flat_map(|g| g.mig_devices().iter().map(move |d| (g, d)))
+                .collect(),
             driver: placement::NodeDriver::new(
                 a.info.driver_version.as_deref(),
                 a.info.cuda_driver_version.as_deref(),
@@ -551,10 +557,15 @@ impl Amount {
     }
 }
 
-fn gpu_matches(req: &TaskRequest, g: &GpuInfo) -> bool {
+/// Whether the device serves the task: a healthy whole GPU for a task of
+/// whole GPUs, a MIG device of its profile on a healthy GPU for a MIG task;
+/// the memory is the device's, the model its GPU's.
+fn gpu_matches(req: &TaskRequest, d: Device<'_>) -> bool {
+    let g = d.gpu();
     g.healthy
-        && !g.mig.enabled
-        && g.memory_mib >= req.gpu_mem_min_mib
+        && d.mig_profile() == req.mig
+        && !(req.mig.is_none() && g.mig.enabled)
+        && d.memory_mib() >= req.gpu_mem_min_mib
         && req.gpu_model.is_none_or(|p| model_matches(p, &g.model))
 }
 
@@ -677,7 +688,7 @@ fn victims_on_node(
 ) -> Option<(Vec<JobId>, i64)> {
     let node = pool.node(node_id)?;
     let need = req.resources;
-    let gpu_of = |uuid: &str| node.agent.info.gpus.iter().find(|g| g.uuid == uuid);
+    let gpu_of = |uuid: &str| find_device(&node.agent.info.gpus, uuid);
     let free_matching = node
         .free_gpus
         .iter()

@@ -271,13 +271,16 @@ mod tests {
             resources: Some(pb::Resources {
                 cpus: MAX_CPUS,
                 mem_mib: MAX_MEM_MIB,
-                gpus: MAX_GPUS,
+                // One MIG device (MAX_GPUS whole GPUs is as long a varint).
+                gpus: 1,
                 ports: MAX_TASK_PORTS,
             }),
             placement: Some(pb::Placement {
                 policy: "spread".into(),
                 gpu_model: text("m", MAX_ATTR_LEN),
                 gpu_mem_min_mib: MAX_MEM_MIB,
+                // The longest profile name (legal with 1 GPU per task).
+                mig: format!("1g.{}gb", "1".repeat(MAX_MIG_PROFILE_LEN - 5)),
                 constraints: (0..MAX_CONSTRAINTS)
                     .map(|i| {
                         (
@@ -380,7 +383,8 @@ mod tests {
             total: Some(pb::Resources {
                 cpus: MAX_CPUS,
                 mem_mib: MAX_MEM_MIB,
-                gpus: MAX_AGENT_GPUS as u32,
+                // Devices: every GPU in MIG mode with its most MIG devices.
+                gpus: (MAX_AGENT_GPUS * MAX_MIG_DEVICES) as u32,
                 ports: 0,
             }),
             gpus,

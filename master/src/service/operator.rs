@@ -149,6 +149,12 @@ fn gpu_status(
             .flatten(),
         job_id,
         hostname: agent.info.hostname.clone(),
+        mig_tasks: g
+            .mig
+            .devices
+            .iter()
+            .filter_map(|d| Some((d.uuid.clone(), state.gpu_owner(&d.uuid)?.clone())))
+            .collect(),
     }
 }
 

@@ -805,7 +805,8 @@ mod tests {
                 need: Requirement::Gpus(GpuAsk {
                     count: 4,
                     model: None,
-                    mem_min_mib: 0
+                    mem_min_mib: 0,
+                    mig: None,
                 }),
                 among: vec![],
                 largest: Some(1.0)

@@ -4,7 +4,9 @@
 
 use std::collections::BTreeSet;
 
-use gpuctl_core::types::{JobState, Resources, Runtime, StatusUpdate, TaskState};
+use gpuctl_core::types::{
+    find_device, Device, JobState, Resources, Runtime, StatusUpdate, TaskState,
+};
 
 use super::events::EventKind;
 use super::{AgentState, Command, JobRecord, State, TaskReason};
@@ -16,6 +18,24 @@ pub(super) struct Pending {
     pub(super) gpus: BTreeSet<String>,
     /// Host ports given, by agent.
     pub(super) ports: std::collections::BTreeMap<String, BTreeSet<u16>>,
+}
+
+/// Which devices a launch may name: a job's are whole GPUs, or MIG
+/// devices of its profile (`placement.mig`); a framework names either.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Wants<'a> {
+    Whole,
+    Mig(&'a str),
+    Any,
+}
+
+impl<'a> Wants<'a> {
+    pub(super) fn of_job(spec: &'a gpuctl_core::types::JobSpec) -> Wants<'a> {
+        spec.placement
+            .mig
+            .as_deref()
+            .map_or(Wants::Whole, Wants::Mig)
+    }
 }
 
 /// What a successful apply produced, returned to the proposer.
@@ -332,15 +352,22 @@ impl State {
         Ok(Outcome::Done)
     }
 
-    /// Whether `resources` with exactly the GPUs `gpus` fit on the agent now,
-    /// counting what earlier launches of the same command (`pending`) took.
-    /// On success `pending` includes this launch.
+    /// Whether `resources` with exactly the devices `gpus` (GPUs, or MIG
+    /// devices, as `wants` allows) fit on the agent now, counting what
+    /// earlier launches of the same command (`pending`) took. On success
+    /// `pending` includes this launch.
+    ///
+    /// The device invariant: a GPU or MIG device is never given twice, a
+    /// GPU in MIG mode is never given whole, and a MIG device only while
+    /// its parent is in MIG mode and not held whole (which the first two
+    /// make impossible, and is checked anyway).
     pub(super) fn check_fit(
         &self,
         agent_id: &str,
         runtime: Runtime,
         resources: &Resources,
         gpus: &[String],
+        wants: Wants<'_>,
         pending: &mut Pending,
     ) -> Result<Vec<u16>, ApplyError> {
         let agent = self
@@ -370,27 +397,56 @@ impl State {
             )));
         }
         for uuid in gpus {
-            let Some(gpu) = agent.info.gpus.iter().find(|g| &g.uuid == uuid) else {
+            let Some(device) = find_device(&agent.info.gpus, uuid) else {
                 return Err(ApplyError::DoesNotFit(format!(
                     "GPU {uuid} is not on agent {agent_id}"
                 )));
             };
-            if !gpu.healthy {
-                return Err(ApplyError::DoesNotFit(format!("GPU {uuid} is unhealthy")));
+            let gpu = device.gpu();
+            match (device, wants) {
+                (Device::Gpu(_), Wants::Mig(p)) => {
+                    return Err(ApplyError::DoesNotFit(format!(
+                        "GPU {uuid} is a whole GPU, the job asks for a MIG device {p}"
+                    )))
+                }
+                (Device::Mig { .. }, Wants::Whole) => {
+                    return Err(ApplyError::DoesNotFit(format!(
+                        "{uuid} is a MIG device, the job asks for whole GPUs"
+                    )))
+                }
+                (Device::Mig { device, .. }, Wants::Mig(p)) if device.profile != p => {
+                    return Err(ApplyError::DoesNotFit(format!(
+                        "MIG device {uuid} is a {}, the job asks for a {p}",
+                        device.profile
+                    )))
+                }
+                (Device::Gpu(g), _) if g.mig.enabled => {
+                    return Err(ApplyError::DoesNotFit(format!(
+                        "GPU {uuid} is in MIG mode: it is used through its MIG devices, never whole"
+                    )))
+                }
+                _ => {}
             }
-            if gpu.mig.enabled {
+            if !gpu.healthy {
                 return Err(ApplyError::DoesNotFit(format!(
-                    "GPU {uuid} is in MIG mode: it is used through its MIG devices, never whole"
+                    "GPU {} is unhealthy",
+                    gpu.uuid
                 )));
             }
-            if self.cordoned.contains(uuid) {
-                return Err(ApplyError::DoesNotFit(format!("GPU {uuid} is cordoned")));
+            if self.cordoned.contains(&gpu.uuid) {
+                return Err(ApplyError::DoesNotFit(format!(
+                    "GPU {} is cordoned",
+                    gpu.uuid
+                )));
             }
-            if let Some(owner) = self.gpu_owner.get(uuid) {
-                return Err(ApplyError::GpuTaken {
-                    gpu: uuid.clone(),
-                    task_id: owner.clone(),
-                });
+            // A MIG device's parent must not be held whole, nor the device.
+            for held in [uuid.as_str(), gpu.uuid.as_str()] {
+                if let Some(owner) = self.gpu_owner.get(held) {
+                    return Err(ApplyError::GpuTaken {
+                        gpu: held.to_string(),
+                        task_id: owner.clone(),
+                    });
+                }
             }
             if pending.gpus.contains(uuid) {
                 return Err(ApplyError::GpuTaken {

@@ -160,6 +160,7 @@ impl State {
                     runtime,
                     &t.resources,
                     &t.gpu_uuids,
+                    super::apply::Wants::Any,
                     &mut pending,
                 )
                 .map_err(|e| e.to_string())

@@ -13,7 +13,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use gpuctl_core::types::{JobState, TaskState};
 
-use super::apply::Pending;
+use super::apply::{Pending, Wants};
 use super::events::EventKind;
 use super::{ApplyError, Launch, Outcome, State, Stopping, TaskReason, TaskRecord};
 
@@ -43,6 +43,7 @@ impl State {
                 job.spec.runtime(),
                 &job.spec.resources,
                 &l.gpu_uuids,
+                Wants::of_job(&job.spec),
                 &mut pending,
             )?);
         }

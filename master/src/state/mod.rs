@@ -11,6 +11,8 @@ pub mod events;
 mod events_tests;
 pub mod frameworks;
 mod jobs;
+#[cfg(test)]
+mod mig_tests;
 pub mod requests;
 mod retention;
 pub mod tables;
@@ -642,11 +644,28 @@ impl State {
         uuid.is_empty() || t.acked_uuid == uuid || t.last_update_uuid != uuid
     }
 
-    /// Whether new tasks may get this GPU (healthy is the agent's word).
+    /// Whether new tasks may get this GPU whole (healthy is the agent's word).
     pub fn schedulable(&self, gpu: &gpuctl_core::types::GpuInfo) -> bool {
         // A GPU in MIG mode is never given whole: CUDA sees only its MIG
-        // devices (which are placed on their own, issue 33).
+        // devices, which are given one by one.
         gpu.healthy && !gpu.mig.enabled && !self.cordoned.contains(&gpu.uuid)
+    }
+
+    /// Whether new tasks may get this device (held or not): a schedulable
+    /// whole GPU, or a MIG device of a healthy, uncordoned GPU in MIG mode.
+    pub fn device_schedulable(&self, device: gpuctl_core::types::Device<'_>) -> bool {
+        let gpu = device.gpu();
+        match device {
+            gpuctl_core::types::Device::Gpu(g) => self.schedulable(g),
+            gpuctl_core::types::Device::Mig { .. } => {
+                gpu.healthy && gpu.mig.enabled && !self.cordoned.contains(&gpu.uuid)
+            }
+        }
+    }
+
+    /// Whether new tasks may get this device now: schedulable and not held.
+    pub fn device_free(&self, device: gpuctl_core::types::Device<'_>) -> bool {
+        self.device_schedulable(device) && !self.gpu_owner.contains_key(device.uuid())
     }
 
     /// Records an event of a job (none if the job is gone).

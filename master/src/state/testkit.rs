@@ -116,7 +116,8 @@ impl State {
     /// a job naming a task that is missing or not its own, a job's task
     /// whose job does not list it, a GPU held by a missing task or by one
     /// that holds nothing, an agent's `allocated` that is not the sum of
-    /// its holding tasks, a submit key naming a job never given, or the two
+    /// its holding tasks, a GPU in MIG mode held whole or together with one
+    /// of its MIG devices, a submit key naming a job never given, or the two
     /// key indexes disagreeing.
     pub fn invariant_violations(&self) -> Vec<String> {
         let mut bad = Vec::new();
@@ -154,6 +155,24 @@ impl State {
                     "GPU {gpu} held by task {owner}, which holds nothing"
                 )),
                 Some(_) => {}
+            }
+        }
+        // A GPU in MIG mode is never held whole, nor a MIG device with its
+        // parent.
+        for a in self.agents.values() {
+            for g in &a.info.gpus {
+                let whole = self.gpu_owner.get(&g.uuid);
+                if let (true, Some(t)) = (g.mig.enabled, whole) {
+                    bad.push(format!("GPU {} in MIG mode held whole by {t}", g.uuid));
+                }
+                for d in &g.mig.devices {
+                    if let (Some(t), Some(p)) = (self.gpu_owner.get(&d.uuid), whole) {
+                        bad.push(format!(
+                            "MIG device {} held by {t} while its GPU is held by {p}",
+                            d.uuid
+                        ));
+                    }
+                }
             }
         }
         for (id, a) in &self.agents {

@@ -1,0 +1,315 @@
+//! MIG devices in the state machine and the built-in scheduler: a MIG
+//! device is given once, only to a job of its profile, never together with
+//! its parent; placement, gangs, bundle/spread, wait reasons and
+//! preemption treat it as a device of its parent GPU.
+
+use gpuctl_core::types::{
+    device_count, GpuInfo, JobSpec, MigDevice, MigInfo, PlacementPolicy, Resources, TaskState,
+};
+use gpuctl_core::wait::{NeverFits, Requirement, WaitReason};
+
+use super::testkit::{register, status, Driver};
+use super::{ApplyError, Command, Outcome};
+use crate::scheduler::queue::{self, QueueConfig};
+
+fn mig(uuid: &str, profile: &str, memory_mib: u64, gi: u32) -> MigDevice {
+    let slices = profile
+        .split('g')
+        .next()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(1);
+    MigDevice {
+        uuid: uuid.into(),
+        profile: profile.into(),
+        memory_mib,
+        gpu_slices: slices,
+        compute_slices: slices,
+        gi_id: gi,
+        ci_id: 0,
+        caps_minors: vec![gi * 10 + 1, gi * 10 + 2],
+    }
+}
+
+fn mig_gpu(uuid: &str, index: u32, model: &str, devices: Vec<MigDevice>) -> GpuInfo {
+    let mut g = GpuInfo::new(uuid, index, model, 81920);
+    g.mig = MigInfo {
+        enabled: true,
+        pending: None,
+        devices,
+        free: Vec::new(),
+    };
+    g
+}
+
+/// Agent `id`: GPU 0 an A100 split 3g.20gb + 2g.10gb + 1g.5gb, GPU 1 an
+/// H100 in seven 1g.10gb (`MIG-<id>-h<n>`), GPU 2 a whole A100.
+fn mig_agent(id: &str) -> Command {
+    let a100 = mig_gpu(
+        &format!("GPU-{id}-a"),
+        0,
+        "NVIDIA A100-SXM4-40GB",
+        vec![
+            mig(&format!("MIG-{id}-a3"), "3g.20gb", 20096, 2),
+            mig(&format!("MIG-{id}-a2"), "2g.10gb", 9856, 3),
+            mig(&format!("MIG-{id}-a1"), "1g.5gb", 4864, 9),
+        ],
+    );
+    let h100 = mig_gpu(
+        &format!("GPU-{id}-h"),
+        1,
+        "NVIDIA H100 80GB HBM3",
+        (0..7)
+            .map(|i| mig(&format!("MIG-{id}-h{i}"), "1g.10gb", 9984, 7 + i))
+            .collect(),
+    );
+    let whole = GpuInfo::new(format!("GPU-{id}-w"), 2, "NVIDIA A100-SXM4-40GB", 40960);
+    let mut c = register(id, 0);
+    if let Command::RegisterAgent { info, .. } = &mut c {
+        info.gpus = vec![a100, h100, whole];
+        info.total.gpus = device_count(&info.gpus);
+    }
+    c
+}
+
+fn spec(mig: Option<&str>, gpus: u32, replicas: u32, priority: i32) -> JobSpec {
+    let mut s = JobSpec::new(
+        "j",
+        vec!["true".into()],
+        Resources {
+            cpus: 1.0,
+            mem_mib: 64,
+            gpus,
+            ports: 0,
+        },
+    );
+    s.placement.mig = mig.map(String::from);
+    s.replicas = replicas;
+    s.priority = priority;
+    s
+}
+
+fn submit(d: &mut Driver, spec: JobSpec) -> String {
+    match d
+        .apply(Command::SubmitJob {
+            spec,
+            at_ms: 1,
+            request_id: None,
+        })
+        .unwrap()
+    {
+        Outcome::JobSubmitted { job_id } => job_id,
+        o => panic!("{o:?}"),
+    }
+}
+
+fn driver() -> Driver {
+    let mut d = Driver::new(&[]);
+    d.apply(mig_agent("m")).unwrap();
+    d
+}
+
+fn place(d: &Driver) -> Vec<crate::state::Launch> {
+    crate::scheduler::place(&d.s, &Default::default(), &Default::default())
+}
+
+/// A refused launch changes nothing but the applied index.
+fn refused(d: &mut Driver, job: &str, gpus: &[&str]) -> String {
+    let before = d.s.clone();
+    let err = d.launch_at(job, &[("m", gpus)], 5).unwrap_err();
+    let mut after = d.s.clone();
+    after.applied_index = before.applied_index;
+    assert_eq!(after, before, "a refused launch changed the state: {err}");
+    err.to_string()
+}
+
+#[test]
+fn the_agent_counts_its_devices() {
+    let d = driver();
+    // 3 + 7 MIG devices and one whole GPU; the MIG-mode GPUs not whole.
+    assert_eq!(d.s.agent("m").unwrap().info.total.gpus, 11);
+}
+
+#[test]
+fn a_mig_device_is_given_once_only_to_its_profile_and_never_with_its_parent() {
+    let mut d = driver();
+    let j1 = submit(&mut d, spec(Some("1g.10gb"), 1, 1, 0));
+    d.launch_at(&j1, &[("m", &["MIG-m-h0"])], 5).unwrap();
+    assert_eq!(d.s.gpu_owner("MIG-m-h0"), Some(&format!("{j1}.0")));
+
+    let j2 = submit(&mut d, spec(Some("1g.10gb"), 1, 1, 0));
+    let err = refused(&mut d, &j2, &["MIG-m-h0"]);
+    assert!(err.contains("MIG-m-h0"), "{err}");
+    // Its parent, whole, to a job of the profile or to a whole-GPU job.
+    let err = refused(&mut d, &j2, &["GPU-m-h"]);
+    assert!(err.contains("whole GPU"), "{err}");
+    let whole = submit(&mut d, spec(None, 1, 1, 0));
+    let err = refused(&mut d, &whole, &["GPU-m-h"]);
+    assert!(err.contains("MIG mode"), "{err}");
+    // Another profile's device, and a MIG device to a whole-GPU job.
+    let err = refused(&mut d, &j2, &["MIG-m-a1"]);
+    assert!(err.contains("1g.5gb"), "{err}");
+    let err = refused(&mut d, &whole, &["MIG-m-h1"]);
+    assert!(err.contains("MIG device"), "{err}");
+    // Two launches of one command naming one device.
+    let j3 = submit(&mut d, spec(Some("1g.10gb"), 1, 1, 0));
+    let before = d.s.clone();
+    let err = d
+        .apply(Command::LaunchTasks {
+            launches: [&j2, &j3]
+                .iter()
+                .map(|j| crate::state::Launch {
+                    job_id: (*j).clone(),
+                    agent_id: "m".into(),
+                    gpu_uuids: vec!["MIG-m-h1".into()],
+                })
+                .collect(),
+            at_ms: 5,
+        })
+        .unwrap_err();
+    assert!(matches!(err, ApplyError::GpuTaken { .. }), "{err}");
+    assert_eq!(d.s.gpu_owners(), before.gpu_owners());
+
+    // Its task ends: the device is free for the next job of the profile.
+    d.apply(Command::UpdateTaskStatus {
+        update: status("m", &format!("{j1}.0"), TaskState::Finished),
+        at_ms: 6,
+    })
+    .unwrap();
+    assert_eq!(d.s.gpu_owner("MIG-m-h0"), None);
+    d.launch_at(&j2, &[("m", &["MIG-m-h0"])], 7).unwrap();
+    assert!(
+        d.s.invariant_violations().is_empty(),
+        "{:?}",
+        d.s.invariant_violations()
+    );
+}
+
+#[test]
+fn a_mig_device_of_a_cordoned_or_failing_parent_is_not_given() {
+    let mut d = driver();
+    let j = submit(&mut d, spec(Some("1g.10gb"), 1, 1, 0));
+    d.apply(Command::CordonGpu {
+        uuid: "GPU-m-h".into(),
+        cordon: true,
+    })
+    .unwrap();
+    let err = refused(&mut d, &j, &["MIG-m-h2"]);
+    assert!(err.contains("cordoned"), "{err}");
+    assert!(place(&d).is_empty(), "placed on a cordoned parent");
+}
+
+#[test]
+fn the_scheduler_places_each_profile_on_its_devices() {
+    let mut d = driver();
+    let gang = submit(&mut d, spec(Some("1g.10gb"), 1, 3, 0));
+    let two = submit(&mut d, spec(Some("2g.10gb"), 1, 1, 0));
+    let whole = submit(&mut d, spec(None, 1, 1, 0));
+    let l = place(&d);
+    let of = |job: &str| -> Vec<String> {
+        l.iter()
+            .filter(|x| x.job_id == job)
+            .flat_map(|x| x.gpu_uuids.clone())
+            .collect()
+    };
+    let g = of(&gang);
+    assert_eq!(g.len(), 3, "{l:?}");
+    assert!(g.iter().all(|u| u.starts_with("MIG-m-h")), "{g:?}");
+    let mut distinct = g.clone();
+    distinct.sort();
+    distinct.dedup();
+    assert_eq!(distinct.len(), 3, "a device given twice: {g:?}");
+    assert_eq!(of(&two), vec!["MIG-m-a2".to_string()]);
+    assert_eq!(of(&whole), vec!["GPU-m-w".to_string()]);
+    // The state takes the scheduler's launches as they are.
+    d.apply(Command::LaunchTasks {
+        launches: l,
+        at_ms: 5,
+    })
+    .unwrap();
+    assert!(d.s.invariant_violations().is_empty());
+    // Two whole GPUs: only one is not in MIG mode.
+    let big = submit(&mut d, spec(None, 2, 1, 0));
+    assert!(place(&d).iter().all(|x| x.job_id != big));
+}
+
+#[test]
+fn bundle_packs_mig_devices_and_spread_spreads_them() {
+    let mut d = Driver::new(&[]);
+    // Two H100s in seven 1g.10gb each, one device of the second held.
+    let mut c = mig_agent("m");
+    if let Command::RegisterAgent { info, .. } = &mut c {
+        let mut second = info.gpus[1].clone();
+        second.uuid = "GPU-m-h2nd".into();
+        second.index = 3;
+        for d in &mut second.mig.devices {
+            d.uuid = d.uuid.replace("MIG-m-h", "MIG-m-x");
+        }
+        info.gpus.push(second);
+        info.total.gpus = device_count(&info.gpus);
+    }
+    d.apply(c).unwrap();
+    let first = submit(&mut d, spec(Some("1g.10gb"), 1, 1, 0));
+    d.launch_at(&first, &[("m", &["MIG-m-x3"])], 5).unwrap();
+
+    let mut next = |policy| {
+        let mut s = spec(Some("1g.10gb"), 1, 1, 0);
+        s.placement.policy = Some(policy);
+        let j = submit(&mut d, s);
+        let l = place(&d);
+        let got = l
+            .iter()
+            .find(|x| x.job_id == j)
+            .map(|x| x.gpu_uuids[0].clone())
+            .unwrap();
+        d.apply(Command::CancelJob {
+            job_id: j,
+            at_ms: 6,
+        })
+        .unwrap();
+        got
+    };
+    // Bundle: next to the held device, keeping the other GPU whole.
+    assert!(next(PlacementPolicy::Bundle).starts_with("MIG-m-x"));
+    // Spread: on the GPU with the most free devices.
+    assert!(next(PlacementPolicy::Spread).starts_with("MIG-m-h"));
+}
+
+#[test]
+fn a_missing_profile_is_named_in_the_wait_reason() {
+    let mut d = driver();
+    let j = submit(&mut d, spec(Some("7g.80gb"), 1, 1, 0));
+    let w = queue::wait_reason(&d.s, &QueueConfig::default(), &j).unwrap();
+    match &w.reason {
+        WaitReason::NeverFits {
+            why:
+                NeverFits::Missing {
+                    need: Requirement::Gpus(ask),
+                    ..
+                },
+            ..
+        } => assert_eq!(ask.mig.as_deref(), Some("7g.80gb")),
+        other => panic!("{other:?}"),
+    }
+    // In words, as `gpuctl jobs get` shows it.
+    let words = gpuctl_core::wait_words::WaitReasonJson::from_pb(&(&w).into())
+        .unwrap()
+        .to_string();
+    assert!(words.contains("MIG device 7g.80gb"), "{words}");
+}
+
+#[test]
+fn a_busy_profile_waits_for_a_device_and_preempts_only_its_kind() {
+    let mut d = driver();
+    // The only 1g.5gb is held by a low-priority job; the whole GPU by
+    // another.
+    let low = submit(&mut d, spec(Some("1g.5gb"), 1, 1, 0));
+    d.launch_at(&low, &[("m", &["MIG-m-a1"])], 5).unwrap();
+    let low_whole = submit(&mut d, spec(None, 1, 1, 0));
+    d.launch_at(&low_whole, &[("m", &["GPU-m-w"])], 5).unwrap();
+    let high = submit(&mut d, spec(Some("1g.5gb"), 1, 1, 10));
+    assert!(place(&d).is_empty());
+    let plan = queue::plan(&d.s, &QueueConfig::default());
+    let p = plan.preemption.expect("a preemption for the high job");
+    assert_eq!(p.job_id, high);
+    assert_eq!(p.victims, vec![low], "only the holder of a 1g.5gb");
+}
