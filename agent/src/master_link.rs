@@ -509,6 +509,8 @@ fn heartbeat_request(
                 .into()
             })
             .collect(),
+        // Not applied by the agent yet: layout changes wait (issue 33).
+        mig_results: Vec::new(),
     }
 }
 

@@ -119,7 +119,7 @@ fn env_label(field: &str, key: &str) -> String {
 }
 
 /// At most `n` bytes of `s` (on a char boundary), with "..." when cut.
-fn cut(s: &str, n: usize) -> String {
+pub fn cut(s: &str, n: usize) -> String {
     if s.len() <= n {
         return s.to_string();
     }
@@ -758,6 +758,30 @@ fn placement_from_pb(p: pb::Placement) -> Result<PlacementSpec> {
     })
 }
 
+/// A layout asked of a GPU: at most 16 MIG devices (NVML's most is 7),
+/// each a profile name; none with `disable`.
+pub fn check_mig_layout(profiles: &[String], disable: bool) -> Result<()> {
+    if disable && !profiles.is_empty() {
+        return Err(ConvertError::new(
+            "profiles",
+            "MIG mode off leaves no MIG devices: name no profile with disable",
+        ));
+    }
+    if profiles.len() > MAX_MIG_DEVICES {
+        return Err(ConvertError::new(
+            "profiles",
+            format!(
+                "names {} MIG devices, at most {MAX_MIG_DEVICES}",
+                profiles.len()
+            ),
+        ));
+    }
+    for (i, p) in profiles.iter().enumerate() {
+        check_mig_profile(&format!("profiles[{i}]"), p)?;
+    }
+    Ok(())
+}
+
 /// A MIG profile's name as NVML gives it: `[<C>c.]<G>g.<M>gb`, then
 /// optional suffixes such as `+me`, `-me`, `+gfx` (`1g.10gb`, `1g.10gb+me`,
 /// `1c.3g.40gb`).
@@ -1072,11 +1096,37 @@ fn mig_from_pb(field: &str, parent: &str, m: pb::MigInfo) -> Result<MigInfo> {
             count: c.count,
         });
     }
+    if m.profiles.len() > MAX_MIG_DEVICES {
+        return Err(ConvertError::new(
+            format!("{field}.profiles"),
+            format!(
+                "has {} profiles, at most {MAX_MIG_DEVICES}",
+                m.profiles.len()
+            ),
+        ));
+    }
+    let mut profiles = Vec::with_capacity(m.profiles.len());
+    for (i, p) in m.profiles.into_iter().enumerate() {
+        check_text(
+            &format!("{field}.profiles[{i}].name"),
+            &p.name,
+            MAX_MIG_PROFILE_LEN,
+            false,
+        )?;
+        profiles.push(MigProfile {
+            name: p.name,
+            gpu_slices: p.gpu_slices,
+            memory_mib: p.memory_mib,
+            max_count: p.max_count,
+        });
+    }
     Ok(MigInfo {
         enabled: m.enabled,
         pending: m.pending,
         devices,
         free,
+        capable: m.capable || m.enabled || m.pending.is_some(),
+        profiles,
     })
 }
 
@@ -1105,6 +1155,17 @@ impl From<MigInfo> for pb::MigInfo {
                 .map(|c| pb::MigCapacity {
                     profile: c.profile,
                     count: c.count,
+                })
+                .collect(),
+            capable: m.capable,
+            profiles: m
+                .profiles
+                .into_iter()
+                .map(|p| pb::MigProfile {
+                    name: p.name,
+                    gpu_slices: p.gpu_slices,
+                    memory_mib: p.memory_mib,
+                    max_count: p.max_count,
                 })
                 .collect(),
         }
@@ -1870,6 +1931,13 @@ mod tests {
             free: vec![MigCapacity {
                 profile: "1g.5gb".into(),
                 count: 2,
+            }],
+            capable: true,
+            profiles: vec![MigProfile {
+                name: "1g.5gb".into(),
+                gpu_slices: 1,
+                memory_mib: 4864,
+                max_count: 7,
             }],
         };
         g

@@ -145,6 +145,22 @@ pub struct MigInfo {
     /// many of each (NVML's remaining capacity); empty when none fits.
     #[serde(default)]
     pub free: Vec<MigCapacity>,
+    /// The GPU has MIG (NVML reports a mode), whether or not it is on.
+    #[serde(default)]
+    pub capable: bool,
+    /// The GPU instance profiles it offers (an empty GPU's table).
+    #[serde(default)]
+    pub profiles: Vec<MigProfile>,
+}
+
+/// A GPU instance profile of a MIG-capable GPU.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MigProfile {
+    pub name: String,
+    pub gpu_slices: u32,
+    pub memory_mib: u64,
+    /// Most instances of it on an empty GPU.
+    pub max_count: u32,
 }
 
 impl MigInfo {
@@ -232,6 +248,8 @@ impl<'a> Device<'a> {
                     pending: None,
                     devices: vec![(*device).clone()],
                     free: Vec::new(),
+                    capable: true,
+                    profiles: Vec::new(),
                 },
                 ..(*parent).clone()
             },

@@ -154,6 +154,7 @@ async fn heartbeats_carry_runtime_health_and_an_unreachable_agent_must_register_
     agents.register(register("a1", 1_000)).await.unwrap();
     agents
         .heartbeat(pb::HeartbeatRequest {
+            mig_results: vec![],
             agent_id: "a1".into(),
             gpus: vec![],
             runtimes: vec![
@@ -182,6 +183,7 @@ async fn heartbeats_carry_runtime_health_and_an_unreachable_agent_must_register_
     // A bad runtime in a heartbeat is refused naming the field.
     let err = agents
         .heartbeat(pb::HeartbeatRequest {
+            mig_results: vec![],
             agent_id: "a1".into(),
             gpus: vec![],
             runtimes: vec![pb::RuntimeStatus {
@@ -217,6 +219,7 @@ async fn heartbeats_carry_runtime_health_and_an_unreachable_agent_must_register_
     );
     let err = agents
         .heartbeat(pb::HeartbeatRequest {
+            mig_results: vec![],
             agent_id: "a1".into(),
             ..Default::default()
         })
@@ -229,6 +232,7 @@ async fn heartbeats_carry_runtime_health_and_an_unreachable_agent_must_register_
     // An agent the master never registered was not heard of.
     let err = agents
         .heartbeat(pb::HeartbeatRequest {
+            mig_results: vec![],
             agent_id: "nobody".into(),
             ..Default::default()
         })
@@ -271,6 +275,7 @@ async fn an_unreachable_agent_that_keeps_heartbeating_is_not_declared_lost() {
     while std::time::Instant::now() < until {
         let err = agents
             .heartbeat(pb::HeartbeatRequest {
+                mig_results: vec![],
                 agent_id: "a1".into(),
                 ..Default::default()
             })

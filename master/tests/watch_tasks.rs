@@ -122,6 +122,7 @@ async fn an_agent_gets_more_than_4_mib_of_tasks_incrementally() {
         loop {
             let _ = hb
                 .heartbeat(pb::HeartbeatRequest {
+                    mig_results: vec![],
                     agent_id: "a1".into(),
                     gpus: vec![],
                     runtimes: vec![],

@@ -462,6 +462,7 @@ impl Shared {
             agent_id: self.agents[i].id.clone(),
             // Simulated GPUs have no health checks, as in `gpuctl-agent`.
             gpus: vec![],
+            mig_results: vec![],
             runtimes: runtimes
                 .into_iter()
                 .map(|r| pb::RuntimeStatus {

@@ -413,6 +413,7 @@ fn a_secure_cluster_runs_jobs_and_refuses_what_an_outsider_tried() {
         };
         assert_eq!(code(am.register(reg).await), Code::PermissionDenied);
         let hb = pb::HeartbeatRequest {
+            mig_results: vec![],
             agent_id: owner.clone(),
             gpus: vec![pb::GpuReport {
                 uuid: "GPU-x".into(),
@@ -525,6 +526,7 @@ fn a_secure_cluster_runs_jobs_and_refuses_what_an_outsider_tried() {
         assert_eq!(
             code(
                 am.heartbeat(pb::HeartbeatRequest {
+                    mig_results: vec![],
                     agent_id: owner.clone(),
                     ..Default::default()
                 })

@@ -18,7 +18,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use gpuctl_core::types::{MigCapacity, MigDevice, MigInfo};
+use gpuctl_core::types::{MigCapacity, MigDevice, MigInfo, MigProfile};
 use nvml_wrapper::error::{nvml_sym, nvml_try, NvmlError};
 use nvml_wrapper::{Device, Nvml};
 use nvml_wrapper_sys::bindings::nvmlGpuInstanceProfileInfo_v2_t;
@@ -88,6 +88,18 @@ pub fn read(
     let mut info = MigInfo {
         enabled,
         pending,
+        capable: true,
+        // The driver may give the table only in MIG mode: none otherwise.
+        profiles: super::mig_layout::profiles(nvml, dev)
+            .unwrap_or_default()
+            .into_iter()
+            .map(|p| MigProfile {
+                name: p.name,
+                gpu_slices: p.slices,
+                memory_mib: p.memory_mib,
+                max_count: p.max_count,
+            })
+            .collect(),
         ..MigInfo::default()
     };
     if !enabled {

@@ -64,6 +64,9 @@ pub struct GiProfile {
     /// `1g.5gb`.
     pub name: String,
     pub slices: u32,
+    pub memory_mib: u64,
+    /// Most instances of it on an empty GPU.
+    pub max_count: u32,
 }
 
 /// A GPU instance as found: its profile and placement.
@@ -102,6 +105,8 @@ pub fn profiles(nvml: &Nvml, dev: &Device) -> Result<Vec<GiProfile>, LayoutError
                 id: p.id,
                 name,
                 slices: p.sliceCount,
+                memory_mib: p.memorySizeMB,
+                max_count: p.instanceCount,
             });
         }
     }

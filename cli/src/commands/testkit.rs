@@ -38,6 +38,9 @@ pub(crate) trait FakeOperator: Send + Sync + 'static {
     fn cordon_gpu(&self, _: pb::CordonGpuRequest) -> Result<pb::GpuStatus, Status> {
         unused()
     }
+    fn set_mig_layout(&self, _: pb::SetMigLayoutRequest) -> Result<pb::GpuStatus, Status> {
+        unused()
+    }
     fn drain_agent(&self, _: pb::DrainAgentRequest) -> Result<pb::Agent, Status> {
         unused()
     }
@@ -182,6 +185,7 @@ forward! {
     list_agents(pb::ListAgentsRequest) -> pb::ListAgentsResponse;
     list_gpus(pb::ListGpusRequest) -> pb::ListGpusResponse;
     cordon_gpu(pb::CordonGpuRequest) -> pb::GpuStatus;
+    set_mig_layout(pb::SetMigLayoutRequest) -> pb::GpuStatus;
     drain_agent(pb::DrainAgentRequest) -> pb::Agent;
     undrain_agent(pb::UndrainAgentRequest) -> pb::Agent;
     list_masters(pb::ListMastersRequest) -> pb::ListMastersResponse;

@@ -295,7 +295,84 @@ impl AgentManagerService {
                 }
             }
         }
-        Ok(pb::HeartbeatResponse {})
+        self.record_mig_results(&id, req.mig_results).await?;
+        let state = self.ctx.raft.state();
+        Ok(pb::HeartbeatResponse {
+            mig_changes: state
+                .mig_changes_of(&id)
+                .map(super::operator::mig_change_to_pb)
+                .collect(),
+        })
+    }
+
+    /// Records the outcome of each MIG layout change the agent reports
+    /// and the state still has under way (once committed, the agent
+    /// stops reporting it: the heartbeat answer no longer lists it).
+    async fn record_mig_results(
+        &self,
+        agent_id: &str,
+        results: Vec<pb::MigResult>,
+    ) -> Result<(), ServiceError> {
+        if results.len() > gpuctl_core::convert::MAX_AGENT_GPUS {
+            return Err(gpuctl_core::convert::ConvertError::new(
+                "mig_results",
+                format!(
+                    "has {} results, at most {}",
+                    results.len(),
+                    gpuctl_core::convert::MAX_AGENT_GPUS
+                ),
+            )
+            .into());
+        }
+        let mut commands = Vec::new();
+        for (i, r) in results.into_iter().enumerate() {
+            let field = format!("mig_results[{i}].gpu");
+            let gpu = gpuctl_core::convert::gpu_from_pb(&field, r.gpu.unwrap_or_default())?;
+            if gpu.uuid != r.gpu_uuid {
+                return Err(gpuctl_core::convert::ConvertError::new(
+                    format!("{field}.uuid"),
+                    format!("is {}, the result is of {}", gpu.uuid, r.gpu_uuid),
+                )
+                .into());
+            }
+            let under_way = self
+                .ctx
+                .raft
+                .state()
+                .mig_change(&gpu.uuid)
+                .is_some_and(|c| c.generation == r.generation && c.agent_id == agent_id);
+            if !under_way {
+                continue;
+            }
+            let error = (!r.ok).then(|| gpuctl_core::convert::cut(&r.message, 1024));
+            match &error {
+                None => {
+                    tracing::info!(agent_id, gpu = %gpu.uuid, generation = r.generation, "MIG layout applied")
+                }
+                Some(e) => {
+                    tracing::warn!(agent_id, gpu = %gpu.uuid, generation = r.generation, error = %e, "MIG layout change failed")
+                }
+            }
+            commands.push(Command::MigLayoutDone {
+                agent_id: agent_id.to_string(),
+                generation: r.generation,
+                gpu,
+                error,
+            });
+        }
+        for c in commands {
+            // As with health: answered within a heartbeat interval; a
+            // result not committed by then is sent again by the next one.
+            let propose = self.ctx.raft.propose(c);
+            match tokio::time::timeout(self.ctx.config.heartbeat_interval, propose).await {
+                Ok(r) => {
+                    r?;
+                    self.ctx.hub.wake();
+                }
+                Err(_) => return Ok(()),
+            }
+        }
+        Ok(())
     }
 
     /// The agent's desired tasks, as a stream that computes its next

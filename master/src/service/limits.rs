@@ -373,6 +373,15 @@ mod tests {
                             count: 7,
                         })
                         .collect(),
+                    capable: true,
+                    profiles: (0..MAX_MIG_DEVICES)
+                        .map(|_| pb::MigProfile {
+                            name: text("p", MAX_MIG_PROFILE_LEN),
+                            gpu_slices: 7,
+                            memory_mib: MAX_MEM_MIB,
+                            max_count: 7,
+                        })
+                        .collect(),
                 }),
             })
             .collect();

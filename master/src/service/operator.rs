@@ -155,6 +155,19 @@ fn gpu_status(
             .iter()
             .filter_map(|d| Some((d.uuid.clone(), state.gpu_owner(&d.uuid)?.clone())))
             .collect(),
+        mig_change: state.mig_change(&g.uuid).map(mig_change_to_pb),
+        mig_error: state.mig_error(&g.uuid).unwrap_or_default().to_string(),
+    }
+}
+
+/// A layout change as the API shows it (and as an agent's heartbeat
+/// answer carries it).
+pub fn mig_change_to_pb(c: &crate::state::mig::MigChange) -> pb::MigChange {
+    pb::MigChange {
+        gpu_uuid: c.gpu_uuid.clone(),
+        generation: c.generation,
+        profiles: c.profiles.clone(),
+        disable: c.disable,
     }
 }
 
@@ -355,6 +368,14 @@ impl pb::operator_server::Operator for OperatorService {
         req: Request<pb::ListGpusRequest>,
     ) -> Result<Response<pb::ListGpusResponse>, Status> {
         reply(self.list_gpus(req.into_inner()).await)
+    }
+
+    async fn set_mig_layout(
+        &self,
+        req: Request<pb::SetMigLayoutRequest>,
+    ) -> Result<Response<pb::GpuStatus>, Status> {
+        let caller = Caller::of(&req);
+        reply(self.set_mig_layout(&caller, req.into_inner()).await)
     }
 
     async fn cordon_gpu(
@@ -678,6 +699,43 @@ impl OperatorService {
             })
             .await?;
         tracing::info!(uuid = %req.uuid, cordon = req.cordon, "GPU cordon changed");
+        let samples = self.ctx.liveness.gpu_samples();
+        let state = self.ctx.raft.state();
+        state
+            .agents()
+            .values()
+            .find_map(|a| {
+                a.info
+                    .gpus
+                    .iter()
+                    .find(|g| g.uuid == req.uuid)
+                    .map(|g| gpu_status(&state, a, g, &samples))
+            })
+            .ok_or_else(|| ServiceError::not_found(Missing::Gpu, &req.uuid))
+    }
+
+    async fn set_mig_layout(
+        &self,
+        caller: &Caller,
+        req: pb::SetMigLayoutRequest,
+    ) -> Result<pb::GpuStatus, ServiceError> {
+        gpuctl_core::convert::check_id("uuid", &req.uuid)?;
+        gpuctl_core::convert::check_mig_layout(&req.profiles, req.disable)?;
+        let by = match caller {
+            Caller::Token(t) => format!("token {}", t.id),
+            _ => "operator".to_string(),
+        };
+        self.ctx
+            .raft
+            .propose(Command::SetMigLayout {
+                gpu_uuid: req.uuid.clone(),
+                profiles: req.profiles.clone(),
+                disable: req.disable,
+                by,
+                at_ms: now_ms(),
+            })
+            .await?;
+        tracing::info!(uuid = %req.uuid, profiles = ?req.profiles, disable = req.disable, "MIG layout change asked");
         let samples = self.ctx.liveness.gpu_samples();
         let state = self.ctx.raft.state();
         state

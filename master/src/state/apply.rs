@@ -228,6 +228,19 @@ impl State {
             Command::UpdateTaskStatus { update, at_ms } => self.update_task(update, *at_ms),
             Command::CancelJob { job_id, at_ms } => self.cancel_job(job_id, *at_ms),
             Command::SetGpuHealth { agent_id, gpus, .. } => self.set_gpu_health(agent_id, gpus),
+            Command::SetMigLayout {
+                gpu_uuid,
+                profiles,
+                disable,
+                by,
+                at_ms,
+            } => self.set_mig_layout(index, gpu_uuid, profiles, *disable, by, *at_ms),
+            Command::MigLayoutDone {
+                agent_id,
+                generation,
+                gpu,
+                error,
+            } => self.mig_layout_done(agent_id, *generation, gpu, error.as_deref()),
             Command::CordonGpu { uuid, cordon } => {
                 if !self
                     .agents
@@ -436,6 +449,12 @@ impl State {
             if self.cordoned.contains(&gpu.uuid) {
                 return Err(ApplyError::DoesNotFit(format!(
                     "GPU {} is cordoned",
+                    gpu.uuid
+                )));
+            }
+            if self.mig_changes.contains_key(&gpu.uuid) {
+                return Err(ApplyError::DoesNotFit(format!(
+                    "GPU {} is being repartitioned (MIG layout change)",
                     gpu.uuid
                 )));
             }

@@ -5,8 +5,8 @@
 use std::collections::BTreeMap;
 
 use gpuctl_core::types::{
-    AgentId, AgentInfo, FrameworkId, FrameworkInfo, FrameworkTask, GpuUuid, JobId, JobSpec,
-    StatusUpdate, TaskId,
+    AgentId, AgentInfo, FrameworkId, FrameworkInfo, FrameworkTask, GpuInfo, GpuUuid, JobId,
+    JobSpec, StatusUpdate, TaskId,
 };
 use serde::{Deserialize, Serialize};
 
@@ -116,6 +116,26 @@ pub enum Command {
     CordonGpu {
         uuid: GpuUuid,
         cordon: bool,
+    },
+    /// Change a GPU's MIG layout (`gpuctl gpus mig set`, or the leader's
+    /// `--mig-auto`): its MIG devices afterwards, by profile, or MIG mode
+    /// off. Refused while anything holds the GPU or its MIG devices.
+    SetMigLayout {
+        gpu_uuid: GpuUuid,
+        profiles: Vec<String>,
+        disable: bool,
+        /// Who asked: the operator, or `mig-auto`.
+        by: String,
+        at_ms: u64,
+    },
+    /// The agent applied (or failed to apply) layout change `generation`
+    /// of a GPU; `gpu` is the GPU as NVML has it afterwards.
+    MigLayoutDone {
+        agent_id: AgentId,
+        generation: u64,
+        gpu: GpuInfo,
+        /// Why it failed; `None`: it succeeded.
+        error: Option<String>,
     },
     /// Stop the current attempts of `victims` (jobs of lower priority) so
     /// that the queued `job_id` can run: their tasks are killed (SIGTERM,
@@ -282,6 +302,8 @@ impl Command {
             Command::CancelJob { .. } => "cancel_job",
             Command::PreemptJobs { .. } => "preempt_jobs",
             Command::CordonGpu { .. } => "cordon_gpu",
+            Command::SetMigLayout { .. } => "set_mig_layout",
+            Command::MigLayoutDone { .. } => "mig_layout_done",
             Command::SetGpuHealth { .. } => "set_gpu_health",
             Command::SubscribeFramework { .. } => "subscribe_framework",
             Command::UpdateFramework { .. } => "update_framework",

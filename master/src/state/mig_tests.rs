@@ -4,7 +4,8 @@
 //! preemption treat it as a device of its parent GPU.
 
 use gpuctl_core::types::{
-    device_count, GpuInfo, JobSpec, MigDevice, MigInfo, PlacementPolicy, Resources, TaskState,
+    device_count, GpuInfo, JobSpec, MigDevice, MigInfo, MigProfile, PlacementPolicy, Resources,
+    TaskState,
 };
 use gpuctl_core::wait::{NeverFits, Requirement, WaitReason};
 
@@ -37,6 +38,21 @@ fn mig_gpu(uuid: &str, index: u32, model: &str, devices: Vec<MigDevice>) -> GpuI
         pending: None,
         devices,
         free: Vec::new(),
+        capable: true,
+        profiles: vec![
+            MigProfile {
+                name: "1g.10gb".into(),
+                gpu_slices: 1,
+                memory_mib: 9984,
+                max_count: 7,
+            },
+            MigProfile {
+                name: "3g.40gb".into(),
+                gpu_slices: 3,
+                memory_mib: 40192,
+                max_count: 2,
+            },
+        ],
     };
     g
 }
@@ -312,4 +328,102 @@ fn a_busy_profile_waits_for_a_device_and_preempts_only_its_kind() {
     let p = plan.preemption.expect("a preemption for the high job");
     assert_eq!(p.job_id, high);
     assert_eq!(p.victims, vec![low], "only the holder of a 1g.5gb");
+}
+
+fn set_layout(d: &mut Driver, gpu: &str, profiles: &[&str]) -> Result<Outcome, ApplyError> {
+    d.apply(Command::SetMigLayout {
+        gpu_uuid: gpu.into(),
+        profiles: profiles.iter().map(|p| p.to_string()).collect(),
+        disable: false,
+        by: "test".into(),
+        at_ms: 10,
+    })
+}
+
+#[test]
+fn a_layout_change_is_refused_while_anything_holds_the_gpu() {
+    let mut d = driver();
+    let j = submit(&mut d, spec(Some("1g.10gb"), 1, 1, 0));
+    d.launch_at(&j, &[("m", &["MIG-m-h4"])], 5).unwrap();
+    let before = d.s.clone();
+    let err = set_layout(&mut d, "GPU-m-h", &["3g.40gb", "3g.40gb"]).unwrap_err();
+    assert!(err.to_string().contains("MIG-m-h4"), "{err}");
+    assert!(err.to_string().contains(&format!("{j}.0")), "{err}");
+    assert_eq!(d.s.mig_change("GPU-m-h"), None);
+    assert_eq!(d.s.gpu_owners(), before.gpu_owners());
+    // A GPU without MIG, and one nobody has.
+    let err = set_layout(&mut d, "GPU-m-w", &["1g.5gb"]).unwrap_err();
+    assert!(err.to_string().contains("has no MIG"), "{err}");
+    assert!(set_layout(&mut d, "GPU-nope", &[]).is_err());
+}
+
+#[test]
+fn a_gpu_being_repartitioned_gets_nothing_until_its_agent_reports() {
+    let mut d = driver();
+    set_layout(&mut d, "GPU-m-h", &["3g.40gb", "3g.40gb"]).unwrap();
+    let generation = d.s.mig_change("GPU-m-h").unwrap().generation;
+    assert_eq!(generation, d.i, "the change is named by its log index");
+    // A second change waits for the first.
+    assert!(set_layout(&mut d, "GPU-m-h", &[]).is_err());
+    // Neither the old devices nor the GPU are given meanwhile.
+    let j = submit(&mut d, spec(Some("1g.10gb"), 1, 1, 0));
+    let err = refused(&mut d, &j, &["MIG-m-h0"]);
+    assert!(err.contains("repartitioned"), "{err}");
+    assert!(place(&d).is_empty(), "placed on a GPU being repartitioned");
+
+    // The agent reports what NVML holds now: two 3g.40gb.
+    let mut after = d.s.agent("m").unwrap().info.gpus[1].clone();
+    after.mig.devices = vec![
+        mig("MIG-m-n0", "3g.40gb", 40192, 1),
+        mig("MIG-m-n1", "3g.40gb", 40192, 2),
+    ];
+    // A report of another generation changes nothing.
+    d.apply(Command::MigLayoutDone {
+        agent_id: "m".into(),
+        generation: generation + 100,
+        gpu: after.clone(),
+        error: None,
+    })
+    .unwrap();
+    assert!(d.s.mig_change("GPU-m-h").is_some());
+    d.apply(Command::MigLayoutDone {
+        agent_id: "m".into(),
+        generation,
+        gpu: after,
+        error: None,
+    })
+    .unwrap();
+    assert!(d.s.mig_change("GPU-m-h").is_none());
+    // 3 (A100) + 2 (new) + 1 whole.
+    assert_eq!(d.s.agent("m").unwrap().info.total.gpus, 6);
+    let big = submit(&mut d, spec(Some("3g.40gb"), 1, 2, 0));
+    let l = place(&d);
+    let mut got: Vec<String> = l
+        .iter()
+        .filter(|x| x.job_id == big)
+        .flat_map(|x| x.gpu_uuids.clone())
+        .collect();
+    got.sort();
+    assert_eq!(got, ["MIG-m-n0", "MIG-m-n1"]);
+    assert!(d.s.invariant_violations().is_empty());
+}
+
+#[test]
+fn a_failed_change_keeps_what_nvml_holds_and_says_why() {
+    let mut d = driver();
+    set_layout(&mut d, "GPU-m-h", &["7g.80gb", "7g.80gb"]).unwrap();
+    let generation = d.s.mig_change("GPU-m-h").unwrap().generation;
+    let now = d.s.agent("m").unwrap().info.gpus[1].clone();
+    d.apply(Command::MigLayoutDone {
+        agent_id: "m".into(),
+        generation,
+        gpu: now,
+        error: Some("no room for 7g.80gb; the previous layout was put back".into()),
+    })
+    .unwrap();
+    assert!(d.s.mig_error("GPU-m-h").unwrap().contains("put back"));
+    assert_eq!(d.s.agent("m").unwrap().info.total.gpus, 11);
+    // The old devices are given again.
+    let j = submit(&mut d, spec(Some("1g.10gb"), 1, 1, 0));
+    d.launch_at(&j, &[("m", &["MIG-m-h0"])], 20).unwrap();
 }

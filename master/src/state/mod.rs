@@ -11,6 +11,7 @@ pub mod events;
 mod events_tests;
 pub mod frameworks;
 mod jobs;
+pub mod mig;
 #[cfg(test)]
 mod mig_tests;
 pub mod requests;
@@ -324,6 +325,13 @@ pub struct State {
     /// Tenants' GPU quotas.
     #[serde(default)]
     quotas: BTreeMap<String, u32>,
+    /// MIG layout changes asked and not yet applied, by GPU: nothing is
+    /// placed on such a GPU or its MIG devices meanwhile.
+    #[serde(default)]
+    mig_changes: BTreeMap<GpuUuid, mig::MigChange>,
+    /// Why the last layout change of a GPU failed (cleared by a success).
+    #[serde(default)]
+    mig_errors: BTreeMap<GpuUuid, String>,
     /// Index of the last log entry applied.
     applied_index: u64,
 }
@@ -648,13 +656,20 @@ impl State {
     pub fn schedulable(&self, gpu: &gpuctl_core::types::GpuInfo) -> bool {
         // A GPU in MIG mode is never given whole: CUDA sees only its MIG
         // devices, which are given one by one.
-        gpu.healthy && !gpu.mig.enabled && !self.cordoned.contains(&gpu.uuid)
+        gpu.healthy
+            && !gpu.mig.enabled
+            && !self.cordoned.contains(&gpu.uuid)
+            && !self.mig_changes.contains_key(&gpu.uuid)
     }
 
     /// Whether new tasks may get this device (held or not): a schedulable
-    /// whole GPU, or a MIG device of a healthy, uncordoned GPU in MIG mode.
+    /// whole GPU, or a MIG device of a healthy, uncordoned GPU in MIG mode;
+    /// neither while the GPU's MIG layout is being changed.
     pub fn device_schedulable(&self, device: gpuctl_core::types::Device<'_>) -> bool {
         let gpu = device.gpu();
+        if self.mig_changes.contains_key(&gpu.uuid) {
+            return false;
+        }
         match device {
             gpuctl_core::types::Device::Gpu(g) => self.schedulable(g),
             gpuctl_core::types::Device::Mig { .. } => {
