@@ -326,11 +326,7 @@ pub async fn serve(
             None
         }
     };
-    let gpu_minors = discovery
-        .gpus
-        .iter()
-        .map(|g| (g.uuid.clone(), g.minor))
-        .collect();
+    let gpu_grants = isolation::grants::device_grants(&discovery.gpus);
     let policy = security::TaskPolicy::for_this_process(&config);
     if config.allow_root_tasks && !policy.agent_is_root() {
         tracing::warn!(
@@ -340,7 +336,7 @@ pub async fn serve(
     tracing::info!("{}", policy.describe());
     let isolation_setup = executor::IsolationSetup {
         isolator,
-        gpu_minors,
+        gpu_grants,
         driver_volume,
         policy: policy.clone(),
         cdi: cdi_publisher

@@ -494,8 +494,8 @@ mod tests {
                 generate(
                     &gpus(1),
                     &HostDevices {
-                        gpus: test_host().gpus,
                         control: vec![],
+                        ..test_host()
                     },
                     None,
                 ),

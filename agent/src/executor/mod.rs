@@ -94,8 +94,9 @@ struct Inner {
 /// What the executor needs to isolate tasks.
 pub struct IsolationSetup {
     pub isolator: Isolator,
-    /// Minor number (hence /dev/nvidiaN) of each GPU of this agent, by UUID.
-    pub gpu_minors: HashMap<String, u32>,
+    /// What each GPU and MIG device of this agent gives a task, by UUID
+    /// (`isolation::grants`): its node minor, and a MIG device's caps.
+    pub gpu_grants: HashMap<String, crate::isolation::DeviceGrant>,
     /// The consolidated driver volume, when one could be built.
     pub driver_volume: Option<PathBuf>,
     /// What tasks may do here: users, root, mounts.
@@ -862,16 +863,17 @@ impl Executor {
             .await
             .and_then(|()| set_mode(&sandbox, 0o700))
             .map_err(|e| Outcome::failed(format!("create sandbox {}: {e}", sandbox.display())))?;
-        let minors: Vec<u32> = spec
-            .gpu_uuids
-            .iter()
-            .map(|u| self.isolation.gpu_minors.get(u).copied().ok_or(u))
-            .collect::<Result<_, _>>()
-            .map_err(|u| Outcome::failed(format!("GPU {u} is not a GPU of this agent")))?;
+        let devices =
+            crate::isolation::grants::resolve(&self.isolation.gpu_grants, &spec.gpu_uuids)
+                .map_err(|u| {
+                    Outcome::failed(format!(
+                        "GPU {u} is neither a GPU nor a MIG device of this agent"
+                    ))
+                })?;
         let prepared = self
             .isolation
             .isolator
-            .prepare(task_id, &minors, &spec.resources, rt.kind())
+            .prepare(task_id, &devices, &spec.resources, rt.kind())
             .map_err(|e| Outcome::failed(format!("isolation: {e}")))?;
         let launch = LaunchSpec {
             env: Self::gpu_env(spec),
@@ -1221,7 +1223,7 @@ mod shell_tests {
             Duration::from_secs(3600),
             IsolationSetup {
                 isolator,
-                gpu_minors: HashMap::new(),
+                gpu_grants: HashMap::new(),
                 driver_volume: None,
                 policy: crate::security::TaskPolicy::new(
                     crate::security::DEFAULT_TASK_USER,

@@ -1,0 +1,219 @@
+//! MIG isolation enforced by the real kernel, on cgroup v1 (this machine's
+//! devices hierarchy) and v2 (a cgroup2 mounted beside it, the task's eBPF
+//! device program). Fake nodes made with mknod: two GPUs (195:0, 195:1),
+//! nvidiactl, and the caps nodes of MIG (major 240): the driver's
+//! mig-config and mig-monitor caps (1, 2) and two MIG devices of GPU 0,
+//! caps 30+31 and 39+40. The tasks' cgroups are made by `Isolator::prepare`
+//! from the UUIDs, as the executor makes them; a shell that joins one opens
+//! each node: ENXIO is allowed (no driver behind the node), EPERM denied.
+//! Needs root; skipped without it unless GPUCTL_REQUIRE_DOCKER=1.
+#![allow(clippy::unwrap_used)]
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use gpuctl_agent::isolation::grants::{device_grants, resolve};
+use gpuctl_agent::isolation::{detect_version, CgroupVersion, Isolator, TaskDevices};
+use gpuctl_core::types::{GpuInfo, MigDevice, MigInfo, Resources, Runtime};
+
+const CAPS_MAJOR: u32 = 240;
+const ALLOWED: &str = "No such device or address";
+const DENIED: &str = "Operation not permitted";
+
+fn required() -> bool {
+    std::env::var("GPUCTL_REQUIRE_DOCKER").is_ok_and(|v| v == "1")
+}
+
+fn root_or_skip() -> bool {
+    if nix::unistd::Uid::effective().is_root() {
+        return true;
+    }
+    assert!(!required(), "needs root (GPUCTL_REQUIRE_DOCKER=1)");
+    eprintln!("skipped: needs root");
+    false
+}
+
+fn mknod(path: &Path, major: u32, minor: u32) {
+    let ok = Command::new("mknod")
+        .arg(path)
+        .args(["c", &major.to_string(), &minor.to_string()])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "mknod {}", path.display());
+    Command::new("chmod").arg("666").arg(path).status().unwrap();
+}
+
+/// The fake dev root; its nodes, by name relative to it.
+fn make_dev(dir: &Path) -> Vec<&'static str> {
+    std::fs::create_dir_all(dir.join("nvidia-caps")).unwrap();
+    mknod(&dir.join("nvidia0"), 195, 0);
+    mknod(&dir.join("nvidia1"), 195, 1);
+    mknod(&dir.join("nvidiactl"), 195, 255);
+    for n in [1, 2, 30, 31, 39, 40] {
+        mknod(
+            &dir.join(format!("nvidia-caps/nvidia-cap{n}")),
+            CAPS_MAJOR,
+            n,
+        );
+    }
+    vec![
+        "nvidia0",
+        "nvidia1",
+        "nvidiactl",
+        "nvidia-caps/nvidia-cap1",
+        "nvidia-caps/nvidia-cap2",
+        "nvidia-caps/nvidia-cap30",
+        "nvidia-caps/nvidia-cap31",
+        "nvidia-caps/nvidia-cap39",
+        "nvidia-caps/nvidia-cap40",
+    ]
+}
+
+/// GPU 0 in MIG mode with MIG-a (caps 30, 31) and MIG-b (39, 40); GPU 1 whole.
+fn gpus() -> Vec<GpuInfo> {
+    let mig = |uuid: &str, gi: u32, caps: [u32; 2]| MigDevice {
+        uuid: uuid.into(),
+        profile: "3g.20gb".into(),
+        memory_mib: 19968,
+        gpu_slices: 3,
+        compute_slices: 3,
+        gi_id: gi,
+        ci_id: 0,
+        caps_minors: caps.to_vec(),
+    };
+    let mut g0 = GpuInfo::new("GPU-0", 0, "A100", 40960);
+    g0.mig = MigInfo {
+        enabled: true,
+        devices: vec![mig("MIG-a", 1, [30, 31]), mig("MIG-b", 2, [39, 40])],
+        ..MigInfo::default()
+    };
+    vec![g0, GpuInfo::new("GPU-1", 1, "A100", 40960)]
+}
+
+fn devices_of(uuids: &[&str]) -> TaskDevices {
+    let uuids: Vec<String> = uuids.iter().map(|u| u.to_string()).collect();
+    resolve(&device_grants(&gpus()), &uuids).unwrap()
+}
+
+/// What opening `node` gives a shell that joined `procs` first.
+fn open_in(procs: &[PathBuf], node: &Path) -> String {
+    let joins: String = procs
+        .iter()
+        .map(|p| format!("echo $$ > {} && ", p.display()))
+        .collect();
+    let script = format!("{joins}exec cat {} 2>&1", node.display());
+    let out = Command::new("sh").args(["-c", &script]).output().unwrap();
+    String::from_utf8_lossy(&out.stdout).to_string()
+}
+
+/// Each task (UUIDs, the nodes it may open) in its own cgroup: every
+/// node of the host is tried from it.
+fn check_tasks(iso: &Isolator, dev: &Path, nodes: &[&str], prefix: &str) {
+    let tasks: &[(&str, &[&str], &[&str])] = &[
+        (
+            "mig-a",
+            &["MIG-a"],
+            &[
+                "nvidia0",
+                "nvidiactl",
+                "nvidia-caps/nvidia-cap30",
+                "nvidia-caps/nvidia-cap31",
+            ],
+        ),
+        (
+            "mig-b",
+            &["MIG-b"],
+            &[
+                "nvidia0",
+                "nvidiactl",
+                "nvidia-caps/nvidia-cap39",
+                "nvidia-caps/nvidia-cap40",
+            ],
+        ),
+        ("whole", &["GPU-1"], &["nvidia1", "nvidiactl"]),
+        ("none", &[], &[]),
+    ];
+    let mut wrong = Vec::new();
+    for (name, uuids, open) in tasks {
+        let id = format!("{prefix}-{name}");
+        let p = iso
+            .prepare(
+                &id,
+                &devices_of(uuids),
+                &Resources::default(),
+                Runtime::Process,
+            )
+            .unwrap();
+        let procs = p.cgroup.as_ref().unwrap().procs_files.clone();
+        for node in nodes {
+            let got = open_in(&procs, &dev.join(node));
+            let want = if open.contains(node) { ALLOWED } else { DENIED };
+            if !got.contains(want) {
+                wrong.push(format!("{name} {node}: {got:?}, not {want}"));
+            }
+        }
+        iso.release(&id).unwrap();
+    }
+    assert!(wrong.is_empty(), "{wrong:#?}");
+}
+
+#[test]
+fn on_cgroup_v1_a_mig_task_opens_its_own_caps_only() {
+    if !root_or_skip() {
+        return;
+    }
+    let cgroup_root = Path::new("/sys/fs/cgroup");
+    if detect_version(cgroup_root) != CgroupVersion::V1 {
+        assert!(!required(), "cgroup v1 is required here");
+        eprintln!("skipped: needs cgroup v1 at /sys/fs/cgroup");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let dev = dir.path().join("dev");
+    let nodes = make_dev(&dev);
+    let parent = format!("gpuctl-test-mig-{}", std::process::id());
+    let iso = Isolator::new(cgroup_root, &parent, &dev).unwrap();
+    assert!(iso.describe().contains("cgroup v1"), "{}", iso.describe());
+    check_tasks(&iso, &dev, &nodes, "v1");
+    for c in ["devices", "memory", "cpu", "pids"] {
+        let _ = std::fs::remove_dir(cgroup_root.join(c).join(&parent));
+    }
+}
+
+struct Mounted(PathBuf);
+
+impl Drop for Mounted {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.0).status();
+    }
+}
+
+#[test]
+fn on_cgroup_v2_a_mig_tasks_program_opens_its_own_caps_only() {
+    if !root_or_skip() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("cg2");
+    std::fs::create_dir_all(&root).unwrap();
+    let ok = Command::new("mount")
+        .args(["-t", "cgroup2", "none"])
+        .arg(&root)
+        .status()
+        .unwrap()
+        .success();
+    if !ok {
+        assert!(!required(), "cannot mount cgroup2");
+        eprintln!("skipped: cannot mount cgroup2");
+        return;
+    }
+    let _mounted = Mounted(root.clone());
+    let dev = dir.path().join("dev");
+    let nodes = make_dev(&dev);
+    let parent = format!("gpuctl-test-mig-{}", std::process::id());
+    let iso = Isolator::new(&root, &parent, &dev).unwrap();
+    assert!(iso.describe().contains("cgroup v2"), "{}", iso.describe());
+    check_tasks(&iso, &dev, &nodes, "v2");
+    let _ = std::fs::remove_dir(root.join(&parent));
+}
