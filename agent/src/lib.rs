@@ -303,6 +303,15 @@ pub async fn serve(
                     index: g.index,
                     uuid: g.uuid.clone(),
                     minor: g.minor,
+                    mig: g
+                        .mig
+                        .devices
+                        .iter()
+                        .map(|m| cdi::SpecMig {
+                            uuid: m.uuid.clone(),
+                            caps: m.caps_minors.clone(),
+                        })
+                        .collect(),
                 })
                 .collect();
             let p = Arc::new(cdi::Publisher::new(
