@@ -303,6 +303,15 @@ pub async fn serve(
                     index: g.index,
                     uuid: g.uuid.clone(),
                     minor: g.minor,
+                    mig: g
+                        .mig
+                        .devices
+                        .iter()
+                        .map(|m| cdi::SpecMig {
+                            uuid: m.uuid.clone(),
+                            caps: m.caps_minors.clone(),
+                        })
+                        .collect(),
                 })
                 .collect();
             let p = Arc::new(cdi::Publisher::new(
@@ -326,11 +335,7 @@ pub async fn serve(
             None
         }
     };
-    let gpu_minors = discovery
-        .gpus
-        .iter()
-        .map(|g| (g.uuid.clone(), g.minor))
-        .collect();
+    let gpu_grants = isolation::grants::device_grants(&discovery.gpus);
     let policy = security::TaskPolicy::for_this_process(&config);
     if config.allow_root_tasks && !policy.agent_is_root() {
         tracing::warn!(
@@ -340,7 +345,7 @@ pub async fn serve(
     tracing::info!("{}", policy.describe());
     let isolation_setup = executor::IsolationSetup {
         isolator,
-        gpu_minors,
+        gpu_grants,
         driver_volume,
         policy: policy.clone(),
         cdi: cdi_publisher

@@ -13,6 +13,7 @@ use std::process::Command;
 use gpuctl_agent::isolation::bpf::{program, task_rules_v2};
 use gpuctl_agent::isolation::bpf_load::{attach, load};
 use gpuctl_agent::isolation::rules::{DeviceNode, HostDevices};
+use gpuctl_agent::isolation::TaskDevices;
 
 fn required() -> bool {
     std::env::var("GPUCTL_REQUIRE_DOCKER").is_ok_and(|v| v == "1")
@@ -89,10 +90,15 @@ fn the_kernel_enforces_a_tasks_device_program() {
             (1, node(&dev, "nvidia1", 195, 1)),
         ],
         control: vec![node(&dev, "nvidiactl", 195, 255)],
+        caps: vec![],
     };
     let cgroup = root.join(format!("gpuctl-test-bpf-{}", std::process::id()));
     std::fs::create_dir_all(&cgroup).unwrap();
-    let prog = load(&program(&task_rules_v2(&host, &[1]), false)).unwrap();
+    let prog = load(&program(
+        &task_rules_v2(&host, &TaskDevices::gpus(&[1])),
+        false,
+    ))
+    .unwrap();
     attach(&prog, &cgroup).unwrap();
 
     let own = open_in(&cgroup, &dev.join("nvidia1"));

@@ -6,7 +6,8 @@
 //! has no option for another spec directory), removed afterwards. Each
 //! `podman run --device gpuctl.io/gpu=NAME` must see its GPU and the control
 //! nodes, not the other GPU, the spec's environment and the read-only
-//! driver volume. Needs root and podman; skipped without them unless
+//! driver volume; a MIG device's name its parent's node and its two caps
+//! nodes, not the other MIG device's. Needs root and podman; skipped without them unless
 //! GPUCTL_REQUIRE_DOCKER=1.
 #![allow(clippy::unwrap_used)]
 
@@ -21,6 +22,11 @@ const EPERM: &str = "Operation not permitted";
 const IMAGE: &str = "localhost/gpuctl/busybox:cdi-test";
 const UUID0: &str = "GPU-0a0a0a0a-0000-4000-8000-000000000000";
 const UUID1: &str = "GPU-1b1b1b1b-0000-4000-8000-000000000001";
+/// GPU 1's two MIG devices, and their caps nodes' major (dynamic on a real
+/// host; one no driver has here).
+const MIG_A: &str = "MIG-aaaaaaaa-0000-4000-8000-000000000000";
+const MIG_B: &str = "MIG-bbbbbbbb-0000-4000-8000-000000000000";
+const CAPS_MAJOR: u64 = 238;
 
 fn podman_or_skip(test: &str) -> bool {
     let why = if !nix::unistd::Uid::effective().is_root() {
@@ -121,6 +127,46 @@ if touch /usr/local/nvidia/x 2>/tmp/e; then echo "volume writable"; else echo "v
     (out.status.success(), text)
 }
 
+/// What a container given the MIG device `device` finds of each caps node
+/// (opened or absent), and of one made for each.
+fn run_mig(conf: &Path, device: &str) -> (bool, String) {
+    let script = format!(
+        r#"for n in 30 31 39 40; do
+  c=/dev/nvidia-caps/nvidia-cap$n
+  if [ ! -e $c ]; then echo "cap$n absent"
+  elif cat $c 2>/tmp/e; then echo "cap$n opened"
+  else echo "cap$n $(cat /tmp/e)"; fi
+  busybox mknod /tmp/made$n c {CAPS_MAJOR} $n
+  if cat /tmp/made$n 2>/tmp/e; then echo "madecap$n opened"; else echo "madecap$n $(cat /tmp/e)"; fi
+done
+for n in nvidia0 nvidia1; do
+  if [ ! -e /dev/$n ]; then echo "$n absent"; else echo "$n $(cat /dev/$n 2>&1)"; fi
+done
+"#
+    );
+    let out = podman(
+        conf,
+        &[
+            "run",
+            "--rm",
+            "--network",
+            "none",
+            "--device",
+            device,
+            IMAGE,
+            "sh",
+            "-c",
+            &script,
+        ],
+    );
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
 fn line<'a>(out: &'a str, prefix: &str) -> &'a str {
     out.lines()
         .find(|l| l.starts_with(prefix))
@@ -154,21 +200,24 @@ fn podman_gives_a_container_exactly_the_gpu_it_names() {
     mknod(&dev, "nvidiactl", 195, 255);
     // uvm's major is dynamic; one no driver has here.
     mknod(&dev, "nvidia-uvm", 240, 0);
+    std::fs::create_dir_all(dev.join("nvidia-caps")).unwrap();
+    for n in [30, 31, 39, 40] {
+        mknod(&dev, &format!("nvidia-caps/nvidia-cap{n}"), CAPS_MAJOR, n);
+    }
     let volume = t.path().join("volumes/nvidia_535.129.03");
     std::fs::create_dir_all(volume.join("bin")).unwrap();
     std::fs::write(volume.join("bin/nvidia-smi"), "fake nvidia-smi\n").unwrap();
 
     // The spec as the agent makes it, from the nodes it scans.
-    let gpus = [
-        SpecGpu {
-            index: 0,
-            uuid: UUID0.into(),
-            minor: 0,
+    let mut gpus = [SpecGpu::whole(0, UUID0, 0), SpecGpu::whole(1, UUID1, 1)];
+    gpus[1].mig = vec![
+        cdi::SpecMig {
+            uuid: MIG_A.into(),
+            caps: vec![30, 31],
         },
-        SpecGpu {
-            index: 1,
-            uuid: UUID1.into(),
-            minor: 1,
+        cdi::SpecMig {
+            uuid: MIG_B.into(),
+            caps: vec![39, 40],
         },
     ];
     let host = devices::scan(&dev).unwrap();
@@ -234,6 +283,43 @@ fn podman_gives_a_container_exactly_the_gpu_it_names() {
             line(&out, &format!("{n} ")).contains(ENXIO),
             "all: {n}:\n{out}"
         );
+    }
+
+    // A MIG device, by its place (GPU 1's first) or by its UUID: its
+    // parent's node and its own caps open; the other MIG device's caps are
+    // not there, and a node made for one is refused.
+    for (device, mine, other) in [
+        ("gpuctl.io/gpu=1:0", [30, 31], [39, 40]),
+        (&*format!("gpuctl.io/gpu={MIG_B}"), [39, 40], [30, 31]),
+    ] {
+        let (ok, out) = run_mig(&conf, device);
+        assert!(ok, "{device}:\n{out}");
+        for n in mine {
+            assert!(
+                line(&out, &format!("cap{n} ")).contains(ENXIO),
+                "{device}: cap{n}:\n{out}"
+            );
+            assert!(
+                line(&out, &format!("madecap{n} ")).contains(ENXIO),
+                "{device}:\n{out}"
+            );
+        }
+        for n in other {
+            assert_eq!(
+                line(&out, &format!("cap{n} ")),
+                format!("cap{n} absent"),
+                "{device}:\n{out}"
+            );
+            assert!(
+                line(&out, &format!("madecap{n} ")).contains(EPERM),
+                "{device}: made cap{n}:\n{out}"
+            );
+        }
+        assert!(
+            line(&out, "nvidia1 ").contains(ENXIO),
+            "{device}: its parent:\n{out}"
+        );
+        assert_eq!(line(&out, "nvidia0 "), "nvidia0 absent", "{out}");
     }
 
     // A name the spec does not define is refused, not ignored.

@@ -25,7 +25,7 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 
-pub use spec::{SpecGpu, KIND};
+pub use spec::{SpecGpu, SpecMig, KIND};
 
 /// CDI's directory for specs that describe the running system (cleared at
 /// boot, read after `/etc/cdi`, so it overrides it).
@@ -475,18 +475,7 @@ mod tests {
         std::fs::create_dir_all(&etc).unwrap();
         mknod(&dev, "nvidia0", 195, 0);
         mknod(&dev, "nvidiactl", 195, 255);
-        let gpus = vec![
-            SpecGpu {
-                index: 0,
-                uuid: "GPU-a".into(),
-                minor: 0,
-            },
-            SpecGpu {
-                index: 1,
-                uuid: "GPU-b".into(),
-                minor: 1,
-            },
-        ];
+        let gpus = vec![SpecGpu::whole(0, "GPU-a", 0), SpecGpu::whole(1, "GPU-b", 1)];
         let p = Publisher::new(dir.clone(), dev.clone(), gpus, None)
             .with_toolkit_dirs(vec![etc.clone(), dir.clone()]);
         assert_eq!(p.refresh(), SpecFile::Written);
@@ -564,11 +553,7 @@ mod tests {
         mknod(&dev, "nvidia0", 195, 0);
         let blocker = t.path().join("file");
         std::fs::write(&blocker, "").unwrap();
-        let gpus = vec![SpecGpu {
-            index: 0,
-            uuid: "GPU-a".into(),
-            minor: 0,
-        }];
+        let gpus = vec![SpecGpu::whole(0, "GPU-a", 0)];
         let p = Publisher::new(blocker.join("cdi"), dev, gpus, None).with_toolkit_dirs(vec![]);
         assert!(matches!(p.refresh(), SpecFile::Failed(e) if e.contains("file")));
         assert!(p.names().get().is_empty(), "no name for a spec not written");

@@ -3,17 +3,20 @@
 //!
 //! Layout, after `nvidia-ctk cdi generate`: one device per GPU named by its
 //! index (`gpuctl.io/gpu=0`) and one named by its UUID
-//! (`gpuctl.io/gpu=GPU-...`), each adding only that GPU's node, plus `all`;
-//! what every GPU container needs besides its GPUs is in the spec-wide
-//! edits: the control nodes, the driver volume (read-only at
-//! `/usr/local/nvidia`) and `NVIDIA_VISIBLE_DEVICES=void`.
+//! (`gpuctl.io/gpu=GPU-...`), each adding only that GPU's node; the same
+//! per MIG device (`gpuctl.io/gpu=0:1`, `gpuctl.io/gpu=MIG-...`), adding its
+//! parent's node and its two caps nodes; plus `all`. What every GPU
+//! container needs besides its GPUs is in the spec-wide edits: the control
+//! nodes, the driver volume (read-only at `/usr/local/nvidia`) and
+//! `NVIDIA_VISIBLE_DEVICES=void`.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use crate::isolation::HostDevices;
+use crate::isolation::grants::MIG_ACCESS_CAPS;
+use crate::isolation::{DeviceNode as HostNode, HostDevices};
 
 /// The version written: the newest that Podman 4.3 (Debian 12) accepts,
 /// and the first with `hostPath` on device nodes, which lets the spec name
@@ -99,6 +102,30 @@ pub struct SpecGpu {
     pub uuid: String,
     /// NVML's minor number: its node is `nvidia<minor>`.
     pub minor: u32,
+    /// Its MIG devices, in NVML's order (a MIG device's index is its place
+    /// here, as the toolkit numbers them); none when MIG is off.
+    pub mig: Vec<SpecMig>,
+}
+
+/// A MIG device, for the spec.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SpecMig {
+    pub uuid: String,
+    /// Its GPU and compute instance's access caps: the minors of
+    /// `nvidia-caps/nvidia-cap<N>` (fewer than two: not known).
+    pub caps: Vec<u32>,
+}
+
+impl SpecGpu {
+    /// A GPU without MIG devices.
+    pub fn whole(index: u32, uuid: impl Into<String>, minor: u32) -> SpecGpu {
+        SpecGpu {
+            index,
+            uuid: uuid.into(),
+            minor,
+            mig: Vec::new(),
+        }
+    }
 }
 
 /// A generated spec, with what was left out of it.
@@ -106,8 +133,8 @@ pub struct SpecGpu {
 pub struct Generated {
     /// Without devices when no GPU has a node (nothing to write then).
     pub spec: Spec,
-    /// The qualified name of each GPU in the spec, by UUID: the UUID name
-    /// when the UUID is a valid CDI name, else the index name.
+    /// The qualified name of each GPU and MIG device in the spec, by UUID:
+    /// the UUID name when the UUID is a valid CDI name, else the index name.
     pub names: BTreeMap<String, String>,
     /// GPUs, or names of GPUs, left out, and why.
     pub skipped: Vec<String>,
@@ -161,9 +188,96 @@ fn utf8(field: &'static str, p: &Path) -> Result<String, SpecError> {
         })
 }
 
-/// The spec of these GPUs. A GPU whose node is not under the dev root is
-/// left out (a request for it could only fail); so is a UUID name that CDI
-/// would refuse (the index name stays).
+/// The devices of a spec being made, with the names taken and what was
+/// left out.
+#[derive(Default)]
+struct Devices {
+    devices: Vec<Device>,
+    taken: BTreeSet<String>,
+    skipped: Vec<String>,
+}
+
+impl Devices {
+    /// Adds a device (`what`: "GPU", "MIG device") under its index name
+    /// and, where CDI allows, its UUID name. The name task launch asks for
+    /// (the UUID's, else the index's); `None` when the index name is
+    /// another device's (then it is left out).
+    fn add(
+        &mut self,
+        what: &str,
+        index: String,
+        uuid: &str,
+        edits: ContainerEdits,
+    ) -> Option<String> {
+        if !self.taken.insert(index.clone()) {
+            self.skipped.push(format!(
+                "{what} {uuid}: name {index} is another device's too"
+            ));
+            return None;
+        }
+        self.devices.push(Device {
+            name: index.clone(),
+            container_edits: edits.clone(),
+        });
+        if !valid_device_name(uuid) || uuid == ALL {
+            self.skipped.push(format!(
+                "{what} {uuid:?} ({index}): its UUID is not a valid CDI device name; only {index} names it"
+            ));
+            return Some(index);
+        }
+        if !self.taken.insert(uuid.to_string()) {
+            self.skipped
+                .push(format!("{what} {uuid}: UUID named twice"));
+            return Some(index);
+        }
+        self.devices.push(Device {
+            name: uuid.to_string(),
+            container_edits: edits,
+        });
+        Some(uuid.to_string())
+    }
+}
+
+fn device_node(node: &HostNode) -> Result<DeviceNode, SpecError> {
+    Ok(DeviceNode {
+        path: node.container_path.clone(),
+        host_path: Some(utf8("deviceNodes.hostPath", &node.host_path)?),
+    })
+}
+
+/// A MIG device's caps nodes, or why it cannot be in the spec: caps not
+/// known, or a caps node missing under the dev root. Never one without its
+/// caps: the parent's node alone is no use, and a MIG device is named
+/// only when it is isolated.
+fn mig_caps<'a>(host: &'a HostDevices, m: &SpecMig) -> Result<Vec<&'a HostNode>, String> {
+    if m.caps.len() < MIG_ACCESS_CAPS {
+        return Err(format!(
+            "MIG device {}: the minors of its nvidia-caps nodes are not known",
+            m.uuid
+        ));
+    }
+    m.caps
+        .iter()
+        .map(|c| {
+            host.caps
+                .iter()
+                .find(|(n, _)| n == c)
+                .map(|(_, node)| node)
+                .ok_or_else(|| {
+                    format!(
+                        "MIG device {}: no device node {}",
+                        m.uuid,
+                        crate::isolation::devices::cap_node_name(*c)
+                    )
+                })
+        })
+        .collect()
+}
+
+/// The spec of these GPUs and their MIG devices. A GPU whose node is not
+/// under the dev root is left out (a request for it could only fail), with
+/// its MIG devices; so is a MIG device whose caps nodes are unknown or
+/// missing, and a UUID name that CDI would refuse (the index name stays).
 pub fn generate(
     gpus: &[SpecGpu],
     host: &HostDevices,
@@ -171,56 +285,54 @@ pub fn generate(
 ) -> Result<Generated, SpecError> {
     let mut gpus: Vec<&SpecGpu> = gpus.iter().collect();
     gpus.sort_by_key(|g| (g.index, g.minor));
-    let mut devices = Vec::new();
+    let mut out = Devices::default();
     let mut names = BTreeMap::new();
-    let mut skipped = Vec::new();
-    let mut taken = BTreeSet::new();
-    let mut all_nodes = Vec::new();
+    let mut all_nodes: Vec<DeviceNode> = Vec::new();
     for g in gpus {
         let Some((_, node)) = host.gpus.iter().find(|(m, _)| *m == g.minor) else {
-            skipped.push(format!(
+            out.skipped.push(format!(
                 "GPU {} (index {}): no device node nvidia{}",
                 g.uuid, g.index, g.minor
             ));
             continue;
         };
+        let parent = device_node(node)?;
         let edits = ContainerEdits {
-            device_nodes: vec![DeviceNode {
-                path: node.container_path.clone(),
-                host_path: Some(utf8("deviceNodes.hostPath", &node.host_path)?),
-            }],
+            device_nodes: vec![parent.clone()],
             ..Default::default()
         };
-        let index = g.index.to_string();
-        if !taken.insert(index.clone()) {
-            skipped.push(format!(
-                "GPU {}: index {index} is another GPU's too",
-                g.uuid
-            ));
+        let Some(name) = out.add("GPU", g.index.to_string(), &g.uuid, edits) else {
             continue;
-        }
-        devices.push(Device {
-            name: index.clone(),
-            container_edits: edits.clone(),
-        });
-        let mut name = index;
-        if !valid_device_name(&g.uuid) || g.uuid == ALL {
-            skipped.push(format!(
-                "GPU {:?} (index {}): its UUID is not a valid CDI device name; only its index names it",
-                g.uuid, g.index
-            ));
-        } else if !taken.insert(g.uuid.clone()) {
-            skipped.push(format!("GPU {}: UUID named twice", g.uuid));
-        } else {
-            devices.push(Device {
-                name: g.uuid.clone(),
-                container_edits: edits.clone(),
-            });
-            name = g.uuid.clone();
-        }
+        };
         names.insert(g.uuid.clone(), qualified(KIND, &name));
-        all_nodes.extend(edits.device_nodes);
+        all_nodes.push(parent.clone());
+        for (j, m) in g.mig.iter().enumerate() {
+            let caps = match mig_caps(host, m) {
+                Ok(c) => c,
+                Err(why) => {
+                    out.skipped.push(why);
+                    continue;
+                }
+            };
+            let mut nodes = vec![parent.clone()];
+            for c in caps {
+                nodes.push(device_node(c)?);
+            }
+            let edits = ContainerEdits {
+                device_nodes: nodes.clone(),
+                ..Default::default()
+            };
+            if let Some(name) = out.add("MIG device", format!("{}:{j}", g.index), &m.uuid, edits) {
+                names.insert(m.uuid.clone(), qualified(KIND, &name));
+                all_nodes.extend(nodes.into_iter().skip(1));
+            }
+        }
     }
+    let Devices {
+        mut devices,
+        skipped,
+        ..
+    } = out;
     let mut container_edits = ContainerEdits::default();
     if !devices.is_empty() {
         devices.push(Device {
@@ -231,10 +343,7 @@ pub fn generate(
             },
         });
         for node in &host.control {
-            container_edits.device_nodes.push(DeviceNode {
-                path: node.container_path.clone(),
-                host_path: Some(utf8("deviceNodes.hostPath", &node.host_path)?),
-            });
+            container_edits.device_nodes.push(device_node(node)?);
         }
         if let Some(v) = driver_volume {
             container_edits.mounts.push(Mount {
@@ -279,11 +388,7 @@ mod tests {
 
     fn gpus(n: u32) -> Vec<SpecGpu> {
         (0..n)
-            .map(|i| SpecGpu {
-                index: i,
-                uuid: format!("GPU-0000000{i}-1111-2222-3333-444444444444"),
-                minor: i,
-            })
+            .map(|i| SpecGpu::whole(i, format!("GPU-0000000{i}-1111-2222-3333-444444444444"), i))
             .collect()
     }
 
@@ -363,6 +468,86 @@ mod tests {
         assert_eq!(
             g.names["GPU-00000001-1111-2222-3333-444444444444"],
             "gpuctl.io/gpu=GPU-00000001-1111-2222-3333-444444444444"
+        );
+    }
+
+    /// GPUs 0 to 3; GPU 3 in MIG mode with MIG-a (caps 30, 31), MIG-b (39,
+    /// 40), MIG-c (caps unknown) and MIG-d (caps 50, 51: no nodes).
+    fn mig_gpus() -> Vec<SpecGpu> {
+        let mut list = gpus(4);
+        let mig = |uuid: &str, caps: &[u32]| SpecMig {
+            uuid: uuid.into(),
+            caps: caps.to_vec(),
+        };
+        list[3].mig = vec![
+            mig("MIG-a", &[30, 31]),
+            mig("MIG-b", &[39, 40]),
+            mig("MIG-c", &[]),
+            mig("MIG-d", &[50, 51]),
+        ];
+        list
+    }
+
+    #[test]
+    fn mig_devices_are_named_by_place_and_uuid_with_their_parent_and_caps() {
+        use crate::isolation::rules::test_mig_host;
+        let g = generate(&mig_gpus(), &test_mig_host(), None).unwrap();
+        let names: Vec<&str> = g.spec.devices.iter().map(|d| d.name.as_str()).collect();
+        assert_eq!(
+            &names[6..],
+            [
+                "3",
+                "GPU-00000003-1111-2222-3333-444444444444",
+                "3:0",
+                "MIG-a",
+                "3:1",
+                "MIG-b",
+                "all"
+            ]
+        );
+        for name in ["3:0", "MIG-a"] {
+            assert_eq!(
+                nodes(&device(&g.spec, name).container_edits),
+                [
+                    ("/dev/nvidia3", Some("/dev/nvidia3")),
+                    (
+                        "/dev/nvidia-caps/nvidia-cap30",
+                        Some("/dev/nvidia-caps/nvidia-cap30")
+                    ),
+                    (
+                        "/dev/nvidia-caps/nvidia-cap31",
+                        Some("/dev/nvidia-caps/nvidia-cap31")
+                    ),
+                ],
+                "{name}"
+            );
+        }
+        assert_eq!(g.names["MIG-b"], "gpuctl.io/gpu=MIG-b");
+        // Never a MIG device without its caps.
+        assert!(!g.names.contains_key("MIG-c") && !g.names.contains_key("MIG-d"));
+        assert_eq!(g.skipped.len(), 2, "{:?}", g.skipped);
+        assert!(g.skipped[0].contains("MIG-c") && g.skipped[0].contains("not known"));
+        assert!(g.skipped[1].contains("MIG-d") && g.skipped[1].contains("nvidia-cap50"));
+        // all: every GPU and the MIG devices' caps, never mig-config (1)
+        // or mig-monitor (2).
+        let all: Vec<&str> = device(&g.spec, "all")
+            .container_edits
+            .device_nodes
+            .iter()
+            .map(|n| n.path.as_str())
+            .collect();
+        assert_eq!(
+            all,
+            [
+                "/dev/nvidia0",
+                "/dev/nvidia1",
+                "/dev/nvidia2",
+                "/dev/nvidia3",
+                "/dev/nvidia-caps/nvidia-cap30",
+                "/dev/nvidia-caps/nvidia-cap31",
+                "/dev/nvidia-caps/nvidia-cap39",
+                "/dev/nvidia-caps/nvidia-cap40"
+            ]
         );
     }
 
@@ -494,13 +679,17 @@ mod tests {
                 generate(
                     &gpus(1),
                     &HostDevices {
-                        gpus: test_host().gpus,
                         control: vec![],
+                        ..test_host()
                     },
                     None,
                 ),
             ),
             ("a UUID that is no name", generate(&odd, &test_host(), None)),
+            (
+                "MIG devices",
+                generate(&mig_gpus(), &crate::isolation::rules::test_mig_host(), None),
+            ),
         ] {
             let json: serde_json::Value =
                 serde_json::from_slice(&to_json(&g.unwrap().spec)).unwrap();

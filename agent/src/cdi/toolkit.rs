@@ -7,15 +7,19 @@
 //! `--device-name-strategy=uuid`), else the device named by its index whose
 //! nodes include the GPU's own node (`nvidia.com/gpu=0`, the default
 //! strategy; the node check keeps an index NVML renumbered from naming
-//! another GPU). As in CDI, a spec in a later directory overrides one in an
-//! earlier; a name defined twice in one directory is refused by CDI, and so
-//! is not used.
+//! another GPU). A MIG device likewise: by its UUID
+//! (`nvidia.com/gpu=MIG-...`), else by `<gpu-index>:<mig-index>` whose
+//! nodes include its parent's node and both its caps nodes. As in CDI, a
+//! spec in a later directory overrides one in an earlier; a name defined
+//! twice in one directory is refused by CDI, and so is not used.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use super::spec::{qualified, Device, Spec, SpecGpu};
 use super::{CdiDevice, CdiError};
+use crate::isolation::devices::cap_node_name;
+use crate::isolation::grants::MIG_ACCESS_CAPS;
 
 pub const TOOLKIT_KIND: &str = "nvidia.com/gpu";
 /// A spec file larger than this is not read (the toolkit's are a few KiB).
@@ -37,7 +41,7 @@ pub struct Found {
 /// both define it).
 type Definition<'a> = (usize, Option<(&'a Device, &'a Path)>);
 
-/// The toolkit's name for each GPU it names, by UUID. PURE.
+/// The toolkit's name for each GPU and MIG device it names, by UUID. PURE.
 pub fn toolkit_names(found: &[Found], gpus: &[SpecGpu]) -> BTreeMap<String, CdiDevice> {
     let mut defs: BTreeMap<&str, Definition> = BTreeMap::new();
     for f in found.iter().filter(|f| f.spec.kind == TOOLKIT_KIND) {
@@ -55,24 +59,43 @@ pub fn toolkit_names(found: &[Found], gpus: &[SpecGpu]) -> BTreeMap<String, CdiD
         }
     }
     let lookup = |name: &str| defs.get(name).and_then(|(_, d)| *d);
-    let mut out = BTreeMap::new();
+    // (UUID, index name, the nodes the index name's device must have)
+    let mut wanted: Vec<(&str, String, Vec<String>)> = Vec::new();
     for g in gpus {
         let node = format!("/dev/nvidia{}", g.minor);
-        let by_uuid = lookup(&g.uuid).map(|d| (g.uuid.clone(), d));
+        wanted.push((&g.uuid, g.index.to_string(), vec![node.clone()]));
+        for (j, m) in g.mig.iter().enumerate() {
+            // Without its caps a MIG device's index name cannot be told
+            // from another's of the same parent: by UUID only then.
+            let nodes = if m.caps.len() < MIG_ACCESS_CAPS {
+                Vec::new()
+            } else {
+                std::iter::once(node.clone())
+                    .chain(m.caps.iter().map(|c| format!("/dev/{}", cap_node_name(*c))))
+                    .collect()
+            };
+            wanted.push((&m.uuid, format!("{}:{j}", g.index), nodes));
+        }
+    }
+    let mut out = BTreeMap::new();
+    for (uuid, index, nodes) in wanted {
+        let by_uuid = lookup(uuid).map(|d| (uuid.to_string(), d));
         let by_index = || {
-            let index = g.index.to_string();
             lookup(&index)
                 .filter(|(d, _)| {
-                    d.container_edits
-                        .device_nodes
-                        .iter()
-                        .any(|n| n.path == node)
+                    !nodes.is_empty()
+                        && nodes.iter().all(|want| {
+                            d.container_edits
+                                .device_nodes
+                                .iter()
+                                .any(|n| &n.path == want)
+                        })
                 })
-                .map(|d| (index, d))
+                .map(|d| (index.clone(), d))
         };
         if let Some((name, (_, dir))) = by_uuid.or_else(by_index) {
             out.insert(
-                g.uuid.clone(),
+                uuid.to_string(),
                 CdiDevice {
                     name: qualified(TOOLKIT_KIND, &name),
                     spec_dir: dir.to_path_buf(),
@@ -238,11 +261,7 @@ containerEdits:
     }
 
     fn gpu(index: u32, uuid: &str, minor: u32) -> SpecGpu {
-        SpecGpu {
-            index,
-            uuid: uuid.into(),
-            minor,
-        }
+        SpecGpu::whole(index, uuid, minor)
     }
 
     const A: &str = "GPU-aaaaaaaa-0000-0000-0000-000000000000";
@@ -304,6 +323,68 @@ containerEdits:
             names(&toolkit_names(&f, &ours)),
             [(B, "nvidia.com/gpu=1", Path::new("/etc/cdi"))]
         );
+    }
+
+    /// What the toolkit writes for a MIG device (`<gpu>:<mig>` and, with
+    /// the uuid strategy, its UUID): the parent's node and its GI and CI
+    /// access caps.
+    const MIG_YAML: &str = r#"---
+cdiVersion: 0.5.0
+kind: nvidia.com/gpu
+devices:
+    - name: "0:0"
+      containerEdits:
+        deviceNodes:
+            - path: /dev/nvidia0
+            - path: /dev/nvidia-caps/nvidia-cap21
+            - path: /dev/nvidia-caps/nvidia-cap22
+    - name: "0:1"
+      containerEdits:
+        deviceNodes:
+            - path: /dev/nvidia0
+            - path: /dev/nvidia-caps/nvidia-cap30
+            - path: /dev/nvidia-caps/nvidia-cap31
+    - name: MIG-11111111-0000-0000-0000-000000000000
+      containerEdits:
+        deviceNodes:
+            - path: /dev/nvidia0
+            - path: /dev/nvidia-caps/nvidia-cap21
+            - path: /dev/nvidia-caps/nvidia-cap22
+"#;
+
+    #[test]
+    fn the_toolkit_names_mig_devices_by_uuid_or_by_place_with_their_caps() {
+        use super::super::spec::SpecMig;
+        let f = [found(1, "/run/cdi", yaml(MIG_YAML))];
+        let mig = |uuid: &str, caps: &[u32]| SpecMig {
+            uuid: uuid.into(),
+            caps: caps.to_vec(),
+        };
+        let mut g = gpu(0, A, 0);
+        g.mig = vec![
+            // By UUID.
+            mig("MIG-11111111-0000-0000-0000-000000000000", &[21, 22]),
+            // Not named by UUID: "0:1" holds its caps.
+            mig("MIG-2", &[30, 31]),
+            // "0:2" is not in the spec.
+            mig("MIG-3", &[39, 40]),
+        ];
+        let n = toolkit_names(&f, std::slice::from_ref(&g));
+        assert_eq!(
+            names(&n),
+            [
+                (
+                    "MIG-11111111-0000-0000-0000-000000000000",
+                    "nvidia.com/gpu=MIG-11111111-0000-0000-0000-000000000000",
+                    Path::new("/run/cdi")
+                ),
+                ("MIG-2", "nvidia.com/gpu=0:1", Path::new("/run/cdi")),
+            ]
+        );
+        // Its place names a device with other caps (NVML numbered them
+        // otherwise), or its caps are unknown: not that name.
+        g.mig = vec![mig("MIG-x", &[39, 40]), mig("MIG-y", &[])];
+        assert!(toolkit_names(&f, &[g]).is_empty());
     }
 
     #[test]

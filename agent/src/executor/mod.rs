@@ -94,8 +94,9 @@ struct Inner {
 /// What the executor needs to isolate tasks.
 pub struct IsolationSetup {
     pub isolator: Isolator,
-    /// Minor number (hence /dev/nvidiaN) of each GPU of this agent, by UUID.
-    pub gpu_minors: HashMap<String, u32>,
+    /// What each GPU and MIG device of this agent gives a task, by UUID
+    /// (`isolation::grants`): its node minor, and a MIG device's caps.
+    pub gpu_grants: HashMap<String, crate::isolation::DeviceGrant>,
     /// The consolidated driver volume, when one could be built.
     pub driver_volume: Option<PathBuf>,
     /// What tasks may do here: users, root, mounts.
@@ -862,16 +863,17 @@ impl Executor {
             .await
             .and_then(|()| set_mode(&sandbox, 0o700))
             .map_err(|e| Outcome::failed(format!("create sandbox {}: {e}", sandbox.display())))?;
-        let minors: Vec<u32> = spec
-            .gpu_uuids
-            .iter()
-            .map(|u| self.isolation.gpu_minors.get(u).copied().ok_or(u))
-            .collect::<Result<_, _>>()
-            .map_err(|u| Outcome::failed(format!("GPU {u} is not a GPU of this agent")))?;
+        let devices =
+            crate::isolation::grants::resolve(&self.isolation.gpu_grants, &spec.gpu_uuids)
+                .map_err(|u| {
+                    Outcome::failed(format!(
+                        "GPU {u} is neither a GPU nor a MIG device of this agent"
+                    ))
+                })?;
         let prepared = self
             .isolation
             .isolator
-            .prepare(task_id, &minors, &spec.resources, rt.kind())
+            .prepare(task_id, &devices, &spec.resources, rt.kind())
             .map_err(|e| Outcome::failed(format!("isolation: {e}")))?;
         let launch = LaunchSpec {
             env: Self::gpu_env(spec),
@@ -1093,6 +1095,8 @@ mod shell_tests {
         /// Starts that fail as Unavailable before one succeeds.
         down_for: Mutex<u32>,
         changed: tokio::sync::Notify,
+        /// What each task was started with.
+        launched: Mutex<BTreeMap<String, LaunchSpec>>,
     }
 
     impl Fake {
@@ -1110,11 +1114,12 @@ mod shell_tests {
         }
     }
 
-    struct FakeRuntime(Arc<Fake>);
+    /// The fake, standing in for the runtime of this kind.
+    struct FakeRuntime(Arc<Fake>, Runtime);
 
     impl ContainerRuntime for FakeRuntime {
         fn kind(&self) -> Runtime {
-            Runtime::Process
+            self.1
         }
         fn start<'a>(
             &'a self,
@@ -1130,6 +1135,11 @@ mod shell_tests {
                 .boxed();
             }
             drop(down);
+            self.0
+                .launched
+                .lock()
+                .unwrap()
+                .insert(spec.task.task_id.clone(), spec.clone());
             if self.0.get(&spec.task.task_id) == Observed::NotStarted {
                 self.0.set(&spec.task.task_id, Observed::Running);
             }
@@ -1199,17 +1209,27 @@ mod shell_tests {
 
     /// An executor on `dir` (a new agent process on the same work dir).
     fn harness_on(dir: tempfile::TempDir, fake: Arc<Fake>) -> Harness {
+        let isolator = no_isolation(dir.path());
+        harness_with(dir, fake, isolator, HashMap::new())
+    }
+
+    /// No cgroup hierarchy and no NVIDIA devices under `dir`: nothing to
+    /// isolate (a host with simulated GPUs).
+    fn no_isolation(dir: &std::path::Path) -> Isolator {
+        Isolator::new(&dir.join("no-cgroups"), "gpuctl/a1", &dir.join("dev")).unwrap()
+    }
+
+    /// An executor with this isolator and these GPUs and MIG devices.
+    fn harness_with(
+        dir: tempfile::TempDir,
+        fake: Arc<Fake>,
+        isolator: Isolator,
+        gpu_grants: HashMap<String, crate::isolation::DeviceGrant>,
+    ) -> Harness {
         let mut runtimes: BTreeMap<Runtime, Arc<dyn ContainerRuntime>> = BTreeMap::new();
-        runtimes.insert(Runtime::Process, Arc::new(FakeRuntime(fake.clone())));
-        // (Image tasks too, for the checks made before any runtime.)
-        runtimes.insert(Runtime::Docker, Arc::new(FakeRuntime(fake.clone())));
-        // No cgroup hierarchy and no NVIDIA devices here: nothing to isolate.
-        let isolator = Isolator::new(
-            &dir.path().join("no-cgroups"),
-            "gpuctl/a1",
-            &dir.path().join("dev"),
-        )
-        .unwrap();
+        for kind in [Runtime::Process, Runtime::Docker] {
+            runtimes.insert(kind, Arc::new(FakeRuntime(fake.clone(), kind)));
+        }
         // Two users of their own for host tasks.
         let users = IdRanges::parse("80000-80001").unwrap();
         let (tx, updates) = mpsc::channel(64);
@@ -1221,7 +1241,7 @@ mod shell_tests {
             Duration::from_secs(3600),
             IsolationSetup {
                 isolator,
-                gpu_minors: HashMap::new(),
+                gpu_grants,
                 driver_volume: None,
                 policy: crate::security::TaskPolicy::new(
                     crate::security::DEFAULT_TASK_USER,
@@ -1520,5 +1540,146 @@ mod shell_tests {
         assert_eq!(next(&mut h).await.state, TaskState::Starting);
         let u = next(&mut h).await;
         assert_eq!(u.state, TaskState::Running, "{u:?}");
+    }
+
+    /// GPU-0 (minor 0) in MIG mode: MIG-a (caps 30, 31), MIG-b (caps 39,
+    /// 40) and MIG-c, whose caps the host did not list.
+    fn mig_grants() -> HashMap<String, crate::isolation::DeviceGrant> {
+        use gpuctl_core::types::{GpuInfo, MigDevice, MigInfo};
+        let mig = |uuid: &str, gi: u32, caps: &[u32]| MigDevice {
+            uuid: uuid.into(),
+            profile: "1g.10gb".into(),
+            memory_mib: 9856,
+            gpu_slices: 1,
+            compute_slices: 1,
+            gi_id: gi,
+            ci_id: 0,
+            caps_minors: caps.to_vec(),
+        };
+        let mut g = GpuInfo::new("GPU-0", 0, "A100", 40960);
+        g.mig = MigInfo {
+            enabled: true,
+            devices: vec![
+                mig("MIG-a", 1, &[30, 31]),
+                mig("MIG-b", 2, &[39, 40]),
+                mig("MIG-c", 3, &[]),
+            ],
+            ..MigInfo::default()
+        };
+        crate::isolation::grants::device_grants(&[g])
+    }
+
+    fn run(h: &Harness, specs: Vec<TaskSpec>) {
+        h.exec.set_desired(Desired {
+            run: specs.into_iter().map(|s| (s.task_id.clone(), s)).collect(),
+            kill: Default::default(),
+        });
+    }
+
+    fn with_gpus(id: &str, uuids: &[&str]) -> TaskSpec {
+        TaskSpec {
+            image: Some("img".into()),
+            gpu_uuids: uuids.iter().map(|u| u.to_string()).collect(),
+            ..spec(id)
+        }
+    }
+
+    /// A MIG UUID is a GPU of the task like any: its environment names it
+    /// as it is, and an unknown UUID is refused before anything starts.
+    #[tokio::test]
+    async fn a_mig_uuid_resolves_and_its_environment_names_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let isolator = no_isolation(dir.path());
+        let mut h = harness_with(dir, Arc::default(), isolator, mig_grants());
+        // No NVIDIA node here (simulated): MIG-c's unknown caps do not matter.
+        run(&h, vec![with_gpus("t1", &["MIG-a", "MIG-c"])]);
+        let u = until_state(&mut h, TaskState::Running).await;
+        assert_eq!(u.task_id, "t1");
+        let launched = h.fake.launched.lock().unwrap()["t1"].clone();
+        for var in [
+            "NVIDIA_VISIBLE_DEVICES",
+            "CUDA_VISIBLE_DEVICES",
+            "GPUCTL_GPUS",
+        ] {
+            assert_eq!(launched.env[var], "MIG-a,MIG-c", "{var}");
+        }
+        assert!(launched.isolation.gpu_task);
+        assert!(launched.isolation.devices.is_empty(), "no node to give");
+
+        run(&h, vec![with_gpus("t2", &["MIG-zz"])]);
+        let u = until_state(&mut h, TaskState::Failed).await;
+        assert_eq!(u.task_id, "t2");
+        assert!(
+            u.message
+                .contains("MIG-zz is neither a GPU nor a MIG device of this agent"),
+            "{}",
+            u.message
+        );
+        assert_eq!(h.fake.get("t2"), Observed::NotStarted);
+    }
+
+    /// On a host with NVIDIA nodes (fake ones, mknod), a MIG task's
+    /// container gets its parent's node and its caps; one whose caps node
+    /// is missing, or whose caps are not known, is refused naming it.
+    #[tokio::test]
+    async fn a_mig_task_gets_its_parent_and_caps_or_is_refused() {
+        if !nix::unistd::Uid::effective().is_root() {
+            eprintln!("skipped: mknod needs root");
+            return;
+        }
+        use nix::sys::stat::{makedev, mknod, Mode, SFlag};
+        let dir = tempfile::tempdir().unwrap();
+        // A v2-looking root: containers get Docker's own device program,
+        // so no cgroup is made and the devices are what is checked.
+        let cg = dir.path().join("cg2");
+        let dev = dir.path().join("dev");
+        std::fs::create_dir_all(&cg).unwrap();
+        std::fs::write(cg.join("cgroup.controllers"), "").unwrap();
+        std::fs::create_dir_all(dev.join("nvidia-caps")).unwrap();
+        for (name, major, minor) in [
+            ("nvidia0", 195, 0),
+            ("nvidiactl", 195, 255),
+            ("nvidia-caps/nvidia-cap30", 240, 30),
+            ("nvidia-caps/nvidia-cap31", 240, 31),
+            ("nvidia-caps/nvidia-cap39", 240, 39),
+        ] {
+            mknod(
+                &dev.join(name),
+                SFlag::S_IFCHR,
+                Mode::from_bits_truncate(0o600),
+                makedev(major, minor),
+            )
+            .unwrap();
+        }
+        let isolator = Isolator::new(&cg, "gpuctl/a1", &dev).unwrap();
+        let mut h = harness_with(dir, Arc::default(), isolator, mig_grants());
+        run(&h, vec![with_gpus("a", &["MIG-a"])]);
+        until_state(&mut h, TaskState::Running).await;
+        let launched = h.fake.launched.lock().unwrap()["a"].clone();
+        let given: Vec<&str> = launched
+            .isolation
+            .devices
+            .iter()
+            .map(|d| d.container_path.as_str())
+            .collect();
+        assert_eq!(
+            given,
+            [
+                "/dev/nvidia0",
+                "/dev/nvidia-caps/nvidia-cap30",
+                "/dev/nvidia-caps/nvidia-cap31",
+                "/dev/nvidiactl"
+            ]
+        );
+        // The check after start tries every node, caps included.
+        assert_eq!(launched.isolation.host_nodes.len(), 5);
+
+        for (id, uuid, says) in [("b", "MIG-b", "nvidia-cap40"), ("c", "MIG-c", "MIG-c")] {
+            run(&h, vec![with_gpus("a", &["MIG-a"]), with_gpus(id, &[uuid])]);
+            let u = until_state(&mut h, TaskState::Failed).await;
+            assert_eq!(u.task_id, id);
+            assert!(u.message.contains(says), "{}", u.message);
+            assert_eq!(h.fake.get(id), Observed::NotStarted);
+        }
     }
 }

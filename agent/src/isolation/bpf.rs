@@ -15,6 +15,7 @@
 //! and allows the access when it returns 1. Rules are tried in order; the
 //! first that matches decides; none matching gives the default.
 
+use super::grants::TaskDevices;
 use super::rules::{Access, DeviceKind, DeviceRule, HostDevices};
 
 /// `BPF_DEVCG_DEV_*` of `include/uapi/linux/bpf.h`.
@@ -190,12 +191,13 @@ pub fn harmless_devices() -> Vec<DeviceRule> {
 }
 
 /// A task's device rules on cgroup v2: deny by default; allow the harmless
-/// devices, and with GPUs its own GPU nodes and the control nodes
-/// (`nvidiactl`, `nvidia-uvm`, ...). A task without GPUs gets no NVIDIA
-/// node at all.
-pub fn task_rules_v2(host: &HostDevices, minors: &[u32]) -> Vec<DeviceRule> {
+/// devices, and with GPUs or MIG devices its own nodes
+/// ([`HostDevices::nodes_for`]: its GPUs or MIG devices' parents, its MIG
+/// devices' caps, the control nodes). Every other GPU and caps node is
+/// denied by default. A task without GPUs gets no NVIDIA node at all.
+pub fn task_rules_v2(host: &HostDevices, task: &TaskDevices) -> Vec<DeviceRule> {
     let mut rules = harmless_devices();
-    for node in host.nodes_for(minors) {
+    for node in host.nodes_for(task) {
         rules.push(char_dev(node.major, Some(node.minor), Access::RWM));
     }
     rules
@@ -226,7 +228,7 @@ mod tests {
 
     #[test]
     fn a_task_opens_its_gpus_the_control_nodes_and_harmless_devices_only() {
-        let prog = program(&task_rules_v2(&host(), &[1, 3]), false);
+        let prog = program(&task_rules_v2(&host(), &TaskDevices::gpus(&[1, 3])), false);
         // (type, access, major, minor, allowed)
         let table: &[(i32, i32, u32, u32, bool)] = &[
             (DEV_CHAR, RW, 195, 1, true),
@@ -260,7 +262,7 @@ mod tests {
 
     #[test]
     fn a_task_without_gpus_gets_no_nvidia_node() {
-        let prog = program(&task_rules_v2(&host(), &[]), false);
+        let prog = program(&task_rules_v2(&host(), &TaskDevices::default()), false);
         for (major, minor) in [(195, 0), (195, 255), (508, 0)] {
             assert!(
                 !verdict(&prog, DEV_CHAR, RW, major, minor),
@@ -268,6 +270,46 @@ mod tests {
             );
         }
         assert!(verdict(&prog, DEV_CHAR, RW, 1, 3));
+    }
+
+    #[test]
+    fn a_mig_task_opens_its_parent_and_its_caps_only() {
+        use crate::isolation::rules::test_mig_host;
+        let task = TaskDevices {
+            gpus: vec![3],
+            caps: vec![30, 31],
+            ..TaskDevices::default()
+        };
+        let prog = program(&task_rules_v2(&test_mig_host(), &task), false);
+        // (major, minor, allowed)
+        let table: &[(u32, u32, bool)] = &[
+            (195, 3, true),   // the parent
+            (240, 30, true),  // its GPU instance's access cap
+            (240, 31, true),  // its compute instance's
+            (240, 39, false), // another MIG device's
+            (240, 40, false),
+            (240, 1, false),  // mig-config
+            (240, 2, false),  // mig-monitor
+            (240, 77, false), // a caps node made after the program
+            (195, 0, false),
+            (195, 255, true),
+            (508, 0, true),
+        ];
+        for &(major, minor, want) in table {
+            assert_eq!(
+                verdict(&prog, DEV_CHAR, RW, major, minor),
+                want,
+                "{major}:{minor}"
+            );
+        }
+        // Without GPUs or MIG devices: no caps node either.
+        let none = program(
+            &task_rules_v2(&test_mig_host(), &TaskDevices::default()),
+            false,
+        );
+        for (_, n) in &test_mig_host().caps {
+            assert!(!verdict(&none, DEV_CHAR, RW, n.major, n.minor), "{n:?}");
+        }
     }
 
     #[test]
@@ -316,7 +358,10 @@ mod tests {
 
     #[test]
     fn every_jump_lands_inside_the_program() {
-        let prog = program(&task_rules_v2(&host(), &[0, 1, 2, 3]), false);
+        let prog = program(
+            &task_rules_v2(&host(), &TaskDevices::gpus(&[0, 1, 2, 3])),
+            false,
+        );
         for (i, insn) in prog.iter().enumerate() {
             if insn.code == JNE_IMM {
                 let target = i as i64 + 1 + i64::from(insn.off);

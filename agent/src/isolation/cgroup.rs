@@ -463,8 +463,10 @@ mod tests {
                 })
                 .collect(),
             control: vec![],
+            caps: vec![],
         };
-        let rules = crate::isolation::rules::task_rules(&host, &[1]);
+        let rules =
+            crate::isolation::rules::task_rules(&host, &crate::isolation::TaskDevices::gpus(&[1]));
         let res = Resources {
             cpus: 1.5,
             mem_mib: 64,

@@ -1,7 +1,8 @@
 //! GPU isolation: a task sees and can open exactly the GPUs it was given.
 //!
+//! - `grants`: what each GPU or MIG device UUID gives a task, in nodes;
 //! - `rules`: device rules as plain data (kernel format) and a task's rule set;
-//! - `devices`: the NVIDIA device nodes under `--dev-root`;
+//! - `devices`: the NVIDIA device nodes under `--dev-root` (MIG's caps too);
 //! - `cgroup`: per-task cgroups (v1) through cgroups-rs;
 //! - `cgroup2`, `bpf`, `bpf_load`: per-task cgroups on v2, with the device
 //!   rules as an eBPF program.
@@ -20,6 +21,7 @@ pub mod bpf_load;
 pub mod cgroup;
 pub mod cgroup2;
 pub mod devices;
+pub mod grants;
 pub mod join;
 pub mod probe;
 pub mod rules;
@@ -30,6 +32,7 @@ use gpuctl_core::types::{Resources, Runtime};
 
 pub use cgroup::{detect_version, CgroupManager, CgroupVersion, TaskCgroup};
 pub use cgroup2::CgroupV2Manager;
+pub use grants::{DeviceGrant, TaskDevices};
 pub use rules::{DeviceNode, DeviceRule, HostDevices};
 
 #[derive(Debug, thiserror::Error)]
@@ -62,11 +65,12 @@ enum Mode {
 /// What a task gets before its runtime starts it.
 #[derive(Debug, Default)]
 pub struct Prepared {
-    /// Device nodes to pass into a container: the task's GPUs and the
-    /// control devices (none for a task without GPUs).
+    /// Device nodes to pass into a container: the task's GPUs (a MIG
+    /// device's parent), its MIG devices' caps and the control devices
+    /// (none for a task without GPUs).
     pub devices: Vec<DeviceNode>,
     pub cgroup: Option<TaskCgroup>,
-    /// Every NVIDIA node of the host (GPUs and control nodes).
+    /// Every NVIDIA node of the host (GPUs, caps and control nodes).
     pub host_nodes: Vec<PathBuf>,
 }
 
@@ -150,17 +154,21 @@ impl Isolator {
         &self.dev_root
     }
 
-    /// Prepares isolation for a task holding the GPUs of `minors`.
+    /// Prepares isolation for a task holding `task`'s GPUs and MIG devices.
+    /// On a host with NVIDIA nodes, a node the task needs that is missing is
+    /// an error naming it, and so is a MIG device whose caps are not known
+    /// (it would run without its caps, or not at all).
     pub fn prepare(
         &self,
         task_id: &str,
-        minors: &[u32],
+        task: &TaskDevices,
         resources: &Resources,
         runtime: Runtime,
     ) -> Result<Prepared, IsolationError> {
         let host = devices::scan(&self.dev_root)?;
         if !host.gpus.is_empty() {
-            if let Some(m) = minors
+            if let Some(m) = task
+                .gpus
                 .iter()
                 .find(|m| !host.gpus.iter().any(|(g, _)| g == *m))
             {
@@ -170,17 +178,40 @@ impl Isolator {
                 )));
             }
         }
-        let devices = host.nodes_for(minors);
+        // Simulated GPUs have no nodes at all: nothing to isolate, nothing
+        // to refuse.
+        if !host.is_empty() {
+            if let Some(uuid) = task.unknown_caps.first() {
+                return Err(IsolationError::Config(format!(
+                    "MIG device {uuid}: the minors of its nvidia-caps nodes are not known \
+                     (the driver's {} under the agent's --nvidia-proc-root does not list them), \
+                     so it cannot be isolated from its parent's other MIG devices",
+                    crate::gpu::mig::MIG_MINORS
+                )));
+            }
+            if let Some(m) = task
+                .caps
+                .iter()
+                .find(|m| !host.caps.iter().any(|(c, _)| c == *m))
+            {
+                return Err(IsolationError::Config(format!(
+                    "MIG device's caps minor {m} has no device node {}/{}",
+                    self.dev_root.display(),
+                    devices::cap_node_name(*m)
+                )));
+            }
+        }
+        let devices = host.nodes_for(task);
         let cgroup = match &self.mode {
             Mode::V1(m) => Some(m.create(
                 task_id,
-                &rules::task_rules(&host, minors),
+                &rules::task_rules(&host, task),
                 resources,
                 self.pids_max,
             )?),
             Mode::V2(m) if runtime == Runtime::Process => Some(m.create(
                 task_id,
-                &bpf::task_rules_v2(&host, minors),
+                &bpf::task_rules_v2(&host, task),
                 resources,
                 self.pids_max,
             )?),
@@ -192,13 +223,7 @@ impl Isolator {
             }
             Mode::Unavailable(_) => None,
         };
-        let host_nodes = host
-            .gpus
-            .iter()
-            .map(|(_, n)| n)
-            .chain(&host.control)
-            .map(|n| n.host_path.clone())
-            .collect();
+        let host_nodes = host.all().map(|n| n.host_path.clone()).collect();
         Ok(Prepared {
             devices,
             cgroup,
@@ -268,7 +293,7 @@ mod tests {
         let iso = Isolator::new(root.path(), "gpuctl/a", dev.path()).unwrap();
         assert!(iso.describe().contains("cgroup v2"));
         let err = iso
-            .prepare("t1", &[], &res(), Runtime::Process)
+            .prepare("t1", &TaskDevices::default(), &res(), Runtime::Process)
             .unwrap_err()
             .to_string();
         assert!(err.contains("device program"), "{err}");
@@ -296,7 +321,9 @@ mod tests {
         let iso = Isolator::new(root.path(), "gpuctl/a", dev.path()).unwrap();
         // Containers get exactly their GPU and the control device; Docker's
         // own device program does the rest.
-        let p = iso.prepare("t3", &[1], &res(), Runtime::Docker).unwrap();
+        let p = iso
+            .prepare("t3", &TaskDevices::gpus(&[1]), &res(), Runtime::Docker)
+            .unwrap();
         assert!(p.cgroup.is_none());
         let names: Vec<&str> = p
             .devices
@@ -306,9 +333,84 @@ mod tests {
         assert_eq!(names, vec!["/dev/nvidia1", "/dev/nvidiactl"]);
         // A GPU whose node is missing is an error, not a silent no-device.
         let err = iso
-            .prepare("t4", &[5], &res(), Runtime::Docker)
+            .prepare("t4", &TaskDevices::gpus(&[5]), &res(), Runtime::Docker)
             .unwrap_err();
         assert!(err.to_string().contains("nvidia5"), "{err}");
+    }
+
+    #[test]
+    fn a_mig_task_gets_its_parent_and_caps_and_missing_ones_are_refused() {
+        if !nix::unistd::Uid::effective().is_root() {
+            eprintln!("skipped: mknod needs root");
+            return;
+        }
+        use nix::sys::stat::{makedev, mknod, Mode, SFlag};
+        let root = v2_root();
+        let dev = tempfile::tempdir().unwrap();
+        std::fs::create_dir(dev.path().join("nvidia-caps")).unwrap();
+        for (name, major, min) in [
+            ("nvidia0", 195, 0),
+            ("nvidiactl", 195, 255),
+            ("nvidia-caps/nvidia-cap1", 240, 1),
+            ("nvidia-caps/nvidia-cap30", 240, 30),
+            ("nvidia-caps/nvidia-cap31", 240, 31),
+            ("nvidia-caps/nvidia-cap39", 240, 39),
+        ] {
+            mknod(
+                &dev.path().join(name),
+                SFlag::S_IFCHR,
+                Mode::from_bits_truncate(0o600),
+                makedev(major, min),
+            )
+            .unwrap();
+        }
+        let iso = Isolator::new(root.path(), "gpuctl/a", dev.path()).unwrap();
+        let mig = |caps: &[u32], unknown: &[&str]| TaskDevices {
+            gpus: vec![0],
+            caps: caps.to_vec(),
+            unknown_caps: unknown.iter().map(|u| u.to_string()).collect(),
+        };
+        let p = iso
+            .prepare("t1", &mig(&[30, 31], &[]), &res(), Runtime::Docker)
+            .unwrap();
+        let names: Vec<&str> = p
+            .devices
+            .iter()
+            .map(|d| d.container_path.as_str())
+            .collect();
+        assert_eq!(
+            names,
+            vec![
+                "/dev/nvidia0",
+                "/dev/nvidia-caps/nvidia-cap30",
+                "/dev/nvidia-caps/nvidia-cap31",
+                "/dev/nvidiactl"
+            ]
+        );
+        assert_eq!(p.host_nodes.len(), 6, "{:?}", p.host_nodes);
+        assert!(p
+            .host_nodes
+            .contains(&dev.path().join("nvidia-caps/nvidia-cap39")));
+        // Its CI's cap (40) has no node.
+        let err = iso
+            .prepare("t2", &mig(&[39, 40], &[]), &res(), Runtime::Docker)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("nvidia-caps/nvidia-cap40"), "{err}");
+        // Caps not known: refused, naming the MIG device.
+        let err = iso
+            .prepare("t3", &mig(&[], &["MIG-x"]), &res(), Runtime::Docker)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("MIG-x") && err.contains("mig-minors"), "{err}");
+        // On a host without any NVIDIA node (simulated GPUs) there is
+        // nothing to isolate and nothing to refuse.
+        let empty = tempfile::tempdir().unwrap();
+        let sim = Isolator::new(root.path(), "gpuctl/a", empty.path()).unwrap();
+        let p = sim
+            .prepare("t4", &mig(&[], &["MIG-x"]), &res(), Runtime::Docker)
+            .unwrap();
+        assert!(p.devices.is_empty() && p.host_nodes.is_empty());
     }
 
     #[test]
@@ -317,6 +419,8 @@ mod tests {
         let dev = tempfile::tempdir().unwrap();
         let iso = Isolator::new(none.path(), "gpuctl/a", dev.path()).unwrap();
         assert!(iso.describe().contains("no cgroup isolation"));
-        assert!(iso.prepare("t1", &[], &res(), Runtime::Process).is_ok());
+        assert!(iso
+            .prepare("t1", &TaskDevices::default(), &res(), Runtime::Process)
+            .is_ok());
     }
 }

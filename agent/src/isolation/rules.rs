@@ -3,6 +3,8 @@
 
 use std::fmt;
 
+use super::grants::TaskDevices;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum DeviceKind {
     Char,
@@ -96,25 +98,42 @@ pub struct HostDevices {
     /// `/dev/nvidiactl`, `/dev/nvidia-uvm`, `/dev/nvidia-uvm-tools`,
     /// `/dev/nvidia-modeset`: whichever exist.
     pub control: Vec<DeviceNode>,
+    /// `/dev/nvidia-caps/nvidia-capN`, by N: MIG's capability nodes (the
+    /// access caps of GPU and compute instances, and the driver's
+    /// `mig-config` and `mig-monitor` caps, which no task gets).
+    pub caps: Vec<(u32, DeviceNode)>,
 }
 
 impl HostDevices {
     pub fn is_empty(&self) -> bool {
-        self.gpus.is_empty() && self.control.is_empty()
+        self.gpus.is_empty() && self.control.is_empty() && self.caps.is_empty()
     }
 
-    /// The nodes a task with GPUs of these minors gets: its GPUs and the
-    /// control devices. A task without GPUs gets none.
-    pub fn nodes_for(&self, minors: &[u32]) -> Vec<DeviceNode> {
-        if minors.is_empty() {
+    /// Every NVIDIA node of the host: GPUs, caps, control nodes.
+    pub fn all(&self) -> impl Iterator<Item = &DeviceNode> {
+        self.gpus
+            .iter()
+            .chain(&self.caps)
+            .map(|(_, n)| n)
+            .chain(&self.control)
+    }
+
+    /// The nodes a task gets: its GPUs (for a MIG device, its parent), its
+    /// MIG devices' caps and the control devices. A task without GPUs or
+    /// MIG devices gets none.
+    pub fn nodes_for(&self, task: &TaskDevices) -> Vec<DeviceNode> {
+        if task.is_empty() {
             return Vec::new();
         }
-        let mut out: Vec<DeviceNode> = self
-            .gpus
-            .iter()
-            .filter(|(m, _)| minors.contains(m))
-            .map(|(_, n)| n.clone())
-            .collect();
+        let pick = |nodes: &[(u32, DeviceNode)], given: &[u32]| {
+            nodes
+                .iter()
+                .filter(|(m, _)| given.contains(m))
+                .map(|(_, n)| n.clone())
+                .collect::<Vec<_>>()
+        };
+        let mut out = pick(&self.gpus, &task.gpus);
+        out.extend(pick(&self.caps, &task.caps));
         out.extend(self.control.iter().cloned());
         out
     }
@@ -132,24 +151,27 @@ fn rule(allow: bool, n: &DeviceNode, access: Access) -> DeviceRule {
 
 /// The device rules of a task's cgroup, applied in order on top of the
 /// parent's (which allows everything): deny read and write on every GPU
-/// node that is not the task's (and, for a task without GPUs, on the
-/// control devices too); allow the task's GPUs and the control devices.
-/// `m` is never denied, so a container runtime's own defaults still apply
-/// (creating a node is harmless when opening it is denied).
-pub fn task_rules(host: &HostDevices, minors: &[u32]) -> Vec<DeviceRule> {
+/// node and every caps node that is not the task's (and, for a task
+/// without GPUs, on the control devices too); allow the task's nodes
+/// ([`HostDevices::nodes_for`]). `m` is never denied, so a container
+/// runtime's own defaults still apply (creating a node is harmless when
+/// opening it is denied).
+pub fn task_rules(host: &HostDevices, task: &TaskDevices) -> Vec<DeviceRule> {
     let mut rules = Vec::new();
-    for (m, node) in &host.gpus {
-        if !minors.contains(m) {
-            rules.push(rule(false, node, Access::RW));
+    for (nodes, given) in [(&host.gpus, &task.gpus), (&host.caps, &task.caps)] {
+        for (m, node) in nodes {
+            if !given.contains(m) {
+                rules.push(rule(false, node, Access::RW));
+            }
         }
     }
-    if minors.is_empty() {
+    if task.is_empty() {
         for node in &host.control {
             rules.push(rule(false, node, Access::RW));
         }
         return rules;
     }
-    for node in host.nodes_for(minors) {
+    for node in host.nodes_for(task) {
         rules.push(rule(true, &node, Access::RWM));
     }
     rules
@@ -167,7 +189,7 @@ pub(crate) fn test_node(name: &str, major: u32, minor: u32) -> DeviceNode {
 }
 
 /// A host of four GPUs (195:0 to 195:3) and three control nodes
-/// (nvidiactl 195:255, nvidia-uvm 508:0 and 508:1), for tests.
+/// (nvidiactl 195:255, nvidia-uvm 508:0 and 508:1), without MIG, for tests.
 #[cfg(test)]
 pub(crate) fn test_host() -> HostDevices {
     let node = test_node;
@@ -180,6 +202,26 @@ pub(crate) fn test_host() -> HostDevices {
             node("nvidia-uvm", 508, 0),
             node("nvidia-uvm-tools", 508, 1),
         ],
+        caps: Vec::new(),
+    }
+}
+
+/// [`test_host`] with GPU 3 in MIG mode: the caps nodes (major 240) of the
+/// driver's `mig-config` (1) and `mig-monitor` (2), and of two MIG devices
+/// of GPU 3, one with caps 30 and 31, the other 39 and 40.
+#[cfg(test)]
+pub(crate) fn test_mig_host() -> HostDevices {
+    HostDevices {
+        caps: [1, 2, 30, 31, 39, 40]
+            .into_iter()
+            .map(|i| {
+                let mut n = test_node(&format!("nvidia-cap{i}"), 240, i);
+                n.host_path = format!("/dev/nvidia-caps/nvidia-cap{i}").into();
+                n.container_path = format!("/dev/nvidia-caps/nvidia-cap{i}");
+                (i, n)
+            })
+            .collect(),
+        ..test_host()
     }
 }
 
@@ -187,6 +229,14 @@ pub(crate) fn test_host() -> HostDevices {
 mod tests {
     use super::*;
     use test_node as node;
+
+    fn mig(gpus: &[u32], caps: &[u32]) -> TaskDevices {
+        TaskDevices {
+            gpus: gpus.to_vec(),
+            caps: caps.to_vec(),
+            ..TaskDevices::default()
+        }
+    }
 
     fn host() -> HostDevices {
         test_host()
@@ -227,7 +277,7 @@ mod tests {
     #[test]
     fn a_one_gpu_task_is_denied_the_other_gpus() {
         assert_eq!(
-            text(&task_rules(&host(), &[2])),
+            text(&task_rules(&host(), &TaskDevices::gpus(&[2]))),
             vec![
                 "deny c 195:0 rw",
                 "deny c 195:1 rw",
@@ -243,7 +293,7 @@ mod tests {
     #[test]
     fn a_task_without_gpus_gets_no_gpu_and_no_control_device() {
         assert_eq!(
-            text(&task_rules(&host(), &[])),
+            text(&task_rules(&host(), &TaskDevices::default())),
             vec![
                 "deny c 195:0 rw",
                 "deny c 195:1 rw",
@@ -254,12 +304,12 @@ mod tests {
                 "deny c 508:1 rw",
             ]
         );
-        assert!(host().nodes_for(&[]).is_empty());
+        assert!(host().nodes_for(&TaskDevices::default()).is_empty());
     }
 
     #[test]
     fn nodes_for_a_task_are_its_gpus_and_the_control_devices() {
-        let n = host().nodes_for(&[1, 3]);
+        let n = host().nodes_for(&TaskDevices::gpus(&[1, 3]));
         let names: Vec<&str> = n.iter().map(|n| n.container_path.as_str()).collect();
         assert_eq!(
             names,
@@ -276,7 +326,7 @@ mod tests {
     #[test]
     fn no_rule_ever_denies_mknod() {
         for minors in [&[][..], &[0][..], &[0, 1, 2, 3][..]] {
-            for r in task_rules(&host(), minors) {
+            for r in task_rules(&host(), &TaskDevices::gpus(minors)) {
                 assert!(r.allow || !r.access.mknod, "{r}");
             }
         }
@@ -303,14 +353,86 @@ mod tests {
         (read, write)
     }
 
+    #[test]
+    fn a_mig_task_gets_its_parent_and_its_caps_and_no_other_caps() {
+        // MIG device of GPU 3 with caps 30 and 31; the host also has
+        // another MIG device's caps (39, 40) and mig-config/monitor (1, 2).
+        assert_eq!(
+            text(&task_rules(&test_mig_host(), &mig(&[3], &[30, 31]))),
+            vec![
+                "deny c 195:0 rw",
+                "deny c 195:1 rw",
+                "deny c 195:2 rw",
+                "deny c 240:1 rw",
+                "deny c 240:2 rw",
+                "deny c 240:39 rw",
+                "deny c 240:40 rw",
+                "allow c 195:3 rwm",
+                "allow c 240:30 rwm",
+                "allow c 240:31 rwm",
+                "allow c 195:255 rwm",
+                "allow c 508:0 rwm",
+                "allow c 508:1 rwm",
+            ]
+        );
+        let names: Vec<String> = test_mig_host()
+            .nodes_for(&mig(&[3], &[39, 40]))
+            .into_iter()
+            .map(|n| n.container_path)
+            .collect();
+        assert_eq!(
+            names,
+            vec![
+                "/dev/nvidia3",
+                "/dev/nvidia-caps/nvidia-cap39",
+                "/dev/nvidia-caps/nvidia-cap40",
+                "/dev/nvidiactl",
+                "/dev/nvidia-uvm",
+                "/dev/nvidia-uvm-tools"
+            ]
+        );
+    }
+
+    #[test]
+    fn tasks_without_mig_devices_are_denied_every_caps_node() {
+        // (task, caps minors it may open)
+        let table: &[(TaskDevices, &[u32])] = &[
+            (TaskDevices::default(), &[]),
+            (TaskDevices::gpus(&[0]), &[]),
+            (TaskDevices::gpus(&[3]), &[]),
+            (mig(&[3], &[30, 31]), &[30, 31]),
+            (mig(&[3], &[30, 31, 39, 40]), &[30, 31, 39, 40]),
+        ];
+        let host = test_mig_host();
+        for (task, open) in table {
+            let rules = task_rules(&host, task);
+            for (m, n) in &host.caps {
+                let (r, w) = read_write_allowed(&rules, n.major, n.minor);
+                let want = open.contains(m);
+                assert_eq!(
+                    (r, w),
+                    (want, want),
+                    "cap {m} for {task:?}: {:?}",
+                    text(&rules)
+                );
+            }
+        }
+        let none = task_rules(&host, &TaskDevices::default());
+        assert!(none.iter().all(|r| !r.allow), "{:?}", text(&none));
+        assert_eq!(none.len(), 4 + 6 + 3, "every GPU, caps and control node");
+    }
+
     proptest::proptest! {
-        /// Whatever GPUs a host has and a task is given: every GPU not given
-        /// is denied, every GPU given is allowed, and the control devices
-        /// are allowed exactly when a GPU is given.
+        /// Whatever GPUs and caps nodes a host has and a task is given:
+        /// every GPU and caps node not given is denied, every one given is
+        /// allowed, and the control devices are allowed exactly when a GPU
+        /// or MIG device is given.
         #[test]
-        fn rule_sets_deny_every_other_gpu(
+        fn rule_sets_deny_every_other_gpu_and_cap(
             host_minors in proptest::collection::btree_set(0u32..16, 0..8),
+            host_caps in proptest::collection::btree_set(0u32..16, 0..8),
             pick in proptest::collection::vec(proptest::bool::ANY, 16),
+            pick_caps in proptest::collection::vec(proptest::bool::ANY, 16),
         ) {
             let host = HostDevices {
                 gpus: host_minors
@@ -318,25 +440,30 @@ mod tests {
                     .map(|&i| (i, node(&format!("nvidia{i}"), 195, i)))
                     .collect(),
                 control: host().control,
+                caps: host_caps
+                    .iter()
+                    .map(|&i| (i, node(&format!("nvidia-caps/nvidia-cap{i}"), 240, i)))
+                    .collect(),
             };
-            let given: Vec<u32> = host_minors
-                .iter()
-                .copied()
-                .filter(|m| pick[*m as usize])
-                .collect();
-            let rules = task_rules(&host, &given);
-            for &m in &host_minors {
-                let (r, w) = read_write_allowed(&rules, 195, m);
-                if given.contains(&m) {
-                    proptest::prop_assert!(r && w, "GPU {m} given but not allowed: {:?}", text(&rules));
-                } else {
-                    proptest::prop_assert!(!r && !w, "GPU {m} not given but open: {:?}", text(&rules));
+            let subset = |all: &std::collections::BTreeSet<u32>, pick: &[bool]| -> Vec<u32> {
+                all.iter().copied().filter(|m| pick[*m as usize]).collect()
+            };
+            let task = mig(&subset(&host_minors, &pick), &subset(&host_caps, &pick_caps));
+            let rules = task_rules(&host, &task);
+            for (major, all, given) in [(195, &host_minors, &task.gpus), (240, &host_caps, &task.caps)] {
+                for &m in all {
+                    let (r, w) = read_write_allowed(&rules, major, m);
+                    if given.contains(&m) {
+                        proptest::prop_assert!(r && w, "{major}:{m} given but not allowed: {:?}", text(&rules));
+                    } else {
+                        proptest::prop_assert!(!r && !w, "{major}:{m} not given but open: {:?}", text(&rules));
+                    }
                 }
             }
             for c in &host.control {
                 let (r, w) = read_write_allowed(&rules, c.major, c.minor);
-                proptest::prop_assert_eq!(r && w, !given.is_empty(), "{:?}", text(&rules));
-                proptest::prop_assert_eq!(r || w, !given.is_empty(), "{:?}", text(&rules));
+                proptest::prop_assert_eq!(r && w, !task.is_empty(), "{:?}", text(&rules));
+                proptest::prop_assert_eq!(r || w, !task.is_empty(), "{:?}", text(&rules));
             }
         }
     }

@@ -854,11 +854,15 @@ pub fn cdi_device_request(
     })
 }
 
-/// `/dev/nvidia<N>`: a GPU's node, as opposed to a control node.
-fn is_gpu_node(container_path: &str) -> bool {
-    container_path
-        .strip_prefix("/dev/nvidia")
-        .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+/// A node a CDI device adds: a GPU's `/dev/nvidia<N>` or a MIG device's
+/// `/dev/nvidia-caps/nvidia-cap<N>`, as opposed to a control node.
+fn is_cdi_device_node(container_path: &str) -> bool {
+    let numbered = |prefix: &str| {
+        container_path
+            .strip_prefix(prefix)
+            .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+    };
+    numbered("/dev/nvidia") || numbered("/dev/nvidia-caps/nvidia-cap")
 }
 
 fn container_config(
@@ -887,15 +891,16 @@ fn container_config(
         // The agent's task_pids_max, whichever cgroup Docker puts it in.
         pids_limit: iso.pids_max.map(|n| i64::try_from(n).unwrap_or(i64::MAX)),
         init: Some(true),
-        // The task's GPUs and the control devices, nothing else: Docker
-        // creates these nodes and allows them in the container's cgroup.
-        // With CDI the GPUs come from the request; the control nodes are
-        // passed here as well, so that one that appeared since the spec was
-        // written is there (CDI replaces a node passed twice).
+        // The task's GPUs (a MIG device's parent and caps) and the control
+        // devices, nothing else: Docker creates these nodes and allows them
+        // in the container's cgroup. With CDI the GPUs and MIG devices come
+        // from the request; the control nodes are passed here as well, so
+        // that one that appeared since the spec was written is there (CDI
+        // replaces a node passed twice).
         devices: Some(
             iso.devices
                 .iter()
-                .filter(|d| cdi.is_none() || !is_gpu_node(&d.container_path))
+                .filter(|d| cdi.is_none() || !is_cdi_device_node(&d.container_path))
                 .map(|d| DeviceMapping {
                     path_on_host: Some(d.host_path.display().to_string()),
                     path_in_container: Some(d.container_path.clone()),
@@ -1538,10 +1543,64 @@ mod tests {
             .unwrap()
             .contains(&"PATH=/usr/local/nvidia/bin:/opt/conda/bin:/usr/bin:/bin".to_string()));
         assert!(
-            is_gpu_node("/dev/nvidia12")
-                && !is_gpu_node("/dev/nvidiactl")
-                && !is_gpu_node("/dev/nvidia")
+            is_cdi_device_node("/dev/nvidia12")
+                && is_cdi_device_node("/dev/nvidia-caps/nvidia-cap30")
+                && !is_cdi_device_node("/dev/nvidiactl")
+                && !is_cdi_device_node("/dev/nvidia")
+                && !is_cdi_device_node("/dev/nvidia-caps/nvidia-cap")
+                && !is_cdi_device_node("/dev/nvidia-uvm")
         );
+    }
+
+    #[test]
+    fn a_mig_container_gets_its_parent_and_caps_by_device_or_by_cdi() {
+        use crate::isolation::DeviceNode;
+        let dir = Path::new("/tmp/t");
+        let mut s = gpu_launch(dir, vec![cdi_dev("gpuctl.io/gpu=MIG-a", "/run/cdi")]);
+        s.task.gpu_uuids = vec!["MIG-a".into()];
+        let cap = |n: u32| DeviceNode {
+            host_path: dir.join(format!("nvidia-caps/nvidia-cap{n}")),
+            container_path: format!("/dev/nvidia-caps/nvidia-cap{n}"),
+            major: 240,
+            minor: n,
+        };
+        s.isolation.devices.insert(1, cap(30));
+        s.isolation.devices.insert(2, cap(31));
+        let without = container_config(
+            &s,
+            "img",
+            &ImageFacts::default(),
+            CgroupDriver::Cgroupfs,
+            None,
+        );
+        assert_eq!(
+            device_paths(&without),
+            [
+                "/dev/nvidia1",
+                "/dev/nvidia-caps/nvidia-cap30",
+                "/dev/nvidia-caps/nvidia-cap31",
+                "/dev/nvidiactl",
+                "/dev/nvidia-uvm"
+            ]
+        );
+        let daemon = DaemonCdi {
+            api_version: "1.47".into(),
+            spec_dirs: vec!["/run/cdi".into()],
+        };
+        let r = cdi_device_request(&daemon, &s.isolation.cdi_devices).unwrap();
+        assert_eq!(
+            r.device_ids.as_deref(),
+            Some(&["gpuctl.io/gpu=MIG-a".to_string()][..])
+        );
+        let with = container_config(
+            &s,
+            "img",
+            &ImageFacts::default(),
+            CgroupDriver::Cgroupfs,
+            Some(&r),
+        );
+        // The parent and the caps are the CDI device's.
+        assert_eq!(device_paths(&with), ["/dev/nvidiactl", "/dev/nvidia-uvm"]);
     }
 
     #[test]
