@@ -226,7 +226,7 @@ pub async fn serve(
         }
     };
 
-    let (discovery, simulated) = match &config.simulate_gpus {
+    let (mut discovery, simulated) = match &config.simulate_gpus {
         Some(spec) => {
             let specs = gpu::parse_spec(spec).map_err(|e| AgentError::Config(e.to_string()))?;
             let gpus = gpu::simulated_gpus(&specs, &agent_id);
@@ -250,6 +250,27 @@ pub async fn serve(
             }
             (d, false)
         }
+    };
+    // A MIG layout change an earlier agent process left part way is
+    // finished (or undone) before the GPUs are reported.
+    let nvidia = gpu::mig_apply::Nvidia {
+        lib: config.nvml_lib.clone(),
+        proc_root: config.nvidia_proc_root.clone(),
+    };
+    let mig_dir = config.work_dir.join("mig");
+    let recovered = if simulated {
+        Vec::new()
+    } else {
+        let (nv, dir) = (nvidia.clone(), mig_dir.clone());
+        let mut gpus = std::mem::take(&mut discovery.gpus);
+        let (gpus, recovered) = tokio::task::spawn_blocking(move || {
+            let r = gpu::mig_apply::recover(&nv, &dir, &mut gpus);
+            (gpus, r)
+        })
+        .await
+        .map_err(|e| AgentError::Config(format!("MIG recovery: {e}")))?;
+        discovery.gpus = gpus;
+        recovered
     };
     let mut attributes = gpu::labels(
         &discovery.gpus,
@@ -296,24 +317,7 @@ pub async fn serve(
     // The CDI spec (simulated GPUs have no nodes to describe).
     let cdi_publisher = match &config.cdi_dir {
         Some(dir) if !simulated => {
-            let gpus = discovery
-                .gpus
-                .iter()
-                .map(|g| cdi::SpecGpu {
-                    index: g.index,
-                    uuid: g.uuid.clone(),
-                    minor: g.minor,
-                    mig: g
-                        .mig
-                        .devices
-                        .iter()
-                        .map(|m| cdi::SpecMig {
-                            uuid: m.uuid.clone(),
-                            caps: m.caps_minors.clone(),
-                        })
-                        .collect(),
-                })
-                .collect();
+            let gpus = spec_gpus(&discovery.gpus);
             let p = Arc::new(cdi::Publisher::new(
                 dir.clone(),
                 config.dev_root.clone(),
@@ -335,7 +339,9 @@ pub async fn serve(
             None
         }
     };
-    let gpu_grants = isolation::grants::device_grants(&discovery.gpus);
+    let gpu_grants: isolation::grants::SharedGrants = Arc::new(std::sync::RwLock::new(
+        isolation::grants::device_grants(&discovery.gpus),
+    ));
     let policy = security::TaskPolicy::for_this_process(&config);
     if config.allow_root_tasks && !policy.agent_is_root() {
         tracing::warn!(
@@ -345,7 +351,7 @@ pub async fn serve(
     tracing::info!("{}", policy.describe());
     let isolation_setup = executor::IsolationSetup {
         isolator,
-        gpu_grants,
+        gpu_grants: gpu_grants.clone(),
         driver_volume,
         policy: policy.clone(),
         cdi: cdi_publisher
@@ -437,6 +443,7 @@ pub async fn serve(
     let (stop_tx, stop_rx) = watch::channel(false);
     // With no GPU there is nothing to keep in step (the first refresh
     // removed a spec left from before).
+    let cdi_for_mig = cdi_publisher.clone();
     if let Some(p) = cdi_publisher.filter(|p| p.has_gpus()) {
         tokio::spawn(cdi::keep_in_step(p, cdi::REFRESH, stop_rx.clone()));
     }
@@ -463,6 +470,24 @@ pub async fn serve(
     // Tasks of an earlier agent process are found and followed again
     // before the master hears from this one.
     executor.recover();
+    let mig = (!simulated && info.gpus.iter().any(|g| g.mig.capable)).then(|| {
+        let exec = executor.clone();
+        gpu::mig_apply::Applier::new(
+            nvidia,
+            mig_dir,
+            info.gpus.clone(),
+            recovered,
+            Box::new(move || exec.gpu_tasks().into_keys().collect()),
+            Box::new(move |gpus| {
+                *gpu_grants.write().unwrap_or_else(|p| p.into_inner()) =
+                    isolation::grants::device_grants(gpus);
+                if let Some(p) = &cdi_for_mig {
+                    p.set_gpus(spec_gpus(gpus));
+                    p.refresh();
+                }
+            }),
+        )
+    });
     let masters = Arc::new(master_link::Masters::with_tls(
         config.masters.clone(),
         tls.clone(),
@@ -490,6 +515,7 @@ pub async fn serve(
         executor.clone(),
         health_rx.clone(),
         stop_rx.clone(),
+        mig,
     ));
     tokio::spawn(stop_tasks_on_failed_gpus(
         executor.clone(),
@@ -549,4 +575,24 @@ pub async fn serve(
     }
     tracing::info!("agent stopped");
     Ok(())
+}
+
+/// The GPUs and MIG devices the CDI spec describes.
+fn spec_gpus(gpus: &[gpuctl_core::types::GpuInfo]) -> Vec<cdi::SpecGpu> {
+    gpus.iter()
+        .map(|g| cdi::SpecGpu {
+            index: g.index,
+            uuid: g.uuid.clone(),
+            minor: g.minor,
+            mig: g
+                .mig
+                .devices
+                .iter()
+                .map(|m| cdi::SpecMig {
+                    uuid: m.uuid.clone(),
+                    caps: m.caps_minors.clone(),
+                })
+                .collect(),
+        })
+        .collect()
 }

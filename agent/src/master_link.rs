@@ -230,6 +230,7 @@ pub async fn run(
     executor: Arc<Executor>,
     health: watch::Receiver<Snapshot>,
     mut shutdown: watch::Receiver<bool>,
+    mig: Option<Arc<crate::gpu::mig_apply::Applier>>,
 ) {
     let mut backoff = Backoff::new(BACKOFF_MIN, BACKOFF_MAX);
     let mut redirects = 0;
@@ -238,7 +239,7 @@ pub async fn run(
             return;
         }
         let e = tokio::select! {
-            r = session(&masters, &info, &executor, health.clone()) => r,
+            r = session(&masters, &info, &executor, health.clone(), mig.as_ref()) => r,
             _ = shutdown.changed() => return,
         };
         // A session that registered ran fine until now (e.g. its leader
@@ -285,16 +286,20 @@ async fn session(
     info: &AgentInfo,
     executor: &Arc<Executor>,
     mut health: watch::Receiver<Snapshot>,
+    mig: Option<&Arc<crate::gpu::mig_apply::Applier>>,
 ) -> SessionError {
     let (addr, mut client) = match masters.client() {
         Ok(c) => c,
         Err(e) => return SessionError::other(&masters.current_addr(), e, false),
     };
-    // Registration carries the health checks' verdict too.
+    // Registration carries the health checks' verdict too, and the GPUs'
+    // MIG state as layout changes left it.
     let (gpus, mut told) = {
+        let now = mig.map_or_else(|| info.gpus.clone(), |m| m.gpus());
         let snapshot = health.borrow_and_update();
-        (with_health(&info.gpus, &snapshot), snapshot.generation)
+        (with_health(&now, &snapshot), snapshot.generation)
     };
+    let total_gpus = gpuctl_core::types::device_count(&gpus);
     let mut req = pb::RegisterRequest {
         running_task_ids: executor.known_task_ids(),
         // The master checks that its fence timeout plus this grace ends
@@ -302,6 +307,10 @@ async fn session(
         kill_grace_ms: u32::try_from(executor.kill_grace().as_millis()).unwrap_or(u32::MAX),
         ..AgentInfo {
             gpus,
+            total: gpuctl_core::types::Resources {
+                gpus: total_gpus,
+                ..info.total
+            },
             ..info.clone()
         }
         .into()
@@ -381,16 +390,19 @@ async fn session(
                         continue;
                     }
                     told = snapshot.generation;
-                    heartbeat_request(&info.id, &snapshot, executor)
+                    heartbeat_request(&info.id, &snapshot, executor, mig)
                 };
                 heartbeat.reset();
                 let sent_ms = crate::checkpoint::wall_ms();
                 refresh(masters, &addr, &mut client);
-                if let Err(s) = client.heartbeat(req).await {
-                    if gpuctl_proto::leader::heard(&s) {
-                        executor.record_contact(contact(sent_ms));
+                match client.heartbeat(req).await {
+                    Ok(r) => mig_changes(mig, &r.into_inner()),
+                    Err(s) => {
+                        if gpuctl_proto::leader::heard(&s) {
+                            executor.record_contact(contact(sent_ms));
+                        }
+                        return SessionError::rpc(&addr, "heartbeat", s, true);
                     }
-                    return SessionError::rpc(&addr, "heartbeat", s, true);
                 }
                 executor.record_contact(contact(sent_ms));
             }
@@ -398,15 +410,18 @@ async fn session(
                 let req = {
                     let snapshot = health.borrow();
                     told = snapshot.generation;
-                    heartbeat_request(&info.id, &snapshot, executor)
+                    heartbeat_request(&info.id, &snapshot, executor, mig)
                 };
                 let sent_ms = crate::checkpoint::wall_ms();
                 refresh(masters, &addr, &mut client);
-                if let Err(s) = client.heartbeat(req).await {
-                    if gpuctl_proto::leader::heard(&s) {
-                        executor.record_contact(contact(sent_ms));
+                match client.heartbeat(req).await {
+                    Ok(r) => mig_changes(mig, &r.into_inner()),
+                    Err(s) => {
+                        if gpuctl_proto::leader::heard(&s) {
+                            executor.record_contact(contact(sent_ms));
+                        }
+                        return SessionError::rpc(&addr, "heartbeat", s, true);
                     }
-                    return SessionError::rpc(&addr, "heartbeat", s, true);
                 }
                 executor.record_contact(contact(sent_ms));
             }
@@ -448,7 +463,7 @@ async fn contact_once(
     if fence_timeout_ms == 0 {
         return;
     }
-    let req = heartbeat_request(agent_id, &health.borrow(), executor);
+    let req = heartbeat_request(agent_id, &health.borrow(), executor, None);
     let sent_ms = crate::checkpoint::wall_ms();
     let heard = match client.heartbeat(req).await {
         Ok(_) => true,
@@ -487,10 +502,23 @@ fn with_health(gpus: &[GpuInfo], health: &Snapshot) -> Vec<GpuInfo> {
         .collect()
 }
 
+/// Hands the MIG layout changes a heartbeat answer lists to the applier.
+fn mig_changes(mig: Option<&Arc<crate::gpu::mig_apply::Applier>>, resp: &pb::HeartbeatResponse) {
+    if let Some(m) = mig {
+        m.on_changes(&resp.mig_changes);
+    } else if !resp.mig_changes.is_empty() {
+        tracing::warn!(
+            changes = resp.mig_changes.len(),
+            "the master asks MIG layout changes of GPUs this agent cannot change (no MIG)"
+        );
+    }
+}
+
 fn heartbeat_request(
     agent_id: &str,
     health: &Snapshot,
     executor: &Executor,
+    mig: Option<&Arc<crate::gpu::mig_apply::Applier>>,
 ) -> pb::HeartbeatRequest {
     pb::HeartbeatRequest {
         agent_id: agent_id.to_string(),
@@ -509,8 +537,7 @@ fn heartbeat_request(
                 .into()
             })
             .collect(),
-        // Not applied by the agent yet: layout changes wait (issue 33).
-        mig_results: Vec::new(),
+        mig_results: mig.map(|m| m.results()).unwrap_or_default(),
     }
 }
 

@@ -158,6 +158,9 @@ pub struct PlacementJson {
     pub gpu_model: Option<String>,
     pub gpu_mem_min_mib: u64,
     pub constraints: BTreeMap<String, String>,
+    /// Each task's GPU is a MIG device of this profile; `null`: whole GPUs.
+    #[serde(default)]
+    pub mig: Option<String>,
 }
 
 impl From<Option<&pb::Placement>> for PlacementJson {
@@ -168,6 +171,7 @@ impl From<Option<&pb::Placement>> for PlacementJson {
             gpu_model: (!p.gpu_model.is_empty()).then_some(p.gpu_model),
             gpu_mem_min_mib: p.gpu_mem_min_mib,
             constraints: p.constraints.into_iter().collect(),
+            mig: (!p.mig.is_empty()).then_some(p.mig),
         }
     }
 }
@@ -306,6 +310,13 @@ pub struct GpuJson {
     /// Its MIG mode, MIG devices and free profiles; absent without MIG.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mig: Option<MigJson>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MigChangeJson {
+    pub generation: u64,
+    pub profiles: Vec<String>,
+    pub disable: bool,
 }
 
 impl From<&pb::Gpu> for GpuJson {
@@ -457,6 +468,12 @@ pub struct GpuStatusJson {
     /// Its MIG mode, MIG devices and free profiles; absent without MIG.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mig: Option<MigJson>,
+    /// A MIG layout change under way (`gpus mig set`); absent: none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mig_change: Option<MigChangeJson>,
+    /// Why its last MIG layout change failed; absent: it did not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mig_error: Option<String>,
 }
 
 /// A GPU's MIG state (the `mig` of `gpus --json` and `agents describe --json`).
@@ -468,6 +485,21 @@ pub struct MigJson {
     pub devices: Vec<MigDeviceJson>,
     /// Profiles that still fit, and how many of each.
     pub free: Vec<MigFreeJson>,
+    /// The GPU has MIG (its mode may be off).
+    #[serde(default)]
+    pub capable: bool,
+    /// The GPU instance profiles it offers (what `gpus mig set` takes).
+    #[serde(default)]
+    pub profiles: Vec<MigProfileJson>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MigProfileJson {
+    pub name: String,
+    pub gpu_slices: u32,
+    pub memory_mib: u64,
+    /// Most instances of it on an empty GPU.
+    pub max_count: u32,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -520,6 +552,17 @@ impl MigJson {
                 .map(|c| MigFreeJson {
                     profile: c.profile.clone(),
                     count: c.count,
+                })
+                .collect(),
+            capable: m.capable,
+            profiles: m
+                .profiles
+                .iter()
+                .map(|p| MigProfileJson {
+                    name: p.name.clone(),
+                    gpu_slices: p.gpu_slices,
+                    memory_mib: p.memory_mib,
+                    max_count: p.max_count,
                 })
                 .collect(),
         })
@@ -593,6 +636,12 @@ impl From<&pb::GpuStatus> for GpuStatusJson {
             task_id: (!s.task_id.is_empty()).then(|| s.task_id.clone()),
             cordoned: s.cordoned,
             mig,
+            mig_change: s.mig_change.as_ref().map(|c| MigChangeJson {
+                generation: c.generation,
+                profiles: c.profiles.clone(),
+                disable: c.disable,
+            }),
+            mig_error: (!s.mig_error.is_empty()).then(|| s.mig_error.clone()),
         }
     }
 }
@@ -807,7 +856,13 @@ pub fn job_detail(j: &pb::Job, now_ms: u64) -> String {
         ("Image", image),
         ("Command", shell_join(&spec.command)),
         ("Env", env),
-        ("GPUs", res.gpus.to_string()),
+        (
+            "GPUs",
+            match spec.placement.as_ref().filter(|p| !p.mig.is_empty()) {
+                Some(p) => format!("{} (a MIG device {} each)", res.gpus, p.mig),
+                None => res.gpus.to_string(),
+            },
+        ),
         ("CPUs", fmt_cpus(res.cpus)),
         ("Memory", mem),
         ("Ports", res.ports.to_string()),
@@ -1135,12 +1190,17 @@ pub fn gpus_table(gpus: &[pb::GpuStatus]) -> Table {
     ]);
     for s in gpus {
         let g = s.gpu.clone().unwrap_or_default();
-        let health = match (g.healthy, s.cordoned) {
+        let mut health = match (g.healthy, s.cordoned) {
             (true, false) => "healthy".to_string(),
             (true, true) => "CORDONED".to_string(),
             (false, false) => "UNHEALTHY".to_string(),
             (false, true) => "UNHEALTHY,CORDONED".to_string(),
         };
+        if s.mig_change.is_some() {
+            health.push_str(",REPARTITIONING");
+        } else if !s.mig_error.is_empty() {
+            health.push_str(",MIG CHANGE FAILED");
+        }
         t.row(vec![
             s.agent_id.clone(),
             g.index.to_string(),

@@ -389,7 +389,19 @@ fn gpuctl_shows_mig_devices_under_their_parent() {
     assert_eq!(a100["devices"][0]["caps_minors"], json!([21, 22]));
     assert_eq!(a100["free"], json!([{"profile": "1g.5gb", "count": 1}]));
     assert_eq!(gpus[1]["mig"]["devices"].as_array().unwrap().len(), 7);
-    assert!(gpus[2]["mig"].is_null(), "{}", gpus[2]);
+    // An A100 out of MIG mode: it has MIG, off.
+    assert_eq!(gpus[2]["mig"]["enabled"], false, "{}", gpus[2]);
+    assert_eq!(gpus[2]["mig"]["capable"], true, "{}", gpus[2]);
+    let names: Vec<&str> = gpus[1]["mig"]["profiles"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["name"].as_str().unwrap())
+        .collect();
+    assert!(
+        names.contains(&"1g.10gb") && names.contains(&"7g.80gb"),
+        "{names:?}"
+    );
 
     let table = c.ok(&["gpus"]);
     let mig_uuid = a100["devices"][0]["uuid"].as_str().unwrap();

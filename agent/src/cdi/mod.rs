@@ -178,7 +178,8 @@ pub struct Publisher {
     /// Where the NVIDIA toolkit's spec is looked for, lowest priority first.
     toolkit_dirs: Vec<PathBuf>,
     dev_root: PathBuf,
-    gpus: Vec<SpecGpu>,
+    /// Replaced when a MIG layout change makes new MIG devices.
+    gpus: Mutex<Vec<SpecGpu>>,
     driver_volume: Option<PathBuf>,
     names: Names,
     /// The last problem logged, by kind, so that a lasting one (a
@@ -203,7 +204,7 @@ impl Publisher {
             dir,
             toolkit_dirs,
             dev_root,
-            gpus,
+            gpus: Mutex::new(gpus),
             driver_volume,
             names: Names::default(),
             logged: Mutex::new(BTreeMap::new()),
@@ -216,6 +217,16 @@ impl Publisher {
         self
     }
 
+    fn gpus(&self) -> Vec<SpecGpu> {
+        self.gpus.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// The GPUs (and MIG devices) to describe from now on; the next
+    /// refresh writes them.
+    pub fn set_gpus(&self, gpus: Vec<SpecGpu>) {
+        *self.gpus.lock().unwrap_or_else(|p| p.into_inner()) = gpus;
+    }
+
     pub fn names(&self) -> Names {
         self.names.clone()
     }
@@ -225,7 +236,7 @@ impl Publisher {
     }
 
     pub fn has_gpus(&self) -> bool {
-        !self.gpus.is_empty()
+        !self.gpus().is_empty()
     }
 
     /// Logs `message` at warn level unless it is what was last logged for
@@ -264,7 +275,7 @@ impl Publisher {
             }
         }
         let mut names = ours;
-        names.extend(toolkit::toolkit_names(&found, &self.gpus));
+        names.extend(toolkit::toolkit_names(&found, &self.gpus()));
         let described: BTreeMap<&str, &str> = names
             .iter()
             .map(|(u, d)| (u.as_str(), d.name.as_str()))
@@ -285,7 +296,7 @@ impl Publisher {
             }
         };
         self.note("scan", None);
-        let generated = match spec::generate(&self.gpus, &host, self.driver_volume.as_deref()) {
+        let generated = match spec::generate(&self.gpus(), &host, self.driver_volume.as_deref()) {
             Ok(g) => g,
             Err(e) => {
                 self.note("generate", Some(e.to_string()));

@@ -96,7 +96,7 @@ pub struct IsolationSetup {
     pub isolator: Isolator,
     /// What each GPU and MIG device of this agent gives a task, by UUID
     /// (`isolation::grants`): its node minor, and a MIG device's caps.
-    pub gpu_grants: HashMap<String, crate::isolation::DeviceGrant>,
+    pub gpu_grants: crate::isolation::grants::SharedGrants,
     /// The consolidated driver volume, when one could be built.
     pub driver_volume: Option<PathBuf>,
     /// What tasks may do here: users, root, mounts.
@@ -863,13 +863,17 @@ impl Executor {
             .await
             .and_then(|()| set_mode(&sandbox, 0o700))
             .map_err(|e| Outcome::failed(format!("create sandbox {}: {e}", sandbox.display())))?;
-        let devices =
-            crate::isolation::grants::resolve(&self.isolation.gpu_grants, &spec.gpu_uuids)
-                .map_err(|u| {
-                    Outcome::failed(format!(
-                        "GPU {u} is neither a GPU nor a MIG device of this agent"
-                    ))
-                })?;
+        let grants = self
+            .isolation
+            .gpu_grants
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        let devices = crate::isolation::grants::resolve(&grants, &spec.gpu_uuids).map_err(|u| {
+            Outcome::failed(format!(
+                "GPU {u} is neither a GPU nor a MIG device of this agent"
+            ))
+        })?;
         let prepared = self
             .isolation
             .isolator
@@ -1241,7 +1245,7 @@ mod shell_tests {
             Duration::from_secs(3600),
             IsolationSetup {
                 isolator,
-                gpu_grants,
+                gpu_grants: Arc::new(std::sync::RwLock::new(gpu_grants)),
                 driver_volume: None,
                 policy: crate::security::TaskPolicy::new(
                     crate::security::DEFAULT_TASK_USER,

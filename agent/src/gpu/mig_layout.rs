@@ -9,8 +9,8 @@
 //! instance makes NVML refuse to destroy it, which also rolls back).
 //!
 //! The raw NVML calls come from `nvml-wrapper-sys`: the safe API has none
-//! of them. Not wired to the master yet (issue 33, dynamic MIG): the
-//! replicated layout command and the agent's reconciliation come next.
+//! of them. The agent applies the master's layout changes through
+//! `gpu::mig_apply`.
 
 use std::ffi::CStr;
 
@@ -39,6 +39,9 @@ pub enum LayoutError {
         #[source]
         source: NvmlError,
     },
+    /// A change that an earlier agent process did not finish.
+    #[error("the change was interrupted (the agent stopped part way)")]
+    Interrupted,
     /// The change failed and the layout found at the start is back.
     #[error("{cause}; the previous layout was put back")]
     RolledBack { cause: Box<LayoutError> },
@@ -70,7 +73,7 @@ pub struct GiProfile {
 }
 
 /// A GPU instance as found: its profile and placement.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Placed {
     pub profile: String,
     pub start: u32,
@@ -204,6 +207,19 @@ pub fn set_layout(nvml: &Nvml, dev: &Device, wanted: &[String]) -> Result<(), La
     match result {
         Ok(()) => Ok(()),
         Err(cause) => Err(roll_back(lib, dev, &profiles, &old, cause)),
+    }
+}
+
+/// Puts `old` (a [`layout`] read earlier) back on `dev`: what is not in it
+/// is destroyed, what is missing created at its placement. For an agent
+/// that was killed part way through a change.
+pub fn restore(nvml: &Nvml, dev: &Device, old: &[Placed]) -> Result<(), LayoutError> {
+    let profiles = profiles(nvml, dev)?;
+    let cause = LayoutError::Interrupted;
+    match roll_back(nvml.lib(), dev, &profiles, old, cause) {
+        LayoutError::RolledBack { .. } => Ok(()),
+        LayoutError::RollbackFailed { rollback, .. } => Err(*rollback),
+        other => Err(other),
     }
 }
 

@@ -10,6 +10,7 @@
 pub mod health;
 mod labels;
 pub mod mig;
+pub mod mig_apply;
 pub mod mig_layout;
 mod simulate;
 

@@ -27,6 +27,10 @@ pub enum DeviceGrant {
 }
 
 /// The grant of each GPU and each MIG device of `gpus`, by UUID.
+/// The grants, replaced whole when a MIG layout change makes new MIG
+/// devices (read by each task's launch).
+pub type SharedGrants = std::sync::Arc<std::sync::RwLock<HashMap<String, DeviceGrant>>>;
+
 pub fn device_grants(gpus: &[GpuInfo]) -> HashMap<String, DeviceGrant> {
     let mut out = HashMap::new();
     for g in gpus {

@@ -1,5 +1,5 @@
 //! `gpuctl gpus`: every GPU of the cluster and the task holding it;
-//! `gpuctl gpus cordon|uncordon UUID`.
+//! `gpuctl gpus cordon|uncordon UUID`; `gpuctl gpus mig set UUID`.
 
 use std::io::Write;
 
@@ -36,6 +36,42 @@ pub enum GpusCommand {
         #[command(flatten)]
         flags: JsonFlag,
     },
+    /// MIG: split a GPU into MIG devices (admins).
+    #[command(subcommand)]
+    Mig(MigCommand),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum MigCommand {
+    /// Set a GPU's MIG devices: the GPU's agent destroys its GPU instances
+    /// and creates these (all or nothing), turning MIG mode on if needed.
+    /// Refused while a task holds the GPU or one of its MIG devices.
+    /// Waits until the agent has applied it and prints the GPU.
+    Set {
+        /// The GPU's UUID (see `gpuctl gpus`).
+        uuid: String,
+        /// Its MIG devices afterwards, by profile, comma separated (e.g.
+        /// 3g.40gb,2g.20gb,1g.10gb; the GPU's profiles: `gpuctl gpus
+        /// --json`, `mig.profiles`). Empty: MIG mode on, no devices.
+        #[arg(
+            long,
+            value_delimiter = ',',
+            value_name = "PROFILES",
+            required_unless_present = "disable"
+        )]
+        profiles: Vec<String>,
+        /// Turn MIG mode off instead (its MIG devices are destroyed).
+        #[arg(long, conflicts_with = "profiles")]
+        disable: bool,
+        /// Return once the change is recorded, without waiting for the agent.
+        #[arg(long)]
+        no_wait: bool,
+        /// How long to wait for the agent, in seconds.
+        #[arg(long, default_value_t = 120, value_name = "SECS")]
+        timeout: u64,
+        #[command(flatten)]
+        flags: JsonFlag,
+    },
 }
 
 pub async fn run(master: &mut Master, args: GpusArgs, out: &mut dyn Write) -> Result<(), CliError> {
@@ -43,6 +79,22 @@ pub async fn run(master: &mut Master, args: GpusArgs, out: &mut dyn Write) -> Re
         None => return list(master, args.flags.json, out).await,
         Some(GpusCommand::Cordon { uuid, flags }) => (uuid, true, flags),
         Some(GpusCommand::Uncordon { uuid, flags }) => (uuid, false, flags),
+        Some(GpusCommand::Mig(MigCommand::Set {
+            uuid,
+            profiles,
+            disable,
+            no_wait,
+            timeout,
+            flags,
+        })) => {
+            let profiles: Vec<String> = profiles
+                .into_iter()
+                .map(|p| p.trim().to_string())
+                .filter(|p| !p.is_empty())
+                .collect();
+            let wait = (!no_wait).then(|| std::time::Duration::from_secs(timeout));
+            return mig_set(master, uuid, profiles, disable, wait, flags, out).await;
+        }
     };
     // Setting a flag to a value is idempotent: safe to resend.
     let status = master
@@ -58,6 +110,59 @@ pub async fn run(master: &mut Master, args: GpusArgs, out: &mut dyn Write) -> Re
         out.write_all(output::to_json(&GpuStatusJson::from(&status))?.as_bytes())?;
     } else {
         out.write_all(output::gpus_table(&[status]).render().as_bytes())?;
+    }
+    Ok(())
+}
+
+/// `gpus mig set`: asks the change (the same change asked again is the
+/// one under way, so a resend is safe), then follows the GPU until its
+/// agent has applied it; a change the agent could not make is an error.
+async fn mig_set(
+    master: &mut Master,
+    uuid: String,
+    profiles: Vec<String>,
+    disable: bool,
+    wait: Option<std::time::Duration>,
+    flags: JsonFlag,
+    out: &mut dyn Write,
+) -> Result<(), CliError> {
+    let mut status = master
+        .call(Retry::Resend, |mut c| {
+            let req = pb::SetMigLayoutRequest {
+                uuid: uuid.clone(),
+                profiles: profiles.clone(),
+                disable,
+            };
+            async move { c.set_mig_layout(req).await }
+        })
+        .await?;
+    if let Some(limit) = wait {
+        let deadline = std::time::Instant::now() + limit;
+        while status.mig_change.is_some() {
+            if std::time::Instant::now() >= deadline {
+                return Err(CliError::Timeout(format!(
+                    "GPU {uuid}: its agent has not applied the MIG layout change within {}s (it stays under way: `gpuctl gpus` shows it)",
+                    limit.as_secs()
+                )));
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+            status = fetch_gpus(master)
+                .await?
+                .into_iter()
+                .find(|s| s.gpu.as_ref().is_some_and(|g| g.uuid == uuid))
+                .ok_or_else(|| CliError::NotFound(format!("GPU {uuid} is gone")))?;
+        }
+    }
+    if flags.json {
+        out.write_all(output::to_json(&GpuStatusJson::from(&status))?.as_bytes())?;
+    } else {
+        out.write_all(output::gpus_table(&[status.clone()]).render().as_bytes())?;
+    }
+    if wait.is_some() && !status.mig_error.is_empty() {
+        return Err(CliError::Other(format!(
+            "GPU {uuid}: the MIG layout change failed: {}",
+            status.mig_error
+        )));
     }
     Ok(())
 }

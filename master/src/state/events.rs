@@ -191,10 +191,16 @@ pub(super) fn queued_words(spec: &gpuctl_core::types::JobSpec) -> String {
     } else {
         String::new()
     };
+    let what = match &spec.placement.mig {
+        Some(p) => format!(
+            "{} MIG device{} {p}",
+            r.gpus,
+            if r.gpus == 1 { "" } else { "s" }
+        ),
+        None => format!("{} GPU{}", r.gpus, if r.gpus == 1 { "" } else { "s" }),
+    };
     format!(
-        "submitted: {gang}{} GPU{}, priority {}; waiting for placement",
-        r.gpus,
-        if r.gpus == 1 { "" } else { "s" },
+        "submitted: {gang}{what}, priority {}; waiting for placement",
         spec.priority
     )
 }

@@ -116,6 +116,14 @@ impl State {
             ));
         }
         if let Some(c) = self.mig_changes.get(gpu_uuid) {
+            // The same change asked again (a resend): it is under way.
+            let mut a = c.profiles.clone();
+            let mut b = profiles.to_vec();
+            a.sort();
+            b.sort();
+            if a == b && c.disable == disable {
+                return Ok(Outcome::Done);
+            }
             return Err(invalid(
                 "uuid",
                 format!(

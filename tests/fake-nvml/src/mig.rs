@@ -165,12 +165,27 @@ fn new_instance(profile: &'static Profile, start: u32, gi_id: u32, parent: &str)
 
 /// Creates a GPU instance of profile id `profile_id` at `start` (None: the
 /// first free placement) on `device`, writes it back, returns its handle.
+/// `FAKE_NVML_MIG_DELAY_MS`: each GPU instance create and destroy takes
+/// this long, so that a test can kill the caller part way through a
+/// layout change (each step is written to the config file at once).
+pub const MIG_DELAY_ENV: &str = "FAKE_NVML_MIG_DELAY_MS";
+
+fn mig_delay() {
+    if let Some(ms) = std::env::var(MIG_DELAY_ENV)
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+    {
+        std::thread::sleep(std::time::Duration::from_millis(ms));
+    }
+}
+
 fn create_gi(
     func: &str,
     device: nvmlDevice_t,
     profile_id: c_uint,
     start: Option<nvmlGpuInstancePlacement_t>,
 ) -> Res<nvmlGpuInstance_t> {
+    mig_delay();
     state::transact(|cfg, root| {
         let (g, gpu, table) = mig_on(cfg, device, func)?;
         let profile = profile_by_id(table, profile_id)?;
@@ -685,6 +700,7 @@ pub unsafe extern "C" fn nvmlGpuInstanceGetInfo(
 pub unsafe extern "C" fn nvmlGpuInstanceDestroy(gpuInstance: nvmlGpuInstance_t) -> nvmlReturn_t {
     const NAME: &str = "nvmlGpuInstanceDestroy";
     guard(NAME, || {
+        mig_delay();
         state::transact(|cfg, root| {
             let (g, gpu, inst) = gi_at(cfg, gpuInstance, NAME)?;
             if inst.ci_id.is_some() || inst.busy {
@@ -890,6 +906,7 @@ pub unsafe extern "C" fn nvmlComputeInstanceDestroy(
 ) -> nvmlReturn_t {
     const NAME: &str = "nvmlComputeInstanceDestroy";
     guard(NAME, || {
+        mig_delay();
         state::transact(|cfg, root| {
             let (g, gpu, inst) = ci_at(cfg, computeInstance, NAME)?;
             if inst.busy {
