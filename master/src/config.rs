@@ -50,6 +50,9 @@ pub struct MasterConfig {
     pub snapshot_every: u64,
     /// How the built-in scheduler places jobs that do not choose.
     pub placement: PlacementPolicy,
+    /// Idle GPUs in MIG mode are repartitioned for queued jobs that wait
+    /// for a MIG profile no free MIG device offers (`leader::mig_auto`).
+    pub mig_auto: bool,
     /// Where to serve Prometheus metrics (`/metrics`); none when unset.
     pub metrics_listen: Option<SocketAddr>,
     /// Where to serve the web console (`console/`); none when unset. HTTPS
@@ -202,6 +205,7 @@ impl MasterConfig {
             election_timeout: Duration::from_secs(1),
             snapshot_every: 10_000,
             placement: PlacementPolicy::Bundle,
+            mig_auto: false,
             metrics_listen: None,
             http_listen: None,
             retention: Default::default(),
@@ -361,6 +365,10 @@ pub struct Options {
     /// does the opposite.
     #[arg(long, env = "GPUCTL_MASTER_PLACEMENT", default_value = "bundle", value_parser = ["bundle", "spread"])]
     pub placement: String,
+    /// Repartition idle GPUs that are in MIG mode for queued jobs waiting
+    /// for a MIG profile that no free MIG device offers (docs/sharing.md).
+    #[arg(long, env = "GPUCTL_MASTER_MIG_AUTO")]
+    pub mig_auto: bool,
     /// Log filter (tracing EnvFilter syntax), e.g. `info` or `gpuctl_master=debug`.
     #[arg(long, env = "GPUCTL_LOG", default_value = "info")]
     pub log: String,
@@ -504,6 +512,7 @@ struct FileOptions {
     election_timeout_ms: Option<u64>,
     snapshot_every: Option<u64>,
     placement: Option<String>,
+    mig_auto: Option<bool>,
     log: Option<String>,
     metrics_listen: Option<SocketAddr>,
     http_listen: Option<SocketAddr>,
@@ -661,6 +670,9 @@ impl Options {
             }
             if let (Some(v), true) = (f.placement, unset(&matches, "placement")) {
                 o.placement = v;
+            }
+            if let (Some(v), true) = (f.mig_auto, unset(&matches, "mig_auto")) {
+                o.mig_auto = v;
             }
             if let (Some(v), true) = (f.log, unset(&matches, "log")) {
                 o.log = v;
@@ -830,6 +842,7 @@ impl Options {
             metrics_listen: self.metrics_listen,
             http_listen,
             placement,
+            mig_auto: self.mig_auto,
             peers,
             advertise,
             join: self.join,

@@ -139,6 +139,9 @@ pub async fn serve(
         config.retention,
         stop_rx.clone(),
     ));
+    let mig_auto_task = config
+        .mig_auto
+        .then(|| tokio::spawn(leader::mig_auto::run(handle.clone(), stop_rx.clone())));
     let waits = Arc::new(scheduler::board::WaitBoard::default());
     let jobs_task = tokio::spawn(scheduler::runner::run(
         handle.clone(),
@@ -270,6 +273,9 @@ pub async fn serve(
     frameworks_task.abort();
     jobs_task.abort();
     retention_task.abort();
+    if let Some(t) = mig_auto_task {
+        t.abort();
+    }
     for t in side_tasks {
         t.abort();
     }

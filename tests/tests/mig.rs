@@ -85,7 +85,12 @@ fn make_caps(proc_root: &Path, dev: &Path) {
 /// busy instance (the stock config keeps one busy, as a process outside
 /// gpuctl would), with `env` for the agent.
 fn setup(name: &str, env: Vec<(String, String)>) -> Setup {
-    let mut c = Cluster::start(&[]);
+    setup_with(name, env, &[])
+}
+
+/// [`setup`] with master flags.
+fn setup_with(name: &str, env: Vec<(String, String)>, master: &[&str]) -> Setup {
+    let mut c = Cluster::start(master);
     let machine = c.dir.path().join("mig.json");
     let mut cfg: Value =
         serde_json::from_str(&std::fs::read_to_string(fake_nvml_config("mig")).unwrap()).unwrap();
@@ -426,4 +431,46 @@ fn an_agent_killed_mid_repartition_finishes_it() {
     let j =
         s.c.submit(&["--name", "after", "--mig", "2g.20gb", "--", "true"]);
     assert_eq!(s.c.wait_job(&j, 60).0, 0, "{}", s.c.diagnostics());
+}
+
+/// `--mig-auto`: a job waiting for a profile no free MIG device offers
+/// makes an idle GPU in MIG mode split into that profile, and runs on it;
+/// the A100s (one splits another way and is busy, one is out of MIG mode)
+/// are left alone.
+#[test]
+fn mig_auto_repartitions_an_idle_gpu_for_a_waiting_job() {
+    if !root_or_skip("mig_auto_repartitions_an_idle_gpu_for_a_waiting_job") {
+        return;
+    }
+    let s = setup_with("mig-auto", vec![], &["--mig-auto"]);
+    // Small cpus: the agent has as many as this machine (2).
+    let busy = s.c.submit(&[
+        "--name", "busy", "--mig", "1g.5gb", "--cpus", "0.1", "--", "sleep", "60",
+    ]);
+    s.c.wait_state(&busy, "RUNNING", Duration::from_secs(30));
+    let before_a100 = s.nvml_profiles(0);
+    let j = s.c.submit(&[
+        "--name",
+        "wide",
+        "--mig",
+        "3g.40gb",
+        "--replicas",
+        "2",
+        "--cpus",
+        "0.1",
+        "--",
+        "true",
+    ]);
+    assert_eq!(s.c.wait_job(&j, 30).0, 0, "{}", s.c.diagnostics());
+    assert_eq!(s.c.job(&busy)["state"], "RUNNING");
+    assert_eq!(
+        s.nvml_profiles(1),
+        (true, vec!["3g.40gb".into(), "3g.40gb".into()])
+    );
+    assert_eq!(s.master_profiles(1), ["3g.40gb", "3g.40gb"]);
+    assert_eq!(s.nvml_profiles(0), before_a100, "the busy A100 was touched");
+    assert_eq!(s.nvml_profiles(2), (false, vec![]));
+    let master_log = s.c.master.log_text();
+    assert!(master_log.contains("mig-auto"), "{master_log}");
+    s.c.ok(&["jobs", "cancel", &busy]);
 }

@@ -3,6 +3,7 @@
 //! state and propose commands; apply has the last word.
 
 pub mod frameworks;
+pub mod mig_auto;
 pub mod retention;
 
 use std::collections::{BTreeMap, HashMap};

@@ -166,6 +166,9 @@ struct Revival {
     queued: usize,
     submitted: u64,
     free: Resources,
+    /// MIG layout changes under way: one that ends made new MIG devices
+    /// (fewer devices in all, maybe, but of the profile jobs wait for).
+    mig_changes: usize,
 }
 
 impl Revival {
@@ -174,16 +177,19 @@ impl Revival {
             queued: state.count_queued(),
             submitted: state.jobs_submitted(),
             free: state.free_total(),
+            mig_changes: state.mig_changes().count(),
         }
     }
 
     /// Jobs wait, and one was submitted or came back to the queue (a
-    /// retry, a preemption, its agent lost), or something was freed.
+    /// retry, a preemption, its agent lost), something was freed, or a MIG
+    /// layout change ended.
     fn worth_reviving_after(&self, before: &Revival) -> bool {
         let (now, was) = (&self.free, &before.free);
         self.queued > 0
             && (self.submitted != before.submitted
                 || self.queued > before.queued
+                || self.mig_changes < before.mig_changes
                 || now.gpus > was.gpus
                 || now.cpus > was.cpus
                 || now.mem_mib > was.mem_mib)
@@ -336,6 +342,7 @@ mod tests {
                 gpus,
                 ports: 0,
             },
+            mig_changes: 0,
         }
     }
 
@@ -359,5 +366,10 @@ mod tests {
         let mut more_cpus = before;
         more_cpus.free.cpus += 1.0;
         assert!(more_cpus.worth_reviving_after(&before));
+        // A MIG layout change ended: new MIG devices, maybe fewer in all.
+        let mut changing = before;
+        changing.mig_changes = 1;
+        assert!(revival(2, 10, 1).worth_reviving_after(&changing));
+        assert!(!changing.worth_reviving_after(&before));
     }
 }

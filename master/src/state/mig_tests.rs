@@ -33,26 +33,30 @@ fn mig(uuid: &str, profile: &str, memory_mib: u64, gi: u32) -> MigDevice {
 
 fn mig_gpu(uuid: &str, index: u32, model: &str, devices: Vec<MigDevice>) -> GpuInfo {
     let mut g = GpuInfo::new(uuid, index, model, 81920);
+    let table: &[(&str, u32, u64, u32)] = if model.contains("H100") {
+        &[("1g.10gb", 1, 9984, 7), ("3g.40gb", 3, 40192, 2)]
+    } else {
+        &[
+            ("1g.5gb", 1, 4864, 7),
+            ("2g.10gb", 2, 9856, 3),
+            ("3g.20gb", 3, 20096, 2),
+        ]
+    };
     g.mig = MigInfo {
         enabled: true,
         pending: None,
         devices,
         free: Vec::new(),
         capable: true,
-        profiles: vec![
-            MigProfile {
-                name: "1g.10gb".into(),
-                gpu_slices: 1,
-                memory_mib: 9984,
-                max_count: 7,
-            },
-            MigProfile {
-                name: "3g.40gb".into(),
-                gpu_slices: 3,
-                memory_mib: 40192,
-                max_count: 2,
-            },
-        ],
+        profiles: table
+            .iter()
+            .map(|(name, gpu_slices, memory_mib, max_count)| MigProfile {
+                name: name.to_string(),
+                gpu_slices: *gpu_slices,
+                memory_mib: *memory_mib,
+                max_count: *max_count,
+            })
+            .collect(),
     };
     g
 }
@@ -426,4 +430,96 @@ fn a_failed_change_keeps_what_nvml_holds_and_says_why() {
     // The old devices are given again.
     let j = submit(&mut d, spec(Some("1g.10gb"), 1, 1, 0));
     d.launch_at(&j, &[("m", &["MIG-m-h0"])], 20).unwrap();
+}
+
+fn auto(d: &Driver) -> Vec<(String, Vec<String>)> {
+    crate::leader::mig_auto::mig_auto_commands(&d.s, 50)
+        .into_iter()
+        .map(|c| match c {
+            Command::SetMigLayout {
+                gpu_uuid,
+                profiles,
+                by,
+                ..
+            } => {
+                assert_eq!(by, "mig-auto");
+                (gpu_uuid, profiles)
+            }
+            other => panic!("{other:?}"),
+        })
+        .collect()
+}
+
+#[test]
+fn mig_auto_splits_an_idle_gpu_for_a_profile_nothing_offers() {
+    let mut d = driver();
+    // 1g.10gb: seven free devices cover it; nothing to do.
+    submit(&mut d, spec(Some("1g.10gb"), 1, 1, 0));
+    assert!(auto(&d).is_empty());
+    let big = submit(&mut d, spec(Some("3g.40gb"), 1, 2, 0));
+    // The only GPU that offers 3g.40gb is the H100, and a queued job
+    // wants its 1g.10gb devices: never taken from what waits.
+    assert!(auto(&d).is_empty());
+    d.apply(Command::CancelJob {
+        job_id: "job-1".into(),
+        at_ms: 5,
+    })
+    .unwrap();
+    assert_eq!(
+        auto(&d),
+        [("GPU-m-h".to_string(), vec!["3g.40gb".to_string(); 2])]
+    );
+    // Asked (through the log, as the leader does), it is not asked twice.
+    for c in crate::leader::mig_auto::mig_auto_commands(&d.s, 50) {
+        d.apply(c).unwrap();
+    }
+    assert!(auto(&d).is_empty(), "a change under way makes the profile");
+    let generation = d.s.mig_change("GPU-m-h").unwrap().generation;
+    let mut after = d.s.agent("m").unwrap().info.gpus[1].clone();
+    after.mig.devices = vec![
+        mig("MIG-m-n0", "3g.40gb", 40192, 1),
+        mig("MIG-m-n1", "3g.40gb", 40192, 2),
+    ];
+    d.apply(Command::MigLayoutDone {
+        agent_id: "m".into(),
+        generation,
+        gpu: after,
+        error: None,
+    })
+    .unwrap();
+    let l = place(&d);
+    assert_eq!(l.iter().filter(|x| x.job_id == big).count(), 2, "{l:?}");
+    assert!(auto(&d).is_empty());
+}
+
+#[test]
+fn mig_auto_never_touches_a_busy_gpu_or_one_that_does_not_qualify() {
+    let mut d = driver();
+    let held = submit(&mut d, spec(Some("1g.10gb"), 1, 1, 0));
+    d.launch_at(&held, &[("m", &["MIG-m-h6"])], 5).unwrap();
+    submit(&mut d, spec(Some("3g.40gb"), 1, 1, 0));
+    assert!(auto(&d).is_empty(), "the H100 has running work");
+    d.apply(Command::CancelJob {
+        job_id: held.clone(),
+        at_ms: 6,
+    })
+    .unwrap();
+    d.apply(Command::UpdateTaskStatus {
+        update: status("m", &format!("{held}.0"), TaskState::Killed),
+        at_ms: 7,
+    })
+    .unwrap();
+    assert_eq!(auto(&d).len(), 1);
+    // A job on another model, or a cordoned GPU: no candidate.
+    let mut other = spec(Some("3g.40gb"), 1, 1, 0);
+    other.placement.gpu_model = Some("A100*".into());
+    let mut d2 = driver();
+    submit(&mut d2, other);
+    assert!(auto(&d2).is_empty(), "no A100 offers 3g.40gb");
+    d.apply(Command::CordonGpu {
+        uuid: "GPU-m-h".into(),
+        cordon: true,
+    })
+    .unwrap();
+    assert!(auto(&d).is_empty());
 }
