@@ -427,3 +427,104 @@ fn an_agent_killed_mid_repartition_finishes_it() {
         s.c.submit(&["--name", "after", "--mig", "2g.20gb", "--", "true"]);
     assert_eq!(s.c.wait_job(&j, 60).0, 0, "{}", s.c.diagnostics());
 }
+
+/// The agent's health probe, in this process on the fake: each MIG device
+/// of a GPU in MIG mode is read (memory used and in all, as NVML gives them
+/// for the instance; utilization absent, as real drivers do not give it),
+/// the set follows NVML's layout at each probe, and a lost parent gives
+/// no MIG readings and is unhealthy.
+#[test]
+fn the_health_probe_reads_each_mig_device_as_nvml_lists_it() {
+    use gpuctl_agent::gpu::health::{self, HealthConfig, Snapshot};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+
+    let dir = tempfile::tempdir().unwrap();
+    let machine = dir.path().join("mig.json");
+    let mut cfg: Value =
+        serde_json::from_str(&std::fs::read_to_string(fake_nvml_config("mig")).unwrap()).unwrap();
+    cfg["gpus"][1]["mig"]["instances"][0]["memory_used_mib"] = 2048.into();
+    let write = |cfg: &Value| {
+        let tmp = machine.with_extension("tmp");
+        std::fs::write(&tmp, serde_json::to_vec(cfg).unwrap()).unwrap();
+        std::fs::rename(&tmp, &machine).unwrap();
+    };
+    write(&cfg);
+    // Process-wide, and no other test of this file loads NVML here.
+    std::env::set_var("FAKE_NVML_CONFIG", &machine);
+    let lib = fake_nvml_lib();
+    let discover = || gpuctl_agent::gpu::discover(Some(&lib), dir.path()).gpus;
+    let gpus = discover();
+    assert_eq!(gpus.len(), 3);
+    let (tx, rx) = tokio::sync::watch::channel(Snapshot::default());
+    let stop = Arc::new(AtomicBool::new(false));
+    let config = HealthConfig {
+        interval: Duration::from_millis(100),
+        ..Default::default()
+    };
+    let thread = health::spawn(Some(lib.clone()), gpus.clone(), config, tx, stop.clone()).unwrap();
+    let mig_uuids = |s: &Snapshot, i: usize| -> Vec<String> {
+        s.gpus[i].mig.iter().map(|m| m.uuid.clone()).collect()
+    };
+    let want = |gpus: &[gpuctl_core::types::GpuInfo], i: usize| -> Vec<String> {
+        gpus[i].mig.devices.iter().map(|d| d.uuid.clone()).collect()
+    };
+    let snapshot = || rx.borrow().clone();
+    wait_for(Duration::from_secs(10), "the first probe", || {
+        let s = snapshot();
+        !s.gpus.is_empty() && s.gpus.iter().all(|g| g.sample.is_some())
+    });
+    let s = snapshot();
+    assert_eq!(mig_uuids(&s, 0), want(&gpus, 0));
+    assert_eq!(mig_uuids(&s, 1), want(&gpus, 1));
+    assert!(s.gpus[2].mig.is_empty(), "out of MIG mode: {:?}", s.gpus[2]);
+    let small = s.gpus[0]
+        .mig
+        .iter()
+        .find(|m| m.profile == "1g.5gb")
+        .unwrap();
+    let d = gpus[0]
+        .mig
+        .devices
+        .iter()
+        .find(|d| d.uuid == small.uuid)
+        .unwrap();
+    assert_eq!(d.profile, "1g.5gb");
+    assert_eq!(
+        (small.memory_used_mib, small.memory_total_mib),
+        (1024, d.memory_mib)
+    );
+    let first = &s.gpus[1].mig[0];
+    assert_eq!(
+        (first.memory_used_mib, first.profile.as_str()),
+        (2048, "1g.10gb")
+    );
+    assert_eq!(s.gpus[1].mig[1].memory_used_mib, 0);
+    for m in s.gpus.iter().flat_map(|g| &g.mig) {
+        assert_eq!(m.utilization_pct, None, "{m:?}");
+    }
+    assert!(s.gpus.iter().all(|g| g.healthy), "{s:?}");
+
+    // A layout change under the probe: it reads what NVML lists now.
+    cfg["gpus"][1]["mig"]["instances"]
+        .as_array_mut()
+        .unwrap()
+        .truncate(3);
+    write(&cfg);
+    let now = discover();
+    assert_eq!(want(&now, 1).len(), 3);
+    wait_for(Duration::from_secs(10), "the new layout read", || {
+        mig_uuids(&snapshot(), 1) == want(&now, 1)
+    });
+
+    // The parent lost: unhealthy, and no MIG readings.
+    cfg["gpus"][1]["lost"] = true.into();
+    write(&cfg);
+    wait_for(Duration::from_secs(10), "the parent lost", || {
+        let s = snapshot();
+        !s.gpus[1].healthy && s.gpus[1].mig.is_empty()
+    });
+    assert!(snapshot().gpus[0].healthy);
+    stop.store(true, Ordering::Relaxed);
+    thread.join().unwrap();
+}
