@@ -1,7 +1,9 @@
-//! The agent's Prometheus metrics (`--metrics-listen`): per GPU, its
-//! latest health-probe reading and the task and job using it, rendered at
-//! scrape time from the health checks' snapshot and the executor.
+//! The agent's Prometheus metrics (`--metrics-listen`): per GPU and per
+//! MIG device, its latest health-probe reading and the task and job using
+//! it, rendered at scrape time from the health checks' snapshot and the
+//! executor.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use gpuctl_core::metrics::{Exposition, Kind};
@@ -16,7 +18,23 @@ const MIB: f64 = 1024.0 * 1024.0;
 /// The exposition of one scrape. `gpus` is what discovery found; the
 /// snapshot is empty for simulated GPUs (no probe, so no readings).
 pub fn render(gpus: &[GpuInfo], health: &Snapshot, executor: &Executor) -> String {
-    let tasks = executor.gpu_tasks();
+    render_with(gpus, health, &executor.gpu_tasks(), executor.active_tasks())
+}
+
+/// [`render`] on plain data: `tasks` is the task and job on each GPU or
+/// MIG device, by UUID.
+fn render_with(
+    gpus: &[GpuInfo],
+    health: &Snapshot,
+    tasks: &HashMap<String, (String, String)>,
+    active_tasks: usize,
+) -> String {
+    let task_of = |uuid: &str| {
+        tasks
+            .get(uuid)
+            .map(|(t, j)| (t.as_str(), j.as_str()))
+            .unwrap_or(("", ""))
+    };
     let mut out = Exposition::new();
     let families = [
         (
@@ -38,10 +56,7 @@ pub fn render(gpus: &[GpuInfo], health: &Snapshot, executor: &Executor) -> Strin
     for g in gpus {
         let h = health.gpus.iter().find(|h| h.uuid == g.uuid);
         let index = g.index.to_string();
-        let (task, job) = tasks
-            .get(&g.uuid)
-            .map(|(t, j)| (t.as_str(), j.as_str()))
-            .unwrap_or(("", ""));
+        let (task, job) = task_of(&g.uuid);
         let labels = [
             ("uuid", g.uuid.as_str()),
             ("index", index.as_str()),
@@ -76,6 +91,49 @@ pub fn render(gpus: &[GpuInfo], health: &Snapshot, executor: &Executor) -> Strin
         }
         if let Some(w) = s.power_w {
             out.sample("gpuctl_gpu_power_watts", &labels, w);
+        }
+    }
+    // MIG devices as NVML listed them at the last probe (the layout may
+    // have changed since discovery), under their parent.
+    let mig_families = [
+        ("gpuctl_mig_memory_used_bytes", "MIG device memory in use."),
+        (
+            "gpuctl_mig_memory_total_bytes",
+            "MIG device memory in all (its profile's share of the GPU).",
+        ),
+        (
+            "gpuctl_mig_utilization_ratio",
+            "Fraction of the last sample period the MIG device was busy, where NVML gives it (current drivers do not).",
+        ),
+    ];
+    // Each family's samples together, as the text format wants.
+    let migs: Vec<_> = health
+        .gpus
+        .iter()
+        .flat_map(|h| h.mig.iter().map(move |m| (h, m)))
+        .collect();
+    for (name, help) in mig_families {
+        out.family(name, help, Kind::Gauge);
+        for (h, m) in &migs {
+            let value = match name {
+                "gpuctl_mig_memory_used_bytes" => Some(m.memory_used_mib as f64 * MIB),
+                "gpuctl_mig_memory_total_bytes" => Some(m.memory_total_mib as f64 * MIB),
+                _ => m.utilization_pct.map(|u| f64::from(u) / 100.0),
+            };
+            let Some(value) = value else {
+                continue;
+            };
+            let index = h.index.to_string();
+            let (task, job) = task_of(&m.uuid);
+            let labels = [
+                ("uuid", m.uuid.as_str()),
+                ("gpu", h.uuid.as_str()),
+                ("index", index.as_str()),
+                ("profile", m.profile.as_str()),
+                ("task", task),
+                ("job", job),
+            ];
+            out.sample(name, &labels, value);
         }
     }
     // Counters do not carry the task: a series that changed labels with
@@ -120,11 +178,7 @@ pub fn render(gpus: &[GpuInfo], health: &Snapshot, executor: &Executor) -> Strin
         "Tasks launched on this agent and not yet ended.",
         Kind::Gauge,
     );
-    out.sample(
-        "gpuctl_agent_tasks_running",
-        &[],
-        executor.active_tasks() as f64,
-    );
+    out.sample("gpuctl_agent_tasks_running", &[], active_tasks as f64);
     out.finish()
 }
 
@@ -138,4 +192,77 @@ pub fn renderer(
         let snapshot = health.borrow().clone();
         render(&gpus, &snapshot, &executor)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gpu::health::{GpuHealth, MigSample};
+    use gpuctl_core::types::GpuSample;
+
+    /// GPU-p in MIG mode with two MIG devices read (one busy with a task),
+    /// one of them with a utilization (no driver gives one today).
+    fn snapshot() -> Snapshot {
+        let mig = |uuid: &str, used, util| MigSample {
+            uuid: uuid.into(),
+            profile: "1g.10gb".into(),
+            memory_used_mib: used,
+            memory_total_mib: 9856,
+            utilization_pct: util,
+        };
+        Snapshot {
+            gpus: vec![GpuHealth {
+                uuid: "GPU-p".into(),
+                index: 1,
+                model: "H100".into(),
+                healthy: true,
+                reason: String::new(),
+                sample: Some(GpuSample {
+                    memory_total_mib: 81559,
+                    ..Default::default()
+                }),
+                mig: vec![mig("MIG-a", 2048, None), mig("MIG-b", 0, Some(25))],
+                xid_errors: Default::default(),
+                double_bit_ecc_errors: 0,
+            }],
+            generation: 0,
+        }
+    }
+
+    #[test]
+    fn mig_devices_have_their_own_series_under_their_parent() {
+        let gpus = [GpuInfo::new("GPU-p", 1, "H100", 81559)];
+        let tasks: HashMap<String, (String, String)> = [(
+            "MIG-a".to_string(),
+            ("job-3.0".to_string(), "job-3".to_string()),
+        )]
+        .into();
+        let text = render_with(&gpus, &snapshot(), &tasks, 1);
+        let lines: Vec<&str> = text
+            .lines()
+            .filter(|l| l.starts_with("gpuctl_mig_"))
+            .collect();
+        assert_eq!(
+            lines,
+            [
+                r#"gpuctl_mig_memory_used_bytes{uuid="MIG-a",gpu="GPU-p",index="1",profile="1g.10gb",task="job-3.0",job="job-3"} 2147483648"#,
+                r#"gpuctl_mig_memory_used_bytes{uuid="MIG-b",gpu="GPU-p",index="1",profile="1g.10gb",task="",job=""} 0"#,
+                r#"gpuctl_mig_memory_total_bytes{uuid="MIG-a",gpu="GPU-p",index="1",profile="1g.10gb",task="job-3.0",job="job-3"} 10334765056"#,
+                r#"gpuctl_mig_memory_total_bytes{uuid="MIG-b",gpu="GPU-p",index="1",profile="1g.10gb",task="",job=""} 10334765056"#,
+                r#"gpuctl_mig_utilization_ratio{uuid="MIG-b",gpu="GPU-p",index="1",profile="1g.10gb",task="",job=""} 0.25"#,
+            ]
+        );
+        // One HELP and TYPE per family (a family with no sample has them too).
+        for f in [
+            "gpuctl_mig_memory_used_bytes",
+            "gpuctl_mig_memory_total_bytes",
+            "gpuctl_mig_utilization_ratio",
+        ] {
+            assert_eq!(
+                text.matches(&format!("# TYPE {f} gauge\n")).count(),
+                1,
+                "{f}"
+            );
+        }
+    }
 }

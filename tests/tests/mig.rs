@@ -85,11 +85,11 @@ fn make_caps(proc_root: &Path, dev: &Path) {
 /// busy instance (the stock config keeps one busy, as a process outside
 /// gpuctl would), with `env` for the agent.
 fn setup(name: &str, env: Vec<(String, String)>) -> Setup {
-    setup_with(name, env, &[])
+    setup_with(name, env, &[], vec![])
 }
 
-/// [`setup`] with master flags.
-fn setup_with(name: &str, env: Vec<(String, String)>, master: &[&str]) -> Setup {
+/// [`setup`], with flags for the master and `args` for the agent.
+fn setup_with(name: &str, env: Vec<(String, String)>, master: &[&str], args: Vec<String>) -> Setup {
     let mut c = Cluster::start(master);
     let machine = c.dir.path().join("mig.json");
     let mut cfg: Value =
@@ -103,6 +103,17 @@ fn setup_with(name: &str, env: Vec<(String, String)>, master: &[&str]) -> Setup 
     let proc_root = c.dir.path().join("proc");
     make_caps(&proc_root, &dev);
     let parent = format!("gpuctl-test-{name}-{}", std::process::id());
+    let mut extra = vec![
+        "--nvml-lib".into(),
+        fake_nvml_lib().display().to_string(),
+        "--dev-root".into(),
+        dev.display().to_string(),
+        "--nvidia-proc-root".into(),
+        proc_root.display().to_string(),
+        "--cgroup-parent".into(),
+        parent.clone(),
+    ];
+    extra.extend(args);
     let mut agent_env = vec![(
         "FAKE_NVML_CONFIG".to_string(),
         machine.display().to_string(),
@@ -110,16 +121,7 @@ fn setup_with(name: &str, env: Vec<(String, String)>, master: &[&str]) -> Setup 
     agent_env.extend(env);
     c.add_agent(AgentOpts {
         simulate_gpus: None,
-        extra: vec![
-            "--nvml-lib".into(),
-            fake_nvml_lib().display().to_string(),
-            "--dev-root".into(),
-            dev.display().to_string(),
-            "--nvidia-proc-root".into(),
-            proc_root.display().to_string(),
-            "--cgroup-parent".into(),
-            parent.clone(),
-        ],
+        extra,
         env: agent_env,
         ..Default::default()
     });
@@ -442,7 +444,7 @@ fn mig_auto_repartitions_an_idle_gpu_for_a_waiting_job() {
     if !root_or_skip("mig_auto_repartitions_an_idle_gpu_for_a_waiting_job") {
         return;
     }
-    let s = setup_with("mig-auto", vec![], &["--mig-auto"]);
+    let s = setup_with("mig-auto", vec![], &["--mig-auto"], vec![]);
     // Small cpus: the agent has as many as this machine (2).
     let busy = s.c.submit(&[
         "--name", "busy", "--mig", "1g.5gb", "--cpus", "0.1", "--", "sleep", "60",
@@ -473,4 +475,259 @@ fn mig_auto_repartitions_an_idle_gpu_for_a_waiting_job() {
     let master_log = s.c.master.log_text();
     assert!(master_log.contains("mig-auto"), "{master_log}");
     s.c.ok(&["jobs", "cancel", &busy]);
+}
+
+/// The agent's health probe, in this process on the fake: each MIG device
+/// of a GPU in MIG mode is read (memory used and in all, as NVML gives them
+/// for the instance; utilization absent, as real drivers do not give it),
+/// the set follows NVML's layout at each probe, and a lost parent gives
+/// no MIG readings and is unhealthy.
+#[test]
+fn the_health_probe_reads_each_mig_device_as_nvml_lists_it() {
+    use gpuctl_agent::gpu::health::{self, HealthConfig, Snapshot};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+
+    let dir = tempfile::tempdir().unwrap();
+    let machine = dir.path().join("mig.json");
+    let mut cfg: Value =
+        serde_json::from_str(&std::fs::read_to_string(fake_nvml_config("mig")).unwrap()).unwrap();
+    cfg["gpus"][1]["mig"]["instances"][0]["memory_used_mib"] = 2048.into();
+    let write = |cfg: &Value| {
+        let tmp = machine.with_extension("tmp");
+        std::fs::write(&tmp, serde_json::to_vec(cfg).unwrap()).unwrap();
+        std::fs::rename(&tmp, &machine).unwrap();
+    };
+    write(&cfg);
+    // Process-wide, and no other test of this file loads NVML here.
+    std::env::set_var("FAKE_NVML_CONFIG", &machine);
+    let lib = fake_nvml_lib();
+    let discover = || gpuctl_agent::gpu::discover(Some(&lib), dir.path()).gpus;
+    let gpus = discover();
+    assert_eq!(gpus.len(), 3);
+    let (tx, rx) = tokio::sync::watch::channel(Snapshot::default());
+    let stop = Arc::new(AtomicBool::new(false));
+    let config = HealthConfig {
+        interval: Duration::from_millis(100),
+        ..Default::default()
+    };
+    let thread = health::spawn(Some(lib.clone()), gpus.clone(), config, tx, stop.clone()).unwrap();
+    let mig_uuids = |s: &Snapshot, i: usize| -> Vec<String> {
+        s.gpus[i].mig.iter().map(|m| m.uuid.clone()).collect()
+    };
+    let want = |gpus: &[gpuctl_core::types::GpuInfo], i: usize| -> Vec<String> {
+        gpus[i].mig.devices.iter().map(|d| d.uuid.clone()).collect()
+    };
+    let snapshot = || rx.borrow().clone();
+    wait_for(Duration::from_secs(10), "the first probe", || {
+        let s = snapshot();
+        !s.gpus.is_empty() && s.gpus.iter().all(|g| g.sample.is_some())
+    });
+    let s = snapshot();
+    assert_eq!(mig_uuids(&s, 0), want(&gpus, 0));
+    assert_eq!(mig_uuids(&s, 1), want(&gpus, 1));
+    assert!(s.gpus[2].mig.is_empty(), "out of MIG mode: {:?}", s.gpus[2]);
+    let small = s.gpus[0]
+        .mig
+        .iter()
+        .find(|m| m.profile == "1g.5gb")
+        .unwrap();
+    let d = gpus[0]
+        .mig
+        .devices
+        .iter()
+        .find(|d| d.uuid == small.uuid)
+        .unwrap();
+    assert_eq!(d.profile, "1g.5gb");
+    assert_eq!(
+        (small.memory_used_mib, small.memory_total_mib),
+        (1024, d.memory_mib)
+    );
+    let first = &s.gpus[1].mig[0];
+    assert_eq!(
+        (first.memory_used_mib, first.profile.as_str()),
+        (2048, "1g.10gb")
+    );
+    assert_eq!(s.gpus[1].mig[1].memory_used_mib, 0);
+    for m in s.gpus.iter().flat_map(|g| &g.mig) {
+        assert_eq!(m.utilization_pct, None, "{m:?}");
+    }
+    assert!(s.gpus.iter().all(|g| g.healthy), "{s:?}");
+
+    // A layout change under the probe: it reads what NVML lists now.
+    cfg["gpus"][1]["mig"]["instances"]
+        .as_array_mut()
+        .unwrap()
+        .truncate(3);
+    write(&cfg);
+    let now = discover();
+    assert_eq!(want(&now, 1).len(), 3);
+    wait_for(Duration::from_secs(10), "the new layout read", || {
+        mig_uuids(&snapshot(), 1) == want(&now, 1)
+    });
+
+    // The parent lost: unhealthy, and no MIG readings.
+    cfg["gpus"][1]["lost"] = true.into();
+    write(&cfg);
+    wait_for(Duration::from_secs(10), "the parent lost", || {
+        let s = snapshot();
+        !s.gpus[1].healthy && s.gpus[1].mig.is_empty()
+    });
+    assert!(snapshot().gpus[0].healthy);
+    stop.store(true, Ordering::Relaxed);
+    thread.join().unwrap();
+}
+
+/// `/metrics` of `addr`, parsed by an independent parser.
+fn scrape(addr: &str) -> prometheus_parse::Scrape {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(
+        s,
+        "GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).unwrap();
+    let (head, body) = resp.split_once("\r\n\r\n").unwrap();
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    prometheus_parse::Scrape::parse(body.lines().map(|l| Ok(l.to_string())))
+        .expect("valid Prometheus text")
+}
+
+/// The labels and value of `metric`'s sample for device `uuid`.
+fn series(
+    scrape: &prometheus_parse::Scrape,
+    metric: &str,
+    uuid: &str,
+) -> Option<(std::collections::HashMap<String, String>, f64)> {
+    scrape
+        .samples
+        .iter()
+        .find(|s| s.metric == metric && s.labels.get("uuid") == Some(uuid))
+        .map(|s| {
+            let v = match s.value {
+                prometheus_parse::Value::Gauge(v) | prometheus_parse::Value::Untyped(v) => v,
+                ref other => panic!("{metric}: {other:?}"),
+            };
+            let labels = ["uuid", "gpu", "index", "profile", "task", "job"]
+                .iter()
+                .filter_map(|k| s.labels.get(k).map(|v| (k.to_string(), v.to_string())))
+                .collect();
+            (labels, v)
+        })
+}
+
+/// A MIG job runs; its MIG device's gauges on the agent's `/metrics` name
+/// its task. The parent GPU is lost: the task ends FAILED GPU_UNHEALTHY
+/// naming the parent, the job is requeued (no retry used) and waits, and
+/// no job is given a MIG device of that GPU while it is unhealthy; its MIG
+/// devices' gauges are gone.
+#[test]
+fn a_lost_parent_gpu_fails_its_mig_tasks_and_withdraws_its_mig_devices() {
+    if !root_or_skip("a_lost_parent_gpu_fails_its_mig_tasks_and_withdraws_its_mig_devices") {
+        return;
+    }
+    let metrics = format!("127.0.0.1:{}", gpuctl_tests::free_port());
+    let s = setup_with(
+        "mig-health",
+        vec![],
+        &[],
+        vec![
+            "--health-interval-secs".into(),
+            "0.2".into(),
+            "--health-recovery-secs".into(),
+            "3600".into(),
+            "--metrics-listen".into(),
+            metrics.clone(),
+        ],
+    );
+    let h100 = s.uuid(1);
+    let profile_mib = s.gpus()[1]["mig"]["devices"][0]["memory_mib"]
+        .as_u64()
+        .unwrap();
+    // Only the H100 has 1g.10gb devices.
+    let job =
+        s.c.submit(&["--name", "small", "--mig", "1g.10gb", "--", "sleep", "600"]);
+    let j = s.c.wait_state(&job, "RUNNING", Duration::from_secs(30));
+    let task = j["tasks"][0]["id"].as_str().unwrap().to_string();
+    let mig = j["tasks"][0]["gpus"][0].as_str().unwrap().to_string();
+    assert!(mig.starts_with("MIG-"), "{j}");
+    let mut seen = None;
+    wait_for(Duration::from_secs(20), "the MIG device's gauges", || {
+        seen = series(&scrape(&metrics), "gpuctl_mig_memory_total_bytes", &mig);
+        seen.as_ref().is_some_and(|(l, _)| l["task"] == task)
+    });
+    let (labels, total) = seen.unwrap();
+    assert_eq!(labels["gpu"], h100, "{labels:?}");
+    assert_eq!(labels["index"], "1", "{labels:?}");
+    assert_eq!(labels["profile"], "1g.10gb", "{labels:?}");
+    assert_eq!(labels["job"], job, "{labels:?}");
+    assert_eq!(total, profile_mib as f64 * 1024.0 * 1024.0);
+    let a = scrape(&metrics);
+    assert_eq!(
+        series(&a, "gpuctl_mig_memory_used_bytes", &mig).map(|(_, v)| v),
+        Some(0.0)
+    );
+    assert!(
+        series(&a, "gpuctl_mig_utilization_ratio", &mig).is_none(),
+        "NVML gives no utilization for a MIG device"
+    );
+
+    // The parent falls off the bus.
+    let mut cfg: Value =
+        serde_json::from_str(&std::fs::read_to_string(&s.machine).unwrap()).unwrap();
+    cfg["gpus"][1]["lost"] = true.into();
+    let tmp = s.machine.with_extension("tmp");
+    std::fs::write(&tmp, serde_json::to_vec_pretty(&cfg).unwrap()).unwrap();
+    std::fs::rename(&tmp, &s.machine).unwrap();
+
+    wait_for(Duration::from_secs(20), "the H100 unhealthy", || {
+        s.gpus()[1]["healthy"] == false
+    });
+    s.c.wait_state(&job, "QUEUED", Duration::from_secs(30));
+    let j = s.c.job_with_reason(&job);
+    let t = &j["tasks"][0];
+    assert_eq!(t["state"], "FAILED", "{j}");
+    assert_eq!(t["reason"], "GPU_UNHEALTHY", "{j}");
+    let msg = t["message"].as_str().unwrap();
+    assert!(
+        msg.contains(&format!("GPU {h100} unhealthy")) && msg.contains("GPU is lost"),
+        "{msg}"
+    );
+    assert_eq!(j["retries"], 0, "{j}");
+    let reason = j["reason"].as_str().unwrap();
+    assert!(reason.contains("requeued after task"), "{reason}");
+
+    // Nothing is placed on its MIG devices meanwhile.
+    let other =
+        s.c.submit(&["--name", "other", "--mig", "1g.10gb", "--", "true"]);
+    std::thread::sleep(Duration::from_secs(3));
+    for id in [&job, &other] {
+        let j = s.c.job(id);
+        assert_eq!(j["state"], "QUEUED", "{j}");
+        assert!(
+            j["tasks"].as_array().unwrap().len() <= 1,
+            "given a MIG device of the lost GPU: {j}"
+        );
+    }
+    let a = scrape(&metrics);
+    assert!(
+        series(&a, "gpuctl_mig_memory_total_bytes", &mig).is_none(),
+        "gauges of a lost GPU's MIG device"
+    );
+    assert_eq!(
+        series(&a, "gpuctl_gpu_healthy", &h100).map(|(_, v)| v),
+        Some(0.0)
+    );
+    // The other GPUs' MIG devices are still read.
+    let a100 = s.uuid(0);
+    assert!(
+        a.samples
+            .iter()
+            .any(|x| x.metric == "gpuctl_mig_memory_total_bytes"
+                && x.labels.get("gpu") == Some(a100.as_str())),
+        "the A100's MIG devices"
+    );
 }

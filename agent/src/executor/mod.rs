@@ -472,6 +472,15 @@ impl Executor {
         let mut refusals = Vec::new();
         let mut forgets = Vec::new();
         let fence_ms;
+        // Read before the executor's lock: a MIG layout change replaces the
+        // grants, and a task's MIG device must fail with its parent.
+        let mig_parents = crate::isolation::grants::mig_parents(
+            &self
+                .isolation
+                .gpu_grants
+                .read()
+                .unwrap_or_else(|p| p.into_inner()),
+        );
         {
             let mut t = self.lock();
             fence_ms = t.contact.map_or(0, |c| c.fence_timeout_ms);
@@ -487,6 +496,7 @@ impl Executor {
                 desired: t.desired.as_ref(),
                 tasks: &views,
                 gpu_faults: &t.gpu_faults,
+                mig_parents: &mig_parents,
                 fenced,
             });
             for action in actions {
@@ -1619,6 +1629,31 @@ mod shell_tests {
             "{}",
             u.message
         );
+        assert_eq!(h.fake.get("t2"), Observed::NotStarted);
+    }
+
+    /// The parent GPU of a task's MIG device fails: the task is stopped and
+    /// ends FAILED with GPU_UNHEALTHY naming the parent, and a new task on
+    /// another MIG device of that parent is refused.
+    #[tokio::test]
+    async fn a_failed_parent_gpu_stops_its_mig_tasks() {
+        let dir = tempfile::tempdir().unwrap();
+        let isolator = no_isolation(dir.path());
+        let mut h = harness_with(dir, Arc::default(), isolator, mig_grants());
+        run(&h, vec![with_gpus("t1", &["MIG-a"])]);
+        until_state(&mut h, TaskState::Running).await;
+        h.exec
+            .set_gpu_faults([("GPU-0".to_string(), "GPU is lost".to_string())].into());
+        let u = until_state(&mut h, TaskState::Failed).await;
+        assert_eq!(u.task_id, "t1");
+        assert!(u.gpu_unhealthy, "{u:?}");
+        assert_eq!(u.message, "GPU GPU-0 unhealthy: GPU is lost");
+        run(
+            &h,
+            vec![with_gpus("t1", &["MIG-a"]), with_gpus("t2", &["MIG-b"])],
+        );
+        let u = until_state(&mut h, TaskState::Failed).await;
+        assert_eq!((u.task_id.as_str(), u.gpu_unhealthy), ("t2", true));
         assert_eq!(h.fake.get("t2"), Observed::NotStarted);
     }
 

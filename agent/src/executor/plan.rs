@@ -72,13 +72,19 @@ pub struct Input<'a> {
     pub tasks: &'a BTreeMap<String, TaskView>,
     /// Unhealthy GPUs of this agent and why, by UUID.
     pub gpu_faults: &'a BTreeMap<String, String>,
+    /// Each MIG device's parent GPU, by MIG device UUID: a MIG device has
+    /// no health of its own, its parent's fault is its fault.
+    pub mig_parents: &'a BTreeMap<String, String>,
     /// Past the fence deadline: no master heard from for the fence timeout.
     pub fenced: bool,
 }
 
-fn gpu_fault(gpus: &[String], faults: &BTreeMap<String, String>) -> Option<StopReason> {
+/// The first fault among a task's GPUs; a MIG device's is its parent's,
+/// and the reason names the parent (the GPU that failed).
+fn gpu_fault(gpus: &[String], input: &Input<'_>) -> Option<StopReason> {
     gpus.iter()
-        .find_map(|g| faults.get_key_value(g))
+        .map(|g| input.mig_parents.get(g).unwrap_or(g))
+        .find_map(|g| input.gpu_faults.get_key_value(g))
         .map(|(uuid, why)| StopReason::GpuFailed(format!("GPU {uuid} unhealthy: {why}")))
 }
 
@@ -92,7 +98,7 @@ pub fn plan(input: &Input<'_>) -> Vec<Action> {
                 }
                 let reason = if input.fenced && !t.no_fence {
                     Some(StopReason::Fenced)
-                } else if let Some(r) = gpu_fault(&t.gpus, input.gpu_faults) {
+                } else if let Some(r) = gpu_fault(&t.gpus, input) {
                     Some(r)
                 } else {
                     input.desired.and_then(|d| {
@@ -129,7 +135,7 @@ pub fn plan(input: &Input<'_>) -> Vec<Action> {
         if input.tasks.contains_key(id) || desired.kill.contains(id) {
             continue;
         }
-        if let Some(reason) = gpu_fault(&spec.gpu_uuids, input.gpu_faults) {
+        if let Some(reason) = gpu_fault(&spec.gpu_uuids, input) {
             actions.push(Action::Refuse {
                 task_id: id.clone(),
                 reason,
@@ -212,8 +218,17 @@ mod tests {
             desired,
             tasks: &tasks,
             gpu_faults: &faults,
+            mig_parents: &mig_parents(),
             fenced,
         })
+    }
+
+    /// MIG-a1 and MIG-a2 on GPU ga, MIG-b1 on GPU gb.
+    fn mig_parents() -> BTreeMap<String, String> {
+        [("MIG-a1", "ga"), ("MIG-a2", "ga"), ("MIG-b1", "gb")]
+            .iter()
+            .map(|(m, g)| (m.to_string(), g.to_string()))
+            .collect()
     }
 
     fn stop(id: &str, reason: StopReason) -> Action {
@@ -325,6 +340,63 @@ mod tests {
             run_plan(Some(&d), &[], &[("g0", "XID 79")], false),
             vec![refuse("a", why), Action::Launch("b".into())]
         );
+    }
+
+    /// A MIG device fails with its parent: its tasks are stopped or
+    /// refused with the parent's fault, named by the parent's UUID; MIG
+    /// devices of other GPUs are untouched.
+    #[test]
+    fn a_failed_parent_takes_its_mig_devices_tasks() {
+        let why = |g: &str| StopReason::GpuFailed(format!("GPU {g} unhealthy: GPU is lost"));
+        let d = desired(
+            &[
+                spec("a1", &["MIG-a1"]),
+                spec("b1", &["MIG-b1"]),
+                spec("whole", &["gc"]),
+                spec("new-a2", &["MIG-a2"]),
+                spec("new-b1", &["MIG-b1"]),
+            ],
+            &[],
+        );
+        let tasks = [
+            ("a1", view(Phase::Running, &["MIG-a1"])),
+            ("b1", view(Phase::Launching, &["MIG-b1"])),
+            ("whole", view(Phase::Running, &["gc"])),
+        ];
+        // (case, faults, expected actions)
+        type Case<'a> = (&'a str, Vec<(&'a str, &'a str)>, Vec<Action>);
+        let cases: Vec<Case> = vec![
+            (
+                "no fault: the new tasks launch",
+                vec![],
+                vec![
+                    Action::Launch("new-a2".into()),
+                    Action::Launch("new-b1".into()),
+                ],
+            ),
+            (
+                "parent ga failed: its MIG tasks stopped or refused, gb's untouched",
+                vec![("ga", "GPU is lost")],
+                vec![
+                    stop("a1", why("ga")),
+                    refuse("new-a2", why("ga")),
+                    Action::Launch("new-b1".into()),
+                ],
+            ),
+            (
+                "both parents failed",
+                vec![("ga", "GPU is lost"), ("gb", "GPU is lost")],
+                vec![
+                    stop("a1", why("ga")),
+                    stop("b1", why("gb")),
+                    refuse("new-a2", why("ga")),
+                    refuse("new-b1", why("gb")),
+                ],
+            ),
+        ];
+        for (case, faults, want) in cases {
+            assert_eq!(run_plan(Some(&d), &tasks, &faults, false), want, "{case}");
+        }
     }
 
     #[test]

@@ -52,6 +52,20 @@ impl Default for HealthConfig {
     }
 }
 
+/// One reading of a MIG device. A MIG device has no health of its own: its
+/// parent's checks decide for it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MigSample {
+    pub uuid: String,
+    /// `1g.10gb`; empty when NVML's name does not say.
+    pub profile: String,
+    pub memory_used_mib: u64,
+    pub memory_total_mib: u64,
+    /// None where NVML does not give it: real drivers answer NOT_SUPPORTED
+    /// for a MIG device's utilization, and absent is not 0.
+    pub utilization_pct: Option<u32>,
+}
+
 /// What the checks know about one GPU.
 #[derive(Debug, Clone, PartialEq)]
 pub struct GpuHealth {
@@ -62,6 +76,10 @@ pub struct GpuHealth {
     /// Why it is unhealthy (the first fault since it was last healthy).
     pub reason: String,
     pub sample: Option<GpuSample>,
+    /// Its MIG devices' readings, as NVML lists them at the last probe (so
+    /// they follow layout changes); empty out of MIG mode or when the GPU
+    /// failed its probe.
+    pub mig: Vec<MigSample>,
     /// Critical XID events seen, by XID, ignored ones included.
     pub xid_errors: BTreeMap<u64, u64>,
     pub double_bit_ecc_errors: u64,
@@ -157,6 +175,7 @@ impl Tracker {
                         healthy: g.healthy,
                         reason: g.unhealthy_reason.clone(),
                         sample: None,
+                        mig: Vec::new(),
                         xid_errors: BTreeMap::new(),
                         double_bit_ecc_errors: 0,
                     },
@@ -202,6 +221,7 @@ impl Tracker {
             Probe::Failed(reason) => {
                 if let Some(t) = self.find(uuid) {
                     t.health.sample = None;
+                    t.health.mig.clear();
                 }
                 self.fault(uuid, reason)
             }
@@ -226,6 +246,14 @@ impl Tracker {
                 self.generation += 1;
                 true
             }
+        }
+    }
+
+    /// The readings of a GPU's MIG devices at this probe; they never change
+    /// its health.
+    pub fn mig(&mut self, uuid: &str, mig: Vec<MigSample>) {
+        if let Some(t) = self.find(uuid) {
+            t.health.mig = mig;
         }
     }
 
@@ -278,15 +306,23 @@ fn describe(what: &str, e: &NvmlError) -> String {
     }
 }
 
-/// Reads a GPU's gauges. The GPU must answer its handle, memory and
-/// utilization queries; temperature and power are read when supported, and
-/// a GPU that is lost there fails too.
-fn probe_device(nvml: &Nvml, uuid: &str) -> Probe {
+/// Reads a GPU's gauges, and its MIG devices' when it passes.
+fn probe_device(nvml: &Nvml, uuid: &str) -> (Probe, Vec<MigSample>) {
     let dev = match nvml.device_by_uuid(uuid) {
         Ok(d) => d,
-        Err(NvmlError::NotFound) => return Probe::Failed("GPU not found by NVML".into()),
-        Err(e) => return Probe::Failed(describe("handle", &e)),
+        Err(NvmlError::NotFound) => return (Probe::Failed("GPU not found by NVML".into()), vec![]),
+        Err(e) => return (Probe::Failed(describe("handle", &e)), vec![]),
     };
+    match probe_gpu(&dev) {
+        Probe::Passed(s) => (Probe::Passed(s), probe_mig(uuid, &dev)),
+        failed => (failed, vec![]),
+    }
+}
+
+/// Reads a GPU's gauges. The GPU must answer its memory and utilization
+/// queries; temperature and power are read when supported, and a GPU that
+/// is lost there fails too.
+fn probe_gpu(dev: &Device) -> Probe {
     let memory = match dev.memory_info() {
         Ok(m) => m,
         Err(e) => return Probe::Failed(describe("memory", &e)),
@@ -322,6 +358,57 @@ fn probe_device(nvml: &Nvml, uuid: &str) -> Probe {
 
 const WATCHED_EVENTS: EventTypes =
     EventTypes::CRITICAL_XID_ERROR.union(EventTypes::DOUBLE_BIT_ECC_ERROR);
+
+/// Reads the MIG devices NVML lists now under a GPU in MIG mode: their
+/// memory, and their utilization where NVML gives it. What cannot be read
+/// is left out (logged at debug): the parent's probe, not this, decides
+/// its health.
+fn probe_mig(uuid: &str, dev: &Device) -> Vec<MigSample> {
+    let enabled = dev.mig_mode().is_ok_and(|m| m.current != 0);
+    if !enabled {
+        return Vec::new();
+    }
+    let max = match dev.mig_device_count() {
+        Ok(n) => n,
+        Err(e) => {
+            tracing::debug!(uuid, error = %e, "MIG devices not read");
+            return Vec::new();
+        }
+    };
+    let mut out = Vec::new();
+    for i in 0..max {
+        let mig = match dev.mig_device_by_index(i) {
+            Ok(m) => m,
+            // An empty slot: fewer devices than the maximum.
+            Err(NvmlError::NotFound | NvmlError::InvalidArg) => continue,
+            Err(e) => {
+                tracing::debug!(uuid, index = i, error = %e, "MIG device not read");
+                continue;
+            }
+        };
+        let read = mig.uuid().and_then(|u| mig.memory_info().map(|m| (u, m)));
+        let (mig_uuid, memory) = match read {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::debug!(uuid, index = i, error = %e, "MIG device not read");
+                continue;
+            }
+        };
+        out.push(MigSample {
+            uuid: mig_uuid,
+            // Real drivers name a MIG device "<GPU name> MIG 3g.20gb".
+            profile: mig
+                .name()
+                .ok()
+                .and_then(|n| n.rsplit_once("MIG ").map(|(_, p)| p.trim().to_string()))
+                .unwrap_or_default(),
+            memory_used_mib: memory.used / (1024 * 1024),
+            memory_total_mib: memory.total / (1024 * 1024),
+            utilization_pct: mig.utilization_rates().ok().map(|u| u.gpu.min(100)),
+        });
+    }
+    out
+}
 
 /// An event set watching every GPU in `uuids` that supports it; returns
 /// it and the GPUs it watches. NVML frees a set when a registration fails,
@@ -425,7 +512,9 @@ fn run(
         let now = Instant::now();
         if now >= next_probe {
             for uuid in &uuids {
-                tracker.probe(uuid, probe_device(&nvml, uuid), Instant::now());
+                let (probe, mig) = probe_device(&nvml, uuid);
+                tracker.probe(uuid, probe, Instant::now());
+                tracker.mig(uuid, mig);
             }
             // A GPU that could not be watched (lost when the set was made)
             // and is healthy again is watched from now on.
@@ -609,6 +698,25 @@ mod tests {
         // The GPU that discovery found lost recovers the same way.
         assert!(!t.probe("GPU-1", Probe::Passed(sample()), now + secs(1)));
         assert!(t.probe("GPU-1", Probe::Passed(sample()), now + secs(11)));
+    }
+
+    #[test]
+    fn mig_readings_are_kept_until_a_failed_probe_and_never_change_health() {
+        let (mut t, now) = tracker(10);
+        let m = MigSample {
+            uuid: "MIG-0".into(),
+            profile: "1g.5gb".into(),
+            memory_used_mib: 1,
+            memory_total_mib: 4864,
+            utilization_pct: None,
+        };
+        t.probe("GPU-0", Probe::Passed(sample()), now);
+        t.mig("GPU-0", vec![m.clone()]);
+        let s = t.snapshot();
+        assert_eq!(s.gpus[0].mig, vec![m]);
+        assert_eq!(s.generation, 0);
+        assert!(t.probe("GPU-0", Probe::Failed(LOST.into()), now));
+        assert!(t.snapshot().gpus[0].mig.is_empty());
     }
 
     #[test]

@@ -7,7 +7,7 @@
 //! use a MIG device, so the parent's node can be shared by every MIG task
 //! of the parent (docs/isolation.md, "MIG").
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use gpuctl_core::types::GpuInfo;
 
@@ -22,8 +22,13 @@ pub enum DeviceGrant {
     Gpu { minor: u32 },
     /// A MIG device: its parent's `/dev/nvidia<parent_minor>` and the caps
     /// nodes of `caps` (as discovery read them from `mig-minors`; fewer
-    /// than [`MIG_ACCESS_CAPS`] when the host did not say).
-    Mig { parent_minor: u32, caps: Vec<u32> },
+    /// than [`MIG_ACCESS_CAPS`] when the host did not say). `parent` is the
+    /// parent GPU's UUID: its health is the MIG device's.
+    Mig {
+        parent: String,
+        parent_minor: u32,
+        caps: Vec<u32>,
+    },
 }
 
 /// The grant of each GPU and each MIG device of `gpus`, by UUID.
@@ -39,6 +44,7 @@ pub fn device_grants(gpus: &[GpuInfo]) -> HashMap<String, DeviceGrant> {
             out.insert(
                 m.uuid.clone(),
                 DeviceGrant::Mig {
+                    parent: g.uuid.clone(),
                     parent_minor: g.minor,
                     caps: m.caps_minors.clone(),
                 },
@@ -76,6 +82,18 @@ impl TaskDevices {
     }
 }
 
+/// Each MIG device's parent GPU, by MIG device UUID: a task holding a MIG
+/// device fails with its parent (`executor::plan`).
+pub fn mig_parents(grants: &HashMap<String, DeviceGrant>) -> BTreeMap<String, String> {
+    grants
+        .iter()
+        .filter_map(|(uuid, g)| match g {
+            DeviceGrant::Mig { parent, .. } => Some((uuid.clone(), parent.clone())),
+            DeviceGrant::Gpu { .. } => None,
+        })
+        .collect()
+}
+
 /// The devices of a task holding `uuids`; `Err` names the first UUID that
 /// is neither a GPU nor a MIG device of this agent.
 pub fn resolve(
@@ -87,7 +105,9 @@ pub fn resolve(
         match grants.get(u) {
             None => return Err(u.clone()),
             Some(DeviceGrant::Gpu { minor }) => out.gpus.push(*minor),
-            Some(DeviceGrant::Mig { parent_minor, caps }) => {
+            Some(DeviceGrant::Mig {
+                parent_minor, caps, ..
+            }) => {
                 out.gpus.push(*parent_minor);
                 out.caps.extend(caps);
                 if caps.len() < MIG_ACCESS_CAPS {
@@ -153,10 +173,21 @@ mod tests {
         assert_eq!(
             g["MIG-b2"],
             DeviceGrant::Mig {
+                parent: "GPU-b".into(),
                 parent_minor: 3,
                 caps: vec![39, 40]
             }
         );
+    }
+
+    #[test]
+    fn mig_devices_map_to_their_parents() {
+        let p = mig_parents(&device_grants(&gpus()));
+        let want: BTreeMap<String, String> = ["MIG-b1", "MIG-b2", "MIG-b3"]
+            .iter()
+            .map(|m| (m.to_string(), "GPU-b".to_string()))
+            .collect();
+        assert_eq!(p, want);
     }
 
     #[test]
