@@ -699,6 +699,11 @@ impl OperatorService {
             })
             .await?;
         tracing::info!(uuid = %req.uuid, cordon = req.cordon, "GPU cordon changed");
+        self.gpu_status_of(&req.uuid)
+    }
+
+    /// One GPU as `gpus` shows it, after a change of it.
+    fn gpu_status_of(&self, uuid: &str) -> Result<pb::GpuStatus, ServiceError> {
         let samples = self.ctx.liveness.gpu_samples();
         let state = self.ctx.raft.state();
         state
@@ -708,10 +713,10 @@ impl OperatorService {
                 a.info
                     .gpus
                     .iter()
-                    .find(|g| g.uuid == req.uuid)
+                    .find(|g| g.uuid == uuid)
                     .map(|g| gpu_status(&state, a, g, &samples))
             })
-            .ok_or_else(|| ServiceError::not_found(Missing::Gpu, &req.uuid))
+            .ok_or_else(|| ServiceError::not_found(Missing::Gpu, uuid))
     }
 
     async fn set_mig_layout(
@@ -736,19 +741,7 @@ impl OperatorService {
             })
             .await?;
         tracing::info!(uuid = %req.uuid, profiles = ?req.profiles, disable = req.disable, "MIG layout change asked");
-        let samples = self.ctx.liveness.gpu_samples();
-        let state = self.ctx.raft.state();
-        state
-            .agents()
-            .values()
-            .find_map(|a| {
-                a.info
-                    .gpus
-                    .iter()
-                    .find(|g| g.uuid == req.uuid)
-                    .map(|g| gpu_status(&state, a, g, &samples))
-            })
-            .ok_or_else(|| ServiceError::not_found(Missing::Gpu, &req.uuid))
+        self.gpu_status_of(&req.uuid)
     }
 
     async fn drain_agent(&self, req: pb::DrainAgentRequest) -> Result<pb::Agent, ServiceError> {

@@ -148,7 +148,11 @@ impl State {
                 info,
                 running_task_ids,
                 at_ms,
-            } => self.register_agent(info, running_task_ids, *at_ms),
+            } => {
+                let out = self.register_agent(info, running_task_ids, *at_ms)?;
+                self.forget_mig_changes_of_gone_gpus(info);
+                Ok(out)
+            }
             Command::AgentLost { agent_id, at_ms } => self.agent_lost_legacy(agent_id, *at_ms),
             Command::AgentUnreachable { agent_id, at_ms } => {
                 self.agent_unreachable(agent_id, *at_ms)

@@ -62,6 +62,14 @@ impl State {
             .find_map(|u| self.gpu_owner.get(u).map(|t| (u, t.as_str())))
     }
 
+    /// An agent registered without a GPU that a change under way is of:
+    /// the change can never be applied (a change of a GPU it still has
+    /// stays: a restarted agent finishes it and reports).
+    pub(super) fn forget_mig_changes_of_gone_gpus(&mut self, info: &gpuctl_core::types::AgentInfo) {
+        self.mig_changes
+            .retain(|uuid, c| c.agent_id != info.id || info.gpus.iter().any(|g| &g.uuid == uuid));
+    }
+
     pub(super) fn set_mig_layout(
         &mut self,
         index: u64,

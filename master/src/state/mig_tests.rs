@@ -523,3 +523,82 @@ fn mig_auto_never_touches_a_busy_gpu_or_one_that_does_not_qualify() {
     .unwrap();
     assert!(auto(&d).is_empty());
 }
+
+#[test]
+fn a_change_of_a_gpu_its_agent_no_longer_has_is_forgotten() {
+    let mut d = driver();
+    set_layout(&mut d, "GPU-m-h", &["3g.40gb"]).unwrap();
+    // Registering again with it: the change stays (the agent finishes it).
+    d.apply(mig_agent("m")).unwrap();
+    assert!(d.s.mig_change("GPU-m-h").is_some());
+    // Without it (the GPU fell off the bus and the agent restarted).
+    let mut c = mig_agent("m");
+    if let Command::RegisterAgent { info, .. } = &mut c {
+        info.gpus.remove(1);
+        info.total.gpus = device_count(&info.gpus);
+    }
+    d.apply(c).unwrap();
+    assert!(d.s.mig_change("GPU-m-h").is_none());
+}
+
+#[test]
+fn a_framework_launches_on_a_mig_device_and_never_on_its_parent() {
+    use gpuctl_core::types::{FrameworkInfo, FrameworkTask};
+    let mut d = driver();
+    let f = match d
+        .apply(Command::SubscribeFramework {
+            request_id: None,
+            info: FrameworkInfo {
+                id: String::new(),
+                name: "fw".into(),
+                roles: vec!["ml".into()],
+                gpu_capable: true,
+                failover_timeout_ms: 60_000,
+                tenant: String::new(),
+            },
+            at_ms: 1,
+        })
+        .unwrap()
+    {
+        Outcome::FrameworkSubscribed { framework_id } => framework_id,
+        o => panic!("{o:?}"),
+    };
+    let task = |id: &str, gpu: &str| FrameworkTask {
+        task_id: id.into(),
+        agent_id: "m".into(),
+        image: None,
+        command: vec!["true".into()],
+        env: Default::default(),
+        resources: Resources {
+            cpus: 1.0,
+            mem_mib: 64,
+            gpus: 1,
+            ports: 0,
+        },
+        gpu_uuids: vec![gpu.into()],
+    };
+    let mut launch = |d: &mut Driver, t: FrameworkTask| match d
+        .apply(Command::LaunchFrameworkTasks {
+            framework_id: f.clone(),
+            tasks: vec![t],
+            group: false,
+            at_ms: 2,
+        })
+        .unwrap()
+    {
+        Outcome::FrameworkTasksLaunched {
+            launched, refused, ..
+        } => (launched, refused),
+        o => panic!("{o:?}"),
+    };
+    let (ok, _) = launch(&mut d, task("t1", "MIG-m-h3"));
+    assert_eq!(ok, ["t1"]);
+    assert!(d.s.gpu_owner("MIG-m-h3").is_some());
+    // The same device again, and the parent whole: refused.
+    let (ok, refused) = launch(&mut d, task("t2", "MIG-m-h3"));
+    assert!(ok.is_empty(), "{refused:?}");
+    let (ok, refused) = launch(&mut d, task("t3", "GPU-m-h"));
+    assert!(ok.is_empty());
+    assert!(format!("{refused:?}").contains("MIG mode"), "{refused:?}");
+    assert!(d.s.invariant_violations().is_empty());
+}
