@@ -577,7 +577,7 @@ fn a_framework_launches_on_a_mig_device_and_never_on_its_parent() {
         },
         gpu_uuids: vec![gpu.into()],
     };
-    let mut launch = |d: &mut Driver, t: FrameworkTask| match d
+    let launch = |d: &mut Driver, t: FrameworkTask| match d
         .apply(Command::LaunchFrameworkTasks {
             framework_id: f.clone(),
             tasks: vec![t],
