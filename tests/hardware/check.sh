@@ -358,6 +358,45 @@ check pids.inside "inside, fewer than 40 of 300 forks went through ($LOG)" \
   python3 -c "import sys; sys.exit(not int(sys.argv[1].split()[1]) < 40)" "$LOG"
 $G jobs cancel "$J" >/dev/null
 
+sec mig
+# MIG through gpuctl on GPU 0 (issue 33): the agent turns MIG mode on if it
+# can without a reset (an H100 can; a VM may refuse), splits the GPU into
+# one device of its smallest profile, a host job asking for that profile
+# runs CUDA and sees one device of the slice's memory, and the GPU goes
+# back whole. What the driver says is recorded whatever happens.
+gj() { $G gpus --json | python3 -c "import json,sys; g=json.load(sys.stdin)[0]; $1"; }
+GPU0=$(gj 'print(g["uuid"])')
+nvidia-smi -i 0 --query-gpu=mig.mode.current,mig.mode.pending --format=csv 2>&1 | tee "$OUT/mig-mode.txt"
+if [ "$(gj 'print((g.get("mig") or {}).get("capable", False))')" != True ]; then
+  skip mig "GPU 0 has no MIG (NVML reports no MIG mode)"
+else
+  $G gpus --json >"$OUT/mig-before.json"
+  # The smallest profile NVML lists (once MIG mode is on, if it is off now).
+  PROFILE=$(gj 'p=sorted((g["mig"].get("profiles") or []), key=lambda p: (p["gpu_slices"], p["memory_mib"])); print(p[0]["name"] if p else "1g.10gb")')
+  $G gpus mig set "$GPU0" --profiles "$PROFILE" --timeout 180 >"$OUT/mig-set.txt" 2>&1
+  MIG_RC=$?
+  cat "$OUT/mig-set.txt"
+  nvidia-smi -L 2>&1 | tee "$OUT/mig-L.txt"
+  ls -l /dev/nvidia-caps 2>&1 | head; head -5 /proc/driver/nvidia-caps/mig-minors 2>&1
+  if [ $MIG_RC -ne 0 ]; then
+    fail mig.set "gpus mig set $PROFILE: $(tail -1 "$OUT/mig-set.txt")"
+  else
+    MIGUUID=$(gj 'print(g["mig"]["devices"][0]["uuid"] if g["mig"]["devices"] else "")')
+    check mig.discovery "gpuctl lists MIG device $MIGUUID ($PROFILE), as nvidia-smi -L does" \
+      grep -q "${MIGUUID:-none}" "$OUT/mig-L.txt"
+    if [ -x "$R/bin/cudacheck" ]; then
+      run mig-cuda --mig "$PROFILE" -- sh -c "echo NVD=\$NVIDIA_VISIBLE_DEVICES; $R/bin/cudacheck"
+      check mig.visible "the task's NVIDIA_VISIBLE_DEVICES is its MIG device" has "NVD=$MIGUUID"
+      check mig.cuda "CUDA in the task sees exactly one device, the slice" has "cuda_count=1 "
+    else
+      skip mig.cuda "no nvcc: cudacheck not built"
+    fi
+    $G gpus mig set "$GPU0" --disable --timeout 180 >"$OUT/mig-disable.txt" 2>&1
+    check mig.disable "gpus mig set --disable gives GPU 0 back whole ($(tail -1 "$OUT/mig-disable.txt"))" \
+      [ "$(gj 'print(g["mig"]["enabled"])')" = False ]
+  fi
+fi
+
 sec logs
 tail -40 "$OUT/agent.log"; tail -20 "$OUT/master.log"
 echo
