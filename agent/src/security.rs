@@ -470,6 +470,7 @@ mod tests {
 
     fn task(image: Option<&str>, security: TaskSecurity) -> TaskSpec {
         TaskSpec {
+            share: None,
             task_id: "job-1.0".into(),
             job_id: "job-1".into(),
             framework_id: String::new(),

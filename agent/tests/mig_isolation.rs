@@ -286,6 +286,7 @@ async fn a_mig_container_gets_its_caps_and_passes_the_device_check() {
         .unwrap();
     let spec = LaunchSpec {
         task: TaskSpec {
+            share: None,
             task_id: id.clone(),
             job_id: "job-mig".into(),
             framework_id: String::new(),

@@ -53,6 +53,7 @@ impl Task {
         std::fs::create_dir_all(&state_dir).unwrap();
         let spec = LaunchSpec {
             task: TaskSpec {
+                share: None,
                 task_id: task_id.to_string(),
                 job_id: "job-proc".to_string(),
                 framework_id: String::new(),

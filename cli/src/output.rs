@@ -474,6 +474,20 @@ pub struct GpuStatusJson {
     /// Why its last MIG layout change failed; absent: it did not.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mig_error: Option<String>,
+    /// `mps` or `time-slice` when shared by fractions; absent: not shared.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub share_mode: Option<String>,
+    /// The fractions held, by task.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub shares: Vec<ShareJson>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ShareJson {
+    pub task_id: String,
+    pub mem_mib: u64,
+    /// Percent of the GPU's compute; 0: none asked.
+    pub compute_pct: u32,
 }
 
 /// A GPU's MIG state (the `mig` of `gpus --json` and `agents describe --json`).
@@ -642,6 +656,16 @@ impl From<&pb::GpuStatus> for GpuStatusJson {
                 disable: c.disable,
             }),
             mig_error: (!s.mig_error.is_empty()).then(|| s.mig_error.clone()),
+            share_mode: (!s.share_mode.is_empty()).then(|| s.share_mode.clone()),
+            shares: s
+                .shares
+                .iter()
+                .map(|h| ShareJson {
+                    task_id: h.task_id.clone(),
+                    mem_mib: h.mem_mib,
+                    compute_pct: h.compute_pct,
+                })
+                .collect(),
         }
     }
 }
@@ -858,9 +882,20 @@ pub fn job_detail(j: &pb::Job, now_ms: u64) -> String {
         ("Env", env),
         (
             "GPUs",
-            match spec.placement.as_ref().filter(|p| !p.mig.is_empty()) {
-                Some(p) => format!("{} (a MIG device {} each)", res.gpus, p.mig),
-                None => res.gpus.to_string(),
+            match spec.placement.as_ref() {
+                Some(p) if !p.mig.is_empty() => {
+                    format!("{} (a MIG device {} each)", res.gpus, p.mig)
+                }
+                Some(p) if p.gpu_mem_mib > 0 => format!(
+                    "a fraction of a shared GPU each: {}{}",
+                    fmt_mib(p.gpu_mem_mib),
+                    if p.gpu_compute_pct > 0 {
+                        format!(", {}% of compute", p.gpu_compute_pct)
+                    } else {
+                        String::new()
+                    }
+                ),
+                _ => res.gpus.to_string(),
             },
         ),
         ("CPUs", fmt_cpus(res.cpus)),
@@ -1196,6 +1231,9 @@ pub fn gpus_table(gpus: &[pb::GpuStatus]) -> Table {
             (false, false) => "UNHEALTHY".to_string(),
             (false, true) => "UNHEALTHY,CORDONED".to_string(),
         };
+        if !s.share_mode.is_empty() {
+            health.push_str(&format!(",SHARED ({})", s.share_mode));
+        }
         if s.mig_change.is_some() {
             health.push_str(",REPARTITIONING");
         } else if !s.mig_error.is_empty() {
@@ -1210,6 +1248,23 @@ pub fn gpus_table(gpus: &[pb::GpuStatus]) -> Table {
             health.clone(),
             s.task_id.clone(),
         ]);
+        // A shared GPU: a row per fraction held, with its task.
+        for h in &s.shares {
+            let compute = if h.compute_pct > 0 {
+                format!(", {}%", h.compute_pct)
+            } else {
+                String::new()
+            };
+            t.row(vec![
+                String::new(),
+                "└ share".into(),
+                String::new(),
+                format!("fraction{compute}"),
+                fmt_mib(h.mem_mib),
+                String::new(),
+                h.task_id.clone(),
+            ]);
+        }
         for [index, uuid, model, memory] in mig_rows(&g) {
             let mig_health = if uuid.is_empty() {
                 String::new()

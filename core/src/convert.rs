@@ -510,6 +510,16 @@ impl TryFrom<pb::JobSpec> for JobSpec {
             None => PlacementSpec::default(),
             Some(p) => placement_from_pb(p)?,
         };
+        // A fraction is a share of one GPU, not a device.
+        if placement.fraction.is_some() && resources.gpus != 0 {
+            return Err(ConvertError::new(
+                "spec.resources.gpus",
+                format!(
+                    "is {}, but a task with spec.placement.gpu_mem_mib gets a fraction of one shared GPU, not GPUs (0)",
+                    resources.gpus
+                ),
+            ));
+        }
         // CUDA uses one MIG device per process, so a task gets one.
         if placement.mig.is_some() && resources.gpus != 1 {
             return Err(ConvertError::new(
@@ -749,12 +759,41 @@ fn placement_from_pb(p: pb::Placement) -> Result<PlacementSpec> {
         check_mig_profile("spec.placement.mig", &p.mig)?;
         Some(p.mig)
     };
+    if p.gpu_mem_mib > MAX_MEM_MIB {
+        return Err(ConvertError::new(
+            "spec.placement.gpu_mem_mib",
+            format!("is {}, at most {MAX_MEM_MIB}", p.gpu_mem_mib),
+        ));
+    }
+    if p.gpu_compute_pct > 100 {
+        return Err(ConvertError::new(
+            "spec.placement.gpu_compute_pct",
+            format!("is {}, a percent of one GPU (1-100)", p.gpu_compute_pct),
+        ));
+    }
+    if p.gpu_compute_pct > 0 && p.gpu_mem_mib == 0 {
+        return Err(ConvertError::new(
+            "spec.placement.gpu_compute_pct",
+            "asks compute of a GPU fraction without its memory (spec.placement.gpu_mem_mib)",
+        ));
+    }
+    let fraction = (p.gpu_mem_mib > 0).then_some(GpuFraction {
+        mem_mib: p.gpu_mem_mib,
+        compute_pct: p.gpu_compute_pct,
+    });
+    if fraction.is_some() && mig.is_some() {
+        return Err(ConvertError::new(
+            "spec.placement.gpu_mem_mib",
+            "a task gets a MIG device (spec.placement.mig) or a fraction of a shared GPU, not both",
+        ));
+    }
     Ok(PlacementSpec {
         policy,
         gpu_model,
         gpu_mem_min_mib: p.gpu_mem_min_mib,
         constraints,
         mig,
+        fraction,
     })
 }
 
@@ -820,6 +859,8 @@ impl From<PlacementSpec> for pb::Placement {
             gpu_mem_min_mib: p.gpu_mem_min_mib,
             constraints: p.constraints.into_iter().collect(),
             mig: p.mig.unwrap_or_default(),
+            gpu_mem_mib: p.fraction.map_or(0, |f| f.mem_mib),
+            gpu_compute_pct: p.fraction.map_or(0, |f| f.compute_pct),
         }
     }
 }
@@ -880,13 +921,33 @@ impl TryFrom<pb::TaskSpec> for TaskSpec {
         let env: BTreeMap<String, String> = s.env.into_iter().collect();
         check_env_shape("task.env", &env)?;
         let resources = resources_from_pb("task.resources", s.resources)?;
-        if s.gpu_uuids.len() != resources.gpus as usize {
+        let share = match s.share {
+            None => None,
+            Some(sh) => Some(TaskShare {
+                fraction: GpuFraction {
+                    mem_mib: sh.mem_mib,
+                    compute_pct: sh.compute_pct,
+                },
+                mode: sh
+                    .mode
+                    .parse()
+                    .map_err(|e| ConvertError::new("task.share.mode", e))?,
+            }),
+        };
+        // A fraction names its one GPU with no device counted.
+        let named = resources.gpus as usize + usize::from(share.is_some());
+        if s.gpu_uuids.len() != named || (share.is_some() && resources.gpus != 0) {
             return Err(ConvertError::new(
                 "task.gpu_uuids",
                 format!(
-                    "names {} GPUs but resources.gpus is {}",
+                    "names {} GPUs but resources.gpus is {}{}",
                     s.gpu_uuids.len(),
-                    resources.gpus
+                    resources.gpus,
+                    if share.is_some() {
+                        " and it holds a fraction of one"
+                    } else {
+                        ""
+                    }
                 ),
             ));
         }
@@ -908,6 +969,7 @@ impl TryFrom<pb::TaskSpec> for TaskSpec {
             gpu_uuids: s.gpu_uuids,
             no_fence: s.no_fence,
             security,
+            share,
         })
     }
 }
@@ -925,6 +987,11 @@ impl From<TaskSpec> for pb::TaskSpec {
             gpu_uuids: s.gpu_uuids,
             no_fence: s.no_fence,
             security: security_to_pb(s.security),
+            share: s.share.map(|sh| pb::TaskShare {
+                mem_mib: sh.fraction.mem_mib,
+                compute_pct: sh.fraction.compute_pct,
+                mode: sh.mode.to_string(),
+            }),
         }
     }
 }
@@ -2334,6 +2401,7 @@ mod tests {
             let j = JobSpec::try_from(spec).unwrap_or_else(|e| panic!("{sec:?}: {e}"));
             // What the master sends the agent passes the agent's check too.
             let task = pb::TaskSpec::from(TaskSpec {
+                share: None,
                 task_id: "job-1.0".into(),
                 job_id: "job-1".into(),
                 framework_id: String::new(),
@@ -2413,6 +2481,7 @@ mod tests {
     #[test]
     fn task_spec_gpu_list_must_match_count() {
         let t = pb::TaskSpec {
+            share: None,
             task_id: "job-1.0".into(),
             job_id: "job-1".into(),
             image: String::new(),
@@ -2731,6 +2800,7 @@ mod tests {
             .map(|_| "c".repeat(MAX_COMMAND_BYTES / MAX_COMMAND_ARGS))
             .collect();
         let t = pb::TaskSpec::from(TaskSpec {
+            share: None,
             task_id: "t".repeat(2 * MAX_NAME_LEN + 1),
             job_id: "j".repeat(MAX_NAME_LEN),
             framework_id: String::new(),
@@ -2885,6 +2955,72 @@ mod tests {
                     format!("1g.{}gb", "1".repeat(MAX_MIG_PROFILE_LEN - 4))
             },
             "spec.placement.mig",
+            job,
+        );
+    }
+
+    #[test]
+    fn a_fraction_asks_memory_of_one_shared_gpu_not_gpus() {
+        let base = pb::JobSpec {
+            name: "f".into(),
+            command: vec!["true".into()],
+            placement: Some(pb::Placement {
+                gpu_mem_mib: 10240,
+                gpu_compute_pct: 25,
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let spec = JobSpec::try_from(base.clone()).unwrap();
+        assert_eq!(
+            spec.placement.fraction,
+            Some(GpuFraction {
+                mem_mib: 10240,
+                compute_pct: 25
+            })
+        );
+        assert_eq!(
+            JobSpec::try_from(pb::JobSpec::from(spec.clone())).unwrap(),
+            spec
+        );
+        boundary(
+            &base,
+            |_| {},
+            |s| {
+                s.resources = Some(pb::Resources {
+                    gpus: 1,
+                    ..Default::default()
+                })
+            },
+            "spec.resources.gpus",
+            job,
+        );
+        boundary(
+            &base,
+            |s| s.placement.as_mut().unwrap().gpu_compute_pct = 100,
+            |s| s.placement.as_mut().unwrap().gpu_compute_pct = 101,
+            "spec.placement.gpu_compute_pct",
+            job,
+        );
+        boundary(
+            &base,
+            |s| s.placement.as_mut().unwrap().gpu_mem_mib = MAX_MEM_MIB,
+            |s| s.placement.as_mut().unwrap().gpu_mem_mib = MAX_MEM_MIB + 1,
+            "spec.placement.gpu_mem_mib",
+            job,
+        );
+        boundary(
+            &base,
+            |_| {},
+            |s| s.placement.as_mut().unwrap().gpu_mem_mib = 0,
+            "spec.placement.gpu_compute_pct",
+            job,
+        );
+        boundary(
+            &base,
+            |_| {},
+            |s| s.placement.as_mut().unwrap().mig = "1g.10gb".into(),
+            "spec.placement.gpu_mem_mib",
             job,
         );
     }

@@ -474,6 +474,50 @@ impl fmt::Display for JobState {
     }
 }
 
+/// How a GPU an admin marked shareable (`gpuctl gpus share`) is shared
+/// between the tasks that hold fractions of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum ShareMode {
+    /// CUDA MPS: one control daemon per GPU, each task's memory and
+    /// active thread percentage set for its processes.
+    Mps,
+    /// Time-slicing: no limit; the scheduler still counts.
+    TimeSlice,
+}
+
+impl fmt::Display for ShareMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ShareMode::Mps => "mps",
+            ShareMode::TimeSlice => "time-slice",
+        })
+    }
+}
+
+impl std::str::FromStr for ShareMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "mps" => Ok(ShareMode::Mps),
+            "time-slice" | "timeslice" | "time-slicing" => Ok(ShareMode::TimeSlice),
+            _ => Err(format!("{s:?} is not a sharing mode (mps, time-slice)")),
+        }
+    }
+}
+
+/// A fraction of one shared GPU, as a task asks for it (`--gpu-mem`,
+/// `--gpu-compute`): the scheduler never gives more of a GPU's memory, nor
+/// more than 100% of its compute, than the GPU has.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct GpuFraction {
+    /// Memory of the GPU, MiB (at least 1).
+    pub mem_mib: u64,
+    /// Percent of the GPU's compute (MPS active threads); 0: none asked
+    /// (the task takes what is free, and counts for none).
+    #[serde(default)]
+    pub compute_pct: u32,
+}
+
 /// How the scheduler packs GPU jobs onto agents.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum PlacementPolicy {
@@ -525,6 +569,10 @@ pub struct PlacementSpec {
     /// `gpu_mem_min_mib` the MIG device's memory.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mig: Option<String>,
+    /// Each task gets this fraction of one shared GPU instead of whole
+    /// GPUs (`resources.gpus` is then 0: a fraction is not a device).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fraction: Option<GpuFraction>,
 }
 
 impl PlacementSpec {
@@ -926,6 +974,17 @@ pub struct TaskSpec {
     /// The job's `security` (default for a framework's task).
     #[serde(default, skip_serializing_if = "TaskSecurity::is_default")]
     pub security: TaskSecurity,
+    /// A fraction of its one GPU, and how that GPU is shared; `None`:
+    /// whole GPUs or MIG devices.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub share: Option<TaskShare>,
+}
+
+/// What a task holds of a shared GPU, as its agent enforces it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TaskShare {
+    pub fraction: GpuFraction,
+    pub mode: ShareMode,
 }
 
 /// What an agent says about itself when it registers.

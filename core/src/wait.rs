@@ -133,6 +133,9 @@ pub struct GpuAsk {
     pub mem_min_mib: u64,
     /// MIG devices of this profile rather than whole GPUs.
     pub mig: Option<String>,
+    /// A fraction of a shared GPU rather than GPUs: memory (MiB) and
+    /// compute (percent, 0: none asked).
+    pub fraction: Option<(u64, u32)>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -318,6 +321,8 @@ impl From<&Requirement> for wr::Requirement {
             gpu_model: g.model.clone().unwrap_or_default(),
             gpu_mem_min_mib: g.mem_min_mib,
             mig: g.mig.clone().unwrap_or_default(),
+            gpu_fraction_mem_mib: g.fraction.map_or(0, |f| f.0),
+            gpu_fraction_compute_pct: g.fraction.map_or(0, |f| f.1),
             ..Default::default()
         };
         match r {
@@ -427,6 +432,8 @@ impl TryFrom<&wr::Requirement> for Requirement {
             model: non_empty(&r.gpu_model),
             mem_min_mib: r.gpu_mem_min_mib,
             mig: (!r.mig.is_empty()).then(|| r.mig.clone()),
+            fraction: (r.gpu_fraction_mem_mib > 0)
+                .then_some((r.gpu_fraction_mem_mib, r.gpu_fraction_compute_pct)),
         };
         Ok(match Kind::try_from(r.kind) {
             Ok(Kind::Runtime) => Requirement::Runtime(runtime_from_pb("runtime", r.runtime)?),
@@ -558,6 +565,7 @@ mod tests {
             model: model.map(String::from),
             mem_min_mib,
             mig: None,
+            fraction: None,
         }
     }
 

@@ -171,6 +171,12 @@ pub struct GpuAskJson {
     /// MIG devices of this profile rather than whole GPUs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mig: Option<String>,
+    /// A fraction of a shared GPU: memory (MiB).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_fraction_mem_mib: Option<u64>,
+    /// And its compute (percent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_fraction_compute_pct: Option<u32>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -237,6 +243,9 @@ impl RequirementJson {
             gpu_model: non_empty(&r.gpu_model),
             gpu_mem_min_mib: r.gpu_mem_min_mib,
             mig: non_empty(&r.mig),
+            gpu_fraction_mem_mib: (r.gpu_fraction_mem_mib > 0).then_some(r.gpu_fraction_mem_mib),
+            gpu_fraction_compute_pct: (r.gpu_fraction_compute_pct > 0)
+                .then_some(r.gpu_fraction_compute_pct),
         };
         Some(match Kind::try_from(r.kind).ok()? {
             Kind::Unspecified => return None,
@@ -378,6 +387,16 @@ fn plural(n: impl Into<u64>) -> &'static str {
 impl GpuAskJson {
     /// "8 GPUs of model A100* with at least 81920 MiB".
     fn words(&self) -> String {
+        if let Some(m) = self.gpu_fraction_mem_mib {
+            let compute = self
+                .gpu_fraction_compute_pct
+                .map(|c| format!(" and {c}% of compute"))
+                .unwrap_or_default();
+            return format!(
+                "a shared GPU{} with room for {m} MiB{compute}",
+                self.of_model_with_mem()
+            );
+        }
         let mut s = match &self.mig {
             Some(p) => format!("{} MIG device{} {p}", self.gpus, plural(self.gpus)),
             None => format!("{} GPU{}", self.gpus, plural(self.gpus)),

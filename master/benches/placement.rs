@@ -96,6 +96,7 @@ fn views(agents: &[Agent]) -> Vec<NodeView<'_>> {
             free_gpus: a.gpus[a.held as usize..].iter().collect(),
             all_gpus: &a.gpus,
             free_mig: Vec::new(),
+            free_shared: Vec::new(),
             driver: if a.id.ends_with(['0', '2', '4', '6', '8']) {
                 NodeDriver::new(Some("460.32.03"), Some("11.2"))
             } else {
@@ -121,6 +122,7 @@ fn placement(c: &mut Criterion) {
         gpu_model: model,
         gpu_mem_min_mib: 0,
         mig: None,
+        fraction: None,
         constraints: &none,
         run_as_root: false,
         mounts: &[],

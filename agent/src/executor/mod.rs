@@ -518,6 +518,7 @@ impl Executor {
                             .and_then(|d| d.run.get(&task_id))
                             .cloned()
                             .unwrap_or_else(|| TaskSpec {
+                                share: None,
                                 task_id: task_id.clone(),
                                 job_id: String::new(),
                                 framework_id: String::new(),
@@ -1280,6 +1281,7 @@ mod shell_tests {
 
     fn spec(id: &str) -> TaskSpec {
         TaskSpec {
+            share: None,
             task_id: id.into(),
             job_id: "job-1".into(),
             framework_id: String::new(),

@@ -166,6 +166,7 @@ mod tests {
 
     fn spec(id: &str, gpus: &[&str]) -> TaskSpec {
         TaskSpec {
+            share: None,
             task_id: id.into(),
             job_id: "job-1".into(),
             framework_id: String::new(),

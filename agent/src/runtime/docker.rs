@@ -1254,6 +1254,7 @@ mod tests {
     fn spec(dir: &Path, task_id: &str, image: &str, command: &[&str]) -> LaunchSpec {
         LaunchSpec {
             task: TaskSpec {
+                share: None,
                 task_id: task_id.to_string(),
                 job_id: format!("job-{task_id}"),
                 framework_id: String::new(),

@@ -39,6 +39,21 @@ pub enum GpusCommand {
     /// MIG: split a GPU into MIG devices (admins).
     #[command(subcommand)]
     Mig(MigCommand),
+    /// Mark a GPU shareable by fractions (`jobs submit --gpu-mem`), or not
+    /// (`--off`); admins. A shared GPU is never given whole nor split into
+    /// MIG devices. Prints the GPU.
+    Share {
+        uuid: String,
+        /// How it is shared: mps (a memory and compute limit per task) or
+        /// time-slice (none; the scheduler still counts).
+        #[arg(long, value_parser = ["mps", "time-slice"], required_unless_present = "off")]
+        mode: Option<String>,
+        /// Stop sharing it (refused while fractions of it are held).
+        #[arg(long, conflicts_with = "mode")]
+        off: bool,
+        #[command(flatten)]
+        flags: JsonFlag,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -94,6 +109,29 @@ pub async fn run(master: &mut Master, args: GpusArgs, out: &mut dyn Write) -> Re
                 .collect();
             let wait = (!no_wait).then(|| std::time::Duration::from_secs(timeout));
             return mig_set(master, uuid, profiles, disable, wait, flags, out).await;
+        }
+        Some(GpusCommand::Share {
+            uuid,
+            mode,
+            off: _,
+            flags,
+        }) => {
+            // Setting a mode is idempotent: safe to resend.
+            let status = master
+                .call(Retry::Resend, |mut c| {
+                    let req = pb::ShareGpuRequest {
+                        uuid: uuid.clone(),
+                        mode: mode.clone().unwrap_or_default(),
+                    };
+                    async move { c.share_gpu(req).await }
+                })
+                .await?;
+            if flags.json {
+                out.write_all(output::to_json(&GpuStatusJson::from(&status))?.as_bytes())?;
+            } else {
+                out.write_all(output::gpus_table(&[status]).render().as_bytes())?;
+            }
+            return Ok(());
         }
     };
     // Setting a flag to a value is idempotent: safe to resend.

@@ -65,6 +65,12 @@ pub struct JobFile {
     /// `--mig PROFILE`: one MIG device of the profile per task.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mig: Option<Text>,
+    /// `--gpu-mem SIZE`: a fraction of one shared GPU per task (`10GiB`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_mem: Option<Text>,
+    /// `--gpu-compute PCT` (`25%`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_compute: Option<Text>,
     /// `--constraint KEY=VALUE`, as a map.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub constraint: BTreeMap<String, Text>,
@@ -396,6 +402,9 @@ pub fn from_spec(spec: &pb::JobSpec) -> JobFile {
         gpu_model: some(&placement.gpu_model).map(Text),
         gpu_mem_min: (placement.gpu_mem_min_mib > 0).then_some(placement.gpu_mem_min_mib),
         mig: some(&placement.mig).map(Text),
+        gpu_mem: (placement.gpu_mem_mib > 0).then(|| Text(format!("{}MiB", placement.gpu_mem_mib))),
+        gpu_compute: (placement.gpu_compute_pct > 0)
+            .then(|| Text(format!("{}%", placement.gpu_compute_pct))),
         constraint: placement
             .constraints
             .iter()
@@ -581,6 +590,8 @@ mod tests {
                 gpu_mem_min_mib: 1000,
                 constraints: [("k".to_string(), "v*".to_string())].into(),
                 mig: String::new(),
+                gpu_mem_mib: 0,
+                gpu_compute_pct: 0,
             }),
             priority: -3,
             replicas: 2,

@@ -185,6 +185,14 @@ pub struct SubmitArgs {
     /// --gpu-model is the parent GPU's, --gpu-mem-min the MIG device's.
     #[arg(long, value_name = "PROFILE")]
     pub mig: Option<String>,
+    /// Each task gets this much memory of one GPU an admin marked
+    /// shareable (`gpuctl gpus share`) instead of whole GPUs: MiB, or with
+    /// a unit (10GiB, 512MiB); --gpus is then 0.
+    #[arg(long, value_name = "SIZE", value_parser = parse_gpu_mem)]
+    pub gpu_mem: Option<u64>,
+    /// With --gpu-mem: this percent of that GPU's compute (25%, or 25).
+    #[arg(long, value_name = "PCT", value_parser = parse_gpu_compute)]
+    pub gpu_compute: Option<u32>,
     /// Only agents whose attribute KEY matches VALUE (a glob), repeatable,
     /// e.g. nvidia.com/cuda.driver-version.major=12 (see `gpuctl agents describe`).
     #[arg(long = "constraint", value_name = "KEY=VALUE", value_parser = parse_constraint)]
@@ -347,10 +355,41 @@ impl SubmitArgs {
                 .clone()
                 .or(file.mig.map(|t| t.0))
                 .unwrap_or_default(),
+            gpu_mem_mib: match (self.gpu_mem, &file.gpu_mem) {
+                (Some(m), _) => m,
+                (None, Some(t)) => {
+                    parse_gpu_mem(&t.0).map_err(|e| CliError::Usage(format!("gpu_mem: {e}")))?
+                }
+                (None, None) => 0,
+            },
+            gpu_compute_pct: match (self.gpu_compute, &file.gpu_compute) {
+                (Some(c), _) => c,
+                (None, Some(t)) => parse_gpu_compute(&t.0)
+                    .map_err(|e| CliError::Usage(format!("gpu_compute: {e}")))?,
+                (None, None) => 0,
+            },
         };
+        if placement.gpu_compute_pct > 0 && placement.gpu_mem_mib == 0 {
+            return Err(CliError::Usage(
+                "--gpu-compute asks a share of a GPU's compute: give its memory too (--gpu-mem)"
+                    .into(),
+            ));
+        }
+        if placement.gpu_mem_mib > 0 && !placement.mig.is_empty() {
+            return Err(CliError::Usage(
+                "a task gets a MIG device (--mig) or a fraction of a shared GPU (--gpu-mem), not both"
+                    .into(),
+            ));
+        }
         let gpus = self.gpus.or(file.gpus);
         // A MIG task gets exactly one MIG device: --gpus defaults to it.
         let gpus = match (placement.mig.is_empty(), gpus) {
+            // A fraction is a share of one GPU, not a device.
+            (true, Some(n)) if placement.gpu_mem_mib > 0 && n != 0 => {
+                return Err(CliError::Usage(format!(
+                    "--gpu-mem gives each task a fraction of one shared GPU; --gpus {n} asks for whole GPUs (leave --gpus out)"
+                )))
+            }
             (true, g) => g.unwrap_or(0),
             (false, None | Some(1)) => 1,
             (false, Some(n)) => {
@@ -462,6 +501,36 @@ pub fn parse_env_pair(s: &str) -> Result<(String, String), String> {
         Some((k, v)) if !k.is_empty() => Ok((k.to_string(), v.to_string())),
         Some(_) => Err(format!("{s:?} has an empty name (expected K=V)")),
         None => Err(format!("{s:?} has no '=' (expected K=V)")),
+    }
+}
+
+/// `--gpu-mem`: MiB, or a number with a binary unit (`10GiB`, `10G`,
+/// `512MiB`, `512M`), at least 1 MiB.
+pub fn parse_gpu_mem(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a size (e.g. 10GiB, 512MiB)"))?;
+    let mib = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "m" | "mi" | "mib" => Some(n),
+        "g" | "gi" | "gib" => n.checked_mul(1024),
+        "t" | "ti" | "tib" => n.checked_mul(1024 * 1024),
+        _ => return Err(format!("{s:?}: unknown unit (MiB, GiB, TiB)")),
+    };
+    match mib {
+        Some(m) if m >= 1 => Ok(m),
+        Some(_) => Err(format!("{s:?}: a fraction has at least 1 MiB")),
+        None => Err(format!("{s:?} is too large")),
+    }
+}
+
+/// `--gpu-compute`: a percent of one GPU, 1-100, with or without `%`.
+pub fn parse_gpu_compute(s: &str) -> Result<u32, String> {
+    match s.trim().trim_end_matches('%').trim().parse::<u32>() {
+        Ok(p) if (1..=100).contains(&p) => Ok(p),
+        _ => Err(format!("{s:?} is not a percent of a GPU (1-100)")),
     }
 }
 
@@ -1340,6 +1409,52 @@ mig: 2g.20gb
             .unwrap();
         assert_eq!(s.placement.unwrap().mig, "2g.20gb");
         assert_eq!(s.resources.unwrap().gpus, 1);
+    }
+
+    #[test]
+    fn submit_gpu_mem_asks_a_fraction_of_a_shared_gpu() {
+        let spec = |args: &[&str]| {
+            let mut all = vec!["jobs", "submit", "--name", "x"];
+            all.extend_from_slice(args);
+            all.extend_from_slice(&["--", "true"]);
+            submit_args(&all).to_spec()
+        };
+        let s = spec(&["--gpu-mem", "10GiB", "--gpu-compute", "25%"]).unwrap();
+        let p = s.placement.unwrap();
+        assert_eq!((p.gpu_mem_mib, p.gpu_compute_pct), (10240, 25));
+        assert_eq!(s.resources.unwrap().gpus, 0);
+        assert_eq!(parse_gpu_mem("512"), Ok(512));
+        assert_eq!(parse_gpu_mem("512MiB"), Ok(512));
+        assert_eq!(parse_gpu_mem("2G"), Ok(2048));
+        for bad in ["", "0", "ten", "5XB", "-1GiB"] {
+            assert!(parse_gpu_mem(bad).is_err(), "{bad}");
+        }
+        for bad in ["0", "101", "50.5", "x%"] {
+            assert!(parse_gpu_compute(bad).is_err(), "{bad}");
+        }
+        assert!(matches!(
+            spec(&["--gpu-mem", "1GiB", "--gpus", "1"]),
+            Err(CliError::Usage(_))
+        ));
+        assert!(matches!(
+            spec(&["--gpu-mem", "1GiB", "--mig", "1g.10gb"]),
+            Err(CliError::Usage(_))
+        ));
+        // Compute alone is refused by the argument parser's check too.
+        assert!(matches!(
+            spec(&["--gpu-compute", "10"]),
+            Err(CliError::Usage(_))
+        ));
+        let file = jobfile::parse(
+            "j.yaml",
+            "name: m\ncommand: [true]\ngpu_mem: 4GiB\ngpu_compute: 10%\n",
+        )
+        .unwrap();
+        let s = submit_args(&["jobs", "submit", "-f", "j.yaml"])
+            .spec_with(file)
+            .unwrap();
+        let p = s.placement.unwrap();
+        assert_eq!((p.gpu_mem_mib, p.gpu_compute_pct), (4096, 10));
     }
 
     #[test]

@@ -41,6 +41,9 @@ pub(crate) trait FakeOperator: Send + Sync + 'static {
     fn set_mig_layout(&self, _: pb::SetMigLayoutRequest) -> Result<pb::GpuStatus, Status> {
         unused()
     }
+    fn share_gpu(&self, _: pb::ShareGpuRequest) -> Result<pb::GpuStatus, Status> {
+        unused()
+    }
     fn drain_agent(&self, _: pb::DrainAgentRequest) -> Result<pb::Agent, Status> {
         unused()
     }
@@ -186,6 +189,7 @@ forward! {
     list_gpus(pb::ListGpusRequest) -> pb::ListGpusResponse;
     cordon_gpu(pb::CordonGpuRequest) -> pb::GpuStatus;
     set_mig_layout(pb::SetMigLayoutRequest) -> pb::GpuStatus;
+    share_gpu(pb::ShareGpuRequest) -> pb::GpuStatus;
     drain_agent(pb::DrainAgentRequest) -> pb::Agent;
     undrain_agent(pb::UndrainAgentRequest) -> pb::Agent;
     list_masters(pb::ListMastersRequest) -> pb::ListMastersResponse;

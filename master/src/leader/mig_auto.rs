@@ -109,6 +109,7 @@ pub fn mig_auto_commands(state: &State, now_ms: u64) -> Vec<Command> {
                     free_gpus: Vec::new(),
                     all_gpus: std::slice::from_ref(&split),
                     free_mig: Vec::new(),
+                    free_shared: Vec::new(),
                     driver: NodeDriver::new(
                         a.info.driver_version.as_deref(),
                         a.info.cuda_driver_version.as_deref(),

@@ -23,7 +23,9 @@ pub mod topology;
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use gpuctl_core::types::{devices, AgentId, GpuInfo, JobId, JobSpec, PlacementPolicy, Resources};
+use gpuctl_core::types::{
+    devices, AgentId, GpuFraction, GpuInfo, JobId, JobSpec, PlacementPolicy, Resources,
+};
 
 use crate::state::access::tenant_of;
 use crate::state::{AgentRecord, JobRecord, Launch, State, Stopping};
@@ -50,6 +52,7 @@ pub fn request(job: &JobRecord) -> placement::TaskRequest<'_> {
         gpu_model: spec.placement.gpu_model.as_deref(),
         gpu_mem_min_mib: spec.placement.gpu_mem_min_mib,
         mig: spec.placement.mig.as_deref(),
+        fraction: spec.placement.fraction,
         constraints: &spec.placement.constraints,
         run_as_root: spec.security.run_as_root,
         mounts: &spec.security.mounts,
@@ -73,11 +76,39 @@ pub(crate) struct Pool<'s> {
     cordoned: &'s BTreeSet<String>,
 }
 
+/// Free memory (MiB) and compute (percent) of each usable shared GPU of a
+/// node, by uuid: what fractions may still take.
+type Shares<'s> = BTreeMap<&'s str, (u64, u32)>;
+
+/// The shared GPUs of `a` that fractions may take now (healthy, not
+/// cordoned), with what their fractions leave.
+fn free_shares<'s>(state: &'s State, a: &'s AgentRecord) -> Shares<'s> {
+    a.info
+        .gpus
+        .iter()
+        .filter(|g| {
+            state.share_mode(&g.uuid).is_some()
+                && g.healthy
+                && !g.mig.enabled
+                && !state.is_cordoned(&g.uuid)
+        })
+        .map(|g| {
+            let (m, c) = state.share_used(&a.info.id, &g.uuid);
+            (
+                g.uuid.as_str(),
+                (g.memory_mib.saturating_sub(m), 100u32.saturating_sub(c)),
+            )
+        })
+        .collect()
+}
+
 #[derive(Clone)]
 pub(crate) struct PoolNode<'s> {
     pub agent: &'s AgentRecord,
     pub free: Resources,
     pub free_gpus: BTreeSet<&'s str>,
+    /// Shared GPUs and what their fractions leave.
+    pub shares: Shares<'s>,
 }
 
 impl<'s> Pool<'s> {
@@ -98,6 +129,9 @@ impl<'s> Pool<'s> {
                         agent: a,
                         free: a.with_free_ports(offered.resources),
                         free_gpus,
+                        // Fractions are not offered to frameworks, so the
+                        // shared GPUs of an offered agent are ours.
+                        shares: free_shares(state, a),
                     },
                 ))
             })
@@ -126,6 +160,7 @@ impl<'s> Pool<'s> {
                             agent: a,
                             free: a.free(),
                             free_gpus,
+                            shares: free_shares(state, a),
                         },
                     )
                 })
@@ -139,7 +174,7 @@ impl<'s> Pool<'s> {
             .values()
             .filter(|t| t.kill_requested && !t.state.is_terminal())
         {
-            pool.give(&t.agent_id, &t.resources, &t.gpu_uuids);
+            pool.give(&t.agent_id, &t.resources, &t.gpu_uuids, t.fraction);
         }
         pool
     }
@@ -178,11 +213,31 @@ impl<'s> Pool<'s> {
         self.nodes.get(id)
     }
 
-    pub fn take(&mut self, agent_id: &str, resources: &Resources, gpus: &[String]) {
+    /// Takes what a placement uses: resources, and its GPUs whole, or a
+    /// fraction of its one shared GPU.
+    pub fn take(
+        &mut self,
+        agent_id: &str,
+        resources: &Resources,
+        gpus: &[String],
+        fraction: Option<GpuFraction>,
+    ) {
         if let Some(n) = self.nodes.get_mut(agent_id) {
             n.free = n.free.saturating_sub(resources);
-            for g in gpus {
-                n.free_gpus.remove(g.as_str());
+            match fraction {
+                Some(f) => {
+                    for g in gpus {
+                        if let Some((m, c)) = n.shares.get_mut(g.as_str()) {
+                            *m = m.saturating_sub(f.mem_mib);
+                            *c = c.saturating_sub(f.compute_pct);
+                        }
+                    }
+                }
+                None => {
+                    for g in gpus {
+                        n.free_gpus.remove(g.as_str());
+                    }
+                }
             }
         }
         self.refresh(agent_id);
@@ -204,9 +259,25 @@ impl<'s> Pool<'s> {
 
     /// Gives back what a task held (only devices of the agent on healthy,
     /// uncordoned GPUs).
-    pub fn give(&mut self, agent_id: &str, resources: &Resources, gpus: &[String]) {
+    pub fn give(
+        &mut self,
+        agent_id: &str,
+        resources: &Resources,
+        gpus: &[String],
+        fraction: Option<GpuFraction>,
+    ) {
         if let Some(n) = self.nodes.get_mut(agent_id) {
             n.free = n.free.add(resources);
+            if let Some(f) = fraction {
+                for g in gpus {
+                    if let Some((m, c)) = n.shares.get_mut(g.as_str()) {
+                        *m = m.saturating_add(f.mem_mib);
+                        *c = c.saturating_add(f.compute_pct).min(100);
+                    }
+                }
+                self.refresh(agent_id);
+                return;
+            }
             for d in devices(&n.agent.info.gpus).filter(|d| {
                 let g = d.gpu();
                 g.healthy && gpus.iter().any(|u| u == d.uuid()) && !self.cordoned.contains(&g.uuid)
@@ -238,6 +309,14 @@ impl<'s> PoolNode<'s> {
                 .iter()
                 .flat_map(|g| g.mig_devices().iter().map(move |d| (g, d)))
                 .filter(|(_, d)| self.free_gpus.contains(d.uuid.as_str()))
+                .collect(),
+            free_shared: info
+                .gpus
+                .iter()
+                .filter_map(|g| {
+                    let (m, c) = self.shares.get(g.uuid.as_str())?;
+                    Some((g, *m, *c))
+                })
                 .collect(),
             all_gpus: &info.gpus,
             driver: placement::NodeDriver::new(
@@ -358,7 +437,7 @@ pub fn place_in(
             break;
         }
         let tenant = tenant_of(&job.spec);
-        let gpus = job.spec.resources.gpus.saturating_mul(job.spec.replicas());
+        let gpus = tenants::job_quota_gpus(&job.spec);
         if let Some(&quota) = state.quotas().get(tenant) {
             let used = tenant_gpus.get(tenant).copied().unwrap_or(0);
             if gpus > 0 && used.saturating_add(gpus) > quota {
@@ -381,7 +460,12 @@ pub fn place_in(
         };
         *tenant_gpus.entry(tenant.to_string()).or_default() += gpus;
         for p in placements {
-            pool.take(&p.node, &job.spec.resources, &p.gpus);
+            pool.take(
+                &p.node,
+                &job.spec.resources,
+                &p.gpus,
+                job.spec.placement.fraction,
+            );
             out.push(Launch {
                 job_id: job.id.clone(),
                 agent_id: p.node,
@@ -653,6 +737,7 @@ mod tests {
                         model: None,
                         mem_min_mib: 0,
                         mig: None,
+                        fraction: None,
                     }),
                     among: vec![],
                     largest: Some(2.0),

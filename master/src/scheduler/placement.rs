@@ -50,7 +50,7 @@ use std::collections::BTreeMap;
 
 use gpuctl_core::cuda_req::{Expr, Facts, Version};
 use gpuctl_core::types::{
-    path_within, GpuInfo, HostMount, MigDevice, PlacementPolicy, Resources, Runtime,
+    path_within, GpuFraction, GpuInfo, HostMount, MigDevice, PlacementPolicy, Resources, Runtime,
 };
 
 pub use super::topology::choose_gpus;
@@ -69,6 +69,9 @@ pub struct TaskRequest<'a> {
     /// Each GPU is a MIG device of this profile (its memory is the one
     /// `gpu_mem_min_mib` applies to; `gpu_model` is its parent's).
     pub mig: Option<&'a str>,
+    /// Each task takes this fraction of one shared GPU (`resources.gpus`
+    /// is then 0).
+    pub fraction: Option<GpuFraction>,
     /// Agent attribute `KEY=VALUE`, the value may be a glob; all must match.
     pub constraints: &'a BTreeMap<String, String>,
     /// A host-process task that runs as root: only on agents that allow it.
@@ -130,6 +133,9 @@ pub struct NodeView<'a> {
     /// MIG devices usable now, with their parents (GPUs in MIG mode are
     /// never in `free_gpus`).
     pub free_mig: Vec<(&'a GpuInfo, &'a MigDevice)>,
+    /// Shared GPUs fractions may take now, with the memory (MiB) and
+    /// compute (percent) their fractions leave (never in `free_gpus`).
+    pub free_shared: Vec<(&'a GpuInfo, u64, u32)>,
     pub driver: NodeDriver<'a>,
 }
 
@@ -198,6 +204,8 @@ struct GpuFilter {
     mem_min: u64,
     /// MIG devices of this profile rather than whole GPUs.
     mig: Option<String>,
+    /// A fraction of a shared GPU rather than whole GPUs.
+    fraction: Option<GpuFraction>,
     cache: Vec<(String, bool)>,
 }
 
@@ -207,6 +215,7 @@ impl GpuFilter {
             model: req.gpu_model.map(lower),
             mem_min: req.gpu_mem_min_mib,
             mig: req.mig.map(str::to_string),
+            fraction: req.fraction,
             cache: Vec::new(),
         }
     }
@@ -242,6 +251,15 @@ impl GpuFilter {
     /// How many devices of the node match, busy or not, healthy or not
     /// ("could it ever fit"): MIG devices of the profile, or GPUs.
     fn count_all(&mut self, node: &NodeView) -> usize {
+        if let Some(f) = self.fraction {
+            // The fractions its shared GPUs hold when none is held.
+            return node
+                .free_shared
+                .iter()
+                .filter(|(g, _, _)| self.matches(g))
+                .map(|(g, _, _)| fractions_in(g.memory_mib, 100, f))
+                .sum();
+        }
         if self.mig.is_some() {
             let mut n = 0;
             for g in node.all_gpus {
@@ -255,8 +273,17 @@ impl GpuFilter {
         }
     }
 
-    /// How many matching devices of the node are free and healthy now.
+    /// How many matching devices of the node are free and healthy now
+    /// (for a fraction: how many fractions its shared GPUs still hold).
     fn count_free(&mut self, node: &NodeView) -> usize {
+        if let Some(f) = self.fraction {
+            return node
+                .free_shared
+                .iter()
+                .filter(|(g, _, _)| self.matches(g))
+                .map(|(_, m, c)| fractions_in(*m, *c, f))
+                .sum();
+        }
         if self.mig.is_some() {
             node.free_mig
                 .iter()
@@ -306,7 +333,11 @@ fn constraints_ok(
 /// security, constraints, and enough GPUs of the model/memory among ALL its GPUs
 /// (healthy or not, busy or not).
 pub fn node_matches(req: &TaskRequest, node: &NodeView) -> bool {
-    let n = req.resources.gpus as usize;
+    let n = if req.fraction.is_some() {
+        1
+    } else {
+        req.resources.gpus as usize
+    };
     let mut filter = GpuFilter::new(req);
     static_ok(req, node) && (n == 0 || filter.count_all(node) >= n)
 }
@@ -330,14 +361,20 @@ impl Cand<'_, '_> {
         self.node.free.saturating_sub(&self.used)
     }
 
-    fn fits(&self, need: &Resources) -> bool {
-        self.free().fits(need) && self.matching >= self.taken.len() + need.gpus as usize
+    /// Room for one more replica needing `need` and `n` GPU units.
+    fn fits(&self, need: &Resources, n: usize) -> bool {
+        self.free().fits(need) && self.matching >= self.taken.len() + n
     }
 }
 
 /// `Less` when `a` is the better node for one more replica.
-fn compare(policy: PlacementPolicy, need: &Resources, a: &Cand, b: &Cand) -> std::cmp::Ordering {
-    let n = need.gpus as usize;
+fn compare(
+    policy: PlacementPolicy,
+    need: &Resources,
+    n: usize,
+    a: &Cand,
+    b: &Cand,
+) -> std::cmp::Ordering {
     let (fa, fb) = (a.free(), b.free());
     let left_a = a.matching.saturating_sub(a.taken.len() + n);
     let left_b = b.matching.saturating_sub(b.taken.len() + n);
@@ -398,7 +435,12 @@ pub fn place_gang<'v, 'a>(
     policy: PlacementPolicy,
 ) -> Option<Vec<Placement>> {
     let need = req.resources;
-    let n = need.gpus as usize;
+    // A fraction counts as one unit of what the node's shared GPUs hold.
+    let n = if req.fraction.is_some() {
+        1
+    } else {
+        need.gpus as usize
+    };
     let mut filter = GpuFilter::new(req);
     let mut cand = |node: &'v NodeView<'a>| {
         // Scalars first: they need no look at the GPUs themselves.
@@ -414,7 +456,7 @@ pub fn place_gang<'v, 'a>(
             taken: Vec::new(),
             replicas: 0,
         };
-        c.fits(&need).then_some(c)
+        c.fits(&need, n).then_some(c)
     };
     // One task (most jobs): the best node in one pass, without keeping
     // every candidate (the queue pass calls this for every queued job).
@@ -422,7 +464,7 @@ pub fn place_gang<'v, 'a>(
         let best = nodes
             .iter()
             .filter_map(&mut cand)
-            .min_by(|a, b| compare(policy, &need, a, b));
+            .min_by(|a, b| compare(policy, &need, n, a, b));
         best.into_iter().collect()
     } else {
         nodes.iter().filter_map(&mut cand).collect()
@@ -431,9 +473,17 @@ pub fn place_gang<'v, 'a>(
     for _ in 0..replicas {
         let best = cands
             .iter_mut()
-            .filter(|c| c.fits(&need))
-            .min_by(|a, b| compare(policy, &need, a, b))?;
-        let gpus = if n == 0 {
+            .filter(|c| c.fits(&need, n))
+            .min_by(|a, b| compare(policy, &need, n, a, b))?;
+        let gpus = if let Some(f) = req.fraction {
+            vec![choose_share(
+                best.node,
+                &best.taken,
+                &mut filter,
+                f,
+                policy,
+            )?]
+        } else if n == 0 {
             Vec::new()
         } else if req.mig.is_some() {
             choose_mig(best.node, &best.taken, &mut filter, policy, n)?
@@ -456,6 +506,41 @@ pub fn place_gang<'v, 'a>(
         });
     }
     Some(out)
+}
+
+/// How many fractions `f` fit in `mem` MiB and `pct` percent of compute.
+fn fractions_in(mem: u64, pct: u32, f: GpuFraction) -> usize {
+    let by_mem = mem.checked_div(f.mem_mib).unwrap_or(0);
+    // No compute asked: compute does not bound it.
+    let by_pct = pct.checked_div(f.compute_pct).map_or(u64::MAX, u64::from);
+    usize::try_from(by_mem.min(by_pct)).unwrap_or(usize::MAX)
+}
+
+/// The shared GPU of the node for one more fraction `f`, after `taken`
+/// (the uuids earlier replicas of the gang took, one per fraction):
+/// bundle takes the one it fills best (least memory left), spread the
+/// emptiest; then by index.
+fn choose_share(
+    node: &NodeView,
+    taken: &[String],
+    filter: &mut GpuFilter,
+    f: GpuFraction,
+    policy: PlacementPolicy,
+) -> Option<String> {
+    node.free_shared
+        .iter()
+        .filter(|(g, _, _)| filter.matches(g))
+        .filter_map(|(g, m, c)| {
+            let n = taken.iter().filter(|t| **t == g.uuid).count() as u64;
+            let m = m.saturating_sub(f.mem_mib.saturating_mul(n));
+            let c = c.saturating_sub(f.compute_pct.saturating_mul(n as u32));
+            (fractions_in(m, c, f) >= 1).then_some((g, m))
+        })
+        .min_by_key(|(g, m)| match policy {
+            PlacementPolicy::Bundle => (*m, g.index),
+            PlacementPolicy::Spread => (u64::MAX - *m, g.index),
+        })
+        .map(|(g, _)| g.uuid.clone())
 }
 
 /// `n` free MIG devices of the node that `filter` takes and `taken` does
@@ -542,7 +627,11 @@ pub fn unsatisfiable(
         return Some(NeverFits::NoActiveAgent);
     }
     let need = req.resources;
-    let n = need.gpus as usize;
+    let n = if req.fraction.is_some() {
+        1
+    } else {
+        need.gpus as usize
+    };
     let model = req.gpu_model;
     let mem = req.gpu_mem_min_mib;
     let mut steps = vec![Need::Runtime(req.runtime)];
@@ -578,6 +667,7 @@ pub fn unsatisfiable(
         model: model.map(String::from),
         mem_min_mib: mem,
         mig: req.mig.map(String::from),
+        fraction: req.fraction.map(|f| (f.mem_mib, f.compute_pct)),
     };
     let requirement = |step: &Need| match step {
         Need::Runtime(rt) => Requirement::Runtime(*rt),
@@ -740,7 +830,11 @@ pub fn agent_counts(
     totals: &dyn Fn(&str) -> Resources,
 ) -> AgentCounts {
     let need = req.resources;
-    let n = need.gpus as usize;
+    let n = if req.fraction.is_some() {
+        1
+    } else {
+        need.gpus as usize
+    };
     let mut filter = GpuFilter::new(req);
     let mut model_only = GpuFilter::new(&TaskRequest {
         gpu_mem_min_mib: 0,
@@ -843,6 +937,7 @@ mod tests {
                     .flat_map(|g| g.mig_devices().iter().map(move |d| (g, d)))
                     .filter(|(_, d)| !self.held.contains(&d.uuid))
                     .collect(),
+                free_shared: Vec::new(),
                 driver: NodeDriver::new(self.driver.0.as_deref(), self.driver.1.as_deref()),
             }
         }
@@ -875,6 +970,7 @@ mod tests {
             gpu_model: None,
             gpu_mem_min_mib: 0,
             mig: None,
+            fraction: None,
             constraints: &NONE,
             run_as_root: false,
             mounts: &[],
@@ -1322,6 +1418,7 @@ mod tests {
             model: model.map(String::from),
             mem_min_mib,
             mig: None,
+            fraction: None,
         }
     }
 
@@ -1931,6 +2028,7 @@ mod tests {
                     gpu_model: self.model,
                     gpu_mem_min_mib: self.mem,
                     mig: None,
+                    fraction: None,
                     constraints: &c,
                     run_as_root: self.run_as_root,
                     mounts: &[],

@@ -194,7 +194,8 @@ struct Walk<'s> {
 impl<'s> Walk<'s> {
     fn take(&mut self, job: &JobRecord, resources: &Resources, ps: &[Placement]) {
         for p in ps {
-            self.sim.take(&p.node, resources, &p.gpus);
+            self.sim
+                .take(&p.node, resources, &p.gpus, job.spec.placement.fraction);
             if !self.first_taker.contains_key(&p.node) {
                 self.first_taker.insert(p.node.clone(), job.id.clone());
             }
@@ -263,14 +264,15 @@ fn pass_job<'s>(
         }
     }
     let tenant = tenant_of(spec);
+    let quota_need = crate::scheduler::tenants::job_quota_gpus(spec);
     if let Some(&quota) = state.quotas().get(tenant) {
         let used = walk.tenant_gpus.get(tenant).copied().unwrap_or(0);
-        if need.gpus > 0 && used.saturating_add(need.gpus) > quota {
+        if quota_need > 0 && used.saturating_add(quota_need) > quota {
             return WaitReason::TenantQuota {
                 tenant: tenant.to_string(),
                 quota,
                 used,
-                asked: need.gpus,
+                asked: quota_need,
             };
         }
     }
@@ -294,7 +296,7 @@ fn pass_job<'s>(
     if let Some(ps) = fits {
         walk.take(job, &spec.resources, &ps);
         walk.usage = walk.usage.add(&need);
-        *walk.tenant_gpus.entry(tenant.to_string()).or_default() += need.gpus;
+        *walk.tenant_gpus.entry(tenant.to_string()).or_default() += quota_need;
         return if stopping_for_it > 0 {
             preempting_reason(stopping_for_it)
         } else {
@@ -308,17 +310,21 @@ fn pass_job<'s>(
             for v in &victims {
                 let victim_tenant = state.job(v).map_or("", |j| tenant_of(&j.spec));
                 for t in live_tasks(state, v) {
-                    walk.sim.give(&t.agent_id, &t.resources, &t.gpu_uuids);
+                    walk.sim
+                        .give(&t.agent_id, &t.resources, &t.gpu_uuids, t.fraction);
                     walk.usage = walk.usage.saturating_sub(&t.resources);
                     if let Some(g) = walk.tenant_gpus.get_mut(victim_tenant) {
-                        *g = g.saturating_sub(t.resources.gpus);
+                        *g = g.saturating_sub(crate::scheduler::tenants::quota_gpus(
+                            &t.resources,
+                            t.fraction,
+                        ));
                     }
                     freed += 1;
                 }
             }
             walk.take(job, &spec.resources, &ps);
             walk.usage = walk.usage.add(&need);
-            *walk.tenant_gpus.entry(tenant.to_string()).or_default() += need.gpus;
+            *walk.tenant_gpus.entry(tenant.to_string()).or_default() += quota_need;
             out.preemption = Some(Preemption {
                 job_id: job.id.clone(),
                 victims,
@@ -440,6 +446,14 @@ fn empty_views(state: &State) -> Vec<placement::NodeView<'_>> {
                 .gpus
                 .iter()
                 .flat_map(|g| g.mig_devices().iter().map(move |d| (g, d)))
+                .collect(),
+            // Every shared GPU, as if none of its fractions were held.
+            free_shared: a
+                .info
+                .gpus
+                .iter()
+                .filter(|g| state.share_mode(&g.uuid).is_some())
+                .map(|g| (g, g.memory_mib, 100))
                 .collect(),
             driver: placement::NodeDriver::new(
                 a.info.driver_version.as_deref(),
@@ -625,7 +639,7 @@ fn find_victims<'s>(
     let usable = |id: &str| may_use(reserved, job, id);
     for _ in 0..job.spec.replicas() {
         if let Some(p) = placement::place_task(req, &pool.views(&usable), policy) {
-            pool.take(&p.node, &req.resources, &p.gpus);
+            pool.take(&p.node, &req.resources, &p.gpus, req.fraction);
             placements.push(p);
             continue;
         }
@@ -662,13 +676,13 @@ fn find_victims<'s>(
         let (_, node, set) = best?;
         for v in &set {
             for t in live_tasks(state, v) {
-                pool.give(&t.agent_id, &t.resources, &t.gpu_uuids);
+                pool.give(&t.agent_id, &t.resources, &t.gpu_uuids, t.fraction);
             }
         }
         chosen.extend(set);
         let view = pool.node(&node)?.view();
         let p = placement::place_task(req, std::slice::from_ref(&view), policy)?;
-        pool.take(&p.node, &req.resources, &p.gpus);
+        pool.take(&p.node, &req.resources, &p.gpus, req.fraction);
         placements.push(p);
     }
     if chosen.is_empty() {

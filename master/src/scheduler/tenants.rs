@@ -25,6 +25,18 @@ pub struct TenantUsage {
     pub running: u32,
 }
 
+/// What a task counts against its tenant's GPU quota: its devices (GPUs,
+/// MIG devices), or one for a fraction of a shared GPU (conservative, as
+/// for a MIG device: weighting by size is left to fair shares, issue 35).
+pub fn quota_gpus(resources: &Resources, fraction: Option<gpuctl_core::types::GpuFraction>) -> u32 {
+    resources.gpus.saturating_add(u32::from(fraction.is_some()))
+}
+
+/// What a job's attempt counts against its tenant's GPU quota.
+pub fn job_quota_gpus(spec: &gpuctl_core::types::JobSpec) -> u32 {
+    quota_gpus(&spec.resources, spec.placement.fraction).saturating_mul(spec.replicas())
+}
+
 /// Every tenant with a job in the state, with what it uses.
 pub fn usage(state: &State) -> BTreeMap<String, TenantUsage> {
     let mut out: BTreeMap<String, TenantUsage> = BTreeMap::new();
@@ -40,7 +52,7 @@ pub fn usage(state: &State) -> BTreeMap<String, TenantUsage> {
         if !t.holds_resources() || t.kill_requested {
             continue;
         }
-        let gpus = t.resources.gpus;
+        let gpus = quota_gpus(&t.resources, t.fraction);
         if t.framework_id.is_empty() {
             if let Some(j) = state.job(&t.job_id) {
                 let u = out.entry(tenant_of(&j.spec).to_string()).or_default();

@@ -167,8 +167,8 @@ pub fn rule(path: &str) -> Option<Rule> {
             _ => return None,
         },
         "gpuctl.v1.Operator" => match method {
-            "AddMaster" | "RemoveMaster" | "CordonGpu" | "SetMigLayout" | "DrainAgent"
-            | "UndrainAgent" => Rule::Tokens(ADMIN),
+            "AddMaster" | "RemoveMaster" | "CordonGpu" | "SetMigLayout" | "ShareGpu"
+            | "DrainAgent" | "UndrainAgent" => Rule::Tokens(ADMIN),
             "SubmitJob" | "GetJob" | "WatchJob" | "ListJobs" | "CancelJob" | "JobLogs" => {
                 Rule::Tokens(JOBS)
             }
@@ -410,6 +410,7 @@ mod tests {
                     "ListGpus",
                     "CordonGpu",
                     "SetMigLayout",
+                    "ShareGpu",
                     "DrainAgent",
                     "UndrainAgent",
                     "JobLogs",

@@ -281,6 +281,9 @@ mod tests {
                 gpu_mem_min_mib: MAX_MEM_MIB,
                 // The longest profile name (legal with 1 GPU per task).
                 mig: format!("1g.{}gb", "1".repeat(MAX_MIG_PROFILE_LEN - 5)),
+                // A fraction excludes a MIG device, and is shorter.
+                gpu_mem_mib: 0,
+                gpu_compute_pct: 0,
                 constraints: (0..MAX_CONSTRAINTS)
                     .map(|i| {
                         (

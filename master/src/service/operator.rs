@@ -157,6 +157,18 @@ fn gpu_status(
             .collect(),
         mig_change: state.mig_change(&g.uuid).map(mig_change_to_pb),
         mig_error: state.mig_error(&g.uuid).unwrap_or_default().to_string(),
+        share_mode: state
+            .share_mode(&g.uuid)
+            .map(|m| m.to_string())
+            .unwrap_or_default(),
+        shares: state
+            .share_holders(&agent.info.id, &g.uuid)
+            .map(|(t, f)| pb::GpuShareHolder {
+                task_id: t.to_string(),
+                mem_mib: f.mem_mib,
+                compute_pct: f.compute_pct,
+            })
+            .collect(),
     }
 }
 
@@ -368,6 +380,13 @@ impl pb::operator_server::Operator for OperatorService {
         req: Request<pb::ListGpusRequest>,
     ) -> Result<Response<pb::ListGpusResponse>, Status> {
         reply(self.list_gpus(req.into_inner()).await)
+    }
+
+    async fn share_gpu(
+        &self,
+        req: Request<pb::ShareGpuRequest>,
+    ) -> Result<Response<pb::GpuStatus>, Status> {
+        reply(self.share_gpu(req.into_inner()).await)
     }
 
     async fn set_mig_layout(
@@ -717,6 +736,37 @@ impl OperatorService {
                     .map(|g| gpu_status(&state, a, g, &samples))
             })
             .ok_or_else(|| ServiceError::not_found(Missing::Gpu, uuid))
+    }
+
+    async fn share_gpu(&self, req: pb::ShareGpuRequest) -> Result<pb::GpuStatus, ServiceError> {
+        gpuctl_core::convert::check_id("uuid", &req.uuid)?;
+        let mode = if req.mode.is_empty() {
+            None
+        } else {
+            Some(
+                req.mode
+                    .parse::<gpuctl_core::types::ShareMode>()
+                    .map_err(|e| gpuctl_core::convert::ConvertError::new("mode", e))?,
+            )
+        };
+        // The agent does not run MPS yet: a GPU marked mps would promise
+        // limits nobody enforces.
+        if mode == Some(gpuctl_core::types::ShareMode::Mps) {
+            return Err(gpuctl_core::convert::ConvertError::new(
+                "mode",
+                "mps sharing is not built yet (issue 34): its limits would not be enforced; use time-slice (no limit, the scheduler still counts)",
+            )
+            .into());
+        }
+        self.ctx
+            .raft
+            .propose(Command::ShareGpu {
+                gpu_uuid: req.uuid.clone(),
+                mode,
+            })
+            .await?;
+        tracing::info!(uuid = %req.uuid, mode = ?mode, "GPU sharing changed");
+        self.gpu_status_of(&req.uuid)
     }
 
     async fn set_mig_layout(

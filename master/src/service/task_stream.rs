@@ -165,6 +165,7 @@ mod tests {
 
     fn task(id: &str, env_bytes: usize) -> TaskSpec {
         TaskSpec {
+            share: None,
             task_id: id.into(),
             job_id: "job-1".into(),
             framework_id: String::new(),

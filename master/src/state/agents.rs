@@ -807,6 +807,7 @@ mod tests {
                     model: None,
                     mem_min_mib: 0,
                     mig: None,
+                    fraction: None,
                 }),
                 among: vec![],
                 largest: Some(1.0)

@@ -16,21 +16,28 @@ use super::{AgentState, Command, JobRecord, State, TaskReason};
 pub(super) struct Pending {
     pub(super) resources: std::collections::BTreeMap<String, Resources>,
     pub(super) gpus: BTreeSet<String>,
+    /// Fractions given, by GPU: memory (MiB) and compute (percent).
+    pub(super) shares: std::collections::BTreeMap<String, (u64, u32)>,
     /// Host ports given, by agent.
     pub(super) ports: std::collections::BTreeMap<String, BTreeSet<u16>>,
 }
 
-/// Which devices a launch may name: a job's are whole GPUs, or MIG
-/// devices of its profile (`placement.mig`); a framework names either.
+/// Which devices a launch may name: a job's are whole GPUs, MIG devices
+/// of its profile (`placement.mig`), or a fraction of one shared GPU
+/// (`placement.fraction`); a framework names whole GPUs or MIG devices.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Wants<'a> {
     Whole,
     Mig(&'a str),
+    Fraction(gpuctl_core::types::GpuFraction),
     Any,
 }
 
 impl<'a> Wants<'a> {
     pub(super) fn of_job(spec: &'a gpuctl_core::types::JobSpec) -> Wants<'a> {
+        if let Some(f) = spec.placement.fraction {
+            return Wants::Fraction(f);
+        }
         spec.placement
             .mig
             .as_deref()
@@ -232,6 +239,7 @@ impl State {
             Command::UpdateTaskStatus { update, at_ms } => self.update_task(update, *at_ms),
             Command::CancelJob { job_id, at_ms } => self.cancel_job(job_id, *at_ms),
             Command::SetGpuHealth { agent_id, gpus, .. } => self.set_gpu_health(agent_id, gpus),
+            Command::ShareGpu { gpu_uuid, mode } => self.share_gpu(gpu_uuid, *mode),
             Command::SetMigLayout {
                 gpu_uuid,
                 profiles,
@@ -406,14 +414,22 @@ impl State {
                 "agent {agent_id} has no {runtime} runtime"
             )));
         }
-        if gpus.len() != resources.gpus as usize {
+        if let Wants::Fraction(f) = wants {
+            self.check_fraction(agent, gpus, f, pending)?;
+        } else if gpus.len() != resources.gpus as usize {
             return Err(ApplyError::DoesNotFit(format!(
                 "{} GPUs asked for, {} named",
                 resources.gpus,
                 gpus.len()
             )));
         }
-        for uuid in gpus {
+        // (A fraction's GPU was checked above.)
+        let devices = if matches!(wants, Wants::Fraction(_)) {
+            &[][..]
+        } else {
+            gpus
+        };
+        for uuid in devices {
             let Some(device) = find_device(&agent.info.gpus, uuid) else {
                 return Err(ApplyError::DoesNotFit(format!(
                     "GPU {uuid} is not on agent {agent_id}"
@@ -462,6 +478,12 @@ impl State {
                     gpu.uuid
                 )));
             }
+            if let Some(m) = self.shared.get(&gpu.uuid) {
+                return Err(ApplyError::DoesNotFit(format!(
+                    "GPU {} is shared ({m}): it is given only as fractions",
+                    gpu.uuid
+                )));
+            }
             // A MIG device's parent must not be held whole, nor the device.
             for held in [uuid.as_str(), gpu.uuid.as_str()] {
                 if let Some(owner) = self.gpu_owner.get(held) {
@@ -498,6 +520,69 @@ impl State {
         pending.resources.insert(agent_id.to_string(), more);
         pending.gpus.extend(gpus.iter().cloned());
         Ok(ports)
+    }
+
+    /// A fraction's one GPU: shared, healthy, not cordoned, and holding
+    /// it beside the fractions already there (and those of earlier
+    /// launches of the same command, which `pending` gains on success).
+    fn check_fraction(
+        &self,
+        agent: &super::AgentRecord,
+        gpus: &[String],
+        f: gpuctl_core::types::GpuFraction,
+        pending: &mut Pending,
+    ) -> Result<(), ApplyError> {
+        let agent_id = agent.info.id.as_str();
+        let [uuid] = gpus else {
+            return Err(ApplyError::DoesNotFit(format!(
+                "a fraction is of one GPU, {} named",
+                gpus.len()
+            )));
+        };
+        let Some(gpu) = agent.info.gpus.iter().find(|g| &g.uuid == uuid) else {
+            return Err(ApplyError::DoesNotFit(format!(
+                "GPU {uuid} is not on agent {agent_id}"
+            )));
+        };
+        if !self.shared.contains_key(uuid) {
+            return Err(ApplyError::DoesNotFit(format!(
+                "GPU {uuid} is not shared: fractions go only to GPUs marked shareable (gpuctl gpus share)"
+            )));
+        }
+        if !gpu.healthy {
+            return Err(ApplyError::DoesNotFit(format!("GPU {uuid} is unhealthy")));
+        }
+        if self.cordoned.contains(uuid) {
+            return Err(ApplyError::DoesNotFit(format!("GPU {uuid} is cordoned")));
+        }
+        // Sharing is refused for these; checked anyway.
+        if gpu.mig.enabled {
+            return Err(ApplyError::DoesNotFit(format!("GPU {uuid} is in MIG mode")));
+        }
+        if let Some(owner) = self.gpu_owner.get(uuid) {
+            return Err(ApplyError::GpuTaken {
+                gpu: uuid.clone(),
+                task_id: owner.clone(),
+            });
+        }
+        let (mem, pct) = self.share_used(agent_id, uuid);
+        let (pm, pp) = pending.shares.get(uuid).copied().unwrap_or_default();
+        let used = (mem.saturating_add(pm), pct.saturating_add(pp));
+        if !State::fraction_fits(gpu, used, f) {
+            return Err(ApplyError::DoesNotFit(format!(
+                "GPU {uuid} has {} MiB and {}% of compute left, the fraction asks {} MiB and {}%",
+                gpu.memory_mib.saturating_sub(used.0),
+                100u32.saturating_sub(used.1),
+                f.mem_mib,
+                f.compute_pct
+            )));
+        }
+        let e = pending.shares.entry(uuid.clone()).or_default();
+        *e = (
+            e.0.saturating_add(f.mem_mib),
+            e.1.saturating_add(f.compute_pct),
+        );
+        Ok(())
     }
 
     /// The `n` lowest ports of the agent's range that no task holding

@@ -117,6 +117,13 @@ pub enum Command {
         uuid: GpuUuid,
         cordon: bool,
     },
+    /// Mark a GPU shareable by fractions with `mode`, or not (`None`):
+    /// `gpuctl gpus share`. Refused for a GPU in MIG mode or held whole,
+    /// and, to stop or change sharing, while fractions of it are held.
+    ShareGpu {
+        gpu_uuid: GpuUuid,
+        mode: Option<gpuctl_core::types::ShareMode>,
+    },
     /// Change a GPU's MIG layout (`gpuctl gpus mig set`, or the leader's
     /// `--mig-auto`): its MIG devices afterwards, by profile, or MIG mode
     /// off. Refused while anything holds the GPU or its MIG devices.
@@ -303,6 +310,7 @@ impl Command {
             Command::PreemptJobs { .. } => "preempt_jobs",
             Command::CordonGpu { .. } => "cordon_gpu",
             Command::SetMigLayout { .. } => "set_mig_layout",
+            Command::ShareGpu { .. } => "share_gpu",
             Command::MigLayoutDone { .. } => "mig_layout_done",
             Command::SetGpuHealth { .. } => "set_gpu_health",
             Command::SubscribeFramework { .. } => "subscribe_framework",

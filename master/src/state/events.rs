@@ -191,13 +191,11 @@ pub(super) fn queued_words(spec: &gpuctl_core::types::JobSpec) -> String {
     } else {
         String::new()
     };
-    let what = match &spec.placement.mig {
-        Some(p) => format!(
-            "{} MIG device{} {p}",
-            r.gpus,
-            if r.gpus == 1 { "" } else { "s" }
-        ),
-        None => format!("{} GPU{}", r.gpus, if r.gpus == 1 { "" } else { "s" }),
+    let plural = if r.gpus == 1 { "" } else { "s" };
+    let what = match (&spec.placement.mig, spec.placement.fraction) {
+        (_, Some(f)) => format!("a fraction of a shared GPU ({} MiB)", f.mem_mib),
+        (Some(p), None) => format!("{} MIG device{plural} {p}", r.gpus),
+        (None, None) => format!("{} GPU{plural}", r.gpus),
     };
     format!(
         "submitted: {gang}{what}, priority {}; waiting for placement",

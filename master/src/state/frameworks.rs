@@ -216,6 +216,8 @@ impl State {
                 holding: false,
                 released: false,
                 ports,
+                // Frameworks are not offered fractions yet (issue 34).
+                fraction: None,
             };
             match refusal {
                 Some(reason) => {

@@ -80,8 +80,13 @@ impl State {
             job.preempted_by = None;
             job.stopping = None;
             let resources = job.spec.resources;
-            for uuid in &l.gpu_uuids {
-                self.gpu_owner.insert(uuid.clone(), task_id.clone());
+            let fraction = job.spec.placement.fraction;
+            // A fraction shares its GPU: it is counted from the tasks
+            // (`State::share_used`), never owned.
+            if fraction.is_none() {
+                for uuid in &l.gpu_uuids {
+                    self.gpu_owner.insert(uuid.clone(), task_id.clone());
+                }
             }
             if let Some(agent) = self.agents.get_mut(&l.agent_id) {
                 agent.allocated = agent.allocated.add(&resources);
@@ -111,6 +116,7 @@ impl State {
                     holding: false,
                     released: false,
                     ports,
+                    fraction,
                 },
             );
             let gpus = if l.gpu_uuids.is_empty() {

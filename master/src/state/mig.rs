@@ -117,6 +117,14 @@ impl State {
         let Some(gpu) = agent.info.gpus.iter().find(|g| g.uuid == gpu_uuid) else {
             return Err(invalid("uuid", format!("no agent has GPU {gpu_uuid}")));
         };
+        if let Some(m) = self.shared.get(gpu_uuid) {
+            return Err(invalid(
+                "uuid",
+                format!(
+                    "GPU {gpu_uuid} is shared ({m}): unshare it first (gpuctl gpus share --off)"
+                ),
+            ));
+        }
         if !gpu.mig.capable {
             return Err(invalid(
                 "uuid",

@@ -16,6 +16,9 @@ pub mod mig;
 mod mig_tests;
 pub mod requests;
 mod retention;
+pub mod share;
+#[cfg(test)]
+mod share_tests;
 pub mod tables;
 #[cfg(test)]
 pub(crate) mod testkit;
@@ -240,6 +243,10 @@ pub struct TaskRecord {
     /// many as `resources.ports`; freed with its resources.
     #[serde(default)]
     pub ports: Vec<u16>,
+    /// The fraction it holds of its one GPU (`gpu_uuids`), a shared GPU;
+    /// `None` for a task of whole GPUs or MIG devices.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fraction: Option<gpuctl_core::types::GpuFraction>,
 }
 
 impl TaskRecord {
@@ -332,6 +339,10 @@ pub struct State {
     /// Why the last layout change of a GPU failed (cleared by a success).
     #[serde(default)]
     mig_errors: BTreeMap<GpuUuid, String>,
+    /// GPUs an admin marked shareable (`gpuctl gpus share`): given only
+    /// as fractions, never whole nor split into MIG devices.
+    #[serde(default)]
+    shared: BTreeMap<GpuUuid, gpuctl_core::types::ShareMode>,
     /// Index of the last log entry applied.
     applied_index: u64,
 }
@@ -538,6 +549,15 @@ impl State {
             (None, None) => return None,
         };
         Some(TaskSpec {
+            // A fraction's GPU stays shared while the fraction is held.
+            share: t.fraction.map(|fraction| gpuctl_core::types::TaskShare {
+                fraction,
+                mode: t
+                    .gpu_uuids
+                    .first()
+                    .and_then(|g| self.share_mode(g))
+                    .unwrap_or(gpuctl_core::types::ShareMode::TimeSlice),
+            }),
             task_id: t.id.clone(),
             job_id: t.job_id.clone(),
             framework_id: t.framework_id.clone(),
@@ -660,6 +680,7 @@ impl State {
             && !gpu.mig.enabled
             && !self.cordoned.contains(&gpu.uuid)
             && !self.mig_changes.contains_key(&gpu.uuid)
+            && !self.shared.contains_key(&gpu.uuid)
     }
 
     /// Whether new tasks may get this device (held or not): a schedulable

@@ -360,6 +360,7 @@ mod tests {
             holding: false,
             released: false,
             ports: Vec::new(),
+            fraction: None,
         }
     }
 

@@ -1,0 +1,111 @@
+//! GPUs shared by fractions (issue 34). An admin marks a GPU shareable
+//! (`ShareGpu`, with its mode); from then on it is given only as
+//! fractions (`--gpu-mem`, `--gpu-compute`), never whole nor split into
+//! MIG devices. What a GPU's fractions hold is counted from the tasks that
+//! hold them (`TaskRecord::fraction`), so it cannot drift from them; a
+//! launch is refused unless the GPU's memory and its 100% of compute
+//! hold every fraction on it.
+//!
+//! Not built yet: the agent's enforcement (MPS, the driver's memory cap)
+//! and framework offers of fractions.
+
+use gpuctl_core::types::{GpuFraction, GpuInfo, ShareMode};
+
+use super::{ApplyError, Outcome, State};
+
+impl State {
+    /// How a GPU is shared; `None`: it is not.
+    pub fn share_mode(&self, gpu_uuid: &str) -> Option<ShareMode> {
+        self.shared.get(gpu_uuid).copied()
+    }
+
+    /// What the fractions on a GPU of `agent_id` hold: memory (MiB) and
+    /// compute (percent), over its tasks that hold resources.
+    pub fn share_used(&self, agent_id: &str, gpu_uuid: &str) -> (u64, u32) {
+        self.tasks
+            .on(agent_id)
+            .filter(|t| t.holds_resources() && t.gpu_uuids.iter().any(|g| g == gpu_uuid))
+            .filter_map(|t| t.fraction)
+            .fold((0, 0), |(m, c), f| {
+                (m.saturating_add(f.mem_mib), c.saturating_add(f.compute_pct))
+            })
+    }
+
+    /// The tasks holding fractions of a GPU of `agent_id`.
+    pub fn share_holders<'s>(
+        &'s self,
+        agent_id: &'s str,
+        gpu_uuid: &'s str,
+    ) -> impl Iterator<Item = (&'s str, GpuFraction)> + 's {
+        self.tasks
+            .on(agent_id)
+            .filter(move |t| t.holds_resources() && t.gpu_uuids.iter().any(|g| g == gpu_uuid))
+            .filter_map(|t| Some((t.id.as_str(), t.fraction?)))
+    }
+
+    /// Whether `f` fits beside `used` on `gpu`.
+    pub fn fraction_fits(gpu: &GpuInfo, used: (u64, u32), f: GpuFraction) -> bool {
+        used.0.saturating_add(f.mem_mib) <= gpu.memory_mib
+            && used.1.saturating_add(f.compute_pct) <= 100
+    }
+
+    pub(super) fn share_gpu(
+        &mut self,
+        gpu_uuid: &str,
+        mode: Option<ShareMode>,
+    ) -> Result<Outcome, ApplyError> {
+        let invalid = |reason: String| ApplyError::Invalid {
+            field: "uuid".into(),
+            reason,
+        };
+        let Some((agent_id, gpu)) = self.agents.values().find_map(|a| {
+            a.info
+                .gpus
+                .iter()
+                .find(|g| g.uuid == gpu_uuid)
+                .map(|g| (a.info.id.as_str(), g))
+        }) else {
+            return Err(invalid(format!("no agent has GPU {gpu_uuid}")));
+        };
+        match mode {
+            Some(_) => {
+                if gpu.mig.enabled || gpu.mig.pending == Some(true) {
+                    return Err(invalid(format!(
+                        "GPU {gpu_uuid} is in MIG mode: it is shared through its MIG devices (gpuctl gpus mig set --disable first)"
+                    )));
+                }
+                if let Some(c) = self.mig_changes.get(gpu_uuid) {
+                    return Err(invalid(format!(
+                        "GPU {gpu_uuid} is being repartitioned (change {})",
+                        c.generation
+                    )));
+                }
+                if let Some(t) = self.gpu_owner.get(gpu_uuid) {
+                    return Err(invalid(format!(
+                        "GPU {gpu_uuid} is held whole by task {t}: it can be shared once that ends"
+                    )));
+                }
+                let current = self.shared.get(gpu_uuid).copied();
+                if current.is_some() && current != mode {
+                    if let Some((t, _)) = self.share_holders(agent_id, gpu_uuid).next() {
+                        return Err(invalid(format!(
+                            "GPU {gpu_uuid} has fractions held (task {t}): its mode changes once they end"
+                        )));
+                    }
+                }
+            }
+            None => {
+                if let Some((t, _)) = self.share_holders(agent_id, gpu_uuid).next() {
+                    return Err(invalid(format!(
+                        "GPU {gpu_uuid} has fractions held (task {t}): it stops being shared once they end"
+                    )));
+                }
+            }
+        }
+        match mode {
+            Some(m) => self.shared.insert(gpu_uuid.to_string(), m),
+            None => self.shared.remove(gpu_uuid),
+        };
+        Ok(Outcome::Done)
+    }
+}

@@ -1,0 +1,308 @@
+//! Fractions of shared GPUs in the state machine and the built-in
+//! scheduler: never more memory nor more than 100% of compute given than
+//! a GPU has, a shared GPU never given whole nor split into MIG devices.
+
+use gpuctl_core::types::{GpuFraction, JobSpec, Resources, ShareMode, TaskState};
+use proptest::prelude::*;
+
+use super::testkit::{register, status, Driver};
+use super::{ApplyError, Command, Outcome, State};
+
+/// Agent `a` with two A100s of 40960 MiB (`GPU-a-0`, `GPU-a-1`).
+fn driver() -> Driver {
+    Driver::new(&[("a", 2)])
+}
+
+fn share(d: &mut Driver, gpu: &str, mode: Option<ShareMode>) -> Result<Outcome, ApplyError> {
+    d.apply(Command::ShareGpu {
+        gpu_uuid: gpu.into(),
+        mode,
+    })
+}
+
+fn spec(fraction: Option<(u64, u32)>, gpus: u32) -> JobSpec {
+    let mut s = JobSpec::new(
+        "f",
+        vec!["true".into()],
+        Resources {
+            cpus: 0.5,
+            mem_mib: 64,
+            gpus,
+            ports: 0,
+        },
+    );
+    s.placement.fraction = fraction.map(|(mem_mib, compute_pct)| GpuFraction {
+        mem_mib,
+        compute_pct,
+    });
+    s
+}
+
+fn submit(d: &mut Driver, spec: JobSpec) -> String {
+    match d
+        .apply(Command::SubmitJob {
+            spec,
+            at_ms: 1,
+            request_id: None,
+        })
+        .unwrap()
+    {
+        Outcome::JobSubmitted { job_id } => job_id,
+        o => panic!("{o:?}"),
+    }
+}
+
+fn place(d: &Driver) -> Vec<crate::state::Launch> {
+    crate::scheduler::place(&d.s, &Default::default(), &Default::default())
+}
+
+/// What breaks the fraction invariant, in words.
+fn violations(s: &State) -> Vec<String> {
+    let mut bad = s.invariant_violations();
+    for a in s.agents().values() {
+        for g in &a.info.gpus {
+            let (m, c) = s.share_used(&a.info.id, &g.uuid);
+            if m > g.memory_mib || c > 100 {
+                bad.push(format!("{} over-committed: {m} MiB, {c}%", g.uuid));
+            }
+            if s.share_mode(&g.uuid).is_some() && s.gpu_owner(&g.uuid).is_some() {
+                bad.push(format!("{} shared and held whole", g.uuid));
+            }
+            if s.share_mode(&g.uuid).is_none() && m > 0 {
+                bad.push(format!("{} not shared but holds fractions", g.uuid));
+            }
+        }
+    }
+    bad
+}
+
+#[test]
+fn a_shared_gpu_takes_fractions_up_to_its_memory_and_compute_only() {
+    let mut d = driver();
+    share(&mut d, "GPU-a-0", Some(ShareMode::TimeSlice)).unwrap();
+    // Four quarters of 40960 MiB fit; a fifth does not.
+    for _ in 0..4 {
+        let j = submit(&mut d, spec(Some((10240, 0)), 0));
+        d.launch_at(&j, &[("a", &["GPU-a-0"])], 2).unwrap();
+    }
+    assert_eq!(d.s.share_used("a", "GPU-a-0"), (40960, 0));
+    let j = submit(&mut d, spec(Some((1, 0)), 0));
+    let before = d.s.clone();
+    let err = d.launch_at(&j, &[("a", &["GPU-a-0"])], 2).unwrap_err();
+    assert!(err.to_string().contains("0 MiB"), "{err}");
+    let mut after = d.s.clone();
+    after.applied_index = before.applied_index;
+    assert_eq!(after, before, "a refused fraction changed the state");
+    // Not to a GPU that is not shared, nor to two GPUs.
+    let err = d.launch_at(&j, &[("a", &["GPU-a-1"])], 2).unwrap_err();
+    assert!(err.to_string().contains("not shared"), "{err}");
+    let err = d
+        .launch_at(&j, &[("a", &["GPU-a-0", "GPU-a-1"])], 2)
+        .unwrap_err();
+    assert!(err.to_string().contains("one GPU"), "{err}");
+    // Compute: 60% + 50% is over.
+    share(&mut d, "GPU-a-1", Some(ShareMode::TimeSlice)).unwrap();
+    let a = submit(&mut d, spec(Some((100, 60)), 0));
+    d.launch_at(&a, &[("a", &["GPU-a-1"])], 2).unwrap();
+    let b = submit(&mut d, spec(Some((100, 50)), 0));
+    let err = d.launch_at(&b, &[("a", &["GPU-a-1"])], 2).unwrap_err();
+    assert!(err.to_string().contains("40%"), "{err}");
+    // Two fractions in one command count together.
+    let c = submit(&mut d, spec(Some((100, 30)), 0));
+    let e = submit(&mut d, spec(Some((100, 30)), 0));
+    let err = d
+        .apply(Command::LaunchTasks {
+            launches: [&c, &e]
+                .iter()
+                .map(|j| crate::state::Launch {
+                    job_id: (*j).clone(),
+                    agent_id: "a".into(),
+                    gpu_uuids: vec!["GPU-a-1".into()],
+                })
+                .collect(),
+            at_ms: 3,
+        })
+        .unwrap_err();
+    assert!(err.to_string().contains("compute"), "{err}");
+    assert!(violations(&d.s).is_empty(), "{:?}", violations(&d.s));
+}
+
+#[test]
+fn a_shared_gpu_is_never_given_whole_nor_split_and_stays_shared_while_held() {
+    let mut d = driver();
+    let whole = submit(&mut d, spec(None, 1));
+    d.launch_at(&whole, &[("a", &["GPU-a-1"])], 2).unwrap();
+    // Held whole: not shared until that ends.
+    let err = share(&mut d, "GPU-a-1", Some(ShareMode::TimeSlice)).unwrap_err();
+    assert!(err.to_string().contains("held whole"), "{err}");
+    share(&mut d, "GPU-a-0", Some(ShareMode::TimeSlice)).unwrap();
+    let w2 = submit(&mut d, spec(None, 1));
+    let err = d.launch_at(&w2, &[("a", &["GPU-a-0"])], 2).unwrap_err();
+    assert!(err.to_string().contains("shared"), "{err}");
+    assert!(
+        place(&d).iter().all(|l| l.job_id != w2),
+        "placed whole on a shared GPU"
+    );
+    let err = d
+        .apply(Command::SetMigLayout {
+            gpu_uuid: "GPU-a-0".into(),
+            profiles: vec![],
+            disable: false,
+            by: "t".into(),
+            at_ms: 2,
+        })
+        .unwrap_err();
+    assert!(err.to_string().contains("shared"), "{err}");
+    // A fraction held: not unshared, nor switched to another mode.
+    let f = submit(&mut d, spec(Some((512, 0)), 0));
+    d.launch_at(&f, &[("a", &["GPU-a-0"])], 2).unwrap();
+    assert!(share(&mut d, "GPU-a-0", None).is_err());
+    assert!(share(&mut d, "GPU-a-0", Some(ShareMode::Mps)).is_err());
+    d.apply(Command::UpdateTaskStatus {
+        update: status("a", &format!("{f}.0"), TaskState::Finished),
+        at_ms: 4,
+    })
+    .unwrap();
+    share(&mut d, "GPU-a-0", None).unwrap();
+    assert!(violations(&d.s).is_empty(), "{:?}", violations(&d.s));
+}
+
+#[test]
+fn the_scheduler_packs_fractions_onto_the_fewest_gpus_and_the_fifth_waits() {
+    let mut d = Driver::new(&[]);
+    d.apply(register("a", 3)).unwrap();
+    share(&mut d, "GPU-a-0", Some(ShareMode::TimeSlice)).unwrap();
+    share(&mut d, "GPU-a-1", Some(ShareMode::TimeSlice)).unwrap();
+    // One quarter already on GPU-a-1: bundle fills it first.
+    let first = submit(&mut d, spec(Some((10240, 0)), 0));
+    d.launch_at(&first, &[("a", &["GPU-a-1"])], 2).unwrap();
+    let jobs: Vec<String> = (0..3)
+        .map(|_| submit(&mut d, spec(Some((10240, 0)), 0)))
+        .collect();
+    let whole = submit(&mut d, spec(None, 1));
+    let l = place(&d);
+    for j in &jobs {
+        let got = l.iter().find(|x| &x.job_id == j).expect("placed");
+        assert_eq!(got.gpu_uuids, ["GPU-a-1"], "{l:?}");
+    }
+    let got = l.iter().find(|x| x.job_id == whole).unwrap();
+    assert_eq!(
+        got.gpu_uuids,
+        ["GPU-a-2"],
+        "whole GPUs only where not shared"
+    );
+    d.apply(Command::LaunchTasks {
+        launches: l,
+        at_ms: 3,
+    })
+    .unwrap();
+    assert_eq!(d.s.share_used("a", "GPU-a-1"), (40960, 0));
+    // The next goes to the other shared GPU; one bigger than any waits.
+    let next = submit(&mut d, spec(Some((10240, 0)), 0));
+    let l = place(&d);
+    assert_eq!(
+        l.iter().find(|x| x.job_id == next).unwrap().gpu_uuids,
+        ["GPU-a-0"]
+    );
+    let huge = submit(&mut d, spec(Some((81920, 0)), 0));
+    let w = crate::scheduler::queue::wait_reason(&d.s, &Default::default(), &huge).unwrap();
+    let words = gpuctl_core::wait_words::WaitReasonJson::from_pb(&(&w).into())
+        .unwrap()
+        .to_string();
+    assert!(
+        words.contains("a shared GPU with room for 81920 MiB"),
+        "{words}"
+    );
+    assert!(violations(&d.s).is_empty());
+}
+
+#[test]
+fn a_fraction_counts_as_one_gpu_against_a_quota() {
+    let mut d = driver();
+    share(&mut d, "GPU-a-0", Some(ShareMode::TimeSlice)).unwrap();
+    d.apply(Command::SetQuota {
+        tenant: "default".into(),
+        gpus: 1,
+    })
+    .unwrap();
+    let a = submit(&mut d, spec(Some((1024, 0)), 0));
+    let b = submit(&mut d, spec(Some((1024, 0)), 0));
+    let l = place(&d);
+    assert_eq!(l.len(), 1, "{l:?}");
+    assert_eq!(l[0].job_id, a);
+    assert!(l.iter().all(|x| x.job_id != b));
+}
+
+#[derive(Debug, Clone)]
+enum Step {
+    /// A job of this fraction launched on GPU `g` (0 or 1).
+    Launch { mem: u64, pct: u32, g: u8 },
+    /// The n-th live fraction task ends.
+    End(usize),
+    /// Share or unshare GPU `g`.
+    Share(u8, bool),
+    /// A whole-GPU job launched on GPU `g`.
+    Whole(u8),
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    prop_oneof![
+        6 => (1u64..30_000, 0u32..70, 0u8..2).prop_map(|(mem, pct, g)| Step::Launch { mem, pct, g }),
+        3 => (0usize..8).prop_map(Step::End),
+        1 => (0u8..2, any::<bool>()).prop_map(|(g, on)| Step::Share(g, on)),
+        1 => (0u8..2).prop_map(Step::Whole),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+    /// Whatever is asked in whatever order, a GPU's fractions never hold
+    /// more memory than it has nor more than 100% of its compute, a shared
+    /// GPU is never held whole, and a refused command changes nothing.
+    #[test]
+    fn fractions_never_over_commit_a_gpu(steps in proptest::collection::vec(step(), 1..40)) {
+        let mut d = driver();
+        let mut live: Vec<String> = Vec::new();
+        for s in steps {
+            let before = d.s.clone();
+            let r = match s {
+                Step::Launch { mem, pct, g } => {
+                    let j = submit(&mut d, spec(Some((mem, pct)), 0));
+                    let uuid = format!("GPU-a-{g}");
+                    let r = d.launch_at(&j, &[("a", &[uuid.as_str()])], 2);
+                    if r.is_ok() {
+                        live.push(format!("{j}.0"));
+                    }
+                    r.map(|_| ())
+                }
+                Step::End(n) if !live.is_empty() => {
+                    let t = live.remove(n % live.len());
+                    d.apply(Command::UpdateTaskStatus {
+                        update: status("a", &t, TaskState::Finished),
+                        at_ms: 3,
+                    })
+                    .map(|_| ())
+                }
+                Step::End(_) => Ok(()),
+                Step::Share(g, on) => share(
+                    &mut d,
+                    &format!("GPU-a-{g}"),
+                    on.then_some(ShareMode::TimeSlice),
+                )
+                .map(|_| ()),
+                Step::Whole(g) => {
+                    let j = submit(&mut d, spec(None, 1));
+                    let uuid = format!("GPU-a-{g}");
+                    d.launch_at(&j, &[("a", &[uuid.as_str()])], 2).map(|_| ())
+                }
+            };
+            if r.is_err() && !matches!(s, Step::Launch { .. } | Step::Whole(_)) {
+                let mut after = d.s.clone();
+                after.applied_index = before.applied_index;
+                prop_assert_eq!(after, before);
+            }
+            let bad = violations(&d.s);
+            prop_assert!(bad.is_empty(), "{:?}", bad);
+        }
+    }
+}
