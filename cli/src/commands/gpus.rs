@@ -126,12 +126,7 @@ pub async fn run(master: &mut Master, args: GpusArgs, out: &mut dyn Write) -> Re
                     async move { c.share_gpu(req).await }
                 })
                 .await?;
-            if flags.json {
-                out.write_all(output::to_json(&GpuStatusJson::from(&status))?.as_bytes())?;
-            } else {
-                out.write_all(output::gpus_table(&[status]).render().as_bytes())?;
-            }
-            return Ok(());
+            return print_gpu(&status, &flags, out);
         }
     };
     // Setting a flag to a value is idempotent: safe to resend.
@@ -144,10 +139,23 @@ pub async fn run(master: &mut Master, args: GpusArgs, out: &mut dyn Write) -> Re
             async move { c.cordon_gpu(req).await }
         })
         .await?;
+    print_gpu(&status, &flags, out)
+}
+
+/// One GPU after a change: its JSON object, or its rows of `gpus`.
+fn print_gpu(
+    status: &pb::GpuStatus,
+    flags: &JsonFlag,
+    out: &mut dyn Write,
+) -> Result<(), CliError> {
     if flags.json {
-        out.write_all(output::to_json(&GpuStatusJson::from(&status))?.as_bytes())?;
+        out.write_all(output::to_json(&GpuStatusJson::from(status))?.as_bytes())?;
     } else {
-        out.write_all(output::gpus_table(&[status]).render().as_bytes())?;
+        out.write_all(
+            output::gpus_table(std::slice::from_ref(status))
+                .render()
+                .as_bytes(),
+        )?;
     }
     Ok(())
 }
@@ -191,11 +199,7 @@ async fn mig_set(
                 .ok_or_else(|| CliError::NotFound(format!("GPU {uuid} is gone")))?;
         }
     }
-    if flags.json {
-        out.write_all(output::to_json(&GpuStatusJson::from(&status))?.as_bytes())?;
-    } else {
-        out.write_all(output::gpus_table(&[status.clone()]).render().as_bytes())?;
-    }
+    print_gpu(&status, &flags, out)?;
     if wait.is_some() && !status.mig_error.is_empty() {
         return Err(CliError::Other(format!(
             "GPU {uuid}: the MIG layout change failed: {}",
