@@ -36,6 +36,10 @@ pub struct TaskJson {
     /// Host ports it holds (`GPUCTL_PORTS`).
     #[serde(default)]
     pub ports: Vec<u32>,
+    /// A task holding a fraction of a shared GPU: what its agent enforces
+    /// of it (`driver`, `mps`, `none`); absent otherwise, or not said yet.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub enforcement: Option<String>,
 }
 
 impl From<&pb::Task> for TaskJson {
@@ -54,6 +58,7 @@ impl From<&pb::Task> for TaskJson {
                 .filter(|r| *r != pb::Reason::Unspecified)
                 .map(|r| r.as_str_name().trim_start_matches("REASON_").to_string()),
             ports: t.ports.clone(),
+            enforcement: (!t.enforcement.is_empty()).then(|| t.enforcement.clone()),
         }
     }
 }
@@ -960,6 +965,16 @@ pub fn job_detail(j: &pb::Job, now_ms: u64) -> String {
     } else {
         out.push_str("Tasks:\n");
         out.push_str(&tasks_table(&j.tasks).render());
+        // What holds a fraction's limits, said per task.
+        for t in j.tasks.iter().filter(|t| !t.enforcement.is_empty()) {
+            let what = match t.enforcement.as_str() {
+                "driver" => "the driver's memory cap, on all its processes together",
+                "mps" => "MPS limits, on each of its processes",
+                "none" => "nothing: the scheduler counts its fraction, nothing limits it",
+                other => other,
+            };
+            let _ = writeln!(out, "Enforcement of {}: {} ({what})", t.id, t.enforcement);
+        }
     }
     out.push('\n');
     out.push_str(&events_section(j, now_ms));
@@ -1374,6 +1389,7 @@ mod tests {
             }),
             state: pb::JobState::JobSucceeded as i32,
             tasks: vec![pb::Task {
+                enforcement: String::new(),
                 id: "job-7.0".into(),
                 agent_id: "agent-a".into(),
                 gpu_uuids: vec!["GPU-1".into(), "GPU-2".into()],

@@ -1668,6 +1668,15 @@ impl TryFrom<pb::StatusUpdate> for StatusUpdate {
                 true,
             )?;
         }
+        let enforcement = if u.enforcement.is_empty() {
+            None
+        } else {
+            Some(
+                u.enforcement
+                    .parse()
+                    .map_err(|e| ConvertError::new("enforcement", e))?,
+            )
+        };
         Ok(StatusUpdate {
             agent_id: u.agent_id,
             task_id: u.task_id,
@@ -1679,6 +1688,7 @@ impl TryFrom<pb::StatusUpdate> for StatusUpdate {
             fenced,
             latest_state,
             requires: u.requires,
+            enforcement,
         })
     }
 }
@@ -1707,6 +1717,7 @@ impl From<StatusUpdate> for pb::StatusUpdate {
                     pb::TaskState::from(s) as i32
                 }),
             requires: u.requires,
+            enforcement: u.enforcement.map(|e| e.to_string()).unwrap_or_default(),
         }
     }
 }
@@ -3385,6 +3396,7 @@ mod tests {
 
     fn update(state: pb::TaskState, reason: pb::Reason) -> pb::StatusUpdate {
         pb::StatusUpdate {
+            enforcement: String::new(),
             agent_id: "a1".into(),
             task_id: "job-1.0".into(),
             state: state as i32,

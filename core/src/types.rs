@@ -1045,6 +1045,45 @@ pub struct StatusUpdate {
     /// update, so that an agent's bad text never makes the log unreadable).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub requires: Vec<String>,
+    /// For a task holding a fraction of a shared GPU: what its agent
+    /// enforces of it (sent with STARTING).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub enforcement: Option<Enforcement>,
+}
+
+/// What an agent enforces of a fraction of a shared GPU, stated per task.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Enforcement {
+    /// The driver's per-cgroup memory cap: the task's processes together.
+    Driver,
+    /// MPS limits, per process of the task.
+    Mps,
+    /// Nothing: the scheduler counts, nothing limits (time-slicing).
+    None,
+}
+
+impl fmt::Display for Enforcement {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Enforcement::Driver => "driver",
+            Enforcement::Mps => "mps",
+            Enforcement::None => "none",
+        })
+    }
+}
+
+impl std::str::FromStr for Enforcement {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "driver" => Ok(Enforcement::Driver),
+            "mps" => Ok(Enforcement::Mps),
+            "none" => Ok(Enforcement::None),
+            _ => Err(format!(
+                "{s:?} is not an enforcement level (driver, mps, none)"
+            )),
+        }
+    }
 }
 
 /// Whether one of an agent's container runtimes works now, as its last

@@ -69,6 +69,12 @@ fn four_quarters_share_a_gpu_and_the_fifth_waits() {
         got.contains("a fraction of a shared GPU each: 10GiB"),
         "{got}"
     );
+    // Each task says what its agent enforces of it: nothing, yet.
+    assert_eq!(c.job(&jobs[0])["tasks"][0]["enforcement"], "none");
+    assert!(
+        got.contains(&format!("Enforcement of {}.0: none", jobs[0])),
+        "{got}"
+    );
 
     // The agent SIGKILLed under them: they run on, and the count holds.
     c.restart_agent(0);

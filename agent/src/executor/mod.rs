@@ -667,6 +667,7 @@ impl Executor {
 
     fn update(&self, task_id: &str, state: TaskState) -> StatusUpdate {
         StatusUpdate {
+            enforcement: None,
             agent_id: self.agent_id.clone(),
             task_id: task_id.to_string(),
             state,
@@ -868,7 +869,12 @@ impl Executor {
             })?;
             security.user = Some(ids);
         }
-        self.send(self.update(task_id, TaskState::Starting)).await;
+        let mut starting = self.update(task_id, TaskState::Starting);
+        // What this agent enforces of a fraction of a shared GPU: nothing
+        // yet (time-slicing; MPS and the driver's memory cap are not
+        // built), said as such rather than implied.
+        starting.enforcement = spec.share.map(|_| gpuctl_core::types::Enforcement::None);
+        self.send(starting).await;
         let sandbox = self.sandbox(task_id);
         tokio::fs::create_dir_all(&sandbox)
             .await

@@ -947,6 +947,7 @@ mod tests {
             &mut s,
             Command::UpdateTaskStatus {
                 update: StatusUpdate {
+                    enforcement: None,
                     agent_id: "a".into(),
                     task_id: key.clone(),
                     state: TaskState::Running,
@@ -1220,6 +1221,7 @@ mod tests {
             &mut s,
             Command::UpdateTaskStatus {
                 update: StatusUpdate {
+                    enforcement: None,
                     agent_id: "a".into(),
                     task_id: crate::state::frameworks::task_key(&f, "t1"),
                     state: TaskState::Finished,

@@ -433,6 +433,7 @@ mod tests {
     #[test]
     fn the_biggest_status_update_convert_takes_is_under_the_cap() {
         let req = pb::StatusUpdate {
+            enforcement: String::new(),
             agent_id: text("a", MAX_NAME_LEN),
             task_id: text("t", MAX_NAME_LEN),
             state: pb::TaskState::TaskFailed as i32,

@@ -28,6 +28,7 @@ pub struct OperatorService {
 
 pub fn task_to_pb(t: &TaskRecord) -> pb::Task {
     pb::Task {
+        enforcement: t.enforcement.map(|e| e.to_string()).unwrap_or_default(),
         id: t.id.clone(),
         agent_id: t.agent_id.clone(),
         gpu_uuids: t.gpu_uuids.clone(),

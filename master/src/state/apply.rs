@@ -649,6 +649,15 @@ impl State {
         let released = u.latest_state.is_some_and(TaskState::is_terminal)
             && !task.released
             && self.release_early(&u.task_id);
+        // What the agent enforces of a fraction, as it says (only for a
+        // task that holds one).
+        if let Some(e) = u.enforcement {
+            if let Some(t) = self.tasks.get_mut(&u.task_id) {
+                if t.fraction.is_some() {
+                    t.enforcement = Some(e);
+                }
+            }
+        }
         let Some(task) = self.tasks.get(&u.task_id) else {
             return Ok(Outcome::StaleUpdate);
         };
@@ -1091,6 +1100,7 @@ mod tests {
         ) -> Outcome {
             self.apply(Command::UpdateTaskStatus {
                 update: StatusUpdate {
+                    enforcement: None,
                     agent_id: agent.into(),
                     task_id: task.into(),
                     state,
@@ -1370,6 +1380,7 @@ mod tests {
         assert!(matches!(
             t.apply(Command::UpdateTaskStatus {
                 update: StatusUpdate {
+                    enforcement: None,
                     agent_id: "a2".into(),
                     task_id: "job-1.0".into(),
                     state: TaskState::Finished,

@@ -218,6 +218,7 @@ impl State {
                 ports,
                 // Frameworks are not offered fractions yet (issue 34).
                 fraction: None,
+                enforcement: None,
             };
             match refusal {
                 Some(reason) => {
@@ -672,6 +673,7 @@ mod tests {
         let key = task_key(&f, "t1");
         let up = |uuid: &[u8], state| Command::UpdateTaskStatus {
             update: StatusUpdate {
+                enforcement: None,
                 agent_id: "a1".into(),
                 task_id: key.clone(),
                 state,
@@ -728,6 +730,7 @@ mod tests {
         launch(&mut s, &f, vec![task("t1", &["GPU-0"])], false);
         let key = task_key(&f, "t1");
         let update = StatusUpdate {
+            enforcement: None,
             agent_id: "a1".into(),
             task_id: key.clone(),
             state: TaskState::Failed,
@@ -760,6 +763,7 @@ mod tests {
         let free_before = s.agents["a1"].free();
         let up = |uuid: &[u8], state, latest: Option<TaskState>| Command::UpdateTaskStatus {
             update: StatusUpdate {
+                enforcement: None,
                 agent_id: "a1".into(),
                 task_id: key.clone(),
                 state,

@@ -117,6 +117,7 @@ impl State {
                     released: false,
                     ports,
                     fraction,
+                    enforcement: None,
                 },
             );
             let gpus = if l.gpu_uuids.is_empty() {

@@ -247,6 +247,9 @@ pub struct TaskRecord {
     /// `None` for a task of whole GPUs or MIG devices.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fraction: Option<gpuctl_core::types::GpuFraction>,
+    /// What its agent enforces of its fraction, as the agent said.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub enforcement: Option<gpuctl_core::types::Enforcement>,
 }
 
 impl TaskRecord {

@@ -306,3 +306,29 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn a_fractions_enforcement_is_recorded_as_its_agent_says() {
+    let mut d = driver();
+    share(&mut d, "GPU-a-0", Some(ShareMode::TimeSlice)).unwrap();
+    let f = submit(&mut d, spec(Some((1024, 0)), 0));
+    d.launch_at(&f, &[("a", &["GPU-a-0"])], 2).unwrap();
+    let whole = submit(&mut d, spec(None, 1));
+    d.launch_at(&whole, &[("a", &["GPU-a-1"])], 2).unwrap();
+    for (job, uuid) in [(&f, 1u8), (&whole, 2)] {
+        let mut u = status("a", &format!("{job}.0"), TaskState::Starting);
+        u.uuid = vec![uuid];
+        u.enforcement = Some(gpuctl_core::types::Enforcement::None);
+        d.apply(Command::UpdateTaskStatus {
+            update: u,
+            at_ms: 3,
+        })
+        .unwrap();
+    }
+    assert_eq!(
+        d.s.task(&format!("{f}.0")).unwrap().enforcement,
+        Some(gpuctl_core::types::Enforcement::None)
+    );
+    // Only a fraction has an enforcement level.
+    assert_eq!(d.s.task(&format!("{whole}.0")).unwrap().enforcement, None);
+}

@@ -361,6 +361,7 @@ mod tests {
             released: false,
             ports: Vec::new(),
             fraction: None,
+            enforcement: None,
         }
     }
 

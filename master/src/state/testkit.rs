@@ -53,6 +53,7 @@ impl Driver {
 /// uuid or reason (set the fields a test needs).
 pub fn status(agent: &str, task: &str, state: TaskState) -> StatusUpdate {
     StatusUpdate {
+        enforcement: None,
         agent_id: agent.into(),
         task_id: task.into(),
         state,
