@@ -293,6 +293,12 @@ pub fn devices(gpus: &[GpuInfo]) -> impl Iterator<Item = Device<'_>> {
     })
 }
 
+/// Every MIG device `gpus` give tasks, with its parent GPU.
+pub fn mig_devices_of(gpus: &[GpuInfo]) -> impl Iterator<Item = (&GpuInfo, &MigDevice)> {
+    gpus.iter()
+        .flat_map(|g| g.mig_devices().iter().map(move |d| (g, d)))
+}
+
 /// How many devices `gpus` give tasks (an agent's `total.gpus`).
 pub fn device_count(gpus: &[GpuInfo]) -> u32 {
     u32::try_from(devices(gpus).count()).unwrap_or(u32::MAX)

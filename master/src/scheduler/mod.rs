@@ -304,10 +304,7 @@ impl<'s> PoolNode<'s> {
                 .iter()
                 .filter(|g| !g.mig.enabled && self.free_gpus.contains(g.uuid.as_str()))
                 .collect::<Vec<&GpuInfo>>(),
-            free_mig: info
-                .gpus
-                .iter()
-                .flat_map(|g| g.mig_devices().iter().map(move |d| (g, d)))
+            free_mig: gpuctl_core::types::mig_devices_of(&info.gpus)
                 .filter(|(_, d)| self.free_gpus.contains(d.uuid.as_str()))
                 .collect(),
             free_shared: info

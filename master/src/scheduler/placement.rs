@@ -261,13 +261,9 @@ impl GpuFilter {
                 .sum();
         }
         if self.mig.is_some() {
-            let mut n = 0;
-            for g in node.all_gpus {
-                for d in g.mig_devices() {
-                    n += usize::from(self.matches_mig(g, d));
-                }
-            }
-            n
+            gpuctl_core::types::mig_devices_of(node.all_gpus)
+                .filter(|(g, d)| self.matches_mig(g, d))
+                .count()
         } else {
             node.all_gpus.iter().filter(|g| self.matches(g)).count()
         }
@@ -796,10 +792,7 @@ fn largest(
             | Need::Attribute(..)
             | Need::Driver
             | Need::Model => None,
-            Need::Memory if req.mig.is_some() => node
-                .all_gpus
-                .iter()
-                .flat_map(|g| g.mig_devices().iter().map(move |d| (g, d)))
+            Need::Memory if req.mig.is_some() => gpuctl_core::types::mig_devices_of(node.all_gpus)
                 .filter(|(g, d)| model_only.matches_mig(g, d))
                 .map(|(_, d)| d.memory_mib)
                 .max()
@@ -931,10 +924,7 @@ mod tests {
                     .filter(|g| g.healthy && !self.held.contains(&g.uuid))
                     .collect(),
                 all_gpus: &self.gpus,
-                free_mig: self
-                    .gpus
-                    .iter()
-                    .flat_map(|g| g.mig_devices().iter().map(move |d| (g, d)))
+                free_mig: gpuctl_core::types::mig_devices_of(&self.gpus)
                     .filter(|(_, d)| !self.held.contains(&d.uuid))
                     .collect(),
                 free_shared: Vec::new(),

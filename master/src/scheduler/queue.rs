@@ -441,12 +441,7 @@ fn empty_views(state: &State) -> Vec<placement::NodeView<'_>> {
             free: a.info.total,
             free_gpus: a.info.gpus.iter().filter(|g| !g.mig.enabled).collect(),
             all_gpus: &a.info.gpus,
-            free_mig: a
-                .info
-                .gpus
-                .iter()
-                .flat_map(|g| g.mig_devices().iter().map(move |d| (g, d)))
-                .collect(),
+            free_mig: gpuctl_core::types::mig_devices_of(&a.info.gpus).collect(),
             // Every shared GPU, as if none of its fractions were held.
             free_shared: a
                 .info

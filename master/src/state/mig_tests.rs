@@ -108,28 +108,10 @@ fn spec(mig: Option<&str>, gpus: u32, replicas: u32, priority: i32) -> JobSpec {
     s
 }
 
-fn submit(d: &mut Driver, spec: JobSpec) -> String {
-    match d
-        .apply(Command::SubmitJob {
-            spec,
-            at_ms: 1,
-            request_id: None,
-        })
-        .unwrap()
-    {
-        Outcome::JobSubmitted { job_id } => job_id,
-        o => panic!("{o:?}"),
-    }
-}
-
 fn driver() -> Driver {
     let mut d = Driver::new(&[]);
     d.apply(mig_agent("m")).unwrap();
     d
-}
-
-fn place(d: &Driver) -> Vec<crate::state::Launch> {
-    crate::scheduler::place(&d.s, &Default::default(), &Default::default())
 }
 
 /// A refused launch changes nothing but the applied index.
@@ -152,17 +134,17 @@ fn the_agent_counts_its_devices() {
 #[test]
 fn a_mig_device_is_given_once_only_to_its_profile_and_never_with_its_parent() {
     let mut d = driver();
-    let j1 = submit(&mut d, spec(Some("1g.10gb"), 1, 1, 0));
+    let j1 = d.submit(spec(Some("1g.10gb"), 1, 1, 0));
     d.launch_at(&j1, &[("m", &["MIG-m-h0"])], 5).unwrap();
     assert_eq!(d.s.gpu_owner("MIG-m-h0"), Some(&format!("{j1}.0")));
 
-    let j2 = submit(&mut d, spec(Some("1g.10gb"), 1, 1, 0));
+    let j2 = d.submit(spec(Some("1g.10gb"), 1, 1, 0));
     let err = refused(&mut d, &j2, &["MIG-m-h0"]);
     assert!(err.contains("MIG-m-h0"), "{err}");
     // Its parent, whole, to a job of the profile or to a whole-GPU job.
     let err = refused(&mut d, &j2, &["GPU-m-h"]);
     assert!(err.contains("whole GPU"), "{err}");
-    let whole = submit(&mut d, spec(None, 1, 1, 0));
+    let whole = d.submit(spec(None, 1, 1, 0));
     let err = refused(&mut d, &whole, &["GPU-m-h"]);
     assert!(err.contains("MIG mode"), "{err}");
     // Another profile's device, and a MIG device to a whole-GPU job.
@@ -171,7 +153,7 @@ fn a_mig_device_is_given_once_only_to_its_profile_and_never_with_its_parent() {
     let err = refused(&mut d, &whole, &["MIG-m-h1"]);
     assert!(err.contains("MIG device"), "{err}");
     // Two launches of one command naming one device.
-    let j3 = submit(&mut d, spec(Some("1g.10gb"), 1, 1, 0));
+    let j3 = d.submit(spec(Some("1g.10gb"), 1, 1, 0));
     let before = d.s.clone();
     let err = d
         .apply(Command::LaunchTasks {
@@ -207,7 +189,7 @@ fn a_mig_device_is_given_once_only_to_its_profile_and_never_with_its_parent() {
 #[test]
 fn a_mig_device_of_a_cordoned_or_failing_parent_is_not_given() {
     let mut d = driver();
-    let j = submit(&mut d, spec(Some("1g.10gb"), 1, 1, 0));
+    let j = d.submit(spec(Some("1g.10gb"), 1, 1, 0));
     d.apply(Command::CordonGpu {
         uuid: "GPU-m-h".into(),
         cordon: true,
@@ -215,16 +197,16 @@ fn a_mig_device_of_a_cordoned_or_failing_parent_is_not_given() {
     .unwrap();
     let err = refused(&mut d, &j, &["MIG-m-h2"]);
     assert!(err.contains("cordoned"), "{err}");
-    assert!(place(&d).is_empty(), "placed on a cordoned parent");
+    assert!(d.place().is_empty(), "placed on a cordoned parent");
 }
 
 #[test]
 fn the_scheduler_places_each_profile_on_its_devices() {
     let mut d = driver();
-    let gang = submit(&mut d, spec(Some("1g.10gb"), 1, 3, 0));
-    let two = submit(&mut d, spec(Some("2g.10gb"), 1, 1, 0));
-    let whole = submit(&mut d, spec(None, 1, 1, 0));
-    let l = place(&d);
+    let gang = d.submit(spec(Some("1g.10gb"), 1, 3, 0));
+    let two = d.submit(spec(Some("2g.10gb"), 1, 1, 0));
+    let whole = d.submit(spec(None, 1, 1, 0));
+    let l = d.place();
     let of = |job: &str| -> Vec<String> {
         l.iter()
             .filter(|x| x.job_id == job)
@@ -248,8 +230,8 @@ fn the_scheduler_places_each_profile_on_its_devices() {
     .unwrap();
     assert!(d.s.invariant_violations().is_empty());
     // Two whole GPUs: only one is not in MIG mode.
-    let big = submit(&mut d, spec(None, 2, 1, 0));
-    assert!(place(&d).iter().all(|x| x.job_id != big));
+    let big = d.submit(spec(None, 2, 1, 0));
+    assert!(d.place().iter().all(|x| x.job_id != big));
 }
 
 #[test]
@@ -268,14 +250,14 @@ fn bundle_packs_mig_devices_and_spread_spreads_them() {
         info.total.gpus = device_count(&info.gpus);
     }
     d.apply(c).unwrap();
-    let first = submit(&mut d, spec(Some("1g.10gb"), 1, 1, 0));
+    let first = d.submit(spec(Some("1g.10gb"), 1, 1, 0));
     d.launch_at(&first, &[("m", &["MIG-m-x3"])], 5).unwrap();
 
     let mut next = |policy| {
         let mut s = spec(Some("1g.10gb"), 1, 1, 0);
         s.placement.policy = Some(policy);
-        let j = submit(&mut d, s);
-        let l = place(&d);
+        let j = d.submit(s);
+        let l = d.place();
         let got = l
             .iter()
             .find(|x| x.job_id == j)
@@ -297,7 +279,7 @@ fn bundle_packs_mig_devices_and_spread_spreads_them() {
 #[test]
 fn a_missing_profile_is_named_in_the_wait_reason() {
     let mut d = driver();
-    let j = submit(&mut d, spec(Some("7g.80gb"), 1, 1, 0));
+    let j = d.submit(spec(Some("7g.80gb"), 1, 1, 0));
     let w = queue::wait_reason(&d.s, &QueueConfig::default(), &j).unwrap();
     match &w.reason {
         WaitReason::NeverFits {
@@ -322,12 +304,12 @@ fn a_busy_profile_waits_for_a_device_and_preempts_only_its_kind() {
     let mut d = driver();
     // The only 1g.5gb is held by a low-priority job; the whole GPU by
     // another.
-    let low = submit(&mut d, spec(Some("1g.5gb"), 1, 1, 0));
+    let low = d.submit(spec(Some("1g.5gb"), 1, 1, 0));
     d.launch_at(&low, &[("m", &["MIG-m-a1"])], 5).unwrap();
-    let low_whole = submit(&mut d, spec(None, 1, 1, 0));
+    let low_whole = d.submit(spec(None, 1, 1, 0));
     d.launch_at(&low_whole, &[("m", &["GPU-m-w"])], 5).unwrap();
-    let high = submit(&mut d, spec(Some("1g.5gb"), 1, 1, 10));
-    assert!(place(&d).is_empty());
+    let high = d.submit(spec(Some("1g.5gb"), 1, 1, 10));
+    assert!(d.place().is_empty());
     let plan = queue::plan(&d.s, &QueueConfig::default());
     let p = plan.preemption.expect("a preemption for the high job");
     assert_eq!(p.job_id, high);
@@ -347,7 +329,7 @@ fn set_layout(d: &mut Driver, gpu: &str, profiles: &[&str]) -> Result<Outcome, A
 #[test]
 fn a_layout_change_is_refused_while_anything_holds_the_gpu() {
     let mut d = driver();
-    let j = submit(&mut d, spec(Some("1g.10gb"), 1, 1, 0));
+    let j = d.submit(spec(Some("1g.10gb"), 1, 1, 0));
     d.launch_at(&j, &[("m", &["MIG-m-h4"])], 5).unwrap();
     let before = d.s.clone();
     let err = set_layout(&mut d, "GPU-m-h", &["3g.40gb", "3g.40gb"]).unwrap_err();
@@ -370,10 +352,10 @@ fn a_gpu_being_repartitioned_gets_nothing_until_its_agent_reports() {
     // A second change waits for the first.
     assert!(set_layout(&mut d, "GPU-m-h", &[]).is_err());
     // Neither the old devices nor the GPU are given meanwhile.
-    let j = submit(&mut d, spec(Some("1g.10gb"), 1, 1, 0));
+    let j = d.submit(spec(Some("1g.10gb"), 1, 1, 0));
     let err = refused(&mut d, &j, &["MIG-m-h0"]);
     assert!(err.contains("repartitioned"), "{err}");
-    assert!(place(&d).is_empty(), "placed on a GPU being repartitioned");
+    assert!(d.place().is_empty(), "placed on a GPU being repartitioned");
 
     // The agent reports what NVML holds now: two 3g.40gb.
     let mut after = d.s.agent("m").unwrap().info.gpus[1].clone();
@@ -400,8 +382,8 @@ fn a_gpu_being_repartitioned_gets_nothing_until_its_agent_reports() {
     assert!(d.s.mig_change("GPU-m-h").is_none());
     // 3 (A100) + 2 (new) + 1 whole.
     assert_eq!(d.s.agent("m").unwrap().info.total.gpus, 6);
-    let big = submit(&mut d, spec(Some("3g.40gb"), 1, 2, 0));
-    let l = place(&d);
+    let big = d.submit(spec(Some("3g.40gb"), 1, 2, 0));
+    let l = d.place();
     let mut got: Vec<String> = l
         .iter()
         .filter(|x| x.job_id == big)
@@ -428,7 +410,7 @@ fn a_failed_change_keeps_what_nvml_holds_and_says_why() {
     assert!(d.s.mig_error("GPU-m-h").unwrap().contains("put back"));
     assert_eq!(d.s.agent("m").unwrap().info.total.gpus, 11);
     // The old devices are given again.
-    let j = submit(&mut d, spec(Some("1g.10gb"), 1, 1, 0));
+    let j = d.submit(spec(Some("1g.10gb"), 1, 1, 0));
     d.launch_at(&j, &[("m", &["MIG-m-h0"])], 20).unwrap();
 }
 
@@ -454,9 +436,9 @@ fn auto(d: &Driver) -> Vec<(String, Vec<String>)> {
 fn mig_auto_splits_an_idle_gpu_for_a_profile_nothing_offers() {
     let mut d = driver();
     // 1g.10gb: seven free devices cover it; nothing to do.
-    submit(&mut d, spec(Some("1g.10gb"), 1, 1, 0));
+    d.submit(spec(Some("1g.10gb"), 1, 1, 0));
     assert!(auto(&d).is_empty());
-    let big = submit(&mut d, spec(Some("3g.40gb"), 1, 2, 0));
+    let big = d.submit(spec(Some("3g.40gb"), 1, 2, 0));
     // The only GPU that offers 3g.40gb is the H100, and a queued job
     // wants its 1g.10gb devices: never taken from what waits.
     assert!(auto(&d).is_empty());
@@ -487,7 +469,7 @@ fn mig_auto_splits_an_idle_gpu_for_a_profile_nothing_offers() {
         error: None,
     })
     .unwrap();
-    let l = place(&d);
+    let l = d.place();
     assert_eq!(l.iter().filter(|x| x.job_id == big).count(), 2, "{l:?}");
     assert!(auto(&d).is_empty());
 }
@@ -495,9 +477,9 @@ fn mig_auto_splits_an_idle_gpu_for_a_profile_nothing_offers() {
 #[test]
 fn mig_auto_never_touches_a_busy_gpu_or_one_that_does_not_qualify() {
     let mut d = driver();
-    let held = submit(&mut d, spec(Some("1g.10gb"), 1, 1, 0));
+    let held = d.submit(spec(Some("1g.10gb"), 1, 1, 0));
     d.launch_at(&held, &[("m", &["MIG-m-h6"])], 5).unwrap();
-    submit(&mut d, spec(Some("3g.40gb"), 1, 1, 0));
+    d.submit(spec(Some("3g.40gb"), 1, 1, 0));
     assert!(auto(&d).is_empty(), "the H100 has running work");
     d.apply(Command::CancelJob {
         job_id: held.clone(),
@@ -514,7 +496,7 @@ fn mig_auto_never_touches_a_busy_gpu_or_one_that_does_not_qualify() {
     let mut other = spec(Some("3g.40gb"), 1, 1, 0);
     other.placement.gpu_model = Some("A100*".into());
     let mut d2 = driver();
-    submit(&mut d2, other);
+    d2.submit(other);
     assert!(auto(&d2).is_empty(), "no A100 offers 3g.40gb");
     d.apply(Command::CordonGpu {
         uuid: "GPU-m-h".into(),

@@ -38,24 +38,6 @@ fn spec(fraction: Option<(u64, u32)>, gpus: u32) -> JobSpec {
     s
 }
 
-fn submit(d: &mut Driver, spec: JobSpec) -> String {
-    match d
-        .apply(Command::SubmitJob {
-            spec,
-            at_ms: 1,
-            request_id: None,
-        })
-        .unwrap()
-    {
-        Outcome::JobSubmitted { job_id } => job_id,
-        o => panic!("{o:?}"),
-    }
-}
-
-fn place(d: &Driver) -> Vec<crate::state::Launch> {
-    crate::scheduler::place(&d.s, &Default::default(), &Default::default())
-}
-
 /// What breaks the fraction invariant, in words.
 fn violations(s: &State) -> Vec<String> {
     let mut bad = s.invariant_violations();
@@ -82,11 +64,11 @@ fn a_shared_gpu_takes_fractions_up_to_its_memory_and_compute_only() {
     share(&mut d, "GPU-a-0", Some(ShareMode::TimeSlice)).unwrap();
     // Four quarters of 40960 MiB fit; a fifth does not.
     for _ in 0..4 {
-        let j = submit(&mut d, spec(Some((10240, 0)), 0));
+        let j = d.submit(spec(Some((10240, 0)), 0));
         d.launch_at(&j, &[("a", &["GPU-a-0"])], 2).unwrap();
     }
     assert_eq!(d.s.share_used("a", "GPU-a-0"), (40960, 0));
-    let j = submit(&mut d, spec(Some((1, 0)), 0));
+    let j = d.submit(spec(Some((1, 0)), 0));
     let before = d.s.clone();
     let err = d.launch_at(&j, &[("a", &["GPU-a-0"])], 2).unwrap_err();
     assert!(err.to_string().contains("0 MiB"), "{err}");
@@ -102,14 +84,14 @@ fn a_shared_gpu_takes_fractions_up_to_its_memory_and_compute_only() {
     assert!(err.to_string().contains("one GPU"), "{err}");
     // Compute: 60% + 50% is over.
     share(&mut d, "GPU-a-1", Some(ShareMode::TimeSlice)).unwrap();
-    let a = submit(&mut d, spec(Some((100, 60)), 0));
+    let a = d.submit(spec(Some((100, 60)), 0));
     d.launch_at(&a, &[("a", &["GPU-a-1"])], 2).unwrap();
-    let b = submit(&mut d, spec(Some((100, 50)), 0));
+    let b = d.submit(spec(Some((100, 50)), 0));
     let err = d.launch_at(&b, &[("a", &["GPU-a-1"])], 2).unwrap_err();
     assert!(err.to_string().contains("40%"), "{err}");
     // Two fractions in one command count together.
-    let c = submit(&mut d, spec(Some((100, 30)), 0));
-    let e = submit(&mut d, spec(Some((100, 30)), 0));
+    let c = d.submit(spec(Some((100, 30)), 0));
+    let e = d.submit(spec(Some((100, 30)), 0));
     let err = d
         .apply(Command::LaunchTasks {
             launches: [&c, &e]
@@ -130,17 +112,17 @@ fn a_shared_gpu_takes_fractions_up_to_its_memory_and_compute_only() {
 #[test]
 fn a_shared_gpu_is_never_given_whole_nor_split_and_stays_shared_while_held() {
     let mut d = driver();
-    let whole = submit(&mut d, spec(None, 1));
+    let whole = d.submit(spec(None, 1));
     d.launch_at(&whole, &[("a", &["GPU-a-1"])], 2).unwrap();
     // Held whole: not shared until that ends.
     let err = share(&mut d, "GPU-a-1", Some(ShareMode::TimeSlice)).unwrap_err();
     assert!(err.to_string().contains("held whole"), "{err}");
     share(&mut d, "GPU-a-0", Some(ShareMode::TimeSlice)).unwrap();
-    let w2 = submit(&mut d, spec(None, 1));
+    let w2 = d.submit(spec(None, 1));
     let err = d.launch_at(&w2, &[("a", &["GPU-a-0"])], 2).unwrap_err();
     assert!(err.to_string().contains("shared"), "{err}");
     assert!(
-        place(&d).iter().all(|l| l.job_id != w2),
+        d.place().iter().all(|l| l.job_id != w2),
         "placed whole on a shared GPU"
     );
     let err = d
@@ -154,7 +136,7 @@ fn a_shared_gpu_is_never_given_whole_nor_split_and_stays_shared_while_held() {
         .unwrap_err();
     assert!(err.to_string().contains("shared"), "{err}");
     // A fraction held: not unshared, nor switched to another mode.
-    let f = submit(&mut d, spec(Some((512, 0)), 0));
+    let f = d.submit(spec(Some((512, 0)), 0));
     d.launch_at(&f, &[("a", &["GPU-a-0"])], 2).unwrap();
     assert!(share(&mut d, "GPU-a-0", None).is_err());
     assert!(share(&mut d, "GPU-a-0", Some(ShareMode::Mps)).is_err());
@@ -174,13 +156,13 @@ fn the_scheduler_packs_fractions_onto_the_fewest_gpus_and_the_fifth_waits() {
     share(&mut d, "GPU-a-0", Some(ShareMode::TimeSlice)).unwrap();
     share(&mut d, "GPU-a-1", Some(ShareMode::TimeSlice)).unwrap();
     // One quarter already on GPU-a-1: bundle fills it first.
-    let first = submit(&mut d, spec(Some((10240, 0)), 0));
+    let first = d.submit(spec(Some((10240, 0)), 0));
     d.launch_at(&first, &[("a", &["GPU-a-1"])], 2).unwrap();
     let jobs: Vec<String> = (0..3)
-        .map(|_| submit(&mut d, spec(Some((10240, 0)), 0)))
+        .map(|_| d.submit(spec(Some((10240, 0)), 0)))
         .collect();
-    let whole = submit(&mut d, spec(None, 1));
-    let l = place(&d);
+    let whole = d.submit(spec(None, 1));
+    let l = d.place();
     for j in &jobs {
         let got = l.iter().find(|x| &x.job_id == j).expect("placed");
         assert_eq!(got.gpu_uuids, ["GPU-a-1"], "{l:?}");
@@ -198,13 +180,13 @@ fn the_scheduler_packs_fractions_onto_the_fewest_gpus_and_the_fifth_waits() {
     .unwrap();
     assert_eq!(d.s.share_used("a", "GPU-a-1"), (40960, 0));
     // The next goes to the other shared GPU; one bigger than any waits.
-    let next = submit(&mut d, spec(Some((10240, 0)), 0));
-    let l = place(&d);
+    let next = d.submit(spec(Some((10240, 0)), 0));
+    let l = d.place();
     assert_eq!(
         l.iter().find(|x| x.job_id == next).unwrap().gpu_uuids,
         ["GPU-a-0"]
     );
-    let huge = submit(&mut d, spec(Some((81920, 0)), 0));
+    let huge = d.submit(spec(Some((81920, 0)), 0));
     let w = crate::scheduler::queue::wait_reason(&d.s, &Default::default(), &huge).unwrap();
     let words = gpuctl_core::wait_words::WaitReasonJson::from_pb(&(&w).into())
         .unwrap()
@@ -225,9 +207,9 @@ fn a_fraction_counts_as_one_gpu_against_a_quota() {
         gpus: 1,
     })
     .unwrap();
-    let a = submit(&mut d, spec(Some((1024, 0)), 0));
-    let b = submit(&mut d, spec(Some((1024, 0)), 0));
-    let l = place(&d);
+    let a = d.submit(spec(Some((1024, 0)), 0));
+    let b = d.submit(spec(Some((1024, 0)), 0));
+    let l = d.place();
     assert_eq!(l.len(), 1, "{l:?}");
     assert_eq!(l[0].job_id, a);
     assert!(l.iter().all(|x| x.job_id != b));
@@ -267,7 +249,7 @@ proptest! {
             let before = d.s.clone();
             let r = match s {
                 Step::Launch { mem, pct, g } => {
-                    let j = submit(&mut d, spec(Some((mem, pct)), 0));
+                    let j = d.submit(spec(Some((mem, pct)), 0));
                     let uuid = format!("GPU-a-{g}");
                     let r = d.launch_at(&j, &[("a", &[uuid.as_str()])], 2);
                     if r.is_ok() {
@@ -291,7 +273,7 @@ proptest! {
                 )
                 .map(|_| ()),
                 Step::Whole(g) => {
-                    let j = submit(&mut d, spec(None, 1));
+                    let j = d.submit(spec(None, 1));
                     let uuid = format!("GPU-a-{g}");
                     d.launch_at(&j, &[("a", &[uuid.as_str()])], 2).map(|_| ())
                 }
@@ -311,9 +293,9 @@ proptest! {
 fn a_fractions_enforcement_is_recorded_as_its_agent_says() {
     let mut d = driver();
     share(&mut d, "GPU-a-0", Some(ShareMode::TimeSlice)).unwrap();
-    let f = submit(&mut d, spec(Some((1024, 0)), 0));
+    let f = d.submit(spec(Some((1024, 0)), 0));
     d.launch_at(&f, &[("a", &["GPU-a-0"])], 2).unwrap();
-    let whole = submit(&mut d, spec(None, 1));
+    let whole = d.submit(spec(None, 1));
     d.launch_at(&whole, &[("a", &["GPU-a-1"])], 2).unwrap();
     for (job, uuid) in [(&f, 1u8), (&whole, 2)] {
         let mut u = status("a", &format!("{job}.0"), TaskState::Starting);

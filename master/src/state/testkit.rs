@@ -30,6 +30,23 @@ impl Driver {
         self.s.apply(self.i, &c)
     }
 
+    /// Submits `spec` (at 1 ms, no request id); returns the job's id.
+    pub fn submit(&mut self, spec: gpuctl_core::types::JobSpec) -> String {
+        match self.apply(Command::SubmitJob {
+            spec,
+            at_ms: 1,
+            request_id: None,
+        }) {
+            Ok(Outcome::JobSubmitted { job_id }) => job_id,
+            other => panic!("submit: {other:?}"),
+        }
+    }
+
+    /// The built-in scheduler's launches on everything free.
+    pub fn place(&self) -> Vec<Launch> {
+        crate::scheduler::place(&self.s, &Default::default(), &Default::default())
+    }
+
     /// One `LaunchTasks` of `job`: a task per (agent, GPUs), in rank order.
     pub fn launch_at(
         &mut self,
