@@ -100,8 +100,16 @@ pub struct GrpcTransport {
     tls: Option<Arc<Tls>>,
     timeouts: TransportTimeouts,
     /// Smoothed round trip to each peer, for status and metrics.
-    rtts: Arc<Mutex<BTreeMap<u64, Duration>>>,
+    rtts: Rtts,
 }
+
+/// Smoothed round trip to each peer and when it was last measured.
+type Rtts = Arc<Mutex<BTreeMap<u64, (Duration, Instant)>>>;
+
+/// A round trip not measured for this long is left out: followers talk
+/// to each other only in elections, and a figure from then would stand
+/// for a link nobody uses any more.
+const RTT_FRESH: Duration = Duration::from_secs(20);
 
 impl GrpcTransport {
     pub fn new(
@@ -146,11 +154,18 @@ impl GrpcTransport {
 
 /// A shared view of the transport's round trips, by peer id.
 #[derive(Clone, Default)]
-pub struct RoundTrips(Arc<Mutex<BTreeMap<u64, Duration>>>);
+pub struct RoundTrips(Rtts);
 
 impl RoundTrips {
+    /// The round trips measured in the last [`RTT_FRESH`].
     pub fn get(&self) -> BTreeMap<u64, Duration> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .filter(|(_, (_, at))| at.elapsed() < RTT_FRESH)
+            .map(|(peer, (rtt, _))| (*peer, *rtt))
+            .collect()
     }
 }
 
@@ -189,7 +204,7 @@ struct PeerLink {
     reporter: Reporter,
     tls: Option<Arc<Tls>>,
     timeouts: TransportTimeouts,
-    rtts: Arc<Mutex<BTreeMap<u64, Duration>>>,
+    rtts: Rtts,
 }
 
 /// One connection to the peer, with at most one call in flight.
@@ -291,7 +306,7 @@ impl PeerLink {
                                 self.rtts
                                     .lock()
                                     .unwrap_or_else(|p| p.into_inner())
-                                    .insert(self.to, s);
+                                    .insert(self.to, (s, Instant::now()));
                                 if s >= t.rtt_warning()
                                     && last_rtt_warn.is_none_or(|w| w.elapsed() >= RTT_WARN_EVERY)
                                 {
@@ -547,6 +562,22 @@ mod tests {
         // One stalled lane while the others deliver: not unreachable.
         assert_eq!(reports(), 0);
         assert!(t.round_trips().get().contains_key(&2));
+    }
+
+    #[test]
+    fn round_trips_not_measured_lately_are_left_out() {
+        let rtts: Rtts = Arc::default();
+        let now = Instant::now();
+        let old = now.checked_sub(RTT_FRESH * 2).unwrap();
+        rtts.lock()
+            .unwrap()
+            .insert(2, (Duration::from_millis(3), old));
+        rtts.lock()
+            .unwrap()
+            .insert(3, (Duration::from_millis(400), now));
+        let got = RoundTrips(rtts).get();
+        assert_eq!(got.len(), 1, "{got:?}");
+        assert_eq!(got.get(&3), Some(&Duration::from_millis(400)));
     }
 
     #[test]
