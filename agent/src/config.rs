@@ -29,6 +29,9 @@ pub struct AgentConfig {
     /// host processes.
     pub runtimes: Option<Vec<Runtime>>,
     pub nvml_lib: Option<PathBuf>,
+    /// The MPS control program for GPUs shared in `mps` mode; `None`: the
+    /// driver volume's or PATH's; empty: none (MPS off here).
+    pub mps_control: Option<PathBuf>,
     pub cpus: Option<f64>,
     pub mem_mib: Option<u64>,
     /// Between SIGTERM and SIGKILL when a task is killed.
@@ -96,6 +99,7 @@ impl AgentConfig {
             simulate_gpus: None,
             runtimes: None,
             nvml_lib: None,
+            mps_control: None,
             cpus: None,
             mem_mib: None,
             kill_grace: Duration::from_secs(10),
@@ -194,6 +198,11 @@ pub struct Options {
     /// Path of libnvidia-ml to load (default: the system's).
     #[arg(long, env = "GPUCTL_AGENT_NVML_LIB")]
     pub nvml_lib: Option<PathBuf>,
+    /// The MPS control program (nvidia-cuda-mps-control) for GPUs shared in
+    /// mps mode (default: the driver volume's, else the first on PATH; ""
+    /// turns MPS off: tasks on mps GPUs then run unenforced and say so).
+    #[arg(long, env = "GPUCTL_AGENT_MPS_CONTROL")]
+    pub mps_control: Option<PathBuf>,
     /// CPUs to offer (default: all of this host's).
     #[arg(long, env = "GPUCTL_AGENT_CPUS")]
     pub cpus: Option<f64>,
@@ -353,6 +362,7 @@ struct FileOptions {
     simulate_gpus: Option<String>,
     runtime: Option<String>,
     nvml_lib: Option<PathBuf>,
+    mps_control: Option<PathBuf>,
     cpus: Option<f64>,
     mem_mib: Option<u64>,
     kill_grace_secs: Option<f64>,
@@ -459,6 +469,7 @@ impl Options {
             fill!(opt simulate_gpus);
             fill!(opt runtime);
             fill!(opt nvml_lib);
+            fill!(opt mps_control);
             fill!(opt cpus);
             fill!(opt mem_mib);
             fill!(kill_grace_secs);
@@ -636,6 +647,7 @@ impl Options {
             simulate_gpus: self.simulate_gpus.clone(),
             runtimes: self.runtime.as_deref().map(parse_runtimes).transpose()?,
             nvml_lib: self.nvml_lib.clone(),
+            mps_control: self.mps_control.clone(),
             cpus: self.cpus,
             mem_mib: self.mem_mib,
             kill_grace: Duration::from_secs_f64(self.kill_grace_secs),

@@ -349,7 +349,28 @@ pub async fn serve(
         );
     }
     tracing::info!("{}", policy.describe());
+    let mps = Arc::new(gpu::mps::Mps::new(
+        gpu::mps::Mps::find_control(config.mps_control.as_deref(), driver_volume.as_deref()),
+        config.work_dir.join("mps"),
+    ));
+    match mps.control() {
+        Some(c) => tracing::info!(control = %c.display(), "MPS: GPUs shared in mps mode get a control daemon per tenant"),
+        None => tracing::info!("MPS off (no nvidia-cuda-mps-control): tasks on GPUs shared in mps mode run unenforced and say so"),
+    }
+    if mps.available() {
+        let mps = mps.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_secs(5)).await;
+                let mps = mps.clone();
+                if let Err(e) = tokio::task::spawn_blocking(move || mps.supervise()).await {
+                    tracing::warn!(error = %e, "MPS supervision panicked");
+                }
+            }
+        });
+    }
     let isolation_setup = executor::IsolationSetup {
+        mps: mps.clone(),
         isolator,
         gpu_grants: gpu_grants.clone(),
         driver_volume,
@@ -552,6 +573,9 @@ pub async fn serve(
         executor
             .kill_all(config.kill_grace + Duration::from_secs(5))
             .await;
+        // Their MPS daemons go with them.
+        let m = mps.clone();
+        let _ = tokio::task::spawn_blocking(move || m.stop_all()).await;
         // Give the final KILLED updates a moment to reach the master.
         let _ = sender_done.send(true);
         if tokio::time::timeout(Duration::from_secs(3), sender)

@@ -924,6 +924,13 @@ impl TryFrom<pb::TaskSpec> for TaskSpec {
         let share = match s.share {
             None => None,
             Some(sh) => Some(TaskShare {
+                // It names the task's MPS server's directory on the agent.
+                tenant: if sh.tenant.is_empty() {
+                    sh.tenant
+                } else {
+                    check_id("task.share.tenant", &sh.tenant)?;
+                    sh.tenant
+                },
                 fraction: GpuFraction {
                     mem_mib: sh.mem_mib,
                     compute_pct: sh.compute_pct,
@@ -991,6 +998,7 @@ impl From<TaskSpec> for pb::TaskSpec {
                 mem_mib: sh.fraction.mem_mib,
                 compute_pct: sh.fraction.compute_pct,
                 mode: sh.mode.to_string(),
+                tenant: sh.tenant,
             }),
         }
     }

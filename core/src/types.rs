@@ -987,10 +987,14 @@ pub struct TaskSpec {
 }
 
 /// What a task holds of a shared GPU, as its agent enforces it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TaskShare {
     pub fraction: GpuFraction,
     pub mode: ShareMode,
+    /// The tenant the task is charged to: tasks of different tenants never
+    /// share an MPS server. Empty: the default tenant.
+    #[serde(default)]
+    pub tenant: String,
 }
 
 /// What an agent says about itself when it registers.

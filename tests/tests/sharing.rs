@@ -1,14 +1,21 @@
-//! Fractions of a shared GPU end to end (issue 34, the scheduling part):
-//! real master, agent and gpuctl binaries, one simulated A100 of 40 GiB
-//! marked shareable. Four quarter jobs run at once on it, a fifth waits,
-//! a whole-GPU job is never given it, and an agent SIGKILLed under the
-//! shared tasks comes back to the same count. The agent's enforcement
-//! (MPS, the driver's memory cap) is not built yet: `mps` is refused.
+//! Fractions of a shared GPU end to end (issue 34): real master, agent and
+//! gpuctl binaries. One simulated A100 of 40 GiB marked shareable: four
+//! quarter jobs run at once on it, a fifth waits, a whole-GPU job is never
+//! given it, and an agent SIGKILLed under the shared tasks comes back to
+//! the same count. With MPS (tests/fake-mps, a stand-in control program
+//! that records what it is told) and real Docker: a daemon per GPU and
+//! tenant, its pipe directory and /dev/shm in that GPU's tasks only, the
+//! limits in each task's environment, surviving an agent SIGKILL, started
+//! again when it dies.
 #![allow(clippy::unwrap_used)]
 
 use std::time::Duration;
 
-use gpuctl_tests::{wait_for, AgentOpts, Cluster, Gpuctl};
+use std::path::{Path, PathBuf};
+
+use gpuctl_tests::{
+    busybox_image, docker_or_skip, wait_for, workspace_root, AgentOpts, Cluster, Gpuctl,
+};
 
 fn quarter(c: &Cluster, name: &str) -> String {
     c.submit(&[
@@ -36,11 +43,6 @@ fn four_quarters_share_a_gpu_and_the_fifth_waits() {
     let gpus = c.json(&["gpus", "--json"]);
     let uuid = gpus[0]["uuid"].as_str().unwrap().to_string();
 
-    // MPS is not enforced yet: refused, saying so.
-    let out = c.gpuctl(&["gpus", "share", &uuid, "--mode", "mps"]);
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("not built yet"), "{err}");
     c.ok(&["gpus", "share", &uuid, "--mode", "time-slice"]);
 
     let jobs: Vec<String> = (0..4).map(|i| quarter(&c, &format!("q{i}"))).collect();
@@ -69,7 +71,7 @@ fn four_quarters_share_a_gpu_and_the_fifth_waits() {
         got.contains("a fraction of a shared GPU each: 10GiB"),
         "{got}"
     );
-    // Each task says what its agent enforces of it: nothing, yet.
+    // Each task says what its agent enforces of it: time-slicing, nothing.
     assert_eq!(c.job(&jobs[0])["tasks"][0]["enforcement"], "none");
     assert!(
         got.contains(&format!("Enforcement of {}.0: none", jobs[0])),
@@ -97,4 +99,162 @@ fn four_quarters_share_a_gpu_and_the_fifth_waits() {
     for j in jobs.iter().skip(1).chain([&fifth, &whole]) {
         c.ok(&["jobs", "cancel", j]);
     }
+}
+
+/// The pid in a daemon's pid file, when it names a live process.
+fn daemon_pid(pipe: &Path) -> Option<i32> {
+    let pid: i32 = std::fs::read_to_string(pipe.join("nvidia-cuda-mps-control.pid"))
+        .ok()?
+        .trim()
+        .parse()
+        .ok()?;
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let state = stat.rsplit_once(')')?.1.trim().chars().next()?;
+    (state != 'Z').then_some(pid)
+}
+
+#[test]
+fn mps_fractions_get_a_daemon_their_limits_and_only_their_gpus_pipe() {
+    if !docker_or_skip("mps_fractions_get_a_daemon_their_limits_and_only_their_gpus_pipe") {
+        return;
+    }
+    let image = busybox_image();
+    let control = workspace_root().join("tests/fake-mps/nvidia-cuda-mps-control");
+    let mut c = Cluster::start(&[]);
+    c.add_agent(AgentOpts {
+        simulate_gpus: Some("2xA100-SXM4-40GB"),
+        runtime: "docker,process",
+        extra: vec!["--mps-control".into(), control.display().to_string()],
+        stop_tasks_on_shutdown: false,
+        ..Default::default()
+    });
+    let gpus = c.json(&["gpus", "--json"]);
+    let uuid = gpus[0]["uuid"].as_str().unwrap().to_string();
+    c.ok(&["gpus", "share", &uuid, "--mode", "mps"]);
+    let table = c.ok(&["gpus"]);
+    assert!(table.contains("SHARED (mps)"), "{table}");
+
+    // Two fractions, one of which tries to set its own MPS limit (naming a
+    // GPU it cannot see, which would drop MPS's limit): the agent's wins.
+    let script = "echo pipe=$CUDA_MPS_PIPE_DIRECTORY mem=$CUDA_MPS_PINNED_DEVICE_MEM_LIMIT \
+                  pct=$CUDA_MPS_ACTIVE_THREAD_PERCENTAGE; ls $CUDA_MPS_PIPE_DIRECTORY; \
+                  touch /dev/shm/from-$GPUCTL_TASK_ID; echo ready; sleep 600";
+    let frac = |name: &str, extra: &[&str]| {
+        let mut args = vec![
+            "--name",
+            name,
+            "--image",
+            &image,
+            "--gpu-mem",
+            "10GiB",
+            "--gpu-compute",
+            "25",
+            "--cpus",
+            "0.1",
+        ];
+        args.extend(extra);
+        args.extend(["--", "sh", "-c", script]);
+        c.submit(&args)
+    };
+    let a = frac("a", &[]);
+    let b = frac(
+        "b",
+        &["--env", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=1G,7=1G"],
+    );
+    // A whole GPU beside them: no MPS pipe in it.
+    let whole = c.submit(&[
+        "--name", "whole", "--image", &image, "--gpus", "1", "--cpus", "0.1", "--", "sh", "-c",
+        "ls /run/nvidia-mps || echo no-mps-pipe; echo mps-env=${CUDA_MPS_PIPE_DIRECTORY:-none}; sleep 600",
+    ]);
+    for j in [&a, &b, &whole] {
+        c.wait_state(j, "RUNNING", Duration::from_secs(60));
+    }
+    let logs = |j: &str| c.ok(&["jobs", "logs", j]);
+    for j in [&a, &b] {
+        wait_for(Duration::from_secs(30), "the task's output", || {
+            logs(j).contains("ready")
+        });
+        let out = logs(j);
+        assert!(
+            out.contains("pipe=/run/nvidia-mps mem=0=10240M pct=25"),
+            "{out}"
+        );
+        // The daemon's socket and pid file, seen through the mount.
+        assert!(out.contains("control"), "{out}");
+        assert!(out.contains("nvidia-cuda-mps-control.pid"), "{out}");
+        assert_eq!(c.job(j)["tasks"][0]["enforcement"], "mps");
+        let got = c.ok(&["jobs", "get", j]);
+        assert!(got.contains(&format!("Enforcement of {j}.0: mps")), "{got}");
+    }
+    wait_for(
+        Duration::from_secs(30),
+        "the whole-GPU task's output",
+        || logs(&whole).contains("mps-env="),
+    );
+    let out = logs(&whole);
+    assert!(
+        out.contains("no-mps-pipe") && out.contains("mps-env=none"),
+        "{out}"
+    );
+    assert_eq!(
+        c.job(&whole)["tasks"][0]["enforcement"],
+        serde_json::Value::Null
+    );
+
+    // One daemon for the GPU and the (default) tenant, given the GPU.
+    let server = c.dir.path().join(format!("agent0/mps/{uuid}/default"));
+    let pipe: PathBuf = server.join("pipe");
+    let log = || std::fs::read_to_string(server.join("log/control.log")).unwrap_or_default();
+    assert_eq!(log().matches(" start ").count(), 1, "{}", log());
+    assert!(
+        log().contains(&format!("CUDA_VISIBLE_DEVICES={uuid}")),
+        "{}",
+        log()
+    );
+    let pid = daemon_pid(&pipe).expect("the daemon runs");
+    // Both tasks' /dev/shm is the daemon's.
+    for j in [&a, &b] {
+        assert!(
+            server.join(format!("shm/from-{j}.0")).exists(),
+            "{j}'s /dev/shm is not the daemon's"
+        );
+    }
+
+    // The agent SIGKILLed: the daemon outlives it like the tasks do, and
+    // the new agent keeps it.
+    c.restart_agent(0);
+    wait_for(Duration::from_secs(30), "the agent back", || {
+        c.agents_json()
+            .first()
+            .is_some_and(|a| a["state"] == "ACTIVE")
+    });
+    std::thread::sleep(Duration::from_secs(6));
+    assert_eq!(daemon_pid(&pipe), Some(pid), "{}", log());
+    for j in [&a, &b] {
+        assert_eq!(c.job(j)["state"], "RUNNING", "{}", c.diagnostics());
+    }
+
+    // The daemon dies under its tasks: the agent starts it again.
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    wait_for(Duration::from_secs(30), "the daemon restarted", || {
+        daemon_pid(&pipe).is_some_and(|p| p != pid)
+    });
+    assert_eq!(log().matches(" start ").count(), 2, "{}", log());
+
+    for j in [&a, &b, &whole] {
+        c.ok(&["jobs", "cancel", j]);
+        c.wait_job(j, 60);
+    }
+    // Nothing of the test outlives it.
+    if let Some(p) = daemon_pid(&pipe) {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(p),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    }
+    let _ = nix::mount::umount2(&server.join("shm"), nix::mount::MntFlags::MNT_DETACH);
 }

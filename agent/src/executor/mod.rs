@@ -22,7 +22,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use gpuctl_core::time::Backoff;
-use gpuctl_core::types::{Runtime, StatusUpdate, TaskSpec, TaskState, UserIds};
+use gpuctl_core::types::{
+    Runtime, ShareMode, StatusUpdate, TaskShare, TaskSpec, TaskState, UserIds,
+};
 use tokio::sync::{mpsc, watch};
 
 use plan::{Action, Phase, TaskView};
@@ -108,6 +110,8 @@ pub struct IsolationSetup {
     pub driver: crate::runtime::HostDriver,
     /// Users of their own for host-process tasks (`task_users`).
     pub users: crate::task_users::TaskUsers,
+    /// MPS control daemons for GPUs shared in `mps` mode.
+    pub mps: Arc<crate::gpu::mps::Mps>,
 }
 
 /// How a task ended, as reported to the master.
@@ -774,6 +778,13 @@ impl Executor {
                     }
                     Ok(Observed::Running | Observed::Ended(_)) => {
                         started = true;
+                        // Its MPS daemon (which outlived the agent too) is
+                        // kept for it.
+                        if let (Some(sh), Some(gpu)) = (&spec.share, spec.gpu_uuids.first()) {
+                            if sh.mode == ShareMode::Mps && self.isolation.mps.available() {
+                                self.isolation.mps.adopt(task_id, gpu, &mps_tenant(sh));
+                            }
+                        }
                         break;
                     }
                     Err(e) if e.is_unavailable() => {
@@ -869,11 +880,40 @@ impl Executor {
             })?;
             security.user = Some(ids);
         }
+        // A fraction of an `mps` GPU gets its (GPU, tenant) MPS daemon,
+        // started if need be; without a control program here it runs
+        // unenforced, and says so.
+        let mps = match (&spec.share, spec.gpu_uuids.first()) {
+            (Some(sh), Some(gpu))
+                if sh.mode == ShareMode::Mps && self.isolation.mps.available() =>
+            {
+                let mps = self.isolation.mps.clone();
+                let (task, gpu, tenant) = (task_id.to_string(), gpu.clone(), mps_tenant(sh));
+                let got = tokio::task::spawn_blocking(move || mps.acquire(&task, &gpu, &tenant))
+                    .await
+                    .map_err(|e| e.to_string())
+                    .and_then(|r| r.map_err(|e| e.to_string()));
+                match got {
+                    Ok(server) => Some(server),
+                    Err(e) => {
+                        self.release(task_id);
+                        tracing::warn!(task_id, error = %e, "no MPS daemon for the task");
+                        return Err(Outcome::failed(format!("MPS: {e}")));
+                    }
+                }
+            }
+            _ => None,
+        };
         let mut starting = self.update(task_id, TaskState::Starting);
-        // What this agent enforces of a fraction of a shared GPU: nothing
-        // yet (time-slicing; MPS and the driver's memory cap are not
-        // built), said as such rather than implied.
-        starting.enforcement = spec.share.map(|_| gpuctl_core::types::Enforcement::None);
+        // What this agent enforces of a fraction of a shared GPU, said as
+        // such rather than implied.
+        starting.enforcement = spec.share.as_ref().map(|_| {
+            if mps.is_some() {
+                gpuctl_core::types::Enforcement::Mps
+            } else {
+                gpuctl_core::types::Enforcement::None
+            }
+        });
         self.send(starting).await;
         let sandbox = self.sandbox(task_id);
         tokio::fs::create_dir_all(&sandbox)
@@ -896,8 +936,31 @@ impl Executor {
             .isolator
             .prepare(task_id, &devices, &spec.resources, rt.kind())
             .map_err(|e| Outcome::failed(format!("isolation: {e}")))?;
+        let mut env = Self::gpu_env(spec);
+        if let (Some(server), Some(sh)) = (&mps, &spec.share) {
+            crate::gpu::mps::scrub_env(&mut env);
+            // A container sees the pipe directory where the agent mounts
+            // it (with the daemon's shm as its /dev/shm); a host process
+            // where it is.
+            let pipe = if rt.kind() == Runtime::Docker {
+                security.mounts.push(crate::security::BindMount {
+                    host_path: server.pipe_dir.clone(),
+                    container_path: crate::gpu::mps::CONTAINER_PIPE_DIR.to_string(),
+                    read_only: false,
+                });
+                security.mounts.push(crate::security::BindMount {
+                    host_path: server.shm_dir.clone(),
+                    container_path: "/dev/shm".to_string(),
+                    read_only: false,
+                });
+                crate::gpu::mps::CONTAINER_PIPE_DIR.to_string()
+            } else {
+                server.pipe_dir.display().to_string()
+            };
+            env.extend(crate::gpu::mps::client_env(&pipe, &sh.fraction));
+        }
         let launch = LaunchSpec {
-            env: Self::gpu_env(spec),
+            env,
             log_path: sandbox.join(LOG_FILE),
             sandbox,
             agent_id: self.agent_id.clone(),
@@ -991,8 +1054,10 @@ impl Executor {
         }
     }
 
-    /// Removes the task's cgroup (its processes are gone by now).
+    /// Removes the task's cgroup (its processes are gone by now) and its
+    /// claim on an MPS daemon.
     fn release(&self, task_id: &str) {
+        self.isolation.mps.release(task_id);
         if let Err(e) = self.isolation.isolator.release(task_id) {
             tracing::warn!(task_id, error = %e, "could not remove the task's cgroup");
         }
@@ -1039,6 +1104,15 @@ async fn remove_until_done(rt: &Arc<dyn ContainerRuntime>, tref: &TaskRef) {
                 tokio::time::sleep(backoff.next_wait()).await;
             }
         }
+    }
+}
+
+/// The tenant whose MPS daemon a shared task uses.
+fn mps_tenant(share: &TaskShare) -> String {
+    if share.tenant.is_empty() {
+        "default".to_string()
+    } else {
+        share.tenant.clone()
     }
 }
 
@@ -1274,6 +1348,7 @@ mod shell_tests {
                 cdi: Default::default(),
                 driver: Default::default(),
                 users: crate::task_users::TaskUsers::new(users, dir.path()),
+                mps: Arc::new(crate::gpu::mps::Mps::new(None, dir.path().join("mps"))),
             },
             tx,
         );

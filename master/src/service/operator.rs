@@ -750,15 +750,6 @@ impl OperatorService {
                     .map_err(|e| gpuctl_core::convert::ConvertError::new("mode", e))?,
             )
         };
-        // The agent does not run MPS yet: a GPU marked mps would promise
-        // limits nobody enforces.
-        if mode == Some(gpuctl_core::types::ShareMode::Mps) {
-            return Err(gpuctl_core::convert::ConvertError::new(
-                "mode",
-                "mps sharing is not built yet (issue 34): its limits would not be enforced; use time-slice (no limit, the scheduler still counts)",
-            )
-            .into());
-        }
         self.ctx
             .raft
             .propose(Command::ShareGpu {

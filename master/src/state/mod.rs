@@ -551,9 +551,19 @@ impl State {
             ),
             (None, None) => return None,
         };
+        let tenant = match (&t.launch, self.jobs.get(&t.job_id)) {
+            (None, Some(job)) => access::tenant_of(&job.spec).to_string(),
+            _ => self
+                .frameworks
+                .get(&t.framework_id)
+                .map(|f| f.info.tenant.clone())
+                .filter(|t| !t.is_empty())
+                .unwrap_or_else(|| access::DEFAULT_TENANT.to_string()),
+        };
         Some(TaskSpec {
             // A fraction's GPU stays shared while the fraction is held.
             share: t.fraction.map(|fraction| gpuctl_core::types::TaskShare {
+                tenant: tenant.clone(),
                 fraction,
                 mode: t
                     .gpu_uuids
