@@ -1534,6 +1534,7 @@ impl From<TaskReason> for pb::Reason {
             TaskReason::Fenced => pb::Reason::Fenced,
             TaskReason::AgentDrained => pb::Reason::AgentDraining,
             TaskReason::DriverRequirementUnmet => pb::Reason::DriverRequirementUnmet,
+            TaskReason::GpuMemoryLimit => pb::Reason::GpuMemoryLimit,
         }
     }
 }
@@ -1676,6 +1677,13 @@ impl TryFrom<pb::StatusUpdate> for StatusUpdate {
                 true,
             )?;
         }
+        let gpu_memory_limit = u.reason == pb::Reason::GpuMemoryLimit as i32;
+        if gpu_memory_limit && state != TaskState::Failed {
+            return Err(ConvertError::new(
+                "reason",
+                format!("REASON_GPU_MEMORY_LIMIT needs state FAILED, not {state}"),
+            ));
+        }
         let enforcement = if u.enforcement.is_empty() {
             None
         } else {
@@ -1697,6 +1705,7 @@ impl TryFrom<pb::StatusUpdate> for StatusUpdate {
             latest_state,
             requires: u.requires,
             enforcement,
+            gpu_memory_limit,
         })
     }
 }
@@ -1716,6 +1725,8 @@ impl From<StatusUpdate> for pb::StatusUpdate {
                 pb::Reason::Fenced as i32
             } else if !u.requires.is_empty() {
                 pb::Reason::DriverRequirementUnmet as i32
+            } else if u.gpu_memory_limit {
+                pb::Reason::GpuMemoryLimit as i32
             } else {
                 pb::Reason::Unspecified as i32
             },

@@ -1059,6 +1059,10 @@ pub struct StatusUpdate {
     /// enforces of it (sent with STARTING).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub enforcement: Option<Enforcement>,
+    /// The agent stopped the task for using more GPU memory than its
+    /// fraction (wire: state FAILED, reason REASON_GPU_MEMORY_LIMIT).
+    #[serde(default)]
+    pub gpu_memory_limit: bool,
 }
 
 /// What an agent enforces of a fraction of a shared GPU, stated per task.
@@ -1156,6 +1160,9 @@ pub enum TaskReason {
     /// without using a retry, placed from then on only where the driver
     /// qualifies.
     DriverRequirementUnmet,
+    /// Stopped by its agent: its processes together used more GPU memory
+    /// than its fraction of a shared GPU.
+    GpuMemoryLimit,
 }
 
 /// The id of gpuctl's own job scheduler, which runs as a framework; no

@@ -123,6 +123,9 @@ struct Outcome {
     gpu_unhealthy: bool,
     /// Stopped by the fence (REASON_FENCED).
     fenced: bool,
+    /// Stopped for using more GPU memory than its fraction
+    /// (REASON_GPU_MEMORY_LIMIT).
+    gpu_memory_limit: bool,
     /// Refused because the host's driver does not meet what the image
     /// requires: all the image's requirements
     /// (REASON_DRIVER_REQUIREMENT_UNMET).
@@ -137,6 +140,7 @@ impl Outcome {
             message: message.into(),
             gpu_unhealthy: false,
             fenced: false,
+            gpu_memory_limit: false,
             requires: Vec::new(),
         }
     }
@@ -157,6 +161,10 @@ impl Outcome {
                 state: TaskState::Killed,
                 ..Outcome::failed("killed before it started")
             },
+            StopReason::GpuMemoryLimit(why) => Outcome {
+                gpu_memory_limit: true,
+                ..Outcome::failed(why.clone())
+            },
         }
     }
 
@@ -173,6 +181,7 @@ impl Outcome {
                 message: fence_message(fence_timeout_ms),
                 gpu_unhealthy: false,
                 fenced: true,
+                gpu_memory_limit: false,
                 requires: Vec::new(),
             };
         }
@@ -183,12 +192,18 @@ impl Outcome {
                 exit_code: code,
                 ..Outcome::failed(why.clone())
             },
+            Some(StopReason::GpuMemoryLimit(why)) if code != Some(0) => Outcome {
+                gpu_memory_limit: true,
+                exit_code: code,
+                ..Outcome::failed(why.clone())
+            },
             Some(StopReason::Killed | StopReason::NotWanted) => Outcome {
                 state: TaskState::Killed,
                 exit_code: None,
                 message: "killed".into(),
                 gpu_unhealthy: false,
                 fenced: false,
+                gpu_memory_limit: false,
                 requires: Vec::new(),
             },
             _ => match code {
@@ -198,6 +213,7 @@ impl Outcome {
                     message: String::new(),
                     gpu_unhealthy: false,
                     fenced: false,
+                    gpu_memory_limit: false,
                     requires: Vec::new(),
                 },
                 Some(c) => Outcome {
@@ -426,6 +442,37 @@ impl Executor {
     pub fn set_gpu_faults(self: &Arc<Self>, faults: BTreeMap<String, String>) {
         self.lock().gpu_faults = faults;
         self.reconcile();
+    }
+
+    /// The memory watch's verdict, by task: a running task whose processes
+    /// together use more GPU memory than its fraction is stopped, and ends
+    /// FAILED with REASON_GPU_MEMORY_LIMIT and `why`.
+    pub fn stop_over_memory(self: &Arc<Self>, over: BTreeMap<String, String>) {
+        let t = self.lock();
+        for (task_id, why) in over {
+            let Some(task) = t.tasks.get(&task_id) else {
+                continue;
+            };
+            if task.phase == Phase::Running && task.stop.borrow().is_none() {
+                tracing::warn!(task_id, reason = %why, "stopping task over its GPU memory");
+                task.stop
+                    .send_replace(Some(StopReason::GpuMemoryLimit(why)));
+            }
+        }
+    }
+
+    /// The running tasks holding a fraction of a shared GPU, with it.
+    pub fn shared_tasks(&self) -> Vec<(String, gpuctl_core::types::TaskShare, String)> {
+        self.lock()
+            .tasks
+            .iter()
+            .filter(|(_, t)| t.phase == Phase::Running)
+            .filter_map(|(id, t)| {
+                let share = t.spec.share.clone()?;
+                let gpu = t.spec.gpu_uuids.first()?.clone();
+                Some((id.clone(), share, gpu))
+            })
+            .collect()
     }
 
     /// A leader answered a heartbeat sent at `sent_ms` (wall clock): the
@@ -680,6 +727,7 @@ impl Executor {
             uuid: uuid::Uuid::new_v4().as_bytes().to_vec(),
             gpu_unhealthy: false,
             fenced: false,
+            gpu_memory_limit: false,
             requires: Vec::new(),
             latest_state: None,
         }
@@ -693,6 +741,7 @@ impl Executor {
         u.message = outcome.message;
         u.gpu_unhealthy = outcome.gpu_unhealthy;
         u.fenced = outcome.fenced;
+        u.gpu_memory_limit = outcome.gpu_memory_limit;
         u.requires = outcome.requires;
         let path = self.state_dir(task_id).join(checkpoint::FINAL_FILE);
         if let Err(e) = checkpoint::write_json(&path, &u) {

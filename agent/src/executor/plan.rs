@@ -39,6 +39,9 @@ pub enum StopReason {
     GpuFailed(String),
     /// No contact with a master for the fence timeout.
     Fenced,
+    /// Its processes together used more GPU memory than its fraction of a
+    /// shared GPU: `why` says how much.
+    GpuMemoryLimit(String),
 }
 
 /// What the plan needs to know of a local task.

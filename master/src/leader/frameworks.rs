@@ -947,6 +947,7 @@ mod tests {
             &mut s,
             Command::UpdateTaskStatus {
                 update: StatusUpdate {
+                    gpu_memory_limit: false,
                     enforcement: None,
                     agent_id: "a".into(),
                     task_id: key.clone(),
@@ -1221,6 +1222,7 @@ mod tests {
             &mut s,
             Command::UpdateTaskStatus {
                 update: StatusUpdate {
+                    gpu_memory_limit: false,
                     enforcement: None,
                     agent_id: "a".into(),
                     task_id: crate::state::frameworks::task_key(&f, "t1"),

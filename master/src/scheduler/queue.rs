@@ -892,6 +892,7 @@ mod tests {
             let agent_id = self.s.tasks()[task_id].agent_id.clone();
             self.apply(Command::UpdateTaskStatus {
                 update: StatusUpdate {
+                    gpu_memory_limit: false,
                     enforcement: None,
                     agent_id,
                     task_id: task_id.to_string(),

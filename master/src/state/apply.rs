@@ -673,19 +673,22 @@ impl State {
         if u.state.is_terminal() {
             let refused = !u.requires.is_empty() && self.learn_driver_requires(&u.task_id, u);
             // Known before the job hears of the end: a GPU failure, the
-            // agent's fence or a driver refusal is not the command's own
-            // failure (see job_task_ended and failure_message).
+            // agent's fence, a driver refusal or the GPU memory limit is
+            // said as such, not as an exit code (see job_task_ended and
+            // failure_message).
             if refused {
                 if let Some(task) = self.tasks.get_mut(&u.task_id) {
                     task.reason = TaskReason::DriverRequirementUnmet;
                 }
             }
-            if u.gpu_unhealthy || u.fenced {
+            if u.gpu_unhealthy || u.fenced || u.gpu_memory_limit {
                 if let Some(task) = self.tasks.get_mut(&u.task_id) {
                     task.reason = if u.gpu_unhealthy {
                         TaskReason::GpuUnhealthy
-                    } else {
+                    } else if u.fenced {
                         TaskReason::Fenced
+                    } else {
+                        TaskReason::GpuMemoryLimit
                     };
                 }
             }
@@ -696,6 +699,7 @@ impl State {
                     _ if u.gpu_unhealthy => TaskReason::GpuUnhealthy,
                     _ if u.fenced => TaskReason::Fenced,
                     _ if refused => TaskReason::DriverRequirementUnmet,
+                    _ if u.gpu_memory_limit => TaskReason::GpuMemoryLimit,
                     (TaskState::Finished | TaskState::Failed, Some(_)) => TaskReason::CommandExited,
                     (TaskState::Failed | TaskState::Error, None) => {
                         TaskReason::ContainerLaunchFailed
@@ -1100,6 +1104,7 @@ mod tests {
         ) -> Outcome {
             self.apply(Command::UpdateTaskStatus {
                 update: StatusUpdate {
+                    gpu_memory_limit: false,
                     enforcement: None,
                     agent_id: agent.into(),
                     task_id: task.into(),
@@ -1380,6 +1385,7 @@ mod tests {
         assert!(matches!(
             t.apply(Command::UpdateTaskStatus {
                 update: StatusUpdate {
+                    gpu_memory_limit: false,
                     enforcement: None,
                     agent_id: "a2".into(),
                     task_id: "job-1.0".into(),

@@ -673,6 +673,7 @@ mod tests {
         let key = task_key(&f, "t1");
         let up = |uuid: &[u8], state| Command::UpdateTaskStatus {
             update: StatusUpdate {
+                gpu_memory_limit: false,
                 enforcement: None,
                 agent_id: "a1".into(),
                 task_id: key.clone(),
@@ -730,6 +731,7 @@ mod tests {
         launch(&mut s, &f, vec![task("t1", &["GPU-0"])], false);
         let key = task_key(&f, "t1");
         let update = StatusUpdate {
+            gpu_memory_limit: false,
             enforcement: None,
             agent_id: "a1".into(),
             task_id: key.clone(),
@@ -763,6 +765,7 @@ mod tests {
         let free_before = s.agents["a1"].free();
         let up = |uuid: &[u8], state, latest: Option<TaskState>| Command::UpdateTaskStatus {
             update: StatusUpdate {
+                gpu_memory_limit: false,
                 enforcement: None,
                 agent_id: "a1".into(),
                 task_id: key.clone(),

@@ -513,7 +513,10 @@ fn join_cut(names: &BTreeSet<&str>) -> String {
 /// What a failed task says, for its job's message.
 fn failure_message(t: &TaskRecord) -> String {
     let who = format!("task {}", t.id);
-    if t.reason == TaskReason::GpuUnhealthy {
+    if matches!(
+        t.reason,
+        TaskReason::GpuUnhealthy | TaskReason::GpuMemoryLimit
+    ) {
         return format!("{who} failed: {}", t.message);
     }
     if t.reason == TaskReason::DriverRequirementUnmet {

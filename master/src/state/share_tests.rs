@@ -314,3 +314,31 @@ fn a_fractions_enforcement_is_recorded_as_its_agent_says() {
     // Only a fraction has an enforcement level.
     assert_eq!(d.s.task(&format!("{whole}.0")).unwrap().enforcement, None);
 }
+
+#[test]
+fn a_fraction_over_its_memory_fails_with_gpu_memory_limit_and_frees_its_share() {
+    let mut d = driver();
+    share(&mut d, "GPU-a-0", Some(ShareMode::Mps)).unwrap();
+    let f = d.submit(spec(Some((10240, 25)), 0));
+    d.launch_at(&f, &[("a", &["GPU-a-0"])], 2).unwrap();
+    assert_eq!(d.s.share_used("a", "GPU-a-0"), (10240, 25));
+    let mut u = status("a", &format!("{f}.0"), TaskState::Failed);
+    u.uuid = vec![9];
+    u.exit_code = Some(137);
+    u.gpu_memory_limit = true;
+    u.message = "used 12288 MiB of GPU memory, over its 10240 MiB".into();
+    d.apply(Command::UpdateTaskStatus {
+        update: u,
+        at_ms: 3,
+    })
+    .unwrap();
+    let t = d.s.task(&format!("{f}.0")).unwrap();
+    assert_eq!(t.reason, gpuctl_core::types::TaskReason::GpuMemoryLimit);
+    assert_eq!(d.s.share_used("a", "GPU-a-0"), (0, 0));
+    let job = d.s.job(&f).unwrap();
+    assert!(
+        job.message.contains("over its 10240 MiB"),
+        "{}",
+        job.message
+    );
+}

@@ -70,6 +70,7 @@ impl Driver {
 /// uuid or reason (set the fields a test needs).
 pub fn status(agent: &str, task: &str, state: TaskState) -> StatusUpdate {
     StatusUpdate {
+        gpu_memory_limit: false,
         enforcement: None,
         agent_id: agent.into(),
         task_id: task.into(),
