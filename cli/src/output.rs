@@ -969,7 +969,7 @@ pub fn job_detail(j: &pb::Job, now_ms: u64) -> String {
         for t in j.tasks.iter().filter(|t| !t.enforcement.is_empty()) {
             let what = match t.enforcement.as_str() {
                 "driver" => "the driver's memory cap, on all its processes together",
-                "mps" => "MPS limits, on each of its processes",
+                "mps" => "MPS limits on each of its processes; its agent stops it when all of them together pass its memory (GPU_MEMORY_LIMIT)",
                 "none" => "nothing: the scheduler counts its fraction, nothing limits it",
                 other => other,
             };

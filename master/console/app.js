@@ -463,7 +463,9 @@ function renderJob(j, el) {
     h("td", {}, t.id),
     h("td", {}, String(t.rank)),
     h("td", {}, t.agent_id),
-    h("td", { title: t.gpu_uuids.join("\n") }, String(t.gpu_uuids.length)),
+    // A fraction of a shared GPU says what its agent enforces of it.
+    h("td", { title: t.gpu_uuids.join("\n") },
+      t.enforcement ? `fraction, enforced: ${t.enforcement}` : String(t.gpu_uuids.length)),
     h("td", {}, (t.ports || []).join(",")),
     h("td", { class: "state" }, badge(t.state)),
     h("td", {}, t.exit_code == null ? "" : String(t.exit_code)),

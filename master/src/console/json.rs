@@ -142,6 +142,9 @@ fn task(t: &pb::Task) -> Value {
         "updated_at_ms": t.updated_at_ms,
         "rank": t.rank,
         "ports": t.ports,
+        // What its agent enforces of a fraction of a shared GPU; null for
+        // whole GPUs and MIG devices.
+        "enforcement": (!t.enforcement.is_empty()).then_some(&t.enforcement),
     })
 }
 
@@ -313,6 +316,7 @@ mod tests {
                 id: "job-7-0".into(),
                 state: pb::TaskState::TaskRunning as i32,
                 exit_code: None,
+                enforcement: "mps".into(),
                 ..Default::default()
             }],
             events: vec![pb::JobEvent {
@@ -331,6 +335,7 @@ mod tests {
         );
         assert_eq!(v["task_list"][0]["state"], "RUNNING");
         assert_eq!(v["task_list"][0]["exit_code"], Value::Null);
+        assert_eq!(v["task_list"][0]["enforcement"], "mps");
         assert_eq!(v["events"][0]["kind"], "Started");
         assert_eq!(v["reason"], Value::Null);
         let s = job_summary(&j);
