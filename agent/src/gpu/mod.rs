@@ -12,6 +12,7 @@ mod labels;
 pub mod mig;
 pub mod mig_apply;
 pub mod mig_layout;
+pub mod procs;
 mod simulate;
 
 use std::path::Path;
