@@ -283,12 +283,10 @@ pub async fn serve(
     attributes.extend(config.attributes.clone());
     // One level per agent, so that agents sharing a host never touch each
     // other's cgroups and each can sweep what it left itself.
-    let isolator = isolation::Isolator::new(
-        &config.cgroup_root,
-        &format!("{}/{agent_id}", config.cgroup_parent.trim_matches('/')),
-        &config.dev_root,
-    )?
-    .with_pids_max(config.task_pids_max);
+    let task_cgroup_parent = format!("{}/{agent_id}", config.cgroup_parent.trim_matches('/'));
+    let isolator =
+        isolation::Isolator::new(&config.cgroup_root, &task_cgroup_parent, &config.dev_root)?
+            .with_pids_max(config.task_pids_max);
     tracing::info!("{}", isolator.describe());
     let driver_volume = match &discovery.driver_version {
         Some(version) => {
@@ -397,10 +395,23 @@ pub async fn serve(
             ignored_xids = ?config.health.ignored_xids,
             "GPU health checks on"
         );
+        // Each task's GPU memory, from its processes' cgroups. Containers
+        // outside their task's cgroup (cgroup v2, Docker's systemd driver)
+        // are not attributed until the runtime says which container is
+        // which task's (`TaskCgroups::containers`).
+        let parent = task_cgroup_parent.clone();
+        let tasks = gpu::procs::Attribution {
+            proc_root: PathBuf::from(gpu::procs::PROC_ROOT),
+            cgroups: Box::new(move || gpu::procs::TaskCgroups {
+                parent: parent.clone(),
+                containers: Default::default(),
+            }),
+        };
         gpu::health::spawn(
             config.nvml_lib.clone(),
             gpus.clone(),
             config.health.clone(),
+            Some(tasks),
             health_tx,
             health_stop.clone(),
         )

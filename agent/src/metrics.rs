@@ -1,7 +1,7 @@
 //! The agent's Prometheus metrics (`--metrics-listen`): per GPU and per
 //! MIG device, its latest health-probe reading and the task and job using
-//! it, rendered at scrape time from the health checks' snapshot and the
-//! executor.
+//! it; per task, the GPU memory its processes use on each GPU. Rendered at
+//! scrape time from the health checks' snapshot and the executor.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -22,7 +22,8 @@ pub fn render(gpus: &[GpuInfo], health: &Snapshot, executor: &Executor) -> Strin
 }
 
 /// [`render`] on plain data: `tasks` is the task and job on each GPU or
-/// MIG device, by UUID.
+/// MIG device, by UUID, and names the job of each task's memory series (a
+/// task it does not name gets `job=""`).
 fn render_with(
     gpus: &[GpuInfo],
     health: &Snapshot,
@@ -134,6 +135,33 @@ fn render_with(
                 ("job", job),
             ];
             out.sample(name, &labels, value);
+        }
+    }
+    // Per task, so that the tasks sharing a GPU are told apart.
+    out.family(
+        "gpuctl_task_gpu_memory_used_bytes",
+        "GPU memory used by a task's processes on a GPU (NVML's per-process accounting), at the last probe.",
+        Kind::Gauge,
+    );
+    let jobs: HashMap<&str, &str> = tasks
+        .values()
+        .map(|(t, j)| (t.as_str(), j.as_str()))
+        .collect();
+    for h in &health.gpus {
+        let Some(s) = &h.sample else {
+            continue;
+        };
+        for (task, mib) in &s.task_memory_used_mib {
+            let job = jobs.get(task.as_str()).copied().unwrap_or("");
+            out.sample(
+                "gpuctl_task_gpu_memory_used_bytes",
+                &[
+                    ("task", task.as_str()),
+                    ("job", job),
+                    ("gpu", h.uuid.as_str()),
+                ],
+                *mib as f64 * MIB,
+            );
         }
     }
     // Counters do not carry the task: a series that changed labels with
@@ -253,6 +281,7 @@ mod tests {
             ]
         );
         // One HELP and TYPE per family (a family with no sample has them too).
+        assert!(text.contains("# TYPE gpuctl_task_gpu_memory_used_bytes gauge\n"));
         for f in [
             "gpuctl_mig_memory_used_bytes",
             "gpuctl_mig_memory_total_bytes",
@@ -264,5 +293,49 @@ mod tests {
                 "{f}"
             );
         }
+    }
+
+    #[test]
+    fn each_task_on_a_shared_gpu_has_its_memory_series() {
+        let gpus = [
+            GpuInfo::new("GPU-s", 0, "A100", 40960),
+            GpuInfo::new("GPU-x", 1, "A100", 40960),
+        ];
+        let mut s = snapshot();
+        let mut shared = s.gpus[0].clone();
+        shared.uuid = "GPU-s".into();
+        shared.index = 0;
+        shared.mig.clear();
+        if let Some(sample) = shared.sample.as_mut() {
+            sample.task_memory_used_mib =
+                [("job-1.0".to_string(), 3174), ("job-2.0".into(), 0)].into();
+        }
+        // A GPU that failed its probe has no reading, so no series.
+        let mut failed = shared.clone();
+        failed.uuid = "GPU-x".into();
+        failed.sample = None;
+        s.gpus = vec![shared, failed];
+        let tasks: HashMap<String, (String, String)> = [(
+            "GPU-s".to_string(),
+            ("job-1.0".to_string(), "job-1".to_string()),
+        )]
+        .into();
+        let text = render_with(&gpus, &s, &tasks, 2);
+        let lines: Vec<&str> = text
+            .lines()
+            .filter(|l| l.starts_with("gpuctl_task_"))
+            .collect();
+        assert_eq!(
+            lines,
+            [
+                r#"gpuctl_task_gpu_memory_used_bytes{task="job-1.0",job="job-1",gpu="GPU-s"} 3328180224"#,
+                r#"gpuctl_task_gpu_memory_used_bytes{task="job-2.0",job="",gpu="GPU-s"} 0"#,
+            ]
+        );
+        assert_eq!(
+            text.matches("# TYPE gpuctl_task_gpu_memory_used_bytes gauge\n")
+                .count(),
+            1
+        );
     }
 }

@@ -102,6 +102,8 @@ pub const MAX_HOSTNAME_LEN: usize = 64;
 pub const MAX_ADDRESS_LEN: usize = 512;
 /// A GPU's unhealthy reason, as an agent reports it, bytes.
 pub const MAX_REASON_LEN: usize = 4096;
+/// Tasks whose memory one GPU reading carries (`task_memory_used_mib`).
+pub const MAX_SAMPLE_TASKS: usize = 256;
 /// Host mounts of one job's containers.
 pub const MAX_MOUNTS: usize = 16;
 /// A mount's host or container path, an allowed mount prefix, bytes.
@@ -1778,6 +1780,7 @@ impl From<pb::GpuSample> for GpuSample {
             power_w: s.power_w.filter(|w| w.is_finite() && *w >= 0.0),
             sampled_at_ms: s.sampled_at_ms,
             xid_errors: s.xid_errors,
+            task_memory_used_mib: s.task_memory_used_mib.into_iter().collect(),
         }
     }
 }
@@ -1792,6 +1795,7 @@ impl From<GpuSample> for pb::GpuSample {
             power_w: s.power_w,
             sampled_at_ms: s.sampled_at_ms,
             xid_errors: s.xid_errors,
+            task_memory_used_mib: s.task_memory_used_mib.into_iter().collect(),
         }
     }
 }
@@ -1808,6 +1812,18 @@ impl TryFrom<pb::GpuReport> for GpuReport {
                 "gpus.unhealthy_reason",
                 format!("longer than {MAX_REASON_LEN} bytes"),
             ));
+        }
+        if let Some(s) = &r.sample {
+            const FIELD: &str = "gpus.sample.task_memory_used_mib";
+            if s.task_memory_used_mib.len() > MAX_SAMPLE_TASKS {
+                return Err(ConvertError::new(
+                    FIELD,
+                    format!("more than {MAX_SAMPLE_TASKS} tasks"),
+                ));
+            }
+            for task in s.task_memory_used_mib.keys() {
+                check_id(FIELD, task)?;
+            }
         }
         Ok(GpuReport {
             uuid: r.uuid,
@@ -3544,6 +3560,43 @@ mod tests {
         assert_eq!(
             RuntimeStatus::try_from(long).unwrap_err().field,
             "runtimes.message"
+        );
+    }
+
+    #[test]
+    fn gpu_reports_carry_task_memory_and_bound_it() {
+        let wire = pb::GpuReport {
+            uuid: "GPU-1".into(),
+            healthy: true,
+            unhealthy_reason: String::new(),
+            sample: Some(pb::GpuSample {
+                memory_used_mib: 3000,
+                task_memory_used_mib: [("job-1.0".to_string(), 1024), ("job-2.0".into(), 512)]
+                    .into(),
+                ..Default::default()
+            }),
+        };
+        let r = GpuReport::try_from(wire.clone()).unwrap();
+        let s = r.sample.clone().unwrap();
+        assert_eq!(s.task_memory_used_mib["job-1.0"], 1024);
+        assert_eq!(s.task_memory_used_mib.len(), 2);
+        assert_eq!(pb::GpuReport::from(r), wire);
+        let with_tasks = |tasks: Vec<(String, u64)>| {
+            let mut w = wire.clone();
+            if let Some(s) = w.sample.as_mut() {
+                s.task_memory_used_mib = tasks.into_iter().collect();
+            }
+            GpuReport::try_from(w).map_err(|e| e.field)
+        };
+        let many = |n: usize| (0..n).map(|i| (format!("t{i}"), 1)).collect::<Vec<_>>();
+        assert!(with_tasks(many(MAX_SAMPLE_TASKS)).is_ok());
+        assert_eq!(
+            with_tasks(many(MAX_SAMPLE_TASKS + 1)).unwrap_err(),
+            "gpus.sample.task_memory_used_mib"
+        );
+        assert_eq!(
+            with_tasks(vec![("bad id".into(), 1)]).unwrap_err(),
+            "gpus.sample.task_memory_used_mib"
         );
     }
 

@@ -1123,6 +1123,10 @@ pub struct GpuSample {
     pub sampled_at_ms: u64,
     /// Critical XID events seen since the agent started.
     pub xid_errors: u64,
+    /// GPU memory used by each task's processes (NVML's per-process
+    /// accounting), MiB by task id; only tasks with a process on the GPU.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub task_memory_used_mib: BTreeMap<TaskId, u64>,
 }
 
 /// A GPU's health as its agent sees it now, with its latest reading.

@@ -515,3 +515,92 @@ fn a_mig_layout_is_set_all_or_nothing() {
     });
     assert_eq!(profiles_of(&machine, 1), vec!["1g.10gb".to_string(); 7]);
 }
+
+/// Issue 34 item 4: each task's GPU memory through the real nvml-wrapper.
+/// NVML's compute and MPS lists (the fake answers the same for both) are
+/// read per GPU, each pid is given to the task whose cgroup holds it (a
+/// fake `/proc`), memory NVML cannot tell is left out, and a GPU whose
+/// list fails (lost, an error) is left out without hiding the others.
+#[test]
+fn each_tasks_gpu_memory_comes_from_nvmls_process_lists() {
+    use gpuctl_agent::gpu::procs::{gpu_processes, task_gpu_memory, GpuProcess, TaskCgroups};
+    let dir = gpuctl_tests::test_dir();
+    let gpu = |i: usize, processes: Value| {
+        json!({
+            "uuid": format!("GPU-{i}"), "name": "NVIDIA A100-SXM4-40GB",
+            "processes": processes,
+        })
+    };
+    let mut machine = json!({ "gpus": [
+        gpu(0, json!([
+            {"pid": 100, "memory_used_mib": 3000},
+            {"pid": 101, "memory_used_mib": 174},
+            {"pid": 200, "memory_used_mib": 512},
+            {"pid": 300, "memory_used_mib": 64},
+            {"pid": 201},
+        ])),
+        gpu(1, json!([{"pid": 100, "memory_used_mib": 1024}])),
+        gpu(2, json!([{"pid": 200, "memory_used_mib": 1}])),
+        gpu(3, json!([])),
+    ]});
+    machine["gpus"][2]["lost"] = json!(true);
+    let path = dir.path().join("machine.json");
+    std::fs::write(&path, machine.to_string()).unwrap();
+    // Host processes of job-1.0 (one in a child cgroup), a container of
+    // job-2.0 inside its task's cgroup, the MPS daemon.
+    let proc_root = dir.path().join("proc");
+    for (pid, cgroup) in [
+        (100, "0::/gpuctl/agent-1/job-1.0\n"),
+        (101, "0::/gpuctl/agent-1/job-1.0/sub\n"),
+        (
+            200,
+            "4:devices:/gpuctl/agent-1/job-2.0/0123abcd\n1:name=systemd:/\n",
+        ),
+        (201, "0::/gpuctl/agent-1/job-2.0\n"),
+        (300, "0::/system.slice/nvidia-mps.service\n"),
+    ] {
+        std::fs::create_dir_all(proc_root.join(pid.to_string())).unwrap();
+        std::fs::write(proc_root.join(format!("{pid}/cgroup")), cgroup).unwrap();
+    }
+    let cgroups = TaskCgroups {
+        parent: "gpuctl/agent-1".into(),
+        containers: Default::default(),
+    };
+    let uuids: Vec<String> = (0..5).map(|i| format!("GPU-{i}")).collect();
+    let got = with_nvml(&path, |nvml| {
+        let p = gpu_processes(nvml, "GPU-1").unwrap();
+        assert_eq!(
+            p,
+            [GpuProcess {
+                pid: 100,
+                used_bytes: 1024 << 20
+            }]
+        );
+        assert!(gpu_processes(nvml, "GPU-3").unwrap().is_empty());
+        let lost = gpu_processes(nvml, "GPU-2").unwrap_err().to_string();
+        assert!(lost.contains("GPU-2"), "{lost}");
+        task_gpu_memory(nvml, &uuids, &proc_root, &cgroups)
+    });
+    let want: gpuctl_agent::gpu::procs::TaskGpuMemory = [
+        (
+            "job-1.0".to_string(),
+            [("GPU-0".to_string(), 3174), ("GPU-1".to_string(), 1024)].into(),
+        ),
+        ("job-2.0".to_string(), [("GPU-0".to_string(), 512)].into()),
+    ]
+    .into();
+    assert_eq!(got, want);
+
+    // An error on the compute list hides the GPU's tasks; one on the MPS
+    // list alone does not (the compute list has them).
+    machine["gpus"][1]["errors"] =
+        json!({"nvmlDeviceGetComputeRunningProcesses_v3": "NO_PERMISSION"});
+    machine["gpus"][0]["errors"] =
+        json!({"nvmlDeviceGetMPSComputeRunningProcesses_v3": "NOT_SUPPORTED"});
+    std::fs::write(&path, machine.to_string()).unwrap();
+    let got = with_nvml(&path, |nvml| {
+        task_gpu_memory(nvml, &uuids, &proc_root, &cgroups)
+    });
+    assert_eq!(got["job-1.0"], [("GPU-0".to_string(), 3174)].into());
+    assert_eq!(got["job-2.0"]["GPU-0"], 512);
+}

@@ -363,3 +363,116 @@ fn critical_events_withdraw_gpus_ignored_xids_do_not_and_metrics_show_it() {
     );
     assert!(m.help("gpuctl_allocation_cycle_seconds"));
 }
+
+/// Issue 34 item 4: two tasks sharing a GPU by fractions, each with the
+/// GPU memory of its own processes. NVML's process list (the fake's
+/// `processes`) names the tasks' host pids; the agent finds each pid's
+/// task from its cgroup and reports the memory per task, in its metrics
+/// and with the heartbeat, so that `gpuctl top` shows it under the GPU.
+#[test]
+fn tasks_sharing_a_gpu_each_report_their_processes_memory() {
+    if !nix::unistd::Uid::effective().is_root() {
+        eprintln!("skipped: task cgroups need root");
+        return;
+    }
+    let mut s = Setup::start("3600");
+    s.c.ok(&["gpus", "share", GPU0, "--mode", "time-slice"]);
+    let marker = gpuctl_tests::test_marker("procmem");
+    let env = format!("PROCMEM={marker}");
+    let fraction = |name: &str, mem: &str| {
+        let id = s.c.submit(&[
+            "--name",
+            name,
+            "--gpu-mem",
+            mem,
+            "--cpus",
+            "0.1",
+            "--env",
+            &env,
+            "--",
+            "sh",
+            "-c",
+            "sleep 600 & sleep 600",
+        ]);
+        let j = s.c.wait_state(&id, "RUNNING", Duration::from_secs(30));
+        j["tasks"][0]["id"].as_str().unwrap().to_string()
+    };
+    let big = fraction("big", "10GiB");
+    let small = fraction("small", "1GiB");
+    // Each task's host processes (two sleeps at least), from outside.
+    let mut pids: HashMap<String, Vec<i32>> = HashMap::new();
+    wait_for(Duration::from_secs(10), "both tasks' processes", || {
+        pids.clear();
+        for t in gpuctl_tests::live_tasks("PROCMEM", &marker) {
+            pids.entry(t.task_id).or_default().push(t.pid);
+        }
+        [&big, &small]
+            .iter()
+            .all(|t| pids.get(*t).is_some_and(|p| p.len() >= 2))
+    });
+    // big: 3000 MiB on one process and 174 on another; small: 512; a
+    // process of nobody's (the MPS daemon, say) is not counted.
+    let mut procs = vec![json!({"pid": 1, "memory_used_mib": 4096})];
+    for (k, pid) in pids[&big].iter().enumerate() {
+        let mib = [3000, 174].get(k).copied().unwrap_or(0);
+        procs.push(json!({"pid": pid, "memory_used_mib": mib}));
+    }
+    procs.push(json!({"pid": pids[&small][0], "memory_used_mib": 512}));
+    s.change(|m| m["gpus"][0]["processes"] = json!(procs));
+
+    let mib = |v: f64| v * 1024.0 * 1024.0;
+    let ok = try_wait_for(Duration::from_secs(20), || {
+        let a = Scrape::get(&s.agent_metrics);
+        let used = |task: &str| {
+            a.value(
+                "gpuctl_task_gpu_memory_used_bytes",
+                &[("task", task), ("gpu", GPU0)],
+            )
+        };
+        used(&big) == Some(mib(3174.0)) && used(&small) == Some(mib(512.0))
+    });
+    let cgroups: Vec<String> = pids
+        .values()
+        .flatten()
+        .map(|p| std::fs::read_to_string(format!("/proc/{p}/cgroup")).unwrap_or_default())
+        .collect();
+    assert!(
+        ok,
+        "no per-task memory in the metrics: {pids:?} in {cgroups:?}\n{}\n{}",
+        http_get(&s.agent_metrics, "/metrics"),
+        s.c.diagnostics()
+    );
+    assert!(Scrape::get(&s.agent_metrics).help("gpuctl_task_gpu_memory_used_bytes"));
+
+    // gpuctl top, from the leader's copy of the agent's heartbeat.
+    let mut last = Value::Null;
+    let ok = try_wait_for(Duration::from_secs(20), || {
+        last = s.c.json(&["top", "--json"]);
+        let g = last
+            .as_array()
+            .and_then(|a| a.iter().find(|g| g["uuid"] == GPU0).cloned())
+            .unwrap_or_default();
+        let used = |task: &str| {
+            g["shares"]
+                .as_array()
+                .and_then(|a| a.iter().find(|h| h["task_id"] == task))
+                .map(|h| h["memory_used_mib"].clone())
+        };
+        used(&big) == Some(json!(3174)) && used(&small) == Some(json!(512))
+    });
+    assert!(
+        ok,
+        "top never showed the tasks' memory: {last}\n{}",
+        s.c.diagnostics()
+    );
+    let table = s.c.ok(&["top", "--once"]);
+    let row = |task: &str| {
+        table
+            .lines()
+            .find(|l| l.contains("└ share") && l.ends_with(task))
+            .unwrap_or_else(|| panic!("no share row for {task}:\n{table}"))
+            .to_string()
+    };
+    assert!(row(&big).contains("3.1/10GiB"), "{table}");
+    assert!(row(&small).contains("0.5/1GiB"), "{table}");
+}

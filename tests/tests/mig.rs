@@ -511,7 +511,15 @@ fn the_health_probe_reads_each_mig_device_as_nvml_lists_it() {
         interval: Duration::from_millis(100),
         ..Default::default()
     };
-    let thread = health::spawn(Some(lib.clone()), gpus.clone(), config, tx, stop.clone()).unwrap();
+    let thread = health::spawn(
+        Some(lib.clone()),
+        gpus.clone(),
+        config,
+        None,
+        tx,
+        stop.clone(),
+    )
+    .unwrap();
     let mig_uuids = |s: &Snapshot, i: usize| -> Vec<String> {
         s.gpus[i].mig.iter().map(|m| m.uuid.clone()).collect()
     };

@@ -10,7 +10,7 @@
 //! [`spawn`] runs it against NVML on a thread of its own (NVML blocks).
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -22,6 +22,8 @@ use nvml_wrapper::enums::event::XidError;
 use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::{Device, EventSet, Nvml};
 use tokio::sync::watch;
+
+use super::procs;
 
 /// XIDs caused by applications, not by the GPU (NVIDIA's device plugin
 /// ignores the same by default): 13 graphics engine exception, 31 memory
@@ -306,16 +308,46 @@ fn describe(what: &str, e: &NvmlError) -> String {
     }
 }
 
-/// Reads a GPU's gauges, and its MIG devices' when it passes.
-fn probe_device(nvml: &Nvml, uuid: &str) -> (Probe, Vec<MigSample>) {
+/// Reads a GPU's gauges, and its MIG devices' and its tasks' memory when
+/// it passes.
+fn probe_device(
+    nvml: &Nvml,
+    uuid: &str,
+    tasks: Option<(&Path, &procs::TaskCgroups)>,
+) -> (Probe, Vec<MigSample>) {
     let dev = match nvml.device_by_uuid(uuid) {
         Ok(d) => d,
         Err(NvmlError::NotFound) => return (Probe::Failed("GPU not found by NVML".into()), vec![]),
         Err(e) => return (Probe::Failed(describe("handle", &e)), vec![]),
     };
     match probe_gpu(&dev) {
-        Probe::Passed(s) => (Probe::Passed(s), probe_mig(uuid, &dev)),
+        Probe::Passed(mut s) => {
+            if let Some((proc_root, cgroups)) = tasks {
+                s.task_memory_used_mib = probe_tasks(uuid, &dev, proc_root, cgroups);
+            }
+            (Probe::Passed(s), probe_mig(uuid, &dev))
+        }
         failed => (failed, vec![]),
+    }
+}
+
+/// MiB used by each task's processes on the GPU, the largest few that fit
+/// in a reading. What cannot be read is left out (logged at debug).
+fn probe_tasks(
+    uuid: &str,
+    dev: &Device,
+    proc_root: &Path,
+    cgroups: &procs::TaskCgroups,
+) -> BTreeMap<String, u64> {
+    match procs::device_processes(dev) {
+        Ok(p) => procs::largest(
+            procs::task_memory(&p, proc_root, cgroups),
+            gpuctl_core::convert::MAX_SAMPLE_TASKS,
+        ),
+        Err(e) => {
+            tracing::debug!(uuid, error = %e, "GPU processes not read");
+            BTreeMap::new()
+        }
     }
 }
 
@@ -353,6 +385,7 @@ fn probe_gpu(dev: &Device) -> Probe {
         power_w: power_mw.map(|mw| f64::from(mw) / 1000.0),
         sampled_at_ms: now_ms(),
         xid_errors: 0,
+        task_memory_used_mib: BTreeMap::new(),
     })
 }
 
@@ -459,23 +492,26 @@ fn event_set<'n>(nvml: &'n Nvml, uuids: &[String]) -> (Option<EventSet<'n>>, BTr
 }
 
 /// Runs the checks on a thread until `stop` is set, publishing every change
-/// (health or sample) on `tx`.
+/// (health or sample) on `tx`. With `tasks`, each sample also carries the
+/// memory each task's processes use on the GPU.
 pub fn spawn(
     nvml_lib: Option<PathBuf>,
     gpus: Vec<GpuInfo>,
     config: HealthConfig,
+    tasks: Option<procs::Attribution>,
     tx: watch::Sender<Snapshot>,
     stop: Arc<AtomicBool>,
 ) -> std::io::Result<std::thread::JoinHandle<()>> {
     std::thread::Builder::new()
         .name("gpu-health".into())
-        .spawn(move || run(nvml_lib, gpus, config, tx, stop))
+        .spawn(move || run(nvml_lib, gpus, config, tasks, tx, stop))
 }
 
 fn run(
     nvml_lib: Option<PathBuf>,
     gpus: Vec<GpuInfo>,
     config: HealthConfig,
+    tasks: Option<procs::Attribution>,
     tx: watch::Sender<Snapshot>,
     stop: Arc<AtomicBool>,
 ) {
@@ -511,8 +547,13 @@ fn run(
     while !stop.load(Ordering::Relaxed) {
         let now = Instant::now();
         if now >= next_probe {
+            let cgroups = tasks.as_ref().map(|t| (t.cgroups)());
+            let attribution = tasks
+                .as_ref()
+                .zip(cgroups.as_ref())
+                .map(|(t, c)| (t.proc_root.as_path(), c));
             for uuid in &uuids {
-                let (probe, mig) = probe_device(&nvml, uuid);
+                let (probe, mig) = probe_device(&nvml, uuid, attribution);
                 tracker.probe(uuid, probe, Instant::now());
                 tracker.mig(uuid, mig);
             }

@@ -13,6 +13,7 @@ pub mod mig;
 pub mod mig_apply;
 pub mod mig_layout;
 pub mod mps;
+pub mod procs;
 mod simulate;
 
 use std::path::Path;

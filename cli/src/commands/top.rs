@@ -1,6 +1,7 @@
 //! `gpuctl top`: a live table of every GPU of the cluster with the latest
 //! reading of its gauges (utilization, memory, temperature, power), its
-//! health and the task holding it.
+//! health and the task holding it; under a shared GPU, a row per task with
+//! the memory its processes use next to its fraction.
 //!
 //! The figures come from the master's `ListGpus`: each agent's health probe
 //! reads its GPUs and sends the readings to the leader with every heartbeat.
@@ -110,6 +111,27 @@ pub struct TopGpuJson {
     pub task_id: Option<String>,
     /// The gpuctl job of that task; `null` when free or not a gpuctl job.
     pub job_id: Option<String>,
+    /// `mps` or `time-slice` when the GPU is shared by fractions; `null`
+    /// when it is not.
+    #[serde(default)]
+    pub share_mode: Option<String>,
+    /// The fractions held of a shared GPU, by task; empty otherwise.
+    #[serde(default)]
+    pub shares: Vec<TopShareJson>,
+}
+
+/// A task's fraction of a shared GPU in `gpuctl top --json`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TopShareJson {
+    pub task_id: String,
+    /// The fraction's memory.
+    pub mem_mib: u64,
+    /// The fraction's compute; 0: none asked.
+    pub compute_pct: u32,
+    /// Memory its processes use on the GPU (NVML's per-process
+    /// accounting); `null` when the reading does not have it (no reading,
+    /// no process on the GPU, or one the agent could not attribute).
+    pub memory_used_mib: Option<u64>,
 }
 
 fn non_empty(s: &str) -> Option<String> {
@@ -138,6 +160,19 @@ impl From<&pb::GpuStatus> for TopGpuJson {
             sampled_at_ms: r.map(|r| r.sampled_at_ms),
             task_id: non_empty(&s.task_id),
             job_id: non_empty(&s.job_id),
+            share_mode: non_empty(&s.share_mode),
+            shares: s
+                .shares
+                .iter()
+                .map(|h| TopShareJson {
+                    task_id: h.task_id.clone(),
+                    mem_mib: h.mem_mib,
+                    compute_pct: h.compute_pct,
+                    memory_used_mib: r
+                        .and_then(|r| r.task_memory_used_mib.get(&h.task_id))
+                        .copied(),
+                })
+                .collect(),
         }
     }
 }
@@ -152,8 +187,9 @@ impl TopGpuJson {
         }
     }
 
+    /// Held whole, or a fraction of it.
     fn busy(&self) -> bool {
-        self.task_id.is_some()
+        self.task_id.is_some() || !self.shares.is_empty()
     }
 
     fn has_reading(&self) -> bool {
@@ -251,8 +287,20 @@ pub fn agent_labels(rows: &[TopGpuJson]) -> Vec<String> {
         .collect()
 }
 
+/// A share row's MODEL cell: `└ share`, with the compute asked
+/// (`└ share 30%`).
+fn share_label(compute_pct: u32) -> String {
+    if compute_pct > 0 {
+        format!("└ share {compute_pct}%")
+    } else {
+        "└ share".to_string()
+    }
+}
+
 /// The table: AGENT, IDX, MODEL, UTIL, MEMORY, TEMP, POWER, HEALTH, TASK.
-/// A missing reading (or gauge) renders as `-`.
+/// A missing reading (or gauge) renders as `-`. Under a shared GPU, a row
+/// per fraction held: its task, and the memory the task's processes use
+/// over the fraction's (`3.1/10GiB`; `-/10GiB` without a figure).
 pub fn top_table(rows: &[TopGpuJson]) -> Table {
     let mut t = Table::new(&[
         "AGENT", "IDX", "MODEL", "UTIL", "MEMORY", "TEMP", "POWER", "HEALTH", "TASK",
@@ -263,7 +311,7 @@ pub fn top_table(rows: &[TopGpuJson]) -> Table {
             _ => String::new(),
         };
         t.row(vec![
-            agent,
+            agent.clone(),
             r.index.to_string(),
             // The vendor is the same on every row; keep the table narrow.
             r.model
@@ -277,6 +325,23 @@ pub fn top_table(rows: &[TopGpuJson]) -> Table {
             health_word(r.healthy, r.cordoned).to_string(),
             fmt_task(r.task_id.as_deref(), r.job_id.as_deref()),
         ]);
+        for h in &r.shares {
+            let memory = match h.memory_used_mib {
+                Some(used) => fmt_memory(used, h.mem_mib),
+                None => format!("-/{}", output::fmt_mib(h.mem_mib)),
+            };
+            t.row(vec![
+                agent.clone(),
+                r.index.to_string(),
+                share_label(h.compute_pct),
+                String::new(),
+                memory,
+                String::new(),
+                String::new(),
+                String::new(),
+                h.task_id.clone(),
+            ]);
+        }
     }
     t
 }
@@ -507,6 +572,7 @@ mod tests {
             power_w: Some(245.4),
             sampled_at_ms: 1_700_000_000_000,
             xid_errors: 0,
+            task_memory_used_mib: Default::default(),
         }
     }
 
@@ -748,7 +814,8 @@ mod tests {
                 "utilization_pct": 87, "memory_used_mib": 12800,
                 "memory_total_mib": 40960, "temperature_c": 61, "power_w": 245.4,
                 "xid_errors": 0, "sampled_at_ms": 1_700_000_000_000u64,
-                "task_id": "job-7.0", "job_id": "job-7"
+                "task_id": "job-7.0", "job_id": "job-7",
+                "share_mode": null, "shares": []
             })
         );
         // No reading: every gauge null; free: task and job null.
@@ -774,6 +841,100 @@ mod tests {
         // An empty GpuStatus does not panic.
         let e = serde_json::to_value(TopGpuJson::from(&pb::GpuStatus::default())).unwrap();
         assert_eq!(e["index"], 0);
+    }
+
+    /// GPU 0 of node3 shared by time-slicing: job-1.0 (10 GiB, its
+    /// processes using 3.1 GiB), job-2.0 (512 MiB and 30% of the compute,
+    /// no process of its own attributed), and a reading that has a figure
+    /// for a task no longer there.
+    fn shared() -> pb::GpuStatus {
+        let mut g = gpu("agent-c", "node3", 0);
+        let mut s = sample(40, 5000);
+        s.task_memory_used_mib = [("job-1.0".to_string(), 3174), ("job-0.0".into(), 9)].into();
+        g.sample = Some(s);
+        g.share_mode = "time-slice".into();
+        g.shares = vec![
+            pb::GpuShareHolder {
+                task_id: "job-1.0".into(),
+                mem_mib: 10240,
+                compute_pct: 0,
+            },
+            pb::GpuShareHolder {
+                task_id: "job-2.0".into(),
+                mem_mib: 512,
+                compute_pct: 30,
+            },
+        ];
+        g
+    }
+
+    #[test]
+    fn top_shows_each_task_of_a_shared_gpu_with_its_memory() {
+        let mut gpus = cluster();
+        gpus.push(shared());
+        let r = rows(&gpus, None);
+        let lines = table_lines(&r);
+        assert_eq!(lines.len(), 8, "{lines:?}");
+        assert_eq!(
+            lines[5],
+            vec![
+                "node3",
+                "0",
+                "A100-SXM4-40GB",
+                "40% [||||......]",
+                "4.9/40GiB",
+                "61C",
+                "245W",
+                "OK",
+                "-"
+            ]
+        );
+        assert_eq!(
+            lines[6],
+            vec![
+                "node3",
+                "0",
+                "└ share",
+                "-",
+                "3.1/10GiB",
+                "-",
+                "-",
+                "-",
+                "job-1.0"
+            ]
+        );
+        assert_eq!(
+            lines[7],
+            vec![
+                "node3",
+                "0",
+                "└ share 30%",
+                "-",
+                "-/512MiB",
+                "-",
+                "-",
+                "-",
+                "job-2.0"
+            ]
+        );
+        // A shared GPU with holders is busy.
+        let text = render_sample(&r, 951_782_400_000, None, None);
+        assert!(text.contains("5 GPUs: 2 busy"), "{text}");
+        // Without a reading, no task has a figure.
+        let mut unread = shared();
+        unread.sample = None;
+        let lines = table_lines(&rows(&[unread], None));
+        assert_eq!(lines[2][4], "-/10GiB");
+
+        let v = serde_json::to_value(&r[4]).unwrap();
+        assert_eq!(v["share_mode"], "time-slice");
+        assert_eq!(
+            v["shares"],
+            json!([
+                {"task_id": "job-1.0", "mem_mib": 10240, "compute_pct": 0, "memory_used_mib": 3174},
+                {"task_id": "job-2.0", "mem_mib": 512, "compute_pct": 30, "memory_used_mib": null}
+            ])
+        );
     }
 
     // ------------------------------------------------ against a fake master

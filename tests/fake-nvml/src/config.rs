@@ -39,6 +39,8 @@ pub const PER_DEVICE_FUNCTIONS: &[&str] = &[
     "nvmlDeviceGetNvLinkRemotePciInfo_v2",
     "nvmlDeviceRegisterEvents",
     "nvmlDeviceGetSupportedEventTypes",
+    "nvmlDeviceGetComputeRunningProcesses_v3",
+    "nvmlDeviceGetMPSComputeRunningProcesses_v3",
 ];
 
 /// The MIG functions an `errors` entry may name (besides
@@ -75,6 +77,10 @@ pub const MIG_FUNCTIONS: &[&str] = &[
 pub const MAX_GI_ID: u32 = 63;
 /// Highest compute instance id a config may name (real GPUs use 0..=7).
 pub const MAX_CI_ID: u32 = 7;
+
+/// Most memory a process may use, MiB (1 PiB: far beyond any GPU, and its
+/// bytes fit a u64).
+const MAX_PROCESS_MIB: u64 = 1 << 30;
 
 /// Highest CPU number a `cpu_affinity` list may name (keeps a typo from
 /// allocating gigabytes).
@@ -115,6 +121,19 @@ pub struct Gpu {
     pub nvlinks: Vec<BusId>,
     pub lost: bool,
     pub errors: BTreeMap<String, ErrorCode>,
+    /// Processes using the GPU, in file order (unique pids).
+    pub processes: Vec<Process>,
+}
+
+/// A process using a GPU, as NVML's process lists report it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Process {
+    pub pid: u32,
+    /// None (absent or null): NVML_VALUE_NOT_AVAILABLE, as NVML reports
+    /// when it cannot account a process's memory.
+    #[serde(default)]
+    pub memory_used_mib: Option<u64>,
 }
 
 /// A GPU's MIG state, resolved.
@@ -431,6 +450,8 @@ struct GpuFile {
     lost: bool,
     #[serde(default)]
     errors: BTreeMap<String, ErrorCode>,
+    #[serde(default)]
+    processes: Vec<Process>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -671,6 +692,18 @@ pub fn parse(text: &str) -> Result<Config, String> {
             function: 0,
         });
         let mig = resolve_mig(&g.name, &g.uuid, g.mig_enabled, g.mig).map_err(at)?;
+        for (k, p) in g.processes.iter().enumerate() {
+            if g.processes[..k].iter().any(|o| o.pid == p.pid) {
+                return Err(at(format!("processes: duplicate pid {}", p.pid)));
+            }
+            // MiB to bytes must not overflow (u64::MAX bytes is NOT_AVAILABLE).
+            if p.memory_used_mib.is_some_and(|m| m > MAX_PROCESS_MIB) {
+                return Err(at(format!(
+                    "processes: pid {} uses more than {MAX_PROCESS_MIB} MiB",
+                    p.pid
+                )));
+            }
+        }
         gpus.push(Gpu {
             mig,
             serial: g
@@ -694,6 +727,7 @@ pub fn parse(text: &str) -> Result<Config, String> {
             nvlinks: g.nvlinks,
             lost: g.lost,
             errors: g.errors,
+            processes: g.processes,
         });
     }
     for (i, g) in gpus.iter().enumerate() {

@@ -1,5 +1,5 @@
-//! NVML's C entry points: init, system and per-device queries, NVLink and
-//! topology. (Event sets are in `events.rs`.)
+//! NVML's C entry points: init, system and per-device queries, NVLink,
+//! topology and running processes. (Event sets are in `events.rs`.)
 //!
 //! Signatures match `nvml-wrapper-sys` 0.10 `bindings.rs` exactly.
 //!
@@ -7,9 +7,10 @@
 //!
 //! The NVML contract: every pointer argument is null or valid for what NVML
 //! documents (one element for out-parameters; `length` bytes for string
-//! buffers; `cpuSetSize` elements for the CPU set; NUL-terminated strings for
-//! inputs). Nulls are answered with NVML_ERROR_INVALID_ARGUMENT. Device
-//! handles are tags and are never dereferenced.
+//! buffers; `cpuSetSize` elements for the CPU set; `*infoCount` elements
+//! for process lists; NUL-terminated strings for inputs). Nulls are
+//! answered with NVML_ERROR_INVALID_ARGUMENT. Device handles are tags and
+//! are never dereferenced.
 
 #![allow(non_snake_case, clippy::missing_safety_doc)]
 
@@ -612,4 +613,88 @@ pub unsafe extern "C" fn nvmlDeviceGetSupportedEventTypes(
         out.set(SUPPORTED_EVENT_TYPES);
         Ok(())
     })
+}
+
+// ----- processes -----
+
+/// The GPU's `processes` into the caller's array, with NVML's sizing
+/// protocol: `*infoCount` is the room in `infos` (null with room:
+/// INVALID_ARGUMENT);
+/// too little room is INSUFFICIENT_SIZE with the count needed written back,
+/// so `*infoCount = 0, infos = NULL` sizes the list (SUCCESS when it is
+/// empty). On success `*infoCount` is the number written.
+///
+/// # Safety
+/// `infoCount` is null or valid for a read and a write; `infos` is null or
+/// valid for `*infoCount` writes.
+unsafe fn running_processes(
+    name: &str,
+    device: nvmlDevice_t,
+    infoCount: *mut c_uint,
+    infos: *mut nvmlProcessInfo_t,
+) -> nvmlReturn_t {
+    guard(name, || {
+        let cfg = state::session()?;
+        let count = unsafe { out(infoCount) }?;
+        let (_, gpu) = state::device(&cfg, device, name)?;
+        let list: Vec<nvmlProcessInfo_t> = gpu
+            .processes
+            .iter()
+            .map(|p| nvmlProcessInfo_t {
+                pid: p.pid,
+                usedGpuMemory: p
+                    .memory_used_mib
+                    .map_or(NVML_VALUE_NOT_AVAILABLE_ULL, |m| m * MIB),
+                gpuInstanceId: NO_INSTANCE,
+                computeInstanceId: NO_INSTANCE,
+            })
+            .collect();
+        let n = list.len() as c_uint;
+        let room = count.get();
+        if room < n {
+            count.set(n);
+            return Err(NVML_ERROR_INSUFFICIENT_SIZE);
+        }
+        if room > 0 {
+            unsafe { out_array(infos, room) }?.write(&list)?;
+        }
+        count.set(n);
+        Ok(())
+    })
+}
+
+/// The GPU's `processes` (pid, memory; GPU and compute instance ids
+/// 0xFFFFFFFF), what nvml-wrapper 0.13's `running_compute_processes` calls.
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(
+    device: nvmlDevice_t,
+    infoCount: *mut c_uint,
+    infos: *mut nvmlProcessInfo_t,
+) -> nvmlReturn_t {
+    unsafe {
+        running_processes(
+            "nvmlDeviceGetComputeRunningProcesses_v3",
+            device,
+            infoCount,
+            infos,
+        )
+    }
+}
+
+/// The same list as [`nvmlDeviceGetComputeRunningProcesses_v3`]: on Volta
+/// and later MPS clients appear in both lists.
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetMPSComputeRunningProcesses_v3(
+    device: nvmlDevice_t,
+    infoCount: *mut c_uint,
+    infos: *mut nvmlProcessInfo_t,
+) -> nvmlReturn_t {
+    unsafe {
+        running_processes(
+            "nvmlDeviceGetMPSComputeRunningProcesses_v3",
+            device,
+            infoCount,
+            infos,
+        )
+    }
 }

@@ -134,6 +134,22 @@ pub struct nvmlMemory_v2_t {
 /// nvml-wrapper 0.13's `memory_info` writes (0x0200_0028 on 64-bit).
 pub const nvmlMemory_v2: c_uint = (std::mem::size_of::<nvmlMemory_v2_t>() as c_uint) | (2 << 24);
 
+/// `nvmlProcessInfo_t` (= `nvmlProcessInfo_v2_t`), filled by
+/// `nvmlDevice(MPS)GetComputeRunningProcesses_v3`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct nvmlProcessInfo_t {
+    pub pid: c_uint,
+    /// Bytes; [`NVML_VALUE_NOT_AVAILABLE_ULL`] when NVML cannot tell.
+    pub usedGpuMemory: c_ulonglong,
+    /// [`NO_INSTANCE`] when not on a MIG device.
+    pub gpuInstanceId: c_uint,
+    pub computeInstanceId: c_uint,
+}
+
+/// `NVML_VALUE_NOT_AVAILABLE` (-1) as the 64-bit unsigned value NVML writes.
+pub const NVML_VALUE_NOT_AVAILABLE_ULL: c_ulonglong = c_ulonglong::MAX;
+
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct nvmlUtilization_t {
@@ -181,7 +197,8 @@ pub const SUPPORTED_EVENT_TYPES: c_ulonglong = nvmlEventTypeSingleBitEccError
     | nvmlEventTypePState
     | nvmlEventTypeClock;
 
-/// `gpuInstanceId` / `computeInstanceId` of an event not tied to a MIG instance.
+/// `gpuInstanceId` / `computeInstanceId` of an event or a process not tied
+/// to a MIG instance.
 pub const NO_INSTANCE: c_uint = 0xFFFF_FFFF;
 
 // ----- MIG -----

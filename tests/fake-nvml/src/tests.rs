@@ -1056,6 +1056,12 @@ fn call(func: &str, cfg: &Value) -> nvmlReturn_t {
                 r
             }
             "nvmlDeviceGetSupportedEventTypes" => nvmlDeviceGetSupportedEventTypes(h, &mut ull),
+            "nvmlDeviceGetComputeRunningProcesses_v3" => {
+                nvmlDeviceGetComputeRunningProcesses_v3(h, &mut u, null_mut())
+            }
+            "nvmlDeviceGetMPSComputeRunningProcesses_v3" => {
+                nvmlDeviceGetMPSComputeRunningProcesses_v3(h, &mut u, null_mut())
+            }
             other => panic!("no call for {other}"),
         }
     }
@@ -1092,6 +1098,156 @@ fn an_override_hits_only_its_gpu_and_function() {
         NVML_SUCCESS
     );
     assert!(name(handle(0)).is_ok());
+}
+
+// ----- processes -----
+
+type ProcFn =
+    unsafe extern "C" fn(nvmlDevice_t, *mut c_uint, *mut nvmlProcessInfo_t) -> nvmlReturn_t;
+
+/// Sizes the list, then reads it with exactly that much room, as NVML's
+/// callers do.
+fn processes(f: ProcFn, h: nvmlDevice_t) -> Result<Vec<nvmlProcessInfo_t>, nvmlReturn_t> {
+    let mut n: c_uint = 0;
+    match unsafe { f(h, &mut n, null_mut()) } {
+        NVML_SUCCESS => return Ok(Vec::new()),
+        NVML_ERROR_INSUFFICIENT_SIZE => {}
+        e => return Err(e),
+    }
+    let mut list = vec![unsafe { std::mem::zeroed::<nvmlProcessInfo_t>() }; n as usize];
+    let r = unsafe { f(h, &mut n, list.as_mut_ptr()) };
+    if r != NVML_SUCCESS {
+        return Err(r);
+    }
+    list.truncate(n as usize);
+    Ok(list)
+}
+
+fn proc_info(pid: u32, bytes: u64) -> nvmlProcessInfo_t {
+    nvmlProcessInfo_t {
+        pid,
+        usedGpuMemory: bytes,
+        gpuInstanceId: NO_INSTANCE,
+        computeInstanceId: NO_INSTANCE,
+    }
+}
+
+#[test]
+fn running_processes_follow_nvmls_sizing_protocol() {
+    let mut cfg = gpus(3);
+    cfg["gpus"][0]["processes"] = json!([
+        {"pid": 4242, "memory_used_mib": 512},
+        {"pid": 77, "memory_used_mib": 0},
+        {"pid": 9000},
+    ]);
+    let _m = Machine::new(&cfg);
+    let want = vec![
+        proc_info(4242, 512 * 1024 * 1024),
+        proc_info(77, 0),
+        proc_info(9000, NVML_VALUE_NOT_AVAILABLE_ULL),
+    ];
+    let both: [ProcFn; 2] = [
+        nvmlDeviceGetComputeRunningProcesses_v3,
+        nvmlDeviceGetMPSComputeRunningProcesses_v3,
+    ];
+    for f in both {
+        assert_eq!(processes(f, handle(0)), Ok(want.clone()));
+        // No processes: sizing succeeds with 0.
+        let mut n: c_uint = 0;
+        assert_eq!(unsafe { f(handle(1), &mut n, null_mut()) }, NVML_SUCCESS);
+        assert_eq!(n, 0);
+        assert_eq!(processes(f, handle(1)), Ok(vec![]));
+        // Too little room: the count needed, nothing written.
+        let mut two = [proc_info(1, 1); 2];
+        let mut n: c_uint = 2;
+        assert_eq!(
+            unsafe { f(handle(0), &mut n, two.as_mut_ptr()) },
+            NVML_ERROR_INSUFFICIENT_SIZE
+        );
+        assert_eq!(n, 3);
+        assert_eq!(two, [proc_info(1, 1); 2]);
+        // More room than needed: the count written.
+        let mut five = [proc_info(1, 1); 5];
+        let mut n: c_uint = 5;
+        assert_eq!(
+            unsafe { f(handle(0), &mut n, five.as_mut_ptr()) },
+            NVML_SUCCESS
+        );
+        assert_eq!(n, 3);
+        assert_eq!(five[..3], want[..]);
+        assert_eq!(five[3], proc_info(1, 1));
+        // Null count; room claimed with a null array.
+        assert_eq!(
+            unsafe { f(handle(0), ptr::null_mut(), five.as_mut_ptr()) },
+            NVML_ERROR_INVALID_ARGUMENT
+        );
+        let mut n: c_uint = 4;
+        assert_eq!(
+            unsafe { f(handle(0), &mut n, null_mut()) },
+            NVML_ERROR_INVALID_ARGUMENT
+        );
+        assert_eq!(
+            unsafe { f(handle(2), &mut n, null_mut()) },
+            NVML_ERROR_INVALID_ARGUMENT
+        );
+    }
+}
+
+#[test]
+fn running_processes_of_a_lost_gpu_a_mig_device_and_an_override() {
+    let mut cfg = gpus(2);
+    cfg["gpus"][0]["lost"] = json!(true);
+    cfg["gpus"][0]["processes"] = json!([{"pid": 1, "memory_used_mib": 1}]);
+    cfg["gpus"][1]["processes"] = json!([{"pid": 2, "memory_used_mib": 2}]);
+    cfg["gpus"][1]["errors"] =
+        json!({"nvmlDeviceGetMPSComputeRunningProcesses_v3": "NOT_SUPPORTED"});
+    let m = Machine::new(&cfg);
+    let (compute, mps): (ProcFn, ProcFn) = (
+        nvmlDeviceGetComputeRunningProcesses_v3,
+        nvmlDeviceGetMPSComputeRunningProcesses_v3,
+    );
+    assert_eq!(processes(compute, handle(0)), Err(NVML_ERROR_GPU_IS_LOST));
+    assert_eq!(processes(mps, handle(0)), Err(NVML_ERROR_GPU_IS_LOST));
+    assert_eq!(
+        processes(compute, handle(1)),
+        Ok(vec![proc_info(2, 2 << 20)])
+    );
+    assert_eq!(processes(mps, handle(1)), Err(NVML_ERROR_NOT_SUPPORTED));
+    // A MIG device handle: NOT_SUPPORTED, as for the other whole-GPU queries.
+    m.write(&mig_json());
+    let mig = mig_device(handle(0), 0).expect("a MIG device");
+    assert_eq!(processes(compute, mig), Err(NVML_ERROR_NOT_SUPPORTED));
+}
+
+#[test]
+fn process_mistakes_are_errors() {
+    let bad = [
+        (
+            r#"{"gpus": [{"uuid": "a", "name": "x", "processes": [{"pid": 1, "mem": 3}]}]}"#,
+            "unknown field",
+        ),
+        (
+            r#"{"gpus": [{"uuid": "a", "name": "x", "processes": [{"memory_used_mib": 3}]}]}"#,
+            "pid",
+        ),
+        (
+            r#"{"gpus": [{"uuid": "a", "name": "x", "processes": [{"pid": 1}, {"pid": 1}]}]}"#,
+            "duplicate pid 1",
+        ),
+        (
+            r#"{"gpus": [{"uuid": "a", "name": "x", "processes": [{"pid": 1, "memory_used_mib": 18446744073709551615}]}]}"#,
+            "more than",
+        ),
+    ];
+    for (text, want) in bad {
+        let e = config::parse(text).expect_err(text);
+        assert!(e.contains(want), "{text}: {e}");
+    }
+    let ok = config::parse(
+        r#"{"gpus": [{"uuid": "a", "name": "x", "processes": [{"pid": 1, "memory_used_mib": null}]}]}"#,
+    )
+    .expect("null memory is not available");
+    assert_eq!(ok.gpus[0].processes[0].memory_used_mib, None);
 }
 
 // ----- events -----
