@@ -175,20 +175,26 @@ fn checkpointed_docker_tasks(work_dir: &Path) -> bool {
 }
 
 /// Hands the executor every change in the GPUs' health, so that tasks on a
-/// GPU that failed are stopped at once, whether or not a master is reachable.
+/// GPU that failed are stopped at once, whether or not a master is
+/// reachable; and every reading of the tasks' GPU memory, so that a
+/// fraction over its memory is stopped (`GPU_MEMORY_LIMIT`).
 async fn stop_tasks_on_failed_gpus(
     executor: Arc<executor::Executor>,
     mut health: watch::Receiver<gpu::health::Snapshot>,
 ) {
     let mut seen = None;
     loop {
-        let (generation, faults) = {
+        let (generation, faults, over) = {
             let s = health.borrow_and_update();
-            (s.generation, s.faults())
+            let over = gpu::procs::over_memory(&s.gpus, &executor.memory_watched());
+            (s.generation, s.faults(), over)
         };
         if seen != Some(generation) {
             seen = Some(generation);
             executor.set_gpu_faults(faults);
+        }
+        if !over.is_empty() {
+            executor.stop_over_memory(over);
         }
         if health.changed().await.is_err() {
             return;

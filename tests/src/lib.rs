@@ -1581,6 +1581,37 @@ pub fn secure_gpuctl(config: &Path, args: &[&str]) -> Output {
         .unwrap()
 }
 
+/// tests/fake-mps's stand-in `nvidia-cuda-mps-control`.
+pub fn fake_mps_control() -> PathBuf {
+    workspace_root().join("tests/fake-mps/nvidia-cuda-mps-control")
+}
+
+/// Kills the MPS daemons an agent with work dir `work` left (an agent
+/// killed by a test does not stop them, as a real one does not) and
+/// unmounts their shm, so nothing of a test outlives it.
+pub fn stop_mps_daemons(work: &Path) {
+    let root = work.join("mps");
+    for gpu in std::fs::read_dir(&root).into_iter().flatten().flatten() {
+        for tenant in std::fs::read_dir(gpu.path())
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let dir = tenant.path();
+            let pid = std::fs::read_to_string(dir.join("pipe/nvidia-cuda-mps-control.pid"))
+                .ok()
+                .and_then(|p| p.trim().parse::<i32>().ok());
+            if let Some(pid) = pid.filter(|p| *p > 1) {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(pid),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+            let _ = nix::mount::umount2(&dir.join("shm"), nix::mount::MntFlags::MNT_DETACH);
+        }
+    }
+}
+
 #[cfg(test)]
 mod invariant_tests {
     use super::*;

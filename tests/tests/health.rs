@@ -66,6 +66,8 @@ impl Setup {
                 recovery_secs.into(),
                 "--metrics-listen".into(),
                 agent_metrics.clone(),
+                "--mps-control".into(),
+                gpuctl_tests::fake_mps_control().display().to_string(),
             ],
             env: vec![(
                 "FAKE_NVML_CONFIG".into(),
@@ -475,4 +477,83 @@ fn tasks_sharing_a_gpu_each_report_their_processes_memory() {
     };
     assert!(row(&big).contains("3.1/10GiB"), "{table}");
     assert!(row(&small).contains("0.5/1GiB"), "{table}");
+}
+
+/// Issue 34 item 2: MPS holds each process of a task to its fraction, not
+/// the task: two processes each under the limit, together over it (the
+/// device plugin's #720). The agent sees the total in NVML's per-process
+/// accounting and stops the task with GPU_MEMORY_LIMIT; its neighbour under
+/// its own fraction runs on.
+#[test]
+fn an_mps_fraction_whose_processes_together_pass_its_memory_fails_with_gpu_memory_limit() {
+    if !nix::unistd::Uid::effective().is_root() {
+        eprintln!("skipped: task cgroups need root");
+        return;
+    }
+    let mut s = Setup::start("3600");
+    s.c.ok(&["gpus", "share", GPU0, "--mode", "mps"]);
+    let marker = gpuctl_tests::test_marker("memlimit");
+    let env = format!("MEMLIMIT={marker}");
+    let fraction = |name: &str| {
+        let id = s.c.submit(&[
+            "--name",
+            name,
+            "--gpu-mem",
+            "1GiB",
+            "--cpus",
+            "0.1",
+            "--env",
+            &env,
+            "--",
+            "sh",
+            "-c",
+            "sleep 600 & sleep 600",
+        ]);
+        let j = s.c.wait_state(&id, "RUNNING", Duration::from_secs(30));
+        assert_eq!(j["tasks"][0]["enforcement"], "mps", "{j}");
+        (id, j["tasks"][0]["id"].as_str().unwrap().to_string())
+    };
+    let (hog_job, hog) = fraction("hog");
+    let (fine_job, fine) = fraction("fine");
+    let mut pids: HashMap<String, Vec<i32>> = HashMap::new();
+    wait_for(Duration::from_secs(10), "both tasks' processes", || {
+        pids.clear();
+        for t in gpuctl_tests::live_tasks("MEMLIMIT", &marker) {
+            pids.entry(t.task_id).or_default().push(t.pid);
+        }
+        [&hog, &fine]
+            .iter()
+            .all(|t| pids.get(*t).is_some_and(|p| p.len() >= 2))
+    });
+    // hog: 600 MiB on each of two processes, each under its 1024 MiB MPS
+    // limit, 1200 together; fine: 512 on one.
+    let mut procs = Vec::new();
+    for pid in pids[&hog].iter().take(2) {
+        procs.push(json!({"pid": pid, "memory_used_mib": 600}));
+    }
+    procs.push(json!({"pid": pids[&fine][0], "memory_used_mib": 512}));
+    s.change(|m| m["gpus"][0]["processes"] = json!(procs));
+
+    let job = s.c.wait_state(&hog_job, "FAILED", Duration::from_secs(30));
+    let task = &job["tasks"][0];
+    assert_eq!(task["reason"], "GPU_MEMORY_LIMIT", "{job}");
+    let msg = task["message"].as_str().unwrap();
+    assert!(
+        msg.contains("1200 MiB") && msg.contains("1024 MiB"),
+        "{msg}"
+    );
+    let got = s.c.ok(&["jobs", "get", &hog_job]);
+    assert!(got.contains("1200 MiB"), "{got}");
+    // Its processes are gone, from outside the master.
+    wait_for(Duration::from_secs(10), "the hog's processes gone", || {
+        gpuctl_tests::live_tasks("MEMLIMIT", &marker)
+            .iter()
+            .all(|t| t.task_id != hog)
+    });
+    // The neighbour within its fraction was not touched.
+    std::thread::sleep(Duration::from_secs(1));
+    assert_eq!(s.c.job(&fine_job)["state"], "RUNNING");
+    s.c.ok(&["jobs", "cancel", &fine_job]);
+    s.c.wait_job(&fine_job, 30);
+    gpuctl_tests::stop_mps_daemons(&s.c.dir.path().join("agent0"));
 }

@@ -13,9 +13,7 @@ use std::time::Duration;
 
 use std::path::{Path, PathBuf};
 
-use gpuctl_tests::{
-    busybox_image, docker_or_skip, wait_for, workspace_root, AgentOpts, Cluster, Gpuctl,
-};
+use gpuctl_tests::{busybox_image, docker_or_skip, wait_for, AgentOpts, Cluster, Gpuctl};
 
 fn quarter(c: &Cluster, name: &str) -> String {
     c.submit(&[
@@ -119,7 +117,7 @@ fn mps_fractions_get_a_daemon_their_limits_and_only_their_gpus_pipe() {
         return;
     }
     let image = busybox_image();
-    let control = workspace_root().join("tests/fake-mps/nvidia-cuda-mps-control");
+    let control = gpuctl_tests::fake_mps_control();
     let mut c = Cluster::start(&[]);
     c.add_agent(AgentOpts {
         simulate_gpus: Some("2xA100-SXM4-40GB"),
@@ -250,11 +248,5 @@ fn mps_fractions_get_a_daemon_their_limits_and_only_their_gpus_pipe() {
         c.wait_job(j, 60);
     }
     // Nothing of the test outlives it.
-    if let Some(p) = daemon_pid(&pipe) {
-        let _ = nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(p),
-            nix::sys::signal::Signal::SIGKILL,
-        );
-    }
-    let _ = nix::mount::umount2(&server.join("shm"), nix::mount::MntFlags::MNT_DETACH);
+    gpuctl_tests::stop_mps_daemons(&c.dir.path().join("agent0"));
 }

@@ -461,16 +461,24 @@ impl Executor {
         }
     }
 
-    /// The running tasks holding a fraction of a shared GPU, with it.
-    pub fn shared_tasks(&self) -> Vec<(String, gpuctl_core::types::TaskShare, String)> {
+    /// The running tasks whose GPU memory this agent holds to their
+    /// fraction: those on `mps` GPUs, when MPS runs here (they said
+    /// `mps`). Time-sliced fractions say `none` and are only counted.
+    pub fn memory_watched(&self) -> Vec<crate::gpu::procs::Watched> {
+        if !self.isolation.mps.available() {
+            return Vec::new();
+        }
         self.lock()
             .tasks
             .iter()
             .filter(|(_, t)| t.phase == Phase::Running)
             .filter_map(|(id, t)| {
-                let share = t.spec.share.clone()?;
-                let gpu = t.spec.gpu_uuids.first()?.clone();
-                Some((id.clone(), share, gpu))
+                let share = t.spec.share.as_ref().filter(|s| s.mode == ShareMode::Mps)?;
+                Some(crate::gpu::procs::Watched {
+                    task: id.clone(),
+                    gpu: t.spec.gpu_uuids.first()?.clone(),
+                    limit_mib: share.fraction.mem_mib,
+                })
             })
             .collect()
     }

@@ -243,6 +243,42 @@ pub fn largest(mut tasks: BTreeMap<String, u64>, max: usize) -> BTreeMap<String,
     tasks
 }
 
+/// A task whose processes' GPU memory together must stay within its
+/// fraction.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Watched {
+    pub task: String,
+    pub gpu: String,
+    pub limit_mib: u64,
+}
+
+/// The watched tasks over their fraction in the latest readings, with why
+/// in words. A task with no figure (no process on the GPU yet, or a GPU
+/// that failed its probe) is not over.
+pub fn over_memory(
+    gpus: &[super::health::GpuHealth],
+    watched: &[Watched],
+) -> BTreeMap<String, String> {
+    let mut over = BTreeMap::new();
+    for w in watched {
+        let used = gpus
+            .iter()
+            .find(|g| g.uuid == w.gpu)
+            .and_then(|g| g.sample.as_ref())
+            .and_then(|s| s.task_memory_used_mib.get(&w.task).copied());
+        if let Some(used) = used.filter(|u| *u > w.limit_mib) {
+            over.insert(
+                w.task.clone(),
+                format!(
+                    "its processes used {used} MiB of GPU memory on {}, over its fraction of {} MiB (GPU_MEMORY_LIMIT)",
+                    w.gpu, w.limit_mib
+                ),
+            );
+        }
+    }
+    over
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -434,6 +470,50 @@ mod tests {
         assert_eq!(
             largest(tasks, 2),
             BTreeMap::from([("b".to_string(), 50), ("d".to_string(), 50)])
+        );
+    }
+
+    #[test]
+    fn only_a_watched_task_over_its_fraction_is_over() {
+        use super::super::health::GpuHealth;
+        let sample = |tasks: &[(&str, u64)]| gpuctl_core::types::GpuSample {
+            task_memory_used_mib: tasks.iter().map(|(t, m)| (t.to_string(), *m)).collect(),
+            ..Default::default()
+        };
+        let gpu = |uuid: &str, s: Option<gpuctl_core::types::GpuSample>| GpuHealth {
+            uuid: uuid.into(),
+            index: 0,
+            model: String::new(),
+            healthy: true,
+            reason: String::new(),
+            sample: s,
+            mig: Vec::new(),
+            xid_errors: BTreeMap::new(),
+            double_bit_ecc_errors: 0,
+        };
+        let gpus = vec![
+            gpu(
+                "G0",
+                Some(sample(&[("a", 10241), ("b", 10240), ("c", 99999)])),
+            ),
+            gpu("G1", None),
+        ];
+        let w = |task: &str, gpu: &str| Watched {
+            task: task.into(),
+            gpu: gpu.into(),
+            limit_mib: 10240,
+        };
+        // a: one MiB over; b: at its limit; c: not watched (time-slice);
+        // d: no figure; e: its GPU gave no reading.
+        let over = over_memory(
+            &gpus,
+            &[w("a", "G0"), w("b", "G0"), w("d", "G0"), w("e", "G1")],
+        );
+        assert_eq!(over.keys().collect::<Vec<_>>(), vec!["a"]);
+        assert!(
+            over["a"].contains("10241 MiB") && over["a"].contains("10240 MiB"),
+            "{}",
+            over["a"]
         );
     }
 }
