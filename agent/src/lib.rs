@@ -515,7 +515,7 @@ pub async fn serve(
             mig_dir,
             info.gpus.clone(),
             recovered,
-            Box::new(move || exec.gpu_tasks().into_keys().collect()),
+            Box::new(move || exec.busy_gpus()),
             Box::new(move |gpus| {
                 *gpu_grants.write().unwrap_or_else(|p| p.into_inner()) =
                     isolation::grants::device_grants(gpus);

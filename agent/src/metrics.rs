@@ -18,16 +18,24 @@ const MIB: f64 = 1024.0 * 1024.0;
 /// The exposition of one scrape. `gpus` is what discovery found; the
 /// snapshot is empty for simulated GPUs (no probe, so no readings).
 pub fn render(gpus: &[GpuInfo], health: &Snapshot, executor: &Executor) -> String {
-    render_with(gpus, health, &executor.gpu_tasks(), executor.active_tasks())
+    render_with(
+        gpus,
+        health,
+        &executor.gpu_tasks(),
+        &executor.task_jobs(),
+        executor.active_tasks(),
+    )
 }
 
-/// [`render`] on plain data: `tasks` is the task and job on each GPU or
-/// MIG device, by UUID, and names the job of each task's memory series (a
-/// task it does not name gets `job=""`).
+/// [`render`] on plain data: `tasks` is the task and job holding each GPU
+/// or MIG device, by UUID (a shared GPU's fractions hold none alone);
+/// `jobs` names the job of each task's memory series (a task it does not
+/// name gets `job=""`).
 fn render_with(
     gpus: &[GpuInfo],
     health: &Snapshot,
     tasks: &HashMap<String, (String, String)>,
+    jobs: &HashMap<String, String>,
     active_tasks: usize,
 ) -> String {
     let task_of = |uuid: &str| {
@@ -143,16 +151,12 @@ fn render_with(
         "GPU memory used by a task's processes on a GPU (NVML's per-process accounting), at the last probe.",
         Kind::Gauge,
     );
-    let jobs: HashMap<&str, &str> = tasks
-        .values()
-        .map(|(t, j)| (t.as_str(), j.as_str()))
-        .collect();
     for h in &health.gpus {
         let Some(s) = &h.sample else {
             continue;
         };
         for (task, mib) in &s.task_memory_used_mib {
-            let job = jobs.get(task.as_str()).copied().unwrap_or("");
+            let job = jobs.get(task.as_str()).map_or("", String::as_str);
             out.sample(
                 "gpuctl_task_gpu_memory_used_bytes",
                 &[
@@ -265,7 +269,7 @@ mod tests {
             ("job-3.0".to_string(), "job-3".to_string()),
         )]
         .into();
-        let text = render_with(&gpus, &snapshot(), &tasks, 1);
+        let text = render_with(&gpus, &snapshot(), &tasks, &HashMap::new(), 1);
         let lines: Vec<&str> = text
             .lines()
             .filter(|l| l.starts_with("gpuctl_mig_"))
@@ -315,12 +319,13 @@ mod tests {
         failed.uuid = "GPU-x".into();
         failed.sample = None;
         s.gpus = vec![shared, failed];
-        let tasks: HashMap<String, (String, String)> = [(
-            "GPU-s".to_string(),
+        // Fractions hold no GPU alone; each task's series names its job.
+        let jobs: HashMap<String, String> = [
             ("job-1.0".to_string(), "job-1".to_string()),
-        )]
+            ("job-2.0".to_string(), "job-2".to_string()),
+        ]
         .into();
-        let text = render_with(&gpus, &s, &tasks, 2);
+        let text = render_with(&gpus, &s, &HashMap::new(), &jobs, 2);
         let lines: Vec<&str> = text
             .lines()
             .filter(|l| l.starts_with("gpuctl_task_"))
@@ -329,7 +334,7 @@ mod tests {
             lines,
             [
                 r#"gpuctl_task_gpu_memory_used_bytes{task="job-1.0",job="job-1",gpu="GPU-s"} 3328180224"#,
-                r#"gpuctl_task_gpu_memory_used_bytes{task="job-2.0",job="",gpu="GPU-s"} 0"#,
+                r#"gpuctl_task_gpu_memory_used_bytes{task="job-2.0",job="job-2",gpu="GPU-s"} 0"#,
             ]
         );
         assert_eq!(

@@ -414,12 +414,38 @@ impl Executor {
     pub fn gpu_tasks(&self) -> HashMap<String, (String, String)> {
         let t = self.lock();
         let mut out = HashMap::new();
-        for (id, task) in t.tasks.iter().filter(|(_, t)| t.live()) {
+        // A fraction does not hold its GPU: the GPU's series would name
+        // whichever of its tasks came last.
+        for (id, task) in t
+            .tasks
+            .iter()
+            .filter(|(_, t)| t.live() && t.spec.share.is_none())
+        {
             for g in &task.spec.gpu_uuids {
                 out.insert(g.clone(), (id.clone(), task.spec.job_id.clone()));
             }
         }
         out
+    }
+
+    /// The GPUs and MIG devices some live task uses, whole or a fraction.
+    pub fn busy_gpus(&self) -> std::collections::BTreeSet<String> {
+        self.lock()
+            .tasks
+            .values()
+            .filter(|t| t.live())
+            .flat_map(|t| t.spec.gpu_uuids.iter().cloned())
+            .collect()
+    }
+
+    /// The job of each task launched and not yet ended.
+    pub fn task_jobs(&self) -> HashMap<String, String> {
+        self.lock()
+            .tasks
+            .iter()
+            .filter(|(_, t)| t.live())
+            .map(|(id, t)| (id.clone(), t.spec.job_id.clone()))
+            .collect()
     }
 
     /// Tasks launched and not yet ended.
