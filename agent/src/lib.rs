@@ -401,16 +401,16 @@ pub async fn serve(
             ignored_xids = ?config.health.ignored_xids,
             "GPU health checks on"
         );
-        // Each task's GPU memory, from its processes' cgroups. Containers
-        // outside their task's cgroup (cgroup v2, Docker's systemd driver)
-        // are not attributed until the runtime says which container is
-        // which task's (`TaskCgroups::containers`).
+        // Each task's GPU memory, from its processes' cgroups: the task's
+        // own, or its container's (by the id the Docker runtime recorded),
+        // for containers Docker puts outside it (its systemd driver).
         let parent = task_cgroup_parent.clone();
+        let state_root = config.work_dir.join(checkpoint::STATE_DIR);
         let tasks = gpu::procs::Attribution {
             proc_root: PathBuf::from(gpu::procs::PROC_ROOT),
             cgroups: Box::new(move || gpu::procs::TaskCgroups {
                 parent: parent.clone(),
-                containers: Default::default(),
+                containers: runtime::docker::recorded_container_ids(&state_root),
             }),
         };
         gpu::health::spawn(

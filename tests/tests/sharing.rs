@@ -119,7 +119,7 @@ fn mps_fractions_get_a_daemon_their_limits_and_only_their_gpus_pipe() {
     let image = busybox_image();
     let control = gpuctl_tests::fake_mps_control();
     let mut c = Cluster::start(&[]);
-    c.add_agent(AgentOpts {
+    let agent = c.add_agent(AgentOpts {
         simulate_gpus: Some("2xA100-SXM4-40GB"),
         runtime: "docker,process",
         extra: vec!["--mps-control".into(), control.display().to_string()],
@@ -210,6 +210,23 @@ fn mps_fractions_get_a_daemon_their_limits_and_only_their_gpus_pipe() {
         log()
     );
     let pid = daemon_pid(&pipe).expect("the daemon runs");
+    // Each container's id is recorded with its task: a container outside
+    // its task's cgroup (Docker's systemd driver) is known by it when the
+    // agent sums its processes' GPU memory.
+    for j in [&a, &b] {
+        let task = format!("{j}.0");
+        let recorded = std::fs::read_to_string(
+            c.dir
+                .path()
+                .join(format!("agent0/state/{task}/container-id")),
+        )
+        .unwrap();
+        let ids = gpuctl_tests::task_containers(&agent, &task);
+        assert!(
+            ids.len() == 1 && recorded.starts_with(&ids[0]),
+            "{recorded} vs {ids:?}"
+        );
+    }
     // Both tasks' /dev/shm is the daemon's.
     for j in [&a, &b] {
         assert!(

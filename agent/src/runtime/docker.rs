@@ -422,7 +422,8 @@ impl DockerRuntime {
                     .copied()
                     .unwrap_or(CgroupDriver::Cgroupfs);
                 let cdi = self.cdi_request(&spec.isolation.cdi_devices).await;
-                self.client()?
+                let created = self
+                    .client()?
                     .create_container(
                         Some(CreateContainerOptions {
                             name: name.clone(),
@@ -432,6 +433,7 @@ impl DockerRuntime {
                     )
                     .await
                     .map_err(|e| self.err(e))?;
+                record_container_id(&spec.state_dir, &created.id);
                 tracing::debug!(task_id, container = %name, image, "container created");
             }
             Err(e) => return Err(self.err(e)),
@@ -521,6 +523,9 @@ impl DockerRuntime {
             Err(e) => return Err(self.err(e)),
         };
         self.set_health(true, String::new());
+        if let Some(id) = &info.id {
+            record_container_id(&task.state_dir, id);
+        }
         let state = info.state.unwrap_or_default();
         Ok(match state.status {
             Some(ContainerStateStatusEnum::CREATED) | None => Observed::NotStarted,
@@ -714,6 +719,47 @@ impl ContainerRuntime for DockerRuntime {
 /// ids on a host, so agents of several clusters can share one daemon.
 pub fn container_name(agent_id: &str, task_id: &str) -> String {
     format!("gpuctl-{agent_id}-{task_id}")
+}
+
+/// Where a task's container id is kept (beside its other state): a
+/// container that Docker puts outside the task's cgroup (the systemd
+/// driver) is known by its id in `/proc/<pid>/cgroup`, and the GPU memory
+/// of its processes is the task's.
+pub const CONTAINER_ID_FILE: &str = "container-id";
+
+fn record_container_id(state_dir: &std::path::Path, id: &str) {
+    let path = state_dir.join(CONTAINER_ID_FILE);
+    if std::fs::read_to_string(&path).is_ok_and(|old| old == id) {
+        return;
+    }
+    if let Err(e) = crate::checkpoint::write_atomic(&path, id.as_bytes()) {
+        tracing::warn!(path = %path.display(), error = %e, "could not record the container id");
+    }
+}
+
+/// The container id of each task that has one, by container id, from the
+/// agent's state directory (`<work>/state/<task>/container-id`).
+pub fn recorded_container_ids(
+    state_root: &std::path::Path,
+) -> std::collections::BTreeMap<String, String> {
+    let mut out = std::collections::BTreeMap::new();
+    for entry in std::fs::read_dir(state_root)
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        let Ok(id) = std::fs::read_to_string(entry.path().join(CONTAINER_ID_FILE)) else {
+            continue;
+        };
+        let id = id.trim();
+        if !id.is_empty() {
+            out.insert(
+                id.to_string(),
+                entry.file_name().to_string_lossy().into_owned(),
+            );
+        }
+    }
+    out
 }
 
 /// What the container's configuration takes from its image.
@@ -1243,6 +1289,20 @@ pub(crate) async fn connect_or_skip(test: &str) -> Option<DockerRuntime> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn container_ids_recorded_in_task_state_map_to_their_tasks() {
+        let dir = tempfile::tempdir().unwrap();
+        for (task, id) in [("job-1.0", "abc123"), ("job-2.0", "")] {
+            let d = dir.path().join(task);
+            std::fs::create_dir_all(&d).unwrap();
+            record_container_id(&d, id);
+        }
+        std::fs::create_dir_all(dir.path().join("job-3.0")).unwrap();
+        let got = recorded_container_ids(dir.path());
+        assert_eq!(got.len(), 1, "{got:?}");
+        assert_eq!(got["abc123"], "job-1.0");
+    }
     use std::collections::BTreeMap;
     use std::path::Path;
     use std::time::Instant;
