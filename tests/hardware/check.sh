@@ -397,6 +397,35 @@ else
   fi
 fi
 
+sec mps
+# Fractions of an MPS-shared GPU (issue 34): the agent's MPS daemon, the
+# per-process limit MPS enforces, and the task total the agent holds.
+GPU0=${GPU0:-$($G gpus --json | python3 -c 'import json,sys;print(json.load(sys.stdin)[0]["uuid"])')}
+if ! command -v nvidia-cuda-mps-control >/dev/null; then
+  skip mps "no nvidia-cuda-mps-control on this host"
+elif [ "$CUDA" != 1 ]; then
+  skip mps "no nvcc: cudacheck not built"
+else
+  $G gpus share "$GPU0" --mode mps 2>&1 | tee "$OUT/mps-share.txt"
+  IMG=(); CC=$R/bin/cudacheck
+  [ "$DOCKER" = 1 ] && { IMG=(--image gpuctl-hw:1); CC=cudacheck; }
+  run mps-one --gpu-mem 2GiB --gpu-compute 50 "${IMG[@]}" -- sh -c \
+    "env | grep CUDA_MPS; ls \$CUDA_MPS_PIPE_DIRECTORY; $CC alloc 1024 5"
+  check mps.enforcement "a fraction on an mps GPU says enforcement mps" grep -q 'Enforcement of .*: mps' "$OUT/job-mps-one.txt"
+  check mps.env "the task's MPS limits are in its environment" has 'CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=2048M'
+  check mps.alloc "1 GiB under a 2 GiB fraction is allocated" has 'alloc want=1024 got=1024 err=no error'
+  ls -la "$W/agent/mps/$GPU0"/*/ 2>&1; cat "$W/agent/mps/$GPU0"/*/log/control.log 2>&1 | tail -20
+  run mps-over --gpu-mem 2GiB "${IMG[@]}" -- sh -c "$CC alloc 3072 2"
+  check mps.process_limit "one process past its 2 GiB is refused by MPS ($(grep -o 'alloc .*' <<<"$LOG"))" \
+    python3 -c "import re,sys; m=re.search(r'got=(\d+)', sys.argv[1]); sys.exit(not (m and int(m.group(1)) <= 2048))" "$LOG"
+  # Two processes each under the limit, together over it: MPS lets both
+  # (its limits are per process); the agent stops the task.
+  run mps-two --gpu-mem 2GiB "${IMG[@]}" -- sh -c "$CC alloc 1536 60 & $CC alloc 1536 60; wait"
+  check mps.total "two processes of 1.5 GiB in a 2 GiB fraction: GPU_MEMORY_LIMIT" \
+    sh -c "$G jobs get $J --json | grep -q GPU_MEMORY_LIMIT"
+  $G gpus share "$GPU0" --off 2>&1 | tail -1
+fi
+
 sec logs
 tail -40 "$OUT/agent.log"; tail -20 "$OUT/master.log"
 echo

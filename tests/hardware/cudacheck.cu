@@ -3,6 +3,8 @@
 #include <cstdlib>
 #include <cuda_runtime.h>
 #include <dlfcn.h>
+#include <string>
+#include <thread>
 __global__ void spin(float *a, int n, int iters) {
   int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i < n) { float x = a[i]; for (int k = 0; k < iters; k++) x = x * 1.0000001f + 0.5f; a[i] = x; }
@@ -28,6 +30,25 @@ int main(int argc, char **argv) {
     printf("device %d: %s uuid=GPU-", d, p.name);
     for (int k = 0; k < 16; k++) { printf("%02x", (unsigned char)p.uuid.bytes[k]); if (k == 3 || k == 5 || k == 7 || k == 9) printf("-"); }
     printf(" mem=%zu MiB\n", (size_t)(p.totalGlobalMem >> 20));
+  }
+  // `alloc MIB HOLD`: allocate up to MIB in 64 MiB pieces (as far as the
+  // device, MPS or the driver's cap allows), hold it HOLD seconds.
+  if (argc > 3 && std::string(argv[1]) == "alloc") {
+    long want = atol(argv[2]), got = 0;
+    cudaError_t err = cudaSuccess;
+    while (got < want) {
+      void *p = nullptr;
+      err = cudaMalloc(&p, 64 << 20);
+      if (err != cudaSuccess) break;
+      got += 64;
+    }
+    size_t free_b = 0, total_b = 0;
+    cudaMemGetInfo(&free_b, &total_b);
+    printf("alloc want=%ld got=%ld err=%s free=%zu total=%zu MiB\n", want, got, cudaGetErrorString(err),
+           free_b >> 20, total_b >> 20);
+    fflush(stdout);
+    std::this_thread::sleep_for(std::chrono::seconds(atoi(argv[3])));
+    return err == cudaSuccess ? 0 : 3;
   }
   double secs = argc > 1 ? atof(argv[1]) : 0;
   if (secs > 0) {
