@@ -44,8 +44,9 @@ pub enum GpusCommand {
     /// MIG devices. Prints the GPU.
     Share {
         uuid: String,
-        /// How it is shared: mps (a memory and compute limit per task) or
-        /// time-slice (none; the scheduler still counts).
+        /// How it is shared: mps (MPS limits each process; the agent holds
+        /// each task to its memory) or time-slice (no limit; the scheduler
+        /// still counts).
         #[arg(long, value_parser = ["mps", "time-slice"], required_unless_present = "off")]
         mode: Option<String>,
         /// Stop sharing it (refused while fractions of it are held).
