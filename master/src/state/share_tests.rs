@@ -342,3 +342,27 @@ fn a_fraction_over_its_memory_fails_with_gpu_memory_limit_and_frees_its_share() 
         job.message
     );
 }
+
+#[test]
+fn a_fractions_task_spec_names_its_mode_and_tenant_for_its_mps_server() {
+    let mut d = driver();
+    share(&mut d, "GPU-a-0", Some(ShareMode::Mps)).unwrap();
+    let mut a = spec(Some((1024, 10)), 0);
+    a.tenant = "team-a".into();
+    let a = d.submit(a);
+    let b = d.submit(spec(Some((1024, 0)), 0));
+    for j in [&a, &b] {
+        d.launch_at(j, &[("a", &["GPU-a-0"])], 2).unwrap();
+    }
+    let share_of = |job: &str| d.s.task_spec(&format!("{job}.0")).unwrap().share.unwrap();
+    let sa = share_of(&a);
+    assert_eq!(sa.mode, ShareMode::Mps);
+    assert_eq!(sa.tenant, "team-a");
+    assert_eq!((sa.fraction.mem_mib, sa.fraction.compute_pct), (1024, 10));
+    // No tenant: the default one, never an empty name for a directory.
+    assert_eq!(share_of(&b).tenant, "default");
+    // A whole-GPU task has no share.
+    let w = d.submit(spec(None, 1));
+    d.launch_at(&w, &[("a", &["GPU-a-1"])], 2).unwrap();
+    assert!(d.s.task_spec(&format!("{w}.0")).unwrap().share.is_none());
+}
