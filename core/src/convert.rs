@@ -2525,6 +2525,37 @@ mod tests {
     }
 
     #[test]
+    fn a_shares_tenant_must_be_a_safe_name_and_survives_the_wire() {
+        let t = |tenant: &str| pb::TaskSpec {
+            share: Some(pb::TaskShare {
+                mem_mib: 1024,
+                compute_pct: 0,
+                mode: "mps".into(),
+                tenant: tenant.into(),
+            }),
+            task_id: "job-1.0".into(),
+            job_id: "job-1".into(),
+            command: vec!["true".into()],
+            resources: Some(pb::Resources::default()),
+            gpu_uuids: vec!["GPU-1".into()],
+            no_fence: true,
+            ..Default::default()
+        };
+        // It names the agent's MPS directory: nothing that leaves it.
+        for bad in ["..", "a/b", ".x"] {
+            assert_eq!(
+                TaskSpec::try_from(t(bad)).unwrap_err().field,
+                "task.share.tenant",
+                "{bad}"
+            );
+        }
+        let ok = TaskSpec::try_from(t("team-a")).unwrap();
+        assert_eq!(ok.share.as_ref().unwrap().tenant, "team-a");
+        let back = pb::TaskSpec::from(ok);
+        assert_eq!(back.share.unwrap().tenant, "team-a");
+    }
+
+    #[test]
     fn task_spec_gpu_list_must_match_count() {
         let t = pb::TaskSpec {
             share: None,
