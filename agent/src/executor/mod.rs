@@ -849,6 +849,14 @@ impl Executor {
         let tref = self.task_ref(task_id);
         let mut started = false;
         if reattach {
+            // Its MPS daemon outlived the agent too: kept for it from now,
+            // before the runtime answers (Docker may be down a while, and
+            // an unclaimed daemon is quit as idle).
+            if let (Some(sh), Some(gpu)) = (&spec.share, spec.gpu_uuids.first()) {
+                if sh.mode == ShareMode::Mps && self.isolation.mps.available() {
+                    self.isolation.mps.adopt(task_id, gpu, &mps_tenant(sh));
+                }
+            }
             let mut backoff = Backoff::new(OUTAGE_BACKOFF_MIN, OUTAGE_BACKOFF_MAX);
             loop {
                 match rt.observe(&tref).await {
@@ -861,13 +869,6 @@ impl Executor {
                     }
                     Ok(Observed::Running | Observed::Ended(_)) => {
                         started = true;
-                        // Its MPS daemon (which outlived the agent too) is
-                        // kept for it.
-                        if let (Some(sh), Some(gpu)) = (&spec.share, spec.gpu_uuids.first()) {
-                            if sh.mode == ShareMode::Mps && self.isolation.mps.available() {
-                                self.isolation.mps.adopt(task_id, gpu, &mps_tenant(sh));
-                            }
-                        }
                         break;
                     }
                     Err(e) if e.is_unavailable() => {
