@@ -478,6 +478,60 @@ fn host_processes_are_confined_to_their_gpus_too() {
     .is_empty()));
 }
 
+/// Issue 34 item 3: fractions of a shared GPU are isolated as whole GPUs
+/// are. Two fractions of one GPU each open that GPU's node (ENXIO: no
+/// driver) and no other (EPERM), while a whole-GPU task beside them keeps
+/// its own.
+#[test]
+fn fractions_of_a_shared_gpu_open_only_that_gpu() {
+    if !cgroup_v1_or_skip("fraction isolation") || !nix::unistd::Uid::effective().is_root() {
+        if std::env::var("GPUCTL_REQUIRE_DOCKER").as_deref() == Ok("1") {
+            panic!("host process isolation needs root");
+        }
+        return;
+    }
+    let s = setup("fraction", "process");
+    let dev = s.dev.display().to_string();
+    // The GPU of minor 2, shared.
+    let shared = s
+        .minors
+        .iter()
+        .find(|(_, m)| **m == 2)
+        .map(|(u, _)| u.clone())
+        .unwrap();
+    s.c.ok(&["gpus", "share", &shared, "--mode", "time-slice"]);
+    let script = format!("{}\nsleep 2\n", probe_script(&dev));
+    let fractions: Vec<String> = (0..2)
+        .map(|i| {
+            s.c.submit(&[
+                "--name",
+                &format!("f{i}"),
+                "--gpu-mem",
+                "1GiB",
+                "--mem",
+                "32",
+                "--",
+                "sh",
+                "-c",
+                &script,
+            ])
+        })
+        .collect();
+    let whole = s.c.submit(&[
+        "--name", "w", "--gpus", "1", "--mem", "32", "--", "sh", "-c", &script,
+    ]);
+    for j in &fractions {
+        assert_eq!(s.c.wait_job(j, 30).0, 0, "{}", s.c.job(j));
+        let out = s.c.ok(&["jobs", "logs", j]);
+        assert_only_its_gpu(&out, Some(2));
+        assert_eq!(line(&out, "visible="), format!("visible={shared}"));
+    }
+    assert_eq!(s.c.wait_job(&whole, 30).0, 0);
+    let (_, gpus) = task_of(&s.c.job(&whole));
+    assert_ne!(gpus[0], shared, "a shared GPU given whole");
+    assert_only_its_gpu(&s.c.ok(&["jobs", "logs", &whole]), Some(s.minors[&gpus[0]]));
+}
+
 /// A cgroup2 hierarchy mounted beside the machine's v1 one (the same
 /// unified hierarchy at every mount: what is made in it is removed here).
 struct Cgroup2 {
