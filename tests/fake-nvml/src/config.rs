@@ -43,6 +43,13 @@ pub const PER_DEVICE_FUNCTIONS: &[&str] = &[
     "nvmlDeviceGetMPSComputeRunningProcesses_v3",
 ];
 
+/// The cgroup memory limit functions (r615+), which an `errors` entry may
+/// name too.
+pub const MEMORY_LIMIT_FUNCTIONS: &[&str] = &[
+    "nvmlDeviceSetMemoryLimits_v1",
+    "nvmlDeviceGetMemoryLimits_v1",
+];
+
 /// The MIG functions an `errors` entry may name (besides
 /// nvmlDeviceGetMigMode above). Calls on a GPU instance, compute instance or
 /// MIG device consult the parent GPU's `errors`.
@@ -92,6 +99,8 @@ pub struct Config {
     pub driver_version: String,
     pub cuda_driver_version: i32,
     pub init_error: Option<ErrorCode>,
+    /// Whether the driver has per-cgroup memory limits (r615+).
+    pub memory_limits: bool,
     pub gpus: Vec<Gpu>,
     pub events: Vec<Event>,
 }
@@ -123,6 +132,23 @@ pub struct Gpu {
     pub errors: BTreeMap<String, ErrorCode>,
     /// Processes using the GPU, in file order (unique pids).
     pub processes: Vec<Process>,
+    /// The last limits set per cgroup (unique paths), in file order.
+    pub cgroup_memory_limits: Vec<CgroupLimit>,
+}
+
+/// A cgroup's memory limits on a GPU, as the last
+/// `nvmlDeviceSetMemoryLimits_v1` left them (soft 0 and hard
+/// `NVML_DEVICE_MEMORY_LIMIT_MAX`: cleared).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CgroupLimit {
+    /// The path as the caller gave it.
+    pub cgroup: String,
+    pub soft_bytes: u64,
+    pub hard_bytes: u64,
+    /// What `currentUsed` reports; tests set it.
+    #[serde(default)]
+    pub used_bytes: u64,
 }
 
 /// A process using a GPU, as NVML's process lists report it.
@@ -394,6 +420,8 @@ struct ConfigFile {
     #[serde(default)]
     init_error: Option<ErrorCode>,
     #[serde(default)]
+    memory_limits: bool,
+    #[serde(default)]
     gpus: Vec<GpuFile>,
     #[serde(default)]
     events: Vec<Event>,
@@ -452,6 +480,8 @@ struct GpuFile {
     errors: BTreeMap<String, ErrorCode>,
     #[serde(default)]
     processes: Vec<Process>,
+    #[serde(default)]
+    cgroup_memory_limits: Vec<CgroupLimit>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -665,7 +695,9 @@ pub fn parse(text: &str) -> Result<Config, String> {
             return Err(at(format!("duplicate uuid {:?}", g.uuid)));
         }
         if let Some(name) = g.errors.keys().find(|k| {
-            !PER_DEVICE_FUNCTIONS.contains(&k.as_str()) && !MIG_FUNCTIONS.contains(&k.as_str())
+            ![PER_DEVICE_FUNCTIONS, MIG_FUNCTIONS, MEMORY_LIMIT_FUNCTIONS]
+                .iter()
+                .any(|l| l.contains(&k.as_str()))
         }) {
             return Err(at(format!(
                 "errors: {name:?} is not a per-device function this library exports"
@@ -704,6 +736,24 @@ pub fn parse(text: &str) -> Result<Config, String> {
                 )));
             }
         }
+        for (k, l) in g.cgroup_memory_limits.iter().enumerate() {
+            if l.cgroup.is_empty()
+                || g.cgroup_memory_limits[..k]
+                    .iter()
+                    .any(|o| o.cgroup == l.cgroup)
+            {
+                return Err(at(format!(
+                    "cgroup_memory_limits: empty or duplicate cgroup {:?}",
+                    l.cgroup
+                )));
+            }
+            if l.soft_bytes > l.hard_bytes {
+                return Err(at(format!(
+                    "cgroup_memory_limits: {:?} has soft_bytes over hard_bytes",
+                    l.cgroup
+                )));
+            }
+        }
         gpus.push(Gpu {
             mig,
             serial: g
@@ -728,6 +778,7 @@ pub fn parse(text: &str) -> Result<Config, String> {
             lost: g.lost,
             errors: g.errors,
             processes: g.processes,
+            cgroup_memory_limits: g.cgroup_memory_limits,
         });
     }
     for (i, g) in gpus.iter().enumerate() {
@@ -742,6 +793,7 @@ pub fn parse(text: &str) -> Result<Config, String> {
         driver_version: file.driver_version,
         cuda_driver_version: file.cuda_driver_version,
         init_error: file.init_error,
+        memory_limits: file.memory_limits,
         gpus,
         events: file.events,
     })

@@ -396,3 +396,36 @@ const _: () = {
     assert!(std::mem::size_of::<nvmlGpuInstanceInfo_t>() == 24);
     assert!(std::mem::size_of::<nvmlComputeInstanceInfo_t>() == 32);
 };
+
+// ----- cgroup memory limits (driver r615+) -----
+//
+// Not in nvml-wrapper-sys 0.10 (it predates them). Layout from NVIDIA's NVML
+// reference, `nvmlSetMemoryLimits_v1_t` / `nvmlGetMemoryLimits_v1_t`: no
+// version member (docs/research/mps-fractions.md §3.1).
+
+/// What `nvmlDeviceSetMemoryLimits_v1` reads.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct nvmlSetMemoryLimits_v1_t {
+    /// Full path of the cgroup v2 directory.
+    pub nameSpace: *const c_char,
+    /// Bytes.
+    pub softLimit: c_ulonglong,
+    /// Bytes.
+    pub hardLimit: c_ulonglong,
+}
+
+/// What `nvmlDeviceGetMemoryLimits_v1` fills (`nameSpace` is its input).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct nvmlGetMemoryLimits_v1_t {
+    pub nameSpace: *const c_char,
+    pub softLimit: c_ulonglong,
+    pub hardLimit: c_ulonglong,
+    /// Bytes the cgroup uses now.
+    pub currentUsed: c_ulonglong,
+}
+
+/// `NVML_DEVICE_MEMORY_LIMIT_MAX`: "no hard limit". Its value was not seen in
+/// a header; ~0ULL is what the sources bound it to (research §3.1).
+pub const NVML_DEVICE_MEMORY_LIMIT_MAX: c_ulonglong = c_ulonglong::MAX;

@@ -11,7 +11,7 @@
 //! Layout: `ffi` (C types, copied from nvml-wrapper-sys), `config` (the JSON),
 //! `state` (init count, handles, the only code that touches caller memory,
 //! the config write-back), `profiles` (built-in MIG profile tables),
-//! `exports`, `events` and `mig` (the `#[no_mangle]` functions).
+//! `exports`, `events`, `mig` and `memlimits` (the `#[no_mangle]` functions).
 //!
 //! Unsafe code is confined to reading and writing caller pointers (the NVML
 //! contract) and to the event-set box; each block says why it holds. No
@@ -24,6 +24,7 @@ pub mod config;
 pub mod events;
 pub mod exports;
 pub mod ffi;
+pub mod memlimits;
 pub mod mig;
 pub mod profiles;
 mod state;

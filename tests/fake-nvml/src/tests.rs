@@ -2330,3 +2330,226 @@ fn mig_calls_before_init_and_on_a_lost_gpu() {
         assert_eq!(call_mig(func), NVML_ERROR_GPU_IS_LOST, "{func}");
     }
 }
+
+// ----- cgroup memory limits -----
+
+use crate::memlimits::{nvmlDeviceGetMemoryLimits_v1, nvmlDeviceSetMemoryLimits_v1, on_cgroup2};
+
+/// A cgroup2 hierarchy mounted on a temp dir, with one group of this test's
+/// own; the group is removed and the hierarchy unmounted on drop. None
+/// (the test says it is skipped) where mounting needs a root we are not.
+struct Cgroup2 {
+    mount: PathBuf,
+    group: PathBuf,
+}
+
+impl Cgroup2 {
+    fn mount() -> Option<Cgroup2> {
+        let n = NEXT_FILE.fetch_add(1, Ordering::Relaxed);
+        let mount = std::env::temp_dir().join(format!("fake-nvml-cg2-{}-{n}", std::process::id()));
+        std::fs::create_dir_all(&mount).expect("mount point");
+        let mounted = std::process::Command::new("mount")
+            .args(["-t", "cgroup2", "none"])
+            .arg(&mount)
+            .stderr(std::process::Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        if !mounted {
+            let _ = std::fs::remove_dir(&mount);
+            eprintln!("skipped: cannot mount cgroup2 (needs root)");
+            return None;
+        }
+        let group = mount.join(format!("fake-nvml-test-{}-{n}", std::process::id()));
+        std::fs::create_dir(&group).expect("cgroup");
+        Some(Cgroup2 { mount, group })
+    }
+
+    fn group(&self) -> &str {
+        self.group.to_str().expect("utf-8 path")
+    }
+}
+
+impl Drop for Cgroup2 {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir(&self.group);
+        let _ = std::process::Command::new("umount")
+            .arg(&self.mount)
+            .status();
+        let _ = std::fs::remove_dir(&self.mount);
+    }
+}
+
+fn set_limits(h: nvmlDevice_t, path: &str, soft: u64, hard: u64) -> nvmlReturn_t {
+    let path = CString::new(path).expect("path");
+    let mut l = nvmlSetMemoryLimits_v1_t {
+        nameSpace: path.as_ptr(),
+        softLimit: soft,
+        hardLimit: hard,
+    };
+    unsafe { nvmlDeviceSetMemoryLimits_v1(h, &mut l) }
+}
+
+/// (soft, hard, used).
+fn get_limits(h: nvmlDevice_t, path: &str) -> Result<(u64, u64, u64), nvmlReturn_t> {
+    let path = CString::new(path).expect("path");
+    let mut l = nvmlGetMemoryLimits_v1_t {
+        nameSpace: path.as_ptr(),
+        softLimit: 7,
+        hardLimit: 7,
+        currentUsed: 7,
+    };
+    match unsafe { nvmlDeviceGetMemoryLimits_v1(h, &mut l) } {
+        NVML_SUCCESS => {
+            assert_eq!(l.nameSpace, path.as_ptr(), "nameSpace is an input");
+            Ok((l.softLimit, l.hardLimit, l.currentUsed))
+        }
+        e => Err(e),
+    }
+}
+
+#[test]
+fn memory_limit_structs_have_nvmls_layout() {
+    use std::mem::{offset_of, size_of};
+    assert_eq!(size_of::<nvmlSetMemoryLimits_v1_t>(), 24);
+    assert_eq!(size_of::<nvmlGetMemoryLimits_v1_t>(), 32);
+    assert_eq!(offset_of!(nvmlSetMemoryLimits_v1_t, softLimit), 8);
+    assert_eq!(offset_of!(nvmlSetMemoryLimits_v1_t, hardLimit), 16);
+    assert_eq!(offset_of!(nvmlGetMemoryLimits_v1_t, softLimit), 8);
+    assert_eq!(offset_of!(nvmlGetMemoryLimits_v1_t, hardLimit), 16);
+    assert_eq!(offset_of!(nvmlGetMemoryLimits_v1_t, currentUsed), 24);
+}
+
+#[test]
+fn memory_limits_are_refused_where_the_driver_refuses_them() {
+    // Not a cgroup2 directory (the temp dir is on another file system).
+    let plain = std::env::temp_dir();
+    let plain = plain.to_str().expect("utf-8");
+    let m = Machine::uninit(&gpus(1));
+    assert_eq!(
+        set_limits(null_mut(), plain, 1, 1),
+        NVML_ERROR_UNINITIALIZED
+    );
+    drop(m);
+    // A driver without them (the default).
+    let m = Machine::new(&gpus(1));
+    assert_eq!(set_limits(handle(0), plain, 1, 1), NVML_ERROR_NOT_SUPPORTED);
+    assert_eq!(get_limits(handle(0), plain), Err(NVML_ERROR_NOT_SUPPORTED));
+    drop(m);
+    let mut cfg = with(mig_json(), json!({ "memory_limits": true }));
+    let m = Machine::new(&cfg);
+    // GPU 0 is in MIG mode: neither it nor its MIG devices.
+    assert_eq!(set_limits(handle(0), plain, 1, 1), NVML_ERROR_NOT_SUPPORTED);
+    let mig = mig_device(handle(0), 0).expect("MIG device");
+    assert_eq!(set_limits(mig, plain, 1, 1), NVML_ERROR_NOT_SUPPORTED);
+    assert_eq!(get_limits(mig, plain), Err(NVML_ERROR_NOT_SUPPORTED));
+    // GPU 2 (MIG off) gets as far as the path.
+    let h = handle(2);
+    for bad in [plain, "sys/fs/cgroup", "/no/such/dir"] {
+        assert_eq!(
+            set_limits(h, bad, 1, 1),
+            NVML_ERROR_INVALID_ARGUMENT,
+            "{bad}"
+        );
+        assert_eq!(
+            get_limits(h, bad),
+            Err(NVML_ERROR_INVALID_ARGUMENT),
+            "{bad}"
+        );
+    }
+    assert_eq!(
+        unsafe { nvmlDeviceSetMemoryLimits_v1(h, null_mut()) },
+        NVML_ERROR_INVALID_ARGUMENT
+    );
+    let mut l = nvmlSetMemoryLimits_v1_t {
+        nameSpace: ptr::null(),
+        softLimit: 1,
+        hardLimit: 1,
+    };
+    assert_eq!(
+        unsafe { nvmlDeviceSetMemoryLimits_v1(h, &mut l) },
+        NVML_ERROR_INVALID_ARGUMENT
+    );
+    // An override comes first.
+    cfg["gpus"][2]["errors"] = json!({ "nvmlDeviceSetMemoryLimits_v1": "NO_PERMISSION" });
+    m.write(&cfg);
+    assert_eq!(set_limits(h, plain, 1, 1), 4);
+    assert!(on_disk(&m)["gpus"][2].get("cgroup_memory_limits").is_none());
+}
+
+#[test]
+fn a_set_is_recorded_in_the_config_and_read_back() {
+    let Some(cg) = Cgroup2::mount() else { return };
+    assert!(on_cgroup2(&cg.mount) && on_cgroup2(&cg.group));
+    assert!(!on_cgroup2(&cg.group.join("cgroup.procs")), "a file");
+    assert!(!on_cgroup2(&std::env::temp_dir()));
+    let m = Machine::new(&with(gpus(2), json!({ "memory_limits": true })));
+    let (h, group) = (handle(0), cg.group());
+    // What a config may say of them.
+    for (bad, why) in [
+        (
+            json!([{"cgroup": "/a", "soft_bytes": 2, "hard_bytes": 1}]),
+            "soft_bytes over",
+        ),
+        (
+            json!([{"cgroup": "/a", "soft_bytes": 0, "hard_bytes": 1}, {"cgroup": "/a", "soft_bytes": 0, "hard_bytes": 1}]),
+            "duplicate",
+        ),
+    ] {
+        let mut cfg = gpus(1);
+        cfg["gpus"][0]["cgroup_memory_limits"] = bad;
+        let err = config::parse(&cfg.to_string()).expect_err("invalid");
+        assert!(err.contains(why), "{err}");
+    }
+    const GIB: u64 = 1 << 30;
+    // Never set: no limit.
+    assert_eq!(
+        get_limits(h, group),
+        Ok((0, NVML_DEVICE_MEMORY_LIMIT_MAX, 0))
+    );
+    assert_eq!(set_limits(h, group, GIB, 2 * GIB), NVML_SUCCESS);
+    assert_eq!(
+        on_disk(&m)["gpus"][0]["cgroup_memory_limits"],
+        json!([{ "cgroup": group, "soft_bytes": GIB, "hard_bytes": 2 * GIB }])
+    );
+    assert_eq!(get_limits(h, group), Ok((GIB, 2 * GIB, 0)));
+    // Only on that GPU.
+    assert_eq!(
+        get_limits(handle(1), group),
+        Ok((0, NVML_DEVICE_MEMORY_LIMIT_MAX, 0))
+    );
+    // A test says what the group uses; a later Set keeps it.
+    let mut cfg = on_disk(&m);
+    cfg["gpus"][0]["cgroup_memory_limits"][0]["used_bytes"] = json!(12345);
+    m.write(&cfg);
+    assert_eq!(set_limits(h, group, GIB, GIB), NVML_SUCCESS);
+    assert_eq!(get_limits(h, group), Ok((GIB, GIB, 12345)));
+    // Soft over hard is refused and changes nothing.
+    assert_eq!(
+        set_limits(h, group, 2 * GIB, GIB),
+        NVML_ERROR_INVALID_ARGUMENT
+    );
+    assert_eq!(get_limits(h, group), Ok((GIB, GIB, 12345)));
+    // The clear is recorded too.
+    assert_eq!(
+        set_limits(h, group, 0, NVML_DEVICE_MEMORY_LIMIT_MAX),
+        NVML_SUCCESS
+    );
+    let rec = &on_disk(&m)["gpus"][0]["cgroup_memory_limits"][0];
+    assert_eq!(rec["soft_bytes"], json!(0));
+    assert_eq!(rec["hard_bytes"], json!(NVML_DEVICE_MEMORY_LIMIT_MAX));
+    assert_eq!(
+        get_limits(h, group),
+        Ok((0, NVML_DEVICE_MEMORY_LIMIT_MAX, 12345))
+    );
+    // The root of the hierarchy is a cgroup too.
+    assert_eq!(
+        set_limits(h, cg.mount.to_str().expect("utf-8"), 1, 1),
+        NVML_SUCCESS
+    );
+    assert_eq!(
+        on_disk(&m)["gpus"][0]["cgroup_memory_limits"]
+            .as_array()
+            .map(Vec::len),
+        Some(2)
+    );
+}
