@@ -9,6 +9,7 @@
 
 pub mod health;
 mod labels;
+pub mod memcap;
 pub mod mig;
 pub mod mig_apply;
 pub mod mig_layout;
