@@ -373,7 +373,19 @@ pub async fn serve(
             }
         });
     }
+    // The driver's GPU memory cap for fractions (r615+ NVML, cgroup v2):
+    // tried per task, said once here.
+    let memcap = if simulated {
+        gpu::memcap::DriverCap::off(config.work_dir.join("memcap"))
+    } else {
+        gpu::memcap::DriverCap::new(config.nvml_lib.as_deref(), config.work_dir.join("memcap"))
+    };
+    match memcap.probe() {
+        Ok(()) => tracing::info!("driver memory cap available: fractions of host-process tasks on cgroup v2 are capped by the driver"),
+        Err(e) => tracing::info!(reason = %e, "no driver memory cap: fractions are enforced by MPS or not at all"),
+    }
     let isolation_setup = executor::IsolationSetup {
+        memcap: Arc::new(memcap),
         mps: mps.clone(),
         isolator,
         gpu_grants: gpu_grants.clone(),

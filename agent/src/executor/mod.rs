@@ -112,6 +112,8 @@ pub struct IsolationSetup {
     pub users: crate::task_users::TaskUsers,
     /// MPS control daemons for GPUs shared in `mps` mode.
     pub mps: Arc<crate::gpu::mps::Mps>,
+    /// The driver's per-cgroup GPU memory cap (r615+), for fractions.
+    pub memcap: Arc<crate::gpu::memcap::DriverCap>,
 }
 
 /// How a task ended, as reported to the master.
@@ -988,17 +990,6 @@ impl Executor {
             }
             _ => None,
         };
-        let mut starting = self.update(task_id, TaskState::Starting);
-        // What this agent enforces of a fraction of a shared GPU, said as
-        // such rather than implied.
-        starting.enforcement = spec.share.as_ref().map(|_| {
-            if mps.is_some() {
-                gpuctl_core::types::Enforcement::Mps
-            } else {
-                gpuctl_core::types::Enforcement::None
-            }
-        });
-        self.send(starting).await;
         let sandbox = self.sandbox(task_id);
         tokio::fs::create_dir_all(&sandbox)
             .await
@@ -1020,6 +1011,27 @@ impl Executor {
             .isolator
             .prepare(task_id, &devices, &spec.resources, rt.kind())
             .map_err(|e| Outcome::failed(format!("isolation: {e}")))?;
+        // A fraction's memory capped by the driver on the task's own cgroup
+        // v2 (host processes; r615+), before anything runs in it. What this
+        // agent enforces is said with STARTING, so only once that is known.
+        let unified = prepared
+            .cgroup
+            .as_ref()
+            .and_then(|c| c.unified_dir.as_deref());
+        let driver = match (&spec.share, spec.gpu_uuids.first(), unified) {
+            (Some(sh), Some(gpu), Some(dir)) => {
+                let cap = &self.isolation.memcap;
+                cap.cap_task(task_id, gpu, dir, sh.fraction.mem_mib).await
+            }
+            _ => false,
+        };
+        let mut starting = self.update(task_id, TaskState::Starting);
+        starting.enforcement = spec.share.as_ref().map(|_| match (driver, mps.is_some()) {
+            (true, _) => gpuctl_core::types::Enforcement::Driver,
+            (false, true) => gpuctl_core::types::Enforcement::Mps,
+            (false, false) => gpuctl_core::types::Enforcement::None,
+        });
+        self.send(starting).await;
         let mut env = Self::gpu_env(spec);
         if let (Some(server), Some(sh)) = (&mps, &spec.share) {
             crate::gpu::mps::scrub_env(&mut env);
@@ -1138,10 +1150,13 @@ impl Executor {
         }
     }
 
-    /// Removes the task's cgroup (its processes are gone by now) and its
-    /// claim on an MPS daemon.
+    /// Removes the task's cgroup (its processes are gone by now), its claim
+    /// on an MPS daemon, and first its driver memory cap.
     fn release(&self, task_id: &str) {
         self.isolation.mps.release(task_id);
+        if let Err(e) = self.isolation.memcap.clear(task_id) {
+            tracing::warn!(task_id, error = %e, "could not clear the task's driver memory cap");
+        }
         if let Err(e) = self.isolation.isolator.release(task_id) {
             tracing::warn!(task_id, error = %e, "could not remove the task's cgroup");
         }
@@ -1433,6 +1448,9 @@ mod shell_tests {
                 driver: Default::default(),
                 users: crate::task_users::TaskUsers::new(users, dir.path()),
                 mps: Arc::new(crate::gpu::mps::Mps::new(None, dir.path().join("mps"))),
+                memcap: Arc::new(crate::gpu::memcap::DriverCap::off(
+                    dir.path().join("memcap"),
+                )),
             },
             tx,
         );

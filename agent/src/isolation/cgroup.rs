@@ -123,6 +123,9 @@ pub struct TaskCgroup {
     pub rel: String,
     /// The `cgroup.procs` files a process writes itself into to join.
     pub procs_files: Vec<PathBuf>,
+    /// Its directory on the unified hierarchy (cgroup v2); None on v1.
+    /// What the driver's GPU memory cap is set on (`gpu::memcap`).
+    pub unified_dir: Option<PathBuf>,
 }
 
 impl TaskCgroup {
@@ -192,7 +195,11 @@ impl CgroupManager {
             .map(|c| self.root.join(c).join(&rel).join("cgroup.procs"))
             .filter(|p| p.exists())
             .collect();
-        Ok(TaskCgroup { rel, procs_files })
+        Ok(TaskCgroup {
+            rel,
+            procs_files,
+            unified_dir: None,
+        })
     }
 
     fn configure(

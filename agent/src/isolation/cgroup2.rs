@@ -173,6 +173,7 @@ impl CgroupV2Manager {
         Ok(TaskCgroup {
             rel: format!("{}/{task_id}", self.parent),
             procs_files: vec![dir.join("cgroup.procs")],
+            unified_dir: Some(dir),
         })
     }
 
