@@ -1,0 +1,193 @@
+//! The driver's per-cgroup GPU memory cap (issue 34, enforcement `driver`)
+//! end to end: real master, agent and gpuctl binaries; fake-nvml saying its
+//! driver has cgroup memory limits (r615+) and recording each
+//! nvmlDeviceSetMemoryLimits_v1; a cgroup2 mounted as the agent's cgroup
+//! root. A fraction's host process runs in its own cgroup, capped there
+//! before it starts: it says `driver`, the cap is soft = hard = its
+//! fraction on that cgroup, and it is cleared before the cgroup is
+//! removed. On a driver without the limits the same job says `none`.
+//! Needs root (skipped without, unless GPUCTL_REQUIRE_DOCKER=1).
+#![allow(clippy::unwrap_used)]
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use gpuctl_tests::{
+    fake_nvml_lib, make_dev_root, make_driver_tree, wait_for, AgentOpts, Cluster, Gpuctl,
+};
+use serde_json::{json, Value};
+
+const GIB: u64 = 1 << 30;
+
+/// A cgroup2 mounted on a temp dir; what the test made in it is removed
+/// (deepest first) and it is unmounted on drop.
+struct Cgroup2 {
+    mnt: tempfile::TempDir,
+    top: String,
+}
+
+impl Drop for Cgroup2 {
+    fn drop(&mut self) {
+        let mut dirs = vec![];
+        let mut stack = vec![self.mnt.path().join(&self.top)];
+        while let Some(d) = stack.pop() {
+            for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+                if e.path().is_dir() {
+                    stack.push(e.path());
+                }
+            }
+            dirs.push(d);
+        }
+        for d in dirs.iter().rev() {
+            let _ = std::fs::remove_dir(d);
+        }
+        let _ = std::process::Command::new("umount")
+            .arg(self.mnt.path())
+            .status();
+    }
+}
+
+fn machine(memory_limits: bool) -> Value {
+    json!({
+        "driver_version": "615.20.01",
+        "cuda_driver_version": 13040,
+        "memory_limits": memory_limits,
+        "gpus": [
+            { "uuid": "GPU-7e1a0000-1111-4222-8333-444455556666", "name": "NVIDIA A100-SXM4-40GB", "memory_total_mib": 40960 },
+            { "uuid": "GPU-7e1a0001-1111-4222-8333-444455556666", "name": "NVIDIA A100-SXM4-40GB", "memory_total_mib": 40960 },
+        ],
+    })
+}
+
+fn write(path: &Path, v: &Value) {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, v.to_string()).unwrap();
+    std::fs::rename(&tmp, path).unwrap();
+}
+
+/// The (soft, hard) the fake recorded for `cgroup` on GPU 0.
+fn recorded(machine: &Path, cgroup: &Path) -> Option<(u64, u64)> {
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(machine).unwrap()).unwrap();
+    v["gpus"][0]["cgroup_memory_limits"]
+        .as_array()?
+        .iter()
+        .find(|e| e["cgroup"] == json!(cgroup.to_str().unwrap()))
+        .map(|e| {
+            (
+                e["soft_bytes"].as_u64().unwrap(),
+                e["hard_bytes"].as_u64().unwrap(),
+            )
+        })
+}
+
+#[test]
+fn a_fractions_host_process_is_capped_by_the_driver_on_its_own_cgroup() {
+    let required = std::env::var("GPUCTL_REQUIRE_DOCKER").as_deref() == Ok("1");
+    if !nix::unistd::Uid::effective().is_root() {
+        assert!(!required, "the driver cap test needs root");
+        eprintln!("skipped: needs root");
+        return;
+    }
+    let top = format!("gpuctl-test-drvcap-{}", std::process::id());
+    let mnt = gpuctl_tests::test_dir();
+    let mounted = std::process::Command::new("mount")
+        .args(["-t", "cgroup2", "none"])
+        .arg(mnt.path())
+        .status()
+        .unwrap()
+        .success();
+    if !mounted {
+        assert!(!required, "cannot mount cgroup2");
+        eprintln!("skipped: cannot mount cgroup2");
+        return;
+    }
+    let cg2 = Cgroup2 {
+        mnt,
+        top: top.clone(),
+    };
+    let mut c = Cluster::start(&[]);
+    let dev = c.dir.path().join("dev");
+    make_dev_root(&dev, 2);
+    let driver = c.dir.path().join("driver");
+    make_driver_tree(&driver, "615.20.01");
+    let fake = c.dir.path().join("machine.json");
+    write(&fake, &machine(true));
+    let agent = c.add_agent(AgentOpts {
+        simulate_gpus: None,
+        runtime: "process",
+        extra: vec![
+            "--nvml-lib".into(),
+            fake_nvml_lib().display().to_string(),
+            "--dev-root".into(),
+            dev.display().to_string(),
+            "--driver-root".into(),
+            driver.display().to_string(),
+            "--cgroup-root".into(),
+            cg2.mnt.path().display().to_string(),
+            "--cgroup-parent".into(),
+            top.clone(),
+        ],
+        env: vec![("FAKE_NVML_CONFIG".into(), fake.display().to_string())],
+        stop_tasks_on_shutdown: true,
+    });
+    let uuid = c.json(&["gpus", "--json"])[0]["uuid"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    c.ok(&["gpus", "share", &uuid, "--mode", "time-slice"]);
+    let fraction = |c: &Cluster, name: &str| {
+        c.submit(&[
+            "--name",
+            name,
+            "--gpu-mem",
+            "10GiB",
+            "--cpus",
+            "0.1",
+            "--",
+            "sh",
+            "-c",
+            "cat /proc/self/cgroup; sleep 3",
+        ])
+    };
+    let cgroup_of = |job: &Value| -> PathBuf {
+        let task = job["tasks"][0]["id"].as_str().unwrap();
+        cg2.mnt.path().join(&top).join(&agent).join(task)
+    };
+
+    let j = fraction(&c, "capped");
+    let job = c.wait_state(&j, "RUNNING", Duration::from_secs(30));
+    assert_eq!(job["tasks"][0]["enforcement"], "driver", "{job}");
+    let got = c.ok(&["jobs", "get", &j]);
+    assert!(
+        got.contains(&format!("Enforcement of {j}.0: driver")),
+        "{got}"
+    );
+    // Set on the task's own cgroup, which exists while it runs: soft =
+    // hard = its fraction.
+    let cgroup = cgroup_of(&job);
+    assert!(cgroup.is_dir(), "{}", cgroup.display());
+    assert_eq!(recorded(&fake, &cgroup), Some((10 * GIB, 10 * GIB)));
+    assert_eq!(c.wait_job(&j, 30).0, 0);
+    let out = c.ok(&["jobs", "logs", &j]);
+    let rel = cgroup.strip_prefix(cg2.mnt.path()).unwrap();
+    assert!(
+        out.lines().any(|l| l == format!("0::/{}", rel.display())),
+        "it ran in the capped cgroup:\n{out}"
+    );
+    // Cleared (soft 0, hard max) before its cgroup was removed.
+    wait_for(Duration::from_secs(10), "the task's cgroup removed", || {
+        !cgroup.exists()
+    });
+    assert_eq!(recorded(&fake, &cgroup), Some((0, u64::MAX)));
+
+    // A driver without cgroup limits: the same job runs, and says so.
+    let mut m: Value = serde_json::from_str(&std::fs::read_to_string(&fake).unwrap()).unwrap();
+    m["memory_limits"] = json!(false);
+    write(&fake, &m);
+    let j = fraction(&c, "uncapped");
+    let job = c.wait_state(&j, "RUNNING", Duration::from_secs(30));
+    assert_eq!(job["tasks"][0]["enforcement"], "none", "{job}");
+    assert_eq!(recorded(&fake, &cgroup_of(&job)), None);
+    assert_eq!(c.wait_job(&j, 30).0, 0);
+    drop(c);
+}
