@@ -892,6 +892,9 @@ impl Executor {
                 }
             }
             if let Err(o) = self.start(spec, &rt, stop, fence_ms).await {
+                // What was made for it before it failed (its cgroup, its
+                // claim on an MPS daemon, a driver cap) goes with it.
+                self.release(task_id);
                 return o;
             }
         }
