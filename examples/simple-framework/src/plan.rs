@@ -361,6 +361,7 @@ fn task_info(config: &Config, task: &Task) -> pb::TaskInfo {
             ports: 0,
         }),
         gpu_uuids: task.gpus.clone(),
+        gpu_fraction: None,
     }
 }
 
