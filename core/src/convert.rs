@@ -1919,13 +1919,22 @@ pub fn framework_info_from_pb(f: Option<pb::FrameworkInfo>) -> Result<FrameworkI
 /// A framework's task as it enters the cluster (`field` names it, e.g.
 /// `operations[0].tasks[1]`): the same checks of image, command and
 /// environment as a job's ([`check_payload`]), its ids, its resources, and
-/// as many GPUs named as it asks for. Whether its agent and GPUs were
-/// offered is the master's to check.
+/// as many GPUs named as it asks for, or a fraction of one shared GPU and
+/// none. Whether its agent and GPUs were offered is the master's to check.
 pub fn framework_task_from_pb(field: &str, t: pb::TaskInfo) -> Result<FrameworkTask> {
     check_id(&format!("{field}.task_id"), &t.task_id)?;
     check_id(&format!("{field}.agent_id"), &t.agent_id)?;
     let resources = resources_from_pb(&format!("{field}.resources"), t.resources)?;
     check_task_ports(&format!("{field}.resources.ports"), resources.ports)?;
+    let fraction = match t.gpu_fraction {
+        None => None,
+        Some(f) => Some(framework_fraction_from_pb(
+            field,
+            f,
+            &resources,
+            &t.gpu_uuids,
+        )?),
+    };
     if t.gpu_uuids.len() != resources.gpus as usize {
         return Err(ConvertError::new(
             format!("{field}.gpu_uuids"),
@@ -1949,6 +1958,11 @@ pub fn framework_task_from_pb(field: &str, t: pb::TaskInfo) -> Result<FrameworkT
     check_env_count(&format!("{field}.env"), t.env.len())?;
     let env: BTreeMap<String, String> = t.env.into_iter().collect();
     check_payload(field, &t.image, &t.command, &env)?;
+    // A fraction's task names its one GPU, as its task record does.
+    let (gpu_uuids, fraction) = match fraction {
+        Some((uuid, f)) => (vec![uuid], Some(f)),
+        None => (t.gpu_uuids, None),
+    };
     Ok(FrameworkTask {
         task_id: t.task_id,
         agent_id: t.agent_id,
@@ -1956,8 +1970,58 @@ pub fn framework_task_from_pb(field: &str, t: pb::TaskInfo) -> Result<FrameworkT
         command: t.command,
         env,
         resources,
-        gpu_uuids: t.gpu_uuids,
+        gpu_uuids,
+        fraction,
     })
+}
+
+/// A framework task's `gpu_fraction`: its GPU's uuid and the fraction, with
+/// no device asked beside it (a fraction is not a device).
+fn framework_fraction_from_pb(
+    field: &str,
+    f: pb::GpuFraction,
+    resources: &Resources,
+    gpu_uuids: &[String],
+) -> Result<(String, GpuFraction)> {
+    let at = |name: &str| format!("{field}.gpu_fraction.{name}");
+    check_id(&at("gpu_uuid"), &f.gpu_uuid)?;
+    if f.mem_mib == 0 || f.mem_mib > MAX_MEM_MIB {
+        return Err(ConvertError::new(
+            at("mem_mib"),
+            format!(
+                "is {}, MiB of the GPU's memory (1 to {MAX_MEM_MIB})",
+                f.mem_mib
+            ),
+        ));
+    }
+    if f.compute_pct > 100 {
+        return Err(ConvertError::new(
+            at("compute_pct"),
+            format!("is {}, a percent of one GPU (0-100)", f.compute_pct),
+        ));
+    }
+    if resources.gpus != 0 {
+        return Err(ConvertError::new(
+            format!("{field}.resources.gpus"),
+            format!(
+                "is {}, but a task with gpu_fraction gets a fraction of one shared GPU, not GPUs (0)",
+                resources.gpus
+            ),
+        ));
+    }
+    if !gpu_uuids.is_empty() {
+        return Err(ConvertError::new(
+            format!("{field}.gpu_uuids"),
+            "names GPUs, but a task with gpu_fraction names its GPU in gpu_fraction.gpu_uuid",
+        ));
+    }
+    Ok((
+        f.gpu_uuid,
+        GpuFraction {
+            mem_mib: f.mem_mib,
+            compute_pct: f.compute_pct,
+        },
+    ))
 }
 
 // ---------------------------------------------------------------- operator
@@ -3714,6 +3778,81 @@ mod tests {
         }
         let ok = framework_task_from_pb(field, framework_task()).unwrap();
         assert_eq!((ok.image, ok.command), (None, vec!["true".to_string()]));
+    }
+
+    /// Issue 34: a framework's task may ask a fraction of one shared GPU
+    /// instead of GPUs; it names the GPU there, and bad input names the
+    /// field.
+    #[test]
+    fn a_framework_task_asks_a_fraction_of_a_named_shared_gpu() {
+        let field = "operations[0].tasks[1]";
+        let with = |mem_mib, compute_pct| {
+            let mut t = framework_task();
+            t.gpu_fraction = Some(pb::GpuFraction {
+                gpu_uuid: "GPU-0".into(),
+                mem_mib,
+                compute_pct,
+            });
+            t
+        };
+        let ok = framework_task_from_pb(field, with(10240, 25)).unwrap();
+        assert_eq!(ok.gpu_uuids, vec!["GPU-0".to_string()]);
+        assert_eq!(
+            ok.fraction,
+            Some(GpuFraction {
+                mem_mib: 10240,
+                compute_pct: 25
+            })
+        );
+        assert_eq!(ok.resources.gpus, 0);
+        assert_eq!(
+            framework_task_from_pb(field, framework_task())
+                .unwrap()
+                .fraction,
+            None
+        );
+        boundary(
+            &with(MAX_MEM_MIB, 100),
+            |_| {},
+            |t| t.gpu_fraction.as_mut().unwrap().compute_pct = 101,
+            &format!("{field}.gpu_fraction.compute_pct"),
+            |t| framework_task_from_pb(field, t).map(|_| ()),
+        );
+        let cases: Vec<(Mutate<pb::TaskInfo>, &str)> = vec![
+            (
+                |t| t.gpu_fraction.as_mut().unwrap().mem_mib = 0,
+                "gpu_fraction.mem_mib",
+            ),
+            (
+                |t| t.gpu_fraction.as_mut().unwrap().mem_mib = MAX_MEM_MIB + 1,
+                "gpu_fraction.mem_mib",
+            ),
+            (
+                |t| t.gpu_fraction.as_mut().unwrap().gpu_uuid = String::new(),
+                "gpu_fraction.gpu_uuid",
+            ),
+            (
+                |t| t.gpu_fraction.as_mut().unwrap().gpu_uuid = "GPU 0/..".into(),
+                "gpu_fraction.gpu_uuid",
+            ),
+            // A fraction is not a device: no GPUs beside it.
+            (
+                |t| {
+                    t.gpu_uuids = vec!["GPU-1".into()];
+                    if let Some(r) = t.resources.as_mut() {
+                        r.gpus = 1;
+                    }
+                },
+                "resources.gpus",
+            ),
+            (|t| t.gpu_uuids = vec!["GPU-0".into()], "gpu_uuids"),
+        ];
+        for (mutate, sub) in cases {
+            let mut t = with(1024, 0);
+            mutate(&mut t);
+            let err = framework_task_from_pb(field, t).expect_err(sub);
+            assert_eq!(err.field, format!("{field}.{sub}"), "{err}");
+        }
     }
 
     #[test]

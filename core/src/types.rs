@@ -1184,7 +1184,13 @@ pub struct FrameworkTask {
     pub command: Vec<String>,
     pub env: BTreeMap<String, String>,
     pub resources: Resources,
+    /// Whole GPUs and MIG devices; for a fraction, its one shared GPU (as
+    /// a fraction's task record names it).
     pub gpu_uuids: Vec<GpuUuid>,
+    /// A fraction of its one shared GPU instead of devices
+    /// (`resources.gpus` 0).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fraction: Option<GpuFraction>,
 }
 
 /// A checked ListJobs request.

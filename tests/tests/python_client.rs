@@ -220,6 +220,61 @@ fn the_python_example_runs_tasks_on_the_gpus_it_names() {
     assert_gpus_free(&c);
 }
 
+/// Issue 34: with `--gpu-mem` the example asks fractions of the shared GPU
+/// its offers name (`Offer.shared_gpus`, `TaskInfo.gpu_fraction`) instead
+/// of whole GPUs: three halves of one 40 GiB GPU, all run on it (two at a
+/// time), the whole GPU beside it untouched.
+#[test]
+fn the_python_example_runs_tasks_on_fractions_of_a_shared_gpu() {
+    let Some(python) = python_or_skip("the_python_example_runs_tasks_on_fractions_of_a_shared_gpu")
+    else {
+        return;
+    };
+    let mut c = Cluster::start(&[]);
+    c.add_agent(AgentOpts {
+        simulate_gpus: Some("2xA100-SXM4-40GB"),
+        ..Default::default()
+    });
+    let uuid = c.json(&["gpus", "--json"])[0]["uuid"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    c.ok(&["gpus", "share", &uuid, "--mode", "time-slice"]);
+    let out = run_tasks(
+        &python,
+        &c.master_addr,
+        3,
+        &["--gpu-mem", "20480", "--gpu-compute", "30"],
+        "echo gpus=$NVIDIA_VISIBLE_DEVICES; sleep 1",
+        Duration::from_secs(120),
+        || {},
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let context = format!("stdout:\n{stdout}\nstderr:\n{stderr}\n{}", c.diagnostics());
+    assert!(out.status.success(), "run_tasks.py failed: {context}");
+    let lines = task_lines(&stdout);
+    assert_eq!(lines.len(), 3, "{context}");
+    for t in &lines {
+        assert_eq!(t.state, "FINISHED", "{}: {context}", t.id);
+        assert_eq!(t.gpus, vec![uuid.clone()], "{}: {context}", t.id);
+        assert!(
+            stderr.contains(&format!(
+                "{} launching on {} with 20480 MiB of {uuid}",
+                t.id, t.agent
+            )),
+            "{context}"
+        );
+    }
+    // Seen from the master: the fractions ended, nothing is held.
+    assert_gpus_free(&c);
+    let gpus = c.json(&["gpus", "--json"]);
+    assert!(
+        gpus[0]["shares"].as_array().is_none_or(|s| s.is_empty()),
+        "{gpus}"
+    );
+}
+
 /// The example is given every master, a follower first: it follows the
 /// `gpuctl-leader` redirect to subscribe, and when the leader is killed
 /// while its tasks run, subscribes again at the new leader with its

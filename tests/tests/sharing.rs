@@ -6,13 +6,16 @@
 //! that records what it is told) and real Docker: a daemon per GPU and
 //! tenant, its pipe directory and /dev/shm in that GPU's tasks only, the
 //! limits in each task's environment, surviving an agent SIGKILL, started
-//! again when it dies.
+//! again when it dies. A framework (the scheduler API) offered the shared
+//! GPU with its free room, launching two fractions of it.
 #![allow(clippy::unwrap_used)]
 
 use std::time::Duration;
 
 use std::path::{Path, PathBuf};
 
+use futures::StreamExt;
+use gpuctl_proto::pb;
 use gpuctl_tests::{busybox_image, docker_or_skip, wait_for, AgentOpts, Cluster, Gpuctl};
 
 fn quarter(c: &Cluster, name: &str) -> String {
@@ -265,5 +268,253 @@ fn mps_fractions_get_a_daemon_their_limits_and_only_their_gpus_pipe() {
         c.wait_job(j, 60);
     }
     // Nothing of the test outlives it.
+    gpuctl_tests::stop_mps_daemons(&c.dir.path().join("agent0"));
+}
+
+/// The next event of the stream that `want` takes, acknowledging every
+/// update with a uuid on the way (the agent holds a task's later updates
+/// until then).
+async fn next_event(
+    client: &mut pb::scheduler_client::SchedulerClient<tonic::transport::Channel>,
+    framework_id: &str,
+    events: &mut tonic::Streaming<pb::Event>,
+    mut want: impl FnMut(&pb::event::Event) -> bool,
+) -> pb::event::Event {
+    loop {
+        let e = tokio::time::timeout(Duration::from_secs(30), events.next())
+            .await
+            .expect("an event within 30 s")
+            .expect("stream open")
+            .expect("event")
+            .event
+            .unwrap();
+        if let pb::event::Event::Update(u) = &e {
+            if !u.uuid.is_empty() {
+                client
+                    .acknowledge(pb::AcknowledgeRequest {
+                        framework_id: framework_id.to_string(),
+                        agent_id: u.agent_id.clone(),
+                        task_id: u.task_id.clone(),
+                        uuid: u.uuid.clone(),
+                    })
+                    .await
+                    .unwrap();
+            }
+        }
+        if want(&e) {
+            return e;
+        }
+    }
+}
+
+/// Issue 34, frameworks: the shared GPU is offered with its free room and
+/// never whole; an Accept asking more of it than offered is refused whole,
+/// naming the field; two halves launch and run at once, each given the
+/// GPU's uuid and (MPS) its limit under the framework's tenant's daemon;
+/// one killed, its half is offered again.
+#[test]
+fn a_framework_launches_two_fractions_of_a_shared_gpu() {
+    // tests/fake-mps's daemon needs root (its /dev/shm is a tmpfs mount):
+    // without root the GPU is time-sliced and MPS is not checked.
+    let mps = nix::unistd::Uid::effective().is_root();
+    let mut c = Cluster::start(&[]);
+    let extra = if mps {
+        vec![
+            "--mps-control".into(),
+            gpuctl_tests::fake_mps_control().display().to_string(),
+        ]
+    } else {
+        eprintln!("not root: the framework's fractions are time-sliced, MPS is not checked");
+        vec![]
+    };
+    let agent = c.add_agent(AgentOpts {
+        simulate_gpus: Some("1xA100-SXM4-40GB"),
+        extra,
+        ..Default::default()
+    });
+    let uuid = c.json(&["gpus", "--json"])[0]["uuid"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let mode = if mps { "mps" } else { "time-slice" };
+    c.ok(&["gpus", "share", &uuid, "--mode", mode]);
+
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let mut client = pb::scheduler_client::SchedulerClient::connect(format!(
+            "http://{}",
+            c.master_addr
+        ))
+        .await
+        .unwrap();
+        let mut events = client
+            .subscribe(pb::SubscribeRequest {
+                framework: Some(pb::FrameworkInfo {
+                    name: "fractions".into(),
+                    capabilities: vec![pb::FrameworkCapability::GpuResources as i32],
+                    failover_timeout_secs: 30.0,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        let mut fw = String::new();
+        let mut offer = None;
+        while offer.is_none() {
+            match next_event(&mut client, &fw, &mut events, |e| {
+                matches!(
+                    e,
+                    pb::event::Event::Subscribed(_) | pb::event::Event::Offers(_)
+                )
+            })
+            .await
+            {
+                pb::event::Event::Subscribed(s) => fw = s.framework_id,
+                pb::event::Event::Offers(o) => offer = o.offers.into_iter().next(),
+                _ => unreachable!(),
+            }
+        }
+        let offer = offer.unwrap();
+        assert_eq!(offer.agent_id, agent);
+        assert!(offer.gpus.is_empty(), "a shared GPU offered whole: {offer:?}");
+        assert_eq!(offer.resources.as_ref().map(|r| r.gpus), Some(0));
+        assert_eq!(offer.shared_gpus.len(), 1, "{offer:?}");
+        let sh = &offer.shared_gpus[0];
+        assert_eq!(sh.gpu.as_ref().map(|g| g.uuid.as_str()), Some(uuid.as_str()));
+        assert_eq!(
+            (sh.mode.as_str(), sh.free_mem_mib, sh.free_compute_pct),
+            (mode, 40960, 100)
+        );
+
+        let script = "echo gpus=$NVIDIA_VISIBLE_DEVICES pipe=$CUDA_MPS_PIPE_DIRECTORY \
+                      mem=$CUDA_MPS_PINNED_DEVICE_MEM_LIMIT pct=$CUDA_MPS_ACTIVE_THREAD_PERCENTAGE; \
+                      sleep 600";
+        let half = |id: &str| pb::TaskInfo {
+            task_id: id.into(),
+            agent_id: agent.clone(),
+            command: vec!["sh".into(), "-c".into(), script.into()],
+            resources: Some(pb::Resources {
+                cpus: 0.1,
+                mem_mib: 16,
+                gpus: 0,
+                ports: 0,
+            }),
+            gpu_fraction: Some(pb::GpuFraction {
+                gpu_uuid: uuid.clone(),
+                mem_mib: 20480,
+                compute_pct: 25,
+            }),
+            ..Default::default()
+        };
+        let accept = |tasks: Vec<pb::TaskInfo>| pb::AcceptRequest {
+            framework_id: fw.clone(),
+            offer_ids: vec![offer.id.clone()],
+            operations: vec![pb::Operation {
+                operation: Some(pb::operation::Operation::Launch(pb::Launch { tasks })),
+            }],
+            filters: None,
+        };
+        // Three halves: more than the GPU has. Refused whole, naming the
+        // third; nothing launches and the offer stays outstanding.
+        let err = client
+            .accept(accept(vec![half("a"), half("b"), half("c")]))
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), tonic::Code::InvalidArgument);
+        assert!(
+            err.message()
+                .contains("operations[0].tasks[2].gpu_fraction.mem_mib"),
+            "{err}"
+        );
+        let mut bad = half("a");
+        if let Some(f) = bad.gpu_fraction.as_mut() {
+            f.compute_pct = 101;
+        }
+        let err = client.accept(accept(vec![bad])).await.unwrap_err();
+        assert_eq!(err.code(), tonic::Code::InvalidArgument);
+        assert!(
+            err.message()
+                .contains("operations[0].tasks[0].gpu_fraction.compute_pct"),
+            "{err}"
+        );
+        // Two halves: both run at once on the one GPU.
+        client
+            .accept(accept(vec![half("a"), half("b")]))
+            .await
+            .unwrap();
+        let mut running = std::collections::BTreeSet::new();
+        while running.len() < 2 {
+            if let pb::event::Event::Update(u) =
+                next_event(&mut client, &fw, &mut events, |e| {
+                    matches!(e, pb::event::Event::Update(_))
+                })
+                .await
+            {
+                assert!(
+                    u.state != pb::TaskState::TaskError as i32
+                        && u.state != pb::TaskState::TaskFailed as i32,
+                    "{u:?}"
+                );
+                if u.state == pb::TaskState::TaskRunning as i32 {
+                    running.insert(u.task_id);
+                }
+            }
+        }
+        // Seen from the master: two fractions of the GPU, none whole.
+        let gpu = &c.json(&["gpus", "--json"])[0];
+        assert!(gpu["task_id"].is_null(), "{gpu}");
+        let shares = gpu["shares"].as_array().unwrap();
+        assert_eq!(shares.len(), 2, "{gpu}");
+        assert!(shares.iter().all(|s| s["mem_mib"] == 20480), "{gpu}");
+        // Seen from the agent: each has the GPU, and, with MPS, its limit
+        // under the daemon of the framework's (default) tenant.
+        for id in ["a", "b"] {
+            let log = c.dir.path().join(format!("agent0/tasks/{fw}.{id}/output.log"));
+            let mut out = String::new();
+            wait_for(Duration::from_secs(20), "the task's output", || {
+                out = std::fs::read_to_string(&log).unwrap_or_default();
+                out.contains("gpus=")
+            });
+            assert!(out.contains(&format!("gpus={uuid} ")), "{out}");
+            if mps {
+                assert!(
+                    out.contains(&format!("/mps/{uuid}/default/pipe mem=0=20480M pct=25")),
+                    "{out}"
+                );
+            }
+        }
+        // One killed: its half is free, and offered again at once.
+        client
+            .kill(pb::KillRequest {
+                framework_id: fw.clone(),
+                task_id: "a".into(),
+            })
+            .await
+            .unwrap();
+        let again = next_event(&mut client, &fw, &mut events, |e| {
+            matches!(e, pb::event::Event::Offers(o)
+                if o.offers.iter().any(|o| !o.shared_gpus.is_empty()))
+        })
+        .await;
+        let pb::event::Event::Offers(again) = again else {
+            unreachable!()
+        };
+        let sh = again
+            .offers
+            .iter()
+            .flat_map(|o| &o.shared_gpus)
+            .next()
+            .unwrap();
+        assert_eq!((sh.free_mem_mib, sh.free_compute_pct), (20480, 75));
+        client
+            .teardown(pb::TeardownRequest { framework_id: fw })
+            .await
+            .unwrap();
+    });
     gpuctl_tests::stop_mps_daemons(&c.dir.path().join("agent0"));
 }

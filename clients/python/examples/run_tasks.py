@@ -4,8 +4,10 @@
     run_tasks.py --master 127.0.0.1:7050 --tasks 3 --gpus-per-task 1 -- \\
         sh -c 'echo $NVIDIA_VISIBLE_DEVICES'
 
-Each task takes GPUs that an offer names. Progress goes to stderr; at the end
-one line per task goes to stdout (`task-0 FINISHED exit=0 agent=... gpus=...`).
+Each task takes GPUs that an offer names, or with --gpu-mem a fraction of a
+shared GPU the offer names (`gpuctl gpus share`). Progress goes to stderr; at
+the end one line per task goes to stdout (`task-0 FINISHED exit=0 agent=...
+gpus=...`).
 Exits 0 only if every task FINISHED, 1 otherwise, 2 on timeout.
 """
 
@@ -32,6 +34,7 @@ class Task:
         self.exit_code = None
         self.agent_id = ""
         self.gpus = []
+        self.fraction = None      # (gpu_uuid, mem_mib, compute_pct) of a shared GPU
 
     def line(self):
         exit_code = "" if self.exit_code is None else " exit=%d" % self.exit_code
@@ -53,8 +56,28 @@ def try_call(call, *args):
         return False
 
 
+def pack_fractions(offer, pending, args):
+    """Takes from `pending` the tasks whose fractions fit in `offer`'s shared
+    GPUs, filling one GPU before the next."""
+    cpus, mem = offer.resources.cpus, offer.resources.mem_mib
+    chosen = []
+    for shared in offer.shared_gpus:
+        room_mem, room_pct = shared.free_mem_mib, shared.free_compute_pct
+        while (pending and room_mem >= args.gpu_mem and room_pct >= args.gpu_compute
+               and cpus >= args.cpus and mem >= args.mem_mib):
+            task = pending.pop(0)
+            task.agent_id, task.gpus = offer.agent_id, [shared.gpu.uuid]
+            task.fraction = (shared.gpu.uuid, args.gpu_mem, args.gpu_compute)
+            room_mem, room_pct = room_mem - args.gpu_mem, room_pct - args.gpu_compute
+            cpus, mem = cpus - args.cpus, mem - args.mem_mib
+            chosen.append(task)
+    return chosen
+
+
 def pack(offer, pending, args):
     """Takes from `pending` the tasks that fit in `offer`, naming its GPUs."""
+    if args.gpu_mem:
+        return pack_fractions(offer, pending, args)
     gpus = [g.uuid for g in offer.gpus if g.healthy]
     cpus, mem = offer.resources.cpus, offer.resources.mem_mib
     chosen = []
@@ -74,11 +97,15 @@ def on_offers(fw, offers, tasks, args):
         if not chosen:
             try_call(fw.decline, offer.id, 5)
             continue
-        infos = [task_info(t.id, t.agent_id, args.command, gpu_uuids=t.gpus, cpus=args.cpus,
-                           mem_mib=args.mem_mib, image=args.image) for t in chosen]
+        infos = [task_info(t.id, t.agent_id, args.command,
+                           gpu_uuids=() if t.fraction else t.gpus, gpu_fraction=t.fraction,
+                           cpus=args.cpus, mem_mib=args.mem_mib, image=args.image)
+                 for t in chosen]
         for t in chosen:
-            print("%s launching on %s with %s" % (t.id, t.agent_id, ",".join(t.gpus) or "no GPU"),
-                  file=sys.stderr)
+            what = ",".join(t.gpus) or "no GPU"
+            if t.fraction:
+                what = "%d MiB of %s" % (t.fraction[1], t.fraction[0])
+            print("%s launching on %s with %s" % (t.id, t.agent_id, what), file=sys.stderr)
         try:
             # Refuse the rest of the offer briefly: more tasks may fit soon.
             fw.accept(offer.id, infos, refuse_seconds=1)
@@ -154,6 +181,11 @@ def main():
     parser.add_argument("--gpus-per-task", type=int, default=1)
     parser.add_argument("--cpus", type=float, default=0.1, help="CPUs per task")
     parser.add_argument("--mem-mib", type=int, default=32, help="memory per task")
+    parser.add_argument("--gpu-mem", type=int, default=0, metavar="MIB",
+                        help="each task takes this much of a shared GPU's memory instead of "
+                             "whole GPUs (--gpus-per-task is then ignored)")
+    parser.add_argument("--gpu-compute", type=int, default=0, metavar="PCT",
+                        help="with --gpu-mem: percent of the shared GPU's compute per task")
     parser.add_argument("--image", default="", help="container image (default: a host process)")
     parser.add_argument("--name", default="run-tasks")
     parser.add_argument("--timeout", type=int, default=120, help="give up (exit 2) after this")
@@ -173,6 +205,9 @@ def main():
         parser.error("no command given (put it after --)")
     if args.tasks < 1 or args.gpus_per_task < 0:
         parser.error("--tasks must be at least 1 and --gpus-per-task at least 0")
+    if args.gpu_mem < 0 or not 0 <= args.gpu_compute <= 100 or (args.gpu_compute
+                                                                 and not args.gpu_mem):
+        parser.error("--gpu-mem is MiB (> 0), --gpu-compute a percent (0-100) with --gpu-mem")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
 

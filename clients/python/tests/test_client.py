@@ -30,6 +30,20 @@ class Helpers(unittest.TestCase):
         # It survives the wire format.
         self.assertEqual(scheduler_pb2.TaskInfo.FromString(t.SerializeToString()), t)
 
+    def test_task_info_asks_a_fraction_of_a_shared_gpu(self):
+        t = task_info("t1", "a1", ["true"], gpu_fraction=("GPU-s", 10240, 25))
+        self.assertEqual(t.resources.gpus, 0)
+        self.assertEqual(list(t.gpu_uuids), [])
+        self.assertEqual((t.gpu_fraction.gpu_uuid, t.gpu_fraction.mem_mib,
+                          t.gpu_fraction.compute_pct), ("GPU-s", 10240, 25))
+        self.assertEqual(task_info("t1", "a1", ["true"], gpu_fraction=("GPU-s", 1024))
+                         .gpu_fraction.compute_pct, 0)
+        f = scheduler_pb2.GpuFraction(gpu_uuid="GPU-s", mem_mib=1)
+        self.assertEqual(task_info("t1", "a1", ["true"], gpu_fraction=f).gpu_fraction, f)
+        self.assertFalse(task_info("t1", "a1", ["true"]).HasField("gpu_fraction"))
+        with self.assertRaises(ValueError):
+            task_info("t1", "a1", ["true"], gpu_uuids=["GPU-a"], gpu_fraction=("GPU-s", 1))
+
     def test_a_command_string_is_refused(self):
         with self.assertRaises(TypeError):
             task_info("t1", "a1", "echo hi")

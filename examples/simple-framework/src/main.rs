@@ -62,6 +62,10 @@ struct Args {
     /// GPUs for each GPU task.
     #[arg(long, default_value_t = 1)]
     gpus_per_task: u32,
+    /// Each GPU task takes this much (MiB) of a shared GPU's memory
+    /// (`gpuctl gpus share`) instead of whole GPUs.
+    #[arg(long, value_name = "MIB", default_value_t = 0)]
+    gpu_mem: u64,
     /// Container image (default: run the command as a host process).
     #[arg(long)]
     image: Option<String>,
@@ -117,6 +121,7 @@ async fn main() -> ExitCode {
         tasks: args.tasks,
         gpu_tasks: args.gpu_tasks,
         gpus_per_task: args.gpus_per_task,
+        gpu_mem_mib: args.gpu_mem,
         image: args.image.clone().unwrap_or_default(),
         command: args.command.clone(),
     };

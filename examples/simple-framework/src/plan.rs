@@ -31,6 +31,9 @@ pub struct Config {
     /// The first `gpu_tasks` tasks need `gpus_per_task` GPUs each; the rest none.
     pub gpu_tasks: usize,
     pub gpus_per_task: u32,
+    /// Not 0: each GPU task takes this much (MiB) of a shared GPU's memory
+    /// (`Offer.shared_gpus`, `TaskInfo.gpu_fraction`) instead of GPUs.
+    pub gpu_mem_mib: u64,
     /// Container image; empty runs the command as a host process.
     pub image: String,
     pub command: Vec<String>,
@@ -49,6 +52,9 @@ impl Config {
         }
         if self.gpu_tasks > 0 && self.gpus_per_task == 0 {
             return Err("--gpus-per-task must be at least 1 when --gpu-tasks is set".into());
+        }
+        if self.gpu_mem_mib > 0 && self.gpus_per_task != 1 {
+            return Err("--gpu-mem gives each GPU task a fraction of one shared GPU: --gpus-per-task must be 1".into());
         }
         if self.command.is_empty() {
             return Err("no command given (put it after --)".into());
@@ -198,10 +204,32 @@ impl Plan {
         for offer in offers {
             let res = offer.resources.unwrap_or_default();
             let (mut cpus, mut mem) = (res.cpus, res.mem_mib);
+            // What each offered shared GPU has left for our fractions.
+            let mut room: Vec<(&str, u64)> = offer
+                .shared_gpus
+                .iter()
+                .filter_map(|s| {
+                    let g = s.gpu.as_ref().filter(|g| g.healthy)?;
+                    Some((g.uuid.as_str(), s.free_mem_mib))
+                })
+                .collect();
             let mut launch = Vec::new();
             for task in tasks.iter_mut().filter(|t| t.state.is_none()) {
                 if cpus + CPU_EPSILON < TASK_CPUS || mem < TASK_MEM_MIB {
                     break;
+                }
+                if config.gpu_mem_mib > 0 && config.gpus_for(task.index) > 0 {
+                    let Some(r) = room.iter_mut().find(|(_, m)| *m >= config.gpu_mem_mib) else {
+                        continue; // no room here: maybe a later task needs no GPU
+                    };
+                    r.1 -= config.gpu_mem_mib;
+                    cpus -= TASK_CPUS;
+                    mem -= TASK_MEM_MIB;
+                    task.state = Some(TaskState::TaskStaging);
+                    task.agent_id = offer.agent_id.clone();
+                    task.gpus = vec![r.0.to_string()];
+                    launch.push(task_info(config, task));
+                    continue;
                 }
                 let free: Vec<&pb::Gpu> = offer
                     .gpus
@@ -347,6 +375,20 @@ impl Plan {
 
 fn task_info(config: &Config, task: &Task) -> pb::TaskInfo {
     let id = task.id();
+    // A fraction names its shared GPU in gpu_fraction, and no GPUs.
+    let fraction = (config.gpu_mem_mib > 0)
+        .then(|| task.gpus.first())
+        .flatten()
+        .map(|uuid| pb::GpuFraction {
+            gpu_uuid: uuid.clone(),
+            mem_mib: config.gpu_mem_mib,
+            compute_pct: 0,
+        });
+    let gpus = if fraction.is_some() {
+        Vec::new()
+    } else {
+        task.gpus.clone()
+    };
     pb::TaskInfo {
         name: id.clone(),
         task_id: id,
@@ -357,10 +399,11 @@ fn task_info(config: &Config, task: &Task) -> pb::TaskInfo {
         resources: Some(pb::Resources {
             cpus: TASK_CPUS,
             mem_mib: TASK_MEM_MIB,
-            gpus: task.gpus.len() as u32,
+            gpus: gpus.len() as u32,
             ports: 0,
         }),
-        gpu_uuids: task.gpus.clone(),
+        gpu_uuids: gpus,
+        gpu_fraction: fraction,
     }
 }
 
@@ -418,6 +461,7 @@ mod tests {
             tasks,
             gpu_tasks,
             gpus_per_task,
+            gpu_mem_mib: 0,
             image: String::new(),
             command: vec!["true".into()],
         }
@@ -513,6 +557,46 @@ mod tests {
             .tasks()
             .iter()
             .all(|t| t.state == Some(TaskState::TaskStaging)));
+    }
+
+    /// With --gpu-mem, GPU tasks take fractions of the offer's shared GPU
+    /// (never its whole GPUs), as many as its free memory holds.
+    #[test]
+    fn packs_fractions_into_an_offers_shared_gpus() {
+        let mut plan = Plan::new(Config {
+            gpu_mem_mib: 20480,
+            ..config(4, 3, 1)
+        });
+        let mut o = offer("o1", "a1", 4.0, 1024, gpus("GPU", 1));
+        o.shared_gpus = vec![pb::SharedGpu {
+            gpu: Some(gpu("GPU-s")),
+            mode: "mps".into(),
+            free_mem_mib: 40960,
+            free_compute_pct: 100,
+        }];
+        let d = plan.on_offers(&[o]);
+        let tasks = &d.accepts[0].1;
+        assert_eq!(ids(tasks), ["task-0", "task-1", "task-3"], "task-2 waits");
+        for t in &tasks[..2] {
+            assert!(t.gpu_uuids.is_empty());
+            assert_eq!(t.resources.map(|r| r.gpus), Some(0));
+            assert_eq!(
+                t.gpu_fraction,
+                Some(pb::GpuFraction {
+                    gpu_uuid: "GPU-s".into(),
+                    mem_mib: 20480,
+                    compute_pct: 0,
+                })
+            );
+        }
+        assert_eq!(tasks[2].gpu_fraction, None, "a CPU task");
+        assert_eq!(plan.tasks()[1].gpus, ["GPU-s"]);
+        assert!(Config {
+            gpu_mem_mib: 1,
+            ..config(1, 1, 2)
+        }
+        .validate()
+        .is_err());
     }
 
     #[test]

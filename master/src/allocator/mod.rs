@@ -67,7 +67,7 @@ use std::hash::{BuildHasher, Hasher};
 use gpuctl_core::types::{natural_cmp, GpuInfo, Resources};
 
 pub use filters::{refuse_until, Filter, Filters, DEFAULT_REFUSE_SECONDS, MAX_REFUSE_SECONDS};
-pub use offers::{Offer, OfferBook, OfferError};
+pub use offers::{Offer, OfferBook, OfferError, OfferedShare};
 
 /// Below this many cpus a quantity counts as zero: sums of fractions leave
 /// crumbs such as 1e-16 that must not become offers.
@@ -173,6 +173,9 @@ pub struct OfferPlan {
     pub agent_id: String,
     pub resources: Resources,
     pub gpu_uuids: Vec<String>,
+    /// Shared GPUs offered for fractions: none from the allocator (fractions
+    /// are outside its fair shares); the leader adds them to a plan.
+    pub shares: Vec<OfferedShare>,
 }
 
 /// Runs one allocation cycle; see the module doc for the rules.
@@ -264,6 +267,7 @@ pub fn allocate_within(
                 agent_id: agent.id.clone(),
                 resources: slice,
                 gpu_uuids: taken.iter().map(|g| g.uuid.clone()).collect(),
+                shares: Vec::new(),
             });
             left = Free {
                 cpus: clean_cpus(left.cpus - slice.cpus),
@@ -373,6 +377,7 @@ fn split_agent(
             agent_id: agent.id.clone(),
             resources: r,
             gpu_uuids: taken.iter().map(|g| g.uuid.clone()).collect(),
+            shares: Vec::new(),
         });
     }
 }

@@ -17,7 +17,27 @@ pub struct Offer {
     pub agent_id: String,
     pub resources: Resources,
     pub gpu_uuids: Vec<String>,
+    /// Shared GPUs whose free fractions it holds (never in `gpu_uuids`).
+    pub shares: Vec<OfferedShare>,
     pub created_ms: u64,
+}
+
+/// A shared GPU in an offer, with what its fractions left when offered:
+/// a launch's fractions on it must fit in that.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OfferedShare {
+    pub gpu_uuid: String,
+    pub mem_mib: u64,
+    pub compute_pct: u32,
+}
+
+impl Offer {
+    /// The GPUs it holds: whole GPUs and MIG devices, and shared GPUs.
+    pub fn held_gpus(&self) -> impl Iterator<Item = &String> {
+        self.gpu_uuids
+            .iter()
+            .chain(self.shares.iter().map(|s| &s.gpu_uuid))
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -82,7 +102,7 @@ impl OfferBook {
             .entry(offer.agent_id.clone())
             .or_default()
             .insert(n);
-        for g in &offer.gpu_uuids {
+        for g in offer.held_gpus() {
             self.by_gpu.insert(g.clone(), n);
         }
         self.offers.insert(n, offer);
@@ -96,7 +116,7 @@ impl OfferBook {
                 self.by_agent.remove(&offer.agent_id);
             }
         }
-        for g in &offer.gpu_uuids {
+        for g in offer.held_gpus() {
             // Only this offer's own entry (a caller could list one UUID in
             // two offers; the allocator never does).
             if self.by_gpu.get(g) == Some(&n) {
@@ -118,6 +138,7 @@ impl OfferBook {
                 agent_id: plan.agent_id,
                 resources: plan.resources,
                 gpu_uuids: plan.gpu_uuids,
+                shares: plan.shares,
                 created_ms: now_ms,
             };
             made.push(offer.clone());
@@ -269,11 +290,12 @@ impl OfferBook {
         )
     }
 
-    /// Every GPU named by an outstanding offer: leave them out of `free_gpus`.
+    /// Every GPU named by an outstanding offer (shared GPUs included):
+    /// leave them out of `free_gpus`.
     pub fn offered_gpus(&self) -> BTreeSet<String> {
         self.offers
             .values()
-            .flat_map(|o| o.gpu_uuids.iter().cloned())
+            .flat_map(|o| o.held_gpus().cloned())
             .collect()
     }
 
@@ -287,7 +309,8 @@ impl OfferBook {
             .fold(Resources::default(), |acc, o| acc.add(&o.resources))
     }
 
-    /// Whether an outstanding offer names the GPU.
+    /// Whether an outstanding offer names the GPU (whole, a MIG device, or
+    /// shared).
     pub fn is_gpu_offered(&self, uuid: &str) -> bool {
         self.by_gpu.contains_key(uuid)
     }
@@ -299,7 +322,7 @@ impl OfferBook {
         let mut by_gpu: HashMap<String, u64> = HashMap::new();
         for (n, o) in &self.offers {
             by_agent.entry(o.agent_id.clone()).or_default().insert(*n);
-            for g in &o.gpu_uuids {
+            for g in o.held_gpus() {
                 by_gpu.insert(g.clone(), *n);
             }
         }

@@ -724,6 +724,7 @@ fn plan(fw: &str, agent: &str, gpus: &[&str]) -> OfferPlan {
         agent_id: agent.to_string(),
         resources: res(4.0, GIB, gpus.len() as u32),
         gpu_uuids: gpus.iter().map(|g| g.to_string()).collect(),
+        shares: Vec::new(),
     }
 }
 

@@ -116,17 +116,26 @@ struct FreeMark {
     cpus: f64,
     mem_mib: u64,
     gpus: u64,
+    /// Memory of shared GPUs that no fraction holds: a freed fraction is
+    /// offered again at once, as a freed GPU is.
+    shared_mem_mib: u64,
 }
 
 impl FreeMark {
     fn of(state: &State) -> FreeMark {
         let mut m = FreeMark::default();
+        let shared = state.has_shared_gpus();
         for a in state.agents().values().filter(|a| a.accepts_tasks()) {
             let f = a.free();
             m.agents += 1;
             m.cpus += f.cpus;
             m.mem_mib += f.mem_mib;
             m.gpus += u64::from(f.gpus);
+            if shared {
+                m.shared_mem_mib = state
+                    .free_shares(a)
+                    .fold(m.shared_mem_mib, |sum, s| sum.saturating_add(s.mem_mib));
+            }
         }
         m
     }
@@ -136,6 +145,7 @@ impl FreeMark {
             || self.cpus > before.cpus + 1e-9
             || self.mem_mib > before.mem_mib
             || self.gpus > before.gpus
+            || self.shared_mem_mib > before.shared_mem_mib
     }
 }
 
@@ -683,7 +693,8 @@ fn forward_failures(state: &State, g: &mut Inner) {
 
 /// Withdraws offers that timed out or whose resources are gone (agent
 /// unreachable, lost or draining, a GPU taken by a launch that went through another path, a GPU
-/// unhealthy or cordoned).
+/// unhealthy or cordoned, a shared GPU no longer shared or with less free
+/// than offered).
 fn rescind_stale(state: &State, g: &mut Inner, now: u64, timeout: Duration) {
     let Some(book) = g.offers.as_mut() else {
         return;
@@ -703,6 +714,7 @@ fn rescind_stale(state: &State, g: &mut Inner, now: u64, timeout: Duration) {
                         .iter()
                         .any(|g| o.gpu_uuids.contains(&g.uuid) && !state.schedulable(g))
                 })
+                || !shares_hold(state, o)
         })
         .map(|o| o.agent_id.clone())
         .collect();
@@ -711,6 +723,56 @@ fn rescind_stale(state: &State, g: &mut Inner, now: u64, timeout: Duration) {
     }
     for o in gone {
         send_rescind(&g.conns, o);
+    }
+}
+
+/// Whether the shared GPUs of an offer still have what it offered of them.
+fn shares_hold(state: &State, o: &allocator::Offer) -> bool {
+    if o.shares.is_empty() {
+        return true;
+    }
+    let Some(agent) = state.agent(&o.agent_id) else {
+        return false;
+    };
+    o.shares.iter().all(|offered| {
+        state.free_shares(agent).any(|f| {
+            f.gpu.uuid == offered.gpu_uuid
+                && f.mem_mib >= offered.mem_mib
+                && f.compute_pct >= offered.compute_pct
+        })
+    })
+}
+
+/// Adds to the first plan on each agent of a framework with GPU_RESOURCES
+/// the agent's shared GPUs that fractions may take and no outstanding
+/// offer holds, with what their fractions leave: a shared GPU is in one
+/// offer at a time, as a whole GPU is, so two frameworks never race for a
+/// fraction. (Fractions are outside the allocator's fair shares: they count
+/// no GPU, as `resources.gpus` is 0.)
+fn attach_shares(
+    state: &State,
+    book: &OfferBook,
+    gpu_capable: &BTreeSet<&str>,
+    plans: &mut [allocator::OfferPlan],
+) {
+    let mut served = BTreeSet::new();
+    for p in plans.iter_mut() {
+        if !gpu_capable.contains(p.framework_id.as_str()) || served.contains(&p.agent_id) {
+            continue;
+        }
+        served.insert(p.agent_id.clone());
+        let Some(agent) = state.agent(&p.agent_id) else {
+            continue;
+        };
+        p.shares = state
+            .free_shares(agent)
+            .filter(|s| s.mem_mib > 0 && !book.is_gpu_offered(&s.gpu.uuid))
+            .map(|s| allocator::OfferedShare {
+                gpu_uuid: s.gpu.uuid.clone(),
+                mem_mib: s.mem_mib,
+                compute_pct: s.compute_pct,
+            })
+            .collect();
     }
 }
 
@@ -842,6 +904,17 @@ fn allocate(state: &State, g: &mut Inner, settings: &FrameworkSettings, now: u64
     if plans.is_empty() {
         return 0;
     }
+    let mut plans = plans;
+    if state.has_shared_gpus() {
+        let gpu_capable: BTreeSet<&str> = frameworks
+            .iter()
+            .filter(|f| f.gpu_capable)
+            .map(|f| f.id.as_str())
+            .collect();
+        if let Some(book) = g.offers.as_ref() {
+            attach_shares(state, book, &gpu_capable, &mut plans);
+        }
+    }
     let Some(book) = g.offers.as_mut() else {
         return 0;
     };
@@ -857,6 +930,22 @@ fn allocate(state: &State, g: &mut Inner, settings: &FrameworkSettings, now: u64
             .into_iter()
             .map(Into::into)
             .collect();
+        let shared_gpus = o
+            .shares
+            .iter()
+            .filter_map(|sh| {
+                let gpu = agent.info.gpus.iter().find(|g| g.uuid == sh.gpu_uuid)?;
+                Some(pb::SharedGpu {
+                    gpu: Some(gpu.clone().into()),
+                    mode: state
+                        .share_mode(&sh.gpu_uuid)
+                        .map(|m| m.to_string())
+                        .unwrap_or_default(),
+                    free_mem_mib: sh.mem_mib,
+                    free_compute_pct: sh.compute_pct,
+                })
+            })
+            .collect();
         by_framework
             .entry(o.framework_id.clone())
             .or_default()
@@ -868,6 +957,7 @@ fn allocate(state: &State, g: &mut Inner, settings: &FrameworkSettings, now: u64
                 resources: Some(agent.with_free_ports(o.resources).into()),
                 gpus,
                 attributes: agent.info.attributes.clone().into_iter().collect(),
+                shared_gpus,
             });
     }
     let mut withdrawn = 0;
@@ -937,6 +1027,7 @@ mod tests {
                     env: Default::default(),
                     resources: Resources::default(),
                     gpu_uuids: vec![],
+                    fraction: None,
                 }],
                 group: false,
                 at_ms: 0,
@@ -1080,6 +1171,7 @@ mod tests {
                 agent_id: "a".into(),
                 resources: Resources::default(),
                 gpu_uuids: vec![],
+                shares: vec![],
             }],
             0,
         );
@@ -1187,6 +1279,7 @@ mod tests {
                 ports: 0,
             },
             gpu_uuids: vec![gpu.into()],
+            fraction: None,
         };
         apply(
             &mut s,
@@ -1253,6 +1346,181 @@ mod tests {
         assert_eq!(again.gpu_uuids.len(), 2);
         // The book does not divide ports: the wire offer carries them all.
         assert_eq!(again.resources, Resources { ports: 0, ..freed });
+    }
+
+    /// Issue 34: an offer lists the agent's shared GPU with what its
+    /// fractions leave, never as a whole GPU, and in one offer at a time
+    /// (two frameworks never race for a fraction); an offer whose share
+    /// shrank under it is rescinded and made again with the new room; a
+    /// freed fraction starts a round.
+    #[test]
+    fn shared_gpus_are_offered_with_their_free_fractions_in_one_offer_at_a_time() {
+        let mut s = State::new();
+        let mut i = 0;
+        let mut apply = |s: &mut State, c: Command| {
+            i += 1;
+            s.apply(i, &c).unwrap()
+        };
+        apply(&mut s, register("a", 2));
+        apply(
+            &mut s,
+            Command::ShareGpu {
+                gpu_uuid: "GPU-a-0".into(),
+                mode: Some(gpuctl_core::types::ShareMode::Mps),
+            },
+        );
+        let mut subscribe = |s: &mut State, name: &str| {
+            let Outcome::FrameworkSubscribed { framework_id } = apply(
+                s,
+                Command::SubscribeFramework {
+                    request_id: None,
+                    info: FrameworkInfo {
+                        id: String::new(),
+                        name: name.into(),
+                        roles: vec![],
+                        gpu_capable: true,
+                        failover_timeout_ms: 1_000,
+                        tenant: String::new(),
+                    },
+                    at_ms: 0,
+                },
+            ) else {
+                panic!()
+            };
+            framework_id
+        };
+        let f = subscribe(&mut s, "f");
+        let g = subscribe(&mut s, "g");
+        let (hub, mut rx) = offering_hub(&s, &f);
+        let (tx, _rx_g) = mpsc::channel(EVENT_BUFFER);
+        hub.connect(&g, tx);
+        let settings = FrameworkSettings::default();
+        assert_eq!(allocate(&s, &mut hub.lock(), &settings, 10), 2, "split");
+        let offers: Vec<allocator::Offer> = hub
+            .lock()
+            .offers
+            .as_ref()
+            .unwrap()
+            .iter()
+            .cloned()
+            .collect();
+        let with_share: Vec<&allocator::Offer> =
+            offers.iter().filter(|o| !o.shares.is_empty()).collect();
+        assert_eq!(with_share.len(), 1, "{offers:?}");
+        assert_eq!(
+            with_share[0].shares,
+            vec![allocator::OfferedShare {
+                gpu_uuid: "GPU-a-0".into(),
+                mem_mib: 40960,
+                compute_pct: 100,
+            }]
+        );
+        assert!(
+            offers
+                .iter()
+                .all(|o| !o.gpu_uuids.contains(&"GPU-a-0".to_string())),
+            "a shared GPU offered whole: {offers:?}"
+        );
+        // On the wire: the GPU in full, its mode and its room.
+        let wire: Vec<pb::Offer> = std::iter::from_fn(|| rx.try_recv().ok())
+            .filter_map(|e| match e.ok()?.event? {
+                pb::event::Event::Offers(o) => Some(o.offers),
+                _ => None,
+            })
+            .flatten()
+            .collect();
+        let shared: Vec<&pb::SharedGpu> = wire.iter().flat_map(|o| &o.shared_gpus).collect();
+        if with_share[0].framework_id == f {
+            assert_eq!(shared.len(), 1, "{wire:?}");
+            let sh = shared[0];
+            assert_eq!(sh.gpu.as_ref().map(|g| g.uuid.as_str()), Some("GPU-a-0"));
+            assert_eq!(sh.gpu.as_ref().map(|g| g.memory_mib), Some(40960));
+            assert_eq!(
+                (sh.mode.as_str(), sh.free_mem_mib, sh.free_compute_pct),
+                ("mps", 40960, 100)
+            );
+            assert!(wire
+                .iter()
+                .all(|o| o.gpus.iter().all(|g| g.uuid != "GPU-a-0")));
+        } else {
+            assert!(shared.is_empty(), "{wire:?}");
+        }
+        // A fraction taken since by another path (here, a launch straight
+        // through the state): the offer promises more than is left, so it
+        // is rescinded.
+        let holder = with_share[0].framework_id.clone();
+        let other = if holder == f { g.clone() } else { f.clone() };
+        let task = |id: &str, mem_mib: u64| FrameworkTask {
+            task_id: id.into(),
+            agent_id: "a".into(),
+            image: None,
+            command: vec!["true".into()],
+            env: Default::default(),
+            resources: Resources::default(),
+            gpu_uuids: vec!["GPU-a-0".into()],
+            fraction: Some(gpuctl_core::types::GpuFraction {
+                mem_mib,
+                compute_pct: 0,
+            }),
+        };
+        apply(
+            &mut s,
+            Command::LaunchFrameworkTasks {
+                framework_id: other,
+                tasks: vec![task("t1", 10240)],
+                group: false,
+                at_ms: 20,
+            },
+        );
+        let before = FreeMark::of(&s);
+        rescind_stale(&s, &mut hub.lock(), 20, settings.offer_timeout);
+        let left: Vec<allocator::Offer> = hub
+            .lock()
+            .offers
+            .as_ref()
+            .unwrap()
+            .iter()
+            .cloned()
+            .collect();
+        assert!(left.iter().all(|o| o.shares.is_empty()), "{left:?}");
+        // Made again, with the room left.
+        allocate(&s, &mut hub.lock(), &settings, 30);
+        let again: Vec<allocator::OfferedShare> = hub
+            .lock()
+            .offers
+            .as_ref()
+            .unwrap()
+            .iter()
+            .flat_map(|o| o.shares.clone())
+            .collect();
+        assert_eq!(
+            again,
+            vec![allocator::OfferedShare {
+                gpu_uuid: "GPU-a-0".into(),
+                mem_mib: 30720,
+                compute_pct: 100,
+            }]
+        );
+        // The fraction ends: more of the shared GPU is free, which alone
+        // (the task held no cpus nor memory) starts a round.
+        let mut end = crate::state::testkit::status(
+            "a",
+            &s.tasks()
+                .values()
+                .find(|t| t.fraction.is_some())
+                .map(|t| t.id.clone())
+                .unwrap(),
+            TaskState::Finished,
+        );
+        end.uuid = b"u".to_vec();
+        apply(
+            &mut s,
+            Command::UpdateTaskStatus {
+                update: end,
+                at_ms: 40,
+            },
+        );
+        assert!(FreeMark::of(&s).grew_from(&before));
     }
 
     /// A subscription states the framework's suppression (a new leader

@@ -381,6 +381,7 @@ mod tests {
                 ports: 0,
             },
             gpu_uuids: vec![],
+            fraction: None,
         };
         d.apply(Command::LaunchFrameworkTasks {
             framework_id: f.clone(),

@@ -30,12 +30,13 @@ use gpuctl_core::types::{
 use crate::state::access::tenant_of;
 use crate::state::{AgentRecord, JobRecord, Launch, State, Stopping};
 
-/// What the scheduler may use on one agent: resources and exact GPUs (the
-/// built-in scheduler's offers).
+/// What the scheduler may use on one agent: resources, exact GPUs and the
+/// shared GPUs fractions may take (the built-in scheduler's offers).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Available {
     pub resources: Resources,
     pub gpus: Vec<String>,
+    pub shared: Vec<String>,
 }
 
 /// The engine's policy for a job: its own, or the cluster's default.
@@ -80,25 +81,12 @@ pub(crate) struct Pool<'s> {
 /// node, by uuid: what fractions may still take.
 type Shares<'s> = BTreeMap<&'s str, (u64, u32)>;
 
-/// The shared GPUs of `a` that fractions may take now (healthy, not
-/// cordoned), with what their fractions leave.
+/// The shared GPUs of `a` that fractions may take now, with what their
+/// fractions leave.
 fn free_shares<'s>(state: &'s State, a: &'s AgentRecord) -> Shares<'s> {
-    a.info
-        .gpus
-        .iter()
-        .filter(|g| {
-            state.share_mode(&g.uuid).is_some()
-                && g.healthy
-                && !g.mig.enabled
-                && !state.is_cordoned(&g.uuid)
-        })
-        .map(|g| {
-            let (m, c) = state.share_used(&a.info.id, &g.uuid);
-            (
-                g.uuid.as_str(),
-                (g.memory_mib.saturating_sub(m), 100u32.saturating_sub(c)),
-            )
-        })
+    state
+        .free_shares(a)
+        .map(|s| (s.gpu.uuid.as_str(), (s.mem_mib, s.compute_pct)))
         .collect()
 }
 
@@ -129,9 +117,12 @@ impl<'s> Pool<'s> {
                         agent: a,
                         free: a.with_free_ports(offered.resources),
                         free_gpus,
-                        // Fractions are not offered to frameworks, so the
-                        // shared GPUs of an offered agent are ours.
-                        shares: free_shares(state, a),
+                        // Only the shared GPUs offered to us: another
+                        // framework may hold the others in its offer.
+                        shares: free_shares(state, a)
+                            .into_iter()
+                            .filter(|(u, _)| offered.shared.iter().any(|o| o == u))
+                            .collect(),
                     },
                 ))
             })
@@ -488,11 +479,17 @@ pub fn place(
                 .filter(|d| state.gpu_owner(d.uuid()).is_none() && !offered_gpus.contains(d.uuid()))
                 .map(|d| d.uuid().to_string())
                 .collect();
+            let shared = state
+                .free_shares(a)
+                .map(|s| s.gpu.uuid.clone())
+                .filter(|u| !offered_gpus.contains(u))
+                .collect();
             (
                 a.info.id.clone(),
                 Available {
                     resources: a.free().saturating_sub(&o),
                     gpus,
+                    shared,
                 },
             )
         })
@@ -775,6 +772,7 @@ mod tests {
                     ports: 0,
                 },
                 gpus: vec!["GPU-b-2".into(), "GPU-b-3".into()],
+                shared: Vec::new(),
             },
         )]);
         let l = place_in(&s, &available, PlacementPolicy::Bundle);

@@ -236,6 +236,7 @@ async fn handle_offers(
             let a = available.entry(o.agent_id.clone()).or_default();
             a.resources = a.resources.add(&o.resources);
             a.gpus.extend(o.gpu_uuids.iter().cloned());
+            a.shared.extend(o.shares.iter().map(|s| s.gpu_uuid.clone()));
         }
         place_in(&state, &available, default_policy)
     };

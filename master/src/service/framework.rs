@@ -149,40 +149,105 @@ fn framework_tenant(info: &FrameworkInfo) -> &str {
     }
 }
 
+/// What the offers an Accept names hold on one agent.
+#[derive(Debug, Default)]
+struct Offered {
+    resources: Resources,
+    gpus: BTreeSet<String>,
+    /// Shared GPUs: memory (MiB) and compute (percent) their fractions
+    /// left when offered.
+    shares: BTreeMap<String, (u64, u32)>,
+}
+
+/// What the tasks of an Accept checked so far take of its offers.
+#[derive(Debug, Default)]
+struct Used {
+    resources: BTreeMap<String, Resources>,
+    gpus: BTreeSet<String>,
+    shares: BTreeMap<String, (u64, u32)>,
+}
+
 /// Checks a task (its shape already checked at the door) against the
 /// offers named for it: its agent was offered, its GPUs are among that
-/// agent's offered GPUs and named by no other task of the call, and all
-/// tasks on an agent fit in what was offered there.
+/// agent's offered GPUs and named by no other task of the call, its
+/// fraction is of a shared GPU offered there and, with the call's other
+/// fractions of it, within what was offered of it, and all tasks on an
+/// agent fit in what was offered there.
 fn within_offers(
     field: &str,
     t: &FrameworkTask,
-    offered: &BTreeMap<String, (Resources, BTreeSet<String>)>,
-    used: &mut BTreeMap<String, Resources>,
-    used_gpus: &mut BTreeSet<String>,
+    offered: &BTreeMap<String, Offered>,
+    used: &mut Used,
 ) -> Result<(), ConvertError> {
-    let (res_offered, gpus_offered) = offered.get(&t.agent_id).ok_or_else(|| {
+    let o = offered.get(&t.agent_id).ok_or_else(|| {
         ConvertError::new(
             format!("{field}.agent_id"),
             format!("{} is not in the accepted offers", t.agent_id),
         )
     })?;
-    for (i, g) in t.gpu_uuids.iter().enumerate() {
-        if !gpus_offered.contains(g) {
+    if let (Some(f), [uuid]) = (t.fraction, t.gpu_uuids.as_slice()) {
+        let at = |name: &str| format!("{field}.gpu_fraction.{name}");
+        let Some(&(mem, pct)) = o.shares.get(uuid) else {
+            return Err(ConvertError::new(
+                at("gpu_uuid"),
+                format!(
+                    "{uuid} was not offered as a shared GPU on agent {}",
+                    t.agent_id
+                ),
+            ));
+        };
+        let e = used.shares.entry(uuid.clone()).or_default();
+        *e = (
+            e.0.saturating_add(f.mem_mib),
+            e.1.saturating_add(f.compute_pct),
+        );
+        if e.0 > mem {
+            return Err(ConvertError::new(
+                at("mem_mib"),
+                format!(
+                    "{} MiB of GPU {uuid} asked by this call's fractions, {mem} MiB offered",
+                    e.0
+                ),
+            ));
+        }
+        if e.1 > pct {
+            return Err(ConvertError::new(
+                at("compute_pct"),
+                format!(
+                    "{}% of GPU {uuid}'s compute asked by this call's fractions, {pct}% offered",
+                    e.1
+                ),
+            ));
+        }
+    }
+    let whole = if t.fraction.is_some() {
+        &[][..]
+    } else {
+        t.gpu_uuids.as_slice()
+    };
+    for (i, g) in whole.iter().enumerate() {
+        if o.shares.contains_key(g) {
+            return Err(ConvertError::new(
+                format!("{field}.gpu_uuids[{i}]"),
+                format!("GPU {g} is shared: it is given only as fractions (gpu_fraction)"),
+            ));
+        }
+        if !o.gpus.contains(g) {
             return Err(ConvertError::new(
                 format!("{field}.gpu_uuids[{i}]"),
                 format!("{g} was not offered on agent {}", t.agent_id),
             ));
         }
-        if !used_gpus.insert(g.clone()) {
+        if !used.gpus.insert(g.clone()) {
             return Err(ConvertError::new(
                 format!("{field}.gpu_uuids[{i}]"),
                 format!("GPU {g} is named by another task of this call"),
             ));
         }
     }
-    let total = used.entry(t.agent_id.clone()).or_default();
+    let total = used.resources.entry(t.agent_id.clone()).or_default();
     *total = total.add(&t.resources);
-    if !res_offered.fits(total) {
+    if !o.resources.fits(total) {
         return Err(ConvertError::new(
             format!("{field}.resources"),
             format!("more than offered on agent {}", t.agent_id),
@@ -198,10 +263,9 @@ fn launch_commands(
     state: &State,
     framework_id: &str,
     operations: Vec<pb::Operation>,
-    offered: &BTreeMap<String, (Resources, BTreeSet<String>)>,
+    offered: &BTreeMap<String, Offered>,
 ) -> Result<Vec<Command>, ServiceError> {
-    let mut used = BTreeMap::new();
-    let mut used_gpus = BTreeSet::new();
+    let mut used = Used::default();
     let mut ids = BTreeSet::new();
     let mut commands = Vec::new();
     for (i, op) in operations.into_iter().enumerate() {
@@ -227,7 +291,7 @@ fn launch_commands(
                     task_id: t.task_id,
                 });
             }
-            within_offers(&field, &t, offered, &mut used, &mut used_gpus)?;
+            within_offers(&field, &t, offered, &mut used)?;
             tasks.push(t);
         }
         commands.push(Command::LaunchFrameworkTasks {
@@ -448,17 +512,21 @@ impl SchedulerService {
             .ctx
             .hub
             .peek_offers(&req.framework_id, &req.offer_ids)?;
-        let mut offered: BTreeMap<String, (Resources, BTreeSet<String>)> = BTreeMap::new();
+        let mut offered: BTreeMap<String, Offered> = BTreeMap::new();
         for o in &offers {
             let e = offered.entry(o.agent_id.clone()).or_default();
-            e.0 = e.0.add(&o.resources);
-            e.1.extend(o.gpu_uuids.iter().cloned());
+            e.resources = e.resources.add(&o.resources);
+            e.gpus.extend(o.gpu_uuids.iter().cloned());
+            for sh in &o.shares {
+                e.shares
+                    .insert(sh.gpu_uuid.clone(), (sh.mem_mib, sh.compute_pct));
+            }
         }
         let commands = {
             let state = self.ctx.raft.state();
-            for (agent_id, (r, _)) in offered.iter_mut() {
+            for (agent_id, o) in offered.iter_mut() {
                 if let Some(a) = state.agent(agent_id) {
-                    *r = a.with_free_ports(*r);
+                    o.resources = a.with_free_ports(o.resources);
                 }
             }
             launch_commands(&state, &req.framework_id, req.operations, &offered)?
@@ -511,8 +579,10 @@ impl SchedulerService {
         }
         // What was not used is declined, with the call's filters; what was
         // launched tells the allocator what this framework asks for.
-        let mut refused: BTreeMap<String, Resources> =
-            offered.iter().map(|(a, (r, _))| (a.clone(), *r)).collect();
+        let mut refused: BTreeMap<String, Resources> = offered
+            .iter()
+            .map(|(a, o)| (a.clone(), o.resources))
+            .collect();
         for t in &launched {
             if let Some(r) = refused.get_mut(&t.agent_id) {
                 *r = r.saturating_sub(&t.resources);
@@ -684,14 +754,22 @@ impl SchedulerService {
 mod tests {
     use super::*;
 
-    fn offered() -> BTreeMap<String, (Resources, BTreeSet<String>)> {
+    fn offered() -> BTreeMap<String, Offered> {
         let all = Resources {
             cpus: 8.0,
             mem_mib: 1024,
             gpus: 1,
             ports: 0,
         };
-        [("a1".to_string(), (all, ["GPU-0".to_string()].into()))].into()
+        [(
+            "a1".to_string(),
+            Offered {
+                resources: all,
+                gpus: ["GPU-0".to_string()].into(),
+                shares: [("GPU-S".to_string(), (40960, 50))].into(),
+            },
+        )]
+        .into()
     }
 
     fn task(agent: &str, gpus: &[&str], mem_mib: u64) -> FrameworkTask {
@@ -708,24 +786,62 @@ mod tests {
                 ports: 0,
             },
             gpu_uuids: gpus.iter().map(|g| g.to_string()).collect(),
+            fraction: None,
+        }
+    }
+
+    fn fraction(gpu: &str, mem_mib: u64, compute_pct: u32) -> FrameworkTask {
+        FrameworkTask {
+            gpu_uuids: vec![gpu.to_string()],
+            fraction: Some(gpuctl_core::types::GpuFraction {
+                mem_mib,
+                compute_pct,
+            }),
+            ..task("a1", &[], 1)
         }
     }
 
     fn check(tasks: &[FrameworkTask]) -> Result<(), String> {
         let offered = offered();
-        let mut used = BTreeMap::new();
-        let mut used_gpus = BTreeSet::new();
+        let mut used = Used::default();
         for t in tasks {
-            within_offers(
-                "operations[0].tasks[1]",
-                t,
-                &offered,
-                &mut used,
-                &mut used_gpus,
-            )
-            .map_err(|e| e.to_string())?;
+            within_offers("operations[0].tasks[1]", t, &offered, &mut used)
+                .map_err(|e| e.to_string())?;
         }
         Ok(())
+    }
+
+    /// Issue 34: fractions of an offered shared GPU, together within what
+    /// the offer left of it; the refusal names the field.
+    #[test]
+    fn fractions_must_stay_within_what_was_offered_of_their_gpu() {
+        let quarter = || fraction("GPU-S", 10240, 10);
+        assert_eq!(check(&[quarter(), quarter(), quarter(), quarter()]), Ok(()));
+        let err = check(&[quarter(), quarter(), quarter(), quarter(), quarter()]).unwrap_err();
+        assert!(
+            err.starts_with("invalid operations[0].tasks[1].gpu_fraction.mem_mib: 51200 MiB of GPU GPU-S asked by this call's fractions, 40960 MiB offered"),
+            "{err}"
+        );
+        let err = check(&[fraction("GPU-S", 1, 30), fraction("GPU-S", 1, 30)]).unwrap_err();
+        assert!(
+            err.starts_with("invalid operations[0].tasks[1].gpu_fraction.compute_pct: 60%"),
+            "{err}"
+        );
+        let err = check(&[fraction("GPU-0", 1, 0)]).unwrap_err();
+        assert!(
+            err.starts_with("invalid operations[0].tasks[1].gpu_fraction.gpu_uuid: GPU-0 was not offered as a shared GPU on agent a1"),
+            "{err}"
+        );
+        // A shared GPU is never taken whole.
+        let mut whole = task("a1", &["GPU-S"], 1);
+        whole.resources.gpus = 1;
+        let err = check(&[whole]).unwrap_err();
+        assert!(
+            err.starts_with("invalid operations[0].tasks[1].gpu_uuids[0]: GPU GPU-S is shared"),
+            "{err}"
+        );
+        // A fraction beside a whole GPU of the same offer.
+        assert_eq!(check(&[task("a1", &["GPU-0"], 1), quarter()]), Ok(()));
     }
 
     #[test]

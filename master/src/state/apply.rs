@@ -24,7 +24,8 @@ pub(super) struct Pending {
 
 /// Which devices a launch may name: a job's are whole GPUs, MIG devices
 /// of its profile (`placement.mig`), or a fraction of one shared GPU
-/// (`placement.fraction`); a framework names whole GPUs or MIG devices.
+/// (`placement.fraction`); a framework's task whole GPUs or MIG devices
+/// (`Any`), or a fraction of one shared GPU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Wants<'a> {
     Whole,

@@ -155,12 +155,16 @@ impl State {
                 } else {
                     Runtime::Process
                 };
+                // A fraction is checked as a job's is (`check_fraction`).
+                let wants = t
+                    .fraction
+                    .map_or(super::apply::Wants::Any, super::apply::Wants::Fraction);
                 self.check_fit(
                     &t.agent_id,
                     runtime,
                     &t.resources,
                     &t.gpu_uuids,
-                    super::apply::Wants::Any,
+                    wants,
                     &mut pending,
                 )
                 .map_err(|e| e.to_string())
@@ -216,8 +220,7 @@ impl State {
                 holding: false,
                 released: false,
                 ports,
-                // Frameworks are not offered fractions yet (issue 34).
-                fraction: None,
+                fraction: t.fraction,
                 enforcement: None,
             };
             match refusal {
@@ -236,11 +239,16 @@ impl State {
                     };
                     record.message = reason.clone();
                     record.gpu_uuids.clear();
+                    record.fraction = None;
                     refused.push((t.task_id.clone(), reason));
                 }
                 None => {
-                    for g in &t.gpu_uuids {
-                        self.gpu_owner.insert(g.clone(), key.clone());
+                    // A fraction shares its GPU: it is counted from the
+                    // tasks (`State::share_used`), never owned.
+                    if t.fraction.is_none() {
+                        for g in &t.gpu_uuids {
+                            self.gpu_owner.insert(g.clone(), key.clone());
+                        }
                     }
                     if let Some(agent) = self.agents.get_mut(&t.agent_id) {
                         agent.allocated = agent.allocated.add(&t.resources);
@@ -386,6 +394,7 @@ mod tests {
                 ports: 0,
             },
             gpu_uuids: gpus.iter().map(|g| g.to_string()).collect(),
+            fraction: None,
         }
     }
 

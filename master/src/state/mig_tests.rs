@@ -558,6 +558,7 @@ fn a_framework_launches_on_a_mig_device_and_never_on_its_parent() {
             ports: 0,
         },
         gpu_uuids: vec![gpu.into()],
+        fraction: None,
     };
     let launch = |d: &mut Driver, t: FrameworkTask| match d
         .apply(Command::LaunchFrameworkTasks {

@@ -316,6 +316,7 @@ mod tests {
                 ports: 0,
             },
             gpu_uuids: gpus.iter().map(|g| g.to_string()).collect(),
+            fraction: None,
         }
     }
 

@@ -6,12 +6,23 @@
 //! launch is refused unless the GPU's memory and its 100% of compute
 //! hold every fraction on it.
 //!
-//! Not built yet: the agent's enforcement (MPS, the driver's memory cap)
-//! and framework offers of fractions.
+//! Frameworks are offered a shared GPU with what its fractions leave
+//! ([`State::free_shares`]) and launch fractions of it, checked here alike.
 
 use gpuctl_core::types::{GpuFraction, GpuInfo, ShareMode};
 
-use super::{ApplyError, Outcome, State};
+use super::{AgentRecord, ApplyError, Outcome, State};
+
+/// A shared GPU that fractions may take now, with what its fractions leave.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct FreeShare<'s> {
+    pub gpu: &'s GpuInfo,
+    pub mode: ShareMode,
+    /// Memory no fraction holds, MiB.
+    pub mem_mib: u64,
+    /// Compute no fraction holds, percent.
+    pub compute_pct: u32,
+}
 
 impl State {
     /// How a GPU is shared; `None`: it is not.
@@ -41,6 +52,40 @@ impl State {
             .on(agent_id)
             .filter(move |t| t.holds_resources() && t.gpu_uuids.iter().any(|g| g == gpu_uuid))
             .filter_map(|t| Some((t.id.as_str(), t.fraction?)))
+    }
+
+    /// The shared GPUs of `agent` that fractions may take now (healthy,
+    /// not cordoned, not in MIG mode nor being repartitioned, not held
+    /// whole), with what their fractions leave. The same GPUs
+    /// `check_fraction` accepts.
+    pub fn free_shares<'s>(
+        &'s self,
+        agent: &'s AgentRecord,
+    ) -> impl Iterator<Item = FreeShare<'s>> + 's {
+        agent.info.gpus.iter().filter_map(move |g| {
+            let mode = self.share_mode(&g.uuid)?;
+            if !g.healthy
+                || g.mig.enabled
+                || self.cordoned.contains(&g.uuid)
+                || self.mig_changes.contains_key(&g.uuid)
+                || self.gpu_owner.contains_key(&g.uuid)
+            {
+                return None;
+            }
+            let (m, c) = self.share_used(&agent.info.id, &g.uuid);
+            Some(FreeShare {
+                gpu: g,
+                mode,
+                mem_mib: g.memory_mib.saturating_sub(m),
+                compute_pct: 100u32.saturating_sub(c),
+            })
+        })
+    }
+
+    /// Whether any GPU is shared (most clusters: none, and the offer
+    /// cycle skips looking for them).
+    pub fn has_shared_gpus(&self) -> bool {
+        !self.shared.is_empty()
     }
 
     /// Whether `f` fits beside `used` on `gpu`.

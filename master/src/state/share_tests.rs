@@ -2,11 +2,14 @@
 //! scheduler: never more memory nor more than 100% of compute given than
 //! a GPU has, a shared GPU never given whole nor split into MIG devices.
 
-use gpuctl_core::types::{GpuFraction, JobSpec, Resources, ShareMode, TaskState};
+use gpuctl_core::types::{
+    FrameworkInfo, GpuFraction, JobSpec, Resources, ShareMode, TaskReason, TaskShare, TaskState,
+};
 use proptest::prelude::*;
 
+use super::frameworks::task_key;
 use super::testkit::{register, status, Driver};
-use super::{ApplyError, Command, Outcome, State};
+use super::{ApplyError, Command, FrameworkTask, Outcome, State};
 
 /// Agent `a` with two A100s of 40960 MiB (`GPU-a-0`, `GPU-a-1`).
 fn driver() -> Driver {
@@ -215,10 +218,233 @@ fn a_fraction_counts_as_one_gpu_against_a_quota() {
     assert!(l.iter().all(|x| x.job_id != b));
 }
 
+/// A framework of tenant `team`, subscribed; its id.
+fn subscribe(d: &mut Driver) -> String {
+    match d.apply(Command::SubscribeFramework {
+        request_id: None,
+        info: FrameworkInfo {
+            id: String::new(),
+            name: "fw".into(),
+            roles: vec![],
+            gpu_capable: true,
+            failover_timeout_ms: 60_000,
+            tenant: "team".into(),
+        },
+        at_ms: 0,
+    }) {
+        Ok(Outcome::FrameworkSubscribed { framework_id }) => framework_id,
+        other => panic!("subscribe: {other:?}"),
+    }
+}
+
+/// A framework task on agent `a`: a fraction of `gpu`, or (`None`) the
+/// whole GPU.
+fn fw_task(id: &str, gpu: &str, fraction: Option<(u64, u32)>) -> FrameworkTask {
+    FrameworkTask {
+        task_id: id.into(),
+        agent_id: "a".into(),
+        image: None,
+        command: vec!["true".into()],
+        env: Default::default(),
+        resources: Resources {
+            cpus: 0.5,
+            mem_mib: 64,
+            gpus: u32::from(fraction.is_none()),
+            ports: 0,
+        },
+        gpu_uuids: vec![gpu.into()],
+        fraction: fraction.map(|(mem_mib, compute_pct)| GpuFraction {
+            mem_mib,
+            compute_pct,
+        }),
+    }
+}
+
+/// Launches framework tasks; the ids launched and the refusals.
+fn fw_launch(
+    d: &mut Driver,
+    f: &str,
+    tasks: Vec<FrameworkTask>,
+    group: bool,
+) -> (Vec<String>, Vec<(String, String)>) {
+    match d.apply(Command::LaunchFrameworkTasks {
+        framework_id: f.into(),
+        tasks,
+        group,
+        at_ms: 2,
+    }) {
+        Ok(Outcome::FrameworkTasksLaunched {
+            launched, refused, ..
+        }) => (launched, refused),
+        other => panic!("launch: {other:?}"),
+    }
+}
+
+/// Issue 34, frameworks: a framework's fractions of a shared GPU are
+/// checked as jobs' are (the same `check_fraction`, counting jobs' and
+/// frameworks' fractions together): up to the GPU's memory, the next
+/// refused with the figures and holding nothing; the agent gets the
+/// fraction with the GPU's mode and the framework's tenant.
+#[test]
+fn a_framework_launches_fractions_up_to_the_gpus_memory_and_the_next_is_refused() {
+    let mut d = driver();
+    share(&mut d, "GPU-a-0", Some(ShareMode::Mps)).unwrap();
+    let f = subscribe(&mut d);
+    let q = |i: usize| fw_task(&format!("q{i}"), "GPU-a-0", Some((10240, 20)));
+    let (launched, refused) = fw_launch(&mut d, &f, vec![q(0), q(1)], false);
+    assert_eq!((launched.len(), refused), (2, vec![]));
+    // A job's quarter beside them: counted together.
+    let j = d.submit(spec(Some((10240, 20)), 0));
+    d.launch_at(&j, &[("a", &["GPU-a-0"])], 2).unwrap();
+    let (launched, refused) = fw_launch(&mut d, &f, vec![q(3)], false);
+    assert_eq!((launched.len(), refused), (1, vec![]));
+    assert_eq!(d.s.share_used("a", "GPU-a-0"), (40960, 80));
+    assert_eq!(d.s.gpu_owner("GPU-a-0"), None, "a fraction owns no GPU");
+    let key = task_key(&f, "q0");
+    let spec0 = d.s.task_spec(&key).unwrap();
+    assert_eq!(spec0.gpu_uuids, vec!["GPU-a-0".to_string()]);
+    assert_eq!(spec0.resources.gpus, 0);
+    assert_eq!(
+        spec0.share,
+        Some(TaskShare {
+            fraction: GpuFraction {
+                mem_mib: 10240,
+                compute_pct: 20
+            },
+            mode: ShareMode::Mps,
+            tenant: "team".into(),
+        })
+    );
+
+    // The GPU is full: the next fraction, however small, is refused with
+    // the figures, recorded in ERROR holding nothing.
+    let (launched, refused) = fw_launch(
+        &mut d,
+        &f,
+        vec![fw_task("q4", "GPU-a-0", Some((1, 0)))],
+        false,
+    );
+    assert!(launched.is_empty());
+    assert_eq!(
+        refused,
+        vec![(
+            "q4".to_string(),
+            "launch does not fit: GPU GPU-a-0 has 0 MiB and 20% of compute left, the fraction asks 1 MiB and 0%".to_string()
+        )]
+    );
+    let t = d.s.task(&task_key(&f, "q4")).unwrap();
+    assert_eq!(
+        (t.state, t.reason, t.fraction, t.gpu_uuids.len()),
+        (TaskState::Error, TaskReason::ResourcesUnavailable, None, 0)
+    );
+    assert_eq!(d.s.share_used("a", "GPU-a-0"), (40960, 80));
+
+    // Not of a GPU that is not shared; a shared GPU never whole.
+    let (_, refused) = fw_launch(
+        &mut d,
+        &f,
+        vec![fw_task("n", "GPU-a-1", Some((1, 0)))],
+        false,
+    );
+    assert!(
+        refused[0].1.contains("GPU GPU-a-1 is not shared"),
+        "{refused:?}"
+    );
+    let (_, refused) = fw_launch(&mut d, &f, vec![fw_task("w", "GPU-a-0", None)], false);
+    assert!(
+        refused[0]
+            .1
+            .contains("GPU GPU-a-0 is shared (mps): it is given only as fractions"),
+        "{refused:?}"
+    );
+    assert!(violations(&d.s).is_empty(), "{:?}", violations(&d.s));
+
+    // One quarter ends: its share is free, and a fraction takes it.
+    d.apply(Command::UpdateTaskStatus {
+        update: status("a", &key, TaskState::Finished),
+        at_ms: 3,
+    })
+    .unwrap();
+    assert_eq!(d.s.share_used("a", "GPU-a-0"), (30720, 60));
+    let (launched, _) = fw_launch(
+        &mut d,
+        &f,
+        vec![fw_task("q5", "GPU-a-0", Some((10240, 0)))],
+        false,
+    );
+    assert_eq!(launched, vec!["q5".to_string()]);
+    assert!(violations(&d.s).is_empty(), "{:?}", violations(&d.s));
+}
+
+/// A launch decided on an offer the state has moved past (the GPU's room
+/// taken by a launch before it, the GPU cordoned since) is refused when
+/// applied, never over-committed; fractions of one command count
+/// together, and a group of them is launched whole or not at all.
+#[test]
+fn a_framework_fraction_decided_on_a_stale_offer_is_refused() {
+    let mut d = driver();
+    share(&mut d, "GPU-a-0", Some(ShareMode::TimeSlice)).unwrap();
+    share(&mut d, "GPU-a-1", Some(ShareMode::TimeSlice)).unwrap();
+    let f = subscribe(&mut d);
+    let g = subscribe(&mut d);
+    // Both saw 40960 MiB free; f's launch commits first.
+    let (launched, _) = fw_launch(
+        &mut d,
+        &f,
+        vec![fw_task("big", "GPU-a-0", Some((30720, 0)))],
+        false,
+    );
+    assert_eq!(launched.len(), 1);
+    let (launched, refused) = fw_launch(
+        &mut d,
+        &g,
+        vec![fw_task("late", "GPU-a-0", Some((20480, 0)))],
+        false,
+    );
+    assert!(launched.is_empty());
+    assert!(
+        refused[0].1.contains("GPU GPU-a-0 has 10240 MiB"),
+        "{refused:?}"
+    );
+    // Two of one command count together; a group is all or nothing.
+    let (launched, refused) = fw_launch(
+        &mut d,
+        &g,
+        vec![
+            fw_task("g1", "GPU-a-1", Some((100, 60))),
+            fw_task("g2", "GPU-a-1", Some((100, 60))),
+        ],
+        true,
+    );
+    assert!(launched.is_empty());
+    assert_eq!(refused.len(), 2, "{refused:?}");
+    assert!(refused[1].1.contains("40% of compute left"), "{refused:?}");
+    assert_eq!(d.s.share_used("a", "GPU-a-1"), (0, 0));
+    // Cordoned since the offer.
+    d.apply(Command::CordonGpu {
+        uuid: "GPU-a-1".into(),
+        cordon: true,
+    })
+    .unwrap();
+    let (_, refused) = fw_launch(
+        &mut d,
+        &g,
+        vec![fw_task("c", "GPU-a-1", Some((100, 0)))],
+        false,
+    );
+    assert!(
+        refused[0].1.contains("GPU GPU-a-1 is cordoned"),
+        "{refused:?}"
+    );
+    assert!(violations(&d.s).is_empty(), "{:?}", violations(&d.s));
+}
+
 #[derive(Debug, Clone)]
 enum Step {
     /// A job of this fraction launched on GPU `g` (0 or 1).
     Launch { mem: u64, pct: u32, g: u8 },
+    /// A framework's task of this fraction launched on GPU `g`.
+    FwLaunch { mem: u64, pct: u32, g: u8 },
     /// The n-th live fraction task ends.
     End(usize),
     /// Share or unshare GPU `g`.
@@ -229,7 +455,8 @@ enum Step {
 
 fn step() -> impl Strategy<Value = Step> {
     prop_oneof![
-        6 => (1u64..30_000, 0u32..70, 0u8..2).prop_map(|(mem, pct, g)| Step::Launch { mem, pct, g }),
+        4 => (1u64..30_000, 0u32..70, 0u8..2).prop_map(|(mem, pct, g)| Step::Launch { mem, pct, g }),
+        3 => (1u64..30_000, 0u32..70, 0u8..2).prop_map(|(mem, pct, g)| Step::FwLaunch { mem, pct, g }),
         3 => (0usize..8).prop_map(Step::End),
         1 => (0u8..2, any::<bool>()).prop_map(|(g, on)| Step::Share(g, on)),
         1 => (0u8..2).prop_map(Step::Whole),
@@ -244,8 +471,9 @@ proptest! {
     #[test]
     fn fractions_never_over_commit_a_gpu(steps in proptest::collection::vec(step(), 1..40)) {
         let mut d = driver();
+        let f = subscribe(&mut d);
         let mut live: Vec<String> = Vec::new();
-        for s in steps {
+        for (n, s) in steps.into_iter().enumerate() {
             let before = d.s.clone();
             let r = match s {
                 Step::Launch { mem, pct, g } => {
@@ -256,6 +484,15 @@ proptest! {
                         live.push(format!("{j}.0"));
                     }
                     r.map(|_| ())
+                }
+                Step::FwLaunch { mem, pct, g } => {
+                    let id = format!("t{n}");
+                    let t = fw_task(&id, &format!("GPU-a-{g}"), Some((mem, pct)));
+                    let (launched, _) = fw_launch(&mut d, &f, vec![t], false);
+                    if !launched.is_empty() {
+                        live.push(task_key(&f, &id));
+                    }
+                    Ok(())
                 }
                 Step::End(n) if !live.is_empty() => {
                     let t = live.remove(n % live.len());

@@ -277,6 +277,7 @@ fn command(s: &State, op: &Op, at_ms: u64, fw: &str) -> Option<Command> {
                 tasks: vec![FrameworkTask {
                     task_id: format!("t{id}"),
                     gpu_uuids: free_gpus(s, &a, 1),
+                    fraction: None,
                     agent_id: a,
                     image: None,
                     command: vec!["true".into()],
