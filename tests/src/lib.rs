@@ -1612,6 +1612,54 @@ pub fn stop_mps_daemons(work: &Path) {
     }
 }
 
+/// A cgroup2 hierarchy mounted on a temp dir beside the machine's v1 one
+/// (the same unified hierarchy at every mount): on drop, what a test made
+/// under `top` is removed, deepest first, and it is unmounted.
+pub struct Cgroup2 {
+    mnt: tempfile::TempDir,
+    /// Top directory made under it by the test.
+    top: String,
+}
+
+impl Cgroup2 {
+    /// `None` when cgroup2 cannot be mounted here.
+    pub fn mount(top: &str) -> Option<Cgroup2> {
+        let mnt = test_dir();
+        let ok = Command::new("mount")
+            .args(["-t", "cgroup2", "none"])
+            .arg(mnt.path())
+            .status()
+            .is_ok_and(|s| s.success());
+        ok.then(|| Cgroup2 {
+            mnt,
+            top: top.to_string(),
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        self.mnt.path()
+    }
+}
+
+impl Drop for Cgroup2 {
+    fn drop(&mut self) {
+        let mut dirs: Vec<PathBuf> = vec![];
+        let mut stack = vec![self.mnt.path().join(&self.top)];
+        while let Some(d) = stack.pop() {
+            for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+                if e.path().is_dir() {
+                    stack.push(e.path());
+                }
+            }
+            dirs.push(d);
+        }
+        for d in dirs.iter().rev() {
+            let _ = std::fs::remove_dir(d);
+        }
+        let _ = Command::new("umount").arg(self.mnt.path()).status();
+    }
+}
+
 #[cfg(test)]
 mod invariant_tests {
     use super::*;

@@ -19,34 +19,6 @@ use serde_json::{json, Value};
 
 const GIB: u64 = 1 << 30;
 
-/// A cgroup2 mounted on a temp dir; what the test made in it is removed
-/// (deepest first) and it is unmounted on drop.
-struct Cgroup2 {
-    mnt: tempfile::TempDir,
-    top: String,
-}
-
-impl Drop for Cgroup2 {
-    fn drop(&mut self) {
-        let mut dirs = vec![];
-        let mut stack = vec![self.mnt.path().join(&self.top)];
-        while let Some(d) = stack.pop() {
-            for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
-                if e.path().is_dir() {
-                    stack.push(e.path());
-                }
-            }
-            dirs.push(d);
-        }
-        for d in dirs.iter().rev() {
-            let _ = std::fs::remove_dir(d);
-        }
-        let _ = std::process::Command::new("umount")
-            .arg(self.mnt.path())
-            .status();
-    }
-}
-
 fn machine(memory_limits: bool) -> Value {
     json!({
         "driver_version": "615.20.01",
@@ -89,21 +61,10 @@ fn a_fractions_host_process_is_capped_by_the_driver_on_its_own_cgroup() {
         return;
     }
     let top = format!("gpuctl-test-drvcap-{}", std::process::id());
-    let mnt = gpuctl_tests::test_dir();
-    let mounted = std::process::Command::new("mount")
-        .args(["-t", "cgroup2", "none"])
-        .arg(mnt.path())
-        .status()
-        .unwrap()
-        .success();
-    if !mounted {
+    let Some(cg2) = gpuctl_tests::Cgroup2::mount(&top) else {
         assert!(!required, "cannot mount cgroup2");
         eprintln!("skipped: cannot mount cgroup2");
         return;
-    }
-    let cg2 = Cgroup2 {
-        mnt,
-        top: top.clone(),
     };
     let mut c = Cluster::start(&[]);
     let dev = c.dir.path().join("dev");
@@ -123,7 +84,7 @@ fn a_fractions_host_process_is_capped_by_the_driver_on_its_own_cgroup() {
             "--driver-root".into(),
             driver.display().to_string(),
             "--cgroup-root".into(),
-            cg2.mnt.path().display().to_string(),
+            cg2.path().display().to_string(),
             "--cgroup-parent".into(),
             top.clone(),
         ],
@@ -151,7 +112,7 @@ fn a_fractions_host_process_is_capped_by_the_driver_on_its_own_cgroup() {
     };
     let cgroup_of = |job: &Value| -> PathBuf {
         let task = job["tasks"][0]["id"].as_str().unwrap();
-        cg2.mnt.path().join(&top).join(&agent).join(task)
+        cg2.path().join(&top).join(&agent).join(task)
     };
 
     let j = fraction(&c, "capped");
@@ -169,7 +130,7 @@ fn a_fractions_host_process_is_capped_by_the_driver_on_its_own_cgroup() {
     assert_eq!(recorded(&fake, &cgroup), Some((10 * GIB, 10 * GIB)));
     assert_eq!(c.wait_job(&j, 30).0, 0);
     let out = c.ok(&["jobs", "logs", &j]);
-    let rel = cgroup.strip_prefix(cg2.mnt.path()).unwrap();
+    let rel = cgroup.strip_prefix(cg2.path()).unwrap();
     assert!(
         out.lines().any(|l| l == format!("0::/{}", rel.display())),
         "it ran in the capped cgroup:\n{out}"

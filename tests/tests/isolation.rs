@@ -532,57 +532,6 @@ fn fractions_of_a_shared_gpu_open_only_that_gpu() {
     assert_only_its_gpu(&s.c.ok(&["jobs", "logs", &whole]), Some(s.minors[&gpus[0]]));
 }
 
-/// A cgroup2 hierarchy mounted beside the machine's v1 one (the same
-/// unified hierarchy at every mount: what is made in it is removed here).
-struct Cgroup2 {
-    mnt: tempfile::TempDir,
-    /// Top directory made under it by the test.
-    top: String,
-}
-
-impl Cgroup2 {
-    fn mount(top: &str) -> Option<Cgroup2> {
-        let mnt = gpuctl_tests::test_dir();
-        let ok = std::process::Command::new("mount")
-            .args(["-t", "cgroup2", "none"])
-            .arg(mnt.path())
-            .status()
-            .unwrap()
-            .success();
-        ok.then(|| Cgroup2 {
-            mnt,
-            top: top.to_string(),
-        })
-    }
-
-    fn path(&self) -> &Path {
-        self.mnt.path()
-    }
-}
-
-impl Drop for Cgroup2 {
-    fn drop(&mut self) {
-        // Deepest first; only empty cgroups go.
-        let top = self.mnt.path().join(&self.top);
-        let mut dirs: Vec<PathBuf> = vec![];
-        let mut stack = vec![top];
-        while let Some(d) = stack.pop() {
-            for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
-                if e.path().is_dir() {
-                    stack.push(e.path());
-                }
-            }
-            dirs.push(d);
-        }
-        for d in dirs.iter().rev() {
-            let _ = std::fs::remove_dir(d);
-        }
-        let _ = std::process::Command::new("umount")
-            .arg(self.mnt.path())
-            .status();
-    }
-}
-
 /// The pids in a v2 cgroup.
 fn procs(cgroup: &Path) -> Vec<i32> {
     std::fs::read_to_string(cgroup.join("cgroup.procs"))
@@ -606,7 +555,7 @@ fn host_processes_on_cgroup_v2_are_confined_by_gpuctls_device_program() {
         return;
     }
     let top = format!("gpuctl-test-v2-{}", std::process::id());
-    let Some(cg2) = Cgroup2::mount(&top) else {
+    let Some(cg2) = gpuctl_tests::Cgroup2::mount(&top) else {
         assert!(!required, "cannot mount cgroup2");
         eprintln!("skipped: cannot mount cgroup2");
         return;
