@@ -358,7 +358,7 @@ pub async fn serve(
         config.work_dir.join("mps"),
     ));
     match mps.control() {
-        Some(c) => tracing::info!(control = %c.display(), "MPS: GPUs shared in mps mode get a control daemon per tenant"),
+        Some(c) => tracing::info!(control = %c.display(), "MPS: GPUs shared in mps mode get a control daemon per tenant and user"),
         None => tracing::info!("MPS off (no nvidia-cuda-mps-control): tasks on GPUs shared in mps mode run unenforced and say so"),
     }
     if mps.available() {

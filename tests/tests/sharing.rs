@@ -203,7 +203,24 @@ fn mps_fractions_get_a_daemon_their_limits_and_only_their_gpus_pipe() {
     );
 
     // One daemon for the GPU and the (default) tenant, given the GPU.
-    let server = c.dir.path().join(format!("agent0/mps/{uuid}/default"));
+    // Both containers run as the same user (their image's), so one daemon:
+    // the default tenant's, for that user.
+    let daemons: Vec<PathBuf> = std::fs::read_dir(c.dir.path().join(format!("agent0/mps/{uuid}")))
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .collect();
+    assert_eq!(daemons.len(), 1, "{daemons:?}");
+    let server = daemons[0].clone();
+    assert!(
+        server
+            .file_name()
+            .unwrap()
+            .to_string_lossy()
+            .starts_with("default."),
+        "{}",
+        server.display()
+    );
     let pipe: PathBuf = server.join("pipe");
     let log = || std::fs::read_to_string(server.join("log/control.log")).unwrap_or_default();
     assert_eq!(log().matches(" start ").count(), 1, "{}", log());
@@ -482,8 +499,10 @@ fn a_framework_launches_two_fractions_of_a_shared_gpu() {
             });
             assert!(out.contains(&format!("gpus={uuid} ")), "{out}");
             if mps {
+                // The daemon of the default tenant and the task's user.
                 assert!(
-                    out.contains(&format!("/mps/{uuid}/default/pipe mem=0=20480M pct=25")),
+                    out.contains(&format!("/mps/{uuid}/default.u"))
+                        && out.contains("/pipe mem=0=20480M pct=25"),
                     "{out}"
                 );
             }

@@ -854,9 +854,10 @@ impl Executor {
             // Its MPS daemon outlived the agent too: kept for it from now,
             // before the runtime answers (Docker may be down a while, and
             // an unclaimed daemon is quit as idle).
-            if let (Some(sh), Some(gpu)) = (&spec.share, spec.gpu_uuids.first()) {
+            let group = std::fs::read_to_string(self.state_dir(task_id).join(MPS_GROUP_FILE));
+            if let (Some(sh), Some(gpu), Ok(group)) = (&spec.share, spec.gpu_uuids.first(), group) {
                 if sh.mode == ShareMode::Mps && self.isolation.mps.available() {
-                    self.isolation.mps.adopt(task_id, gpu, &mps_tenant(sh));
+                    self.isolation.mps.adopt(task_id, gpu, group.trim());
                 }
             }
             let mut backoff = Backoff::new(OUTAGE_BACKOFF_MIN, OUTAGE_BACKOFF_MAX);
@@ -969,19 +970,30 @@ impl Executor {
             })?;
             security.user = Some(ids);
         }
-        // A fraction of an `mps` GPU gets its (GPU, tenant) MPS daemon,
-        // started if need be; without a control program here it runs
-        // unenforced, and says so.
+        // A fraction of an `mps` GPU gets the MPS daemon of its GPU, tenant
+        // and user, started if need be; without a control program here it
+        // runs unenforced, and says so.
         let mps = match (&spec.share, spec.gpu_uuids.first()) {
             (Some(sh), Some(gpu))
                 if sh.mode == ShareMode::Mps && self.isolation.mps.available() =>
             {
                 let mps = self.isolation.mps.clone();
-                let (task, gpu, tenant) = (task_id.to_string(), gpu.clone(), mps_tenant(sh));
-                let got = tokio::task::spawn_blocking(move || mps.acquire(&task, &gpu, &tenant))
-                    .await
-                    .map_err(|e| e.to_string())
-                    .and_then(|r| r.map_err(|e| e.to_string()));
+                let group = mps_group(sh, security.user);
+                // Recorded first: an agent restarted under the task finds
+                // its daemon by it.
+                let recorded = checkpoint::write_atomic(
+                    &self.state_dir(task_id).join(MPS_GROUP_FILE),
+                    group.as_bytes(),
+                )
+                .map_err(|e| format!("record its MPS daemon: {e}"));
+                let (task, gpu) = (task_id.to_string(), gpu.clone());
+                let got = match recorded {
+                    Err(e) => Err(e),
+                    Ok(()) => tokio::task::spawn_blocking(move || mps.acquire(&task, &gpu, &group))
+                        .await
+                        .map_err(|e| e.to_string())
+                        .and_then(|r| r.map_err(|e| e.to_string())),
+                };
                 match got {
                     Ok(server) => Some(server),
                     Err(e) => {
@@ -1209,18 +1221,53 @@ async fn remove_until_done(rt: &Arc<dyn ContainerRuntime>, tref: &TaskRef) {
     }
 }
 
-/// The tenant whose MPS daemon a shared task uses.
-fn mps_tenant(share: &TaskShare) -> String {
-    if share.tenant.is_empty() {
-        "default".to_string()
+/// Which MPS daemon of its GPU the task's record names (`mps_group`).
+const MPS_GROUP_FILE: &str = "mps-group";
+
+/// The MPS daemon of a GPU a shared task uses: its tenant's (tenants never
+/// share one), and of its Linux user: an MPS daemon serves one user at a
+/// time and makes another user's clients wait until the first's are gone,
+/// so tasks running as different users get daemons of their own (which
+/// the GPU time-slices). `None`: the image's user, not known here.
+fn mps_group(share: &TaskShare, user: Option<UserIds>) -> String {
+    let tenant = if share.tenant.is_empty() {
+        "default"
     } else {
-        share.tenant.clone()
+        share.tenant.as_str()
+    };
+    match user {
+        Some(u) => format!("{tenant}.u{}", u.uid),
+        None => format!("{tenant}.image"),
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn mps_daemons_are_per_tenant_and_user() {
+        let share = |tenant: &str| TaskShare {
+            fraction: gpuctl_core::types::GpuFraction {
+                mem_mib: 1024,
+                compute_pct: 0,
+            },
+            mode: ShareMode::Mps,
+            tenant: tenant.into(),
+        };
+        let u = |uid| Some(UserIds { uid, gid: uid });
+        assert_eq!(mps_group(&share("team-a"), u(65534)), "team-a.u65534");
+        // An MPS daemon serves one user at a time: two users, two daemons.
+        assert_ne!(
+            mps_group(&share("team-a"), u(1000)),
+            mps_group(&share("team-a"), u(1001))
+        );
+        assert_ne!(
+            mps_group(&share("team-a"), u(1000)),
+            mps_group(&share("team-b"), u(1000))
+        );
+        assert_eq!(mps_group(&share(""), None), "default.image");
+    }
 
     #[test]
     fn outcomes_of_a_task_that_ran() {

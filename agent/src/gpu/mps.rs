@@ -1,8 +1,10 @@
 //! MPS control daemons for GPUs shared in `mps` mode (docs/sharing.md).
 //!
-//! One daemon per (GPU, tenant): tasks of different tenants never share an
-//! MPS server, so neither its faults nor its `/dev/shm`. Each daemon has
-//! its own directories under `<work>/mps/<gpu>/<tenant>/`:
+//! One daemon per GPU and group (the executor's: tenant and Linux user):
+//! tasks of different tenants never share an MPS server, so neither its
+//! faults nor its `/dev/shm`, and tasks of different users never wait on
+//! each other's server. Each daemon has its own directories under
+//! `<work>/mps/<gpu>/<group>/`:
 //!
 //! - `pipe/`: the daemon's sockets and pid file, mounted into that GPU's
 //!   and tenant's tasks only (at [`CONTAINER_PIPE_DIR`]);
@@ -141,7 +143,7 @@ pub fn scrub_env(env: &mut BTreeMap<String, String>) {
 pub struct Mps {
     control: Option<PathBuf>,
     root: PathBuf,
-    /// Tasks using each (GPU, tenant) daemon, and since when none has.
+    /// Tasks using each (GPU, group) daemon, and since when none has.
     users: Mutex<BTreeMap<(String, String), Users>>,
     idle_quit: Duration,
     /// Held while a daemon is looked for and started or stopped: two tasks
@@ -212,7 +214,7 @@ impl Mps {
         self.ensure(gpu, tenant).inspect_err(|_| self.release(task))
     }
 
-    /// Counts `task` as a user of the (GPU, tenant) daemon without starting
+    /// Counts `task` as a user of the (GPU, group) daemon without starting
     /// it (a task found running after an agent restart).
     pub fn adopt(&self, task: &str, gpu: &str, tenant: &str) {
         let mut users = self.users.lock().unwrap_or_else(|p| p.into_inner());
