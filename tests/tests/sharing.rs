@@ -4,7 +4,7 @@
 //! given it, and an agent SIGKILLed under the shared tasks comes back to
 //! the same count. With MPS (tests/fake-mps, a stand-in control program
 //! that records what it is told) and real Docker: a daemon per GPU and
-//! tenant, its pipe directory and /dev/shm in that GPU's tasks only, the
+//! tenant and user, its pipe directory and /dev/shm in that GPU's tasks only, the
 //! limits in each task's environment, surviving an agent SIGKILL, started
 //! again when it dies. A framework (the scheduler API) offered the shared
 //! GPU with its free room, launching two fractions of it.

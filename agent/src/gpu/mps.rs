@@ -590,7 +590,7 @@ mod tests {
     }
 
     /// The real daemon's life with the fake control program: one daemon
-    /// per (GPU, tenant), shared by that pair's tasks, started again when
+    /// per (GPU, group), shared by that pair's tasks, started again when
     /// it dies under them, asked to quit once idle.
     #[test]
     fn daemons_per_gpu_and_tenant_are_started_shared_restarted_and_quit() {
@@ -600,7 +600,7 @@ mod tests {
         let a = mps.acquire("t1", "GPU-1", "team-a").unwrap();
         let a2 = mps.acquire("t2", "GPU-1", "team-a").unwrap();
         let b = mps.acquire("t3", "GPU-1", "team-b").unwrap();
-        assert_eq!(a, a2, "one daemon for a GPU and tenant");
+        assert_eq!(a, a2, "one daemon for a GPU and group");
         assert_ne!(a.pipe_dir, b.pipe_dir, "tenants never share a daemon");
         let (pa, pb) = (a.pid().unwrap(), b.pid().unwrap());
         assert_ne!(pa, pb);
