@@ -3,10 +3,10 @@
 //! quarter jobs run at once on it, a fifth waits, a whole-GPU job is never
 //! given it, and an agent SIGKILLed under the shared tasks comes back to
 //! the same count. With MPS (tests/fake-mps, a stand-in control program
-//! that records what it is told) and real Docker: a daemon per GPU and
-//! tenant and user, its pipe directory and /dev/shm in that GPU's tasks only, the
-//! limits in each task's environment, surviving an agent SIGKILL, started
-//! again when it dies. A framework (the scheduler API) offered the shared
+//! that records what it is told) and real Docker: a daemon per GPU,
+//! tenant and user, its pipe directory and /dev/shm in that GPU's tasks
+//! only, the limits in each task's environment, surviving an agent
+//! SIGKILL, started again when it dies. A framework (the scheduler API) offered the shared
 //! GPU with its free room, launching two fractions of it.
 #![allow(clippy::unwrap_used)]
 
