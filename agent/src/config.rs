@@ -86,6 +86,9 @@ pub struct AgentConfig {
     pub allowed_mounts: Vec<String>,
     /// Host ports tasks may be given (`--ports`); `None`: none.
     pub ports: Option<PortRange>,
+    /// This agent's GPUs are shareable by fractions in this mode when it
+    /// registers, unless an admin decided otherwise (`--share-gpus`).
+    pub share_gpus: Option<gpuctl_core::types::ShareMode>,
 }
 
 impl AgentConfig {
@@ -122,6 +125,7 @@ impl AgentConfig {
             allow_root_tasks: false,
             allowed_mounts: Vec::new(),
             ports: PortRange::parse(DEFAULT_PORTS).ok(),
+            share_gpus: None,
         }
     }
 }
@@ -203,6 +207,12 @@ pub struct Options {
     /// turns MPS off: tasks on mps GPUs then run unenforced and say so).
     #[arg(long, env = "GPUCTL_AGENT_MPS_CONTROL")]
     pub mps_control: Option<PathBuf>,
+    /// Mark this agent's GPUs shareable by fractions when it registers:
+    /// mps or time-slice (docs/sharing.md). A GPU an admin set with
+    /// `gpuctl gpus share` (--off included), in MIG mode or held whole is
+    /// left as it is.
+    #[arg(long, env = "GPUCTL_AGENT_SHARE_GPUS", value_name = "MODE")]
+    pub share_gpus: Option<String>,
     /// CPUs to offer (default: all of this host's).
     #[arg(long, env = "GPUCTL_AGENT_CPUS")]
     pub cpus: Option<f64>,
@@ -363,6 +373,7 @@ struct FileOptions {
     runtime: Option<String>,
     nvml_lib: Option<PathBuf>,
     mps_control: Option<PathBuf>,
+    share_gpus: Option<String>,
     cpus: Option<f64>,
     mem_mib: Option<u64>,
     kill_grace_secs: Option<f64>,
@@ -470,6 +481,7 @@ impl Options {
             fill!(opt runtime);
             fill!(opt nvml_lib);
             fill!(opt mps_control);
+            fill!(opt share_gpus);
             fill!(opt cpus);
             fill!(opt mem_mib);
             fill!(kill_grace_secs);
@@ -623,6 +635,15 @@ impl Options {
             },
         };
         let allowed_mounts = parse_allowed_mounts(&self.allowed_mounts)?;
+        let share_gpus = self
+            .share_gpus
+            .as_deref()
+            .filter(|s| !s.is_empty())
+            .map(|s| {
+                s.parse::<gpuctl_core::types::ShareMode>()
+                    .map_err(|e| AgentError::Config(format!("share_gpus: {e}")))
+            })
+            .transpose()?;
         if !self.cdi_dir.is_absolute() {
             return Err(AgentError::Config(format!(
                 "cdi_dir: {} is not an absolute path",
@@ -637,6 +658,7 @@ impl Options {
             task_pids_max,
             allow_root_tasks: self.allow_root_tasks,
             allowed_mounts,
+            share_gpus,
             ports: parse_ports(&self.ports)?,
             task_retention,
             masters,
@@ -782,6 +804,30 @@ mod tests {
                 "{bad}: {e}"
             );
         }
+    }
+
+    #[test]
+    fn share_gpus_is_a_mode_from_flag_or_file() {
+        use gpuctl_core::types::ShareMode;
+        let load = |args: &[&str]| {
+            let mut a = vec!["gpuctl-agent"];
+            a.extend(args);
+            Options::load_from(a).unwrap().to_config()
+        };
+        assert_eq!(load(&[]).unwrap().share_gpus, None);
+        assert_eq!(
+            load(&["--share-gpus", "mps"]).unwrap().share_gpus,
+            Some(ShareMode::Mps)
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("agent.toml");
+        std::fs::write(&f, "share_gpus = \"time-slice\"\n").unwrap();
+        assert_eq!(
+            load(&["--config", f.to_str().unwrap()]).unwrap().share_gpus,
+            Some(ShareMode::TimeSlice)
+        );
+        let e = load(&["--share-gpus", "half"]).unwrap_err().to_string();
+        assert!(e.contains("share_gpus"), "{e}");
     }
 
     #[test]

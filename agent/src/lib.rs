@@ -486,6 +486,7 @@ pub async fn serve(
         // What the master places here: only what this agent will run.
         allow_root_tasks: policy.runs_root_tasks(),
         allowed_mounts: policy.allowed_mounts.clone(),
+        share_gpus: config.share_gpus,
         ports: config.ports,
     };
     tracing::info!(agent_id = %info.id, address = %info.address, runtimes = ?info.runtimes, gpus = info.gpus.len(), "agent starting");

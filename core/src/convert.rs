@@ -1321,6 +1321,7 @@ impl From<AgentInfo> for pb::RegisterRequest {
             allow_root_tasks: a.allow_root_tasks,
             allowed_mounts: a.allowed_mounts,
             ports: a.ports.map(Into::into),
+            share_gpus: a.share_gpus.map(|m| m.to_string()).unwrap_or_default(),
         }
     }
 }
@@ -1468,8 +1469,18 @@ impl TryFrom<pb::RegisterRequest> for AgentInfo {
             check_abs_path(&format!("allowed_mounts[{i}]"), p)?;
         }
         let ports = port_range_from_pb(r.ports, total.ports)?;
+        let share_gpus = if r.share_gpus.is_empty() {
+            None
+        } else {
+            Some(
+                r.share_gpus
+                    .parse()
+                    .map_err(|e| ConvertError::new("share_gpus", e))?,
+            )
+        };
         let opt = |s: String| (!s.is_empty()).then_some(s);
         Ok(AgentInfo {
+            share_gpus,
             id: r.agent_id,
             hostname: r.hostname,
             address: r.address,
@@ -3210,6 +3221,21 @@ mod tests {
             },
             "gpus[1].mig.devices[0].uuid",
             register,
+        );
+    }
+
+    #[test]
+    fn an_agents_share_default_is_a_mode_or_nothing() {
+        let mut r = register_request();
+        r.share_gpus = "mps".into();
+        let info = AgentInfo::try_from(r.clone()).unwrap();
+        assert_eq!(info.share_gpus, Some(ShareMode::Mps));
+        assert_eq!(pb::RegisterRequest::from(info).share_gpus, "mps");
+        r.share_gpus = "half".into();
+        assert_eq!(AgentInfo::try_from(r).unwrap_err().field, "share_gpus");
+        assert_eq!(
+            AgentInfo::try_from(register_request()).unwrap().share_gpus,
+            None
         );
     }
 

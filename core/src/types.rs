@@ -1024,6 +1024,10 @@ pub struct AgentInfo {
     /// `None` from agents that offer none.
     #[serde(default)]
     pub ports: Option<PortRange>,
+    /// Its default for its GPUs (`--share-gpus`): shareable in this mode
+    /// unless an admin said otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub share_gpus: Option<ShareMode>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

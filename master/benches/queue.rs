@@ -26,6 +26,7 @@ const GPUS: u32 = 8;
 fn agent(a: usize) -> AgentInfo {
     let id = format!("agent-{a:05}");
     AgentInfo {
+        share_gpus: None,
         id: id.clone(),
         hostname: id,
         address: String::new(),

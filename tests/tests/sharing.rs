@@ -37,14 +37,14 @@ fn four_quarters_share_a_gpu_and_the_fifth_waits() {
     let mut c = Cluster::start(&[]);
     c.add_agent(AgentOpts {
         simulate_gpus: Some("1xA100-SXM4-40GB"),
+        // The agent's default: its GPU shareable from its registration on.
+        extra: vec!["--share-gpus".into(), "time-slice".into()],
         // The shared tasks must outlive the agent's SIGKILL below.
         stop_tasks_on_shutdown: false,
         ..Default::default()
     });
     let gpus = c.json(&["gpus", "--json"]);
-    let uuid = gpus[0]["uuid"].as_str().unwrap().to_string();
-
-    c.ok(&["gpus", "share", &uuid, "--mode", "time-slice"]);
+    assert_eq!(gpus[0]["share_mode"], "time-slice", "{gpus}");
 
     let jobs: Vec<String> = (0..4).map(|i| quarter(&c, &format!("q{i}"))).collect();
     for j in &jobs {

@@ -507,6 +507,7 @@ mod tests {
     fn agent(id: &str, gpus: u32, runtimes: Vec<Runtime>) -> Command {
         Command::RegisterAgent {
             info: AgentInfo {
+                share_gpus: None,
                 id: id.into(),
                 hostname: id.into(),
                 address: String::new(),

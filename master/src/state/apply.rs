@@ -159,6 +159,7 @@ impl State {
             } => {
                 let out = self.register_agent(info, running_task_ids, *at_ms)?;
                 self.forget_mig_changes_of_gone_gpus(info);
+                self.share_by_default(info);
                 Ok(out)
             }
             Command::AgentLost { agent_id, at_ms } => self.agent_lost_legacy(agent_id, *at_ms),
@@ -927,6 +928,7 @@ mod tests {
 
     fn agent(id: &str, gpus: u32) -> AgentInfo {
         AgentInfo {
+            share_gpus: None,
             id: id.into(),
             hostname: format!("{id}.local"),
             address: "127.0.0.1:7051".into(),

@@ -319,6 +319,7 @@ mod tests {
     fn state() -> State {
         let mut s = State::new();
         let info = AgentInfo {
+            share_gpus: None,
             id: "a1".into(),
             hostname: "h".into(),
             address: String::new(),

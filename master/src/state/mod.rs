@@ -346,6 +346,10 @@ pub struct State {
     /// as fractions, never whole nor split into MIG devices.
     #[serde(default)]
     shared: BTreeMap<GpuUuid, gpuctl_core::types::ShareMode>,
+    /// GPUs an admin stopped sharing (`gpuctl gpus share --off`): their
+    /// agent's default (`--share-gpus`) does not share them again.
+    #[serde(default)]
+    share_off: std::collections::BTreeSet<GpuUuid>,
     /// Index of the last log entry applied.
     applied_index: u64,
 }

@@ -148,9 +148,34 @@ impl State {
             }
         }
         match mode {
-            Some(m) => self.shared.insert(gpu_uuid.to_string(), m),
-            None => self.shared.remove(gpu_uuid),
-        };
+            Some(m) => {
+                self.share_off.remove(gpu_uuid);
+                self.shared.insert(gpu_uuid.to_string(), m);
+            }
+            None => {
+                self.share_off.insert(gpu_uuid.to_string());
+                self.shared.remove(gpu_uuid);
+            }
+        }
         Ok(Outcome::Done)
+    }
+
+    /// An agent's default (`--share-gpus`), applied when it registers: each
+    /// of its GPUs no admin decided on, not in MIG mode (nor going there or
+    /// being repartitioned) and not held whole, is shared in that mode. A
+    /// GPU already shared keeps its mode.
+    pub(super) fn share_by_default(&mut self, info: &gpuctl_core::types::AgentInfo) {
+        let Some(mode) = info.share_gpus else {
+            return;
+        };
+        for g in &info.gpus {
+            let free = !g.mig.enabled
+                && g.mig.pending != Some(true)
+                && !self.mig_changes.contains_key(&g.uuid)
+                && !self.gpu_owner.contains_key(&g.uuid);
+            if free && !self.share_off.contains(&g.uuid) && !self.shared.contains_key(&g.uuid) {
+                self.shared.insert(g.uuid.clone(), mode);
+            }
+        }
     }
 }

@@ -603,3 +603,55 @@ fn a_fractions_task_spec_names_its_mode_and_tenant_for_its_mps_server() {
     d.launch_at(&w, &[("a", &["GPU-a-1"])], 2).unwrap();
     assert!(d.s.task_spec(&format!("{w}.0")).unwrap().share.is_none());
 }
+
+/// Agent `b` with two GPUs and the default `mode`, registering (again).
+fn register_sharing(mode: Option<ShareMode>, running: &[&str]) -> Command {
+    let mut c = register("b", 2);
+    if let Command::RegisterAgent {
+        info,
+        running_task_ids,
+        ..
+    } = &mut c
+    {
+        info.share_gpus = mode;
+        *running_task_ids = running.iter().map(|t| t.to_string()).collect();
+    }
+    c
+}
+
+#[test]
+fn an_agents_default_shares_its_gpus_unless_an_admin_said_otherwise() {
+    let mut d = driver();
+    d.apply(register_sharing(Some(ShareMode::Mps), &[]))
+        .unwrap();
+    assert_eq!(d.s.share_mode("GPU-b-0"), Some(ShareMode::Mps));
+    assert_eq!(d.s.share_mode("GPU-b-1"), Some(ShareMode::Mps));
+    // An admin's choice stands over it at the next registration: one GPU
+    // off, the other in another mode.
+    share(&mut d, "GPU-b-0", None).unwrap();
+    share(&mut d, "GPU-b-1", Some(ShareMode::TimeSlice)).unwrap();
+    d.apply(register_sharing(Some(ShareMode::Mps), &[]))
+        .unwrap();
+    assert_eq!(d.s.share_mode("GPU-b-0"), None);
+    assert_eq!(d.s.share_mode("GPU-b-1"), Some(ShareMode::TimeSlice));
+    // Without a default, nothing changes either way.
+    d.apply(register_sharing(None, &[])).unwrap();
+    assert_eq!(d.s.share_mode("GPU-b-1"), Some(ShareMode::TimeSlice));
+    assert!(violations(&d.s).is_empty(), "{:?}", violations(&d.s));
+}
+
+#[test]
+fn an_agents_default_leaves_a_gpu_held_whole_alone() {
+    let mut d = Driver::new(&[("b", 2)]);
+    let whole = d.submit(spec(None, 1));
+    d.launch_at(&whole, &[("b", &["GPU-b-0"])], 2).unwrap();
+    let task = format!("{whole}.0");
+    d.apply(register_sharing(
+        Some(ShareMode::TimeSlice),
+        &[task.as_str()],
+    ))
+    .unwrap();
+    assert_eq!(d.s.share_mode("GPU-b-0"), None, "held whole");
+    assert_eq!(d.s.share_mode("GPU-b-1"), Some(ShareMode::TimeSlice));
+    assert!(violations(&d.s).is_empty(), "{:?}", violations(&d.s));
+}

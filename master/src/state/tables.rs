@@ -368,6 +368,7 @@ mod tests {
     fn agent(id: &str, gpus: &[&str]) -> AgentRecord {
         AgentRecord {
             info: AgentInfo {
+                share_gpus: None,
                 id: id.into(),
                 hostname: id.into(),
                 address: String::new(),

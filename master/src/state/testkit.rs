@@ -91,6 +91,7 @@ pub fn status(agent: &str, task: &str, state: TaskState) -> StatusUpdate {
 pub fn register(id: &str, gpus: u32) -> Command {
     Command::RegisterAgent {
         info: AgentInfo {
+            share_gpus: None,
             id: id.into(),
             hostname: format!("{id}.host"),
             address: format!("{id}.host:7051"),
