@@ -366,6 +366,20 @@ impl Drop for Daemon {
     }
 }
 
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        // The agents first, so that none starts an MPS daemon again; then
+        // the daemons they left (an agent killed by a test leaves them, as
+        // a real one does), whether the test passed or not.
+        for a in &mut self.agents {
+            a.stop();
+        }
+        for n in 0..self.agents.len() {
+            stop_mps_daemons(&self.dir.path().join(format!("agent{n}")));
+        }
+    }
+}
+
 pub type Env = Vec<(String, String)>;
 
 /// A master, and agents added to it, in one temp dir.
@@ -1588,7 +1602,8 @@ pub fn fake_mps_control() -> PathBuf {
 
 /// Kills the MPS daemons an agent with work dir `work` left (an agent
 /// killed by a test does not stop them, as a real one does not) and
-/// unmounts their shm, so nothing of a test outlives it.
+/// unmounts their shm, so nothing of a test outlives it (a [`Cluster`]
+/// does this for its agents when dropped).
 pub fn stop_mps_daemons(work: &Path) {
     let root = work.join("mps");
     for gpu in std::fs::read_dir(&root).into_iter().flatten().flatten() {

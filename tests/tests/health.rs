@@ -555,5 +555,4 @@ fn an_mps_fraction_whose_processes_together_pass_its_memory_fails_with_gpu_memor
     assert_eq!(s.c.job(&fine_job)["state"], "RUNNING");
     s.c.ok(&["jobs", "cancel", &fine_job]);
     s.c.wait_job(&fine_job, 30);
-    gpuctl_tests::stop_mps_daemons(&s.c.dir.path().join("agent0"));
 }

@@ -284,8 +284,6 @@ fn mps_fractions_get_a_daemon_their_limits_and_only_their_gpus_pipe() {
         c.ok(&["jobs", "cancel", j]);
         c.wait_job(j, 60);
     }
-    // Nothing of the test outlives it.
-    gpuctl_tests::stop_mps_daemons(&c.dir.path().join("agent0"));
 }
 
 /// The next event of the stream that `want` takes, acknowledging every
@@ -535,5 +533,4 @@ fn a_framework_launches_two_fractions_of_a_shared_gpu() {
             .await
             .unwrap();
     });
-    gpuctl_tests::stop_mps_daemons(&c.dir.path().join("agent0"));
 }
