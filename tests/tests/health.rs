@@ -402,16 +402,7 @@ fn tasks_sharing_a_gpu_each_report_their_processes_memory() {
     let big = fraction("big", "10GiB");
     let small = fraction("small", "1GiB");
     // Each task's host processes (two sleeps at least), from outside.
-    let mut pids: HashMap<String, Vec<i32>> = HashMap::new();
-    wait_for(Duration::from_secs(10), "both tasks' processes", || {
-        pids.clear();
-        for t in gpuctl_tests::live_tasks("PROCMEM", &marker) {
-            pids.entry(t.task_id).or_default().push(t.pid);
-        }
-        [&big, &small]
-            .iter()
-            .all(|t| pids.get(*t).is_some_and(|p| p.len() >= 2))
-    });
+    let pids = two_processes_each("PROCMEM", &marker, &[&big, &small]);
     // big: 3000 MiB on one process and 174 on another; small: 512; a
     // process of nobody's (the MPS daemon, say) is not counted.
     let mut procs = vec![json!({"pid": 1, "memory_used_mib": 4096})];
@@ -479,6 +470,22 @@ fn tasks_sharing_a_gpu_each_report_their_processes_memory() {
     assert!(row(&small).contains("0.5/1GiB"), "{table}");
 }
 
+/// The host pids of each of `tasks` (jobs submitted with
+/// `--env marker=value`), once each has two live processes.
+fn two_processes_each(marker: &str, value: &str, tasks: &[&str]) -> HashMap<String, Vec<i32>> {
+    let mut pids: HashMap<String, Vec<i32>> = HashMap::new();
+    wait_for(Duration::from_secs(10), "the tasks' processes", || {
+        pids.clear();
+        for t in gpuctl_tests::live_tasks(marker, value) {
+            pids.entry(t.task_id).or_default().push(t.pid);
+        }
+        tasks
+            .iter()
+            .all(|t| pids.get(*t).is_some_and(|p| p.len() >= 2))
+    });
+    pids
+}
+
 /// Issue 34 item 2: MPS holds each process of a task to its fraction, not
 /// the task: two processes each under the limit, together over it (the
 /// device plugin's #720). The agent sees the total in NVML's per-process
@@ -515,16 +522,7 @@ fn an_mps_fraction_whose_processes_together_pass_its_memory_fails_with_gpu_memor
     };
     let (hog_job, hog) = fraction("hog");
     let (fine_job, fine) = fraction("fine");
-    let mut pids: HashMap<String, Vec<i32>> = HashMap::new();
-    wait_for(Duration::from_secs(10), "both tasks' processes", || {
-        pids.clear();
-        for t in gpuctl_tests::live_tasks("MEMLIMIT", &marker) {
-            pids.entry(t.task_id).or_default().push(t.pid);
-        }
-        [&hog, &fine]
-            .iter()
-            .all(|t| pids.get(*t).is_some_and(|p| p.len() >= 2))
-    });
+    let pids = two_processes_each("MEMLIMIT", &marker, &[&hog, &fine]);
     // hog: 600 MiB on each of two processes, each under its 1024 MiB MPS
     // limit, 1200 together; fine: 512 on one.
     let mut procs = Vec::new();
