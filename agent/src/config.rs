@@ -32,6 +32,10 @@ pub struct AgentConfig {
     /// The MPS control program for GPUs shared in `mps` mode; `None`: the
     /// driver volume's or PATH's; empty: none (MPS off here).
     pub mps_control: Option<PathBuf>,
+    /// The Docker runtime whose hook has the driver cap a fraction's
+    /// container (`gpuctl-runc`, registered with dockerd under this name);
+    /// empty: containers are not capped by the driver.
+    pub docker_cap_runtime: String,
     pub cpus: Option<f64>,
     pub mem_mib: Option<u64>,
     /// Between SIGTERM and SIGKILL when a task is killed.
@@ -103,6 +107,7 @@ impl AgentConfig {
             runtimes: None,
             nvml_lib: None,
             mps_control: None,
+            docker_cap_runtime: DEFAULT_CAP_RUNTIME.to_string(),
             cpus: None,
             mem_mib: None,
             kill_grace: Duration::from_secs(10),
@@ -146,6 +151,8 @@ pub struct AgentSecurity {
 
 /// The agent API's port unless told otherwise.
 pub const DEFAULT_PORT: u16 = 7051;
+/// The name `gpuctl-runc` is registered with dockerd under by default.
+pub const DEFAULT_CAP_RUNTIME: &str = "gpuctl";
 
 /// Default of `--task-retention`.
 pub const DEFAULT_TASK_RETENTION: Duration = Duration::from_secs(24 * 3600);
@@ -207,6 +214,11 @@ pub struct Options {
     /// turns MPS off: tasks on mps GPUs then run unenforced and say so).
     #[arg(long, env = "GPUCTL_AGENT_MPS_CONTROL")]
     pub mps_control: Option<PathBuf>,
+    /// The Docker runtime (registered with dockerd --add-runtime) that caps
+    /// a fraction's container with the driver's GPU memory cap: a link named
+    /// gpuctl-runc to gpuctl-agent (default: gpuctl; "" turns it off).
+    #[arg(long, env = "GPUCTL_AGENT_DOCKER_CAP_RUNTIME", value_name = "NAME")]
+    pub docker_cap_runtime: Option<String>,
     /// Mark this agent's GPUs shareable by fractions when it registers:
     /// mps or time-slice (docs/sharing.md). A GPU an admin set with
     /// `gpuctl gpus share` (--off included), in MIG mode or held whole is
@@ -373,6 +385,7 @@ struct FileOptions {
     runtime: Option<String>,
     nvml_lib: Option<PathBuf>,
     mps_control: Option<PathBuf>,
+    docker_cap_runtime: Option<String>,
     share_gpus: Option<String>,
     cpus: Option<f64>,
     mem_mib: Option<u64>,
@@ -481,6 +494,7 @@ impl Options {
             fill!(opt runtime);
             fill!(opt nvml_lib);
             fill!(opt mps_control);
+            fill!(opt docker_cap_runtime);
             fill!(opt share_gpus);
             fill!(opt cpus);
             fill!(opt mem_mib);
@@ -670,6 +684,10 @@ impl Options {
             runtimes: self.runtime.as_deref().map(parse_runtimes).transpose()?,
             nvml_lib: self.nvml_lib.clone(),
             mps_control: self.mps_control.clone(),
+            docker_cap_runtime: self
+                .docker_cap_runtime
+                .clone()
+                .unwrap_or_else(|| DEFAULT_CAP_RUNTIME.to_string()),
             cpus: self.cpus,
             mem_mib: self.mem_mib,
             kill_grace: Duration::from_secs_f64(self.kill_grace_secs),
@@ -804,6 +822,23 @@ mod tests {
                 "{bad}: {e}"
             );
         }
+    }
+
+    #[test]
+    fn the_docker_cap_runtime_defaults_to_gpuctl_and_empty_turns_it_off() {
+        let load = |args: &[&str]| {
+            let mut a = vec!["gpuctl-agent"];
+            a.extend(args);
+            Options::load_from(a).unwrap().to_config().unwrap()
+        };
+        assert_eq!(load(&[]).docker_cap_runtime, "gpuctl");
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("agent.toml");
+        std::fs::write(&f, "docker_cap_runtime = \"\"\n").unwrap();
+        let file = f.to_str().unwrap();
+        assert_eq!(load(&["--config", file]).docker_cap_runtime, "");
+        let c = load(&["--config", file, "--docker-cap-runtime", "nv"]);
+        assert_eq!(c.docker_cap_runtime, "nv", "flag wins");
     }
 
     #[test]

@@ -384,8 +384,26 @@ pub async fn serve(
         Ok(()) => tracing::info!("driver memory cap available: fractions of host-process tasks on cgroup v2 are capped by the driver"),
         Err(e) => tracing::info!(reason = %e, "no driver memory cap: fractions are enforced by MPS or not at all"),
     }
+    let memcap = Arc::new(memcap);
+    // Containers' cgroups are capped from their runc hook, which reaches the
+    // agent on this socket (gpu::cap_socket, runtime::oci_hook).
+    let cap_runtime = Some(config.docker_cap_runtime.clone()).filter(|n| !n.is_empty());
+    let cap_socket = match (&cap_runtime, memcap.probe()) {
+        (Some(_), Ok(())) => {
+            match gpu::cap_socket::CapSocket::start(&config.work_dir, memcap.clone()) {
+                Ok(s) => Some(s),
+                Err(e) => {
+                    tracing::warn!(error = %e, "no driver memory cap for containers: its socket");
+                    None
+                }
+            }
+        }
+        _ => None,
+    };
     let isolation_setup = executor::IsolationSetup {
-        memcap: Arc::new(memcap),
+        cap_socket,
+        cap_runtime,
+        memcap,
         mps: mps.clone(),
         isolator,
         gpu_grants: gpu_grants.clone(),

@@ -6,6 +6,10 @@ use std::process::ExitCode;
 use gpuctl_agent::config::Options;
 
 fn main() -> ExitCode {
+    // `gpuctl-runc` (a link to this binary) and its hook: runc's wrapper.
+    if let Some(code) = gpuctl_agent::runtime::oci_hook::main_if_requested() {
+        return code;
+    }
     // Before any thread exists: the supervisor blocks signals for itself.
     if let Some(code) = gpuctl_agent::runtime::supervisor::main_if_requested() {
         return code;

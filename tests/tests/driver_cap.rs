@@ -152,3 +152,145 @@ fn a_fractions_host_process_is_capped_by_the_driver_on_its_own_cgroup() {
     assert_eq!(c.wait_job(&j, 30).0, 0);
     drop(c);
 }
+
+/// The same cap for a fraction's container: Docker creates it with the
+/// `gpuctl` runtime (`gpuctl-runc`, registered with dockerd as .ci/run
+/// does), whose hook has the agent cap the container's own cgroup v2 before
+/// its workload runs. The task says `none` while starting (time-slice holds
+/// nothing) and `driver` once running; the cap is on the cgroup named after
+/// its container. A job that sets the hook's variable itself gets nothing
+/// from it.
+#[test]
+fn a_fractions_container_is_capped_by_the_driver_through_the_runtime_hook() {
+    if !gpuctl_tests::docker_or_skip(
+        "a_fractions_container_is_capped_by_the_driver_through_the_runtime_hook",
+    ) {
+        return;
+    }
+    let required = std::env::var("GPUCTL_REQUIRE_DOCKER").as_deref() == Ok("1");
+    let runtimes = std::process::Command::new("docker")
+        .args(["info", "--format", "{{json .Runtimes}}"])
+        .output()
+        .unwrap();
+    if !String::from_utf8_lossy(&runtimes.stdout).contains("\"gpuctl\"") {
+        assert!(!required, "dockerd has no runtime gpuctl (see .ci/run)");
+        eprintln!("skipped: dockerd has no runtime gpuctl");
+        return;
+    }
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    if gpuctl_agent::gpu::cap_socket::cgroup2_mount(&mounts).is_none() {
+        assert!(
+            !required,
+            "no cgroup2 hierarchy: containers have no cgroup v2 to cap"
+        );
+        eprintln!("skipped: no cgroup2 hierarchy");
+        return;
+    }
+    let image = gpuctl_tests::busybox_image();
+    let mut c = Cluster::start(&[]);
+    let dev = c.dir.path().join("dev");
+    make_dev_root(&dev, 2);
+    let driver = c.dir.path().join("driver");
+    make_driver_tree(&driver, "615.20.01");
+    let fake = c.dir.path().join("machine.json");
+    write(&fake, &machine(true));
+    c.add_agent(AgentOpts {
+        simulate_gpus: None,
+        runtime: "docker",
+        extra: vec![
+            "--nvml-lib".into(),
+            fake_nvml_lib().display().to_string(),
+            "--dev-root".into(),
+            dev.display().to_string(),
+            "--driver-root".into(),
+            driver.display().to_string(),
+        ],
+        env: vec![("FAKE_NVML_CONFIG".into(), fake.display().to_string())],
+        stop_tasks_on_shutdown: true,
+    });
+    let uuid = c.json(&["gpus", "--json"])[0]["uuid"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    c.ok(&["gpus", "share", &uuid, "--mode", "time-slice"]);
+    let j = c.submit(&[
+        "--name",
+        "capped",
+        "--image",
+        &image,
+        "--gpu-mem",
+        "10GiB",
+        "--cpus",
+        "0.1",
+        "--",
+        "sh",
+        "-c",
+        "env; echo ready; sleep 600",
+    ]);
+    c.wait_state(&j, "RUNNING", Duration::from_secs(60));
+    wait_for(Duration::from_secs(30), "enforcement driver", || {
+        c.job(&j)["tasks"][0]["enforcement"] == "driver"
+    });
+    let got = c.ok(&["jobs", "get", &j]);
+    assert!(
+        got.contains(&format!("Enforcement of {j}.0: driver")),
+        "{got}"
+    );
+    let task = c.job(&j)["tasks"][0]["id"].as_str().unwrap().to_string();
+    let id = std::process::Command::new("docker")
+        .args([
+            "ps",
+            "-q",
+            "--no-trunc",
+            "--filter",
+            &format!("label=gpuctl.task_id={task}"),
+        ])
+        .output()
+        .unwrap();
+    let id = String::from_utf8_lossy(&id.stdout).trim().to_string();
+    assert_eq!(id.len(), 64, "one running container for {task}: {id:?}");
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(&fake).unwrap()).unwrap();
+    let on_container: Vec<&Value> = v["gpus"][0]["cgroup_memory_limits"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|e| e["cgroup"].as_str().is_some_and(|p| p.ends_with(&id)))
+        .collect();
+    assert_eq!(on_container.len(), 1, "{v}");
+    assert_eq!(on_container[0]["hard_bytes"], json!(10 * GIB));
+    // No reservation (soft 0): runc removes this cgroup, uncleared.
+    assert_eq!(on_container[0]["soft_bytes"], json!(0));
+    // The capped cgroup is the container's, with its process in it.
+    let cgroup = PathBuf::from(on_container[0]["cgroup"].as_str().unwrap());
+    let procs = std::fs::read_to_string(cgroup.join("cgroup.procs")).unwrap();
+    assert!(!procs.trim().is_empty(), "{}", cgroup.display());
+    wait_for(Duration::from_secs(30), "its output", || {
+        c.ok(&["jobs", "logs", &j]).contains("ready")
+    });
+    let out = c.ok(&["jobs", "logs", &j]);
+    assert!(!out.contains("GPUCTL_DRIVER_CAP"), "{out}");
+
+    // A whole-GPU job that sets the hook's variable itself: scrubbed, no
+    // hook, no cap, and it runs.
+    let w = c.submit(&[
+        "--name",
+        "sneaky",
+        "--image",
+        &image,
+        "--gpus",
+        "1",
+        "--cpus",
+        "0.1",
+        "--env",
+        "GPUCTL_DRIVER_CAP=/nonexistent.sock|other",
+        "--",
+        "sh",
+        "-c",
+        "echo cap=${GPUCTL_DRIVER_CAP:-unset}",
+    ]);
+    assert_eq!(c.wait_job(&w, 60).0, 0);
+    let out = c.ok(&["jobs", "logs", &w]);
+    assert!(out.contains("cap=unset"), "{out}");
+    c.ok(&["jobs", "cancel", &j]);
+    drop(c);
+}

@@ -114,6 +114,12 @@ pub struct IsolationSetup {
     pub mps: Arc<crate::gpu::mps::Mps>,
     /// The driver's per-cgroup GPU memory cap (r615+), for fractions.
     pub memcap: Arc<crate::gpu::memcap::DriverCap>,
+    /// Where containers' cap hooks reach the agent; `None`: containers are
+    /// not capped by the driver.
+    pub cap_socket: Option<Arc<crate::gpu::cap_socket::CapSocket>>,
+    /// The Docker runtime that adds the cap hook (`gpuctl`, registered
+    /// with dockerd); `None`: off.
+    pub cap_runtime: Option<String>,
 }
 
 /// How a task ended, as reported to the master.
@@ -817,6 +823,8 @@ impl Executor {
         env.insert("GPUCTL_GPUS".into(), ids);
         env.insert("GPUCTL_TASK_ID".into(), spec.task_id.clone());
         env.insert("GPUCTL_JOB_ID".into(), spec.job_id.clone());
+        // Only the agent asks for the driver's cap.
+        env.remove(crate::runtime::oci_hook::CAP_ENV);
         env
     }
 
@@ -881,6 +889,7 @@ impl Executor {
                 }
             }
         }
+        let mut enforcement = None;
         if !started {
             if reattach {
                 // Checkpointed by an agent that died before the runtime
@@ -892,15 +901,21 @@ impl Executor {
                     _ = stop.wait_for(|s| s.is_some()) => {}
                 }
             }
-            if let Err(o) = self.start(spec, &rt, stop, fence_ms).await {
-                // What was made for it before it failed (its cgroup, its
-                // claim on an MPS daemon, a driver cap) goes with it.
-                self.release(task_id);
-                return o;
+            match self.start(spec, &rt, stop, fence_ms).await {
+                Ok(e) => enforcement = e,
+                Err(o) => {
+                    // What was made for it before it failed (its cgroup, its
+                    // claim on an MPS daemon, a driver cap) goes with it.
+                    self.release(task_id);
+                    return o;
+                }
             }
         }
         self.set_phase(task_id, Phase::Running);
-        self.send(self.update(task_id, TaskState::Running)).await;
+        let mut running = self.update(task_id, TaskState::Running);
+        // A level known only once the container was made (its driver cap).
+        running.enforcement = enforcement;
+        self.send(running).await;
 
         // Follow it to its end; a stop request is carried out beside.
         let wait = rt.wait(&tref);
@@ -938,7 +953,7 @@ impl Executor {
         rt: &Arc<dyn ContainerRuntime>,
         stop: &mut watch::Receiver<Option<StopReason>>,
         fence_ms: u64,
-    ) -> Result<(), Outcome> {
+    ) -> Result<Option<gpuctl_core::types::Enforcement>, Outcome> {
         let task_id = spec.task_id.as_str();
         if let Some(r) = stop.borrow().clone() {
             return Err(Outcome::refused(&r, fence_ms));
@@ -1040,6 +1055,16 @@ impl Executor {
             }
             _ => false,
         };
+        // A container's own cgroup exists only once runc creates it: there
+        // the `gpuctl-runc` runtime's hook has it capped before the workload
+        // runs (runtime::oci_hook). STARTING says what holds without it;
+        // RUNNING says `driver` once the cap held.
+        let container_cap = match (&spec.share, spec.gpu_uuids.first()) {
+            (Some(sh), Some(gpu)) if !driver && rt.kind() == Runtime::Docker => {
+                self.container_cap(task_id, rt.as_ref(), gpu, sh.fraction.mem_mib)
+            }
+            _ => None,
+        };
         let mut starting = self.update(task_id, TaskState::Starting);
         starting.enforcement = spec.share.as_ref().map(|_| match (driver, mps.is_some()) {
             (true, _) => gpuctl_core::types::Enforcement::Driver,
@@ -1070,6 +1095,9 @@ impl Executor {
             };
             env.extend(crate::gpu::mps::client_env(&pipe, &sh.fraction));
         }
+        if let (Some((_, value)), Some(_)) = (&container_cap, &self.isolation.cap_socket) {
+            env.insert(crate::runtime::oci_hook::CAP_ENV.to_string(), value.clone());
+        }
         let launch = LaunchSpec {
             env,
             log_path: sandbox.join(LOG_FILE),
@@ -1091,15 +1119,67 @@ impl Executor {
                 driver: self.isolation.driver.clone(),
                 dev_root: Some(self.isolation.isolator.dev_root().to_path_buf()),
                 pids_max: self.isolation.isolator.pids_max(),
+                oci_runtime: container_cap.as_ref().map(|(name, _)| name.clone()),
             },
             state_dir: self.state_dir(task_id),
             fence: (!spec.no_fence).then(|| checkpoint::contact_path(&self.work_dir)),
             security,
             task: spec.clone(),
         };
+        let started = self
+            .start_with_backoff(task_id, rt.as_ref(), &launch, stop, fence_ms)
+            .await;
+        let capped = container_cap
+            .and(self.isolation.cap_socket.as_ref())
+            .map(|s| s.done(task_id));
+        started?;
+        if let Err(e) = checkpoint::write_atomic(&launch.state_dir.join(STARTED_FILE), b"") {
+            tracing::warn!(task_id, error = %e, "could not record that the task started");
+        }
+        Ok(match capped {
+            Some(Ok(())) => Some(gpuctl_core::types::Enforcement::Driver),
+            Some(Err(why)) => {
+                tracing::info!(task_id, reason = %why, "the container is not capped by the driver");
+                None
+            }
+            None => None,
+        })
+    }
+
+    /// Task `task_id`'s container capped by the driver through the
+    /// `gpuctl-runc` hook, when this agent and its Docker daemon can: the
+    /// runtime's name and the container's `GPUCTL_DRIVER_CAP`. The cap is
+    /// expected from here until the start is over.
+    fn container_cap(
+        &self,
+        task_id: &str,
+        rt: &dyn crate::runtime::ContainerRuntime,
+        gpu_uuid: &str,
+        mem_mib: u64,
+    ) -> Option<(String, String)> {
+        let socket = self.isolation.cap_socket.as_ref()?;
+        let name = self.isolation.cap_runtime.as_deref()?;
+        if let Err(why) = rt.cap_runtime(name) {
+            tracing::info!(task_id, reason = %why, "no driver memory cap for the container");
+            return None;
+        }
+        socket.expect(task_id, gpu_uuid, mem_mib);
+        Some((name.to_string(), socket.env_value(task_id)))
+    }
+
+    /// Starts the task, waiting out runtime outages until it is no longer
+    /// wanted.
+    async fn start_with_backoff(
+        &self,
+        task_id: &str,
+        rt: &dyn crate::runtime::ContainerRuntime,
+        launch: &LaunchSpec,
+        stop: &mut watch::Receiver<Option<StopReason>>,
+        fence_ms: u64,
+    ) -> Result<(), Outcome> {
         let mut backoff = Backoff::new(OUTAGE_BACKOFF_MIN, OUTAGE_BACKOFF_MAX);
         loop {
-            match rt.start(&launch).await {
+            match rt.start(launch).await {
                 Ok(()) => break,
                 // The runtime is down: not the task's fault; try again
                 // until it answers or the task is no longer wanted.
@@ -1127,9 +1207,6 @@ impl Executor {
                     });
                 }
             }
-        }
-        if let Err(e) = checkpoint::write_atomic(&launch.state_dir.join(STARTED_FILE), b"") {
-            tracing::warn!(task_id, error = %e, "could not record that the task started");
         }
         Ok(())
     }
@@ -1501,6 +1578,8 @@ mod shell_tests {
                 memcap: Arc::new(crate::gpu::memcap::DriverCap::off(
                     dir.path().join("memcap"),
                 )),
+                cap_socket: None,
+                cap_runtime: None,
             },
             tx,
         );

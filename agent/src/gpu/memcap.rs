@@ -185,16 +185,20 @@ impl DriverCap {
         self.open().map(|_| ())
     }
 
-    /// Caps `cgroup` on `gpu_uuid` at `mem_mib` (soft = hard: a strict
-    /// partition, no eviction) and reads it back. Ok only when the read-back
-    /// hard limit is set and at most the cap; a cap set but not confirmed
-    /// is cleared again.
+    /// Caps `cgroup` on `gpu_uuid` at `mem_mib` and reads it back. Ok only
+    /// when the read-back hard limit is set and at most the cap; a cap set
+    /// but not confirmed is cleared again. The soft limit is the hard one
+    /// (a strict partition, no eviction) for a cgroup the agent removes
+    /// itself, after `clear`; 0 for one that runc removes (a container's),
+    /// which nothing clears first: on the dmem backend a soft limit left at
+    /// removal stays reserved in the ancestors.
     pub fn apply(
         &self,
         task_id: &str,
         gpu_uuid: &str,
         cgroup: &Path,
         mem_mib: u64,
+        cleared_before_removal: bool,
     ) -> Result<Capped, MemCapError> {
         let s = self.open()?;
         let dev = whole_gpu(&s.nvml, gpu_uuid)?;
@@ -217,7 +221,8 @@ impl DriverCap {
             cgroup: cgroup.to_path_buf(),
             source,
         };
-        if let Err(e) = set_limits(&s, &dev, &name, want, want) {
+        let soft = if cleared_before_removal { want } else { 0 };
+        if let Err(e) = set_limits(&s, &dev, &name, soft, want) {
             self.forget(task_id);
             return Err(call_err(SET_SYMBOL, e));
         }
@@ -294,7 +299,8 @@ impl DriverCap {
             gpu_uuid.to_string(),
             cgroup.to_path_buf(),
         );
-        let r = tokio::task::spawn_blocking(move || me.apply(&task, &gpu, &dir, mem_mib)).await;
+        let r =
+            tokio::task::spawn_blocking(move || me.apply(&task, &gpu, &dir, mem_mib, true)).await;
         match r {
             Ok(Ok(c)) => {
                 tracing::info!(task_id, gpu_uuid, cgroup = %cgroup.display(), hard_bytes = c.hard_bytes, "the driver caps the task's GPU memory");
@@ -434,7 +440,7 @@ mod tests {
     fn an_agent_without_nvml_caps_nothing_and_clears_what_it_recorded() {
         let d = tempfile::tempdir().unwrap();
         let cap = DriverCap::off(d.path().to_path_buf());
-        let err = cap.apply("t1", "GPU-1", d.path(), 1024).unwrap_err();
+        let err = cap.apply("t1", "GPU-1", d.path(), 1024, true).unwrap_err();
         assert!(matches!(err, MemCapError::Off), "{err}");
         assert!(!cap.clear("t1").unwrap(), "nothing recorded");
         // A record whose cgroup is gone (removed with the task): nothing left

@@ -7,6 +7,7 @@
 //! PCIe path; its MIG mode, MIG devices and free MIG profiles (`mig.rs`);
 //! per host: driver and CUDA driver versions. See docs/hardware.md.
 
+pub mod cap_socket;
 pub mod health;
 mod labels;
 pub mod memcap;

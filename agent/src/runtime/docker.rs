@@ -75,6 +75,9 @@ pub struct DockerRuntime {
     /// Docker's own device rules are the ones that hold (see
     /// docs/isolation.md).
     cgroup_driver: Arc<OnceLock<CgroupDriver>>,
+    /// Learnt with the cgroup driver: what the driver cap of containers
+    /// needs of the daemon (`oci_hook`).
+    cap_facts: Arc<OnceLock<CapFacts>>,
     health: Arc<Mutex<RuntimeStatus>>,
     /// The binary that runs each container's fence watcher
     /// (`<exe> fence-container DIR`); `None`: containers are fenced only by
@@ -86,6 +89,28 @@ pub struct DockerRuntime {
     /// How GPU containers got their GPUs last (CDI or `--device`, and why),
     /// so that the agent says so when it changes, not for every task.
     gpu_path: Arc<Mutex<Option<String>>>,
+}
+
+/// What the daemon said of itself that the containers' driver cap needs.
+/// Whether a container has a cgroup v2 of its own to cap (a v2 host, or a
+/// hybrid one where runc also makes one on the unified hierarchy) is found
+/// per container, by its hook.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CapFacts {
+    /// The OCI runtimes registered with the daemon (`--add-runtime`).
+    pub runtimes: Vec<String>,
+}
+
+impl CapFacts {
+    /// Whether containers can be created with runtime `name`.
+    pub fn check(&self, name: &str) -> Result<(), String> {
+        if !self.runtimes.iter().any(|r| r == name) {
+            return Err(format!(
+                "the Docker daemon has no runtime {name:?} (dockerd --add-runtime {name}=/usr/lib/gpuctl/gpuctl-runc)"
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// Docker's cgroup driver.
@@ -132,6 +157,7 @@ impl DockerRuntime {
             docker: Arc::new(Mutex::new(None)),
             addr,
             cgroup_driver: Arc::new(OnceLock::new()),
+            cap_facts: Arc::new(OnceLock::new()),
             health: Arc::new(Mutex::new(RuntimeStatus {
                 available: false,
                 message: "not contacted yet".into(),
@@ -231,9 +257,12 @@ impl DockerRuntime {
         let res = tokio::time::timeout(PING_TIMEOUT, async {
             docker.ping().await?;
             if self.cgroup_driver.get().is_none() {
-                let driver = docker
-                    .info()
-                    .await?
+                let info = docker.info().await?;
+                let mut runtimes: Vec<String> =
+                    info.runtimes.unwrap_or_default().into_keys().collect();
+                runtimes.sort();
+                let _ = self.cap_facts.set(CapFacts { runtimes });
+                let driver = info
                     .cgroup_driver
                     .map(|d| d.to_string())
                     .unwrap_or_default();
@@ -707,6 +736,13 @@ impl ContainerRuntime for DockerRuntime {
         self.list_tasks(agent_id).boxed()
     }
 
+    fn cap_runtime(&self, name: &str) -> Result<(), String> {
+        match self.cap_facts.get() {
+            Some(f) => f.check(name),
+            None => Err("the Docker daemon has not answered this agent yet".into()),
+        }
+    }
+
     fn status(&self) -> RuntimeStatus {
         self.health
             .lock()
@@ -978,6 +1014,7 @@ fn container_config(
                 .collect(),
         ),
         security_opt: Some(vec!["no-new-privileges".to_string()]),
+        runtime: iso.oci_runtime.clone(),
         ..Default::default()
     };
     let mut env = spec.env.clone();
@@ -1566,6 +1603,33 @@ mod tests {
             h.binds.as_deref().unwrap(),
             ["/tmp/t/volumes/nvidia_535.129.03:/usr/local/nvidia:ro"]
         );
+    }
+
+    #[test]
+    fn a_capped_fraction_is_created_with_the_cap_runtime_and_others_with_the_default() {
+        let dir = Path::new("/tmp/t");
+        let mut s = gpu_launch(dir, Vec::new());
+        let config = |s: &LaunchSpec| {
+            container_config(
+                s,
+                "img",
+                &ImageFacts::default(),
+                CgroupDriver::Cgroupfs,
+                None,
+            )
+        };
+        assert_eq!(config(&s).host_config.unwrap().runtime, None);
+        s.isolation.oci_runtime = Some("gpuctl".into());
+        assert_eq!(
+            config(&s).host_config.unwrap().runtime.as_deref(),
+            Some("gpuctl")
+        );
+        let facts = CapFacts {
+            runtimes: vec!["gpuctl".into(), "runc".into()],
+        };
+        assert_eq!(facts.check("gpuctl"), Ok(()));
+        let e = facts.check("other").unwrap_err();
+        assert!(e.contains("--add-runtime other="), "{e}");
     }
 
     #[test]

@@ -25,6 +25,7 @@ use gpuctl_core::types::{Runtime, TaskSpec};
 pub mod docker;
 pub mod fence;
 pub mod image;
+pub mod oci_hook;
 pub mod process;
 pub mod supervisor;
 pub mod task_init;
@@ -112,6 +113,9 @@ pub struct TaskIsolation {
     /// At most this many processes and threads (a container's
     /// `PidsLimit`; a host process gets it from its cgroup).
     pub pids_max: Option<u64>,
+    /// The Docker runtime to create the container with (`gpuctl`, which
+    /// adds the driver cap's hook); `None`: the daemon's default.
+    pub oci_runtime: Option<String>,
 }
 
 /// The host's NVIDIA driver as NVML reports it (and the agent reports it to
@@ -241,6 +245,13 @@ pub trait ContainerRuntime: Send + Sync {
     fn list<'a>(&'a self, agent_id: &'a str) -> BoxFuture<'a, Result<Vec<String>, RuntimeError>>;
 
     fn status(&self) -> RuntimeStatus;
+
+    /// Whether containers can be created with the OCI runtime `name` whose
+    /// hook has the driver cap their cgroup (`oci_hook`), and why not.
+    fn cap_runtime(&self, name: &str) -> Result<(), String> {
+        let _ = name;
+        Err(format!("the {} runtime runs no containers", self.kind()))
+    }
 }
 
 /// Starts `<exe> <subcommand> <dir>` (a task supervisor, a container's
