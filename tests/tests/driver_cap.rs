@@ -194,7 +194,7 @@ fn a_fractions_container_is_capped_by_the_driver_through_the_runtime_hook() {
     make_driver_tree(&driver, "615.20.01");
     let fake = c.dir.path().join("machine.json");
     write(&fake, &machine(true));
-    c.add_agent(AgentOpts {
+    let agent = c.add_agent(AgentOpts {
         simulate_gpus: None,
         runtime: "docker",
         extra: vec![
@@ -237,17 +237,17 @@ fn a_fractions_container_is_capped_by_the_driver_through_the_runtime_hook() {
         "{got}"
     );
     let task = c.job(&j)["tasks"][0]["id"].as_str().unwrap().to_string();
-    let id = std::process::Command::new("docker")
-        .args([
-            "ps",
-            "-q",
-            "--no-trunc",
-            "--filter",
-            &format!("label=gpuctl.task_id={task}"),
-        ])
-        .output()
-        .unwrap();
-    let id = String::from_utf8_lossy(&id.stdout).trim().to_string();
+    // Task ids repeat across test clusters: the agent's label too.
+    let running = || {
+        let out = std::process::Command::new("docker")
+            .args(["ps", "-q", "--no-trunc"])
+            .args(["--filter", &format!("label=gpuctl.agent_id={agent}")])
+            .args(["--filter", &format!("label=gpuctl.task_id={task}")])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    };
+    let id = running();
     assert_eq!(id.len(), 64, "one running container for {task}: {id:?}");
     let v: Value = serde_json::from_str(&std::fs::read_to_string(&fake).unwrap()).unwrap();
     let on_container: Vec<&Value> = v["gpus"][0]["cgroup_memory_limits"]
@@ -270,6 +270,52 @@ fn a_fractions_container_is_capped_by_the_driver_through_the_runtime_hook() {
     let out = c.ok(&["jobs", "logs", &j]);
     assert!(!out.contains("GPUCTL_DRIVER_CAP"), "{out}");
 
+    // The agent SIGKILLed under the capped container: the container runs
+    // on (same id, still in its capped cgroup), the new agent keeps the
+    // cap's record and serves the hook again for the next fraction.
+    let record = c.dir.path().join(format!("agent0/memcap/{task}.json"));
+    assert!(record.exists(), "{}", record.display());
+    c.restart_agent(0);
+    wait_for(Duration::from_secs(30), "the agent back", || {
+        c.agents_json()
+            .first()
+            .is_some_and(|a| a["state"] == "ACTIVE")
+    });
+    assert_eq!(running(), id);
+    assert!(!std::fs::read_to_string(cgroup.join("cgroup.procs"))
+        .unwrap()
+        .trim()
+        .is_empty());
+    assert_eq!(c.job(&j)["tasks"][0]["enforcement"], "driver");
+    let k = c.submit(&[
+        "--name",
+        "after",
+        "--image",
+        &image,
+        "--gpu-mem",
+        "4GiB",
+        "--cpus",
+        "0.1",
+        "--",
+        "sh",
+        "-c",
+        "sleep 1",
+    ]);
+    assert_eq!(c.wait_job(&k, 60).0, 0);
+    assert_eq!(
+        c.job(&k)["tasks"][0]["enforcement"],
+        "driver",
+        "{}",
+        c.job(&k)
+    );
+    // Its end forgets the cap (runc removed the cgroup with it).
+    c.ok(&["jobs", "cancel", &j]);
+    c.wait_state(&j, "CANCELLED", Duration::from_secs(60));
+    wait_for(Duration::from_secs(30), "the cap's record gone", || {
+        !record.exists()
+    });
+    assert!(!cgroup.exists());
+
     // A whole-GPU job that sets the hook's variable itself: scrubbed, no
     // hook, no cap, and it runs.
     let w = c.submit(&[
@@ -291,6 +337,5 @@ fn a_fractions_container_is_capped_by_the_driver_through_the_runtime_hook() {
     assert_eq!(c.wait_job(&w, 60).0, 0);
     let out = c.ok(&["jobs", "logs", &w]);
     assert!(out.contains("cap=unset"), "{out}");
-    c.ok(&["jobs", "cancel", &j]);
     drop(c);
 }
