@@ -52,6 +52,39 @@ fn recorded(machine: &Path, cgroup: &Path) -> Option<(u64, u64)> {
         })
 }
 
+/// An agent of `runtime` on fake-nvml's two A100s with the cgroup limits
+/// (and their device nodes and an r615 driver tree): its id and the fake's
+/// machine file.
+fn fake_driver_agent(
+    c: &mut Cluster,
+    runtime: &'static str,
+    extra: Vec<String>,
+) -> (String, PathBuf) {
+    let dev = c.dir.path().join("dev");
+    make_dev_root(&dev, 2);
+    let driver = c.dir.path().join("driver");
+    make_driver_tree(&driver, "615.20.01");
+    let fake = c.dir.path().join("machine.json");
+    write(&fake, &machine(true));
+    let mut args = vec![
+        "--nvml-lib".into(),
+        fake_nvml_lib().display().to_string(),
+        "--dev-root".into(),
+        dev.display().to_string(),
+        "--driver-root".into(),
+        driver.display().to_string(),
+    ];
+    args.extend(extra);
+    let agent = c.add_agent(AgentOpts {
+        simulate_gpus: None,
+        runtime,
+        extra: args,
+        env: vec![("FAKE_NVML_CONFIG".into(), fake.display().to_string())],
+        stop_tasks_on_shutdown: true,
+    });
+    (agent, fake)
+}
+
 #[test]
 fn a_fractions_host_process_is_capped_by_the_driver_on_its_own_cgroup() {
     let required = std::env::var("GPUCTL_REQUIRE_DOCKER").as_deref() == Ok("1");
@@ -67,30 +100,16 @@ fn a_fractions_host_process_is_capped_by_the_driver_on_its_own_cgroup() {
         return;
     };
     let mut c = Cluster::start(&[]);
-    let dev = c.dir.path().join("dev");
-    make_dev_root(&dev, 2);
-    let driver = c.dir.path().join("driver");
-    make_driver_tree(&driver, "615.20.01");
-    let fake = c.dir.path().join("machine.json");
-    write(&fake, &machine(true));
-    let agent = c.add_agent(AgentOpts {
-        simulate_gpus: None,
-        runtime: "process",
-        extra: vec![
-            "--nvml-lib".into(),
-            fake_nvml_lib().display().to_string(),
-            "--dev-root".into(),
-            dev.display().to_string(),
-            "--driver-root".into(),
-            driver.display().to_string(),
+    let (agent, fake) = fake_driver_agent(
+        &mut c,
+        "process",
+        vec![
             "--cgroup-root".into(),
             cg2.path().display().to_string(),
             "--cgroup-parent".into(),
             top.clone(),
         ],
-        env: vec![("FAKE_NVML_CONFIG".into(), fake.display().to_string())],
-        stop_tasks_on_shutdown: true,
-    });
+    );
     let uuid = c.json(&["gpus", "--json"])[0]["uuid"]
         .as_str()
         .unwrap()
@@ -188,26 +207,7 @@ fn a_fractions_container_is_capped_by_the_driver_through_the_runtime_hook() {
     }
     let image = gpuctl_tests::busybox_image();
     let mut c = Cluster::start(&[]);
-    let dev = c.dir.path().join("dev");
-    make_dev_root(&dev, 2);
-    let driver = c.dir.path().join("driver");
-    make_driver_tree(&driver, "615.20.01");
-    let fake = c.dir.path().join("machine.json");
-    write(&fake, &machine(true));
-    let agent = c.add_agent(AgentOpts {
-        simulate_gpus: None,
-        runtime: "docker",
-        extra: vec![
-            "--nvml-lib".into(),
-            fake_nvml_lib().display().to_string(),
-            "--dev-root".into(),
-            dev.display().to_string(),
-            "--driver-root".into(),
-            driver.display().to_string(),
-        ],
-        env: vec![("FAKE_NVML_CONFIG".into(), fake.display().to_string())],
-        stop_tasks_on_shutdown: true,
-    });
+    let (agent, fake) = fake_driver_agent(&mut c, "docker", Vec::new());
     let uuid = c.json(&["gpus", "--json"])[0]["uuid"]
         .as_str()
         .unwrap()
