@@ -186,6 +186,7 @@ async fn stop_tasks_on_failed_gpus(
     loop {
         let (generation, faults, over) = {
             let s = health.borrow_and_update();
+            executor.note_gpu_memory(&s.gpus);
             let over = gpu::procs::over_memory(&s.gpus, &executor.memory_watched());
             (s.generation, s.faults(), over)
         };

@@ -554,3 +554,77 @@ fn an_mps_fraction_whose_processes_together_pass_its_memory_fails_with_gpu_memor
     s.c.ok(&["jobs", "cancel", &fine_job]);
     s.c.wait_job(&fine_job, 30);
 }
+
+/// A fraction capped at allocation (by MPS or the driver) that runs out of
+/// memory gets CUDA's out-of-memory and exits with its own code, which the
+/// agent cannot tell from any other failure. When its processes were seen
+/// at 95% of its fraction or more, its failure says so as a likely cause.
+#[test]
+fn a_fraction_that_fails_near_its_memory_is_told_the_likely_cause() {
+    if !nix::unistd::Uid::effective().is_root() {
+        eprintln!("skipped: task cgroups need root");
+        return;
+    }
+    let mut s = Setup::start("3600");
+    s.c.ok(&["gpus", "share", GPU0, "--mode", "time-slice"]);
+    let marker = gpuctl_tests::test_marker("nearoom");
+    let env = format!("NEAROOM={marker}");
+    // Ends (exit 3) once the test drops `go` into its sandbox.
+    let script = "sleep 600 & while [ ! -e go ]; do sleep 0.2; done; exit 3";
+    let submit = |name: &str| {
+        let id = s.c.submit(&[
+            "--name",
+            name,
+            "--gpu-mem",
+            "1GiB",
+            "--cpus",
+            "0.1",
+            "--env",
+            &env,
+            "--",
+            "sh",
+            "-c",
+            script,
+        ]);
+        let j = s.c.wait_state(&id, "RUNNING", Duration::from_secs(30));
+        (id, j["tasks"][0]["id"].as_str().unwrap().to_string())
+    };
+    let (near_job, near) = submit("near");
+    let (far_job, far) = submit("far");
+    let pids = two_processes_each("NEAROOM", &marker, &[&near, &far]);
+    let procs = json!([
+        {"pid": pids[&near][0], "memory_used_mib": 1000},
+        {"pid": pids[&far][0], "memory_used_mib": 300},
+    ]);
+    s.change(|m| m["gpus"][0]["processes"] = procs);
+    wait_for(Duration::from_secs(20), "the tasks' memory read", || {
+        let a = Scrape::get(&s.agent_metrics);
+        let used = |t: &str| {
+            a.value(
+                "gpuctl_task_gpu_memory_used_bytes",
+                &[("task", t), ("gpu", GPU0)],
+            )
+        };
+        used(&near) == Some(1000.0 * 1048576.0) && used(&far) == Some(300.0 * 1048576.0)
+    });
+    let work = s.c.dir.path().join("agent0/tasks");
+    for t in [&near, &far] {
+        std::fs::write(work.join(t).join("go"), "").unwrap();
+    }
+    let near_msg = s.c.wait_state(&near_job, "FAILED", Duration::from_secs(30))["tasks"][0]
+        ["message"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        near_msg.contains("exited with code 3")
+            && near_msg.contains("seen at 1000 MiB of its 1024 MiB fraction"),
+        "{near_msg}"
+    );
+    let far_msg = s.c.wait_state(&far_job, "FAILED", Duration::from_secs(30))["tasks"][0]
+        ["message"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert_eq!(far_msg, "exited with code 3");
+}

@@ -56,6 +56,9 @@ struct LocalTask {
     stop: watch::Sender<Option<StopReason>>,
     /// The uuid of its final update, once decided.
     final_uuid: Option<Vec<u8>>,
+    /// The most GPU memory its processes were seen to use (MiB), for a
+    /// fraction's failure message.
+    gpu_mem_peak_mib: u64,
 }
 
 impl LocalTask {
@@ -65,6 +68,7 @@ impl LocalTask {
             phase,
             stop: watch::channel(None).0,
             final_uuid: None,
+            gpu_mem_peak_mib: 0,
         }
     }
 
@@ -232,6 +236,21 @@ impl Outcome {
             },
         }
     }
+}
+
+/// For a fraction that failed after its processes were seen using at least
+/// 95% of its memory: a likely cause, said as such. A cap at allocation
+/// (MPS's, the driver's) makes CUDA answer out-of-memory and the task exit
+/// with its own code, which the agent cannot tell apart from any other.
+fn near_fraction(peak_mib: u64, fraction_mib: u64) -> Option<String> {
+    (fraction_mib > 0 && peak_mib.saturating_mul(100) >= fraction_mib.saturating_mul(95)).then(
+        || {
+            format!(
+                "its GPU memory was seen at {peak_mib} MiB of its {fraction_mib} MiB fraction: \
+             an allocation past the fraction fails with out-of-memory"
+            )
+        },
+    )
 }
 
 fn fence_message(fence_timeout_ms: u64) -> String {
@@ -491,6 +510,21 @@ impl Executor {
                 tracing::warn!(task_id, reason = %why, "stopping task over its GPU memory");
                 task.stop
                     .send_replace(Some(StopReason::GpuMemoryLimit(why)));
+            }
+        }
+    }
+
+    /// Each task's GPU memory in the latest readings: the most seen is
+    /// kept, for its failure message.
+    pub fn note_gpu_memory(&self, gpus: &[crate::gpu::health::GpuHealth]) {
+        let mut t = self.lock();
+        let used = gpus
+            .iter()
+            .filter_map(|g| g.sample.as_ref())
+            .flat_map(|s| s.task_memory_used_mib.iter());
+        for (task, mib) in used {
+            if let Some(task) = t.tasks.get_mut(task) {
+                task.gpu_mem_peak_mib = task.gpu_mem_peak_mib.max(*mib);
             }
         }
     }
@@ -939,10 +973,21 @@ impl Executor {
         remove_until_done(&rt, &tref).await;
         self.release(task_id);
         let reason = stop.borrow().clone();
-        match ended {
+        let mut outcome = match ended {
             Ok(e) => Outcome::ran(e, reason.as_ref(), fence_ms),
             Err(e) => Outcome::failed(e.to_string()),
+        };
+        if let (Some(sh), Some(_)) = (&spec.share, outcome.exit_code.filter(|c| *c != 0)) {
+            let peak = self
+                .lock()
+                .tasks
+                .get(task_id)
+                .map_or(0, |t| t.gpu_mem_peak_mib);
+            if let Some(hint) = near_fraction(peak, sh.fraction.mem_mib) {
+                outcome.message = format!("{}; {hint}", outcome.message);
+            }
         }
+        outcome
     }
 
     /// Prepares and starts a task; `Err` with its final outcome when it
@@ -1344,6 +1389,18 @@ mod tests {
             mps_group(&share("team-b"), u(1000))
         );
         assert_eq!(mps_group(&share(""), None), "default.image");
+    }
+
+    #[test]
+    fn a_fraction_seen_near_its_memory_is_told_why_it_may_have_failed() {
+        assert_eq!(near_fraction(9000, 10240), None);
+        let hint = near_fraction(9800, 10240).unwrap();
+        assert!(
+            hint.contains("9800 MiB of its 10240 MiB fraction") && hint.contains("out-of-memory"),
+            "{hint}"
+        );
+        assert!(near_fraction(10240, 10240).is_some());
+        assert_eq!(near_fraction(0, 0), None);
     }
 
     #[test]
