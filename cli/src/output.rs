@@ -1618,6 +1618,7 @@ mod tests {
         q.wait_reason = Some(pb::WaitReason {
             kind: Some(pb::wait_reason::Kind::Preempting(
                 pb::wait_reason::Preempting {
+                    reclaim_from: Vec::new(),
                     waiting_for_tasks: 2,
                 },
             )),

@@ -1548,6 +1548,7 @@ impl From<TaskReason> for pb::Reason {
             TaskReason::AgentDrained => pb::Reason::AgentDraining,
             TaskReason::DriverRequirementUnmet => pb::Reason::DriverRequirementUnmet,
             TaskReason::GpuMemoryLimit => pb::Reason::GpuMemoryLimit,
+            TaskReason::Reclaimed => pb::Reason::Reclaimed,
         }
     }
 }

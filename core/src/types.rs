@@ -1171,6 +1171,9 @@ pub enum TaskReason {
     /// Stopped by its agent: its processes together used more GPU memory
     /// than its fraction of a shared GPU.
     GpuMemoryLimit,
+    /// Stopped to give GPUs back to a tenant below its fair share: its own
+    /// tenant held more than its share.
+    Reclaimed,
 }
 
 /// The id of gpuctl's own job scheduler, which runs as a framework; no

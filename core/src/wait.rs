@@ -10,6 +10,8 @@ use crate::pb;
 use crate::pb::wait_reason as wr;
 use crate::types::{AgentId, JobId, Resources, Runtime};
 
+/// Most tenants a reclaim names in a wait reason.
+pub const MAX_RECLAIM_FROM: usize = 8;
 /// Why one queued job waits, and how it came back to the queue.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Waiting {
@@ -46,8 +48,12 @@ pub enum WaitReason {
     },
     /// The resources are free: it is being placed.
     Starting,
-    /// Tasks of lower priority are being stopped for it.
-    Preempting { waiting_for_tasks: u32 },
+    /// Tasks of lower priority are being stopped for it, or tasks of other
+    /// tenants over their fair share (`reclaim_from`, those tenants).
+    Preempting {
+        waiting_for_tasks: u32,
+        reclaim_from: Vec<String>,
+    },
     /// It fits in what is free, but jobs ahead of it (higher priority, or
     /// older) take that first.
     Priority {
@@ -274,8 +280,16 @@ impl From<&Waiting> for pb::WaitReason {
                 asked: *asked,
             }),
             WaitReason::Starting => wr::Kind::Starting(wr::Starting {}),
-            WaitReason::Preempting { waiting_for_tasks } => wr::Kind::Preempting(wr::Preempting {
+            WaitReason::Preempting {
+                waiting_for_tasks,
+                reclaim_from,
+            } => wr::Kind::Preempting(wr::Preempting {
                 waiting_for_tasks: *waiting_for_tasks,
+                reclaim_from: reclaim_from
+                    .iter()
+                    .take(MAX_RECLAIM_FROM)
+                    .cloned()
+                    .collect(),
             }),
             WaitReason::Priority {
                 blocked_by,
@@ -522,6 +536,12 @@ impl TryFrom<&pb::WaitReason> for Waiting {
             wr::Kind::Starting(_) => WaitReason::Starting,
             wr::Kind::Preempting(p) => WaitReason::Preempting {
                 waiting_for_tasks: p.waiting_for_tasks,
+                reclaim_from: p
+                    .reclaim_from
+                    .iter()
+                    .take(MAX_RECLAIM_FROM)
+                    .cloned()
+                    .collect(),
             },
             wr::Kind::Priority(p) => WaitReason::Priority {
                 blocked_by: non_empty(&p.blocked_by),
@@ -685,6 +705,11 @@ mod tests {
             WaitReason::Starting,
             WaitReason::Preempting {
                 waiting_for_tasks: 2,
+                reclaim_from: Vec::new(),
+            },
+            WaitReason::Preempting {
+                waiting_for_tasks: 3,
+                reclaim_from: vec!["vision".into(), "nlp".into()],
             },
             WaitReason::Priority {
                 blocked_by: None,

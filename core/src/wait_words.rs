@@ -93,8 +93,13 @@ pub enum WaitKindJson {
     },
     /// The resources are free: it is being placed.
     Starting,
-    /// Tasks of lower priority are being stopped for it.
-    Preempting { waiting_for_tasks: u32 },
+    /// Tasks of lower priority are being stopped for it, or tasks of other
+    /// tenants over their fair share (`reclaim_from`).
+    Preempting {
+        waiting_for_tasks: u32,
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        reclaim_from: Vec<String>,
+    },
     /// It fits in what is free, but jobs ahead of it take that first.
     Priority {
         blocked_by: Option<String>,
@@ -328,6 +333,7 @@ impl WaitReasonJson {
             Kind::Starting(_) => WaitKindJson::Starting,
             Kind::Preempting(p) => WaitKindJson::Preempting {
                 waiting_for_tasks: p.waiting_for_tasks,
+                reclaim_from: p.reclaim_from.clone(),
             },
             Kind::Priority(p) => WaitKindJson::Priority {
                 blocked_by: non_empty(&p.blocked_by),
@@ -628,10 +634,24 @@ impl fmt::Display for WaitKindJson {
                  (gpuctl quota)"
             ),
             WaitKindJson::Starting => write!(f, "Scheduling: resources are free; starting it"),
-            WaitKindJson::Preempting { waiting_for_tasks } => write!(
+            WaitKindJson::Preempting {
+                waiting_for_tasks,
+                reclaim_from,
+            } if reclaim_from.is_empty() => write!(
                 f,
                 "Preempting: waiting for {waiting_for_tasks} task{} of lower priority to stop",
                 plural(*waiting_for_tasks)
+            ),
+            WaitKindJson::Preempting {
+                waiting_for_tasks,
+                reclaim_from,
+            } => write!(
+                f,
+                "Reclaiming: waiting for {waiting_for_tasks} task{} of tenant{} {} (over their \
+                 fair share) to stop",
+                plural(*waiting_for_tasks),
+                plural(reclaim_from.len() as u32),
+                reclaim_from.join(", ")
             ),
             WaitKindJson::Priority {
                 blocked_by,
@@ -997,12 +1017,21 @@ mod tests {
         for (n, words) in [(1, "1 task"), (2, "2 tasks")] {
             let k = wr::Kind::Preempting(wr::Preempting {
                 waiting_for_tasks: n,
+                reclaim_from: vec![],
             });
             assert_eq!(
                 text(k, None),
                 format!("Preempting: waiting for {words} of lower priority to stop")
             );
         }
+        let k = wr::Kind::Preempting(wr::Preempting {
+            waiting_for_tasks: 4,
+            reclaim_from: vec!["vision".into()],
+        });
+        assert_eq!(
+            text(k, None),
+            "Reclaiming: waiting for 4 tasks of tenant vision (over their fair share) to stop"
+        );
         let prio = "Priority: the free resources it fits go to jobs ahead of it \
                     (higher priority, or older)";
         assert_eq!(
@@ -1140,6 +1169,7 @@ mod tests {
             WaitReasonJson::from_pb(&pb::WaitReason {
                 kind: Some(wr::Kind::Preempting(wr::Preempting {
                     waiting_for_tasks: 2,
+                    reclaim_from: vec![],
                 })),
                 requeued: None,
             })

@@ -53,6 +53,9 @@ pub struct MasterConfig {
     /// Idle GPUs in MIG mode are repartitioned for queued jobs that wait
     /// for a MIG profile no free MIG device offers (`leader::mig_auto`).
     pub mig_auto: bool,
+    /// Reclaim across tenants, from jobs that have run this long; `None`:
+    /// off.
+    pub reclaim_min_runtime: Option<Duration>,
     /// Where to serve Prometheus metrics (`/metrics`); none when unset.
     pub metrics_listen: Option<SocketAddr>,
     /// Where to serve the web console (`console/`); none when unset. HTTPS
@@ -186,6 +189,10 @@ impl MasterConfig {
                 .roles
                 .get(crate::state::frameworks::JOBS_ROLE)
                 .and_then(|r| r.quota),
+            reclaim_min_runtime_ms: self
+                .reclaim_min_runtime
+                .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+            now_ms: 0,
         }
     }
 
@@ -206,6 +213,7 @@ impl MasterConfig {
             snapshot_every: 10_000,
             placement: PlacementPolicy::Bundle,
             mig_auto: false,
+            reclaim_min_runtime: Some(Duration::from_secs(60)),
             metrics_listen: None,
             http_listen: None,
             retention: Default::default(),
@@ -369,6 +377,16 @@ pub struct Options {
     /// for a MIG profile that no free MIG device offers (docs/sharing.md).
     #[arg(long, env = "GPUCTL_MASTER_MIG_AUTO")]
     pub mig_auto: bool,
+    /// Take GPUs back from tenants over their fair share for tenants below
+    /// theirs, from jobs that have run at least this long (`1m`, `30s`);
+    /// `off`: never (docs/scheduling.md).
+    #[arg(
+        long,
+        env = "GPUCTL_MASTER_RECLAIM_MIN_RUNTIME",
+        default_value = "1m",
+        value_name = "DURATION|off"
+    )]
+    pub reclaim_min_runtime: String,
     /// Log filter (tracing EnvFilter syntax), e.g. `info` or `gpuctl_master=debug`.
     #[arg(long, env = "GPUCTL_LOG", default_value = "info")]
     pub log: String,
@@ -513,6 +531,7 @@ struct FileOptions {
     snapshot_every: Option<u64>,
     placement: Option<String>,
     mig_auto: Option<bool>,
+    reclaim_min_runtime: Option<String>,
     log: Option<String>,
     metrics_listen: Option<SocketAddr>,
     http_listen: Option<SocketAddr>,
@@ -674,6 +693,12 @@ impl Options {
             if let (Some(v), true) = (f.mig_auto, unset(&matches, "mig_auto")) {
                 o.mig_auto = v;
             }
+            if let (Some(v), true) = (
+                f.reclaim_min_runtime,
+                unset(&matches, "reclaim_min_runtime"),
+            ) {
+                o.reclaim_min_runtime = v;
+            }
             if let (Some(v), true) = (f.log, unset(&matches, "log")) {
                 o.log = v;
             }
@@ -834,7 +859,16 @@ impl Options {
                     self.job_retention
                 ))
             })?;
+        let reclaim_min_runtime = match self.reclaim_min_runtime.as_str() {
+            "off" => None,
+            s => Some(gpuctl_core::time::parse_duration(s).map_err(|_| {
+                MasterError::Config(format!(
+                    "reclaim_min_runtime: {s:?} is not a duration (e.g. 1m, 30s, 0s) or off"
+                ))
+            })?),
+        };
         let config = MasterConfig {
+            reclaim_min_runtime,
             retention: crate::leader::retention::Retention {
                 max_age,
                 max_finished: usize::try_from(self.job_retention_max).unwrap_or(usize::MAX),

@@ -204,11 +204,21 @@ pub struct QuotaArgs {
 
 #[derive(Debug, Subcommand)]
 pub enum QuotaCommand {
-    /// Set a tenant's GPU quota (admin); 0 removes it.
+    /// Set a tenant's GPU quota (admin): what it is guaranteed, and without
+    /// --borrow also the most it may hold; 0 removes it.
     Set {
         tenant: String,
         #[arg(long)]
         gpus: u32,
+        /// GPUs it may hold beyond its quota while others leave theirs
+        /// idle (taken back when they need them); `none`: no limit without
+        /// a quota, nothing beyond one (the default).
+        #[arg(long, value_name = "GPUS|none")]
+        borrow: Option<String>,
+        /// Its weight in the fair split of what quotas leave (1 to 1000;
+        /// 1 by default).
+        #[arg(long)]
+        weight: Option<u32>,
     },
 }
 
@@ -553,24 +563,45 @@ pub async fn run_quota(
     args: QuotaArgs,
     out: &mut dyn Write,
 ) -> Result<u8, CliError> {
-    if let Some(QuotaCommand::Set { tenant, gpus }) = args.command {
+    if let Some(QuotaCommand::Set {
+        tenant,
+        gpus,
+        borrow,
+        weight,
+    }) = args.command
+    {
+        let (borrow, clear_borrow) = match borrow.as_deref() {
+            None => (None, false),
+            Some("none") => (None, true),
+            Some(n) => (
+                Some(n.parse::<u32>().map_err(|_| {
+                    CliError::Usage(format!("--borrow: {n:?} is not a number of GPUs or none"))
+                })?),
+                false,
+            ),
+        };
         // A set: sending it twice sets the same quota.
         let q = master
             .call_service(Retry::Resend, access_client, |mut c| {
-                let tenant = tenant.clone();
-                async move { c.set_quota(pb::SetQuotaRequest { tenant, gpus }).await }
+                let req = pb::SetQuotaRequest {
+                    tenant: tenant.clone(),
+                    gpus,
+                    borrow,
+                    clear_borrow,
+                    weight,
+                };
+                async move { c.set_quota(req).await }
             })
             .await?;
         writeln!(
             out,
-            "tenant {}: {} GPUs in use, quota {}",
+            "tenant {}: {} GPUs in use, quota {}, limit {}, weight {}, fair share {}",
             q.tenant,
             q.gpus_used,
-            if q.gpu_quota == 0 {
-                "none".to_string()
-            } else {
-                q.gpu_quota.to_string()
-            }
+            dash_if_zero(q.gpu_quota),
+            q.gpu_limit.map_or("none".to_string(), |l| l.to_string()),
+            q.weight,
+            q.fair_share
         )?;
         return Ok(super::EXIT_OK);
     }
@@ -579,16 +610,28 @@ pub async fn run_quota(
             c.list_quotas(pb::ListQuotasRequest {}).await
         })
         .await?;
-    let mut t = Table::new(&["TENANT", "GPUS USED", "GPU QUOTA", "RUNNING", "QUEUED"]);
+    let mut t = Table::new(&[
+        "TENANT",
+        "GPUS USED",
+        "GPU QUOTA",
+        "LIMIT",
+        "WEIGHT",
+        "FAIR SHARE",
+        "BORROWED",
+        "LENT",
+        "RUNNING",
+        "QUEUED",
+    ]);
     for q in &resp.tenants {
         t.row(vec![
             q.tenant.clone(),
             q.gpus_used.to_string(),
-            if q.gpu_quota == 0 {
-                "-".into()
-            } else {
-                q.gpu_quota.to_string()
-            },
+            dash_if_zero(q.gpu_quota),
+            q.gpu_limit.map_or("-".to_string(), |l| l.to_string()),
+            q.weight.max(1).to_string(),
+            q.fair_share.to_string(),
+            q.gpus_borrowed.to_string(),
+            q.gpus_lent.to_string(),
             q.jobs_running.to_string(),
             q.jobs_queued.to_string(),
         ]);
@@ -700,6 +743,14 @@ fn id_ranges_text(ranges: &[pb::IdRange]) -> String {
     gpuctl_core::convert::id_ranges_from_pb("", ranges)
         .map(|r| r.to_string())
         .unwrap_or_else(|_| "?".into())
+}
+
+fn dash_if_zero(n: u32) -> String {
+    if n == 0 {
+        "-".into()
+    } else {
+        n.to_string()
+    }
 }
 
 #[cfg(test)]

@@ -327,7 +327,10 @@ fn active_agents(state: &State) -> impl Iterator<Item = &AgentRecord> {
 pub fn reservations(state: &State) -> BTreeMap<AgentId, (JobId, i32)> {
     let mut out: BTreeMap<AgentId, (JobId, i32)> = BTreeMap::new();
     for victim in state.jobs().values() {
-        let Some(Stopping::Preempted { by, .. }) = &victim.stopping else {
+        let Some(Stopping::Preempted {
+            by, reclaimed_for, ..
+        }) = &victim.stopping
+        else {
             continue;
         };
         let Some(preemptor) = state
@@ -342,7 +345,14 @@ pub fn reservations(state: &State) -> BTreeMap<AgentId, (JobId, i32)> {
             .filter_map(|t| state.task(t))
             .filter(|t| !t.state.is_terminal())
         {
-            let p = preemptor.spec.priority;
+            // What is reclaimed for a tenant is kept for its job alone: a
+            // job of higher priority of the tenant it was taken from would
+            // take it straight back.
+            let p = if reclaimed_for.is_some() {
+                i32::MAX
+            } else {
+                preemptor.spec.priority
+            };
             match out.get(&t.agent_id) {
                 Some((_, q)) if *q >= p => {}
                 _ => {
@@ -404,6 +414,7 @@ pub fn place_in(
     state: &State,
     available: &BTreeMap<String, Available>,
     default_policy: PlacementPolicy,
+    fair: bool,
 ) -> Vec<Launch> {
     let reserved = reservations(state);
     let mut pool = Pool::from_available(state, available);
@@ -411,8 +422,8 @@ pub fn place_in(
     // Asks (and priority) that found no room: what is free only shrinks
     // here, so a later job asking the same fails too, without placing.
     let mut misses = std::collections::HashSet::new();
-    // GPUs of each tenant that has a quota (`gpuctl quota set`).
-    let mut tenant_gpus: BTreeMap<String, u32> = if state.quotas().is_empty() {
+    // GPUs of each tenant that has a limit (`gpuctl quota set`).
+    let mut tenant_gpus: BTreeMap<String, u32> = if !state.has_tenant_limits() {
         BTreeMap::new()
     } else {
         tenants::usage(state)
@@ -420,15 +431,16 @@ pub fn place_in(
             .map(|(t, u)| (t, u.gpus))
             .collect()
     };
-    for job in state.queued_jobs() {
+    let shares = (fair && queue::may_reclaim(state)).then(|| tenants::fair_shares(state));
+    for job in queue_order(state, shares.as_ref()) {
         if out.len() >= MAX_LAUNCHES_PER_ROUND {
             break;
         }
         let tenant = tenant_of(&job.spec);
         let gpus = tenants::job_quota_gpus(&job.spec);
-        if let Some(&quota) = state.quotas().get(tenant) {
+        if let Some(cap) = state.tenant_cap(tenant) {
             let used = tenant_gpus.get(tenant).copied().unwrap_or(0);
-            if gpus > 0 && used.saturating_add(gpus) > quota {
+            if gpus > 0 && used.saturating_add(gpus) > cap {
                 continue;
             }
         }
@@ -472,6 +484,16 @@ pub fn place(
     offered_gpus: &BTreeSet<String>,
     offered: &BTreeMap<String, Resources>,
 ) -> Vec<Launch> {
+    place_with(state, offered_gpus, offered, false)
+}
+
+/// [`place`], with tenants below their fair share first when `fair`.
+pub fn place_with(
+    state: &State,
+    offered_gpus: &BTreeSet<String>,
+    offered: &BTreeMap<String, Resources>,
+    fair: bool,
+) -> Vec<Launch> {
     let available: BTreeMap<String, Available> = active_agents(state)
         .map(|a| {
             let o = offered.get(&a.info.id).copied().unwrap_or_default();
@@ -494,8 +516,34 @@ pub fn place(
             )
         })
         .collect();
-    place_in(state, &available, PlacementPolicy::Bundle)
+    place_in(state, &available, PlacementPolicy::Bundle, fair)
 }
+
+/// The queued jobs in the order they are placed: by priority, then age
+/// (`State::queued_jobs`); with fair shares (`shares`, reclaim on), the jobs
+/// of tenants below their share first. Priorities order a tenant's own
+/// jobs; across tenants the one further from its share goes first, so
+/// that what is reclaimed for a tenant is not taken back by the tenant it
+/// was reclaimed from.
+pub fn queue_order<'s>(
+    state: &'s State,
+    shares: Option<&BTreeMap<String, tenants::FairShare>>,
+) -> Vec<&'s JobRecord> {
+    let mut q = state.queued_jobs();
+    if let Some(shares) = shares {
+        let below = |j: &JobRecord| {
+            shares
+                .get(tenant_of(&j.spec))
+                .is_some_and(|f| f.used < f.share)
+        };
+        // Stable: the order within each part stays.
+        q.sort_by_key(|j| !below(j));
+    }
+    q
+}
+
+#[cfg(test)]
+mod reclaim_tests;
 
 #[cfg(test)]
 mod tests {
@@ -776,7 +824,7 @@ mod tests {
                 shared: Vec::new(),
             },
         )]);
-        let l = place_in(&s, &available, PlacementPolicy::Bundle);
+        let l = place_in(&s, &available, PlacementPolicy::Bundle, false);
         assert_eq!(
             l.len(),
             1,
@@ -787,6 +835,6 @@ mod tests {
             l[0].gpu_uuids,
             vec!["GPU-b-2".to_string(), "GPU-b-3".to_string()]
         );
-        assert!(place_in(&s, &BTreeMap::new(), PlacementPolicy::Bundle).is_empty());
+        assert!(place_in(&s, &BTreeMap::new(), PlacementPolicy::Bundle, false).is_empty());
     }
 }

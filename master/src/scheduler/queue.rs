@@ -27,6 +27,16 @@
 //! then the first by id. A gang is handled replica by replica: on free
 //! resources when it fits, else with victims as above; all replicas or no
 //! preemption at all.
+//!
+//! **Reclaim** (issue 35): a job that neither fits nor finds victims of
+//! its own tenant may take GPUs back from other tenants when its tenant,
+//! with the job, stays within its fair share (`tenants::fair_shares`).
+//! Victims are other tenants' running jobs, of tenants over their share,
+//! that have run the minimum runtime (`--reclaim-min-runtime-secs`, no
+//! thrash), and never so many of one tenant that it drops below its
+//! share. They are chosen as above, one agent at a time, but the lowest
+//! priority, then the most recently started, then the fewest GPUs lost
+//! first. The freed agents are kept for the reclaiming job alone.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
@@ -46,6 +56,11 @@ pub struct QueueConfig {
     pub default_policy: PlacementPolicy,
     /// The quota of the jobs' role (`gpuctl-master --role jobs=...`).
     pub jobs_quota: Option<Resources>,
+    /// Reclaim across tenants, with victims that have run at least this
+    /// long; `None`: off.
+    pub reclaim_min_runtime_ms: Option<u64>,
+    /// The leader's clock at the pass (the minimum runtime's).
+    pub now_ms: u64,
 }
 
 /// Stop `victims` so that `job_id` can run.
@@ -53,6 +68,9 @@ pub struct QueueConfig {
 pub struct Preemption {
     pub job_id: JobId,
     pub victims: Vec<JobId>,
+    /// Other tenants' jobs over their fair share (a reclaim), not lower
+    /// priorities of its own tenant.
+    pub reclaim: bool,
 }
 
 #[derive(Debug, Default)]
@@ -70,6 +88,10 @@ pub fn plan(state: &State, cfg: &QueueConfig) -> QueuePlan {
     let real = real.views(&|_| true);
     let totals: HashMap<&str, Resources> = empty.iter().map(|n| (n.id, n.free)).collect();
     let preempted_for = tasks_preempted_for(state);
+    let shares = cfg
+        .reclaim_min_runtime_ms
+        .filter(|_| may_reclaim(state))
+        .map(|_| crate::scheduler::tenants::fair_shares(state));
     let ctx = PassCtx {
         state,
         cfg,
@@ -85,26 +107,26 @@ pub fn plan(state: &State, cfg: &QueueConfig) -> QueuePlan {
             .values()
             .filter(|v| state.preemptible(i32::MAX, &v.id).is_ok())
             .collect(),
+        shares,
     };
     let mut walk = Walk {
         sim: Pool::from_state(state),
         usage: jobs_usage(state),
-        // Counted only when some tenant has a quota: a pass over every
-        // job and task the queue pass otherwise spares.
-        tenant_gpus: if state.quotas().is_empty() {
-            HashMap::new()
-        } else {
-            crate::scheduler::tenants::usage(state)
+        // Counted only when some tenant has a limit or reclaim may run: a
+        // pass over every job and task the queue pass otherwise spares.
+        tenant_gpus: match &ctx.shares {
+            Some(shares) => shares.iter().map(|(t, f)| (t.clone(), f.used)).collect(),
+            None if state.has_tenant_limits() => crate::scheduler::tenants::usage(state)
                 .into_iter()
-                .filter(|(t, _)| state.quotas().contains_key(t))
                 .map(|(t, u)| (t, u.gpus))
-                .collect()
+                .collect(),
+            None => HashMap::new(),
         },
         first_taker: HashMap::new(),
         misses: Default::default(),
     };
     let mut out = QueuePlan::default();
-    for job in state.queued_jobs() {
+    for job in super::queue_order(state, ctx.shares.as_ref()) {
         let reason = pass_job(&ctx, &mut walk, job, &mut out);
         out.reasons.insert(
             job.id.clone(),
@@ -131,6 +153,24 @@ pub fn may_preempt(state: &State) -> bool {
     })
 }
 
+/// Whether a reclaim may be found: a queued job asking for GPUs while
+/// another tenant's job runs (cheap; the fair shares are worked out only
+/// then).
+pub fn may_reclaim(state: &State) -> bool {
+    let waiting: BTreeSet<&str> = state
+        .queued_jobs()
+        .iter()
+        .filter(|j| crate::scheduler::tenants::job_quota_gpus(&j.spec) > 0)
+        .map(|j| tenant_of(&j.spec))
+        .collect();
+    !waiting.is_empty()
+        && state.jobs().values().any(|j| {
+            matches!(j.state, JobState::Starting | JobState::Running)
+                && j.stopping.is_none()
+                && waiting.iter().any(|t| *t != tenant_of(&j.spec))
+        })
+}
+
 /// The reason for one job, for a caller that wants only that.
 pub fn wait_reason(state: &State, cfg: &QueueConfig, job_id: &str) -> Option<Waiting> {
     plan(state, cfg).reasons.remove(job_id)
@@ -148,7 +188,7 @@ struct PassCtx<'p, 's> {
     /// Each active agent's total.
     totals: &'p HashMap<&'s str, Resources>,
     /// Tasks being preempted for each queued job.
-    preempted_for: &'p HashMap<&'s str, usize>,
+    preempted_for: &'p HashMap<&'s str, StoppingFor>,
     /// What depends only on what a job asks (queues are often many copies
     /// of a few specs), by [`ask_key`].
     known: std::cell::RefCell<HashMap<String, Known>>,
@@ -159,6 +199,8 @@ struct PassCtx<'p, 's> {
     /// stopping), found once per pass: looking through every job for each
     /// queued one made the pass quadratic in the number of jobs.
     preemptible: Vec<&'s JobRecord>,
+    /// Each tenant's fair share, when a reclaim may be found.
+    shares: Option<BTreeMap<String, crate::scheduler::tenants::FairShare>>,
 }
 
 #[derive(Default)]
@@ -187,7 +229,8 @@ struct Walk<'s> {
     /// victims of a preemption). A burst of alike jobs past the cluster's
     /// size is then linear in the queue, not queue times agents.
     misses: std::collections::HashSet<(String, i32)>,
-    /// GPUs held by the jobs of each tenant that has a quota.
+    /// GPUs held by each tenant with a limit (every tenant when a reclaim
+    /// may be found).
     tenant_gpus: HashMap<String, u32>,
 }
 
@@ -265,7 +308,7 @@ fn pass_job<'s>(
     }
     let tenant = tenant_of(spec);
     let quota_need = crate::scheduler::tenants::job_quota_gpus(spec);
-    if let Some(&quota) = state.quotas().get(tenant) {
+    if let Some(quota) = state.tenant_cap(tenant) {
         let used = walk.tenant_gpus.get(tenant).copied().unwrap_or(0);
         if quota_need > 0 && used.saturating_add(quota_need) > quota {
             return WaitReason::TenantQuota {
@@ -276,7 +319,11 @@ fn pass_job<'s>(
             };
         }
     }
-    let stopping_for_it = ctx.preempted_for.get(job.id.as_str()).copied().unwrap_or(0);
+    let stopping_for_it = ctx
+        .preempted_for
+        .get(job.id.as_str())
+        .cloned()
+        .unwrap_or_default();
     // The preemptor itself may use the agents kept for it: not alike.
     let miss =
         (!reserved.values().any(|(by, _)| *by == job.id)).then(|| (key.clone(), spec.priority));
@@ -297,18 +344,23 @@ fn pass_job<'s>(
         walk.take(job, &spec.resources, &ps);
         walk.usage = walk.usage.add(&need);
         *walk.tenant_gpus.entry(tenant.to_string()).or_default() += quota_need;
-        return if stopping_for_it > 0 {
+        return if stopping_for_it.tasks > 0 {
             preempting_reason(stopping_for_it)
         } else {
             WaitReason::Starting
         };
     }
     if out.preemption.is_none() {
-        if let Some((victims, ps)) = find_victims(ctx, &walk.sim, job, &req, policy) {
+        let found = find_victims(ctx, &walk.sim, job, &req, policy)
+            .map(|f| (f, false))
+            .or_else(|| find_reclaim(ctx, walk, job, &req, policy, quota_need).map(|f| (f, true)));
+        if let Some(((victims, ps), reclaim)) = found {
             let mut freed = 0;
+            let mut from = BTreeSet::new();
             walk.misses.clear();
             for v in &victims {
                 let victim_tenant = state.job(v).map_or("", |j| tenant_of(&j.spec));
+                from.insert(victim_tenant.to_string());
                 for t in live_tasks(state, v) {
                     walk.sim
                         .give(&t.agent_id, &t.resources, &t.gpu_uuids, t.fraction);
@@ -328,11 +380,17 @@ fn pass_job<'s>(
             out.preemption = Some(Preemption {
                 job_id: job.id.clone(),
                 victims,
+                reclaim,
             });
-            return preempting_reason(stopping_for_it + freed);
+            let mut stopping = stopping_for_it.clone();
+            stopping.tasks += freed;
+            if reclaim {
+                stopping.reclaim_from.extend(from);
+            }
+            return preempting_reason(stopping);
         }
     }
-    if stopping_for_it > 0 {
+    if stopping_for_it.tasks > 0 {
         return preempting_reason(stopping_for_it);
     }
     let fits_now = ctx
@@ -400,10 +458,19 @@ fn requeued(job: &JobRecord) -> Option<Requeued> {
     })
 }
 
-fn preempting_reason(n: usize) -> WaitReason {
+fn preempting_reason(s: StoppingFor) -> WaitReason {
     WaitReason::Preempting {
-        waiting_for_tasks: u32::try_from(n).unwrap_or(u32::MAX),
+        waiting_for_tasks: u32::try_from(s.tasks).unwrap_or(u32::MAX),
+        reclaim_from: s.reclaim_from.into_iter().collect(),
     }
+}
+
+/// The tasks being stopped for a queued job, and the tenants they are
+/// reclaimed from (none for a preemption).
+#[derive(Debug, Clone, Default)]
+struct StoppingFor {
+    tasks: usize,
+    reclaim_from: BTreeSet<String>,
 }
 
 fn quota_reason(q: &Resources, usage: &Resources, need: &Resources) -> WaitReason {
@@ -499,12 +566,15 @@ fn jobs_usage(state: &State) -> Resources {
         .fold(Resources::default(), |acc, t| acc.add(&t.resources))
 }
 
-/// Tasks still running that were preempted, by the job they were
-/// preempted for.
-fn tasks_preempted_for(state: &State) -> HashMap<&str, usize> {
-    let mut out: HashMap<&str, usize> = HashMap::new();
+/// Tasks still running that were preempted or reclaimed, by the job they
+/// were stopped for.
+fn tasks_preempted_for(state: &State) -> HashMap<&str, StoppingFor> {
+    let mut out: HashMap<&str, StoppingFor> = HashMap::new();
     for j in state.jobs().values() {
-        let Some(Stopping::Preempted { by, .. }) = &j.stopping else {
+        let Some(Stopping::Preempted {
+            by, reclaimed_for, ..
+        }) = &j.stopping
+        else {
             continue;
         };
         let live = j
@@ -512,7 +582,11 @@ fn tasks_preempted_for(state: &State) -> HashMap<&str, usize> {
             .iter()
             .filter(|t| state.task(t).is_some_and(|t| !t.state.is_terminal()))
             .count();
-        *out.entry(by.as_str()).or_default() += live;
+        let e = out.entry(by.as_str()).or_default();
+        e.tasks += live;
+        if reclaimed_for.is_some() && live > 0 {
+            e.reclaim_from.insert(tenant_of(&j.spec).to_string());
+        }
     }
     out
 }
@@ -536,8 +610,19 @@ struct Victim<'s> {
     job: &'s JobRecord,
     /// Every GPU it holds, on any agent.
     gpus_total: u32,
+    /// What it counts against its tenant (quota units).
+    units: u32,
     /// When its attempt started (its tasks' launch).
     started_ms: u64,
+}
+
+/// Which victims a job may have, and how they are chosen.
+enum Rule<'a> {
+    /// Its own tenant's, of lower priority.
+    Priority,
+    /// Other tenants' over their fair share: at most `budget` units of
+    /// each (what it holds beyond its share).
+    Reclaim { budget: &'a BTreeMap<String, u32> },
 }
 
 /// What a victim frees on one agent, in the units of the deficit.
@@ -579,8 +664,9 @@ fn gpu_matches(req: &TaskRequest, d: Device<'_>) -> bool {
 }
 
 /// How good an agent's victims are, lower first: their highest priority,
-/// the GPUs freed beyond the need, how many, the agent's id.
-type NodeScore = (i32, i64, usize, String);
+/// (for a reclaim) how recently the oldest of them started, the GPUs freed
+/// beyond the need, how many, the agent's id.
+type NodeScore = (i32, std::cmp::Reverse<u64>, i64, usize, String);
 
 /// Victims (jobs) and the placements of all of the
 /// job's replicas once they are gone; `None` when preempting every job
@@ -592,29 +678,109 @@ fn find_victims<'s>(
     req: &TaskRequest,
     policy: PlacementPolicy,
 ) -> Option<(Vec<JobId>, Vec<Placement>)> {
-    let (state, reserved) = (ctx.state, ctx.reserved);
+    let state = ctx.state;
     let priority = job.spec.priority;
     // Priorities order a tenant's own jobs: a job never preempts another
     // tenant's (else any user could take every GPU by asking a high
     // priority). Without tokens every job is the default tenant's.
     let tenant = tenant_of(&job.spec);
-    let cands: Vec<Victim> = ctx
-        .preemptible
+    let cands = victims_among(
+        state,
+        ctx.preemptible
+            .iter()
+            .copied()
+            .filter(|v| v.spec.priority < priority && tenant_of(&v.spec) == tenant),
+    );
+    choose_victims(ctx, sim, job, req, policy, cands, &Rule::Priority)
+}
+
+/// A reclaim for `job` (see the module's doc): victims of other tenants
+/// over their fair share, when its tenant with the job (`units`) stays
+/// within its own.
+fn find_reclaim<'s>(
+    ctx: &PassCtx<'_, 's>,
+    walk: &Walk<'s>,
+    job: &JobRecord,
+    req: &TaskRequest,
+    policy: PlacementPolicy,
+    units: u32,
+) -> Option<(Vec<JobId>, Vec<Placement>)> {
+    let shares = ctx.shares.as_ref()?;
+    let min_runtime = ctx.cfg.reclaim_min_runtime_ms?;
+    let tenant = tenant_of(&job.spec);
+    let held = |t: &str| walk.tenant_gpus.get(t).copied().unwrap_or(0);
+    let share = shares.get(tenant)?.share;
+    if units == 0 || held(tenant).saturating_add(units) > share {
+        return None;
+    }
+    let budget: BTreeMap<String, u32> = shares
         .iter()
-        .copied()
-        .filter(|v| v.spec.priority < priority && tenant_of(&v.spec) == tenant)
-        .filter_map(|v| {
-            let tasks: Vec<_> = live_tasks(state, &v.id).collect();
-            if tasks.is_empty() {
-                return None;
-            }
-            Some(Victim {
-                job: v,
-                gpus_total: tasks.iter().map(|t| t.gpu_uuids.len() as u32).sum(),
-                started_ms: tasks.iter().map(|t| t.created_at_ms).max().unwrap_or(0),
-            })
-        })
+        .filter(|(t, f)| t.as_str() != tenant && held(t) > f.share)
+        .map(|(t, f)| (t.clone(), held(t) - f.share))
         .collect();
+    if budget.is_empty() {
+        return None;
+    }
+    let state = ctx.state;
+    let cands: Vec<Victim> = victims_among(
+        state,
+        ctx.preemptible
+            .iter()
+            .copied()
+            .filter(|v| budget.contains_key(tenant_of(&v.spec))),
+    )
+    .into_iter()
+    .filter(|v| {
+        v.started_ms.saturating_add(min_runtime) <= ctx.cfg.now_ms
+            && v.units <= budget[tenant_of(&v.job.spec)]
+    })
+    .collect();
+    choose_victims(
+        ctx,
+        &walk.sim,
+        job,
+        req,
+        policy,
+        cands,
+        &Rule::Reclaim { budget: &budget },
+    )
+}
+
+/// The jobs among `jobs` with live tasks, as victims.
+fn victims_among<'s>(
+    state: &'s State,
+    jobs: impl Iterator<Item = &'s JobRecord>,
+) -> Vec<Victim<'s>> {
+    jobs.filter_map(|v| {
+        let tasks: Vec<_> = live_tasks(state, &v.id).collect();
+        if tasks.is_empty() {
+            return None;
+        }
+        Some(Victim {
+            job: v,
+            gpus_total: tasks.iter().map(|t| t.gpu_uuids.len() as u32).sum(),
+            units: tasks
+                .iter()
+                .map(|t| crate::scheduler::tenants::quota_gpus(&t.resources, t.fraction))
+                .sum(),
+            started_ms: tasks.iter().map(|t| t.created_at_ms).max().unwrap_or(0),
+        })
+    })
+    .collect()
+}
+
+/// Victims among `cands` and the placements of all of the job's replicas
+/// once they are gone (see the module's doc).
+fn choose_victims<'s>(
+    ctx: &PassCtx<'_, 's>,
+    sim: &Pool<'s>,
+    job: &JobRecord,
+    req: &TaskRequest,
+    policy: PlacementPolicy,
+    cands: Vec<Victim<'s>>,
+    rule: &Rule,
+) -> Option<(Vec<JobId>, Vec<Placement>)> {
+    let (state, reserved) = (ctx.state, ctx.reserved);
     if cands.is_empty() {
         return None;
     }
@@ -654,16 +820,37 @@ fn find_victims<'s>(
                 .map(|i| &cands[*i])
                 .filter(|v| !chosen.contains(&v.job.id))
                 .collect();
-            let Some((set, excess)) = victims_on_node(state, &pool, node_id, req, &left) else {
+            let Some((set, excess)) = victims_on_node(state, &pool, node_id, req, &left, rule)
+            else {
                 continue;
             };
+            if let Rule::Reclaim { budget } = rule {
+                if !within_budget(budget, chosen.iter().chain(&set), &cands) {
+                    continue;
+                }
+            }
             let top = set
                 .iter()
                 .filter_map(|id| state.job(id))
                 .map(|j| j.spec.priority)
                 .max()
                 .unwrap_or(i32::MIN);
-            let score = (top, excess, set.len(), node_id.to_string());
+            let youth = match rule {
+                Rule::Priority => 0,
+                Rule::Reclaim { .. } => set
+                    .iter()
+                    .filter_map(|id| cands.iter().find(|c| &c.job.id == id))
+                    .map(|c| c.started_ms)
+                    .min()
+                    .unwrap_or(0),
+            };
+            let score = (
+                top,
+                std::cmp::Reverse(youth),
+                excess,
+                set.len(),
+                node_id.to_string(),
+            );
             if best.as_ref().is_none_or(|(s, _, _)| score < *s) {
                 best = Some((score, node_id.to_string(), set));
             }
@@ -686,6 +873,25 @@ fn find_victims<'s>(
     Some((chosen, placements))
 }
 
+/// Whether `victims` take no tenant below its fair share: at most its
+/// budget of units from each.
+fn within_budget<'v>(
+    budget: &BTreeMap<String, u32>,
+    victims: impl Iterator<Item = &'v JobId>,
+    cands: &[Victim],
+) -> bool {
+    let mut taken: BTreeMap<&str, u32> = BTreeMap::new();
+    for id in victims {
+        let Some(v) = cands.iter().find(|c| &c.job.id == id) else {
+            continue;
+        };
+        *taken.entry(tenant_of(&v.job.spec)).or_default() += v.units;
+    }
+    taken
+        .iter()
+        .all(|(t, n)| budget.get(*t).is_some_and(|b| n <= b))
+}
+
 /// The fewest victims on `node_id` that make one task fit there (see the
 /// module's doc), and the GPUs they free beyond the need.
 fn victims_on_node(
@@ -694,6 +900,7 @@ fn victims_on_node(
     node_id: &str,
     req: &TaskRequest,
     cands: &[&Victim],
+    rule: &Rule,
 ) -> Option<(Vec<JobId>, i64)> {
     let node = pool.node(node_id)?;
     let need = req.resources;
@@ -745,13 +952,20 @@ fn victims_on_node(
                 } else {
                     0
                 };
-                (
-                    v.job.spec.priority,
-                    !covers,
-                    excess,
-                    std::cmp::Reverse(v.started_ms),
-                    std::cmp::Reverse(job_seq(&v.job.id)),
-                )
+                let young = std::cmp::Reverse(v.started_ms);
+                let seq = std::cmp::Reverse(job_seq(&v.job.id));
+                match rule {
+                    Rule::Priority => (v.job.spec.priority, !covers, excess, young, 0, seq),
+                    // The lowest priority, the youngest, the fewest GPUs.
+                    Rule::Reclaim { .. } => (
+                        v.job.spec.priority,
+                        false,
+                        0,
+                        young,
+                        i64::from(v.gpus_total),
+                        seq,
+                    ),
+                }
             })
             .map(|(i, _)| i)?;
         got = got.add(&local[pick].1);
@@ -932,6 +1146,9 @@ mod tests {
     fn a_tenant_over_its_gpu_quota_waits_and_others_run() {
         let mut h = H::new(&[("a", 9)]);
         h.apply(Command::SetQuota {
+            borrow: None,
+            clear_borrow: false,
+            weight: None,
             tenant: "vision".into(),
             gpus: 3,
         });
@@ -956,6 +1173,9 @@ mod tests {
         );
         // Raised: it runs.
         h.apply(Command::SetQuota {
+            borrow: None,
+            clear_borrow: false,
+            weight: None,
             tenant: "vision".into(),
             gpus: 5,
         });
@@ -1041,6 +1261,7 @@ mod tests {
         assert_ne!(
             h.plan().reasons[&mine].reason,
             WaitReason::Preempting {
+                reclaim_from: Vec::new(),
                 waiting_for_tasks: 1
             }
         );
@@ -1068,6 +1289,7 @@ mod tests {
             *r,
             Waiting {
                 reason: WaitReason::Preempting {
+                    reclaim_from: Vec::new(),
                     waiting_for_tasks: 2
                 },
                 requeued: None
@@ -1163,6 +1385,7 @@ mod tests {
         assert_eq!(
             plan.reasons[&hi].reason,
             WaitReason::Preempting {
+                reclaim_from: Vec::new(),
                 waiting_for_tasks: 1
             }
         );
@@ -1305,7 +1528,7 @@ mod tests {
         assert_eq!(h.s.jobs()[&low].state, JobState::Queued);
         // Offers name only some agents: place_in keeps to them.
         let none: BTreeMap<String, Available> = BTreeMap::new();
-        assert!(place_in(&h.s, &none, PlacementPolicy::Bundle).is_empty());
+        assert!(place_in(&h.s, &none, PlacementPolicy::Bundle, false).is_empty());
     }
 
     #[test]

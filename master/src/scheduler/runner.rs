@@ -53,6 +53,9 @@ fn info() -> FrameworkInfo {
 /// tenth of the leader's time.
 const PASS_EVERY: Duration = Duration::from_millis(250);
 const PASS_SPACING: u32 = 10;
+/// A queue pass at least this often while reclaim is on, even when
+/// nothing changed (a pass over an empty queue returns at once).
+const RECHECK_EVERY: Duration = Duration::from_secs(2);
 
 pub async fn run(
     raft: RaftHandle,
@@ -62,6 +65,8 @@ pub async fn run(
     mut shutdown: watch::Receiver<bool>,
 ) {
     let default_policy = cfg.default_policy;
+    // With reclaim on, tenants below their fair share are placed first.
+    let fair = cfg.reclaim_min_runtime_ms.is_some();
     let mut status = raft.status_watch();
     let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
     loop {
@@ -131,6 +136,12 @@ pub async fn run(
                     // submitted, started or gone).
                     dirty = true;
                 }
+                // Nothing changed, but time passes: a reclaim waits for its
+                // victims' minimum runtime.
+                _ = tokio::time::sleep_until(next_pass + RECHECK_EVERY),
+                    if !dirty && running.is_none() && cfg.reclaim_min_runtime_ms.is_some() => {
+                    dirty = true;
+                }
                 _ = tokio::time::sleep_until(next_pass), if dirty && running.is_none() => {
                     dirty = false;
                     running = Some(tokio::spawn(pass(raft.clone(), cfg, board.clone())));
@@ -150,7 +161,7 @@ pub async fn run(
                 }
                 e = rx.recv() => match e {
                     Some(Ok(pb::Event { event: Some(pb::event::Event::Offers(offers)) })) => {
-                        handle_offers(&raft, &hub, offers.offers, default_policy).await;
+                        handle_offers(&raft, &hub, offers.offers, default_policy, fair).await;
                     }
                     Some(_) => {}
                     None => break,
@@ -209,6 +220,7 @@ async fn handle_offers(
     hub: &Hub,
     offers: Vec<pb::Offer>,
     default_policy: PlacementPolicy,
+    fair: bool,
 ) {
     let ids: Vec<String> = offers.iter().map(|o| o.id.clone()).collect();
     let taken = hub.take_outstanding(BUILTIN_FRAMEWORK_ID, &ids);
@@ -238,7 +250,7 @@ async fn handle_offers(
             a.gpus.extend(o.gpu_uuids.iter().cloned());
             a.shared.extend(o.shares.iter().map(|s| s.gpu_uuid.clone()));
         }
-        place_in(&state, &available, default_policy)
+        place_in(&state, &available, default_policy, fair)
     };
     // A full round: more jobs may fit what is left of these offers.
     let capped = launches.len() >= MAX_LAUNCHES_PER_ROUND;
@@ -295,9 +307,15 @@ async fn pass(raft: RaftHandle, cfg: QueueConfig, board: Arc<WaitBoard>) -> Dura
         }
         state.clone()
     };
+    let cfg = QueueConfig {
+        now_ms: now_ms(),
+        ..cfg
+    };
     let planned = tokio::task::spawn_blocking(move || {
         let plan = queue::plan(&snapshot, &cfg);
-        let preemption = plan.preemption.filter(|_| queue::may_preempt(&snapshot));
+        let preemption = plan
+            .preemption
+            .filter(|p| p.reclaim || queue::may_preempt(&snapshot));
         (plan.reasons, preemption)
     })
     .await;
@@ -315,15 +333,23 @@ async fn pass(raft: RaftHandle, cfg: QueueConfig, board: Arc<WaitBoard>) -> Dura
     let Some(p) = preemption else {
         return cost;
     };
-    tracing::info!(job_id = %p.job_id, victims = ?p.victims, "preempting jobs of lower priority");
-    if let Err(e) = raft
-        .propose(Command::PreemptJobs {
+    let command = if p.reclaim {
+        tracing::info!(job_id = %p.job_id, victims = ?p.victims, "reclaiming GPUs from tenants over their fair share");
+        Command::ReclaimJobs {
+            job_id: p.job_id.clone(),
+            victims: p.victims,
+            at_ms: cfg.now_ms,
+            min_runtime_ms: cfg.reclaim_min_runtime_ms.unwrap_or(0),
+        }
+    } else {
+        tracing::info!(job_id = %p.job_id, victims = ?p.victims, "preempting jobs of lower priority");
+        Command::PreemptJobs {
             job_id: p.job_id.clone(),
             victims: p.victims,
             at_ms: now_ms(),
-        })
-        .await
-    {
+        }
+    };
+    if let Err(e) = raft.propose(command).await {
         tracing::warn!(job_id = %p.job_id, error = %e, "preemption refused");
     }
     cost

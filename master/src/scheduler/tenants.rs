@@ -71,6 +71,110 @@ pub fn usage(state: &State) -> BTreeMap<String, TenantUsage> {
     out
 }
 
+/// A tenant's part in the fair split of the cluster's GPUs (in quota units:
+/// a GPU, a MIG device, or a fraction each).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FairShare {
+    /// What its live tasks hold (not those being killed).
+    pub used: u32,
+    /// `used` plus what its queued jobs ask, within its limit.
+    pub demand: u32,
+    pub share: u32,
+}
+
+/// What the cluster can give out, in quota units: the GPUs not in MIG mode
+/// and the MIG devices of the agents that take tasks.
+pub fn capacity(state: &State) -> u32 {
+    let n: usize = state
+        .agents()
+        .values()
+        .filter(|a| a.accepts_tasks())
+        .map(|a| {
+            a.info.gpus.iter().filter(|g| !g.mig.enabled).count()
+                + gpuctl_core::types::mig_devices_of(&a.info.gpus).count()
+        })
+        .sum();
+    u32::try_from(n).unwrap_or(u32::MAX)
+}
+
+/// Each tenant with work's fair share of the GPUs (`capacity`):
+/// 1. its quota, as far as it asks (`demand`);
+/// 2. then what is left, split by weight among the tenants that ask for
+///    more (water-filling: a tenant that asks for less than its part gets
+///    what it asks, and the rest goes round again), each within its limit
+///    (quota + borrowing limit).
+///
+/// Deterministic: the last GPUs, fewer than the tenants still asking, go
+/// one at a time to the tenant furthest below its weight, then by name.
+pub fn fair_shares(state: &State) -> BTreeMap<String, FairShare> {
+    let mut out: BTreeMap<String, FairShare> = usage(state)
+        .into_iter()
+        .map(|(t, u)| {
+            let f = FairShare {
+                used: u.gpus,
+                demand: u.gpus,
+                share: 0,
+            };
+            (t, f)
+        })
+        .collect();
+    for j in state.queued_jobs() {
+        let asks = job_quota_gpus(&j.spec);
+        if asks > 0 {
+            let f = out.entry(tenant_of(&j.spec).to_string()).or_default();
+            f.demand = f.demand.saturating_add(asks);
+        }
+    }
+    let mut left = capacity(state);
+    for (tenant, f) in out.iter_mut() {
+        if let Some(cap) = state.tenant_cap(tenant) {
+            f.demand = f.demand.min(cap);
+        }
+        let quota = state.quotas().get(tenant).copied().unwrap_or(0);
+        f.share = f.demand.min(quota).min(left);
+        left -= f.share;
+    }
+    let weight = |t: &str| u64::from(state.tenant_weight(t));
+    while left > 0 {
+        let hungry: Vec<String> = out
+            .iter()
+            .filter(|(_, f)| f.share < f.demand)
+            .map(|(t, _)| t.clone())
+            .collect();
+        if hungry.is_empty() {
+            break;
+        }
+        let total: u64 = hungry.iter().map(|t| weight(t)).sum();
+        let mut given = 0;
+        for t in &hungry {
+            let part = u64::from(left) * weight(t) / total.max(1);
+            if let Some(f) = out.get_mut(t) {
+                let g = u32::try_from(part)
+                    .unwrap_or(u32::MAX)
+                    .min(f.demand - f.share);
+                f.share += g;
+                given += g;
+            }
+        }
+        if given == 0 {
+            // Fewer GPUs left than tenants asking: one to the furthest
+            // below its weight.
+            let lowest = hungry.iter().min_by(|a, b| {
+                let (fa, fb) = (out[*a].share, out[*b].share);
+                (u64::from(fa) * weight(b))
+                    .cmp(&(u64::from(fb) * weight(a)))
+                    .then_with(|| a.cmp(b))
+            });
+            if let Some(f) = lowest.and_then(|t| out.get_mut(t)) {
+                f.share += 1;
+                given = 1;
+            }
+        }
+        left = left.saturating_sub(given);
+    }
+    out
+}
+
 /// The allocator's roles with each tenant's quota on the role of its name:
 /// what the quota leaves once the tenant's jobs are counted (the allocator
 /// counts the frameworks' own). Borrowed as is when no tenant has a quota.
@@ -78,12 +182,18 @@ pub fn roles_with_quotas<'r>(
     roles: &'r BTreeMap<String, RoleConfig>,
     state: &State,
 ) -> Cow<'r, BTreeMap<String, RoleConfig>> {
-    if state.quotas().is_empty() {
+    let limits: Vec<(&String, u32)> = state
+        .quotas()
+        .keys()
+        .chain(state.tenant_terms().keys())
+        .filter_map(|t| Some((t, state.tenant_cap(t)?)))
+        .collect();
+    if limits.is_empty() {
         return Cow::Borrowed(roles);
     }
     let usage = usage(state);
     let mut out = roles.clone();
-    for (tenant, &quota) in state.quotas() {
+    for (tenant, quota) in limits {
         let jobs = usage.get(tenant).map_or(0, |u| u.job_gpus);
         let role = out.entry(tenant.clone()).or_default();
         let mut limit = role.quota.unwrap_or(Resources {
@@ -117,6 +227,9 @@ mod tests {
         apply(
             &mut s,
             Command::SetQuota {
+                borrow: None,
+                clear_borrow: false,
+                weight: None,
                 tenant: "vision".into(),
                 gpus: 5,
             },

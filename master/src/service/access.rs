@@ -539,14 +539,28 @@ impl AccessService {
 
     async fn set_quota(&self, req: pb::SetQuotaRequest) -> Result<pb::TenantQuota, ServiceError> {
         check_tenant(&req.tenant).map_err(|r| ConvertError::new("tenant", r))?;
+        let max = crate::state::access::MAX_WEIGHT;
+        if req.weight.is_some_and(|w| w == 0 || w > max) {
+            return Err(ConvertError::new("weight", format!("must be 1 to {max}")).into());
+        }
+        if req.borrow.is_some() && req.clear_borrow {
+            return Err(ConvertError::new(
+                "borrow",
+                "give a borrowing limit or clear it, not both",
+            )
+            .into());
+        }
         self.ctx
             .raft
             .propose(Command::SetQuota {
                 tenant: req.tenant.clone(),
                 gpus: req.gpus,
+                borrow: req.borrow,
+                clear_borrow: req.clear_borrow,
+                weight: req.weight,
             })
             .await?;
-        tracing::info!(tenant = %req.tenant, gpus = req.gpus, "quota set");
+        tracing::info!(tenant = %req.tenant, gpus = req.gpus, borrow = ?req.borrow, weight = ?req.weight, "quota set");
         let all = self.list_quotas(&Caller::Open);
         Ok(all
             .tenants
@@ -562,6 +576,7 @@ impl AccessService {
     fn list_quotas(&self, caller: &Caller) -> pb::ListQuotasResponse {
         let state = self.ctx.raft.state();
         let usage = crate::scheduler::tenants::usage(&state);
+        let shares = crate::scheduler::tenants::fair_shares(&state);
         let mut tenants: std::collections::BTreeMap<String, pb::TenantQuota> = usage
             .into_iter()
             .map(|(tenant, u)| {
@@ -569,22 +584,38 @@ impl AccessService {
                     tenant.clone(),
                     pb::TenantQuota {
                         tenant,
-                        gpu_quota: 0,
                         gpus_used: u.gpus,
                         jobs_queued: u.queued,
                         jobs_running: u.running,
+                        ..Default::default()
                     },
                 )
             })
             .collect();
-        for (tenant, q) in state.quotas() {
+        for tenant in state.quotas().keys().chain(state.tenant_terms().keys()) {
             tenants
                 .entry(tenant.clone())
                 .or_insert_with(|| pb::TenantQuota {
                     tenant: tenant.clone(),
                     ..Default::default()
-                })
-                .gpu_quota = *q;
+                });
+        }
+        // Borrowed: held beyond its quota; lent: quota left idle while
+        // others borrow (no more than they borrow in all).
+        let quota = |t: &str| state.quotas().get(t).copied().unwrap_or(0);
+        let borrowed: u32 = tenants
+            .values()
+            .map(|q| q.gpus_used.saturating_sub(quota(&q.tenant)))
+            .sum();
+        let mut lendable = borrowed;
+        for q in tenants.values_mut() {
+            q.gpu_quota = quota(&q.tenant);
+            q.gpu_limit = state.tenant_cap(&q.tenant);
+            q.weight = state.tenant_weight(&q.tenant);
+            q.fair_share = shares.get(&q.tenant).map_or(0, |f| f.share);
+            q.gpus_borrowed = q.gpus_used.saturating_sub(q.gpu_quota);
+            q.gpus_lent = q.gpu_quota.saturating_sub(q.gpus_used).min(lendable);
+            lendable -= q.gpus_lent;
         }
         pb::ListQuotasResponse {
             tenants: tenants

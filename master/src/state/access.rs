@@ -31,6 +31,35 @@ impl TokenRole {
     }
 }
 
+/// The largest weight a tenant may have.
+pub const MAX_WEIGHT: u32 = 1000;
+
+/// How a tenant shares beyond its quota.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TenantTerms {
+    /// GPUs it may hold beyond its quota when others leave theirs idle
+    /// (lent to it, reclaimed when their owners need them); `None`: no
+    /// limit without a quota, none beyond a quota.
+    #[serde(default)]
+    pub borrow: Option<u32>,
+    /// Its weight in the split of what quotas leave.
+    #[serde(default = "one")]
+    pub weight: u32,
+}
+
+fn one() -> u32 {
+    1
+}
+
+impl Default for TenantTerms {
+    fn default() -> Self {
+        TenantTerms {
+            borrow: None,
+            weight: 1,
+        }
+    }
+}
+
 /// A token as the state keeps it: never its secret.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TokenRecord {
@@ -136,6 +165,33 @@ impl State {
         &self.quotas
     }
 
+    /// Each tenant's borrowing limit and weight, where set.
+    pub fn tenant_terms(&self) -> &std::collections::BTreeMap<String, TenantTerms> {
+        &self.tenant_terms
+    }
+
+    /// The most GPUs `tenant`'s work may hold: its quota plus what it may
+    /// borrow; `None`: no limit (no quota and no borrowing limit).
+    pub fn tenant_cap(&self, tenant: &str) -> Option<u32> {
+        let quota = self.quotas.get(tenant).copied();
+        match (quota, self.tenant_terms.get(tenant).and_then(|t| t.borrow)) {
+            (q, Some(b)) => Some(q.unwrap_or(0).saturating_add(b)),
+            (Some(q), None) => Some(q),
+            (None, None) => None,
+        }
+    }
+
+    /// Whether some tenant's GPUs are limited (a quota or a borrowing
+    /// limit).
+    pub fn has_tenant_limits(&self) -> bool {
+        !self.quotas.is_empty() || self.tenant_terms.values().any(|t| t.borrow.is_some())
+    }
+
+    /// `tenant`'s weight in the fair split of GPUs (1 unless set).
+    pub fn tenant_weight(&self, tenant: &str) -> u32 {
+        self.tenant_terms.get(tenant).map_or(1, |t| t.weight.max(1))
+    }
+
     pub(super) fn create_token(
         &mut self,
         record: &TokenRecord,
@@ -232,15 +288,42 @@ impl State {
         Ok(Outcome::Done)
     }
 
-    pub(super) fn set_quota(&mut self, tenant: &str, gpus: u32) -> Result<Outcome, ApplyError> {
+    /// Sets a tenant's quota (0: none) and, when given, its borrowing limit
+    /// and weight (a weight of 1 and no borrowing limit are the defaults, not
+    /// kept).
+    pub(super) fn set_quota(
+        &mut self,
+        tenant: &str,
+        gpus: u32,
+        borrow: Option<Option<u32>>,
+        weight: Option<u32>,
+    ) -> Result<Outcome, ApplyError> {
         check_tenant(tenant).map_err(|reason| ApplyError::Invalid {
             field: "tenant".into(),
             reason,
         })?;
+        if weight == Some(0) || weight.is_some_and(|w| w > MAX_WEIGHT) {
+            return Err(ApplyError::Invalid {
+                field: "weight".into(),
+                reason: format!("must be 1 to {MAX_WEIGHT}"),
+            });
+        }
         if gpus == 0 {
             self.quotas.remove(tenant);
         } else {
             self.quotas.insert(tenant.to_string(), gpus);
+        }
+        let mut terms = self.tenant_terms.get(tenant).cloned().unwrap_or_default();
+        if let Some(b) = borrow {
+            terms.borrow = b;
+        }
+        if let Some(w) = weight {
+            terms.weight = w;
+        }
+        if terms == TenantTerms::default() {
+            self.tenant_terms.remove(tenant);
+        } else {
+            self.tenant_terms.insert(tenant.to_string(), terms);
         }
         Ok(Outcome::Done)
     }
@@ -485,6 +568,9 @@ mod tests {
         s.apply(
             1,
             &Command::SetQuota {
+                borrow: None,
+                clear_borrow: false,
+                weight: None,
                 tenant: "ml".into(),
                 gpus: 4,
             },
@@ -494,6 +580,9 @@ mod tests {
         s.apply(
             2,
             &Command::SetQuota {
+                borrow: None,
+                clear_borrow: false,
+                weight: None,
                 tenant: "ml".into(),
                 gpus: 0,
             },
@@ -504,6 +593,9 @@ mod tests {
             .apply(
                 3,
                 &Command::SetQuota {
+                    borrow: None,
+                    clear_borrow: false,
+                    weight: None,
                     tenant: "".into(),
                     gpus: 1
                 }

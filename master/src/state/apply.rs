@@ -278,6 +278,12 @@ impl State {
                 victims,
                 at_ms,
             } => self.preempt_jobs(job_id, victims, *at_ms),
+            Command::ReclaimJobs {
+                job_id,
+                victims,
+                at_ms,
+                min_runtime_ms,
+            } => self.reclaim_jobs(job_id, victims, *at_ms, *min_runtime_ms),
             Command::SubscribeFramework {
                 info,
                 at_ms,
@@ -316,7 +322,20 @@ impl State {
                 agent_id,
                 at_ms,
             } => self.use_join_token(id, agent_id, *at_ms),
-            Command::SetQuota { tenant, gpus } => self.set_quota(tenant, *gpus),
+            Command::SetQuota {
+                tenant,
+                gpus,
+                borrow,
+                clear_borrow,
+                weight,
+            } => {
+                let borrow = if *clear_borrow {
+                    Some(None)
+                } else {
+                    borrow.map(Some)
+                };
+                self.set_quota(tenant, *gpus, borrow, *weight)
+            }
         }
     }
 

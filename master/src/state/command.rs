@@ -153,6 +153,16 @@ pub enum Command {
         victims: Vec<JobId>,
         at_ms: u64,
     },
+    /// Stop the current attempts of `victims`, jobs of tenants over their
+    /// fair share, so that the queued `job_id`, of a tenant below its own,
+    /// can run (`scheduler::queue`'s reclaim): as a preemption, but across
+    /// tenants, and only victims that have run `min_runtime_ms` by `at_ms`.
+    ReclaimJobs {
+        job_id: JobId,
+        victims: Vec<JobId>,
+        at_ms: u64,
+        min_runtime_ms: u64,
+    },
     /// A framework subscribes: new (empty id: apply assigns `fw-<n>`) or
     /// re-attaching with its id.
     SubscribeFramework {
@@ -235,6 +245,15 @@ pub enum Command {
     SetQuota {
         tenant: String,
         gpus: u32,
+        /// GPUs it may borrow beyond its quota; `None`: unchanged.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        borrow: Option<u32>,
+        /// Back to no borrowing limit (none beyond a quota).
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        clear_borrow: bool,
+        /// Its weight in the fair split; `None`: unchanged.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        weight: Option<u32>,
     },
 }
 
@@ -308,6 +327,7 @@ impl Command {
             Command::UpdateTaskStatus { .. } => "update_task_status",
             Command::CancelJob { .. } => "cancel_job",
             Command::PreemptJobs { .. } => "preempt_jobs",
+            Command::ReclaimJobs { .. } => "reclaim_jobs",
             Command::CordonGpu { .. } => "cordon_gpu",
             Command::SetMigLayout { .. } => "set_mig_layout",
             Command::ShareGpu { .. } => "share_gpu",

@@ -42,6 +42,12 @@ pub enum EventKind {
     Preempting,
     /// Its attempt is stopped for a job of higher priority.
     Preempted,
+    /// The scheduler stops other tenants' jobs, over their fair share, for
+    /// this one (its tenant is below its share).
+    Reclaiming,
+    /// Its attempt is stopped to give GPUs back to a tenant below its fair
+    /// share.
+    Reclaimed,
     /// A task's GPU failed its agent's health checks.
     GpuFailed,
     /// An agent refused to start a task: its driver does not meet the image.
@@ -73,6 +79,8 @@ impl EventKind {
             EventKind::Started => "Started",
             EventKind::Preempting => "Preempting",
             EventKind::Preempted => "Preempted",
+            EventKind::Reclaiming => "Reclaiming",
+            EventKind::Reclaimed => "Reclaimed",
             EventKind::GpuFailed => "GpuFailed",
             EventKind::DriverRefused => "DriverRefused",
             EventKind::AgentUnreachable => "AgentUnreachable",
@@ -94,6 +102,7 @@ impl EventKind {
         matches!(
             self,
             EventKind::Preempted
+                | EventKind::Reclaimed
                 | EventKind::GpuFailed
                 | EventKind::DriverRefused
                 | EventKind::AgentUnreachable

@@ -282,13 +282,24 @@ impl State {
             (JobState::Cancelled, "cancelled".to_string())
         } else {
             match stopping {
-                Some(Stopping::Preempted { by, requeue: true }) => {
+                Some(Stopping::Preempted {
+                    by,
+                    requeue: true,
+                    reclaimed_for,
+                }) => {
                     job.preempted_by = Some(by.clone());
-                    (JobState::Queued, format!("preempted by {by}"))
+                    (JobState::Queued, stopped_for(&by, reclaimed_for.as_deref()))
                 }
-                Some(Stopping::Preempted { by, requeue: false }) => (
+                Some(Stopping::Preempted {
+                    by,
+                    requeue: false,
+                    reclaimed_for,
+                }) => (
                     JobState::Failed,
-                    format!("preempted by {by} (submitted with --no-requeue)"),
+                    format!(
+                        "{} (submitted with --no-requeue)",
+                        stopped_for(&by, reclaimed_for.as_deref())
+                    ),
                 ),
                 Some(Stopping::Failed {
                     message,
@@ -382,10 +393,8 @@ impl State {
         }
     }
 
-    /// Why a job may not preempt `victim`, if it may not: the victim must be
-    /// a job of lower priority whose attempt runs and is not already being
-    /// stopped.
-    pub fn preemptible(&self, priority: i32, victim: &str) -> Result<(), ApplyError> {
+    /// `victim`, if its attempt runs and is not already being stopped.
+    fn stoppable(&self, victim: &str) -> Result<&super::JobRecord, ApplyError> {
         let v = self
             .jobs
             .get(victim)
@@ -394,18 +403,22 @@ impl State {
             .current_tasks()
             .iter()
             .any(|t| self.tasks.get(t).is_some_and(|t| !t.state.is_terminal()));
-        let invalid = |reason: String| ApplyError::Invalid {
-            field: "victims".into(),
-            reason,
-        };
         if v.state.is_terminal() || v.state == JobState::Queued || !live {
-            return Err(invalid(format!("job {victim} is not running")));
+            return Err(invalid_victim(format!("job {victim} is not running")));
         }
         if v.stopping.is_some() || v.cancel_requested {
-            return Err(invalid(format!("job {victim} is already stopping")));
+            return Err(invalid_victim(format!("job {victim} is already stopping")));
         }
+        Ok(v)
+    }
+
+    /// Why a job may not preempt `victim`, if it may not: the victim must be
+    /// a job of lower priority whose attempt runs and is not already being
+    /// stopped.
+    pub fn preemptible(&self, priority: i32, victim: &str) -> Result<(), ApplyError> {
+        let v = self.stoppable(victim)?;
         if v.spec.priority >= priority {
-            return Err(invalid(format!(
+            return Err(invalid_victim(format!(
                 "job {victim} has priority {}, not lower than {priority}",
                 v.spec.priority
             )));
@@ -413,12 +426,100 @@ impl State {
         Ok(())
     }
 
-    pub(super) fn preempt_jobs(
+    /// Why a job of `tenant` may not reclaim `victim` at `at_ms`, if it may
+    /// not: the victim must be another tenant's running job, not being
+    /// stopped, that has run at least `min_runtime_ms` (no thrash). That
+    /// its tenant is over its fair share is the scheduler's judgement
+    /// (`scheduler::queue`), made on the state it proposed from.
+    pub fn reclaimable(
+        &self,
+        tenant: &str,
+        victim: &str,
+        at_ms: u64,
+        min_runtime_ms: u64,
+    ) -> Result<(), ApplyError> {
+        let v = self.stoppable(victim)?;
+        if super::access::tenant_of(&v.spec) == tenant {
+            return Err(invalid_victim(format!(
+                "job {victim} is tenant {tenant}'s own: its jobs are ordered by priority"
+            )));
+        }
+        let ran = at_ms.saturating_sub(self.started_ms(v));
+        if ran < min_runtime_ms {
+            return Err(invalid_victim(format!(
+                "job {victim} has run {} s, less than the minimum of {} s before a reclaim",
+                ran / 1000,
+                min_runtime_ms / 1000
+            )));
+        }
+        Ok(())
+    }
+
+    /// When a job's current attempt started: its last task's launch.
+    pub fn started_ms(&self, job: &super::JobRecord) -> u64 {
+        job.current_tasks()
+            .iter()
+            .filter_map(|t| self.tasks.get(t))
+            .map(|t| t.created_at_ms)
+            .max()
+            .unwrap_or(0)
+    }
+
+    pub(super) fn reclaim_jobs(
         &mut self,
         job_id: &str,
         victims: &[String],
         at_ms: u64,
+        min_runtime_ms: u64,
     ) -> Result<Outcome, ApplyError> {
+        let job = self.queued_for_stopping(job_id, victims)?;
+        let tenant = super::access::tenant_of(&job.spec).to_string();
+        for v in victims {
+            self.reclaimable(&tenant, v, at_ms, min_runtime_ms)?;
+        }
+        let owners: BTreeSet<String> = victims
+            .iter()
+            .filter_map(|v| self.jobs.get(v))
+            .map(|v| super::access::tenant_of(&v.spec).to_string())
+            .collect();
+        let owners = owners.into_iter().collect::<Vec<_>>().join(", ");
+        self.job_event(
+            job_id,
+            EventKind::Reclaiming,
+            format!(
+                "stopping {} of {owners} (over its fair share) for tenant {tenant}",
+                victims.join(", ")
+            ),
+            at_ms,
+        );
+        let why = format!("reclaimed for tenant {tenant} by {job_id}");
+        for v in victims {
+            let Some(victim) = self.jobs.get_mut(v) else {
+                continue; // checked above
+            };
+            victim.stopping = Some(Stopping::Preempted {
+                by: job_id.to_string(),
+                requeue: !victim.spec.no_requeue,
+                reclaimed_for: Some(tenant.clone()),
+            });
+            victim.preemptions += 1;
+            victim.updated_at_ms = at_ms;
+            victim
+                .events
+                .record(EventKind::Reclaimed, why.clone(), at_ms);
+            let tasks = victim.current_tasks().to_vec();
+            self.kill_live(&tasks, &why, Some(TaskReason::Reclaimed), at_ms);
+        }
+        Ok(Outcome::Done)
+    }
+
+    /// `job_id`, queued, for which `victims` (distinct, not none) are to be
+    /// stopped.
+    fn queued_for_stopping(
+        &self,
+        job_id: &str,
+        victims: &[String],
+    ) -> Result<&super::JobRecord, ApplyError> {
         let job = self
             .jobs
             .get(job_id)
@@ -429,7 +530,6 @@ impl State {
                 state: job.state,
             });
         }
-        let priority = job.spec.priority;
         let unique: BTreeSet<&String> = victims.iter().collect();
         if victims.is_empty() || unique.len() != victims.len() {
             return Err(ApplyError::Invalid {
@@ -437,6 +537,16 @@ impl State {
                 reason: "must be distinct and not empty".into(),
             });
         }
+        Ok(job)
+    }
+
+    pub(super) fn preempt_jobs(
+        &mut self,
+        job_id: &str,
+        victims: &[String],
+        at_ms: u64,
+    ) -> Result<Outcome, ApplyError> {
+        let priority = self.queued_for_stopping(job_id, victims)?.spec.priority;
         for v in victims {
             self.preemptible(priority, v)?;
         }
@@ -455,6 +565,7 @@ impl State {
             victim.stopping = Some(Stopping::Preempted {
                 by: job_id.to_string(),
                 requeue: !victim.spec.no_requeue,
+                reclaimed_for: None,
             });
             victim.preemptions += 1;
             victim.updated_at_ms = at_ms;
@@ -508,6 +619,21 @@ fn join_cut(names: &BTreeSet<&str>) -> String {
         s.push("...");
     }
     s.join(", ")
+}
+
+fn invalid_victim(reason: String) -> ApplyError {
+    ApplyError::Invalid {
+        field: "victims".into(),
+        reason,
+    }
+}
+
+/// A preempted or reclaimed job's message.
+fn stopped_for(by: &str, reclaimed_for: Option<&str>) -> String {
+    match reclaimed_for {
+        Some(tenant) => format!("reclaimed for tenant {tenant} by {by}"),
+        None => format!("preempted by {by}"),
+    }
 }
 
 /// What a failed task says, for its job's message.

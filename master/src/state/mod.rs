@@ -151,9 +151,16 @@ pub struct JobRecord {
 pub enum Stopping {
     /// One of its tasks failed: queued again when `retry`, else FAILED.
     Failed { message: String, retry: bool },
-    /// Preempted by a job of higher priority: queued again when `requeue`
-    /// (not `--no-requeue`), else FAILED.
-    Preempted { by: JobId, requeue: bool },
+    /// Preempted by a job of higher priority, or reclaimed for a tenant
+    /// below its fair share (`reclaimed_for`: that tenant): queued again
+    /// when `requeue` (not `--no-requeue`), without using a retry, else
+    /// FAILED.
+    Preempted {
+        by: JobId,
+        requeue: bool,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        reclaimed_for: Option<String>,
+    },
     /// A GPU of one of its tasks failed: not the job's fault, so it is
     /// queued again without using up a retry, unless `--no-requeue`.
     GpuFailed { message: String, requeue: bool },
@@ -332,9 +339,14 @@ pub struct State {
     /// Access tokens by id (hashes only).
     #[serde(default)]
     tokens: BTreeMap<String, access::TokenRecord>,
-    /// Tenants' GPU quotas.
+    /// Tenants' GPU quotas: what each is guaranteed.
     #[serde(default)]
     quotas: BTreeMap<String, u32>,
+    /// Tenants' borrowing limits and weights (`gpuctl quota set --borrow
+    /// --weight`); a tenant not here has weight 1 and, without a quota, no
+    /// limit.
+    #[serde(default)]
+    tenant_terms: BTreeMap<String, access::TenantTerms>,
     /// MIG layout changes asked and not yet applied, by GPU: nothing is
     /// placed on such a GPU or its MIG devices meanwhile.
     #[serde(default)]

@@ -206,6 +206,9 @@ fn a_fraction_counts_as_one_gpu_against_a_quota() {
     let mut d = driver();
     share(&mut d, "GPU-a-0", Some(ShareMode::TimeSlice)).unwrap();
     d.apply(Command::SetQuota {
+        borrow: None,
+        clear_borrow: false,
+        weight: None,
         tenant: "default".into(),
         gpus: 1,
     })
