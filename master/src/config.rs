@@ -1171,6 +1171,40 @@ mod tests {
     }
 
     #[test]
+    fn reclaim_min_runtime_defaults_to_a_minute_and_off_turns_it_off() {
+        let load = |args: &[&str]| {
+            let mut a = vec!["gpuctl-master"];
+            a.extend(args);
+            Options::load_from(a).unwrap().to_config()
+        };
+        let c = load(&[]).unwrap();
+        assert_eq!(c.reclaim_min_runtime, Some(Duration::from_secs(60)));
+        assert_eq!(c.queue_config().reclaim_min_runtime_ms, Some(60_000));
+        assert_eq!(
+            MasterConfig::new("127.0.0.1:1".parse().unwrap(), "/x".into()).reclaim_min_runtime,
+            c.reclaim_min_runtime
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("master.toml");
+        std::fs::write(&f, "reclaim_min_runtime = \"off\"\n").unwrap();
+        let file = f.to_str().unwrap();
+        assert_eq!(load(&["--config", file]).unwrap().reclaim_min_runtime, None);
+        let c = load(&["--config", file, "--reclaim-min-runtime", "5s"]).unwrap();
+        assert_eq!(
+            c.reclaim_min_runtime,
+            Some(Duration::from_secs(5)),
+            "flag wins"
+        );
+        let e = load(&["--reclaim-min-runtime", "soon"])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("reclaim_min_runtime") && e.contains("soon"),
+            "{e}"
+        );
+    }
+
+    #[test]
     fn job_retention_defaults_and_comes_from_flags_file_and_env() {
         let c = Options::load_from(["gpuctl-master"])
             .unwrap()
