@@ -1145,6 +1145,27 @@ mod tests {
     }
 
     #[test]
+    fn a_jobs_stop_grace_is_bounded_by_the_masters_maximum() {
+        let config = |flags: &[&str]| {
+            let mut args = vec!["gpuctl-master"];
+            args.extend_from_slice(flags);
+            Options::load_from(args).and_then(|o| o.to_config())
+        };
+        let c = config(&[]).unwrap();
+        assert_eq!(c.max_stop_grace, Duration::from_secs(300));
+        assert!(c.check_stop_grace(None).is_ok());
+        assert!(c.check_stop_grace(Some(300_000)).is_ok());
+        let e = c.check_stop_grace(Some(300_001)).unwrap_err();
+        assert!(
+            e.contains("300.001 s") && e.contains("maximum of 300 s"),
+            "{e}"
+        );
+        assert!(e.contains("--max-stop-grace-secs"), "{e}");
+        let c = config(&["--max-stop-grace-secs", "30"]).unwrap();
+        assert!(c.check_stop_grace(Some(31_000)).is_err());
+    }
+
+    #[test]
     fn registration_needs_fence_plus_kill_grace_plus_margin_below_the_lost_timeout() {
         let c = MasterConfig::new("127.0.0.1:1".parse().unwrap(), "/x".into());
         // 75 + 10 (assumed for an old agent) + 5 + 2 x 1 (election) < 120.
