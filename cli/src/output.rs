@@ -925,15 +925,16 @@ pub fn job_detail(j: &pb::Job, now_ms: u64) -> String {
         ),
         ("Priority", spec.priority.to_string()),
         ("Retries", format!("{} of {}", j.retries, spec.max_retries)),
+        // (Labels of at most 9 characters keep the column.)
         (
-            "Stop grace",
+            "Grace",
             spec.stop_grace_ms.map_or_else(
                 || "the agent's kill grace".to_string(),
-                |ms| format!("{} s", ms as f64 / 1000.0),
+                |ms| format!("{} s (--stop-grace)", ms as f64 / 1000.0),
             ),
         ),
         (
-            "Checkpoint dir",
+            "Ckpt dir",
             if spec.checkpoint_dir.is_empty() {
                 "-".to_string()
             } else {
