@@ -15,6 +15,7 @@
 //!   final.json            the task's final status update, decided once
 //!   acked                 the master acknowledged final.json
 //! tasks/<task-id>/        the task's sandbox; output.log is kept after the end
+//! notices/<task-id>/stop  the task's notice before a stop (executor/notice.rs)
 //! retired/<task-id>       when the agent forgot the task (its final status
 //!                         acknowledged, no longer wanted): its sandbox goes
 //!                         --task-retention later (executor/retention.rs)
@@ -36,6 +37,8 @@ pub const CONTACT_FILE: &str = "contact.json";
 pub const TASK_FILE: &str = "task.json";
 pub const FINAL_FILE: &str = "final.json";
 pub const ACKED_FILE: &str = "acked";
+/// Each task's notice before a stop: `notices/<task-id>/stop`.
+pub const NOTICE_DIR: &str = "notices";
 
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
@@ -60,6 +63,16 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
 
 /// Replaces `path` with `bytes` atomically and durably.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
+    write_atomic_inner(path, bytes, None)
+}
+
+/// [`write_atomic`], the file's mode `mode` whatever the umask (a file
+/// others read, such as a task's stop notice).
+pub fn write_atomic_mode(path: &Path, bytes: &[u8], mode: u32) -> Result<(), CheckpointError> {
+    write_atomic_inner(path, bytes, Some(mode))
+}
+
+fn write_atomic_inner(path: &Path, bytes: &[u8], mode: Option<u32>) -> Result<(), CheckpointError> {
     let dir = path.parent().unwrap_or_else(|| Path::new("."));
     let name = path
         .file_name()
@@ -68,6 +81,11 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
     let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
     let mut f = std::fs::File::create(&tmp).map_err(io(&tmp))?;
     f.write_all(bytes).map_err(io(&tmp))?;
+    if let Some(mode) = mode {
+        use std::os::unix::fs::PermissionsExt;
+        f.set_permissions(std::fs::Permissions::from_mode(mode))
+            .map_err(io(&tmp))?;
+    }
     f.sync_all().map_err(io(&tmp))?;
     drop(f);
     std::fs::rename(&tmp, path).map_err(io(path))?;

@@ -366,6 +366,7 @@ async fn session(
                     Ok(true) => executor.set_desired(Desired {
                         run: desired.run().clone(),
                         kill: desired.kill().clone(),
+                        notices: desired.notices().clone(),
                     }),
                     Ok(false) => {}
                     // Skipping a bad spec would make the executor kill the

@@ -163,6 +163,10 @@ pub struct LaunchSecurity {
     pub namespaces: bool,
     /// A container's bind mounts beside the driver volume.
     pub mounts: Vec<BindMount>,
+    /// Host paths a host process in namespaces of its own still sees where
+    /// they are, below its private directories too (its notice directory,
+    /// its checkpoint directory).
+    pub keep_visible: Vec<PathBuf>,
 }
 
 /// The agent's policy for what tasks may do.
@@ -431,6 +435,61 @@ impl TaskPolicy {
         }
     }
 
+    /// The task's checkpoint directory on this host, if its job names one:
+    /// the path with symlinks resolved as far as it exists (what is made
+    /// and mounted is what was checked), under one of `allowed_mounts`, as
+    /// a container's mounts are; or why it is refused.
+    pub fn checkpoint_dir(
+        &self,
+        task: &TaskSpec,
+        host: &dyn HostPaths,
+    ) -> Result<Option<PathBuf>, String> {
+        const FIELD: &str = "checkpoint_dir";
+        let Some(asked) = task.checkpoint_dir.as_deref() else {
+            return Ok(None);
+        };
+        // The nearest ancestor that exists, resolved, and the rest as
+        // asked (convert refused '..' and '.').
+        let mut base = Path::new(asked);
+        let mut rest = Vec::new();
+        let resolved = loop {
+            match host.resolve(base) {
+                Ok(r) => break r,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                    let (Some(parent), Some(name)) = (base.parent(), base.file_name()) else {
+                        return Err(format!("{FIELD}: {asked}: {e}"));
+                    };
+                    rest.push(name);
+                    base = parent;
+                }
+                Err(e) => return Err(format!("{FIELD}: {asked}: {e}")),
+            }
+        };
+        let full = rest.iter().rev().fold(resolved, |p, n| p.join(n));
+        let Some(r) = full.to_str().filter(|r| !r.contains([':', ','])) else {
+            return Err(format!(
+                "{FIELD}: {asked} resolves to {}, which cannot be bind-mounted (':' or ',')",
+                full.display()
+            ));
+        };
+        if !path_within(&self.resolved_mounts, r) {
+            let via = if r == asked {
+                String::new()
+            } else {
+                format!(" (it resolves to {r})")
+            };
+            let allowed = if self.allowed_mounts.is_empty() {
+                "none".to_string()
+            } else {
+                self.allowed_mounts.join(", ")
+            };
+            return Err(format!(
+                "refused: {FIELD}: {asked}{via} is not under any allowed mount of this agent ({allowed}; agent option {MOUNTS_OPTION})"
+            ));
+        }
+        Ok(Some(full))
+    }
+
     /// A user a job names must lie within `allowed_users`, uid and gid
     /// each, whatever the master allowed: a master bug cannot run a task as
     /// a system account or as another task's own user.
@@ -471,6 +530,8 @@ mod tests {
     fn task(image: Option<&str>, security: TaskSecurity) -> TaskSpec {
         TaskSpec {
             share: None,
+            stop_grace_ms: None,
+            checkpoint_dir: None,
             task_id: "job-1.0".into(),
             job_id: "job-1".into(),
             framework_id: String::new(),
@@ -491,6 +552,47 @@ mod tests {
 
     fn ids(uid: u32, gid: u32) -> UserIds {
         UserIds { uid, gid }
+    }
+
+    #[test]
+    fn checkpoint_dirs_resolve_as_far_as_they_exist_and_need_an_allowed_mount() {
+        let p = policy(false, &["/ckpt"], ROOT);
+        // /ckpt exists (a link to /mnt/ckpt, itself allowed as written);
+        // /ckpt/job-1/run below it does not yet.
+        let host = |q: &Path| -> std::io::Result<PathBuf> {
+            match q.to_str() {
+                Some("/ckpt") => Ok(PathBuf::from("/ckpt")),
+                Some("/link") => Ok(PathBuf::from("/ckpt/real")),
+                Some("/") | Some("/data") => Ok(q.to_path_buf()),
+                _ => Err(std::io::ErrorKind::NotFound.into()),
+            }
+        };
+        let mut t = task(None, TaskSecurity::default());
+        assert_eq!(p.checkpoint_dir(&t, &host).unwrap(), None, "none asked");
+        for runtime in [None, Some("busybox")] {
+            t.image = runtime.map(str::to_string);
+            t.checkpoint_dir = Some("/ckpt/job-1/run".into());
+            assert_eq!(
+                p.checkpoint_dir(&t, &host).unwrap(),
+                Some(PathBuf::from("/ckpt/job-1/run"))
+            );
+            t.checkpoint_dir = Some("/link/x".into());
+            assert_eq!(
+                p.checkpoint_dir(&t, &host).unwrap(),
+                Some(PathBuf::from("/ckpt/real/x")),
+                "what is made is what was checked"
+            );
+            t.checkpoint_dir = Some("/data/x".into());
+            let err = p.checkpoint_dir(&t, &host).unwrap_err();
+            assert!(
+                err.contains("checkpoint_dir: /data/x is not under any allowed mount"),
+                "{err}"
+            );
+            assert!(err.contains("allowed_mounts"), "{err}");
+        }
+        let none = policy(false, &[], ROOT);
+        let err = none.checkpoint_dir(&t, &host).unwrap_err();
+        assert!(err.contains("(none; agent option allowed_mounts"), "{err}");
     }
 
     #[test]

@@ -162,8 +162,36 @@ impl TaskUsers {
     /// what else on the machine uses ids. Refused when every id of the
     /// range is taken.
     pub fn lease(&self, task_id: &str, host: &HostIds) -> Result<UserIds, String> {
+        self.lease_preferring(task_id, None, host)
+    }
+
+    /// [`lease`](Self::lease), giving `prefer` (job, id) when that id is of
+    /// the range, unused by the host and held by no task but tasks of that
+    /// job: the owner of a job's checkpoint directory, made by an earlier
+    /// attempt, so that the next attempt owns what the last one wrote.
+    /// Tasks of one job may then share it (they share the directory).
+    pub fn lease_preferring(
+        &self,
+        task_id: &str,
+        prefer: Option<(&str, u32)>,
+        host: &HostIds,
+    ) -> Result<UserIds, String> {
         let mut l = self.lock();
         if let Some(&id) = l.by_task.get(task_id) {
+            return Ok(UserIds { uid: id, gid: id });
+        }
+        let preferred = prefer.filter(|&(job, id)| {
+            let of_job = format!("{job}.");
+            self.range.contains(id)
+                && !host.uids.contains(&id)
+                && !host.gids.contains(&id)
+                && l.by_task
+                    .iter()
+                    .all(|(t, held)| *held != id || t.starts_with(&of_job))
+        });
+        if let Some((_, id)) = preferred {
+            l.by_task.insert(task_id.to_string(), id);
+            l.held.insert(id);
             return Ok(UserIds { uid: id, gid: id });
         }
         let Some(id) = pick(&self.range, l.next, &l.held, host) else {
@@ -226,6 +254,42 @@ mod tests {
         );
         assert_eq!(pick(&r, 0, &set(&[102, 103, 104]), &host), None, "full");
         assert_eq!(pick(&IdRanges::none(), 0, &set(&[]), &none), None);
+    }
+
+    #[test]
+    fn a_preferred_id_is_given_when_only_its_job_holds_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let users = TaskUsers::new(IdRanges::parse("100-104").unwrap(), dir.path());
+        let none = HostIds::default();
+        let a = users.lease("job-1.0", &none).unwrap().uid;
+        assert_eq!(a, 100);
+        // The next attempt of job-1 gets 100 again, even while job-1.0's
+        // record is kept; job-2 does not.
+        let again = users
+            .lease_preferring("job-1.1", Some(("job-1", 100)), &none)
+            .unwrap();
+        assert_eq!(again.uid, 100);
+        let other = users
+            .lease_preferring("job-2.0", Some(("job-2", 100)), &none)
+            .unwrap();
+        assert_ne!(other.uid, 100);
+        // Outside the range, or used by the host: a lease as usual.
+        let out = users
+            .lease_preferring("job-3.0", Some(("job-3", 7)), &none)
+            .unwrap();
+        assert!(out.uid != 7 && out.uid >= 100);
+        let host = HostIds {
+            uids: set(&[104]),
+            gids: BTreeSet::new(),
+        };
+        let used = users
+            .lease_preferring("job-4.0", Some(("job-4", 104)), &host)
+            .unwrap_or(UserIds { uid: 0, gid: 0 });
+        assert_ne!(used.uid, 104);
+        // Released by one holder, it stays held by the other.
+        users.release("job-1.0");
+        assert_eq!(users.of("job-1.1").unwrap().uid, 100);
+        assert!(users.held() >= 2);
     }
 
     #[test]

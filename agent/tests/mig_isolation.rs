@@ -287,6 +287,8 @@ async fn a_mig_container_gets_its_caps_and_passes_the_device_check() {
     let spec = LaunchSpec {
         task: TaskSpec {
             share: None,
+            stop_grace_ms: None,
+            checkpoint_dir: None,
             task_id: id.clone(),
             job_id: "job-mig".into(),
             framework_id: String::new(),

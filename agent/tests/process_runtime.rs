@@ -54,6 +54,8 @@ impl Task {
         let spec = LaunchSpec {
             task: TaskSpec {
                 share: None,
+                stop_grace_ms: None,
+                checkpoint_dir: None,
                 task_id: task_id.to_string(),
                 job_id: "job-proc".to_string(),
                 framework_id: String::new(),

@@ -89,6 +89,12 @@ pub struct JobJson {
     /// Submitted with `--no-fence`: its tasks are not stopped by their
     /// agent's fence and never LOST by timeout.
     pub no_fence: bool,
+    /// `--stop-grace` in ms; `null`: its agent's kill grace.
+    #[serde(default)]
+    pub stop_grace_ms: Option<u64>,
+    /// `--checkpoint-dir`; `null`: none.
+    #[serde(default)]
+    pub checkpoint_dir: Option<String>,
     /// Its user, host mounts and root (`--user`, `--mount`, `--run-as-root`).
     #[serde(default)]
     pub security: SecurityJson,
@@ -271,6 +277,8 @@ impl From<&pb::Job> for JobJson {
             retries: j.retries,
             no_requeue: spec.no_requeue,
             no_fence: spec.no_fence,
+            stop_grace_ms: spec.stop_grace_ms,
+            checkpoint_dir: (!spec.checkpoint_dir.is_empty()).then(|| spec.checkpoint_dir.clone()),
             security: SecurityJson::from(spec.security.as_ref()),
             require_cuda: (!spec.require_cuda.is_empty()).then(|| spec.require_cuda.clone()),
             image_requires: j.image_requires.clone(),
@@ -917,6 +925,22 @@ pub fn job_detail(j: &pb::Job, now_ms: u64) -> String {
         ),
         ("Priority", spec.priority.to_string()),
         ("Retries", format!("{} of {}", j.retries, spec.max_retries)),
+        // (Labels of at most 9 characters keep the column.)
+        (
+            "Grace",
+            spec.stop_grace_ms.map_or_else(
+                || "the agent's kill grace".to_string(),
+                |ms| format!("{} s (--stop-grace)", ms as f64 / 1000.0),
+            ),
+        ),
+        (
+            "Ckpt dir",
+            if spec.checkpoint_dir.is_empty() {
+                "-".to_string()
+            } else {
+                spec.checkpoint_dir.clone()
+            },
+        ),
         (
             "Fencing",
             if spec.no_fence {

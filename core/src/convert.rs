@@ -112,6 +112,9 @@ pub const MAX_PATH_LEN: usize = 1024;
 pub const MAX_USER_LEN: usize = 32;
 /// Mount prefixes an agent allows.
 pub const MAX_ALLOWED_MOUNTS: usize = 64;
+/// Longest stop grace a job may ask for anywhere, in ms (a day); each
+/// master bounds it further (`--max-stop-grace-secs`).
+pub const MAX_STOP_GRACE_MS: u64 = 24 * 3600 * 1000;
 /// Where GPU containers get the driver volume: no job mounts there.
 pub const DRIVER_VOLUME_PATH: &str = "/usr/local/nvidia";
 
@@ -578,6 +581,8 @@ impl TryFrom<pb::JobSpec> for JobSpec {
         };
         check_security("spec", &security, runtime)?;
         let require_cuda = require_cuda_from_pb(&s.require_cuda)?;
+        let stop_grace_ms = check_stop_grace("spec.stop_grace_ms", s.stop_grace_ms)?;
+        let checkpoint_dir = checkpoint_dir_from_pb("spec.checkpoint_dir", s.checkpoint_dir)?;
         Ok(JobSpec {
             name: s.name,
             image,
@@ -594,7 +599,52 @@ impl TryFrom<pb::JobSpec> for JobSpec {
             secret_env,
             security,
             require_cuda,
+            stop_grace_ms,
+            checkpoint_dir,
         })
+    }
+}
+
+/// A stop grace: at most [`MAX_STOP_GRACE_MS`].
+fn check_stop_grace(field: &str, ms: Option<u64>) -> Result<Option<u64>> {
+    match ms {
+        Some(ms) if ms > MAX_STOP_GRACE_MS => Err(ConvertError::new(
+            field,
+            format!("is {ms} ms, at most {MAX_STOP_GRACE_MS} (a day)"),
+        )),
+        _ => Ok(ms),
+    }
+}
+
+/// A checkpoint directory: "" is none, else a plain absolute path other
+/// than `/` (the agent bind-mounts it and may create it).
+fn checkpoint_dir_from_pb(field: &str, p: String) -> Result<Option<String>> {
+    if p.is_empty() {
+        return Ok(None);
+    }
+    check_abs_path(field, &p)?;
+    if p == "/" {
+        return Err(ConvertError::new(field, "must not be /"));
+    }
+    Ok(Some(p))
+}
+
+/// The kind of a stop the master asks for, as the task's notice says it:
+/// `cancelled` for a task of a cancelled job, `drained`, `killed` when no
+/// reason is recorded (a framework's kill, a gang's failed rank), else the
+/// lower-case wire name of the task's reason (`preempted`, and any reason
+/// added later without more work here).
+pub fn stop_kind(reason: TaskReason, job_cancelled: bool) -> String {
+    match reason {
+        TaskReason::Unspecified if job_cancelled => "cancelled".into(),
+        TaskReason::Unspecified | TaskReason::KilledByFramework => "killed".into(),
+        TaskReason::AgentDrained => "drained".into(),
+        r => {
+            let name = pb::Reason::from(r).as_str_name();
+            name.strip_prefix("REASON_")
+                .unwrap_or(name)
+                .to_ascii_lowercase()
+        }
     }
 }
 
@@ -888,6 +938,8 @@ impl From<JobSpec> for pb::JobSpec {
                 .require_cuda
                 .map(|e| e.text().to_string())
                 .unwrap_or_default(),
+            stop_grace_ms: s.stop_grace_ms,
+            checkpoint_dir: s.checkpoint_dir.unwrap_or_default(),
         }
     }
 }
@@ -979,6 +1031,8 @@ impl TryFrom<pb::TaskSpec> for TaskSpec {
             no_fence: s.no_fence,
             security,
             share,
+            stop_grace_ms: check_stop_grace("task.stop_grace_ms", s.stop_grace_ms)?,
+            checkpoint_dir: checkpoint_dir_from_pb("task.checkpoint_dir", s.checkpoint_dir)?,
         })
     }
 }
@@ -1002,6 +1056,8 @@ impl From<TaskSpec> for pb::TaskSpec {
                 mode: sh.mode.to_string(),
                 tenant: sh.tenant,
             }),
+            stop_grace_ms: s.stop_grace_ms,
+            checkpoint_dir: s.checkpoint_dir.unwrap_or_default(),
         }
     }
 }
@@ -2280,6 +2336,17 @@ mod tests {
             ),
             (|s| s.replicas = MAX_REPLICAS + 1, "spec.replicas"),
             (|s| s.max_retries = MAX_RETRIES + 1, "spec.max_retries"),
+            (
+                |s| s.stop_grace_ms = Some(MAX_STOP_GRACE_MS + 1),
+                "spec.stop_grace_ms",
+            ),
+            (|s| s.checkpoint_dir = "ckpt".into(), "spec.checkpoint_dir"),
+            (
+                |s| s.checkpoint_dir = "/a/../b".into(),
+                "spec.checkpoint_dir",
+            ),
+            (|s| s.checkpoint_dir = "/a:b".into(), "spec.checkpoint_dir"),
+            (|s| s.checkpoint_dir = "/".into(), "spec.checkpoint_dir"),
         ];
         for (mutate, field) in cases {
             let mut p = spec();
@@ -2288,6 +2355,42 @@ mod tests {
             assert_eq!(err.field, field, "{err}");
             assert!(err.to_string().contains(field), "{err}");
         }
+    }
+
+    #[test]
+    fn stop_grace_and_checkpoint_dir_go_to_the_spec_and_back() {
+        let mut p = spec();
+        p.stop_grace_ms = Some(90_000);
+        p.checkpoint_dir = "/ckpt/run-1".into();
+        let s = JobSpec::try_from(p.clone()).unwrap();
+        assert_eq!(s.stop_grace_ms, Some(90_000));
+        assert_eq!(s.checkpoint_dir.as_deref(), Some("/ckpt/run-1"));
+        let back = pb::JobSpec::from(s);
+        assert_eq!(
+            (back.stop_grace_ms, back.checkpoint_dir.as_str()),
+            (Some(90_000), "/ckpt/run-1")
+        );
+        let none = JobSpec::try_from(spec()).unwrap();
+        assert_eq!((none.stop_grace_ms, none.checkpoint_dir), (None, None));
+        // 0 is a grace too: SIGKILL at once.
+        p.stop_grace_ms = Some(0);
+        assert_eq!(JobSpec::try_from(p).unwrap().stop_grace_ms, Some(0));
+    }
+
+    #[test]
+    fn stop_kinds_name_the_reason_generically() {
+        assert_eq!(stop_kind(TaskReason::Preempted, false), "preempted");
+        assert_eq!(stop_kind(TaskReason::AgentDrained, false), "drained");
+        assert_eq!(stop_kind(TaskReason::Unspecified, true), "cancelled");
+        assert_eq!(stop_kind(TaskReason::Unspecified, false), "killed");
+        assert_eq!(stop_kind(TaskReason::KilledByFramework, false), "killed");
+        assert_eq!(stop_kind(TaskReason::Reclaimed, false), "reclaimed");
+        // Any other reason by its wire name: one added later needs nothing
+        // here.
+        assert_eq!(stop_kind(TaskReason::GpuUnhealthy, false), "gpu_unhealthy");
+        // A cancel of a job whose task was already being preempted keeps
+        // what the task recorded first.
+        assert_eq!(stop_kind(TaskReason::Preempted, true), "preempted");
     }
 
     /// A job with `security` as `edit` makes it, host process or container.
@@ -2524,6 +2627,8 @@ mod tests {
             // What the master sends the agent passes the agent's check too.
             let task = pb::TaskSpec::from(TaskSpec {
                 share: None,
+                stop_grace_ms: None,
+                checkpoint_dir: None,
                 task_id: "job-1.0".into(),
                 job_id: "job-1".into(),
                 framework_id: String::new(),
@@ -2650,6 +2755,8 @@ mod tests {
             framework_id: String::new(),
             no_fence: true,
             security: None,
+            stop_grace_ms: None,
+            checkpoint_dir: String::new(),
         };
         assert_eq!(
             TaskSpec::try_from(t.clone()).unwrap_err().field,
@@ -2954,6 +3061,8 @@ mod tests {
             .collect();
         let t = pb::TaskSpec::from(TaskSpec {
             share: None,
+            stop_grace_ms: None,
+            checkpoint_dir: None,
             task_id: "t".repeat(2 * MAX_NAME_LEN + 1),
             job_id: "j".repeat(MAX_NAME_LEN),
             framework_id: String::new(),

@@ -17,7 +17,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use crate::convert::ConvertError;
 use crate::pb;
-use crate::types::{TaskId, TaskSpec};
+use crate::types::{StopNotice, TaskId, TaskSpec};
 
 /// A message of the task stream that cannot be applied. The set is left
 /// as it was.
@@ -48,6 +48,8 @@ enum Mode {
 pub struct DesiredSet {
     run: BTreeMap<TaskId, TaskSpec>,
     kill: BTreeSet<TaskId>,
+    /// Why, for tasks of `kill` the master said why (once, with the kill).
+    notices: BTreeMap<TaskId, StopNotice>,
     mode: Mode,
 }
 
@@ -86,18 +88,32 @@ impl DesiredSet {
         if msg.reset || full {
             self.run.clear();
             self.kill.clear();
+            // A reset's kills come with their notices again.
+            self.notices.clear();
         }
         for spec in specs {
             self.kill.remove(&spec.task_id);
+            self.notices.remove(&spec.task_id);
             self.run.insert(spec.task_id.clone(), spec);
         }
+        let mut notices = msg.kill_notices;
         for id in msg.kill {
             self.run.remove(&id);
+            if let Some(n) = notices.remove(&id) {
+                self.notices.insert(
+                    id.clone(),
+                    StopNotice {
+                        kind: n.kind,
+                        message: n.message,
+                    },
+                );
+            }
             self.kill.insert(id);
         }
         for id in &msg.removed {
             self.run.remove(id);
             self.kill.remove(id);
+            self.notices.remove(id);
         }
         Ok(msg.complete || full)
     }
@@ -110,6 +126,12 @@ impl DesiredSet {
     /// Tasks to kill.
     pub fn kill(&self) -> &BTreeSet<TaskId> {
         &self.kill
+    }
+
+    /// Why the master wants tasks of [`kill`](Self::kill) stopped, for
+    /// those it said.
+    pub fn notices(&self) -> &BTreeMap<TaskId, StopNotice> {
+        &self.notices
     }
 
     /// The tasks to run, in id order (a copy, e.g. for an executor's
@@ -159,6 +181,35 @@ mod tests {
             removed: removed.iter().map(|s| s.to_string()).collect(),
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn kill_notices_come_with_their_kill_and_go_with_it() {
+        let mut s = DesiredSet::new();
+        let mut m = msg(vec![spec("a", "1")], &["k", "j"], &[]);
+        m.reset = true;
+        m.complete = true;
+        m.kill_notices.insert(
+            "k".into(),
+            pb::StopNotice {
+                kind: "preempted".into(),
+                message: "preempted by job-7 (priority 5)".into(),
+            },
+        );
+        // A notice for an id not killed in the message is ignored.
+        m.kill_notices.insert("a".into(), pb::StopNotice::default());
+        assert!(s.apply(&m).unwrap());
+        let want = StopNotice {
+            kind: "preempted".into(),
+            message: "preempted by job-7 (priority 5)".into(),
+        };
+        assert_eq!(s.notices().get("k"), Some(&want));
+        assert_eq!(s.notices().len(), 1, "j has none, a is not killed");
+        // Wanted again: no notice; removed: gone.
+        let mut m = msg(vec![spec("k", "1")], &[], &[]);
+        m.complete = true;
+        assert!(s.apply(&m).unwrap());
+        assert!(s.notices().is_empty());
     }
 
     #[test]

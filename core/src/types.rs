@@ -633,6 +633,16 @@ pub struct JobSpec {
     /// agents whose driver meets it get them.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub require_cuda: Option<crate::cuda_req::Expr>,
+    /// How long its tasks get between SIGTERM and SIGKILL when the cluster
+    /// stops them (cancel, preemption, drain, a kill), in ms; `None`: their
+    /// agent's kill grace. At most the master's `--max-stop-grace-secs`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stop_grace_ms: Option<u64>,
+    /// An absolute host path every attempt gets again at the same path
+    /// (`GPUCTL_CHECKPOINT_DIR`; bind-mounted into containers), under one
+    /// of its agent's `allowed_mounts`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint_dir: Option<String>,
 }
 
 /// What a task may do on its agent beyond the defaults (docs/isolation.md,
@@ -931,6 +941,8 @@ impl JobSpec {
             secret_env: Default::default(),
             security: TaskSecurity::default(),
             require_cuda: None,
+            stop_grace_ms: None,
+            checkpoint_dir: None,
         }
     }
 
@@ -984,6 +996,24 @@ pub struct TaskSpec {
     /// whole GPUs or MIG devices.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub share: Option<TaskShare>,
+    /// The job's `stop_grace_ms`: the grace of stops the master asks for
+    /// (`None`: the agent's kill grace; fence stops always use that).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stop_grace_ms: Option<u64>,
+    /// The job's `checkpoint_dir`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint_dir: Option<String>,
+}
+
+/// Why the master wants a task stopped, as its agent tells the task in its
+/// notice file: `kind` is machine-readable (`preempted`, `drained`,
+/// `cancelled`, `killed`, or the lower-case name of any other reason the
+/// master records), `message` the task's message (`preempted by job-7
+/// (priority 5)`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StopNotice {
+    pub kind: String,
+    pub message: String,
 }
 
 /// What a task holds of a shared GPU, as its agent enforces it.

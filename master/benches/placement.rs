@@ -126,6 +126,7 @@ fn placement(c: &mut Criterion) {
         constraints: &none,
         run_as_root: false,
         mounts: &[],
+        checkpoint_dir: None,
         require_cuda: None,
         image_requires: &[],
     };

@@ -67,7 +67,12 @@ pub struct MasterConfig {
     /// Mutual TLS and tokens; `None`: neither (loopback only, every caller
     /// may do everything).
     pub security: Option<SecurityConfig>,
+    /// The longest `stop_grace` a job may ask for (`--max-stop-grace-secs`).
+    pub max_stop_grace: Duration,
 }
+
+/// Default of `max_stop_grace_secs`.
+pub const DEFAULT_MAX_STOP_GRACE: Duration = Duration::from_secs(300);
 
 /// Where a master's key material is and how long what it signs lasts.
 #[derive(Debug, Clone, PartialEq)]
@@ -218,6 +223,20 @@ impl MasterConfig {
             http_listen: None,
             retention: Default::default(),
             security: None,
+            max_stop_grace: DEFAULT_MAX_STOP_GRACE,
+        }
+    }
+
+    /// A job's `stop_grace_ms` within this master's maximum, or why not.
+    pub fn check_stop_grace(&self, ms: Option<u64>) -> Result<(), String> {
+        let max = self.max_stop_grace.as_millis();
+        match ms {
+            Some(ms) if u128::from(ms) > max => Err(format!(
+                "is {} s, above this cluster's maximum of {} s (gpuctl-master --max-stop-grace-secs)",
+                ms as f64 / 1000.0,
+                self.max_stop_grace.as_secs_f64(),
+            )),
+            _ => Ok(()),
         }
     }
 }
@@ -407,6 +426,11 @@ pub struct Options {
     /// the oldest are forgotten before their retention ends.
     #[arg(long, env = "GPUCTL_MASTER_JOB_RETENTION_MAX", default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..))]
     pub job_retention_max: u64,
+    /// The longest stop grace a job may ask for (`gpuctl jobs submit
+    /// --stop-grace`), in seconds: the time between SIGTERM and SIGKILL
+    /// when the cluster stops its tasks. A job asking more is refused.
+    #[arg(long, env = "GPUCTL_MASTER_MAX_STOP_GRACE_SECS", default_value_t = 300, value_parser = clap::value_parser!(u64).range(0..=86_400))]
+    pub max_stop_grace_secs: u64,
 }
 
 /// Parses `ID=HOST:PORT[,ID=HOST:PORT...]` (empty: none).
@@ -537,6 +561,7 @@ struct FileOptions {
     http_listen: Option<SocketAddr>,
     job_retention: Option<String>,
     job_retention_max: Option<u64>,
+    max_stop_grace_secs: Option<u64>,
 }
 
 /// True when the user did not set `id` by flag or environment.
@@ -720,6 +745,18 @@ impl Options {
                 }
                 o.job_retention_max = v;
             }
+            if let (Some(v), true) = (
+                f.max_stop_grace_secs,
+                unset(&matches, "max_stop_grace_secs"),
+            ) {
+                if v > 86_400 {
+                    return Err(MasterError::Config(format!(
+                        "{}: max_stop_grace_secs must be at most 86400 (a day)",
+                        path.display()
+                    )));
+                }
+                o.max_stop_grace_secs = v;
+            }
         }
         Ok(o)
     }
@@ -869,6 +906,7 @@ impl Options {
         };
         let config = MasterConfig {
             reclaim_min_runtime,
+            max_stop_grace: Duration::from_secs(self.max_stop_grace_secs),
             retention: crate::leader::retention::Retention {
                 max_age,
                 max_finished: usize::try_from(self.job_retention_max).unwrap_or(usize::MAX),
@@ -1138,6 +1176,27 @@ mod tests {
                 (want, r) => panic!("{flags:?}: wanted {want:?}, got {r:?}"),
             }
         }
+    }
+
+    #[test]
+    fn a_jobs_stop_grace_is_bounded_by_the_masters_maximum() {
+        let config = |flags: &[&str]| {
+            let mut args = vec!["gpuctl-master"];
+            args.extend_from_slice(flags);
+            Options::load_from(args).and_then(|o| o.to_config())
+        };
+        let c = config(&[]).unwrap();
+        assert_eq!(c.max_stop_grace, Duration::from_secs(300));
+        assert!(c.check_stop_grace(None).is_ok());
+        assert!(c.check_stop_grace(Some(300_000)).is_ok());
+        let e = c.check_stop_grace(Some(300_001)).unwrap_err();
+        assert!(
+            e.contains("300.001 s") && e.contains("maximum of 300 s"),
+            "{e}"
+        );
+        assert!(e.contains("--max-stop-grace-secs"), "{e}");
+        let c = config(&["--max-stop-grace-secs", "30"]).unwrap();
+        assert!(c.check_stop_grace(Some(31_000)).is_err());
     }
 
     #[test]

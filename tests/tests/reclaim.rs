@@ -48,7 +48,9 @@ fn a_tenant_that_came_second_gets_its_fair_share_back_with_notice() {
     let env = format!("{MARKER}={value}");
     // On SIGTERM: a checkpoint in its sandbox (its working directory),
     // then out.
-    let script = "trap 'echo saved > checkpoint; exit 143' TERM; sleep 600 & wait";
+    // The checkpoint holds the notice the agent wrote before SIGTERM.
+    let script = "trap 'cat \"$GPUCTL_STOP_NOTICE\" > checkpoint; echo saved >> checkpoint; exit 143' TERM; \
+                  sleep 600 & wait";
     let submit = |c: &Cluster, tenant: &str| {
         c.submit(&[
             "--name",
@@ -116,11 +118,12 @@ fn a_tenant_that_came_second_gets_its_fair_share_back_with_notice() {
         let task = job["tasks"][0]["id"].as_str().unwrap().to_string();
         assert_eq!(job["tasks"][0]["reason"], "RECLAIMED", "{job}");
         let ckpt = c.dir.path().join(format!("agent0/tasks/{task}/checkpoint"));
-        assert_eq!(
-            std::fs::read_to_string(&ckpt).unwrap_or_default().trim(),
-            "saved",
-            "{} wrote no checkpoint at {}",
-            j,
+        let saved = std::fs::read_to_string(&ckpt).unwrap_or_default();
+        assert!(
+            saved.ends_with("saved\n")
+                && saved.contains("reason=reclaimed")
+                && saved.contains("reclaimed for tenant b by job-"),
+            "{j} wrote no checkpoint with its notice at {}: {saved:?}",
             ckpt.display()
         );
         let got = c.ok(&["jobs", "get", j]);

@@ -13,6 +13,7 @@
 //! is reported with its real exit code; a final status not yet acknowledged
 //! is sent again, with the same uuid.
 
+mod notice;
 mod plan;
 mod retention;
 
@@ -310,6 +311,73 @@ impl Executor {
 
     fn state_dir(&self, task_id: &str) -> PathBuf {
         self.work_dir.join(checkpoint::STATE_DIR).join(task_id)
+    }
+
+    /// Where the task's notice before a stop is written (`notice`).
+    fn notice_dir(&self, task_id: &str) -> PathBuf {
+        self.work_dir.join(checkpoint::NOTICE_DIR).join(task_id)
+    }
+
+    /// The grace of a stop for `reason`: the job's for what the master
+    /// asked (its kill, or its forgetting the task), the agent's kill grace
+    /// otherwise. A fence stop keeps the agent's: the master's lost timeout
+    /// is checked against it (`check_kill_grace`).
+    fn stop_grace(&self, spec: &TaskSpec, reason: Option<&StopReason>) -> Duration {
+        match reason {
+            Some(StopReason::Killed | StopReason::NotWanted) => spec
+                .stop_grace_ms
+                .map_or(self.kill_grace, Duration::from_millis),
+            _ => self.kill_grace,
+        }
+    }
+
+    /// Writes the task's notice (atomically: a reader sees all or none of
+    /// it) before its stop begins. A task whose notice cannot be written is
+    /// stopped all the same.
+    fn write_notice(&self, task_id: &str, reason: &StopReason, grace: Duration) {
+        let from_master = self
+            .lock()
+            .desired
+            .as_ref()
+            .and_then(|d| d.notices.get(task_id).cloned());
+        let n = notice::of(reason, from_master.as_ref());
+        let text = notice::text(&n, grace, checkpoint::wall_ms());
+        let dir = self.notice_dir(task_id);
+        match checkpoint::write_atomic_mode(&dir.join(notice::FILE), text.as_bytes(), 0o644) {
+            Ok(()) => {
+                tracing::info!(task_id, kind = %n.kind, grace_ms = grace.as_millis() as u64, "stop notice written")
+            }
+            // Made at start by an agent that knew of notices; an older
+            // one's task has none.
+            Err(e) => {
+                tracing::warn!(task_id, error = %e, "could not write the task's stop notice")
+            }
+        }
+    }
+
+    /// Makes the task's notice directory, the agent's: `user`'s group may
+    /// read it (anyone, when the task's user is not known, as a container's
+    /// image user), nobody but the agent write it.
+    fn make_notice_dir(&self, task_id: &str, user: Option<UserIds>) -> std::io::Result<PathBuf> {
+        let root = self.work_dir.join(checkpoint::NOTICE_DIR);
+        std::fs::create_dir_all(&root)?;
+        // Tasks pass through, without listing the others'.
+        set_mode(&root, 0o711)?;
+        let dir = self.notice_dir(task_id);
+        std::fs::create_dir_all(&dir)?;
+        // A notice of an earlier agent process's start of this task goes.
+        match std::fs::remove_file(dir.join(notice::FILE)) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+            _ => {}
+        }
+        match user {
+            Some(u) if !u.is_root() => {
+                std::os::unix::fs::chown(&dir, None, Some(u.gid))?;
+                set_mode(&dir, 0o750)?;
+            }
+            _ => set_mode(&dir, 0o755)?,
+        }
+        Ok(dir)
     }
 
     fn task_ref(&self, task_id: &str) -> TaskRef {
@@ -646,6 +714,8 @@ impl Executor {
                             .cloned()
                             .unwrap_or_else(|| TaskSpec {
                                 share: None,
+                                stop_grace_ms: None,
+                                checkpoint_dir: None,
                                 task_id: task_id.clone(),
                                 job_id: String::new(),
                                 framework_id: String::new(),
@@ -693,6 +763,12 @@ impl Executor {
             // the task again after recovery, restarting the clock. The
             // sandbox is the agent's again from here on.
             self.retire(&id);
+            match std::fs::remove_dir_all(self.notice_dir(&id)) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    tracing::warn!(task_id = %id, error = %e, "could not remove the task's notice directory")
+                }
+                _ => {}
+            }
             let dir = self.state_dir(&id);
             match std::fs::remove_dir_all(&dir) {
                 Ok(()) => self.isolation.users.release(&id),
@@ -956,9 +1032,13 @@ impl Executor {
         tokio::pin!(wait);
         let mut stopping = false;
         let ended = loop {
-            if !stopping && stop.borrow().is_some() {
+            let reason = stop.borrow().clone();
+            if let (false, Some(reason)) = (stopping, reason) {
                 stopping = true;
-                tokio::spawn(stop_until_done(rt.clone(), tref.clone(), self.kill_grace));
+                // The notice first: it is there when SIGTERM comes.
+                let grace = self.stop_grace(spec, Some(&reason));
+                self.write_notice(task_id, &reason, grace);
+                tokio::spawn(stop_until_done(rt.clone(), tref.clone(), grace));
             }
             tokio::select! {
                 r = &mut wait => break r,
@@ -1023,8 +1103,27 @@ impl Executor {
                 tracing::warn!(task_id, reason = %why, "task refused");
                 Outcome::failed(why)
             })?;
+        let checkpoint_dir = self
+            .isolation
+            .policy
+            .checkpoint_dir(spec, &crate::security::RealHost)
+            .map_err(|why| {
+                tracing::warn!(task_id, reason = %why, "task refused");
+                Outcome::failed(why)
+            })?;
         if security.own_user {
-            let ids = self.own_user(task_id).await.map_err(|why| {
+            // The owner of the job's checkpoint directory, made by an
+            // earlier attempt, again if it is free: it owns what is there.
+            let prefer = checkpoint_dir
+                .as_deref()
+                .and_then(|d| std::fs::metadata(d).ok())
+                .map(|m| {
+                    (
+                        spec.job_id.as_str(),
+                        std::os::unix::fs::MetadataExt::uid(&m),
+                    )
+                });
+            let ids = self.own_user(task_id, prefer).await.map_err(|why| {
                 tracing::warn!(task_id, reason = %why, "task refused");
                 Outcome::failed(why)
             })?;
@@ -1070,6 +1169,14 @@ impl Executor {
             .await
             .and_then(|()| set_mode(&sandbox, 0o700))
             .map_err(|e| Outcome::failed(format!("create sandbox {}: {e}", sandbox.display())))?;
+        let notice_dir = self
+            .make_notice_dir(task_id, security.user)
+            .map_err(|e| Outcome::failed(format!("create the stop notice directory: {e}")))?;
+        if let Some(dir) = &checkpoint_dir {
+            make_checkpoint_dir(dir, security.user).map_err(|e| {
+                Outcome::failed(format!("checkpoint_dir: create {}: {e}", dir.display()))
+            })?;
+        }
         let grants = self
             .isolation
             .gpu_grants
@@ -1118,6 +1225,32 @@ impl Executor {
         });
         self.send(starting).await;
         let mut env = Self::gpu_env(spec);
+        // The notice before a stop, and the checkpoint directory at the
+        // path the job named, for a container as for a host process.
+        let notice_at = if rt.kind() == Runtime::Docker {
+            security.mounts.push(crate::security::BindMount {
+                host_path: notice_dir.clone(),
+                container_path: notice::CONTAINER_DIR.to_string(),
+                read_only: true,
+            });
+            PathBuf::from(notice::CONTAINER_DIR).join(notice::FILE)
+        } else {
+            security.keep_visible.push(notice_dir.clone());
+            notice_dir.join(notice::FILE)
+        };
+        env.insert(notice::ENV.into(), notice_at.display().to_string());
+        if let (Some(dir), Some(asked)) = (&checkpoint_dir, &spec.checkpoint_dir) {
+            if rt.kind() == Runtime::Docker {
+                security.mounts.push(crate::security::BindMount {
+                    host_path: dir.clone(),
+                    container_path: asked.clone(),
+                    read_only: false,
+                });
+            } else {
+                security.keep_visible.push(dir.clone());
+            }
+            env.insert(notice::CHECKPOINT_ENV.into(), asked.clone());
+        }
         if let (Some(server), Some(sh)) = (&mps, &spec.share) {
             crate::gpu::mps::scrub_env(&mut env);
             // A container sees the pipe directory where the agent mounts
@@ -1259,7 +1392,11 @@ impl Executor {
     /// The task's own user: the one its checkpoint records (an agent
     /// restarted before the task started), else a new lease, recorded
     /// before the task can start.
-    async fn own_user(&self, task_id: &str) -> Result<UserIds, String> {
+    async fn own_user(
+        &self,
+        task_id: &str,
+        prefer: Option<(&str, u32)>,
+    ) -> Result<UserIds, String> {
         let path = self.state_dir(task_id).join(task_users::USER_FILE);
         match checkpoint::read_json::<UserIds>(&path) {
             Ok(Some(ids)) => {
@@ -1272,7 +1409,10 @@ impl Executor {
         let host = tokio::task::spawn_blocking(task_users::HostIds::of_host)
             .await
             .map_err(|e| format!("reading the host's users: {e}"))?;
-        let ids = self.isolation.users.lease(task_id, &host)?;
+        let ids = self
+            .isolation
+            .users
+            .lease_preferring(task_id, prefer, &host)?;
         if let Err(e) = checkpoint::write_json(&path, &ids) {
             self.isolation.users.release(task_id);
             return Err(format!("task user record: {e}"));
@@ -1298,6 +1438,27 @@ impl Executor {
             tracing::warn!(task_id, error = %e, "could not remove the task's cgroup");
         }
     }
+}
+
+/// Makes a job's checkpoint directory if it is missing, its last part
+/// owned by the task's user (root's when that is not known: a container
+/// without a user of its job's), readable by nobody else. One that exists is
+/// left as it is: the agent never takes over a directory it did not make.
+fn make_checkpoint_dir(dir: &std::path::Path, user: Option<UserIds>) -> std::io::Result<()> {
+    if dir.is_dir() {
+        return Ok(());
+    }
+    if let Some(parent) = dir.parent() {
+        std::fs::create_dir_all(parent)?;
+    }
+    match std::fs::create_dir(dir) {
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => return Ok(()),
+        r => r?,
+    }
+    if let Some(u) = user {
+        std::os::unix::fs::chown(dir, Some(u.uid), Some(u.gid))?;
+    }
+    set_mode(dir, 0o700)
 }
 
 fn set_mode(path: &std::path::Path, mode: u32) -> std::io::Result<()> {
@@ -1651,6 +1812,8 @@ mod shell_tests {
     fn spec(id: &str) -> TaskSpec {
         TaskSpec {
             share: None,
+            stop_grace_ms: None,
+            checkpoint_dir: None,
             task_id: id.into(),
             job_id: "job-1".into(),
             framework_id: String::new(),
@@ -1668,6 +1831,7 @@ mod shell_tests {
         Desired {
             run: ids.iter().map(|i| (i.to_string(), spec(i))).collect(),
             kill: kill.iter().map(|k| k.to_string()).collect(),
+            notices: Default::default(),
         }
     }
 
@@ -1783,6 +1947,7 @@ mod shell_tests {
         h.exec.set_desired(Desired {
             run: [("root".to_string(), root)].into(),
             kill: Default::default(),
+            notices: Default::default(),
         });
         let u = next(&mut h).await;
         assert_eq!(u.state, TaskState::Failed, "{u:?}");
@@ -1800,6 +1965,7 @@ mod shell_tests {
         h.exec.set_desired(Desired {
             run: [("mount".to_string(), mount)].into(),
             kill: Default::default(),
+            notices: Default::default(),
         });
         let u = next(&mut h).await;
         assert_eq!(u.state, TaskState::Failed, "{u:?}");
@@ -1958,6 +2124,7 @@ mod shell_tests {
         h.exec.set_desired(Desired {
             run: specs.into_iter().map(|s| (s.task_id.clone(), s)).collect(),
             kill: Default::default(),
+            notices: Default::default(),
         });
     }
 

@@ -8,13 +8,15 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use gpuctl_core::types::TaskSpec;
+use gpuctl_core::types::{StopNotice, TaskSpec};
 
 /// The master's wish for this agent: tasks to run and tasks to stop.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Desired {
     pub run: BTreeMap<String, TaskSpec>,
     pub kill: BTreeSet<String>,
+    /// Why, for tasks of `kill` the master said why (the task's notice).
+    pub notices: BTreeMap<String, StopNotice>,
 }
 
 /// Where a task known to this agent stands.
@@ -170,6 +172,8 @@ mod tests {
     fn spec(id: &str, gpus: &[&str]) -> TaskSpec {
         TaskSpec {
             share: None,
+            stop_grace_ms: None,
+            checkpoint_dir: None,
             task_id: id.into(),
             job_id: "job-1".into(),
             framework_id: String::new(),
@@ -201,6 +205,7 @@ mod tests {
         Desired {
             run: run.iter().map(|s| (s.task_id.clone(), s.clone())).collect(),
             kill: kill.iter().map(|k| k.to_string()).collect(),
+            notices: Default::default(),
         }
     }
 

@@ -1352,6 +1352,8 @@ mod tests {
         LaunchSpec {
             task: TaskSpec {
                 share: None,
+                stop_grace_ms: None,
+                checkpoint_dir: None,
                 task_id: task_id.to_string(),
                 job_id: format!("job-{task_id}"),
                 framework_id: String::new(),

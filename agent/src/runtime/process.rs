@@ -153,6 +153,7 @@ impl ProcessRuntime {
         }
         let keep_visible = std::iter::once(spec.sandbox.clone())
             .chain(spec.isolation.dev_root.clone())
+            .chain(spec.security.keep_visible.iter().cloned())
             .collect();
         let launch = Launch {
             program: program.clone(),
@@ -254,13 +255,22 @@ impl ProcessRuntime {
         }
     }
 
-    fn stop_task(&self, task: &TaskRef) -> Result<(), RuntimeError> {
+    fn stop_task(&self, task: &TaskRef, grace: Duration) -> Result<(), RuntimeError> {
         let state = checkpoint::read_json::<SupervisorState>(&task.state_dir.join(STATE_FILE))
             .map_err(checkpoint_err)?;
         let Some(state) = state else {
             return Ok(()); // never started
         };
         if state.supervisor.alive() {
+            // The grace of this stop, for the supervisor to read when the
+            // signal comes (its own fence keeps the grace of its launch).
+            checkpoint::write_json(
+                &task.state_dir.join(supervisor::STOP_FILE),
+                &supervisor::StopRequest {
+                    grace_ms: u64::try_from(grace.as_millis()).unwrap_or(u64::MAX),
+                },
+            )
+            .map_err(checkpoint_err)?;
             // The supervisor gives the task its grace, then SIGKILL.
             match kill(Pid::from_raw(state.supervisor.pid), Signal::SIGTERM) {
                 Ok(()) | Err(nix::errno::Errno::ESRCH) => {}
@@ -293,9 +303,9 @@ impl ContainerRuntime for ProcessRuntime {
     fn stop<'a>(
         &'a self,
         task: &'a TaskRef,
-        _grace: Duration,
+        grace: Duration,
     ) -> BoxFuture<'a, Result<(), RuntimeError>> {
-        futures::future::ready(self.stop_task(task)).boxed()
+        futures::future::ready(self.stop_task(task, grace)).boxed()
     }
 
     fn remove<'a>(&'a self, _task: &'a TaskRef) -> BoxFuture<'a, Result<(), RuntimeError>> {

@@ -13,7 +13,8 @@
 //! - starts the task in its own process group, its output appended to the
 //!   log, after the child joined the task's cgroups;
 //! - on SIGTERM stops the task: SIGTERM to the group, SIGKILL after the
-//!   grace;
+//!   grace (the agent's `stop.json`, written before the signal; the
+//!   launch's kill grace without one);
 //! - stops the task itself once the agent's last contact with a leader is
 //!   older than the fence timeout (`contact.json`), so that a frozen, dead
 //!   or cut-off agent never leaves a task running past the point where the
@@ -49,6 +50,16 @@ pub const LOCK_FILE: &str = "supervisor.lock";
 pub const STATE_FILE: &str = "supervisor.json";
 pub const EXIT_FILE: &str = "exit.json";
 pub const LOG_FILE: &str = "supervisor.log";
+/// Written by the agent before it sends the supervisor SIGTERM: the grace
+/// of that stop (a job's `stop_grace`), read when the signal comes.
+pub const STOP_FILE: &str = "stop.json";
+
+/// `stop.json`: how long the task gets between SIGTERM and SIGKILL in the
+/// stop the agent asks for now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StopRequest {
+    pub grace_ms: u64,
+}
 
 /// How often the supervisor looks at the fence and the kill deadline when
 /// no signal comes.
@@ -352,7 +363,7 @@ pub fn run(dir: &Path) -> Result<(), SupervisorError> {
             if (signo == Signal::SIGTERM as i32 || signo == Signal::SIGINT as i32)
                 && kill_deadline.is_none()
             {
-                kill_deadline = Some(begin_stop(pgid, grace));
+                kill_deadline = Some(begin_stop(pgid, stop_grace(dir, grace)));
             }
         }
     }
@@ -378,6 +389,19 @@ pub fn run(dir: &Path) -> Result<(), SupervisorError> {
         },
     )?;
     Ok(())
+}
+
+/// The grace of a stop the agent asked for: its `stop.json`, else the
+/// launch's (`default`).
+fn stop_grace(dir: &Path, default: Duration) -> Duration {
+    match checkpoint::read_json::<StopRequest>(&dir.join(STOP_FILE)) {
+        Ok(Some(r)) => Duration::from_millis(r.grace_ms),
+        Ok(None) => default,
+        Err(e) => {
+            eprintln!("gpuctl-agent {SUBCOMMAND}: {e}; the launch's kill grace applies");
+            default
+        }
+    }
 }
 
 fn begin_stop(pgid: Pid, grace: Duration) -> Instant {

@@ -105,6 +105,17 @@ pub struct JobFile {
     pub mount: Vec<Mount>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub run_as_root: Option<bool>,
+    /// `--stop-grace DURATION` (`90s`, `5m`; a number is seconds), as ms.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "de_stop_grace",
+        serialize_with = "ser_stop_grace"
+    )]
+    pub stop_grace: Option<u64>,
+    /// `--checkpoint-dir PATH`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint_dir: Option<Text>,
     /// `--request-id KEY`: submitting the file again within 24 hours gives
     /// the same job. Never written by `jobs get -o yaml`: a copy of a job
     /// is another job.
@@ -256,6 +267,22 @@ impl Check for StrCheck {
     }
 }
 
+/// A stop grace: a duration (`90s`, `5m`) or a number of seconds, as ms.
+struct Grace;
+
+impl Check for Grace {
+    type Value = u64;
+    fn expecting(&self) -> &'static str {
+        "a duration (90s, 5m) or a number of seconds"
+    }
+    fn str(&self, v: &str) -> Option<Result<u64, String>> {
+        Some(super::jobs::parse_stop_grace(v))
+    }
+    fn u64(&self, v: u64) -> Option<Result<u64, String>> {
+        Some(super::jobs::parse_stop_grace(&v.to_string()))
+    }
+}
+
 /// A whole number in `min..=max`.
 struct Range(u32, u32);
 
@@ -335,6 +362,19 @@ fn de_replicas<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u32>, D::Error>
 
 fn de_max_retries<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u32>, D::Error> {
     d.deserialize_option(OrNull(Range(0, MAX_RETRIES)))
+}
+
+fn de_stop_grace<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    d.deserialize_option(OrNull(Grace))
+}
+
+/// Written back as a duration (`90s`, `1500ms`), as it is read.
+fn ser_stop_grace<S: serde::Serializer>(ms: &Option<u64>, s: S) -> Result<S::Ok, S::Error> {
+    match ms {
+        Some(ms) if ms % 1000 == 0 => s.serialize_str(&format!("{}s", ms / 1000)),
+        Some(ms) => s.serialize_str(&format!("{ms}ms")),
+        None => s.serialize_none(),
+    }
 }
 
 /// How deep a job file may nest. Its schema needs 2 levels (its keys,
@@ -427,6 +467,8 @@ pub fn from_spec(spec: &pb::JobSpec) -> JobFile {
             })
             .collect(),
         run_as_root: security.run_as_root.then_some(true),
+        stop_grace: spec.stop_grace_ms,
+        checkpoint_dir: some(&spec.checkpoint_dir).map(Text),
         // A copy of a job is another job: resubmitting it must not be
         // answered with the original.
         request_id: None,
@@ -611,6 +653,8 @@ mod tests {
                 run_as_root: false,
             }),
             require_cuda: "cuda>=12.2".into(),
+            stop_grace_ms: Some(90_000),
+            checkpoint_dir: "/ckpt/t".into(),
         };
         let job = pb::Job {
             id: "job-1".into(),
@@ -627,5 +671,23 @@ mod tests {
         assert!(!back.env.contains_key("S"), "{yaml}");
         assert_eq!(back.env["E"], Text(String::new()));
         assert_eq!(back.mount, vec![Mount("/d:/e:rw".into())]);
+        assert!(yaml.contains("stop_grace: 90s\n"), "{yaml}");
+        assert_eq!(back.stop_grace, Some(90_000));
+        assert_eq!(back.checkpoint_dir, Some(Text("/ckpt/t".into())));
+    }
+
+    #[test]
+    fn stop_grace_is_a_duration_or_seconds_and_named_when_wrong() {
+        let f = parse("f", "command: [x]\nstop_grace: 5m\ncheckpoint_dir: /c\n").unwrap();
+        assert_eq!(f.stop_grace, Some(300_000));
+        assert_eq!(f.checkpoint_dir, Some(Text("/c".into())));
+        let f = parse("f", "command: [x]\nstop_grace: 20\n").unwrap();
+        assert_eq!(f.stop_grace, Some(20_000));
+        let f = parse("f", "command: [x]\nstop_grace: 1500ms\n").unwrap();
+        assert_eq!(f.stop_grace, Some(1_500));
+        for bad in ["soon", "2d", "-1s"] {
+            let e = parse("f", &format!("command: [x]\nstop_grace: {bad}\n")).unwrap_err();
+            assert!(e.contains("stop_grace"), "{bad}: {e}");
+        }
     }
 }

@@ -239,6 +239,20 @@ pub struct SubmitArgs {
     /// Start a failed job (the whole gang) again, up to N times [default: 0].
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(..=i64::from(gpuctl_core::convert::MAX_RETRIES)))]
     pub max_retries: Option<u32>,
+    /// Time between SIGTERM and SIGKILL when the cluster stops the job's
+    /// tasks (cancel, preemption, drain), e.g. 90s, 5m; at most the
+    /// cluster's maximum (gpuctl-master --max-stop-grace-secs, default
+    /// 5m). Before SIGTERM the task's $GPUCTL_STOP_NOTICE file says why.
+    /// Default: the agent's kill grace.
+    #[arg(long, value_name = "DURATION", value_parser = parse_stop_grace)]
+    pub stop_grace: Option<u64>,
+    /// An absolute host path each attempt of the job gets again, at the
+    /// same path ($GPUCTL_CHECKPOINT_DIR; mounted read-write into a
+    /// container), made if missing. Only agents whose allowed_mounts cover
+    /// it take the job. The data is there on another agent only if the
+    /// path is shared storage.
+    #[arg(long, value_name = "PATH")]
+    pub checkpoint_dir: Option<String>,
     /// Idempotency key (letters, digits, '.', '_', '-'): submits with the
     /// same KEY by the same token within 24 hours make one job, and each
     /// prints its id. Without it gpuctl makes one, kept across its own
@@ -447,8 +461,25 @@ impl SubmitArgs {
                 .clone()
                 .or(file.require_cuda)
                 .unwrap_or_default(),
+            stop_grace_ms: self.stop_grace.or(file.stop_grace),
+            checkpoint_dir: self
+                .checkpoint_dir
+                .clone()
+                .or(file.checkpoint_dir.map(|t| t.0))
+                .unwrap_or_default(),
         })
     }
+}
+
+/// `--stop-grace`: a duration (`90s`, `5m`, `1500ms`; a bare number is
+/// seconds), as ms. The cluster's maximum is the master's to check.
+pub fn parse_stop_grace(s: &str) -> Result<u64, String> {
+    let d = gpuctl_core::time::parse_duration(s)?;
+    let ms = u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+    if ms > gpuctl_core::convert::MAX_STOP_GRACE_MS {
+        return Err(format!("{s:?} is longer than a day"));
+    }
+    Ok(ms)
 }
 
 fn texts(v: Vec<Text>) -> Vec<String> {
@@ -1455,6 +1486,47 @@ mig: 2g.20gb
             .unwrap();
         let p = s.placement.unwrap();
         assert_eq!((p.gpu_mem_mib, p.gpu_compute_pct), (4096, 10));
+    }
+
+    #[test]
+    fn stop_grace_and_checkpoint_dir_flags_reach_the_spec() {
+        let s = submit_args(&[
+            "jobs",
+            "submit",
+            "--name",
+            "x",
+            "--stop-grace",
+            "90s",
+            "--checkpoint-dir",
+            "/ckpt/x",
+            "--",
+            "true",
+        ])
+        .to_spec()
+        .unwrap();
+        assert_eq!(s.stop_grace_ms, Some(90_000));
+        assert_eq!(s.checkpoint_dir, "/ckpt/x");
+        let s = submit_args(&["jobs", "submit", "--name", "x", "--", "true"])
+            .to_spec()
+            .unwrap();
+        assert_eq!((s.stop_grace_ms, s.checkpoint_dir.as_str()), (None, ""));
+        assert_eq!(parse_stop_grace("5m"), Ok(300_000));
+        assert_eq!(parse_stop_grace("20"), Ok(20_000));
+        assert!(parse_stop_grace("soon").is_err());
+        assert!(parse_stop_grace("2d")
+            .unwrap_err()
+            .contains("longer than a day"));
+        assert!(parse(&[
+            "jobs",
+            "submit",
+            "--name",
+            "x",
+            "--stop-grace",
+            "x",
+            "--",
+            "true"
+        ])
+        .is_err());
     }
 
     #[test]

@@ -57,6 +57,7 @@ pub fn request(job: &JobRecord) -> placement::TaskRequest<'_> {
         constraints: &spec.placement.constraints,
         run_as_root: spec.security.run_as_root,
         mounts: &spec.security.mounts,
+        checkpoint_dir: spec.checkpoint_dir.as_deref(),
         require_cuda: spec.require_cuda.as_ref(),
         image_requires: &job.image_requires,
     }
@@ -388,13 +389,14 @@ pub(crate) fn ask_key(job: &JobRecord) -> String {
         .collect();
     let driver: Vec<&str> = job.driver_requires().map(|e| e.text()).collect();
     format!(
-        "{:?}|{:?}|{:?}|{}|{}|{:?}|{:?}",
+        "{:?}|{:?}|{:?}|{}|{}|{:?}|{:?}|{:?}",
         spec.resources,
         spec.runtime(),
         spec.placement,
         spec.replicas(),
         spec.security.run_as_root,
         mounts,
+        spec.checkpoint_dir,
         driver
     )
 }

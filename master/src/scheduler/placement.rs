@@ -78,6 +78,9 @@ pub struct TaskRequest<'a> {
     pub run_as_root: bool,
     /// Host mounts: each under one of the agent's allowed mounts.
     pub mounts: &'a [HostMount],
+    /// The job's checkpoint directory: under one of the agent's allowed
+    /// mounts too (the agent creates and mounts it).
+    pub checkpoint_dir: Option<&'a str>,
     /// The job's `require_cuda`: the node's driver must meet it.
     pub require_cuda: Option<&'a Expr>,
     /// What the job's image requires of the driver (learned): all must hold.
@@ -314,6 +317,9 @@ fn security_ok(req: &TaskRequest, node: &NodeView) -> bool {
             .mounts
             .iter()
             .all(|m| path_within(node.allowed_mounts, &m.host_path))
+        && req
+            .checkpoint_dir
+            .is_none_or(|p| path_within(node.allowed_mounts, p))
 }
 
 fn constraints_ok(
@@ -635,6 +641,7 @@ pub fn unsatisfiable(
         steps.push(Need::RootTasks);
     }
     steps.extend(req.mounts.iter().map(|m| Need::Mount(m.host_path.as_str())));
+    steps.extend(req.checkpoint_dir.map(Need::Mount));
     steps.extend(
         req.constraints
             .iter()
@@ -964,6 +971,7 @@ mod tests {
             constraints: &NONE,
             run_as_root: false,
             mounts: &[],
+            checkpoint_dir: None,
             require_cuda: None,
             image_requires: &[],
         }
@@ -2022,6 +2030,7 @@ mod tests {
                     constraints: &c,
                     run_as_root: self.run_as_root,
                     mounts: &[],
+                    checkpoint_dir: None,
                     require_cuda: None,
                     image_requires: &[],
                 })

@@ -198,9 +198,24 @@ impl TaskWatch {
         if self.last.as_ref() == Some(&desired) {
             return Vec::new();
         }
+        let kill_notices = desired
+            .1
+            .iter()
+            .filter_map(|id| {
+                let n = state.stop_notice(state.task(id)?);
+                Some((
+                    id.clone(),
+                    pb::StopNotice {
+                        kind: n.kind,
+                        message: n.message,
+                    },
+                ))
+            })
+            .collect();
         let msg = pb::DesiredTasks {
             tasks: desired.0.iter().cloned().map(Into::into).collect(),
             kill: desired.1.clone(),
+            kill_notices,
             ..Default::default()
         };
         self.last = Some(desired);

@@ -314,6 +314,8 @@ mod tests {
             max_retries: MAX_RETRIES,
             no_requeue: true,
             no_fence: true,
+            stop_grace_ms: Some(gpuctl_core::convert::MAX_STOP_GRACE_MS),
+            checkpoint_dir: text("/k/", MAX_PATH_LEN),
         };
         let req = pb::SubmitJobRequest {
             request_id: text("r", MAX_NAME_LEN),

@@ -533,6 +533,10 @@ impl OperatorService {
         if let Caller::Token(t) = caller {
             check_chosen_user(t, &spec.security)?;
         }
+        self.ctx
+            .config
+            .check_stop_grace(spec.stop_grace_ms)
+            .map_err(|why| ConvertError::new("spec.stop_grace_ms", why))?;
         // A resend of a submit already committed: answer from the state
         // (apply dedupes too, for a resend racing its first send).
         if let Some(key) = &request_id {

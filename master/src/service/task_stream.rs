@@ -6,7 +6,7 @@
 
 use std::collections::BTreeSet;
 
-use gpuctl_core::types::{TaskId, TaskSpec};
+use gpuctl_core::types::{StopNotice, TaskId, TaskSpec};
 use gpuctl_proto::pb;
 use prost::encoding::{encoded_len_varint, key_len};
 
@@ -21,7 +21,8 @@ const FLAG_BYTES: usize = 4;
 /// One change of the receiver's sets, as it goes on the wire.
 enum Item {
     Run(Box<pb::TaskSpec>),
-    Kill(TaskId),
+    /// With why, when the master knows.
+    Kill(TaskId, Option<pb::StopNotice>),
     Removed(TaskId),
 }
 
@@ -30,7 +31,15 @@ impl Item {
     fn encoded_len(&self) -> usize {
         match self {
             Item::Run(t) => field_len(1, prost::Message::encoded_len(t.as_ref())),
-            Item::Kill(id) => field_len(2, id.len()),
+            Item::Kill(id, notice) => {
+                field_len(2, id.len())
+                    + notice.as_ref().map_or(0, |n| {
+                        // A map entry: key 1 (the id), value 2 (the notice).
+                        let entry =
+                            field_len(1, id.len()) + field_len(2, prost::Message::encoded_len(n));
+                        field_len(6, entry)
+                    })
+            }
             Item::Removed(id) => field_len(5, id.len()),
         }
     }
@@ -67,11 +76,16 @@ impl TaskStream {
         let ids = run.iter().map(|t| t.task_id.clone()).collect();
         let mut specs: std::collections::BTreeMap<TaskId, TaskSpec> =
             run.into_iter().map(|t| (t.task_id.clone(), t)).collect();
+        let kill = kill
+            .into_iter()
+            .map(|id| (id, StopNotice::default()))
+            .collect();
         self.update_with(ids, kill, |id| specs.remove(id))
     }
 
     /// The messages that take the receiver to the desired set (`run`,
-    /// `kill`; an id in both is killed), asking `spec` for the specs of
+    /// `kill` with why, sent with the kill once; an id in both is killed),
+    /// asking `spec` for the specs of
     /// the tasks new to the run set (one it has no spec for is left out).
     /// The first call gives the snapshot (first message `reset`, last
     /// `complete`, at least one message); later calls the differences, last
@@ -81,10 +95,12 @@ impl TaskStream {
     pub fn update_with(
         &mut self,
         run: Vec<TaskId>,
-        kill: Vec<TaskId>,
+        kill: Vec<(TaskId, StopNotice)>,
         mut spec: impl FnMut(&TaskId) -> Option<TaskSpec>,
     ) -> Vec<pb::DesiredTasks> {
-        let kill: BTreeSet<TaskId> = kill.into_iter().collect();
+        let mut notices: std::collections::BTreeMap<TaskId, StopNotice> =
+            kill.into_iter().collect();
+        let kill: BTreeSet<TaskId> = notices.keys().cloned().collect();
         let empty = BTreeSet::new();
         let (reset, sent_run, sent_kill) = match &self.sent {
             None => (true, &empty, &empty),
@@ -102,12 +118,17 @@ impl TaskStream {
             }
             now_run.insert(id);
         }
-        items.extend(
-            kill.iter()
-                .filter(|id| !sent_kill.contains(*id))
-                .cloned()
-                .map(Item::Kill),
-        );
+        items.extend(kill.iter().filter(|id| !sent_kill.contains(*id)).map(|id| {
+            let notice =
+                notices
+                    .remove(id)
+                    .filter(|n| !n.kind.is_empty())
+                    .map(|n| pb::StopNotice {
+                        kind: n.kind,
+                        message: n.message,
+                    });
+            Item::Kill(id.clone(), notice)
+        }));
         items.extend(
             sent_run
                 .iter()
@@ -143,7 +164,12 @@ fn pack(items: Vec<Item>, reset: bool, budget: usize) -> Vec<pb::DesiredTasks> {
         }
         match item {
             Item::Run(t) => msg.tasks.push(*t),
-            Item::Kill(id) => msg.kill.push(id),
+            Item::Kill(id, notice) => {
+                if let Some(n) = notice {
+                    msg.kill_notices.insert(id.clone(), n);
+                }
+                msg.kill.push(id);
+            }
             Item::Removed(id) => msg.removed.push(id),
         }
         size += len;
@@ -166,6 +192,8 @@ mod tests {
     fn task(id: &str, env_bytes: usize) -> TaskSpec {
         TaskSpec {
             share: None,
+            stop_grace_ms: None,
+            checkpoint_dir: None,
             task_id: id.into(),
             job_id: "job-1".into(),
             framework_id: String::new(),
@@ -203,6 +231,63 @@ mod tests {
         let want_kill: BTreeSet<TaskId> = kill.iter().cloned().collect();
         assert_eq!(set.run(), &want_run);
         assert_eq!(set.kill(), &want_kill);
+    }
+
+    #[test]
+    fn kill_notices_go_with_the_kill_once() {
+        let mut stream = TaskStream::new(MESSAGE_BUDGET);
+        let notice = StopNotice {
+            kind: "preempted".into(),
+            message: "preempted by job-7 (priority 5)".into(),
+        };
+        let msgs = stream.update_with(
+            vec![],
+            vec![
+                ("k".into(), notice.clone()),
+                ("j".into(), StopNotice::default()),
+            ],
+            |_| None,
+        );
+        assert_eq!(msgs.len(), 1);
+        assert_eq!(msgs[0].kill, ["j", "k"]);
+        let sent = &msgs[0].kill_notices;
+        assert_eq!(sent.len(), 1, "an empty notice is not sent");
+        assert_eq!(
+            (sent["k"].kind.as_str(), sent["k"].message.as_str()),
+            ("preempted", "preempted by job-7 (priority 5)")
+        );
+        let mut set = DesiredSet::new();
+        assert!(set.apply(&msgs[0]).unwrap());
+        assert_eq!(set.notices()["k"], notice);
+        // Nothing changed: nothing sent again.
+        assert!(stream
+            .update_with(
+                vec![],
+                vec![("k".into(), notice), ("j".into(), StopNotice::default())],
+                |_| None
+            )
+            .is_empty());
+        // The size estimate holds with notices: each message within budget.
+        let many: Vec<(TaskId, StopNotice)> = (0..2000)
+            .map(|i| {
+                (
+                    format!("job-{i}.0"),
+                    StopNotice {
+                        kind: "cancelled".into(),
+                        message: "x".repeat(100),
+                    },
+                )
+            })
+            .collect();
+        let msgs = TaskStream::new(4096).update_with(vec![], many, |_| None);
+        assert!(msgs.len() > 1);
+        for m in &msgs {
+            assert!(
+                prost::Message::encoded_len(m) <= 4096,
+                "{}",
+                prost::Message::encoded_len(m)
+            );
+        }
     }
 
     #[test]

@@ -1210,6 +1210,67 @@ mod tests {
     }
 
     #[test]
+    fn kill_reasons_reach_the_desired_set_and_the_spec_its_grace() {
+        let mut t = T::new(&[("a", 4), ("b", 1)]);
+        let mut s = spec(1, 1);
+        s.stop_grace_ms = Some(60_000);
+        s.checkpoint_dir = Some("/ckpt/low".into());
+        let low = t.submit(s);
+        let cancelled = t.submit(spec(1, 1));
+        let drained = t.submit(spec(1, 1));
+        t.launch(&low, &[("a", &["GPU-a-0"])]).unwrap();
+        t.launch(&cancelled, &[("a", &["GPU-a-1"])]).unwrap();
+        t.launch(&drained, &[("b", &["GPU-b-0"])]).unwrap();
+        let spec_of = t.s.task_spec("job-1.0").unwrap();
+        assert_eq!(spec_of.stop_grace_ms, Some(60_000));
+        assert_eq!(spec_of.checkpoint_dir.as_deref(), Some("/ckpt/low"));
+        let mut s = spec(4, 1);
+        s.priority = 5;
+        let high = t.submit(s);
+        t.apply(Command::PreemptJobs {
+            job_id: high,
+            victims: vec![low.clone()],
+            at_ms: 10,
+        })
+        .unwrap();
+        t.apply(Command::CancelJob {
+            job_id: cancelled,
+            at_ms: 11,
+        })
+        .unwrap();
+        t.apply(Command::DrainAgent {
+            agent_id: "b".into(),
+            kill: true,
+            deadline_ms: None,
+            at_ms: 12,
+        })
+        .unwrap();
+        let kinds = |agent: &str| -> Vec<(String, String, String)> {
+            t.s.desired_task_ids(agent)
+                .1
+                .into_iter()
+                .map(|(id, n)| (id, n.kind, n.message))
+                .collect()
+        };
+        assert_eq!(
+            kinds("a"),
+            [
+                (
+                    "job-1.0".to_string(),
+                    "preempted".to_string(),
+                    "preempted by job-4 (priority 5)".to_string()
+                ),
+                ("job-2.0".into(), "cancelled".into(), "cancelled".into()),
+            ]
+        );
+        let b = kinds("b");
+        assert_eq!((b[0].0.as_str(), b[0].1.as_str()), ("job-3.0", "drained"));
+        assert!(b[0].2.contains("drain"), "{b:?}");
+        // The full-set form keeps the ids.
+        assert_eq!(t.s.desired_tasks("a").1, ["job-1.0", "job-2.0"]);
+    }
+
+    #[test]
     fn preemption_requeues_victims_or_fails_them_with_no_requeue() {
         let mut t = T::new(&[("a", 4)]);
         let low = t.submit(spec(2, 1));

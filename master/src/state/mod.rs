@@ -29,7 +29,7 @@ use std::collections::BTreeMap;
 
 use gpuctl_core::types::{
     AgentId, AgentInfo, FrameworkId, FrameworkInfo, GpuUuid, JobId, JobSpec, JobState, Resources,
-    TaskId, TaskSpec, TaskState,
+    StopNotice, TaskId, TaskSpec, TaskState,
 };
 use serde::{Deserialize, Serialize};
 
@@ -528,23 +528,34 @@ impl State {
     pub fn desired_tasks(&self, agent_id: &str) -> (Vec<TaskSpec>, Vec<TaskId>) {
         let (run, kill) = self.desired_task_ids(agent_id);
         let run = run.iter().filter_map(|id| self.task_spec(id)).collect();
-        (run, kill)
+        (run, kill.into_iter().map(|(id, _)| id).collect())
     }
 
     /// [`State::desired_tasks`] by id only: what the agent should run, in
     /// id order (those whose spec [`State::task_spec`] can make), and what
-    /// it must stop.
-    pub fn desired_task_ids(&self, agent_id: &str) -> (Vec<TaskId>, Vec<TaskId>) {
+    /// it must stop, each with why (the task's notice).
+    pub fn desired_task_ids(&self, agent_id: &str) -> (Vec<TaskId>, Vec<(TaskId, StopNotice)>) {
         let mut run = Vec::new();
         let mut kill = Vec::new();
         for t in self.tasks.on(agent_id).filter(|t| t.holds_resources()) {
             if t.kill_requested || t.state.is_terminal() {
-                kill.push(t.id.clone());
+                kill.push((t.id.clone(), self.stop_notice(t)));
             } else if t.launch.is_some() || self.jobs.contains_key(&t.job_id) {
                 run.push(t.id.clone());
             }
         }
         (run, kill)
+    }
+
+    /// Why a task is being stopped, as its agent tells it: from what the
+    /// stop recorded in the task (its reason and message), so that every
+    /// reason, present and future, reaches the task without more work.
+    pub fn stop_notice(&self, t: &TaskRecord) -> StopNotice {
+        let cancelled = self.jobs.get(&t.job_id).is_some_and(|j| j.cancel_requested);
+        StopNotice {
+            kind: gpuctl_core::convert::stop_kind(t.reason, cancelled),
+            message: t.message.clone(),
+        }
     }
 
     /// What an agent needs to start a task: its command, environment,
@@ -566,6 +577,11 @@ impl State {
                 job.spec.security.clone(),
             ),
             (None, None) => return None,
+        };
+        // A job task's; a framework's task has the defaults.
+        let job = match &t.launch {
+            None => self.jobs.get(&t.job_id),
+            Some(_) => None,
         };
         let tenant = match (&t.launch, self.jobs.get(&t.job_id)) {
             (None, Some(job)) => access::tenant_of(&job.spec).to_string(),
@@ -597,6 +613,8 @@ impl State {
             gpu_uuids: t.gpu_uuids.clone(),
             no_fence: self.no_fence(t),
             security,
+            stop_grace_ms: job.and_then(|j| j.spec.stop_grace_ms),
+            checkpoint_dir: job.and_then(|j| j.spec.checkpoint_dir.clone()),
         })
     }
 
