@@ -22,14 +22,16 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
 use gpuctl_tests::{
-    alive, busybox_image, devices_task_cgroup, docker_or_skip, mps_daemon_pid, mps_groups,
-    running_task_containers, try_wait_for, wait_for, AgentOpts, Cluster, Gpuctl, HaCluster,
-    RunningContainer,
+    alive, busybox_image, devices_task_cgroup, docker_or_skip, gpuctl_at, mps_daemon_pid,
+    mps_groups, running_task_containers, try_wait_for, wait_for, AgentOpts, Cluster, Gpuctl,
+    HaCluster, RunningContainer,
 };
 
 const GIB: u64 = 1024;
@@ -210,43 +212,77 @@ impl HaShares {
 
     /// What must hold at every instant of a failover, seen from outside
     /// the masters: the same containers (ids and host pids) run, nothing
-    /// else does, and the daemon keeps its pid.
-    fn assert_untouched(&self) {
-        let now = running_task_containers(&self.agent).expect("docker answers");
-        assert_eq!(
-            now, self.containers,
-            "the containers changed during the failover"
-        );
-        for r in now.values() {
-            assert!(alive(r.pid), "{r:?} is not alive");
+    /// else does, and the daemon keeps its pid. What broke, if anything.
+    fn untouched(
+        agent: &str,
+        containers: &BTreeMap<String, RunningContainer>,
+        pipe: &Path,
+        daemon: i32,
+    ) -> Option<String> {
+        let Some(now) = running_task_containers(agent) else {
+            return Some("docker does not answer".into());
+        };
+        if &now != containers {
+            return Some(format!("the containers changed: {now:?}"));
         }
-        assert_eq!(
-            mps_daemon_pid(&self.group.join("pipe")),
-            Some(self.daemon),
-            "the MPS daemon changed"
-        );
+        if let Some(r) = now.values().find(|r| !alive(r.pid)) {
+            return Some(format!("{r:?} is not alive"));
+        }
+        let pid = mps_daemon_pid(pipe);
+        (pid != Some(daemon)).then(|| format!("the MPS daemon is {pid:?}, was {daemon}"))
     }
 
-    /// Watches the outside for `at_least`, and until `done` is true (at
-    /// most 60 s); the beyond-room fraction must not run meanwhile (when a
-    /// master answers).
-    fn hold(&mut self, at_least: Duration, mut done: impl FnMut(&mut HaCluster) -> bool) {
+    fn assert_untouched(&self) {
+        let pipe = self.group.join("pipe");
+        if let Some(why) = Self::untouched(&self.agent, &self.containers, &pipe, self.daemon) {
+            panic!("{why}\n{}", self.c.diagnostics());
+        }
+    }
+
+    /// Watches the outside (on a thread of its own, every 100 ms: a call
+    /// to the masters may wait for gpuctl's timeout during an election,
+    /// as followers forward to a leader that no longer answers) for
+    /// `at_least`, and until `done` is true (at most 60 s); meanwhile the
+    /// beyond-room fraction must not run, whenever the masters at `ask`
+    /// answer.
+    fn hold(&mut self, ask: &str, at_least: Duration, mut done: impl FnMut() -> bool) {
+        let stop = Arc::new(AtomicBool::new(false));
+        let watch = {
+            let (agent, containers) = (self.agent.clone(), self.containers.clone());
+            let (pipe, daemon, stop) = (self.group.join("pipe"), self.daemon, stop.clone());
+            std::thread::spawn(move || {
+                let mut samples = 0;
+                while !stop.load(Ordering::Relaxed) {
+                    if let Some(why) = Self::untouched(&agent, &containers, &pipe, daemon) {
+                        return Err(why);
+                    }
+                    samples += 1;
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                Ok(samples)
+            })
+        };
         let start = Instant::now();
         let mut finished = false;
-        while !(finished && start.elapsed() >= at_least) {
+        // Until done and the time is up, or the watch saw something.
+        while !(watch.is_finished() || finished && start.elapsed() >= at_least) {
             assert!(
                 start.elapsed() < Duration::from_secs(60),
                 "the failover did not end in 60 s\n{}",
                 self.c.diagnostics()
             );
-            self.assert_untouched();
-            let out = self.c.gpuctl(&["jobs", "get", &self.waiting, "--json"]);
+            let out = gpuctl_at(ask, &["jobs", "get", &self.waiting, "--json"]);
             if out.status.success() {
                 let j: Value = serde_json::from_slice(&out.stdout).unwrap();
                 assert_eq!(j["state"], "QUEUED", "placed beyond the GPU's room: {j}");
             }
-            finished = finished || done(&mut self.c);
+            finished = finished || done();
             std::thread::sleep(Duration::from_millis(200));
+        }
+        stop.store(true, Ordering::Relaxed);
+        match watch.join().unwrap() {
+            Ok(samples) => assert!(samples >= 10, "only {samples} looks at Docker"),
+            Err(why) => panic!("during the failover: {why}\n{}", self.c.diagnostics()),
         }
     }
 
@@ -283,6 +319,44 @@ impl HaShares {
     }
 }
 
+/// Every master's address but `id`'s, as `--master` takes them.
+fn addrs_but(c: &HaCluster, id: u64) -> String {
+    c.masters
+        .values()
+        .filter(|m| m.id != id)
+        .map(|m| m.addr.as_str())
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// The leader as the masters at `addrs` say (the reachable member calling
+/// itself leader at the highest term); None during an election.
+fn leader_at(addrs: &str) -> Option<u64> {
+    let out = gpuctl_at(addrs, &["masters", "--json"]);
+    let members: Value = serde_json::from_slice(&out.stdout).ok()?;
+    members
+        .as_array()?
+        .iter()
+        .filter(|m| m["reachable"] == true && m["role"] == "leader")
+        .max_by_key(|m| m["term"].as_u64().unwrap_or(0))?["id"]
+        .as_u64()
+}
+
+/// Whether master `old`, asked at `addr`, follows `new`.
+fn follows(addr: &str, old: u64, new: u64) -> bool {
+    let out = gpuctl_at(addr, &["masters", "--json"]);
+    serde_json::from_slice::<Value>(&out.stdout).is_ok_and(|m| {
+        let role = |id: u64| {
+            m.as_array()
+                .into_iter()
+                .flatten()
+                .find(|x| x["id"] == id)
+                .map(|x| x["role"].clone())
+        };
+        role(old) == Some(json!("follower")) && role(new) == Some(json!("leader"))
+    })
+}
+
 /// Sends a signal to a process by pid.
 fn signal(pid: i32, sig: nix::sys::signal::Signal) {
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), sig).unwrap();
@@ -309,8 +383,9 @@ fn mps_fractions_outlive_a_leader_sigkill_and_the_new_leader_counts_them() {
     let old = s.c.leader_id();
     s.c.kill_master(old);
     // Through the election and 3 s of the new leader's allocation passes.
-    s.hold(Duration::from_secs(3), |c| {
-        c.try_leader_id().is_some_and(|l| l != old)
+    let others = addrs_but(&s.c, old);
+    s.hold(&others, Duration::from_secs(3), || {
+        leader_at(&others).is_some_and(|l| l != old)
     });
     s.one_more_fraction();
 }
@@ -327,21 +402,20 @@ fn mps_fractions_outlive_a_frozen_leader_and_agree_after_it_thaws() {
     signal(pid, nix::sys::signal::Signal::SIGSTOP);
     // Frozen: its connections stay open and silent. A new leader is elected
     // without it, and runs its allocation passes for 3 s.
-    s.hold(Duration::from_secs(3), |c| {
-        c.try_leader_id().is_some_and(|l| l != old)
+    let others = addrs_but(&s.c, old);
+    let mut new = None;
+    s.hold(&others, Duration::from_secs(3), || {
+        new = leader_at(&others).filter(|l| *l != old);
+        new.is_some()
     });
-    let new = s.c.wait_new_leader(old);
+    let new = new.unwrap();
     // Thawed, the old leader (which still thinks it leads, at an old term)
     // must not touch anything as it steps down and follows.
     signal(pid, nix::sys::signal::Signal::SIGCONT);
     drop(thaw);
     let addr = s.c.addr(old).to_string();
-    s.hold(Duration::from_secs(3), |c| {
-        c.members_at(&addr).is_some_and(|m| {
-            m.iter().any(|x| x["id"] == old && x["role"] == "follower")
-                && m.iter().any(|x| x["id"] == new && x["role"] == "leader")
-        })
-    });
+    let all = s.c.addrs();
+    s.hold(&all, Duration::from_secs(3), || follows(&addr, old, new));
     s.one_more_fraction();
     // The thawed master's own view is the same.
     let theirs: Value = serde_json::from_str(&s.c.ok_at(&addr, &["gpus", "--json"])).unwrap();
