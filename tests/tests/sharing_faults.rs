@@ -162,11 +162,7 @@ struct HaShares {
 
 impl HaShares {
     fn start() -> HaShares {
-        let c = HaCluster::start(3, &[]);
-        Self::with(c)
-    }
-
-    fn with(mut c: HaCluster) -> HaShares {
+        let mut c = HaCluster::start(3, &[]);
         let image = busybox_image();
         let agent = c.add_agent(AgentOpts {
             simulate_gpus: Some("1xA100-SXM4-40GB"),
