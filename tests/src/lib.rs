@@ -11,6 +11,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 pub mod browser;
+pub mod dockerd;
 pub mod netlab;
 pub mod sim;
 
@@ -371,6 +372,18 @@ impl Drop for Cluster {
         // The agents first, so that none starts an MPS daemon again; then
         // the daemons they left (an agent killed by a test leaves them, as
         // a real one does), whether the test passed or not.
+        for a in &mut self.agents {
+            a.stop();
+        }
+        for n in 0..self.agents.len() {
+            stop_mps_daemons(&self.dir.path().join(format!("agent{n}")));
+        }
+    }
+}
+
+impl Drop for HaCluster {
+    fn drop(&mut self) {
+        // As for [`Cluster`]: the agents, then the MPS daemons they left.
         for a in &mut self.agents {
             a.stop();
         }
@@ -1625,6 +1638,120 @@ pub fn stop_mps_daemons(work: &Path) {
             let _ = nix::mount::umount2(&dir.join("shm"), nix::mount::MntFlags::MNT_DETACH);
         }
     }
+}
+
+/// The pid in an MPS daemon's pid file (`<pipe>/nvidia-cuda-mps-control.pid`),
+/// when it names a live process (not a zombie).
+pub fn mps_daemon_pid(pipe: &Path) -> Option<i32> {
+    let pid: i32 = std::fs::read_to_string(pipe.join("nvidia-cuda-mps-control.pid"))
+        .ok()?
+        .trim()
+        .parse()
+        .ok()?;
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let state = stat.rsplit_once(')')?.1.trim().chars().next()?;
+    (state != 'Z').then_some(pid)
+}
+
+/// The MPS daemon directories an agent (work dir `work`) made for GPU
+/// `gpu`: `<work>/mps/<gpu>/<tenant>.<user>`, one per daemon group.
+pub fn mps_groups(work: &Path, gpu: &str) -> Vec<PathBuf> {
+    let mut out: Vec<PathBuf> = std::fs::read_dir(work.join("mps").join(gpu))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .collect();
+    out.sort();
+    out
+}
+
+/// A running task container, as Docker (not gpuctl) reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunningContainer {
+    pub id: String,
+    /// Its main process on the host (`State.Pid`).
+    pub pid: i32,
+    /// The host directory mounted at `/run/nvidia-mps`: the MPS daemon
+    /// whose client it is; empty when none.
+    pub mps_pipe: String,
+}
+
+/// The running containers of agent `agent_id`, by task id, from `docker
+/// ps` and `docker inspect`; `None` when Docker does not answer (each call
+/// bounded, as a dead daemon's socket may hang the CLI). Asked up to three
+/// times: a container removed between the two calls fails the inspect.
+pub fn running_task_containers(
+    agent_id: &str,
+) -> Option<std::collections::BTreeMap<String, RunningContainer>> {
+    (0..3).find_map(|_| running_task_containers_once(agent_id))
+}
+
+fn running_task_containers_once(
+    agent_id: &str,
+) -> Option<std::collections::BTreeMap<String, RunningContainer>> {
+    let docker = |args: &[&str]| {
+        let out = Command::new("timeout")
+            .args(["10", "docker"])
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .ok()?;
+        out.status
+            .success()
+            .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+    };
+    let label = format!("label=gpuctl.agent_id={agent_id}");
+    let ids = docker(&[
+        "ps",
+        "-q",
+        "--no-trunc",
+        "--filter",
+        &label,
+        "--filter",
+        "status=running",
+    ])?;
+    let ids: Vec<&str> = ids.split_whitespace().collect();
+    let mut out = std::collections::BTreeMap::new();
+    if ids.is_empty() {
+        return Some(out);
+    }
+    let format = concat!(
+        "{{.Id}} {{.State.Running}} {{.State.Pid}} {{index .Config.Labels \"gpuctl.task_id\"}} ",
+        "{{range .Mounts}}{{if eq .Destination \"/run/nvidia-mps\"}}{{.Source}}{{end}}{{end}}"
+    );
+    let mut args = vec!["inspect", "-f", format];
+    args.extend(&ids);
+    let text = docker(&args)?;
+    for line in text.lines() {
+        let mut f = line.split_whitespace();
+        let (Some(id), Some(running), Some(pid), Some(task)) =
+            (f.next(), f.next(), f.next(), f.next())
+        else {
+            continue;
+        };
+        if running != "true" {
+            continue;
+        }
+        out.insert(
+            task.to_string(),
+            RunningContainer {
+                id: id.to_string(),
+                pid: pid.parse().unwrap_or(0),
+                mps_pipe: f.next().unwrap_or_default().to_string(),
+            },
+        );
+    }
+    Some(out)
+}
+
+/// Whether `pid` is a process that has not ended (neither gone nor a
+/// zombie).
+pub fn alive(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        stat.rsplit_once(')')
+            .is_some_and(|(_, rest)| !rest.trim_start().starts_with('Z'))
+    })
 }
 
 /// A cgroup2 hierarchy mounted on a temp dir beside the machine's v1 one

@@ -19,12 +19,13 @@
 //! Needs root and Docker (skipped otherwise; required in CI).
 #![allow(clippy::unwrap_used)]
 
-use std::path::PathBuf;
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+use gpuctl_tests::dockerd::{
+    docker_answers, dockerd_log, kill_dockerd, start_dockerd, DockerGuard,
+};
 use gpuctl_tests::Gpuctl;
 use gpuctl_tests::{
     busybox_image, containers_with_label, docker_or_skip, live_tasks, try_wait_for, wait_for,
@@ -32,120 +33,6 @@ use gpuctl_tests::{
 };
 
 const MARKER: &str = "GPUCTL_DOCKER_RESTART_TEST";
-
-/// `docker info` answers (bounded: the CLI could wait on a stuck socket).
-fn docker_answers() -> bool {
-    Command::new("timeout")
-        .args(["10", "docker", "info", "--format", "{{.ServerVersion}}"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
-}
-
-/// Whether `pid` is a process that has not ended (neither gone nor a
-/// zombie: PID 1 of this machine may reap its orphans late).
-fn alive(pid: i32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
-        stat.rsplit_once(')')
-            .is_some_and(|(_, rest)| !rest.trim_start().starts_with('Z'))
-    })
-}
-
-/// Pids of the running dockerd processes (`pidof dockerd`, zombies left
-/// out).
-fn dockerd_pids() -> Vec<i32> {
-    let out = Command::new("pidof").arg("dockerd").output().unwrap();
-    String::from_utf8_lossy(&out.stdout)
-        .split_whitespace()
-        .filter_map(|p| p.parse().ok())
-        .filter(|p| alive(*p))
-        .collect()
-}
-
-/// Where the restarted daemon writes: the file CI's daemon writes to.
-fn dockerd_log() -> PathBuf {
-    std::env::temp_dir().join("dockerd.log")
-}
-
-/// The pid files of dockerd and of the containerd it runs.
-const PIDFILES: [&str; 2] = [
-    "/var/run/docker.pid",
-    "/var/run/docker/containerd/containerd.pid",
-];
-
-/// Starts dockerd as CI does, detached (its own session, reparented to
-/// init) so that it outlives the test; output appended to [`dockerd_log`].
-/// A killed daemon leaves its pid file and its containerd's (which dies
-/// with it); dockerd refuses to start while the first names a process,
-/// and waits 15 s for a containerd the second names, even an unreaped
-/// zombie: such stale files are removed first. Tries again (up to 3 times) when the daemon exits at once.
-fn start_dockerd() {
-    for attempt in 1..=3 {
-        for file in PIDFILES {
-            if let Ok(pid) = std::fs::read_to_string(file) {
-                if pid.trim().parse().is_ok_and(|p: i32| !alive(p)) {
-                    let _ = std::fs::remove_file(file);
-                }
-            }
-        }
-        let script = format!(
-            "setsid nohup dockerd --iptables=false --bridge=none >>'{}' 2>&1 </dev/null &",
-            dockerd_log().display()
-        );
-        let status = Command::new("sh").args(["-c", &script]).status().unwrap();
-        assert!(status.success(), "starting dockerd failed: {status}");
-        // A daemon that cannot start exits within a moment.
-        let started = try_wait_for(Duration::from_secs(2), || !dockerd_pids().is_empty());
-        std::thread::sleep(Duration::from_millis(500));
-        if started && !dockerd_pids().is_empty() {
-            return;
-        }
-        eprintln!(
-            "dockerd exited at once (attempt {attempt}); see {}",
-            dockerd_log().display()
-        );
-        std::thread::sleep(Duration::from_secs(1));
-    }
-}
-
-/// Leaves the machine with a Docker daemon that answers, even when the
-/// test fails half way, then removes the containers of the test's agent.
-/// Declared before the cluster, so it runs after the agent was stopped.
-#[derive(Default)]
-struct DockerGuard {
-    agent_id: Option<String>,
-}
-
-impl Drop for DockerGuard {
-    fn drop(&mut self) {
-        // A daemon that stops surviving containers answers only once they
-        // are down (10 s stop timeout, in parallel).
-        let deadline = Instant::now() + Duration::from_secs(120);
-        while !docker_answers() && Instant::now() < deadline {
-            if dockerd_pids().is_empty() {
-                eprintln!("docker guard: no dockerd running; starting one");
-                start_dockerd();
-            }
-            std::thread::sleep(Duration::from_millis(500));
-        }
-        if !docker_answers() {
-            eprintln!(
-                "docker guard: dockerd still does not answer; see {}",
-                dockerd_log().display()
-            );
-        }
-        if let Some(agent) = &self.agent_id {
-            for id in containers_with_label("gpuctl.agent_id", agent) {
-                let _ = Command::new("docker")
-                    .args(["rm", "-f", &id])
-                    .stdout(Stdio::null())
-                    .stderr(Stdio::null())
-                    .status();
-            }
-        }
-    }
-}
 
 /// The docker runtime's health as `gpuctl agents list --json` shows it.
 fn docker_status(c: &Cluster) -> Option<Value> {
@@ -246,18 +133,7 @@ fn containers_outlive_a_docker_daemon_crash_and_report_their_real_exit_codes() {
     });
 
     // Crash the daemon.
-    let pids = dockerd_pids();
-    assert!(!pids.is_empty(), "no dockerd to kill");
-    for pid in &pids {
-        nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(*pid),
-            nix::sys::signal::Signal::SIGKILL,
-        )
-        .unwrap();
-    }
-    wait_for(Duration::from_secs(10), "dockerd gone", || {
-        dockerd_pids().is_empty() && !docker_answers()
-    });
+    kill_dockerd();
     // The containers run on without their daemon, seen from outside.
     std::thread::sleep(Duration::from_millis(500));
     let live = live_tasks(MARKER, &m);

@@ -160,6 +160,14 @@ pub struct Process {
     /// when it cannot account a process's memory.
     #[serde(default)]
     pub memory_used_mib: Option<u64>,
+    /// An MPS client, listed by both process calls (true), or a process
+    /// that bypassed MPS, listed by the compute call only (false).
+    #[serde(default = "yes")]
+    pub mps_client: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// A GPU's MIG state, resolved.

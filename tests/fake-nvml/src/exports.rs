@@ -629,6 +629,7 @@ pub unsafe extern "C" fn nvmlDeviceGetSupportedEventTypes(
 /// valid for `*infoCount` writes.
 unsafe fn running_processes(
     name: &str,
+    mps_only: bool,
     device: nvmlDevice_t,
     infoCount: *mut c_uint,
     infos: *mut nvmlProcessInfo_t,
@@ -640,6 +641,7 @@ unsafe fn running_processes(
         let list: Vec<nvmlProcessInfo_t> = gpu
             .processes
             .iter()
+            .filter(|p| p.mps_client || !mps_only)
             .map(|p| nvmlProcessInfo_t {
                 pid: p.pid,
                 usedGpuMemory: p
@@ -674,6 +676,7 @@ pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(
     unsafe {
         running_processes(
             "nvmlDeviceGetComputeRunningProcesses_v3",
+            false,
             device,
             infoCount,
             infos,
@@ -681,8 +684,9 @@ pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(
     }
 }
 
-/// The same list as [`nvmlDeviceGetComputeRunningProcesses_v3`]: on Volta
-/// and later MPS clients appear in both lists.
+/// The GPU's `processes` that are MPS clients (`mps_client`, the
+/// default): on Volta and later MPS clients appear in both lists, a
+/// process that bypassed MPS in the compute list only.
 #[no_mangle]
 pub unsafe extern "C" fn nvmlDeviceGetMPSComputeRunningProcesses_v3(
     device: nvmlDevice_t,
@@ -692,6 +696,7 @@ pub unsafe extern "C" fn nvmlDeviceGetMPSComputeRunningProcesses_v3(
     unsafe {
         running_processes(
             "nvmlDeviceGetMPSComputeRunningProcesses_v3",
+            true,
             device,
             infoCount,
             infos,

@@ -1220,6 +1220,29 @@ fn running_processes_of_a_lost_gpu_a_mig_device_and_an_override() {
 }
 
 #[test]
+fn a_process_that_bypassed_mps_is_in_the_compute_list_only() {
+    let mut cfg = gpus(1);
+    cfg["gpus"][0]["processes"] = json!([
+        {"pid": 10, "memory_used_mib": 1},
+        {"pid": 11, "memory_used_mib": 2, "mps_client": false},
+        {"pid": 12, "memory_used_mib": 3, "mps_client": true},
+    ]);
+    let _m = Machine::new(&cfg);
+    assert_eq!(
+        processes(nvmlDeviceGetComputeRunningProcesses_v3, handle(0)),
+        Ok(vec![
+            proc_info(10, 1 << 20),
+            proc_info(11, 2 << 20),
+            proc_info(12, 3 << 20)
+        ])
+    );
+    assert_eq!(
+        processes(nvmlDeviceGetMPSComputeRunningProcesses_v3, handle(0)),
+        Ok(vec![proc_info(10, 1 << 20), proc_info(12, 3 << 20)])
+    );
+}
+
+#[test]
 fn process_mistakes_are_errors() {
     let bad = [
         (
