@@ -15,6 +15,10 @@
 //!   its neighbour on the GPU runs on, and a job's own `CUDA_MPS_*` are
 //!   replaced by the agent's.
 //!
+//! - A tenant's root container that rewrites its MPS pid file to name
+//!   another tenant's daemon: when its own daemon is stopped (idle), the
+//!   other tenant's daemon runs on.
+//!
 //! The Docker daemon restarted under MPS fractions is in
 //! `sharing_docker_restart.rs` (a binary of its own: it kills dockerd).
 //! Needs root and Docker (skipped otherwise; required in CI).
@@ -627,4 +631,102 @@ fn a_fraction_that_skips_mps_and_takes_more_memory_is_stopped_and_its_neighbour_
     assert_eq!(mps_daemon_pid(&group.join("pipe")), Some(daemon));
     c.ok(&["jobs", "cancel", &fine_job]);
     c.wait_job(&fine_job, 60);
+}
+
+/// The pipe directory is mounted read-write into a tenant's containers, and
+/// a container running as root can rewrite the daemon's pid file there.
+/// Tenant alpha names tenant beta's daemon in its own pid file and ends;
+/// once alpha's daemon has been idle long enough, the agent stops alpha's
+/// daemon, the one it recorded itself, and beta's runs on under beta's task.
+#[test]
+fn a_tenant_that_rewrites_its_mps_pid_file_cannot_get_another_tenants_daemon_stopped() {
+    if !docker_or_skip(
+        "a_tenant_that_rewrites_its_mps_pid_file_cannot_get_another_tenants_daemon_stopped",
+    ) {
+        return;
+    }
+    let image = busybox_image();
+    let mut c = Cluster::start(&[]);
+    c.add_agent(AgentOpts {
+        simulate_gpus: Some("1xA100-SXM4-40GB"),
+        runtime: "docker,process",
+        extra: vec![
+            "--share-gpus".into(),
+            "mps".into(),
+            "--mps-control".into(),
+            gpuctl_tests::fake_mps_control().display().to_string(),
+        ],
+        ..Default::default()
+    });
+    let uuid = c.json(&["gpus", "--json"])[0]["uuid"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let work = c.dir.path().join("agent0");
+    let beta = c.submit(&[
+        "--name",
+        "victim",
+        "--tenant",
+        "beta",
+        "--image",
+        &image,
+        "--gpu-mem",
+        "1GiB",
+        "--cpus",
+        "0.1",
+        "--",
+        "sleep",
+        "600",
+    ]);
+    c.wait_state(&beta, "RUNNING", Duration::from_secs(60));
+    let group = |tenant: &str| {
+        mps_groups(&work, &uuid).into_iter().find(|g| {
+            g.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with(tenant))
+        })
+    };
+    let beta_pipe = group("beta").unwrap().join("pipe");
+    let beta_pid = mps_daemon_pid(&beta_pipe).unwrap();
+    let script =
+        format!("echo {beta_pid} > /run/nvidia-mps/nvidia-cuda-mps-control.pid && echo wrote");
+    let alpha = c.submit(&[
+        "--name",
+        "attacker",
+        "--tenant",
+        "alpha",
+        "--image",
+        &image,
+        "--gpu-mem",
+        "1GiB",
+        "--cpus",
+        "0.1",
+        "--",
+        "sh",
+        "-c",
+        &script,
+    ]);
+    assert_eq!(c.wait_job(&alpha, 60).0, 0);
+    assert!(c.ok(&["jobs", "logs", &alpha]).contains("wrote"));
+    let alpha_group = group("alpha").unwrap();
+    let alpha_pid: i32 = std::fs::read_to_string(alpha_group.join("daemon.pid"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert_ne!(alpha_pid, beta_pid);
+    // Idle for 30 s, then stopped by the agent's supervision.
+    wait_for(
+        Duration::from_secs(90),
+        "alpha's daemon stopped when idle",
+        || !alive(alpha_pid),
+    );
+    std::thread::sleep(Duration::from_secs(6));
+    assert!(alive(beta_pid), "beta's daemon was stopped for alpha's");
+    assert_eq!(
+        mps_daemon_pid(&beta_pipe),
+        Some(beta_pid),
+        "beta's daemon restarted"
+    );
+    assert_eq!(c.job(&beta)["state"], "RUNNING");
+    c.ok(&["jobs", "cancel", &beta]);
 }

@@ -14,8 +14,13 @@
 //!
 //! The daemon is started with `-d`, so it leaves the agent's process group
 //! and outlives an agent restart like the tasks do; a new agent finds it by
-//! its pid file. A daemon that dies while tasks use it is started again; one
-//! no task has used for [`IDLE_QUIT`] is asked to quit.
+//! the agent's own record of its pid (`<group>/daemon.pid`, never mounted
+//! into a task), a process that must be the control program serving that
+//! very pipe directory. The daemon's own pid file lies in `pipe/`, which
+//! tasks may write: trusted, a root container could name another tenant's
+//! daemon there and have the agent stop it. A daemon that dies while tasks
+//! use it is started again; one no task has used for [`IDLE_QUIT`] is
+//! asked to quit.
 //!
 //! MPS's limits are per CUDA process (`CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`,
 //! `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` in the client's environment, which a
@@ -70,6 +75,8 @@ pub struct MpsServer {
     pub pipe_dir: PathBuf,
     pub log_dir: PathBuf,
     pub shm_dir: PathBuf,
+    /// The agent's record of the daemon's pid.
+    record: PathBuf,
 }
 
 impl MpsServer {
@@ -81,15 +88,39 @@ impl MpsServer {
             pipe_dir: dir.join("pipe"),
             log_dir: dir.join("log"),
             shm_dir: dir.join("shm"),
+            record: dir.join(RECORD_FILE),
         }
     }
 
-    /// The daemon's pid, when its pid file names a live control daemon.
+    /// The daemon's pid: the agent's record of it (else, for a daemon an
+    /// older agent started, its pid file), when that names a live control
+    /// program serving this pipe directory.
     pub fn pid(&self) -> Option<i32> {
+        let text = std::fs::read_to_string(&self.record)
+            .or_else(|_| std::fs::read_to_string(self.pipe_dir.join(PID_FILE)))
+            .ok()?;
+        let pid: i32 = text.trim().parse().ok().filter(|p| *p > 0)?;
+        (live_control(pid) && serves(pid, &self.pipe_dir)).then_some(pid)
+    }
+
+    /// The pid the daemon wrote into its pipe directory, if that is this
+    /// daemon's (it is written before any task can mount the directory).
+    fn announced_pid(&self) -> Option<i32> {
         let text = std::fs::read_to_string(self.pipe_dir.join(PID_FILE)).ok()?;
         let pid: i32 = text.trim().parse().ok().filter(|p| *p > 0)?;
-        live_control(pid).then_some(pid)
+        (live_control(pid) && serves(pid, &self.pipe_dir)).then_some(pid)
     }
+}
+
+/// The agent's record of a daemon's pid, in its group's directory.
+const RECORD_FILE: &str = "daemon.pid";
+
+/// Whether `pid` was started for `pipe_dir`: its environment names it (the
+/// agent starts each daemon with its own `CUDA_MPS_PIPE_DIRECTORY`).
+fn serves(pid: i32, pipe_dir: &Path) -> bool {
+    let want = format!("CUDA_MPS_PIPE_DIRECTORY={}", pipe_dir.display());
+    std::fs::read(format!("/proc/{pid}/environ"))
+        .is_ok_and(|env| env.split(|b| *b == 0).any(|v| v == want.as_bytes()))
 }
 
 /// Whether `pid` is a live (not zombie) process running the control program.
@@ -270,6 +301,7 @@ impl Mps {
         ] {
             let _ = std::fs::remove_file(server.pipe_dir.join(stale));
         }
+        let _ = std::fs::remove_file(&server.record);
         let status = Command::new(control)
             .arg("-d")
             .env("CUDA_VISIBLE_DEVICES", gpu)
@@ -290,8 +322,13 @@ impl Mps {
         }
         let deadline = Instant::now() + WAIT;
         while Instant::now() < deadline {
-            if server.pid().is_some() && server.pipe_dir.join("control").exists() {
-                tracing::info!(gpu, tenant, pipe = %server.pipe_dir.display(), "MPS control daemon started");
+            if let (Some(pid), true) = (
+                server.announced_pid(),
+                server.pipe_dir.join("control").exists(),
+            ) {
+                crate::checkpoint::write_atomic(&server.record, pid.to_string().as_bytes())
+                    .map_err(|e| MpsError::Daemon(format!("record the daemon's pid: {e}")))?;
+                tracing::info!(gpu, tenant, pid, pipe = %server.pipe_dir.display(), "MPS control daemon started");
                 return Ok(server);
             }
             std::thread::sleep(Duration::from_millis(50));
@@ -643,6 +680,39 @@ mod tests {
         assert_eq!(b.pid(), None);
         assert!(log_of(&a).contains("command quit"), "{}", log_of(&a));
         assert!(mps.running().is_empty());
+    }
+
+    /// A task that can write its pipe directory (a root container) names
+    /// another tenant's daemon in the pid file there: the agent goes by its
+    /// own record, and stopping the task's daemon leaves the other alone.
+    #[test]
+    fn a_pid_file_rewritten_by_a_task_cannot_name_another_daemon() {
+        let dir = tempfile::tempdir().unwrap();
+        let mps = Mps::new(Some(fake_control()), dir.path().to_path_buf());
+        let a = mps.ensure("GPU-1", "alpha.image").unwrap();
+        let b = mps.ensure("GPU-1", "beta.image").unwrap();
+        let (pa, pb) = (a.pid().unwrap(), b.pid().unwrap());
+        std::fs::write(a.pipe_dir.join(PID_FILE), pb.to_string()).unwrap();
+        assert_eq!(a.pid(), Some(pa), "the agent's record, not the task's file");
+        // A new agent (no record is lost: it is on disk) sees the same.
+        let later = Mps::new(Some(fake_control()), dir.path().to_path_buf());
+        assert_eq!(later.server("GPU-1", "alpha.image").pid(), Some(pa));
+        later.stop(&a).unwrap();
+        assert!(!live_control(pa));
+        assert!(live_control(pb), "beta's daemon was stopped for alpha's");
+        assert_eq!(b.pid(), Some(pb));
+        // Without a record (a daemon of an older agent), a pid file naming
+        // a daemon of another pipe directory is not believed either.
+        let c = mps.ensure("GPU-1", "gamma.image").unwrap();
+        let pc = c.pid().unwrap();
+        std::fs::remove_file(dir.path().join("GPU-1/gamma.image").join(RECORD_FILE)).unwrap();
+        std::fs::write(c.pipe_dir.join(PID_FILE), pb.to_string()).unwrap();
+        assert_eq!(c.pid(), None);
+        std::fs::write(c.pipe_dir.join(PID_FILE), pc.to_string()).unwrap();
+        assert_eq!(c.pid(), Some(pc), "its own daemon's pid file is");
+        mps.stop(&c).unwrap();
+        later.stop(&b).unwrap();
+        assert!(!live_control(pc) && !live_control(pb));
     }
 
     #[test]
