@@ -453,16 +453,22 @@ struct TaskProcess {
     mps_env: bool,
 }
 
-/// The live processes whose v1 devices cgroup is task `task`'s (a
-/// container's cgroup nests inside its task's), read from /proc.
-fn processes_of(task: &str) -> Vec<TaskProcess> {
+/// The live processes whose v1 devices cgroup is agent `agent`'s task
+/// `task`'s (a container's cgroup nests inside its task's), read from
+/// /proc. The agent counts: every test cluster has a `job-1.0`, and the
+/// tests of this file run at once.
+fn processes_of(agent: &str, task: &str) -> Vec<TaskProcess> {
     let mut out = Vec::new();
+    let ours = format!("/gpuctl/{agent}/{task}");
     for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
         let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
             continue;
         };
         let cgroup = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
-        if devices_task_cgroup(&cgroup).as_deref() != Some(task) || !alive(pid) {
+        if devices_task_cgroup(&cgroup).as_deref() != Some(task)
+            || !cgroup.contains(&ours)
+            || !alive(pid)
+        {
             continue;
         }
         let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
@@ -581,7 +587,10 @@ fn a_fraction_that_skips_mps_and_takes_more_memory_is_stopped_and_its_neighbour_
     wait_for(Duration::from_secs(10), "the tasks' sleeps", || {
         procs.clear();
         for t in [&hog, &fine] {
-            if let Some(p) = processes_of(t).into_iter().find(|p| p.comm == "sleep") {
+            if let Some(p) = processes_of(&agent, t)
+                .into_iter()
+                .find(|p| p.comm == "sleep")
+            {
                 procs.insert(t.clone(), p);
             }
         }
@@ -618,7 +627,7 @@ fn a_fraction_that_skips_mps_and_takes_more_memory_is_stopped_and_its_neighbour_
     // Gone from outside: its process, and its container from Docker's
     // running ones.
     wait_for(Duration::from_secs(15), "the hog's process gone", || {
-        !alive(hog_pid) && processes_of(&hog).is_empty()
+        !alive(hog_pid) && processes_of(&agent, &hog).is_empty()
     });
     // The neighbour untouched: the same container and process, its share
     // the only one counted, the daemon the same.
