@@ -406,6 +406,15 @@ pub struct Options {
         value_name = "DURATION|off"
     )]
     pub reclaim_min_runtime: String,
+    /// How long a framework is told before its tasks are reclaimed for a
+    /// framework below its fair share (the inverse offer's deadline).
+    #[arg(
+        long,
+        env = "GPUCTL_MASTER_RECLAIM_NOTICE",
+        default_value = "10s",
+        value_name = "DURATION"
+    )]
+    pub reclaim_notice: String,
     /// Log filter (tracing EnvFilter syntax), e.g. `info` or `gpuctl_master=debug`.
     #[arg(long, env = "GPUCTL_LOG", default_value = "info")]
     pub log: String,
@@ -556,6 +565,7 @@ struct FileOptions {
     placement: Option<String>,
     mig_auto: Option<bool>,
     reclaim_min_runtime: Option<String>,
+    reclaim_notice: Option<String>,
     log: Option<String>,
     metrics_listen: Option<SocketAddr>,
     http_listen: Option<SocketAddr>,
@@ -723,6 +733,9 @@ impl Options {
                 unset(&matches, "reclaim_min_runtime"),
             ) {
                 o.reclaim_min_runtime = v;
+            }
+            if let (Some(v), true) = (f.reclaim_notice, unset(&matches, "reclaim_notice")) {
+                o.reclaim_notice = v;
             }
             if let (Some(v), true) = (f.log, unset(&matches, "log")) {
                 o.log = v;
@@ -904,6 +917,13 @@ impl Options {
                 ))
             })?),
         };
+        let reclaim_notice =
+            gpuctl_core::time::parse_duration(&self.reclaim_notice).map_err(|_| {
+                MasterError::Config(format!(
+                    "reclaim_notice: {:?} is not a duration (e.g. 10s, 1m, 0s)",
+                    self.reclaim_notice
+                ))
+            })?;
         let config = MasterConfig {
             reclaim_min_runtime,
             max_stop_grace: Duration::from_secs(self.max_stop_grace_secs),
@@ -929,6 +949,12 @@ impl Options {
             agent_lost_timeout,
             agent_fence_timeout,
             frameworks: FrameworkSettings {
+                reclaim: reclaim_min_runtime.map(|min_runtime| {
+                    crate::leader::frameworks::ReclaimSettings {
+                        min_runtime,
+                        notice: reclaim_notice,
+                    }
+                }),
                 roles: self
                     .roles
                     .iter()
@@ -1261,6 +1287,25 @@ mod tests {
             e.contains("reclaim_min_runtime") && e.contains("soon"),
             "{e}"
         );
+        // Between frameworks: the same minimum, a notice of 10 s by default.
+        let r = load(&[]).unwrap().frameworks.reclaim.unwrap();
+        assert_eq!(
+            (r.min_runtime, r.notice),
+            (Duration::from_secs(60), Duration::from_secs(10))
+        );
+        let r = load(&["--reclaim-notice", "3s"])
+            .unwrap()
+            .frameworks
+            .reclaim
+            .unwrap();
+        assert_eq!(r.notice, Duration::from_secs(3));
+        assert!(load(&["--reclaim-min-runtime", "off"])
+            .unwrap()
+            .frameworks
+            .reclaim
+            .is_none());
+        let e = load(&["--reclaim-notice", "x"]).unwrap_err().to_string();
+        assert!(e.contains("reclaim_notice"), "{e}");
     }
 
     #[test]

@@ -25,6 +25,11 @@ struct Greedy {
     run_secs: &'static str,
     /// Every offer it got, for checks on their shape.
     offers: Arc<Mutex<Vec<pb::Offer>>>,
+    /// Subscribe stating its task size (for reclaim between frameworks).
+    declare: bool,
+    /// The inverse offers and task updates it got.
+    inverse: Arc<Mutex<Vec<pb::InverseOffer>>>,
+    updates: Arc<Mutex<Vec<pb::TaskStatus>>>,
 }
 
 impl Greedy {
@@ -37,6 +42,9 @@ impl Greedy {
             gpus,
             run_secs: "600",
             offers: Arc::default(),
+            declare: false,
+            inverse: Arc::default(),
+            updates: Arc::default(),
         }
     }
 
@@ -57,6 +65,12 @@ impl Greedy {
         }
         let mut events = client
             .subscribe(pb::SubscribeRequest {
+                demand: self.declare.then_some(pb::Resources {
+                    cpus: self.cpus,
+                    mem_mib: self.mem_mib,
+                    gpus: self.gpus,
+                    ports: 0,
+                }),
                 request_id: String::new(),
                 suppressed: false,
                 framework: Some(pb::FrameworkInfo {
@@ -152,7 +166,11 @@ impl Greedy {
                             }
                         }
                     }
+                    Some(pb::event::Event::InverseOffer(i)) => {
+                        self.inverse.lock().unwrap().push(i);
+                    }
                     Some(pb::event::Event::Update(u)) if !u.uuid.is_empty() => {
+                        self.updates.lock().unwrap().push(u.clone());
                         let _ = client
                             .acknowledge(pb::AcknowledgeRequest {
                                 framework_id: fw.clone(),
@@ -263,6 +281,94 @@ fn greedy_frameworks_get_the_drf_split_whichever_subscribes_first() {
                 Err(format!("{run}: live A/B {live:?}"))
             }
         });
+        drop(rt);
+    }
+}
+
+/// The same example with long tasks and the frameworks coming one after
+/// the other: the first takes the whole agent (A4/B1 or B3/A0) and, without
+/// reclaim, keeps it for as long as its tasks run. With reclaim the master
+/// sends the framework above its fair share an inverse offer and kills the
+/// named task at its deadline (REASON_RECLAIMED); the split is A3/B2
+/// within 30 s of the second framework subscribing, whichever came first.
+#[test]
+fn a_framework_that_came_second_gets_its_drf_share_back_by_reclaim() {
+    for first_a in [true, false] {
+        let mut c = Cluster::start(&["--reclaim-min-runtime", "1s", "--reclaim-notice", "2s"]);
+        c.add_agent(AgentOpts {
+            simulate_gpus: None,
+            extra: vec![
+                "--cpus".into(),
+                "9".into(),
+                "--mem-mib".into(),
+                (18 * 1024).to_string(),
+            ],
+            ..AgentOpts::default()
+        });
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let test: &'static str = if first_a { "reclaim-ab" } else { "reclaim-ba" };
+        let mut a = Greedy::new("A", "default", 1.0, 4096, 0);
+        let mut b = Greedy::new("B", "default", 3.0, 1024, 0);
+        a.declare = true;
+        b.declare = true;
+        let (ma, mb) = (a.marker(test), b.marker(test));
+        let (inv_a, inv_b) = (a.inverse.clone(), b.inverse.clone());
+        let (upd_a, upd_b) = (a.updates.clone(), b.updates.clone());
+        let (first, second, full) = if first_a {
+            (a, b, (4, 0))
+        } else {
+            (b, a, (0, 3))
+        };
+        rt.block_on(first.start(c.master_addr.clone(), test));
+        settles("the first takes the agent", Duration::from_secs(30), || {
+            let live = (live_tasks(&ma), live_tasks(&mb));
+            (live == full)
+                .then_some(())
+                .ok_or(format!("live A/B {live:?}"))
+        });
+        // Its tasks past the minimum runtime before the second comes.
+        std::thread::sleep(Duration::from_secs(2));
+        let came = Instant::now();
+        rt.block_on(second.start(c.master_addr.clone(), test));
+        settles("A3/B2 by reclaim", Duration::from_secs(30), || {
+            let live = (live_tasks(&ma), live_tasks(&mb));
+            (live == (3, 2))
+                .then_some(())
+                .ok_or(format!("live A/B {live:?}"))
+        });
+        eprintln!(
+            "{test}: A3/B2 {:?} after the second subscribed",
+            came.elapsed()
+        );
+        // The framework above its share was told, then its task was killed
+        // as reclaimed; the other was never told.
+        let (told, quiet, updates) = if first_a {
+            (&inv_a, &inv_b, &upd_a)
+        } else {
+            (&inv_b, &inv_a, &upd_b)
+        };
+        let told = told.lock().unwrap().clone();
+        assert!(!told.is_empty(), "{test}: no inverse offer");
+        assert!(
+            quiet.lock().unwrap().is_empty(),
+            "{test}: the framework below its share was told"
+        );
+        let named: Vec<String> = told.iter().flat_map(|i| i.task_ids.clone()).collect();
+        assert!(told
+            .iter()
+            .all(|i| i.reason.contains("below its fair share")));
+        let reclaimed: Vec<pb::TaskStatus> = updates
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|u| u.reason == pb::Reason::Reclaimed as i32)
+            .cloned()
+            .collect();
+        assert!(!reclaimed.is_empty(), "{test}: no task ended RECLAIMED");
+        assert!(
+            reclaimed.iter().all(|u| named.contains(&u.task_id)),
+            "{test}: reclaimed {reclaimed:?}, named {named:?}"
+        );
         drop(rt);
     }
 }

@@ -111,6 +111,7 @@ fn offers_name_gpus_and_bad_accepts_are_refused_leaving_the_offers() {
         // Bad input names the field.
         let err = client
             .subscribe(pb::SubscribeRequest {
+                demand: None,
                 request_id: String::new(),
                 suppressed: false,
                 framework: Some(pb::FrameworkInfo {
@@ -125,6 +126,7 @@ fn offers_name_gpus_and_bad_accepts_are_refused_leaving_the_offers() {
 
         let mut events = client
             .subscribe(pb::SubscribeRequest {
+                demand: None,
                 request_id: String::new(),
                 suppressed: false,
                 framework: Some(pb::FrameworkInfo {
@@ -331,6 +333,7 @@ fn offers_name_gpus_and_bad_accepts_are_refused_leaving_the_offers() {
 
 fn info(id: &str, failover_secs: f64) -> pb::SubscribeRequest {
     pb::SubscribeRequest {
+        demand: None,
         request_id: String::new(),
         framework: Some(pb::FrameworkInfo {
             id: id.into(),
@@ -621,6 +624,7 @@ fn replaced_and_torn_down_streams_end_with_error_and_suppress_honours_roles() {
         next_event(&mut first, |e| matches!(e, pb::event::Event::Rescind(_))).await;
         client
             .revive(pb::ReviveRequest {
+                demand: None,
                 framework_id: fw.clone(),
                 roles: vec!["batch".into()],
             })
@@ -634,6 +638,7 @@ fn replaced_and_torn_down_streams_end_with_error_and_suppress_honours_roles() {
         assert!(quiet.is_err(), "no offer while its role is suppressed");
         client
             .revive(pb::ReviveRequest {
+                demand: None,
                 framework_id: fw.clone(),
                 roles: vec!["ml".into()],
             })

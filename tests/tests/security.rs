@@ -616,6 +616,7 @@ fn a_secure_cluster_runs_jobs_and_refuses_what_an_outsider_tried() {
             code(
                 s.subscribe(with_token(
                     pb::SubscribeRequest {
+                        demand: None,
                         request_id: String::new(),
                         framework: Some(info("nlp")),
                         suppressed: false
@@ -631,6 +632,7 @@ fn a_secure_cluster_runs_jobs_and_refuses_what_an_outsider_tried() {
             code(
                 s.subscribe(with_token(
                     pb::SubscribeRequest {
+                        demand: None,
                         request_id: String::new(),
                         framework: Some(info("vision")),
                         suppressed: false
@@ -644,6 +646,7 @@ fn a_secure_cluster_runs_jobs_and_refuses_what_an_outsider_tried() {
         let mut events = s
             .subscribe(with_token(
                 pb::SubscribeRequest {
+                    demand: None,
                     request_id: String::new(),
                     framework: Some(info("vision")),
                     suppressed: true,

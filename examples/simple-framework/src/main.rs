@@ -270,6 +270,8 @@ impl Framework {
             let request = pb::SubscribeRequest {
                 framework: Some(self.info.clone()),
                 suppressed: false,
+                // Learnt from its launches.
+                demand: None,
                 // One key for this process's first subscription, however
                 // often it is sent: a Subscribe whose answer was lost
                 // re-attaches to the framework it made (ignored once the
@@ -359,6 +361,14 @@ impl Framework {
                 // We answer offers as soon as they come and hold none, so
                 // there is nothing to forget.
                 Some(Event::Rescind(r)) => debug!(offer_id = %r.offer_id, "offer rescinded"),
+                // Its tasks are short: the master's kill at the deadline
+                // is as good as any.
+                Some(Event::InverseOffer(i)) => self.say(&format!(
+                    "the master reclaims {} at {} ms: {}",
+                    i.task_ids.join(", "),
+                    i.deadline_unix_ms,
+                    i.reason
+                )),
                 Some(Event::Update(status)) => self.on_update(status).await,
                 Some(Event::Failure(f)) => self.say(&format!("agent {} lost", f.agent_id)),
                 Some(Event::Error(message)) => return Err(Error::Master(message)),
@@ -465,6 +475,7 @@ impl Framework {
                 .revive(pb::ReviveRequest {
                     framework_id,
                     roles,
+                    demand: None,
                 })
                 .await
                 .map(drop),

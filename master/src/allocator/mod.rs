@@ -54,6 +54,7 @@
 pub mod bench_cluster;
 mod filters;
 mod offers;
+pub mod reclaim;
 
 #[cfg(test)]
 mod harness;

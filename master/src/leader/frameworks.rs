@@ -45,6 +45,23 @@ pub struct FrameworkSettings {
     /// this, then after twice as long each time, up to
     /// [`MAX_UPDATE_RESEND`] (Mesos' status update retry, 10 s to 10 min).
     pub update_resend_interval: Duration,
+    /// Reclaim between frameworks (`allocator::reclaim`); `None`: off.
+    pub reclaim: Option<ReclaimSettings>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReclaimSettings {
+    /// Tasks younger than this are not taken.
+    pub min_runtime: Duration,
+    /// Between the inverse offer and the kill.
+    pub notice: Duration,
+}
+
+/// Tasks of an inverse offer, killed at its deadline.
+struct PendingReclaim {
+    framework_id: String,
+    for_framework: String,
+    deadline_ms: u64,
 }
 
 /// The longest wait between two sends of an unacknowledged update.
@@ -58,6 +75,7 @@ impl Default for FrameworkSettings {
             offer_timeout: Duration::from_secs(30),
             allocation_interval: DEFAULT_ALLOCATION_INTERVAL,
             update_resend_interval: Duration::from_secs(10),
+            reclaim: None,
         }
     }
 }
@@ -88,6 +106,9 @@ struct Inner {
     prompt: bool,
     /// The free resources at the last round, to see what was freed since.
     last_free: FreeMark,
+    /// Tasks under an inverse offer, by key; one reclaim at a time.
+    reclaims: BTreeMap<String, PendingReclaim>,
+    next_inverse_offer: u64,
 }
 
 /// A task's update as last sent to its framework.
@@ -482,6 +503,16 @@ impl Hub {
         }
     }
 
+    /// The framework's own statement of its task size (Subscribe, Revive):
+    /// kept by the leader, like suppression.
+    pub fn declare_demand(&self, framework_id: &str, task: Resources) {
+        if task.cpus > 1e-9 || task.mem_mib > 0 || task.gpus > 0 {
+            self.lock()
+                .demands
+                .insert(framework_id.to_string(), Demand::Task(task));
+        }
+    }
+
     /// Sends an event to a connected framework (dropped if it is not).
     pub fn send(&self, framework_id: &str, e: pb::event::Event) {
         if let Some(c) = self.lock().conns.get(framework_id) {
@@ -563,7 +594,12 @@ pub async fn run(
             g.last_free = mark;
             prompt || due.is_some_and(|d| now >= d)
         };
-        let expired = cycle(&raft, &hub, &settings, round);
+        let (expired, reclaims) = cycle(&raft, &hub, &settings, round);
+        for c in reclaims {
+            if let Err(e) = raft.propose(c).await {
+                tracing::warn!(error = %e, "reclaim between frameworks refused");
+            }
+        }
         if round {
             pending = None;
             last_round = now;
@@ -590,8 +626,14 @@ pub async fn run(
 }
 
 /// One pass: updates, failures, rescinds, heartbeats, and, when `round`,
-/// allocation. Returns frameworks whose failover timeout passed.
-fn cycle(raft: &RaftHandle, hub: &Hub, settings: &FrameworkSettings, round: bool) -> Vec<String> {
+/// allocation and reclaim. Returns frameworks whose failover timeout
+/// passed, and the kills of reclaims whose notice is over.
+fn cycle(
+    raft: &RaftHandle,
+    hub: &Hub,
+    settings: &FrameworkSettings,
+    round: bool,
+) -> (Vec<String>, Vec<Command>) {
     let state = raft.state();
     let mut g = hub.lock();
     let now = now_ms();
@@ -617,7 +659,133 @@ fn cycle(raft: &RaftHandle, hub: &Hub, settings: &FrameworkSettings, round: bool
     hub.metrics
         .offers_made
         .fetch_add(made as u64, std::sync::atomic::Ordering::Relaxed);
-    expired
+    let reclaims = match settings.reclaim {
+        Some(r) if round => reclaim(&state, &mut g, settings, r, now),
+        _ => Vec::new(),
+    };
+    (expired, reclaims)
+}
+
+/// Reclaim between frameworks: the kills of inverse offers whose deadline
+/// passed, else, with none pending, a new inverse offer when a framework
+/// below its fair share waits for room (`allocator::reclaim`).
+fn reclaim(
+    state: &State,
+    g: &mut Inner,
+    settings: &FrameworkSettings,
+    r: ReclaimSettings,
+    now: u64,
+) -> Vec<Command> {
+    // Pending: ended tasks drop out; due ones are killed.
+    g.reclaims.retain(|key, _| {
+        state
+            .task(key)
+            .is_some_and(|t| !t.state.is_terminal() && !t.kill_requested)
+    });
+    let due: Vec<String> = g
+        .reclaims
+        .iter()
+        .filter(|(_, p)| now >= p.deadline_ms)
+        .map(|(k, _)| k.clone())
+        .collect();
+    let mut kills: BTreeMap<(String, String), Vec<String>> = BTreeMap::new();
+    for key in due {
+        if let Some(p) = g.reclaims.remove(&key) {
+            kills
+                .entry((p.framework_id, p.for_framework))
+                .or_default()
+                .push(key);
+        }
+    }
+    if !kills.is_empty() || !g.reclaims.is_empty() {
+        return kills
+            .into_iter()
+            .map(
+                |((framework_id, for_framework), task_ids)| Command::ReclaimFrameworkTasks {
+                    framework_id,
+                    task_ids,
+                    for_framework,
+                    at_ms: now,
+                },
+            )
+            .collect();
+    }
+    let frameworks = framework_views(state, g);
+    let accepting = || state.agents().values().filter(|a| a.accepts_tasks());
+    let total = allocator::cluster_total(accepting().map(|a| &a.info.total));
+    let offered = g.offers.as_ref();
+    let free: BTreeMap<String, Resources> = accepting()
+        .filter(|a| !g.launching.contains_key(&a.info.id))
+        .map(|a| {
+            let o = offered
+                .map(|b| b.offered_on_agent(&a.info.id))
+                .unwrap_or_default();
+            (a.info.id.clone(), a.free().saturating_sub(&o))
+        })
+        .collect();
+    let tasks: Vec<allocator::reclaim::RunningTask> = state
+        .tasks()
+        .iter()
+        .filter(|(_, t)| !t.framework_id.is_empty() && !t.state.is_terminal() && !t.kill_requested)
+        .map(|(key, t)| allocator::reclaim::RunningTask {
+            framework_id: t.framework_id.clone(),
+            task_id: key.clone(),
+            agent_id: t.agent_id.clone(),
+            resources: t.resources,
+            started_ms: t.created_at_ms,
+        })
+        .collect();
+    let roles = crate::scheduler::tenants::roles_with_quotas(&settings.roles, state);
+    let Some(plan) = allocator::reclaim::plan(&allocator::reclaim::Inputs {
+        total,
+        frameworks: &frameworks,
+        roles: &roles,
+        free: &free,
+        tasks: &tasks,
+        exempt: &[crate::state::frameworks::BUILTIN_FRAMEWORK_ID],
+        now_ms: now,
+        min_runtime_ms: u64::try_from(r.min_runtime.as_millis()).unwrap_or(u64::MAX),
+    }) else {
+        return Vec::new();
+    };
+    let deadline_ms = now.saturating_add(u64::try_from(r.notice.as_millis()).unwrap_or(u64::MAX));
+    let reason = format!(
+        "reclaimed for framework {} (below its fair share)",
+        plan.for_framework
+    );
+    let mut by_framework: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for key in &plan.victims {
+        let Some(t) = state.task(key) else { continue };
+        by_framework
+            .entry(t.framework_id.clone())
+            .or_default()
+            .push(t.framework_task_id.clone());
+        g.reclaims.insert(
+            key.clone(),
+            PendingReclaim {
+                framework_id: t.framework_id.clone(),
+                for_framework: plan.for_framework.clone(),
+                deadline_ms,
+            },
+        );
+    }
+    for (fw, task_ids) in by_framework {
+        g.next_inverse_offer += 1;
+        let id = format!("inverse-{now}-{}", g.next_inverse_offer);
+        tracing::info!(framework_id = %fw, for_framework = %plan.for_framework, tasks = ?task_ids, deadline_ms, "inverse offer: reclaiming tasks for a framework below its fair share");
+        if let Some(c) = g.conns.get(&fw) {
+            let _ = c.tx.try_send(Ok(event(pb::event::Event::InverseOffer(
+                pb::InverseOffer {
+                    id,
+                    agent_id: plan.agent_id.clone(),
+                    task_ids,
+                    deadline_unix_ms: deadline_ms,
+                    reason: reason.clone(),
+                },
+            ))));
+        }
+    }
+    Vec::new()
 }
 
 /// Sends each task's new update to its connected framework, and sends an
@@ -814,17 +982,15 @@ fn failover_expired(state: &State, g: &mut Inner) -> Vec<String> {
 }
 
 /// Makes the offers the allocator plans; returns how many.
-fn allocate(state: &State, g: &mut Inner, settings: &FrameworkSettings, now: u64) -> usize {
-    if g.conns.is_empty() {
-        return 0;
-    }
-    g.filters.expire(now);
-    let Some(book) = g.offers.as_ref() else {
-        return 0;
-    };
-    let offered_by = book.offered_by_framework();
-    // What each framework holds; gpuctl jobs' tasks are the built-in
-    // scheduler's, so its role's share and quota count them.
+/// The connected frameworks as the allocator sees them: what each holds
+/// (gpuctl jobs' tasks are the built-in scheduler's, so its role's share
+/// and quota count them) and is offered, and what it asks for.
+fn framework_views(state: &State, g: &Inner) -> Vec<FrameworkView> {
+    let offered_by = g
+        .offers
+        .as_ref()
+        .map(|b| b.offered_by_framework())
+        .unwrap_or_default();
     let mut held: BTreeMap<&str, Resources> = BTreeMap::new();
     for t in state.tasks().values().filter(|t| !t.state.is_terminal()) {
         let owner = if !t.framework_id.is_empty() {
@@ -837,7 +1003,7 @@ fn allocate(state: &State, g: &mut Inner, settings: &FrameworkSettings, now: u64
         let e = held.entry(owner).or_default();
         *e = e.add(&t.resources);
     }
-    let frameworks: Vec<FrameworkView> = state
+    state
         .frameworks()
         .values()
         .filter(|f| !f.removed && g.conns.contains_key(&f.info.id))
@@ -858,7 +1024,18 @@ fn allocate(state: &State, g: &mut Inner, settings: &FrameworkSettings, now: u64
                 .unwrap_or_default()
                 .add(&offered_by.get(&f.info.id).copied().unwrap_or_default()),
         })
-        .collect();
+        .collect()
+}
+
+fn allocate(state: &State, g: &mut Inner, settings: &FrameworkSettings, now: u64) -> usize {
+    if g.conns.is_empty() {
+        return 0;
+    }
+    g.filters.expire(now);
+    let Some(book) = g.offers.as_ref() else {
+        return 0;
+    };
+    let frameworks = framework_views(state, g);
     // Nobody to offer to (the built-in scheduler suppresses offers while no
     // job waits): no need to look at the agents.
     if frameworks.iter().all(|f| f.suppressed) {

@@ -449,6 +449,10 @@ impl SchedulerService {
         let mut info = framework_info_from_pb(req.framework)?;
         self.authorize(caller, &mut info)?;
         let suppressed = req.suppressed;
+        let demand = req
+            .demand
+            .map(|d| gpuctl_core::convert::resources_from_pb("demand", Some(d)))
+            .transpose()?;
         let request_id = if req.request_id.is_empty() || !info.id.is_empty() {
             None
         } else {
@@ -480,6 +484,9 @@ impl SchedulerService {
             .ctx
             .hub
             .connect_suppressed(&framework_id, tx, Some(suppressed));
+        if let Some(d) = demand {
+            self.ctx.hub.declare_demand(&framework_id, d);
+        }
         let (gone_tx, gone_rx) = tokio::sync::oneshot::channel::<()>();
         let guard = StreamGuard {
             hub: self.ctx.hub.clone(),
@@ -621,6 +628,10 @@ impl SchedulerService {
 
     async fn revive(&self, req: pb::ReviveRequest) -> Result<pb::CallResponse, ServiceError> {
         self.connected(&req.framework_id)?;
+        if let Some(d) = req.demand {
+            let d = gpuctl_core::convert::resources_from_pb("demand", Some(d))?;
+            self.ctx.hub.declare_demand(&req.framework_id, d);
+        }
         if self.names_offer_role(&req.framework_id, &req.roles)? {
             self.ctx.hub.revive(&req.framework_id);
         }

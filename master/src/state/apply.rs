@@ -284,6 +284,12 @@ impl State {
                 at_ms,
                 min_runtime_ms,
             } => self.reclaim_jobs(job_id, victims, *at_ms, *min_runtime_ms),
+            Command::ReclaimFrameworkTasks {
+                framework_id,
+                task_ids,
+                for_framework,
+                at_ms,
+            } => self.reclaim_framework_tasks(framework_id, task_ids, for_framework, *at_ms),
             Command::SubscribeFramework {
                 info,
                 at_ms,

@@ -153,6 +153,17 @@ pub enum Command {
         victims: Vec<JobId>,
         at_ms: u64,
     },
+    /// Kill `task_ids` (keys) of framework `framework_id`, above its fair
+    /// share, to give their resources to `for_framework`, below its own:
+    /// the leader's reclaim between frameworks (`allocator::reclaim`), once
+    /// the inverse offer's deadline passed. Tasks already ending are left
+    /// as they are.
+    ReclaimFrameworkTasks {
+        framework_id: String,
+        task_ids: Vec<String>,
+        for_framework: String,
+        at_ms: u64,
+    },
     /// Stop the current attempts of `victims`, jobs of tenants over their
     /// fair share, so that the queued `job_id`, of a tenant below its own,
     /// can run (`scheduler::queue`'s reclaim): as a preemption, but across
@@ -328,6 +339,7 @@ impl Command {
             Command::CancelJob { .. } => "cancel_job",
             Command::PreemptJobs { .. } => "preempt_jobs",
             Command::ReclaimJobs { .. } => "reclaim_jobs",
+            Command::ReclaimFrameworkTasks { .. } => "reclaim_framework_tasks",
             Command::CordonGpu { .. } => "cordon_gpu",
             Command::SetMigLayout { .. } => "set_mig_layout",
             Command::ShareGpu { .. } => "share_gpu",

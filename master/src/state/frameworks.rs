@@ -285,6 +285,47 @@ impl State {
         Ok(Outcome::Done)
     }
 
+    /// See [`Command::ReclaimFrameworkTasks`]: each named task of the
+    /// framework that still runs is killed, with reason `Reclaimed`.
+    pub(super) fn reclaim_framework_tasks(
+        &mut self,
+        framework_id: &str,
+        task_ids: &[String],
+        for_framework: &str,
+        at_ms: u64,
+    ) -> Result<Outcome, ApplyError> {
+        if task_ids.is_empty() {
+            return Err(ApplyError::Invalid {
+                field: "task_ids".into(),
+                reason: "none named".into(),
+            });
+        }
+        // All checked before any is touched: nothing half applied.
+        if let Some(key) = task_ids.iter().find(|k| {
+            self.tasks
+                .get(*k)
+                .is_some_and(|t| t.framework_id != framework_id)
+        }) {
+            return Err(ApplyError::Invalid {
+                field: "task_ids".into(),
+                reason: format!("task {key} is not framework {framework_id}'s"),
+            });
+        }
+        let why = format!("reclaimed for framework {for_framework} (below its fair share)");
+        for key in task_ids {
+            let Some(t) = self.tasks.get_mut(key) else {
+                continue; // ended and forgotten since
+            };
+            if !t.state.is_terminal() && !t.kill_requested {
+                t.kill_requested = true;
+                t.reason = TaskReason::Reclaimed;
+                t.message = why.clone();
+                t.updated_at_ms = at_ms;
+            }
+        }
+        Ok(Outcome::Done)
+    }
+
     pub(super) fn acknowledge_update(
         &mut self,
         framework_id: &str,
@@ -410,6 +451,57 @@ mod tests {
             },
         )
         .unwrap()
+    }
+
+    /// The leader's reclaim between frameworks: the named tasks are
+    /// killed as reclaimed; a task of another framework refuses the whole
+    /// command, touching none; one already ended or gone is passed over.
+    #[test]
+    fn reclaimed_framework_tasks_are_killed_all_or_none() {
+        let mut s = state();
+        let f = subscribe(&mut s);
+        launch(&mut s, &f, vec![task("t1", &[]), task("t2", &[])], false);
+        let other = match s
+            .apply(
+                4,
+                &Command::SubscribeFramework {
+                    request_id: None,
+                    info: fw(""),
+                    at_ms: 0,
+                },
+            )
+            .unwrap()
+        {
+            Outcome::FrameworkSubscribed { framework_id } => framework_id,
+            o => panic!("{o:?}"),
+        };
+        let (k1, k2) = (task_key(&f, "t1"), task_key(&f, "t2"));
+        let reclaim = |tasks: Vec<String>, fw: &str| Command::ReclaimFrameworkTasks {
+            framework_id: fw.into(),
+            task_ids: tasks,
+            for_framework: "fw-9".into(),
+            at_ms: 7,
+        };
+        let e = s
+            .apply(5, &reclaim(vec![k1.clone()], &other))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("task_ids") && e.contains("is not framework"),
+            "{e}"
+        );
+        assert!(!s.tasks()[&k1].kill_requested, "nothing touched");
+        assert!(s.apply(6, &reclaim(vec![], &f)).is_err());
+        s.apply(7, &reclaim(vec![k1.clone(), "fw-x.gone".into()], &f))
+            .unwrap();
+        let t1 = &s.tasks()[&k1];
+        assert!(t1.kill_requested);
+        assert_eq!(t1.reason, TaskReason::Reclaimed);
+        assert_eq!(
+            t1.message,
+            "reclaimed for framework fw-9 (below its fair share)"
+        );
+        assert!(!s.tasks()[&k2].kill_requested);
     }
 
     /// A framework's task asking for ports gets the lowest free numbers of
