@@ -195,10 +195,17 @@ fn containers_keep_only_the_default_capabilities_and_allowed_mounts() {
         host["SecurityOpt"],
         serde_json::json!(["no-new-privileges"])
     );
-    // Its mount and nothing else (simulated GPUs: no driver volume).
+    // Its mount and, read-only, the agent's notice directory for it (its
+    // stop notice: docs/scheduling.md), nothing else (simulated GPUs: no
+    // driver volume).
+    let task = c.job(&j)["tasks"][0]["id"].as_str().unwrap().to_string();
+    let notices = c.dir.path().join("agent0/notices").join(&task);
     assert_eq!(
         host["Binds"],
-        serde_json::json!([format!("{allowed_s}:/in:ro")])
+        serde_json::json!([
+            format!("{allowed_s}:/in:ro"),
+            format!("{}:/run/gpuctl:ro", notices.display())
+        ])
     );
     assert_eq!(inspect(&ctr, "Config.User"), "");
     assert_eq!(c.wait_job(&j, 60), (0, "SUCCEEDED".to_string()));
