@@ -129,7 +129,16 @@ pub fn probe(
         std::fs::read_to_string(&p).map_err(|source| IsolationError::Io { path: p, source })
     };
     let h = hierarchies(&read(PathBuf::from("/proc/self/mountinfo"))?);
-    let procs = procs_files(&read(PathBuf::from(format!("/proc/{pid}/cgroup")))?, &h);
+    let cgroups = read(PathBuf::from(format!("/proc/{pid}/cgroup")))?;
+    // A container's process in the root devices cgroup is one that is
+    // ending (out of its cgroup already): probed there, it would see every
+    // node allowed.
+    if in_root_devices_cgroup(&cgroups) {
+        return Err(IsolationError::Config(format!(
+            "process {pid} is in the root devices cgroup (ending?)"
+        )));
+    }
+    let procs = procs_files(&cgroups, &h);
     if procs.is_empty() {
         return Err(IsolationError::Config(format!(
             "process {pid} is in no device-controlling cgroup that is mounted here"
@@ -156,6 +165,16 @@ pub fn probe(
             Some((PathBuf::from(path), errno.parse().ok()?))
         })
         .collect())
+}
+
+/// Whether `/proc/<pid>/cgroup` puts the process in the root of the v1
+/// devices hierarchy.
+fn in_root_devices_cgroup(proc_cgroup: &str) -> bool {
+    proc_cgroup.lines().any(|l| {
+        let mut parts = l.splitn(3, ':');
+        let (_, ctrls, path) = (parts.next(), parts.next(), parts.next());
+        ctrls.is_some_and(|c| c.split(',').any(|c| c == "devices")) && path == Some("/")
+    })
 }
 
 /// Whether what the probe saw is what the task was given: every node in
@@ -252,5 +271,15 @@ mod tests {
         assert!(err.contains("/dev/nvidia0 not given but opens"), "{err}");
         assert!(err.contains("/dev/nvidia1 denied but given"), "{err}");
         assert!(!err.contains("nvidiactl"), "{err}");
+    }
+
+    #[test]
+    fn a_process_in_the_root_devices_cgroup_is_no_containers() {
+        assert!(in_root_devices_cgroup("5:devices:/\n0::/\n"));
+        assert!(!in_root_devices_cgroup("5:devices:/gpuctl/a/t/c1\n0::/\n"));
+        assert!(
+            !in_root_devices_cgroup("0::/\n"),
+            "v2 only: no v1 devices line"
+        );
     }
 }
