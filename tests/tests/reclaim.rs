@@ -32,6 +32,17 @@ fn live_by_tenant(value: &str, tenant_of: &BTreeMap<String, &str>) -> BTreeMap<S
     out
 }
 
+/// Tenant `t`'s row of `gpuctl quota`'s table, by column.
+fn quota_row(table: &str, t: &str) -> Vec<String> {
+    table
+        .lines()
+        .find(|l| l.split_whitespace().next() == Some(t))
+        .unwrap_or_else(|| panic!("no row for {t}:\n{table}"))
+        .split_whitespace()
+        .map(str::to_string)
+        .collect()
+}
+
 #[test]
 fn a_tenant_that_came_second_gets_its_fair_share_back_with_notice() {
     if !nix::unistd::Uid::effective().is_root() {
@@ -146,14 +157,7 @@ fn a_tenant_that_came_second_gets_its_fair_share_back_with_notice() {
 
     // gpuctl quota: fair shares 4 and 4, nothing borrowed.
     let q = c.ok(&["quota"]);
-    let row = |t: &str| {
-        q.lines()
-            .find(|l| l.split_whitespace().next() == Some(t))
-            .unwrap_or_else(|| panic!("no row for {t}:\n{q}"))
-            .split_whitespace()
-            .map(str::to_string)
-            .collect::<Vec<_>>()
-    };
+    let row = |t: &str| quota_row(&q, t);
     // TENANT GPUS-USED QUOTA LIMIT WEIGHT FAIR-SHARE BORROWED LENT ...
     assert_eq!(&row("a")[1..6], ["4", "-", "-", "1", "4"], "{q}");
     assert_eq!(&row("b")[1..6], ["4", "-", "-", "1", "4"], "{q}");
@@ -207,14 +211,7 @@ fn borrowed_gpus_go_back_to_their_owner_within_the_grace_and_a_round() {
         c.wait_state(j, "RUNNING", Duration::from_secs(60));
     }
     let q = c.ok(&["quota"]);
-    let cols = |t: &str| -> Vec<String> {
-        q.lines()
-            .find(|l| l.split_whitespace().next() == Some(t))
-            .unwrap_or_else(|| panic!("no row for {t}:\n{q}"))
-            .split_whitespace()
-            .map(str::to_string)
-            .collect()
-    };
+    let cols = |t: &str| quota_row(&q, t);
     // TENANT USED QUOTA LIMIT WEIGHT SHARE BORROWED LENT ...
     assert_eq!(&cols("a")[1..8], ["8", "2", "8", "1", "8", "6", "0"], "{q}");
     assert_eq!(&cols("b")[1..8], ["0", "6", "6", "1", "0", "0", "6"], "{q}");
@@ -252,14 +249,7 @@ fn borrowed_gpus_go_back_to_their_owner_within_the_grace_and_a_round() {
     assert_eq!(reclaimed, 6);
     // a is back at its quota, borrowing nothing; b at its own.
     let q2 = c.ok(&["quota"]);
-    let cols = |t: &str| -> Vec<String> {
-        q2.lines()
-            .find(|l| l.split_whitespace().next() == Some(t))
-            .unwrap_or_else(|| panic!("no row for {t}:\n{q2}"))
-            .split_whitespace()
-            .map(str::to_string)
-            .collect()
-    };
+    let cols = |t: &str| quota_row(&q2, t);
     assert_eq!(
         &cols("a")[1..8],
         ["2", "2", "8", "1", "2", "0", "0"],

@@ -406,9 +406,14 @@ mod tests {
     }
 
     fn subscribe(s: &mut State) -> String {
+        subscribe_at(s, 2)
+    }
+
+    /// A new framework subscribed by the log entry at `index`.
+    fn subscribe_at(s: &mut State, index: u64) -> String {
         match s
             .apply(
-                2,
+                index,
                 &Command::SubscribeFramework {
                     request_id: None,
                     info: fw(""),
@@ -461,20 +466,7 @@ mod tests {
         let mut s = state();
         let f = subscribe(&mut s);
         launch(&mut s, &f, vec![task("t1", &[]), task("t2", &[])], false);
-        let other = match s
-            .apply(
-                4,
-                &Command::SubscribeFramework {
-                    request_id: None,
-                    info: fw(""),
-                    at_ms: 0,
-                },
-            )
-            .unwrap()
-        {
-            Outcome::FrameworkSubscribed { framework_id } => framework_id,
-            o => panic!("{o:?}"),
-        };
+        let other = subscribe_at(&mut s, 4);
         let (k1, k2) = (task_key(&f, "t1"), task_key(&f, "t2"));
         let reclaim = |tasks: Vec<String>, fw: &str| Command::ReclaimFrameworkTasks {
             framework_id: fw.into(),

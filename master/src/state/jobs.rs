@@ -493,24 +493,39 @@ impl State {
             at_ms,
         );
         let why = format!("reclaimed for tenant {tenant} by {job_id}");
+        self.stop_victims(job_id, victims, &why, Some(&tenant), at_ms);
+        Ok(Outcome::Done)
+    }
+
+    /// Stops the checked `victims` for `job_id`: preempted, or reclaimed
+    /// for tenant `reclaimed_for`; their live tasks are killed with `why`.
+    fn stop_victims(
+        &mut self,
+        job_id: &str,
+        victims: &[String],
+        why: &str,
+        reclaimed_for: Option<&str>,
+        at_ms: u64,
+    ) {
+        let (event, reason) = match reclaimed_for {
+            Some(_) => (EventKind::Reclaimed, TaskReason::Reclaimed),
+            None => (EventKind::Preempted, TaskReason::Preempted),
+        };
         for v in victims {
             let Some(victim) = self.jobs.get_mut(v) else {
-                continue; // checked above
+                continue; // checked by the caller
             };
             victim.stopping = Some(Stopping::Preempted {
                 by: job_id.to_string(),
                 requeue: !victim.spec.no_requeue,
-                reclaimed_for: Some(tenant.clone()),
+                reclaimed_for: reclaimed_for.map(str::to_string),
             });
             victim.preemptions += 1;
             victim.updated_at_ms = at_ms;
-            victim
-                .events
-                .record(EventKind::Reclaimed, why.clone(), at_ms);
+            victim.events.record(event, why.to_string(), at_ms);
             let tasks = victim.current_tasks().to_vec();
-            self.kill_live(&tasks, &why, Some(TaskReason::Reclaimed), at_ms);
+            self.kill_live(&tasks, why, Some(reason), at_ms);
         }
-        Ok(Outcome::Done)
     }
 
     /// `job_id`, queued, for which `victims` (distinct, not none) are to be
@@ -558,23 +573,7 @@ impl State {
             format!("stopping lower-priority {names} to make room"),
             at_ms,
         );
-        for v in victims {
-            let Some(victim) = self.jobs.get_mut(v) else {
-                continue; // checked above
-            };
-            victim.stopping = Some(Stopping::Preempted {
-                by: job_id.to_string(),
-                requeue: !victim.spec.no_requeue,
-                reclaimed_for: None,
-            });
-            victim.preemptions += 1;
-            victim.updated_at_ms = at_ms;
-            victim
-                .events
-                .record(EventKind::Preempted, why.clone(), at_ms);
-            let tasks = victim.current_tasks().to_vec();
-            self.kill_live(&tasks, &why, Some(TaskReason::Preempted), at_ms);
-        }
+        self.stop_victims(job_id, victims, &why, None, at_ms);
         Ok(Outcome::Done)
     }
 
