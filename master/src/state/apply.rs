@@ -142,6 +142,12 @@ pub enum ApplyError {
 impl State {
     /// Applies the command committed at `index`.
     pub fn apply(&mut self, index: u64, cmd: &Command) -> Result<Outcome, ApplyError> {
+        let out = self.apply_command(index, cmd);
+        self.refresh_derived();
+        out
+    }
+
+    fn apply_command(&mut self, index: u64, cmd: &Command) -> Result<Outcome, ApplyError> {
         if index > self.applied_index {
             self.applied_index = index;
         }
@@ -266,6 +272,7 @@ impl State {
                         reason: format!("no agent has GPU {uuid}"),
                     });
                 }
+                self.agents.mark_gpu(uuid);
                 if *cordon {
                     self.cordoned.insert(uuid.clone());
                 } else {

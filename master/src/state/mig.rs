@@ -157,6 +157,7 @@ impl State {
             ));
         }
         let agent_id = agent.info.id.clone();
+        self.agents.mark_gpu(gpu_uuid);
         self.mig_changes.insert(
             gpu_uuid.to_string(),
             MigChange {
@@ -198,6 +199,7 @@ impl State {
             g.mig = gpu.mig.clone();
         }
         agent.info.total.gpus = device_count(&agent.info.gpus);
+        self.agents.mark_gpu(&gpu.uuid);
         self.mig_changes.remove(&gpu.uuid);
         match error {
             Some(e) => self.mig_errors.insert(gpu.uuid.clone(), e.to_string()),

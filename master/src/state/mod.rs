@@ -5,7 +5,9 @@
 pub mod access;
 mod agents;
 mod apply;
+pub mod capacity;
 pub mod command;
+pub(crate) mod derived;
 pub mod events;
 #[cfg(test)]
 mod events_tests;
@@ -37,7 +39,7 @@ pub use apply::{ApplyError, MemberChange, Outcome};
 pub use command::{Command, GpuHealthChange, Launch};
 pub use gpuctl_core::types::{FrameworkTask, TaskReason};
 pub use tables::Touched;
-use tables::{AgentTable, TaskTable};
+use tables::{AgentTable, JobTable, TaskTable};
 
 /// A job waiting for placement.
 fn waits(j: &&JobRecord) -> bool {
@@ -299,7 +301,7 @@ pub const SUBMIT_REQUEST_TTL_MS: u64 = requests::REQUEST_TTL_MS;
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct State {
     agents: AgentTable,
-    jobs: BTreeMap<JobId, JobRecord>,
+    jobs: JobTable,
     tasks: TaskTable,
     /// Which task holds each GPU. The single source of truth for "no GPU is
     /// ever given to two tasks": a launch is refused unless all its GPUs are
@@ -364,6 +366,9 @@ pub struct State {
     share_off: std::collections::BTreeSet<GpuUuid>,
     /// Index of the last log entry applied.
     applied_index: u64,
+    /// Indexes derived from the above (see `derived`).
+    #[serde(skip)]
+    derived: derived::Derived,
 }
 
 impl State {
@@ -483,35 +488,27 @@ impl State {
     /// Whether some job waits for placement (cheaper than
     /// [`queued_jobs`](Self::queued_jobs): no list, no sort).
     pub fn has_queued(&self) -> bool {
-        self.jobs.values().any(|j| waits(&j))
+        !self.queue_index().is_empty()
     }
 
     /// How many jobs wait for placement.
     pub fn count_queued(&self) -> usize {
-        self.jobs.values().filter(waits).count()
+        self.queue_index().len()
     }
 
     /// What agents that take tasks have free, summed: it grows only when
     /// something ends, an agent comes or a GPU comes back.
     pub fn free_total(&self) -> Resources {
-        self.agents
-            .values()
-            .filter(|a| a.accepts_tasks())
-            .fold(Resources::default(), |sum, a| sum.add(&a.free()))
+        self.capacity().totals().resources()
     }
 
     /// Jobs waiting for placement in the order they are placed: highest
     /// priority first, then oldest.
     pub fn queued_jobs(&self) -> Vec<&JobRecord> {
-        let mut q: Vec<&JobRecord> = self.jobs.values().filter(waits).collect();
-        q.sort_by_key(|j| {
-            (
-                std::cmp::Reverse(j.spec.priority),
-                j.submitted_at_ms,
-                job_seq(&j.id),
-            )
-        });
-        q
+        match self.queue_index() {
+            std::borrow::Cow::Borrowed(q) => q.ids().filter_map(|id| self.jobs.get(id)).collect(),
+            std::borrow::Cow::Owned(q) => q.ids().filter_map(|id| self.jobs.get(id)).collect(),
+        }
     }
 
     /// Agents whose [`State::desired_tasks`] may have changed since the

@@ -147,6 +147,7 @@ impl State {
                 }
             }
         }
+        self.agents.mark_gpu(gpu_uuid);
         match mode {
             Some(m) => {
                 self.share_off.remove(gpu_uuid);
@@ -174,6 +175,7 @@ impl State {
                 && !self.mig_changes.contains_key(&g.uuid)
                 && !self.gpu_owner.contains_key(&g.uuid);
             if free && !self.share_off.contains(&g.uuid) && !self.shared.contains_key(&g.uuid) {
+                self.agents.mark_gpu(&g.uuid);
                 self.shared.insert(g.uuid.clone(), mode);
             }
         }

@@ -8,13 +8,13 @@
 //! sets may have changed ([`Touched`]), so that the leader wakes only those
 //! agents' task streams.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::ops::Deref;
 
-use gpuctl_core::types::{AgentId, GpuUuid, TaskId};
+use gpuctl_core::types::{AgentId, GpuUuid, JobId, TaskId};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use super::{AgentRecord, TaskRecord};
+use super::{AgentRecord, JobRecord, TaskRecord};
 
 /// Agents whose desired task set may have changed since the last
 /// [`State::take_touched`](super::State::take_touched).
@@ -36,6 +36,49 @@ impl Touched {
     }
 }
 
+/// Ids whose derived indexes (`state::capacity`, the queue) are out of
+/// date: the state refreshes them after each applied command, so that work
+/// follows what changed, not the size of the cluster.
+#[derive(Debug, Clone, Default)]
+pub struct Dirty {
+    /// Every id.
+    pub all: bool,
+    pub ids: HashSet<String>,
+}
+
+impl Dirty {
+    fn everything() -> Dirty {
+        Dirty {
+            all: true,
+            ids: HashSet::new(),
+        }
+    }
+
+    pub fn mark(&mut self, id: &str) {
+        if !self.all && !self.ids.contains(id) {
+            self.ids.insert(id.to_string());
+        }
+    }
+
+    pub fn mark_all(&mut self) {
+        self.all = true;
+        self.ids.clear();
+    }
+
+    pub fn is_clean(&self) -> bool {
+        !self.all && self.ids.is_empty()
+    }
+
+    /// Adds `other`'s ids.
+    pub fn merge(&mut self, other: Dirty) {
+        if other.all {
+            self.mark_all();
+        } else if !self.all {
+            self.ids.extend(other.ids);
+        }
+    }
+}
+
 /// Every task by id, and the ids of each agent's tasks. A task's
 /// `agent_id` never changes once it is inserted.
 #[derive(Debug, Clone, Default)]
@@ -43,6 +86,8 @@ pub struct TaskTable {
     map: BTreeMap<TaskId, TaskRecord>,
     by_agent: HashMap<AgentId, BTreeSet<TaskId>>,
     touched: Touched,
+    /// Agents whose tasks changed, for the derived indexes.
+    dirty: Dirty,
 }
 
 impl TaskTable {
@@ -62,6 +107,7 @@ impl TaskTable {
                 all: true,
                 agents: BTreeSet::new(),
             },
+            dirty: Dirty::everything(),
         }
     }
 
@@ -71,6 +117,7 @@ impl TaskTable {
         if !self.touched.all {
             self.touched.agents.insert(t.agent_id.clone());
         }
+        self.dirty.mark(&t.agent_id);
         Some(t)
     }
 
@@ -85,6 +132,7 @@ impl TaskTable {
             if !self.touched.all && !self.touched.agents.contains(&t.agent_id) {
                 self.touched.agents.insert(t.agent_id.clone());
             }
+            self.dirty.mark(&t.agent_id);
         }
     }
 
@@ -144,6 +192,16 @@ impl TaskTable {
     pub fn touch_all(&mut self) {
         self.touched.all = true;
         self.touched.agents.clear();
+        self.dirty.mark_all();
+    }
+
+    /// Agents whose tasks changed since the last call.
+    pub fn take_dirty(&mut self) -> Dirty {
+        std::mem::take(&mut self.dirty)
+    }
+
+    pub fn is_clean(&self) -> bool {
+        self.dirty.is_clean()
     }
 
     pub fn take_touched(&mut self) -> Touched {
@@ -166,6 +224,7 @@ impl TaskTable {
         if !self.touched.all && !self.touched.agents.contains(agent) {
             self.touched.agents.insert(agent.to_string());
         }
+        self.dirty.mark(agent);
     }
 
     fn unindex(&mut self, agent: &str, id: &str) {
@@ -221,6 +280,8 @@ pub struct AgentTable {
     /// Usually one agent per GPU; a LOST agent's GPUs may be claimed again
     /// by the agent that replaced it.
     by_gpu: HashMap<GpuUuid, BTreeSet<AgentId>>,
+    /// Agents changed, for the derived indexes.
+    dirty: Dirty,
 }
 
 impl AgentTable {
@@ -228,6 +289,7 @@ impl AgentTable {
         let mut t = AgentTable {
             map: BTreeMap::new(),
             by_gpu: HashMap::new(),
+            dirty: Dirty::everything(),
         };
         for (id, a) in map {
             t.insert(id, a);
@@ -235,9 +297,27 @@ impl AgentTable {
         t
     }
 
+    /// Agents changed since the last call.
+    pub fn take_dirty(&mut self) -> Dirty {
+        std::mem::take(&mut self.dirty)
+    }
+
+    pub fn is_clean(&self) -> bool {
+        self.dirty.is_clean()
+    }
+
+    /// Something about this GPU changed outside the agent's record (a
+    /// cordon, a share mode, a MIG change): its agents' capacity did.
+    pub fn mark_gpu(&mut self, gpu: &str) {
+        for id in self.by_gpu.get(gpu).into_iter().flatten() {
+            self.dirty.mark(id);
+        }
+    }
+
     /// Adds or replaces an agent's record (its GPUs with it).
     pub fn insert(&mut self, id: AgentId, agent: AgentRecord) {
         debug_assert_eq!(id, agent.info.id);
+        self.dirty.mark(&id);
         for g in &agent.info.gpus {
             self.by_gpu
                 .entry(g.uuid.clone())
@@ -269,7 +349,9 @@ impl AgentTable {
 
     /// An agent's record to change, but not its `info` (see the type).
     pub fn get_mut(&mut self, id: &str) -> Option<&mut AgentRecord> {
-        self.map.get_mut(id)
+        let a = self.map.get_mut(id)?;
+        self.dirty.mark(id);
+        Some(a)
     }
 
     /// Whether the index says what the agents say (for tests' invariants).
@@ -327,6 +409,79 @@ impl Serialize for AgentTable {
 impl<'de> Deserialize<'de> for AgentTable {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         BTreeMap::deserialize(d).map(AgentTable::from_map)
+    }
+}
+
+/// Every job by id. Changes go through [`JobTable::get_mut`],
+/// [`JobTable::insert`] and [`JobTable::remove`], which note the job for the
+/// queue's index.
+#[derive(Debug, Clone, Default)]
+pub struct JobTable {
+    map: BTreeMap<JobId, JobRecord>,
+    dirty: Dirty,
+}
+
+impl JobTable {
+    pub fn get_mut(&mut self, id: &str) -> Option<&mut JobRecord> {
+        let j = self.map.get_mut(id)?;
+        self.dirty.mark(id);
+        Some(j)
+    }
+
+    pub fn insert(&mut self, id: JobId, job: JobRecord) -> Option<JobRecord> {
+        self.dirty.mark(&id);
+        self.map.insert(id, job)
+    }
+
+    pub fn remove(&mut self, id: &str) -> Option<JobRecord> {
+        self.dirty.mark(id);
+        self.map.remove(id)
+    }
+
+    /// Jobs changed since the last call.
+    pub fn take_dirty(&mut self) -> Dirty {
+        std::mem::take(&mut self.dirty)
+    }
+
+    pub fn is_clean(&self) -> bool {
+        self.dirty.is_clean()
+    }
+}
+
+impl Deref for JobTable {
+    type Target = BTreeMap<JobId, JobRecord>;
+    fn deref(&self) -> &Self::Target {
+        &self.map
+    }
+}
+
+impl<'a> IntoIterator for &'a JobTable {
+    type Item = (&'a JobId, &'a JobRecord);
+    type IntoIter = std::collections::btree_map::Iter<'a, JobId, JobRecord>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.map.iter()
+    }
+}
+
+/// Equal when the jobs are.
+impl PartialEq for JobTable {
+    fn eq(&self, other: &Self) -> bool {
+        self.map == other.map
+    }
+}
+
+impl Serialize for JobTable {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.map.serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for JobTable {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        BTreeMap::deserialize(d).map(|map| JobTable {
+            map,
+            dirty: Dirty::everything(),
+        })
     }
 }
 

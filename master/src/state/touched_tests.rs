@@ -1,6 +1,8 @@
 //! The promise the leader's task streams rely on: after any command, an
 //! agent that `take_touched` does not name has the same desired task set
-//! as before. Checked over random command sequences against every agent.
+//! as before. Checked over random command sequences against every agent,
+//! together with the derived indexes (`capacity`, the queue's) that apply
+//! keeps up to date: always equal to ones built from scratch.
 
 use std::collections::BTreeMap;
 
@@ -353,6 +355,10 @@ proptest! {
             other => panic!("subscribe: {other:?}"),
         };
         d.s.take_touched();
+        // Build the derived indexes now, so that every command below
+        // refreshes them incrementally.
+        let _ = d.s.capacity();
+        let _ = d.s.queue_index();
         let start = [
             Op::Submit { gpus: 2, replicas: 2, retries: 1 },
             Op::Submit { gpus: 1, replicas: 1, retries: 0 },
@@ -367,6 +373,15 @@ proptest! {
             let ok = d.apply(cmd.clone()).is_ok();
             applied += usize::from(ok);
             let touched = d.s.take_touched();
+            // The indexes kept up to date agree with ones built afresh.
+            let cap = d.s.capacity();
+            prop_assert!(matches!(cap, std::borrow::Cow::Borrowed(_)), "refreshed by apply");
+            prop_assert_eq!(&*cap, &super::capacity::Capacity::build(&d.s), "capacity after {:?}", cmd);
+            drop(cap);
+            let q = d.s.queue_index();
+            prop_assert!(matches!(q, std::borrow::Cow::Borrowed(_)));
+            prop_assert_eq!(&*q, &super::derived::QueueIndex::build(&d.s), "queue after {:?}", cmd);
+            drop(q);
             let after = desired(&d.s);
             for (agent, want) in &after {
                 if !touched.contains(agent) {
