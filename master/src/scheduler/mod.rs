@@ -15,6 +15,7 @@
 //! (the why as data: `gpuctl_core::wait`).
 
 pub mod board;
+pub(crate) mod indexed;
 pub mod placement;
 pub mod queue;
 pub mod runner;
@@ -215,24 +216,19 @@ impl<'s> Pool<'s> {
         fraction: Option<GpuFraction>,
     ) {
         if let Some(n) = self.nodes.get_mut(agent_id) {
-            n.free = n.free.saturating_sub(resources);
-            match fraction {
-                Some(f) => {
-                    for g in gpus {
-                        if let Some((m, c)) = n.shares.get_mut(g.as_str()) {
-                            *m = m.saturating_sub(f.mem_mib);
-                            *c = c.saturating_sub(f.compute_pct);
-                        }
-                    }
-                }
-                None => {
-                    for g in gpus {
-                        n.free_gpus.remove(g.as_str());
-                    }
-                }
-            }
+            n.take(resources, gpus, fraction);
         }
         self.refresh(agent_id);
+    }
+
+    /// A pool of these nodes.
+    pub fn of_nodes(state: &'s State, nodes: BTreeMap<&'s str, PoolNode<'s>>) -> Pool<'s> {
+        Pool {
+            nodes,
+            cache: None,
+            cache_at: Default::default(),
+            cordoned: state.cordoned(),
+        }
     }
 
     /// Brings the cached view of one node up to date.
@@ -282,6 +278,27 @@ impl<'s> Pool<'s> {
 }
 
 impl<'s> PoolNode<'s> {
+    /// Takes what a placement uses: resources, and its GPUs whole, or a
+    /// fraction of its one shared GPU.
+    pub fn take(&mut self, resources: &Resources, gpus: &[String], fraction: Option<GpuFraction>) {
+        self.free = self.free.saturating_sub(resources);
+        match fraction {
+            Some(f) => {
+                for g in gpus {
+                    if let Some((m, c)) = self.shares.get_mut(g.as_str()) {
+                        *m = m.saturating_sub(f.mem_mib);
+                        *c = c.saturating_sub(f.compute_pct);
+                    }
+                }
+            }
+            None => {
+                for g in gpus {
+                    self.free_gpus.remove(g.as_str());
+                }
+            }
+        }
+    }
+
     pub fn view(&self) -> placement::NodeView<'s> {
         let info = &self.agent.info;
         placement::NodeView {
@@ -418,8 +435,69 @@ pub fn place_in(
     default_policy: PlacementPolicy,
     fair: bool,
 ) -> Vec<Launch> {
-    let reserved = reservations(state);
     let mut pool = Pool::from_available(state, available);
+    place_on(state, &mut pool, default_policy, fair)
+}
+
+/// Placements for queued jobs on what the state says is free, found
+/// through the free-capacity index (`indexed`): the built-in scheduler's
+/// own round when no other framework wants offers. The same placements as
+/// [`place_in`] offered everything free, at a cost that does not grow with
+/// the cluster for jobs of whole GPUs.
+pub fn place_direct(state: &State, default_policy: PlacementPolicy, fair: bool) -> Vec<Launch> {
+    let mut room = indexed::IndexRoom::new(state, default_policy);
+    place_on(state, &mut room, default_policy, fair)
+}
+
+/// Where a round's jobs may go, and what each placement takes from it:
+/// the offers ([`Pool`]) or the free-capacity index
+/// ([`indexed::IndexRoom`]).
+pub(crate) trait Room<'s> {
+    /// Views of the agents `job` may use (given the reservations), enough
+    /// for the placement engine to choose as it would among all of them.
+    fn views_for(
+        &mut self,
+        job: &JobRecord,
+        reserved: &BTreeMap<AgentId, (JobId, i32)>,
+    ) -> std::borrow::Cow<'_, [placement::NodeView<'s>]>;
+
+    fn take(
+        &mut self,
+        agent_id: &str,
+        resources: &Resources,
+        gpus: &[String],
+        fraction: Option<GpuFraction>,
+    );
+}
+
+impl<'s> Room<'s> for Pool<'s> {
+    fn views_for(
+        &mut self,
+        job: &JobRecord,
+        reserved: &BTreeMap<AgentId, (JobId, i32)>,
+    ) -> std::borrow::Cow<'_, [placement::NodeView<'s>]> {
+        self.usable_views(reserved, job)
+    }
+
+    fn take(
+        &mut self,
+        agent_id: &str,
+        resources: &Resources,
+        gpus: &[String],
+        fraction: Option<GpuFraction>,
+    ) {
+        Pool::take(self, agent_id, resources, gpus, fraction);
+    }
+}
+
+/// The round: jobs in queue order, each placed on what `room` holds.
+fn place_on<'s>(
+    state: &'s State,
+    room: &mut impl Room<'s>,
+    default_policy: PlacementPolicy,
+    fair: bool,
+) -> Vec<Launch> {
+    let reserved = reservations(state);
     let mut out = Vec::new();
     // Asks (and priority) that found no room: what is free only shrinks
     // here, so a later job asking the same fails too, without placing.
@@ -454,7 +532,7 @@ pub fn place_in(
         let Some(placements) = placement::place_gang(
             &request(job),
             job.spec.replicas(),
-            &pool.usable_views(&reserved, job),
+            &room.views_for(job, &reserved),
             policy_of(&job.spec, default_policy),
         ) else {
             misses.extend(miss);
@@ -462,7 +540,7 @@ pub fn place_in(
         };
         *tenant_gpus.entry(tenant.to_string()).or_default() += gpus;
         for p in placements {
-            pool.take(
+            room.take(
                 &p.node,
                 &job.spec.resources,
                 &p.gpus,

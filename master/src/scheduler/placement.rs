@@ -344,6 +344,27 @@ pub fn node_matches(req: &TaskRequest, node: &NodeView) -> bool {
     static_ok(req, node) && (n == 0 || filter.count_all(node) >= n)
 }
 
+/// Whether a GPU of this model and memory meets the task's model and
+/// memory filters (a whole agent's, when all its GPUs are alike).
+pub fn gpu_kind_matches(req: &TaskRequest, model: &str, memory_mib: u64) -> bool {
+    let mut f = GpuFilter::new(req);
+    memory_mib >= f.mem_min && f.model_ok(model)
+}
+
+/// Whether the node can take one task now: exactly the nodes
+/// [`place_gang`] considers (resources, static requirements, enough free
+/// matching devices).
+pub fn takes_one(req: &TaskRequest, node: &NodeView) -> bool {
+    let n = if req.fraction.is_some() {
+        1
+    } else {
+        req.resources.gpus as usize
+    };
+    node.free.fits(&req.resources)
+        && static_ok(req, node)
+        && (n == 0 || GpuFilter::new(req).count_free(node) >= n)
+}
+
 /// A node that can take at least one replica, and what the gang has taken
 /// from it so far.
 struct Cand<'v, 'a> {

@@ -226,6 +226,12 @@ impl<'a> Walk<'a> {
         Walk { streams, heads }
     }
 
+    /// How many streams it merges (the streams of a walk merged in with
+    /// [`Walk::with`] come after these).
+    pub fn streams(&self) -> usize {
+        self.streams.len()
+    }
+
     /// Merges another walk's streams in.
     pub fn with(mut self, other: Walk<'a>) -> Walk<'a> {
         let base = self.streams.len();
@@ -237,15 +243,16 @@ impl<'a> Walk<'a> {
     }
 }
 
+/// Agent ids, best first, each with the stream it came from.
 impl<'a> Iterator for Walk<'a> {
-    type Item = &'a str;
+    type Item = (&'a str, usize);
 
-    fn next(&mut self) -> Option<&'a str> {
+    fn next(&mut self) -> Option<(&'a str, usize)> {
         let std::cmp::Reverse((_, id, i)) = self.heads.pop()?;
         if let Some((k, next)) = self.streams.get_mut(i).and_then(|s| s.next()) {
             self.heads.push(std::cmp::Reverse((k, next, i)));
         }
-        Some(id)
+        Some((id, i))
     }
 }
 
@@ -369,10 +376,14 @@ mod tests {
         cg.insert(&a100, (1, 7), "a2");
         cg.insert(&h100, (3, 5), "a0");
         cg.insert(&h100, (2, 6), "h1");
-        let all: Vec<&str> = cg.walk(1, PlacementPolicy::Bundle, |_| true).collect();
+        let all: Vec<&str> = cg
+            .walk(1, PlacementPolicy::Bundle, |_| true)
+            .map(|(id, _)| id)
+            .collect();
         assert_eq!(all, ["a2", "h1", "a0", "a1"]);
         let only_h: Vec<&str> = cg
             .walk(1, PlacementPolicy::Bundle, |c| *c == h100)
+            .map(|(id, _)| id)
             .collect();
         assert_eq!(only_h, ["h1", "a0"]);
         cg.remove(&h100, (2, 6), "h1");
