@@ -338,7 +338,7 @@ async fn session(
         fence_timeout_ms,
     };
     executor.record_contact(contact(sent_ms));
-    let interval = Duration::from_millis(u64::from(resp.heartbeat_interval_ms.max(100)));
+    let mut interval = Duration::from_millis(u64::from(resp.heartbeat_interval_ms.max(100)));
     tracing::info!(master = %addr, agent_id = %info.id, "registered with master");
 
     let mut watch = match client
@@ -397,7 +397,15 @@ async fn session(
                 let sent_ms = crate::checkpoint::wall_ms();
                 refresh(masters, &addr, &mut client);
                 match client.heartbeat(req).await {
-                    Ok(r) => mig_changes(mig, &r.into_inner()),
+                    Ok(r) => {
+                        let r = r.into_inner();
+                        mig_changes(mig, &r);
+                        if let Some(d) = new_interval(&r, interval) {
+                            interval = d;
+                            heartbeat = tokio::time::interval_at(tokio::time::Instant::now() + d, d);
+                            heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                        }
+                    }
                     Err(s) => {
                         if gpuctl_proto::leader::heard(&s) {
                             executor.record_contact(contact(sent_ms));
@@ -416,7 +424,15 @@ async fn session(
                 let sent_ms = crate::checkpoint::wall_ms();
                 refresh(masters, &addr, &mut client);
                 match client.heartbeat(req).await {
-                    Ok(r) => mig_changes(mig, &r.into_inner()),
+                    Ok(r) => {
+                        let r = r.into_inner();
+                        mig_changes(mig, &r);
+                        if let Some(d) = new_interval(&r, interval) {
+                            interval = d;
+                            heartbeat = tokio::time::interval_at(tokio::time::Instant::now() + d, d);
+                            heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                        }
+                    }
                     Err(s) => {
                         if gpuctl_proto::leader::heard(&s) {
                             executor.record_contact(contact(sent_ms));
@@ -428,6 +444,13 @@ async fn session(
             }
         }
     }
+}
+
+/// The interval a heartbeat answer asks for, when it differs from the
+/// current one (a master lengthens it as its cluster grows).
+fn new_interval(r: &pb::HeartbeatResponse, current: Duration) -> Option<Duration> {
+    let d = Duration::from_millis(u64::from(r.heartbeat_interval_ms));
+    (r.heartbeat_interval_ms > 0 && d != current).then(|| d.max(Duration::from_millis(100)))
 }
 
 /// How often heartbeats keep the fence's clock while a registration waits.

@@ -48,6 +48,11 @@ pub struct MasterConfig {
     pub election_timeout: Duration,
     /// Entries between snapshots of the state machine.
     pub snapshot_every: u64,
+    /// The most heartbeats a second the leader asks of all agents together:
+    /// beyond `agents / heartbeat_interval` of them, agents are asked to
+    /// beat less often (see [`MasterConfig::heartbeat_interval_for`]). 0:
+    /// every agent at `heartbeat_interval`.
+    pub max_heartbeats_per_sec: u32,
     /// How the built-in scheduler places jobs that do not choose.
     pub placement: PlacementPolicy,
     /// Idle GPUs in MIG mode are repartitioned for queued jobs that wait
@@ -98,6 +103,10 @@ pub const DEFAULT_PORT: u16 = 7050;
 
 /// Default of `agent_lost_timeout_secs`.
 pub const DEFAULT_AGENT_LOST_TIMEOUT: Duration = Duration::from_secs(120);
+/// Default of `max_heartbeats_per_sec`: 10,000 agents then beat every
+/// 3.3 s (the most the default agent timeout of 10 s allows), 3,000 a
+/// second in all instead of 10,000.
+pub const DEFAULT_MAX_HEARTBEATS_PER_SEC: u32 = 1_000;
 /// Default of `agent_fence_timeout_secs`.
 pub const DEFAULT_AGENT_FENCE_TIMEOUT: Duration = Duration::from_secs(75);
 /// What the master adds, beyond an agent's fence timeout and kill grace,
@@ -109,6 +118,23 @@ pub const FENCE_MARGIN: Duration = Duration::from_secs(5);
 pub const DEFAULT_KILL_GRACE: Duration = Duration::from_secs(10);
 
 impl MasterConfig {
+    /// How often the leader asks each of `agents` agents to heartbeat: the
+    /// configured interval, or longer when `agents` beating that often
+    /// would pass `max_heartbeats_per_sec` (as Nomad stretches its
+    /// heartbeat TTLs), but never longer than a third of the agent
+    /// timeout, so that an agent is called unreachable only after missing
+    /// at least three heartbeats. The timeouts themselves do not change:
+    /// the fence and lost rules above hold as configured.
+    pub fn heartbeat_interval_for(&self, agents: usize) -> Duration {
+        let base = self.heartbeat_interval;
+        if self.max_heartbeats_per_sec == 0 {
+            return base;
+        }
+        let wanted =
+            Duration::from_secs_f64(agents as f64 / f64::from(self.max_heartbeats_per_sec));
+        wanted.min(self.agent_timeout / 3).max(base)
+    }
+
     /// The three agent timeouts must be ordered:
     /// `agent_timeout < agent_fence_timeout < agent_lost_timeout`.
     ///
@@ -216,6 +242,7 @@ impl MasterConfig {
             join: false,
             election_timeout: Duration::from_secs(1),
             snapshot_every: 10_000,
+            max_heartbeats_per_sec: DEFAULT_MAX_HEARTBEATS_PER_SEC,
             placement: PlacementPolicy::Bundle,
             mig_auto: false,
             reclaim_min_runtime: Some(Duration::from_secs(60)),
@@ -387,6 +414,12 @@ pub struct Options {
     /// Log entries between snapshots of the state (and log compaction).
     #[arg(long, env = "GPUCTL_MASTER_SNAPSHOT_EVERY", default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..))]
     pub snapshot_every: u64,
+    /// The most heartbeats a second the leader asks of all agents: a big
+    /// cluster's agents are asked to beat less often (never less than
+    /// three times per --agent-timeout-secs), so that the leader's cost of
+    /// hearing them does not grow with the cluster. 0: no limit.
+    #[arg(long, env = "GPUCTL_MASTER_MAX_HEARTBEATS_PER_SEC", default_value_t = DEFAULT_MAX_HEARTBEATS_PER_SEC)]
+    pub max_heartbeats_per_sec: u32,
     /// How jobs are placed unless they choose: `bundle` packs GPU jobs onto
     /// the fewest agents (whole agents stay free for big jobs), `spread`
     /// does the opposite.
@@ -562,6 +595,7 @@ struct FileOptions {
     join: Option<bool>,
     election_timeout_ms: Option<u64>,
     snapshot_every: Option<u64>,
+    max_heartbeats_per_sec: Option<u32>,
     placement: Option<String>,
     mig_auto: Option<bool>,
     reclaim_min_runtime: Option<String>,
@@ -718,6 +752,12 @@ impl Options {
                 unset(&matches, "election_timeout_ms"),
             ) {
                 o.election_timeout_ms = v;
+            }
+            if let (Some(v), true) = (
+                f.max_heartbeats_per_sec,
+                unset(&matches, "max_heartbeats_per_sec"),
+            ) {
+                o.max_heartbeats_per_sec = v;
             }
             if let (Some(v), true) = (f.snapshot_every, unset(&matches, "snapshot_every")) {
                 o.snapshot_every = v.max(1);
@@ -940,6 +980,7 @@ impl Options {
             join: self.join,
             election_timeout: Duration::from_millis(self.election_timeout_ms),
             snapshot_every: self.snapshot_every,
+            max_heartbeats_per_sec: self.max_heartbeats_per_sec,
             listen,
             security,
             data_dir: self.data_dir.clone(),
@@ -1007,6 +1048,32 @@ fn read_file(path: &Path) -> Result<FileOptions, MasterError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_big_cluster_is_asked_for_fewer_heartbeats_but_never_fewer_than_three_per_timeout() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("master.toml");
+        std::fs::write(&f, "max_heartbeats_per_sec = 500\n").unwrap();
+        let o = Options::load_from(["gpuctl-master", "--config", f.to_str().unwrap()]).unwrap();
+        let c = o.to_config().unwrap();
+        assert_eq!(c.max_heartbeats_per_sec, 500, "from the file");
+        let s = Duration::from_secs_f64;
+        // 500 agents or fewer: the configured second.
+        assert_eq!(c.heartbeat_interval_for(0), s(1.0));
+        assert_eq!(c.heartbeat_interval_for(500), s(1.0));
+        // 1,000 agents at 500 a second: every 2 s.
+        assert_eq!(c.heartbeat_interval_for(1000), s(2.0));
+        // 100,000: capped at a third of the 10 s agent timeout.
+        assert_eq!(
+            c.heartbeat_interval_for(100_000),
+            Duration::from_secs(10) / 3
+        );
+        let off = MasterConfig {
+            max_heartbeats_per_sec: 0,
+            ..c
+        };
+        assert_eq!(off.heartbeat_interval_for(100_000), s(1.0));
+    }
 
     #[test]
     fn file_fills_what_flags_do_not_set() {

@@ -726,7 +726,7 @@ async fn session(shared: &Shared, i: usize) -> SessionEnd {
         Ok(r) => r.into_inner(),
         Err(s) => return end(Some(s), true),
     };
-    let interval = Duration::from_millis(u64::from(resp.heartbeat_interval_ms.max(100)));
+    let mut interval = Duration::from_millis(u64::from(resp.heartbeat_interval_ms.max(100)));
     let mut heartbeat = tokio::time::interval(interval);
     heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut desired = DesiredSet::new();
@@ -745,7 +745,16 @@ async fn session(shared: &Shared, i: usize) -> SessionEnd {
             _ = heartbeat.tick() => {
                 let call = client.heartbeat(shared.heartbeat_request(i));
                 match tokio::time::timeout(RPC_TIMEOUT, call).await {
-                    Ok(Ok(_)) => {}
+                    Ok(Ok(r)) => {
+                        // As the agent: the interval the master asks for now.
+                        let ms = r.into_inner().heartbeat_interval_ms;
+                        let d = Duration::from_millis(u64::from(ms.max(100)));
+                        if ms > 0 && d != interval {
+                            interval = d;
+                            heartbeat = tokio::time::interval_at(tokio::time::Instant::now() + d, d);
+                            heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                        }
+                    }
                     Ok(Err(s)) => return end(Some(s), true),
                     Err(_) => return end(None, true),
                 }

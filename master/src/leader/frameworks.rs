@@ -143,22 +143,16 @@ struct FreeMark {
 }
 
 impl FreeMark {
+    /// From the state's capacity index: no walk over the agents.
     fn of(state: &State) -> FreeMark {
-        let mut m = FreeMark::default();
-        let shared = state.has_shared_gpus();
-        for a in state.agents().values().filter(|a| a.accepts_tasks()) {
-            let f = a.free();
-            m.agents += 1;
-            m.cpus += f.cpus;
-            m.mem_mib += f.mem_mib;
-            m.gpus += u64::from(f.gpus);
-            if shared {
-                m.shared_mem_mib = state
-                    .free_shares(a)
-                    .fold(m.shared_mem_mib, |sum, s| sum.saturating_add(s.mem_mib));
-            }
+        let t = state.capacity().totals();
+        FreeMark {
+            agents: t.agents,
+            cpus: t.milli_cpus as f64 / 1000.0,
+            mem_mib: t.mem_mib,
+            gpus: t.gpus,
+            shared_mem_mib: t.shared_mem_mib,
         }
-        m
     }
 
     fn grew_from(&self, before: &FreeMark) -> bool {
@@ -479,6 +473,25 @@ impl Hub {
             }
         }
         self.wake();
+    }
+
+    /// Whether `framework_id` (the built-in scheduler) may place straight
+    /// from the state: no other framework is connected and wanting offers,
+    /// and none holds any, so what the state says is free is free for it.
+    /// Otherwise it takes offers like the others and DRF divides.
+    pub fn alone(&self, framework_id: &str) -> bool {
+        let g = self.lock();
+        let Some(book) = g.offers.as_ref() else {
+            return false;
+        };
+        !g.conns
+            .keys()
+            .any(|f| f != framework_id && !g.suppressed.contains(f))
+            && !book.iter().any(|o| o.framework_id != framework_id)
+    }
+
+    pub fn is_suppressed(&self, framework_id: &str) -> bool {
+        self.lock().suppressed.contains(framework_id)
     }
 
     pub fn revive(&self, framework_id: &str) {

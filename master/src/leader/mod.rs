@@ -6,7 +6,7 @@ pub mod frameworks;
 pub mod mig_auto;
 pub mod retention;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -38,7 +38,13 @@ impl Liveness {
     }
 
     fn touch_at(&self, agent_id: &str, at: Instant) {
-        self.lock().insert(agent_id.to_string(), at);
+        let mut seen = self.lock();
+        match seen.get_mut(agent_id) {
+            Some(t) => *t = at,
+            None => {
+                seen.insert(agent_id.to_string(), at);
+            }
+        }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Instant>> {
@@ -47,7 +53,12 @@ impl Liveness {
 
     /// How long each agent has been silent at `now`; an agent not heard of
     /// yet starts its clock now.
-    fn silence(&self, agents: &[String], now: Instant) -> BTreeMap<String, Duration> {
+    #[cfg(test)]
+    fn silence(
+        &self,
+        agents: &[String],
+        now: Instant,
+    ) -> std::collections::BTreeMap<String, Duration> {
         let mut map = self.lock();
         agents
             .iter()
@@ -140,14 +151,14 @@ impl LivenessTimeouts {
 /// meanwhile), so a stale decision is harmless.
 pub fn liveness_commands(
     state: &State,
-    silence: &BTreeMap<String, Duration>,
+    silence: &dyn Fn(&str) -> Duration,
     now_ms: u64,
     timeouts: &LivenessTimeouts,
 ) -> Vec<Command> {
     let mut out = Vec::new();
     for a in state.agents().values() {
         let id = &a.info.id;
-        let silent = silence.get(id).copied().unwrap_or_default();
+        let silent = silence(id);
         match a.state {
             AgentState::Active if silent > timeouts.unreachable => {
                 out.push(Command::AgentUnreachable {
@@ -234,14 +245,20 @@ async fn record_masters(raft: &RaftHandle) {
 async fn check_liveness(raft: &RaftHandle, liveness: &Liveness, timeouts: &LivenessTimeouts) {
     let commands = {
         let state = raft.state();
-        let watched: Vec<String> = state
-            .agents()
-            .values()
-            .filter(|a| a.state != AgentState::Lost)
-            .map(|a| a.info.id.clone())
-            .collect();
-        let silence = liveness.silence(&watched, Instant::now());
-        liveness_commands(&state, &silence, now_ms(), timeouts)
+        // No list or map of every agent per tick: clocks start for agents
+        // not heard of yet, then each agent's silence is read in place.
+        let now = Instant::now();
+        let mut seen = liveness.lock();
+        for a in state.agents().values() {
+            if a.state != AgentState::Lost && !seen.contains_key(&a.info.id) {
+                seen.insert(a.info.id.clone(), now);
+            }
+        }
+        let silent = |id: &str| {
+            seen.get(id)
+                .map_or(Duration::ZERO, |t| now.saturating_duration_since(*t))
+        };
+        liveness_commands(&state, &silent, now_ms(), timeouts)
     };
     for cmd in commands {
         match &cmd {
@@ -268,6 +285,7 @@ mod tests {
     use crate::state::testkit::register;
     use crate::state::{Launch, Outcome};
     use gpuctl_core::types::{JobSpec, Resources, TaskState};
+    use std::collections::BTreeMap;
 
     #[test]
     fn liveness_measures_silence_from_the_last_heartbeat() {
@@ -321,6 +339,11 @@ mod tests {
     fn apply(s: &mut State, c: Command) {
         let i = s.applied_index() + 1;
         s.apply(i, &c).unwrap();
+    }
+
+    /// Silence by agent as `liveness_commands` reads it.
+    fn lookup(m: BTreeMap<String, Duration>) -> impl Fn(&str) -> Duration {
+        move |id| m.get(id).copied().unwrap_or_default()
     }
 
     fn silence(v: &[(&str, u64)]) -> BTreeMap<String, Duration> {
@@ -378,7 +401,7 @@ mod tests {
             ),
         ];
         for (quiet, want) in cases {
-            let got = liveness_commands(&s, &silence(quiet), 1_000, &T);
+            let got = liveness_commands(&s, &lookup(silence(quiet)), 1_000, &T);
             let want: Vec<(&str, String)> = want.iter().map(|(k, a)| (*k, a.to_string())).collect();
             assert_eq!(agents_in(&got), want, "{quiet:?}");
             for c in &got {
@@ -430,7 +453,7 @@ mod tests {
             (121, TaskState::Lost),
             (500, TaskState::Lost),
         ] {
-            for c in liveness_commands(&s, &silence(&[("a", secs)]), secs * 1000, &T) {
+            for c in liveness_commands(&s, &lookup(silence(&[("a", secs)])), secs * 1000, &T) {
                 let i = s.applied_index() + 1;
                 assert_eq!(s.apply(i, &c), Ok(Outcome::Done));
             }
@@ -485,13 +508,13 @@ mod tests {
             },
         );
         let none = BTreeMap::new();
-        assert!(liveness_commands(&s, &none, 59_999, &T).is_empty());
-        let cmds = liveness_commands(&s, &none, 60_000, &T);
+        assert!(liveness_commands(&s, &lookup(none.clone()), 59_999, &T).is_empty());
+        let cmds = liveness_commands(&s, &lookup(none.clone()), 60_000, &T);
         assert_eq!(agents_in(&cmds), vec![("deadline", "a".to_string())]);
         for c in cmds {
             apply(&mut s, c);
         }
         assert!(s.tasks()["job-1.0"].kill_requested);
-        assert!(liveness_commands(&s, &none, 70_000, &T).is_empty());
+        assert!(liveness_commands(&s, &lookup(none.clone()), 70_000, &T).is_empty());
     }
 }

@@ -130,9 +130,9 @@ impl<'s> Room<'s> for IndexRoom<'s> {
             // Only without filters (see `indexable`).
             GpuClass::Mixed => true,
         };
-        let index = self.capacity.candidates(n, policy, &class_ok);
+        let index = self.capacity.candidates(n, policy, class_ok);
         let from_index = index.streams();
-        let walk = index.with(self.overlay.walk(n, policy, &class_ok));
+        let walk = index.with(self.overlay.walk(n, policy, class_ok));
         let mut views = Vec::with_capacity(want);
         for (id, stream) in walk {
             if views.len() == want {

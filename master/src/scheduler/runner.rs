@@ -1,11 +1,19 @@
 //! The built-in job scheduler behind `gpuctl jobs`, as a framework like any
 //! other: it subscribes to the leader's offers (in process, through the same
-//! Hub the gRPC service uses), places queued jobs on what it is offered
-//! (`scheduler::place_in`: priority order, placement policy, gangs whole),
-//! launches them (the state machine re-checks every launch), declines the
-//! rest, and suppresses offers while no job waits. Fairness with other
-//! frameworks comes from the allocator's DRF, where the jobs' tasks count
-//! as this framework's allocation.
+//! Hub the gRPC service uses) and suppresses them while it is alone.
+//!
+//! - **Alone** (no other framework connected and wanting offers, none
+//!   holding any): it places straight from the state after each change
+//!   that may let a waiting job start (`scheduler::place_direct`: agents
+//!   found through the free-capacity index, O(log agents) per job of whole
+//!   GPUs), and proposes the launches; the state machine re-checks each.
+//!   Agents being launched on are marked in the Hub, so a framework that
+//!   subscribes meanwhile is not offered them before the launches commit.
+//! - **With other frameworks**: it revives offers and places queued jobs on
+//!   what it is offered (`scheduler::place_in`: priority order, placement
+//!   policy, gangs whole), declines the rest, and the allocator's DRF
+//!   divides the cluster, the jobs' tasks counting as this framework's
+//!   allocation.
 //!
 //! Preemption does not wait for offers (a full cluster makes none): after
 //! the state changes, while jobs wait, the queue pass (`scheduler::queue`)
@@ -56,6 +64,9 @@ const PASS_SPACING: u32 = 10;
 /// A queue pass at least this often while reclaim is on, even when
 /// nothing changed (a pass over an empty queue returns at once).
 const RECHECK_EVERY: Duration = Duration::from_secs(2);
+/// While jobs wait and nothing changed, a round straight from the state
+/// this often (as declined offers come back after [`DECLINE_SECONDS`]).
+const DIRECT_RETRY: Duration = Duration::from_secs(1);
 
 pub async fn run(
     raft: RaftHandle,
@@ -94,7 +105,13 @@ pub async fn run(
         }
         backoff.reset();
         let (tx, mut rx) = mpsc::channel(EVENT_BUFFER);
-        let conn = hub.connect(BUILTIN_FRAMEWORK_ID, tx);
+        // Suppressed from the start: while no other framework wants
+        // offers, it places straight from the state (`direct`), and a
+        // whole-cluster offer would only be declined.
+        let conn = hub.connect_suppressed(BUILTIN_FRAMEWORK_ID, tx, Some(true));
+        // A round straight from the state is due.
+        let mut direct_due = true;
+        let mut last_direct = tokio::time::Instant::now();
         let mut applied = raft.applied();
         let mut next_pass = tokio::time::Instant::now();
         // Something changed since the last queue pass.
@@ -129,7 +146,7 @@ pub async fn run(
                     // (the declines' 1 s filters expire anyway).
                     let now = Revival::of(&raft.state());
                     if now.worth_reviving_after(&seen) {
-                        hub.revive(BUILTIN_FRAMEWORK_ID);
+                        direct_due = true;
                     }
                     seen = now;
                     // The reasons on the board may be out of date (a job
@@ -141,6 +158,24 @@ pub async fn run(
                 _ = tokio::time::sleep_until(next_pass + RECHECK_EVERY),
                     if !dirty && running.is_none() && cfg.reclaim_min_runtime_ms.is_some() => {
                     dirty = true;
+                }
+                // Jobs wait and nothing changed: try again now and then.
+                _ = tokio::time::sleep_until(last_direct + DIRECT_RETRY), if !direct_due => {
+                    direct_due = raft.state().has_queued();
+                    last_direct = tokio::time::Instant::now();
+                }
+                _ = std::future::ready(()), if direct_due => {
+                    direct_due = false;
+                    last_direct = tokio::time::Instant::now();
+                    if hub.alone(BUILTIN_FRAMEWORK_ID) {
+                        if !hub.is_suppressed(BUILTIN_FRAMEWORK_ID) {
+                            hub.suppress(BUILTIN_FRAMEWORK_ID);
+                        }
+                        // A full round: more may fit at once.
+                        direct_due = place_direct_round(&raft, &hub, default_policy, fair).await;
+                    } else if raft.state().has_queued() {
+                        hub.revive(BUILTIN_FRAMEWORK_ID);
+                    }
                 }
                 _ = tokio::time::sleep_until(next_pass), if dirty && running.is_none() => {
                     dirty = false;
@@ -256,7 +291,48 @@ async fn handle_offers(
     let capped = launches.len() >= MAX_LAUNCHES_PER_ROUND;
     // Until the launches commit, nothing of these agents is offered again.
     let launching = hub.launching(&agents);
-    // One command per job: a gang's launches start together or not at all.
+    propose_launches(raft, launches).await;
+    // What was not launched on is declined: briefly (a job submitted or
+    // resources freed revive offers), or not at all after a full round, so
+    // the next round has it at once.
+    if !capped {
+        decline(hub);
+    }
+    drop(launching);
+}
+
+/// A round straight from the state (`scheduler::place_direct`, through the
+/// free-capacity index), while no other framework wants offers. Returns
+/// whether it was full (more may fit at once).
+async fn place_direct_round(
+    raft: &RaftHandle,
+    hub: &Hub,
+    default_policy: PlacementPolicy,
+    fair: bool,
+) -> bool {
+    let launches = {
+        let state = raft.state();
+        if !state.has_queued() {
+            return false;
+        }
+        crate::scheduler::place_direct(&state, default_policy, fair)
+    };
+    if launches.is_empty() {
+        return false;
+    }
+    let capped = launches.len() >= MAX_LAUNCHES_PER_ROUND;
+    let agents: BTreeSet<String> = launches.iter().map(|l| l.agent_id.clone()).collect();
+    // Nothing of these agents is offered to a framework that subscribes
+    // meanwhile until the launches commit.
+    let launching = hub.launching(&agents);
+    propose_launches(raft, launches).await;
+    drop(launching);
+    capped
+}
+
+/// Proposes the launches, one command per job: a gang's launches start
+/// together or not at all.
+async fn propose_launches(raft: &RaftHandle, launches: Vec<Launch>) {
     let mut per_job: Vec<Vec<Launch>> = Vec::new();
     for launch in launches {
         match per_job.last_mut() {
@@ -282,13 +358,6 @@ async fn handle_offers(
         }
     });
     futures::future::join_all(proposals).await;
-    // What was not launched on is declined: briefly (a job submitted or
-    // resources freed revive offers), or not at all after a full round, so
-    // the next round has it at once.
-    if !capped {
-        decline(hub);
-    }
-    drop(launching);
 }
 
 /// Runs the queue pass, publishes why each queued job waits, and proposes

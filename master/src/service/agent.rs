@@ -256,8 +256,10 @@ impl AgentManagerService {
             .await?;
         self.ctx.liveness.touch(&agent_id);
         self.ctx.hub.wake();
+        let agents = self.ctx.raft.state().agents().len();
         Ok(pb::RegisterResponse {
-            heartbeat_interval_ms: self.ctx.config.heartbeat_interval.as_millis() as u32,
+            heartbeat_interval_ms: self.ctx.config.heartbeat_interval_for(agents).as_millis()
+                as u32,
             fence_timeout_ms: self.ctx.config.agent_fence_timeout.as_millis() as u64,
         })
     }
@@ -317,6 +319,11 @@ impl AgentManagerService {
                 .mig_changes_of(&id)
                 .map(super::operator::mig_change_to_pb)
                 .collect(),
+            heartbeat_interval_ms: self
+                .ctx
+                .config
+                .heartbeat_interval_for(state.agents().len())
+                .as_millis() as u32,
         })
     }
 

@@ -170,6 +170,19 @@ struct Opts {
     /// in the state for ListJobs without a queue of 100,000.
     #[arg(long)]
     job_retention_max: Option<usize>,
+    /// Run the benchmark at each of these agent counts (comma-separated,
+    /// e.g. `1000,10000`), one process each, one after the other, with the
+    /// other options as given; print each run, then one JSON line with
+    /// every run's figures and each size's ratios to the first (the cost
+    /// of a placement should not grow with the cluster). With `--plot
+    /// FILE.svg` the curve is drawn too.
+    #[arg(long, value_delimiter = ',')]
+    compare: Vec<usize>,
+    /// With --compare: draw placements/s, idle submit → RUNNING p50 and the
+    /// idle allocation cycle against the agent count, as an SVG (and a PNG
+    /// beside it when headless chromium is installed).
+    #[arg(long)]
+    plot: Option<PathBuf>,
 }
 
 /// Simulated agents per HTTP/2 connection when `--connections` is not given.
@@ -909,6 +922,20 @@ async fn scrape(addr: &str) -> BenchResult<String> {
     Ok(body)
 }
 
+/// The highest Raft term any master reports (`gpuctl_raft_term`): each
+/// election begins a term.
+async fn highest_term(metrics: &[String]) -> u64 {
+    let mut term = 0u64;
+    for addr in metrics {
+        if let Ok(text) = scrape(addr).await {
+            if let Some(t) = gauge(&text, "gpuctl_raft_term") {
+                term = term.max(t as u64);
+            }
+        }
+    }
+    term
+}
+
 fn gauge(text: &str, key: &str) -> Option<f64> {
     text.lines()
         .find_map(|l| l.strip_prefix(key).and_then(|v| v.trim().parse().ok()))
@@ -1164,6 +1191,7 @@ async fn cluster_phases(
         }
     };
     note_rss("masters elected, no agents");
+    let term_at_start = highest_term(&m.metrics).await;
 
     // 1. Registration.
     let sim = SimAgents::start(
@@ -1437,9 +1465,19 @@ async fn cluster_phases(
             m.addrs[first_leader], m.addrs[leader]
         );
     }
+    // Elections under the load: terms begun since the first leader
+    // settled (the failover below is not counted).
+    let elections = highest_term(&m.metrics).await.saturating_sub(term_at_start);
+    report.row(
+        "elections during the run (before the failover)",
+        elections.to_string(),
+        format!("{} agents", opts.agents),
+        met(elections == 0, "target 0"),
+    );
     report.set(
         "leader",
         json!({
+            "elections": elections,
             "at_start": m.addrs[first_leader],
             "after_placements": m.addrs[leader],
             "changed": leader != first_leader,
@@ -2034,7 +2072,12 @@ async fn memory_phase(opts: &Opts, report: &mut Report) -> BenchResult<()> {
 
 fn main() -> std::process::ExitCode {
     let opts = Opts::parse();
-    match run(&opts) {
+    let result = if opts.compare.is_empty() {
+        run(&opts)
+    } else {
+        compare::run(&opts.compare, opts.plot.as_deref())
+    };
+    match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("scale-bench: {e}");
@@ -2042,6 +2085,11 @@ fn main() -> std::process::ExitCode {
         }
     }
 }
+
+#[path = "scale-bench/compare.rs"]
+mod compare;
+#[path = "scale-bench/plot.rs"]
+mod plot;
 
 fn run(opts: &Opts) -> BenchResult<()> {
     if opts.filler_jobs > 10_000 && opts.job_retention_max.is_none_or(|n| n < opts.filler_jobs) {
