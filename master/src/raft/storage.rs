@@ -17,6 +17,8 @@ use raft::{GetEntriesContext, RaftState, Storage, StorageError};
 const KEY_HARD_STATE: &[u8] = b"hard_state";
 const KEY_CONF_STATE: &[u8] = b"conf_state";
 const KEY_SNAPSHOT_META: &[u8] = b"snapshot_meta";
+/// Where snapshots were kept before they got a tree of their own (read
+/// once at open and moved).
 const KEY_SNAPSHOT_DATA: &[u8] = b"snapshot_data";
 
 #[derive(Debug, thiserror::Error)]
@@ -41,6 +43,12 @@ pub struct SledStorage {
     db: sled::Db,
     entries: sled::Tree,
     meta_tree: sled::Tree,
+    /// Snapshot data by index (the one `Meta::snapshot` names; older ones
+    /// are removed once a newer is durable). A tree of its own: sled
+    /// rewrites a whole leaf on any insert into it, and with the snapshot
+    /// (tens of MiB at 10,000 agents) beside the hard state every commit
+    /// rewrote the snapshot.
+    snapshots: sled::Tree,
     meta: Mutex<Meta>,
 }
 
@@ -84,6 +92,7 @@ impl SledStorage {
         let db = open_db(&path).map_err(open_err)?;
         let entries = db.open_tree("entries").map_err(open_err)?;
         let meta_tree = db.open_tree("meta").map_err(open_err)?;
+        let snapshots = db.open_tree("snapshots").map_err(open_err)?;
         let corrupt = |what: &str, e: &dyn std::fmt::Display| StorageInitError::Corrupt {
             path: path.clone(),
             reason: format!("{what}: {e}"),
@@ -123,11 +132,20 @@ impl SledStorage {
             }
             None => meta.snapshot.index,
         };
+        // A snapshot kept where older versions kept it moves to its tree.
+        if let Some(data) = meta_tree.get(KEY_SNAPSHOT_DATA).map_err(open_err)? {
+            snapshots
+                .insert(key(meta.snapshot.index), data)
+                .map_err(open_err)?;
+            db.flush().map_err(open_err)?;
+            meta_tree.remove(KEY_SNAPSHOT_DATA).map_err(open_err)?;
+        }
         db.flush().map_err(open_err)?;
         Ok(SledStorage {
             db,
             entries,
             meta_tree,
+            snapshots,
             meta: Mutex::new(meta),
         })
     }
@@ -204,13 +222,12 @@ impl SledStorage {
             ..Default::default()
         };
         sm.set_conf_state(meta.conf_state.clone());
-        self.meta_tree
-            .insert(KEY_SNAPSHOT_DATA, data)
-            .map_err(store_err)?;
+        self.snapshots.insert(key(index), data).map_err(store_err)?;
         self.meta_tree
             .insert(KEY_SNAPSHOT_META, sm.write_to_bytes().map_err(store_err)?)
             .map_err(store_err)?;
         self.db.flush().map_err(store_err)?;
+        self.forget_snapshots_before(index)?;
         let mut batch = sled::Batch::default();
         for i in (meta.snapshot.index + 1)..=index {
             batch.remove(&key(i));
@@ -232,8 +249,8 @@ impl SledStorage {
         let mut hs = meta.hard_state.clone();
         hs.set_term(hs.term.max(sm.term));
         hs.set_commit(sm.index);
-        self.meta_tree
-            .insert(KEY_SNAPSHOT_DATA, snap.data.to_vec())
+        self.snapshots
+            .insert(key(sm.index), snap.data.to_vec())
             .map_err(store_err)?;
         self.meta_tree
             .insert(KEY_SNAPSHOT_META, sm.write_to_bytes().map_err(store_err)?)
@@ -251,6 +268,7 @@ impl SledStorage {
         // after belong to a log that disagreed with the leader's.
         self.entries.clear().map_err(store_err)?;
         self.db.flush().map_err(store_err)?;
+        self.forget_snapshots_before(sm.index)?;
         meta.last_index = sm.index;
         meta.conf_state = sm.get_conf_state().clone();
         meta.hard_state = hs;
@@ -263,12 +281,26 @@ impl SledStorage {
     pub fn snapshot_data(&self) -> raft::Result<(SnapshotMetadata, Vec<u8>)> {
         let meta = self.meta().snapshot.clone();
         let data = self
-            .meta_tree
-            .get(KEY_SNAPSHOT_DATA)
+            .snapshots
+            .get(key(meta.index))
             .map_err(store_err)?
             .map(|v| v.to_vec())
             .unwrap_or_default();
         Ok((meta, data))
+    }
+
+    /// Removes the snapshots older than the durable one at `index`.
+    fn forget_snapshots_before(&self, index: u64) -> raft::Result<()> {
+        let old: Vec<sled::IVec> = self
+            .snapshots
+            .range(..key(index).to_vec())
+            .keys()
+            .collect::<Result<_, _>>()
+            .map_err(store_err)?;
+        for k in old {
+            self.snapshots.remove(k).map_err(store_err)?;
+        }
+        Ok(())
     }
 
     pub fn hard_state(&self) -> HardState {
@@ -501,6 +533,33 @@ mod tests {
         assert_eq!((rs.hard_state.commit, rs.hard_state.term), (9, 3));
         assert_eq!(s.snapshot_data().unwrap().1, b"state@9");
         assert_eq!(s.last_index().unwrap(), 9);
+    }
+
+    #[test]
+    fn snapshots_live_apart_from_the_hard_state_and_old_layouts_move() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let s = SledStorage::open(dir.path(), &[1]).unwrap();
+            s.append(&[entry(1, 1), entry(2, 1), entry(3, 1)]).unwrap();
+            s.compact(2, 1, b"state@2".to_vec()).unwrap();
+            s.compact(3, 1, b"state@3".to_vec()).unwrap();
+            // Only the latest is kept, in its own tree.
+            assert_eq!(s.snapshots.len(), 1);
+            assert!(s.meta_tree.get(KEY_SNAPSHOT_DATA).unwrap().is_none());
+            // An older layout: the snapshot beside the hard state.
+            s.meta_tree
+                .insert(KEY_SNAPSHOT_DATA, b"legacy@3".to_vec())
+                .unwrap();
+            s.snapshots.clear().unwrap();
+            s.flush().unwrap();
+        }
+        let s = SledStorage::open(dir.path(), &[1]).unwrap();
+        assert_eq!(s.snapshot_data().unwrap().1, b"legacy@3");
+        assert!(
+            s.meta_tree.get(KEY_SNAPSHOT_DATA).unwrap().is_none(),
+            "moved"
+        );
+        assert_eq!(s.snapshot(3, 1).unwrap().get_metadata().index, 3);
     }
 
     #[test]

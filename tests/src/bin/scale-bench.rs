@@ -1807,12 +1807,13 @@ fn sled_sizes(path: &Path) -> SledSizes {
             s.entry_bytes += v.len() as u64;
         }
     }
-    if let Ok(meta) = db.open_tree("meta") {
-        s.snapshot_bytes = meta
-            .get(b"snapshot_data")
+    // The latest snapshot (older ones are removed once it is durable).
+    if let Ok(snapshots) = db.open_tree("snapshots") {
+        s.snapshot_bytes = snapshots
+            .last()
             .ok()
             .flatten()
-            .map_or(0, |v| v.len() as u64);
+            .map_or(0, |(_, v)| v.len() as u64);
     }
     s.on_disk = db.size_on_disk().unwrap_or(0);
     s
