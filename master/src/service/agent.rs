@@ -147,7 +147,8 @@ struct TaskWatch {
     /// bounded size; older agents the full set on every change.
     incremental: bool,
     wakeup: crate::raft::AgentWakeup,
-    status: tokio::sync::watch::Receiver<crate::raft::NodeStatus>,
+    /// Who leads (not every commit: see `RaftHandle::role_watch`).
+    status: tokio::sync::watch::Receiver<crate::raft::RoleStatus>,
     shutdown: tokio::sync::watch::Receiver<bool>,
     stream: TaskStream,
     last: Option<(Vec<TaskSpec>, Vec<String>)>,
@@ -408,7 +409,7 @@ impl AgentManagerService {
         let watch = TaskWatch {
             // Subscribed before the first look at the state: no change is missed.
             wakeup: raft.agent_wakeup(&agent_id),
-            status: raft.status_watch(),
+            status: raft.role_watch(),
             shutdown: self.ctx.shutdown.clone(),
             ctx: self.ctx.clone(),
             raft,
