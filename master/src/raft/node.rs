@@ -312,6 +312,13 @@ struct Node {
     role_tx: watch::Sender<RoleStatus>,
     snapshot_every: u64,
     snapshot_index: u64,
+    /// Bytes of the entries applied since the last periodic snapshot began,
+    /// and the size of the last snapshot: a snapshot waits until the log
+    /// it replaces is half its size, so that the cost of snapshots follows
+    /// the writes, not the size of the state (at 10,000 agents a snapshot
+    /// every 10,000 small entries was a fifth of a master's CPU).
+    log_bytes_since_snapshot: u64,
+    last_snapshot_bytes: u64,
     /// Snapshot at the end of this ready (a master was added).
     snapshot_due: bool,
     /// The periodic snapshot being serialized on a blocking thread.
@@ -437,6 +444,8 @@ pub fn start(
         role_tx,
         snapshot_every: config.snapshot_every.max(1),
         snapshot_index,
+        log_bytes_since_snapshot: 0,
+        last_snapshot_bytes: snap_data.len() as u64,
         snapshot_due: false,
         snapshot_job: None,
         lead_start: None,
@@ -777,11 +786,14 @@ impl Node {
         let (applied, copy) = {
             let s = self.state.read().unwrap_or_else(|p| p.into_inner());
             let applied = s.applied_index();
-            if applied < self.snapshot_index + self.snapshot_every {
+            if applied < self.snapshot_index + self.snapshot_every
+                || self.log_bytes_since_snapshot < self.last_snapshot_bytes / 2
+            {
                 return Ok(());
             }
             (applied, s.clone())
         };
+        self.log_bytes_since_snapshot = 0;
         let term = self.raw.raft.raft_log.term(applied)?;
         let (tx, rx) = oneshot::channel();
         tokio::task::spawn_blocking(move || {
@@ -800,8 +812,15 @@ impl Node {
             // A newer one was installed or taken meanwhile.
             return Ok(());
         }
+        let bytes = data.len();
         self.raw.store().compact(index, term, data)?;
-        tracing::info!(index, term, "state machine snapshot taken; log compacted");
+        self.last_snapshot_bytes = bytes as u64;
+        tracing::info!(
+            index,
+            term,
+            bytes,
+            "state machine snapshot taken; log compacted"
+        );
         self.snapshot_index = index;
         Ok(())
     }
@@ -822,6 +841,7 @@ impl Node {
         let mut last = None;
         for entry in entries {
             last = Some(entry.index);
+            self.log_bytes_since_snapshot += entry.data.len() as u64;
             match entry.get_entry_type() {
                 EntryType::EntryNormal => self.apply_normal(&entry),
                 EntryType::EntryConfChange => {
