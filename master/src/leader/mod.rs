@@ -211,7 +211,7 @@ pub async fn run(
             _ = liveness_tick.tick() => true,
             r = status.changed() => if r.is_err() { return } else { false },
         };
-        let is_leader = raft.status().serving;
+        let is_leader = status.borrow_and_update().serving;
         if is_leader && !was_leader {
             liveness.reset();
             record_masters(&raft).await;

@@ -673,11 +673,6 @@ impl Node {
             leader_id: status.leader_id,
             serving: status.serving,
         };
-        self.role_tx.send_if_modified(|s| {
-            let changed = *s != role_status;
-            *s = role_status;
-            changed
-        });
         self.status_tx.send_if_modified(|s| {
             if *s != status {
                 *s = status;
@@ -685,6 +680,13 @@ impl Node {
             } else {
                 false
             }
+        });
+        // After the full status: whoever wakes on a role change and reads
+        // `RaftHandle::status` sees the new one.
+        self.role_tx.send_if_modified(|s| {
+            let changed = *s != role_status;
+            *s = role_status;
+            changed
         });
         // Proposals made while leader may never commit once leadership is
         // gone (or may, under the next leader): the outcome is unknown.

@@ -82,7 +82,7 @@ pub async fn run(
     let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
     loop {
         // Wait to lead.
-        while !raft.status().serving {
+        while !status.borrow_and_update().serving {
             tokio::select! {
                 _ = shutdown.changed() => return,
                 r = status.changed() => if r.is_err() { return },
@@ -127,7 +127,7 @@ pub async fn run(
                     return;
                 }
                 r = status.changed() => {
-                    if r.is_err() || !raft.status().serving {
+                    if r.is_err() || !status.borrow_and_update().serving {
                         hub.disconnect(BUILTIN_FRAMEWORK_ID, conn);
                         running.take().inspect(|p| p.abort());
                         board.clear();
