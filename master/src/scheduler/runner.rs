@@ -3,7 +3,8 @@
 //! Hub the gRPC service uses) and suppresses them while it is alone.
 //!
 //! - **Alone** (no other framework connected and wanting offers, none
-//!   holding any): it places straight from the state after each change
+//!   holding any, and no quota on the jobs' role, which the allocator
+//!   enforces): it places straight from the state after each change
 //!   that may let a waiting job start (`scheduler::place_direct`: agents
 //!   found through the free-capacity index, O(log agents) per job of whole
 //!   GPUs), and proposes the launches; the state machine re-checks each.
@@ -167,7 +168,9 @@ pub async fn run(
                 _ = std::future::ready(()), if direct_due => {
                     direct_due = false;
                     last_direct = tokio::time::Instant::now();
-                    if hub.alone(BUILTIN_FRAMEWORK_ID) {
+                    // A quota on the jobs' role is the allocator's to
+                    // enforce: with one, jobs go through offers.
+                    if cfg.jobs_quota.is_none() && hub.alone(BUILTIN_FRAMEWORK_ID) {
                         if !hub.is_suppressed(BUILTIN_FRAMEWORK_ID) {
                             hub.suppress(BUILTIN_FRAMEWORK_ID);
                         }
