@@ -367,6 +367,58 @@ mod tests {
     }
 
     #[test]
+    fn cordons_and_shares_move_an_agent_in_the_index() {
+        let mut s = State::new();
+        s.apply(1, &agent(0, 4, false, false, 0, 16.0)).unwrap();
+        s.apply(2, &agent(1, 4, false, false, 0, 16.0)).unwrap();
+        let _ = s.capacity();
+        // Agents with 4 whole GPUs free.
+        let free_of = |s: &State| -> Vec<String> {
+            s.capacity()
+                .candidates(4, PlacementPolicy::Bundle, |_| true)
+                .map(|(id, _)| id.to_string())
+                .collect()
+        };
+        assert_eq!(free_of(&s), ["a00", "a01"]);
+        s.apply(
+            3,
+            &Command::CordonGpu {
+                uuid: "GPU-a00-1".into(),
+                cordon: true,
+            },
+        )
+        .unwrap();
+        // a00 has 3 whole GPUs free now: no longer a candidate for 4.
+        assert_eq!(free_of(&s), ["a01"]);
+        assert_eq!(*s.capacity(), Capacity::build(&s));
+        s.apply(
+            4,
+            &Command::ShareGpu {
+                gpu_uuid: "GPU-a01-0".into(),
+                mode: Some(gpuctl_core::types::ShareMode::Mps),
+            },
+        )
+        .unwrap();
+        assert!(free_of(&s).is_empty(), "a shared GPU is never given whole");
+        assert_eq!(*s.capacity(), Capacity::build(&s));
+        assert_eq!(
+            s.free_total().gpus,
+            8,
+            "the totals count resources, not whole GPUs"
+        );
+        s.apply(
+            5,
+            &Command::CordonGpu {
+                uuid: "GPU-a00-1".into(),
+                cordon: false,
+            },
+        )
+        .unwrap();
+        assert_eq!(free_of(&s), ["a00"]);
+        assert_eq!(*s.capacity(), Capacity::build(&s));
+    }
+
+    #[test]
     fn a_job_looks_at_the_first_agents_that_fit_not_at_every_agent() {
         // 2,000 agents: the one with a single free GPU is found for a
         // one-GPU job; a gang of 3 × 8 takes the three lowest ids among
