@@ -333,14 +333,14 @@ struct Node {
     wakeups: AgentWakeups,
 }
 
-/// A copy of the state at `index` (of `term`), being serialized off the
-/// node's loop: at 10,000 agents and 100,000 jobs the JSON is ~100 MiB and
-/// takes about a second, during which the loop would neither tick nor
-/// answer, and the leader lost its term.
+/// A copy of the state at `index`, being serialized and stored (the log
+/// compacted) off the node's loop: at 10,000 agents and 100,000 jobs the
+/// JSON is ~100 MiB and takes about a second to make and more to write,
+/// during which the loop would neither tick nor answer, and the leader lost
+/// its term. Its result is the snapshot's size.
 struct SnapshotJob {
     index: u64,
-    term: u64,
-    data: oneshot::Receiver<Result<Vec<u8>, serde_json::Error>>,
+    done: oneshot::Receiver<Result<usize, String>>,
 }
 
 /// What [`start`] returns: the handle, the node task, and the commit index
@@ -527,8 +527,8 @@ impl Node {
         // A snapshot under way is kept: it saves replaying its entries at
         // the next start.
         if let Some(job) = self.snapshot_job.take() {
-            if let Ok(Ok(data)) = job.data.await {
-                self.store_snapshot(job.index, job.term, data)?;
+            if let Ok(Ok(bytes)) = job.done.await {
+                self.snapshot_stored(job.index, bytes);
             }
         }
         Ok(())
@@ -768,16 +768,16 @@ impl Node {
             return self.snapshot_now();
         }
         if let Some(job) = self.snapshot_job.as_mut() {
-            match job.data.try_recv() {
+            match job.done.try_recv() {
                 Err(oneshot::error::TryRecvError::Empty) => return Ok(()),
-                Ok(Ok(data)) => {
-                    let (index, term) = (job.index, job.term);
+                Ok(Ok(bytes)) => {
+                    let index = job.index;
                     self.snapshot_job = None;
-                    self.store_snapshot(index, term, data)?;
+                    self.snapshot_stored(index, bytes);
                 }
                 Ok(Err(e)) => {
                     self.snapshot_job = None;
-                    return Err(e.into());
+                    tracing::error!(error = %e, "state machine snapshot failed; will retry");
                 }
                 Err(oneshot::error::TryRecvError::Closed) => {
                     self.snapshot_job = None;
@@ -797,16 +797,35 @@ impl Node {
         };
         self.log_bytes_since_snapshot = 0;
         let term = self.raw.raft.raft_log.term(applied)?;
+        let storage = self.raw.store().clone();
         let (tx, rx) = oneshot::channel();
         tokio::task::spawn_blocking(move || {
-            let _ = tx.send(serde_json::to_vec(&copy));
+            let stored = serde_json::to_vec(&copy)
+                .map_err(|e| e.to_string())
+                .and_then(|data| {
+                    let bytes = data.len();
+                    storage
+                        .compact(applied, term, data)
+                        .map(|()| bytes)
+                        .map_err(|e| e.to_string())
+                });
+            let _ = tx.send(stored);
         });
         self.snapshot_job = Some(SnapshotJob {
             index: applied,
-            term,
-            data: rx,
+            done: rx,
         });
         Ok(())
+    }
+
+    /// A snapshot at `index` of `bytes` is stored and the log compacted.
+    fn snapshot_stored(&mut self, index: u64, bytes: usize) {
+        // One installed from the leader meanwhile may be newer.
+        if index > self.snapshot_index {
+            self.snapshot_index = index;
+            self.last_snapshot_bytes = bytes as u64;
+            tracing::info!(index, bytes, "state machine snapshot taken; log compacted");
+        }
     }
 
     fn store_snapshot(&mut self, index: u64, term: u64, data: Vec<u8>) -> Result<(), NodeError> {
@@ -816,14 +835,7 @@ impl Node {
         }
         let bytes = data.len();
         self.raw.store().compact(index, term, data)?;
-        self.last_snapshot_bytes = bytes as u64;
-        tracing::info!(
-            index,
-            term,
-            bytes,
-            "state machine snapshot taken; log compacted"
-        );
-        self.snapshot_index = index;
+        self.snapshot_stored(index, bytes);
         Ok(())
     }
 

@@ -39,6 +39,10 @@ struct Meta {
     last_index: u64,
 }
 
+/// Cheap to clone: the node's loop and the thread that stores a snapshot
+/// share it (sled's trees are shared; the cached metadata is behind one
+/// lock).
+#[derive(Clone)]
 pub struct SledStorage {
     db: sled::Db,
     entries: sled::Tree,
@@ -49,7 +53,7 @@ pub struct SledStorage {
     /// (tens of MiB at 10,000 agents) beside the hard state every commit
     /// rewrote the snapshot.
     snapshots: sled::Tree,
-    meta: Mutex<Meta>,
+    meta: std::sync::Arc<Mutex<Meta>>,
 }
 
 fn key(index: u64) -> [u8; 8] {
@@ -146,7 +150,7 @@ impl SledStorage {
             entries,
             meta_tree,
             snapshots,
-            meta: Mutex::new(meta),
+            meta: std::sync::Arc::new(Mutex::new(meta)),
         })
     }
 
@@ -205,35 +209,56 @@ impl SledStorage {
     /// Records a snapshot of the state machine at `index` (whose entry has
     /// `term`) and drops the log up to it. Durable when this returns: the
     /// snapshot is flushed before any entry is removed.
+    ///
+    /// It may run on a thread of its own while the node's loop goes on
+    /// appending and reading: the data (tens of MiB at 10,000 agents) is
+    /// written and flushed without the metadata lock; the switch to the new
+    /// snapshot is made under it, and only then are entries removed (a read
+    /// that meets a removed entry answers `Compacted`, as raft-rs expects).
+    /// A snapshot newer than `index` installed meanwhile wins.
     pub fn compact(&self, index: u64, term: u64, data: Vec<u8>) -> raft::Result<()> {
-        let mut meta = self.meta();
-        if index <= meta.snapshot.index {
-            return Ok(());
-        }
-        if index > meta.last_index {
-            return Err(store_err(format!(
-                "cannot compact to {index}: the log ends at {}",
-                meta.last_index
-            )));
-        }
+        let conf_state = {
+            let meta = self.meta();
+            if index <= meta.snapshot.index {
+                return Ok(());
+            }
+            if index > meta.last_index {
+                return Err(store_err(format!(
+                    "cannot compact to {index}: the log ends at {}",
+                    meta.last_index
+                )));
+            }
+            meta.conf_state.clone()
+        };
         let mut sm = SnapshotMetadata {
             index,
             term,
             ..Default::default()
         };
-        sm.set_conf_state(meta.conf_state.clone());
+        sm.set_conf_state(conf_state);
+        // The data first, durable, under its own key: until the metadata
+        // names it, the snapshot before stays whole.
         self.snapshots.insert(key(index), data).map_err(store_err)?;
-        self.meta_tree
-            .insert(KEY_SNAPSHOT_META, sm.write_to_bytes().map_err(store_err)?)
-            .map_err(store_err)?;
+        self.db.flush().map_err(store_err)?;
+        let before = {
+            let mut meta = self.meta();
+            if index <= meta.snapshot.index {
+                return Ok(());
+            }
+            self.meta_tree
+                .insert(KEY_SNAPSHOT_META, sm.write_to_bytes().map_err(store_err)?)
+                .map_err(store_err)?;
+            let before = meta.snapshot.index;
+            meta.snapshot = sm;
+            before
+        };
         self.db.flush().map_err(store_err)?;
         self.forget_snapshots_before(index)?;
         let mut batch = sled::Batch::default();
-        for i in (meta.snapshot.index + 1)..=index {
+        for i in (before + 1)..=index {
             batch.remove(&key(i));
         }
         self.entries.apply_batch(batch).map_err(store_err)?;
-        meta.snapshot = sm;
         Ok(())
     }
 
@@ -355,7 +380,14 @@ impl Storage for SledStorage {
             }
             out.push(e);
         }
-        if out.len() as u64 != high - low && max_size.is_none() {
+        let short = low < high
+            && (out.first().is_none_or(|e| e.index != low)
+                || (out.len() as u64 != high - low && max_size.is_none()));
+        if short {
+            // Entries removed under us by a compaction (on its own thread).
+            if low < Self::first_index_locked(&self.meta()) {
+                return Err(raft::Error::Store(StorageError::Compacted));
+            }
             return Err(store_err(format!(
                 "log has a hole between {low} and {high}"
             )));
@@ -382,11 +414,17 @@ impl Storage for SledStorage {
         if idx > last {
             return Err(raft::Error::Store(StorageError::Unavailable));
         }
-        let v = self
-            .entries
-            .get(key(idx))
-            .map_err(store_err)?
-            .ok_or_else(|| store_err(format!("entry {idx} missing")))?;
+        let Some(v) = self.entries.get(key(idx)).map_err(store_err)? else {
+            // Removed under us by a compaction (on its own thread).
+            let meta = self.meta();
+            if idx == meta.snapshot.index {
+                return Ok(meta.snapshot.term);
+            }
+            if idx < Self::first_index_locked(&meta) {
+                return Err(raft::Error::Store(StorageError::Compacted));
+            }
+            return Err(store_err(format!("entry {idx} missing")));
+        };
         Ok(Entry::parse_from_bytes(&v).map_err(store_err)?.term)
     }
 
@@ -560,6 +598,48 @@ mod tests {
             "moved"
         );
         assert_eq!(s.snapshot(3, 1).unwrap().get_metadata().index, 3);
+    }
+
+    #[test]
+    fn compaction_on_another_thread_leaves_reads_whole_or_compacted() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = SledStorage::open(dir.path(), &[1]).unwrap();
+        let all: Vec<Entry> = (1..=2000).map(|i| entry(i, 1)).collect();
+        s.append(&all).unwrap();
+        let other = s.clone();
+        let compacting = std::thread::spawn(move || {
+            for at in (100..=1500).step_by(100) {
+                other.compact(at, 1, vec![7; 1 << 16]).unwrap();
+            }
+        });
+        // Meanwhile the loop reads as raft-rs does: each read is whole, or
+        // says the entries are compacted.
+        let mut compacted = 0;
+        while !compacting.is_finished() {
+            match s.entries(50, 1900, None, GetEntriesContext::empty(false)) {
+                Ok(got) => assert_eq!(got.len(), 1850),
+                Err(raft::Error::Store(StorageError::Compacted)) => compacted += 1,
+                Err(e) => panic!("read during a compaction: {e}"),
+            }
+            match s.term(1200) {
+                Ok(t) => assert_eq!(t, 1),
+                Err(raft::Error::Store(StorageError::Compacted)) => {}
+                Err(e) => panic!("term during a compaction: {e}"),
+            }
+        }
+        compacting.join().unwrap();
+        // (How many reads met a compaction depends on the threads' timing.)
+        let _ = compacted;
+        assert_eq!(s.first_index().unwrap(), 1501);
+        assert_eq!(s.term(1500).unwrap(), 1, "the snapshot's term");
+        assert_eq!(s.snapshots.len(), 1, "older snapshots removed");
+        s.append(&[entry(2001, 2)]).unwrap();
+        assert_eq!(
+            s.entries(1501, 2002, None, GetEntriesContext::empty(false))
+                .unwrap()
+                .len(),
+            501
+        );
     }
 
     #[test]
