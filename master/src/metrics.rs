@@ -13,8 +13,13 @@ use crate::state::AgentState;
 
 #[derive(Debug)]
 pub struct MasterMetrics {
-    /// Offers made to frameworks (the built-in jobs framework included).
+    /// Offers made to frameworks (the built-in jobs framework included,
+    /// when other frameworks want resources too).
     pub offers_made: AtomicU64,
+    /// Launches the built-in scheduler proposed straight from the state
+    /// (through the free-capacity index, while no other framework wants
+    /// offers).
+    pub direct_launches: AtomicU64,
     /// One allocation cycle of the leader: updates, rescinds, offers.
     pub allocation_cycle: Histogram,
     /// From a task's launch being committed to its agent reporting it
@@ -26,6 +31,7 @@ impl Default for MasterMetrics {
     fn default() -> Self {
         MasterMetrics {
             offers_made: AtomicU64::new(0),
+            direct_launches: AtomicU64::new(0),
             allocation_cycle: Histogram::new(LATENCY_BUCKETS),
             task_launch: Histogram::new(LATENCY_BUCKETS),
         }
@@ -186,6 +192,16 @@ pub fn render(
         "gpuctl_offers_total",
         &[],
         metrics.offers_made.load(Ordering::Relaxed) as f64,
+    );
+    out.family(
+        "gpuctl_scheduler_direct_launches_total",
+        "Tasks the built-in scheduler launched straight from the state (no offer), while leader.",
+        Kind::Counter,
+    );
+    out.sample(
+        "gpuctl_scheduler_direct_launches_total",
+        &[],
+        metrics.direct_launches.load(Ordering::Relaxed) as f64,
     );
     out.family(
         "gpuctl_allocation_cycle_seconds",

@@ -328,6 +328,9 @@ async fn place_direct_round(
     // Nothing of these agents is offered to a framework that subscribes
     // meanwhile until the launches commit.
     let launching = hub.launching(&agents);
+    hub.metrics
+        .direct_launches
+        .fetch_add(launches.len() as u64, std::sync::atomic::Ordering::Relaxed);
     propose_launches(raft, launches).await;
     drop(launching);
     capped
