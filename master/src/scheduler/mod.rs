@@ -696,6 +696,52 @@ mod tests {
     }
 
     #[test]
+    fn a_round_in_one_entry_starts_each_job_whole_or_not_at_all() {
+        let mut s = state(vec![
+            agent("a", 4, both()),
+            job(2, false),
+            job(2, false),
+            job(1, false),
+        ]);
+        let l = |job: &str, gpus: &[&str]| Launch {
+            job_id: job.into(),
+            agent_id: "a".into(),
+            gpu_uuids: gpus.iter().map(|g| g.to_string()).collect(),
+        };
+        let before = s.clone();
+        let out = s
+            .apply(
+                100,
+                &Command::LaunchJobs {
+                    jobs: vec![
+                        vec![l("job-1", &["GPU-a-0", "GPU-a-1"])],
+                        // GPU-a-1 is job-1's by now: refused, whole.
+                        vec![l("job-2", &["GPU-a-1", "GPU-a-2"])],
+                        vec![l("job-3", &["GPU-a-3"])],
+                    ],
+                    at_ms: 1,
+                },
+            )
+            .unwrap();
+        let crate::state::Outcome::JobsLaunched { refused } = out else {
+            panic!("{out:?}");
+        };
+        assert_eq!(refused.len(), 1);
+        assert_eq!(refused[0].0, "job-2");
+        let state_of = |id: &str| s.job(id).unwrap().state;
+        assert_eq!(state_of("job-1"), gpuctl_core::types::JobState::Starting);
+        assert_eq!(state_of("job-3"), gpuctl_core::types::JobState::Starting);
+        assert_eq!(state_of("job-2"), gpuctl_core::types::JobState::Queued);
+        assert!(
+            s.job("job-2").unwrap().task_ids.is_empty(),
+            "nothing half applied"
+        );
+        assert_eq!(s.gpu_owner("GPU-a-2"), None);
+        assert_eq!(s.queued_jobs().len(), 1);
+        assert_ne!(s, before);
+    }
+
+    #[test]
     fn placements_never_share_a_gpu_and_all_apply() {
         let mut s = state(vec![
             agent("a", 4, both()),

@@ -38,7 +38,7 @@ use crate::scheduler::board::WaitBoard;
 use crate::scheduler::queue::{self, QueueConfig};
 use crate::scheduler::{place_in, Available, MAX_LAUNCHES_PER_ROUND};
 use crate::state::frameworks::{BUILTIN_FRAMEWORK_ID, JOBS_ROLE};
-use crate::state::{Command, Launch, State};
+use crate::state::{Command, Launch, Outcome, State};
 use gpuctl_core::types::PlacementPolicy;
 
 /// Declined agents come back quickly: a job submitted meanwhile revives
@@ -336,8 +336,12 @@ async fn place_direct_round(
     capped
 }
 
-/// Proposes the launches, one command per job: a gang's launches start
-/// together or not at all.
+/// Jobs per `LaunchJobs` entry: a round of 2,048 one-GPU launches is 8
+/// entries of a few tens of KiB, not 2,048 entries.
+const JOBS_PER_ENTRY: usize = 256;
+
+/// Proposes the launches, a job's together (a gang's launches start
+/// together or not at all), up to [`JOBS_PER_ENTRY`] jobs per log entry.
 async fn propose_launches(raft: &RaftHandle, launches: Vec<Launch>) {
     let mut per_job: Vec<Vec<Launch>> = Vec::new();
     for launch in launches {
@@ -347,19 +351,36 @@ async fn propose_launches(raft: &RaftHandle, launches: Vec<Launch>) {
         }
     }
     let at_ms = now_ms();
-    let proposals = per_job.into_iter().map(|group| async move {
-        let job_id = group[0].job_id.clone();
-        let agents: Vec<String> = group.iter().map(|l| l.agent_id.clone()).collect();
-        match raft
-            .propose(Command::LaunchTasks {
-                launches: group,
-                at_ms,
+    let mut chunks = Vec::new();
+    while !per_job.is_empty() {
+        let rest = per_job.split_off(per_job.len().min(JOBS_PER_ENTRY));
+        chunks.push(std::mem::replace(&mut per_job, rest));
+    }
+    let proposals = chunks.into_iter().map(|jobs| async move {
+        let placed: Vec<(String, Vec<String>)> = jobs
+            .iter()
+            .map(|g| {
+                (
+                    g[0].job_id.clone(),
+                    g.iter().map(|l| l.agent_id.clone()).collect(),
+                )
             })
-            .await
-        {
-            Ok(_) => tracing::info!(job_id = %job_id, agents = ?agents, "job placed"),
+            .collect();
+        match raft.propose(Command::LaunchJobs { jobs, at_ms }).await {
+            Ok(Outcome::JobsLaunched { refused }) => {
+                for (job_id, agents) in placed {
+                    match refused.iter().find(|(j, _)| *j == job_id) {
+                        Some((_, why)) => {
+                            tracing::warn!(job_id = %job_id, agents = ?agents, error = %why, "placement refused")
+                        }
+                        None => tracing::info!(job_id = %job_id, agents = ?agents, "job placed"),
+                    }
+                }
+            }
+            Ok(_) => {}
             Err(e) => {
-                tracing::warn!(job_id = %job_id, agents = ?agents, error = %e, "placement refused")
+                let jobs: Vec<&String> = placed.iter().map(|(j, _)| j).collect();
+                tracing::warn!(jobs = ?jobs, error = %e, "placements refused")
             }
         }
     });

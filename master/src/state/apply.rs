@@ -72,6 +72,11 @@ pub enum Outcome {
         refused: Vec<(String, String)>,
         unrecorded: Vec<(String, String)>,
     },
+    /// Per job of a LaunchJobs: those refused, with why (the others
+    /// started).
+    JobsLaunched {
+        refused: Vec<(String, String)>,
+    },
     /// The update was about a task that already ended or that this master
     /// does not know; accepted (so the agent stops retrying) and ignored.
     StaleUpdate,
@@ -244,6 +249,21 @@ impl State {
                 Ok(Outcome::JobSubmitted { job_id })
             }
             Command::LaunchTasks { launches, at_ms } => self.launch_tasks(launches, *at_ms),
+            Command::LaunchJobs { jobs, at_ms } => {
+                let mut refused = Vec::new();
+                for launches in jobs {
+                    // Checked whole before anything changes: a refused
+                    // job leaves nothing behind.
+                    if let Err(e) = self.launch_tasks(launches, *at_ms) {
+                        let job = launches
+                            .first()
+                            .map(|l| l.job_id.clone())
+                            .unwrap_or_default();
+                        refused.push((job, e.to_string()));
+                    }
+                }
+                Ok(Outcome::JobsLaunched { refused })
+            }
             Command::UpdateTaskStatus { update, at_ms } => self.update_task(update, *at_ms),
             Command::CancelJob { job_id, at_ms } => self.cancel_job(job_id, *at_ms),
             Command::SetGpuHealth { agent_id, gpus, .. } => self.set_gpu_health(agent_id, gpus),

@@ -96,6 +96,13 @@ pub enum Command {
         launches: Vec<Launch>,
         at_ms: u64,
     },
+    /// Place several queued jobs in one entry (a round of the built-in
+    /// scheduler): each job's launches happen or none of them does, as in
+    /// `LaunchTasks`; one job refused does not refuse the others.
+    LaunchJobs {
+        jobs: Vec<Vec<Launch>>,
+        at_ms: u64,
+    },
     UpdateTaskStatus {
         update: StatusUpdate,
         at_ms: u64,
@@ -335,6 +342,7 @@ impl Command {
             Command::DrainDeadlinePassed { .. } => "drain_deadline_passed",
             Command::SubmitJob { .. } => "submit_job",
             Command::LaunchTasks { .. } => "launch_tasks",
+            Command::LaunchJobs { .. } => "launch_jobs",
             Command::UpdateTaskStatus { .. } => "update_task_status",
             Command::CancelJob { .. } => "cancel_job",
             Command::PreemptJobs { .. } => "preempt_jobs",
