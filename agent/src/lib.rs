@@ -359,7 +359,10 @@ pub async fn serve(
         config.work_dir.join("mps"),
     ));
     match mps.control() {
-        Some(c) => tracing::info!(control = %c.display(), "MPS: GPUs shared in mps mode get a control daemon per tenant and user"),
+        Some(c) => match gpu::mps::socket_path_problem(&config.work_dir.join("mps")) {
+            None => tracing::info!(control = %c.display(), "MPS: GPUs shared in mps mode get a control daemon per tenant and user"),
+            Some(why) => tracing::warn!(control = %c.display(), "MPS cannot start: {why}; tasks on GPUs shared in mps mode will fail"),
+        },
         None => tracing::info!("MPS off (no nvidia-cuda-mps-control): tasks on GPUs shared in mps mode run unenforced and say so"),
     }
     if mps.available() {

@@ -1666,6 +1666,13 @@ pub fn mps_groups(work: &Path, gpu: &str) -> Vec<PathBuf> {
     out
 }
 
+/// A daemon group's pipe directory: what its `pipe` link names (the
+/// directory itself has a short name of its own, for the daemon's sockets).
+pub fn mps_pipe(group: &Path) -> PathBuf {
+    let link = group.join("pipe");
+    std::fs::read_link(&link).unwrap_or(link)
+}
+
 /// A running task container, as Docker (not gpuctl) reports it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RunningContainer {

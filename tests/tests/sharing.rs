@@ -497,10 +497,21 @@ fn a_framework_launches_two_fractions_of_a_shared_gpu() {
             });
             assert!(out.contains(&format!("gpus={uuid} ")), "{out}");
             if mps {
-                // The daemon of the default tenant and the task's user.
+                // The daemon of the default tenant and the task's user: its
+                // group's `pipe` link names the directory the task got.
+                let pipe = out
+                    .split_whitespace()
+                    .find_map(|w| w.strip_prefix("pipe="))
+                    .unwrap_or_default();
+                let groups = c.dir.path().join(format!("agent0/mps/{uuid}"));
+                let linked = std::fs::read_dir(&groups)
+                    .unwrap()
+                    .flatten()
+                    .filter(|g| g.file_name().to_string_lossy().starts_with("default.u"))
+                    .filter_map(|g| std::fs::read_link(g.path().join("pipe")).ok())
+                    .any(|to| to == Path::new(pipe));
                 assert!(
-                    out.contains(&format!("/mps/{uuid}/default.u"))
-                        && out.contains("/pipe mem=0=20480M pct=25"),
+                    linked && pipe.contains("/mps/.pipes/") && out.contains(" mem=0=20480M pct=25"),
                     "{out}"
                 );
             }

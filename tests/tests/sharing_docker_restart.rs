@@ -30,7 +30,7 @@ use gpuctl_tests::dockerd::{
     docker_answers, dockerd_log, kill_dockerd, start_dockerd, DockerGuard,
 };
 use gpuctl_tests::{
-    alive, busybox_image, docker_or_skip, free_port, mps_daemon_pid, mps_groups,
+    alive, busybox_image, docker_or_skip, free_port, mps_daemon_pid, mps_groups, mps_pipe,
     running_task_containers, try_wait_for, wait_for, AgentOpts, Cluster, Gpuctl,
 };
 
@@ -169,7 +169,7 @@ fn mps_fractions_through_a_docker_daemon_restart_are_counted_once() {
         .unwrap()
         .to_string_lossy()
         .into_owned();
-    let pipe = groups[0].join("pipe");
+    let pipe = mps_pipe(&groups[0]);
     let daemon = mps_daemon_pid(&pipe).expect("the MPS daemon runs");
     let mut before = BTreeMap::new();
     wait_for(Duration::from_secs(20), "both containers running", || {

@@ -34,8 +34,8 @@ use serde_json::{json, Value};
 
 use gpuctl_tests::{
     alive, busybox_image, devices_task_cgroup, docker_or_skip, gpuctl_at, mps_daemon_pid,
-    mps_groups, running_task_containers, try_wait_for, wait_for, AgentOpts, Cluster, Gpuctl,
-    HaCluster, RunningContainer,
+    mps_groups, mps_pipe, running_task_containers, try_wait_for, wait_for, AgentOpts, Cluster,
+    Gpuctl, HaCluster, RunningContainer,
 };
 
 const GIB: u64 = 1024;
@@ -134,7 +134,7 @@ fn assert_views_agree(
 fn the_daemon(work: &Path, uuid: &str) -> (PathBuf, i32) {
     let groups = mps_groups(work, uuid);
     assert_eq!(groups.len(), 1, "one daemon group: {groups:?}");
-    let pipe = groups[0].join("pipe");
+    let pipe = mps_pipe(&groups[0]);
     let pid = mps_daemon_pid(&pipe).expect("the MPS daemon runs");
     (groups[0].clone(), pid)
 }
@@ -191,7 +191,7 @@ impl HaShares {
             running.insert(task_of(&c, &job), 15 * GIB);
         }
         let (group, daemon) = the_daemon(&work, &uuid);
-        let containers = assert_views_agree(&c, &agent, &uuid, &group.join("pipe"), &running);
+        let containers = assert_views_agree(&c, &agent, &uuid, &mps_pipe(&group), &running);
         // 30 of 40 GiB held: another 15 does not fit, and waits.
         let waiting = fraction(&c, &image, "beyond", 15 * GIB);
         std::thread::sleep(Duration::from_secs(2));
@@ -233,7 +233,7 @@ impl HaShares {
     }
 
     fn assert_untouched(&self) {
-        let pipe = self.group.join("pipe");
+        let pipe = mps_pipe(&self.group);
         if let Some(why) = Self::untouched(&self.agent, &self.containers, &pipe, self.daemon) {
             panic!("{why}\n{}", self.c.diagnostics());
         }
@@ -249,7 +249,7 @@ impl HaShares {
         let stop = Arc::new(AtomicBool::new(false));
         let watch = {
             let (agent, containers) = (self.agent.clone(), self.containers.clone());
-            let (pipe, daemon, stop) = (self.group.join("pipe"), self.daemon, stop.clone());
+            let (pipe, daemon, stop) = (mps_pipe(&self.group), self.daemon, stop.clone());
             std::thread::spawn(move || {
                 let mut samples = 0;
                 while !stop.load(Ordering::Relaxed) {
@@ -290,7 +290,7 @@ impl HaShares {
     /// waits, and a 10 GiB fraction (exactly the room left) is placed,
     /// given the same daemon, and counted.
     fn one_more_fraction(&mut self) {
-        let pipe = self.group.join("pipe");
+        let pipe = mps_pipe(&self.group);
         assert_views_agree(&self.c, &self.agent, &self.uuid, &pipe, &self.running);
         self.assert_untouched();
         let small = fraction(&self.c, &self.image, "after", 10 * GIB);
@@ -633,11 +633,11 @@ fn a_fraction_that_skips_mps_and_takes_more_memory_is_stopped_and_its_neighbour_
     // the only one counted, the daemon the same.
     std::thread::sleep(Duration::from_secs(1));
     let want = BTreeMap::from([(fine.clone(), GIB)]);
-    let after = assert_views_agree(&c, &agent, GPU0, &group.join("pipe"), &want);
+    let after = assert_views_agree(&c, &agent, GPU0, &mps_pipe(&group), &want);
     assert_eq!(after.get(&fine), before.get(&fine));
     assert!(alive(fine_pid));
     assert_eq!(c.job(&fine_job)["state"], "RUNNING");
-    assert_eq!(mps_daemon_pid(&group.join("pipe")), Some(daemon));
+    assert_eq!(mps_daemon_pid(&mps_pipe(&group)), Some(daemon));
     c.ok(&["jobs", "cancel", &fine_job]);
     c.wait_job(&fine_job, 60);
 }
@@ -694,7 +694,7 @@ fn a_tenant_that_rewrites_its_mps_pid_file_cannot_get_another_tenants_daemon_sto
                 .is_some_and(|n| n.to_string_lossy().starts_with(tenant))
         })
     };
-    let beta_pipe = group("beta").unwrap().join("pipe");
+    let beta_pipe = mps_pipe(&group("beta").unwrap());
     let beta_pid = mps_daemon_pid(&beta_pipe).unwrap();
     let script =
         format!("echo {beta_pid} > /run/nvidia-mps/nvidia-cuda-mps-control.pid && echo wrote");

@@ -85,7 +85,7 @@ impl MpsServer {
         MpsServer {
             gpu: gpu.to_string(),
             tenant: tenant.to_string(),
-            pipe_dir: dir.join("pipe"),
+            pipe_dir: root.join(PIPES_DIR).join(pipe_id(gpu, tenant)),
             log_dir: dir.join("log"),
             shm_dir: dir.join("shm"),
             record: dir.join(RECORD_FILE),
@@ -114,6 +114,61 @@ impl MpsServer {
 
 /// The agent's record of a daemon's pid, in its group's directory.
 const RECORD_FILE: &str = "daemon.pid";
+
+/// Where the daemons' pipe directories are, under the MPS root (a name no
+/// GPU can have: `check_name` refuses a leading dot).
+const PIPES_DIR: &str = ".pipes";
+
+/// The longest socket the daemon makes in its pipe directory.
+const LONGEST_SOCKET: &str = "control_privileged";
+
+/// The most bytes of a Unix socket's path (`sun_path` is 108, with its NUL).
+const SOCKET_PATH_MAX: usize = 107;
+
+/// A pipe directory's name: short and fixed whatever the GPU's and group's
+/// names, because the daemon's sockets must fit a Unix socket path. On a
+/// real driver, `<work>/mps/<gpu>/<group>/pipe/control_privileged` was
+/// longer than that, and `-d` exited 1 with nothing said (docs/hardware.md).
+/// FNV-1a, 64 bits: stable across agents and releases.
+fn pipe_id(gpu: &str, group: &str) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in gpu.bytes().chain([b'/']).chain(group.bytes()) {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    format!("{h:016x}")
+}
+
+/// `<group>/pipe`, a link to the group's pipe directory: where an operator
+/// looks for it beside `log/` and `shm/`. (A directory of that name, from
+/// an agent before the short names, is left alone.)
+fn link_pipe(server: &MpsServer) {
+    let Some(link) = server.record.parent().map(|g| g.join("pipe")) else {
+        return;
+    };
+    if std::fs::read_link(&link).is_ok_and(|to| to == server.pipe_dir) {
+        return;
+    }
+    let _ = std::fs::remove_file(&link);
+    if let Err(e) = std::os::unix::fs::symlink(&server.pipe_dir, &link) {
+        tracing::debug!(link = %link.display(), error = %e, "no pipe link");
+    }
+}
+
+/// Why the daemons' sockets cannot be made under `root`, if they cannot.
+pub fn socket_path_problem(root: &Path) -> Option<String> {
+    let longest = root
+        .join(PIPES_DIR)
+        .join(pipe_id("", ""))
+        .join(LONGEST_SOCKET);
+    let len = longest.as_os_str().len();
+    (len > SOCKET_PATH_MAX).then(|| {
+        format!(
+            "the MPS daemon's sockets under {} would be {len} bytes long, more than a Unix socket path takes ({SOCKET_PATH_MAX}): give the agent a shorter --work-dir",
+            root.display()
+        )
+    })
+}
 
 /// Whether `pid` was started for `pipe_dir`: its environment names it (the
 /// agent starts each daemon with its own `CUDA_MPS_PIPE_DIRECTORY`).
@@ -281,6 +336,9 @@ impl Mps {
         if server.pid().is_some() {
             return Ok(server);
         }
+        if let Some(why) = socket_path_problem(&self.root) {
+            return Err(MpsError::Daemon(why));
+        }
         for (dir, mode) in [
             (&server.pipe_dir, 0o755),
             (&server.log_dir, 0o700),
@@ -290,6 +348,7 @@ impl Mps {
             set_mode(dir, mode)?;
         }
         mount_shm(&server.shm_dir);
+        link_pipe(&server);
         // A daemon that died leaves its socket and pid file; a new one
         // refuses to start beside them.
         for stale in [
@@ -463,6 +522,9 @@ impl Mps {
         };
         let mut found = Vec::new();
         for g in gpus.flatten() {
+            if g.file_name() == PIPES_DIR {
+                continue;
+            }
             let Ok(tenants) = std::fs::read_dir(g.path()) else {
                 continue;
             };
@@ -624,6 +686,57 @@ mod tests {
 
     fn log_of(s: &MpsServer) -> String {
         std::fs::read_to_string(s.log_dir.join("control.log")).unwrap_or_default()
+    }
+
+    /// The daemon's sockets must fit a Unix socket path (107 bytes): the
+    /// pipe directory's name is short whatever the GPU's and group's, and
+    /// a work dir too long even for that is refused with the reason
+    /// before the daemon fails silently (the real one exits 1 with
+    /// nothing said, and so does the fake).
+    #[test]
+    fn pipe_directories_fit_a_unix_socket_path() {
+        let dir = tempfile::tempdir().unwrap();
+        let base = dir.path().to_string_lossy().len();
+        // A root where the old layout, <gpu>/<group>/pipe/, was too long.
+        let root = dir.path().join("w".repeat(50 - base)).join("mps");
+        let (gpu, group) = ("GPU-e3fcdd08-83ff-e10e-ac6c-3b4dc1b454ed", "team-a.u80000");
+        let old = root.join(gpu).join(group).join("pipe/control_privileged");
+        assert!(old.as_os_str().len() > SOCKET_PATH_MAX);
+        let mps = Mps::new(Some(fake_control()), root.clone());
+        let s = mps.acquire("t1", gpu, group).unwrap();
+        assert!(s.pid().is_some());
+        assert!(s.pipe_dir.join(LONGEST_SOCKET).as_os_str().len() <= SOCKET_PATH_MAX);
+        assert_eq!(s.pipe_dir, mps.server(gpu, group).pipe_dir, "stable");
+        let link = root.join(gpu).join(group).join("pipe");
+        assert_eq!(std::fs::read_link(&link).unwrap(), s.pipe_dir);
+        assert_ne!(s.pipe_dir, mps.server(gpu, "team-b.u80001").pipe_dir);
+        // A new agent finds the daemon (and never takes .pipes for a GPU).
+        let again = Mps::new(Some(fake_control()), root.clone());
+        again.notice_running();
+        let found: Vec<_> = again.running().into_iter().map(|(s, _)| s).collect();
+        assert_eq!(found, vec![s.clone()]);
+        mps.stop(&s).unwrap();
+
+        // Too long even so: refused, naming the cause.
+        let deep = dir.path().join("d".repeat(80 - base)).join("mps");
+        let mps = Mps::new(Some(fake_control()), deep.clone());
+        let err = mps.acquire("t2", gpu, group).unwrap_err().to_string();
+        assert!(
+            err.contains("--work-dir") && err.contains("Unix socket"),
+            "{err}"
+        );
+        assert!(socket_path_problem(&deep).is_some());
+        assert!(socket_path_problem(&root).is_none());
+        // The fake fails as the real daemon does past the limit.
+        let pipe = deep.join("p".repeat(40));
+        let out = std::process::Command::new(fake_control())
+            .arg("-d")
+            .env("CUDA_MPS_PIPE_DIRECTORY", &pipe)
+            .env("CUDA_MPS_LOG_DIRECTORY", dir.path().join("log"))
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(1));
+        assert!(out.stderr.is_empty());
     }
 
     /// The real daemon's life with the fake control program: one daemon
