@@ -168,13 +168,25 @@ pub fn probe(
 }
 
 /// Whether `/proc/<pid>/cgroup` puts the process in the root of the v1
-/// devices hierarchy.
+/// devices hierarchy and nowhere below the root of the unified one. A
+/// container of a cgroup v2 runtime on a host that also mounts a v1
+/// devices hierarchy is in that v1 root while its v2 cgroup's device
+/// program governs it (the kernel applies both): probed from both, it is
+/// seen as it is. (On an H200 host with such a mount, every MPS container
+/// was refused as "ending" before this looked at the v2 line.)
 fn in_root_devices_cgroup(proc_cgroup: &str) -> bool {
-    proc_cgroup.lines().any(|l| {
+    let mut v1_root = false;
+    let mut v2_below_root = false;
+    for l in proc_cgroup.lines() {
         let mut parts = l.splitn(3, ':');
         let (_, ctrls, path) = (parts.next(), parts.next(), parts.next());
-        ctrls.is_some_and(|c| c.split(',').any(|c| c == "devices")) && path == Some("/")
-    })
+        match ctrls {
+            Some("") => v2_below_root |= path.is_some_and(|p| p != "/"),
+            Some(c) if c.split(',').any(|c| c == "devices") => v1_root |= path == Some("/"),
+            _ => {}
+        }
+    }
+    v1_root && !v2_below_root
 }
 
 /// Whether what the probe saw is what the task was given: every node in
@@ -280,6 +292,10 @@ mod tests {
         assert!(
             !in_root_devices_cgroup("0::/\n"),
             "v2 only: no v1 devices line"
+        );
+        assert!(
+            !in_root_devices_cgroup("5:devices:/\n0::/system.slice/docker-c1.scope\n"),
+            "a v2 runtime's container beside a v1 devices mount"
         );
     }
 }
