@@ -14,7 +14,8 @@
 #
 # Env: GPUCTL_BIN (dir of gpuctl, gpuctl-master, gpuctl-agent), OUT (results
 # dir), BUSYBOX (static busybox for the test image), NVCC (to build
-# cudacheck.cu; without it the CUDA checks are skipped).
+# cudacheck.cu; without it the CUDA checks are skipped), GPUCTL_HW_SKIP
+# (sections to skip, of: mig mps).
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd)
 BIN=${GPUCTL_BIN:-target/release}
@@ -367,7 +368,9 @@ sec mig
 gj() { $G gpus --json | python3 -c "import json,sys; g=json.load(sys.stdin)[0]; $1"; }
 GPU0=$(gj 'print(g["uuid"])')
 nvidia-smi -i 0 --query-gpu=mig.mode.current,mig.mode.pending --format=csv 2>&1 | tee "$OUT/mig-mode.txt"
-if [ "$(gj 'print((g.get("mig") or {}).get("capable", False))')" != True ]; then
+if [[ " ${GPUCTL_HW_SKIP:-} " == *" mig "* ]]; then
+  skip mig "skipped: GPUCTL_HW_SKIP"
+elif [ "$(gj 'print((g.get("mig") or {}).get("capable", False))')" != True ]; then
   skip mig "GPU 0 has no MIG (NVML reports no MIG mode)"
 else
   $G gpus --json >"$OUT/mig-before.json"
@@ -401,7 +404,9 @@ sec mps
 # Fractions of an MPS-shared GPU (issue 34): the agent's MPS daemon, the
 # per-process limit MPS enforces, and the task total the agent holds.
 GPU0=${GPU0:-$($G gpus --json | python3 -c 'import json,sys;print(json.load(sys.stdin)[0]["uuid"])')}
-if ! command -v nvidia-cuda-mps-control >/dev/null; then
+if [[ " ${GPUCTL_HW_SKIP:-} " == *" mps "* ]]; then
+  skip mps "skipped: GPUCTL_HW_SKIP"
+elif ! command -v nvidia-cuda-mps-control >/dev/null; then
   skip mps "no nvidia-cuda-mps-control on this host"
 elif [ "$CUDA" != 1 ]; then
   skip mps "no nvcc: cudacheck not built"
