@@ -1,12 +1,24 @@
 //! `raft::Storage` on sled: the log, the hard state and the conf state of one
 //! master, under `<data-dir>/raft`.
 //!
-//! Entries live in the tree `entries`, keyed by big-endian index so that
-//! sled's order is log order; metadata in the tree `meta`. Writes are
+//! The log since the snapshot is kept in memory ([`Meta::log`]): raft-rs
+//! reads it constantly (entries to send, terms to compare), and sled's B-tree
+//! is only written for durability and read at open. On disk, each `append`
+//! is one key of the tree `log` (its first index, big-endian, so that sled's
+//! order is log order) holding its entries: one sled insert per ready, not
+//! one per entry, and a compaction removes a few keys, not every entry (a
+//! sled insert or remove per entry was about a third of the CPU of three
+//! masters placing jobs). Metadata lives in the tree `meta`. Writes are
 //! buffered by sled until [`SledStorage::flush`], which the ready loop calls
 //! before anything that depends on them (replying to a proposal, sending
 //! persisted messages) happens.
+//!
+//! Older versions kept one entry per key in the tree `entries`; open moves
+//! such a log into `log`. A version before that cannot read `log` (it
+//! would see an empty log and stop): downgrades past this change are not
+//! supported (docs/operations.md).
 
+use std::collections::{BTreeMap, VecDeque};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
@@ -29,14 +41,63 @@ pub enum StorageInitError {
     Corrupt { path: PathBuf, reason: String },
 }
 
-/// Cached copies of the small metadata, so that `term`, `first_index` and
-/// `last_index` (called constantly) do not hit sled.
+/// Cached copies of the metadata and the log, so that raft-rs's reads
+/// (`entries`, `term`, `first_index`, `last_index`, called constantly) do
+/// not hit sled.
 #[derive(Debug, Default)]
 struct Meta {
     hard_state: HardState,
     conf_state: ConfState,
     snapshot: SnapshotMetadata,
     last_index: u64,
+    /// Every entry after the snapshot, in order: `log[0]` has index
+    /// `snapshot.index + 1`, the last has `last_index`.
+    log: VecDeque<Entry>,
+    /// The keys of the tree `log`: the first index of each stored batch
+    /// and its last. A batch may begin before the snapshot (its front is
+    /// compacted); it is removed once all of it is.
+    batches: BTreeMap<u64, u64>,
+}
+
+impl Meta {
+    fn first_index(&self) -> u64 {
+        self.snapshot.index + 1
+    }
+
+    fn get(&self, index: u64) -> Option<&Entry> {
+        let at = index.checked_sub(self.first_index())?;
+        self.log.get(usize::try_from(at).ok()?)
+    }
+}
+
+/// A batch of entries as stored under one key: each entry's length (u32,
+/// big-endian), then the entry (protobuf).
+fn encode_batch(ents: &[Entry]) -> raft::Result<Vec<u8>> {
+    let mut out = Vec::new();
+    for e in ents {
+        let bytes = e.write_to_bytes().map_err(store_err)?;
+        let len = u32::try_from(bytes.len()).map_err(store_err)?;
+        out.extend_from_slice(&len.to_be_bytes());
+        out.extend_from_slice(&bytes);
+    }
+    Ok(out)
+}
+
+fn decode_batch(mut b: &[u8]) -> Result<Vec<Entry>, String> {
+    let mut out = Vec::new();
+    while !b.is_empty() {
+        let (len, rest) = b
+            .split_first_chunk::<4>()
+            .ok_or("a batch ends inside an entry's length")?;
+        let len = u32::from_be_bytes(*len) as usize;
+        if rest.len() < len {
+            return Err("a batch ends inside an entry".into());
+        }
+        let (e, rest) = rest.split_at(len);
+        out.push(Entry::parse_from_bytes(e).map_err(|e| e.to_string())?);
+        b = rest;
+    }
+    Ok(out)
 }
 
 /// Cheap to clone: the node's loop and the thread that stores a snapshot
@@ -45,7 +106,8 @@ struct Meta {
 #[derive(Clone)]
 pub struct SledStorage {
     db: sled::Db,
-    entries: sled::Tree,
+    /// The log's batches (one per append), by first index.
+    log: sled::Tree,
     meta_tree: sled::Tree,
     /// Snapshot data by index (the one `Meta::snapshot` names; older ones
     /// are removed once a newer is durable). A tree of its own: sled
@@ -94,7 +156,7 @@ impl SledStorage {
             source,
         };
         let db = open_db(&path).map_err(open_err)?;
-        let entries = db.open_tree("entries").map_err(open_err)?;
+        let log = db.open_tree("log").map_err(open_err)?;
         let meta_tree = db.open_tree("meta").map_err(open_err)?;
         let snapshots = db.open_tree("snapshots").map_err(open_err)?;
         let corrupt = |what: &str, e: &dyn std::fmt::Display| StorageInitError::Corrupt {
@@ -123,19 +185,51 @@ impl SledStorage {
                 meta.conf_state = cs;
             }
         }
-        meta.last_index = match entries.last().map_err(open_err)? {
-            Some((k, _)) => {
-                let k: [u8; 8] = k
-                    .as_ref()
-                    .try_into()
-                    .map_err(|_| StorageInitError::Corrupt {
-                        path: path.clone(),
-                        reason: "entry key is not 8 bytes".into(),
-                    })?;
-                u64::from_be_bytes(k)
+        // A log of one entry per key (older versions) becomes one batch.
+        let legacy = db.open_tree("entries").map_err(open_err)?;
+        if !legacy.is_empty() {
+            let mut ents = Vec::new();
+            for kv in legacy.iter() {
+                let (_, v) = kv.map_err(open_err)?;
+                ents.push(Entry::parse_from_bytes(&v).map_err(|e| corrupt("entry", &e))?);
             }
-            None => meta.snapshot.index,
-        };
+            if let Some(first) = ents.first() {
+                let bytes = encode_batch(&ents).map_err(|e| corrupt("entry", &e))?;
+                log.insert(key(first.index), bytes).map_err(open_err)?;
+            }
+            db.flush().map_err(open_err)?;
+            legacy.clear().map_err(open_err)?;
+        }
+        let mut next = meta.snapshot.index + 1;
+        for kv in log.iter() {
+            let (k, v) = kv.map_err(open_err)?;
+            let k: [u8; 8] = k
+                .as_ref()
+                .try_into()
+                .map_err(|_| corrupt("log key", &"not 8 bytes"))?;
+            let ents = decode_batch(&v).map_err(|e| corrupt("log batch", &e))?;
+            let (Some(first), Some(last)) = (ents.first(), ents.last()) else {
+                continue;
+            };
+            if first.index != u64::from_be_bytes(k) {
+                return Err(corrupt("log batch", &"its key is not its first index"));
+            }
+            meta.batches.insert(first.index, last.index);
+            for e in ents {
+                if e.index < next {
+                    continue; // compacted
+                }
+                if e.index != next {
+                    return Err(corrupt(
+                        "log",
+                        &format!("entry {} follows {}", e.index, next - 1),
+                    ));
+                }
+                next += 1;
+                meta.log.push_back(e);
+            }
+        }
+        meta.last_index = next - 1;
         // A snapshot kept where older versions kept it moves to its tree.
         if let Some(data) = meta_tree.get(KEY_SNAPSHOT_DATA).map_err(open_err)? {
             snapshots
@@ -147,7 +241,7 @@ impl SledStorage {
         db.flush().map_err(open_err)?;
         Ok(SledStorage {
             db,
-            entries,
+            log,
             meta_tree,
             snapshots,
             meta: std::sync::Arc::new(Mutex::new(meta)),
@@ -163,19 +257,53 @@ impl SledStorage {
     /// Appends entries, first dropping any existing entries at or after the
     /// first new index (a new leader may overwrite an uncommitted suffix).
     pub fn append(&self, ents: &[Entry]) -> raft::Result<()> {
-        let Some(first) = ents.first() else {
+        let (Some(first), Some(last)) = (ents.first(), ents.last()) else {
             return Ok(());
         };
         let mut meta = self.meta();
+        if first.index < meta.first_index() || first.index > meta.last_index + 1 {
+            return Err(store_err(format!(
+                "cannot append at {}: the log holds {} to {}",
+                first.index,
+                meta.first_index(),
+                meta.last_index
+            )));
+        }
         let mut batch = sled::Batch::default();
-        for i in first.index..=meta.last_index {
-            batch.remove(&key(i));
+        if first.index <= meta.last_index {
+            // Batches from the first new index on go; the one it cuts keeps
+            // its front (from the first entry not compacted).
+            let cut: Vec<(u64, u64)> = meta
+                .batches
+                .range(..)
+                .filter(|(_, &l)| l >= first.index)
+                .map(|(&f, &l)| (f, l))
+                .collect();
+            for (f, _) in &cut {
+                batch.remove(&key(*f));
+                meta.batches.remove(f);
+            }
+            let keep = (first.index - meta.first_index()) as usize;
+            meta.log.truncate(keep);
+            if let Some(&(f, _)) = cut.first().filter(|(f, _)| *f < first.index) {
+                let from = f.max(meta.first_index());
+                let front: Vec<Entry> = meta
+                    .log
+                    .iter()
+                    .skip((from - meta.first_index()) as usize)
+                    .cloned()
+                    .collect();
+                if !front.is_empty() {
+                    batch.insert(&key(from), encode_batch(&front)?);
+                    meta.batches.insert(from, first.index - 1);
+                }
+            }
         }
-        for e in ents {
-            batch.insert(&key(e.index), e.write_to_bytes().map_err(store_err)?);
-        }
-        self.entries.apply_batch(batch).map_err(store_err)?;
-        meta.last_index = ents.last().map_or(meta.last_index, |e| e.index);
+        batch.insert(&key(first.index), encode_batch(ents)?);
+        self.log.apply_batch(batch).map_err(store_err)?;
+        meta.batches.insert(first.index, last.index);
+        meta.log.extend(ents.iter().cloned());
+        meta.last_index = last.index;
         Ok(())
     }
 
@@ -240,7 +368,7 @@ impl SledStorage {
         // names it, the snapshot before stays whole.
         self.snapshots.insert(key(index), data).map_err(store_err)?;
         self.db.flush().map_err(store_err)?;
-        let before = {
+        let gone = {
             let mut meta = self.meta();
             if index <= meta.snapshot.index {
                 return Ok(());
@@ -248,17 +376,29 @@ impl SledStorage {
             self.meta_tree
                 .insert(KEY_SNAPSHOT_META, sm.write_to_bytes().map_err(store_err)?)
                 .map_err(store_err)?;
-            let before = meta.snapshot.index;
+            let drop = ((index - meta.snapshot.index) as usize).min(meta.log.len());
+            meta.log.drain(..drop);
             meta.snapshot = sm;
-            before
+            // Batches wholly compacted; one that straddles the snapshot
+            // stays (open skips its front).
+            let gone: Vec<u64> = meta
+                .batches
+                .iter()
+                .filter(|(_, &l)| l <= index)
+                .map(|(&f, _)| f)
+                .collect();
+            for f in &gone {
+                meta.batches.remove(f);
+            }
+            gone
         };
         self.db.flush().map_err(store_err)?;
         self.forget_snapshots_before(index)?;
         let mut batch = sled::Batch::default();
-        for i in (before + 1)..=index {
-            batch.remove(&key(i));
+        for f in gone {
+            batch.remove(&key(f));
         }
-        self.entries.apply_batch(batch).map_err(store_err)?;
+        self.log.apply_batch(batch).map_err(store_err)?;
         Ok(())
     }
 
@@ -291,9 +431,11 @@ impl SledStorage {
             .map_err(store_err)?;
         // Every entry is superseded: those before by the snapshot, those
         // after belong to a log that disagreed with the leader's.
-        self.entries.clear().map_err(store_err)?;
+        self.log.clear().map_err(store_err)?;
         self.db.flush().map_err(store_err)?;
         self.forget_snapshots_before(sm.index)?;
+        meta.log.clear();
+        meta.batches.clear();
         meta.last_index = sm.index;
         meta.conf_state = sm.get_conf_state().clone();
         meta.hard_state = hs;
@@ -337,7 +479,7 @@ impl SledStorage {
     }
 
     fn first_index_locked(meta: &Meta) -> u64 {
-        meta.snapshot.index + 1
+        meta.first_index()
     }
 }
 
@@ -358,74 +500,43 @@ impl Storage for SledStorage {
         _context: GetEntriesContext,
     ) -> raft::Result<Vec<Entry>> {
         let max_size = max_size.into();
-        let (first, last) = {
-            let meta = self.meta();
-            (Self::first_index_locked(&meta), meta.last_index)
-        };
-        if low < first {
+        let meta = self.meta();
+        if low < meta.first_index() {
             return Err(raft::Error::Store(StorageError::Compacted));
         }
-        if high > last + 1 {
+        if high > meta.last_index + 1 {
             return Err(raft::Error::Store(StorageError::Unavailable));
         }
-        let mut out = Vec::with_capacity((high - low) as usize);
+        let mut out = Vec::with_capacity(high.saturating_sub(low) as usize);
         let mut size = 0u64;
-        for kv in self.entries.range(key(low)..key(high)) {
-            let (_, v) = kv.map_err(store_err)?;
-            let e = Entry::parse_from_bytes(&v).map_err(store_err)?;
+        for i in low..high {
+            let Some(e) = meta.get(i) else {
+                return Err(store_err(format!("entry {i} missing from the log")));
+            };
             size += u64::from(e.compute_size());
             // Always return at least one entry, as the trait requires.
             if !out.is_empty() && max_size.is_some_and(|m| size > m) {
                 break;
             }
-            out.push(e);
-        }
-        let short = low < high
-            && (out.first().is_none_or(|e| e.index != low)
-                || (out.len() as u64 != high - low && max_size.is_none()));
-        if short {
-            // Entries removed under us by a compaction (on its own thread).
-            if low < Self::first_index_locked(&self.meta()) {
-                return Err(raft::Error::Store(StorageError::Compacted));
-            }
-            return Err(store_err(format!(
-                "log has a hole between {low} and {high}"
-            )));
+            out.push(e.clone());
         }
         Ok(out)
     }
 
     fn term(&self, idx: u64) -> raft::Result<u64> {
-        let (snap_index, snap_term, first, last) = {
-            let meta = self.meta();
-            (
-                meta.snapshot.index,
-                meta.snapshot.term,
-                Self::first_index_locked(&meta),
-                meta.last_index,
-            )
-        };
-        if idx == snap_index {
-            return Ok(snap_term);
+        let meta = self.meta();
+        if idx == meta.snapshot.index {
+            return Ok(meta.snapshot.term);
         }
-        if idx < first {
+        if idx < meta.first_index() {
             return Err(raft::Error::Store(StorageError::Compacted));
         }
-        if idx > last {
+        if idx > meta.last_index {
             return Err(raft::Error::Store(StorageError::Unavailable));
         }
-        let Some(v) = self.entries.get(key(idx)).map_err(store_err)? else {
-            // Removed under us by a compaction (on its own thread).
-            let meta = self.meta();
-            if idx == meta.snapshot.index {
-                return Ok(meta.snapshot.term);
-            }
-            if idx < Self::first_index_locked(&meta) {
-                return Err(raft::Error::Store(StorageError::Compacted));
-            }
-            return Err(store_err(format!("entry {idx} missing")));
-        };
-        Ok(Entry::parse_from_bytes(&v).map_err(store_err)?.term)
+        meta.get(idx)
+            .map(|e| e.term)
+            .ok_or_else(|| store_err(format!("entry {idx} missing from the log")))
     }
 
     fn first_index(&self) -> raft::Result<u64> {
@@ -673,5 +784,124 @@ mod tests {
             .entries(4, 5, None, GetEntriesContext::empty(false))
             .unwrap();
         assert_eq!(ents[0].index, 4);
+    }
+
+    /// The log as raft-rs sees it, read back whole.
+    fn read_all(s: &SledStorage) -> Vec<(u64, u64, Vec<u8>)> {
+        let (first, last) = (s.first_index().unwrap(), s.last_index().unwrap());
+        s.entries(first, last + 1, None, GetEntriesContext::empty(false))
+            .unwrap()
+            .into_iter()
+            .map(|e| (e.index, e.term, e.data.to_vec()))
+            .collect()
+    }
+
+    /// Appends (some overwriting a suffix, some cutting a stored batch),
+    /// compactions (some straddling a batch) and reopens in any order: the
+    /// log read back, live and after a reopen, is always the model's, and
+    /// the tree holds one key per batch, not one per entry.
+    #[test]
+    fn the_log_in_batches_matches_a_model_through_overwrites_compactions_and_reopens() {
+        use proptest::prelude::*;
+        use proptest::test_runner::{Config, TestRunner};
+        #[derive(Debug, Clone)]
+        enum Op {
+            /// Append `n` entries from `back` entries before the end.
+            Append {
+                back: u64,
+                n: u64,
+            },
+            /// Compact at a fraction of the log, in 1/8ths.
+            Compact(u64),
+            Reopen,
+        }
+        let op = prop_oneof![
+            4 => (0u64..6, 1u64..9).prop_map(|(back, n)| Op::Append { back, n }),
+            1 => (0u64..9).prop_map(Op::Compact),
+            1 => Just(Op::Reopen),
+        ];
+        let mut runner = TestRunner::new(Config {
+            cases: 64,
+            ..Config::default()
+        });
+        runner
+            .run(&proptest::collection::vec(op, 1..40), |ops| {
+                let dir = tempfile::tempdir().unwrap();
+                let mut s = SledStorage::open(dir.path(), &[1]).unwrap();
+                // The model: the snapshot's index and the entries after it.
+                let (mut snap, mut model): (u64, Vec<(u64, u64, Vec<u8>)>) = (0, Vec::new());
+                let mut term = 1;
+                for op in ops {
+                    match op {
+                        Op::Append { back, n } => {
+                            let last = snap + model.len() as u64;
+                            let from = (last + 1).saturating_sub(back).max(snap + 1);
+                            term += 1;
+                            let ents: Vec<Entry> = (from..from + n)
+                                .map(|i| Entry {
+                                    index: i,
+                                    term,
+                                    data: format!("{i}@{term}").into_bytes().into(),
+                                    ..Default::default()
+                                })
+                                .collect();
+                            s.append(&ents).unwrap();
+                            model.truncate((from - snap - 1) as usize);
+                            model.extend(ents.iter().map(|e| (e.index, e.term, e.data.to_vec())));
+                        }
+                        Op::Compact(eighths) => {
+                            let at = snap + model.len() as u64 * eighths / 8;
+                            if at > snap {
+                                let t = model[(at - snap - 1) as usize].1;
+                                s.compact(at, t, format!("state@{at}").into_bytes())
+                                    .unwrap();
+                                model.drain(..(at - snap) as usize);
+                                snap = at;
+                            }
+                        }
+                        Op::Reopen => {
+                            s.flush().unwrap();
+                            drop(s);
+                            s = SledStorage::open(dir.path(), &[1]).unwrap();
+                        }
+                    }
+                    prop_assert_eq!(s.first_index().unwrap(), snap + 1);
+                    prop_assert_eq!(read_all(&s), model.clone());
+                    prop_assert_eq!(s.log.len(), s.meta().batches.len());
+                }
+                s.flush().unwrap();
+                drop(s);
+                let s = SledStorage::open(dir.path(), &[1]).unwrap();
+                prop_assert_eq!(read_all(&s), model);
+                Ok(())
+            })
+            .unwrap();
+    }
+
+    /// A data dir of an older version (one entry per key in `entries`) is
+    /// read, and moved into batches once.
+    #[test]
+    fn a_log_of_one_entry_per_key_moves_into_batches() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let s = SledStorage::open(dir.path(), &[1]).unwrap();
+            let legacy = s.db.open_tree("entries").unwrap();
+            for i in 1..=5 {
+                legacy
+                    .insert(key(i), entry(i, 1).write_to_bytes().unwrap())
+                    .unwrap();
+            }
+            s.flush().unwrap();
+        }
+        let s = SledStorage::open(dir.path(), &[1]).unwrap();
+        assert_eq!(s.last_index().unwrap(), 5);
+        assert_eq!(read_all(&s).len(), 5);
+        assert_eq!(read_all(&s)[4].2, b"e5");
+        assert!(s.db.open_tree("entries").unwrap().is_empty());
+        assert_eq!(s.log.len(), 1, "one batch");
+        s.append(&[entry(6, 2)]).unwrap();
+        drop(s);
+        let s = SledStorage::open(dir.path(), &[1]).unwrap();
+        assert_eq!(read_all(&s).len(), 6);
     }
 }

@@ -1801,10 +1801,17 @@ fn sled_sizes(path: &Path) -> SledSizes {
         }
     };
     let mut s = SledSizes::default();
-    if let Ok(entries) = db.open_tree("entries") {
-        for (_, v) in entries.iter().flatten() {
-            s.entries += 1;
+    // The log: one key per append, each a run of (u32 length, entry).
+    if let Ok(log) = db.open_tree("log") {
+        for (_, v) in log.iter().flatten() {
             s.entry_bytes += v.len() as u64;
+            let mut b: &[u8] = &v;
+            while let Some((len, rest)) = b.split_first_chunk::<4>() {
+                s.entries += 1;
+                b = rest
+                    .get(u32::from_be_bytes(*len) as usize..)
+                    .unwrap_or_default();
+            }
         }
     }
     // The latest snapshot (older ones are removed once it is durable).
