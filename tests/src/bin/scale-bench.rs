@@ -1760,7 +1760,7 @@ impl std::fmt::Display for SledSizes {
         }
         write!(
             f,
-            "log: {} entries, {}; snapshot {}; sled size on disk {}",
+            "log: {} entries, {}; snapshot {}; on disk (sled and the snapshot) {}",
             self.entries,
             mib(self.entry_bytes as f64),
             mib(self.snapshot_bytes as f64),
@@ -1814,15 +1814,18 @@ fn sled_sizes(path: &Path) -> SledSizes {
             }
         }
     }
-    // The latest snapshot (older ones are removed once it is durable).
-    if let Ok(snapshots) = db.open_tree("snapshots") {
-        s.snapshot_bytes = snapshots
-            .last()
-            .ok()
-            .flatten()
-            .map_or(0, |(_, v)| v.len() as u64);
-    }
-    s.on_disk = db.size_on_disk().unwrap_or(0);
+    // The latest snapshot, a file beside sled's directory (older ones are
+    // removed once it is durable).
+    let snaps = path.with_file_name("raft-snapshots");
+    s.snapshot_bytes = std::fs::read_dir(&snaps)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".snap"))
+        .max_by_key(|e| e.file_name())
+        .and_then(|e| e.metadata().ok())
+        .map_or(0, |m| m.len());
+    s.on_disk = db.size_on_disk().unwrap_or(0) + s.snapshot_bytes;
     s
 }
 
