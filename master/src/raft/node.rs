@@ -292,6 +292,8 @@ pub enum NodeError {
     Raft(#[from] raft::Error),
     #[error("snapshot of the state machine: {0}")]
     Snapshot(#[from] serde_json::Error),
+    #[error("snapshot of the state machine: zstd: {0}")]
+    SnapshotCodec(std::io::Error),
     #[error("starting the raft node's thread: {0}")]
     Thread(std::io::Error),
     #[error("the raft node's thread panicked")]
@@ -299,6 +301,34 @@ pub enum NodeError {
 }
 
 type CcReply = oneshot::Sender<Result<(), ProposeError>>;
+
+/// zstd's level for snapshots: its fastest; the state's JSON shrinks about
+/// tenfold (jobs and agents repeat their field names and values), so a
+/// snapshot is stored, kept and sent to a follower at a tenth of the size.
+const SNAPSHOT_ZSTD_LEVEL: i32 = 1;
+/// The first bytes of a zstd frame: a snapshot that starts with them is
+/// compressed; older ones are plain JSON (they start with `{`).
+const ZSTD_MAGIC: [u8; 4] = [0x28, 0xb5, 0x2f, 0xfd];
+
+/// A snapshot of `state`: its JSON, compressed, and the JSON's size (what
+/// the snapshot cadence compares the log with).
+pub(crate) fn encode_snapshot(state: &State) -> Result<(Vec<u8>, usize), NodeError> {
+    let json = serde_json::to_vec(state)?;
+    let data =
+        zstd::bulk::compress(&json, SNAPSHOT_ZSTD_LEVEL).map_err(NodeError::SnapshotCodec)?;
+    Ok((data, json.len()))
+}
+
+/// The state in a snapshot, compressed or (written by an older master)
+/// plain JSON, and the JSON's size.
+pub(crate) fn decode_snapshot(data: &[u8]) -> Result<(State, usize), NodeError> {
+    if data.starts_with(&ZSTD_MAGIC) {
+        let json = zstd::stream::decode_all(data).map_err(NodeError::SnapshotCodec)?;
+        Ok((serde_json::from_slice(&json)?, json.len()))
+    } else {
+        Ok((serde_json::from_slice(data)?, data.len()))
+    }
+}
 
 struct Node {
     raw: RawNode<SledStorage>,
@@ -366,10 +396,10 @@ pub fn start(
     let voters = storage.conf_state().voters.clone();
     // Start from the latest snapshot, then replay the log after it.
     let (snap_meta, snap_data) = storage.snapshot_data()?;
-    let initial_state = if snap_data.is_empty() {
-        State::new()
+    let (initial_state, snap_json_bytes) = if snap_data.is_empty() {
+        (State::new(), 0)
     } else {
-        serde_json::from_slice::<State>(&snap_data)?
+        decode_snapshot(&snap_data)?
     };
     for (id, addr) in initial_state.masters() {
         addresses.set(*id, addr);
@@ -445,7 +475,7 @@ pub fn start(
         snapshot_every: config.snapshot_every.max(1),
         snapshot_index,
         log_bytes_since_snapshot: 0,
-        last_snapshot_bytes: snap_data.len() as u64,
+        last_snapshot_bytes: snap_json_bytes as u64,
         snapshot_due: false,
         snapshot_job: None,
         lead_start: None,
@@ -740,7 +770,7 @@ impl Node {
     /// its compacted log: store it, then replace the state with it.
     fn install_snapshot(&mut self, snap: &Snapshot) -> Result<(), NodeError> {
         let meta = snap.get_metadata();
-        let new_state: State = serde_json::from_slice(&snap.data)?;
+        let (new_state, json_bytes) = decode_snapshot(&snap.data)?;
         self.raw.store().apply_snapshot(snap)?;
         for (id, addr) in new_state.masters() {
             self.addresses.set(*id, addr);
@@ -752,6 +782,7 @@ impl Node {
         );
         *self.state.write().unwrap_or_else(|p| p.into_inner()) = new_state;
         self.snapshot_index = meta.index;
+        self.last_snapshot_bytes = json_bytes as u64;
         self.wake_touched(meta.index);
         self.applied_tx.send_replace(meta.index);
         Ok(())
@@ -800,15 +831,15 @@ impl Node {
         let storage = self.raw.store().clone();
         let (tx, rx) = oneshot::channel();
         tokio::task::spawn_blocking(move || {
-            let stored = serde_json::to_vec(&copy)
-                .map_err(|e| e.to_string())
-                .and_then(|data| {
-                    let bytes = data.len();
-                    storage
-                        .compact(applied, term, data)
-                        .map(|()| bytes)
-                        .map_err(|e| e.to_string())
-                });
+            let stored =
+                encode_snapshot(&copy)
+                    .map_err(|e| e.to_string())
+                    .and_then(|(data, json_bytes)| {
+                        storage
+                            .compact(applied, term, data)
+                            .map(|()| json_bytes)
+                            .map_err(|e| e.to_string())
+                    });
             let _ = tx.send(stored);
         });
         self.snapshot_job = Some(SnapshotJob {
@@ -818,7 +849,8 @@ impl Node {
         Ok(())
     }
 
-    /// A snapshot at `index` of `bytes` is stored and the log compacted.
+    /// A snapshot at `index` of `bytes` (of JSON, before compression) is
+    /// stored and the log compacted.
     fn snapshot_stored(&mut self, index: u64, bytes: usize) {
         // One installed from the leader meanwhile may be newer.
         if index > self.snapshot_index {
@@ -828,14 +860,18 @@ impl Node {
         }
     }
 
-    fn store_snapshot(&mut self, index: u64, term: u64, data: Vec<u8>) -> Result<(), NodeError> {
+    fn store_snapshot(
+        &mut self,
+        index: u64,
+        term: u64,
+        (data, json_bytes): (Vec<u8>, usize),
+    ) -> Result<(), NodeError> {
         if index <= self.snapshot_index {
             // A newer one was installed or taken meanwhile.
             return Ok(());
         }
-        let bytes = data.len();
         self.raw.store().compact(index, term, data)?;
-        self.snapshot_stored(index, bytes);
+        self.snapshot_stored(index, json_bytes);
         Ok(())
     }
 
@@ -845,7 +881,7 @@ impl Node {
             if s.applied_index() <= self.snapshot_index {
                 return Ok(());
             }
-            (s.applied_index(), serde_json::to_vec(&*s)?)
+            (s.applied_index(), encode_snapshot(&s)?)
         };
         let term = self.raw.raft.raft_log.term(applied)?;
         self.store_snapshot(applied, term, data)
@@ -1073,8 +1109,21 @@ mod tests {
             assert!(!data.is_empty());
             // The state serialized off the loop is the one at the
             // snapshot's index, not a later one.
-            let snap: State = serde_json::from_slice(&data).unwrap();
+            assert!(data.starts_with(&ZSTD_MAGIC), "compressed");
+            let (snap, _) = decode_snapshot(&data).unwrap();
             assert_eq!(snap.applied_index(), meta.index);
+            // A snapshot an older master wrote, plain JSON, still reads.
+            let json = serde_json::to_vec(&snap).unwrap();
+            assert_eq!(
+                decode_snapshot(&json).unwrap().0.applied_index(),
+                meta.index
+            );
+            assert!(
+                data.len() * 3 < json.len(),
+                "{} of {}",
+                data.len(),
+                json.len()
+            );
             assert_eq!(storage.first_index().unwrap(), meta.index + 1);
         }
         // Restarted from the snapshot plus the log after it: the same state,
