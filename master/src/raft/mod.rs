@@ -14,7 +14,10 @@ pub(crate) mod sim;
 use std::collections::BTreeMap;
 use std::sync::{Arc, RwLock};
 
-pub use node::{NodeStatus, ProposeError, RaftHandle, RaftNodeConfig, Reporter, Role, RoleStatus};
+pub use node::{
+    decode_snapshot, encode_snapshot, state_at_rest, NodeStatus, ProposeError, RaftHandle,
+    RaftNodeConfig, Reporter, Role, RoleStatus,
+};
 pub use storage::SledStorage;
 pub use transport::{GrpcTransport, Transport};
 pub use wakeups::{AgentWakeup, AgentWakeups};

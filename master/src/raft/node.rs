@@ -312,16 +312,44 @@ const ZSTD_MAGIC: [u8; 4] = [0x28, 0xb5, 0x2f, 0xfd];
 
 /// A snapshot of `state`: its JSON, compressed, and the JSON's size (what
 /// the snapshot cadence compares the log with).
-pub(crate) fn encode_snapshot(state: &State) -> Result<(Vec<u8>, usize), NodeError> {
+pub fn encode_snapshot(state: &State) -> Result<(Vec<u8>, usize), NodeError> {
     let json = serde_json::to_vec(state)?;
     let data =
         zstd::bulk::compress(&json, SNAPSHOT_ZSTD_LEVEL).map_err(NodeError::SnapshotCodec)?;
     Ok((data, json.len()))
 }
 
+/// The state a stopped master's data dir holds: its snapshot and every
+/// entry of its log after it, applied (committed or not). For tools and
+/// benchmarks; a master never reads its state this way.
+pub fn state_at_rest(data_dir: &std::path::Path) -> Result<State, NodeError> {
+    use raft::Storage as _;
+    let storage = SledStorage::open(data_dir, &[])
+        .map_err(|e| NodeError::Raft(raft::Error::Store(raft::StorageError::Other(e.into()))))?;
+    let (_, data) = storage.snapshot_data()?;
+    let mut state = if data.is_empty() {
+        State::new()
+    } else {
+        decode_snapshot(&data)?.0
+    };
+    let (first, last) = (storage.first_index()?, storage.last_index()?);
+    if first <= last {
+        let entries =
+            storage.entries(first, last + 1, None, raft::GetEntriesContext::empty(false))?;
+        for e in entries {
+            if e.get_entry_type() == EntryType::EntryNormal && !e.data.is_empty() {
+                if let Ok(cmd) = Command::decode(&e.data) {
+                    let _ = state.apply(e.index, &cmd);
+                }
+            }
+        }
+    }
+    Ok(state)
+}
+
 /// The state in a snapshot, compressed or (written by an older master)
 /// plain JSON, and the JSON's size.
-pub(crate) fn decode_snapshot(data: &[u8]) -> Result<(State, usize), NodeError> {
+pub fn decode_snapshot(data: &[u8]) -> Result<(State, usize), NodeError> {
     if data.starts_with(&ZSTD_MAGIC) {
         let json = zstd::stream::decode_all(data).map_err(NodeError::SnapshotCodec)?;
         Ok((serde_json::from_slice(&json)?, json.len()))

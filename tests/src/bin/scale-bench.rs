@@ -1723,6 +1723,39 @@ async fn cluster_phases(
         String::new(),
     );
     report.set("raft_storage", Value::Array(logs));
+    // The whole state at the end as a snapshot would store it (the last
+    // snapshot taken may be older: the log after it is replayed here).
+    match gpuctl_master::raft::state_at_rest(&data_dirs[leader]).and_then(|state| {
+        let (stored, json) = gpuctl_master::raft::encode_snapshot(&state)?;
+        Ok((state.jobs().len(), stored.len(), json))
+    }) {
+        Ok((jobs, stored, json)) => {
+            println!(
+                "state at the end as a snapshot: {jobs} jobs, {} of JSON, {} stored (zstd)",
+                mib(json as f64),
+                mib(stored as f64)
+            );
+            report.row(
+                "snapshot of the state at the end (leader)",
+                format!(
+                    "{} stored (zstd), {} of JSON",
+                    mib(stored as f64),
+                    mib(json as f64)
+                ),
+                format!(
+                    "{} jobs, {} agents",
+                    n0(jobs as f64),
+                    n0(opts.agents as f64)
+                ),
+                String::new(),
+            );
+            report.set(
+                "snapshot_at_end",
+                json!({"jobs": jobs, "stored_bytes": stored, "json_bytes": json}),
+            );
+        }
+        Err(e) => println!("state at the end: not read: {e}"),
+    }
     let unreachable_marks = std::fs::read_to_string(root.join("masters.log"))
         .map(|t| t.matches("marking it unreachable").count())
         .unwrap_or(0);
