@@ -358,91 +358,70 @@ async fn session(
     let mut health_open = true;
     let mut desired = DesiredSet::new();
     loop {
-        tokio::select! {
-            msg = watch.next() => match msg {
-                Some(Ok(msg)) => match desired.apply_owned(msg) {
-                    // Acted on only once complete: a half-received snapshot
-                    // must not make the executor stop what it does not list.
-                    Ok(true) => executor.set_desired(Desired {
-                        run: desired.run().clone(),
-                        kill: desired.kill().clone(),
-                        notices: desired.notices().clone(),
-                    }),
-                    Ok(false) => {}
-                    // Skipping a bad spec would make the executor kill the
-                    // task if it were running; better to fail loudly and
-                    // start the session (and the snapshot) again.
-                    Err(e) => return SessionError::other(&addr, format!("master sent an invalid task: {e}"), true),
-                },
-                Some(Err(s)) => return SessionError::rpc(&addr, "watch tasks", s, true),
-                // A leader that steps down ends its streams.
-                None => return SessionError::other(&addr, "watch tasks: stream ended".into(), true),
+        // A heartbeat to send now: at its tick, or at once when a GPU's
+        // health changed (so the master stops placing work there at once).
+        let req = tokio::select! {
+            msg = watch.next() => {
+                match msg {
+                    Some(Ok(msg)) => match desired.apply_owned(msg) {
+                        // Acted on only once complete: a half-received snapshot
+                        // must not make the executor stop what it does not list.
+                        Ok(true) => executor.set_desired(Desired {
+                            run: desired.run().clone(),
+                            kill: desired.kill().clone(),
+                            notices: desired.notices().clone(),
+                        }),
+                        Ok(false) => {}
+                        // Skipping a bad spec would make the executor kill the
+                        // task if it were running; better to fail loudly and
+                        // start the session (and the snapshot) again.
+                        Err(e) => return SessionError::other(&addr, format!("master sent an invalid task: {e}"), true),
+                    },
+                    Some(Err(s)) => return SessionError::rpc(&addr, "watch tasks", s, true),
+                    // A leader that steps down ends its streams.
+                    None => return SessionError::other(&addr, "watch tasks: stream ended".into(), true),
+                }
+                continue;
             },
             changed = health.changed(), if health_open => {
                 if changed.is_err() {
                     health_open = false;
                     continue;
                 }
-                // A GPU's health changed: tell the master now rather than
-                // at the next tick, so it stops placing work there at once.
-                let req = {
-                    let snapshot = health.borrow();
-                    if snapshot.generation == told {
-                        continue;
-                    }
-                    told = snapshot.generation;
-                    heartbeat_request(&info.id, &snapshot, executor, mig)
-                };
+                let snapshot = health.borrow();
+                if snapshot.generation == told {
+                    continue;
+                }
+                told = snapshot.generation;
                 heartbeat.reset();
-                let sent_ms = crate::checkpoint::wall_ms();
-                refresh(masters, &addr, &mut client);
-                match client.heartbeat(req).await {
-                    Ok(r) => {
-                        let r = r.into_inner();
-                        mig_changes(mig, &r);
-                        if let Some(d) = new_interval(&r, interval) {
-                            interval = d;
-                            heartbeat = tokio::time::interval_at(tokio::time::Instant::now() + d, d);
-                            heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-                        }
-                    }
-                    Err(s) => {
-                        if gpuctl_proto::leader::heard(&s) {
-                            executor.record_contact(contact(sent_ms));
-                        }
-                        return SessionError::rpc(&addr, "heartbeat", s, true);
-                    }
-                }
-                executor.record_contact(contact(sent_ms));
-            }
+                heartbeat_request(&info.id, &snapshot, executor, mig)
+            },
             _ = heartbeat.tick() => {
-                let req = {
-                    let snapshot = health.borrow();
-                    told = snapshot.generation;
-                    heartbeat_request(&info.id, &snapshot, executor, mig)
-                };
-                let sent_ms = crate::checkpoint::wall_ms();
-                refresh(masters, &addr, &mut client);
-                match client.heartbeat(req).await {
-                    Ok(r) => {
-                        let r = r.into_inner();
-                        mig_changes(mig, &r);
-                        if let Some(d) = new_interval(&r, interval) {
-                            interval = d;
-                            heartbeat = tokio::time::interval_at(tokio::time::Instant::now() + d, d);
-                            heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-                        }
-                    }
-                    Err(s) => {
-                        if gpuctl_proto::leader::heard(&s) {
-                            executor.record_contact(contact(sent_ms));
-                        }
-                        return SessionError::rpc(&addr, "heartbeat", s, true);
-                    }
+                let snapshot = health.borrow();
+                told = snapshot.generation;
+                heartbeat_request(&info.id, &snapshot, executor, mig)
+            },
+        };
+        let sent_ms = crate::checkpoint::wall_ms();
+        refresh(masters, &addr, &mut client);
+        match client.heartbeat(req).await {
+            Ok(r) => {
+                let r = r.into_inner();
+                mig_changes(mig, &r);
+                if let Some(d) = new_interval(&r, interval) {
+                    interval = d;
+                    heartbeat = tokio::time::interval_at(tokio::time::Instant::now() + d, d);
+                    heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
                 }
-                executor.record_contact(contact(sent_ms));
+            }
+            Err(s) => {
+                if gpuctl_proto::leader::heard(&s) {
+                    executor.record_contact(contact(sent_ms));
+                }
+                return SessionError::rpc(&addr, "heartbeat", s, true);
             }
         }
+        executor.record_contact(contact(sent_ms));
     }
 }
 
