@@ -334,6 +334,23 @@ impl SledStorage {
                     .map_err(snap_err)?;
             }
         }
+        // A log compacted behind a snapshot that is gone cannot be replayed:
+        // starting from an empty state would serve a state without it.
+        if meta.snapshot.index > 0
+            && snapshots
+                .read(meta.snapshot.index)
+                .map_err(snap_err)?
+                .is_none()
+        {
+            return Err(corrupt(
+                "snapshot",
+                &format!(
+                    "the log starts after snapshot {} but {} is missing",
+                    meta.snapshot.index,
+                    snapshots.path(meta.snapshot.index).display()
+                ),
+            ));
+        }
         if !in_tree.is_empty()
             || meta_tree
                 .contains_key(KEY_SNAPSHOT_DATA)
@@ -1015,5 +1032,25 @@ mod tests {
         drop(s);
         let s = SledStorage::open(dir.path(), &[1]).unwrap();
         assert_eq!(read_all(&s).len(), 6);
+    }
+
+    /// A snapshot file that is gone (deleted by hand, a disk lost) stops
+    /// the master at open, naming it, instead of starting from an empty
+    /// state with the log compacted behind it.
+    #[test]
+    fn a_missing_snapshot_file_is_refused_at_open() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let s = SledStorage::open(dir.path(), &[1]).unwrap();
+            s.append(&[entry(1, 1), entry(2, 1), entry(3, 1)]).unwrap();
+            s.compact(2, 1, b"state@2".to_vec()).unwrap();
+            s.flush().unwrap();
+            std::fs::remove_file(s.snapshots.path(2)).unwrap();
+        }
+        let err = SledStorage::open(dir.path(), &[1])
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("snapshot 2") && err.contains(".snap"), "{err}");
     }
 }
