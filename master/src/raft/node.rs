@@ -294,6 +294,8 @@ pub enum NodeError {
     Snapshot(#[from] serde_json::Error),
     #[error("snapshot of the state machine: zstd: {0}")]
     SnapshotCodec(std::io::Error),
+    #[error(transparent)]
+    Open(#[from] super::storage::StorageInitError),
     #[error("starting the raft node's thread: {0}")]
     Thread(std::io::Error),
     #[error("the raft node's thread panicked")]
@@ -324,8 +326,7 @@ pub fn encode_snapshot(state: &State) -> Result<(Vec<u8>, usize), NodeError> {
 /// benchmarks; a master never reads its state this way.
 pub fn state_at_rest(data_dir: &std::path::Path) -> Result<State, NodeError> {
     use raft::Storage as _;
-    let storage = SledStorage::open(data_dir, &[])
-        .map_err(|e| NodeError::Raft(raft::Error::Store(raft::StorageError::Other(e.into()))))?;
+    let storage = SledStorage::open(data_dir, &[])?;
     let (_, data) = storage.snapshot_data()?;
     let mut state = if data.is_empty() {
         State::new()

@@ -396,7 +396,7 @@ impl SledStorage {
             // its front (from the first entry not compacted).
             let cut: Vec<(u64, u64)> = meta
                 .batches
-                .range(..)
+                .iter()
                 .filter(|(_, &l)| l >= first.index)
                 .map(|(&f, &l)| (f, l))
                 .collect();
@@ -587,10 +587,6 @@ impl SledStorage {
     pub fn conf_state(&self) -> ConfState {
         self.meta().conf_state.clone()
     }
-
-    fn first_index_locked(meta: &Meta) -> u64 {
-        meta.first_index()
-    }
 }
 
 impl Storage for SledStorage {
@@ -650,7 +646,7 @@ impl Storage for SledStorage {
     }
 
     fn first_index(&self) -> raft::Result<u64> {
-        Ok(Self::first_index_locked(&self.meta()))
+        Ok(self.meta().first_index())
     }
 
     fn last_index(&self) -> raft::Result<u64> {

@@ -174,9 +174,7 @@ pub async fn run(
                 _ = std::future::ready(()), if direct_due => {
                     direct_due = false;
                     last_direct = tokio::time::Instant::now();
-                    // A quota on the jobs' role is the allocator's to
-                    // enforce: with one, jobs go through offers.
-                    if cfg.jobs_quota.is_none() && hub.alone(BUILTIN_FRAMEWORK_ID) {
+                    if places_directly(&cfg, &hub) {
                         if !hub.is_suppressed(BUILTIN_FRAMEWORK_ID) {
                             hub.suppress(BUILTIN_FRAMEWORK_ID);
                         }
@@ -188,7 +186,7 @@ pub async fn run(
                 }
                 _ = tokio::time::sleep_until(next_pass), if dirty && running.is_none() => {
                     dirty = false;
-                    let direct = cfg.jobs_quota.is_none() && hub.alone(BUILTIN_FRAMEWORK_ID);
+                    let direct = places_directly(&cfg, &hub);
                     running = Some(tokio::spawn(pass(raft.clone(), cfg, board.clone(), direct)));
                 }
                 cost = async {
@@ -400,6 +398,13 @@ async fn propose_launches(raft: &RaftHandle, launches: Vec<Launch>) {
         }
     });
     futures::future::join_all(proposals).await;
+}
+
+/// Whether the built-in scheduler places straight from the state: no other
+/// framework wants offers, and no quota on the jobs' role (the allocator's
+/// to enforce: with one, jobs go through offers).
+fn places_directly(cfg: &QueueConfig, hub: &Hub) -> bool {
+    cfg.jobs_quota.is_none() && hub.alone(BUILTIN_FRAMEWORK_ID)
 }
 
 /// What a queue pass did.
