@@ -2,7 +2,8 @@
 //! gRPC on 127.0.0.1: the registration's fence contract (fence timeout
 //! sent, kill grace checked), runtime health in heartbeats, the
 //! UNREACHABLE agent sent back to registration, drains, finished jobs
-//! forgotten after the job retention, status updates in batches and a job
+//! forgotten after the job retention, a registration that changes nothing
+//! left unwritten, status updates in batches and a job
 //! followed with WatchJob.
 #![allow(clippy::unwrap_used)]
 
@@ -139,6 +140,47 @@ async fn registration_sends_the_fence_timeout_and_refuses_a_kill_grace_that_does
         .into_inner()
         .agents;
     assert!(listed.iter().all(|a| a.id != "slow"));
+    m.stop().await;
+}
+
+/// The master's applied Raft index, as it reports it.
+async fn applied_index(m: &Master) -> u64 {
+    let mut op = m.operator().await.unwrap();
+    op.list_masters(pb::ListMastersRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .masters
+        .into_iter()
+        .find(|x| x.answered)
+        .unwrap()
+        .applied_index
+}
+
+#[tokio::test]
+async fn a_registration_that_changes_nothing_is_answered_without_a_raft_write() {
+    let m = Master::start(|_| {}).await;
+    let mut agents = m.agents().await;
+    let first = agents
+        .register(register("a1", 1_000))
+        .await
+        .unwrap()
+        .into_inner();
+    let written = applied_index(&m).await;
+    // What every agent does when a new leader takes over: the same again.
+    let again = agents
+        .register(register("a1", 1_000))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(again, first, "the same answer");
+    assert_eq!(applied_index(&m).await, written, "nothing written");
+    // Anything new is written: here its hostname.
+    let mut moved = register("a1", 1_000);
+    moved.hostname = "a1.elsewhere".into();
+    agents.register(moved).await.unwrap();
+    assert!(applied_index(&m).await > written);
+    assert_eq!(m.agent("a1").await.hostname, "a1.elsewhere");
     m.stop().await;
 }
 

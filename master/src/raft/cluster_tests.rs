@@ -354,3 +354,32 @@ async fn leadership_moves_on_request() {
     assert_eq!(g.leader(&[1, 2, 3]).await, to);
     propose_ok(g.h(to), "b").await;
 }
+
+/// `caught_up` on the leader returns once every proposal made before it is
+/// applied (here 50 in flight, none awaited yet); a follower refuses it.
+#[tokio::test]
+async fn caught_up_waits_for_the_proposals_made_before_it() {
+    let mut g = Group::new(10_000);
+    for id in 1..=3 {
+        g.start(id, &[1, 2, 3]);
+    }
+    let leader = g.leader(&[1, 2, 3]).await;
+    let h = g.h(leader).clone();
+    let mut in_flight = Vec::new();
+    for i in 0..50 {
+        let mut p = Box::pin(h.propose(submit(&format!("j{i}"))));
+        // Polled once: sent to the Raft loop, not yet committed.
+        assert!(futures::poll!(p.as_mut()).is_pending());
+        in_flight.push(p);
+    }
+    h.caught_up().await.unwrap();
+    assert_eq!(h.state().jobs().len(), 50, "all applied before it returned");
+    for p in in_flight {
+        p.await.unwrap();
+    }
+    let follower = (1..=3).find(|id| *id != leader).unwrap();
+    assert!(matches!(
+        g.h(follower).caught_up().await,
+        Err(ProposeError::NotLeader { .. })
+    ));
+}

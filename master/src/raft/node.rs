@@ -120,6 +120,8 @@ enum NodeMsg {
     SnapshotSent(u64),
     TransferLeader(u64),
     Progress(oneshot::Sender<BTreeMap<u64, u64>>),
+    /// The leader's last log index (see `RaftHandle::caught_up`).
+    LastIndex(oneshot::Sender<Result<u64, ProposeError>>),
 }
 
 /// What the transport uses to tell the node about delivery.
@@ -234,6 +236,25 @@ impl RaftHandle {
         let (reply, rx) = oneshot::channel();
         self.send(NodeMsg::Progress(reply))?;
         rx.await.map_err(|_| ProposeError::Stopped)
+    }
+
+    /// On the leader: waits until the applied state holds every entry
+    /// committed before the call and every proposal made before it here
+    /// (the leader's last log index when the call reached the Raft loop,
+    /// which is at least its term's first entry). A decision read from the
+    /// state then is one a proposal made at the call would have met, so a
+    /// proposal that would change nothing may be left out. Elsewhere:
+    /// `NotLeader`.
+    pub async fn caught_up(&self) -> Result<(), ProposeError> {
+        let (reply, rx) = oneshot::channel();
+        self.send(NodeMsg::LastIndex(reply))?;
+        let last = rx.await.map_err(|_| ProposeError::Stopped)??;
+        let mut applied = self.applied.clone();
+        applied
+            .wait_for(|a| *a >= last)
+            .await
+            .map_err(|_| ProposeError::Stopped)?;
+        Ok(())
     }
 
     /// Read access to the applied state. Hold it briefly.
@@ -664,6 +685,15 @@ impl Node {
                     }
                 }
                 let _ = reply.send(out);
+            }
+            NodeMsg::LastIndex(reply) => {
+                let leading = self.raw.raft.state == StateRole::Leader
+                    && self.raw.raft.lead_transferee.is_none();
+                let _ = reply.send(if leading {
+                    Ok(self.raw.raft.raft_log.last_index())
+                } else {
+                    Err(self.not_leader())
+                });
             }
         }
     }

@@ -247,16 +247,34 @@ impl AgentManagerService {
         tracing::info!(agent_id = %agent_id, hostname = %info.hostname, gpus = info.gpus.len(), "agent registering");
         // Counts as a heartbeat, so a slow commit cannot get it marked lost.
         self.ctx.liveness.touch(&agent_id);
-        self.ctx
-            .raft
-            .propose(Command::RegisterAgent {
-                info,
-                running_task_ids: running,
-                at_ms: now_ms(),
-            })
-            .await?;
+        // Every agent registers again when a new leader takes over, most
+        // with nothing changed: those are answered from the state, without
+        // a write, once it holds all that came before (`caught_up`).
+        let caught_up = tokio::time::timeout(
+            self.ctx.config.heartbeat_interval,
+            self.ctx.raft.caught_up(),
+        )
+        .await;
+        let unchanged = matches!(caught_up, Ok(Ok(())))
+            && self
+                .ctx
+                .raft
+                .state()
+                .registration_changes_nothing(&info, &running);
+        if unchanged {
+            tracing::debug!(agent_id = %agent_id, "agent registered again, unchanged: nothing to write");
+        } else {
+            self.ctx
+                .raft
+                .propose(Command::RegisterAgent {
+                    info,
+                    running_task_ids: running,
+                    at_ms: now_ms(),
+                })
+                .await?;
+            self.ctx.hub.wake();
+        }
         self.ctx.liveness.touch(&agent_id);
-        self.ctx.hub.wake();
         let agents = self.ctx.raft.state().agents().len();
         Ok(pb::RegisterResponse {
             heartbeat_interval_ms: self.ctx.config.heartbeat_interval_for(agents).as_millis()

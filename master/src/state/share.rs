@@ -169,15 +169,34 @@ impl State {
         let Some(mode) = info.share_gpus else {
             return;
         };
-        for g in &info.gpus {
-            let free = !g.mig.enabled
-                && g.mig.pending != Some(true)
-                && !self.mig_changes.contains_key(&g.uuid)
-                && !self.gpu_owner.contains_key(&g.uuid);
-            if free && !self.share_off.contains(&g.uuid) && !self.shared.contains_key(&g.uuid) {
-                self.agents.mark_gpu(&g.uuid);
-                self.shared.insert(g.uuid.clone(), mode);
-            }
+        let unshared: Vec<String> = self.unshared_by_default(info).cloned().collect();
+        for uuid in unshared {
+            self.agents.mark_gpu(&uuid);
+            self.shared.insert(uuid, mode);
         }
+    }
+
+    /// Whether `share_by_default` would share a GPU of `info`.
+    pub(super) fn would_share_by_default(&self, info: &gpuctl_core::types::AgentInfo) -> bool {
+        info.share_gpus.is_some() && self.unshared_by_default(info).next().is_some()
+    }
+
+    /// The GPUs of `info` its agent's default would share now: free (no
+    /// MIG, no change pending, no task) and neither shared nor kept whole.
+    fn unshared_by_default<'a>(
+        &'a self,
+        info: &'a gpuctl_core::types::AgentInfo,
+    ) -> impl Iterator<Item = &'a String> + 'a {
+        info.gpus
+            .iter()
+            .filter(|g| {
+                !g.mig.enabled
+                    && g.mig.pending != Some(true)
+                    && !self.mig_changes.contains_key(&g.uuid)
+                    && !self.gpu_owner.contains_key(&g.uuid)
+                    && !self.share_off.contains(&g.uuid)
+                    && !self.shared.contains_key(&g.uuid)
+            })
+            .map(|g| &g.uuid)
     }
 }
