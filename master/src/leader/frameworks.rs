@@ -737,12 +737,11 @@ fn reclaim(
         })
         .collect();
     let tasks: Vec<allocator::reclaim::RunningTask> = state
-        .tasks()
-        .iter()
-        .filter(|(_, t)| !t.framework_id.is_empty() && !t.state.is_terminal() && !t.kill_requested)
-        .map(|(key, t)| allocator::reclaim::RunningTask {
+        .framework_tasks()
+        .filter(|t| !t.state.is_terminal() && !t.kill_requested)
+        .map(|t| allocator::reclaim::RunningTask {
             framework_id: t.framework_id.clone(),
-            task_id: key.clone(),
+            task_id: t.id.clone(),
             agent_id: t.agent_id.clone(),
             resources: t.resources,
             started_ms: t.created_at_ms,
@@ -809,11 +808,7 @@ fn forward_updates(state: &State, g: &mut Inner, now: Instant, resend_after: Dur
     // Tasks forgotten by the retention pass would stay here for as long as
     // their framework stays connected.
     sent.retain(|id, _| state.task(id).is_some());
-    for t in state
-        .tasks()
-        .values()
-        .filter(|t| !t.framework_id.is_empty())
-    {
+    for t in state.framework_tasks() {
         let Some(conn) = conns.get(&t.framework_id) else {
             continue;
         };

@@ -98,9 +98,8 @@ pub fn retention_commands(state: &State, now_ms: u64, r: &Retention) -> Vec<Comm
         })
         .collect();
     let tasks: Vec<Finished> = state
-        .tasks()
-        .values()
-        .filter(|t| t.job_id.is_empty() && !t.framework_id.is_empty() && t.state.is_terminal())
+        .framework_tasks()
+        .filter(|t| t.job_id.is_empty() && t.state.is_terminal())
         .map(|t| Finished {
             ended_ms: t.updated_at_ms,
             order: (0, &t.id),

@@ -335,7 +335,7 @@ const ZSTD_MAGIC: [u8; 4] = [0x28, 0xb5, 0x2f, 0xfd];
 
 /// A snapshot of `state`: its JSON, compressed, and the JSON's size (what
 /// the snapshot cadence compares the log with).
-pub fn encode_snapshot(state: &State) -> Result<(Vec<u8>, usize), NodeError> {
+pub fn encode_snapshot(state: &impl serde::Serialize) -> Result<(Vec<u8>, usize), NodeError> {
     let json = serde_json::to_vec(state)?;
     let data =
         zstd::bulk::compress(&json, SNAPSHOT_ZSTD_LEVEL).map_err(NodeError::SnapshotCodec)?;
@@ -875,6 +875,7 @@ impl Node {
                 }
             }
         }
+        let copy_started = std::time::Instant::now();
         let (applied, copy) = {
             let s = self.state.read().unwrap_or_else(|p| p.into_inner());
             let applied = s.applied_index();
@@ -883,13 +884,16 @@ impl Node {
             {
                 return Ok(());
             }
-            (applied, s.clone())
+            (applied, s.image())
         };
+        // The copy is the part on the Raft loop's thread.
+        let copy_ms = copy_started.elapsed().as_secs_f64() * 1e3;
         self.log_bytes_since_snapshot = 0;
         let term = self.raw.raft.raft_log.term(applied)?;
         let storage = self.raw.store().clone();
         let (tx, rx) = oneshot::channel();
         tokio::task::spawn_blocking(move || {
+            let started = std::time::Instant::now();
             let stored =
                 encode_snapshot(&copy)
                     .map_err(|e| e.to_string())
@@ -899,6 +903,12 @@ impl Node {
                             .map(|()| json_bytes)
                             .map_err(|e| e.to_string())
                     });
+            tracing::debug!(
+                index = applied,
+                copy_ms,
+                encode_and_store_ms = started.elapsed().as_secs_f64() * 1e3,
+                "state machine snapshot written"
+            );
             let _ = tx.send(stored);
         });
         self.snapshot_job = Some(SnapshotJob {
@@ -940,7 +950,7 @@ impl Node {
             if s.applied_index() <= self.snapshot_index {
                 return Ok(());
             }
-            (s.applied_index(), encode_snapshot(&s)?)
+            (s.applied_index(), encode_snapshot(&*s)?)
         };
         let term = self.raw.raft.raft_log.term(applied)?;
         self.store_snapshot(applied, term, data)

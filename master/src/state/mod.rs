@@ -371,7 +371,73 @@ pub struct State {
     derived: derived::Derived,
 }
 
+/// What a snapshot serializes of a [`State`], taken in O(1) for its big
+/// tables (persistent maps shared with the state until either changes),
+/// without the derived indexes: the Raft loop takes it, and the encoding
+/// runs elsewhere. Serializes exactly as the state does.
+#[derive(Debug)]
+pub struct Image(State);
+
+impl Serialize for Image {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.0.serialize(s)
+    }
+}
+
 impl State {
+    /// See [`Image`]. Every serialized field is named here (no `..`), so
+    /// that a new one cannot be left out of snapshots.
+    pub fn image(&self) -> Image {
+        let State {
+            agents,
+            jobs,
+            tasks,
+            gpu_owner,
+            next_job_seq,
+            frameworks,
+            next_framework_seq,
+            submit_requests,
+            submit_request_order,
+            token_requests,
+            framework_requests,
+            masters,
+            cordoned,
+            tokens,
+            quotas,
+            tenant_terms,
+            mig_changes,
+            mig_errors,
+            shared,
+            share_off,
+            applied_index,
+            derived: _,
+        } = self;
+        Image(State {
+            agents: agents.image(),
+            jobs: jobs.image(),
+            tasks: tasks.image(),
+            gpu_owner: gpu_owner.clone(),
+            next_job_seq: *next_job_seq,
+            frameworks: frameworks.clone(),
+            next_framework_seq: *next_framework_seq,
+            submit_requests: submit_requests.clone(),
+            submit_request_order: submit_request_order.clone(),
+            token_requests: token_requests.clone(),
+            framework_requests: framework_requests.clone(),
+            masters: masters.clone(),
+            cordoned: cordoned.clone(),
+            tokens: tokens.clone(),
+            quotas: quotas.clone(),
+            tenant_terms: tenant_terms.clone(),
+            mig_changes: mig_changes.clone(),
+            mig_errors: mig_errors.clone(),
+            shared: shared.clone(),
+            share_off: share_off.clone(),
+            applied_index: *applied_index,
+            derived: Default::default(),
+        })
+    }
+
     pub fn new() -> State {
         State {
             next_job_seq: 1,
@@ -382,7 +448,7 @@ impl State {
 
     // Read access for code outside `state/`.
 
-    pub fn agents(&self) -> &BTreeMap<AgentId, AgentRecord> {
+    pub fn agents(&self) -> &imbl::OrdMap<AgentId, AgentRecord> {
         &self.agents
     }
 
@@ -390,7 +456,7 @@ impl State {
         self.agents.get(id)
     }
 
-    pub fn jobs(&self) -> &BTreeMap<JobId, JobRecord> {
+    pub fn jobs(&self) -> &imbl::OrdMap<JobId, JobRecord> {
         &self.jobs
     }
 
@@ -398,8 +464,14 @@ impl State {
         self.jobs.get(id)
     }
 
-    pub fn tasks(&self) -> &BTreeMap<TaskId, TaskRecord> {
+    pub fn tasks(&self) -> &imbl::OrdMap<TaskId, TaskRecord> {
         &self.tasks
+    }
+
+    /// The tasks of frameworks (not of gpuctl's jobs), from an index: what
+    /// the framework loop walks each pass, whatever the number of jobs.
+    pub fn framework_tasks(&self) -> impl Iterator<Item = &TaskRecord> + '_ {
+        self.tasks.of_frameworks()
     }
 
     pub fn task(&self, id: &str) -> Option<&TaskRecord> {

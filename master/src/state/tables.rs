@@ -8,7 +8,9 @@
 //! sets may have changed ([`Touched`]), so that the leader wakes only those
 //! agents' task streams.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
+
+use imbl::OrdMap;
 use std::ops::Deref;
 
 use gpuctl_core::types::{AgentId, GpuUuid, JobId, TaskId};
@@ -83,31 +85,49 @@ impl Dirty {
 /// `agent_id` never changes once it is inserted.
 #[derive(Debug, Clone, Default)]
 pub struct TaskTable {
-    map: BTreeMap<TaskId, TaskRecord>,
+    map: OrdMap<TaskId, TaskRecord>,
     by_agent: HashMap<AgentId, BTreeSet<TaskId>>,
+    /// The tasks of frameworks other than gpuctl's jobs (`framework_id`
+    /// set), which the framework loop follows: it looks at these, not at
+    /// every task.
+    of_frameworks: BTreeSet<TaskId>,
     touched: Touched,
     /// Agents whose tasks changed, for the derived indexes.
     dirty: Dirty,
 }
 
 impl TaskTable {
-    fn from_map(map: BTreeMap<TaskId, TaskRecord>) -> TaskTable {
+    fn from_map(map: OrdMap<TaskId, TaskRecord>) -> TaskTable {
         let mut by_agent: HashMap<AgentId, BTreeSet<TaskId>> = HashMap::new();
+        let mut of_frameworks = BTreeSet::new();
         for t in map.values() {
             by_agent
                 .entry(t.agent_id.clone())
                 .or_default()
                 .insert(t.id.clone());
+            if !t.framework_id.is_empty() {
+                of_frameworks.insert(t.id.clone());
+            }
         }
         TaskTable {
             map,
             by_agent,
+            of_frameworks,
             // Whoever reads a state built from a snapshot starts afresh.
             touched: Touched {
                 all: true,
                 agents: BTreeSet::new(),
             },
             dirty: Dirty::everything(),
+        }
+    }
+
+    /// The tasks alone, sharing this table's (persistent) map: O(1). No
+    /// index: only to serialize (a snapshot).
+    pub fn image(&self) -> TaskTable {
+        TaskTable {
+            map: self.map.clone(),
+            ..TaskTable::default()
         }
     }
 
@@ -127,12 +147,20 @@ impl TaskTable {
         which: impl Fn(&TaskRecord) -> bool,
         mut change: impl FnMut(&mut TaskRecord),
     ) {
-        for t in self.map.values_mut().filter(|t| which(t)) {
+        // (A persistent map has no `values_mut`: the picked ids first.)
+        let picked: Vec<TaskId> = self
+            .map
+            .values()
+            .filter(|t| which(t))
+            .map(|t| t.id.clone())
+            .collect();
+        for id in picked {
+            let Some(t) = self.map.get_mut(&id) else {
+                continue;
+            };
             change(t);
-            if !self.touched.all && !self.touched.agents.contains(&t.agent_id) {
-                self.touched.agents.insert(t.agent_id.clone());
-            }
-            self.dirty.mark(&t.agent_id);
+            let agent = t.agent_id.clone();
+            self.touch(&agent);
         }
     }
 
@@ -161,6 +189,11 @@ impl TaskTable {
     pub fn insert(&mut self, id: TaskId, task: TaskRecord) {
         debug_assert_eq!(id, task.id);
         let agent = task.agent_id.clone();
+        if task.framework_id.is_empty() {
+            self.of_frameworks.remove(&id);
+        } else {
+            self.of_frameworks.insert(id.clone());
+        }
         if let Some(old) = self.map.insert(id.clone(), task) {
             if old.agent_id != agent {
                 self.unindex(&old.agent_id, &id);
@@ -173,6 +206,7 @@ impl TaskTable {
 
     pub fn remove(&mut self, id: &str) -> Option<TaskRecord> {
         let t = self.map.remove(id)?;
+        self.of_frameworks.remove(id);
         self.unindex(&t.agent_id, id);
         self.touch(&t.agent_id);
         Some(t)
@@ -186,6 +220,11 @@ impl TaskTable {
     /// The tasks placed on `agent`, in id order.
     pub fn on(&self, agent: &str) -> impl Iterator<Item = &TaskRecord> + '_ {
         self.ids_on(agent).filter_map(|id| self.map.get(id))
+    }
+
+    /// The tasks of frameworks (not of gpuctl's jobs), in id order.
+    pub fn of_frameworks(&self) -> impl Iterator<Item = &TaskRecord> + '_ {
+        self.of_frameworks.iter().filter_map(|id| self.map.get(id))
     }
 
     /// Every agent may have to hear of a change.
@@ -217,7 +256,13 @@ impl TaskTable {
                 .or_default()
                 .insert(t.id.clone());
         }
-        want == self.by_agent
+        let frameworks: BTreeSet<TaskId> = self
+            .map
+            .values()
+            .filter(|t| !t.framework_id.is_empty())
+            .map(|t| t.id.clone())
+            .collect();
+        want == self.by_agent && frameworks == self.of_frameworks
     }
 
     fn touch(&mut self, agent: &str) {
@@ -238,7 +283,7 @@ impl TaskTable {
 }
 
 impl Deref for TaskTable {
-    type Target = BTreeMap<TaskId, TaskRecord>;
+    type Target = OrdMap<TaskId, TaskRecord>;
     fn deref(&self) -> &Self::Target {
         &self.map
     }
@@ -246,7 +291,7 @@ impl Deref for TaskTable {
 
 impl<'a> IntoIterator for &'a TaskTable {
     type Item = (&'a TaskId, &'a TaskRecord);
-    type IntoIter = std::collections::btree_map::Iter<'a, TaskId, TaskRecord>;
+    type IntoIter = imbl::ordmap::Iter<'a, TaskId, TaskRecord, imbl::shared_ptr::DefaultSharedPtr>;
     fn into_iter(self) -> Self::IntoIter {
         self.map.iter()
     }
@@ -267,7 +312,7 @@ impl Serialize for TaskTable {
 
 impl<'de> Deserialize<'de> for TaskTable {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        BTreeMap::deserialize(d).map(TaskTable::from_map)
+        OrdMap::deserialize(d).map(TaskTable::from_map)
     }
 }
 
@@ -276,7 +321,7 @@ impl<'de> Deserialize<'de> for TaskTable {
 /// [`AgentTable::get_mut`].
 #[derive(Debug, Clone, Default)]
 pub struct AgentTable {
-    map: BTreeMap<AgentId, AgentRecord>,
+    map: OrdMap<AgentId, AgentRecord>,
     /// Usually one agent per GPU; a LOST agent's GPUs may be claimed again
     /// by the agent that replaced it.
     by_gpu: HashMap<GpuUuid, BTreeSet<AgentId>>,
@@ -285,9 +330,9 @@ pub struct AgentTable {
 }
 
 impl AgentTable {
-    fn from_map(map: BTreeMap<AgentId, AgentRecord>) -> AgentTable {
+    fn from_map(map: OrdMap<AgentId, AgentRecord>) -> AgentTable {
         let mut t = AgentTable {
-            map: BTreeMap::new(),
+            map: OrdMap::new(),
             by_gpu: HashMap::new(),
             dirty: Dirty::everything(),
         };
@@ -295,6 +340,14 @@ impl AgentTable {
             t.insert(id, a);
         }
         t
+    }
+
+    /// The agents alone, as [`TaskTable::image`].
+    pub fn image(&self) -> AgentTable {
+        AgentTable {
+            map: self.map.clone(),
+            ..AgentTable::default()
+        }
     }
 
     /// Agents changed since the last call.
@@ -379,7 +432,7 @@ impl AgentTable {
 }
 
 impl Deref for AgentTable {
-    type Target = BTreeMap<AgentId, AgentRecord>;
+    type Target = OrdMap<AgentId, AgentRecord>;
     fn deref(&self) -> &Self::Target {
         &self.map
     }
@@ -387,7 +440,8 @@ impl Deref for AgentTable {
 
 impl<'a> IntoIterator for &'a AgentTable {
     type Item = (&'a AgentId, &'a AgentRecord);
-    type IntoIter = std::collections::btree_map::Iter<'a, AgentId, AgentRecord>;
+    type IntoIter =
+        imbl::ordmap::Iter<'a, AgentId, AgentRecord, imbl::shared_ptr::DefaultSharedPtr>;
     fn into_iter(self) -> Self::IntoIter {
         self.map.iter()
     }
@@ -408,7 +462,7 @@ impl Serialize for AgentTable {
 
 impl<'de> Deserialize<'de> for AgentTable {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        BTreeMap::deserialize(d).map(AgentTable::from_map)
+        OrdMap::deserialize(d).map(AgentTable::from_map)
     }
 }
 
@@ -417,11 +471,19 @@ impl<'de> Deserialize<'de> for AgentTable {
 /// queue's index.
 #[derive(Debug, Clone, Default)]
 pub struct JobTable {
-    map: BTreeMap<JobId, JobRecord>,
+    map: OrdMap<JobId, JobRecord>,
     dirty: Dirty,
 }
 
 impl JobTable {
+    /// The jobs alone, as [`TaskTable::image`].
+    pub fn image(&self) -> JobTable {
+        JobTable {
+            map: self.map.clone(),
+            ..JobTable::default()
+        }
+    }
+
     pub fn get_mut(&mut self, id: &str) -> Option<&mut JobRecord> {
         let j = self.map.get_mut(id)?;
         self.dirty.mark(id);
@@ -449,7 +511,7 @@ impl JobTable {
 }
 
 impl Deref for JobTable {
-    type Target = BTreeMap<JobId, JobRecord>;
+    type Target = OrdMap<JobId, JobRecord>;
     fn deref(&self) -> &Self::Target {
         &self.map
     }
@@ -457,7 +519,7 @@ impl Deref for JobTable {
 
 impl<'a> IntoIterator for &'a JobTable {
     type Item = (&'a JobId, &'a JobRecord);
-    type IntoIter = std::collections::btree_map::Iter<'a, JobId, JobRecord>;
+    type IntoIter = imbl::ordmap::Iter<'a, JobId, JobRecord, imbl::shared_ptr::DefaultSharedPtr>;
     fn into_iter(self) -> Self::IntoIter {
         self.map.iter()
     }
@@ -478,7 +540,7 @@ impl Serialize for JobTable {
 
 impl<'de> Deserialize<'de> for JobTable {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        BTreeMap::deserialize(d).map(|map| JobTable {
+        OrdMap::deserialize(d).map(|map| JobTable {
             map,
             dirty: Dirty::everything(),
         })
@@ -490,6 +552,7 @@ mod tests {
     use super::*;
     use crate::state::{AgentState, TaskState};
     use gpuctl_core::types::{AgentInfo, GpuInfo, Resources};
+    use std::collections::BTreeMap;
 
     fn task(id: &str, agent: &str) -> TaskRecord {
         TaskRecord {
