@@ -10,14 +10,19 @@
 //! in the queue (it was quadratic: 1.8 s at 4,000 before the preemptible
 //! jobs were found once per pass).
 //!
+//! And the built-in scheduler placing straight from the free-capacity
+//! index (`place_direct`) one job constrained to a zone that 10 agents of
+//! 1,000 or 10,000 have (`zone=rare`): the index walks those 10, not every
+//! agent; with a glob (`rar*`), agent by agent until one fits.
+//!
 //! Run: `cargo bench -p gpuctl-master --bench queue`
 
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use gpuctl_core::types::{AgentInfo, GpuInfo, JobSpec, Resources, Runtime};
-use gpuctl_master::scheduler::place;
 use gpuctl_master::scheduler::queue::{plan, QueueConfig};
+use gpuctl_master::scheduler::{place, place_direct};
 use gpuctl_master::state::{Command, Launch, Outcome, State};
 
 const GPUS: u32 = 8;
@@ -168,6 +173,46 @@ fn burst(agents: usize, queued: usize) -> State {
     s
 }
 
+/// `agents` idle agents, every 1 in `agents / 10` in zone `rare` (the
+/// last ones, so that a walk of every agent reaches them last), the others
+/// in `common`, and one queued 8-GPU job asking for `zone=pattern`.
+fn zoned(agents: usize, pattern: &str) -> State {
+    let mut s = State::new();
+    let mut i = 0u64;
+    for a in 0..agents {
+        i += 1;
+        let mut info = agent(a);
+        let zone = if a >= agents - 10 { "rare" } else { "common" };
+        info.attributes.insert("zone".into(), zone.into());
+        let register = Command::RegisterAgent {
+            info,
+            running_task_ids: vec![],
+            at_ms: 0,
+        };
+        s.apply(i, &register).expect("register");
+    }
+    let mut spec = JobSpec::new(
+        "zoned",
+        vec!["true".into()],
+        Resources {
+            cpus: 1.0,
+            mem_mib: 0,
+            gpus: GPUS,
+            ports: 0,
+        },
+    );
+    spec.placement
+        .constraints
+        .insert("zone".into(), pattern.into());
+    let submit = Command::SubmitJob {
+        spec,
+        at_ms: 2,
+        request_id: None,
+    };
+    s.apply(i + 1, &submit).expect("submit");
+    s
+}
+
 fn bench(c: &mut Criterion) {
     let mut g = c.benchmark_group("queue_pass");
     g.sample_size(10);
@@ -194,6 +239,19 @@ fn bench(c: &mut Criterion) {
             &s,
             |b, s| b.iter(|| black_box(plan(s, &QueueConfig::default()))),
         );
+    }
+    for agents in [1_000usize, 10_000] {
+        for pattern in ["rare", "rar*"] {
+            let s = zoned(agents, pattern);
+            let placed = place_direct(&s, Default::default(), false);
+            assert_eq!(placed.len(), 1);
+            assert!(placed[0].agent_id >= format!("agent-{:05}", agents - 10));
+            g.bench_with_input(
+                BenchmarkId::new(format!("place_direct_zone_{pattern}"), agents),
+                &s,
+                |b, s| b.iter(|| black_box(place_direct(s, Default::default(), false))),
+            );
+        }
     }
     g.finish();
 }

@@ -130,7 +130,9 @@ impl<'s> Room<'s> for IndexRoom<'s> {
             // Only without filters (see `indexable`).
             GpuClass::Mixed => true,
         };
-        let index = self.capacity.candidates(n, policy, class_ok);
+        let index = self
+            .capacity
+            .candidates(n, policy, class_ok, &job.spec.placement.constraints);
         let from_index = index.streams();
         let walk = index.with(self.overlay.walk(n, policy, class_ok));
         let mut views = Vec::with_capacity(want);
@@ -200,6 +202,19 @@ mod tests {
 
     /// An agent: GPUs of one kind, or of two (`mixed`), some unhealthy.
     fn agent(i: usize, gpus: u32, h100: bool, mixed: bool, down: u32, cpus: f64) -> Command {
+        agent_in(i, gpus, h100, mixed, down, cpus, None)
+    }
+
+    /// The same, with a `zone` attribute when given.
+    fn agent_in(
+        i: usize,
+        gpus: u32,
+        h100: bool,
+        mixed: bool,
+        down: u32,
+        cpus: f64,
+        zone: Option<&str>,
+    ) -> Command {
         let id = format!("a{i:02}");
         Command::RegisterAgent {
             info: AgentInfo {
@@ -224,7 +239,9 @@ mod tests {
                     .collect(),
                 runtimes: vec![Runtime::Docker],
                 simulated_gpus: true,
-                attributes: Default::default(),
+                attributes: zone
+                    .map(|z| BTreeMap::from([("zone".to_string(), z.to_string())]))
+                    .unwrap_or_default(),
                 driver_version: None,
                 cuda_driver_version: None,
                 allow_root_tasks: false,
@@ -245,6 +262,8 @@ mod tests {
         mem_min: u64,
         priority: i32,
         cpus: f64,
+        /// A `zone` constraint (a pattern).
+        zone: Option<&'static str>,
     }
 
     fn job(a: &Ask) -> Command {
@@ -269,6 +288,10 @@ mod tests {
                     }),
                     gpu_model: a.model.map(str::to_string),
                     gpu_mem_min_mib: a.mem_min,
+                    constraints: a
+                        .zone
+                        .map(|z| BTreeMap::from([("zone".to_string(), z.to_string())]))
+                        .unwrap_or_default(),
                     ..Default::default()
                 },
                 ..Default::default()
@@ -287,9 +310,19 @@ mod tests {
             prop::sample::select(vec![0u64, 50_000]),
             0i32..3,
             prop::sample::select(vec![1.0f64, 6.0]),
+            // Exact values (one nobody has, one in another case), globs.
+            prop::sample::select(vec![
+                None,
+                None,
+                Some("a"),
+                Some("B"),
+                Some("c"),
+                Some("?"),
+                Some("*"),
+            ]),
         )
             .prop_map(
-                |(gpus, replicas, spread, model, mem_min, priority, cpus)| Ask {
+                |(gpus, replicas, spread, model, mem_min, priority, cpus, zone)| Ask {
                     gpus,
                     replicas,
                     spread,
@@ -297,11 +330,12 @@ mod tests {
                     mem_min,
                     priority,
                     cpus,
+                    zone,
                 },
             )
     }
 
-    type AgentSpec = (u32, bool, bool, u32, f64);
+    type AgentSpec = (u32, bool, bool, u32, f64, Option<&'static str>);
 
     fn agent_spec() -> impl Strategy<Value = AgentSpec> {
         (
@@ -310,6 +344,7 @@ mod tests {
             prop::bool::weighted(0.15),
             prop::sample::select(vec![0u32, 0, 0, 1]),
             prop::sample::select(vec![16.0f64, 16.0, 8.0]),
+            prop::sample::select(vec![None, Some("a"), Some("b"), Some("B")]),
         )
     }
 
@@ -326,8 +361,9 @@ mod tests {
         /// The index finds exactly what a scan of every agent finds, over
         /// clusters part used (an earlier round placed and launched), with
         /// unhealthy GPUs, GPU kinds mixed within agents, model and memory
-        /// filters, both policies, gangs, priorities and jobs that fit
-        /// nowhere.
+        /// filters, attribute constraints (exact, of another case, of a
+        /// value nobody has, globs), both policies, gangs, priorities and
+        /// jobs that fit nowhere.
         #[test]
         fn the_index_places_as_a_scan_of_every_agent_does(
             agents in prop::collection::vec(agent_spec(), 1..14),
@@ -340,8 +376,8 @@ mod tests {
                 i += 1;
                 s.apply(i, &c)
             };
-            for (n, (g, h, m, d, c)) in agents.iter().enumerate() {
-                apply(&mut s, agent(n, *g, *h, *m, *d, *c)).unwrap();
+            for (n, (g, h, m, d, c, z)) in agents.iter().enumerate() {
+                apply(&mut s, agent_in(n, *g, *h, *m, *d, *c, *z)).unwrap();
             }
             // A first round, launched: the cluster is part used.
             for a in &first {
@@ -375,7 +411,7 @@ mod tests {
         // Agents with 4 whole GPUs free.
         let free_of = |s: &State| -> Vec<String> {
             s.capacity()
-                .candidates(4, PlacementPolicy::Bundle, |_| true)
+                .candidates(4, PlacementPolicy::Bundle, |_| true, &BTreeMap::new())
                 .map(|(id, _)| id.to_string())
                 .collect()
         };
@@ -452,6 +488,7 @@ mod tests {
             mem_min: 0,
             priority: 0,
             cpus: 1.0,
+            zone: None,
         };
         let first = run(&mut s, &seven);
         assert_eq!(first[0].agent_id, "a00");
@@ -468,5 +505,69 @@ mod tests {
         };
         let placed: Vec<String> = run(&mut s, &gang).into_iter().map(|l| l.agent_id).collect();
         assert_eq!(placed, ["a01", "a02", "a03"]);
+    }
+
+    /// A job constrained to an attribute value walks only the agents that
+    /// have it (3 of 2,000 here), in the index's order; a glob walks all;
+    /// an agent that moves zone moves in the index.
+    #[test]
+    fn an_exact_constraint_walks_only_the_agents_with_the_value() {
+        let mut s = State::new();
+        let mut i = 0;
+        for n in 0..2000 {
+            let zone = if n % 700 == 5 { "rare" } else { "common" };
+            i += 1;
+            s.apply(i, &agent_in(n, 8, false, false, 0, 64.0, Some(zone)))
+                .unwrap();
+        }
+        let walk = |s: &State, zone: &str| -> Vec<String> {
+            let c = BTreeMap::from([("zone".to_string(), zone.to_string())]);
+            s.capacity()
+                .candidates(1, PlacementPolicy::Bundle, |_| true, &c)
+                .map(|(id, _)| id.to_string())
+                .collect()
+        };
+        assert_eq!(walk(&s, "rare"), ["a05", "a1405", "a705"]);
+        assert_eq!(walk(&s, "RARE"), ["a05", "a1405", "a705"], "any case");
+        assert_eq!(
+            walk(&s, "r*").len(),
+            2000,
+            "a glob is checked agent by agent"
+        );
+        assert!(walk(&s, "nowhere").is_empty());
+        // The agent's own GPU labels are checked agent by agent.
+        let label = BTreeMap::from([("nvidia.com/gpu.product".to_string(), "x".to_string())]);
+        assert_eq!(
+            s.capacity()
+                .candidates(1, PlacementPolicy::Bundle, |_| true, &label)
+                .count(),
+            2000
+        );
+        // Placed where the constraint holds.
+        i += 1;
+        s.apply(
+            i,
+            &job(&Ask {
+                gpus: 2,
+                replicas: 1,
+                spread: false,
+                model: None,
+                mem_min: 0,
+                priority: 0,
+                cpus: 1.0,
+                zone: Some("rare"),
+            }),
+        )
+        .unwrap();
+        let placed = place_direct(&s, PlacementPolicy::Bundle, false);
+        assert_eq!(placed.len(), 1);
+        assert_eq!(placed[0].agent_id, "a05");
+        // a05 leaves the zone: gone from its walk, in the other's.
+        i += 1;
+        s.apply(i, &agent_in(5, 8, false, false, 0, 64.0, Some("common")))
+            .unwrap();
+        assert_eq!(walk(&s, "rare"), ["a1405", "a705"]);
+        assert_eq!(walk(&s, "common").len(), 1998);
+        assert_eq!(*s.capacity(), Capacity::build(&s));
     }
 }

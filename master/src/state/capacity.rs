@@ -11,6 +11,11 @@
 //! the agents of the classes a job may use in exactly that order, so the
 //! first agents that fit are the ones a scan of the whole cluster would
 //! have chosen.
+//!
+//! The same groups are kept per agent attribute value (`zone=b`; not the
+//! agent's own `nvidia.com/` GPU labels), so that a job constrained to an
+//! exact value walks only the agents that have it, in the same order,
+//! however few they are among the cluster's.
 
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap};
 
@@ -58,6 +63,8 @@ struct Entry {
     free: Resources,
     /// Memory of its shared GPUs that no fraction holds.
     shared_mem_mib: u64,
+    /// Its attributes as indexed ([`attr_key`]), to leave the index by.
+    attrs: Vec<(String, String)>,
 }
 
 impl Entry {
@@ -75,6 +82,13 @@ impl Entry {
             shared_mem_mib: state
                 .free_shares(a)
                 .fold(0u64, |sum, s| sum.saturating_add(s.mem_mib)),
+            attrs: a
+                .info
+                .attributes
+                .iter()
+                .filter(|(k, _)| indexed(k))
+                .map(|(k, v)| attr_key(k, v))
+                .collect(),
         }
     }
 }
@@ -120,6 +134,38 @@ impl FreeTotals {
 
 fn milli(cpus: f64) -> i64 {
     (cpus * 1000.0).round() as i64
+}
+
+/// An attribute as the index keeps it: constraints match values without
+/// regard to case (`placement::glob_match` lowers both, char by char).
+fn attr_key(key: &str, value: &str) -> (String, String) {
+    (
+        key.to_string(),
+        value.chars().flat_map(char::to_lowercase).collect(),
+    )
+}
+
+/// The GPU labels the agent adds itself (`nvidia.com/gpu.product`, ...)
+/// are not indexed: the GPU kind is (classes), and the rest (driver and
+/// compute versions, counts) mostly match every agent of a kind, so an
+/// index of them would cost a dozen entries per agent and narrow nothing.
+/// Operators' attributes (zones, racks, pools) are what picks few agents.
+const UNINDEXED_PREFIX: &str = "nvidia.com/";
+
+fn indexed(key: &str) -> bool {
+    !key.starts_with(UNINDEXED_PREFIX)
+}
+
+/// A constraint's pattern as an exact value, when it has no wildcard.
+fn exact(pattern: &str) -> Option<&str> {
+    (!pattern.contains(['*', '?'])).then_some(pattern)
+}
+
+/// The agents with one attribute value, grouped as all agents are.
+#[derive(Debug, Clone, Default, PartialEq)]
+struct AttrGroups {
+    groups: ClassGroups,
+    agents: usize,
 }
 
 /// Agents of one class by (free whole GPUs, GPUs not free), ids in order.
@@ -262,6 +308,8 @@ impl<'a> Iterator for Walk<'a> {
 pub struct Capacity {
     entries: HashMap<AgentId, Entry>,
     groups: ClassGroups,
+    /// The agents of each attribute value ([`attr_key`]).
+    by_attr: HashMap<(String, String), AttrGroups>,
     totals: FreeTotals,
 }
 
@@ -289,15 +337,30 @@ impl Capacity {
             return;
         }
         let e = Entry::of(state, a);
-        self.groups
-            .insert(&e.class, (e.free_gpus, e.in_use), &a.info.id);
+        let key = (e.free_gpus, e.in_use);
+        self.groups.insert(&e.class, key, &a.info.id);
+        for attr in &e.attrs {
+            let g = self.by_attr.entry(attr.clone()).or_default();
+            g.groups.insert(&e.class, key, &a.info.id);
+            g.agents += 1;
+        }
         self.totals.add(&e);
         self.entries.insert(a.info.id.clone(), e);
     }
 
     fn drop_entry(&mut self, id: &str) {
         if let Some(e) = self.entries.remove(id) {
-            self.groups.remove(&e.class, (e.free_gpus, e.in_use), id);
+            let key = (e.free_gpus, e.in_use);
+            self.groups.remove(&e.class, key, id);
+            for attr in &e.attrs {
+                if let Some(g) = self.by_attr.get_mut(attr) {
+                    g.groups.remove(&e.class, key, id);
+                    g.agents = g.agents.saturating_sub(1);
+                    if g.agents == 0 {
+                        self.by_attr.remove(attr);
+                    }
+                }
+            }
             self.totals.remove(&e);
         }
     }
@@ -316,14 +379,38 @@ impl Capacity {
     }
 
     /// Agents with at least `n` free whole GPUs in the classes `usable`
-    /// allows, best first under `policy`.
+    /// allows, best first under `policy`. With `constraints` (attribute to
+    /// pattern), only the agents of the rarest value an exact pattern names
+    /// (none when no agent has it); the rest of the constraints are the
+    /// caller's to check.
     pub fn candidates<'a>(
         &'a self,
         n: u32,
         policy: PlacementPolicy,
         usable: impl Fn(&GpuClass) -> bool,
+        constraints: &BTreeMap<String, String>,
     ) -> Walk<'a> {
-        self.groups.walk(n, policy, usable)
+        let mut narrowest: Option<Option<&AttrGroups>> = None;
+        for (k, pattern) in constraints.iter().filter(|(k, _)| indexed(k)) {
+            let Some(value) = exact(pattern) else {
+                continue;
+            };
+            let g = self.by_attr.get(&attr_key(k, value));
+            let fewer = match (g, narrowest) {
+                (_, None) => true,
+                (None, Some(_)) => true,
+                (Some(_), Some(None)) => false,
+                (Some(g), Some(Some(n))) => g.agents < n.agents,
+            };
+            if fewer {
+                narrowest = Some(g);
+            }
+        }
+        match narrowest {
+            None => self.groups.walk(n, policy, usable),
+            Some(Some(g)) => g.groups.walk(n, policy, usable),
+            Some(None) => Walk::merge(Vec::new()),
+        }
     }
 }
 
