@@ -335,7 +335,7 @@ const ZSTD_MAGIC: [u8; 4] = [0x28, 0xb5, 0x2f, 0xfd];
 
 /// A snapshot of `state`: its JSON, compressed, and the JSON's size (what
 /// the snapshot cadence compares the log with).
-pub fn encode_snapshot(state: &impl serde::Serialize) -> Result<(Vec<u8>, usize), NodeError> {
+pub fn encode_snapshot(state: &State) -> Result<(Vec<u8>, usize), NodeError> {
     let json = serde_json::to_vec(state)?;
     let data =
         zstd::bulk::compress(&json, SNAPSHOT_ZSTD_LEVEL).map_err(NodeError::SnapshotCodec)?;
@@ -884,7 +884,7 @@ impl Node {
             {
                 return Ok(());
             }
-            (applied, s.image())
+            (applied, s.clone())
         };
         // The copy is the part on the Raft loop's thread.
         let copy_ms = copy_started.elapsed().as_secs_f64() * 1e3;
@@ -950,7 +950,7 @@ impl Node {
             if s.applied_index() <= self.snapshot_index {
                 return Ok(());
             }
-            (s.applied_index(), encode_snapshot(&*s)?)
+            (s.applied_index(), encode_snapshot(&s)?)
         };
         let term = self.raw.raft.raft_log.term(applied)?;
         self.store_snapshot(applied, term, data)

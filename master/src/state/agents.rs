@@ -1060,24 +1060,31 @@ mod tests {
         assert!(!again(&t, "s", 2, &[], shares), "GPU-s-1 would be shared");
     }
 
-    /// A snapshot's image serializes as the state does, restores to an
-    /// equal state, and stays as it was taken while the state changes on
-    /// (its maps are shared, copied on write).
+    /// A copy of the state (what a snapshot serializes, what the queue
+    /// pass reads) serializes as the state does, restores to an equal
+    /// state, and stays as it was taken while the state changes on: its
+    /// maps are persistent, shared and copied on write.
     #[test]
-    fn a_snapshot_image_is_the_state_as_it_was_taken() {
+    fn a_copy_of_the_state_is_the_state_as_it_was_taken() {
         let (mut t, j) = running(3, false);
         t.submit(1, |s| s.name = "queued".into());
         let before = serde_json::to_string(&t.s).unwrap();
-        let image = t.s.image();
-        assert_eq!(serde_json::to_string(&image).unwrap(), before);
+        let copy = t.s.clone();
+        assert_eq!(serde_json::to_string(&copy).unwrap(), before);
         let restored: State = serde_json::from_str(&before).unwrap();
         assert!(restored == t.s);
-        // The state changes in every table: the image does not.
+        // The state changes in every table: the copy does not.
         t.report("job-1.0", TaskState::Finished);
         assert_eq!(t.job_state(&j), JobState::Succeeded);
         t.back("b", 3, &[]);
         t.submit(2, |_| {});
         assert_ne!(serde_json::to_string(&t.s).unwrap(), before);
-        assert_eq!(serde_json::to_string(&image).unwrap(), before);
+        assert_eq!(serde_json::to_string(&copy).unwrap(), before);
+        // Its indexes are built afresh on first read, from what it holds.
+        assert_eq!(
+            *copy.capacity(),
+            crate::state::capacity::Capacity::build(&copy)
+        );
+        assert!(copy.invariant_violations().is_empty());
     }
 }

@@ -14,10 +14,19 @@ use gpuctl_core::types::JobId;
 use super::capacity::Capacity;
 use super::{waits, JobRecord, State};
 
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Default)]
 pub struct Derived {
     pub capacity: OnceLock<Capacity>,
     pub queue: OnceLock<QueueIndex>,
+}
+
+/// A copy of the state starts without them: they are built on its first
+/// read, by whoever reads it, so that the copy itself (taken under the
+/// state's lock, which the Raft loop waits for) stays cheap.
+impl Clone for Derived {
+    fn clone(&self) -> Derived {
+        Derived::default()
+    }
 }
 
 impl PartialEq for Derived {

@@ -306,7 +306,7 @@ pub struct State {
     /// Which task holds each GPU. The single source of truth for "no GPU is
     /// ever given to two tasks": a launch is refused unless all its GPUs are
     /// absent here.
-    gpu_owner: BTreeMap<GpuUuid, TaskId>,
+    gpu_owner: imbl::OrdMap<GpuUuid, TaskId>,
     /// Sequence for job ids (`job-<n>`), advanced by apply.
     next_job_seq: u64,
     #[serde(default)]
@@ -371,73 +371,7 @@ pub struct State {
     derived: derived::Derived,
 }
 
-/// What a snapshot serializes of a [`State`], taken in O(1) for its big
-/// tables (persistent maps shared with the state until either changes),
-/// without the derived indexes: the Raft loop takes it, and the encoding
-/// runs elsewhere. Serializes exactly as the state does.
-#[derive(Debug)]
-pub struct Image(State);
-
-impl Serialize for Image {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        self.0.serialize(s)
-    }
-}
-
 impl State {
-    /// See [`Image`]. Every serialized field is named here (no `..`), so
-    /// that a new one cannot be left out of snapshots.
-    pub fn image(&self) -> Image {
-        let State {
-            agents,
-            jobs,
-            tasks,
-            gpu_owner,
-            next_job_seq,
-            frameworks,
-            next_framework_seq,
-            submit_requests,
-            submit_request_order,
-            token_requests,
-            framework_requests,
-            masters,
-            cordoned,
-            tokens,
-            quotas,
-            tenant_terms,
-            mig_changes,
-            mig_errors,
-            shared,
-            share_off,
-            applied_index,
-            derived: _,
-        } = self;
-        Image(State {
-            agents: agents.image(),
-            jobs: jobs.image(),
-            tasks: tasks.image(),
-            gpu_owner: gpu_owner.clone(),
-            next_job_seq: *next_job_seq,
-            frameworks: frameworks.clone(),
-            next_framework_seq: *next_framework_seq,
-            submit_requests: submit_requests.clone(),
-            submit_request_order: submit_request_order.clone(),
-            token_requests: token_requests.clone(),
-            framework_requests: framework_requests.clone(),
-            masters: masters.clone(),
-            cordoned: cordoned.clone(),
-            tokens: tokens.clone(),
-            quotas: quotas.clone(),
-            tenant_terms: tenant_terms.clone(),
-            mig_changes: mig_changes.clone(),
-            mig_errors: mig_errors.clone(),
-            shared: shared.clone(),
-            share_off: share_off.clone(),
-            applied_index: *applied_index,
-            derived: Default::default(),
-        })
-    }
-
     pub fn new() -> State {
         State {
             next_job_seq: 1,
@@ -485,7 +419,7 @@ impl State {
 
     /// Every GPU held, and by which task.
     #[cfg(test)]
-    pub fn gpu_owners(&self) -> &BTreeMap<GpuUuid, TaskId> {
+    pub fn gpu_owners(&self) -> &imbl::OrdMap<GpuUuid, TaskId> {
         &self.gpu_owner
     }
 

@@ -8,9 +8,9 @@
 //! sets may have changed ([`Touched`]), so that the leader wakes only those
 //! agents' task streams.
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeSet, HashSet};
 
-use imbl::OrdMap;
+use imbl::{HashMap as PHashMap, OrdMap, OrdSet};
 use std::ops::Deref;
 
 use gpuctl_core::types::{AgentId, GpuUuid, JobId, TaskId};
@@ -86,11 +86,11 @@ impl Dirty {
 #[derive(Debug, Clone, Default)]
 pub struct TaskTable {
     map: OrdMap<TaskId, TaskRecord>,
-    by_agent: HashMap<AgentId, BTreeSet<TaskId>>,
+    by_agent: PHashMap<AgentId, OrdSet<TaskId>>,
     /// The tasks of frameworks other than gpuctl's jobs (`framework_id`
     /// set), which the framework loop follows: it looks at these, not at
     /// every task.
-    of_frameworks: BTreeSet<TaskId>,
+    of_frameworks: OrdSet<TaskId>,
     touched: Touched,
     /// Agents whose tasks changed, for the derived indexes.
     dirty: Dirty,
@@ -98,8 +98,8 @@ pub struct TaskTable {
 
 impl TaskTable {
     fn from_map(map: OrdMap<TaskId, TaskRecord>) -> TaskTable {
-        let mut by_agent: HashMap<AgentId, BTreeSet<TaskId>> = HashMap::new();
-        let mut of_frameworks = BTreeSet::new();
+        let mut by_agent: PHashMap<AgentId, OrdSet<TaskId>> = PHashMap::new();
+        let mut of_frameworks = OrdSet::new();
         for t in map.values() {
             by_agent
                 .entry(t.agent_id.clone())
@@ -119,15 +119,6 @@ impl TaskTable {
                 agents: BTreeSet::new(),
             },
             dirty: Dirty::everything(),
-        }
-    }
-
-    /// The tasks alone, sharing this table's (persistent) map: O(1). No
-    /// index: only to serialize (a snapshot).
-    pub fn image(&self) -> TaskTable {
-        TaskTable {
-            map: self.map.clone(),
-            ..TaskTable::default()
         }
     }
 
@@ -250,13 +241,13 @@ impl TaskTable {
     /// Whether the index says what the tasks say (for tests' invariants).
     #[cfg(test)]
     pub fn index_agrees(&self) -> bool {
-        let mut want: HashMap<AgentId, BTreeSet<TaskId>> = HashMap::new();
+        let mut want: PHashMap<AgentId, OrdSet<TaskId>> = PHashMap::new();
         for t in self.map.values() {
             want.entry(t.agent_id.clone())
                 .or_default()
                 .insert(t.id.clone());
         }
-        let frameworks: BTreeSet<TaskId> = self
+        let frameworks: OrdSet<TaskId> = self
             .map
             .values()
             .filter(|t| !t.framework_id.is_empty())
@@ -324,7 +315,7 @@ pub struct AgentTable {
     map: OrdMap<AgentId, AgentRecord>,
     /// Usually one agent per GPU; a LOST agent's GPUs may be claimed again
     /// by the agent that replaced it.
-    by_gpu: HashMap<GpuUuid, BTreeSet<AgentId>>,
+    by_gpu: PHashMap<GpuUuid, OrdSet<AgentId>>,
     /// Agents changed, for the derived indexes.
     dirty: Dirty,
 }
@@ -333,21 +324,13 @@ impl AgentTable {
     fn from_map(map: OrdMap<AgentId, AgentRecord>) -> AgentTable {
         let mut t = AgentTable {
             map: OrdMap::new(),
-            by_gpu: HashMap::new(),
+            by_gpu: PHashMap::new(),
             dirty: Dirty::everything(),
         };
         for (id, a) in map {
             t.insert(id, a);
         }
         t
-    }
-
-    /// The agents alone, as [`TaskTable::image`].
-    pub fn image(&self) -> AgentTable {
-        AgentTable {
-            map: self.map.clone(),
-            ..AgentTable::default()
-        }
     }
 
     /// Agents changed since the last call.
@@ -410,7 +393,7 @@ impl AgentTable {
     /// Whether the index says what the agents say (for tests' invariants).
     #[cfg(test)]
     pub fn index_agrees(&self) -> bool {
-        let mut want: HashMap<GpuUuid, BTreeSet<AgentId>> = HashMap::new();
+        let mut want: PHashMap<GpuUuid, OrdSet<AgentId>> = PHashMap::new();
         for a in self.map.values() {
             for g in &a.info.gpus {
                 want.entry(g.uuid.clone())
@@ -476,14 +459,6 @@ pub struct JobTable {
 }
 
 impl JobTable {
-    /// The jobs alone, as [`TaskTable::image`].
-    pub fn image(&self) -> JobTable {
-        JobTable {
-            map: self.map.clone(),
-            ..JobTable::default()
-        }
-    }
-
     pub fn get_mut(&mut self, id: &str) -> Option<&mut JobRecord> {
         let j = self.map.get_mut(id)?;
         self.dirty.mark(id);
