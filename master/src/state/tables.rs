@@ -86,7 +86,9 @@ impl Dirty {
 #[derive(Debug, Clone, Default)]
 pub struct TaskTable {
     map: OrdMap<TaskId, TaskRecord>,
-    by_agent: PHashMap<AgentId, OrdSet<TaskId>>,
+    // (Small std sets inside a persistent map: an `OrdSet` allocates a
+    // whole B-tree node even for one id.)
+    by_agent: PHashMap<AgentId, BTreeSet<TaskId>>,
     /// The tasks of frameworks other than gpuctl's jobs (`framework_id`
     /// set), which the framework loop follows: it looks at these, not at
     /// every task.
@@ -98,7 +100,7 @@ pub struct TaskTable {
 
 impl TaskTable {
     fn from_map(map: OrdMap<TaskId, TaskRecord>) -> TaskTable {
-        let mut by_agent: PHashMap<AgentId, OrdSet<TaskId>> = PHashMap::new();
+        let mut by_agent: PHashMap<AgentId, BTreeSet<TaskId>> = PHashMap::new();
         let mut of_frameworks = OrdSet::new();
         for t in map.values() {
             by_agent
@@ -241,7 +243,7 @@ impl TaskTable {
     /// Whether the index says what the tasks say (for tests' invariants).
     #[cfg(test)]
     pub fn index_agrees(&self) -> bool {
-        let mut want: PHashMap<AgentId, OrdSet<TaskId>> = PHashMap::new();
+        let mut want: PHashMap<AgentId, BTreeSet<TaskId>> = PHashMap::new();
         for t in self.map.values() {
             want.entry(t.agent_id.clone())
                 .or_default()
@@ -315,7 +317,7 @@ pub struct AgentTable {
     map: OrdMap<AgentId, AgentRecord>,
     /// Usually one agent per GPU; a LOST agent's GPUs may be claimed again
     /// by the agent that replaced it.
-    by_gpu: PHashMap<GpuUuid, OrdSet<AgentId>>,
+    by_gpu: PHashMap<GpuUuid, BTreeSet<AgentId>>,
     /// Agents changed, for the derived indexes.
     dirty: Dirty,
 }
@@ -393,7 +395,7 @@ impl AgentTable {
     /// Whether the index says what the agents say (for tests' invariants).
     #[cfg(test)]
     pub fn index_agrees(&self) -> bool {
-        let mut want: PHashMap<GpuUuid, OrdSet<AgentId>> = PHashMap::new();
+        let mut want: PHashMap<GpuUuid, BTreeSet<AgentId>> = PHashMap::new();
         for a in self.map.values() {
             for g in &a.info.gpus {
                 want.entry(g.uuid.clone())
