@@ -263,19 +263,27 @@ pub async fn run(
             .status
             .as_ref()
             .is_some_and(gpuctl_proto::leader::not_proposed);
-        let wait = if electing {
-            election_poll(&info.id)
-        } else {
-            backoff.peek()
-        };
+        let wait = retry_wait(&mut backoff, electing, &info.id);
         tracing::warn!(master = %addr, error = %e.message, retry_in_ms = wait.as_millis() as u64, "master connection failed");
         tokio::select! {
             _ = tokio::time::sleep(wait) => {}
             _ = shutdown.changed() => return,
         }
-        if !electing {
-            backoff.next_wait();
-        }
+    }
+}
+
+/// How long to wait after a failed session. A master that answered "no
+/// leader yet" (an election) is polled at a short, jittered interval, and
+/// the backoff starts again: the group is alive, so the dead master the
+/// agent tries next on its way round costs one short wait, not a wait
+/// that doubled through the whole election (the last agents came back up
+/// to a second after the new leader did). Other failures back off.
+fn retry_wait(backoff: &mut Backoff, electing: bool, agent_id: &str) -> Duration {
+    if electing {
+        backoff.reset();
+        election_poll(agent_id)
+    } else {
+        backoff.next_wait()
     }
 }
 
@@ -776,6 +784,24 @@ mod tests {
     use super::*;
 
     use gpuctl_proto::leader::not_leader;
+
+    #[test]
+    fn an_election_answer_starts_the_backoff_again() {
+        let mut b = Backoff::new(BACKOFF_MIN, BACKOFF_MAX);
+        // A dead master, three times: 100, 200, 400 ms.
+        let waits: Vec<Duration> = (0..3).map(|_| retry_wait(&mut b, false, "a")).collect();
+        assert_eq!(
+            waits,
+            [100, 200, 400].map(Duration::from_millis),
+            "other failures back off"
+        );
+        // A live master in an election: polled soon, and the dead one
+        // next costs the shortest wait again.
+        let poll = retry_wait(&mut b, true, "a");
+        assert!(poll >= ELECTION_POLL && poll < ELECTION_POLL + Duration::from_millis(100));
+        assert_eq!(retry_wait(&mut b, false, "a"), BACKOFF_MIN);
+        assert_eq!(retry_wait(&mut b, false, "a"), BACKOFF_MIN * 2);
+    }
 
     #[test]
     fn election_poll_is_short_and_jittered() {

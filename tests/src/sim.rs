@@ -23,8 +23,9 @@
 //!   the agent's status sender does;
 //! - on a failed call or stream, registers again: at once where a
 //!   `gpuctl-leader` redirect points (three in a row), after 200-300 ms
-//!   when the master said "no leader yet", else at the next address after
-//!   a backoff (100 ms doubling to [`SimConfig::backoff_max`]).
+//!   when the master said "no leader yet" (the backoff then starts again),
+//!   else at the next address after a backoff (100 ms doubling to
+//!   [`SimConfig::backoff_max`]).
 //!
 //! Simplifications: redirects to an address not given to
 //! [`SimAgents::start`] are not followed (the next known address is tried);
@@ -805,6 +806,7 @@ async fn run_agent(shared: Arc<Shared>, i: usize) {
         redirects = 0;
         // "No leader yet" / "catching up": a leader is a moment away.
         if e.status.as_ref().is_some_and(not_proposed) {
+            backoff.reset();
             tokio::time::sleep(election_poll(i)).await;
             continue;
         }
