@@ -20,7 +20,7 @@ use crate::allocator::{
 };
 use crate::now_ms;
 use crate::raft::RaftHandle;
-use crate::state::{AgentState, Command, State, TaskRecord};
+use crate::state::{Command, State, TaskRecord};
 
 pub type EventSender = mpsc::Sender<Result<pb::Event, tonic::Status>>;
 
@@ -849,13 +849,14 @@ fn forward_updates(state: &State, g: &mut Inner, now: Instant, resend_after: Dur
     }
 }
 
+/// Tells every connected framework of each agent newly LOST, from the
+/// capacity index's set of them (not a walk over every agent per pass).
 fn forward_failures(state: &State, g: &mut Inner) {
-    let lost: BTreeSet<String> = state
-        .agents()
-        .values()
-        .filter(|a| a.state == AgentState::Lost)
-        .map(|a| a.info.id.clone())
-        .collect();
+    let capacity = state.capacity();
+    if *capacity.lost() == g.lost_agents {
+        return;
+    }
+    let lost = capacity.lost().clone();
     for agent in lost.difference(&g.lost_agents) {
         for c in g.conns.values() {
             let _ =
@@ -1772,6 +1773,67 @@ mod tests {
         )
         .unwrap();
         assert_eq!(updates_at(&s, 1000), 0, "acknowledged: never again");
+    }
+
+    /// A framework hears once that an agent is LOST (from the capacity
+    /// index's set), and again only if it is lost again after coming back.
+    #[test]
+    fn a_lost_agent_is_told_to_frameworks_once() {
+        let (mut s, key) = running_task();
+        let f = s.task(&key).map(|t| t.framework_id.clone()).unwrap();
+        let (hub, mut rx) = offering_hub(&s, &f);
+        let _ = rx.try_recv(); // SUBSCRIBED
+        let mut failures = |s: &State| {
+            forward_failures(s, &mut hub.lock());
+            let mut agents = Vec::new();
+            while let Ok(e) = rx.try_recv() {
+                if let Some(pb::event::Event::Failure(f)) = e.unwrap().event {
+                    agents.push(f.agent_id);
+                }
+            }
+            agents
+        };
+        assert!(failures(&s).is_empty());
+        let mut i = 1000;
+        let mut apply = |s: &mut State, c: Command| {
+            i += 1;
+            s.apply(i, &c).unwrap();
+        };
+        apply(
+            &mut s,
+            Command::AgentUnreachable {
+                agent_id: "a".into(),
+                at_ms: 1,
+            },
+        );
+        assert!(failures(&s).is_empty(), "unreachable is not lost");
+        apply(
+            &mut s,
+            Command::AgentLostAfterTimeout {
+                agent_id: "a".into(),
+                at_ms: 2,
+            },
+        );
+        assert_eq!(failures(&s), ["a"]);
+        assert!(failures(&s).is_empty(), "once");
+        apply(&mut s, register("a", 0));
+        assert!(failures(&s).is_empty());
+        apply(
+            &mut s,
+            Command::AgentUnreachable {
+                agent_id: "a".into(),
+                at_ms: 3,
+            },
+        );
+        apply(
+            &mut s,
+            Command::AgentLostAfterTimeout {
+                agent_id: "a".into(),
+                at_ms: 4,
+            },
+        );
+        assert_eq!(failures(&s), ["a"], "lost again");
+        assert_eq!(*s.capacity(), crate::state::capacity::Capacity::build(&s));
     }
 
     #[test]

@@ -310,6 +310,8 @@ pub struct Capacity {
     groups: ClassGroups,
     /// The agents of each attribute value ([`attr_key`]).
     by_attr: HashMap<(String, String), AttrGroups>,
+    /// The LOST agents (frameworks hear of each once).
+    lost: BTreeSet<AgentId>,
     totals: FreeTotals,
 }
 
@@ -333,6 +335,9 @@ impl Capacity {
     }
 
     fn put(&mut self, state: &State, a: &AgentRecord) {
+        if a.state == super::AgentState::Lost {
+            self.lost.insert(a.info.id.clone());
+        }
         if !a.accepts_tasks() {
             return;
         }
@@ -349,6 +354,7 @@ impl Capacity {
     }
 
     fn drop_entry(&mut self, id: &str) {
+        self.lost.remove(id);
         if let Some(e) = self.entries.remove(id) {
             let key = (e.free_gpus, e.in_use);
             self.groups.remove(&e.class, key, id);
@@ -367,6 +373,11 @@ impl Capacity {
 
     pub fn totals(&self) -> FreeTotals {
         self.totals
+    }
+
+    /// The agents that are LOST.
+    pub fn lost(&self) -> &BTreeSet<AgentId> {
+        &self.lost
     }
 
     /// Whether some agent that takes tasks has GPUs of several kinds.
