@@ -266,6 +266,22 @@ mod tests {
         zone: Option<&'static str>,
     }
 
+    impl Ask {
+        /// One task of `gpus` whole GPUs, bundled, no filter.
+        fn whole(gpus: u32) -> Ask {
+            Ask {
+                gpus,
+                replicas: 1,
+                spread: false,
+                model: None,
+                mem_min: 0,
+                priority: 0,
+                cpus: 1.0,
+                zone: None,
+            }
+        }
+    }
+
     fn job(a: &Ask) -> Command {
         Command::SubmitJob {
             spec: JobSpec {
@@ -480,16 +496,7 @@ mod tests {
             .unwrap();
             launches
         };
-        let seven = Ask {
-            gpus: 7,
-            replicas: 1,
-            spread: false,
-            model: None,
-            mem_min: 0,
-            priority: 0,
-            cpus: 1.0,
-            zone: None,
-        };
+        let seven = Ask::whole(7);
         let first = run(&mut s, &seven);
         assert_eq!(first[0].agent_id, "a00");
         let one = Ask {
@@ -548,14 +555,8 @@ mod tests {
         s.apply(
             i,
             &job(&Ask {
-                gpus: 2,
-                replicas: 1,
-                spread: false,
-                model: None,
-                mem_min: 0,
-                priority: 0,
-                cpus: 1.0,
                 zone: Some("rare"),
+                ..Ask::whole(2)
             }),
         )
         .unwrap();

@@ -401,22 +401,13 @@ impl Capacity {
         usable: impl Fn(&GpuClass) -> bool,
         constraints: &BTreeMap<String, String>,
     ) -> Walk<'a> {
-        let mut narrowest: Option<Option<&AttrGroups>> = None;
-        for (k, pattern) in constraints.iter().filter(|(k, _)| indexed(k)) {
-            let Some(value) = exact(pattern) else {
-                continue;
-            };
-            let g = self.by_attr.get(&attr_key(k, value));
-            let fewer = match (g, narrowest) {
-                (_, None) => true,
-                (None, Some(_)) => true,
-                (Some(_), Some(None)) => false,
-                (Some(g), Some(Some(n))) => g.agents < n.agents,
-            };
-            if fewer {
-                narrowest = Some(g);
-            }
-        }
+        // Each exact pattern's agents (none: no agent has the value); the
+        // fewest win.
+        let narrowest = constraints
+            .iter()
+            .filter(|(k, _)| indexed(k))
+            .filter_map(|(k, pattern)| exact(pattern).map(|v| self.by_attr.get(&attr_key(k, v))))
+            .min_by_key(|g| g.map_or(0, |g| g.agents));
         match narrowest {
             None => self.groups.walk(n, policy, usable),
             Some(Some(g)) => g.groups.walk(n, policy, usable),
