@@ -4,40 +4,59 @@
 //! are woken, instead of every stream looking at every change.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use tokio::sync::watch;
+use tokio::sync::Notify;
 
 use crate::state::Touched;
 
 /// Cheap to clone. A stream subscribes for its agent; the node notifies.
 #[derive(Clone, Default)]
 pub struct AgentWakeups {
-    inner: Arc<Mutex<HashMap<String, watch::Sender<u64>>>>,
+    inner: Arc<Mutex<HashMap<Arc<str>, Arc<Wake>>>>,
+}
+
+/// One agent's wake-up: the index of its last notify and the streams
+/// waiting. About 60 bytes (a `watch` channel was 350 per agent, and the
+/// leader holds one for every connected agent, idle or not).
+#[derive(Default)]
+struct Wake {
+    index: AtomicU64,
+    notify: Notify,
 }
 
 /// A stream's end: changes whenever its agent may have something new.
 /// Dropping it forgets the agent once nobody else listens.
 pub struct AgentWakeup {
-    rx: watch::Receiver<u64>,
-    agent: String,
+    agent: Arc<str>,
+    wake: Arc<Wake>,
+    seen: u64,
     owner: AgentWakeups,
 }
 
 impl AgentWakeups {
-    fn lock(&self) -> MutexGuard<'_, HashMap<String, watch::Sender<u64>>> {
+    fn lock(&self) -> MutexGuard<'_, HashMap<Arc<str>, Arc<Wake>>> {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     pub fn subscribe(&self, agent: &str) -> AgentWakeup {
-        let rx = self
-            .lock()
-            .entry(agent.to_string())
-            .or_insert_with(|| watch::channel(0).0)
-            .subscribe();
+        let mut g = self.lock();
+        let (agent, wake) = match g.get_key_value(agent) {
+            Some((k, w)) => (k.clone(), w.clone()),
+            None => {
+                let (k, w): (Arc<str>, Arc<Wake>) = (agent.into(), Arc::default());
+                g.insert(k.clone(), w.clone());
+                (k, w)
+            }
+        };
+        // Only notifies after this one wake the new stream, as with a
+        // fresh `watch` receiver: the caller looks at the state next.
+        let seen = wake.index.load(Ordering::Acquire);
         AgentWakeup {
-            rx,
-            agent: agent.to_string(),
+            agent,
+            wake,
+            seen,
             owner: self.clone(),
         }
     }
@@ -48,15 +67,20 @@ impl AgentWakeups {
         if touched.is_empty() {
             return;
         }
+        let wake = |w: &Wake| {
+            // Distinct from every earlier value even if indexes repeat
+            // (tests notify with any index): the stream compares for change.
+            let before = w.index.load(Ordering::Acquire);
+            w.index.store(index.max(before + 1), Ordering::Release);
+            w.notify.notify_waiters();
+        };
         let g = self.lock();
         if touched.all {
-            for tx in g.values() {
-                tx.send_replace(index);
-            }
+            g.values().for_each(|w| wake(w));
         } else {
             for agent in &touched.agents {
-                if let Some(tx) = g.get(agent) {
-                    tx.send_replace(index);
+                if let Some(w) = g.get(agent.as_str()) {
+                    wake(w);
                 }
             }
         }
@@ -71,10 +95,18 @@ impl AgentWakeups {
 impl AgentWakeup {
     /// Waits for the next wake-up (at once if one came since the last).
     pub async fn changed(&mut self) {
-        // The sender stays in the map for as long as this receiver lives,
-        // so this never fails; if it did, wait rather than spin.
-        if self.rx.changed().await.is_err() {
-            std::future::pending::<()>().await;
+        loop {
+            let notified = self.wake.notify.notified();
+            tokio::pin!(notified);
+            // Registered before the check: a notify between the check and
+            // the wait is not lost.
+            notified.as_mut().enable();
+            let now = self.wake.index.load(Ordering::Acquire);
+            if now != self.seen {
+                self.seen = now;
+                return;
+            }
+            notified.await;
         }
     }
 }
@@ -82,9 +114,9 @@ impl AgentWakeup {
 impl Drop for AgentWakeup {
     fn drop(&mut self) {
         let mut g = self.owner.lock();
-        // Our receiver is still counted until this returns.
+        // The map's reference and ours: nobody else listens.
         if g.get(&self.agent)
-            .is_some_and(|tx| tx.receiver_count() <= 1)
+            .is_some_and(|w| Arc::ptr_eq(w, &self.wake) && Arc::strong_count(w) <= 2)
         {
             g.remove(&self.agent);
         }

@@ -139,9 +139,11 @@ impl pb::agent_manager_server::AgentManager for AgentManagerService {
 }
 
 /// One agent's WatchTasks stream (see `watch_tasks`).
+///
+/// Kept small: the leader holds one per connected agent, idle or not (no
+/// copy of `Ctx`, whose config alone was 450 bytes of heap per agent).
 struct TaskWatch {
     raft: crate::raft::RaftHandle,
-    ctx: Ctx,
     agent_id: String,
     /// Incremental agents get a snapshot, then differences, in messages of
     /// bounded size; older agents the full set on every change.
@@ -165,6 +167,11 @@ impl TaskWatch {
                 return None;
             }
             if let Some(msg) = self.pending.pop_front() {
+                if self.pending.is_empty() {
+                    // An emptied queue keeps its capacity; an idle stream
+                    // should hold nothing (about 500 bytes per agent).
+                    self.pending = std::collections::VecDeque::new();
+                }
                 return Some(Ok(msg));
             }
             if *self.shutdown.borrow() {
@@ -173,7 +180,8 @@ impl TaskWatch {
             if !self.status.borrow().serving {
                 // Deposed: send the agent to the new leader.
                 self.ended = true;
-                return Some(Err(self.ctx.not_leader().into()));
+                let leader = self.raft.leader();
+                return Some(Err(ServiceError::NotLeader { leader }.into()));
             }
             let msgs = self.changes();
             if !msgs.is_empty() {
@@ -429,7 +437,6 @@ impl AgentManagerService {
             wakeup: raft.agent_wakeup(&agent_id),
             status: raft.role_watch(),
             shutdown: self.ctx.shutdown.clone(),
-            ctx: self.ctx.clone(),
             raft,
             agent_id,
             incremental,
