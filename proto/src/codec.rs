@@ -2,7 +2,8 @@
 //! first buffer. tonic allocates the buffer of each call up front, 8 KiB by
 //! default, and keeps it for as long as a stream lives: that was 8.7 KB of
 //! each agent's bookkeeping at the leader, for WatchTasks streams whose
-//! messages are mostly a few hundred bytes. Bigger messages grow it.
+//! messages are mostly a few hundred bytes; an idle agent's stream sends a
+//! few bytes. Bigger messages grow it (one more allocation for the call).
 //!
 //! A big message is decoded off the async worker (`block_in_place`): tokio
 //! polls its timers and sockets only from idle workers, so one long decode
@@ -17,7 +18,7 @@ use tonic::codec::{BufferSettings, Codec, DecodeBuf, Decoder, EncodeBuf, Encoder
 use tonic::Status;
 
 /// First buffer of a call, in bytes.
-const BUFFER_SIZE: usize = 512;
+const BUFFER_SIZE: usize = 128;
 /// tonic's default: a stream with messages ready batches up to this much.
 const YIELD_THRESHOLD: usize = 32 * 1024;
 /// Messages bigger than this are decoded off the async worker.
