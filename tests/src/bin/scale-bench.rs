@@ -1938,6 +1938,10 @@ async fn wait_registered(sim: &SimAgents, opts: &Opts) -> BenchResult<()> {
     Ok(())
 }
 
+/// How long the memory run waits before reading the masters' VmRSS: past
+/// one of their malloc_trim passes (`master/src/main.rs`, every 30 s).
+const SETTLE: Duration = Duration::from_secs(32);
+
 /// Phase 10: memory of `gpuctl-master` processes.
 async fn memory_phase(opts: &Opts, report: &mut Report) -> BenchResult<()> {
     let agents = opts.memory_agents.unwrap_or(opts.agents);
@@ -1984,7 +1988,10 @@ async fn memory_phase(opts: &Opts, report: &mut Report) -> BenchResult<()> {
         .collect::<BenchResult<Vec<_>>>()?;
     let all: Vec<usize> = (0..MASTERS).collect();
     let leader = settled_leader(&ops, &addrs, &all, Duration::from_secs(60)).await?;
-    // Several readings a second apart once settled; the last is kept.
+    // Several readings a second apart once settled; the last is kept. Each
+    // settles past the masters' periodic malloc_trim (every 30 s), so the
+    // figures are the memory a master holds, not what malloc kept after
+    // the burst that came before.
     let rss = |settle: Duration| {
         let pids: Vec<i32> = daemons.iter().map(|d| d.pid()).collect();
         async move {
@@ -2000,7 +2007,7 @@ async fn memory_phase(opts: &Opts, report: &mut Report) -> BenchResult<()> {
             last
         }
     };
-    let r0 = rss(Duration::from_secs(3)).await;
+    let r0 = rss(SETTLE).await;
     let bare = SimAgents::start(
         &addrs,
         SimConfig {
@@ -2013,7 +2020,7 @@ async fn memory_phase(opts: &Opts, report: &mut Report) -> BenchResult<()> {
     )
     .map_err(err("start the agents"))?;
     wait_registered(&bare, opts).await?;
-    let r1 = rss(Duration::from_secs(5)).await;
+    let r1 = rss(SETTLE).await;
     let with_gpus = SimAgents::start(
         &addrs,
         SimConfig {
@@ -2026,7 +2033,7 @@ async fn memory_phase(opts: &Opts, report: &mut Report) -> BenchResult<()> {
     )
     .map_err(err("start the agents"))?;
     wait_registered(&with_gpus, opts).await?;
-    let r2 = rss(Duration::from_secs(5)).await;
+    let r2 = rss(SETTLE).await;
     let mops = Ops::new(&addrs, leader, opts.connections(agents))?;
     let specs = (0..jobs)
         .map(|n| one_gpu_job(format!("mem-{n}"), forever()))
@@ -2045,7 +2052,7 @@ async fn memory_phase(opts: &Opts, report: &mut Report) -> BenchResult<()> {
     )
     .await;
     let placed = b.done_at.len();
-    let r3 = rss(Duration::from_secs(5)).await;
+    let r3 = rss(SETTLE).await;
     drop(bare);
     drop(with_gpus);
     drop(daemons);
