@@ -149,7 +149,8 @@ fn a_two_rank_gang_meets_at_master_addr_and_port() {
 }
 
 /// Binds every port in GPUCTL_PORTS (the kernel refuses one that is
-/// bound), says so, and holds them until the test drops a file.
+/// bound), says so (a file named after its job, with the ports), and
+/// holds them until the test drops a file.
 const HOLD: &str = r#"
 import os, socket, sys, time
 held = []
@@ -161,7 +162,11 @@ for p in os.environ["GPUCTL_PORTS"].split(","):
         sys.exit("port %s: %s" % (p, e))
     s.listen()
     held.append(s)
-open(os.path.join(os.environ["OUT"], os.environ["GPUCTL_JOB_ID"]), "w").write(os.environ["GPUCTL_PORTS"])
+# Written whole, then renamed: the test reads the file once it exists.
+path = os.path.join(os.environ["OUT"], os.environ["GPUCTL_JOB_ID"])
+with open(path + ".tmp", "w") as f:
+    f.write(os.environ["GPUCTL_PORTS"])
+os.rename(path + ".tmp", path)
 deadline = time.time() + 60
 while not os.path.exists(os.path.join(os.environ["OUT"], "release")) and time.time() < deadline:
     time.sleep(0.1)
