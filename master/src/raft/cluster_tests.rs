@@ -267,6 +267,52 @@ async fn a_lagging_master_catches_up_from_a_snapshot_and_restarts_from_it() {
     g.converge(leader, &[1, 2, 3]).await;
 }
 
+#[tokio::test]
+async fn an_entry_of_a_newer_command_version_stops_every_master_unapplied() {
+    let mut g = Group::new(10_000);
+    for id in 1..=3 {
+        g.start(id, &[1, 2, 3]);
+    }
+    let leader = g.leader(&[1, 2, 3]).await;
+    propose_ok(g.h(leader), "before").await;
+    g.converge(leader, &[1, 2, 3]).await;
+    let applied = g.h(leader).state().applied_index();
+
+    // What a newer master would write: a command this one has never heard of.
+    let newer = crate::state::COMMAND_VERSION + 1;
+    let data = format!(r#"{{"version":{newer},"command":{{"SubmitJobV2":{{"name":"x"}}}}}}"#);
+    let r = g.h(leader).propose_raw(data.into_bytes()).await;
+    assert!(matches!(r, Err(ProposeError::Stopped)), "{r:?}");
+    for id in 1..=3 {
+        let m = g.members.remove(&id).unwrap();
+        g.net.detach(id);
+        let stopped = tokio::time::timeout(Duration::from_secs(10), m.task)
+            .await
+            .expect("the master stops")
+            .unwrap();
+        match stopped {
+            Err(NodeError::NewerCommand { index, version }) => {
+                assert_eq!((index, version), (applied + 1, newer), "master {id}");
+            }
+            other => panic!("master {id}: expected NewerCommand, got {other:?}"),
+        }
+        // Not applied, not skipped: the state is the one before it.
+        assert_eq!(m.handle.state().applied_index(), applied, "master {id}");
+        assert_eq!(m.handle.state().jobs().len(), 1);
+    }
+    // Restarted with the same version, each stops at the same entry again.
+    g.start(2, &[]);
+    let m = g.members.remove(&2).unwrap();
+    let again = tokio::time::timeout(Duration::from_secs(10), m.task)
+        .await
+        .expect("the restarted master stops")
+        .unwrap();
+    assert!(
+        matches!(again, Err(NodeError::NewerCommand { index, .. }) if index == applied + 1),
+        "{again:?}"
+    );
+}
+
 fn cc(kind: ConfChangeType, id: u64, addr: &str) -> ConfChange {
     let mut c = ConfChange {
         node_id: id,

@@ -19,6 +19,7 @@ use super::storage::SledStorage;
 use super::transport::Transport;
 use super::wakeups::{AgentWakeup, AgentWakeups};
 use super::Addresses;
+use crate::state::command::DecodeError;
 use crate::state::{ApplyError, Command, MemberChange, Outcome, State};
 
 #[derive(Debug, Clone)]
@@ -99,6 +100,9 @@ pub enum ProposeError {
     Busy,
     #[error("{0}")]
     Membership(String),
+    /// Not proposed: the command could not be encoded.
+    #[error(transparent)]
+    Encode(#[from] crate::state::EncodeError),
 }
 
 enum NodeMsg {
@@ -106,6 +110,12 @@ enum NodeMsg {
         // Boxed: a job's spec makes a command several hundred bytes, and
         // every message of the node's queue would be that big.
         command: Box<Command>,
+        reply: oneshot::Sender<Result<Outcome, ProposeError>>,
+    },
+    /// An entry's data as given (tests: entries of another version).
+    #[cfg(test)]
+    ProposeRaw {
+        data: Vec<u8>,
         reply: oneshot::Sender<Result<Outcome, ProposeError>>,
     },
     ConfChange {
@@ -209,6 +219,15 @@ impl RaftHandle {
             command: Box::new(command),
             reply,
         })?;
+        rx.await.map_err(|_| ProposeError::Stopped)?
+    }
+
+    /// Proposes `data` as an entry's as it is, as a master of another
+    /// version could have written it.
+    #[cfg(test)]
+    pub async fn propose_raw(&self, data: Vec<u8>) -> Result<Outcome, ProposeError> {
+        let (reply, rx) = oneshot::channel();
+        self.send(NodeMsg::ProposeRaw { data, reply })?;
         rx.await.map_err(|_| ProposeError::Stopped)?
     }
 
@@ -321,6 +340,10 @@ pub enum NodeError {
     Thread(std::io::Error),
     #[error("the raft node's thread panicked")]
     Panicked,
+    /// A committed entry this master cannot read: it stops rather than
+    /// skip a command the others apply (their states would part).
+    #[error("log entry {index} is of command version {version}, newer than this master's ({ours}): upgrade this master to the version of the others (upgrade followers first, then the leader: docs/deployment.md)", ours = crate::state::COMMAND_VERSION)]
+    NewerCommand { index: u64, version: u32 },
 }
 
 type CcReply = oneshot::Sender<Result<(), ProposeError>>;
@@ -623,26 +646,34 @@ impl Node {
         (id, context)
     }
 
+    fn propose(&mut self, data: Vec<u8>, reply: oneshot::Sender<Result<Outcome, ProposeError>>) {
+        if self.raw.raft.state != StateRole::Leader || self.raw.raft.lead_transferee.is_some() {
+            let _ = reply.send(Err(self.not_leader()));
+            return;
+        }
+        let (id, context) = self.next_context();
+        match self.raw.propose(context, data) {
+            Ok(()) => {
+                self.pending.insert(id, reply);
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "proposal dropped");
+                let _ = reply.send(Err(self.not_leader()));
+            }
+        }
+    }
+
     fn handle(&mut self, msg: NodeMsg) {
         match msg {
-            NodeMsg::Propose { command, reply } => {
-                if self.raw.raft.state != StateRole::Leader
-                    || self.raw.raft.lead_transferee.is_some()
-                {
-                    let _ = reply.send(Err(self.not_leader()));
-                    return;
+            NodeMsg::Propose { command, reply } => match command.encode() {
+                Ok(data) => self.propose(data, reply),
+                Err(e) => {
+                    tracing::error!(error = %e, "command not proposed");
+                    let _ = reply.send(Err(e.into()));
                 }
-                let (id, context) = self.next_context();
-                match self.raw.propose(context, command.encode()) {
-                    Ok(()) => {
-                        self.pending.insert(id, reply);
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "proposal dropped");
-                        let _ = reply.send(Err(self.not_leader()));
-                    }
-                }
-            }
+            },
+            #[cfg(test)]
+            NodeMsg::ProposeRaw { data, reply } => self.propose(data, reply),
             NodeMsg::ConfChange { cc, reply } => {
                 if self.raw.raft.state != StateRole::Leader {
                     let _ = reply.send(Err(self.not_leader()));
@@ -962,7 +993,7 @@ impl Node {
             last = Some(entry.index);
             self.log_bytes_since_snapshot += entry.data.len() as u64;
             match entry.get_entry_type() {
-                EntryType::EntryNormal => self.apply_normal(&entry),
+                EntryType::EntryNormal => self.apply_normal(&entry)?,
                 EntryType::EntryConfChange => {
                     let cc: ConfChange = protobuf::Message::parse_from_bytes(&entry.data)
                         .map_err(raft::Error::CodecError)?;
@@ -1056,11 +1087,13 @@ impl Node {
         tracing::info!(index, node = cc.node_id, change = ?cc.get_change_type(), "membership changed");
     }
 
-    fn apply_normal(&mut self, entry: &Entry) {
+    /// Applies one entry; an entry of a newer command version stops the
+    /// node, with the entry not applied (an upgraded master applies it).
+    fn apply_normal(&mut self, entry: &Entry) -> Result<(), NodeError> {
         let result = if entry.data.is_empty() {
             // The empty entry a new leader appends.
             self.bump_applied(entry.index);
-            return;
+            return Ok(());
         } else {
             match Command::decode(&entry.data) {
                 Ok(cmd) => {
@@ -1082,8 +1115,17 @@ impl Node {
                     }
                     r
                 }
+                Err(DecodeError::UnknownVersion(version)) => {
+                    let e = NodeError::NewerCommand {
+                        index: entry.index,
+                        version,
+                    };
+                    tracing::error!(error = %e, "stopping");
+                    return Err(e);
+                }
                 Err(e) => {
-                    // Skipped identically on every master, so states agree.
+                    // Masters of one command version decode alike, so every
+                    // master skips it and the states agree.
                     tracing::error!(index = entry.index, error = %e, "undecodable log entry skipped");
                     self.bump_applied(entry.index);
                     Err(ApplyError::Undecodable {
@@ -1098,6 +1140,7 @@ impl Node {
                 let _ = reply.send(result.map_err(ProposeError::Rejected));
             }
         }
+        Ok(())
     }
 }
 

@@ -218,6 +218,7 @@ fn propose_status(e: ProposeError) -> Status {
         // clients do not resubmit blindly.
         ProposeError::LeadershipLost | ProposeError::Stopped => Status::unavailable(e.to_string()),
         ProposeError::Membership(_) => Status::failed_precondition(e.to_string()),
+        ProposeError::Encode(_) => Status::internal(e.to_string()),
         ProposeError::Busy => Status::resource_exhausted(e.to_string()),
         ProposeError::Rejected(a) => match a {
             ApplyError::JobNotFound(_)

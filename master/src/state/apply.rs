@@ -1613,7 +1613,7 @@ mod tests {
             let mut s = State::new();
             for (i, c) in cmds.iter().enumerate() {
                 // Round-trip through the log encoding, as replay does.
-                let c = Command::decode(&c.encode()).unwrap();
+                let c = Command::decode(&c.encode().unwrap()).unwrap();
                 let _ = s.apply(i as u64 + 1, &c);
             }
             s

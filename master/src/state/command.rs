@@ -10,8 +10,10 @@ use gpuctl_core::types::{
 };
 use serde::{Deserialize, Serialize};
 
-/// Version of the encoding below. Bump it and keep decoding the old one when
-/// a command changes shape, because old entries stay in the log.
+/// Version of the encoding below. Bump it when a command changes shape or a
+/// new one is added, and keep decoding the old forms, because old entries
+/// stay in the log: a master applies entries of its own version and older,
+/// and stops at one of a newer version (docs/deployment.md, upgrades).
 pub const COMMAND_VERSION: u32 = 1;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -301,6 +303,21 @@ pub struct EncodedCommand {
     pub command: Command,
 }
 
+/// [`EncodedCommand`] as written: the same JSON, without a copy of the
+/// command.
+#[derive(Serialize)]
+struct EncodedRef<'a> {
+    version: u32,
+    command: &'a Command,
+}
+
+/// An entry's version alone, read when the whole would not decode: an
+/// entry from a newer master may hold a command this one does not know.
+#[derive(Deserialize)]
+struct VersionOnly {
+    version: u32,
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum DecodeError {
     #[error(
@@ -311,22 +328,38 @@ pub enum DecodeError {
     Malformed(#[from] serde_json::Error),
 }
 
+/// A command that could not be encoded: it is not proposed, and the
+/// proposer hears why (an empty entry would have looked like a leader's
+/// no-op and vanished).
+#[derive(Debug, thiserror::Error)]
+#[error("encoding a {kind} command: {source}")]
+pub struct EncodeError {
+    pub kind: &'static str,
+    pub source: serde_json::Error,
+}
+
 impl Command {
-    pub fn encode(&self) -> Vec<u8> {
-        let enc = EncodedCommand {
+    pub fn encode(&self) -> Result<Vec<u8>, EncodeError> {
+        let enc = EncodedRef {
             version: COMMAND_VERSION,
-            command: self.clone(),
+            command: self,
         };
-        // Serializing plain data with string keys cannot fail.
-        serde_json::to_vec(&enc).unwrap_or_default()
+        serde_json::to_vec(&enc).map_err(|source| EncodeError {
+            kind: self.kind(),
+            source,
+        })
     }
 
+    /// The command of an entry of this master's version or older.
     pub fn decode(data: &[u8]) -> Result<Command, DecodeError> {
-        let enc: EncodedCommand = serde_json::from_slice(data)?;
-        if enc.version != COMMAND_VERSION {
-            return Err(DecodeError::UnknownVersion(enc.version));
+        match serde_json::from_slice::<EncodedCommand>(data) {
+            Ok(enc) if enc.version <= COMMAND_VERSION => Ok(enc.command),
+            Ok(enc) => Err(DecodeError::UnknownVersion(enc.version)),
+            Err(e) => match serde_json::from_slice::<VersionOnly>(data) {
+                Ok(v) if v.version > COMMAND_VERSION => Err(DecodeError::UnknownVersion(v.version)),
+                _ => Err(DecodeError::Malformed(e)),
+            },
         }
-        Ok(enc.command)
     }
 
     /// Short name for logs and metrics.
@@ -365,6 +398,67 @@ impl Command {
             Command::RevokeToken { .. } => "revoke_token",
             Command::UseJoinToken { .. } => "use_join_token",
             Command::SetQuota { .. } => "set_quota",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn drain() -> Command {
+        Command::DrainAgent {
+            agent_id: "a1".into(),
+            kill: false,
+            deadline_ms: Some(5),
+            at_ms: 1,
+        }
+    }
+
+    #[test]
+    fn an_entry_is_written_as_before_and_read_back() {
+        let c = drain();
+        let written = c.encode().unwrap();
+        // The same JSON as the owned form, so older masters read it.
+        let owned = serde_json::to_vec(&EncodedCommand {
+            version: COMMAND_VERSION,
+            command: c.clone(),
+        })
+        .unwrap();
+        assert_eq!(written, owned);
+        assert_eq!(Command::decode(&written).unwrap(), c);
+    }
+
+    #[test]
+    fn a_newer_entry_is_told_apart_from_a_malformed_one() {
+        let newer = COMMAND_VERSION + 1;
+        // A command this master knows, in a newer entry.
+        let mut known: serde_json::Value =
+            serde_json::from_slice(&drain().encode().unwrap()).unwrap();
+        known["version"] = newer.into();
+        // A command it has never heard of, in a newer entry: the whole does
+        // not decode, the version still does.
+        let unknown =
+            format!(r#"{{"version":{newer},"command":{{"ResizeEverything":{{"to":3}}}}}}"#);
+        for data in [serde_json::to_vec(&known).unwrap(), unknown.into_bytes()] {
+            match Command::decode(&data) {
+                Err(DecodeError::UnknownVersion(v)) => assert_eq!(v, newer),
+                other => panic!("expected UnknownVersion, got {other:?}"),
+            }
+        }
+        // Not a newer version: malformed.
+        for data in [
+            format!(r#"{{"version":{COMMAND_VERSION},"command":{{"ResizeEverything":{{}}}}}}"#),
+            "not json".to_string(),
+            r#"{"command":{}}"#.to_string(),
+        ] {
+            assert!(
+                matches!(
+                    Command::decode(data.as_bytes()),
+                    Err(DecodeError::Malformed(_))
+                ),
+                "{data}"
+            );
         }
     }
 }

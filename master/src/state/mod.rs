@@ -36,7 +36,7 @@ use gpuctl_core::types::{
 use serde::{Deserialize, Serialize};
 
 pub use apply::{ApplyError, MemberChange, Outcome};
-pub use command::{Command, GpuHealthChange, Launch};
+pub use command::{Command, EncodeError, GpuHealthChange, Launch, COMMAND_VERSION};
 pub use gpuctl_core::types::{FrameworkTask, TaskReason};
 pub use tables::Touched;
 use tables::{AgentTable, JobTable, TaskTable};

@@ -432,7 +432,7 @@ mod tests {
             at_ms: 5,
         };
         assert_eq!(
-            String::from_utf8(c.encode()).unwrap(),
+            String::from_utf8(c.encode().unwrap()).unwrap(),
             r#"{"version":1,"command":{"ForgetJobs":{"job_ids":["job-1"],"at_ms":5}}}"#
         );
         let c = Command::ForgetFrameworkTasks {
