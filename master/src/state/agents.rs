@@ -407,6 +407,77 @@ impl State {
     }
 }
 
+impl State {
+    /// Records an agent's new verdict on some of its GPUs. All or nothing:
+    /// a GPU the agent does not have refuses the whole command.
+    pub(super) fn set_gpu_health(
+        &mut self,
+        agent_id: &str,
+        changes: &[super::command::GpuHealthChange],
+    ) -> Result<Outcome, ApplyError> {
+        let agent = self
+            .agents
+            .get_mut(agent_id)
+            .ok_or_else(|| ApplyError::AgentNotFound(agent_id.to_string()))?;
+        if let Some(c) = changes
+            .iter()
+            .find(|c| !agent.info.gpus.iter().any(|g| g.uuid == c.uuid))
+        {
+            return Err(ApplyError::Invalid {
+                field: "gpus".into(),
+                reason: format!("agent {agent_id} has no GPU {}", c.uuid),
+            });
+        }
+        for c in changes {
+            if let Some(g) = agent.info.gpus.iter_mut().find(|g| g.uuid == c.uuid) {
+                g.healthy = c.healthy;
+                g.unhealthy_reason = if c.healthy {
+                    String::new()
+                } else {
+                    c.reason.clone()
+                };
+            }
+        }
+        Ok(Outcome::Done)
+    }
+
+    pub(super) fn recompute_allocated(&mut self, agent_id: &str) {
+        let total = self
+            .tasks
+            .on(agent_id)
+            .filter(|t| t.holds_resources())
+            .fold(gpuctl_core::types::Resources::default(), |acc, t| {
+                acc.add(&t.resources)
+            });
+        if let Some(a) = self.agents.get_mut(agent_id) {
+            a.allocated = total;
+        }
+    }
+}
+
+impl State {
+    /// A GPU taken out of placement (or given back), whoever holds it.
+    pub(super) fn cordon_gpu(&mut self, uuid: &str, cordon: bool) -> Result<Outcome, ApplyError> {
+        if !self
+            .agents
+            .values()
+            .any(|a| a.info.gpus.iter().any(|g| g.uuid == uuid))
+        {
+            return Err(ApplyError::Invalid {
+                field: "uuid".into(),
+                reason: format!("no agent has GPU {uuid}"),
+            });
+        }
+        self.agents.mark_gpu(uuid);
+        if cordon {
+            self.cordoned.insert(uuid.to_string());
+        } else {
+            self.cordoned.remove(uuid);
+        }
+        Ok(Outcome::Done)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

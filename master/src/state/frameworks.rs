@@ -4,7 +4,7 @@
 
 use gpuctl_core::types::{FrameworkInfo, Runtime, TaskState};
 
-use super::apply::Pending;
+use super::fit::Pending;
 use super::{
     ApplyError, FrameworkRecord, FrameworkTask, Outcome, State, TaskLaunch, TaskReason, TaskRecord,
 };
@@ -158,7 +158,7 @@ impl State {
                 // A fraction is checked as a job's is (`check_fraction`).
                 let wants = t
                     .fraction
-                    .map_or(super::apply::Wants::Any, super::apply::Wants::Fraction);
+                    .map_or(super::fit::Wants::Any, super::fit::Wants::Fraction);
                 self.check_fit(
                     &t.agent_id,
                     runtime,

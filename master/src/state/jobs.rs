@@ -13,9 +13,9 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use gpuctl_core::types::{JobState, TaskState};
 
-use super::apply::{Pending, Wants};
 use super::events::EventKind;
-use super::{ApplyError, Launch, Outcome, State, Stopping, TaskReason, TaskRecord};
+use super::fit::{Pending, Wants};
+use super::{ApplyError, JobRecord, Launch, Outcome, State, Stopping, TaskReason, TaskRecord};
 
 impl State {
     /// Checks every launch against the current state (and against the other
@@ -659,6 +659,91 @@ fn failure_message(t: &TaskRecord) -> String {
         (TaskState::Lost, _) => format!("{who} lost: {}", t.message),
         (TaskState::Error, _) => format!("{who} error: {}", t.message),
         _ => format!("{who} failed: {}", t.message),
+    }
+}
+
+impl State {
+    /// A job queued (or, for a request id seen before, the job it made).
+    pub(super) fn submit_job(
+        &mut self,
+        spec: &gpuctl_core::types::JobSpec,
+        at_ms: u64,
+        request_id: Option<&str>,
+    ) -> Result<Outcome, ApplyError> {
+        if let Some(key) = request_id {
+            if let Some(job_id) = self.resubmitted(key, spec, Some(at_ms))? {
+                return Ok(Outcome::JobSubmitted {
+                    job_id: job_id.clone(),
+                });
+            }
+        }
+        // Forget keys older than the TTL (by the proposer's clock,
+        // carried in the command, so every master forgets the same).
+        super::requests::forget_expired(
+            &mut self.submit_requests,
+            &mut self.submit_request_order,
+            at_ms,
+            super::requests::MAX_REMEMBERED,
+        );
+        let job_id = format!("job-{}", self.next_job_seq);
+        if let Some(key) = request_id {
+            super::requests::remember(
+                &mut self.submit_requests,
+                &mut self.submit_request_order,
+                key,
+                job_id.clone(),
+                at_ms,
+            );
+        }
+        self.next_job_seq += 1;
+        self.jobs.insert(
+            job_id.clone(),
+            JobRecord {
+                id: job_id.clone(),
+                spec: spec.clone(),
+                state: JobState::Queued,
+                submitted_at_ms: at_ms,
+                updated_at_ms: at_ms,
+                task_ids: Vec::new(),
+                cancel_requested: false,
+                message: String::new(),
+                retries: 0,
+                preemptions: 0,
+                stopping: None,
+                preempted_by: None,
+                image_requires: Vec::new(),
+                events: Default::default(),
+            },
+        );
+        self.job_event(
+            &job_id,
+            EventKind::Queued,
+            super::events::queued_words(spec),
+            at_ms,
+        );
+        Ok(Outcome::JobSubmitted { job_id })
+    }
+
+    /// The built-in scheduler's round: each job launched whole or refused
+    /// whole, the others unaffected.
+    pub(super) fn launch_jobs(
+        &mut self,
+        jobs: &[Vec<Launch>],
+        at_ms: u64,
+    ) -> Result<Outcome, ApplyError> {
+        let mut refused = Vec::new();
+        for launches in jobs {
+            // Checked whole before anything changes: a refused
+            // job leaves nothing behind.
+            if let Err(e) = self.launch_tasks(launches, at_ms) {
+                let job = launches
+                    .first()
+                    .map(|l| l.job_id.clone())
+                    .unwrap_or_default();
+                refused.push((job, e.to_string()));
+            }
+        }
+        Ok(Outcome::JobsLaunched { refused })
     }
 }
 

@@ -11,6 +11,7 @@ pub(crate) mod derived;
 pub mod events;
 #[cfg(test)]
 mod events_tests;
+mod fit;
 pub mod frameworks;
 mod jobs;
 pub mod mig;
@@ -22,6 +23,7 @@ pub mod share;
 #[cfg(test)]
 mod share_tests;
 pub mod tables;
+mod tasks;
 #[cfg(test)]
 pub(crate) mod testkit;
 #[cfg(test)]

@@ -1,0 +1,297 @@
+//! A task's life after launch: status updates, its end, and the release of
+//! what it held (GPUs, fractions, ports, resources).
+
+use gpuctl_core::types::{StatusUpdate, TaskState};
+
+use super::apply::Outcome;
+use super::ApplyError;
+use super::{State, TaskReason};
+
+impl State {
+    pub(super) fn update_task(
+        &mut self,
+        u: &StatusUpdate,
+        at_ms: u64,
+    ) -> Result<Outcome, ApplyError> {
+        let Some(task) = self.tasks.get(&u.task_id) else {
+            return Ok(Outcome::StaleUpdate);
+        };
+        if task.agent_id != u.agent_id {
+            return Err(ApplyError::WrongAgent {
+                task_id: u.task_id.clone(),
+                agent_id: u.agent_id.clone(),
+                owner: task.agent_id.clone(),
+            });
+        }
+        if task.state.is_terminal() {
+            // A final report of a task that ended without its agent's word
+            // (LOST by timeout): its processes are gone now, so its GPUs
+            // may be given again. The task itself stays as it ended.
+            if task.holding && u.state.is_terminal() {
+                self.release(&u.task_id);
+                return Ok(Outcome::Done);
+            }
+            return Ok(Outcome::StaleUpdate);
+        }
+        // The task ended on its agent, which holds the final update behind
+        // this one until this one is acknowledged: free what it held now.
+        let released = u.latest_state.is_some_and(TaskState::is_terminal)
+            && !task.released
+            && self.release_early(&u.task_id);
+        // What the agent enforces of a fraction, as it says (only for a
+        // task that holds one).
+        if let Some(e) = u.enforcement {
+            if let Some(t) = self.tasks.get_mut(&u.task_id) {
+                if t.fraction.is_some() {
+                    t.enforcement = Some(e);
+                }
+            }
+        }
+        let Some(task) = self.tasks.get(&u.task_id) else {
+            return Ok(Outcome::StaleUpdate);
+        };
+        // The agent resends an update until it is acknowledged: a repeat is
+        // not news.
+        if !u.uuid.is_empty() && task.last_update_uuid == u.uuid {
+            return Ok(if released {
+                Outcome::Done
+            } else {
+                Outcome::StaleUpdate
+            });
+        }
+        if u.state.is_terminal() {
+            let refused = !u.requires.is_empty() && self.learn_driver_requires(&u.task_id, u);
+            // Known before the job hears of the end: a GPU failure, the
+            // agent's fence, a driver refusal or the GPU memory limit is
+            // said as such, not as an exit code (see job_task_ended and
+            // failure_message).
+            if refused {
+                if let Some(task) = self.tasks.get_mut(&u.task_id) {
+                    task.reason = TaskReason::DriverRequirementUnmet;
+                }
+            }
+            if u.gpu_unhealthy || u.fenced || u.gpu_memory_limit {
+                if let Some(task) = self.tasks.get_mut(&u.task_id) {
+                    task.reason = if u.gpu_unhealthy {
+                        TaskReason::GpuUnhealthy
+                    } else if u.fenced {
+                        TaskReason::Fenced
+                    } else {
+                        TaskReason::GpuMemoryLimit
+                    };
+                }
+            }
+            self.end_task(&u.task_id, u.state, u.exit_code, &u.message, at_ms);
+            if let Some(task) = self.tasks.get_mut(&u.task_id) {
+                task.last_update_uuid = u.uuid.clone();
+                task.reason = match (u.state, u.exit_code) {
+                    _ if u.gpu_unhealthy => TaskReason::GpuUnhealthy,
+                    _ if u.fenced => TaskReason::Fenced,
+                    _ if refused => TaskReason::DriverRequirementUnmet,
+                    _ if u.gpu_memory_limit => TaskReason::GpuMemoryLimit,
+                    (TaskState::Finished | TaskState::Failed, Some(_)) => TaskReason::CommandExited,
+                    (TaskState::Failed | TaskState::Error, None) => {
+                        TaskReason::ContainerLaunchFailed
+                    }
+                    (TaskState::Killed, _) if task.reason == TaskReason::Unspecified => {
+                        TaskReason::KilledByFramework
+                    }
+                    _ => task.reason,
+                };
+            }
+            return Ok(Outcome::Done);
+        }
+        // Non-terminal updates only move forward.
+        let rank = |s: TaskState| match s {
+            TaskState::Staging => 0,
+            TaskState::Starting => 1,
+            _ => 2,
+        };
+        if task.state == TaskState::Unreachable {
+            // News from an agent the leader had given up on (sent before
+            // its registration): remembered for when it registers again,
+            // which is what brings its tasks back.
+            let before = task.before_unreachable.unwrap_or(TaskState::Running);
+            if rank(u.state) <= rank(before) {
+                return Ok(Outcome::StaleUpdate);
+            }
+            if let Some(task) = self.tasks.get_mut(&u.task_id) {
+                task.before_unreachable = Some(u.state);
+                task.updated_at_ms = at_ms;
+                task.last_update_uuid = u.uuid.clone();
+            }
+            return Ok(Outcome::Done);
+        }
+        if rank(u.state) <= rank(task.state) {
+            return Ok(if released {
+                Outcome::Done
+            } else {
+                Outcome::StaleUpdate
+            });
+        }
+        let job_id = task.job_id.clone();
+        if let Some(task) = self.tasks.get_mut(&u.task_id) {
+            task.state = u.state;
+            task.updated_at_ms = at_ms;
+            task.last_update_uuid = u.uuid.clone();
+            if !u.message.is_empty() {
+                task.message = u.message.clone();
+            }
+        }
+        if !job_id.is_empty() {
+            self.job_task_progressed(&job_id, &u.task_id, at_ms);
+        }
+        Ok(Outcome::Done)
+    }
+
+    /// Moves a task to a terminal state on its agent's word (the agent
+    /// reported it, or registered without it), frees what it held and
+    /// updates its job.
+    pub(super) fn end_task(
+        &mut self,
+        task_id: &str,
+        state: TaskState,
+        exit_code: Option<i32>,
+        message: &str,
+        at_ms: u64,
+    ) {
+        self.end_task_with(task_id, state, exit_code, message, at_ms, false);
+    }
+
+    /// Moves a task to a terminal state and updates its job. With `hold`
+    /// (the agent has not confirmed the end: LOST by timeout) its GPUs and
+    /// resources stay held until [`State::release`]; else they are freed.
+    pub(super) fn end_task_with(
+        &mut self,
+        task_id: &str,
+        state: TaskState,
+        exit_code: Option<i32>,
+        message: &str,
+        at_ms: u64,
+        hold: bool,
+    ) {
+        let Some(task) = self.tasks.get_mut(task_id) else {
+            return;
+        };
+        task.before_unreachable = None;
+        task.state = state;
+        task.exit_code = exit_code;
+        // A task the master asked to stop keeps the master's reason
+        // ("preempted by ...") over the agent's "killed".
+        let keep = task.kill_requested && !task.message.is_empty();
+        if !message.is_empty() && !keep {
+            task.message = message.to_string();
+        }
+        task.updated_at_ms = at_ms;
+        // Made here, not by an agent: nothing for the agent to resend.
+        task.last_update_uuid.clear();
+        if state == TaskState::Lost {
+            task.reason = TaskReason::AgentLost;
+        }
+        let job_id = task.job_id.clone();
+        // Held (not yet released) until release() below or later; unless
+        // its agent's latest_state freed it already.
+        task.holding = !task.released;
+        if !hold {
+            self.release(task_id);
+        }
+        if !job_id.is_empty() {
+            self.job_task_ended(&job_id, task_id, at_ms);
+        }
+    }
+
+    /// Frees what an ended task held: its GPUs in `gpu_owner` and its
+    /// resources in its agent's `allocated`. Only for a task that ended
+    /// and still holds (`holding`); anything else is left alone.
+    pub(super) fn release(&mut self, task_id: &str) {
+        let Some(task) = self.tasks.get_mut(task_id) else {
+            return;
+        };
+        if !task.state.is_terminal() || !task.holding {
+            return;
+        }
+        task.holding = false;
+        self.free_held(task_id);
+    }
+
+    /// Frees the GPUs and resources of a live task whose agent reported
+    /// its end ahead of its updates (`latest_state`). True if it held any.
+    pub(super) fn release_early(&mut self, task_id: &str) -> bool {
+        let Some(task) = self.tasks.get_mut(task_id) else {
+            return false;
+        };
+        if task.state.is_terminal() || task.released {
+            return false;
+        }
+        task.released = true;
+        self.free_held(task_id);
+        true
+    }
+
+    /// An agent refused to start `task_id` because its driver does not meet
+    /// what the image requires (`u.requires`). The job of a task of its
+    /// current attempt learns the requirements it did not know yet, so that
+    /// placement sends it only where the driver qualifies. True when the
+    /// refusal stands as one (a framework's task, whose framework hears
+    /// the reason; a job that learned something): then it is not a failed
+    /// attempt. A refusal that teaches nothing (placement applied these
+    /// already, so master and agent disagree about the agent's driver),
+    /// does not parse, or would take the job past `MAX_EXPRS` counts as an
+    /// ordinary failure: the job's retries bound it, never a loop.
+    pub(super) fn learn_driver_requires(&mut self, task_id: &str, u: &StatusUpdate) -> bool {
+        use gpuctl_core::cuda_req::{Expr, MAX_EXPRS};
+        let Some(job_id) = self.tasks.get(task_id).map(|t| t.job_id.clone()) else {
+            return false;
+        };
+        if job_id.is_empty() {
+            return true;
+        }
+        let Ok(parsed) = u
+            .requires
+            .iter()
+            .map(|r| Expr::parse(r))
+            .collect::<Result<Vec<_>, _>>()
+        else {
+            return false;
+        };
+        let Some(job) = self.jobs.get_mut(&job_id) else {
+            return false;
+        };
+        if job.state.is_terminal() || !job.current_tasks().iter().any(|t| t == task_id) {
+            return false;
+        }
+        let mut new: Vec<Expr> = Vec::new();
+        for e in parsed {
+            let known = job
+                .driver_requires()
+                .chain(&new)
+                .any(|k| k.text() == e.text());
+            if !known && !e.is_empty() {
+                new.push(e);
+            }
+        }
+        if new.is_empty() || job.image_requires.len() + new.len() > MAX_EXPRS {
+            return false;
+        }
+        job.image_requires.extend(new);
+        true
+    }
+
+    /// Takes the task's GPUs out of `gpu_owner` (those still its own) and
+    /// its resources out of its agent's `allocated`; the callers decide
+    /// when (once per task).
+    pub(super) fn free_held(&mut self, task_id: &str) {
+        let Some(task) = self.tasks.get(task_id) else {
+            return;
+        };
+        let (agent_id, resources) = (task.agent_id.clone(), task.resources);
+        for g in &task.gpu_uuids {
+            if self.gpu_owner.get(g).map(String::as_str) == Some(task_id) {
+                self.gpu_owner.remove(g);
+            }
+        }
+        if let Some(agent) = self.agents.get_mut(&agent_id) {
+            agent.allocated = agent.allocated.saturating_sub(&resources);
+        }
+    }
+}
