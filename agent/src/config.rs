@@ -10,8 +10,8 @@ use clap::{ArgMatches, CommandFactory, FromArgMatches, Parser};
 use gpuctl_core::types::{IdRanges, PortRange, Runtime, UserIds};
 use serde::Deserialize;
 
+use crate::error::AgentError;
 use crate::gpu::health::HealthConfig;
-use crate::AgentError;
 
 #[derive(Debug, Clone)]
 pub struct AgentConfig {

@@ -15,7 +15,7 @@ use tokio::sync::watch;
 use tonic::transport::Endpoint;
 
 use crate::config::AgentSecurity;
-use crate::AgentError;
+use crate::error::AgentError;
 
 pub const CA_FILE: &str = "ca.crt";
 /// The agent's certificate and key in one file, replaced by one rename, so

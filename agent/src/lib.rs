@@ -8,6 +8,7 @@ pub mod api;
 pub mod cdi;
 pub mod checkpoint;
 pub mod config;
+mod error;
 pub mod executor;
 pub mod gpu;
 pub mod identity;
@@ -18,6 +19,8 @@ pub mod runtime;
 pub mod security;
 pub mod task_users;
 pub mod volume;
+
+pub use error::AgentError;
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -31,30 +34,6 @@ use gpuctl_proto::pb;
 use runtime::{ContainerRuntime, DockerRuntime, ProcessRuntime};
 use std::sync::atomic::{AtomicBool, Ordering};
 use tokio::sync::{mpsc, watch};
-
-#[derive(Debug, thiserror::Error)]
-pub enum AgentError {
-    #[error("config: {0}")]
-    Config(String),
-    #[error("work dir {path}: {source}")]
-    WorkDir {
-        path: PathBuf,
-        source: std::io::Error,
-    },
-    #[error("Docker runtime requested but unavailable: {0}")]
-    Docker(runtime::RuntimeError),
-    #[error("agent API server: {0}")]
-    Serve(#[from] tonic::transport::Error),
-    #[error("isolation: {0}")]
-    Isolation(#[from] isolation::IsolationError),
-    #[error("listen on {addr}: {source}")]
-    Listen {
-        addr: String,
-        source: std::io::Error,
-    },
-    #[error("start the GPU health checks: {0}")]
-    HealthThread(std::io::Error),
-}
 
 const AGENT_ID_FILE: &str = "agent-id";
 

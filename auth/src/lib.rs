@@ -12,10 +12,13 @@
 //!   random secrets of which the masters keep only a SHA-256 hash.
 //! - [`peer`]: the identity of the caller of a gRPC request.
 
+mod error;
 pub mod peer;
 pub mod pki;
 pub mod tls;
 pub mod token;
+
+pub use error::AuthError;
 
 use serde::{Deserialize, Serialize};
 
@@ -64,22 +67,6 @@ impl std::fmt::Display for CertRole {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.as_str())
     }
-}
-
-/// Errors of this crate: bad or missing key material, or a failed TLS setup.
-#[derive(Debug, thiserror::Error)]
-pub enum AuthError {
-    #[error("{path}: {source}")]
-    Io {
-        path: String,
-        source: std::io::Error,
-    },
-    #[error("{what}: {msg}")]
-    Invalid { what: String, msg: String },
-    #[error("certificate: {0}")]
-    Rcgen(#[from] rcgen::Error),
-    #[error("TLS: {0}")]
-    Tls(#[from] rustls::Error),
 }
 
 impl AuthError {

@@ -3,8 +3,8 @@
 
 use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo};
 
+use crate::error::AuthError;
 use crate::pki::{identity_of, Identity};
-use crate::AuthError;
 
 /// The identity of the client certificate the connection presented: none
 /// when it presented none (or the connection is not TLS), an error when

@@ -16,7 +16,8 @@ use rcgen::{
 use rustls::pki_types::CertificateDer;
 use time::OffsetDateTime;
 
-use crate::{read, AuthError, CertRole};
+use crate::error::AuthError;
+use crate::{read, CertRole};
 
 /// How far back a new certificate's validity starts: a little clock skew
 /// between hosts must not make a fresh certificate "not yet valid".

@@ -20,8 +20,9 @@ use rustls::{ClientConfig, RootCertStore, ServerConfig};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::{TlsAcceptor, TlsConnector};
 
+use crate::error::AuthError;
 use crate::pki::{certs_from_pem, identity_of, Identity};
-use crate::{read, AuthError, CertRole};
+use crate::{read, CertRole};
 
 /// Where a daemon listens: `given`, else every interface with TLS and
 /// loopback without. Without TLS a non-loopback address is refused unless

@@ -9,7 +9,7 @@
 
 use base64::Engine;
 
-use crate::AuthError;
+use crate::error::AuthError;
 
 const PREFIX: &str = "gct_";
 const ID_LEN: usize = 16;

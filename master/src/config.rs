@@ -12,8 +12,8 @@ use gpuctl_core::convert::check_host_port;
 use serde::Deserialize;
 
 use crate::allocator::{AllocatorConfig, RoleConfig};
+use crate::error::MasterError;
 use crate::leader::frameworks::FrameworkSettings;
-use crate::MasterError;
 use gpuctl_core::types::{PlacementPolicy, Resources};
 
 #[derive(Debug, Clone)]

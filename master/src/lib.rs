@@ -7,6 +7,7 @@
 pub mod allocator;
 pub mod config;
 pub mod console;
+mod error;
 pub mod leader;
 pub mod metrics;
 pub mod raft;
@@ -15,34 +16,13 @@ pub mod security;
 pub mod service;
 pub mod state;
 
+pub use error::MasterError;
+
 use std::future::Future;
-use std::path::PathBuf;
 use std::sync::Arc;
 
 pub use config::MasterConfig;
 use tokio::sync::watch;
-
-#[derive(Debug, thiserror::Error)]
-pub enum MasterError {
-    #[error("data dir {path}: {source}")]
-    DataDir {
-        path: PathBuf,
-        source: std::io::Error,
-    },
-    #[error(transparent)]
-    Storage(#[from] raft::storage::StorageInitError),
-    #[error(transparent)]
-    Raft(#[from] raft::node::NodeError),
-    #[error("listen on {addr}: {source}")]
-    Listen {
-        addr: String,
-        source: std::io::Error,
-    },
-    #[error("gRPC server: {0}")]
-    Serve(#[from] tonic::transport::Error),
-    #[error("config: {0}")]
-    Config(String),
-}
 
 /// Milliseconds since the Unix epoch: the proposer's clock, carried in commands.
 pub use gpuctl_core::time::now_ms;

@@ -12,10 +12,10 @@ use gpuctl_auth::CertRole;
 use tokio::sync::watch;
 
 use crate::config::SecurityConfig;
+use crate::error::MasterError;
 use crate::raft::{RaftHandle, Role};
 use crate::state::access::{TokenRecord, TokenRole};
 use crate::state::Command;
-use crate::MasterError;
 
 /// How often the TLS files are checked for changes.
 const RELOAD_EVERY: Duration = Duration::from_secs(30);

@@ -31,9 +31,9 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::watch;
 
+use crate::error::MasterError;
 use crate::raft::RaftHandle;
 use crate::security::Security;
-use crate::MasterError;
 use api::ApiError;
 use client::{AddressBook, Gateway};
 
