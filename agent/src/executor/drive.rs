@@ -1,0 +1,648 @@
+//! One task driven from launch to its end: its sandbox, users and
+//! checkpoint, the start in its runtime (with backoff while the runtime is
+//! down), the wait, the stop and the final status.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use gpuctl_core::time::Backoff;
+use gpuctl_core::types::{Runtime, ShareMode, TaskShare, TaskSpec, TaskState, UserIds};
+use tokio::sync::watch;
+
+use super::plan::Phase;
+use super::plan::StopReason;
+
+use crate::checkpoint::{self};
+use crate::runtime::{
+    ContainerRuntime, LaunchSpec, Observed, RuntimeError, TaskIsolation, TaskRef,
+};
+use crate::task_users;
+
+use super::*;
+
+impl Executor {
+    /// Decides the task's final status once: checkpointed first, then sent
+    /// until acknowledged (again by the next agent process if need be).
+    pub(super) async fn finish(self: &Arc<Self>, task_id: &str, outcome: Outcome) {
+        let mut u = self.update(task_id, outcome.state);
+        u.exit_code = outcome.exit_code;
+        u.message = outcome.message;
+        u.gpu_unhealthy = outcome.gpu_unhealthy;
+        u.fenced = outcome.fenced;
+        u.gpu_memory_limit = outcome.gpu_memory_limit;
+        u.requires = outcome.requires;
+        let path = self.state_dir(task_id).join(checkpoint::FINAL_FILE);
+        if let Err(e) = checkpoint::write_json(&path, &u) {
+            tracing::error!(task_id, error = %e, "could not checkpoint the final status; sending it anyway");
+        }
+        {
+            let mut t = self.lock();
+            if let Some(task) = t.tasks.get_mut(task_id) {
+                task.phase = Phase::Ended { acked: false };
+                task.final_uuid = Some(u.uuid.clone());
+            }
+        }
+        tracing::info!(task_id, state = %u.state, exit_code = ?u.exit_code, message = %u.message, "task ended");
+        self.ended_tx.send_modify(|n| *n += 1);
+        self.send(u).await;
+        self.reconcile();
+    }
+
+    pub(super) fn gpu_env(spec: &TaskSpec) -> BTreeMap<String, String> {
+        let mut env = spec.env.clone();
+        let ids = spec.gpu_uuids.join(",");
+        // A task without GPUs gets "void" (never inherit an image's "all").
+        env.insert(
+            "NVIDIA_VISIBLE_DEVICES".into(),
+            if ids.is_empty() {
+                "void".into()
+            } else {
+                ids.clone()
+            },
+        );
+        env.insert("CUDA_VISIBLE_DEVICES".into(), ids.clone());
+        env.insert("CUDA_DEVICE_ORDER".into(), "PCI_BUS_ID".into());
+        env.insert(
+            "NVIDIA_DRIVER_CAPABILITIES".into(),
+            "compute,utility".into(),
+        );
+        env.insert("GPUCTL_GPUS".into(), ids);
+        env.insert("GPUCTL_TASK_ID".into(), spec.task_id.clone());
+        env.insert("GPUCTL_JOB_ID".into(), spec.job_id.clone());
+        // Only the agent asks for the driver's cap.
+        env.remove(crate::runtime::oci_hook::CAP_ENV);
+        env
+    }
+
+    /// One task from launch (or reattachment) to its final status.
+    pub(super) async fn drive(
+        self: Arc<Self>,
+        spec: TaskSpec,
+        mut stop: watch::Receiver<Option<StopReason>>,
+        reattach: bool,
+    ) {
+        let task_id = spec.task_id.clone();
+        let outcome = self.drive_inner(&spec, &mut stop, reattach).await;
+        self.finish(&task_id, outcome).await;
+    }
+
+    pub(super) async fn drive_inner(
+        &self,
+        spec: &TaskSpec,
+        stop: &mut watch::Receiver<Option<StopReason>>,
+        reattach: bool,
+    ) -> Outcome {
+        let task_id = spec.task_id.as_str();
+        let fence_ms = self.fence_timeout_ms();
+        let kind = if spec.image.is_some() {
+            Runtime::Docker
+        } else {
+            Runtime::Process
+        };
+        let Some(rt) = self.runtimes.get(&kind).cloned() else {
+            return Outcome::failed(format!("this agent has no {kind} runtime"));
+        };
+        let tref = self.task_ref(task_id);
+        let mut started = false;
+        if reattach {
+            // Its MPS daemon outlived the agent too: kept for it from now,
+            // before the runtime answers (Docker may be down a while, and
+            // an unclaimed daemon is quit as idle).
+            let group = std::fs::read_to_string(self.state_dir(task_id).join(MPS_GROUP_FILE));
+            if let (Some(sh), Some(gpu), Ok(group)) = (&spec.share, spec.gpu_uuids.first(), group) {
+                if sh.mode == ShareMode::Mps && self.isolation.mps.available() {
+                    self.isolation.mps.adopt(task_id, gpu, group.trim());
+                }
+            }
+            let mut backoff = Backoff::new(OUTAGE_BACKOFF_MIN, OUTAGE_BACKOFF_MAX);
+            loop {
+                match rt.observe(&tref).await {
+                    Ok(Observed::NotStarted) => {
+                        if tref.state_dir.join(STARTED_FILE).exists() {
+                            self.release(task_id);
+                            return Outcome::failed("the task vanished while the agent was down");
+                        }
+                        break;
+                    }
+                    Ok(Observed::Running | Observed::Ended(_)) => {
+                        started = true;
+                        break;
+                    }
+                    Err(e) if e.is_unavailable() => {
+                        tokio::time::sleep(backoff.next_wait()).await;
+                    }
+                    Err(e) => return Outcome::failed(e.to_string()),
+                }
+            }
+        }
+        let mut enforcement = None;
+        if !started {
+            if reattach {
+                // Checkpointed by an agent that died before the runtime
+                // started it: start it only if the master still wants it,
+                // which the first desired set says (a stop comes with it).
+                let mut ready = self.desired_ready.subscribe();
+                tokio::select! {
+                    _ = ready.wait_for(|r| *r) => {}
+                    _ = stop.wait_for(|s| s.is_some()) => {}
+                }
+            }
+            match self.start(spec, &rt, stop, fence_ms).await {
+                Ok(e) => enforcement = e,
+                Err(o) => {
+                    // What was made for it before it failed (its cgroup, its
+                    // claim on an MPS daemon, a driver cap) goes with it.
+                    self.release(task_id);
+                    return o;
+                }
+            }
+        }
+        self.set_phase(task_id, Phase::Running);
+        let mut running = self.update(task_id, TaskState::Running);
+        // A level known only once the container was made (its driver cap).
+        running.enforcement = enforcement;
+        self.send(running).await;
+
+        // Follow it to its end; a stop request is carried out beside.
+        let wait = rt.wait(&tref);
+        tokio::pin!(wait);
+        let mut stopping = false;
+        let ended = loop {
+            let reason = stop.borrow().clone();
+            if let (false, Some(reason)) = (stopping, reason) {
+                stopping = true;
+                // The notice first: it is there when SIGTERM comes.
+                let grace = self.stop_grace(spec, Some(&reason));
+                self.write_notice(task_id, &reason, grace);
+                tokio::spawn(stop_until_done(rt.clone(), tref.clone(), grace));
+            }
+            tokio::select! {
+                r = &mut wait => break r,
+                r = stop.changed() => if r.is_err() {
+                    // The task was forgotten; it still runs to its end.
+                    break (&mut wait).await;
+                },
+            }
+        };
+        // The container first (Docker removes its own cgroup, inside the
+        // task's), then what is left in the task's cgroups.
+        remove_until_done(&rt, &tref).await;
+        self.release(task_id);
+        let reason = stop.borrow().clone();
+        let mut outcome = match ended {
+            Ok(e) => Outcome::ran(e, reason.as_ref(), fence_ms),
+            Err(e) => Outcome::failed(e.to_string()),
+        };
+        if let (Some(sh), Some(_)) = (&spec.share, outcome.exit_code.filter(|c| *c != 0)) {
+            let peak = self
+                .lock()
+                .tasks
+                .get(task_id)
+                .map_or(0, |t| t.gpu_mem_peak_mib);
+            if let Some(hint) = near_fraction(peak, sh.fraction.mem_mib) {
+                outcome.message = format!("{}; {hint}", outcome.message);
+            }
+        }
+        outcome
+    }
+
+    /// Prepares and starts a task; `Err` with its final outcome when it
+    /// ends before it ran.
+    pub(super) async fn start(
+        &self,
+        spec: &TaskSpec,
+        rt: &Arc<dyn ContainerRuntime>,
+        stop: &mut watch::Receiver<Option<StopReason>>,
+        fence_ms: u64,
+    ) -> Result<Option<gpuctl_core::types::Enforcement>, Outcome> {
+        let task_id = spec.task_id.as_str();
+        if let Some(r) = stop.borrow().clone() {
+            return Err(Outcome::refused(&r, fence_ms));
+        }
+        // Nothing starts past the fence: the master may have given up on it.
+        let fenced = self
+            .lock()
+            .contact
+            .is_some_and(|c| c.expired_at(checkpoint::wall_ms()));
+        if fenced && !spec.no_fence {
+            return Err(Outcome::refused(&StopReason::Fenced, fence_ms));
+        }
+        self.checkpoint_spec(spec)
+            .map_err(|e| Outcome::failed(format!("checkpoint: {e}")))?;
+        // Refused before anything is made for it when it asks for more
+        // than this agent allows.
+        let mut security = self
+            .isolation
+            .policy
+            .resolve(spec, &crate::security::RealHost)
+            .map_err(|why| {
+                tracing::warn!(task_id, reason = %why, "task refused");
+                Outcome::failed(why)
+            })?;
+        let checkpoint_dir = self
+            .isolation
+            .policy
+            .checkpoint_dir(spec, &crate::security::RealHost)
+            .map_err(|why| {
+                tracing::warn!(task_id, reason = %why, "task refused");
+                Outcome::failed(why)
+            })?;
+        if security.own_user {
+            // The owner of the job's checkpoint directory, made by an
+            // earlier attempt, again if it is free: it owns what is there.
+            let prefer = checkpoint_dir
+                .as_deref()
+                .and_then(|d| std::fs::metadata(d).ok())
+                .map(|m| {
+                    (
+                        spec.job_id.as_str(),
+                        std::os::unix::fs::MetadataExt::uid(&m),
+                    )
+                });
+            let ids = self.own_user(task_id, prefer).await.map_err(|why| {
+                tracing::warn!(task_id, reason = %why, "task refused");
+                Outcome::failed(why)
+            })?;
+            security.user = Some(ids);
+        }
+        // A fraction of an `mps` GPU gets the MPS daemon of its GPU, tenant
+        // and user, started if need be; without a control program here it
+        // runs unenforced, and says so.
+        let mps = match (&spec.share, spec.gpu_uuids.first()) {
+            (Some(sh), Some(gpu))
+                if sh.mode == ShareMode::Mps && self.isolation.mps.available() =>
+            {
+                let mps = self.isolation.mps.clone();
+                let group = mps_group(sh, security.user);
+                // Recorded first: an agent restarted under the task finds
+                // its daemon by it.
+                let recorded = checkpoint::write_atomic(
+                    &self.state_dir(task_id).join(MPS_GROUP_FILE),
+                    group.as_bytes(),
+                )
+                .map_err(|e| format!("record its MPS daemon: {e}"));
+                let (task, gpu) = (task_id.to_string(), gpu.clone());
+                let got = match recorded {
+                    Err(e) => Err(e),
+                    Ok(()) => tokio::task::spawn_blocking(move || mps.acquire(&task, &gpu, &group))
+                        .await
+                        .map_err(|e| e.to_string())
+                        .and_then(|r| r.map_err(|e| e.to_string())),
+                };
+                match got {
+                    Ok(server) => Some(server),
+                    Err(e) => {
+                        self.release(task_id);
+                        tracing::warn!(task_id, error = %e, "no MPS daemon for the task");
+                        return Err(Outcome::failed(format!("MPS: {e}")));
+                    }
+                }
+            }
+            _ => None,
+        };
+        let sandbox = self.sandbox(task_id);
+        tokio::fs::create_dir_all(&sandbox)
+            .await
+            .and_then(|()| set_mode(&sandbox, 0o700))
+            .map_err(|e| Outcome::failed(format!("create sandbox {}: {e}", sandbox.display())))?;
+        let notice_dir = self
+            .make_notice_dir(task_id, security.user)
+            .map_err(|e| Outcome::failed(format!("create the stop notice directory: {e}")))?;
+        if let Some(dir) = &checkpoint_dir {
+            make_checkpoint_dir(dir, security.user).map_err(|e| {
+                Outcome::failed(format!("checkpoint_dir: create {}: {e}", dir.display()))
+            })?;
+        }
+        let grants = self
+            .isolation
+            .gpu_grants
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        let devices = crate::isolation::grants::resolve(&grants, &spec.gpu_uuids).map_err(|u| {
+            Outcome::failed(format!(
+                "GPU {u} is neither a GPU nor a MIG device of this agent"
+            ))
+        })?;
+        let prepared = self
+            .isolation
+            .isolator
+            .prepare(task_id, &devices, &spec.resources, rt.kind())
+            .map_err(|e| Outcome::failed(format!("isolation: {e}")))?;
+        // A fraction's memory capped by the driver on the task's own cgroup
+        // v2 (host processes; r615+), before anything runs in it. What this
+        // agent enforces is said with STARTING, so only once that is known.
+        let unified = prepared
+            .cgroup
+            .as_ref()
+            .and_then(|c| c.unified_dir.as_deref());
+        let driver = match (&spec.share, spec.gpu_uuids.first(), unified) {
+            (Some(sh), Some(gpu), Some(dir)) => {
+                let cap = &self.isolation.memcap;
+                cap.cap_task(task_id, gpu, dir, sh.fraction.mem_mib).await
+            }
+            _ => false,
+        };
+        // A container's own cgroup exists only once runc creates it: there
+        // the `gpuctl-runc` runtime's hook has it capped before the workload
+        // runs (runtime::oci_hook). STARTING says what holds without it;
+        // RUNNING says `driver` once the cap held.
+        let container_cap = match (&spec.share, spec.gpu_uuids.first()) {
+            (Some(sh), Some(gpu)) if !driver && rt.kind() == Runtime::Docker => {
+                self.container_cap(task_id, rt.as_ref(), gpu, sh.fraction.mem_mib)
+            }
+            _ => None,
+        };
+        let mut starting = self.update(task_id, TaskState::Starting);
+        starting.enforcement = spec.share.as_ref().map(|_| match (driver, mps.is_some()) {
+            (true, _) => gpuctl_core::types::Enforcement::Driver,
+            (false, true) => gpuctl_core::types::Enforcement::Mps,
+            (false, false) => gpuctl_core::types::Enforcement::None,
+        });
+        self.send(starting).await;
+        let mut env = Self::gpu_env(spec);
+        // The notice before a stop, and the checkpoint directory at the
+        // path the job named, for a container as for a host process.
+        let notice_at = if rt.kind() == Runtime::Docker {
+            security.mounts.push(crate::security::BindMount {
+                host_path: notice_dir.clone(),
+                container_path: notice::CONTAINER_DIR.to_string(),
+                read_only: true,
+            });
+            PathBuf::from(notice::CONTAINER_DIR).join(notice::FILE)
+        } else {
+            security.keep_visible.push(notice_dir.clone());
+            notice_dir.join(notice::FILE)
+        };
+        env.insert(notice::ENV.into(), notice_at.display().to_string());
+        if let (Some(dir), Some(asked)) = (&checkpoint_dir, &spec.checkpoint_dir) {
+            if rt.kind() == Runtime::Docker {
+                security.mounts.push(crate::security::BindMount {
+                    host_path: dir.clone(),
+                    container_path: asked.clone(),
+                    read_only: false,
+                });
+            } else {
+                security.keep_visible.push(dir.clone());
+            }
+            env.insert(notice::CHECKPOINT_ENV.into(), asked.clone());
+        }
+        if let (Some(server), Some(sh)) = (&mps, &spec.share) {
+            crate::gpu::mps::scrub_env(&mut env);
+            // A container sees the pipe directory where the agent mounts
+            // it (with the daemon's shm as its /dev/shm); a host process
+            // where it is.
+            let pipe = if rt.kind() == Runtime::Docker {
+                security.mounts.push(crate::security::BindMount {
+                    host_path: server.pipe_dir.clone(),
+                    container_path: crate::gpu::mps::CONTAINER_PIPE_DIR.to_string(),
+                    read_only: false,
+                });
+                security.mounts.push(crate::security::BindMount {
+                    host_path: server.shm_dir.clone(),
+                    container_path: "/dev/shm".to_string(),
+                    read_only: false,
+                });
+                crate::gpu::mps::CONTAINER_PIPE_DIR.to_string()
+            } else {
+                server.pipe_dir.display().to_string()
+            };
+            env.extend(crate::gpu::mps::client_env(&pipe, &sh.fraction));
+        }
+        if let (Some((_, value)), Some(_)) = (&container_cap, &self.isolation.cap_socket) {
+            env.insert(crate::runtime::oci_hook::CAP_ENV.to_string(), value.clone());
+        }
+        let launch = LaunchSpec {
+            env,
+            log_path: sandbox.join(LOG_FILE),
+            sandbox,
+            agent_id: self.agent_id.clone(),
+            kill_grace: self.kill_grace,
+            isolation: TaskIsolation {
+                devices: prepared.devices,
+                cgroup_parent: prepared.cgroup.as_ref().map(|c| c.docker_parent()),
+                cgroup_procs: prepared
+                    .cgroup
+                    .as_ref()
+                    .map(|c| c.procs_files.clone())
+                    .unwrap_or_default(),
+                driver_volume: self.isolation.driver_volume.clone(),
+                gpu_task: !spec.gpu_uuids.is_empty(),
+                host_nodes: prepared.host_nodes,
+                cdi_devices: self.isolation.cdi.for_gpus(&spec.gpu_uuids),
+                driver: self.isolation.driver.clone(),
+                dev_root: Some(self.isolation.isolator.dev_root().to_path_buf()),
+                pids_max: self.isolation.isolator.pids_max(),
+                oci_runtime: container_cap.as_ref().map(|(name, _)| name.clone()),
+            },
+            state_dir: self.state_dir(task_id),
+            fence: (!spec.no_fence).then(|| checkpoint::contact_path(&self.work_dir)),
+            security,
+            task: spec.clone(),
+        };
+        let started = self
+            .start_with_backoff(task_id, rt.as_ref(), &launch, stop, fence_ms)
+            .await;
+        let capped = container_cap
+            .and(self.isolation.cap_socket.as_ref())
+            .map(|s| s.done(task_id));
+        started?;
+        if let Err(e) = checkpoint::write_atomic(&launch.state_dir.join(STARTED_FILE), b"") {
+            tracing::warn!(task_id, error = %e, "could not record that the task started");
+        }
+        Ok(match capped {
+            Some(Ok(())) => Some(gpuctl_core::types::Enforcement::Driver),
+            Some(Err(why)) => {
+                tracing::info!(task_id, reason = %why, "the container is not capped by the driver");
+                None
+            }
+            None => None,
+        })
+    }
+
+    /// Task `task_id`'s container capped by the driver through the
+    /// `gpuctl-runc` hook, when this agent and its Docker daemon can: the
+    /// runtime's name and the container's `GPUCTL_DRIVER_CAP`. The cap is
+    /// expected from here until the start is over.
+    pub(super) fn container_cap(
+        &self,
+        task_id: &str,
+        rt: &dyn crate::runtime::ContainerRuntime,
+        gpu_uuid: &str,
+        mem_mib: u64,
+    ) -> Option<(String, String)> {
+        let socket = self.isolation.cap_socket.as_ref()?;
+        let name = self.isolation.cap_runtime.as_deref()?;
+        if let Err(why) = rt.cap_runtime(name) {
+            tracing::info!(task_id, reason = %why, "no driver memory cap for the container");
+            return None;
+        }
+        socket.expect(task_id, gpu_uuid, mem_mib);
+        Some((name.to_string(), socket.env_value(task_id)))
+    }
+
+    /// Starts the task, waiting out runtime outages until it is no longer
+    /// wanted.
+    pub(super) async fn start_with_backoff(
+        &self,
+        task_id: &str,
+        rt: &dyn crate::runtime::ContainerRuntime,
+        launch: &LaunchSpec,
+        stop: &mut watch::Receiver<Option<StopReason>>,
+        fence_ms: u64,
+    ) -> Result<(), Outcome> {
+        let mut backoff = Backoff::new(OUTAGE_BACKOFF_MIN, OUTAGE_BACKOFF_MAX);
+        loop {
+            match rt.start(launch).await {
+                Ok(()) => break,
+                // The runtime is down: not the task's fault; try again
+                // until it answers or the task is no longer wanted.
+                Err(e) if e.is_unavailable() => {
+                    tracing::warn!(task_id, error = %e, "runtime unavailable; the launch waits");
+                    tokio::select! {
+                        _ = tokio::time::sleep(backoff.next_wait()) => {}
+                        _ = stop.changed() => {}
+                    }
+                    if let Some(r) = stop.borrow().clone() {
+                        self.release(task_id);
+                        return Err(Outcome::refused(&r, fence_ms));
+                    }
+                }
+                Err(e) => {
+                    self.release(task_id);
+                    let requires = match &e {
+                        RuntimeError::DriverRequirement { requires, .. } => requires.clone(),
+                        _ => Vec::new(),
+                    };
+                    tracing::warn!(task_id, error = %e, "task could not start");
+                    return Err(Outcome {
+                        requires,
+                        ..Outcome::failed(e.to_string())
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The task's own user: the one its checkpoint records (an agent
+    /// restarted before the task started), else a new lease, recorded
+    /// before the task can start.
+    pub(super) async fn own_user(
+        &self,
+        task_id: &str,
+        prefer: Option<(&str, u32)>,
+    ) -> Result<UserIds, String> {
+        let path = self.state_dir(task_id).join(task_users::USER_FILE);
+        match checkpoint::read_json::<UserIds>(&path) {
+            Ok(Some(ids)) => {
+                self.isolation.users.restore(task_id, ids);
+                return Ok(ids);
+            }
+            Ok(None) => {}
+            Err(e) => return Err(format!("task user record: {e}")),
+        }
+        let host = tokio::task::spawn_blocking(task_users::HostIds::of_host)
+            .await
+            .map_err(|e| format!("reading the host's users: {e}"))?;
+        let ids = self
+            .isolation
+            .users
+            .lease_preferring(task_id, prefer, &host)?;
+        if let Err(e) = checkpoint::write_json(&path, &ids) {
+            self.isolation.users.release(task_id);
+            return Err(format!("task user record: {e}"));
+        }
+        tracing::info!(task_id, user = %ids, "task user leased");
+        Ok(ids)
+    }
+}
+
+/// Makes a job's checkpoint directory if it is missing, its last part
+/// owned by the task's user (root's when that is not known: a container
+/// without a user of its job's), readable by nobody else. One that exists is
+/// left as it is: the agent never takes over a directory it did not make.
+pub(super) fn make_checkpoint_dir(
+    dir: &std::path::Path,
+    user: Option<UserIds>,
+) -> std::io::Result<()> {
+    if dir.is_dir() {
+        return Ok(());
+    }
+    if let Some(parent) = dir.parent() {
+        std::fs::create_dir_all(parent)?;
+    }
+    match std::fs::create_dir(dir) {
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => return Ok(()),
+        r => r?,
+    }
+    if let Some(u) = user {
+        std::os::unix::fs::chown(dir, Some(u.uid), Some(u.gid))?;
+    }
+    set_mode(dir, 0o700)
+}
+
+pub(super) fn set_mode(path: &std::path::Path, mode: u32) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+}
+
+/// Asks the runtime to stop the task until it has taken the request (the
+/// Docker daemon may be restarting).
+pub(super) async fn stop_until_done(rt: Arc<dyn ContainerRuntime>, tref: TaskRef, grace: Duration) {
+    let mut backoff = Backoff::new(OUTAGE_BACKOFF_MIN, OUTAGE_BACKOFF_MAX);
+    loop {
+        match rt.stop(&tref, grace).await {
+            Ok(()) => return,
+            Err(e) if e.is_unavailable() => {
+                tokio::time::sleep(backoff.next_wait()).await;
+            }
+            Err(e) => {
+                tracing::warn!(task_id = %tref.task_id, error = %e, "could not stop the task");
+                return;
+            }
+        }
+    }
+}
+
+/// Removes an ended task's container, waiting out a short outage or a
+/// daemon still busy with it ("removal already in progress"); one left
+/// behind is removed by the stray scan once the task is forgotten.
+pub(super) async fn remove_until_done(rt: &Arc<dyn ContainerRuntime>, tref: &TaskRef) {
+    let mut backoff = Backoff::new(OUTAGE_BACKOFF_MIN, OUTAGE_BACKOFF_MAX);
+    for attempt in 0..10 {
+        match rt.remove(tref).await {
+            Ok(()) => return,
+            Err(e) => {
+                if attempt == 9 {
+                    tracing::warn!(task_id = %tref.task_id, error = %e, "could not remove the ended task");
+                    return;
+                }
+                tracing::debug!(task_id = %tref.task_id, error = %e, "removing the ended task; retrying");
+                tokio::time::sleep(backoff.next_wait()).await;
+            }
+        }
+    }
+}
+
+/// Which MPS daemon of its GPU the task's record names (`mps_group`).
+pub(super) const MPS_GROUP_FILE: &str = "mps-group";
+
+/// The MPS daemon of a GPU a shared task uses: its tenant's (tenants never
+/// share one), and of its Linux user: an MPS daemon serves one user at a
+/// time and makes another user's clients wait until the first's are gone,
+/// so tasks running as different users get daemons of their own (which
+/// the GPU time-slices). `None`: the image's user, not known here.
+pub(super) fn mps_group(share: &TaskShare, user: Option<UserIds>) -> String {
+    let tenant = if share.tenant.is_empty() {
+        "default"
+    } else {
+        share.tenant.as_str()
+    };
+    match user {
+        Some(u) => format!("{tenant}.u{}", u.uid),
+        None => format!("{tenant}.image"),
+    }
+}

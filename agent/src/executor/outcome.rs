@@ -1,0 +1,142 @@
+//! What a task's end becomes in its final status: its state, exit code and
+//! message (refused, failed before it ran, ran and ended, fenced).
+
+use gpuctl_core::types::TaskState;
+
+use super::plan::StopReason;
+
+use crate::runtime::Ended;
+
+/// How a task ended, as reported to the master.
+#[derive(Debug, Clone, PartialEq)]
+pub(super) struct Outcome {
+    pub(super) state: TaskState,
+    pub(super) exit_code: Option<i32>,
+    pub(super) message: String,
+    pub(super) gpu_unhealthy: bool,
+    /// Stopped by the fence (REASON_FENCED).
+    pub(super) fenced: bool,
+    /// Stopped for using more GPU memory than its fraction
+    /// (REASON_GPU_MEMORY_LIMIT).
+    pub(super) gpu_memory_limit: bool,
+    /// Refused because the host's driver does not meet what the image
+    /// requires: all the image's requirements
+    /// (REASON_DRIVER_REQUIREMENT_UNMET).
+    pub(super) requires: Vec<String>,
+}
+
+impl Outcome {
+    pub(super) fn failed(message: impl Into<String>) -> Outcome {
+        Outcome {
+            state: TaskState::Failed,
+            exit_code: None,
+            message: message.into(),
+            gpu_unhealthy: false,
+            fenced: false,
+            gpu_memory_limit: false,
+            requires: Vec::new(),
+        }
+    }
+
+    /// A task that ends without having started.
+    pub(super) fn refused(reason: &StopReason, fence_timeout_ms: u64) -> Outcome {
+        match reason {
+            StopReason::GpuFailed(why) => Outcome {
+                gpu_unhealthy: true,
+                ..Outcome::failed(why.clone())
+            },
+            StopReason::Fenced => Outcome {
+                state: TaskState::Killed,
+                fenced: true,
+                ..Outcome::failed(fence_message(fence_timeout_ms))
+            },
+            StopReason::Killed | StopReason::NotWanted => Outcome {
+                state: TaskState::Killed,
+                ..Outcome::failed("killed before it started")
+            },
+            StopReason::GpuMemoryLimit(why) => Outcome {
+                gpu_memory_limit: true,
+                ..Outcome::failed(why.clone())
+            },
+        }
+    }
+
+    /// A task that ran, ended as `ended`, while being stopped for `reason`.
+    pub(super) fn ran(ended: Ended, reason: Option<&StopReason>, fence_timeout_ms: u64) -> Outcome {
+        if let Some(e) = ended.error {
+            return Outcome::failed(e);
+        }
+        let code = ended.code;
+        if ended.fenced || reason == Some(&StopReason::Fenced) {
+            return Outcome {
+                state: TaskState::Killed,
+                exit_code: code,
+                message: fence_message(fence_timeout_ms),
+                gpu_unhealthy: false,
+                fenced: true,
+                gpu_memory_limit: false,
+                requires: Vec::new(),
+            };
+        }
+        match reason {
+            // One that finished cleanly first succeeded all the same.
+            Some(StopReason::GpuFailed(why)) if code != Some(0) => Outcome {
+                gpu_unhealthy: true,
+                exit_code: code,
+                ..Outcome::failed(why.clone())
+            },
+            Some(StopReason::GpuMemoryLimit(why)) if code != Some(0) => Outcome {
+                gpu_memory_limit: true,
+                exit_code: code,
+                ..Outcome::failed(why.clone())
+            },
+            Some(StopReason::Killed | StopReason::NotWanted) => Outcome {
+                state: TaskState::Killed,
+                exit_code: None,
+                message: "killed".into(),
+                gpu_unhealthy: false,
+                fenced: false,
+                gpu_memory_limit: false,
+                requires: Vec::new(),
+            },
+            _ => match code {
+                Some(0) => Outcome {
+                    state: TaskState::Finished,
+                    exit_code: Some(0),
+                    message: String::new(),
+                    gpu_unhealthy: false,
+                    fenced: false,
+                    gpu_memory_limit: false,
+                    requires: Vec::new(),
+                },
+                Some(c) => Outcome {
+                    exit_code: Some(c),
+                    ..Outcome::failed(format!("exited with code {c}"))
+                },
+                None => Outcome::failed("ended without an exit code"),
+            },
+        }
+    }
+}
+
+/// For a fraction that failed after its processes were seen using at least
+/// 95% of its memory: a likely cause, said as such. A cap at allocation
+/// (MPS's, the driver's) makes CUDA answer out-of-memory and the task exit
+/// with its own code, which the agent cannot tell apart from any other.
+pub(super) fn near_fraction(peak_mib: u64, fraction_mib: u64) -> Option<String> {
+    (fraction_mib > 0 && peak_mib.saturating_mul(100) >= fraction_mib.saturating_mul(95)).then(
+        || {
+            format!(
+                "its GPU memory was seen at {peak_mib} MiB of its {fraction_mib} MiB fraction: \
+             an allocation past the fraction fails with out-of-memory"
+            )
+        },
+    )
+}
+
+pub(super) fn fence_message(fence_timeout_ms: u64) -> String {
+    format!(
+        "fenced: the agent had no contact with a master for {:.0} s",
+        fence_timeout_ms as f64 / 1000.0
+    )
+}

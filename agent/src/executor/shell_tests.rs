@@ -1,0 +1,642 @@
+//! The executor's shell with an in-memory runtime: launch, report, forget,
+//! recovery after a restart, the fence and a runtime that is down, without
+//! processes or Docker (those are in `agent/tests` and `tests/`).
+
+use super::*;
+use crate::runtime::{Ended, LaunchSpec, Observed, RuntimeStatus};
+use futures::future::BoxFuture;
+use futures::FutureExt;
+use gpuctl_core::types::{IdRanges, Resources};
+
+/// Tasks by id; `Ended` ones end their `wait`.
+#[derive(Default)]
+struct Fake {
+    tasks: Mutex<BTreeMap<String, Observed>>,
+    /// Starts that fail as Unavailable before one succeeds.
+    down_for: Mutex<u32>,
+    changed: tokio::sync::Notify,
+    /// What each task was started with.
+    launched: Mutex<BTreeMap<String, LaunchSpec>>,
+}
+
+impl Fake {
+    fn set(&self, id: &str, o: Observed) {
+        self.tasks.lock().unwrap().insert(id.into(), o);
+        self.changed.notify_waiters();
+    }
+    fn get(&self, id: &str) -> Observed {
+        self.tasks
+            .lock()
+            .unwrap()
+            .get(id)
+            .cloned()
+            .unwrap_or(Observed::NotStarted)
+    }
+}
+
+/// The fake, standing in for the runtime of this kind.
+struct FakeRuntime(Arc<Fake>, Runtime);
+
+impl ContainerRuntime for FakeRuntime {
+    fn kind(&self) -> Runtime {
+        self.1
+    }
+    fn start<'a>(
+        &'a self,
+        spec: &'a LaunchSpec,
+    ) -> BoxFuture<'a, Result<(), crate::runtime::RuntimeError>> {
+        let mut down = self.0.down_for.lock().unwrap();
+        if *down > 0 {
+            *down -= 1;
+            return futures::future::ready(Err(crate::runtime::RuntimeError::Unavailable {
+                runtime: Runtime::Process,
+                reason: "down".into(),
+            }))
+            .boxed();
+        }
+        drop(down);
+        self.0
+            .launched
+            .lock()
+            .unwrap()
+            .insert(spec.task.task_id.clone(), spec.clone());
+        if self.0.get(&spec.task.task_id) == Observed::NotStarted {
+            self.0.set(&spec.task.task_id, Observed::Running);
+        }
+        futures::future::ready(Ok(())).boxed()
+    }
+    fn observe<'a>(
+        &'a self,
+        t: &'a TaskRef,
+    ) -> BoxFuture<'a, Result<Observed, crate::runtime::RuntimeError>> {
+        futures::future::ready(Ok(self.0.get(&t.task_id))).boxed()
+    }
+    fn wait<'a>(
+        &'a self,
+        t: &'a TaskRef,
+    ) -> BoxFuture<'a, Result<Ended, crate::runtime::RuntimeError>> {
+        async move {
+            loop {
+                let notified = self.0.changed.notified();
+                if let Observed::Ended(e) = self.0.get(&t.task_id) {
+                    return Ok(e);
+                }
+                notified.await;
+            }
+        }
+        .boxed()
+    }
+    fn stop<'a>(
+        &'a self,
+        t: &'a TaskRef,
+        _g: Duration,
+    ) -> BoxFuture<'a, Result<(), crate::runtime::RuntimeError>> {
+        self.0.set(
+            &t.task_id,
+            Observed::Ended(Ended {
+                code: Some(143),
+                ..Default::default()
+            }),
+        );
+        futures::future::ready(Ok(())).boxed()
+    }
+    fn remove<'a>(
+        &'a self,
+        _t: &'a TaskRef,
+    ) -> BoxFuture<'a, Result<(), crate::runtime::RuntimeError>> {
+        futures::future::ready(Ok(())).boxed()
+    }
+    fn list<'a>(
+        &'a self,
+        _a: &'a str,
+    ) -> BoxFuture<'a, Result<Vec<String>, crate::runtime::RuntimeError>> {
+        futures::future::ready(Ok(Vec::new())).boxed()
+    }
+    fn status(&self) -> RuntimeStatus {
+        RuntimeStatus {
+            available: true,
+            message: String::new(),
+        }
+    }
+}
+
+struct Harness {
+    dir: tempfile::TempDir,
+    fake: Arc<Fake>,
+    exec: Arc<Executor>,
+    updates: mpsc::Receiver<StatusUpdate>,
+}
+
+/// An executor on `dir` (a new agent process on the same work dir).
+fn harness_on(dir: tempfile::TempDir, fake: Arc<Fake>) -> Harness {
+    let isolator = no_isolation(dir.path());
+    harness_with(dir, fake, isolator, HashMap::new())
+}
+
+/// No cgroup hierarchy and no NVIDIA devices under `dir`: nothing to
+/// isolate (a host with simulated GPUs).
+fn no_isolation(dir: &std::path::Path) -> Isolator {
+    Isolator::new(&dir.join("no-cgroups"), "gpuctl/a1", &dir.join("dev")).unwrap()
+}
+
+/// An executor with this isolator and these GPUs and MIG devices.
+fn harness_with(
+    dir: tempfile::TempDir,
+    fake: Arc<Fake>,
+    isolator: Isolator,
+    gpu_grants: HashMap<String, crate::isolation::DeviceGrant>,
+) -> Harness {
+    let mut runtimes: BTreeMap<Runtime, Arc<dyn ContainerRuntime>> = BTreeMap::new();
+    for kind in [Runtime::Process, Runtime::Docker] {
+        runtimes.insert(kind, Arc::new(FakeRuntime(fake.clone(), kind)));
+    }
+    // Two users of their own for host tasks.
+    let users = IdRanges::parse("80000-80001").unwrap();
+    let (tx, updates) = mpsc::channel(64);
+    let exec = Executor::new(
+        "a1".into(),
+        dir.path().to_path_buf(),
+        runtimes,
+        Duration::from_secs(1),
+        Duration::from_secs(3600),
+        IsolationSetup {
+            isolator,
+            gpu_grants: Arc::new(std::sync::RwLock::new(gpu_grants)),
+            driver_volume: None,
+            policy: crate::security::TaskPolicy::new(
+                crate::security::DEFAULT_TASK_USER,
+                false,
+                Vec::new(),
+                gpuctl_core::types::UserIds { uid: 0, gid: 0 },
+            )
+            .with_users(users.clone(), IdRanges::parse("1000-59999").unwrap()),
+            cdi: Default::default(),
+            driver: Default::default(),
+            users: crate::task_users::TaskUsers::new(users, dir.path()),
+            mps: Arc::new(crate::gpu::mps::Mps::new(None, dir.path().join("mps"))),
+            memcap: Arc::new(crate::gpu::memcap::DriverCap::off(
+                dir.path().join("memcap"),
+            )),
+            cap_socket: None,
+            cap_runtime: None,
+        },
+        tx,
+    );
+    Harness {
+        dir,
+        fake,
+        exec,
+        updates,
+    }
+}
+
+fn spec(id: &str) -> TaskSpec {
+    TaskSpec {
+        share: None,
+        stop_grace_ms: None,
+        checkpoint_dir: None,
+        task_id: id.into(),
+        job_id: "job-1".into(),
+        framework_id: String::new(),
+        image: None,
+        command: vec!["true".into()],
+        env: BTreeMap::new(),
+        resources: Resources::default(),
+        gpu_uuids: vec![],
+        no_fence: false,
+        security: Default::default(),
+    }
+}
+
+fn wants(ids: &[&str], kill: &[&str]) -> Desired {
+    Desired {
+        run: ids.iter().map(|i| (i.to_string(), spec(i))).collect(),
+        kill: kill.iter().map(|k| k.to_string()).collect(),
+        notices: Default::default(),
+    }
+}
+
+/// The next update, or a failure after 5 s.
+async fn next(h: &mut Harness) -> StatusUpdate {
+    tokio::time::timeout(Duration::from_secs(5), h.updates.recv())
+        .await
+        .expect("no update within 5 s")
+        .expect("channel closed")
+}
+
+async fn until_state(h: &mut Harness, state: TaskState) -> StatusUpdate {
+    loop {
+        let u = next(h).await;
+        if u.state == state {
+            return u;
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_task_runs_ends_is_acknowledged_and_forgotten() {
+    let mut h = harness_on(tempfile::tempdir().unwrap(), Arc::default());
+    h.exec.set_desired(wants(&["t1"], &[]));
+    assert_eq!(next(&mut h).await.state, TaskState::Starting);
+    assert_eq!(next(&mut h).await.state, TaskState::Running);
+    h.fake.set(
+        "t1",
+        Observed::Ended(Ended {
+            code: Some(3),
+            ..Default::default()
+        }),
+    );
+    let fin = next(&mut h).await;
+    assert_eq!((fin.state, fin.exit_code), (TaskState::Failed, Some(3)));
+    let state_dir = h.dir.path().join("state/t1");
+    let saved: StatusUpdate = checkpoint::read_json(&state_dir.join(checkpoint::FINAL_FILE))
+        .unwrap()
+        .unwrap();
+    assert_eq!(saved, fin, "the final status is checkpointed as sent");
+    // Still listed by the master: kept, never launched again.
+    h.exec.acknowledged(&fin);
+    assert!(state_dir.join(checkpoint::ACKED_FILE).exists());
+    h.exec.set_desired(wants(&["t1"], &[]));
+    assert!(h.exec.has_ended("t1"));
+    // No longer listed: forgotten, checkpoint gone.
+    h.exec.set_desired(wants(&[], &[]));
+    assert!(h.exec.known_task_ids().is_empty());
+    assert!(!state_dir.exists());
+}
+
+/// Host tasks get users of their own, recorded before they start, held
+/// across an agent restart and until the task is forgotten, never two
+/// at once; with every id held, a task fails saying so.
+#[tokio::test]
+async fn host_tasks_hold_users_of_their_own_until_forgotten() {
+    let fake: Arc<Fake> = Arc::default();
+    let mut h = harness_on(tempfile::tempdir().unwrap(), fake.clone());
+    let user_of = |h: &Harness, id: &str| {
+        checkpoint::read_json::<UserIds>(&h.dir.path().join("state").join(id).join("user.json"))
+            .unwrap()
+    };
+    h.exec.set_desired(wants(&["a", "b"], &[]));
+    until_state(&mut h, TaskState::Running).await;
+    until_state(&mut h, TaskState::Running).await;
+    let (a, b) = (user_of(&h, "a").unwrap(), user_of(&h, "b").unwrap());
+    assert_ne!(a.uid, b.uid);
+    for u in [a, b] {
+        assert!((80000..=80001).contains(&u.uid) && u.gid == u.uid, "{u}");
+    }
+    // The agent restarts with both running: both keep theirs, and a
+    // third task finds none free.
+    let Harness { dir, .. } = h;
+    let mut h = harness_on(dir, fake.clone());
+    h.exec.recover();
+    assert_eq!(h.exec.isolation.users.of("a"), Some(a));
+    assert_eq!(h.exec.isolation.users.of("b"), Some(b));
+    h.exec.set_desired(wants(&["a", "b", "c"], &[]));
+    let refused = until_state(&mut h, TaskState::Failed).await;
+    assert_eq!(refused.task_id, "c");
+    assert!(
+        refused.message.contains("no free user"),
+        "{}",
+        refused.message
+    );
+    assert_eq!(fake.get("c"), Observed::NotStarted);
+    // "a" ends and is forgotten: its user is free again (and its
+    // sandbox the agent's).
+    fake.set(
+        "a",
+        Observed::Ended(Ended {
+            code: Some(0),
+            ..Default::default()
+        }),
+    );
+    let fin = until_state(&mut h, TaskState::Finished).await;
+    h.exec.acknowledged(&fin);
+    h.exec.set_desired(wants(&["b"], &[]));
+    assert_eq!(h.exec.isolation.users.of("a"), None);
+    assert_eq!(h.exec.isolation.users.held(), 1);
+    h.exec.set_desired(wants(&["b", "d"], &[]));
+    until_state(&mut h, TaskState::Running).await;
+    assert_eq!(user_of(&h, "d"), Some(a), "the freed id");
+}
+
+/// A task asking for more than the agent allows ends FAILED with a
+/// message naming the option, and the runtime never sees it.
+#[tokio::test]
+async fn a_task_asking_for_more_than_the_agent_allows_is_refused() {
+    let mut h = harness_on(tempfile::tempdir().unwrap(), Arc::default());
+    let mut root = spec("root");
+    root.security.run_as_root = true;
+    h.exec.set_desired(Desired {
+        run: [("root".to_string(), root)].into(),
+        kill: Default::default(),
+        notices: Default::default(),
+    });
+    let u = next(&mut h).await;
+    assert_eq!(u.state, TaskState::Failed, "{u:?}");
+    assert!(u.message.contains("allow_root_tasks"), "{}", u.message);
+    assert_eq!(h.fake.get("root"), Observed::NotStarted);
+    assert!(!h.exec.sandbox("root").exists(), "nothing made for it");
+
+    let mut mount = spec("mount");
+    mount.image = Some("img".into());
+    mount.security.mounts = vec![gpuctl_core::types::HostMount {
+        host_path: "/".into(),
+        container_path: "/host".into(),
+        read_only: true,
+    }];
+    h.exec.set_desired(Desired {
+        run: [("mount".to_string(), mount)].into(),
+        kill: Default::default(),
+        notices: Default::default(),
+    });
+    let u = next(&mut h).await;
+    assert_eq!(u.state, TaskState::Failed, "{u:?}");
+    assert!(u.message.contains("allowed_mounts"), "{}", u.message);
+    assert!(
+        u.message.contains("security.mounts[0].host_path"),
+        "{}",
+        u.message
+    );
+}
+
+#[tokio::test]
+async fn an_ended_tasks_sandbox_goes_a_retention_after_it_is_forgotten() {
+    let mut h = harness_on(tempfile::tempdir().unwrap(), Arc::default());
+    h.exec.set_desired(wants(&["t1", "t2"], &[]));
+    until_state(&mut h, TaskState::Running).await;
+    until_state(&mut h, TaskState::Running).await;
+    let work = h.dir.path().to_path_buf();
+    let sandbox = |id: &str| work.join(checkpoint::SANDBOX_DIR).join(id);
+    std::fs::write(sandbox("t1").join(LOG_FILE), "done\n").unwrap();
+    h.fake.set(
+        "t1",
+        Observed::Ended(Ended {
+            code: Some(0),
+            ..Default::default()
+        }),
+    );
+    let fin = until_state(&mut h, TaskState::Finished).await;
+    // Ended but not yet acknowledged, then acknowledged but still
+    // listed: kept whatever the time.
+    let far = checkpoint::wall_ms() + 10 * 3_600_000;
+    assert_eq!(h.exec.sweep_sandboxes(far), 0);
+    h.exec.acknowledged(&fin);
+    assert_eq!(h.exec.sweep_sandboxes(far), 0);
+    assert!(sandbox("t1").join(LOG_FILE).exists());
+    // No longer listed: forgotten, and its retention (an hour) starts.
+    h.exec.set_desired(wants(&["t2"], &[]));
+    let forgotten = checkpoint::wall_ms();
+    let retired = work.join(checkpoint::RETIRED_DIR);
+    assert!(retired.join("t1").exists());
+    // The running task's sandbox stays even with a stale record.
+    std::fs::write(retired.join("t2"), r#"{"forgotten_at_ms":0}"#).unwrap();
+    assert_eq!(h.exec.sweep_sandboxes(forgotten + 3_599_000), 0);
+    assert!(sandbox("t1").join(LOG_FILE).exists());
+    assert_eq!(h.exec.sweep_sandboxes(forgotten + 3_601_000), 1);
+    assert!(!sandbox("t1").exists() && !retired.join("t1").exists());
+    assert!(sandbox("t2").exists() && h.exec.is_active("t2"));
+}
+
+#[tokio::test]
+async fn a_restarted_agent_reattaches_and_resends_what_was_not_acknowledged() {
+    let fake: Arc<Fake> = Arc::default();
+    let mut h = harness_on(tempfile::tempdir().unwrap(), fake.clone());
+    h.exec.set_desired(wants(&["run", "done"], &[]));
+    until_state(&mut h, TaskState::Running).await;
+    until_state(&mut h, TaskState::Running).await;
+    fake.set(
+        "done",
+        Observed::Ended(Ended {
+            code: Some(0),
+            ..Default::default()
+        }),
+    );
+    let fin = until_state(&mut h, TaskState::Finished).await;
+    // The agent dies: no acknowledgement reached it.
+    let Harness { dir, .. } = h;
+    let mut h = harness_on(dir, fake.clone());
+    h.exec.recover();
+    let mut ids = h.exec.known_task_ids();
+    ids.sort();
+    assert_eq!(ids, vec!["done".to_string(), "run".to_string()]);
+    // The unacknowledged final goes out again, same uuid; the running
+    // task is followed again (RUNNING, no STARTING: never started twice).
+    let mut seen = Vec::new();
+    for _ in 0..2 {
+        seen.push(next(&mut h).await);
+    }
+    assert!(
+        seen.iter()
+            .any(|u| u.task_id == "done" && u.uuid == fin.uuid),
+        "{seen:?}"
+    );
+    assert!(
+        seen.iter()
+            .any(|u| u.task_id == "run" && u.state == TaskState::Running),
+        "{seen:?}"
+    );
+    assert!(h.exec.is_active("run"));
+    // The master kills it: stopped, reported KILLED.
+    h.exec.set_desired(wants(&[], &["run"]));
+    let killed = until_state(&mut h, TaskState::Killed).await;
+    assert_eq!(killed.task_id, "run");
+}
+
+#[tokio::test]
+async fn past_the_fence_tasks_stop_and_nothing_starts() {
+    let mut h = harness_on(tempfile::tempdir().unwrap(), Arc::default());
+    h.exec.record_contact(Contact {
+        last_contact_ms: checkpoint::wall_ms(),
+        fence_timeout_ms: 60_000,
+    });
+    h.exec.set_desired(wants(&["t1"], &[]));
+    until_state(&mut h, TaskState::Running).await;
+    // The last contact is long past.
+    h.exec.record_contact(Contact {
+        last_contact_ms: checkpoint::wall_ms() - 120_000,
+        fence_timeout_ms: 60_000,
+    });
+    h.exec.reconcile();
+    let u = until_state(&mut h, TaskState::Killed).await;
+    assert!(u.fenced && u.message.contains("fenced"), "{u:?}");
+    h.exec.set_desired(wants(&["t1", "t2"], &[]));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(!h.exec.is_active("t2"), "launched past the fence");
+}
+
+#[tokio::test]
+async fn a_runtime_that_is_down_delays_the_launch_without_failing_it() {
+    let fake: Arc<Fake> = Arc::default();
+    *fake.down_for.lock().unwrap() = 2;
+    let mut h = harness_on(tempfile::tempdir().unwrap(), fake);
+    h.exec.set_desired(wants(&["t1"], &[]));
+    assert_eq!(next(&mut h).await.state, TaskState::Starting);
+    let u = next(&mut h).await;
+    assert_eq!(u.state, TaskState::Running, "{u:?}");
+}
+
+/// GPU-0 (minor 0) in MIG mode: MIG-a (caps 30, 31), MIG-b (caps 39,
+/// 40) and MIG-c, whose caps the host did not list.
+fn mig_grants() -> HashMap<String, crate::isolation::DeviceGrant> {
+    use gpuctl_core::types::{GpuInfo, MigDevice, MigInfo};
+    let mig = |uuid: &str, gi: u32, caps: &[u32]| MigDevice {
+        uuid: uuid.into(),
+        profile: "1g.10gb".into(),
+        memory_mib: 9856,
+        gpu_slices: 1,
+        compute_slices: 1,
+        gi_id: gi,
+        ci_id: 0,
+        caps_minors: caps.to_vec(),
+    };
+    let mut g = GpuInfo::new("GPU-0", 0, "A100", 40960);
+    g.mig = MigInfo {
+        enabled: true,
+        devices: vec![
+            mig("MIG-a", 1, &[30, 31]),
+            mig("MIG-b", 2, &[39, 40]),
+            mig("MIG-c", 3, &[]),
+        ],
+        ..MigInfo::default()
+    };
+    crate::isolation::grants::device_grants(&[g])
+}
+
+fn run(h: &Harness, specs: Vec<TaskSpec>) {
+    h.exec.set_desired(Desired {
+        run: specs.into_iter().map(|s| (s.task_id.clone(), s)).collect(),
+        kill: Default::default(),
+        notices: Default::default(),
+    });
+}
+
+fn with_gpus(id: &str, uuids: &[&str]) -> TaskSpec {
+    TaskSpec {
+        image: Some("img".into()),
+        gpu_uuids: uuids.iter().map(|u| u.to_string()).collect(),
+        ..spec(id)
+    }
+}
+
+/// A MIG UUID is a GPU of the task like any: its environment names it
+/// as it is, and an unknown UUID is refused before anything starts.
+#[tokio::test]
+async fn a_mig_uuid_resolves_and_its_environment_names_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let isolator = no_isolation(dir.path());
+    let mut h = harness_with(dir, Arc::default(), isolator, mig_grants());
+    // No NVIDIA node here (simulated): MIG-c's unknown caps do not matter.
+    run(&h, vec![with_gpus("t1", &["MIG-a", "MIG-c"])]);
+    let u = until_state(&mut h, TaskState::Running).await;
+    assert_eq!(u.task_id, "t1");
+    let launched = h.fake.launched.lock().unwrap()["t1"].clone();
+    for var in [
+        "NVIDIA_VISIBLE_DEVICES",
+        "CUDA_VISIBLE_DEVICES",
+        "GPUCTL_GPUS",
+    ] {
+        assert_eq!(launched.env[var], "MIG-a,MIG-c", "{var}");
+    }
+    assert!(launched.isolation.gpu_task);
+    assert!(launched.isolation.devices.is_empty(), "no node to give");
+
+    run(&h, vec![with_gpus("t2", &["MIG-zz"])]);
+    let u = until_state(&mut h, TaskState::Failed).await;
+    assert_eq!(u.task_id, "t2");
+    assert!(
+        u.message
+            .contains("MIG-zz is neither a GPU nor a MIG device of this agent"),
+        "{}",
+        u.message
+    );
+    assert_eq!(h.fake.get("t2"), Observed::NotStarted);
+}
+
+/// The parent GPU of a task's MIG device fails: the task is stopped and
+/// ends FAILED with GPU_UNHEALTHY naming the parent, and a new task on
+/// another MIG device of that parent is refused.
+#[tokio::test]
+async fn a_failed_parent_gpu_stops_its_mig_tasks() {
+    let dir = tempfile::tempdir().unwrap();
+    let isolator = no_isolation(dir.path());
+    let mut h = harness_with(dir, Arc::default(), isolator, mig_grants());
+    run(&h, vec![with_gpus("t1", &["MIG-a"])]);
+    until_state(&mut h, TaskState::Running).await;
+    h.exec
+        .set_gpu_faults([("GPU-0".to_string(), "GPU is lost".to_string())].into());
+    let u = until_state(&mut h, TaskState::Failed).await;
+    assert_eq!(u.task_id, "t1");
+    assert!(u.gpu_unhealthy, "{u:?}");
+    assert_eq!(u.message, "GPU GPU-0 unhealthy: GPU is lost");
+    run(
+        &h,
+        vec![with_gpus("t1", &["MIG-a"]), with_gpus("t2", &["MIG-b"])],
+    );
+    let u = until_state(&mut h, TaskState::Failed).await;
+    assert_eq!((u.task_id.as_str(), u.gpu_unhealthy), ("t2", true));
+    assert_eq!(h.fake.get("t2"), Observed::NotStarted);
+}
+
+/// On a host with NVIDIA nodes (fake ones, mknod), a MIG task's
+/// container gets its parent's node and its caps; one whose caps node
+/// is missing, or whose caps are not known, is refused naming it.
+#[tokio::test]
+async fn a_mig_task_gets_its_parent_and_caps_or_is_refused() {
+    if !nix::unistd::Uid::effective().is_root() {
+        eprintln!("skipped: mknod needs root");
+        return;
+    }
+    use nix::sys::stat::{makedev, mknod, Mode, SFlag};
+    let dir = tempfile::tempdir().unwrap();
+    // A v2-looking root: containers get Docker's own device program,
+    // so no cgroup is made and the devices are what is checked.
+    let cg = dir.path().join("cg2");
+    let dev = dir.path().join("dev");
+    std::fs::create_dir_all(&cg).unwrap();
+    std::fs::write(cg.join("cgroup.controllers"), "").unwrap();
+    std::fs::create_dir_all(dev.join("nvidia-caps")).unwrap();
+    for (name, major, minor) in [
+        ("nvidia0", 195, 0),
+        ("nvidiactl", 195, 255),
+        ("nvidia-caps/nvidia-cap30", 240, 30),
+        ("nvidia-caps/nvidia-cap31", 240, 31),
+        ("nvidia-caps/nvidia-cap39", 240, 39),
+    ] {
+        mknod(
+            &dev.join(name),
+            SFlag::S_IFCHR,
+            Mode::from_bits_truncate(0o600),
+            makedev(major, minor),
+        )
+        .unwrap();
+    }
+    let isolator = Isolator::new(&cg, "gpuctl/a1", &dev).unwrap();
+    let mut h = harness_with(dir, Arc::default(), isolator, mig_grants());
+    run(&h, vec![with_gpus("a", &["MIG-a"])]);
+    until_state(&mut h, TaskState::Running).await;
+    let launched = h.fake.launched.lock().unwrap()["a"].clone();
+    let given: Vec<&str> = launched
+        .isolation
+        .devices
+        .iter()
+        .map(|d| d.container_path.as_str())
+        .collect();
+    assert_eq!(
+        given,
+        [
+            "/dev/nvidia0",
+            "/dev/nvidia-caps/nvidia-cap30",
+            "/dev/nvidia-caps/nvidia-cap31",
+            "/dev/nvidiactl"
+        ]
+    );
+    // The check after start tries every node, caps included.
+    assert_eq!(launched.isolation.host_nodes.len(), 5);
+
+    for (id, uuid, says) in [("b", "MIG-b", "nvidia-cap40"), ("c", "MIG-c", "MIG-c")] {
+        run(&h, vec![with_gpus("a", &["MIG-a"]), with_gpus(id, &[uuid])]);
+        let u = until_state(&mut h, TaskState::Failed).await;
+        assert_eq!(u.task_id, id);
+        assert!(u.message.contains(says), "{}", u.message);
+        assert_eq!(h.fake.get(id), Observed::NotStarted);
+    }
+}
