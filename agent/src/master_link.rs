@@ -27,7 +27,7 @@ use tokio::sync::{mpsc, watch};
 use tonic::transport::{Channel, Endpoint};
 use tonic::Status;
 
-use crate::executor::{Desired, Executor};
+use crate::executor::Executor;
 use crate::gpu::health::Snapshot;
 use gpuctl_core::desired::DesiredSet;
 
@@ -374,11 +374,7 @@ async fn session(
                     Some(Ok(msg)) => match desired.apply_owned(msg) {
                         // Acted on only once complete: a half-received snapshot
                         // must not make the executor stop what it does not list.
-                        Ok(true) => executor.set_desired(Desired {
-                            run: desired.run().clone(),
-                            kill: desired.kill().clone(),
-                            notices: desired.notices().clone(),
-                        }),
+                        Ok(true) => executor.set_desired(desired.desired().clone()),
                         Ok(false) => {}
                         // Skipping a bad spec would make the executor kill the
                         // task if it were running; better to fail loudly and

@@ -43,13 +43,20 @@ enum Mode {
     Full,
 }
 
-/// The tasks the master wants on this agent: those to run and those to kill.
+/// The master's wish for an agent: tasks to run and tasks to stop. The
+/// agent's executor acts on it; [`DesiredSet`] rebuilds it from the stream.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Desired {
+    pub run: BTreeMap<TaskId, TaskSpec>,
+    pub kill: BTreeSet<TaskId>,
+    /// Why, for tasks of `kill` the master said why (once, with the kill).
+    pub notices: BTreeMap<TaskId, StopNotice>,
+}
+
+/// The [`Desired`] set as the task stream builds it, message by message.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct DesiredSet {
-    run: BTreeMap<TaskId, TaskSpec>,
-    kill: BTreeSet<TaskId>,
-    /// Why, for tasks of `kill` the master said why (once, with the kill).
-    notices: BTreeMap<TaskId, StopNotice>,
+    set: Desired,
     mode: Mode,
 }
 
@@ -86,21 +93,21 @@ impl DesiredSet {
         }
         let full = self.mode == Mode::Full;
         if msg.reset || full {
-            self.run.clear();
-            self.kill.clear();
+            self.set.run.clear();
+            self.set.kill.clear();
             // A reset's kills come with their notices again.
-            self.notices.clear();
+            self.set.notices.clear();
         }
         for spec in specs {
-            self.kill.remove(&spec.task_id);
-            self.notices.remove(&spec.task_id);
-            self.run.insert(spec.task_id.clone(), spec);
+            self.set.kill.remove(&spec.task_id);
+            self.set.notices.remove(&spec.task_id);
+            self.set.run.insert(spec.task_id.clone(), spec);
         }
         let mut notices = msg.kill_notices;
         for id in msg.kill {
-            self.run.remove(&id);
+            self.set.run.remove(&id);
             if let Some(n) = notices.remove(&id) {
-                self.notices.insert(
+                self.set.notices.insert(
                     id.clone(),
                     StopNotice {
                         kind: n.kind,
@@ -108,42 +115,47 @@ impl DesiredSet {
                     },
                 );
             }
-            self.kill.insert(id);
+            self.set.kill.insert(id);
         }
         for id in &msg.removed {
-            self.run.remove(id);
-            self.kill.remove(id);
-            self.notices.remove(id);
+            self.set.run.remove(id);
+            self.set.kill.remove(id);
+            self.set.notices.remove(id);
         }
         Ok(msg.complete || full)
     }
 
     /// Tasks to run, by id.
     pub fn run(&self) -> &BTreeMap<TaskId, TaskSpec> {
-        &self.run
+        &self.set.run
     }
 
     /// Tasks to kill.
     pub fn kill(&self) -> &BTreeSet<TaskId> {
-        &self.kill
+        &self.set.kill
     }
 
     /// Why the master wants tasks of [`kill`](Self::kill) stopped, for
     /// those it said.
     pub fn notices(&self) -> &BTreeMap<TaskId, StopNotice> {
-        &self.notices
+        &self.set.notices
+    }
+
+    /// The whole set, as the agent's executor takes it.
+    pub fn desired(&self) -> &Desired {
+        &self.set
     }
 
     /// The tasks to run, in id order (a copy, e.g. for an executor's
     /// reconcile).
     pub fn tasks(&self) -> Vec<TaskSpec> {
-        self.run.values().cloned().collect()
+        self.set.run.values().cloned().collect()
     }
 
     /// The ids to kill, in order (a copy).
     #[cfg(test)]
     pub fn kill_ids(&self) -> Vec<TaskId> {
-        self.kill.iter().cloned().collect()
+        self.set.kill.iter().cloned().collect()
     }
 
     /// Whether the master sends the full set in every message (a master

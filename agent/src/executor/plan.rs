@@ -6,18 +6,10 @@
 //! again (`stopping` is set), a launch already under way is not launched
 //! again (the task is known).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 
-use gpuctl_core::types::{StopNotice, TaskSpec};
-
-/// The master's wish for this agent: tasks to run and tasks to stop.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct Desired {
-    pub run: BTreeMap<String, TaskSpec>,
-    pub kill: BTreeSet<String>,
-    /// Why, for tasks of `kill` the master said why (the task's notice).
-    pub notices: BTreeMap<String, StopNotice>,
-}
+/// The master's wish for this agent (one type with the stream's receiver).
+pub use gpuctl_core::desired::Desired;
 
 /// Where a task known to this agent stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -167,7 +159,7 @@ pub fn plan(input: &Input<'_>) -> Vec<Action> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use gpuctl_core::types::Resources;
+    use gpuctl_core::types::{Resources, TaskSpec};
 
     fn spec(id: &str, gpus: &[&str]) -> TaskSpec {
         TaskSpec {
