@@ -1,6 +1,7 @@
 //! Faults and limits with the real binaries and host-process tasks: an
 //! agent SIGKILLed in the middle of launches starts every task once; sizes
-//! are refused at the door with a one-line error naming the field; more
+//! are refused at the door with a one-line error naming the field (by
+//! gpuctl with the master's own check, and by the master); more
 //! than 4 MiB of environment across one agent's tasks flows to it, through
 //! an agent restart, and is cancelled; a drain moves new work away, kills
 //! at its deadline (or at once with --kill) and requeues without using a
@@ -184,6 +185,34 @@ fn sizes_are_refused_at_the_door_and_jobs_list_limits_and_filters() {
         "spec.env[\"BIG_VALUE\"]",
     );
     assert!(line.contains("32768"), "{line}");
+    // gpuctl refuses that before any call, with the master's own check; the
+    // master's door still holds for every other client.
+    let status = tokio::runtime::Runtime::new().unwrap().block_on(async {
+        let mut op = gpuctl_proto::pb::operator_client::OperatorClient::connect(format!(
+            "http://{}",
+            c.master_addr
+        ))
+        .await
+        .unwrap();
+        let spec = gpuctl_proto::pb::JobSpec {
+            name: "big-env".into(),
+            command: vec!["true".into()],
+            env: [("BIG_VALUE".to_string(), "x".repeat(32 * 1024 + 1))].into(),
+            ..Default::default()
+        };
+        op.submit_job(gpuctl_proto::pb::SubmitJobRequest {
+            spec: Some(spec),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err()
+    });
+    assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+    assert!(
+        status.message().contains("spec.env[\"BIG_VALUE\"]") && status.message().contains("32768"),
+        "{}",
+        status.message()
+    );
     let line = refused(
         &c,
         &[

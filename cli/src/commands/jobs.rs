@@ -423,7 +423,7 @@ impl SubmitArgs {
             privileged: false,
             run_as_root: self.run_as_root || file.run_as_root.unwrap_or(false),
         };
-        Ok(pb::JobSpec {
+        let spec = pb::JobSpec {
             placement: (placement != pb::Placement::default()).then_some(placement),
             name,
             image: self
@@ -467,7 +467,12 @@ impl SubmitArgs {
                 .clone()
                 .or(file.checkpoint_dir.map(|t| t.0))
                 .unwrap_or_default(),
-        })
+        };
+        // The master's own check (it converts the spec as sent, first):
+        // refused here before any call, with its words and its exit code.
+        gpuctl_core::types::JobSpec::try_from(spec.clone())
+            .map_err(|e| CliError::Other(e.to_string()))?;
+        Ok(spec)
     }
 }
 
@@ -1202,7 +1207,7 @@ async fn poll_until_done(
 mod tests {
     use super::*;
     use crate::commands::testkit::{chunks, dead_addr, serve, FakeOperator};
-    use crate::commands::{Cli, Command, EXIT_NOT_FOUND, EXIT_TIMEOUT, EXIT_USAGE};
+    use crate::commands::{Cli, Command, EXIT_FAILURE, EXIT_NOT_FOUND, EXIT_TIMEOUT, EXIT_USAGE};
     use clap::Parser;
     use std::sync::{Arc, Mutex};
 
@@ -1243,6 +1248,28 @@ mod tests {
         .unwrap_err();
         assert_eq!(err.exit_code(), i32::from(EXIT_USAGE));
         assert!(err.to_string().contains("--env"), "{err}");
+    }
+
+    #[test]
+    fn a_spec_the_master_would_refuse_is_refused_here_naming_the_field() {
+        // Rules that live only in `convert`, not in the flags' parsers.
+        for (args, field) in [
+            (vec!["--name", "has space"], "name"),
+            (vec!["--name", "x", "--image", "bad image"], "image"),
+            (vec!["--name", "x", "--tenant", "has space"], "tenant"),
+        ] {
+            let mut all = vec!["jobs", "submit"];
+            all.extend(args);
+            all.extend(["--", "true"]);
+            match submit_args(&all).to_spec() {
+                Err(e @ CliError::Other(_)) => {
+                    assert_eq!(e.exit_code(), EXIT_FAILURE, "as the master's refusal");
+                    let m = e.to_string();
+                    assert!(m.contains(&format!("invalid spec.{field}")), "{all:?}: {m}")
+                }
+                other => panic!("{all:?}: {other:?}"),
+            }
+        }
     }
 
     #[test]
