@@ -342,7 +342,7 @@ pub enum NodeError {
     Panicked,
     /// A committed entry this master cannot read: it stops rather than
     /// skip a command the others apply (their states would part).
-    #[error("log entry {index} is of command version {version}, newer than this master's ({ours}): upgrade this master to the version of the others (upgrade followers first, then the leader: docs/deployment.md)", ours = crate::state::COMMAND_VERSION)]
+    #[error("log entry {index} is of command version {version}, newer than this master's ({ours}): upgrade this master to the version of the others (upgrade followers first, then the leader: docs/operations.md)", ours = crate::state::COMMAND_VERSION)]
     NewerCommand { index: u64, version: u32 },
 }
 

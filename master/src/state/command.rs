@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 /// Version of the encoding below. Bump it when a command changes shape or a
 /// new one is added, and keep decoding the old forms, because old entries
 /// stay in the log: a master applies entries of its own version and older,
-/// and stops at one of a newer version (docs/deployment.md, upgrades).
+/// and stops at one of a newer version (docs/operations.md, "Upgrading masters").
 pub const COMMAND_VERSION: u32 = 1;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
