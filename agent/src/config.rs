@@ -159,7 +159,14 @@ pub const DEFAULT_TASK_RETENTION: Duration = Duration::from_secs(24 * 3600);
 
 /// gpuctl-agent: runs gpuctl tasks on this host's GPUs.
 #[derive(Debug, Parser)]
-#[command(name = "gpuctl-agent", version, about)]
+#[command(
+    name = "gpuctl-agent",
+    version,
+    about,
+    after_help = "Also: gpuctl-agent check [--json] [--no-docker] [--busybox-image] reports what \
+                  this host offers an agent (GPUs through NVML, the driver, Docker) without \
+                  starting one."
+)]
 pub struct Options {
     /// TOML file with any of the options below (keys as the long flag names,
     /// with '_' for '-'). Flags and environment variables override it.

@@ -6,6 +6,7 @@
 
 pub mod api;
 pub mod cdi;
+pub mod check;
 pub mod checkpoint;
 pub mod config;
 mod error;

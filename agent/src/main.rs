@@ -1,5 +1,6 @@
 //! gpuctl-agent: parse options, set up logging, run until SIGTERM or Ctrl-C.
-//! `gpuctl-agent supervise DIR` is a task's supervisor (started by the agent).
+//! `gpuctl-agent supervise DIR` is a task's supervisor (started by the agent);
+//! `gpuctl-agent check` reports what this host offers (`check.rs`).
 
 use std::process::ExitCode;
 
@@ -8,6 +9,10 @@ use gpuctl_agent::config::Options;
 fn main() -> ExitCode {
     // `gpuctl-runc` (a link to this binary) and its hook: runc's wrapper.
     if let Some(code) = gpuctl_agent::runtime::oci_hook::main_if_requested() {
+        return code;
+    }
+    // `gpuctl-agent check`: what this host offers, without starting.
+    if let Some(code) = gpuctl_agent::check::main_if_requested() {
         return code;
     }
     // Before any thread exists: the supervisor blocks signals for itself.

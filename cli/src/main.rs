@@ -12,11 +12,6 @@ mod output;
 use commands::{Cli, EXIT_FAILURE, EXIT_OK, EXIT_USAGE};
 
 fn main() -> ExitCode {
-    // `gpuctl demo` runs an agent in-process; its host-process tasks run
-    // under `gpuctl supervise DIR` (this binary), like a real agent's.
-    if let Some(code) = gpuctl_agent::runtime::supervisor::main_if_requested() {
-        return code;
-    }
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) => {
@@ -40,8 +35,8 @@ fn main() -> ExitCode {
         }
     };
 
-    // Only warnings by default (the demo runs a master and an agent in this
-    // process); RUST_LOG overrides.
+    // Only warnings by default; RUST_LOG overrides (and sets the demo's
+    // daemons' level).
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn"));
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
@@ -59,7 +54,7 @@ fn main() -> ExitCode {
         }
     };
     let result = runtime.block_on(commands::run(cli));
-    // Do not wait for background tasks (a demo daemon that ignores shutdown).
+    // Do not wait for background tasks (a log stream still open).
     runtime.shutdown_timeout(std::time::Duration::from_secs(1));
     match result {
         Ok(code) => ExitCode::from(code),

@@ -15,6 +15,7 @@ pub mod pb {
 pub mod convert;
 pub mod cuda_req;
 pub mod desired;
+pub mod host;
 pub mod logs;
 pub mod metrics;
 pub mod time;

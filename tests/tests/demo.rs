@@ -119,3 +119,68 @@ fn demo_with_console_serves_its_jobs_until_interrupted() {
         "{rest:?}"
     );
 }
+
+/// `gpuctl` copied into `dir`, beside the given daemon stand-ins (shell
+/// scripts), run as `gpuctl demo --no-docker` with an empty PATH but /bin.
+fn demo_beside(dir: &std::path::Path, daemons: &[(&str, &str)]) -> std::process::Output {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::copy(gpuctl_tests::bin("gpuctl"), dir.join("gpuctl")).unwrap();
+    for (name, script) in daemons {
+        let p = dir.join(name);
+        std::fs::write(&p, format!("#!/bin/sh\n{script}\n")).unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    Command::new(dir.join("gpuctl"))
+        .args(["demo", "--no-docker", "--timeout", "20"])
+        .env("PATH", "/bin")
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn demo_without_the_daemon_binaries_says_how_to_build_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = demo_beside(dir.path(), &[]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("gpuctl demo runs gpuctl-master, which is neither next to gpuctl")
+            && stderr.contains("cargo build --release -p gpuctl -p gpuctl-master -p gpuctl-agent"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn demo_whose_master_exits_stops_and_shows_the_end_of_its_log() {
+    let dir = tempfile::tempdir().unwrap();
+    let check = r#"{"gpus":[],"driver_version":null,"nvml_error":"no driver here","docker":null}"#;
+    let out = demo_beside(
+        dir.path(),
+        &[
+            (
+                "gpuctl-master",
+                "echo 'gpuctl-master: listen on 127.0.0.1:1: address in use' >&2; exit 1",
+            ),
+            (
+                "gpuctl-agent",
+                &format!("if [ \"$1\" = check ]; then echo '{check}'; exit 0; fi; exec sleep 60"),
+            ),
+        ],
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("No usable NVIDIA GPU on this host (no driver here)"),
+        "{stdout}"
+    );
+    assert!(
+        stderr.contains("the master exited (exit status: 1)") && stderr.contains("address in use"),
+        "{stderr}"
+    );
+    // The agent stand-in was stopped, not left behind.
+    assert!(
+        stdout.contains("Stopping the agent and the master"),
+        "{stdout}"
+    );
+}

@@ -604,3 +604,39 @@ fn each_tasks_gpu_memory_comes_from_nvmls_process_lists() {
     assert_eq!(got["job-1.0"], [("GPU-0".to_string(), 3174)].into());
     assert_eq!(got["job-2.0"]["GPU-0"], 512);
 }
+
+/// `gpuctl-agent check` reports the machine NVML describes, through the
+/// agent's own discovery (what `gpuctl demo` and an operator read).
+#[test]
+fn agent_check_reports_the_gpus_and_driver_nvml_finds() {
+    let run = |machine: &str| {
+        let out = std::process::Command::new(gpuctl_tests::bin("gpuctl-agent"))
+            .args(["check", "--json", "--no-docker", "--nvml-lib"])
+            .arg(fake_nvml_lib())
+            .env("FAKE_NVML_CONFIG", fake_nvml_config(machine))
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+        report
+    };
+    let want = config("dgx-a100");
+    let report = run("dgx-a100");
+    let gpus = report["gpus"].as_array().unwrap();
+    assert_eq!(
+        gpus.len(),
+        want["gpus"].as_array().unwrap().len(),
+        "{report}"
+    );
+    assert!(gpus.iter().all(|g| g["healthy"] == json!(true)), "{report}");
+    assert!(
+        gpus[0]["model"].as_str().unwrap().contains("A100"),
+        "{report}"
+    );
+    assert_eq!(report["driver_version"], want["driver_version"], "{report}");
+    assert_eq!(report["nvml_error"], Value::Null, "{report}");
+    assert_eq!(report["docker"], Value::Null, "--no-docker: {report}");
+
+    let none = run("none");
+    assert_eq!(none["gpus"], json!([]), "{none}");
+}

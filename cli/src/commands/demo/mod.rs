@@ -1,19 +1,24 @@
-//! `gpuctl demo`: a whole cluster in this process. Starts a master and an
-//! agent on `127.0.0.1:0` with a temporary data directory, runs a 1-GPU and
-//! a 2-GPU job, streams their output, and prints the cluster with the same
-//! code as `jobs list`, `agents list` and `gpus`.
+//! `gpuctl demo`: a whole cluster on this machine. Asks `gpuctl-agent check`
+//! what the host offers, starts `gpuctl-master` and `gpuctl-agent` on
+//! loopback ports with a temporary data directory (`daemons.rs`), runs a
+//! 1-GPU and a 2-GPU job, streams their output, and prints the cluster with
+//! the same code as `jobs list`, `agents list` and `gpus`.
 
+mod daemons;
+
+use std::ffi::OsString;
 use std::io::{self, Write};
 use std::path::Path;
 use std::time::Duration;
 
 use clap::Args;
 use gpuctl_core::convert::job_state_name;
+use gpuctl_core::host::{DockerCheck, HostCheck};
 use gpuctl_core::types::Runtime;
 use gpuctl_proto::pb;
-use tokio::sync::{mpsc, watch};
-use tokio::task::JoinHandle;
 use tokio::time::Instant;
+
+use daemons::Daemon;
 
 use super::{agents, gpus, jobs, one_line, parse_secs, CliError, EXIT_FAILURE, EXIT_OK};
 use crate::client::Master;
@@ -25,8 +30,8 @@ pub const DEMO_SCRIPT: &str =
     r#"echo "job $GPUCTL_JOB_ID on $(hostname): GPUs $NVIDIA_VISIBLE_DEVICES"; sleep 1; echo done"#;
 /// How long the agent may take to register.
 const AGENT_TIMEOUT: Duration = Duration::from_secs(30);
-const DOCKER_CONNECT_TIMEOUT: Duration = Duration::from_secs(15);
-const IMAGE_TIMEOUT: Duration = Duration::from_secs(180);
+/// How long the master may take to answer.
+const MASTER_TIMEOUT: Duration = Duration::from_secs(30);
 const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(15);
 const POLL: Duration = Duration::from_millis(200);
 
@@ -84,6 +89,8 @@ struct RuntimePlan {
 }
 
 pub async fn run(args: DemoArgs) -> Result<u8, CliError> {
+    let master_bin = daemons::binary(daemons::MASTER)?;
+    let agent_bin = daemons::binary(daemons::AGENT)?;
     let tmp = tempfile::Builder::new()
         .prefix("gpuctl-demo-")
         .tempdir()
@@ -93,35 +100,45 @@ pub async fn run(args: DemoArgs) -> Result<u8, CliError> {
         tmp.path().display()
     ));
 
-    let gpu_plan = choose_gpus(&args).await;
-    let runtime_plan = choose_runtimes(&args).await;
+    let gpu_plan;
+    let runtime_plan;
+    if let Some(spec) = &args.simulate_gpus {
+        say(format!("Simulating GPUs {spec} (--simulate-gpus)"));
+        gpu_plan = GpuPlan {
+            simulate: Some(spec.clone()),
+            second_job_gpus: 2,
+        };
+        if args.no_docker {
+            runtime_plan = choose_runtimes(&args, None);
+        } else {
+            say("Checking for Docker (gpuctl-agent check)");
+            let host = daemons::host_check(&agent_bin, false).await?;
+            runtime_plan = choose_runtimes(&args, host.docker.as_ref());
+        }
+    } else {
+        say(if args.no_docker {
+            "Looking for NVIDIA GPUs (gpuctl-agent check: NVML)"
+        } else {
+            "Looking for NVIDIA GPUs and Docker (gpuctl-agent check: NVML, the Docker daemon)"
+        });
+        let host = daemons::host_check(&agent_bin, args.no_docker).await?;
+        gpu_plan = choose_gpus(&host);
+        runtime_plan = choose_runtimes(&args, host.docker.as_ref());
+    }
 
-    let (stop_tx, stop_rx) = watch::channel(false);
-    let (exit_tx, mut exit_rx) = mpsc::channel::<(&'static str, Result<(), String>)>(2);
-    let daemons = start_daemons(
+    let (master_addr, mut master, mut agent) = start_daemons(
         tmp.path(),
+        &master_bin,
+        &agent_bin,
         &gpu_plan,
         &runtime_plan,
         args.console,
-        &stop_rx,
-        &exit_tx,
-    )
-    .await;
-    drop(exit_tx);
-    let (master_addr, handles) = match daemons {
-        Ok(d) => d,
-        Err(e) => {
-            let _ = stop_tx.send(true);
-            return Err(e);
-        }
-    };
+    )?;
 
     let outcome = tokio::select! {
         r = drive(&master_addr, &gpu_plan, &runtime_plan, args.timeout) => r,
-        Some((name, r)) = exit_rx.recv() => Err(CliError::Other(match r {
-            Ok(()) => format!("the {name} stopped unexpectedly"),
-            Err(e) => format!("the {name} failed: {}", one_line(&e)),
-        })),
+        how = master.exited() => Err(CliError::Other(how)),
+        how = agent.exited() => Err(CliError::Other(how)),
         _ = tokio::signal::ctrl_c() => Err(CliError::Other("interrupted".to_string())),
     };
     if let (Some(addr), Ok(_)) = (args.console, &outcome) {
@@ -130,29 +147,16 @@ pub async fn run(args: DemoArgs) -> Result<u8, CliError> {
         ));
         tokio::select! {
             _ = tokio::signal::ctrl_c() => {}
-            Some((name, _)) = exit_rx.recv() => say(format!("the {name} stopped")),
+            how = master.exited() => say(how),
+            how = agent.exited() => say(how),
         }
     }
 
+    // The agent stops first: it may have containers to stop.
     say("Stopping the agent and the master");
-    let _ = stop_tx.send(true);
-    for (name, handle) in handles {
-        if tokio::time::timeout(SHUTDOWN_TIMEOUT, handle)
-            .await
-            .is_err()
-        {
-            say(format!(
-                "warning: the {name} did not stop within {}s",
-                SHUTDOWN_TIMEOUT.as_secs()
-            ));
-        }
-    }
-    while let Ok((name, r)) = exit_rx.try_recv() {
-        if let Err(e) = r {
-            say(format!(
-                "warning: the {name} stopped with an error: {}",
-                one_line(&e)
-            ));
+    for daemon in [agent, master] {
+        if let Some(warning) = daemon.stop(SHUTDOWN_TIMEOUT).await {
+            say(format!("warning: {warning}"));
         }
     }
     drop(tmp);
@@ -168,31 +172,10 @@ pub async fn run(args: DemoArgs) -> Result<u8, CliError> {
 }
 
 /// Real GPUs when NVML finds healthy ones, else simulated ones.
-async fn choose_gpus(args: &DemoArgs) -> GpuPlan {
-    if let Some(spec) = &args.simulate_gpus {
-        say(format!("Simulating GPUs {spec} (--simulate-gpus)"));
-        return GpuPlan {
-            simulate: Some(spec.clone()),
-            second_job_gpus: 2,
-        };
-    }
-    say("Looking for NVIDIA GPUs (NVML)");
-    let discovery = tokio::task::spawn_blocking(|| {
-        gpuctl_agent::gpu::discover(None, std::path::Path::new("/proc"))
-    })
-    .await;
-    let discovery = match discovery {
-        Ok(d) => d,
-        Err(e) => {
-            say(format!(
-                "GPU discovery failed ({e}); simulating {SIMULATED_GPUS} instead"
-            ));
-            return simulated();
-        }
-    };
-    let healthy = discovery.gpus.iter().filter(|g| g.healthy).count();
+fn choose_gpus(host: &HostCheck) -> GpuPlan {
+    let healthy = host.healthy_gpus();
     if healthy == 0 {
-        let why = match (&discovery.error, discovery.gpus.len()) {
+        let why = match (&host.nvml_error, host.gpus.len()) {
             (Some(e), _) => one_line(e),
             (None, 0) => "NVML reports none".to_string(),
             (None, n) => format!("{n} found, none healthy"),
@@ -200,18 +183,21 @@ async fn choose_gpus(args: &DemoArgs) -> GpuPlan {
         say(format!(
             "No usable NVIDIA GPU on this host ({why}); simulating {SIMULATED_GPUS} instead"
         ));
-        return simulated();
+        return GpuPlan {
+            simulate: Some(SIMULATED_GPUS.to_string()),
+            second_job_gpus: 2,
+        };
     }
-    let mut models: Vec<&str> = discovery.gpus.iter().map(|g| g.model.as_str()).collect();
+    let mut models: Vec<&str> = host.gpus.iter().map(|g| g.model.as_str()).collect();
     models.dedup();
-    let driver = discovery
+    let driver = host
         .driver_version
         .as_deref()
         .map(|v| format!(", driver {v}"))
         .unwrap_or_default();
     say(format!(
         "Found {} real GPU(s) ({}{driver}); the demo uses them",
-        discovery.gpus.len(),
+        host.gpus.len(),
         models.join(", ")
     ));
     let second_job_gpus = if healthy >= 2 {
@@ -226,16 +212,9 @@ async fn choose_gpus(args: &DemoArgs) -> GpuPlan {
     }
 }
 
-fn simulated() -> GpuPlan {
-    GpuPlan {
-        simulate: Some(SIMULATED_GPUS.to_string()),
-        second_job_gpus: 2,
-    }
-}
-
-/// Docker when the daemon answers and the demo image can be prepared, else
-/// host processes.
-async fn choose_runtimes(args: &DemoArgs) -> RuntimePlan {
+/// Docker when the daemon answers and the demo image is ready, else host
+/// processes.
+fn choose_runtimes(args: &DemoArgs, docker: Option<&DockerCheck>) -> RuntimePlan {
     let processes = RuntimePlan {
         runtimes: vec![Runtime::Process],
         image: None,
@@ -244,154 +223,113 @@ async fn choose_runtimes(args: &DemoArgs) -> RuntimePlan {
         say("Jobs run as host processes (--no-docker)");
         return processes;
     }
-    say("Checking for Docker");
-    let docker = match tokio::time::timeout(
-        DOCKER_CONNECT_TIMEOUT,
-        gpuctl_agent::runtime::DockerRuntime::connect(),
-    )
-    .await
-    {
-        Ok(Ok(d)) => d,
-        Ok(Err(e)) => {
-            say(format!(
-                "Docker is not available ({}); jobs run as host processes",
-                one_line(&e.to_string())
-            ));
-            return processes;
-        }
-        Err(_) => {
-            say(format!(
-                "Docker did not answer within {}s; jobs run as host processes",
-                DOCKER_CONNECT_TIMEOUT.as_secs()
-            ));
-            return processes;
-        }
+    let Some(docker) = docker else {
+        say("Docker was not checked; jobs run as host processes");
+        return processes;
     };
-    say("Docker answers; preparing the demo image");
-    let client = match docker.client() {
-        Ok(c) => c,
-        Err(e) => {
-            say(format!(
-                "Docker is not available ({}); jobs run as host processes",
-                one_line(&e.to_string())
-            ));
-            return processes;
-        }
-    };
-    match tokio::time::timeout(
-        IMAGE_TIMEOUT,
-        gpuctl_agent::runtime::image::ensure_busybox_image(&client),
-    )
-    .await
-    {
-        Ok(Ok(image)) => {
+    match (&docker.error, &docker.image, &docker.image_error) {
+        (Some(e), _, _) => say(format!(
+            "Docker is not available ({}); jobs run as host processes",
+            one_line(e)
+        )),
+        (None, Some(image), _) => {
             say(format!("Jobs run in Docker containers from image {image}"));
-            RuntimePlan {
+            return RuntimePlan {
                 runtimes: vec![Runtime::Docker, Runtime::Process],
-                image: Some(image),
-            }
+                image: Some(image.clone()),
+            };
         }
-        Ok(Err(e)) => {
-            say(format!(
-                "The demo image could not be prepared ({}); jobs run as host processes",
-                one_line(&e.to_string())
-            ));
-            processes
-        }
-        Err(_) => {
-            say(format!(
-                "Preparing the demo image took more than {}s; jobs run as host processes",
-                IMAGE_TIMEOUT.as_secs()
-            ));
-            processes
-        }
+        (None, None, e) => say(format!(
+            "The demo image could not be prepared ({}); jobs run as host processes",
+            one_line(e.as_deref().unwrap_or("no reason given"))
+        )),
     }
+    processes
 }
 
-/// Resolves once `stop` turns true (or its sender is gone).
-async fn shutdown_signal(mut stop: watch::Receiver<bool>) {
-    let _ = stop.wait_for(|s| *s).await;
-}
-
-type Daemons = (String, Vec<(&'static str, JoinHandle<()>)>);
-
-/// Binds and spawns the master, then the agent. Each reports how it ended on `exit`.
-async fn start_daemons(
+/// Starts the master, then the agent, each on a free loopback port with
+/// its data directory and log under `dir`.
+fn start_daemons(
     dir: &Path,
+    master_bin: &Path,
+    agent_bin: &Path,
     gpu_plan: &GpuPlan,
     runtime_plan: &RuntimePlan,
     console: Option<std::net::SocketAddr>,
-    stop: &watch::Receiver<bool>,
-    exit: &mpsc::Sender<(&'static str, Result<(), String>)>,
-) -> Result<Daemons, CliError> {
-    let bind = |what: &'static str| async move {
-        tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .map_err(|e| CliError::Other(format!("binding 127.0.0.1:0 for the {what}: {e}")))
-    };
-
+) -> Result<(String, Daemon, Daemon), CliError> {
+    // The daemons log at RUST_LOG's level when it is set.
+    let log = std::env::var("RUST_LOG").unwrap_or_else(|_| "info".to_string());
+    let master_addr = format!("127.0.0.1:{}", daemons::free_port()?);
     let master_dir = dir.join("master");
-    let listener = bind("master").await?;
-    let master_addr = listener
-        .local_addr()
-        .map_err(|e| CliError::Other(format!("master listener address: {e}")))?;
-    let mut config = gpuctl_master::MasterConfig::new(master_addr, master_dir.clone());
-    config.http_listen = console;
-    let master = tokio::spawn({
-        let exit = exit.clone();
-        let shutdown = shutdown_signal(stop.clone());
-        async move {
-            let r = gpuctl_master::serve(config, listener, shutdown)
-                .await
-                .map_err(|e| e.to_string());
-            let _ = exit.send(("master", r)).await;
-        }
-    });
+    let mut args: Vec<OsString> = vec![
+        "--listen".into(),
+        master_addr.clone().into(),
+        "--data-dir".into(),
+        master_dir.clone().into(),
+        "--log".into(),
+        log.clone().into(),
+    ];
+    if let Some(addr) = console {
+        args.extend(["--http-listen".into(), addr.to_string().into()]);
+    }
+    let master = Daemon::spawn("master", master_bin, &args, dir)?;
     say(format!(
-        "Master started on {master_addr} (data in {})",
-        master_dir.display()
+        "Master ({}) started on {master_addr} (data in {}, log in {})",
+        master_bin.display(),
+        master_dir.display(),
+        master.log.display()
     ));
     if let Some(addr) = console {
         say(format!("Web console: http://{addr}/"));
     }
 
-    let agent_dir = dir.join("agent");
-    if let Err(e) = std::fs::create_dir_all(&agent_dir) {
-        return Err(CliError::Other(format!("{}: {e}", agent_dir.display())));
-    }
-    let listener = bind("agent").await?;
-    let agent_addr = listener
-        .local_addr()
-        .map_err(|e| CliError::Other(format!("agent listener address: {e}")))?;
-    let mut config = gpuctl_agent::AgentConfig::new(vec![master_addr.to_string()], agent_dir);
-    config.simulate_gpus = gpu_plan.simulate.clone();
-    config.runtimes = Some(runtime_plan.runtimes.clone());
-    // A throwaway agent: its tasks go when the demo ends.
-    config.stop_tasks_on_shutdown = true;
-    let agent = tokio::spawn({
-        let exit = exit.clone();
-        let shutdown = shutdown_signal(stop.clone());
-        async move {
-            let r = gpuctl_agent::serve(config, listener, shutdown)
-                .await
-                .map_err(|e| e.to_string());
-            let _ = exit.send(("agent", r)).await;
-        }
-    });
+    let agent_addr = format!("127.0.0.1:{}", daemons::free_port()?);
     let runtimes: Vec<String> = runtime_plan
         .runtimes
         .iter()
         .map(|r| r.to_string())
         .collect();
+    let mut args: Vec<OsString> = vec![
+        "--master".into(),
+        master_addr.clone().into(),
+        "--listen".into(),
+        agent_addr.clone().into(),
+        "--work-dir".into(),
+        dir.join("agent").into(),
+        "--runtime".into(),
+        runtimes.join(",").into(),
+        // A throwaway agent: its tasks go when the demo ends.
+        "--stop-tasks-on-shutdown".into(),
+        "--log".into(),
+        log.into(),
+    ];
+    if let Some(spec) = &gpu_plan.simulate {
+        args.extend(["--simulate-gpus".into(), spec.into()]);
+    }
+    let agent = Daemon::spawn("agent", agent_bin, &args, dir)?;
     say(format!(
-        "Agent started on {agent_addr} (runtimes: {})",
-        runtimes.join(", ")
+        "Agent started on {agent_addr} (runtimes: {}, log in {})",
+        runtimes.join(", "),
+        agent.log.display()
     ));
-    // The agent stops first: it may have containers to stop.
-    Ok((
-        master_addr.to_string(),
-        vec![("agent", agent), ("master", master)],
-    ))
+    Ok((master_addr, master, agent))
+}
+
+/// Connects once the master answers.
+async fn connect_when_up(addr: &str, timeout: Duration) -> Result<Master, CliError> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        match Master::connect(&[addr.to_string()]).await {
+            Ok(m) => return Ok(m),
+            Err(e) if Instant::now() >= deadline => {
+                return Err(CliError::Timeout(format!(
+                    "the master did not answer within {}s ({e})",
+                    timeout.as_secs()
+                )))
+            }
+            Err(_) => tokio::time::sleep(POLL).await,
+        }
+    }
 }
 
 /// Everything done against the running cluster. Ok(true) when both jobs SUCCEEDED.
@@ -401,7 +339,7 @@ async fn drive(
     runtime_plan: &RuntimePlan,
     timeout: Duration,
 ) -> Result<bool, CliError> {
-    let mut master = Master::connect(&[master_addr.to_string()]).await?;
+    let mut master = connect_when_up(master_addr, MASTER_TIMEOUT).await?;
     let agent = wait_for_agent(&mut master, AGENT_TIMEOUT).await?;
     let total_gpus = agent.total.map_or(0, |t| t.gpus);
     say(format!(
