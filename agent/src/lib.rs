@@ -271,9 +271,14 @@ pub async fn serve(
     // One level per agent, so that agents sharing a host never touch each
     // other's cgroups and each can sweep what it left itself.
     let task_cgroup_parent = format!("{}/{agent_id}", config.cgroup_parent.trim_matches('/'));
-    let isolator =
-        isolation::Isolator::new(&config.cgroup_root, &task_cgroup_parent, &config.dev_root)?
-            .with_pids_max(config.task_pids_max);
+    let isolator = isolation::CgroupIsolator::new(
+        &config.cgroup_root,
+        &task_cgroup_parent,
+        &config.dev_root,
+        nix::unistd::Uid::effective().is_root(),
+    )?
+    .with_pids_max(config.task_pids_max);
+    let isolator: Arc<dyn isolation::Isolator> = Arc::new(isolator);
     tracing::info!("{}", isolator.describe());
     let driver_volume = match &discovery.driver_version {
         Some(version) => {

@@ -4,7 +4,7 @@
 //! two GPUs (195:0, 195:1), nvidiactl, and the caps nodes of MIG (major
 //! 240): the driver's mig-config and mig-monitor caps (1, 2) and two MIG
 //! devices of GPU 0, caps 30+31 and 39+40. The tasks' cgroups are made by
-//! `Isolator::prepare` from the UUIDs, as the executor makes them; a shell
+//! `CgroupIsolator::prepare` from the UUIDs, as the executor makes them; a shell
 //! that joins one opens each node: ENXIO is allowed (no driver behind the
 //! node), EPERM denied. Needs root (and Docker for the container tests);
 //! skipped without unless GPUCTL_REQUIRE_DOCKER=1.
@@ -15,7 +15,9 @@ use std::process::Command;
 
 use gpuctl_agent::isolation::grants::{device_grants, resolve};
 use gpuctl_agent::isolation::probe::{check, probe};
-use gpuctl_agent::isolation::{detect_version, CgroupVersion, Isolator, TaskDevices};
+use gpuctl_agent::isolation::{
+    detect_version, CgroupIsolator, CgroupVersion, Isolator, TaskDevices,
+};
 use gpuctl_agent::runtime::{ContainerRuntime, DockerRuntime, LaunchSpec, TaskIsolation};
 use gpuctl_core::types::{GpuInfo, MigDevice, MigInfo, Resources, Runtime, TaskSpec};
 
@@ -112,7 +114,7 @@ fn open_in(procs: &[PathBuf], node: &Path) -> String {
 
 /// Each task (UUIDs, the nodes it may open) in its own cgroup: every
 /// node of the host is tried from it.
-fn check_tasks(iso: &Isolator, dev: &Path, nodes: &[&str], prefix: &str) {
+fn check_tasks(iso: &dyn Isolator, dev: &Path, nodes: &[&str], prefix: &str) {
     let tasks: &[(&str, &[&str], &[&str])] = &[
         (
             "mig-a",
@@ -171,7 +173,13 @@ fn on_cgroup_v1_a_mig_task_opens_its_own_caps_only() {
     let dev = dir.path().join("dev");
     let nodes = make_dev(&dev);
     let parent = format!("gpuctl-test-mig-{}", std::process::id());
-    let iso = Isolator::new(cgroup_root, &parent, &dev).unwrap();
+    let iso = CgroupIsolator::new(
+        cgroup_root,
+        &parent,
+        &dev,
+        nix::unistd::Uid::effective().is_root(),
+    )
+    .unwrap();
     assert!(iso.describe().contains("cgroup v1"), "{}", iso.describe());
     check_tasks(&iso, &dev, &nodes, "v1");
     remove_v1_parent(&parent);
@@ -208,7 +216,13 @@ fn on_cgroup_v2_a_mig_tasks_program_opens_its_own_caps_only() {
     let dev = dir.path().join("dev");
     let nodes = make_dev(&dev);
     let parent = format!("gpuctl-test-mig-{}", std::process::id());
-    let iso = Isolator::new(&root, &parent, &dev).unwrap();
+    let iso = CgroupIsolator::new(
+        &root,
+        &parent,
+        &dev,
+        nix::unistd::Uid::effective().is_root(),
+    )
+    .unwrap();
     assert!(iso.describe().contains("cgroup v2"), "{}", iso.describe());
     check_tasks(&iso, &dev, &nodes, "v2");
     let _ = std::fs::remove_dir(root.join(&parent));
@@ -274,7 +288,13 @@ async fn a_mig_container_gets_its_caps_and_passes_the_device_check() {
     let dev = dir.path().join("dev");
     make_dev(&dev);
     let parent = format!("gpuctl-test-mig-docker-{}", std::process::id());
-    let iso = Isolator::new(Path::new("/sys/fs/cgroup"), &parent, &dev).unwrap();
+    let iso = CgroupIsolator::new(
+        Path::new("/sys/fs/cgroup"),
+        &parent,
+        &dev,
+        nix::unistd::Uid::effective().is_root(),
+    )
+    .unwrap();
     let id = format!("mig-docker-{}", std::process::id());
     let p = iso
         .prepare(

@@ -99,7 +99,7 @@ struct Inner {
 
 /// What the executor needs to isolate tasks.
 pub struct IsolationSetup {
-    pub isolator: Isolator,
+    pub isolator: Arc<dyn Isolator>,
     /// What each GPU and MIG device of this agent gives a task, by UUID
     /// (`isolation::grants`): its node minor, and a MIG device's caps.
     pub gpu_grants: crate::isolation::grants::SharedGrants,

@@ -17,6 +17,8 @@ struct Fake {
     changed: tokio::sync::Notify,
     /// What each task was started with.
     launched: Mutex<BTreeMap<String, LaunchSpec>>,
+    /// Removals that fail (as a daemon still busy with one) before one works.
+    remove_fails: Mutex<u32>,
 }
 
 impl Fake {
@@ -104,6 +106,15 @@ impl ContainerRuntime for FakeRuntime {
         &'a self,
         _t: &'a TaskRef,
     ) -> BoxFuture<'a, Result<(), crate::runtime::RuntimeError>> {
+        let mut fails = self.0.remove_fails.lock().unwrap();
+        if *fails > 0 {
+            *fails -= 1;
+            return futures::future::ready(Err(crate::runtime::RuntimeError::Unavailable {
+                runtime: Runtime::Process,
+                reason: "removal already in progress".into(),
+            }))
+            .boxed();
+        }
         futures::future::ready(Ok(())).boxed()
     }
     fn list<'a>(
@@ -135,15 +146,23 @@ fn harness_on(dir: tempfile::TempDir, fake: Arc<Fake>) -> Harness {
 
 /// No cgroup hierarchy and no NVIDIA devices under `dir`: nothing to
 /// isolate (a host with simulated GPUs).
-fn no_isolation(dir: &std::path::Path) -> Isolator {
-    Isolator::new(&dir.join("no-cgroups"), "gpuctl/a1", &dir.join("dev")).unwrap()
+fn no_isolation(dir: &std::path::Path) -> Arc<dyn Isolator> {
+    Arc::new(
+        crate::isolation::CgroupIsolator::new(
+            &dir.join("no-cgroups"),
+            "gpuctl/a1",
+            &dir.join("dev"),
+            true,
+        )
+        .unwrap(),
+    )
 }
 
 /// An executor with this isolator and these GPUs and MIG devices.
 fn harness_with(
     dir: tempfile::TempDir,
     fake: Arc<Fake>,
-    isolator: Isolator,
+    isolator: Arc<dyn Isolator>,
     gpu_grants: HashMap<String, crate::isolation::DeviceGrant>,
 ) -> Harness {
     let mut runtimes: BTreeMap<Runtime, Arc<dyn ContainerRuntime>> = BTreeMap::new();
@@ -441,7 +460,7 @@ async fn a_restarted_agent_reattaches_and_resends_what_was_not_acknowledged() {
     assert_eq!(killed.task_id, "run");
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn past_the_fence_tasks_stop_and_nothing_starts() {
     let mut h = harness_on(tempfile::tempdir().unwrap(), Arc::default());
     h.exec.record_contact(Contact {
@@ -463,7 +482,7 @@ async fn past_the_fence_tasks_stop_and_nothing_starts() {
     assert!(!h.exec.is_active("t2"), "launched past the fence");
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_runtime_that_is_down_delays_the_launch_without_failing_it() {
     let fake: Arc<Fake> = Arc::default();
     *fake.down_for.lock().unwrap() = 2;
@@ -609,7 +628,15 @@ async fn a_mig_task_gets_its_parent_and_caps_or_is_refused() {
         )
         .unwrap();
     }
-    let isolator = Isolator::new(&cg, "gpuctl/a1", &dev).unwrap();
+    let isolator: Arc<dyn Isolator> = Arc::new(
+        crate::isolation::CgroupIsolator::new(
+            &cg,
+            "gpuctl/a1",
+            &dev,
+            nix::unistd::Uid::effective().is_root(),
+        )
+        .unwrap(),
+    );
     let mut h = harness_with(dir, Arc::default(), isolator, mig_grants());
     run(&h, vec![with_gpus("a", &["MIG-a"])]);
     until_state(&mut h, TaskState::Running).await;
@@ -639,4 +666,171 @@ async fn a_mig_task_gets_its_parent_and_caps_or_is_refused() {
         assert!(u.message.contains(says), "{}", u.message);
         assert_eq!(h.fake.get(id), Observed::NotStarted);
     }
+}
+
+// Time: the outage backoff, removal retries and the tick on tokio's paused
+// clock (the clock moves only when every task waits, so the waits below are
+// exact and take no real time). The fence itself is on the wall clock (it
+// survives restarts), so those tests move the contact instead.
+
+#[tokio::test(start_paused = true)]
+async fn a_launch_waits_out_an_outage_on_the_backoff_schedule() {
+    let fake: Arc<Fake> = Arc::default();
+    *fake.down_for.lock().unwrap() = 4;
+    let mut h = harness_on(tempfile::tempdir().unwrap(), fake);
+    let t0 = tokio::time::Instant::now();
+    h.exec.set_desired(wants(&["t1"], &[]));
+    assert_eq!(next(&mut h).await.state, TaskState::Starting);
+    let u = next(&mut h).await;
+    assert_eq!(u.state, TaskState::Running, "{u:?}");
+    // Four refusals: 200 + 400 + 800 + 1600 ms, no more.
+    let waited = t0.elapsed();
+    let want = OUTAGE_BACKOFF_MIN * (1 + 2 + 4 + 8);
+    assert!(
+        waited >= want && waited < want + OUTAGE_BACKOFF_MIN,
+        "{waited:?}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_kill_during_an_outage_ends_the_launch_without_waiting_out_the_backoff() {
+    let fake: Arc<Fake> = Arc::default();
+    *fake.down_for.lock().unwrap() = u32::MAX;
+    let mut h = harness_on(tempfile::tempdir().unwrap(), fake.clone());
+    h.exec.set_desired(wants(&["t1"], &[]));
+    assert_eq!(next(&mut h).await.state, TaskState::Starting);
+    // Deep into the backoff: each wait is at its 5 s cap by now.
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    let t0 = tokio::time::Instant::now();
+    h.exec.set_desired(wants(&[], &["t1"]));
+    let u = until_state(&mut h, TaskState::Killed).await;
+    assert!(u.message.contains("before it started"), "{u:?}");
+    assert!(
+        t0.elapsed() < OUTAGE_BACKOFF_MIN,
+        "waited {:?}",
+        t0.elapsed()
+    );
+    assert!(!fake.launched.lock().unwrap().contains_key("t1"));
+}
+
+#[tokio::test(start_paused = true)]
+async fn removal_retries_up_to_the_cap_and_gives_up_after_ten_tries() {
+    let fake: Arc<Fake> = Arc::default();
+    let rt: Arc<dyn ContainerRuntime> = Arc::new(FakeRuntime(fake.clone(), Runtime::Process));
+    let tref = TaskRef {
+        task_id: "t1".into(),
+        agent_id: "a1".into(),
+        state_dir: "/nonexistent".into(),
+        log_path: "/nonexistent/output.log".into(),
+    };
+    let within = |got: Duration, want: Duration| {
+        assert!(
+            got >= want && got < want + Duration::from_millis(50),
+            "{got:?} vs {want:?}"
+        )
+    };
+    // Busy twice, then removed: 200 + 400 ms.
+    *fake.remove_fails.lock().unwrap() = 2;
+    let t0 = tokio::time::Instant::now();
+    super::drive::remove_until_done(&rt, &tref).await;
+    within(t0.elapsed(), OUTAGE_BACKOFF_MIN * 3);
+    assert_eq!(*fake.remove_fails.lock().unwrap(), 0);
+    // Never removed: ten tries, nine waits (200 ms doubling to the 5 s
+    // cap), then it is left to the stray scan.
+    *fake.remove_fails.lock().unwrap() = 100;
+    let t0 = tokio::time::Instant::now();
+    super::drive::remove_until_done(&rt, &tref).await;
+    within(
+        t0.elapsed(),
+        Duration::from_millis(200 + 400 + 800 + 1600 + 3200) + OUTAGE_BACKOFF_MAX * 4,
+    );
+    assert_eq!(*fake.remove_fails.lock().unwrap(), 90);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_tick_stops_tasks_past_the_fence_without_any_event() {
+    let mut h = harness_on(tempfile::tempdir().unwrap(), Arc::default());
+    h.exec.record_contact(Contact {
+        last_contact_ms: checkpoint::wall_ms(),
+        fence_timeout_ms: 60_000,
+    });
+    h.exec.set_desired(wants(&["t1"], &[]));
+    until_state(&mut h, TaskState::Running).await;
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let ticking = tokio::spawn(h.exec.clone().tick(stop_rx));
+    // The interval's first tick is at once.
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    // The fence falls; nothing calls reconcile but the tick.
+    h.exec.record_contact(Contact {
+        last_contact_ms: checkpoint::wall_ms() - 120_000,
+        fence_timeout_ms: 60_000,
+    });
+    let t0 = tokio::time::Instant::now();
+    let u = until_state(&mut h, TaskState::Killed).await;
+    assert!(u.fenced && u.message.contains("fenced"), "{u:?}");
+    let waited = t0.elapsed();
+    assert!(waited > Duration::ZERO && waited <= TICK, "{waited:?}");
+    stop_tx.send(true).unwrap();
+    ticking.await.unwrap();
+}
+
+/// An executor whose isolation is the fake, kept for the test to look at.
+fn harness_with_fake_isolation(
+    fake: Arc<Fake>,
+) -> (Harness, Arc<crate::isolation::fake::FakeIsolator>) {
+    let dir = tempfile::tempdir().unwrap();
+    let iso = Arc::new(crate::isolation::fake::FakeIsolator {
+        dev_root: dir.path().join("dev"),
+        ..Default::default()
+    });
+    let h = harness_with(dir, fake, iso.clone(), HashMap::new());
+    (h, iso)
+}
+
+#[tokio::test]
+async fn a_task_whose_isolation_fails_never_starts_and_an_ended_one_is_released() {
+    let fake: Arc<Fake> = Arc::default();
+    let (mut h, iso) = harness_with_fake_isolation(fake.clone());
+    iso.refuse
+        .lock()
+        .unwrap()
+        .insert("bad".into(), "no device node /dev/nvidia7".into());
+    h.exec.set_desired(wants(&["bad", "good"], &[]));
+    let mut failed = None;
+    let mut running = false;
+    while failed.is_none() || !running {
+        let u = next(&mut h).await;
+        match (u.task_id.as_str(), u.state) {
+            ("bad", TaskState::Failed) => failed = Some(u),
+            ("good", TaskState::Running) => running = true,
+            ("bad", TaskState::Running) => panic!("started without isolation: {u:?}"),
+            _ => {}
+        }
+    }
+    let failed = failed.unwrap();
+    assert!(
+        failed
+            .message
+            .contains("isolation: no device node /dev/nvidia7"),
+        "{failed:?}"
+    );
+    assert!(!fake.launched.lock().unwrap().contains_key("bad"));
+    assert!(iso.held.lock().unwrap().contains("good"));
+    // It ends: its isolation is released (once the executor is done with it).
+    fake.set(
+        "good",
+        Observed::Ended(Ended {
+            code: Some(0),
+            ..Default::default()
+        }),
+    );
+    until_state(&mut h, TaskState::Finished).await;
+    for _ in 0..100 {
+        if !iso.held.lock().unwrap().contains("good") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(!iso.held.lock().unwrap().contains("good"), "{iso:?}");
+    assert!(iso.released.lock().unwrap().iter().any(|t| t == "good"));
 }

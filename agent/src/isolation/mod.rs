@@ -21,11 +21,14 @@ pub mod bpf_load;
 pub mod cgroup;
 pub mod cgroup2;
 pub mod devices;
+#[cfg(test)]
+pub(crate) mod fake;
 pub mod grants;
 pub mod join;
 pub mod probe;
 pub mod rules;
 
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
 use gpuctl_core::types::{Resources, Runtime};
@@ -74,24 +77,50 @@ pub struct Prepared {
     pub host_nodes: Vec<PathBuf>,
 }
 
+/// What the executor needs of isolation. [`CgroupIsolator`] is the real
+/// one; the executor's tests use `fake::FakeIsolator`.
+pub trait Isolator: Send + Sync + std::fmt::Debug {
+    /// One line for the agent's start-up log.
+    fn describe(&self) -> String;
+    fn dev_root(&self) -> &Path;
+    /// Each task's limit of processes and threads, if any.
+    fn pids_max(&self) -> Option<u64>;
+    /// Prepares isolation for a task holding `task`'s GPUs and MIG devices.
+    fn prepare(
+        &self,
+        task_id: &str,
+        task: &TaskDevices,
+        resources: &Resources,
+        runtime: Runtime,
+    ) -> Result<Prepared, IsolationError>;
+    /// Removes what an earlier agent process left for tasks not in `keep`;
+    /// returns how many.
+    fn remove_stale(&self, keep: &BTreeSet<String>) -> Result<usize, IsolationError>;
+    /// Removes what `prepare` made, once the task has ended. Idempotent.
+    fn release(&self, task_id: &str) -> Result<(), IsolationError>;
+}
+
+/// Per-task cgroups (v1, or v2 with a device program) and device nodes.
 #[derive(Debug)]
-pub struct Isolator {
+pub struct CgroupIsolator {
     dev_root: PathBuf,
     mode: Mode,
     /// Each task's `pids.max` (processes and threads); `None`: unlimited.
     pids_max: Option<u64>,
 }
 
-impl Isolator {
+impl CgroupIsolator {
+    /// `privileged`: whether this process may manage cgroups (root); the
+    /// caller decides, so that tests and the agent say it the same way.
     pub fn new(
         cgroup_root: &Path,
         parent: &str,
         dev_root: &Path,
-    ) -> Result<Isolator, IsolationError> {
-        let root = nix::unistd::Uid::effective().is_root();
+        privileged: bool,
+    ) -> Result<CgroupIsolator, IsolationError> {
         let mode = match detect_version(cgroup_root) {
-            CgroupVersion::V1 if root => Mode::V1(CgroupManager::new(cgroup_root, parent)?),
-            CgroupVersion::V2 if root => Mode::V2(CgroupV2Manager::new(cgroup_root, parent)?),
+            CgroupVersion::V1 if privileged => Mode::V1(CgroupManager::new(cgroup_root, parent)?),
+            CgroupVersion::V2 if privileged => Mode::V2(CgroupV2Manager::new(cgroup_root, parent)?),
             CgroupVersion::V1 | CgroupVersion::V2 => {
                 cgroup::check_parent(parent)?;
                 Mode::Unavailable("not running as root".into())
@@ -100,7 +129,7 @@ impl Isolator {
                 Mode::Unavailable(format!("no cgroup hierarchy at {}", cgroup_root.display()))
             }
         };
-        Ok(Isolator {
+        Ok(CgroupIsolator {
             dev_root: dev_root.to_path_buf(),
             mode,
             pids_max: None,
@@ -110,22 +139,9 @@ impl Isolator {
     /// Each task may have at most `n` processes and threads (its cgroup's
     /// `pids.max`; a container's `PidsLimit`): one task cannot use up the
     /// host's pids under the others.
-    pub fn with_pids_max(mut self, n: Option<u64>) -> Isolator {
+    pub fn with_pids_max(mut self, n: Option<u64>) -> CgroupIsolator {
         self.pids_max = n;
         self
-    }
-
-    pub fn pids_max(&self) -> Option<u64> {
-        self.pids_max
-    }
-
-    /// One line for the agent's start-up log.
-    pub fn describe(&self) -> String {
-        let pids = match self.pids_max {
-            Some(n) => format!("; at most {n} processes and threads per task"),
-            None => "; no limit of processes per task".into(),
-        };
-        self.describe_mode() + &pids
     }
 
     fn describe_mode(&self) -> String {
@@ -149,8 +165,23 @@ impl Isolator {
             ),
         }
     }
+}
 
-    pub fn dev_root(&self) -> &Path {
+impl Isolator for CgroupIsolator {
+    /// One line for the agent's start-up log.
+    fn describe(&self) -> String {
+        let pids = match self.pids_max {
+            Some(n) => format!("; at most {n} processes and threads per task"),
+            None => "; no limit of processes per task".into(),
+        };
+        self.describe_mode() + &pids
+    }
+
+    fn pids_max(&self) -> Option<u64> {
+        self.pids_max
+    }
+
+    fn dev_root(&self) -> &Path {
         &self.dev_root
     }
 
@@ -158,7 +189,7 @@ impl Isolator {
     /// On a host with NVIDIA nodes, a node the task needs that is missing is
     /// an error naming it, and so is a MIG device whose caps are not known
     /// (it would run without its caps, or not at all).
-    pub fn prepare(
+    fn prepare(
         &self,
         task_id: &str,
         task: &TaskDevices,
@@ -233,10 +264,7 @@ impl Isolator {
 
     /// Removes task cgroups an earlier agent process left (see
     /// `CgroupManager::remove_all_except`), but those of `keep`; returns how many.
-    pub fn remove_stale(
-        &self,
-        keep: &std::collections::BTreeSet<String>,
-    ) -> Result<usize, IsolationError> {
+    fn remove_stale(&self, keep: &BTreeSet<String>) -> Result<usize, IsolationError> {
         match &self.mode {
             Mode::V1(m) => m.remove_all_except(keep),
             Mode::V2(m) => m.remove_all_except(keep),
@@ -248,7 +276,7 @@ impl Isolator {
     /// still in the task's cgroups (a process that left the task's process
     /// group, say) is killed first: the GPU is released on the agent's
     /// report that the task is gone, so nothing of it may stay. Idempotent.
-    pub fn release(&self, task_id: &str) -> Result<(), IsolationError> {
+    fn release(&self, task_id: &str) -> Result<(), IsolationError> {
         let (strays, removed) = match &self.mode {
             Mode::V1(m) => (m.kill_all_in(task_id), m.remove(task_id)),
             Mode::V2(m) => (m.kill_all_in(task_id), m.remove(task_id)),
@@ -290,7 +318,13 @@ mod tests {
         // runs tasks on a real cgroup2 mount).
         let root = v2_root();
         let dev = tempfile::tempdir().unwrap();
-        let iso = Isolator::new(root.path(), "gpuctl/a", dev.path()).unwrap();
+        let iso = CgroupIsolator::new(
+            root.path(),
+            "gpuctl/a",
+            dev.path(),
+            nix::unistd::Uid::effective().is_root(),
+        )
+        .unwrap();
         assert!(iso.describe().contains("cgroup v2"));
         let err = iso
             .prepare("t1", &TaskDevices::default(), &res(), Runtime::Process)
@@ -318,7 +352,13 @@ mod tests {
             )
             .unwrap();
         }
-        let iso = Isolator::new(root.path(), "gpuctl/a", dev.path()).unwrap();
+        let iso = CgroupIsolator::new(
+            root.path(),
+            "gpuctl/a",
+            dev.path(),
+            nix::unistd::Uid::effective().is_root(),
+        )
+        .unwrap();
         // Containers get exactly their GPU and the control device; Docker's
         // own device program does the rest.
         let p = iso
@@ -364,7 +404,13 @@ mod tests {
             )
             .unwrap();
         }
-        let iso = Isolator::new(root.path(), "gpuctl/a", dev.path()).unwrap();
+        let iso = CgroupIsolator::new(
+            root.path(),
+            "gpuctl/a",
+            dev.path(),
+            nix::unistd::Uid::effective().is_root(),
+        )
+        .unwrap();
         let mig = |caps: &[u32], unknown: &[&str]| TaskDevices {
             gpus: vec![0],
             caps: caps.to_vec(),
@@ -406,7 +452,13 @@ mod tests {
         // On a host without any NVIDIA node (simulated GPUs) there is
         // nothing to isolate and nothing to refuse.
         let empty = tempfile::tempdir().unwrap();
-        let sim = Isolator::new(root.path(), "gpuctl/a", empty.path()).unwrap();
+        let sim = CgroupIsolator::new(
+            root.path(),
+            "gpuctl/a",
+            empty.path(),
+            nix::unistd::Uid::effective().is_root(),
+        )
+        .unwrap();
         let p = sim
             .prepare("t4", &mig(&[], &["MIG-x"]), &res(), Runtime::Docker)
             .unwrap();
@@ -417,7 +469,13 @@ mod tests {
     fn without_cgroups_only_hosts_without_nvidia_devices_run_tasks() {
         let none = tempfile::tempdir().unwrap();
         let dev = tempfile::tempdir().unwrap();
-        let iso = Isolator::new(none.path(), "gpuctl/a", dev.path()).unwrap();
+        let iso = CgroupIsolator::new(
+            none.path(),
+            "gpuctl/a",
+            dev.path(),
+            nix::unistd::Uid::effective().is_root(),
+        )
+        .unwrap();
         assert!(iso.describe().contains("no cgroup isolation"));
         assert!(iso
             .prepare("t1", &TaskDevices::default(), &res(), Runtime::Process)

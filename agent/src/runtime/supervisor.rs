@@ -536,11 +536,16 @@ pub(crate) fn drop_privileges_before_exec(cmd: &mut std::process::Command, user:
 /// Whether the fence has fallen for a task fenced by `contact` (the
 /// agent's `contact.json`; `None`: never fenced).
 pub fn fence_expired(contact: Option<&Path>) -> bool {
+    fence_expired_at(contact, checkpoint::wall_ms())
+}
+
+/// [`fence_expired`] at `now_ms` (wall clock, as the fence survives restarts).
+pub fn fence_expired_at(contact: Option<&Path>, now_ms: u64) -> bool {
     let Some(path) = contact else {
         return false;
     };
     match checkpoint::read_contact(path) {
-        Ok(Some(c)) => c.expired_at(checkpoint::wall_ms()),
+        Ok(Some(c)) => c.expired_at(now_ms),
         // Gone: the agent records a contact before it launches anything and
         // replaces the file atomically, so its work dir was wiped. Nobody
         // can report or stop this task any more, and it may hold a GPU the
@@ -619,6 +624,30 @@ pub fn exit_code(status: ExitStatus) -> i32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_fence_falls_past_the_timeout_or_without_a_contact_never_on_a_damaged_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("contact.json");
+        checkpoint::write_json(
+            &path,
+            &checkpoint::Contact {
+                last_contact_ms: 10_000,
+                fence_timeout_ms: 1_500,
+            },
+        )
+        .unwrap();
+        assert!(!fence_expired_at(Some(&path), 11_500));
+        assert!(fence_expired_at(Some(&path), 11_501));
+        assert!(!fence_expired_at(None, u64::MAX), "--no-fence");
+        std::fs::write(&path, b"{not json").unwrap();
+        assert!(
+            !fence_expired_at(Some(&path), u64::MAX),
+            "a damaged file stops nothing"
+        );
+        std::fs::remove_file(&path).unwrap();
+        assert!(fence_expired_at(Some(&path), 0), "the work dir was wiped");
+    }
 
     #[test]
     fn stat_lines_are_parsed() {

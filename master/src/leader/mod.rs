@@ -51,22 +51,29 @@ impl Liveness {
         self.last_seen.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// How long each agent has been silent at `now`; an agent not heard of
-    /// yet starts its clock now.
-    #[cfg(test)]
-    fn silence(
+    /// The liveness pass at `now` (this leader's monotonic clock) and
+    /// `now_ms` (the commands' wall-clock time): starts the clock of every
+    /// agent not heard of yet (never of a LOST one), then decides from each
+    /// agent's silence (`liveness_commands`). No list or map of every agent
+    /// per tick: each silence is read in place.
+    fn commands_at(
         &self,
-        agents: &[String],
+        state: &State,
         now: Instant,
-    ) -> std::collections::BTreeMap<String, Duration> {
-        let mut map = self.lock();
-        agents
-            .iter()
-            .map(|id| {
-                let seen = *map.entry(id.clone()).or_insert(now);
-                (id.clone(), now.saturating_duration_since(seen))
-            })
-            .collect()
+        now_ms: u64,
+        timeouts: &LivenessTimeouts,
+    ) -> Vec<Command> {
+        let mut seen = self.lock();
+        for a in state.agents().values() {
+            if a.state != AgentState::Lost && !seen.contains_key(&a.info.id) {
+                seen.insert(a.info.id.clone(), now);
+            }
+        }
+        let silent = |id: &str| {
+            seen.get(id)
+                .map_or(Duration::ZERO, |t| now.saturating_duration_since(*t))
+        };
+        liveness_commands(state, &silent, now_ms, timeouts)
     }
 
     fn reset(&self) {
@@ -249,20 +256,7 @@ async fn record_masters(raft: &RaftHandle) {
 async fn check_liveness(raft: &RaftHandle, liveness: &Liveness, timeouts: &LivenessTimeouts) {
     let commands = {
         let state = raft.state();
-        // No list or map of every agent per tick: clocks start for agents
-        // not heard of yet, then each agent's silence is read in place.
-        let now = Instant::now();
-        let mut seen = liveness.lock();
-        for a in state.agents().values() {
-            if a.state != AgentState::Lost && !seen.contains_key(&a.info.id) {
-                seen.insert(a.info.id.clone(), now);
-            }
-        }
-        let silent = |id: &str| {
-            seen.get(id)
-                .map_or(Duration::ZERO, |t| now.saturating_duration_since(*t))
-        };
-        liveness_commands(&state, &silent, now_ms(), timeouts)
+        liveness.commands_at(&state, Instant::now(), now_ms(), timeouts)
     };
     for cmd in commands {
         match &cmd {
@@ -293,22 +287,74 @@ mod tests {
 
     #[test]
     fn liveness_measures_silence_from_the_last_heartbeat() {
+        let s = state();
         let l = Liveness::default();
         let t0 = Instant::now();
-        let agents = vec!["a".to_string(), "b".to_string()];
-        // First sight starts the clock.
-        let s = l.silence(&agents, t0);
-        assert!(s.values().all(|d| d.is_zero()));
-        l.touch_at("b", t0 + Duration::from_secs(4));
-        let s = l.silence(&agents, t0 + Duration::from_secs(6));
-        assert_eq!(s["a"], Duration::from_secs(6));
-        assert_eq!(s["b"], Duration::from_secs(2));
+        let at = |secs: u64| t0 + Duration::from_secs(secs);
+        // First sight starts the clocks.
+        assert!(l.commands_at(&s, at(0), 0, &T).is_empty());
+        l.touch_at("b", at(4));
+        l.touch_at("c", at(4));
+        // a: 11 s silent, past the 10 s timeout; b and c: 7 s.
+        assert_eq!(
+            agents_in(&l.commands_at(&s, at(11), 11_000, &T)),
+            vec![("unreachable", "a".to_string())]
+        );
         l.reset();
-        let s = l.silence(&agents, t0 + Duration::from_secs(6));
         assert!(
-            s.values().all(|d| d.is_zero()),
+            l.commands_at(&s, at(11), 11_000, &T).is_empty(),
             "a new leader starts afresh"
         );
+    }
+
+    #[test]
+    fn an_unreachable_agent_still_heard_is_never_lost_and_a_silent_one_is() {
+        let mut s = state();
+        let l = Liveness::default();
+        let t0 = Instant::now();
+        let at = |secs: u64| t0 + Duration::from_secs(secs);
+        assert!(
+            l.commands_at(&s, at(0), 0, &T).is_empty(),
+            "the first pass starts the clocks"
+        );
+        for id in ["a", "b"] {
+            l.touch_at(id, at(9));
+        }
+        assert!(
+            l.commands_at(&s, at(10), 10_000, &T).is_empty(),
+            "not past the timeout"
+        );
+        let cmds = l.commands_at(&s, at(11), 11_000, &T);
+        assert_eq!(agents_in(&cmds), vec![("unreachable", "c".to_string())]);
+        for c in cmds {
+            apply(&mut s, c);
+        }
+        // c's heartbeats are refused (it must register again) but heard.
+        for secs in (15..=600).step_by(5) {
+            for id in ["a", "b", "c"] {
+                l.touch_at(id, at(secs));
+            }
+            assert!(
+                l.commands_at(&s, at(secs), secs * 1000, &T).is_empty(),
+                "at {secs}s"
+            );
+        }
+        for id in ["a", "b"] {
+            l.touch_at(id, at(720));
+        }
+        assert!(
+            l.commands_at(&s, at(720), 720_000, &T).is_empty(),
+            "silent 120 s: not yet"
+        );
+        let cmds = l.commands_at(&s, at(721), 721_000, &T);
+        assert_eq!(agents_in(&cmds), vec![("lost", "c".to_string())]);
+        for c in cmds {
+            apply(&mut s, c);
+        }
+        // A new leader starts no clock for a LOST agent.
+        l.reset();
+        assert!(l.commands_at(&s, at(10_000), 10_000_000, &T).is_empty());
+        assert!(!l.lock().contains_key("c"));
     }
 
     #[test]

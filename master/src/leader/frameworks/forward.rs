@@ -148,29 +148,31 @@ pub(super) fn rescind_stale(state: &State, g: &mut Inner, now: u64, timeout: Dur
     }
 }
 
-pub(super) fn heartbeat(g: &mut Inner) {
+/// A heartbeat to every connected framework, at most one per
+/// `HEARTBEAT_INTERVAL` (`now`: the leader's monotonic clock).
+pub(super) fn heartbeat(g: &mut Inner, now: Instant) {
     if g.last_heartbeat
-        .is_some_and(|t| t.elapsed() < HEARTBEAT_INTERVAL)
+        .is_some_and(|t| now.saturating_duration_since(t) < HEARTBEAT_INTERVAL)
     {
         return;
     }
-    g.last_heartbeat = Some(Instant::now());
+    g.last_heartbeat = Some(now);
     for c in g.conns.values() {
         let _ =
             c.tx.try_send(Ok(event(pb::event::Event::Heartbeat(pb::Heartbeat {}))));
     }
 }
 
-pub(super) fn failover_expired(state: &State, g: &mut Inner) -> Vec<String> {
+/// Frameworks disconnected for longer than their failover timeout at `now`
+/// (the leader's monotonic clock), to be removed.
+pub(super) fn failover_expired(state: &State, g: &mut Inner, now: Instant) -> Vec<String> {
     // A framework this leader has never seen connected starts its clock now.
     for (id, f) in state.frameworks() {
         if id == crate::state::frameworks::BUILTIN_FRAMEWORK_ID {
             continue;
         }
         if !f.removed && !g.conns.contains_key(id) {
-            g.disconnected_at
-                .entry(id.clone())
-                .or_insert_with(Instant::now);
+            g.disconnected_at.entry(id.clone()).or_insert(now);
         }
     }
     g.disconnected_at
@@ -178,7 +180,9 @@ pub(super) fn failover_expired(state: &State, g: &mut Inner) -> Vec<String> {
         .filter(|(id, _)| id.as_str() != crate::state::frameworks::BUILTIN_FRAMEWORK_ID)
         .filter(|(id, since)| {
             state.framework(id).is_some_and(|f| {
-                !f.removed && since.elapsed() > Duration::from_millis(f.info.failover_timeout_ms)
+                !f.removed
+                    && now.saturating_duration_since(**since)
+                        > Duration::from_millis(f.info.failover_timeout_ms)
             })
         })
         .map(|(id, _)| id.clone())

@@ -178,16 +178,12 @@ fn cycle(
         // Ids unique across leaders: start from the clock.
         g.offers = Some(OfferBook::starting_at(now));
     }
-    forward_updates(
-        &state,
-        &mut g,
-        Instant::now(),
-        settings.update_resend_interval,
-    );
+    let mono = Instant::now();
+    forward_updates(&state, &mut g, mono, settings.update_resend_interval);
     forward_failures(&state, &mut g);
     rescind_stale(&state, &mut g, now, settings.offer_timeout);
-    heartbeat(&mut g);
-    let expired = failover_expired(&state, &mut g);
+    heartbeat(&mut g, mono);
+    let expired = failover_expired(&state, &mut g, mono);
     let made = if round {
         allocate(&state, &mut g, settings, now)
     } else {

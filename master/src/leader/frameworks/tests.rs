@@ -691,3 +691,58 @@ fn a_failed_take_releases_the_callers_valid_offers() {
     assert_eq!(hub.take_outstanding(&f, &ids).len(), 1);
     assert!(offer_ids(&hub).is_empty());
 }
+
+#[test]
+fn frameworks_get_a_heartbeat_every_interval() {
+    let (s, key) = running_task();
+    let f = s.task(&key).map(|t| t.framework_id.clone()).unwrap();
+    let (hub, mut rx) = offering_hub(&s, &f);
+    while rx.try_recv().is_ok() {}
+    let t0 = Instant::now();
+    let mut beats_at = |after: Duration| {
+        heartbeat(&mut hub.lock(), t0 + after);
+        let mut n = 0;
+        while let Ok(e) = rx.try_recv() {
+            match e.unwrap().event {
+                Some(pb::event::Event::Heartbeat(_)) => n += 1,
+                other => panic!("{other:?}"),
+            }
+        }
+        n
+    };
+    let ms = Duration::from_millis(1);
+    assert_eq!(beats_at(Duration::ZERO), 1, "the first pass");
+    assert_eq!(beats_at(HEARTBEAT_INTERVAL - ms), 0);
+    assert_eq!(beats_at(HEARTBEAT_INTERVAL), 1);
+    assert_eq!(beats_at(HEARTBEAT_INTERVAL * 2 - ms), 0);
+    assert_eq!(beats_at(HEARTBEAT_INTERVAL * 2), 1);
+}
+
+#[test]
+fn a_framework_is_removed_only_once_disconnected_past_its_failover_timeout() {
+    let (s, key) = running_task(); // failover_timeout_ms: 1_000
+    let f = s.task(&key).map(|t| t.framework_id.clone()).unwrap();
+    let hub = Hub::default();
+    let t0 = Instant::now();
+    let ms = |n: u64| t0 + Duration::from_millis(n);
+    // Never seen connected by this leader: its clock starts at the first pass.
+    assert!(failover_expired(&s, &mut hub.lock(), ms(0)).is_empty());
+    assert!(
+        failover_expired(&s, &mut hub.lock(), ms(1_000)).is_empty(),
+        "not before the timeout"
+    );
+    assert_eq!(
+        failover_expired(&s, &mut hub.lock(), ms(1_001)),
+        vec![f.clone()]
+    );
+    // Connected: no clock at all.
+    let (tx, _rx) = mpsc::channel(EVENT_BUFFER);
+    let conn = hub.connect(&f, tx);
+    assert!(failover_expired(&s, &mut hub.lock(), ms(60_000)).is_empty());
+    // Disconnected: counted from the disconnection.
+    hub.disconnect(&f, conn);
+    let since = hub.lock().disconnected_at[&f];
+    let after = |n: u64| since + Duration::from_millis(n);
+    assert!(failover_expired(&s, &mut hub.lock(), after(1_000)).is_empty());
+    assert_eq!(failover_expired(&s, &mut hub.lock(), after(1_001)), vec![f]);
+}
