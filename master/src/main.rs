@@ -1,4 +1,5 @@
-//! gpuctl-master: parse options, set up logging, run until SIGTERM or Ctrl-C.
+//! gpuctl-master: parse options, then `gpuctl_proto::daemon::run` (log,
+//! bind, serve until SIGTERM or Ctrl-C).
 
 use std::process::ExitCode;
 
@@ -13,51 +14,15 @@ async fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_new(&opts.log)
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
-    let config = match opts.to_config() {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("gpuctl-master: {e}");
-            return ExitCode::from(2);
-        }
-    };
-    let listener = match tokio::net::TcpListener::bind(config.listen).await {
-        Ok(l) => l,
-        Err(e) => {
-            eprintln!("gpuctl-master: listen on {}: {e}", config.listen);
-            return ExitCode::from(1);
-        }
-    };
+    gpuctl_proto::daemon::init_logging(&opts.log);
     return_freed_memory();
-    match gpuctl_master::serve(config, listener, shutdown_signal()).await {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("gpuctl-master: {e}");
-            ExitCode::from(1)
-        }
-    }
-}
-
-async fn shutdown_signal() {
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut term = match signal(SignalKind::terminate()) {
-        Ok(s) => s,
-        Err(e) => {
-            tracing::error!(error = %e, "cannot watch SIGTERM");
-            let _ = tokio::signal::ctrl_c().await;
-            return;
-        }
-    };
-    tokio::select! {
-        _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
-        _ = tokio::signal::ctrl_c() => tracing::info!("interrupt: shutting down"),
-    }
+    gpuctl_proto::daemon::run(
+        "gpuctl-master",
+        opts.to_config(),
+        |c| c.listen,
+        gpuctl_master::serve,
+    )
+    .await
 }
 
 /// Every 30 s, gives the memory that glibc's malloc keeps after bursts (a

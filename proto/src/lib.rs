@@ -1,6 +1,6 @@
 //! The gpuctl gRPC API (v1): the services' clients and servers, the leader
-//! redirect every client follows, and (feature `metrics-server`) the
-//! daemons' `/metrics` server.
+//! redirect every client follows, and (features `metrics-server`, `daemon`)
+//! the daemons' `/metrics` server and what their `main` does.
 //!
 //! The messages, the domain types and the conversion between them live in
 //! `gpuctl-core`, which links no RPC stack; `pb` here re-exports its
@@ -14,6 +14,8 @@ pub mod pb {
 }
 
 pub mod codec;
+#[cfg(feature = "daemon")]
+pub mod daemon;
 pub mod leader;
 #[cfg(feature = "metrics-server")]
 pub mod metrics_server;

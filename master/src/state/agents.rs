@@ -204,10 +204,7 @@ impl State {
         agent_id: &AgentId,
         at_ms: u64,
     ) -> Result<Outcome, ApplyError> {
-        let agent = self
-            .agents
-            .get_mut(agent_id)
-            .ok_or_else(|| ApplyError::AgentNotFound(agent_id.clone()))?;
+        let agent = self.agent_mut(agent_id)?;
         agent.state = AgentState::Lost;
         let tasks: Vec<TaskId> = self
             .tasks
@@ -226,10 +223,7 @@ impl State {
         agent_id: &str,
         at_ms: u64,
     ) -> Result<Outcome, ApplyError> {
-        let agent = self
-            .agents
-            .get_mut(agent_id)
-            .ok_or_else(|| ApplyError::AgentNotFound(agent_id.to_string()))?;
+        let agent = self.agent_mut(agent_id)?;
         if agent.state != AgentState::Active {
             return Ok(Outcome::Done);
         }
@@ -270,10 +264,7 @@ impl State {
         agent_id: &str,
         at_ms: u64,
     ) -> Result<Outcome, ApplyError> {
-        let agent = self
-            .agents
-            .get_mut(agent_id)
-            .ok_or_else(|| ApplyError::AgentNotFound(agent_id.to_string()))?;
+        let agent = self.agent_mut(agent_id)?;
         if agent.state != AgentState::Unreachable {
             return Ok(Outcome::Done);
         }
@@ -321,10 +312,7 @@ impl State {
         deadline_ms: Option<u64>,
         at_ms: u64,
     ) -> Result<Outcome, ApplyError> {
-        let agent = self
-            .agents
-            .get_mut(agent_id)
-            .ok_or_else(|| ApplyError::AgentNotFound(agent_id.to_string()))?;
+        let agent = self.agent_mut(agent_id)?;
         let since_ms = agent.drain.as_ref().map_or(at_ms, |d| d.since_ms);
         agent.drain = Some(Drain {
             since_ms,
@@ -337,10 +325,7 @@ impl State {
     }
 
     pub(super) fn undrain_agent(&mut self, agent_id: &str) -> Result<Outcome, ApplyError> {
-        let agent = self
-            .agents
-            .get_mut(agent_id)
-            .ok_or_else(|| ApplyError::AgentNotFound(agent_id.to_string()))?;
+        let agent = self.agent_mut(agent_id)?;
         agent.drain = None;
         Ok(Outcome::Done)
     }
@@ -350,10 +335,7 @@ impl State {
         agent_id: &str,
         at_ms: u64,
     ) -> Result<Outcome, ApplyError> {
-        let agent = self
-            .agents
-            .get(agent_id)
-            .ok_or_else(|| ApplyError::AgentNotFound(agent_id.to_string()))?;
+        let agent = self.known_agent(agent_id)?;
         let due = agent
             .drain
             .as_ref()
@@ -408,6 +390,21 @@ impl State {
 }
 
 impl State {
+    /// The agent a command names, or the error that names it.
+    pub(super) fn agent_mut(&mut self, agent_id: &str) -> Result<&mut AgentRecord, ApplyError> {
+        self.agents
+            .get_mut(agent_id)
+            .ok_or_else(|| ApplyError::AgentNotFound(agent_id.to_string()))
+    }
+
+    pub(super) fn known_agent(&self, agent_id: &str) -> Result<&AgentRecord, ApplyError> {
+        self.agents
+            .get(agent_id)
+            .ok_or_else(|| ApplyError::AgentNotFound(agent_id.to_string()))
+    }
+}
+
+impl State {
     /// Records an agent's new verdict on some of its GPUs. All or nothing:
     /// a GPU the agent does not have refuses the whole command.
     pub(super) fn set_gpu_health(
@@ -415,10 +412,7 @@ impl State {
         agent_id: &str,
         changes: &[super::command::GpuHealthChange],
     ) -> Result<Outcome, ApplyError> {
-        let agent = self
-            .agents
-            .get_mut(agent_id)
-            .ok_or_else(|| ApplyError::AgentNotFound(agent_id.to_string()))?;
+        let agent = self.agent_mut(agent_id)?;
         if let Some(c) = changes
             .iter()
             .find(|c| !agent.info.gpus.iter().any(|g| g.uuid == c.uuid))

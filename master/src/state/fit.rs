@@ -63,10 +63,7 @@ impl State {
         wants: Wants<'_>,
         pending: &mut Pending,
     ) -> Result<Vec<u16>, ApplyError> {
-        let agent = self
-            .agents
-            .get(agent_id)
-            .ok_or_else(|| ApplyError::AgentNotFound(agent_id.to_string()))?;
+        let agent = self.known_agent(agent_id)?;
         match agent.state {
             AgentState::Active => {}
             AgentState::Unreachable => {

@@ -191,9 +191,7 @@ impl State {
         if !current {
             return Ok(Outcome::Done);
         }
-        let Some(agent) = self.agents.get_mut(agent_id) else {
-            return Err(ApplyError::AgentNotFound(agent_id.to_string()));
-        };
+        let agent = self.agent_mut(agent_id)?;
         if let Some(g) = agent.info.gpus.iter_mut().find(|g| g.uuid == gpu.uuid) {
             // The agent's word on MIG only: health and identity stay ours.
             g.mig = gpu.mig.clone();
