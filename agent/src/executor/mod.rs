@@ -448,7 +448,10 @@ impl Executor {
                 .unwrap_or_else(|p| p.into_inner()),
         );
         {
-            let mut t = self.lock();
+            let mut guard = self.lock();
+            // Split borrows: the actions borrow the desired set while the
+            // tasks change.
+            let t: &mut Inner = &mut guard;
             fence_ms = t.contact.map_or(0, |c| c.fence_timeout_ms);
             let fenced = t
                 .contact
@@ -467,37 +470,32 @@ impl Executor {
             });
             for action in actions {
                 match action {
-                    Action::Launch(id) => {
-                        let Some(spec) = t.desired.as_ref().and_then(|d| d.run.get(&id)).cloned()
-                        else {
-                            continue;
-                        };
+                    Action::Launch(spec) => {
                         let local = LocalTask::new(spec.clone(), Phase::Launching);
                         let stop = local.stop.subscribe();
-                        t.tasks.insert(id, local);
-                        launches.push((spec, stop));
+                        t.tasks.insert(spec.task_id.clone(), local);
+                        launches.push((spec.clone(), stop));
                     }
-                    Action::Refuse { task_id, reason } => {
-                        let spec = t
-                            .desired
-                            .as_ref()
-                            .and_then(|d| d.run.get(&task_id))
-                            .cloned()
-                            .unwrap_or_else(|| TaskSpec {
-                                share: None,
-                                stop_grace_ms: None,
-                                checkpoint_dir: None,
-                                task_id: task_id.clone(),
-                                job_id: String::new(),
-                                framework_id: String::new(),
-                                image: None,
-                                command: Vec::new(),
-                                env: BTreeMap::new(),
-                                resources: Default::default(),
-                                gpu_uuids: Vec::new(),
-                                no_fence: false,
-                                security: Default::default(),
-                            });
+                    Action::Refuse {
+                        task_id,
+                        spec,
+                        reason,
+                    } => {
+                        let spec = spec.cloned().unwrap_or_else(|| TaskSpec {
+                            share: None,
+                            stop_grace_ms: None,
+                            checkpoint_dir: None,
+                            task_id: task_id.clone(),
+                            job_id: String::new(),
+                            framework_id: String::new(),
+                            image: None,
+                            command: Vec::new(),
+                            env: BTreeMap::new(),
+                            resources: Default::default(),
+                            gpu_uuids: Vec::new(),
+                            no_fence: false,
+                            security: Default::default(),
+                        });
                         t.tasks
                             .insert(task_id, LocalTask::new(spec.clone(), Phase::Launching));
                         refusals.push((spec, reason));

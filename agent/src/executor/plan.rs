@@ -8,6 +8,8 @@
 
 use std::collections::BTreeMap;
 
+use gpuctl_core::types::TaskSpec;
+
 /// The master's wish for this agent (one type with the stream's receiver).
 pub use gpuctl_core::desired::Desired;
 
@@ -47,13 +49,22 @@ pub struct TaskView {
     pub gpus: Vec<String>,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Action {
-    /// Start a task of the desired set.
-    Launch(String),
+/// What to do, carrying what the executor needs to do it: the spec of a
+/// task to start (borrowed from the desired set), so nothing is looked up
+/// again.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Action<'a> {
+    /// Start this task of the desired set.
+    Launch(&'a TaskSpec),
     /// A task that must not start: it ends at once with this reason
     /// (KILLED "killed before it started", or FAILED on a failed GPU).
-    Refuse { task_id: String, reason: StopReason },
+    /// `spec`: its spec when the desired set runs it (a kill of a task
+    /// never seen here has none).
+    Refuse {
+        task_id: String,
+        spec: Option<&'a TaskSpec>,
+        reason: StopReason,
+    },
     /// Stop a running or launching task.
     Stop { task_id: String, reason: StopReason },
     /// Its final status is acknowledged and the master no longer lists it:
@@ -85,7 +96,7 @@ fn gpu_fault(gpus: &[String], input: &Input<'_>) -> Option<StopReason> {
         .map(|(uuid, why)| StopReason::GpuFailed(format!("GPU {uuid} unhealthy: {why}")))
 }
 
-pub fn plan(input: &Input<'_>) -> Vec<Action> {
+pub fn plan<'a>(input: &Input<'a>) -> Vec<Action<'a>> {
     let mut actions = Vec::new();
     for (id, t) in input.tasks {
         match t.phase {
@@ -135,6 +146,7 @@ pub fn plan(input: &Input<'_>) -> Vec<Action> {
         if let Some(reason) = gpu_fault(&spec.gpu_uuids, input) {
             actions.push(Action::Refuse {
                 task_id: id.clone(),
+                spec: Some(spec),
                 reason,
             });
         } else if input.fenced && !spec.no_fence {
@@ -142,13 +154,14 @@ pub fn plan(input: &Input<'_>) -> Vec<Action> {
             // now: start nothing until it is heard from again.
             continue;
         } else {
-            actions.push(Action::Launch(id.clone()));
+            actions.push(Action::Launch(spec));
         }
     }
     for id in &desired.kill {
         if !input.tasks.contains_key(id) {
             actions.push(Action::Refuse {
                 task_id: id.clone(),
+                spec: None,
                 reason: StopReason::Killed,
             });
         }
@@ -159,7 +172,30 @@ pub fn plan(input: &Input<'_>) -> Vec<Action> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use gpuctl_core::types::{Resources, TaskSpec};
+    use gpuctl_core::types::Resources;
+
+    /// The plan's actions by task id (the specs they carry are the desired
+    /// set's own, checked in `launches_and_refusals_carry_the_desired_spec`).
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    enum Action {
+        Launch(String),
+        Refuse { task_id: String, reason: StopReason },
+        Stop { task_id: String, reason: StopReason },
+        Forget(String),
+    }
+
+    impl From<super::Action<'_>> for Action {
+        fn from(a: super::Action<'_>) -> Action {
+            match a {
+                super::Action::Launch(spec) => Action::Launch(spec.task_id.clone()),
+                super::Action::Refuse {
+                    task_id, reason, ..
+                } => Action::Refuse { task_id, reason },
+                super::Action::Stop { task_id, reason } => Action::Stop { task_id, reason },
+                super::Action::Forget(id) => Action::Forget(id),
+            }
+        }
+    }
 
     fn spec(id: &str, gpus: &[&str]) -> TaskSpec {
         TaskSpec {
@@ -222,6 +258,9 @@ mod tests {
             mig_parents: &mig_parents(),
             fenced,
         })
+        .into_iter()
+        .map(Action::from)
+        .collect()
     }
 
     /// MIG-a1 and MIG-a2 on GPU ga, MIG-b1 on GPU gb.
@@ -456,6 +495,40 @@ mod tests {
                     );
                     assert!(actions.len() <= 1, "{actions:?}");
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn launches_and_refusals_carry_the_desired_spec() {
+        let d = desired(&[spec("a", &[]), spec("b", &["g0"])], &["k"]);
+        let faults: BTreeMap<String, String> = [("g0".to_string(), "XID 79".to_string())].into();
+        let (tasks, parents) = (BTreeMap::new(), BTreeMap::new());
+        let actions = plan(&Input {
+            desired: Some(&d),
+            tasks: &tasks,
+            gpu_faults: &faults,
+            mig_parents: &parents,
+            fenced: false,
+        });
+        assert_eq!(actions.len(), 3, "{actions:?}");
+        for a in &actions {
+            match a {
+                super::Action::Launch(s) => assert!(std::ptr::eq(*s, &d.run["a"])),
+                super::Action::Refuse {
+                    task_id,
+                    spec: Some(s),
+                    ..
+                } => {
+                    assert_eq!(task_id, "b");
+                    assert!(std::ptr::eq(*s, &d.run["b"]));
+                }
+                super::Action::Refuse {
+                    task_id,
+                    spec: None,
+                    reason,
+                } => assert_eq!((task_id.as_str(), reason), ("k", &StopReason::Killed)),
+                other => panic!("{other:?}"),
             }
         }
     }
