@@ -13,14 +13,15 @@
 //! with backoff.
 
 use std::collections::{BTreeMap, VecDeque};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
 use gpuctl_core::convert::MAX_STATUS_BATCH;
 use gpuctl_core::time::Backoff;
 use gpuctl_core::types::{AgentInfo, GpuInfo, RuntimeStatus, StatusUpdate};
-use gpuctl_proto::leader::{leader_hint, retry_elsewhere};
+use gpuctl_proto::follow::{Connect, Follower, Moved, Policy};
+use gpuctl_proto::leader::{may_retry, FREE_REDIRECTS};
 use gpuctl_proto::pb;
 use gpuctl_proto::pb::agent_manager_client::AgentManagerClient;
 use tokio::sync::{mpsc, watch};
@@ -38,9 +39,6 @@ const RPC_TIMEOUT: Duration = Duration::from_secs(10);
 const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(1);
 const ELECTION_POLL: Duration = Duration::from_millis(200);
 const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(3);
-/// Redirects followed in a row without a pause; more means stale hints (a
-/// leader change in progress), so back off.
-const FREE_REDIRECTS: u32 = 3;
 
 /// Where to go after a call to `addrs[current]` failed with `status`: to the
 /// leader the status names (added to `addrs` if new), else to the next
@@ -50,48 +48,50 @@ pub fn next_master(
     current: usize,
     status: Option<&Status>,
 ) -> (usize, bool) {
-    let current_addr = addrs.get(current).map(String::as_str);
-    let hint = status
-        .and_then(leader_hint)
-        .map(|h| h.trim().to_string())
-        .filter(|h| is_host_port(h) && Some(h.as_str()) != current_addr);
-    if let Some(leader) = hint {
-        let i = match addrs.iter().position(|a| *a == leader) {
-            Some(i) => i,
-            None => {
-                addrs.push(leader);
-                addrs.len() - 1
-            }
-        };
-        return (i, true);
-    }
-    if addrs.is_empty() {
-        return (0, false);
-    }
-    ((current + 1) % addrs.len(), false)
+    // A hint must be HOST:PORT with a usable port: it must not poison the list.
+    gpuctl_proto::follow::next_index(addrs, current, status, gpuctl_proto::leader::host_port)
 }
 
-/// `HOST:PORT` with a usable port: a hint must not poison the list.
-fn is_host_port(s: &str) -> bool {
-    matches!(s.rsplit_once(':'), Some((host, port))
-        if !host.is_empty() && !host.contains('/') && port.parse::<u16>().is_ok_and(|p| p != 0))
-}
+/// The masters this agent knows, which one it talks to now, and the
+/// channel to it (the state half of `gpuctl_proto::follow::Follower`: the
+/// agent paces its own tries, below). Over TLS the channel is made again
+/// when the agent's certificate is renewed: the master refuses calls on a
+/// connection whose certificate expired.
+pub struct Masters(Follower);
 
-/// The masters this agent knows, and which one it talks to now.
-pub struct Masters {
-    current: Mutex<Current>,
-    /// This agent's TLS (its agent certificate) when TLS is on.
-    tls: Option<std::sync::Arc<gpuctl_auth::tls::Tls>>,
-}
+/// How the agent follows the leader. Only `move_after` and the current
+/// channel are used: the backoff, the election poll and the free
+/// redirects are `run`'s and `status_sender`'s.
+const POLICY: Policy = Policy {
+    backoff_min: BACKOFF_MIN,
+    backoff_max: BACKOFF_MAX,
+    unknown_search_factor: 1,
+    accept_hint: gpuctl_proto::leader::host_port,
+    cache_channels: false,
+    on_retry: |_, _, _| {},
+};
 
-struct Current {
-    addrs: Vec<String>,
-    index: usize,
-    channel: Option<Channel>,
-    /// The end of validity of the certificate `channel` was made with: a
-    /// renewed certificate needs a new connection (the master refuses
-    /// calls on a connection whose certificate expired).
-    channel_cert: u64,
+/// The agent's channels: a 10 s limit on every call and HTTP/2 keepalive,
+/// over TLS with its agent certificate when TLS is on.
+fn connector(tls: Option<Arc<gpuctl_auth::tls::Tls>>) -> Connect {
+    Arc::new(move |addr: &str| {
+        let endpoint = Endpoint::from_shared(format!("http://{addr}"))
+            .map_err(|e| Status::invalid_argument(format!("master address {addr:?}: {e}")))?
+            .connect_timeout(CONNECT_TIMEOUT)
+            .timeout(RPC_TIMEOUT)
+            // A master whose machine vanished sends no reset: pings find
+            // out in seconds and end the task watch, so the agent moves on
+            // to the new leader instead of waiting for a heartbeat timeout.
+            .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
+            .keep_alive_timeout(KEEPALIVE_TIMEOUT)
+            .keep_alive_while_idle(true);
+        // Over TLS the server must hold a master certificate.
+        Ok(gpuctl_auth::tls::channel(
+            &endpoint,
+            tls.as_ref(),
+            gpuctl_auth::CertRole::Master,
+        ))
+    })
 }
 
 impl Masters {
@@ -103,78 +103,39 @@ impl Masters {
         addrs: Vec<String>,
         tls: Option<std::sync::Arc<gpuctl_auth::tls::Tls>>,
     ) -> Masters {
-        Masters {
-            current: Mutex::new(Current {
-                addrs,
-                index: 0,
-                channel: None,
-                channel_cert: 0,
-            }),
-            tls,
-        }
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, Current> {
-        self.current.lock().unwrap_or_else(|p| p.into_inner())
+        let follower = Follower::new(addrs, connector(tls.clone()), POLICY);
+        Masters(match tls {
+            // The end of validity of the certificate the channel is made
+            // with: a renewed certificate needs a new connection.
+            Some(tls) => follower.with_epoch(Arc::new(move || {
+                tls.identity().map_or(0, |i| i.not_after_ms)
+            })),
+            None => follower,
+        })
     }
 
     pub fn current_addr(&self) -> String {
-        let cur = self.lock();
-        cur.addrs.get(cur.index).cloned().unwrap_or_default()
+        self.0.current_addr()
     }
 
     /// The current master's address and a client for it (the channel
     /// reconnects by itself).
     pub fn client(&self) -> Result<(String, AgentManagerClient<Channel>), String> {
-        let cert = self
-            .tls
-            .as_ref()
-            .and_then(|t| t.identity())
-            .map_or(0, |i| i.not_after_ms);
-        let mut cur = self.lock();
-        let addr = cur.addrs.get(cur.index).cloned().unwrap_or_default();
-        if cur.channel_cert != cert {
-            cur.channel = None;
-            cur.channel_cert = cert;
-        }
-        if let Some(ch) = &cur.channel {
-            return Ok((addr, AgentManagerClient::new(ch.clone())));
-        }
-        let endpoint = Endpoint::from_shared(format!("http://{addr}"))
-            .map_err(|e| format!("master address {addr:?}: {e}"))?
-            .connect_timeout(CONNECT_TIMEOUT)
-            .timeout(RPC_TIMEOUT)
-            // A master whose machine vanished sends no reset: pings find
-            // out in seconds and end the task watch, so the agent moves on
-            // to the new leader instead of waiting for a heartbeat timeout.
-            .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
-            .keep_alive_timeout(KEEPALIVE_TIMEOUT)
-            .keep_alive_while_idle(true);
-        // Over TLS the server must hold a master certificate.
-        let ch =
-            gpuctl_auth::tls::channel(&endpoint, self.tls.as_ref(), gpuctl_auth::CertRole::Master);
-        cur.channel = Some(ch.clone());
-        Ok((addr, AgentManagerClient::new(ch)))
+        self.0
+            .current()
+            .map(|(addr, ch)| (addr, AgentManagerClient::new(ch)))
+            .map_err(|s| s.message().to_string())
     }
 
     /// After a call to `failed` failed: goes to the leader `status` names,
     /// or to the next address. Returns true when the next try may follow at
     /// once: a redirect, or another caller already moved away from `failed`.
     pub fn after_failure(&self, failed: &str, status: Option<&Status>) -> bool {
-        let mut cur = self.lock();
-        if cur.addrs.get(cur.index).map(String::as_str) != Some(failed) {
-            return true;
+        let moved = self.0.move_after(failed, status);
+        if let Moved::Redirected(leader) = &moved {
+            tracing::info!(from = %failed, leader = %leader, "following the master's redirect to the leader");
         }
-        let cur = &mut *cur;
-        let (index, redirected) = next_master(&mut cur.addrs, cur.index, status);
-        if index != cur.index {
-            cur.index = index;
-            cur.channel = None;
-        }
-        if redirected {
-            tracing::info!(from = %failed, leader = %cur.addrs[index], "following the master's redirect to the leader");
-        }
-        redirected
+        moved.at_once()
     }
 }
 
@@ -650,7 +611,7 @@ enum Sent {
 fn after_error(masters: &Masters, addr: &str, s: &tonic::Status) -> Sent {
     // Not the leader, down, or the connection broke (a transport error):
     // go where the answer points.
-    let moved = retry_elsewhere(s) || std::error::Error::source(s).is_some();
+    let moved = may_retry(s);
     if moved && masters.after_failure(addr, Some(s)) {
         Sent::Redirected
     } else {

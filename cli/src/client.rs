@@ -12,7 +12,8 @@ use std::fmt;
 use std::future::Future;
 use std::time::Duration;
 
-use gpuctl_proto::leader::{retry_elsewhere, LeaderSearch};
+use gpuctl_proto::follow::{CallError, Connect, Follower, Policy};
+use gpuctl_proto::leader::NextTry;
 use std::sync::Arc;
 
 use gpuctl_auth::tls::Tls;
@@ -103,24 +104,18 @@ pub fn parse_address(raw: &str) -> Result<String, String> {
     }
 }
 
-/// When a failed call may be sent again (to the leader, or later).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Retry {
-    /// A read: retried after any error that another master or a later try
-    /// may not have.
-    Always,
-    /// A change that is safe to send again: idempotent (a cancel, a
-    /// cordon, a quota set, adding a master by its id), or a create that
-    /// carries a request id, which the master dedupes. Retried like a
-    /// read. When it fails in the end after a try that may have been
-    /// applied (the failure proves nothing: a connection lost mid-call, no
-    /// answer in time, a leader deposed while committing), its outcome is
-    /// unknown ([`CliError::Unknown`], exit 4), never an ordinary failure;
-    /// and from such a try on it looks for a leader
-    /// [`UNKNOWN_SEARCH_FACTOR`] times longer, since giving up then leaves
-    /// the user guessing.
-    Resend,
-}
+/// When a failed call may be sent again (to the leader, or later):
+/// [`Retry::Always`] for a read; [`Retry::Resend`] for a change that is
+/// safe to send again (idempotent: a cancel, a cordon, a quota set, adding
+/// a master by its id; or a create that carries a request id, which the
+/// master dedupes). A `Resend` that fails in the end after a try that may
+/// have been applied (the failure proves nothing: a connection lost
+/// mid-call, no answer in time, a leader deposed while committing) has an
+/// unknown outcome ([`CliError::Unknown`], exit 4), never an ordinary
+/// failure; and from such a try on it looks for a leader
+/// [`UNKNOWN_SEARCH_FACTOR`] times longer, since giving up then leaves the
+/// user guessing.
+pub use gpuctl_proto::follow::Retry;
 
 /// How much longer a change keeps looking for a leader once a try may have
 /// been applied: 15 s becomes 60 s, time for an election and the new
@@ -129,11 +124,11 @@ pub const UNKNOWN_SEARCH_FACTOR: u32 = 4;
 
 /// Whether a call that failed with `status` is sent again, to another
 /// master or later (under either [`Retry`]: they differ in how a final
-/// failure is reported).
+/// failure is reported). A master dying mid-call breaks the connection
+/// with whatever code the transport error maps to ("h2 protocol error":
+/// Unknown).
 pub fn may_retry(status: &Status) -> bool {
-    // A master dying mid-call breaks the connection with whatever code
-    // the transport error maps to ("h2 protocol error": Unknown).
-    retry_elsewhere(status) || crate::commands::is_transport_error(status)
+    gpuctl_proto::leader::may_retry(status)
 }
 
 /// Whether the failure proves the call was not applied: the master said it
@@ -141,6 +136,7 @@ pub fn may_retry(status: &Status) -> bool {
 /// still catching up), a full proposal queue, or a connection that was never
 /// made. A leader's "leadership lost while committing" carries no such mark:
 /// it may still commit.
+#[cfg(test)]
 pub fn not_applied(status: &Status) -> bool {
     gpuctl_proto::leader::not_applied(status)
 }
@@ -199,16 +195,13 @@ impl tonic::service::Interceptor for AddToken {
 /// A channel to a master that carries the credentials.
 pub type Conn = InterceptedService<Channel, AddToken>;
 
-/// A connected Operator client and the address it talks to.
+/// A connected Operator client and the address it talks to: a facade over
+/// [`Follower`], which follows the leader.
 #[derive(Debug, Clone)]
 pub struct Master {
-    /// The address calls go to now.
-    pub addr: String,
-    /// Every address of `--master`, and leaders learned from redirects.
-    pub addrs: Vec<String>,
-    pub client: OperatorClient<Conn>,
-    /// The same connection, for the other services' clients.
-    pub conn: Conn,
+    /// Every address of `--master`, leaders learned from redirects, the
+    /// one calls go to now, and its connection.
+    follower: Follower,
     pub creds: Credentials,
     /// How long a call follows the leader before giving up.
     pub retry_for: Duration,
@@ -234,12 +227,10 @@ impl Master {
         for addr in addrs {
             match connect_one(addr, timeout, creds).await {
                 Ok(channel) => {
-                    let conn = InterceptedService::new(channel, AddToken(creds.token.clone()));
+                    let follower = Follower::new(addrs.to_vec(), connector(creds), POLICY);
+                    follower.seed(addr, channel);
                     return Ok(Master {
-                        addr: addr.clone(),
-                        addrs: addrs.to_vec(),
-                        client: operator_client(conn.clone()),
-                        conn,
+                        follower,
                         creds: creds.clone(),
                         retry_for: LEADER_DEADLINE,
                     });
@@ -254,6 +245,40 @@ impl Master {
             tried: addrs.to_vec(),
             last_error,
         })
+    }
+
+    /// The address calls go to now.
+    pub fn addr(&self) -> String {
+        self.follower.current_addr()
+    }
+
+    /// Every address of `--master`, and leaders learned from redirects.
+    #[cfg(test)]
+    pub fn addrs(&self) -> Vec<String> {
+        self.follower.addrs()
+    }
+
+    /// Replaces the known addresses (the current one stays).
+    #[cfg(test)]
+    pub fn set_addrs(&mut self, addrs: Vec<String>) {
+        self.follower.set_addrs(addrs)
+    }
+
+    /// The connection to the current master, carrying the credentials,
+    /// for the other services' clients.
+    pub fn conn(&self) -> Result<Conn, CliError> {
+        match self.follower.current() {
+            Ok((_, channel)) => Ok(InterceptedService::new(
+                channel,
+                AddToken(self.creds.token.clone()),
+            )),
+            Err(status) => Err(CliError::rpc(self, status)),
+        }
+    }
+
+    /// An Operator client of the current master.
+    pub fn client(&self) -> Result<OperatorClient<Conn>, CliError> {
+        self.conn().map(operator_client)
     }
 
     /// Calls `f` with a client of the current master, following the leader
@@ -315,82 +340,95 @@ impl Master {
         F: FnMut(C) -> Fut,
         Fut: Future<Output = Result<tonic::Response<T>, Status>>,
     {
-        let started = Instant::now();
-        let mut deadline = deadline;
-        let mut search = LeaderSearch::new(BACKOFF_MIN, BACKOFF_MAX);
-        // Some try of a change failed without proof that it was not applied.
-        let mut maybe_applied = false;
-        loop {
-            let call = f(make(self.conn.clone()));
-            let result = match attempt {
-                Some(limit) => tokio::time::timeout(limit, call).await.unwrap_or_else(|_| {
-                    Err(Status::deadline_exceeded(format!(
-                        "master {} did not answer within {}s",
-                        self.addr,
-                        limit.as_secs_f64()
-                    )))
-                }),
-                None => call.await,
-            };
-            let status = match result {
-                Ok(response) => return Ok(response.into_inner()),
-                Err(status) => status,
-            };
-            if !may_retry(&status) {
-                // The master's own answer: definite for this try, not for
-                // the earlier ones.
-                return Err(unknown_if(maybe_applied, CliError::rpc(self, status)));
-            }
-            if policy == Retry::Resend && !maybe_applied && !not_applied(&status) {
-                maybe_applied = true;
-                let searched = deadline.saturating_duration_since(started);
-                deadline = started + searched * UNKNOWN_SEARCH_FACTOR;
-            }
-            let next = search.next(&self.addr, &status, &self.addrs, |h| parse_address(h).ok());
-            if Instant::now() + next.pause >= deadline {
-                let gave_up = CliError::GaveUp {
-                    secs: deadline
-                        .saturating_duration_since(started)
-                        .as_secs_f64()
-                        .round() as u64,
-                    tried: self.addrs.join(", "),
-                    last: Box::new(CliError::rpc(self, status)),
-                };
-                return Err(unknown_if(maybe_applied, gave_up));
-            }
-            tracing::debug!(
-                addr = %self.addr,
-                leader = ?next.redirected.then_some(&next.addr),
-                error = %status.message(),
-                "master cannot serve the call; trying another"
-            );
-            tokio::time::sleep(next.pause).await;
-            self.switch_to(next.addr);
-        }
+        let token = self.creds.token.clone();
+        let call = |channel| {
+            f(make(InterceptedService::new(
+                channel,
+                AddToken(token.clone()),
+            )))
+        };
+        self.follower
+            .call(policy, attempt, deadline, call)
+            .await
+            .map_err(|e| cli_error(policy, e))
     }
 
     /// Talks to `addr` from now on (a leader learned from a redirect joins
     /// the list). The connection is made by the next call: if it fails, that
     /// call fails before sending anything, which
-    /// [`gpuctl_proto::leader::never_sent`] recognises.
+    /// [`gpuctl_proto::leader::never_sent`] recognises. A bad address (only
+    /// a redirect can bring an unchecked one) is ignored: ours is kept.
     pub fn switch_to(&mut self, addr: String) {
+        // The connector logged why it refused the address.
+        let _ = self.follower.switch_to(&addr);
+    }
+}
+
+/// How gpuctl follows the leader.
+const POLICY: Policy = Policy {
+    backoff_min: BACKOFF_MIN,
+    backoff_max: BACKOFF_MAX,
+    unknown_search_factor: UNKNOWN_SEARCH_FACTOR,
+    accept_hint,
+    // A new channel on every move to another master (or to the same one
+    // again after a failure).
+    cache_channels: false,
+    on_retry: log_retry,
+};
+
+fn accept_hint(hint: &str) -> Option<String> {
+    parse_address(hint).ok()
+}
+
+fn log_retry(addr: &str, next: &NextTry, status: &Status) {
+    tracing::debug!(
+        addr = %addr,
+        leader = ?next.redirected.then_some(&next.addr),
+        error = %status.message(),
+        "master cannot serve the call; trying another"
+    );
+}
+
+/// Lazy channels to the masters, over TLS with the client certificate when
+/// there is one.
+fn connector(creds: &Credentials) -> Connect {
+    let tls = creds.tls.clone();
+    Arc::new(move |addr: &str| {
         let endpoint = match Endpoint::from_shared(format!("http://{addr}")) {
             Ok(e) => e.connect_timeout(CONNECT_TIMEOUT).tcp_nodelay(true),
             Err(e) => {
                 // Only a redirect can bring an unchecked address; keep ours.
                 tracing::debug!(addr = %addr, error = %e, "ignoring a bad master address");
-                return;
+                return Err(Status::invalid_argument(format!(
+                    "master address {addr:?}: {e}"
+                )));
             }
         };
-        if !self.addrs.contains(&addr) {
-            self.addrs.push(addr.clone());
-        }
-        let channel =
-            gpuctl_auth::tls::channel(&endpoint, self.creds.tls.as_ref(), CertRole::Master);
-        self.conn = InterceptedService::new(channel, AddToken(self.creds.token.clone()));
-        self.client = operator_client(self.conn.clone());
-        self.addr = addr;
-    }
+        Ok(gpuctl_auth::tls::channel(
+            &endpoint,
+            tls.as_ref(),
+            CertRole::Master,
+        ))
+    })
+}
+
+/// The CLI's error for a call that failed: the master's answer, or the
+/// last one when the search gave up; an unknown outcome when a change
+/// ([`Retry::Resend`]) may have been applied by some try.
+fn cli_error(policy: Retry, e: CallError) -> CliError {
+    let last = CliError::Rpc {
+        addr: e.addr,
+        status: e.status,
+    };
+    let err = match e.searched_for {
+        None => last,
+        Some(searched) => CliError::GaveUp {
+            secs: searched.as_secs_f64().round() as u64,
+            tried: e.tried.join(", "),
+            last: Box::new(last),
+        },
+    };
+    unknown_if(policy == Retry::Resend && e.maybe_applied, err)
 }
 
 /// `err`, or an unknown outcome ending with it when some try may have

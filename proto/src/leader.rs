@@ -98,6 +98,23 @@ pub fn is_transport_error(status: &Status) -> bool {
     std::error::Error::source(status).is_some()
 }
 
+/// Whether a call that failed with `status` is sent again, to another
+/// master or later: [`retry_elsewhere`], or a broken connection (a master
+/// dying mid-call breaks it with whatever code the transport error maps
+/// to, e.g. "h2 protocol error": Unknown).
+pub fn may_retry(status: &Status) -> bool {
+    retry_elsewhere(status) || is_transport_error(status)
+}
+
+/// A hinted leader address (trimmed) when it is `HOST:PORT` with a usable
+/// port and no path: a hint must not poison a client's address list.
+pub fn host_port(hint: &str) -> Option<String> {
+    let h = hint.trim();
+    matches!(h.rsplit_once(':'), Some((host, port))
+        if !host.is_empty() && !host.contains('/') && port.parse::<u16>().is_ok_and(|p| p != 0))
+    .then(|| h.to_string())
+}
+
 /// Whether the call failed while connecting, so no byte of it was sent.
 pub fn never_sent(status: &Status) -> bool {
     let mut source = std::error::Error::source(status);

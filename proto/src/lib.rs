@@ -16,6 +16,7 @@ pub mod pb {
 pub mod codec;
 #[cfg(feature = "daemon")]
 pub mod daemon;
+pub mod follow;
 pub mod leader;
 #[cfg(feature = "metrics-server")]
 pub mod metrics_server;

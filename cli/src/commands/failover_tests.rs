@@ -227,8 +227,8 @@ async fn a_redirect_leads_to_the_leader_it_names() {
     let (r, out) = run_cmd(&mut m, &["jobs", "list", "--json"]).await;
     assert_eq!(r.unwrap(), EXIT_OK);
     assert!(out.contains("job-7"), "{out}");
-    assert_eq!(m.addr, leader_addr);
-    assert_eq!(m.addrs, vec![follower_addr, leader_addr]);
+    assert_eq!(m.addr(), leader_addr);
+    assert_eq!(m.addrs(), vec![follower_addr, leader_addr]);
     assert_eq!(follower.calls(), ["list"]);
     assert_eq!(leader.calls(), ["list"]);
     // Later calls go straight to the leader.
@@ -251,7 +251,7 @@ async fn without_a_hint_the_next_addresses_are_tried() {
     let (r, out) = run_cmd(&mut m, &["jobs", "get", "job-7", "--json"]).await;
     assert_eq!(r.unwrap(), EXIT_OK);
     assert!(out.contains("SUCCEEDED"), "{out}");
-    assert_eq!(m.addr, leader_addr);
+    assert_eq!(m.addr(), leader_addr);
     assert_eq!(follower.count("get"), 1);
     assert_eq!(leader.count("get"), 1);
 }
@@ -314,7 +314,9 @@ async fn a_submit_is_resent_after_a_refused_connection() {
     // The master it talks to goes down: the connection is refused, so
     // nothing was sent.
     let dead = dead_addr();
-    m.addrs.insert(0, dead.clone());
+    let mut addrs = m.addrs();
+    addrs.insert(0, dead.clone());
+    m.set_addrs(addrs);
     m.switch_to(dead);
     let (r, out) = run_cmd(&mut m, &["jobs", "submit", "--name", "x", "--", "true"]).await;
     assert_eq!(r.unwrap(), EXIT_OK);
@@ -408,7 +410,7 @@ async fn followed_logs_survive_a_broken_stream() {
     let (r, out) = run_cmd(&mut m, &["jobs", "logs", "job-7", "--follow"]).await;
     assert_eq!(r.unwrap(), EXIT_OK);
     assert_eq!(out, "hello world\nbye\n");
-    assert_eq!(m.addr, new_addr);
+    assert_eq!(m.addr(), new_addr);
     assert_eq!(new_leader.count("logs"), 1);
 }
 
@@ -440,7 +442,7 @@ async fn wait_follows_the_leader() {
     let (r, out) = run_cmd(&mut m, &["jobs", "wait", "job-7", "--timeout", "5"]).await;
     assert_eq!(r.unwrap(), EXIT_OK);
     assert_eq!(out, "SUCCEEDED\n");
-    assert_eq!(m.addr, leader_addr);
+    assert_eq!(m.addr(), leader_addr);
 }
 
 #[tokio::test]
@@ -468,7 +470,7 @@ async fn masters_are_listed_by_any_master() {
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v[0]["role"], "leader");
     assert_eq!(v[1]["voter"], true);
-    assert_eq!(m.addr, addr);
+    assert_eq!(m.addr(), addr);
 }
 
 #[tokio::test]
@@ -514,7 +516,7 @@ async fn a_stale_hint_naming_a_dead_leader_is_not_followed_twice() {
         .unwrap();
     let (r, _) = run_cmd(&mut m, &["jobs", "submit", "--name", "x", "--", "true"]).await;
     assert_eq!(r.unwrap(), EXIT_OK);
-    assert_eq!(m.addr, leader_addr);
+    assert_eq!(m.addr(), leader_addr);
     assert_eq!(stale.count("submit"), 2);
     assert_eq!(leader.count("submit"), 1);
 }

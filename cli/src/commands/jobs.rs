@@ -945,7 +945,7 @@ where
                 if fruitless >= MAX_FRUITLESS_STREAMS {
                     return Err(CliError::rpc(master, status));
                 }
-                tracing::debug!(addr = %master.addr, error = %status.message(), "log stream broke; opening it again");
+                tracing::debug!(addr = %master.addr(), error = %status.message(), "log stream broke; opening it again");
                 if let Some(leader) = leader_hint(&status) {
                     master.switch_to(leader);
                 }
@@ -955,7 +955,7 @@ where
                 if fruitless >= MAX_FRUITLESS_STREAMS || selection_ended(master, id, which).await? {
                     return Ok(());
                 }
-                tracing::debug!(addr = %master.addr, "log stream ended before the task; opening it again");
+                tracing::debug!(addr = %master.addr(), "log stream ended before the task; opening it again");
             }
         }
         if fruitless > 0 {
@@ -1852,7 +1852,7 @@ mig: 2g.20gb
     async fn connect_to<F: FakeOperator>(fake: Arc<F>) -> Master {
         let live = serve(fake).await;
         let m = Master::connect(&[dead_addr(), live.clone()]).await.unwrap();
-        assert_eq!(m.addr, live);
+        assert_eq!(m.addr(), live);
         m
     }
 

@@ -213,7 +213,7 @@ pub fn one_line(s: &str) -> String {
 impl CliError {
     pub fn rpc(master: &Master, status: tonic::Status) -> Self {
         CliError::Rpc {
-            addr: master.addr.clone(),
+            addr: master.addr(),
             status,
         }
     }

@@ -8,14 +8,14 @@
 //! gpuctl does, so a console on a follower works, and goes on working
 //! when the leader changes.
 
-use std::collections::HashMap;
 use std::future::Future;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use gpuctl_auth::tls::{ClientAuth, Tls};
 use gpuctl_auth::CertRole;
-use gpuctl_proto::leader::{retry_elsewhere, LeaderSearch};
+use gpuctl_proto::follow::{Connect, Follower, Policy, Retry};
+use gpuctl_proto::leader::NextTry;
 use tokio::time::Instant;
 use tonic::metadata::{Ascii, MetadataValue};
 use tonic::transport::{Channel, Endpoint};
@@ -154,8 +154,10 @@ async fn renew(
 pub struct Gateway {
     addresses: AddressBook,
     tls: Option<Arc<Tls>>,
-    /// One channel per master address (HTTP/2: calls share it).
-    channels: Mutex<HashMap<String, Channel>>,
+    /// One channel per master address (HTTP/2: calls share it), and the
+    /// search for the leader. It holds no token: each request carries its
+    /// browser's own ([`Token::request`]).
+    follower: Follower,
     pub deadline: Duration,
 }
 
@@ -211,35 +213,10 @@ impl Gateway {
     pub fn new(addresses: AddressBook, tls: Option<Arc<Tls>>) -> Gateway {
         Gateway {
             addresses,
+            follower: Follower::new(Vec::new(), connector(tls.clone()), POLICY),
             tls,
-            channels: Mutex::new(HashMap::new()),
             deadline: LEADER_DEADLINE,
         }
-    }
-
-    fn channel(&self, addr: &str) -> Result<Channel, Status> {
-        let mut channels = self.channels.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(c) = channels.get(addr) {
-            return Ok(c.clone());
-        }
-        let endpoint = Endpoint::from_shared(format!("http://{addr}"))
-            .map_err(|e| Status::invalid_argument(format!("master address {addr:?}: {e}")))?
-            .connect_timeout(CONNECT_TIMEOUT)
-            .tcp_nodelay(true);
-        let channel = gpuctl_auth::tls::channel(&endpoint, self.tls.as_ref(), CertRole::Master);
-        // Masters come and go with membership changes; keep the map small.
-        if channels.len() > 32 {
-            channels.clear();
-        }
-        channels.insert(addr.to_string(), channel.clone());
-        Ok(channel)
-    }
-
-    fn forget(&self, addr: &str) {
-        self.channels
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(addr);
     }
 
     /// Calls `f` on a channel to the leader, following redirects, until
@@ -248,79 +225,69 @@ impl Gateway {
     /// `attempt` (`None`: a stream that may take long to open). Only calls
     /// that are safe to send twice come here: reads, cancel, and submit
     /// with its idempotency key.
-    pub async fn call<T, F, Fut>(&self, attempt: Option<Duration>, mut f: F) -> Result<T, CallError>
+    pub async fn call<T, F, Fut>(&self, attempt: Option<Duration>, f: F) -> Result<T, CallError>
     where
         F: FnMut(Channel) -> Fut,
         Fut: Future<Output = Result<tonic::Response<T>, Status>>,
     {
-        let started = Instant::now();
-        let deadline = started + self.deadline;
-        let mut addrs = (self.addresses)();
-        let Some(mut addr) = addrs.first().cloned() else {
+        let deadline = Instant::now() + self.deadline;
+        // Read again for every call: the leader this master knows now.
+        let addrs = (self.addresses)();
+        if addrs.is_empty() {
             return Err(CallError {
                 status: Status::unavailable("this master knows no master address"),
                 addr: String::new(),
                 gave_up_after: None,
                 maybe_applied: false,
             });
-        };
-        let mut search = LeaderSearch::new(BACKOFF_MIN, BACKOFF_MAX);
-        let mut maybe_applied = false;
-        loop {
-            let result = match self.channel(&addr) {
-                Ok(channel) => {
-                    let call = f(channel);
-                    match attempt {
-                        Some(limit) => {
-                            tokio::time::timeout(limit, call).await.unwrap_or_else(|_| {
-                                Err(Status::deadline_exceeded(format!(
-                                    "master {addr} did not answer within {}s",
-                                    limit.as_secs_f64()
-                                )))
-                            })
-                        }
-                        None => call.await,
-                    }
-                }
-                Err(status) => Err(status),
-            };
-            let status = match result {
-                Ok(response) => return Ok(response.into_inner()),
-                Err(status) => status,
-            };
-            let transport = gpuctl_proto::leader::is_transport_error(&status);
-            if !(retry_elsewhere(&status) || transport) {
-                // The master's own answer: definite for this try, not for
-                // the earlier ones.
-                return Err(CallError {
-                    status,
-                    addr,
-                    gave_up_after: None,
-                    maybe_applied,
-                });
-            }
-            maybe_applied |= !gpuctl_proto::leader::not_applied(&status);
-            if transport {
-                // A broken connection is made again by the next call.
-                self.forget(&addr);
-            }
-            let next = search.next(&addr, &status, &addrs, |h| Some(h.to_string()));
-            if Instant::now() + next.pause >= deadline {
-                return Err(CallError {
-                    status,
-                    addr,
-                    gave_up_after: Some(started.elapsed()),
-                    maybe_applied,
-                });
-            }
-            tracing::debug!(%addr, next = %next.addr, error = %status.message(), "console: master cannot serve the call; trying another");
-            tokio::time::sleep(next.pause).await;
-            if next.redirected && !addrs.contains(&next.addr) {
-                addrs.push(next.addr.clone());
-            }
-            addr = next.addr;
         }
+        self.follower
+            .call_among(addrs, Retry::Always, attempt, deadline, f)
+            .await
+            .map_err(|e| CallError {
+                status: e.status,
+                addr: e.addr,
+                gave_up_after: e.searched_for.map(|_| e.elapsed),
+                maybe_applied: e.maybe_applied,
+            })
     }
+}
+
+/// How the console follows the leader: any hint is followed, channels are
+/// kept per master (dropped after a transport error), and a failure that
+/// may have been applied is reported (`CallError::maybe_applied`) without
+/// searching longer.
+const POLICY: Policy = Policy {
+    backoff_min: BACKOFF_MIN,
+    backoff_max: BACKOFF_MAX,
+    unknown_search_factor: 1,
+    accept_hint: accept_any_hint,
+    cache_channels: true,
+    on_retry: log_retry,
+};
+
+fn accept_any_hint(hint: &str) -> Option<String> {
+    Some(hint.to_string())
+}
+
+fn log_retry(addr: &str, next: &NextTry, status: &Status) {
+    tracing::debug!(%addr, next = %next.addr, error = %status.message(), "console: master cannot serve the call; trying another");
+}
+
+/// Lazy channels to the masters, with the console's client certificate
+/// when TLS is on.
+fn connector(tls: Option<Arc<Tls>>) -> Connect {
+    Arc::new(move |addr: &str| {
+        let endpoint = Endpoint::from_shared(format!("http://{addr}"))
+            .map_err(|e| Status::invalid_argument(format!("master address {addr:?}: {e}")))?
+            .connect_timeout(CONNECT_TIMEOUT)
+            .tcp_nodelay(true);
+        Ok(gpuctl_auth::tls::channel(
+            &endpoint,
+            tls.as_ref(),
+            CertRole::Master,
+        ))
+    })
 }
 
 #[cfg(test)]

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use gpuctl_proto::leader::{is_transport_error, retry_elsewhere};
+use gpuctl_proto::leader::may_retry;
 use gpuctl_proto::pb;
 use serde_json::json;
 use tokio::sync::mpsc;
@@ -165,7 +165,7 @@ async fn selection_ended(
     match job {
         Ok(job) => super::json::job_is_terminal(job.state) || which.ended(&job.tasks),
         // The job is gone or may not be read any more: nothing to follow.
-        Err(e) => !(retry_elsewhere(&e.status) || is_transport_error(&e.status)),
+        Err(e) => !may_retry(&e.status),
     }
 }
 
@@ -208,9 +208,7 @@ pub async fn relay(
             fruitless + 1
         };
         match broken {
-            Some(s) if !(retry_elsewhere(&s) || is_transport_error(&s)) => {
-                break json!({ "error": s.message() })
-            }
+            Some(s) if !may_retry(&s) => break json!({ "error": s.message() }),
             Some(s) if fruitless >= MAX_FRUITLESS_STREAMS => break json!({ "error": s.message() }),
             Some(s) => {
                 tracing::debug!(job_id, error = %s.message(), "console: log stream broke; opening it again")

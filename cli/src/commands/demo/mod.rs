@@ -447,7 +447,8 @@ async fn wait_for_agent(master: &mut Master, timeout: Duration) -> Result<pb::Ag
     let deadline = Instant::now() + timeout;
     let mut last_error = String::new();
     loop {
-        let call = master.client.list_agents(pb::ListAgentsRequest {});
+        let mut client = master.client()?;
+        let call = client.list_agents(pb::ListAgentsRequest {});
         match tokio::time::timeout(Duration::from_secs(5), call).await {
             Ok(Ok(resp)) => {
                 let active = resp
