@@ -11,7 +11,9 @@ use gpuctl_proto::pb;
 use serde::{Deserialize, Serialize};
 
 pub use gpuctl_core::wait_words::{short_require, wait_reason_words as wait_reason};
-pub use gpuctl_core::wait_words::{ResourcesJson, WaitReasonJson};
+pub use gpuctl_core::types::Resources;
+pub use gpuctl_core::wait::Waiting;
+use gpuctl_core::wait_words::resources_of;
 
 // ---------------------------------------------------------------- JSON shapes
 
@@ -63,8 +65,9 @@ impl From<&pb::Task> for TaskJson {
     }
 }
 
-/// A job (`jobs get --json`, items of `jobs list --json`).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// A job (`jobs get --json`, items of `jobs list --json`). Written only:
+/// its wait reason is the domain's `Waiting`, which serializes.
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct JobJson {
     pub id: String,
     pub name: String,
@@ -77,7 +80,7 @@ pub struct JobJson {
     pub image: Option<String>,
     pub command: Vec<String>,
     pub env: BTreeMap<String, String>,
-    pub resources: ResourcesJson,
+    pub resources: Resources,
     pub placement: PlacementJson,
     pub priority: i32,
     /// Tasks started together (a gang); 1 for a plain job.
@@ -116,7 +119,7 @@ pub struct JobJson {
     pub reason: Option<String>,
     /// The same as data (docs/cli.md); `null` when not QUEUED, or from a
     /// master that does not send it.
-    pub wait_reason: Option<WaitReasonJson>,
+    pub wait_reason: Option<Waiting>,
     pub submitted_at_ms: u64,
     pub tasks: Vec<TaskJson>,
     /// What happened to it, oldest first (`jobs get` only; `[]` in
@@ -269,7 +272,7 @@ impl From<&pb::Job> for JobJson {
             image: (!spec.image.is_empty()).then_some(spec.image),
             command: spec.command,
             env: spec.env.into_iter().collect(),
-            resources: ResourcesJson::from(spec.resources.as_ref()),
+            resources: resources_of(spec.resources.as_ref()),
             placement: PlacementJson::from(spec.placement.as_ref()),
             priority: spec.priority,
             replicas: spec.replicas.max(1),
@@ -405,8 +408,8 @@ pub struct AgentJson {
     /// leader).
     pub runtime_status: Vec<RuntimeStatusJson>,
     pub simulated_gpus: bool,
-    pub total: ResourcesJson,
-    pub allocated: ResourcesJson,
+    pub total: Resources,
+    pub allocated: Resources,
     pub gpus: Vec<GpuJson>,
     pub registered_at_ms: u64,
     /// GPU feature labels (nvidia.com/gpu.product, ...).
@@ -442,8 +445,8 @@ impl From<&pb::Agent> for AgentJson {
                 .map(RuntimeStatusJson::from)
                 .collect(),
             simulated_gpus: a.simulated_gpus,
-            total: ResourcesJson::from(a.total.as_ref()),
-            allocated: ResourcesJson::from(a.allocated.as_ref()),
+            total: resources_of(a.total.as_ref()),
+            allocated: resources_of(a.allocated.as_ref()),
             gpus: a.gpus.iter().map(GpuJson::from).collect(),
             registered_at_ms: a.registered_at_ms,
             attributes: a

@@ -5,22 +5,29 @@
 //! `pb::WaitReason` (the conversions are here, in the pure core beside the
 //! others) and the CLI renders it.
 
-use crate::convert::{runtime_from_pb, ConvertError};
+use serde::ser::{SerializeMap, Serializer};
+use serde::Serialize;
+
+use crate::convert::{runtime_from_pb, runtime_name, ConvertError};
 use crate::pb;
 use crate::pb::wait_reason as wr;
 use crate::types::{AgentId, JobId, Resources, Runtime};
 
 /// Most tenants a reclaim names in a wait reason.
 pub const MAX_RECLAIM_FROM: usize = 8;
-/// Why one queued job waits, and how it came back to the queue.
-#[derive(Debug, Clone, PartialEq)]
+/// Why one queued job waits, and how it came back to the queue. Its JSON
+/// (`wait_reason` in `jobs get/list --json` and the console's) is its serde
+/// form: the reason's fields tagged `kind`, beside `requeued`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Waiting {
+    #[serde(flatten)]
     pub reason: WaitReason,
     /// `None` for a job never started.
     pub requeued: Option<Requeued>,
 }
 
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
 pub enum WaitReason {
     /// No agent that takes tasks could ever run it, even idle.
     NeverFits {
@@ -52,6 +59,7 @@ pub enum WaitReason {
     /// tenants over their fair share (`reclaim_from`, those tenants).
     Preempting {
         waiting_for_tasks: u32,
+        #[serde(skip_serializing_if = "Vec::is_empty")]
         reclaim_from: Vec<String>,
     },
     /// It fits in what is free, but jobs ahead of it (higher priority, or
@@ -67,7 +75,8 @@ pub enum WaitReason {
     Resources(AgentCounts),
 }
 
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
 pub enum NeverFits {
     NoActiveAgent,
     /// The first requirement (runtime, constraints, GPU model, GPU memory,
@@ -90,10 +99,16 @@ pub enum NeverFits {
     },
 }
 
-/// One requirement of a job's task.
+/// One requirement of a job's task. Its JSON is tagged `kind`, each
+/// kind's amount under its own name (written by hand below: serde's tag
+/// cannot carry a bare number or `Runtime`'s log form).
 #[derive(Debug, Clone, PartialEq)]
 pub enum Requirement {
     Runtime(Runtime),
+    /// A runtime this build does not know, by its wire number: read from a
+    /// newer master's reason only (placement never makes it), so that the
+    /// reason is still shown ("runs unknown(N)").
+    UnknownRuntime(i32),
     /// An agent attribute matching a glob.
     Attribute {
         key: String,
@@ -144,7 +159,7 @@ pub struct GpuAsk {
     pub fraction: Option<(u64, u32)>,
 }
 
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 pub struct SetAside {
     pub draining: AgentIds,
     pub unreachable: AgentIds,
@@ -152,7 +167,7 @@ pub struct SetAside {
 
 /// Agents named in a reason: the first few and how many in all (a reason
 /// is one line, and a cluster may drain a whole rack).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 pub struct AgentIds {
     pub first: Vec<AgentId>,
     pub count: u32,
@@ -174,7 +189,8 @@ impl AgentIds {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Dimension {
     Gpus,
     Cpus,
@@ -183,7 +199,7 @@ pub enum Dimension {
 
 /// Every agent that takes tasks, counted once for the first thing it
 /// lacks (Nomad's "nodes filtered" and "dimension exhausted").
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct AgentCounts {
     pub agents: u32,
     /// Left out whatever is free, by the requirement they fail.
@@ -211,7 +227,7 @@ pub struct AgentCounts {
 }
 
 /// How a job came back to the queue.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Requeued {
     pub preempted_by: Option<JobId>,
     /// Failed attempts started again so far.
@@ -219,6 +235,87 @@ pub struct Requeued {
     pub max_retries: u32,
     /// How its last attempt ended, when that is why it is back.
     pub after: Option<String>,
+}
+
+// ------------------------------------------------------------- as JSON
+
+impl Serialize for Requirement {
+    fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        let mut m = s.serialize_map(None)?;
+        match self {
+            Requirement::Runtime(r) => {
+                m.serialize_entry("kind", "runtime")?;
+                m.serialize_entry("runtime", &r.to_string())?;
+            }
+            Requirement::UnknownRuntime(n) => {
+                m.serialize_entry("kind", "runtime")?;
+                m.serialize_entry("runtime", &runtime_name(*n))?;
+            }
+            Requirement::Attribute { key, pattern } => {
+                m.serialize_entry("kind", "attribute")?;
+                m.serialize_entry("key", key)?;
+                m.serialize_entry("pattern", pattern)?;
+            }
+            Requirement::GpuModel(g) => {
+                m.serialize_entry("kind", "gpu_model")?;
+                g.entries(&mut m)?;
+            }
+            Requirement::GpuMemory(g) => {
+                m.serialize_entry("kind", "gpu_memory")?;
+                g.entries(&mut m)?;
+            }
+            Requirement::Gpus(g) => {
+                m.serialize_entry("kind", "gpus")?;
+                g.entries(&mut m)?;
+            }
+            Requirement::Cpus(c) => {
+                m.serialize_entry("kind", "cpus")?;
+                m.serialize_entry("cpus", c)?;
+            }
+            Requirement::Memory(x) => {
+                m.serialize_entry("kind", "memory")?;
+                m.serialize_entry("mem_mib", x)?;
+            }
+            Requirement::Ports(p) => {
+                m.serialize_entry("kind", "ports")?;
+                m.serialize_entry("ports", p)?;
+            }
+            Requirement::RootTasks => m.serialize_entry("kind", "root_tasks")?,
+            Requirement::Mount(p) => {
+                m.serialize_entry("kind", "mount")?;
+                m.serialize_entry("path", p)?;
+            }
+            Requirement::Driver(d) => {
+                m.serialize_entry("kind", "driver")?;
+                m.serialize_entry("requires", &d.requires)?;
+                m.serialize_entry("newest_driver", &d.newest_driver)?;
+                m.serialize_entry("newest_cuda", &d.newest_cuda)?;
+            }
+        }
+        m.end()
+    }
+}
+
+impl GpuAsk {
+    /// Its JSON fields: `gpus`, `gpu_model`, `gpu_mem_min_mib`, and `mig`,
+    /// `gpu_fraction_mem_mib`, `gpu_fraction_compute_pct` when set.
+    fn entries<M: SerializeMap>(&self, m: &mut M) -> std::result::Result<(), M::Error> {
+        m.serialize_entry("gpus", &self.count)?;
+        m.serialize_entry("gpu_model", &self.model)?;
+        m.serialize_entry("gpu_mem_min_mib", &self.mem_min_mib)?;
+        if let Some(p) = &self.mig {
+            m.serialize_entry("mig", p)?;
+        }
+        if let Some((mem, pct)) = self.fraction {
+            if mem > 0 {
+                m.serialize_entry("gpu_fraction_mem_mib", &mem)?;
+            }
+            if pct > 0 {
+                m.serialize_entry("gpu_fraction_compute_pct", &pct)?;
+            }
+        }
+        Ok(())
+    }
 }
 
 // ------------------------------------------------------------ to the wire
@@ -345,6 +442,11 @@ impl From<&Requirement> for wr::Requirement {
                 runtime: pb::Runtime::from(*rt) as i32,
                 ..Default::default()
             },
+            Requirement::UnknownRuntime(n) => wr::Requirement {
+                kind: Kind::Runtime as i32,
+                runtime: *n,
+                ..Default::default()
+            },
             Requirement::Attribute { key, pattern } => wr::Requirement {
                 kind: Kind::Attribute as i32,
                 key: key.clone(),
@@ -417,15 +519,15 @@ fn missing(field: &str) -> ConvertError {
 }
 
 /// Plain copies: a reason's amounts are the master's own, not checked as a
-/// job's ask (a quota may be unbounded).
-fn resources(field: &str, r: Option<&pb::Resources>) -> Result<Resources> {
-    let r = r.ok_or_else(|| missing(field))?;
-    Ok(Resources {
+/// job's ask (a quota may be unbounded); none reads as zeros.
+pub fn resources(r: Option<&pb::Resources>) -> Resources {
+    let r = r.copied().unwrap_or_default();
+    Resources {
         cpus: r.cpus,
         mem_mib: r.mem_mib,
         gpus: r.gpus,
         ports: r.ports,
-    })
+    }
 }
 
 fn ids(a: Option<&wr::AgentIds>) -> AgentIds {
@@ -450,7 +552,10 @@ impl TryFrom<&wr::Requirement> for Requirement {
                 .then_some((r.gpu_fraction_mem_mib, r.gpu_fraction_compute_pct)),
         };
         Ok(match Kind::try_from(r.kind) {
-            Ok(Kind::Runtime) => Requirement::Runtime(runtime_from_pb("runtime", r.runtime)?),
+            Ok(Kind::Runtime) => match runtime_from_pb("runtime", r.runtime) {
+                Ok(rt) => Requirement::Runtime(rt),
+                Err(_) => Requirement::UnknownRuntime(r.runtime),
+            },
             Ok(Kind::Attribute) => Requirement::Attribute {
                 key: r.key.clone(),
                 pattern: r.pattern.clone(),
@@ -510,22 +615,21 @@ impl TryFrom<&pb::WaitReason> for Waiting {
                 },
             },
             wr::Kind::Quota(q) => WaitReason::Quota {
-                used: resources("quota.used", q.used.as_ref())?,
-                asked: resources("quota.asked", q.asked.as_ref())?,
-                limit: resources("quota.limit", q.limit.as_ref())?,
+                used: resources(q.used.as_ref()),
+                asked: resources(q.asked.as_ref()),
+                limit: resources(q.limit.as_ref()),
+                // A dimension this build does not know (a newer master's)
+                // is left out, the others still said.
                 over: q
                     .over
                     .iter()
-                    .map(|d| match wr::Dimension::try_from(*d) {
-                        Ok(wr::Dimension::Gpus) => Ok(Dimension::Gpus),
-                        Ok(wr::Dimension::Cpus) => Ok(Dimension::Cpus),
-                        Ok(wr::Dimension::Memory) => Ok(Dimension::Memory),
-                        _ => Err(ConvertError::new(
-                            "quota.over",
-                            format!("unknown dimension {d}"),
-                        )),
+                    .filter_map(|d| match wr::Dimension::try_from(*d) {
+                        Ok(wr::Dimension::Gpus) => Some(Dimension::Gpus),
+                        Ok(wr::Dimension::Cpus) => Some(Dimension::Cpus),
+                        Ok(wr::Dimension::Memory) => Some(Dimension::Memory),
+                        _ => None,
                     })
-                    .collect::<Result<_>>()?,
+                    .collect(),
             },
             wr::Kind::TenantQuota(q) => WaitReason::TenantQuota {
                 tenant: q.tenant.clone(),
@@ -536,12 +640,8 @@ impl TryFrom<&pb::WaitReason> for Waiting {
             wr::Kind::Starting(_) => WaitReason::Starting,
             wr::Kind::Preempting(p) => WaitReason::Preempting {
                 waiting_for_tasks: p.waiting_for_tasks,
-                reclaim_from: p
-                    .reclaim_from
-                    .iter()
-                    .take(MAX_RECLAIM_FROM)
-                    .cloned()
-                    .collect(),
+                // As sent: the master bounds it (`MAX_RECLAIM_FROM`).
+                reclaim_from: p.reclaim_from.clone(),
             },
             wr::Kind::Priority(p) => WaitReason::Priority {
                 blocked_by: non_empty(&p.blocked_by),

@@ -1,48 +1,29 @@
 //! Why a queued job waits: the master sends it as data
-//! (`pb::WaitReason`); this is its JSON shape (`wait_reason` in
-//! `jobs get/list --json`, and the web console's) and the one place it
-//! becomes words (gpuctl's `REASON` column, `reason` in JSON, `jobs get`,
-//! `jobs wait`, the console's pages). The words of each kind are listed in
-//! docs/scheduling.md.
+//! (`pb::WaitReason`, read here into the domain's [`Waiting`], whose serde
+//! form is the JSON: `wait_reason` in `jobs get/list --json`, and the web
+//! console's) and this is the one place it becomes words (gpuctl's `REASON`
+//! column, `reason` in JSON, `jobs get`, `jobs wait`, the console's pages).
+//! The words of each kind are listed in docs/scheduling.md.
 
 use std::fmt;
 
-use serde::{Deserialize, Serialize};
-
-use crate::convert::runtime_name;
 use crate::pb;
-use crate::pb::wait_reason as wr;
+use crate::wait::{
+    AgentCounts, AgentIds, Dimension, GpuAsk, NeverFits, Requirement, SetAside, WaitReason,
+    Waiting,
+};
 
-/// Scalar resources in JSON (`jobs get --json`, the console).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ResourcesJson {
-    pub cpus: f64,
-    pub mem_mib: u64,
-    pub gpus: u32,
-    /// Host ports (a count).
-    #[serde(default)]
-    pub ports: u32,
-}
-
-impl From<Option<&pb::Resources>> for ResourcesJson {
-    fn from(r: Option<&pb::Resources>) -> Self {
-        let r = r.copied().unwrap_or_default();
-        ResourcesJson {
-            cpus: r.cpus,
-            mem_mib: r.mem_mib,
-            gpus: r.gpus,
-            ports: r.ports,
-        }
-    }
-}
+/// Scalar resources as JSON shows them (`jobs get --json`, the console):
+/// a plain copy, none reading as zeros.
+pub use crate::wait::resources as resources_of;
 
 /// Why a queued job waits, as data, if the master sent one this build can
-/// read.
-pub fn wait_reason_data(j: &pb::Job) -> Option<WaitReasonJson> {
+/// read (a kind it does not know reads as none).
+pub fn wait_reason_data(j: &pb::Job) -> Option<Waiting> {
     (j.state == pb::JobState::JobQueued as i32)
         .then_some(j.wait_reason.as_ref())
         .flatten()
-        .and_then(WaitReasonJson::from_pb)
+        .and_then(|w| Waiting::try_from(w).ok())
 }
 
 /// Why a queued job waits, in words; `None` for a job not queued. A master
@@ -55,315 +36,6 @@ pub fn wait_reason_words(j: &pb::Job) -> Option<String> {
     match wait_reason_data(j) {
         Some(w) => Some(w.to_string()),
         None => (!j.message.is_empty()).then(|| j.message.clone()),
-    }
-}
-
-/// Why a QUEUED job waits, as data.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct WaitReasonJson {
-    #[serde(flatten)]
-    pub kind: WaitKindJson,
-    /// How it came back to the queue; `null` for a job never started.
-    pub requeued: Option<RequeuedJson>,
-}
-
-/// The kinds, tagged `kind`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "kind", rename_all = "snake_case")]
-pub enum WaitKindJson {
-    /// No agent that takes tasks could ever run it, even idle.
-    NeverFits {
-        why: NeverFitsJson,
-        set_aside: SetAsideJson,
-    },
-    /// Starting it would take the jobs role past its quota.
-    Quota {
-        used: ResourcesJson,
-        asked: ResourcesJson,
-        limit: ResourcesJson,
-        /// `gpus`, `cpus`, `memory`: where used + asked > limit.
-        over: Vec<String>,
-    },
-    /// Starting it would take its tenant past its GPU quota.
-    TenantQuota {
-        tenant: String,
-        quota: u32,
-        used: u32,
-        asked: u32,
-    },
-    /// The resources are free: it is being placed.
-    Starting,
-    /// Tasks of lower priority are being stopped for it, or tasks of other
-    /// tenants over their fair share (`reclaim_from`).
-    Preempting {
-        waiting_for_tasks: u32,
-        #[serde(default, skip_serializing_if = "Vec::is_empty")]
-        reclaim_from: Vec<String>,
-    },
-    /// It fits in what is free, but jobs ahead of it take that first.
-    Priority {
-        blocked_by: Option<String>,
-        kept_for_preemption: bool,
-    },
-    /// Some agent could run it, but not with what is free now.
-    Resources(BusyJson),
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "kind", rename_all = "snake_case")]
-pub enum NeverFitsJson {
-    NoActiveAgent,
-    /// The first requirement no agent meets; `among`: earlier requirements
-    /// that narrowed the agents; `largest`: the most an agent has of it.
-    Missing {
-        need: RequirementJson,
-        among: Vec<RequirementJson>,
-        largest: Option<f64>,
-    },
-    /// A gang the agents cannot hold at once.
-    Gang {
-        replicas: u32,
-        gpus: u32,
-    },
-}
-
-/// One requirement of a job's task, tagged `kind`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "kind", rename_all = "snake_case")]
-pub enum RequirementJson {
-    Runtime {
-        runtime: String,
-    },
-    Attribute {
-        key: String,
-        pattern: String,
-    },
-    GpuModel(GpuAskJson),
-    GpuMemory(GpuAskJson),
-    Gpus(GpuAskJson),
-    Cpus {
-        cpus: f64,
-    },
-    Memory {
-        mem_mib: u64,
-    },
-    /// Host ports in all (the agent's --ports range).
-    Ports {
-        ports: u32,
-    },
-    /// Allows root host-process tasks (the agent's allow_root_tasks).
-    RootTasks,
-    /// Allows mounting `path` (the agent's allowed_mounts).
-    Mount {
-        path: String,
-    },
-    /// A driver that meets every one of `requires` (NVIDIA_REQUIRE_*
-    /// expressions: the job's --require-cuda and its image's); as the
-    /// missing need, the newest driver and CUDA of the agents looked at.
-    Driver {
-        requires: Vec<String>,
-        newest_driver: Option<String>,
-        newest_cuda: Option<String>,
-    },
-}
-
-/// The GPUs a task asks for.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct GpuAskJson {
-    pub gpus: u32,
-    pub gpu_model: Option<String>,
-    pub gpu_mem_min_mib: u64,
-    /// MIG devices of this profile rather than whole GPUs.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub mig: Option<String>,
-    /// A fraction of a shared GPU: memory (MiB).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub gpu_fraction_mem_mib: Option<u64>,
-    /// And its compute (percent).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub gpu_fraction_compute_pct: Option<u32>,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct SetAsideJson {
-    pub draining: AgentIdsJson,
-    pub unreachable: AgentIdsJson,
-}
-
-/// The first few agents' ids and how many there are.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct AgentIdsJson {
-    pub first: Vec<String>,
-    pub count: u32,
-}
-
-/// Every agent that takes tasks, counted once for the first thing it lacks.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct BusyJson {
-    pub agents: u32,
-    pub filtered_runtime: u32,
-    pub filtered_constraints: u32,
-    pub filtered_gpu_model: u32,
-    pub filtered_gpu_memory: u32,
-    pub filtered_too_small: u32,
-    pub exhausted_gpus: u32,
-    pub exhausted_cpus: u32,
-    pub exhausted_memory: u32,
-    #[serde(default)]
-    pub exhausted_ports: u32,
-    pub fit_one: u32,
-    #[serde(default)]
-    pub filtered_security: u32,
-    #[serde(default)]
-    pub filtered_driver: u32,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct RequeuedJson {
-    pub preempted_by: Option<String>,
-    pub retries: u32,
-    pub max_retries: u32,
-    /// How its last attempt ended, when that is why it is back.
-    pub after: Option<String>,
-}
-
-fn non_empty(s: &str) -> Option<String> {
-    (!s.is_empty()).then(|| s.to_string())
-}
-
-fn ids(a: Option<&wr::AgentIds>) -> AgentIdsJson {
-    a.map(|a| AgentIdsJson {
-        first: a.first.clone(),
-        count: a.count,
-    })
-    .unwrap_or_default()
-}
-
-impl RequirementJson {
-    /// `None` for a kind this gpuctl does not know (a newer master).
-    fn from_pb(r: &wr::Requirement) -> Option<Self> {
-        use wr::requirement::Kind;
-        let gpus = || GpuAskJson {
-            gpus: r.gpus,
-            gpu_model: non_empty(&r.gpu_model),
-            gpu_mem_min_mib: r.gpu_mem_min_mib,
-            mig: non_empty(&r.mig),
-            gpu_fraction_mem_mib: (r.gpu_fraction_mem_mib > 0).then_some(r.gpu_fraction_mem_mib),
-            gpu_fraction_compute_pct: (r.gpu_fraction_compute_pct > 0)
-                .then_some(r.gpu_fraction_compute_pct),
-        };
-        Some(match Kind::try_from(r.kind).ok()? {
-            Kind::Unspecified => return None,
-            Kind::Runtime => RequirementJson::Runtime {
-                runtime: runtime_name(r.runtime),
-            },
-            Kind::Attribute => RequirementJson::Attribute {
-                key: r.key.clone(),
-                pattern: r.pattern.clone(),
-            },
-            Kind::GpuModel => RequirementJson::GpuModel(gpus()),
-            Kind::GpuMemory => RequirementJson::GpuMemory(gpus()),
-            Kind::Gpus => RequirementJson::Gpus(gpus()),
-            Kind::Cpus => RequirementJson::Cpus { cpus: r.cpus },
-            Kind::Memory => RequirementJson::Memory { mem_mib: r.mem_mib },
-            Kind::Ports => RequirementJson::Ports { ports: r.ports },
-            Kind::RootTasks => RequirementJson::RootTasks,
-            Kind::Mount => RequirementJson::Mount {
-                path: r.path.clone(),
-            },
-            Kind::Driver => RequirementJson::Driver {
-                requires: r.requires.clone(),
-                newest_driver: non_empty(&r.newest_driver),
-                newest_cuda: non_empty(&r.newest_cuda),
-            },
-        })
-    }
-}
-
-impl WaitReasonJson {
-    /// `None` when the reason has no kind this gpuctl knows (a newer
-    /// master's): the caller falls back to the job's message.
-    pub fn from_pb(w: &pb::WaitReason) -> Option<Self> {
-        use wr::Kind;
-        let kind = match w.kind.as_ref()? {
-            Kind::NeverFits(n) => WaitKindJson::NeverFits {
-                why: match n.why.as_ref()? {
-                    wr::never_fits::Why::NoActiveAgent(_) => NeverFitsJson::NoActiveAgent,
-                    wr::never_fits::Why::Missing(m) => NeverFitsJson::Missing {
-                        need: RequirementJson::from_pb(m.need.as_ref()?)?,
-                        among: m
-                            .among
-                            .iter()
-                            .map(RequirementJson::from_pb)
-                            .collect::<Option<_>>()?,
-                        largest: m.largest,
-                    },
-                    wr::never_fits::Why::Gang(g) => NeverFitsJson::Gang {
-                        replicas: g.replicas,
-                        gpus: g.gpus,
-                    },
-                },
-                set_aside: SetAsideJson {
-                    draining: ids(n.set_aside.as_ref().and_then(|s| s.draining.as_ref())),
-                    unreachable: ids(n.set_aside.as_ref().and_then(|s| s.unreachable.as_ref())),
-                },
-            },
-            Kind::Quota(q) => WaitKindJson::Quota {
-                used: ResourcesJson::from(q.used.as_ref()),
-                asked: ResourcesJson::from(q.asked.as_ref()),
-                limit: ResourcesJson::from(q.limit.as_ref()),
-                over: q
-                    .over
-                    .iter()
-                    .filter_map(|d| match wr::Dimension::try_from(*d).ok()? {
-                        wr::Dimension::Gpus => Some("gpus"),
-                        wr::Dimension::Cpus => Some("cpus"),
-                        wr::Dimension::Memory => Some("memory"),
-                        wr::Dimension::Unspecified => None,
-                    })
-                    .map(String::from)
-                    .collect(),
-            },
-            Kind::TenantQuota(q) => WaitKindJson::TenantQuota {
-                tenant: q.tenant.clone(),
-                quota: q.quota,
-                used: q.used,
-                asked: q.asked,
-            },
-            Kind::Starting(_) => WaitKindJson::Starting,
-            Kind::Preempting(p) => WaitKindJson::Preempting {
-                waiting_for_tasks: p.waiting_for_tasks,
-                reclaim_from: p.reclaim_from.clone(),
-            },
-            Kind::Priority(p) => WaitKindJson::Priority {
-                blocked_by: non_empty(&p.blocked_by),
-                kept_for_preemption: p.kept_for_preemption,
-            },
-            Kind::Resources(b) => WaitKindJson::Resources(BusyJson {
-                agents: b.agents,
-                filtered_runtime: b.filtered_runtime,
-                filtered_constraints: b.filtered_constraints,
-                filtered_gpu_model: b.filtered_gpu_model,
-                filtered_gpu_memory: b.filtered_gpu_memory,
-                filtered_too_small: b.filtered_too_small,
-                exhausted_gpus: b.exhausted_gpus,
-                exhausted_cpus: b.exhausted_cpus,
-                exhausted_memory: b.exhausted_memory,
-                exhausted_ports: b.exhausted_ports,
-                fit_one: b.fit_one,
-                filtered_security: b.filtered_security,
-                filtered_driver: b.filtered_driver,
-            }),
-        };
-        Some(WaitReasonJson {
-            kind,
-            requeued: w.requeued.as_ref().map(|r| RequeuedJson {
-                preempted_by: non_empty(&r.preempted_by),
-                retries: r.retries,
-                max_retries: r.max_retries,
-                after: non_empty(&r.after),
-            }),
-        })
     }
 }
 
@@ -390,22 +62,23 @@ fn plural(n: impl Into<u64>) -> &'static str {
     }
 }
 
-impl GpuAskJson {
+impl GpuAsk {
     /// "8 GPUs of model A100* with at least 81920 MiB".
     fn words(&self) -> String {
-        if let Some(m) = self.gpu_fraction_mem_mib {
-            let compute = self
-                .gpu_fraction_compute_pct
-                .map(|c| format!(" and {c}% of compute"))
-                .unwrap_or_default();
+        if let Some((m, pct)) = self.fraction {
+            let compute = if pct > 0 {
+                format!(" and {pct}% of compute")
+            } else {
+                String::new()
+            };
             return format!(
                 "a shared GPU{} with room for {m} MiB{compute}",
                 self.of_model_with_mem()
             );
         }
         let mut s = match &self.mig {
-            Some(p) => format!("{} MIG device{} {p}", self.gpus, plural(self.gpus)),
-            None => format!("{} GPU{}", self.gpus, plural(self.gpus)),
+            Some(p) => format!("{} MIG device{} {p}", self.count, plural(self.count)),
+            None => format!("{} GPU{}", self.count, plural(self.count)),
         };
         s.push_str(&self.of_model_with_mem());
         s
@@ -413,45 +86,46 @@ impl GpuAskJson {
 
     fn of_model_with_mem(&self) -> String {
         let mut s = String::new();
-        if let Some(m) = &self.gpu_model {
+        if let Some(m) = &self.model {
             s.push_str(&format!(" of model {m}"));
         }
-        if self.gpu_mem_min_mib > 0 {
-            s.push_str(&format!(" with at least {} MiB", self.gpu_mem_min_mib));
+        if self.mem_min_mib > 0 {
+            s.push_str(&format!(" with at least {} MiB", self.mem_min_mib));
         }
         s
     }
 }
 
-impl RequirementJson {
+impl Requirement {
     /// What no agent has: "has GPU model H100*" (after "no agent").
     fn missing(&self) -> String {
         match self {
-            RequirementJson::Runtime { runtime } => format!("runs {runtime}"),
-            RequirementJson::Attribute { key, pattern } => {
+            Requirement::Runtime(runtime) => format!("runs {runtime}"),
+            Requirement::UnknownRuntime(n) => format!("runs {}", crate::convert::runtime_name(*n)),
+            Requirement::Attribute { key, pattern } => {
                 format!("has attribute {key}={pattern}")
             }
-            RequirementJson::GpuModel(g) => {
-                format!("has GPU model {}", g.gpu_model.as_deref().unwrap_or("*"))
+            Requirement::GpuModel(g) => {
+                format!("has GPU model {}", g.model.as_deref().unwrap_or("*"))
             }
-            RequirementJson::GpuMemory(g) => match &g.mig {
+            Requirement::GpuMemory(g) => match &g.mig {
                 Some(p) => format!("has a MIG device {p}{}", g.of_model_with_mem()),
                 None => format!("has a GPU{}", g.of_model_with_mem()),
             },
-            RequirementJson::Gpus(g) => format!("has {}", g.words()),
-            RequirementJson::Cpus { cpus } => format!("has {cpus} cpus"),
-            RequirementJson::Memory { mem_mib } => format!("has {mem_mib} MiB of memory"),
-            RequirementJson::Ports { ports } => {
+            Requirement::Gpus(g) => format!("has {}", g.words()),
+            Requirement::Cpus(cpus) => format!("has {cpus} cpus"),
+            Requirement::Memory(mem_mib) => format!("has {mem_mib} MiB of memory"),
+            Requirement::Ports(ports) => {
                 format!("offers {ports} host ports (agent option --ports)")
             }
-            RequirementJson::RootTasks => {
+            Requirement::RootTasks => {
                 "allows root tasks (agent option allow_root_tasks)".to_string()
             }
-            RequirementJson::Mount { path } => {
+            Requirement::Mount(path) => {
                 format!("allows mounting {path} (agent option allowed_mounts)")
             }
-            RequirementJson::Driver { requires, .. } => {
-                format!("has a driver for {}", shorts(requires))
+            Requirement::Driver(d) => {
+                format!("has a driver for {}", shorts(&d.requires))
             }
         }
     }
@@ -459,33 +133,29 @@ impl RequirementJson {
     /// The agents it leaves: "have zone=us-*" (after "among those that").
     fn qualifier(&self) -> String {
         match self {
-            RequirementJson::Runtime { runtime } => format!("run {runtime}"),
-            RequirementJson::Attribute { key, pattern } => format!("have {key}={pattern}"),
-            RequirementJson::GpuModel(g)
-            | RequirementJson::GpuMemory(g)
-            | RequirementJson::Gpus(g) => format!("have {}", g.words()),
-            RequirementJson::Cpus { cpus } => format!("have {cpus} cpus"),
-            RequirementJson::Memory { mem_mib } => format!("have {mem_mib} MiB of memory"),
-            RequirementJson::Ports { ports } => format!("offer {ports} host ports"),
-            RequirementJson::RootTasks => "allow root tasks".to_string(),
-            RequirementJson::Mount { path } => format!("allow mounting {path}"),
-            RequirementJson::Driver { requires, .. } => {
-                format!("have a driver for {}", shorts(requires))
+            Requirement::Runtime(runtime) => format!("run {runtime}"),
+            Requirement::UnknownRuntime(n) => format!("run {}", crate::convert::runtime_name(*n)),
+            Requirement::Attribute { key, pattern } => format!("have {key}={pattern}"),
+            Requirement::GpuModel(g)
+            | Requirement::GpuMemory(g)
+            | Requirement::Gpus(g) => format!("have {}", g.words()),
+            Requirement::Cpus(cpus) => format!("have {cpus} cpus"),
+            Requirement::Memory(mem_mib) => format!("have {mem_mib} MiB of memory"),
+            Requirement::Ports(ports) => format!("offer {ports} host ports"),
+            Requirement::RootTasks => "allow root tasks".to_string(),
+            Requirement::Mount(path) => format!("allow mounting {path}"),
+            Requirement::Driver(d) => {
+                format!("have a driver for {}", shorts(&d.requires))
             }
         }
     }
 
     /// "newest: driver 525.60.13, CUDA 12.0" for a driver no agent has.
     fn newest(&self) -> Option<String> {
-        let RequirementJson::Driver {
-            newest_driver,
-            newest_cuda,
-            ..
-        } = self
-        else {
+        let Requirement::Driver(d) = self else {
             return None;
         };
-        let parts: Vec<String> = [("driver", newest_driver), ("CUDA", newest_cuda)]
+        let parts: Vec<String> = [("driver", &d.newest_driver), ("CUDA", &d.newest_cuda)]
             .into_iter()
             .filter_map(|(what, v)| v.as_ref().map(|v| format!("{what} {v}")))
             .collect();
@@ -495,10 +165,10 @@ impl RequirementJson {
     /// "at most 8" for the largest amount an agent has of it.
     fn at_most(&self, largest: f64) -> Option<String> {
         match self {
-            RequirementJson::Gpus(_)
-            | RequirementJson::Cpus { .. }
-            | RequirementJson::Ports { .. } => Some(format!("at most {largest}")),
-            RequirementJson::GpuMemory(_) | RequirementJson::Memory { .. } => {
+            Requirement::Gpus(_) | Requirement::Cpus(_) | Requirement::Ports(_) => {
+                Some(format!("at most {largest}"))
+            }
+            Requirement::GpuMemory(_) | Requirement::Memory(_) => {
                 Some(format!("at most {largest} MiB"))
             }
             _ => None,
@@ -506,7 +176,7 @@ impl RequirementJson {
     }
 }
 
-impl AgentIdsJson {
+impl AgentIds {
     /// "a1, a2, a3 and 2 more".
     fn words(&self) -> String {
         let more = (self.count as usize).saturating_sub(self.first.len());
@@ -518,7 +188,7 @@ impl AgentIdsJson {
     }
 }
 
-impl SetAsideJson {
+impl SetAside {
     /// "not counting agents draining: a1; unreachable: a2", or `None`.
     fn words(&self) -> Option<String> {
         let parts: Vec<String> = [
@@ -533,7 +203,7 @@ impl SetAsideJson {
     }
 }
 
-impl BusyJson {
+impl AgentCounts {
     /// "of 4 agents: 3 short of free GPUs, 1 too small", or `None`.
     fn words(&self) -> Option<String> {
         let parts: Vec<String> = [
@@ -565,14 +235,14 @@ impl BusyJson {
     }
 }
 
-impl fmt::Display for WaitKindJson {
+impl fmt::Display for WaitReason {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            WaitKindJson::NeverFits { why, set_aside } => {
+            WaitReason::NeverFits { why, set_aside } => {
                 let mut notes = Vec::new();
                 match why {
-                    NeverFitsJson::NoActiveAgent => write!(f, "no active agent")?,
-                    NeverFitsJson::Missing {
+                    NeverFits::NoActiveAgent => write!(f, "no active agent")?,
+                    NeverFits::Missing {
                         need,
                         among,
                         largest,
@@ -585,7 +255,7 @@ impl fmt::Display for WaitKindJson {
                         notes.extend(largest.and_then(|l| need.at_most(l)));
                         notes.extend(need.newest());
                     }
-                    NeverFitsJson::Gang { replicas, gpus } => write!(
+                    NeverFits::Gang { replicas, gpus } => write!(
                         f,
                         "the agents cannot hold {replicas} replicas of {gpus} GPU{} at once",
                         plural(*gpus)
@@ -597,7 +267,7 @@ impl fmt::Display for WaitKindJson {
                 }
                 Ok(())
             }
-            WaitKindJson::Quota {
+            WaitReason::Quota {
                 used,
                 asked,
                 limit,
@@ -605,25 +275,24 @@ impl fmt::Display for WaitKindJson {
             } => {
                 let parts: Vec<String> = over
                     .iter()
-                    .filter_map(|d| match d.as_str() {
-                        "gpus" => Some(format!(
+                    .map(|d| match d {
+                        Dimension::Gpus => format!(
                             "{} GPUs in use + {} asked > {}",
                             used.gpus, asked.gpus, limit.gpus
-                        )),
-                        "cpus" => Some(format!(
+                        ),
+                        Dimension::Cpus => format!(
                             "{} cpus in use + {} asked > {}",
                             used.cpus, asked.cpus, limit.cpus
-                        )),
-                        "memory" => Some(format!(
+                        ),
+                        Dimension::Memory => format!(
                             "{} MiB in use + {} asked > {}",
                             used.mem_mib, asked.mem_mib, limit.mem_mib
-                        )),
-                        _ => None,
+                        ),
                     })
                     .collect();
                 write!(f, "Quota: the jobs role's quota: {}", parts.join(", "))
             }
-            WaitKindJson::TenantQuota {
+            WaitReason::TenantQuota {
                 tenant,
                 quota,
                 used,
@@ -633,8 +302,8 @@ impl fmt::Display for WaitKindJson {
                 "Quota: tenant {tenant}'s GPU quota: {used} GPUs in use + {asked} asked > {quota} \
                  (gpuctl quota)"
             ),
-            WaitKindJson::Starting => write!(f, "Scheduling: resources are free; starting it"),
-            WaitKindJson::Preempting {
+            WaitReason::Starting => write!(f, "Scheduling: resources are free; starting it"),
+            WaitReason::Preempting {
                 waiting_for_tasks,
                 reclaim_from,
             } if reclaim_from.is_empty() => write!(
@@ -642,7 +311,7 @@ impl fmt::Display for WaitKindJson {
                 "Preempting: waiting for {waiting_for_tasks} task{} of lower priority to stop",
                 plural(*waiting_for_tasks)
             ),
-            WaitKindJson::Preempting {
+            WaitReason::Preempting {
                 waiting_for_tasks,
                 reclaim_from,
             } => write!(
@@ -653,7 +322,7 @@ impl fmt::Display for WaitKindJson {
                 plural(reclaim_from.len() as u32),
                 reclaim_from.join(", ")
             ),
-            WaitKindJson::Priority {
+            WaitReason::Priority {
                 blocked_by,
                 kept_for_preemption,
             } => {
@@ -670,7 +339,7 @@ impl fmt::Display for WaitKindJson {
                 }
                 Ok(())
             }
-            WaitKindJson::Resources(busy) => {
+            WaitReason::Resources(busy) => {
                 write!(f, "Resources: waiting for resources to be freed")?;
                 if let Some(w) = busy.words() {
                     write!(f, " ({w})")?;
@@ -682,15 +351,15 @@ impl fmt::Display for WaitKindJson {
 }
 
 /// One line, as `gpuctl jobs list` shows it under `REASON`.
-impl fmt::Display for WaitReasonJson {
+impl fmt::Display for Waiting {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let Some(r) = &self.requeued else {
-            return write!(f, "{}", self.kind);
+            return write!(f, "{}", self.reason);
         };
         if let Some(by) = &r.preempted_by {
             write!(f, "PREEMPTED by {by}; ")?;
         }
-        write!(f, "{}", self.kind)?;
+        write!(f, "{}", self.reason)?;
         if r.retries > 0 {
             write!(f, " (retry {} of {}", r.retries, r.max_retries)?;
             if let Some(after) = &r.after {
@@ -708,6 +377,7 @@ impl fmt::Display for WaitReasonJson {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::pb::wait_reason as wr;
     use wr::requirement::Kind as R;
 
     fn text(kind: wr::Kind, requeued: Option<wr::Requeued>) -> String {
@@ -715,9 +385,7 @@ mod tests {
             kind: Some(kind),
             requeued,
         };
-        WaitReasonJson::from_pb(&w)
-            .expect("a known kind")
-            .to_string()
+        Waiting::try_from(&w).expect("a known kind").to_string()
     }
 
     fn req(kind: R) -> wr::Requirement {
@@ -1144,7 +812,7 @@ mod tests {
                 ..Default::default()
             }),
         };
-        let j = WaitReasonJson::from_pb(&w).unwrap();
+        let j = Waiting::try_from(&w).unwrap();
         let v = serde_json::to_value(&j).unwrap();
         assert_eq!(
             v,
@@ -1163,10 +831,8 @@ mod tests {
                 "requeued": {"preempted_by": "job-3", "retries": 0, "max_retries": 0, "after": null}
             })
         );
-        let back: WaitReasonJson = serde_json::from_value(v).unwrap();
-        assert_eq!(back, j);
         let v = serde_json::to_value(
-            WaitReasonJson::from_pb(&pb::WaitReason {
+            Waiting::try_from(&pb::WaitReason {
                 kind: Some(wr::Kind::Preempting(wr::Preempting {
                     waiting_for_tasks: 2,
                     reclaim_from: vec![],
@@ -1184,11 +850,50 @@ mod tests {
 
     #[test]
     fn an_unknown_kind_reads_as_none() {
-        assert_eq!(WaitReasonJson::from_pb(&pb::WaitReason::default()), None);
+        assert!(Waiting::try_from(&pb::WaitReason::default()).is_err());
         let w = pb::WaitReason {
             kind: Some(missing(req(R::Unspecified), vec![], None, None)),
             requeued: None,
         };
-        assert_eq!(WaitReasonJson::from_pb(&w), None);
+        assert!(Waiting::try_from(&w).is_err());
+    }
+
+    #[test]
+    fn what_a_newer_master_adds_is_still_shown() {
+        // A runtime this build does not know: named by its number.
+        let mut r = req(R::Runtime);
+        r.runtime = 99;
+        let w = pb::WaitReason {
+            kind: Some(missing(r, vec![], None, None)),
+            requeued: None,
+        };
+        let j = Waiting::try_from(&w).unwrap();
+        assert_eq!(j.to_string(), "no agent runs unknown(99)");
+        assert_eq!(
+            serde_json::to_value(&j).unwrap()["why"]["need"],
+            serde_json::json!({"kind": "runtime", "runtime": "unknown(99)"})
+        );
+        // A quota dimension it does not know is left out; the others said.
+        let q = pb::WaitReason {
+            kind: Some(wr::Kind::Quota(wr::Quota {
+                used: None,
+                asked: Some(pb::Resources {
+                    gpus: 2,
+                    ..Default::default()
+                }),
+                limit: None,
+                over: vec![wr::Dimension::Gpus as i32, 42],
+            })),
+            requeued: None,
+        };
+        let j = Waiting::try_from(&q).unwrap();
+        assert_eq!(
+            j.to_string(),
+            "Quota: the jobs role's quota: 0 GPUs in use + 2 asked > 0"
+        );
+        assert_eq!(
+            serde_json::to_value(&j).unwrap()["over"],
+            serde_json::json!(["gpus"])
+        );
     }
 }

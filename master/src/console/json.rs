@@ -14,9 +14,9 @@ use gpuctl_proto::pb;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
+/// The same shape as `gpuctl --json`'s: the domain's `Resources`.
 pub fn resources(r: Option<&pb::Resources>) -> Value {
-    let r = r.copied().unwrap_or_default();
-    json!({ "cpus": r.cpus, "mem_mib": r.mem_mib, "gpus": r.gpus, "ports": r.ports })
+    serde_json::to_value(gpuctl_core::wait_words::resources_of(r)).unwrap_or(Value::Null)
 }
 
 fn gpu(g: &pb::Gpu) -> Value {

@@ -293,7 +293,8 @@ fn a_missing_profile_is_named_in_the_wait_reason() {
         other => panic!("{other:?}"),
     }
     // In words, as `gpuctl jobs get` shows it.
-    let words = gpuctl_core::wait_words::WaitReasonJson::from_pb(&(&w).into())
+    let wire = gpuctl_core::pb::WaitReason::from(&w);
+    let words = gpuctl_core::wait::Waiting::try_from(&wire)
         .unwrap()
         .to_string();
     assert!(words.contains("MIG device 7g.80gb"), "{words}");

@@ -191,7 +191,8 @@ fn the_scheduler_packs_fractions_onto_the_fewest_gpus_and_the_fifth_waits() {
     );
     let huge = d.submit(spec(Some((81920, 0)), 0));
     let w = crate::scheduler::queue::wait_reason(&d.s, &Default::default(), &huge).unwrap();
-    let words = gpuctl_core::wait_words::WaitReasonJson::from_pb(&(&w).into())
+    let wire = gpuctl_core::pb::WaitReason::from(&w);
+    let words = gpuctl_core::wait::Waiting::try_from(&wire)
         .unwrap()
         .to_string();
     assert!(
