@@ -10,10 +10,10 @@ use gpuctl_core::wait_words::wait_reason_data;
 use gpuctl_proto::pb;
 use serde::{Deserialize, Serialize};
 
-pub use gpuctl_core::wait_words::{short_require, wait_reason_words as wait_reason};
 pub use gpuctl_core::types::Resources;
 pub use gpuctl_core::wait::Waiting;
 use gpuctl_core::wait_words::resources_of;
+pub use gpuctl_core::wait_words::{short_require, wait_reason_words as wait_reason};
 
 // ---------------------------------------------------------------- JSON shapes
 

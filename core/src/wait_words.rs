@@ -9,8 +9,7 @@ use std::fmt;
 
 use crate::pb;
 use crate::wait::{
-    AgentCounts, AgentIds, Dimension, GpuAsk, NeverFits, Requirement, SetAside, WaitReason,
-    Waiting,
+    AgentCounts, AgentIds, Dimension, GpuAsk, NeverFits, Requirement, SetAside, WaitReason, Waiting,
 };
 
 /// Scalar resources as JSON shows them (`jobs get --json`, the console):
@@ -136,9 +135,9 @@ impl Requirement {
             Requirement::Runtime(runtime) => format!("run {runtime}"),
             Requirement::UnknownRuntime(n) => format!("run {}", crate::convert::runtime_name(*n)),
             Requirement::Attribute { key, pattern } => format!("have {key}={pattern}"),
-            Requirement::GpuModel(g)
-            | Requirement::GpuMemory(g)
-            | Requirement::Gpus(g) => format!("have {}", g.words()),
+            Requirement::GpuModel(g) | Requirement::GpuMemory(g) | Requirement::Gpus(g) => {
+                format!("have {}", g.words())
+            }
             Requirement::Cpus(cpus) => format!("have {cpus} cpus"),
             Requirement::Memory(mem_mib) => format!("have {mem_mib} MiB of memory"),
             Requirement::Ports(ports) => format!("offer {ports} host ports"),
