@@ -236,15 +236,8 @@ impl Follower {
     /// The current address and its channel (made if absent; all channels
     /// dropped first when the epoch changed).
     pub fn current(&self) -> Result<(String, Channel), Status> {
-        let epoch = self.epoch.as_ref().map(|e| e());
-        let mut st = self.lock();
+        let mut st = self.lock_in_epoch();
         let addr = st.addrs.get(st.index).cloned().unwrap_or_default();
-        if let Some(e) = epoch {
-            if st.epoch != e {
-                st.channels.clear();
-                st.epoch = e;
-            }
-        }
         if let Some(c) = st.channels.get(&addr) {
             return Ok((addr, c.clone()));
         }
@@ -256,7 +249,7 @@ impl Follower {
     /// A channel to `addr`: the cached one, or a new one (cached when
     /// caching).
     pub fn channel(&self, addr: &str) -> Result<Channel, Status> {
-        let mut st = self.lock();
+        let mut st = self.lock_in_epoch();
         if self.policy.cache_channels {
             if let Some(c) = st.channels.get(addr) {
                 return Ok(c.clone());
@@ -267,6 +260,20 @@ impl Follower {
             self.keep(&mut st, addr, channel.clone());
         }
         Ok(channel)
+    }
+
+    /// The state, its channels dropped first if the epoch changed since
+    /// they were made (a renewed certificate needs new connections).
+    fn lock_in_epoch(&self) -> MutexGuard<'_, State> {
+        let epoch = self.epoch.as_ref().map(|e| e());
+        let mut st = self.lock();
+        if let Some(e) = epoch {
+            if st.epoch != e {
+                st.channels.clear();
+                st.epoch = e;
+            }
+        }
+        st
     }
 
     fn keep(&self, st: &mut State, addr: &str, channel: Channel) {
@@ -807,6 +814,22 @@ mod tests {
         epoch.store(2, Ordering::SeqCst);
         f.current().unwrap();
         assert_eq!(made.load(Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test]
+    async fn a_new_epoch_drops_cached_channels_too() {
+        // The console's way: a channel per master, cached.
+        let made = Arc::new(AtomicUsize::new(0));
+        let epoch = Arc::new(AtomicU64::new(1));
+        let e = epoch.clone();
+        let f = Follower::new(Vec::new(), connector(made.clone()), policy(true))
+            .with_epoch(Arc::new(move || e.load(Ordering::SeqCst)));
+        f.channel("m1:7050").unwrap();
+        f.channel("m1:7050").unwrap();
+        assert_eq!(made.load(Ordering::SeqCst), 1, "cached");
+        epoch.store(2, Ordering::SeqCst);
+        f.channel("m1:7050").unwrap();
+        assert_eq!(made.load(Ordering::SeqCst), 2, "made again after a renewal");
     }
 
     #[tokio::test]

@@ -211,9 +211,21 @@ pub struct CallError {
 
 impl Gateway {
     pub fn new(addresses: AddressBook, tls: Option<Arc<Tls>>) -> Gateway {
+        let follower = Follower::new(Vec::new(), connector(tls.clone()), POLICY);
+        // The console's certificate is renewed in place (minted, or
+        // reloaded from console.crt); the master refuses calls on a
+        // connection whose certificate expired, so a renewal needs new
+        // connections.
+        let follower = match &tls {
+            Some(t) => {
+                let t = t.clone();
+                follower.with_epoch(Arc::new(move || t.identity().map_or(0, |i| i.not_after_ms)))
+            }
+            None => follower,
+        };
         Gateway {
             addresses,
-            follower: Follower::new(Vec::new(), connector(tls.clone()), POLICY),
+            follower,
             tls,
             deadline: LEADER_DEADLINE,
         }
