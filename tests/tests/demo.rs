@@ -133,6 +133,9 @@ fn demo_beside(dir: &std::path::Path, daemons: &[(&str, &str)]) -> std::process:
     Command::new(dir.join("gpuctl"))
         .args(["demo", "--no-docker", "--timeout", "20"])
         .env("PATH", "/bin")
+        // Not as `cargo run` would start it: nothing is built.
+        .env_remove("CARGO")
+        .env_remove("CARGO_MANIFEST_DIR")
         .output()
         .unwrap()
 }

@@ -47,6 +47,60 @@ pub(super) fn binary(name: &str) -> Result<PathBuf, CliError> {
     })
 }
 
+/// Under `cargo run -p gpuctl` (the README's quickstart), cargo builds only
+/// `gpuctl`: the daemons it runs are built here, with the same cargo,
+/// profile and target directory, so they land beside it. Elsewhere (an
+/// installed `gpuctl`) nothing is built and [`binary`] says what is missing.
+pub(super) fn build_if_run_by_cargo() -> Result<(), CliError> {
+    let (Some(cargo), Some(manifest)) = (
+        std::env::var_os("CARGO"),
+        std::env::var_os("CARGO_MANIFEST_DIR"),
+    ) else {
+        return Ok(());
+    };
+    let Some(dir) = std::env::current_exe()
+        .ok()
+        .and_then(|e| e.parent().map(Path::to_path_buf))
+    else {
+        return Ok(());
+    };
+    if [MASTER, AGENT].iter().all(|n| dir.join(n).is_file()) {
+        return Ok(());
+    }
+    // target/<profile>/gpuctl: the profile is the directory's name.
+    let (Some(profile), Some(target)) = (
+        dir.file_name().and_then(|p| p.to_str()).map(str::to_string),
+        dir.parent(),
+    ) else {
+        return Ok(());
+    };
+    let mut cmd = std::process::Command::new(cargo);
+    cmd.current_dir(manifest)
+        .args(["build", "-p", MASTER, "-p", AGENT, "--target-dir"])
+        .arg(target);
+    match profile.as_str() {
+        "debug" => {}
+        "release" => {
+            cmd.arg("--release");
+        }
+        other => {
+            cmd.args(["--profile", other]);
+        }
+    }
+    super::say(format!(
+        "Building {MASTER} and {AGENT} (cargo build -p {MASTER} -p {AGENT}, profile {profile})"
+    ));
+    let status = cmd
+        .status()
+        .map_err(|e| CliError::Other(format!("running cargo to build the daemons: {e}")))?;
+    if !status.success() {
+        return Err(CliError::Other(format!(
+            "cargo could not build {MASTER} and {AGENT} ({status})"
+        )));
+    }
+    Ok(())
+}
+
 /// The daemons get a clean environment of gpuctl settings: a user's
 /// `GPUCTL_MASTER` or `GPUCTL_AGENT_CONFIG` must not reach the demo's cluster.
 fn command(program: &Path) -> tokio::process::Command {

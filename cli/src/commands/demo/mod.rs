@@ -89,6 +89,7 @@ struct RuntimePlan {
 }
 
 pub async fn run(args: DemoArgs) -> Result<u8, CliError> {
+    daemons::build_if_run_by_cargo()?;
     let master_bin = daemons::binary(daemons::MASTER)?;
     let agent_bin = daemons::binary(daemons::AGENT)?;
     let tmp = tempfile::Builder::new()
