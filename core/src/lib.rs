@@ -3,7 +3,7 @@
 //! (`types`), and `convert`, the one place where input from the wire is
 //! checked and turned into domain types, naming the field on failure.
 //!
-//! It links no async runtime, RPC or HTTP stack (`tests/pure.rs` checks
+//! It links no async runtime, RPC or HTTP stack (`tests/tests/dependencies.rs` checks
 //! with `cargo tree`), so the state machine, the allocator, placement and
 //! the agent's plans can use it and stay plain functions of their input.
 

@@ -460,20 +460,22 @@ async fn a_restarted_agent_reattaches_and_resends_what_was_not_acknowledged() {
     assert_eq!(killed.task_id, "run");
 }
 
+/// A master heard `ms` ago (wall clock), with a 60 s fence.
+fn contact_ago(ms: u64) -> Contact {
+    Contact {
+        last_contact_ms: checkpoint::wall_ms() - ms,
+        fence_timeout_ms: 60_000,
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn past_the_fence_tasks_stop_and_nothing_starts() {
     let mut h = harness_on(tempfile::tempdir().unwrap(), Arc::default());
-    h.exec.record_contact(Contact {
-        last_contact_ms: checkpoint::wall_ms(),
-        fence_timeout_ms: 60_000,
-    });
+    h.exec.record_contact(contact_ago(0));
     h.exec.set_desired(wants(&["t1"], &[]));
     until_state(&mut h, TaskState::Running).await;
     // The last contact is long past.
-    h.exec.record_contact(Contact {
-        last_contact_ms: checkpoint::wall_ms() - 120_000,
-        fence_timeout_ms: 60_000,
-    });
+    h.exec.record_contact(contact_ago(120_000));
     h.exec.reconcile();
     let u = until_state(&mut h, TaskState::Killed).await;
     assert!(u.fenced && u.message.contains("fenced"), "{u:?}");
@@ -750,10 +752,7 @@ async fn removal_retries_up_to_the_cap_and_gives_up_after_ten_tries() {
 #[tokio::test(start_paused = true)]
 async fn the_tick_stops_tasks_past_the_fence_without_any_event() {
     let mut h = harness_on(tempfile::tempdir().unwrap(), Arc::default());
-    h.exec.record_contact(Contact {
-        last_contact_ms: checkpoint::wall_ms(),
-        fence_timeout_ms: 60_000,
-    });
+    h.exec.record_contact(contact_ago(0));
     h.exec.set_desired(wants(&["t1"], &[]));
     until_state(&mut h, TaskState::Running).await;
     let (stop_tx, stop_rx) = watch::channel(false);
@@ -761,10 +760,7 @@ async fn the_tick_stops_tasks_past_the_fence_without_any_event() {
     // The interval's first tick is at once.
     tokio::time::sleep(Duration::from_millis(10)).await;
     // The fence falls; nothing calls reconcile but the tick.
-    h.exec.record_contact(Contact {
-        last_contact_ms: checkpoint::wall_ms() - 120_000,
-        fence_timeout_ms: 60_000,
-    });
+    h.exec.record_contact(contact_ago(120_000));
     let t0 = tokio::time::Instant::now();
     let u = until_state(&mut h, TaskState::Killed).await;
     assert!(u.fenced && u.message.contains("fenced"), "{u:?}");

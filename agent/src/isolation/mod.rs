@@ -297,6 +297,17 @@ impl Isolator for CgroupIsolator {
 mod tests {
     use super::*;
 
+    /// The real isolator under `gpuctl/a`, managing cgroups when root.
+    fn isolator(root: &Path, dev: &Path) -> CgroupIsolator {
+        CgroupIsolator::new(
+            root,
+            "gpuctl/a",
+            dev,
+            nix::unistd::Uid::effective().is_root(),
+        )
+        .unwrap()
+    }
+
     fn v2_root() -> tempfile::TempDir {
         let d = tempfile::tempdir().unwrap();
         std::fs::write(d.path().join("cgroup.controllers"), "cpu memory pids\n").unwrap();
@@ -318,13 +329,7 @@ mod tests {
         // runs tasks on a real cgroup2 mount).
         let root = v2_root();
         let dev = tempfile::tempdir().unwrap();
-        let iso = CgroupIsolator::new(
-            root.path(),
-            "gpuctl/a",
-            dev.path(),
-            nix::unistd::Uid::effective().is_root(),
-        )
-        .unwrap();
+        let iso = isolator(root.path(), dev.path());
         assert!(iso.describe().contains("cgroup v2"));
         let err = iso
             .prepare("t1", &TaskDevices::default(), &res(), Runtime::Process)
@@ -352,13 +357,7 @@ mod tests {
             )
             .unwrap();
         }
-        let iso = CgroupIsolator::new(
-            root.path(),
-            "gpuctl/a",
-            dev.path(),
-            nix::unistd::Uid::effective().is_root(),
-        )
-        .unwrap();
+        let iso = isolator(root.path(), dev.path());
         // Containers get exactly their GPU and the control device; Docker's
         // own device program does the rest.
         let p = iso
@@ -404,13 +403,7 @@ mod tests {
             )
             .unwrap();
         }
-        let iso = CgroupIsolator::new(
-            root.path(),
-            "gpuctl/a",
-            dev.path(),
-            nix::unistd::Uid::effective().is_root(),
-        )
-        .unwrap();
+        let iso = isolator(root.path(), dev.path());
         let mig = |caps: &[u32], unknown: &[&str]| TaskDevices {
             gpus: vec![0],
             caps: caps.to_vec(),
@@ -452,13 +445,7 @@ mod tests {
         // On a host without any NVIDIA node (simulated GPUs) there is
         // nothing to isolate and nothing to refuse.
         let empty = tempfile::tempdir().unwrap();
-        let sim = CgroupIsolator::new(
-            root.path(),
-            "gpuctl/a",
-            empty.path(),
-            nix::unistd::Uid::effective().is_root(),
-        )
-        .unwrap();
+        let sim = isolator(root.path(), empty.path());
         let p = sim
             .prepare("t4", &mig(&[], &["MIG-x"]), &res(), Runtime::Docker)
             .unwrap();
@@ -469,13 +456,7 @@ mod tests {
     fn without_cgroups_only_hosts_without_nvidia_devices_run_tasks() {
         let none = tempfile::tempdir().unwrap();
         let dev = tempfile::tempdir().unwrap();
-        let iso = CgroupIsolator::new(
-            none.path(),
-            "gpuctl/a",
-            dev.path(),
-            nix::unistd::Uid::effective().is_root(),
-        )
-        .unwrap();
+        let iso = isolator(none.path(), dev.path());
         assert!(iso.describe().contains("no cgroup isolation"));
         assert!(iso
             .prepare("t1", &TaskDevices::default(), &res(), Runtime::Process)
