@@ -8,7 +8,11 @@ fn demo_runs_both_jobs_and_exits_zero() {
     // With Docker when the test may use it, else host processes.
     let docker = gpuctl_tests::docker_or_skip("demo (Docker path)");
     let mut cmd = Command::new(gpuctl_tests::bin("gpuctl"));
-    cmd.arg("demo");
+    // The binaries are built (bin_dir): not started as `cargo run` would,
+    // so the demo asks cargo for nothing.
+    cmd.arg("demo")
+        .env_remove("CARGO")
+        .env_remove("CARGO_MANIFEST_DIR");
     if !docker {
         cmd.arg("--no-docker");
     }
@@ -70,6 +74,8 @@ fn demo_with_console_serves_its_jobs_until_interrupted() {
     let mut child = KillOnDrop(
         Command::new(gpuctl_tests::bin("gpuctl"))
             .args(["demo", "--no-docker", "--console", &addr])
+            .env_remove("CARGO")
+            .env_remove("CARGO_MANIFEST_DIR")
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()

@@ -49,7 +49,8 @@ pub(super) fn binary(name: &str) -> Result<PathBuf, CliError> {
 
 /// Under `cargo run -p gpuctl` (the README's quickstart), cargo builds only
 /// `gpuctl`: the daemons it runs are built here, with the same cargo,
-/// profile and target directory, so they land beside it. Elsewhere (an
+/// profile and target directory, so they land beside it, current with the
+/// source. Elsewhere (an
 /// installed `gpuctl`) nothing is built and [`binary`] says what is missing.
 pub(super) fn build_if_run_by_cargo() -> Result<(), CliError> {
     let (Some(cargo), Some(manifest)) = (
@@ -64,9 +65,8 @@ pub(super) fn build_if_run_by_cargo() -> Result<(), CliError> {
     else {
         return Ok(());
     };
-    if [MASTER, AGENT].iter().all(|n| dir.join(n).is_file()) {
-        return Ok(());
-    }
+    // Always asked, even when the binaries are there: they may be older
+    // than the source (cargo answers at once when they are current).
     // target/<profile>/gpuctl: the profile is the directory's name.
     let (Some(profile), Some(target)) = (
         dir.file_name().and_then(|p| p.to_str()).map(str::to_string),
@@ -88,7 +88,7 @@ pub(super) fn build_if_run_by_cargo() -> Result<(), CliError> {
         }
     }
     super::say(format!(
-        "Building {MASTER} and {AGENT} (cargo build -p {MASTER} -p {AGENT}, profile {profile})"
+        "Making sure {MASTER} and {AGENT} are built (cargo build -p {MASTER} -p {AGENT}, profile {profile})"
     ));
     let status = cmd
         .status()
