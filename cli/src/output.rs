@@ -1,603 +1,55 @@
-//! What the CLI prints: the JSON shapes of `--json` (defined once, here) and
-//! the human tables, both built from the wire messages.
+//! What the CLI prints: the human tables, built from the wire messages, and
+//! `--json`, whose shapes are `gpuctl_core::view`'s (the console's too).
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
 pub use gpuctl_core::convert::agent_state_name;
 use gpuctl_core::convert::{job_state_name, runtime_name, task_state_name};
-use gpuctl_core::wait_words::wait_reason_data;
 use gpuctl_proto::pb;
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 
-pub use gpuctl_core::types::Resources;
-pub use gpuctl_core::wait::Waiting;
-use gpuctl_core::wait_words::resources_of;
+pub use gpuctl_core::view::*;
 pub use gpuctl_core::wait_words::{short_require, wait_reason_words as wait_reason};
 
-// ---------------------------------------------------------------- JSON shapes
+// ---------------------------------------------------------------- JSON
 
-/// One task of a job (`jobs get --json`, `jobs list --json`).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct TaskJson {
-    pub id: String,
-    pub agent_id: String,
-    /// UUIDs of the GPUs the task holds.
-    pub gpus: Vec<String>,
-    /// STAGING, STARTING, RUNNING, UNREACHABLE (its agent stopped
-    /// heartbeating; not final), FINISHED, FAILED, KILLED, LOST or ERROR.
-    pub state: String,
-    pub exit_code: Option<i32>,
-    pub message: String,
-    pub updated_at_ms: u64,
-    /// Its rank in the job's gang (`GPUCTL_RANK`).
-    pub rank: u32,
-    /// Why it is in its state, e.g. `GPU_UNHEALTHY`, `PREEMPTED`,
-    /// `COMMAND_EXITED`; `null` when there is none.
-    pub reason: Option<String>,
-    /// Host ports it holds (`GPUCTL_PORTS`).
-    #[serde(default)]
-    pub ports: Vec<u32>,
-    /// A task holding a fraction of a shared GPU: what its agent enforces
-    /// of it (`driver`, `mps`, `none`); absent otherwise, or not said yet.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub enforcement: Option<String>,
+/// Pretty JSON with a final newline.
+pub fn to_json<T: Serialize + ?Sized>(value: &T) -> Result<String, serde_json::Error> {
+    let mut s = serde_json::to_string_pretty(value)?;
+    s.push('\n');
+    Ok(s)
 }
 
-impl From<&pb::Task> for TaskJson {
-    fn from(t: &pb::Task) -> Self {
-        TaskJson {
-            id: t.id.clone(),
-            agent_id: t.agent_id.clone(),
-            gpus: t.gpu_uuids.clone(),
-            state: task_state_name(t.state).to_string(),
-            exit_code: t.exit_code,
-            message: t.message.clone(),
-            updated_at_ms: t.updated_at_ms,
-            rank: t.rank,
-            reason: pb::Reason::try_from(t.reason)
-                .ok()
-                .filter(|r| *r != pb::Reason::Unspecified)
-                .map(|r| r.as_str_name().trim_start_matches("REASON_").to_string()),
-            ports: t.ports.clone(),
-            enforcement: (!t.enforcement.is_empty()).then(|| t.enforcement.clone()),
-        }
+/// `jobs get`'s line: "user 1234:1234, mounts /data:/data:ro" or
+/// "default".
+fn security_words(s: &SecurityJson) -> String {
+    let mut parts = Vec::new();
+    if s.run_as_root {
+        parts.push("root (--run-as-root)".to_string());
     }
-}
-
-/// A job (`jobs get --json`, items of `jobs list --json`). Written only:
-/// its wait reason is the domain's `Waiting`, which serializes.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct JobJson {
-    pub id: String,
-    pub name: String,
-    /// The tenant it is charged to ("" from a master without tenants).
-    #[serde(default)]
-    pub tenant: String,
-    /// QUEUED, STARTING, RUNNING, SUCCEEDED, FAILED or CANCELLED.
-    pub state: String,
-    /// `null` for a job that runs as a host process.
-    pub image: Option<String>,
-    pub command: Vec<String>,
-    pub env: BTreeMap<String, String>,
-    pub resources: Resources,
-    pub placement: PlacementJson,
-    pub priority: i32,
-    /// Tasks started together (a gang); 1 for a plain job.
-    pub replicas: u32,
-    pub max_retries: u32,
-    /// Failed attempts started again so far.
-    pub retries: u32,
-    pub no_requeue: bool,
-    /// Submitted with `--no-fence`: its tasks are not stopped by their
-    /// agent's fence and never LOST by timeout.
-    pub no_fence: bool,
-    /// `--stop-grace` in ms; `null`: its agent's kill grace.
-    #[serde(default)]
-    pub stop_grace_ms: Option<u64>,
-    /// `--checkpoint-dir`; `null`: none.
-    #[serde(default)]
-    pub checkpoint_dir: Option<String>,
-    /// Its user, host mounts and root (`--user`, `--mount`, `--run-as-root`).
-    #[serde(default)]
-    pub security: SecurityJson,
-    /// What it needs of the NVIDIA driver (`--require-cuda`); `null`: none.
-    #[serde(default)]
-    pub require_cuda: Option<String>,
-    /// What its image requires of the NVIDIA driver (its NVIDIA_REQUIRE_*
-    /// values), learned from agents whose driver did not meet it.
-    #[serde(default)]
-    pub image_requires: Vec<String>,
-    /// Times its tasks were preempted.
-    pub preemptions: u32,
-    /// Why it is in its state; for a QUEUED job, the same as `reason`.
-    pub message: String,
-    /// Why a QUEUED job waits, in words (`Resources: ...`, `Priority: ...`,
-    /// `Preempting: ...`, `Quota: ...`, `PREEMPTED by job-N; ...`, or the
-    /// requirement no agent meets, e.g. `no agent has GPU model H100*`);
-    /// `null` otherwise.
-    pub reason: Option<String>,
-    /// The same as data (docs/cli.md); `null` when not QUEUED, or from a
-    /// master that does not send it.
-    pub wait_reason: Option<Waiting>,
-    pub submitted_at_ms: u64,
-    pub tasks: Vec<TaskJson>,
-    /// What happened to it, oldest first (`jobs get` only; `[]` in
-    /// `jobs list`).
-    pub events: Vec<EventJson>,
-    /// Older events the master dropped to keep at most 50.
-    pub events_dropped: u64,
-}
-
-/// One event of a job (`jobs get --json`).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct EventJson {
-    /// `Normal` or `Warning`, as kubectl says.
-    #[serde(rename = "type")]
-    pub kind_type: String,
-    /// What happened: `Scheduled`, `Started`, `Preempted`, ...
-    pub reason: String,
-    pub message: String,
-    pub first_ms: u64,
-    pub last_ms: u64,
-    pub count: u32,
-}
-
-impl From<&pb::JobEvent> for EventJson {
-    fn from(e: &pb::JobEvent) -> Self {
-        EventJson {
-            kind_type: event_type(e).to_string(),
-            reason: e.kind.clone(),
-            message: e.message.clone(),
-            first_ms: e.first_ms,
-            last_ms: e.last_ms,
-            count: e.count.max(1),
-        }
+    if let Some(u) = &s.user {
+        parts.push(format!("user {u}"));
     }
-}
-
-fn event_type(e: &pb::JobEvent) -> &'static str {
-    if e.warning {
-        "Warning"
+    if !s.mounts.is_empty() {
+        let m: Vec<String> = s
+            .mounts
+            .iter()
+            .map(|m| {
+                let mode = if m.read_only { "ro" } else { "rw" };
+                format!("{}:{}:{mode}", m.host_path, m.container_path)
+            })
+            .collect();
+        parts.push(format!("mounts {}", m.join(" ")));
+    }
+    if parts.is_empty() {
+        "default".to_string()
     } else {
-        "Normal"
+        parts.join(", ")
     }
 }
 
-/// Where a job may run.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct PlacementJson {
-    /// `bundle`, `spread`, or `null`: the cluster's default.
-    pub policy: Option<String>,
-    pub gpu_model: Option<String>,
-    pub gpu_mem_min_mib: u64,
-    pub constraints: BTreeMap<String, String>,
-    /// Each task's GPU is a MIG device of this profile; `null`: whole GPUs.
-    #[serde(default)]
-    pub mig: Option<String>,
-}
-
-impl From<Option<&pb::Placement>> for PlacementJson {
-    fn from(p: Option<&pb::Placement>) -> Self {
-        let p = p.cloned().unwrap_or_default();
-        PlacementJson {
-            policy: (!p.policy.is_empty()).then_some(p.policy),
-            gpu_model: (!p.gpu_model.is_empty()).then_some(p.gpu_model),
-            gpu_mem_min_mib: p.gpu_mem_min_mib,
-            constraints: p.constraints.into_iter().collect(),
-            mig: (!p.mig.is_empty()).then_some(p.mig),
-        }
-    }
-}
-
-/// What a job's tasks may do (`security`).
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct SecurityJson {
-    /// `UID:GID` or `UID`; `null`: the image's user, or a user of its own
-    /// for a host process.
-    pub user: Option<String>,
-    pub mounts: Vec<MountJson>,
-    pub run_as_root: bool,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct MountJson {
-    pub host_path: String,
-    pub container_path: String,
-    pub read_only: bool,
-}
-
-impl From<Option<&pb::TaskSecurity>> for SecurityJson {
-    fn from(s: Option<&pb::TaskSecurity>) -> Self {
-        let s = s.cloned().unwrap_or_default();
-        SecurityJson {
-            user: (!s.user.is_empty()).then_some(s.user),
-            mounts: s
-                .mounts
-                .into_iter()
-                .map(|m| MountJson {
-                    host_path: m.host_path,
-                    container_path: m.container_path,
-                    read_only: !m.read_write,
-                })
-                .collect(),
-            run_as_root: s.run_as_root,
-        }
-    }
-}
-
-impl SecurityJson {
-    /// `jobs get`'s line: "user 1234:1234, mounts /data:/data:ro" or
-    /// "default".
-    fn words(&self) -> String {
-        let mut parts = Vec::new();
-        if self.run_as_root {
-            parts.push("root (--run-as-root)".to_string());
-        }
-        if let Some(u) = &self.user {
-            parts.push(format!("user {u}"));
-        }
-        if !self.mounts.is_empty() {
-            let m: Vec<String> = self
-                .mounts
-                .iter()
-                .map(|m| {
-                    let mode = if m.read_only { "ro" } else { "rw" };
-                    format!("{}:{}:{mode}", m.host_path, m.container_path)
-                })
-                .collect();
-            parts.push(format!("mounts {}", m.join(" ")));
-        }
-        if parts.is_empty() {
-            "default".to_string()
-        } else {
-            parts.join(", ")
-        }
-    }
-}
-
-/// The job's message as gpuctl shows it: why it waits for a QUEUED job.
-pub fn job_message(j: &pb::Job) -> String {
-    wait_reason(j).unwrap_or_else(|| j.message.clone())
-}
-
-impl From<&pb::Job> for JobJson {
-    fn from(j: &pb::Job) -> Self {
-        let spec = j.spec.clone().unwrap_or_default();
-        JobJson {
-            id: j.id.clone(),
-            tenant: spec.tenant.clone(),
-            name: spec.name,
-            state: job_state_name(j.state).to_string(),
-            image: (!spec.image.is_empty()).then_some(spec.image),
-            command: spec.command,
-            env: spec.env.into_iter().collect(),
-            resources: resources_of(spec.resources.as_ref()),
-            placement: PlacementJson::from(spec.placement.as_ref()),
-            priority: spec.priority,
-            replicas: spec.replicas.max(1),
-            max_retries: spec.max_retries,
-            retries: j.retries,
-            no_requeue: spec.no_requeue,
-            no_fence: spec.no_fence,
-            stop_grace_ms: spec.stop_grace_ms,
-            checkpoint_dir: (!spec.checkpoint_dir.is_empty()).then(|| spec.checkpoint_dir.clone()),
-            security: SecurityJson::from(spec.security.as_ref()),
-            require_cuda: (!spec.require_cuda.is_empty()).then(|| spec.require_cuda.clone()),
-            image_requires: j.image_requires.clone(),
-            preemptions: j.preemptions,
-            message: job_message(j),
-            reason: wait_reason(j),
-            wait_reason: wait_reason_data(j),
-            submitted_at_ms: j.submitted_at_ms,
-            tasks: j.tasks.iter().map(TaskJson::from).collect(),
-            events: j.events.iter().map(EventJson::from).collect(),
-            events_dropped: j.events_dropped,
-        }
-    }
-}
-
-/// How a GPU reaches another GPU of its host.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct PeerJson {
-    pub uuid: String,
-    pub nvlinks: u32,
-    /// PIX, PXB, PHB, NODE, SYS, or "" when unknown.
-    pub pcie: String,
-}
-
-/// One GPU of an agent (`agents list --json`, `agents describe --json`).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct GpuJson {
-    pub uuid: String,
-    pub index: u32,
-    pub minor: u32,
-    pub model: String,
-    pub memory_mib: u64,
-    pub healthy: bool,
-    /// Why it is unhealthy; empty when healthy.
-    pub unhealthy_reason: String,
-    pub pci_bus_id: String,
-    pub serial: String,
-    pub numa_node: Option<u32>,
-    /// "MAJOR.MINOR", or null when unknown.
-    pub compute_capability: Option<String>,
-    pub peers: Vec<PeerJson>,
-    /// Its MIG mode, MIG devices and free profiles; absent without MIG.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub mig: Option<MigJson>,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct MigChangeJson {
-    pub generation: u64,
-    pub profiles: Vec<String>,
-    pub disable: bool,
-}
-
-impl From<&pb::Gpu> for GpuJson {
-    fn from(g: &pb::Gpu) -> Self {
-        GpuJson {
-            uuid: g.uuid.clone(),
-            index: g.index,
-            minor: g.minor,
-            model: g.model.clone(),
-            memory_mib: g.memory_mib,
-            healthy: g.healthy,
-            unhealthy_reason: g.unhealthy_reason.clone(),
-            pci_bus_id: g.pci_bus_id.clone(),
-            serial: g.serial.clone(),
-            numa_node: g.numa_node,
-            compute_capability: (!g.compute_capability.is_empty())
-                .then(|| g.compute_capability.clone()),
-            peers: g
-                .peers
-                .iter()
-                .map(|p| PeerJson {
-                    uuid: p.uuid.clone(),
-                    nvlinks: p.nvlinks,
-                    pcie: p.pcie.clone(),
-                })
-                .collect(),
-            mig: MigJson::of(g),
-        }
-    }
-}
-
-/// Whether one of an agent's runtimes works, as its last heartbeat said.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct RuntimeStatusJson {
-    /// "docker", "process".
-    pub runtime: String,
-    pub available: bool,
-    /// Why it is down (or a note); empty when there is none.
-    pub message: String,
-}
-
-impl From<&pb::RuntimeStatus> for RuntimeStatusJson {
-    fn from(r: &pb::RuntimeStatus) -> Self {
-        RuntimeStatusJson {
-            runtime: runtime_name(r.runtime),
-            available: r.available,
-            message: r.message.clone(),
-        }
-    }
-}
-
-/// An agent (items of `agents list --json`).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct AgentJson {
-    pub id: String,
-    pub hostname: String,
-    pub address: String,
-    /// ACTIVE, UNREACHABLE (no heartbeat for the agent timeout) or LOST.
-    /// A drained agent is ACTIVE with `draining` true.
-    pub state: String,
-    /// Drained (`gpuctl agents drain`): it gets no new tasks.
-    pub draining: bool,
-    /// When a drain kills the tasks still running (ms since the epoch);
-    /// `null`: no deadline (or not draining).
-    pub drain_deadline_ms: Option<u64>,
-    /// Since when it is UNREACHABLE or LOST (ms since the epoch); `null`
-    /// while ACTIVE.
-    pub unreachable_since_ms: Option<u64>,
-    /// "docker", "process".
-    pub runtimes: Vec<String>,
-    /// Each runtime's health from the agent's latest heartbeat; empty when
-    /// the agent does not report it (or the answering master is not the
-    /// leader).
-    pub runtime_status: Vec<RuntimeStatusJson>,
-    pub simulated_gpus: bool,
-    pub total: Resources,
-    pub allocated: Resources,
-    pub gpus: Vec<GpuJson>,
-    pub registered_at_ms: u64,
-    /// GPU feature labels (nvidia.com/gpu.product, ...).
-    pub attributes: BTreeMap<String, String>,
-    pub driver_version: Option<String>,
-    pub cuda_driver_version: Option<String>,
-    /// It runs host-process tasks as root for jobs that ask.
-    #[serde(default)]
-    pub allow_root_tasks: bool,
-    /// Host path prefixes its containers may mount.
-    #[serde(default)]
-    pub allowed_mounts: Vec<String>,
-    /// Host ports its tasks may be given, `START-END`; `null`: none.
-    #[serde(default)]
-    pub ports: Option<String>,
-}
-
-impl From<&pb::Agent> for AgentJson {
-    fn from(a: &pb::Agent) -> Self {
-        AgentJson {
-            id: a.id.clone(),
-            hostname: a.hostname.clone(),
-            address: a.address.clone(),
-            state: agent_state_name(a.state).to_string(),
-            draining: a.draining,
-            drain_deadline_ms: (a.draining && a.drain_deadline_ms != 0)
-                .then_some(a.drain_deadline_ms),
-            unreachable_since_ms: (a.unreachable_since_ms != 0).then_some(a.unreachable_since_ms),
-            runtimes: a.runtimes.iter().map(|r| runtime_name(*r)).collect(),
-            runtime_status: a
-                .runtime_status
-                .iter()
-                .map(RuntimeStatusJson::from)
-                .collect(),
-            simulated_gpus: a.simulated_gpus,
-            total: resources_of(a.total.as_ref()),
-            allocated: resources_of(a.allocated.as_ref()),
-            gpus: a.gpus.iter().map(GpuJson::from).collect(),
-            registered_at_ms: a.registered_at_ms,
-            attributes: a
-                .attributes
-                .iter()
-                .map(|(k, v)| (k.clone(), v.clone()))
-                .collect(),
-            driver_version: (!a.driver_version.is_empty()).then(|| a.driver_version.clone()),
-            cuda_driver_version: (!a.cuda_driver_version.is_empty())
-                .then(|| a.cuda_driver_version.clone()),
-            allow_root_tasks: a.allow_root_tasks,
-            allowed_mounts: a.allowed_mounts.clone(),
-            ports: a.ports.map(|r| format!("{}-{}", r.start, r.end)),
-        }
-    }
-}
-
-/// A GPU of the cluster and who holds it (items of `gpus --json`).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct GpuStatusJson {
-    pub uuid: String,
-    pub agent_id: String,
-    pub index: u32,
-    pub minor: u32,
-    pub model: String,
-    pub memory_mib: u64,
-    pub healthy: bool,
-    /// Why it is unhealthy; empty when healthy.
-    pub unhealthy_reason: String,
-    pub pci_bus_id: String,
-    /// The task holding the GPU; `null` when it is free.
-    pub task_id: Option<String>,
-    /// Taken out of service by an operator (`gpuctl gpus cordon`).
-    pub cordoned: bool,
-    /// Its MIG mode, MIG devices and free profiles; absent without MIG.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub mig: Option<MigJson>,
-    /// A MIG layout change under way (`gpus mig set`); absent: none.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub mig_change: Option<MigChangeJson>,
-    /// Why its last MIG layout change failed; absent: it did not.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub mig_error: Option<String>,
-    /// `mps` or `time-slice` when shared by fractions; absent: not shared.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub share_mode: Option<String>,
-    /// The fractions held, by task.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub shares: Vec<ShareJson>,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ShareJson {
-    pub task_id: String,
-    pub mem_mib: u64,
-    /// Percent of the GPU's compute; 0: none asked.
-    pub compute_pct: u32,
-}
-
-/// A GPU's MIG state (the `mig` of `gpus --json` and `agents describe --json`).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct MigJson {
-    pub enabled: bool,
-    /// The mode after the next GPU reset, when it differs; else null.
-    pub pending: Option<bool>,
-    pub devices: Vec<MigDeviceJson>,
-    /// Profiles that still fit, and how many of each.
-    pub free: Vec<MigFreeJson>,
-    /// The GPU has MIG (its mode may be off).
-    #[serde(default)]
-    pub capable: bool,
-    /// The GPU instance profiles it offers (what `gpus mig set` takes).
-    #[serde(default)]
-    pub profiles: Vec<MigProfileJson>,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct MigProfileJson {
-    pub name: String,
-    pub gpu_slices: u32,
-    pub memory_mib: u64,
-    /// Most instances of it on an empty GPU.
-    pub max_count: u32,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct MigDeviceJson {
-    pub uuid: String,
-    pub profile: String,
-    pub memory_mib: u64,
-    pub gpu_slices: u32,
-    pub compute_slices: u32,
-    pub gi_id: u32,
-    pub ci_id: u32,
-    /// Minors of the /dev/nvidia-caps/nvidia-capN nodes granting access.
-    pub caps_minors: Vec<u32>,
-    /// The task holding it (`gpus --json`); absent when free.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub task_id: Option<String>,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct MigFreeJson {
-    pub profile: String,
-    pub count: u32,
-}
-
-impl MigJson {
-    /// `None` for a GPU without MIG.
-    pub fn of(g: &pb::Gpu) -> Option<MigJson> {
-        let m = g.mig.as_ref()?;
-        Some(MigJson {
-            enabled: m.enabled,
-            pending: m.pending,
-            devices: m
-                .devices
-                .iter()
-                .map(|d| MigDeviceJson {
-                    uuid: d.uuid.clone(),
-                    profile: d.profile.clone(),
-                    memory_mib: d.memory_mib,
-                    gpu_slices: d.gpu_slices,
-                    compute_slices: d.compute_slices,
-                    gi_id: d.gi_id,
-                    ci_id: d.ci_id,
-                    caps_minors: d.caps_minors.clone(),
-                    task_id: None,
-                })
-                .collect(),
-            free: m
-                .free
-                .iter()
-                .map(|c| MigFreeJson {
-                    profile: c.profile.clone(),
-                    count: c.count,
-                })
-                .collect(),
-            capable: m.capable,
-            profiles: m
-                .profiles
-                .iter()
-                .map(|p| MigProfileJson {
-                    name: p.name.clone(),
-                    gpu_slices: p.gpu_slices,
-                    memory_mib: p.memory_mib,
-                    max_count: p.max_count,
-                })
-                .collect(),
-        })
-    }
-}
+// ---------------------------------------------------------------- MIG rows
 
 /// A GPU's model, marked when it is in MIG mode (or will be after a reset).
 fn model_label(g: &pb::Gpu) -> String {
@@ -644,53 +96,6 @@ fn mig_rows(g: &pb::Gpu) -> Vec<[String; 4]> {
         ]);
     }
     rows
-}
-
-impl From<&pb::GpuStatus> for GpuStatusJson {
-    fn from(s: &pb::GpuStatus) -> Self {
-        let g = s.gpu.clone().unwrap_or_default();
-        let mut mig = MigJson::of(&g);
-        for d in mig.iter_mut().flat_map(|m| &mut m.devices) {
-            d.task_id = s.mig_tasks.get(&d.uuid).cloned();
-        }
-        GpuStatusJson {
-            uuid: g.uuid,
-            agent_id: s.agent_id.clone(),
-            index: g.index,
-            minor: g.minor,
-            model: g.model,
-            memory_mib: g.memory_mib,
-            healthy: g.healthy,
-            unhealthy_reason: g.unhealthy_reason,
-            pci_bus_id: g.pci_bus_id,
-            task_id: (!s.task_id.is_empty()).then(|| s.task_id.clone()),
-            cordoned: s.cordoned,
-            mig,
-            mig_change: s.mig_change.as_ref().map(|c| MigChangeJson {
-                generation: c.generation,
-                profiles: c.profiles.clone(),
-                disable: c.disable,
-            }),
-            mig_error: (!s.mig_error.is_empty()).then(|| s.mig_error.clone()),
-            share_mode: (!s.share_mode.is_empty()).then(|| s.share_mode.clone()),
-            shares: s
-                .shares
-                .iter()
-                .map(|h| ShareJson {
-                    task_id: h.task_id.clone(),
-                    mem_mib: h.mem_mib,
-                    compute_pct: h.compute_pct,
-                })
-                .collect(),
-        }
-    }
-}
-
-/// Pretty JSON with a final newline.
-pub fn to_json<T: Serialize + ?Sized>(value: &T) -> Result<String, serde_json::Error> {
-    let mut s = serde_json::to_string_pretty(value)?;
-    s.push('\n');
-    Ok(s)
 }
 
 // ---------------------------------------------------------------- words
@@ -920,7 +325,7 @@ pub fn job_detail(j: &pb::Job, now_ms: u64) -> String {
         ("Replicas", spec.replicas.max(1).to_string()),
         (
             "Security",
-            SecurityJson::from(spec.security.as_ref()).words(),
+            security_words(&SecurityJson::from(spec.security.as_ref())),
         ),
         (
             "Driver",

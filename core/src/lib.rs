@@ -20,6 +20,7 @@ pub mod logs;
 pub mod metrics;
 pub mod time;
 pub mod types;
+pub mod view;
 pub mod wait;
 pub mod wait_words;
 

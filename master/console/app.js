@@ -303,15 +303,15 @@ function renderGpus(tbody, list) {
     const util = m ? meter(m.utilization_pct, `${m.utilization_pct}%`) : h("span", { class: "muted" }, "–");
     const mem = m && m.memory_total_mib
       ? meter(100 * m.memory_used_mib / m.memory_total_mib, `${gib(m.memory_used_mib)} / ${gib(m.memory_total_mib)} GiB`)
-      : h("span", { class: "muted" }, `${gib(s.gpu.memory_mib)} GiB`);
+      : h("span", { class: "muted" }, `${gib(s.memory_mib)} GiB`);
     const task = s.task_id
       ? (s.job_id ? h("a", { href: `#/jobs/${encodeURIComponent(s.job_id)}` }, s.task_id) : s.task_id)
       : h("span", { class: "muted" }, "free");
-    const health = h("span", { class: `health h-${s.health}`, title: s.gpu.unhealthy_reason || "" }, s.health);
-    return h("tr", { dataset: { gpu: s.gpu.uuid, agent: s.agent_id } },
+    const health = h("span", { class: `health h-${s.health}`, title: s.unhealthy_reason || "" }, s.health);
+    return h("tr", { dataset: { gpu: s.uuid, agent: s.agent_id } },
       h("td", {}, s.hostname || s.agent_id),
-      h("td", { title: s.gpu.uuid }, String(s.gpu.index)),
-      h("td", {}, s.gpu.model),
+      h("td", { title: s.uuid }, String(s.index)),
+      h("td", {}, s.model),
       h("td", { class: "util" }, util),
       h("td", { class: "mem" }, mem),
       h("td", { class: "temp" }, m && m.temperature_c != null ? `${m.temperature_c} °C` : "–"),
@@ -382,7 +382,7 @@ function jobRow(j) {
     h("td", {}, h("a", { href: `#/jobs/${encodeURIComponent(j.id)}` }, j.id)),
     h("td", {}, j.name),
     h("td", { class: "state" }, badge(j.state)),
-    h("td", {}, String(j.gpus)),
+    h("td", {}, String(j.resources.gpus * j.replicas)),
     h("td", {}, String(j.priority)),
     h("td", {}, j.tenant),
     h("td", { title: fmtTime(j.submitted_at_ms) }, fmtAge(j.submitted_at_ms)),
@@ -444,37 +444,36 @@ function renderJob(j, el) {
   el.state.replaceChildren(badge(j.state));
   el.cancel.hidden = TERMINAL.has(j.state);
   el.why.textContent = j.reason || j.message || "";
-  const s = j.spec;
   const row = (k, v) => [h("dt", {}, k), h("dd", {}, v)];
   el.details.replaceChildren(
-    ...row("Runs", s.image ? `image ${s.image}` : "host process"),
-    ...row("Command", h("code", {}, s.command.map(shellQuote).join(" "))),
-    ...row("Resources", `${fmtRes(s.resources)} per task`),
-    ...row("Replicas", String(s.replicas)),
-    ...row("Priority", String(s.priority)),
-    ...row("Retries", `${j.retries} of ${s.max_retries}`),
-    ...row("Tenant", s.tenant || "–"),
+    ...row("Runs", j.image ? `image ${j.image}` : "host process"),
+    ...row("Command", h("code", {}, j.command.map(shellQuote).join(" "))),
+    ...row("Resources", `${fmtRes(j.resources)} per task`),
+    ...row("Replicas", String(j.replicas)),
+    ...row("Priority", String(j.priority)),
+    ...row("Retries", `${j.retries} of ${j.max_retries}`),
+    ...row("Tenant", j.tenant || "–"),
     ...row("Submitted", fmtTime(j.submitted_at_ms)),
-    ...(s.gpu_model ? row("GPU model", s.gpu_model) : []),
-    ...(Object.keys(s.env).length ? row("Env", Object.entries(s.env).map(([k, v]) => `${k}=${v}`).join(" ")) : []),
+    ...(j.placement.gpu_model ? row("GPU model", j.placement.gpu_model) : []),
+    ...(Object.keys(j.env).length ? row("Env", Object.entries(j.env).map(([k, v]) => `${k}=${v}`).join(" ")) : []),
   );
-  if (!j.task_list.length) empty(el.tasks, 9, "Not placed yet.");
-  else el.tasks.replaceChildren(...j.task_list.map((t) => h("tr", { dataset: { task: t.id } },
+  if (!j.tasks.length) empty(el.tasks, 9, "Not placed yet.");
+  else el.tasks.replaceChildren(...j.tasks.map((t) => h("tr", { dataset: { task: t.id } },
     h("td", {}, t.id),
     h("td", {}, String(t.rank)),
     h("td", {}, t.agent_id),
     // A fraction of a shared GPU says what its agent enforces of it.
-    h("td", { title: t.gpu_uuids.join("\n") },
-      t.enforcement ? `fraction, enforced: ${t.enforcement}` : String(t.gpu_uuids.length)),
+    h("td", { title: t.gpus.join("\n") },
+      t.enforcement ? `fraction, enforced: ${t.enforcement}` : String(t.gpus.length)),
     h("td", {}, (t.ports || []).join(",")),
     h("td", { class: "state" }, badge(t.state)),
     h("td", {}, t.exit_code == null ? "" : String(t.exit_code)),
     h("td", { title: fmtTime(t.updated_at_ms) }, fmtAge(t.updated_at_ms)),
     h("td", {}, t.message))));
   if (!j.events.length) empty(el.events, 4, "No events.");
-  else el.events.replaceChildren(...j.events.map((e) => h("tr", { class: e.warning ? "warning" : "" },
-    h("td", {}, e.warning ? "Warning" : "Normal"),
-    h("td", { class: "kind" }, e.kind),
+  else el.events.replaceChildren(...j.events.map((e) => h("tr", { class: e.type === "Warning" ? "warning" : "" },
+    h("td", {}, e.type),
+    h("td", { class: "kind" }, e.reason),
     h("td", { title: fmtTime(e.last_ms) },
       fmtAge(e.last_ms) + (e.count > 1 ? ` (x${e.count} over ${fmtAge(e.first_ms)})` : "")),
     h("td", {}, e.message))));

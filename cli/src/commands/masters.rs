@@ -4,12 +4,11 @@ use std::io::Write;
 
 use clap::{Args, Subcommand};
 use gpuctl_proto::pb;
-use serde::Serialize;
 use tokio::time::Instant;
 
 use super::{CliError, JsonFlag};
 use crate::client::{self, Master, Retry, MEMBERSHIP_TIMEOUT};
-use crate::output::{self, Table};
+use crate::output::{self, MasterJson, Table};
 
 /// `gpuctl masters [--json]`, or one of its subcommands.
 #[derive(Debug, Args)]
@@ -51,37 +50,6 @@ pub fn parse_master_id(s: &str) -> Result<u64, String> {
     match s.trim().parse::<u64>() {
         Ok(id) if id >= 1 => Ok(id),
         _ => Err(format!("{s:?} is not a master id (a whole number >= 1)")),
-    }
-}
-
-/// Items of `masters --json`.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct MasterJson {
-    pub id: u64,
-    pub address: String,
-    /// `leader`, `follower`, `candidate`, or `unknown` when unreachable.
-    pub role: String,
-    pub term: u64,
-    pub commit_index: u64,
-    pub applied_index: u64,
-    /// False: a learner still catching up, without a vote.
-    pub voter: bool,
-    /// False: it did not answer; role and indexes are unknown.
-    pub reachable: bool,
-}
-
-impl From<&pb::MasterInfo> for MasterJson {
-    fn from(m: &pb::MasterInfo) -> Self {
-        MasterJson {
-            id: m.id,
-            address: m.address.clone(),
-            role: m.role.clone(),
-            term: m.term,
-            commit_index: m.commit_index,
-            applied_index: m.applied_index,
-            voter: m.voter,
-            reachable: m.reachable,
-        }
     }
 }
 

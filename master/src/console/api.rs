@@ -200,7 +200,7 @@ async fn whoami(State(gw): State<Arc<Gateway>>, headers: HeaderMap) -> ApiResult
             async move { access(c).who_am_i(req).await }
         })
         .await?;
-    ok(json::whoami(&r))
+    ok(json!(json::whoami(&r)))
 }
 
 async fn masters(State(gw): State<Arc<Gateway>>, headers: HeaderMap) -> ApiResult {
@@ -224,7 +224,7 @@ async fn agents(State(gw): State<Arc<Gateway>>, headers: HeaderMap) -> ApiResult
         .await?;
     let mut agents = r.agents;
     agents.sort_by(|a, b| a.id.cmp(&b.id));
-    ok(json!({ "agents": agents.iter().map(json::agent).collect::<Vec<_>>() }))
+    ok(json!({ "agents": agents.iter().map(json::AgentJson::from).collect::<Vec<_>>() }))
 }
 
 async fn gpus(State(gw): State<Arc<Gateway>>, headers: HeaderMap) -> ApiResult {
@@ -291,7 +291,7 @@ async fn list_jobs(
         })
         .await?;
     ok(json!({
-        "jobs": r.jobs.iter().map(json::job_summary).collect::<Vec<_>>(),
+        "jobs": r.jobs.iter().map(json::JobJson::from).collect::<Vec<_>>(),
         "more": !r.next_page_token.is_empty(),
     }))
 }
@@ -311,7 +311,7 @@ async fn get_job(
             async move { operator(c).get_job(req).await }
         })
         .await?;
-    ok(json::job_detail(&job))
+    ok(json!(json::JobJson::from(&job)))
 }
 
 /// The job this browser's token submitted with a request id (after an
@@ -331,7 +331,7 @@ async fn job_by_request(
             async move { operator(c).get_job(req).await }
         })
         .await?;
-    ok(json::job_detail(&job))
+    ok(json!(json::JobJson::from(&job)))
 }
 
 /// Parses the submit form; the error names what is wrong with the JSON.

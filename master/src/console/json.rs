@@ -1,85 +1,64 @@
 //! The console's JSON: the Operator API's answers as the browser reads
 //! them, and the submit form as a `pb::JobSpec`. Pure: no I/O, no clock.
 //!
-//! Enums become the words gpuctl prints (`RUNNING`, `ACTIVE`), times stay
-//! milliseconds since the epoch (the page shows ages in the reader's time),
-//! and a queued job's wait reason, which the master sends as data, is in
-//! gpuctl's words (`gpuctl_core::wait_words`, listed in docs/scheduling.md).
+//! Jobs, agents, GPUs and masters have the shapes of `gpuctl --json`
+//! (`gpuctl_core::view`, one view layer for both), with a few fields only
+//! the page needs beside them (a GPU's latest reading, its host and job, a
+//! master's `answered`).
 
 use std::collections::BTreeMap;
 
-use gpuctl_core::convert::{agent_state_name, job_state_name, runtime_name, task_state_name};
-use gpuctl_core::wait_words::wait_reason_words;
+use gpuctl_core::view::{GpuStatusJson, MasterJson};
 use gpuctl_proto::pb;
-use serde::Deserialize;
-use serde_json::{json, Value};
+use serde::{Deserialize, Serialize};
 
-/// The same shape as `gpuctl --json`'s: the domain's `Resources`.
-pub fn resources(r: Option<&pb::Resources>) -> Value {
-    serde_json::to_value(gpuctl_core::wait_words::resources_of(r)).unwrap_or(Value::Null)
+pub use gpuctl_core::view::{AgentJson, JobJson};
+
+/// A GPU as `gpuctl gpus --json` shows it, with what the page's GPU table
+/// adds: its host, its task's job, a health word and its latest reading.
+#[derive(Debug, Serialize)]
+pub struct GpuView {
+    #[serde(flatten)]
+    pub gpu: GpuStatusJson,
+    pub hostname: String,
+    /// The job of `task_id`; null when the GPU is free.
+    pub job_id: Option<String>,
+    /// `healthy`, `cordoned` or `unhealthy`, as `gpuctl top` says.
+    pub health: &'static str,
+    /// Null when there is none: simulated GPUs, or before the agent's
+    /// first heartbeat.
+    pub sample: Option<SampleView>,
 }
 
-fn gpu(g: &pb::Gpu) -> Value {
-    json!({
-        "uuid": g.uuid,
-        "index": g.index,
-        "model": g.model,
-        "memory_mib": g.memory_mib,
-        "healthy": g.healthy,
-        "unhealthy_reason": g.unhealthy_reason,
-        "pci_bus_id": g.pci_bus_id,
-    })
+/// A GPU's latest reading, from its agent's heartbeat.
+#[derive(Debug, Serialize)]
+pub struct SampleView {
+    pub utilization_pct: u32,
+    pub memory_used_mib: u64,
+    pub memory_total_mib: u64,
+    pub temperature_c: Option<u32>,
+    pub power_w: Option<f64>,
+    pub sampled_at_ms: u64,
+    pub xid_errors: u64,
 }
 
-pub fn agent(a: &pb::Agent) -> Value {
-    json!({
-        "id": a.id,
-        "hostname": a.hostname,
-        "address": a.address,
-        "state": agent_state_name(a.state),
-        "total": resources(a.total.as_ref()),
-        "allocated": resources(a.allocated.as_ref()),
-        "gpus": a.gpus.iter().map(gpu).collect::<Vec<_>>(),
-        "runtimes": a.runtimes.iter().map(|r| runtime_name(*r)).collect::<Vec<_>>(),
-        "runtime_status": a.runtime_status.iter().map(|r| json!({
-            "runtime": runtime_name(r.runtime),
-            "available": r.available,
-            "message": r.message,
-        })).collect::<Vec<_>>(),
-        "registered_at_ms": a.registered_at_ms,
-        "simulated_gpus": a.simulated_gpus,
-        "driver_version": a.driver_version,
-        "cuda_driver_version": a.cuda_driver_version,
-        "draining": a.draining,
-        "unreachable_since_ms": a.unreachable_since_ms,
-    })
-}
-
-/// One GPU with its latest reading (`sample` null when there is none:
-/// simulated GPUs, or before the agent's first heartbeat) and its task.
-pub fn gpu_status(s: &pb::GpuStatus) -> Value {
-    let sample = s.sample.as_ref().map(|m| {
-        json!({
-            "utilization_pct": m.utilization_pct,
-            "memory_used_mib": m.memory_used_mib,
-            "memory_total_mib": m.memory_total_mib,
-            "temperature_c": m.temperature_c,
-            "power_w": m.power_w,
-            "sampled_at_ms": m.sampled_at_ms,
-            "xid_errors": m.xid_errors,
-        })
-    });
-    let g = s.gpu.clone().unwrap_or_default();
-    json!({
-        "agent_id": s.agent_id,
-        "hostname": s.hostname,
-        "gpu": gpu(&g),
-        "task_id": non_empty(&s.task_id),
-        "job_id": non_empty(&s.job_id),
-        "cordoned": s.cordoned,
-        "health": health_word(g.healthy, s.cordoned),
-        "sample": sample,
-    })
+pub fn gpu_status(s: &pb::GpuStatus) -> GpuView {
+    let healthy = s.gpu.as_ref().is_some_and(|g| g.healthy);
+    GpuView {
+        gpu: GpuStatusJson::from(s),
+        hostname: s.hostname.clone(),
+        job_id: (!s.job_id.is_empty()).then(|| s.job_id.clone()),
+        health: health_word(healthy, s.cordoned),
+        sample: s.sample.as_ref().map(|m| SampleView {
+            utilization_pct: m.utilization_pct,
+            memory_used_mib: m.memory_used_mib,
+            memory_total_mib: m.memory_total_mib,
+            temperature_c: m.temperature_c,
+            power_w: m.power_w,
+            sampled_at_ms: m.sampled_at_ms,
+            xid_errors: m.xid_errors,
+        }),
+    }
 }
 
 /// The word `gpuctl top` shows for a GPU's health.
@@ -91,34 +70,48 @@ pub fn health_word(healthy: bool, cordoned: bool) -> &'static str {
     }
 }
 
-fn non_empty(s: &str) -> Option<&str> {
-    (!s.is_empty()).then_some(s)
+/// A master as `gpuctl masters --json` shows it, and whether it is the one
+/// that answered.
+#[derive(Debug, Serialize)]
+pub struct MasterView {
+    #[serde(flatten)]
+    pub master: MasterJson,
+    pub answered: bool,
 }
 
-pub fn master(m: &pb::MasterInfo) -> Value {
-    json!({
-        "id": m.id,
-        "address": m.address,
-        "role": m.role,
-        "term": m.term,
-        "commit_index": m.commit_index,
-        "applied_index": m.applied_index,
-        "answered": m.answered,
-        "voter": m.voter,
-        "reachable": m.reachable,
-    })
+pub fn master(m: &pb::MasterInfo) -> MasterView {
+    MasterView {
+        master: MasterJson::from(m),
+        answered: m.answered,
+    }
 }
 
-pub fn whoami(w: &pb::WhoAmIResponse) -> Value {
-    let token = w.token.as_ref().map(|t| {
-        json!({
-            "id": t.id,
-            "role": token_role(t.role),
-            "tenant": t.tenant,
-            "description": t.description,
-        })
-    });
-    json!({ "kind": w.kind, "token": token })
+/// Who the browser's token is (`kind`: `token` or `open`).
+#[derive(Debug, Serialize)]
+pub struct WhoAmIView {
+    pub kind: String,
+    pub token: Option<TokenView>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct TokenView {
+    pub id: String,
+    /// `admin`, `user`, `framework`, `join` or `unknown`.
+    pub role: &'static str,
+    pub tenant: String,
+    pub description: String,
+}
+
+pub fn whoami(w: &pb::WhoAmIResponse) -> WhoAmIView {
+    WhoAmIView {
+        kind: w.kind.clone(),
+        token: w.token.as_ref().map(|t| TokenView {
+            id: t.id.clone(),
+            role: token_role(t.role),
+            tenant: t.tenant.clone(),
+            description: t.description.clone(),
+        }),
+    }
 }
 
 fn token_role(r: i32) -> &'static str {
@@ -129,87 +122,6 @@ fn token_role(r: i32) -> &'static str {
         Ok(pb::TokenRole::Join) => "join",
         _ => "unknown",
     }
-}
-
-fn task(t: &pb::Task) -> Value {
-    json!({
-        "id": t.id,
-        "agent_id": t.agent_id,
-        "gpu_uuids": t.gpu_uuids,
-        "state": task_state_name(t.state),
-        "exit_code": t.exit_code,
-        "message": t.message,
-        "updated_at_ms": t.updated_at_ms,
-        "rank": t.rank,
-        "ports": t.ports,
-        // What its agent enforces of a fraction of a shared GPU; null for
-        // whole GPUs and MIG devices.
-        "enforcement": (!t.enforcement.is_empty()).then_some(&t.enforcement),
-    })
-}
-
-fn event(e: &pb::JobEvent) -> Value {
-    json!({
-        "kind": e.kind,
-        "warning": e.warning,
-        "message": e.message,
-        "first_ms": e.first_ms,
-        "last_ms": e.last_ms,
-        "count": e.count,
-    })
-}
-
-/// A job as the jobs page lists it: no tasks' details, no events.
-pub fn job_summary(j: &pb::Job) -> Value {
-    let spec = j.spec.clone().unwrap_or_default();
-    let res = spec.resources.unwrap_or_default();
-    let replicas = spec.replicas.max(1);
-    json!({
-        "id": j.id,
-        "name": spec.name,
-        "state": job_state_name(j.state),
-        "tenant": spec.tenant,
-        "image": spec.image,
-        "gpus": res.gpus.saturating_mul(replicas),
-        "replicas": replicas,
-        "priority": spec.priority,
-        "submitted_at_ms": j.submitted_at_ms,
-        "message": j.message,
-        "reason": wait_reason_words(j),
-        "tasks": j.tasks.len(),
-    })
-}
-
-/// A job with its spec, tasks and events (a job's page).
-pub fn job_detail(j: &pb::Job) -> Value {
-    let spec = j.spec.clone().unwrap_or_default();
-    let placement = spec.placement.clone().unwrap_or_default();
-    let mut v = job_summary(j);
-    let extra = json!({
-        "spec": {
-            "name": spec.name,
-            "image": spec.image,
-            "command": spec.command,
-            "env": spec.env.iter().collect::<BTreeMap<_, _>>(),
-            "resources": resources(spec.resources.as_ref()),
-            "priority": spec.priority,
-            "replicas": spec.replicas.max(1),
-            "max_retries": spec.max_retries,
-            "tenant": spec.tenant,
-            "gpu_model": placement.gpu_model,
-            "placement": placement.policy,
-            "require_cuda": spec.require_cuda,
-        },
-        "retries": j.retries,
-        "preemptions": j.preemptions,
-        "task_list": j.tasks.iter().map(task).collect::<Vec<_>>(),
-        "events": j.events.iter().map(event).collect::<Vec<_>>(),
-        "events_dropped": j.events_dropped,
-    });
-    if let (Value::Object(base), Value::Object(more)) = (&mut v, extra) {
-        base.extend(more);
-    }
-    v
 }
 
 /// Whether a job in this state is over (no cancel, no more logs).
@@ -290,6 +202,13 @@ impl SubmitForm {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use gpuctl_core::convert::agent_state_name;
+    use serde_json::{json, Value};
+
+    /// A job as `GET /api/jobs/ID` answers it.
+    fn job(j: &pb::Job) -> Value {
+        serde_json::to_value(JobJson::from(j)).unwrap()
+    }
 
     #[test]
     fn enums_become_gpuctls_words() {
@@ -326,20 +245,25 @@ mod tests {
             }],
             ..Default::default()
         };
-        let v = job_detail(&j);
+        let v = job(&j);
         assert_eq!(v["state"], "RUNNING");
-        assert_eq!(v["gpus"], 4, "all replicas");
         assert_eq!(
-            v["spec"]["resources"],
+            (&v["resources"]["gpus"], &v["replicas"]),
+            (&json!(2), &json!(2))
+        );
+        assert_eq!(
+            v["resources"],
             json!({"cpus": 1.5, "mem_mib": 10, "gpus": 2, "ports": 1})
         );
-        assert_eq!(v["task_list"][0]["state"], "RUNNING");
-        assert_eq!(v["task_list"][0]["exit_code"], Value::Null);
-        assert_eq!(v["task_list"][0]["enforcement"], "mps");
-        assert_eq!(v["events"][0]["kind"], "Started");
+        assert_eq!(v["tasks"][0]["state"], "RUNNING");
+        assert_eq!(v["tasks"][0]["exit_code"], Value::Null);
+        assert_eq!(v["tasks"][0]["enforcement"], "mps");
+        assert_eq!(v["events"][0]["reason"], "Started");
         assert_eq!(v["reason"], Value::Null);
-        let s = job_summary(&j);
-        assert!(s.get("events").is_none() && s.get("spec").is_none());
+        assert_eq!(
+            v,
+            serde_json::to_value(gpuctl_core::view::JobJson::from(&j)).unwrap()
+        );
     }
 
     #[test]
@@ -353,9 +277,13 @@ mod tests {
             agent_id: "a1".into(),
             ..Default::default()
         };
-        let v = gpu_status(&s);
+        let v = serde_json::to_value(gpu_status(&s)).unwrap();
         assert_eq!(v["sample"], Value::Null);
         assert_eq!(v["task_id"], Value::Null);
+        assert_eq!(
+            (&v["uuid"], &v["agent_id"]),
+            (&json!("GPU-1"), &json!("a1"))
+        );
         assert_eq!(v["health"], "healthy");
         s.task_id = "job-1-0".into();
         s.job_id = "job-1".into();
@@ -368,7 +296,7 @@ mod tests {
             power_w: None,
             ..Default::default()
         });
-        let v = gpu_status(&s);
+        let v = serde_json::to_value(gpu_status(&s)).unwrap();
         assert_eq!(v["sample"]["utilization_pct"], 87);
         assert_eq!(v["sample"]["temperature_c"], 67);
         assert_eq!(v["sample"]["power_w"], Value::Null);
@@ -400,7 +328,7 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(
-            job_summary(&queued(wr::Kind::Resources(busy), None))["reason"],
+            job(&queued(wr::Kind::Resources(busy), None))["reason"],
             "Resources: waiting for resources to be freed \
              (of 3 agents: 2 short of free GPUs, 1 short of free ports)"
         );
@@ -419,7 +347,7 @@ mod tests {
             set_aside: None,
         };
         assert_eq!(
-            job_summary(&queued(wr::Kind::NeverFits(never), None))["reason"],
+            job(&queued(wr::Kind::NeverFits(never), None))["reason"],
             "no agent has 8 GPUs of model H100* (at most 4)"
         );
         let requeued = wr::Requeued {
@@ -430,11 +358,11 @@ mod tests {
         };
         let mut j = queued(wr::Kind::Starting(wr::Starting {}), Some(requeued));
         assert_eq!(
-            job_summary(&j)["reason"],
+            job(&j)["reason"],
             "PREEMPTED by job-9; Scheduling: resources are free; starting it"
         );
         j.state = pb::JobState::JobRunning as i32;
-        assert_eq!(job_summary(&j)["reason"], Value::Null);
+        assert_eq!(job(&j)["reason"], Value::Null);
     }
 
     #[test]
