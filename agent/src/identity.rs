@@ -10,6 +10,7 @@ use std::time::Duration;
 use gpuctl_auth::pki::{now_ms, signing_request};
 use gpuctl_auth::tls::{ClientAuth, Tls, TlsPaths};
 use gpuctl_auth::CertRole;
+use gpuctl_proto::follow::{Connect, Follower, Policy, Retry};
 use gpuctl_proto::pb;
 use tokio::sync::watch;
 use tonic::transport::Endpoint;
@@ -109,8 +110,26 @@ pub async fn establish(
     }
 }
 
-/// Calls `f` on each master in turn, following a redirect to the leader,
-/// until one answers.
+/// How Join and Renew follow the leader: a fresh channel per try (the
+/// certificate may be new), the agent's own backoff between tries.
+const POLICY: Policy = Policy {
+    backoff_min: Duration::from_millis(200),
+    backoff_max: Duration::from_secs(2),
+    unknown_search_factor: 1,
+    accept_hint: gpuctl_proto::leader::host_port,
+    cache_channels: false,
+    on_retry: |addr, _, status| tracing::debug!(%addr, code = ?status.code(), "identity call: trying another master"),
+};
+
+/// How long Join or Renew looks for a master that answers: long enough for
+/// an election, short enough that a refused join ends the agent's start.
+const SEARCH: Duration = Duration::from_secs(30);
+
+/// Calls `f` on the masters with gpuctl's leader-following client
+/// (`gpuctl_proto::follow`): redirects followed, tried again while the
+/// failure may pass elsewhere, the master's own refusal (a bad token) at
+/// once. Join and Renew are safe to send again: a second certificate for
+/// the same key pair is harmless.
 async fn on_masters<T, F, Fut>(
     tls: &Arc<Tls>,
     masters: &[String],
@@ -118,35 +137,32 @@ async fn on_masters<T, F, Fut>(
 ) -> Result<T, tonic::Status>
 where
     F: FnMut(pb::identity_client::IdentityClient<tonic::transport::Channel>) -> Fut,
-    Fut: std::future::Future<Output = Result<T, tonic::Status>>,
+    Fut: std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
 {
-    let mut queue: std::collections::VecDeque<String> = masters.iter().cloned().collect();
-    let mut last = tonic::Status::unavailable("no master address");
-    let mut tries = 0;
-    while let Some(addr) = queue.pop_front() {
-        tries += 1;
-        if tries > masters.len() + 3 {
-            break;
-        }
-        let endpoint = match Endpoint::from_shared(format!("http://{addr}")) {
-            Ok(e) => e.connect_timeout(CALL_TIMEOUT).timeout(CALL_TIMEOUT),
-            Err(e) => {
-                last = tonic::Status::invalid_argument(format!("master address {addr}: {e}"));
-                continue;
-            }
-        };
-        let channel = gpuctl_auth::tls::channel(&endpoint, Some(tls), CertRole::Master);
-        match f(pb::identity_client::IdentityClient::new(channel)).await {
-            Ok(v) => return Ok(v),
-            Err(status) => {
-                if let Some(leader) = gpuctl_proto::leader::leader_hint(&status) {
-                    queue.push_front(leader);
-                }
-                last = status;
-            }
-        }
-    }
-    Err(last)
+    let tls = Arc::clone(tls);
+    let connect: Connect = Arc::new(move |addr: &str| {
+        let endpoint = Endpoint::from_shared(format!("http://{addr}"))
+            .map_err(|e| tonic::Status::invalid_argument(format!("master address {addr}: {e}")))?
+            .connect_timeout(CALL_TIMEOUT)
+            .timeout(CALL_TIMEOUT);
+        Ok(gpuctl_auth::tls::channel(
+            &endpoint,
+            Some(&tls),
+            CertRole::Master,
+        ))
+    });
+    let follower = Follower::new(masters.to_vec(), connect, POLICY);
+    let deadline = tokio::time::Instant::now() + SEARCH;
+    follower
+        .call_among(
+            masters.to_vec(),
+            Retry::Resend,
+            Some(CALL_TIMEOUT),
+            deadline,
+            |c| f(pb::identity_client::IdentityClient::new(c)),
+        )
+        .await
+        .map_err(|e| e.status)
 }
 
 async fn join(
@@ -170,7 +186,7 @@ async fn join(
             agent_id: agent_id.to_string(),
             csr_pem: csr.clone(),
         };
-        async move { c.join(req).await.map(|r| r.into_inner()) }
+        async move { c.join(req).await }
     })
     .await
     .map_err(|s| config_err(format!("joining the cluster failed: {}", s.message())))?;
@@ -230,7 +246,7 @@ async fn renew(tls: &Arc<Tls>, dir: &Path, masters: &[String]) -> Result<u64, Ag
         let req = pb::RenewRequest {
             csr_pem: csr.clone(),
         };
-        async move { c.renew(req).await.map(|r| r.into_inner()) }
+        async move { c.renew(req).await }
     })
     .await
     .map_err(|s| config_err(format!("renewal refused: {}", s.message())))?;
