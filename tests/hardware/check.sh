@@ -9,7 +9,9 @@
 # and as host processes, and checks from outside gpuctl (CUDA inside the task,
 # nvidia-smi's process list, the agent's metrics) that each task sees and uses
 # exactly its GPUs, that the driver volume works and is read-only, and that a
-# container's GPU work outlives an agent SIGKILL. Each check prints
+# container's GPU work outlives an agent SIGKILL. It also compares
+# `gpuctl-agent check` with nvidia-smi and, last, runs `gpuctl demo` with
+# the same binaries once its own daemons are stopped. Each check prints
 # PASS/FAIL/SKIP; the summary is in $OUT/summary.txt, logs beside it.
 #
 # Env: GPUCTL_BIN (dir of gpuctl, gpuctl-master, gpuctl-agent), OUT (results
@@ -70,6 +72,50 @@ import socket; s = socket.socket(socket.AF_UNIX); s.connect('/var/run/docker.soc
 s.send(b'GET /_ping HTTP/1.0\r\n\r\n'); assert b'OK' in s.recv(200)
 EOF
 echo "gpus=$NGPU driver=$DRIVER docker=$DOCKER"
+
+sec "gpuctl-agent check"
+# The operator's check of a node (agent/src/check.rs), on the real NVML and
+# Docker: what it reports against nvidia-smi. No cluster is needed.
+timeout 120 "$BIN/gpuctl-agent" check --json >"$OUT/agent-check.json" 2>"$OUT/agent-check.err"
+AC_RC=$?
+timeout 120 "$BIN/gpuctl-agent" check >"$OUT/agent-check.txt" 2>&1
+AC_TXT_RC=$?
+cat "$OUT/agent-check.json" "$OUT/agent-check.err" "$OUT/agent-check.txt"
+nvidia-smi --query-gpu=uuid,name --format=csv,noheader >"$W/smi-uuid-name.txt"
+check agentcheck.exit "gpuctl-agent check --json and plain exit 0 ($AC_RC, $AC_TXT_RC)" \
+  [ "$AC_RC" = 0 -a "$AC_TXT_RC" = 0 ]
+python3 - "$OUT/agent-check.json" "$W/smi-uuid-name.txt" "$DRIVER" "$DOCKER" <<'EOF' >"$W/agentcheck.txt"
+import csv, json, sys
+try:
+    r = json.load(open(sys.argv[1]))
+except Exception as e:
+    print(f'FAIL agentcheck.json: the report is not JSON ({e})'); sys.exit()
+smi = [[c.strip() for c in row] for row in csv.reader(open(sys.argv[2])) if row]
+gpus = r.get('gpus') or []
+err = r.get('nvml_error')
+names, want = [g.get('model') for g in gpus], [n for _, n in smi]
+print(('PASS' if names == want and not err else 'FAIL') +
+      f' agentcheck.gpus: {len(gpus)} GPU(s) {names}, nvidia-smi {len(smi)} {want}' +
+      (f'; nvml_error {err!r}' if err else ''))
+if gpus and all('uuid' in g for g in gpus):
+    got, wantu = [g['uuid'] for g in gpus], [u for u, _ in smi]
+    print(('PASS' if got == wantu else 'FAIL') + f' agentcheck.uuids: ours {got}, nvidia-smi {wantu}')
+else:
+    print('SKIP agentcheck.uuids: the report names no UUIDs (fields: ' +
+          (', '.join(sorted(gpus[0])) if gpus else 'no GPU') + ')')
+print(('PASS' if gpus and all(g.get('healthy') for g in gpus) else 'FAIL') +
+      f" agentcheck.healthy: {sum(bool(g.get('healthy')) for g in gpus)} of {len(gpus)} healthy")
+print(('PASS' if r.get('driver_version') == sys.argv[3] else 'FAIL') +
+      f" agentcheck.driver: driver {r.get('driver_version')!r}, nvidia-smi {sys.argv[3]!r}")
+d = r.get('docker') or {}
+answers = 'docker' in r and r['docker'] is not None and not d.get('error')
+said = 'answers' if answers else ('not checked' if r.get('docker') is None else f"not available ({d.get('error')})")
+print(('PASS' if answers == (sys.argv[4] == '1') else 'FAIL') +
+      f" agentcheck.docker: Docker {said}; the socket ping says {'up' if sys.argv[4] == '1' else 'down'}")
+EOF
+while read -r v n rest; do say "$v $n $rest"; done <"$W/agentcheck.txt"
+check agentcheck.text "the plain report names $NGPU GPU(s) and driver $DRIVER" \
+  sh -c "grep -q 'GPUs (NVML): $NGPU found, $NGPU healthy' '$OUT/agent-check.txt' && grep -q 'Driver: *$DRIVER' '$OUT/agent-check.txt'"
 
 sec "test program and image"
 CUDA=0
@@ -430,6 +476,40 @@ else
     sh -c "$G jobs get $J --json | grep -q GPU_MEMORY_LIMIT"
   $G gpus share "$GPU0" --off 2>&1 | tail -1
 fi
+
+sec "gpuctl demo"
+# The README's main command, installed binaries on a real GPU host: it asks
+# gpuctl-agent check, starts its own master and agent (free loopback
+# ports), runs a 1-GPU and a second job and stops them. The check's own
+# daemons and its v1 devices hierarchy go first, so the demo sees the host
+# as a user would.
+for p in ${AGENT_PID:-} ${MASTER_PID:-}; do kill "$p" 2>/dev/null; wait "$p" 2>/dev/null; done
+AGENT_PID= MASTER_PID=
+umount "$W/cg1/devices" 2>/dev/null
+echo "/bin/busybox: $(ls -l /bin/busybox 2>&1)"
+DEMO_T0=$(date +%s)
+# SIGINT: the demo's Ctrl-C path, which stops its agent and master.
+(cd "$W" && timeout -s INT -k 20 180 "$BIN/gpuctl" demo) >"$OUT/demo.txt" 2>&1
+DEMO_RC=$?
+DEMO_S=$(( $(date +%s) - DEMO_T0 ))
+cat "$OUT/demo.txt"
+check demo.exit "gpuctl demo exits 0 (rc $DEMO_RC, ${DEMO_S}s)" [ "$DEMO_RC" = 0 ]
+check demo.real "it uses the $NGPU real GPU(s): $(grep -o 'Found .*' "$OUT/demo.txt" | head -1)" \
+  sh -c "grep -q 'Found $NGPU real GPU' '$OUT/demo.txt' && grep -q 'registered with $NGPU GPU' '$OUT/demo.txt'"
+if [ "$DOCKER" = 1 ]; then
+  check demo.docker "its jobs run in Docker: $(grep -E '^==> (Jobs run|Docker |The demo image)' "$OUT/demo.txt" | head -1 | cut -c5-160)" \
+    grep -q 'Jobs run in Docker containers' "$OUT/demo.txt"
+else
+  skip demo.docker "dockerd does not answer: the demo runs host processes"
+fi
+check demo.succeeded "both jobs SUCCEEDED: $(grep -oE '^==> demo-[12]gpu: [A-Z]+' "$OUT/demo.txt" | cut -c5- | paste -sd,)" \
+  sh -c "grep -q '^==> demo-1gpu: SUCCEEDED' '$OUT/demo.txt' && grep -q '^==> demo-2gpu: SUCCEEDED' '$OUT/demo.txt' && grep -q 'Both jobs SUCCEEDED' '$OUT/demo.txt'"
+check demo.uuid "both jobs' NVIDIA_VISIBLE_DEVICES name GPUs nvidia-smi lists: $(grep -o '^\[demo-[12]gpu\] job .*' "$OUT/demo.txt" | sed 's/ job .*GPUs / /' | tr '\n' ' ')" \
+  python3 -c '
+import re, sys
+smi = {l.split(",")[0].strip() for l in open(sys.argv[2]) if l.strip()}
+seen = dict(re.findall(r"^\[(demo-[12]gpu)\] job .*GPUs (\S+)$", open(sys.argv[1]).read(), re.M))
+sys.exit(not (len(seen) == 2 and all(u in smi for v in seen.values() for u in v.split(","))))' "$OUT/demo.txt" "$W/smi-uuid-name.txt"
 
 sec logs
 tail -40 "$OUT/agent.log"; tail -20 "$OUT/master.log"
