@@ -93,6 +93,7 @@ async fn check(args: &CheckArgs) -> HostCheck {
                 .gpus
                 .iter()
                 .map(|g| HostGpu {
+                    uuid: g.uuid.clone(),
                     model: g.model.clone(),
                     healthy: g.healthy,
                 })
@@ -194,10 +195,12 @@ mod tests {
         let r = HostCheck {
             gpus: vec![
                 HostGpu {
+                    uuid: "GPU-1".into(),
                     model: "NVIDIA H100".into(),
                     healthy: true,
                 },
                 HostGpu {
+                    uuid: "GPU-1".into(),
                     model: "NVIDIA H100".into(),
                     healthy: false,
                 },
@@ -228,6 +231,7 @@ mod tests {
     fn the_json_report_reads_back_as_it_was_written() {
         let r = HostCheck {
             gpus: vec![HostGpu {
+                uuid: "GPU-1".into(),
                 model: "A100".into(),
                 healthy: true,
             }],

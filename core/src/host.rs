@@ -17,6 +17,9 @@ pub struct HostCheck {
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct HostGpu {
+    /// NVML's UUID (`GPU-...`); empty in a report of an older agent.
+    #[serde(default)]
+    pub uuid: String,
     pub model: String,
     pub healthy: bool,
 }

@@ -633,6 +633,14 @@ fn agent_check_reports_the_gpus_and_driver_nvml_finds() {
         gpus[0]["model"].as_str().unwrap().contains("A100"),
         "{report}"
     );
+    let uuids: Vec<&Value> = gpus.iter().map(|g| &g["uuid"]).collect();
+    let want_uuids: Vec<&Value> = want["gpus"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|g| &g["uuid"])
+        .collect();
+    assert_eq!(uuids, want_uuids, "{report}");
     assert_eq!(report["driver_version"], want["driver_version"], "{report}");
     assert_eq!(report["nvml_error"], Value::Null, "{report}");
     assert_eq!(report["docker"], Value::Null, "--no-docker: {report}");
