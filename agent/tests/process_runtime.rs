@@ -26,7 +26,6 @@ use tempfile::TempDir;
 
 /// What the runtime puts in a task's `PATH` when neither the task nor the
 /// agent has one.
-const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 const MISSING_PROGRAM: &str = "/nonexistent/gpuctl-no-such-program";
 
 fn runtime() -> ProcessRuntime {
@@ -210,8 +209,16 @@ fn pgrp(pid: i32) -> i32 {
 fn ended(code: i32) -> Ended {
     Ended {
         code: Some(code),
-        fenced: false,
-        error: None,
+        ..Default::default()
+    }
+}
+
+/// Killed by `sig`: the code a shell would say, and the signal itself.
+fn killed(sig: i32) -> Ended {
+    Ended {
+        code: Some(128 + sig),
+        signal: Some(sig),
+        ..Default::default()
     }
 }
 
@@ -266,7 +273,8 @@ async fn env_is_exactly_the_spec_env_plus_path_and_home() {
 
     let mut task = Task::new("proc-env", &["env"]);
     task.spec.env.insert("GPUCTL_EXTRA".into(), "a b=c".into());
-    let our_path = std::env::var("PATH").unwrap_or_else(|_| DEFAULT_PATH.to_string());
+    // The plain PATH, not the agent's own.
+    let our_path = gpuctl_agent::runtime::process::TASK_PATH;
     let mut want = vec![
         "GPUCTL_EXTRA=a b=c".to_string(),
         "GPUCTL_TASK_ID=proc-env".to_string(),
@@ -291,22 +299,22 @@ async fn env_is_exactly_the_spec_env_plus_path_and_home() {
 
 #[tokio::test]
 async fn exit_codes_are_reported() {
-    for (id, script, code) in [
-        ("proc-exit3", "exit 3", 3),
-        ("proc-sig9", "kill -9 $$", 128 + 9),
-        ("proc-exit0", "exit 0", 0),
+    for (id, script, want) in [
+        ("proc-exit3", "exit 3", ended(3)),
+        ("proc-sig9", "kill -9 $$", killed(9)),
+        ("proc-exit0", "exit 0", ended(0)),
     ] {
         let task = Task::new(id, &["sh", "-c", script]);
         task.start().await.unwrap();
         assert_eq!(
             task.wait(Duration::from_secs(10)).await,
-            ended(code),
+            want.clone(),
             "{script}"
         );
         // And so says `observe`, from the exit record.
         assert_eq!(
             task.observe().await,
-            Observed::Ended(ended(code)),
+            Observed::Ended(want),
             "{script}"
         );
     }
@@ -370,7 +378,7 @@ async fn stop_ends_a_task_quickly() {
     assert_eq!(live_group_members(pid), vec![pid]);
     let t = Instant::now();
     task.stop().await;
-    assert_eq!(task.wait(Duration::from_secs(5)).await, ended(128 + 15));
+    assert_eq!(task.wait(Duration::from_secs(5)).await, killed(15));
     // The grace is 10 s: SIGTERM did it.
     assert!(
         t.elapsed() < Duration::from_secs(2),
@@ -399,7 +407,7 @@ async fn stop_reaches_the_tasks_children() {
     .await;
     let t = Instant::now();
     task.stop().await;
-    assert_eq!(task.wait(Duration::from_secs(5)).await, ended(128 + 15));
+    assert_eq!(task.wait(Duration::from_secs(5)).await, killed(15));
     assert!(
         t.elapsed() < Duration::from_secs(2),
         "stop took {:?}",
@@ -425,7 +433,7 @@ async fn a_task_ignoring_sigterm_gets_sigkill_after_the_grace() {
     let pid = task.task_pid();
     let t = Instant::now();
     task.stop().await;
-    assert_eq!(task.wait(Duration::from_secs(5)).await, ended(128 + 9));
+    assert_eq!(task.wait(Duration::from_secs(5)).await, killed(9));
     let took = t.elapsed();
     assert!(
         took >= Duration::from_millis(450),
@@ -1047,16 +1055,16 @@ async fn a_namespaced_task_gets_signals_exit_codes_and_no_survivors() {
     assert_eq!(task.wait(Duration::from_secs(5)).await, ended(7));
     assert!(task.log().contains("got-term\n"), "{}", task.log());
 
-    for (id, script, code) in [
-        ("proc-ns-exit3", "exit 3", 3),
-        ("proc-ns-sig9", "kill -9 $$", 128 + 9),
-        ("proc-ns-exit0", "exit 0", 0),
+    for (id, script, want) in [
+        ("proc-ns-exit3", "exit 3", ended(3)),
+        ("proc-ns-sig9", "kill -9 $$", killed(9)),
+        ("proc-ns-exit0", "exit 0", ended(0)),
     ] {
         let task = namespaced(id, &["sh", "-c", script], 80502);
         task.start().await.unwrap();
         assert_eq!(
             task.wait(Duration::from_secs(10)).await,
-            ended(code),
+            want,
             "{script}"
         );
     }
@@ -1092,7 +1100,7 @@ async fn a_namespaced_task_gets_signals_exit_codes_and_no_survivors() {
     task.start().await.unwrap();
     task.log_contains("ready\n").await;
     task.stop().await;
-    assert_eq!(task.wait(Duration::from_secs(5)).await, ended(128 + 9));
+    assert_eq!(task.wait(Duration::from_secs(5)).await, killed(9));
 }
 
 #[tokio::test]

@@ -152,7 +152,8 @@ fn follow_streams_output_and_cancel_kills_a_running_process() {
     // Found from outside by its PID namespace (inside it, it is pid 2).
     let ns = task_pid_ns(&c, &running);
     assert!(!gpuctl_tests::pid_ns_members(&ns).is_empty());
-    assert_eq!(c.ok(&["jobs", "cancel", &long]).trim(), "RUNNING");
+    // The cancel decides the end: CANCELLED, while its task is stopped.
+    assert_eq!(c.ok(&["jobs", "cancel", &long]).trim(), "CANCELLED");
     let (code, state) = c.wait_job(&long, 30);
     assert_eq!((code, state.as_str()), (1, "CANCELLED"));
     let job = c.job(&long);

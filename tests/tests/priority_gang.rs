@@ -420,7 +420,7 @@ fn a_failed_rank_stops_the_gang_and_it_is_retried() {
     assert_eq!(task_ids(&j), ids, "two attempts of two tasks: {j}");
     assert_eq!(
         j["message"],
-        format!("task {gang}.3 exited with code 3"),
+        format!("rank 1 of 2: task {gang}.3 exited with code 3"),
         "{j}"
     );
     // Checked last (see the end of the test).
@@ -435,7 +435,10 @@ fn a_failed_rank_stops_the_gang_and_it_is_retried() {
             assert_eq!(t["state"], "KILLED", "{j}");
             stop_messages.push((
                 t["message"].clone(),
-                format!("stopped: task {gang}.{} exited with code 3", n + 1),
+                format!(
+                    "stopped: rank 1 of 2: task {gang}.{} exited with code 3",
+                    n + 1
+                ),
             ));
             // It ran, and nothing of it is left: its PID namespace (which
             // it wrote down) is empty.

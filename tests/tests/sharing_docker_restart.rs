@@ -233,7 +233,10 @@ fn mps_fractions_through_a_docker_daemon_restart_are_counted_once() {
     let t = &j["tasks"][0];
     assert_eq!(t["exit_code"], 143, "{j}");
     assert_eq!(t["reason"], "COMMAND_EXITED", "{j}");
-    assert_eq!(t["message"], "exited with code 143", "{j}");
+    assert_eq!(
+        t["message"], "exited with code 143, as a process killed by signal 15 (SIGTERM) does",
+        "{j}"
+    );
     for r in before.values() {
         wait_for(Duration::from_secs(10), "the old containers gone", || {
             !alive(r.pid)

@@ -189,10 +189,20 @@ impl Executor {
         // The container first (Docker removes its own cgroup, inside the
         // task's), then what is left in the task's cgroups.
         remove_until_done(&rt, &tref).await;
+        // Counted in the task's memory cgroup, which `release` removes.
+        let oom_kills = self.isolation.isolator.oom_kills(task_id);
         self.release(task_id);
         let reason = stop.borrow().clone();
         let mut outcome = match ended {
-            Ok(e) => Outcome::ran(e, reason.as_ref(), fence_ms),
+            Ok(mut e) => {
+                e.oom_killed |= oom_kills > 0;
+                let oom = e.oom_killed;
+                let mut o = Outcome::ran(e, reason.as_ref(), fence_ms);
+                if oom && o.state == TaskState::Failed && spec.resources.mem_mib > 0 {
+                    o.message = format!("{} of {} MiB (--mem)", o.message, spec.resources.mem_mib);
+                }
+                o
+            }
             Err(e) => Outcome::failed(e.to_string()),
         };
         if let (Some(sh), Some(_)) = (&spec.share, outcome.exit_code.filter(|c| *c != 0)) {

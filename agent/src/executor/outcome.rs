@@ -111,12 +111,40 @@ impl Outcome {
                 },
                 Some(c) => Outcome {
                     exit_code: Some(c),
-                    ..Outcome::failed(format!("exited with code {c}"))
+                    ..Outcome::failed(ended_words(&ended, c))
                 },
                 None => Outcome::failed("ended without an exit code"),
             },
         }
     }
+}
+
+/// How a task that ran ended with code `c` (not 0), in words: an OOM kill
+/// and a signal named as such, since "exited with code 137" says neither.
+/// Docker reports a kill only as 128 + signal; that is said as what it
+/// most likely is, with the code.
+pub(super) fn ended_words(e: &Ended, c: i32) -> String {
+    if e.oom_killed {
+        return format!(
+            "OOM-killed (exit code {c}): the kernel killed it for using more memory than its limit"
+        );
+    }
+    match e.signal {
+        Some(sig) => format!("killed by signal {sig} ({})", signal_name(sig)),
+        None if (129..=128 + 64).contains(&c) => format!(
+            "exited with code {c}, as a process killed by signal {} ({}) does",
+            c - 128,
+            signal_name(c - 128)
+        ),
+        None => format!("exited with code {c}"),
+    }
+}
+
+/// `SIGKILL` for 9; `signal N` for one without a name here.
+fn signal_name(sig: i32) -> String {
+    nix::sys::signal::Signal::try_from(sig)
+        .map(|s| s.as_str().to_string())
+        .unwrap_or_else(|_| format!("signal {sig}"))
 }
 
 /// For a fraction that failed after its processes were seen using at least

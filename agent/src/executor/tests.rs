@@ -40,6 +40,48 @@ fn a_fraction_seen_near_its_memory_is_told_why_it_may_have_failed() {
 }
 
 #[test]
+fn signal_deaths_and_oom_kills_are_named() {
+    let ended = |code, signal, oom_killed| Ended {
+        code: Some(code),
+        signal,
+        oom_killed,
+        ..Default::default()
+    };
+    // The process runtime knows the signal.
+    let o = Outcome::ran(ended(137, Some(9), false), None, 0);
+    assert_eq!((o.state, o.exit_code), (TaskState::Failed, Some(137)));
+    assert_eq!(o.message, "killed by signal 9 (SIGKILL)");
+    // Docker has only the code: said as what it most likely is.
+    let o = Outcome::ran(ended(143, None, false), None, 0);
+    assert_eq!(
+        o.message,
+        "exited with code 143, as a process killed by signal 15 (SIGTERM) does"
+    );
+    // An OOM kill is said as one, whatever the code.
+    let o = Outcome::ran(ended(137, Some(9), true), None, 0);
+    assert!(
+        o.message.starts_with("OOM-killed (exit code 137)"),
+        "{}",
+        o.message
+    );
+    // Plain codes stay as they were; a code past 128 + 64 is no signal.
+    assert_eq!(
+        Outcome::ran(ended(3, None, false), None, 0).message,
+        "exited with code 3"
+    );
+    assert_eq!(
+        Outcome::ran(ended(255, None, false), None, 0).message,
+        "exited with code 255"
+    );
+    // A task that exits 0 succeeded, even if one of its processes was
+    // OOM-killed on the way.
+    assert_eq!(
+        Outcome::ran(ended(0, None, true), None, 0).state,
+        TaskState::Finished
+    );
+}
+
+#[test]
 fn outcomes_of_a_task_that_ran() {
     let code = |c| Ended {
         code: Some(c),
@@ -64,6 +106,7 @@ fn outcomes_of_a_task_that_ran() {
         code: Some(143),
         fenced: true,
         error: None,
+        ..Default::default()
     };
     let o = Outcome::ran(fenced, None, 75_000);
     assert_eq!((o.state, o.fenced), (TaskState::Killed, true));

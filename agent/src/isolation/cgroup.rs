@@ -322,6 +322,18 @@ impl CgroupManager {
         sigkill_all(pids)
     }
 
+    /// OOM kills in the task's memory cgroup (`memory.oom_control`).
+    pub fn oom_kills(&self, task_id: &str) -> u64 {
+        super::oom_kill_count(
+            &self
+                .root
+                .join("memory")
+                .join(&self.parent)
+                .join(task_id)
+                .join("memory.oom_control"),
+        )
+    }
+
     /// Whether any hierarchy still has the task's cgroup.
     pub fn exists(&self, task_id: &str) -> bool {
         let rel = format!("{}/{task_id}", self.parent);

@@ -197,6 +197,12 @@ impl CgroupV2Manager {
         last
     }
 
+    /// OOM kills in the task's cgroup and below (`memory.events`, which
+    /// counts its descendants').
+    pub fn oom_kills(&self, task_id: &str) -> u64 {
+        super::oom_kill_count(&self.dir(task_id).join("memory.events"))
+    }
+
     /// SIGKILLs every process in the task's cgroup and below; returns how
     /// many it signalled.
     pub fn kill_all_in(&self, task_id: &str) -> usize {

@@ -98,6 +98,11 @@ pub trait Isolator: Send + Sync + std::fmt::Debug {
     fn remove_stale(&self, keep: &BTreeSet<String>) -> Result<usize, IsolationError>;
     /// Removes what `prepare` made, once the task has ended. Idempotent.
     fn release(&self, task_id: &str) -> Result<(), IsolationError>;
+    /// How many processes of the task the kernel's OOM killer has killed
+    /// (its memory cgroup's count); read before `release`. 0 when unknown.
+    fn oom_kills(&self, _task_id: &str) -> u64 {
+        0
+    }
 }
 
 /// Per-task cgroups (v1, or v2 with a device program) and device nodes.
@@ -291,6 +296,28 @@ impl Isolator for CgroupIsolator {
         }
         removed
     }
+
+    fn oom_kills(&self, task_id: &str) -> u64 {
+        match &self.mode {
+            Mode::V1(m) => m.oom_kills(task_id),
+            Mode::V2(m) => m.oom_kills(task_id),
+            Mode::Unavailable(_) => 0,
+        }
+    }
+}
+
+/// The `oom_kill N` line of a cgroup's `memory.oom_control` (v1) or
+/// `memory.events` (v2); 0 when the file or the line is missing.
+pub(crate) fn oom_kill_count(file: &Path) -> u64 {
+    std::fs::read_to_string(file)
+        .ok()
+        .and_then(|text| {
+            text.lines().find_map(|l| {
+                l.strip_prefix("oom_kill ")
+                    .and_then(|n| n.trim().parse().ok())
+            })
+        })
+        .unwrap_or(0)
 }
 
 #[cfg(test)]

@@ -27,6 +27,7 @@ pub mod fence;
 pub mod image;
 pub mod oci_hook;
 pub mod process;
+pub mod reach;
 pub mod supervisor;
 pub mod task_init;
 
@@ -158,6 +159,12 @@ pub struct Ended {
     pub fenced: bool,
     /// It could not be started, or it vanished (no exit code to report).
     pub error: Option<String>,
+    /// The signal that killed it, when the runtime knows that it was one
+    /// (the process runtime does; Docker only has the code, 128 + signal).
+    pub signal: Option<i32>,
+    /// The kernel's OOM killer ended a process of it (Docker's OOMKilled,
+    /// or the OOM kills counted in the task's memory cgroup).
+    pub oom_killed: bool,
 }
 
 #[derive(Debug, thiserror::Error)]

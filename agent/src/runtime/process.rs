@@ -27,8 +27,10 @@ use super::supervisor::{
 use super::{ContainerRuntime, Ended, LaunchSpec, Observed, RuntimeError, RuntimeStatus, TaskRef};
 use crate::checkpoint;
 
-/// Used when neither the task nor the agent has a `PATH`.
-const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+/// A host task's `PATH` unless its job sets one: the plain user
+/// directories, not the agent's own (root's `sbin`s, whatever the service
+/// manager put there).
+pub const TASK_PATH: &str = "/usr/local/bin:/usr/bin:/bin";
 /// How long a supervisor may take to start its task.
 const START_TIMEOUT: Duration = Duration::from_secs(20);
 
@@ -80,6 +82,8 @@ fn ended_from(rec: ExitRecord) -> Ended {
         code: rec.code,
         fenced: rec.fenced,
         error: rec.error,
+        signal: rec.signal,
+        ..Default::default()
     }
 }
 
@@ -112,6 +116,7 @@ fn observe_dir(dir: &Path) -> Result<Observed, RuntimeError> {
                 code: None,
                 fenced: false,
                 error: Some("its supervisor died; the task was killed".into()),
+                ..Default::default()
             }))
         }
     }
@@ -145,7 +150,7 @@ impl ProcessRuntime {
         };
         let mut env = spec.env.clone();
         env.entry("PATH".into())
-            .or_insert_with(|| std::env::var("PATH").unwrap_or_else(|_| DEFAULT_PATH.to_string()));
+            .or_insert_with(|| TASK_PATH.to_string());
         env.insert("HOME".into(), spec.sandbox.display().to_string());
         let user = spec.security.user;
         if let Some(u) = user {
@@ -249,6 +254,7 @@ impl ProcessRuntime {
                 code: None,
                 fenced: false,
                 error: Some("the task was never started".into()),
+                ..Default::default()
             }),
             Ok(Err(e)) => Err(e),
             Err(_) => Err(RuntimeError::Other("waiter thread vanished".into())),

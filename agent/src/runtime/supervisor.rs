@@ -144,6 +144,10 @@ pub struct ExitRecord {
     pub fenced: bool,
     /// The task could not be started.
     pub error: Option<String>,
+    /// The signal that killed it (`code` is then 128 + it); absent in a
+    /// record of an older agent.
+    #[serde(default)]
+    pub signal: Option<i32>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -306,6 +310,7 @@ pub fn run(dir: &Path) -> Result<(), SupervisorError> {
                     killed: false,
                     fenced: false,
                     error: Some(e),
+                    signal: None,
                 },
             )?;
             return Ok(());
@@ -374,18 +379,29 @@ pub fn run(dir: &Path) -> Result<(), SupervisorError> {
             source,
         })?,
     };
-    // task-init says so when the command never ran.
+    // task-init says so when the command never ran, and which signal
+    // killed the command (its own exit code is then 128 + it).
     let error = launch
         .namespaces
         .then(|| std::fs::read_to_string(dir.join(super::task_init::ERROR_FILE)).ok())
         .flatten();
+    // task-init killed with its namespace (a stop past its grace) says
+    // nothing; its own status does.
+    let signal = status.signal().or_else(|| {
+        launch
+            .namespaces
+            .then(|| std::fs::read_to_string(dir.join(super::task_init::SIGNAL_FILE)).ok())
+            .flatten()
+            .and_then(|s| s.trim().parse().ok())
+    });
     checkpoint::write_json(
         &dir.join(EXIT_FILE),
         &ExitRecord {
             code: error.is_none().then(|| exit_code(status)),
             killed: kill_deadline.is_some(),
             fenced,
-            error,
+            error: error.clone(),
+            signal: signal.filter(|_| error.is_none()),
         },
     )?;
     Ok(())
@@ -484,9 +500,28 @@ fn spawn(dir: &Path, launch: &Launch) -> Result<std::process::Child, String> {
 /// Why the task's command could not be started, naming the user it was to
 /// run as when permission was what failed.
 pub(crate) fn spawn_error(launch: &Launch, e: &std::io::Error) -> String {
-    match (e.kind(), launch.user) {
-        (std::io::ErrorKind::PermissionDenied, Some(u)) => format!(
-            "spawn {}: {e} (the task runs as user {u}: the program and the directories above it must be readable and executable by it)",
+    use std::io::ErrorKind::{NotFound, PermissionDenied};
+    let user = launch.user.unwrap_or(UserIds { uid: 0, gid: 0 });
+    let who = match launch.user {
+        Some(u) => format!("user {u}"),
+        None => "root".to_string(),
+    };
+    // Which path exec could not reach, found from outside (a script's
+    // interpreter, a closed directory above it).
+    let why = matches!(e.kind(), PermissionDenied | NotFound)
+        .then(|| {
+            super::reach::why_not(
+                &launch.program,
+                &launch.cwd,
+                launch.env.get("PATH").map(String::as_str),
+                user,
+            )
+        })
+        .flatten();
+    match (e.kind(), why) {
+        (_, Some(why)) => format!("spawn {}: {e}: the task runs as {who}; {why}", launch.program),
+        (PermissionDenied, None) => format!(
+            "spawn {}: {e} (the task runs as {who}: the program and the directories above it must be readable and executable by it)",
             launch.program
         ),
         _ => format!("spawn {}: {e}", launch.program),

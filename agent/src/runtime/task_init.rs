@@ -43,6 +43,8 @@ use crate::checkpoint;
 pub const SUBCOMMAND: &str = "task-init";
 /// In the state directory: why the task could not be started.
 pub const ERROR_FILE: &str = "init-error";
+/// In the state directory: the signal that killed the command, when one did.
+pub const SIGNAL_FILE: &str = "init-signal";
 /// Each gets a fresh tmpfs in the task's mount namespace.
 pub const PRIVATE_DIRS: [&str; 3] = ["/tmp", "/var/tmp", "/dev/shm"];
 /// Signals passed on to every process of the task.
@@ -146,7 +148,7 @@ fn run(dir: &Path) -> u8 {
         };
         let signo = info.ssi_signo as i32;
         if signo == Signal::SIGCHLD as i32 {
-            if let Some(code) = reap(main) {
+            if let Some(code) = reap(dir, main) {
                 return code;
             }
         } else if let Ok(sig) = Signal::try_from(signo) {
@@ -160,13 +162,21 @@ fn run(dir: &Path) -> u8 {
 }
 
 /// Reaps every child that ended; the command's exit code once it has
-/// (128 + signal for one killed by a signal, as a shell says it).
-fn reap(main: Pid) -> Option<u8> {
+/// (128 + signal for one killed by a signal, as a shell says it; the
+/// signal itself is written to `SIGNAL_FILE` in `dir`, so that a kill is
+/// told apart from an `exit 137`).
+fn reap(dir: &Path, main: Pid) -> Option<u8> {
     loop {
         match waitpid(Pid::from_raw(-1), Some(WaitPidFlag::WNOHANG)) {
             Ok(WaitStatus::Exited(pid, code)) if pid == main => return Some(code as u8),
             Ok(WaitStatus::Signaled(pid, sig, _)) if pid == main => {
-                return Some(128u8.wrapping_add(sig as u8))
+                let signo = sig as i32;
+                if let Err(e) =
+                    checkpoint::write_atomic(&dir.join(SIGNAL_FILE), signo.to_string().as_bytes())
+                {
+                    eprintln!("gpuctl-agent {SUBCOMMAND}: record signal {signo}: {e}");
+                }
+                return Some(128u8.wrapping_add(signo as u8));
             }
             Ok(WaitStatus::StillAlive) | Err(Errno::ECHILD) => return None,
             Ok(_) | Err(Errno::EINTR) => continue,

@@ -69,10 +69,16 @@ pub enum JobsCommand {
         #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
         attempt: Option<u32>,
     },
-    /// Cancel a job; prints its resulting state.
+    /// Cancel a job; prints CANCELLED once the cancel is committed (its
+    /// tasks are then being stopped), or the state of a job that had
+    /// already ended.
     Cancel {
         /// Job id.
         id: String,
+        /// Wait until its tasks have stopped and it has ended; prints its
+        /// final state.
+        #[arg(long)]
+        wait: bool,
     },
     /// Wait until a job ends; prints its final state. Exit 0 if it
     /// SUCCEEDED, 1 if it FAILED or was CANCELLED, 2 on timeout.
@@ -623,9 +629,14 @@ pub async fn run(
             })
             .await?
         }
-        JobsCommand::Cancel { id } => {
+        JobsCommand::Cancel { id, wait: false } => {
             let state = cancel(master, &id).await?;
             writeln!(out, "{}", job_state_name(state))?;
+        }
+        JobsCommand::Cancel { id, wait: true } => {
+            cancel(master, &id).await?;
+            let job = wait(master, &id, None, WAIT_POLL).await?;
+            writeln!(out, "{}", job_state_name(job.state))?;
         }
         JobsCommand::Wait { id, timeout } => {
             let job = wait(master, &id, timeout, WAIT_POLL).await?;
@@ -633,12 +644,12 @@ pub async fn run(
             out.flush()?;
             let code = wait_exit_code(job.state);
             if code != EXIT_OK {
-                let why = job
-                    .tasks
-                    .last()
-                    .map(|t| t.message.as_str())
+                // The master's words name the first task that failed
+                // (the others were stopped because of it).
+                let why = Some(job.message.as_str())
                     .filter(|m| !m.is_empty())
-                    .unwrap_or(job.message.as_str());
+                    .or_else(|| job.tasks.last().map(|t| t.message.as_str()))
+                    .unwrap_or_default();
                 if why.is_empty() {
                     eprintln!("job {id} {}", job_state_name(job.state));
                 } else {

@@ -126,7 +126,7 @@ fn a_gang_names_each_rank_and_a_failure_says_the_exit_code_and_retry() {
         (ev[3].0, ev[3].1.as_str(), ev[3].2),
         (
             EventKind::Retrying,
-            "task job-1.1 exited with code 3; retry 1 of 1",
+            "rank 1 of 2: task job-1.1 exited with code 3; retry 1 of 1",
             6
         )
     );
@@ -135,7 +135,7 @@ fn a_gang_names_each_rank_and_a_failure_says_the_exit_code_and_retry() {
         ev[5],
         (
             EventKind::Failed,
-            "task job-1.2 exited with code 4".into(),
+            "rank 0 of 2: task job-1.2 exited with code 4".into(),
             9,
             1
         )

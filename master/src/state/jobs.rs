@@ -218,7 +218,7 @@ impl State {
         };
         let ok = task.state == TaskState::Finished && task.exit_code.unwrap_or(0) == 0;
         if !ok && !job.cancel_requested && job.stopping.is_none() {
-            let message = failure_message(task);
+            let message = failure_message(task, job.spec.replicas());
             let stopping = if task.reason == TaskReason::GpuUnhealthy {
                 Stopping::GpuFailed {
                     message: message.clone(),
@@ -269,7 +269,11 @@ impl State {
         let stopping = job.stopping.take();
         let no_retry = "back in the queue (no retry used)";
         let mut event = None;
-        let (state, message) = if all_ok {
+        // A cancel decides the end once committed: a task that exits 0 on
+        // the SIGTERM does not make the job SUCCEEDED (as Slurm's scancel).
+        let (state, message) = if job.cancel_requested {
+            (JobState::Cancelled, "cancelled".to_string())
+        } else if all_ok {
             event = Some((
                 EventKind::Succeeded,
                 match tasks.len() {
@@ -278,8 +282,6 @@ impl State {
                 },
             ));
             (JobState::Succeeded, String::new())
-        } else if job.cancel_requested {
-            (JobState::Cancelled, "cancelled".to_string())
         } else {
             match stopping {
                 Some(Stopping::Preempted {
@@ -598,7 +600,6 @@ impl State {
                 state: JobState::Cancelled,
             });
         }
-        let state = job.state;
         job.events.record(
             EventKind::Cancelling,
             "cancel asked: stopping its tasks",
@@ -606,7 +607,10 @@ impl State {
         );
         let live = job.current_tasks().to_vec();
         self.kill_live(&live, "cancelled", None, at_ms);
-        Ok(Outcome::JobCancelled { state })
+        // Its end is decided: CANCELLED once its tasks have stopped.
+        Ok(Outcome::JobCancelled {
+            state: JobState::Cancelled,
+        })
     }
 }
 
@@ -635,9 +639,15 @@ fn stopped_for(by: &str, reclaimed_for: Option<&str>) -> String {
     }
 }
 
-/// What a failed task says, for its job's message.
-fn failure_message(t: &TaskRecord) -> String {
-    let who = format!("task {}", t.id);
+/// What a failed task says, for its job's message; a rank of a gang of
+/// `replicas` is named as such (the first to fail is what `jobs wait`
+/// shows).
+fn failure_message(t: &TaskRecord, replicas: u32) -> String {
+    let who = if replicas > 1 {
+        format!("rank {} of {replicas}: task {}", t.rank, t.id)
+    } else {
+        format!("task {}", t.id)
+    };
     if matches!(
         t.reason,
         TaskReason::GpuUnhealthy | TaskReason::GpuMemoryLimit
@@ -654,7 +664,11 @@ fn failure_message(t: &TaskRecord) -> String {
         );
     }
     match (t.state, t.exit_code) {
-        (TaskState::Finished | TaskState::Failed, Some(c)) => format!("{who} exited with code {c}"),
+        // The agent's words say how it ended (a signal, an OOM kill).
+        (TaskState::Finished | TaskState::Failed, Some(c)) if t.message.is_empty() => {
+            format!("{who} exited with code {c}")
+        }
+        (TaskState::Finished | TaskState::Failed, Some(_)) => format!("{who} {}", t.message),
         (TaskState::Killed, _) => format!("{who} was killed"),
         (TaskState::Lost, _) => format!("{who} lost: {}", t.message),
         (TaskState::Error, _) => format!("{who} error: {}", t.message),
@@ -1291,6 +1305,50 @@ mod tests {
         t.report("job-1.0", TaskState::Killed, None);
         assert_eq!(t.job(&j).state, JobState::Cancelled);
         assert_eq!(t.job(&j).retries, 0);
+    }
+
+    #[test]
+    fn a_committed_cancel_decides_the_end_and_is_answered_as_it() {
+        let mut t = T::new(&[("a", 1)]);
+        let j = t.submit(spec(1, 1));
+        t.launch(&j, &[("a", &["GPU-a-0"])]).unwrap();
+        t.report("job-1.0", TaskState::Running, None);
+        let out = t
+            .apply(Command::CancelJob {
+                job_id: j.clone(),
+                at_ms: 9,
+            })
+            .unwrap();
+        assert_eq!(
+            out,
+            Outcome::JobCancelled {
+                state: JobState::Cancelled
+            }
+        );
+        assert_eq!(t.job(&j).state, JobState::Running, "until its task stops");
+        // The task ends by itself before the kill reaches it: still
+        // CANCELLED, as answered.
+        t.report("job-1.0", TaskState::Finished, Some(0));
+        assert_eq!(t.job(&j).state, JobState::Cancelled);
+    }
+
+    #[test]
+    fn a_gangs_failure_names_the_rank_and_the_agents_words() {
+        let mut t = T::new(&[("a", 2)]);
+        let j = t.submit(spec(1, 2));
+        t.launch(&j, &[("a", &["GPU-a-0"]), ("a", &["GPU-a-1"])])
+            .unwrap();
+        let mut update = status("a", "job-1.1", TaskState::Failed);
+        update.exit_code = Some(137);
+        update.message = "killed by signal 9 (SIGKILL)".into();
+        t.apply(Command::UpdateTaskStatus { update, at_ms: 5 })
+            .unwrap();
+        t.report("job-1.0", TaskState::Killed, None);
+        assert_eq!(t.job(&j).state, JobState::Failed);
+        assert_eq!(
+            t.job(&j).message,
+            "rank 1 of 2: task job-1.1 killed by signal 9 (SIGKILL)"
+        );
     }
 
     #[test]

@@ -633,7 +633,8 @@ impl State {
     /// gang: `GPUCTL_RANK`, `GPUCTL_WORLD_SIZE` and `GPUCTL_PEERS` (the
     /// hostnames of its attempt's ranks in rank order, comma-separated),
     /// `GPUCTL_PORTS` (its host ports), and the same in PyTorch's
-    /// convention ([`torch_env`]) unless the job sets those names itself.
+    /// convention ([`torch_env`]) unless the job sets those names itself,
+    /// and `OMP_NUM_THREADS` from its `--cpus` unless the job sets it.
     /// The agent adds `GPUCTL_JOB_ID` and `GPUCTL_TASK_ID`.
     fn job_task_env(&self, job: &JobRecord, task: &TaskRecord) -> BTreeMap<String, String> {
         let mut env = job.spec.env.clone();
@@ -654,6 +655,10 @@ impl State {
         env.insert("GPUCTL_WORLD_SIZE".into(), job.spec.replicas().to_string());
         env.insert("GPUCTL_PEERS".into(), peers.join(","));
         insert_ports(&mut env, &task.ports);
+        // OpenMP (and PyTorch's CPU ops) otherwise start a thread per core
+        // of the host: four ranks on two cores would run 4x oversubscribed.
+        env.entry("OMP_NUM_THREADS".into())
+            .or_insert_with(|| omp_threads(job.spec.resources.cpus).to_string());
         for (k, v) in self.torch_env(job, task, &gang) {
             env.entry(k.into()).or_insert(v);
         }
@@ -801,6 +806,16 @@ pub fn job_seq(id: &str) -> u64 {
     id.strip_prefix("job-")
         .and_then(|n| n.parse().ok())
         .unwrap_or(u64::MAX)
+}
+
+/// The threads an OpenMP runtime may start for a task of `cpus` CPUs: the
+/// whole CPUs it was given, at least 1 (Slurm's `--cpus-per-task` rule).
+pub fn omp_threads(cpus: f64) -> u32 {
+    if cpus.is_finite() && cpus >= 1.0 {
+        cpus.floor().min(f64::from(u32::MAX)) as u32
+    } else {
+        1
+    }
 }
 
 /// `GPUCTL_PORTS`: the task's host ports, comma-separated (none: unset).

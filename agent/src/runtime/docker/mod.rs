@@ -548,6 +548,9 @@ impl DockerRuntime {
                     // Stopped by its fence watcher.
                     fenced: task.state_dir.join(fence::FENCED_FILE).exists(),
                     error: None,
+                    // Docker knows only the code (128 + signal) of a kill.
+                    signal: None,
+                    oom_killed: state.oom_killed.unwrap_or(false),
                 })
             }
             Some(_) => Observed::Running,
@@ -569,6 +572,7 @@ impl DockerRuntime {
                         code: None,
                         fenced: false,
                         error: Some(format!("container {name} vanished")),
+                        ..Default::default()
                     }
                 }
                 Ok(Observed::Running) => {
