@@ -303,6 +303,25 @@ pub struct Options {
         default_value = "13,31,43,45,68,109"
     )]
     pub health_ignore_xids: String,
+    /// Critical XID errors that mean the node needs service (NVIDIA's
+    /// RESTART_BM): every GPU of it is withdrawn until the agent restarts;
+    /// comma separated, "none" for none. Other XIDs not ignored call for a
+    /// GPU reset.
+    #[arg(long, env = "GPUCTL_AGENT_HEALTH_NODE_XIDS", default_value = "none")]
+    pub health_node_xids: String,
+    /// How the agent resets a GPU that needs it, once nothing runs on it:
+    /// a command and its arguments, `{uuid}` and `{index}` replaced; "none"
+    /// to never reset (such a GPU stays out until the agent restarts).
+    #[arg(
+        long,
+        env = "GPUCTL_AGENT_GPU_RESET_COMMAND",
+        default_value = "nvidia-smi --gpu-reset -i {uuid}"
+    )]
+    pub gpu_reset_command: String,
+    /// Resets of one GPU before it stays out of service (until the agent
+    /// restarts).
+    #[arg(long, env = "GPUCTL_AGENT_GPU_MAX_RESETS", default_value_t = 3)]
+    pub gpu_max_resets: u32,
     /// Serve Prometheus metrics at http://HOST:PORT/metrics.
     #[arg(long, env = "GPUCTL_AGENT_METRICS_LISTEN")]
     pub metrics_listen: Option<SocketAddr>,
@@ -410,6 +429,9 @@ struct FileOptions {
     health_interval_secs: Option<f64>,
     health_recovery_secs: Option<f64>,
     health_ignore_xids: Option<String>,
+    health_node_xids: Option<String>,
+    gpu_reset_command: Option<String>,
+    gpu_max_resets: Option<u32>,
     metrics_listen: Option<SocketAddr>,
     stop_tasks_on_shutdown: Option<bool>,
     task_user: Option<String>,
@@ -519,6 +541,9 @@ impl Options {
             fill!(health_interval_secs);
             fill!(health_recovery_secs);
             fill!(health_ignore_xids);
+            fill!(health_node_xids);
+            fill!(gpu_reset_command);
+            fill!(gpu_max_resets);
             fill!(opt metrics_listen);
             fill!(stop_tasks_on_shutdown);
             fill!(task_user);
@@ -568,7 +593,10 @@ impl Options {
         let health = HealthConfig {
             interval: secs("health_interval_secs", self.health_interval_secs, 0.05)?,
             recovery: secs("health_recovery_secs", self.health_recovery_secs, 0.0)?,
-            ignored_xids: parse_xids(&self.health_ignore_xids)?,
+            ignored_xids: parse_xids("health_ignore_xids", &self.health_ignore_xids)?,
+            node_xids: parse_xids("health_node_xids", &self.health_node_xids)?,
+            reset_command: parse_reset_command(&self.gpu_reset_command)?,
+            max_resets: self.gpu_max_resets,
         };
         let mut attributes = std::collections::BTreeMap::new();
         for a in &self.attributes {
@@ -766,25 +794,38 @@ pub fn parse_allowed_mounts(paths: &[String]) -> Result<Vec<String>, AgentError>
     Ok(paths)
 }
 
-/// `13,31,43` or `none`.
-pub fn parse_xids(s: &str) -> Result<std::collections::BTreeSet<u64>, AgentError> {
+/// `13,31,43` or `none`, for the option `field`.
+pub fn parse_xids(field: &str, s: &str) -> Result<std::collections::BTreeSet<u64>, AgentError> {
     if s.trim().eq_ignore_ascii_case("none") {
         return Ok(Default::default());
     }
     let parts = split_list(s);
     if parts.is_empty() {
-        return Err(AgentError::Config(
-            "health_ignore_xids: empty list (write \"none\" to ignore no XID)".into(),
-        ));
+        return Err(AgentError::Config(format!(
+            "{field}: empty list (write \"none\" for no XID)"
+        )));
     }
     parts
         .iter()
         .map(|p| {
-            p.parse::<u64>().map_err(|_| {
-                AgentError::Config(format!("health_ignore_xids: {p:?} is not an XID number"))
-            })
+            p.parse::<u64>()
+                .map_err(|_| AgentError::Config(format!("{field}: {p:?} is not an XID number")))
         })
         .collect()
+}
+
+/// The reset command, split on spaces; `none`: no resets.
+pub fn parse_reset_command(s: &str) -> Result<Vec<String>, AgentError> {
+    if s.trim().eq_ignore_ascii_case("none") {
+        return Ok(Vec::new());
+    }
+    let words: Vec<String> = s.split_whitespace().map(str::to_string).collect();
+    if words.is_empty() {
+        return Err(AgentError::Config(
+            "gpu_reset_command: empty (write \"none\" to never reset)".into(),
+        ));
+    }
+    Ok(words)
 }
 
 fn read_file(path: &Path) -> Result<FileOptions, AgentError> {
@@ -1177,6 +1218,12 @@ mod tests {
             "0",
             "--health-ignore-xids",
             "none",
+            "--health-node-xids",
+            "140,154",
+            "--gpu-reset-command",
+            "none",
+            "--gpu-max-resets",
+            "5",
             "--metrics-listen",
             "127.0.0.1:9400",
         ])
@@ -1186,12 +1233,22 @@ mod tests {
         assert_eq!(c.health.interval, Duration::from_millis(500));
         assert_eq!(c.health.recovery, Duration::ZERO);
         assert!(c.health.ignored_xids.is_empty());
+        assert_eq!(c.health.node_xids, [140, 154].into_iter().collect());
+        assert!(c.health.reset_command.is_empty());
+        assert_eq!(c.health.max_resets, 5);
+        let r = Options::load_from(["gpuctl-agent", "--gpu-reset-command", "/bin/r -i {uuid}"])
+            .unwrap()
+            .to_config()
+            .unwrap();
+        assert_eq!(r.health.reset_command, ["/bin/r", "-i", "{uuid}"]);
         assert_eq!(c.metrics_listen, Some("127.0.0.1:9400".parse().unwrap()));
         for (flag, bad) in [
             ("--health-interval-secs", "0"),
             ("--health-recovery-secs", "1e9"),
             ("--health-ignore-xids", "13,x"),
             ("--health-ignore-xids", ","),
+            ("--health-node-xids", "79,x"),
+            ("--gpu-reset-command", " "),
         ] {
             let e = Options::load_from(["gpuctl-agent", flag, bad])
                 .unwrap()

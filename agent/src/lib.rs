@@ -413,6 +413,7 @@ pub async fn serve(
     // Health checks run on NVML GPUs only: simulated ones cannot fail.
     let health_stop = Arc::new(AtomicBool::new(false));
     let (health_tx, health_rx) = watch::channel(gpu::health::Snapshot::default());
+    let executor_for_health: Arc<std::sync::OnceLock<Arc<executor::Executor>>> = Arc::default();
     if !simulated && !gpus.is_empty() {
         tracing::info!(
             interval_secs = config.health.interval.as_secs_f64(),
@@ -432,11 +433,20 @@ pub async fn serve(
                 containers: runtime::docker::recorded_container_ids(&state_root),
             }),
         };
+        // The executor is made below: until then every GPU counts as busy
+        // (no reset before the agent knows its tasks).
+        let executor_cell = executor_for_health.clone();
+        let all: std::collections::BTreeSet<String> = gpus.iter().map(|g| g.uuid.clone()).collect();
+        let busy: gpu::health::Busy = Box::new(move || match executor_cell.get() {
+            Some(e) => e.busy_gpus(),
+            None => all.clone(),
+        });
         gpu::health::spawn(
             config.nvml_lib.clone(),
             gpus.clone(),
             config.health.clone(),
             Some(tasks),
+            busy,
             health_tx,
             health_stop.clone(),
         )
@@ -516,6 +526,7 @@ pub async fn serve(
         isolation_setup,
         updates_tx,
     );
+    let _ = executor_for_health.set(executor.clone());
     if let Some(addr) = config.metrics_listen {
         let render = metrics::renderer(metrics_gpus, health_rx.clone(), executor.clone());
         gpuctl_proto::metrics_server::spawn_server(addr, render, stop_rx.clone())

@@ -312,11 +312,7 @@ async fn exit_codes_are_reported() {
             "{script}"
         );
         // And so says `observe`, from the exit record.
-        assert_eq!(
-            task.observe().await,
-            Observed::Ended(want),
-            "{script}"
-        );
+        assert_eq!(task.observe().await, Observed::Ended(want), "{script}");
     }
 }
 
@@ -1062,11 +1058,7 @@ async fn a_namespaced_task_gets_signals_exit_codes_and_no_survivors() {
     ] {
         let task = namespaced(id, &["sh", "-c", script], 80502);
         task.start().await.unwrap();
-        assert_eq!(
-            task.wait(Duration::from_secs(10)).await,
-            want,
-            "{script}"
-        );
+        assert_eq!(task.wait(Duration::from_secs(10)).await, want, "{script}");
     }
 
     // What the command left in the background dies with it.

@@ -49,6 +49,12 @@ impl Setup {
     /// A master and one agent with fast health checks; `recovery_secs` is
     /// the agent's hysteresis.
     fn start(recovery_secs: &str) -> Setup {
+        // No resets: a GPU that needs one stays out, as these tests want.
+        Setup::start_with(recovery_secs, &["--gpu-reset-command", "none"])
+    }
+
+    /// `start`, with more agent flags.
+    fn start_with(recovery_secs: &str, more: &[&str]) -> Setup {
         let master_metrics = format!("127.0.0.1:{}", free_port());
         let mut c = Cluster::start(&["--metrics-listen", &master_metrics]);
         let machine_path = c.dir.path().join("machine.json");
@@ -68,7 +74,10 @@ impl Setup {
                 agent_metrics.clone(),
                 "--mps-control".into(),
                 gpuctl_tests::fake_mps_control().display().to_string(),
-            ],
+            ]
+            .into_iter()
+            .chain(more.iter().map(|a| a.to_string()))
+            .collect(),
             env: vec![(
                 "FAKE_NVML_CONFIG".into(),
                 machine_path.display().to_string(),
@@ -284,7 +293,10 @@ fn critical_events_withdraw_gpus_ignored_xids_do_not_and_metrics_show_it() {
         ])
     });
     let g = s.wait_health(other, false);
-    assert_eq!(g["unhealthy_reason"], "double-bit ECC error", "{g}");
+    assert_eq!(
+        g["unhealthy_reason"], "double-bit ECC error: the GPU needs a reset",
+        "{g}"
+    );
     assert_eq!(s.c.job(&job)["state"], "RUNNING");
     s.change(|m| {
         m["events"] = json!([
@@ -295,7 +307,7 @@ fn critical_events_withdraw_gpus_ignored_xids_do_not_and_metrics_show_it() {
     });
     let g = s.wait_health(&gpu, false);
     assert_eq!(
-        g["unhealthy_reason"], "XID 79 (GPU has fallen off the bus)",
+        g["unhealthy_reason"], "XID 79 (GPU has fallen off the bus): the GPU needs a reset",
         "{g}"
     );
     // Its task failed; with no healthy GPU left, the job waits, saying why.
@@ -370,6 +382,78 @@ fn critical_events_withdraw_gpus_ignored_xids_do_not_and_metrics_show_it() {
             >= 1.0
     );
     assert!(m.help("gpuctl_allocation_cycle_seconds"));
+}
+
+/// Issue 38: faults handled by what they are. An XID 79 takes its GPU
+/// away (it also falls off the bus: the fake answers GPU_IS_LOST), its task
+/// is requeued without using a retry and runs on the other GPU; once
+/// nothing runs on the GPU the agent resets it (a reset command that puts
+/// the fake GPU back on the bus) and it returns after its probe. An XID 13
+/// (the application's own error) leaves its GPU and task alone.
+#[test]
+fn an_xid_79_gpu_is_reset_once_idle_and_an_xid_13_changes_nothing() {
+    let dir = gpuctl_tests::test_dir();
+    let log = dir.path().join("resets");
+    let machine = dir.path().join("machine-ref");
+    // The reset: logs the GPU, waits a little (the requeued task is placed
+    // meanwhile), then puts the GPU back on the bus in fake-nvml's file.
+    let script = dir.path().join("reset.sh");
+    std::fs::write(
+        &script,
+        format!(
+            "#!/bin/sh\necho \"$1\" >> {log}\nsleep 1\nm=$(cat {machine})\n\
+             sed 's/\"lost\": true/\"lost\": false/' \"$m\" > \"$m.reset\" && mv \"$m.reset\" \"$m\"\n",
+            log = log.display(),
+            machine = machine.display()
+        ),
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let reset = format!("{} {{uuid}}", script.display());
+    let mut s = Setup::start_with("3600", &["--gpu-reset-command", &reset]);
+    std::fs::write(&machine, s.machine_path.display().to_string()).unwrap();
+
+    let (job, first) = s.sleeper("train");
+    let index = if first == GPU0 { 0 } else { 1 };
+    let other = if first == GPU0 { GPU1 } else { GPU0 };
+    s.change(|m| {
+        m["gpus"][index]["lost"] = true.into();
+        m["events"] = json!([{ "id": 1, "gpu_index": index, "type": "xid", "data": 79 }]);
+    });
+    // Requeued without a retry, and running on the other GPU.
+    let mut j = Value::Null;
+    let moved = try_wait_for(Duration::from_secs(30), || {
+        j = s.c.job(&job);
+        j["state"] == "RUNNING" && j["tasks"].as_array().unwrap().len() == 2
+    });
+    assert!(moved, "job not requeued: {j}\n{}", s.c.diagnostics());
+    assert_eq!(j["tasks"][0]["reason"], "GPU_UNHEALTHY", "{j}");
+    let msg = j["tasks"][0]["message"].as_str().unwrap();
+    assert!(
+        msg.contains("XID 79") && msg.contains("needs a reset"),
+        "{msg}"
+    );
+    assert_eq!(j["tasks"][1]["gpus"][0], other, "{j}");
+    assert_eq!(j["retries"], 0, "{j}");
+    // Reset once, after its task ended, and back in service.
+    let g = s.wait_health(&first, true);
+    assert_eq!(g["unhealthy_reason"], "", "{g}");
+    assert_eq!(std::fs::read_to_string(&log).unwrap(), format!("{first}\n"));
+
+    // The application's own XID on the GPU in use: counted, nothing else.
+    s.change(|m| {
+        m["events"] = json!([
+            { "id": 1, "gpu_index": index, "type": "xid", "data": 79 },
+            { "id": 2, "gpu_index": 1 - index, "type": "xid", "data": 13 }
+        ]);
+    });
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(s.gpu(other)["healthy"], true);
+    let j = s.c.job(&job);
+    assert_eq!(j["state"], "RUNNING", "{j}");
+    assert_eq!(j["tasks"].as_array().unwrap().len(), 2, "{j}");
+    assert_eq!(std::fs::read_to_string(&log).unwrap(), format!("{first}\n"));
 }
 
 /// Issue 34 item 4: two tasks sharing a GPU by fractions, each with the

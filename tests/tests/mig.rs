@@ -516,6 +516,7 @@ fn the_health_probe_reads_each_mig_device_as_nvml_lists_it() {
         gpus.clone(),
         config,
         None,
+        Box::new(Default::default),
         tx,
         stop.clone(),
     )

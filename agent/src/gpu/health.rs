@@ -41,7 +41,14 @@ pub struct HealthConfig {
     /// How long an unhealthy GPU must pass its probes, with no new fault,
     /// before it returns to service.
     pub recovery: Duration,
+    /// XIDs an application causes: counted, the GPU stays in service.
     pub ignored_xids: BTreeSet<u64>,
+    /// XIDs that mean the node needs service: every GPU is withdrawn.
+    pub node_xids: BTreeSet<u64>,
+    /// How a GPU is reset (`{uuid}`, `{index}` replaced); empty: never.
+    pub reset_command: Vec<String>,
+    /// Resets of one GPU before it stays out of service.
+    pub max_resets: u32,
 }
 
 impl Default for HealthConfig {
@@ -50,7 +57,48 @@ impl Default for HealthConfig {
             interval: Duration::from_secs(5),
             recovery: Duration::from_secs(60),
             ignored_xids: DEFAULT_IGNORED_XIDS.iter().copied().collect(),
+            node_xids: BTreeSet::new(),
+            reset_command: ["nvidia-smi", "--gpu-reset", "-i", "{uuid}"]
+                .map(String::from)
+                .to_vec(),
+            max_resets: 3,
         }
+    }
+}
+
+/// What a critical XID calls for, after the "immediate action" of NVIDIA's
+/// XID catalog (docs.nvidia.com/deploy/xid-errors).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum XidAction {
+    /// RESTART_APP: the application's own error. The GPU stays in
+    /// service; the task fails by itself if it cannot go on.
+    App,
+    /// RESET_GPU: the GPU is withdrawn, its tasks are stopped and
+    /// requeued, and once nothing runs on it the agent resets it and gives
+    /// it back if its probe then passes. Unknown XIDs are treated so.
+    ResetGpu,
+    /// RESTART_BM: the node needs service: every GPU is withdrawn until
+    /// the agent restarts (after the operator's repair or reboot).
+    Node,
+}
+
+impl XidAction {
+    pub fn words(self) -> &'static str {
+        match self {
+            XidAction::App => "an application's error, the GPU stays in service",
+            XidAction::ResetGpu => "the GPU needs a reset",
+            XidAction::Node => "the node needs service",
+        }
+    }
+}
+
+/// Which action an XID calls for: the operator's lists first, then every
+/// other XID (known or not) a GPU reset.
+pub fn xid_action(xid: Option<u64>, config: &HealthConfig) -> XidAction {
+    match xid {
+        Some(x) if config.ignored_xids.contains(&x) => XidAction::App,
+        Some(x) if config.node_xids.contains(&x) => XidAction::Node,
+        _ => XidAction::ResetGpu,
     }
 }
 
@@ -137,6 +185,14 @@ struct Tracked {
     /// While unhealthy: since when it has passed every probe with no new
     /// fault (None: it has not passed one since its last fault).
     passing_since: Option<Instant>,
+    /// It comes back only through a reset (a RESET_GPU XID), not by
+    /// passing its probes.
+    needs_reset: bool,
+    /// Resets done since the agent started.
+    resets: u32,
+    /// Out until the agent restarts: the node needs service, or its
+    /// resets are spent.
+    stays_out: bool,
 }
 
 /// The health state machine of an agent's GPUs.
@@ -182,6 +238,9 @@ impl Tracker {
                         double_bit_ecc_errors: 0,
                     },
                     passing_since: None,
+                    needs_reset: false,
+                    resets: 0,
+                    stays_out: false,
                 })
                 .collect(),
             config,
@@ -234,7 +293,7 @@ impl Tracker {
                 };
                 sample.xid_errors = t.health.xid_errors.values().sum();
                 t.health.sample = Some(sample);
-                if t.health.healthy {
+                if t.health.healthy || t.needs_reset || t.stays_out {
                     return false;
                 }
                 let since = *t.passing_since.get_or_insert(now);
@@ -259,27 +318,29 @@ impl Tracker {
         }
     }
 
-    /// An NVML event; returns whether the GPU's health changed.
+    /// An NVML event; returns whether the health of a GPU changed.
     pub fn event(&mut self, uuid: &str, event: Event) -> bool {
-        let ignored = match event {
-            Event::Xid(Some(x)) => self.config.ignored_xids.contains(&x),
-            _ => false,
+        let action = match event {
+            Event::Xid(xid) => xid_action(xid, &self.config),
+            // NVIDIA: a double-bit ECC error (XID 48) calls for a reset.
+            Event::DoubleBitEcc => XidAction::ResetGpu,
         };
         let Some(t) = self.find(uuid) else {
             return false;
         };
-        let reason = match event {
+        let index = t.health.index;
+        let what = match event {
             Event::Xid(xid) => {
                 let code = xid.unwrap_or(999);
                 *t.health.xid_errors.entry(code).or_insert(0) += 1;
                 if let Some(s) = &mut t.health.sample {
                     s.xid_errors += 1;
                 }
-                if ignored {
+                if action == XidAction::App {
                     tracing::info!(
                         uuid,
                         xid = code,
-                        "XID error caused by an application; ignored for health"
+                        "XID error caused by an application; the GPU stays in service"
                     );
                     return false;
                 }
@@ -293,7 +354,87 @@ impl Tracker {
                 "double-bit ECC error".to_string()
             }
         };
-        self.fault(uuid, reason)
+        if action == XidAction::Node {
+            let reason = format!("node needs service: {what} on GPU {index}");
+            let mut changed = false;
+            for t in &mut self.gpus {
+                t.stays_out = true;
+                t.needs_reset = false;
+            }
+            let all: Vec<String> = self.gpus.iter().map(|t| t.health.uuid.clone()).collect();
+            for u in all {
+                changed |= self.fault(&u, reason.clone());
+            }
+            return changed;
+        }
+        if let Some(t) = self.find(uuid) {
+            if !t.stays_out {
+                t.needs_reset = true;
+            }
+        }
+        self.fault(uuid, format!("{what}: {}", action.words()))
+    }
+
+    /// GPUs waiting for a reset that may still have one.
+    pub fn to_reset(&self) -> Vec<(String, u32)> {
+        self.gpus
+            .iter()
+            .filter(|t| {
+                t.needs_reset
+                    && !t.stays_out
+                    && t.resets < self.config.max_resets
+                    && !self.config.reset_command.is_empty()
+            })
+            .map(|t| (t.health.uuid.clone(), t.health.index))
+            .collect()
+    }
+
+    /// A reset was tried (`Err`: the command failed) and the GPU probed
+    /// after it; returns whether its health changed. It is back only if
+    /// both passed; after `max_resets` it stays out.
+    pub fn reset_done(&mut self, uuid: &str, result: Result<(), String>, probe: Probe) -> bool {
+        let max = self.config.max_resets;
+        let Some(t) = self.find(uuid) else {
+            return false;
+        };
+        t.resets += 1;
+        let n = t.resets;
+        match (result, probe) {
+            (Ok(()), Probe::Passed(sample)) => {
+                tracing::info!(uuid, index = t.health.index, was = %t.health.reason, resets = n, "GPU reset and probed: back in service");
+                t.health.sample = Some(sample);
+                t.health.healthy = true;
+                t.health.reason.clear();
+                t.needs_reset = false;
+                t.passing_since = None;
+                self.generation += 1;
+                true
+            }
+            (result, probe) => {
+                let why = match (result, probe) {
+                    (Err(e), _) => format!("reset failed: {e}"),
+                    (Ok(()), Probe::Failed(e)) => format!("probe after reset failed: {e}"),
+                    (Ok(()), Probe::Passed(_)) => String::new(),
+                };
+                tracing::warn!(uuid, index = t.health.index, resets = n, %why, "GPU reset did not bring it back");
+                if n >= max {
+                    t.stays_out = true;
+                    let first = t
+                        .health
+                        .reason
+                        .split("; reset")
+                        .next()
+                        .unwrap_or_default()
+                        .to_string();
+                    t.health.reason = format!(
+                        "{first}; reset {n} times ({why}): stays out of service until the agent restarts"
+                    );
+                    self.generation += 1;
+                    return true;
+                }
+                false
+            }
+        }
     }
 }
 
@@ -491,20 +632,107 @@ fn event_set<'n>(nvml: &'n Nvml, uuids: &[String]) -> (Option<EventSet<'n>>, BTr
     }
 }
 
+/// The GPUs a live task of this agent holds (a reset waits for them).
+pub type Busy = Box<dyn Fn() -> BTreeSet<String> + Send>;
+
+/// Longest a reset command may run.
+const RESET_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Runs the reset command for one GPU; `Err` says why it failed.
+fn run_reset(command: &[String], uuid: &str, index: u32) -> Result<(), String> {
+    let args: Vec<String> = command
+        .iter()
+        .map(|a| {
+            a.replace("{uuid}", uuid)
+                .replace("{index}", &index.to_string())
+        })
+        .collect();
+    let Some((program, rest)) = args.split_first() else {
+        return Err("no reset command".into());
+    };
+    let mut child = std::process::Command::new(program)
+        .args(rest)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("{program}: {e}"))?;
+    let deadline = Instant::now() + RESET_TIMEOUT;
+    loop {
+        match child.try_wait() {
+            Ok(Some(status)) if status.success() => return Ok(()),
+            Ok(Some(status)) => {
+                let mut err = String::new();
+                if let Some(mut e) = child.stderr.take() {
+                    use std::io::Read;
+                    let _ = e.read_to_string(&mut err);
+                }
+                return Err(format!(
+                    "{} exited with {status}: {}",
+                    args.join(" "),
+                    err.trim()
+                ));
+            }
+            Ok(None) if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Ok(None) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(format!("{} took over {RESET_TIMEOUT:?}", args.join(" ")));
+            }
+            Err(e) => return Err(format!("{program}: {e}")),
+        }
+    }
+}
+
 /// Runs the checks on a thread until `stop` is set, publishing every change
 /// (health or sample) on `tx`. With `tasks`, each sample also carries the
-/// memory each task's processes use on the GPU.
+/// memory each task's processes use on the GPU. A GPU that needs a reset
+/// gets it once `busy` no longer names it and NVML lists no process on it.
 pub fn spawn(
     nvml_lib: Option<PathBuf>,
     gpus: Vec<GpuInfo>,
     config: HealthConfig,
     tasks: Option<procs::Attribution>,
+    busy: Busy,
     tx: watch::Sender<Snapshot>,
     stop: Arc<AtomicBool>,
 ) -> std::io::Result<std::thread::JoinHandle<()>> {
     std::thread::Builder::new()
         .name("gpu-health".into())
-        .spawn(move || run(nvml_lib, gpus, config, tasks, tx, stop))
+        .spawn(move || run(nvml_lib, gpus, config, tasks, busy, tx, stop))
+}
+
+/// Resets the GPUs that need it and are idle, and probes each after.
+fn reset_idle(
+    nvml: &Nvml,
+    tracker: &mut Tracker,
+    command: &[String],
+    busy: &Busy,
+    attribution: Option<(&Path, &procs::TaskCgroups)>,
+) {
+    let pending = tracker.to_reset();
+    if pending.is_empty() {
+        return;
+    }
+    let held = busy();
+    for (uuid, index) in pending {
+        if held.contains(&uuid) {
+            continue;
+        }
+        // Processes gpuctl does not know of hold it too.
+        if let Ok(dev) = nvml.device_by_uuid(uuid.as_str()) {
+            if procs::device_processes(&dev).is_ok_and(|p| !p.is_empty()) {
+                continue;
+            }
+        }
+        tracing::info!(uuid = %uuid, index, "resetting GPU: nothing runs on it");
+        let result = run_reset(command, &uuid, index);
+        let (probe, mig) = probe_device(nvml, &uuid, attribution);
+        tracker.reset_done(&uuid, result, probe);
+        tracker.mig(&uuid, mig);
+    }
 }
 
 fn run(
@@ -512,10 +740,12 @@ fn run(
     gpus: Vec<GpuInfo>,
     config: HealthConfig,
     tasks: Option<procs::Attribution>,
+    busy: Busy,
     tx: watch::Sender<Snapshot>,
     stop: Arc<AtomicBool>,
 ) {
     let interval = config.interval;
+    let reset_command = config.reset_command.clone();
     let mut tracker = Tracker::new(config, &gpus);
     tx.send_replace(tracker.snapshot());
     let init = || match &nvml_lib {
@@ -557,6 +787,7 @@ fn run(
                 tracker.probe(uuid, probe, Instant::now());
                 tracker.mig(uuid, mig);
             }
+            reset_idle(&nvml, &mut tracker, &reset_command, &busy, attribution);
             // A GPU that could not be watched (lost when the set was made)
             // and is healthy again is watched from now on.
             let snapshot = tracker.snapshot();
@@ -689,13 +920,16 @@ mod tests {
         assert!(t.event("GPU-0", Event::Xid(Some(79))));
         let g = &t.snapshot().gpus[0];
         assert!(!g.healthy);
-        assert_eq!(g.reason, "XID 79 (GPU has fallen off the bus)");
+        assert_eq!(
+            g.reason,
+            "XID 79 (GPU has fallen off the bus): the GPU needs a reset"
+        );
         assert_eq!(t.snapshot().generation, 1);
         // A second fault keeps the first reason and is no change.
         assert!(!t.event("GPU-0", Event::DoubleBitEcc));
         assert_eq!(
             t.snapshot().gpus[0].reason,
-            "XID 79 (GPU has fallen off the bus)"
+            "XID 79 (GPU has fallen off the bus): the GPU needs a reset"
         );
         assert_eq!(t.snapshot().gpus[0].double_bit_ecc_errors, 1);
     }
@@ -711,7 +945,10 @@ mod tests {
         );
         assert!(!t.event("GPU-0", Event::Xid(Some(79))));
         assert!(t.event("GPU-0", Event::Xid(Some(13))));
-        assert_eq!(t.snapshot().gpus[0].reason, "XID 13 (critical error)");
+        assert_eq!(
+            t.snapshot().gpus[0].reason,
+            "XID 13 (critical error): the GPU needs a reset"
+        );
         assert_eq!(t.snapshot().gpus[0].xid_errors[&13], 1);
         assert_eq!(t.snapshot().gpus[0].xid_errors.get(&79), Some(&1));
     }
@@ -727,7 +964,7 @@ mod tests {
         assert_eq!(t.snapshot().gpus[0].sample, Some(sample()));
         // A fault in the quiet period starts it over: the clock runs from
         // the first passing probe after it.
-        assert!(!t.event("GPU-0", Event::Xid(Some(79))));
+        assert!(!t.probe("GPU-0", Probe::Failed(LOST.into()), now + secs(11)));
         assert!(!t.probe("GPU-0", Probe::Passed(sample()), now + secs(12)));
         assert!(!t.probe("GPU-0", Probe::Passed(sample()), now + secs(21)));
         assert!(!t.snapshot().gpus[0].healthy);
@@ -739,6 +976,118 @@ mod tests {
         // The GPU that discovery found lost recovers the same way.
         assert!(!t.probe("GPU-1", Probe::Passed(sample()), now + secs(1)));
         assert!(t.probe("GPU-1", Probe::Passed(sample()), now + secs(11)));
+    }
+
+    /// XIDs handled by what they are (issue 38): an application's leaves
+    /// the GPU in service; one that needs a reset keeps it out, however
+    /// long its probes pass, until a reset and the probe after it pass;
+    /// after `max_resets` it stays out; a node's withdraws every GPU.
+    #[test]
+    fn xids_are_handled_by_what_they_call_for() {
+        let config = HealthConfig {
+            recovery: secs(1),
+            node_xids: [140].into_iter().collect(),
+            max_resets: 3,
+            ..Default::default()
+        };
+        assert_eq!(xid_action(Some(13), &config), XidAction::App);
+        assert_eq!(xid_action(Some(79), &config), XidAction::ResetGpu);
+        assert_eq!(xid_action(Some(140), &config), XidAction::Node);
+        // Unknown ones, conservatively.
+        assert_eq!(xid_action(Some(4242), &config), XidAction::ResetGpu);
+        assert_eq!(xid_action(None, &config), XidAction::ResetGpu);
+
+        let gpus = [
+            GpuInfo::new("GPU-0", 0, "A100", 40960),
+            GpuInfo::new("GPU-1", 1, "A100", 40960),
+        ];
+        let now = Instant::now();
+        let mut t = Tracker::new(config.clone(), &gpus);
+        assert!(!t.event("GPU-0", Event::Xid(Some(13))));
+        assert!(t.snapshot().gpus[0].healthy);
+        assert!(t.to_reset().is_empty());
+
+        assert!(t.event("GPU-0", Event::Xid(Some(79))));
+        assert_eq!(t.to_reset(), vec![("GPU-0".to_string(), 0)]);
+        // Passing probes do not bring it back: only a reset does.
+        for s in 0..5 {
+            assert!(!t.probe("GPU-0", Probe::Passed(sample()), now + secs(s)));
+        }
+        assert!(!t.snapshot().gpus[0].healthy);
+        assert!(t.reset_done("GPU-0", Ok(()), Probe::Passed(sample())));
+        let g = &t.snapshot().gpus[0];
+        assert!(g.healthy && g.reason.is_empty(), "{g:?}");
+        assert!(t.to_reset().is_empty());
+
+        // Again: a failed reset, a reset whose probe fails, then the third
+        // of its three resets fails too: it stays out, saying so.
+        assert!(t.event("GPU-0", Event::DoubleBitEcc));
+        assert!(!t.reset_done(
+            "GPU-0",
+            Err("nvidia-smi: busy".into()),
+            Probe::Passed(sample())
+        ));
+        assert_eq!(t.to_reset().len(), 1);
+        assert!(t.reset_done("GPU-0", Ok(()), Probe::Failed(LOST.into())));
+        let g = &t.snapshot().gpus[0];
+        assert!(!g.healthy);
+        assert!(
+            g.reason
+                .starts_with("double-bit ECC error: the GPU needs a reset; reset 3 times")
+                && g.reason
+                    .ends_with("stays out of service until the agent restarts"),
+            "{}",
+            g.reason
+        );
+        assert!(t.to_reset().is_empty());
+        assert!(!t.probe("GPU-0", Probe::Passed(sample()), now + secs(100)));
+
+        // A node's XID: every GPU out, none reset.
+        let mut t = Tracker::new(config.clone(), &gpus);
+        assert!(t.event("GPU-1", Event::Xid(Some(140))));
+        for g in t.snapshot().gpus {
+            assert!(!g.healthy);
+            assert_eq!(
+                g.reason,
+                "node needs service: XID 140 (critical error) on GPU 1"
+            );
+        }
+        assert!(t.to_reset().is_empty());
+        assert!(!t.probe("GPU-0", Probe::Passed(sample()), now + secs(100)));
+
+        // No reset command: a GPU that needs one stays out.
+        let mut t = Tracker::new(
+            HealthConfig {
+                reset_command: Vec::new(),
+                ..config
+            },
+            &gpus,
+        );
+        assert!(t.event("GPU-0", Event::Xid(Some(79))));
+        assert!(t.to_reset().is_empty());
+    }
+
+    #[test]
+    fn a_reset_command_is_run_with_the_gpu_named_and_its_failure_said() {
+        let d = tempfile::tempdir().unwrap();
+        let out = d.path().join("out");
+        let cmd = |script: &str| -> Vec<String> {
+            vec![
+                "sh".into(),
+                "-c".into(),
+                script.into(),
+                "reset".into(),
+                "{uuid}".into(),
+                "{index}".into(),
+            ]
+        };
+        let ok = cmd(&format!("echo \"$1 $2\" > {}", out.display()));
+        assert_eq!(run_reset(&ok, "GPU-7", 3), Ok(()));
+        assert_eq!(std::fs::read_to_string(&out).unwrap(), "GPU-7 3\n");
+        let e = run_reset(&cmd("echo in use >&2; exit 4"), "GPU-7", 3).unwrap_err();
+        assert!(e.contains("exit status: 4") && e.ends_with("in use"), "{e}");
+        let e = run_reset(&["/nonexistent/gpuctl-reset".to_string()], "GPU-7", 3).unwrap_err();
+        assert!(e.starts_with("/nonexistent/gpuctl-reset:"), "{e}");
     }
 
     #[test]
