@@ -14,7 +14,13 @@ use serde::{Deserialize, Serialize};
 /// new one is added, and keep decoding the old forms, because old entries
 /// stay in the log: a master applies entries of its own version and older,
 /// and stops at one of a newer version (docs/operations.md, "Upgrading masters").
-pub const COMMAND_VERSION: u32 = 1;
+///
+/// 2 (issue 38): applying an entry changed, so masters of version 1 must not
+/// apply entries of version 2 beside masters of version 2: a committed
+/// cancel ends its job CANCELLED however its tasks end, and a failed task's
+/// job message names its rank and its agent's words. Version-1 entries
+/// decode and apply as before.
+pub const COMMAND_VERSION: u32 = 2;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Command {
