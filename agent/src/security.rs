@@ -542,6 +542,7 @@ mod tests {
             gpu_uuids: vec![],
             no_fence: false,
             security,
+            hang_timeout_ms: None,
         }
     }
 

@@ -65,6 +65,7 @@ impl Task {
                 gpu_uuids: vec![],
                 no_fence: false,
                 security: Default::default(),
+                hang_timeout_ms: None,
             },
             agent_id: "agent-proc-test".to_string(),
             env: BTreeMap::from([("GPUCTL_TASK_ID".to_string(), task_id.to_string())]),

@@ -643,6 +643,10 @@ pub struct JobSpec {
     /// of its agent's `allowed_mounts`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub checkpoint_dir: Option<String>,
+    /// How long a task may go without output and GPU activity before its
+    /// agent stops it as hung (`--hang-timeout`), in ms; `None`: never.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hang_timeout_ms: Option<u64>,
 }
 
 /// What a task may do on its agent beyond the defaults (docs/isolation.md,
@@ -943,6 +947,7 @@ impl JobSpec {
             require_cuda: None,
             stop_grace_ms: None,
             checkpoint_dir: None,
+            hang_timeout_ms: None,
         }
     }
 
@@ -1003,6 +1008,9 @@ pub struct TaskSpec {
     /// The job's `checkpoint_dir`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub checkpoint_dir: Option<String>,
+    /// The job's `hang_timeout_ms`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hang_timeout_ms: Option<u64>,
 }
 
 /// Why the master wants a task stopped, as its agent tells the task in its
@@ -1097,6 +1105,10 @@ pub struct StatusUpdate {
     /// fraction (wire: state FAILED, reason REASON_GPU_MEMORY_LIMIT).
     #[serde(default)]
     pub gpu_memory_limit: bool,
+    /// The agent stopped the task as hung (wire: state FAILED, reason
+    /// REASON_HUNG).
+    #[serde(default)]
+    pub hung: bool,
 }
 
 /// What an agent enforces of a fraction of a shared GPU, stated per task.
@@ -1204,6 +1216,9 @@ pub enum TaskReason {
     /// Stopped to give GPUs back to a tenant below its fair share: its own
     /// tenant held more than its share.
     Reclaimed,
+    /// Stopped by its agent: no output and no GPU activity for its job's
+    /// hang timeout.
+    Hung,
 }
 
 /// The id of gpuctl's own job scheduler, which runs as a framework; no

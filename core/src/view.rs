@@ -95,6 +95,9 @@ pub struct JobJson {
     /// `--checkpoint-dir`; `null`: none.
     #[serde(default)]
     pub checkpoint_dir: Option<String>,
+    /// `--hang-timeout` in ms; absent: never stopped as hung.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hang_timeout_ms: Option<u64>,
     /// Its user, host mounts and root (`--user`, `--mount`, `--run-as-root`).
     #[serde(default)]
     pub security: SecurityJson,
@@ -249,6 +252,7 @@ impl From<&pb::Job> for JobJson {
             no_fence: spec.no_fence,
             stop_grace_ms: spec.stop_grace_ms,
             checkpoint_dir: (!spec.checkpoint_dir.is_empty()).then(|| spec.checkpoint_dir.clone()),
+            hang_timeout_ms: spec.hang_timeout_ms,
             security: SecurityJson::from(spec.security.as_ref()),
             require_cuda: (!spec.require_cuda.is_empty()).then(|| spec.require_cuda.clone()),
             image_requires: j.image_requires.clone(),

@@ -162,3 +162,67 @@ fn failures_say_what_happened() {
         "{job}"
     );
 }
+
+/// Issue 38, item 2: a gang that says nothing (and, on simulated GPUs,
+/// computes nothing) for its `--hang-timeout` is stopped as HUNG, with an
+/// event, and started again by its retry policy; a task that keeps
+/// writing is never stopped, however long it runs.
+#[test]
+fn a_silent_gang_is_stopped_as_hung_and_retried_and_a_chatty_task_is_not() {
+    let mut c = Cluster::start(&[]);
+    c.add_agent(AgentOpts::default());
+    let chatty = c.submit(&[
+        "--name",
+        "chatty",
+        "--hang-timeout",
+        "2s",
+        "--",
+        "sh",
+        "-c",
+        "for i in 1 2 3 4 5 6 7 8 9 10; do echo $i; sleep 0.5; done",
+    ]);
+    let hung = c.submit(&[
+        "--name",
+        "hung",
+        "--replicas",
+        "2",
+        "--hang-timeout",
+        "2s",
+        "--max-retries",
+        "1",
+        "--",
+        "sh",
+        "-c",
+        "echo started; exec sleep 120",
+    ]);
+    assert_eq!(c.wait_job(&hung, 60), (1, "FAILED".to_string()));
+    let j = c.job(&hung);
+    assert_eq!(j["retries"], 1, "{j}");
+    let tasks = j["tasks"].as_array().unwrap();
+    assert_eq!(tasks.len(), 4, "two attempts of two ranks: {j}");
+    // In each attempt a rank was stopped as hung (both are silent: the
+    // other may be too, or be stopped because of it).
+    for attempt in tasks.chunks(2) {
+        assert!(
+            attempt.iter().any(|t| t["reason"] == "HUNG"
+                && t["message"]
+                    .as_str()
+                    .unwrap()
+                    .starts_with("hung: no output and no GPU activity for ")),
+            "{j}"
+        );
+    }
+    let events: Vec<&str> = j["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["reason"].as_str().unwrap())
+        .collect();
+    assert!(
+        events.contains(&"Hung") && events.contains(&"Retrying"),
+        "{j}"
+    );
+    assert!(message(&c, &hung).contains("hung: no output"), "{j}");
+    // Ten half-second lines, 5 s in all, with a 2 s timeout: never hung.
+    assert_eq!(c.wait_job(&chatty, 60), (0, "SUCCEEDED".to_string()));
+}

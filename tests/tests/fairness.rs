@@ -415,9 +415,13 @@ fn settles_one_to_three(what: &str, c: &Cluster, ma: &str, mb: &str) {
             held.get("A").copied().unwrap_or(0),
             held.get("B").copied().unwrap_or(0),
         );
-        // A task may be between its end and its replacement.
+        // A task may be between its end and its replacement: in the
+        // master's view one at most; as live processes, on a loaded
+        // machine, a few (CI saw B at 10 of 12 for 3 s). Never more than
+        // the share, either way.
         let near = |(a, b): (usize, usize)| (3..=4).contains(&a) && (11..=12).contains(&b);
-        if near(live) && near(held) {
+        let live_near = |(a, b): (usize, usize)| (2..=4).contains(&a) && (9..=12).contains(&b);
+        if live_near(live) && near(held) {
             Ok(())
         } else {
             Err(format!("live A/B {live:?}, GPUs held by A/B {held:?}"))

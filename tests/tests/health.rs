@@ -456,6 +456,41 @@ fn an_xid_79_gpu_is_reset_once_idle_and_an_xid_13_changes_nothing() {
     assert_eq!(std::fs::read_to_string(&log).unwrap(), format!("{first}\n"));
 }
 
+/// Issue 38, item 2: GPU activity keeps a silent task alive. Two silent
+/// 1-GPU jobs with a 2 s `--hang-timeout`: the one on the idle GPU 0 is
+/// stopped as HUNG; the one on GPU 1, which fake-nvml shows 87% busy, runs
+/// on.
+#[test]
+fn a_silent_task_on_a_busy_gpu_is_not_hung_and_one_on_an_idle_gpu_is() {
+    let s = Setup::start("3600");
+    let args = |name: &'static str| {
+        vec![
+            "--name",
+            name,
+            "--gpus",
+            "1",
+            "--hang-timeout",
+            "2s",
+            "--",
+            "sleep",
+            "120",
+        ]
+    };
+    let a = s.c.submit(&args("silent-a"));
+    let b = s.c.submit(&args("silent-b"));
+    let ja = s.c.wait_state(&a, "RUNNING", Duration::from_secs(30));
+    s.c.wait_state(&b, "RUNNING", Duration::from_secs(30));
+    let on_gpu = |j: &Value| j["tasks"][0]["gpus"][0].as_str().unwrap().to_string();
+    let (idle_job, busy_job) = if on_gpu(&ja) == GPU0 { (a, b) } else { (b, a) };
+    let j = s.c.wait_state(&idle_job, "FAILED", Duration::from_secs(30));
+    assert_eq!(j["tasks"][0]["reason"], "HUNG", "{j}");
+    // Well past its own timeout, the job on the busy GPU still runs.
+    std::thread::sleep(Duration::from_secs(3));
+    let j = s.c.job(&busy_job);
+    assert_eq!(j["state"], "RUNNING", "{j}");
+    assert_eq!(j["tasks"].as_array().unwrap().len(), 1, "{j}");
+}
+
 /// Issue 34 item 4: two tasks sharing a GPU by fractions, each with the
 /// GPU memory of its own processes. NVML's process list (the fake's
 /// `processes`) names the tasks' host pids; the agent finds each pid's

@@ -32,6 +32,7 @@ impl Executor {
         u.gpu_unhealthy = outcome.gpu_unhealthy;
         u.fenced = outcome.fenced;
         u.gpu_memory_limit = outcome.gpu_memory_limit;
+        u.hung = outcome.hung;
         u.requires = outcome.requires;
         let path = self.state_dir(task_id).join(checkpoint::FINAL_FILE);
         if let Err(e) = checkpoint::write_json(&path, &u) {

@@ -14,6 +14,7 @@
 //! is sent again, with the same uuid.
 
 mod drive;
+mod hang;
 mod notice;
 mod outcome;
 mod plan;
@@ -59,6 +60,11 @@ struct LocalTask {
     /// The most GPU memory its processes were seen to use (MiB), for a
     /// fraction's failure message.
     gpu_mem_peak_mib: u64,
+    /// With a hang timeout: what was last seen of it, from its first look
+    /// while running.
+    activity: Option<hang::Activity>,
+    /// One of its GPUs was busy in a reading since the last look.
+    gpu_busy_seen: bool,
 }
 
 impl LocalTask {
@@ -69,6 +75,8 @@ impl LocalTask {
             stop: watch::channel(None).0,
             final_uuid: None,
             gpu_mem_peak_mib: 0,
+            activity: None,
+            gpu_busy_seen: false,
         }
     }
 
@@ -366,6 +374,55 @@ impl Executor {
                 task.gpu_mem_peak_mib = task.gpu_mem_peak_mib.max(*mib);
             }
         }
+        // GPUs (and MIG devices) that worked, for the hang check.
+        let busy: std::collections::BTreeSet<&str> = gpus
+            .iter()
+            .filter(|g| g.sample.as_ref().is_some_and(|s| s.utilization_pct > 0))
+            .map(|g| g.uuid.as_str())
+            .chain(
+                gpus.iter()
+                    .flat_map(|g| &g.mig)
+                    .filter(|m| m.utilization_pct.is_some_and(|u| u > 0))
+                    .map(|m| m.uuid.as_str()),
+            )
+            .collect();
+        if !busy.is_empty() {
+            for task in t.tasks.values_mut() {
+                if task
+                    .spec
+                    .gpu_uuids
+                    .iter()
+                    .any(|g| busy.contains(g.as_str()))
+                {
+                    task.gpu_busy_seen = true;
+                }
+            }
+        }
+    }
+
+    /// Stops, as hung, each running task with a hang timeout whose log has
+    /// not grown and whose GPUs have not worked for that long.
+    fn stop_hung(&self) {
+        let now = std::time::Instant::now();
+        let mut t = self.lock();
+        for (id, task) in t.tasks.iter_mut() {
+            let Some(ms) = task.spec.hang_timeout_ms else {
+                continue;
+            };
+            if task.phase != Phase::Running || task.stop.borrow().is_some() {
+                continue;
+            }
+            let log_len = std::fs::metadata(self.sandbox(id).join(LOG_FILE)).map_or(0, |m| m.len());
+            let busy = std::mem::take(&mut task.gpu_busy_seen);
+            let activity = task
+                .activity
+                .get_or_insert_with(|| hang::Activity::new(now));
+            if let Some(idle) = activity.look(now, log_len, busy, Duration::from_millis(ms)) {
+                let why = hang::hung_message(idle);
+                tracing::warn!(task_id = %id, reason = %why, "stopping a hung task");
+                task.stop.send_replace(Some(StopReason::Hung(why)));
+            }
+        }
     }
 
     /// The running tasks whose GPU memory this agent holds to their
@@ -485,6 +542,7 @@ impl Executor {
                             share: None,
                             stop_grace_ms: None,
                             checkpoint_dir: None,
+                            hang_timeout_ms: None,
                             task_id: task_id.clone(),
                             job_id: String::new(),
                             framework_id: String::new(),
@@ -564,6 +622,7 @@ impl Executor {
                 _ = shutdown.changed() => return,
             }
             self.reconcile();
+            self.stop_hung();
             n += 1;
             if n % STRAY_SCAN_TICKS == 1 {
                 self.remove_strays().await;
@@ -649,6 +708,7 @@ impl Executor {
             gpu_unhealthy: false,
             fenced: false,
             gpu_memory_limit: false,
+            hung: false,
             requires: Vec::new(),
             latest_state: None,
         }

@@ -42,6 +42,7 @@ pub fn of(reason: &StopReason, from_master: Option<&StopNotice>) -> StopNotice {
         StopReason::GpuFailed(why) => own("gpu_failed", why),
         StopReason::Fenced => own("fenced", "the agent had no contact with a master"),
         StopReason::GpuMemoryLimit(why) => own("gpu_memory_limit", why),
+        StopReason::Hung(why) => own("hung", why),
     }
 }
 

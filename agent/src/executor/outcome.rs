@@ -19,6 +19,8 @@ pub(super) struct Outcome {
     /// Stopped for using more GPU memory than its fraction
     /// (REASON_GPU_MEMORY_LIMIT).
     pub(super) gpu_memory_limit: bool,
+    /// Stopped as hung (REASON_HUNG).
+    pub(super) hung: bool,
     /// Refused because the host's driver does not meet what the image
     /// requires: all the image's requirements
     /// (REASON_DRIVER_REQUIREMENT_UNMET).
@@ -34,6 +36,7 @@ impl Outcome {
             gpu_unhealthy: false,
             fenced: false,
             gpu_memory_limit: false,
+            hung: false,
             requires: Vec::new(),
         }
     }
@@ -58,6 +61,10 @@ impl Outcome {
                 gpu_memory_limit: true,
                 ..Outcome::failed(why.clone())
             },
+            StopReason::Hung(why) => Outcome {
+                hung: true,
+                ..Outcome::failed(why.clone())
+            },
         }
     }
 
@@ -75,6 +82,7 @@ impl Outcome {
                 gpu_unhealthy: false,
                 fenced: true,
                 gpu_memory_limit: false,
+                hung: false,
                 requires: Vec::new(),
             };
         }
@@ -82,6 +90,11 @@ impl Outcome {
             // One that finished cleanly first succeeded all the same.
             Some(StopReason::GpuFailed(why)) if code != Some(0) => Outcome {
                 gpu_unhealthy: true,
+                exit_code: code,
+                ..Outcome::failed(why.clone())
+            },
+            Some(StopReason::Hung(why)) if code != Some(0) => Outcome {
+                hung: true,
                 exit_code: code,
                 ..Outcome::failed(why.clone())
             },
@@ -97,6 +110,7 @@ impl Outcome {
                 gpu_unhealthy: false,
                 fenced: false,
                 gpu_memory_limit: false,
+                hung: false,
                 requires: Vec::new(),
             },
             _ => match code {
@@ -107,6 +121,7 @@ impl Outcome {
                     gpu_unhealthy: false,
                     fenced: false,
                     gpu_memory_limit: false,
+                    hung: false,
                     requires: Vec::new(),
                 },
                 Some(c) => Outcome {

@@ -38,6 +38,8 @@ pub enum StopReason {
     /// Its processes together used more GPU memory than its fraction of a
     /// shared GPU: `why` says how much.
     GpuMemoryLimit(String),
+    /// No output and no GPU activity for its job's hang timeout: `why`.
+    Hung(String),
 }
 
 /// What the plan needs to know of a local task.
@@ -217,6 +219,7 @@ mod tests {
             gpu_uuids: gpus.iter().map(|g| g.to_string()).collect(),
             no_fence: false,
             security: Default::default(),
+            hang_timeout_ms: None,
         }
     }
 

@@ -224,6 +224,7 @@ fn spec(id: &str) -> TaskSpec {
         gpu_uuids: vec![],
         no_fence: false,
         security: Default::default(),
+        hang_timeout_ms: None,
     }
 }
 

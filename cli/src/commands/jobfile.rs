@@ -116,6 +116,14 @@ pub struct JobFile {
     /// `--checkpoint-dir PATH`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub checkpoint_dir: Option<Text>,
+    /// `--hang-timeout DURATION` (`10m`; a number is seconds), as ms.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "de_hang_timeout",
+        serialize_with = "ser_stop_grace"
+    )]
+    pub hang_timeout: Option<u64>,
     /// `--request-id KEY`: submitting the file again within 24 hours gives
     /// the same job. Never written by `jobs get -o yaml`: a copy of a job
     /// is another job.
@@ -283,6 +291,22 @@ impl Check for Grace {
     }
 }
 
+/// A hang timeout: a duration (`10m`) or a number of seconds, as ms.
+struct HangTimeout;
+
+impl Check for HangTimeout {
+    type Value = u64;
+    fn expecting(&self) -> &'static str {
+        "a duration (10m, 1h) or a number of seconds"
+    }
+    fn str(&self, v: &str) -> Option<Result<u64, String>> {
+        Some(super::jobs::parse_hang_timeout(v))
+    }
+    fn u64(&self, v: u64) -> Option<Result<u64, String>> {
+        Some(super::jobs::parse_hang_timeout(&v.to_string()))
+    }
+}
+
 /// A whole number in `min..=max`.
 struct Range(u32, u32);
 
@@ -366,6 +390,10 @@ fn de_max_retries<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u32>, D::Err
 
 fn de_stop_grace<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
     d.deserialize_option(OrNull(Grace))
+}
+
+fn de_hang_timeout<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    d.deserialize_option(OrNull(HangTimeout))
 }
 
 /// Written back as a duration (`90s`, `1500ms`), as it is read.
@@ -468,6 +496,7 @@ pub fn from_spec(spec: &pb::JobSpec) -> JobFile {
             .collect(),
         run_as_root: security.run_as_root.then_some(true),
         stop_grace: spec.stop_grace_ms,
+        hang_timeout: spec.hang_timeout_ms,
         checkpoint_dir: some(&spec.checkpoint_dir).map(Text),
         // A copy of a job is another job: resubmitting it must not be
         // answered with the original.
@@ -655,6 +684,7 @@ mod tests {
             require_cuda: "cuda>=12.2".into(),
             stop_grace_ms: Some(90_000),
             checkpoint_dir: "/ckpt/t".into(),
+            hang_timeout_ms: Some(600_000),
         };
         let job = pb::Job {
             id: "job-1".into(),
@@ -674,6 +704,20 @@ mod tests {
         assert!(yaml.contains("stop_grace: 90s\n"), "{yaml}");
         assert_eq!(back.stop_grace, Some(90_000));
         assert_eq!(back.checkpoint_dir, Some(Text("/ckpt/t".into())));
+        assert!(yaml.contains("hang_timeout: 600s\n"), "{yaml}");
+        assert_eq!(back.hang_timeout, Some(600_000));
+    }
+
+    #[test]
+    fn hang_timeout_is_a_duration_within_bounds_and_named_when_wrong() {
+        let f = parse("f", "command: [x]\nhang_timeout: 10m\n").unwrap();
+        assert_eq!(f.hang_timeout, Some(600_000));
+        let f = parse("f", "command: [x]\nhang_timeout: 30\n").unwrap();
+        assert_eq!(f.hang_timeout, Some(30_000));
+        for bad in ["soon", "500ms", "8d"] {
+            let e = parse("f", &format!("command: [x]\nhang_timeout: {bad}\n")).unwrap_err();
+            assert!(e.contains("hang_timeout"), "{bad}: {e}");
+        }
     }
 
     #[test]

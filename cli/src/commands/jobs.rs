@@ -259,6 +259,11 @@ pub struct SubmitArgs {
     /// path is shared storage.
     #[arg(long, value_name = "PATH")]
     pub checkpoint_dir: Option<String>,
+    /// Stop a task as hung (FAILED, reason HUNG; --max-retries starts the
+    /// gang again) once it has gone this long with no output and no GPU
+    /// activity, e.g. 10m, 1h; 1s to 7d. Default: never.
+    #[arg(long, value_name = "DURATION", value_parser = parse_hang_timeout)]
+    pub hang_timeout: Option<u64>,
     /// Idempotency key (letters, digits, '.', '_', '-'): submits with the
     /// same KEY by the same token within 24 hours make one job, and each
     /// prints its id. Without it gpuctl makes one, kept across its own
@@ -468,6 +473,7 @@ impl SubmitArgs {
                 .or(file.require_cuda)
                 .unwrap_or_default(),
             stop_grace_ms: self.stop_grace.or(file.stop_grace),
+            hang_timeout_ms: self.hang_timeout.or(file.hang_timeout),
             checkpoint_dir: self
                 .checkpoint_dir
                 .clone()
@@ -489,6 +495,17 @@ pub fn parse_stop_grace(s: &str) -> Result<u64, String> {
     let ms = u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
     if ms > gpuctl_core::convert::MAX_STOP_GRACE_MS {
         return Err(format!("{s:?} is longer than a day"));
+    }
+    Ok(ms)
+}
+
+/// `--hang-timeout`: a duration, as ms, within the master's bounds.
+pub fn parse_hang_timeout(s: &str) -> Result<u64, String> {
+    use gpuctl_core::convert::{MAX_HANG_TIMEOUT_MS, MIN_HANG_TIMEOUT_MS};
+    let d = gpuctl_core::time::parse_duration(s)?;
+    let ms = u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+    if !(MIN_HANG_TIMEOUT_MS..=MAX_HANG_TIMEOUT_MS).contains(&ms) {
+        return Err(format!("{s:?} is not between 1s and 7d"));
     }
     Ok(ms)
 }

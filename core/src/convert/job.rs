@@ -417,6 +417,7 @@ impl TryFrom<pb::JobSpec> for JobSpec {
         let require_cuda = require_cuda_from_pb(&s.require_cuda)?;
         let stop_grace_ms = check_stop_grace("spec.stop_grace_ms", s.stop_grace_ms)?;
         let checkpoint_dir = checkpoint_dir_from_pb("spec.checkpoint_dir", s.checkpoint_dir)?;
+        let hang_timeout_ms = check_hang_timeout("spec.hang_timeout_ms", s.hang_timeout_ms)?;
         Ok(JobSpec {
             name: s.name,
             image,
@@ -435,6 +436,7 @@ impl TryFrom<pb::JobSpec> for JobSpec {
             require_cuda,
             stop_grace_ms,
             checkpoint_dir,
+            hang_timeout_ms,
         })
     }
 }
@@ -446,6 +448,22 @@ pub(super) fn check_stop_grace(field: &str, ms: Option<u64>) -> Result<Option<u6
             field,
             format!("is {ms} ms, at most {MAX_STOP_GRACE_MS} (a day)"),
         )),
+        _ => Ok(ms),
+    }
+}
+
+/// A hang timeout: between [`MIN_HANG_TIMEOUT_MS`] and
+/// [`MAX_HANG_TIMEOUT_MS`].
+pub(super) fn check_hang_timeout(field: &str, ms: Option<u64>) -> Result<Option<u64>> {
+    match ms {
+        Some(ms) if !(MIN_HANG_TIMEOUT_MS..=MAX_HANG_TIMEOUT_MS).contains(&ms) => {
+            Err(ConvertError::new(
+                field,
+                format!(
+                    "is {ms} ms: between {MIN_HANG_TIMEOUT_MS} (a second) and {MAX_HANG_TIMEOUT_MS} (a week)"
+                ),
+            ))
+        }
         _ => Ok(ms),
     }
 }
@@ -704,6 +722,7 @@ impl From<JobSpec> for pb::JobSpec {
                 .unwrap_or_default(),
             stop_grace_ms: s.stop_grace_ms,
             checkpoint_dir: s.checkpoint_dir.unwrap_or_default(),
+            hang_timeout_ms: s.hang_timeout_ms,
         }
     }
 }
@@ -797,6 +816,7 @@ impl TryFrom<pb::TaskSpec> for TaskSpec {
             share,
             stop_grace_ms: check_stop_grace("task.stop_grace_ms", s.stop_grace_ms)?,
             checkpoint_dir: checkpoint_dir_from_pb("task.checkpoint_dir", s.checkpoint_dir)?,
+            hang_timeout_ms: check_hang_timeout("task.hang_timeout_ms", s.hang_timeout_ms)?,
         })
     }
 }
@@ -822,6 +842,7 @@ impl From<TaskSpec> for pb::TaskSpec {
             }),
             stop_grace_ms: s.stop_grace_ms,
             checkpoint_dir: s.checkpoint_dir.unwrap_or_default(),
+            hang_timeout_ms: s.hang_timeout_ms,
         }
     }
 }

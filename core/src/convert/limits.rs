@@ -86,5 +86,8 @@ pub const MAX_ALLOWED_MOUNTS: usize = 64;
 /// Longest stop grace a job may ask for anywhere, in ms (a day); each
 /// master bounds it further (`--max-stop-grace-secs`).
 pub const MAX_STOP_GRACE_MS: u64 = 24 * 3600 * 1000;
+/// A job's hang timeout: at least a second, at most a week.
+pub const MIN_HANG_TIMEOUT_MS: u64 = 1000;
+pub const MAX_HANG_TIMEOUT_MS: u64 = 7 * 24 * 3600 * 1000;
 /// Where GPU containers get the driver volume: no job mounts there.
 pub const DRIVER_VOLUME_PATH: &str = "/usr/local/nvidia";

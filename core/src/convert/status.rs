@@ -56,6 +56,7 @@ impl From<TaskReason> for pb::Reason {
             TaskReason::DriverRequirementUnmet => pb::Reason::DriverRequirementUnmet,
             TaskReason::GpuMemoryLimit => pb::Reason::GpuMemoryLimit,
             TaskReason::Reclaimed => pb::Reason::Reclaimed,
+            TaskReason::Hung => pb::Reason::Hung,
         }
     }
 }
@@ -205,6 +206,13 @@ impl TryFrom<pb::StatusUpdate> for StatusUpdate {
                 format!("REASON_GPU_MEMORY_LIMIT needs state FAILED, not {state}"),
             ));
         }
+        let hung = u.reason == pb::Reason::Hung as i32;
+        if hung && state != TaskState::Failed {
+            return Err(ConvertError::new(
+                "reason",
+                format!("REASON_HUNG needs state FAILED, not {state}"),
+            ));
+        }
         let enforcement = if u.enforcement.is_empty() {
             None
         } else {
@@ -227,6 +235,7 @@ impl TryFrom<pb::StatusUpdate> for StatusUpdate {
             requires: u.requires,
             enforcement,
             gpu_memory_limit,
+            hung,
         })
     }
 }
@@ -248,6 +257,8 @@ impl From<StatusUpdate> for pb::StatusUpdate {
                 pb::Reason::DriverRequirementUnmet as i32
             } else if u.gpu_memory_limit {
                 pb::Reason::GpuMemoryLimit as i32
+            } else if u.hung {
+                pb::Reason::Hung as i32
             } else {
                 pb::Reason::Unspecified as i32
             },

@@ -224,6 +224,32 @@ fn stop_grace_and_checkpoint_dir_go_to_the_spec_and_back() {
 }
 
 #[test]
+fn a_hang_timeout_goes_to_the_spec_and_back_and_out_of_bounds_is_named() {
+    let mut p = spec();
+    p.hang_timeout_ms = Some(600_000);
+    let s = JobSpec::try_from(p.clone()).unwrap();
+    assert_eq!(s.hang_timeout_ms, Some(600_000));
+    assert_eq!(pb::JobSpec::from(s).hang_timeout_ms, Some(600_000));
+    for bad in [0, 999, MAX_HANG_TIMEOUT_MS + 1] {
+        p.hang_timeout_ms = Some(bad);
+        let e = JobSpec::try_from(p.clone()).unwrap_err();
+        assert_eq!(e.field, "spec.hang_timeout_ms", "{e}");
+    }
+    // A hung task's status: FAILED only.
+    let mut u = pb::StatusUpdate {
+        agent_id: "a".into(),
+        task_id: "t".into(),
+        state: pb::TaskState::TaskFailed as i32,
+        reason: pb::Reason::Hung as i32,
+        uuid: vec![1; 16],
+        ..Default::default()
+    };
+    assert!(StatusUpdate::try_from(u.clone()).unwrap().hung);
+    u.state = pb::TaskState::TaskKilled as i32;
+    assert_eq!(StatusUpdate::try_from(u).unwrap_err().field, "reason");
+}
+
+#[test]
 fn stop_kinds_name_the_reason_generically() {
     assert_eq!(stop_kind(TaskReason::Preempted, false), "preempted");
     assert_eq!(stop_kind(TaskReason::AgentDrained, false), "drained");
@@ -475,6 +501,7 @@ fn allowed_security_passes_and_limits_hold_at_the_edge() {
             share: None,
             stop_grace_ms: None,
             checkpoint_dir: None,
+            hang_timeout_ms: None,
             task_id: "job-1.0".into(),
             job_id: "job-1".into(),
             framework_id: String::new(),
@@ -602,6 +629,7 @@ fn task_spec_gpu_list_must_match_count() {
         security: None,
         stop_grace_ms: None,
         checkpoint_dir: String::new(),
+        hang_timeout_ms: None,
     };
     assert_eq!(
         TaskSpec::try_from(t.clone()).unwrap_err().field,
@@ -905,6 +933,7 @@ fn a_maximal_task_spec_encodes_under_one_mib() {
         share: None,
         stop_grace_ms: None,
         checkpoint_dir: None,
+        hang_timeout_ms: None,
         task_id: "t".repeat(2 * MAX_NAME_LEN + 1),
         job_id: "j".repeat(MAX_NAME_LEN),
         framework_id: String::new(),

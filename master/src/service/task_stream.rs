@@ -204,6 +204,7 @@ mod tests {
             gpu_uuids: vec![],
             no_fence: false,
             security: Default::default(),
+            hang_timeout_ms: None,
         }
     }
 

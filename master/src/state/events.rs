@@ -52,6 +52,9 @@ pub enum EventKind {
     GpuFailed,
     /// An agent refused to start a task: its driver does not meet the image.
     DriverRefused,
+    /// A task was stopped as hung: no output and no GPU activity for its
+    /// job's hang timeout (the retry policy applies).
+    Hung,
     /// An agent of its tasks stopped heartbeating (tasks keep their GPUs).
     AgentUnreachable,
     /// That agent registered again, still running its tasks.
@@ -83,6 +86,7 @@ impl EventKind {
             EventKind::Reclaimed => "Reclaimed",
             EventKind::GpuFailed => "GpuFailed",
             EventKind::DriverRefused => "DriverRefused",
+            EventKind::Hung => "Hung",
             EventKind::AgentUnreachable => "AgentUnreachable",
             EventKind::AgentReturned => "AgentReturned",
             EventKind::AgentLost => "AgentLost",
@@ -105,6 +109,7 @@ impl EventKind {
                 | EventKind::Reclaimed
                 | EventKind::GpuFailed
                 | EventKind::DriverRefused
+                | EventKind::Hung
                 | EventKind::AgentUnreachable
                 | EventKind::AgentLost
                 | EventKind::Drained

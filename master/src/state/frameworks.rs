@@ -779,6 +779,7 @@ mod tests {
                 requires: Vec::new(),
                 fenced: false,
                 latest_state: None,
+                hung: false,
             },
             at_ms: 9,
         };
@@ -837,6 +838,7 @@ mod tests {
             requires: vec!["cuda>=12.2".into()],
             fenced: false,
             latest_state: None,
+            hung: false,
         };
         s.apply(10, &Command::UpdateTaskStatus { update, at_ms: 9 })
             .unwrap();
@@ -871,6 +873,7 @@ mod tests {
                 requires: Vec::new(),
                 fenced: false,
                 latest_state: latest,
+                hung: false,
             },
             at_ms: 9,
         };

@@ -242,6 +242,7 @@ impl State {
             let event = match &stopping {
                 Stopping::GpuFailed { .. } => Some(EventKind::GpuFailed),
                 Stopping::DriverRefused { .. } => Some(EventKind::DriverRefused),
+                _ if task.reason == TaskReason::Hung => Some(EventKind::Hung),
                 // What follows says it when the attempt ends.
                 _ => None,
             };

@@ -620,6 +620,7 @@ impl State {
             security,
             stop_grace_ms: job.and_then(|j| j.spec.stop_grace_ms),
             checkpoint_dir: job.and_then(|j| j.spec.checkpoint_dir.clone()),
+            hang_timeout_ms: job.and_then(|j| j.spec.hang_timeout_ms),
         })
     }
 

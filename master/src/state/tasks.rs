@@ -70,14 +70,16 @@ impl State {
                     task.reason = TaskReason::DriverRequirementUnmet;
                 }
             }
-            if u.gpu_unhealthy || u.fenced || u.gpu_memory_limit {
+            if u.gpu_unhealthy || u.fenced || u.gpu_memory_limit || u.hung {
                 if let Some(task) = self.tasks.get_mut(&u.task_id) {
                     task.reason = if u.gpu_unhealthy {
                         TaskReason::GpuUnhealthy
                     } else if u.fenced {
                         TaskReason::Fenced
-                    } else {
+                    } else if u.gpu_memory_limit {
                         TaskReason::GpuMemoryLimit
+                    } else {
+                        TaskReason::Hung
                     };
                 }
             }
@@ -89,6 +91,7 @@ impl State {
                     _ if u.fenced => TaskReason::Fenced,
                     _ if refused => TaskReason::DriverRequirementUnmet,
                     _ if u.gpu_memory_limit => TaskReason::GpuMemoryLimit,
+                    _ if u.hung => TaskReason::Hung,
                     (TaskState::Finished | TaskState::Failed, Some(_)) => TaskReason::CommandExited,
                     (TaskState::Failed | TaskState::Error, None) => {
                         TaskReason::ContainerLaunchFailed

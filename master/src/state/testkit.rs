@@ -82,6 +82,7 @@ pub fn status(agent: &str, task: &str, state: TaskState) -> StatusUpdate {
         requires: Vec::new(),
         fenced: false,
         latest_state: None,
+        hung: false,
     }
 }
 

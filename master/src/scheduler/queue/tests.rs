@@ -115,6 +115,7 @@ impl H {
                 requires: Vec::new(),
                 fenced: false,
                 latest_state: None,
+                hung: false,
             },
             at_ms: 0,
         });

@@ -192,6 +192,7 @@ impl T {
                 requires: Vec::new(),
                 fenced: false,
                 latest_state: None,
+                hung: false,
             },
             at_ms: 4,
         })
@@ -473,6 +474,7 @@ fn updates_from_the_wrong_agent_or_backwards_are_refused() {
                 requires: Vec::new(),
                 fenced: false,
                 latest_state: None,
+                hung: false,
             },
             at_ms: 1
         }),
