@@ -25,7 +25,7 @@ use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
 use tonic::Status;
 
-use crate::commands::CliError;
+use crate::error::CliError;
 
 /// The default `--master`.
 pub const DEFAULT_MASTER: &str = "127.0.0.1:7050";

@@ -7,9 +7,11 @@ use tracing_subscriber::EnvFilter;
 
 mod client;
 mod commands;
+mod error;
 mod output;
 
-use commands::{Cli, EXIT_FAILURE, EXIT_OK, EXIT_USAGE};
+use commands::Cli;
+use error::{EXIT_FAILURE, EXIT_OK, EXIT_USAGE};
 
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
@@ -60,7 +62,7 @@ fn main() -> ExitCode {
         Ok(code) => ExitCode::from(code),
         Err(e) if e.is_broken_pipe() => ExitCode::from(EXIT_OK),
         Err(e) => {
-            eprintln!("error: {}", commands::one_line(&e.to_string()));
+            eprintln!("error: {}", error::one_line(&e.to_string()));
             ExitCode::from(e.exit_code())
         }
     }

@@ -296,7 +296,7 @@ mod tests {
         let out = run_cmd(&addr, &["undrain", "a1"]).await.unwrap();
         assert!(out.contains(" ACTIVE "), "{out}");
         let err = run_cmd(&addr, &["drain", "a9"]).await.unwrap_err();
-        assert_eq!(err.exit_code(), crate::commands::EXIT_NOT_FOUND);
+        assert_eq!(err.exit_code(), crate::error::EXIT_NOT_FOUND);
         assert!(err.to_string().contains("agent a9 not found"), "{err}");
     }
 }

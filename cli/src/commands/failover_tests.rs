@@ -13,8 +13,9 @@ use gpuctl_proto::pb;
 use tonic::Status;
 
 use super::testkit::{chunks, dead_addr, serve, FakeOperator};
-use super::{Cli, CliError, Command, EXIT_FAILURE, EXIT_NOT_FOUND, EXIT_OK, EXIT_UNKNOWN};
+use super::{Cli, CliError, Command};
 use crate::client::{may_retry, not_applied, Master, Retry};
+use crate::error::{EXIT_FAILURE, EXIT_NOT_FOUND, EXIT_OK, EXIT_UNKNOWN};
 use gpuctl_proto::leader::never_sent;
 
 const AMBIGUOUS: &str = "leadership lost while committing; the outcome is unknown";

@@ -1235,7 +1235,8 @@ async fn poll_until_done(
 mod tests {
     use super::*;
     use crate::commands::testkit::{chunks, dead_addr, serve, FakeOperator};
-    use crate::commands::{Cli, Command, EXIT_FAILURE, EXIT_NOT_FOUND, EXIT_TIMEOUT, EXIT_USAGE};
+    use crate::commands::{Cli, Command};
+    use crate::error::{EXIT_FAILURE, EXIT_NOT_FOUND, EXIT_TIMEOUT, EXIT_USAGE};
     use clap::Parser;
     use std::sync::{Arc, Mutex};
 

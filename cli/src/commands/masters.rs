@@ -203,7 +203,8 @@ fn print_members(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::commands::{Cli, Command, EXIT_USAGE};
+    use crate::commands::{Cli, Command};
+    use crate::error::EXIT_USAGE;
     use clap::Parser;
 
     fn info(id: u64, role: &str, voter: bool, reachable: bool) -> pb::MasterInfo {
