@@ -93,7 +93,9 @@ impl Outcome {
                 exit_code: code,
                 ..Outcome::failed(why.clone())
             },
-            Some(StopReason::Hung(why)) if code != Some(0) => Outcome {
+            // Hung is the agent's verdict: a task that exits 0 on the
+            // SIGTERM it got for it did not succeed.
+            Some(StopReason::Hung(why)) => Outcome {
                 hung: true,
                 exit_code: code,
                 ..Outcome::failed(why.clone())

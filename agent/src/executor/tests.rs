@@ -79,6 +79,14 @@ fn signal_deaths_and_oom_kills_are_named() {
         Outcome::ran(ended(0, None, true), None, 0).state,
         TaskState::Finished
     );
+    // Stopped as hung, it failed, even if it exits 0 on the SIGTERM.
+    let hung = StopReason::Hung("hung: no output and no GPU activity for 60 s".into());
+    let o = Outcome::ran(ended(0, None, false), Some(&hung), 0);
+    assert_eq!(
+        (o.state, o.hung, o.exit_code),
+        (TaskState::Failed, true, Some(0))
+    );
+    assert!(o.message.starts_with("hung: "), "{}", o.message);
 }
 
 #[test]
