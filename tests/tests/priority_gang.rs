@@ -163,7 +163,7 @@ fn preemption_stops_the_lowest_priority_and_requeues_it() {
     assert!(!logs.contains("got-term"), "{logs}");
 
     // With H gone A runs again, as a new task.
-    assert_eq!(c.ok(&["jobs", "cancel", &h]).trim(), "RUNNING");
+    assert_eq!(c.ok(&["jobs", "cancel", &h]).trim(), "CANCELLED");
     let ja = c.wait_state(&a, "RUNNING", T);
     assert_eq!(
         task_ids(&ja),
