@@ -275,35 +275,23 @@ impl Check for StrCheck {
     }
 }
 
-/// A stop grace: a duration (`90s`, `5m`) or a number of seconds, as ms.
-struct Grace;
-
-impl Check for Grace {
-    type Value = u64;
-    fn expecting(&self) -> &'static str {
-        "a duration (90s, 5m) or a number of seconds"
-    }
-    fn str(&self, v: &str) -> Option<Result<u64, String>> {
-        Some(super::jobs::parse_stop_grace(v))
-    }
-    fn u64(&self, v: u64) -> Option<Result<u64, String>> {
-        Some(super::jobs::parse_stop_grace(&v.to_string()))
-    }
+/// A duration (`90s`, `5m`) or a number of seconds, as ms, checked by the
+/// flag's own parser (`--stop-grace`, `--hang-timeout`).
+struct Millis {
+    expecting: &'static str,
+    parse: fn(&str) -> Result<u64, String>,
 }
 
-/// A hang timeout: a duration (`10m`) or a number of seconds, as ms.
-struct HangTimeout;
-
-impl Check for HangTimeout {
+impl Check for Millis {
     type Value = u64;
     fn expecting(&self) -> &'static str {
-        "a duration (10m, 1h) or a number of seconds"
+        self.expecting
     }
     fn str(&self, v: &str) -> Option<Result<u64, String>> {
-        Some(super::jobs::parse_hang_timeout(v))
+        Some((self.parse)(v))
     }
     fn u64(&self, v: u64) -> Option<Result<u64, String>> {
-        Some(super::jobs::parse_hang_timeout(&v.to_string()))
+        Some((self.parse)(&v.to_string()))
     }
 }
 
@@ -389,11 +377,17 @@ fn de_max_retries<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u32>, D::Err
 }
 
 fn de_stop_grace<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
-    d.deserialize_option(OrNull(Grace))
+    d.deserialize_option(OrNull(Millis {
+        expecting: "a duration (90s, 5m) or a number of seconds",
+        parse: super::jobs::parse_stop_grace,
+    }))
 }
 
 fn de_hang_timeout<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
-    d.deserialize_option(OrNull(HangTimeout))
+    d.deserialize_option(OrNull(Millis {
+        expecting: "a duration (10m, 1h) or a number of seconds",
+        parse: super::jobs::parse_hang_timeout,
+    }))
 }
 
 /// Written back as a duration (`90s`, `1500ms`), as it is read.
