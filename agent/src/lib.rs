@@ -570,10 +570,11 @@ pub async fn serve(
         );
     }
     let (sender_done, sender_done_rx) = watch::channel(false);
+    let acked = executor.clone();
     let sender = tokio::spawn(master_link::status_sender(
         masters.clone(),
         updates_rx,
-        executor.clone(),
+        move |u| acked.acknowledged(u),
         sender_done_rx,
     ));
     tokio::spawn(executor.clone().tick(stop_rx.clone()));

@@ -114,6 +114,12 @@ impl Masters {
         })
     }
 
+    /// Masters reached through `connect` (tests: an in-memory network).
+    #[cfg(test)]
+    fn with_connect(addrs: Vec<String>, connect: Connect) -> Masters {
+        Masters(Follower::new(addrs, connect, POLICY))
+    }
+
     pub fn current_addr(&self) -> String {
         self.0.current_addr()
     }
@@ -518,11 +524,13 @@ const ACK_POLL: Duration = Duration::from_millis(500);
 /// acknowledged it), Mesos' status update manager in small. Updates of
 /// different tasks do not wait for each other. Returns once the channel is
 /// closed or `done` is true, and nothing is pending (the caller bounds that
-/// wait at shutdown).
+/// wait at shutdown). `acknowledged` is told of each update the master
+/// acknowledged or refused for good (the executor's
+/// [`Executor::acknowledged`]).
 pub async fn status_sender(
     masters: Arc<Masters>,
     mut rx: mpsc::Receiver<StatusUpdate>,
-    executor: Arc<Executor>,
+    acknowledged: impl Fn(&StatusUpdate),
     mut done: watch::Receiver<bool>,
 ) {
     let mut queues: BTreeMap<String, VecDeque<StatusUpdate>> = BTreeMap::new();
@@ -548,9 +556,9 @@ pub async fn status_sender(
             continue;
         }
         let sent = if batching {
-            send_batch(&masters, &mut queues, &executor).await
+            send_batch(&masters, &mut queues, &acknowledged).await
         } else {
-            send_each(&masters, &mut queues, &executor).await
+            send_each(&masters, &mut queues, &acknowledged).await
         };
         let (mut progress, mut unreachable, mut redirected) = (false, false, false);
         match sent {
@@ -624,7 +632,7 @@ fn after_error(masters: &Masters, addr: &str, s: &tonic::Status) -> Sent {
 async fn send_batch(
     masters: &Masters,
     queues: &mut BTreeMap<String, VecDeque<StatusUpdate>>,
-    executor: &Arc<Executor>,
+    acknowledged: &impl Fn(&StatusUpdate),
 ) -> Sent {
     let batch: Vec<StatusUpdate> = queues
         .values()
@@ -670,7 +678,7 @@ async fn send_batch(
             .get_mut(&update.task_id)
             .and_then(VecDeque::pop_front)
         {
-            executor.acknowledged(&u);
+            acknowledged(&u);
         }
         sent = Sent::Progress;
     }
@@ -693,7 +701,7 @@ fn with_latest_state(queue: &VecDeque<StatusUpdate>) -> Option<StatusUpdate> {
 async fn send_each(
     masters: &Masters,
     queues: &mut BTreeMap<String, VecDeque<StatusUpdate>>,
-    executor: &Arc<Executor>,
+    acknowledged: &impl Fn(&StatusUpdate),
 ) -> Sent {
     let mut sent = Sent::Waiting;
     for queue in queues.values_mut() {
@@ -729,7 +737,7 @@ async fn send_each(
             }
         }
         if let Some(u) = queue.pop_front() {
-            executor.acknowledged(&u);
+            acknowledged(&u);
         }
         sent = Sent::Progress;
     }
@@ -837,5 +845,172 @@ mod tests {
         assert_eq!(masters.current_addr(), "m3:7050");
         let (addr, _client) = masters.client().unwrap();
         assert_eq!(addr, "m3:7050");
+    }
+
+    /// A master's AgentManager that answers `UpdateStatuses` from a script
+    /// shared by every address, and logs when and where each call came.
+    #[derive(Clone)]
+    struct Scripted {
+        addr: &'static str,
+        script: Arc<std::sync::Mutex<VecDeque<Result<i32, Status>>>>,
+        calls: Arc<std::sync::Mutex<Vec<Call>>>,
+        started: tokio::time::Instant,
+    }
+
+    type Answer<T> = Result<tonic::Response<T>, Status>;
+    /// Where a call came, when, and what it carried.
+    type Call = (&'static str, Duration, Vec<pb::StatusUpdate>);
+
+    #[tonic::async_trait]
+    impl pb::agent_manager_server::AgentManager for Scripted {
+        async fn register(
+            &self,
+            _: tonic::Request<pb::RegisterRequest>,
+        ) -> Answer<pb::RegisterResponse> {
+            Err(Status::unimplemented(""))
+        }
+        async fn heartbeat(
+            &self,
+            _: tonic::Request<pb::HeartbeatRequest>,
+        ) -> Answer<pb::HeartbeatResponse> {
+            Err(Status::unimplemented(""))
+        }
+        type WatchTasksStream = futures::stream::Empty<Result<pb::DesiredTasks, Status>>;
+        async fn watch_tasks(
+            &self,
+            _: tonic::Request<pb::WatchTasksRequest>,
+        ) -> Answer<Self::WatchTasksStream> {
+            Err(Status::unimplemented(""))
+        }
+        async fn update_status(
+            &self,
+            _: tonic::Request<pb::StatusUpdate>,
+        ) -> Answer<pb::StatusAck> {
+            Err(Status::unimplemented(""))
+        }
+        async fn update_statuses(
+            &self,
+            r: tonic::Request<pb::StatusUpdates>,
+        ) -> Answer<pb::StatusVerdicts> {
+            let updates = r.into_inner().updates;
+            let n = updates.len();
+            self.calls
+                .lock()
+                .unwrap()
+                .push((self.addr, self.started.elapsed(), updates));
+            let kind = self
+                .script
+                .lock()
+                .unwrap()
+                .pop_front()
+                .expect("a scripted answer")?;
+            let verdicts = (0..n)
+                .map(|_| pb::StatusVerdict {
+                    kind,
+                    message: String::new(),
+                })
+                .collect();
+            Ok(tonic::Response::new(pb::StatusVerdicts { verdicts }))
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_update_is_resent_with_backoff_follows_the_leader_and_polls_for_its_ack() {
+        use gpuctl_core::types::TaskState;
+        use pb::status_verdict::Kind;
+        let net = gpuctl_proto::memnet::Net::new();
+        let script = Arc::new(std::sync::Mutex::new(VecDeque::from([
+            // An election at m1, twice: backoff of 100, then 200 ms.
+            Err(not_leader(None)),
+            Err(not_leader(None)),
+            // m1 lost it to m2 and says so: there at once.
+            Err(not_leader(Some((2, "m2:7050")))),
+            // Recorded, its framework has not acknowledged it: asked
+            // again after ACK_POLL.
+            Ok(Kind::Recorded as i32),
+            Ok(Kind::Acknowledged as i32),
+        ])));
+        let calls = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let started = tokio::time::Instant::now();
+        for addr in ["m1:7050", "m2:7050"] {
+            let svc = Scripted {
+                addr,
+                script: script.clone(),
+                calls: calls.clone(),
+                started,
+            };
+            tokio::spawn(
+                tonic::transport::Server::builder()
+                    .add_service(pb::agent_manager_server::AgentManagerServer::new(svc))
+                    .serve_with_incoming(net.listen(addr)),
+            );
+        }
+        let masters = Arc::new(Masters::with_connect(vec!["m1:7050".into()], net.connect()));
+        let (tx, rx) = mpsc::channel(8);
+        let (done_tx, done) = watch::channel(false);
+        let acked = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let sink = acked.clone();
+        let sender = tokio::spawn(status_sender(
+            masters.clone(),
+            rx,
+            move |u: &StatusUpdate| {
+                sink.lock()
+                    .unwrap()
+                    .push((started.elapsed(), u.task_id.clone()))
+            },
+            done,
+        ));
+        let update = StatusUpdate {
+            agent_id: "a1".into(),
+            task_id: "job-1.0".into(),
+            state: TaskState::Finished,
+            exit_code: Some(0),
+            message: String::new(),
+            uuid: vec![7; 16],
+            gpu_unhealthy: false,
+            fenced: false,
+            latest_state: None,
+            requires: Vec::new(),
+            enforcement: None,
+            gpu_memory_limit: false,
+            hung: false,
+        };
+        tx.send(update.clone()).await.unwrap();
+        done_tx.send(true).unwrap();
+        // It returns once nothing is pending.
+        tokio::time::timeout(Duration::from_secs(60), sender)
+            .await
+            .unwrap()
+            .unwrap();
+        let calls = calls.lock().unwrap();
+        let seen: Vec<(&str, u64)> = calls
+            .iter()
+            .map(|(a, t, _)| (*a, t.as_millis() as u64))
+            .collect();
+        assert_eq!(
+            seen,
+            [
+                ("m1:7050", 0),
+                ("m1:7050", 100),
+                ("m1:7050", 300),
+                ("m2:7050", 300),
+                ("m2:7050", 800)
+            ]
+        );
+        // The same update every time, whole.
+        for (_, _, sent) in calls.iter() {
+            assert_eq!(sent.len(), 1);
+            assert_eq!(sent[0], pb::StatusUpdate::from(update.clone()));
+        }
+        assert_eq!(
+            *acked.lock().unwrap(),
+            [(Duration::from_millis(800), "job-1.0".to_string())]
+        );
+        assert_eq!(
+            masters.current_addr(),
+            "m2:7050",
+            "the next call starts at the leader"
+        );
+        assert!(script.lock().unwrap().is_empty());
     }
 }

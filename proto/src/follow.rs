@@ -523,6 +523,7 @@ pub fn next_index(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::memnet::Net;
     use crate::pb;
     use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
     use tonic::{Code, Request, Response};
@@ -578,31 +579,23 @@ mod tests {
         }
     }
 
-    async fn serve(role: Role) -> String {
-        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = l.local_addr().unwrap().to_string();
+    /// Serves `role` at `addr` on `net`: in-memory pipes, so the tests
+    /// run on tokio's paused clock and timings are exact.
+    fn serve(net: &Arc<Net>, addr: &str, role: Role) -> String {
         tokio::spawn(
             tonic::transport::Server::builder()
                 .add_service(pb::access_server::AccessServer::new(Fake(role)))
-                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(l)),
+                .serve_with_incoming(net.listen(addr)),
         );
-        addr
+        addr.to_string()
     }
 
-    /// An address nobody listens on.
-    fn dead() -> String {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().to_string()
-    }
-
-    /// A clear-text connector that counts the channels it makes.
-    fn connector(made: Arc<AtomicUsize>) -> Connect {
+    /// A connector on `net` that counts the channels it makes.
+    fn connector(net: &Arc<Net>, made: Arc<AtomicUsize>) -> Connect {
+        let connect = net.connect();
         Arc::new(move |addr: &str| {
             made.fetch_add(1, Ordering::SeqCst);
-            let ep = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
-                .map_err(|e| Status::invalid_argument(format!("master address {addr:?}: {e}")))?
-                .connect_timeout(Duration::from_secs(3));
-            Ok(ep.connect_lazy())
+            connect(addr)
         })
     }
 
@@ -617,11 +610,11 @@ mod tests {
         }
     }
 
-    fn follower(addrs: &[&String], cache: bool) -> (Follower, Arc<AtomicUsize>) {
+    fn follower(net: &Arc<Net>, addrs: &[&String], cache: bool) -> (Follower, Arc<AtomicUsize>) {
         let made = Arc::new(AtomicUsize::new(0));
         let addrs = addrs.iter().map(|a| a.to_string()).collect();
         (
-            Follower::new(addrs, connector(made.clone()), policy(cache)),
+            Follower::new(addrs, connector(net, made.clone()), policy(cache)),
             made,
         )
     }
@@ -642,11 +635,12 @@ mod tests {
         Ok(r.kind)
     }
 
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn a_call_follows_the_hint_and_stays_with_the_leader() {
-        let leader = serve(Role::Leader("leader")).await;
-        let follower_addr = serve(Role::Follower(Some(leader.clone()))).await;
-        let (f, _) = follower(&[&follower_addr], false);
+        let net = Net::new();
+        let leader = serve(&net, "m1:7050", Role::Leader("leader"));
+        let follower_addr = serve(&net, "m2:7050", Role::Follower(Some(leader.clone())));
+        let (f, _) = follower(&net, &[&follower_addr], false);
         let within = Duration::from_secs(5);
         assert_eq!(who(&f, Retry::Always, within).await.unwrap(), "leader");
         assert_eq!(f.current_addr(), leader);
@@ -670,17 +664,19 @@ mod tests {
         assert!(!e.maybe_applied);
     }
 
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn a_call_moves_on_after_a_transport_error() {
-        let leader = serve(Role::Leader("leader")).await;
-        let down = dead();
-        let (f, _) = follower(&[&down, &leader], false);
+        let net = Net::new();
+        let leader = serve(&net, "m1:7050", Role::Leader("leader"));
+        // Nobody listens there: the connection is refused.
+        let down = "m2:7050".to_string();
+        let (f, _) = follower(&net, &[&down, &leader], false);
         let within = Duration::from_secs(5);
         assert_eq!(who(&f, Retry::Resend, within).await.unwrap(), "leader");
         assert_eq!(f.current_addr(), leader);
         // Among addresses given per call, with cached channels: the
         // current address does not move, the broken channel is dropped.
-        let (f, made) = follower(&[], true);
+        let (f, made) = follower(&net, &[], true);
         let r = f
             .call_among(
                 vec![down.clone(), leader.clone()],
@@ -708,52 +704,62 @@ mod tests {
         assert_eq!(made.load(Ordering::SeqCst), 3, "the broken one was dropped");
     }
 
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn a_call_gives_up_at_its_deadline_with_the_span() {
-        let a = serve(Role::Follower(None)).await;
-        let b = serve(Role::Follower(None)).await;
-        let (f, _) = follower(&[&a, &b], false);
+        let net = Net::new();
+        let a = serve(&net, "m1:7050", Role::Follower(None));
+        let b = serve(&net, "m2:7050", Role::Follower(None));
+        let (f, _) = follower(&net, &[&a, &b], false);
         let within = Duration::from_millis(600);
         let started = Instant::now();
         let e = who(&f, Retry::Resend, within).await.unwrap_err();
-        assert!(started.elapsed() < within + Duration::from_millis(300));
+        // No hint: pauses of 50, 100, 200, 200 ms (the policy's backoff);
+        // the next 200 would end past the deadline, so the call ends at
+        // 550 ms instead of sleeping into it.
+        assert_eq!(started.elapsed(), Duration::from_millis(550));
+        assert_eq!(e.elapsed, Duration::from_millis(550), "{e:?}");
         assert_eq!(e.status.code(), Code::Unavailable);
         assert!(e.status.message().contains("no leader is elected"), "{e:?}");
-        let span = e.searched_for.unwrap();
-        assert!(
-            span <= within && span > within - Duration::from_millis(50),
-            "{span:?}"
-        );
-        assert!(e.elapsed <= within, "{e:?}");
+        // The span is the deadline's, exactly: what the caller asked for.
+        assert_eq!(e.searched_for, Some(within));
         assert_eq!(e.tried, vec![a.clone(), b.clone()]);
-        assert!(e.addr == a || e.addr == b);
+        // Five tries round two masters end at the first.
+        assert_eq!(e.addr, a);
         // A redirect refuses before proposing: nothing was applied.
         assert!(!e.maybe_applied);
     }
 
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn an_ambiguous_failure_may_be_applied_and_stretches_a_resend() {
-        let a = serve(Role::Ambiguous).await;
+        let net = Net::new();
+        let a = serve(&net, "m1:7050", Role::Ambiguous);
         let within = Duration::from_millis(300);
-        let (f, _) = follower(&[&a], false);
+        let (f, _) = follower(&net, &[&a], false);
+        // A read searches as long as asked: 50 + 100 ms of pauses, the
+        // next 200 would pass 300.
         let e = who(&f, Retry::Always, within).await.unwrap_err();
         assert!(e.maybe_applied);
-        let span = e.searched_for.unwrap();
-        assert!(span <= within, "a read searches as long as asked: {span:?}");
+        assert_eq!(e.searched_for, Some(within));
+        assert_eq!(e.elapsed, Duration::from_millis(150));
+        // A resend whose first try may have been applied searches four
+        // times as long (the policy's factor): 1200 ms, pauses of 50, 100,
+        // then 200 until the next would pass it (at 1150).
+        let started = Instant::now();
         let e = who(&f, Retry::Resend, within).await.unwrap_err();
         assert!(e.maybe_applied);
-        let span = e.searched_for.unwrap();
-        assert!(span > within * 3 && span <= within * 4, "{span:?}");
-        assert!(e.elapsed > within * 2, "{e:?}");
+        assert_eq!(e.searched_for, Some(within * 4));
+        assert_eq!(e.elapsed, Duration::from_millis(1150));
+        assert_eq!(started.elapsed(), e.elapsed);
     }
 
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn only_the_first_caller_to_fail_moves_and_hints_are_checked() {
         let list: Vec<String> = ["m1:7050", "m2:7050", "m3:7050"].map(String::from).to_vec();
         let made = Arc::new(AtomicUsize::new(0));
+        let net = Net::new();
         let mut p = policy(false);
         p.accept_hint = leader::host_port;
-        let f = Follower::new(list.clone(), connector(made.clone()), p);
+        let f = Follower::new(list.clone(), connector(&net, made.clone()), p);
         assert_eq!(f.current().unwrap().0, "m1:7050");
         assert_eq!(made.load(Ordering::SeqCst), 1);
         assert_eq!(f.move_after("m1:7050", None), Moved::Next);
@@ -789,7 +795,7 @@ mod tests {
         );
         assert_eq!(addrs.len(), 4);
         // With one address a failure stays there and keeps the channel.
-        let one = Follower::new(vec!["m1:7050".into()], connector(made.clone()), p);
+        let one = Follower::new(vec!["m1:7050".into()], connector(&net, made.clone()), p);
         one.current().unwrap();
         let before = made.load(Ordering::SeqCst);
         assert_eq!(one.move_after("m1:7050", None), Moved::Next);
@@ -797,14 +803,14 @@ mod tests {
         assert_eq!(made.load(Ordering::SeqCst), before);
     }
 
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn a_new_epoch_makes_a_new_channel() {
         let made = Arc::new(AtomicUsize::new(0));
         let epoch = Arc::new(AtomicU64::new(1));
         let e = epoch.clone();
         let f = Follower::new(
             vec!["m1:7050".into()],
-            connector(made.clone()),
+            connector(&Net::new(), made.clone()),
             policy(false),
         )
         .with_epoch(Arc::new(move || e.load(Ordering::SeqCst)));
@@ -816,14 +822,18 @@ mod tests {
         assert_eq!(made.load(Ordering::SeqCst), 2);
     }
 
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn a_new_epoch_drops_cached_channels_too() {
         // The console's way: a channel per master, cached.
         let made = Arc::new(AtomicUsize::new(0));
         let epoch = Arc::new(AtomicU64::new(1));
         let e = epoch.clone();
-        let f = Follower::new(Vec::new(), connector(made.clone()), policy(true))
-            .with_epoch(Arc::new(move || e.load(Ordering::SeqCst)));
+        let f = Follower::new(
+            Vec::new(),
+            connector(&Net::new(), made.clone()),
+            policy(true),
+        )
+        .with_epoch(Arc::new(move || e.load(Ordering::SeqCst)));
         f.channel("m1:7050").unwrap();
         f.channel("m1:7050").unwrap();
         assert_eq!(made.load(Ordering::SeqCst), 1, "cached");
@@ -832,9 +842,9 @@ mod tests {
         assert_eq!(made.load(Ordering::SeqCst), 2, "made again after a renewal");
     }
 
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn a_refused_address_changes_nothing() {
-        let (f, made) = follower(&[&"m1:7050".to_string()], false);
+        let (f, made) = follower(&Net::new(), &[&"m1:7050".to_string()], false);
         let e = f.switch_to("bad address with spaces:1").unwrap_err();
         assert!(e.message().contains("master address"), "{e:?}");
         assert_eq!(f.addrs(), vec!["m1:7050".to_string()]);

@@ -18,6 +18,8 @@ pub mod codec;
 pub mod daemon;
 pub mod follow;
 pub mod leader;
+#[cfg(any(test, feature = "memnet"))]
+pub mod memnet;
 #[cfg(feature = "metrics-server")]
 pub mod metrics_server;
 
