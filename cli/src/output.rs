@@ -322,7 +322,15 @@ pub fn job_detail(j: &pb::Job, now_ms: u64) -> String {
         ("CPUs", fmt_cpus(res.cpus)),
         ("Memory", mem),
         ("Ports", res.ports.to_string()),
-        ("Replicas", spec.replicas.max(1).to_string()),
+        (
+            "Replicas",
+            match spec.min_replicas {
+                m if m > 0 && m < spec.replicas => {
+                    format!("{m}:{} (elastic)", spec.replicas)
+                }
+                _ => spec.replicas.max(1).to_string(),
+            },
+        ),
         (
             "Security",
             security_words(&SecurityJson::from(spec.security.as_ref())),

@@ -647,6 +647,11 @@ pub struct JobSpec {
     /// agent stops it as hung (`--hang-timeout`), in ms; `None`: never.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hang_timeout_ms: Option<u64>,
+    /// An elastic gang (`--replicas MIN:MAX`): at least this many ranks
+    /// (at most `replicas`) start, and it grows as GPUs free. `None`: a
+    /// fixed gang of `replicas`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_replicas: Option<u32>,
 }
 
 /// What a task may do on its agent beyond the defaults (docs/isolation.md,
@@ -948,6 +953,7 @@ impl JobSpec {
             stop_grace_ms: None,
             checkpoint_dir: None,
             hang_timeout_ms: None,
+            min_replicas: None,
         }
     }
 
@@ -963,8 +969,21 @@ impl JobSpec {
     }
 
     /// Tasks per attempt (at least 1).
+    /// Its gang's size: the most ranks of an elastic gang.
     pub fn replicas(&self) -> u32 {
         self.replicas.max(1)
+    }
+
+    /// The fewest ranks an attempt may start with: `replicas` unless the
+    /// gang is elastic.
+    pub fn min_replicas(&self) -> u32 {
+        self.min_replicas
+            .map_or(self.replicas(), |m| m.clamp(1, self.replicas()))
+    }
+
+    /// Whether its gang may start with fewer than `replicas` ranks.
+    pub fn is_elastic(&self) -> bool {
+        self.min_replicas() < self.replicas()
     }
 
     pub fn runtime(&self) -> Runtime {

@@ -80,8 +80,13 @@ pub struct JobJson {
     pub resources: Resources,
     pub placement: PlacementJson,
     pub priority: i32,
-    /// Tasks started together (a gang); 1 for a plain job.
+    /// Tasks started together (a gang); 1 for a plain job. An elastic
+    /// gang's most.
     pub replicas: u32,
+    /// An elastic gang's fewest ranks (`--replicas MIN:MAX`); `null`: a
+    /// fixed gang.
+    #[serde(default)]
+    pub min_replicas: Option<u32>,
     pub max_retries: u32,
     /// Failed attempts started again so far.
     pub retries: u32,
@@ -246,6 +251,8 @@ impl From<&pb::Job> for JobJson {
             placement: PlacementJson::from(spec.placement.as_ref()),
             priority: spec.priority,
             replicas: spec.replicas.max(1),
+            min_replicas: (spec.min_replicas > 0 && spec.min_replicas < spec.replicas)
+                .then_some(spec.min_replicas),
             max_retries: spec.max_retries,
             retries: j.retries,
             no_requeue: spec.no_requeue,

@@ -61,6 +61,9 @@ pub struct MasterConfig {
     /// Reclaim across tenants, from jobs that have run this long; `None`:
     /// off.
     pub reclaim_min_runtime: Option<Duration>,
+    /// An elastic gang below its most ranks is restarted with more once it
+    /// has run this long and GPUs are free for them; `None`: never grown.
+    pub elastic_grow_after: Option<Duration>,
     /// Where to serve Prometheus metrics (`/metrics`); none when unset.
     pub metrics_listen: Option<SocketAddr>,
     /// Where to serve the web console (`console/`); none when unset. HTTPS
@@ -223,6 +226,9 @@ impl MasterConfig {
             reclaim_min_runtime_ms: self
                 .reclaim_min_runtime
                 .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+            elastic_grow_after_ms: self
+                .elastic_grow_after
+                .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
             now_ms: 0,
         }
     }
@@ -246,6 +252,7 @@ impl MasterConfig {
             placement: PlacementPolicy::Bundle,
             mig_auto: false,
             reclaim_min_runtime: Some(Duration::from_secs(60)),
+            elastic_grow_after: Some(Duration::from_secs(60)),
             metrics_listen: None,
             http_listen: None,
             retention: Default::default(),
@@ -439,6 +446,17 @@ pub struct Options {
         value_name = "DURATION|off"
     )]
     pub reclaim_min_runtime: String,
+    /// Restart an elastic gang (`--replicas MIN:MAX`) with more ranks once
+    /// its attempt has run this long and GPUs are free for more (none that
+    /// a queued job of its priority or higher waits for); `off`: elastic
+    /// gangs keep the size they started with (docs/scheduling.md).
+    #[arg(
+        long,
+        env = "GPUCTL_MASTER_ELASTIC_GROW_AFTER",
+        default_value = "1m",
+        value_name = "DURATION|off"
+    )]
+    pub elastic_grow_after: String,
     /// How long a framework is told before its tasks are reclaimed for a
     /// framework below its fair share (the inverse offer's deadline).
     #[arg(
@@ -599,6 +617,7 @@ struct FileOptions {
     placement: Option<String>,
     mig_auto: Option<bool>,
     reclaim_min_runtime: Option<String>,
+    elastic_grow_after: Option<String>,
     reclaim_notice: Option<String>,
     log: Option<String>,
     metrics_listen: Option<SocketAddr>,
@@ -773,6 +792,9 @@ impl Options {
                 unset(&matches, "reclaim_min_runtime"),
             ) {
                 o.reclaim_min_runtime = v;
+            }
+            if let (Some(v), true) = (f.elastic_grow_after, unset(&matches, "elastic_grow_after")) {
+                o.elastic_grow_after = v;
             }
             if let (Some(v), true) = (f.reclaim_notice, unset(&matches, "reclaim_notice")) {
                 o.reclaim_notice = v;
@@ -957,6 +979,14 @@ impl Options {
                 ))
             })?),
         };
+        let elastic_grow_after = match self.elastic_grow_after.as_str() {
+            "off" => None,
+            s => Some(gpuctl_core::time::parse_duration(s).map_err(|_| {
+                MasterError::Config(format!(
+                    "elastic_grow_after: {s:?} is not a duration (e.g. 1m, 30s, 0s) or off"
+                ))
+            })?),
+        };
         let reclaim_notice =
             gpuctl_core::time::parse_duration(&self.reclaim_notice).map_err(|_| {
                 MasterError::Config(format!(
@@ -966,6 +996,7 @@ impl Options {
             })?;
         let config = MasterConfig {
             reclaim_min_runtime,
+            elastic_grow_after,
             max_stop_grace: Duration::from_secs(self.max_stop_grace_secs),
             retention: crate::leader::retention::Retention {
                 max_age,

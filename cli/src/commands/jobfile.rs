@@ -91,7 +91,7 @@ pub struct JobFile {
         skip_serializing_if = "Option::is_none",
         deserialize_with = "de_replicas"
     )]
-    pub replicas: Option<u32>,
+    pub replicas: Option<Replicas>,
     #[serde(
         default,
         skip_serializing_if = "Option::is_none",
@@ -295,6 +295,38 @@ impl Check for Millis {
     }
 }
 
+/// A gang's size: `N`, or `MIN:MAX` for an elastic gang (`--replicas`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Replicas(pub u32, pub u32);
+
+impl Serialize for Replicas {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        if self.0 == self.1 {
+            s.serialize_u32(self.1)
+        } else {
+            s.serialize_str(&format!("{}:{}", self.0, self.1))
+        }
+    }
+}
+
+struct ReplicasCheck;
+
+impl Check for ReplicasCheck {
+    type Value = Replicas;
+    fn expecting(&self) -> &'static str {
+        "a number of replicas (4) or MIN:MAX (2:4)"
+    }
+    fn str(&self, v: &str) -> Option<Result<Replicas, String>> {
+        Some(gpuctl_core::convert::parse_replicas(v).map(|(a, b)| Replicas(a, b)))
+    }
+    fn u64(&self, v: u64) -> Option<Result<Replicas, String>> {
+        Some(Range(1, MAX_REPLICAS).u64(v)?.map(|n| Replicas(n, n)))
+    }
+    fn i64(&self, v: i64) -> Option<Result<Replicas, String>> {
+        Some(Range(1, MAX_REPLICAS).i64(v)?.map(|n| Replicas(n, n)))
+    }
+}
+
 /// A whole number in `min..=max`.
 struct Range(u32, u32);
 
@@ -368,8 +400,8 @@ fn de_request_id<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::E
     d.deserialize_option(OrNull(StrCheck(super::parse_request_id)))
 }
 
-fn de_replicas<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u32>, D::Error> {
-    d.deserialize_option(OrNull(Range(1, MAX_REPLICAS)))
+fn de_replicas<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Replicas>, D::Error> {
+    d.deserialize_option(OrNull(ReplicasCheck))
 }
 
 fn de_max_retries<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u32>, D::Error> {
@@ -477,7 +509,17 @@ pub fn from_spec(spec: &pb::JobSpec) -> JobFile {
         no_requeue: spec.no_requeue.then_some(true),
         no_fence: spec.no_fence.then_some(true),
         // 0 is read as 1 by the master.
-        replicas: (spec.replicas > 1).then_some(spec.replicas),
+        replicas: (spec.replicas > 1).then(|| {
+            let min = spec.min_replicas;
+            Replicas(
+                if min > 0 && min < spec.replicas {
+                    min
+                } else {
+                    spec.replicas
+                },
+                spec.replicas,
+            )
+        }),
         max_retries: (spec.max_retries > 0).then_some(spec.max_retries),
         user: some(&security.user).map(Text),
         mount: security
@@ -660,6 +702,7 @@ mod tests {
             }),
             priority: -3,
             replicas: 2,
+            min_replicas: 1,
             max_retries: 1,
             no_requeue: true,
             no_fence: true,

@@ -225,8 +225,10 @@ pub struct SubmitArgs {
     pub no_fence: bool,
     /// Start R tasks of this spec all or nothing (a gang); each gets
     /// GPUCTL_RANK, GPUCTL_WORLD_SIZE and GPUCTL_PEERS [default: 1].
-    #[arg(long, value_name = "R", value_parser = clap::value_parser!(u32).range(1..=i64::from(gpuctl_core::convert::MAX_REPLICAS)))]
-    pub replicas: Option<u32>,
+    /// MIN:MAX: an elastic gang, started with as many ranks as fit (at
+    /// least MIN) and restarted with more as GPUs free, up to MAX.
+    #[arg(long, value_name = "R|MIN:MAX", value_parser = gpuctl_core::convert::parse_replicas)]
+    pub replicas: Option<(u32, u32)>,
     /// Run its tasks as this numeric user: UID or UID:GID (UID alone is
     /// UID:UID), within what your token allows (tokens create
     /// --allow-uids/--allow-gids). Default: a container runs as its
@@ -434,6 +436,10 @@ impl SubmitArgs {
             privileged: false,
             run_as_root: self.run_as_root || file.run_as_root.unwrap_or(false),
         };
+        let replicas = self
+            .replicas
+            .or(file.replicas.map(|r| (r.0, r.1)))
+            .unwrap_or((1, 1));
         let spec = pb::JobSpec {
             placement: (placement != pb::Placement::default()).then_some(placement),
             name,
@@ -455,7 +461,12 @@ impl SubmitArgs {
                 ports: self.ports.or(file.ports).unwrap_or(0),
             }),
             priority: self.priority.or(file.priority).unwrap_or(0),
-            replicas: self.replicas.or(file.replicas).unwrap_or(1),
+            replicas: replicas.1,
+            min_replicas: if replicas.0 < replicas.1 {
+                replicas.0
+            } else {
+                0
+            },
             max_retries: self.max_retries.or(file.max_retries).unwrap_or(0),
             no_requeue: self.no_requeue || file.no_requeue.unwrap_or(false),
             no_fence: self.no_fence || file.no_fence.unwrap_or(false),

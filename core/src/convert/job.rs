@@ -381,6 +381,19 @@ impl TryFrom<pb::JobSpec> for JobSpec {
                 format!("must be <= {MAX_REPLICAS}"),
             ));
         }
+        // MIN of `--replicas MIN:MAX`: 1 up to MAX; MAX itself is no
+        // elasticity.
+        let min_replicas = match s.min_replicas {
+            0 => None,
+            m if m > replicas => {
+                return Err(ConvertError::new(
+                    "spec.min_replicas",
+                    format!("is {m}, more than spec.replicas ({replicas})"),
+                ))
+            }
+            m if m == replicas => None,
+            m => Some(m),
+        };
         if s.max_retries > MAX_RETRIES {
             return Err(ConvertError::new(
                 "spec.max_retries",
@@ -437,6 +450,7 @@ impl TryFrom<pb::JobSpec> for JobSpec {
             stop_grace_ms,
             checkpoint_dir,
             hang_timeout_ms,
+            min_replicas,
         })
     }
 }
@@ -699,6 +713,28 @@ impl From<PlacementSpec> for pb::Placement {
     }
 }
 
+/// A gang's size as written (`--replicas`, a job file's `replicas`): `N`
+/// (a fixed gang) or `MIN:MAX` (elastic), as (MIN, MAX).
+pub fn parse_replicas(s: &str) -> std::result::Result<(u32, u32), String> {
+    let number = |t: &str| {
+        t.trim()
+            .parse::<u32>()
+            .ok()
+            .filter(|n| (1..=MAX_REPLICAS).contains(n))
+            .ok_or_else(|| format!("{s:?}: {t:?} is not a whole number in 1..={MAX_REPLICAS}"))
+    };
+    match s.split_once(':') {
+        None => number(s).map(|n| (n, n)),
+        Some((min, max)) => {
+            let (min, max) = (number(min)?, number(max)?);
+            if min > max {
+                return Err(format!("{s:?}: MIN is more than MAX (MIN:MAX)"));
+            }
+            Ok((min, max))
+        }
+    }
+}
+
 impl From<JobSpec> for pb::JobSpec {
     fn from(s: JobSpec) -> Self {
         pb::JobSpec {
@@ -723,6 +759,7 @@ impl From<JobSpec> for pb::JobSpec {
             stop_grace_ms: s.stop_grace_ms,
             checkpoint_dir: s.checkpoint_dir.unwrap_or_default(),
             hang_timeout_ms: s.hang_timeout_ms,
+            min_replicas: s.min_replicas.unwrap_or(0),
         }
     }
 }

@@ -15,6 +15,7 @@
 //! (the why as data: `gpuctl_core::wait`).
 
 pub mod board;
+pub mod elastic;
 pub(crate) mod indexed;
 pub mod placement;
 pub mod queue;
@@ -406,10 +407,11 @@ pub(crate) fn ask_key(job: &JobRecord) -> String {
         .collect();
     let driver: Vec<&str> = job.driver_requires().map(|e| e.text()).collect();
     format!(
-        "{:?}|{:?}|{:?}|{}|{}|{:?}|{:?}|{:?}",
+        "{:?}|{:?}|{:?}|{}:{}|{}|{:?}|{:?}|{:?}",
         spec.resources,
         spec.runtime(),
         spec.placement,
+        spec.min_replicas(),
         spec.replicas(),
         spec.security.run_as_root,
         mounts,
@@ -518,27 +520,34 @@ fn place_on<'s>(
         }
         let tenant = tenant_of(&job.spec);
         let gpus = tenants::job_quota_gpus(&job.spec);
+        let mut quota_left = None;
         if let Some(cap) = state.tenant_cap(tenant) {
             let used = tenant_gpus.get(tenant).copied().unwrap_or(0);
             if gpus > 0 && used.saturating_add(gpus) > cap {
                 continue;
             }
+            quota_left = Some(cap.saturating_sub(used));
         }
+        let most = tenants::ranks_within(&job.spec, quota_left);
         let preemptor = reserved.values().any(|(by, _)| *by == job.id);
         let miss = (!preemptor).then(|| (ask_key(job), job.spec.priority));
         if miss.as_ref().is_some_and(|m| misses.contains(m)) {
             continue;
         }
-        let Some(placements) = placement::place_gang(
+        let Some(placements) = placement::place_upto(
             &request(job),
-            job.spec.replicas(),
+            job.spec.min_replicas(),
+            most,
             &room.views_for(job, &reserved),
             policy_of(&job.spec, default_policy),
         ) else {
             misses.extend(miss);
             continue;
         };
-        *tenant_gpus.entry(tenant.to_string()).or_default() += gpus;
+        let placed = u32::try_from(placements.len()).unwrap_or(u32::MAX);
+        *tenant_gpus.entry(tenant.to_string()).or_default() +=
+            tenants::quota_gpus(&job.spec.resources, job.spec.placement.fraction)
+                .saturating_mul(placed);
         for p in placements {
             room.take(
                 &p.node,
@@ -926,6 +935,143 @@ mod tests {
         let l = place(&s, &BTreeSet::new(), &BTreeMap::new());
         assert_eq!(l.len(), 1);
         assert_eq!(l[0].gpu_uuids, vec!["GPU-a-1".to_string()]);
+    }
+
+    /// An elastic gang (2:4 of 1 GPU) takes as many ranks as fit, grows
+    /// only into GPUs free for it (never before a queued job of its
+    /// priority, never before `elastic_grow_after`), within its quota.
+    #[test]
+    fn an_elastic_gang_takes_what_fits_and_grows_into_free_gpus() {
+        use crate::state::testkit::status;
+        use gpuctl_core::types::TaskState;
+        let elastic = |min: u32, max: u32, priority: i32| {
+            let Command::SubmitJob {
+                mut spec,
+                at_ms,
+                request_id,
+            } = job(1, false)
+            else {
+                unreachable!()
+            };
+            spec.replicas = max;
+            spec.min_replicas = Some(min);
+            spec.priority = priority;
+            Command::SubmitJob {
+                spec,
+                at_ms,
+                request_id,
+            }
+        };
+        // 3 GPUs, a 1-GPU job holds one: the gang starts with 2 of 4.
+        let mut s = state(vec![agent("a", 3, both()), job(1, false), elastic(2, 4, 0)]);
+        let launches = place(&s, &BTreeSet::new(), &BTreeMap::new());
+        assert_eq!(launches.len(), 3);
+        assert_eq!(launches.iter().filter(|l| l.job_id == "job-2").count(), 2);
+        s.apply(
+            10,
+            &Command::LaunchTasks {
+                launches,
+                at_ms: 1_000,
+            },
+        )
+        .unwrap();
+        for t in ["job-1.0", "job-2.0", "job-2.1"] {
+            let update = status("a", t, TaskState::Running);
+            s.apply(
+                11,
+                &Command::UpdateTaskStatus {
+                    update,
+                    at_ms: 1_000,
+                },
+            )
+            .unwrap();
+        }
+        assert_eq!(s.job("job-2").unwrap().world(), 2);
+        let cfg = |now_ms: u64| queue::QueueConfig {
+            elastic_grow_after_ms: Some(60_000),
+            now_ms,
+            ..Default::default()
+        };
+        // No GPU free: no growth.
+        assert_eq!(elastic::growth(&s, &cfg(100_000)), None);
+        let mut done = status("a", "job-1.0", TaskState::Finished);
+        done.exit_code = Some(0);
+        s.apply(
+            12,
+            &Command::UpdateTaskStatus {
+                update: done,
+                at_ms: 2_000,
+            },
+        )
+        .unwrap();
+        // One free: it may grow to 3, after it has run a minute, and not
+        // while a queued job of its priority waits.
+        assert_eq!(elastic::growth(&s, &cfg(30_000)), None, "too soon");
+        assert_eq!(elastic::growth(&s, &cfg(61_000)), Some(("job-2".into(), 3)));
+        let off = queue::QueueConfig {
+            elastic_grow_after_ms: None,
+            ..cfg(61_000)
+        };
+        assert_eq!(elastic::growth(&s, &off), None);
+        s.apply(13, &job(2, false)).unwrap();
+        assert_eq!(
+            elastic::growth(&s, &cfg(61_000)),
+            None,
+            "a queued job comes first"
+        );
+        // A lower-priority one does not hold it back.
+        let mut low = state(vec![]);
+        std::mem::swap(&mut low, &mut s);
+        let mut s = low;
+        let Some(queued) = s.queued_jobs().first().map(|j| j.id.clone()) else {
+            panic!("a queued job")
+        };
+        s.apply(
+            14,
+            &Command::CancelJob {
+                job_id: queued,
+                at_ms: 3_000,
+            },
+        )
+        .unwrap();
+        let Command::SubmitJob { mut spec, .. } = job(2, false) else {
+            unreachable!()
+        };
+        spec.priority = -1;
+        s.apply(
+            15,
+            &Command::SubmitJob {
+                spec,
+                at_ms: 3_000,
+                request_id: None,
+            },
+        )
+        .unwrap();
+        assert_eq!(elastic::growth(&s, &cfg(61_000)), Some(("job-2".into(), 3)));
+        // Growing: the GrowJob command, then the queue places 3.
+        s.apply(
+            16,
+            &Command::GrowJob {
+                job_id: "job-2".into(),
+                to: 3,
+                at_ms: 61_000,
+            },
+        )
+        .unwrap();
+        assert_eq!(elastic::growth(&s, &cfg(62_000)), None, "already stopping");
+        for t in ["job-2.0", "job-2.1"] {
+            let update = status("a", t, TaskState::Killed);
+            s.apply(
+                17,
+                &Command::UpdateTaskStatus {
+                    update,
+                    at_ms: 62_000,
+                },
+            )
+            .unwrap();
+        }
+        let launches = place(&s, &BTreeSet::new(), &BTreeMap::new());
+        assert_eq!(launches.iter().filter(|l| l.job_id == "job-2").count(), 3);
     }
 
     #[test]

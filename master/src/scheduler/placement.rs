@@ -447,6 +447,39 @@ pub fn place_task(
     place_gang(req, 1, nodes, policy)?.pop()
 }
 
+/// An elastic gang: the most ranks in `min..=max` that [`place_gang`]
+/// places (none if `min` does not fit). Fit is taken as monotone in the
+/// size (any fit's first ranks are a fit of fewer), so the size is found
+/// by bisection: O(log(max - min)) tries.
+pub fn place_upto<'v, 'a>(
+    req: &TaskRequest,
+    min: u32,
+    max: u32,
+    nodes: &'v [NodeView<'a>],
+    policy: PlacementPolicy,
+) -> Option<Vec<Placement>> {
+    if max <= min {
+        return place_gang(req, min, nodes, policy);
+    }
+    if let Some(all) = place_gang(req, max, nodes, policy) {
+        return Some(all);
+    }
+    let mut best = place_gang(req, min, nodes, policy)?;
+    // `best` fits `lo` ranks; `hi` ranks do not.
+    let (mut lo, mut hi) = (min, max);
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        match place_gang(req, mid, nodes, policy) {
+            Some(p) => {
+                best = p;
+                lo = mid;
+            }
+            None => hi = mid,
+        }
+    }
+    Some(best)
+}
+
 /// `replicas` tasks of a gang, all or nothing: distinct GPUs, each node's
 /// free resources accounted across replicas (several replicas may share a
 /// node if it fits; spread prefers distinct nodes). `Some(vec![])` for 0

@@ -59,6 +59,9 @@ pub struct QueueConfig {
     /// Reclaim across tenants, with victims that have run at least this
     /// long; `None`: off.
     pub reclaim_min_runtime_ms: Option<u64>,
+    /// Grow elastic gangs whose attempt has run this long
+    /// (`scheduler::elastic`); `None`: off.
+    pub elastic_grow_after_ms: Option<u64>,
     /// The leader's clock at the pass (the minimum runtime's).
     pub now_ms: u64,
 }
@@ -280,7 +283,9 @@ fn pass_job<'s>(
     } = *ctx;
     let spec = &job.spec;
     let req = request(job);
-    let replicas = spec.replicas();
+    // An elastic gang needs its fewest ranks to start, and takes as many
+    // more as fit (within its quotas); a fixed gang's are one number.
+    let (replicas, max_replicas) = (spec.min_replicas(), spec.replicas());
     let policy = policy_of(spec, cfg.default_policy);
     let key = ask_key(job);
     let never = ctx
@@ -301,9 +306,13 @@ fn pass_job<'s>(
         };
     }
     let need = times(&spec.resources, replicas);
+    let mut most = max_replicas;
     if let Some(q) = cfg.jobs_quota {
         if !q.fits(&walk.usage.add(&need)) {
             return quota_reason(&q, &walk.usage, &need);
+        }
+        while most > replicas && !q.fits(&walk.usage.add(&times(&spec.resources, most))) {
+            most -= 1;
         }
     }
     let tenant = tenant_of(spec);
@@ -318,6 +327,10 @@ fn pass_job<'s>(
                 asked: quota_need,
             };
         }
+        most = most.min(crate::scheduler::tenants::ranks_within(
+            spec,
+            Some(quota.saturating_sub(used)),
+        ));
     }
     let stopping_for_it = ctx
         .preempted_for
@@ -330,9 +343,10 @@ fn pass_job<'s>(
     let fits = if miss.as_ref().is_some_and(|m| walk.misses.contains(m)) {
         None
     } else {
-        placement::place_gang(
+        placement::place_upto(
             &req,
             replicas,
+            most,
             &walk.sim.usable_views(reserved, job),
             policy,
         )
@@ -341,9 +355,12 @@ fn pass_job<'s>(
         walk.misses.extend(miss);
     }
     if let Some(ps) = fits {
+        let placed = u32::try_from(ps.len()).unwrap_or(u32::MAX);
         walk.take(job, &spec.resources, &ps);
-        walk.usage = walk.usage.add(&need);
-        *walk.tenant_gpus.entry(tenant.to_string()).or_default() += quota_need;
+        walk.usage = walk.usage.add(&times(&spec.resources, placed));
+        *walk.tenant_gpus.entry(tenant.to_string()).or_default() +=
+            crate::scheduler::tenants::quota_gpus(&spec.resources, spec.placement.fraction)
+                .saturating_mul(placed);
         return if stopping_for_it.tasks > 0 {
             preempting_reason(stopping_for_it)
         } else {
@@ -798,7 +815,8 @@ fn choose_victims<'s>(
     let mut chosen: Vec<JobId> = Vec::new();
     let mut placements = Vec::new();
     let usable = |id: &str| may_use(reserved, job, id);
-    for _ in 0..job.spec.replicas() {
+    // An elastic gang preempts for its fewest ranks only.
+    for _ in 0..job.spec.min_replicas() {
         if let Some(p) = placement::place_task(req, &pool.views(&usable), policy) {
             pool.take(&p.node, &req.resources, &p.gpus, req.fraction);
             placements.push(p);

@@ -35,6 +35,7 @@ use crate::leader::frameworks::{Hub, EVENT_BUFFER};
 use crate::now_ms;
 use crate::raft::RaftHandle;
 use crate::scheduler::board::WaitBoard;
+use crate::scheduler::elastic;
 use crate::scheduler::queue::{self, QueueConfig};
 use crate::scheduler::{place_in, Available, MAX_LAUNCHES_PER_ROUND};
 use crate::state::frameworks::{BUILTIN_FRAMEWORK_ID, JOBS_ROLE};
@@ -126,6 +127,7 @@ pub async fn run(
         let mut seen = Revival::of(&raft.state());
         // The pass in progress: it runs beside the offers, not before them.
         let mut running: Option<tokio::task::JoinHandle<Pass>> = None;
+        let mut last_grow = tokio::time::Instant::now();
         loop {
             tokio::select! {
                 _ = shutdown.changed() => {
@@ -183,6 +185,12 @@ pub async fn run(
                     } else if raft.state().has_queued() {
                         hub.revive(BUILTIN_FRAMEWORK_ID);
                     }
+                }
+                // Elastic gangs below their most ranks: room for more?
+                _ = tokio::time::sleep_until(last_grow + elastic::CHECK_EVERY),
+                    if cfg.elastic_grow_after_ms.is_some() => {
+                    last_grow = tokio::time::Instant::now();
+                    grow(&raft, cfg).await;
                 }
                 _ = tokio::time::sleep_until(next_pass), if dirty && running.is_none() => {
                     dirty = false;
@@ -398,6 +406,26 @@ async fn propose_launches(raft: &RaftHandle, launches: Vec<Launch>) {
         }
     });
     futures::future::join_all(proposals).await;
+}
+
+/// Proposes growing the elastic gang that has room for more ranks, if any.
+async fn grow(raft: &RaftHandle, cfg: QueueConfig) {
+    let cfg = QueueConfig {
+        now_ms: now_ms(),
+        ..cfg
+    };
+    let Some((job_id, to)) = elastic::growth(&raft.state(), &cfg) else {
+        return;
+    };
+    tracing::info!(job_id = %job_id, to, "growing an elastic gang: restarting it with more ranks");
+    let command = Command::GrowJob {
+        job_id: job_id.clone(),
+        to,
+        at_ms: cfg.now_ms,
+    };
+    if let Err(e) = raft.propose(command).await {
+        tracing::warn!(job_id = %job_id, error = %e, "growing refused");
+    }
 }
 
 /// Whether the built-in scheduler places straight from the state: no other

@@ -311,6 +311,7 @@ mod tests {
             ),
             priority: i32::MIN,
             replicas: MAX_REPLICAS,
+            min_replicas: MAX_REPLICAS - 1,
             max_retries: MAX_RETRIES,
             no_requeue: true,
             no_fence: true,

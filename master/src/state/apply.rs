@@ -180,6 +180,7 @@ impl State {
                 victims,
                 at_ms,
             } => self.preempt_jobs(job_id, victims, *at_ms),
+            Command::GrowJob { job_id, to, at_ms } => self.grow_job(job_id, *to, *at_ms),
             Command::ReclaimJobs {
                 job_id,
                 victims,

@@ -20,7 +20,10 @@ use serde::{Deserialize, Serialize};
 /// cancel ends its job CANCELLED however its tasks end, and a failed task's
 /// job message names its rank and its agent's words. Version-1 entries
 /// decode and apply as before.
-pub const COMMAND_VERSION: u32 = 2;
+///
+/// 3 (issue 38, elastic gangs): `GrowJob`, and `LaunchJobs` may start an
+/// elastic gang with fewer ranks than `replicas`.
+pub const COMMAND_VERSION: u32 = 3;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Command {
@@ -166,6 +169,14 @@ pub enum Command {
     PreemptJobs {
         job_id: JobId,
         victims: Vec<JobId>,
+        at_ms: u64,
+    },
+    /// Restart the running elastic gang `job_id` to grow it up to `to`
+    /// ranks (the leader saw GPUs free for more): its ranks are stopped and
+    /// it is queued again without using a retry.
+    GrowJob {
+        job_id: JobId,
+        to: u32,
         at_ms: u64,
     },
     /// Kill `task_ids` (keys) of framework `framework_id`, above its fair
@@ -385,6 +396,7 @@ impl Command {
             Command::UpdateTaskStatus { .. } => "update_task_status",
             Command::CancelJob { .. } => "cancel_job",
             Command::PreemptJobs { .. } => "preempt_jobs",
+            Command::GrowJob { .. } => "grow_job",
             Command::ReclaimJobs { .. } => "reclaim_jobs",
             Command::ReclaimFrameworkTasks { .. } => "reclaim_framework_tasks",
             Command::CordonGpu { .. } => "cordon_gpu",

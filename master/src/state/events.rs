@@ -63,6 +63,8 @@ pub enum EventKind {
     AgentLost,
     /// An agent of its tasks is drained: its attempt is stopped.
     Drained,
+    /// An elastic gang is restarted to grow: GPUs freed for more ranks.
+    Growing,
     /// Back in the queue without using a retry.
     Requeued,
     /// An attempt failed and is started again (a retry used).
@@ -91,6 +93,7 @@ impl EventKind {
             EventKind::AgentReturned => "AgentReturned",
             EventKind::AgentLost => "AgentLost",
             EventKind::Drained => "Drained",
+            EventKind::Growing => "Growing",
             EventKind::Requeued => "Requeued",
             EventKind::Retrying => "Retrying",
             EventKind::Cancelling => "Cancelling",

@@ -48,10 +48,18 @@ impl State {
             )?);
         }
         for (job_id, n) in per_job {
-            let want = self.jobs.get(job_id).map_or(1, |j| j.spec.replicas());
-            if n != want {
+            let Some(spec) = self.jobs.get(job_id).map(|j| &j.spec) else {
+                continue; // checked above
+            };
+            let (min, max) = (spec.min_replicas(), spec.replicas());
+            if !(min..=max).contains(&n) {
+                let want = if min == max {
+                    format!("{max} replicas")
+                } else {
+                    format!("{min} to {max} replicas (elastic)")
+                };
                 return Err(ApplyError::DoesNotFit(format!(
-                    "job {job_id} has {want} replicas, {n} launched (all start or none)"
+                    "job {job_id} has {want}, {n} launched (all start or none)"
                 )));
             }
         }
@@ -75,6 +83,8 @@ impl State {
             let r = rank.entry(job.id.clone()).or_default();
             let task_id = format!("{}.{}", job.id, job.task_ids.len());
             job.task_ids.push(task_id.clone());
+            // The attempt's size so far: all its launches by the loop's end.
+            job.world = *r + 1;
             job.state = JobState::Starting;
             job.updated_at_ms = at_ms;
             job.preempted_by = None;
@@ -218,7 +228,7 @@ impl State {
         };
         let ok = task.state == TaskState::Finished && task.exit_code.unwrap_or(0) == 0;
         if !ok && !job.cancel_requested && job.stopping.is_none() {
-            let message = failure_message(task, job.spec.replicas());
+            let message = failure_message(task, job.world());
             let stopping = if task.reason == TaskReason::GpuUnhealthy {
                 Stopping::GpuFailed {
                     message: message.clone(),
@@ -274,6 +284,17 @@ impl State {
         // the SIGTERM does not make the job SUCCEEDED (as Slurm's scancel).
         let (state, message) = if job.cancel_requested {
             (JobState::Cancelled, "cancelled".to_string())
+        } else if let Some(Stopping::Growing { from, to }) = stopping {
+            // Stopped to grow: whatever its ranks exited with on the
+            // SIGTERM (a trainer may save and exit 0), it starts again.
+            event = Some((
+                EventKind::Requeued,
+                format!("to grow from {from} to up to {to} ranks: {no_retry}"),
+            ));
+            (
+                JobState::Queued,
+                format!("restarting to grow from {from} ranks"),
+            )
         } else if all_ok {
             event = Some((
                 EventKind::Succeeded,
@@ -349,6 +370,11 @@ impl State {
                 }) => (
                     JobState::Failed,
                     format!("agent {agent_id} drained (submitted with --no-requeue)"),
+                ),
+                // Handled before the exits are looked at.
+                Some(Stopping::Growing { from, .. }) => (
+                    JobState::Queued,
+                    format!("restarting to grow from {from} ranks"),
                 ),
                 Some(Stopping::DriverRefused { message }) => {
                     event = Some((
@@ -580,6 +606,49 @@ impl State {
         Ok(Outcome::Done)
     }
 
+    /// Restarts a running elastic gang to grow it: its ranks are stopped
+    /// and, once all have ended, it is queued again without using a retry,
+    /// to be placed with as many ranks as fit, up to `to` (the leader saw
+    /// room for more; see `scheduler::elastic`).
+    pub(super) fn grow_job(
+        &mut self,
+        job_id: &str,
+        to: u32,
+        at_ms: u64,
+    ) -> Result<Outcome, ApplyError> {
+        let job = self.stoppable(job_id)?;
+        let from = job.world();
+        if !job.spec.is_elastic() {
+            return Err(ApplyError::Invalid {
+                field: "job_id".into(),
+                reason: format!("job {job_id} is not an elastic gang (--replicas MIN:MAX)"),
+            });
+        }
+        if job.state != JobState::Running || to <= from || to > job.spec.replicas() {
+            return Err(ApplyError::Invalid {
+                field: "to".into(),
+                reason: format!(
+                    "job {job_id} runs {from} of {} ranks ({:?}): cannot grow to {to}",
+                    job.spec.replicas(),
+                    job.state
+                ),
+            });
+        }
+        let live = job.current_tasks().to_vec();
+        if let Some(job) = self.jobs.get_mut(job_id) {
+            job.stopping = Some(Stopping::Growing { from, to });
+            job.updated_at_ms = at_ms;
+            job.events.record(
+                EventKind::Growing,
+                format!("GPUs free for more ranks: restarting its {from} ranks to grow up to {to}"),
+                at_ms,
+            );
+        }
+        let why = format!("stopped to grow the gang from {from} ranks");
+        self.kill_live(&live, &why, None, at_ms);
+        Ok(Outcome::Done)
+    }
+
     /// Cancels a job: at once when queued, else its live tasks are killed
     /// and it ends CANCELLED when the last has ended.
     pub(super) fn cancel_job(&mut self, job_id: &str, at_ms: u64) -> Result<Outcome, ApplyError> {
@@ -728,6 +797,7 @@ impl State {
                 preempted_by: None,
                 image_requires: Vec::new(),
                 events: Default::default(),
+                world: 0,
             },
         );
         self.job_event(
@@ -921,6 +991,127 @@ mod tests {
         t.report("job-1.2", TaskState::Finished, Some(0));
         assert_eq!(t.job(&j).state, JobState::Succeeded);
         assert!(t.s.gpu_owner.is_empty());
+    }
+
+    /// An elastic gang (2:4) starts with 2 to 4 ranks, its env says the
+    /// attempt's size, and growing restarts it (whatever its ranks exit
+    /// with on the SIGTERM) without using a retry.
+    #[test]
+    fn an_elastic_gang_starts_with_what_fits_and_grows_by_a_restart() {
+        let mut t = T::new(&[("a", 2), ("b", 2)]);
+        let mut s = spec(1, 4);
+        s.min_replicas = Some(2);
+        s.resources.ports = 1;
+        let j = t.submit(s);
+        let err = t.launch(&j, &[("a", &["GPU-a-0"])]).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("2 to 4 replicas (elastic), 1 launched"),
+            "{err}"
+        );
+        t.launch(
+            &j,
+            &[
+                ("a", &["GPU-a-0"]),
+                ("a", &["GPU-a-1"]),
+                ("b", &["GPU-b-0"]),
+            ],
+        )
+        .unwrap();
+        assert_eq!(t.job(&j).world(), 3);
+        assert_eq!(t.job(&j).current_tasks().len(), 3);
+        let (run, _) = t.s.desired_tasks("a");
+        for task in &run {
+            for (k, v) in [
+                ("WORLD_SIZE", "3"),
+                ("GPUCTL_WORLD_SIZE", "3"),
+                ("GPUCTL_MIN_REPLICAS", "2"),
+                ("GPUCTL_MAX_REPLICAS", "4"),
+                ("PET_NNODES", "3"),
+            ] {
+                assert_eq!(task.env[k], v, "{k}");
+            }
+            assert_eq!(task.env["PET_NODE_RANK"], task.env["RANK"]);
+        }
+        // Not running yet: nothing to grow.
+        let err = t
+            .apply(Command::GrowJob {
+                job_id: j.clone(),
+                to: 4,
+                at_ms: 5,
+            })
+            .unwrap_err();
+        assert!(err.to_string().contains("cannot grow to 4"), "{err}");
+        for i in 0..3 {
+            t.report(&format!("{j}.{i}"), TaskState::Running, None);
+        }
+        assert_eq!(t.job(&j).state, JobState::Running);
+        // Past its most, or not more: refused.
+        for to in [5, 3] {
+            assert!(t
+                .apply(Command::GrowJob {
+                    job_id: j.clone(),
+                    to,
+                    at_ms: 6
+                })
+                .is_err());
+        }
+        t.apply(Command::GrowJob {
+            job_id: j.clone(),
+            to: 4,
+            at_ms: 7,
+        })
+        .unwrap();
+        assert!(t
+            .job(&j)
+            .current_tasks()
+            .iter()
+            .all(|id| t.s.tasks[id].kill_requested));
+        // A rank that saves and exits 0 on the SIGTERM does not end it.
+        t.report(&format!("{j}.0"), TaskState::Finished, Some(0));
+        t.report(&format!("{j}.1"), TaskState::Killed, None);
+        assert_eq!(t.job(&j).state, JobState::Running);
+        t.report(&format!("{j}.2"), TaskState::Finished, Some(0));
+        let job = t.job(&j);
+        assert_eq!(job.state, JobState::Queued);
+        assert_eq!(job.retries, 0, "growing uses no retry");
+        assert!(job.message.contains("grow from 3 ranks"), "{}", job.message);
+        let kinds: Vec<&str> = job.events.iter().map(|e| e.kind.as_str()).collect();
+        assert!(kinds.ends_with(&["Growing", "Requeued"]), "{kinds:?}");
+        assert!(t.s.gpu_owner.is_empty());
+        t.launch(
+            &j,
+            &[
+                ("a", &["GPU-a-0"]),
+                ("a", &["GPU-a-1"]),
+                ("b", &["GPU-b-0"]),
+                ("b", &["GPU-b-1"]),
+            ],
+        )
+        .unwrap();
+        assert_eq!(t.job(&j).world(), 4);
+        assert_eq!(
+            t.job(&j).current_tasks(),
+            [
+                format!("{j}.3"),
+                format!("{j}.4"),
+                format!("{j}.5"),
+                format!("{j}.6")
+            ]
+        );
+        let (run, _) = t.s.desired_tasks("b");
+        assert!(run.iter().all(|task| task.env["WORLD_SIZE"] == "4"));
+        // A fixed gang is never grown.
+        let fixed = t.submit(spec(0, 1));
+        t.launch(&fixed, &[("a", &[])]).unwrap();
+        let err = t
+            .apply(Command::GrowJob {
+                job_id: fixed,
+                to: 2,
+                at_ms: 9,
+            })
+            .unwrap_err();
+        assert!(err.to_string().contains("not an elastic gang"), "{err}");
     }
 
     /// Host ports come from the agent's range, lowest free first, never

@@ -148,6 +148,15 @@ pub struct JobRecord {
     /// What happened to it, bounded (`events.rs`); recorded by apply.
     #[serde(default)]
     pub events: events::Events,
+    /// The ranks of its latest attempt: an elastic gang's may be fewer
+    /// than `spec.replicas`. 0: `spec.replicas` (records from before
+    /// elastic gangs).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub world: u32,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 /// Why a job's current attempt is being stopped.
@@ -177,6 +186,10 @@ pub enum Stopping {
     /// again without using up a retry (nothing of it ran, so even with
     /// `--no-requeue`), to be placed only where the driver qualifies.
     DriverRefused { message: String },
+    /// An elastic gang is restarted with more ranks (GPUs freed for it):
+    /// queued again without using up a retry, to be placed with as many
+    /// ranks as fit, up to `to`.
+    Growing { from: u32, to: u32 },
 }
 
 impl JobRecord {
@@ -186,10 +199,20 @@ impl JobRecord {
         self.spec.require_cuda.iter().chain(&self.image_requires)
     }
 
-    /// The tasks of its latest attempt, in rank order (every launch starts
-    /// `replicas` tasks). Empty before the first launch.
+    /// The ranks of its latest attempt (the gang's size, or what an
+    /// elastic gang started with).
+    pub fn world(&self) -> u32 {
+        if self.world > 0 {
+            self.world
+        } else {
+            self.spec.replicas()
+        }
+    }
+
+    /// The tasks of its latest attempt, in rank order (a launch starts
+    /// [`JobRecord::world`] tasks). Empty before the first launch.
     pub fn current_tasks(&self) -> &[TaskId] {
-        let n = self.spec.replicas() as usize;
+        let n = self.world() as usize;
         if self.task_ids.len() < n {
             return &[];
         }
@@ -653,7 +676,17 @@ impl State {
             })
             .collect();
         env.insert("GPUCTL_RANK".into(), task.rank.to_string());
-        env.insert("GPUCTL_WORLD_SIZE".into(), job.spec.replicas().to_string());
+        env.insert("GPUCTL_WORLD_SIZE".into(), job.world().to_string());
+        if job.spec.is_elastic() {
+            env.insert(
+                "GPUCTL_MIN_REPLICAS".into(),
+                job.spec.min_replicas().to_string(),
+            );
+            env.insert(
+                "GPUCTL_MAX_REPLICAS".into(),
+                job.spec.replicas().to_string(),
+            );
+        }
         env.insert("GPUCTL_PEERS".into(), peers.join(","));
         insert_ports(&mut env, &task.ports);
         // OpenMP (and PyTorch's CPU ops) otherwise start a thread per core
@@ -672,7 +705,12 @@ impl State {
     /// gang's tasks on the same agent (rank order); `NODE_RANK`, the
     /// agent's place among the gang's agents in order of their lowest rank;
     /// `MASTER_ADDR` and `MASTER_PORT`, rank 0's agent address and first
-    /// host port (absent when rank 0 has no port).
+    /// host port (absent when rank 0 has no port). And `torchrun`'s own
+    /// defaults (`PET_*`) for one torchrun per task, each a "node" of the
+    /// attempt: `PET_NNODES` (the attempt's ranks: an elastic gang is
+    /// restarted by gpuctl when it grows, so each attempt's size is fixed),
+    /// `PET_NODE_RANK` (the task's rank), `PET_MASTER_ADDR` and
+    /// `PET_MASTER_PORT`: `torchrun train.py` needs no arguments.
     fn torch_env(
         &self,
         job: &JobRecord,
@@ -693,7 +731,7 @@ impl State {
         let node_rank = nodes.iter().position(|a| *a == task.agent_id).unwrap_or(0);
         let mut env = vec![
             ("RANK", task.rank.to_string()),
-            ("WORLD_SIZE", job.spec.replicas().to_string()),
+            ("WORLD_SIZE", job.world().to_string()),
             ("LOCAL_RANK", local_rank.to_string()),
             ("LOCAL_WORLD_SIZE", local.len().max(1).to_string()),
             ("NODE_RANK", node_rank.to_string()),
@@ -704,6 +742,10 @@ impl State {
             {
                 env.push(("MASTER_ADDR", agent_host(&agent.info).to_string()));
                 env.push(("MASTER_PORT", port.to_string()));
+                env.push(("PET_MASTER_ADDR", agent_host(&agent.info).to_string()));
+                env.push(("PET_MASTER_PORT", port.to_string()));
+                env.push(("PET_NNODES", job.world().to_string()));
+                env.push(("PET_NODE_RANK", task.rank.to_string()));
             }
         }
         env

@@ -433,7 +433,7 @@ mod tests {
         };
         assert_eq!(
             String::from_utf8(c.encode().unwrap()).unwrap(),
-            r#"{"version":2,"command":{"ForgetJobs":{"job_ids":["job-1"],"at_ms":5}}}"#
+            r#"{"version":3,"command":{"ForgetJobs":{"job_ids":["job-1"],"at_ms":5}}}"#
         );
         let c = Command::ForgetFrameworkTasks {
             task_ids: vec!["fw-1.t".into()],
