@@ -341,6 +341,19 @@ pub fn job_detail(j: &pb::Job, now_ms: u64) -> String {
         ),
         ("Priority", spec.priority.to_string()),
         ("Retries", format!("{} of {}", j.retries, spec.max_retries)),
+        (
+            "Restart",
+            format!(
+                "{} (backoff {})",
+                if spec.restart_policy.is_empty() {
+                    "gang"
+                } else {
+                    spec.restart_policy.as_str()
+                },
+                spec.restart_backoff_ms
+                    .map_or("1s".to_string(), |ms| format!("{}s", ms as f64 / 1000.0))
+            ),
+        ),
         // (Labels of at most 9 characters keep the column.)
         (
             "Grace",

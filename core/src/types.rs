@@ -652,6 +652,55 @@ pub struct JobSpec {
     /// fixed gang of `replicas`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub min_replicas: Option<u32>,
+    /// What a failed task leads to (`--restart-policy`).
+    #[serde(default, skip_serializing_if = "RestartPolicy::is_default")]
+    pub restart_policy: RestartPolicy,
+    /// The pause before the first restart after a failure, in ms, doubled
+    /// by each retry up to [`crate::convert::MAX_RESTART_BACKOFF_MS`];
+    /// `None`: [`crate::convert::DEFAULT_RESTART_BACKOFF_MS`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restart_backoff_ms: Option<u64>,
+}
+
+/// What a failed task of a job leads to (`--restart-policy`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RestartPolicy {
+    /// The whole gang is stopped and started again (all ranks: a
+    /// collective cannot lose one), up to `max_retries`, after a backoff;
+    /// an elastic gang is restarted to grow.
+    #[default]
+    Gang,
+    /// The job fails at its first failure, and an elastic gang keeps the
+    /// size it started with: gpuctl never restarts it.
+    Never,
+}
+
+impl RestartPolicy {
+    pub fn is_default(&self) -> bool {
+        *self == RestartPolicy::Gang
+    }
+}
+
+impl std::fmt::Display for RestartPolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            RestartPolicy::Gang => "gang",
+            RestartPolicy::Never => "never",
+        })
+    }
+}
+
+impl std::str::FromStr for RestartPolicy {
+    type Err = String;
+    /// `gang` or `never`, in any case; "" is `gang`.
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "" | "gang" => Ok(RestartPolicy::Gang),
+            "never" => Ok(RestartPolicy::Never),
+            _ => Err(format!("{s:?} is not a restart policy (gang, never)")),
+        }
+    }
 }
 
 /// What a task may do on its agent beyond the defaults (docs/isolation.md,
@@ -954,6 +1003,8 @@ impl JobSpec {
             checkpoint_dir: None,
             hang_timeout_ms: None,
             min_replicas: None,
+            restart_policy: RestartPolicy::Gang,
+            restart_backoff_ms: None,
         }
     }
 
@@ -979,6 +1030,17 @@ impl JobSpec {
     pub fn min_replicas(&self) -> u32 {
         self.min_replicas
             .map_or(self.replicas(), |m| m.clamp(1, self.replicas()))
+    }
+
+    /// The pause before restarting it after its `retries`-th failure (1 for
+    /// the first): its backoff, doubled by each retry, at most
+    /// [`crate::convert::MAX_RESTART_BACKOFF_MS`].
+    pub fn restart_backoff(&self, retries: u32) -> u64 {
+        let first = self
+            .restart_backoff_ms
+            .unwrap_or(crate::convert::DEFAULT_RESTART_BACKOFF_MS);
+        let doubled = first.saturating_mul(1u64 << retries.saturating_sub(1).min(30));
+        doubled.min(crate::convert::MAX_RESTART_BACKOFF_MS.max(first))
     }
 
     /// Whether its gang may start with fewer than `replicas` ranks.

@@ -87,6 +87,11 @@ pub struct JobJson {
     /// fixed gang.
     #[serde(default)]
     pub min_replicas: Option<u32>,
+    /// `gang` or `never` (`--restart-policy`).
+    pub restart_policy: String,
+    /// `--restart-backoff` in ms; `null`: the default (1 s).
+    #[serde(default)]
+    pub restart_backoff_ms: Option<u64>,
     pub max_retries: u32,
     /// Failed attempts started again so far.
     pub retries: u32,
@@ -253,6 +258,12 @@ impl From<&pb::Job> for JobJson {
             replicas: spec.replicas.max(1),
             min_replicas: (spec.min_replicas > 0 && spec.min_replicas < spec.replicas)
                 .then_some(spec.min_replicas),
+            restart_policy: if spec.restart_policy.is_empty() {
+                "gang".to_string()
+            } else {
+                spec.restart_policy.clone()
+            },
+            restart_backoff_ms: spec.restart_backoff_ms,
             max_retries: spec.max_retries,
             retries: j.retries,
             no_requeue: spec.no_requeue,

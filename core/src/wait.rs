@@ -55,6 +55,9 @@ pub enum WaitReason {
     },
     /// The resources are free: it is being placed.
     Starting,
+    /// Its last attempt failed: it is restarted after a pause
+    /// (`--restart-backoff`), at `until_ms` (wall clock).
+    Backoff { until_ms: u64 },
     /// Tasks of lower priority are being stopped for it, or tasks of other
     /// tenants over their fair share (`reclaim_from`, those tenants).
     Preempting {
@@ -377,6 +380,9 @@ impl From<&Waiting> for pb::WaitReason {
                 asked: *asked,
             }),
             WaitReason::Starting => wr::Kind::Starting(wr::Starting {}),
+            WaitReason::Backoff { until_ms } => wr::Kind::Backoff(wr::Backoff {
+                until_ms: *until_ms,
+            }),
             WaitReason::Preempting {
                 waiting_for_tasks,
                 reclaim_from,
@@ -638,6 +644,9 @@ impl TryFrom<&pb::WaitReason> for Waiting {
                 asked: q.asked,
             },
             wr::Kind::Starting(_) => WaitReason::Starting,
+            wr::Kind::Backoff(b) => WaitReason::Backoff {
+                until_ms: b.until_ms,
+            },
             wr::Kind::Preempting(p) => WaitReason::Preempting {
                 waiting_for_tasks: p.waiting_for_tasks,
                 // As sent: the master bounds it (`MAX_RECLAIM_FROM`).

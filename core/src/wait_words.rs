@@ -302,6 +302,17 @@ impl fmt::Display for WaitReason {
                  (gpuctl quota)"
             ),
             WaitReason::Starting => write!(f, "Scheduling: resources are free; starting it"),
+            WaitReason::Backoff { until_ms } => {
+                let now = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+                let left = until_ms.saturating_sub(now);
+                write!(
+                    f,
+                    "Backoff: its last attempt failed; restarting it in {:.1}s (--restart-backoff)",
+                    left as f64 / 1000.0
+                )
+            }
             WaitReason::Preempting {
                 waiting_for_tasks,
                 reclaim_from,

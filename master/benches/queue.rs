@@ -243,13 +243,13 @@ fn bench(c: &mut Criterion) {
     for agents in [1_000usize, 10_000] {
         for pattern in ["rare", "rar*"] {
             let s = zoned(agents, pattern);
-            let placed = place_direct(&s, Default::default(), false);
+            let placed = place_direct(&s, Default::default(), false, u64::MAX);
             assert_eq!(placed.len(), 1);
             assert!(placed[0].agent_id >= format!("agent-{:05}", agents - 10));
             g.bench_with_input(
                 BenchmarkId::new(format!("place_direct_zone_{pattern}"), agents),
                 &s,
-                |b, s| b.iter(|| black_box(place_direct(s, Default::default(), false))),
+                |b, s| b.iter(|| black_box(place_direct(s, Default::default(), false, u64::MAX))),
             );
         }
     }

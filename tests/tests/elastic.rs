@@ -323,3 +323,107 @@ fn a_gang_restart_survives_its_agent_being_killed() {
     assert!(message.contains("code 3"), "{j}");
     watch.finish();
 }
+
+/// `--restart-backoff 2s`: each restart after a failure waits at least its
+/// pause, doubling (2 s, then 4 s), and the queue says `Backoff`
+/// meanwhile; `--restart-policy never` fails the job at its first failure,
+/// and asking it for retries too is refused before anything is submitted.
+#[test]
+fn restarts_wait_their_backoff_and_never_means_never() {
+    let mut c = Cluster::start(&[]);
+    c.add_agent(AgentOpts {
+        simulate_gpus: Some("1xA100-SXM4-40GB"),
+        ..Default::default()
+    });
+    let out = gpuctl_tests::task_writable_dir(&c.dir.path().join("out"));
+    let env_out = format!("OUT={}", out.display());
+    let flaky = c.submit(&[
+        "--name",
+        "flaky",
+        "--cpus",
+        "0.1",
+        "--max-retries",
+        "2",
+        "--restart-backoff",
+        "2s",
+        "--env",
+        &env_out,
+        "--",
+        "sh",
+        "-c",
+        // A file per attempt: each runs as a task user of its own.
+        "date +%s.%N > \"$OUT/$GPUCTL_TASK_ID\"; exit 1",
+    ]);
+    let j = wait_job_until(&c, &flaky, "it waits out its backoff", |j| {
+        j["reason"]
+            .as_str()
+            .is_some_and(|r| r.starts_with("Backoff:"))
+    });
+    assert_eq!(j["state"], "QUEUED", "{j}");
+    assert_eq!(c.wait_job(&flaky, 60), (1, "FAILED".to_string()));
+    let j = c.job(&flaky);
+    assert_eq!(
+        (j["retries"].as_u64(), task_ids(&j).len()),
+        (Some(2), 3),
+        "{j}"
+    );
+    let starts: Vec<f64> = written(&out).values().map(|l| l.parse().unwrap()).collect();
+    assert_eq!(starts.len(), 3, "{starts:?}");
+    // Each restart comes after its pause (the failure is later than the
+    // start, so start to start is longer still).
+    assert!(starts[1] - starts[0] >= 2.0, "{starts:?}");
+    assert!(starts[2] - starts[1] >= 4.0, "{starts:?}");
+    let retrying: Vec<String> = events(&c, &flaky)
+        .into_iter()
+        .filter(|(k, _)| k == "Retrying")
+        .map(|(_, m)| m)
+        .collect();
+    assert!(retrying[0].ends_with("retry 1 of 2 in 2s"), "{retrying:?}");
+    assert!(retrying[1].ends_with("retry 2 of 2 in 4s"), "{retrying:?}");
+
+    let once = c.submit(&[
+        "--name",
+        "once",
+        "--cpus",
+        "0.1",
+        "--restart-policy",
+        "never",
+        "--",
+        "sh",
+        "-c",
+        "exit 5",
+    ]);
+    assert_eq!(c.wait_job(&once, 30), (1, "FAILED".to_string()));
+    let j = c.job(&once);
+    assert_eq!(
+        (j["retries"].as_u64(), task_ids(&j).len()),
+        (Some(0), 1),
+        "{j}"
+    );
+    assert_eq!(j["restart_policy"], "never", "{j}");
+    let refused = c.gpuctl(&[
+        "jobs",
+        "submit",
+        "--name",
+        "refused",
+        "--restart-policy",
+        "never",
+        "--max-retries",
+        "1",
+        "--",
+        "true",
+    ]);
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success(), "{err}");
+    assert!(
+        err.contains("max_retries") && err.contains("never"),
+        "{err}"
+    );
+    assert_eq!(
+        c.json(&["jobs", "list", "--json"])
+            .as_array()
+            .unwrap()
+            .len(),
+        2
+    );
+}

@@ -138,7 +138,7 @@ fn jobs_get_tells_what_happened_in_order() {
     assert!(
         ev.contains(&(
             "Retrying".into(),
-            format!("task {bad}.0 exited with code 3; retry 1 of 1")
+            format!("task {bad}.0 exited with code 3; retry 1 of 1 in 1s")
         )),
         "{j}"
     );
@@ -264,5 +264,5 @@ fn an_agent_killed_under_a_running_job_shows_unreachable_lost_and_retried() {
             .starts_with(&format!("task {j}.0 lost: agent {agent} lost")),
         "{job}"
     );
-    assert!(ev[5].1.ends_with("; retry 1 of 1"), "{job}");
+    assert!(ev[5].1.ends_with("; retry 1 of 1 in 1s"), "{job}");
 }

@@ -124,6 +124,21 @@ pub struct JobFile {
         serialize_with = "ser_stop_grace"
     )]
     pub hang_timeout: Option<u64>,
+    /// `--restart-policy gang|never`.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "de_restart_policy"
+    )]
+    pub restart_policy: Option<String>,
+    /// `--restart-backoff DURATION`, as ms.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "de_restart_backoff",
+        serialize_with = "ser_stop_grace"
+    )]
+    pub restart_backoff: Option<u64>,
     /// `--request-id KEY`: submitting the file again within 24 hours gives
     /// the same job. Never written by `jobs get -o yaml`: a copy of a job
     /// is another job.
@@ -392,6 +407,17 @@ fn de_placement<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Er
     d.deserialize_option(OrNull(StrCheck(check_placement)))
 }
 
+fn de_restart_policy<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+    d.deserialize_option(OrNull(StrCheck(super::jobs::parse_restart_policy)))
+}
+
+fn de_restart_backoff<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    d.deserialize_option(OrNull(Millis {
+        expecting: "a duration (10s, 1m) or a number of seconds",
+        parse: super::jobs::parse_restart_backoff,
+    }))
+}
+
 fn de_require_cuda<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
     d.deserialize_option(OrNull(StrCheck(parse_require_cuda)))
 }
@@ -533,6 +559,8 @@ pub fn from_spec(spec: &pb::JobSpec) -> JobFile {
         run_as_root: security.run_as_root.then_some(true),
         stop_grace: spec.stop_grace_ms,
         hang_timeout: spec.hang_timeout_ms,
+        restart_policy: some(&spec.restart_policy),
+        restart_backoff: spec.restart_backoff_ms,
         checkpoint_dir: some(&spec.checkpoint_dir).map(Text),
         // A copy of a job is another job: resubmitting it must not be
         // answered with the original.
@@ -703,6 +731,8 @@ mod tests {
             priority: -3,
             replicas: 2,
             min_replicas: 1,
+            restart_policy: "never".into(),
+            restart_backoff_ms: Some(2_500),
             max_retries: 1,
             no_requeue: true,
             no_fence: true,
@@ -731,6 +761,13 @@ mod tests {
         let yaml = to_yaml(&job).unwrap();
         // A copy of a job is another job: never its first submit's key.
         assert!(!yaml.contains("request_id"), "{yaml}");
+        for line in [
+            "replicas: 1:2\n",
+            "restart_policy: never\n",
+            "restart_backoff: 2500ms\n",
+        ] {
+            assert!(yaml.contains(line), "{line}: {yaml}");
+        }
         assert!(yaml.starts_with("# job-1 "), "{yaml}");
         let back = parse("out", &yaml).unwrap();
         assert_eq!(back, from_spec(&spec));

@@ -266,6 +266,16 @@ pub struct SubmitArgs {
     /// activity, e.g. 10m, 1h; 1s to 7d. Default: never.
     #[arg(long, value_name = "DURATION", value_parser = parse_hang_timeout)]
     pub hang_timeout: Option<u64>,
+    /// What a failed task leads to: gang (the whole gang is stopped and
+    /// started again, up to --max-retries, after --restart-backoff) or
+    /// never (the job fails; an elastic gang is not restarted to grow
+    /// either) [default: gang].
+    #[arg(long, value_name = "gang|never", value_parser = parse_restart_policy)]
+    pub restart_policy: Option<String>,
+    /// The pause before the first restart after a failure, doubling with
+    /// each retry up to 5m, e.g. 10s; 0s to 1h [default: 1s].
+    #[arg(long, value_name = "DURATION", value_parser = parse_restart_backoff)]
+    pub restart_backoff: Option<u64>,
     /// Idempotency key (letters, digits, '.', '_', '-'): submits with the
     /// same KEY by the same token within 24 hours make one job, and each
     /// prints its id. Without it gpuctl makes one, kept across its own
@@ -485,6 +495,12 @@ impl SubmitArgs {
                 .unwrap_or_default(),
             stop_grace_ms: self.stop_grace.or(file.stop_grace),
             hang_timeout_ms: self.hang_timeout.or(file.hang_timeout),
+            restart_policy: self
+                .restart_policy
+                .clone()
+                .or(file.restart_policy)
+                .unwrap_or_default(),
+            restart_backoff_ms: self.restart_backoff.or(file.restart_backoff),
             checkpoint_dir: self
                 .checkpoint_dir
                 .clone()
@@ -506,6 +522,22 @@ pub fn parse_stop_grace(s: &str) -> Result<u64, String> {
     let ms = u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
     if ms > gpuctl_core::convert::MAX_STOP_GRACE_MS {
         return Err(format!("{s:?} is longer than a day"));
+    }
+    Ok(ms)
+}
+
+/// `--restart-policy`: `gang` or `never`.
+pub fn parse_restart_policy(s: &str) -> Result<String, String> {
+    s.parse::<gpuctl_core::types::RestartPolicy>()
+        .map(|p| p.to_string())
+}
+
+/// `--restart-backoff`: a duration, as ms, at most an hour.
+pub fn parse_restart_backoff(s: &str) -> Result<u64, String> {
+    let d = gpuctl_core::time::parse_duration(s)?;
+    let ms = u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+    if ms > gpuctl_core::convert::MAX_FIRST_RESTART_BACKOFF_MS {
+        return Err(format!("{s:?} is longer than an hour"));
     }
     Ok(ms)
 }

@@ -394,6 +394,28 @@ impl TryFrom<pb::JobSpec> for JobSpec {
             m if m == replicas => None,
             m => Some(m),
         };
+        let restart_policy: RestartPolicy = s
+            .restart_policy
+            .parse()
+            .map_err(|e: String| ConvertError::new("spec.restart_policy", e))?;
+        if restart_policy == RestartPolicy::Never && s.max_retries > 0 {
+            return Err(ConvertError::new(
+                "spec.max_retries",
+                format!(
+                    "is {}, but spec.restart_policy never restarts a job (leave one out)",
+                    s.max_retries
+                ),
+            ));
+        }
+        let restart_backoff_ms = match s.restart_backoff_ms {
+            Some(ms) if ms > MAX_FIRST_RESTART_BACKOFF_MS => {
+                return Err(ConvertError::new(
+                    "spec.restart_backoff_ms",
+                    format!("is {ms} ms: at most {MAX_FIRST_RESTART_BACKOFF_MS} (an hour)"),
+                ))
+            }
+            other => other,
+        };
         if s.max_retries > MAX_RETRIES {
             return Err(ConvertError::new(
                 "spec.max_retries",
@@ -451,6 +473,8 @@ impl TryFrom<pb::JobSpec> for JobSpec {
             checkpoint_dir,
             hang_timeout_ms,
             min_replicas,
+            restart_policy,
+            restart_backoff_ms,
         })
     }
 }
@@ -760,6 +784,12 @@ impl From<JobSpec> for pb::JobSpec {
             checkpoint_dir: s.checkpoint_dir.unwrap_or_default(),
             hang_timeout_ms: s.hang_timeout_ms,
             min_replicas: s.min_replicas.unwrap_or(0),
+            restart_policy: if s.restart_policy.is_default() {
+                String::new()
+            } else {
+                s.restart_policy.to_string()
+            },
+            restart_backoff_ms: s.restart_backoff_ms,
         }
     }
 }

@@ -89,5 +89,12 @@ pub const MAX_STOP_GRACE_MS: u64 = 24 * 3600 * 1000;
 /// A job's hang timeout: at least a second, at most a week.
 pub const MIN_HANG_TIMEOUT_MS: u64 = 1000;
 pub const MAX_HANG_TIMEOUT_MS: u64 = 7 * 24 * 3600 * 1000;
+/// A job's first restart backoff when it names none (`--restart-backoff`).
+pub const DEFAULT_RESTART_BACKOFF_MS: u64 = 1000;
+/// The longest a doubled restart backoff grows (as Kubernetes' crash-loop
+/// backoff), unless the job's first pause is longer.
+pub const MAX_RESTART_BACKOFF_MS: u64 = 5 * 60 * 1000;
+/// The longest first restart backoff a job may name.
+pub const MAX_FIRST_RESTART_BACKOFF_MS: u64 = 3600 * 1000;
 /// Where GPU containers get the driver volume: no job mounts there.
 pub const DRIVER_VOLUME_PATH: &str = "/usr/local/nvidia";

@@ -193,6 +193,28 @@ fn bad_job_specs_name_the_field() {
         ),
         (|s| s.checkpoint_dir = "/a:b".into(), "spec.checkpoint_dir"),
         (|s| s.checkpoint_dir = "/".into(), "spec.checkpoint_dir"),
+        (
+            |s| {
+                s.replicas = 2;
+                s.min_replicas = 3;
+            },
+            "spec.min_replicas",
+        ),
+        (
+            |s| s.restart_policy = "sometimes".into(),
+            "spec.restart_policy",
+        ),
+        (
+            |s| {
+                s.restart_policy = "never".into();
+                s.max_retries = 1;
+            },
+            "spec.max_retries",
+        ),
+        (
+            |s| s.restart_backoff_ms = Some(MAX_FIRST_RESTART_BACKOFF_MS + 1),
+            "spec.restart_backoff_ms",
+        ),
     ];
     for (mutate, field) in cases {
         let mut p = spec();
@@ -200,6 +222,57 @@ fn bad_job_specs_name_the_field() {
         let err = JobSpec::try_from(p).unwrap_err();
         assert_eq!(err.field, field, "{err}");
         assert!(err.to_string().contains(field), "{err}");
+    }
+}
+
+/// `--replicas MIN:MAX`, the restart policy and its backoff: to the spec
+/// and back; MIN equal to MAX is a fixed gang; the backoff doubles per
+/// retry up to 5 minutes (or the job's own first pause, if longer).
+#[test]
+fn elastic_replicas_and_restart_policy_go_to_the_spec_and_back() {
+    let mut p = spec();
+    p.replicas = 4;
+    p.min_replicas = 2;
+    p.restart_policy = "NEVER".into();
+    p.max_retries = 0;
+    p.restart_backoff_ms = Some(10_000);
+    let s = JobSpec::try_from(p.clone()).unwrap();
+    assert_eq!(
+        (s.min_replicas(), s.replicas(), s.is_elastic()),
+        (2, 4, true)
+    );
+    assert_eq!(s.restart_policy, RestartPolicy::Never);
+    let back = pb::JobSpec::from(s);
+    assert_eq!(
+        (
+            back.min_replicas,
+            back.restart_policy.as_str(),
+            back.restart_backoff_ms
+        ),
+        (2, "never", Some(10_000))
+    );
+    p.min_replicas = 4;
+    p.restart_policy = String::new();
+    let s = JobSpec::try_from(p).unwrap();
+    assert_eq!((s.min_replicas, s.is_elastic()), (None, false));
+    assert_eq!(s.restart_policy, RestartPolicy::Gang);
+    assert_eq!(pb::JobSpec::from(s).restart_policy, "");
+    let mut s = JobSpec::try_from(spec()).unwrap();
+    let pauses: Vec<u64> = (1..=11).map(|r| s.restart_backoff(r)).collect();
+    assert_eq!(
+        pauses,
+        [1, 2, 4, 8, 16, 32, 64, 128, 256, 300, 300].map(|x| x * 1000)
+    );
+    s.restart_backoff_ms = Some(0);
+    assert_eq!(s.restart_backoff(5), 0, "0: at once");
+    s.restart_backoff_ms = Some(MAX_FIRST_RESTART_BACKOFF_MS);
+    assert_eq!(s.restart_backoff(3), MAX_FIRST_RESTART_BACKOFF_MS);
+    assert_eq!(s.restart_backoff(u32::MAX), MAX_FIRST_RESTART_BACKOFF_MS);
+    // As written: N or MIN:MAX.
+    assert_eq!(parse_replicas("4"), Ok((4, 4)));
+    assert_eq!(parse_replicas(" 2 : 4 "), Ok((2, 4)));
+    for bad in ["0", "4:2", "1:", "a:b", "1:99999", ""] {
+        assert!(parse_replicas(bad).is_err(), "{bad}");
     }
 }
 

@@ -13,7 +13,7 @@
 //! `elastic_grow_after`, so that a cluster whose GPUs free one at a time
 //! does not restart a gang at each.
 
-use gpuctl_core::types::{JobId, JobState};
+use gpuctl_core::types::{JobId, JobState, RestartPolicy};
 
 use super::queue::QueueConfig;
 use super::{placement, policy_of, request, reservations, tenants, Pool};
@@ -32,6 +32,7 @@ pub fn growth(state: &State, cfg: &QueueConfig) -> Option<(JobId, u32)> {
         .values()
         .filter(|j| {
             j.spec.is_elastic()
+                && j.spec.restart_policy == RestartPolicy::Gang
                 && j.state == JobState::Running
                 && j.stopping.is_none()
                 && !j.cancel_requested

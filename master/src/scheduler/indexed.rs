@@ -399,7 +399,7 @@ mod tests {
             for a in &first {
                 apply(&mut s, job(a)).unwrap();
             }
-            let launches = place_direct(&s, PlacementPolicy::Bundle, false);
+            let launches = place_direct(&s, PlacementPolicy::Bundle, false, u64::MAX);
             let mut by_job: BTreeMap<String, Vec<Launch>> = BTreeMap::new();
             for l in launches {
                 by_job.entry(l.job_id.clone()).or_default().push(l);
@@ -411,7 +411,7 @@ mod tests {
                 apply(&mut s, job(a)).unwrap();
             }
             let scan = place(&s, &BTreeSet::new(), &BTreeMap::new());
-            let indexed = place_direct(&s, PlacementPolicy::Bundle, false);
+            let indexed = place_direct(&s, PlacementPolicy::Bundle, false, u64::MAX);
             prop_assert_eq!(&indexed, &scan);
             // And the placements hold: no GPU twice, each job's launch applies.
             prop_assert_eq!(gpus_of(&indexed).len(), indexed.iter().map(|l| l.gpu_uuids.len()).sum::<usize>());
@@ -484,7 +484,7 @@ mod tests {
         let mut run = |s: &mut State, a: &Ask| {
             idx += 1;
             s.apply(idx, &job(a)).unwrap();
-            let launches = place_direct(s, PlacementPolicy::Bundle, false);
+            let launches = place_direct(s, PlacementPolicy::Bundle, false, u64::MAX);
             idx += 1;
             s.apply(
                 idx,
@@ -560,7 +560,7 @@ mod tests {
             }),
         )
         .unwrap();
-        let placed = place_direct(&s, PlacementPolicy::Bundle, false);
+        let placed = place_direct(&s, PlacementPolicy::Bundle, false, u64::MAX);
         assert_eq!(placed.len(), 1);
         assert_eq!(placed[0].agent_id, "a05");
         // a05 leaves the zone: gone from its walk, in the other's.

@@ -431,14 +431,17 @@ pub const MAX_LAUNCHES_PER_ROUND: usize = 2048;
 /// engine with its policy, constraints and GPU topology on what the jobs
 /// before it left; a gang's `replicas` launches together, in rank order.
 /// At most [`MAX_LAUNCHES_PER_ROUND`] launches (a gang is never cut).
+/// Jobs in their restart backoff at `now_ms` (the leader's wall clock)
+/// are left out.
 pub fn place_in(
     state: &State,
     available: &BTreeMap<String, Available>,
     default_policy: PlacementPolicy,
     fair: bool,
+    now_ms: u64,
 ) -> Vec<Launch> {
     let mut pool = Pool::from_available(state, available);
-    place_on(state, &mut pool, default_policy, fair)
+    place_on(state, &mut pool, default_policy, fair, now_ms)
 }
 
 /// Placements for queued jobs on what the state says is free, found
@@ -446,9 +449,14 @@ pub fn place_in(
 /// own round when no other framework wants offers. The same placements as
 /// [`place_in`] offered everything free, at a cost that does not grow with
 /// the cluster for jobs of whole GPUs.
-pub fn place_direct(state: &State, default_policy: PlacementPolicy, fair: bool) -> Vec<Launch> {
+pub fn place_direct(
+    state: &State,
+    default_policy: PlacementPolicy,
+    fair: bool,
+    now_ms: u64,
+) -> Vec<Launch> {
     let mut room = indexed::IndexRoom::new(state, default_policy);
-    place_on(state, &mut room, default_policy, fair)
+    place_on(state, &mut room, default_policy, fair, now_ms)
 }
 
 /// Where a round's jobs may go, and what each placement takes from it:
@@ -498,6 +506,7 @@ fn place_on<'s>(
     room: &mut impl Room<'s>,
     default_policy: PlacementPolicy,
     fair: bool,
+    now_ms: u64,
 ) -> Vec<Launch> {
     let reserved = reservations(state);
     let mut out = Vec::new();
@@ -514,7 +523,7 @@ fn place_on<'s>(
             .collect()
     };
     let shares = (fair && queue::may_reclaim(state)).then(|| tenants::fair_shares(state));
-    for job in queue_order(state, shares.as_ref()) {
+    for job in queue_order(state, shares.as_ref(), now_ms) {
         if out.len() >= MAX_LAUNCHES_PER_ROUND {
             break;
         }
@@ -583,7 +592,18 @@ pub fn place_with(
     offered: &BTreeMap<String, Resources>,
     fair: bool,
 ) -> Vec<Launch> {
-    let available: BTreeMap<String, Available> = active_agents(state)
+    let available = available(state, offered_gpus, offered);
+    // Tests: every backoff has passed.
+    place_in(state, &available, PlacementPolicy::Bundle, fair, u64::MAX)
+}
+
+/// What each active agent has free, less what is offered to frameworks.
+fn available(
+    state: &State,
+    offered_gpus: &BTreeSet<String>,
+    offered: &BTreeMap<String, Resources>,
+) -> BTreeMap<String, Available> {
+    active_agents(state)
         .map(|a| {
             let o = offered.get(&a.info.id).copied().unwrap_or_default();
             let gpus = devices(&a.info.gpus)
@@ -604,8 +624,7 @@ pub fn place_with(
                 },
             )
         })
-        .collect();
-    place_in(state, &available, PlacementPolicy::Bundle, fair)
+        .collect()
 }
 
 /// The queued jobs in the order they are placed: by priority, then age
@@ -617,8 +636,11 @@ pub fn place_with(
 pub fn queue_order<'s>(
     state: &'s State,
     shares: Option<&BTreeMap<String, tenants::FairShare>>,
+    now_ms: u64,
 ) -> Vec<&'s JobRecord> {
     let mut q = state.queued_jobs();
+    // Jobs in their restart backoff wait it out.
+    q.retain(|j| j.not_before_ms <= now_ms);
     if let Some(shares) = shares {
         let below = |j: &JobRecord| {
             shares
@@ -1074,6 +1096,100 @@ mod tests {
         assert_eq!(launches.iter().filter(|l| l.job_id == "job-2").count(), 3);
     }
 
+    /// A failed attempt is restarted after its backoff (doubling), the
+    /// queue says why it waits meanwhile, and `never` fails it at once.
+    #[test]
+    fn a_failed_job_restarts_after_its_backoff_and_never_means_never() {
+        use crate::state::testkit::status;
+        use gpuctl_core::types::{JobState, RestartPolicy, TaskState};
+        let retried = |policy: RestartPolicy, retries: u32| {
+            let Command::SubmitJob {
+                mut spec,
+                at_ms,
+                request_id,
+            } = job(1, false)
+            else {
+                unreachable!()
+            };
+            spec.max_retries = retries;
+            spec.restart_policy = policy;
+            spec.restart_backoff_ms = Some(5_000);
+            Command::SubmitJob {
+                spec,
+                at_ms,
+                request_id,
+            }
+        };
+        let mut s = state(vec![
+            agent("a", 2, both()),
+            retried(RestartPolicy::Gang, 2),
+            retried(RestartPolicy::Never, 0),
+        ]);
+        let fail = |s: &mut State, task: &str, at_ms: u64| {
+            let mut update = status("a", task, TaskState::Failed);
+            update.exit_code = Some(1);
+            s.apply(50, &Command::UpdateTaskStatus { update, at_ms })
+                .unwrap();
+        };
+        let launch_at = |s: &mut State, now_ms: u64| {
+            let launches = place_in(
+                s,
+                &available(s, &BTreeSet::new(), &BTreeMap::new()),
+                PlacementPolicy::Bundle,
+                false,
+                now_ms,
+            );
+            let jobs: BTreeSet<String> = launches.iter().map(|l| l.job_id.clone()).collect();
+            if !launches.is_empty() {
+                s.apply(
+                    40,
+                    &Command::LaunchTasks {
+                        launches,
+                        at_ms: now_ms,
+                    },
+                )
+                .unwrap();
+            }
+            jobs
+        };
+        assert_eq!(launch_at(&mut s, 1_000).len(), 2);
+        fail(&mut s, "job-1.0", 10_000);
+        fail(&mut s, "job-2.0", 10_000);
+        assert_eq!(s.job("job-2").unwrap().state, JobState::Failed, "never");
+        let j = s.job("job-1").unwrap();
+        assert_eq!(
+            (j.state, j.retries, j.not_before_ms),
+            (JobState::Queued, 1, 15_000)
+        );
+        let retrying = j
+            .events
+            .iter()
+            .find(|e| e.kind.as_str() == "Retrying")
+            .unwrap();
+        assert!(
+            retrying.message.ends_with("retry 1 of 2 in 5s"),
+            "{}",
+            retrying.message
+        );
+        // Not before its backoff; the queue says so.
+        assert!(launch_at(&mut s, 14_999).is_empty());
+        let cfg = queue::QueueConfig {
+            now_ms: 14_999,
+            ..Default::default()
+        };
+        assert_eq!(
+            queue::wait_reason(&s, &cfg, "job-1").unwrap().reason,
+            reason::WaitReason::Backoff { until_ms: 15_000 }
+        );
+        assert_eq!(launch_at(&mut s, 15_000).len(), 1);
+        // The second failure waits twice as long.
+        fail(&mut s, "job-1.1", 20_000);
+        assert_eq!(s.job("job-1").unwrap().not_before_ms, 30_000);
+        assert!(launch_at(&mut s, 29_000).is_empty());
+        assert_eq!(launch_at(&mut s, 30_000).len(), 1);
+        assert_eq!(s.job("job-1").unwrap().not_before_ms, 0);
+    }
+
     #[test]
     fn place_in_uses_only_what_was_offered() {
         let s = state(vec![
@@ -1096,7 +1212,7 @@ mod tests {
                 shared: Vec::new(),
             },
         )]);
-        let l = place_in(&s, &available, PlacementPolicy::Bundle, false);
+        let l = place_in(&s, &available, PlacementPolicy::Bundle, false, u64::MAX);
         assert_eq!(
             l.len(),
             1,
@@ -1107,6 +1223,13 @@ mod tests {
             l[0].gpu_uuids,
             vec!["GPU-b-2".to_string(), "GPU-b-3".to_string()]
         );
-        assert!(place_in(&s, &BTreeMap::new(), PlacementPolicy::Bundle, false).is_empty());
+        assert!(place_in(
+            &s,
+            &BTreeMap::new(),
+            PlacementPolicy::Bundle,
+            false,
+            u64::MAX
+        )
+        .is_empty());
     }
 }

@@ -129,7 +129,20 @@ pub fn plan(state: &State, cfg: &QueueConfig) -> QueuePlan {
         misses: Default::default(),
     };
     let mut out = QueuePlan::default();
-    for job in super::queue_order(state, ctx.shares.as_ref()) {
+    for job in state.queued_jobs() {
+        if job.not_before_ms > cfg.now_ms {
+            out.reasons.insert(
+                job.id.clone(),
+                Waiting {
+                    reason: WaitReason::Backoff {
+                        until_ms: job.not_before_ms,
+                    },
+                    requeued: requeued(job),
+                },
+            );
+        }
+    }
+    for job in super::queue_order(state, ctx.shares.as_ref(), cfg.now_ms) {
         let reason = pass_job(&ctx, &mut walk, job, &mut out);
         out.reasons.insert(
             job.id.clone(),

@@ -309,7 +309,7 @@ async fn handle_offers(
             a.gpus.extend(o.gpu_uuids.iter().cloned());
             a.shared.extend(o.shares.iter().map(|s| s.gpu_uuid.clone()));
         }
-        place_in(&state, &available, default_policy, fair)
+        place_in(&state, &available, default_policy, fair, now_ms())
     };
     // A full round: more jobs may fit what is left of these offers.
     let capped = launches.len() >= MAX_LAUNCHES_PER_ROUND;
@@ -339,7 +339,7 @@ async fn place_direct_round(
         if !state.has_queued() {
             return false;
         }
-        crate::scheduler::place_direct(&state, default_policy, fair)
+        crate::scheduler::place_direct(&state, default_policy, fair, now_ms())
     };
     if launches.is_empty() {
         return false;

@@ -312,6 +312,10 @@ mod tests {
             priority: i32::MIN,
             replicas: MAX_REPLICAS,
             min_replicas: MAX_REPLICAS - 1,
+            // "never" is a letter longer but refuses max_retries, whose
+            // varint is longer; the longest backoff.
+            restart_policy: "gang".into(),
+            restart_backoff_ms: Some(gpuctl_core::convert::MAX_FIRST_RESTART_BACKOFF_MS),
             max_retries: MAX_RETRIES,
             no_requeue: true,
             no_fence: true,

@@ -126,7 +126,7 @@ fn a_gang_names_each_rank_and_a_failure_says_the_exit_code_and_retry() {
         (ev[3].0, ev[3].1.as_str(), ev[3].2),
         (
             EventKind::Retrying,
-            "rank 1 of 2: task job-1.1 exited with code 3; retry 1 of 1",
+            "rank 1 of 2: task job-1.1 exited with code 3; retry 1 of 1 in 1s",
             6
         )
     );
@@ -283,7 +283,7 @@ fn an_agent_unreachable_then_back_then_lost() {
         "{}",
         ev[6].1
     );
-    assert!(ev[6].1.ends_with("; retry 1 of 1"), "{}", ev[6].1);
+    assert!(ev[6].1.ends_with("; retry 1 of 1 in 1s"), "{}", ev[6].1);
 }
 
 #[test]

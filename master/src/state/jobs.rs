@@ -11,7 +11,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use gpuctl_core::types::{JobState, TaskState};
+use gpuctl_core::types::{JobState, RestartPolicy, TaskState};
 
 use super::events::EventKind;
 use super::fit::{Pending, Wants};
@@ -89,6 +89,7 @@ impl State {
             job.updated_at_ms = at_ms;
             job.preempted_by = None;
             job.stopping = None;
+            job.not_before_ms = 0;
             let resources = job.spec.resources;
             let fraction = job.spec.placement.fraction;
             // A fraction shares its GPU: it is counted from the tasks
@@ -241,7 +242,8 @@ impl State {
             } else {
                 Stopping::Failed {
                     message: message.clone(),
-                    retry: job.retries < job.spec.max_retries,
+                    retry: job.retries < job.spec.max_retries
+                        && job.spec.restart_policy == RestartPolicy::Gang,
                 }
             };
             let others: Vec<String> = current
@@ -330,11 +332,20 @@ impl State {
                     retry: true,
                 }) => {
                     job.retries += 1;
+                    let pause = job.spec.restart_backoff(job.retries);
+                    // 0: at once, whatever the placer's clock says.
+                    job.not_before_ms = if pause == 0 {
+                        0
+                    } else {
+                        at_ms.saturating_add(pause)
+                    };
                     event = Some((
                         EventKind::Retrying,
                         format!(
-                            "{message}; retry {} of {}",
-                            job.retries, job.spec.max_retries
+                            "{message}; retry {} of {} in {}s",
+                            job.retries,
+                            job.spec.max_retries,
+                            pause as f64 / 1000.0
                         ),
                     ));
                     (JobState::Queued, message)
@@ -798,6 +809,7 @@ impl State {
                 image_requires: Vec::new(),
                 events: Default::default(),
                 world: 0,
+                not_before_ms: 0,
             },
         );
         self.job_event(

@@ -153,6 +153,14 @@ pub struct JobRecord {
     /// elastic gangs).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub world: u32,
+    /// A job queued again after a failure is not placed before this (the
+    /// leader's wall clock, ms): its restart backoff. 0: at once.
+    #[serde(default, skip_serializing_if = "is_zero_u64")]
+    pub not_before_ms: u64,
+}
+
+fn is_zero_u64(n: &u64) -> bool {
+    *n == 0
 }
 
 fn is_zero(n: &u32) -> bool {

@@ -526,7 +526,7 @@ fn higher_priority_is_placed_first() {
     assert_eq!(h.s.jobs()[&low].state, JobState::Queued);
     // Offers name only some agents: place_in keeps to them.
     let none: BTreeMap<String, Available> = BTreeMap::new();
-    assert!(place_in(&h.s, &none, PlacementPolicy::Bundle, false).is_empty());
+    assert!(place_in(&h.s, &none, PlacementPolicy::Bundle, false, u64::MAX).is_empty());
 }
 
 #[test]
@@ -568,6 +568,8 @@ fn retried_jobs_say_so_and_keep_their_place() {
     let mut spec = JobSpec::new("j", vec!["x".into()], Resources::default());
     spec.resources.gpus = 1;
     spec.max_retries = 2;
+    // Restarted at once (the backoff's own test: scheduler::tests).
+    spec.restart_backoff_ms = Some(0);
     let j = match h.apply(Command::SubmitJob {
         spec,
         at_ms: 0,
