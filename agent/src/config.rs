@@ -322,6 +322,19 @@ pub struct Options {
     /// restarts).
     #[arg(long, env = "GPUCTL_AGENT_GPU_MAX_RESETS", default_value_t = 3)]
     pub gpu_max_resets: u32,
+    /// What a job's preflight (`--preflight`) runs per GPU besides the
+    /// NVML checks: a command and its arguments, `{uuid}` and `{index}`
+    /// replaced (e.g. a tiny CUDA or NCCL test, a memory test); it fails
+    /// the GPU by exiting non-zero. "none": the NVML checks only.
+    #[arg(long, env = "GPUCTL_AGENT_PREFLIGHT_COMMAND", default_value = "none")]
+    pub preflight_command: String,
+    /// How long the preflight command may run per GPU.
+    #[arg(
+        long,
+        env = "GPUCTL_AGENT_PREFLIGHT_TIMEOUT_SECS",
+        default_value_t = 60.0
+    )]
+    pub preflight_timeout_secs: f64,
     /// Serve Prometheus metrics at http://HOST:PORT/metrics.
     #[arg(long, env = "GPUCTL_AGENT_METRICS_LISTEN")]
     pub metrics_listen: Option<SocketAddr>,
@@ -432,6 +445,8 @@ struct FileOptions {
     health_node_xids: Option<String>,
     gpu_reset_command: Option<String>,
     gpu_max_resets: Option<u32>,
+    preflight_command: Option<String>,
+    preflight_timeout_secs: Option<f64>,
     metrics_listen: Option<SocketAddr>,
     stop_tasks_on_shutdown: Option<bool>,
     task_user: Option<String>,
@@ -544,6 +559,8 @@ impl Options {
             fill!(health_node_xids);
             fill!(gpu_reset_command);
             fill!(gpu_max_resets);
+            fill!(preflight_command);
+            fill!(preflight_timeout_secs);
             fill!(opt metrics_listen);
             fill!(stop_tasks_on_shutdown);
             fill!(task_user);
@@ -597,6 +614,8 @@ impl Options {
             node_xids: parse_xids("health_node_xids", &self.health_node_xids)?,
             reset_command: parse_reset_command(&self.gpu_reset_command)?,
             max_resets: self.gpu_max_resets,
+            preflight_command: parse_preflight_command(&self.preflight_command),
+            preflight_timeout: secs("preflight_timeout_secs", self.preflight_timeout_secs, 0.1)?,
         };
         let mut attributes = std::collections::BTreeMap::new();
         for a in &self.attributes {
@@ -812,6 +831,14 @@ pub fn parse_xids(field: &str, s: &str) -> Result<std::collections::BTreeSet<u64
                 .map_err(|_| AgentError::Config(format!("{field}: {p:?} is not an XID number")))
         })
         .collect()
+}
+
+/// The preflight command, split on spaces; `none` (or nothing): none.
+pub fn parse_preflight_command(s: &str) -> Vec<String> {
+    if s.trim().eq_ignore_ascii_case("none") {
+        return Vec::new();
+    }
+    s.split_whitespace().map(str::to_string).collect()
 }
 
 /// The reset command, split on spaces; `none`: no resets.

@@ -389,7 +389,14 @@ pub async fn serve(
         }
         _ => None,
     };
+    // Health checks run on NVML GPUs only: simulated ones cannot fail.
+    let health_on = !simulated && !discovery.gpus.is_empty();
+    let (preflight_tx, preflight_rx) = std::sync::mpsc::channel();
     let isolation_setup = executor::IsolationSetup {
+        preflight: health_on.then(|| gpu::health::PreflightTx {
+            tx: preflight_tx,
+            timeout: config.health.preflight_timeout,
+        }),
         cap_socket,
         cap_runtime,
         memcap,
@@ -410,11 +417,10 @@ pub async fn serve(
     };
     let gpus = discovery.gpus;
 
-    // Health checks run on NVML GPUs only: simulated ones cannot fail.
     let health_stop = Arc::new(AtomicBool::new(false));
     let (health_tx, health_rx) = watch::channel(gpu::health::Snapshot::default());
     let executor_for_health: Arc<std::sync::OnceLock<Arc<executor::Executor>>> = Arc::default();
-    if !simulated && !gpus.is_empty() {
+    if health_on {
         tracing::info!(
             interval_secs = config.health.interval.as_secs_f64(),
             recovery_secs = config.health.recovery.as_secs_f64(),
@@ -448,6 +454,7 @@ pub async fn serve(
             Some(tasks),
             busy,
             health_tx,
+            preflight_rx,
             health_stop.clone(),
         )
         .map_err(AgentError::HealthThread)?;

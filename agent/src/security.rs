@@ -543,6 +543,7 @@ mod tests {
             no_fence: false,
             security,
             hang_timeout_ms: None,
+            preflight: false,
         }
     }
 

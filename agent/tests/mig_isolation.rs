@@ -310,6 +310,7 @@ async fn a_mig_container_gets_its_caps_and_passes_the_device_check() {
             stop_grace_ms: None,
             checkpoint_dir: None,
             hang_timeout_ms: None,
+            preflight: false,
             task_id: id.clone(),
             job_id: "job-mig".into(),
             framework_id: String::new(),

@@ -66,6 +66,7 @@ impl Task {
                 no_fence: false,
                 security: Default::default(),
                 hang_timeout_ms: None,
+                preflight: false,
             },
             agent_id: "agent-proc-test".to_string(),
             env: BTreeMap::from([("GPUCTL_TASK_ID".to_string(), task_id.to_string())]),

@@ -660,6 +660,10 @@ pub struct JobSpec {
     /// `None`: [`crate::convert::DEFAULT_RESTART_BACKOFF_MS`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub restart_backoff_ms: Option<u64>,
+    /// Its GPUs are checked by their agent before its tasks start
+    /// (`--preflight`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub preflight: bool,
 }
 
 /// What a failed task of a job leads to (`--restart-policy`).
@@ -1005,6 +1009,7 @@ impl JobSpec {
             min_replicas: None,
             restart_policy: RestartPolicy::Gang,
             restart_backoff_ms: None,
+            preflight: false,
         }
     }
 
@@ -1092,6 +1097,9 @@ pub struct TaskSpec {
     /// The job's `hang_timeout_ms`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hang_timeout_ms: Option<u64>,
+    /// The job's `preflight`: its agent checks its GPUs before it starts.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub preflight: bool,
 }
 
 /// Why the master wants a task stopped, as its agent tells the task in its

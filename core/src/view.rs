@@ -92,6 +92,8 @@ pub struct JobJson {
     /// `--restart-backoff` in ms; `null`: the default (1 s).
     #[serde(default)]
     pub restart_backoff_ms: Option<u64>,
+    /// `--preflight`: its GPUs are checked before its tasks start.
+    pub preflight: bool,
     pub max_retries: u32,
     /// Failed attempts started again so far.
     pub retries: u32,
@@ -264,6 +266,7 @@ impl From<&pb::Job> for JobJson {
                 spec.restart_policy.clone()
             },
             restart_backoff_ms: spec.restart_backoff_ms,
+            preflight: spec.preflight,
             max_retries: spec.max_retries,
             retries: j.retries,
             no_requeue: spec.no_requeue,

@@ -518,6 +518,7 @@ fn the_health_probe_reads_each_mig_device_as_nvml_lists_it() {
         None,
         Box::new(Default::default),
         tx,
+        std::sync::mpsc::channel().1,
         stop.clone(),
     )
     .unwrap();

@@ -22,6 +22,10 @@ use crate::task_users;
 
 use super::*;
 
+/// What a preflight may take beyond its commands: the health thread
+/// answers between two probes, and NVML's checks are quick.
+const PREFLIGHT_SLACK: std::time::Duration = std::time::Duration::from_secs(30);
+
 impl Executor {
     /// Decides the task's final status once: checkpointed first, then sent
     /// until acknowledged (again by the next agent process if need be).
@@ -219,6 +223,33 @@ impl Executor {
         outcome
     }
 
+    /// The task's preflight (`--preflight`) by the GPU health thread; `Err`
+    /// says which GPU failed and why (it has been withdrawn). Without
+    /// health checks here it is skipped, and the log says so.
+    async fn preflight(&self, spec: &TaskSpec) -> Result<(), String> {
+        let Some(tx) = &self.isolation.preflight else {
+            tracing::warn!(task_id = %spec.task_id, "preflight asked, but this agent has no GPU health checks (no NVML): skipped");
+            return Ok(());
+        };
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        let request = crate::gpu::health::PreflightRequest {
+            devices: spec.gpu_uuids.clone(),
+            reply,
+        };
+        if tx.tx.send(request).is_err() {
+            return Err("preflight: the GPU health checks have stopped".into());
+        }
+        // Each device's command may take its timeout; NVML's checks are
+        // quick. A health thread that does not answer fails it.
+        let n = u32::try_from(spec.gpu_uuids.len()).unwrap_or(u32::MAX);
+        let bound = PREFLIGHT_SLACK + tx.timeout.saturating_mul(n);
+        match tokio::time::timeout(bound, answer).await {
+            Ok(Ok(result)) => result,
+            Ok(Err(_)) => Err("preflight: the GPU health checks have stopped".into()),
+            Err(_) => Err(format!("preflight: no answer within {bound:?}")),
+        }
+    }
+
     /// Prepares and starts a task; `Err` with its final outcome when it
     /// ends before it ran.
     pub(super) async fn start(
@@ -239,6 +270,12 @@ impl Executor {
             .is_some_and(|c| c.expired_at(checkpoint::wall_ms()));
         if fenced && !spec.no_fence {
             return Err(Outcome::refused(&StopReason::Fenced, fence_ms));
+        }
+        if spec.preflight && !spec.gpu_uuids.is_empty() {
+            self.preflight(spec).await.map_err(|why| {
+                tracing::warn!(task_id, reason = %why, "preflight failed: the task does not start");
+                Outcome::refused(&StopReason::GpuFailed(why), fence_ms)
+            })?;
         }
         self.checkpoint_spec(spec)
             .map_err(|e| Outcome::failed(format!("checkpoint: {e}")))?;

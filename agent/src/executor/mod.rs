@@ -132,6 +132,10 @@ pub struct IsolationSetup {
     /// The Docker runtime that adds the cap hook (`gpuctl`, registered
     /// with dockerd); `None`: off.
     pub cap_runtime: Option<String>,
+    /// Where a task's preflight is asked for (the GPU health thread);
+    /// `None`: no health checks here (simulated GPUs, no NVML), so a
+    /// job's preflight is skipped, with a warning in the agent's log.
+    pub preflight: Option<crate::gpu::health::PreflightTx>,
 }
 
 pub struct Executor {
@@ -543,6 +547,7 @@ impl Executor {
                             stop_grace_ms: None,
                             checkpoint_dir: None,
                             hang_timeout_ms: None,
+                            preflight: false,
                             task_id: task_id.clone(),
                             job_id: String::new(),
                             framework_id: String::new(),

@@ -220,6 +220,7 @@ mod tests {
             no_fence: false,
             security: Default::default(),
             hang_timeout_ms: None,
+            preflight: false,
         }
     }
 

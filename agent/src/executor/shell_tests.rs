@@ -198,6 +198,7 @@ fn harness_with(
             )),
             cap_socket: None,
             cap_runtime: None,
+            preflight: None,
         },
         tx,
     );
@@ -225,6 +226,7 @@ fn spec(id: &str) -> TaskSpec {
         no_fence: false,
         security: Default::default(),
         hang_timeout_ms: None,
+        preflight: false,
     }
 }
 

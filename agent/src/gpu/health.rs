@@ -49,6 +49,11 @@ pub struct HealthConfig {
     pub reset_command: Vec<String>,
     /// Resets of one GPU before it stays out of service.
     pub max_resets: u32,
+    /// A job's preflight also runs this per device (`{uuid}`, `{index}`
+    /// replaced; a tiny CUDA or NCCL test, a memory test); empty: none.
+    pub preflight_command: Vec<String>,
+    /// How long the preflight command may take.
+    pub preflight_timeout: Duration,
 }
 
 impl Default for HealthConfig {
@@ -62,8 +67,26 @@ impl Default for HealthConfig {
                 .map(String::from)
                 .to_vec(),
             max_resets: 3,
+            preflight_command: Vec::new(),
+            preflight_timeout: Duration::from_secs(60),
         }
     }
+}
+
+/// A task's preflight (`--preflight`): check these devices (GPUs or MIG
+/// devices of this agent) before it starts. The answer is `Err` with why
+/// when one failed; that GPU has then been withdrawn (see [`preflight`]).
+pub struct PreflightRequest {
+    pub devices: Vec<String>,
+    pub reply: tokio::sync::oneshot::Sender<Result<(), String>>,
+}
+
+/// Where the executor sends preflight requests: the health thread, which
+/// owns NVML and the GPUs' health; `timeout` is the command's per device.
+#[derive(Clone)]
+pub struct PreflightTx {
+    pub tx: std::sync::mpsc::Sender<PreflightRequest>,
+    pub timeout: Duration,
 }
 
 /// What a critical XID calls for, after the "immediate action" of NVIDIA's
@@ -375,6 +398,27 @@ impl Tracker {
         self.fault(uuid, format!("{what}: {}", action.words()))
     }
 
+    /// Withdraws a GPU that failed a job's preflight: out of service until
+    /// a reset (when resets are configured) and the probe after it pass,
+    /// as for an XID that calls for a reset.
+    pub fn withdraw(&mut self, uuid: &str, reason: String) -> bool {
+        if let Some(t) = self.find(uuid) {
+            if !t.stays_out {
+                t.needs_reset = true;
+            }
+        }
+        self.fault(uuid, reason)
+    }
+
+    /// The GPU a device is or belongs to (a MIG device: its parent, as
+    /// the last probe listed it): its UUID, index, health and reason.
+    fn gpu_of(&self, device: &str) -> Option<&GpuHealth> {
+        self.gpus
+            .iter()
+            .map(|t| &t.health)
+            .find(|h| h.uuid == device || h.mig.iter().any(|m| m.uuid == device))
+    }
+
     /// GPUs waiting for a reset that may still have one.
     pub fn to_reset(&self) -> Vec<(String, u32)> {
         self.gpus
@@ -640,6 +684,19 @@ const RESET_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// Runs the reset command for one GPU; `Err` says why it failed.
 fn run_reset(command: &[String], uuid: &str, index: u32) -> Result<(), String> {
+    run_gpu_command(command, uuid, index, RESET_TIMEOUT)
+}
+
+/// Runs an operator's command for one device (`{uuid}` and `{index}`
+/// replaced), at most `timeout`; `Err` says how it failed, with the end of
+/// what it printed (stdout and stderr together, as a terminal shows them).
+fn run_gpu_command(
+    command: &[String],
+    uuid: &str,
+    index: u32,
+    timeout: Duration,
+) -> Result<(), String> {
+    use std::io::Read;
     let args: Vec<String> = command
         .iter()
         .map(|a| {
@@ -648,29 +705,54 @@ fn run_reset(command: &[String], uuid: &str, index: u32) -> Result<(), String> {
         })
         .collect();
     let Some((program, rest)) = args.split_first() else {
-        return Err("no reset command".into());
+        return Err("no command".into());
     };
+    // Close-on-exec: no other child spawned meanwhile keeps it open.
+    let (reader, writer) =
+        nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| format!("pipe: {e}"))?;
+    let writer2 = writer.try_clone().map_err(|e| format!("pipe: {e}"))?;
+    let reader = std::fs::File::from(reader);
+    // The builder, and with it this side's write ends, is dropped once
+    // spawned: the reader ends when the command (and what it left) does.
     let mut child = std::process::Command::new(program)
         .args(rest)
         .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
+        .stdout(writer)
+        .stderr(writer2)
         .spawn()
         .map_err(|e| format!("{program}: {e}"))?;
-    let deadline = Instant::now() + RESET_TIMEOUT;
+    // Read on a thread of its own so that a chatty command never blocks
+    // on a full pipe; only the last bytes are kept.
+    let printed = Arc::new(std::sync::Mutex::new(Vec::<u8>::new()));
+    let sink = printed.clone();
+    std::thread::spawn(move || {
+        let mut reader = reader;
+        let mut buf = [0u8; 4096];
+        while let Ok(n) = reader.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+            let mut out = sink.lock().unwrap_or_else(|p| p.into_inner());
+            out.extend_from_slice(&buf[..n]);
+            let excess = out.len().saturating_sub(OUTPUT_KEPT);
+            out.drain(..excess);
+        }
+    });
+    let tail = |printed: &std::sync::Mutex<Vec<u8>>| {
+        let out = printed.lock().unwrap_or_else(|p| p.into_inner());
+        String::from_utf8_lossy(&out).trim().to_string()
+    };
+    let deadline = Instant::now() + timeout;
     loop {
         match child.try_wait() {
             Ok(Some(status)) if status.success() => return Ok(()),
             Ok(Some(status)) => {
-                let mut err = String::new();
-                if let Some(mut e) = child.stderr.take() {
-                    use std::io::Read;
-                    let _ = e.read_to_string(&mut err);
-                }
+                // What it printed last arrives just after its exit.
+                std::thread::sleep(Duration::from_millis(50));
                 return Err(format!(
                     "{} exited with {status}: {}",
                     args.join(" "),
-                    err.trim()
+                    tail(&printed)
                 ));
             }
             Ok(None) if Instant::now() < deadline => {
@@ -679,17 +761,77 @@ fn run_reset(command: &[String], uuid: &str, index: u32) -> Result<(), String> {
             Ok(None) => {
                 let _ = child.kill();
                 let _ = child.wait();
-                return Err(format!("{} took over {RESET_TIMEOUT:?}", args.join(" ")));
+                return Err(format!(
+                    "{} took over {timeout:?}: {}",
+                    args.join(" "),
+                    tail(&printed)
+                ));
             }
             Err(e) => return Err(format!("{program}: {e}")),
         }
     }
 }
 
+/// What is kept of a command's output for a GPU's reason.
+const OUTPUT_KEPT: usize = 400;
+
+/// A task's preflight of `devices` (see [`PreflightRequest`]): each one's
+/// GPU must be in service, pass an NVML probe, have no memory pages
+/// waiting for retirement (where NVML tells), and pass the operator's
+/// command. The first that fails is withdrawn ([`Tracker::withdraw`]) and
+/// named in the answer.
+fn preflight(
+    nvml: &Nvml,
+    tracker: &mut Tracker,
+    command: &[String],
+    timeout: Duration,
+    devices: &[String],
+) -> Result<(), String> {
+    for device in devices {
+        let Some(gpu) = tracker.gpu_of(device) else {
+            return Err(format!("preflight: {device} is not a GPU of this agent"));
+        };
+        let (uuid, index) = (gpu.uuid.clone(), gpu.index);
+        if !gpu.healthy {
+            return Err(format!(
+                "preflight: GPU {index} ({uuid}) is out of service: {}",
+                gpu.reason
+            ));
+        }
+        let failed = match probe_device(nvml, &uuid, None).0 {
+            Probe::Failed(why) => Some(why),
+            Probe::Passed(_) => None,
+        }
+        .or_else(|| {
+            let dev = nvml.device_by_uuid(uuid.as_str()).ok()?;
+            // Newer GPUs remap rows instead and answer NOT_SUPPORTED.
+            dev.are_pages_pending_retired()
+                .ok()
+                .filter(|pending| *pending)
+                .map(|_| {
+                    "memory pages are waiting for retirement (a reset retires them)".to_string()
+                })
+        })
+        .or_else(|| {
+            if command.is_empty() {
+                return None;
+            }
+            run_gpu_command(command, device, index, timeout).err()
+        });
+        if let Some(why) = failed {
+            let reason = format!("preflight failed: {why}");
+            tracker.withdraw(&uuid, reason.clone());
+            return Err(format!("{reason} (GPU {index}, {uuid}: withdrawn)"));
+        }
+    }
+    Ok(())
+}
+
 /// Runs the checks on a thread until `stop` is set, publishing every change
 /// (health or sample) on `tx`. With `tasks`, each sample also carries the
 /// memory each task's processes use on the GPU. A GPU that needs a reset
 /// gets it once `busy` no longer names it and NVML lists no process on it.
+#[allow(clippy::too_many_arguments)]
 pub fn spawn(
     nvml_lib: Option<PathBuf>,
     gpus: Vec<GpuInfo>,
@@ -697,11 +839,12 @@ pub fn spawn(
     tasks: Option<procs::Attribution>,
     busy: Busy,
     tx: watch::Sender<Snapshot>,
+    preflights: std::sync::mpsc::Receiver<PreflightRequest>,
     stop: Arc<AtomicBool>,
 ) -> std::io::Result<std::thread::JoinHandle<()>> {
     std::thread::Builder::new()
         .name("gpu-health".into())
-        .spawn(move || run(nvml_lib, gpus, config, tasks, busy, tx, stop))
+        .spawn(move || run(nvml_lib, gpus, config, tasks, busy, tx, preflights, stop))
 }
 
 /// Resets the GPUs that need it and are idle, and probes each after.
@@ -735,6 +878,7 @@ fn reset_idle(
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn run(
     nvml_lib: Option<PathBuf>,
     gpus: Vec<GpuInfo>,
@@ -742,10 +886,13 @@ fn run(
     tasks: Option<procs::Attribution>,
     busy: Busy,
     tx: watch::Sender<Snapshot>,
+    preflights: std::sync::mpsc::Receiver<PreflightRequest>,
     stop: Arc<AtomicBool>,
 ) {
     let interval = config.interval;
     let reset_command = config.reset_command.clone();
+    let (preflight_command, preflight_timeout) =
+        (config.preflight_command.clone(), config.preflight_timeout);
     let mut tracker = Tracker::new(config, &gpus);
     tx.send_replace(tracker.snapshot());
     let init = || match &nvml_lib {
@@ -775,6 +922,22 @@ fn run(
     let mut wait_failed = false;
     let mut next_probe = Instant::now();
     while !stop.load(Ordering::Relaxed) {
+        // Tasks waiting to start on their preflight come first.
+        let mut answered = false;
+        while let Ok(req) = preflights.try_recv() {
+            let result = preflight(
+                &nvml,
+                &mut tracker,
+                &preflight_command,
+                preflight_timeout,
+                &req.devices,
+            );
+            let _ = req.reply.send(result);
+            answered = true;
+        }
+        if answered {
+            tx.send_replace(tracker.snapshot());
+        }
         let now = Instant::now();
         if now >= next_probe {
             let cgroups = tasks.as_ref().map(|t| (t.cgroups)());
@@ -1118,6 +1281,32 @@ mod tests {
             now
         ));
         assert!(t.probe("GPU-0", Probe::Passed(sample()), now));
+    }
+
+    /// A GPU that failed a job's preflight is out until a reset and the
+    /// probe after it pass: passing probes alone do not bring it back.
+    #[test]
+    fn a_preflight_failure_withdraws_the_gpu_until_a_reset() {
+        let (mut t, now) = tracker(0);
+        assert!(t.withdraw("GPU-0", "preflight failed: memtest".into()));
+        assert_eq!(t.snapshot().faults()["GPU-0"], "preflight failed: memtest");
+        assert!(!t.probe("GPU-0", Probe::Passed(sample()), now + secs(60)));
+        assert_eq!(t.to_reset(), vec![("GPU-0".to_string(), 0)]);
+        assert!(t.reset_done("GPU-0", Ok(()), Probe::Passed(sample())));
+        assert!(!t.snapshot().faults().contains_key("GPU-0"));
+        // A MIG device is checked as its parent.
+        t.mig(
+            "GPU-0",
+            vec![MigSample {
+                uuid: "MIG-0a".into(),
+                profile: "1g.10gb".into(),
+                memory_used_mib: 0,
+                memory_total_mib: 9984,
+                utilization_pct: None,
+            }],
+        );
+        assert_eq!(t.gpu_of("MIG-0a").map(|g| g.uuid.as_str()), Some("GPU-0"));
+        assert!(t.gpu_of("MIG-9").is_none());
     }
 
     #[test]

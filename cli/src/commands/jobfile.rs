@@ -139,6 +139,9 @@ pub struct JobFile {
         serialize_with = "ser_stop_grace"
     )]
     pub restart_backoff: Option<u64>,
+    /// `--preflight`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub preflight: Option<bool>,
     /// `--request-id KEY`: submitting the file again within 24 hours gives
     /// the same job. Never written by `jobs get -o yaml`: a copy of a job
     /// is another job.
@@ -561,6 +564,7 @@ pub fn from_spec(spec: &pb::JobSpec) -> JobFile {
         hang_timeout: spec.hang_timeout_ms,
         restart_policy: some(&spec.restart_policy),
         restart_backoff: spec.restart_backoff_ms,
+        preflight: spec.preflight.then_some(true),
         checkpoint_dir: some(&spec.checkpoint_dir).map(Text),
         // A copy of a job is another job: resubmitting it must not be
         // answered with the original.
@@ -733,6 +737,7 @@ mod tests {
             min_replicas: 1,
             restart_policy: "never".into(),
             restart_backoff_ms: Some(2_500),
+            preflight: true,
             max_retries: 1,
             no_requeue: true,
             no_fence: true,
@@ -765,6 +770,7 @@ mod tests {
             "replicas: 1:2\n",
             "restart_policy: never\n",
             "restart_backoff: 2500ms\n",
+            "preflight: true\n",
         ] {
             assert!(yaml.contains(line), "{line}: {yaml}");
         }

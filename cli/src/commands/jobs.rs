@@ -276,6 +276,12 @@ pub struct SubmitArgs {
     /// each retry up to 5m, e.g. 10s; 0s to 1h [default: 1s].
     #[arg(long, value_name = "DURATION", value_parser = parse_restart_backoff)]
     pub restart_backoff: Option<u64>,
+    /// Check each chosen GPU before the tasks start (health, an NVML
+    /// probe, pending memory retirement, the agent's --preflight-command):
+    /// a GPU that fails is withdrawn with the output and the gang is placed
+    /// again, without using a retry.
+    #[arg(long)]
+    pub preflight: bool,
     /// Idempotency key (letters, digits, '.', '_', '-'): submits with the
     /// same KEY by the same token within 24 hours make one job, and each
     /// prints its id. Without it gpuctl makes one, kept across its own
@@ -501,6 +507,7 @@ impl SubmitArgs {
                 .or(file.restart_policy)
                 .unwrap_or_default(),
             restart_backoff_ms: self.restart_backoff.or(file.restart_backoff),
+            preflight: self.preflight || file.preflight.unwrap_or(false),
             checkpoint_dir: self
                 .checkpoint_dir
                 .clone()

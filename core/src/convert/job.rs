@@ -475,6 +475,7 @@ impl TryFrom<pb::JobSpec> for JobSpec {
             min_replicas,
             restart_policy,
             restart_backoff_ms,
+            preflight: s.preflight,
         })
     }
 }
@@ -790,6 +791,7 @@ impl From<JobSpec> for pb::JobSpec {
                 s.restart_policy.to_string()
             },
             restart_backoff_ms: s.restart_backoff_ms,
+            preflight: s.preflight,
         }
     }
 }
@@ -884,6 +886,7 @@ impl TryFrom<pb::TaskSpec> for TaskSpec {
             stop_grace_ms: check_stop_grace("task.stop_grace_ms", s.stop_grace_ms)?,
             checkpoint_dir: checkpoint_dir_from_pb("task.checkpoint_dir", s.checkpoint_dir)?,
             hang_timeout_ms: check_hang_timeout("task.hang_timeout_ms", s.hang_timeout_ms)?,
+            preflight: s.preflight,
         })
     }
 }
@@ -910,6 +913,7 @@ impl From<TaskSpec> for pb::TaskSpec {
             stop_grace_ms: s.stop_grace_ms,
             checkpoint_dir: s.checkpoint_dir.unwrap_or_default(),
             hang_timeout_ms: s.hang_timeout_ms,
+            preflight: s.preflight,
         }
     }
 }

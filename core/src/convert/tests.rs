@@ -575,6 +575,7 @@ fn allowed_security_passes_and_limits_hold_at_the_edge() {
             stop_grace_ms: None,
             checkpoint_dir: None,
             hang_timeout_ms: None,
+            preflight: false,
             task_id: "job-1.0".into(),
             job_id: "job-1".into(),
             framework_id: String::new(),
@@ -703,6 +704,7 @@ fn task_spec_gpu_list_must_match_count() {
         stop_grace_ms: None,
         checkpoint_dir: String::new(),
         hang_timeout_ms: None,
+        preflight: false,
     };
     assert_eq!(
         TaskSpec::try_from(t.clone()).unwrap_err().field,
@@ -1007,6 +1009,7 @@ fn a_maximal_task_spec_encodes_under_one_mib() {
         stop_grace_ms: None,
         checkpoint_dir: None,
         hang_timeout_ms: None,
+        preflight: false,
         task_id: "t".repeat(2 * MAX_NAME_LEN + 1),
         job_id: "j".repeat(MAX_NAME_LEN),
         framework_id: String::new(),

@@ -316,6 +316,7 @@ mod tests {
             // varint is longer; the longest backoff.
             restart_policy: "gang".into(),
             restart_backoff_ms: Some(gpuctl_core::convert::MAX_FIRST_RESTART_BACKOFF_MS),
+            preflight: true,
             max_retries: MAX_RETRIES,
             no_requeue: true,
             no_fence: true,

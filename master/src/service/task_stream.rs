@@ -205,6 +205,7 @@ mod tests {
             no_fence: false,
             security: Default::default(),
             hang_timeout_ms: None,
+            preflight: false,
         }
     }
 

@@ -652,6 +652,7 @@ impl State {
             stop_grace_ms: job.and_then(|j| j.spec.stop_grace_ms),
             checkpoint_dir: job.and_then(|j| j.spec.checkpoint_dir.clone()),
             hang_timeout_ms: job.and_then(|j| j.spec.hang_timeout_ms),
+            preflight: job.is_some_and(|j| j.spec.preflight),
         })
     }
 

@@ -46,6 +46,7 @@ fn spec(dir: &Path, task_id: &str, image: &str, command: &[&str]) -> LaunchSpec 
             no_fence: false,
             security: Default::default(),
             hang_timeout_ms: None,
+            preflight: false,
         },
         agent_id: format!("agent-{task_id}"),
         env: BTreeMap::from([("GPUCTL_TASK_ID".to_string(), task_id.to_string())]),
