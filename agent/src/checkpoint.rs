@@ -39,6 +39,9 @@ pub const FINAL_FILE: &str = "final.json";
 pub const ACKED_FILE: &str = "acked";
 /// Each task's notice before a stop: `notices/<task-id>/stop`.
 pub const NOTICE_DIR: &str = "notices";
+/// Per task with a hang timeout, the directory of the file it may touch to
+/// say it is alive (`GPUCTL_HEARTBEAT_FILE`).
+pub const HEARTBEAT_DIR: &str = "heartbeats";
 
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {

@@ -208,7 +208,7 @@ fn a_silent_gang_is_stopped_as_hung_and_retried_and_a_chatty_task_is_not() {
                 && t["message"]
                     .as_str()
                     .unwrap()
-                    .starts_with("hung: no output and no GPU activity for ")),
+                    .starts_with("hung: no output, no GPU activity and no heartbeat for ")),
             "{j}"
         );
     }

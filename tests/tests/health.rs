@@ -609,6 +609,17 @@ fn a_silent_task_on_a_busy_gpu_is_not_hung_and_one_on_an_idle_gpu_is() {
     };
     let a = s.c.submit(&args("silent-a"));
     let b = s.c.submit(&args("silent-b"));
+    // No GPU, no output, but it touches its heartbeat file: alive.
+    let beating = s.c.submit(&[
+        "--name",
+        "beating",
+        "--hang-timeout",
+        "2s",
+        "--",
+        "sh",
+        "-c",
+        "while true; do touch \"$GPUCTL_HEARTBEAT_FILE\"; sleep 0.5; done",
+    ]);
     let ja = s.c.wait_state(&a, "RUNNING", Duration::from_secs(30));
     s.c.wait_state(&b, "RUNNING", Duration::from_secs(30));
     let on_gpu = |j: &Value| j["tasks"][0]["gpus"][0].as_str().unwrap().to_string();
@@ -618,6 +629,9 @@ fn a_silent_task_on_a_busy_gpu_is_not_hung_and_one_on_an_idle_gpu_is() {
     // Well past its own timeout, the job on the busy GPU still runs.
     std::thread::sleep(Duration::from_secs(3));
     let j = s.c.job(&busy_job);
+    assert_eq!(j["state"], "RUNNING", "{j}");
+    assert_eq!(j["tasks"].as_array().unwrap().len(), 1, "{j}");
+    let j = s.c.job(&beating);
     assert_eq!(j["state"], "RUNNING", "{j}");
     assert_eq!(j["tasks"].as_array().unwrap().len(), 1, "{j}");
 }

@@ -358,6 +358,13 @@ impl Executor {
         let notice_dir = self
             .make_notice_dir(task_id, security.user)
             .map_err(|e| Outcome::failed(format!("create the stop notice directory: {e}")))?;
+        let heartbeat_dir = match spec.hang_timeout_ms {
+            Some(_) => Some(
+                self.make_heartbeat_dir(task_id, security.user)
+                    .map_err(|e| Outcome::failed(format!("create the heartbeat directory: {e}")))?,
+            ),
+            None => None,
+        };
         if let Some(dir) = &checkpoint_dir {
             make_checkpoint_dir(dir, security.user).map_err(|e| {
                 Outcome::failed(format!("checkpoint_dir: create {}: {e}", dir.display()))
@@ -425,6 +432,21 @@ impl Executor {
             notice_dir.join(notice::FILE)
         };
         env.insert(notice::ENV.into(), notice_at.display().to_string());
+        // A task that may be stopped as hung may also say it is alive.
+        if let Some(dir) = heartbeat_dir {
+            let beat_at = if rt.kind() == Runtime::Docker {
+                security.mounts.push(crate::security::BindMount {
+                    host_path: dir.clone(),
+                    container_path: super::hang::CONTAINER_DIR.to_string(),
+                    read_only: false,
+                });
+                PathBuf::from(super::hang::CONTAINER_DIR).join(super::hang::HEARTBEAT_FILE)
+            } else {
+                security.keep_visible.push(dir.clone());
+                dir.join(super::hang::HEARTBEAT_FILE)
+            };
+            env.insert(super::hang::ENV.into(), beat_at.display().to_string());
+        }
         if let (Some(dir), Some(asked)) = (&checkpoint_dir, &spec.checkpoint_dir) {
             if rt.kind() == Runtime::Docker {
                 security.mounts.push(crate::security::BindMount {

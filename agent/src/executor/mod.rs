@@ -195,6 +195,31 @@ impl Executor {
         self.work_dir.join(checkpoint::NOTICE_DIR).join(task_id)
     }
 
+    /// Where a task with a hang timeout may touch its heartbeat file.
+    fn heartbeat_dir(&self, task_id: &str) -> PathBuf {
+        self.work_dir.join(checkpoint::HEARTBEAT_DIR).join(task_id)
+    }
+
+    /// Makes the task's heartbeat directory, the task's to write: its
+    /// user's alone when known, anyone's otherwise (a container's image
+    /// user), under a root that tasks pass through without listing.
+    fn make_heartbeat_dir(&self, task_id: &str, user: Option<UserIds>) -> std::io::Result<PathBuf> {
+        let root = self.work_dir.join(checkpoint::HEARTBEAT_DIR);
+        std::fs::create_dir_all(&root)?;
+        set_mode(&root, 0o711)?;
+        let dir = self.heartbeat_dir(task_id);
+        std::fs::create_dir_all(&dir)?;
+        match user {
+            Some(u) if !u.is_root() => {
+                std::os::unix::fs::chown(&dir, Some(u.uid), Some(u.gid))?;
+                set_mode(&dir, 0o700)?;
+            }
+            Some(_) => set_mode(&dir, 0o700)?,
+            None => set_mode(&dir, 0o777)?,
+        }
+        Ok(dir)
+    }
+
     /// The grace of a stop for `reason`: the job's for what the master
     /// asked (its kill, or its forgetting the task), the agent's kill grace
     /// otherwise. A fence stop keeps the agent's: the master's lost timeout
@@ -417,11 +442,14 @@ impl Executor {
                 continue;
             }
             let log_len = std::fs::metadata(self.sandbox(id).join(LOG_FILE)).map_or(0, |m| m.len());
+            let beat = std::fs::metadata(self.heartbeat_dir(id).join(hang::HEARTBEAT_FILE))
+                .and_then(|m| m.modified())
+                .ok();
             let busy = std::mem::take(&mut task.gpu_busy_seen);
             let activity = task
                 .activity
                 .get_or_insert_with(|| hang::Activity::new(now));
-            if let Some(idle) = activity.look(now, log_len, busy, Duration::from_millis(ms)) {
+            if let Some(idle) = activity.look(now, log_len, beat, busy, Duration::from_millis(ms)) {
                 let why = hang::hung_message(idle);
                 tracing::warn!(task_id = %id, reason = %why, "stopping a hung task");
                 task.stop.send_replace(Some(StopReason::Hung(why)));
@@ -595,11 +623,16 @@ impl Executor {
             // the task again after recovery, restarting the clock. The
             // sandbox is the agent's again from here on.
             self.retire(&id);
-            match std::fs::remove_dir_all(self.notice_dir(&id)) {
-                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-                    tracing::warn!(task_id = %id, error = %e, "could not remove the task's notice directory")
+            for (dir, what) in [
+                (self.notice_dir(&id), "notice"),
+                (self.heartbeat_dir(&id), "heartbeat"),
+            ] {
+                match std::fs::remove_dir_all(&dir) {
+                    Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                        tracing::warn!(task_id = %id, error = %e, "could not remove the task's {what} directory")
+                    }
+                    _ => {}
                 }
-                _ => {}
             }
             let dir = self.state_dir(&id);
             match std::fs::remove_dir_all(&dir) {
