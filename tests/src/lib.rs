@@ -818,6 +818,18 @@ impl HaCluster {
 
 /// The gpuctl calls both fixtures make; they differ only in how gpuctl is
 /// run (which masters) and in what a failure prints.
+/// The ids of a job's tasks (`jobs get --json`), oldest first.
+pub fn task_ids(job: &Value) -> Vec<String> {
+    job["tasks"]
+        .as_array()
+        .map(|ts| {
+            ts.iter()
+                .filter_map(|t| t["id"].as_str().map(str::to_string))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 pub trait Gpuctl {
     /// Runs `gpuctl --master ... args...`.
     fn gpuctl(&self, args: &[&str]) -> Output;
@@ -900,6 +912,29 @@ pub trait Gpuctl {
             .ok()
             .and_then(|v| v.as_array().cloned())
             .unwrap_or_default()
+    }
+
+    /// Polls the job (`jobs get --json`) until `f` holds, at most
+    /// `timeout`; returns the job as last read, or panics saying `what` it
+    /// waited for.
+    fn wait_job_until(
+        &self,
+        id: &str,
+        timeout: Duration,
+        what: &str,
+        mut f: impl FnMut(&Value) -> bool,
+    ) -> Value {
+        let mut last = Value::Null;
+        let ok = try_wait_for(timeout, || {
+            last = self.job(id);
+            f(&last)
+        });
+        assert!(
+            ok,
+            "job {id}: timed out waiting until {what}; last: {last}\n{}",
+            self.diagnostics()
+        );
+        last
     }
 
     /// `gpuctl jobs wait`, returning (exit code, stdout).

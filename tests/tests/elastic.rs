@@ -12,8 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use gpuctl_tests::{live_tasks, try_wait_for, AgentOpts, Cluster, Gpuctl};
-use serde_json::Value;
+use gpuctl_tests::{live_tasks, task_ids, AgentOpts, Cluster, Gpuctl};
 
 const T: Duration = Duration::from_secs(40);
 const MARKER: &str = "GPUCTL_TEST_ELASTIC";
@@ -78,29 +77,6 @@ impl Watch {
         let bad = self.seen.lock().unwrap();
         assert!(bad.is_empty(), "seen from /proc: {bad:?}");
     }
-}
-
-fn task_ids(job: &Value) -> Vec<String> {
-    job["tasks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|t| t["id"].as_str().unwrap().to_string())
-        .collect()
-}
-
-fn wait_job_until(c: &Cluster, id: &str, what: &str, mut f: impl FnMut(&Value) -> bool) -> Value {
-    let mut last = Value::Null;
-    let ok = try_wait_for(T, || {
-        last = c.job(id);
-        f(&last)
-    });
-    assert!(
-        ok,
-        "job {id}: timed out waiting until {what}; last: {last}\n{}",
-        c.diagnostics()
-    );
-    last
 }
 
 fn events(c: &Cluster, id: &str) -> Vec<(String, String)> {
@@ -191,7 +167,7 @@ fn an_elastic_gang_starts_with_what_fits_and_grows_when_gpus_free() {
          [ \"$WORLD_SIZE\" = 4 ] && exit 0; \
          trap 'echo saved; exit 0' TERM; while true; do sleep 0.1; done",
     ]);
-    let j = wait_job_until(&c, &gang, "it runs 2 ranks", |j| j["state"] == "RUNNING");
+    let j = c.wait_job_until(&gang, T, "it runs 2 ranks", |j| j["state"] == "RUNNING");
     assert_eq!(
         task_ids(&j),
         [format!("{gang}.0"), format!("{gang}.1")],
@@ -204,7 +180,7 @@ fn an_elastic_gang_starts_with_what_fits_and_grows_when_gpus_free() {
     );
     let shown = c.ok(&["jobs", "get", &gang]);
     assert!(shown.contains("2:4 (elastic)"), "{shown}");
-    wait_job_until(&c, &gang, "both ranks wrote", |_| written(&out).len() == 2);
+    c.wait_job_until(&gang, T, "both ranks wrote", |_| written(&out).len() == 2);
     for rank in 0..2 {
         assert_eq!(
             written(&out)[&format!("{gang}.{rank}")],
@@ -288,7 +264,7 @@ fn a_gang_restart_survives_its_agent_being_killed() {
          if [ \"$RANK\" = 1 ]; then while [ ! -e \"$OUT/up\" ]; do sleep 0.1; done; exit 3; fi; \
          trap 'sleep 2; exit 143' TERM; touch \"$OUT/up\"; while true; do sleep 0.1; done",
     ]);
-    let j = wait_job_until(&c, &gang, "rank 1 failed", |j| {
+    let j = c.wait_job_until(&gang, T, "rank 1 failed", |j| {
         j["tasks"]
             .as_array()
             .is_some_and(|t| t.iter().any(|t| t["state"] == "FAILED"))
@@ -354,7 +330,7 @@ fn restarts_wait_their_backoff_and_never_means_never() {
         // A file per attempt: each runs as a task user of its own.
         "date +%s.%N > \"$OUT/$GPUCTL_TASK_ID\"; exit 1",
     ]);
-    let j = wait_job_until(&c, &flaky, "it waits out its backoff", |j| {
+    let j = c.wait_job_until(&flaky, T, "it waits out its backoff", |j| {
         j["reason"]
             .as_str()
             .is_some_and(|r| r.starts_with("Backoff:"))

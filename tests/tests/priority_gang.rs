@@ -10,7 +10,7 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use gpuctl_tests::Gpuctl;
-use gpuctl_tests::{try_wait_for, AgentOpts, Cluster};
+use gpuctl_tests::{task_ids, try_wait_for, AgentOpts, Cluster};
 use serde_json::Value;
 
 const T: Duration = Duration::from_secs(20);
@@ -62,30 +62,6 @@ fn reason(job: &Value) -> &str {
     job["reason"].as_str().unwrap_or_default()
 }
 
-fn task_ids(job: &Value) -> Vec<String> {
-    job["tasks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|t| t["id"].as_str().unwrap().to_string())
-        .collect()
-}
-
-/// Polls the job until `f` holds; returns the job as last read.
-fn wait_job_until(c: &Cluster, id: &str, what: &str, mut f: impl FnMut(&Value) -> bool) -> Value {
-    let mut last = Value::Null;
-    let ok = try_wait_for(T, || {
-        last = c.job(id);
-        f(&last)
-    });
-    assert!(
-        ok,
-        "job {id}: timed out waiting until {what}; last: {last}\n{}",
-        c.diagnostics()
-    );
-    last
-}
-
 /// Asserts the job is RUNNING with exactly the one task `task`, never
 /// preempted.
 fn assert_untouched(c: &Cluster, id: &str, task: &str) {
@@ -117,7 +93,7 @@ fn preemption_stops_the_lowest_priority_and_requeues_it() {
 
     let h = trapper(&c, "h", 2, 10, &[]);
     // A, the lowest priority, is asked to stop, and its task says why.
-    let ja = wait_job_until(&c, &a, "A is preempted", |j| j["preemptions"] == 1);
+    let ja = c.wait_job_until(&a, T, "A is preempted", |j| j["preemptions"] == 1);
     assert_eq!(
         ja["tasks"][0]["message"],
         format!("preempted by {h} (priority 10)"),
@@ -135,7 +111,7 @@ fn preemption_stops_the_lowest_priority_and_requeues_it() {
 
     c.wait_state(&h, "RUNNING", T);
     // A, the lowest priority, went back to the queue once its task ended.
-    let ja = wait_job_until(&c, &a, "A is requeued, saying why", |j| {
+    let ja = c.wait_job_until(&a, T, "A is requeued, saying why", |j| {
         j["state"] == "QUEUED" && j["tasks"][0]["state"] != "RUNNING" && !j["wait_reason"].is_null()
     });
     assert_eq!(ja["preemptions"], 1, "{ja}");
@@ -227,7 +203,7 @@ fn preemption_takes_no_more_than_needed_and_respects_no_requeue() {
 
     // A job of the same priority as the running ones never preempts them.
     let e = trapper(&c, "e", 1, 0, &[]);
-    let je = wait_job_until(&c, &e, "it has a reason", |j| {
+    let je = c.wait_job_until(&e, T, "it has a reason", |j| {
         !j["wait_reason"].is_null() || j["state"] != "QUEUED"
     });
     assert_eq!(je["state"], "QUEUED", "{je}");
@@ -267,7 +243,7 @@ fn preemption_of_several_victims_is_a_minimal_set() {
     let h = trapper(&c, "h", 3, 1, &[]);
     c.wait_state(&h, "RUNNING", T);
     for v in [&x2, &y] {
-        let j = wait_job_until(&c, v, "requeued, saying why", |j| {
+        let j = c.wait_job_until(v, T, "requeued, saying why", |j| {
             j["state"] == "QUEUED" && !j["wait_reason"].is_null()
         });
         assert_eq!(j["preemptions"], 1, "{j}");
@@ -320,7 +296,7 @@ fn gang_starts_all_or_nothing_with_rank_env() {
          echo \"$line\"; echo \"$line\" > \"$OUT/rank-$GPUCTL_RANK\"",
     ]);
     // One agent has 1 GPU free: neither replica starts.
-    let j = wait_job_until(&c, &gang, "it has a reason", |j| {
+    let j = c.wait_job_until(&gang, T, "it has a reason", |j| {
         !j["wait_reason"].is_null() || j["state"] != "QUEUED"
     });
     assert_eq!(j["state"], "QUEUED", "{j}");
@@ -459,7 +435,7 @@ fn a_failed_rank_stops_the_gang_and_it_is_retried() {
 
     // A gang that could never fit waits and says so.
     let big = trapper(&c, "big", 4, 0, &["--replicas", "3"]);
-    let jb = wait_job_until(&c, &big, "it has a reason", |j| {
+    let jb = c.wait_job_until(&big, T, "it has a reason", |j| {
         !j["wait_reason"].is_null() || j["state"] != "QUEUED"
     });
     assert_eq!(jb["state"], "QUEUED", "{jb}");
@@ -486,7 +462,7 @@ fn a_job_over_the_jobs_quota_waits_with_a_quota_reason() {
     running_task(&c, &first);
     // A job that needs more than the quota leaves waits, whatever is free.
     let big = trapper(&c, "big", 3, 0, &[]);
-    let j = wait_job_until(&c, &big, "it has a reason", |j| {
+    let j = c.wait_job_until(&big, T, "it has a reason", |j| {
         !j["wait_reason"].is_null() || j["state"] != "QUEUED"
     });
     assert_eq!(j["state"], "QUEUED", "{j}");
@@ -498,7 +474,7 @@ fn a_job_over_the_jobs_quota_waits_with_a_quota_reason() {
     c.ok(&["jobs", "cancel", &big]);
     // Two GPUs are free, but the jobs may hold only 2.
     let second = trapper(&c, "second", 2, 0, &[]);
-    let j = wait_job_until(&c, &second, "it has a reason", |j| {
+    let j = c.wait_job_until(&second, T, "it has a reason", |j| {
         !j["wait_reason"].is_null() || j["state"] != "QUEUED"
     });
     assert_eq!(j["state"], "QUEUED", "{j}");

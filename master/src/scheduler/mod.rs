@@ -714,6 +714,15 @@ mod tests {
         }
     }
 
+    /// [`job`] on host processes, its spec changed by `f`.
+    fn job_with(gpus: u32, f: impl FnOnce(&mut JobSpec)) -> Command {
+        let mut c = job(gpus, false);
+        if let Command::SubmitJob { spec, .. } = &mut c {
+            f(spec);
+        }
+        c
+    }
+
     fn state(cmds: Vec<Command>) -> State {
         let mut s = State::new();
         for (i, c) in cmds.iter().enumerate() {
@@ -967,22 +976,11 @@ mod tests {
         use crate::state::testkit::status;
         use gpuctl_core::types::TaskState;
         let elastic = |min: u32, max: u32, priority: i32| {
-            let Command::SubmitJob {
-                mut spec,
-                at_ms,
-                request_id,
-            } = job(1, false)
-            else {
-                unreachable!()
-            };
-            spec.replicas = max;
-            spec.min_replicas = Some(min);
-            spec.priority = priority;
-            Command::SubmitJob {
-                spec,
-                at_ms,
-                request_id,
-            }
+            job_with(1, |spec| {
+                spec.replicas = max;
+                spec.min_replicas = Some(min);
+                spec.priority = priority;
+            })
         };
         // 3 GPUs, a 1-GPU job holds one: the gang starts with 2 of 4.
         let mut s = state(vec![agent("a", 3, both()), job(1, false), elastic(2, 4, 0)]);
@@ -1056,19 +1054,8 @@ mod tests {
             },
         )
         .unwrap();
-        let Command::SubmitJob { mut spec, .. } = job(2, false) else {
-            unreachable!()
-        };
-        spec.priority = -1;
-        s.apply(
-            15,
-            &Command::SubmitJob {
-                spec,
-                at_ms: 3_000,
-                request_id: None,
-            },
-        )
-        .unwrap();
+        s.apply(15, &job_with(2, |spec| spec.priority = -1))
+            .unwrap();
         assert_eq!(elastic::growth(&s, &cfg(61_000)), Some(("job-2".into(), 3)));
         // Growing: the GrowJob command, then the queue places 3.
         s.apply(
@@ -1103,22 +1090,11 @@ mod tests {
         use crate::state::testkit::status;
         use gpuctl_core::types::{JobState, RestartPolicy, TaskState};
         let retried = |policy: RestartPolicy, retries: u32| {
-            let Command::SubmitJob {
-                mut spec,
-                at_ms,
-                request_id,
-            } = job(1, false)
-            else {
-                unreachable!()
-            };
-            spec.max_retries = retries;
-            spec.restart_policy = policy;
-            spec.restart_backoff_ms = Some(5_000);
-            Command::SubmitJob {
-                spec,
-                at_ms,
-                request_id,
-            }
+            job_with(1, |spec| {
+                spec.max_retries = retries;
+                spec.restart_policy = policy;
+                spec.restart_backoff_ms = Some(5_000);
+            })
         };
         let mut s = state(vec![
             agent("a", 2, both()),
