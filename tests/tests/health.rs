@@ -55,10 +55,14 @@ impl Setup {
 
     /// `start`, with more agent flags.
     fn start_with(recovery_secs: &str, more: &[&str]) -> Setup {
+        Setup::start_on(machine(), recovery_secs, more)
+    }
+
+    /// `start_with` on another machine.
+    fn start_on(machine: Value, recovery_secs: &str, more: &[&str]) -> Setup {
         let master_metrics = format!("127.0.0.1:{}", free_port());
         let mut c = Cluster::start(&["--metrics-listen", &master_metrics]);
         let machine_path = c.dir.path().join("machine.json");
-        let machine = machine();
         write_machine(&machine_path, &machine);
         let agent_metrics = format!("127.0.0.1:{}", free_port());
         c.add_agent(AgentOpts {
@@ -454,6 +458,134 @@ fn an_xid_79_gpu_is_reset_once_idle_and_an_xid_13_changes_nothing() {
     assert_eq!(j["state"], "RUNNING", "{j}");
     assert_eq!(j["tasks"].as_array().unwrap().len(), 2, "{j}");
     assert_eq!(std::fs::read_to_string(&log).unwrap(), format!("{first}\n"));
+}
+
+/// Issue 38, item 6: an XID 79 on one rank's GPU. The gang (2 ranks, no
+/// retries) is stopped whole and started again on GPUs that work, without
+/// using a retry; the GPU is reset once idle and comes back; no GPU is ever
+/// held by two live tasks, and only one attempt's ranks live at a time
+/// (seen from /proc).
+#[test]
+fn an_xid_79_on_a_ranks_gpu_restarts_the_gang_on_other_gpus() {
+    let dir = gpuctl_tests::test_dir();
+    let machine_ref = dir.path().join("machine-ref");
+    let script = dir.path().join("reset.sh");
+    std::fs::write(
+        &script,
+        format!(
+            "#!/bin/sh\nsleep 1\nm=$(cat {machine})\n\
+             sed 's/\"lost\": true/\"lost\": false/' \"$m\" > \"$m.reset\" && mv \"$m.reset\" \"$m\"\n",
+            machine = machine_ref.display()
+        ),
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let uuid = |i: u32| format!("GPU-0c5e6a3e-0000-4000-8000-00000000010{i}");
+    let four = json!({
+        "gpus": (0..4).map(|i| json!({
+            "uuid": uuid(i), "name": "NVIDIA A100-SXM4-40GB", "memory_total_mib": 40960
+        })).collect::<Vec<_>>(),
+        "events": []
+    });
+    let reset = format!("{} {{uuid}}", script.display());
+    let mut s = Setup::start_on(four, "3600", &["--gpu-reset-command", &reset]);
+    std::fs::write(&machine_ref, s.machine_path.display().to_string()).unwrap();
+    let mark = format!("{}-xid-gang", std::process::id());
+    let env_mark = format!("GPUCTL_TEST_XID_GANG={mark}");
+    let gang = s.c.submit(&[
+        "--name",
+        "gang",
+        "--gpus",
+        "1",
+        "--replicas",
+        "2",
+        "--env",
+        &env_mark,
+        "--",
+        "sleep",
+        "600",
+    ]);
+    let j = s.c.wait_state(&gang, "RUNNING", Duration::from_secs(30));
+    let first: Vec<String> = (0..2)
+        .map(|r| j["tasks"][r]["gpus"][0].as_str().unwrap().to_string())
+        .collect();
+    let failing = first[1].clone();
+    let index = (0..4).find(|i| uuid(*i) == failing).unwrap();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let watcher = {
+        let (stop, mark) = (stop.clone(), mark.clone());
+        std::thread::spawn(move || {
+            let mut bad = Vec::new();
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                let live = gpuctl_tests::live_tasks("GPUCTL_TEST_XID_GANG", &mark);
+                let mut seen = std::collections::BTreeSet::new();
+                for t in &live {
+                    for g in &t.gpus {
+                        if !seen.insert(g.clone()) {
+                            bad.push(format!("GPU {g} held by two live tasks: {live:?}"));
+                        }
+                    }
+                }
+                let attempts: std::collections::BTreeSet<u32> = live
+                    .iter()
+                    .map(|t| {
+                        t.task_id
+                            .rsplit('.')
+                            .next()
+                            .unwrap()
+                            .parse::<u32>()
+                            .unwrap()
+                            / 2
+                    })
+                    .collect();
+                if attempts.len() > 1 {
+                    bad.push(format!("two attempts alive: {live:?}"));
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            bad
+        })
+    };
+    s.change(|m| {
+        m["gpus"][index as usize]["lost"] = true.into();
+        m["events"] = json!([{ "id": 1, "gpu_index": index, "type": "xid", "data": 79 }]);
+    });
+    let j =
+        s.c.wait_job_until(&gang, Duration::from_secs(40), "the gang runs again", |j| {
+            j["state"] == "RUNNING" && gpuctl_tests::task_ids(j).len() == 4
+        });
+    assert_eq!(j["retries"], 0, "no retry used: {j}");
+    assert_eq!(j["tasks"][1]["reason"], "GPU_UNHEALTHY", "{j}");
+    let again: Vec<&str> = (2..4)
+        .map(|t| j["tasks"][t]["gpus"][0].as_str().unwrap())
+        .collect();
+    assert!(
+        !again.contains(&failing.as_str()),
+        "placed on the failed GPU: {j}"
+    );
+    let reasons: Vec<&str> = j["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["reason"].as_str().unwrap())
+        .collect();
+    assert!(
+        reasons.contains(&"GpuFailed") && reasons.contains(&"Requeued"),
+        "{reasons:?}"
+    );
+    // Reset once idle, and back in service.
+    s.wait_health(&failing, true);
+    // Both ranks of the new attempt live, on distinct GPUs.
+    wait_for(
+        Duration::from_secs(10),
+        "the new attempt's ranks live",
+        || gpuctl_tests::live_tasks("GPUCTL_TEST_XID_GANG", &mark).len() == 2,
+    );
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let bad = watcher.join().unwrap();
+    assert!(bad.is_empty(), "{bad:?}");
+    s.c.ok(&["jobs", "cancel", &gang, "--wait"]);
 }
 
 /// Issue 38, item 3: a job's `--preflight` runs the agent's
