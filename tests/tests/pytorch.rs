@@ -89,6 +89,11 @@ fn ddp_and_torchrun_gangs_train_and_resume_from_their_checkpoint() {
             "1",
             "--replicas",
             "2",
+            // One user for every rank: the checkpoint directory is that
+            // user's (each task would otherwise get a user of its own,
+            // and only the first could write it).
+            "--user",
+            "1000:1000",
             "--checkpoint-dir",
             &ckpt,
             "--env",

@@ -1220,7 +1220,11 @@ mod tests {
             }
         })
         .await;
-        assert!(stored.is_ok(), "no snapshot at {} within 30 s", want.min(10));
+        assert!(
+            stored.is_ok(),
+            "no snapshot at {} within 30 s",
+            want.min(10)
+        );
         let state = handle.state().clone();
         stop_tx.send(true).unwrap();
         task.await.unwrap().unwrap();
