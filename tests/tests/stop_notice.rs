@@ -50,9 +50,12 @@ fn read(p: &Path) -> String {
     std::fs::read_to_string(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
 }
 
-/// Waits until the file exists; its text.
+/// Waits until the file has some text; its text.
 fn wait_file(c: &Cluster, p: &Path) -> String {
-    let ok = try_wait_for(T, || p.exists());
+    // Written by `echo > file`: made empty first, then written.
+    let ok = try_wait_for(T, || {
+        std::fs::read_to_string(p).is_ok_and(|s| !s.trim().is_empty())
+    });
     assert!(ok, "{} never written\n{}", p.display(), c.diagnostics());
     read(p)
 }
