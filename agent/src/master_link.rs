@@ -974,6 +974,7 @@ mod tests {
             enforcement: None,
             gpu_memory_limit: false,
             hung: false,
+            failed_gpus: Vec::new(),
         };
         tx.send(update.clone()).await.unwrap();
         done_tx.send(true).unwrap();

@@ -1198,6 +1198,10 @@ pub struct StatusUpdate {
     /// REASON_HUNG).
     #[serde(default)]
     pub hung: bool,
+    /// With `gpu_unhealthy`: the GPUs that failed (whole GPUs), which the
+    /// job avoids when placed again; empty: all of the task's are suspect.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub failed_gpus: Vec<String>,
 }
 
 /// What an agent enforces of a fraction of a shared GPU, stated per task.

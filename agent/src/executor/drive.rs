@@ -15,6 +15,7 @@ use super::plan::Phase;
 use super::plan::StopReason;
 
 use crate::checkpoint::{self};
+use crate::gpu::health::PreflightFailed;
 use crate::runtime::{
     ContainerRuntime, LaunchSpec, Observed, RuntimeError, TaskIsolation, TaskRef,
 };
@@ -38,6 +39,7 @@ impl Executor {
         u.gpu_memory_limit = outcome.gpu_memory_limit;
         u.hung = outcome.hung;
         u.requires = outcome.requires;
+        u.failed_gpus = outcome.failed_gpus;
         let path = self.state_dir(task_id).join(checkpoint::FINAL_FILE);
         if let Err(e) = checkpoint::write_json(&path, &u) {
             tracing::error!(task_id, error = %e, "could not checkpoint the final status; sending it anyway");
@@ -226,7 +228,8 @@ impl Executor {
     /// The task's preflight (`--preflight`) by the GPU health thread; `Err`
     /// says which GPU failed and why (it has been withdrawn). Without
     /// health checks here it is skipped, and the log says so.
-    async fn preflight(&self, spec: &TaskSpec) -> Result<(), String> {
+    async fn preflight(&self, spec: &TaskSpec) -> Result<(), PreflightFailed> {
+        let failed = |why: String| PreflightFailed { gpu: None, why };
         let Some(tx) = &self.isolation.preflight else {
             tracing::warn!(task_id = %spec.task_id, "preflight asked, but this agent has no GPU health checks (no NVML): skipped");
             return Ok(());
@@ -237,7 +240,9 @@ impl Executor {
             reply,
         };
         if tx.tx.send(request).is_err() {
-            return Err("preflight: the GPU health checks have stopped".into());
+            return Err(failed(
+                "preflight: the GPU health checks have stopped".into(),
+            ));
         }
         // Each device's command may take its timeout; NVML's checks are
         // quick. A health thread that does not answer fails it.
@@ -245,8 +250,10 @@ impl Executor {
         let bound = PREFLIGHT_SLACK + tx.timeout.saturating_mul(n);
         match tokio::time::timeout(bound, answer).await {
             Ok(Ok(result)) => result,
-            Ok(Err(_)) => Err("preflight: the GPU health checks have stopped".into()),
-            Err(_) => Err(format!("preflight: no answer within {bound:?}")),
+            Ok(Err(_)) => Err(failed(
+                "preflight: the GPU health checks have stopped".into(),
+            )),
+            Err(_) => Err(failed(format!("preflight: no answer within {bound:?}"))),
         }
     }
 
@@ -272,9 +279,15 @@ impl Executor {
             return Err(Outcome::refused(&StopReason::Fenced, fence_ms));
         }
         if spec.preflight && !spec.gpu_uuids.is_empty() {
-            self.preflight(spec).await.map_err(|why| {
-                tracing::warn!(task_id, reason = %why, "preflight failed: the task does not start");
-                Outcome::refused(&StopReason::GpuFailed(why), fence_ms)
+            self.preflight(spec).await.map_err(|f| {
+                tracing::warn!(task_id, reason = %f.why, "preflight failed: the task does not start");
+                Outcome::refused(
+                    &StopReason::GpuFailed {
+                        why: f.why,
+                        gpu: f.gpu,
+                    },
+                    fence_ms,
+                )
             })?;
         }
         self.checkpoint_spec(spec)

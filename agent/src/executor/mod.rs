@@ -749,6 +749,7 @@ impl Executor {
             hung: false,
             requires: Vec::new(),
             latest_state: None,
+            failed_gpus: Vec::new(),
         }
     }
 

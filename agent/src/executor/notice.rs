@@ -39,7 +39,7 @@ pub fn of(reason: &StopReason, from_master: Option<&StopNotice>) -> StopNotice {
             .cloned()
             .unwrap_or_else(|| own("killed", "killed")),
         StopReason::NotWanted => own("killed", "no longer wanted by the master"),
-        StopReason::GpuFailed(why) => own("gpu_failed", why),
+        StopReason::GpuFailed { why, .. } => own("gpu_failed", why),
         StopReason::Fenced => own("fenced", "the agent had no contact with a master"),
         StopReason::GpuMemoryLimit(why) => own("gpu_memory_limit", why),
         StopReason::Hung(why) => own("hung", why),
@@ -102,7 +102,13 @@ mod tests {
         let empty = StopNotice::default();
         assert_eq!(of(&StopReason::Killed, Some(&empty)).kind, "killed");
         assert_eq!(of(&StopReason::Fenced, Some(&m)).kind, "fenced");
-        let g = of(&StopReason::GpuFailed("GPU g unhealthy: lost".into()), None);
+        let g = of(
+            &StopReason::GpuFailed {
+                why: "GPU g unhealthy: lost".into(),
+                gpu: Some("g".into()),
+            },
+            None,
+        );
         assert_eq!(
             (g.kind.as_str(), g.message.as_str()),
             ("gpu_failed", "GPU g unhealthy: lost")

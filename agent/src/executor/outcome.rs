@@ -25,6 +25,8 @@ pub(super) struct Outcome {
     /// requires: all the image's requirements
     /// (REASON_DRIVER_REQUIREMENT_UNMET).
     pub(super) requires: Vec<String>,
+    /// With `gpu_unhealthy`: the GPU that failed, when known.
+    pub(super) failed_gpus: Vec<String>,
 }
 
 impl Outcome {
@@ -38,14 +40,16 @@ impl Outcome {
             gpu_memory_limit: false,
             hung: false,
             requires: Vec::new(),
+            failed_gpus: Vec::new(),
         }
     }
 
     /// A task that ends without having started.
     pub(super) fn refused(reason: &StopReason, fence_timeout_ms: u64) -> Outcome {
         match reason {
-            StopReason::GpuFailed(why) => Outcome {
+            StopReason::GpuFailed { why, gpu } => Outcome {
                 gpu_unhealthy: true,
+                failed_gpus: gpu.iter().cloned().collect(),
                 ..Outcome::failed(why.clone())
             },
             StopReason::Fenced => Outcome {
@@ -84,12 +88,14 @@ impl Outcome {
                 gpu_memory_limit: false,
                 hung: false,
                 requires: Vec::new(),
+                failed_gpus: Vec::new(),
             };
         }
         match reason {
             // One that finished cleanly first succeeded all the same.
-            Some(StopReason::GpuFailed(why)) if code != Some(0) => Outcome {
+            Some(StopReason::GpuFailed { why, gpu }) if code != Some(0) => Outcome {
                 gpu_unhealthy: true,
+                failed_gpus: gpu.iter().cloned().collect(),
                 exit_code: code,
                 ..Outcome::failed(why.clone())
             },
@@ -114,6 +120,7 @@ impl Outcome {
                 gpu_memory_limit: false,
                 hung: false,
                 requires: Vec::new(),
+                failed_gpus: Vec::new(),
             },
             _ => match code {
                 Some(0) => Outcome {
@@ -125,6 +132,7 @@ impl Outcome {
                     gpu_memory_limit: false,
                     hung: false,
                     requires: Vec::new(),
+                    failed_gpus: Vec::new(),
                 },
                 Some(c) => Outcome {
                     exit_code: Some(c),

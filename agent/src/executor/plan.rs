@@ -31,8 +31,9 @@ pub enum StopReason {
     Killed,
     /// No longer in the master's desired set (the master forgot it).
     NotWanted,
-    /// One of its GPUs failed a health check: `GPU <uuid> unhealthy: why`.
-    GpuFailed(String),
+    /// One of its GPUs failed a health check (`why`: `GPU <uuid>
+    /// unhealthy: ...`); `gpu`: which (a whole GPU), when known.
+    GpuFailed { why: String, gpu: Option<String> },
     /// No contact with a master for the fence timeout.
     Fenced,
     /// Its processes together used more GPU memory than its fraction of a
@@ -95,7 +96,10 @@ fn gpu_fault(gpus: &[String], input: &Input<'_>) -> Option<StopReason> {
     gpus.iter()
         .map(|g| input.mig_parents.get(g).unwrap_or(g))
         .find_map(|g| input.gpu_faults.get_key_value(g))
-        .map(|(uuid, why)| StopReason::GpuFailed(format!("GPU {uuid} unhealthy: {why}")))
+        .map(|(uuid, why)| StopReason::GpuFailed {
+            why: format!("GPU {uuid} unhealthy: {why}"),
+            gpu: Some(uuid.clone()),
+        })
 }
 
 pub fn plan<'a>(input: &Input<'a>) -> Vec<Action<'a>> {
@@ -368,7 +372,10 @@ mod tests {
     #[test]
     fn failed_gpus_stop_tasks_and_refuse_launches() {
         let d = desired(&[spec("a", &["g0"]), spec("b", &["g1"])], &[]);
-        let why = StopReason::GpuFailed("GPU g0 unhealthy: XID 79".into());
+        let why = StopReason::GpuFailed {
+            why: "GPU g0 unhealthy: XID 79".into(),
+            gpu: Some("g0".into()),
+        };
         // Running on the failed GPU: stopped, even before the master hears.
         assert_eq!(
             run_plan(
@@ -391,7 +398,10 @@ mod tests {
     /// devices of other GPUs are untouched.
     #[test]
     fn a_failed_parent_takes_its_mig_devices_tasks() {
-        let why = |g: &str| StopReason::GpuFailed(format!("GPU {g} unhealthy: GPU is lost"));
+        let why = |g: &str| StopReason::GpuFailed {
+            why: format!("GPU {g} unhealthy: GPU is lost"),
+            gpu: Some(g.to_string()),
+        };
         let d = desired(
             &[
                 spec("a1", &["MIG-a1"]),

@@ -102,10 +102,15 @@ fn outcomes_of_a_task_that_ran() {
     assert_eq!(o.message, "exited with code 3");
     let o = Outcome::ran(code(143), Some(&StopReason::Killed), 0);
     assert_eq!(o.state, TaskState::Killed);
-    let gpu = StopReason::GpuFailed("GPU g unhealthy: lost".into());
+    let gpu = StopReason::GpuFailed {
+        why: "GPU g unhealthy: lost".into(),
+        gpu: Some("g".into()),
+    };
     let o = Outcome::ran(code(143), Some(&gpu), 0);
     assert_eq!((o.state, o.gpu_unhealthy), (TaskState::Failed, true));
     assert_eq!(o.message, "GPU g unhealthy: lost");
+    // The master is told which GPU failed: the job avoids it.
+    assert_eq!(o.failed_gpus, ["g"]);
     // Finished cleanly before the GPU's failure stopped it.
     let o = Outcome::ran(code(0), Some(&gpu), 0);
     assert_eq!(o.state, TaskState::Finished);
@@ -137,6 +142,13 @@ fn outcomes_of_a_task_that_never_ran() {
         (o.state, o.message.as_str()),
         (TaskState::Killed, "killed before it started")
     );
-    let o = Outcome::refused(&StopReason::GpuFailed("GPU g unhealthy: x".into()), 0);
+    let o = Outcome::refused(
+        &StopReason::GpuFailed {
+            why: "GPU g unhealthy: x".into(),
+            gpu: None,
+        },
+        0,
+    );
     assert_eq!((o.state, o.gpu_unhealthy), (TaskState::Failed, true));
+    assert!(o.failed_gpus.is_empty());
 }

@@ -78,7 +78,15 @@ impl Default for HealthConfig {
 /// when one failed; that GPU has then been withdrawn (see [`preflight`]).
 pub struct PreflightRequest {
     pub devices: Vec<String>,
-    pub reply: tokio::sync::oneshot::Sender<Result<(), String>>,
+    pub reply: tokio::sync::oneshot::Sender<Result<(), PreflightFailed>>,
+}
+
+/// Why a preflight failed, and the GPU that failed it when it was one of
+/// this agent's (withdrawn by then).
+#[derive(Debug, Clone, PartialEq)]
+pub struct PreflightFailed {
+    pub gpu: Option<String>,
+    pub why: String,
 }
 
 /// Where the executor sends preflight requests: the health thread, which
@@ -786,17 +794,23 @@ fn preflight(
     command: &[String],
     timeout: Duration,
     devices: &[String],
-) -> Result<(), String> {
+) -> Result<(), PreflightFailed> {
     for device in devices {
         let Some(gpu) = tracker.gpu_of(device) else {
-            return Err(format!("preflight: {device} is not a GPU of this agent"));
+            return Err(PreflightFailed {
+                gpu: None,
+                why: format!("preflight: {device} is not a GPU of this agent"),
+            });
         };
         let (uuid, index) = (gpu.uuid.clone(), gpu.index);
         if !gpu.healthy {
-            return Err(format!(
-                "preflight: GPU {index} ({uuid}) is out of service: {}",
-                gpu.reason
-            ));
+            return Err(PreflightFailed {
+                why: format!(
+                    "preflight: GPU {index} ({uuid}) is out of service: {}",
+                    gpu.reason
+                ),
+                gpu: Some(uuid),
+            });
         }
         let failed = match probe_device(nvml, &uuid, None).0 {
             Probe::Failed(why) => Some(why),
@@ -821,7 +835,10 @@ fn preflight(
         if let Some(why) = failed {
             let reason = format!("preflight failed: {why}");
             tracker.withdraw(&uuid, reason.clone());
-            return Err(format!("{reason} (GPU {index}, {uuid}: withdrawn)"));
+            return Err(PreflightFailed {
+                why: format!("{reason} (GPU {index}, {uuid}: withdrawn)"),
+                gpu: Some(uuid),
+            });
         }
     }
     Ok(())

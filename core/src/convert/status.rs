@@ -213,6 +213,22 @@ impl TryFrom<pb::StatusUpdate> for StatusUpdate {
                 format!("REASON_HUNG needs state FAILED, not {state}"),
             ));
         }
+        let gpu_unhealthy = u.reason == pb::Reason::GpuUnhealthy as i32;
+        if !gpu_unhealthy && !u.failed_gpus.is_empty() {
+            return Err(ConvertError::new(
+                "failed_gpus",
+                "is set only with REASON_GPU_UNHEALTHY",
+            ));
+        }
+        if u.failed_gpus.len() > MAX_GPUS as usize {
+            return Err(ConvertError::new(
+                "failed_gpus",
+                format!("has {} GPUs, at most {MAX_GPUS}", u.failed_gpus.len()),
+            ));
+        }
+        for (i, g) in u.failed_gpus.iter().enumerate() {
+            check_text(&format!("failed_gpus[{i}]"), g, MAX_NAME_LEN, false)?;
+        }
         let enforcement = if u.enforcement.is_empty() {
             None
         } else {
@@ -229,13 +245,14 @@ impl TryFrom<pb::StatusUpdate> for StatusUpdate {
             exit_code: u.exit_code,
             message: u.message,
             uuid: u.uuid,
-            gpu_unhealthy: u.reason == pb::Reason::GpuUnhealthy as i32,
+            gpu_unhealthy,
             fenced,
             latest_state,
             requires: u.requires,
             enforcement,
             gpu_memory_limit,
             hung,
+            failed_gpus: u.failed_gpus,
         })
     }
 }
@@ -269,6 +286,7 @@ impl From<StatusUpdate> for pb::StatusUpdate {
                 }),
             requires: u.requires,
             enforcement: u.enforcement.map(|e| e.to_string()).unwrap_or_default(),
+            failed_gpus: u.failed_gpus,
         }
     }
 }

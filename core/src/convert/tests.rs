@@ -1619,6 +1619,7 @@ fn update(state: pb::TaskState, reason: pb::Reason) -> pb::StatusUpdate {
         reason: reason as i32,
         latest_state: 0,
         requires: Vec::new(),
+        failed_gpus: Vec::new(),
     }
 }
 
@@ -1996,5 +1997,34 @@ fn task_reasons_have_their_wire_names() {
     assert_eq!(
         pb::Reason::from(TaskReason::default()),
         pb::Reason::Unspecified
+    );
+}
+
+#[test]
+fn a_gpu_failure_names_the_failed_gpus_and_only_it_may() {
+    let mut wire = update(pb::TaskState::TaskFailed, pb::Reason::GpuUnhealthy);
+    wire.failed_gpus = vec!["GPU-a-1".into()];
+    let u = StatusUpdate::try_from(wire.clone()).unwrap();
+    assert!(u.gpu_unhealthy);
+    assert_eq!(u.failed_gpus, ["GPU-a-1"]);
+    assert_eq!(pb::StatusUpdate::from(u), wire);
+    // Another reason, too many, a bad name: refused, naming the field.
+    let mut bad = update(pb::TaskState::TaskFailed, pb::Reason::Unspecified);
+    bad.failed_gpus = vec!["GPU-a-1".into()];
+    assert_eq!(
+        StatusUpdate::try_from(bad).unwrap_err().field,
+        "failed_gpus"
+    );
+    let mut bad = wire.clone();
+    bad.failed_gpus = (0..=MAX_GPUS).map(|i| format!("GPU-{i}")).collect();
+    assert_eq!(
+        StatusUpdate::try_from(bad).unwrap_err().field,
+        "failed_gpus"
+    );
+    let mut bad = wire;
+    bad.failed_gpus = vec!["GPU a".into()];
+    assert_eq!(
+        StatusUpdate::try_from(bad).unwrap_err().field,
+        "failed_gpus[0]"
     );
 }

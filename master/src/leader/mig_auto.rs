@@ -74,7 +74,7 @@ pub fn mig_auto_commands(state: &State, now_ms: u64) -> Vec<Command> {
         if free >= *tasks as usize || coming {
             continue;
         }
-        let req = crate::scheduler::request(first);
+        let req = crate::scheduler::request(first, now_ms);
         let mut best: Option<(usize, &str, u32, &GpuInfo, u32)> = None;
         for a in &active {
             for g in &a.info.gpus {

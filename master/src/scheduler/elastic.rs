@@ -83,7 +83,7 @@ pub fn growth(state: &State, cfg: &QueueConfig) -> Option<(JobId, u32)> {
             continue;
         }
         let placed = placement::place_upto(
-            &request(job),
+            &request(job, cfg.now_ms),
             job.world() + 1,
             most,
             &pool.usable_views(&reserved, job),

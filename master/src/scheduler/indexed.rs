@@ -83,6 +83,7 @@ impl<'s> IndexRoom<'s> {
         let p = &job.spec.placement;
         let filtered = p.gpu_model.is_some() || p.gpu_mem_min_mib > 0;
         job.spec.resources.gpus > 0
+            && job.avoid_gpus.is_empty()
             && p.mig.is_none()
             && p.fraction.is_none()
             && !(filtered && self.capacity.has_mixed())
@@ -119,7 +120,8 @@ impl<'s> Room<'s> for IndexRoom<'s> {
         if !self.indexable(job) {
             return self.full_pool().usable_views(reserved, job);
         }
-        let req = request(job);
+        // Not indexable while it avoids GPUs, so none are avoided here.
+        let req = request(job, 0);
         let policy = policy_of(&job.spec, self.default_policy);
         let n = job.spec.resources.gpus;
         let want = job.spec.replicas() as usize;

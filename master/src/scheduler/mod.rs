@@ -46,8 +46,9 @@ pub fn policy_of(spec: &JobSpec, default: PlacementPolicy) -> PlacementPolicy {
     spec.placement.policy.unwrap_or(default)
 }
 
-/// What a job's task asks of the placement engine.
-pub fn request(job: &JobRecord) -> placement::TaskRequest<'_> {
+/// What a job's task asks of the placement engine, at the leader's
+/// `now_ms` (for the GPUs it avoids).
+pub fn request(job: &JobRecord, now_ms: u64) -> placement::TaskRequest<'_> {
     let spec = &job.spec;
     placement::TaskRequest {
         resources: spec.resources,
@@ -62,6 +63,8 @@ pub fn request(job: &JobRecord) -> placement::TaskRequest<'_> {
         checkpoint_dir: spec.checkpoint_dir.as_deref(),
         require_cuda: spec.require_cuda.as_ref(),
         image_requires: &job.image_requires,
+        avoid: &job.avoid_gpus,
+        now_ms,
     }
 }
 
@@ -406,8 +409,11 @@ pub(crate) fn ask_key(job: &JobRecord) -> String {
         .map(|m| m.host_path.as_str())
         .collect();
     let driver: Vec<&str> = job.driver_requires().map(|e| e.text()).collect();
+    // Every entry, expired or not: two jobs share a key only when they
+    // avoid the same.
+    let avoid: Vec<&str> = job.avoid_gpus.iter().map(|a| a.uuid.as_str()).collect();
     format!(
-        "{:?}|{:?}|{:?}|{}:{}|{}|{:?}|{:?}|{:?}",
+        "{:?}|{:?}|{:?}|{}:{}|{}|{:?}|{:?}|{:?}|{:?}",
         spec.resources,
         spec.runtime(),
         spec.placement,
@@ -416,7 +422,8 @@ pub(crate) fn ask_key(job: &JobRecord) -> String {
         spec.security.run_as_root,
         mounts,
         spec.checkpoint_dir,
-        driver
+        driver,
+        avoid
     )
 }
 
@@ -544,7 +551,7 @@ fn place_on<'s>(
             continue;
         }
         let Some(placements) = placement::place_upto(
-            &request(job),
+            &request(job, now_ms),
             job.spec.min_replicas(),
             most,
             &room.views_for(job, &reserved),
@@ -966,6 +973,64 @@ mod tests {
         let l = place(&s, &BTreeSet::new(), &BTreeMap::new());
         assert_eq!(l.len(), 1);
         assert_eq!(l[0].gpu_uuids, vec!["GPU-a-1".to_string()]);
+    }
+
+    /// A job requeued after a GPU failed is not placed on that GPU while
+    /// the entry holds, even when it is the only one free; after, it is.
+    #[test]
+    fn a_job_is_not_placed_on_a_gpu_it_avoids() {
+        use crate::state::testkit::status;
+        use gpuctl_core::types::TaskState;
+        let mut s = state(vec![agent("a", 2, both()), job(1, false)]);
+        // It ran on GPU-a-0, which failed under it at 1000 ms (the agent
+        // has not yet said the GPU is out).
+        let launches = place(&s, &BTreeSet::new(), &BTreeMap::new());
+        assert_eq!(launches[0].gpu_uuids, vec!["GPU-a-0".to_string()]);
+        s.apply(10, &Command::LaunchTasks { launches, at_ms: 0 })
+            .unwrap();
+        let mut failed = status("a", "job-1.0", TaskState::Failed);
+        failed.gpu_unhealthy = true;
+        failed.failed_gpus = vec!["GPU-a-0".into()];
+        s.apply(
+            11,
+            &Command::UpdateTaskStatus {
+                update: failed,
+                at_ms: 1000,
+            },
+        )
+        .unwrap();
+        assert_eq!(
+            s.job("job-1").unwrap().state,
+            gpuctl_core::types::JobState::Queued
+        );
+        let at = |s: &State, now: u64| {
+            place_in(
+                s,
+                &available(s, &BTreeSet::new(), &BTreeMap::new()),
+                PlacementPolicy::Bundle,
+                false,
+                now,
+            )
+        };
+        let l = at(&s, 1000);
+        assert_eq!(l.len(), 1);
+        assert_eq!(l[0].gpu_uuids, vec!["GPU-a-1".to_string()]);
+        // Only the avoided GPU is free: the job waits, until the entry
+        // runs out.
+        let a1_elsewhere = BTreeSet::from(["GPU-a-1".to_string()]);
+        let offered_only = |s: &State, now: u64| {
+            place_in(
+                s,
+                &available(s, &a1_elsewhere, &BTreeMap::new()),
+                PlacementPolicy::Bundle,
+                false,
+                now,
+            )
+        };
+        assert!(offered_only(&s, 1000).is_empty());
+        let l = offered_only(&s, 1000 + crate::state::AVOID_GPU_MS);
+        assert_eq!(l.len(), 1);
+        assert_eq!(l[0].gpu_uuids, vec!["GPU-a-0".to_string()]);
     }
 
     /// An elastic gang (2:4 of 1 GPU) takes as many ranks as fit, grows

@@ -56,6 +56,8 @@ use gpuctl_core::types::{
 pub use super::topology::choose_gpus;
 use gpuctl_core::wait::{AgentCounts, DriverAsk, GpuAsk, NeverFits, Requirement};
 
+use crate::state::AvoidGpu;
+
 /// What one task needs.
 #[derive(Debug, Clone, Copy)]
 pub struct TaskRequest<'a> {
@@ -85,6 +87,11 @@ pub struct TaskRequest<'a> {
     pub require_cuda: Option<&'a Expr>,
     /// What the job's image requires of the driver (learned): all must hold.
     pub image_requires: &'a [Expr],
+    /// GPUs that failed under the job: not chosen while their entry holds
+    /// at `now_ms` (they still count for "could it ever fit").
+    pub avoid: &'a [AvoidGpu],
+    /// The leader's clock (ms), for `avoid`.
+    pub now_ms: u64,
 }
 
 impl TaskRequest<'_> {
@@ -210,6 +217,8 @@ struct GpuFilter {
     /// A fraction of a shared GPU rather than whole GPUs.
     fraction: Option<GpuFraction>,
     cache: Vec<(String, bool)>,
+    /// GPUs (or MIG devices) the task may not be given now.
+    avoid: Vec<String>,
 }
 
 impl GpuFilter {
@@ -220,7 +229,18 @@ impl GpuFilter {
             mig: req.mig.map(str::to_string),
             fraction: req.fraction,
             cache: Vec::new(),
+            avoid: req
+                .avoid
+                .iter()
+                .filter(|a| a.until_ms > req.now_ms)
+                .map(|a| a.uuid.clone())
+                .collect(),
         }
+    }
+
+    /// Not a GPU the job avoids now.
+    fn allowed(&self, uuid: &str) -> bool {
+        !self.avoid.iter().any(|a| a == uuid)
     }
 
     fn model_ok(&mut self, model: &str) -> bool {
@@ -279,19 +299,24 @@ impl GpuFilter {
             return node
                 .free_shared
                 .iter()
-                .filter(|(g, _, _)| self.matches(g))
+                .filter(|(g, _, _)| self.allowed(&g.uuid) && self.matches(g))
                 .map(|(_, m, c)| fractions_in(*m, *c, f))
                 .sum();
         }
         if self.mig.is_some() {
             node.free_mig
                 .iter()
-                .filter(|(g, d)| g.healthy && self.matches_mig(g, d))
+                .filter(|(g, d)| {
+                    g.healthy
+                        && self.allowed(&g.uuid)
+                        && self.allowed(&d.uuid)
+                        && self.matches_mig(g, d)
+                })
                 .count()
         } else {
             node.free_gpus
                 .iter()
-                .filter(|g| g.healthy && self.matches(g))
+                .filter(|g| g.healthy && self.allowed(&g.uuid) && self.matches(g))
                 .count()
         }
     }
@@ -549,7 +574,12 @@ pub fn place_gang<'v, 'a>(
                 .free_gpus
                 .iter()
                 .copied()
-                .filter(|g| g.healthy && !best.taken.contains(&g.uuid) && filter.matches(g))
+                .filter(|g| {
+                    g.healthy
+                        && !best.taken.contains(&g.uuid)
+                        && filter.allowed(&g.uuid)
+                        && filter.matches(g)
+                })
                 .collect();
             choose_gpus(&free, best.node.all_gpus, n)?
         };
@@ -585,7 +615,7 @@ fn choose_share(
 ) -> Option<String> {
     node.free_shared
         .iter()
-        .filter(|(g, _, _)| filter.matches(g))
+        .filter(|(g, _, _)| filter.allowed(&g.uuid) && filter.matches(g))
         .filter_map(|(g, m, c)| {
             let n = taken.iter().filter(|t| **t == g.uuid).count() as u64;
             let m = m.saturating_sub(f.mem_mib.saturating_mul(n));
@@ -620,7 +650,13 @@ fn choose_mig(
     let mut cands: Vec<(usize, u32, u32, &str)> = node
         .free_mig
         .iter()
-        .filter(|(g, d)| g.healthy && !taken.contains(&d.uuid) && filter.matches_mig(g, d))
+        .filter(|(g, d)| {
+            g.healthy
+                && !taken.contains(&d.uuid)
+                && filter.allowed(&g.uuid)
+                && filter.allowed(&d.uuid)
+                && filter.matches_mig(g, d)
+        })
         .map(|(g, d)| {
             let free = free_on(&g.uuid);
             let key = match policy {

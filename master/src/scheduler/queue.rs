@@ -295,7 +295,7 @@ fn pass_job<'s>(
         ..
     } = *ctx;
     let spec = &job.spec;
-    let req = request(job);
+    let req = request(job, cfg.now_ms);
     // An elastic gang needs its fewest ranks to start, and takes as many
     // more as fit (within its quotas); a fixed gang's are one number.
     let (replicas, max_replicas) = (spec.min_replicas(), spec.replicas());

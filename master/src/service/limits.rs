@@ -459,6 +459,7 @@ mod tests {
                     )
                 })
                 .collect(),
+            failed_gpus: Vec::new(),
         };
         let len = req.encoded_len();
         if let Err(e) = StatusUpdate::try_from(req) {

@@ -432,6 +432,26 @@ impl State {
                 };
             }
         }
+        // A GPU back in service (reset and probed) is no longer avoided by
+        // the jobs that failed on it.
+        let back: Vec<&str> = changes
+            .iter()
+            .filter(|c| c.healthy)
+            .map(|c| c.uuid.as_str())
+            .collect();
+        if !back.is_empty() {
+            let avoiding: Vec<String> = self
+                .jobs
+                .values()
+                .filter(|j| j.avoid_gpus.iter().any(|a| back.contains(&a.uuid.as_str())))
+                .map(|j| j.id.clone())
+                .collect();
+            for id in avoiding {
+                if let Some(job) = self.jobs.get_mut(&id) {
+                    job.avoid_gpus.retain(|a| !back.contains(&a.uuid.as_str()));
+                }
+            }
+        }
         Ok(Outcome::Done)
     }
 

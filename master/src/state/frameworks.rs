@@ -780,6 +780,7 @@ mod tests {
                 fenced: false,
                 latest_state: None,
                 hung: false,
+                failed_gpus: Vec::new(),
             },
             at_ms: 9,
         };
@@ -839,6 +840,7 @@ mod tests {
             fenced: false,
             latest_state: None,
             hung: false,
+            failed_gpus: Vec::new(),
         };
         s.apply(10, &Command::UpdateTaskStatus { update, at_ms: 9 })
             .unwrap();
@@ -874,6 +876,7 @@ mod tests {
                 fenced: false,
                 latest_state: latest,
                 hung: false,
+                failed_gpus: Vec::new(),
             },
             at_ms: 9,
         };

@@ -358,9 +358,20 @@ impl State {
                     message,
                     requeue: true,
                 }) => {
+                    let avoiding: BTreeSet<&str> =
+                        job.avoid_gpus.iter().map(|a| a.uuid.as_str()).collect();
+                    let avoid = if avoiding.is_empty() {
+                        String::new()
+                    } else {
+                        format!(
+                            "; avoiding GPU {} until it is back in service (at most {} min)",
+                            join_cut(&avoiding),
+                            super::AVOID_GPU_MS / 60_000
+                        )
+                    };
                     event = Some((
                         EventKind::Requeued,
-                        format!("after its GPU failed: {no_retry}"),
+                        format!("after its GPU failed: {no_retry}{avoid}"),
                     ));
                     (JobState::Queued, message)
                 }
@@ -406,8 +417,33 @@ impl State {
             _ => (EventKind::Failed, message.clone()),
         });
         job.events.record(kind, words, at_ms);
+        if state.is_terminal() {
+            job.avoid_gpus.clear();
+        }
         job.state = state;
         job.message = message;
+    }
+
+    /// A task ended because a GPU failed: its job avoids the GPUs the
+    /// agent names (all of the task's when it names none).
+    pub(super) fn avoid_failed_gpus(&mut self, task_id: &str, failed: &[String], at_ms: u64) {
+        let Some(task) = self.tasks.get(task_id) else {
+            return;
+        };
+        let gpus = if failed.is_empty() {
+            task.gpu_uuids.clone()
+        } else {
+            failed.to_vec()
+        };
+        let job_id = task.job_id.clone();
+        if let Some(job) = self.jobs.get_mut(&job_id) {
+            if job.state.is_terminal() {
+                return;
+            }
+            for g in &gpus {
+                job.avoid_gpu(g, at_ms);
+            }
+        }
     }
 
     /// Asks the agents to stop the given tasks that still run.
@@ -810,6 +846,7 @@ impl State {
                 events: Default::default(),
                 world: 0,
                 not_before_ms: 0,
+                avoid_gpus: Vec::new(),
             },
         );
         self.job_event(
@@ -1477,6 +1514,87 @@ mod tests {
             job.message
         );
         assert!(t.s.gpu_owner.is_empty());
+    }
+
+    #[test]
+    fn a_requeued_job_avoids_the_failed_gpu_until_it_is_back_in_service() {
+        let mut t = T::new(&[("a", 4)]);
+        let j = t.submit(spec(2, 1));
+        t.launch(&j, &[("a", &["GPU-a-0", "GPU-a-1"])]).unwrap();
+        t.report("job-1.0", TaskState::Running, None);
+        // The agent names the GPU that failed: only that one is avoided.
+        let mut update = status("a", "job-1.0", TaskState::Failed);
+        update.message = "GPU GPU-a-1 unhealthy: XID 79 (GPU has fallen off the bus)".into();
+        update.gpu_unhealthy = true;
+        update.failed_gpus = vec!["GPU-a-1".into()];
+        t.apply(Command::UpdateTaskStatus {
+            update,
+            at_ms: 1000,
+        })
+        .unwrap();
+        let job = t.job(&j);
+        assert_eq!(job.state, JobState::Queued);
+        let avoided: Vec<(&str, u64)> = job
+            .avoid_gpus
+            .iter()
+            .map(|a| (a.uuid.as_str(), a.until_ms))
+            .collect();
+        assert_eq!(avoided, [("GPU-a-1", 1000 + crate::state::AVOID_GPU_MS)]);
+        let requeued = job
+            .events
+            .iter()
+            .filter(|e| e.kind == EventKind::Requeued)
+            .last()
+            .expect("a Requeued event");
+        assert!(
+            requeued.message.contains("avoiding GPU GPU-a-1"),
+            "{}",
+            requeued.message
+        );
+        // Another GPU coming back changes nothing; this one does.
+        let back = |uuid: &str| Command::SetGpuHealth {
+            agent_id: "a".into(),
+            gpus: vec![crate::state::command::GpuHealthChange {
+                uuid: uuid.into(),
+                healthy: true,
+                reason: String::new(),
+            }],
+            at_ms: 2000,
+        };
+        t.apply(back("GPU-a-2")).unwrap();
+        assert_eq!(t.job(&j).avoid_gpus.len(), 1);
+        t.apply(back("GPU-a-1")).unwrap();
+        assert!(t.job(&j).avoid_gpus.is_empty());
+        // An old agent names none: all of the task's GPUs are avoided.
+        t.launch(&j, &[("a", &["GPU-a-2", "GPU-a-3"])]).unwrap();
+        t.report_gpu_failure("job-1.1", "GPU-a-3");
+        let mut avoided: Vec<&str> = t
+            .job(&j)
+            .avoid_gpus
+            .iter()
+            .map(|a| a.uuid.as_str())
+            .collect();
+        avoided.sort();
+        assert_eq!(avoided, ["GPU-a-2", "GPU-a-3"]);
+    }
+
+    #[test]
+    fn avoided_gpus_are_bounded_and_cleared_when_the_job_ends() {
+        let mut t = T::new(&[("a", 1)]);
+        let j = t.submit(spec(1, 1));
+        let job = t.s.jobs.get_mut(&j).unwrap();
+        for i in 0..(crate::state::MAX_AVOIDED_GPUS + 3) {
+            job.avoid_gpu(&format!("GPU-x-{i}"), i as u64);
+        }
+        job.avoid_gpu("GPU-x-5", 99);
+        assert_eq!(job.avoid_gpus.len(), crate::state::MAX_AVOIDED_GPUS);
+        // The oldest went first; one named again moved to the end.
+        assert_eq!(job.avoid_gpus[0].uuid, "GPU-x-3");
+        assert_eq!(job.avoid_gpus.last().unwrap().uuid, "GPU-x-5");
+        t.launch(&j, &[("a", &["GPU-a-0"])]).unwrap();
+        t.report("job-1.0", TaskState::Finished, Some(0));
+        assert_eq!(t.job(&j).state, JobState::Succeeded);
+        assert!(t.job(&j).avoid_gpus.is_empty());
     }
 
     #[test]

@@ -157,7 +157,27 @@ pub struct JobRecord {
     /// leader's wall clock, ms): its restart backoff. 0: at once.
     #[serde(default, skip_serializing_if = "is_zero_u64")]
     pub not_before_ms: u64,
+    /// GPUs that failed under it: it is not placed on them again until
+    /// they are back in service or the entry's time passes (see
+    /// [`JobRecord::avoid_gpu`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub avoid_gpus: Vec<AvoidGpu>,
 }
+
+/// A GPU a job is not placed on until `until_ms` (the leader's clock).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AvoidGpu {
+    pub uuid: GpuUuid,
+    pub until_ms: u64,
+}
+
+/// How long a job avoids a GPU that failed under it at most: it is
+/// forgotten sooner when the GPU is seen back in service (reset and
+/// probed), and this bounds the case where the master never saw it out
+/// (out and back between two heartbeats).
+pub const AVOID_GPU_MS: u64 = 10 * 60 * 1000;
+/// The most GPUs one job avoids (the oldest go first).
+pub const MAX_AVOIDED_GPUS: usize = 16;
 
 fn is_zero_u64(n: &u64) -> bool {
     *n == 0
@@ -201,6 +221,18 @@ pub enum Stopping {
 }
 
 impl JobRecord {
+    /// The job avoids `uuid` from `at_ms` on, for [`AVOID_GPU_MS`].
+    pub fn avoid_gpu(&mut self, uuid: &str, at_ms: u64) {
+        self.avoid_gpus.retain(|a| a.uuid != uuid);
+        if self.avoid_gpus.len() >= MAX_AVOIDED_GPUS {
+            self.avoid_gpus.remove(0);
+        }
+        self.avoid_gpus.push(AvoidGpu {
+            uuid: uuid.to_string(),
+            until_ms: at_ms.saturating_add(AVOID_GPU_MS),
+        });
+    }
+
     /// Everything its tasks require of the NVIDIA driver: its own
     /// `require_cuda`, then what its image taught.
     pub fn driver_requires(&self) -> impl Iterator<Item = &gpuctl_core::cuda_req::Expr> {

@@ -70,6 +70,9 @@ impl State {
                     task.reason = TaskReason::DriverRequirementUnmet;
                 }
             }
+            if u.gpu_unhealthy {
+                self.avoid_failed_gpus(&u.task_id, &u.failed_gpus, at_ms);
+            }
             if u.gpu_unhealthy || u.fenced || u.gpu_memory_limit || u.hung {
                 if let Some(task) = self.tasks.get_mut(&u.task_id) {
                     task.reason = if u.gpu_unhealthy {

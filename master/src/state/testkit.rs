@@ -83,6 +83,7 @@ pub fn status(agent: &str, task: &str, state: TaskState) -> StatusUpdate {
         fenced: false,
         latest_state: None,
         hung: false,
+        failed_gpus: Vec::new(),
     }
 }
 

@@ -91,6 +91,8 @@ fn req(gpus: u32) -> TaskRequest<'static> {
         checkpoint_dir: None,
         require_cuda: None,
         image_requires: &[],
+        avoid: &[],
+        now_ms: 0,
     }
 }
 
@@ -1148,6 +1150,8 @@ mod props {
                 checkpoint_dir: None,
                 require_cuda: None,
                 image_requires: &[],
+                avoid: &[],
+                now_ms: 0,
             })
         }
     }

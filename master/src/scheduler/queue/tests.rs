@@ -116,6 +116,7 @@ impl H {
                 fenced: false,
                 latest_state: None,
                 hung: false,
+                failed_gpus: Vec::new(),
             },
             at_ms: 0,
         });

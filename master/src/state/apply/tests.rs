@@ -193,6 +193,7 @@ impl T {
                 fenced: false,
                 latest_state: None,
                 hung: false,
+                failed_gpus: Vec::new(),
             },
             at_ms: 4,
         })
@@ -475,6 +476,7 @@ fn updates_from_the_wrong_agent_or_backwards_are_refused() {
                 fenced: false,
                 latest_state: None,
                 hung: false,
+                failed_gpus: Vec::new(),
             },
             at_ms: 1
         }),
