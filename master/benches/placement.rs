@@ -129,6 +129,8 @@ fn placement(c: &mut Criterion) {
         checkpoint_dir: None,
         require_cuda: None,
         image_requires: &[],
+        avoid: &[],
+        now_ms: 0,
     };
     let cases: [(&str, TaskRequest, u32, PlacementPolicy); 5] = [
         ("1gpu-bundle", task(1, None), 1, PlacementPolicy::Bundle),
@@ -143,6 +145,8 @@ fn placement(c: &mut Criterion) {
             "1gpu-cuda12.2-image-bundle",
             TaskRequest {
                 image_requires: &image,
+                avoid: &[],
+                now_ms: 0,
                 ..task(1, None)
             },
             1,
