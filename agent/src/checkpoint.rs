@@ -42,6 +42,10 @@ pub const NOTICE_DIR: &str = "notices";
 /// Per task with a hang timeout, the directory of the file it may touch to
 /// say it is alive (`GPUCTL_HEARTBEAT_FILE`).
 pub const HEARTBEAT_DIR: &str = "heartbeats";
+/// The same for containers whose user is the image's (unknown here): the
+/// directory is anyone's to write, so it lies under a root (mode 0700)
+/// that no host process but root may pass; the container gets it mounted.
+pub const CONTAINER_HEARTBEAT_DIR: &str = "heartbeats-containers";
 
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {

@@ -1,7 +1,8 @@
 //! Users of their own for host-process tasks, like systemd's `DynamicUser`
 //! and Nomad's dynamic workload users: a task whose job names no user runs
 //! under a uid, with a gid of the same number, from the agent's
-//! `task_users` range, which no other task of this agent holds.
+//! `task_users` range, which no task of another job on this agent holds
+//! (the tasks of one job share theirs: ranks share a checkpoint directory).
 //!
 //! A task holds its id from before it starts until the executor forgets it
 //! (its final status acknowledged and the master done with it), by which
@@ -162,34 +163,49 @@ impl TaskUsers {
     /// what else on the machine uses ids. Refused when every id of the
     /// range is taken.
     pub fn lease(&self, task_id: &str, host: &HostIds) -> Result<UserIds, String> {
-        self.lease_preferring(task_id, None, host)
+        self.lease_in_job(task_id, None, None, host)
     }
 
-    /// [`lease`](Self::lease), giving `prefer` (job, id) when that id is of
-    /// the range, unused by the host and held by no task but tasks of that
-    /// job: the owner of a job's checkpoint directory, made by an earlier
-    /// attempt, so that the next attempt owns what the last one wrote.
-    /// Tasks of one job may then share it (they share the directory).
-    pub fn lease_preferring(
+    /// [`lease`](Self::lease) for a task of `job` (task ids `<job>.<n>`):
+    /// the tasks of one job on this agent share one user, so that ranks
+    /// of a gang share what they write (a checkpoint directory above all).
+    /// The job's id is, in order: `owner` (the owner of the job's
+    /// checkpoint directory, made by an earlier attempt) when that id is of
+    /// the range, unused by the host and held by no task of another job;
+    /// the one its other tasks here hold; a new lease.
+    pub fn lease_in_job(
         &self,
         task_id: &str,
-        prefer: Option<(&str, u32)>,
+        job: Option<&str>,
+        owner: Option<u32>,
         host: &HostIds,
     ) -> Result<UserIds, String> {
         let mut l = self.lock();
         if let Some(&id) = l.by_task.get(task_id) {
             return Ok(UserIds { uid: id, gid: id });
         }
-        let preferred = prefer.filter(|&(job, id)| {
-            let of_job = format!("{job}.");
-            self.range.contains(id)
-                && !host.uids.contains(&id)
-                && !host.gids.contains(&id)
-                && l.by_task
+        let of_job = job.map(|j| format!("{j}."));
+        let shared = of_job.as_deref().and_then(|of_job| {
+            let only_this_job = |id: u32| {
+                l.by_task
                     .iter()
-                    .all(|(t, held)| *held != id || t.starts_with(&of_job))
+                    .all(|(t, held)| *held != id || t.starts_with(of_job))
+            };
+            owner
+                .filter(|&id| {
+                    self.range.contains(id)
+                        && !host.uids.contains(&id)
+                        && !host.gids.contains(&id)
+                        && only_this_job(id)
+                })
+                .or_else(|| {
+                    l.by_task
+                        .iter()
+                        .find(|(t, _)| t.starts_with(of_job))
+                        .map(|(_, &id)| id)
+                })
         });
-        if let Some((_, id)) = preferred {
+        if let Some(id) = shared {
             l.by_task.insert(task_id.to_string(), id);
             l.held.insert(id);
             return Ok(UserIds { uid: id, gid: id });
@@ -266,16 +282,16 @@ mod tests {
         // The next attempt of job-1 gets 100 again, even while job-1.0's
         // record is kept; job-2 does not.
         let again = users
-            .lease_preferring("job-1.1", Some(("job-1", 100)), &none)
+            .lease_in_job("job-1.1", Some("job-1"), Some(100), &none)
             .unwrap();
         assert_eq!(again.uid, 100);
         let other = users
-            .lease_preferring("job-2.0", Some(("job-2", 100)), &none)
+            .lease_in_job("job-2.0", Some("job-2"), Some(100), &none)
             .unwrap();
         assert_ne!(other.uid, 100);
         // Outside the range, or used by the host: a lease as usual.
         let out = users
-            .lease_preferring("job-3.0", Some(("job-3", 7)), &none)
+            .lease_in_job("job-3.0", Some("job-3"), Some(7), &none)
             .unwrap();
         assert!(out.uid != 7 && out.uid >= 100);
         let host = HostIds {
@@ -283,13 +299,39 @@ mod tests {
             gids: BTreeSet::new(),
         };
         let used = users
-            .lease_preferring("job-4.0", Some(("job-4", 104)), &host)
+            .lease_in_job("job-4.0", Some("job-4"), Some(104), &host)
             .unwrap_or(UserIds { uid: 0, gid: 0 });
         assert_ne!(used.uid, 104);
         // Released by one holder, it stays held by the other.
         users.release("job-1.0");
         assert_eq!(users.of("job-1.1").unwrap().uid, 100);
         assert!(users.held() >= 2);
+    }
+
+    /// Ranks of one job on one agent share a user (they share its
+    /// checkpoint directory); another job's tasks, and tasks of no job,
+    /// never do; "job-1" is not a prefix of "job-10"'s tasks.
+    #[test]
+    fn tasks_of_one_job_share_a_user_and_no_other_task_does() {
+        let dir = tempfile::tempdir().unwrap();
+        let users = TaskUsers::new(IdRanges::parse("100-109").unwrap(), dir.path());
+        let none = HostIds::default();
+        let lease =
+            |task: &str, job: Option<&str>| users.lease_in_job(task, job, None, &none).unwrap().uid;
+        let r0 = lease("job-1.0", Some("job-1"));
+        let r1 = lease("job-1.1", Some("job-1"));
+        assert_eq!(r0, r1);
+        let other = lease("job-10.0", Some("job-10"));
+        assert_ne!(other, r0);
+        let framework = lease("fw-task", None);
+        assert!(framework != r0 && framework != other);
+        // A later attempt's rank shares it too, while any rank holds it;
+        // once all are released, the job's next task gets a new one.
+        users.release("job-1.0");
+        assert_eq!(lease("job-1.2", Some("job-1")), r0);
+        users.release("job-1.1");
+        users.release("job-1.2");
+        assert_ne!(lease("job-1.3", Some("job-1")), r0);
     }
 
     #[test]

@@ -89,11 +89,8 @@ fn ddp_and_torchrun_gangs_train_and_resume_from_their_checkpoint() {
             "1",
             "--replicas",
             "2",
-            // One user for every rank: the checkpoint directory is that
-            // user's (each task would otherwise get a user of its own,
-            // and only the first could write it).
-            "--user",
-            "1000:1000",
+            // No --user: the ranks on one agent share the task user the
+            // agent gives the job, which owns the checkpoint directory.
             "--checkpoint-dir",
             &ckpt,
             "--env",

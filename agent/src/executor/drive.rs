@@ -313,16 +313,12 @@ impl Executor {
         if security.own_user {
             // The owner of the job's checkpoint directory, made by an
             // earlier attempt, again if it is free: it owns what is there.
-            let prefer = checkpoint_dir
+            let owner = checkpoint_dir
                 .as_deref()
                 .and_then(|d| std::fs::metadata(d).ok())
-                .map(|m| {
-                    (
-                        spec.job_id.as_str(),
-                        std::os::unix::fs::MetadataExt::uid(&m),
-                    )
-                });
-            let ids = self.own_user(task_id, prefer).await.map_err(|why| {
+                .map(|m| std::os::unix::fs::MetadataExt::uid(&m));
+            let job = Some(spec.job_id.as_str()).filter(|j| !j.is_empty());
+            let ids = self.own_user(task_id, job, owner).await.map_err(|why| {
                 tracing::warn!(task_id, reason = %why, "task refused");
                 Outcome::failed(why)
             })?;
@@ -616,7 +612,8 @@ impl Executor {
     pub(super) async fn own_user(
         &self,
         task_id: &str,
-        prefer: Option<(&str, u32)>,
+        job: Option<&str>,
+        owner: Option<u32>,
     ) -> Result<UserIds, String> {
         let path = self.state_dir(task_id).join(task_users::USER_FILE);
         match checkpoint::read_json::<UserIds>(&path) {
@@ -633,7 +630,7 @@ impl Executor {
         let ids = self
             .isolation
             .users
-            .lease_preferring(task_id, prefer, &host)?;
+            .lease_in_job(task_id, job, owner, &host)?;
         if let Err(e) = checkpoint::write_json(&path, &ids) {
             self.isolation.users.release(task_id);
             return Err(format!("task user record: {e}"));

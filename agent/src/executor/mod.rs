@@ -195,19 +195,34 @@ impl Executor {
         self.work_dir.join(checkpoint::NOTICE_DIR).join(task_id)
     }
 
-    /// Where a task with a hang timeout may touch its heartbeat file.
+    /// Where a task with a hang timeout may touch its heartbeat file: one
+    /// of the two roots, whichever [`Self::make_heartbeat_dir`] used.
     fn heartbeat_dir(&self, task_id: &str) -> PathBuf {
-        self.work_dir.join(checkpoint::HEARTBEAT_DIR).join(task_id)
+        let unknown_user = self.heartbeat_dir_in(checkpoint::CONTAINER_HEARTBEAT_DIR, task_id);
+        if unknown_user.is_dir() {
+            return unknown_user;
+        }
+        self.heartbeat_dir_in(checkpoint::HEARTBEAT_DIR, task_id)
+    }
+
+    fn heartbeat_dir_in(&self, root: &str, task_id: &str) -> PathBuf {
+        self.work_dir.join(root).join(task_id)
     }
 
     /// Makes the task's heartbeat directory, the task's to write: its
-    /// user's alone when known, anyone's otherwise (a container's image
-    /// user), under a root that tasks pass through without listing.
+    /// user's alone, under a root that tasks pass through without listing;
+    /// or, for a container whose user is its image's (unknown here),
+    /// anyone's, under a root only root may pass (the container gets it
+    /// mounted), so that no other task can reach it.
     fn make_heartbeat_dir(&self, task_id: &str, user: Option<UserIds>) -> std::io::Result<PathBuf> {
-        let root = self.work_dir.join(checkpoint::HEARTBEAT_DIR);
-        std::fs::create_dir_all(&root)?;
-        set_mode(&root, 0o711)?;
-        let dir = self.heartbeat_dir(task_id);
+        let (root, mode) = match user {
+            Some(_) => (checkpoint::HEARTBEAT_DIR, 0o711),
+            None => (checkpoint::CONTAINER_HEARTBEAT_DIR, 0o700),
+        };
+        let root_dir = self.work_dir.join(root);
+        std::fs::create_dir_all(&root_dir)?;
+        set_mode(&root_dir, mode)?;
+        let dir = self.heartbeat_dir_in(root, task_id);
         std::fs::create_dir_all(&dir)?;
         match user {
             Some(u) if !u.is_root() => {

@@ -833,3 +833,28 @@ async fn a_task_whose_isolation_fails_never_starts_and_an_ended_one_is_released(
     assert!(!iso.held.lock().unwrap().contains("good"), "{iso:?}");
     assert!(iso.released.lock().unwrap().iter().any(|t| t == "good"));
 }
+
+/// A heartbeat directory of a task whose user is known is that user's
+/// alone; one for a container of unknown user is anyone's to write but lies
+/// under a root that no host process but root may pass (only the container
+/// it is mounted into reaches it). Either is found, and goes, by task id.
+#[tokio::test]
+async fn heartbeat_directories_are_reachable_only_by_their_task() {
+    use std::os::unix::fs::MetadataExt;
+    let h = harness_on(tempfile::tempdir().unwrap(), Arc::default());
+    let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().mode() & 0o7777;
+    let user = UserIds {
+        uid: 80000,
+        gid: 80000,
+    };
+    let own = h.exec.make_heartbeat_dir("host-task", Some(user)).unwrap();
+    let md = std::fs::metadata(&own).unwrap();
+    assert_eq!((md.uid(), md.gid(), mode(&own)), (80000, 80000, 0o700));
+    assert_eq!(mode(own.parent().unwrap()), 0o711);
+    let anyones = h.exec.make_heartbeat_dir("container-task", None).unwrap();
+    assert_eq!(mode(&anyones), 0o777);
+    assert_eq!(mode(anyones.parent().unwrap()), 0o700);
+    assert_ne!(own.parent(), anyones.parent());
+    assert_eq!(h.exec.heartbeat_dir("host-task"), own);
+    assert_eq!(h.exec.heartbeat_dir("container-task"), anyones);
+}
