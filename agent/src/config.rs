@@ -616,6 +616,8 @@ impl Options {
             max_resets: self.gpu_max_resets,
             preflight_command: parse_preflight_command(&self.preflight_command),
             preflight_timeout: secs("preflight_timeout_secs", self.preflight_timeout_secs, 0.1)?,
+            // The agent's start puts it in the work dir.
+            state_file: None,
         };
         let mut attributes = std::collections::BTreeMap::new();
         for a in &self.attributes {

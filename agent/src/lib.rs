@@ -447,10 +447,14 @@ pub async fn serve(
             Some(e) => e.busy_gpus(),
             None => all.clone(),
         });
+        let health_config = gpu::health::HealthConfig {
+            state_file: Some(config.work_dir.join(gpu::health::STATE_FILE)),
+            ..config.health.clone()
+        };
         gpu::health::spawn(
             config.nvml_lib.clone(),
             gpus.clone(),
-            config.health.clone(),
+            health_config,
             Some(tasks),
             busy,
             health_tx,

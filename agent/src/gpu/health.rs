@@ -21,6 +21,7 @@ use nvml_wrapper::enum_wrappers::device::TemperatureSensor;
 use nvml_wrapper::enums::event::XidError;
 use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::{Device, EventSet, Nvml};
+use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
 use super::procs;
@@ -54,6 +55,20 @@ pub struct HealthConfig {
     pub preflight_command: Vec<String>,
     /// How long the preflight command may take.
     pub preflight_timeout: Duration,
+    /// Where the GPUs waiting for a reset are recorded, so that an agent
+    /// restarted meanwhile keeps them out until the reset (a restart is no
+    /// repair); None: not recorded.
+    pub state_file: Option<PathBuf>,
+}
+
+/// The file, in the agent's work dir, of [`HealthConfig::state_file`].
+pub const STATE_FILE: &str = "gpu-health.json";
+
+/// What [`HealthConfig::state_file`] holds: each GPU waiting for a reset,
+/// with why it is out.
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct Saved {
+    awaiting_reset: BTreeMap<String, String>,
 }
 
 impl Default for HealthConfig {
@@ -69,6 +84,7 @@ impl Default for HealthConfig {
             max_resets: 3,
             preflight_command: Vec::new(),
             preflight_timeout: Duration::from_secs(60),
+            state_file: None,
         }
     }
 }
@@ -251,9 +267,19 @@ fn xid_meaning(xid: u64) -> &'static str {
 
 impl Tracker {
     /// Starts from discovery's view: a GPU discovery found broken starts
-    /// unhealthy with discovery's reason.
+    /// unhealthy with discovery's reason, and one that was waiting for a
+    /// reset when the agent last stopped (its state file) waits again, its
+    /// resets counted afresh.
     pub fn new(config: HealthConfig, gpus: &[GpuInfo]) -> Tracker {
-        Tracker {
+        let saved = config.state_file.as_deref().map_or_else(Saved::default, |p| {
+            crate::checkpoint::read_json::<Saved>(p)
+                .unwrap_or_else(|e| {
+                    tracing::warn!(error = %e, "unreadable GPU health record: GPUs waiting for a reset are not known");
+                    None
+                })
+                .unwrap_or_default()
+        });
+        let mut tracker = Tracker {
             gpus: gpus
                 .iter()
                 .map(|g| Tracked {
@@ -276,6 +302,38 @@ impl Tracker {
                 .collect(),
             config,
             generation: 0,
+        };
+        for (uuid, reason) in saved.awaiting_reset {
+            if let Some(t) = tracker.find(&uuid) {
+                tracing::warn!(uuid, index = t.health.index, %reason, "GPU was waiting for a reset when the agent stopped: out of service until it is reset");
+                t.needs_reset = true;
+                t.health.healthy = false;
+                // Its resets start again: drop what the last ones said.
+                t.health.reason = reason
+                    .split("; reset")
+                    .next()
+                    .unwrap_or_default()
+                    .to_string();
+            }
+        }
+        tracker
+    }
+
+    /// Records the GPUs waiting for a reset (when they change).
+    fn save(&self) {
+        let Some(path) = &self.config.state_file else {
+            return;
+        };
+        let saved = Saved {
+            awaiting_reset: self
+                .gpus
+                .iter()
+                .filter(|t| t.needs_reset)
+                .map(|t| (t.health.uuid.clone(), t.health.reason.clone()))
+                .collect(),
+        };
+        if let Err(e) = crate::checkpoint::write_json(path, &saved) {
+            tracing::warn!(error = %e, "could not record the GPUs waiting for a reset");
         }
     }
 
@@ -403,7 +461,9 @@ impl Tracker {
                 t.needs_reset = true;
             }
         }
-        self.fault(uuid, format!("{what}: {}", action.words()))
+        let changed = self.fault(uuid, format!("{what}: {}", action.words()));
+        self.save();
+        changed
     }
 
     /// Withdraws a GPU that failed a job's preflight: out of service until
@@ -415,7 +475,9 @@ impl Tracker {
                 t.needs_reset = true;
             }
         }
-        self.fault(uuid, reason)
+        let changed = self.fault(uuid, reason);
+        self.save();
+        changed
     }
 
     /// The GPU a device is or belongs to (a MIG device: its parent, as
@@ -460,6 +522,7 @@ impl Tracker {
                 t.needs_reset = false;
                 t.passing_since = None;
                 self.generation += 1;
+                self.save();
                 true
             }
             (result, probe) => {
@@ -482,6 +545,7 @@ impl Tracker {
                         "{first}; reset {n} times ({why}): stays out of service until the agent restarts"
                     );
                     self.generation += 1;
+                    self.save();
                     return true;
                 }
                 false
@@ -1324,6 +1388,56 @@ mod tests {
         );
         assert_eq!(t.gpu_of("MIG-0a").map(|g| g.uuid.as_str()), Some("GPU-0"));
         assert!(t.gpu_of("MIG-9").is_none());
+    }
+
+    /// A GPU waiting for a reset when the agent stops waits again after it
+    /// starts, however well it probes, and is back only after a reset; a
+    /// node's withdrawal and a reset GPU are not carried over.
+    #[test]
+    fn gpus_waiting_for_a_reset_stay_out_across_an_agent_restart() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = HealthConfig {
+            recovery: Duration::ZERO,
+            max_resets: 1,
+            node_xids: [119].into(),
+            state_file: Some(dir.path().join(STATE_FILE)),
+            ..Default::default()
+        };
+        let gpus = [
+            GpuInfo::new("GPU-0", 0, "A100", 40960),
+            GpuInfo::new("GPU-1", 1, "A100", 40960),
+        ];
+        let now = Instant::now();
+        let mut t = Tracker::new(config.clone(), &gpus);
+        assert!(t.event("GPU-0", Event::Xid(Some(79))));
+        // Its one reset fails: it stays out until the agent restarts.
+        assert!(t.reset_done("GPU-0", Err("busy".into()), Probe::Passed(sample())));
+        assert!(t.withdraw("GPU-1", "preflight failed: memtest".into()));
+        assert!(t.reset_done("GPU-1", Ok(()), Probe::Passed(sample())));
+        // Restarted: GPU-0 is out again, with its first reason and its
+        // resets to do again; GPU-1 (reset since) is in service.
+        let mut t = Tracker::new(config.clone(), &gpus);
+        let faults = t.snapshot().faults();
+        assert_eq!(faults.len(), 1, "{faults:?}");
+        assert!(faults["GPU-0"].starts_with("XID 79"), "{faults:?}");
+        assert!(!faults["GPU-0"].contains("; reset"), "{faults:?}");
+        assert!(!t.probe("GPU-0", Probe::Passed(sample()), now + secs(60)));
+        assert_eq!(t.to_reset(), vec![("GPU-0".to_string(), 0)]);
+        assert!(t.reset_done("GPU-0", Ok(()), Probe::Passed(sample())));
+        assert!(Tracker::new(config.clone(), &gpus)
+            .snapshot()
+            .faults()
+            .is_empty());
+        // A node that needs service is out until the restart, no longer.
+        assert!(t.event("GPU-1", Event::Xid(Some(119))));
+        assert_eq!(t.snapshot().faults().len(), 2);
+        assert!(Tracker::new(config.clone(), &gpus)
+            .snapshot()
+            .faults()
+            .is_empty());
+        // An unreadable record: nothing carried, and the agent starts.
+        std::fs::write(dir.path().join(STATE_FILE), "{").unwrap();
+        assert!(Tracker::new(config, &gpus).snapshot().faults().is_empty());
     }
 
     #[test]
