@@ -622,6 +622,11 @@ pub struct JobSpec {
     /// (no security configured, or submitted before tenants existed).
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub tenant: String,
+    /// The id of the token that submitted it, set by the master (never
+    /// from the wire); its usage is charged to it. Empty: no token (no
+    /// security configured, or submitted before accounting).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub submitted_by: String,
     /// Names of `env` variables whose values are secret: the task gets
     /// them, but the API shows them as `<secret>`, and they are never logged.
     #[serde(default, skip_serializing_if = "std::collections::BTreeSet::is_empty")]
@@ -1010,6 +1015,7 @@ impl JobSpec {
             restart_policy: RestartPolicy::Gang,
             restart_backoff_ms: None,
             preflight: false,
+            submitted_by: String::new(),
         }
     }
 

@@ -20,6 +20,7 @@ pub mod masters;
 #[cfg(test)]
 pub(crate) mod testkit;
 pub mod top;
+pub mod usage;
 mod yaml_depth;
 
 pub use crate::error::{one_line, CliError, EXIT_FAILURE, EXIT_OK};
@@ -87,6 +88,9 @@ pub enum Command {
     /// A live table of every GPU: utilization, memory, temperature, power,
     /// health and the task on it, refreshed until Ctrl-C.
     Top(top::TopArgs),
+    /// Who used what: GPU-, CPU- and memory-hours by tenant, user, job or
+    /// GPU model over a window (`--since 7d`), from the masters' ledger.
+    Usage(usage::UsageArgs),
     /// Start a master and an agent in this process, run two GPU jobs and show the cluster.
     Demo(demo::DemoArgs),
     /// Make the cluster CA and certificates (locally, no master needed).
@@ -206,6 +210,11 @@ pub async fn run(cli: Cli) -> Result<u8, CliError> {
         Command::Top(args) => {
             let mut master = connect(&masters, &creds, deadline).await?;
             top::run(&mut master, args, &mut out).await?
+        }
+        Command::Usage(args) => {
+            let mut master = connect(&masters, &creds, deadline).await?;
+            usage::run(&mut master, args, &mut out).await?;
+            EXIT_OK
         }
     };
     out.flush()?;

@@ -74,6 +74,9 @@ pub(crate) trait FakeOperator: Send + Sync + 'static {
     fn remove_master(&self, _: pb::RemoveMasterRequest) -> Result<pb::ListMastersResponse, Status> {
         unused()
     }
+    fn usage(&self, _: pb::UsageRequest) -> Result<pb::UsageResponse, Status> {
+        unused()
+    }
 }
 
 /// Log chunks holding these strings.
@@ -195,4 +198,5 @@ forward! {
     list_masters(pb::ListMastersRequest) -> pb::ListMastersResponse;
     add_master(pb::AddMasterRequest) -> pb::ListMastersResponse;
     remove_master(pb::RemoveMasterRequest) -> pb::ListMastersResponse;
+    usage(pb::UsageRequest) -> pb::UsageResponse;
 }

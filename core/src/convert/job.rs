@@ -466,6 +466,8 @@ impl TryFrom<pb::JobSpec> for JobSpec {
             no_requeue: s.no_requeue,
             no_fence: s.no_fence,
             tenant: s.tenant,
+            // The master's to set, from the caller's token.
+            submitted_by: String::new(),
             secret_env,
             security,
             require_cuda,

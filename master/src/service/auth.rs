@@ -62,6 +62,14 @@ impl Caller {
             .unwrap_or(Caller::Anonymous)
     }
 
+    /// The id of its token, for a caller with one.
+    pub fn token_id(&self) -> Option<&str> {
+        match self {
+            Caller::Token(t) => Some(&t.id),
+            _ => None,
+        }
+    }
+
     /// Whether it may act on every tenant's things.
     pub fn is_admin(&self) -> bool {
         match self {
@@ -172,7 +180,8 @@ pub fn rule(path: &str) -> Option<Rule> {
             "SubmitJob" | "GetJob" | "WatchJob" | "ListJobs" | "CancelJob" | "JobLogs" => {
                 Rule::Tokens(JOBS)
             }
-            "ListAgents" | "ListGpus" | "ListMasters" => Rule::Tokens(ANY_TOKEN),
+            // Usage: a tenant's token sees its tenant's rows only.
+            "ListAgents" | "ListGpus" | "ListMasters" | "Usage" => Rule::Tokens(ANY_TOKEN),
             _ => return None,
         },
         "gpuctl.v1.Scheduler" => Rule::Tokens(FRAMEWORKS),
@@ -417,6 +426,7 @@ mod tests {
                     "ListMasters",
                     "AddMaster",
                     "RemoveMaster",
+                    "Usage",
                 ],
             ),
             (

@@ -37,6 +37,8 @@ pub struct LeaderGate<S> {
 pub fn served_by_any_master(path: &str) -> bool {
     path.starts_with("/gpuctl.v1.RaftTransport/")
         || path == "/gpuctl.v1.Operator/ListMasters"
+        // The replicated ledger, as this master has applied it.
+        || path == "/gpuctl.v1.Operator/Usage"
         || path.starts_with("/grpc.")
 }
 

@@ -427,6 +427,14 @@ impl pb::operator_server::Operator for OperatorService {
         reply(self.job_logs(&caller, req.into_inner()).await)
     }
 
+    async fn usage(
+        &self,
+        req: Request<pb::UsageRequest>,
+    ) -> Result<Response<pb::UsageResponse>, Status> {
+        let caller = Caller::of(&req);
+        reply(self.usage(&caller, req.into_inner()))
+    }
+
     async fn list_masters(
         &self,
         req: Request<pb::ListMastersRequest>,
@@ -452,6 +460,43 @@ impl pb::operator_server::Operator for OperatorService {
 /// Each RPC's logic; the `Operator` impl above only turns its errors
 /// into `Status` (`reply`).
 impl OperatorService {
+    /// The accounting report, from this master's state.
+    fn usage(
+        &self,
+        caller: &Caller,
+        req: pb::UsageRequest,
+    ) -> Result<pb::UsageResponse, ServiceError> {
+        use crate::state::usage;
+        let by: usage::By = req
+            .by
+            .parse()
+            .map_err(|e: String| ConvertError::new("by", e))?;
+        let now = now_ms();
+        if req.since_ms > now {
+            return Err(ConvertError::new("since_ms", "is in the future").into());
+        }
+        let state = self.ctx.raft.state();
+        let (rows, since, truncated) =
+            usage::report(&state, req.since_ms, now, by, caller.tenant_scope());
+        Ok(pb::UsageResponse {
+            rows: rows
+                .into_iter()
+                .map(|r| pb::UsageRow {
+                    key: r.key,
+                    tenant: r.tenant,
+                    gpu_ms: r.totals.gpu_ms,
+                    cpu_ms: r.totals.cpu_ms,
+                    mem_mib_ms: r.totals.mem_mib_ms,
+                    tasks: r.totals.tasks,
+                    running: r.running,
+                })
+                .collect(),
+            since_ms: since,
+            until_ms: now,
+            truncated,
+        })
+    }
+
     /// Refuses when the job is another tenant's (a job that does not exist
     /// is left to the caller's own not-found answer).
     fn check_job_access(&self, caller: &Caller, job_id: &str) -> Result<(), ServiceError> {
@@ -507,6 +552,7 @@ impl OperatorService {
             .spec
             .ok_or_else(|| ConvertError::new("spec", "missing"))?;
         let mut spec = JobSpec::try_from(spec)?;
+        spec.submitted_by = caller.token_id().unwrap_or_default().to_string();
         // Charged to the caller's tenant; only an admin may name another.
         if spec.tenant.is_empty() {
             spec.tenant = caller.tenant().to_string();

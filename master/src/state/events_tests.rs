@@ -212,7 +212,8 @@ fn a_gpu_failure_then_requeue() {
         (ev[3].0, ev[3].1.as_str()),
         (
             EventKind::Requeued,
-            "after its GPU failed: back in the queue (no retry used)"
+            "after its GPU failed: back in the queue (no retry used); avoiding GPU GPU-a-0 \
+             until it is back in service (at most 10 min)"
         )
     );
 }

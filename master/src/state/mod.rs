@@ -28,6 +28,7 @@ mod tasks;
 pub(crate) mod testkit;
 #[cfg(test)]
 mod touched_tests;
+pub mod usage;
 
 use std::collections::BTreeMap;
 
@@ -429,6 +430,10 @@ pub struct State {
     /// agent's default (`--share-gpus`) does not share them again.
     #[serde(default)]
     share_off: std::collections::BTreeSet<GpuUuid>,
+    /// What ended tasks held, by hour, tenant, token and GPU model
+    /// (`gpuctl usage`).
+    #[serde(default)]
+    usage: usage::Ledger,
     /// Index of the last log entry applied.
     applied_index: u64,
     /// Indexes derived from the above (see `derived`).
@@ -475,6 +480,11 @@ impl State {
 
     pub fn task(&self, id: &str) -> Option<&TaskRecord> {
         self.tasks.get(id)
+    }
+
+    /// The accounting ledger of ended tasks.
+    pub fn usage(&self) -> &usage::Ledger {
+        &self.usage
     }
 
     /// The task holding this GPU, if any.

@@ -176,6 +176,12 @@ impl State {
         at_ms: u64,
         hold: bool,
     ) {
+        // Charged once, when it ends: what it held from its launch.
+        if let Some(t) = self.tasks.get(task_id).filter(|t| !t.state.is_terminal()) {
+            let charge = self.charge_of(t);
+            let from = t.created_at_ms;
+            self.usage.charge(&charge, from, at_ms.max(from));
+        }
         let Some(task) = self.tasks.get_mut(task_id) else {
             return;
         };
@@ -203,6 +209,59 @@ impl State {
         }
         if !job_id.is_empty() {
             self.job_task_ended(&job_id, task_id, at_ms);
+        }
+    }
+
+    /// What `task` holds, charged to its job's tenant and submitter (a
+    /// framework's task: its framework's tenant) and its GPU model.
+    pub(crate) fn charge_of(&self, task: &super::TaskRecord) -> super::usage::Charge {
+        let (tenant, user) = match self.jobs.get(&task.job_id) {
+            Some(j) => (
+                super::access::tenant_of(&j.spec).to_string(),
+                j.spec.submitted_by.clone(),
+            ),
+            None => (
+                self.frameworks
+                    .get(&task.framework_id)
+                    .map(|f| f.info.tenant.clone())
+                    .filter(|t| !t.is_empty())
+                    .unwrap_or_else(|| super::access::DEFAULT_TENANT.to_string()),
+                String::new(),
+            ),
+        };
+        let gpus = self.agents.get(&task.agent_id).map(|a| &a.info.gpus[..]);
+        let device = task
+            .gpu_uuids
+            .first()
+            .and_then(|u| gpuctl_core::types::find_device(gpus.unwrap_or_default(), u));
+        use gpuctl_core::types::Device;
+        let gpu_model = match device {
+            Some(Device::Gpu(g)) => g.model.clone(),
+            Some(Device::Mig { parent, device }) => {
+                format!("{} MIG {}", parent.model, device.profile)
+            }
+            None if task.gpu_uuids.is_empty() => String::new(),
+            None => "unknown".to_string(),
+        };
+        let gpu_milli = match (task.fraction, device) {
+            (Some(f), _) if f.compute_pct > 0 => u64::from(f.compute_pct) * 10,
+            (Some(f), Some(Device::Gpu(g))) if g.memory_mib > 0 => {
+                (f.mem_mib.saturating_mul(1000) / g.memory_mib).min(1000)
+            }
+            (Some(_), _) => 0,
+            (None, _) => 1000 * task.gpu_uuids.len() as u64,
+        };
+        let gpu_model = match task.fraction {
+            Some(_) => format!("{gpu_model} (shared)"),
+            None => gpu_model,
+        };
+        super::usage::Charge {
+            tenant,
+            user,
+            gpu_model,
+            gpu_milli,
+            cpu_milli: (task.resources.cpus * 1000.0).round().max(0.0) as u64,
+            mem_mib: task.resources.mem_mib,
         }
     }
 

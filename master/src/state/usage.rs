@@ -1,0 +1,428 @@
+//! Accounting: what each task held, charged to its tenant, the token that
+//! submitted its job and its GPU model, by the hour (issue 39).
+//!
+//! A task is charged when it ends, inside apply, so every master holds the
+//! same ledger and it survives failover with the rest of the state. What
+//! is charged is the allocation, from launch to end (Slurm's model: GPUs
+//! held are GPUs used up, whether the program kept them busy or not):
+//! - GPU-ms: one per whole GPU or MIG device per ms; a fraction of a shared
+//!   GPU its compute share (`--gpu-compute`, none asked: its memory share);
+//! - CPU-ms: its `--cpus` per ms; memory: its `--mem` MiB per ms.
+//!
+//! The task's time is split at hour boundaries (UTC), so a report over a
+//! window is exact to the hour. The ledger keeps one row per hour, tenant,
+//! token and GPU model: bounded by [`MAX_ROWS`] (the oldest hours go
+//! first) and by [`RETENTION_MS`]. Jobs themselves are not in it: a report
+//! by job reads the jobs the master still keeps, from their tasks.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// An hour, in ms.
+pub const HOUR_MS: u64 = 3_600_000;
+/// Rows kept at most (hours × tenants × tokens × models); ~100 bytes each.
+pub const MAX_ROWS: usize = 200_000;
+/// Hours kept: 400 days, a year's reports and then some.
+pub const RETENTION_MS: u64 = 400 * 24 * HOUR_MS;
+
+/// What a row adds up. Integers, so that every master's sums are the same.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Totals {
+    /// GPU-milliseconds (a whole GPU for one ms is 1).
+    pub gpu_ms: u64,
+    /// CPU-milliseconds.
+    pub cpu_ms: u64,
+    /// MiB-milliseconds of memory.
+    pub mem_mib_ms: u64,
+    /// Tasks that ended in the row's hour.
+    pub tasks: u64,
+}
+
+impl Totals {
+    pub fn add(&mut self, o: &Totals) {
+        self.gpu_ms = self.gpu_ms.saturating_add(o.gpu_ms);
+        self.cpu_ms = self.cpu_ms.saturating_add(o.cpu_ms);
+        self.mem_mib_ms = self.mem_mib_ms.saturating_add(o.mem_mib_ms);
+        self.tasks = self.tasks.saturating_add(o.tasks);
+    }
+}
+
+/// A row's key: the hour (its first ms), tenant, token id ("" where no
+/// token is needed) and GPU model ("" for tasks without GPUs).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct RowKey {
+    pub hour_ms: u64,
+    pub tenant: String,
+    pub user: String,
+    pub gpu_model: String,
+}
+
+/// What one task held, per ms of its life.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Charge {
+    pub tenant: String,
+    pub user: String,
+    pub gpu_model: String,
+    /// Thousandths of a GPU (1000: one whole GPU).
+    pub gpu_milli: u64,
+    /// Thousandths of a CPU.
+    pub cpu_milli: u64,
+    pub mem_mib: u64,
+}
+
+impl Charge {
+    /// Its totals over `[from_ms, to_ms)`.
+    pub fn over(&self, from_ms: u64, to_ms: u64) -> Totals {
+        let ms = to_ms.saturating_sub(from_ms);
+        Totals {
+            gpu_ms: self.gpu_milli.saturating_mul(ms) / 1000,
+            cpu_ms: self.cpu_milli.saturating_mul(ms) / 1000,
+            mem_mib_ms: self.mem_mib.saturating_mul(ms),
+            tasks: 0,
+        }
+    }
+
+    /// `[from_ms, to_ms)` split at hour boundaries: (hour, totals) each.
+    pub fn by_hour(&self, from_ms: u64, to_ms: u64) -> impl Iterator<Item = (u64, Totals)> + '_ {
+        let mut at = from_ms;
+        std::iter::from_fn(move || {
+            if at >= to_ms {
+                return None;
+            }
+            let hour = at - at % HOUR_MS;
+            let end = to_ms.min(hour.saturating_add(HOUR_MS));
+            let t = self.over(at, end);
+            at = end;
+            Some((hour, t))
+        })
+    }
+
+    fn key(&self, hour_ms: u64) -> RowKey {
+        RowKey {
+            hour_ms,
+            tenant: self.tenant.clone(),
+            user: self.user.clone(),
+            gpu_model: self.gpu_model.clone(),
+        }
+    }
+}
+
+/// The hourly ledger.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Ledger {
+    #[serde(with = "rows")]
+    rows: BTreeMap<RowKey, Totals>,
+}
+
+/// JSON maps need string keys: the rows go as a list of pairs.
+mod rows {
+    use super::{RowKey, Totals};
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+    use std::collections::BTreeMap;
+
+    pub fn serialize<S: Serializer>(m: &BTreeMap<RowKey, Totals>, s: S) -> Result<S::Ok, S::Error> {
+        let v: Vec<(&RowKey, &Totals)> = m.iter().collect();
+        v.serialize(s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(
+        d: D,
+    ) -> Result<BTreeMap<RowKey, Totals>, D::Error> {
+        let v: Vec<(RowKey, Totals)> = Vec::deserialize(d)?;
+        Ok(v.into_iter().collect())
+    }
+}
+
+impl Ledger {
+    /// Charges a task that held `charge` from `from_ms` until it ended at
+    /// `to_ms`; then forgets hours past retention and, over [`MAX_ROWS`],
+    /// the oldest.
+    pub fn charge(&mut self, charge: &Charge, from_ms: u64, to_ms: u64) {
+        for (hour, t) in charge.by_hour(from_ms, to_ms) {
+            self.rows.entry(charge.key(hour)).or_default().add(&t);
+        }
+        let end_hour = to_ms - to_ms % HOUR_MS;
+        self.rows.entry(charge.key(end_hour)).or_default().tasks += 1;
+        let oldest_kept = to_ms.saturating_sub(RETENTION_MS);
+        while let Some((k, _)) = self.rows.first_key_value() {
+            if k.hour_ms >= oldest_kept && self.rows.len() <= MAX_ROWS {
+                break;
+            }
+            self.rows.pop_first();
+        }
+    }
+
+    /// Rows of hours that end after `since_ms`.
+    pub fn since(&self, since_ms: u64) -> impl Iterator<Item = (&RowKey, &Totals)> {
+        let first_hour = since_ms - since_ms % HOUR_MS;
+        self.rows.range(
+            RowKey {
+                hour_ms: first_hour,
+                tenant: String::new(),
+                user: String::new(),
+                gpu_model: String::new(),
+            }..,
+        )
+    }
+
+    pub fn len(&self) -> usize {
+        self.rows.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.rows.is_empty()
+    }
+}
+
+/// How a report groups its rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum By {
+    Tenant,
+    User,
+    Job,
+    GpuModel,
+}
+
+impl std::str::FromStr for By {
+    type Err = String;
+    fn from_str(s: &str) -> Result<By, String> {
+        match s {
+            "" | "tenant" => Ok(By::Tenant),
+            "user" => Ok(By::User),
+            "job" => Ok(By::Job),
+            "gpu-model" => Ok(By::GpuModel),
+            other => Err(format!(
+                "{other:?} is not one of tenant, user, job, gpu-model"
+            )),
+        }
+    }
+}
+
+/// One row of a report.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Row {
+    pub key: String,
+    /// By user and by job: the tenant charged.
+    pub tenant: String,
+    pub totals: Totals,
+    /// Tasks still running, counted up to the report's end.
+    pub running: u64,
+}
+
+/// Most rows in one report.
+pub const MAX_REPORT_ROWS: usize = 10_000;
+
+/// A report over `[since_ms rounded down to its hour, now_ms)`: the
+/// ledger's rows plus the tasks still running (up to `now_ms`); by job,
+/// the jobs the state still keeps, from their tasks. With `tenant`, only
+/// that tenant's. Rows with the most GPU time first, at most
+/// [`MAX_REPORT_ROWS`] (true when some were left out).
+pub fn report(
+    state: &super::State,
+    since_ms: u64,
+    now_ms: u64,
+    by: By,
+    tenant: Option<&str>,
+) -> (Vec<Row>, u64, bool) {
+    let from = since_ms - since_ms % HOUR_MS;
+    let mut rows: BTreeMap<(String, String), Row> = BTreeMap::new();
+    let mut add = |key: String, tenant: &str, t: &Totals, running: u64| {
+        let row = rows
+            .entry((key.clone(), tenant.to_string()))
+            .or_insert_with(|| Row {
+                key,
+                tenant: tenant.to_string(),
+                ..Default::default()
+            });
+        row.totals.add(t);
+        row.running += running;
+    };
+    let key_of = |c_tenant: &str, user: &str, model: &str, job: &str| match by {
+        By::Tenant => (c_tenant.to_string(), String::new()),
+        By::User => (user.to_string(), c_tenant.to_string()),
+        By::GpuModel => (model.to_string(), String::new()),
+        By::Job => (job.to_string(), c_tenant.to_string()),
+    };
+    let mine = |t: &str| tenant.is_none_or(|only| only == t);
+    let live = |t: &super::TaskRecord| !t.state.is_terminal();
+    if by == By::Job {
+        for job in state.jobs().values() {
+            for task in job.task_ids.iter().filter_map(|id| state.task(id)) {
+                let c = state.charge_of(task);
+                if !mine(&c.tenant) {
+                    continue;
+                }
+                let end = if live(task) {
+                    now_ms
+                } else {
+                    task.updated_at_ms
+                };
+                let start = task.created_at_ms.max(from);
+                if end < from {
+                    continue;
+                }
+                let mut t = c.over(start, end.max(start));
+                let running = u64::from(live(task));
+                t.tasks = u64::from(!live(task));
+                let (k, tn) = key_of(&c.tenant, &c.user, &c.gpu_model, &job.id);
+                add(k, &tn, &t, running);
+            }
+        }
+    } else {
+        for (k, t) in state.usage().since(from) {
+            if mine(&k.tenant) {
+                let (key, tn) = key_of(&k.tenant, &k.user, &k.gpu_model, "");
+                add(key, &tn, t, 0);
+            }
+        }
+        for task in state.tasks().values().filter(|t| live(t)) {
+            let c = state.charge_of(task);
+            if !mine(&c.tenant) {
+                continue;
+            }
+            let t = c.over(task.created_at_ms.max(from), now_ms.max(from));
+            let (key, tn) = key_of(&c.tenant, &c.user, &c.gpu_model, "");
+            add(key, &tn, &t, 1);
+        }
+    }
+    let mut out: Vec<Row> = rows.into_values().collect();
+    out.sort_by(|a, b| {
+        b.totals
+            .gpu_ms
+            .cmp(&a.totals.gpu_ms)
+            .then_with(|| a.key.cmp(&b.key))
+    });
+    let truncated = out.len() > MAX_REPORT_ROWS;
+    out.truncate(MAX_REPORT_ROWS);
+    (out, from, truncated)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn charge(gpu_milli: u64) -> Charge {
+        Charge {
+            tenant: "vision".into(),
+            user: "tok-1".into(),
+            gpu_model: "A100".into(),
+            gpu_milli,
+            cpu_milli: 1500,
+            mem_mib: 1024,
+        }
+    }
+
+    #[test]
+    fn a_task_is_split_at_hour_boundaries_and_adds_up() {
+        let mut l = Ledger::default();
+        // 2 GPUs from 00:30 to 02:15: 30 min, 60 min, 15 min.
+        let from = HOUR_MS / 2;
+        let to = 2 * HOUR_MS + HOUR_MS / 4;
+        l.charge(&charge(2000), from, to);
+        let rows: Vec<(u64, u64, u64)> = l
+            .since(0)
+            .map(|(k, t)| (k.hour_ms / HOUR_MS, t.gpu_ms, t.tasks))
+            .collect();
+        assert_eq!(
+            rows,
+            [(0, HOUR_MS, 0), (1, 2 * HOUR_MS, 0), (2, HOUR_MS / 2, 1)]
+        );
+        let mut sum = Totals::default();
+        l.since(0).for_each(|(_, t)| sum.add(t));
+        let ms = to - from;
+        assert_eq!(sum.gpu_ms, 2 * ms);
+        assert_eq!(sum.cpu_ms, ms * 3 / 2);
+        assert_eq!(sum.mem_mib_ms, 1024 * ms);
+        // A window starting inside hour 1 gets hours 1 and 2.
+        assert_eq!(l.since(HOUR_MS + 5).count(), 2);
+        // A fraction: a quarter of a GPU.
+        assert_eq!(charge(250).over(0, 4000).gpu_ms, 1000);
+        // The rows survive a snapshot.
+        let back: Ledger = serde_json::from_slice(&serde_json::to_vec(&l).unwrap()).unwrap();
+        assert_eq!(back, l);
+    }
+
+    /// A report: ended tasks from the ledger, running ones up to now, by
+    /// tenant, token, job and model; a tenant sees only its own; the
+    /// master's records give the tenant and the submitting token.
+    #[test]
+    fn reports_group_scope_and_count_running_tasks() {
+        use crate::state::testkit::{status, Driver};
+        use crate::state::Command;
+        use gpuctl_core::types::{JobSpec, Resources, TaskState};
+        let mut d = Driver::new(&[("a", 4)]);
+        let spec = |tenant: &str, user: &str, gpus: u32| {
+            let mut s = JobSpec::new(
+                "j",
+                vec!["true".into()],
+                Resources {
+                    cpus: 2.0,
+                    mem_mib: 100,
+                    gpus,
+                    ports: 0,
+                },
+            );
+            s.tenant = tenant.into();
+            s.submitted_by = user.into();
+            s
+        };
+        let vision = d.submit(spec("vision", "tok-v", 2));
+        let nlp = d.submit(spec("nlp", "tok-n", 1));
+        d.launch_at(&vision, &[("a", &["GPU-a-0", "GPU-a-1"])], HOUR_MS)
+            .unwrap();
+        d.launch_at(&nlp, &[("a", &["GPU-a-2"])], HOUR_MS).unwrap();
+        // vision's task ends after 30 min; nlp's still runs.
+        let mut done = status("a", "job-1.0", TaskState::Finished);
+        done.exit_code = Some(0);
+        d.apply(Command::UpdateTaskStatus {
+            update: done,
+            at_ms: HOUR_MS + HOUR_MS / 2,
+        })
+        .unwrap();
+        let now = 2 * HOUR_MS;
+        let (rows, from, truncated) = report(&d.s, HOUR_MS + 5, now, By::Tenant, None);
+        assert_eq!((from, truncated), (HOUR_MS, false));
+        let got: Vec<(&str, u64, u64, u64)> = rows
+            .iter()
+            .map(|r| (r.key.as_str(), r.totals.gpu_ms, r.totals.tasks, r.running))
+            .collect();
+        assert_eq!(got, [("nlp", HOUR_MS, 0, 1), ("vision", HOUR_MS, 1, 0)]);
+        assert_eq!(rows[1].totals.cpu_ms, HOUR_MS);
+        // A tenant's view, by its tokens.
+        let (rows, ..) = report(&d.s, 0, now, By::User, Some("nlp"));
+        assert_eq!(rows.len(), 1);
+        assert_eq!(
+            (rows[0].key.as_str(), rows[0].tenant.as_str()),
+            ("tok-n", "nlp")
+        );
+        // By job and by model agree with the ledger.
+        let (rows, ..) = report(&d.s, 0, now, By::Job, None);
+        let jobs: Vec<(&str, u64)> = rows
+            .iter()
+            .map(|r| (r.key.as_str(), r.totals.gpu_ms))
+            .collect();
+        assert_eq!(jobs, [("job-1", HOUR_MS), ("job-2", HOUR_MS)]);
+        let (rows, ..) = report(&d.s, 0, now, By::GpuModel, None);
+        assert_eq!(rows.len(), 1);
+        assert_eq!(rows[0].totals.gpu_ms, 2 * HOUR_MS);
+        // A window after the end sees only the running task.
+        let (rows, ..) = report(&d.s, now, now + HOUR_MS, By::Tenant, None);
+        assert_eq!(rows.len(), 1);
+        assert_eq!(rows[0].key, "nlp");
+        assert_eq!(
+            "team".parse::<By>().unwrap_err(),
+            "\"team\" is not one of tenant, user, job, gpu-model"
+        );
+    }
+
+    #[test]
+    fn the_ledger_is_bounded_by_retention() {
+        let mut l = Ledger::default();
+        l.charge(&charge(1000), 0, HOUR_MS);
+        let later = RETENTION_MS + 3 * HOUR_MS;
+        l.charge(&charge(1000), later, later + 10);
+        assert!(l.since(0).all(|(k, _)| k.hour_ms >= later - RETENTION_MS));
+        assert_eq!(l.len(), 1);
+    }
+}
