@@ -64,6 +64,9 @@ pub struct MasterConfig {
     /// An elastic gang below its most ranks is restarted with more once it
     /// has run this long and GPUs are free for them; `None`: never grown.
     pub elastic_grow_after: Option<Duration>,
+    /// The leader records each GPU's mean utilization over periods this
+    /// long (docs/usage.md); `None`: no utilization history.
+    pub utilization_period: Option<Duration>,
     /// Where to serve Prometheus metrics (`/metrics`); none when unset.
     pub metrics_listen: Option<SocketAddr>,
     /// Where to serve the web console (`console/`); none when unset. HTTPS
@@ -253,6 +256,7 @@ impl MasterConfig {
             mig_auto: false,
             reclaim_min_runtime: Some(Duration::from_secs(60)),
             elastic_grow_after: Some(Duration::from_secs(60)),
+            utilization_period: Some(Duration::from_secs(60)),
             metrics_listen: None,
             http_listen: None,
             retention: Default::default(),
@@ -457,6 +461,17 @@ pub struct Options {
         value_name = "DURATION|off"
     )]
     pub elastic_grow_after: String,
+    /// The leader records each GPU's mean utilization over periods this
+    /// long, in the replicated state (a day of periods per GPU; hourly
+    /// means for a week), for `gpuctl usage` and the console; `off`: none.
+    /// From 1s to 1h.
+    #[arg(
+        long,
+        env = "GPUCTL_MASTER_UTILIZATION_PERIOD",
+        default_value = "1m",
+        value_name = "DURATION|off"
+    )]
+    pub utilization_period: String,
     /// How long a framework is told before its tasks are reclaimed for a
     /// framework below its fair share (the inverse offer's deadline).
     #[arg(
@@ -618,6 +633,7 @@ struct FileOptions {
     mig_auto: Option<bool>,
     reclaim_min_runtime: Option<String>,
     elastic_grow_after: Option<String>,
+    utilization_period: Option<String>,
     reclaim_notice: Option<String>,
     log: Option<String>,
     metrics_listen: Option<SocketAddr>,
@@ -795,6 +811,9 @@ impl Options {
             }
             if let (Some(v), true) = (f.elastic_grow_after, unset(&matches, "elastic_grow_after")) {
                 o.elastic_grow_after = v;
+            }
+            if let (Some(v), true) = (f.utilization_period, unset(&matches, "utilization_period")) {
+                o.utilization_period = v;
             }
             if let (Some(v), true) = (f.reclaim_notice, unset(&matches, "reclaim_notice")) {
                 o.reclaim_notice = v;
@@ -987,6 +1006,19 @@ impl Options {
                 ))
             })?),
         };
+        let utilization_period = match self.utilization_period.as_str() {
+            "off" => None,
+            s => Some(
+                gpuctl_core::time::parse_duration(s)
+                    .ok()
+                    .filter(|d| (Duration::from_secs(1)..=Duration::from_secs(3600)).contains(d))
+                    .ok_or_else(|| {
+                        MasterError::Config(format!(
+                            "utilization_period: {s:?} is not a duration from 1s to 1h (e.g. 1m) or off"
+                        ))
+                    })?,
+            ),
+        };
         let reclaim_notice =
             gpuctl_core::time::parse_duration(&self.reclaim_notice).map_err(|_| {
                 MasterError::Config(format!(
@@ -997,6 +1029,7 @@ impl Options {
         let config = MasterConfig {
             reclaim_min_runtime,
             elastic_grow_after,
+            utilization_period,
             max_stop_grace: Duration::from_secs(self.max_stop_grace_secs),
             retention: crate::leader::retention::Retention {
                 max_age,

@@ -177,3 +177,83 @@ fn usage_adds_up_to_what_ran_and_every_master_agrees_after_failover() {
     let err = String::from_utf8_lossy(&bad.stderr);
     assert!(err.contains("--by"), "{err}");
 }
+
+const GPU0: &str = "GPU-0c5e6a3e-0000-4000-8000-000000000000";
+const GPU1: &str = "GPU-0c5e6a3e-0000-4000-8000-000000000001";
+
+/// Issue 39, item 2: allocated against used. GPUs discovered through
+/// fake-nvml, GPU 1 87% busy and GPU 0 idle; the master records a period
+/// every second. A job on each GPU: its report shows the GPU-hours it held
+/// and the mean utilization of its GPU over them.
+#[test]
+fn usage_shows_each_jobs_mean_utilization_beside_its_gpu_hours() {
+    use gpuctl_tests::Cluster;
+    let mut c = Cluster::start(&["--utilization-period", "1s"]);
+    let machine = c.dir.path().join("machine.json");
+    std::fs::write(
+        &machine,
+        serde_json::to_vec(&serde_json::json!({
+            "gpus": [
+                { "uuid": GPU0, "name": "NVIDIA A100-SXM4-40GB", "memory_total_mib": 40960 },
+                { "uuid": GPU1, "name": "NVIDIA A100-SXM4-40GB", "memory_total_mib": 40960,
+                  "memory_used_mib": 12288, "utilization_gpu_pct": 87 }
+            ],
+            "events": []
+        }))
+        .unwrap(),
+    )
+    .unwrap();
+    c.add_agent(AgentOpts {
+        simulate_gpus: None,
+        extra: vec![
+            "--nvml-lib".into(),
+            gpuctl_tests::fake_nvml_lib().display().to_string(),
+            "--health-interval-secs".into(),
+            "0.2".into(),
+        ],
+        env: vec![("FAKE_NVML_CONFIG".into(), machine.display().to_string())],
+        ..Default::default()
+    });
+    let jobs: Vec<String> = ["a", "b"]
+        .iter()
+        .map(|n| c.submit(&["--name", n, "--gpus", "1", "--", "sleep", "5"]))
+        .collect();
+    let mut on_gpu = std::collections::BTreeMap::new();
+    for j in &jobs {
+        let done = c.wait_state(j, "SUCCEEDED", Duration::from_secs(60));
+        on_gpu.insert(
+            done["tasks"][0]["gpus"][0].as_str().unwrap().to_string(),
+            j.clone(),
+        );
+    }
+    // The last period is recorded within a second or two of the end.
+    std::thread::sleep(Duration::from_secs(3));
+    let r: Value = serde_json::from_str(&c.ok(&["usage", "--by", "job", "--json"])).unwrap();
+    let row = |job: &str| {
+        r["rows"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|row| row["key"] == job)
+            .unwrap_or_else(|| panic!("no row {job}: {r}"))
+            .clone()
+    };
+    let busy = row(&on_gpu[GPU1]);
+    let idle = row(&on_gpu[GPU0]);
+    // Periods with readings cover most of the 5 s each held its GPU.
+    for row in [&busy, &idle] {
+        let sampled = row["gpu_sampled_ms"].as_u64().unwrap();
+        assert!(
+            sampled >= 3000 && sampled <= row["gpu_ms"].as_u64().unwrap() + 2000,
+            "{r}"
+        );
+    }
+    assert_eq!(busy["gpu_util_pct"].as_f64(), Some(87.0), "{r}");
+    assert_eq!(idle["gpu_util_pct"].as_f64(), Some(0.0), "{r}");
+    // By model: the two together, in between.
+    let m: Value = serde_json::from_str(&c.ok(&["usage", "--by", "gpu-model", "--json"])).unwrap();
+    let util = m["rows"][0]["gpu_util_pct"].as_f64().unwrap();
+    assert!(util > 20.0 && util < 70.0, "{m}");
+    let table = c.ok(&["usage", "--by", "job"]);
+    assert!(table.contains("87%"), "{table}");
+}

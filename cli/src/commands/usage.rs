@@ -91,9 +91,14 @@ struct RowJson {
     gpu_hours: f64,
     cpu_hours: f64,
     mem_gib_hours: f64,
+    /// Mean utilization of the GPU time with readings; absent without.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    gpu_util_pct: Option<f64>,
     tasks: u64,
     running: u64,
     gpu_ms: u64,
+    gpu_sampled_ms: u64,
+    gpu_busy_ms: u64,
     cpu_ms: u64,
     mem_mib_ms: u64,
 }
@@ -132,9 +137,13 @@ pub async fn run(
             gpu_hours: hours(r.gpu_ms),
             cpu_hours: hours(r.cpu_ms),
             mem_gib_hours: hours(r.mem_mib_ms) / 1024.0,
+            gpu_util_pct: (r.gpu_sampled_ms > 0)
+                .then(|| 100.0 * r.gpu_busy_ms as f64 / r.gpu_sampled_ms as f64),
             tasks: r.tasks,
             running: r.running,
             gpu_ms: r.gpu_ms,
+            gpu_sampled_ms: r.gpu_sampled_ms,
+            gpu_busy_ms: r.gpu_busy_ms,
             cpu_ms: r.cpu_ms,
             mem_mib_ms: r.mem_mib_ms,
         })
@@ -160,6 +169,7 @@ pub async fn run(
         }
         header.extend([
             "gpu_hours",
+            "gpu_util_pct",
             "cpu_hours",
             "mem_gib_hours",
             "tasks",
@@ -173,6 +183,7 @@ pub async fn run(
             }
             cells.extend([
                 format!("{:.4}", r.gpu_hours),
+                r.gpu_util_pct.map_or(String::new(), |u| format!("{u:.1}")),
                 format!("{:.4}", r.cpu_hours),
                 format!("{:.4}", r.mem_gib_hours),
                 r.tasks.to_string(),
@@ -188,6 +199,7 @@ pub async fn run(
     }
     headers.extend([
         "GPU-HOURS",
+        "GPU UTIL",
         "CPU-HOURS",
         "MEM GIB-HOURS",
         "TASKS",
@@ -195,6 +207,7 @@ pub async fn run(
     ]);
     let mut t = Table::new(&headers);
     let mut total = (0.0, 0.0, 0.0, 0, 0);
+    let (mut sampled, mut busy) = (0u64, 0u64);
     for r in &rows {
         let mut cells = vec![if r.key.is_empty() {
             "(no GPU)".to_string()
@@ -206,12 +219,15 @@ pub async fn run(
         }
         cells.extend([
             format!("{:.2}", r.gpu_hours),
+            r.gpu_util_pct.map_or(String::new(), |u| format!("{u:.0}%")),
             format!("{:.2}", r.cpu_hours),
             format!("{:.2}", r.mem_gib_hours),
             r.tasks.to_string(),
             r.running.to_string(),
         ]);
         t.row(cells);
+        sampled += r.gpu_sampled_ms;
+        busy += r.gpu_busy_ms;
         total.0 += r.gpu_hours;
         total.1 += r.cpu_hours;
         total.2 += r.mem_gib_hours;
@@ -224,6 +240,11 @@ pub async fn run(
     }
     cells.extend([
         format!("{:.2}", total.0),
+        if sampled > 0 {
+            format!("{:.0}%", 100.0 * busy as f64 / sampled as f64)
+        } else {
+            String::new()
+        },
         format!("{:.2}", total.1),
         format!("{:.2}", total.2),
         total.3.to_string(),

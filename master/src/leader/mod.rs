@@ -6,6 +6,7 @@ pub mod frameworks;
 pub mod mig_auto;
 pub mod retention;
 
+use crate::state::util::UtilPoint;
 use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -30,6 +31,21 @@ pub struct Liveness {
     /// What each agent's last heartbeat said of its runtimes (for
     /// `gpuctl agents list`): leader memory only.
     runtimes: Mutex<HashMap<String, Vec<RuntimeStatus>>>,
+    /// GPU readings of the current utilization period, summed until the
+    /// period ends and is proposed (`RecordUtilization`).
+    util: Mutex<UtilAcc>,
+}
+
+/// Readings summed over one period, per GPU.
+#[derive(Debug, Default)]
+struct UtilAcc {
+    /// The period's start (leader's clock); 0: not started.
+    start_ms: u64,
+    /// Per GPU: utilization and memory-percent sums, and their count.
+    sums: HashMap<String, (u64, u64, u64)>,
+    /// Per GPU, the agent's time of the last reading counted: a heartbeat
+    /// repeats its agent's latest reading until a new one is taken.
+    last_at: HashMap<String, u64>,
 }
 
 impl Liveness {
@@ -80,6 +96,60 @@ impl Liveness {
         self.lock().clear();
         self.reports().clear();
         self.runtime_lock().clear();
+        *self.util_lock() = UtilAcc::default();
+    }
+
+    fn util_lock(&self) -> std::sync::MutexGuard<'_, UtilAcc> {
+        self.util.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Counts each new reading of `reports` in the current period.
+    fn accumulate(&self, reports: &[GpuReport]) {
+        let mut acc = self.util_lock();
+        for r in reports {
+            let Some(s) = &r.sample else { continue };
+            if acc.last_at.get(&r.uuid) == Some(&s.sampled_at_ms) {
+                continue;
+            }
+            acc.last_at.insert(r.uuid.clone(), s.sampled_at_ms);
+            let mem_pct = (s.memory_used_mib * 100)
+                .checked_div(s.memory_total_mib)
+                .unwrap_or(0)
+                .min(100);
+            let e = acc.sums.entry(r.uuid.clone()).or_default();
+            e.0 += u64::from(s.utilization_pct.min(100));
+            e.1 += mem_pct;
+            e.2 += 1;
+        }
+    }
+
+    /// At `now_ms`, the period that ended (its start and each GPU's mean),
+    /// once one has; the next period starts. Periods start at multiples
+    /// of `period_ms`.
+    pub fn take_period(&self, now_ms: u64, period_ms: u64) -> Option<(u64, Vec<UtilPoint>)> {
+        let period_ms = period_ms.max(1);
+        let mut acc = self.util_lock();
+        let current = now_ms - now_ms % period_ms;
+        if acc.start_ms == 0 {
+            acc.start_ms = current;
+            acc.sums.clear();
+            return None;
+        }
+        if current <= acc.start_ms {
+            return None;
+        }
+        let start = std::mem::replace(&mut acc.start_ms, current);
+        let mut points: Vec<UtilPoint> = std::mem::take(&mut acc.sums)
+            .into_iter()
+            .filter(|(_, (_, _, n))| *n > 0)
+            .map(|(gpu, (u, m, n))| UtilPoint {
+                gpu,
+                util_pct: u8::try_from(u / n).unwrap_or(100),
+                mem_pct: u8::try_from(m / n).unwrap_or(100),
+            })
+            .collect();
+        points.sort_by(|a, b| a.gpu.cmp(&b.gpu));
+        (!points.is_empty()).then_some((start, points))
     }
 
     fn reports(&self) -> std::sync::MutexGuard<'_, HashMap<String, Vec<GpuReport>>> {
@@ -92,6 +162,7 @@ impl Liveness {
 
     /// Keeps an agent's latest GPU reports (an empty list keeps the old).
     pub fn record_gpus(&self, agent_id: &str, reports: Vec<GpuReport>) {
+        self.accumulate(&reports);
         if !reports.is_empty() {
             self.reports().insert(agent_id.to_string(), reports);
         }
@@ -226,6 +297,9 @@ pub async fn run(
         was_leader = is_leader;
         if is_leader && tick {
             check_liveness(&raft, &liveness, &LivenessTimeouts::of(&config)).await;
+            if let Some(period) = config.utilization_period {
+                record_utilization(&raft, &liveness, period).await;
+            }
         }
     }
 }
@@ -250,6 +324,27 @@ async fn record_masters(raft: &RaftHandle) {
     }
     if let Err(e) = raft.propose(Command::RecordMasters { masters }).await {
         tracing::warn!(error = %e, "could not record the masters' addresses");
+    }
+}
+
+/// Proposes the utilization of the period that ended, if one did (in
+/// commands of at most `MAX_POINTS_PER_COMMAND` GPUs). A period lost to a
+/// failed proposal or a leader change is a gap in the history.
+async fn record_utilization(raft: &RaftHandle, liveness: &Liveness, period: Duration) {
+    let period_ms = u64::try_from(period.as_millis()).unwrap_or(u64::MAX);
+    let Some((at_ms, points)) = liveness.take_period(now_ms(), period_ms) else {
+        return;
+    };
+    for chunk in points.chunks(crate::state::util::MAX_POINTS_PER_COMMAND) {
+        let cmd = Command::RecordUtilization {
+            at_ms,
+            period_ms,
+            points: chunk.to_vec(),
+        };
+        if let Err(e) = raft.propose(cmd).await {
+            tracing::warn!(error = %e, "could not record a period of GPU utilization");
+            return;
+        }
     }
 }
 
@@ -284,6 +379,45 @@ mod tests {
     use crate::state::{Launch, Outcome};
     use gpuctl_core::types::{JobSpec, Resources, TaskState};
     use std::collections::BTreeMap;
+
+    /// Readings are averaged per GPU over a period, each counted once
+    /// (heartbeats repeat the latest), and handed over when it ends.
+    #[test]
+    fn utilization_is_averaged_per_period_and_counted_once() {
+        let l = Liveness::default();
+        let report = |uuid: &str, util: u32, used: u64, at: u64| GpuReport {
+            uuid: uuid.into(),
+            healthy: true,
+            unhealthy_reason: String::new(),
+            sample: Some(gpuctl_core::types::GpuSample {
+                utilization_pct: util,
+                memory_used_mib: used,
+                memory_total_mib: 1000,
+                sampled_at_ms: at,
+                ..Default::default()
+            }),
+        };
+        assert_eq!(
+            l.take_period(61_000, 60_000),
+            None,
+            "starts the period at 60 s"
+        );
+        l.record_gpus("a", vec![report("g0", 20, 100, 1), report("g1", 0, 0, 1)]);
+        // The same reading again, then a new one.
+        l.record_gpus("a", vec![report("g0", 20, 100, 1)]);
+        l.record_gpus("a", vec![report("g0", 60, 300, 2)]);
+        assert_eq!(l.take_period(119_999, 60_000), None, "not over yet");
+        let (at, points) = l.take_period(120_500, 60_000).unwrap();
+        assert_eq!(at, 60_000);
+        let got: Vec<(&str, u8, u8)> = points
+            .iter()
+            .map(|p| (p.gpu.as_str(), p.util_pct, p.mem_pct))
+            .collect();
+        assert_eq!(got, [("g0", 40, 20), ("g1", 0, 0)]);
+        // A period with no new reading proposes nothing.
+        l.record_gpus("a", vec![report("g0", 60, 300, 2)]);
+        assert_eq!(l.take_period(180_000, 60_000), None);
+    }
 
     #[test]
     fn liveness_measures_silence_from_the_last_heartbeat() {

@@ -489,6 +489,8 @@ impl OperatorService {
                     mem_mib_ms: r.totals.mem_mib_ms,
                     tasks: r.totals.tasks,
                     running: r.running,
+                    gpu_sampled_ms: r.totals.gpu_sampled_ms,
+                    gpu_busy_ms: r.totals.gpu_busy_ms,
                 })
                 .collect(),
             since_ms: since,

@@ -181,6 +181,14 @@ impl State {
                 at_ms,
             } => self.preempt_jobs(job_id, victims, *at_ms),
             Command::GrowJob { job_id, to, at_ms } => self.grow_job(job_id, *to, *at_ms),
+            Command::RecordUtilization {
+                at_ms,
+                period_ms,
+                points,
+            } => {
+                self.record_utilization(*at_ms, *period_ms, points);
+                Ok(Outcome::Done)
+            }
             Command::ReclaimJobs {
                 job_id,
                 victims,

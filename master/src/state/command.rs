@@ -23,7 +23,11 @@ use serde::{Deserialize, Serialize};
 ///
 /// 3 (issue 38, elastic gangs): `GrowJob`, and `LaunchJobs` may start an
 /// elastic gang with fewer ranks than `replicas`.
-pub const COMMAND_VERSION: u32 = 3;
+///
+/// 4 (issues 38, 39): `RecordUtilization`; a task's end charges the
+/// accounting ledger, and a task ended by a GPU fault makes its job avoid
+/// that GPU (applying changed: version-3 masters would keep other state).
+pub const COMMAND_VERSION: u32 = 4;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Command {
@@ -178,6 +182,15 @@ pub enum Command {
         job_id: JobId,
         to: u32,
         at_ms: u64,
+    },
+    /// Each GPU's mean utilization and memory over the period starting at
+    /// `at_ms` (the leader's clock, a multiple of `period_ms`), from its
+    /// agent's heartbeats: kept as history, and charged as busy time to
+    /// the task holding the GPU.
+    RecordUtilization {
+        at_ms: u64,
+        period_ms: u64,
+        points: Vec<super::util::UtilPoint>,
     },
     /// Kill `task_ids` (keys) of framework `framework_id`, above its fair
     /// share, to give their resources to `for_framework`, below its own:
@@ -397,6 +410,7 @@ impl Command {
             Command::CancelJob { .. } => "cancel_job",
             Command::PreemptJobs { .. } => "preempt_jobs",
             Command::GrowJob { .. } => "grow_job",
+            Command::RecordUtilization { .. } => "record_utilization",
             Command::ReclaimJobs { .. } => "reclaim_jobs",
             Command::ReclaimFrameworkTasks { .. } => "reclaim_framework_tasks",
             Command::CordonGpu { .. } => "cordon_gpu",

@@ -29,6 +29,7 @@ pub(crate) mod testkit;
 #[cfg(test)]
 mod touched_tests;
 pub mod usage;
+pub mod util;
 
 use std::collections::BTreeMap;
 
@@ -434,6 +435,9 @@ pub struct State {
     /// (`gpuctl usage`).
     #[serde(default)]
     usage: usage::Ledger,
+    /// Each GPU's utilization over time (`RecordUtilization`).
+    #[serde(default)]
+    util: util::History,
     /// Index of the last log entry applied.
     applied_index: u64,
     /// Indexes derived from the above (see `derived`).
@@ -485,6 +489,11 @@ impl State {
     /// The accounting ledger of ended tasks.
     pub fn usage(&self) -> &usage::Ledger {
         &self.usage
+    }
+
+    /// Each GPU's utilization history.
+    pub fn util_history(&self) -> &util::History {
+        &self.util
     }
 
     /// The task holding this GPU, if any.

@@ -212,6 +212,31 @@ impl State {
         }
     }
 
+    /// A period of utilization readings: history, and the busy time of
+    /// each task holding a whole GPU (a MIG device's or a shared GPU's
+    /// readings are the whole GPU's, and are not charged to a task).
+    pub(super) fn record_utilization(
+        &mut self,
+        at_ms: u64,
+        period_ms: u64,
+        points: &[super::util::UtilPoint],
+    ) {
+        self.util.record(at_ms, period_ms, points);
+        for p in points {
+            let Some(task) = self
+                .gpu_owner
+                .get(&p.gpu)
+                .and_then(|t| self.tasks.get(t))
+                .filter(|t| !t.state.is_terminal() && t.fraction.is_none())
+            else {
+                continue;
+            };
+            let charge = self.charge_of(task);
+            self.usage
+                .charge_busy(&charge, at_ms, period_ms, p.util_pct);
+        }
+    }
+
     /// What `task` holds, charged to its job's tenant and submitter (a
     /// framework's task: its framework's tenant) and its GPU model.
     pub(crate) fn charge_of(&self, task: &super::TaskRecord) -> super::usage::Charge {

@@ -37,6 +37,12 @@ pub struct Totals {
     pub mem_mib_ms: u64,
     /// Tasks that ended in the row's hour.
     pub tasks: u64,
+    /// GPU-ms with a utilization reading (`RecordUtilization`), and those
+    /// weighted by it: their ratio is the mean utilization of the GPUs.
+    #[serde(default)]
+    pub gpu_sampled_ms: u64,
+    #[serde(default)]
+    pub gpu_busy_ms: u64,
 }
 
 impl Totals {
@@ -45,6 +51,15 @@ impl Totals {
         self.cpu_ms = self.cpu_ms.saturating_add(o.cpu_ms);
         self.mem_mib_ms = self.mem_mib_ms.saturating_add(o.mem_mib_ms);
         self.tasks = self.tasks.saturating_add(o.tasks);
+        self.gpu_sampled_ms = self.gpu_sampled_ms.saturating_add(o.gpu_sampled_ms);
+        self.gpu_busy_ms = self.gpu_busy_ms.saturating_add(o.gpu_busy_ms);
+    }
+
+    /// The GPUs' mean utilization over the sampled time, percent; `None`
+    /// without readings.
+    pub fn util_pct(&self) -> Option<f64> {
+        (self.gpu_sampled_ms > 0)
+            .then(|| 100.0 * self.gpu_busy_ms as f64 / self.gpu_sampled_ms as f64)
     }
 }
 
@@ -79,7 +94,7 @@ impl Charge {
             gpu_ms: self.gpu_milli.saturating_mul(ms) / 1000,
             cpu_ms: self.cpu_milli.saturating_mul(ms) / 1000,
             mem_mib_ms: self.mem_mib.saturating_mul(ms),
-            tasks: 0,
+            ..Totals::default()
         }
     }
 
@@ -151,6 +166,19 @@ impl Ledger {
             }
             self.rows.pop_first();
         }
+    }
+
+    /// One GPU of `charge`'s task was `util_pct` busy over the period at
+    /// `at_ms`: its row of that hour gets the period as sampled GPU time.
+    pub fn charge_busy(&mut self, charge: &Charge, at_ms: u64, period_ms: u64, util_pct: u8) {
+        let row = self
+            .rows
+            .entry(charge.key(at_ms - at_ms % HOUR_MS))
+            .or_default();
+        row.gpu_sampled_ms = row.gpu_sampled_ms.saturating_add(period_ms);
+        row.gpu_busy_ms = row
+            .gpu_busy_ms
+            .saturating_add(period_ms * u64::from(util_pct.min(100)) / 100);
     }
 
     /// Rows of hours that end after `since_ms`.
@@ -263,6 +291,17 @@ pub fn report(
                     continue;
                 }
                 let mut t = c.over(start, end.max(start));
+                // Busy time from the GPUs' history (a day of periods).
+                if task.fraction.is_none() {
+                    for g in &task.gpu_uuids {
+                        if let Some(h) = state.util_history().gpu(g) {
+                            for (_, util, _) in h.points(start, end) {
+                                t.gpu_sampled_ms += h.period_ms;
+                                t.gpu_busy_ms += h.period_ms * u64::from(util) / 100;
+                            }
+                        }
+                    }
+                }
                 let running = u64::from(live(task));
                 t.tasks = u64::from(!live(task));
                 let (k, tn) = key_of(&c.tenant, &c.user, &c.gpu_model, &job.id);
@@ -406,6 +445,34 @@ mod tests {
         let (rows, ..) = report(&d.s, 0, now, By::GpuModel, None);
         assert_eq!(rows.len(), 1);
         assert_eq!(rows[0].totals.gpu_ms, 2 * HOUR_MS);
+        // A period of readings: nlp's GPU was 50% busy, a free GPU 90%
+        // (history only). The report puts it beside the allocation.
+        d.apply(Command::RecordUtilization {
+            at_ms: now,
+            period_ms: 60_000,
+            points: vec![
+                crate::state::util::UtilPoint {
+                    gpu: "GPU-a-2".into(),
+                    util_pct: 50,
+                    mem_pct: 10,
+                },
+                crate::state::util::UtilPoint {
+                    gpu: "GPU-a-3".into(),
+                    util_pct: 90,
+                    mem_pct: 0,
+                },
+            ],
+        })
+        .unwrap();
+        assert_eq!(d.s.util_history().gpus.len(), 2);
+        let (rows, ..) = report(&d.s, 0, now + 60_000, By::Tenant, Some("nlp"));
+        assert_eq!(
+            (rows[0].totals.gpu_sampled_ms, rows[0].totals.gpu_busy_ms),
+            (60_000, 30_000)
+        );
+        assert_eq!(rows[0].totals.util_pct(), Some(50.0));
+        let (rows, ..) = report(&d.s, 0, now + 60_000, By::Job, Some("nlp"));
+        assert_eq!(rows[0].totals.util_pct(), Some(50.0));
         // A window after the end sees only the running task.
         let (rows, ..) = report(&d.s, now, now + HOUR_MS, By::Tenant, None);
         assert_eq!(rows.len(), 1);

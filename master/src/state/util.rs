@@ -1,0 +1,253 @@
+//! GPU utilization over time (issue 39, item 2): the leader averages the
+//! readings agents send with their heartbeats over each period (a minute
+//! by default) and proposes them as one `RecordUtilization` command; every
+//! master applies it into a bounded history per GPU, and charges each
+//! task holding a whole GPU its busy time in the accounting ledger (so that
+//! a report shows allocated GPU-hours beside how busy they were).
+//!
+//! The history is compact because it lives in every snapshot: per GPU a
+//! ring of the last [`MAX_POINTS`] periods (a day at a minute each), one
+//! byte of utilization and one of memory (percent of the GPU's) per period,
+//! kept as hex; [`NO_DATA`] marks a period without a reading. And hourly
+//! means for [`MAX_HOURS`] hours (a week). A GPU silent for a week goes.
+
+use std::collections::{BTreeMap, VecDeque};
+
+use serde::{Deserialize, Serialize};
+
+/// Periods kept per GPU (a day of minutes).
+pub const MAX_POINTS: usize = 1440;
+/// Hourly means kept per GPU (a week).
+pub const MAX_HOURS: usize = 168;
+/// A period with no reading.
+pub const NO_DATA: u8 = 255;
+/// Most points in one command (the leader sends more as several).
+pub const MAX_POINTS_PER_COMMAND: usize = 4096;
+const HOUR_MS: u64 = super::usage::HOUR_MS;
+
+/// One GPU's mean over one period, as the leader proposes it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UtilPoint {
+    pub gpu: String,
+    /// Mean SM utilization over the period, 0 to 100.
+    pub util_pct: u8,
+    /// Mean memory used, percent of the GPU's, 0 to 100.
+    pub mem_pct: u8,
+}
+
+/// An hour's mean of one GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HourMean {
+    pub hour_ms: u64,
+    /// Sums and count of the hour's readings: the mean is `sum / n`.
+    pub util_sum: u32,
+    pub mem_sum: u32,
+    pub n: u32,
+}
+
+impl HourMean {
+    pub fn util_pct(&self) -> f64 {
+        f64::from(self.util_sum) / f64::from(self.n.max(1))
+    }
+    pub fn mem_pct(&self) -> f64 {
+        f64::from(self.mem_sum) / f64::from(self.n.max(1))
+    }
+}
+
+/// One GPU's history.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct GpuHistory {
+    /// The time of the ring's first period.
+    pub start_ms: u64,
+    pub period_ms: u64,
+    #[serde(with = "hex_bytes")]
+    pub util: VecDeque<u8>,
+    #[serde(with = "hex_bytes")]
+    pub mem: VecDeque<u8>,
+    pub hours: VecDeque<HourMean>,
+}
+
+mod hex_bytes {
+    use serde::{Deserialize, Deserializer, Serializer};
+    use std::collections::VecDeque;
+
+    pub fn serialize<S: Serializer>(v: &VecDeque<u8>, s: S) -> Result<S::Ok, S::Error> {
+        let mut out = String::with_capacity(v.len() * 2);
+        for b in v {
+            out.push_str(&format!("{b:02x}"));
+        }
+        s.serialize_str(&out)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<VecDeque<u8>, D::Error> {
+        let s = String::deserialize(d)?;
+        if s.len() % 2 != 0 {
+            return Err(serde::de::Error::custom("odd hex length"));
+        }
+        (0..s.len())
+            .step_by(2)
+            .map(|i| {
+                s.get(i..i + 2)
+                    .and_then(|h| u8::from_str_radix(h, 16).ok())
+                    .ok_or_else(|| serde::de::Error::custom("not hex"))
+            })
+            .collect()
+    }
+}
+
+impl GpuHistory {
+    /// The time just past the ring's last period.
+    pub fn end_ms(&self) -> u64 {
+        self.start_ms + self.period_ms * self.util.len() as u64
+    }
+
+    /// Records the period starting at `at_ms` (a multiple of `period_ms`).
+    fn record(&mut self, at_ms: u64, period_ms: u64, util: u8, mem: u8) {
+        if period_ms == 0 {
+            return;
+        }
+        if period_ms != self.period_ms || self.util.is_empty() {
+            // A new ring: the first point, or the period changed.
+            *self = GpuHistory {
+                start_ms: at_ms,
+                period_ms,
+                hours: std::mem::take(&mut self.hours),
+                ..Default::default()
+            };
+        }
+        if at_ms < self.start_ms {
+            return; // older than the ring: late, dropped
+        }
+        let slot = ((at_ms - self.start_ms) / period_ms) as usize;
+        if slot < self.util.len() {
+            return; // that period is recorded already
+        }
+        // Gaps, at most a ring's worth, then the point.
+        let gap = (slot - self.util.len()).min(MAX_POINTS);
+        if gap == MAX_POINTS {
+            self.util.clear();
+            self.mem.clear();
+            self.start_ms = at_ms;
+        } else {
+            for _ in 0..gap {
+                self.util.push_back(NO_DATA);
+                self.mem.push_back(NO_DATA);
+            }
+        }
+        self.util.push_back(util.min(100));
+        self.mem.push_back(mem.min(100));
+        while self.util.len() > MAX_POINTS {
+            self.util.pop_front();
+            self.mem.pop_front();
+            self.start_ms += period_ms;
+        }
+        let hour_ms = at_ms - at_ms % HOUR_MS;
+        match self.hours.back_mut() {
+            Some(h) if h.hour_ms == hour_ms => {
+                h.util_sum += u32::from(util.min(100));
+                h.mem_sum += u32::from(mem.min(100));
+                h.n += 1;
+            }
+            Some(h) if h.hour_ms > hour_ms => {}
+            _ => {
+                self.hours.push_back(HourMean {
+                    hour_ms,
+                    util_sum: u32::from(util.min(100)),
+                    mem_sum: u32::from(mem.min(100)),
+                    n: 1,
+                });
+                while self.hours.len() > MAX_HOURS {
+                    self.hours.pop_front();
+                }
+            }
+        }
+    }
+
+    /// The recorded periods in `[from_ms, to_ms)`: (start, util, mem),
+    /// periods without a reading left out.
+    pub fn points(&self, from_ms: u64, to_ms: u64) -> impl Iterator<Item = (u64, u8, u8)> + '_ {
+        self.util
+            .iter()
+            .zip(&self.mem)
+            .enumerate()
+            .map(|(i, (u, m))| (self.start_ms + self.period_ms * i as u64, *u, *m))
+            .filter(move |(t, u, _)| *t >= from_ms && *t < to_ms && *u != NO_DATA)
+    }
+}
+
+/// Every GPU's history.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct History {
+    pub gpus: BTreeMap<String, GpuHistory>,
+}
+
+impl History {
+    /// Records one period's points; GPUs silent for [`MAX_HOURS`] go.
+    pub fn record(&mut self, at_ms: u64, period_ms: u64, points: &[UtilPoint]) {
+        for p in points {
+            self.gpus
+                .entry(p.gpu.clone())
+                .or_default()
+                .record(at_ms, period_ms, p.util_pct, p.mem_pct);
+        }
+        let oldest = at_ms.saturating_sub(MAX_HOURS as u64 * HOUR_MS);
+        self.gpus.retain(|_, h| h.end_ms() > oldest);
+    }
+
+    pub fn gpu(&self, uuid: &str) -> Option<&GpuHistory> {
+        self.gpus.get(uuid)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn point(gpu: &str, util: u8) -> UtilPoint {
+        UtilPoint {
+            gpu: gpu.into(),
+            util_pct: util,
+            mem_pct: util / 2,
+        }
+    }
+
+    #[test]
+    fn a_ring_keeps_a_day_marks_gaps_and_means_hours() {
+        let mut h = History::default();
+        let m = 60_000;
+        h.record(0, m, &[point("g", 10)]);
+        h.record(m, m, &[point("g", 30)]);
+        // Two silent minutes, then a reading.
+        h.record(4 * m, m, &[point("g", 50)]);
+        // A repeat of a recorded minute changes nothing.
+        h.record(4 * m, m, &[point("g", 99)]);
+        let g = h.gpu("g").unwrap();
+        let pts: Vec<(u64, u8)> = g.points(0, u64::MAX).map(|(t, u, _)| (t / m, u)).collect();
+        assert_eq!(pts, [(0, 10), (1, 30), (4, 50)]);
+        assert_eq!(g.util.len(), 5);
+        assert_eq!(g.hours.len(), 1);
+        assert_eq!(g.hours[0].util_pct(), 30.0);
+        // A day and more later: the ring holds a day, hours go on.
+        for i in 0..(MAX_POINTS as u64 + 10) {
+            h.record(HOUR_MS + i * m, m, &[point("g", 40)]);
+        }
+        let g = h.gpu("g").unwrap();
+        assert_eq!(g.util.len(), MAX_POINTS);
+        assert_eq!(g.end_ms(), HOUR_MS + (MAX_POINTS as u64 + 10) * m);
+        assert!(g.hours.len() > 24 && g.hours.len() <= MAX_HOURS);
+        // Compact in a snapshot, and back.
+        let json = serde_json::to_vec(&h).unwrap();
+        assert!(
+            json.len() < MAX_POINTS * 5 + 40 * MAX_HOURS,
+            "{}",
+            json.len()
+        );
+        let back: History = serde_json::from_slice(&json).unwrap();
+        assert_eq!(back, h);
+        // A GPU silent for a week goes.
+        let later = g.end_ms() + MAX_HOURS as u64 * HOUR_MS + m;
+        h.record(later, m, &[point("other", 1)]);
+        assert!(h.gpu("g").is_none());
+        assert!(h.gpu("other").is_some());
+    }
+}
