@@ -223,7 +223,11 @@ pub fn jobs_table(jobs: &[pb::Job], now_ms: u64) -> Table {
             last.and_then(|t| t.exit_code)
                 .map(|c| c.to_string())
                 .unwrap_or_default(),
-            wait_reason(j).unwrap_or_default().replace('\n', " "),
+            if j.idle_since_ms > 0 {
+                format!("Idle: GPUs idle for {}", fmt_age(j.idle_since_ms, now_ms))
+            } else {
+                wait_reason(j).unwrap_or_default().replace('\n', " ")
+            },
         ]);
     }
     t
@@ -862,6 +866,7 @@ mod tests {
             image_requires: Vec::new(),
             events: Vec::new(),
             events_dropped: 0,
+            idle_since_ms: 0,
         }
     }
 

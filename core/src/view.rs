@@ -139,6 +139,10 @@ pub struct JobJson {
     pub events: Vec<EventJson>,
     /// Older events the master dropped to keep at most 50.
     pub events_dropped: u64,
+    /// A RUNNING job whose GPUs stayed under the idle threshold for the
+    /// idle window: since when (ms); absent when not idle.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idle_since_ms: Option<u64>,
 }
 
 /// One event of a job (`jobs get --json`).
@@ -285,6 +289,7 @@ impl From<&pb::Job> for JobJson {
             tasks: j.tasks.iter().map(TaskJson::from).collect(),
             events: j.events.iter().map(EventJson::from).collect(),
             events_dropped: j.events_dropped,
+            idle_since_ms: (j.idle_since_ms > 0).then_some(j.idle_since_ms),
         }
     }
 }

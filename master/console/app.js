@@ -377,11 +377,16 @@ function jobsPage(root, params) {
   return { stop: () => stop() };
 }
 
+// A running job whose GPUs stayed under the idle threshold (docs/usage.md).
+function idleBadge(j) {
+  return h("span", { class: "badge s-idle", title: `GPUs idle since ${new Date(j.idle_since_ms).toLocaleString()}` }, "idle");
+}
+
 function jobRow(j) {
   return h("tr", { dataset: { job: j.id } },
     h("td", {}, h("a", { href: `#/jobs/${encodeURIComponent(j.id)}` }, j.id)),
     h("td", {}, j.name),
-    h("td", { class: "state" }, badge(j.state)),
+    h("td", { class: "state" }, badge(j.state), j.idle_since_ms ? idleBadge(j) : null),
     h("td", {}, String(j.resources.gpus * j.replicas)),
     h("td", {}, String(j.priority)),
     h("td", {}, j.tenant),
@@ -441,7 +446,7 @@ function jobPage(root, id) {
 function renderJob(j, el) {
   el.title.textContent = `${j.name} `;
   el.title.append(h("span", { class: "muted" }, j.id));
-  el.state.replaceChildren(badge(j.state));
+  el.state.replaceChildren(badge(j.state), ...(j.idle_since_ms ? [idleBadge(j)] : []));
   el.cancel.hidden = TERMINAL.has(j.state);
   el.why.textContent = j.reason || j.message || "";
   const row = (k, v) => [h("dt", {}, k), h("dd", {}, v)];

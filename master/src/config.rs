@@ -67,6 +67,10 @@ pub struct MasterConfig {
     /// The leader records each GPU's mean utilization over periods this
     /// long (docs/usage.md); `None`: no utilization history.
     pub utilization_period: Option<Duration>,
+    /// A running job whose GPUs all stay under `idle_below_pct` for this
+    /// long is flagged idle; `None`: no detection.
+    pub idle_window: Option<Duration>,
+    pub idle_below_pct: u8,
     /// Where to serve Prometheus metrics (`/metrics`); none when unset.
     pub metrics_listen: Option<SocketAddr>,
     /// Where to serve the web console (`console/`); none when unset. HTTPS
@@ -257,6 +261,8 @@ impl MasterConfig {
             reclaim_min_runtime: Some(Duration::from_secs(60)),
             elastic_grow_after: Some(Duration::from_secs(60)),
             utilization_period: Some(Duration::from_secs(60)),
+            idle_window: Some(Duration::from_secs(30 * 60)),
+            idle_below_pct: 5,
             metrics_listen: None,
             http_listen: None,
             retention: Default::default(),
@@ -472,6 +478,25 @@ pub struct Options {
         value_name = "DURATION|off"
     )]
     pub utilization_period: String,
+    /// A running job whose GPUs all stay under `--idle-below` percent for
+    /// this long is flagged idle: an `Idle` event and a flag in `jobs list`
+    /// and the console (needs `--utilization-period`); `off`: none.
+    #[arg(
+        long,
+        env = "GPUCTL_MASTER_IDLE_WINDOW",
+        default_value = "30m",
+        value_name = "DURATION|off"
+    )]
+    pub idle_window: String,
+    /// The utilization (percent, 1 to 100) under which a GPU counts as
+    /// idle for `--idle-window`.
+    #[arg(
+        long,
+        env = "GPUCTL_MASTER_IDLE_BELOW",
+        default_value_t = 5,
+        value_name = "PCT"
+    )]
+    pub idle_below: u8,
     /// How long a framework is told before its tasks are reclaimed for a
     /// framework below its fair share (the inverse offer's deadline).
     #[arg(
@@ -634,6 +659,8 @@ struct FileOptions {
     reclaim_min_runtime: Option<String>,
     elastic_grow_after: Option<String>,
     utilization_period: Option<String>,
+    idle_window: Option<String>,
+    idle_below: Option<u8>,
     reclaim_notice: Option<String>,
     log: Option<String>,
     metrics_listen: Option<SocketAddr>,
@@ -814,6 +841,12 @@ impl Options {
             }
             if let (Some(v), true) = (f.utilization_period, unset(&matches, "utilization_period")) {
                 o.utilization_period = v;
+            }
+            if let (Some(v), true) = (f.idle_window, unset(&matches, "idle_window")) {
+                o.idle_window = v;
+            }
+            if let (Some(v), true) = (f.idle_below, unset(&matches, "idle_below")) {
+                o.idle_below = v;
             }
             if let (Some(v), true) = (f.reclaim_notice, unset(&matches, "reclaim_notice")) {
                 o.reclaim_notice = v;
@@ -1019,6 +1052,25 @@ impl Options {
                     })?,
             ),
         };
+        let idle_window = match self.idle_window.as_str() {
+            "off" => None,
+            s => Some(
+                gpuctl_core::time::parse_duration(s)
+                    .ok()
+                    .filter(|d| !d.is_zero())
+                    .ok_or_else(|| {
+                        MasterError::Config(format!(
+                            "idle_window: {s:?} is not a duration (e.g. 30m) or off"
+                        ))
+                    })?,
+            ),
+        };
+        if !(1..=100).contains(&self.idle_below) {
+            return Err(MasterError::Config(format!(
+                "idle_below: {} is not a percent from 1 to 100",
+                self.idle_below
+            )));
+        }
         let reclaim_notice =
             gpuctl_core::time::parse_duration(&self.reclaim_notice).map_err(|_| {
                 MasterError::Config(format!(
@@ -1030,6 +1082,8 @@ impl Options {
             reclaim_min_runtime,
             elastic_grow_after,
             utilization_period,
+            idle_window,
+            idle_below_pct: self.idle_below,
             max_stop_grace: Duration::from_secs(self.max_stop_grace_secs),
             retention: crate::leader::retention::Retention {
                 max_age,

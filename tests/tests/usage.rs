@@ -181,20 +181,16 @@ fn usage_adds_up_to_what_ran_and_every_master_agrees_after_failover() {
 const GPU0: &str = "GPU-0c5e6a3e-0000-4000-8000-000000000000";
 const GPU1: &str = "GPU-0c5e6a3e-0000-4000-8000-000000000001";
 
-/// Issue 39, item 2: allocated against used. GPUs discovered through
-/// fake-nvml, GPU 1 87% busy and GPU 0 idle; the master records a period
-/// every second. A job on each GPU: its report shows the GPU-hours it held
-/// and the mean utilization of its GPU over them.
-#[test]
-fn usage_shows_each_jobs_mean_utilization_beside_its_gpu_hours() {
-    use gpuctl_tests::Cluster;
-    let mut c = Cluster::start(&["--utilization-period", "1s"]);
-    let machine = c.dir.path().join("machine.json");
+/// fake-nvml's machine: GPU 0 at `util0`%, GPU 1 87% busy. Written whole
+/// then renamed, so that fake-nvml never reads half of it.
+fn write_machine(path: &std::path::Path, util0: u32) {
+    let tmp = path.with_extension("tmp");
     std::fs::write(
-        &machine,
+        &tmp,
         serde_json::to_vec(&serde_json::json!({
             "gpus": [
-                { "uuid": GPU0, "name": "NVIDIA A100-SXM4-40GB", "memory_total_mib": 40960 },
+                { "uuid": GPU0, "name": "NVIDIA A100-SXM4-40GB", "memory_total_mib": 40960,
+                  "utilization_gpu_pct": util0 },
                 { "uuid": GPU1, "name": "NVIDIA A100-SXM4-40GB", "memory_total_mib": 40960,
                   "memory_used_mib": 12288, "utilization_gpu_pct": 87 }
             ],
@@ -203,6 +199,17 @@ fn usage_shows_each_jobs_mean_utilization_beside_its_gpu_hours() {
         .unwrap(),
     )
     .unwrap();
+    std::fs::rename(&tmp, path).unwrap();
+}
+
+/// A master recording utilization every second (`extra`: more flags) and
+/// an agent on fake-nvml's two GPUs.
+fn fake_nvml_cluster(extra: &[&str]) -> (gpuctl_tests::Cluster, std::path::PathBuf) {
+    let mut flags = vec!["--utilization-period", "1s"];
+    flags.extend_from_slice(extra);
+    let mut c = gpuctl_tests::Cluster::start(&flags);
+    let machine = c.dir.path().join("machine.json");
+    write_machine(&machine, 0);
     c.add_agent(AgentOpts {
         simulate_gpus: None,
         extra: vec![
@@ -214,6 +221,86 @@ fn usage_shows_each_jobs_mean_utilization_beside_its_gpu_hours() {
         env: vec![("FAKE_NVML_CONFIG".into(), machine.display().to_string())],
         ..Default::default()
     });
+    (c, machine)
+}
+
+/// Issue 39, item 3: a running job whose GPUs stay idle for the window
+/// (3 s here) is flagged, with an `Idle` event, in `jobs list` (table and
+/// JSON); the job on the busy GPU is not; when its GPU gets busy, the flag
+/// goes, with a `Busy` event.
+#[test]
+fn idle_jobs_are_flagged_until_their_gpus_are_busy() {
+    let (c, machine) = fake_nvml_cluster(&["--idle-window", "3s"]);
+    let jobs: Vec<String> = ["a", "b"]
+        .iter()
+        .map(|n| c.submit(&["--name", n, "--gpus", "1", "--", "sleep", "120"]))
+        .collect();
+    let mut on_gpu = std::collections::BTreeMap::new();
+    for j in &jobs {
+        let running = c.wait_state(j, "RUNNING", Duration::from_secs(60));
+        on_gpu.insert(
+            running["tasks"][0]["gpus"][0].as_str().unwrap().to_string(),
+            j.clone(),
+        );
+    }
+    let (idle, busy) = (on_gpu[GPU0].clone(), on_gpu[GPU1].clone());
+    let listed = |id: &str| -> Value {
+        let all = c.json(&["jobs", "list", "--json"]);
+        all.as_array()
+            .unwrap()
+            .iter()
+            .find(|j| j["id"] == id)
+            .unwrap()
+            .clone()
+    };
+    let flagged = gpuctl_tests::try_wait_for(Duration::from_secs(30), || {
+        listed(&idle)["idle_since_ms"].as_u64().is_some()
+    });
+    assert!(flagged, "{}", listed(&idle));
+    assert!(
+        listed(&busy).get("idle_since_ms").is_none(),
+        "{}",
+        listed(&busy)
+    );
+    let kinds = |id: &str| -> Vec<String> {
+        c.job(id)["events"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e["reason"].as_str().unwrap().to_string())
+            .collect()
+    };
+    assert!(
+        kinds(&idle).contains(&"Idle".to_string()),
+        "{:?}",
+        kinds(&idle)
+    );
+    assert!(
+        !kinds(&busy).contains(&"Idle".to_string()),
+        "{:?}",
+        kinds(&busy)
+    );
+    let table = c.ok(&["jobs", "list"]);
+    assert!(table.contains("Idle: GPUs idle for"), "{table}");
+    // Its GPU gets busy: the flag goes, with a Busy event.
+    write_machine(&machine, 60);
+    let cleared = gpuctl_tests::try_wait_for(Duration::from_secs(30), || {
+        listed(&idle)["idle_since_ms"].is_null()
+    });
+    assert!(cleared, "{}", listed(&idle));
+    assert_eq!(kinds(&idle).last().map(String::as_str), Some("Busy"));
+    for j in &jobs {
+        c.ok(&["jobs", "cancel", j]);
+    }
+}
+
+/// Issue 39, item 2: allocated against used. GPUs discovered through
+/// fake-nvml, GPU 1 87% busy and GPU 0 idle; the master records a period
+/// every second. A job on each GPU: its report shows the GPU-hours it held
+/// and the mean utilization of its GPU over them.
+#[test]
+fn usage_shows_each_jobs_mean_utilization_beside_its_gpu_hours() {
+    let (c, _machine) = fake_nvml_cluster(&[]);
     let jobs: Vec<String> = ["a", "b"]
         .iter()
         .map(|n| c.submit(&["--name", n, "--gpus", "1", "--", "sleep", "5"]))

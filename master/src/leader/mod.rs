@@ -298,7 +298,13 @@ pub async fn run(
         if is_leader && tick {
             check_liveness(&raft, &liveness, &LivenessTimeouts::of(&config)).await;
             if let Some(period) = config.utilization_period {
-                record_utilization(&raft, &liveness, period).await;
+                let idle = config.idle_window.map(|w| {
+                    (
+                        u64::try_from(w.as_millis()).unwrap_or(u64::MAX),
+                        config.idle_below_pct,
+                    )
+                });
+                record_utilization(&raft, &liveness, period, idle).await;
             }
         }
     }
@@ -330,7 +336,12 @@ async fn record_masters(raft: &RaftHandle) {
 /// Proposes the utilization of the period that ended, if one did (in
 /// commands of at most `MAX_POINTS_PER_COMMAND` GPUs). A period lost to a
 /// failed proposal or a leader change is a gap in the history.
-async fn record_utilization(raft: &RaftHandle, liveness: &Liveness, period: Duration) {
+async fn record_utilization(
+    raft: &RaftHandle,
+    liveness: &Liveness,
+    period: Duration,
+    idle: Option<(u64, u8)>,
+) {
     let period_ms = u64::try_from(period.as_millis()).unwrap_or(u64::MAX);
     let Some((at_ms, points)) = liveness.take_period(now_ms(), period_ms) else {
         return;
@@ -340,6 +351,8 @@ async fn record_utilization(raft: &RaftHandle, liveness: &Liveness, period: Dura
             at_ms,
             period_ms,
             points: chunk.to_vec(),
+            idle_window_ms: idle.map_or(0, |(w, _)| w),
+            idle_below_pct: idle.map_or(0, |(_, b)| b),
         };
         if let Err(e) = raft.propose(cmd).await {
             tracing::warn!(error = %e, "could not record a period of GPU utilization");

@@ -75,6 +75,7 @@ pub fn job_to_pb(state: &State, j: &JobRecord, reasons: &BTreeMap<String, Waitin
             .collect(),
         events: Vec::new(),
         events_dropped: 0,
+        idle_since_ms: j.idle_since_ms.unwrap_or(0),
     }
 }
 

@@ -185,8 +185,19 @@ impl State {
                 at_ms,
                 period_ms,
                 points,
+                idle_window_ms,
+                idle_below_pct,
             } => {
                 self.record_utilization(*at_ms, *period_ms, points);
+                if *idle_window_ms > 0 {
+                    self.flag_idle_jobs(
+                        points,
+                        *at_ms,
+                        *period_ms,
+                        *idle_window_ms,
+                        *idle_below_pct,
+                    );
+                }
                 Ok(Outcome::Done)
             }
             Command::ReclaimJobs {

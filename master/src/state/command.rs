@@ -191,6 +191,13 @@ pub enum Command {
         at_ms: u64,
         period_ms: u64,
         points: Vec<super::util::UtilPoint>,
+        /// Running jobs whose GPUs all stayed under this (percent) for
+        /// `idle_window_ms` are flagged idle (the leader's settings, so
+        /// that every master decides alike); 0: no detection.
+        #[serde(default)]
+        idle_window_ms: u64,
+        #[serde(default)]
+        idle_below_pct: u8,
     },
     /// Kill `task_ids` (keys) of framework `framework_id`, above its fair
     /// share, to give their resources to `for_framework`, below its own:

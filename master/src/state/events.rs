@@ -65,6 +65,10 @@ pub enum EventKind {
     Drained,
     /// An elastic gang is restarted to grow: GPUs freed for more ranks.
     Growing,
+    /// Its GPUs stayed under the idle threshold for the idle window.
+    Idle,
+    /// Its GPUs are busy again after it was idle.
+    Busy,
     /// Back in the queue without using a retry.
     Requeued,
     /// An attempt failed and is started again (a retry used).
@@ -94,6 +98,8 @@ impl EventKind {
             EventKind::AgentLost => "AgentLost",
             EventKind::Drained => "Drained",
             EventKind::Growing => "Growing",
+            EventKind::Idle => "Idle",
+            EventKind::Busy => "Busy",
             EventKind::Requeued => "Requeued",
             EventKind::Retrying => "Retrying",
             EventKind::Cancelling => "Cancelling",
@@ -113,6 +119,7 @@ impl EventKind {
                 | EventKind::GpuFailed
                 | EventKind::DriverRefused
                 | EventKind::Hung
+                | EventKind::Idle
                 | EventKind::AgentUnreachable
                 | EventKind::AgentLost
                 | EventKind::Drained

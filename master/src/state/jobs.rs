@@ -420,6 +420,8 @@ impl State {
         if state.is_terminal() {
             job.avoid_gpus.clear();
         }
+        // A new attempt is watched afresh.
+        job.idle_since_ms = None;
         job.state = state;
         job.message = message;
     }
@@ -847,6 +849,7 @@ impl State {
                 world: 0,
                 not_before_ms: 0,
                 avoid_gpus: Vec::new(),
+                idle_since_ms: None,
             },
         );
         self.job_event(

@@ -164,6 +164,10 @@ pub struct JobRecord {
     /// [`JobRecord::avoid_gpu`]).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub avoid_gpus: Vec<AvoidGpu>,
+    /// Since when its GPUs have been idle (under the idle threshold for
+    /// the idle window, see `State::flag_idle_jobs`); None: not idle.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idle_since_ms: Option<u64>,
 }
 
 /// A GPU a job is not placed on until `until_ms` (the leader's clock).

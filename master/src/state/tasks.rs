@@ -237,6 +237,100 @@ impl State {
         }
     }
 
+    /// After a period's readings: a running job whose whole GPUs all had a
+    /// reading under `below` pct in each of the last `window_ms` (all of
+    /// it since its tasks launched) is flagged idle, with an `Idle` event;
+    /// one flagged that has a GPU at or above it in this period is busy
+    /// again (`Busy`). Jobs on MIG devices or shared GPUs have no readings
+    /// of their own and are never flagged.
+    pub(super) fn flag_idle_jobs(
+        &mut self,
+        points: &[super::util::UtilPoint],
+        at_ms: u64,
+        period_ms: u64,
+        window_ms: u64,
+        below: u8,
+    ) {
+        use super::events::EventKind;
+        let period_ms = period_ms.max(1);
+        let periods = (window_ms / period_ms).max(1);
+        let end = at_ms.saturating_add(period_ms);
+        let from = end.saturating_sub(periods * period_ms);
+        let jobs: std::collections::BTreeSet<String> = points
+            .iter()
+            .filter_map(|p| self.gpu_owner.get(&p.gpu))
+            .filter_map(|t| self.tasks.get(t))
+            .filter(|t| !t.job_id.is_empty())
+            .map(|t| t.job_id.clone())
+            .collect();
+        for job_id in jobs {
+            let Some(job) = self.jobs.get(&job_id) else {
+                continue;
+            };
+            if job.state != gpuctl_core::types::JobState::Running {
+                continue;
+            }
+            // (all idle, sum of readings, count, busy now)
+            let mut idle = true;
+            let (mut sum, mut n, mut gpus) = (0u64, 0u64, 0usize);
+            for task in job.current_tasks().iter().filter_map(|t| self.tasks.get(t)) {
+                if task.fraction.is_some() {
+                    idle = false;
+                    continue;
+                }
+                for g in &task.gpu_uuids {
+                    gpus += 1;
+                    let readings: Vec<u8> = self
+                        .util
+                        .gpu(g)
+                        .map(|h| h.points(from, end).map(|(_, u, _)| u).collect())
+                        .unwrap_or_default();
+                    sum += readings.iter().map(|u| u64::from(*u)).sum::<u64>();
+                    n += readings.len() as u64;
+                    idle &= task.created_at_ms <= from
+                        && readings.len() as u64 == periods
+                        && readings.iter().all(|u| *u < below);
+                }
+            }
+            let idle = idle && gpus > 0;
+            let busy_now = points.iter().any(|p| {
+                p.util_pct >= below
+                    && self
+                        .gpu_owner
+                        .get(&p.gpu)
+                        .and_then(|t| self.tasks.get(t))
+                        .is_some_and(|t| t.job_id == job_id)
+            });
+            let was_idle = job.idle_since_ms.is_some();
+            let mean = sum as f64 / n.max(1) as f64;
+            let Some(job) = self.jobs.get_mut(&job_id) else {
+                continue;
+            };
+            if idle && !was_idle {
+                job.idle_since_ms = Some(from);
+                let window = if window_ms % 60_000 == 0 {
+                    format!("{} min", window_ms / 60_000)
+                } else {
+                    format!("{} s", window_ms as f64 / 1000.0)
+                };
+                job.events.record(
+                    EventKind::Idle,
+                    format!(
+                        "its {gpus} GPU(s) stayed under {below}% for {window} (mean {mean:.1}%)"
+                    ),
+                    at_ms,
+                );
+            } else if was_idle && busy_now {
+                job.idle_since_ms = None;
+                job.events.record(
+                    EventKind::Busy,
+                    format!("its GPUs are busy again ({below}% or more)"),
+                    at_ms,
+                );
+            }
+        }
+    }
+
     /// What `task` holds, charged to its job's tenant and submitter (a
     /// framework's task: its framework's tenant) and its GPU model.
     pub(crate) fn charge_of(&self, task: &super::TaskRecord) -> super::usage::Charge {

@@ -462,6 +462,8 @@ mod tests {
                     mem_pct: 0,
                 },
             ],
+            idle_window_ms: 0,
+            idle_below_pct: 0,
         })
         .unwrap();
         assert_eq!(d.s.util_history().gpus.len(), 2);
@@ -481,6 +483,105 @@ mod tests {
             "team".parse::<By>().unwrap_err(),
             "\"team\" is not one of tenant, user, job, gpu-model"
         );
+    }
+
+    /// A running job whose GPUs all stay under the threshold for the
+    /// window is flagged idle (once), and busy again at its first busy
+    /// period; a job that has not run the window yet, or has one GPU busy,
+    /// is not.
+    #[test]
+    fn idle_jobs_are_flagged_and_unflagged() {
+        use crate::state::events::EventKind;
+        use crate::state::testkit::{status, Driver};
+        use crate::state::util::UtilPoint;
+        use crate::state::Command;
+        use gpuctl_core::types::{JobSpec, Resources, TaskState};
+        let mut d = Driver::new(&[("a", 4)]);
+        let spec = |gpus: u32| {
+            JobSpec::new(
+                "j",
+                vec!["true".into()],
+                Resources {
+                    cpus: 1.0,
+                    mem_mib: 1,
+                    gpus,
+                    ports: 0,
+                },
+            )
+        };
+        let idle = d.submit(spec(2));
+        let half = d.submit(spec(1));
+        let late = d.submit(spec(1));
+        d.launch_at(&idle, &[("a", &["GPU-a-0", "GPU-a-1"])], 0)
+            .unwrap();
+        d.launch_at(&half, &[("a", &["GPU-a-2"])], 0).unwrap();
+        d.launch_at(&late, &[("a", &["GPU-a-3"])], 1500).unwrap();
+        for t in ["job-1.0", "job-2.0", "job-3.0"] {
+            d.apply(Command::UpdateTaskStatus {
+                update: status("a", t, TaskState::Running),
+                at_ms: 1,
+            })
+            .unwrap();
+        }
+        let period = |d: &mut Driver, at: u64, utils: [u8; 4]| {
+            let points = utils
+                .iter()
+                .enumerate()
+                .map(|(i, u)| UtilPoint {
+                    gpu: format!("GPU-a-{i}"),
+                    util_pct: *u,
+                    mem_pct: 0,
+                })
+                .collect();
+            d.apply(Command::RecordUtilization {
+                at_ms: at,
+                period_ms: 1000,
+                points,
+                idle_window_ms: 3000,
+                idle_below_pct: 5,
+            })
+            .unwrap();
+        };
+        let kinds = |d: &Driver, j: &str| -> Vec<EventKind> {
+            d.s.job(j).unwrap().events.iter().map(|e| e.kind).collect()
+        };
+        period(&mut d, 0, [1, 0, 10, 0]);
+        period(&mut d, 1000, [2, 4, 1, 0]);
+        assert!(
+            d.s.job(&idle).unwrap().idle_since_ms.is_none(),
+            "not a window yet"
+        );
+        period(&mut d, 2000, [0, 3, 2, 0]);
+        let job = d.s.job(&idle).unwrap();
+        assert_eq!(job.idle_since_ms, Some(0));
+        let ev = job.events.iter().last().unwrap();
+        assert_eq!(ev.kind, EventKind::Idle);
+        assert!(
+            ev.message
+                .contains("2 GPU(s) stayed under 5% for 3 s (mean 1.7%)"),
+            "{}",
+            ev.message
+        );
+        // One busy period in the window: not idle; launched within it: not yet.
+        assert!(d.s.job(&half).unwrap().idle_since_ms.is_none());
+        assert!(d.s.job(&late).unwrap().idle_since_ms.is_none());
+        // Still idle: no second event.
+        period(&mut d, 3000, [0, 0, 0, 0]);
+        assert_eq!(
+            kinds(&d, &idle)
+                .iter()
+                .filter(|k| **k == EventKind::Idle)
+                .count(),
+            1
+        );
+        assert!(d.s.job(&half).unwrap().idle_since_ms.is_some());
+        // Busy again on one of its GPUs.
+        period(&mut d, 4000, [0, 60, 0, 0]);
+        assert!(d.s.job(&idle).unwrap().idle_since_ms.is_none());
+        assert_eq!(kinds(&d, &idle).last(), Some(&EventKind::Busy));
+        // late, launched at 1.5 s: idle over the first whole window after
+        // its launch, from 2 s.
+        assert_eq!(d.s.job(&late).unwrap().idle_since_ms, Some(2000));
     }
 
     #[test]
