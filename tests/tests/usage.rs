@@ -289,9 +289,34 @@ fn idle_jobs_are_flagged_until_their_gpus_are_busy() {
     });
     assert!(cleared, "{}", listed(&idle));
     assert_eq!(kinds(&idle).last().map(String::as_str), Some("Busy"));
-    for j in &jobs {
-        c.ok(&["jobs", "cancel", j]);
-    }
+    // The tenant stops jobs idle 2 s past their flag: idle again, the job
+    // is stopped and ends CANCELLED saying why; the busy one runs on.
+    let set = c.ok(&[
+        "quota",
+        "set",
+        "default",
+        "--gpus",
+        "0",
+        "--stop-idle-after",
+        "2s",
+    ]);
+    assert!(set.contains("idle jobs stopped after 2 s"), "{set}");
+    write_machine(&machine, 0);
+    let j = c.wait_state(&idle, "CANCELLED", Duration::from_secs(60));
+    let message = j["message"].as_str().unwrap();
+    assert!(message.contains("tenant default stops idle jobs"), "{j}");
+    assert_eq!(c.job(&busy)["state"], "RUNNING");
+    let bad = c.gpuctl(&[
+        "quota",
+        "set",
+        "default",
+        "--gpus",
+        "0",
+        "--stop-idle-after",
+        "soon",
+    ]);
+    assert_eq!(bad.status.code(), Some(2));
+    c.ok(&["jobs", "cancel", &busy]);
 }
 
 /// Issue 39, item 2: allocated against used. GPUs discovered through

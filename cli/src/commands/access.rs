@@ -219,6 +219,11 @@ pub enum QuotaCommand {
         /// 1 by default).
         #[arg(long)]
         weight: Option<u32>,
+        /// Stop its jobs once they have been flagged idle this long (their
+        /// GPUs under the masters' --idle-below for --idle-window first):
+        /// `1h`, `30m`; `off`: never (the default).
+        #[arg(long, value_name = "DURATION|off")]
+        stop_idle_after: Option<String>,
     },
 }
 
@@ -568,8 +573,27 @@ pub async fn run_quota(
         gpus,
         borrow,
         weight,
+        stop_idle_after,
     }) = args.command
     {
+        let (stop_idle_after_ms, clear_stop_idle) = match stop_idle_after.as_deref() {
+            None => (None, false),
+            Some("off") => (None, true),
+            Some(d) => (
+                Some(
+                    gpuctl_core::time::parse_duration(d)
+                        .ok()
+                        .filter(|d| d.as_secs() >= 1)
+                        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+                        .ok_or_else(|| {
+                            CliError::Usage(format!(
+                                "--stop-idle-after: {d:?} is not a duration of 1s or more (e.g. 1h) or off"
+                            ))
+                        })?,
+                ),
+                false,
+            ),
+        };
         let (borrow, clear_borrow) = match borrow.as_deref() {
             None => (None, false),
             Some("none") => (None, true),
@@ -589,19 +613,26 @@ pub async fn run_quota(
                     borrow,
                     clear_borrow,
                     weight,
+                    stop_idle_after_ms,
+                    clear_stop_idle,
                 };
                 async move { c.set_quota(req).await }
             })
             .await?;
         writeln!(
             out,
-            "tenant {}: {} GPUs in use, quota {}, limit {}, weight {}, fair share {}",
+            "tenant {}: {} GPUs in use, quota {}, limit {}, weight {}, fair share {}, idle jobs stopped after {}",
             q.tenant,
             q.gpus_used,
             dash_if_zero(q.gpu_quota),
             q.gpu_limit.map_or("none".to_string(), |l| l.to_string()),
             q.weight,
-            q.fair_share
+            q.fair_share,
+            if q.stop_idle_after_ms == 0 {
+                "never".to_string()
+            } else {
+                format!("{} s", q.stop_idle_after_ms as f64 / 1000.0)
+            }
         )?;
         return Ok(super::EXIT_OK);
     }

@@ -34,6 +34,8 @@ impl T {
     fn quota(&mut self, tenant: &str, gpus: u32, borrow: Option<u32>, weight: Option<u32>) {
         self.d
             .apply(Command::SetQuota {
+                stop_idle_after_ms: None,
+                clear_stop_idle: false,
                 tenant: tenant.into(),
                 gpus,
                 borrow,

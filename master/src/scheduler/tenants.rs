@@ -238,6 +238,8 @@ mod tests {
         apply(
             &mut s,
             Command::SetQuota {
+                stop_idle_after_ms: None,
+                clear_stop_idle: false,
                 borrow: None,
                 clear_borrow: false,
                 weight: None,

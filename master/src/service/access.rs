@@ -543,6 +543,18 @@ impl AccessService {
         if req.weight.is_some_and(|w| w == 0 || w > max) {
             return Err(ConvertError::new("weight", format!("must be 1 to {max}")).into());
         }
+        if req.stop_idle_after_ms.is_some_and(|ms| ms < 1000) {
+            return Err(
+                ConvertError::new("stop_idle_after_ms", "must be at least 1000 (1 s)").into(),
+            );
+        }
+        if req.stop_idle_after_ms.is_some() && req.clear_stop_idle {
+            return Err(ConvertError::new(
+                "stop_idle_after_ms",
+                "give a time or clear it, not both",
+            )
+            .into());
+        }
         if req.borrow.is_some() && req.clear_borrow {
             return Err(ConvertError::new(
                 "borrow",
@@ -558,6 +570,8 @@ impl AccessService {
                 borrow: req.borrow,
                 clear_borrow: req.clear_borrow,
                 weight: req.weight,
+                stop_idle_after_ms: req.stop_idle_after_ms,
+                clear_stop_idle: req.clear_stop_idle,
             })
             .await?;
         tracing::info!(tenant = %req.tenant, gpus = req.gpus, borrow = ?req.borrow, weight = ?req.weight, "quota set");
@@ -612,6 +626,11 @@ impl AccessService {
             q.gpu_quota = quota(&q.tenant);
             q.gpu_limit = state.tenant_cap(&q.tenant);
             q.weight = state.tenant_weight(&q.tenant);
+            q.stop_idle_after_ms = state
+                .tenant_terms()
+                .get(&q.tenant)
+                .and_then(|t| t.stop_idle_after_ms)
+                .unwrap_or(0);
             q.fair_share = shares.get(&q.tenant).map_or(0, |f| f.share);
             q.gpus_borrowed = q.gpus_used.saturating_sub(q.gpu_quota);
             q.gpus_lent = q.gpu_quota.saturating_sub(q.gpus_used).min(lendable);

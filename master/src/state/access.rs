@@ -45,6 +45,10 @@ pub struct TenantTerms {
     /// Its weight in the split of what quotas leave.
     #[serde(default = "one")]
     pub weight: u32,
+    /// Its jobs flagged idle this long are stopped (`CANCELLED`, saying
+    /// why); `None`: never (docs/usage.md).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stop_idle_after_ms: Option<u64>,
 }
 
 fn one() -> u32 {
@@ -56,6 +60,7 @@ impl Default for TenantTerms {
         TenantTerms {
             borrow: None,
             weight: 1,
+            stop_idle_after_ms: None,
         }
     }
 }
@@ -297,6 +302,7 @@ impl State {
         gpus: u32,
         borrow: Option<Option<u32>>,
         weight: Option<u32>,
+        stop_idle_after_ms: Option<Option<u64>>,
     ) -> Result<Outcome, ApplyError> {
         check_tenant(tenant).map_err(|reason| ApplyError::Invalid {
             field: "tenant".into(),
@@ -319,6 +325,9 @@ impl State {
         }
         if let Some(w) = weight {
             terms.weight = w;
+        }
+        if let Some(s) = stop_idle_after_ms {
+            terms.stop_idle_after_ms = s;
         }
         if terms == TenantTerms::default() {
             self.tenant_terms.remove(tenant);
@@ -568,6 +577,8 @@ mod tests {
         s.apply(
             1,
             &Command::SetQuota {
+                stop_idle_after_ms: None,
+                clear_stop_idle: false,
                 borrow: None,
                 clear_borrow: false,
                 weight: None,
@@ -580,6 +591,8 @@ mod tests {
         s.apply(
             2,
             &Command::SetQuota {
+                stop_idle_after_ms: None,
+                clear_stop_idle: false,
                 borrow: None,
                 clear_borrow: false,
                 weight: None,
@@ -593,6 +606,8 @@ mod tests {
             .apply(
                 3,
                 &Command::SetQuota {
+                    stop_idle_after_ms: None,
+                    clear_stop_idle: false,
                     borrow: None,
                     clear_borrow: false,
                     weight: None,

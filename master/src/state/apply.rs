@@ -256,13 +256,20 @@ impl State {
                 borrow,
                 clear_borrow,
                 weight,
+                stop_idle_after_ms,
+                clear_stop_idle,
             } => {
                 let borrow = if *clear_borrow {
                     Some(None)
                 } else {
                     borrow.map(Some)
                 };
-                self.set_quota(tenant, *gpus, borrow, *weight)
+                let stop_idle = if *clear_stop_idle {
+                    Some(None)
+                } else {
+                    stop_idle_after_ms.map(Some)
+                };
+                self.set_quota(tenant, *gpus, borrow, *weight, stop_idle)
             }
         }
     }

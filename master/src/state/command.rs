@@ -311,6 +311,12 @@ pub enum Command {
         /// Its weight in the fair split; `None`: unchanged.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         weight: Option<u32>,
+        /// Stop its jobs idle this long (ms); `None`: unchanged.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        stop_idle_after_ms: Option<u64>,
+        /// Never stop its idle jobs.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        clear_stop_idle: bool,
     },
 }
 

@@ -286,6 +286,8 @@ impl State {
         // the SIGTERM does not make the job SUCCEEDED (as Slurm's scancel).
         let (state, message) = if job.cancel_requested {
             (JobState::Cancelled, "cancelled".to_string())
+        } else if let Some(Stopping::IdleStopped { message }) = stopping {
+            (JobState::Cancelled, message)
         } else if let Some(Stopping::Growing { from, to }) = stopping {
             // Stopped to grow: whatever its ranks exited with on the
             // SIGTERM (a trainer may save and exit 0), it starts again.
@@ -394,6 +396,7 @@ impl State {
                     format!("agent {agent_id} drained (submitted with --no-requeue)"),
                 ),
                 // Handled before the exits are looked at.
+                Some(Stopping::IdleStopped { message }) => (JobState::Cancelled, message),
                 Some(Stopping::Growing { from, .. }) => (
                     JobState::Queued,
                     format!("restarting to grow from {from} ranks"),

@@ -224,6 +224,9 @@ pub enum Stopping {
     /// queued again without using up a retry, to be placed with as many
     /// ranks as fit, up to `to`.
     Growing { from: u32, to: u32 },
+    /// Its GPUs stayed idle past its tenant's `stop_idle_after`: it ends
+    /// CANCELLED with `message`, however its tasks exit.
+    IdleStopped { message: String },
 }
 
 impl JobRecord {

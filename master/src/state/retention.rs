@@ -438,7 +438,7 @@ mod tests {
         };
         assert_eq!(
             String::from_utf8(c.encode().unwrap()).unwrap(),
-            r#"{"version":3,"command":{"ForgetJobs":{"job_ids":["job-1"],"at_ms":5}}}"#
+            r#"{"version":4,"command":{"ForgetJobs":{"job_ids":["job-1"],"at_ms":5}}}"#
         );
         let c = Command::ForgetFrameworkTasks {
             task_ids: vec!["fw-1.t".into()],

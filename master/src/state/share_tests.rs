@@ -207,6 +207,8 @@ fn a_fraction_counts_as_one_gpu_against_a_quota() {
     let mut d = driver();
     share(&mut d, "GPU-a-0", Some(ShareMode::TimeSlice)).unwrap();
     d.apply(Command::SetQuota {
+        stop_idle_after_ms: None,
+        clear_stop_idle: false,
         borrow: None,
         clear_borrow: false,
         weight: None,

@@ -303,6 +303,11 @@ impl State {
             });
             let was_idle = job.idle_since_ms.is_some();
             let mean = sum as f64 / n.max(1) as f64;
+            let stop_after = self
+                .tenant_terms
+                .get(super::access::tenant_of(&job.spec))
+                .and_then(|t| t.stop_idle_after_ms);
+            let tenant = super::access::tenant_of(&job.spec).to_string();
             let Some(job) = self.jobs.get_mut(&job_id) else {
                 continue;
             };
@@ -327,6 +332,30 @@ impl State {
                     format!("its GPUs are busy again ({below}% or more)"),
                     at_ms,
                 );
+            }
+            // Flagged (at the end of its first idle window) for its
+            // tenant's stop_idle_after: stopped, once.
+            let due = |since: u64, after: u64| {
+                end >= since
+                    .saturating_add(periods * period_ms)
+                    .saturating_add(after)
+            };
+            if let (true, Some(since), Some(after), None) =
+                (idle, job.idle_since_ms, stop_after, &job.stopping)
+            {
+                if due(since, after) && !job.cancel_requested {
+                    let message = format!(
+                        "stopped: its GPUs stayed idle (under {below}%) for {} s after it was flagged idle (tenant {tenant} stops idle jobs)",
+                        after / 1000
+                    );
+                    job.stopping = Some(super::Stopping::IdleStopped {
+                        message: message.clone(),
+                    });
+                    job.events
+                        .record(EventKind::Cancelling, message.clone(), at_ms);
+                    let live = job.current_tasks().to_vec();
+                    self.kill_live(&live, &message, None, at_ms);
+                }
             }
         }
     }

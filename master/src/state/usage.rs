@@ -582,6 +582,41 @@ mod tests {
         // late, launched at 1.5 s: idle over the first whole window after
         // its launch, from 2 s.
         assert_eq!(d.s.job(&late).unwrap().idle_since_ms, Some(2000));
+        // The default tenant stops jobs idle 2 s past their flag: late
+        // (flagged at 5 s) is stopped at the period ending at 7 s, and
+        // ends CANCELLED saying why, though its task exits 0.
+        d.apply(Command::SetQuota {
+            tenant: "default".into(),
+            gpus: 0,
+            borrow: None,
+            clear_borrow: false,
+            weight: None,
+            stop_idle_after_ms: Some(2000),
+            clear_stop_idle: false,
+        })
+        .unwrap();
+        period(&mut d, 5000, [0, 60, 0, 0]);
+        assert!(d.s.job(&late).unwrap().stopping.is_none());
+        period(&mut d, 6000, [0, 60, 0, 0]);
+        let job = d.s.job(&late).unwrap();
+        assert!(job.stopping.is_some());
+        assert!(d.s.task("job-3.0").unwrap().kill_requested);
+        let mut ended = status("a", "job-3.0", TaskState::Finished);
+        ended.exit_code = Some(0);
+        d.apply(Command::UpdateTaskStatus {
+            update: ended,
+            at_ms: 6500,
+        })
+        .unwrap();
+        let job = d.s.job(&late).unwrap();
+        assert_eq!(job.state, gpuctl_core::types::JobState::Cancelled);
+        assert!(
+            job.message.contains("tenant default stops idle jobs"),
+            "{}",
+            job.message
+        );
+        // The busy job was never stopped.
+        assert!(d.s.job(&idle).unwrap().stopping.is_none());
     }
 
     #[test]

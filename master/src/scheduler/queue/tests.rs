@@ -145,6 +145,8 @@ impl H {
 fn a_tenant_over_its_gpu_quota_waits_and_others_run() {
     let mut h = H::new(&[("a", 9)]);
     h.apply(Command::SetQuota {
+        stop_idle_after_ms: None,
+        clear_stop_idle: false,
         borrow: None,
         clear_borrow: false,
         weight: None,
@@ -172,6 +174,8 @@ fn a_tenant_over_its_gpu_quota_waits_and_others_run() {
     );
     // Raised: it runs.
     h.apply(Command::SetQuota {
+        stop_idle_after_ms: None,
+        clear_stop_idle: false,
         borrow: None,
         clear_borrow: false,
         weight: None,
