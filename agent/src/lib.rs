@@ -496,7 +496,7 @@ pub async fn serve(
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1.0, |n| n.get() as f64));
     let info = AgentInfo {
         id: agent_id.clone(),
-        hostname,
+        hostname: hostname.clone(),
         address,
         total: Resources {
             cpus,
@@ -539,7 +539,12 @@ pub async fn serve(
     );
     let _ = executor_for_health.set(executor.clone());
     if let Some(addr) = config.metrics_listen {
-        let render = metrics::renderer(metrics_gpus, health_rx.clone(), executor.clone());
+        let render = metrics::renderer(
+            metrics_gpus,
+            health_rx.clone(),
+            executor.clone(),
+            hostname.clone(),
+        );
         gpuctl_proto::metrics_server::spawn_server(addr, render, stop_rx.clone())
             .await
             .map_err(|source| AgentError::Listen {

@@ -17,14 +17,86 @@ const MIB: f64 = 1024.0 * 1024.0;
 
 /// The exposition of one scrape. `gpus` is what discovery found; the
 /// snapshot is empty for simulated GPUs (no probe, so no readings).
-pub fn render(gpus: &[GpuInfo], health: &Snapshot, executor: &Executor) -> String {
-    render_with(
+pub fn render(gpus: &[GpuInfo], health: &Snapshot, executor: &Executor, host: &str) -> String {
+    let mut text = render_with(
         gpus,
         health,
         &executor.gpu_tasks(),
         &executor.task_jobs(),
         executor.active_tasks(),
-    )
+    );
+    text.push_str(&render_dcgm(gpus, health, &executor.gpu_tasks(), host));
+    text
+}
+
+/// The same readings under the names and labels of NVIDIA's DCGM exporter
+/// (`DCGM_FI_DEV_*`; labels `gpu` (index), `UUID`, `device`, `modelName`,
+/// `Hostname`, `pci_bus_id`, and `hpc_job`, its HPC job mapping's label,
+/// for the job holding the GPU), so that dashboards made for it work on
+/// gpuctl's agents. Units are DCGM's: percent, MiB, Celsius, watts.
+fn render_dcgm(
+    gpus: &[GpuInfo],
+    health: &Snapshot,
+    tasks: &HashMap<String, (String, String)>,
+    host: &str,
+) -> String {
+    let mut out = Exposition::new();
+    let families: [(
+        &str,
+        &str,
+        fn(&gpuctl_core::types::GpuSample) -> Option<f64>,
+    ); 5] = [
+        ("DCGM_FI_DEV_GPU_UTIL", "GPU utilization (in %).", |s| {
+            Some(f64::from(s.utilization_pct))
+        }),
+        (
+            "DCGM_FI_DEV_FB_USED",
+            "Framebuffer memory used (in MiB).",
+            |s| Some(s.memory_used_mib as f64),
+        ),
+        (
+            "DCGM_FI_DEV_FB_FREE",
+            "Framebuffer memory free (in MiB).",
+            |s| Some(s.memory_total_mib.saturating_sub(s.memory_used_mib) as f64),
+        ),
+        ("DCGM_FI_DEV_GPU_TEMP", "GPU temperature (in C).", |s| {
+            s.temperature_c.map(f64::from)
+        }),
+        ("DCGM_FI_DEV_POWER_USAGE", "Power draw (in W).", |s| {
+            s.power_w
+        }),
+    ];
+    for (name, help, value) in families {
+        out.family(name, help, Kind::Gauge);
+        for g in gpus {
+            let Some(sample) = health
+                .gpus
+                .iter()
+                .find(|h| h.uuid == g.uuid)
+                .and_then(|h| h.sample.as_ref())
+            else {
+                continue;
+            };
+            let Some(v) = value(sample) else { continue };
+            let index = g.index.to_string();
+            let device = format!("nvidia{}", g.minor);
+            let job = tasks.get(&g.uuid).map_or("", |(_, j)| j.as_str());
+            out.sample(
+                name,
+                &[
+                    ("gpu", index.as_str()),
+                    ("UUID", g.uuid.as_str()),
+                    ("device", device.as_str()),
+                    ("modelName", g.model.as_str()),
+                    ("Hostname", host),
+                    ("pci_bus_id", g.pci_bus_id.as_str()),
+                    ("hpc_job", job),
+                ],
+                v,
+            );
+        }
+    }
+    out.finish()
 }
 
 /// [`render`] on plain data: `tasks` is the task and job holding each GPU
@@ -219,10 +291,11 @@ pub fn renderer(
     gpus: Vec<GpuInfo>,
     health: watch::Receiver<Snapshot>,
     executor: Arc<Executor>,
+    host: String,
 ) -> Arc<dyn Fn() -> String + Send + Sync> {
     Arc::new(move || {
         let snapshot = health.borrow().clone();
-        render(&gpus, &snapshot, &executor)
+        render(&gpus, &snapshot, &executor, &host)
     })
 }
 

@@ -175,6 +175,59 @@ pub fn render(
             let label = s.to_string().to_ascii_lowercase();
             out.sample("gpuctl_jobs", &[("state", &label)], n as f64);
         }
+        gauge(
+            &mut out,
+            "gpuctl_jobs_idle",
+            "Running jobs whose GPUs stayed under the idle threshold for the idle window.",
+            state
+                .jobs()
+                .values()
+                .filter(|j| j.idle_since_ms.is_some())
+                .count() as f64,
+        );
+        // Per tenant: what the Grafana dashboard's tenant rows draw.
+        let usage = crate::scheduler::tenants::usage(&state);
+        out.family(
+            "gpuctl_tenant_gpus_allocated",
+            "GPUs held by a tenant's live tasks.",
+            Kind::Gauge,
+        );
+        for (tenant, u) in &usage {
+            out.sample(
+                "gpuctl_tenant_gpus_allocated",
+                &[("tenant", tenant)],
+                f64::from(u.gpus),
+            );
+        }
+        out.family(
+            "gpuctl_tenant_jobs",
+            "A tenant's jobs running and queued.",
+            Kind::Gauge,
+        );
+        for (tenant, u) in &usage {
+            out.sample(
+                "gpuctl_tenant_jobs",
+                &[("tenant", tenant), ("state", "running")],
+                f64::from(u.running),
+            );
+            out.sample(
+                "gpuctl_tenant_jobs",
+                &[("tenant", tenant), ("state", "queued")],
+                f64::from(u.queued),
+            );
+        }
+        out.family(
+            "gpuctl_tenant_gpu_quota",
+            "A tenant's GPU quota (tenants with one).",
+            Kind::Gauge,
+        );
+        for (tenant, gpus) in state.quotas() {
+            out.sample(
+                "gpuctl_tenant_gpu_quota",
+                &[("tenant", tenant)],
+                f64::from(*gpus),
+            );
+        }
     }
 
     gauge(

@@ -1042,3 +1042,157 @@ fn a_fraction_that_fails_near_its_memory_is_told_the_likely_cause() {
         .to_string();
     assert_eq!(far_msg, "exited with code 3");
 }
+
+/// Issue 39, item 5: the agent also exposes its readings under NVIDIA's
+/// DCGM exporter names and labels (so DCGM dashboards work), with the job
+/// holding the GPU as `hpc_job`; both expositions pass `promtool check
+/// metrics` (Prometheus' own linter; skipped without it unless
+/// GPUCTL_REQUIRE_PROMTOOL=1, which CI sets).
+#[test]
+fn metrics_carry_dcgm_names_and_pass_promtool() {
+    let s = Setup::start("3600");
+    let job =
+        s.c.submit(&["--name", "held", "--gpus", "2", "--", "sleep", "60"]);
+    s.c.wait_state(&job, "RUNNING", Duration::from_secs(30));
+    let mut a = Scrape::get(&s.agent_metrics);
+    let held = try_wait_for(Duration::from_secs(10), || {
+        a = Scrape::get(&s.agent_metrics);
+        a.value("DCGM_FI_DEV_GPU_UTIL", &[("UUID", GPU1), ("hpc_job", &job)])
+            .is_some()
+    });
+    assert!(held, "no DCGM series with hpc_job={job}");
+    assert_eq!(
+        a.value("DCGM_FI_DEV_GPU_UTIL", &[("UUID", GPU1)]),
+        Some(87.0)
+    );
+    assert_eq!(
+        a.value("DCGM_FI_DEV_FB_USED", &[("UUID", GPU1)]),
+        Some(12288.0)
+    );
+    assert_eq!(
+        a.value("DCGM_FI_DEV_FB_FREE", &[("UUID", GPU1)]),
+        Some(40960.0 - 12288.0)
+    );
+    assert_eq!(
+        a.value("DCGM_FI_DEV_GPU_TEMP", &[("UUID", GPU0)]),
+        Some(41.0)
+    );
+    assert_eq!(
+        a.value("DCGM_FI_DEV_POWER_USAGE", &[("UUID", GPU1)]),
+        Some(250.5)
+    );
+    assert_eq!(
+        a.value(
+            "DCGM_FI_DEV_GPU_UTIL",
+            &[
+                ("UUID", GPU0),
+                ("gpu", "0"),
+                ("modelName", "NVIDIA A100-SXM4-40GB")
+            ]
+        ),
+        Some(0.0)
+    );
+    // Every metric the Grafana dashboard in deploy/ queries is one the
+    // agent or the master (leader) exposes.
+    let dashboard: Value = serde_json::from_str(
+        &std::fs::read_to_string(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/grafana/gpuctl.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    // (A quota, so that the tenants' quota series has a sample.)
+    s.c.ok(&["quota", "set", "default", "--gpus", "4"]);
+    let m = Scrape::get(&s.master_metrics);
+    assert_eq!(
+        m.value("gpuctl_tenant_gpus_allocated", &[("tenant", "default")]),
+        Some(2.0)
+    );
+    assert_eq!(
+        m.value("gpuctl_tenant_gpu_quota", &[("tenant", "default")]),
+        Some(4.0)
+    );
+    let exposed: std::collections::BTreeSet<&str> =
+        a.0.samples
+            .iter()
+            .chain(&m.0.samples)
+            .map(|s| s.metric.as_str())
+            .collect();
+    let mut exprs = Vec::new();
+    for panel in dashboard["panels"].as_array().unwrap() {
+        for t in panel["targets"].as_array().into_iter().flatten() {
+            exprs.push(t["expr"].as_str().unwrap().to_string());
+        }
+    }
+    assert!(exprs.len() >= 10, "{exprs:?}");
+    for e in &exprs {
+        let names = e
+            .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .filter(|w| w.starts_with("gpuctl_") || w.starts_with("DCGM_FI_"));
+        for name in names {
+            // A family with no sample now (no task process on a GPU)
+            // is still declared.
+            assert!(
+                exposed.contains(name) || a.help(name) || m.help(name),
+                "the dashboard queries {name}, which nothing exposes: {e}"
+            );
+        }
+    }
+    let required = std::env::var("GPUCTL_REQUIRE_PROMTOOL").is_ok_and(|v| v == "1");
+    let promtool = std::process::Command::new("promtool")
+        .arg("--version")
+        .output();
+    if promtool.is_err() {
+        assert!(
+            !required,
+            "GPUCTL_REQUIRE_PROMTOOL=1 but promtool is not installed"
+        );
+        eprintln!("skipped: promtool is not installed (apt-get install prometheus)");
+        return;
+    }
+    // promtool's lint wants snake_case labels, and DCGM's own labels are
+    // camelCase (modelName, Hostname): gpuctl's families must pass whole,
+    // the DCGM ones with that complaint alone.
+    let check = |body: &str| -> (bool, String) {
+        let mut child = std::process::Command::new("promtool")
+            .args(["check", "metrics"])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(body.as_bytes())
+            .unwrap();
+        let out = child.wait_with_output().unwrap();
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        (out.status.success(), text)
+    };
+    for (what, addr) in [("agent", &s.agent_metrics), ("master", &s.master_metrics)] {
+        let body = http_get(addr, "/metrics");
+        let own: String = body
+            .lines()
+            .filter(|l| !l.contains("DCGM_FI_"))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        let (ok, text) = check(&own);
+        assert!(
+            ok,
+            "promtool check metrics on the {what}'s own families: {text}\n{own}"
+        );
+        let (_, text) = check(&body);
+        for line in text.lines().filter(|l| !l.trim().is_empty()) {
+            assert!(
+                line.starts_with("DCGM_FI_") && line.contains("snake_case"),
+                "promtool on the {what}'s exposition: {line}\n{text}"
+            );
+        }
+    }
+}
