@@ -29,6 +29,13 @@ pub fn render(gpus: &[GpuInfo], health: &Snapshot, executor: &Executor, host: &s
     text
 }
 
+/// A DCGM family: its name, help and value from a reading (None: none).
+type DcgmFamily = (
+    &'static str,
+    &'static str,
+    fn(&gpuctl_core::types::GpuSample) -> Option<f64>,
+);
+
 /// The same readings under the names and labels of NVIDIA's DCGM exporter
 /// (`DCGM_FI_DEV_*`; labels `gpu` (index), `UUID`, `device`, `modelName`,
 /// `Hostname`, `pci_bus_id`, and `hpc_job`, its HPC job mapping's label,
@@ -41,11 +48,7 @@ fn render_dcgm(
     host: &str,
 ) -> String {
     let mut out = Exposition::new();
-    let families: [(
-        &str,
-        &str,
-        fn(&gpuctl_core::types::GpuSample) -> Option<f64>,
-    ); 5] = [
+    let families: [DcgmFamily; 5] = [
         ("DCGM_FI_DEV_GPU_UTIL", "GPU utilization (in %).", |s| {
             Some(f64::from(s.utilization_pct))
         }),
