@@ -1,7 +1,7 @@
 // The gpuctl web console: plain JavaScript, no build step, no framework.
 // Every piece of data comes from the master's /api (a gateway to the same
 // gRPC API gpuctl calls, with this tab's token); pages are chosen by the
-// URL's hash: #/ (the cluster), #/jobs, #/jobs/ID, #/submit.
+// URL's hash: #/ (the cluster), #/jobs, #/jobs/ID, #/submit, #/usage.
 "use strict";
 
 const TOKEN_KEY = "gpuctl-token";
@@ -71,6 +71,56 @@ function meter(pct, label) {
   // Through the CSSOM: the page's policy forbids style attributes.
   fill.style.width = `${p}%`;
   return h("div", { class: "meter", title: label }, fill, h("span", {}, label));
+}
+
+// A line chart in SVG, drawn here (no library): `series` is
+// [{name, cls, points: [number|null]}], one point per `periodMs` from
+// `startMs`, values 0..`max`; a null is a gap. The element carries the
+// last value of each series as data-last-<name>, for tests and tooltips.
+const SVG = "http://www.w3.org/2000/svg";
+function svg(tag, attrs, ...children) {
+  const el = document.createElementNS(SVG, tag);
+  for (const [k, v] of Object.entries(attrs || {})) el.setAttribute(k, String(v));
+  for (const c of children) el.append(c);
+  return el;
+}
+function chart(series, { startMs, periodMs, max = 100, unit = "%", width = 480, height = 120 }) {
+  const n = Math.max(2, ...series.map((s) => s.points.length));
+  const pad = 28;
+  const x = (i) => pad + (i * (width - pad - 4)) / (n - 1);
+  const y = (v) => 4 + (height - 20) * (1 - Math.min(v, max) / max);
+  const root = svg("svg", { class: "chart", viewBox: `0 0 ${width} ${height}`, width, height, role: "img" });
+  for (const v of [0, max / 2, max]) {
+    root.append(svg("line", { class: "grid-line", x1: pad, x2: width - 4, y1: y(v), y2: y(v) }));
+    root.append(svg("text", { class: "axis", x: 2, y: y(v) + 4 }, `${Math.round(v)}${unit}`));
+  }
+  if (startMs && periodMs) {
+    const span = (n - 1) * periodMs;
+    root.append(svg("text", { class: "axis", x: pad, y: height - 2 }, fmtTime(startMs)));
+    root.append(svg("text", { class: "axis", x: width - 4, y: height - 2, "text-anchor": "end" },
+      fmtTime(startMs + span)));
+  }
+  for (const s of series) {
+    // One polyline per run of readings: gaps stay gaps.
+    let run = [];
+    const flush = () => {
+      if (run.length === 1) run.push(run[0].replace(/^([\d.]+)/, (m) => String(Number(m) + 1)));
+      if (run.length) root.append(svg("polyline", { class: `line ${s.cls}`, points: run.join(" ") }));
+      run = [];
+    };
+    s.points.forEach((v, i) => {
+      if (v === null || v === undefined) flush();
+      else run.push(`${x(i).toFixed(1)},${y(v).toFixed(1)}`);
+    });
+    flush();
+    const last = [...s.points].reverse().find((v) => v !== null && v !== undefined);
+    root.setAttribute(`data-last-${s.name}`, last === undefined ? "" : String(last));
+  }
+  return root;
+}
+
+function legend(items) {
+  return h("div", { class: "legend" }, items.map(([cls, text]) => h("span", { class: `key ${cls}` }, text)));
 }
 
 function randomHex(bytes) {
@@ -208,6 +258,7 @@ function route() {
   if (parts[0] === "jobs" && parts[1]) view = "job";
   else if (parts[0] === "jobs") view = "jobs";
   else if (parts[0] === "submit") view = "submit";
+  else if (parts[0] === "usage") view = "usage";
   for (const a of document.querySelectorAll("nav a")) {
     a.classList.toggle("active", a.dataset.nav === view || (view === "job" && a.dataset.nav === "jobs"));
   }
@@ -218,6 +269,7 @@ function route() {
   if (view === "overview") page = overviewPage(root);
   else if (view === "jobs") page = jobsPage(root, new URLSearchParams(query || ""));
   else if (view === "job") page = jobPage(root, parts[1]);
+  else if (view === "usage") page = usagePage(root, new URLSearchParams(query || ""));
   else page = submitPage(root);
 }
 
@@ -248,6 +300,10 @@ function poller(load, ms) {
 
 function overviewPage(root) {
   const summary = h("div", { class: "cards", id: "summary" });
+  let windowSel = "1h";
+  const windowPick = h("select", { id: "util-window", "aria-label": "window" },
+    ["1h", "1d"].map((w) => h("option", { value: w }, w === "1h" ? "last hour" : "last day")));
+  windowPick.addEventListener("change", () => { windowSel = windowPick.value; });
   const masters = h("tbody");
   const agents = h("tbody");
   const gpus = h("tbody");
@@ -259,6 +315,9 @@ function overviewPage(root) {
       h("thead", {}, h("tr", {},
         ["Agent", "GPU", "Model", "Utilization", "Memory", "Temp", "Power", "Health", "Task"].map((c) => h("th", {}, c)))),
       gpus),
+    h("div", { class: "title-row" }, h("h2", {}, "Utilization"), windowPick),
+    h("div", { id: "cluster-chart", class: "chart-box" }),
+    h("div", { id: "gpu-charts", class: "charts" }),
     h("h2", {}, "Agents"),
     h("table", { id: "agents", class: "grid" },
       h("thead", {}, h("tr", {},
@@ -270,8 +329,10 @@ function overviewPage(root) {
       masters),
   );
   const stop = poller(async () => {
-    const [a, g, m] = await Promise.all([api("/api/agents"), api("/api/gpus"), api("/api/masters")]);
+    const [a, g, m, u] = await Promise.all([api("/api/agents"), api("/api/gpus"), api("/api/masters"),
+      api(`/api/utilization?window=${windowSel}`)]);
     renderGpus(gpus, g.gpus);
+    renderUtilization(u, g.gpus);
     renderAgents(agents, a.agents);
     renderMasters(masters, m.masters);
     const busy = g.gpus.filter((x) => x.task_id).length;
@@ -285,6 +346,31 @@ function overviewPage(root) {
     );
   }, POLL_MS);
   return { stop };
+}
+
+// The cluster's GPUs held against busy, and a curve per GPU.
+function renderUtilization(u, gpus) {
+  const c = u.cluster;
+  $("#cluster-chart").replaceChildren(
+    h("div", { class: "chart-title" }, "GPUs held by tasks against GPUs busy (sum of utilization)"),
+    chart([
+      { name: "allocated", cls: "l-alloc", points: c.allocated },
+      { name: "used", cls: "l-used", points: c.used },
+    ], { startMs: c.start_ms, periodMs: c.period_ms, max: Math.max(1, gpus.length), unit: "" }),
+    legend([["l-alloc", "held"], ["l-used", "busy"]]));
+  const names = new Map(gpus.map((s) => [s.uuid, `${s.hostname || s.agent_id} GPU ${s.index}`]));
+  const list = u.gpus.filter((s) => names.has(s.gpu));
+  if (!list.length) {
+    $("#gpu-charts").replaceChildren(h("p", { class: "muted" },
+      "No readings yet: agents send them with their heartbeats, recorded once a period (--utilization-period)."));
+    return;
+  }
+  $("#gpu-charts").replaceChildren(...list.map((s) => h("div", { class: "chart-box", dataset: { gpu: s.gpu } },
+    h("div", { class: "chart-title", title: s.gpu }, names.get(s.gpu)),
+    chart([
+      { name: "util", cls: "l-util", points: s.util },
+      { name: "mem", cls: "l-mem", points: s.mem },
+    ], { startMs: s.start_ms, periodMs: s.period_ms, width: 320, height: 100 }))));
 }
 
 function card(title, value, note) {
@@ -414,6 +500,9 @@ function jobPage(root, id) {
       h("thead", {}, h("tr", {},
         ["Task", "Rank", "Agent", "GPUs", "Ports", "State", "Exit", "Updated", "Message"].map((c) => h("th", {}, c)))),
       tasks),
+    h("h2", {}, "GPU utilization"),
+    h("div", { id: "job-charts", class: "charts" }, h("p", { class: "muted" }, "No readings yet.")),
+    legend([["l-util", "utilization"], ["l-mem", "memory used"]]),
     h("h2", {}, "Events"),
     h("table", { id: "events", class: "grid" },
       h("thead", {}, h("tr", {}, ["Type", "Reason", "Age", "Message"].map((c) => h("th", {}, c)))),
@@ -435,8 +524,18 @@ function jobPage(root, id) {
   });
 
   const stopPoll = poller(async () => {
-    job = await api(`/api/jobs/${encodeURIComponent(id)}`);
+    const [j, u] = await Promise.all([api(`/api/jobs/${encodeURIComponent(id)}`),
+      api(`/api/utilization?job=${encodeURIComponent(id)}`)]);
+    job = j;
     renderJob(job, { title, state, cancel, why, details, tasks, events });
+    if (u.gpus.length) {
+      $("#job-charts").replaceChildren(...u.gpus.map((s) => h("div", { class: "chart-box", dataset: { gpu: s.gpu, task: s.task_id } },
+        h("div", { class: "chart-title", title: s.gpu }, `${s.task_id}: ${s.gpu}`),
+        chart([
+          { name: "util", cls: "l-util", points: s.util },
+          { name: "mem", cls: "l-mem", points: s.mem },
+        ], { startMs: s.start_ms, periodMs: s.period_ms, width: 420, height: 110 }))));
+    }
     return !TERMINAL.has(job.state);
   }, JOB_POLL_MS);
   const stopLogs = followLogs(id, logs, logStatus);
@@ -559,6 +658,45 @@ function followLogs(id, pre, status) {
 }
 
 // ------------------------------------------------------------------ submit
+
+// ----------------------------------------------------------------- usage
+
+// Who used what (`gpuctl usage`): GPU-hours against how busy they were.
+function usagePage(root, params) {
+  const windowPick = h("select", { id: "usage-window", "aria-label": "window" },
+    ["1d", "7d", "30d"].map((w) => h("option", { value: w, selected: w === (params.get("window") || "7d") }, `last ${w}`)));
+  const byPick = h("select", { id: "usage-by", "aria-label": "by" },
+    ["tenant", "user", "job", "gpu-model"].map((b) => h("option", { value: b, selected: b === (params.get("by") || "tenant") }, `by ${b}`)));
+  const rows = h("tbody");
+  root.append(
+    h("div", { class: "title-row" }, h("h1", {}, "Usage"), h("span", { class: "spacer" }), windowPick, byPick),
+    h("p", { class: "muted" }, "GPUs held from launch to end, and how busy they were over that time (docs/usage.md)."),
+    h("table", { id: "usage", class: "grid" },
+      h("thead", {}, h("tr", {},
+        ["Who", "Tenant", "GPU-hours", "Share", "GPU utilization", "CPU-hours", "Tasks", "Running"].map((c) => h("th", {}, c)))),
+      rows));
+  const reload = () => {
+    location.hash = `#/usage?window=${windowPick.value}&by=${byPick.value}`;
+  };
+  windowPick.addEventListener("change", reload);
+  byPick.addEventListener("change", reload);
+  const stop = poller(async () => {
+    const u = await api(`/api/usage?window=${windowPick.value}&by=${byPick.value}`);
+    const total = u.rows.reduce((a, r) => a + r.gpu_hours, 0) || 1;
+    if (!u.rows.length) return empty(rows, 8, "Nothing ran in this window.");
+    rows.replaceChildren(...u.rows.map((r) => h("tr", { dataset: { key: r.key } },
+      h("td", {}, r.key || "(no GPU)"),
+      h("td", {}, r.tenant || ""),
+      h("td", { class: "gpu-hours" }, r.gpu_hours.toFixed(2)),
+      h("td", {}, meter(100 * r.gpu_hours / total, `${Math.round(100 * r.gpu_hours / total)}%`)),
+      h("td", { class: "gpu-util" }, r.gpu_util_pct == null ? h("span", { class: "muted" }, "–")
+        : meter(r.gpu_util_pct, `${Math.round(r.gpu_util_pct)}%`)),
+      h("td", {}, r.cpu_hours.toFixed(2)),
+      h("td", {}, String(r.tasks)),
+      h("td", {}, String(r.running)))));
+  }, POLL_MS * 5);
+  return { stop };
+}
 
 function submitPage(root) {
   const field = (label, input, hint) => h("label", { class: "field" },

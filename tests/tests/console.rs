@@ -571,3 +571,101 @@ fn console_on_a_follower_follows_the_leader_across_its_death() {
     }
     no_page_errors(&b);
 }
+
+/// Rewrites fake-nvml's machine with GPU 1 at `util1`% (whole, then
+/// renamed: fake-nvml never reads half of it).
+fn set_gpu1_util(path: &Path, util1: u32) {
+    let mut m: Value = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+    m["gpus"][1]["utilization_gpu_pct"] = json!(util1);
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, serde_json::to_vec_pretty(&m).unwrap()).unwrap();
+    std::fs::rename(&tmp, path).unwrap();
+}
+
+/// Issue 39, item 4: the console draws utilization curves (SVG made by
+/// the page) that follow the GPUs: per GPU on the cluster page, the
+/// cluster's GPUs held against busy, a curve per GPU of a job on its page,
+/// and the usage page's table. The test changes fake-nvml's GPU 1 from 87%
+/// to 20% and sees the curves' last points follow.
+#[test]
+fn console_draws_utilization_curves_that_follow_the_gpus() {
+    let Some(b) =
+        Browser::start_or_skip("console_draws_utilization_curves_that_follow_the_gpus", &[])
+    else {
+        return;
+    };
+    let http = format!("127.0.0.1:{}", free_port());
+    let mut c = Cluster::start(&["--http-listen", &http, "--utilization-period", "1s"]);
+    let machine = fake_machine(c.dir.path());
+    c.add_agent(AgentOpts {
+        simulate_gpus: None,
+        extra: vec![
+            "--nvml-lib".into(),
+            gpuctl_tests::fake_nvml_lib().display().to_string(),
+            "--health-interval-secs".into(),
+            "0.2".into(),
+        ],
+        env: vec![("FAKE_NVML_CONFIG".into(), machine.display().to_string())],
+        ..Default::default()
+    });
+    let base = format!("http://{http}/");
+    // A job holding both GPUs, so that its page has a curve per GPU.
+    let job = c.submit(&["--name", "curves", "--gpus", "2", "--", "sleep", "300"]);
+    c.wait_state(&job, "RUNNING", JOB_T);
+
+    b.goto(&base);
+    let gpu1_last = format!(
+        "document.querySelector('#gpu-charts [data-gpu=\"{GPU1}\"] svg.chart')?.dataset.lastUtil"
+    );
+    b.wait_for("GPU 1's curve at 87%", &format!("{gpu1_last} === '87'"), T);
+    let lines = b.eval(&format!(
+        "document.querySelectorAll('#gpu-charts [data-gpu=\"{GPU1}\"] polyline').length"
+    ));
+    assert!(lines.as_u64().unwrap() >= 1, "{lines}");
+    // The cluster: 2 GPUs held, 0.87 busy.
+    b.wait_for(
+        "the cluster chart",
+        "document.querySelector('#cluster-chart svg.chart')?.dataset.lastAllocated === '2' && \
+         document.querySelector('#cluster-chart svg.chart')?.dataset.lastUsed === '0.87'",
+        T,
+    );
+    shot(&b, "console-utilization");
+    set_gpu1_util(&machine, 20);
+    b.wait_for(
+        "GPU 1's curve following it down to 20%",
+        &format!("{gpu1_last} === '20'"),
+        T,
+    );
+    // The day's window draws the same GPU.
+    b.eval("(() => { const s = document.querySelector('#util-window'); s.value = '1d'; s.dispatchEvent(new Event('change')); })()");
+    b.wait_for("the day's curve", &format!("{gpu1_last} === '20'"), T);
+
+    // The job's page: a curve per GPU it holds.
+    b.goto(&format!("{base}#/jobs/{job}"));
+    let job_last = format!(
+        "document.querySelector('#job-charts [data-gpu=\"{GPU1}\"] svg.chart')?.dataset.lastUtil"
+    );
+    b.wait_for("the job's GPU 1 curve", &format!("{job_last} === '20'"), T);
+    let charts = b.eval("document.querySelectorAll('#job-charts svg.chart').length");
+    assert_eq!(charts.as_u64(), Some(2), "{charts}");
+    set_gpu1_util(&machine, 55);
+    b.wait_for(
+        "the job's curve following it",
+        &format!("{job_last} === '55'"),
+        T,
+    );
+    shot(&b, "console-job-utilization");
+
+    // The usage page: the default tenant with its GPU-hours (running
+    // tasks count up to now) and their utilization.
+    b.goto(&format!("{base}#/usage"));
+    b.wait_for(
+        "the usage table",
+        "document.querySelector('#usage tr[data-key=\"default\"] .gpu-hours') !== null",
+        T,
+    );
+    let row = b.text("#usage tr[data-key=\"default\"]");
+    assert!(row.contains('%'), "{row}");
+    no_page_errors(&b);
+    c.ok(&["jobs", "cancel", &job]);
+}

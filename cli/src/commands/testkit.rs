@@ -77,6 +77,9 @@ pub(crate) trait FakeOperator: Send + Sync + 'static {
     fn usage(&self, _: pb::UsageRequest) -> Result<pb::UsageResponse, Status> {
         unused()
     }
+    fn utilization(&self, _: pb::UtilizationRequest) -> Result<pb::UtilizationResponse, Status> {
+        unused()
+    }
 }
 
 /// Log chunks holding these strings.
@@ -199,4 +202,5 @@ forward! {
     add_master(pb::AddMasterRequest) -> pb::ListMastersResponse;
     remove_master(pb::RemoveMasterRequest) -> pb::ListMastersResponse;
     usage(pb::UsageRequest) -> pb::UsageResponse;
+    utilization(pb::UtilizationRequest) -> pb::UtilizationResponse;
 }

@@ -179,6 +179,8 @@ pub fn routes(gateway: Arc<Gateway>) -> Router {
         .route("/api/masters", get(masters))
         .route("/api/agents", get(agents))
         .route("/api/gpus", get(gpus))
+        .route("/api/utilization", get(utilization))
+        .route("/api/usage", get(usage))
         .route("/api/jobs", get(list_jobs).post(submit))
         .route("/api/jobs/:id", get(get_job))
         .route("/api/jobs/:id/cancel", post(cancel))
@@ -239,6 +241,141 @@ async fn gpus(State(gw): State<Arc<Gateway>>, headers: HeaderMap) -> ApiResult {
     // As `gpuctl gpus` and `top`: by agent, then index.
     gpus.sort_by_key(|s| (s.agent_id.clone(), s.gpu.as_ref().map_or(0, |g| g.index)));
     ok(json!({ "gpus": gpus.iter().map(json::gpu_status).collect::<Vec<_>>() }))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct UtilizationQuery {
+    /// How far back, as gpuctl writes durations (`1h`, `1d`); default 1h.
+    #[serde(default)]
+    window: Option<String>,
+    /// A job: its GPUs over its tasks' lives instead.
+    #[serde(default)]
+    job: Option<String>,
+}
+
+/// A duration back from now, as ms since the epoch.
+fn since(window: Option<&str>, default: &str) -> Result<u64, ApiError> {
+    let w = window.unwrap_or(default);
+    let d = gpuctl_core::time::parse_duration(w)
+        .map_err(|e| ApiError::BadRequest(format!("window: {e}")))?;
+    Ok(
+        gpuctl_core::time::now_ms()
+            .saturating_sub(u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+    )
+}
+
+/// Points as numbers, `null` for a period without a reading.
+fn points(bytes: &[u8]) -> Vec<Value> {
+    bytes
+        .iter()
+        .map(|b| if *b == 255 { Value::Null } else { json!(b) })
+        .collect()
+}
+
+/// GPU utilization curves: every GPU's (or a job's), and the cluster's
+/// GPUs held against busy.
+async fn utilization(
+    State(gw): State<Arc<Gateway>>,
+    headers: HeaderMap,
+    query: Result<Query<UtilizationQuery>, axum::extract::rejection::QueryRejection>,
+) -> ApiResult {
+    let t = token(&headers)?;
+    let Query(q) = query.map_err(|e| ApiError::BadRequest(e.body_text()))?;
+    let since_ms = if q.job.is_some() && q.window.is_none() {
+        0
+    } else {
+        since(q.window.as_deref(), "1h")?
+    };
+    let job_id = q.job.unwrap_or_default();
+    let r = gw
+        .call(Some(RPC_TIMEOUT), |c| {
+            let req = t.request(pb::UtilizationRequest {
+                since_ms,
+                gpus: Vec::new(),
+                job_id: job_id.clone(),
+            });
+            async move { operator(c).utilization(req).await }
+        })
+        .await?;
+    let gpus: Vec<Value> = r
+        .gpus
+        .iter()
+        .map(|g| {
+            json!({
+                "gpu": g.gpu,
+                "task_id": g.task_id,
+                "start_ms": g.start_ms,
+                "period_ms": g.period_ms,
+                "util": points(&g.util),
+                "mem": points(&g.mem),
+            })
+        })
+        .collect();
+    ok(json!({
+        "gpus": gpus,
+        "cluster": {
+            "start_ms": r.cluster_start_ms,
+            "period_ms": r.cluster_period_ms,
+            "allocated": r.allocated,
+            "used": r.busy_pct_sum.iter().map(|b| f64::from(*b) / 100.0).collect::<Vec<_>>(),
+        },
+        "truncated": r.truncated,
+    }))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct UsageQuery {
+    #[serde(default)]
+    window: Option<String>,
+    #[serde(default)]
+    by: Option<String>,
+}
+
+/// The accounting report (`gpuctl usage`), for the usage page.
+async fn usage(
+    State(gw): State<Arc<Gateway>>,
+    headers: HeaderMap,
+    query: Result<Query<UsageQuery>, axum::extract::rejection::QueryRejection>,
+) -> ApiResult {
+    let t = token(&headers)?;
+    let Query(q) = query.map_err(|e| ApiError::BadRequest(e.body_text()))?;
+    let since_ms = since(q.window.as_deref(), "7d")?;
+    let by = q.by.unwrap_or_default();
+    let r = gw
+        .call(Some(RPC_TIMEOUT), |c| {
+            let req = t.request(pb::UsageRequest {
+                since_ms,
+                by: by.clone(),
+            });
+            async move { operator(c).usage(req).await }
+        })
+        .await?;
+    let hours = |ms: u64| ms as f64 / 3_600_000.0;
+    let rows: Vec<Value> = r
+        .rows
+        .iter()
+        .map(|row| {
+            json!({
+                "key": row.key,
+                "tenant": row.tenant,
+                "gpu_hours": hours(row.gpu_ms),
+                "gpu_util_pct": (row.gpu_sampled_ms > 0)
+                    .then(|| 100.0 * row.gpu_busy_ms as f64 / row.gpu_sampled_ms as f64),
+                "cpu_hours": hours(row.cpu_ms),
+                "mem_gib_hours": hours(row.mem_mib_ms) / 1024.0,
+                "tasks": row.tasks,
+                "running": row.running,
+            })
+        })
+        .collect();
+    ok(json!({
+        "since_ms": r.since_ms,
+        "until_ms": r.until_ms,
+        "rows": rows,
+        "truncated": r.truncated,
+    }))
 }
 
 #[derive(Debug, Deserialize)]

@@ -181,7 +181,9 @@ pub fn rule(path: &str) -> Option<Rule> {
                 Rule::Tokens(JOBS)
             }
             // Usage: a tenant's token sees its tenant's rows only.
-            "ListAgents" | "ListGpus" | "ListMasters" | "Usage" => Rule::Tokens(ANY_TOKEN),
+            "ListAgents" | "ListGpus" | "ListMasters" | "Usage" | "Utilization" => {
+                Rule::Tokens(ANY_TOKEN)
+            }
             _ => return None,
         },
         "gpuctl.v1.Scheduler" => Rule::Tokens(FRAMEWORKS),
@@ -427,6 +429,7 @@ mod tests {
                     "AddMaster",
                     "RemoveMaster",
                     "Usage",
+                    "Utilization",
                 ],
             ),
             (

@@ -39,6 +39,7 @@ pub fn served_by_any_master(path: &str) -> bool {
         || path == "/gpuctl.v1.Operator/ListMasters"
         // The replicated ledger, as this master has applied it.
         || path == "/gpuctl.v1.Operator/Usage"
+        || path == "/gpuctl.v1.Operator/Utilization"
         || path.starts_with("/grpc.")
 }
 

@@ -428,6 +428,14 @@ impl pb::operator_server::Operator for OperatorService {
         reply(self.job_logs(&caller, req.into_inner()).await)
     }
 
+    async fn utilization(
+        &self,
+        req: Request<pb::UtilizationRequest>,
+    ) -> Result<Response<pb::UtilizationResponse>, Status> {
+        let caller = Caller::of(&req);
+        reply(self.utilization(&caller, req.into_inner()))
+    }
+
     async fn usage(
         &self,
         req: Request<pb::UsageRequest>,
@@ -461,6 +469,92 @@ impl pb::operator_server::Operator for OperatorService {
 /// Each RPC's logic; the `Operator` impl above only turns its errors
 /// into `Status` (`reply`).
 impl OperatorService {
+    /// GPU utilization history, from this master's state.
+    fn utilization(
+        &self,
+        caller: &Caller,
+        req: pb::UtilizationRequest,
+    ) -> Result<pb::UtilizationResponse, ServiceError> {
+        /// Most GPUs in one answer (a day of minutes each is ~3 KB).
+        const MAX_GPUS: usize = 256;
+        if req.gpus.len() > MAX_GPUS {
+            return Err(ConvertError::new("gpus", format!("at most {MAX_GPUS}")).into());
+        }
+        if !req.job_id.is_empty() {
+            job_id_arg(&req.job_id)?;
+            self.check_job_access(caller, &req.job_id)?;
+        }
+        let state = self.ctx.raft.state();
+        let history = state.util_history();
+        // (gpu, task, from, to)
+        let mut wanted: Vec<(String, String, u64, u64)> = Vec::new();
+        if req.job_id.is_empty() {
+            let all: Vec<&String> = if req.gpus.is_empty() {
+                history.gpus.keys().collect()
+            } else {
+                req.gpus.iter().collect()
+            };
+            wanted.extend(
+                all.into_iter()
+                    .map(|g| (g.clone(), String::new(), req.since_ms, u64::MAX)),
+            );
+        } else {
+            let job = state
+                .job(&req.job_id)
+                .ok_or_else(|| ServiceError::not_found(Missing::Job, &req.job_id))?;
+            for t in job.task_ids.iter().filter_map(|t| state.task(t)) {
+                let end = if t.state.is_terminal() {
+                    t.updated_at_ms
+                } else {
+                    u64::MAX
+                };
+                for g in &t.gpu_uuids {
+                    wanted.push((
+                        g.clone(),
+                        t.id.clone(),
+                        t.created_at_ms.max(req.since_ms),
+                        end,
+                    ));
+                }
+            }
+        }
+        let truncated = wanted.len() > MAX_GPUS;
+        wanted.truncate(MAX_GPUS);
+        let gpus = wanted
+            .into_iter()
+            .filter_map(|(gpu, task_id, from, to)| {
+                let h = history.gpu(&gpu)?;
+                let first = from.saturating_sub(h.start_ms).div_ceil(h.period_ms.max(1)) as usize;
+                let last = if to == u64::MAX {
+                    h.util.len()
+                } else {
+                    (to.saturating_sub(h.start_ms) / h.period_ms.max(1)) as usize + 1
+                };
+                let range = first.min(h.util.len())..last.min(h.util.len());
+                Some(pb::GpuSeries {
+                    start_ms: h.start_ms + h.period_ms * range.start as u64,
+                    period_ms: h.period_ms,
+                    util: h.util.range(range.clone()).copied().collect(),
+                    mem: h.mem.range(range).copied().collect(),
+                    gpu,
+                    task_id,
+                })
+            })
+            .collect();
+        let c = &history.cluster;
+        let first = (req.since_ms.saturating_sub(c.start_ms))
+            .div_ceil(c.period_ms.max(1))
+            .min(c.allocated.len() as u64) as usize;
+        Ok(pb::UtilizationResponse {
+            gpus,
+            cluster_start_ms: c.start_ms + c.period_ms * first as u64,
+            cluster_period_ms: c.period_ms,
+            allocated: c.allocated.range(first..).copied().collect(),
+            busy_pct_sum: c.busy_pct_sum.range(first..).copied().collect(),
+            truncated,
+        })
+    }
+
     /// The accounting report, from this master's state.
     fn usage(
         &self,

@@ -222,6 +222,9 @@ impl State {
         points: &[super::util::UtilPoint],
     ) {
         self.util.record(at_ms, period_ms, points);
+        let busy: u32 = points.iter().map(|p| u32::from(p.util_pct.min(100))).sum();
+        let allocated = u32::try_from(self.gpu_owner.len()).unwrap_or(u32::MAX);
+        self.util.cluster.record(at_ms, period_ms, allocated, busy);
         for p in points {
             let Some(task) = self
                 .gpu_owner

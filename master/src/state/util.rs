@@ -175,10 +175,64 @@ impl GpuHistory {
     }
 }
 
-/// Every GPU's history.
+/// Every GPU's history, and the cluster's.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct History {
     pub gpus: BTreeMap<String, GpuHistory>,
+    #[serde(default)]
+    pub cluster: ClusterHistory,
+}
+
+/// The cluster per period: devices held by tasks, and the sum of every
+/// GPU's utilization (percent), for a day of periods.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ClusterHistory {
+    pub start_ms: u64,
+    pub period_ms: u64,
+    pub allocated: VecDeque<u32>,
+    pub busy_pct_sum: VecDeque<u32>,
+}
+
+impl ClusterHistory {
+    /// Records the period at `at_ms` (later points of a period add to it:
+    /// a period's points may come in several commands).
+    pub fn record(&mut self, at_ms: u64, period_ms: u64, allocated: u32, busy: u32) {
+        if period_ms == 0 {
+            return;
+        }
+        if period_ms != self.period_ms || self.allocated.is_empty() {
+            *self = ClusterHistory {
+                start_ms: at_ms,
+                period_ms,
+                ..Default::default()
+            };
+        }
+        if at_ms < self.start_ms {
+            return;
+        }
+        let slot = ((at_ms - self.start_ms) / period_ms) as usize;
+        if slot + 1 == self.allocated.len() {
+            if let Some(b) = self.busy_pct_sum.back_mut() {
+                *b = b.saturating_add(busy);
+            }
+            return;
+        }
+        if slot < self.allocated.len() {
+            return;
+        }
+        let gap = (slot - self.allocated.len()).min(MAX_POINTS);
+        for _ in 0..gap {
+            self.allocated.push_back(0);
+            self.busy_pct_sum.push_back(0);
+        }
+        self.allocated.push_back(allocated);
+        self.busy_pct_sum.push_back(busy);
+        while self.allocated.len() > MAX_POINTS {
+            self.allocated.pop_front();
+            self.busy_pct_sum.pop_front();
+            self.start_ms += period_ms;
+        }
+    }
 }
 
 impl History {
