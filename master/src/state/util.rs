@@ -35,14 +35,33 @@ pub struct UtilPoint {
     pub mem_pct: u8,
 }
 
-/// An hour's mean of one GPU.
+/// An hour's mean of one GPU; in a snapshot, `[hour_ms, util_sum,
+/// mem_sum, n]` (a week of them is ~5 KB per GPU).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(from = "(u64, u32, u32, u32)", into = "(u64, u32, u32, u32)")]
 pub struct HourMean {
     pub hour_ms: u64,
     /// Sums and count of the hour's readings: the mean is `sum / n`.
     pub util_sum: u32,
     pub mem_sum: u32,
     pub n: u32,
+}
+
+impl From<(u64, u32, u32, u32)> for HourMean {
+    fn from((hour_ms, util_sum, mem_sum, n): (u64, u32, u32, u32)) -> HourMean {
+        HourMean {
+            hour_ms,
+            util_sum,
+            mem_sum,
+            n,
+        }
+    }
+}
+
+impl From<HourMean> for (u64, u32, u32, u32) {
+    fn from(h: HourMean) -> Self {
+        (h.hour_ms, h.util_sum, h.mem_sum, h.n)
+    }
 }
 
 impl HourMean {
@@ -292,12 +311,27 @@ mod tests {
         // Compact in a snapshot, and back.
         let json = serde_json::to_vec(&h).unwrap();
         assert!(
-            json.len() < MAX_POINTS * 5 + 40 * MAX_HOURS,
+            json.len() < MAX_POINTS * 4 + 32 * MAX_HOURS,
             "{}",
             json.len()
         );
         let back: History = serde_json::from_slice(&json).unwrap();
         assert_eq!(back, h);
+        // Full: a day of minutes and a week of hours is under 11 KB.
+        let mut full = History::default();
+        for i in 0..(MAX_HOURS as u64 * 60) {
+            full.record(
+                i * m,
+                m,
+                &[point("GPU-0c5e6a3e-0000-4000-8000-000000000000", 99)],
+            );
+        }
+        let g = full
+            .gpu("GPU-0c5e6a3e-0000-4000-8000-000000000000")
+            .unwrap();
+        assert_eq!((g.util.len(), g.hours.len()), (MAX_POINTS, MAX_HOURS));
+        let size = serde_json::to_vec(&full).unwrap().len();
+        assert!(size < 11 * 1024, "{size}");
         // A GPU silent for a week goes.
         let later = g.end_ms() + MAX_HOURS as u64 * HOUR_MS + m;
         h.record(later, m, &[point("other", 1)]);
