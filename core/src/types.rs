@@ -1272,6 +1272,11 @@ pub struct GpuSample {
     /// accounting), MiB by task id; only tasks with a process on the GPU.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub task_memory_used_mib: BTreeMap<TaskId, u64>,
+    /// Each task's processes' share of the GPU's SMs over the last sample
+    /// period (NVML's per-process utilization), percent by task id; only
+    /// tasks NVML sampled (what a fraction of a shared GPU used).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub task_utilization_pct: BTreeMap<TaskId, u32>,
 }
 
 /// A GPU's health as its agent sees it now, with its latest reading.

@@ -581,6 +581,7 @@ fn probe_device(
         Probe::Passed(mut s) => {
             if let Some((proc_root, cgroups)) = tasks {
                 s.task_memory_used_mib = probe_tasks(uuid, &dev, proc_root, cgroups);
+                s.task_utilization_pct = probe_task_utilization(uuid, &dev, proc_root, cgroups);
             }
             (Probe::Passed(s), probe_mig(uuid, &dev))
         }
@@ -603,6 +604,43 @@ fn probe_tasks(
         ),
         Err(e) => {
             tracing::debug!(uuid, error = %e, "GPU processes not read");
+            BTreeMap::new()
+        }
+    }
+}
+
+/// Each task's processes' share of the GPU's SMs (NVML's per-process
+/// utilization samples, the latest per process), the largest few that fit
+/// in a reading. A GPU that does not answer (older drivers, no sample yet)
+/// gives none (logged at debug).
+fn probe_task_utilization(
+    uuid: &str,
+    dev: &Device,
+    proc_root: &Path,
+    cgroups: &procs::TaskCgroups,
+) -> BTreeMap<String, u32> {
+    match dev.process_utilization_stats(None) {
+        Ok(samples) => {
+            // The newest sample of each process.
+            let mut latest: BTreeMap<u32, (u64, u32)> = BTreeMap::new();
+            for s in samples {
+                let e = latest.entry(s.pid).or_insert((0, 0));
+                if s.timestamp >= e.0 {
+                    *e = (s.timestamp, s.sm_util);
+                }
+            }
+            let per_pid: Vec<(u32, u32)> = latest.into_iter().map(|(p, (_, u))| (p, u)).collect();
+            let mut by_task = procs::task_utilization(&per_pid, proc_root, cgroups);
+            if by_task.len() > gpuctl_core::convert::MAX_SAMPLE_TASKS {
+                let mut v: Vec<(String, u32)> = by_task.into_iter().collect();
+                v.sort_by_key(|e| std::cmp::Reverse(e.1));
+                v.truncate(gpuctl_core::convert::MAX_SAMPLE_TASKS);
+                by_task = v.into_iter().collect();
+            }
+            by_task
+        }
+        Err(e) => {
+            tracing::debug!(uuid, error = %e, "GPU process utilization not read");
             BTreeMap::new()
         }
     }
@@ -643,6 +681,7 @@ fn probe_gpu(dev: &Device) -> Probe {
         sampled_at_ms: now_ms(),
         xid_errors: 0,
         task_memory_used_mib: BTreeMap::new(),
+        task_utilization_pct: BTreeMap::new(),
     })
 }
 

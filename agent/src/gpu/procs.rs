@@ -207,6 +207,27 @@ pub fn task_memory(
     bytes.into_iter().map(|(t, b)| (t, b / MIB)).collect()
 }
 
+/// Each task's processes' summed share of a GPU's SMs (percent, at most
+/// 100), from `(pid, sm_util)` samples; processes of no task are left out.
+pub fn task_utilization(
+    samples: &[(u32, u32)],
+    proc_root: &Path,
+    cgroups: &TaskCgroups,
+) -> BTreeMap<String, u32> {
+    let mut pct: BTreeMap<String, u32> = BTreeMap::new();
+    for &(pid, util) in samples {
+        match task_of_pid(proc_root, pid, cgroups) {
+            Ok(Some(task)) => {
+                let u = pct.entry(task).or_insert(0);
+                *u = u.saturating_add(util).min(100);
+            }
+            Ok(None) => {}
+            Err(e) => tracing::debug!(pid, error = %e, "GPU process not attributed"),
+        }
+    }
+    pct
+}
+
 /// MiB used by each task on each GPU of `gpus` (uuids). A GPU whose
 /// processes cannot be read is left out (logged); the probe, not this,
 /// decides its health.
@@ -445,6 +466,29 @@ mod tests {
             BTreeMap::from([("job-1.0".to_string(), 1536), ("job-9.0".to_string(), 3)])
         );
         assert_eq!(task_of_pid(root.path(), 999, &cgroups()).unwrap(), None);
+    }
+
+    /// Per-process SM shares sum per task (at most 100%); processes of no
+    /// task, and gone ones, are left out.
+    #[test]
+    fn utilization_sums_per_task_up_to_the_whole_gpu() {
+        let root = proc_root(&[
+            (100, "0::/gpuctl/agent-1/job-1.0\n"),
+            (101, "0::/gpuctl/agent-1/job-1.0/worker\n"),
+            (200, &format!("0::/gpuctl.slice/docker-{ID_B}.scope\n")),
+            (301, "0::/user.slice/user-1000.slice/session-2.scope\n"),
+        ]);
+        let got = task_utilization(
+            &[(100, 30), (101, 15), (200, 70), (301, 50), (999, 10)],
+            root.path(),
+            &cgroups(),
+        );
+        assert_eq!(
+            got,
+            BTreeMap::from([("job-1.0".to_string(), 45), ("job-9.0".to_string(), 70)])
+        );
+        let over = task_utilization(&[(100, 80), (101, 60)], root.path(), &cgroups());
+        assert_eq!(over["job-1.0"], 100);
     }
 
     #[test]

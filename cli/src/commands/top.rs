@@ -573,6 +573,7 @@ mod tests {
             sampled_at_ms: 1_700_000_000_000,
             xid_errors: 0,
             task_memory_used_mib: Default::default(),
+            task_utilization_pct: Default::default(),
         }
     }
 

@@ -329,6 +329,11 @@ impl From<pb::GpuSample> for GpuSample {
             sampled_at_ms: s.sampled_at_ms,
             xid_errors: s.xid_errors,
             task_memory_used_mib: s.task_memory_used_mib.into_iter().collect(),
+            task_utilization_pct: s
+                .task_utilization_pct
+                .into_iter()
+                .map(|(t, u)| (t, u.min(100)))
+                .collect(),
         }
     }
 }
@@ -344,6 +349,7 @@ impl From<GpuSample> for pb::GpuSample {
             sampled_at_ms: s.sampled_at_ms,
             xid_errors: s.xid_errors,
             task_memory_used_mib: s.task_memory_used_mib.into_iter().collect(),
+            task_utilization_pct: s.task_utilization_pct.into_iter().collect(),
         }
     }
 }
@@ -371,6 +377,16 @@ impl TryFrom<pb::GpuReport> for GpuReport {
             }
             for task in s.task_memory_used_mib.keys() {
                 check_id(FIELD, task)?;
+            }
+            const UTIL: &str = "gpus.sample.task_utilization_pct";
+            if s.task_utilization_pct.len() > MAX_SAMPLE_TASKS {
+                return Err(ConvertError::new(
+                    UTIL,
+                    format!("more than {MAX_SAMPLE_TASKS} tasks"),
+                ));
+            }
+            for task in s.task_utilization_pct.keys() {
+                check_id(UTIL, task)?;
             }
         }
         Ok(GpuReport {

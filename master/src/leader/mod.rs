@@ -43,6 +43,9 @@ struct UtilAcc {
     start_ms: u64,
     /// Per GPU: utilization and memory-percent sums, and their count.
     sums: HashMap<String, (u64, u64, u64)>,
+    /// Per GPU, each task's per-process utilization sum over those
+    /// readings (a reading without the task counts as 0).
+    task_sums: HashMap<String, std::collections::BTreeMap<String, u64>>,
     /// Per GPU, the agent's time of the last reading counted: a heartbeat
     /// repeats its agent's latest reading until a new one is taken.
     last_at: HashMap<String, u64>,
@@ -120,6 +123,12 @@ impl Liveness {
             e.0 += u64::from(s.utilization_pct.min(100));
             e.1 += mem_pct;
             e.2 += 1;
+            if !s.task_utilization_pct.is_empty() {
+                let t = acc.task_sums.entry(r.uuid.clone()).or_default();
+                for (task, u) in &s.task_utilization_pct {
+                    *t.entry(task.clone()).or_default() += u64::from((*u).min(100));
+                }
+            }
         }
     }
 
@@ -133,16 +142,24 @@ impl Liveness {
         if acc.start_ms == 0 {
             acc.start_ms = current;
             acc.sums.clear();
+            acc.task_sums.clear();
             return None;
         }
         if current <= acc.start_ms {
             return None;
         }
         let start = std::mem::replace(&mut acc.start_ms, current);
+        let mut task_sums = std::mem::take(&mut acc.task_sums);
         let mut points: Vec<UtilPoint> = std::mem::take(&mut acc.sums)
             .into_iter()
             .filter(|(_, (_, _, n))| *n > 0)
             .map(|(gpu, (u, m, n))| UtilPoint {
+                tasks: task_sums
+                    .remove(&gpu)
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(|(t, sum)| (t, u8::try_from(sum / n).unwrap_or(100)))
+                    .collect(),
                 gpu,
                 util_pct: u8::try_from(u / n).unwrap_or(100),
                 mem_pct: u8::try_from(m / n).unwrap_or(100),
@@ -427,9 +444,26 @@ mod tests {
             .map(|p| (p.gpu.as_str(), p.util_pct, p.mem_pct))
             .collect();
         assert_eq!(got, [("g0", 40, 20), ("g1", 0, 0)]);
+        // Per-process readings of a shared GPU: each task's mean over the
+        // GPU's readings (absent from one: 0 there).
+        let mut shared = report("g0", 50, 0, 10);
+        if let Some(s) = shared.sample.as_mut() {
+            s.task_utilization_pct = [("fw.t1".to_string(), 40), ("fw.t2".to_string(), 10)].into();
+        }
+        l.record_gpus("a", vec![shared]);
+        let mut again = report("g0", 30, 0, 11);
+        if let Some(s) = again.sample.as_mut() {
+            s.task_utilization_pct = [("fw.t1".to_string(), 20)].into();
+        }
+        l.record_gpus("a", vec![again]);
+        let (_, points) = l.take_period(180_500, 60_000).unwrap();
+        assert_eq!(
+            points[0].tasks,
+            [("fw.t1".to_string(), 30), ("fw.t2".to_string(), 5)]
+        );
         // A period with no new reading proposes nothing.
-        l.record_gpus("a", vec![report("g0", 60, 300, 2)]);
-        assert_eq!(l.take_period(180_000, 60_000), None);
+        l.record_gpus("a", vec![report("g0", 60, 300, 11)]);
+        assert_eq!(l.take_period(240_000, 60_000), None);
     }
 
     #[test]

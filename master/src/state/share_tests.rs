@@ -661,3 +661,52 @@ fn an_agents_default_leaves_a_gpu_held_whole_alone() {
     assert_eq!(d.s.share_mode("GPU-b-1"), Some(ShareMode::TimeSlice));
     assert!(violations(&d.s).is_empty(), "{:?}", violations(&d.s));
 }
+
+/// Issue 39: a fraction's busy time comes from its own processes' readings
+/// (NVML's per-process utilization, per task in `RecordUtilization`),
+/// against its share of the GPU: a 25% fraction whose processes used 20% of
+/// the GPU was 80% busy; one over its share counts as fully busy; a task
+/// named on another GPU is not charged.
+#[test]
+fn a_fractions_busy_time_is_its_own_against_its_share() {
+    use crate::state::usage::{report, By};
+    use crate::state::util::UtilPoint;
+    let mut d = driver();
+    share(&mut d, "GPU-a-0", Some(ShareMode::Mps)).unwrap();
+    let mut small = spec(Some((1024, 25)), 0);
+    small.tenant = "small".into();
+    let mut over = spec(Some((1024, 10)), 0);
+    over.tenant = "over".into();
+    let a = d.submit(small);
+    let b = d.submit(over);
+    d.launch_at(&a, &[("a", &["GPU-a-0"])], 0).unwrap();
+    d.launch_at(&b, &[("a", &["GPU-a-0"])], 0).unwrap();
+    let point = |gpu: &str, tasks: Vec<(String, u8)>| UtilPoint {
+        gpu: gpu.into(),
+        util_pct: 60,
+        mem_pct: 5,
+        tasks,
+    };
+    d.apply(Command::RecordUtilization {
+        at_ms: 60_000,
+        period_ms: 60_000,
+        points: vec![
+            point(
+                "GPU-a-0",
+                vec![("job-1.0".into(), 20), ("job-2.0".into(), 40)],
+            ),
+            // Named on a GPU it does not hold: ignored.
+            point("GPU-a-1", vec![("job-1.0".into(), 90)]),
+        ],
+        idle_window_ms: 0,
+        idle_below_pct: 0,
+    })
+    .unwrap();
+    let (rows, ..) = report(&d.s, 0, 120_000, By::Tenant, None);
+    let util = |t: &str| {
+        let r = rows.iter().find(|r| r.key == t).unwrap();
+        (r.totals.gpu_sampled_ms, r.totals.util_pct())
+    };
+    assert_eq!(util("small"), (15_000, Some(80.0)));
+    assert_eq!(util("over"), (6_000, Some(100.0)));
+}

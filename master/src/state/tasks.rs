@@ -225,6 +225,23 @@ impl State {
         let busy: u32 = points.iter().map(|p| u32::from(p.util_pct.min(100))).sum();
         let allocated = u32::try_from(self.gpu_owner.len()).unwrap_or(u32::MAX);
         self.util.cluster.record(at_ms, period_ms, allocated, busy);
+        // A shared GPU's fractions: each its own reading, against its share.
+        for p in points {
+            for (task_id, util) in &p.tasks {
+                let Some(task) = self
+                    .tasks
+                    .get(task_id)
+                    .filter(|t| !t.state.is_terminal() && t.fraction.is_some())
+                    .filter(|t| t.gpu_uuids.contains(&p.gpu))
+                else {
+                    continue;
+                };
+                let charge = self.charge_of(task);
+                let share = charge.gpu_milli.max(1);
+                self.usage
+                    .charge_busy_share(&charge, at_ms, period_ms, *util, share);
+            }
+        }
         for p in points {
             let Some(task) = self
                 .gpu_owner

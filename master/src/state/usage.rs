@@ -171,14 +171,28 @@ impl Ledger {
     /// One GPU of `charge`'s task was `util_pct` busy over the period at
     /// `at_ms`: its row of that hour gets the period as sampled GPU time.
     pub fn charge_busy(&mut self, charge: &Charge, at_ms: u64, period_ms: u64, util_pct: u8) {
+        self.charge_busy_share(charge, at_ms, period_ms, util_pct, 1000);
+    }
+
+    /// [`Ledger::charge_busy`] for a task holding `share_milli`/1000 of
+    /// the GPU (a fraction): sampled for its share of the period, busy for
+    /// what it used of the whole GPU, at most its share.
+    pub fn charge_busy_share(
+        &mut self,
+        charge: &Charge,
+        at_ms: u64,
+        period_ms: u64,
+        util_pct: u8,
+        share_milli: u64,
+    ) {
+        let sampled = period_ms * share_milli.min(1000) / 1000;
+        let busy = (period_ms * u64::from(util_pct.min(100)) / 100).min(sampled);
         let row = self
             .rows
             .entry(charge.key(at_ms - at_ms % HOUR_MS))
             .or_default();
-        row.gpu_sampled_ms = row.gpu_sampled_ms.saturating_add(period_ms);
-        row.gpu_busy_ms = row
-            .gpu_busy_ms
-            .saturating_add(period_ms * u64::from(util_pct.min(100)) / 100);
+        row.gpu_sampled_ms = row.gpu_sampled_ms.saturating_add(sampled);
+        row.gpu_busy_ms = row.gpu_busy_ms.saturating_add(busy);
     }
 
     /// Rows of hours that end after `since_ms`.
@@ -455,11 +469,13 @@ mod tests {
                     gpu: "GPU-a-2".into(),
                     util_pct: 50,
                     mem_pct: 10,
+                    tasks: Vec::new(),
                 },
                 crate::state::util::UtilPoint {
                     gpu: "GPU-a-3".into(),
                     util_pct: 90,
                     mem_pct: 0,
+                    tasks: Vec::new(),
                 },
             ],
             idle_window_ms: 0,
@@ -531,6 +547,7 @@ mod tests {
                     gpu: format!("GPU-a-{i}"),
                     util_pct: *u,
                     mem_pct: 0,
+                    tasks: Vec::new(),
                 })
                 .collect();
             d.apply(Command::RecordUtilization {

@@ -33,6 +33,10 @@ pub struct UtilPoint {
     pub util_pct: u8,
     /// Mean memory used, percent of the GPU's, 0 to 100.
     pub mem_pct: u8,
+    /// On a shared GPU: each task's mean share of its SMs (NVML's
+    /// per-process readings), percent.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tasks: Vec<(String, u8)>,
 }
 
 /// An hour's mean of one GPU; in a snapshot, `[hour_ms, util_sum,
@@ -281,6 +285,7 @@ mod tests {
             gpu: gpu.into(),
             util_pct: util,
             mem_pct: util / 2,
+            tasks: Vec::new(),
         }
     }
 

@@ -41,6 +41,7 @@ pub const PER_DEVICE_FUNCTIONS: &[&str] = &[
     "nvmlDeviceGetSupportedEventTypes",
     "nvmlDeviceGetComputeRunningProcesses_v3",
     "nvmlDeviceGetMPSComputeRunningProcesses_v3",
+    "nvmlDeviceGetProcessUtilization",
 ];
 
 /// The cgroup memory limit functions (r615+), which an `errors` entry may
@@ -164,6 +165,11 @@ pub struct Process {
     /// that bypassed MPS, listed by the compute call only (false).
     #[serde(default = "yes")]
     pub mps_client: bool,
+    /// Its share of the GPU's SMs over the last sample period, percent, as
+    /// nvmlDeviceGetProcessUtilization reports it; None: not listed there
+    /// (NVML lists only processes with a non-zero reading).
+    #[serde(default)]
+    pub sm_util_pct: Option<u32>,
 }
 
 fn yes() -> bool {

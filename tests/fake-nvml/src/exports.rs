@@ -684,6 +684,55 @@ pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(
     }
 }
 
+/// Each of the GPU's `processes` with an `sm_util_pct`, as a sample now
+/// (`lastSeenTimeStamp` is not consulted: every call is a new period).
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetProcessUtilization(
+    device: nvmlDevice_t,
+    utilization: *mut nvmlProcessUtilizationSample_t,
+    processSamplesCount: *mut c_uint,
+    _lastSeenTimeStamp: c_ulonglong,
+) -> nvmlReturn_t {
+    let name = "nvmlDeviceGetProcessUtilization";
+    guard(name, || {
+        let cfg = state::session()?;
+        let count = unsafe { out(processSamplesCount) }?;
+        let (_, gpu) = state::device(&cfg, device, name)?;
+        let now_us = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_micros() as u64);
+        let list: Vec<nvmlProcessUtilizationSample_t> = gpu
+            .processes
+            .iter()
+            .filter_map(|p| {
+                p.sm_util_pct.map(|u| nvmlProcessUtilizationSample_t {
+                    pid: p.pid,
+                    timeStamp: now_us,
+                    smUtil: u,
+                    memUtil: 0,
+                    encUtil: 0,
+                    decUtil: 0,
+                })
+            })
+            .collect();
+        let n = list.len() as c_uint;
+        let room = count.get();
+        if utilization.is_null() || room < n {
+            count.set(n);
+            return if n == 0 {
+                Ok(())
+            } else {
+                Err(NVML_ERROR_INSUFFICIENT_SIZE)
+            };
+        }
+        if n > 0 {
+            unsafe { out_array(utilization, n) }?.write(&list)?;
+        }
+        count.set(n);
+        Ok(())
+    })
+}
+
 /// The GPU's `processes` that are MPS clients (`mps_client`, the
 /// default): on Volta and later MPS clients appear in both lists, a
 /// process that bypassed MPS in the compute list only.

@@ -134,6 +134,20 @@ pub struct nvmlMemory_v2_t {
 /// nvml-wrapper 0.13's `memory_info` writes (0x0200_0028 on 64-bit).
 pub const nvmlMemory_v2: c_uint = (std::mem::size_of::<nvmlMemory_v2_t>() as c_uint) | (2 << 24);
 
+/// `nvmlProcessUtilizationSample_t`, filled by
+/// `nvmlDeviceGetProcessUtilization`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct nvmlProcessUtilizationSample_t {
+    pub pid: c_uint,
+    /// CPU timestamp, microseconds.
+    pub timeStamp: c_ulonglong,
+    pub smUtil: c_uint,
+    pub memUtil: c_uint,
+    pub encUtil: c_uint,
+    pub decUtil: c_uint,
+}
+
 /// `nvmlProcessInfo_t` (= `nvmlProcessInfo_v2_t`), filled by
 /// `nvmlDevice(MPS)GetComputeRunningProcesses_v3`.
 #[repr(C)]

@@ -1062,6 +1062,9 @@ fn call(func: &str, cfg: &Value) -> nvmlReturn_t {
             "nvmlDeviceGetMPSComputeRunningProcesses_v3" => {
                 nvmlDeviceGetMPSComputeRunningProcesses_v3(h, &mut u, null_mut())
             }
+            "nvmlDeviceGetProcessUtilization" => {
+                nvmlDeviceGetProcessUtilization(h, null_mut(), &mut u, 0)
+            }
             other => panic!("no call for {other}"),
         }
     }
@@ -2575,4 +2578,43 @@ fn a_set_is_recorded_in_the_config_and_read_back() {
             .map(Vec::len),
         Some(2)
     );
+}
+
+/// Per-process utilization: the processes with `sm_util_pct`, a count
+/// first (INSUFFICIENT_SIZE when there are some), then the samples; what
+/// nvml-wrapper's `process_utilization_stats` reads.
+#[test]
+fn process_utilization_lists_the_sampled_processes() {
+    let mut base = gpus(1);
+    base["gpus"][0]["processes"] = json!([
+        { "pid": 10, "memory_used_mib": 100, "sm_util_pct": 30 },
+        { "pid": 11, "memory_used_mib": 100 },
+        { "pid": 12, "sm_util_pct": 55 }
+    ]);
+    let _m = Machine::new(&base);
+    let h = handle(0);
+    let mut n: c_uint = 0;
+    assert_eq!(
+        unsafe { nvmlDeviceGetProcessUtilization(h, null_mut(), &mut n, 0) },
+        NVML_ERROR_INSUFFICIENT_SIZE
+    );
+    assert_eq!(n, 2);
+    let mut out = vec![
+        nvmlProcessUtilizationSample_t {
+            pid: 0,
+            timeStamp: 0,
+            smUtil: 0,
+            memUtil: 0,
+            encUtil: 0,
+            decUtil: 0,
+        };
+        2
+    ];
+    assert_eq!(
+        unsafe { nvmlDeviceGetProcessUtilization(h, out.as_mut_ptr(), &mut n, 0) },
+        NVML_SUCCESS
+    );
+    let got: Vec<(u32, u32)> = out.iter().map(|s| (s.pid, s.smUtil)).collect();
+    assert_eq!(got, [(10, 30), (12, 55)]);
+    assert!(out[0].timeStamp > 0);
 }
