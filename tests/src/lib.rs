@@ -429,6 +429,32 @@ impl Default for AgentOpts<'_> {
     }
 }
 
+impl AgentOpts<'_> {
+    /// An agent whose GPUs are fake-nvml's, described by the JSON file
+    /// `machine`, probed every `health_interval_secs`.
+    pub fn fake_nvml(machine: &Path, health_interval_secs: &str) -> Self {
+        AgentOpts {
+            simulate_gpus: None,
+            extra: vec![
+                "--nvml-lib".into(),
+                fake_nvml_lib().display().to_string(),
+                "--health-interval-secs".into(),
+                health_interval_secs.into(),
+            ],
+            env: vec![("FAKE_NVML_CONFIG".into(), machine.display().to_string())],
+            ..Default::default()
+        }
+    }
+}
+
+/// Replaces fake-nvml's machine description at once (written, then
+/// renamed), so that fake-nvml never reads half of one.
+pub fn write_fake_machine(path: &Path, machine: &serde_json::Value) {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, serde_json::to_vec_pretty(machine).unwrap()).unwrap();
+    std::fs::rename(&tmp, path).unwrap();
+}
+
 impl Cluster {
     /// Starts a master (with `extra` flags) and waits until it answers.
     pub fn start(extra: &[&str]) -> Cluster {

@@ -577,9 +577,7 @@ fn console_on_a_follower_follows_the_leader_across_its_death() {
 fn set_gpu1_util(path: &Path, util1: u32) {
     let mut m: Value = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
     m["gpus"][1]["utilization_gpu_pct"] = json!(util1);
-    let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, serde_json::to_vec_pretty(&m).unwrap()).unwrap();
-    std::fs::rename(&tmp, path).unwrap();
+    gpuctl_tests::write_fake_machine(path, &m);
 }
 
 /// Issue 39, item 4: the console draws utilization curves (SVG made by
@@ -597,17 +595,7 @@ fn console_draws_utilization_curves_that_follow_the_gpus() {
     let http = format!("127.0.0.1:{}", free_port());
     let mut c = Cluster::start(&["--http-listen", &http, "--utilization-period", "1s"]);
     let machine = fake_machine(c.dir.path());
-    c.add_agent(AgentOpts {
-        simulate_gpus: None,
-        extra: vec![
-            "--nvml-lib".into(),
-            gpuctl_tests::fake_nvml_lib().display().to_string(),
-            "--health-interval-secs".into(),
-            "0.2".into(),
-        ],
-        env: vec![("FAKE_NVML_CONFIG".into(), machine.display().to_string())],
-        ..Default::default()
-    });
+    c.add_agent(AgentOpts::fake_nvml(&machine, "0.2"));
     let base = format!("http://{http}/");
     // A job holding both GPUs, so that its page has a curve per GPU.
     let job = c.submit(&["--name", "curves", "--gpus", "2", "--", "sleep", "300"]);

@@ -184,10 +184,9 @@ const GPU1: &str = "GPU-0c5e6a3e-0000-4000-8000-000000000001";
 /// fake-nvml's machine: GPU 0 at `util0`%, GPU 1 87% busy. Written whole
 /// then renamed, so that fake-nvml never reads half of it.
 fn write_machine(path: &std::path::Path, util0: u32) {
-    let tmp = path.with_extension("tmp");
-    std::fs::write(
-        &tmp,
-        serde_json::to_vec(&serde_json::json!({
+    gpuctl_tests::write_fake_machine(
+        path,
+        &serde_json::json!({
             "gpus": [
                 { "uuid": GPU0, "name": "NVIDIA A100-SXM4-40GB", "memory_total_mib": 40960,
                   "utilization_gpu_pct": util0 },
@@ -195,11 +194,8 @@ fn write_machine(path: &std::path::Path, util0: u32) {
                   "memory_used_mib": 12288, "utilization_gpu_pct": 87 }
             ],
             "events": []
-        }))
-        .unwrap(),
-    )
-    .unwrap();
-    std::fs::rename(&tmp, path).unwrap();
+        }),
+    );
 }
 
 /// A master recording utilization every second (`extra`: more flags) and
@@ -210,17 +206,7 @@ fn fake_nvml_cluster(extra: &[&str]) -> (gpuctl_tests::Cluster, std::path::PathB
     let mut c = gpuctl_tests::Cluster::start(&flags);
     let machine = c.dir.path().join("machine.json");
     write_machine(&machine, 0);
-    c.add_agent(AgentOpts {
-        simulate_gpus: None,
-        extra: vec![
-            "--nvml-lib".into(),
-            gpuctl_tests::fake_nvml_lib().display().to_string(),
-            "--health-interval-secs".into(),
-            "0.2".into(),
-        ],
-        env: vec![("FAKE_NVML_CONFIG".into(), machine.display().to_string())],
-        ..Default::default()
-    });
+    c.add_agent(AgentOpts::fake_nvml(&machine, "0.2"));
     (c, machine)
 }
 
