@@ -1277,6 +1277,10 @@ pub struct GpuSample {
     /// tasks NVML sampled (what a fraction of a shared GPU used).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub task_utilization_pct: BTreeMap<TaskId, u32>,
+    /// Whether the per-process readings were read: a task on the GPU
+    /// absent from `task_utilization_pct` then used none of it.
+    #[serde(default)]
+    pub task_utilization_read: bool,
 }
 
 /// A GPU's health as its agent sees it now, with its latest reading.

@@ -581,7 +581,8 @@ fn probe_device(
         Probe::Passed(mut s) => {
             if let Some((proc_root, cgroups)) = tasks {
                 s.task_memory_used_mib = probe_tasks(uuid, &dev, proc_root, cgroups);
-                s.task_utilization_pct = probe_task_utilization(uuid, &dev, proc_root, cgroups);
+                (s.task_utilization_pct, s.task_utilization_read) =
+                    probe_task_utilization(uuid, &dev, proc_root, cgroups);
             }
             (Probe::Passed(s), probe_mig(uuid, &dev))
         }
@@ -611,14 +612,15 @@ fn probe_tasks(
 
 /// Each task's processes' share of the GPU's SMs (NVML's per-process
 /// utilization samples, the latest per process), the largest few that fit
-/// in a reading. A GPU that does not answer (older drivers, no sample yet)
-/// gives none (logged at debug).
+/// in a reading, and whether they were read: NVML's "not found" (no process
+/// has a sample) is a reading of none; a GPU that does not answer (older
+/// drivers, an error) gives none and false (logged at debug).
 fn probe_task_utilization(
     uuid: &str,
     dev: &Device,
     proc_root: &Path,
     cgroups: &procs::TaskCgroups,
-) -> BTreeMap<String, u32> {
+) -> (BTreeMap<String, u32>, bool) {
     match dev.process_utilization_stats(None) {
         Ok(samples) => {
             // The newest sample of each process.
@@ -631,17 +633,21 @@ fn probe_task_utilization(
             }
             let per_pid: Vec<(u32, u32)> = latest.into_iter().map(|(p, (_, u))| (p, u)).collect();
             let mut by_task = procs::task_utilization(&per_pid, proc_root, cgroups);
+            // The busiest tasks only: past the limit (more tasks than a
+            // GPU's fractions can be in practice) the least busy read 0.
             if by_task.len() > gpuctl_core::convert::MAX_SAMPLE_TASKS {
                 let mut v: Vec<(String, u32)> = by_task.into_iter().collect();
                 v.sort_by_key(|e| std::cmp::Reverse(e.1));
                 v.truncate(gpuctl_core::convert::MAX_SAMPLE_TASKS);
                 by_task = v.into_iter().collect();
             }
-            by_task
+            (by_task, true)
         }
+        // NVML's answer when no process has a sample: all used none.
+        Err(NvmlError::NotFound) => (BTreeMap::new(), true),
         Err(e) => {
             tracing::debug!(uuid, error = %e, "GPU process utilization not read");
-            BTreeMap::new()
+            (BTreeMap::new(), false)
         }
     }
 }
@@ -682,6 +688,7 @@ fn probe_gpu(dev: &Device) -> Probe {
         xid_errors: 0,
         task_memory_used_mib: BTreeMap::new(),
         task_utilization_pct: BTreeMap::new(),
+        task_utilization_read: false,
     })
 }
 

@@ -574,6 +574,7 @@ mod tests {
             xid_errors: 0,
             task_memory_used_mib: Default::default(),
             task_utilization_pct: Default::default(),
+            task_utilization_read: false,
         }
     }
 

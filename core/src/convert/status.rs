@@ -334,6 +334,7 @@ impl From<pb::GpuSample> for GpuSample {
                 .into_iter()
                 .map(|(t, u)| (t, u.min(100)))
                 .collect(),
+            task_utilization_read: s.task_utilization_read,
         }
     }
 }
@@ -350,6 +351,7 @@ impl From<GpuSample> for pb::GpuSample {
             xid_errors: s.xid_errors,
             task_memory_used_mib: s.task_memory_used_mib.into_iter().collect(),
             task_utilization_pct: s.task_utilization_pct.into_iter().collect(),
+            task_utilization_read: s.task_utilization_read,
         }
     }
 }

@@ -685,7 +685,8 @@ pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(
 }
 
 /// Each of the GPU's `processes` with an `sm_util_pct`, as a sample now
-/// (`lastSeenTimeStamp` is not consulted: every call is a new period).
+/// (`lastSeenTimeStamp` is not consulted: every call is a new period);
+/// NOT_FOUND when none has one, as NVML answers.
 #[no_mangle]
 pub unsafe extern "C" fn nvmlDeviceGetProcessUtilization(
     device: nvmlDevice_t,
@@ -716,18 +717,16 @@ pub unsafe extern "C" fn nvmlDeviceGetProcessUtilization(
             })
             .collect();
         let n = list.len() as c_uint;
-        let room = count.get();
-        if utilization.is_null() || room < n {
+        // NVML's answer when no process has a sample since the last one.
+        if n == 0 {
+            count.set(0);
+            return Err(NVML_ERROR_NOT_FOUND);
+        }
+        if utilization.is_null() || count.get() < n {
             count.set(n);
-            return if n == 0 {
-                Ok(())
-            } else {
-                Err(NVML_ERROR_INSUFFICIENT_SIZE)
-            };
+            return Err(NVML_ERROR_INSUFFICIENT_SIZE);
         }
-        if n > 0 {
-            unsafe { out_array(utilization, n) }?.write(&list)?;
-        }
+        unsafe { out_array(utilization, n) }?.write(&list)?;
         count.set(n);
         Ok(())
     })

@@ -1062,8 +1062,13 @@ fn call(func: &str, cfg: &Value) -> nvmlReturn_t {
             "nvmlDeviceGetMPSComputeRunningProcesses_v3" => {
                 nvmlDeviceGetMPSComputeRunningProcesses_v3(h, &mut u, null_mut())
             }
+            // No process has a sample here: NOT_FOUND is its answer
+            // without an override.
             "nvmlDeviceGetProcessUtilization" => {
-                nvmlDeviceGetProcessUtilization(h, null_mut(), &mut u, 0)
+                match nvmlDeviceGetProcessUtilization(h, null_mut(), &mut u, 0) {
+                    NVML_ERROR_NOT_FOUND => NVML_SUCCESS,
+                    r => r,
+                }
             }
             other => panic!("no call for {other}"),
         }
@@ -2581,7 +2586,8 @@ fn a_set_is_recorded_in_the_config_and_read_back() {
 }
 
 /// Per-process utilization: the processes with `sm_util_pct`, a count
-/// first (INSUFFICIENT_SIZE when there are some), then the samples; what
+/// first (INSUFFICIENT_SIZE when there are some, NOT_FOUND when there are
+/// none), then the samples; what
 /// nvml-wrapper's `process_utilization_stats` reads.
 #[test]
 fn process_utilization_lists_the_sampled_processes() {
@@ -2591,7 +2597,7 @@ fn process_utilization_lists_the_sampled_processes() {
         { "pid": 11, "memory_used_mib": 100 },
         { "pid": 12, "sm_util_pct": 55 }
     ]);
-    let _m = Machine::new(&base);
+    let m = Machine::new(&base);
     let h = handle(0);
     let mut n: c_uint = 0;
     assert_eq!(
@@ -2617,4 +2623,14 @@ fn process_utilization_lists_the_sampled_processes() {
     let got: Vec<(u32, u32)> = out.iter().map(|s| (s.pid, s.smUtil)).collect();
     assert_eq!(got, [(10, 30), (12, 55)]);
     assert!(out[0].timeStamp > 0);
+    // No process with a sample: NOT_FOUND, as NVML says it.
+    let mut idle = gpus(1);
+    idle["gpus"][0]["processes"] = json!([{ "pid": 11, "memory_used_mib": 100 }]);
+    m.write(&idle);
+    let mut n: c_uint = 5;
+    assert_eq!(
+        unsafe { nvmlDeviceGetProcessUtilization(handle(0), null_mut(), &mut n, 0) },
+        NVML_ERROR_NOT_FOUND
+    );
+    assert_eq!(n, 0);
 }
