@@ -46,6 +46,9 @@ struct UtilAcc {
     /// Per GPU, each task's per-process utilization sum over those
     /// readings (a reading without the task counts as 0).
     task_sums: HashMap<String, std::collections::BTreeMap<String, u64>>,
+    /// Per GPU, its agent and how many of its readings had the
+    /// per-process readings read (the tasks' means are over those).
+    task_reads: HashMap<String, (String, u64)>,
     /// Per GPU, the agent's time of the last reading counted: a heartbeat
     /// repeats its agent's latest reading until a new one is taken.
     last_at: HashMap<String, u64>,
@@ -106,8 +109,9 @@ impl Liveness {
         self.util.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Counts each new reading of `reports` in the current period.
-    fn accumulate(&self, reports: &[GpuReport]) {
+    /// Counts each new reading of `agent_id`'s `reports` in the current
+    /// period.
+    fn accumulate(&self, agent_id: &str, reports: &[GpuReport]) {
         let mut acc = self.util_lock();
         for r in reports {
             let Some(s) = &r.sample else { continue };
@@ -123,6 +127,13 @@ impl Liveness {
             e.0 += u64::from(s.utilization_pct.min(100));
             e.1 += mem_pct;
             e.2 += 1;
+            if s.task_utilization_read {
+                let r = acc
+                    .task_reads
+                    .entry(r.uuid.clone())
+                    .or_insert_with(|| (agent_id.to_string(), 0));
+                r.1 += 1;
+            }
             if !s.task_utilization_pct.is_empty() {
                 let t = acc.task_sums.entry(r.uuid.clone()).or_default();
                 for (task, u) in &s.task_utilization_pct {
@@ -134,8 +145,16 @@ impl Liveness {
 
     /// At `now_ms`, the period that ended (its start and each GPU's mean),
     /// once one has; the next period starts. Periods start at multiples
-    /// of `period_ms`.
-    pub fn take_period(&self, now_ms: u64, period_ms: u64) -> Option<(u64, Vec<UtilPoint>)> {
+    /// of `period_ms`. On a GPU whose per-process readings were read, each
+    /// task `holders(agent, gpu)` names (the fractions held) that no
+    /// reading listed is given 0: it used none, which is a reading (and
+    /// counts towards idle), where a GPU not read gives nothing.
+    pub fn take_period(
+        &self,
+        now_ms: u64,
+        period_ms: u64,
+        holders: impl Fn(&str, &str) -> Vec<String>,
+    ) -> Option<(u64, Vec<UtilPoint>)> {
         let period_ms = period_ms.max(1);
         let mut acc = self.util_lock();
         let current = now_ms - now_ms % period_ms;
@@ -143,6 +162,7 @@ impl Liveness {
             acc.start_ms = current;
             acc.sums.clear();
             acc.task_sums.clear();
+            acc.task_reads.clear();
             return None;
         }
         if current <= acc.start_ms {
@@ -150,19 +170,30 @@ impl Liveness {
         }
         let start = std::mem::replace(&mut acc.start_ms, current);
         let mut task_sums = std::mem::take(&mut acc.task_sums);
+        let mut task_reads = std::mem::take(&mut acc.task_reads);
         let mut points: Vec<UtilPoint> = std::mem::take(&mut acc.sums)
             .into_iter()
             .filter(|(_, (_, _, n))| *n > 0)
-            .map(|(gpu, (u, m, n))| UtilPoint {
-                tasks: task_sums
-                    .remove(&gpu)
-                    .unwrap_or_default()
-                    .into_iter()
-                    .map(|(t, sum)| (t, u8::try_from(sum / n).unwrap_or(100)))
-                    .collect(),
-                gpu,
-                util_pct: u8::try_from(u / n).unwrap_or(100),
-                mem_pct: u8::try_from(m / n).unwrap_or(100),
+            .map(|(gpu, (u, m, n))| {
+                let mut tasks = task_sums.remove(&gpu).unwrap_or_default();
+                // Over the readings that were read (an agent of before
+                // the flag: over all of them).
+                let mut over = n;
+                if let Some((agent, reads)) = task_reads.remove(&gpu) {
+                    over = reads;
+                    for t in holders(&agent, &gpu) {
+                        tasks.entry(t).or_insert(0);
+                    }
+                }
+                UtilPoint {
+                    tasks: tasks
+                        .into_iter()
+                        .map(|(t, sum)| (t, u8::try_from(sum / over.max(1)).unwrap_or(100)))
+                        .collect(),
+                    gpu,
+                    util_pct: u8::try_from(u / n).unwrap_or(100),
+                    mem_pct: u8::try_from(m / n).unwrap_or(100),
+                }
             })
             .collect();
         points.sort_by(|a, b| a.gpu.cmp(&b.gpu));
@@ -179,7 +210,7 @@ impl Liveness {
 
     /// Keeps an agent's latest GPU reports (an empty list keeps the old).
     pub fn record_gpus(&self, agent_id: &str, reports: Vec<GpuReport>) {
-        self.accumulate(&reports);
+        self.accumulate(agent_id, &reports);
         if !reports.is_empty() {
             self.reports().insert(agent_id.to_string(), reports);
         }
@@ -360,7 +391,16 @@ async fn record_utilization(
     idle: Option<(u64, u8)>,
 ) {
     let period_ms = u64::try_from(period.as_millis()).unwrap_or(u64::MAX);
-    let Some((at_ms, points)) = liveness.take_period(now_ms(), period_ms) else {
+    let taken = {
+        let state = raft.state();
+        liveness.take_period(now_ms(), period_ms, |agent, gpu| {
+            state
+                .share_holders(agent, gpu)
+                .map(|(t, _)| t.to_string())
+                .collect()
+        })
+    };
+    let Some((at_ms, points)) = taken else {
         return;
     };
     for chunk in points.chunks(crate::state::util::MAX_POINTS_PER_COMMAND) {
@@ -415,6 +455,7 @@ mod tests {
     #[test]
     fn utilization_is_averaged_per_period_and_counted_once() {
         let l = Liveness::default();
+        let none = |_: &str, _: &str| -> Vec<String> { vec![] };
         let report = |uuid: &str, util: u32, used: u64, at: u64| GpuReport {
             uuid: uuid.into(),
             healthy: true,
@@ -428,7 +469,7 @@ mod tests {
             }),
         };
         assert_eq!(
-            l.take_period(61_000, 60_000),
+            l.take_period(61_000, 60_000, none),
             None,
             "starts the period at 60 s"
         );
@@ -436,8 +477,8 @@ mod tests {
         // The same reading again, then a new one.
         l.record_gpus("a", vec![report("g0", 20, 100, 1)]);
         l.record_gpus("a", vec![report("g0", 60, 300, 2)]);
-        assert_eq!(l.take_period(119_999, 60_000), None, "not over yet");
-        let (at, points) = l.take_period(120_500, 60_000).unwrap();
+        assert_eq!(l.take_period(119_999, 60_000, none), None, "not over yet");
+        let (at, points) = l.take_period(120_500, 60_000, none).unwrap();
         assert_eq!(at, 60_000);
         let got: Vec<(&str, u8, u8)> = points
             .iter()
@@ -456,14 +497,39 @@ mod tests {
             s.task_utilization_pct = [("fw.t1".to_string(), 20)].into();
         }
         l.record_gpus("a", vec![again]);
-        let (_, points) = l.take_period(180_500, 60_000).unwrap();
+        let (_, points) = l.take_period(180_500, 60_000, none).unwrap();
         assert_eq!(
             points[0].tasks,
             [("fw.t1".to_string(), 30), ("fw.t2".to_string(), 5)]
         );
+        // Readings with the per-process readings read: a fraction held
+        // there that none listed used nothing (0, a reading); the mean is
+        // over the readings that were read. A GPU not read names nobody.
+        let mut read = report("g0", 50, 0, 12);
+        if let Some(s) = read.sample.as_mut() {
+            s.task_utilization_pct = [("fw.t1".to_string(), 40)].into();
+            s.task_utilization_read = true;
+        }
+        l.record_gpus("a", vec![read, report("g1", 10, 0, 12)]);
+        // One whose per-process readings failed: not counted for tasks.
+        l.record_gpus("a", vec![report("g0", 50, 0, 13)]);
+        let holders = |agent: &str, gpu: &str| -> Vec<String> {
+            assert_eq!(agent, "a");
+            match gpu {
+                "g0" => vec!["fw.t1".into(), "fw.t3".into()],
+                _ => vec!["fw.t9".into()],
+            }
+        };
+        let (_, points) = l.take_period(240_500, 60_000, holders).unwrap();
+        assert_eq!(
+            points[0].tasks,
+            [("fw.t1".to_string(), 40), ("fw.t3".to_string(), 0)]
+        );
+        assert_eq!(points[1].gpu, "g1");
+        assert!(points[1].tasks.is_empty(), "{:?}", points[1]);
         // A period with no new reading proposes nothing.
-        l.record_gpus("a", vec![report("g0", 60, 300, 11)]);
-        assert_eq!(l.take_period(240_000, 60_000), None);
+        l.record_gpus("a", vec![report("g0", 60, 300, 13)]);
+        assert_eq!(l.take_period(300_000, 60_000, none), None);
     }
 
     #[test]

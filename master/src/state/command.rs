@@ -27,7 +27,12 @@ use serde::{Deserialize, Serialize};
 /// 4 (issues 38, 39): `RecordUtilization`; a task's end charges the
 /// accounting ledger, and a task ended by a GPU fault makes its job avoid
 /// that GPU (applying changed: version-3 masters would keep other state).
-pub const COMMAND_VERSION: u32 = 4;
+///
+/// 5 (issue 39): `RecordUtilization` names every fraction on a GPU whose
+/// per-process readings were read (0: it used none), keeps each
+/// fraction's own readings in its task and flags a job idle by its
+/// fractions' readings too (version-4 masters would flag other jobs).
+pub const COMMAND_VERSION: u32 = 5;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Command {

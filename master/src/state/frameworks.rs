@@ -222,6 +222,9 @@ impl State {
                 ports,
                 fraction: t.fraction,
                 enforcement: None,
+                gpu_sampled_ms: 0,
+                gpu_busy_ms: 0,
+                quiet: None,
             };
             match refusal {
                 Some(reason) => {

@@ -129,6 +129,9 @@ impl State {
                     ports,
                     fraction,
                     enforcement: None,
+                    gpu_sampled_ms: 0,
+                    gpu_busy_ms: 0,
+                    quiet: None,
                 },
             );
             let gpus = if l.gpu_uuids.is_empty() {

@@ -333,6 +333,18 @@ pub struct TaskRecord {
     /// What its agent enforces of its fraction, as the agent said.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub enforcement: Option<gpuctl_core::types::Enforcement>,
+    /// A fraction's own readings (its processes', per period): ms of its
+    /// share with a reading, and of them busy, as the ledger charged them.
+    /// What a report by job shows for it: a shared GPU's history is the
+    /// whole GPU's, not the task's.
+    #[serde(default, skip_serializing_if = "is_zero_u64")]
+    pub gpu_sampled_ms: u64,
+    #[serde(default, skip_serializing_if = "is_zero_u64")]
+    pub gpu_busy_ms: u64,
+    /// A fraction's current run of readings under the idle threshold
+    /// (a job's fraction, while idle detection is on).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quiet: Option<util::QuietRun>,
 }
 
 impl TaskRecord {

@@ -438,7 +438,10 @@ mod tests {
         };
         assert_eq!(
             String::from_utf8(c.encode().unwrap()).unwrap(),
-            r#"{"version":4,"command":{"ForgetJobs":{"job_ids":["job-1"],"at_ms":5}}}"#
+            format!(
+                r#"{{"version":{},"command":{{"ForgetJobs":{{"job_ids":["job-1"],"at_ms":5}}}}}}"#,
+                crate::state::COMMAND_VERSION
+            )
         );
         let c = Command::ForgetFrameworkTasks {
             task_ids: vec!["fw-1.t".into()],

@@ -709,4 +709,93 @@ fn a_fractions_busy_time_is_its_own_against_its_share() {
     };
     assert_eq!(util("small"), (15_000, Some(80.0)));
     assert_eq!(util("over"), (6_000, Some(100.0)));
+    // By job: each task's own readings (the shared GPU's history is the
+    // whole GPU's 60%, which is neither's).
+    let (rows, ..) = report(&d.s, 0, 120_000, By::Job, None);
+    let util = |j: &str| {
+        let r = rows.iter().find(|r| r.key == j).unwrap();
+        (r.totals.gpu_sampled_ms, r.totals.util_pct())
+    };
+    assert_eq!(util(&a), (15_000, Some(80.0)));
+    assert_eq!(util(&b), (6_000, Some(100.0)));
+    // Two hours on, a window of the last hour holds half of the running
+    // task's life: half of its readings, the same mean.
+    let hour = crate::state::usage::HOUR_MS;
+    let (rows, ..) = report(&d.s, hour, 2 * hour, By::Job, None);
+    let r = rows.iter().find(|r| r.key == a).unwrap();
+    assert_eq!(
+        (r.totals.gpu_sampled_ms, r.totals.util_pct()),
+        (7_500, Some(80.0))
+    );
+    // The readings are the task's, in its record, so they outlive it.
+    assert_eq!(d.s.task("job-1.0").unwrap().gpu_busy_ms, 12_000);
+}
+
+/// Issue 39, item 3, on a shared GPU: a job's fraction is idle by its own
+/// processes' readings (0 where the leader read the GPU and no process of
+/// it was listed), whatever the whole GPU reads; a period without a
+/// reading of it (the GPU not read) breaks the run, so the window starts
+/// again; a reading at or over the threshold makes it busy again.
+#[test]
+fn a_fraction_is_flagged_idle_by_its_own_readings() {
+    use crate::state::events::EventKind;
+    use crate::state::util::UtilPoint;
+    let mut d = driver();
+    share(&mut d, "GPU-a-0", Some(ShareMode::TimeSlice)).unwrap();
+    let quiet = d.submit(spec(Some((1024, 25)), 0));
+    let busy = d.submit(spec(Some((1024, 25)), 0));
+    d.launch_at(&quiet, &[("a", &["GPU-a-0"])], 0).unwrap();
+    d.launch_at(&busy, &[("a", &["GPU-a-0"])], 0).unwrap();
+    for t in ["job-1.0", "job-2.0"] {
+        d.apply(Command::UpdateTaskStatus {
+            update: status("a", t, TaskState::Running),
+            at_ms: 1,
+        })
+        .unwrap();
+    }
+    let period = |d: &mut Driver, at: u64, tasks: &[(&str, u8)]| {
+        d.apply(Command::RecordUtilization {
+            at_ms: at,
+            period_ms: 1000,
+            points: vec![UtilPoint {
+                gpu: "GPU-a-0".into(),
+                util_pct: 90,
+                mem_pct: 0,
+                tasks: tasks.iter().map(|(t, u)| (t.to_string(), *u)).collect(),
+            }],
+            idle_window_ms: 3000,
+            idle_below_pct: 5,
+        })
+        .unwrap();
+    };
+    let readings = [("job-1.0", 0), ("job-2.0", 40)];
+    period(&mut d, 0, &readings);
+    period(&mut d, 1000, &[("job-1.0", 2), ("job-2.0", 40)]);
+    // The GPU's per-process readings not read: no reading of either.
+    period(&mut d, 2000, &[]);
+    period(&mut d, 3000, &readings);
+    period(&mut d, 4000, &readings);
+    assert_eq!(
+        d.s.job(&quiet).unwrap().idle_since_ms,
+        None,
+        "the gap at 2 s starts the window again"
+    );
+    period(&mut d, 5000, &readings);
+    let job = d.s.job(&quiet).unwrap();
+    assert_eq!(job.idle_since_ms, Some(3000));
+    let ev = job.events.iter().last().unwrap();
+    assert_eq!(ev.kind, EventKind::Idle);
+    assert!(
+        ev.message.contains("1 GPU(s) stayed under 5% for 3 s"),
+        "{}",
+        ev.message
+    );
+    // Its neighbour used 40% of the GPU all along: never idle, and the
+    // whole GPU's 90% made neither busy.
+    assert_eq!(d.s.job(&busy).unwrap().idle_since_ms, None);
+    period(&mut d, 6000, &[("job-1.0", 30), ("job-2.0", 40)]);
+    let job = d.s.job(&quiet).unwrap();
+    assert_eq!(job.idle_since_ms, None);
+    assert_eq!(job.events.iter().last().unwrap().kind, EventKind::Busy);
+    assert_eq!(d.s.task("job-1.0").unwrap().quiet, None);
 }

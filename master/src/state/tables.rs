@@ -557,6 +557,9 @@ mod tests {
             ports: Vec::new(),
             fraction: None,
             enforcement: None,
+            gpu_sampled_ms: 0,
+            gpu_busy_ms: 0,
+            quiet: None,
         }
     }
 

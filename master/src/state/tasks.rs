@@ -238,8 +238,13 @@ impl State {
                 };
                 let charge = self.charge_of(task);
                 let share = charge.gpu_milli.max(1);
-                self.usage
+                let (sampled, busy) = self
+                    .usage
                     .charge_busy_share(&charge, at_ms, period_ms, *util, share);
+                if let Some(task) = self.tasks.get_mut(task_id) {
+                    task.gpu_sampled_ms = task.gpu_sampled_ms.saturating_add(sampled);
+                    task.gpu_busy_ms = task.gpu_busy_ms.saturating_add(busy);
+                }
             }
         }
         for p in points {
@@ -259,10 +264,12 @@ impl State {
 
     /// After a period's readings: a running job whose whole GPUs all had a
     /// reading under `below` pct in each of the last `window_ms` (all of
-    /// it since its tasks launched) is flagged idle, with an `Idle` event;
-    /// one flagged that has a GPU at or above it in this period is busy
-    /// again (`Busy`). Jobs on MIG devices or shared GPUs have no readings
-    /// of their own and are never flagged.
+    /// it since its tasks launched), and whose fractions of shared GPUs
+    /// had readings of their own processes under it as long, is flagged
+    /// idle, with an `Idle` event; one flagged that has a GPU or fraction
+    /// at or above it in this period is busy again (`Busy`). Jobs on MIG
+    /// devices have no readings of their own and are never flagged, nor
+    /// are fractions on a GPU whose per-process readings are not read.
     pub(super) fn flag_idle_jobs(
         &mut self,
         points: &[super::util::UtilPoint],
@@ -276,13 +283,33 @@ impl State {
         let periods = (window_ms / period_ms).max(1);
         let end = at_ms.saturating_add(period_ms);
         let from = end.saturating_sub(periods * period_ms);
-        let jobs: std::collections::BTreeSet<String> = points
+        let mut jobs: std::collections::BTreeSet<String> = points
             .iter()
             .filter_map(|p| self.gpu_owner.get(&p.gpu))
             .filter_map(|t| self.tasks.get(t))
             .filter(|t| !t.job_id.is_empty())
             .map(|t| t.job_id.clone())
             .collect();
+        // Jobs' fractions: their own readings extend or end their runs.
+        let mut busy_fractions = std::collections::BTreeSet::new();
+        for p in points {
+            for (task_id, util) in &p.tasks {
+                let Some(task) = self
+                    .tasks
+                    .get_mut(task_id)
+                    .filter(|t| !t.state.is_terminal() && t.fraction.is_some())
+                    .filter(|t| !t.job_id.is_empty() && t.gpu_uuids.contains(&p.gpu))
+                else {
+                    continue;
+                };
+                task.quiet =
+                    super::util::QuietRun::next(task.quiet, at_ms, period_ms, *util, below);
+                if task.quiet.is_none() {
+                    busy_fractions.insert(task.job_id.clone());
+                }
+                jobs.insert(task.job_id.clone());
+            }
+        }
         for job_id in jobs {
             let Some(job) = self.jobs.get(&job_id) else {
                 continue;
@@ -295,7 +322,21 @@ impl State {
             let (mut sum, mut n, mut gpus) = (0u64, 0u64, 0usize);
             for task in job.current_tasks().iter().filter_map(|t| self.tasks.get(t)) {
                 if task.fraction.is_some() {
-                    idle = false;
+                    gpus += 1;
+                    match task.quiet {
+                        // A run of the whole window (its periods, not
+                        // cut short by the cluster's start), to its end.
+                        Some(q)
+                            if task.created_at_ms <= from
+                                && q.n >= periods
+                                && q.from_ms <= from
+                                && q.to_ms >= end =>
+                        {
+                            sum += q.sum;
+                            n += q.n;
+                        }
+                        _ => idle = false,
+                    }
                     continue;
                 }
                 for g in &task.gpu_uuids {
@@ -313,14 +354,15 @@ impl State {
                 }
             }
             let idle = idle && gpus > 0;
-            let busy_now = points.iter().any(|p| {
-                p.util_pct >= below
-                    && self
-                        .gpu_owner
-                        .get(&p.gpu)
-                        .and_then(|t| self.tasks.get(t))
-                        .is_some_and(|t| t.job_id == job_id)
-            });
+            let busy_now = busy_fractions.contains(&job_id)
+                || points.iter().any(|p| {
+                    p.util_pct >= below
+                        && self
+                            .gpu_owner
+                            .get(&p.gpu)
+                            .and_then(|t| self.tasks.get(t))
+                            .is_some_and(|t| t.job_id == job_id)
+                });
             let was_idle = job.idle_since_ms.is_some();
             let mean = sum as f64 / n.max(1) as f64;
             let stop_after = self

@@ -176,7 +176,8 @@ impl Ledger {
 
     /// [`Ledger::charge_busy`] for a task holding `share_milli`/1000 of
     /// the GPU (a fraction): sampled for its share of the period, busy for
-    /// what it used of the whole GPU, at most its share.
+    /// what it used of the whole GPU, at most its share. Returns the
+    /// (sampled, busy) ms charged.
     pub fn charge_busy_share(
         &mut self,
         charge: &Charge,
@@ -184,7 +185,7 @@ impl Ledger {
         period_ms: u64,
         util_pct: u8,
         share_milli: u64,
-    ) {
+    ) -> (u64, u64) {
         let sampled = period_ms * share_milli.min(1000) / 1000;
         let busy = (period_ms * u64::from(util_pct.min(100)) / 100).min(sampled);
         let row = self
@@ -193,6 +194,7 @@ impl Ledger {
             .or_default();
         row.gpu_sampled_ms = row.gpu_sampled_ms.saturating_add(sampled);
         row.gpu_busy_ms = row.gpu_busy_ms.saturating_add(busy);
+        (sampled, busy)
     }
 
     /// Rows of hours that end after `since_ms`.
@@ -305,8 +307,23 @@ pub fn report(
                     continue;
                 }
                 let mut t = c.over(start, end.max(start));
-                // Busy time from the GPUs' history (a day of periods).
-                if task.fraction.is_none() {
+                // Busy time: a fraction's own readings (scaled to the part
+                // of its life in the window); whole GPUs' from their
+                // history (a day of periods).
+                if task.fraction.is_some() {
+                    let life = end.saturating_sub(task.created_at_ms);
+                    let inside = end.saturating_sub(start);
+                    let part = |ms: u64| {
+                        if life == 0 || inside >= life {
+                            ms
+                        } else {
+                            u64::try_from(u128::from(ms) * u128::from(inside) / u128::from(life))
+                                .unwrap_or(ms)
+                        }
+                    };
+                    t.gpu_sampled_ms += part(task.gpu_sampled_ms);
+                    t.gpu_busy_ms += part(task.gpu_busy_ms);
+                } else {
                     for g in &task.gpu_uuids {
                         if let Some(h) = state.util_history().gpu(g) {
                             for (_, util, _) in h.points(start, end) {

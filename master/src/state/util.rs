@@ -25,6 +25,50 @@ pub const NO_DATA: u8 = 255;
 pub const MAX_POINTS_PER_COMMAND: usize = 4096;
 const HOUR_MS: u64 = super::usage::HOUR_MS;
 
+/// An unbroken run of a fraction's own readings (its processes') under the
+/// idle threshold: periods from `from_ms` to `to_ms` (the end of the last
+/// one), the sum and count of their readings. A period without a reading
+/// of it, or one at or over the threshold, ends the run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QuietRun {
+    pub from_ms: u64,
+    pub to_ms: u64,
+    pub sum: u64,
+    pub n: u64,
+}
+
+impl QuietRun {
+    /// The run after a period at `at_ms` read `util` (`below`: the
+    /// threshold): extended when it follows on, begun again after a gap,
+    /// none at or over the threshold.
+    pub fn next(
+        run: Option<QuietRun>,
+        at_ms: u64,
+        period_ms: u64,
+        util: u8,
+        below: u8,
+    ) -> Option<QuietRun> {
+        if util >= below {
+            return None;
+        }
+        let to_ms = at_ms.saturating_add(period_ms);
+        Some(match run {
+            Some(r) if r.to_ms == at_ms => QuietRun {
+                to_ms,
+                sum: r.sum.saturating_add(u64::from(util)),
+                n: r.n.saturating_add(1),
+                ..r
+            },
+            _ => QuietRun {
+                from_ms: at_ms,
+                to_ms,
+                sum: u64::from(util),
+                n: 1,
+            },
+        })
+    }
+}
+
 /// One GPU's mean over one period, as the leader proposes it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct UtilPoint {
