@@ -969,3 +969,135 @@ fn a_user_logs_in_with_a_token() {
         .status
         .success());
 }
+
+/// Issue 39: accounting is each tenant's own. Tokens of two tenants (two
+/// of vision's) run jobs on a secure three-master cluster; at every
+/// master (followers answer too), `gpuctl usage` with a user's token shows
+/// only its tenant's rows, by tenant, token, job and GPU model; the admin
+/// sees both tenants. A job's utilization curves are refused to another
+/// tenant's token and given to its own.
+#[test]
+fn a_tenants_token_sees_only_its_own_usage_at_every_master() {
+    let c = Secure::start();
+    let vision = c.token(&["--role", "user", "--tenant", "vision"]);
+    let vision2 = c.token(&["--role", "user", "--tenant", "vision"]);
+    let nlp = c.token(&["--role", "user", "--tenant", "nlp"]);
+    let run = |token: &str, name: &str| {
+        let id = c
+            .ok_with(
+                Some(token),
+                &[
+                    "jobs", "submit", "--name", name, "--gpus", "1", "--", "sleep", "1",
+                ],
+            )
+            .trim()
+            .to_string();
+        c.ok_with(Some(token), &["jobs", "wait", &id, "--timeout", "60"]);
+        id
+    };
+    let v1 = run(&vision, "v1");
+    let v2 = run(&vision2, "v2");
+    let n1 = run(&nlp, "n1");
+    // A token's id: what `usage --by user` names it by.
+    let id_of = |t: &str| t[4..20].to_string();
+    let at = |addr: &str, token: Option<&str>, by: &str| -> Value {
+        let mut cmd = Command::new(bin("gpuctl"));
+        cmd.arg("--config")
+            .arg(c.pki.join("gpuctl.toml"))
+            .args([
+                "--master", addr, "usage", "--since", "1d", "--by", by, "--json",
+            ])
+            .env_remove("GPUCTL_TOKEN")
+            .env_remove("GPUCTL_MASTER")
+            .stdin(Stdio::null());
+        if let Some(t) = token {
+            cmd.env("GPUCTL_TOKEN", t);
+        }
+        let out = cmd.output().unwrap();
+        assert!(
+            out.status.success(),
+            "usage at {addr}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    // (key, tenant, tasks) of each row.
+    let rows = |r: &Value| -> Vec<(String, String, u64)> {
+        let mut v: Vec<(String, String, u64)> = r["rows"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|row| {
+                (
+                    row["key"].as_str().unwrap().to_string(),
+                    row["tenant"].as_str().unwrap_or_default().to_string(),
+                    row["tasks"].as_u64().unwrap(),
+                )
+            })
+            .collect();
+        v.sort();
+        v
+    };
+    let s = |x: &str| x.to_string();
+    for (id, addr, _) in &c.masters {
+        // A follower may be a moment behind the last task's end.
+        wait_for(Duration::from_secs(20), "the master has all three", || {
+            rows(&at(addr, None, "tenant"))
+                .iter()
+                .map(|r| r.2)
+                .sum::<u64>()
+                == 3
+        });
+        assert_eq!(
+            rows(&at(addr, None, "tenant")),
+            [(s("nlp"), s(""), 1), (s("vision"), s(""), 2)],
+            "master {id}"
+        );
+        assert_eq!(
+            rows(&at(addr, Some(&vision), "tenant")),
+            [(s("vision"), s(""), 2)],
+            "master {id}"
+        );
+        let mut users = vec![
+            (id_of(&vision), s("vision"), 1),
+            (id_of(&vision2), s("vision"), 1),
+        ];
+        users.sort();
+        assert_eq!(
+            rows(&at(addr, Some(&vision2), "user")),
+            users,
+            "master {id}"
+        );
+        let mut jobs = vec![(v1.clone(), s("vision"), 1), (v2.clone(), s("vision"), 1)];
+        jobs.sort();
+        assert_eq!(rows(&at(addr, Some(&vision), "job")), jobs, "master {id}");
+        assert_eq!(
+            rows(&at(addr, Some(&nlp), "job")),
+            [(n1.clone(), s("nlp"), 1)],
+            "master {id}"
+        );
+        let models = rows(&at(addr, Some(&nlp), "gpu-model"));
+        assert_eq!(models.len(), 1, "master {id}: {models:?}");
+        assert_eq!(models[0].2, 1, "master {id}: only nlp's task: {models:?}");
+    }
+    // A job's curves: its tenant's, and nobody else's.
+    let leader = c.leader_addr();
+    rt().block_on(async {
+        let chan = channel(&leader, Some(&c.client_tls()), CertRole::Master);
+        let mut op = pb::operator_client::OperatorClient::new(chan);
+        let ask = |job: &str| pb::UtilizationRequest {
+            job_id: job.into(),
+            ..Default::default()
+        };
+        let refused = op
+            .utilization(with_token(ask(&v1), &nlp))
+            .await
+            .unwrap_err();
+        assert_eq!(refused.code(), Code::PermissionDenied, "{refused:?}");
+        assert!(refused.message().contains(&v1), "{}", refused.message());
+        op.utilization(with_token(ask(&v1), &vision2))
+            .await
+            .unwrap();
+        op.utilization(with_token(ask(&n1), &nlp)).await.unwrap();
+    });
+}

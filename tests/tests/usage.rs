@@ -355,3 +355,173 @@ fn usage_shows_each_jobs_mean_utilization_beside_its_gpu_hours() {
     let table = c.ok(&["usage", "--by", "job"]);
     assert!(table.contains("87%"), "{table}");
 }
+
+/// Issue 39, item 2, on a shared GPU: NVML's per-process utilization
+/// (fake-nvml's `sm_util_pct`) of two real fraction tasks' processes, found
+/// from outside by their environment. The agent attributes each process to
+/// its task by cgroup; each tenant is charged its own task's use against
+/// its share, not the whole GPU's 100%: half the GPU with processes using
+/// 30% + 10% of it was 80% busy; a quarter whose process used 60% was busy
+/// all of its quarter (and no more); a process of no task's is charged to
+/// nobody. The tenant and job views say the same. Item 3 too: a fraction
+/// whose processes stop using the GPU is flagged idle while the GPU is
+/// busy with its neighbour's.
+#[test]
+fn fractions_of_a_shared_gpu_are_charged_their_own_processes_utilization() {
+    if !nix::unistd::Uid::effective().is_root() {
+        eprintln!("skipped: task cgroups need root");
+        return;
+    }
+    let (c, machine) = fake_nvml_cluster(&["--idle-window", "3s"]);
+    c.ok(&["gpus", "share", GPU0, "--mode", "time-slice"]);
+    let marker = "PROCUTIL";
+    let value = gpuctl_tests::test_marker("procutil");
+    let env = format!("{marker}={value}");
+    let fraction = |name: &str, tenant: &str, mem: &str| {
+        let id = c.submit(&[
+            "--name",
+            name,
+            "--tenant",
+            tenant,
+            "--gpu-mem",
+            mem,
+            "--cpus",
+            "0.1",
+            "--env",
+            &env,
+            "--",
+            "sh",
+            "-c",
+            "sleep 600 & sleep 600",
+        ]);
+        let j = c.wait_state(&id, "RUNNING", Duration::from_secs(30));
+        assert_eq!(j["tasks"][0]["gpus"][0], GPU0, "{j}");
+        (id, j["tasks"][0]["id"].as_str().unwrap().to_string())
+    };
+    let (half, half_task) = fraction("half", "alpha", "20GiB");
+    let (quarter, quarter_task) = fraction("quarter", "beta", "10GiB");
+    let mut pids: std::collections::HashMap<String, Vec<i32>> = Default::default();
+    gpuctl_tests::wait_for(Duration::from_secs(10), "the tasks' processes", || {
+        pids.clear();
+        for t in gpuctl_tests::live_tasks(marker, &value) {
+            pids.entry(t.task_id).or_default().push(t.pid);
+        }
+        pids.get(&half_task).is_some_and(|p| p.len() >= 2) && pids.contains_key(&quarter_task)
+    });
+    let procs = serde_json::json!([
+        { "pid": 1, "memory_used_mib": 100, "sm_util_pct": 5 },
+        { "pid": pids[&half_task][0], "memory_used_mib": 1000, "sm_util_pct": 30 },
+        { "pid": pids[&half_task][1], "memory_used_mib": 1000, "sm_util_pct": 10 },
+        { "pid": pids[&quarter_task][0], "memory_used_mib": 1000, "sm_util_pct": 60 },
+    ]);
+    let machine_with = |procs: Value| {
+        gpuctl_tests::write_fake_machine(
+            &machine,
+            &serde_json::json!({
+                "gpus": [
+                    { "uuid": GPU0, "name": "NVIDIA A100-SXM4-40GB", "memory_total_mib": 40960,
+                      "memory_used_mib": 3100, "utilization_gpu_pct": 100, "processes": procs },
+                    { "uuid": GPU1, "name": "NVIDIA A100-SXM4-40GB", "memory_total_mib": 40960 }
+                ],
+                "events": []
+            }),
+        )
+    };
+    machine_with(procs.clone());
+    // (sampled, busy) ms of `key`'s row, by `by`; zeros before its first.
+    let read = |by: &str, key: &str| -> (u64, u64) {
+        let r: Value = serde_json::from_str(&c.ok(&["usage", "--by", by, "--json"])).unwrap();
+        r["rows"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|row| row["key"] == key)
+            .map(|row| {
+                (
+                    row["gpu_sampled_ms"].as_u64().unwrap_or(0),
+                    row["gpu_busy_ms"].as_u64().unwrap_or(0),
+                )
+            })
+            .unwrap_or((0, 0))
+    };
+    // The first period with readings may hold the change half-way; every
+    // later one is whole. Compare from after the first.
+    gpuctl_tests::wait_for(Duration::from_secs(30), "alpha's first reading", || {
+        read("tenant", "alpha").0 > 0
+    });
+    let start: Vec<(u64, u64)> = [
+        ("tenant", "alpha"),
+        ("tenant", "beta"),
+        ("job", half.as_str()),
+        ("job", quarter.as_str()),
+    ]
+    .iter()
+    .map(|(by, k)| read(by, k))
+    .collect();
+    // Four whole periods more of alpha's half (500 ms of each second).
+    gpuctl_tests::wait_for(Duration::from_secs(30), "four more periods", || {
+        read("tenant", "alpha").0 >= start[0].0 + 4 * 500
+    });
+    let end: Vec<(u64, u64)> = [
+        ("tenant", "alpha"),
+        ("tenant", "beta"),
+        ("job", half.as_str()),
+        ("job", quarter.as_str()),
+    ]
+    .iter()
+    .map(|(by, k)| read(by, k))
+    .collect();
+    let delta = |i: usize| (end[i].0 - start[i].0, end[i].1 - start[i].1);
+    for (i, what, share_ms, busy_pct) in [
+        (0, "alpha", 500, 80),
+        (1, "beta", 250, 100),
+        (2, "the half job", 500, 80),
+        (3, "the quarter job", 250, 100),
+    ] {
+        let (sampled, busy) = delta(i);
+        assert!(
+            sampled > 0 && sampled % share_ms == 0,
+            "{what}: {sampled} ms sampled is not whole periods of its share: {start:?} {end:?}"
+        );
+        assert_eq!(
+            busy * 100,
+            sampled * busy_pct,
+            "{what}: {busy} of {sampled} ms busy: {start:?} {end:?}"
+        );
+    }
+    // Nobody else was charged GPU time: the default tenant holds nothing.
+    assert_eq!(read("tenant", "default").0, 0);
+    // Idle by its own readings: the quarter's process stops using the GPU
+    // (NVML lists it no more, so it reads 0 while the GPU reads 100%) and
+    // its job is flagged idle after the window (3 s); the half's processes
+    // still use 40%, so it is not. Back at 60%, the quarter is busy again.
+    let listed = |id: &str| -> Value {
+        c.json(&["jobs", "list", "--json"])
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|j| j["id"] == id)
+            .unwrap()
+            .clone()
+    };
+    let mut without_quarter = procs.clone();
+    without_quarter.as_array_mut().unwrap().pop();
+    machine_with(without_quarter);
+    let flagged = gpuctl_tests::try_wait_for(Duration::from_secs(30), || {
+        listed(&quarter)["idle_since_ms"].as_u64().is_some()
+    });
+    assert!(flagged, "{}", listed(&quarter));
+    assert!(
+        listed(&half).get("idle_since_ms").is_none(),
+        "{}",
+        listed(&half)
+    );
+    machine_with(procs);
+    let busy_again = gpuctl_tests::try_wait_for(Duration::from_secs(30), || {
+        listed(&quarter)["idle_since_ms"].is_null()
+    });
+    assert!(busy_again, "{}", listed(&quarter));
+    for j in [&half, &quarter] {
+        c.ok(&["jobs", "cancel", j]);
+    }
+}
