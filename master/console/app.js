@@ -529,8 +529,9 @@ function jobPage(root, id) {
     job = j;
     renderJob(job, { title, state, cancel, why, details, tasks, events });
     if (u.gpus.length) {
-      $("#job-charts").replaceChildren(...u.gpus.map((s) => h("div", { class: "chart-box", dataset: { gpu: s.gpu, task: s.task_id } },
-        h("div", { class: "chart-title", title: s.gpu }, `${s.task_id}: ${s.gpu}`),
+      // A fraction's curve is its own processes' share of the shared GPU.
+      $("#job-charts").replaceChildren(...u.gpus.map((s) => h("div", { class: "chart-box", dataset: { gpu: s.gpu, task: s.task_id, own: s.own ? "1" : "" } },
+        h("div", { class: "chart-title", title: s.gpu }, `${s.task_id}: ${s.gpu}${s.own ? " (its processes' share)" : ""}`),
         chart([
           { name: "util", cls: "l-util", points: s.util },
           { name: "mem", cls: "l-mem", points: s.mem },

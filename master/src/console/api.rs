@@ -305,6 +305,7 @@ async fn utilization(
             json!({
                 "gpu": g.gpu,
                 "task_id": g.task_id,
+                "own": g.own,
                 "start_ms": g.start_ms,
                 "period_ms": g.period_ms,
                 "util": points(&g.util),

@@ -46,9 +46,14 @@ struct UtilAcc {
     /// Per GPU, each task's per-process utilization sum over those
     /// readings (a reading without the task counts as 0).
     task_sums: HashMap<String, std::collections::BTreeMap<String, u64>>,
-    /// Per GPU, its agent and how many of its readings had the
-    /// per-process readings read (the tasks' means are over those).
-    task_reads: HashMap<String, (String, u64)>,
+    /// Per GPU, how many of its readings had the per-process readings
+    /// read (the tasks' means are over those).
+    task_reads: HashMap<String, u64>,
+    /// Per GPU, each task's memory-percent sum (of the GPU's) over all
+    /// the readings (a reading without the task counts as 0).
+    task_mem_sums: HashMap<String, std::collections::BTreeMap<String, u64>>,
+    /// Per GPU, the agent that read it in this period.
+    agents: HashMap<String, String>,
     /// Per GPU, the agent's time of the last reading counted: a heartbeat
     /// repeats its agent's latest reading until a new one is taken.
     last_at: HashMap<String, u64>,
@@ -127,12 +132,22 @@ impl Liveness {
             e.0 += u64::from(s.utilization_pct.min(100));
             e.1 += mem_pct;
             e.2 += 1;
+            if acc.agents.get(&r.uuid).map(String::as_str) != Some(agent_id) {
+                acc.agents.insert(r.uuid.clone(), agent_id.to_string());
+            }
             if s.task_utilization_read {
-                let r = acc
-                    .task_reads
-                    .entry(r.uuid.clone())
-                    .or_insert_with(|| (agent_id.to_string(), 0));
-                r.1 += 1;
+                *acc.task_reads.entry(r.uuid.clone()).or_default() += 1;
+            }
+            if !s.task_memory_used_mib.is_empty() {
+                let t = acc.task_mem_sums.entry(r.uuid.clone()).or_default();
+                for (task, mib) in &s.task_memory_used_mib {
+                    let pct = mib
+                        .saturating_mul(100)
+                        .checked_div(s.memory_total_mib)
+                        .unwrap_or(0)
+                        .min(100);
+                    *t.entry(task.clone()).or_default() += pct;
+                }
             }
             if !s.task_utilization_pct.is_empty() {
                 let t = acc.task_sums.entry(r.uuid.clone()).or_default();
@@ -148,7 +163,8 @@ impl Liveness {
     /// of `period_ms`. On a GPU whose per-process readings were read, each
     /// task `holders(agent, gpu)` names (the fractions held) that no
     /// reading listed is given 0: it used none, which is a reading (and
-    /// counts towards idle), where a GPU not read gives nothing.
+    /// counts towards idle), where a GPU not read gives nothing. Each
+    /// holder's memory mean comes too.
     pub fn take_period(
         &self,
         now_ms: u64,
@@ -163,6 +179,8 @@ impl Liveness {
             acc.sums.clear();
             acc.task_sums.clear();
             acc.task_reads.clear();
+            acc.task_mem_sums.clear();
+            acc.agents.clear();
             return None;
         }
         if current <= acc.start_ms {
@@ -171,21 +189,36 @@ impl Liveness {
         let start = std::mem::replace(&mut acc.start_ms, current);
         let mut task_sums = std::mem::take(&mut acc.task_sums);
         let mut task_reads = std::mem::take(&mut acc.task_reads);
+        let mut task_mem_sums = std::mem::take(&mut acc.task_mem_sums);
+        let agents = std::mem::take(&mut acc.agents);
         let mut points: Vec<UtilPoint> = std::mem::take(&mut acc.sums)
             .into_iter()
             .filter(|(_, (_, _, n))| *n > 0)
             .map(|(gpu, (u, m, n))| {
                 let mut tasks = task_sums.remove(&gpu).unwrap_or_default();
+                let held = agents
+                    .get(&gpu)
+                    .map(|agent| holders(agent, &gpu))
+                    .unwrap_or_default();
                 // Over the readings that were read (an agent of before
                 // the flag: over all of them).
                 let mut over = n;
-                if let Some((agent, reads)) = task_reads.remove(&gpu) {
+                if let Some(reads) = task_reads.remove(&gpu) {
                     over = reads;
-                    for t in holders(&agent, &gpu) {
-                        tasks.entry(t).or_insert(0);
+                    for t in &held {
+                        tasks.entry(t.clone()).or_insert(0);
                     }
                 }
+                let mem = task_mem_sums.remove(&gpu).unwrap_or_default();
+                let task_mem = held
+                    .iter()
+                    .map(|t| {
+                        let sum = mem.get(t).copied().unwrap_or(0);
+                        (t.clone(), u8::try_from(sum / n).unwrap_or(100))
+                    })
+                    .collect();
                 UtilPoint {
+                    task_mem,
                     tasks: tasks
                         .into_iter()
                         .map(|(t, sum)| (t, u8::try_from(sum / over.max(1)).unwrap_or(100)))
@@ -509,10 +542,17 @@ mod tests {
         if let Some(s) = read.sample.as_mut() {
             s.task_utilization_pct = [("fw.t1".to_string(), 40)].into();
             s.task_utilization_read = true;
+            s.task_memory_used_mib = [("fw.t1".to_string(), 200)].into();
         }
         l.record_gpus("a", vec![read, report("g1", 10, 0, 12)]);
-        // One whose per-process readings failed: not counted for tasks.
-        l.record_gpus("a", vec![report("g0", 50, 0, 13)]);
+        // One whose per-process readings failed: not counted for tasks
+        // (their memory is: a list of processes of its own).
+        let mut failed = report("g0", 50, 0, 13);
+        if let Some(s) = failed.sample.as_mut() {
+            s.task_memory_used_mib =
+                [("fw.t1".to_string(), 400), ("fw.t3".to_string(), 100)].into();
+        }
+        l.record_gpus("a", vec![failed]);
         let holders = |agent: &str, gpu: &str| -> Vec<String> {
             assert_eq!(agent, "a");
             match gpu {
@@ -525,6 +565,13 @@ mod tests {
             points[0].tasks,
             [("fw.t1".to_string(), 40), ("fw.t3".to_string(), 0)]
         );
+        // Each holder's memory: its mean over all the GPU's readings, in
+        // percent of the GPU's (20% and 40% of it; 0% and 10%).
+        assert_eq!(
+            points[0].task_mem,
+            [("fw.t1".to_string(), 30), ("fw.t3".to_string(), 5)]
+        );
+        assert_eq!(points[1].task_mem, [("fw.t9".to_string(), 0)]);
         assert_eq!(points[1].gpu, "g1");
         assert!(points[1].tasks.is_empty(), "{:?}", points[1]);
         // A period with no new reading proposes nothing.

@@ -486,8 +486,8 @@ impl OperatorService {
         }
         let state = self.ctx.raft.state();
         let history = state.util_history();
-        // (gpu, task, from, to)
-        let mut wanted: Vec<(String, String, u64, u64)> = Vec::new();
+        // (gpu, task, from, to, the task's own readings)
+        let mut wanted: Vec<(String, String, u64, u64, bool)> = Vec::new();
         if req.job_id.is_empty() {
             let all: Vec<&String> = if req.gpus.is_empty() {
                 history.gpus.keys().collect()
@@ -496,7 +496,7 @@ impl OperatorService {
             };
             wanted.extend(
                 all.into_iter()
-                    .map(|g| (g.clone(), String::new(), req.since_ms, u64::MAX)),
+                    .map(|g| (g.clone(), String::new(), req.since_ms, u64::MAX, false)),
             );
         } else {
             let job = state
@@ -508,12 +508,16 @@ impl OperatorService {
                 } else {
                     u64::MAX
                 };
+                // A fraction's own curve where it has one: a shared
+                // GPU's is its neighbours' too.
+                let own = t.fraction.is_some() && history.task(&t.id).is_some();
                 for g in &t.gpu_uuids {
                     wanted.push((
                         g.clone(),
                         t.id.clone(),
                         t.created_at_ms.max(req.since_ms),
                         end,
+                        own,
                     ));
                 }
             }
@@ -522,8 +526,12 @@ impl OperatorService {
         wanted.truncate(MAX_GPUS);
         let gpus = wanted
             .into_iter()
-            .filter_map(|(gpu, task_id, from, to)| {
-                let h = history.gpu(&gpu)?;
+            .filter_map(|(gpu, task_id, from, to, own)| {
+                let h = if own {
+                    history.task(&task_id)?
+                } else {
+                    history.gpu(&gpu)?
+                };
                 let first = from.saturating_sub(h.start_ms).div_ceil(h.period_ms.max(1)) as usize;
                 let last = if to == u64::MAX {
                     h.util.len()
@@ -538,6 +546,7 @@ impl OperatorService {
                     mem: h.mem.range(range).copied().collect(),
                     gpu,
                     task_id,
+                    own,
                 })
             })
             .collect();

@@ -69,6 +69,7 @@ impl State {
             if let Some(job) = self.jobs.remove(id) {
                 for t in &job.task_ids {
                     self.tasks.remove(t);
+                    self.util.forget_task(t);
                 }
             }
         }
@@ -86,6 +87,7 @@ impl State {
                 continue;
             }
             self.tasks.remove(id);
+            self.util.forget_task(id);
         }
         Outcome::Done
     }

@@ -685,6 +685,7 @@ fn a_fractions_busy_time_is_its_own_against_its_share() {
         gpu: gpu.into(),
         util_pct: 60,
         mem_pct: 5,
+        task_mem: tasks.iter().map(|(t, _)| (t.clone(), 3)).collect(),
         tasks,
     };
     d.apply(Command::RecordUtilization {
@@ -729,6 +730,24 @@ fn a_fractions_busy_time_is_its_own_against_its_share() {
     );
     // The readings are the task's, in its record, so they outlive it.
     assert_eq!(d.s.task("job-1.0").unwrap().gpu_busy_ms, 12_000);
+    // And its own curve (a job's page draws it): its processes' 20% of
+    // the GPU and 3% of its memory, not the GPU's 60% and 5%; none for the
+    // task named on a GPU it does not hold.
+    let own: Vec<(u64, u8, u8)> =
+        d.s.util_history()
+            .task("job-1.0")
+            .unwrap()
+            .points(0, u64::MAX)
+            .collect();
+    assert_eq!(own, [(60_000, 20, 3)]);
+    let gpu: Vec<(u64, u8, u8)> =
+        d.s.util_history()
+            .gpu("GPU-a-1")
+            .unwrap()
+            .points(0, u64::MAX)
+            .collect();
+    assert_eq!(gpu, [(60_000, 60, 5)]);
+    assert_eq!(d.s.util_history().tasks.len(), 2, "job-1.0 and job-2.0");
 }
 
 /// Issue 39, item 3, on a shared GPU: a job's fraction is idle by its own
@@ -762,6 +781,7 @@ fn a_fraction_is_flagged_idle_by_its_own_readings() {
                 util_pct: 90,
                 mem_pct: 0,
                 tasks: tasks.iter().map(|(t, u)| (t.to_string(), *u)).collect(),
+                task_mem: Vec::new(),
             }],
             idle_window_ms: 3000,
             idle_below_pct: 5,
@@ -798,4 +818,20 @@ fn a_fraction_is_flagged_idle_by_its_own_readings() {
     assert_eq!(job.idle_since_ms, None);
     assert_eq!(job.events.iter().last().unwrap().kind, EventKind::Busy);
     assert_eq!(d.s.task("job-1.0").unwrap().quiet, None);
+    // The fractions' own curves go with their jobs.
+    assert_eq!(d.s.util_history().tasks.len(), 2);
+    for t in ["job-1.0", "job-2.0"] {
+        d.apply(Command::UpdateTaskStatus {
+            update: status("a", t, TaskState::Finished),
+            at_ms: 7000,
+        })
+        .unwrap();
+    }
+    d.apply(Command::ForgetJobs {
+        job_ids: vec![quiet.clone(), busy.clone()],
+        at_ms: 8000,
+    })
+    .unwrap();
+    assert!(d.s.job(&quiet).is_none(), "forgotten");
+    assert!(d.s.util_history().tasks.is_empty());
 }

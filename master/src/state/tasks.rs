@@ -213,8 +213,9 @@ impl State {
     }
 
     /// A period of utilization readings: history, and the busy time of
-    /// each task holding a whole GPU (a MIG device's or a shared GPU's
-    /// readings are the whole GPU's, and are not charged to a task).
+    /// each task holding a whole GPU or a fraction (by its processes' own
+    /// readings, which are its history too); a MIG device's readings are
+    /// its whole GPU's, and are not charged to a task.
     pub(super) fn record_utilization(
         &mut self,
         at_ms: u64,
@@ -245,6 +246,12 @@ impl State {
                     task.gpu_sampled_ms = task.gpu_sampled_ms.saturating_add(sampled);
                     task.gpu_busy_ms = task.gpu_busy_ms.saturating_add(busy);
                 }
+                let mem = p
+                    .task_mem
+                    .iter()
+                    .find(|(t, _)| t == task_id)
+                    .map_or(0, |(_, m)| *m);
+                self.util.record_task(task_id, at_ms, period_ms, *util, mem);
             }
         }
         for p in points {

@@ -487,12 +487,14 @@ mod tests {
                     util_pct: 50,
                     mem_pct: 10,
                     tasks: Vec::new(),
+                    task_mem: Vec::new(),
                 },
                 crate::state::util::UtilPoint {
                     gpu: "GPU-a-3".into(),
                     util_pct: 90,
                     mem_pct: 0,
                     tasks: Vec::new(),
+                    task_mem: Vec::new(),
                 },
             ],
             idle_window_ms: 0,
@@ -565,6 +567,7 @@ mod tests {
                     util_pct: *u,
                     mem_pct: 0,
                     tasks: Vec::new(),
+                    task_mem: Vec::new(),
                 })
                 .collect();
             d.apply(Command::RecordUtilization {

@@ -81,6 +81,10 @@ pub struct UtilPoint {
     /// per-process readings), percent.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tasks: Vec<(String, u8)>,
+    /// The GPU's fractions: each one's mean memory used by its processes,
+    /// percent of the GPU's.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub task_mem: Vec<(String, u8)>,
 }
 
 /// An hour's mean of one GPU; in a snapshot, `[hour_ms, util_sum,
@@ -248,6 +252,11 @@ pub struct History {
     pub gpus: BTreeMap<String, GpuHistory>,
     #[serde(default)]
     pub cluster: ClusterHistory,
+    /// Each fraction task's own readings (its processes' share of the
+    /// GPU's SMs and memory), as a GPU's: a shared GPU's history is the
+    /// whole GPU's. Goes with its task, or after a week without a reading.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub tasks: BTreeMap<String, GpuHistory>,
 }
 
 /// The cluster per period: devices held by tasks, and the sum of every
@@ -313,10 +322,28 @@ impl History {
         }
         let oldest = at_ms.saturating_sub(MAX_HOURS as u64 * HOUR_MS);
         self.gpus.retain(|_, h| h.end_ms() > oldest);
+        self.tasks.retain(|_, h| h.end_ms() > oldest);
+    }
+
+    /// Records a fraction task's own reading of the period at `at_ms`.
+    pub fn record_task(&mut self, task_id: &str, at_ms: u64, period_ms: u64, util: u8, mem: u8) {
+        self.tasks
+            .entry(task_id.to_string())
+            .or_default()
+            .record(at_ms, period_ms, util, mem);
     }
 
     pub fn gpu(&self, uuid: &str) -> Option<&GpuHistory> {
         self.gpus.get(uuid)
+    }
+
+    pub fn task(&self, task_id: &str) -> Option<&GpuHistory> {
+        self.tasks.get(task_id)
+    }
+
+    /// Drops a forgotten task's readings.
+    pub fn forget_task(&mut self, task_id: &str) {
+        self.tasks.remove(task_id);
     }
 }
 
@@ -330,7 +357,33 @@ mod tests {
             util_pct: util,
             mem_pct: util / 2,
             tasks: Vec::new(),
+            task_mem: Vec::new(),
         }
+    }
+
+    /// A fraction task's own ring: recorded like a GPU's, gone with its
+    /// task (`forget_task`) or after a week without a reading.
+    #[test]
+    fn a_tasks_own_readings_are_kept_like_a_gpus() {
+        let mut h = History::default();
+        let m = 60_000;
+        h.record_task("job-1.0", 0, m, 20, 10);
+        h.record_task("job-1.0", 2 * m, m, 40, 12);
+        h.record_task("job-2.0", 0, m, 5, 1);
+        let t = h.task("job-1.0").unwrap();
+        let pts: Vec<(u64, u8, u8)> = t.points(0, u64::MAX).collect();
+        assert_eq!(pts, [(0, 20, 10), (2 * m, 40, 12)]);
+        let back: History = serde_json::from_slice(&serde_json::to_vec(&h).unwrap()).unwrap();
+        assert_eq!(back, h);
+        h.forget_task("job-2.0");
+        assert!(h.task("job-2.0").is_none());
+        // A week later with no reading of it: gone.
+        let later = 3 * m + MAX_HOURS as u64 * HOUR_MS;
+        h.record(later, m, &[point("g", 1)]);
+        assert!(h.task("job-1.0").is_none());
+        // A history without tasks reads as before (older snapshots).
+        let old: History = serde_json::from_str(r#"{"gpus":{}}"#).unwrap();
+        assert!(old.tasks.is_empty());
     }
 
     #[test]
