@@ -365,7 +365,7 @@ fn usage_shows_each_jobs_mean_utilization_beside_its_gpu_hours() {
 /// all of its quarter (and no more); a process of no task's is charged to
 /// nobody. The tenant and job views say the same. Item 3 too: a fraction
 /// whose processes stop using the GPU is flagged idle while the GPU is
-/// busy with its neighbour's.
+/// busy with its neighbour's. Each job's curve is its own processes'.
 #[test]
 fn fractions_of_a_shared_gpu_are_charged_their_own_processes_utilization() {
     if !nix::unistd::Uid::effective().is_root() {
@@ -491,6 +491,44 @@ fn fractions_of_a_shared_gpu_are_charged_their_own_processes_utilization() {
     }
     // Nobody else was charged GPU time: the default tenant holds nothing.
     assert_eq!(read("tenant", "default").0, 0);
+    // Each job's curve is its own processes' (40% and 60% of the GPU's
+    // SMs, 2000 and 1000 MiB of its 40960: 4% and 2%), never the whole
+    // GPU's 100% and 7%; a period that held the change lies in between.
+    let series = |job: &str| -> gpuctl_proto::pb::GpuSeries {
+        let r = tokio::runtime::Runtime::new().unwrap().block_on(async {
+            let mut op = gpuctl_proto::pb::operator_client::OperatorClient::connect(format!(
+                "http://{}",
+                c.master_addr
+            ))
+            .await
+            .unwrap();
+            op.utilization(gpuctl_proto::pb::UtilizationRequest {
+                job_id: job.to_string(),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner()
+        });
+        assert_eq!(r.gpus.len(), 1, "{job}: {r:?}");
+        r.gpus[0].clone()
+    };
+    for (job, util, mem) in [(&half, 40u8, 4u8), (&quarter, 60, 2)] {
+        let s = series(job);
+        assert!(s.own && s.gpu == GPU0, "{job}: {s:?}");
+        let read: Vec<(u8, u8)> = s
+            .util
+            .iter()
+            .zip(&s.mem)
+            .filter(|(u, _)| **u != 255)
+            .map(|(u, m)| (*u, *m))
+            .collect();
+        assert_eq!(read.last(), Some(&(util, mem)), "{job}: {read:?}");
+        assert!(
+            read.iter().all(|(u, m)| *u <= util && *m <= mem),
+            "{job}: {read:?}"
+        );
+    }
     // Idle by its own readings: the quarter's process stops using the GPU
     // (NVML lists it no more, so it reads 0 while the GPU reads 100%) and
     // its job is flagged idle after the window (3 s); the half's processes
