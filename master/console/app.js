@@ -116,6 +116,7 @@ function chart(series, { startMs, periodMs, max = 100, unit = "%", width = 480, 
     const last = [...s.points].reverse().find((v) => v !== null && v !== undefined);
     root.setAttribute(`data-last-${s.name}`, last === undefined ? "" : String(last));
   }
+  if (periodMs) root.setAttribute("data-period-ms", String(periodMs));
   return root;
 }
 
@@ -302,7 +303,7 @@ function overviewPage(root) {
   const summary = h("div", { class: "cards", id: "summary" });
   let windowSel = "1h";
   const windowPick = h("select", { id: "util-window", "aria-label": "window" },
-    ["1h", "1d"].map((w) => h("option", { value: w }, w === "1h" ? "last hour" : "last day")));
+    [["1h", "last hour"], ["1d", "last day"], ["7d", "last week (hourly)"]].map(([w, label]) => h("option", { value: w }, label)));
   windowPick.addEventListener("change", () => { windowSel = windowPick.value; });
   const masters = h("tbody");
   const agents = h("tbody");

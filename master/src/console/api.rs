@@ -287,6 +287,9 @@ async fn utilization(
     } else {
         since(q.window.as_deref(), "1h")?
     };
+    // Past a day (the periods kept), hourly means (a week kept).
+    let hourly = gpuctl_core::time::now_ms().saturating_sub(since_ms) > 24 * 3_600_000
+        && (q.job.is_none() || q.window.is_some());
     let job_id = q.job.unwrap_or_default();
     let r = gw
         .call(Some(RPC_TIMEOUT), |c| {
@@ -294,6 +297,7 @@ async fn utilization(
                 since_ms,
                 gpus: Vec::new(),
                 job_id: job_id.clone(),
+                hourly,
             });
             async move { operator(c).utilization(req).await }
         })
@@ -322,6 +326,7 @@ async fn utilization(
             "used": r.busy_pct_sum.iter().map(|b| f64::from(*b) / 100.0).collect::<Vec<_>>(),
         },
         "truncated": r.truncated,
+        "hourly": hourly,
     }))
 }
 

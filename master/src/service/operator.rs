@@ -532,6 +532,18 @@ impl OperatorService {
                 } else {
                     history.gpu(&gpu)?
                 };
+                if req.hourly {
+                    let (start_ms, util, mem) = h.hourly(from, to);
+                    return (!util.is_empty()).then_some(pb::GpuSeries {
+                        start_ms,
+                        period_ms: crate::state::usage::HOUR_MS,
+                        util,
+                        mem,
+                        gpu,
+                        task_id,
+                        own,
+                    });
+                }
                 let first = from.saturating_sub(h.start_ms).div_ceil(h.period_ms.max(1)) as usize;
                 let last = if to == u64::MAX {
                     h.util.len()
@@ -551,6 +563,17 @@ impl OperatorService {
             })
             .collect();
         let c = &history.cluster;
+        if req.hourly {
+            let (cluster_start_ms, allocated, busy_pct_sum) = c.hourly(req.since_ms);
+            return Ok(pb::UtilizationResponse {
+                gpus,
+                cluster_start_ms,
+                cluster_period_ms: crate::state::usage::HOUR_MS,
+                allocated,
+                busy_pct_sum,
+                truncated,
+            });
+        }
         let first = (req.since_ms.saturating_sub(c.start_ms))
             .div_ceil(c.period_ms.max(1))
             .min(c.allocated.len() as u64) as usize;

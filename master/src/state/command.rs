@@ -30,8 +30,9 @@ use serde::{Deserialize, Serialize};
 ///
 /// 5 (issue 39): `RecordUtilization` names every fraction on a GPU whose
 /// per-process readings were read (0: it used none), keeps each
-/// fraction's own readings in its task and flags a job idle by its
-/// fractions' readings too (version-4 masters would flag other jobs).
+/// fraction's own readings in its task and history, the cluster's hourly
+/// means, and flags a job idle by its fractions' readings too (version-4
+/// masters would flag other jobs).
 pub const COMMAND_VERSION: u32 = 5;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -234,6 +234,29 @@ impl GpuHistory {
         }
     }
 
+    /// The hourly means of the hours in `[from_ms, to_ms)` (an hour
+    /// counts from its start): the first hour's start, then util and mem
+    /// per hour, rounded, [`NO_DATA`] for an hour without a reading.
+    pub fn hourly(&self, from_ms: u64, to_ms: u64) -> (u64, Vec<u8>, Vec<u8>) {
+        let kept = self
+            .hours
+            .iter()
+            .filter(|h| h.hour_ms.saturating_add(HOUR_MS) > from_ms && h.hour_ms < to_ms);
+        let (mut util, mut mem) = (Vec::new(), Vec::new());
+        let mut start = None;
+        for h in kept {
+            let first = *start.get_or_insert(h.hour_ms);
+            let slot = ((h.hour_ms - first) / HOUR_MS) as usize;
+            util.resize(slot, NO_DATA);
+            mem.resize(slot, NO_DATA);
+            let n = u64::from(h.n.max(1));
+            let mean = |sum: u32| u8::try_from((u64::from(sum) * 2 + n) / (2 * n)).unwrap_or(100);
+            util.push(mean(h.util_sum).min(100));
+            mem.push(mean(h.mem_sum).min(100));
+        }
+        (start.unwrap_or(0), util, mem)
+    }
+
     /// The recorded periods in `[from_ms, to_ms)`: (start, util, mem),
     /// periods without a reading left out.
     pub fn points(&self, from_ms: u64, to_ms: u64) -> impl Iterator<Item = (u64, u8, u8)> + '_ {
@@ -260,13 +283,44 @@ pub struct History {
 }
 
 /// The cluster per period: devices held by tasks, and the sum of every
-/// GPU's utilization (percent), for a day of periods.
+/// GPU's utilization (percent), for a day of periods; and their hourly
+/// sums for a week.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct ClusterHistory {
     pub start_ms: u64,
     pub period_ms: u64,
     pub allocated: VecDeque<u32>,
     pub busy_pct_sum: VecDeque<u32>,
+    #[serde(default, skip_serializing_if = "VecDeque::is_empty")]
+    pub hours: VecDeque<ClusterHour>,
+}
+
+/// An hour of the cluster: sums over its periods; in a snapshot,
+/// `[hour_ms, allocated_sum, busy_sum, n]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(from = "(u64, u64, u64, u32)", into = "(u64, u64, u64, u32)")]
+pub struct ClusterHour {
+    pub hour_ms: u64,
+    pub allocated_sum: u64,
+    pub busy_sum: u64,
+    pub n: u32,
+}
+
+impl From<(u64, u64, u64, u32)> for ClusterHour {
+    fn from((hour_ms, allocated_sum, busy_sum, n): (u64, u64, u64, u32)) -> Self {
+        ClusterHour {
+            hour_ms,
+            allocated_sum,
+            busy_sum,
+            n,
+        }
+    }
+}
+
+impl From<ClusterHour> for (u64, u64, u64, u32) {
+    fn from(h: ClusterHour) -> Self {
+        (h.hour_ms, h.allocated_sum, h.busy_sum, h.n)
+    }
 }
 
 impl ClusterHistory {
@@ -280,6 +334,7 @@ impl ClusterHistory {
             *self = ClusterHistory {
                 start_ms: at_ms,
                 period_ms,
+                hours: std::mem::take(&mut self.hours),
                 ..Default::default()
             };
         }
@@ -287,14 +342,37 @@ impl ClusterHistory {
             return;
         }
         let slot = ((at_ms - self.start_ms) / period_ms) as usize;
+        let hour_ms = at_ms - at_ms % HOUR_MS;
         if slot + 1 == self.allocated.len() {
             if let Some(b) = self.busy_pct_sum.back_mut() {
                 *b = b.saturating_add(busy);
+            }
+            if let Some(h) = self.hours.back_mut().filter(|h| h.hour_ms == hour_ms) {
+                h.busy_sum = h.busy_sum.saturating_add(u64::from(busy));
             }
             return;
         }
         if slot < self.allocated.len() {
             return;
+        }
+        match self.hours.back_mut() {
+            Some(h) if h.hour_ms == hour_ms => {
+                h.allocated_sum = h.allocated_sum.saturating_add(u64::from(allocated));
+                h.busy_sum = h.busy_sum.saturating_add(u64::from(busy));
+                h.n = h.n.saturating_add(1);
+            }
+            Some(h) if h.hour_ms > hour_ms => {}
+            _ => {
+                self.hours.push_back(ClusterHour {
+                    hour_ms,
+                    allocated_sum: u64::from(allocated),
+                    busy_sum: u64::from(busy),
+                    n: 1,
+                });
+                while self.hours.len() > MAX_HOURS {
+                    self.hours.pop_front();
+                }
+            }
         }
         let gap = (slot - self.allocated.len()).min(MAX_POINTS);
         for _ in 0..gap {
@@ -308,6 +386,32 @@ impl ClusterHistory {
             self.busy_pct_sum.pop_front();
             self.start_ms += period_ms;
         }
+    }
+}
+
+impl ClusterHistory {
+    /// The hourly means of the hours that end after `from_ms`: the first
+    /// hour's start, then devices held and GPUs busy (percent sum) per
+    /// hour, rounded; 0 for an hour without a period, as in the ring.
+    pub fn hourly(&self, from_ms: u64) -> (u64, Vec<u32>, Vec<u32>) {
+        let (mut allocated, mut busy) = (Vec::new(), Vec::new());
+        let mut start = None;
+        for h in self
+            .hours
+            .iter()
+            .filter(|h| h.hour_ms.saturating_add(HOUR_MS) > from_ms)
+        {
+            let first = *start.get_or_insert(h.hour_ms);
+            let slot = ((h.hour_ms - first) / HOUR_MS) as usize;
+            allocated.resize(slot, 0);
+            busy.resize(slot, 0);
+            let n = u64::from(h.n.max(1));
+            let mean =
+                |sum: u64| u32::try_from((sum.saturating_mul(2) + n) / (2 * n)).unwrap_or(u32::MAX);
+            allocated.push(mean(h.allocated_sum));
+            busy.push(mean(h.busy_sum));
+        }
+        (start.unwrap_or(0), allocated, busy)
     }
 }
 
@@ -359,6 +463,45 @@ mod tests {
             tasks: Vec::new(),
             task_mem: Vec::new(),
         }
+    }
+
+    /// A week at an hour a point: each GPU's hourly means, gaps as
+    /// no-reading, and the cluster's held and busy per hour (the busy of a
+    /// period that came in two commands counted whole, its held once).
+    #[test]
+    fn hourly_means_serve_a_week() {
+        let mut h = History::default();
+        let m = 60_000;
+        // Hour 0: 10% then 30%; hour 1: nothing; hour 2: 51% and 52%.
+        h.record(0, m, &[point("g", 10)]);
+        h.record(m, m, &[point("g", 30)]);
+        h.record(2 * HOUR_MS, m, &[point("g", 51)]);
+        h.record(2 * HOUR_MS + m, m, &[point("g", 52)]);
+        let g = h.gpu("g").unwrap();
+        let (start, util, mem) = g.hourly(0, u64::MAX);
+        assert_eq!(start, 0);
+        assert_eq!(util, [20, NO_DATA, 52]);
+        assert_eq!(mem, [10, NO_DATA, 26]);
+        // From within hour 2: that hour only; up to hour 2: hour 0 only.
+        assert_eq!(
+            g.hourly(2 * HOUR_MS + 1, u64::MAX),
+            (2 * HOUR_MS, vec![52], vec![26])
+        );
+        assert_eq!(g.hourly(0, HOUR_MS).1, [20]);
+        assert_eq!(History::default().gpus.len(), 0);
+        let mut c = ClusterHistory::default();
+        c.record(0, m, 2, 100);
+        c.record(0, m, 2, 50); // the same period's second command
+        c.record(m, m, 4, 250);
+        c.record(2 * HOUR_MS, m, 1, 0);
+        assert_eq!(c.hourly(0), (0, vec![3, 0, 1], vec![200, 0, 0]));
+        assert_eq!(c.hourly(HOUR_MS + 1).0, 2 * HOUR_MS);
+        let back: ClusterHistory =
+            serde_json::from_slice(&serde_json::to_vec(&c).unwrap()).unwrap();
+        assert_eq!(back, c);
+        // A period change keeps the hours.
+        c.record(2 * HOUR_MS + 10 * m, 2 * m, 3, 0);
+        assert_eq!(c.hourly(0).1, [3, 0, 2]);
     }
 
     /// A fraction task's own ring: recorded like a GPU's, gone with its
