@@ -627,6 +627,16 @@ fn console_draws_utilization_curves_that_follow_the_gpus() {
     // The day's window draws the same GPU.
     b.eval("(() => { const s = document.querySelector('#util-window'); s.value = '1d'; s.dispatchEvent(new Event('change')); })()");
     b.wait_for("the day's curve", &format!("{gpu1_last} === '20'"), T);
+    // The week's window: hourly means, this hour's between its 87% and 20%.
+    b.eval("(() => { const s = document.querySelector('#util-window'); s.value = '7d'; s.dispatchEvent(new Event('change')); })()");
+    b.wait_for(
+        "the week's hourly curve",
+        &format!(
+            "document.querySelector('#gpu-charts [data-gpu=\"{GPU1}\"] svg.chart')?.dataset.periodMs === '3600000' && \
+             (v => v >= 20 && v <= 87)(Number({gpu1_last} ?? 'x'))"
+        ),
+        T,
+    );
 
     // The job's page: a curve per GPU it holds.
     b.goto(&format!("{base}#/jobs/{job}"));

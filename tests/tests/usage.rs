@@ -354,6 +354,41 @@ fn usage_shows_each_jobs_mean_utilization_beside_its_gpu_hours() {
     assert!(util > 20.0 && util < 70.0, "{m}");
     let table = c.ok(&["usage", "--by", "job"]);
     assert!(table.contains("87%"), "{table}");
+    // The week's view: hourly means of each GPU (87% and 30% of memory
+    // all along; 0%), and the cluster's per hour.
+    let r = tokio::runtime::Runtime::new().unwrap().block_on(async {
+        let mut op = gpuctl_proto::pb::operator_client::OperatorClient::connect(format!(
+            "http://{}",
+            c.master_addr
+        ))
+        .await
+        .unwrap();
+        op.utilization(gpuctl_proto::pb::UtilizationRequest {
+            hourly: true,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+    });
+    for (gpu, util, mem) in [(GPU1, 87u8, 30u8), (GPU0, 0, 0)] {
+        let s = r.gpus.iter().find(|s| s.gpu == gpu).unwrap();
+        assert_eq!(s.period_ms, 3_600_000, "{s:?}");
+        assert_eq!(s.start_ms % 3_600_000, 0, "{s:?}");
+        let read: Vec<(u8, u8)> = s
+            .util
+            .iter()
+            .zip(&s.mem)
+            .filter(|(u, _)| **u != 255)
+            .map(|(u, m)| (*u, *m))
+            .collect();
+        assert!(
+            !read.is_empty() && read.iter().all(|p| *p == (util, mem)),
+            "{gpu}: {read:?}"
+        );
+    }
+    assert_eq!(r.cluster_period_ms, 3_600_000);
+    assert!(!r.allocated.is_empty(), "{r:?}");
 }
 
 /// Issue 39, item 2, on a shared GPU: NVML's per-process utilization
