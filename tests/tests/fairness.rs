@@ -330,11 +330,23 @@ fn a_framework_that_came_second_gets_its_drf_share_back_by_reclaim() {
         std::thread::sleep(Duration::from_secs(2));
         let came = Instant::now();
         rt.block_on(second.start(c.master_addr.clone(), test));
+        // On a failure, the frameworks' last task updates say what ended
+        // their tasks (CI saw A's three vanish once after the split).
+        let last_updates = |u: &Arc<Mutex<Vec<pb::TaskStatus>>>| -> Vec<String> {
+            let u = u.lock().unwrap();
+            u.iter()
+                .rev()
+                .take(8)
+                .map(|s| format!("{} {:?} {:?} {}", s.task_id, s.state, s.reason, s.message))
+                .collect()
+        };
         settles("A3/B2 by reclaim", Duration::from_secs(30), || {
             let live = (live_tasks(&ma), live_tasks(&mb));
-            (live == (3, 2))
-                .then_some(())
-                .ok_or(format!("live A/B {live:?}"))
+            (live == (3, 2)).then_some(()).ok_or(format!(
+                "live A/B {live:?}; A's last updates {:?}; B's {:?}",
+                last_updates(&upd_a),
+                last_updates(&upd_b)
+            ))
         });
         eprintln!(
             "{test}: A3/B2 {:?} after the second subscribed",
