@@ -198,6 +198,32 @@ fn write_machine(path: &std::path::Path, util0: u32) {
     );
 }
 
+/// `Operator.Utilization` at the master.
+fn utilization(
+    c: &gpuctl_tests::Cluster,
+    req: gpuctl_proto::pb::UtilizationRequest,
+) -> gpuctl_proto::pb::UtilizationResponse {
+    tokio::runtime::Runtime::new().unwrap().block_on(async {
+        let mut op = gpuctl_proto::pb::operator_client::OperatorClient::connect(format!(
+            "http://{}",
+            c.master_addr
+        ))
+        .await
+        .unwrap();
+        op.utilization(req).await.unwrap().into_inner()
+    })
+}
+
+/// A series' (util, mem) of each period with a reading.
+fn readings(s: &gpuctl_proto::pb::GpuSeries) -> Vec<(u8, u8)> {
+    s.util
+        .iter()
+        .zip(&s.mem)
+        .filter(|(u, _)| **u != 255)
+        .map(|(u, m)| (*u, *m))
+        .collect()
+}
+
 /// A master recording utilization every second (`extra`: more flags) and
 /// an agent on fake-nvml's two GPUs.
 fn fake_nvml_cluster(extra: &[&str]) -> (gpuctl_tests::Cluster, std::path::PathBuf) {
@@ -356,32 +382,18 @@ fn usage_shows_each_jobs_mean_utilization_beside_its_gpu_hours() {
     assert!(table.contains("87%"), "{table}");
     // The week's view: hourly means of each GPU (87% and 30% of memory
     // all along; 0%), and the cluster's per hour.
-    let r = tokio::runtime::Runtime::new().unwrap().block_on(async {
-        let mut op = gpuctl_proto::pb::operator_client::OperatorClient::connect(format!(
-            "http://{}",
-            c.master_addr
-        ))
-        .await
-        .unwrap();
-        op.utilization(gpuctl_proto::pb::UtilizationRequest {
+    let r = utilization(
+        &c,
+        gpuctl_proto::pb::UtilizationRequest {
             hourly: true,
             ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner()
-    });
+        },
+    );
     for (gpu, util, mem) in [(GPU1, 87u8, 30u8), (GPU0, 0, 0)] {
         let s = r.gpus.iter().find(|s| s.gpu == gpu).unwrap();
         assert_eq!(s.period_ms, 3_600_000, "{s:?}");
         assert_eq!(s.start_ms % 3_600_000, 0, "{s:?}");
-        let read: Vec<(u8, u8)> = s
-            .util
-            .iter()
-            .zip(&s.mem)
-            .filter(|(u, _)| **u != 255)
-            .map(|(u, m)| (*u, *m))
-            .collect();
+        let read = readings(s);
         assert!(
             !read.is_empty() && read.iter().all(|p| *p == (util, mem)),
             "{gpu}: {read:?}"
@@ -484,28 +496,23 @@ fn fractions_of_a_shared_gpu_are_charged_their_own_processes_utilization() {
     gpuctl_tests::wait_for(Duration::from_secs(30), "alpha's first reading", || {
         read("tenant", "alpha").0 > 0
     });
-    let start: Vec<(u64, u64)> = [
-        ("tenant", "alpha"),
-        ("tenant", "beta"),
-        ("job", half.as_str()),
-        ("job", quarter.as_str()),
-    ]
-    .iter()
-    .map(|(by, k)| read(by, k))
-    .collect();
+    let rows = || -> Vec<(u64, u64)> {
+        [
+            ("tenant", "alpha"),
+            ("tenant", "beta"),
+            ("job", half.as_str()),
+            ("job", quarter.as_str()),
+        ]
+        .iter()
+        .map(|(by, k)| read(by, k))
+        .collect()
+    };
+    let start = rows();
     // Four whole periods more of alpha's half (500 ms of each second).
     gpuctl_tests::wait_for(Duration::from_secs(30), "four more periods", || {
         read("tenant", "alpha").0 >= start[0].0 + 4 * 500
     });
-    let end: Vec<(u64, u64)> = [
-        ("tenant", "alpha"),
-        ("tenant", "beta"),
-        ("job", half.as_str()),
-        ("job", quarter.as_str()),
-    ]
-    .iter()
-    .map(|(by, k)| read(by, k))
-    .collect();
+    let end = rows();
     let delta = |i: usize| (end[i].0 - start[i].0, end[i].1 - start[i].1);
     for (i, what, share_ms, busy_pct) in [
         (0, "alpha", 500, 80),
@@ -530,34 +537,20 @@ fn fractions_of_a_shared_gpu_are_charged_their_own_processes_utilization() {
     // SMs, 2000 and 1000 MiB of its 40960: 4% and 2%), never the whole
     // GPU's 100% and 7%; a period that held the change lies in between.
     let series = |job: &str| -> gpuctl_proto::pb::GpuSeries {
-        let r = tokio::runtime::Runtime::new().unwrap().block_on(async {
-            let mut op = gpuctl_proto::pb::operator_client::OperatorClient::connect(format!(
-                "http://{}",
-                c.master_addr
-            ))
-            .await
-            .unwrap();
-            op.utilization(gpuctl_proto::pb::UtilizationRequest {
+        let r = utilization(
+            &c,
+            gpuctl_proto::pb::UtilizationRequest {
                 job_id: job.to_string(),
                 ..Default::default()
-            })
-            .await
-            .unwrap()
-            .into_inner()
-        });
+            },
+        );
         assert_eq!(r.gpus.len(), 1, "{job}: {r:?}");
         r.gpus[0].clone()
     };
     for (job, util, mem) in [(&half, 40u8, 4u8), (&quarter, 60, 2)] {
         let s = series(job);
         assert!(s.own && s.gpu == GPU0, "{job}: {s:?}");
-        let read: Vec<(u8, u8)> = s
-            .util
-            .iter()
-            .zip(&s.mem)
-            .filter(|(u, _)| **u != 255)
-            .map(|(u, m)| (*u, *m))
-            .collect();
+        let read = readings(&s);
         assert_eq!(read.last(), Some(&(util, mem)), "{job}: {read:?}");
         assert!(
             read.iter().all(|(u, m)| *u <= util && *m <= mem),
