@@ -508,9 +508,10 @@ impl OperatorService {
                 } else {
                     u64::MAX
                 };
-                // A fraction's own curve where it has one: a shared
-                // GPU's is its neighbours' too.
-                let own = t.fraction.is_some() && history.task(&t.id).is_some();
+                // A fraction's own curve, or none (it goes a day after
+                // the task's last reading): a shared GPU's is its
+                // neighbours' too, never the fraction's.
+                let own = t.fraction.is_some();
                 for g in &t.gpu_uuids {
                     wanted.push((
                         g.clone(),

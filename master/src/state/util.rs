@@ -277,7 +277,7 @@ pub struct History {
     pub cluster: ClusterHistory,
     /// Each fraction task's own readings (its processes' share of the
     /// GPU's SMs and memory), as a GPU's: a shared GPU's history is the
-    /// whole GPU's. Goes with its task, or after a week without a reading.
+    /// whole GPU's. Goes with its task, or a day after its last reading.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub tasks: BTreeMap<String, GpuHistory>,
 }
@@ -426,7 +426,11 @@ impl History {
         }
         let oldest = at_ms.saturating_sub(MAX_HOURS as u64 * HOUR_MS);
         self.gpus.retain(|_, h| h.end_ms() > oldest);
-        self.tasks.retain(|_, h| h.end_ms() > oldest);
+        // A task's ring goes a day after its last reading (its periods
+        // are all older by then): what the rings hold is then bounded by
+        // the fractions' slots times a day, however many jobs ran.
+        let day_ago = at_ms.saturating_sub(24 * HOUR_MS);
+        self.tasks.retain(|_, h| h.end_ms() > day_ago);
     }
 
     /// Records a fraction task's own reading of the period at `at_ms`.
@@ -505,7 +509,7 @@ mod tests {
     }
 
     /// A fraction task's own ring: recorded like a GPU's, gone with its
-    /// task (`forget_task`) or after a week without a reading.
+    /// task (`forget_task`) or a day after its last reading.
     #[test]
     fn a_tasks_own_readings_are_kept_like_a_gpus() {
         let mut h = History::default();
@@ -520,9 +524,10 @@ mod tests {
         assert_eq!(back, h);
         h.forget_task("job-2.0");
         assert!(h.task("job-2.0").is_none());
-        // A week later with no reading of it: gone.
-        let later = 3 * m + MAX_HOURS as u64 * HOUR_MS;
-        h.record(later, m, &[point("g", 1)]);
+        // A day after its last reading: kept until then, then gone.
+        h.record(3 * m + 23 * HOUR_MS, m, &[point("g", 1)]);
+        assert!(h.task("job-1.0").is_some());
+        h.record(3 * m + 24 * HOUR_MS, m, &[point("g", 1)]);
         assert!(h.task("job-1.0").is_none());
         // A history without tasks reads as before (older snapshots).
         let old: History = serde_json::from_str(r#"{"gpus":{}}"#).unwrap();
