@@ -198,6 +198,17 @@ fn write_machine(path: &std::path::Path, util0: u32) {
     );
 }
 
+/// Job `id` as `gpuctl jobs list --json` shows it.
+fn listed(c: &gpuctl_tests::Cluster, id: &str) -> Value {
+    c.json(&["jobs", "list", "--json"])
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|j| j["id"] == id)
+        .unwrap()
+        .clone()
+}
+
 /// `Operator.Utilization` at the master.
 fn utilization(
     c: &gpuctl_tests::Cluster,
@@ -256,15 +267,7 @@ fn idle_jobs_are_flagged_until_their_gpus_are_busy() {
         );
     }
     let (idle, busy) = (on_gpu[GPU0].clone(), on_gpu[GPU1].clone());
-    let listed = |id: &str| -> Value {
-        let all = c.json(&["jobs", "list", "--json"]);
-        all.as_array()
-            .unwrap()
-            .iter()
-            .find(|j| j["id"] == id)
-            .unwrap()
-            .clone()
-    };
+    let listed = |id: &str| listed(&c, id);
     let flagged = gpuctl_tests::try_wait_for(Duration::from_secs(30), || {
         listed(&idle)["idle_since_ms"].as_u64().is_some()
     });
@@ -561,15 +564,7 @@ fn fractions_of_a_shared_gpu_are_charged_their_own_processes_utilization() {
     // (NVML lists it no more, so it reads 0 while the GPU reads 100%) and
     // its job is flagged idle after the window (3 s); the half's processes
     // still use 40%, so it is not. Back at 60%, the quarter is busy again.
-    let listed = |id: &str| -> Value {
-        c.json(&["jobs", "list", "--json"])
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|j| j["id"] == id)
-            .unwrap()
-            .clone()
-    };
+    let listed = |id: &str| listed(&c, id);
     let mut without_quarter = procs.clone();
     without_quarter.as_array_mut().unwrap().pop();
     machine_with(without_quarter);
