@@ -25,6 +25,15 @@ fn report(c: &HaCluster, masters: &str, by: &str) -> Value {
         .unwrap()
 }
 
+/// The row of `key`'s `field`; 0 without the row or the field.
+fn field_or_0(r: &Value, key: &str, field: &str) -> u64 {
+    r["rows"]
+        .as_array()
+        .and_then(|rows| rows.iter().find(|row| row["key"] == key))
+        .and_then(|row| row[field].as_u64())
+        .unwrap_or(0)
+}
+
 /// The row of `key`'s `field`.
 fn field(r: &Value, key: &str, field: &str) -> u64 {
     r["rows"]
@@ -199,7 +208,7 @@ fn write_machine(path: &std::path::Path, util0: u32) {
 }
 
 /// Job `id` as `gpuctl jobs list --json` shows it.
-fn listed(c: &gpuctl_tests::Cluster, id: &str) -> Value {
+fn listed(c: &impl Gpuctl, id: &str) -> Value {
     c.json(&["jobs", "list", "--json"])
         .as_array()
         .unwrap()
@@ -585,4 +594,156 @@ fn fractions_of_a_shared_gpu_are_charged_their_own_processes_utilization() {
     for j in [&half, &quarter] {
         c.ok(&["jobs", "cancel", j]);
     }
+}
+
+/// Issue 39 in foul weather: two fractions of a shared GPU, the leader
+/// SIGKILLed while they run. The new leader charges each its own
+/// processes' use against its share as the old one did (alpha's half at
+/// 40% of the GPU: 80% busy), gives the quarter whose process NVML does
+/// not list 0 (it is idle by its own readings, flagged and unflagged by the
+/// new leader), the tasks' processes live on (seen in /proc), and once
+/// they end both masters left report the same for each job.
+#[test]
+fn fractions_are_charged_their_own_across_a_leader_sigkill() {
+    if !nix::unistd::Uid::effective().is_root() {
+        eprintln!("skipped: task cgroups need root");
+        return;
+    }
+    let mut c = HaCluster::start(3, &["--utilization-period", "1s", "--idle-window", "3s"]);
+    let machine = c.dir.path().join("machine.json");
+    write_machine(&machine, 0);
+    c.add_agent(AgentOpts::fake_nvml(&machine, "0.2"));
+    c.ok(&["gpus", "share", GPU0, "--mode", "time-slice"]);
+    let marker = "PROCUTIL";
+    let value = gpuctl_tests::test_marker("procutil-failover");
+    let env = format!("{marker}={value}");
+    let fraction = |name: &str, tenant: &str, mem: &str| {
+        let id = c.submit(&[
+            "--name",
+            name,
+            "--tenant",
+            tenant,
+            "--gpu-mem",
+            mem,
+            "--cpus",
+            "0.1",
+            "--env",
+            &env,
+            "--",
+            "sh",
+            "-c",
+            "sleep 600 & sleep 600",
+        ]);
+        let j = c.wait_state(&id, "RUNNING", Duration::from_secs(30));
+        (id, j["tasks"][0]["id"].as_str().unwrap().to_string())
+    };
+    let (half, half_task) = fraction("half", "alpha", "20GiB");
+    let (quarter, quarter_task) = fraction("quarter", "beta", "10GiB");
+    let pids = || -> std::collections::BTreeMap<String, Vec<i32>> {
+        let mut by: std::collections::BTreeMap<String, Vec<i32>> = Default::default();
+        for t in gpuctl_tests::live_tasks(marker, &value) {
+            by.entry(t.task_id).or_default().push(t.pid);
+        }
+        for p in by.values_mut() {
+            p.sort();
+        }
+        by
+    };
+    let mut before = Default::default();
+    gpuctl_tests::wait_for(Duration::from_secs(10), "the tasks' processes", || {
+        before = pids();
+        before.get(&half_task).is_some_and(|p| p.len() >= 2) && before.contains_key(&quarter_task)
+    });
+    // (pid, sm_util_pct) of the listed processes.
+    let machine_with = |procs: &[(i32, u32)]| {
+        let procs: Vec<Value> = procs
+            .iter()
+            .map(|(pid, u)| serde_json::json!({ "pid": pid, "memory_used_mib": 1000, "sm_util_pct": u }))
+            .collect();
+        gpuctl_tests::write_fake_machine(
+            &machine,
+            &serde_json::json!({
+                "gpus": [
+                    { "uuid": GPU0, "name": "NVIDIA A100-SXM4-40GB", "memory_total_mib": 40960,
+                      "memory_used_mib": 3000, "utilization_gpu_pct": 100, "processes": procs },
+                    { "uuid": GPU1, "name": "NVIDIA A100-SXM4-40GB", "memory_total_mib": 40960 }
+                ],
+                "events": []
+            }),
+        )
+    };
+    let half_only = [(before[&half_task][0], 30), (before[&half_task][1], 10)];
+    machine_with(&half_only);
+    let alpha = |c: &HaCluster| -> (u64, u64) {
+        let r = report(c, &c.addrs(), "tenant");
+        (
+            field_or_0(&r, "alpha", "gpu_sampled_ms"),
+            field_or_0(&r, "alpha", "gpu_busy_ms"),
+        )
+    };
+    gpuctl_tests::wait_for(Duration::from_secs(30), "alpha's readings", || {
+        alpha(&c).0 > 0
+    });
+    let old = c.leader_id();
+    c.kill_master(old);
+    c.wait_new_leader(old);
+    // The new leader's periods: every reading is the same, so whole or
+    // not, alpha's half was 80% busy.
+    let start = alpha(&c);
+    gpuctl_tests::wait_for(
+        Duration::from_secs(30),
+        "four periods of the new leader",
+        || alpha(&c).0 >= start.0 + 4 * 500,
+    );
+    let end = alpha(&c);
+    let (sampled, busy) = (end.0 - start.0, end.1 - start.1);
+    assert_eq!(busy * 100, sampled * 80, "{start:?} -> {end:?}");
+    // The quarter, unlisted on a GPU that was read, is idle by its own
+    // readings; busy at 60%; idle again, each by the new leader.
+    let flag = |c: &HaCluster, id: &str| listed(c, id)["idle_since_ms"].as_u64();
+    for (procs, idle) in [
+        (half_only.to_vec(), true),
+        (
+            [&half_only[..], &[(before[&quarter_task][0], 60)]].concat(),
+            false,
+        ),
+        (half_only.to_vec(), true),
+    ] {
+        machine_with(&procs);
+        let ok = gpuctl_tests::try_wait_for(Duration::from_secs(30), || {
+            flag(&c, &quarter).is_some() == idle
+        });
+        assert!(ok, "quarter idle {idle}: {}", listed(&c, &quarter));
+        assert_eq!(flag(&c, &half), None, "{}", listed(&c, &half));
+    }
+    // The same processes ran through it all, on their GPU only.
+    assert_eq!(pids(), before);
+    for t in gpuctl_tests::live_tasks(marker, &value) {
+        assert_eq!(t.gpus, [GPU0], "pid {} of {}", t.pid, t.task_id);
+    }
+    for j in [&half, &quarter] {
+        c.ok(&["jobs", "cancel", j]);
+        c.wait_state(j, "CANCELLED", Duration::from_secs(30));
+    }
+    // Both masters left hold the same for each job.
+    let live: Vec<String> = c
+        .masters
+        .iter()
+        .filter(|(id, _)| **id != old)
+        .map(|(_, m)| m.addr.clone())
+        .collect();
+    let rows = |addr: &str| {
+        let r = report(&c, addr, "job");
+        [&half, &quarter].map(|j| {
+            (
+                field_or_0(&r, j, "gpu_sampled_ms"),
+                field_or_0(&r, j, "gpu_busy_ms"),
+                field_or_0(&r, j, "gpu_ms"),
+            )
+        })
+    };
+    gpuctl_tests::wait_for(Duration::from_secs(20), "the masters agree", || {
+        rows(&live[0]) == rows(&live[1])
+    });
+    assert!(rows(&live[0])[0].0 > 0, "{:?}", rows(&live[0]));
 }
