@@ -104,6 +104,10 @@ pub struct TaskUsers {
     range: IdRanges,
     cursor_path: PathBuf,
     inner: Mutex<Leases>,
+    /// Reads the ids the host uses: [`HostIds::of_host`], or a fixed set
+    /// in tests, which must not depend on what else runs on the machine
+    /// (another agent's tasks hold ids of the same default range).
+    host_ids: fn() -> HostIds,
 }
 
 impl TaskUsers {
@@ -126,7 +130,18 @@ impl TaskUsers {
                 next,
                 ..Default::default()
             }),
+            host_ids: HostIds::of_host,
         }
+    }
+
+    /// The same leases, with the host's ids read by `host_ids`.
+    pub fn with_host_ids(self, host_ids: fn() -> HostIds) -> TaskUsers {
+        TaskUsers { host_ids, ..self }
+    }
+
+    /// The ids the host uses now (blocking: it reads `/proc`).
+    pub fn host_ids(&self) -> fn() -> HostIds {
+        self.host_ids
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Leases> {

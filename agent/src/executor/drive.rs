@@ -624,7 +624,7 @@ impl Executor {
             Ok(None) => {}
             Err(e) => return Err(format!("task user record: {e}")),
         }
-        let host = tokio::task::spawn_blocking(task_users::HostIds::of_host)
+        let host = tokio::task::spawn_blocking(self.isolation.users.host_ids())
             .await
             .map_err(|e| format!("reading the host's users: {e}"))?;
         let ids = self

@@ -191,7 +191,11 @@ fn harness_with(
             .with_users(users.clone(), IdRanges::parse("1000-59999").unwrap()),
             cdi: Default::default(),
             driver: Default::default(),
-            users: crate::task_users::TaskUsers::new(users, dir.path()),
+            // The host's own ids are not the executor's business here:
+            // another agent on this machine (a demo, another test run)
+            // runs tasks as ids of the same range.
+            users: crate::task_users::TaskUsers::new(users, dir.path())
+                .with_host_ids(crate::task_users::HostIds::default),
             mps: Arc::new(crate::gpu::mps::Mps::new(None, dir.path().join("mps"))),
             memcap: Arc::new(crate::gpu::memcap::DriverCap::off(
                 dir.path().join("memcap"),
