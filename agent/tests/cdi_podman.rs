@@ -2,8 +2,11 @@
 //! Debian 12). Fake NVIDIA nodes are made with mknod in a temp dev root
 //! (major 195, no driver behind them: a node a container may open gives
 //! ENXIO, one its device cgroup denies EPERM); the spec is generated from
-//! them and written to /var/run/cdi under a name of its own (Podman 4.3
-//! has no option for another spec directory), removed afterwards. Each
+//! them and written to a temp dir, which each podman run sees as /run/cdi
+//! in a mount namespace of its own, with an empty /etc/cdi (Podman 4.3 has
+//! no option for another spec directory): a spec of another agent on this
+//! machine (a demo, a cluster) neither conflicts with the test's nor sees
+//! it. Each
 //! `podman run --device gpuctl.io/gpu=NAME` must see its GPU and the control
 //! nodes, not the other GPU, the spec's environment and the read-only
 //! driver volume; a MIG device's name its parent's node and its two caps
@@ -11,10 +14,10 @@
 //! GPUCTL_REQUIRE_DOCKER=1.
 #![allow(clippy::unwrap_used)]
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
-use gpuctl_agent::cdi::{self, spec, toolkit, SpecGpu};
+use gpuctl_agent::cdi::{self, spec, SpecGpu};
 use gpuctl_agent::isolation::devices;
 
 const ENXIO: &str = "No such device or address";
@@ -53,15 +56,6 @@ fn podman_or_skip(test: &str) -> bool {
     }
 }
 
-/// Removes the test's spec from the shared directory, however the test ends.
-struct SpecFile(PathBuf);
-
-impl Drop for SpecFile {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
-}
-
 fn mknod(dir: &Path, name: &str, major: u64, minor: u64) {
     use nix::sys::stat::{makedev, Mode, SFlag};
     nix::sys::stat::mknod(
@@ -73,22 +67,40 @@ fn mknod(dir: &Path, name: &str, major: u64, minor: u64) {
     .unwrap_or_else(|e| panic!("mknod {name}: {e}"));
 }
 
-/// Runs podman with the sandbox's settings. CONTAINERS_CONF: this sandbox
-/// refuses raising RLIMIT_NOFILE, which Podman does for every container
-/// unless `default_ulimits` is empty. `--cgroup-manager cgroupfs`: no
-/// systemd to ask for cgroups; `--events-backend file`: no journald.
-fn podman(conf: &Path, args: &[&str]) -> std::process::Output {
-    Command::new("podman")
-        .env("CONTAINERS_CONF", conf)
-        .args(["--cgroup-manager", "cgroupfs", "--events-backend", "file"])
+/// Runs podman with the sandbox's settings, in a mount namespace of its
+/// own where `cdi` is /run/cdi and /etc/cdi is empty: the only CDI specs
+/// it sees are the test's. CONTAINERS_CONF: this sandbox refuses raising
+/// RLIMIT_NOFILE, which Podman does for every container unless
+/// `default_ulimits` is empty. `--cgroup-manager cgroupfs`: no systemd to
+/// ask for cgroups; `--events-backend file`: no journald.
+fn podman(conf: &Path, cdi: &Path, args: &[&str]) -> std::process::Output {
+    // The mount points, made once on the host (empty directories are what
+    // CDI's own packages leave there too).
+    for d in ["/etc/cdi", "/run/cdi"] {
+        std::fs::create_dir_all(d).unwrap_or_else(|e| panic!("mkdir {d}: {e}"));
+    }
+    let script = r#"mount --bind "$0" /run/cdi && mount -t tmpfs gpuctl-test-cdi /etc/cdi &&
+exec podman --cgroup-manager cgroupfs --events-backend file "$@""#;
+    Command::new("unshare")
+        .args([
+            "--mount",
+            "--propagation",
+            "private",
+            "--",
+            "sh",
+            "-c",
+            script,
+        ])
+        .arg(cdi)
         .args(args)
+        .env("CONTAINERS_CONF", conf)
         .output()
         .unwrap()
 }
 
 /// What a container given `device` finds: each node opened (or absent), a
 /// node made for the other GPU, the environment and the driver volume.
-fn run_with(conf: &Path, device: &str) -> (bool, String) {
+fn run_with(conf: &Path, cdi: &Path, device: &str) -> (bool, String) {
     let script = r#"for n in nvidia0 nvidia1 nvidiactl nvidia-uvm; do
   if [ ! -e /dev/$n ]; then echo "$n absent"
   elif cat /dev/$n 2>/tmp/e; then echo "$n opened"
@@ -106,6 +118,7 @@ if touch /usr/local/nvidia/x 2>/tmp/e; then echo "volume writable"; else echo "v
     // No network: none is needed, and none has to be set up in a sandbox.
     let out = podman(
         conf,
+        cdi,
         &[
             "run",
             "--rm",
@@ -129,7 +142,7 @@ if touch /usr/local/nvidia/x 2>/tmp/e; then echo "volume writable"; else echo "v
 
 /// What a container given the MIG device `device` finds of each caps node
 /// (opened or absent), and of one made for each.
-fn run_mig(conf: &Path, device: &str) -> (bool, String) {
+fn run_mig(conf: &Path, cdi: &Path, device: &str) -> (bool, String) {
     let script = format!(
         r#"for n in 30 31 39 40; do
   c=/dev/nvidia-caps/nvidia-cap$n
@@ -146,6 +159,7 @@ done
     );
     let out = podman(
         conf,
+        cdi,
         &[
             "run",
             "--rm",
@@ -171,20 +185,6 @@ fn line<'a>(out: &'a str, prefix: &str) -> &'a str {
     out.lines()
         .find(|l| l.starts_with(prefix))
         .unwrap_or_else(|| panic!("no line {prefix:?} in:\n{out}"))
-}
-
-/// Fails, naming it, when another spec of gpuctl's kind is where Podman
-/// looks: CDI refuses a device two specs define (an agent runs here?).
-fn no_other_gpuctl_spec(ours: &Path) {
-    let dirs: Vec<PathBuf> = cdi::STANDARD_DIRS.iter().map(PathBuf::from).collect();
-    let (found, _) = toolkit::read_specs(&dirs, ours);
-    if let Some(f) = found.iter().find(|f| f.spec.kind == cdi::KIND) {
-        panic!(
-            "{} already defines {} devices; CDI would refuse ours (stop the agent that wrote it, or remove it)",
-            f.path.display(),
-            cdi::KIND
-        );
-    }
 }
 
 #[test]
@@ -223,16 +223,15 @@ fn podman_gives_a_container_exactly_the_gpu_it_names() {
     let host = devices::scan(&dev).unwrap();
     let generated = spec::generate(&gpus, &host, Some(&volume)).unwrap();
     assert!(generated.skipped.is_empty(), "{:?}", generated.skipped);
-    let dir = Path::new(cdi::DEFAULT_DIR);
-    let name = format!("gpuctl-test-{}.json", std::process::id());
-    let path = dir.join(&name);
-    no_other_gpuctl_spec(&path);
-    let _cleanup = SpecFile(path.clone());
-    assert!(cdi::write_spec(dir, &name, &spec::to_json(&generated.spec)).unwrap());
+    let cdi_dir = t.path().join("cdi");
+    std::fs::create_dir_all(&cdi_dir).unwrap();
+    assert!(cdi::write_spec(&cdi_dir, "gpuctl.json", &spec::to_json(&generated.spec)).unwrap());
 
     let conf = t.path().join("containers.conf");
     std::fs::write(&conf, "[containers]\ndefault_ulimits = []\n").unwrap();
-    let exists = podman(&conf, &["image", "exists", IMAGE]).status.success();
+    let exists = podman(&conf, &cdi_dir, &["image", "exists", IMAGE])
+        .status
+        .success();
     if !exists {
         let tar = t.path().join("rootfs.tar");
         std::fs::write(
@@ -240,7 +239,7 @@ fn podman_gives_a_container_exactly_the_gpu_it_names() {
             gpuctl_agent::runtime::image::busybox_rootfs().unwrap(),
         )
         .unwrap();
-        let out = podman(&conf, &["import", tar.to_str().unwrap(), IMAGE]);
+        let out = podman(&conf, &cdi_dir, &["import", tar.to_str().unwrap(), IMAGE]);
         assert!(out.status.success(), "podman import: {out:?}");
     }
 
@@ -248,7 +247,7 @@ fn podman_gives_a_container_exactly_the_gpu_it_names() {
         ("gpuctl.io/gpu=0", 0, 1),
         (&*format!("gpuctl.io/gpu={UUID1}"), 1, 0),
     ] {
-        let (ok, out) = run_with(&conf, device);
+        let (ok, out) = run_with(&conf, &cdi_dir, device);
         assert!(ok, "{device}:\n{out}");
         assert!(
             line(&out, &format!("nvidia{mine} ")).contains(ENXIO),
@@ -276,7 +275,7 @@ fn podman_gives_a_container_exactly_the_gpu_it_names() {
         );
     }
 
-    let (ok, out) = run_with(&conf, "gpuctl.io/gpu=all");
+    let (ok, out) = run_with(&conf, &cdi_dir, "gpuctl.io/gpu=all");
     assert!(ok, "all:\n{out}");
     for n in ["nvidia0", "nvidia1", "nvidiactl"] {
         assert!(
@@ -292,7 +291,7 @@ fn podman_gives_a_container_exactly_the_gpu_it_names() {
         ("gpuctl.io/gpu=1:0", [30, 31], [39, 40]),
         (&*format!("gpuctl.io/gpu={MIG_B}"), [39, 40], [30, 31]),
     ] {
-        let (ok, out) = run_mig(&conf, device);
+        let (ok, out) = run_mig(&conf, &cdi_dir, device);
         assert!(ok, "{device}:\n{out}");
         for n in mine {
             assert!(
@@ -323,7 +322,7 @@ fn podman_gives_a_container_exactly_the_gpu_it_names() {
     }
 
     // A name the spec does not define is refused, not ignored.
-    let (ok, out) = run_with(&conf, "gpuctl.io/gpu=7");
+    let (ok, out) = run_with(&conf, &cdi_dir, "gpuctl.io/gpu=7");
     assert!(!ok, "{out}");
     assert!(out.contains("gpuctl.io/gpu=7"), "{out}");
 }
