@@ -1395,10 +1395,21 @@ pub fn invariant_violations(live: &[LiveTask]) -> Vec<String> {
 
 /// Samples the live tasks of a test (see [`live_tasks`]) every 50 ms on a
 /// thread of its own until [`InvariantWatch::finish`], collecting every
-/// violation of [`invariant_violations`].
+/// violation of [`invariant_violations`] and what it saw.
 pub struct InvariantWatch {
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    handle: Option<std::thread::JoinHandle<(usize, Vec<String>)>>,
+    handle: Option<std::thread::JoinHandle<Watched>>,
+}
+
+/// What an [`InvariantWatch`] saw over its whole run.
+#[derive(Debug, Default)]
+pub struct Watched {
+    pub samples: usize,
+    pub violations: Vec<String>,
+    /// Every task seen live, with the GPUs it was given (`GPUCTL_GPUS`).
+    pub tasks: std::collections::BTreeMap<String, Vec<String>>,
+    /// The most tasks live in one sample.
+    pub most_at_once: usize,
 }
 
 impl InvariantWatch {
@@ -1406,17 +1417,24 @@ impl InvariantWatch {
         let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let (marker, value, flag) = (marker.to_string(), value.to_string(), stop.clone());
         let handle = std::thread::spawn(move || {
-            let (mut samples, mut seen) = (0, Vec::new());
+            let mut w = Watched::default();
             while !flag.load(std::sync::atomic::Ordering::Relaxed) {
-                for v in invariant_violations(&live_tasks(&marker, &value)) {
-                    if !seen.contains(&v) {
-                        seen.push(v);
+                let live = live_tasks(&marker, &value);
+                for v in invariant_violations(&live) {
+                    if !w.violations.contains(&v) {
+                        w.violations.push(v);
                     }
                 }
-                samples += 1;
+                let at_once: std::collections::BTreeSet<&str> =
+                    live.iter().map(|t| t.task_id.as_str()).collect();
+                w.most_at_once = w.most_at_once.max(at_once.len());
+                for t in live {
+                    w.tasks.entry(t.task_id).or_insert(t.gpus);
+                }
+                w.samples += 1;
                 std::thread::sleep(Duration::from_millis(50));
             }
-            (samples, seen)
+            w
         });
         InvariantWatch {
             stop,
@@ -1425,22 +1443,25 @@ impl InvariantWatch {
     }
 
     /// Stops sampling and fails the test on any violation seen, or when too
-    /// few samples were taken for the check to mean anything.
-    pub fn assert_held(self) {
-        let (samples, violations) = self.finish();
+    /// few samples were taken for the check to mean anything. Returns what
+    /// it saw, for the test's own checks.
+    pub fn assert_held(self) -> Watched {
+        let w = self.finish();
         assert!(
-            samples > 10,
-            "the invariant watcher took only {samples} samples"
+            w.samples > 10,
+            "the invariant watcher took only {} samples",
+            w.samples
         );
         assert!(
-            violations.is_empty(),
-            "GPU invariant broken: {violations:#?}"
+            w.violations.is_empty(),
+            "GPU invariant broken: {:#?}",
+            w.violations
         );
+        w
     }
 
-    /// Stops sampling; returns how many samples were taken and the
-    /// violations seen.
-    pub fn finish(mut self) -> (usize, Vec<String>) {
+    /// Stops sampling; returns what it saw.
+    pub fn finish(mut self) -> Watched {
         self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
         self.handle
             .take()

@@ -294,95 +294,157 @@ fn greedy_frameworks_get_the_drf_split_whichever_subscribes_first() {
 #[test]
 fn a_framework_that_came_second_gets_its_drf_share_back_by_reclaim() {
     for first_a in [true, false] {
-        let mut c = Cluster::start(&["--reclaim-min-runtime", "1s", "--reclaim-notice", "2s"]);
-        c.add_agent(AgentOpts {
-            simulate_gpus: None,
-            extra: vec![
-                "--cpus".into(),
-                "9".into(),
-                "--mem-mib".into(),
-                (18 * 1024).to_string(),
-            ],
-            ..AgentOpts::default()
-        });
-        let rt = tokio::runtime::Runtime::new().unwrap();
-        let test: &'static str = if first_a { "reclaim-ab" } else { "reclaim-ba" };
-        let mut a = Greedy::new("A", "default", 1.0, 4096, 0);
-        let mut b = Greedy::new("B", "default", 3.0, 1024, 0);
-        a.declare = true;
-        b.declare = true;
-        let (ma, mb) = (a.marker(test), b.marker(test));
-        let (inv_a, inv_b) = (a.inverse.clone(), b.inverse.clone());
-        let (upd_a, upd_b) = (a.updates.clone(), b.updates.clone());
-        let (first, second, full) = if first_a {
-            (a, b, (4, 0))
-        } else {
-            (b, a, (0, 3))
-        };
-        rt.block_on(first.start(c.master_addr.clone(), test));
-        settles("the first takes the agent", Duration::from_secs(30), || {
-            let live = (live_tasks(&ma), live_tasks(&mb));
-            (live == full)
-                .then_some(())
-                .ok_or(format!("live A/B {live:?}"))
-        });
-        // Its tasks past the minimum runtime before the second comes.
-        std::thread::sleep(Duration::from_secs(2));
-        let came = Instant::now();
-        rt.block_on(second.start(c.master_addr.clone(), test));
-        // On a failure, the frameworks' last task updates say what ended
-        // their tasks (CI saw A's three vanish once after the split).
-        let last_updates = |u: &Arc<Mutex<Vec<pb::TaskStatus>>>| -> Vec<String> {
-            let u = u.lock().unwrap();
-            u.iter()
-                .rev()
-                .take(8)
-                .map(|s| format!("{} {:?} {:?} {}", s.task_id, s.state, s.reason, s.message))
-                .collect()
-        };
-        settles("A3/B2 by reclaim", Duration::from_secs(30), || {
-            let live = (live_tasks(&ma), live_tasks(&mb));
-            (live == (3, 2)).then_some(()).ok_or(format!(
-                "live A/B {live:?}; A's last updates {:?}; B's {:?}",
-                last_updates(&upd_a),
-                last_updates(&upd_b)
-            ))
-        });
-        eprintln!(
-            "{test}: A3/B2 {:?} after the second subscribed",
-            came.elapsed()
-        );
-        // The framework above its share was told, then its task was killed
-        // as reclaimed; the other was never told.
-        let (told, quiet, updates) = if first_a {
-            (&inv_a, &inv_b, &upd_a)
-        } else {
-            (&inv_b, &inv_a, &upd_b)
-        };
-        let told = told.lock().unwrap().clone();
-        assert!(!told.is_empty(), "{test}: no inverse offer");
-        assert!(
-            quiet.lock().unwrap().is_empty(),
-            "{test}: the framework below its share was told"
-        );
-        let named: Vec<String> = told.iter().flat_map(|i| i.task_ids.clone()).collect();
-        assert!(told
-            .iter()
-            .all(|i| i.reason.contains("below its fair share")));
-        let reclaimed: Vec<pb::TaskStatus> = updates
-            .lock()
-            .unwrap()
-            .iter()
-            .filter(|u| u.reason == pb::Reason::Reclaimed as i32)
-            .cloned()
-            .collect();
-        assert!(!reclaimed.is_empty(), "{test}: no task ended RECLAIMED");
-        assert!(
-            reclaimed.iter().all(|u| named.contains(&u.task_id)),
-            "{test}: reclaimed {reclaimed:?}, named {named:?}"
-        );
-        drop(rt);
+        // The first's tasks are past the minimum runtime when the second
+        // comes: the reclaim may start at once.
+        reclaims_to_the_drf_split(first_a, "1s", Duration::from_secs(2));
     }
+}
+
+/// The same, with the second framework subscribing while the first's
+/// tasks are younger than the minimum runtime (5 s): for those seconds it
+/// can only wait. It declines every offer it cannot use, as a greedy
+/// framework does; its declared task size stays its unit, so it is never
+/// offered less than one task (B3 leaves <0 cpus, 15 GiB>, which no unit
+/// of A's fits: unoffered), and the reclaim comes once the minimum runtime
+/// has passed. An independent client found A0/B3 for as long as it ran
+/// when declining turned A's declared unit into "whole agents".
+#[test]
+fn a_framework_that_declines_what_it_cannot_use_gets_its_share_by_reclaim() {
+    for first_a in [true, false] {
+        reclaims_to_the_drf_split(first_a, "5s", Duration::ZERO);
+    }
+}
+
+/// The DRF example on one agent of 9 cpus and 18 GiB with greedy, declaring
+/// frameworks, A <1 cpu, 4 GiB> and B <3 cpus, 1 GiB>, one subscribing
+/// after the other took the agent (`pause` after that): A3/B2 by reclaim,
+/// told by an inverse offer to the one above its share only; no offer to
+/// either smaller than its declared task.
+fn reclaims_to_the_drf_split(first_a: bool, min_runtime: &str, pause: Duration) {
+    let mut c = Cluster::start(&[
+        "--reclaim-min-runtime",
+        min_runtime,
+        "--reclaim-notice",
+        "2s",
+    ]);
+    c.add_agent(AgentOpts {
+        simulate_gpus: None,
+        extra: vec![
+            "--cpus".into(),
+            "9".into(),
+            "--mem-mib".into(),
+            (18 * 1024).to_string(),
+        ],
+        ..AgentOpts::default()
+    });
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let test: &'static str = match (first_a, pause.is_zero()) {
+        (true, false) => "reclaim-ab",
+        (false, false) => "reclaim-ba",
+        (true, true) => "reclaim-young-ab",
+        (false, true) => "reclaim-young-ba",
+    };
+    let mut a = Greedy::new("A", "default", 1.0, 4096, 0);
+    let mut b = Greedy::new("B", "default", 3.0, 1024, 0);
+    a.declare = true;
+    b.declare = true;
+    let (ma, mb) = (a.marker(test), b.marker(test));
+    let (inv_a, inv_b) = (a.inverse.clone(), b.inverse.clone());
+    let (upd_a, upd_b) = (a.updates.clone(), b.updates.clone());
+    let (offers_a, offers_b) = (a.offers.clone(), b.offers.clone());
+    let (first, second, full) = if first_a {
+        (a, b, (4, 0))
+    } else {
+        (b, a, (0, 3))
+    };
+    rt.block_on(first.start(c.master_addr.clone(), test));
+    settles("the first takes the agent", Duration::from_secs(30), || {
+        let live = (live_tasks(&ma), live_tasks(&mb));
+        (live == full)
+            .then_some(())
+            .ok_or(format!("live A/B {live:?}"))
+    });
+    std::thread::sleep(pause);
+    let came = Instant::now();
+    rt.block_on(second.start(c.master_addr.clone(), test));
+    // On a failure, the frameworks' last task updates say what ended
+    // their tasks, and the last offers what they were offered.
+    let last_updates = |u: &Arc<Mutex<Vec<pb::TaskStatus>>>| -> Vec<String> {
+        let u = u.lock().unwrap();
+        u.iter()
+            .rev()
+            .take(8)
+            .map(|s| format!("{} {:?} {:?} {}", s.task_id, s.state, s.reason, s.message))
+            .collect()
+    };
+    let last_offers = |o: &Arc<Mutex<Vec<pb::Offer>>>| -> Vec<String> {
+        let o = o.lock().unwrap();
+        o.iter()
+            .rev()
+            .take(4)
+            .map(|o| {
+                let r = o.resources.unwrap_or_default();
+                format!("<{} cpus, {} MiB>", r.cpus, r.mem_mib)
+            })
+            .collect()
+    };
+    settles("A3/B2 by reclaim", Duration::from_secs(40), || {
+        let live = (live_tasks(&ma), live_tasks(&mb));
+        (live == (3, 2)).then_some(()).ok_or(format!(
+            "live A/B {live:?}; A's last updates {:?}, offers {:?}; B's {:?}, {:?}",
+            last_updates(&upd_a),
+            last_offers(&offers_a),
+            last_updates(&upd_b),
+            last_offers(&offers_b),
+        ))
+    });
+    eprintln!(
+        "{test}: A3/B2 {:?} after the second subscribed",
+        came.elapsed()
+    );
+    // No offer was smaller than the task its framework declared.
+    for (name, offers, cpus, mem_mib) in [("A", &offers_a, 1.0, 4096), ("B", &offers_b, 3.0, 1024)]
+    {
+        for o in offers.lock().unwrap().iter() {
+            let r = o.resources.unwrap_or_default();
+            assert!(
+                r.cpus + 1e-9 >= cpus && r.mem_mib >= mem_mib,
+                "{test}: {name} was offered <{} cpus, {} MiB>, less than its task",
+                r.cpus,
+                r.mem_mib
+            );
+        }
+    }
+    // The framework above its share was told, then its task was killed
+    // as reclaimed; the other was never told.
+    let (told, quiet, updates) = if first_a {
+        (&inv_a, &inv_b, &upd_a)
+    } else {
+        (&inv_b, &inv_a, &upd_b)
+    };
+    let told = told.lock().unwrap().clone();
+    assert!(!told.is_empty(), "{test}: no inverse offer");
+    assert!(
+        quiet.lock().unwrap().is_empty(),
+        "{test}: the framework below its share was told"
+    );
+    let named: Vec<String> = told.iter().flat_map(|i| i.task_ids.clone()).collect();
+    assert!(told
+        .iter()
+        .all(|i| i.reason.contains("below its fair share")));
+    let reclaimed: Vec<pb::TaskStatus> = updates
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|u| u.reason == pb::Reason::Reclaimed as i32)
+        .cloned()
+        .collect();
+    assert!(!reclaimed.is_empty(), "{test}: no task ended RECLAIMED");
+    assert!(
+        reclaimed.iter().all(|u| named.contains(&u.task_id)),
+        "{test}: reclaimed {reclaimed:?}, named {named:?}"
+    );
+    drop(rt);
 }
 
 /// Roles weighted 1:3 over 16 GPUs: A (weight 1) comes first and takes all
@@ -472,12 +534,35 @@ fn the_weighted_split_recovers_from_an_agent_sigkill_without_sharing_a_gpu() {
     std::thread::sleep(Duration::from_secs(5));
     c.restart_agent(0);
     settles_one_to_three("weights 1:3 after the agent's SIGKILL", &c, &ma, &mb);
-    // The watch saw the tasks (a shell and its sleep each).
-    let live = gpuctl_tests::live_tasks(MARKER_VAR, &env_marker(test));
-    let tasks: std::collections::BTreeSet<&str> = live.iter().map(|t| t.task_id.as_str()).collect();
-    assert!(tasks.len() >= 14, "{} live tasks", tasks.len());
-    assert!(live.iter().all(|t| t.gpus.len() == 1));
-    watch.assert_held();
+    // What the watch saw over the whole run, not at one instant (tasks of
+    // 3 s churn: how many live at a given moment depends on the machine's
+    // load): tasks of both frameworks each with one GPU, never more live at
+    // once than the 16 GPUs, and not just a handful (the check is not
+    // vacuous).
+    let seen = watch.assert_held();
+    let of = |name: &str| {
+        seen.tasks
+            .keys()
+            .filter(|t| t.rsplit('.').next().is_some_and(|n| n.starts_with(name)))
+            .count()
+    };
+    assert!(
+        of("A-") >= 4 && of("B-") >= 12,
+        "the watch saw {} of A's tasks and {} of B's: {:?}",
+        of("A-"),
+        of("B-"),
+        seen.tasks.keys().collect::<Vec<_>>()
+    );
+    assert!(
+        seen.tasks.values().all(|g| g.len() == 1),
+        "{:?}",
+        seen.tasks
+    );
+    assert!(
+        seen.most_at_once <= 16,
+        "{} tasks live at once on 16 GPUs",
+        seen.most_at_once
+    );
     drop(rt);
 }
 

@@ -22,7 +22,9 @@
 //!   An agent that several want is split by progressive filling
 //!   (`split_agent`): the lowest framework in the order gets one unit of
 //!   its [`Demand`], its share grows, and again, until no unit fits (at
-//!   most [`MAX_UNITS_PER_AGENT`] units). Allocations grow as offers are
+//!   most [`MAX_UNITS_PER_AGENT`] units). A framework whose demand is a
+//!   task size is never offered less than one task of it, on either path:
+//!   what fits no framework's unit stays unoffered. Allocations grow as offers are
 //!   made, so others come first for the next agent. A framework may
 //!   receive several agents in one cycle. What a framework could not take
 //!   of an agent (the rest of a quota slice, or the GPUs a framework
@@ -327,16 +329,8 @@ fn split_agent(
                         &sorter.slice_for(i, &left, g),
                     )
                 }
-                Demand::Task(shape) => {
-                    let mut shape = clean(&shape);
-                    if !sorter.fws[i].gpu_capable {
-                        shape.gpus = 0;
-                    }
-                    // A GPU goes with at least its reserve.
-                    shape.cpus = shape.cpus.max(r.cpus * f64::from(shape.gpus));
-                    shape.mem_mib = shape
-                        .mem_mib
-                        .max(r.mem_mib.saturating_mul(u64::from(shape.gpus)));
+                Demand::Task(_) => {
+                    let shape = sorter.unit(i, &r)?;
                     let fit = sorter.slice_for(i, &left, shape.gpus);
                     if fit.gpus != shape.gpus || !fits(&shape, &fit) {
                         return None;
@@ -827,7 +821,34 @@ impl<'a> Sorter<'a> {
         if slice.cpus <= 0.0 && slice.mem_mib == 0 && slice.gpus == 0 {
             return None;
         }
+        // A framework that asks for tasks of a size is offered at least
+        // one: a smaller offer it can only decline (and a framework offered
+        // crumbs again and again looks served to the reclaim planner).
+        if let Some(unit) = self.unit(i, &left.reserve) {
+            if !fits(&unit, &slice) {
+                return None;
+            }
+        }
         Some((i, slice))
+    }
+
+    /// One task of framework `i`'s demand as offered on an agent whose
+    /// GPUs each keep `reserve`: without GPUs for a framework that cannot
+    /// take them, and a GPU with at least its reserve. `None` unless its
+    /// demand is a task size.
+    fn unit(&self, i: usize, reserve: &Resources) -> Option<Resources> {
+        let Demand::Task(shape) = self.fws[i].demand else {
+            return None;
+        };
+        let mut shape = clean(&shape);
+        if !self.fws[i].gpu_capable {
+            shape.gpus = 0;
+        }
+        shape.cpus = shape.cpus.max(reserve.cpus * f64::from(shape.gpus));
+        shape.mem_mib = shape
+            .mem_mib
+            .max(reserve.mem_mib.saturating_mul(u64::from(shape.gpus)));
+        Some(shape)
     }
 
     /// What framework `i` may be offered of `left` taking at most `gpus` of

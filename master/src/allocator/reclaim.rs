@@ -54,7 +54,8 @@ pub struct Inputs<'a> {
     pub total: Resources,
     pub frameworks: &'a [FrameworkView],
     pub roles: &'a BTreeMap<String, RoleConfig>,
-    /// What each agent that takes tasks has free (less outstanding offers).
+    /// What each agent that takes tasks has free (outstanding offers count
+    /// as free: an offer may be declined, and hides no room from the plan).
     pub free: &'a BTreeMap<String, Resources>,
     pub tasks: &'a [RunningTask],
     /// Frameworks whose tasks are never taken (the built-in scheduler).

@@ -480,13 +480,15 @@ impl SchedulerService {
         // The hub holds the only sender: when it lets go (Teardown, a newer
         // subscription, leadership lost), the stream ends after the events
         // queued before, ERROR included.
+        // Declared before the connection, so that no round offers it
+        // anything smaller than its task in between.
+        if let Some(d) = demand {
+            self.ctx.hub.declare_demand(&framework_id, d);
+        }
         let conn = self
             .ctx
             .hub
             .connect_suppressed(&framework_id, tx, Some(suppressed));
-        if let Some(d) = demand {
-            self.ctx.hub.declare_demand(&framework_id, d);
-        }
         let (gone_tx, gone_rx) = tokio::sync::oneshot::channel::<()>();
         let guard = StreamGuard {
             hub: self.ctx.hub.clone(),

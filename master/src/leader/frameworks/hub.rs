@@ -43,6 +43,11 @@ pub(super) struct Inner {
     pub(super) launching: BTreeMap<String, usize>,
     /// What each framework has shown it asks for (see [`Demand`]).
     pub(super) demands: BTreeMap<String, Demand>,
+    /// Frameworks whose demand is their own statement (Subscribe, Revive):
+    /// what they launch or decline does not change it, so that a framework
+    /// that declines what it cannot use keeps its unit (and its claim to a
+    /// reclaim) rather than becoming one that takes whole agents.
+    pub(super) declared: BTreeSet<String>,
     /// A round is due at once (a Revive).
     pub(super) prompt: bool,
     /// The free resources at the last round, to see what was freed since.
@@ -322,7 +327,8 @@ impl Hub {
 
     /// What the framework's last call showed it asks for: the tasks it
     /// launched (the smallest of each resource), or, when it launched
-    /// nothing of what it was offered, a whole agent.
+    /// nothing of what it was offered, a whole agent. A declared demand
+    /// stays as declared.
     pub fn learn_demand(&self, framework_id: &str, launched: &[Resources]) {
         let demand = launched
             .iter()
@@ -335,7 +341,10 @@ impl Hub {
             })
             .filter(|r| r.cpus > 1e-9 || r.mem_mib > 0 || r.gpus > 0)
             .map_or(Demand::Whole, Demand::Task);
-        self.lock().demands.insert(framework_id.to_string(), demand);
+        let mut g = self.lock();
+        if !g.declared.contains(framework_id) {
+            g.demands.insert(framework_id.to_string(), demand);
+        }
     }
 
     /// Don't offer these agents to the framework until `until_ms`.
@@ -391,12 +400,14 @@ impl Hub {
     }
 
     /// The framework's own statement of its task size (Subscribe, Revive):
-    /// kept by the leader, like suppression.
+    /// kept by the leader, like suppression, until it declares another. It
+    /// is the unit of its offers: none is smaller.
     pub fn declare_demand(&self, framework_id: &str, task: Resources) {
         if task.cpus > 1e-9 || task.mem_mib > 0 || task.gpus > 0 {
-            self.lock()
-                .demands
+            let mut g = self.lock();
+            g.demands
                 .insert(framework_id.to_string(), Demand::Task(task));
+            g.declared.insert(framework_id.to_string());
         }
     }
 
@@ -420,6 +431,7 @@ impl Hub {
         g.filters.remove_framework(framework_id);
         g.suppressed.remove(framework_id);
         g.demands.remove(framework_id);
+        g.declared.remove(framework_id);
         if let Some(b) = g.offers.as_mut() {
             b.rescind_framework(framework_id);
         }

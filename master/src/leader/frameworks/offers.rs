@@ -58,15 +58,14 @@ pub(super) fn reclaim(
     let frameworks = framework_views(state, g);
     let accepting = || state.agents().values().filter(|a| a.accepts_tasks());
     let total = allocator::cluster_total(accepting().map(|a| &a.info.total));
-    let offered = g.offers.as_ref();
+    // Outstanding offers count as room, not as used: room offered to a
+    // framework that declines it is room a reclaim need not make, and an
+    // offer does not hide an agent's room from the planner. (What a
+    // framework is offered still counts in its own share: its offers are
+    // at least one unit of its demand, so it is served by them.)
     let free: BTreeMap<String, Resources> = accepting()
         .filter(|a| !g.launching.contains_key(&a.info.id))
-        .map(|a| {
-            let o = offered
-                .map(|b| b.offered_on_agent(&a.info.id))
-                .unwrap_or_default();
-            (a.info.id.clone(), a.free().saturating_sub(&o))
-        })
+        .map(|a| (a.info.id.clone(), a.free()))
         .collect();
     let tasks: Vec<allocator::reclaim::RunningTask> = state
         .framework_tasks()
