@@ -1233,3 +1233,33 @@ fn gpus_keep_their_reserve_of_cpus_and_memory() {
     );
     assert_eq!(plans[0].resources, small);
 }
+
+/// A framework whose demand is a task size is never offered less than one
+/// task, alone or beside others, and whatever fits no framework's unit is
+/// offered to nobody: B3 on the DRF example's agent leaves <0 cpus,
+/// 15 GiB>, which A (<1 cpu, 4 GiB>) cannot use.
+#[test]
+fn no_offer_is_smaller_than_its_frameworks_task() {
+    let total = res(9.0, 18 * GIB, 0);
+    let mut a = fw("A", "r", false, Resources::default());
+    let mut b = fw("B", "r", false, res(9.0, 3 * GIB, 0));
+    a.demand = Demand::Task(res(1.0, 4 * GIB, 0));
+    b.demand = Demand::Task(res(3.0, GIB, 0));
+    let crumbs = agent("x", res(0.0, 15 * GIB, 0), total);
+    assert_eq!(run(std::slice::from_ref(&crumbs), &[a.clone()]), []);
+    assert_eq!(run(&[crumbs], &[a.clone(), b.clone()]), []);
+    // One unit's room: offered, whole, to the one it fits.
+    let room = agent("x", res(1.0, 15 * GIB, 0), total);
+    let plans = run(&[room], &[a.clone(), b.clone()]);
+    assert_eq!(pairs(&plans), [("x", "A")]);
+    assert_eq!(plans[0].resources, res(1.0, 15 * GIB, 0));
+    // A unit with GPUs carries their reserve: 1 GPU and 1 cpu is not a
+    // unit of <1 cpu, 1 GPU> on a host that keeps 2 cpus per GPU.
+    let mut g = fw("G", "r", true, Resources::default());
+    g.demand = Demand::Task(res(1.0, GIB, 1));
+    let gpu_host = res(16.0, 64 * GIB, 8);
+    let short = agent("y", res(1.0, 32 * GIB, 1), gpu_host);
+    assert_eq!(run(&[short], std::slice::from_ref(&g)), []);
+    let enough = agent("y", res(2.0, 32 * GIB, 1), gpu_host);
+    assert_eq!(pairs(&run(&[enough], &[g])), [("y", "G")]);
+}

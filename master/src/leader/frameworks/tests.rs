@@ -6,7 +6,7 @@ use gpuctl_proto::pb;
 use tokio::sync::mpsc;
 
 use super::*;
-use crate::allocator::{self, OfferBook};
+use crate::allocator::{self, Demand, OfferBook};
 use crate::state::testkit::register;
 use crate::state::{Command, FrameworkTask, Outcome, State};
 
@@ -749,4 +749,37 @@ fn a_framework_is_removed_only_once_disconnected_past_its_failover_timeout() {
     let after = |n: u64| since + Duration::from_millis(n);
     assert!(failover_expired(&s, &mut hub.lock(), after(1_000)).is_empty());
     assert_eq!(failover_expired(&s, &mut hub.lock(), after(1_001)), vec![f]);
+}
+
+/// A declared task size is kept through launches and declines (which
+/// would otherwise make the framework one of "whole agents"), until it
+/// declares another; an undeclared framework's demand is learnt.
+#[test]
+fn a_declared_demand_stays_through_declines_and_launches() {
+    let hub = Hub::default();
+    let task = Resources {
+        cpus: 1.0,
+        mem_mib: 4096,
+        gpus: 0,
+        ports: 0,
+    };
+    let demand = |f: &str| hub.lock().demands.get(f).copied().unwrap_or_default();
+    hub.declare_demand("declared", task);
+    hub.learn_demand("declared", &[]);
+    assert_eq!(demand("declared"), Demand::Task(task), "a decline");
+    let small = Resources {
+        cpus: 0.5,
+        ..task
+    };
+    hub.learn_demand("declared", &[small]);
+    assert_eq!(demand("declared"), Demand::Task(task), "a launch");
+    hub.declare_demand("declared", small);
+    assert_eq!(demand("declared"), Demand::Task(small), "declared again");
+    hub.learn_demand("learnt", &[small]);
+    assert_eq!(demand("learnt"), Demand::Task(small));
+    hub.learn_demand("learnt", &[]);
+    assert_eq!(demand("learnt"), Demand::Whole);
+    hub.close("declared", "test");
+    hub.learn_demand("declared", &[]);
+    assert_eq!(demand("declared"), Demand::Whole, "forgotten when removed");
 }
