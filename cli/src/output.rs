@@ -205,11 +205,11 @@ pub fn jobs_table(jobs: &[pb::Job], now_ms: u64) -> Table {
     ]);
     for j in jobs {
         let spec = j.spec.clone().unwrap_or_default();
-        let gpus = spec.resources.map_or(0, |r| r.gpus);
+        let gpus = gpus_per_task(&spec);
         let gpus = if spec.replicas > 1 {
             format!("{}x{gpus}", spec.replicas)
         } else {
-            gpus.to_string()
+            gpus
         };
         let last = j.tasks.last();
         t.row(vec![
@@ -231,6 +231,25 @@ pub fn jobs_table(jobs: &[pb::Job], now_ms: u64) -> Table {
         ]);
     }
     t
+}
+
+/// What each task of a job holds, in a table cell: a GPU count, a MIG
+/// profile (`mig:1g.10gb`) or a fraction's memory and compute
+/// (`frac:10GiB`, `frac:10GiB/30%`), never 0 for a job that has GPUs.
+fn gpus_per_task(spec: &pb::JobSpec) -> String {
+    let gpus = spec.resources.map_or(0, |r| r.gpus);
+    match spec.placement.as_ref() {
+        Some(p) if !p.mig.is_empty() => format!("mig:{}", p.mig),
+        Some(p) if p.gpu_mem_mib > 0 => {
+            let compute = if p.gpu_compute_pct > 0 {
+                format!("/{}%", p.gpu_compute_pct)
+            } else {
+                String::new()
+            };
+            format!("frac:{}{compute}", fmt_mib(p.gpu_mem_mib))
+        }
+        _ => gpus.to_string(),
+    }
 }
 
 /// A task table (inside `jobs get`).
@@ -1031,6 +1050,42 @@ mod tests {
             jobs_table(&[], 0).render(),
             "ID  NAME  STATE  PRIO  GPUS  AGENT  AGE  EXIT  REASON\n"
         );
+    }
+
+    /// A fraction or a MIG job shows what each task holds, never "0".
+    #[test]
+    fn jobs_table_gpus_of_fractions_and_mig() {
+        let cell = |placement: pb::Placement, gpus: u32, replicas: u32| {
+            let mut j = job();
+            let spec = j.spec.as_mut().unwrap();
+            spec.placement = Some(placement);
+            spec.resources.as_mut().unwrap().gpus = gpus;
+            spec.replicas = replicas;
+            let out = jobs_table(&[j], 1_700_000_065_000).render();
+            out.lines()
+                .nth(1)
+                .unwrap()
+                .split_whitespace()
+                .nth(4)
+                .unwrap()
+                .to_string()
+        };
+        let frac = pb::Placement {
+            gpu_mem_mib: 10 * 1024,
+            ..Default::default()
+        };
+        assert_eq!(cell(frac.clone(), 0, 1), "frac:10GiB");
+        let with_compute = pb::Placement {
+            gpu_compute_pct: 30,
+            ..frac
+        };
+        assert_eq!(cell(with_compute, 0, 2), "2xfrac:10GiB/30%");
+        let mig = pb::Placement {
+            mig: "1g.10gb".into(),
+            ..Default::default()
+        };
+        assert_eq!(cell(mig, 1, 1), "mig:1g.10gb");
+        assert_eq!(cell(pb::Placement::default(), 2, 4), "4x2");
     }
 
     #[test]

@@ -219,6 +219,11 @@ pub struct AgentCounts {
     pub exhausted_memory: u32,
     /// Could run a task, but short of free host ports now.
     pub exhausted_ports: u32,
+    /// A fraction: could hold it, but its shared GPUs are short of free
+    /// GPU memory, or of compute with the memory free, now (instead of
+    /// `exhausted_gpus`).
+    pub exhausted_shared_memory: u32,
+    pub exhausted_shared_compute: u32,
     /// Could take one task now: a gang waits for room for all replicas.
     pub fit_one: u32,
     /// Left out whatever is free: they do not allow the job's `security`
@@ -412,6 +417,8 @@ impl From<&Waiting> for pb::WaitReason {
                 exhausted_cpus: c.exhausted_cpus,
                 exhausted_memory: c.exhausted_memory,
                 exhausted_ports: c.exhausted_ports,
+                exhausted_shared_memory: c.exhausted_shared_memory,
+                exhausted_shared_compute: c.exhausted_shared_compute,
                 fit_one: c.fit_one,
                 filtered_security: c.filtered_security,
                 filtered_driver: c.filtered_driver,
@@ -667,6 +674,8 @@ impl TryFrom<&pb::WaitReason> for Waiting {
                 exhausted_cpus: b.exhausted_cpus,
                 exhausted_memory: b.exhausted_memory,
                 exhausted_ports: b.exhausted_ports,
+                exhausted_shared_memory: b.exhausted_shared_memory,
+                exhausted_shared_compute: b.exhausted_shared_compute,
                 fit_one: b.fit_one,
                 filtered_security: b.filtered_security,
                 filtered_driver: b.filtered_driver,
@@ -842,6 +851,8 @@ mod tests {
                 filtered_security: 10,
                 filtered_driver: 11,
                 exhausted_ports: 12,
+                exhausted_shared_memory: 13,
+                exhausted_shared_compute: 14,
             }),
             WaitReason::NeverFits {
                 why: NeverFits::Missing {

@@ -210,6 +210,14 @@ impl AgentCounts {
             (self.exhausted_cpus, "short of free cpus"),
             (self.exhausted_memory, "short of free memory"),
             (self.exhausted_ports, "short of free ports"),
+            (
+                self.exhausted_shared_memory,
+                "short of free GPU memory on shared GPUs",
+            ),
+            (
+                self.exhausted_shared_compute,
+                "short of free GPU compute on shared GPUs",
+            ),
             (self.fit_one, "with room for one replica"),
             (self.filtered_runtime, "without the runtime"),
             (self.filtered_security, "not allowing its root or mounts"),
@@ -747,6 +755,8 @@ mod tests {
             filtered_security: 1,
             filtered_driver: 0,
             exhausted_ports: 0,
+            exhausted_shared_memory: 0,
+            exhausted_shared_compute: 0,
         };
         assert_eq!(
             text(wr::Kind::Resources(busy), None),
@@ -772,6 +782,18 @@ mod tests {
         assert_eq!(
             text(wr::Kind::Resources(busy), None),
             "Resources: waiting for resources to be freed (of 2 agents: 2 short of free ports)"
+        );
+        // A fraction waits for room on shared GPUs, not for free GPUs.
+        let busy = wr::Busy {
+            agents: 3,
+            exhausted_shared_memory: 2,
+            exhausted_shared_compute: 1,
+            ..Default::default()
+        };
+        assert_eq!(
+            text(wr::Kind::Resources(busy), None),
+            "Resources: waiting for resources to be freed (of 3 agents: 2 short of free GPU \
+             memory on shared GPUs, 1 short of free GPU compute on shared GPUs)"
         );
     }
 

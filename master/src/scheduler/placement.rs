@@ -953,6 +953,18 @@ pub fn agent_counts(
             &mut c.filtered_gpu_memory
         } else if filter.count_all(node) < n || !totals(node.id).fits(&scalars) {
             &mut c.filtered_too_small
+        } else if req.fraction.is_some() && filter.count_free(node) < n {
+            // What its shared GPUs lack: memory, or only compute.
+            let memory_free = req.fraction.is_some_and(|f| {
+                node.free_shared.iter().any(|(g, m, _)| {
+                    filter.allowed(&g.uuid) && filter.matches(g) && *m >= f.mem_mib
+                })
+            });
+            if memory_free {
+                &mut c.exhausted_shared_compute
+            } else {
+                &mut c.exhausted_shared_memory
+            }
         } else if node.free.gpus < need.gpus || filter.count_free(node) < n {
             &mut c.exhausted_gpus
         } else if need.cpus > node.free.cpus + 1e-9 {

@@ -768,6 +768,8 @@ fn agent_counts_name_what_each_agent_lacks_first() {
             filtered_security: 0,
             filtered_driver: 0,
             exhausted_ports: 0,
+            exhausted_shared_memory: 0,
+            exhausted_shared_compute: 0,
         }
     );
 }
@@ -1480,6 +1482,8 @@ mod props {
                     + c.exhausted_cpus
                     + c.exhausted_memory
                     + c.exhausted_ports
+                    + c.exhausted_shared_memory
+                    + c.exhausted_shared_compute
                     + c.fit_one;
                 prop_assert_eq!(counted as usize, v.len());
                 prop_assert_eq!(c.agents as usize, v.len());
@@ -1565,4 +1569,39 @@ mod props {
             }
         }
     }
+}
+
+/// A fraction that fits no shared GPU now is counted short of GPU memory,
+/// or of compute where the memory is free, not "short of free GPUs".
+#[test]
+fn a_waiting_fraction_is_counted_by_what_its_shared_gpus_lack() {
+    let nodes = [
+        Node::new("a", 1, "A100-SXM4-40GB", 40960),
+        Node::new("b", 1, "A100-SXM4-40GB", 40960),
+        Node::new("c", 1, "A100-SXM4-40GB", 40960),
+    ];
+    let mut v = views(&nodes);
+    // a: 4 GiB left of its memory; b: 30 GiB left but 10% of compute;
+    // c: room for it.
+    v[0].free_shared = vec![(&nodes[0].gpus[0], 4096, 100)];
+    v[1].free_shared = vec![(&nodes[1].gpus[0], 30 * 1024, 10)];
+    v[2].free_shared = vec![(&nodes[2].gpus[0], 30 * 1024, 60)];
+    let r = TaskRequest {
+        fraction: Some(GpuFraction {
+            mem_mib: 10 * 1024,
+            compute_pct: 50,
+        }),
+        ..req(0)
+    };
+    let got = agent_counts(&r, &v, &totals_of(&nodes));
+    assert_eq!(
+        (
+            got.exhausted_shared_memory,
+            got.exhausted_shared_compute,
+            got.exhausted_gpus,
+            got.fit_one
+        ),
+        (1, 1, 0, 1),
+        "{got:?}"
+    );
 }
