@@ -975,6 +975,7 @@ mod tests {
             gpu_memory_limit: false,
             hung: false,
             failed_gpus: Vec::new(),
+            runtime_restarted: false,
         };
         tx.send(update.clone()).await.unwrap();
         done_tx.send(true).unwrap();

@@ -1208,6 +1208,10 @@ pub struct StatusUpdate {
     /// job avoids when placed again; empty: all of the task's are suspect.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub failed_gpus: Vec<String>,
+    /// Its container runtime stopped it as the runtime restarted (wire:
+    /// state FAILED, reason REASON_RUNTIME_RESTARTED): not its own failure.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub runtime_restarted: bool,
 }
 
 /// What an agent enforces of a fraction of a shared GPU, stated per task.
@@ -1327,6 +1331,10 @@ pub enum TaskReason {
     /// Stopped by its agent: no output and no GPU activity for its job's
     /// hang timeout.
     Hung,
+    /// Stopped by its container runtime as the runtime restarted (dockerd
+    /// without live-restore): its job goes back to the queue without using
+    /// a retry.
+    RuntimeRestarted,
 }
 
 /// The id of gpuctl's own job scheduler, which runs as a framework; no

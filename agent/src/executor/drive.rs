@@ -38,6 +38,7 @@ impl Executor {
         u.fenced = outcome.fenced;
         u.gpu_memory_limit = outcome.gpu_memory_limit;
         u.hung = outcome.hung;
+        u.runtime_restarted = outcome.runtime_restarted;
         u.requires = outcome.requires;
         u.failed_gpus = outcome.failed_gpus;
         let path = self.state_dir(task_id).join(checkpoint::FINAL_FILE);

@@ -765,6 +765,7 @@ impl Executor {
             requires: Vec::new(),
             latest_state: None,
             failed_gpus: Vec::new(),
+            runtime_restarted: false,
         }
     }
 

@@ -27,6 +27,8 @@ pub(super) struct Outcome {
     pub(super) requires: Vec<String>,
     /// With `gpu_unhealthy`: the GPU that failed, when known.
     pub(super) failed_gpus: Vec<String>,
+    /// Stopped by its runtime's restart (REASON_RUNTIME_RESTARTED).
+    pub(super) runtime_restarted: bool,
 }
 
 impl Outcome {
@@ -41,6 +43,7 @@ impl Outcome {
             hung: false,
             requires: Vec::new(),
             failed_gpus: Vec::new(),
+            runtime_restarted: false,
         }
     }
 
@@ -89,6 +92,7 @@ impl Outcome {
                 hung: false,
                 requires: Vec::new(),
                 failed_gpus: Vec::new(),
+                runtime_restarted: false,
             };
         }
         match reason {
@@ -121,6 +125,18 @@ impl Outcome {
                 hung: false,
                 requires: Vec::new(),
                 failed_gpus: Vec::new(),
+                runtime_restarted: false,
+            },
+            // Nobody here asked it to stop: its runtime did, restarting.
+            _ if ended.runtime_restarted && code != Some(0) => Outcome {
+                exit_code: code,
+                runtime_restarted: true,
+                ..Outcome::failed(format!(
+                    "was stopped by its container runtime as the runtime restarted ({}; \
+                     dockerd without live-restore stops the containers still running when it \
+                     starts): not the task's own failure",
+                    code.map_or("no exit code".to_string(), |c| ended_words(&ended, c))
+                ))
             },
             _ => match code {
                 Some(0) => Outcome {
@@ -133,6 +149,7 @@ impl Outcome {
                     hung: false,
                     requires: Vec::new(),
                     failed_gpus: Vec::new(),
+                    runtime_restarted: false,
                 },
                 Some(c) => Outcome {
                     exit_code: Some(c),

@@ -87,6 +87,31 @@ fn signal_deaths_and_oom_kills_are_named() {
         (TaskState::Failed, true, Some(0))
     );
     assert!(o.message.starts_with("hung: "), "{}", o.message);
+    // Stopped by its runtime's restart: said as such, with the code, and
+    // marked for the master (no retry used); a kill the agent asked for
+    // stays a kill, and a task that finished stays finished.
+    let restarted = Ended {
+        runtime_restarted: true,
+        ..ended(143, None, false)
+    };
+    let o = Outcome::ran(restarted.clone(), None, 0);
+    assert_eq!(
+        (o.state, o.runtime_restarted, o.exit_code),
+        (TaskState::Failed, true, Some(143))
+    );
+    assert!(
+        o.message
+            .starts_with("was stopped by its container runtime as the runtime restarted (exited with code 143, as a process killed by signal 15 (SIGTERM) does;"),
+        "{}",
+        o.message
+    );
+    let o = Outcome::ran(restarted, Some(&StopReason::Killed), 0);
+    assert_eq!((o.state, o.runtime_restarted), (TaskState::Killed, false));
+    let ok = Ended {
+        runtime_restarted: true,
+        ..ended(0, None, false)
+    };
+    assert_eq!(Outcome::ran(ok, None, 0).state, TaskState::Finished);
 }
 
 #[test]

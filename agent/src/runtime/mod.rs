@@ -165,6 +165,10 @@ pub struct Ended {
     /// The kernel's OOM killer ended a process of it (Docker's OOMKilled,
     /// or the OOM kills counted in the task's memory cgroup).
     pub oom_killed: bool,
+    /// The runtime itself stopped it as the runtime restarted (Docker: a
+    /// SIGTERM or SIGKILL exit recorded after the agent saw the daemon go
+    /// down): not the task's own failure.
+    pub runtime_restarted: bool,
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -57,6 +57,7 @@ impl From<TaskReason> for pb::Reason {
             TaskReason::GpuMemoryLimit => pb::Reason::GpuMemoryLimit,
             TaskReason::Reclaimed => pb::Reason::Reclaimed,
             TaskReason::Hung => pb::Reason::Hung,
+            TaskReason::RuntimeRestarted => pb::Reason::RuntimeRestarted,
         }
     }
 }
@@ -213,6 +214,13 @@ impl TryFrom<pb::StatusUpdate> for StatusUpdate {
                 format!("REASON_HUNG needs state FAILED, not {state}"),
             ));
         }
+        let runtime_restarted = u.reason == pb::Reason::RuntimeRestarted as i32;
+        if runtime_restarted && state != TaskState::Failed {
+            return Err(ConvertError::new(
+                "reason",
+                format!("REASON_RUNTIME_RESTARTED needs state FAILED, not {state}"),
+            ));
+        }
         let gpu_unhealthy = u.reason == pb::Reason::GpuUnhealthy as i32;
         if !gpu_unhealthy && !u.failed_gpus.is_empty() {
             return Err(ConvertError::new(
@@ -253,6 +261,7 @@ impl TryFrom<pb::StatusUpdate> for StatusUpdate {
             gpu_memory_limit,
             hung,
             failed_gpus: u.failed_gpus,
+            runtime_restarted,
         })
     }
 }
@@ -276,6 +285,8 @@ impl From<StatusUpdate> for pb::StatusUpdate {
                 pb::Reason::GpuMemoryLimit as i32
             } else if u.hung {
                 pb::Reason::Hung as i32
+            } else if u.runtime_restarted {
+                pb::Reason::RuntimeRestarted as i32
             } else {
                 pb::Reason::Unspecified as i32
             },

@@ -322,6 +322,26 @@ fn a_hang_timeout_goes_to_the_spec_and_back_and_out_of_bounds_is_named() {
     assert_eq!(StatusUpdate::try_from(u).unwrap_err().field, "reason");
 }
 
+/// A task its runtime stopped as the runtime restarted: FAILED only, and
+/// back to the wire with its reason.
+#[test]
+fn a_runtime_restart_is_a_reason_of_a_failed_task_only() {
+    let mut u = pb::StatusUpdate {
+        agent_id: "a".into(),
+        task_id: "t".into(),
+        state: pb::TaskState::TaskFailed as i32,
+        exit_code: Some(143),
+        reason: pb::Reason::RuntimeRestarted as i32,
+        uuid: vec![1; 16],
+        ..Default::default()
+    };
+    let d = StatusUpdate::try_from(u.clone()).unwrap();
+    assert!(d.runtime_restarted && !d.hung && !d.gpu_unhealthy);
+    assert_eq!(pb::StatusUpdate::from(d).reason, u.reason);
+    u.state = pb::TaskState::TaskFinished as i32;
+    assert_eq!(StatusUpdate::try_from(u).unwrap_err().field, "reason");
+}
+
 #[test]
 fn stop_kinds_name_the_reason_generically() {
     assert_eq!(stop_kind(TaskReason::Preempted, false), "preempted");

@@ -33,7 +33,11 @@ use serde::{Deserialize, Serialize};
 /// fraction's own readings in its task and history, the cluster's hourly
 /// means, and flags a job idle by its fractions' readings too (version-4
 /// masters would flag other jobs).
-pub const COMMAND_VERSION: u32 = 5;
+///
+/// 6 (issue 55): a task its container runtime stopped as the runtime
+/// restarted (`StatusUpdate::runtime_restarted`) requeues its job without
+/// using a retry (version-5 masters would count a failed attempt).
+pub const COMMAND_VERSION: u32 = 6;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Command {

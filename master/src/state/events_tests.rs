@@ -218,6 +218,57 @@ fn a_gpu_failure_then_requeue() {
     );
 }
 
+/// A task its container runtime stopped as the runtime restarted: the job
+/// is back in the queue without using a retry (it has none), and says
+/// why; with --no-requeue it fails saying so.
+#[test]
+fn a_runtime_restart_requeues_without_a_retry() {
+    for no_requeue in [false, true] {
+        let mut d = Driver::new(&[("a", 1)]);
+        let j = submit(&mut d, spec(1, |s| s.no_requeue = no_requeue), 1);
+        d.launch_at(&j, &[("a", &["GPU-a-0"])], 2).unwrap();
+        report(&mut d, "job-1.0", TaskState::Running, None, 3);
+        let mut u = status("a", "job-1.0", TaskState::Failed);
+        u.exit_code = Some(143);
+        u.runtime_restarted = true;
+        u.message = "was stopped by its container runtime as the runtime restarted".into();
+        d.apply(Command::UpdateTaskStatus {
+            update: u,
+            at_ms: 4,
+        })
+        .unwrap();
+        let job = &d.s.jobs[&j];
+        assert_eq!(
+            d.s.tasks["job-1.0"].reason,
+            gpuctl_core::types::TaskReason::RuntimeRestarted
+        );
+        assert_eq!(job.retries, 0, "no retry used");
+        let last = events(&d, &j).last().cloned().unwrap();
+        if no_requeue {
+            assert_eq!(job.state, gpuctl_core::types::JobState::Failed);
+            assert!(
+                job.message.ends_with("(submitted with --no-requeue)"),
+                "{}",
+                job.message
+            );
+        } else {
+            assert_eq!(job.state, gpuctl_core::types::JobState::Queued);
+            assert_eq!(
+                (last.0, last.1.as_str()),
+                (
+                    EventKind::Requeued,
+                    "after its container runtime restarted under it: back in the queue (no retry used)"
+                )
+            );
+            assert!(
+                job.message.contains("was stopped by its container runtime"),
+                "{}",
+                job.message
+            );
+        }
+    }
+}
+
 #[test]
 fn an_agent_unreachable_then_back_then_lost() {
     let mut d = Driver::new(&[("a", 1)]);

@@ -784,6 +784,7 @@ mod tests {
                 latest_state: None,
                 hung: false,
                 failed_gpus: Vec::new(),
+                runtime_restarted: false,
             },
             at_ms: 9,
         };
@@ -844,6 +845,7 @@ mod tests {
             latest_state: None,
             hung: false,
             failed_gpus: Vec::new(),
+            runtime_restarted: false,
         };
         s.apply(10, &Command::UpdateTaskStatus { update, at_ms: 9 })
             .unwrap();
@@ -880,6 +882,7 @@ mod tests {
                 latest_state: latest,
                 hung: false,
                 failed_gpus: Vec::new(),
+                runtime_restarted: false,
             },
             at_ms: 9,
         };

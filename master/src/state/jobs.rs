@@ -242,6 +242,11 @@ impl State {
                 Stopping::DriverRefused {
                     message: message.clone(),
                 }
+            } else if task.reason == TaskReason::RuntimeRestarted {
+                Stopping::RuntimeRestarted {
+                    message: message.clone(),
+                    requeue: !job.spec.no_requeue,
+                }
             } else {
                 Stopping::Failed {
                     message: message.clone(),
@@ -411,6 +416,23 @@ impl State {
                     ));
                     (JobState::Queued, message)
                 }
+                Some(Stopping::RuntimeRestarted {
+                    message,
+                    requeue: true,
+                }) => {
+                    event = Some((
+                        EventKind::Requeued,
+                        format!("after its container runtime restarted under it: {no_retry}"),
+                    ));
+                    (JobState::Queued, message)
+                }
+                Some(Stopping::RuntimeRestarted {
+                    message,
+                    requeue: false,
+                }) => (
+                    JobState::Failed,
+                    format!("{message} (submitted with --no-requeue)"),
+                ),
                 // Not reached: the first failure sets `stopping`.
                 None => (JobState::Failed, "attempt ended".to_string()),
             }

@@ -227,6 +227,10 @@ pub enum Stopping {
     /// Its GPUs stayed idle past its tenant's `stop_idle_after`: it ends
     /// CANCELLED with `message`, however its tasks exit.
     IdleStopped { message: String },
+    /// A task's container runtime stopped it as the runtime restarted: not
+    /// the job's fault, so it is queued again without using up a retry,
+    /// unless `--no-requeue`.
+    RuntimeRestarted { message: String, requeue: bool },
 }
 
 impl JobRecord {

@@ -73,7 +73,7 @@ impl State {
             if u.gpu_unhealthy {
                 self.avoid_failed_gpus(&u.task_id, &u.failed_gpus, at_ms);
             }
-            if u.gpu_unhealthy || u.fenced || u.gpu_memory_limit || u.hung {
+            if u.gpu_unhealthy || u.fenced || u.gpu_memory_limit || u.hung || u.runtime_restarted {
                 if let Some(task) = self.tasks.get_mut(&u.task_id) {
                     task.reason = if u.gpu_unhealthy {
                         TaskReason::GpuUnhealthy
@@ -81,8 +81,10 @@ impl State {
                         TaskReason::Fenced
                     } else if u.gpu_memory_limit {
                         TaskReason::GpuMemoryLimit
-                    } else {
+                    } else if u.hung {
                         TaskReason::Hung
+                    } else {
+                        TaskReason::RuntimeRestarted
                     };
                 }
             }
@@ -95,6 +97,7 @@ impl State {
                     _ if refused => TaskReason::DriverRequirementUnmet,
                     _ if u.gpu_memory_limit => TaskReason::GpuMemoryLimit,
                     _ if u.hung => TaskReason::Hung,
+                    _ if u.runtime_restarted => TaskReason::RuntimeRestarted,
                     (TaskState::Finished | TaskState::Failed, Some(_)) => TaskReason::CommandExited,
                     (TaskState::Failed | TaskState::Error, None) => {
                         TaskReason::ContainerLaunchFailed

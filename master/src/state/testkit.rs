@@ -84,6 +84,7 @@ pub fn status(agent: &str, task: &str, state: TaskState) -> StatusUpdate {
         latest_state: None,
         hung: false,
         failed_gpus: Vec::new(),
+        runtime_restarted: false,
     }
 }
 

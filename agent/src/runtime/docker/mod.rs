@@ -104,6 +104,13 @@ pub struct DockerRuntime {
 
 /// A transport failure (the daemon does not answer) as opposed to an
 /// answer from the daemon.
+/// Now, in seconds since the epoch (Docker's timestamps have that scale).
+fn unix_secs() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
+}
+
 fn is_outage(e: &BollardError) -> bool {
     matches!(
         e,
@@ -551,10 +558,37 @@ impl DockerRuntime {
                     // Docker knows only the code (128 + signal) of a kill.
                     signal: None,
                     oom_killed: state.oom_killed.unwrap_or(false),
+                    runtime_restarted: false,
                 })
             }
             Some(_) => Observed::Running,
         })
+    }
+
+    /// A container that ended by a SIGTERM or SIGKILL (exit 143 or 137,
+    /// through docker-init) that Docker recorded at or after `since`, when
+    /// this agent saw the daemon down, was stopped by the restarted daemon:
+    /// dockerd without live-restore stops the containers still running when
+    /// it starts. (A task that exits 143 on its own during the outage reads
+    /// the same: the agent cannot tell the two apart, and says so.)
+    async fn blame_restart(&self, name: &str, mut ended: Ended, since: i64) -> Ended {
+        if !matches!(ended.code, Some(137 | 143)) {
+            return ended;
+        }
+        let finished = match self.client() {
+            Ok(c) => c
+                .inspect_container(name, None)
+                .await
+                .ok()
+                .and_then(|i| i.state?.finished_at)
+                .and_then(|t| logs::timestamp_secs(&t)),
+            Err(_) => None,
+        };
+        if finished.is_some_and(|f| f >= since) {
+            tracing::info!(container = %name, code = ?ended.code, "container stopped by the Docker daemon's restart");
+            ended.runtime_restarted = true;
+        }
+        ended
     }
 
     /// Follows the container to its end, copying its output to the log,
@@ -564,9 +598,17 @@ impl DockerRuntime {
         let mut backoff = Backoff::new(OUTAGE_BACKOFF_MIN, OUTAGE_BACKOFF_MAX);
         // Aborted if this future is dropped: one copy of the output at a time.
         let mut pump: Option<AbortOnDrop> = None;
+        // When this wait first found the daemon down (seconds since the
+        // epoch): a kill recorded after it is the restarted daemon's.
+        let mut outage_since: Option<i64> = None;
         let ended = loop {
             match self.observe_task(task).await {
-                Ok(Observed::Ended(e)) => break e,
+                Ok(Observed::Ended(e)) => {
+                    break match outage_since {
+                        Some(since) => self.blame_restart(&name, e, since).await,
+                        None => e,
+                    }
+                }
                 Ok(Observed::NotStarted) => {
                     break Ended {
                         code: None,
@@ -604,6 +646,7 @@ impl DockerRuntime {
                         Some(Err(BollardError::DockerContainerWaitError { .. })) => {}
                         Some(Err(e)) if is_outage(&e) => {
                             let _ = self.err(e);
+                            outage_since.get_or_insert_with(unix_secs);
                             tokio::time::sleep(backoff.next_wait()).await;
                         }
                         Some(Err(e)) if is_not_found(&e) => {}
@@ -614,6 +657,7 @@ impl DockerRuntime {
                     }
                 }
                 Err(e) if e.is_unavailable() => {
+                    outage_since.get_or_insert_with(unix_secs);
                     tokio::time::sleep(backoff.next_wait()).await;
                 }
                 Err(e) => return Err(e),

@@ -73,6 +73,7 @@ fn running_task() -> (State, String) {
                 latest_state: None,
                 hung: false,
                 failed_gpus: Vec::new(),
+                runtime_restarted: false,
             },
             at_ms: 1,
         },
@@ -352,6 +353,7 @@ fn freed_resources_are_offered_at_once_past_a_decline_filter() {
                 latest_state: None,
                 hung: false,
                 failed_gpus: Vec::new(),
+                runtime_restarted: false,
             },
             at_ms: 30,
         },
@@ -767,10 +769,7 @@ fn a_declared_demand_stays_through_declines_and_launches() {
     hub.declare_demand("declared", task);
     hub.learn_demand("declared", &[]);
     assert_eq!(demand("declared"), Demand::Task(task), "a decline");
-    let small = Resources {
-        cpus: 0.5,
-        ..task
-    };
+    let small = Resources { cpus: 0.5, ..task };
     hub.learn_demand("declared", &[small]);
     assert_eq!(demand("declared"), Demand::Task(task), "a launch");
     hub.declare_demand("declared", small);

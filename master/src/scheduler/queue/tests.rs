@@ -117,6 +117,7 @@ impl H {
                 latest_state: None,
                 hung: false,
                 failed_gpus: Vec::new(),
+                runtime_restarted: false,
             },
             at_ms: 0,
         });

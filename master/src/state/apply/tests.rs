@@ -194,6 +194,7 @@ impl T {
                 latest_state: None,
                 hung: false,
                 failed_gpus: Vec::new(),
+                runtime_restarted: false,
             },
             at_ms: 4,
         })
@@ -477,6 +478,7 @@ fn updates_from_the_wrong_agent_or_backwards_are_refused() {
                 latest_state: None,
                 hung: false,
                 failed_gpus: Vec::new(),
+                runtime_restarted: false,
             },
             at_ms: 1
         }),
