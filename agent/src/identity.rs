@@ -179,7 +179,24 @@ async fn join(
     let anonymous = Arc::new(
         Tls::from_pem(&ca, None, ClientAuth::Required).map_err(|e| config_err(e.to_string()))?,
     );
-    let (csr, key) = signing_request().map_err(|e| config_err(e.to_string()))?;
+    // The key is kept until the certificate is written: a join sent again
+    // (its answer lost, or this agent restarted before it wrote the
+    // certificate) is the same request, which the master lets through.
+    let key_path = p.cert.with_file_name(JOIN_KEY_FILE);
+    let key = match std::fs::read_to_string(&key_path) {
+        Ok(k) if !k.trim().is_empty() => k,
+        _ => {
+            let k = gpuctl_auth::pki::new_key_pem().map_err(|e| config_err(e.to_string()))?;
+            write_file(&key_path, k.as_bytes(), true)?;
+            k
+        }
+    };
+    let csr = gpuctl_auth::pki::signing_request_for(&key).map_err(|e| {
+        config_err(format!(
+            "{}: {e} (remove it to join with a new key)",
+            key_path.display()
+        ))
+    })?;
     let resp = on_masters(&anonymous, masters, |mut c| {
         let req = pb::JoinRequest {
             token: token.to_string(),
@@ -191,9 +208,15 @@ async fn join(
     .await
     .map_err(|s| config_err(format!("joining the cluster failed: {}", s.message())))?;
     write_file(&p.cert, format!("{}{key}", resp.cert_pem).as_bytes(), true)?;
+    if let Err(e) = std::fs::remove_file(&key_path) {
+        tracing::warn!(path = %key_path.display(), error = %e, "could not remove the joining key");
+    }
     tracing::info!(%agent_id, not_after_ms = resp.not_after_ms, "joined the cluster: certificate written");
     Ok(())
 }
+
+/// The key of a join under way, beside the certificate it is for.
+const JOIN_KEY_FILE: &str = "join-key.pem";
 
 /// When to renew: after two thirds of the certificate's life.
 fn renew_at_ms(not_before_ms: u64, not_after_ms: u64) -> u64 {

@@ -514,6 +514,7 @@ pub async fn serve(
         // What the master places here: only what this agent will run.
         allow_root_tasks: policy.runs_root_tasks(),
         allowed_mounts: policy.allowed_mounts.clone(),
+        allowed_users: Some(policy.allowed_users.clone()),
         share_gpus: config.share_gpus,
         ports: config.ports,
     };

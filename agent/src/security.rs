@@ -167,6 +167,9 @@ pub struct LaunchSecurity {
     /// they are, below its private directories too (its notice directory,
     /// its checkpoint directory).
     pub keep_visible: Vec<PathBuf>,
+    /// Supplementary groups a container gets (Docker's `GroupAdd`): the
+    /// group of its own that may write its heartbeat directory.
+    pub groups: Vec<u32>,
 }
 
 /// The agent's policy for what tasks may do.

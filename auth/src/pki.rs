@@ -271,6 +271,36 @@ pub fn signing_request() -> Result<(String, String), AuthError> {
     Ok((csr.pem()?, key.serialize_pem()))
 }
 
+/// A new key pair, as PEM, for [`signing_request_for`]: kept by its owner
+/// so that a request sent again (its answer lost) is the same request.
+pub fn new_key_pem() -> Result<String, AuthError> {
+    Ok(KeyPair::generate()?.serialize_pem())
+}
+
+/// A certificate signing request for the key pair `key_pem`.
+pub fn signing_request_for(key_pem: &str) -> Result<String, AuthError> {
+    let key = KeyPair::from_pem(key_pem)?;
+    Ok(CertificateParams::default()
+        .serialize_request(&key)?
+        .pem()?)
+}
+
+/// Hex SHA-256 of the public key (its SubjectPublicKeyInfo) that the
+/// signing request `csr_pem` asks a certificate for: what names one
+/// request, whatever else its text holds.
+pub fn csr_key_hash(csr_pem: &str) -> Result<String, AuthError> {
+    use x509_parser::prelude::FromDer;
+    let bad = |msg: String| AuthError::invalid("signing request", &msg);
+    let (_, pem) = x509_parser::pem::parse_x509_pem(csr_pem.as_bytes())
+        .map_err(|e| bad(format!("not PEM: {e}")))?;
+    let (_, csr) =
+        x509_parser::certification_request::X509CertificationRequest::from_der(&pem.contents)
+            .map_err(|e| bad(format!("not a signing request: {e}")))?;
+    let spki = csr.certification_request_info.subject_pki.raw;
+    let digest = ring::digest::digest(&ring::digest::SHA256, spki);
+    Ok(digest.as_ref().iter().map(|b| format!("{b:02x}")).collect())
+}
+
 /// The first PEM block of `pem`, re-encoded (drops comments around it).
 fn first_pem_block(pem: &str) -> Result<String, AuthError> {
     let certs = certs_from_pem(pem.as_bytes(), "CA certificate")?;
@@ -356,6 +386,23 @@ mod tests {
     use super::*;
 
     const DAY: Duration = Duration::from_secs(86_400);
+
+    /// Two requests for one kept key are one request by their key's hash;
+    /// another key's is another; text that is no request is refused.
+    #[test]
+    fn a_request_is_named_by_its_key() {
+        let key = new_key_pem().unwrap();
+        let a = signing_request_for(&key).unwrap();
+        let b = signing_request_for(&key).unwrap();
+        let h = csr_key_hash(&a).unwrap();
+        assert_eq!(h.len(), 64);
+        assert_eq!(csr_key_hash(&b).unwrap(), h);
+        let (other, _) = signing_request().unwrap();
+        assert_ne!(csr_key_hash(&other).unwrap(), h);
+        assert!(csr_key_hash("not pem").is_err());
+        let cert_not_csr = Ca::generate("t", DAY).unwrap().cert_pem().to_string();
+        assert!(csr_key_hash(&cert_not_csr).is_err());
+    }
 
     fn der(pem: &str) -> Vec<u8> {
         certs_from_pem(pem.as_bytes(), "test").unwrap()[0].to_vec()

@@ -37,8 +37,19 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 /// master down) before it reports the last error.
 pub const LEADER_DEADLINE: Duration = Duration::from_secs(15);
 
-/// Longest one attempt of an ordinary call may take.
+/// Longest one attempt of an ordinary change may take.
 pub const RPC_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long one attempt of a call may take: a read moves on from a master
+/// that does not answer (a frozen leader) after
+/// [`gpuctl_proto::follow::READ_ATTEMPT`]; a change waits longer for its
+/// commit.
+pub fn attempt_limit(policy: Retry) -> Duration {
+    match policy {
+        Retry::Always => gpuctl_proto::follow::READ_ATTEMPT,
+        Retry::Resend => RPC_TIMEOUT,
+    }
+}
 
 /// Longest `AddMaster`/`RemoveMaster` may take: a new master first catches
 /// up as a learner, removing the leader first hands leadership on.
@@ -282,14 +293,14 @@ impl Master {
     }
 
     /// Calls `f` with a client of the current master, following the leader
-    /// under `policy`, each attempt bounded by [`RPC_TIMEOUT`].
+    /// under `policy`, each attempt bounded by [`attempt_limit`].
     pub async fn call<T, F, Fut>(&mut self, policy: Retry, f: F) -> Result<T, CliError>
     where
         F: FnMut(OperatorClient<Conn>) -> Fut,
         Fut: Future<Output = Result<tonic::Response<T>, Status>>,
     {
         let deadline = Instant::now() + self.retry_for;
-        self.call_until(policy, Some(RPC_TIMEOUT), deadline, f)
+        self.call_until(policy, Some(attempt_limit(policy)), deadline, f)
             .await
     }
 
@@ -324,7 +335,7 @@ impl Master {
         Fut: Future<Output = Result<tonic::Response<T>, Status>>,
     {
         let deadline = Instant::now() + self.retry_for;
-        self.call_client(policy, Some(RPC_TIMEOUT), deadline, make, f)
+        self.call_client(policy, Some(attempt_limit(policy)), deadline, make, f)
             .await
     }
 

@@ -1161,6 +1161,10 @@ pub struct AgentInfo {
     /// unless an admin said otherwise.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub share_gpus: Option<ShareMode>,
+    /// The ids a job may name here (`allowed_users`); `None` from agents
+    /// that do not say (any).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub allowed_users: Option<IdRanges>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

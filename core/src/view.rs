@@ -419,6 +419,10 @@ pub struct AgentJson {
     /// Host path prefixes its containers may mount.
     #[serde(default)]
     pub allowed_mounts: Vec<String>,
+    /// The ids jobs may name there (`1000-59999`, `none`); `null`: the
+    /// agent did not say (any).
+    #[serde(default)]
+    pub allowed_users: Option<String>,
     /// Host ports its tasks may be given, `START-END`; `null`: none.
     #[serde(default)]
     pub ports: Option<String>,
@@ -456,6 +460,7 @@ impl From<&pb::Agent> for AgentJson {
                 .then(|| a.cuda_driver_version.clone()),
             allow_root_tasks: a.allow_root_tasks,
             allowed_mounts: a.allowed_mounts.clone(),
+            allowed_users: (!a.allowed_users.is_empty()).then(|| a.allowed_users.clone()),
             ports: a.ports.map(|r| format!("{}-{}", r.start, r.end)),
         }
     }

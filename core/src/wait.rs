@@ -11,7 +11,7 @@ use serde::Serialize;
 use crate::convert::{runtime_from_pb, runtime_name, ConvertError};
 use crate::pb;
 use crate::pb::wait_reason as wr;
-use crate::types::{AgentId, JobId, Resources, Runtime};
+use crate::types::{AgentId, JobId, Resources, Runtime, UserIds};
 
 /// Most tenants a reclaim names in a wait reason.
 pub const MAX_RECLAIM_FROM: usize = 8;
@@ -131,6 +131,8 @@ pub enum Requirement {
     Ports(u32),
     /// Allows root host-process tasks (the agent's `allow_root_tasks`).
     RootTasks,
+    /// Lets jobs name this user (the agent's `allowed_users`).
+    User(UserIds),
     /// Allows mounting this host path (the agent's `allowed_mounts`).
     Mount(String),
     /// A driver that meets the job's `require_cuda` and its image's
@@ -289,6 +291,10 @@ impl Serialize for Requirement {
                 m.serialize_entry("ports", p)?;
             }
             Requirement::RootTasks => m.serialize_entry("kind", "root_tasks")?,
+            Requirement::User(u) => {
+                m.serialize_entry("kind", "user")?;
+                m.serialize_entry("user", &u.to_string())?;
+            }
             Requirement::Mount(p) => {
                 m.serialize_entry("kind", "mount")?;
                 m.serialize_entry("path", p)?;
@@ -488,6 +494,11 @@ impl From<&Requirement> for wr::Requirement {
                 kind: Kind::RootTasks as i32,
                 ..Default::default()
             },
+            Requirement::User(u) => wr::Requirement {
+                kind: Kind::User as i32,
+                user: u.to_string(),
+                ..Default::default()
+            },
             Requirement::Mount(path) => wr::Requirement {
                 kind: Kind::Mount as i32,
                 path: path.clone(),
@@ -580,6 +591,11 @@ impl TryFrom<&wr::Requirement> for Requirement {
             Ok(Kind::Memory) => Requirement::Memory(r.mem_mib),
             Ok(Kind::Ports) => Requirement::Ports(r.ports),
             Ok(Kind::RootTasks) => Requirement::RootTasks,
+            Ok(Kind::User) => Requirement::User(
+                r.user
+                    .parse()
+                    .map_err(|e: String| ConvertError::new("user", e))?,
+            ),
             Ok(Kind::Mount) => Requirement::Mount(r.path.clone()),
             Ok(Kind::Driver) => Requirement::Driver(DriverAsk {
                 requires: r.requires.clone(),
@@ -777,6 +793,10 @@ mod tests {
                     among: vec![
                         Requirement::Runtime(Runtime::Process),
                         Requirement::RootTasks,
+                        Requirement::User(UserIds {
+                            uid: 3000,
+                            gid: 3001,
+                        }),
                     ],
                     largest: None,
                 },

@@ -120,6 +120,9 @@ impl Requirement {
             Requirement::RootTasks => {
                 "allows root tasks (agent option allow_root_tasks)".to_string()
             }
+            Requirement::User(u) => {
+                format!("lets jobs run as user {u} (agent option allowed_users)")
+            }
             Requirement::Mount(path) => {
                 format!("allows mounting {path} (agent option allowed_mounts)")
             }
@@ -142,6 +145,7 @@ impl Requirement {
             Requirement::Memory(mem_mib) => format!("have {mem_mib} MiB of memory"),
             Requirement::Ports(ports) => format!("offer {ports} host ports"),
             Requirement::RootTasks => "allow root tasks".to_string(),
+            Requirement::User(u) => format!("let jobs run as user {u}"),
             Requirement::Mount(path) => format!("allow mounting {path}"),
             Requirement::Driver(d) => {
                 format!("have a driver for {}", shorts(&d.requires))
@@ -220,7 +224,10 @@ impl AgentCounts {
             ),
             (self.fit_one, "with room for one replica"),
             (self.filtered_runtime, "without the runtime"),
-            (self.filtered_security, "not allowing its root or mounts"),
+            (
+                self.filtered_security,
+                "not allowing its user, root or mounts",
+            ),
             (self.filtered_constraints, "not matching the constraints"),
             (self.filtered_driver, "whose driver does not qualify"),
             (self.filtered_gpu_model, "without the GPU model"),
@@ -519,6 +526,14 @@ mod tests {
             text(missing(req(R::RootTasks), vec![], None, None), None),
             "no agent allows root tasks (agent option allow_root_tasks)"
         );
+        let user = wr::Requirement {
+            user: "3000:3000".into(),
+            ..req(R::User)
+        };
+        assert_eq!(
+            text(missing(user, vec![], None, None), None),
+            "no agent lets jobs run as user 3000:3000 (agent option allowed_users)"
+        );
         let mount = |p: &str| wr::Requirement {
             path: p.into(),
             ..req(R::Mount)
@@ -761,7 +776,7 @@ mod tests {
         assert_eq!(
             text(wr::Kind::Resources(busy), None),
             "Resources: waiting for resources to be freed (of 7 agents: 1 short of free GPUs, \
-             1 with room for one replica, 1 without the runtime, 1 not allowing its root or mounts, \
+             1 with room for one replica, 1 without the runtime, 1 not allowing its user, root or mounts, \
              1 not matching the constraints, 1 without the GPU model, \
              1 without a GPU with the memory, 1 too small)"
         );

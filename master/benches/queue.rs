@@ -32,6 +32,7 @@ fn agent(a: usize) -> AgentInfo {
     let id = format!("agent-{a:05}");
     AgentInfo {
         share_gpus: None,
+        allowed_users: None,
         id: id.clone(),
         hostname: id,
         address: String::new(),

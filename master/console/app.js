@@ -675,7 +675,7 @@ function usagePage(root, params) {
     h("p", { class: "muted" }, "GPUs held from launch to end, and how busy they were over that time (docs/usage.md)."),
     h("table", { id: "usage", class: "grid" },
       h("thead", {}, h("tr", {},
-        ["Who", "Tenant", "GPU-hours", "Share", "GPU utilization", "CPU-hours", "Tasks", "Running"].map((c) => h("th", {}, c)))),
+        ["Who", "Tenant", "GPU-hours", "Startup", "Share", "GPU utilization", "CPU-hours", "Tasks", "Running"].map((c) => h("th", {}, c)))),
       rows));
   const reload = () => {
     location.hash = `#/usage?window=${windowPick.value}&by=${byPick.value}`;
@@ -685,11 +685,13 @@ function usagePage(root, params) {
   const stop = poller(async () => {
     const u = await api(`/api/usage?window=${windowPick.value}&by=${byPick.value}`);
     const total = u.rows.reduce((a, r) => a + r.gpu_hours, 0) || 1;
-    if (!u.rows.length) return empty(rows, 8, "Nothing ran in this window.");
+    if (!u.rows.length) return empty(rows, 9, "Nothing ran in this window.");
     rows.replaceChildren(...u.rows.map((r) => h("tr", { dataset: { key: r.key } },
       h("td", {}, r.key || "(no GPU)"),
       h("td", {}, r.tenant || ""),
       h("td", { class: "gpu-hours" }, r.gpu_hours.toFixed(2)),
+      h("td", { class: "gpu-startup", title: "GPU-hours held before the tasks ran (image pull, preflight)" },
+        (r.gpu_startup_hours || 0).toFixed(2)),
       h("td", {}, meter(100 * r.gpu_hours / total, `${Math.round(100 * r.gpu_hours / total)}%`)),
       h("td", { class: "gpu-util" }, r.gpu_util_pct == null ? h("span", { class: "muted" }, "–")
         : meter(r.gpu_util_pct, `${Math.round(r.gpu_util_pct)}%`)),

@@ -107,6 +107,7 @@ pub fn bootstrap_record(token: &Token, now_ms: u64) -> TokenRecord {
         revoked_at_ms: None,
         agent_id: None,
         used: None,
+        used_key: None,
         framework_roles: Vec::new(),
         allow_root: true,
         // Every id: the admin may make any token anyway. Agents still run

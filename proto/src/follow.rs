@@ -24,6 +24,15 @@ use tonic::Status;
 
 use crate::leader::{self, LeaderSearch, NextTry};
 
+/// The longest one attempt of a read may take before the call moves on to
+/// another master. A frozen leader (SIGSTOP, a hung machine) keeps its
+/// connections open and silent until the others elect a new one (about an
+/// election timeout): a read gives up on it after this, not after a
+/// change's longer limit, and finds the new leader. Reads are small
+/// (pages, bounded answers), so a master that answers at all answers well
+/// within it.
+pub const READ_ATTEMPT: Duration = Duration::from_secs(3);
+
 /// Makes the lazy channel for one `HOST:PORT` (TLS or clear, endpoint
 /// options). An error is the call's answer (a bad address).
 pub type Connect = Arc<dyn Fn(&str) -> Result<Channel, Status> + Send + Sync>;

@@ -664,6 +664,9 @@ fn console_draws_utilization_curves_that_follow_the_gpus() {
     );
     let row = b.text("#usage tr[data-key=\"default\"]");
     assert!(row.contains('%'), "{row}");
+    // Its startup (held before it ran) beside its GPU-hours, a number.
+    let startup = b.text("#usage tr[data-key=\"default\"] .gpu-startup");
+    assert!(startup.trim().parse::<f64>().is_ok(), "{startup:?}");
     no_page_errors(&b);
     c.ok(&["jobs", "cancel", &job]);
 }

@@ -138,3 +138,103 @@ fn agent_asked_for_docker_starts_while_docker_is_down() {
     agent.kill().unwrap();
     agent.wait().unwrap();
 }
+
+/// A container that runs as its image's user (unknown to the agent) and has
+/// a hang timeout writes its heartbeat through a group of its own: the
+/// heartbeat directory is root's and that group's (mode 0770, nobody else
+/// may write it), and the container's process carries the group. Checked
+/// from outside: the directory's owner and mode, the process's ids in
+/// /proc; and the task, touching its heartbeat and printing nothing, is not
+/// stopped as hung.
+#[test]
+fn a_container_of_its_images_user_writes_its_heartbeat_through_a_group_of_its_own() {
+    if !docker_or_skip(
+        "a_container_of_its_images_user_writes_its_heartbeat_through_a_group_of_its_own",
+    ) {
+        return;
+    }
+    use std::os::unix::fs::MetadataExt;
+    // An image whose user is 4321, not root: made from the test image.
+    let base = busybox_image();
+    let image = "gpuctl/busybox:user4321";
+    let maker = format!("gpuctl-test-user-image-{}", std::process::id());
+    let docker = |args: &[&str]| {
+        let out = std::process::Command::new("docker")
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "docker {args:?}: {out:?}");
+    };
+    docker(&["create", "--name", &maker, &base, "true"]);
+    docker(&["commit", "--change", "USER 4321:4321", &maker, image]);
+    docker(&["rm", &maker]);
+
+    let marker = gpuctl_tests::test_marker("heartbeat-group");
+    let mut c = Cluster::start(&[]);
+    c.add_agent(AgentOpts {
+        runtime: "docker,process",
+        ..Default::default()
+    });
+    let j = c.submit(&[
+        "--name",
+        "beating",
+        "--image",
+        image,
+        "--hang-timeout",
+        "3s",
+        "--env",
+        &format!("GPUCTL_HB_TEST={marker}"),
+        "--",
+        "sh",
+        "-c",
+        "while touch \"$GPUCTL_HEARTBEAT_FILE\"; do sleep 0.5; done; echo cannot touch; sleep 60",
+    ]);
+    let job = c.wait_state(&j, "RUNNING", Duration::from_secs(60));
+    let task_id = job["tasks"][0]["id"].as_str().unwrap().to_string();
+    let mut live = Vec::new();
+    wait_for(Duration::from_secs(20), "the container's process", || {
+        live = gpuctl_tests::live_tasks("GPUCTL_HB_TEST", &marker);
+        !live.is_empty()
+    });
+    let status = std::fs::read_to_string(format!("/proc/{}/status", live[0].pid)).unwrap();
+    let field = |name: &str| -> Vec<u32> {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .unwrap_or_default()
+            .split_whitespace()
+            .filter_map(|n| n.parse().ok())
+            .collect()
+    };
+    assert_eq!(field("Uid:")[0], 4321, "{status}");
+    let dir = c
+        .dir
+        .path()
+        .join("agent0/heartbeats-containers")
+        .join(&task_id);
+    let md = std::fs::metadata(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+    assert_eq!(
+        (md.uid(), md.mode() & 0o7777),
+        (0, 0o770),
+        "{}",
+        dir.display()
+    );
+    assert!(
+        gpuctl_tests::TASK_USERS.contains(&md.gid()),
+        "the group is leased from task_users: {}",
+        md.gid()
+    );
+    assert!(
+        field("Groups:").contains(&md.gid()),
+        "the container carries group {}: {status}",
+        md.gid()
+    );
+    // Past its 3 s timeout, silent but beating: still running, once.
+    std::thread::sleep(Duration::from_secs(5));
+    let job = c.job(&j);
+    assert_eq!(job["state"], "RUNNING", "{job}");
+    assert_eq!(job["tasks"].as_array().unwrap().len(), 1, "{job}");
+    assert!(!c.ok(&["jobs", "logs", &j]).contains("cannot touch"));
+    c.ok(&["jobs", "cancel", &j]);
+    c.wait_state(&j, "CANCELLED", Duration::from_secs(60));
+}

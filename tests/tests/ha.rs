@@ -604,6 +604,27 @@ fn a_frozen_leader_is_replaced_and_rejoins_as_follower() {
     let old = c.leader_id();
     let pid = c.masters[&old].daemon.pid();
     assert_eq!(signal(pid, "STOP"), 0);
+    // A read that starts at the frozen leader (its connection open and
+    // silent) moves on after a read's attempt limit (3 s) and finds the new
+    // leader, rather than waiting out a change's (10 s), the time a read
+    // took before. Timed against that limit only, which a read that
+    // contacts the frozen master first cannot beat unless it moves on.
+    let others: Vec<&str> = c
+        .masters
+        .keys()
+        .filter(|id| **id != old)
+        .map(|id| c.addr(*id))
+        .collect();
+    let frozen_first = format!("{},{}", c.addr(old), others.join(","));
+    let started = std::time::Instant::now();
+    let listed = c.ok_at(&frozen_first, &["jobs", "list", "--json"]);
+    let took = started.elapsed();
+    assert!(listed.contains(&long), "{listed}");
+    assert!(
+        took < Duration::from_secs(10),
+        "a read behind the frozen leader took {took:?}"
+    );
+    eprintln!("a read behind the frozen leader took {took:?}");
     let new = c.wait_new_leader(old);
     // The agent finds the new leader and takes work from it.
     let quick = c.submit(&["--name", "quick", "--gpus", "1", "--", "true"]);

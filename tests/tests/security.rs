@@ -760,6 +760,27 @@ fn a_secure_cluster_runs_jobs_and_refuses_what_an_outsider_tried() {
             (CertRole::Agent, "new-agent")
         );
         assert_eq!(code(id.join(req("another")).await), Code::Unauthenticated);
+        // The same request sent again (its answer lost: the agent never got
+        // its certificate) is answered again: the same agent, a certificate
+        // for the same key. Another key is refused.
+        for _ in 0..2 {
+            let resent = id.join(req("new-agent")).await.unwrap().into_inner();
+            let who = gpuctl_auth::pki::identity_of(
+                &gpuctl_auth::pki::certs_from_pem(resent.cert_pem.as_bytes(), "t").unwrap()[0],
+            )
+            .unwrap();
+            assert_eq!(
+                (who.role, who.name.as_str()),
+                (CertRole::Agent, "new-agent")
+            );
+        }
+        let (other_key, _) = gpuctl_auth::pki::signing_request().unwrap();
+        let stolen = pb::JoinRequest {
+            token: join.clone(),
+            agent_id: "new-agent".into(),
+            csr_pem: other_key,
+        };
+        assert_eq!(code(id.join(stolen).await), Code::Unauthenticated);
     });
 
     // A tenant's GPU quota: vision holds 1 GPU; with a quota of 1 its next

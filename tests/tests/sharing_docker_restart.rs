@@ -9,7 +9,9 @@
 //! outlive the daemon's death, their shims keep them running, and the
 //! agent keeps their tasks through the outage; the restarted daemon stops
 //! them (SIGTERM through docker-init: exit 143) and gpuctl reports that
-//! exit code. The MPS control daemon is a host process of the agent, not
+//! exit code, as the runtime's restart (REASON_RUNTIME_RESTARTED): the job
+//! goes back to the queue without using a retry, unless it was submitted
+//! with --no-requeue. The MPS control daemon is a host process of the agent, not
 //! Docker's: it keeps its pid throughout. Fractions placed while Docker is
 //! down, a job's retry and a fraction that waited for room then share the
 //! GPU exactly to its memory, on the same MPS daemon, and the masters, the
@@ -158,7 +160,7 @@ fn mps_fractions_through_a_docker_daemon_restart_are_counted_once() {
 
     // Two 15 GiB fractions of the 40 GiB GPU; one job may run again.
     let again = fraction("again", 15 * GIB, &["--max-retries", "1"]);
-    let once = fraction("once", 15 * GIB, &[]);
+    let once = fraction("once", 15 * GIB, &["--no-requeue"]);
     for j in [&again, &once] {
         c.wait_state(j, "RUNNING", Duration::from_secs(60));
     }
@@ -228,13 +230,24 @@ fn mps_fractions_through_a_docker_daemon_restart_are_counted_once() {
         dockerd_log().display()
     );
     // No live-restore: the restarted daemon stopped both containers, and
-    // gpuctl says so with Docker's exit code.
+    // gpuctl says so with Docker's exit code, as the runtime's restart;
+    // the job that asked not to be requeued fails, saying why.
     let j = c.wait_state(&once, "FAILED", Duration::from_secs(60));
     let t = &j["tasks"][0];
     assert_eq!(t["exit_code"], 143, "{j}");
-    assert_eq!(t["reason"], "COMMAND_EXITED", "{j}");
-    assert_eq!(
-        t["message"], "exited with code 143, as a process killed by signal 15 (SIGTERM) does",
+    assert_eq!(t["reason"], "RUNTIME_RESTARTED", "{j}");
+    assert!(
+        t["message"].as_str().unwrap().starts_with(
+            "was stopped by its container runtime as the runtime restarted (exited with code 143, \
+             as a process killed by signal 15 (SIGTERM) does;"
+        ),
+        "{j}"
+    );
+    assert!(
+        j["message"]
+            .as_str()
+            .unwrap()
+            .ends_with("(submitted with --no-requeue)"),
         "{j}"
     );
     for r in before.values() {
@@ -251,6 +264,8 @@ fn mps_fractions_through_a_docker_daemon_restart_are_counted_once() {
     });
     assert_eq!(a["tasks"][0]["state"], "FAILED", "{a}");
     assert_eq!(a["tasks"][0]["exit_code"], 143, "{a}");
+    assert_eq!(a["tasks"][0]["reason"], "RUNTIME_RESTARTED", "{a}");
+    assert_eq!(a["retries"], 0, "requeued without using its retry: {a}");
     for j in [&during, &waits] {
         c.wait_state(j, "RUNNING", Duration::from_secs(60));
     }

@@ -369,10 +369,29 @@ impl Executor {
             .make_notice_dir(task_id, security.user)
             .map_err(|e| Outcome::failed(format!("create the stop notice directory: {e}")))?;
         let heartbeat_dir = match spec.hang_timeout_ms {
-            Some(_) => Some(
-                self.make_heartbeat_dir(task_id, security.user)
-                    .map_err(|e| Outcome::failed(format!("create the heartbeat directory: {e}")))?,
-            ),
+            Some(_) => {
+                // A container of its image's user writes its heartbeat
+                // through a group of its own: an id leased from task_users
+                // for the task (held, recorded and released like a host
+                // task's own user), given to the container as a
+                // supplementary group.
+                let group = if security.user.is_none() && rt.kind() == Runtime::Docker {
+                    let ids = self.own_user(task_id, None, None).await.map_err(|why| {
+                        tracing::warn!(task_id, reason = %why, "task refused");
+                        Outcome::failed(format!("a group for its heartbeat directory: {why}"))
+                    })?;
+                    security.groups.push(ids.gid);
+                    Some(ids.gid)
+                } else {
+                    None
+                };
+                Some(
+                    self.make_heartbeat_dir(task_id, security.user, group)
+                        .map_err(|e| {
+                            Outcome::failed(format!("create the heartbeat directory: {e}"))
+                        })?,
+                )
+            }
             None => None,
         };
         if let Some(dir) = &checkpoint_dir {

@@ -211,10 +211,18 @@ impl Executor {
 
     /// Makes the task's heartbeat directory, the task's to write: its
     /// user's alone, under a root that tasks pass through without listing;
-    /// or, for a container whose user is its image's (unknown here),
-    /// anyone's, under a root only root may pass (the container gets it
-    /// mounted), so that no other task can reach it.
-    fn make_heartbeat_dir(&self, task_id: &str, user: Option<UserIds>) -> std::io::Result<PathBuf> {
+    /// or, for a container whose user is its image's (unknown here), root's
+    /// and `group`'s (a group of the task's own, which the container gets
+    /// as a supplementary group), under a root only root may pass (the
+    /// container gets it mounted): no other task can reach it, nor write it
+    /// if it could. A task of no user and no group (a host task running as
+    /// root) gets one only root may write.
+    fn make_heartbeat_dir(
+        &self,
+        task_id: &str,
+        user: Option<UserIds>,
+        group: Option<u32>,
+    ) -> std::io::Result<PathBuf> {
         let (root, mode) = match user {
             Some(_) => (checkpoint::HEARTBEAT_DIR, 0o711),
             None => (checkpoint::CONTAINER_HEARTBEAT_DIR, 0o700),
@@ -230,7 +238,13 @@ impl Executor {
                 set_mode(&dir, 0o700)?;
             }
             Some(_) => set_mode(&dir, 0o700)?,
-            None => set_mode(&dir, 0o777)?,
+            None => match group {
+                Some(g) => {
+                    std::os::unix::fs::chown(&dir, Some(0), Some(g))?;
+                    set_mode(&dir, 0o770)?;
+                }
+                None => set_mode(&dir, 0o700)?,
+            },
         }
         Ok(dir)
     }
@@ -461,10 +475,23 @@ impl Executor {
                 .and_then(|m| m.modified())
                 .ok();
             let busy = std::mem::take(&mut task.gpu_busy_seen);
-            let activity = task
-                .activity
-                .get_or_insert_with(|| hang::Activity::new(now));
-            if let Some(idle) = activity.look(now, log_len, beat, busy, Duration::from_millis(ms)) {
+            let clock_path = self.state_dir(id).join(hang::CLOCK_FILE);
+            let activity = task.activity.get_or_insert_with(|| {
+                // An earlier agent process's clock, if it saved one.
+                match checkpoint::read_json::<hang::Clock>(&clock_path) {
+                    Ok(Some(c)) => hang::Activity::restored(&c, now, std::time::SystemTime::now()),
+                    _ => hang::Activity::new(now),
+                }
+            });
+            let hung = activity.look(now, log_len, beat, busy, Duration::from_millis(ms));
+            if let Some(clock) = activity.clock_to_save(Duration::from_millis(ms / 10)) {
+                // Once per quiet spell; a failure only costs the next
+                // agent process the spell so far.
+                if let Err(e) = checkpoint::write_json(&clock_path, &clock) {
+                    tracing::warn!(task_id = %id, error = %e, "could not save the hang clock");
+                }
+            }
+            if let Some(idle) = hung {
                 let why = hang::hung_message(idle);
                 tracing::warn!(task_id = %id, reason = %why, "stopping a hung task");
                 task.stop.send_replace(Some(StopReason::Hung(why)));

@@ -839,9 +839,10 @@ async fn a_task_whose_isolation_fails_never_starts_and_an_ended_one_is_released(
 }
 
 /// A heartbeat directory of a task whose user is known is that user's
-/// alone; one for a container of unknown user is anyone's to write but lies
-/// under a root that no host process but root may pass (only the container
-/// it is mounted into reaches it). Either is found, and goes, by task id.
+/// alone; one for a container of unknown user is root's and the task's own
+/// group's (no one else may write it), under a root that no host process
+/// but root may pass (only the container it is mounted into reaches it);
+/// one of no user and no group is root's alone. Each is found by task id.
 #[tokio::test]
 async fn heartbeat_directories_are_reachable_only_by_their_task() {
     use std::os::unix::fs::MetadataExt;
@@ -851,14 +852,23 @@ async fn heartbeat_directories_are_reachable_only_by_their_task() {
         uid: 80000,
         gid: 80000,
     };
-    let own = h.exec.make_heartbeat_dir("host-task", Some(user)).unwrap();
+    let own = h
+        .exec
+        .make_heartbeat_dir("host-task", Some(user), None)
+        .unwrap();
     let md = std::fs::metadata(&own).unwrap();
     assert_eq!((md.uid(), md.gid(), mode(&own)), (80000, 80000, 0o700));
     assert_eq!(mode(own.parent().unwrap()), 0o711);
-    let anyones = h.exec.make_heartbeat_dir("container-task", None).unwrap();
-    assert_eq!(mode(&anyones), 0o777);
-    assert_eq!(mode(anyones.parent().unwrap()), 0o700);
-    assert_ne!(own.parent(), anyones.parent());
+    let grouped = h
+        .exec
+        .make_heartbeat_dir("container-task", None, Some(80001))
+        .unwrap();
+    let md = std::fs::metadata(&grouped).unwrap();
+    assert_eq!((md.uid(), md.gid(), mode(&grouped)), (0, 80001, 0o770));
+    assert_eq!(mode(grouped.parent().unwrap()), 0o700);
+    assert_ne!(own.parent(), grouped.parent());
+    let roots = h.exec.make_heartbeat_dir("root-task", None, None).unwrap();
+    assert_eq!(mode(&roots), 0o700);
     assert_eq!(h.exec.heartbeat_dir("host-task"), own);
-    assert_eq!(h.exec.heartbeat_dir("container-task"), anyones);
+    assert_eq!(h.exec.heartbeat_dir("container-task"), grouped);
 }

@@ -89,6 +89,8 @@ struct RowJson {
     #[serde(skip_serializing_if = "String::is_empty")]
     tenant: String,
     gpu_hours: f64,
+    /// Of `gpu_hours`, held before the tasks ran (pull, preflight).
+    gpu_startup_hours: f64,
     cpu_hours: f64,
     mem_gib_hours: f64,
     /// Mean utilization of the GPU time with readings; absent without.
@@ -99,6 +101,7 @@ struct RowJson {
     gpu_ms: u64,
     gpu_sampled_ms: u64,
     gpu_busy_ms: u64,
+    gpu_startup_ms: u64,
     cpu_ms: u64,
     mem_mib_ms: u64,
 }
@@ -135,6 +138,7 @@ pub async fn run(
             key: r.key.clone(),
             tenant: r.tenant.clone(),
             gpu_hours: hours(r.gpu_ms),
+            gpu_startup_hours: hours(r.gpu_startup_ms),
             cpu_hours: hours(r.cpu_ms),
             mem_gib_hours: hours(r.mem_mib_ms) / 1024.0,
             gpu_util_pct: (r.gpu_sampled_ms > 0)
@@ -144,6 +148,7 @@ pub async fn run(
             gpu_ms: r.gpu_ms,
             gpu_sampled_ms: r.gpu_sampled_ms,
             gpu_busy_ms: r.gpu_busy_ms,
+            gpu_startup_ms: r.gpu_startup_ms,
             cpu_ms: r.cpu_ms,
             mem_mib_ms: r.mem_mib_ms,
         })
@@ -169,6 +174,7 @@ pub async fn run(
         }
         header.extend([
             "gpu_hours",
+            "gpu_startup_hours",
             "gpu_util_pct",
             "cpu_hours",
             "mem_gib_hours",
@@ -183,6 +189,7 @@ pub async fn run(
             }
             cells.extend([
                 format!("{:.4}", r.gpu_hours),
+                format!("{:.4}", r.gpu_startup_hours),
                 r.gpu_util_pct.map_or(String::new(), |u| format!("{u:.1}")),
                 format!("{:.4}", r.cpu_hours),
                 format!("{:.4}", r.mem_gib_hours),
@@ -199,6 +206,7 @@ pub async fn run(
     }
     headers.extend([
         "GPU-HOURS",
+        "STARTUP",
         "GPU UTIL",
         "CPU-HOURS",
         "MEM GIB-HOURS",
@@ -207,6 +215,7 @@ pub async fn run(
     ]);
     let mut t = Table::new(&headers);
     let mut total = (0.0, 0.0, 0.0, 0, 0);
+    let mut startup = 0.0;
     let (mut sampled, mut busy) = (0u64, 0u64);
     for r in &rows {
         let mut cells = vec![if r.key.is_empty() {
@@ -219,6 +228,7 @@ pub async fn run(
         }
         cells.extend([
             format!("{:.2}", r.gpu_hours),
+            format!("{:.2}", r.gpu_startup_hours),
             r.gpu_util_pct.map_or(String::new(), |u| format!("{u:.0}%")),
             format!("{:.2}", r.cpu_hours),
             format!("{:.2}", r.mem_gib_hours),
@@ -229,6 +239,7 @@ pub async fn run(
         sampled += r.gpu_sampled_ms;
         busy += r.gpu_busy_ms;
         total.0 += r.gpu_hours;
+        startup += r.gpu_startup_hours;
         total.1 += r.cpu_hours;
         total.2 += r.mem_gib_hours;
         total.3 += r.tasks;
@@ -240,6 +251,7 @@ pub async fn run(
     }
     cells.extend([
         format!("{:.2}", total.0),
+        format!("{:.2}", startup),
         if sampled > 0 {
             format!("{:.0}%", 100.0 * busy as f64 / sampled as f64)
         } else {

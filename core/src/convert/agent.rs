@@ -377,6 +377,7 @@ impl From<AgentInfo> for pb::RegisterRequest {
             allowed_mounts: a.allowed_mounts,
             ports: a.ports.map(Into::into),
             share_gpus: a.share_gpus.map(|m| m.to_string()).unwrap_or_default(),
+            allowed_users: a.allowed_users.map(|r| r.to_string()).unwrap_or_default(),
         }
     }
 }
@@ -533,8 +534,23 @@ impl TryFrom<pb::RegisterRequest> for AgentInfo {
                     .map_err(|e| ConvertError::new("share_gpus", e))?,
             )
         };
+        let allowed_users = if r.allowed_users.is_empty() {
+            None
+        } else {
+            if r.allowed_users.len() > MAX_ID_RANGES_TEXT {
+                return Err(ConvertError::new(
+                    "allowed_users",
+                    format!("longer than {MAX_ID_RANGES_TEXT} bytes"),
+                ));
+            }
+            Some(
+                IdRanges::parse(&r.allowed_users)
+                    .map_err(|e| ConvertError::new("allowed_users", e))?,
+            )
+        };
         let opt = |s: String| (!s.is_empty()).then_some(s);
         Ok(AgentInfo {
+            allowed_users,
             share_gpus,
             id: r.agent_id,
             hostname: r.hostname,

@@ -83,6 +83,9 @@ pub const MAX_PATH_LEN: usize = 1024;
 pub const MAX_USER_LEN: usize = 32;
 /// Mount prefixes an agent allows.
 pub const MAX_ALLOWED_MOUNTS: usize = 64;
+/// An agent's `allowed_users` as text: at most `IdRanges::MAX_RANGES`
+/// ranges of two 10-digit ids each, bytes.
+pub const MAX_ID_RANGES_TEXT: usize = 32 * 22;
 /// Longest stop grace a job may ask for anywhere, in ms (a day); each
 /// master bounds it further (`--max-stop-grace-secs`).
 pub const MAX_STOP_GRACE_MS: u64 = 24 * 3600 * 1000;

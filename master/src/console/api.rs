@@ -21,6 +21,7 @@ use tonic::Code;
 use super::client::{CallError, Gateway, Token, RPC_TIMEOUT};
 use super::json;
 use super::logs;
+use gpuctl_proto::follow::READ_ATTEMPT;
 
 /// Largest request body (a submitted job's JSON).
 pub const MAX_BODY: usize = 1024 * 1024;
@@ -197,7 +198,7 @@ async fn no_such_call() -> ApiError {
 async fn whoami(State(gw): State<Arc<Gateway>>, headers: HeaderMap) -> ApiResult {
     let t = token(&headers)?;
     let r = gw
-        .call(Some(RPC_TIMEOUT), |c| {
+        .call(Some(READ_ATTEMPT), |c| {
             let req = t.request(pb::WhoAmIRequest {});
             async move { access(c).who_am_i(req).await }
         })
@@ -208,7 +209,7 @@ async fn whoami(State(gw): State<Arc<Gateway>>, headers: HeaderMap) -> ApiResult
 async fn masters(State(gw): State<Arc<Gateway>>, headers: HeaderMap) -> ApiResult {
     let t = token(&headers)?;
     let r = gw
-        .call(Some(RPC_TIMEOUT), |c| {
+        .call(Some(READ_ATTEMPT), |c| {
             let req = t.request(pb::ListMastersRequest {});
             async move { operator(c).list_masters(req).await }
         })
@@ -219,7 +220,7 @@ async fn masters(State(gw): State<Arc<Gateway>>, headers: HeaderMap) -> ApiResul
 async fn agents(State(gw): State<Arc<Gateway>>, headers: HeaderMap) -> ApiResult {
     let t = token(&headers)?;
     let r = gw
-        .call(Some(RPC_TIMEOUT), |c| {
+        .call(Some(READ_ATTEMPT), |c| {
             let req = t.request(pb::ListAgentsRequest {});
             async move { operator(c).list_agents(req).await }
         })
@@ -232,7 +233,7 @@ async fn agents(State(gw): State<Arc<Gateway>>, headers: HeaderMap) -> ApiResult
 async fn gpus(State(gw): State<Arc<Gateway>>, headers: HeaderMap) -> ApiResult {
     let t = token(&headers)?;
     let r = gw
-        .call(Some(RPC_TIMEOUT), |c| {
+        .call(Some(READ_ATTEMPT), |c| {
             let req = t.request(pb::ListGpusRequest {});
             async move { operator(c).list_gpus(req).await }
         })
@@ -292,7 +293,7 @@ async fn utilization(
         && (q.job.is_none() || q.window.is_some());
     let job_id = q.job.unwrap_or_default();
     let r = gw
-        .call(Some(RPC_TIMEOUT), |c| {
+        .call(Some(READ_ATTEMPT), |c| {
             let req = t.request(pb::UtilizationRequest {
                 since_ms,
                 gpus: Vec::new(),
@@ -350,7 +351,7 @@ async fn usage(
     let since_ms = since(q.window.as_deref(), "7d")?;
     let by = q.by.unwrap_or_default();
     let r = gw
-        .call(Some(RPC_TIMEOUT), |c| {
+        .call(Some(READ_ATTEMPT), |c| {
             let req = t.request(pb::UsageRequest {
                 since_ms,
                 by: by.clone(),
@@ -367,6 +368,7 @@ async fn usage(
                 "key": row.key,
                 "tenant": row.tenant,
                 "gpu_hours": hours(row.gpu_ms),
+                "gpu_startup_hours": hours(row.gpu_startup_ms),
                 "gpu_util_pct": (row.gpu_sampled_ms > 0)
                     .then(|| 100.0 * row.gpu_busy_ms as f64 / row.gpu_sampled_ms as f64),
                 "cpu_hours": hours(row.cpu_ms),
@@ -424,7 +426,7 @@ async fn list_jobs(
     let state = parse_state(&q.state)?;
     let limit = q.limit.unwrap_or(DEFAULT_JOBS).clamp(1, MAX_JOBS);
     let r = gw
-        .call(Some(RPC_TIMEOUT), |c| {
+        .call(Some(READ_ATTEMPT), |c| {
             let req = t.request(pb::ListJobsRequest {
                 states: state.map(|s| s as i32).into_iter().collect(),
                 limit,
@@ -446,7 +448,7 @@ async fn get_job(
 ) -> ApiResult {
     let t = token(&headers)?;
     let job = gw
-        .call(Some(RPC_TIMEOUT), |c| {
+        .call(Some(READ_ATTEMPT), |c| {
             let req = t.request(pb::GetJobRequest {
                 job_id: id.clone(),
                 ..Default::default()
@@ -466,7 +468,7 @@ async fn job_by_request(
 ) -> ApiResult {
     let t = token(&headers)?;
     let job = gw
-        .call(Some(RPC_TIMEOUT), |c| {
+        .call(Some(READ_ATTEMPT), |c| {
             let req = t.request(pb::GetJobRequest {
                 request_id: request_id.clone(),
                 ..Default::default()

@@ -105,6 +105,7 @@ pub fn mig_auto_commands(state: &State, now_ms: u64) -> Vec<Command> {
                     runtimes: &a.info.runtimes,
                     allow_root_tasks: a.info.allow_root_tasks,
                     allowed_mounts: &a.info.allowed_mounts,
+                    allowed_users: a.info.allowed_users.as_ref(),
                     free: a.info.total,
                     free_gpus: Vec::new(),
                     all_gpus: std::slice::from_ref(&split),

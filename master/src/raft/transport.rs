@@ -63,6 +63,13 @@ pub struct TransportTimeouts {
     /// unanswered before the connection is dropped (lanes reconnect).
     pub keep_alive_interval: Duration,
     pub keep_alive_timeout: Duration,
+    /// A lane unused this long is closed: the extra lanes a burst of
+    /// losses opened, and every lane to a peer this master no longer talks
+    /// to (followers talk to each other only in elections), so that no
+    /// idle connection pings forever. Thirty election timeouts (at least
+    /// 30 s): a leader's lanes carry heartbeats ten times an election
+    /// timeout and are never idle that long.
+    pub lane_idle: Duration,
 }
 
 impl TransportTimeouts {
@@ -74,6 +81,7 @@ impl TransportTimeouts {
             snapshot_call: (election * 100).max(Duration::from_secs(300)),
             keep_alive_interval: election.max(Duration::from_millis(500)),
             keep_alive_timeout: (election * 5).max(Duration::from_secs(3)),
+            lane_idle: (election * 30).max(Duration::from_secs(30)),
         }
     }
 
@@ -101,10 +109,15 @@ pub struct GrpcTransport {
     timeouts: TransportTimeouts,
     /// Smoothed round trip to each peer, for status and metrics.
     rtts: Rtts,
+    /// Connections (lanes) open to each peer.
+    lanes_open: LanesOpen,
 }
 
 /// Smoothed round trip to each peer and when it was last measured.
 type Rtts = Arc<Mutex<BTreeMap<u64, (Duration, Instant)>>>;
+
+/// Lanes open to each peer, kept by its link.
+type LanesOpen = Arc<Mutex<BTreeMap<u64, usize>>>;
 
 /// A round trip not measured for this long is left out: followers talk
 /// to each other only in elections, and a figure from then would stand
@@ -127,7 +140,23 @@ impl GrpcTransport {
             tls,
             timeouts: TransportTimeouts::from_election(election_timeout),
             rtts: Arc::default(),
+            lanes_open: Arc::default(),
         }
+    }
+
+    /// The same, closing lanes idle for `idle` (tests).
+    #[cfg(test)]
+    fn with_lane_idle(mut self, idle: Duration) -> GrpcTransport {
+        self.timeouts.lane_idle = idle;
+        self
+    }
+
+    /// The connections (lanes) open to each peer now.
+    pub fn connections(&self) -> BTreeMap<u64, usize> {
+        self.lanes_open
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     /// The smoothed round trip of Raft calls to each peer heard from.
@@ -146,6 +175,7 @@ impl GrpcTransport {
             tls: self.tls.clone(),
             timeouts: self.timeouts,
             rtts: self.rtts.clone(),
+            lanes_open: self.lanes_open.clone(),
         };
         tokio::spawn(link.run(rx));
         Peer { addr, tx }
@@ -205,6 +235,7 @@ struct PeerLink {
     tls: Option<Arc<Tls>>,
     timeouts: TransportTimeouts,
     rtts: Rtts,
+    lanes_open: LanesOpen,
 }
 
 /// One connection to the peer, with at most one call in flight.
@@ -213,7 +244,13 @@ struct Lane {
     /// The certificate expiry the connection was made with.
     cert: u64,
     busy: bool,
+    /// When its last call started or ended.
+    last_used: Instant,
 }
+
+/// A peer's lanes by slot: a slot's index names its lane in the calls in
+/// flight, so a closed lane leaves its slot empty (`None`) for the next.
+type Lanes = Vec<Option<Lane>>;
 
 /// A batch, and when its oldest message was queued.
 struct Batch {
@@ -245,7 +282,8 @@ impl PeerLink {
             .http2_keep_alive_interval(t.keep_alive_interval)
             .keep_alive_timeout(t.keep_alive_timeout)
             .keep_alive_while_idle(true);
-        let mut lanes: Vec<Lane> = Vec::new();
+        let mut lanes: Lanes = Vec::new();
+        let mut next_idle_check = tokio::time::Instant::now() + t.lane_idle / 4;
         let (done_tx, mut done_rx) = mpsc::unbounded_channel::<(usize, Batch, CallEnd)>();
         // A batch that failed before it was sent goes first next time.
         let mut retry: Option<Batch> = None;
@@ -255,9 +293,30 @@ impl PeerLink {
         let mut srtt: Option<Duration> = None;
         let mut open = true;
         loop {
-            let free = lanes.iter().position(|l| !l.busy);
-            let can_send = free.is_some() || lanes.len() < MAX_LANES;
+            let free = lanes
+                .iter()
+                .position(|l| l.as_ref().is_some_and(|l| !l.busy));
+            let can_send = free.is_some() || lanes.iter().flatten().count() < MAX_LANES;
             tokio::select! {
+                _ = tokio::time::sleep_until(next_idle_check) => {
+                    next_idle_check = tokio::time::Instant::now() + t.lane_idle / 4;
+                    let mut closed = 0;
+                    for slot in lanes.iter_mut() {
+                        if slot
+                            .as_ref()
+                            .is_some_and(|l| !l.busy && l.last_used.elapsed() >= t.lane_idle)
+                        {
+                            // Dropping its client closes the connection
+                            // (no call holds a clone: it is not busy).
+                            *slot = None;
+                            closed += 1;
+                        }
+                    }
+                    if closed > 0 {
+                        tracing::debug!(to = self.to, closed, "idle raft peer connections closed");
+                        self.count_lanes(&lanes);
+                    }
+                }
                 first = rx.recv(), if open && can_send && retry.is_none() => {
                     let Some(first) = first else {
                         open = false;
@@ -272,18 +331,23 @@ impl PeerLink {
                     }
                     let batch = Batch { messages, queued: Instant::now() };
                     let lane = self.lane(&mut lanes, free, &endpoint);
-                    self.send(&mut lanes[lane], lane, batch, done_tx.clone());
+                    if let Some(l) = lanes[lane].as_mut() {
+                        self.send(l, lane, batch, done_tx.clone());
+                    }
                 }
                 _ = std::future::ready(()), if can_send && retry.is_some() => {
                     if let Some(batch) = retry.take() {
                         let lane = self.lane(&mut lanes, free, &endpoint);
-                        self.send(&mut lanes[lane], lane, batch, done_tx.clone());
+                        if let Some(l) = lanes[lane].as_mut() {
+                            self.send(l, lane, batch, done_tx.clone());
+                        }
                     }
                 }
                 done = done_rx.recv() => {
                     let Some((lane, batch, sent)) = done else { break };
-                    if let Some(l) = lanes.get_mut(lane) {
+                    if let Some(l) = lanes.get_mut(lane).and_then(Option::as_mut) {
                         l.busy = false;
+                        l.last_used = Instant::now();
                     }
                     let snapshots = batch
                         .messages
@@ -345,18 +409,37 @@ impl PeerLink {
         }
     }
 
-    /// The lane to send on: `free`, or a new one.
-    fn lane(&self, lanes: &mut Vec<Lane>, free: Option<usize>, endpoint: &Endpoint) -> usize {
+    /// The slot of the lane to send on: `free`, else a new lane in an
+    /// empty slot or a new one.
+    fn lane(&self, lanes: &mut Lanes, free: Option<usize>, endpoint: &Endpoint) -> usize {
         if let Some(i) = free {
             // A rotated certificate needs a new connection: peers refuse
             // calls on one whose certificate expired.
-            if lanes[i].cert != self.cert() {
-                lanes[i] = self.connect(endpoint);
+            if lanes[i].as_ref().is_some_and(|l| l.cert != self.cert()) {
+                lanes[i] = Some(self.connect(endpoint));
             }
             return i;
         }
-        lanes.push(self.connect(endpoint));
-        lanes.len() - 1
+        let i = match lanes.iter().position(Option::is_none) {
+            Some(i) => {
+                lanes[i] = Some(self.connect(endpoint));
+                i
+            }
+            None => {
+                lanes.push(Some(self.connect(endpoint)));
+                lanes.len() - 1
+            }
+        };
+        self.count_lanes(lanes);
+        i
+    }
+
+    /// Records how many lanes are open to the peer.
+    fn count_lanes(&self, lanes: &Lanes) {
+        self.lanes_open
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(self.to, lanes.iter().flatten().count());
     }
 
     fn cert(&self) -> u64 {
@@ -379,6 +462,7 @@ impl PeerLink {
             client,
             cert: self.cert(),
             busy: false,
+            last_used: Instant::now(),
         }
     }
 
@@ -390,6 +474,7 @@ impl PeerLink {
         done: mpsc::UnboundedSender<(usize, Batch, CallEnd)>,
     ) {
         lane.busy = true;
+        lane.last_used = Instant::now();
         let mut messages = Vec::with_capacity(batch.messages.len());
         let mut snapshot = false;
         for m in &batch.messages {
@@ -463,6 +548,7 @@ mod tests {
         assert_eq!(t.connect, Duration::from_secs(2));
         assert_eq!(t.call, Duration::from_secs(10));
         assert_eq!(t.keep_alive_timeout, Duration::from_secs(5));
+        assert_eq!(t.lane_idle, Duration::from_secs(30));
         assert_eq!(t.rtt_warning(), Duration::from_millis(200));
         let slow = TransportTimeouts::from_election(Duration::from_secs(4));
         assert_eq!(slow.connect, Duration::from_secs(8));
@@ -562,6 +648,113 @@ mod tests {
         // One stalled lane while the others deliver: not unreachable.
         assert_eq!(reports(), 0);
         assert!(t.round_trips().get().contains_key(&2));
+    }
+
+    /// Server-side TCP connections to `port` that are established, from
+    /// /proc/net/tcp (what the kernel holds, not what the transport says).
+    fn established_to(port: u16) -> usize {
+        let text = std::fs::read_to_string("/proc/net/tcp").unwrap_or_default();
+        text.lines()
+            .skip(1)
+            .filter(|l| {
+                let f: Vec<&str> = l.split_whitespace().collect();
+                f.len() > 3
+                    && f[3] == "01"
+                    && f[1]
+                        .rsplit(':')
+                        .next()
+                        .and_then(|p| u16::from_str_radix(p, 16).ok())
+                        == Some(port)
+            })
+            .count()
+    }
+
+    /// A burst of slow calls opens several lanes; once idle for the lane
+    /// idle time every one of them is closed (seen in the kernel's table
+    /// of connections, not only in the transport's count), and the next
+    /// message opens one again and arrives.
+    #[tokio::test]
+    async fn idle_lanes_are_closed_and_opened_again_when_needed() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+
+        #[derive(Clone, Default)]
+        struct Slow {
+            calls: Arc<AtomicUsize>,
+            got: Arc<Mutex<Vec<u64>>>,
+        }
+        #[tonic::async_trait]
+        impl pb::raft_transport_server::RaftTransport for Slow {
+            async fn step(
+                &self,
+                req: tonic::Request<pb::StepRequest>,
+            ) -> Result<tonic::Response<pb::StepResponse>, tonic::Status> {
+                if self.calls.fetch_add(1, Ordering::SeqCst) < 3 {
+                    tokio::time::sleep(Duration::from_millis(300)).await;
+                }
+                for b in req.into_inner().messages {
+                    let m = Message::parse_from_bytes(&b).unwrap();
+                    self.got.lock().unwrap().push(m.index);
+                }
+                Ok(tonic::Response::new(pb::StepResponse {}))
+            }
+            async fn status(
+                &self,
+                _: tonic::Request<pb::StatusRequest>,
+            ) -> Result<tonic::Response<pb::MasterInfo>, tonic::Status> {
+                Ok(tonic::Response::new(pb::MasterInfo::default()))
+            }
+        }
+
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let peer = Slow::default();
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(pb::raft_transport_server::RaftTransportServer::new(
+                    peer.clone(),
+                ))
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+        );
+        let addresses = Addresses::default();
+        addresses.set(2, &format!("127.0.0.1:{port}"));
+        let t = GrpcTransport::new(1, "me".into(), addresses, None, Duration::from_secs(1))
+            .with_lane_idle(Duration::from_secs(1));
+        let (reporter, _reports) = Reporter::counting();
+        let msg = |index| Message {
+            to: 2,
+            index,
+            ..Default::default()
+        };
+        async fn until(what: &str, check: impl Fn() -> bool) {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while !check() {
+                assert!(Instant::now() < deadline, "{what}");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+        for i in 1..=3 {
+            t.send(vec![msg(i)], &reporter);
+            tokio::time::sleep(Duration::from_millis(30)).await;
+        }
+        until("three arrived", || peer.got.lock().unwrap().len() == 3).await;
+        let opened = t.connections().get(&2).copied().unwrap_or(0);
+        assert!(opened >= 2, "a burst of slow calls opened {opened} lanes");
+        assert!(
+            established_to(port) >= 2,
+            "{} connections",
+            established_to(port)
+        );
+        until("idle lanes closed", || {
+            established_to(port) == 0 && t.connections().get(&2) == Some(&0)
+        })
+        .await;
+        t.send(vec![msg(4)], &reporter);
+        until("the next message arrived", || {
+            peer.got.lock().unwrap().len() == 4
+        })
+        .await;
+        assert_eq!(t.connections().get(&2), Some(&1));
+        assert_eq!(established_to(port), 1);
     }
 
     #[test]

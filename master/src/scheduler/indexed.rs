@@ -221,6 +221,7 @@ mod tests {
         Command::RegisterAgent {
             info: AgentInfo {
                 share_gpus: None,
+                allowed_users: None,
                 id: id.clone(),
                 hostname: id.clone(),
                 address: String::new(),

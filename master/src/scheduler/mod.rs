@@ -59,6 +59,8 @@ pub fn request(job: &JobRecord, now_ms: u64) -> placement::TaskRequest<'_> {
         fraction: spec.placement.fraction,
         constraints: &spec.placement.constraints,
         run_as_root: spec.security.run_as_root,
+        // Checked when submitted: a user that does not parse names none.
+        user: spec.security.user.as_deref().and_then(|u| u.parse().ok()),
         mounts: &spec.security.mounts,
         checkpoint_dir: spec.checkpoint_dir.as_deref(),
         require_cuda: spec.require_cuda.as_ref(),
@@ -311,6 +313,7 @@ impl<'s> PoolNode<'s> {
             runtimes: &info.runtimes,
             allow_root_tasks: info.allow_root_tasks,
             allowed_mounts: &info.allowed_mounts,
+            allowed_users: info.allowed_users.as_ref(),
             free: self.free,
             free_gpus: info
                 .gpus
@@ -674,6 +677,7 @@ mod tests {
         Command::RegisterAgent {
             info: AgentInfo {
                 share_gpus: None,
+                allowed_users: None,
                 id: id.into(),
                 hostname: id.into(),
                 address: String::new(),

@@ -50,7 +50,8 @@ use std::collections::BTreeMap;
 
 use gpuctl_core::cuda_req::{Expr, Facts, Version};
 use gpuctl_core::types::{
-    path_within, GpuFraction, GpuInfo, HostMount, MigDevice, PlacementPolicy, Resources, Runtime,
+    path_within, GpuFraction, GpuInfo, HostMount, IdRanges, MigDevice, PlacementPolicy, Resources,
+    Runtime, UserIds,
 };
 
 pub use super::topology::choose_gpus;
@@ -78,6 +79,9 @@ pub struct TaskRequest<'a> {
     pub constraints: &'a BTreeMap<String, String>,
     /// A host-process task that runs as root: only on agents that allow it.
     pub run_as_root: bool,
+    /// The user the job names (`security.user`): only on agents that let
+    /// jobs choose it (their `allowed_users`).
+    pub user: Option<UserIds>,
     /// Host mounts: each under one of the agent's allowed mounts.
     pub mounts: &'a [HostMount],
     /// The job's checkpoint directory: under one of the agent's allowed
@@ -134,6 +138,8 @@ pub struct NodeView<'a> {
     pub allow_root_tasks: bool,
     /// Host path prefixes its containers may mount.
     pub allowed_mounts: &'a [String],
+    /// The ids a job may name there; `None`: the agent did not say (any).
+    pub allowed_users: Option<&'a IdRanges>,
     /// Free cpus, memory and GPU count.
     pub free: Resources,
     /// GPUs usable now (healthy, not held, not offered to frameworks).
@@ -336,8 +342,20 @@ fn driver_ok(req: &TaskRequest, node: &NodeView) -> bool {
 }
 
 /// The agent allows what the task's security asks: root, its mounts.
+/// Whether `node` lets a job name `user`: each of its ids (0 is asked for
+/// with `run_as_root`, not here) within the node's `allowed_users`, as the
+/// agent checks before it starts the task.
+fn user_ok(user: UserIds, node: &NodeView) -> bool {
+    node.allowed_users.is_none_or(|allowed| {
+        [user.uid, user.gid]
+            .iter()
+            .all(|&id| id == 0 || allowed.contains(id))
+    })
+}
+
 fn security_ok(req: &TaskRequest, node: &NodeView) -> bool {
     (!req.run_as_root || node.allow_root_tasks)
+        && req.user.is_none_or(|u| user_ok(u, node))
         && req
             .mounts
             .iter()
@@ -677,6 +695,7 @@ fn choose_mig(
 enum Need<'r> {
     Runtime(Runtime),
     RootTasks,
+    User(UserIds),
     Mount(&'r str),
     Attribute(&'r str, &'r str),
     /// A driver that meets what the job requires of it.
@@ -702,7 +721,7 @@ impl Need<'_> {
 /// of the node, healthy or not, and its total capacity from `totals`).
 /// `None` when some node could.
 ///
-/// Requirements are checked in order: runtime, root tasks, each mount, each
+/// Requirements are checked in order: runtime, root tasks, the user, each mount, each
 /// constraint, the driver, GPU model, GPU memory, GPU count, cpus, memory. The first that no remaining node
 /// meets is named ("no agent runs docker", "no agent has GPU model H100*"),
 /// with the most a node has of it ("no agent has 9 GPUs (at most 8)");
@@ -730,6 +749,7 @@ pub fn unsatisfiable(
     if req.run_as_root {
         steps.push(Need::RootTasks);
     }
+    steps.extend(req.user.map(Need::User));
     steps.extend(req.mounts.iter().map(|m| Need::Mount(m.host_path.as_str())));
     steps.extend(req.checkpoint_dir.map(Need::Mount));
     steps.extend(
@@ -765,6 +785,7 @@ pub fn unsatisfiable(
     let requirement = |step: &Need| match step {
         Need::Runtime(rt) => Requirement::Runtime(*rt),
         Need::RootTasks => Requirement::RootTasks,
+        Need::User(u) => Requirement::User(*u),
         Need::Mount(p) => Requirement::Mount(p.to_string()),
         Need::Attribute(k, v) => Requirement::Attribute {
             key: k.to_string(),
@@ -795,6 +816,7 @@ pub fn unsatisfiable(
         match step {
             Need::Runtime(rt) => node.runtimes.contains(rt),
             Need::RootTasks => node.allow_root_tasks,
+            Need::User(u) => user_ok(*u, node),
             Need::Mount(p) => path_within(node.allowed_mounts, p),
             Need::Attribute(k, pat) => node.attributes.get(*k).is_some_and(|v| glob_match(pat, v)),
             Need::Driver => driver_ok(req, node),
@@ -885,6 +907,7 @@ fn largest(
         match step {
             Need::Runtime(_)
             | Need::RootTasks
+            | Need::User(_)
             | Need::Mount(_)
             | Need::Attribute(..)
             | Need::Driver

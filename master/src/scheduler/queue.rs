@@ -535,6 +535,7 @@ fn empty_views(state: &State) -> Vec<placement::NodeView<'_>> {
             runtimes: &a.info.runtimes,
             allow_root_tasks: a.info.allow_root_tasks,
             allowed_mounts: &a.info.allowed_mounts,
+            allowed_users: a.info.allowed_users.as_ref(),
             free: a.info.total,
             free_gpus: a.info.gpus.iter().filter(|g| !g.mig.enabled).collect(),
             all_gpus: &a.info.gpus,

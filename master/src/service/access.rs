@@ -144,11 +144,18 @@ impl IdentityService {
                 .cloned()
                 .ok_or_else(|| ServiceError::Unauthenticated("unknown token".into()))?
         };
-        record
-            .usable_at(now)
-            .map_err(|why| ServiceError::Unauthenticated(format!("{why} (token {})", record.id)))?;
+        let unusable =
+            |why: &str| ServiceError::Unauthenticated(format!("{why} (token {})", record.id));
         if record.role == TokenRole::Join {
             check_id("agent_id", &req.agent_id)?;
+            // The request is named by the key it asks a certificate for: the
+            // same request sent again (its answer lost) may use the token
+            // once more, for a while; no other request may.
+            let key = gpuctl_auth::pki::csr_key_hash(&req.csr_pem)
+                .map_err(|e| ConvertError::new("csr_pem", e.to_string()))?;
+            record
+                .joinable_at(now, &req.agent_id, &key)
+                .map_err(unusable)?;
             // Single use, decided by the replicated log before anything is
             // signed: two agents racing with one token cannot both join.
             self.ctx
@@ -157,6 +164,7 @@ impl IdentityService {
                     id: record.id.clone(),
                     agent_id: req.agent_id.clone(),
                     at_ms: now,
+                    key,
                 })
                 .await
                 .map_err(|e| match e {
@@ -173,6 +181,7 @@ impl IdentityService {
                 sec.config.agent_cert_ttl,
             );
         }
+        record.usable_at(now).map_err(unusable)?;
         // An access token: a client certificate for its holder, lasting no
         // longer than the token.
         let mut ttl = sec.config.client_cert_ttl;
@@ -368,6 +377,7 @@ impl AccessService {
             revoked_at_ms: None,
             agent_id,
             used: None,
+            used_key: None,
             framework_roles,
             allow_root: req.allow_root,
             allowed_uids,

@@ -226,6 +226,12 @@ pub fn agent_to_pb(a: &AgentRecord, runtimes: Vec<RuntimeStatus>) -> pb::Agent {
         unreachable_since_ms: a.unreachable_since_ms.unwrap_or_default(),
         allow_root_tasks: a.info.allow_root_tasks,
         allowed_mounts: a.info.allowed_mounts.clone(),
+        allowed_users: a
+            .info
+            .allowed_users
+            .as_ref()
+            .map(|r| r.to_string())
+            .unwrap_or_default(),
         ports: a.info.ports.map(Into::into),
     }
 }
@@ -466,6 +472,88 @@ impl pb::operator_server::Operator for OperatorService {
     }
 }
 
+/// One curve an Utilization answer may carry: a GPU's readings from `from`
+/// to `to`, held by `task_id` then (empty: whoever held it), of the task's
+/// own processes when `own` (a fraction).
+#[derive(Debug, Clone, PartialEq)]
+struct WantedSeries {
+    gpu: String,
+    task_id: String,
+    from: u64,
+    to: u64,
+    own: bool,
+}
+
+/// The curves `req` asks for, as `scope` (the caller's tenant; `None`:
+/// every tenant's) may see them: a job's GPUs while its tasks held them;
+/// per GPU, every GPU's whole curve for an admin, and for a tenant's token
+/// only the GPUs its own jobs held, for the time they held them: a GPU's
+/// curve shows whoever held it, and a tenant sees only its own jobs. PURE.
+fn wanted_series(
+    state: &State,
+    scope: Option<&str>,
+    req: &pb::UtilizationRequest,
+) -> Result<Vec<WantedSeries>, ServiceError> {
+    let mut wanted = Vec::new();
+    // A task's GPUs while it held them: a fraction's own curve, or none
+    // (it goes a day after the task's last reading), since a shared GPU's
+    // is its neighbours' too, never the fraction's.
+    let held_by = |t: &TaskRecord, wanted: &mut Vec<WantedSeries>| {
+        let to = if t.state.is_terminal() {
+            t.updated_at_ms
+        } else {
+            u64::MAX
+        };
+        for g in &t.gpu_uuids {
+            wanted.push(WantedSeries {
+                gpu: g.clone(),
+                task_id: t.id.clone(),
+                from: t.created_at_ms.max(req.since_ms),
+                to,
+                own: t.fraction.is_some(),
+            });
+        }
+    };
+    if !req.job_id.is_empty() {
+        let job = state
+            .job(&req.job_id)
+            .ok_or_else(|| ServiceError::not_found(Missing::Job, &req.job_id))?;
+        for t in job.task_ids.iter().filter_map(|t| state.task(t)) {
+            held_by(t, &mut wanted);
+        }
+    } else if let Some(tenant) = scope {
+        let mine = state.tasks().values().filter(|t| {
+            !t.job_id.is_empty()
+                && !t.gpu_uuids.is_empty()
+                && (!t.state.is_terminal() || t.updated_at_ms >= req.since_ms)
+                && state
+                    .job(&t.job_id)
+                    .is_some_and(|j| !tenant.is_empty() && tenant_of(&j.spec) == tenant)
+        });
+        for t in mine {
+            held_by(t, &mut wanted);
+        }
+        if !req.gpus.is_empty() {
+            wanted.retain(|w| req.gpus.contains(&w.gpu));
+        }
+    } else {
+        let history = state.util_history();
+        let all: Vec<&String> = if req.gpus.is_empty() {
+            history.gpus.keys().collect()
+        } else {
+            req.gpus.iter().collect()
+        };
+        wanted.extend(all.into_iter().map(|g| WantedSeries {
+            gpu: g.clone(),
+            task_id: String::new(),
+            from: req.since_ms,
+            to: u64::MAX,
+            own: false,
+        }));
+    }
+    Ok(wanted)
+}
+
 /// Each RPC's logic; the `Operator` impl above only turns its errors
 /// into `Status` (`reply`).
 impl OperatorService {
@@ -486,82 +574,55 @@ impl OperatorService {
         }
         let state = self.ctx.raft.state();
         let history = state.util_history();
-        // (gpu, task, from, to, the task's own readings)
-        let mut wanted: Vec<(String, String, u64, u64, bool)> = Vec::new();
-        if req.job_id.is_empty() {
-            let all: Vec<&String> = if req.gpus.is_empty() {
-                history.gpus.keys().collect()
-            } else {
-                req.gpus.iter().collect()
-            };
-            wanted.extend(
-                all.into_iter()
-                    .map(|g| (g.clone(), String::new(), req.since_ms, u64::MAX, false)),
-            );
-        } else {
-            let job = state
-                .job(&req.job_id)
-                .ok_or_else(|| ServiceError::not_found(Missing::Job, &req.job_id))?;
-            for t in job.task_ids.iter().filter_map(|t| state.task(t)) {
-                let end = if t.state.is_terminal() {
-                    t.updated_at_ms
-                } else {
-                    u64::MAX
-                };
-                // A fraction's own curve, or none (it goes a day after
-                // the task's last reading): a shared GPU's is its
-                // neighbours' too, never the fraction's.
-                let own = t.fraction.is_some();
-                for g in &t.gpu_uuids {
-                    wanted.push((
-                        g.clone(),
-                        t.id.clone(),
-                        t.created_at_ms.max(req.since_ms),
-                        end,
-                        own,
-                    ));
-                }
-            }
-        }
+        let mut wanted = wanted_series(&state, caller.tenant_scope(), &req)?;
         let truncated = wanted.len() > MAX_GPUS;
         wanted.truncate(MAX_GPUS);
         let gpus = wanted
             .into_iter()
-            .filter_map(|(gpu, task_id, from, to, own)| {
-                let h = if own {
-                    history.task(&task_id)?
-                } else {
-                    history.gpu(&gpu)?
-                };
-                if req.hourly {
-                    let (start_ms, util, mem) = h.hourly(from, to);
-                    return (!util.is_empty()).then_some(pb::GpuSeries {
-                        start_ms,
-                        period_ms: crate::state::usage::HOUR_MS,
-                        util,
-                        mem,
+            .filter_map(
+                |WantedSeries {
+                     gpu,
+                     task_id,
+                     from,
+                     to,
+                     own,
+                 }| {
+                    let h = if own {
+                        history.task(&task_id)?
+                    } else {
+                        history.gpu(&gpu)?
+                    };
+                    if req.hourly {
+                        let (start_ms, util, mem) = h.hourly(from, to);
+                        return (!util.is_empty()).then_some(pb::GpuSeries {
+                            start_ms,
+                            period_ms: crate::state::usage::HOUR_MS,
+                            util,
+                            mem,
+                            gpu,
+                            task_id,
+                            own,
+                        });
+                    }
+                    let first =
+                        from.saturating_sub(h.start_ms).div_ceil(h.period_ms.max(1)) as usize;
+                    let last = if to == u64::MAX {
+                        h.util.len()
+                    } else {
+                        (to.saturating_sub(h.start_ms) / h.period_ms.max(1)) as usize + 1
+                    };
+                    let range = first.min(h.util.len())..last.min(h.util.len());
+                    Some(pb::GpuSeries {
+                        start_ms: h.start_ms + h.period_ms * range.start as u64,
+                        period_ms: h.period_ms,
+                        util: h.util.range(range.clone()).copied().collect(),
+                        mem: h.mem.range(range).copied().collect(),
                         gpu,
                         task_id,
                         own,
-                    });
-                }
-                let first = from.saturating_sub(h.start_ms).div_ceil(h.period_ms.max(1)) as usize;
-                let last = if to == u64::MAX {
-                    h.util.len()
-                } else {
-                    (to.saturating_sub(h.start_ms) / h.period_ms.max(1)) as usize + 1
-                };
-                let range = first.min(h.util.len())..last.min(h.util.len());
-                Some(pb::GpuSeries {
-                    start_ms: h.start_ms + h.period_ms * range.start as u64,
-                    period_ms: h.period_ms,
-                    util: h.util.range(range.clone()).copied().collect(),
-                    mem: h.mem.range(range).copied().collect(),
-                    gpu,
-                    task_id,
-                    own,
-                })
-            })
+                    })
+                },
+            )
             .collect();
         let c = &history.cluster;
         if req.hourly {
@@ -619,6 +680,7 @@ impl OperatorService {
                     running: r.running,
                     gpu_sampled_ms: r.totals.gpu_sampled_ms,
                     gpu_busy_ms: r.totals.gpu_busy_ms,
+                    gpu_startup_ms: r.totals.gpu_startup_ms,
                 })
                 .collect(),
             since_ms: since,
@@ -1239,6 +1301,70 @@ mod tests {
         assert_eq!(words, [("Queued", false, 0, 1), ("Scheduled", false, 1, 1)]);
         assert_eq!(j.events[1].message, "placed on agent a (GPUs GPU-a-0)");
         assert_eq!(j.events_dropped, 0);
+    }
+}
+
+#[cfg(test)]
+mod utilization_tests {
+    use super::*;
+    use crate::state::testkit::Driver;
+    use gpuctl_core::types::Resources;
+
+    /// Per GPU, a tenant's token gets the curves of the GPUs its own jobs
+    /// held, each for the time its task held it, named by the task; never
+    /// another tenant's; an admin gets each GPU whole.
+    #[test]
+    fn a_tenants_token_sees_only_its_own_jobs_gpu_curves() {
+        let mut d = Driver::new(&[("a", 2)]);
+        let mut submit = |tenant: &str| {
+            let mut spec = JobSpec::new(
+                "j",
+                vec!["true".into()],
+                Resources {
+                    cpus: 1.0,
+                    mem_mib: 0,
+                    gpus: 1,
+                    ports: 0,
+                },
+            );
+            spec.tenant = tenant.into();
+            d.submit(spec)
+        };
+        let (v, n) = (submit("vision"), submit("nlp"));
+        d.launch_at(&v, &[("a", &["GPU-a-0"])], 10).unwrap();
+        d.launch_at(&n, &[("a", &["GPU-a-1"])], 20).unwrap();
+        let per_gpu = |gpus: &[&str]| pb::UtilizationRequest {
+            gpus: gpus.iter().map(|g| g.to_string()).collect(),
+            since_ms: 5,
+            ..Default::default()
+        };
+        let got = wanted_series(&d.s, Some("vision"), &per_gpu(&[])).unwrap();
+        assert_eq!(
+            got,
+            [WantedSeries {
+                gpu: "GPU-a-0".into(),
+                task_id: format!("{v}.0"),
+                from: 10,
+                to: u64::MAX,
+                own: false,
+            }]
+        );
+        assert_eq!(
+            wanted_series(&d.s, Some("vision"), &per_gpu(&["GPU-a-1"])).unwrap(),
+            [],
+            "nlp's GPU"
+        );
+        let nlp: Vec<String> = wanted_series(&d.s, Some("nlp"), &per_gpu(&[]))
+            .unwrap()
+            .into_iter()
+            .map(|w| w.gpu)
+            .collect();
+        assert_eq!(nlp, ["GPU-a-1"]);
+        // A scope of no tenant (an agent's) sees nothing.
+        assert_eq!(wanted_series(&d.s, Some(""), &per_gpu(&[])).unwrap(), []);
+        let admin = wanted_series(&d.s, None, &per_gpu(&["GPU-a-0", "GPU-a-1"])).unwrap();
+        assert_eq!(admin.len(), 2);
+        assert!(admin.iter().all(|w| w.task_id.is_empty() && w.from == 5));
     }
 }
 

@@ -85,6 +85,10 @@ pub struct TokenRecord {
     /// Join tokens: when and by which agent it was used.
     #[serde(default)]
     pub used: Option<(u64, String)>,
+    /// Join tokens: the key of the request that used it (hex SHA-256 of
+    /// its public key), which may send it again for a while.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub used_key: Option<String>,
     /// Framework tokens: the allocator roles it may subscribe with.
     #[serde(default)]
     pub framework_roles: Vec<String>,
@@ -117,7 +121,32 @@ impl TokenRecord {
         }
         Ok(())
     }
+
+    /// Whether an agent may join with it at `now_ms` as `agent_id` with a
+    /// request for the key `key`: usable, or used by this same request no
+    /// longer than [`JOIN_RETRY_MS`] ago (its answer was lost: an agent
+    /// that never got its certificate asks again with the same key).
+    pub fn joinable_at(&self, now_ms: u64, agent_id: &str, key: &str) -> Result<(), &'static str> {
+        match (&self.used, &self.used_key) {
+            (Some((at, by)), Some(k))
+                if !key.is_empty()
+                    && k == key
+                    && by == agent_id
+                    && now_ms <= at.saturating_add(JOIN_RETRY_MS) =>
+            {
+                let unused = TokenRecord {
+                    used: None,
+                    ..self.clone()
+                };
+                unused.usable_at(now_ms)
+            }
+            _ => self.usable_at(now_ms),
+        }
+    }
 }
+
+/// How long the request that used a join token may be sent again.
+pub const JOIN_RETRY_MS: u64 = 10 * 60 * 1000;
 
 /// The tenant of jobs submitted without tokens (no security configured),
 /// and of jobs recorded before tenants existed.
@@ -260,6 +289,7 @@ impl State {
         id: &str,
         agent_id: &str,
         at_ms: u64,
+        key: &str,
     ) -> Result<Outcome, ApplyError> {
         let invalid = |reason: String| ApplyError::Invalid {
             field: "token".into(),
@@ -273,7 +303,13 @@ impl State {
         if t.role != TokenRole::Join {
             return Err(invalid("not a join token".into()));
         }
-        t.usable_at(at_ms).map_err(|r| invalid(r.into()))?;
+        t.joinable_at(at_ms, agent_id, key)
+            .map_err(|r| invalid(r.into()))?;
+        if t.used.is_some() {
+            // The same request again: let through, changing nothing (the
+            // agent exists now, which is its own doing).
+            return Ok(Outcome::Done);
+        }
         match &t.agent_id {
             Some(only) if only != agent_id => {
                 return Err(invalid(format!(
@@ -290,6 +326,7 @@ impl State {
             None => {}
         }
         t.used = Some((at_ms, agent_id.to_string()));
+        t.used_key = (!key.is_empty()).then(|| key.to_string());
         Ok(Outcome::Done)
     }
 
@@ -355,6 +392,7 @@ mod tests {
             revoked_at_ms: None,
             agent_id: agent.map(str::to_string),
             used: None,
+            used_key: None,
             framework_roles: Vec::new(),
             allow_root: false,
             allowed_uids: IdRanges::none(),
@@ -441,7 +479,8 @@ mod tests {
                 &Command::UseJoinToken {
                     id: "j1".into(),
                     agent_id: "a1".into(),
-                    at_ms: 2000
+                    at_ms: 2000,
+                    key: String::new(),
                 }
             )
             .is_err(),
@@ -453,6 +492,7 @@ mod tests {
                 id: "j1".into(),
                 agent_id: "a1".into(),
                 at_ms: 10,
+                key: String::new(),
             },
         )
         .unwrap();
@@ -463,6 +503,7 @@ mod tests {
                     id: "j1".into(),
                     agent_id: "a2".into(),
                     at_ms: 11,
+                    key: String::new(),
                 },
             )
             .unwrap_err();
@@ -489,6 +530,7 @@ mod tests {
                     id: "j2".into(),
                     agent_id: "a1".into(),
                     at_ms: 1,
+                    key: String::new(),
                 },
             )
             .unwrap_err();
@@ -499,9 +541,59 @@ mod tests {
                 id: "j2".into(),
                 agent_id: "a9".into(),
                 at_ms: 1,
+                key: String::new(),
             },
         )
         .unwrap();
+    }
+
+    /// The request that used a join token, sent again with the same key
+    /// by the same agent (its answer lost), is let through for
+    /// [`JOIN_RETRY_MS`], changing nothing; another key, another agent, or
+    /// later, is refused; an agent registered meanwhile is no obstacle.
+    #[test]
+    fn the_request_that_used_a_join_token_may_be_sent_again() {
+        let mut s = State::new();
+        let mut record = join_token("j3", None);
+        record.expires_at_ms = None;
+        s.apply(
+            1,
+            &Command::CreateToken {
+                record,
+                request: None,
+            },
+        )
+        .unwrap();
+        let join = |s: &mut State, i, agent: &str, at_ms, key: &str| {
+            s.apply(
+                i,
+                &Command::UseJoinToken {
+                    id: "j3".into(),
+                    agent_id: agent.into(),
+                    at_ms,
+                    key: key.into(),
+                },
+            )
+        };
+        join(&mut s, 2, "a1", 100, "k1").unwrap();
+        s.apply(3, &crate::state::testkit::register("a1", 1))
+            .unwrap();
+        join(&mut s, 4, "a1", 200, "k1").unwrap();
+        join(&mut s, 5, "a1", 100 + JOIN_RETRY_MS, "k1").unwrap();
+        let t = s.token("j3").unwrap();
+        assert_eq!(t.used, Some((100, "a1".into())), "the first use stays");
+        for (agent, at, key) in [
+            ("a1", 300, "k2"),
+            ("a2", 300, "k1"),
+            ("a1", 101 + JOIN_RETRY_MS, "k1"),
+            ("a1", 300, ""),
+        ] {
+            let e = join(&mut s, 6, agent, at, key).unwrap_err();
+            assert!(
+                e.to_string().contains("used already"),
+                "{agent} {at} {key}: {e}"
+            );
+        }
     }
 
     #[test]

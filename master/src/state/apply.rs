@@ -249,7 +249,8 @@ impl State {
                 id,
                 agent_id,
                 at_ms,
-            } => self.use_join_token(id, agent_id, *at_ms),
+                key,
+            } => self.use_join_token(id, agent_id, *at_ms, key),
             Command::SetQuota {
                 tenant,
                 gpus,

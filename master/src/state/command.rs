@@ -36,7 +36,9 @@ use serde::{Deserialize, Serialize};
 ///
 /// 6 (issue 55): a task its container runtime stopped as the runtime
 /// restarted (`StatusUpdate::runtime_restarted`) requeues its job without
-/// using a retry (version-5 masters would count a failed attempt).
+/// using a retry (version-5 masters would count a failed attempt);
+/// `UseJoinToken` names the request by its key, and the same request sent
+/// again is let through (version-5 masters would refuse it).
 pub const COMMAND_VERSION: u32 = 6;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -302,11 +304,16 @@ pub enum Command {
         at_ms: u64,
     },
     /// An agent joins with a join token: marks it used. Committed before
-    /// the master signs the agent's certificate.
+    /// the master signs the agent's certificate. `key` (hex SHA-256 of the
+    /// public key the agent asks a certificate for; empty from older
+    /// masters) names the request: the same request sent again, its answer
+    /// lost, is let through once more ([`JOIN_RETRY_MS`]).
     UseJoinToken {
         id: String,
         agent_id: AgentId,
         at_ms: u64,
+        #[serde(default, skip_serializing_if = "String::is_empty")]
+        key: String,
     },
     /// An admin sets a tenant's GPU quota (0: none).
     SetQuota {

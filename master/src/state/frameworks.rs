@@ -225,6 +225,7 @@ impl State {
                 gpu_sampled_ms: 0,
                 gpu_busy_ms: 0,
                 quiet: None,
+                running_at_ms: None,
             };
             match refusal {
                 Some(reason) => {
@@ -364,6 +365,7 @@ mod tests {
         let mut s = State::new();
         let info = AgentInfo {
             share_gpus: None,
+            allowed_users: None,
             id: "a1".into(),
             hostname: "h".into(),
             address: String::new(),

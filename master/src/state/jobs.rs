@@ -132,6 +132,7 @@ impl State {
                     gpu_sampled_ms: 0,
                     gpu_busy_ms: 0,
                     quiet: None,
+                    running_at_ms: None,
                 },
             );
             let gpus = if l.gpu_uuids.is_empty() {

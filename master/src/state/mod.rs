@@ -349,6 +349,11 @@ pub struct TaskRecord {
     /// (a job's fraction, while idle detection is on).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub quiet: Option<util::QuietRun>,
+    /// When its agent first said it runs (RUNNING); `None` until then. What
+    /// it held before is its startup (image pull, preflight), charged and
+    /// shown apart (`usage`'s `gpu_startup_ms`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub running_at_ms: Option<u64>,
 }
 
 impl TaskRecord {

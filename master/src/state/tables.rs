@@ -560,6 +560,7 @@ mod tests {
             gpu_sampled_ms: 0,
             gpu_busy_ms: 0,
             quiet: None,
+            running_at_ms: None,
         }
     }
 
@@ -567,6 +568,7 @@ mod tests {
         AgentRecord {
             info: AgentInfo {
                 share_gpus: None,
+                allowed_users: None,
                 id: id.into(),
                 hostname: id.into(),
                 address: String::new(),

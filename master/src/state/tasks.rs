@@ -143,6 +143,9 @@ impl State {
             task.state = u.state;
             task.updated_at_ms = at_ms;
             task.last_update_uuid = u.uuid.clone();
+            if u.state == TaskState::Running && task.running_at_ms.is_none() {
+                task.running_at_ms = Some(at_ms);
+            }
             if !u.message.is_empty() {
                 task.message = u.message.clone();
             }
@@ -183,7 +186,8 @@ impl State {
         if let Some(t) = self.tasks.get(task_id).filter(|t| !t.state.is_terminal()) {
             let charge = self.charge_of(t);
             let from = t.created_at_ms;
-            self.usage.charge(&charge, from, at_ms.max(from));
+            let running = t.running_at_ms.unwrap_or(at_ms);
+            self.usage.charge(&charge, from, at_ms.max(from), running);
         }
         let Some(task) = self.tasks.get_mut(task_id) else {
             return;

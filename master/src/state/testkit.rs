@@ -95,6 +95,7 @@ pub fn register(id: &str, gpus: u32) -> Command {
     Command::RegisterAgent {
         info: AgentInfo {
             share_gpus: None,
+            allowed_users: None,
             id: id.into(),
             hostname: format!("{id}.host"),
             address: format!("{id}.host:7051"),

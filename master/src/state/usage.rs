@@ -43,6 +43,12 @@ pub struct Totals {
     pub gpu_sampled_ms: u64,
     #[serde(default)]
     pub gpu_busy_ms: u64,
+    /// Of `gpu_ms`, what was held before the task ran: from its launch to
+    /// its RUNNING (the image's pull, the preflight, the start), or to its
+    /// end if it never ran. Charged all the same (the GPUs were held, nobody
+    /// else could use them), and shown apart.
+    #[serde(default)]
+    pub gpu_startup_ms: u64,
 }
 
 impl Totals {
@@ -53,6 +59,20 @@ impl Totals {
         self.tasks = self.tasks.saturating_add(o.tasks);
         self.gpu_sampled_ms = self.gpu_sampled_ms.saturating_add(o.gpu_sampled_ms);
         self.gpu_busy_ms = self.gpu_busy_ms.saturating_add(o.gpu_busy_ms);
+        self.gpu_startup_ms = self.gpu_startup_ms.saturating_add(o.gpu_startup_ms);
+    }
+
+    /// What `self` has beyond `o`, field by field (0 where it has less).
+    pub fn saturating_sub(&self, o: &Totals) -> Totals {
+        Totals {
+            gpu_ms: self.gpu_ms.saturating_sub(o.gpu_ms),
+            cpu_ms: self.cpu_ms.saturating_sub(o.cpu_ms),
+            mem_mib_ms: self.mem_mib_ms.saturating_sub(o.mem_mib_ms),
+            tasks: self.tasks.saturating_sub(o.tasks),
+            gpu_sampled_ms: self.gpu_sampled_ms.saturating_sub(o.gpu_sampled_ms),
+            gpu_busy_ms: self.gpu_busy_ms.saturating_sub(o.gpu_busy_ms),
+            gpu_startup_ms: self.gpu_startup_ms.saturating_sub(o.gpu_startup_ms),
+        }
     }
 
     /// The GPUs' mean utilization over the sampled time, percent; `None`
@@ -98,8 +118,24 @@ impl Charge {
         }
     }
 
-    /// `[from_ms, to_ms)` split at hour boundaries: (hour, totals) each.
-    pub fn by_hour(&self, from_ms: u64, to_ms: u64) -> impl Iterator<Item = (u64, Totals)> + '_ {
+    /// Its totals over `[from_ms, to_ms)` for a task that ran from
+    /// `running_ms` on: the part before it is its startup too.
+    pub fn over_running_from(&self, from_ms: u64, to_ms: u64, running_ms: u64) -> Totals {
+        let mut t = self.over(from_ms, to_ms);
+        t.gpu_startup_ms = self
+            .over(from_ms, running_ms.clamp(from_ms, to_ms.max(from_ms)))
+            .gpu_ms;
+        t
+    }
+
+    /// `[from_ms, to_ms)` split at hour boundaries: (hour, totals) each,
+    /// the part before `running_ms` counted as startup too.
+    pub fn by_hour(
+        &self,
+        from_ms: u64,
+        to_ms: u64,
+        running_ms: u64,
+    ) -> impl Iterator<Item = (u64, Totals)> + '_ {
         let mut at = from_ms;
         std::iter::from_fn(move || {
             if at >= to_ms {
@@ -107,7 +143,7 @@ impl Charge {
             }
             let hour = at - at % HOUR_MS;
             let end = to_ms.min(hour.saturating_add(HOUR_MS));
-            let t = self.over(at, end);
+            let t = self.over_running_from(at, end, running_ms);
             at = end;
             Some((hour, t))
         })
@@ -151,10 +187,10 @@ mod rows {
 
 impl Ledger {
     /// Charges a task that held `charge` from `from_ms` until it ended at
-    /// `to_ms`; then forgets hours past retention and, over [`MAX_ROWS`],
-    /// the oldest.
-    pub fn charge(&mut self, charge: &Charge, from_ms: u64, to_ms: u64) {
-        for (hour, t) in charge.by_hour(from_ms, to_ms) {
+    /// `to_ms`, running from `running_ms` (its startup before that); then
+    /// forgets hours past retention and, over [`MAX_ROWS`], the oldest.
+    pub fn charge(&mut self, charge: &Charge, from_ms: u64, to_ms: u64, running_ms: u64) {
+        for (hour, t) in charge.by_hour(from_ms, to_ms, running_ms) {
             self.rows.entry(charge.key(hour)).or_default().add(&t);
         }
         let end_hour = to_ms - to_ms % HOUR_MS;
@@ -257,9 +293,16 @@ pub struct Row {
 /// Most rows in one report.
 pub const MAX_REPORT_ROWS: usize = 10_000;
 
+/// The row of a report by job that holds, per tenant, what no job the
+/// state keeps accounts for: jobs forgotten by retention (the ledger
+/// keeps no job) and framework tasks.
+pub const OTHER_JOBS_KEY: &str = "(forgotten jobs, framework tasks)";
+
 /// A report over `[since_ms rounded down to its hour, now_ms)`: the
 /// ledger's rows plus the tasks still running (up to `now_ms`); by job,
-/// the jobs the state still keeps, from their tasks. With `tenant`, only
+/// the jobs the state still keeps, from their tasks, and per tenant an
+/// [`OTHER_JOBS_KEY`] row with the rest of what the ledger charged it, so
+/// that a report by job adds up to the one by tenant. With `tenant`, only
 /// that tenant's. Rows with the most GPU time first, at most
 /// [`MAX_REPORT_ROWS`] (true when some were left out).
 pub fn report(
@@ -290,7 +333,30 @@ pub fn report(
     };
     let mine = |t: &str| tenant.is_none_or(|only| only == t);
     let live = |t: &super::TaskRecord| !t.state.is_terminal();
+    // The whole of each tenant's charge: the ledger's rows and its running
+    // tasks (what a report by tenant shows).
+    let whole = |rows_of: &mut dyn FnMut(&str, &Totals, u64)| {
+        for (k, t) in state.usage().since(from) {
+            if mine(&k.tenant) {
+                rows_of(&k.tenant, t, 0);
+            }
+        }
+        for task in state.tasks().values().filter(|t| live(t)) {
+            let c = state.charge_of(task);
+            if !mine(&c.tenant) {
+                continue;
+            }
+            let t = c.over_running_from(
+                task.created_at_ms.max(from),
+                now_ms.max(from),
+                task.running_at_ms.unwrap_or(now_ms),
+            );
+            rows_of(&c.tenant, &t, 1);
+        }
+    };
     if by == By::Job {
+        // What the kept jobs account for, per tenant.
+        let mut of_jobs: BTreeMap<String, (Totals, u64)> = BTreeMap::new();
         for job in state.jobs().values() {
             for task in job.task_ids.iter().filter_map(|id| state.task(id)) {
                 let c = state.charge_of(task);
@@ -306,7 +372,8 @@ pub fn report(
                 if end < from {
                     continue;
                 }
-                let mut t = c.over(start, end.max(start));
+                let mut t =
+                    c.over_running_from(start, end.max(start), task.running_at_ms.unwrap_or(end));
                 // Busy time: a fraction's own readings (scaled to the part
                 // of its life in the window); whole GPUs' from their
                 // history (a day of periods).
@@ -336,7 +403,29 @@ pub fn report(
                 let running = u64::from(live(task));
                 t.tasks = u64::from(!live(task));
                 let (k, tn) = key_of(&c.tenant, &c.user, &c.gpu_model, &job.id);
+                let e = of_jobs.entry(c.tenant.clone()).or_default();
+                e.0.add(&t);
+                e.1 += running;
                 add(k, &tn, &t, running);
+            }
+        }
+        let mut all: BTreeMap<String, (Totals, u64)> = BTreeMap::new();
+        whole(&mut |tenant, t, running| {
+            let e = all.entry(tenant.to_string()).or_default();
+            e.0.add(t);
+            e.1 += running;
+        });
+        for (tenant, (t, running)) in all {
+            let (jobs, jobs_running) = of_jobs.get(&tenant).cloned().unwrap_or_default();
+            let rest = t.saturating_sub(&jobs);
+            let rest_running = running.saturating_sub(jobs_running);
+            if rest.gpu_ms > 0
+                || rest.cpu_ms > 0
+                || rest.mem_mib_ms > 0
+                || rest.tasks > 0
+                || rest_running > 0
+            {
+                add(OTHER_JOBS_KEY.to_string(), &tenant, &rest, rest_running);
             }
         }
     } else {
@@ -351,7 +440,11 @@ pub fn report(
             if !mine(&c.tenant) {
                 continue;
             }
-            let t = c.over(task.created_at_ms.max(from), now_ms.max(from));
+            let t = c.over_running_from(
+                task.created_at_ms.max(from),
+                now_ms.max(from),
+                task.running_at_ms.unwrap_or(now_ms),
+            );
             let (key, tn) = key_of(&c.tenant, &c.user, &c.gpu_model, "");
             add(key, &tn, &t, 1);
         }
@@ -389,7 +482,10 @@ mod tests {
         // 2 GPUs from 00:30 to 02:15: 30 min, 60 min, 15 min.
         let from = HOUR_MS / 2;
         let to = 2 * HOUR_MS + HOUR_MS / 4;
-        l.charge(&charge(2000), from, to);
+        // It ran from 01:30: its first hour is startup, half the second.
+        l.charge(&charge(2000), from, to, HOUR_MS + HOUR_MS / 2);
+        let startup: Vec<u64> = l.since(0).map(|(_, t)| t.gpu_startup_ms).collect();
+        assert_eq!(startup, [HOUR_MS, HOUR_MS, 0]);
         let rows: Vec<(u64, u64, u64)> = l
             .since(0)
             .map(|(k, t)| (k.hour_ms / HOUR_MS, t.gpu_ms, t.tasks))
@@ -518,6 +614,90 @@ mod tests {
             "team".parse::<By>().unwrap_err(),
             "\"team\" is not one of tenant, user, job, gpu-model"
         );
+    }
+
+    /// What a task held before it ran (launch to RUNNING) is charged and
+    /// shown apart, as `gpu_startup_ms`, by the ledger and for a running
+    /// task alike; a job forgotten by retention stays in reports by job, in
+    /// its tenant's row of what no kept job accounts for, so that the
+    /// report by job adds up to the one by tenant.
+    #[test]
+    fn startup_is_apart_and_forgotten_jobs_stay_in_reports_by_job() {
+        use crate::state::testkit::{status, Driver};
+        use crate::state::Command;
+        use gpuctl_core::types::{JobSpec, Resources, TaskState};
+        let mut d = Driver::new(&[("a", 2)]);
+        let spec = || {
+            let mut s = JobSpec::new(
+                "j",
+                vec!["true".into()],
+                Resources {
+                    cpus: 1.0,
+                    mem_mib: 0,
+                    gpus: 1,
+                    ports: 0,
+                },
+            );
+            s.tenant = "vision".into();
+            s
+        };
+        let min = 60_000;
+        let (old, live) = (d.submit(spec()), d.submit(spec()));
+        d.launch_at(&old, &[("a", &["GPU-a-0"])], HOUR_MS).unwrap();
+        d.launch_at(&live, &[("a", &["GPU-a-1"])], HOUR_MS).unwrap();
+        // Each ran 5 minutes after its launch (an image pulled).
+        for t in ["job-1.0", "job-2.0"] {
+            d.apply(Command::UpdateTaskStatus {
+                update: status("a", t, TaskState::Running),
+                at_ms: HOUR_MS + 5 * min,
+            })
+            .unwrap();
+        }
+        let mut done = status("a", "job-1.0", TaskState::Finished);
+        done.exit_code = Some(0);
+        d.apply(Command::UpdateTaskStatus {
+            update: done,
+            at_ms: HOUR_MS + 20 * min,
+        })
+        .unwrap();
+        let now = HOUR_MS + 30 * min;
+        let (rows, ..) = report(&d.s, 0, now, By::Tenant, None);
+        assert_eq!(
+            (rows[0].totals.gpu_ms, rows[0].totals.gpu_startup_ms),
+            (50 * min, 10 * min),
+            "20 + 30 minutes held, 5 + 5 of them before running"
+        );
+        // job-1 is forgotten: its row by job goes, its charge stays.
+        d.apply(Command::ForgetJobs {
+            job_ids: vec![old.clone()],
+            at_ms: now,
+        })
+        .unwrap();
+        assert!(d.s.job(&old).is_none());
+        let (rows, ..) = report(&d.s, 0, now, By::Job, None);
+        let got: Vec<(&str, &str, u64, u64, u64, u64)> = rows
+            .iter()
+            .map(|r| {
+                (
+                    r.key.as_str(),
+                    r.tenant.as_str(),
+                    r.totals.gpu_ms,
+                    r.totals.gpu_startup_ms,
+                    r.totals.tasks,
+                    r.running,
+                )
+            })
+            .collect();
+        assert_eq!(
+            got,
+            [
+                (live.as_str(), "vision", 30 * min, 5 * min, 0, 1),
+                (OTHER_JOBS_KEY, "vision", 20 * min, 5 * min, 1, 0),
+            ]
+        );
+        // Nothing left over while every job is kept.
+        let (rows, ..) = report(&d.s, 0, now, By::Job, Some("nlp"));
+        assert!(rows.is_empty(), "{rows:?}");
     }
 
     /// A running job whose GPUs all stay under the threshold for the
@@ -659,9 +839,9 @@ mod tests {
     #[test]
     fn the_ledger_is_bounded_by_retention() {
         let mut l = Ledger::default();
-        l.charge(&charge(1000), 0, HOUR_MS);
+        l.charge(&charge(1000), 0, HOUR_MS, 0);
         let later = RETENTION_MS + 3 * HOUR_MS;
-        l.charge(&charge(1000), later, later + 10);
+        l.charge(&charge(1000), later, later + 10, later);
         assert!(l.since(0).all(|(k, _)| k.hour_ms >= later - RETENTION_MS));
         assert_eq!(l.len(), 1);
     }

@@ -251,6 +251,8 @@ pub(super) fn container_config(
         ),
         security_opt: Some(vec!["no-new-privileges".to_string()]),
         runtime: iso.oci_runtime.clone(),
+        group_add: (!spec.security.groups.is_empty())
+            .then(|| spec.security.groups.iter().map(u32::to_string).collect()),
         ..Default::default()
     };
     let mut env = spec.env.clone();

@@ -8,6 +8,7 @@ struct Node {
     runtimes: Vec<Runtime>,
     allow_root_tasks: bool,
     allowed_mounts: Vec<String>,
+    allowed_users: Option<IdRanges>,
     total: Resources,
     free: Resources,
     gpus: Vec<GpuInfo>,
@@ -24,6 +25,7 @@ impl Node {
             runtimes: vec![Runtime::Docker, Runtime::Process],
             allow_root_tasks: false,
             allowed_mounts: Vec::new(),
+            allowed_users: None,
             total: res(32.0, 262_144, n),
             free: res(32.0, 262_144, n),
             gpus: (0..n)
@@ -41,6 +43,7 @@ impl Node {
             runtimes: &self.runtimes,
             allow_root_tasks: self.allow_root_tasks,
             allowed_mounts: &self.allowed_mounts,
+            allowed_users: self.allowed_users.as_ref(),
             free: self.free,
             free_gpus: self
                 .gpus
@@ -87,6 +90,7 @@ fn req(gpus: u32) -> TaskRequest<'static> {
         fraction: None,
         constraints: &NONE,
         run_as_root: false,
+        user: None,
         mounts: &[],
         checkpoint_dir: None,
         require_cuda: None,
@@ -974,6 +978,57 @@ fn security_asks_go_only_to_agents_that_allow_them() {
         (c.agents, c.filtered_runtime, c.filtered_security, c.fit_one),
         (3, 1, 2, 0)
     );
+}
+
+/// A job that names a user goes only to agents whose `allowed_users` hold
+/// its uid and gid (an agent that does not say is any's); when none does,
+/// the reason names the user and the option, and the agents are counted as
+/// not allowing it.
+#[test]
+fn a_named_user_goes_only_to_agents_that_allow_it() {
+    let mut nodes = vec![
+        Node::new("narrow", 1, "A100", 40960),
+        Node::new("wide", 1, "A100", 40960),
+    ];
+    nodes[0].allowed_users = Some(IdRanges::parse("1000-1999").unwrap());
+    nodes[1].allowed_users = Some(IdRanges::parse("1000-5999").unwrap());
+    let as_user = |uid, gid| TaskRequest {
+        user: Some(UserIds { uid, gid }),
+        ..req(1)
+    };
+    let bundle = PlacementPolicy::Bundle;
+    assert_eq!(
+        place_task(&as_user(3000, 3000), &views(&nodes), bundle)
+            .unwrap()
+            .node,
+        "wide"
+    );
+    // Both ids count: a gid outside the range is refused as the agent does.
+    assert_eq!(
+        place_task(&as_user(1500, 7000), &views(&nodes), bundle),
+        None
+    );
+    assert_eq!(
+        unsatisfiable(&as_user(1500, 7000), &views(&nodes), &totals_of(&nodes)),
+        Some(missing(
+            Requirement::User(UserIds {
+                uid: 1500,
+                gid: 7000
+            }),
+            vec![],
+            None
+        ))
+    );
+    let c = agent_counts(&as_user(7000, 7000), &views(&nodes), &totals_of(&nodes));
+    assert_eq!((c.filtered_security, c.fit_one), (2, 0));
+    // An agent that does not say (an older one) takes it, as before.
+    nodes[0].allowed_users = None;
+    assert_eq!(
+        place_task(&as_user(7000, 7000), &views(&nodes), bundle)
+            .unwrap()
+            .node,
+        "narrow"
+    );
     // Asking nothing is placed as before.
     assert!(place_task(&req(1), &views(&nodes), bundle).is_some());
 }
@@ -1148,6 +1203,7 @@ mod props {
                 fraction: None,
                 constraints: &c,
                 run_as_root: self.run_as_root,
+                user: None,
                 mounts: &[],
                 checkpoint_dir: None,
                 require_cuda: None,
@@ -1213,6 +1269,7 @@ mod props {
                     runtimes,
                     allow_root_tasks: next(3) == 0,
                     allowed_mounts: Vec::new(),
+                    allowed_users: None,
                     total,
                     free: Resources {
                         gpus: healthy,

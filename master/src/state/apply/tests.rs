@@ -8,6 +8,7 @@ use gpuctl_core::types::{
 fn agent(id: &str, gpus: u32) -> AgentInfo {
     AgentInfo {
         share_gpus: None,
+        allowed_users: None,
         id: id.into(),
         hostname: format!("{id}.local"),
         address: "127.0.0.1:7051".into(),
