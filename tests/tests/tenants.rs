@@ -423,23 +423,25 @@ fn a_tenant_names_only_the_users_its_token_allows() {
     let task = t.task_id(&t.beta, &job);
     assert_eq!(t.log(&task), "3100 3101 3101\n");
 
-    // Defence in depth: the admin's token allows every id, the agent does
-    // not allow a system group (nor its own task users).
-    for user in ["3100:42", "80001"] {
+    // The admin's token allows every id; the agent does not allow a system
+    // group (nor its own task users), and says so to the master: the job
+    // waits, naming the user and the agent option, and never reaches the
+    // agent (which would refuse it itself: defence in depth, unit-tested
+    // in agent/src/security.rs).
+    for (user, ids) in [("3100:42", "3100:42"), ("80001", "80001:80001")] {
         let job = t.c.ok(&[
             "jobs", "submit", "--name", "admins", "--user", user, "--", "true",
         ]);
+        let want = format!("no agent lets jobs run as user {ids} (agent option allowed_users)");
         let mut j = Value::Null;
-        let failed = gpuctl_tests::try_wait_for(Duration::from_secs(30), || {
+        let waits = gpuctl_tests::try_wait_for(Duration::from_secs(30), || {
             j = serde_json::from_str(&t.c.ok(&["jobs", "get", &job, "--json"])).unwrap();
-            j["state"] == "FAILED"
+            j["reason"].as_str().is_some_and(|r| r.contains(&want))
         });
-        assert!(failed, "{user}: {j:#}\n{}", t.diagnostics());
-        let msg = j["tasks"][0]["message"]
-            .as_str()
-            .unwrap_or_default()
-            .to_string();
-        assert!(msg.contains("allowed_users"), "{user}: {j:#}");
+        assert!(waits, "{user}: {j:#}\n{}", t.diagnostics());
+        assert_eq!(j["state"], "QUEUED", "{user}: {j:#}");
+        assert_eq!(j["tasks"], serde_json::json!([]), "{user}: {j:#}");
+        t.c.ok(&["jobs", "cancel", &job]);
     }
 }
 

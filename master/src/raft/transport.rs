@@ -718,7 +718,7 @@ mod tests {
         let addresses = Addresses::default();
         addresses.set(2, &format!("127.0.0.1:{port}"));
         let t = GrpcTransport::new(1, "me".into(), addresses, None, Duration::from_secs(1))
-            .with_lane_idle(Duration::from_secs(1));
+            .with_lane_idle(Duration::from_secs(3));
         let (reporter, _reports) = Reporter::counting();
         let msg = |index| Message {
             to: 2,
