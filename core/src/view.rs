@@ -191,6 +191,13 @@ pub struct PlacementJson {
     /// Each task's GPU is a MIG device of this profile; `null`: whole GPUs.
     #[serde(default)]
     pub mig: Option<String>,
+    /// Each task holds a fraction of a shared GPU: this much of its memory
+    /// (MiB); `null`: no fraction.
+    #[serde(default)]
+    pub gpu_mem_mib: Option<u64>,
+    /// With `gpu_mem_mib`: percent of its compute; `null`: none asked.
+    #[serde(default)]
+    pub gpu_compute_pct: Option<u32>,
 }
 
 impl From<Option<&pb::Placement>> for PlacementJson {
@@ -202,6 +209,8 @@ impl From<Option<&pb::Placement>> for PlacementJson {
             gpu_mem_min_mib: p.gpu_mem_min_mib,
             constraints: p.constraints.into_iter().collect(),
             mig: (!p.mig.is_empty()).then_some(p.mig),
+            gpu_mem_mib: (p.gpu_mem_mib > 0).then_some(p.gpu_mem_mib),
+            gpu_compute_pct: (p.gpu_compute_pct > 0).then_some(p.gpu_compute_pct),
         }
     }
 }

@@ -469,12 +469,22 @@ function idleBadge(j) {
   return h("span", { class: "badge s-idle", title: `GPUs idle since ${new Date(j.idle_since_ms).toLocaleString()}` }, "idle");
 }
 
+// What each task of a job holds, as `gpuctl jobs list` says it: GPUs, a
+// MIG profile or a fraction's memory (and compute); Rx for a gang.
+function gpusCell(j) {
+  const p = j.placement || {};
+  let each = String(j.resources.gpus);
+  if (p.mig) each = `mig:${p.mig}`;
+  else if (p.gpu_mem_mib) each = `frac:${gib(p.gpu_mem_mib)}GiB${p.gpu_compute_pct ? `/${p.gpu_compute_pct}%` : ""}`;
+  return j.replicas > 1 ? `${j.replicas}x${each}` : each;
+}
+
 function jobRow(j) {
   return h("tr", { dataset: { job: j.id } },
     h("td", {}, h("a", { href: `#/jobs/${encodeURIComponent(j.id)}` }, j.id)),
     h("td", {}, j.name),
     h("td", { class: "state" }, badge(j.state), j.idle_since_ms ? idleBadge(j) : null),
-    h("td", {}, String(j.resources.gpus * j.replicas)),
+    h("td", { class: "gpus" }, gpusCell(j)),
     h("td", {}, String(j.priority)),
     h("td", {}, j.tenant),
     h("td", { title: fmtTime(j.submitted_at_ms) }, fmtAge(j.submitted_at_ms)),

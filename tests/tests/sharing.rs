@@ -72,6 +72,27 @@ fn four_quarters_share_a_gpu_and_the_fifth_waits() {
         got.contains("a fraction of a shared GPU each: 10GiB"),
         "{got}"
     );
+    // The list says what each holds, not "0 GPUs"; the fifth waits for
+    // GPU memory on the shared GPU, not for a free GPU; JSON has the
+    // fraction.
+    let list = c.ok(&["jobs", "list"]);
+    let row = |id: &str| {
+        list.lines()
+            .find(|l| l.starts_with(&format!("{id} ")))
+            .unwrap_or_else(|| panic!("no row {id}: {list}"))
+            .to_string()
+    };
+    let cells: Vec<String> = row(&jobs[0])
+        .split_whitespace()
+        .map(str::to_string)
+        .collect();
+    assert_eq!(cells[4], "frac:10GiB", "{list}");
+    assert!(
+        row(&fifth).contains("1 short of free GPU memory on shared GPUs"),
+        "{list}"
+    );
+    assert!(!row(&fifth).contains("short of free GPUs"), "{list}");
+    assert_eq!(c.job(&fifth)["placement"]["gpu_mem_mib"], 10 * 1024);
     // Each task says what its agent enforces of it: time-slicing, nothing.
     assert_eq!(c.job(&jobs[0])["tasks"][0]["enforcement"], "none");
     assert!(

@@ -724,6 +724,10 @@ impl DockerRuntime {
             }))
             .await
             .map_err(|e| self.err(e))?;
+        // An answer: the daemon is back. This scan runs every few seconds
+        // whatever the agent runs, so an agent with no container learns
+        // it too (it would report Docker down until its next container).
+        self.set_health(true, String::new());
         Ok(containers
             .into_iter()
             .filter_map(|c| c.labels.and_then(|mut l| l.remove(LABEL_TASK_ID)))
