@@ -562,50 +562,67 @@ mod tests {
         assert_eq!(fast.keep_alive_timeout, Duration::from_secs(3));
     }
 
+    /// A peer that records the indexes it is sent, its first `slow` calls
+    /// taking `stall` each.
+    #[derive(Clone, Default)]
+    struct RecordingPeer {
+        slow: usize,
+        stall: Duration,
+        calls: Arc<std::sync::atomic::AtomicUsize>,
+        got: Arc<Mutex<Vec<u64>>>,
+    }
+
+    #[tonic::async_trait]
+    impl pb::raft_transport_server::RaftTransport for RecordingPeer {
+        async fn step(
+            &self,
+            req: tonic::Request<pb::StepRequest>,
+        ) -> Result<tonic::Response<pb::StepResponse>, tonic::Status> {
+            let n = self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            if n < self.slow {
+                tokio::time::sleep(self.stall).await;
+            }
+            for b in req.into_inner().messages {
+                let m = Message::parse_from_bytes(&b).unwrap();
+                self.got.lock().unwrap().push(m.index);
+            }
+            Ok(tonic::Response::new(pb::StepResponse {}))
+        }
+        async fn status(
+            &self,
+            _: tonic::Request<pb::StatusRequest>,
+        ) -> Result<tonic::Response<pb::MasterInfo>, tonic::Status> {
+            Ok(tonic::Response::new(pb::MasterInfo::default()))
+        }
+    }
+
+    impl RecordingPeer {
+        /// Serves it on a loopback port; returns the port.
+        async fn serve(&self) -> u16 {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let port = listener.local_addr().unwrap().port();
+            tokio::spawn(
+                tonic::transport::Server::builder()
+                    .add_service(pb::raft_transport_server::RaftTransportServer::new(
+                        self.clone(),
+                    ))
+                    .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+            );
+            port
+        }
+    }
+
     /// A peer whose first call hangs (a TCP connection stalled by a lost
     /// packet): what is sent after it still arrives, on another lane.
     #[tokio::test]
     async fn a_stalled_call_does_not_hold_up_the_next_messages() {
-        use std::sync::atomic::{AtomicUsize, Ordering};
-
-        #[derive(Clone, Default)]
-        struct Peer {
-            calls: Arc<AtomicUsize>,
-            got: Arc<Mutex<Vec<u64>>>,
-        }
-        #[tonic::async_trait]
-        impl pb::raft_transport_server::RaftTransport for Peer {
-            async fn step(
-                &self,
-                req: tonic::Request<pb::StepRequest>,
-            ) -> Result<tonic::Response<pb::StepResponse>, tonic::Status> {
-                if self.calls.fetch_add(1, Ordering::SeqCst) == 0 {
-                    tokio::time::sleep(Duration::from_secs(3600)).await;
-                }
-                for b in req.into_inner().messages {
-                    let m = Message::parse_from_bytes(&b).unwrap();
-                    self.got.lock().unwrap().push(m.index);
-                }
-                Ok(tonic::Response::new(pb::StepResponse {}))
-            }
-            async fn status(
-                &self,
-                _: tonic::Request<pb::StatusRequest>,
-            ) -> Result<tonic::Response<pb::MasterInfo>, tonic::Status> {
-                Ok(tonic::Response::new(pb::MasterInfo::default()))
-            }
-        }
-
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap().to_string();
-        let peer = Peer::default();
-        tokio::spawn(
-            tonic::transport::Server::builder()
-                .add_service(pb::raft_transport_server::RaftTransportServer::new(
-                    peer.clone(),
-                ))
-                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
-        );
+        use std::sync::atomic::Ordering;
+        let peer = RecordingPeer {
+            slow: 1,
+            stall: Duration::from_secs(3600),
+            ..Default::default()
+        };
+        let addr = format!("127.0.0.1:{}", peer.serve().await);
         let addresses = Addresses::default();
         addresses.set(2, &addr);
         let t = GrpcTransport::new(1, "me".into(), addresses, None, Duration::from_secs(1));
@@ -675,46 +692,12 @@ mod tests {
     /// message opens one again and arrives.
     #[tokio::test]
     async fn idle_lanes_are_closed_and_opened_again_when_needed() {
-        use std::sync::atomic::{AtomicUsize, Ordering};
-
-        #[derive(Clone, Default)]
-        struct Slow {
-            calls: Arc<AtomicUsize>,
-            got: Arc<Mutex<Vec<u64>>>,
-        }
-        #[tonic::async_trait]
-        impl pb::raft_transport_server::RaftTransport for Slow {
-            async fn step(
-                &self,
-                req: tonic::Request<pb::StepRequest>,
-            ) -> Result<tonic::Response<pb::StepResponse>, tonic::Status> {
-                if self.calls.fetch_add(1, Ordering::SeqCst) < 3 {
-                    tokio::time::sleep(Duration::from_millis(300)).await;
-                }
-                for b in req.into_inner().messages {
-                    let m = Message::parse_from_bytes(&b).unwrap();
-                    self.got.lock().unwrap().push(m.index);
-                }
-                Ok(tonic::Response::new(pb::StepResponse {}))
-            }
-            async fn status(
-                &self,
-                _: tonic::Request<pb::StatusRequest>,
-            ) -> Result<tonic::Response<pb::MasterInfo>, tonic::Status> {
-                Ok(tonic::Response::new(pb::MasterInfo::default()))
-            }
-        }
-
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let peer = Slow::default();
-        tokio::spawn(
-            tonic::transport::Server::builder()
-                .add_service(pb::raft_transport_server::RaftTransportServer::new(
-                    peer.clone(),
-                ))
-                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
-        );
+        let peer = RecordingPeer {
+            slow: 3,
+            stall: Duration::from_millis(300),
+            ..Default::default()
+        };
+        let port = peer.serve().await;
         let addresses = Addresses::default();
         addresses.set(2, &format!("127.0.0.1:{port}"));
         let t = GrpcTransport::new(1, "me".into(), addresses, None, Duration::from_secs(1))

@@ -333,12 +333,12 @@ pub fn report(
     };
     let mine = |t: &str| tenant.is_none_or(|only| only == t);
     let live = |t: &super::TaskRecord| !t.state.is_terminal();
-    // The whole of each tenant's charge: the ledger's rows and its running
-    // tasks (what a report by tenant shows).
-    let whole = |rows_of: &mut dyn FnMut(&str, &Totals, u64)| {
+    // Every charge of the window, (tenant, user, model, totals, running):
+    // the ledger's rows, then the running tasks up to now.
+    let each_charge = |f: &mut dyn FnMut(&str, &str, &str, &Totals, u64)| {
         for (k, t) in state.usage().since(from) {
             if mine(&k.tenant) {
-                rows_of(&k.tenant, t, 0);
+                f(&k.tenant, &k.user, &k.gpu_model, t, 0);
             }
         }
         for task in state.tasks().values().filter(|t| live(t)) {
@@ -351,7 +351,7 @@ pub fn report(
                 now_ms.max(from),
                 task.running_at_ms.unwrap_or(now_ms),
             );
-            rows_of(&c.tenant, &t, 1);
+            f(&c.tenant, &c.user, &c.gpu_model, &t, 1);
         }
     };
     if by == By::Job {
@@ -410,7 +410,7 @@ pub fn report(
             }
         }
         let mut all: BTreeMap<String, (Totals, u64)> = BTreeMap::new();
-        whole(&mut |tenant, t, running| {
+        each_charge(&mut |tenant, _, _, t, running| {
             let e = all.entry(tenant.to_string()).or_default();
             e.0.add(t);
             e.1 += running;
@@ -429,25 +429,10 @@ pub fn report(
             }
         }
     } else {
-        for (k, t) in state.usage().since(from) {
-            if mine(&k.tenant) {
-                let (key, tn) = key_of(&k.tenant, &k.user, &k.gpu_model, "");
-                add(key, &tn, t, 0);
-            }
-        }
-        for task in state.tasks().values().filter(|t| live(t)) {
-            let c = state.charge_of(task);
-            if !mine(&c.tenant) {
-                continue;
-            }
-            let t = c.over_running_from(
-                task.created_at_ms.max(from),
-                now_ms.max(from),
-                task.running_at_ms.unwrap_or(now_ms),
-            );
-            let (key, tn) = key_of(&c.tenant, &c.user, &c.gpu_model, "");
-            add(key, &tn, &t, 1);
-        }
+        each_charge(&mut |tenant, user, model, t, running| {
+            let (key, tn) = key_of(tenant, user, model, "");
+            add(key, &tn, t, running);
+        });
     }
     let mut out: Vec<Row> = rows.into_values().collect();
     out.sort_by(|a, b| {
