@@ -24,14 +24,17 @@ fn required() -> bool {
     std::env::var("GPUCTL_REQUIRE_DOCKER").is_ok_and(|v| v == "1")
 }
 
-/// The fake libnvidia-ml, built once.
+/// The fake libnvidia-ml, built once, with the workspace's binaries as
+/// `gpuctl_tests::bin_dir` builds them: the same build, so the suite
+/// never resolves features two ways and rebuilds half the workspace
+/// (`cargo build -p fake-nvml` did, for a minute of CI).
 fn fake_nvml() -> &'static Path {
     static LIB: OnceLock<PathBuf> = OnceLock::new();
     LIB.get_or_init(|| {
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
         let ok = Command::new(env!("CARGO"))
             .current_dir(root)
-            .args(["build", "-p", "fake-nvml"])
+            .args(["build", "--workspace", "--bins", "--lib"])
             .status()
             .unwrap()
             .success();
