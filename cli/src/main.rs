@@ -27,12 +27,7 @@ fn main() -> ExitCode {
                 let _ = e.print();
                 return ExitCode::from(EXIT_OK);
             }
-            let text = e.render().to_string();
-            let line = text
-                .lines()
-                .find(|l| !l.trim().is_empty())
-                .unwrap_or("error: usage");
-            eprintln!("{line}");
+            eprintln!("{}", usage_error_line(&e.render().to_string()));
             return ExitCode::from(EXIT_USAGE);
         }
     };
@@ -65,5 +60,50 @@ fn main() -> ExitCode {
             eprintln!("error: {}", error::one_line(&e.to_string()));
             ExitCode::from(e.exit_code())
         }
+    }
+}
+
+/// clap's usage error as one line: its first paragraph (the error and,
+/// for missing arguments, the list of them, which follows on its own
+/// lines), without the usage and the hint after the blank line.
+fn usage_error_line(text: &str) -> String {
+    let line = text
+        .lines()
+        .skip_while(|l| l.trim().is_empty())
+        .take_while(|l| !l.trim().is_empty())
+        .map(str::trim)
+        .collect::<Vec<_>>()
+        .join(" ");
+    if line.is_empty() {
+        "error: usage".to_string()
+    } else {
+        line
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A missing argument is named: the list clap puts on the lines after
+    /// its first is kept (it printed "... not provided:" and nothing).
+    #[test]
+    fn a_usage_error_names_what_is_missing() {
+        let Err(e) = Cli::try_parse_from(["gpuctl", "jobs", "submit", "--gpus", "1", "--", "true"])
+        else {
+            panic!("no --name, parsed");
+        };
+        let line = usage_error_line(&e.render().to_string());
+        assert!(line.contains("--name"), "{line}");
+        assert!(!line.contains("Usage:"), "{line}");
+        let Err(e) = Cli::try_parse_from(["gpuctl", "jobs", "submit", "--bogus"]) else {
+            panic!("a bad flag, parsed");
+        };
+        let line = usage_error_line(&e.render().to_string());
+        assert!(
+            line.starts_with("error: unexpected argument '--bogus'"),
+            "{line}"
+        );
+        assert_eq!(usage_error_line("\n\n"), "error: usage");
     }
 }
