@@ -25,8 +25,9 @@ fn required() -> bool {
 }
 
 /// The fake libnvidia-ml, built once, with the workspace's binaries as
-/// `gpuctl_tests::bin_dir` builds them: the same build, so the suite
-/// never resolves features two ways and rebuilds half the workspace
+/// `gpuctl_tests::bin_dir` builds them (dev-dependencies included, as
+/// `cargo test --workspace` resolves features): the same build, so the
+/// suite never resolves features two ways and rebuilds half the workspace
 /// (`cargo build -p fake-nvml` did, for a minute of CI).
 fn fake_nvml() -> &'static Path {
     static LIB: OnceLock<PathBuf> = OnceLock::new();
@@ -34,7 +35,7 @@ fn fake_nvml() -> &'static Path {
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
         let ok = Command::new(env!("CARGO"))
             .current_dir(root)
-            .args(["build", "--workspace", "--bins", "--lib"])
+            .args(["build", "--workspace", "--bins", "--lib", "--tests"])
             .status()
             .unwrap()
             .success();

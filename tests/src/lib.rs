@@ -33,18 +33,18 @@ pub fn workspace_root() -> PathBuf {
 
 /// Directory of the freshly built binaries. `cargo test` does not build
 /// other packages' binaries, so build them once here (a no-op when fresh).
-/// The whole workspace's, as `cargo test --workspace` (the README's test
-/// command) resolves features: a build of some packages alone resolves
-/// them otherwise (no tests, no dev-dependencies) and rebuilt tonic, the
-/// TLS stack and every gpuctl crate in the middle of the suite, about a
-/// minute of CI; this one finds them fresh (only fake-nvml, a small crate,
-/// is built again).
+/// With the workspace's tests, so that features resolve as in `cargo test
+/// --workspace` (the README's test command), dev-dependencies included
+/// (tokio's `test-util`): a build without them resolves tokio otherwise
+/// and rebuilt tokio, the TLS stack, tonic and every gpuctl crate in the
+/// middle of the suite, about a minute of CI. Only the binaries are left
+/// to build.
 pub fn bin_dir() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
         let status = Command::new(env!("CARGO"))
             .current_dir(workspace_root())
-            .args(["build", "--workspace", "--bins", "--lib"])
+            .args(["build", "--workspace", "--bins", "--lib", "--tests"])
             .status()
             .expect("run cargo build");
         assert!(status.success(), "building the gpuctl binaries failed");
