@@ -33,21 +33,42 @@ fn fake_nvml() -> &'static Path {
     static LIB: OnceLock<PathBuf> = OnceLock::new();
     LIB.get_or_init(|| {
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
-        let ok = Command::new(env!("CARGO"))
-            .current_dir(root)
+        let ok = cargo(root)
             .args(["build", "--workspace", "--bins", "--lib", "--tests"])
             .status()
             .unwrap()
             .success();
         assert!(ok, "building fake-nvml failed");
-        let meta = Command::new(env!("CARGO"))
-            .current_dir(root)
+        let meta = cargo(root)
             .args(["metadata", "--format-version", "1", "--no-deps"])
             .output()
             .unwrap();
         let meta: Value = serde_json::from_slice(&meta.stdout).unwrap();
         PathBuf::from(meta["target_directory"].as_str().unwrap()).join("debug/libfake_nvml.so")
     })
+}
+
+/// Cargo without the variables cargo set for this test (as
+/// `gpuctl_tests::cargo`, which this package cannot depend on): ring's build
+/// script reruns when `CARGO_MANIFEST_DIR` and the like differ from the
+/// top-level `cargo test`'s, and rebuilt the TLS stack mid-suite.
+fn cargo(root: &Path) -> Command {
+    let mut cmd = Command::new(env!("CARGO"));
+    cmd.current_dir(root);
+    for (key, _) in std::env::vars_os() {
+        let Some(key) = key.to_str() else { continue };
+        let per_crate = key.starts_with("CARGO_PKG_")
+            || key.starts_with("CARGO_BIN_")
+            || key.starts_with("CARGO_MANIFEST_")
+            || matches!(
+                key,
+                "CARGO_CRATE_NAME" | "CARGO_PRIMARY_PACKAGE" | "CARGO_TARGET_TMPDIR" | "OUT_DIR"
+            );
+        if per_crate {
+            cmd.env_remove(key);
+        }
+    }
+    cmd
 }
 
 /// A machine with a plain A100 and one in MIG mode (no instances).

@@ -31,6 +31,44 @@ pub fn workspace_root() -> PathBuf {
         .to_path_buf()
 }
 
+/// Cargo, in the workspace, without the variables cargo sets for the test
+/// binary that runs it (`CARGO_MANIFEST_DIR`, `CARGO_PKG_NAME`, `OUT_DIR`,
+/// ...). Build scripts ask to rerun when those change (ring's, and so the
+/// whole TLS stack above it), and cargo compares them against its own
+/// environment: inherited from a test, they differ from the top-level
+/// `cargo test`'s, and each package's first test rebuilt half the
+/// workspace (about 50 s of CI, twice).
+pub fn cargo() -> Command {
+    let mut cmd = Command::new(env!("CARGO"));
+    cmd.current_dir(workspace_root());
+    for (key, _) in std::env::vars_os() {
+        if let Some(key) = key.to_str() {
+            if is_crate_variable(key) {
+                cmd.env_remove(key);
+            }
+        }
+    }
+    cmd
+}
+
+/// The variables cargo sets for a crate it compiles or runs (see "Environment
+/// variables Cargo sets for crates"), as opposed to those a user sets for
+/// cargo itself (`CARGO_HOME`, `CARGO_TARGET_DIR`, `CARGO_BUILD_*`, ...).
+pub fn is_crate_variable(key: &str) -> bool {
+    const EXACT: &[&str] = &[
+        "CARGO_MANIFEST_DIR",
+        "CARGO_MANIFEST_PATH",
+        "CARGO_MANIFEST_LINKS",
+        "CARGO_CRATE_NAME",
+        "CARGO_BIN_NAME",
+        "CARGO_PRIMARY_PACKAGE",
+        "CARGO_TARGET_TMPDIR",
+        "CARGO_RUSTC_CURRENT_DIR",
+        "OUT_DIR",
+    ];
+    EXACT.contains(&key) || key.starts_with("CARGO_PKG_") || key.starts_with("CARGO_BIN_EXE_")
+}
+
 /// Directory of the freshly built binaries. `cargo test` does not build
 /// other packages' binaries, so build them once here (a no-op when fresh).
 /// With the workspace's tests, so that features resolve as in `cargo test
@@ -42,8 +80,7 @@ pub fn workspace_root() -> PathBuf {
 pub fn bin_dir() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
-        let status = Command::new(env!("CARGO"))
-            .current_dir(workspace_root())
+        let status = cargo()
             .args(["build", "--workspace", "--bins", "--lib", "--tests"])
             .status()
             .expect("run cargo build");
@@ -55,8 +92,7 @@ pub fn bin_dir() -> &'static Path {
 /// Builds `name` of `package` with the release profile (for benchmarks;
 /// the tests use the debug binaries of [`bin_dir`]) and returns its path.
 pub fn release_bin(package: &str, name: &str) -> PathBuf {
-    let status = Command::new(env!("CARGO"))
-        .current_dir(workspace_root())
+    let status = cargo()
         .args(["build", "--release", "-p", package, "--bin", name])
         .status()
         .expect("run cargo build --release");
@@ -67,8 +103,7 @@ pub fn release_bin(package: &str, name: &str) -> PathBuf {
 /// Cargo's target directory (it may be moved by CARGO_TARGET_DIR or a
 /// .cargo/config, so ask cargo).
 pub fn target_dir() -> PathBuf {
-    let out = Command::new(env!("CARGO"))
-        .current_dir(workspace_root())
+    let out = cargo()
         .args(["metadata", "--format-version", "1", "--no-deps"])
         .output()
         .expect("run cargo metadata");
@@ -1963,5 +1998,37 @@ mod invariant_tests {
             }]
         );
         assert!(live_tasks("GPUCTL_INVARIANT_TEST", &marker).is_empty());
+    }
+}
+
+#[cfg(test)]
+mod cargo_tests {
+    #[test]
+    fn nested_cargo_drops_what_cargo_set_for_the_test_and_keeps_what_the_user_set() {
+        for key in [
+            "CARGO_MANIFEST_DIR",
+            "CARGO_PKG_NAME",
+            "CARGO_PKG_VERSION_MAJOR",
+            "OUT_DIR",
+            "CARGO_BIN_EXE_gpuctl",
+        ] {
+            assert!(super::is_crate_variable(key), "{key}");
+        }
+        for key in [
+            "CARGO_HOME",
+            "CARGO_TARGET_DIR",
+            "CARGO_BUILD_JOBS",
+            "CARGO",
+            "RUSTFLAGS",
+            "PATH",
+        ] {
+            assert!(!super::is_crate_variable(key), "{key}");
+        }
+        // This test runs under cargo, which set CARGO_MANIFEST_DIR for it.
+        assert!(std::env::var_os("CARGO_MANIFEST_DIR").is_some());
+        let cmd = super::cargo();
+        assert!(cmd
+            .get_envs()
+            .any(|(k, v)| k == "CARGO_MANIFEST_DIR" && v.is_none()));
     }
 }
