@@ -150,7 +150,7 @@ fn checkpointed_docker_tasks(work_dir: &Path) -> bool {
             )
             .ok()
             .flatten()
-            .is_some_and(|s| s.image.is_some())
+            .is_some_and(|s| s.template.image.is_some())
         })
 }
 

@@ -297,7 +297,7 @@ impl TaskPolicy {
     /// `host` resolves host paths and finds what is mounted below them
     /// ([`RealHost`] outside tests).
     pub fn resolve(&self, task: &TaskSpec, host: &dyn HostPaths) -> Result<LaunchSecurity, String> {
-        let sec = &task.security;
+        let sec = &task.template.security;
         if sec.privileged {
             return Err("security.privileged: privileged containers are never allowed".into());
         }
@@ -312,7 +312,7 @@ impl TaskPolicy {
         if let Some(u) = user {
             self.check_allowed(u)?;
         }
-        let runtime = if task.image.is_some() {
+        let runtime = if task.template.image.is_some() {
             Runtime::Docker
         } else {
             Runtime::Process
@@ -448,7 +448,7 @@ impl TaskPolicy {
         host: &dyn HostPaths,
     ) -> Result<Option<PathBuf>, String> {
         const FIELD: &str = "checkpoint_dir";
-        let Some(asked) = task.checkpoint_dir.as_deref() else {
+        let Some(asked) = task.template.checkpoint_dir.as_deref() else {
             return Ok(None);
         };
         // The nearest ancestor that exists, resolved, and the rest as
@@ -533,20 +533,22 @@ mod tests {
     fn task(image: Option<&str>, security: TaskSecurity) -> TaskSpec {
         TaskSpec {
             share: None,
-            stop_grace_ms: None,
-            checkpoint_dir: None,
             task_id: "job-1.0".into(),
             job_id: "job-1".into(),
             framework_id: String::new(),
-            image: image.map(str::to_string),
-            command: vec!["true".into()],
-            env: Default::default(),
-            resources: Default::default(),
             gpu_uuids: vec![],
-            no_fence: false,
-            security,
-            hang_timeout_ms: None,
-            preflight: false,
+            template: gpuctl_core::types::TaskTemplate {
+                stop_grace_ms: None,
+                checkpoint_dir: None,
+                image: image.map(str::to_string),
+                command: vec!["true".into()],
+                env: Default::default(),
+                resources: Default::default(),
+                no_fence: false,
+                security,
+                hang_timeout_ms: None,
+                preflight: false,
+            },
         }
     }
 
@@ -575,19 +577,19 @@ mod tests {
         let mut t = task(None, TaskSecurity::default());
         assert_eq!(p.checkpoint_dir(&t, &host).unwrap(), None, "none asked");
         for runtime in [None, Some("busybox")] {
-            t.image = runtime.map(str::to_string);
-            t.checkpoint_dir = Some("/ckpt/job-1/run".into());
+            t.template.image = runtime.map(str::to_string);
+            t.template.checkpoint_dir = Some("/ckpt/job-1/run".into());
             assert_eq!(
                 p.checkpoint_dir(&t, &host).unwrap(),
                 Some(PathBuf::from("/ckpt/job-1/run"))
             );
-            t.checkpoint_dir = Some("/link/x".into());
+            t.template.checkpoint_dir = Some("/link/x".into());
             assert_eq!(
                 p.checkpoint_dir(&t, &host).unwrap(),
                 Some(PathBuf::from("/ckpt/real/x")),
                 "what is made is what was checked"
             );
-            t.checkpoint_dir = Some("/data/x".into());
+            t.template.checkpoint_dir = Some("/data/x".into());
             let err = p.checkpoint_dir(&t, &host).unwrap_err();
             assert!(
                 err.contains("checkpoint_dir: /data/x is not under any allowed mount"),

@@ -307,23 +307,25 @@ async fn a_mig_container_gets_its_caps_and_passes_the_device_check() {
     let spec = LaunchSpec {
         task: TaskSpec {
             share: None,
-            stop_grace_ms: None,
-            checkpoint_dir: None,
-            hang_timeout_ms: None,
-            preflight: false,
             task_id: id.clone(),
             job_id: "job-mig".into(),
             framework_id: String::new(),
-            image: Some(image),
-            command: ["sh", "-c", "ls /dev /dev/nvidia-caps; sleep 30"]
-                .iter()
-                .map(|a| a.to_string())
-                .collect(),
-            env: Default::default(),
-            resources: Resources::default(),
             gpu_uuids: vec!["MIG-a".into()],
-            no_fence: true,
-            security: Default::default(),
+            template: gpuctl_core::types::TaskTemplate {
+                stop_grace_ms: None,
+                checkpoint_dir: None,
+                hang_timeout_ms: None,
+                preflight: false,
+                image: Some(image),
+                command: ["sh", "-c", "ls /dev /dev/nvidia-caps; sleep 30"]
+                    .iter()
+                    .map(|a| a.to_string())
+                    .collect(),
+                env: Default::default(),
+                resources: Resources::default(),
+                no_fence: true,
+                security: Default::default(),
+            },
         },
         agent_id: "agent-mig-test".into(),
         env: Default::default(),

@@ -53,20 +53,22 @@ impl Task {
         let spec = LaunchSpec {
             task: TaskSpec {
                 share: None,
-                stop_grace_ms: None,
-                checkpoint_dir: None,
                 task_id: task_id.to_string(),
                 job_id: "job-proc".to_string(),
                 framework_id: String::new(),
-                image: None,
-                command: command.iter().map(|s| s.to_string()).collect(),
-                env: BTreeMap::new(),
-                resources: Resources::default(),
                 gpu_uuids: vec![],
-                no_fence: false,
-                security: Default::default(),
-                hang_timeout_ms: None,
-                preflight: false,
+                template: gpuctl_core::types::TaskTemplate {
+                    stop_grace_ms: None,
+                    checkpoint_dir: None,
+                    image: None,
+                    command: command.iter().map(|s| s.to_string()).collect(),
+                    env: BTreeMap::new(),
+                    resources: Resources::default(),
+                    no_fence: false,
+                    security: Default::default(),
+                    hang_timeout_ms: None,
+                    preflight: false,
+                },
             },
             agent_id: "agent-proc-test".to_string(),
             env: BTreeMap::from([("GPUCTL_TASK_ID".to_string(), task_id.to_string())]),
@@ -707,7 +709,7 @@ async fn a_task_whose_agent_records_vanished_is_stopped() {
 #[tokio::test]
 async fn a_no_fence_task_keeps_running_without_contact() {
     let mut task = fenced_task("proc-no-fence");
-    task.spec.task.no_fence = true;
+    task.spec.task.template.no_fence = true;
     task.spec.fence = None;
     // The agent's contact expires all the same.
     task.touch_contact(FENCE.as_millis() as u64);

@@ -242,7 +242,7 @@ mod tests {
         end.complete = true;
         assert!(s.apply(&end).unwrap());
         assert_eq!(ids(&s), (vec!["a", "c"], vec!["b"]));
-        assert_eq!(s.run()["a"].command[1], "2");
+        assert_eq!(s.run()["a"].template.command[1], "2");
 
         // A killed task wanted again; a removed one leaves both sets.
         let mut back = msg(vec![spec("b", "1")], &[], &["c"]);

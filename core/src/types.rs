@@ -587,15 +587,75 @@ impl PlacementSpec {
     }
 }
 
-/// What a user asks to run.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct JobSpec {
-    pub name: String,
+/// What each task runs and how: the one shape a job's tasks are made from
+/// (`JobSpec::template`) and that an agent is given (`TaskSpec::template`,
+/// with the task's own env and resources). A new per-task option is a
+/// field here. Flattened into both, so the Raft log and the agent's state
+/// read as before.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct TaskTemplate {
     /// `None`: run as a host process.
     pub image: Option<String>,
     pub command: Vec<String>,
     pub env: BTreeMap<String, String>,
     pub resources: Resources,
+    /// Its tasks are not fenced: their agent keeps them running when it
+    /// loses the masters, and the master never declares them LOST by
+    /// timeout (they stay UNREACHABLE, holding their GPUs, until their
+    /// agent comes back). There is no operator command to give such GPUs
+    /// back while the agent stays away (out of scope for now).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub no_fence: bool,
+    /// What its tasks may do on their agent (user, mounts, root).
+    #[serde(default, skip_serializing_if = "TaskSecurity::is_default")]
+    pub security: TaskSecurity,
+    /// How long its tasks get between SIGTERM and SIGKILL when the cluster
+    /// stops them (cancel, preemption, drain, a kill), in ms; `None`: their
+    /// agent's kill grace (fence stops always use that). At most the
+    /// master's `--max-stop-grace-secs`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stop_grace_ms: Option<u64>,
+    /// An absolute host path every attempt gets again at the same path
+    /// (`GPUCTL_CHECKPOINT_DIR`; bind-mounted into containers), under one
+    /// of its agent's `allowed_mounts`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint_dir: Option<String>,
+    /// How long a task may go without output and GPU activity before its
+    /// agent stops it as hung (`--hang-timeout`), in ms; `None`: never.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hang_timeout_ms: Option<u64>,
+    /// Its GPUs are checked by their agent before it starts (`--preflight`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub preflight: bool,
+}
+
+impl TaskTemplate {
+    /// A host process with the defaults.
+    pub fn new(command: Vec<String>, resources: Resources) -> TaskTemplate {
+        TaskTemplate {
+            command,
+            resources,
+            ..TaskTemplate::default()
+        }
+    }
+
+    pub fn runtime(&self) -> Runtime {
+        if self.image.is_some() {
+            Runtime::Docker
+        } else {
+            Runtime::Process
+        }
+    }
+}
+
+/// What a user asks to run: how many tasks of one template, where, and
+/// what happens when they fail.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct JobSpec {
+    pub name: String,
+    /// What each task runs and how.
+    #[serde(flatten)]
+    pub template: TaskTemplate,
     #[serde(default, skip_serializing_if = "PlacementSpec::is_default")]
     pub placement: PlacementSpec,
     /// Higher is placed first and may preempt lower (default 0).
@@ -610,13 +670,6 @@ pub struct JobSpec {
     /// When preempted, end FAILED instead of going back to QUEUED.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub no_requeue: bool,
-    /// Its tasks are not fenced: their agent keeps them running when it
-    /// loses the masters, and the master never declares them LOST by
-    /// timeout (they stay UNREACHABLE, holding their GPUs, until their
-    /// agent comes back). There is no operator command to give such GPUs
-    /// back while the agent stays away (out of scope for now).
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub no_fence: bool,
     /// The tenant the job is charged to, set by the master from the
     /// submitter's token (an admin may name one). Empty: the default tenant
     /// (no security configured, or submitted before tenants existed).
@@ -631,27 +684,10 @@ pub struct JobSpec {
     /// them, but the API shows them as `<secret>`, and they are never logged.
     #[serde(default, skip_serializing_if = "std::collections::BTreeSet::is_empty")]
     pub secret_env: std::collections::BTreeSet<String>,
-    /// What its tasks may do on their agent (user, mounts, root).
-    #[serde(default, skip_serializing_if = "TaskSecurity::is_default")]
-    pub security: TaskSecurity,
     /// What its tasks need of the NVIDIA driver (`--require-cuda`): only
     /// agents whose driver meets it get them.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub require_cuda: Option<crate::cuda_req::Expr>,
-    /// How long its tasks get between SIGTERM and SIGKILL when the cluster
-    /// stops them (cancel, preemption, drain, a kill), in ms; `None`: their
-    /// agent's kill grace. At most the master's `--max-stop-grace-secs`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub stop_grace_ms: Option<u64>,
-    /// An absolute host path every attempt gets again at the same path
-    /// (`GPUCTL_CHECKPOINT_DIR`; bind-mounted into containers), under one
-    /// of its agent's `allowed_mounts`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub checkpoint_dir: Option<String>,
-    /// How long a task may go without output and GPU activity before its
-    /// agent stops it as hung (`--hang-timeout`), in ms; `None`: never.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub hang_timeout_ms: Option<u64>,
     /// An elastic gang (`--replicas MIN:MAX`): at least this many ranks
     /// (at most `replicas`) start, and it grows as GPUs free. `None`: a
     /// fixed gang of `replicas`.
@@ -665,10 +701,6 @@ pub struct JobSpec {
     /// `None`: [`crate::convert::DEFAULT_RESTART_BACKOFF_MS`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub restart_backoff_ms: Option<u64>,
-    /// Its GPUs are checked by their agent before its tasks start
-    /// (`--preflight`).
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub preflight: bool,
 }
 
 /// What a failed task of a job leads to (`--restart-policy`).
@@ -994,27 +1026,18 @@ impl JobSpec {
     pub fn new(name: impl Into<String>, command: Vec<String>, resources: Resources) -> JobSpec {
         JobSpec {
             name: name.into(),
-            image: None,
-            command,
-            env: BTreeMap::new(),
-            resources,
+            template: TaskTemplate::new(command, resources),
             placement: PlacementSpec::default(),
             priority: 0,
             replicas: 1,
             max_retries: 0,
             no_requeue: false,
-            no_fence: false,
             tenant: String::new(),
             secret_env: Default::default(),
-            security: TaskSecurity::default(),
             require_cuda: None,
-            stop_grace_ms: None,
-            checkpoint_dir: None,
-            hang_timeout_ms: None,
             min_replicas: None,
             restart_policy: RestartPolicy::Gang,
             restart_backoff_ms: None,
-            preflight: false,
             submitted_by: String::new(),
         }
     }
@@ -1022,7 +1045,7 @@ impl JobSpec {
     /// The spec as shown to people: secret env values replaced.
     pub fn redacted(&self) -> JobSpec {
         let mut s = self.clone();
-        for (k, v) in s.env.iter_mut() {
+        for (k, v) in s.template.env.iter_mut() {
             if self.secret_env.contains(k) {
                 *v = SECRET_PLACEHOLDER.to_string();
             }
@@ -1060,11 +1083,7 @@ impl JobSpec {
     }
 
     pub fn runtime(&self) -> Runtime {
-        if self.image.is_some() {
-            Runtime::Docker
-        } else {
-            Runtime::Process
-        }
+        self.template.runtime()
     }
 }
 
@@ -1077,35 +1096,16 @@ pub struct TaskSpec {
     /// The framework that launched it; empty for gpuctl jobs.
     #[serde(default)]
     pub framework_id: FrameworkId,
-    pub image: Option<String>,
-    pub command: Vec<String>,
-    pub env: BTreeMap<String, String>,
-    pub resources: Resources,
+    /// Its job's template with the task's own env (rank, peers, ports) and
+    /// resources; a framework's task has the defaults but for what it
+    /// launched with.
+    #[serde(flatten)]
+    pub template: TaskTemplate,
     pub gpu_uuids: Vec<GpuUuid>,
-    /// The agent must not stop it when it loses the masters (the job's
-    /// `no_fence`).
-    #[serde(default)]
-    pub no_fence: bool,
-    /// The job's `security` (default for a framework's task).
-    #[serde(default, skip_serializing_if = "TaskSecurity::is_default")]
-    pub security: TaskSecurity,
     /// A fraction of its one GPU, and how that GPU is shared; `None`:
     /// whole GPUs or MIG devices.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub share: Option<TaskShare>,
-    /// The job's `stop_grace_ms`: the grace of stops the master asks for
-    /// (`None`: the agent's kill grace; fence stops always use that).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub stop_grace_ms: Option<u64>,
-    /// The job's `checkpoint_dir`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub checkpoint_dir: Option<String>,
-    /// The job's `hang_timeout_ms`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub hang_timeout_ms: Option<u64>,
-    /// The job's `preflight`: its agent checks its GPUs before it starts.
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub preflight: bool,
 }
 
 /// Why the master wants a task stopped, as its agent tells the task in its

@@ -273,11 +273,12 @@ impl From<&pb::Job> for JobJson {
             replicas: spec.replicas.max(1),
             min_replicas: (spec.min_replicas > 0 && spec.min_replicas < spec.replicas)
                 .then_some(spec.min_replicas),
-            restart_policy: if spec.restart_policy.is_empty() {
-                "gang".to_string()
-            } else {
-                spec.restart_policy.clone()
-            },
+            // The default is RestartPolicy's; a word this build does not
+            // know is shown as sent.
+            restart_policy: spec
+                .restart_policy
+                .parse::<crate::types::RestartPolicy>()
+                .map_or_else(|_| spec.restart_policy.clone(), |p| p.to_string()),
             restart_backoff_ms: spec.restart_backoff_ms,
             preflight: spec.preflight,
             max_retries: spec.max_retries,

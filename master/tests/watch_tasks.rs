@@ -171,7 +171,7 @@ async fn an_agent_gets_more_than_4_mib_of_tasks_incrementally() {
     assert!(set
         .run()
         .values()
-        .all(|t| t.env.get("BIG6").map(String::len) == Some(VALUE_BYTES)));
+        .all(|t| t.template.env.get("BIG6").map(String::len) == Some(VALUE_BYTES)));
 
     // Cancels reach it: the tasks move to the kill set.
     for id in &job_ids[..3] {

@@ -538,7 +538,7 @@ impl Shared {
                     },
                     live: true,
                     finish_at: self
-                        .run_time(&spec.command)
+                        .run_time(&spec.template.command)
                         .map(|d| tokio::time::Instant::now() + d),
                 },
             );

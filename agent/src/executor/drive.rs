@@ -59,7 +59,7 @@ impl Executor {
     }
 
     pub(super) fn gpu_env(spec: &TaskSpec) -> BTreeMap<String, String> {
-        let mut env = spec.env.clone();
+        let mut env = spec.template.env.clone();
         let ids = spec.gpu_uuids.join(",");
         // A task without GPUs gets "void" (never inherit an image's "all").
         env.insert(
@@ -104,7 +104,7 @@ impl Executor {
     ) -> Outcome {
         let task_id = spec.task_id.as_str();
         let fence_ms = self.fence_timeout_ms();
-        let kind = if spec.image.is_some() {
+        let kind = if spec.template.image.is_some() {
             Runtime::Docker
         } else {
             Runtime::Process
@@ -206,8 +206,11 @@ impl Executor {
                 e.oom_killed |= oom_kills > 0;
                 let oom = e.oom_killed;
                 let mut o = Outcome::ran(e, reason.as_ref(), fence_ms);
-                if oom && o.state == TaskState::Failed && spec.resources.mem_mib > 0 {
-                    o.message = format!("{} of {} MiB (--mem)", o.message, spec.resources.mem_mib);
+                if oom && o.state == TaskState::Failed && spec.template.resources.mem_mib > 0 {
+                    o.message = format!(
+                        "{} of {} MiB (--mem)",
+                        o.message, spec.template.resources.mem_mib
+                    );
                 }
                 o
             }
@@ -276,10 +279,10 @@ impl Executor {
             .lock()
             .contact
             .is_some_and(|c| c.expired_at(checkpoint::wall_ms()));
-        if fenced && !spec.no_fence {
+        if fenced && !spec.template.no_fence {
             return Err(Outcome::refused(&StopReason::Fenced, fence_ms));
         }
-        if spec.preflight && !spec.gpu_uuids.is_empty() {
+        if spec.template.preflight && !spec.gpu_uuids.is_empty() {
             self.preflight(spec).await.map_err(|f| {
                 tracing::warn!(task_id, reason = %f.why, "preflight failed: the task does not start");
                 Outcome::refused(
@@ -368,7 +371,7 @@ impl Executor {
         let notice_dir = self
             .make_notice_dir(task_id, security.user)
             .map_err(|e| Outcome::failed(format!("create the stop notice directory: {e}")))?;
-        let heartbeat_dir = match spec.hang_timeout_ms {
+        let heartbeat_dir = match spec.template.hang_timeout_ms {
             Some(_) => {
                 // A container of its image's user writes its heartbeat
                 // through a group of its own: an id leased from task_users
@@ -413,7 +416,7 @@ impl Executor {
         let prepared = self
             .isolation
             .isolator
-            .prepare(task_id, &devices, &spec.resources, rt.kind())
+            .prepare(task_id, &devices, &spec.template.resources, rt.kind())
             .map_err(|e| Outcome::failed(format!("isolation: {e}")))?;
         // A fraction's memory capped by the driver on the task's own cgroup
         // v2 (host processes; r615+), before anything runs in it. What this
@@ -476,7 +479,7 @@ impl Executor {
             };
             env.insert(super::hang::ENV.into(), beat_at.display().to_string());
         }
-        if let (Some(dir), Some(asked)) = (&checkpoint_dir, &spec.checkpoint_dir) {
+        if let (Some(dir), Some(asked)) = (&checkpoint_dir, &spec.template.checkpoint_dir) {
             if rt.kind() == Runtime::Docker {
                 security.mounts.push(crate::security::BindMount {
                     host_path: dir.clone(),
@@ -537,7 +540,7 @@ impl Executor {
                 oci_runtime: container_cap.as_ref().map(|(name, _)| name.clone()),
             },
             state_dir: self.state_dir(task_id),
-            fence: (!spec.no_fence).then(|| checkpoint::contact_path(&self.work_dir)),
+            fence: (!spec.template.no_fence).then(|| checkpoint::contact_path(&self.work_dir)),
             security,
             task: spec.clone(),
         };

@@ -84,7 +84,7 @@ impl LocalTask {
         TaskView {
             phase: self.phase,
             stopping: self.stop.borrow().clone(),
-            no_fence: self.spec.no_fence,
+            no_fence: self.spec.template.no_fence,
             gpus: self.spec.gpu_uuids.clone(),
         }
     }
@@ -256,6 +256,7 @@ impl Executor {
     fn stop_grace(&self, spec: &TaskSpec, reason: Option<&StopReason>) -> Duration {
         match reason {
             Some(StopReason::Killed | StopReason::NotWanted) => spec
+                .template
                 .stop_grace_ms
                 .map_or(self.kill_grace, Duration::from_millis),
             _ => self.kill_grace,
@@ -464,7 +465,7 @@ impl Executor {
         let now = std::time::Instant::now();
         let mut t = self.lock();
         for (id, task) in t.tasks.iter_mut() {
-            let Some(ms) = task.spec.hang_timeout_ms else {
+            let Some(ms) = task.spec.template.hang_timeout_ms else {
                 continue;
             };
             if task.phase != Phase::Running || task.stop.borrow().is_some() {
@@ -614,20 +615,11 @@ impl Executor {
                     } => {
                         let spec = spec.cloned().unwrap_or_else(|| TaskSpec {
                             share: None,
-                            stop_grace_ms: None,
-                            checkpoint_dir: None,
-                            hang_timeout_ms: None,
-                            preflight: false,
                             task_id: task_id.clone(),
                             job_id: String::new(),
                             framework_id: String::new(),
-                            image: None,
-                            command: Vec::new(),
-                            env: BTreeMap::new(),
-                            resources: Default::default(),
                             gpu_uuids: Vec::new(),
-                            no_fence: false,
-                            security: Default::default(),
+                            template: Default::default(),
                         });
                         t.tasks
                             .insert(task_id, LocalTask::new(spec.clone(), Phase::Launching));

@@ -155,7 +155,7 @@ pub fn plan<'a>(input: &Input<'a>) -> Vec<Action<'a>> {
                 spec: Some(spec),
                 reason,
             });
-        } else if input.fenced && !spec.no_fence {
+        } else if input.fenced && !spec.template.no_fence {
             // Whatever the master wanted then, it may have given up on by
             // now: start nothing until it is heard from again.
             continue;
@@ -206,25 +206,27 @@ mod tests {
     fn spec(id: &str, gpus: &[&str]) -> TaskSpec {
         TaskSpec {
             share: None,
-            stop_grace_ms: None,
-            checkpoint_dir: None,
             task_id: id.into(),
             job_id: "job-1".into(),
             framework_id: String::new(),
-            image: None,
-            command: vec!["true".into()],
-            env: Default::default(),
-            resources: Resources {
-                cpus: 1.0,
-                mem_mib: 1,
-                gpus: gpus.len() as u32,
-                ports: 0,
-            },
             gpu_uuids: gpus.iter().map(|g| g.to_string()).collect(),
-            no_fence: false,
-            security: Default::default(),
-            hang_timeout_ms: None,
-            preflight: false,
+            template: gpuctl_core::types::TaskTemplate {
+                stop_grace_ms: None,
+                checkpoint_dir: None,
+                image: None,
+                command: vec!["true".into()],
+                env: Default::default(),
+                resources: Resources {
+                    cpus: 1.0,
+                    mem_mib: 1,
+                    gpus: gpus.len() as u32,
+                    ports: 0,
+                },
+                no_fence: false,
+                security: Default::default(),
+                hang_timeout_ms: None,
+                preflight: false,
+            },
         }
     }
 
@@ -470,7 +472,7 @@ mod tests {
         );
         // A task that opted out may still be started while fenced.
         let mut nf = spec("nf", &[]);
-        nf.no_fence = true;
+        nf.template.no_fence = true;
         assert_eq!(
             run_plan(Some(&desired(&[nf], &[])), &[], &[], true),
             vec![Action::Launch("nf".into())]

@@ -217,20 +217,22 @@ fn harness_with(
 fn spec(id: &str) -> TaskSpec {
     TaskSpec {
         share: None,
-        stop_grace_ms: None,
-        checkpoint_dir: None,
         task_id: id.into(),
         job_id: "job-1".into(),
         framework_id: String::new(),
-        image: None,
-        command: vec!["true".into()],
-        env: BTreeMap::new(),
-        resources: Resources::default(),
         gpu_uuids: vec![],
-        no_fence: false,
-        security: Default::default(),
-        hang_timeout_ms: None,
-        preflight: false,
+        template: gpuctl_core::types::TaskTemplate {
+            stop_grace_ms: None,
+            checkpoint_dir: None,
+            image: None,
+            command: vec!["true".into()],
+            env: BTreeMap::new(),
+            resources: Resources::default(),
+            no_fence: false,
+            security: Default::default(),
+            hang_timeout_ms: None,
+            preflight: false,
+        },
     }
 }
 
@@ -350,7 +352,7 @@ async fn host_tasks_hold_users_of_their_own_until_forgotten() {
 async fn a_task_asking_for_more_than_the_agent_allows_is_refused() {
     let mut h = harness_on(tempfile::tempdir().unwrap(), Arc::default());
     let mut root = spec("root");
-    root.security.run_as_root = true;
+    root.template.security.run_as_root = true;
     h.exec.set_desired(Desired {
         run: [("root".to_string(), root)].into(),
         kill: Default::default(),
@@ -363,8 +365,8 @@ async fn a_task_asking_for_more_than_the_agent_allows_is_refused() {
     assert!(!h.exec.sandbox("root").exists(), "nothing made for it");
 
     let mut mount = spec("mount");
-    mount.image = Some("img".into());
-    mount.security.mounts = vec![gpuctl_core::types::HostMount {
+    mount.template.image = Some("img".into());
+    mount.template.security.mounts = vec![gpuctl_core::types::HostMount {
         host_path: "/".into(),
         container_path: "/host".into(),
         read_only: true,
@@ -538,11 +540,10 @@ fn run(h: &Harness, specs: Vec<TaskSpec>) {
 }
 
 fn with_gpus(id: &str, uuids: &[&str]) -> TaskSpec {
-    TaskSpec {
-        image: Some("img".into()),
-        gpu_uuids: uuids.iter().map(|u| u.to_string()).collect(),
-        ..spec(id)
-    }
+    let mut spec = spec(id);
+    spec.template.image = Some("img".into());
+    spec.gpu_uuids = uuids.iter().map(|u| u.to_string()).collect();
+    spec
 }
 
 /// A MIG UUID is a GPU of the task like any: its environment names it

@@ -142,7 +142,7 @@ impl ProcessRuntime {
             // Started before: never twice.
             Observed::Running | Observed::Ended(_) => return Ok(()),
         }
-        let Some((program, args)) = spec.task.command.split_first() else {
+        let Some((program, args)) = spec.task.template.command.split_first() else {
             return Err(RuntimeError::Spawn {
                 program: String::new(),
                 source: std::io::Error::new(std::io::ErrorKind::InvalidInput, "empty command"),

@@ -329,15 +329,152 @@ pub(super) fn security_to_pb(s: TaskSecurity) -> Option<pb::TaskSecurity> {
     (!s.is_default()).then(|| s.into())
 }
 
+/// A task template's fields as the wire carries them: `pb::JobSpec` and
+/// `pb::TaskSpec` declare each under the same name and type. The wire stays
+/// flat (a nested message would not read on older masters and agents), so
+/// these two macros are the one place that lists them; a field added to
+/// [`TaskTemplate`] but to only one message does not compile.
+pub(super) struct WireTemplate {
+    image: String,
+    command: Vec<String>,
+    env: std::collections::HashMap<String, String>,
+    resources: Option<pb::Resources>,
+    no_fence: bool,
+    security: Option<pb::TaskSecurity>,
+    stop_grace_ms: Option<u64>,
+    checkpoint_dir: String,
+    hang_timeout_ms: Option<u64>,
+    preflight: bool,
+}
+
+/// Moves the template's fields out of a `pb::JobSpec` or `pb::TaskSpec`
+/// (the rest of it stays usable).
+macro_rules! wire_template {
+    ($s:ident) => {
+        WireTemplate {
+            image: $s.image,
+            command: $s.command,
+            env: $s.env,
+            resources: $s.resources,
+            no_fence: $s.no_fence,
+            security: $s.security,
+            stop_grace_ms: $s.stop_grace_ms,
+            checkpoint_dir: $s.checkpoint_dir,
+            hang_timeout_ms: $s.hang_timeout_ms,
+            preflight: $s.preflight,
+        }
+    };
+}
+
+/// A `pb::JobSpec` or `pb::TaskSpec` of a template and the message's own
+/// fields.
+macro_rules! with_template {
+    ($msg:path, $t:expr, { $($field:ident: $value:expr),* $(,)? }) => {{
+        let w = WireTemplate::from($t);
+        $msg {
+            image: w.image,
+            command: w.command,
+            env: w.env,
+            resources: w.resources,
+            no_fence: w.no_fence,
+            security: w.security,
+            stop_grace_ms: w.stop_grace_ms,
+            checkpoint_dir: w.checkpoint_dir,
+            hang_timeout_ms: w.hang_timeout_ms,
+            preflight: w.preflight,
+            $($field: $value),*
+        }
+    }};
+}
+
+impl From<TaskTemplate> for WireTemplate {
+    fn from(t: TaskTemplate) -> Self {
+        WireTemplate {
+            image: t.image.unwrap_or_default(),
+            command: t.command,
+            env: t.env.into_iter().collect(),
+            resources: Some(t.resources.into()),
+            no_fence: t.no_fence,
+            security: security_to_pb(t.security),
+            stop_grace_ms: t.stop_grace_ms,
+            checkpoint_dir: t.checkpoint_dir.unwrap_or_default(),
+            hang_timeout_ms: t.hang_timeout_ms,
+            preflight: t.preflight,
+        }
+    }
+}
+
+/// How much a template is checked as it is read.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Checks {
+    /// Entering the cluster: shape and every size limit.
+    Submitted,
+    /// A task from the master: shape only (its job's were checked on
+    /// submit; the master adds env, and jobs submitted before a limit may
+    /// exceed it; the message is bounded by the gRPC limit).
+    Shape,
+}
+
+impl WireTemplate {
+    /// The domain template, its fields named under `prefix` (`spec`,
+    /// `task`).
+    pub(super) fn check(self, prefix: &str, checks: Checks) -> Result<TaskTemplate> {
+        let env: BTreeMap<String, String> = match checks {
+            Checks::Submitted => {
+                check_env_count(&format!("{prefix}.env"), self.env.len())?;
+                let env = self.env.into_iter().collect();
+                check_payload(prefix, &self.image, &self.command, &env)?;
+                env
+            }
+            Checks::Shape => {
+                if !self.image.is_empty() {
+                    check_image(&format!("{prefix}.image"), &self.image)?;
+                }
+                check_command_shape(&format!("{prefix}.command"), &self.command)?;
+                let env = self.env.into_iter().collect();
+                check_env_shape(&format!("{prefix}.env"), &env)?;
+                env
+            }
+        };
+        let image = (!self.image.is_empty()).then_some(self.image);
+        let resources = resources_from_pb(&format!("{prefix}.resources"), self.resources)?;
+        let security = security_from_pb(self.security);
+        let runtime = if image.is_some() {
+            Runtime::Docker
+        } else {
+            Runtime::Process
+        };
+        check_security(prefix, &security, runtime)?;
+        Ok(TaskTemplate {
+            image,
+            command: self.command,
+            env,
+            resources,
+            no_fence: self.no_fence,
+            security,
+            stop_grace_ms: check_stop_grace(
+                &format!("{prefix}.stop_grace_ms"),
+                self.stop_grace_ms,
+            )?,
+            checkpoint_dir: checkpoint_dir_from_pb(
+                &format!("{prefix}.checkpoint_dir"),
+                self.checkpoint_dir,
+            )?,
+            hang_timeout_ms: check_hang_timeout(
+                &format!("{prefix}.hang_timeout_ms"),
+                self.hang_timeout_ms,
+            )?,
+            preflight: self.preflight,
+        })
+    }
+}
+
 impl TryFrom<pb::JobSpec> for JobSpec {
     type Error = ConvertError;
     fn try_from(s: pb::JobSpec) -> Result<Self> {
         check_id("spec.name", &s.name)?;
-        check_env_count("spec.env", s.env.len())?;
-        let env: BTreeMap<String, String> = s.env.into_iter().collect();
-        check_payload("spec", &s.image, &s.command, &env)?;
-        let image = (!s.image.is_empty()).then_some(s.image);
-        let mut resources = resources_from_pb("spec.resources", s.resources)?;
+        let mut template = wire_template!(s).check("spec", Checks::Submitted)?;
+        let resources = &mut template.resources;
         if resources.gpus > MAX_GPUS {
             return Err(ConvertError::new(
                 "spec.resources.gpus",
@@ -434,7 +571,7 @@ impl TryFrom<pb::JobSpec> for JobSpec {
         }
         let mut secret_env = std::collections::BTreeSet::new();
         for (i, k) in s.secret_env.into_iter().enumerate() {
-            if !env.contains_key(&k) {
+            if !template.env.contains_key(&k) {
                 return Err(ConvertError::new(
                     format!("spec.secret_env[{i}]"),
                     format!("{:?} is not a variable of spec.env", cut(&k, 64)),
@@ -442,42 +579,23 @@ impl TryFrom<pb::JobSpec> for JobSpec {
             }
             secret_env.insert(k);
         }
-        let security = security_from_pb(s.security);
-        let runtime = if image.is_some() {
-            Runtime::Docker
-        } else {
-            Runtime::Process
-        };
-        check_security("spec", &security, runtime)?;
         let require_cuda = require_cuda_from_pb(&s.require_cuda)?;
-        let stop_grace_ms = check_stop_grace("spec.stop_grace_ms", s.stop_grace_ms)?;
-        let checkpoint_dir = checkpoint_dir_from_pb("spec.checkpoint_dir", s.checkpoint_dir)?;
-        let hang_timeout_ms = check_hang_timeout("spec.hang_timeout_ms", s.hang_timeout_ms)?;
         Ok(JobSpec {
             name: s.name,
-            image,
-            command: s.command,
-            env,
-            resources,
+            template,
             placement,
             priority: s.priority,
             replicas,
             max_retries: s.max_retries,
             no_requeue: s.no_requeue,
-            no_fence: s.no_fence,
             tenant: s.tenant,
             // The master's to set, from the caller's token.
             submitted_by: String::new(),
             secret_env,
-            security,
             require_cuda,
-            stop_grace_ms,
-            checkpoint_dir,
-            hang_timeout_ms,
             min_replicas,
             restart_policy,
             restart_backoff_ms,
-            preflight: s.preflight,
         })
     }
 }
@@ -764,28 +882,19 @@ pub fn parse_replicas(s: &str) -> std::result::Result<(u32, u32), String> {
 
 impl From<JobSpec> for pb::JobSpec {
     fn from(s: JobSpec) -> Self {
-        pb::JobSpec {
+        with_template!(pb::JobSpec, s.template, {
             name: s.name,
-            image: s.image.unwrap_or_default(),
-            command: s.command,
-            env: s.env.into_iter().collect(),
-            resources: Some(s.resources.into()),
             placement: (!s.placement.is_default()).then(|| s.placement.into()),
             priority: s.priority,
             replicas: s.replicas,
             max_retries: s.max_retries,
             no_requeue: s.no_requeue,
-            no_fence: s.no_fence,
             tenant: s.tenant,
             secret_env: s.secret_env.into_iter().collect(),
-            security: security_to_pb(s.security),
             require_cuda: s
                 .require_cuda
                 .map(|e| e.text().to_string())
                 .unwrap_or_default(),
-            stop_grace_ms: s.stop_grace_ms,
-            checkpoint_dir: s.checkpoint_dir.unwrap_or_default(),
-            hang_timeout_ms: s.hang_timeout_ms,
             min_replicas: s.min_replicas.unwrap_or(0),
             restart_policy: if s.restart_policy.is_default() {
                 String::new()
@@ -793,8 +902,7 @@ impl From<JobSpec> for pb::JobSpec {
                 s.restart_policy.to_string()
             },
             restart_backoff_ms: s.restart_backoff_ms,
-            preflight: s.preflight,
-        }
+        })
     }
 }
 
@@ -819,16 +927,8 @@ impl TryFrom<pb::TaskSpec> for TaskSpec {
                 "a task belongs to a job or to a framework, exactly one",
             ));
         }
-        let image = if s.image.is_empty() {
-            None
-        } else {
-            check_image("task.image", &s.image)?;
-            Some(s.image)
-        };
-        check_command_shape("task.command", &s.command)?;
-        let env: BTreeMap<String, String> = s.env.into_iter().collect();
-        check_env_shape("task.env", &env)?;
-        let resources = resources_from_pb("task.resources", s.resources)?;
+        let template = wire_template!(s).check("task", Checks::Shape)?;
+        let resources = template.resources;
         let share = match s.share {
             None => None,
             Some(sh) => Some(TaskShare {
@@ -866,56 +966,30 @@ impl TryFrom<pb::TaskSpec> for TaskSpec {
                 ),
             ));
         }
-        let security = security_from_pb(s.security);
-        let runtime = if image.is_some() {
-            Runtime::Docker
-        } else {
-            Runtime::Process
-        };
-        check_security("task", &security, runtime)?;
         Ok(TaskSpec {
             task_id: s.task_id,
             job_id: s.job_id,
             framework_id: s.framework_id,
-            image,
-            command: s.command,
-            env,
-            resources,
+            template,
             gpu_uuids: s.gpu_uuids,
-            no_fence: s.no_fence,
-            security,
             share,
-            stop_grace_ms: check_stop_grace("task.stop_grace_ms", s.stop_grace_ms)?,
-            checkpoint_dir: checkpoint_dir_from_pb("task.checkpoint_dir", s.checkpoint_dir)?,
-            hang_timeout_ms: check_hang_timeout("task.hang_timeout_ms", s.hang_timeout_ms)?,
-            preflight: s.preflight,
         })
     }
 }
 
 impl From<TaskSpec> for pb::TaskSpec {
     fn from(s: TaskSpec) -> Self {
-        pb::TaskSpec {
+        with_template!(pb::TaskSpec, s.template, {
             task_id: s.task_id,
             job_id: s.job_id,
             framework_id: s.framework_id,
-            image: s.image.unwrap_or_default(),
-            command: s.command,
-            env: s.env.into_iter().collect(),
-            resources: Some(s.resources.into()),
             gpu_uuids: s.gpu_uuids,
-            no_fence: s.no_fence,
-            security: security_to_pb(s.security),
             share: s.share.map(|sh| pb::TaskShare {
                 mem_mib: sh.fraction.mem_mib,
                 compute_pct: sh.fraction.compute_pct,
                 mode: sh.mode.to_string(),
                 tenant: sh.tenant,
             }),
-            stop_grace_ms: s.stop_grace_ms,
-            checkpoint_dir: s.checkpoint_dir.unwrap_or_default(),
-            hang_timeout_ms: s.hang_timeout_ms,
-            preflight: s.preflight,
-        }
+        })
     }
 }

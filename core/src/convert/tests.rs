@@ -111,21 +111,21 @@ fn spec() -> pb::JobSpec {
 #[test]
 fn valid_job_spec_converts_and_round_trips() {
     let s = JobSpec::try_from(spec()).unwrap();
-    assert_eq!(s.image.as_deref(), Some("busybox:latest"));
-    assert_eq!(s.resources.gpus, 2);
+    assert_eq!(s.template.image.as_deref(), Some("busybox:latest"));
+    assert_eq!(s.template.resources.gpus, 2);
     assert_eq!(
         (
             s.priority,
             s.replicas,
             s.max_retries,
             s.no_requeue,
-            s.no_fence
+            s.template.no_fence
         ),
         (-3, 4, 2, true, true)
     );
-    assert_eq!(s.security.user.as_deref(), Some("1234:1234"));
+    assert_eq!(s.template.security.user.as_deref(), Some("1234:1234"));
     assert_eq!(
-        s.security.mounts,
+        s.template.security.mounts,
         [HostMount {
             host_path: "/data/sets".into(),
             container_path: "/data".into(),
@@ -133,7 +133,7 @@ fn valid_job_spec_converts_and_round_trips() {
         }]
     );
     // A gang asked no port: each rank holds one, for MASTER_PORT.
-    assert_eq!(s.resources.ports, 1);
+    assert_eq!(s.template.resources.ports, 1);
     let mut want = spec();
     want.resources.as_mut().unwrap().ports = 1;
     assert_eq!(pb::JobSpec::from(s), want);
@@ -282,18 +282,24 @@ fn stop_grace_and_checkpoint_dir_go_to_the_spec_and_back() {
     p.stop_grace_ms = Some(90_000);
     p.checkpoint_dir = "/ckpt/run-1".into();
     let s = JobSpec::try_from(p.clone()).unwrap();
-    assert_eq!(s.stop_grace_ms, Some(90_000));
-    assert_eq!(s.checkpoint_dir.as_deref(), Some("/ckpt/run-1"));
+    assert_eq!(s.template.stop_grace_ms, Some(90_000));
+    assert_eq!(s.template.checkpoint_dir.as_deref(), Some("/ckpt/run-1"));
     let back = pb::JobSpec::from(s);
     assert_eq!(
         (back.stop_grace_ms, back.checkpoint_dir.as_str()),
         (Some(90_000), "/ckpt/run-1")
     );
     let none = JobSpec::try_from(spec()).unwrap();
-    assert_eq!((none.stop_grace_ms, none.checkpoint_dir), (None, None));
+    assert_eq!(
+        (none.template.stop_grace_ms, none.template.checkpoint_dir),
+        (None, None)
+    );
     // 0 is a grace too: SIGKILL at once.
     p.stop_grace_ms = Some(0);
-    assert_eq!(JobSpec::try_from(p).unwrap().stop_grace_ms, Some(0));
+    assert_eq!(
+        JobSpec::try_from(p).unwrap().template.stop_grace_ms,
+        Some(0)
+    );
 }
 
 #[test]
@@ -301,7 +307,7 @@ fn a_hang_timeout_goes_to_the_spec_and_back_and_out_of_bounds_is_named() {
     let mut p = spec();
     p.hang_timeout_ms = Some(600_000);
     let s = JobSpec::try_from(p.clone()).unwrap();
-    assert_eq!(s.hang_timeout_ms, Some(600_000));
+    assert_eq!(s.template.hang_timeout_ms, Some(600_000));
     assert_eq!(pb::JobSpec::from(s).hang_timeout_ms, Some(600_000));
     for bad in [0, 999, MAX_HANG_TIMEOUT_MS + 1] {
         p.hang_timeout_ms = Some(bad);
@@ -592,28 +598,33 @@ fn allowed_security_passes_and_limits_hold_at_the_edge() {
         // What the master sends the agent passes the agent's check too.
         let task = pb::TaskSpec::from(TaskSpec {
             share: None,
-            stop_grace_ms: None,
-            checkpoint_dir: None,
-            hang_timeout_ms: None,
-            preflight: false,
             task_id: "job-1.0".into(),
             job_id: "job-1".into(),
             framework_id: String::new(),
-            image: j.image.clone(),
-            command: j.command.clone(),
-            env: j.env.clone(),
-            resources: Resources::default(),
             gpu_uuids: vec![],
-            no_fence: false,
-            security: j.security.clone(),
+            template: crate::types::TaskTemplate {
+                stop_grace_ms: None,
+                checkpoint_dir: None,
+                hang_timeout_ms: None,
+                preflight: false,
+                image: j.template.image.clone(),
+                command: j.template.command.clone(),
+                env: j.template.env.clone(),
+                resources: Resources::default(),
+                no_fence: false,
+                security: j.template.security.clone(),
+            },
         });
-        assert_eq!(TaskSpec::try_from(task).unwrap().security, j.security);
+        assert_eq!(
+            TaskSpec::try_from(task).unwrap().template.security,
+            j.template.security
+        );
     }
     // The default is not sent, and an absent one is the default.
     let mut s = spec();
     s.security = None;
     let j = JobSpec::try_from(s).unwrap();
-    assert!(j.security.is_default());
+    assert!(j.template.security.is_default());
     assert_eq!(pb::JobSpec::from(j).security, None);
 }
 
@@ -622,12 +633,12 @@ fn old_specs_without_security_still_decode() {
     // A job as stored (log, snapshot) before `security` existed.
     let old = r#"{"name":"j","image":null,"command":["true"],"env":{},"resources":{"cpus":1.0,"mem_mib":0,"gpus":0}}"#;
     let j: JobSpec = serde_json::from_str(old).unwrap();
-    assert!(j.security.is_default());
+    assert!(j.template.security.is_default());
     // And a default one is not written, so specs stay as they were.
     assert!(!serde_json::to_string(&j).unwrap().contains("security"));
     let t = r#"{"task_id":"t","job_id":"j","image":null,"command":["true"],"env":{},"resources":{"cpus":1.0,"mem_mib":0,"gpus":0},"gpu_uuids":[]}"#;
     let t: TaskSpec = serde_json::from_str(t).unwrap();
-    assert!(t.security.is_default());
+    assert!(t.template.security.is_default());
     // A mount without read_only is read-only.
     let m: HostMount = serde_json::from_str(r#"{"host_path":"/a","container_path":"/b"}"#).unwrap();
     assert!(m.read_only);
@@ -740,7 +751,7 @@ fn task_spec_gpu_list_must_match_count() {
     );
     both.job_id.clear();
     let ok = TaskSpec::try_from(both.clone()).unwrap();
-    assert!(ok.no_fence);
+    assert!(ok.template.no_fence);
     assert_eq!(pb::TaskSpec::from(ok), both);
     both.framework_id.clear();
     assert_eq!(TaskSpec::try_from(both).unwrap_err().field, "task.job_id");
@@ -1026,35 +1037,37 @@ fn a_maximal_task_spec_encodes_under_one_mib() {
         .collect();
     let t = pb::TaskSpec::from(TaskSpec {
         share: None,
-        stop_grace_ms: None,
-        checkpoint_dir: None,
-        hang_timeout_ms: None,
-        preflight: false,
         task_id: "t".repeat(2 * MAX_NAME_LEN + 1),
         job_id: "j".repeat(MAX_NAME_LEN),
         framework_id: String::new(),
-        image: Some("i".repeat(MAX_IMAGE_LEN)),
-        command,
-        env,
-        resources: Resources {
-            cpus: MAX_CPUS,
-            mem_mib: MAX_MEM_MIB,
-            gpus: MAX_GPUS,
-            ports: 0,
-        },
         gpu_uuids: (0..MAX_GPUS).map(|i| format!("GPU-{i:0>36}")).collect(),
-        no_fence: false,
-        security: TaskSecurity {
-            user: Some("4294967294:4294967294".into()),
-            mounts: (0..MAX_MOUNTS)
-                .map(|i| HostMount {
-                    host_path: format!("/{i:0>1023}"),
-                    container_path: format!("/{i:1>1023}"),
-                    read_only: false,
-                })
-                .collect(),
-            privileged: false,
-            run_as_root: false,
+        template: crate::types::TaskTemplate {
+            stop_grace_ms: None,
+            checkpoint_dir: None,
+            hang_timeout_ms: None,
+            preflight: false,
+            image: Some("i".repeat(MAX_IMAGE_LEN)),
+            command,
+            env,
+            resources: Resources {
+                cpus: MAX_CPUS,
+                mem_mib: MAX_MEM_MIB,
+                gpus: MAX_GPUS,
+                ports: 0,
+            },
+            no_fence: false,
+            security: TaskSecurity {
+                user: Some("4294967294:4294967294".into()),
+                mounts: (0..MAX_MOUNTS)
+                    .map(|i| HostMount {
+                        host_path: format!("/{i:0>1023}"),
+                        container_path: format!("/{i:1>1023}"),
+                        read_only: false,
+                    })
+                    .collect(),
+                privileged: false,
+                run_as_root: false,
+            },
         },
     });
     let len = t.encoded_len();
@@ -2047,4 +2060,159 @@ fn a_gpu_failure_names_the_failed_gpus_and_only_it_may() {
         StatusUpdate::try_from(bad).unwrap_err().field,
         "failed_gpus[0]"
     );
+}
+
+/// A template with every field away from its default: a field added to
+/// [`TaskTemplate`] must be set here (the literal lists them all), so the
+/// round trips below cover it.
+fn full_template() -> TaskTemplate {
+    TaskTemplate {
+        image: Some("registry.local/train:1".into()),
+        command: vec!["python".into(), "train.py".into()],
+        env: BTreeMap::from([("EPOCHS".into(), "3".into())]),
+        resources: Resources {
+            cpus: 2.5,
+            mem_mib: 4096,
+            gpus: 2,
+            ports: 1,
+        },
+        no_fence: true,
+        security: TaskSecurity {
+            user: Some("1000:1000".into()),
+            mounts: vec![HostMount {
+                host_path: "/data".into(),
+                container_path: "/in".into(),
+                read_only: false,
+            }],
+            privileged: false,
+            run_as_root: false,
+        },
+        stop_grace_ms: Some(90_000),
+        checkpoint_dir: Some("/ckpt/run-1".into()),
+        hang_timeout_ms: Some(600_000),
+        preflight: true,
+    }
+}
+
+#[test]
+fn a_template_crosses_both_wire_messages_whole() {
+    let template = full_template();
+    let mut job = JobSpec::new("j", Vec::new(), Resources::default());
+    job.template = template.clone();
+    let back = JobSpec::try_from(pb::JobSpec::from(job.clone())).unwrap();
+    assert_eq!(back.template, template);
+    assert_eq!(back, job);
+
+    let task = TaskSpec {
+        task_id: "t-1".into(),
+        job_id: "job-1".into(),
+        framework_id: String::new(),
+        template: template.clone(),
+        gpu_uuids: vec!["GPU-a".into(), "GPU-b".into()],
+        share: None,
+    };
+    let back = TaskSpec::try_from(pb::TaskSpec::from(task.clone())).unwrap();
+    assert_eq!(back, task);
+
+    // The same fields, under the same names, in both messages.
+    let wire_job = pb::JobSpec::from(job);
+    let wire_task = pb::TaskSpec::from(task);
+    assert_eq!(
+        (
+            &wire_job.image,
+            &wire_job.command,
+            &wire_job.resources,
+            wire_job.no_fence
+        ),
+        (
+            &wire_task.image,
+            &wire_task.command,
+            &wire_task.resources,
+            wire_task.no_fence
+        )
+    );
+    assert_eq!(
+        (
+            &wire_job.security,
+            &wire_job.checkpoint_dir,
+            wire_job.preflight
+        ),
+        (
+            &wire_task.security,
+            &wire_task.checkpoint_dir,
+            wire_task.preflight
+        )
+    );
+    assert_eq!(
+        (
+            wire_job.stop_grace_ms,
+            wire_job.hang_timeout_ms,
+            &wire_job.env
+        ),
+        (
+            wire_task.stop_grace_ms,
+            wire_task.hang_timeout_ms,
+            &wire_task.env
+        )
+    );
+}
+
+/// The Raft log and snapshots hold `JobSpec`s, and agents keep `TaskSpec`s,
+/// as JSON: the template is flattened, so what an earlier build wrote (the
+/// fields at the top) reads the same, and is written the same.
+#[test]
+fn the_template_keeps_the_logs_json_form() {
+    let written_before = serde_json::json!({
+        "name": "train",
+        "image": "registry.local/train:1",
+        "command": ["python", "train.py"],
+        "env": {"EPOCHS": "3"},
+        "resources": {"cpus": 2.5, "mem_mib": 4096, "gpus": 2, "ports": 1},
+        "replicas": 2,
+        "no_fence": true,
+        "security": {
+            "user": "1000:1000",
+            "mounts": [{"host_path": "/data", "container_path": "/in", "read_only": false}]
+        },
+        "stop_grace_ms": 90000,
+        "checkpoint_dir": "/ckpt/run-1",
+        "hang_timeout_ms": 600000,
+        "preflight": true,
+        "restart_policy": "never"
+    });
+    let spec: JobSpec = serde_json::from_value(written_before.clone()).unwrap();
+    assert_eq!(spec.template, full_template());
+    assert_eq!(
+        (spec.replicas, spec.restart_policy),
+        (2, RestartPolicy::Never)
+    );
+    assert_eq!(serde_json::to_value(&spec).unwrap(), written_before);
+
+    // A plain job of an early build: only the fields it had then.
+    let early = serde_json::json!({
+        "name": "j", "image": null, "command": ["true"], "env": {},
+        "resources": {"cpus": 1.0, "mem_mib": 0, "gpus": 0}
+    });
+    let spec: JobSpec = serde_json::from_value(early).unwrap();
+    assert_eq!(
+        spec.template,
+        TaskTemplate::new(
+            vec!["true".into()],
+            Resources {
+                cpus: 1.0,
+                ..Resources::default()
+            }
+        )
+    );
+
+    // A task an agent kept: its no_fence was written even when false.
+    let kept = serde_json::json!({
+        "task_id": "t-1", "job_id": "job-1", "framework_id": "",
+        "image": null, "command": ["true"], "env": {},
+        "resources": {"cpus": 1.0, "mem_mib": 0, "gpus": 1, "ports": 0},
+        "gpu_uuids": ["GPU-a"], "no_fence": false
+    });
+    let task: TaskSpec = serde_json::from_value(kept).unwrap();
+    assert_eq!((task.template.command.len(), task.gpu_uuids.len()), (1, 1));
+    assert!(!task.template.no_fence);
 }

@@ -34,10 +34,13 @@ fn submit(name: &str) -> Command {
         spec: JobSpec {
             placement: Default::default(),
             name: name.into(),
-            image: None,
-            command: vec!["true".into()],
-            env: Default::default(),
-            resources: Resources::default(),
+            template: gpuctl_core::types::TaskTemplate {
+                image: None,
+                command: vec!["true".into()],
+                env: Default::default(),
+                resources: Resources::default(),
+                ..Default::default()
+            },
             ..Default::default()
         },
         at_ms: 1,

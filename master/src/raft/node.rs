@@ -1172,10 +1172,13 @@ mod tests {
             spec: JobSpec {
                 placement: Default::default(),
                 name: "j".into(),
-                image: None,
-                command: vec!["true".into()],
-                env: Default::default(),
-                resources: Resources::default(),
+                template: gpuctl_core::types::TaskTemplate {
+                    image: None,
+                    command: vec!["true".into()],
+                    env: Default::default(),
+                    resources: Resources::default(),
+                    ..Default::default()
+                },
                 ..Default::default()
             },
             at_ms: 1,

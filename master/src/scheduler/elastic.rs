@@ -69,7 +69,7 @@ pub fn growth(state: &State, cfg: &QueueConfig) -> Option<(JobId, u32)> {
                 .get(tenant)
                 .map_or(0, |u| u.gpus)
                 .saturating_sub(
-                    tenants::quota_gpus(&job.spec.resources, job.spec.placement.fraction)
+                    tenants::quota_gpus(&job.spec.template.resources, job.spec.placement.fraction)
                         .saturating_mul(job.world()),
                 );
             most = most.min(tenants::ranks_within(

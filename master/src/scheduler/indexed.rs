@@ -82,7 +82,7 @@ impl<'s> IndexRoom<'s> {
     fn indexable(&self, job: &JobRecord) -> bool {
         let p = &job.spec.placement;
         let filtered = p.gpu_model.is_some() || p.gpu_mem_min_mib > 0;
-        job.spec.resources.gpus > 0
+        job.spec.template.resources.gpus > 0
             && job.avoid_gpus.is_empty()
             && p.mig.is_none()
             && p.fraction.is_none()
@@ -123,7 +123,7 @@ impl<'s> Room<'s> for IndexRoom<'s> {
         // Not indexable while it avoids GPUs, so none are avoided here.
         let req = request(job, 0);
         let policy = policy_of(&job.spec, self.default_policy);
-        let n = job.spec.resources.gpus;
+        let n = job.spec.template.resources.gpus;
         let want = job.spec.replicas() as usize;
         let class_ok = |c: &GpuClass| match c {
             GpuClass::Same { model, memory_mib } => {
@@ -289,14 +289,6 @@ mod tests {
         Command::SubmitJob {
             spec: JobSpec {
                 name: "j".into(),
-                image: Some("busybox".into()),
-                command: vec!["true".into()],
-                resources: Resources {
-                    cpus: a.cpus,
-                    mem_mib: 0,
-                    gpus: a.gpus,
-                    ports: 0,
-                },
                 replicas: a.replicas,
                 priority: a.priority,
                 placement: PlacementSpec {
@@ -311,6 +303,17 @@ mod tests {
                         .zone
                         .map(|z| BTreeMap::from([("zone".to_string(), z.to_string())]))
                         .unwrap_or_default(),
+                    ..Default::default()
+                },
+                template: gpuctl_core::types::TaskTemplate {
+                    image: Some("busybox".into()),
+                    command: vec!["true".into()],
+                    resources: Resources {
+                        cpus: a.cpus,
+                        mem_mib: 0,
+                        gpus: a.gpus,
+                        ports: 0,
+                    },
                     ..Default::default()
                 },
                 ..Default::default()

@@ -51,18 +51,23 @@ pub fn policy_of(spec: &JobSpec, default: PlacementPolicy) -> PlacementPolicy {
 pub fn request(job: &JobRecord, now_ms: u64) -> placement::TaskRequest<'_> {
     let spec = &job.spec;
     placement::TaskRequest {
-        resources: spec.resources,
+        resources: spec.template.resources,
         runtime: spec.runtime(),
         gpu_model: spec.placement.gpu_model.as_deref(),
         gpu_mem_min_mib: spec.placement.gpu_mem_min_mib,
         mig: spec.placement.mig.as_deref(),
         fraction: spec.placement.fraction,
         constraints: &spec.placement.constraints,
-        run_as_root: spec.security.run_as_root,
+        run_as_root: spec.template.security.run_as_root,
         // Checked when submitted: a user that does not parse names none.
-        user: spec.security.user.as_deref().and_then(|u| u.parse().ok()),
-        mounts: &spec.security.mounts,
-        checkpoint_dir: spec.checkpoint_dir.as_deref(),
+        user: spec
+            .template
+            .security
+            .user
+            .as_deref()
+            .and_then(|u| u.parse().ok()),
+        mounts: &spec.template.security.mounts,
+        checkpoint_dir: spec.template.checkpoint_dir.as_deref(),
         require_cuda: spec.require_cuda.as_ref(),
         image_requires: &job.image_requires,
         avoid: &job.avoid_gpus,
@@ -406,6 +411,7 @@ pub(crate) fn ask_key(job: &JobRecord) -> String {
     // Only what placement reads of `security`: root and the mounts' host
     // paths.
     let mounts: Vec<&str> = spec
+        .template
         .security
         .mounts
         .iter()
@@ -417,14 +423,14 @@ pub(crate) fn ask_key(job: &JobRecord) -> String {
     let avoid: Vec<&str> = job.avoid_gpus.iter().map(|a| a.uuid.as_str()).collect();
     format!(
         "{:?}|{:?}|{:?}|{}:{}|{}|{:?}|{:?}|{:?}|{:?}",
-        spec.resources,
+        spec.template.resources,
         spec.runtime(),
         spec.placement,
         spec.min_replicas(),
         spec.replicas(),
-        spec.security.run_as_root,
+        spec.template.security.run_as_root,
         mounts,
-        spec.checkpoint_dir,
+        spec.template.checkpoint_dir,
         driver,
         avoid
     )
@@ -565,12 +571,12 @@ fn place_on<'s>(
         };
         let placed = u32::try_from(placements.len()).unwrap_or(u32::MAX);
         *tenant_gpus.entry(tenant.to_string()).or_default() +=
-            tenants::quota_gpus(&job.spec.resources, job.spec.placement.fraction)
+            tenants::quota_gpus(&job.spec.template.resources, job.spec.placement.fraction)
                 .saturating_mul(placed);
         for p in placements {
             room.take(
                 &p.node,
-                &job.spec.resources,
+                &job.spec.template.resources,
                 &p.gpus,
                 job.spec.placement.fraction,
             );
@@ -709,14 +715,17 @@ mod tests {
             spec: JobSpec {
                 placement: Default::default(),
                 name: "j".into(),
-                image: image.then(|| "busybox".into()),
-                command: vec!["true".into()],
-                env: Default::default(),
-                resources: Resources {
-                    cpus: 1.0,
-                    mem_mib: 0,
-                    gpus,
-                    ports: 0,
+                template: gpuctl_core::types::TaskTemplate {
+                    image: image.then(|| "busybox".into()),
+                    command: vec!["true".into()],
+                    env: Default::default(),
+                    resources: Resources {
+                        cpus: 1.0,
+                        mem_mib: 0,
+                        gpus,
+                        ports: 0,
+                    },
+                    ..Default::default()
                 },
                 ..Default::default()
             },
@@ -907,7 +916,7 @@ mod tests {
         let root_job = || {
             let mut c = job(1, false);
             if let Command::SubmitJob { spec, .. } = &mut c {
-                spec.security.run_as_root = true;
+                spec.template.security.run_as_root = true;
             }
             c
         };

@@ -318,13 +318,13 @@ fn pass_job<'s>(
             set_aside: ctx.set_aside.clone(),
         };
     }
-    let need = times(&spec.resources, replicas);
+    let need = times(&spec.template.resources, replicas);
     let mut most = max_replicas;
     if let Some(q) = cfg.jobs_quota {
         if !q.fits(&walk.usage.add(&need)) {
             return quota_reason(&q, &walk.usage, &need);
         }
-        while most > replicas && !q.fits(&walk.usage.add(&times(&spec.resources, most))) {
+        while most > replicas && !q.fits(&walk.usage.add(&times(&spec.template.resources, most))) {
             most -= 1;
         }
     }
@@ -369,11 +369,14 @@ fn pass_job<'s>(
     }
     if let Some(ps) = fits {
         let placed = u32::try_from(ps.len()).unwrap_or(u32::MAX);
-        walk.take(job, &spec.resources, &ps);
-        walk.usage = walk.usage.add(&times(&spec.resources, placed));
+        walk.take(job, &spec.template.resources, &ps);
+        walk.usage = walk.usage.add(&times(&spec.template.resources, placed));
         *walk.tenant_gpus.entry(tenant.to_string()).or_default() +=
-            crate::scheduler::tenants::quota_gpus(&spec.resources, spec.placement.fraction)
-                .saturating_mul(placed);
+            crate::scheduler::tenants::quota_gpus(
+                &spec.template.resources,
+                spec.placement.fraction,
+            )
+            .saturating_mul(placed);
         return if stopping_for_it.tasks > 0 {
             preempting_reason(stopping_for_it)
         } else {
@@ -404,7 +407,7 @@ fn pass_job<'s>(
                     freed += 1;
                 }
             }
-            walk.take(job, &spec.resources, &ps);
+            walk.take(job, &spec.template.resources, &ps);
             walk.usage = walk.usage.add(&need);
             *walk.tenant_gpus.entry(tenant.to_string()).or_default() += quota_need;
             out.preemption = Some(Preemption {

@@ -35,13 +35,14 @@ pub fn quota_gpus(resources: &Resources, fraction: Option<gpuctl_core::types::Gp
 /// What a job's attempt needs of its tenant's GPU quota to start: an
 /// elastic gang's fewest ranks (it grows only within the quota left).
 pub fn job_quota_gpus(spec: &gpuctl_core::types::JobSpec) -> u32 {
-    quota_gpus(&spec.resources, spec.placement.fraction).saturating_mul(spec.min_replicas())
+    quota_gpus(&spec.template.resources, spec.placement.fraction)
+        .saturating_mul(spec.min_replicas())
 }
 
 /// The most ranks of an elastic gang (at least its fewest) that `room`
 /// GPUs of its tenant's quota allow; `None`: no limit.
 pub fn ranks_within(spec: &gpuctl_core::types::JobSpec, room: Option<u32>) -> u32 {
-    let per_rank = quota_gpus(&spec.resources, spec.placement.fraction);
+    let per_rank = quota_gpus(&spec.template.resources, spec.placement.fraction);
     match room {
         Some(room) if per_rank > 0 => (room / per_rank).clamp(spec.min_replicas(), spec.replicas()),
         _ => spec.replicas(),

@@ -110,7 +110,9 @@ mod tests {
         fn submit(&mut self, name: &str, env_bytes: usize) -> String {
             let mut spec = JobSpec::new(name, vec!["true".into()], Resources::default());
             if env_bytes > 0 {
-                spec.env.insert("BIG".into(), "x".repeat(env_bytes));
+                spec.template
+                    .env
+                    .insert("BIG".into(), "x".repeat(env_bytes));
             }
             let at_ms = self.i;
             match self

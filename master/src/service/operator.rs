@@ -757,7 +757,7 @@ impl OperatorService {
         }
         // Root on a host needs the agent's consent (allow_root_tasks, in
         // placement) and the tenant's: its token must allow it.
-        if spec.security.run_as_root {
+        if spec.template.security.run_as_root {
             if let Caller::Token(t) = caller {
                 if !t.allow_root {
                     return Err(ServiceError::Forbidden(format!(
@@ -769,11 +769,11 @@ impl OperatorService {
             }
         }
         if let Caller::Token(t) = caller {
-            check_chosen_user(t, &spec.security)?;
+            check_chosen_user(t, &spec.template.security)?;
         }
         self.ctx
             .config
-            .check_stop_grace(spec.stop_grace_ms)
+            .check_stop_grace(spec.template.stop_grace_ms)
             .map_err(|why| ConvertError::new("spec.stop_grace_ms", why))?;
         // A resend of a submit already committed: answer from the state
         // (apply dedupes too, for a resend racing its first send).

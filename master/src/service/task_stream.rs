@@ -192,20 +192,22 @@ mod tests {
     fn task(id: &str, env_bytes: usize) -> TaskSpec {
         TaskSpec {
             share: None,
-            stop_grace_ms: None,
-            checkpoint_dir: None,
             task_id: id.into(),
             job_id: "job-1".into(),
             framework_id: String::new(),
-            image: None,
-            command: vec!["true".into()],
-            env: [("BIG".to_string(), "x".repeat(env_bytes))].into(),
-            resources: Resources::default(),
             gpu_uuids: vec![],
-            no_fence: false,
-            security: Default::default(),
-            hang_timeout_ms: None,
-            preflight: false,
+            template: gpuctl_core::types::TaskTemplate {
+                stop_grace_ms: None,
+                checkpoint_dir: None,
+                image: None,
+                command: vec!["true".into()],
+                env: [("BIG".to_string(), "x".repeat(env_bytes))].into(),
+                resources: Resources::default(),
+                no_fence: false,
+                security: Default::default(),
+                hang_timeout_ms: None,
+                preflight: false,
+            },
         }
     }
 

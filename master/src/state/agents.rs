@@ -611,7 +611,7 @@ mod tests {
         let mut t = T::new(&[("a", 2), ("b", 2)]);
         let j = t.submit(2, |s| {
             s.max_retries = max_retries;
-            s.no_fence = no_fence;
+            s.template.no_fence = no_fence;
         });
         t.launch(&j, &[("a", &["GPU-a-0", "GPU-a-1"])]).unwrap();
         t.report("job-1.0", TaskState::Running);
@@ -815,7 +815,7 @@ mod tests {
     #[test]
     fn no_fence_tasks_are_never_lost_by_timeout() {
         let (mut t, j) = running(3, true);
-        assert!(t.s.desired_tasks("a").0[0].no_fence);
+        assert!(t.s.desired_tasks("a").0[0].template.no_fence);
         t.unreachable("a", 10_000);
         t.lost("a", 120_000);
         assert_eq!(t.s.agents["a"].state, AgentState::Lost);

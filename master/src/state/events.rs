@@ -208,7 +208,7 @@ fn cut(mut s: String) -> String {
 
 /// The Queued event of a new job: what it asks.
 pub(super) fn queued_words(spec: &gpuctl_core::types::JobSpec) -> String {
-    let r = spec.resources;
+    let r = spec.template.resources;
     let n = spec.replicas();
     let gang = if n > 1 {
         format!("{n} replicas of ")

@@ -611,7 +611,7 @@ mod tests {
         assert_eq!(s.tasks[&key].ports, [40000, 40001]);
         assert!(s.tasks[&task_key(&f, "t2")].ports.is_empty());
         assert_eq!(
-            s.task_spec(&key).unwrap().env["GPUCTL_PORTS"],
+            s.task_spec(&key).unwrap().template.env["GPUCTL_PORTS"],
             "40000,40001"
         );
         assert_eq!(s.agent("a1").unwrap().free().ports, 1);

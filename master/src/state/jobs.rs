@@ -41,7 +41,7 @@ impl State {
             ports.push(self.check_fit(
                 &l.agent_id,
                 job.spec.runtime(),
-                &job.spec.resources,
+                &job.spec.template.resources,
                 &l.gpu_uuids,
                 Wants::of_job(&job.spec),
                 &mut pending,
@@ -90,7 +90,7 @@ impl State {
             job.preempted_by = None;
             job.stopping = None;
             job.not_before_ms = 0;
-            let resources = job.spec.resources;
+            let resources = job.spec.template.resources;
             let fraction = job.spec.placement.fraction;
             // A fraction shares its GPU: it is counted from the tasks
             // (`State::share_used`), never owned.
@@ -1053,10 +1053,13 @@ mod tests {
         let (run, _) = t.s.desired_tasks("a");
         assert_eq!(run.len(), 2);
         for task in &run {
-            assert_eq!(task.env["GPUCTL_WORLD_SIZE"], "3");
-            assert_eq!(task.env["GPUCTL_PEERS"], "b.host,a.host,a.host");
+            assert_eq!(task.template.env["GPUCTL_WORLD_SIZE"], "3");
+            assert_eq!(task.template.env["GPUCTL_PEERS"], "b.host,a.host,a.host");
         }
-        let mut r: Vec<&str> = run.iter().map(|t| t.env["GPUCTL_RANK"].as_str()).collect();
+        let mut r: Vec<&str> = run
+            .iter()
+            .map(|t| t.template.env["GPUCTL_RANK"].as_str())
+            .collect();
         r.sort();
         assert_eq!(r, vec!["1", "2"]);
         // RUNNING only once every rank runs.
@@ -1082,7 +1085,7 @@ mod tests {
         let mut t = T::new(&[("a", 2), ("b", 2)]);
         let mut s = spec(1, 4);
         s.min_replicas = Some(2);
-        s.resources.ports = 1;
+        s.template.resources.ports = 1;
         let j = t.submit(s);
         let err = t.launch(&j, &[("a", &["GPU-a-0"])]).unwrap_err();
         assert!(
@@ -1110,9 +1113,12 @@ mod tests {
                 ("GPUCTL_MAX_REPLICAS", "4"),
                 ("PET_NNODES", "3"),
             ] {
-                assert_eq!(task.env[k], v, "{k}");
+                assert_eq!(task.template.env[k], v, "{k}");
             }
-            assert_eq!(task.env["PET_NODE_RANK"], task.env["RANK"]);
+            assert_eq!(
+                task.template.env["PET_NODE_RANK"],
+                task.template.env["RANK"]
+            );
         }
         // Not running yet: nothing to grow.
         let err = t
@@ -1181,7 +1187,9 @@ mod tests {
             ]
         );
         let (run, _) = t.s.desired_tasks("b");
-        assert!(run.iter().all(|task| task.env["WORLD_SIZE"] == "4"));
+        assert!(run
+            .iter()
+            .all(|task| task.template.env["WORLD_SIZE"] == "4"));
         // A fixed gang is never grown.
         let fixed = t.submit(spec(0, 1));
         t.launch(&fixed, &[("a", &[])]).unwrap();
@@ -1203,7 +1211,7 @@ mod tests {
         let mut t = T::new(&[("a", 0)]);
         let ported = |n: u32| {
             let mut s = spec(0, 1);
-            s.resources.ports = n;
+            s.template.resources.ports = n;
             s
         };
         let ports = |t: &T, task: &str| t.s.tasks[task].ports.clone();
@@ -1224,7 +1232,14 @@ mod tests {
         t.launch(&j3, &[("a", &[])]).unwrap();
         assert_eq!(ports(&t, "job-3.0"), [31000, 31001, 31002, 31006, 31007]);
         let (run, _) = t.s.desired_tasks("a");
-        let env = |id: &str| run.iter().find(|r| r.task_id == id).unwrap().env.clone();
+        let env = |id: &str| {
+            run.iter()
+                .find(|r| r.task_id == id)
+                .unwrap()
+                .template
+                .env
+                .clone()
+        };
         assert_eq!(
             env("job-3.0")["GPUCTL_PORTS"],
             "31000,31001,31002,31006,31007"
@@ -1261,7 +1276,12 @@ mod tests {
         let j5 = t.submit(ported(0));
         t.launch(&j5, &[("a", &[])]).unwrap();
         let (run, _) = t.s.desired_tasks("a");
-        let e4 = &run.iter().find(|r| r.task_id == "job-5.0").unwrap().env;
+        let e4 = &run
+            .iter()
+            .find(|r| r.task_id == "job-5.0")
+            .unwrap()
+            .template
+            .env;
         assert!(!e4.contains_key("GPUCTL_PORTS") && !e4.contains_key("MASTER_PORT"));
         assert_eq!(e4["RANK"], "0");
     }
@@ -1274,8 +1294,8 @@ mod tests {
     fn a_gang_gets_torchrun_variables() {
         let mut t = T::new(&[("a", 2), ("b", 2)]);
         let mut s = spec(1, 3);
-        s.resources.ports = 1;
-        s.env.insert("LOCAL_WORLD_SIZE".into(), "8".into());
+        s.template.resources.ports = 1;
+        s.template.env.insert("LOCAL_WORLD_SIZE".into(), "8".into());
         let j = t.submit(s);
         t.launch(
             &j,
@@ -1289,7 +1309,7 @@ mod tests {
         let mut envs = std::collections::BTreeMap::new();
         for agent in ["a", "b"] {
             for task in t.s.desired_tasks(agent).0 {
-                envs.insert(task.env["RANK"].clone(), task.env);
+                envs.insert(task.template.env["RANK"].clone(), task.template.env);
             }
         }
         let get = |rank: &str, k: &str| envs[rank][k].as_str();
@@ -1709,8 +1729,8 @@ mod tests {
     fn kill_reasons_reach_the_desired_set_and_the_spec_its_grace() {
         let mut t = T::new(&[("a", 4), ("b", 1)]);
         let mut s = spec(1, 1);
-        s.stop_grace_ms = Some(60_000);
-        s.checkpoint_dir = Some("/ckpt/low".into());
+        s.template.stop_grace_ms = Some(60_000);
+        s.template.checkpoint_dir = Some("/ckpt/low".into());
         let low = t.submit(s);
         let cancelled = t.submit(spec(1, 1));
         let drained = t.submit(spec(1, 1));
@@ -1718,8 +1738,11 @@ mod tests {
         t.launch(&cancelled, &[("a", &["GPU-a-1"])]).unwrap();
         t.launch(&drained, &[("b", &["GPU-b-0"])]).unwrap();
         let spec_of = t.s.task_spec("job-1.0").unwrap();
-        assert_eq!(spec_of.stop_grace_ms, Some(60_000));
-        assert_eq!(spec_of.checkpoint_dir.as_deref(), Some("/ckpt/low"));
+        assert_eq!(spec_of.template.stop_grace_ms, Some(60_000));
+        assert_eq!(
+            spec_of.template.checkpoint_dir.as_deref(),
+            Some("/ckpt/low")
+        );
         let mut s = spec(4, 1);
         s.priority = 5;
         let high = t.submit(s);

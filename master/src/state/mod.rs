@@ -35,7 +35,7 @@ use std::collections::BTreeMap;
 
 use gpuctl_core::types::{
     AgentId, AgentInfo, FrameworkId, FrameworkInfo, GpuUuid, JobId, JobSpec, JobState, Resources,
-    StopNotice, TaskId, TaskSpec, TaskState,
+    StopNotice, TaskId, TaskSpec, TaskState, TaskTemplate,
 };
 use serde::{Deserialize, Serialize};
 
@@ -678,27 +678,27 @@ impl State {
     /// job is gone.
     pub fn task_spec(&self, task_id: &str) -> Option<TaskSpec> {
         let t = self.tasks.get(task_id)?;
-        // A framework's task has the default security.
-        let (image, command, env, security) = match (&t.launch, self.jobs.get(&t.job_id)) {
+        let job = self.jobs.get(&t.job_id);
+        // A job's task is its template with the task's own env; a
+        // framework's task has the defaults but for what it launched.
+        let template = match (&t.launch, job) {
             (Some(l), _) => {
                 let mut env = l.env.clone();
                 insert_ports(&mut env, &t.ports);
-                (l.image.clone(), l.command.clone(), env, Default::default())
+                TaskTemplate {
+                    image: l.image.clone(),
+                    env,
+                    ..TaskTemplate::new(l.command.clone(), t.resources)
+                }
             }
-            (None, Some(job)) => (
-                job.spec.image.clone(),
-                job.spec.command.clone(),
-                self.job_task_env(job, t),
-                job.spec.security.clone(),
-            ),
+            (None, Some(job)) => TaskTemplate {
+                env: self.job_task_env(job, t),
+                resources: t.resources,
+                ..job.spec.template.clone()
+            },
             (None, None) => return None,
         };
-        // A job task's; a framework's task has the defaults.
-        let job = match &t.launch {
-            None => self.jobs.get(&t.job_id),
-            Some(_) => None,
-        };
-        let tenant = match (&t.launch, self.jobs.get(&t.job_id)) {
+        let tenant = match (&t.launch, job) {
             (None, Some(job)) => access::tenant_of(&job.spec).to_string(),
             _ => self
                 .frameworks
@@ -721,24 +721,19 @@ impl State {
             task_id: t.id.clone(),
             job_id: t.job_id.clone(),
             framework_id: t.framework_id.clone(),
-            image,
-            command,
-            env,
-            resources: t.resources,
+            template,
             gpu_uuids: t.gpu_uuids.clone(),
-            no_fence: self.no_fence(t),
-            security,
-            stop_grace_ms: job.and_then(|j| j.spec.stop_grace_ms),
-            checkpoint_dir: job.and_then(|j| j.spec.checkpoint_dir.clone()),
-            hang_timeout_ms: job.and_then(|j| j.spec.hang_timeout_ms),
-            preflight: job.is_some_and(|j| j.spec.preflight),
         })
     }
 
     /// Whether the task opted out of fencing (its job's `no_fence`;
     /// frameworks' tasks are always fenced).
     pub fn no_fence(&self, t: &TaskRecord) -> bool {
-        !t.job_id.is_empty() && self.jobs.get(&t.job_id).is_some_and(|j| j.spec.no_fence)
+        !t.job_id.is_empty()
+            && self
+                .jobs
+                .get(&t.job_id)
+                .is_some_and(|j| j.spec.template.no_fence)
     }
 
     /// A job task's environment: the job's, and where it stands in its
@@ -749,7 +744,7 @@ impl State {
     /// and `OMP_NUM_THREADS` from its `--cpus` unless the job sets it.
     /// The agent adds `GPUCTL_JOB_ID` and `GPUCTL_TASK_ID`.
     fn job_task_env(&self, job: &JobRecord, task: &TaskRecord) -> BTreeMap<String, String> {
-        let mut env = job.spec.env.clone();
+        let mut env = job.spec.template.env.clone();
         let gang: Vec<&TaskRecord> = job
             .current_tasks()
             .iter()
@@ -780,7 +775,7 @@ impl State {
         // OpenMP (and PyTorch's CPU ops) otherwise start a thread per core
         // of the host: four ranks on two cores would run 4x oversubscribed.
         env.entry("OMP_NUM_THREADS".into())
-            .or_insert_with(|| omp_threads(job.spec.resources.cpus).to_string());
+            .or_insert_with(|| omp_threads(job.spec.template.resources.cpus).to_string());
         for (k, v) in self.torch_env(job, task, &gang) {
             env.entry(k.into()).or_insert(v);
         }

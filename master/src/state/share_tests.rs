@@ -309,7 +309,7 @@ fn a_framework_launches_fractions_up_to_the_gpus_memory_and_the_next_is_refused(
     let key = task_key(&f, "q0");
     let spec0 = d.s.task_spec(&key).unwrap();
     assert_eq!(spec0.gpu_uuids, vec!["GPU-a-0".to_string()]);
-    assert_eq!(spec0.resources.gpus, 0);
+    assert_eq!(spec0.template.resources.gpus, 0);
     assert_eq!(
         spec0.share,
         Some(TaskShare {

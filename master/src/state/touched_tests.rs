@@ -178,7 +178,7 @@ fn command(s: &State, op: &Op, at_ms: u64, fw: &str) -> Option<Command> {
                     let a = agent_id((agent + r) % AGENTS);
                     Launch {
                         job_id: job_id.clone(),
-                        gpu_uuids: free_gpus(s, &a, spec.resources.gpus as usize),
+                        gpu_uuids: free_gpus(s, &a, spec.template.resources.gpus as usize),
                         agent_id: a,
                     }
                 })

@@ -190,7 +190,7 @@ pub(super) fn container_config(
     driver: CgroupDriver,
     cdi: Option<&DeviceRequest>,
 ) -> Config<String> {
-    let res = &spec.task.resources;
+    let res = &spec.task.template.resources;
     let labels = HashMap::from([
         (LABEL_TASK_ID.to_string(), spec.task.task_id.clone()),
         (LABEL_JOB_ID.to_string(), spec.task.job_id.clone()),
@@ -265,7 +265,7 @@ pub(super) fn container_config(
     Config {
         image: Some(image.to_string()),
         // Empty: the image's own CMD.
-        cmd: (!spec.task.command.is_empty()).then(|| spec.task.command.clone()),
+        cmd: (!spec.task.template.command.is_empty()).then(|| spec.task.template.command.clone()),
         // Set explicitly, so the image's own NVIDIA_VISIBLE_DEVICES (often
         // "all") can never widen what the task was given.
         env: Some(env.iter().map(|(k, v)| format!("{k}={v}")).collect()),

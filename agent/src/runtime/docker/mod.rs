@@ -401,7 +401,7 @@ impl DockerRuntime {
 
     async fn start_task(&self, spec: &LaunchSpec) -> Result<(), RuntimeError> {
         let task_id = spec.task.task_id.as_str();
-        let Some(image) = spec.task.image.as_deref() else {
+        let Some(image) = spec.task.template.image.as_deref() else {
             return Err(RuntimeError::Image {
                 image: String::new(),
                 reason: format!("task {task_id}: the docker runtime needs an image"),

@@ -28,25 +28,27 @@ fn spec(dir: &Path, task_id: &str, image: &str, command: &[&str]) -> LaunchSpec 
     LaunchSpec {
         task: TaskSpec {
             share: None,
-            stop_grace_ms: None,
-            checkpoint_dir: None,
             task_id: task_id.to_string(),
             job_id: format!("job-{task_id}"),
             framework_id: String::new(),
-            image: Some(image.to_string()),
-            command: command.iter().map(|s| s.to_string()).collect(),
-            env: BTreeMap::new(),
-            resources: Resources {
-                cpus: 0.5,
-                mem_mib: 64,
-                gpus: 0,
-                ports: 0,
-            },
             gpu_uuids: vec![],
-            no_fence: false,
-            security: Default::default(),
-            hang_timeout_ms: None,
-            preflight: false,
+            template: gpuctl_core::types::TaskTemplate {
+                stop_grace_ms: None,
+                checkpoint_dir: None,
+                image: Some(image.to_string()),
+                command: command.iter().map(|s| s.to_string()).collect(),
+                env: BTreeMap::new(),
+                resources: Resources {
+                    cpus: 0.5,
+                    mem_mib: 64,
+                    gpus: 0,
+                    ports: 0,
+                },
+                no_fence: false,
+                security: Default::default(),
+                hang_timeout_ms: None,
+                preflight: false,
+            },
         },
         agent_id: format!("agent-{task_id}"),
         env: BTreeMap::from([("GPUCTL_TASK_ID".to_string(), task_id.to_string())]),
@@ -764,8 +766,8 @@ async fn docker_gpu_task_with_cdi_names_falls_back_to_devices_here() {
     s.isolation.cgroup_parent = None;
     s.isolation.driver_volume = None;
     s.task.task_id = unique("cdi-fallback");
-    s.task.image = Some(image.clone());
-    s.task.command = ["sh", "-c", "ls /dev; cat /dev/nvidia1"]
+    s.task.template.image = Some(image.clone());
+    s.task.template.command = ["sh", "-c", "ls /dev; cat /dev/nvidia1"]
         .iter()
         .map(|a| a.to_string())
         .collect();

@@ -572,7 +572,7 @@ fn quota_of_the_jobs_role_is_a_reason_and_blocks_preemption() {
 fn retried_jobs_say_so_and_keep_their_place() {
     let mut h = H::new(&[("a", 1)]);
     let mut spec = JobSpec::new("j", vec!["x".into()], Resources::default());
-    spec.resources.gpus = 1;
+    spec.template.resources.gpus = 1;
     spec.max_retries = 2;
     // Restarted at once (the backoff's own test: scheduler::tests).
     spec.restart_backoff_ms = Some(0);

@@ -118,14 +118,17 @@ fn spec(gpus: u32) -> JobSpec {
     JobSpec {
         placement: Default::default(),
         name: "j".into(),
-        image: None,
-        command: vec!["true".into()],
-        env: Default::default(),
-        resources: Resources {
-            cpus: 1.0,
-            mem_mib: 128,
-            gpus,
-            ports: 0,
+        template: gpuctl_core::types::TaskTemplate {
+            image: None,
+            command: vec!["true".into()],
+            env: Default::default(),
+            resources: Resources {
+                cpus: 1.0,
+                mem_mib: 128,
+                gpus,
+                ports: 0,
+            },
+            ..Default::default()
         },
         ..Default::default()
     }
@@ -304,7 +307,7 @@ fn launch_checks_fit_runtime_and_gpu_ownership() {
     ));
     // CPU and memory count too.
     let mut big = spec(0);
-    big.resources.cpus = 100.0;
+    big.template.resources.cpus = 100.0;
     t.apply(Command::SubmitJob {
         spec: big,
         at_ms: 1,
@@ -325,7 +328,7 @@ fn launch_checks_fit_runtime_and_gpu_ownership() {
     })
     .unwrap();
     let mut img = spec(0);
-    img.image = Some("busybox".into());
+    img.template.image = Some("busybox".into());
     t.apply(Command::SubmitJob {
         spec: img,
         at_ms: 1,
