@@ -15,7 +15,11 @@ use gpuctl_core::convert::{MAX_REPLICAS, MAX_RETRIES};
 use gpuctl_proto::pb;
 use serde::{de, Deserialize, Deserializer, Serialize};
 
-use super::jobs::{parse_mount, parse_require_cuda};
+use super::job_values::{
+    parse_gpu_compute, parse_gpu_mem, parse_hang_timeout, parse_mount, parse_require_cuda,
+    parse_restart_backoff, parse_restart_policy, parse_stop_grace,
+};
+use super::CliError;
 
 /// What `jobs get -o yaml` prints for a secret env value. Submitting it is
 /// refused: the real value must come from the file or `--secret-env`.
@@ -411,13 +415,13 @@ fn de_placement<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Er
 }
 
 fn de_restart_policy<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
-    d.deserialize_option(OrNull(StrCheck(super::jobs::parse_restart_policy)))
+    d.deserialize_option(OrNull(StrCheck(parse_restart_policy)))
 }
 
 fn de_restart_backoff<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
     d.deserialize_option(OrNull(Millis {
         expecting: "a duration (10s, 1m) or a number of seconds",
-        parse: super::jobs::parse_restart_backoff,
+        parse: parse_restart_backoff,
     }))
 }
 
@@ -440,14 +444,14 @@ fn de_max_retries<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u32>, D::Err
 fn de_stop_grace<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
     d.deserialize_option(OrNull(Millis {
         expecting: "a duration (90s, 5m) or a number of seconds",
-        parse: super::jobs::parse_stop_grace,
+        parse: parse_stop_grace,
     }))
 }
 
 fn de_hang_timeout<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
     d.deserialize_option(OrNull(Millis {
         expecting: "a duration (10m, 1h) or a number of seconds",
-        parse: super::jobs::parse_hang_timeout,
+        parse: parse_hang_timeout,
     }))
 }
 
@@ -525,9 +529,9 @@ pub fn from_spec(spec: &pb::JobSpec) -> JobFile {
         gpu_model: some(&placement.gpu_model).map(Text),
         gpu_mem_min: (placement.gpu_mem_min_mib > 0).then_some(placement.gpu_mem_min_mib),
         mig: some(&placement.mig).map(Text),
-        gpu_mem: (placement.gpu_mem_mib > 0).then(|| Text(format!("{}MiB", placement.gpu_mem_mib))),
+        gpu_mem: (placement.gpu_mem_mib > 0).then(|| gpu_mem_text(placement.gpu_mem_mib)),
         gpu_compute: (placement.gpu_compute_pct > 0)
-            .then(|| Text(format!("{}%", placement.gpu_compute_pct))),
+            .then(|| gpu_compute_text(placement.gpu_compute_pct)),
         constraint: placement
             .constraints
             .iter()
@@ -551,14 +555,7 @@ pub fn from_spec(spec: &pb::JobSpec) -> JobFile {
         }),
         max_retries: (spec.max_retries > 0).then_some(spec.max_retries),
         user: some(&security.user).map(Text),
-        mount: security
-            .mounts
-            .iter()
-            .map(|m| {
-                let rw = if m.read_write { ":rw" } else { "" };
-                Mount(format!("{}:{}{rw}", m.host_path, m.container_path))
-            })
-            .collect(),
+        mount: security.mounts.iter().map(Mount::of).collect(),
         run_as_root: security.run_as_root.then_some(true),
         stop_grace: spec.stop_grace_ms,
         hang_timeout: spec.hang_timeout_ms,
@@ -569,6 +566,197 @@ pub fn from_spec(spec: &pb::JobSpec) -> JobFile {
         // A copy of a job is another job: resubmitting it must not be
         // answered with the original.
         request_id: None,
+    }
+}
+
+impl JobFile {
+    /// `over` laid over this file, one key at a time: a key `over` has
+    /// wins; maps (`env`, `secret_env`, `constraint`) are merged key by
+    /// key, `over`'s value winning; lists (`command`, `mount`) are
+    /// replaced. Generic over the keys (through their serde form), so a
+    /// new option needs nothing here.
+    pub fn overlay(self, over: JobFile) -> Result<JobFile, String> {
+        fn merge(base: &mut serde_json::Value, over: serde_json::Value) {
+            match (base, over) {
+                (serde_json::Value::Object(base), serde_json::Value::Object(over)) => {
+                    for (k, v) in over {
+                        match base.get_mut(&k) {
+                            Some(b) if b.is_object() && v.is_object() => merge(b, v),
+                            _ => {
+                                base.insert(k, v);
+                            }
+                        }
+                    }
+                }
+                (base, over) => *base = over,
+            }
+        }
+        let encode = |f: &JobFile| {
+            serde_json::to_value(f).map_err(|e| format!("encoding the job's keys: {e}"))
+        };
+        let mut merged = encode(&self)?;
+        merge(&mut merged, encode(&over)?);
+        serde_json::from_value(merged).map_err(|e| format!("merging the flags over the file: {e}"))
+    }
+
+    /// The spec it submits: the flags' defaults where it has no key, and
+    /// the checks that need several keys at once. Then the master's own
+    /// conversion, so that a refusal comes before any call.
+    pub fn into_spec(self) -> Result<pb::JobSpec, CliError> {
+        let usage = |m: String| CliError::Usage(m);
+        let name = self
+            .name
+            .map(|t| t.0)
+            .ok_or_else(|| usage("no job name: give --name or `name:` in the job file".into()))?;
+        let command = texts(self.command.unwrap_or_default());
+        if command.is_empty() {
+            return Err(usage(
+                "no command: give it after `--` or as `command:` in the job file".into(),
+            ));
+        }
+        let plain = |m: BTreeMap<String, Text>| -> BTreeMap<String, String> {
+            m.into_iter().map(|(k, v)| (k, v.0)).collect()
+        };
+        let env = plain(self.env);
+        let secret_env = plain(self.secret_env);
+        if let Some((k, _)) = secret_env.iter().find(|(_, v)| *v == SECRET_PLACEHOLDER) {
+            return Err(usage(format!(
+                "secret_env {k} is {SECRET_PLACEHOLDER:?} (how `jobs get -o yaml` hides a \
+                 secret): give its value in the file or with --secret-env {k}=VALUE"
+            )));
+        }
+        let constraints = plain(self.constraint);
+        if let Some((k, v)) = constraints
+            .iter()
+            .find(|(k, v)| k.trim().is_empty() || v.is_empty())
+        {
+            return Err(usage(format!(
+                "constraint {k:?}: {v:?}: key and value must not be empty"
+            )));
+        }
+        let mounts = self
+            .mount
+            .iter()
+            .map(|m| parse_mount(&m.0).map_err(|e| usage(format!("mount: {e}"))))
+            .collect::<Result<Vec<_>, _>>()?;
+        let placement = pb::Placement {
+            policy: self.placement.unwrap_or_default(),
+            gpu_model: self.gpu_model.map(|t| t.0).unwrap_or_default(),
+            gpu_mem_min_mib: self.gpu_mem_min.unwrap_or(0),
+            constraints: constraints.into_iter().collect(),
+            mig: self.mig.map(|t| t.0).unwrap_or_default(),
+            gpu_mem_mib: match &self.gpu_mem {
+                Some(t) => parse_gpu_mem(&t.0).map_err(|e| usage(format!("gpu_mem: {e}")))?,
+                None => 0,
+            },
+            gpu_compute_pct: match &self.gpu_compute {
+                Some(t) => {
+                    parse_gpu_compute(&t.0).map_err(|e| usage(format!("gpu_compute: {e}")))?
+                }
+                None => 0,
+            },
+        };
+        if placement.gpu_compute_pct > 0 && placement.gpu_mem_mib == 0 {
+            return Err(usage(
+                "--gpu-compute asks a share of a GPU's compute: give its memory too (--gpu-mem)"
+                    .into(),
+            ));
+        }
+        if placement.gpu_mem_mib > 0 && !placement.mig.is_empty() {
+            return Err(usage(
+                "a task gets a MIG device (--mig) or a fraction of a shared GPU (--gpu-mem), not both"
+                    .into(),
+            ));
+        }
+        // A MIG task gets exactly one MIG device: --gpus defaults to it.
+        let gpus = match (placement.mig.is_empty(), self.gpus) {
+            // A fraction is a share of one GPU, not a device.
+            (true, Some(n)) if placement.gpu_mem_mib > 0 && n != 0 => {
+                return Err(usage(format!(
+                    "--gpu-mem gives each task a fraction of one shared GPU; --gpus {n} asks for whole GPUs (leave --gpus out)"
+                )))
+            }
+            (true, g) => g.unwrap_or(0),
+            (false, None | Some(1)) => 1,
+            (false, Some(n)) => {
+                return Err(usage(format!(
+                    "--mig {} gives each task one MIG device; --gpus {n} asks for {n} (leave --gpus out)",
+                    placement.mig
+                )))
+            }
+        };
+        let security = pb::TaskSecurity {
+            user: self.user.map(|t| t.0).unwrap_or_default(),
+            mounts,
+            privileged: false,
+            run_as_root: self.run_as_root.unwrap_or(false),
+        };
+        let replicas = self.replicas.map_or((1, 1), |r| (r.0, r.1));
+        let spec = pb::JobSpec {
+            placement: (placement != pb::Placement::default()).then_some(placement),
+            name,
+            image: self.image.map(|t| t.0).unwrap_or_default(),
+            command,
+            env: env
+                .iter()
+                .chain(&secret_env)
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect::<std::collections::HashMap<_, _>>(),
+            resources: Some(pb::Resources {
+                cpus: self.cpus.unwrap_or(1.0),
+                mem_mib: self.mem.unwrap_or(0),
+                gpus,
+                ports: self.ports.unwrap_or(0),
+            }),
+            priority: self.priority.unwrap_or(0),
+            replicas: replicas.1,
+            min_replicas: if replicas.0 < replicas.1 {
+                replicas.0
+            } else {
+                0
+            },
+            max_retries: self.max_retries.unwrap_or(0),
+            no_requeue: self.no_requeue.unwrap_or(false),
+            no_fence: self.no_fence.unwrap_or(false),
+            tenant: self.tenant.map(|t| t.0).unwrap_or_default(),
+            secret_env: secret_env.into_keys().collect(),
+            // `None` when nothing is asked (the defaults).
+            security: (security != pb::TaskSecurity::default()).then_some(security),
+            require_cuda: self.require_cuda.unwrap_or_default(),
+            stop_grace_ms: self.stop_grace,
+            hang_timeout_ms: self.hang_timeout,
+            restart_policy: self.restart_policy.unwrap_or_default(),
+            restart_backoff_ms: self.restart_backoff,
+            preflight: self.preflight.unwrap_or(false),
+            checkpoint_dir: self.checkpoint_dir.map(|t| t.0).unwrap_or_default(),
+        };
+        // The master's own check (it converts the spec as sent, first):
+        // refused here before any call, with its words and its exit code.
+        gpuctl_core::types::JobSpec::try_from(spec.clone())
+            .map_err(|e| CliError::Other(e.to_string()))?;
+        Ok(spec)
+    }
+}
+
+fn texts(v: Vec<Text>) -> Vec<String> {
+    v.into_iter().map(|t| t.0).collect()
+}
+
+/// `--gpu-mem`'s value as a job file writes it.
+pub fn gpu_mem_text(mib: u64) -> Text {
+    Text(format!("{mib}MiB"))
+}
+
+/// `--gpu-compute`'s value as a job file writes it.
+pub fn gpu_compute_text(pct: u32) -> Text {
+    Text(format!("{pct}%"))
+}
+
+impl Mount {
+    /// A parsed `--mount` as a job file writes it.
+    pub fn of(m: &pb::HostMount) -> Mount {
+        let rw = if m.read_write { ":rw" } else { "" };
+        Mount(format!("{}:{}{rw}", m.host_path, m.container_path))
     }
 }
 

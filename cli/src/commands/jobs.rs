@@ -1,7 +1,7 @@
 //! `gpuctl jobs ...`. Each command is a function taking a connected
 //! [`Master`] and a writer, so `gpuctl demo` reuses them as they are.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::io::{self, Write};
 use std::time::Duration;
 
@@ -14,7 +14,12 @@ use gpuctl_proto::{new_request_id, pb};
 use tokio::time::Instant;
 use tonic::{Code, Status};
 
-use super::jobfile::{self, JobFile, Text, SECRET_PLACEHOLDER};
+use super::job_values::{
+    parse_constraint, parse_cpus, parse_env_pair, parse_gpu_compute, parse_gpu_mem,
+    parse_hang_timeout, parse_mount, parse_require_cuda, parse_restart_backoff,
+    parse_restart_policy, parse_stop_grace,
+};
+use super::jobfile::{self, JobFile, Text};
 use super::{now_ms, parse_secs, CliError, EXIT_FAILURE, EXIT_OK};
 use crate::client::{may_retry, Master, Retry, RPC_TIMEOUT};
 use crate::output::{self, JobJson};
@@ -328,325 +333,60 @@ impl SubmitArgs {
         Ok((spec, request_id))
     }
 
-    /// The flags over `file`: a flag given wins; maps (`env`, `secret_env`,
-    /// `constraint`) are merged key by key, the flag's value winning; lists
-    /// (`mount`, the command) given as flags replace the file's.
+    /// The flags over `file` ([`JobFile::overlay`]): a flag given wins;
+    /// maps (`env`, `secret_env`, `constraint`) are merged key by key, the
+    /// flag's value winning; lists (`mount`, the command) given as flags
+    /// replace the file's.
     pub fn spec_with(&self, file: JobFile) -> Result<pb::JobSpec, CliError> {
-        let name = self
-            .name
-            .clone()
-            .or(file.name.map(|t| t.0))
-            .ok_or_else(|| {
-                CliError::Usage("no job name: give --name or `name:` in the job file".into())
-            })?;
-        let command = if self.command.is_empty() {
-            texts(file.command.unwrap_or_default())
-        } else {
-            self.command.clone()
+        file.overlay(self.as_file())
+            .map_err(CliError::Usage)?
+            .into_spec()
+    }
+
+    /// The flags given, as job-file keys (nothing for a flag left out).
+    pub fn as_file(&self) -> JobFile {
+        let pairs = |v: &[(String, String)]| -> BTreeMap<String, Text> {
+            v.iter()
+                .map(|(k, v)| (k.clone(), Text(v.clone())))
+                .collect()
         };
-        if command.is_empty() {
-            return Err(CliError::Usage(
-                "no command: give it after `--` or as `command:` in the job file".into(),
-            ));
+        let text = |v: &Option<String>| v.clone().map(Text);
+        JobFile {
+            name: text(&self.name),
+            image: text(&self.image),
+            command: (!self.command.is_empty())
+                .then(|| self.command.iter().cloned().map(Text).collect()),
+            gpus: self.gpus,
+            cpus: self.cpus,
+            mem: self.mem,
+            ports: self.ports,
+            env: pairs(&self.env),
+            secret_env: pairs(&self.secret_env),
+            tenant: text(&self.tenant),
+            placement: self.placement.clone(),
+            gpu_model: text(&self.gpu_model),
+            gpu_mem_min: self.gpu_mem_min,
+            mig: text(&self.mig),
+            gpu_mem: self.gpu_mem.map(jobfile::gpu_mem_text),
+            gpu_compute: self.gpu_compute.map(jobfile::gpu_compute_text),
+            constraint: pairs(&self.constraints),
+            require_cuda: self.require_cuda.clone(),
+            priority: self.priority,
+            no_requeue: self.no_requeue.then_some(true),
+            no_fence: self.no_fence.then_some(true),
+            replicas: self.replicas.map(|(min, max)| jobfile::Replicas(min, max)),
+            max_retries: self.max_retries,
+            user: text(&self.user),
+            mount: self.mounts.iter().map(jobfile::Mount::of).collect(),
+            run_as_root: self.run_as_root.then_some(true),
+            stop_grace: self.stop_grace,
+            checkpoint_dir: text(&self.checkpoint_dir),
+            hang_timeout: self.hang_timeout,
+            restart_policy: self.restart_policy.clone(),
+            restart_backoff: self.restart_backoff,
+            preflight: self.preflight.then_some(true),
+            request_id: self.request_id.clone(),
         }
-        let merge = |from_file: BTreeMap<String, Text>, flags: &[(String, String)]| {
-            let mut m: BTreeMap<String, String> =
-                from_file.into_iter().map(|(k, v)| (k, v.0)).collect();
-            m.extend(flags.iter().cloned());
-            m
-        };
-        let env = merge(file.env, &self.env);
-        let secret_env = merge(file.secret_env, &self.secret_env);
-        if let Some((k, _)) = secret_env.iter().find(|(_, v)| *v == SECRET_PLACEHOLDER) {
-            return Err(CliError::Usage(format!(
-                "secret_env {k} is {SECRET_PLACEHOLDER:?} (how `jobs get -o yaml` hides a \
-                 secret): give its value in the file or with --secret-env {k}=VALUE"
-            )));
-        }
-        let constraints = merge(file.constraint, &self.constraints);
-        if let Some((k, v)) = constraints
-            .iter()
-            .find(|(k, v)| k.trim().is_empty() || v.is_empty())
-        {
-            return Err(CliError::Usage(format!(
-                "constraint {k:?}: {v:?}: key and value must not be empty"
-            )));
-        }
-        let mounts = if self.mounts.is_empty() {
-            file.mount
-                .iter()
-                .map(|m| parse_mount(&m.0).map_err(|e| CliError::Usage(format!("mount: {e}"))))
-                .collect::<Result<Vec<_>, _>>()?
-        } else {
-            self.mounts.clone()
-        };
-        let placement = pb::Placement {
-            policy: self
-                .placement
-                .clone()
-                .or(file.placement)
-                .unwrap_or_default(),
-            gpu_model: self
-                .gpu_model
-                .clone()
-                .or(file.gpu_model.map(|t| t.0))
-                .unwrap_or_default(),
-            gpu_mem_min_mib: self.gpu_mem_min.or(file.gpu_mem_min).unwrap_or(0),
-            constraints: constraints.into_iter().collect(),
-            mig: self
-                .mig
-                .clone()
-                .or(file.mig.map(|t| t.0))
-                .unwrap_or_default(),
-            gpu_mem_mib: match (self.gpu_mem, &file.gpu_mem) {
-                (Some(m), _) => m,
-                (None, Some(t)) => {
-                    parse_gpu_mem(&t.0).map_err(|e| CliError::Usage(format!("gpu_mem: {e}")))?
-                }
-                (None, None) => 0,
-            },
-            gpu_compute_pct: match (self.gpu_compute, &file.gpu_compute) {
-                (Some(c), _) => c,
-                (None, Some(t)) => parse_gpu_compute(&t.0)
-                    .map_err(|e| CliError::Usage(format!("gpu_compute: {e}")))?,
-                (None, None) => 0,
-            },
-        };
-        if placement.gpu_compute_pct > 0 && placement.gpu_mem_mib == 0 {
-            return Err(CliError::Usage(
-                "--gpu-compute asks a share of a GPU's compute: give its memory too (--gpu-mem)"
-                    .into(),
-            ));
-        }
-        if placement.gpu_mem_mib > 0 && !placement.mig.is_empty() {
-            return Err(CliError::Usage(
-                "a task gets a MIG device (--mig) or a fraction of a shared GPU (--gpu-mem), not both"
-                    .into(),
-            ));
-        }
-        let gpus = self.gpus.or(file.gpus);
-        // A MIG task gets exactly one MIG device: --gpus defaults to it.
-        let gpus = match (placement.mig.is_empty(), gpus) {
-            // A fraction is a share of one GPU, not a device.
-            (true, Some(n)) if placement.gpu_mem_mib > 0 && n != 0 => {
-                return Err(CliError::Usage(format!(
-                    "--gpu-mem gives each task a fraction of one shared GPU; --gpus {n} asks for whole GPUs (leave --gpus out)"
-                )))
-            }
-            (true, g) => g.unwrap_or(0),
-            (false, None | Some(1)) => 1,
-            (false, Some(n)) => {
-                return Err(CliError::Usage(format!(
-                    "--mig {} gives each task one MIG device; --gpus {n} asks for {n} (leave --gpus out)",
-                    placement.mig
-                )))
-            }
-        };
-        let security = pb::TaskSecurity {
-            user: self
-                .user
-                .clone()
-                .or(file.user.map(|t| t.0))
-                .unwrap_or_default(),
-            mounts,
-            privileged: false,
-            run_as_root: self.run_as_root || file.run_as_root.unwrap_or(false),
-        };
-        let replicas = self
-            .replicas
-            .or(file.replicas.map(|r| (r.0, r.1)))
-            .unwrap_or((1, 1));
-        let spec = pb::JobSpec {
-            placement: (placement != pb::Placement::default()).then_some(placement),
-            name,
-            image: self
-                .image
-                .clone()
-                .or(file.image.map(|t| t.0))
-                .unwrap_or_default(),
-            command,
-            env: env
-                .iter()
-                .chain(&secret_env)
-                .map(|(k, v)| (k.clone(), v.clone()))
-                .collect::<HashMap<_, _>>(),
-            resources: Some(pb::Resources {
-                cpus: self.cpus.or(file.cpus).unwrap_or(1.0),
-                mem_mib: self.mem.or(file.mem).unwrap_or(0),
-                gpus,
-                ports: self.ports.or(file.ports).unwrap_or(0),
-            }),
-            priority: self.priority.or(file.priority).unwrap_or(0),
-            replicas: replicas.1,
-            min_replicas: if replicas.0 < replicas.1 {
-                replicas.0
-            } else {
-                0
-            },
-            max_retries: self.max_retries.or(file.max_retries).unwrap_or(0),
-            no_requeue: self.no_requeue || file.no_requeue.unwrap_or(false),
-            no_fence: self.no_fence || file.no_fence.unwrap_or(false),
-            tenant: self
-                .tenant
-                .clone()
-                .or(file.tenant.map(|t| t.0))
-                .unwrap_or_default(),
-            secret_env: secret_env.into_keys().collect(),
-            // `None` when nothing is asked (the defaults).
-            security: (security != pb::TaskSecurity::default()).then_some(security),
-            require_cuda: self
-                .require_cuda
-                .clone()
-                .or(file.require_cuda)
-                .unwrap_or_default(),
-            stop_grace_ms: self.stop_grace.or(file.stop_grace),
-            hang_timeout_ms: self.hang_timeout.or(file.hang_timeout),
-            restart_policy: self
-                .restart_policy
-                .clone()
-                .or(file.restart_policy)
-                .unwrap_or_default(),
-            restart_backoff_ms: self.restart_backoff.or(file.restart_backoff),
-            preflight: self.preflight || file.preflight.unwrap_or(false),
-            checkpoint_dir: self
-                .checkpoint_dir
-                .clone()
-                .or(file.checkpoint_dir.map(|t| t.0))
-                .unwrap_or_default(),
-        };
-        // The master's own check (it converts the spec as sent, first):
-        // refused here before any call, with its words and its exit code.
-        gpuctl_core::types::JobSpec::try_from(spec.clone())
-            .map_err(|e| CliError::Other(e.to_string()))?;
-        Ok(spec)
-    }
-}
-
-/// `--stop-grace`: a duration (`90s`, `5m`, `1500ms`; a bare number is
-/// seconds), as ms. The cluster's maximum is the master's to check.
-pub fn parse_stop_grace(s: &str) -> Result<u64, String> {
-    let d = gpuctl_core::time::parse_duration(s)?;
-    let ms = u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
-    if ms > gpuctl_core::convert::MAX_STOP_GRACE_MS {
-        return Err(format!("{s:?} is longer than a day"));
-    }
-    Ok(ms)
-}
-
-/// `--restart-policy`: `gang` or `never`.
-pub fn parse_restart_policy(s: &str) -> Result<String, String> {
-    s.parse::<gpuctl_core::types::RestartPolicy>()
-        .map(|p| p.to_string())
-}
-
-/// `--restart-backoff`: a duration, as ms, at most an hour.
-pub fn parse_restart_backoff(s: &str) -> Result<u64, String> {
-    let d = gpuctl_core::time::parse_duration(s)?;
-    let ms = u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
-    if ms > gpuctl_core::convert::MAX_FIRST_RESTART_BACKOFF_MS {
-        return Err(format!("{s:?} is longer than an hour"));
-    }
-    Ok(ms)
-}
-
-/// `--hang-timeout`: a duration, as ms, within the master's bounds.
-pub fn parse_hang_timeout(s: &str) -> Result<u64, String> {
-    use gpuctl_core::convert::{MAX_HANG_TIMEOUT_MS, MIN_HANG_TIMEOUT_MS};
-    let d = gpuctl_core::time::parse_duration(s)?;
-    let ms = u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
-    if !(MIN_HANG_TIMEOUT_MS..=MAX_HANG_TIMEOUT_MS).contains(&ms) {
-        return Err(format!("{s:?} is not between 1s and 7d"));
-    }
-    Ok(ms)
-}
-
-fn texts(v: Vec<Text>) -> Vec<String> {
-    v.into_iter().map(|t| t.0).collect()
-}
-
-/// `--require-cuda`: checked here so that a typo is an error before the
-/// request (the master checks it again).
-pub fn parse_require_cuda(s: &str) -> Result<String, String> {
-    let e = gpuctl_core::cuda_req::Expr::parse(s).map_err(|e| e.to_string())?;
-    if e.is_empty() {
-        return Err(format!("{s:?} has no condition"));
-    }
-    Ok(e.text().to_string())
-}
-
-/// `HOST:CONTAINER[:ro|:rw]` of `--mount`: read-only unless `rw`. The
-/// paths themselves are checked by the master.
-pub fn parse_mount(s: &str) -> Result<pb::HostMount, String> {
-    let parts: Vec<&str> = s.split(':').collect();
-    let (host, container, read_write) = match parts[..] {
-        [h, c] => (h, c, false),
-        [h, c, "ro"] => (h, c, false),
-        [h, c, "rw"] => (h, c, true),
-        _ => return Err(format!("{s:?} is not HOST:CONTAINER[:rw]")),
-    };
-    if host.is_empty() || container.is_empty() {
-        return Err(format!("{s:?} is not HOST:CONTAINER[:rw]"));
-    }
-    Ok(pb::HostMount {
-        host_path: host.to_string(),
-        container_path: container.to_string(),
-        read_write,
-    })
-}
-
-/// `KEY=VALUE` of `--constraint`: both sides non-empty.
-pub fn parse_constraint(s: &str) -> Result<(String, String), String> {
-    match s.split_once('=') {
-        Some((k, v)) if !k.trim().is_empty() && !v.is_empty() => {
-            Ok((k.trim().to_string(), v.to_string()))
-        }
-        _ => Err(format!("{s:?} is not KEY=VALUE")),
-    }
-}
-
-/// `K=V` of `--env`. The value may be empty or contain '='; the name may not be empty.
-pub fn parse_env_pair(s: &str) -> Result<(String, String), String> {
-    match s.split_once('=') {
-        Some((k, v)) if !k.is_empty() => Ok((k.to_string(), v.to_string())),
-        Some(_) => Err(format!("{s:?} has an empty name (expected K=V)")),
-        None => Err(format!("{s:?} has no '=' (expected K=V)")),
-    }
-}
-
-/// `--gpu-mem`: MiB, or a number with a binary unit (`10GiB`, `10G`,
-/// `512MiB`, `512M`), at least 1 MiB.
-pub fn parse_gpu_mem(s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let n: u64 = num
-        .parse()
-        .map_err(|_| format!("{s:?} is not a size (e.g. 10GiB, 512MiB)"))?;
-    let mib = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "m" | "mi" | "mib" => Some(n),
-        "g" | "gi" | "gib" => n.checked_mul(1024),
-        "t" | "ti" | "tib" => n.checked_mul(1024 * 1024),
-        _ => return Err(format!("{s:?}: unknown unit (MiB, GiB, TiB)")),
-    };
-    match mib {
-        Some(m) if m >= 1 => Ok(m),
-        Some(_) => Err(format!("{s:?}: a fraction has at least 1 MiB")),
-        None => Err(format!("{s:?} is too large")),
-    }
-}
-
-/// `--gpu-compute`: a percent of one GPU, 1-100, with or without `%`.
-pub fn parse_gpu_compute(s: &str) -> Result<u32, String> {
-    match s.trim().trim_end_matches('%').trim().parse::<u32>() {
-        Ok(p) if (1..=100).contains(&p) => Ok(p),
-        _ => Err(format!("{s:?} is not a percent of a GPU (1-100)")),
-    }
-}
-
-fn parse_cpus(s: &str) -> Result<f64, String> {
-    match s.trim().parse::<f64>() {
-        Ok(v) if v.is_finite() && v >= 0.0 => Ok(v),
-        _ => Err(format!("{s:?} is not a number of CPUs >= 0")),
     }
 }
 
@@ -1288,6 +1028,7 @@ mod tests {
     use crate::commands::{Cli, Command};
     use crate::error::{EXIT_FAILURE, EXIT_NOT_FOUND, EXIT_TIMEOUT, EXIT_USAGE};
     use clap::Parser;
+    use std::collections::HashMap;
     use std::sync::{Arc, Mutex};
 
     fn parse(args: &[&str]) -> Result<Cli, clap::Error> {

@@ -14,6 +14,9 @@ pub mod demo;
 #[cfg(test)]
 mod failover_tests;
 pub mod gpus;
+#[cfg(test)]
+mod job_round_trip_tests;
+pub mod job_values;
 pub mod jobfile;
 pub mod jobs;
 pub mod masters;
