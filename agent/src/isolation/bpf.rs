@@ -1,8 +1,9 @@
 //! cgroup v2 device filtering: the eBPF program (type
 //! `BPF_PROG_TYPE_CGROUP_DEVICE`) that decides, for each open or mknod of a
 //! device node by a process of the cgroup, whether it may. Generated from
-//! device rules, as runc and youki do. PURE: instructions as data; loading
-//! and attaching them is the kernel's business (issue 19, not built yet).
+//! device rules, as runc and youki do. PURE: instructions as data;
+//! `bpf_load.rs` loads them and `cgroup2.rs` attaches them to a host task's
+//! cgroup before it runs.
 //!
 //! The kernel calls the program with a `struct bpf_cgroup_dev_ctx`:
 //!

@@ -3,8 +3,8 @@
 //! unsafe code is the two calls, each with a zeroed, fully sized
 //! `union bpf_attr` whose pointers outlive the call.
 //!
-//! Not yet wired into task launch (issue 19): the agent still refuses host
-//! tasks on cgroup v2 where NVIDIA devices exist.
+//! `cgroup2.rs` attaches one to each host-process task's cgroup before the
+//! task execs (containers get Docker's own program).
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::Path;
