@@ -739,11 +739,7 @@ pub(super) const MPS_GROUP_FILE: &str = "mps-group";
 /// so tasks running as different users get daemons of their own (which
 /// the GPU time-slices). `None`: the image's user, not known here.
 pub(super) fn mps_group(share: &TaskShare, user: Option<UserIds>) -> String {
-    let tenant = if share.tenant.is_empty() {
-        "default"
-    } else {
-        share.tenant.as_str()
-    };
+    let tenant = share.tenant.name();
     match user {
         Some(u) => format!("{tenant}.u{}", u.uid),
         None => format!("{tenant}.image"),

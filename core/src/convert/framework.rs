@@ -48,7 +48,7 @@ pub fn framework_info_from_pb(f: Option<pb::FrameworkInfo>) -> Result<FrameworkI
             .capabilities
             .contains(&(pb::FrameworkCapability::GpuResources as i32)),
         failover_timeout_ms: (f.failover_timeout_secs * 1000.0) as u64,
-        tenant: String::new(),
+        tenant: Tenant::default(),
     })
 }
 

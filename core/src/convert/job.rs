@@ -588,7 +588,7 @@ impl TryFrom<pb::JobSpec> for JobSpec {
             replicas,
             max_retries: s.max_retries,
             no_requeue: s.no_requeue,
-            tenant: s.tenant,
+            tenant: Tenant::new(s.tenant),
             // The master's to set, from the caller's token.
             submitted_by: String::new(),
             secret_env,
@@ -889,7 +889,7 @@ impl From<JobSpec> for pb::JobSpec {
             replicas: s.replicas,
             max_retries: s.max_retries,
             no_requeue: s.no_requeue,
-            tenant: s.tenant,
+            tenant: s.tenant.into_recorded(),
             secret_env: s.secret_env.into_iter().collect(),
             require_cuda: s
                 .require_cuda
@@ -934,10 +934,10 @@ impl TryFrom<pb::TaskSpec> for TaskSpec {
             Some(sh) => Some(TaskShare {
                 // It names the task's MPS server's directory on the agent.
                 tenant: if sh.tenant.is_empty() {
-                    sh.tenant
+                    Tenant::default()
                 } else {
                     check_id("task.share.tenant", &sh.tenant)?;
-                    sh.tenant
+                    Tenant::new(sh.tenant)
                 },
                 fraction: GpuFraction {
                     mem_mib: sh.mem_mib,
@@ -988,7 +988,7 @@ impl From<TaskSpec> for pb::TaskSpec {
                 mem_mib: sh.fraction.mem_mib,
                 compute_pct: sh.fraction.compute_pct,
                 mode: sh.mode.to_string(),
-                tenant: sh.tenant,
+                tenant: sh.tenant.into_recorded(),
             }),
         })
     }

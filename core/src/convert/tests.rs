@@ -708,7 +708,7 @@ fn a_shares_tenant_must_be_a_safe_name_and_survives_the_wire() {
         );
     }
     let ok = TaskSpec::try_from(t("team-a")).unwrap();
-    assert_eq!(ok.share.as_ref().unwrap().tenant, "team-a");
+    assert_eq!(ok.share.as_ref().unwrap().tenant.name(), "team-a");
     let back = pb::TaskSpec::from(ok);
     assert_eq!(back.share.unwrap().tenant, "team-a");
 }

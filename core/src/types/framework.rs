@@ -52,9 +52,9 @@ pub struct FrameworkInfo {
     pub gpu_capable: bool,
     pub failover_timeout_ms: u64,
     /// The tenant it acts for, set by the master from its token (not part
-    /// of the API: a framework cannot choose it). Empty: the default tenant.
-    #[serde(default, skip_serializing_if = "String::is_empty")]
-    pub tenant: String,
+    /// of the API: a framework cannot choose it).
+    #[serde(default, skip_serializing_if = "Tenant::is_unset")]
+    pub tenant: Tenant,
 }
 
 impl FrameworkInfo {

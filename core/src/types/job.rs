@@ -198,10 +198,9 @@ pub struct JobSpec {
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub no_requeue: bool,
     /// The tenant the job is charged to, set by the master from the
-    /// submitter's token (an admin may name one). Empty: the default tenant
-    /// (no security configured, or submitted before tenants existed).
-    #[serde(default, skip_serializing_if = "String::is_empty")]
-    pub tenant: String,
+    /// submitter's token (an admin may name one).
+    #[serde(default, skip_serializing_if = "Tenant::is_unset")]
+    pub tenant: Tenant,
     /// The id of the token that submitted it, set by the master (never
     /// from the wire); its usage is charged to it. Empty: no token (no
     /// security configured, or submitted before accounting).
@@ -307,7 +306,7 @@ impl JobSpec {
             replicas: 1,
             max_retries: 0,
             no_requeue: false,
-            tenant: String::new(),
+            tenant: Tenant::default(),
             secret_env: Default::default(),
             require_cuda: None,
             min_replicas: None,

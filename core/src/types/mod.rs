@@ -10,6 +10,7 @@ mod resources;
 mod security;
 mod status;
 mod task;
+mod tenant;
 
 pub use agent::*;
 pub use framework::*;
@@ -20,6 +21,7 @@ pub use resources::*;
 pub use security::*;
 pub use status::*;
 pub use task::*;
+pub use tenant::*;
 
 pub type AgentId = String;
 pub type JobId = String;

@@ -42,7 +42,7 @@ pub struct TaskShare {
     pub fraction: GpuFraction,
     pub mode: ShareMode,
     /// The tenant the task is charged to: tasks of different tenants never
-    /// share an MPS server. Empty: the default tenant.
+    /// share an MPS server.
     #[serde(default)]
-    pub tenant: String,
+    pub tenant: Tenant,
 }

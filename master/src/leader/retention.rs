@@ -358,7 +358,7 @@ mod tests {
                     roles: vec!["ml".into()],
                     gpu_capable: false,
                     failover_timeout_ms: 60_000,
-                    tenant: String::new(),
+                    tenant: Default::default(),
                 },
                 at_ms: 0,
             })

@@ -17,7 +17,6 @@ use gpuctl_core::types::{JobId, JobState, RestartPolicy};
 
 use super::queue::QueueConfig;
 use super::{placement, policy_of, request, reservations, tenants, Pool};
-use crate::state::access::tenant_of;
 use crate::state::State;
 
 /// How often the leader looks for room to grow elastic gangs.
@@ -63,7 +62,7 @@ pub fn growth(state: &State, cfg: &QueueConfig) -> Option<(JobId, u32)> {
             pool.give(&t.agent_id, &t.resources, &t.gpu_uuids, t.fraction);
         }
         let mut most = job.spec.replicas();
-        let tenant = tenant_of(&job.spec);
+        let tenant = job.spec.tenant.name();
         if let Some(cap) = state.tenant_cap(tenant) {
             let used = tenants::usage(state)
                 .get(tenant)

@@ -29,7 +29,6 @@ use gpuctl_core::types::{
     devices, AgentId, GpuFraction, GpuInfo, JobId, JobSpec, PlacementPolicy, Resources,
 };
 
-use crate::state::access::tenant_of;
 use crate::state::{AgentRecord, JobRecord, Launch, State, Stopping};
 
 /// What the scheduler may use on one agent: resources, exact GPUs and the
@@ -543,7 +542,7 @@ fn place_on<'s>(
         if out.len() >= MAX_LAUNCHES_PER_ROUND {
             break;
         }
-        let tenant = tenant_of(&job.spec);
+        let tenant = job.spec.tenant.name();
         let gpus = tenants::job_quota_gpus(&job.spec);
         let mut quota_left = None;
         if let Some(cap) = state.tenant_cap(tenant) {
@@ -660,7 +659,7 @@ pub fn queue_order<'s>(
     if let Some(shares) = shares {
         let below = |j: &JobRecord| {
             shares
-                .get(tenant_of(&j.spec))
+                .get(j.spec.tenant.name())
                 .is_some_and(|f| f.used < f.share)
         };
         // Stable: the order within each part stays.

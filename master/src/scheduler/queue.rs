@@ -44,7 +44,6 @@ use gpuctl_core::types::{find_device, Device, JobId, JobState, PlacementPolicy, 
 
 use super::placement::{self, model_matches, Placement, TaskRequest};
 use super::{ask_key, may_use, policy_of, request, reservations, Pool};
-use crate::state::access::tenant_of;
 use crate::state::{job_seq, JobRecord, State, Stopping};
 use gpuctl_core::wait::{
     AgentCounts, AgentIds, Dimension, NeverFits, Requeued, SetAside, WaitReason, Waiting,
@@ -177,13 +176,13 @@ pub fn may_reclaim(state: &State) -> bool {
         .queued_jobs()
         .iter()
         .filter(|j| crate::scheduler::tenants::job_quota_gpus(&j.spec) > 0)
-        .map(|j| tenant_of(&j.spec))
+        .map(|j| j.spec.tenant.name())
         .collect();
     !waiting.is_empty()
         && state.jobs().values().any(|j| {
             matches!(j.state, JobState::Starting | JobState::Running)
                 && j.stopping.is_none()
-                && waiting.iter().any(|t| *t != tenant_of(&j.spec))
+                && waiting.iter().any(|t| *t != j.spec.tenant.name())
         })
 }
 
@@ -328,7 +327,7 @@ fn pass_job<'s>(
             most -= 1;
         }
     }
-    let tenant = tenant_of(spec);
+    let tenant = spec.tenant.name();
     let quota_need = crate::scheduler::tenants::job_quota_gpus(spec);
     if let Some(quota) = state.tenant_cap(tenant) {
         let used = walk.tenant_gpus.get(tenant).copied().unwrap_or(0);
@@ -392,7 +391,7 @@ fn pass_job<'s>(
             let mut from = BTreeSet::new();
             walk.misses.clear();
             for v in &victims {
-                let victim_tenant = state.job(v).map_or("", |j| tenant_of(&j.spec));
+                let victim_tenant = state.job(v).map_or("", |j| j.spec.tenant.name());
                 from.insert(victim_tenant.to_string());
                 for t in live_tasks(state, v) {
                     walk.sim
@@ -619,7 +618,7 @@ fn tasks_preempted_for(state: &State) -> HashMap<&str, StoppingFor> {
         let e = out.entry(by.as_str()).or_default();
         e.tasks += live;
         if reclaimed_for.is_some() && live > 0 {
-            e.reclaim_from.insert(tenant_of(&j.spec).to_string());
+            e.reclaim_from.insert(j.spec.tenant.name().to_string());
         }
     }
     out
@@ -717,13 +716,13 @@ fn find_victims<'s>(
     // Priorities order a tenant's own jobs: a job never preempts another
     // tenant's (else any user could take every GPU by asking a high
     // priority). Without tokens every job is the default tenant's.
-    let tenant = tenant_of(&job.spec);
+    let tenant = job.spec.tenant.name();
     let cands = victims_among(
         state,
         ctx.preemptible
             .iter()
             .copied()
-            .filter(|v| v.spec.priority < priority && tenant_of(&v.spec) == tenant),
+            .filter(|v| v.spec.priority < priority && v.spec.tenant.name() == tenant),
     );
     choose_victims(ctx, sim, job, req, policy, cands, &Rule::Priority)
 }
@@ -741,7 +740,7 @@ fn find_reclaim<'s>(
 ) -> Option<(Vec<JobId>, Vec<Placement>)> {
     let shares = ctx.shares.as_ref()?;
     let min_runtime = ctx.cfg.reclaim_min_runtime_ms?;
-    let tenant = tenant_of(&job.spec);
+    let tenant = job.spec.tenant.name();
     let held = |t: &str| walk.tenant_gpus.get(t).copied().unwrap_or(0);
     let share = shares.get(tenant)?.share;
     if units == 0 || held(tenant).saturating_add(units) > share {
@@ -761,12 +760,12 @@ fn find_reclaim<'s>(
         ctx.preemptible
             .iter()
             .copied()
-            .filter(|v| budget.contains_key(tenant_of(&v.spec))),
+            .filter(|v| budget.contains_key(v.spec.tenant.name())),
     )
     .into_iter()
     .filter(|v| {
         v.started_ms.saturating_add(min_runtime) <= ctx.cfg.now_ms
-            && v.units <= budget[tenant_of(&v.job.spec)]
+            && v.units <= budget[v.job.spec.tenant.name()]
     })
     .collect();
     choose_victims(
@@ -920,7 +919,7 @@ fn within_budget<'v>(
         let Some(v) = cands.iter().find(|c| &c.job.id == id) else {
             continue;
         };
-        *taken.entry(tenant_of(&v.job.spec)).or_default() += v.units;
+        *taken.entry(v.job.spec.tenant.name()).or_default() += v.units;
     }
     taken
         .iter()

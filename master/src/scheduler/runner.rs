@@ -53,7 +53,7 @@ fn info() -> FrameworkInfo {
         roles: vec![JOBS_ROLE.to_string()],
         gpu_capable: true,
         failover_timeout_ms: 0,
-        tenant: String::new(),
+        tenant: Default::default(),
     }
 }
 

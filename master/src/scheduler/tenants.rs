@@ -12,7 +12,6 @@ use std::collections::BTreeMap;
 use gpuctl_core::types::{JobState, Resources};
 
 use crate::allocator::RoleConfig;
-use crate::state::access::{tenant_of, DEFAULT_TENANT};
 use crate::state::State;
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -53,7 +52,7 @@ pub fn ranks_within(spec: &gpuctl_core::types::JobSpec, room: Option<u32>) -> u3
 pub fn usage(state: &State) -> BTreeMap<String, TenantUsage> {
     let mut out: BTreeMap<String, TenantUsage> = BTreeMap::new();
     for j in state.jobs().values() {
-        let u = out.entry(tenant_of(&j.spec).to_string()).or_default();
+        let u = out.entry(j.spec.tenant.name().to_string()).or_default();
         match j.state {
             JobState::Queued => u.queued += 1,
             JobState::Starting | JobState::Running => u.running += 1,
@@ -67,17 +66,14 @@ pub fn usage(state: &State) -> BTreeMap<String, TenantUsage> {
         let gpus = quota_gpus(&t.resources, t.fraction);
         if t.framework_id.is_empty() {
             if let Some(j) = state.job(&t.job_id) {
-                let u = out.entry(tenant_of(&j.spec).to_string()).or_default();
+                let u = out.entry(j.spec.tenant.name().to_string()).or_default();
                 u.gpus += gpus;
                 u.job_gpus += gpus;
             }
         } else if let Some(f) = state.framework(&t.framework_id) {
-            let tenant = if f.info.tenant.is_empty() {
-                DEFAULT_TENANT
-            } else {
-                &f.info.tenant
-            };
-            out.entry(tenant.to_string()).or_default().gpus += gpus;
+            out.entry(f.info.tenant.name().to_string())
+                .or_default()
+                .gpus += gpus;
         }
     }
     out
@@ -133,7 +129,7 @@ pub fn fair_shares(state: &State) -> BTreeMap<String, FairShare> {
     for j in state.queued_jobs() {
         let asks = job_quota_gpus(&j.spec);
         if asks > 0 {
-            let f = out.entry(tenant_of(&j.spec).to_string()).or_default();
+            let f = out.entry(j.spec.tenant.name().to_string()).or_default();
             f.demand = f.demand.saturating_add(asks);
         }
     }

@@ -17,7 +17,7 @@ use super::{reply, Ctx, ServiceError};
 use crate::allocator::refuse_until;
 use crate::leader::frameworks::{task_status, EVENT_BUFFER};
 use crate::now_ms;
-use crate::state::access::{TokenRole, DEFAULT_TENANT};
+use crate::state::access::TokenRole;
 use crate::state::frameworks::task_key;
 use crate::state::frameworks::BUILTIN_FRAMEWORK_ID;
 use crate::state::{Command, Outcome, State};
@@ -82,7 +82,7 @@ impl SchedulerService {
         }
         let state = self.ctx.raft.state();
         match state.framework(framework_id) {
-            Some(f) if !caller.may_access(framework_tenant(&f.info)) => {
+            Some(f) if !caller.may_access(f.info.tenant.name()) => {
                 Err(ServiceError::Forbidden(format!(
                     "framework {framework_id} belongs to another tenant than yours ({})",
                     caller.tenant()
@@ -115,14 +115,14 @@ impl SchedulerService {
             }
         }
         if info.id.is_empty() {
-            info.tenant = caller.tenant().to_string();
+            info.tenant = caller.tenant().into();
             return Ok(());
         }
         self.check_framework(caller, &info.id)?;
         let state = self.ctx.raft.state();
         info.tenant = match state.framework(&info.id) {
             Some(f) => f.info.tenant.clone(),
-            None => caller.tenant().to_string(),
+            None => caller.tenant().into(),
         };
         Ok(())
     }
@@ -137,15 +137,6 @@ impl SchedulerService {
             });
         }
         Ok(())
-    }
-}
-
-/// The tenant a framework acts for.
-fn framework_tenant(info: &FrameworkInfo) -> &str {
-    if info.tenant.is_empty() {
-        DEFAULT_TENANT
-    } else {
-        &info.tenant
     }
 }
 

@@ -12,7 +12,6 @@ use gpuctl_core::types::JobsQuery;
 use gpuctl_proto::pb;
 use prost::encoding::{encoded_len_varint, key_len};
 
-use crate::state::access::tenant_of;
 use crate::state::{job_seq, JobRecord, State};
 
 /// Most bytes of an encoded page: gRPC's default message limit, so that
@@ -24,7 +23,7 @@ pub const PAGE_BYTES: usize = 4 * 1024 * 1024;
 const TOKEN_BYTES: usize = 32;
 
 fn wanted(req: &JobsQuery, tenant: Option<&str>, j: &JobRecord) -> bool {
-    tenant.is_none_or(|t| t == tenant_of(&j.spec))
+    tenant.is_none_or(|t| t == j.spec.tenant.name())
         && (req.states.is_empty() || req.states.contains(&j.state))
         && req.name.as_ref().is_none_or(|n| *n == j.spec.name)
         && req.before.is_none_or(|b| job_seq(&j.id) < b)

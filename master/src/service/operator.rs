@@ -17,7 +17,6 @@ use tonic::{Request, Response, Status};
 use super::auth::Caller;
 use super::{jobs_page, reply, Ctx, Missing, ServiceError};
 use crate::now_ms;
-use crate::state::access::tenant_of;
 use crate::state::requests::request_key;
 use crate::state::{AgentRecord, AgentState, Command, JobRecord, Outcome, State, TaskRecord};
 use gpuctl_core::wait::Waiting;
@@ -528,7 +527,7 @@ fn wanted_series(
                 && (!t.state.is_terminal() || t.updated_at_ms >= req.since_ms)
                 && state
                     .job(&t.job_id)
-                    .is_some_and(|j| !tenant.is_empty() && tenant_of(&j.spec) == tenant)
+                    .is_some_and(|j| !tenant.is_empty() && j.spec.tenant.name() == tenant)
         });
         for t in mine {
             held_by(t, &mut wanted);
@@ -694,7 +693,7 @@ impl OperatorService {
     fn check_job_access(&self, caller: &Caller, job_id: &str) -> Result<(), ServiceError> {
         let state = self.ctx.raft.state();
         match state.job(job_id) {
-            Some(j) if !caller.may_access(tenant_of(&j.spec)) => {
+            Some(j) if !caller.may_access(j.spec.tenant.name()) => {
                 Err(ServiceError::Forbidden(format!(
                     "job {job_id} belongs to another tenant than yours ({})",
                     caller.tenant()
@@ -746,9 +745,9 @@ impl OperatorService {
         let mut spec = JobSpec::try_from(spec)?;
         spec.submitted_by = caller.token_id().unwrap_or_default().to_string();
         // Charged to the caller's tenant; only an admin may name another.
-        if spec.tenant.is_empty() {
-            spec.tenant = caller.tenant().to_string();
-        } else if !caller.may_access(&spec.tenant) {
+        if spec.tenant.is_unset() {
+            spec.tenant = caller.tenant().into();
+        } else if !caller.may_access(spec.tenant.name()) {
             return Err(ServiceError::Forbidden(format!(
                 "spec.tenant: your token is tenant {}'s; it cannot submit jobs for tenant {}",
                 caller.tenant(),

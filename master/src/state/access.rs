@@ -148,18 +148,7 @@ impl TokenRecord {
 /// How long the request that used a join token may be sent again.
 pub const JOIN_RETRY_MS: u64 = 10 * 60 * 1000;
 
-/// The tenant of jobs submitted without tokens (no security configured),
-/// and of jobs recorded before tenants existed.
-pub const DEFAULT_TENANT: &str = "default";
-
-/// The tenant a job is charged to.
-pub fn tenant_of(spec: &gpuctl_core::types::JobSpec) -> &str {
-    if spec.tenant.is_empty() {
-        DEFAULT_TENANT
-    } else {
-        &spec.tenant
-    }
-}
+pub use gpuctl_core::types::DEFAULT_TENANT;
 
 /// Longest tenant name.
 pub const MAX_TENANT_LEN: usize = 64;

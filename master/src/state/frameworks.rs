@@ -406,7 +406,7 @@ mod tests {
             roles: vec!["ml".into()],
             gpu_capable: true,
             failover_timeout_ms: 60_000,
-            tenant: String::new(),
+            tenant: Default::default(),
         }
     }
 

@@ -546,7 +546,7 @@ impl State {
         min_runtime_ms: u64,
     ) -> Result<(), ApplyError> {
         let v = self.stoppable(victim)?;
-        if super::access::tenant_of(&v.spec) == tenant {
+        if v.spec.tenant.name() == tenant {
             return Err(invalid_victim(format!(
                 "job {victim} is tenant {tenant}'s own: its jobs are ordered by priority"
             )));
@@ -580,14 +580,14 @@ impl State {
         min_runtime_ms: u64,
     ) -> Result<Outcome, ApplyError> {
         let job = self.queued_for_stopping(job_id, victims)?;
-        let tenant = super::access::tenant_of(&job.spec).to_string();
+        let tenant = job.spec.tenant.name().to_string();
         for v in victims {
             self.reclaimable(&tenant, v, at_ms, min_runtime_ms)?;
         }
         let owners: BTreeSet<String> = victims
             .iter()
             .filter_map(|v| self.jobs.get(v))
-            .map(|v| super::access::tenant_of(&v.spec).to_string())
+            .map(|v| v.spec.tenant.name().to_string())
             .collect();
         let owners = owners.into_iter().collect::<Vec<_>>().join(", ");
         self.job_event(

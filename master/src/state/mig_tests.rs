@@ -537,7 +537,7 @@ fn a_framework_launches_on_a_mig_device_and_never_on_its_parent() {
                 roles: vec!["ml".into()],
                 gpu_capable: true,
                 failover_timeout_ms: 60_000,
-                tenant: String::new(),
+                tenant: Default::default(),
             },
             at_ms: 1,
         })

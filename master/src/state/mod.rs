@@ -699,18 +699,16 @@ impl State {
             (None, None) => return None,
         };
         let tenant = match (&t.launch, job) {
-            (None, Some(job)) => access::tenant_of(&job.spec).to_string(),
+            (None, Some(job)) => job.spec.tenant.name(),
             _ => self
                 .frameworks
                 .get(&t.framework_id)
-                .map(|f| f.info.tenant.clone())
-                .filter(|t| !t.is_empty())
-                .unwrap_or_else(|| access::DEFAULT_TENANT.to_string()),
+                .map_or(access::DEFAULT_TENANT, |f| f.info.tenant.name()),
         };
         Some(TaskSpec {
             // A fraction's GPU stays shared while the fraction is held.
             share: t.fraction.map(|fraction| gpuctl_core::types::TaskShare {
-                tenant: tenant.clone(),
+                tenant: tenant.into(),
                 fraction,
                 mode: t
                     .gpu_uuids

@@ -295,7 +295,7 @@ mod tests {
                 roles: vec!["ml".into()],
                 gpu_capable: true,
                 failover_timeout_ms: 60_000,
-                tenant: String::new(),
+                tenant: Default::default(),
             },
             at_ms: 0,
         }) {

@@ -600,10 +600,10 @@ fn a_fractions_task_spec_names_its_mode_and_tenant_for_its_mps_server() {
     let share_of = |job: &str| d.s.task_spec(&format!("{job}.0")).unwrap().share.unwrap();
     let sa = share_of(&a);
     assert_eq!(sa.mode, ShareMode::Mps);
-    assert_eq!(sa.tenant, "team-a");
+    assert_eq!(sa.tenant.as_recorded(), "team-a");
     assert_eq!((sa.fraction.mem_mib, sa.fraction.compute_pct), (1024, 10));
     // No tenant: the default one, never an empty name for a directory.
-    assert_eq!(share_of(&b).tenant, "default");
+    assert_eq!(share_of(&b).tenant.as_recorded(), "default");
     // A whole-GPU task has no share.
     let w = d.submit(spec(None, 1));
     d.launch_at(&w, &[("a", &["GPU-a-1"])], 2).unwrap();

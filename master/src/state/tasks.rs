@@ -381,9 +381,9 @@ impl State {
             let mean = sum as f64 / n.max(1) as f64;
             let stop_after = self
                 .tenant_terms
-                .get(super::access::tenant_of(&job.spec))
+                .get(job.spec.tenant.name())
                 .and_then(|t| t.stop_idle_after_ms);
-            let tenant = super::access::tenant_of(&job.spec).to_string();
+            let tenant = job.spec.tenant.name().to_string();
             let Some(job) = self.jobs.get_mut(&job_id) else {
                 continue;
             };
@@ -441,15 +441,14 @@ impl State {
     pub(crate) fn charge_of(&self, task: &super::TaskRecord) -> super::usage::Charge {
         let (tenant, user) = match self.jobs.get(&task.job_id) {
             Some(j) => (
-                super::access::tenant_of(&j.spec).to_string(),
+                j.spec.tenant.name().to_string(),
                 j.spec.submitted_by.clone(),
             ),
             None => (
                 self.frameworks
                     .get(&task.framework_id)
-                    .map(|f| f.info.tenant.clone())
-                    .filter(|t| !t.is_empty())
-                    .unwrap_or_else(|| super::access::DEFAULT_TENANT.to_string()),
+                    .map_or(gpuctl_core::types::DEFAULT_TENANT, |f| f.info.tenant.name())
+                    .to_string(),
                 String::new(),
             ),
         };

@@ -347,7 +347,7 @@ proptest! {
                 roles: vec![],
                 gpu_capable: true,
                 failover_timeout_ms: 1000,
-                tenant: String::new(),
+                tenant: Default::default(),
             },
             at_ms: 1,
         }) {
