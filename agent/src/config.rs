@@ -2,13 +2,11 @@
 //! (`--config`), in that order of precedence.
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::parser::ValueSource;
-use clap::{ArgMatches, CommandFactory, FromArgMatches, Parser};
+use clap::Parser;
 use gpuctl_core::types::{IdRanges, PortRange, Runtime, UserIds};
-use serde::Deserialize;
 
 use crate::error::AgentError;
 use crate::gpu::health::HealthConfig;
@@ -409,71 +407,6 @@ pub struct Options {
     pub ports: String,
 }
 
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct FileOptions {
-    master: Option<String>,
-    work_dir: Option<PathBuf>,
-    listen: Option<SocketAddr>,
-    tls_dir: Option<PathBuf>,
-    join_token: Option<String>,
-    join_token_file: Option<PathBuf>,
-    insecure: Option<bool>,
-    advertise: Option<String>,
-    simulate_gpus: Option<String>,
-    runtime: Option<String>,
-    nvml_lib: Option<PathBuf>,
-    mps_control: Option<PathBuf>,
-    docker_cap_runtime: Option<String>,
-    share_gpus: Option<String>,
-    cpus: Option<f64>,
-    mem_mib: Option<u64>,
-    kill_grace_secs: Option<f64>,
-    task_retention: Option<String>,
-    cgroup_parent: Option<String>,
-    cgroup_root: Option<PathBuf>,
-    dev_root: Option<PathBuf>,
-    nvidia_proc_root: Option<PathBuf>,
-    driver_root: Option<PathBuf>,
-    cdi_dir: Option<PathBuf>,
-    no_cdi: Option<bool>,
-    attributes: Option<Vec<String>>,
-    log: Option<String>,
-    health_interval_secs: Option<f64>,
-    health_recovery_secs: Option<f64>,
-    health_ignore_xids: Option<String>,
-    health_node_xids: Option<String>,
-    gpu_reset_command: Option<String>,
-    gpu_max_resets: Option<u32>,
-    preflight_command: Option<String>,
-    preflight_timeout_secs: Option<f64>,
-    metrics_listen: Option<SocketAddr>,
-    stop_tasks_on_shutdown: Option<bool>,
-    task_user: Option<String>,
-    task_users: Option<String>,
-    allowed_users: Option<String>,
-    task_pids_max: Option<NumberOrNone>,
-    allow_root_tasks: Option<bool>,
-    allowed_mounts: Option<Vec<String>>,
-    ports: Option<String>,
-}
-
-/// A file option that is a number or a word (`task_pids_max = 8192` or
-/// `"none"`).
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
-enum NumberOrNone {
-    Number(u64),
-    Text(String),
-}
-
-fn unset(m: &ArgMatches, id: &str) -> bool {
-    !matches!(
-        m.value_source(id),
-        Some(ValueSource::CommandLine) | Some(ValueSource::EnvVariable)
-    )
-}
-
 /// Splits `a,b,c` into trimmed non-empty parts.
 pub fn split_list(s: &str) -> Vec<String> {
     s.split(',')
@@ -509,74 +442,7 @@ impl Options {
         I: IntoIterator<Item = T>,
         T: Into<std::ffi::OsString> + Clone,
     {
-        let matches = Options::command().get_matches_from(args);
-        let mut o =
-            Options::from_arg_matches(&matches).map_err(|e| AgentError::Config(e.to_string()))?;
-        if let Some(path) = o.config.clone() {
-            let f = read_file(&path)?;
-            macro_rules! fill {
-                ($field:ident) => {
-                    if let (Some(v), true) = (f.$field, unset(&matches, stringify!($field))) {
-                        o.$field = v;
-                    }
-                };
-                (opt $field:ident) => {
-                    if let (Some(v), true) = (f.$field, unset(&matches, stringify!($field))) {
-                        o.$field = Some(v);
-                    }
-                };
-            }
-            fill!(master);
-            fill!(work_dir);
-            fill!(opt listen);
-            fill!(opt tls_dir);
-            fill!(opt join_token);
-            fill!(opt join_token_file);
-            fill!(insecure);
-            fill!(opt advertise);
-            fill!(opt simulate_gpus);
-            fill!(opt runtime);
-            fill!(opt nvml_lib);
-            fill!(opt mps_control);
-            fill!(opt docker_cap_runtime);
-            fill!(opt share_gpus);
-            fill!(opt cpus);
-            fill!(opt mem_mib);
-            fill!(kill_grace_secs);
-            fill!(task_retention);
-            fill!(cgroup_parent);
-            fill!(cgroup_root);
-            fill!(dev_root);
-            fill!(nvidia_proc_root);
-            fill!(driver_root);
-            fill!(cdi_dir);
-            fill!(no_cdi);
-            fill!(attributes);
-            fill!(log);
-            fill!(health_interval_secs);
-            fill!(health_recovery_secs);
-            fill!(health_ignore_xids);
-            fill!(health_node_xids);
-            fill!(gpu_reset_command);
-            fill!(gpu_max_resets);
-            fill!(preflight_command);
-            fill!(preflight_timeout_secs);
-            fill!(opt metrics_listen);
-            fill!(stop_tasks_on_shutdown);
-            fill!(task_user);
-            fill!(task_users);
-            fill!(allowed_users);
-            if let (Some(v), true) = (f.task_pids_max, unset(&matches, "task_pids_max")) {
-                o.task_pids_max = match v {
-                    NumberOrNone::Number(n) => n.to_string(),
-                    NumberOrNone::Text(t) => t,
-                };
-            }
-            fill!(allow_root_tasks);
-            fill!(allowed_mounts);
-            fill!(ports);
-        }
-        Ok(o)
+        gpuctl_proto::options::parse_with_file(args, "config").map_err(AgentError::Config)
     }
 
     pub fn to_config(&self) -> Result<AgentConfig, AgentError> {
@@ -855,12 +721,6 @@ pub fn parse_reset_command(s: &str) -> Result<Vec<String>, AgentError> {
         ));
     }
     Ok(words)
-}
-
-fn read_file(path: &Path) -> Result<FileOptions, AgentError> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| AgentError::Config(format!("{}: {e}", path.display())))?;
-    toml::from_str(&text).map_err(|e| AgentError::Config(format!("{}: {e}", path.display())))
 }
 
 #[cfg(test)]

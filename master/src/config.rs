@@ -3,13 +3,11 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::parser::ValueSource;
-use clap::{ArgMatches, CommandFactory, FromArgMatches, Parser};
+use clap::Parser;
 use gpuctl_core::convert::check_host_port;
-use serde::Deserialize;
 
 use crate::allocator::{AllocatorConfig, RoleConfig};
 use crate::error::MasterError;
@@ -622,62 +620,6 @@ pub fn parse_role(spec: &str) -> Result<(String, RoleConfig), MasterError> {
     Ok((name.trim().to_string(), role))
 }
 
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct FileOptions {
-    listen: Option<SocketAddr>,
-    tls_dir: Option<PathBuf>,
-    tls_ca: Option<PathBuf>,
-    tls_cert: Option<PathBuf>,
-    tls_key: Option<PathBuf>,
-    ca_key: Option<PathBuf>,
-    bootstrap_token_file: Option<PathBuf>,
-    agent_cert_ttl: Option<String>,
-    client_cert_ttl: Option<String>,
-    insecure: Option<bool>,
-    data_dir: Option<PathBuf>,
-    node_id: Option<u64>,
-    heartbeat_interval_secs: Option<f64>,
-    agent_timeout_secs: Option<f64>,
-    agent_lost_timeout_secs: Option<f64>,
-    agent_fence_timeout_secs: Option<f64>,
-    roles: Option<Vec<String>>,
-    offer_gpu_agents_to_all: Option<bool>,
-    offer_timeout_secs: Option<f64>,
-    allocation_interval_ms: Option<u64>,
-    update_resend_secs: Option<f64>,
-    gpu_reserved_cpus: Option<f64>,
-    gpu_reserved_mem_mib: Option<u64>,
-    peers: Option<String>,
-    advertise: Option<String>,
-    join: Option<bool>,
-    election_timeout_ms: Option<u64>,
-    snapshot_every: Option<u64>,
-    max_heartbeats_per_sec: Option<u32>,
-    placement: Option<String>,
-    mig_auto: Option<bool>,
-    reclaim_min_runtime: Option<String>,
-    elastic_grow_after: Option<String>,
-    utilization_period: Option<String>,
-    idle_window: Option<String>,
-    idle_below: Option<u8>,
-    reclaim_notice: Option<String>,
-    log: Option<String>,
-    metrics_listen: Option<SocketAddr>,
-    http_listen: Option<SocketAddr>,
-    job_retention: Option<String>,
-    job_retention_max: Option<u64>,
-    max_stop_grace_secs: Option<u64>,
-}
-
-/// True when the user did not set `id` by flag or environment.
-fn unset(m: &ArgMatches, id: &str) -> bool {
-    !matches!(
-        m.value_source(id),
-        Some(ValueSource::CommandLine) | Some(ValueSource::EnvVariable)
-    )
-}
-
 fn secs(field: &str, v: f64) -> Result<Duration, MasterError> {
     if !v.is_finite() || v <= 0.0 || v > 86400.0 {
         return Err(MasterError::Config(format!(
@@ -699,193 +641,7 @@ impl Options {
         I: IntoIterator<Item = T>,
         T: Into<std::ffi::OsString> + Clone,
     {
-        let matches = Options::command().get_matches_from(args);
-        let mut o =
-            Options::from_arg_matches(&matches).map_err(|e| MasterError::Config(e.to_string()))?;
-        if let Some(path) = o.config.clone() {
-            let f = read_file(&path)?;
-            if let (Some(v), true) = (f.listen, unset(&matches, "listen")) {
-                o.listen = Some(v);
-            }
-            if let (Some(v), true) = (f.tls_dir, unset(&matches, "tls_dir")) {
-                o.tls_dir = Some(v);
-            }
-            if let (Some(v), true) = (f.tls_ca, unset(&matches, "tls_ca")) {
-                o.tls_ca = Some(v);
-            }
-            if let (Some(v), true) = (f.tls_cert, unset(&matches, "tls_cert")) {
-                o.tls_cert = Some(v);
-            }
-            if let (Some(v), true) = (f.tls_key, unset(&matches, "tls_key")) {
-                o.tls_key = Some(v);
-            }
-            if let (Some(v), true) = (f.ca_key, unset(&matches, "ca_key")) {
-                o.ca_key = Some(v);
-            }
-            if let (Some(v), true) = (
-                f.bootstrap_token_file,
-                unset(&matches, "bootstrap_token_file"),
-            ) {
-                o.bootstrap_token_file = Some(v);
-            }
-            if let (Some(v), true) = (f.agent_cert_ttl, unset(&matches, "agent_cert_ttl")) {
-                o.agent_cert_ttl = v;
-            }
-            if let (Some(v), true) = (f.client_cert_ttl, unset(&matches, "client_cert_ttl")) {
-                o.client_cert_ttl = v;
-            }
-            if let (Some(v), true) = (f.insecure, unset(&matches, "insecure")) {
-                o.insecure = v;
-            }
-            if let (Some(v), true) = (f.data_dir, unset(&matches, "data_dir")) {
-                o.data_dir = v;
-            }
-            if let (Some(v), true) = (f.node_id, unset(&matches, "node_id")) {
-                if v == 0 {
-                    return Err(MasterError::Config(format!(
-                        "{}: node_id must be >= 1",
-                        path.display()
-                    )));
-                }
-                o.node_id = v;
-            }
-            if let (Some(v), true) = (
-                f.heartbeat_interval_secs,
-                unset(&matches, "heartbeat_interval_secs"),
-            ) {
-                o.heartbeat_interval_secs = v;
-            }
-            if let (Some(v), true) = (f.agent_timeout_secs, unset(&matches, "agent_timeout_secs")) {
-                o.agent_timeout_secs = v;
-            }
-            if let (Some(v), true) = (
-                f.agent_lost_timeout_secs,
-                unset(&matches, "agent_lost_timeout_secs"),
-            ) {
-                o.agent_lost_timeout_secs = v;
-            }
-            if let (Some(v), true) = (
-                f.agent_fence_timeout_secs,
-                unset(&matches, "agent_fence_timeout_secs"),
-            ) {
-                o.agent_fence_timeout_secs = v;
-            }
-            if let (Some(v), true) = (f.roles, unset(&matches, "roles")) {
-                o.roles = v;
-            }
-            if let (Some(v), true) = (
-                f.offer_gpu_agents_to_all,
-                unset(&matches, "offer_gpu_agents_to_all"),
-            ) {
-                o.offer_gpu_agents_to_all = v;
-            }
-            if let (Some(v), true) = (f.offer_timeout_secs, unset(&matches, "offer_timeout_secs")) {
-                o.offer_timeout_secs = v;
-            }
-            if let (Some(v), true) = (
-                f.allocation_interval_ms,
-                unset(&matches, "allocation_interval_ms"),
-            ) {
-                o.allocation_interval_ms = v;
-            }
-            if let (Some(v), true) = (f.update_resend_secs, unset(&matches, "update_resend_secs")) {
-                o.update_resend_secs = v;
-            }
-            if let (Some(v), true) = (f.gpu_reserved_cpus, unset(&matches, "gpu_reserved_cpus")) {
-                o.gpu_reserved_cpus = v;
-            }
-            if let (Some(v), true) = (
-                f.gpu_reserved_mem_mib,
-                unset(&matches, "gpu_reserved_mem_mib"),
-            ) {
-                o.gpu_reserved_mem_mib = v;
-            }
-            if let (Some(v), true) = (f.peers, unset(&matches, "peers")) {
-                o.peers = v;
-            }
-            if let (Some(v), true) = (f.advertise, unset(&matches, "advertise")) {
-                o.advertise = Some(v);
-            }
-            if let (Some(v), true) = (f.join, unset(&matches, "join")) {
-                o.join = v;
-            }
-            if let (Some(v), true) = (
-                f.election_timeout_ms,
-                unset(&matches, "election_timeout_ms"),
-            ) {
-                o.election_timeout_ms = v;
-            }
-            if let (Some(v), true) = (
-                f.max_heartbeats_per_sec,
-                unset(&matches, "max_heartbeats_per_sec"),
-            ) {
-                o.max_heartbeats_per_sec = v;
-            }
-            if let (Some(v), true) = (f.snapshot_every, unset(&matches, "snapshot_every")) {
-                o.snapshot_every = v.max(1);
-            }
-            if let (Some(v), true) = (f.placement, unset(&matches, "placement")) {
-                o.placement = v;
-            }
-            if let (Some(v), true) = (f.mig_auto, unset(&matches, "mig_auto")) {
-                o.mig_auto = v;
-            }
-            if let (Some(v), true) = (
-                f.reclaim_min_runtime,
-                unset(&matches, "reclaim_min_runtime"),
-            ) {
-                o.reclaim_min_runtime = v;
-            }
-            if let (Some(v), true) = (f.elastic_grow_after, unset(&matches, "elastic_grow_after")) {
-                o.elastic_grow_after = v;
-            }
-            if let (Some(v), true) = (f.utilization_period, unset(&matches, "utilization_period")) {
-                o.utilization_period = v;
-            }
-            if let (Some(v), true) = (f.idle_window, unset(&matches, "idle_window")) {
-                o.idle_window = v;
-            }
-            if let (Some(v), true) = (f.idle_below, unset(&matches, "idle_below")) {
-                o.idle_below = v;
-            }
-            if let (Some(v), true) = (f.reclaim_notice, unset(&matches, "reclaim_notice")) {
-                o.reclaim_notice = v;
-            }
-            if let (Some(v), true) = (f.log, unset(&matches, "log")) {
-                o.log = v;
-            }
-            if let (Some(v), true) = (f.metrics_listen, unset(&matches, "metrics_listen")) {
-                o.metrics_listen = Some(v);
-            }
-            if let (Some(v), true) = (f.http_listen, unset(&matches, "http_listen")) {
-                o.http_listen = Some(v);
-            }
-            if let (Some(v), true) = (f.job_retention, unset(&matches, "job_retention")) {
-                o.job_retention = v;
-            }
-            if let (Some(v), true) = (f.job_retention_max, unset(&matches, "job_retention_max")) {
-                if v == 0 {
-                    return Err(MasterError::Config(format!(
-                        "{}: job_retention_max must be >= 1",
-                        path.display()
-                    )));
-                }
-                o.job_retention_max = v;
-            }
-            if let (Some(v), true) = (
-                f.max_stop_grace_secs,
-                unset(&matches, "max_stop_grace_secs"),
-            ) {
-                if v > 86_400 {
-                    return Err(MasterError::Config(format!(
-                        "{}: max_stop_grace_secs must be at most 86400 (a day)",
-                        path.display()
-                    )));
-                }
-                o.max_stop_grace_secs = v;
-            }
-        }
-        Ok(o)
+        gpuctl_proto::options::parse_with_file(args, "config").map_err(MasterError::Config)
     }
 
     /// The security options, resolved: `None` when no TLS is configured.
@@ -1155,12 +911,6 @@ fn check_http_listen(
         )));
     }
     Ok(addr)
-}
-
-fn read_file(path: &Path) -> Result<FileOptions, MasterError> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| MasterError::Config(format!("{}: {e}", path.display())))?;
-    toml::from_str(&text).map_err(|e| MasterError::Config(format!("{}: {e}", path.display())))
 }
 
 #[cfg(test)]

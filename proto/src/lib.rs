@@ -22,6 +22,8 @@ pub mod leader;
 pub mod memnet;
 #[cfg(feature = "metrics-server")]
 pub mod metrics_server;
+#[cfg(feature = "daemon")]
+pub mod options;
 
 /// Bad input as the API answers it: `INVALID_ARGUMENT` with the field named.
 /// (A function, not a `From`: neither type is this crate's.)
