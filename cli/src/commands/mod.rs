@@ -20,6 +20,7 @@ pub mod job_values;
 pub mod jobfile;
 pub mod jobs;
 pub mod masters;
+mod submit;
 #[cfg(test)]
 pub(crate) mod testkit;
 pub mod top;

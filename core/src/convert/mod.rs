@@ -8,6 +8,7 @@ mod framework;
 mod job;
 mod limits;
 mod query;
+mod spec;
 mod status;
 
 pub use agent::*;
