@@ -18,6 +18,7 @@ pub mod master_link;
 pub mod metrics;
 pub mod runtime;
 pub mod security;
+mod startup;
 pub mod task_users;
 pub mod volume;
 
@@ -33,7 +34,7 @@ pub use config::AgentConfig;
 use gpuctl_core::types::{AgentInfo, Resources, Runtime};
 use gpuctl_proto::pb;
 use runtime::{ContainerRuntime, DockerRuntime, ProcessRuntime};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use tokio::sync::{mpsc, watch};
 
 const AGENT_ID_FILE: &str = "agent-id";
@@ -201,43 +202,9 @@ pub async fn serve(
         .unwrap_or_else(|_| "localhost".into());
     let agent_id = load_or_create_agent_id(&config.work_dir, &hostname)?;
     // Before anything else talks to a master: join if need be.
-    let tls = match &config.security {
-        Some(sec) => Some(identity::establish(sec, &agent_id, &config.masters).await?),
-        None => {
-            tracing::warn!(
-                listen = %config.listen,
-                "no TLS configured: the agent API serves loopback only unless --insecure \
-                 (see docs/security.md)"
-            );
-            None
-        }
-    };
+    let tls = startup::join(&config, &agent_id).await?;
 
-    let (mut discovery, simulated) = match &config.simulate_gpus {
-        Some(spec) => {
-            let specs = gpu::parse_spec(spec).map_err(|e| AgentError::Config(e.to_string()))?;
-            let gpus = gpu::simulated_gpus(&specs, &agent_id);
-            tracing::info!(count = gpus.len(), spec = %spec, "reporting simulated GPUs");
-            let d = gpu::Discovery {
-                gpus,
-                ..Default::default()
-            };
-            (d, true)
-        }
-        None => {
-            let d = gpu::discover(config.nvml_lib.as_deref(), &config.nvidia_proc_root);
-            match &d.error {
-                Some(e) => tracing::warn!("{e}; reporting zero GPUs"),
-                None => {
-                    for g in d.gpus.iter().filter(|g| !g.healthy) {
-                        tracing::warn!(uuid = %g.uuid, index = g.index, reason = %g.unhealthy_reason, "GPU unhealthy");
-                    }
-                    tracing::info!(count = d.gpus.len(), driver = ?d.driver_version, cuda = ?d.cuda_driver_version, "GPUs discovered through NVML");
-                }
-            }
-            (d, false)
-        }
-    };
+    let (mut discovery, simulated) = startup::discover_gpus(&config, &agent_id)?;
     // A MIG layout change an earlier agent process left part way is
     // finished (or undone) before the GPUs are reported.
     let nvidia = gpu::mig_apply::Nvidia {
@@ -248,147 +215,26 @@ pub async fn serve(
     let recovered = if simulated {
         Vec::new()
     } else {
-        let (nv, dir) = (nvidia.clone(), mig_dir.clone());
-        let mut gpus = std::mem::take(&mut discovery.gpus);
-        let (gpus, recovered) = tokio::task::spawn_blocking(move || {
-            let r = gpu::mig_apply::recover(&nv, &dir, &mut gpus);
-            (gpus, r)
-        })
-        .await
-        .map_err(|e| AgentError::Config(format!("MIG recovery: {e}")))?;
-        discovery.gpus = gpus;
-        recovered
+        startup::recover_mig(&nvidia, &mig_dir, &mut discovery).await?
     };
-    let mut attributes = gpu::labels(
-        &discovery.gpus,
-        discovery.driver_version.as_deref(),
-        discovery.cuda_driver_version.as_deref(),
-    );
-    if simulated {
-        attributes.insert("gpuctl.io/simulated-gpus".into(), "true".into());
-    }
-    attributes.extend(config.attributes.clone());
+    let attributes = startup::attributes(&config, &discovery, simulated);
     // One level per agent, so that agents sharing a host never touch each
     // other's cgroups and each can sweep what it left itself.
     let task_cgroup_parent = format!("{}/{agent_id}", config.cgroup_parent.trim_matches('/'));
-    let isolator = isolation::CgroupIsolator::new(
-        &config.cgroup_root,
-        &task_cgroup_parent,
-        &config.dev_root,
-        nix::unistd::Uid::effective().is_root(),
-    )?
-    .with_pids_max(config.task_pids_max);
-    let isolator: Arc<dyn isolation::Isolator> = Arc::new(isolator);
-    tracing::info!("{}", isolator.describe());
-    let driver_volume = match &discovery.driver_version {
-        Some(version) => {
-            let (root, work, version) = (
-                config.driver_root.clone(),
-                config.work_dir.clone(),
-                version.clone(),
-            );
-            match tokio::task::spawn_blocking(move || volume::build(&root, &work, &version)).await {
-                Ok(Ok(v)) => {
-                    tracing::info!(path = %v.path.display(), "driver volume ready");
-                    Some(v.path)
-                }
-                Ok(Err(e)) => {
-                    tracing::warn!(error = %e, "no driver volume: GPU containers get none");
-                    None
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "driver volume build panicked");
-                    None
-                }
-            }
-        }
-        None => None,
-    };
-    // The CDI spec (simulated GPUs have no nodes to describe).
-    let cdi_publisher = match &config.cdi_dir {
-        Some(dir) if !simulated => {
-            let gpus = spec_gpus(&discovery.gpus);
-            let p = Arc::new(cdi::Publisher::new(
-                dir.clone(),
-                config.dev_root.clone(),
-                gpus,
-                driver_volume.clone(),
-            ));
-            // Before any task starts, so that its names are known.
-            let first = p.clone();
-            if let Err(e) = tokio::task::spawn_blocking(move || first.refresh()).await {
-                tracing::warn!(error = %e, "CDI spec refresh panicked");
-            }
-            Some(p)
-        }
-        Some(_) => None,
-        None => {
-            tracing::info!(
-                "CDI off (no_cdi): no CDI spec is written; containers get their GPUs with --device"
-            );
-            None
-        }
-    };
+    let isolator = startup::isolator(&config, &task_cgroup_parent)?;
+    let driver_volume = startup::driver_volume(&config, discovery.driver_version.as_deref()).await;
+    let cdi_publisher =
+        startup::cdi_publisher(&config, simulated, &discovery.gpus, driver_volume.clone()).await;
     let gpu_grants: isolation::grants::SharedGrants = Arc::new(std::sync::RwLock::new(
         isolation::grants::device_grants(&discovery.gpus),
     ));
-    let policy = security::TaskPolicy::for_this_process(&config);
-    if config.allow_root_tasks && !policy.agent_is_root() {
-        tracing::warn!(
-            "allow_root_tasks is set but the agent does not run as root: no task runs as root here"
-        );
-    }
-    tracing::info!("{}", policy.describe());
-    let mps = Arc::new(gpu::mps::Mps::new(
-        gpu::mps::Mps::find_control(config.mps_control.as_deref(), driver_volume.as_deref()),
-        config.work_dir.join("mps"),
-    ));
-    match mps.control() {
-        Some(c) => match gpu::mps::socket_path_problem(&config.work_dir.join("mps")) {
-            None => tracing::info!(control = %c.display(), "MPS: GPUs shared in mps mode get a control daemon per tenant and user"),
-            Some(why) => tracing::warn!(control = %c.display(), "MPS cannot start: {why}; tasks on GPUs shared in mps mode will fail"),
-        },
-        None => tracing::info!("MPS off (no nvidia-cuda-mps-control): tasks on GPUs shared in mps mode run unenforced and say so"),
-    }
-    if mps.available() {
-        let mps = mps.clone();
-        tokio::spawn(async move {
-            loop {
-                tokio::time::sleep(Duration::from_secs(5)).await;
-                let mps = mps.clone();
-                if let Err(e) = tokio::task::spawn_blocking(move || mps.supervise()).await {
-                    tracing::warn!(error = %e, "MPS supervision panicked");
-                }
-            }
-        });
-    }
-    // The driver's GPU memory cap for fractions (r615+ NVML, cgroup v2):
-    // tried per task, said once here.
-    let memcap = if simulated {
-        gpu::memcap::DriverCap::off(config.work_dir.join("memcap"))
-    } else {
-        gpu::memcap::DriverCap::new(config.nvml_lib.as_deref(), config.work_dir.join("memcap"))
-    };
-    match memcap.probe() {
-        Ok(()) => tracing::info!("driver memory cap available: fractions of host-process tasks on cgroup v2 are capped by the driver"),
-        Err(e) => tracing::info!(reason = %e, "no driver memory cap: fractions are enforced by MPS or not at all"),
-    }
-    let memcap = Arc::new(memcap);
-    // Containers' cgroups are capped from their runc hook, which reaches the
-    // agent on this socket (gpu::cap_socket, runtime::oci_hook).
-    let cap_runtime = Some(config.docker_cap_runtime.clone()).filter(|n| !n.is_empty());
-    let cap_socket = match (&cap_runtime, memcap.probe()) {
-        (Some(_), Ok(())) => {
-            match gpu::cap_socket::CapSocket::start(&config.work_dir, memcap.clone()) {
-                Ok(s) => Some(s),
-                Err(e) => {
-                    tracing::warn!(error = %e, "no driver memory cap for containers: its socket");
-                    None
-                }
-            }
-        }
-        _ => None,
-    };
+    let policy = startup::task_policy(&config);
+    let mps = startup::start_mps(&config, driver_volume.as_deref());
+    let startup::DriverCapSetup {
+        memcap,
+        cap_runtime,
+        cap_socket,
+    } = startup::driver_cap(&config, simulated);
     // Health checks run on NVML GPUs only: simulated ones cannot fail.
     let health_on = !simulated && !discovery.gpus.is_empty();
     let (preflight_tx, preflight_rx) = std::sync::mpsc::channel();
@@ -417,80 +263,13 @@ pub async fn serve(
     };
     let gpus = discovery.gpus;
 
-    let health_stop = Arc::new(AtomicBool::new(false));
-    let (health_tx, health_rx) = watch::channel(gpu::health::Snapshot::default());
-    let executor_for_health: Arc<std::sync::OnceLock<Arc<executor::Executor>>> = Arc::default();
-    if health_on {
-        tracing::info!(
-            interval_secs = config.health.interval.as_secs_f64(),
-            recovery_secs = config.health.recovery.as_secs_f64(),
-            ignored_xids = ?config.health.ignored_xids,
-            "GPU health checks on"
-        );
-        // Each task's GPU memory, from its processes' cgroups: the task's
-        // own, or its container's (by the id the Docker runtime recorded),
-        // for containers Docker puts outside it (its systemd driver).
-        let parent = task_cgroup_parent.clone();
-        let state_root = config.work_dir.join(checkpoint::STATE_DIR);
-        let tasks = gpu::procs::Attribution {
-            proc_root: PathBuf::from(gpu::procs::PROC_ROOT),
-            cgroups: Box::new(move || gpu::procs::TaskCgroups {
-                parent: parent.clone(),
-                containers: runtime::docker::recorded_container_ids(&state_root),
-            }),
-        };
-        // The executor is made below: until then every GPU counts as busy
-        // (no reset before the agent knows its tasks).
-        let executor_cell = executor_for_health.clone();
-        let all: std::collections::BTreeSet<String> = gpus.iter().map(|g| g.uuid.clone()).collect();
-        let busy: gpu::health::Busy = Box::new(move || match executor_cell.get() {
-            Some(e) => e.busy_gpus(),
-            None => all.clone(),
-        });
-        let health_config = gpu::health::HealthConfig {
-            state_file: Some(config.work_dir.join(gpu::health::STATE_FILE)),
-            ..config.health.clone()
-        };
-        gpu::health::spawn(
-            config.nvml_lib.clone(),
-            gpus.clone(),
-            health_config,
-            Some(tasks),
-            busy,
-            health_tx,
-            preflight_rx,
-            health_stop.clone(),
-        )
-        .map_err(AgentError::HealthThread)?;
-    } else {
-        drop(health_tx);
-    }
+    let health =
+        startup::start_health(&config, health_on, &gpus, &task_cgroup_parent, preflight_rx)?;
+    let health_rx = health.rx.clone();
 
-    let supervisor_exe = match &config.supervisor_exe {
-        Some(p) => p.clone(),
-        None => std::env::current_exe().map_err(|source| AgentError::WorkDir {
-            path: PathBuf::from("/proc/self/exe"),
-            source,
-        })?,
-    };
-    let runtimes = make_runtimes(
-        config.runtimes.as_deref(),
-        supervisor_exe,
-        checkpointed_docker_tasks(&config.work_dir),
-    )
-    .await?;
+    let runtimes = startup::runtimes(&config).await?;
 
-    let local = listener.local_addr().map_err(|e| AgentError::WorkDir {
-        path: PathBuf::from("<listener>"),
-        source: e,
-    })?;
-    let address = config.advertise.clone().unwrap_or_else(|| {
-        if local.ip().is_unspecified() {
-            format!("{hostname}:{}", local.port())
-        } else {
-            local.to_string()
-        }
-    });
+    let address = startup::advertised_address(&config, &listener, &hostname)?;
     let cpus = config
         .cpus
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1.0, |n| n.get() as f64));
@@ -538,7 +317,7 @@ pub async fn serve(
         isolation_setup,
         updates_tx,
     );
-    let _ = executor_for_health.set(executor.clone());
+    let _ = health.executor.set(executor.clone());
     if let Some(addr) = config.metrics_listen {
         let render = metrics::renderer(
             metrics_gpus,
@@ -609,31 +388,60 @@ pub async fn serve(
         health_rx.clone(),
     ));
 
+    let server = serve_api(listener, tls.as_ref(), executor.clone(), stop_rx.clone());
+    shutdown.await;
+    let _ = stop_tx.send(true);
+    health.stop.store(true, Ordering::Relaxed);
+    let _ = link.await;
+    shut_down(&config, &executor, &mps, sender_done, sender).await;
+    match server.await {
+        Ok(r) => r?,
+        Err(e) => tracing::error!(error = %e, "agent API server task failed"),
+    }
+    tracing::info!("agent stopped");
+    Ok(())
+}
+
+/// The agent API: only masters may connect when TLS is on (a client
+/// certificate is required at the handshake; api.rs checks it is a
+/// master's). Serves until `stop`.
+fn serve_api(
+    listener: tokio::net::TcpListener,
+    tls: Option<&Arc<gpuctl_auth::tls::Tls>>,
+    executor: Arc<executor::Executor>,
+    mut stop: watch::Receiver<bool>,
+) -> tokio::task::JoinHandle<Result<(), tonic::transport::Error>> {
     let api = pb::agent_api_server::AgentApiServer::new(api::AgentApiService {
-        executor: executor.clone(),
+        executor,
         masters_only: tls.is_some(),
     });
-    let mut server_stop = stop_rx.clone();
-    let server_stopped = async move {
-        let _ = server_stop.changed().await;
+    let stopped = async move {
+        let _ = stop.changed().await;
     };
     let router = tonic::transport::Server::builder().add_service(api);
-    let server = match &tls {
-        // Only masters may connect (a client certificate is required at
-        // the handshake; api.rs checks it is a master's).
+    match tls {
         Some(tls) => tokio::spawn(router.serve_with_incoming_shutdown(
             gpuctl_auth::tls::incoming(listener, tls.clone()),
-            server_stopped,
+            stopped,
         )),
         None => tokio::spawn(router.serve_with_incoming_shutdown(
             tokio_stream::wrappers::TcpListenerStream::new(listener),
-            server_stopped,
+            stopped,
         )),
-    };
-    shutdown.await;
-    let _ = stop_tx.send(true);
-    health_stop.store(true, Ordering::Relaxed);
-    let _ = link.await;
+    }
+}
+
+/// What the agent leaves behind: with `stop_tasks_on_shutdown` its tasks
+/// are killed (their MPS daemons with them) and their final statuses given
+/// a moment to reach the master; otherwise they go on, for the next agent
+/// process to take over.
+async fn shut_down(
+    config: &AgentConfig,
+    executor: &Arc<executor::Executor>,
+    mps: &Arc<gpu::mps::Mps>,
+    sender_done: watch::Sender<bool>,
+    sender: tokio::task::JoinHandle<()>,
+) {
     if config.stop_tasks_on_shutdown {
         tracing::info!("agent shutting down: stopping its tasks");
         executor
@@ -659,12 +467,6 @@ pub async fn serve(
             "agent shutting down; its tasks keep running"
         );
     }
-    match server.await {
-        Ok(r) => r?,
-        Err(e) => tracing::error!(error = %e, "agent API server task failed"),
-    }
-    tracing::info!("agent stopped");
-    Ok(())
 }
 
 /// The GPUs and MIG devices the CDI spec describes.
