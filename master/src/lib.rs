@@ -38,44 +38,13 @@ pub async fn serve(
         path: config.data_dir.clone(),
         source,
     })?;
-    // The group's first configuration, used only when the data dir is new.
-    let voters: Vec<u64> = if config.join {
-        Vec::new()
-    } else if config.peers.is_empty() {
-        vec![config.node_id]
-    } else {
-        config.peers.keys().copied().collect()
-    };
     let security = match &config.security {
         Some(sc) => Some(Arc::new(security::Security::load(sc, config.node_id)?)),
         None => None,
     };
-    let storage = raft::SledStorage::open(&config.data_dir, &voters)?;
-    let mut known = config.peers.clone();
-    known.insert(config.node_id, config.advertise.clone());
-    let addresses = raft::Addresses::new(known);
-    let transport = Arc::new(raft::GrpcTransport::new(
-        config.node_id,
-        config.advertise.clone(),
-        addresses.clone(),
-        security.as_ref().map(|s| s.tls.clone()),
-        config.election_timeout,
-    ));
-    let round_trips = transport.round_trips();
-    let mut raft_config = raft::RaftNodeConfig::new(config.node_id);
-    raft_config.tick = config.election_timeout / raft_config.election_ticks as u32;
-    raft_config.snapshot_every = config.snapshot_every;
     let (stop_tx, stop_rx) = watch::channel(false);
-    let (handle, node_task, initial_commit) =
-        raft::node::start(raft_config, storage, transport, addresses, stop_rx.clone())?;
-    // Serve only once the log already committed has been replayed, so that a
-    // restarted master never answers from an empty state.
-    let mut applied = handle.applied();
-    while *applied.borrow() < initial_commit {
-        if applied.changed().await.is_err() {
-            break;
-        }
-    }
+    let (handle, node_task, initial_commit, round_trips) =
+        start_raft(&config, security.as_ref(), &stop_rx).await?;
     let addr = listener
         .local_addr()
         .map(|a| a.to_string())
@@ -88,7 +57,8 @@ pub async fn serve(
              serving loopback only unless --insecure (see docs/security.md)"
         );
     }
-    let mut side_tasks = Vec::new();
+    // Loops and servers beside the gRPC server, aborted when it stops.
+    let mut side_tasks: Vec<tokio::task::JoinHandle<()>> = Vec::new();
     if let Some(sec) = &security {
         side_tasks.push(sec.spawn_reloader(stop_rx.clone()));
         if let Some(token) = sec.bootstrap_token()? {
@@ -102,55 +72,21 @@ pub async fn serve(
 
     let liveness = Arc::new(leader::Liveness::default());
     let hub = Arc::new(leader::frameworks::Hub::default());
-    let frameworks_task = tokio::spawn(leader::frameworks::run(
-        handle.clone(),
-        hub.clone(),
-        config.frameworks.clone(),
-        stop_rx.clone(),
-    ));
-    let leader_task = tokio::spawn(leader::run(
-        handle.clone(),
-        config.clone(),
-        liveness.clone(),
-        stop_rx.clone(),
-    ));
-    let retention_task = tokio::spawn(leader::retention::run(
-        handle.clone(),
-        config.retention,
-        stop_rx.clone(),
-    ));
-    let mig_auto_task = config
-        .mig_auto
-        .then(|| tokio::spawn(leader::mig_auto::run(handle.clone(), stop_rx.clone())));
     let waits = Arc::new(scheduler::board::WaitBoard::default());
-    let jobs_task = tokio::spawn(scheduler::runner::run(
-        handle.clone(),
-        hub.clone(),
-        waits.clone(),
-        config.queue_config(),
-        stop_rx.clone(),
+    side_tasks.extend(spawn_leader_loops(
+        &handle, &config, &liveness, &hub, &waits, &stop_rx,
     ));
-    let metrics_task = match config.metrics_listen {
-        Some(addr) => {
-            let (raft, hub) = (handle.clone(), hub.clone());
-            let render: Arc<dyn Fn() -> String + Send + Sync> = Arc::new(move || {
-                metrics::render(
-                    &raft,
-                    &hub.metrics,
-                    hub.offers_outstanding(),
-                    &round_trips.get(),
-                )
-            });
-            let task = gpuctl_proto::metrics_server::spawn_server(addr, render, stop_rx.clone())
+    if let Some(addr) = config.metrics_listen {
+        let render = metrics_renderer(handle.clone(), hub.clone(), round_trips);
+        side_tasks.push(
+            gpuctl_proto::metrics_server::spawn_server(addr, render, stop_rx.clone())
                 .await
                 .map_err(|source| MasterError::Listen {
                     addr: addr.to_string(),
                     source,
-                })?;
-            Some(task)
-        }
-        None => None,
-    };
+                })?,
+        );
+    }
     let console = match config.http_listen {
         Some(addr) => {
             let spawned = console::spawn(
@@ -193,23 +129,7 @@ pub async fn serve(
             }
         }
     });
-    let router = tonic::transport::Server::builder()
-        // Outermost: who is calling, and may they (service/auth.rs).
-        .layer(service::auth::AuthLayer {
-            raft: handle.clone(),
-            security: security.clone(),
-        })
-        .layer(service::gate::LeaderGateLayer {
-            raft: handle.clone(),
-        })
-        // Each call's cap on its requests, checked at each message's prefix.
-        .layer(service::limits::RequestCapLayer)
-        .add_service(service::raft_server(ctx.clone()))
-        .add_service(service::operator_server(ctx.clone()))
-        .add_service(service::agent_manager_server(ctx.clone()))
-        .add_service(service::framework_server(ctx.clone()))
-        .add_service(service::identity_server(ctx.clone()))
-        .add_service(service::access_server(ctx.clone()));
+    let router = router(&ctx);
     let shutdown = async move {
         // A master whose raft node stopped must not go on answering.
         tokio::select! {
@@ -220,7 +140,125 @@ pub async fn serve(
         }
         let _ = stop_tx.send(true);
     };
-    let result = match &security {
+    let result = serve_grpc(router, listener, security.as_ref(), shutdown).await;
+    // Streams and loops watch `stop_rx`; the node flushes nothing more after
+    // this point (every write was flushed before it was acknowledged).
+    for t in side_tasks
+        .into_iter()
+        .chain(console.into_iter().flat_map(|c| c.tasks))
+    {
+        t.abort();
+    }
+    match node_task.await {
+        Ok(Err(e)) => return Err(e.into()),
+        Err(e) => tracing::error!(error = %e, "raft node task failed"),
+        Ok(Ok(())) => {}
+    }
+    result?;
+    tracing::info!("master stopped");
+    Ok(())
+}
+
+/// The leader's loops (each idles on a follower): framework offers, agent
+/// liveness, retention, MIG on demand, and the built-in job scheduler.
+fn spawn_leader_loops(
+    handle: &raft::RaftHandle,
+    config: &MasterConfig,
+    liveness: &Arc<leader::Liveness>,
+    hub: &Arc<leader::frameworks::Hub>,
+    waits: &Arc<scheduler::board::WaitBoard>,
+    stop: &watch::Receiver<bool>,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    let mut tasks = vec![
+        tokio::spawn(leader::frameworks::run(
+            handle.clone(),
+            hub.clone(),
+            config.frameworks.clone(),
+            stop.clone(),
+        )),
+        tokio::spawn(leader::run(
+            handle.clone(),
+            config.clone(),
+            liveness.clone(),
+            stop.clone(),
+        )),
+        tokio::spawn(leader::retention::run(
+            handle.clone(),
+            config.retention,
+            stop.clone(),
+        )),
+        tokio::spawn(scheduler::runner::run(
+            handle.clone(),
+            hub.clone(),
+            waits.clone(),
+            config.queue_config(),
+            stop.clone(),
+        )),
+    ];
+    if config.mig_auto {
+        tasks.push(tokio::spawn(leader::mig_auto::run(
+            handle.clone(),
+            stop.clone(),
+        )));
+    }
+    tasks
+}
+
+/// `/metrics`: the state's gauges, the framework hub's counters and the
+/// Raft round trips, rendered on each scrape.
+fn metrics_renderer(
+    raft: raft::RaftHandle,
+    hub: Arc<leader::frameworks::Hub>,
+    round_trips: raft::transport::RoundTrips,
+) -> Arc<dyn Fn() -> String + Send + Sync> {
+    Arc::new(move || {
+        metrics::render(
+            &raft,
+            &hub.metrics,
+            hub.offers_outstanding(),
+            &round_trips.get(),
+        )
+    })
+}
+
+/// The gRPC services under their layers, outermost first: who is calling
+/// and may they (service/auth.rs), only the leader serves (gate.rs), each
+/// call's cap on its requests, checked at each message's prefix.
+fn router(ctx: &service::Ctx) -> tonic::transport::server::Router<RouterLayers> {
+    tonic::transport::Server::builder()
+        .layer(service::auth::AuthLayer {
+            raft: ctx.raft.clone(),
+            security: ctx.security.clone(),
+        })
+        .layer(service::gate::LeaderGateLayer {
+            raft: ctx.raft.clone(),
+        })
+        .layer(service::limits::RequestCapLayer)
+        .add_service(service::raft_server(ctx.clone()))
+        .add_service(service::operator_server(ctx.clone()))
+        .add_service(service::agent_manager_server(ctx.clone()))
+        .add_service(service::framework_server(ctx.clone()))
+        .add_service(service::identity_server(ctx.clone()))
+        .add_service(service::access_server(ctx.clone()))
+}
+
+type RouterLayers = tower_layer::Stack<
+    service::limits::RequestCapLayer,
+    tower_layer::Stack<
+        service::gate::LeaderGateLayer,
+        tower_layer::Stack<service::auth::AuthLayer, tower_layer::Identity>,
+    >,
+>;
+
+/// Serves `router` on `listener` (over TLS when configured) until
+/// `shutdown`.
+async fn serve_grpc(
+    router: tonic::transport::server::Router<RouterLayers>,
+    listener: tokio::net::TcpListener,
+    security: Option<&Arc<security::Security>>,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), tonic::transport::Error> {
+    match security {
         Some(sec) => {
             router
                 .serve_with_incoming_shutdown(
@@ -246,31 +284,56 @@ pub async fn serve(
                 .serve_with_incoming_shutdown(incoming, shutdown)
                 .await
         }
+    }
+}
+
+/// Opens the Raft log and starts this node, then waits until the log
+/// already committed is replayed, so that a restarted master never answers
+/// from an empty state. Returns the node, its task, the index replayed and
+/// the peers' round trips (for /metrics).
+async fn start_raft(
+    config: &MasterConfig,
+    security: Option<&Arc<security::Security>>,
+    stop: &watch::Receiver<bool>,
+) -> Result<
+    (
+        raft::RaftHandle,
+        tokio::task::JoinHandle<Result<(), raft::node::NodeError>>,
+        u64,
+        raft::transport::RoundTrips,
+    ),
+    MasterError,
+> {
+    // The group's first configuration, used only when the data dir is new.
+    let voters: Vec<u64> = if config.join {
+        Vec::new()
+    } else if config.peers.is_empty() {
+        vec![config.node_id]
+    } else {
+        config.peers.keys().copied().collect()
     };
-    // Streams and loops watch `stop_rx`; the node flushes nothing more after
-    // this point (every write was flushed before it was acknowledged).
-    leader_task.abort();
-    frameworks_task.abort();
-    jobs_task.abort();
-    retention_task.abort();
-    if let Some(t) = mig_auto_task {
-        t.abort();
+    let storage = raft::SledStorage::open(&config.data_dir, &voters)?;
+    let mut known = config.peers.clone();
+    known.insert(config.node_id, config.advertise.clone());
+    let addresses = raft::Addresses::new(known);
+    let transport = Arc::new(raft::GrpcTransport::new(
+        config.node_id,
+        config.advertise.clone(),
+        addresses.clone(),
+        security.map(|s| s.tls.clone()),
+        config.election_timeout,
+    ));
+    let round_trips = transport.round_trips();
+    let mut raft_config = raft::RaftNodeConfig::new(config.node_id);
+    raft_config.tick = config.election_timeout / raft_config.election_ticks as u32;
+    raft_config.snapshot_every = config.snapshot_every;
+    let (handle, node_task, initial_commit) =
+        raft::node::start(raft_config, storage, transport, addresses, stop.clone())?;
+    let mut applied = handle.applied();
+    while *applied.borrow() < initial_commit {
+        if applied.changed().await.is_err() {
+            break;
+        }
     }
-    for t in side_tasks {
-        t.abort();
-    }
-    if let Some(t) = metrics_task {
-        t.abort();
-    }
-    for t in console.into_iter().flat_map(|c| c.tasks) {
-        t.abort();
-    }
-    match node_task.await {
-        Ok(Err(e)) => return Err(e.into()),
-        Err(e) => tracing::error!(error = %e, "raft node task failed"),
-        Ok(Ok(())) => {}
-    }
-    result?;
-    tracing::info!("master stopped");
-    Ok(())
+    Ok((handle, node_task, initial_commit, round_trips))
 }
