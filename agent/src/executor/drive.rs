@@ -261,6 +261,130 @@ impl Executor {
         }
     }
 
+    /// A fraction of an `mps` GPU gets the MPS daemon of its GPU, tenant
+    /// and user, started if need be; without a control program here it
+    /// runs unenforced, and says so (`None`).
+    async fn acquire_mps(
+        &self,
+        spec: &TaskSpec,
+        user: Option<UserIds>,
+    ) -> Result<Option<crate::gpu::mps::MpsServer>, Outcome> {
+        let task_id = spec.task_id.as_str();
+        let (Some(sh), Some(gpu)) = (&spec.share, spec.gpu_uuids.first()) else {
+            return Ok(None);
+        };
+        if sh.mode != ShareMode::Mps || !self.isolation.mps.available() {
+            return Ok(None);
+        }
+        let mps = self.isolation.mps.clone();
+        let group = mps_group(sh, user);
+        // Recorded first: an agent restarted under the task finds its
+        // daemon by it.
+        let recorded = checkpoint::write_atomic(
+            &self.state_dir(task_id).join(MPS_GROUP_FILE),
+            group.as_bytes(),
+        )
+        .map_err(|e| format!("record its MPS daemon: {e}"));
+        let (task, gpu) = (task_id.to_string(), gpu.clone());
+        let got = match recorded {
+            Err(e) => Err(e),
+            Ok(()) => tokio::task::spawn_blocking(move || mps.acquire(&task, &gpu, &group))
+                .await
+                .map_err(|e| e.to_string())
+                .and_then(|r| r.map_err(|e| e.to_string())),
+        };
+        match got {
+            Ok(server) => Ok(Some(server)),
+            Err(e) => {
+                self.release(task_id);
+                tracing::warn!(task_id, error = %e, "no MPS daemon for the task");
+                Err(Outcome::failed(format!("MPS: {e}")))
+            }
+        }
+    }
+
+    /// The task's environment, and the mounts a container needs for what
+    /// it names: the notice before a stop, the heartbeat of a task that may
+    /// be stopped as hung, the checkpoint directory at the path the job
+    /// named, the MPS pipe directory, and the driver-cap hook's value. A
+    /// host process sees the same paths where they are.
+    fn task_env(
+        &self,
+        spec: &TaskSpec,
+        kind: Runtime,
+        security: &mut crate::security::LaunchSecurity,
+        dirs: TaskDirs,
+        mps: Option<&crate::gpu::mps::MpsServer>,
+        cap_value: Option<&String>,
+    ) -> BTreeMap<String, String> {
+        let docker = kind == Runtime::Docker;
+        let mut env = Self::gpu_env(spec);
+        let notice_at = if docker {
+            security.mounts.push(crate::security::BindMount {
+                host_path: dirs.notice.clone(),
+                container_path: notice::CONTAINER_DIR.to_string(),
+                read_only: true,
+            });
+            PathBuf::from(notice::CONTAINER_DIR).join(notice::FILE)
+        } else {
+            security.keep_visible.push(dirs.notice.clone());
+            dirs.notice.join(notice::FILE)
+        };
+        env.insert(notice::ENV.into(), notice_at.display().to_string());
+        if let Some(dir) = dirs.heartbeat {
+            let beat_at = if docker {
+                security.mounts.push(crate::security::BindMount {
+                    host_path: dir.clone(),
+                    container_path: super::hang::CONTAINER_DIR.to_string(),
+                    read_only: false,
+                });
+                PathBuf::from(super::hang::CONTAINER_DIR).join(super::hang::HEARTBEAT_FILE)
+            } else {
+                security.keep_visible.push(dir.clone());
+                dir.join(super::hang::HEARTBEAT_FILE)
+            };
+            env.insert(super::hang::ENV.into(), beat_at.display().to_string());
+        }
+        if let (Some(dir), Some(asked)) = (&dirs.checkpoint, &spec.template.checkpoint_dir) {
+            if docker {
+                security.mounts.push(crate::security::BindMount {
+                    host_path: dir.clone(),
+                    container_path: asked.clone(),
+                    read_only: false,
+                });
+            } else {
+                security.keep_visible.push(dir.clone());
+            }
+            env.insert(notice::CHECKPOINT_ENV.into(), asked.clone());
+        }
+        if let (Some(server), Some(sh)) = (mps, &spec.share) {
+            crate::gpu::mps::scrub_env(&mut env);
+            // A container sees the pipe directory where the agent mounts
+            // it (with the daemon's shm as its /dev/shm); a host process
+            // where it is.
+            let pipe = if docker {
+                security.mounts.push(crate::security::BindMount {
+                    host_path: server.pipe_dir.clone(),
+                    container_path: crate::gpu::mps::CONTAINER_PIPE_DIR.to_string(),
+                    read_only: false,
+                });
+                security.mounts.push(crate::security::BindMount {
+                    host_path: server.shm_dir.clone(),
+                    container_path: "/dev/shm".to_string(),
+                    read_only: false,
+                });
+                crate::gpu::mps::CONTAINER_PIPE_DIR.to_string()
+            } else {
+                server.pipe_dir.display().to_string()
+            };
+            env.extend(crate::gpu::mps::client_env(&pipe, &sh.fraction));
+        }
+        if let (Some(value), Some(_)) = (cap_value, &self.isolation.cap_socket) {
+            env.insert(crate::runtime::oci_hook::CAP_ENV.to_string(), value.clone());
+        }
+        env
+    }
+
     /// Prepares and starts a task; `Err` with its final outcome when it
     /// ends before it ran.
     pub(super) async fn start(
@@ -328,41 +452,7 @@ impl Executor {
             })?;
             security.user = Some(ids);
         }
-        // A fraction of an `mps` GPU gets the MPS daemon of its GPU, tenant
-        // and user, started if need be; without a control program here it
-        // runs unenforced, and says so.
-        let mps = match (&spec.share, spec.gpu_uuids.first()) {
-            (Some(sh), Some(gpu))
-                if sh.mode == ShareMode::Mps && self.isolation.mps.available() =>
-            {
-                let mps = self.isolation.mps.clone();
-                let group = mps_group(sh, security.user);
-                // Recorded first: an agent restarted under the task finds
-                // its daemon by it.
-                let recorded = checkpoint::write_atomic(
-                    &self.state_dir(task_id).join(MPS_GROUP_FILE),
-                    group.as_bytes(),
-                )
-                .map_err(|e| format!("record its MPS daemon: {e}"));
-                let (task, gpu) = (task_id.to_string(), gpu.clone());
-                let got = match recorded {
-                    Err(e) => Err(e),
-                    Ok(()) => tokio::task::spawn_blocking(move || mps.acquire(&task, &gpu, &group))
-                        .await
-                        .map_err(|e| e.to_string())
-                        .and_then(|r| r.map_err(|e| e.to_string())),
-                };
-                match got {
-                    Ok(server) => Some(server),
-                    Err(e) => {
-                        self.release(task_id);
-                        tracing::warn!(task_id, error = %e, "no MPS daemon for the task");
-                        return Err(Outcome::failed(format!("MPS: {e}")));
-                    }
-                }
-            }
-            _ => None,
-        };
+        let mps = self.acquire_mps(spec, security.user).await?;
         let sandbox = self.sandbox(task_id);
         tokio::fs::create_dir_all(&sandbox)
             .await
@@ -449,73 +539,18 @@ impl Executor {
             (false, false) => gpuctl_core::types::Enforcement::None,
         });
         self.send(starting).await;
-        let mut env = Self::gpu_env(spec);
-        // The notice before a stop, and the checkpoint directory at the
-        // path the job named, for a container as for a host process.
-        let notice_at = if rt.kind() == Runtime::Docker {
-            security.mounts.push(crate::security::BindMount {
-                host_path: notice_dir.clone(),
-                container_path: notice::CONTAINER_DIR.to_string(),
-                read_only: true,
-            });
-            PathBuf::from(notice::CONTAINER_DIR).join(notice::FILE)
-        } else {
-            security.keep_visible.push(notice_dir.clone());
-            notice_dir.join(notice::FILE)
-        };
-        env.insert(notice::ENV.into(), notice_at.display().to_string());
-        // A task that may be stopped as hung may also say it is alive.
-        if let Some(dir) = heartbeat_dir {
-            let beat_at = if rt.kind() == Runtime::Docker {
-                security.mounts.push(crate::security::BindMount {
-                    host_path: dir.clone(),
-                    container_path: super::hang::CONTAINER_DIR.to_string(),
-                    read_only: false,
-                });
-                PathBuf::from(super::hang::CONTAINER_DIR).join(super::hang::HEARTBEAT_FILE)
-            } else {
-                security.keep_visible.push(dir.clone());
-                dir.join(super::hang::HEARTBEAT_FILE)
-            };
-            env.insert(super::hang::ENV.into(), beat_at.display().to_string());
-        }
-        if let (Some(dir), Some(asked)) = (&checkpoint_dir, &spec.template.checkpoint_dir) {
-            if rt.kind() == Runtime::Docker {
-                security.mounts.push(crate::security::BindMount {
-                    host_path: dir.clone(),
-                    container_path: asked.clone(),
-                    read_only: false,
-                });
-            } else {
-                security.keep_visible.push(dir.clone());
-            }
-            env.insert(notice::CHECKPOINT_ENV.into(), asked.clone());
-        }
-        if let (Some(server), Some(sh)) = (&mps, &spec.share) {
-            crate::gpu::mps::scrub_env(&mut env);
-            // A container sees the pipe directory where the agent mounts
-            // it (with the daemon's shm as its /dev/shm); a host process
-            // where it is.
-            let pipe = if rt.kind() == Runtime::Docker {
-                security.mounts.push(crate::security::BindMount {
-                    host_path: server.pipe_dir.clone(),
-                    container_path: crate::gpu::mps::CONTAINER_PIPE_DIR.to_string(),
-                    read_only: false,
-                });
-                security.mounts.push(crate::security::BindMount {
-                    host_path: server.shm_dir.clone(),
-                    container_path: "/dev/shm".to_string(),
-                    read_only: false,
-                });
-                crate::gpu::mps::CONTAINER_PIPE_DIR.to_string()
-            } else {
-                server.pipe_dir.display().to_string()
-            };
-            env.extend(crate::gpu::mps::client_env(&pipe, &sh.fraction));
-        }
-        if let (Some((_, value)), Some(_)) = (&container_cap, &self.isolation.cap_socket) {
-            env.insert(crate::runtime::oci_hook::CAP_ENV.to_string(), value.clone());
-        }
+        let env = self.task_env(
+            spec,
+            rt.kind(),
+            &mut security,
+            TaskDirs {
+                notice: notice_dir,
+                heartbeat: heartbeat_dir,
+                checkpoint: checkpoint_dir,
+            },
+            mps.as_ref(),
+            container_cap.as_ref().map(|(_, value)| value),
+        );
         let launch = LaunchSpec {
             env,
             log_path: sandbox.join(LOG_FILE),
@@ -732,6 +767,13 @@ pub(super) async fn remove_until_done(rt: &Arc<dyn ContainerRuntime>, tref: &Tas
 
 /// Which MPS daemon of its GPU the task's record names (`mps_group`).
 pub(super) const MPS_GROUP_FILE: &str = "mps-group";
+
+/// The directories a task is given, made before it starts.
+struct TaskDirs {
+    notice: PathBuf,
+    heartbeat: Option<PathBuf>,
+    checkpoint: Option<PathBuf>,
+}
 
 /// The MPS daemon of a GPU a shared task uses: its tenant's (tenants never
 /// share one), and of its Linux user: an MPS daemon serves one user at a
