@@ -17,6 +17,7 @@ mod jobs;
 pub mod mig;
 #[cfg(test)]
 mod mig_tests;
+mod preempt;
 pub mod requests;
 mod retention;
 pub mod share;
