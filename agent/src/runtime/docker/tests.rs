@@ -1,5 +1,6 @@
 use bollard::container::Config;
 
+use super::images::split_reference;
 use super::*;
 use crate::runtime::{HostDriver, LABEL_JOB_ID};
 
