@@ -1,7 +1,9 @@
 //! Replication: every state change goes through the raft-rs log.
 
+mod handle;
 mod logger;
 pub mod node;
+mod snapshot;
 pub mod storage;
 pub mod transport;
 pub mod wakeups;

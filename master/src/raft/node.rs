@@ -6,7 +6,7 @@
 //! committed on a majority and applied here.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::{Arc, RwLock, RwLockReadGuard};
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use raft::eraftpb::{
@@ -17,10 +17,14 @@ use tokio::sync::{mpsc, oneshot, watch};
 
 use super::storage::SledStorage;
 use super::transport::Transport;
-use super::wakeups::{AgentWakeup, AgentWakeups};
+use super::wakeups::AgentWakeups;
 use super::Addresses;
 use crate::state::command::DecodeError;
 use crate::state::{ApplyError, Command, MemberChange, Outcome, State};
+
+use super::handle::leader_of;
+pub use super::handle::{RaftHandle, RoleStatus};
+pub use super::snapshot::{decode_snapshot, encode_snapshot, state_at_rest};
 
 #[derive(Debug, Clone)]
 pub struct RaftNodeConfig {
@@ -105,7 +109,7 @@ pub enum ProposeError {
     Encode(#[from] crate::state::EncodeError),
 }
 
-enum NodeMsg {
+pub(super) enum NodeMsg {
     Propose {
         // Boxed: a job's spec makes a command several hundred bytes, and
         // every message of the node's queue would be that big.
@@ -180,152 +184,6 @@ impl Reporter {
     }
 }
 
-/// Cheap to clone; what services use to read and change the state.
-#[derive(Clone)]
-pub struct RaftHandle {
-    tx: mpsc::Sender<NodeMsg>,
-    state: Arc<RwLock<State>>,
-    applied: watch::Receiver<u64>,
-    status: watch::Receiver<NodeStatus>,
-    role: watch::Receiver<RoleStatus>,
-    addresses: Addresses,
-    wakeups: AgentWakeups,
-}
-
-/// The part of [`NodeStatus`] that changes with elections, not with every
-/// commit: what the loops that only care who leads wait on (one per agent
-/// stream: waking 10,000 of them at every commit cost a pass over every
-/// agent per commit).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct RoleStatus {
-    pub role: Role,
-    pub term: u64,
-    pub leader_id: u64,
-    pub serving: bool,
-}
-
-impl RaftHandle {
-    fn send(&self, msg: NodeMsg) -> Result<(), ProposeError> {
-        self.tx.try_send(msg).map_err(|e| match e {
-            mpsc::error::TrySendError::Full(_) => ProposeError::Busy,
-            mpsc::error::TrySendError::Closed(_) => ProposeError::Stopped,
-        })
-    }
-
-    /// Proposes a command and waits until it is committed and applied.
-    pub async fn propose(&self, command: Command) -> Result<Outcome, ProposeError> {
-        let (reply, rx) = oneshot::channel();
-        self.send(NodeMsg::Propose {
-            command: Box::new(command),
-            reply,
-        })?;
-        rx.await.map_err(|_| ProposeError::Stopped)?
-    }
-
-    /// Proposes `data` as an entry's as it is, as a master of another
-    /// version could have written it.
-    #[cfg(test)]
-    pub async fn propose_raw(&self, data: Vec<u8>) -> Result<Outcome, ProposeError> {
-        let (reply, rx) = oneshot::channel();
-        self.send(NodeMsg::ProposeRaw { data, reply })?;
-        rx.await.map_err(|_| ProposeError::Stopped)?
-    }
-
-    /// Proposes a membership change and waits until it is applied here.
-    pub async fn propose_conf_change(&self, cc: ConfChange) -> Result<(), ProposeError> {
-        let (reply, rx) = oneshot::channel();
-        self.send(NodeMsg::ConfChange { cc, reply })?;
-        rx.await.map_err(|_| ProposeError::Stopped)?
-    }
-
-    /// Hands a message from a peer to the node (dropped when it is busy:
-    /// Raft resends).
-    pub fn step(&self, msg: Message) -> Result<(), ProposeError> {
-        self.send(NodeMsg::Step(Box::new(msg)))
-    }
-
-    /// Asks the leader to hand leadership to `to`.
-    pub fn transfer_leader(&self, to: u64) -> Result<(), ProposeError> {
-        self.send(NodeMsg::TransferLeader(to))
-    }
-
-    /// On the leader: the highest log index known to be replicated on each
-    /// member. Empty elsewhere.
-    pub async fn progress(&self) -> Result<BTreeMap<u64, u64>, ProposeError> {
-        let (reply, rx) = oneshot::channel();
-        self.send(NodeMsg::Progress(reply))?;
-        rx.await.map_err(|_| ProposeError::Stopped)
-    }
-
-    /// On the leader: waits until the applied state holds every entry
-    /// committed before the call and every proposal made before it here
-    /// (the leader's last log index when the call reached the Raft loop,
-    /// which is at least its term's first entry). A decision read from the
-    /// state then is one a proposal made at the call would have met, so a
-    /// proposal that would change nothing may be left out. Elsewhere:
-    /// `NotLeader`.
-    pub async fn caught_up(&self) -> Result<(), ProposeError> {
-        let (reply, rx) = oneshot::channel();
-        self.send(NodeMsg::LastIndex(reply))?;
-        let last = rx.await.map_err(|_| ProposeError::Stopped)??;
-        let mut applied = self.applied.clone();
-        applied
-            .wait_for(|a| *a >= last)
-            .await
-            .map_err(|_| ProposeError::Stopped)?;
-        Ok(())
-    }
-
-    /// Read access to the applied state. Hold it briefly.
-    pub fn state(&self) -> RwLockReadGuard<'_, State> {
-        // Apply never panics half way (it checks before it changes), so a
-        // poisoned lock still guards consistent data.
-        self.state.read().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Wakes whenever an applied entry may change what `agent` should run
-    /// (`State::desired_tasks`), and once after a snapshot replaced the
-    /// state.
-    pub fn agent_wakeup(&self, agent: &str) -> AgentWakeup {
-        self.wakeups.subscribe(agent)
-    }
-
-    /// Changes whenever a log entry is applied.
-    pub fn applied(&self) -> watch::Receiver<u64> {
-        self.applied.clone()
-    }
-
-    pub fn status(&self) -> NodeStatus {
-        self.status.borrow().clone()
-    }
-
-    /// Changes at every commit (the indexes are in it).
-    pub fn status_watch(&self) -> watch::Receiver<NodeStatus> {
-        self.status.clone()
-    }
-
-    /// Changes only when the role, term, leader or serving change.
-    pub fn role_watch(&self) -> watch::Receiver<RoleStatus> {
-        self.role.clone()
-    }
-
-    pub fn addresses(&self) -> &Addresses {
-        &self.addresses
-    }
-
-    /// The leader's id and API address, when both are known.
-    pub fn leader(&self) -> Option<(u64, String)> {
-        leader_of(self.status().leader_id, &self.addresses)
-    }
-}
-
-fn leader_of(leader_id: u64, addresses: &Addresses) -> Option<(u64, String)> {
-    if leader_id == 0 {
-        return None;
-    }
-    addresses.get(leader_id).map(|a| (leader_id, a))
-}
-
 #[derive(Debug, thiserror::Error)]
 pub enum NodeError {
     #[error("raft: {0}")]
@@ -347,61 +205,6 @@ pub enum NodeError {
 }
 
 type CcReply = oneshot::Sender<Result<(), ProposeError>>;
-
-/// zstd's level for snapshots: its fastest; the state's JSON shrinks about
-/// tenfold (jobs and agents repeat their field names and values), so a
-/// snapshot is stored, kept and sent to a follower at a tenth of the size.
-const SNAPSHOT_ZSTD_LEVEL: i32 = 1;
-/// The first bytes of a zstd frame: a snapshot that starts with them is
-/// compressed; older ones are plain JSON (they start with `{`).
-const ZSTD_MAGIC: [u8; 4] = [0x28, 0xb5, 0x2f, 0xfd];
-
-/// A snapshot of `state`: its JSON, compressed, and the JSON's size (what
-/// the snapshot cadence compares the log with).
-pub fn encode_snapshot(state: &State) -> Result<(Vec<u8>, usize), NodeError> {
-    let json = serde_json::to_vec(state)?;
-    let data =
-        zstd::bulk::compress(&json, SNAPSHOT_ZSTD_LEVEL).map_err(NodeError::SnapshotCodec)?;
-    Ok((data, json.len()))
-}
-
-/// The state a stopped master's data dir holds: its snapshot and every
-/// entry of its log after it, applied (committed or not). For tools and
-/// benchmarks; a master never reads its state this way.
-pub fn state_at_rest(data_dir: &std::path::Path) -> Result<State, NodeError> {
-    use raft::Storage as _;
-    let storage = SledStorage::open(data_dir, &[])?;
-    let (_, data) = storage.snapshot_data()?;
-    let mut state = if data.is_empty() {
-        State::new()
-    } else {
-        decode_snapshot(&data)?.0
-    };
-    let (first, last) = (storage.first_index()?, storage.last_index()?);
-    if first <= last {
-        let entries =
-            storage.entries(first, last + 1, None, raft::GetEntriesContext::empty(false))?;
-        for e in entries {
-            if e.get_entry_type() == EntryType::EntryNormal && !e.data.is_empty() {
-                if let Ok(cmd) = Command::decode(&e.data) {
-                    let _ = state.apply(e.index, &cmd);
-                }
-            }
-        }
-    }
-    Ok(state)
-}
-
-/// The state in a snapshot, compressed or (written by an older master)
-/// plain JSON, and the JSON's size.
-pub fn decode_snapshot(data: &[u8]) -> Result<(State, usize), NodeError> {
-    if data.starts_with(&ZSTD_MAGIC) {
-        let json = zstd::stream::decode_all(data).map_err(NodeError::SnapshotCodec)?;
-        Ok((serde_json::from_slice(&json)?, json.len()))
-    } else {
-        Ok((serde_json::from_slice(data)?, data.len()))
-    }
-}
 
 struct Node {
     raw: RawNode<SledStorage>,
@@ -1163,6 +966,7 @@ fn proposal_id(context: &[u8], node_id: u64) -> Option<u64> {
 
 #[cfg(test)]
 mod tests {
+    use super::super::snapshot::ZSTD_MAGIC;
     use super::*;
     use gpuctl_core::types::{JobSpec, Resources};
     use raft::Storage as _;
