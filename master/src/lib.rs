@@ -4,7 +4,6 @@
 //! [`serve`] runs a master on a bound listener until `shutdown` resolves, so
 //! tests and `gpuctl demo` can run one in-process on `127.0.0.1:0`.
 
-pub mod allocator;
 pub mod config;
 pub mod console;
 mod error;
@@ -14,7 +13,10 @@ pub mod raft;
 pub mod scheduler;
 pub mod security;
 pub mod service;
-pub mod state;
+
+/// The pure engine's state machine and allocator, where the master's
+/// modules have always found them.
+pub use gpuctl_engine::{allocator, state};
 
 pub use error::MasterError;
 

@@ -2,8 +2,10 @@
 //! depth): a dependency that pulls in what a crate must not link fails
 //! here, rather than silently changing what it is.
 //!
-//! - gpuctl-core stays pure: no async runtime, RPC or HTTP stack, so the
-//!   state machine, the allocator and placement cannot block or do I/O.
+//! - gpuctl-core stays pure: no async runtime, RPC or HTTP stack.
+//! - gpuctl-engine (the state machine, the allocator, the scheduler's
+//!   decisions) links none of that either, nor storage or consensus, so it
+//!   cannot block, do I/O or reach into Raft.
 //! - gpuctl, the command line, links no daemon: neither the master's
 //!   storage and consensus (sled, raft) nor the agent's Docker client and
 //!   NVML. `gpuctl demo` runs the daemon binaries instead.
@@ -70,6 +72,33 @@ fn the_core_links_no_async_runtime_rpc_or_http_stack() {
             "async-std",
             "futures",
             "reqwest",
+        ],
+    );
+}
+
+#[test]
+fn the_engine_links_no_runtime_rpc_storage_or_raft() {
+    check(
+        "gpuctl-engine",
+        "gpuctl-core",
+        &[
+            "tokio",
+            "tonic",
+            "axum",
+            "hyper",
+            "h2",
+            "mio",
+            "tower",
+            "async-std",
+            "futures",
+            "reqwest",
+            "sled",
+            "raft",
+            "raft-proto",
+            "protobuf",
+            "gpuctl-proto",
+            "gpuctl-master",
+            "tracing",
         ],
     );
 }

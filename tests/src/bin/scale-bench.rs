@@ -32,8 +32,8 @@
 //!    crash), until a survivor accepts a SubmitJob, and until every agent
 //!    registered again with the new leader;
 //! 9. the raft log and snapshot in each master's sled trees, once stopped;
-//! 10. the allocation cycle: `gpuctl_master::allocator::allocate` on views
-//!     of `--alloc-agents` agents built as master/benches/allocator.rs
+//! 10. the allocation cycle: `gpuctl_engine::allocator::allocate` on views
+//!     of `--alloc-agents` agents built as engine/benches/allocator.rs
 //!     builds them (the pure cycle, no state to views);
 //! 11. memory: three `gpuctl-master` release processes (not in this
 //!     process, so that their RSS is theirs alone), VmRSS of each before
@@ -50,7 +50,7 @@
 //! cargo run --release -p gpuctl-tests --bin scale-bench -- --help
 //! ```
 
-use gpuctl_master::allocator::bench_cluster as alloc_views;
+use gpuctl_engine::allocator::bench_cluster as alloc_views;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -1863,14 +1863,14 @@ fn sled_sizes(path: &Path) -> SledSizes {
 }
 
 /// Phase 9: the allocator's cycle on views built as
-/// master/benches/allocator.rs builds them.
+/// engine/benches/allocator.rs builds them.
 fn alloc_phase(opts: &Opts, report: &mut Report) {
     let mut out = Vec::new();
     for &n in &opts.alloc_agents {
         let c = alloc_views::cluster(n);
-        let config = gpuctl_master::allocator::AllocatorConfig::default();
+        let config = gpuctl_engine::allocator::AllocatorConfig::default();
         let run = || {
-            gpuctl_master::allocator::allocate(
+            gpuctl_engine::allocator::allocate(
                 &c.agents,
                 &c.frameworks,
                 &c.roles,

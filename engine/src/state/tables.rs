@@ -241,7 +241,7 @@ impl TaskTable {
     }
 
     /// Whether the index says what the tasks say (for tests' invariants).
-    #[cfg(test)]
+    #[cfg(any(test, feature = "testkit"))]
     pub fn index_agrees(&self) -> bool {
         let mut want: PHashMap<AgentId, BTreeSet<TaskId>> = PHashMap::new();
         for t in self.map.values() {
@@ -393,7 +393,7 @@ impl AgentTable {
     }
 
     /// Whether the index says what the agents say (for tests' invariants).
-    #[cfg(test)]
+    #[cfg(any(test, feature = "testkit"))]
     pub fn index_agrees(&self) -> bool {
         let mut want: PHashMap<GpuUuid, BTreeSet<AgentId>> = PHashMap::new();
         for a in self.map.values() {

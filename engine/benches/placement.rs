@@ -6,7 +6,7 @@
 //! looked at before it is refused) leaves out. Building the views is the
 //! caller's cost and is done once, outside the measurement.
 //!
-//! Run: `cargo bench -p gpuctl-master --bench placement`
+//! Run: `cargo bench -p gpuctl-engine --bench placement`
 
 use std::collections::BTreeMap;
 use std::hint::black_box;
@@ -14,7 +14,7 @@ use std::hint::black_box;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use gpuctl_core::cuda_req::Expr;
 use gpuctl_core::types::{GpuInfo, GpuPeer, PlacementPolicy, Resources, Runtime};
-use gpuctl_master::scheduler::placement::{
+use gpuctl_engine::scheduler::placement::{
     choose_gpus, place_gang, place_task, NodeDriver, NodeView, TaskRequest,
 };
 

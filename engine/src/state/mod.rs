@@ -26,8 +26,8 @@ pub mod share;
 mod share_tests;
 pub mod tables;
 mod tasks;
-#[cfg(test)]
-pub(crate) mod testkit;
+#[cfg(any(test, feature = "testkit"))]
+pub mod testkit;
 #[cfg(test)]
 mod touched_tests;
 pub mod usage;
@@ -196,7 +196,7 @@ impl State {
     }
 
     /// Every GPU held, and by which task.
-    #[cfg(test)]
+    #[cfg(any(test, feature = "testkit"))]
     pub fn gpu_owners(&self) -> &imbl::OrdMap<GpuUuid, TaskId> {
         &self.gpu_owner
     }

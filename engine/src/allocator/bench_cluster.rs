@@ -1,4 +1,4 @@
-//! The cluster the allocator's benchmarks measure (`master/benches/
+//! The cluster the allocator's benchmarks measure (`engine/benches/
 //! allocator.rs`, the scale bench's pure allocation cycle): one
 //! definition, so both measure the same thing. Not used by the master.
 

@@ -1,15 +1,15 @@
 //! One allocation cycle of the framework API's allocator (hierarchical DRF,
 //! GPUs named by UUID) at 1,000 and 10,000 agents. Building the views is the
 //! caller's cost and is done once, outside the measurement. The cluster is
-//! `gpuctl_master::allocator::bench_cluster` (the scale bench uses it too).
+//! `gpuctl_engine::allocator::bench_cluster` (the scale bench uses it too).
 //!
-//! Run: `cargo bench -p gpuctl-master --bench allocator`
+//! Run: `cargo bench -p gpuctl-engine --bench allocator`
 
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
-use gpuctl_master::allocator::bench_cluster::{cluster, FRAMEWORKS};
-use gpuctl_master::allocator::{allocate, AllocatorConfig};
+use gpuctl_engine::allocator::bench_cluster::{cluster, FRAMEWORKS};
+use gpuctl_engine::allocator::{allocate, AllocatorConfig};
 
 fn allocation_cycle(c: &mut Criterion) {
     let config = AllocatorConfig::default();

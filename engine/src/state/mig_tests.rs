@@ -416,7 +416,7 @@ fn a_failed_change_keeps_what_nvml_holds_and_says_why() {
 }
 
 fn auto(d: &Driver) -> Vec<(String, Vec<String>)> {
-    crate::leader::mig_auto::mig_auto_commands(&d.s, 50)
+    crate::scheduler::mig_auto::mig_auto_commands(&d.s, 50)
         .into_iter()
         .map(|c| match c {
             Command::SetMigLayout {
@@ -453,7 +453,7 @@ fn mig_auto_splits_an_idle_gpu_for_a_profile_nothing_offers() {
         [("GPU-m-h".to_string(), vec!["3g.40gb".to_string(); 2])]
     );
     // Asked (through the log, as the leader does), it is not asked twice.
-    for c in crate::leader::mig_auto::mig_auto_commands(&d.s, 50) {
+    for c in crate::scheduler::mig_auto::mig_auto_commands(&d.s, 50) {
         d.apply(c).unwrap();
     }
     assert!(auto(&d).is_empty(), "a change under way makes the profile");

@@ -1,4 +1,7 @@
-//! What tests that drive a state through commands share.
+//! What tests that drive a state through commands share: this crate's and,
+//! through the `testkit` feature, the master's. Test support only, so it may
+//! panic like a test.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use gpuctl_core::types::{
     AgentInfo, GpuInfo, PortRange, Resources, Runtime, StatusUpdate, TaskState,

@@ -15,15 +15,15 @@
 //! 1,000 or 10,000 have (`zone=rare`): the index walks those 10, not every
 //! agent; with a glob (`rar*`), agent by agent until one fits.
 //!
-//! Run: `cargo bench -p gpuctl-master --bench queue`
+//! Run: `cargo bench -p gpuctl-engine --bench queue`
 
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use gpuctl_core::types::{AgentInfo, GpuInfo, JobSpec, Resources, Runtime};
-use gpuctl_master::scheduler::queue::{plan, QueueConfig};
-use gpuctl_master::scheduler::{place, place_direct};
-use gpuctl_master::state::{Command, Launch, Outcome, State};
+use gpuctl_engine::scheduler::queue::{plan, QueueConfig};
+use gpuctl_engine::scheduler::{place, place_direct};
+use gpuctl_engine::state::{Command, Launch, Outcome, State};
 
 const GPUS: u32 = 8;
 
