@@ -94,6 +94,22 @@ pub struct AgentConfig {
 }
 
 impl AgentConfig {
+    /// What tasks may do here (`security.rs`): these options, for this
+    /// process's effective user and group.
+    pub fn task_policy(&self) -> crate::security::TaskPolicy {
+        let agent_ids = UserIds {
+            uid: nix::unistd::geteuid().as_raw(),
+            gid: nix::unistd::getegid().as_raw(),
+        };
+        crate::security::TaskPolicy::new(
+            self.task_user,
+            self.allow_root_tasks,
+            self.allowed_mounts.clone(),
+            agent_ids,
+        )
+        .with_users(self.task_users.clone(), self.allowed_users.clone())
+    }
+
     pub fn new(masters: Vec<String>, work_dir: PathBuf) -> AgentConfig {
         AgentConfig {
             masters,

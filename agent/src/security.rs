@@ -232,22 +232,6 @@ impl TaskPolicy {
         self
     }
 
-    /// The policy of this process (its effective user and group) with the
-    /// agent's options.
-    pub fn for_this_process(config: &crate::config::AgentConfig) -> TaskPolicy {
-        let agent_ids = UserIds {
-            uid: nix::unistd::geteuid().as_raw(),
-            gid: nix::unistd::getegid().as_raw(),
-        };
-        TaskPolicy::new(
-            config.task_user,
-            config.allow_root_tasks,
-            config.allowed_mounts.clone(),
-            agent_ids,
-        )
-        .with_users(config.task_users.clone(), config.allowed_users.clone())
-    }
-
     /// Only root can run a task as another user (or as root).
     pub fn agent_is_root(&self) -> bool {
         self.agent_ids.uid == 0

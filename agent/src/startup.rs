@@ -318,7 +318,7 @@ pub(crate) fn isolator(
 
 /// What tasks may do here, as this process can grant it.
 pub(crate) fn task_policy(config: &AgentConfig) -> crate::security::TaskPolicy {
-    let policy = crate::security::TaskPolicy::for_this_process(config);
+    let policy = config.task_policy();
     if config.allow_root_tasks && !policy.agent_is_root() {
         tracing::warn!(
             "allow_root_tasks is set but the agent does not run as root: no task runs as root here"

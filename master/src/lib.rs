@@ -5,7 +5,6 @@
 //! tests and `gpuctl demo` can run one in-process on `127.0.0.1:0`.
 
 pub mod config;
-pub mod console;
 mod error;
 pub mod leader;
 pub mod metrics;
@@ -91,14 +90,21 @@ pub async fn serve(
     }
     let console = match config.http_listen {
         Some(addr) => {
-            let spawned = console::spawn(
+            let spawned = gpuctl_console::spawn(
                 addr,
-                handle.clone(),
-                security.clone(),
-                config.node_id,
+                console_addresses(handle.clone()),
+                security
+                    .as_ref()
+                    .map(|s| Arc::new(s.console_credentials(config.node_id))),
                 stop_rx.clone(),
             )
-            .await;
+            .await
+            .map_err(|e| match e {
+                gpuctl_console::ConsoleError::Listen { addr, source } => {
+                    MasterError::Listen { addr, source }
+                }
+                e => MasterError::Config(e.to_string()),
+            });
             match spawned {
                 Ok(c) => Some(c),
                 Err(e) => {
@@ -204,6 +210,23 @@ fn spawn_leader_loops(
         )));
     }
     tasks
+}
+
+/// The master API addresses the console's gateway tries, best first: the
+/// leader this master knows of, then every member's (this one's included).
+fn console_addresses(raft: raft::RaftHandle) -> gpuctl_console::AddressBook {
+    Arc::new(move || {
+        let mut out = Vec::new();
+        if let Some((_, leader)) = raft.leader() {
+            out.push(leader);
+        }
+        for a in raft.addresses().all().into_values() {
+            if !out.contains(&a) {
+                out.push(a);
+            }
+        }
+        out
+    })
 }
 
 /// `/metrics`: the state's gauges, the framework hub's counters and the

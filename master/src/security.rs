@@ -23,7 +23,7 @@ const RELOAD_EVERY: Duration = Duration::from_secs(30);
 pub struct Security {
     pub tls: Arc<Tls>,
     /// Signs agents' (and clients') certificates; none without `ca_key`.
-    pub ca: Option<Ca>,
+    pub ca: Option<Arc<Ca>>,
     pub config: SecurityConfig,
 }
 
@@ -61,7 +61,7 @@ impl Security {
             }
         }
         let ca = match &config.ca_key {
-            Some(key) => Some(Ca::load(&config.tls.ca, key).map_err(auth)?),
+            Some(key) => Some(Arc::new(Ca::load(&config.tls.ca, key).map_err(auth)?)),
             None => None,
         };
         Ok(Security {
@@ -87,6 +87,25 @@ impl Security {
         Token::parse(&text)
             .map(Some)
             .map_err(|e| MasterError::Config(format!("{}: {e}", path.display())))
+    }
+
+    /// What the web console's TLS is made of: this master's certificate,
+    /// the cluster CA (and its key, when this master has it), and the
+    /// directory of `console.crt` otherwise.
+    pub fn console_credentials(&self, node_id: u64) -> gpuctl_console::Credentials {
+        gpuctl_console::Credentials {
+            server: self.tls.clone(),
+            ca_file: self.config.tls.ca.clone(),
+            cert_dir: self
+                .config
+                .tls
+                .cert
+                .parent()
+                .map(|d| d.to_path_buf())
+                .unwrap_or_default(),
+            ca: self.ca.clone(),
+            node_id,
+        }
     }
 
     pub fn spawn_reloader(&self, stop: watch::Receiver<bool>) -> tokio::task::JoinHandle<()> {

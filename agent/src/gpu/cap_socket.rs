@@ -22,7 +22,31 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{UnixListener, UnixStream};
 
 use super::memcap::DriverCap;
-use crate::runtime::oci_hook::{CapAnswer, CapRequest};
+use serde::{Deserialize, Serialize};
+
+/// What the hook (`runtime/oci_hook.rs`) asks the agent.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CapRequest {
+    pub task: String,
+    pub container: String,
+    pub pid: u32,
+}
+
+/// The agent's answer.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CapAnswer {
+    /// Not empty: the request is not the agent's; the container must not
+    /// run.
+    #[serde(default)]
+    pub error: String,
+    /// The cgroup capped.
+    #[serde(default)]
+    pub cgroup: String,
+    /// Not empty: why the container is not capped; it runs with what else
+    /// holds, and its task says which.
+    #[serde(default)]
+    pub uncapped: String,
+}
 
 /// The socket's name in the work directory.
 pub const SOCKET_FILE: &str = "driver-cap.sock";

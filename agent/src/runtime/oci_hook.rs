@@ -28,7 +28,6 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
-use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 /// The container variable that asks for the hook: `SOCKET|TASK`.
@@ -48,29 +47,9 @@ const MAX_LINE: u64 = 64 * 1024;
 /// runc's global options that take a value (`--root DIR`).
 const GLOBAL_WITH_VALUE: &[&str] = &["--log", "--log-format", "--root", "--criu", "--rootless"];
 
-/// What the hook asks the agent.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct CapRequest {
-    pub task: String,
-    pub container: String,
-    pub pid: u32,
-}
-
-/// The agent's answer.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct CapAnswer {
-    /// Not empty: the request is not the agent's; the container must not
-    /// run.
-    #[serde(default)]
-    pub error: String,
-    /// The cgroup capped.
-    #[serde(default)]
-    pub cgroup: String,
-    /// Not empty: why the container is not capped; it runs with what else
-    /// holds, and its task says which.
-    #[serde(default)]
-    pub uncapped: String,
-}
+// What the hook asks the agent and its answer are the socket's protocol,
+// kept with the socket (gpu/cap_socket.rs).
+pub use crate::gpu::cap_socket::{CapAnswer, CapRequest};
 
 /// Runs as `gpuctl-runc ARGS…` (by name), `gpuctl-agent oci-runtime
 /// ARGS…` or `gpuctl-agent cap-hook SOCKET TASK`; `None` for any other

@@ -154,4 +154,3 @@ fn split_into(g: &GpuInfo, profile: &str, memory_mib: u64, count: u32) -> GpuInf
         .collect();
     out
 }
-

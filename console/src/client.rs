@@ -12,6 +12,9 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use std::path::PathBuf;
+
+use gpuctl_auth::pki::Ca;
 use gpuctl_auth::tls::{ClientAuth, Tls};
 use gpuctl_auth::CertRole;
 use gpuctl_proto::follow::{Connect, Follower, Policy, Retry};
@@ -20,8 +23,6 @@ use tokio::time::Instant;
 use tonic::metadata::{Ascii, MetadataValue};
 use tonic::transport::{Channel, Endpoint};
 use tonic::Status;
-
-use crate::security::Security;
 
 /// How long a call keeps looking for the leader before it reports the
 /// last error (gpuctl's `LEADER_DEADLINE`).
@@ -58,36 +59,46 @@ pub enum CredsError {
     Io(#[from] std::io::Error),
 }
 
-/// The console's TLS as a client: a certificate of role client that this
-/// master makes itself with the CA key (`gpuctl://client/console-<node
-/// id>`, made again in memory after a third of its life), or else
-/// `console.crt` and `console.key` beside the master's own certificate
-/// (reloaded when they change). The certificate only opens the
-/// connection: what a call may do comes from the browser's token.
+/// What the console's TLS is made of, handed over by the master it runs in.
+pub struct Credentials {
+    /// The master's own TLS: browsers are served its certificate.
+    pub server: Arc<Tls>,
+    /// The cluster CA file, trusted by the console's client (during a CA
+    /// rotation it holds the old and the new CA).
+    pub ca_file: PathBuf,
+    /// Where `console.crt` and `console.key` are looked for when there is
+    /// no CA key (beside the master's own certificate).
+    pub cert_dir: PathBuf,
+    /// The cluster CA with its key, when the master has it: the console
+    /// then makes its own client certificate.
+    pub ca: Option<Arc<Ca>>,
+    /// Names that certificate (`console-<node id>`).
+    pub node_id: u64,
+}
+
+/// The console's TLS as a client: a certificate of role client made with
+/// the CA key (`gpuctl://client/console-<node id>`, made again in memory
+/// after a third of its life), or else `console.crt` and `console.key` in
+/// [`Credentials::cert_dir`] (reloaded when they change). The certificate
+/// only opens the connection: what a call may do comes from the browser's
+/// token.
 pub fn console_tls(
-    security: Arc<Security>,
-    node_id: u64,
+    creds: Arc<Credentials>,
     stop: tokio::sync::watch::Receiver<bool>,
 ) -> Result<(Arc<Tls>, tokio::task::JoinHandle<()>), CredsError> {
-    if security.ca.is_some() {
-        let (ca, cert, key) = mint(&security, node_id)?;
+    if creds.ca.is_some() {
+        let (ca, cert, key) = mint(&creds)?;
         let tls = Arc::new(Tls::from_pem(
             ca.as_bytes(),
             Some((cert.as_bytes(), key.as_bytes())),
             ClientAuth::Required,
         )?);
-        let task = tokio::spawn(renew(tls.clone(), security, node_id, stop));
+        let task = tokio::spawn(renew(tls.clone(), creds, stop));
         return Ok((tls, task));
     }
-    let dir = security
-        .config
-        .tls
-        .cert
-        .parent()
-        .map(|d| d.to_path_buf())
-        .unwrap_or_default();
+    let dir = &creds.cert_dir;
     let paths = gpuctl_auth::tls::TlsPaths {
-        ca: security.config.tls.ca.clone(),
+        ca: creds.ca_file.clone(),
         cert: dir.join("console.crt"),
         key: dir.join("console.key"),
     };
@@ -105,8 +116,8 @@ pub fn console_tls(
 
 /// A new console certificate: the CA bundle to trust, the certificate and
 /// its key, in PEM.
-fn mint(security: &Security, node_id: u64) -> Result<(String, String, String), CredsError> {
-    let ca = security
+fn mint(creds: &Credentials) -> Result<(String, String, String), CredsError> {
+    let ca = creds
         .ca
         .as_ref()
         .ok_or_else(|| gpuctl_auth::AuthError::Invalid {
@@ -115,12 +126,12 @@ fn mint(security: &Security, node_id: u64) -> Result<(String, String, String), C
         })?;
     let issued = ca.issue(
         CertRole::Client,
-        &format!("console-{node_id}"),
+        &format!("console-{}", creds.node_id),
         CONSOLE_CERT_TTL,
         &[],
     )?;
     // The trusted file as it is now: during a CA rotation it holds both.
-    let bundle = security.ca_bundle()?;
+    let bundle = std::fs::read_to_string(&creds.ca_file)?;
     Ok((bundle, issued.cert_pem, issued.key_pem.unwrap_or_default()))
 }
 
@@ -128,8 +139,7 @@ fn mint(security: &Security, node_id: u64) -> Result<(String, String, String), C
 /// connections keep theirs, new ones use the new one.
 async fn renew(
     tls: Arc<Tls>,
-    security: Arc<Security>,
-    node_id: u64,
+    creds: Arc<Credentials>,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
     loop {
@@ -137,7 +147,7 @@ async fn renew(
             _ = tokio::time::sleep(CONSOLE_CERT_TTL / 3) => {}
             _ = stop.changed() => return,
         }
-        let renewed = mint(&security, node_id).and_then(|(ca, cert, key)| {
+        let renewed = mint(&creds).and_then(|(ca, cert, key)| {
             Ok(tls.replace(ca.as_bytes(), cert.as_bytes(), key.as_bytes())?)
         });
         match renewed {
@@ -305,11 +315,10 @@ fn connector(tls: Option<Arc<Tls>>) -> Connect {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use gpuctl_auth::pki::Ca;
 
-    /// A master's TLS dir as `gpuctl certs init` writes it, with or
-    /// without the CA key.
-    fn security(dir: &std::path::Path, with_ca_key: bool) -> Arc<Security> {
+    /// A master's TLS dir as `gpuctl certs init` writes it, and the
+    /// credentials a master hands its console, with or without the CA key.
+    fn credentials(dir: &std::path::Path, with_ca_key: bool) -> Arc<Credentials> {
         let ca = Ca::generate("test", Duration::from_secs(3600)).unwrap();
         let master = ca
             .issue(CertRole::Master, "1", Duration::from_secs(3600), &[])
@@ -318,18 +327,19 @@ mod tests {
         std::fs::write(dir.join("ca.key"), ca.key_pem()).unwrap();
         std::fs::write(dir.join("master-1.crt"), &master.cert_pem).unwrap();
         std::fs::write(dir.join("master-1.key"), master.key_pem.unwrap()).unwrap();
-        let config = crate::config::SecurityConfig {
-            tls: gpuctl_auth::tls::TlsPaths {
-                ca: dir.join("ca.crt"),
-                cert: dir.join("master-1.crt"),
-                key: dir.join("master-1.key"),
-            },
-            ca_key: with_ca_key.then(|| dir.join("ca.key")),
-            bootstrap_token: None,
-            agent_cert_ttl: Duration::from_secs(3600),
-            client_cert_ttl: Duration::from_secs(3600),
+        let paths = gpuctl_auth::tls::TlsPaths {
+            ca: dir.join("ca.crt"),
+            cert: dir.join("master-1.crt"),
+            key: dir.join("master-1.key"),
         };
-        Arc::new(Security::load(&config, 1).unwrap())
+        let server = Tls::from_files(&paths, ClientAuth::Optional).unwrap();
+        Arc::new(Credentials {
+            server: Arc::new(server),
+            ca_file: paths.ca,
+            cert_dir: dir.to_path_buf(),
+            ca: with_ca_key.then(|| Arc::new(ca)),
+            node_id: 1,
+        })
     }
 
     use gpuctl_proto::pb;
@@ -456,7 +466,7 @@ mod tests {
     async fn a_master_with_the_ca_key_makes_its_consoles_client_certificate() {
         let dir = tempfile::tempdir().unwrap();
         let (_stop_tx, stop) = tokio::sync::watch::channel(false);
-        let (tls, task) = console_tls(security(dir.path(), true), 1, stop).unwrap();
+        let (tls, task) = console_tls(credentials(dir.path(), true), stop).unwrap();
         let id = tls.identity().unwrap();
         assert_eq!((id.role, id.name.as_str()), (CertRole::Client, "console-1"));
         task.abort();
@@ -465,9 +475,9 @@ mod tests {
     #[tokio::test]
     async fn without_the_ca_key_it_reads_console_crt_or_says_how_to_make_it() {
         let dir = tempfile::tempdir().unwrap();
-        let sec = security(dir.path(), false);
+        let creds = credentials(dir.path(), false);
         let (_stop_tx, stop) = tokio::sync::watch::channel(false);
-        let e = console_tls(sec.clone(), 1, stop.clone())
+        let e = console_tls(creds.clone(), stop.clone())
             .unwrap_err()
             .to_string();
         assert!(
@@ -482,7 +492,7 @@ mod tests {
             .unwrap();
         std::fs::write(dir.path().join("console.crt"), &c.cert_pem).unwrap();
         std::fs::write(dir.path().join("console.key"), c.key_pem.unwrap()).unwrap();
-        let (tls, task) = console_tls(sec, 1, stop).unwrap();
+        let (tls, task) = console_tls(creds, stop).unwrap();
         assert_eq!(tls.identity().unwrap().name, "console");
         task.abort();
     }

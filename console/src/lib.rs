@@ -1,13 +1,17 @@
-//! The web console (`--http-listen`, docs/console.md): three static files
-//! (`master/console/`: index.html, app.js, style.css, built into the binary,
-//! no JavaScript toolchain) and a JSON gateway under `/api` (api.rs) that
+//! The web console (the master's `--http-listen`, docs/console.md): three
+//! static files (`console/static/`: index.html, app.js, style.css, built
+//! into the binary, no JavaScript toolchain) and a JSON gateway under `/api` (api.rs) that
 //! is a gRPC client of the cluster like gpuctl (client.rs): the browser's
 //! token goes with every call, so the masters' auth layer decides what it
 //! may see and do, and the gateway follows the leader.
 //!
 //! HTTPS with this master's certificate when TLS is configured (browsers
 //! must trust the cluster CA and the certificate must name the host they
-//! use), plain HTTP on loopback otherwise (config.rs). HTTP/2 where the
+//! use), plain HTTP on loopback otherwise (the master's config checks).
+//!
+//! It knows nothing of the master it runs in but what [`spawn`] is given:
+//! the masters' addresses to try ([`AddressBook`]) and the TLS credentials
+//! ([`Credentials`]). HTTP/2 where the
 //! browser speaks it (over TLS): a page with its log streams then holds one
 //! connection, not one of the six HTTP/1.1 allows per host.
 
@@ -31,11 +35,9 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::watch;
 
-use crate::error::MasterError;
-use crate::raft::RaftHandle;
-use crate::security::Security;
 use api::ApiError;
-use client::{AddressBook, Gateway};
+use client::Gateway;
+pub use client::{AddressBook, Credentials, CredsError};
 
 /// Connections served at once; more wait in the kernel's backlog.
 const MAX_CONNECTIONS: usize = 256;
@@ -46,9 +48,9 @@ const MAX_STREAMS: u32 = 64;
 const HEADER_TIMEOUT: Duration = Duration::from_secs(30);
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
-const INDEX_HTML: &str = include_str!("../../console/index.html");
-const APP_JS: &str = include_str!("../../console/app.js");
-const STYLE_CSS: &str = include_str!("../../console/style.css");
+const INDEX_HTML: &str = include_str!("../static/index.html");
+const APP_JS: &str = include_str!("../static/app.js");
+const STYLE_CSS: &str = include_str!("../static/style.css");
 
 /// Same-origin only: no inline script, nothing from elsewhere, no framing.
 const CSP: &str = "default-src 'self'; img-src 'self' data:; object-src 'none'; \
@@ -62,46 +64,40 @@ pub struct Console {
     pub tasks: Vec<tokio::task::JoinHandle<()>>,
 }
 
-/// The master API addresses the gateway tries, best first: the leader this
-/// master knows of, then every member's (this one's included).
-fn address_book(raft: RaftHandle) -> AddressBook {
-    Arc::new(move || {
-        let mut out = Vec::new();
-        if let Some((_, leader)) = raft.leader() {
-            out.push(leader);
-        }
-        for a in raft.addresses().all().into_values() {
-            if !out.contains(&a) {
-                out.push(a);
-            }
-        }
-        out
-    })
+/// Why the console cannot start.
+#[derive(Debug, thiserror::Error)]
+pub enum ConsoleError {
+    #[error("listen on {addr}: {source}")]
+    Listen {
+        addr: String,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Credentials(#[from] CredsError),
 }
 
 /// Binds `listen` (a bad or taken address fails the master's start) and
 /// serves the console until `stop` turns true.
 pub async fn spawn(
     listen: SocketAddr,
-    raft: RaftHandle,
-    security: Option<Arc<Security>>,
-    node_id: u64,
+    addresses: AddressBook,
+    credentials: Option<Arc<Credentials>>,
     stop: watch::Receiver<bool>,
-) -> Result<Console, MasterError> {
+) -> Result<Console, ConsoleError> {
     let mut tasks = Vec::new();
-    let (client_tls, server_tls) = match &security {
-        Some(sec) => {
-            let (tls, task) = client::console_tls(sec.clone(), node_id, stop.clone())
-                .map_err(|e| MasterError::Config(e.to_string()))?;
+    let (client_tls, server_tls) = match credentials {
+        Some(creds) => {
+            let server = creds.server.clone();
+            let (tls, task) = client::console_tls(creds, stop.clone())?;
             tasks.push(task);
-            (Some(tls), Some(sec.tls.clone()))
+            (Some(tls), Some(server))
         }
         None => (None, None),
     };
-    let gateway = Arc::new(Gateway::new(address_book(raft), client_tls));
+    let gateway = Arc::new(Gateway::new(addresses, client_tls));
     let listener = tokio::net::TcpListener::bind(listen)
         .await
-        .map_err(|source| MasterError::Listen {
+        .map_err(|source| ConsoleError::Listen {
             addr: listen.to_string(),
             source,
         })?;
@@ -129,7 +125,8 @@ struct Checks {
     loopback_host_only: bool,
 }
 
-pub fn router_for_tests(gateway: Arc<Gateway>, loopback_host_only: bool) -> Router {
+#[cfg(test)]
+fn router_for_tests(gateway: Arc<Gateway>, loopback_host_only: bool) -> Router {
     router(gateway, Arc::new(Checks { loopback_host_only }))
 }
 
