@@ -168,7 +168,11 @@ async fn stop_tasks_on_failed_gpus(
         let (generation, faults, over) = {
             let s = health.borrow_and_update();
             executor.note_gpu_memory(&s.gpus);
-            let over = gpu::procs::over_memory(&s.gpus, &executor.memory_watched());
+            let readings = s
+                .gpus
+                .iter()
+                .filter_map(|g| g.sample.as_ref().map(|r| (g.uuid.as_str(), r)));
+            let over = gpu::procs::over_memory(readings, &executor.memory_watched());
             (s.generation, s.faults(), over)
         };
         if seen != Some(generation) {

@@ -25,7 +25,7 @@ use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
 use tonic::Status;
 
-use crate::error::CliError;
+use crate::error::{CliError, ConnectError};
 
 /// The default `--master`.
 pub const DEFAULT_MASTER: &str = "127.0.0.1:7050";
@@ -152,14 +152,6 @@ pub fn not_applied(status: &Status) -> bool {
     gpuctl_proto::leader::not_applied(status)
 }
 
-/// No master in the list accepted a connection.
-#[derive(Debug, thiserror::Error)]
-#[error("could not reach a master at {} ({last_error})", tried.join(", "))]
-pub struct ConnectError {
-    pub tried: Vec<String>,
-    pub last_error: String,
-}
-
 /// What the CLI proves itself with: a client certificate (mutual TLS) and
 /// a bearer token. Both absent for a cluster without security.
 #[derive(Clone, Default)]
@@ -283,7 +275,7 @@ impl Master {
                 channel,
                 AddToken(self.creds.token.clone()),
             )),
-            Err(status) => Err(CliError::rpc(self, status)),
+            Err(status) => Err(CliError::rpc(self.addr(), status)),
         }
     }
 

@@ -4,8 +4,6 @@ use std::io;
 
 use tonic::Code;
 
-use crate::client::{ConnectError, Master};
-
 /// Success; for `jobs wait`, the job SUCCEEDED.
 pub const EXIT_OK: u8 = 0;
 /// Any error without a more specific code; for `jobs wait`, the job FAILED
@@ -20,6 +18,14 @@ pub const EXIT_NOT_FOUND: u8 = 3;
 /// try may have been applied (`CliError::Unknown`). Running the same
 /// command again is safe (a create: with the request id it names).
 pub const EXIT_UNKNOWN: u8 = 4;
+
+/// No master in the list accepted a connection.
+#[derive(Debug, thiserror::Error)]
+#[error("could not reach a master at {} ({last_error})", tried.join(", "))]
+pub struct ConnectError {
+    pub tried: Vec<String>,
+    pub last_error: String,
+}
 
 /// Everything that can go wrong; shown as one line `error: <message>`.
 #[derive(Debug, thiserror::Error)]
@@ -102,11 +108,9 @@ pub fn one_line(s: &str) -> String {
 }
 
 impl CliError {
-    pub fn rpc(master: &Master, status: tonic::Status) -> Self {
-        CliError::Rpc {
-            addr: master.addr(),
-            status,
-        }
+    /// `status` as the master at `addr` answered it.
+    pub fn rpc(addr: String, status: tonic::Status) -> Self {
+        CliError::Rpc { addr, status }
     }
 
     /// An unknown outcome ending with `last`, in general words; the

@@ -15,31 +15,20 @@ use axum::Router;
 use gpuctl_proto::pb;
 use serde::Deserialize;
 use serde_json::{json, Value};
-use tonic::transport::Channel;
 use tonic::Code;
 
-use super::client::{CallError, Gateway, Token, RPC_TIMEOUT};
+use super::client::{access, operator, CallError, Gateway, Token, RPC_TIMEOUT};
 use super::json;
 use super::logs;
 use gpuctl_proto::follow::READ_ATTEMPT;
 
 /// Largest request body (a submitted job's JSON).
 pub const MAX_BODY: usize = 1024 * 1024;
-/// Largest answer the console accepts from a master (a big job list).
-const MAX_MESSAGE_BYTES: usize = 64 * 1024 * 1024;
 /// Jobs on the jobs page unless it asks for another number; the most.
 const DEFAULT_JOBS: u32 = 200;
 const MAX_JOBS: u32 = 1000;
 /// Log pieces buffered for a slow browser before the relay waits.
 const LOG_BUFFER: usize = 64;
-
-pub fn operator(channel: Channel) -> pb::operator_client::OperatorClient<Channel> {
-    pb::operator_client::OperatorClient::new(channel).max_decoding_message_size(MAX_MESSAGE_BYTES)
-}
-
-fn access(channel: Channel) -> pb::access_client::AccessClient<Channel> {
-    pb::access_client::AccessClient::new(channel).max_decoding_message_size(MAX_MESSAGE_BYTES)
-}
 
 /// The console layer's one error: what the browser gets, as a status and
 /// `{"error": message}`.

@@ -36,6 +36,21 @@ const BACKOFF_MAX: Duration = Duration::from_secs(1);
 /// its console; a new one is made after a third of it.
 const CONSOLE_CERT_TTL: Duration = Duration::from_secs(24 * 3600);
 
+/// Largest answer the console accepts from a master (a big job list).
+const MAX_MESSAGE_BYTES: usize = 64 * 1024 * 1024;
+
+/// The Operator service on `channel`, as the console calls it.
+pub fn operator(channel: Channel) -> gpuctl_proto::pb::operator_client::OperatorClient<Channel> {
+    gpuctl_proto::pb::operator_client::OperatorClient::new(channel)
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+}
+
+/// The Access service on `channel`, as the console calls it.
+pub fn access(channel: Channel) -> gpuctl_proto::pb::access_client::AccessClient<Channel> {
+    gpuctl_proto::pb::access_client::AccessClient::new(channel)
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+}
+
 /// The master API addresses to try, best first (the leader when known).
 pub type AddressBook = Arc<dyn Fn() -> Vec<String> + Send + Sync>;
 

@@ -20,7 +20,7 @@ use gpuctl_proto::pb;
 use serde_json::json;
 use tokio::sync::mpsc;
 
-use super::client::{CallError, Gateway, Token, RPC_TIMEOUT};
+use super::client::{operator, CallError, Gateway, Token, RPC_TIMEOUT};
 
 /// Streams opened in a row that brought nothing new before giving up.
 const MAX_FRUITLESS_STREAMS: u32 = 5;
@@ -141,7 +141,7 @@ pub async fn open(
                 rank: which.rank,
                 attempt: which.attempt,
             });
-            async move { super::api::operator(channel).job_logs(req).await }
+            async move { operator(channel).job_logs(req).await }
         })
         .await
 }
@@ -159,7 +159,7 @@ async fn selection_ended(
                 job_id: job_id.to_string(),
                 ..Default::default()
             });
-            async move { super::api::operator(channel).get_job(req).await }
+            async move { operator(channel).get_job(req).await }
         })
         .await;
     match job {

@@ -14,7 +14,7 @@ pub enum MasterError {
     #[error(transparent)]
     Storage(#[from] raft::storage::StorageInitError),
     #[error(transparent)]
-    Raft(#[from] raft::node::NodeError),
+    Raft(#[from] raft::NodeError),
     #[error("listen on {addr}: {source}")]
     Listen {
         addr: String,

@@ -9,13 +9,12 @@ mod error;
 pub mod leader;
 pub mod metrics;
 pub mod raft;
-pub mod scheduler;
 pub mod security;
 pub mod service;
 
-/// The pure engine's state machine and allocator, where the master's
-/// modules have always found them.
-pub use gpuctl_engine::{allocator, state};
+/// The pure engine's state machine, allocator and scheduler's decisions,
+/// where the master's modules have always found them.
+pub use gpuctl_engine::{allocator, scheduler, state};
 
 pub use error::MasterError;
 
@@ -73,7 +72,7 @@ pub async fn serve(
 
     let liveness = Arc::new(leader::Liveness::default());
     let hub = Arc::new(leader::frameworks::Hub::default());
-    let waits = Arc::new(scheduler::board::WaitBoard::default());
+    let waits = Arc::new(leader::board::WaitBoard::default());
     side_tasks.extend(spawn_leader_loops(
         &handle, &config, &liveness, &hub, &waits, &stop_rx,
     ));
@@ -174,7 +173,7 @@ fn spawn_leader_loops(
     config: &MasterConfig,
     liveness: &Arc<leader::Liveness>,
     hub: &Arc<leader::frameworks::Hub>,
-    waits: &Arc<scheduler::board::WaitBoard>,
+    waits: &Arc<leader::board::WaitBoard>,
     stop: &watch::Receiver<bool>,
 ) -> Vec<tokio::task::JoinHandle<()>> {
     let mut tasks = vec![
@@ -195,7 +194,7 @@ fn spawn_leader_loops(
             config.retention,
             stop.clone(),
         )),
-        tokio::spawn(scheduler::runner::run(
+        tokio::spawn(leader::scheduler::run(
             handle.clone(),
             hub.clone(),
             waits.clone(),
@@ -323,7 +322,7 @@ async fn start_raft(
 ) -> Result<
     (
         raft::RaftHandle,
-        tokio::task::JoinHandle<Result<(), raft::node::NodeError>>,
+        tokio::task::JoinHandle<Result<(), raft::NodeError>>,
         u64,
         raft::transport::RoundTrips,
     ),

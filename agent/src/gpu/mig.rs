@@ -21,7 +21,6 @@ use std::path::Path;
 use gpuctl_core::types::{MigCapacity, MigDevice, MigInfo, MigProfile};
 use nvml_wrapper::error::{nvml_sym, nvml_try, NvmlError};
 use nvml_wrapper::{Device, Nvml};
-use nvml_wrapper_sys::bindings::nvmlGpuInstanceProfileInfo_v2_t;
 
 /// Where the driver lists the capability minors, under the proc root.
 pub const MIG_MINORS: &str = "driver/nvidia-caps/mig-minors";
@@ -139,7 +138,9 @@ fn read_device(
         .ok()
         .and_then(|n| n.rsplit_once("MIG ").map(|(_, p)| p.trim().to_string()))
         .filter(|p| !p.is_empty())
-        .unwrap_or_else(|| profile_name(attrs.gpu_instance_slice_count, memory_mib));
+        .unwrap_or_else(|| {
+            super::mig_layout::profile_name(attrs.gpu_instance_slice_count, memory_mib)
+        });
     Ok(MigDevice {
         uuid,
         profile,
@@ -202,17 +203,6 @@ fn free_profiles(nvml: &Nvml, dev: &Device) -> Vec<MigCapacity> {
     out
 }
 
-/// NVML_STRUCT_VERSION(GpuInstanceProfileInfo, 2).
-pub(crate) const PROFILE_INFO_V2: u32 =
-    (std::mem::size_of::<nvmlGpuInstanceProfileInfo_v2_t>() as u32) | (2 << 24);
-
-/// A profile's name from its slices and memory when NVML gives none:
-/// `<slices>g.<GiB, rounded up>gb`, as NVIDIA names them (4864 MiB is
-/// `1g.5gb`, 19968 MiB `3g.20gb`).
-pub fn profile_name(slices: u32, memory_mib: u64) -> String {
-    format!("{slices}g.{}gb", memory_mib.div_ceil(1024))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -236,6 +226,7 @@ mod tests {
 
     #[test]
     fn profile_names_follow_nvidia() {
+        use super::super::mig_layout::profile_name;
         assert_eq!(profile_name(1, 4864), "1g.5gb");
         assert_eq!(profile_name(2, 9856), "2g.10gb");
         assert_eq!(profile_name(3, 19968), "3g.20gb");

@@ -80,6 +80,17 @@ pub struct Placed {
     pub size: u32,
 }
 
+/// NVML_STRUCT_VERSION(GpuInstanceProfileInfo, 2).
+pub(crate) const PROFILE_INFO_V2: u32 =
+    (std::mem::size_of::<nvmlGpuInstanceProfileInfo_v2_t>() as u32) | (2 << 24);
+
+/// A profile's name from its slices and memory when NVML gives none:
+/// `<slices>g.<GiB, rounded up>gb`, as NVIDIA names them (4864 MiB is
+/// `1g.5gb`, 19968 MiB `3g.20gb`).
+pub fn profile_name(slices: u32, memory_mib: u64) -> String {
+    format!("{slices}g.{}gb", memory_mib.div_ceil(1024))
+}
+
 /// The GPU instance profiles `dev` offers, in NVML's profile order.
 #[allow(unsafe_code)]
 pub fn profiles(nvml: &Nvml, dev: &Device) -> Result<Vec<GiProfile>, LayoutError> {
@@ -91,7 +102,7 @@ pub fn profiles(nvml: &Nvml, dev: &Device) -> Result<Vec<GiProfile>, LayoutError
         // SAFETY: a zeroed v2 struct with its version set, as NVML asks;
         // the device handle is live for `dev`'s lifetime.
         let mut p: nvmlGpuInstanceProfileInfo_v2_t = unsafe { std::mem::zeroed() };
-        p.version = super::mig::PROFILE_INFO_V2;
+        p.version = PROFILE_INFO_V2;
         // SAFETY: as above.
         if nvml_try(unsafe { info_v2(dev.handle(), index, &mut p) }).is_err() {
             continue;
@@ -102,7 +113,7 @@ pub fn profiles(nvml: &Nvml, dev: &Device) -> Result<Vec<GiProfile>, LayoutError
             .and_then(|c| c.to_str().ok())
             .and_then(|n| n.trim().strip_prefix("MIG "))
             .map(str::to_string)
-            .unwrap_or_else(|| super::mig::profile_name(p.sliceCount, p.memorySizeMB));
+            .unwrap_or_else(|| profile_name(p.sliceCount, p.memorySizeMB));
         if !out.iter().any(|o| o.id == p.id) {
             out.push(GiProfile {
                 id: p.id,

@@ -273,19 +273,18 @@ pub struct Watched {
     pub limit_mib: u64,
 }
 
-/// The watched tasks over their fraction in the latest readings, with why
-/// in words. A task with no figure (no process on the GPU yet, or a GPU
-/// that failed its probe) is not over.
-pub fn over_memory(
-    gpus: &[super::health::GpuHealth],
+/// The watched tasks over their fraction in the latest readings (each
+/// GPU's by UUID), with why in words. A task with no figure (no process on
+/// the GPU yet, or a GPU that failed its probe) is not over.
+pub fn over_memory<'a>(
+    readings: impl IntoIterator<Item = (&'a str, &'a gpuctl_core::types::GpuSample)>,
     watched: &[Watched],
 ) -> BTreeMap<String, String> {
+    let readings: BTreeMap<&str, &gpuctl_core::types::GpuSample> = readings.into_iter().collect();
     let mut over = BTreeMap::new();
     for w in watched {
-        let used = gpus
-            .iter()
-            .find(|g| g.uuid == w.gpu)
-            .and_then(|g| g.sample.as_ref())
+        let used = readings
+            .get(w.gpu.as_str())
             .and_then(|s| s.task_memory_used_mib.get(&w.task).copied());
         if let Some(used) = used.filter(|u| *u > w.limit_mib) {
             over.insert(
@@ -519,29 +518,12 @@ mod tests {
 
     #[test]
     fn only_a_watched_task_over_its_fraction_is_over() {
-        use super::super::health::GpuHealth;
         let sample = |tasks: &[(&str, u64)]| gpuctl_core::types::GpuSample {
             task_memory_used_mib: tasks.iter().map(|(t, m)| (t.to_string(), *m)).collect(),
             ..Default::default()
         };
-        let gpu = |uuid: &str, s: Option<gpuctl_core::types::GpuSample>| GpuHealth {
-            uuid: uuid.into(),
-            index: 0,
-            model: String::new(),
-            healthy: true,
-            reason: String::new(),
-            sample: s,
-            mig: Vec::new(),
-            xid_errors: BTreeMap::new(),
-            double_bit_ecc_errors: 0,
-        };
-        let gpus = vec![
-            gpu(
-                "G0",
-                Some(sample(&[("a", 10241), ("b", 10240), ("c", 99999)])),
-            ),
-            gpu("G1", None),
-        ];
+        // G1 gave no reading.
+        let g0 = sample(&[("a", 10241), ("b", 10240), ("c", 99999)]);
         let w = |task: &str, gpu: &str| Watched {
             task: task.into(),
             gpu: gpu.into(),
@@ -550,7 +532,7 @@ mod tests {
         // a: one MiB over; b: at its limit; c: not watched (time-slice);
         // d: no figure; e: its GPU gave no reading.
         let over = over_memory(
-            &gpus,
+            [("G0", &g0)],
             &[w("a", "G0"), w("b", "G0"), w("d", "G0"), w("e", "G1")],
         );
         assert_eq!(over.keys().collect::<Vec<_>>(), vec!["a"]);

@@ -20,7 +20,7 @@ use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use serde::{Deserialize, Serialize};
 
-use super::supervisor;
+use super::helper;
 use crate::checkpoint;
 
 pub const SUBCOMMAND: &str = "fence-container";
@@ -65,7 +65,7 @@ pub fn main_if_requested() -> Option<ExitCode> {
 
 fn run(dir: &Path) -> u8 {
     let lock_path = dir.join(LOCK_FILE);
-    let _lock = match supervisor::lock_or_give_up(&lock_path) {
+    let _lock = match helper::lock_or_give_up(&lock_path) {
         Ok(Some(l)) => l,
         // Another watcher has it.
         Ok(None) => return 3,
@@ -86,7 +86,7 @@ fn run(dir: &Path) -> u8 {
     };
     let mut last_state = Instant::now();
     loop {
-        if supervisor::fence_expired(Some(&config.contact)) {
+        if helper::fence_expired(Some(&config.contact)) {
             eprintln!(
                 "gpuctl-agent {SUBCOMMAND}: no contact with a master for the fence timeout: stopping container {}",
                 config.container

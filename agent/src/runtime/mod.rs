@@ -24,6 +24,7 @@ use gpuctl_core::types::{Runtime, TaskSpec};
 
 pub mod docker;
 pub mod fence;
+pub mod helper;
 pub mod image;
 pub mod oci_hook;
 pub mod process;

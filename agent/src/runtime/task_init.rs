@@ -37,7 +37,7 @@ use nix::sys::signalfd::{SfdFlags, SignalFd};
 use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
 use nix::unistd::Pid;
 
-use super::supervisor::{self, Launch, LAUNCH_FILE};
+use super::helper::{self, Launch, LAUNCH_FILE};
 use crate::checkpoint;
 
 pub const SUBCOMMAND: &str = "task-init";
@@ -130,11 +130,11 @@ fn run(dir: &Path) -> u8 {
         .current_dir(&launch.cwd)
         .stdin(Stdio::null())
         .process_group(0);
-    supervisor::unblock_signals_before_exec(&mut cmd);
-    supervisor::drop_privileges_before_exec(&mut cmd, launch.user);
+    helper::unblock_signals_before_exec(&mut cmd);
+    helper::drop_privileges_before_exec(&mut cmd, launch.user);
     let main = match cmd.spawn() {
         Ok(c) => Pid::from_raw(c.id() as i32),
-        Err(e) => return record(dir, &supervisor::spawn_error(&launch, &e), SPAWN_FAILED),
+        Err(e) => return record(dir, &helper::spawn_error(&launch, &e), SPAWN_FAILED),
     };
     loop {
         let info = match signals.read_signal() {

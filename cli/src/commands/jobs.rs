@@ -496,7 +496,7 @@ where
                 // Reading again is harmless: any failure another master
                 // may not have (the master died: a transport error) counts.
                 Err(status) if may_retry(&status) => break Some(status),
-                Err(status) => return Err(CliError::rpc(master, status)),
+                Err(status) => return Err(CliError::rpc(master.addr(), status)),
             }
         };
         fruitless = if total(&tasks) > before {
@@ -507,7 +507,7 @@ where
         match broken {
             Some(status) => {
                 if fruitless >= MAX_FRUITLESS_STREAMS {
-                    return Err(CliError::rpc(master, status));
+                    return Err(CliError::rpc(master.addr(), status));
                 }
                 tracing::debug!(addr = %master.addr(), error = %status.message(), "log stream broke; opening it again");
                 if let Some(leader) = leader_hint(&status) {
@@ -698,13 +698,13 @@ async fn watch(
                 // The master ended the stream without the end: watch again.
                 Ok(None) => break None,
                 Err(status) if may_retry(&status) => break Some(status),
-                Err(status) => return Err(CliError::rpc(master, status)),
+                Err(status) => return Err(CliError::rpc(master.addr(), status)),
             }
         };
         fruitless += 1;
         if fruitless >= MAX_FRUITLESS_STREAMS {
             let status = broken.unwrap_or_else(|| Status::unavailable("the watch kept ending"));
-            return Err(CliError::rpc(master, status));
+            return Err(CliError::rpc(master.addr(), status));
         }
         if let Some(leader) = broken.as_ref().and_then(leader_hint) {
             master.switch_to(leader);

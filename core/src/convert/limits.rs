@@ -92,11 +92,9 @@ pub const MAX_STOP_GRACE_MS: u64 = 24 * 3600 * 1000;
 /// A job's hang timeout: at least a second, at most a week.
 pub const MIN_HANG_TIMEOUT_MS: u64 = 1000;
 pub const MAX_HANG_TIMEOUT_MS: u64 = 7 * 24 * 3600 * 1000;
-/// A job's first restart backoff when it names none (`--restart-backoff`).
-pub const DEFAULT_RESTART_BACKOFF_MS: u64 = 1000;
-/// The longest a doubled restart backoff grows (as Kubernetes' crash-loop
-/// backoff), unless the job's first pause is longer.
-pub const MAX_RESTART_BACKOFF_MS: u64 = 5 * 60 * 1000;
+/// The restart backoff's default and its doubling's cap are the job's
+/// (`types/job.rs`, where `JobSpec::restart_backoff` uses them).
+pub use crate::types::{DEFAULT_RESTART_BACKOFF_MS, MAX_RESTART_BACKOFF_MS};
 /// The longest first restart backoff a job may name.
 pub const MAX_FIRST_RESTART_BACKOFF_MS: u64 = 3600 * 1000;
 /// Where GPU containers get the driver volume: no job mounts there.

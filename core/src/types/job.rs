@@ -7,6 +7,12 @@ use serde::{Deserialize, Serialize};
 
 use super::*;
 
+/// A job's first restart backoff when it names none (`--restart-backoff`).
+pub const DEFAULT_RESTART_BACKOFF_MS: u64 = 1000;
+/// The longest a doubled restart backoff grows (as Kubernetes' crash-loop
+/// backoff), unless the job's first pause is longer.
+pub const MAX_RESTART_BACKOFF_MS: u64 = 5 * 60 * 1000;
+
 /// How a GPU an admin marked shareable (`gpuctl gpus share`) is shared
 /// between the tasks that hold fractions of it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -223,8 +229,8 @@ pub struct JobSpec {
     #[serde(default, skip_serializing_if = "RestartPolicy::is_default")]
     pub restart_policy: RestartPolicy,
     /// The pause before the first restart after a failure, in ms, doubled
-    /// by each retry up to [`crate::convert::MAX_RESTART_BACKOFF_MS`];
-    /// `None`: [`crate::convert::DEFAULT_RESTART_BACKOFF_MS`].
+    /// by each retry up to [`MAX_RESTART_BACKOFF_MS`];
+    /// `None`: [`DEFAULT_RESTART_BACKOFF_MS`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub restart_backoff_ms: Option<u64>,
 }
@@ -342,13 +348,13 @@ impl JobSpec {
 
     /// The pause before restarting it after its `retries`-th failure (1 for
     /// the first): its backoff, doubled by each retry, at most
-    /// [`crate::convert::MAX_RESTART_BACKOFF_MS`].
+    /// [`MAX_RESTART_BACKOFF_MS`].
     pub fn restart_backoff(&self, retries: u32) -> u64 {
         let first = self
             .restart_backoff_ms
-            .unwrap_or(crate::convert::DEFAULT_RESTART_BACKOFF_MS);
+            .unwrap_or(DEFAULT_RESTART_BACKOFF_MS);
         let doubled = first.saturating_mul(1u64 << retries.saturating_sub(1).min(30));
-        doubled.min(crate::convert::MAX_RESTART_BACKOFF_MS.max(first))
+        doubled.min(MAX_RESTART_BACKOFF_MS.max(first))
     }
 
     /// Whether its gang may start with fewer than `replicas` ranks.

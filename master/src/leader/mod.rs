@@ -2,9 +2,11 @@
 //! `retention.rs`) forgetting finished work. They only read the applied
 //! state and propose commands; apply has the last word.
 
+pub mod board;
 pub mod frameworks;
 pub mod mig_auto;
 pub mod retention;
+pub mod scheduler;
 
 use crate::state::util::UtilPoint;
 use std::collections::HashMap;

@@ -10,8 +10,9 @@ use gpuctl_core::types::{JobSpec, Resources};
 use raft::eraftpb::{ConfChange, ConfChangeType};
 use tokio::sync::watch;
 
-use super::node::{start, NodeError};
+use super::node::start;
 use super::sim::SimNet;
+use super::NodeError;
 use super::{Addresses, ProposeError, RaftHandle, RaftNodeConfig, Role, SledStorage};
 use crate::state::events::EventKind;
 use crate::state::{Command, Outcome};

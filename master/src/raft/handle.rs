@@ -11,7 +11,7 @@ use super::wakeups::{AgentWakeup, AgentWakeups};
 use super::Addresses;
 use crate::state::{Command, Outcome, State};
 
-use super::node::*;
+use super::types::*;
 
 /// Cheap to clone; what services use to read and change the state.
 #[derive(Clone)]
@@ -23,18 +23,6 @@ pub struct RaftHandle {
     pub(super) role: watch::Receiver<RoleStatus>,
     pub(super) addresses: Addresses,
     pub(super) wakeups: AgentWakeups,
-}
-
-/// The part of [`NodeStatus`] that changes with elections, not with every
-/// commit: what the loops that only care who leads wait on (one per agent
-/// stream: waking 10,000 of them at every commit cost a pass over every
-/// agent per commit).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct RoleStatus {
-    pub role: Role,
-    pub term: u64,
-    pub leader_id: u64,
-    pub serving: bool,
 }
 
 impl RaftHandle {
@@ -150,11 +138,4 @@ impl RaftHandle {
     pub fn leader(&self) -> Option<(u64, String)> {
         leader_of(self.status().leader_id, &self.addresses)
     }
-}
-
-pub(super) fn leader_of(leader_id: u64, addresses: &Addresses) -> Option<(u64, String)> {
-    if leader_id == 0 {
-        return None;
-    }
-    addresses.get(leader_id).map(|a| (leader_id, a))
 }

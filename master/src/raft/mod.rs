@@ -6,6 +6,7 @@ pub mod node;
 mod snapshot;
 pub mod storage;
 pub mod transport;
+mod types;
 pub mod wakeups;
 
 #[cfg(test)]
@@ -16,12 +17,11 @@ pub(crate) mod sim;
 use std::collections::BTreeMap;
 use std::sync::{Arc, RwLock};
 
-pub use node::{
-    decode_snapshot, encode_snapshot, state_at_rest, NodeStatus, ProposeError, RaftHandle,
-    RaftNodeConfig, Reporter, Role, RoleStatus,
-};
+pub use handle::RaftHandle;
+pub use snapshot::{decode_snapshot, encode_snapshot, state_at_rest};
 pub use storage::SledStorage;
 pub use transport::{GrpcTransport, Transport};
+pub use types::{NodeError, NodeStatus, ProposeError, RaftNodeConfig, Reporter, Role, RoleStatus};
 pub use wakeups::{AgentWakeup, AgentWakeups};
 
 /// API address (`HOST:PORT`) of each master by node id: from `--peers`,

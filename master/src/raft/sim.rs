@@ -6,8 +6,8 @@ use std::sync::{Arc, Mutex};
 
 use raft::eraftpb::{Message, MessageType};
 
-use super::node::Reporter;
 use super::transport::Transport;
+use super::types::Reporter;
 use super::RaftHandle;
 
 #[derive(Default)]

@@ -6,7 +6,7 @@ use raft::eraftpb::EntryType;
 use super::storage::SledStorage;
 use crate::state::{Command, State};
 
-use super::node::*;
+use super::types::*;
 
 /// zstd's level for snapshots: its fastest; the state's JSON shrinks about
 /// tenfold (jobs and agents repeat their field names and values), so a

@@ -19,7 +19,7 @@ use raft::eraftpb::{Message, MessageType};
 use tokio::sync::mpsc;
 use tonic::transport::{Channel, Endpoint};
 
-use super::node::Reporter;
+use super::types::Reporter;
 use super::Addresses;
 
 /// Where the node hands its outgoing messages.

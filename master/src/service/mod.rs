@@ -22,10 +22,10 @@ pub use error::{reply, Missing, MustRegister, ServiceError};
 use gpuctl_proto::pb;
 use tokio::sync::watch;
 
+use crate::leader::board::WaitBoard;
 use crate::leader::frameworks::Hub;
 use crate::leader::Liveness;
 use crate::raft::RaftHandle;
-use crate::scheduler::board::WaitBoard;
 use crate::MasterConfig;
 
 #[derive(Clone)]

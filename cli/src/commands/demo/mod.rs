@@ -462,7 +462,7 @@ async fn wait_for_agent(master: &mut Master, timeout: Duration) -> Result<pb::Ag
                 }
                 last_error.clear();
             }
-            Ok(Err(status)) => last_error = CliError::rpc(master, status).to_string(),
+            Ok(Err(status)) => last_error = CliError::rpc(master.addr(), status).to_string(),
             Err(_) => last_error = "ListAgents did not answer within 5s".to_string(),
         }
         if Instant::now() >= deadline {

@@ -30,11 +30,11 @@ use gpuctl_core::types::{FrameworkInfo, Resources};
 use gpuctl_proto::pb;
 use tokio::sync::{mpsc, watch};
 
+use super::board::WaitBoard;
 use crate::allocator::refuse_until;
 use crate::leader::frameworks::{Hub, EVENT_BUFFER};
 use crate::now_ms;
 use crate::raft::RaftHandle;
-use crate::scheduler::board::WaitBoard;
 use crate::scheduler::elastic;
 use crate::scheduler::queue::{self, QueueConfig};
 use crate::scheduler::{place_in, Available, MAX_LAUNCHES_PER_ROUND};
