@@ -9,8 +9,14 @@
 //! - gpuctl, the command line, links no daemon: neither the master's
 //!   storage and consensus (sled, raft) nor the agent's Docker client and
 //!   NVML. `gpuctl demo` runs the daemon binaries instead.
+//!
+//! And what the sources say: no two modules of a crate depend on each
+//! other, directly or round a circle (read from the `crate::` and `super::`
+//! paths of their non-test code).
 #![allow(clippy::unwrap_used)]
 
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
 use std::process::Command;
 
 /// Every crate `package` links, by name.
@@ -117,4 +123,175 @@ fn gpuctl_links_neither_sled_raft_bollard_nor_nvml() {
             "nvml-wrapper",
         ],
     );
+}
+
+/// The modules of the crate whose sources are under `src`, cut at `depth`
+/// path segments, and the modules each names (`crate::a::b`, `super::x`)
+/// outside its tests, with a file that names it. A module and its own
+/// children are not edges: a parent that declares and uses its children,
+/// and children that use their parent's items, are one module's insides.
+fn module_edges(src: &Path, depth: usize) -> BTreeMap<String, BTreeMap<String, String>> {
+    let mut edges: BTreeMap<String, BTreeMap<String, String>> = BTreeMap::new();
+    let mut files = Vec::new();
+    let mut dirs = vec![src.to_path_buf()];
+    while let Some(d) = dirs.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                dirs.push(p);
+            } else if p.extension().is_some_and(|x| x == "rs") {
+                files.push(p);
+            }
+        }
+    }
+    for file in files {
+        let name = file.file_name().unwrap().to_string_lossy().to_string();
+        if name.ends_with("tests.rs") || name == "testkit.rs" {
+            continue;
+        }
+        let rel = file.strip_prefix(src).unwrap().with_extension("");
+        let mut path: Vec<String> = rel
+            .iter()
+            .map(|c| c.to_string_lossy().to_string())
+            .collect();
+        let is_dir_module = matches!(name.as_str(), "mod.rs" | "lib.rs" | "main.rs");
+        if is_dir_module {
+            path.pop();
+        }
+        if path.is_empty() {
+            continue;
+        }
+        // `super::` from a directory's mod.rs is the directory's parent.
+        let mut sup = path.clone();
+        sup.pop();
+        let me = path[..path.len().min(depth)].join("::");
+        let text = std::fs::read_to_string(&file).unwrap();
+        let text = match text.find("#[cfg(test)]\nmod tests") {
+            Some(i) => &text[..i],
+            None => &text[..],
+        };
+        for line in text.lines() {
+            let code = line.split("//").next().unwrap_or("");
+            for (prefix, base) in [("crate::", Vec::new()), ("super::", sup.clone())] {
+                let mut rest = code;
+                while let Some(i) = rest.find(prefix) {
+                    let before = rest[..i].chars().last();
+                    rest = &rest[i + prefix.len()..];
+                    if before.is_some_and(|c| c.is_alphanumeric() || c == '_') {
+                        continue;
+                    }
+                    let mut target = base.clone();
+                    let mut tail = rest;
+                    while let Some(seg) = tail
+                        .split(|c: char| {
+                            !(c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+                        })
+                        .next()
+                        .filter(|s| !s.is_empty())
+                    {
+                        target.push(seg.to_string());
+                        tail = &tail[seg.len()..];
+                        match tail.strip_prefix("::") {
+                            Some(t) if target.len() < depth + base.len() => tail = t,
+                            _ => break,
+                        }
+                    }
+                    let to = target[..target.len().min(depth)].join("::");
+                    let inside = |a: &str, b: &str| a == b || a.starts_with(&format!("{b}::"));
+                    if to.is_empty() || inside(&me, &to) || inside(&to, &me) {
+                        continue;
+                    }
+                    edges
+                        .entry(me.clone())
+                        .or_default()
+                        .entry(to)
+                        .or_insert_with(|| rel.display().to_string());
+                }
+            }
+        }
+    }
+    edges
+}
+
+/// A circle among `edges`, as the modules on it and the file of each step.
+fn a_circle(edges: &BTreeMap<String, BTreeMap<String, String>>) -> Option<Vec<String>> {
+    fn visit(
+        at: &str,
+        edges: &BTreeMap<String, BTreeMap<String, String>>,
+        done: &mut BTreeSet<String>,
+        path: &mut Vec<String>,
+    ) -> Option<Vec<String>> {
+        if let Some(i) = path.iter().position(|p| p == at) {
+            let mut circle = path[i..].to_vec();
+            circle.push(at.to_string());
+            return Some(circle);
+        }
+        if !done.insert(at.to_string()) {
+            return None;
+        }
+        path.push(at.to_string());
+        for to in edges.get(at).into_iter().flat_map(|m| m.keys()) {
+            if let Some(c) = visit(to, edges, done, path) {
+                return Some(c);
+            }
+        }
+        path.pop();
+        None
+    }
+    let mut done = BTreeSet::new();
+    for start in edges.keys() {
+        if let Some(c) = visit(start, edges, &mut done, &mut Vec::new()) {
+            return Some(c);
+        }
+    }
+    None
+}
+
+#[test]
+fn no_circles_between_the_modules_of_any_crate() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut found = Vec::new();
+    let mut named = 0;
+    for krate in [
+        "core", "engine", "proto", "auth", "master", "console", "agent", "cli",
+    ] {
+        let src = root.join(krate).join("src");
+        // Top-level modules, then their children, then one level more.
+        for depth in 1..=3 {
+            let edges = module_edges(&src, depth);
+            named += edges.values().map(|e| e.len()).sum::<usize>();
+            if let Some(circle) = a_circle(&edges) {
+                let steps: Vec<String> = circle
+                    .windows(2)
+                    .map(|w| format!("{} -> {} ({})", w[0], w[1], edges[&w[0]][&w[1]]))
+                    .collect();
+                found.push(format!("{krate}: {}", steps.join(", ")));
+                break;
+            }
+        }
+    }
+    // The scan read the sources: the crates' modules name each other.
+    assert!(named > 100, "{named}");
+    assert!(
+        found.is_empty(),
+        "modules that depend on each other:\n{}",
+        found.join("\n")
+    );
+}
+
+#[test]
+fn the_circle_check_finds_a_circle() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path();
+    std::fs::create_dir_all(src.join("a")).unwrap();
+    std::fs::write(src.join("lib.rs"), "mod a; mod b;\n").unwrap();
+    std::fs::write(src.join("a/mod.rs"), "use super::b::X; // crate::c\n").unwrap();
+    std::fs::write(src.join("b.rs"), "fn f() { crate::a::g() }\n").unwrap();
+    let edges = module_edges(src, 1);
+    let circle = a_circle(&edges).expect("a and b depend on each other");
+    assert_eq!(circle.len(), 3, "{circle:?}");
+    // The comment's path is not an edge; a module's own children are not.
+    assert!(!edges["a"].contains_key("c"), "{edges:?}");
+    std::fs::write(src.join("b.rs"), "fn f() { crate::b::inner::g() }\n").unwrap();
+    assert_eq!(a_circle(&module_edges(src, 1)), None);
 }
