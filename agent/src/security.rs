@@ -532,6 +532,7 @@ mod tests {
                 security,
                 hang_timeout_ms: None,
                 preflight: false,
+                options: Default::default(),
             },
         }
     }

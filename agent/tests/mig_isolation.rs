@@ -325,6 +325,7 @@ async fn a_mig_container_gets_its_caps_and_passes_the_device_check() {
                 resources: Resources::default(),
                 no_fence: true,
                 security: Default::default(),
+                options: Default::default(),
             },
         },
         agent_id: "agent-mig-test".into(),

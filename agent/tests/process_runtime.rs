@@ -68,6 +68,7 @@ impl Task {
                     security: Default::default(),
                     hang_timeout_ms: None,
                     preflight: false,
+                    options: Default::default(),
                 },
             },
             agent_id: "agent-proc-test".to_string(),

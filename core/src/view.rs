@@ -110,6 +110,10 @@ pub struct JobJson {
     /// `--hang-timeout` in ms; absent: never stopped as hung.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hang_timeout_ms: Option<u64>,
+    /// Each task's options, in their own form (`TaskOptions`); an unset
+    /// one is absent.
+    #[serde(flatten)]
+    pub options: crate::types::TaskOptions,
     /// Its user, host mounts and root (`--user`, `--mount`, `--run-as-root`).
     #[serde(default)]
     pub security: SecurityJson,
@@ -288,6 +292,7 @@ impl From<&pb::Job> for JobJson {
             stop_grace_ms: spec.stop_grace_ms,
             checkpoint_dir: (!spec.checkpoint_dir.is_empty()).then(|| spec.checkpoint_dir.clone()),
             hang_timeout_ms: spec.hang_timeout_ms,
+            options: crate::convert::options_view(spec.options.as_ref()),
             security: SecurityJson::from(spec.security.as_ref()),
             require_cuda: (!spec.require_cuda.is_empty()).then(|| spec.require_cuda.clone()),
             image_requires: j.image_requires.clone(),

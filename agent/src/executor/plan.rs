@@ -226,6 +226,7 @@ mod tests {
                 security: Default::default(),
                 hang_timeout_ms: None,
                 preflight: false,
+                options: Default::default(),
             },
         }
     }

@@ -232,6 +232,7 @@ fn spec(id: &str) -> TaskSpec {
             security: Default::default(),
             hang_timeout_ms: None,
             preflight: false,
+            options: Default::default(),
         },
     }
 }

@@ -26,9 +26,11 @@ use super::CliError;
 pub const SECRET_PLACEHOLDER: &str = "<secret>";
 
 /// The job file's schema. `None` and empty collections mean "not in the
-/// file": the flag's value, else the flag's default, is used.
+/// file": the flag's value, else the flag's default, is used. The keys of
+/// the options added since `TaskOptions` (core/src/types/options.rs) are
+/// that struct's own, flattened in; a key neither knows is refused by
+/// [`parse`].
 #[derive(Debug, Default, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct JobFile {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub name: Option<Text>,
@@ -155,6 +157,13 @@ pub struct JobFile {
         deserialize_with = "de_request_id"
     )]
     pub request_id: Option<String>,
+    /// Each task's options, under their own keys (`shm_size: 8GiB`).
+    #[serde(flatten)]
+    pub options: gpuctl_core::types::TaskOptions,
+    /// Keys that are neither the fields above nor an option's, refused by
+    /// [`parse`] (`deny_unknown_fields` does not work beside `flatten`).
+    #[serde(flatten, skip_serializing)]
+    pub unknown: BTreeMap<String, serde::de::IgnoredAny>,
 }
 
 /// A string value that may be written as a YAML number or boolean
@@ -485,7 +494,7 @@ pub fn parse(origin: &str, text: &str) -> Result<JobFile, String> {
     {
         return Ok(JobFile::default());
     }
-    serde_yaml_ng::from_str(text).map_err(|e| {
+    let file: JobFile = serde_yaml_ng::from_str(text).map_err(|e| {
         // A file that is not a map at all: say what it should be rather
         // than name our type.
         let msg = e.to_string().replace(
@@ -493,7 +502,28 @@ pub fn parse(origin: &str, text: &str) -> Result<JobFile, String> {
             "a map of keys (name:, command:, gpus:, ...)",
         );
         format!("job file {origin}: {msg}")
-    })
+    })?;
+    match file.unknown.keys().next() {
+        None => Ok(file),
+        Some(key) => Err(format!(
+            "job file {origin}: unknown field `{key}`{} (keys: the flags of `gpuctl jobs submit` with '_' for '-', see docs/cli.md)",
+            line_of_key(text, key)
+                .map(|l| format!(" at line {l}"))
+                .unwrap_or_default()
+        )),
+    }
+}
+
+/// The line (from 1) where `key` is written at the top level of `text`.
+fn line_of_key(text: &str, key: &str) -> Option<usize> {
+    text.lines()
+        .position(|l| {
+            l.strip_prefix(key)
+                .is_some_and(|rest| rest.trim_start().starts_with(':'))
+                || l.strip_prefix(&format!("\"{key}\""))
+                    .is_some_and(|rest| rest.trim_start().starts_with(':'))
+        })
+        .map(|i| i + 1)
 }
 
 /// The job file that submits `spec` again, as `jobs get -o yaml` prints it:
@@ -566,6 +596,8 @@ pub fn from_spec(spec: &pb::JobSpec) -> JobFile {
         // A copy of a job is another job: resubmitting it must not be
         // answered with the original.
         request_id: None,
+        options: gpuctl_core::convert::options_view(spec.options.as_ref()),
+        unknown: BTreeMap::new(),
     }
 }
 
@@ -729,6 +761,7 @@ impl JobFile {
             restart_backoff_ms: self.restart_backoff,
             preflight: self.preflight.unwrap_or(false),
             checkpoint_dir: self.checkpoint_dir.map(|t| t.0).unwrap_or_default(),
+            options: gpuctl_core::convert::options_to_pb(self.options),
         };
         // The master's own check (it converts the spec as sent, first):
         // refused here before any call, with its words and its exit code.
@@ -926,6 +959,7 @@ mod tests {
             restart_policy: "never".into(),
             restart_backoff_ms: Some(2_500),
             preflight: true,
+            options: None,
             max_retries: 1,
             no_requeue: true,
             no_fence: true,

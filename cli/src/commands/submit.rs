@@ -168,6 +168,10 @@ pub struct SubmitArgs {
     /// retries, and names it when the outcome is unknown.
     #[arg(long, value_name = "KEY", value_parser = super::parse_request_id)]
     pub request_id: Option<String>,
+    /// Each task's options (`TaskOptions`: one struct is their flags,
+    /// their job file keys and their JSON).
+    #[command(flatten)]
+    pub options: gpuctl_core::types::TaskOptions,
     /// The command and its arguments, after `--` (so that a mistyped
     /// flag is an error, not the job's command); overrides the job file's.
     #[arg(value_name = "CMD", required_unless_present = "file", num_args = 1.., last = true)]
@@ -261,6 +265,8 @@ impl SubmitArgs {
             restart_backoff: self.restart_backoff,
             preflight: self.preflight.then_some(true),
             request_id: self.request_id.clone(),
+            options: self.options.clone(),
+            unknown: BTreeMap::new(),
         }
     }
 }

@@ -132,6 +132,26 @@ pub(super) fn fmt_ports(ports: &[u32]) -> String {
         .join(",")
 }
 
+/// A job's options as `key=value` words, in their own form (the job file's
+/// keys and values), whatever options there are; `-` for none.
+fn options_words(options: &gpuctl_core::types::TaskOptions) -> String {
+    let words: Vec<String> = match serde_json::to_value(options) {
+        Ok(serde_json::Value::Object(set)) => set
+            .iter()
+            .map(|(k, v)| match v.as_str() {
+                Some(s) => format!("{k}={s}"),
+                None => format!("{k}={v}"),
+            })
+            .collect(),
+        _ => Vec::new(),
+    };
+    if words.is_empty() {
+        "-".to_string()
+    } else {
+        words.join(" ")
+    }
+}
+
 /// `jobs get`: `Key: value` lines, then the task table.
 pub fn job_detail(j: &pb::Job, now_ms: u64) -> String {
     let spec = j.spec.clone().unwrap_or_default();
@@ -231,6 +251,10 @@ pub fn job_detail(j: &pb::Job, now_ms: u64) -> String {
             } else {
                 spec.checkpoint_dir.clone()
             },
+        ),
+        (
+            "Options",
+            options_words(&gpuctl_core::convert::options_view(spec.options.as_ref())),
         ),
         (
             "Fencing",

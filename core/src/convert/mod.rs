@@ -7,6 +7,7 @@ mod agent;
 mod framework;
 mod job;
 mod limits;
+mod options;
 mod query;
 mod spec;
 mod status;
@@ -15,6 +16,7 @@ pub use agent::*;
 pub use framework::*;
 pub use job::*;
 pub use limits::*;
+pub use options::{options_to_pb, options_view};
 pub use query::*;
 pub use status::*;
 

@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 
 use super::job::*;
+use super::options::{options_from_pb, options_to_pb};
 use super::*;
 use crate::pb;
 use crate::types::*;
@@ -24,6 +25,7 @@ pub(super) struct WireTemplate {
     checkpoint_dir: String,
     hang_timeout_ms: Option<u64>,
     preflight: bool,
+    options: Option<pb::TaskOptions>,
 }
 
 /// Moves the template's fields out of a `pb::JobSpec` or `pb::TaskSpec`
@@ -41,6 +43,7 @@ macro_rules! wire_template {
             checkpoint_dir: $s.checkpoint_dir,
             hang_timeout_ms: $s.hang_timeout_ms,
             preflight: $s.preflight,
+            options: $s.options,
         }
     };
 }
@@ -61,6 +64,7 @@ macro_rules! with_template {
             checkpoint_dir: w.checkpoint_dir,
             hang_timeout_ms: w.hang_timeout_ms,
             preflight: w.preflight,
+            options: w.options,
             $($field: $value),*
         }
     }};
@@ -79,6 +83,7 @@ impl From<TaskTemplate> for WireTemplate {
             checkpoint_dir: t.checkpoint_dir.unwrap_or_default(),
             hang_timeout_ms: t.hang_timeout_ms,
             preflight: t.preflight,
+            options: options_to_pb(t.options),
         }
     }
 }
@@ -144,6 +149,7 @@ impl WireTemplate {
                 self.hang_timeout_ms,
             )?,
             preflight: self.preflight,
+            options: options_from_pb(prefix, self.options, runtime, checks)?,
         })
     }
 }

@@ -613,6 +613,7 @@ fn allowed_security_passes_and_limits_hold_at_the_edge() {
                 resources: Resources::default(),
                 no_fence: false,
                 security: j.template.security.clone(),
+                options: Default::default(),
             },
         });
         assert_eq!(
@@ -736,6 +737,7 @@ fn task_spec_gpu_list_must_match_count() {
         checkpoint_dir: String::new(),
         hang_timeout_ms: None,
         preflight: false,
+        options: None,
     };
     assert_eq!(
         TaskSpec::try_from(t.clone()).unwrap_err().field,
@@ -1068,6 +1070,7 @@ fn a_maximal_task_spec_encodes_under_one_mib() {
                 privileged: false,
                 run_as_root: false,
             },
+            options: TaskOptions {},
         },
     });
     let len = t.encoded_len();
@@ -2091,6 +2094,8 @@ fn full_template() -> TaskTemplate {
         checkpoint_dir: Some("/ckpt/run-1".into()),
         hang_timeout_ms: Some(600_000),
         preflight: true,
+        // Every option set (the struct literal lists them all).
+        options: TaskOptions {},
     }
 }
 

@@ -160,6 +160,10 @@ pub struct TaskTemplate {
     /// Its GPUs are checked by their agent before it starts (`--preflight`).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub preflight: bool,
+    /// The options added since (one struct: flag, file key, JSON and log
+    /// form at once); flattened, and absent when unset.
+    #[serde(flatten)]
+    pub options: TaskOptions,
 }
 
 impl TaskTemplate {

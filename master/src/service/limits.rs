@@ -323,6 +323,7 @@ mod tests {
             stop_grace_ms: Some(gpuctl_core::convert::MAX_STOP_GRACE_MS),
             checkpoint_dir: text("/k/", MAX_PATH_LEN),
             hang_timeout_ms: None,
+            options: None,
         };
         let req = pb::SubmitJobRequest {
             request_id: text("r", MAX_NAME_LEN),

@@ -49,6 +49,7 @@ fn spec(dir: &Path, task_id: &str, image: &str, command: &[&str]) -> LaunchSpec 
                 security: Default::default(),
                 hang_timeout_ms: None,
                 preflight: false,
+                options: Default::default(),
             },
         },
         agent_id: format!("agent-{task_id}"),
