@@ -63,6 +63,31 @@ fn docker_job_runs_logs_and_cancel_removes_its_container() {
     assert_eq!(c.wait_job(&f, 60).0, 1);
     assert_eq!(c.job(&f)["tasks"][0]["exit_code"], 7);
 
+    // --shm-size sizes the container's /dev/shm (Docker's default: 64 MiB),
+    // seen from inside it.
+    let shm = c.submit(&[
+        "--name",
+        "shm",
+        "--image",
+        &image,
+        "--shm-size",
+        "256MiB",
+        "--",
+        "sh",
+        "-c",
+        "df -m /dev/shm | tail -n 1",
+    ]);
+    assert_eq!(c.wait_job(&shm, 60).0, 0);
+    let out = c.ok(&["jobs", "logs", &shm]);
+    let row: Vec<&str> = out
+        .lines()
+        .last()
+        .unwrap_or("")
+        .split_whitespace()
+        .collect();
+    assert_eq!(row.get(1), Some(&"256"), "{out}");
+    assert_eq!(c.job(&shm)["shm_size"], "256MiB");
+
     // Cancel a long job: its container is gone afterwards.
     let long = c.submit(&[
         "--name", "long", "--image", &image, "--gpus", "1", "--", "sleep", "300",

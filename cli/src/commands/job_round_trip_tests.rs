@@ -72,6 +72,8 @@ const JOBS: &[&[&str]] = &[
         "--restart-backoff",
         "10s",
         "--preflight",
+        "--shm-size",
+        "8GiB",
         "--request-id",
         "train-1",
         "--",

@@ -826,6 +826,19 @@ mod tests {
     }
 
     #[test]
+    fn an_options_key_reads_in_its_own_form_and_a_bad_value_names_it() {
+        let f = parse("j", "command: [x]\nshm_size: 8GiB\n").unwrap();
+        assert_eq!(f.options.shm_size, Some(gpuctl_core::types::MiB(8192)));
+        let f = parse("j", "command: [x]\nshm_size: 512\n").unwrap();
+        assert_eq!(f.options.shm_size, Some(gpuctl_core::types::MiB(512)));
+        let err = parse("j", "command: [x]\nshm_size: lots\n").unwrap_err();
+        assert!(err.contains("lots"), "{err}");
+        // Written back in the same form.
+        let yaml = serde_yaml_ng::to_string(&parse("j", "shm_size: 2048\n").unwrap()).unwrap();
+        assert_eq!(yaml, "shm_size: 2GiB\n");
+    }
+
+    #[test]
     fn wrong_types_name_the_field_and_line() {
         let err = parse("j", "name: t\ngpus: two\n").unwrap_err();
         assert!(err.contains("gpus") && err.contains("line 2"), "{err}");

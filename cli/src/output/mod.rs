@@ -637,6 +637,15 @@ mod tests {
         );
         assert!(out.contains("GPU-1,GPU-2"), "{out}");
         assert!(out.contains("Driver:    any\n"), "{out}");
+        // Options: every one set, in its own form; none: `-`.
+        assert!(out.contains("Options:   -\n"), "{out}");
+        if let Some(spec) = g.spec.as_mut() {
+            spec.options = Some(pb::TaskOptions {
+                shm_size_mib: Some(1536),
+            });
+        }
+        let out = job_detail(&g, 1_700_000_065_000);
+        assert!(out.contains("Options:   shm_size=1536MiB\n"), "{out}");
     }
 
     #[test]

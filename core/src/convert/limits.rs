@@ -95,6 +95,8 @@ pub const MAX_HANG_TIMEOUT_MS: u64 = 7 * 24 * 3600 * 1000;
 /// The restart backoff's default and its doubling's cap are the job's
 /// (`types/job.rs`, where `JobSpec::restart_backoff` uses them).
 pub use crate::types::{DEFAULT_RESTART_BACKOFF_MS, MAX_RESTART_BACKOFF_MS};
+/// The largest /dev/shm a container may ask for (`--shm-size`): 1 TiB.
+pub const MAX_SHM_SIZE_MIB: u64 = 1024 * 1024;
 /// The longest first restart backoff a job may name.
 pub const MAX_FIRST_RESTART_BACKOFF_MS: u64 = 3600 * 1000;
 /// Where GPU containers get the driver volume: no job mounts there.

@@ -13,30 +13,54 @@ pub fn options_to_pb(o: TaskOptions) -> Option<pb::TaskOptions> {
     if o.is_default() {
         return None;
     }
-    let TaskOptions {} = o;
-    Some(pb::TaskOptions {})
+    let TaskOptions { shm_size } = o;
+    Some(pb::TaskOptions {
+        shm_size_mib: shm_size.map(|m| m.0),
+    })
 }
 
 /// The options as received, uncopied fields checked: a submitted job's
 /// against every bound (`prefix` names its spec), a task from the master
 /// for shape only (its job's were checked on submit).
 pub(super) fn options_from_pb(
-    _prefix: &str,
+    prefix: &str,
     o: Option<pb::TaskOptions>,
-    _runtime: Runtime,
-    _checks: Checks,
+    runtime: Runtime,
+    checks: Checks,
 ) -> Result<TaskOptions> {
-    let Some(pb::TaskOptions {}) = o else {
+    let Some(pb::TaskOptions { shm_size_mib }) = o else {
         return Ok(TaskOptions::default());
     };
-    Ok(TaskOptions {})
+    if checks == Checks::Submitted {
+        if let Some(mib) = shm_size_mib {
+            let field = format!("{prefix}.options.shm_size_mib");
+            if !(1..=MAX_SHM_SIZE_MIB).contains(&mib) {
+                return Err(ConvertError::new(
+                    field,
+                    format!("is {mib} MiB: from 1 to {MAX_SHM_SIZE_MIB} (1 TiB)"),
+                ));
+            }
+            if runtime != Runtime::Docker {
+                return Err(ConvertError::new(
+                    field,
+                    "is for a container (spec.image); a host task's /dev/shm is a tmpfs of its own, \
+                     bounded by its memory",
+                ));
+            }
+        }
+    }
+    Ok(TaskOptions {
+        shm_size: shm_size_mib.map(MiB),
+    })
 }
 
 /// The options as a view shows them (`jobs get --json`, the console): as
 /// sent, unchecked.
 pub fn options_view(o: Option<&pb::TaskOptions>) -> TaskOptions {
-    let Some(pb::TaskOptions {}) = o else {
+    let Some(pb::TaskOptions { shm_size_mib }) = o else {
         return TaskOptions::default();
     };
-    TaskOptions {}
+    TaskOptions {
+        shm_size: shm_size_mib.map(MiB),
+    }
 }

@@ -1070,7 +1070,9 @@ fn a_maximal_task_spec_encodes_under_one_mib() {
                 privileged: false,
                 run_as_root: false,
             },
-            options: TaskOptions {},
+            options: TaskOptions {
+                shm_size: Some(MiB(MAX_SHM_SIZE_MIB)),
+            },
         },
     });
     let len = t.encoded_len();
@@ -2095,7 +2097,9 @@ fn full_template() -> TaskTemplate {
         hang_timeout_ms: Some(600_000),
         preflight: true,
         // Every option set (the struct literal lists them all).
-        options: TaskOptions {},
+        options: TaskOptions {
+            shm_size: Some(MiB(8192)),
+        },
     }
 }
 
@@ -2186,12 +2190,25 @@ fn the_template_keeps_the_logs_json_form() {
         "restart_policy": "never"
     });
     let spec: JobSpec = serde_json::from_value(written_before.clone()).unwrap();
-    assert_eq!(spec.template, full_template());
+    // That build had no options: the template is the full one without.
+    let before_options = TaskTemplate {
+        options: TaskOptions::default(),
+        ..full_template()
+    };
+    assert_eq!(spec.template, before_options);
     assert_eq!(
         (spec.replicas, spec.restart_policy),
         (2, RestartPolicy::Never)
     );
     assert_eq!(serde_json::to_value(&spec).unwrap(), written_before);
+    // An option is written beside the template's fields, in its own form.
+    let mut with_options = spec.clone();
+    with_options.template = full_template();
+    let mut expected = written_before.clone();
+    expected["shm_size"] = serde_json::json!("8GiB");
+    assert_eq!(serde_json::to_value(&with_options).unwrap(), expected);
+    let back: JobSpec = serde_json::from_value(expected).unwrap();
+    assert_eq!(back, with_options);
 
     // A plain job of an early build: only the fields it had then.
     let early = serde_json::json!({
@@ -2220,4 +2237,38 @@ fn the_template_keeps_the_logs_json_form() {
     let task: TaskSpec = serde_json::from_value(kept).unwrap();
     assert_eq!((task.template.command.len(), task.gpu_uuids.len()), (1, 1));
     assert!(!task.template.no_fence);
+}
+
+#[test]
+fn shm_size_is_bounded_and_for_containers_only_naming_its_field() {
+    let with = |image: &str, mib: u64| {
+        let mut s = spec();
+        s.image = image.into();
+        s.security = None;
+        s.options = Some(pb::TaskOptions {
+            shm_size_mib: Some(mib),
+        });
+        JobSpec::try_from(s)
+    };
+    let ok = with("busybox:latest", 8192).unwrap();
+    assert_eq!(ok.template.options.shm_size, Some(MiB(8192)));
+    assert_eq!(
+        with("busybox:latest", MAX_SHM_SIZE_MIB)
+            .unwrap()
+            .template
+            .options
+            .shm_size,
+        Some(MiB(MAX_SHM_SIZE_MIB))
+    );
+    for bad in [0, MAX_SHM_SIZE_MIB + 1] {
+        let e = with("busybox:latest", bad).unwrap_err();
+        assert_eq!(e.field, "spec.options.shm_size_mib", "{bad}");
+    }
+    let e = with("", 8192).unwrap_err();
+    assert_eq!(e.field, "spec.options.shm_size_mib");
+    assert!(e.reason.contains("container"), "{e}");
+    // Unset: nothing on the wire, and the default back.
+    let plain = JobSpec::try_from(spec()).unwrap();
+    assert!(plain.template.options.is_default());
+    assert_eq!(pb::JobSpec::from(plain).options, None);
 }

@@ -206,6 +206,13 @@ pub(super) fn container_config(
         memory: (res.mem_mib > 0)
             .then(|| i64::try_from(res.mem_mib.saturating_mul(1024 * 1024)).unwrap_or(i64::MAX)),
         nano_cpus: (res.cpus > 0.0).then(|| (res.cpus * 1e9).round() as i64),
+        // --shm-size; unset: Docker's 64 MiB.
+        shm_size: spec
+            .task
+            .template
+            .options
+            .shm_size
+            .map(|m| i64::try_from(m.0.saturating_mul(1024 * 1024)).unwrap_or(i64::MAX)),
         // The agent's task_pids_max, whichever cgroup Docker puts it in.
         pids_limit: iso.pids_max.map(|n| i64::try_from(n).unwrap_or(i64::MAX)),
         init: Some(true),

@@ -96,6 +96,27 @@ fn who_gets_the_driver_volume() {
 }
 
 #[test]
+fn shm_size_sizes_the_containers_dev_shm_and_unset_leaves_dockers() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = spec(dir.path(), "t1", "img", &["true"]);
+    let shm = |s: &LaunchSpec| {
+        container_config(
+            s,
+            "img",
+            &ImageFacts::default(),
+            CgroupDriver::Cgroupfs,
+            None,
+        )
+        .host_config
+        .unwrap()
+        .shm_size
+    };
+    assert_eq!(shm(&s), None);
+    s.task.template.options.shm_size = Some(gpuctl_core::types::MiB(8192));
+    assert_eq!(shm(&s), Some(8 << 30));
+}
+
+#[test]
 fn the_cgroup_driver_decides_where_a_container_goes() {
     let dir = tempfile::tempdir().unwrap();
     let mut s = spec(dir.path(), "t1", "img", &["true"]);
