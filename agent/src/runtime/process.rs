@@ -109,6 +109,19 @@ fn observe_dir(dir: &Path) -> Result<Observed, RuntimeError> {
     match checkpoint::read_json::<SupervisorState>(&dir.join(STATE_FILE)).map_err(checkpoint_err)? {
         None => Ok(Observed::NotStarted),
         Some(state) => {
+            // A supervisor that started after the lock was looked at may
+            // have written this state: it takes the lock before it writes
+            // anything and holds it for life, so a lock held now means it
+            // is alive, and a free one that it is gone. (Killing on the
+            // first look killed a task that was just starting.)
+            if supervisor_alive(dir)? {
+                return Ok(Observed::Running);
+            }
+            if let Some(rec) =
+                checkpoint::read_json::<ExitRecord>(&dir.join(EXIT_FILE)).map_err(checkpoint_err)?
+            {
+                return Ok(Observed::Ended(ended_from(rec)));
+            }
             if let Some(task) = state.task.filter(|t| t.alive()) {
                 supervisor::signal_group(Pid::from_raw(task.pid), Signal::SIGKILL);
             }
