@@ -189,128 +189,29 @@ async fn stop_tasks_on_failed_gpus(
 }
 
 /// Runs an agent until `shutdown` resolves. Its tasks keep running after it
-/// (unless `config.stop_tasks_on_shutdown`).
+/// (unless `config.stop_tasks_on_shutdown`). Its steps in order, each a
+/// function (here or in `startup.rs`).
 pub async fn serve(
     config: AgentConfig,
     listener: tokio::net::TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), AgentError> {
-    std::fs::create_dir_all(config.work_dir.join("tasks")).map_err(|source| {
-        AgentError::WorkDir {
-            path: config.work_dir.clone(),
-            source,
-        }
-    })?;
-    let hostname = hostname::get()
-        .map(|h| h.to_string_lossy().into_owned())
-        .unwrap_or_else(|_| "localhost".into());
-    let agent_id = load_or_create_agent_id(&config.work_dir, &hostname)?;
+    let (hostname, agent_id) = identity(&config)?;
     // Before anything else talks to a master: join if need be.
     let tls = startup::join(&config, &agent_id).await?;
-
-    let (mut discovery, simulated) = startup::discover_gpus(&config, &agent_id)?;
-    // A MIG layout change an earlier agent process left part way is
-    // finished (or undone) before the GPUs are reported.
-    let nvidia = gpu::mig_apply::Nvidia {
-        lib: config.nvml_lib.clone(),
-        proc_root: config.nvidia_proc_root.clone(),
-    };
-    let mig_dir = config.work_dir.join("mig");
-    let recovered = if simulated {
-        Vec::new()
-    } else {
-        startup::recover_mig(&nvidia, &mig_dir, &mut discovery).await?
-    };
-    let attributes = startup::attributes(&config, &discovery, simulated);
-    // One level per agent, so that agents sharing a host never touch each
-    // other's cgroups and each can sweep what it left itself.
-    let task_cgroup_parent = format!("{}/{agent_id}", config.cgroup_parent.trim_matches('/'));
-    let isolator = startup::isolator(&config, &task_cgroup_parent)?;
-    let driver_volume = startup::driver_volume(&config, discovery.driver_version.as_deref()).await;
-    let cdi_publisher =
-        startup::cdi_publisher(&config, simulated, &discovery.gpus, driver_volume.clone()).await;
-    let gpu_grants: isolation::grants::SharedGrants = Arc::new(std::sync::RwLock::new(
-        isolation::grants::device_grants(&discovery.gpus),
-    ));
-    let policy = startup::task_policy(&config);
-    let mps = startup::start_mps(&config, driver_volume.as_deref());
-    let startup::DriverCapSetup {
-        memcap,
-        cap_runtime,
-        cap_socket,
-    } = startup::driver_cap(&config, simulated);
-    // Health checks run on NVML GPUs only: simulated ones cannot fail.
-    let health_on = !simulated && !discovery.gpus.is_empty();
-    let (preflight_tx, preflight_rx) = std::sync::mpsc::channel();
-    let isolation_setup = executor::IsolationSetup {
-        preflight: health_on.then(|| gpu::health::PreflightTx {
-            tx: preflight_tx,
-            timeout: config.health.preflight_timeout,
-        }),
-        cap_socket,
-        cap_runtime,
-        memcap,
-        mps: mps.clone(),
-        isolator,
-        gpu_grants: gpu_grants.clone(),
-        driver_volume,
-        policy: policy.clone(),
-        cdi: cdi_publisher
-            .as_ref()
-            .map(|p| p.names())
-            .unwrap_or_default(),
-        driver: runtime::HostDriver {
-            version: discovery.driver_version.clone(),
-            cuda: discovery.cuda_driver_version.clone(),
-        },
-        users: task_users::TaskUsers::new(config.task_users.clone(), &config.work_dir),
-    };
-    let gpus = discovery.gpus;
-
-    let health =
-        startup::start_health(&config, health_on, &gpus, &task_cgroup_parent, preflight_rx)?;
-    let health_rx = health.rx.clone();
-
+    let host = startup::prepare_host(&config, &agent_id).await?;
     let runtimes = startup::runtimes(&config).await?;
-
-    let address = startup::advertised_address(&config, &listener, &hostname)?;
-    let cpus = config
-        .cpus
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1.0, |n| n.get() as f64));
-    let info = AgentInfo {
-        id: agent_id.clone(),
-        hostname: hostname.clone(),
-        address,
-        total: Resources {
-            cpus,
-            mem_mib: config.mem_mib.unwrap_or_else(host_memory_mib),
-            // Devices: a GPU in MIG mode counts as its MIG devices.
-            gpus: gpuctl_core::types::device_count(&gpus),
-            ports: config.ports.map_or(0, |r| r.len()),
-        },
-        gpus,
-        runtimes: runtimes.keys().copied().collect(),
-        simulated_gpus: simulated,
-        attributes,
-        driver_version: discovery.driver_version,
-        cuda_driver_version: discovery.cuda_driver_version,
-        // What the master places here: only what this agent will run.
-        allow_root_tasks: policy.runs_root_tasks(),
-        allowed_mounts: policy.allowed_mounts.clone(),
-        allowed_users: Some(policy.allowed_users.clone()),
-        share_gpus: config.share_gpus,
-        ports: config.ports,
-    };
+    let info = agent_info(&config, &listener, &hostname, &agent_id, &host, &runtimes)?;
     tracing::info!(agent_id = %info.id, address = %info.address, runtimes = ?info.runtimes, gpus = info.gpus.len(), "agent starting");
 
     let (stop_tx, stop_rx) = watch::channel(false);
     // With no GPU there is nothing to keep in step (the first refresh
     // removed a spec left from before).
-    let cdi_for_mig = cdi_publisher.clone();
-    if let Some(p) = cdi_publisher.filter(|p| p.has_gpus()) {
+    if let Some(p) = host.cdi.clone().filter(|p| p.has_gpus()) {
         tokio::spawn(cdi::keep_in_step(p, cdi::REFRESH, stop_rx.clone()));
     }
-    let metrics_gpus = info.gpus.clone();
+    let mps = host.isolation.mps.clone();
+    let gpu_grants = host.isolation.gpu_grants.clone();
     let (updates_tx, updates_rx) = mpsc::channel(1024);
     let executor = executor::Executor::new(
         agent_id,
@@ -318,14 +219,15 @@ pub async fn serve(
         runtimes,
         config.kill_grace,
         config.task_retention,
-        isolation_setup,
+        host.isolation,
         updates_tx,
     );
+    let health = host.health;
     let _ = health.executor.set(executor.clone());
     if let Some(addr) = config.metrics_listen {
         let render = metrics::renderer(
-            metrics_gpus,
-            health_rx.clone(),
+            info.gpus.clone(),
+            health.rx.clone(),
             executor.clone(),
             hostname.clone(),
         );
@@ -339,22 +241,15 @@ pub async fn serve(
     // Tasks of an earlier agent process are found and followed again
     // before the master hears from this one.
     executor.recover();
-    let mig = (!simulated && info.gpus.iter().any(|g| g.mig.capable)).then(|| {
-        let exec = executor.clone();
-        gpu::mig_apply::Applier::new(
-            nvidia,
-            mig_dir,
+    let mig = (!host.simulated && info.gpus.iter().any(|g| g.mig.capable)).then(|| {
+        mig_applier(
+            host.nvidia,
+            host.mig_dir,
             info.gpus.clone(),
-            recovered,
-            Box::new(move || exec.busy_gpus()),
-            Box::new(move |gpus| {
-                *gpu_grants.write().unwrap_or_else(|p| p.into_inner()) =
-                    isolation::grants::device_grants(gpus);
-                if let Some(p) = &cdi_for_mig {
-                    p.set_gpus(spec_gpus(gpus));
-                    p.refresh();
-                }
-            }),
+            host.recovered,
+            &executor,
+            gpu_grants,
+            host.cdi,
         )
     });
     let masters = Arc::new(master_link::Masters::with_tls(
@@ -383,13 +278,13 @@ pub async fn serve(
         masters,
         info,
         executor.clone(),
-        health_rx.clone(),
+        health.rx.clone(),
         stop_rx.clone(),
         mig,
     ));
     tokio::spawn(stop_tasks_on_failed_gpus(
         executor.clone(),
-        health_rx.clone(),
+        health.rx.clone(),
     ));
 
     let server = serve_api(listener, tls.as_ref(), executor.clone(), stop_rx.clone());
@@ -404,6 +299,92 @@ pub async fn serve(
     }
     tracing::info!("agent stopped");
     Ok(())
+}
+
+/// This host's name and the agent's id (kept in its work dir, which is
+/// made here).
+fn identity(config: &AgentConfig) -> Result<(String, String), AgentError> {
+    std::fs::create_dir_all(config.work_dir.join("tasks")).map_err(|source| {
+        AgentError::WorkDir {
+            path: config.work_dir.clone(),
+            source,
+        }
+    })?;
+    let hostname = hostname::get()
+        .map(|h| h.to_string_lossy().into_owned())
+        .unwrap_or_else(|_| "localhost".into());
+    let agent_id = load_or_create_agent_id(&config.work_dir, &hostname)?;
+    Ok((hostname, agent_id))
+}
+
+/// What the agent tells the masters it is and offers.
+fn agent_info(
+    config: &AgentConfig,
+    listener: &tokio::net::TcpListener,
+    hostname: &str,
+    agent_id: &str,
+    host: &startup::Host,
+    runtimes: &BTreeMap<Runtime, Arc<dyn ContainerRuntime>>,
+) -> Result<AgentInfo, AgentError> {
+    let address = startup::advertised_address(config, listener, hostname)?;
+    let cpus = config
+        .cpus
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1.0, |n| n.get() as f64));
+    let gpus = host.discovery.gpus.clone();
+    let policy = &host.isolation.policy;
+    Ok(AgentInfo {
+        id: agent_id.to_string(),
+        hostname: hostname.to_string(),
+        address,
+        total: Resources {
+            cpus,
+            mem_mib: config.mem_mib.unwrap_or_else(host_memory_mib),
+            // Devices: a GPU in MIG mode counts as its MIG devices.
+            gpus: gpuctl_core::types::device_count(&gpus),
+            ports: config.ports.map_or(0, |r| r.len()),
+        },
+        gpus,
+        runtimes: runtimes.keys().copied().collect(),
+        simulated_gpus: host.simulated,
+        attributes: host.attributes.clone(),
+        driver_version: host.discovery.driver_version.clone(),
+        cuda_driver_version: host.discovery.cuda_driver_version.clone(),
+        // What the master places here: only what this agent will run.
+        allow_root_tasks: policy.runs_root_tasks(),
+        allowed_mounts: policy.allowed_mounts.clone(),
+        allowed_users: Some(policy.allowed_users.clone()),
+        share_gpus: config.share_gpus,
+        ports: config.ports,
+    })
+}
+
+/// The master's MIG layout changes, applied here: the device grants and
+/// the CDI spec follow each new layout.
+fn mig_applier(
+    nvidia: gpu::mig_apply::Nvidia,
+    mig_dir: PathBuf,
+    gpus: Vec<gpuctl_core::types::GpuInfo>,
+    recovered: Vec<gpu::mig_apply::Applied>,
+    executor: &Arc<executor::Executor>,
+    gpu_grants: isolation::grants::SharedGrants,
+    cdi: Option<Arc<cdi::Publisher>>,
+) -> Arc<gpu::mig_apply::Applier> {
+    let exec = executor.clone();
+    gpu::mig_apply::Applier::new(
+        nvidia,
+        mig_dir,
+        gpus,
+        recovered,
+        Box::new(move || exec.busy_gpus()),
+        Box::new(move |gpus| {
+            *gpu_grants.write().unwrap_or_else(|p| p.into_inner()) =
+                isolation::grants::device_grants(gpus);
+            if let Some(p) = &cdi {
+                p.set_gpus(spec_gpus(gpus));
+                p.refresh();
+            }
+        }),
+    )
 }
 
 /// The agent API: only masters may connect when TLS is on (a client

@@ -370,3 +370,94 @@ pub(crate) fn advertised_address(
         }
     }))
 }
+
+/// The host made ready for tasks: [`prepare_host`]'s result.
+pub(crate) struct Host {
+    pub discovery: gpu::Discovery,
+    /// `--simulate-gpus`: no NVML, no MIG, no health checks.
+    pub simulated: bool,
+    pub attributes: std::collections::BTreeMap<String, String>,
+    pub nvidia: gpu::mig_apply::Nvidia,
+    pub mig_dir: PathBuf,
+    /// MIG changes an earlier agent process left, finished or undone.
+    pub recovered: Vec<gpu::mig_apply::Applied>,
+    pub isolation: executor::IsolationSetup,
+    pub cdi: Option<Arc<cdi::Publisher>>,
+    pub health: Health,
+}
+
+/// The steps before the agent can report and run anything, in order: its
+/// GPUs, a MIG change left part way, the isolator, the driver volume, the
+/// CDI spec, the task policy, MPS, the driver's memory cap, the health
+/// thread.
+pub(crate) async fn prepare_host(config: &AgentConfig, agent_id: &str) -> Result<Host, AgentError> {
+    let (mut discovery, simulated) = discover_gpus(config, agent_id)?;
+    let nvidia = gpu::mig_apply::Nvidia {
+        lib: config.nvml_lib.clone(),
+        proc_root: config.nvidia_proc_root.clone(),
+    };
+    let mig_dir = config.work_dir.join("mig");
+    let recovered = if simulated {
+        Vec::new()
+    } else {
+        recover_mig(&nvidia, &mig_dir, &mut discovery).await?
+    };
+    let attributes = attributes(config, &discovery, simulated);
+    // One level per agent, so that agents sharing a host never touch each
+    // other's cgroups and each can sweep what it left itself.
+    let task_cgroup_parent = format!("{}/{agent_id}", config.cgroup_parent.trim_matches('/'));
+    let isolator = isolator(config, &task_cgroup_parent)?;
+    let driver_volume = driver_volume(config, discovery.driver_version.as_deref()).await;
+    let cdi = cdi_publisher(config, simulated, &discovery.gpus, driver_volume.clone()).await;
+    let gpu_grants: crate::isolation::grants::SharedGrants = Arc::new(std::sync::RwLock::new(
+        crate::isolation::grants::device_grants(&discovery.gpus),
+    ));
+    let policy = task_policy(config);
+    let mps = start_mps(config, driver_volume.as_deref());
+    let DriverCapSetup {
+        memcap,
+        cap_runtime,
+        cap_socket,
+    } = driver_cap(config, simulated);
+    // Health checks run on NVML GPUs only: simulated ones cannot fail.
+    let health_on = !simulated && !discovery.gpus.is_empty();
+    let (preflight_tx, preflight_rx) = std::sync::mpsc::channel();
+    let isolation = executor::IsolationSetup {
+        preflight: health_on.then(|| gpu::health::PreflightTx {
+            tx: preflight_tx,
+            timeout: config.health.preflight_timeout,
+        }),
+        cap_socket,
+        cap_runtime,
+        memcap,
+        mps,
+        isolator,
+        gpu_grants,
+        driver_volume,
+        policy,
+        cdi: cdi.as_ref().map(|p| p.names()).unwrap_or_default(),
+        driver: runtime::HostDriver {
+            version: discovery.driver_version.clone(),
+            cuda: discovery.cuda_driver_version.clone(),
+        },
+        users: crate::task_users::TaskUsers::new(config.task_users.clone(), &config.work_dir),
+    };
+    let health = start_health(
+        config,
+        health_on,
+        &discovery.gpus,
+        &task_cgroup_parent,
+        preflight_rx,
+    )?;
+    Ok(Host {
+        discovery,
+        simulated,
+        attributes,
+        nvidia,
+        mig_dir,
+        recovered,
+        isolation,
+        cdi,
+        health,
+    })
+}

@@ -27,49 +27,20 @@ use tokio::sync::watch;
 /// Milliseconds since the Unix epoch: the proposer's clock, carried in commands.
 pub use gpuctl_core::time::now_ms;
 
-/// Runs a master until `shutdown` resolves.
+/// Runs a master until `shutdown` resolves: its steps in order, each a
+/// function below.
 pub async fn serve(
     config: MasterConfig,
     listener: tokio::net::TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), MasterError> {
-    config.check_timeouts()?;
-    std::fs::create_dir_all(&config.data_dir).map_err(|source| MasterError::DataDir {
-        path: config.data_dir.clone(),
-        source,
-    })?;
-    let security = match &config.security {
-        Some(sc) => Some(Arc::new(security::Security::load(sc, config.node_id)?)),
-        None => None,
-    };
+    let security = prepare(&config)?;
     let (stop_tx, stop_rx) = watch::channel(false);
     let (handle, node_task, initial_commit, round_trips) =
         start_raft(&config, security.as_ref(), &stop_rx).await?;
-    let addr = listener
-        .local_addr()
-        .map(|a| a.to_string())
-        .unwrap_or_default();
-    tracing::info!(%addr, advertise = %config.advertise, data_dir = %config.data_dir.display(), node_id = config.node_id, replayed = initial_commit, tls = security.is_some(), "master serving");
-    if security.is_none() {
-        tracing::warn!(
-            %addr,
-            "no TLS configured: no certificates, no tokens, every caller may do everything; \
-             serving loopback only unless --insecure (see docs/security.md)"
-        );
-    }
+    log_start(&config, &listener, initial_commit, security.is_some());
     // Loops and servers beside the gRPC server, aborted when it stops.
-    let mut side_tasks: Vec<tokio::task::JoinHandle<()>> = Vec::new();
-    if let Some(sec) = &security {
-        side_tasks.push(sec.spawn_reloader(stop_rx.clone()));
-        if let Some(token) = sec.bootstrap_token()? {
-            side_tasks.push(tokio::spawn(security::seed_bootstrap_token(
-                handle.clone(),
-                token,
-                stop_rx.clone(),
-            )));
-        }
-    }
-
+    let mut side_tasks = spawn_security_tasks(&handle, security.as_ref(), &stop_rx)?;
     let liveness = Arc::new(leader::Liveness::default());
     let hub = Arc::new(leader::frameworks::Hub::default());
     let waits = Arc::new(leader::board::WaitBoard::default());
@@ -87,34 +58,14 @@ pub async fn serve(
                 })?,
         );
     }
-    let console = match config.http_listen {
-        Some(addr) => {
-            let spawned = gpuctl_console::spawn(
-                addr,
-                console_addresses(handle.clone()),
-                security
-                    .as_ref()
-                    .map(|s| Arc::new(s.console_credentials(config.node_id))),
-                stop_rx.clone(),
-            )
-            .await
-            .map_err(|e| match e {
-                gpuctl_console::ConsoleError::Listen { addr, source } => {
-                    MasterError::Listen { addr, source }
-                }
-                e => MasterError::Config(e.to_string()),
-            });
-            match spawned {
-                Ok(c) => Some(c),
-                Err(e) => {
-                    // The loops started above end with the stop signal.
-                    let _ = stop_tx.send(true);
-                    return Err(e);
-                }
-            }
+    match spawn_console(&config, &handle, security.as_ref(), &stop_rx).await {
+        Ok(tasks) => side_tasks.extend(tasks),
+        Err(e) => {
+            // The loops started above end with the stop signal.
+            let _ = stop_tx.send(true);
+            return Err(e);
         }
-        None => None,
-    };
+    }
     let ctx = service::Ctx {
         raft: handle.clone(),
         config: config.clone(),
@@ -124,36 +75,21 @@ pub async fn serve(
         shutdown: stop_rx.clone(),
         security: security.clone(),
     };
-    let (node_done_tx, mut node_done) = watch::channel(());
-    let node_task = tokio::spawn(async move {
-        let r = node_task.await;
-        node_done_tx.send_replace(());
-        match r {
-            Ok(r) => r,
-            Err(e) => {
-                tracing::error!(error = %e, "raft node task failed");
-                Ok(())
-            }
-        }
-    });
-    let router = router(&ctx);
+    let (node_task, node_stopped) = watch_node(node_task);
     let shutdown = async move {
         // A master whose raft node stopped must not go on answering.
         tokio::select! {
             _ = shutdown => {}
-            _ = node_done.changed() => {
+            _ = node_stopped => {
                 tracing::error!("raft node stopped; shutting the master down");
             }
         }
         let _ = stop_tx.send(true);
     };
-    let result = serve_grpc(router, listener, security.as_ref(), shutdown).await;
+    let result = serve_grpc(router(&ctx), listener, security.as_ref(), shutdown).await;
     // Streams and loops watch `stop_rx`; the node flushes nothing more after
     // this point (every write was flushed before it was acknowledged).
-    for t in side_tasks
-        .into_iter()
-        .chain(console.into_iter().flat_map(|c| c.tasks))
-    {
+    for t in side_tasks {
         t.abort();
     }
     match node_task.await {
@@ -164,6 +100,103 @@ pub async fn serve(
     result?;
     tracing::info!("master stopped");
     Ok(())
+}
+
+/// Checks the config, makes the data dir and loads the key material.
+fn prepare(config: &MasterConfig) -> Result<Option<Arc<security::Security>>, MasterError> {
+    config.check_timeouts()?;
+    std::fs::create_dir_all(&config.data_dir).map_err(|source| MasterError::DataDir {
+        path: config.data_dir.clone(),
+        source,
+    })?;
+    config
+        .security
+        .as_ref()
+        .map(|sc| security::Security::load(sc, config.node_id).map(Arc::new))
+        .transpose()
+}
+
+fn log_start(config: &MasterConfig, listener: &tokio::net::TcpListener, replayed: u64, tls: bool) {
+    let addr = listener
+        .local_addr()
+        .map(|a| a.to_string())
+        .unwrap_or_default();
+    tracing::info!(%addr, advertise = %config.advertise, data_dir = %config.data_dir.display(), node_id = config.node_id, replayed, tls, "master serving");
+    if !tls {
+        tracing::warn!(
+            %addr,
+            "no TLS configured: no certificates, no tokens, every caller may do everything; \
+             serving loopback only unless --insecure (see docs/security.md)"
+        );
+    }
+}
+
+/// With TLS: the reloader of the certificate files, and the bootstrap
+/// token put in the state.
+fn spawn_security_tasks(
+    handle: &raft::RaftHandle,
+    security: Option<&Arc<security::Security>>,
+    stop: &watch::Receiver<bool>,
+) -> Result<Vec<tokio::task::JoinHandle<()>>, MasterError> {
+    let mut tasks = Vec::new();
+    if let Some(sec) = security {
+        tasks.push(sec.spawn_reloader(stop.clone()));
+        if let Some(token) = sec.bootstrap_token()? {
+            tasks.push(tokio::spawn(security::seed_bootstrap_token(
+                handle.clone(),
+                token,
+                stop.clone(),
+            )));
+        }
+    }
+    Ok(tasks)
+}
+
+/// The web console, when `--http-listen` asks for it: its tasks.
+async fn spawn_console(
+    config: &MasterConfig,
+    handle: &raft::RaftHandle,
+    security: Option<&Arc<security::Security>>,
+    stop: &watch::Receiver<bool>,
+) -> Result<Vec<tokio::task::JoinHandle<()>>, MasterError> {
+    let Some(addr) = config.http_listen else {
+        return Ok(Vec::new());
+    };
+    let console = gpuctl_console::spawn(
+        addr,
+        console_addresses(handle.clone()),
+        security.map(|s| Arc::new(s.console_credentials(config.node_id))),
+        stop.clone(),
+    )
+    .await
+    .map_err(|e| match e {
+        gpuctl_console::ConsoleError::Listen { addr, source } => {
+            MasterError::Listen { addr, source }
+        }
+        e => MasterError::Config(e.to_string()),
+    })?;
+    Ok(console.tasks)
+}
+
+type NodeTask = tokio::task::JoinHandle<Result<(), raft::NodeError>>;
+
+/// The Raft node's task, and a future that resolves when it stops.
+fn watch_node(node_task: NodeTask) -> (NodeTask, impl Future<Output = ()> + Send + 'static) {
+    let (done_tx, mut done) = watch::channel(());
+    let task = tokio::spawn(async move {
+        let r = node_task.await;
+        done_tx.send_replace(());
+        match r {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::error!(error = %e, "raft node task failed");
+                Ok(())
+            }
+        }
+    });
+    (task, async move {
+        let _ = done.changed().await;
+    })
 }
 
 /// The leader's loops (each idles on a follower): framework offers, agent
@@ -319,15 +352,7 @@ async fn start_raft(
     config: &MasterConfig,
     security: Option<&Arc<security::Security>>,
     stop: &watch::Receiver<bool>,
-) -> Result<
-    (
-        raft::RaftHandle,
-        tokio::task::JoinHandle<Result<(), raft::NodeError>>,
-        u64,
-        raft::transport::RoundTrips,
-    ),
-    MasterError,
-> {
+) -> Result<(raft::RaftHandle, NodeTask, u64, raft::transport::RoundTrips), MasterError> {
     // The group's first configuration, used only when the data dir is new.
     let voters: Vec<u64> = if config.join {
         Vec::new()
