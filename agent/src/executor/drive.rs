@@ -386,7 +386,9 @@ impl Executor {
     }
 
     /// Prepares and starts a task; `Err` with its final outcome when it
-    /// ends before it ran.
+    /// ends before it ran. Its steps in order: may it start, its spec
+    /// checkpointed, what it may do, its MPS server, its directories, its
+    /// isolation, STARTING, its launch, the start itself.
     pub(super) async fn start(
         &self,
         spec: &TaskSpec,
@@ -395,6 +397,63 @@ impl Executor {
         fence_ms: u64,
     ) -> Result<Option<gpuctl_core::types::Enforcement>, Outcome> {
         let task_id = spec.task_id.as_str();
+        self.admit(spec, stop, fence_ms).await?;
+        self.checkpoint_spec(spec)
+            .map_err(|e| Outcome::failed(format!("checkpoint: {e}")))?;
+        let (mut security, checkpoint_dir) = self.task_security(spec).await?;
+        let mps = self.acquire_mps(spec, security.user).await?;
+        let (sandbox, dirs) = self
+            .make_task_dirs(spec, rt.kind(), &mut security, checkpoint_dir)
+            .await?;
+        let isolated = self.isolate(spec, rt.as_ref()).await?;
+        let mut starting = self.update(task_id, TaskState::Starting);
+        starting.enforcement =
+            spec.share
+                .as_ref()
+                .map(|_| match (isolated.driver_cap, mps.is_some()) {
+                    (true, _) => gpuctl_core::types::Enforcement::Driver,
+                    (false, true) => gpuctl_core::types::Enforcement::Mps,
+                    (false, false) => gpuctl_core::types::Enforcement::None,
+                });
+        self.send(starting).await;
+        let env = self.task_env(
+            spec,
+            rt.kind(),
+            &mut security,
+            dirs,
+            mps.as_ref(),
+            isolated.container_cap.as_ref().map(|(_, value)| value),
+        );
+        let container_cap = isolated.container_cap.clone();
+        let launch = self.launch_spec(spec, env, sandbox, security, isolated);
+        let started = self
+            .start_with_backoff(task_id, rt.as_ref(), &launch, stop, fence_ms)
+            .await;
+        let capped = container_cap
+            .and(self.isolation.cap_socket.as_ref())
+            .map(|s| s.done(task_id));
+        started?;
+        if let Err(e) = checkpoint::write_atomic(&launch.state_dir.join(STARTED_FILE), b"") {
+            tracing::warn!(task_id, error = %e, "could not record that the task started");
+        }
+        Ok(match capped {
+            Some(Ok(())) => Some(gpuctl_core::types::Enforcement::Driver),
+            Some(Err(why)) => {
+                tracing::info!(task_id, reason = %why, "the container is not capped by the driver");
+                None
+            }
+            None => None,
+        })
+    }
+
+    /// Whether the task may start now: not stopped, not past the fence,
+    /// and its GPUs through their preflight when it asks for one.
+    async fn admit(
+        &self,
+        spec: &TaskSpec,
+        stop: &watch::Receiver<Option<StopReason>>,
+        fence_ms: u64,
+    ) -> Result<(), Outcome> {
         if let Some(r) = stop.borrow().clone() {
             return Err(Outcome::refused(&r, fence_ms));
         }
@@ -408,7 +467,7 @@ impl Executor {
         }
         if spec.template.preflight && !spec.gpu_uuids.is_empty() {
             self.preflight(spec).await.map_err(|f| {
-                tracing::warn!(task_id, reason = %f.why, "preflight failed: the task does not start");
+                tracing::warn!(task_id = %spec.task_id, reason = %f.why, "preflight failed: the task does not start");
                 Outcome::refused(
                     &StopReason::GpuFailed {
                         why: f.why,
@@ -418,26 +477,29 @@ impl Executor {
                 )
             })?;
         }
-        self.checkpoint_spec(spec)
-            .map_err(|e| Outcome::failed(format!("checkpoint: {e}")))?;
-        // Refused before anything is made for it when it asks for more
-        // than this agent allows.
-        let mut security = self
-            .isolation
-            .policy
+        Ok(())
+    }
+
+    /// What the task may do here (`security.rs`), with a user of its own
+    /// leased when it gets one, and its checkpoint directory; refused
+    /// before anything is made for it when it asks for more than this
+    /// agent allows.
+    async fn task_security(
+        &self,
+        spec: &TaskSpec,
+    ) -> Result<(crate::security::LaunchSecurity, Option<PathBuf>), Outcome> {
+        let task_id = spec.task_id.as_str();
+        let refused = |why: String| {
+            tracing::warn!(task_id, reason = %why, "task refused");
+            Outcome::failed(why)
+        };
+        let policy = &self.isolation.policy;
+        let mut security = policy
             .resolve(spec, &crate::security::RealHost)
-            .map_err(|why| {
-                tracing::warn!(task_id, reason = %why, "task refused");
-                Outcome::failed(why)
-            })?;
-        let checkpoint_dir = self
-            .isolation
-            .policy
+            .map_err(refused)?;
+        let checkpoint_dir = policy
             .checkpoint_dir(spec, &crate::security::RealHost)
-            .map_err(|why| {
-                tracing::warn!(task_id, reason = %why, "task refused");
-                Outcome::failed(why)
-            })?;
+            .map_err(refused)?;
         if security.own_user {
             // The owner of the job's checkpoint directory, made by an
             // earlier attempt, again if it is free: it owns what is there.
@@ -446,29 +508,39 @@ impl Executor {
                 .and_then(|d| std::fs::metadata(d).ok())
                 .map(|m| std::os::unix::fs::MetadataExt::uid(&m));
             let job = Some(spec.job_id.as_str()).filter(|j| !j.is_empty());
-            let ids = self.own_user(task_id, job, owner).await.map_err(|why| {
-                tracing::warn!(task_id, reason = %why, "task refused");
-                Outcome::failed(why)
-            })?;
+            let ids = self.own_user(task_id, job, owner).await.map_err(refused)?;
             security.user = Some(ids);
         }
-        let mps = self.acquire_mps(spec, security.user).await?;
+        Ok((security, checkpoint_dir))
+    }
+
+    /// The task's sandbox and the directories it is told of: its stop
+    /// notice's, its heartbeat's (with a hang timeout) and its checkpoint
+    /// directory, each its user's.
+    async fn make_task_dirs(
+        &self,
+        spec: &TaskSpec,
+        runtime: Runtime,
+        security: &mut crate::security::LaunchSecurity,
+        checkpoint_dir: Option<PathBuf>,
+    ) -> Result<(PathBuf, TaskDirs), Outcome> {
+        let task_id = spec.task_id.as_str();
         let sandbox = self.sandbox(task_id);
         tokio::fs::create_dir_all(&sandbox)
             .await
             .and_then(|()| set_mode(&sandbox, 0o700))
             .map_err(|e| Outcome::failed(format!("create sandbox {}: {e}", sandbox.display())))?;
-        let notice_dir = self
+        let notice = self
             .make_notice_dir(task_id, security.user)
             .map_err(|e| Outcome::failed(format!("create the stop notice directory: {e}")))?;
-        let heartbeat_dir = match spec.template.hang_timeout_ms {
+        let heartbeat = match spec.template.hang_timeout_ms {
             Some(_) => {
                 // A container of its image's user writes its heartbeat
                 // through a group of its own: an id leased from task_users
                 // for the task (held, recorded and released like a host
                 // task's own user), given to the container as a
                 // supplementary group.
-                let group = if security.user.is_none() && rt.kind() == Runtime::Docker {
+                let group = if security.user.is_none() && runtime == Runtime::Docker {
                     let ids = self.own_user(task_id, None, None).await.map_err(|why| {
                         tracing::warn!(task_id, reason = %why, "task refused");
                         Outcome::failed(format!("a group for its heartbeat directory: {why}"))
@@ -492,6 +564,24 @@ impl Executor {
                 Outcome::failed(format!("checkpoint_dir: create {}: {e}", dir.display()))
             })?;
         }
+        Ok((
+            sandbox,
+            TaskDirs {
+                notice,
+                heartbeat,
+                checkpoint: checkpoint_dir,
+            },
+        ))
+    }
+
+    /// The task's devices and cgroups prepared, and a fraction's memory
+    /// capped by the driver where it can be.
+    async fn isolate(
+        &self,
+        spec: &TaskSpec,
+        rt: &dyn ContainerRuntime,
+    ) -> Result<Isolated, Outcome> {
+        let task_id = spec.task_id.as_str();
         let grants = self
             .isolation
             .gpu_grants
@@ -515,7 +605,7 @@ impl Executor {
             .cgroup
             .as_ref()
             .and_then(|c| c.unified_dir.as_deref());
-        let driver = match (&spec.share, spec.gpu_uuids.first(), unified) {
+        let driver_cap = match (&spec.share, spec.gpu_uuids.first(), unified) {
             (Some(sh), Some(gpu), Some(dir)) => {
                 let cap = &self.isolation.memcap;
                 cap.cap_task(task_id, gpu, dir, sh.fraction.mem_mib).await
@@ -527,31 +617,34 @@ impl Executor {
         // runs (runtime::oci_hook). STARTING says what holds without it;
         // RUNNING says `driver` once the cap held.
         let container_cap = match (&spec.share, spec.gpu_uuids.first()) {
-            (Some(sh), Some(gpu)) if !driver && rt.kind() == Runtime::Docker => {
-                self.container_cap(task_id, rt.as_ref(), gpu, sh.fraction.mem_mib)
+            (Some(sh), Some(gpu)) if !driver_cap && rt.kind() == Runtime::Docker => {
+                self.container_cap(task_id, rt, gpu, sh.fraction.mem_mib)
             }
             _ => None,
         };
-        let mut starting = self.update(task_id, TaskState::Starting);
-        starting.enforcement = spec.share.as_ref().map(|_| match (driver, mps.is_some()) {
-            (true, _) => gpuctl_core::types::Enforcement::Driver,
-            (false, true) => gpuctl_core::types::Enforcement::Mps,
-            (false, false) => gpuctl_core::types::Enforcement::None,
-        });
-        self.send(starting).await;
-        let env = self.task_env(
-            spec,
-            rt.kind(),
-            &mut security,
-            TaskDirs {
-                notice: notice_dir,
-                heartbeat: heartbeat_dir,
-                checkpoint: checkpoint_dir,
-            },
-            mps.as_ref(),
-            container_cap.as_ref().map(|(_, value)| value),
-        );
-        let launch = LaunchSpec {
+        Ok(Isolated {
+            prepared,
+            driver_cap,
+            container_cap,
+        })
+    }
+
+    /// What the runtime is asked to start.
+    fn launch_spec(
+        &self,
+        spec: &TaskSpec,
+        env: BTreeMap<String, String>,
+        sandbox: PathBuf,
+        security: crate::security::LaunchSecurity,
+        isolated: Isolated,
+    ) -> LaunchSpec {
+        let task_id = spec.task_id.as_str();
+        let Isolated {
+            prepared,
+            container_cap,
+            ..
+        } = isolated;
+        LaunchSpec {
             env,
             log_path: sandbox.join(LOG_FILE),
             sandbox,
@@ -572,31 +665,13 @@ impl Executor {
                 driver: self.isolation.driver.clone(),
                 dev_root: Some(self.isolation.isolator.dev_root().to_path_buf()),
                 pids_max: self.isolation.isolator.pids_max(),
-                oci_runtime: container_cap.as_ref().map(|(name, _)| name.clone()),
+                oci_runtime: container_cap.map(|(name, _)| name),
             },
             state_dir: self.state_dir(task_id),
             fence: (!spec.template.no_fence).then(|| checkpoint::contact_path(&self.work_dir)),
             security,
             task: spec.clone(),
-        };
-        let started = self
-            .start_with_backoff(task_id, rt.as_ref(), &launch, stop, fence_ms)
-            .await;
-        let capped = container_cap
-            .and(self.isolation.cap_socket.as_ref())
-            .map(|s| s.done(task_id));
-        started?;
-        if let Err(e) = checkpoint::write_atomic(&launch.state_dir.join(STARTED_FILE), b"") {
-            tracing::warn!(task_id, error = %e, "could not record that the task started");
         }
-        Ok(match capped {
-            Some(Ok(())) => Some(gpuctl_core::types::Enforcement::Driver),
-            Some(Err(why)) => {
-                tracing::info!(task_id, reason = %why, "the container is not capped by the driver");
-                None
-            }
-            None => None,
-        })
     }
 
     /// Task `task_id`'s container capped by the driver through the
@@ -767,6 +842,15 @@ pub(super) async fn remove_until_done(rt: &Arc<dyn ContainerRuntime>, tref: &Tas
 
 /// Which MPS daemon of its GPU the task's record names (`mps_group`).
 pub(super) const MPS_GROUP_FILE: &str = "mps-group";
+
+/// A task's isolation as prepared for its start: its devices and cgroups,
+/// whether the driver caps its fraction's memory already, and the
+/// container runtime (and its `GPUCTL_DRIVER_CAP`) that caps a container's.
+struct Isolated {
+    prepared: crate::isolation::Prepared,
+    driver_cap: bool,
+    container_cap: Option<(String, String)>,
+}
 
 /// The directories a task is given, made before it starts.
 struct TaskDirs {
