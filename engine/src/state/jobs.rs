@@ -233,48 +233,7 @@ impl State {
         };
         let ok = task.state == TaskState::Finished && task.exit_code.unwrap_or(0) == 0;
         if !ok && !job.cancel_requested && job.stopping.is_none() {
-            let message = failure_message(task, job.world());
-            let stopping = if task.reason == TaskReason::GpuUnhealthy {
-                Stopping::GpuFailed {
-                    message: message.clone(),
-                    requeue: !job.spec.no_requeue,
-                }
-            } else if task.reason == TaskReason::DriverRequirementUnmet {
-                Stopping::DriverRefused {
-                    message: message.clone(),
-                }
-            } else if task.reason == TaskReason::RuntimeRestarted {
-                Stopping::RuntimeRestarted {
-                    message: message.clone(),
-                    requeue: !job.spec.no_requeue,
-                }
-            } else {
-                Stopping::Failed {
-                    message: message.clone(),
-                    retry: job.retries < job.spec.max_retries
-                        && job.spec.restart_policy == RestartPolicy::Gang,
-                }
-            };
-            let others: Vec<String> = current
-                .iter()
-                .filter(|t| t.as_str() != task_id)
-                .cloned()
-                .collect();
-            let event = match &stopping {
-                Stopping::GpuFailed { .. } => Some(EventKind::GpuFailed),
-                Stopping::DriverRefused { .. } => Some(EventKind::DriverRefused),
-                _ if task.reason == TaskReason::Hung => Some(EventKind::Hung),
-                // What follows says it when the attempt ends.
-                _ => None,
-            };
-            if let Some(job) = self.jobs.get_mut(job_id) {
-                job.stopping = Some(stopping);
-                if let Some(kind) = event {
-                    job.events.record(kind, message.clone(), at_ms);
-                }
-            }
-            let why = format!("stopped: {message}");
-            self.kill_live(&others, &why, None, at_ms);
+            self.stop_attempt_on_failure(job_id, task_id, &current, at_ms);
         }
         let tasks: Vec<&TaskRecord> = current.iter().filter_map(|t| self.tasks.get(t)).collect();
         let all_ended = tasks.iter().all(|t| t.state.is_terminal());
@@ -285,174 +244,65 @@ impl State {
             return;
         };
         job.updated_at_ms = at_ms;
-        if !all_ended {
-            return;
+        if all_ended {
+            end_attempt(job, all_ok, tasks.len(), at_ms);
         }
-        let stopping = job.stopping.take();
-        let no_retry = "back in the queue (no retry used)";
-        let mut event = None;
-        // A cancel decides the end once committed: a task that exits 0 on
-        // the SIGTERM does not make the job SUCCEEDED (as Slurm's scancel).
-        let (state, message) = if job.cancel_requested {
-            (JobState::Cancelled, "cancelled".to_string())
-        } else if let Some(Stopping::IdleStopped { message }) = stopping {
-            (JobState::Cancelled, message)
-        } else if let Some(Stopping::Growing { from, to }) = stopping {
-            // Stopped to grow: whatever its ranks exited with on the
-            // SIGTERM (a trainer may save and exit 0), it starts again.
-            event = Some((
-                EventKind::Requeued,
-                format!("to grow from {from} to up to {to} ranks: {no_retry}"),
-            ));
-            (
-                JobState::Queued,
-                format!("restarting to grow from {from} ranks"),
-            )
-        } else if all_ok {
-            event = Some((
-                EventKind::Succeeded,
-                match tasks.len() {
-                    1 => "exited with code 0".to_string(),
-                    n => format!("all {n} tasks exited with code 0"),
-                },
-            ));
-            (JobState::Succeeded, String::new())
+    }
+
+    /// The first failure of an attempt: what stops it is recorded (with
+    /// its event) and the rest of the gang is stopped.
+    fn stop_attempt_on_failure(
+        &mut self,
+        job_id: &str,
+        task_id: &str,
+        current: &[String],
+        at_ms: u64,
+    ) {
+        let (Some(job), Some(task)) = (self.jobs.get(job_id), self.tasks.get(task_id)) else {
+            return;
+        };
+        let message = failure_message(task, job.world());
+        let stopping = if task.reason == TaskReason::GpuUnhealthy {
+            Stopping::GpuFailed {
+                message: message.clone(),
+                requeue: !job.spec.no_requeue,
+            }
+        } else if task.reason == TaskReason::DriverRequirementUnmet {
+            Stopping::DriverRefused {
+                message: message.clone(),
+            }
+        } else if task.reason == TaskReason::RuntimeRestarted {
+            Stopping::RuntimeRestarted {
+                message: message.clone(),
+                requeue: !job.spec.no_requeue,
+            }
         } else {
-            match stopping {
-                Some(Stopping::Preempted {
-                    by,
-                    requeue: true,
-                    reclaimed_for,
-                }) => {
-                    job.preempted_by = Some(by.clone());
-                    (JobState::Queued, stopped_for(&by, reclaimed_for.as_deref()))
-                }
-                Some(Stopping::Preempted {
-                    by,
-                    requeue: false,
-                    reclaimed_for,
-                }) => (
-                    JobState::Failed,
-                    format!(
-                        "{} (submitted with --no-requeue)",
-                        stopped_for(&by, reclaimed_for.as_deref())
-                    ),
-                ),
-                Some(Stopping::Failed {
-                    message,
-                    retry: true,
-                }) => {
-                    job.retries += 1;
-                    let pause = job.spec.restart_backoff(job.retries);
-                    // 0: at once, whatever the placer's clock says.
-                    job.not_before_ms = if pause == 0 {
-                        0
-                    } else {
-                        at_ms.saturating_add(pause)
-                    };
-                    event = Some((
-                        EventKind::Retrying,
-                        format!(
-                            "{message}; retry {} of {} in {}s",
-                            job.retries,
-                            job.spec.max_retries,
-                            pause as f64 / 1000.0
-                        ),
-                    ));
-                    (JobState::Queued, message)
-                }
-                Some(Stopping::Failed {
-                    message,
-                    retry: false,
-                }) => (JobState::Failed, message),
-                Some(Stopping::GpuFailed {
-                    message,
-                    requeue: true,
-                }) => {
-                    let avoiding: BTreeSet<&str> =
-                        job.avoid_gpus.iter().map(|a| a.uuid.as_str()).collect();
-                    let avoid = if avoiding.is_empty() {
-                        String::new()
-                    } else {
-                        format!(
-                            "; avoiding GPU {} until it is back in service (at most {} min)",
-                            join_cut(&avoiding),
-                            super::AVOID_GPU_MS / 60_000
-                        )
-                    };
-                    event = Some((
-                        EventKind::Requeued,
-                        format!("after its GPU failed: {no_retry}{avoid}"),
-                    ));
-                    (JobState::Queued, message)
-                }
-                Some(Stopping::GpuFailed {
-                    message,
-                    requeue: false,
-                }) => (
-                    JobState::Failed,
-                    format!("{message} (submitted with --no-requeue)"),
-                ),
-                Some(Stopping::Drained {
-                    agent_id,
-                    requeue: true,
-                }) => (JobState::Queued, format!("agent {agent_id} drained")),
-                Some(Stopping::Drained {
-                    agent_id,
-                    requeue: false,
-                }) => (
-                    JobState::Failed,
-                    format!("agent {agent_id} drained (submitted with --no-requeue)"),
-                ),
-                // Handled before the exits are looked at.
-                Some(Stopping::IdleStopped { message }) => (JobState::Cancelled, message),
-                Some(Stopping::Growing { from, .. }) => (
-                    JobState::Queued,
-                    format!("restarting to grow from {from} ranks"),
-                ),
-                Some(Stopping::DriverRefused { message }) => {
-                    event = Some((
-                        EventKind::Requeued,
-                        format!("to be placed where the driver qualifies: {no_retry}"),
-                    ));
-                    (JobState::Queued, message)
-                }
-                Some(Stopping::RuntimeRestarted {
-                    message,
-                    requeue: true,
-                }) => {
-                    event = Some((
-                        EventKind::Requeued,
-                        format!("after its container runtime restarted under it: {no_retry}"),
-                    ));
-                    (JobState::Queued, message)
-                }
-                Some(Stopping::RuntimeRestarted {
-                    message,
-                    requeue: false,
-                }) => (
-                    JobState::Failed,
-                    format!("{message} (submitted with --no-requeue)"),
-                ),
-                // Not reached: the first failure sets `stopping`.
-                None => (JobState::Failed, "attempt ended".to_string()),
+            Stopping::Failed {
+                message: message.clone(),
+                retry: job.retries < job.spec.max_retries
+                    && job.spec.restart_policy == RestartPolicy::Gang,
             }
         };
-        // The event of the outcome; its message says what the job's does
-        // not already (the exit code, the retry count).
-        let (kind, words) = event.unwrap_or_else(|| match state {
-            JobState::Cancelled => (EventKind::Cancelled, message.clone()),
-            JobState::Queued => (EventKind::Requeued, format!("{message}: {no_retry}")),
-            _ => (EventKind::Failed, message.clone()),
-        });
-        job.events.record(kind, words, at_ms);
-        if state.is_terminal() {
-            job.avoid_gpus.clear();
+        let others: Vec<String> = current
+            .iter()
+            .filter(|t| t.as_str() != task_id)
+            .cloned()
+            .collect();
+        let event = match &stopping {
+            Stopping::GpuFailed { .. } => Some(EventKind::GpuFailed),
+            Stopping::DriverRefused { .. } => Some(EventKind::DriverRefused),
+            _ if task.reason == TaskReason::Hung => Some(EventKind::Hung),
+            // What follows says it when the attempt ends.
+            _ => None,
+        };
+        if let Some(job) = self.jobs.get_mut(job_id) {
+            job.stopping = Some(stopping);
+            if let Some(kind) = event {
+                job.events.record(kind, message.clone(), at_ms);
+            }
         }
-        // A new attempt is watched afresh.
-        job.idle_since_ms = None;
-        job.state = state;
-        job.message = message;
+        let why = format!("stopped: {message}");
+        self.kill_live(&others, &why, None, at_ms);
     }
 
     /// A task ended because a GPU failed: its job avoids the GPUs the
@@ -719,6 +569,188 @@ impl State {
             }
         }
         Ok(Outcome::JobsLaunched { refused })
+    }
+}
+
+/// Said of a job put back in the queue for what was not its own failure.
+const NO_RETRY: &str = "back in the queue (no retry used)";
+
+/// Every task of the attempt ended: the job's next state, its message and
+/// the event that says so.
+fn end_attempt(job: &mut JobRecord, all_ok: bool, task_count: usize, at_ms: u64) {
+    let stopping = job.stopping.take();
+    let mut event = None;
+    // A cancel decides the end once committed: a task that exits 0 on
+    // the SIGTERM does not make the job SUCCEEDED (as Slurm's scancel).
+    let (state, message) = if job.cancel_requested {
+        (JobState::Cancelled, "cancelled".to_string())
+    } else if let Some(Stopping::IdleStopped { message }) = stopping {
+        (JobState::Cancelled, message)
+    } else if let Some(Stopping::Growing { from, to }) = stopping {
+        // Stopped to grow: whatever its ranks exited with on the
+        // SIGTERM (a trainer may save and exit 0), it starts again.
+        event = Some((
+            EventKind::Requeued,
+            format!("to grow from {from} to up to {to} ranks: {NO_RETRY}"),
+        ));
+        (
+            JobState::Queued,
+            format!("restarting to grow from {from} ranks"),
+        )
+    } else if all_ok {
+        event = Some((
+            EventKind::Succeeded,
+            match task_count {
+                1 => "exited with code 0".to_string(),
+                n => format!("all {n} tasks exited with code 0"),
+            },
+        ));
+        (JobState::Succeeded, String::new())
+    } else {
+        stopped_outcome(job, stopping, &mut event, at_ms)
+    };
+    // The event of the outcome; its message says what the job's does
+    // not already (the exit code, the retry count).
+    let (kind, words) = event.unwrap_or_else(|| match state {
+        JobState::Cancelled => (EventKind::Cancelled, message.clone()),
+        JobState::Queued => (EventKind::Requeued, format!("{message}: {NO_RETRY}")),
+        _ => (EventKind::Failed, message.clone()),
+    });
+    job.events.record(kind, words, at_ms);
+    if state.is_terminal() {
+        job.avoid_gpus.clear();
+    }
+    // A new attempt is watched afresh.
+    job.idle_since_ms = None;
+    job.state = state;
+    job.message = message;
+}
+
+/// How an attempt that neither succeeded nor was cancelled ends, by what
+/// stopped it; `event` is set when the outcome has words of its own.
+fn stopped_outcome(
+    job: &mut JobRecord,
+    stopping: Option<Stopping>,
+    event: &mut Option<(EventKind, String)>,
+    at_ms: u64,
+) -> (JobState, String) {
+    match stopping {
+        Some(Stopping::Preempted {
+            by,
+            requeue: true,
+            reclaimed_for,
+        }) => {
+            job.preempted_by = Some(by.clone());
+            (JobState::Queued, stopped_for(&by, reclaimed_for.as_deref()))
+        }
+        Some(Stopping::Preempted {
+            by,
+            requeue: false,
+            reclaimed_for,
+        }) => (
+            JobState::Failed,
+            format!(
+                "{} (submitted with --no-requeue)",
+                stopped_for(&by, reclaimed_for.as_deref())
+            ),
+        ),
+        Some(Stopping::Failed {
+            message,
+            retry: true,
+        }) => {
+            job.retries += 1;
+            let pause = job.spec.restart_backoff(job.retries);
+            // 0: at once, whatever the placer's clock says.
+            job.not_before_ms = if pause == 0 {
+                0
+            } else {
+                at_ms.saturating_add(pause)
+            };
+            *event = Some((
+                EventKind::Retrying,
+                format!(
+                    "{message}; retry {} of {} in {}s",
+                    job.retries,
+                    job.spec.max_retries,
+                    pause as f64 / 1000.0
+                ),
+            ));
+            (JobState::Queued, message)
+        }
+        Some(Stopping::Failed {
+            message,
+            retry: false,
+        }) => (JobState::Failed, message),
+        Some(Stopping::GpuFailed {
+            message,
+            requeue: true,
+        }) => {
+            let avoiding: BTreeSet<&str> = job.avoid_gpus.iter().map(|a| a.uuid.as_str()).collect();
+            let avoid = if avoiding.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    "; avoiding GPU {} until it is back in service (at most {} min)",
+                    join_cut(&avoiding),
+                    super::AVOID_GPU_MS / 60_000
+                )
+            };
+            *event = Some((
+                EventKind::Requeued,
+                format!("after its GPU failed: {NO_RETRY}{avoid}"),
+            ));
+            (JobState::Queued, message)
+        }
+        Some(Stopping::GpuFailed {
+            message,
+            requeue: false,
+        }) => (
+            JobState::Failed,
+            format!("{message} (submitted with --no-requeue)"),
+        ),
+        Some(Stopping::Drained {
+            agent_id,
+            requeue: true,
+        }) => (JobState::Queued, format!("agent {agent_id} drained")),
+        Some(Stopping::Drained {
+            agent_id,
+            requeue: false,
+        }) => (
+            JobState::Failed,
+            format!("agent {agent_id} drained (submitted with --no-requeue)"),
+        ),
+        // Handled before the exits are looked at.
+        Some(Stopping::IdleStopped { message }) => (JobState::Cancelled, message),
+        Some(Stopping::Growing { from, .. }) => (
+            JobState::Queued,
+            format!("restarting to grow from {from} ranks"),
+        ),
+        Some(Stopping::DriverRefused { message }) => {
+            *event = Some((
+                EventKind::Requeued,
+                format!("to be placed where the driver qualifies: {NO_RETRY}"),
+            ));
+            (JobState::Queued, message)
+        }
+        Some(Stopping::RuntimeRestarted {
+            message,
+            requeue: true,
+        }) => {
+            *event = Some((
+                EventKind::Requeued,
+                format!("after its container runtime restarted under it: {NO_RETRY}"),
+            ));
+            (JobState::Queued, message)
+        }
+        Some(Stopping::RuntimeRestarted {
+            message,
+            requeue: false,
+        }) => (
+            JobState::Failed,
+            format!("{message} (submitted with --no-requeue)"),
+        ),
+        // Not reached: the first failure sets `stopping`.
+        None => (JobState::Failed, "attempt ended".to_string()),
     }
 }
 
