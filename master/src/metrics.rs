@@ -9,7 +9,7 @@ use gpuctl_core::metrics::{Exposition, Histogram, Kind, LATENCY_BUCKETS};
 use gpuctl_core::types::JobState;
 
 use crate::raft::RaftHandle;
-use crate::state::AgentState;
+use crate::state::{AgentState, State};
 
 #[derive(Debug)]
 pub struct MasterMetrics {
@@ -55,8 +55,30 @@ pub fn render(
     offers_outstanding: usize,
     round_trips: &std::collections::BTreeMap<u64, std::time::Duration>,
 ) -> String {
-    let st = raft.status();
     let mut out = Exposition::new();
+    raft_metrics(&mut out, &raft.status(), round_trips);
+    {
+        let state = raft.state();
+        agent_and_gpu_metrics(&mut out, &state);
+        job_metrics(&mut out, &state);
+        tenant_metrics(&mut out, &state);
+    }
+    leader_metrics(&mut out, metrics, offers_outstanding);
+    out.finish()
+}
+
+/// A gauge without labels: its family and its one sample.
+fn gauge(out: &mut Exposition, name: &str, help: &str, v: f64) {
+    out.family(name, help, Kind::Gauge);
+    out.sample(name, &[], v);
+}
+
+/// This master's Raft: term, leader, indexes, round trips to its peers.
+fn raft_metrics(
+    out: &mut Exposition,
+    st: &crate::raft::NodeStatus,
+    round_trips: &std::collections::BTreeMap<u64, std::time::Duration>,
+) {
     out.family(
         "gpuctl_raft_peer_round_trip_seconds",
         "Smoothed round trip of Raft calls to each other master (set election_timeout_ms to ten of them or more).",
@@ -70,168 +92,175 @@ pub fn render(
             rtt.as_secs_f64(),
         );
     }
-    let gauge = |out: &mut Exposition, name: &str, help: &str, v: f64| {
-        out.family(name, help, Kind::Gauge);
-        out.sample(name, &[], v);
-    };
     gauge(
-        &mut out,
+        out,
         "gpuctl_raft_term",
         "Current Raft term.",
         st.term as f64,
     );
     gauge(
-        &mut out,
+        out,
         "gpuctl_raft_leader",
         "1 if this master is the serving Raft leader, else 0.",
         if st.serving { 1.0 } else { 0.0 },
     );
     gauge(
-        &mut out,
+        out,
         "gpuctl_raft_leader_id",
         "Raft id of the leader this master knows of (0: none).",
         st.leader_id as f64,
     );
     gauge(
-        &mut out,
+        out,
         "gpuctl_raft_commit_index",
         "Highest Raft log index known to be committed.",
         st.commit_index as f64,
     );
     gauge(
-        &mut out,
+        out,
         "gpuctl_raft_applied_index",
         "Highest Raft log index applied to this master's state.",
         st.applied_index as f64,
     );
+}
 
-    {
-        let state = raft.state();
-        out.family("gpuctl_agents", "Agents by state.", Kind::Gauge);
-        for (label, want) in [
-            ("active", AgentState::Active),
-            ("unreachable", AgentState::Unreachable),
-            ("lost", AgentState::Lost),
-        ] {
-            let n = state.agents().values().filter(|a| a.state == want).count();
-            out.sample("gpuctl_agents", &[("state", label)], n as f64);
-        }
-        gauge(
-            &mut out,
-            "gpuctl_agents_draining",
-            "Agents being drained (no new tasks), whatever their state.",
-            state
-                .agents()
-                .values()
-                .filter(|a| a.drain.is_some())
-                .count() as f64,
-        );
-        gauge(
-            &mut out,
-            "gpuctl_gpus_held_unconfirmed",
-            "GPUs still held by tasks that ended LOST without their agent's word that they are gone.",
-            state
-                .tasks()
-                .values()
-                .filter(|t| t.holding)
-                .map(|t| t.gpu_uuids.len())
-                .sum::<usize>() as f64,
-        );
-        let gpus: Vec<_> = state
+/// Agents by state, and the GPUs of active ones.
+fn agent_and_gpu_metrics(out: &mut Exposition, state: &State) {
+    out.family("gpuctl_agents", "Agents by state.", Kind::Gauge);
+    for (label, want) in [
+        ("active", AgentState::Active),
+        ("unreachable", AgentState::Unreachable),
+        ("lost", AgentState::Lost),
+    ] {
+        let n = state.agents().values().filter(|a| a.state == want).count();
+        out.sample("gpuctl_agents", &[("state", label)], n as f64);
+    }
+    gauge(
+        out,
+        "gpuctl_agents_draining",
+        "Agents being drained (no new tasks), whatever their state.",
+        state
             .agents()
             .values()
-            .filter(|a| a.state == AgentState::Active)
-            .flat_map(|a| a.info.gpus.iter())
-            .collect();
-        gauge(
-            &mut out,
-            "gpuctl_gpus",
-            "GPUs of active agents.",
-            gpus.len() as f64,
-        );
-        gauge(
-            &mut out,
-            "gpuctl_gpus_allocated",
-            "GPUs of active agents held by a task.",
-            gpus.iter()
-                .filter(|g| state.gpu_owner(&g.uuid).is_some())
-                .count() as f64,
-        );
-        gauge(
-            &mut out,
-            "gpuctl_gpus_unhealthy",
-            "GPUs of active agents that fail their health checks.",
-            gpus.iter().filter(|g| !g.healthy).count() as f64,
-        );
-        gauge(
-            &mut out,
-            "gpuctl_gpus_cordoned",
-            "GPUs of active agents taken out of service by an operator.",
-            gpus.iter().filter(|g| state.is_cordoned(&g.uuid)).count() as f64,
-        );
-        out.family("gpuctl_jobs", "gpuctl jobs by state.", Kind::Gauge);
-        for s in JOB_STATES {
-            let n = state.jobs().values().filter(|j| j.state == s).count();
-            let label = s.to_string().to_ascii_lowercase();
-            out.sample("gpuctl_jobs", &[("state", &label)], n as f64);
-        }
-        gauge(
-            &mut out,
-            "gpuctl_jobs_idle",
-            "Running jobs whose GPUs stayed under the idle threshold for the idle window.",
-            state
-                .jobs()
-                .values()
-                .filter(|j| j.idle_since_ms.is_some())
-                .count() as f64,
-        );
-        // Per tenant: what the Grafana dashboard's tenant rows draw.
-        let usage = crate::scheduler::tenants::usage(&state);
-        out.family(
-            "gpuctl_tenant_gpus_allocated",
-            "GPUs held by a tenant's live tasks.",
-            Kind::Gauge,
-        );
-        for (tenant, u) in &usage {
-            out.sample(
-                "gpuctl_tenant_gpus_allocated",
-                &[("tenant", tenant)],
-                f64::from(u.gpus),
-            );
-        }
-        out.family(
-            "gpuctl_tenant_jobs",
-            "A tenant's jobs running and queued.",
-            Kind::Gauge,
-        );
-        for (tenant, u) in &usage {
-            out.sample(
-                "gpuctl_tenant_jobs",
-                &[("tenant", tenant), ("state", "running")],
-                f64::from(u.running),
-            );
-            out.sample(
-                "gpuctl_tenant_jobs",
-                &[("tenant", tenant), ("state", "queued")],
-                f64::from(u.queued),
-            );
-        }
-        out.family(
-            "gpuctl_tenant_gpu_quota",
-            "A tenant's GPU quota (tenants with one).",
-            Kind::Gauge,
-        );
-        for (tenant, gpus) in state.quotas() {
-            out.sample(
-                "gpuctl_tenant_gpu_quota",
-                &[("tenant", tenant)],
-                f64::from(*gpus),
-            );
-        }
-    }
-
+            .filter(|a| a.drain.is_some())
+            .count() as f64,
+    );
     gauge(
-        &mut out,
+        out,
+        "gpuctl_gpus_held_unconfirmed",
+        "GPUs still held by tasks that ended LOST without their agent's word that they are gone.",
+        state
+            .tasks()
+            .values()
+            .filter(|t| t.holding)
+            .map(|t| t.gpu_uuids.len())
+            .sum::<usize>() as f64,
+    );
+    let gpus: Vec<_> = state
+        .agents()
+        .values()
+        .filter(|a| a.state == AgentState::Active)
+        .flat_map(|a| a.info.gpus.iter())
+        .collect();
+    gauge(
+        out,
+        "gpuctl_gpus",
+        "GPUs of active agents.",
+        gpus.len() as f64,
+    );
+    gauge(
+        out,
+        "gpuctl_gpus_allocated",
+        "GPUs of active agents held by a task.",
+        gpus.iter()
+            .filter(|g| state.gpu_owner(&g.uuid).is_some())
+            .count() as f64,
+    );
+    gauge(
+        out,
+        "gpuctl_gpus_unhealthy",
+        "GPUs of active agents that fail their health checks.",
+        gpus.iter().filter(|g| !g.healthy).count() as f64,
+    );
+    gauge(
+        out,
+        "gpuctl_gpus_cordoned",
+        "GPUs of active agents taken out of service by an operator.",
+        gpus.iter().filter(|g| state.is_cordoned(&g.uuid)).count() as f64,
+    );
+}
+
+/// Jobs by state, and the idle ones.
+fn job_metrics(out: &mut Exposition, state: &State) {
+    out.family("gpuctl_jobs", "gpuctl jobs by state.", Kind::Gauge);
+    for s in JOB_STATES {
+        let n = state.jobs().values().filter(|j| j.state == s).count();
+        let label = s.to_string().to_ascii_lowercase();
+        out.sample("gpuctl_jobs", &[("state", &label)], n as f64);
+    }
+    gauge(
+        out,
+        "gpuctl_jobs_idle",
+        "Running jobs whose GPUs stayed under the idle threshold for the idle window.",
+        state
+            .jobs()
+            .values()
+            .filter(|j| j.idle_since_ms.is_some())
+            .count() as f64,
+    );
+}
+
+/// Per tenant: what the Grafana dashboard's tenant rows draw.
+fn tenant_metrics(out: &mut Exposition, state: &State) {
+    let usage = crate::scheduler::tenants::usage(state);
+    out.family(
+        "gpuctl_tenant_gpus_allocated",
+        "GPUs held by a tenant's live tasks.",
+        Kind::Gauge,
+    );
+    for (tenant, u) in &usage {
+        out.sample(
+            "gpuctl_tenant_gpus_allocated",
+            &[("tenant", tenant)],
+            f64::from(u.gpus),
+        );
+    }
+    out.family(
+        "gpuctl_tenant_jobs",
+        "A tenant's jobs running and queued.",
+        Kind::Gauge,
+    );
+    for (tenant, u) in &usage {
+        out.sample(
+            "gpuctl_tenant_jobs",
+            &[("tenant", tenant), ("state", "running")],
+            f64::from(u.running),
+        );
+        out.sample(
+            "gpuctl_tenant_jobs",
+            &[("tenant", tenant), ("state", "queued")],
+            f64::from(u.queued),
+        );
+    }
+    out.family(
+        "gpuctl_tenant_gpu_quota",
+        "A tenant's GPU quota (tenants with one).",
+        Kind::Gauge,
+    );
+    for (tenant, gpus) in state.quotas() {
+        out.sample(
+            "gpuctl_tenant_gpu_quota",
+            &[("tenant", tenant)],
+            f64::from(*gpus),
+        );
+    }
+}
+
+/// What the leader counts: offers, direct launches, allocation cycles and
+/// task launches.
+fn leader_metrics(out: &mut Exposition, metrics: &MasterMetrics, offers_outstanding: usize) {
+    gauge(
+        out,
         "gpuctl_offers_outstanding",
         "Offers made and not yet accepted, declined, rescinded or expired.",
         offers_outstanding as f64,
@@ -263,7 +292,7 @@ pub fn render(
     );
     metrics
         .allocation_cycle
-        .write(&mut out, "gpuctl_allocation_cycle_seconds", &[]);
+        .write(out, "gpuctl_allocation_cycle_seconds", &[]);
     out.family(
         "gpuctl_task_launch_seconds",
         "From a task's launch being committed to its agent reporting it RUNNING.",
@@ -271,6 +300,5 @@ pub fn render(
     );
     metrics
         .task_launch
-        .write(&mut out, "gpuctl_task_launch_seconds", &[]);
-    out.finish()
+        .write(out, "gpuctl_task_launch_seconds", &[]);
 }
