@@ -238,152 +238,168 @@ impl pb::identity_server::Identity for IdentityService {
     }
 }
 
+/// The role a token is created with.
+fn token_role(role: i32) -> Result<TokenRole, ServiceError> {
+    let role = match pb::TokenRole::try_from(role) {
+        Ok(pb::TokenRole::Admin) => TokenRole::Admin,
+        Ok(pb::TokenRole::User) => TokenRole::User,
+        Ok(pb::TokenRole::Framework) => TokenRole::Framework,
+        Ok(pb::TokenRole::Join) => TokenRole::Join,
+        _ => {
+            return Err(
+                ConvertError::new("role", "must be one of admin, user, framework, join").into(),
+            )
+        }
+    };
+    Ok(role)
+}
+
+/// A create's request key, when it names a request id.
+fn token_request_key(caller: &Caller, request_id: &str) -> Result<Option<String>, ServiceError> {
+    // The key is the caller's and holds only a hash of the request id,
+    // which seals the secret (gpuctl_auth::token::Token::seal).
+    let request_key = if request_id.is_empty() {
+        None
+    } else {
+        check_id("request_id", request_id)?;
+        if request_id.len() < MIN_SEALING_REQUEST_ID {
+            return Err(ConvertError::new(
+                "request_id",
+                format!(
+                    "at least {MIN_SEALING_REQUEST_ID} characters: it seals the token's secret \
+                     for a resend, so it must be as hard to guess as 128 random bits (as gpuctl \
+                     makes them)"
+                ),
+            )
+            .into());
+        }
+        Some(requests::request_key(
+            caller.request_scope(),
+            &request_id_hash(request_id),
+        ))
+    };
+    Ok(request_key)
+}
+
+/// A new token and its record, once every field of the request is
+/// checked (each error names its field).
+fn new_token(
+    caller: &Caller,
+    req: &pb::CreateTokenRequest,
+    role: TokenRole,
+) -> Result<(Token, TokenRecord), ServiceError> {
+    let tenant = req.tenant.trim().to_string();
+    match role {
+        TokenRole::User | TokenRole::Framework if tenant.is_empty() => {
+            return Err(ConvertError::new(
+                "tenant",
+                "a user or framework token must name its tenant",
+            )
+            .into())
+        }
+        TokenRole::Join if !tenant.is_empty() => {
+            return Err(ConvertError::new("tenant", "join tokens have no tenant").into())
+        }
+        _ => {}
+    }
+    if !tenant.is_empty() {
+        check_tenant(&tenant).map_err(|r| ConvertError::new("tenant", r))?;
+    }
+    if req.ttl_secs > MAX_TOKEN_TTL_SECS {
+        return Err(ConvertError::new(
+            "ttl_secs",
+            format!("at most {MAX_TOKEN_TTL_SECS} (10 years)"),
+        )
+        .into());
+    }
+    if req.description.len() > MAX_DESCRIPTION || req.description.chars().any(char::is_control) {
+        return Err(ConvertError::new(
+            "description",
+            format!("at most {MAX_DESCRIPTION} bytes, no control characters"),
+        )
+        .into());
+    }
+    let agent_id = if req.agent_id.is_empty() {
+        None
+    } else if role != TokenRole::Join {
+        return Err(ConvertError::new("agent_id", "only join tokens name an agent").into());
+    } else {
+        check_id("agent_id", &req.agent_id)?;
+        Some(req.agent_id.clone())
+    };
+    if !req.framework_roles.is_empty() && role != TokenRole::Framework {
+        return Err(
+            ConvertError::new("framework_roles", "only framework tokens allow roles").into(),
+        );
+    }
+    if req.framework_roles.len() > MAX_FRAMEWORK_ROLES {
+        return Err(
+            ConvertError::new("framework_roles", format!("at most {MAX_FRAMEWORK_ROLES}")).into(),
+        );
+    }
+    for (i, r) in req.framework_roles.iter().enumerate() {
+        check_id(&format!("framework_roles[{i}]"), r)?;
+    }
+    let framework_roles = if role == TokenRole::Framework && req.framework_roles.is_empty() {
+        vec![tenant.clone()]
+    } else {
+        req.framework_roles.clone()
+    };
+    if req.allow_root && !matches!(role, TokenRole::User | TokenRole::Admin) {
+        return Err(ConvertError::new("allow_root", "only user and admin tokens run jobs").into());
+    }
+    let allowed_uids = id_ranges_from_pb("allowed_uids", &req.allowed_uids)?;
+    let allowed_gids = id_ranges_from_pb("allowed_gids", &req.allowed_gids)?;
+    for (field, ids) in [
+        ("allowed_uids", &allowed_uids),
+        ("allowed_gids", &allowed_gids),
+    ] {
+        if !ids.is_empty() && !matches!(role, TokenRole::User | TokenRole::Admin) {
+            return Err(ConvertError::new(field, "only user and admin tokens run jobs").into());
+        }
+    }
+    let now = now_ms();
+    let ttl_ms = match (req.ttl_secs, role) {
+        (0, TokenRole::Join) => Some(DEFAULT_JOIN_TOKEN_TTL.as_millis() as u64),
+        (0, _) => None,
+        (s, _) => Some(s * 1000),
+    };
+    let token = Token::generate().map_err(|e| ServiceError::CannotSign(e.to_string()))?;
+    let creator = match caller {
+        Caller::Token(t) => t.id.clone(),
+        Caller::Open => "open".into(),
+        _ => String::new(),
+    };
+    let record = TokenRecord {
+        id: token.id().to_string(),
+        hash: token.hash(),
+        role,
+        tenant,
+        description: req.description.clone(),
+        created_at_ms: now,
+        expires_at_ms: ttl_ms.map(|t| now + t),
+        revoked_at_ms: None,
+        agent_id,
+        used: None,
+        used_key: None,
+        framework_roles,
+        allow_root: req.allow_root,
+        allowed_uids,
+        allowed_gids,
+        created_by: creator,
+    };
+    Ok((token, record))
+}
+
 impl AccessService {
     async fn create_token(
         &self,
         caller: &Caller,
         req: pb::CreateTokenRequest,
     ) -> Result<pb::CreateTokenResponse, ServiceError> {
-        let role = match pb::TokenRole::try_from(req.role) {
-            Ok(pb::TokenRole::Admin) => TokenRole::Admin,
-            Ok(pb::TokenRole::User) => TokenRole::User,
-            Ok(pb::TokenRole::Framework) => TokenRole::Framework,
-            Ok(pb::TokenRole::Join) => TokenRole::Join,
-            _ => {
-                return Err(ConvertError::new(
-                    "role",
-                    "must be one of admin, user, framework, join",
-                )
-                .into())
-            }
-        };
-        // The key is the caller's and holds only a hash of the request id,
-        // which seals the secret (gpuctl_auth::token::Token::seal).
-        let request_key = if req.request_id.is_empty() {
-            None
-        } else {
-            check_id("request_id", &req.request_id)?;
-            if req.request_id.len() < MIN_SEALING_REQUEST_ID {
-                return Err(ConvertError::new(
-                    "request_id",
-                    format!(
-                        "at least {MIN_SEALING_REQUEST_ID} characters: it seals the token's secret \
-                         for a resend, so it must be as hard to guess as 128 random bits (as gpuctl \
-                         makes them)"
-                    ),
-                )
-                .into());
-            }
-            Some(requests::request_key(
-                caller.request_scope(),
-                &request_id_hash(&req.request_id),
-            ))
-        };
-        let tenant = req.tenant.trim().to_string();
-        match role {
-            TokenRole::User | TokenRole::Framework if tenant.is_empty() => {
-                return Err(ConvertError::new(
-                    "tenant",
-                    "a user or framework token must name its tenant",
-                )
-                .into())
-            }
-            TokenRole::Join if !tenant.is_empty() => {
-                return Err(ConvertError::new("tenant", "join tokens have no tenant").into())
-            }
-            _ => {}
-        }
-        if !tenant.is_empty() {
-            check_tenant(&tenant).map_err(|r| ConvertError::new("tenant", r))?;
-        }
-        if req.ttl_secs > MAX_TOKEN_TTL_SECS {
-            return Err(ConvertError::new(
-                "ttl_secs",
-                format!("at most {MAX_TOKEN_TTL_SECS} (10 years)"),
-            )
-            .into());
-        }
-        if req.description.len() > MAX_DESCRIPTION || req.description.chars().any(char::is_control)
-        {
-            return Err(ConvertError::new(
-                "description",
-                format!("at most {MAX_DESCRIPTION} bytes, no control characters"),
-            )
-            .into());
-        }
-        let agent_id = if req.agent_id.is_empty() {
-            None
-        } else if role != TokenRole::Join {
-            return Err(ConvertError::new("agent_id", "only join tokens name an agent").into());
-        } else {
-            check_id("agent_id", &req.agent_id)?;
-            Some(req.agent_id.clone())
-        };
-        if !req.framework_roles.is_empty() && role != TokenRole::Framework {
-            return Err(
-                ConvertError::new("framework_roles", "only framework tokens allow roles").into(),
-            );
-        }
-        if req.framework_roles.len() > MAX_FRAMEWORK_ROLES {
-            return Err(ConvertError::new(
-                "framework_roles",
-                format!("at most {MAX_FRAMEWORK_ROLES}"),
-            )
-            .into());
-        }
-        for (i, r) in req.framework_roles.iter().enumerate() {
-            check_id(&format!("framework_roles[{i}]"), r)?;
-        }
-        let framework_roles = if role == TokenRole::Framework && req.framework_roles.is_empty() {
-            vec![tenant.clone()]
-        } else {
-            req.framework_roles.clone()
-        };
-        if req.allow_root && !matches!(role, TokenRole::User | TokenRole::Admin) {
-            return Err(
-                ConvertError::new("allow_root", "only user and admin tokens run jobs").into(),
-            );
-        }
-        let allowed_uids = id_ranges_from_pb("allowed_uids", &req.allowed_uids)?;
-        let allowed_gids = id_ranges_from_pb("allowed_gids", &req.allowed_gids)?;
-        for (field, ids) in [
-            ("allowed_uids", &allowed_uids),
-            ("allowed_gids", &allowed_gids),
-        ] {
-            if !ids.is_empty() && !matches!(role, TokenRole::User | TokenRole::Admin) {
-                return Err(ConvertError::new(field, "only user and admin tokens run jobs").into());
-            }
-        }
-        let now = now_ms();
-        let ttl_ms = match (req.ttl_secs, role) {
-            (0, TokenRole::Join) => Some(DEFAULT_JOIN_TOKEN_TTL.as_millis() as u64),
-            (0, _) => None,
-            (s, _) => Some(s * 1000),
-        };
-        let token = Token::generate().map_err(|e| ServiceError::CannotSign(e.to_string()))?;
-        let creator = match caller {
-            Caller::Token(t) => t.id.clone(),
-            Caller::Open => "open".into(),
-            _ => String::new(),
-        };
-        let record = TokenRecord {
-            id: token.id().to_string(),
-            hash: token.hash(),
-            role,
-            tenant,
-            description: req.description.clone(),
-            created_at_ms: now,
-            expires_at_ms: ttl_ms.map(|t| now + t),
-            revoked_at_ms: None,
-            agent_id,
-            used: None,
-            used_key: None,
-            framework_roles,
-            allow_root: req.allow_root,
-            allowed_uids,
-            allowed_gids,
-            created_by: creator,
-        };
+        let role = token_role(req.role)?;
+        let request_key = token_request_key(caller, &req.request_id)?;
+        let (token, record) = new_token(caller, &req, role)?;
         let Some(request_key) = request_key else {
             self.ctx
                 .raft
