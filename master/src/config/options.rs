@@ -454,26 +454,13 @@ impl Options {
                 self.node_id
             )));
         }
-        let advertise = match (&self.advertise, peers.get(&self.node_id)) {
-            (Some(a), _) => {
-                check_host_port("advertise", a).map_err(|e| MasterError::Config(e.to_string()))?;
-                a.clone()
-            }
-            (None, Some(a)) => a.clone(),
-            (None, None) if listen.ip().is_unspecified() => {
-                let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
-                    .map(|h| h.trim().to_string())
-                    .unwrap_or_else(|_| "localhost".into());
-                format!("{host}:{}", listen.port())
-            }
-            (None, None) => listen.to_string(),
-        };
-        if !(10..=10_000).contains(&self.allocation_interval_ms) {
-            return Err(MasterError::Config(format!(
-                "allocation_interval_ms must be between 10 and 10000, got {}",
-                self.allocation_interval_ms
-            )));
-        }
+        let advertise = self.advertise_address(listen, &peers)?;
+        between(
+            "allocation_interval_ms",
+            self.allocation_interval_ms,
+            10,
+            10_000,
+        )?;
         if !(self.gpu_reserved_cpus.is_finite() && (0.0..=4096.0).contains(&self.gpu_reserved_cpus))
         {
             return Err(MasterError::Config(format!(
@@ -481,67 +468,37 @@ impl Options {
                 self.gpu_reserved_cpus
             )));
         }
-        if !(100..=60_000).contains(&self.election_timeout_ms) {
-            return Err(MasterError::Config(format!(
-                "election_timeout_ms must be between 100 and 60000, got {}",
-                self.election_timeout_ms
-            )));
-        }
+        between("election_timeout_ms", self.election_timeout_ms, 100, 60_000)?;
         let placement = self
             .placement
             .parse::<PlacementPolicy>()
             .map_err(|e| MasterError::Config(format!("placement: {e}")))?;
-        let max_age = gpuctl_core::time::parse_duration(&self.job_retention)
-            .ok()
-            .filter(|d| !d.is_zero())
-            .ok_or_else(|| {
-                MasterError::Config(format!(
-                    "job_retention: {:?} is not a duration above 0 (a number with a unit: s, m, h or d, e.g. 7d)",
-                    self.job_retention
-                ))
-            })?;
-        let reclaim_min_runtime = match self.reclaim_min_runtime.as_str() {
-            "off" => None,
-            s => Some(gpuctl_core::time::parse_duration(s).map_err(|_| {
-                MasterError::Config(format!(
-                    "reclaim_min_runtime: {s:?} is not a duration (e.g. 1m, 30s, 0s) or off"
-                ))
-            })?),
-        };
-        let elastic_grow_after = match self.elastic_grow_after.as_str() {
-            "off" => None,
-            s => Some(gpuctl_core::time::parse_duration(s).map_err(|_| {
-                MasterError::Config(format!(
-                    "elastic_grow_after: {s:?} is not a duration (e.g. 1m, 30s, 0s) or off"
-                ))
-            })?),
-        };
-        let utilization_period = match self.utilization_period.as_str() {
-            "off" => None,
-            s => Some(
-                gpuctl_core::time::parse_duration(s)
-                    .ok()
-                    .filter(|d| (Duration::from_secs(1)..=Duration::from_secs(3600)).contains(d))
-                    .ok_or_else(|| {
-                        MasterError::Config(format!(
-                            "utilization_period: {s:?} is not a duration from 1s to 1h (e.g. 1m) or off"
-                        ))
-                    })?,
-            ),
-        };
-        let idle_window = match self.idle_window.as_str() {
-            "off" => None,
-            s => Some(
-                gpuctl_core::time::parse_duration(s)
-                    .ok()
-                    .filter(|d| !d.is_zero())
-                    .ok_or_else(|| {
-                        MasterError::Config(format!(
-                            "idle_window: {s:?} is not a duration (e.g. 30m) or off"
-                        ))
-                    })?,
-            ),
-        };
+        let retention = self.retention()?;
+        let any = |_: Duration| true;
+        let reclaim_min_runtime = off_or_duration(
+            "reclaim_min_runtime",
+            &self.reclaim_min_runtime,
+            any,
+            "a duration (e.g. 1m, 30s, 0s)",
+        )?;
+        let elastic_grow_after = off_or_duration(
+            "elastic_grow_after",
+            &self.elastic_grow_after,
+            any,
+            "a duration (e.g. 1m, 30s, 0s)",
+        )?;
+        let utilization_period = off_or_duration(
+            "utilization_period",
+            &self.utilization_period,
+            |d| (Duration::from_secs(1)..=Duration::from_secs(3600)).contains(&d),
+            "a duration from 1s to 1h (e.g. 1m)",
+        )?;
+        let idle_window = off_or_duration(
+            "idle_window",
+            &self.idle_window,
+            |d| !d.is_zero(),
+            "a duration (e.g. 30m)",
+        )?;
         if !(1..=100).contains(&self.idle_below) {
             return Err(MasterError::Config(format!(
                 "idle_below: {} is not a percent from 1 to 100",
@@ -562,10 +519,7 @@ impl Options {
             idle_window,
             idle_below_pct: self.idle_below,
             max_stop_grace: Duration::from_secs(self.max_stop_grace_secs),
-            retention: crate::leader::retention::Retention {
-                max_age,
-                max_finished: usize::try_from(self.job_retention_max).unwrap_or(usize::MAX),
-            },
+            retention,
             metrics_listen: self.metrics_listen,
             http_listen,
             placement,
@@ -584,34 +538,113 @@ impl Options {
             agent_timeout,
             agent_lost_timeout,
             agent_fence_timeout,
-            frameworks: FrameworkSettings {
-                reclaim: reclaim_min_runtime.map(|min_runtime| {
-                    crate::leader::frameworks::ReclaimSettings {
-                        min_runtime,
-                        notice: reclaim_notice,
-                    }
-                }),
-                roles: self
-                    .roles
-                    .iter()
-                    .map(|r| parse_role(r))
-                    .collect::<Result<_, _>>()?,
-                allocator: AllocatorConfig {
-                    gpu_agents_for_gpu_frameworks_only: !self.offer_gpu_agents_to_all,
-                    gpu_reserve: gpuctl_core::types::Resources {
-                        cpus: self.gpu_reserved_cpus,
-                        mem_mib: self.gpu_reserved_mem_mib,
-                        gpus: 0,
-                        ports: 0,
-                    },
-                },
-                offer_timeout: secs("offer_timeout_secs", self.offer_timeout_secs)?,
-                allocation_interval: Duration::from_millis(self.allocation_interval_ms),
-                update_resend_interval: secs("update_resend_secs", self.update_resend_secs)?,
-            },
+            frameworks: self.framework_settings(reclaim_min_runtime, reclaim_notice)?,
         };
         config.check_timeouts()?;
         Ok(config)
+    }
+
+    /// How long and how many finished jobs are kept.
+    fn retention(&self) -> Result<crate::leader::retention::Retention, MasterError> {
+        let max_age = gpuctl_core::time::parse_duration(&self.job_retention)
+            .ok()
+            .filter(|d| !d.is_zero())
+            .ok_or_else(|| {
+                MasterError::Config(format!(
+                    "job_retention: {:?} is not a duration above 0 (a number with a unit: s, m, h or d, e.g. 7d)",
+                    self.job_retention
+                ))
+            })?;
+        Ok(crate::leader::retention::Retention {
+            max_age,
+            max_finished: usize::try_from(self.job_retention_max).unwrap_or(usize::MAX),
+        })
+    }
+
+    /// Where the other masters and the agents reach this one: `advertise`,
+    /// else its address in `peers`, else the listen address (this host's
+    /// name when it listens on all addresses).
+    fn advertise_address(
+        &self,
+        listen: SocketAddr,
+        peers: &BTreeMap<u64, String>,
+    ) -> Result<String, MasterError> {
+        Ok(match (&self.advertise, peers.get(&self.node_id)) {
+            (Some(a), _) => {
+                check_host_port("advertise", a).map_err(|e| MasterError::Config(e.to_string()))?;
+                a.clone()
+            }
+            (None, Some(a)) => a.clone(),
+            (None, None) if listen.ip().is_unspecified() => {
+                let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+                    .map(|h| h.trim().to_string())
+                    .unwrap_or_else(|_| "localhost".into());
+                format!("{host}:{}", listen.port())
+            }
+            (None, None) => listen.to_string(),
+        })
+    }
+
+    /// The framework API's settings: reclaim, roles, the allocator, offers.
+    fn framework_settings(
+        &self,
+        reclaim_min_runtime: Option<Duration>,
+        reclaim_notice: Duration,
+    ) -> Result<FrameworkSettings, MasterError> {
+        Ok(FrameworkSettings {
+            reclaim: reclaim_min_runtime.map(|min_runtime| {
+                crate::leader::frameworks::ReclaimSettings {
+                    min_runtime,
+                    notice: reclaim_notice,
+                }
+            }),
+            roles: self
+                .roles
+                .iter()
+                .map(|r| parse_role(r))
+                .collect::<Result<_, _>>()?,
+            allocator: AllocatorConfig {
+                gpu_agents_for_gpu_frameworks_only: !self.offer_gpu_agents_to_all,
+                gpu_reserve: gpuctl_core::types::Resources {
+                    cpus: self.gpu_reserved_cpus,
+                    mem_mib: self.gpu_reserved_mem_mib,
+                    gpus: 0,
+                    ports: 0,
+                },
+            },
+            offer_timeout: secs("offer_timeout_secs", self.offer_timeout_secs)?,
+            allocation_interval: Duration::from_millis(self.allocation_interval_ms),
+            update_resend_interval: secs("update_resend_secs", self.update_resend_secs)?,
+        })
+    }
+}
+
+/// `value` of option `key` within `lo..=hi`.
+fn between(key: &str, value: u64, lo: u64, hi: u64) -> Result<(), MasterError> {
+    if (lo..=hi).contains(&value) {
+        Ok(())
+    } else {
+        Err(MasterError::Config(format!(
+            "{key} must be between {lo} and {hi}, got {value}"
+        )))
+    }
+}
+
+/// Option `key`: `off`, or a duration that `ok` takes; else an error
+/// saying what it takes (`what`).
+fn off_or_duration(
+    key: &str,
+    value: &str,
+    ok: impl Fn(Duration) -> bool,
+    what: &str,
+) -> Result<Option<Duration>, MasterError> {
+    match value {
+        "off" => Ok(None),
+        s => gpuctl_core::time::parse_duration(s)
+            .ok()
+            .filter(|d| ok(*d))
+            .map(Some)
+            .ok_or_else(|| MasterError::Config(format!("{key}: {s:?} is not {what} or off"))),
     }
 }
 
