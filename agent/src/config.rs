@@ -480,44 +480,8 @@ impl Options {
         if let Some(spec) = &self.simulate_gpus {
             crate::gpu::parse_spec(spec).map_err(|e| AgentError::Config(e.to_string()))?;
         }
-        let secs = |name: &str, v: f64, min: f64| {
-            if v.is_finite() && (min..=86_400.0).contains(&v) {
-                Ok(Duration::from_secs_f64(v))
-            } else {
-                Err(AgentError::Config(format!(
-                    "{name} must be between {min} and 86400, got {v}"
-                )))
-            }
-        };
-        let health = HealthConfig {
-            interval: secs("health_interval_secs", self.health_interval_secs, 0.05)?,
-            recovery: secs("health_recovery_secs", self.health_recovery_secs, 0.0)?,
-            ignored_xids: parse_xids("health_ignore_xids", &self.health_ignore_xids)?,
-            node_xids: parse_xids("health_node_xids", &self.health_node_xids)?,
-            reset_command: parse_reset_command(&self.gpu_reset_command)?,
-            max_resets: self.gpu_max_resets,
-            preflight_command: parse_preflight_command(&self.preflight_command),
-            preflight_timeout: secs("preflight_timeout_secs", self.preflight_timeout_secs, 0.1)?,
-            // The agent's start puts it in the work dir.
-            state_file: None,
-        };
-        let mut attributes = std::collections::BTreeMap::new();
-        for a in &self.attributes {
-            match a.split_once('=') {
-                Some((k, v))
-                    if !k.trim().is_empty()
-                        && !k.contains(char::is_whitespace)
-                        && !v.chars().any(char::is_control) =>
-                {
-                    attributes.insert(k.trim().to_string(), v.to_string());
-                }
-                _ => {
-                    return Err(AgentError::Config(format!(
-                        "attribute: {a:?} is not KEY=VALUE"
-                    )))
-                }
-            }
-        }
+        let health = self.health_config()?;
+        let attributes = parse_attributes(&self.attributes)?;
         let task_retention = gpuctl_core::time::parse_duration(&self.task_retention)
             .ok()
             .filter(|d| !d.is_zero())
@@ -527,27 +491,7 @@ impl Options {
                     self.task_retention
                 ))
             })?;
-        if self.join_token.is_some() && self.join_token_file.is_some() {
-            return Err(AgentError::Config(
-                "join_token and join_token_file: give one of them".into(),
-            ));
-        }
-        let join_token = self.join_token.as_ref().map(|t| t.trim().to_string());
-        let security = match &self.tls_dir {
-            Some(dir) => Some(AgentSecurity {
-                tls_dir: dir.clone(),
-                join_token,
-                join_token_file: self.join_token_file.clone(),
-            }),
-            None if join_token.is_some() || self.join_token_file.is_some() => {
-                return Err(AgentError::Config(
-                    "join_token needs tls_dir: the directory that holds the cluster's ca.crt \
-                     and where the agent keeps its certificate"
-                        .into(),
-                ))
-            }
-            None => None,
-        };
+        let security = self.security()?;
         let listen = gpuctl_auth::tls::listen_address(
             self.listen,
             security.is_some(),
@@ -556,25 +500,7 @@ impl Options {
             "read every task's output",
         )
         .map_err(AgentError::Config)?;
-        let task_user: UserIds = self
-            .task_user
-            .parse()
-            .map_err(|e| AgentError::Config(format!("task_user: {e}")))?;
-        if task_user.is_root() {
-            return Err(AgentError::Config(format!(
-                "task_user: {task_user} is root (uid or gid 0); host-process tasks run as root only for jobs that ask, with allow_root_tasks"
-            )));
-        }
-        let task_users = IdRanges::parse(&self.task_users)
-            .map_err(|e| AgentError::Config(format!("task_users: {e}")))?;
-        let allowed_users = IdRanges::parse(&self.allowed_users)
-            .map_err(|e| AgentError::Config(format!("allowed_users: {e}")))?;
-        if task_users.overlaps(&allowed_users) {
-            return Err(AgentError::Config(format!(
-                "allowed_users ({allowed_users}) overlaps task_users ({task_users}): a job could \
-                 choose the uid another task was given"
-            )));
-        }
+        let (task_user, task_users, allowed_users) = self.task_users()?;
         let task_pids_max = match self.task_pids_max.trim() {
             "none" => None,
             n => match n.parse::<u64>() {
@@ -641,6 +567,106 @@ impl Options {
             stop_tasks_on_shutdown: self.stop_tasks_on_shutdown,
         })
     }
+
+    /// GPU health checks and resets.
+    fn health_config(&self) -> Result<HealthConfig, AgentError> {
+        let secs = |name: &str, v: f64, min: f64| {
+            if v.is_finite() && (min..=86_400.0).contains(&v) {
+                Ok(Duration::from_secs_f64(v))
+            } else {
+                Err(AgentError::Config(format!(
+                    "{name} must be between {min} and 86400, got {v}"
+                )))
+            }
+        };
+        Ok(HealthConfig {
+            interval: secs("health_interval_secs", self.health_interval_secs, 0.05)?,
+            recovery: secs("health_recovery_secs", self.health_recovery_secs, 0.0)?,
+            ignored_xids: parse_xids("health_ignore_xids", &self.health_ignore_xids)?,
+            node_xids: parse_xids("health_node_xids", &self.health_node_xids)?,
+            reset_command: parse_reset_command(&self.gpu_reset_command)?,
+            max_resets: self.gpu_max_resets,
+            preflight_command: parse_preflight_command(&self.preflight_command),
+            preflight_timeout: secs("preflight_timeout_secs", self.preflight_timeout_secs, 0.1)?,
+            // The agent's start puts it in the work dir.
+            state_file: None,
+        })
+    }
+
+    /// TLS and joining: `tls_dir`, with a join token when the agent has no
+    /// certificate yet.
+    fn security(&self) -> Result<Option<AgentSecurity>, AgentError> {
+        if self.join_token.is_some() && self.join_token_file.is_some() {
+            return Err(AgentError::Config(
+                "join_token and join_token_file: give one of them".into(),
+            ));
+        }
+        let join_token = self.join_token.as_ref().map(|t| t.trim().to_string());
+        Ok(match &self.tls_dir {
+            Some(dir) => Some(AgentSecurity {
+                tls_dir: dir.clone(),
+                join_token,
+                join_token_file: self.join_token_file.clone(),
+            }),
+            None if join_token.is_some() || self.join_token_file.is_some() => {
+                return Err(AgentError::Config(
+                    "join_token needs tls_dir: the directory that holds the cluster's ca.crt \
+                     and where the agent keeps its certificate"
+                        .into(),
+                ))
+            }
+            None => None,
+        })
+    }
+
+    /// The user host tasks run as, the users of their own they get, and
+    /// those a job may name (never the same ids).
+    fn task_users(&self) -> Result<(UserIds, IdRanges, IdRanges), AgentError> {
+        let task_user: UserIds = self
+            .task_user
+            .parse()
+            .map_err(|e| AgentError::Config(format!("task_user: {e}")))?;
+        if task_user.is_root() {
+            return Err(AgentError::Config(format!(
+                "task_user: {task_user} is root (uid or gid 0); host-process tasks run as root only for jobs that ask, with allow_root_tasks"
+            )));
+        }
+        let task_users = IdRanges::parse(&self.task_users)
+            .map_err(|e| AgentError::Config(format!("task_users: {e}")))?;
+        let allowed_users = IdRanges::parse(&self.allowed_users)
+            .map_err(|e| AgentError::Config(format!("allowed_users: {e}")))?;
+        if task_users.overlaps(&allowed_users) {
+            return Err(AgentError::Config(format!(
+                "allowed_users ({allowed_users}) overlaps task_users ({task_users}): a job could \
+                 choose the uid another task was given"
+            )));
+        }
+        Ok((task_user, task_users, allowed_users))
+    }
+}
+
+/// `--attribute KEY=VALUE`s, as the agent's attributes.
+fn parse_attributes(
+    list: &[String],
+) -> Result<std::collections::BTreeMap<String, String>, AgentError> {
+    let mut attributes = std::collections::BTreeMap::new();
+    for a in list {
+        match a.split_once('=') {
+            Some((k, v))
+                if !k.trim().is_empty()
+                    && !k.contains(char::is_whitespace)
+                    && !v.chars().any(char::is_control) =>
+            {
+                attributes.insert(k.trim().to_string(), v.to_string());
+            }
+            _ => {
+                return Err(AgentError::Config(format!(
+                    "attribute: {a:?} is not KEY=VALUE"
+                )))
+            }
+        }
+    }
+    Ok(attributes)
 }
 
 /// The default `--task-users`: Nomad's default for its dynamic workload
