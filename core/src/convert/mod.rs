@@ -20,6 +20,17 @@ pub use options::{options_to_pb, options_view};
 pub use query::*;
 pub use status::*;
 
+/// How much a template is checked as it is read.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Checks {
+    /// Entering the cluster: shape and every size limit.
+    Submitted,
+    /// A task from the master: shape only (its job's were checked on
+    /// submit; the master adds env, and jobs submitted before a limit may
+    /// exceed it; the message is bounded by the gRPC limit).
+    Shape,
+}
+
 /// Bad input: which field, and what is wrong with it.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[error("invalid {field}: {reason}")]

@@ -2,7 +2,6 @@
 //! ways and the checks of a submitted job's. A new option is a line in
 //! each function here.
 
-use super::spec::Checks;
 use super::*;
 use crate::pb;
 use crate::types::*;

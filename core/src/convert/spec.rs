@@ -88,17 +88,6 @@ impl From<TaskTemplate> for WireTemplate {
     }
 }
 
-/// How much a template is checked as it is read.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub(super) enum Checks {
-    /// Entering the cluster: shape and every size limit.
-    Submitted,
-    /// A task from the master: shape only (its job's were checked on
-    /// submit; the master adds env, and jobs submitted before a limit may
-    /// exceed it; the message is bounded by the gRPC limit).
-    Shape,
-}
-
 impl WireTemplate {
     /// The domain template, its fields named under `prefix` (`spec`,
     /// `task`).
