@@ -21,6 +21,7 @@ mod outcome;
 mod plan;
 mod recover;
 mod retention;
+mod start;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
