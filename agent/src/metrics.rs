@@ -113,13 +113,35 @@ fn render_with(
     jobs: &HashMap<String, String>,
     active_tasks: usize,
 ) -> String {
-    let task_of = |uuid: &str| {
-        tasks
-            .get(uuid)
-            .map(|(t, j)| (t.as_str(), j.as_str()))
-            .unwrap_or(("", ""))
-    };
     let mut out = Exposition::new();
+    gpu_metrics(&mut out, gpus, health, tasks);
+    mig_metrics(&mut out, health, tasks);
+    task_memory_metrics(&mut out, health, jobs);
+    error_counters(&mut out, health);
+    out.family(
+        "gpuctl_agent_tasks_running",
+        "Tasks launched on this agent and not yet ended.",
+        Kind::Gauge,
+    );
+    out.sample("gpuctl_agent_tasks_running", &[], active_tasks as f64);
+    out.finish()
+}
+
+/// The task and job holding a GPU or MIG device (`""` for none).
+fn task_of<'a>(tasks: &'a HashMap<String, (String, String)>, uuid: &str) -> (&'a str, &'a str) {
+    tasks
+        .get(uuid)
+        .map(|(t, j)| (t.as_str(), j.as_str()))
+        .unwrap_or(("", ""))
+}
+
+/// Each GPU's health, utilization, memory, temperature and power.
+fn gpu_metrics(
+    out: &mut Exposition,
+    gpus: &[GpuInfo],
+    health: &Snapshot,
+    tasks: &HashMap<String, (String, String)>,
+) {
     let families = [
         (
             "gpuctl_gpu_healthy",
@@ -140,7 +162,7 @@ fn render_with(
     for g in gpus {
         let h = health.gpus.iter().find(|h| h.uuid == g.uuid);
         let index = g.index.to_string();
-        let (task, job) = task_of(&g.uuid);
+        let (task, job) = task_of(tasks, &g.uuid);
         let labels = [
             ("uuid", g.uuid.as_str()),
             ("index", index.as_str()),
@@ -177,8 +199,11 @@ fn render_with(
             out.sample("gpuctl_gpu_power_watts", &labels, w);
         }
     }
-    // MIG devices as NVML listed them at the last probe (the layout may
-    // have changed since discovery), under their parent.
+}
+
+/// MIG devices as NVML listed them at the last probe (the layout may have
+/// changed since discovery), under their parent.
+fn mig_metrics(out: &mut Exposition, health: &Snapshot, tasks: &HashMap<String, (String, String)>) {
     let mig_families = [
         ("gpuctl_mig_memory_used_bytes", "MIG device memory in use."),
         (
@@ -208,7 +233,7 @@ fn render_with(
                 continue;
             };
             let index = h.index.to_string();
-            let (task, job) = task_of(&m.uuid);
+            let (task, job) = task_of(tasks, &m.uuid);
             let labels = [
                 ("uuid", m.uuid.as_str()),
                 ("gpu", h.uuid.as_str()),
@@ -220,7 +245,10 @@ fn render_with(
             out.sample(name, &labels, value);
         }
     }
-    // Per task, so that the tasks sharing a GPU are told apart.
+}
+
+/// Per task, so that the tasks sharing a GPU are told apart.
+fn task_memory_metrics(out: &mut Exposition, health: &Snapshot, jobs: &HashMap<String, String>) {
     out.family(
         "gpuctl_task_gpu_memory_used_bytes",
         "GPU memory used by a task's processes on a GPU (NVML's per-process accounting), at the last probe.",
@@ -243,6 +271,10 @@ fn render_with(
             );
         }
     }
+}
+
+/// XID and double-bit ECC errors since the agent started.
+fn error_counters(out: &mut Exposition, health: &Snapshot) {
     // Counters do not carry the task: a series that changed labels with
     // every task would restart at zero each time and break rate().
     out.family(
@@ -280,13 +312,6 @@ fn render_with(
             h.double_bit_ecc_errors as f64,
         );
     }
-    out.family(
-        "gpuctl_agent_tasks_running",
-        "Tasks launched on this agent and not yet ended.",
-        Kind::Gauge,
-    );
-    out.sample("gpuctl_agent_tasks_running", &[], active_tasks as f64);
-    out.finish()
 }
 
 /// A render function for [`gpuctl_core::metrics_server::serve`].
