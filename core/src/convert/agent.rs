@@ -398,47 +398,8 @@ impl TryFrom<pb::RegisterRequest> for AgentInfo {
         check_printable("driver_version", &r.driver_version, true)?;
         check_printable("cuda_driver_version", &r.cuda_driver_version, true)?;
         let total = resources_from_pb("total", r.total)?;
-        if r.gpus.len() > MAX_AGENT_GPUS {
-            return Err(ConvertError::new(
-                "gpus",
-                format!("has {} GPUs, at most {MAX_AGENT_GPUS}", r.gpus.len()),
-            ));
-        }
-        let mut gpus = Vec::with_capacity(r.gpus.len());
-        let mut seen = std::collections::BTreeSet::new();
-        for (i, g) in r.gpus.into_iter().enumerate() {
-            let field = format!("gpus[{i}]");
-            let g = gpu_from_pb(&field, g)?;
-            if !seen.insert(g.uuid.clone()) {
-                return Err(ConvertError::new(
-                    format!("{field}.uuid"),
-                    format!("{} listed twice", g.uuid),
-                ));
-            }
-            gpus.push(g);
-        }
-        let mut mig_seen = std::collections::BTreeSet::new();
-        for (i, g) in gpus.iter().enumerate() {
-            for (j, d) in g.mig.devices.iter().enumerate() {
-                if seen.contains(&d.uuid) || !mig_seen.insert(d.uuid.as_str()) {
-                    return Err(ConvertError::new(
-                        format!("gpus[{i}].mig.devices[{j}].uuid"),
-                        format!("{} is listed twice on the agent", d.uuid),
-                    ));
-                }
-            }
-        }
-        // Devices, not GPUs: a GPU in MIG mode counts as its MIG devices.
-        let devices = crate::types::device_count(&gpus);
-        if total.gpus != devices {
-            return Err(ConvertError::new(
-                "total.gpus",
-                format!(
-                    "is {} but the GPUs listed give {devices} devices (GPUs not in MIG mode and MIG devices)",
-                    total.gpus
-                ),
-            ));
-        }
+        let gpus = agent_gpus_from_pb(r.gpus)?;
+        check_device_total(total.gpus, &gpus)?;
         if r.runtimes.len() > MAX_AGENT_RUNTIMES {
             return Err(ConvertError::new(
                 "runtimes",
@@ -453,65 +414,9 @@ impl TryFrom<pb::RegisterRequest> for AgentInfo {
             .iter()
             .map(|v| runtime_from_pb("runtimes", *v))
             .collect::<Result<Vec<_>>>()?;
-        let known: std::collections::BTreeSet<&str> =
-            gpus.iter().map(|g| g.uuid.as_str()).collect();
-        for (i, g) in gpus.iter().enumerate() {
-            if let Some((j, p)) = g
-                .peers
-                .iter()
-                .enumerate()
-                .find(|(_, p)| !known.contains(p.uuid.as_str()))
-            {
-                return Err(ConvertError::new(
-                    format!("gpus[{i}].peers[{j}].uuid"),
-                    format!("{} is not a GPU of this agent", p.uuid),
-                ));
-            }
-        }
-        if r.attributes.len() > MAX_AGENT_ATTRIBUTES {
-            return Err(ConvertError::new(
-                "attributes",
-                format!(
-                    "has {} attributes, at most {MAX_AGENT_ATTRIBUTES}",
-                    r.attributes.len()
-                ),
-            ));
-        }
-        let attributes: BTreeMap<String, String> = r.attributes.into_iter().collect();
-        for (k, v) in &attributes {
-            if k.is_empty() || k.len() > MAX_ATTR_LEN {
-                return Err(ConvertError::new(
-                    "attributes",
-                    format!("key {:?} must be 1..={MAX_ATTR_LEN} bytes", cut(k, 64)),
-                ));
-            }
-            check_text(
-                &format!("attributes[{:?}]", cut(k, 64)),
-                v,
-                MAX_ATTR_VALUE_LEN,
-                true,
-            )?;
-        }
-        if r.running_task_ids.len() > MAX_AGENT_TASKS {
-            return Err(ConvertError::new(
-                "running_task_ids",
-                format!(
-                    "has {} ids, at most {MAX_AGENT_TASKS}",
-                    r.running_task_ids.len()
-                ),
-            ));
-        }
-        // A task id is `job-N.R` or `<framework-id>.<its own id>`.
-        if let Some(i) = r
-            .running_task_ids
-            .iter()
-            .position(|t| t.len() > 2 * MAX_NAME_LEN + 1)
-        {
-            return Err(ConvertError::new(
-                format!("running_task_ids[{i}]"),
-                format!("longer than {} bytes", 2 * MAX_NAME_LEN + 1),
-            ));
-        }
+        check_gpu_peers(&gpus)?;
+        let attributes = attributes_from_pb(r.attributes)?;
+        check_running_task_ids(&r.running_task_ids)?;
         if r.allowed_mounts.len() > MAX_ALLOWED_MOUNTS {
             return Err(ConvertError::new(
                 "allowed_mounts",
@@ -534,20 +439,7 @@ impl TryFrom<pb::RegisterRequest> for AgentInfo {
                     .map_err(|e| ConvertError::new("share_gpus", e))?,
             )
         };
-        let allowed_users = if r.allowed_users.is_empty() {
-            None
-        } else {
-            if r.allowed_users.len() > MAX_ID_RANGES_TEXT {
-                return Err(ConvertError::new(
-                    "allowed_users",
-                    format!("longer than {MAX_ID_RANGES_TEXT} bytes"),
-                ));
-            }
-            Some(
-                IdRanges::parse(&r.allowed_users)
-                    .map_err(|e| ConvertError::new("allowed_users", e))?,
-            )
-        };
+        let allowed_users = allowed_users_from_pb(&r.allowed_users)?;
         let opt = |s: String| (!s.is_empty()).then_some(s);
         Ok(AgentInfo {
             allowed_users,
@@ -567,6 +459,145 @@ impl TryFrom<pb::RegisterRequest> for AgentInfo {
             ports,
         })
     }
+}
+
+/// An agent's GPUs: at most [`MAX_AGENT_GPUS`], each checked, no UUID (of
+/// a GPU or a MIG device) listed twice.
+fn agent_gpus_from_pb(list: Vec<pb::Gpu>) -> Result<Vec<GpuInfo>> {
+    if list.len() > MAX_AGENT_GPUS {
+        return Err(ConvertError::new(
+            "gpus",
+            format!("has {} GPUs, at most {MAX_AGENT_GPUS}", list.len()),
+        ));
+    }
+    let mut gpus = Vec::with_capacity(list.len());
+    let mut seen = std::collections::BTreeSet::new();
+    for (i, g) in list.into_iter().enumerate() {
+        let field = format!("gpus[{i}]");
+        let g = gpu_from_pb(&field, g)?;
+        if !seen.insert(g.uuid.clone()) {
+            return Err(ConvertError::new(
+                format!("{field}.uuid"),
+                format!("{} listed twice", g.uuid),
+            ));
+        }
+        gpus.push(g);
+    }
+    let mut mig_seen = std::collections::BTreeSet::new();
+    for (i, g) in gpus.iter().enumerate() {
+        for (j, d) in g.mig.devices.iter().enumerate() {
+            if seen.contains(&d.uuid) || !mig_seen.insert(d.uuid.as_str()) {
+                return Err(ConvertError::new(
+                    format!("gpus[{i}].mig.devices[{j}].uuid"),
+                    format!("{} is listed twice on the agent", d.uuid),
+                ));
+            }
+        }
+    }
+    Ok(gpus)
+}
+
+/// `total.gpus` counts devices: a GPU in MIG mode counts as its MIG
+/// devices.
+fn check_device_total(total_gpus: u32, gpus: &[GpuInfo]) -> Result<()> {
+    // Devices, not GPUs: a GPU in MIG mode counts as its MIG devices.
+    let devices = crate::types::device_count(gpus);
+    if total_gpus != devices {
+        return Err(ConvertError::new(
+            "total.gpus",
+            format!(
+                "is {} but the GPUs listed give {devices} devices (GPUs not in MIG mode and MIG devices)",
+                total_gpus
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Each GPU's NVLink peers are GPUs of the same agent.
+fn check_gpu_peers(gpus: &[GpuInfo]) -> Result<()> {
+    let known: std::collections::BTreeSet<&str> = gpus.iter().map(|g| g.uuid.as_str()).collect();
+    for (i, g) in gpus.iter().enumerate() {
+        if let Some((j, p)) = g
+            .peers
+            .iter()
+            .enumerate()
+            .find(|(_, p)| !known.contains(p.uuid.as_str()))
+        {
+            return Err(ConvertError::new(
+                format!("gpus[{i}].peers[{j}].uuid"),
+                format!("{} is not a GPU of this agent", p.uuid),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The agent's attributes: at most [`MAX_AGENT_ATTRIBUTES`], keys and
+/// values bounded.
+fn attributes_from_pb(
+    list: std::collections::HashMap<String, String>,
+) -> Result<BTreeMap<String, String>> {
+    if list.len() > MAX_AGENT_ATTRIBUTES {
+        return Err(ConvertError::new(
+            "attributes",
+            format!(
+                "has {} attributes, at most {MAX_AGENT_ATTRIBUTES}",
+                list.len()
+            ),
+        ));
+    }
+    let attributes: BTreeMap<String, String> = list.into_iter().collect();
+    for (k, v) in &attributes {
+        if k.is_empty() || k.len() > MAX_ATTR_LEN {
+            return Err(ConvertError::new(
+                "attributes",
+                format!("key {:?} must be 1..={MAX_ATTR_LEN} bytes", cut(k, 64)),
+            ));
+        }
+        check_text(
+            &format!("attributes[{:?}]", cut(k, 64)),
+            v,
+            MAX_ATTR_VALUE_LEN,
+            true,
+        )?;
+    }
+    Ok(attributes)
+}
+
+/// The tasks an agent says it runs: at most [`MAX_AGENT_TASKS`] ids of a
+/// task id's length.
+fn check_running_task_ids(ids: &[String]) -> Result<()> {
+    if ids.len() > MAX_AGENT_TASKS {
+        return Err(ConvertError::new(
+            "running_task_ids",
+            format!("has {} ids, at most {MAX_AGENT_TASKS}", ids.len()),
+        ));
+    }
+    // A task id is `job-N.R` or `<framework-id>.<its own id>`.
+    if let Some(i) = ids.iter().position(|t| t.len() > 2 * MAX_NAME_LEN + 1) {
+        return Err(ConvertError::new(
+            format!("running_task_ids[{i}]"),
+            format!("longer than {} bytes", 2 * MAX_NAME_LEN + 1),
+        ));
+    }
+    Ok(())
+}
+
+/// The users jobs may name on the agent; `None` from an agent that does
+/// not say.
+fn allowed_users_from_pb(text: &str) -> Result<Option<IdRanges>> {
+    Ok(if text.is_empty() {
+        None
+    } else {
+        if text.len() > MAX_ID_RANGES_TEXT {
+            return Err(ConvertError::new(
+                "allowed_users",
+                format!("longer than {MAX_ID_RANGES_TEXT} bytes"),
+            ));
+        }
+        Some(IdRanges::parse(text).map_err(|e| ConvertError::new("allowed_users", e))?)
+    })
 }
 
 /// Checks a master's `HOST:PORT` (a bracketed IPv6 host is fine).
