@@ -183,24 +183,7 @@ pub fn job_detail(j: &pb::Job, now_ms: u64) -> String {
         ("Image", image),
         ("Command", shell_join(&spec.command)),
         ("Env", env),
-        (
-            "GPUs",
-            match spec.placement.as_ref() {
-                Some(p) if !p.mig.is_empty() => {
-                    format!("{} (a MIG device {} each)", res.gpus, p.mig)
-                }
-                Some(p) if p.gpu_mem_mib > 0 => format!(
-                    "a fraction of a shared GPU each: {}{}",
-                    fmt_mib(p.gpu_mem_mib),
-                    if p.gpu_compute_pct > 0 {
-                        format!(", {}% of compute", p.gpu_compute_pct)
-                    } else {
-                        String::new()
-                    }
-                ),
-                _ => res.gpus.to_string(),
-            },
-        ),
+        ("GPUs", gpus_words(&spec, &res)),
         ("CPUs", fmt_cpus(res.cpus)),
         ("Memory", mem),
         ("Ports", res.ports.to_string()),
@@ -223,19 +206,7 @@ pub fn job_detail(j: &pb::Job, now_ms: u64) -> String {
         ),
         ("Priority", spec.priority.to_string()),
         ("Retries", format!("{} of {}", j.retries, spec.max_retries)),
-        (
-            "Restart",
-            format!(
-                "{} (backoff {})",
-                if spec.restart_policy.is_empty() {
-                    "gang"
-                } else {
-                    spec.restart_policy.as_str()
-                },
-                spec.restart_backoff_ms
-                    .map_or("1s".to_string(), |ms| format!("{}s", ms as f64 / 1000.0))
-            ),
-        ),
+        ("Restart", restart_words(&spec)),
         // (Labels of at most 9 characters keep the column.)
         (
             "Grace",
@@ -299,6 +270,48 @@ pub fn job_detail(j: &pb::Job, now_ms: u64) -> String {
         let _ = writeln!(out, "{:<width$} {v}", format!("{k}:"));
     }
     out.push('\n');
+    out.push_str(&tasks_section(j));
+    out.push('\n');
+    out.push_str(&events_section(j, now_ms));
+    out
+}
+
+/// What each task holds: whole GPUs, a MIG device each, or a fraction.
+fn gpus_words(spec: &pb::JobSpec, res: &pb::Resources) -> String {
+    match spec.placement.as_ref() {
+        Some(p) if !p.mig.is_empty() => {
+            format!("{} (a MIG device {} each)", res.gpus, p.mig)
+        }
+        Some(p) if p.gpu_mem_mib > 0 => format!(
+            "a fraction of a shared GPU each: {}{}",
+            fmt_mib(p.gpu_mem_mib),
+            if p.gpu_compute_pct > 0 {
+                format!(", {}% of compute", p.gpu_compute_pct)
+            } else {
+                String::new()
+            }
+        ),
+        _ => res.gpus.to_string(),
+    }
+}
+
+/// The restart policy and its first backoff.
+fn restart_words(spec: &pb::JobSpec) -> String {
+    format!(
+        "{} (backoff {})",
+        if spec.restart_policy.is_empty() {
+            "gang"
+        } else {
+            spec.restart_policy.as_str()
+        },
+        spec.restart_backoff_ms
+            .map_or("1s".to_string(), |ms| format!("{}s", ms as f64 / 1000.0))
+    )
+}
+
+/// The task table, and what holds each fraction's limits.
+fn tasks_section(j: &pb::Job) -> String {
+    let mut out = String::new();
     if j.tasks.is_empty() {
         out.push_str("Tasks: none yet\n");
     } else {
@@ -315,8 +328,6 @@ pub fn job_detail(j: &pb::Job, now_ms: u64) -> String {
             let _ = writeln!(out, "Enforcement of {}: {} ({what})", t.id, t.enforcement);
         }
     }
-    out.push('\n');
-    out.push_str(&events_section(j, now_ms));
     out
 }
 
