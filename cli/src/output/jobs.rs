@@ -166,15 +166,7 @@ pub fn job_detail(j: &pb::Job, now_ms: u64) -> String {
     } else {
         fmt_mib(res.mem_mib)
     };
-    let env: BTreeMap<_, _> = spec.env.iter().collect();
-    let env = if env.is_empty() {
-        "-".to_string()
-    } else {
-        env.iter()
-            .map(|(k, v)| format!("{k}={}", shell_quote(v)))
-            .collect::<Vec<_>>()
-            .join(" ")
-    };
+    let env = env_words(&spec.env);
     let fields = [
         ("ID", j.id.clone()),
         ("Name", spec.name.clone()),
@@ -274,6 +266,18 @@ pub fn job_detail(j: &pb::Job, now_ms: u64) -> String {
     out.push('\n');
     out.push_str(&events_section(j, now_ms));
     out
+}
+
+/// The job's environment as `K=V` words, shell-quoted, by name.
+fn env_words(env: &std::collections::HashMap<String, String>) -> String {
+    let env: BTreeMap<_, _> = env.iter().collect();
+    if env.is_empty() {
+        return "-".to_string();
+    }
+    env.iter()
+        .map(|(k, v)| format!("{k}={}", shell_quote(v)))
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 /// What each task holds: whole GPUs, a MIG device each, or a fraction.
