@@ -286,7 +286,6 @@ fn pass_job<'s>(
     out: &mut QueuePlan,
 ) -> WaitReason {
     let PassCtx {
-        state,
         cfg,
         reserved,
         real,
@@ -317,33 +316,11 @@ fn pass_job<'s>(
             set_aside: ctx.set_aside.clone(),
         };
     }
-    let need = times(&spec.template.resources, replicas);
-    let mut most = max_replicas;
-    if let Some(q) = cfg.jobs_quota {
-        if !q.fits(&walk.usage.add(&need)) {
-            return quota_reason(&q, &walk.usage, &need);
-        }
-        while most > replicas && !q.fits(&walk.usage.add(&times(&spec.template.resources, most))) {
-            most -= 1;
-        }
-    }
     let tenant = spec.tenant.name();
-    let quota_need = crate::scheduler::tenants::job_quota_gpus(spec);
-    if let Some(quota) = state.tenant_cap(tenant) {
-        let used = walk.tenant_gpus.get(tenant).copied().unwrap_or(0);
-        if quota_need > 0 && used.saturating_add(quota_need) > quota {
-            return WaitReason::TenantQuota {
-                tenant: tenant.to_string(),
-                quota,
-                used,
-                asked: quota_need,
-            };
-        }
-        most = most.min(crate::scheduler::tenants::ranks_within(
-            spec,
-            Some(quota.saturating_sub(used)),
-        ));
-    }
+    let most = match most_within_quotas(ctx, walk, job, replicas, max_replicas) {
+        Ok(most) => most,
+        Err(why) => return why,
+    };
     let stopping_for_it = ctx
         .preempted_for
         .get(job.id.as_str())
@@ -383,43 +360,8 @@ fn pass_job<'s>(
         };
     }
     if out.preemption.is_none() {
-        let found = find_victims(ctx, &walk.sim, job, &req, policy)
-            .map(|f| (f, false))
-            .or_else(|| find_reclaim(ctx, walk, job, &req, policy, quota_need).map(|f| (f, true)));
-        if let Some(((victims, ps), reclaim)) = found {
-            let mut freed = 0;
-            let mut from = BTreeSet::new();
-            walk.misses.clear();
-            for v in &victims {
-                let victim_tenant = state.job(v).map_or("", |j| j.spec.tenant.name());
-                from.insert(victim_tenant.to_string());
-                for t in live_tasks(state, v) {
-                    walk.sim
-                        .give(&t.agent_id, &t.resources, &t.gpu_uuids, t.fraction);
-                    walk.usage = walk.usage.saturating_sub(&t.resources);
-                    if let Some(g) = walk.tenant_gpus.get_mut(victim_tenant) {
-                        *g = g.saturating_sub(crate::scheduler::tenants::quota_gpus(
-                            &t.resources,
-                            t.fraction,
-                        ));
-                    }
-                    freed += 1;
-                }
-            }
-            walk.take(job, &spec.template.resources, &ps);
-            walk.usage = walk.usage.add(&need);
-            *walk.tenant_gpus.entry(tenant.to_string()).or_default() += quota_need;
-            out.preemption = Some(Preemption {
-                job_id: job.id.clone(),
-                victims,
-                reclaim,
-            });
-            let mut stopping = stopping_for_it.clone();
-            stopping.tasks += freed;
-            if reclaim {
-                stopping.reclaim_from.extend(from);
-            }
-            return preempting_reason(stopping);
+        if let Some(why) = preempt_for(ctx, walk, job, &req, policy, &stopping_for_it, out) {
+            return why;
         }
     }
     if stopping_for_it.tasks > 0 {
@@ -445,6 +387,104 @@ fn pass_job<'s>(
         .busy
         .get_or_insert_with(|| placement::agent_counts(&req, real, &totals));
     WaitReason::Resources(counts)
+}
+
+/// The most ranks the job may start within the cluster's quota for jobs
+/// and its tenant's GPU quota, or why it waits for them.
+fn most_within_quotas(
+    ctx: &PassCtx<'_, '_>,
+    walk: &Walk<'_>,
+    job: &JobRecord,
+    replicas: u32,
+    max_replicas: u32,
+) -> Result<u32, WaitReason> {
+    let spec = &job.spec;
+    let need = times(&spec.template.resources, replicas);
+    let mut most = max_replicas;
+    if let Some(q) = ctx.cfg.jobs_quota {
+        if !q.fits(&walk.usage.add(&need)) {
+            return Err(quota_reason(&q, &walk.usage, &need));
+        }
+        while most > replicas && !q.fits(&walk.usage.add(&times(&spec.template.resources, most))) {
+            most -= 1;
+        }
+    }
+    let tenant = spec.tenant.name();
+    let quota_need = crate::scheduler::tenants::job_quota_gpus(spec);
+    if let Some(quota) = ctx.state.tenant_cap(tenant) {
+        let used = walk.tenant_gpus.get(tenant).copied().unwrap_or(0);
+        if quota_need > 0 && used.saturating_add(quota_need) > quota {
+            return Err(WaitReason::TenantQuota {
+                tenant: tenant.to_string(),
+                quota,
+                used,
+                asked: quota_need,
+            });
+        }
+        most = most.min(crate::scheduler::tenants::ranks_within(
+            spec,
+            Some(quota.saturating_sub(used)),
+        ));
+    }
+    Ok(most)
+}
+
+/// The pass's one preemption, when the job can have its room by stopping
+/// lower-priority jobs (or by reclaiming from tenants over their share):
+/// the victims' resources go back to the walk and the job takes its room.
+fn preempt_for<'s>(
+    ctx: &PassCtx<'_, 's>,
+    walk: &mut Walk<'s>,
+    job: &'s JobRecord,
+    req: &placement::TaskRequest<'_>,
+    policy: PlacementPolicy,
+    stopping_for_it: &StoppingFor,
+    out: &mut QueuePlan,
+) -> Option<WaitReason> {
+    let state = ctx.state;
+    let spec = &job.spec;
+    let need = times(&spec.template.resources, spec.min_replicas());
+    let tenant = spec.tenant.name();
+    let quota_need = crate::scheduler::tenants::job_quota_gpus(spec);
+    let found = find_victims(ctx, &walk.sim, job, req, policy)
+        .map(|f| (f, false))
+        .or_else(|| find_reclaim(ctx, walk, job, req, policy, quota_need).map(|f| (f, true)));
+    if let Some(((victims, ps), reclaim)) = found {
+        let mut freed = 0;
+        let mut from = BTreeSet::new();
+        walk.misses.clear();
+        for v in &victims {
+            let victim_tenant = state.job(v).map_or("", |j| j.spec.tenant.name());
+            from.insert(victim_tenant.to_string());
+            for t in live_tasks(state, v) {
+                walk.sim
+                    .give(&t.agent_id, &t.resources, &t.gpu_uuids, t.fraction);
+                walk.usage = walk.usage.saturating_sub(&t.resources);
+                if let Some(g) = walk.tenant_gpus.get_mut(victim_tenant) {
+                    *g = g.saturating_sub(crate::scheduler::tenants::quota_gpus(
+                        &t.resources,
+                        t.fraction,
+                    ));
+                }
+                freed += 1;
+            }
+        }
+        walk.take(job, &spec.template.resources, &ps);
+        walk.usage = walk.usage.add(&need);
+        *walk.tenant_gpus.entry(tenant.to_string()).or_default() += quota_need;
+        out.preemption = Some(Preemption {
+            job_id: job.id.clone(),
+            victims,
+            reclaim,
+        });
+        let mut stopping = stopping_for_it.clone();
+        stopping.tasks += freed;
+        if reclaim {
+            stopping.reclaim_from.extend(from);
+        }
+        return Some(preempting_reason(stopping));
+    }
+    None
 }
 
 /// A job that fits what is free now waits behind the first job of the walk
