@@ -331,42 +331,7 @@ impl State {
             if job.state != gpuctl_core::types::JobState::Running {
                 continue;
             }
-            // (all idle, sum of readings, count, busy now)
-            let mut idle = true;
-            let (mut sum, mut n, mut gpus) = (0u64, 0u64, 0usize);
-            for task in job.current_tasks().iter().filter_map(|t| self.tasks.get(t)) {
-                if task.fraction.is_some() {
-                    gpus += 1;
-                    match task.quiet {
-                        // A run of the whole window (its periods, not
-                        // cut short by the cluster's start), to its end.
-                        Some(q)
-                            if task.created_at_ms <= from
-                                && q.n >= periods
-                                && q.from_ms <= from
-                                && q.to_ms >= end =>
-                        {
-                            sum += q.sum;
-                            n += q.n;
-                        }
-                        _ => idle = false,
-                    }
-                    continue;
-                }
-                for g in &task.gpu_uuids {
-                    gpus += 1;
-                    let readings: Vec<u8> = self
-                        .util
-                        .gpu(g)
-                        .map(|h| h.points(from, end).map(|(_, u, _)| u).collect())
-                        .unwrap_or_default();
-                    sum += readings.iter().map(|u| u64::from(*u)).sum::<u64>();
-                    n += readings.len() as u64;
-                    idle &= task.created_at_ms <= from
-                        && readings.len() as u64 == periods
-                        && readings.iter().all(|u| *u < below);
-                }
-            }
+            let Readings { idle, sum, n, gpus } = self.job_readings(job, from, end, periods, below);
             let idle = idle && gpus > 0;
             let busy_now = busy_fractions.contains(&job_id)
                 || points.iter().any(|p| {
@@ -434,6 +399,55 @@ impl State {
                 }
             }
         }
+    }
+
+    /// A running job's readings over the window `from..end`: whether each
+    /// of its GPUs and fractions stayed idle for all of it, and the sum and
+    /// count of the readings (for the mean the event says).
+    fn job_readings(
+        &self,
+        job: &super::JobRecord,
+        from: u64,
+        end: u64,
+        periods: u64,
+        below: u8,
+    ) -> Readings {
+        let mut idle = true;
+        let (mut sum, mut n, mut gpus) = (0u64, 0u64, 0usize);
+        for task in job.current_tasks().iter().filter_map(|t| self.tasks.get(t)) {
+            if task.fraction.is_some() {
+                gpus += 1;
+                match task.quiet {
+                    // A run of the whole window (its periods, not
+                    // cut short by the cluster's start), to its end.
+                    Some(q)
+                        if task.created_at_ms <= from
+                            && q.n >= periods
+                            && q.from_ms <= from
+                            && q.to_ms >= end =>
+                    {
+                        sum += q.sum;
+                        n += q.n;
+                    }
+                    _ => idle = false,
+                }
+                continue;
+            }
+            for g in &task.gpu_uuids {
+                gpus += 1;
+                let readings: Vec<u8> = self
+                    .util
+                    .gpu(g)
+                    .map(|h| h.points(from, end).map(|(_, u, _)| u).collect())
+                    .unwrap_or_default();
+                sum += readings.iter().map(|u| u64::from(*u)).sum::<u64>();
+                n += readings.len() as u64;
+                idle &= task.created_at_ms <= from
+                    && readings.len() as u64 == periods
+                    && readings.iter().all(|u| *u < below);
+            }
+        }
+        Readings { idle, sum, n, gpus }
     }
 
     /// What `task` holds, charged to its job's tenant and submitter (a
@@ -582,4 +596,13 @@ impl State {
             agent.allocated = agent.allocated.saturating_sub(&resources);
         }
     }
+}
+/// What [`State::job_readings`] found.
+struct Readings {
+    /// Every GPU and fraction under the threshold for the whole window.
+    idle: bool,
+    sum: u64,
+    n: u64,
+    /// GPUs and fractions counted.
+    gpus: usize,
 }
