@@ -60,54 +60,7 @@ impl State {
             });
         }
         if u.state.is_terminal() {
-            let refused = !u.requires.is_empty() && self.learn_driver_requires(&u.task_id, u);
-            // Known before the job hears of the end: a GPU failure, the
-            // agent's fence, a driver refusal or the GPU memory limit is
-            // said as such, not as an exit code (see job_task_ended and
-            // failure_message).
-            if refused {
-                if let Some(task) = self.tasks.get_mut(&u.task_id) {
-                    task.reason = TaskReason::DriverRequirementUnmet;
-                }
-            }
-            if u.gpu_unhealthy {
-                self.avoid_failed_gpus(&u.task_id, &u.failed_gpus, at_ms);
-            }
-            if u.gpu_unhealthy || u.fenced || u.gpu_memory_limit || u.hung || u.runtime_restarted {
-                if let Some(task) = self.tasks.get_mut(&u.task_id) {
-                    task.reason = if u.gpu_unhealthy {
-                        TaskReason::GpuUnhealthy
-                    } else if u.fenced {
-                        TaskReason::Fenced
-                    } else if u.gpu_memory_limit {
-                        TaskReason::GpuMemoryLimit
-                    } else if u.hung {
-                        TaskReason::Hung
-                    } else {
-                        TaskReason::RuntimeRestarted
-                    };
-                }
-            }
-            self.end_task(&u.task_id, u.state, u.exit_code, &u.message, at_ms);
-            if let Some(task) = self.tasks.get_mut(&u.task_id) {
-                task.last_update_uuid = u.uuid.clone();
-                task.reason = match (u.state, u.exit_code) {
-                    _ if u.gpu_unhealthy => TaskReason::GpuUnhealthy,
-                    _ if u.fenced => TaskReason::Fenced,
-                    _ if refused => TaskReason::DriverRequirementUnmet,
-                    _ if u.gpu_memory_limit => TaskReason::GpuMemoryLimit,
-                    _ if u.hung => TaskReason::Hung,
-                    _ if u.runtime_restarted => TaskReason::RuntimeRestarted,
-                    (TaskState::Finished | TaskState::Failed, Some(_)) => TaskReason::CommandExited,
-                    (TaskState::Failed | TaskState::Error, None) => {
-                        TaskReason::ContainerLaunchFailed
-                    }
-                    (TaskState::Killed, _) if task.reason == TaskReason::Unspecified => {
-                        TaskReason::KilledByFramework
-                    }
-                    _ => task.reason,
-                };
-            }
+            self.task_update_ended(u, at_ms);
             return Ok(Outcome::Done);
         }
         // Non-terminal updates only move forward.
@@ -154,6 +107,59 @@ impl State {
             self.job_task_progressed(&job_id, &u.task_id, at_ms);
         }
         Ok(Outcome::Done)
+    }
+
+    /// A final update: why the task ended (a GPU failure, the fence, a
+    /// driver refusal, the GPU memory limit, a hang, its runtime's restart,
+    /// or its exit), said as such rather than as an exit code (see
+    /// `job_task_ended` and `failure_message`), and its end.
+    fn task_update_ended(&mut self, u: &StatusUpdate, at_ms: u64) {
+        let refused = !u.requires.is_empty() && self.learn_driver_requires(&u.task_id, u);
+        // Known before the job hears of the end: a GPU failure, the
+        // agent's fence, a driver refusal or the GPU memory limit is
+        // said as such, not as an exit code (see job_task_ended and
+        // failure_message).
+        if refused {
+            if let Some(task) = self.tasks.get_mut(&u.task_id) {
+                task.reason = TaskReason::DriverRequirementUnmet;
+            }
+        }
+        if u.gpu_unhealthy {
+            self.avoid_failed_gpus(&u.task_id, &u.failed_gpus, at_ms);
+        }
+        if u.gpu_unhealthy || u.fenced || u.gpu_memory_limit || u.hung || u.runtime_restarted {
+            if let Some(task) = self.tasks.get_mut(&u.task_id) {
+                task.reason = if u.gpu_unhealthy {
+                    TaskReason::GpuUnhealthy
+                } else if u.fenced {
+                    TaskReason::Fenced
+                } else if u.gpu_memory_limit {
+                    TaskReason::GpuMemoryLimit
+                } else if u.hung {
+                    TaskReason::Hung
+                } else {
+                    TaskReason::RuntimeRestarted
+                };
+            }
+        }
+        self.end_task(&u.task_id, u.state, u.exit_code, &u.message, at_ms);
+        if let Some(task) = self.tasks.get_mut(&u.task_id) {
+            task.last_update_uuid = u.uuid.clone();
+            task.reason = match (u.state, u.exit_code) {
+                _ if u.gpu_unhealthy => TaskReason::GpuUnhealthy,
+                _ if u.fenced => TaskReason::Fenced,
+                _ if refused => TaskReason::DriverRequirementUnmet,
+                _ if u.gpu_memory_limit => TaskReason::GpuMemoryLimit,
+                _ if u.hung => TaskReason::Hung,
+                _ if u.runtime_restarted => TaskReason::RuntimeRestarted,
+                (TaskState::Finished | TaskState::Failed, Some(_)) => TaskReason::CommandExited,
+                (TaskState::Failed | TaskState::Error, None) => TaskReason::ContainerLaunchFailed,
+                (TaskState::Killed, _) if task.reason == TaskReason::Unspecified => {
+                    TaskReason::KilledByFramework
+                }
+                _ => task.reason,
+            };
+        }
     }
 
     /// Moves a task to a terminal state on its agent's word (the agent
