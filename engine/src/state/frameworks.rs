@@ -137,40 +137,7 @@ impl State {
         self.active_framework(framework_id)?;
         // Check every task first (each against the state and the tasks
         // before it in this command), then record.
-        let mut pending = Pending::default();
-        let mut verdicts: Vec<Result<Vec<u16>, String>> = Vec::with_capacity(tasks.len());
-        let mut seen = std::collections::BTreeSet::new();
-        // Each task's shape (ids, command, env, image, resources) was
-        // checked where it entered (`convert::framework_task_from_pb`);
-        // here, only what depends on the state.
-        for t in tasks {
-            let verdict = (|| {
-                if !seen.insert(t.task_id.as_str())
-                    || self.tasks.contains_key(&task_key(framework_id, &t.task_id))
-                {
-                    return Err(format!("task id {} is already used", t.task_id));
-                }
-                let runtime = if t.image.is_some() {
-                    Runtime::Docker
-                } else {
-                    Runtime::Process
-                };
-                // A fraction is checked as a job's is (`check_fraction`).
-                let wants = t
-                    .fraction
-                    .map_or(super::fit::Wants::Any, super::fit::Wants::Fraction);
-                self.check_fit(
-                    &t.agent_id,
-                    runtime,
-                    &t.resources,
-                    &t.gpu_uuids,
-                    wants,
-                    &mut pending,
-                )
-                .map_err(|e| e.to_string())
-            })();
-            verdicts.push(verdict);
-        }
+        let verdicts = self.framework_task_verdicts(framework_id, tasks);
         let group_failed = group && verdicts.iter().any(Result::is_err);
         let mut launched = Vec::new();
         let mut refused = Vec::new();
@@ -193,40 +160,7 @@ impl State {
                 }
                 continue;
             }
-            let mut record = TaskRecord {
-                id: key.clone(),
-                job_id: String::new(),
-                agent_id: t.agent_id.clone(),
-                gpu_uuids: t.gpu_uuids.clone(),
-                resources: t.resources,
-                state: TaskState::Staging,
-                exit_code: None,
-                message: String::new(),
-                kill_requested: false,
-                created_at_ms: at_ms,
-                updated_at_ms: at_ms,
-                framework_id: framework_id.to_string(),
-                framework_task_id: t.task_id.clone(),
-                launch: Some(TaskLaunch {
-                    image: t.image.clone(),
-                    command: t.command.clone(),
-                    env: t.env.clone(),
-                }),
-                reason: TaskReason::Unspecified,
-                last_update_uuid: Vec::new(),
-                acked_uuid: Vec::new(),
-                rank: 0,
-                before_unreachable: None,
-                holding: false,
-                released: false,
-                ports,
-                fraction: t.fraction,
-                enforcement: None,
-                gpu_sampled_ms: 0,
-                gpu_busy_ms: 0,
-                quiet: None,
-                running_at_ms: None,
-            };
+            let mut record = framework_task_record(framework_id, t, key.clone(), ports, at_ms);
             match refusal {
                 Some(reason) => {
                     // Recorded in ERROR so the framework hears why; it holds
@@ -267,6 +201,50 @@ impl State {
             refused,
             unrecorded,
         })
+    }
+
+    /// Each task's verdict against the state and the tasks before it in
+    /// the same command: the ports it would get, or why it is refused.
+    fn framework_task_verdicts(
+        &self,
+        framework_id: &str,
+        tasks: &[FrameworkTask],
+    ) -> Vec<Result<Vec<u16>, String>> {
+        let mut pending = Pending::default();
+        let mut verdicts: Vec<Result<Vec<u16>, String>> = Vec::with_capacity(tasks.len());
+        let mut seen = std::collections::BTreeSet::new();
+        // Each task's shape (ids, command, env, image, resources) was
+        // checked where it entered (`convert::framework_task_from_pb`);
+        // here, only what depends on the state.
+        for t in tasks {
+            let verdict = (|| {
+                if !seen.insert(t.task_id.as_str())
+                    || self.tasks.contains_key(&task_key(framework_id, &t.task_id))
+                {
+                    return Err(format!("task id {} is already used", t.task_id));
+                }
+                let runtime = if t.image.is_some() {
+                    Runtime::Docker
+                } else {
+                    Runtime::Process
+                };
+                // A fraction is checked as a job's is (`check_fraction`).
+                let wants = t
+                    .fraction
+                    .map_or(super::fit::Wants::Any, super::fit::Wants::Fraction);
+                self.check_fit(
+                    &t.agent_id,
+                    runtime,
+                    &t.resources,
+                    &t.gpu_uuids,
+                    wants,
+                    &mut pending,
+                )
+                .map_err(|e| e.to_string())
+            })();
+            verdicts.push(verdict);
+        }
+        verdicts
     }
 
     pub(super) fn kill_framework_task(
@@ -352,6 +330,51 @@ impl State {
         }
         t.acked_uuid = uuid.to_vec();
         Ok(Outcome::Done)
+    }
+}
+
+/// A framework task's record as launched (`Staging`); a refused one is
+/// turned to `Error` by the caller.
+fn framework_task_record(
+    framework_id: &str,
+    t: &FrameworkTask,
+    key: String,
+    ports: Vec<u16>,
+    at_ms: u64,
+) -> TaskRecord {
+    TaskRecord {
+        id: key,
+        job_id: String::new(),
+        agent_id: t.agent_id.clone(),
+        gpu_uuids: t.gpu_uuids.clone(),
+        resources: t.resources,
+        state: TaskState::Staging,
+        exit_code: None,
+        message: String::new(),
+        kill_requested: false,
+        created_at_ms: at_ms,
+        updated_at_ms: at_ms,
+        framework_id: framework_id.to_string(),
+        framework_task_id: t.task_id.clone(),
+        launch: Some(TaskLaunch {
+            image: t.image.clone(),
+            command: t.command.clone(),
+            env: t.env.clone(),
+        }),
+        reason: TaskReason::Unspecified,
+        last_update_uuid: Vec::new(),
+        acked_uuid: Vec::new(),
+        rank: 0,
+        before_unreachable: None,
+        holding: false,
+        released: false,
+        ports,
+        fraction: t.fraction,
+        enforcement: None,
+        gpu_sampled_ms: 0,
+        gpu_busy_ms: 0,
+        quiet: None,
+        running_at_ms: None,
     }
 }
 
