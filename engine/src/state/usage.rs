@@ -298,6 +298,40 @@ pub const MAX_REPORT_ROWS: usize = 10_000;
 /// keeps no job) and framework tasks.
 pub const OTHER_JOBS_KEY: &str = "(forgotten jobs, framework tasks)";
 
+/// A task's busy time in `start..end` added to `t`: a fraction's own
+/// readings (scaled to the part of its life in the window); whole GPUs'
+/// from their history (a day of periods).
+fn add_busy_time(
+    state: &super::State,
+    task: &super::TaskRecord,
+    start: u64,
+    end: u64,
+    t: &mut Totals,
+) {
+    if task.fraction.is_some() {
+        let life = end.saturating_sub(task.created_at_ms);
+        let inside = end.saturating_sub(start);
+        let part = |ms: u64| {
+            if life == 0 || inside >= life {
+                ms
+            } else {
+                u64::try_from(u128::from(ms) * u128::from(inside) / u128::from(life)).unwrap_or(ms)
+            }
+        };
+        t.gpu_sampled_ms += part(task.gpu_sampled_ms);
+        t.gpu_busy_ms += part(task.gpu_busy_ms);
+    } else {
+        for g in &task.gpu_uuids {
+            if let Some(h) = state.util_history().gpu(g) {
+                for (_, util, _) in h.points(start, end) {
+                    t.gpu_sampled_ms += h.period_ms;
+                    t.gpu_busy_ms += h.period_ms * u64::from(util) / 100;
+                }
+            }
+        }
+    }
+}
+
 /// A report over `[since_ms rounded down to its hour, now_ms)`: the
 /// ledger's rows plus the tasks still running (up to `now_ms`); by job,
 /// the jobs the state still keeps, from their tasks, and per tenant an
@@ -374,32 +408,7 @@ pub fn report(
                 }
                 let mut t =
                     c.over_running_from(start, end.max(start), task.running_at_ms.unwrap_or(end));
-                // Busy time: a fraction's own readings (scaled to the part
-                // of its life in the window); whole GPUs' from their
-                // history (a day of periods).
-                if task.fraction.is_some() {
-                    let life = end.saturating_sub(task.created_at_ms);
-                    let inside = end.saturating_sub(start);
-                    let part = |ms: u64| {
-                        if life == 0 || inside >= life {
-                            ms
-                        } else {
-                            u64::try_from(u128::from(ms) * u128::from(inside) / u128::from(life))
-                                .unwrap_or(ms)
-                        }
-                    };
-                    t.gpu_sampled_ms += part(task.gpu_sampled_ms);
-                    t.gpu_busy_ms += part(task.gpu_busy_ms);
-                } else {
-                    for g in &task.gpu_uuids {
-                        if let Some(h) = state.util_history().gpu(g) {
-                            for (_, util, _) in h.points(start, end) {
-                                t.gpu_sampled_ms += h.period_ms;
-                                t.gpu_busy_ms += h.period_ms * u64::from(util) / 100;
-                            }
-                        }
-                    }
-                }
+                add_busy_time(state, task, start, end, &mut t);
                 let running = u64::from(live(task));
                 t.tasks = u64::from(!live(task));
                 let (k, tn) = key_of(&c.tenant, &c.user, &c.gpu_model, &job.id);
