@@ -95,75 +95,7 @@ impl State {
             gpus
         };
         for uuid in devices {
-            let Some(device) = find_device(&agent.info.gpus, uuid) else {
-                return Err(ApplyError::DoesNotFit(format!(
-                    "GPU {uuid} is not on agent {agent_id}"
-                )));
-            };
-            let gpu = device.gpu();
-            match (device, wants) {
-                (Device::Gpu(_), Wants::Mig(p)) => {
-                    return Err(ApplyError::DoesNotFit(format!(
-                        "GPU {uuid} is a whole GPU, the job asks for a MIG device {p}"
-                    )))
-                }
-                (Device::Mig { .. }, Wants::Whole) => {
-                    return Err(ApplyError::DoesNotFit(format!(
-                        "{uuid} is a MIG device, the job asks for whole GPUs"
-                    )))
-                }
-                (Device::Mig { device, .. }, Wants::Mig(p)) if device.profile != p => {
-                    return Err(ApplyError::DoesNotFit(format!(
-                        "MIG device {uuid} is a {}, the job asks for a {p}",
-                        device.profile
-                    )))
-                }
-                (Device::Gpu(g), _) if g.mig.enabled => {
-                    return Err(ApplyError::DoesNotFit(format!(
-                        "GPU {uuid} is in MIG mode: it is used through its MIG devices, never whole"
-                    )))
-                }
-                _ => {}
-            }
-            if !gpu.healthy {
-                return Err(ApplyError::DoesNotFit(format!(
-                    "GPU {} is unhealthy",
-                    gpu.uuid
-                )));
-            }
-            if self.cordoned.contains(&gpu.uuid) {
-                return Err(ApplyError::DoesNotFit(format!(
-                    "GPU {} is cordoned",
-                    gpu.uuid
-                )));
-            }
-            if self.mig_changes.contains_key(&gpu.uuid) {
-                return Err(ApplyError::DoesNotFit(format!(
-                    "GPU {} is being repartitioned (MIG layout change)",
-                    gpu.uuid
-                )));
-            }
-            if let Some(m) = self.shared.get(&gpu.uuid) {
-                return Err(ApplyError::DoesNotFit(format!(
-                    "GPU {} is shared ({m}): it is given only as fractions",
-                    gpu.uuid
-                )));
-            }
-            // A MIG device's parent must not be held whole, nor the device.
-            for held in [uuid.as_str(), gpu.uuid.as_str()] {
-                if let Some(owner) = self.gpu_owner.get(held) {
-                    return Err(ApplyError::GpuTaken {
-                        gpu: held.to_string(),
-                        task_id: owner.clone(),
-                    });
-                }
-            }
-            if pending.gpus.contains(uuid) {
-                return Err(ApplyError::GpuTaken {
-                    gpu: uuid.clone(),
-                    task_id: "another launch in the same command".into(),
-                });
-            }
+            self.check_device(agent_id, agent, uuid, wants, pending)?;
         }
         let more = pending
             .resources
@@ -185,6 +117,90 @@ impl State {
         pending.resources.insert(agent_id.to_string(), more);
         pending.gpus.extend(gpus.iter().cloned());
         Ok(ports)
+    }
+
+    /// One GPU or MIG device of a launch: on the agent, what the task
+    /// asks for (whole, a MIG device of its profile), healthy, in service,
+    /// not being repartitioned, not shared, and held by no one (nor its
+    /// parent, nor an earlier launch of the same command).
+    fn check_device(
+        &self,
+        agent_id: &str,
+        agent: &super::AgentRecord,
+        uuid: &String,
+        wants: Wants<'_>,
+        pending: &Pending,
+    ) -> Result<(), ApplyError> {
+        let Some(device) = find_device(&agent.info.gpus, uuid) else {
+            return Err(ApplyError::DoesNotFit(format!(
+                "GPU {uuid} is not on agent {agent_id}"
+            )));
+        };
+        let gpu = device.gpu();
+        match (device, wants) {
+            (Device::Gpu(_), Wants::Mig(p)) => {
+                return Err(ApplyError::DoesNotFit(format!(
+                    "GPU {uuid} is a whole GPU, the job asks for a MIG device {p}"
+                )))
+            }
+            (Device::Mig { .. }, Wants::Whole) => {
+                return Err(ApplyError::DoesNotFit(format!(
+                    "{uuid} is a MIG device, the job asks for whole GPUs"
+                )))
+            }
+            (Device::Mig { device, .. }, Wants::Mig(p)) if device.profile != p => {
+                return Err(ApplyError::DoesNotFit(format!(
+                    "MIG device {uuid} is a {}, the job asks for a {p}",
+                    device.profile
+                )))
+            }
+            (Device::Gpu(g), _) if g.mig.enabled => {
+                return Err(ApplyError::DoesNotFit(format!(
+                    "GPU {uuid} is in MIG mode: it is used through its MIG devices, never whole"
+                )))
+            }
+            _ => {}
+        }
+        if !gpu.healthy {
+            return Err(ApplyError::DoesNotFit(format!(
+                "GPU {} is unhealthy",
+                gpu.uuid
+            )));
+        }
+        if self.cordoned.contains(&gpu.uuid) {
+            return Err(ApplyError::DoesNotFit(format!(
+                "GPU {} is cordoned",
+                gpu.uuid
+            )));
+        }
+        if self.mig_changes.contains_key(&gpu.uuid) {
+            return Err(ApplyError::DoesNotFit(format!(
+                "GPU {} is being repartitioned (MIG layout change)",
+                gpu.uuid
+            )));
+        }
+        if let Some(m) = self.shared.get(&gpu.uuid) {
+            return Err(ApplyError::DoesNotFit(format!(
+                "GPU {} is shared ({m}): it is given only as fractions",
+                gpu.uuid
+            )));
+        }
+        // A MIG device's parent must not be held whole, nor the device.
+        for held in [uuid.as_str(), gpu.uuid.as_str()] {
+            if let Some(owner) = self.gpu_owner.get(held) {
+                return Err(ApplyError::GpuTaken {
+                    gpu: held.to_string(),
+                    task_id: owner.clone(),
+                });
+            }
+        }
+        if pending.gpus.contains(uuid) {
+            return Err(ApplyError::GpuTaken {
+                gpu: uuid.clone(),
+                task_id: "another launch in the same command".into(),
+            });
+        }
+        Ok(())
     }
 
     /// A fraction's one GPU: shared, healthy, not cordoned, and holding
