@@ -56,35 +56,7 @@ pub fn unsatisfiable(
     };
     let model = req.gpu_model;
     let mem = req.gpu_mem_min_mib;
-    let mut steps = vec![Need::Runtime(req.runtime)];
-    if req.run_as_root {
-        steps.push(Need::RootTasks);
-    }
-    steps.extend(req.user.map(Need::User));
-    steps.extend(req.mounts.iter().map(|m| Need::Mount(m.host_path.as_str())));
-    steps.extend(req.checkpoint_dir.map(Need::Mount));
-    steps.extend(
-        req.constraints
-            .iter()
-            .map(|(k, v)| Need::Attribute(k.as_str(), v.as_str())),
-    );
-    if req.asks_driver() {
-        steps.push(Need::Driver);
-    }
-    if n > 0 {
-        if model.is_some() {
-            steps.push(Need::Model);
-        }
-        if mem > 0 {
-            steps.push(Need::Memory);
-        }
-        steps.push(Need::Count);
-    }
-    steps.push(Need::Cpus);
-    steps.push(Need::Mem);
-    if need.ports > 0 {
-        steps.push(Need::Ports);
-    }
+    let steps = steps(req, n);
 
     let ask = || GpuAsk {
         count: need.gpus,
@@ -184,6 +156,41 @@ pub fn unsatisfiable(
         left = kept;
     }
     None
+}
+
+/// The requirements of `req`, in the order they are looked at; `n`: the
+/// GPUs (or the one shared GPU) each task needs.
+fn steps<'r>(req: &TaskRequest<'r>, n: usize) -> Vec<Need<'r>> {
+    let mut steps = vec![Need::Runtime(req.runtime)];
+    if req.run_as_root {
+        steps.push(Need::RootTasks);
+    }
+    steps.extend(req.user.map(Need::User));
+    steps.extend(req.mounts.iter().map(|m| Need::Mount(m.host_path.as_str())));
+    steps.extend(req.checkpoint_dir.map(Need::Mount));
+    steps.extend(
+        req.constraints
+            .iter()
+            .map(|(k, v)| Need::Attribute(k.as_str(), v.as_str())),
+    );
+    if req.asks_driver() {
+        steps.push(Need::Driver);
+    }
+    if n > 0 {
+        if req.gpu_model.is_some() {
+            steps.push(Need::Model);
+        }
+        if req.gpu_mem_min_mib > 0 {
+            steps.push(Need::Memory);
+        }
+        steps.push(Need::Count);
+    }
+    steps.push(Need::Cpus);
+    steps.push(Need::Mem);
+    if req.resources.ports > 0 {
+        steps.push(Need::Ports);
+    }
+    steps
 }
 
 /// The newest version one of `nodes` reports (as it reports it), of its
