@@ -83,9 +83,6 @@ pub async fn run(
     cfg: QueueConfig,
     mut shutdown: watch::Receiver<bool>,
 ) {
-    let default_policy = cfg.default_policy;
-    // With reclaim on, tenants below their fair share are placed first.
-    let fair = cfg.reclaim_min_runtime_ms.is_some();
     let mut status = raft.role_watch();
     let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
     loop {
@@ -112,120 +109,149 @@ pub async fn run(
             continue;
         }
         backoff.reset();
-        let (tx, mut rx) = mpsc::channel(EVENT_BUFFER);
-        // Suppressed from the start: while no other framework wants
-        // offers, it places straight from the state (`direct`), and a
-        // whole-cluster offer would only be declined.
-        let conn = hub.connect_suppressed(BUILTIN_FRAMEWORK_ID, tx, Some(true));
-        // A round straight from the state is due.
-        let mut direct_due = true;
-        let mut last_direct = tokio::time::Instant::now();
-        let mut applied = raft.applied();
-        let mut next_pass = tokio::time::Instant::now();
-        // Something changed since the last queue pass.
-        let mut dirty = true;
-        let mut seen = Revival::of(&raft.state());
-        // The pass in progress: it runs beside the offers, not before them.
-        let mut running: Option<tokio::task::JoinHandle<Pass>> = None;
-        let mut last_grow = tokio::time::Instant::now();
-        loop {
-            tokio::select! {
-                _ = shutdown.changed() => {
+        if lead(&raft, &hub, &board, cfg, &mut status, &mut shutdown).await == Led::Stop {
+            return;
+        }
+    }
+}
+
+/// How a term of leading ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Led {
+    /// The master stops.
+    Stop,
+    /// No longer the leader (or the hub dropped the connection): wait to
+    /// lead again.
+    Deposed,
+}
+
+/// The scheduler while this master leads, subscribed as a framework:
+/// places straight from the state or takes offers, runs the queue pass,
+/// grows elastic gangs.
+async fn lead(
+    raft: &RaftHandle,
+    hub: &Arc<Hub>,
+    board: &Arc<WaitBoard>,
+    cfg: QueueConfig,
+    status: &mut watch::Receiver<crate::raft::RoleStatus>,
+    shutdown: &mut watch::Receiver<bool>,
+) -> Led {
+    let default_policy = cfg.default_policy;
+    // With reclaim on, tenants below their fair share are placed first.
+    let fair = cfg.reclaim_min_runtime_ms.is_some();
+    let (tx, mut rx) = mpsc::channel(EVENT_BUFFER);
+    // Suppressed from the start: while no other framework wants
+    // offers, it places straight from the state (`direct`), and a
+    // whole-cluster offer would only be declined.
+    let conn = hub.connect_suppressed(BUILTIN_FRAMEWORK_ID, tx, Some(true));
+    // A round straight from the state is due.
+    let mut direct_due = true;
+    let mut last_direct = tokio::time::Instant::now();
+    let mut applied = raft.applied();
+    let mut next_pass = tokio::time::Instant::now();
+    // Something changed since the last queue pass.
+    let mut dirty = true;
+    let mut seen = Revival::of(&raft.state());
+    // The pass in progress: it runs beside the offers, not before them.
+    let mut running: Option<tokio::task::JoinHandle<Pass>> = None;
+    let mut last_grow = tokio::time::Instant::now();
+    loop {
+        tokio::select! {
+            _ = shutdown.changed() => {
+                hub.disconnect(BUILTIN_FRAMEWORK_ID, conn);
+                running.take().inspect(|p| p.abort());
+                return Led::Stop;
+            }
+            r = status.changed() => {
+                if r.is_err() || !status.borrow_and_update().serving {
                     hub.disconnect(BUILTIN_FRAMEWORK_ID, conn);
                     running.take().inspect(|p| p.abort());
-                    return;
+                    board.clear();
+                    return Led::Deposed;
                 }
-                r = status.changed() => {
-                    if r.is_err() || !status.borrow_and_update().serving {
-                        hub.disconnect(BUILTIN_FRAMEWORK_ID, conn);
-                        running.take().inspect(|p| p.abort());
-                        board.clear();
-                        break;
-                    }
-                }
-                r = applied.changed() => {
-                    if r.is_err() {
-                        return;
-                    }
-                    // A job submitted or resources freed while jobs wait:
-                    // clear our filters and ask for offers again, so they
-                    // meet at once. Other changes (a job started, an update)
-                    // do not revive: offers of agents that could not take
-                    // a waiting job would only come back to be declined
-                    // (the declines' 1 s filters expire anyway).
-                    let now = Revival::of(&raft.state());
-                    if now.worth_reviving_after(&seen) {
-                        direct_due = true;
-                    }
-                    seen = now;
-                    // The reasons on the board may be out of date (a job
-                    // submitted, started or gone).
-                    dirty = true;
-                }
-                // Nothing changed, but time passes: a reclaim waits for its
-                // victims' minimum runtime.
-                _ = tokio::time::sleep_until(next_pass + RECHECK_EVERY),
-                    if !dirty && running.is_none() && cfg.reclaim_min_runtime_ms.is_some() => {
-                    dirty = true;
-                }
-                // Jobs wait and nothing changed: try again now and then.
-                _ = tokio::time::sleep_until(last_direct + DIRECT_RETRY), if !direct_due => {
-                    direct_due = raft.state().has_queued();
-                    last_direct = tokio::time::Instant::now();
-                }
-                _ = std::future::ready(()), if direct_due => {
-                    direct_due = false;
-                    last_direct = tokio::time::Instant::now();
-                    if places_directly(&cfg, &hub) {
-                        if !hub.is_suppressed(BUILTIN_FRAMEWORK_ID) {
-                            hub.suppress(BUILTIN_FRAMEWORK_ID);
-                        }
-                        // A full round: more may fit at once.
-                        direct_due = place_direct_round(&raft, &hub, default_policy, fair).await;
-                    } else if raft.state().has_queued() {
-                        hub.revive(BUILTIN_FRAMEWORK_ID);
-                    }
-                }
-                // Elastic gangs below their most ranks: room for more?
-                _ = tokio::time::sleep_until(last_grow + elastic::CHECK_EVERY),
-                    if cfg.elastic_grow_after_ms.is_some() => {
-                    last_grow = tokio::time::Instant::now();
-                    grow(&raft, cfg).await;
-                }
-                _ = tokio::time::sleep_until(next_pass), if dirty && running.is_none() => {
-                    dirty = false;
-                    let direct = places_directly(&cfg, &hub);
-                    running = Some(tokio::spawn(pass(raft.clone(), cfg, board.clone(), direct)));
-                }
-                cost = async {
-                    match running.as_mut() {
-                        Some(p) => p.await,
-                        None => std::future::pending().await,
-                    }
-                }, if running.is_some() => {
-                    running = None;
-                    let cost = cost.unwrap_or_else(|e| {
-                        tracing::error!(error = %e, "queue pass failed");
-                        Pass::Done(PASS_EVERY)
-                    });
-                    let cost = match cost {
-                        Pass::Done(cost) => cost,
-                        // Jobs that are about to start: look again soon.
-                        Pass::Deferred => {
-                            dirty = true;
-                            Duration::ZERO
-                        }
-                    };
-                    next_pass = tokio::time::Instant::now() + PASS_EVERY.max(cost * PASS_SPACING);
-                }
-                e = rx.recv() => match e {
-                    Some(Ok(pb::Event { event: Some(pb::event::Event::Offers(offers)) })) => {
-                        handle_offers(&raft, &hub, offers.offers, default_policy, fair).await;
-                    }
-                    Some(_) => {}
-                    None => break,
-                },
             }
+            r = applied.changed() => {
+                if r.is_err() {
+                    return Led::Stop;
+                }
+                // A job submitted or resources freed while jobs wait:
+                // clear our filters and ask for offers again, so they
+                // meet at once. Other changes (a job started, an update)
+                // do not revive: offers of agents that could not take
+                // a waiting job would only come back to be declined
+                // (the declines' 1 s filters expire anyway).
+                let now = Revival::of(&raft.state());
+                if now.worth_reviving_after(&seen) {
+                    direct_due = true;
+                }
+                seen = now;
+                // The reasons on the board may be out of date (a job
+                // submitted, started or gone).
+                dirty = true;
+            }
+            // Nothing changed, but time passes: a reclaim waits for its
+            // victims' minimum runtime.
+            _ = tokio::time::sleep_until(next_pass + RECHECK_EVERY),
+                if !dirty && running.is_none() && cfg.reclaim_min_runtime_ms.is_some() => {
+                dirty = true;
+            }
+            // Jobs wait and nothing changed: try again now and then.
+            _ = tokio::time::sleep_until(last_direct + DIRECT_RETRY), if !direct_due => {
+                direct_due = raft.state().has_queued();
+                last_direct = tokio::time::Instant::now();
+            }
+            _ = std::future::ready(()), if direct_due => {
+                direct_due = false;
+                last_direct = tokio::time::Instant::now();
+                if places_directly(&cfg, hub) {
+                    if !hub.is_suppressed(BUILTIN_FRAMEWORK_ID) {
+                        hub.suppress(BUILTIN_FRAMEWORK_ID);
+                    }
+                    // A full round: more may fit at once.
+                    direct_due = place_direct_round(raft, hub, default_policy, fair).await;
+                } else if raft.state().has_queued() {
+                    hub.revive(BUILTIN_FRAMEWORK_ID);
+                }
+            }
+            // Elastic gangs below their most ranks: room for more?
+            _ = tokio::time::sleep_until(last_grow + elastic::CHECK_EVERY),
+                if cfg.elastic_grow_after_ms.is_some() => {
+                last_grow = tokio::time::Instant::now();
+                grow(raft, cfg).await;
+            }
+            _ = tokio::time::sleep_until(next_pass), if dirty && running.is_none() => {
+                dirty = false;
+                let direct = places_directly(&cfg, hub);
+                running = Some(tokio::spawn(pass(raft.clone(), cfg, board.clone(), direct)));
+            }
+            cost = async {
+                match running.as_mut() {
+                    Some(p) => p.await,
+                    None => std::future::pending().await,
+                }
+            }, if running.is_some() => {
+                running = None;
+                let cost = cost.unwrap_or_else(|e| {
+                    tracing::error!(error = %e, "queue pass failed");
+                    Pass::Done(PASS_EVERY)
+                });
+                let cost = match cost {
+                    Pass::Done(cost) => cost,
+                    // Jobs that are about to start: look again soon.
+                    Pass::Deferred => {
+                        dirty = true;
+                        Duration::ZERO
+                    }
+                };
+                next_pass = tokio::time::Instant::now() + PASS_EVERY.max(cost * PASS_SPACING);
+            }
+            e = rx.recv() => match e {
+                Some(Ok(pb::Event { event: Some(pb::event::Event::Offers(offers)) })) => {
+                    handle_offers(raft, hub, offers.offers, default_policy, fair).await;
+                }
+                Some(_) => {}
+                None => return Led::Deposed,
+            },
         }
     }
 }
