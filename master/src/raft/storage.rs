@@ -222,144 +222,209 @@ fn open_db(path: &Path) -> sled::Result<sled::Db> {
     }
 }
 
+/// Where the storage is opened, for its errors.
+struct Opening {
+    path: PathBuf,
+    snap_dir: PathBuf,
+}
+
+impl Opening {
+    fn open_err(&self, source: sled::Error) -> StorageInitError {
+        StorageInitError::Open {
+            path: self.path.clone(),
+            source,
+        }
+    }
+
+    fn snap_err(&self, source: std::io::Error) -> StorageInitError {
+        StorageInitError::Snapshots {
+            path: self.snap_dir.clone(),
+            source,
+        }
+    }
+
+    fn corrupt(&self, what: &str, e: &dyn std::fmt::Display) -> StorageInitError {
+        StorageInitError::Corrupt {
+            path: self.path.clone(),
+            reason: format!("{what}: {e}"),
+        }
+    }
+}
+
+/// The hard state, the snapshot's metadata and the configuration (`voters`
+/// in a new storage, written now).
+fn read_meta(
+    meta_tree: &sled::Tree,
+    voters: &[u64],
+    at: &Opening,
+) -> Result<Meta, StorageInitError> {
+    let mut meta = Meta::default();
+    if let Some(b) = meta_tree.get(KEY_HARD_STATE).map_err(|e| at.open_err(e))? {
+        meta.hard_state =
+            HardState::parse_from_bytes(&b).map_err(|e| at.corrupt("hard state", &e))?;
+    }
+    if let Some(b) = meta_tree
+        .get(KEY_SNAPSHOT_META)
+        .map_err(|e| at.open_err(e))?
+    {
+        meta.snapshot = SnapshotMetadata::parse_from_bytes(&b)
+            .map_err(|e| at.corrupt("snapshot metadata", &e))?;
+    }
+    match meta_tree.get(KEY_CONF_STATE).map_err(|e| at.open_err(e))? {
+        Some(b) => {
+            meta.conf_state =
+                ConfState::parse_from_bytes(&b).map_err(|e| at.corrupt("conf state", &e))?;
+        }
+        None => {
+            let mut cs = ConfState::default();
+            cs.set_voters(voters.to_vec());
+            let bytes = cs
+                .write_to_bytes()
+                .map_err(|e| at.corrupt("conf state", &e))?;
+            meta_tree
+                .insert(KEY_CONF_STATE, bytes)
+                .map_err(|e| at.open_err(e))?;
+            meta.conf_state = cs;
+        }
+    }
+    Ok(meta)
+}
+
+/// A log of one entry per key (older versions) becomes one batch.
+fn migrate_entries_tree(
+    db: &sled::Db,
+    log: &sled::Tree,
+    at: &Opening,
+) -> Result<(), StorageInitError> {
+    let legacy = db.open_tree("entries").map_err(|e| at.open_err(e))?;
+    if legacy.is_empty() {
+        return Ok(());
+    }
+    let mut ents = Vec::new();
+    for kv in legacy.iter() {
+        let (_, v) = kv.map_err(|e| at.open_err(e))?;
+        ents.push(Entry::parse_from_bytes(&v).map_err(|e| at.corrupt("entry", &e))?);
+    }
+    if let Some(first) = ents.first() {
+        let bytes = encode_batch(&ents).map_err(|e| at.corrupt("entry", &e))?;
+        log.insert(key(first.index), bytes)
+            .map_err(|e| at.open_err(e))?;
+    }
+    db.flush().map_err(|e| at.open_err(e))?;
+    legacy.clear().map_err(|e| at.open_err(e))?;
+    Ok(())
+}
+
+/// The log after the snapshot, into `meta`: each batch keyed by its first
+/// index, the entries in order with no gap.
+fn read_log(log: &sled::Tree, meta: &mut Meta, at: &Opening) -> Result<(), StorageInitError> {
+    let mut next = meta.snapshot.index + 1;
+    for kv in log.iter() {
+        let (k, v) = kv.map_err(|e| at.open_err(e))?;
+        let k: [u8; 8] = k
+            .as_ref()
+            .try_into()
+            .map_err(|_| at.corrupt("log key", &"not 8 bytes"))?;
+        let ents = decode_batch(&v).map_err(|e| at.corrupt("log batch", &e))?;
+        let (Some(first), Some(last)) = (ents.first(), ents.last()) else {
+            continue;
+        };
+        if first.index != u64::from_be_bytes(k) {
+            return Err(at.corrupt("log batch", &"its key is not its first index"));
+        }
+        meta.batches.insert(first.index, last.index);
+        for e in ents {
+            if e.index < next {
+                continue; // compacted
+            }
+            if e.index != next {
+                return Err(at.corrupt("log", &format!("entry {} follows {}", e.index, next - 1)));
+            }
+            next += 1;
+            meta.log.push_back(e);
+        }
+    }
+    meta.last_index = next - 1;
+    Ok(())
+}
+
+/// A snapshot kept where older versions kept it (the tree `snapshots`,
+/// before that beside the hard state) moves to its file; a log compacted
+/// behind a snapshot that is gone cannot be replayed (starting from an
+/// empty state would serve a state without it).
+fn migrate_snapshot(
+    db: &sled::Db,
+    meta_tree: &sled::Tree,
+    snapshots: &SnapshotFiles,
+    meta: &Meta,
+    at: &Opening,
+) -> Result<(), StorageInitError> {
+    let in_tree = db.open_tree("snapshots").map_err(|e| at.open_err(e))?;
+    if snapshots
+        .read(meta.snapshot.index)
+        .map_err(|e| at.snap_err(e))?
+        .is_none()
+    {
+        let old = match in_tree
+            .get(key(meta.snapshot.index))
+            .map_err(|e| at.open_err(e))?
+        {
+            Some(d) => Some(d),
+            None => meta_tree
+                .get(KEY_SNAPSHOT_DATA)
+                .map_err(|e| at.open_err(e))?,
+        };
+        if let Some(data) = old {
+            snapshots
+                .write(meta.snapshot.index, &data)
+                .map_err(|e| at.snap_err(e))?;
+        }
+    }
+    if meta.snapshot.index > 0
+        && snapshots
+            .read(meta.snapshot.index)
+            .map_err(|e| at.snap_err(e))?
+            .is_none()
+    {
+        return Err(at.corrupt(
+            "snapshot",
+            &format!(
+                "the log starts after snapshot {} but {} is missing",
+                meta.snapshot.index,
+                snapshots.path(meta.snapshot.index).display()
+            ),
+        ));
+    }
+    if !in_tree.is_empty()
+        || meta_tree
+            .contains_key(KEY_SNAPSHOT_DATA)
+            .map_err(|e| at.open_err(e))?
+    {
+        in_tree.clear().map_err(|e| at.open_err(e))?;
+        meta_tree
+            .remove(KEY_SNAPSHOT_DATA)
+            .map_err(|e| at.open_err(e))?;
+    }
+    Ok(())
+}
+
 impl SledStorage {
     /// Opens (or creates) the storage in `dir`. A new storage is initialised
     /// with `voters` as its configuration; an existing one keeps its own.
     pub fn open(dir: &Path, voters: &[u64]) -> Result<SledStorage, StorageInitError> {
-        let path = dir.join("raft");
-        let open_err = |source| StorageInitError::Open {
-            path: path.clone(),
-            source,
+        let at = Opening {
+            path: dir.join("raft"),
+            snap_dir: dir.join("raft-snapshots"),
         };
-        let db = open_db(&path).map_err(open_err)?;
-        let log = db.open_tree("log").map_err(open_err)?;
-        let meta_tree = db.open_tree("meta").map_err(open_err)?;
-        let snap_dir = dir.join("raft-snapshots");
-        let snapshots = SnapshotFiles::open(snap_dir.clone()).map_err(|source| {
-            StorageInitError::Snapshots {
-                path: snap_dir.clone(),
-                source,
-            }
-        })?;
-        let snap_err = |source| StorageInitError::Snapshots {
-            path: snap_dir.clone(),
-            source,
-        };
-        let corrupt = |what: &str, e: &dyn std::fmt::Display| StorageInitError::Corrupt {
-            path: path.clone(),
-            reason: format!("{what}: {e}"),
-        };
-        let mut meta = Meta::default();
-        if let Some(b) = meta_tree.get(KEY_HARD_STATE).map_err(open_err)? {
-            meta.hard_state =
-                HardState::parse_from_bytes(&b).map_err(|e| corrupt("hard state", &e))?;
-        }
-        if let Some(b) = meta_tree.get(KEY_SNAPSHOT_META).map_err(open_err)? {
-            meta.snapshot = SnapshotMetadata::parse_from_bytes(&b)
-                .map_err(|e| corrupt("snapshot metadata", &e))?;
-        }
-        match meta_tree.get(KEY_CONF_STATE).map_err(open_err)? {
-            Some(b) => {
-                meta.conf_state =
-                    ConfState::parse_from_bytes(&b).map_err(|e| corrupt("conf state", &e))?;
-            }
-            None => {
-                let mut cs = ConfState::default();
-                cs.set_voters(voters.to_vec());
-                let bytes = cs.write_to_bytes().map_err(|e| corrupt("conf state", &e))?;
-                meta_tree.insert(KEY_CONF_STATE, bytes).map_err(open_err)?;
-                meta.conf_state = cs;
-            }
-        }
-        // A log of one entry per key (older versions) becomes one batch.
-        let legacy = db.open_tree("entries").map_err(open_err)?;
-        if !legacy.is_empty() {
-            let mut ents = Vec::new();
-            for kv in legacy.iter() {
-                let (_, v) = kv.map_err(open_err)?;
-                ents.push(Entry::parse_from_bytes(&v).map_err(|e| corrupt("entry", &e))?);
-            }
-            if let Some(first) = ents.first() {
-                let bytes = encode_batch(&ents).map_err(|e| corrupt("entry", &e))?;
-                log.insert(key(first.index), bytes).map_err(open_err)?;
-            }
-            db.flush().map_err(open_err)?;
-            legacy.clear().map_err(open_err)?;
-        }
-        let mut next = meta.snapshot.index + 1;
-        for kv in log.iter() {
-            let (k, v) = kv.map_err(open_err)?;
-            let k: [u8; 8] = k
-                .as_ref()
-                .try_into()
-                .map_err(|_| corrupt("log key", &"not 8 bytes"))?;
-            let ents = decode_batch(&v).map_err(|e| corrupt("log batch", &e))?;
-            let (Some(first), Some(last)) = (ents.first(), ents.last()) else {
-                continue;
-            };
-            if first.index != u64::from_be_bytes(k) {
-                return Err(corrupt("log batch", &"its key is not its first index"));
-            }
-            meta.batches.insert(first.index, last.index);
-            for e in ents {
-                if e.index < next {
-                    continue; // compacted
-                }
-                if e.index != next {
-                    return Err(corrupt(
-                        "log",
-                        &format!("entry {} follows {}", e.index, next - 1),
-                    ));
-                }
-                next += 1;
-                meta.log.push_back(e);
-            }
-        }
-        meta.last_index = next - 1;
-        // A snapshot kept where older versions kept it (the tree
-        // `snapshots`, before that beside the hard state) moves to its file.
-        let in_tree = db.open_tree("snapshots").map_err(open_err)?;
-        if snapshots
-            .read(meta.snapshot.index)
-            .map_err(snap_err)?
-            .is_none()
-        {
-            let old = match in_tree.get(key(meta.snapshot.index)).map_err(open_err)? {
-                Some(d) => Some(d),
-                None => meta_tree.get(KEY_SNAPSHOT_DATA).map_err(open_err)?,
-            };
-            if let Some(data) = old {
-                snapshots
-                    .write(meta.snapshot.index, &data)
-                    .map_err(snap_err)?;
-            }
-        }
-        // A log compacted behind a snapshot that is gone cannot be replayed:
-        // starting from an empty state would serve a state without it.
-        if meta.snapshot.index > 0
-            && snapshots
-                .read(meta.snapshot.index)
-                .map_err(snap_err)?
-                .is_none()
-        {
-            return Err(corrupt(
-                "snapshot",
-                &format!(
-                    "the log starts after snapshot {} but {} is missing",
-                    meta.snapshot.index,
-                    snapshots.path(meta.snapshot.index).display()
-                ),
-            ));
-        }
-        if !in_tree.is_empty()
-            || meta_tree
-                .contains_key(KEY_SNAPSHOT_DATA)
-                .map_err(open_err)?
-        {
-            in_tree.clear().map_err(open_err)?;
-            meta_tree.remove(KEY_SNAPSHOT_DATA).map_err(open_err)?;
-        }
-        db.flush().map_err(open_err)?;
+        let db = open_db(&at.path).map_err(|e| at.open_err(e))?;
+        let log = db.open_tree("log").map_err(|e| at.open_err(e))?;
+        let meta_tree = db.open_tree("meta").map_err(|e| at.open_err(e))?;
+        let snapshots = SnapshotFiles::open(at.snap_dir.clone()).map_err(|e| at.snap_err(e))?;
+        let mut meta = read_meta(&meta_tree, voters, &at)?;
+        migrate_entries_tree(&db, &log, &at)?;
+        read_log(&log, &mut meta, &at)?;
+        migrate_snapshot(&db, &meta_tree, &snapshots, &meta, &at)?;
+        db.flush().map_err(|e| at.open_err(e))?;
         Ok(SledStorage {
             db,
             log,
