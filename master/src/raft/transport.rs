@@ -258,6 +258,14 @@ struct Batch {
     queued: Instant,
 }
 
+/// What a link knows of its peer's health, for its logs and round trips.
+struct PeerHealth {
+    last_ok: Instant,
+    last_warn: Option<Instant>,
+    last_rtt_warn: Option<Instant>,
+    srtt: Option<Duration>,
+}
+
 /// How a call ended.
 enum CallEnd {
     Delivered(Duration),
@@ -287,10 +295,12 @@ impl PeerLink {
         let (done_tx, mut done_rx) = mpsc::unbounded_channel::<(usize, Batch, CallEnd)>();
         // A batch that failed before it was sent goes first next time.
         let mut retry: Option<Batch> = None;
-        let mut last_ok = Instant::now();
-        let mut last_warn: Option<Instant> = None;
-        let mut last_rtt_warn: Option<Instant> = None;
-        let mut srtt: Option<Duration> = None;
+        let mut health = PeerHealth {
+            last_ok: Instant::now(),
+            last_warn: None,
+            last_rtt_warn: None,
+            srtt: None,
+        };
         let mut open = true;
         loop {
             let free = lanes
@@ -300,22 +310,7 @@ impl PeerLink {
             tokio::select! {
                 _ = tokio::time::sleep_until(next_idle_check) => {
                     next_idle_check = tokio::time::Instant::now() + t.lane_idle / 4;
-                    let mut closed = 0;
-                    for slot in lanes.iter_mut() {
-                        if slot
-                            .as_ref()
-                            .is_some_and(|l| !l.busy && l.last_used.elapsed() >= t.lane_idle)
-                        {
-                            // Dropping its client closes the connection
-                            // (no call holds a clone: it is not busy).
-                            *slot = None;
-                            closed += 1;
-                        }
-                    }
-                    if closed > 0 {
-                        tracing::debug!(to = self.to, closed, "idle raft peer connections closed");
-                        self.count_lanes(&lanes);
-                    }
+                    self.close_idle_lanes(&mut lanes);
                 }
                 first = rx.recv(), if open && can_send && retry.is_none() => {
                     let Some(first) = first else {
@@ -355,45 +350,13 @@ impl PeerLink {
                         .filter(|m| m.get_msg_type() == MessageType::MsgSnapshot)
                         .count();
                     match sent {
-                        CallEnd::Delivered(rtt) => {
-                            last_ok = Instant::now();
-                            for _ in 0..snapshots {
-                                self.reporter.snapshot(self.to, true);
-                            }
-                            if last_warn.take().is_some() {
-                                tracing::info!(to = self.to, addr = %self.addr, "raft peer reachable again");
-                            }
-                            // Snapshots take as long as their size, not the link.
-                            if snapshots == 0 {
-                                let s = smooth(srtt, rtt);
-                                srtt = Some(s);
-                                self.rtts
-                                    .lock()
-                                    .unwrap_or_else(|p| p.into_inner())
-                                    .insert(self.to, (s, Instant::now()));
-                                if s >= t.rtt_warning()
-                                    && last_rtt_warn.is_none_or(|w| w.elapsed() >= RTT_WARN_EVERY)
-                                {
-                                    last_rtt_warn = Some(Instant::now());
-                                    tracing::warn!(
-                                        to = self.to,
-                                        addr = %self.addr,
-                                        round_trip_ms = s.as_millis() as u64,
-                                        election_timeout_ms = t.election.as_millis() as u64,
-                                        suggested_election_timeout_ms = (s * 10).as_millis() as u64,
-                                        "the round trip to this raft peer is a fifth of the election timeout or more: \
-                                         a lossy link will cause elections; set --election-timeout-ms to ten round trips \
-                                         or more on every master (docs/deployment.md)"
-                                    );
-                                }
-                            }
-                        }
+                        CallEnd::Delivered(rtt) => self.delivered(rtt, snapshots, &mut health),
                         CallEnd::NeverSent(status) if snapshots == 0 && batch.queued.elapsed() < t.election => {
                             // Never sent (no connection yet): keep it
                             // rather than lose a round of heartbeats and
                             // appends; stale after an election timeout,
                             // when Raft has sent newer ones.
-                            self.failed(&status, snapshots, last_ok, &mut last_warn);
+                            self.failed(&status, snapshots, health.last_ok, &mut health.last_warn);
                             retry = Some(batch);
                             // Do not spin on a peer that refuses: the
                             // next try waits for the connect timeout or
@@ -401,10 +364,70 @@ impl PeerLink {
                             tokio::time::sleep(Duration::from_millis(50)).await;
                         }
                         CallEnd::NeverSent(status) | CallEnd::Failed(status) => {
-                            self.failed(&status, snapshots, last_ok, &mut last_warn);
+                            self.failed(&status, snapshots, health.last_ok, &mut health.last_warn);
                         }
                     }
                 }
+            }
+        }
+    }
+
+    /// Closes the lanes idle for `lane_idle`: dropping its client closes a
+    /// connection (no call holds a clone: it is not busy).
+    fn close_idle_lanes(&self, lanes: &mut Lanes) {
+        let idle = self.timeouts.lane_idle;
+        let mut closed = 0;
+        for slot in lanes.iter_mut() {
+            if slot
+                .as_ref()
+                .is_some_and(|l| !l.busy && l.last_used.elapsed() >= idle)
+            {
+                *slot = None;
+                closed += 1;
+            }
+        }
+        if closed > 0 {
+            tracing::debug!(to = self.to, closed, "idle raft peer connections closed");
+            self.count_lanes(lanes);
+        }
+    }
+
+    /// A batch arrived: the peer is reachable, its snapshots are reported,
+    /// and (without snapshots, which take as long as their size) the round
+    /// trip is smoothed, kept and warned of when it is long for the
+    /// election timeout.
+    fn delivered(&self, rtt: Duration, snapshots: usize, h: &mut PeerHealth) {
+        let t = self.timeouts;
+        h.last_ok = Instant::now();
+        for _ in 0..snapshots {
+            self.reporter.snapshot(self.to, true);
+        }
+        if h.last_warn.take().is_some() {
+            tracing::info!(to = self.to, addr = %self.addr, "raft peer reachable again");
+        }
+        // Snapshots take as long as their size, not the link.
+        if snapshots == 0 {
+            let s = smooth(h.srtt, rtt);
+            h.srtt = Some(s);
+            self.rtts
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(self.to, (s, Instant::now()));
+            if s >= t.rtt_warning()
+                && h.last_rtt_warn
+                    .is_none_or(|w| w.elapsed() >= RTT_WARN_EVERY)
+            {
+                h.last_rtt_warn = Some(Instant::now());
+                tracing::warn!(
+                    to = self.to,
+                    addr = %self.addr,
+                    round_trip_ms = s.as_millis() as u64,
+                    election_timeout_ms = t.election.as_millis() as u64,
+                    suggested_election_timeout_ms = (s * 10).as_millis() as u64,
+                    "the round trip to this raft peer is a fifth of the election timeout or more: \
+                     a lossy link will cause elections; set --election-timeout-ms to ten round trips \
+                     or more on every master (docs/deployment.md)"
+                );
             }
         }
     }
