@@ -227,29 +227,13 @@ pub(super) fn framework_views(state: &State, g: &Inner) -> Vec<FrameworkView> {
         .collect()
 }
 
-pub(super) fn allocate(
-    state: &State,
-    g: &mut Inner,
-    settings: &FrameworkSettings,
-    now: u64,
-) -> usize {
-    if g.conns.is_empty() {
-        return 0;
-    }
-    g.filters.expire(now);
-    let Some(book) = g.offers.as_ref() else {
-        return 0;
-    };
-    let frameworks = framework_views(state, g);
-    // Nobody to offer to (the built-in scheduler suppresses offers while no
-    // job waits): no need to look at the agents.
-    if frameworks.iter().all(|f| f.suppressed) {
-        return 0;
-    }
-    let accepting = || state.agents().values().filter(|a| a.accepts_tasks());
-    let total = allocator::cluster_total(accepting().map(|a| &a.info.total));
-    // Views of the agents with something to offer only.
-    let agents: Vec<AgentView> = accepting()
+/// Views of the agents with something to offer: taking tasks, not being
+/// launched on, with resources or devices not yet offered.
+fn offerable_agents(state: &State, g: &Inner, book: &OfferBook) -> Vec<AgentView> {
+    state
+        .agents()
+        .values()
+        .filter(|a| a.accepts_tasks())
         .filter(|a| !g.launching.contains_key(&a.info.id))
         .filter_map(|a| {
             let free = a.free().saturating_sub(&book.offered_on_agent(&a.info.id));
@@ -271,7 +255,67 @@ pub(super) fn allocate(
                 attributes: a.info.attributes.clone(),
             })
         })
+        .collect()
+}
+
+/// An offer as its framework gets it (`None` when its agent is gone).
+fn offer_to_pb(state: &State, o: &allocator::Offer) -> Option<pb::Offer> {
+    let agent = state.agent(&o.agent_id)?;
+    // A MIG device is offered inside its parent's entry.
+    let gpus = gpuctl_core::types::gpus_of_devices(&agent.info.gpus, &o.gpu_uuids)
+        .into_iter()
+        .map(Into::into)
         .collect();
+    let shared_gpus = o
+        .shares
+        .iter()
+        .filter_map(|sh| {
+            let gpu = agent.info.gpus.iter().find(|g| g.uuid == sh.gpu_uuid)?;
+            Some(pb::SharedGpu {
+                gpu: Some(gpu.clone().into()),
+                mode: state
+                    .share_mode(&sh.gpu_uuid)
+                    .map(|m| m.to_string())
+                    .unwrap_or_default(),
+                free_mem_mib: sh.mem_mib,
+                free_compute_pct: sh.compute_pct,
+            })
+        })
+        .collect();
+    Some(pb::Offer {
+        id: o.id.clone(),
+        framework_id: o.framework_id.clone(),
+        agent_id: o.agent_id.clone(),
+        hostname: agent.info.hostname.clone(),
+        resources: Some(agent.with_free_ports(o.resources).into()),
+        gpus,
+        attributes: agent.info.attributes.clone().into_iter().collect(),
+        shared_gpus,
+    })
+}
+
+pub(super) fn allocate(
+    state: &State,
+    g: &mut Inner,
+    settings: &FrameworkSettings,
+    now: u64,
+) -> usize {
+    if g.conns.is_empty() {
+        return 0;
+    }
+    g.filters.expire(now);
+    let Some(book) = g.offers.as_ref() else {
+        return 0;
+    };
+    let frameworks = framework_views(state, g);
+    // Nobody to offer to (the built-in scheduler suppresses offers while no
+    // job waits): no need to look at the agents.
+    if frameworks.iter().all(|f| f.suppressed) {
+        return 0;
+    }
+    let accepting = || state.agents().values().filter(|a| a.accepts_tasks());
+    let total = allocator::cluster_total(accepting().map(|a| &a.info.total));
+    let agents = offerable_agents(state, g, book);
     // Tenants' GPU quotas apply to their roles too.
     let roles = crate::scheduler::tenants::roles_with_quotas(&settings.roles, state);
     let plans = allocator::allocate_within(
@@ -304,43 +348,13 @@ pub(super) fn allocate(
     let count = made.len();
     let mut by_framework: BTreeMap<String, Vec<pb::Offer>> = BTreeMap::new();
     for o in made {
-        let Some(agent) = state.agent(&o.agent_id) else {
+        let Some(offer) = offer_to_pb(state, &o) else {
             continue;
         };
-        // A MIG device is offered inside its parent's entry.
-        let gpus = gpuctl_core::types::gpus_of_devices(&agent.info.gpus, &o.gpu_uuids)
-            .into_iter()
-            .map(Into::into)
-            .collect();
-        let shared_gpus = o
-            .shares
-            .iter()
-            .filter_map(|sh| {
-                let gpu = agent.info.gpus.iter().find(|g| g.uuid == sh.gpu_uuid)?;
-                Some(pb::SharedGpu {
-                    gpu: Some(gpu.clone().into()),
-                    mode: state
-                        .share_mode(&sh.gpu_uuid)
-                        .map(|m| m.to_string())
-                        .unwrap_or_default(),
-                    free_mem_mib: sh.mem_mib,
-                    free_compute_pct: sh.compute_pct,
-                })
-            })
-            .collect();
         by_framework
             .entry(o.framework_id.clone())
             .or_default()
-            .push(pb::Offer {
-                id: o.id.clone(),
-                framework_id: o.framework_id.clone(),
-                agent_id: o.agent_id.clone(),
-                hostname: agent.info.hostname.clone(),
-                resources: Some(agent.with_free_ports(o.resources).into()),
-                gpus,
-                attributes: agent.info.attributes.clone().into_iter().collect(),
-                shared_gpus,
-            });
+            .push(offer);
     }
     let mut withdrawn = 0;
     for (fw, offers) in by_framework {
