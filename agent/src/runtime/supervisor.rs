@@ -260,7 +260,6 @@ pub fn run(dir: &Path) -> Result<(), SupervisorError> {
         }
     };
     let pid = child.id() as i32;
-    let pgid = Pid::from_raw(pid);
     checkpoint::write_json(
         &state_path,
         &SupervisorState {
@@ -269,6 +268,23 @@ pub fn run(dir: &Path) -> Result<(), SupervisorError> {
         },
     )?;
 
+    let (status, killed, fenced) = follow(dir, &launch, &mut child, &signals)?;
+    record_exit(dir, &launch, status, killed, fenced)?;
+    Ok(())
+}
+
+/// Follows the task until it and its process group are gone: stops it
+/// (SIGTERM, then SIGKILL after the grace) when the agent asks or the fence
+/// falls. Its exit status, whether it was stopped, and whether by the
+/// fence.
+fn follow(
+    dir: &Path,
+    launch: &Launch,
+    child: &mut std::process::Child,
+    signals: &SignalFd,
+) -> Result<(ExitStatus, bool, bool), SupervisorError> {
+    let pid = child.id() as i32;
+    let pgid = Pid::from_raw(pid);
     let grace = Duration::from_millis(launch.kill_grace_ms);
     let mut kill_deadline: Option<Instant> = None;
     let mut fenced = false;
@@ -322,6 +338,18 @@ pub fn run(dir: &Path) -> Result<(), SupervisorError> {
             source,
         })?,
     };
+    Ok((status, kill_deadline.is_some(), fenced))
+}
+
+/// The task's exit as the agent reads it: its code, or the signal that
+/// killed it, or task-init's word that the command never ran.
+fn record_exit(
+    dir: &Path,
+    launch: &Launch,
+    status: ExitStatus,
+    killed: bool,
+    fenced: bool,
+) -> Result<(), SupervisorError> {
     // task-init says so when the command never ran, and which signal
     // killed the command (its own exit code is then 128 + it).
     let error = launch
@@ -341,7 +369,7 @@ pub fn run(dir: &Path) -> Result<(), SupervisorError> {
         &dir.join(EXIT_FILE),
         &ExitRecord {
             code: error.is_none().then(|| exit_code(status)),
-            killed: kill_deadline.is_some(),
+            killed,
             fenced,
             error: error.clone(),
             signal: signal.filter(|_| error.is_none()),
