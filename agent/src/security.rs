@@ -302,124 +302,149 @@ impl TaskPolicy {
             Runtime::Process
         };
         match runtime {
-            Runtime::Process => {
-                if !sec.mounts.is_empty() {
-                    return Err("security.mounts: host-process tasks take no mounts".into());
-                }
-                if sec.run_as_root {
-                    if !self.allow_root_tasks {
-                        return Err(format!(
-                            "refused: the job asks to run as root (security.run_as_root) and this agent does not allow root tasks (agent option {ROOT_OPTION})"
-                        ));
-                    }
-                    if !self.agent_is_root() {
-                        return Err(format!(
-                            "refused: the job asks to run as root (security.run_as_root) and this agent does not run as root (uid {})",
-                            self.agent_ids.uid
-                        ));
-                    }
-                    if user.is_some() {
-                        return Err(
-                            "security.run_as_root cannot be asked together with security.user"
-                                .into(),
-                        );
-                    }
-                    return Ok(LaunchSecurity {
-                        namespaces: true,
-                        ..Default::default()
-                    });
-                }
-                if self.agent_is_root() && user.is_none() && !self.task_users.is_empty() {
-                    return Ok(LaunchSecurity {
-                        own_user: true,
-                        namespaces: true,
-                        ..Default::default()
-                    });
-                }
-                let user = user.unwrap_or(self.task_user);
-                if user.is_root() {
-                    return Err(format!(
-                        "security.user: {user} is root; a host-process job asks for security.run_as_root instead"
-                    ));
-                }
-                if self.agent_is_root() {
-                    Ok(LaunchSecurity {
-                        user: Some(user),
-                        namespaces: true,
-                        ..Default::default()
-                    })
-                } else if sec.user.is_none() || user == self.agent_ids {
-                    // A user agent (`gpuctl demo` on a laptop) runs its
-                    // tasks as itself: it has nothing more to give away.
-                    Ok(LaunchSecurity::default())
-                } else {
-                    Err(format!(
-                        "refused: security.user {user}: this agent does not run as root (uid {}), so it cannot run a task as another user",
-                        self.agent_ids.uid
-                    ))
-                }
+            Runtime::Process => self.resolve_host_process(sec, user),
+            Runtime::Docker => self.resolve_container(sec, user, host),
+        }
+    }
+
+    /// A host process's user and namespaces.
+    fn resolve_host_process(
+        &self,
+        sec: &gpuctl_core::types::TaskSecurity,
+        user: Option<UserIds>,
+    ) -> Result<LaunchSecurity, String> {
+        if !sec.mounts.is_empty() {
+            return Err("security.mounts: host-process tasks take no mounts".into());
+        }
+        if sec.run_as_root {
+            if !self.allow_root_tasks {
+                return Err(format!(
+                    "refused: the job asks to run as root (security.run_as_root) and this agent does not allow root tasks (agent option {ROOT_OPTION})"
+                ));
             }
-            Runtime::Docker => {
-                if sec.run_as_root {
-                    return Err(
-                        "security.run_as_root: only for host-process jobs (a container runs as its image's user or security.user)"
-                            .into(),
-                    );
-                }
-                let mut mounts = Vec::with_capacity(sec.mounts.len());
-                for (i, m) in sec.mounts.iter().enumerate() {
-                    let field = format!("security.mounts[{i}].host_path");
-                    let resolved = host
-                        .resolve(Path::new(&m.host_path))
-                        .map_err(|e| format!("{field}: {}: {e}", m.host_path))?;
-                    let Some(r) = resolved.to_str().filter(|r| !r.contains([':', ','])) else {
-                        return Err(format!(
-                            "{field}: {} resolves to {}, which Docker cannot bind-mount (':' or ',')",
-                            m.host_path,
-                            resolved.display()
-                        ));
-                    };
-                    if !path_within(&self.resolved_mounts, r) {
-                        let via = if r == m.host_path {
-                            String::new()
-                        } else {
-                            format!(" (it resolves to {r})")
-                        };
-                        let allowed = if self.allowed_mounts.is_empty() {
-                            "none".to_string()
-                        } else {
-                            self.allowed_mounts.join(", ")
-                        };
-                        return Err(format!(
-                            "refused: {field}: {}{via} is not under any allowed mount of this agent ({allowed}; agent option {MOUNTS_OPTION})",
-                            m.host_path
-                        ));
-                    }
-                    // Docker (before 25, and with the API we speak) makes
-                    // only the top of a read-only bind read-only: file
-                    // systems mounted below it would stay writable.
-                    if m.read_only {
-                        if let Some(below) = host.mounts_below(&resolved).first() {
-                            return Err(format!(
-                                    "refused: {field}: {} has a file system mounted below it ({}), which a read-only mount would leave writable; mount that path itself, or read-write",
-                                    m.host_path,
-                                    below.display()
-                                ));
-                        }
-                    }
-                    mounts.push(BindMount {
-                        host_path: resolved,
-                        container_path: m.container_path.clone(),
-                        read_only: m.read_only,
-                    });
-                }
-                Ok(LaunchSecurity {
-                    user,
-                    mounts,
-                    ..Default::default()
-                })
+            if !self.agent_is_root() {
+                return Err(format!(
+                    "refused: the job asks to run as root (security.run_as_root) and this agent does not run as root (uid {})",
+                    self.agent_ids.uid
+                ));
+            }
+            if user.is_some() {
+                return Err(
+                    "security.run_as_root cannot be asked together with security.user".into(),
+                );
+            }
+            return Ok(LaunchSecurity {
+                namespaces: true,
+                ..Default::default()
+            });
+        }
+        if self.agent_is_root() && user.is_none() && !self.task_users.is_empty() {
+            return Ok(LaunchSecurity {
+                own_user: true,
+                namespaces: true,
+                ..Default::default()
+            });
+        }
+        let user = user.unwrap_or(self.task_user);
+        if user.is_root() {
+            return Err(format!(
+                "security.user: {user} is root; a host-process job asks for security.run_as_root instead"
+            ));
+        }
+        if self.agent_is_root() {
+            Ok(LaunchSecurity {
+                user: Some(user),
+                namespaces: true,
+                ..Default::default()
+            })
+        } else if sec.user.is_none() || user == self.agent_ids {
+            // A user agent (`gpuctl demo` on a laptop) runs its
+            // tasks as itself: it has nothing more to give away.
+            Ok(LaunchSecurity::default())
+        } else {
+            Err(format!(
+                "refused: security.user {user}: this agent does not run as root (uid {}), so it cannot run a task as another user",
+                self.agent_ids.uid
+            ))
+        }
+    }
+
+    /// A container's user and bind mounts.
+    fn resolve_container(
+        &self,
+        sec: &gpuctl_core::types::TaskSecurity,
+        user: Option<UserIds>,
+        host: &dyn HostPaths,
+    ) -> Result<LaunchSecurity, String> {
+        if sec.run_as_root {
+            return Err(
+                "security.run_as_root: only for host-process jobs (a container runs as its image's user or security.user)"
+                    .into(),
+            );
+        }
+        let mut mounts = Vec::with_capacity(sec.mounts.len());
+        for (i, m) in sec.mounts.iter().enumerate() {
+            mounts.push(self.bind_mount(i, m, host)?);
+        }
+        Ok(LaunchSecurity {
+            user,
+            mounts,
+            ..Default::default()
+        })
+    }
+
+    /// Mount `i` of a container, resolved on this host and under an
+    /// allowed mount, or why it is refused.
+    fn bind_mount(
+        &self,
+        i: usize,
+        m: &gpuctl_core::types::HostMount,
+        host: &dyn HostPaths,
+    ) -> Result<BindMount, String> {
+        let field = format!("security.mounts[{i}].host_path");
+        let resolved = host
+            .resolve(Path::new(&m.host_path))
+            .map_err(|e| format!("{field}: {}: {e}", m.host_path))?;
+        let Some(r) = resolved.to_str().filter(|r| !r.contains([':', ','])) else {
+            return Err(format!(
+                "{field}: {} resolves to {}, which Docker cannot bind-mount (':' or ',')",
+                m.host_path,
+                resolved.display()
+            ));
+        };
+        if !path_within(&self.resolved_mounts, r) {
+            let via = if r == m.host_path {
+                String::new()
+            } else {
+                format!(" (it resolves to {r})")
+            };
+            let allowed = if self.allowed_mounts.is_empty() {
+                "none".to_string()
+            } else {
+                self.allowed_mounts.join(", ")
+            };
+            return Err(format!(
+                "refused: {field}: {}{via} is not under any allowed mount of this agent ({allowed}; agent option {MOUNTS_OPTION})",
+                m.host_path
+            ));
+        }
+        // Docker (before 25, and with the API we speak) makes
+        // only the top of a read-only bind read-only: file
+        // systems mounted below it would stay writable.
+        if m.read_only {
+            if let Some(below) = host.mounts_below(&resolved).first() {
+                return Err(format!(
+                        "refused: {field}: {} has a file system mounted below it ({}), which a read-only mount would leave writable; mount that path itself, or read-write",
+                        m.host_path,
+                        below.display()
+                    ));
             }
         }
+        Ok(BindMount {
+            host_path: resolved,
+            container_path: m.container_path.clone(),
+            read_only: m.read_only,
+        })
     }
 
     /// The task's checkpoint directory on this host, if its job names one:
