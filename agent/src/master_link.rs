@@ -254,22 +254,16 @@ fn retry_wait(backoff: &mut Backoff, electing: bool, agent_id: &str) -> Duration
     }
 }
 
-/// One registration and what follows it; returns on the first failure.
-/// Tasks keep running meanwhile: nothing here tells the executor to stop.
-async fn session(
-    masters: &Masters,
+/// The registration: what the agent is and offers, its GPUs with the
+/// health checks' verdict and their MIG state as layout changes left it,
+/// and the tasks it runs; with the health generation it says.
+fn register_request(
     info: &AgentInfo,
     executor: &Arc<Executor>,
-    mut health: watch::Receiver<Snapshot>,
+    health: &mut watch::Receiver<Snapshot>,
     mig: Option<&Arc<crate::gpu::mig_apply::Applier>>,
-) -> SessionError {
-    let (addr, mut client) = match masters.client() {
-        Ok(c) => c,
-        Err(e) => return SessionError::other(&masters.current_addr(), e, false),
-    };
-    // Registration carries the health checks' verdict too, and the GPUs'
-    // MIG state as layout changes left it.
-    let (gpus, mut told) = {
+) -> (pb::RegisterRequest, u64) {
+    let (gpus, told) = {
         let now = mig.map_or_else(|| info.gpus.clone(), |m| m.gpus());
         let snapshot = health.borrow_and_update();
         (with_health(&now, &snapshot), snapshot.generation)
@@ -291,6 +285,23 @@ async fn session(
         .into()
     };
     req.running_task_ids.sort();
+    (req, told)
+}
+
+/// One registration and what follows it; returns on the first failure.
+/// Tasks keep running meanwhile: nothing here tells the executor to stop.
+async fn session(
+    masters: &Masters,
+    info: &AgentInfo,
+    executor: &Arc<Executor>,
+    mut health: watch::Receiver<Snapshot>,
+    mig: Option<&Arc<crate::gpu::mig_apply::Applier>>,
+) -> SessionError {
+    let (addr, mut client) = match masters.client() {
+        Ok(c) => c,
+        Err(e) => return SessionError::other(&masters.current_addr(), e, false),
+    };
+    let (req, mut told) = register_request(info, executor, &mut health, mig);
     let sent_ms = crate::checkpoint::wall_ms();
     // Registering needs a commit, which a new leader over a slow link
     // between masters may take long to make; meanwhile heartbeats that a
