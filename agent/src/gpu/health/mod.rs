@@ -304,27 +304,15 @@ fn run(
         (config.preflight_command.clone(), config.preflight_timeout);
     let mut tracker = Tracker::new(config, &gpus);
     tx.send_replace(tracker.snapshot());
-    let init = || match &nvml_lib {
-        Some(p) => Nvml::builder().lib_path(p.as_os_str()).init(),
-        None => Nvml::init(),
-    };
-    let nvml = loop {
-        match init() {
-            Ok(n) => break n,
-            Err(e) => {
-                for g in &gpus {
-                    tracker.probe(
-                        &g.uuid,
-                        Probe::Failed(format!("NVML unavailable: {e}")),
-                        Instant::now(),
-                    );
-                }
-                tx.send_replace(tracker.snapshot());
-                if sleep_unless_stopped(&stop, interval) {
-                    return;
-                }
-            }
-        }
+    let Some(nvml) = init_nvml(
+        nvml_lib.as_deref(),
+        &gpus,
+        &mut tracker,
+        &tx,
+        &stop,
+        interval,
+    ) else {
+        return;
     };
     let uuids: Vec<String> = gpus.iter().map(|g| g.uuid.clone()).collect();
     let (mut set, mut watched) = event_set(&nvml, &uuids);
@@ -388,25 +376,9 @@ fn run(
         match s.wait(wait.as_millis() as u32) {
             Ok(ev) => {
                 wait_failed = false;
-                let uuid = ev.device.uuid().or_else(|_| {
-                    ev.device
-                        .index()
-                        .ok()
-                        .and_then(|i| gpus.iter().find(|g| g.index == i))
-                        .map(|g| g.uuid.clone())
-                        .ok_or(NvmlError::NotFound)
-                });
-                let Ok(uuid) = uuid else {
+                let Some((uuid, event)) = event_of(&ev, &gpus) else {
                     tracing::warn!(kind = ?ev.event_type, "NVML event for a GPU not known here; ignored");
                     continue;
-                };
-                let event = if ev.event_type.contains(EventTypes::CRITICAL_XID_ERROR) {
-                    Event::Xid(match ev.event_data {
-                        Some(XidError::Value(x)) => Some(x),
-                        _ => None,
-                    })
-                } else {
-                    Event::DoubleBitEcc
                 };
                 tracker.event(&uuid, event);
                 tx.send_replace(tracker.snapshot());
@@ -424,6 +396,67 @@ fn run(
             }
         }
     }
+}
+
+/// NVML, once it loads: until then every GPU fails its probe, every
+/// `interval`; `None` when `stop` is set first.
+fn init_nvml(
+    nvml_lib: Option<&std::path::Path>,
+    gpus: &[GpuInfo],
+    tracker: &mut Tracker,
+    tx: &watch::Sender<Snapshot>,
+    stop: &AtomicBool,
+    interval: Duration,
+) -> Option<Nvml> {
+    loop {
+        let init = match nvml_lib {
+            Some(p) => Nvml::builder().lib_path(p.as_os_str()).init(),
+            None => Nvml::init(),
+        };
+        match init {
+            Ok(n) => return Some(n),
+            Err(e) => {
+                for g in gpus {
+                    tracker.probe(
+                        &g.uuid,
+                        Probe::Failed(format!("NVML unavailable: {e}")),
+                        Instant::now(),
+                    );
+                }
+                tx.send_replace(tracker.snapshot());
+                if sleep_unless_stopped(stop, interval) {
+                    return None;
+                }
+            }
+        }
+    }
+}
+
+/// An NVML event as the tracker takes it, with its GPU's UUID (found by
+/// index when the event's device gives none); `None` for a GPU not known
+/// here.
+fn event_of(
+    ev: &nvml_wrapper::struct_wrappers::event::EventData<'_>,
+    gpus: &[GpuInfo],
+) -> Option<(String, Event)> {
+    let uuid = ev.device.uuid().or_else(|_| {
+        ev.device
+            .index()
+            .ok()
+            .and_then(|i| gpus.iter().find(|g| g.index == i))
+            .map(|g| g.uuid.clone())
+            .ok_or(NvmlError::NotFound)
+    });
+    let uuid = uuid.ok()?;
+    let event = if ev.event_type.contains(EventTypes::CRITICAL_XID_ERROR) {
+        Event::Xid(match ev.event_data {
+            Some(XidError::Value(x)) => Some(x),
+            _ => None,
+        })
+    } else {
+        Event::DoubleBitEcc
+    };
+    Some((uuid, event))
 }
 
 /// Sleeps `d`, waking early to return true when `stop` is set.
