@@ -103,38 +103,14 @@ impl Executor {
             return Outcome::failed(format!("this agent has no {kind} runtime"));
         };
         let tref = self.task_ref(task_id);
-        let mut started = false;
-        if reattach {
-            // Its MPS daemon outlived the agent too: kept for it from now,
-            // before the runtime answers (Docker may be down a while, and
-            // an unclaimed daemon is quit as idle).
-            let group = std::fs::read_to_string(self.state_dir(task_id).join(MPS_GROUP_FILE));
-            if let (Some(sh), Some(gpu), Ok(group)) = (&spec.share, spec.gpu_uuids.first(), group) {
-                if sh.mode == ShareMode::Mps && self.isolation.mps.available() {
-                    self.isolation.mps.adopt(task_id, gpu, group.trim());
-                }
+        let started = if reattach {
+            match self.reattach(spec, rt.as_ref(), &tref).await {
+                Ok(started) => started,
+                Err(o) => return o,
             }
-            let mut backoff = Backoff::new(OUTAGE_BACKOFF_MIN, OUTAGE_BACKOFF_MAX);
-            loop {
-                match rt.observe(&tref).await {
-                    Ok(Observed::NotStarted) => {
-                        if tref.state_dir.join(STARTED_FILE).exists() {
-                            self.release(task_id);
-                            return Outcome::failed("the task vanished while the agent was down");
-                        }
-                        break;
-                    }
-                    Ok(Observed::Running | Observed::Ended(_)) => {
-                        started = true;
-                        break;
-                    }
-                    Err(e) if e.is_unavailable() => {
-                        tokio::time::sleep(backoff.next_wait()).await;
-                    }
-                    Err(e) => return Outcome::failed(e.to_string()),
-                }
-            }
-        }
+        } else {
+            false
+        };
         let mut enforcement = None;
         if !started {
             if reattach {
@@ -217,6 +193,46 @@ impl Executor {
             }
         }
         outcome
+    }
+
+    /// A task checkpointed by an earlier agent process: its MPS daemon
+    /// claimed again, and whether its runtime started it (`Err`: its end,
+    /// when it vanished or cannot be looked at). Waits out runtime outages.
+    async fn reattach(
+        &self,
+        spec: &TaskSpec,
+        rt: &dyn ContainerRuntime,
+        tref: &TaskRef,
+    ) -> Result<bool, Outcome> {
+        let task_id = spec.task_id.as_str();
+        // Its MPS daemon outlived the agent too: kept for it from now,
+        // before the runtime answers (Docker may be down a while, and
+        // an unclaimed daemon is quit as idle).
+        let group = std::fs::read_to_string(self.state_dir(task_id).join(MPS_GROUP_FILE));
+        if let (Some(sh), Some(gpu), Ok(group)) = (&spec.share, spec.gpu_uuids.first(), group) {
+            if sh.mode == ShareMode::Mps && self.isolation.mps.available() {
+                self.isolation.mps.adopt(task_id, gpu, group.trim());
+            }
+        }
+        let mut backoff = Backoff::new(OUTAGE_BACKOFF_MIN, OUTAGE_BACKOFF_MAX);
+        loop {
+            match rt.observe(tref).await {
+                Ok(Observed::NotStarted) => {
+                    if tref.state_dir.join(STARTED_FILE).exists() {
+                        self.release(task_id);
+                        return Err(Outcome::failed(
+                            "the task vanished while the agent was down",
+                        ));
+                    }
+                    return Ok(false);
+                }
+                Ok(Observed::Running | Observed::Ended(_)) => return Ok(true),
+                Err(e) if e.is_unavailable() => {
+                    tokio::time::sleep(backoff.next_wait()).await;
+                }
+                Err(e) => return Err(Outcome::failed(e.to_string())),
+            }
+        }
     }
 }
 
