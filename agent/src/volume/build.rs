@@ -197,6 +197,48 @@ impl Plan {
     }
 }
 
+/// The driver's programs, found in `dirs` under the driver root, under
+/// the names they are run as.
+fn add_binaries(driver_root: &Path, dirs: &[PathBuf], plan: &mut Plan) -> Result<(), VolumeError> {
+    for b in manifest::BINARIES {
+        // The first ELF file wins; a script only when there is none. A
+        // host's wrapper script (a GPU sandbox's `/usr/bin/nvidia-smi` runs
+        // `/usr/local/nvidia/bin/nvidia-smi`) would run in the container,
+        // where that path is the volume's own copy of the script.
+        let mut script = None;
+        let mut elf = None;
+        for dir in dirs {
+            let candidate = dir.join(b.name);
+            let Some(real) = resolve_in_root(driver_root, &candidate)? else {
+                continue;
+            };
+            if !real.is_file() {
+                continue;
+            }
+            if file_elf_class(&real)?.is_some() {
+                elf = Some(real);
+                break;
+            }
+            script.get_or_insert((candidate, real));
+        }
+        let chosen = match (elf, script) {
+            (Some(real), _) => real,
+            (None, Some((candidate, real))) => {
+                tracing::warn!(
+                    program = %candidate.display(),
+                    root = %driver_root.display(),
+                    "driver program is not an ELF file (a wrapper?); taken, as there is no other"
+                );
+                real
+            }
+            (None, None) => continue,
+        };
+        // Under the name it is run as, whatever the real file is called.
+        plan.files.insert(("bin", b.name.into()), chosen);
+    }
+    Ok(())
+}
+
 /// Reads the driver root and decides what the volume holds.
 fn plan(driver_root: &Path) -> Result<Plan, VolumeError> {
     let cache_path = driver_root.join("etc/ld.so.cache");
@@ -290,42 +332,7 @@ fn plan(driver_root: &Path) -> Result<Plan, VolumeError> {
         .map(|d| Path::new("/").join(d))
         .chain(lib_dirs)
         .collect();
-    for b in manifest::BINARIES {
-        // The first ELF file wins; a script only when there is none. A
-        // host's wrapper script (a GPU sandbox's `/usr/bin/nvidia-smi` runs
-        // `/usr/local/nvidia/bin/nvidia-smi`) would run in the container,
-        // where that path is the volume's own copy of the script.
-        let mut script = None;
-        let mut elf = None;
-        for dir in &dirs {
-            let candidate = dir.join(b.name);
-            let Some(real) = resolve_in_root(driver_root, &candidate)? else {
-                continue;
-            };
-            if !real.is_file() {
-                continue;
-            }
-            if file_elf_class(&real)?.is_some() {
-                elf = Some(real);
-                break;
-            }
-            script.get_or_insert((candidate, real));
-        }
-        let chosen = match (elf, script) {
-            (Some(real), _) => real,
-            (None, Some((candidate, real))) => {
-                tracing::warn!(
-                    program = %candidate.display(),
-                    root = %driver_root.display(),
-                    "driver program is not an ELF file (a wrapper?); taken, as there is no other"
-                );
-                real
-            }
-            (None, None) => continue,
-        };
-        // Under the name it is run as, whatever the real file is called.
-        plan.files.insert(("bin", b.name.into()), chosen);
-    }
+    add_binaries(driver_root, &dirs, &mut plan)?;
     Ok(plan)
 }
 
