@@ -131,10 +131,38 @@ pub async fn run(
             .await
         })
         .await?;
-    let rows: Vec<RowJson> = resp
-        .rows
-        .iter()
-        .map(|r| RowJson {
+    let rows: Vec<RowJson> = resp.rows.iter().map(RowJson::of).collect();
+    let with_tenant = matches!(args.by, By::User | By::Job);
+    if args.json {
+        let report = Report {
+            since_ms: resp.since_ms,
+            until_ms: resp.until_ms,
+            by,
+            truncated: resp.truncated,
+            rows,
+        };
+        serde_json::to_writer_pretty(&mut *out, &report)
+            .map_err(|e| CliError::Other(format!("json: {e}")))?;
+        writeln!(out)?;
+        return Ok(());
+    }
+    if args.csv {
+        return write_csv(out, by, with_tenant, &rows);
+    }
+    let t = usage_table(&args.by, with_tenant, &rows);
+    write!(out, "{}", t.render())?;
+    if resp.truncated {
+        writeln!(
+            out,
+            "(more rows than one answer holds; the smallest are left out)"
+        )?;
+    }
+    Ok(())
+}
+
+impl RowJson {
+    fn of(r: &pb::UsageRow) -> RowJson {
+        RowJson {
             key: r.key.clone(),
             tenant: r.tenant.clone(),
             gpu_hours: hours(r.gpu_ms),
@@ -151,56 +179,53 @@ pub async fn run(
             gpu_startup_ms: r.gpu_startup_ms,
             cpu_ms: r.cpu_ms,
             mem_mib_ms: r.mem_mib_ms,
-        })
-        .collect();
-    let with_tenant = matches!(args.by, By::User | By::Job);
-    if args.json {
-        let report = Report {
-            since_ms: resp.since_ms,
-            until_ms: resp.until_ms,
-            by,
-            truncated: resp.truncated,
-            rows,
-        };
-        serde_json::to_writer_pretty(&mut *out, &report)
-            .map_err(|e| CliError::Other(format!("json: {e}")))?;
-        writeln!(out)?;
-        return Ok(());
+        }
     }
-    if args.csv {
-        let mut header = vec![by];
+}
+
+/// The report as CSV: a header, then a line per row.
+fn write_csv(
+    out: &mut dyn Write,
+    by: &str,
+    with_tenant: bool,
+    rows: &[RowJson],
+) -> Result<(), CliError> {
+    let mut header = vec![by];
+    if with_tenant {
+        header.push("tenant");
+    }
+    header.extend([
+        "gpu_hours",
+        "gpu_startup_hours",
+        "gpu_util_pct",
+        "cpu_hours",
+        "mem_gib_hours",
+        "tasks",
+        "running",
+    ]);
+    writeln!(out, "{}", header.join(","))?;
+    for r in rows {
+        let mut cells = vec![csv_cell(&r.key)];
         if with_tenant {
-            header.push("tenant");
+            cells.push(csv_cell(&r.tenant));
         }
-        header.extend([
-            "gpu_hours",
-            "gpu_startup_hours",
-            "gpu_util_pct",
-            "cpu_hours",
-            "mem_gib_hours",
-            "tasks",
-            "running",
+        cells.extend([
+            format!("{:.4}", r.gpu_hours),
+            format!("{:.4}", r.gpu_startup_hours),
+            r.gpu_util_pct.map_or(String::new(), |u| format!("{u:.1}")),
+            format!("{:.4}", r.cpu_hours),
+            format!("{:.4}", r.mem_gib_hours),
+            r.tasks.to_string(),
+            r.running.to_string(),
         ]);
-        writeln!(out, "{}", header.join(","))?;
-        for r in &rows {
-            let mut cells = vec![csv_cell(&r.key)];
-            if with_tenant {
-                cells.push(csv_cell(&r.tenant));
-            }
-            cells.extend([
-                format!("{:.4}", r.gpu_hours),
-                format!("{:.4}", r.gpu_startup_hours),
-                r.gpu_util_pct.map_or(String::new(), |u| format!("{u:.1}")),
-                format!("{:.4}", r.cpu_hours),
-                format!("{:.4}", r.mem_gib_hours),
-                r.tasks.to_string(),
-                r.running.to_string(),
-            ]);
-            writeln!(out, "{}", cells.join(","))?;
-        }
-        return Ok(());
+        writeln!(out, "{}", cells.join(","))?;
     }
-    let mut headers = vec![args.by.header()];
+    Ok(())
+}
+
+/// The report as a table, with a TOTAL row.
+fn usage_table(by: &By, with_tenant: bool, rows: &[RowJson]) -> Table {
+    let mut headers = vec![by.header()];
     if with_tenant {
         headers.push("TENANT");
     }
@@ -217,7 +242,7 @@ pub async fn run(
     let mut total = (0.0, 0.0, 0.0, 0, 0);
     let mut startup = 0.0;
     let (mut sampled, mut busy) = (0u64, 0u64);
-    for r in &rows {
+    for r in rows {
         let mut cells = vec![if r.key.is_empty() {
             "(no GPU)".to_string()
         } else {
@@ -263,14 +288,7 @@ pub async fn run(
         total.4.to_string(),
     ]);
     t.row(cells);
-    write!(out, "{}", t.render())?;
-    if resp.truncated {
-        writeln!(
-            out,
-            "(more rows than one answer holds; the smallest are left out)"
-        )?;
-    }
-    Ok(())
+    t
 }
 
 /// A CSV field, quoted when it holds a comma, quote or line break.
