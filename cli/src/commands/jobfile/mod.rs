@@ -363,52 +363,16 @@ impl JobFile {
             .iter()
             .map(|m| parse_mount(&m.0).map_err(|e| usage(format!("mount: {e}"))))
             .collect::<Result<Vec<_>, _>>()?;
-        let placement = pb::Placement {
-            policy: self.placement.unwrap_or_default(),
-            gpu_model: self.gpu_model.map(|t| t.0).unwrap_or_default(),
-            gpu_mem_min_mib: self.gpu_mem_min.unwrap_or(0),
-            constraints: constraints.into_iter().collect(),
-            mig: self.mig.map(|t| t.0).unwrap_or_default(),
-            gpu_mem_mib: match &self.gpu_mem {
-                Some(t) => parse_gpu_mem(&t.0).map_err(|e| usage(format!("gpu_mem: {e}")))?,
-                None => 0,
-            },
-            gpu_compute_pct: match &self.gpu_compute {
-                Some(t) => {
-                    parse_gpu_compute(&t.0).map_err(|e| usage(format!("gpu_compute: {e}")))?
-                }
-                None => 0,
-            },
-        };
-        if placement.gpu_compute_pct > 0 && placement.gpu_mem_mib == 0 {
-            return Err(usage(
-                "--gpu-compute asks a share of a GPU's compute: give its memory too (--gpu-mem)"
-                    .into(),
-            ));
-        }
-        if placement.gpu_mem_mib > 0 && !placement.mig.is_empty() {
-            return Err(usage(
-                "a task gets a MIG device (--mig) or a fraction of a shared GPU (--gpu-mem), not both"
-                    .into(),
-            ));
-        }
-        // A MIG task gets exactly one MIG device: --gpus defaults to it.
-        let gpus = match (placement.mig.is_empty(), self.gpus) {
-            // A fraction is a share of one GPU, not a device.
-            (true, Some(n)) if placement.gpu_mem_mib > 0 && n != 0 => {
-                return Err(usage(format!(
-                    "--gpu-mem gives each task a fraction of one shared GPU; --gpus {n} asks for whole GPUs (leave --gpus out)"
-                )))
-            }
-            (true, g) => g.unwrap_or(0),
-            (false, None | Some(1)) => 1,
-            (false, Some(n)) => {
-                return Err(usage(format!(
-                    "--mig {} gives each task one MIG device; --gpus {n} asks for {n} (leave --gpus out)",
-                    placement.mig
-                )))
-            }
-        };
+        let placement = placement_of(
+            self.placement,
+            self.gpu_model,
+            self.gpu_mem_min,
+            constraints,
+            self.mig,
+            self.gpu_mem,
+            self.gpu_compute,
+        )?;
+        let gpus = gpus_of(&placement, self.gpus)?;
         let security = pb::TaskSecurity {
             user: self.user.map(|t| t.0).unwrap_or_default(),
             mounts,
@@ -461,6 +425,70 @@ impl JobFile {
             .map_err(|e| CliError::Other(e.to_string()))?;
         Ok(spec)
     }
+}
+
+/// The placement a job file asks for, its fraction or MIG device checked
+/// against each other.
+fn placement_of(
+    policy: Option<String>,
+    gpu_model: Option<Text>,
+    gpu_mem_min: Option<u64>,
+    constraints: BTreeMap<String, String>,
+    mig: Option<Text>,
+    gpu_mem: Option<Text>,
+    gpu_compute: Option<Text>,
+) -> Result<pb::Placement, CliError> {
+    let usage = |m: String| CliError::Usage(m);
+    let placement = pb::Placement {
+        policy: policy.unwrap_or_default(),
+        gpu_model: gpu_model.map(|t| t.0).unwrap_or_default(),
+        gpu_mem_min_mib: gpu_mem_min.unwrap_or(0),
+        constraints: constraints.into_iter().collect(),
+        mig: mig.map(|t| t.0).unwrap_or_default(),
+        gpu_mem_mib: match &gpu_mem {
+            Some(t) => parse_gpu_mem(&t.0).map_err(|e| usage(format!("gpu_mem: {e}")))?,
+            None => 0,
+        },
+        gpu_compute_pct: match &gpu_compute {
+            Some(t) => parse_gpu_compute(&t.0).map_err(|e| usage(format!("gpu_compute: {e}")))?,
+            None => 0,
+        },
+    };
+    if placement.gpu_compute_pct > 0 && placement.gpu_mem_mib == 0 {
+        return Err(usage(
+            "--gpu-compute asks a share of a GPU's compute: give its memory too (--gpu-mem)".into(),
+        ));
+    }
+    if placement.gpu_mem_mib > 0 && !placement.mig.is_empty() {
+        return Err(usage(
+            "a task gets a MIG device (--mig) or a fraction of a shared GPU (--gpu-mem), not both"
+                .into(),
+        ));
+    }
+    Ok(placement)
+}
+
+/// Each task's GPUs: `gpus`, 1 for a MIG device, none for a fraction.
+fn gpus_of(placement: &pb::Placement, gpus: Option<u32>) -> Result<u32, CliError> {
+    let usage = |m: String| CliError::Usage(m);
+    // A MIG task gets exactly one MIG device: --gpus defaults to it.
+    let gpus = match (placement.mig.is_empty(), gpus) {
+        // A fraction is a share of one GPU, not a device.
+        (true, Some(n)) if placement.gpu_mem_mib > 0 && n != 0 => {
+            return Err(usage(format!(
+                "--gpu-mem gives each task a fraction of one shared GPU; --gpus {n} asks for whole GPUs (leave --gpus out)"
+            )))
+        }
+        (true, g) => g.unwrap_or(0),
+        (false, None | Some(1)) => 1,
+        (false, Some(n)) => {
+            return Err(usage(format!(
+                "--mig {} gives each task one MIG device; --gpus {n} asks for {n} (leave --gpus out)",
+                placement.mig
+            )))
+        }
+    };
+    Ok(gpus)
 }
 
 fn texts(v: Vec<Text>) -> Vec<String> {
