@@ -229,50 +229,7 @@ pub fn agent_detail(a: &pb::Agent, holders: &BTreeMap<String, String>) -> String
         }
     );
     if !a.gpus.is_empty() {
-        let mut t = Table::new(&[
-            "INDEX", "UUID", "MODEL", "MEMORY", "MINOR", "PCI", "NUMA", "CC", "HEALTH", "TASK",
-        ]);
-        let mut gpus: Vec<&pb::Gpu> = a.gpus.iter().collect();
-        gpus.sort_by_key(|g| g.index);
-        for g in &gpus {
-            let health = if g.healthy {
-                "healthy".to_string()
-            } else {
-                format!("UNHEALTHY: {}", g.unhealthy_reason)
-            };
-            t.row(vec![
-                g.index.to_string(),
-                g.uuid.clone(),
-                model_label(g),
-                fmt_mib(g.memory_mib),
-                g.minor.to_string(),
-                g.pci_bus_id.clone(),
-                g.numa_node.map(|n| n.to_string()).unwrap_or_default(),
-                g.compute_capability.clone(),
-                health.clone(),
-                holders.get(&g.uuid).cloned().unwrap_or_default(),
-            ]);
-            for [index, uuid, model, memory] in mig_rows(g) {
-                let mig_health = if uuid.is_empty() {
-                    String::new()
-                } else {
-                    health.clone()
-                };
-                let task = holders.get(&uuid).cloned().unwrap_or_default();
-                t.row(vec![
-                    index,
-                    uuid,
-                    model,
-                    memory,
-                    String::new(),
-                    String::new(),
-                    String::new(),
-                    String::new(),
-                    mig_health,
-                    task,
-                ]);
-            }
-        }
+        let t = agent_gpus_table(a, holders);
         let _ = write!(s, "\nGPUs:\n{}", t.render());
         let _ = write!(s, "\nTopology:\n{}", topology_matrix(&a.gpus));
     }
@@ -285,6 +242,56 @@ pub fn agent_detail(a: &pb::Agent, holders: &BTreeMap<String, String>) -> String
         }
     }
     s
+}
+
+/// `agents describe`'s GPUs, each MIG device under its GPU, with the
+/// task holding each.
+fn agent_gpus_table(a: &pb::Agent, holders: &BTreeMap<String, String>) -> Table {
+    let mut t = Table::new(&[
+        "INDEX", "UUID", "MODEL", "MEMORY", "MINOR", "PCI", "NUMA", "CC", "HEALTH", "TASK",
+    ]);
+    let mut gpus: Vec<&pb::Gpu> = a.gpus.iter().collect();
+    gpus.sort_by_key(|g| g.index);
+    for g in &gpus {
+        let health = if g.healthy {
+            "healthy".to_string()
+        } else {
+            format!("UNHEALTHY: {}", g.unhealthy_reason)
+        };
+        t.row(vec![
+            g.index.to_string(),
+            g.uuid.clone(),
+            model_label(g),
+            fmt_mib(g.memory_mib),
+            g.minor.to_string(),
+            g.pci_bus_id.clone(),
+            g.numa_node.map(|n| n.to_string()).unwrap_or_default(),
+            g.compute_capability.clone(),
+            health.clone(),
+            holders.get(&g.uuid).cloned().unwrap_or_default(),
+        ]);
+        for [index, uuid, model, memory] in mig_rows(g) {
+            let mig_health = if uuid.is_empty() {
+                String::new()
+            } else {
+                health.clone()
+            };
+            let task = holders.get(&uuid).cloned().unwrap_or_default();
+            t.row(vec![
+                index,
+                uuid,
+                model,
+                memory,
+                String::new(),
+                String::new(),
+                String::new(),
+                String::new(),
+                mig_health,
+                task,
+            ]);
+        }
+    }
+    t
 }
 
 /// `gpus`: AGENT, INDEX, UUID, MODEL, MEMORY, HEALTH, TASK.
