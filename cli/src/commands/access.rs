@@ -390,93 +390,100 @@ fn token_state(t: &pb::TokenInfo, now: u64) -> String {
     "active".into()
 }
 
+/// `tokens create`: the token, printed once.
+async fn create_token(
+    master: &mut Master,
+    a: CreateTokenArgs,
+    out: &mut dyn Write,
+) -> Result<u8, CliError> {
+    let role = if a.join {
+        pb::TokenRole::Join
+    } else {
+        match a.role.as_str() {
+            "admin" => pb::TokenRole::Admin,
+            "user" => pb::TokenRole::User,
+            "framework" => pb::TokenRole::Framework,
+            other => {
+                return Err(CliError::Other(format!(
+                    "--role {other:?}: one of admin, user, framework (or --join)"
+                )))
+            }
+        }
+    };
+    let ttl_secs = match &a.ttl {
+        None => 0,
+        Some(t) => gpuctl_core::time::parse_duration(t)
+            .map_err(|e| CliError::Other(format!("--ttl: {e}")))?
+            .as_secs()
+            .max(1),
+    };
+    let ids = |flag: &str, text: &str| {
+        gpuctl_core::types::IdRanges::parse(text)
+            .map(|r| gpuctl_core::convert::id_ranges_to_pb(&r))
+            .map_err(|e| CliError::Other(format!("{flag}: {e}")))
+    };
+    let allowed_uids = ids("--allow-uids", &a.allow_uids)?;
+    let allowed_gids = ids("--allow-gids", &a.allow_gids)?;
+    let req = pb::CreateTokenRequest {
+        role: role as i32,
+        tenant: a.tenant.clone().unwrap_or_default(),
+        ttl_secs,
+        description: a.description.clone(),
+        agent_id: a.agent.clone().unwrap_or_default(),
+        framework_roles: a.framework_roles.clone(),
+        allow_root: a.allow_root,
+        allowed_uids,
+        allowed_gids,
+        request_id: a
+            .request_id
+            .clone()
+            .unwrap_or_else(gpuctl_proto::new_request_id),
+    };
+    // Every try carries one request id: the master makes one token
+    // and answers a resend with it, so resending is safe.
+    let resp = master
+        .call_service(Retry::Resend, access_client, |mut c| {
+            let req = req.clone();
+            async move { c.create_token(req).await }
+        })
+        .await
+        .map_err(|e| {
+            e.unknown_as(
+                format!(
+                    "the token may or may not have been created (request id {})",
+                    req.request_id
+                ),
+                format!(
+                    "run the same command again with `--request-id {}` added: it prints \
+                     the token the first try made, secret included, or makes it (request \
+                     ids are remembered for 24 hours)",
+                    req.request_id
+                ),
+            )
+        })?;
+    let info = resp.info.unwrap_or_default();
+    writeln!(out, "{}", resp.token)?;
+    let _ = writeln!(
+        std::io::stderr(),
+        "token {} ({}{}) created; the line above is its secret, shown only now",
+        info.id,
+        role_name(info.role),
+        if info.tenant.is_empty() {
+            String::new()
+        } else {
+            format!(", tenant {}", info.tenant)
+        }
+    );
+    Ok(super::EXIT_OK)
+}
+
 pub async fn run_tokens(
     master: &mut Master,
     cmd: TokensCommand,
     out: &mut dyn Write,
 ) -> Result<u8, CliError> {
     match cmd {
-        TokensCommand::Create(a) => {
-            let role = if a.join {
-                pb::TokenRole::Join
-            } else {
-                match a.role.as_str() {
-                    "admin" => pb::TokenRole::Admin,
-                    "user" => pb::TokenRole::User,
-                    "framework" => pb::TokenRole::Framework,
-                    other => {
-                        return Err(CliError::Other(format!(
-                            "--role {other:?}: one of admin, user, framework (or --join)"
-                        )))
-                    }
-                }
-            };
-            let ttl_secs = match &a.ttl {
-                None => 0,
-                Some(t) => gpuctl_core::time::parse_duration(t)
-                    .map_err(|e| CliError::Other(format!("--ttl: {e}")))?
-                    .as_secs()
-                    .max(1),
-            };
-            let ids = |flag: &str, text: &str| {
-                gpuctl_core::types::IdRanges::parse(text)
-                    .map(|r| gpuctl_core::convert::id_ranges_to_pb(&r))
-                    .map_err(|e| CliError::Other(format!("{flag}: {e}")))
-            };
-            let allowed_uids = ids("--allow-uids", &a.allow_uids)?;
-            let allowed_gids = ids("--allow-gids", &a.allow_gids)?;
-            let req = pb::CreateTokenRequest {
-                role: role as i32,
-                tenant: a.tenant.clone().unwrap_or_default(),
-                ttl_secs,
-                description: a.description.clone(),
-                agent_id: a.agent.clone().unwrap_or_default(),
-                framework_roles: a.framework_roles.clone(),
-                allow_root: a.allow_root,
-                allowed_uids,
-                allowed_gids,
-                request_id: a
-                    .request_id
-                    .clone()
-                    .unwrap_or_else(gpuctl_proto::new_request_id),
-            };
-            // Every try carries one request id: the master makes one token
-            // and answers a resend with it, so resending is safe.
-            let resp = master
-                .call_service(Retry::Resend, access_client, |mut c| {
-                    let req = req.clone();
-                    async move { c.create_token(req).await }
-                })
-                .await
-                .map_err(|e| {
-                    e.unknown_as(
-                        format!(
-                            "the token may or may not have been created (request id {})",
-                            req.request_id
-                        ),
-                        format!(
-                            "run the same command again with `--request-id {}` added: it prints \
-                             the token the first try made, secret included, or makes it (request \
-                             ids are remembered for 24 hours)",
-                            req.request_id
-                        ),
-                    )
-                })?;
-            let info = resp.info.unwrap_or_default();
-            writeln!(out, "{}", resp.token)?;
-            let _ = writeln!(
-                std::io::stderr(),
-                "token {} ({}{}) created; the line above is its secret, shown only now",
-                info.id,
-                role_name(info.role),
-                if info.tenant.is_empty() {
-                    String::new()
-                } else {
-                    format!(", tenant {}", info.tenant)
-                }
-            );
-            Ok(super::EXIT_OK)
-        }
+        TokensCommand::Create(a) => create_token(master, a, out).await,
         TokensCommand::List { all } => {
             let resp = master
                 .call_service(Retry::Always, access_client, |mut c| async move {
