@@ -152,66 +152,9 @@ impl Scan {
     fn scan(&mut self, b: &[u8], mut i: usize, mut at: At, mut min: usize) -> Result<(), TooDeep> {
         loop {
             if self.flow > 0 {
-                // Flow context: every bracket outside quotes and comments
-                // opens or closes a collection (YAML keeps them out of
-                // plain scalars there). A quote starts a scalar only where
-                // a node may start; elsewhere (`a'b`) it is text.
-                loop {
-                    let Some(&c) = b.get(i) else {
-                        return Ok(());
-                    };
-                    let node_start = self.flow_node_start;
-                    self.flow_node_start = false;
-                    match c {
-                        b'[' | b'{' => {
-                            self.flow += 1;
-                            self.too_deep(self.flow_base + self.flow)?;
-                            self.flow_node_start = true;
-                        }
-                        b']' | b'}' => {
-                            self.flow -= 1;
-                            if self.flow == 0 {
-                                i += 1;
-                                at = At::Text;
-                                // A flow collection as a key.
-                                if let Some(colon) = key_colon(b, i) {
-                                    self.open_block(self.flow_col, Kind::Map)?;
-                                    min = self.flow_col + 1;
-                                    i = colon + 1;
-                                    at = At::NodeStart;
-                                }
-                                break;
-                            }
-                        }
-                        b',' => self.flow_node_start = true,
-                        // An indicator only before a space (`a:b` is text).
-                        b':' | b'?' => {
-                            self.flow_node_start =
-                                b.get(i + 1).is_none_or(|c| *c == b' ' || *c == b'\t');
-                        }
-                        b' ' | b'\t' => self.flow_node_start = node_start,
-                        b'&' | b'!' if node_start => {
-                            i = skip_word(b, i);
-                            self.flow_node_start = true;
-                            continue;
-                        }
-                        b'"' | b'\'' if node_start => match end_of_quote(b, i + 1, c) {
-                            Some(end) => {
-                                i = end;
-                                continue;
-                            }
-                            None => {
-                                self.quote = Some(c);
-                                return Ok(());
-                            }
-                        },
-                        b'#' if i == 0 || b[i - 1] == b' ' => {
-                            self.flow_node_start = node_start;
-                            return Ok(());
-                        }
-                        _ => {}
-                    }
-                    i += 1;
+                match self.scan_flow(b, i, min)? {
+                    Some(next) => (i, at, min) = next,
+                    None => return Ok(()),
                 }
             }
             i = skip_spaces(b, i);
@@ -297,6 +240,72 @@ impl Scan {
             }
             i = colon + 1;
             at = At::NodeStart;
+        }
+    }
+
+    /// Inside a flow collection: every bracket outside quotes and comments
+    /// opens or closes a collection (YAML keeps them out of plain scalars
+    /// there). A quote starts a scalar only where a node may start;
+    /// elsewhere (`a'b`) it is text. `None` when the line ends inside it;
+    /// else where the line goes on once it closed, and how.
+    fn scan_flow(
+        &mut self,
+        b: &[u8],
+        mut i: usize,
+        min: usize,
+    ) -> Result<Option<(usize, At, usize)>, TooDeep> {
+        loop {
+            let Some(&c) = b.get(i) else {
+                return Ok(None);
+            };
+            let node_start = self.flow_node_start;
+            self.flow_node_start = false;
+            match c {
+                b'[' | b'{' => {
+                    self.flow += 1;
+                    self.too_deep(self.flow_base + self.flow)?;
+                    self.flow_node_start = true;
+                }
+                b']' | b'}' => {
+                    self.flow -= 1;
+                    if self.flow == 0 {
+                        i += 1;
+                        // A flow collection as a key.
+                        if let Some(colon) = key_colon(b, i) {
+                            self.open_block(self.flow_col, Kind::Map)?;
+                            return Ok(Some((colon + 1, At::NodeStart, self.flow_col + 1)));
+                        }
+                        return Ok(Some((i, At::Text, min)));
+                    }
+                }
+                b',' => self.flow_node_start = true,
+                // An indicator only before a space (`a:b` is text).
+                b':' | b'?' => {
+                    self.flow_node_start = b.get(i + 1).is_none_or(|c| *c == b' ' || *c == b'\t');
+                }
+                b' ' | b'\t' => self.flow_node_start = node_start,
+                b'&' | b'!' if node_start => {
+                    i = skip_word(b, i);
+                    self.flow_node_start = true;
+                    continue;
+                }
+                b'"' | b'\'' if node_start => match end_of_quote(b, i + 1, c) {
+                    Some(end) => {
+                        i = end;
+                        continue;
+                    }
+                    None => {
+                        self.quote = Some(c);
+                        return Ok(None);
+                    }
+                },
+                b'#' if i == 0 || b[i - 1] == b' ' => {
+                    self.flow_node_start = node_start;
+                    return Ok(None);
+                }
+                _ => {}
+            }
+            i += 1;
         }
     }
 }
