@@ -236,23 +236,7 @@ impl TryFrom<pb::JobSpec> for JobSpec {
         if !s.tenant.is_empty() {
             check_id("spec.tenant", &s.tenant)?;
         }
-        // A name may be repeated, so the count is not bounded by env's.
-        if s.secret_env.len() > MAX_ENV_VARS {
-            return Err(ConvertError::new(
-                "spec.secret_env",
-                format!("has {} names, at most {MAX_ENV_VARS}", s.secret_env.len()),
-            ));
-        }
-        let mut secret_env = std::collections::BTreeSet::new();
-        for (i, k) in s.secret_env.into_iter().enumerate() {
-            if !template.env.contains_key(&k) {
-                return Err(ConvertError::new(
-                    format!("spec.secret_env[{i}]"),
-                    format!("{:?} is not a variable of spec.env", cut(&k, 64)),
-                ));
-            }
-            secret_env.insert(k);
-        }
+        let secret_env = secret_env_from_pb(s.secret_env, &template.env)?;
         let require_cuda = require_cuda_from_pb(&s.require_cuda)?;
         Ok(JobSpec {
             name: s.name,
@@ -272,6 +256,32 @@ impl TryFrom<pb::JobSpec> for JobSpec {
             restart_backoff_ms,
         })
     }
+}
+
+/// The names of `env`'s variables whose values are secret: each a
+/// variable of `env`, at most [`MAX_ENV_VARS`] names.
+fn secret_env_from_pb(
+    names: Vec<String>,
+    env: &BTreeMap<String, String>,
+) -> Result<std::collections::BTreeSet<String>> {
+    // A name may be repeated, so the count is not bounded by env's.
+    if names.len() > MAX_ENV_VARS {
+        return Err(ConvertError::new(
+            "spec.secret_env",
+            format!("has {} names, at most {MAX_ENV_VARS}", names.len()),
+        ));
+    }
+    let mut secret_env = std::collections::BTreeSet::new();
+    for (i, k) in names.into_iter().enumerate() {
+        if !env.contains_key(&k) {
+            return Err(ConvertError::new(
+                format!("spec.secret_env[{i}]"),
+                format!("{:?} is not a variable of spec.env", cut(&k, 64)),
+            ));
+        }
+        secret_env.insert(k);
+    }
+    Ok(secret_env)
 }
 
 impl From<JobSpec> for pb::JobSpec {

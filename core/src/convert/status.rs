@@ -200,27 +200,19 @@ impl TryFrom<pb::StatusUpdate> for StatusUpdate {
                 true,
             )?;
         }
-        let gpu_memory_limit = u.reason == pb::Reason::GpuMemoryLimit as i32;
-        if gpu_memory_limit && state != TaskState::Failed {
-            return Err(ConvertError::new(
-                "reason",
-                format!("REASON_GPU_MEMORY_LIMIT needs state FAILED, not {state}"),
-            ));
-        }
-        let hung = u.reason == pb::Reason::Hung as i32;
-        if hung && state != TaskState::Failed {
-            return Err(ConvertError::new(
-                "reason",
-                format!("REASON_HUNG needs state FAILED, not {state}"),
-            ));
-        }
-        let runtime_restarted = u.reason == pb::Reason::RuntimeRestarted as i32;
-        if runtime_restarted && state != TaskState::Failed {
-            return Err(ConvertError::new(
-                "reason",
-                format!("REASON_RUNTIME_RESTARTED needs state FAILED, not {state}"),
-            ));
-        }
+        let failure = |reason: pb::Reason, name: &str| {
+            let given = u.reason == reason as i32;
+            if given && state != TaskState::Failed {
+                return Err(ConvertError::new(
+                    "reason",
+                    format!("{name} needs state FAILED, not {state}"),
+                ));
+            }
+            Ok(given)
+        };
+        let gpu_memory_limit = failure(pb::Reason::GpuMemoryLimit, "REASON_GPU_MEMORY_LIMIT")?;
+        let hung = failure(pb::Reason::Hung, "REASON_HUNG")?;
+        let runtime_restarted = failure(pb::Reason::RuntimeRestarted, "REASON_RUNTIME_RESTARTED")?;
         let gpu_unhealthy = u.reason == pb::Reason::GpuUnhealthy as i32;
         if !gpu_unhealthy && !u.failed_gpus.is_empty() {
             return Err(ConvertError::new(
