@@ -62,51 +62,38 @@ fn check(package: &str, expected: &str, forbidden: &[&str]) {
     assert!(bad.is_empty(), "{package} links {bad:?}:\n{crates:?}");
 }
 
+/// An async runtime, an RPC or HTTP stack: what a pure crate never links.
+const NO_RUNTIME_RPC_OR_HTTP: &[&str] = &[
+    "tokio",
+    "tonic",
+    "axum",
+    "hyper",
+    "h2",
+    "mio",
+    "tower",
+    "async-std",
+    "futures",
+    "reqwest",
+];
+
 #[test]
 fn the_core_links_no_async_runtime_rpc_or_http_stack() {
-    check(
-        "gpuctl-core",
-        "prost",
-        &[
-            "tokio",
-            "tonic",
-            "axum",
-            "hyper",
-            "h2",
-            "mio",
-            "tower",
-            "async-std",
-            "futures",
-            "reqwest",
-        ],
-    );
+    check("gpuctl-core", "prost", NO_RUNTIME_RPC_OR_HTTP);
 }
 
 #[test]
 fn the_engine_links_no_runtime_rpc_storage_or_raft() {
-    check(
-        "gpuctl-engine",
-        "gpuctl-core",
-        &[
-            "tokio",
-            "tonic",
-            "axum",
-            "hyper",
-            "h2",
-            "mio",
-            "tower",
-            "async-std",
-            "futures",
-            "reqwest",
-            "sled",
-            "raft",
-            "raft-proto",
-            "protobuf",
-            "gpuctl-proto",
-            "gpuctl-master",
-            "tracing",
-        ],
-    );
+    let mut forbidden = NO_RUNTIME_RPC_OR_HTTP.to_vec();
+    forbidden.extend([
+        "sled",
+        "raft",
+        "raft-proto",
+        "protobuf",
+        "gpuctl-proto",
+        "gpuctl-master",
+        "tracing",
+    ]);
+    check("gpuctl-engine", "gpuctl-core", &forbidden);
 }
 
 #[test]
