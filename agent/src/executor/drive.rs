@@ -209,7 +209,7 @@ impl Executor {
         // before the runtime answers (Docker may be down a while, and
         // an unclaimed daemon is quit as idle).
         let group = std::fs::read_to_string(self.state_dir(task_id).join(MPS_GROUP_FILE));
-        if let (Some(sh), Some(gpu), Ok(group)) = (&spec.share, spec.gpu_uuids.first(), group) {
+        if let (Some((gpu, sh)), Ok(group)) = (spec.holding().fraction(), group) {
             if sh.mode == ShareMode::Mps && self.isolation.mps.available() {
                 self.isolation.mps.adopt(task_id, gpu, group.trim());
             }

@@ -384,10 +384,10 @@ impl Executor {
             .iter()
             .filter(|(_, t)| t.phase == Phase::Running)
             .filter_map(|(id, t)| {
-                let share = t.spec.share.as_ref().filter(|s| s.mode == ShareMode::Mps)?;
-                Some(crate::gpu::procs::Watched {
+                let (gpu, share) = t.spec.holding().fraction()?;
+                (share.mode == ShareMode::Mps).then(|| crate::gpu::procs::Watched {
                     task: id.clone(),
-                    gpu: t.spec.gpu_uuids.first()?.clone(),
+                    gpu: gpu.clone(),
                     limit_mib: share.fraction.mem_mib,
                 })
             })

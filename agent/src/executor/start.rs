@@ -65,7 +65,7 @@ impl Executor {
         user: Option<UserIds>,
     ) -> Result<Option<crate::gpu::mps::MpsServer>, Outcome> {
         let task_id = spec.task_id.as_str();
-        let (Some(sh), Some(gpu)) = (&spec.share, spec.gpu_uuids.first()) else {
+        let Some((gpu, sh)) = spec.holding().fraction() else {
             return Ok(None);
         };
         if sh.mode != ShareMode::Mps || !self.isolation.mps.available() {
@@ -400,8 +400,9 @@ impl Executor {
             .cgroup
             .as_ref()
             .and_then(|c| c.unified_dir.as_deref());
-        let driver_cap = match (&spec.share, spec.gpu_uuids.first(), unified) {
-            (Some(sh), Some(gpu), Some(dir)) => {
+        let fraction = spec.holding().fraction();
+        let driver_cap = match (fraction, unified) {
+            (Some((gpu, sh)), Some(dir)) => {
                 let cap = &self.isolation.memcap;
                 cap.cap_task(task_id, gpu, dir, sh.fraction.mem_mib).await
             }
@@ -411,8 +412,8 @@ impl Executor {
         // the `gpuctl-runc` runtime's hook has it capped before the workload
         // runs (runtime::oci_hook). STARTING says what holds without it;
         // RUNNING says `driver` once the cap held.
-        let container_cap = match (&spec.share, spec.gpu_uuids.first()) {
-            (Some(sh), Some(gpu)) if !driver_cap && rt.kind() == Runtime::Docker => {
+        let container_cap = match fraction {
+            Some((gpu, sh)) if !driver_cap && rt.kind() == Runtime::Docker => {
                 self.container_cap(task_id, rt, gpu, sh.fraction.mem_mib)
             }
             _ => None,

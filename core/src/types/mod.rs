@@ -4,6 +4,7 @@
 mod agent;
 mod framework;
 mod gpu;
+mod holding;
 mod job;
 mod lifecycle;
 mod options;
@@ -16,6 +17,7 @@ mod tenant;
 pub use agent::*;
 pub use framework::*;
 pub use gpu::*;
+pub use holding::*;
 pub use job::*;
 pub use lifecycle::*;
 pub use options::*;

@@ -25,6 +25,13 @@ pub struct TaskSpec {
     pub share: Option<TaskShare>,
 }
 
+impl TaskSpec {
+    /// What it holds: its GPUs or MIG devices, or a fraction of one.
+    pub fn holding(&self) -> Holding<'_, TaskShare> {
+        Holding::of(&self.gpu_uuids, self.share.as_ref())
+    }
+}
+
 /// Why the master wants a task stopped, as its agent tells the task in its
 /// notice file: `kind` is machine-readable (`preempted`, `drained`,
 /// `cancelled`, `killed`, or the lower-case name of any other reason the

@@ -99,6 +99,16 @@ pub struct TaskRequest<'a> {
 }
 
 impl TaskRequest<'_> {
+    /// GPUs or MIG devices the task needs on one node; a fraction needs
+    /// one shared GPU.
+    pub fn devices_needed(&self) -> usize {
+        if self.fraction.is_some() {
+            1
+        } else {
+            self.resources.gpus as usize
+        }
+    }
+
     /// Everything it requires of the driver.
     fn driver_requires(&self) -> impl Iterator<Item = &Expr> {
         self.require_cuda.into_iter().chain(self.image_requires)
@@ -289,11 +299,7 @@ pub fn place_gang<'v, 'a>(
 ) -> Option<Vec<Placement>> {
     let need = req.resources;
     // A fraction counts as one unit of what the node's shared GPUs hold.
-    let n = if req.fraction.is_some() {
-        1
-    } else {
-        need.gpus as usize
-    };
+    let n = req.devices_needed();
     let mut filter = GpuFilter::new(req);
     let mut cand = |node: &'v NodeView<'a>| {
         // Scalars first: they need no look at the GPUs themselves.

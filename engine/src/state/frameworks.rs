@@ -2,7 +2,7 @@
 //! tasks on offered resources (re-checked here: no GPU is ever given
 //! twice), kill them, acknowledge their updates, and are removed.
 
-use gpuctl_core::types::{FrameworkInfo, Runtime, TaskState};
+use gpuctl_core::types::{FrameworkInfo, Holding, Runtime, TaskState};
 
 use super::fit::Pending;
 use super::{
@@ -183,10 +183,8 @@ impl State {
                 None => {
                     // A fraction shares its GPU: it is counted from the
                     // tasks (`State::share_used`), never owned.
-                    if t.fraction.is_none() {
-                        for g in &t.gpu_uuids {
-                            self.gpu_owner.insert(g.clone(), key.clone());
-                        }
+                    for g in Holding::of(&t.gpu_uuids, t.fraction.as_ref()).owned() {
+                        self.gpu_owner.insert(g.clone(), key.clone());
                     }
                     if let Some(agent) = self.agents.get_mut(&t.agent_id) {
                         agent.allocated = agent.allocated.add(&t.resources);

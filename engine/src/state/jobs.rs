@@ -11,7 +11,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use gpuctl_core::types::{JobState, RestartPolicy, TaskState};
+use gpuctl_core::types::{Holding, JobState, RestartPolicy, TaskState};
 
 use super::events::EventKind;
 use super::fit::{Pending, Wants};
@@ -94,10 +94,8 @@ impl State {
             let fraction = job.spec.placement.fraction;
             // A fraction shares its GPU: it is counted from the tasks
             // (`State::share_used`), never owned.
-            if fraction.is_none() {
-                for uuid in &l.gpu_uuids {
-                    self.gpu_owner.insert(uuid.clone(), task_id.clone());
-                }
+            for uuid in Holding::of(&l.gpu_uuids, fraction.as_ref()).owned() {
+                self.gpu_owner.insert(uuid.clone(), task_id.clone());
             }
             if let Some(agent) = self.agents.get_mut(&l.agent_id) {
                 agent.allocated = agent.allocated.add(&resources);

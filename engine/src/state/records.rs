@@ -310,6 +310,13 @@ pub struct TaskRecord {
 }
 
 impl TaskRecord {
+    /// What it holds: its GPUs or MIG devices, or a fraction of one.
+    pub fn holding(&self) -> gpuctl_core::types::Holding<'_, gpuctl_core::types::GpuFraction> {
+        gpuctl_core::types::Holding::of(&self.gpu_uuids, self.fraction.as_ref())
+    }
+}
+
+impl TaskRecord {
     /// Whether it holds its GPUs and resources: it is live (and its agent
     /// has not reported its end ahead of its updates), or it ended without
     /// its agent's confirmation.

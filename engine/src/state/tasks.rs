@@ -421,7 +421,8 @@ impl State {
         let mut idle = true;
         let (mut sum, mut n, mut gpus) = (0u64, 0u64, 0usize);
         for task in job.current_tasks().iter().filter_map(|t| self.tasks.get(t)) {
-            if task.fraction.is_some() {
+            let holding = task.holding();
+            if holding.fraction().is_some() {
                 gpus += 1;
                 match task.quiet {
                     // A run of the whole window (its periods, not
@@ -439,7 +440,7 @@ impl State {
                 }
                 continue;
             }
-            for g in &task.gpu_uuids {
+            for g in holding.owned() {
                 gpus += 1;
                 let readings: Vec<u8> = self
                     .util

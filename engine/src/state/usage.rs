@@ -308,7 +308,8 @@ fn add_busy_time(
     end: u64,
     t: &mut Totals,
 ) {
-    if task.fraction.is_some() {
+    let holding = task.holding();
+    if holding.fraction().is_some() {
         let life = end.saturating_sub(task.created_at_ms);
         let inside = end.saturating_sub(start);
         let part = |ms: u64| {
@@ -321,7 +322,7 @@ fn add_busy_time(
         t.gpu_sampled_ms += part(task.gpu_sampled_ms);
         t.gpu_busy_ms += part(task.gpu_busy_ms);
     } else {
-        for g in &task.gpu_uuids {
+        for g in holding.owned() {
             if let Some(h) = state.util_history().gpu(g) {
                 for (_, util, _) in h.points(start, end) {
                     t.gpu_sampled_ms += h.period_ms;

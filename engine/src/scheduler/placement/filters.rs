@@ -218,11 +218,7 @@ pub(super) fn constraints_ok(
 /// security, constraints, and enough GPUs of the model/memory among ALL its GPUs
 /// (healthy or not, busy or not).
 pub fn node_matches(req: &TaskRequest, node: &NodeView) -> bool {
-    let n = if req.fraction.is_some() {
-        1
-    } else {
-        req.resources.gpus as usize
-    };
+    let n = req.devices_needed();
     let mut filter = GpuFilter::new(req);
     static_ok(req, node) && (n == 0 || filter.count_all(node) >= n)
 }
@@ -238,11 +234,7 @@ pub fn gpu_kind_matches(req: &TaskRequest, model: &str, memory_mib: u64) -> bool
 /// [`place_gang`] considers (resources, static requirements, enough free
 /// matching devices).
 pub fn takes_one(req: &TaskRequest, node: &NodeView) -> bool {
-    let n = if req.fraction.is_some() {
-        1
-    } else {
-        req.resources.gpus as usize
-    };
+    let n = req.devices_needed();
     node.free.fits(&req.resources)
         && static_ok(req, node)
         && (n == 0 || GpuFilter::new(req).count_free(node) >= n)

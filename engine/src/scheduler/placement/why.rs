@@ -49,11 +49,7 @@ pub fn unsatisfiable(
         return Some(NeverFits::NoActiveAgent);
     }
     let need = req.resources;
-    let n = if req.fraction.is_some() {
-        1
-    } else {
-        need.gpus as usize
-    };
+    let n = req.devices_needed();
     let model = req.gpu_model;
     let mem = req.gpu_mem_min_mib;
     let steps = steps(req, n);
@@ -261,11 +257,7 @@ pub fn agent_counts(
     totals: &dyn Fn(&str) -> Resources,
 ) -> AgentCounts {
     let need = req.resources;
-    let n = if req.fraction.is_some() {
-        1
-    } else {
-        need.gpus as usize
-    };
+    let n = req.devices_needed();
     let mut filter = GpuFilter::new(req);
     let mut model_only = GpuFilter::new(&TaskRequest {
         gpu_mem_min_mib: 0,
