@@ -12,7 +12,8 @@
 //!
 //! And what the sources say: no two modules of a crate depend on each
 //! other, directly or round a circle (read from the `crate::` and `super::`
-//! paths of their non-test code).
+//! paths of their non-test code); no product file is over 800 non-test
+//! lines, and no function over 120 but the dispatches named here.
 #![allow(clippy::unwrap_used)]
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -281,4 +282,193 @@ fn the_circle_check_finds_a_circle() {
     assert!(!edges["a"].contains_key("c"), "{edges:?}");
     std::fs::write(src.join("b.rs"), "fn f() { crate::b::inner::g() }\n").unwrap();
     assert_eq!(a_circle(&module_edges(src, 1)), None);
+}
+
+/// Every `.rs` file under `src` that is not a test file, with its text up
+/// to its trailing test module.
+fn product_sources(src: &Path) -> Vec<(std::path::PathBuf, String)> {
+    let mut out = Vec::new();
+    let mut dirs = vec![src.to_path_buf()];
+    while let Some(d) = dirs.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            let name = p.file_name().unwrap().to_string_lossy().to_string();
+            if p.is_dir() {
+                dirs.push(p);
+            } else if name.ends_with(".rs") && !name.ends_with("tests.rs") && name != "testkit.rs" {
+                let text = std::fs::read_to_string(&p).unwrap();
+                let lines: Vec<&str> = text.lines().collect();
+                let end = (0..lines.len())
+                    .find(|&i| {
+                        lines[i].starts_with("#[cfg(test)]")
+                            && lines[i + 1..(i + 4).min(lines.len())]
+                                .iter()
+                                .any(|l| l.starts_with("mod tests"))
+                    })
+                    .unwrap_or(lines.len());
+                out.push((p, lines[..end].join("\n")));
+            }
+        }
+    }
+    out
+}
+
+/// `text` with string and character literals emptied, so that the braces
+/// left are blocks.
+fn without_literals(text: &str) -> String {
+    let c: Vec<char> = text.chars().collect();
+    let mut out = String::with_capacity(text.len());
+    let mut i = 0;
+    while i < c.len() {
+        match c[i] {
+            '"' => {
+                // A raw string's hashes, if it is one (`r#"`).
+                let mut hashes = 0;
+                let mut j = i;
+                while j > 0 && c[j - 1] == '#' {
+                    hashes += 1;
+                    j -= 1;
+                }
+                let raw = j > 0 && c[j - 1] == 'r';
+                i += 1;
+                while i < c.len() {
+                    if !raw && c[i] == '\\' {
+                        i += 2;
+                        continue;
+                    }
+                    if c[i] == '"' && (0..hashes).all(|k| c.get(i + 1 + k) == Some(&'#')) {
+                        break;
+                    }
+                    if c[i] == '\n' {
+                        out.push('\n');
+                    }
+                    i += 1;
+                }
+                out.push_str("\"\"");
+                i += 1;
+            }
+            // A char literal ('{', '\n'), not a lifetime ('a).
+            '\'' if c.get(i + 2) == Some(&'\'') || c.get(i + 1) == Some(&'\\') => {
+                // After an escape's first character (`'\\'`, `'\''`,
+                // `'\u{..}'`), the next quote closes it.
+                let from = if c[i + 1] == '\\' { i + 3 } else { i + 2 };
+                let end = (from..c.len()).find(|&k| c[k] == '\'');
+                out.push_str("' '");
+                i = end.map_or(c.len(), |e| e + 1);
+            }
+            '/' if c.get(i + 1) == Some(&'/') => {
+                while i < c.len() && c[i] != '\n' {
+                    i += 1;
+                }
+            }
+            ch => {
+                out.push(ch);
+                i += 1;
+            }
+        }
+    }
+    out
+}
+
+/// The functions of `text` and how many lines each spans.
+fn function_lengths(text: &str) -> Vec<(String, usize)> {
+    let lines: Vec<&str> = text.lines().collect();
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < lines.len() {
+        let words: Vec<&str> = lines[i].split_whitespace().collect();
+        let at = words.iter().position(|w| *w == "fn").filter(|&p| {
+            words[..p].iter().all(|w| {
+                matches!(*w, "pub" | "async" | "const" | "unsafe" | "extern")
+                    || w.starts_with("pub(")
+            })
+        });
+        let Some(name) = at.and_then(|p| words.get(p + 1)) else {
+            i += 1;
+            continue;
+        };
+        let name: String = name
+            .chars()
+            .take_while(|c| c.is_alphanumeric() || *c == '_')
+            .collect();
+        let (mut depth, mut opened) = (0i64, false);
+        let mut j = i;
+        while j < lines.len() {
+            for ch in lines[j].chars() {
+                match ch {
+                    '{' => {
+                        depth += 1;
+                        opened = true;
+                    }
+                    '}' => depth -= 1,
+                    _ => {}
+                }
+            }
+            if (opened && depth <= 0) || (!opened && lines[j].trim_end().ends_with(';')) {
+                break;
+            }
+            j += 1;
+        }
+        if opened {
+            out.push((name, j - i + 1));
+        }
+        i = j + 1;
+    }
+    out
+}
+
+/// Functions over the length that are one `match` (or `select!`) over
+/// their cases, each case a line or a call: a dispatch, which reads best
+/// whole.
+const DISPATCHES: &[&str] = &[
+    // Every Raft command to the file of its table.
+    "apply_command",
+    // The built-in scheduler's events while it leads.
+    "lead",
+    // How an attempt ends, by what stopped it.
+    "stopped_outcome",
+];
+
+#[test]
+fn no_product_file_over_800_lines_nor_function_over_120() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let (mut long_files, mut long_fns, mut seen) = (Vec::new(), Vec::new(), 0);
+    for krate in [
+        "core", "engine", "proto", "auth", "master", "console", "agent", "cli",
+    ] {
+        for (path, text) in product_sources(&root.join(krate).join("src")) {
+            let lines = text.lines().count();
+            if lines > 800 {
+                long_files.push(format!("{} ({lines})", path.display()));
+            }
+            for (name, n) in function_lengths(&without_literals(&text)) {
+                seen += 1;
+                if n > 120 && !DISPATCHES.contains(&name.as_str()) {
+                    long_fns.push(format!("{}: {name} ({n})", path.display()));
+                }
+            }
+        }
+    }
+    // The scan read the sources.
+    assert!(seen > 2000, "{seen} functions");
+    assert!(
+        long_files.is_empty(),
+        "files over 800 non-test lines: {long_files:?}"
+    );
+    assert!(
+        long_fns.is_empty(),
+        "functions over 120 lines: {long_fns:?}"
+    );
+}
+
+#[test]
+fn the_shape_check_counts_blocks_not_braces_in_literals() {
+    let text = "fn a() {\n    let s = \"}}}\";\n    let c = '{';\n    // }\n}\nfn b<'x>(v: &'x str) {\n    let r = r#\"{\"#;\n    let e = (b'\\\\', '\\'', '}');\n}\nfn c();\n";
+    let lengths = function_lengths(&without_literals(text));
+    assert_eq!(
+        lengths,
+        vec![("a".to_string(), 5), ("b".to_string(), 4)],
+        "{}",
+        without_literals(text)
+    );
 }
