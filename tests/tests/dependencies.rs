@@ -120,23 +120,8 @@ fn gpuctl_links_neither_sled_raft_bollard_nor_nvml() {
 /// and children that use their parent's items, are one module's insides.
 fn module_edges(src: &Path, depth: usize) -> BTreeMap<String, BTreeMap<String, String>> {
     let mut edges: BTreeMap<String, BTreeMap<String, String>> = BTreeMap::new();
-    let mut files = Vec::new();
-    let mut dirs = vec![src.to_path_buf()];
-    while let Some(d) = dirs.pop() {
-        for e in std::fs::read_dir(&d).unwrap() {
-            let p = e.unwrap().path();
-            if p.is_dir() {
-                dirs.push(p);
-            } else if p.extension().is_some_and(|x| x == "rs") {
-                files.push(p);
-            }
-        }
-    }
-    for file in files {
+    for (file, text) in product_sources(src) {
         let name = file.file_name().unwrap().to_string_lossy().to_string();
-        if name.ends_with("tests.rs") || name == "testkit.rs" {
-            continue;
-        }
         let rel = file.strip_prefix(src).unwrap().with_extension("");
         let mut path: Vec<String> = rel
             .iter()
@@ -153,11 +138,6 @@ fn module_edges(src: &Path, depth: usize) -> BTreeMap<String, BTreeMap<String, S
         let mut sup = path.clone();
         sup.pop();
         let me = path[..path.len().min(depth)].join("::");
-        let text = std::fs::read_to_string(&file).unwrap();
-        let text = match text.find("#[cfg(test)]\nmod tests") {
-            Some(i) => &text[..i],
-            None => &text[..],
-        };
         for line in text.lines() {
             let code = line.split("//").next().unwrap_or("");
             for (prefix, base) in [("crate::", Vec::new()), ("super::", sup.clone())] {

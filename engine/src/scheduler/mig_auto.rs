@@ -1,5 +1,6 @@
-//! `--mig-auto`'s decision (the leader's loop is `gpuctl_master::leader::mig_auto`): queued jobs that wait for a MIG profile no free MIG
-//! device offers make an idle GPU repartition. The decision is pure
+//! `--mig-auto`'s decision (the leader's loop is
+//! `gpuctl_master::leader::mig_auto`): queued jobs that wait for a MIG
+//! profile no free MIG device offers make an idle GPU repartition. The decision is pure
 //! ([`mig_auto_commands`]) and goes through the log like an operator's
 //! `gpus mig set` (`Command::SetMigLayout`, asked by `mig-auto`), so apply
 //! re-checks that nothing holds the GPU.
