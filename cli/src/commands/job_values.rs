@@ -93,22 +93,9 @@ pub fn parse_env_pair(s: &str) -> Result<(String, String), String> {
 /// `--gpu-mem`: MiB, or a number with a binary unit (`10GiB`, `10G`,
 /// `512MiB`, `512M`), at least 1 MiB.
 pub fn parse_gpu_mem(s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let n: u64 = num
-        .parse()
-        .map_err(|_| format!("{s:?} is not a size (e.g. 10GiB, 512MiB)"))?;
-    let mib = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "m" | "mi" | "mib" => Some(n),
-        "g" | "gi" | "gib" => n.checked_mul(1024),
-        "t" | "ti" | "tib" => n.checked_mul(1024 * 1024),
-        _ => return Err(format!("{s:?}: unknown unit (MiB, GiB, TiB)")),
-    };
-    match mib {
-        Some(m) if m >= 1 => Ok(m),
-        Some(_) => Err(format!("{s:?}: a fraction has at least 1 MiB")),
-        None => Err(format!("{s:?} is too large")),
+    match s.parse::<gpuctl_core::types::MiB>()? {
+        gpuctl_core::types::MiB(0) => Err(format!("{s:?}: a fraction has at least 1 MiB")),
+        gpuctl_core::types::MiB(m) => Ok(m),
     }
 }
 

@@ -58,7 +58,7 @@ impl FromStr for MiB {
         let (num, unit) = t.split_at(split);
         let n: u64 = num
             .parse()
-            .map_err(|_| format!("{s:?} is not a size (e.g. 8GiB, 512MiB)"))?;
+            .map_err(|_| format!("{s:?} is not a size (e.g. 10GiB, 512MiB)"))?;
         let mib = match unit.trim().to_ascii_lowercase().as_str() {
             "" | "m" | "mi" | "mib" => Some(n),
             "g" | "gi" | "gib" => n.checked_mul(1024),
