@@ -13,7 +13,7 @@ use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use gpuctl_core::cuda_req::Expr;
-use gpuctl_core::types::{GpuInfo, GpuPeer, PlacementPolicy, Resources, Runtime};
+use gpuctl_core::types::{GpuInfo, GpuPeer, PlacementPolicy, Resources, Runtime, Wants};
 use gpuctl_engine::scheduler::placement::{
     choose_gpus, place_gang, place_task, NodeDriver, NodeView, TaskRequest,
 };
@@ -122,8 +122,7 @@ fn placement(c: &mut Criterion) {
         runtime: Runtime::Docker,
         gpu_model: model,
         gpu_mem_min_mib: 0,
-        mig: None,
-        fraction: None,
+        wants: Wants::Whole,
         constraints: &none,
         run_as_root: false,
         user: None,

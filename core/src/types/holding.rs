@@ -3,9 +3,67 @@
 //! own (its GPU's fractions are counted, not given). The one place that
 //! says how a task's GPU UUIDs and its fraction go together, for the
 //! state machine (owners, accounting) and the agent (isolation, the
-//! driver cap, MPS).
+//! driver cap, MPS); and, as [`Wants`], what a job asks to hold, for
+//! placement, preemption and the launch check.
 
-use super::GpuUuid;
+use super::{GpuFraction, GpuUuid, PlacementSpec};
+
+/// What each task of a job asks to hold: the request side of [`Holding`].
+/// A job asks one of the three; its `resources.gpus` says how many
+/// devices (none for a fraction, which is not a device).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Wants<'a> {
+    /// Whole GPUs (none for a CPU-only task).
+    Whole,
+    /// MIG devices of this profile (`1g.10gb`).
+    Mig(&'a str),
+    /// A fraction of one shared GPU.
+    Fraction(GpuFraction),
+}
+
+impl<'a> Wants<'a> {
+    /// From a placement's `mig` and `fraction`, which the wire check lets
+    /// no job give both of (a fraction would win).
+    pub fn of(mig: Option<&'a str>, fraction: Option<GpuFraction>) -> Wants<'a> {
+        match (fraction, mig) {
+            (Some(f), _) => Wants::Fraction(f),
+            (None, Some(p)) => Wants::Mig(p),
+            (None, None) => Wants::Whole,
+        }
+    }
+
+    /// The MIG profile, when it asks for MIG devices.
+    pub fn mig(self) -> Option<&'a str> {
+        match self {
+            Wants::Mig(p) => Some(p),
+            Wants::Whole | Wants::Fraction(_) => None,
+        }
+    }
+
+    /// The fraction, when it asks for one.
+    pub fn fraction(self) -> Option<GpuFraction> {
+        match self {
+            Wants::Fraction(f) => Some(f),
+            Wants::Whole | Wants::Mig(_) => None,
+        }
+    }
+
+    /// GPUs or MIG devices a task needs on one node, given its
+    /// `resources.gpus`: a fraction needs one shared GPU.
+    pub fn devices(self, gpus: u32) -> usize {
+        match self {
+            Wants::Fraction(_) => 1,
+            Wants::Whole | Wants::Mig(_) => gpus as usize,
+        }
+    }
+}
+
+impl PlacementSpec {
+    /// What each of the job's tasks asks to hold.
+    pub fn wants(&self) -> Wants<'_> {
+        Wants::of(self.mig.as_deref(), self.fraction)
+    }
+}
 
 /// `S`: what a fraction carries where it is read (the state's
 /// `GpuFraction`, an agent's `TaskShare`).
@@ -51,6 +109,25 @@ impl<'a, S> Holding<'a, S> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_request_asks_one_of_whole_mig_or_fraction() {
+        let f = GpuFraction {
+            mem_mib: 10_240,
+            compute_pct: 25,
+        };
+        assert_eq!(Wants::of(None, None), Wants::Whole);
+        assert_eq!(Wants::of(Some("1g.10gb"), None), Wants::Mig("1g.10gb"));
+        assert_eq!(Wants::of(None, Some(f)), Wants::Fraction(f));
+        assert_eq!(Wants::of(Some("1g.10gb"), Some(f)), Wants::Fraction(f));
+        assert_eq!(Wants::Mig("1g.10gb").mig(), Some("1g.10gb"));
+        assert_eq!(Wants::Fraction(f).mig(), None);
+        assert_eq!(Wants::Fraction(f).fraction(), Some(f));
+        assert_eq!(Wants::Whole.fraction(), None);
+        assert_eq!(Wants::Whole.devices(4), 4);
+        assert_eq!(Wants::Mig("1g.10gb").devices(2), 2);
+        assert_eq!(Wants::Fraction(f).devices(0), 1);
+    }
 
     #[test]
     fn a_fraction_owns_nothing_and_devices_are_owned_whole() {

@@ -59,7 +59,7 @@ pub fn growth(state: &State, cfg: &QueueConfig) -> Option<(JobId, u32)> {
         // free plus what its own ranks hold.
         let mut pool = Pool::from_state(state);
         for t in &tasks {
-            pool.give(&t.agent_id, &t.resources, &t.gpu_uuids, t.fraction);
+            pool.give(&t.agent_id, &t.resources, t.holding());
         }
         let mut most = job.spec.replicas();
         let tenant = job.spec.tenant.name();

@@ -20,7 +20,9 @@
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
 
-use gpuctl_core::types::{devices, AgentId, GpuFraction, JobId, PlacementPolicy, Resources};
+use gpuctl_core::types::{
+    devices, AgentId, GpuFraction, Holding, JobId, PlacementPolicy, Resources,
+};
 
 use super::placement::{self, NodeView};
 use super::{free_shares, may_use, policy_of, request, Pool, PoolNode, Room};
@@ -162,15 +164,9 @@ impl<'s> Room<'s> for IndexRoom<'s> {
         Cow::Owned(views)
     }
 
-    fn take(
-        &mut self,
-        agent_id: &str,
-        resources: &Resources,
-        gpus: &[String],
-        fraction: Option<GpuFraction>,
-    ) {
+    fn take(&mut self, agent_id: &str, resources: &Resources, held: Holding<'_, GpuFraction>) {
         if let Some(full) = self.full.as_mut() {
-            full.take(agent_id, resources, gpus, fraction);
+            full.take(agent_id, resources, held);
         }
         let state = self.state;
         let Some(a) = state.agent(agent_id) else {
@@ -184,7 +180,7 @@ impl<'s> Room<'s> for IndexRoom<'s> {
             .unwrap_or(GpuClass::Mixed);
         let node = self.changed.entry(id).or_insert_with(|| node_of(state, a));
         let before = counts(node);
-        node.take(resources, gpus, fraction);
+        node.take(resources, held);
         let after = counts(node);
         self.overlay.remove(&class, before, id);
         self.overlay.insert(&class, after, id);

@@ -26,7 +26,7 @@ pub mod topology;
 use std::collections::{BTreeMap, BTreeSet};
 
 use gpuctl_core::types::{
-    devices, AgentId, GpuFraction, GpuInfo, JobId, JobSpec, PlacementPolicy, Resources,
+    devices, AgentId, GpuFraction, GpuInfo, Holding, JobId, JobSpec, PlacementPolicy, Resources,
 };
 
 use crate::state::{AgentRecord, JobRecord, Launch, State, Stopping};
@@ -54,8 +54,7 @@ pub fn request(job: &JobRecord, now_ms: u64) -> placement::TaskRequest<'_> {
         runtime: spec.runtime(),
         gpu_model: spec.placement.gpu_model.as_deref(),
         gpu_mem_min_mib: spec.placement.gpu_mem_min_mib,
-        mig: spec.placement.mig.as_deref(),
-        fraction: spec.placement.fraction,
+        wants: spec.placement.wants(),
         constraints: &spec.placement.constraints,
         run_as_root: spec.template.security.run_as_root,
         // Checked when submitted: a user that does not parse names none.
@@ -177,7 +176,7 @@ impl<'s> Pool<'s> {
             .values()
             .filter(|t| t.kill_requested && !t.state.is_terminal())
         {
-            pool.give(&t.agent_id, &t.resources, &t.gpu_uuids, t.fraction);
+            pool.give(&t.agent_id, &t.resources, t.holding());
         }
         pool
     }
@@ -218,15 +217,9 @@ impl<'s> Pool<'s> {
 
     /// Takes what a placement uses: resources, and its GPUs whole, or a
     /// fraction of its one shared GPU.
-    pub fn take(
-        &mut self,
-        agent_id: &str,
-        resources: &Resources,
-        gpus: &[String],
-        fraction: Option<GpuFraction>,
-    ) {
+    pub fn take(&mut self, agent_id: &str, resources: &Resources, held: Holding<'_, GpuFraction>) {
         if let Some(n) = self.nodes.get_mut(agent_id) {
-            n.take(resources, gpus, fraction);
+            n.take(resources, held);
         }
         self.refresh(agent_id);
     }
@@ -257,28 +250,19 @@ impl<'s> Pool<'s> {
 
     /// Gives back what a task held (only devices of the agent on healthy,
     /// uncordoned GPUs).
-    pub fn give(
-        &mut self,
-        agent_id: &str,
-        resources: &Resources,
-        gpus: &[String],
-        fraction: Option<GpuFraction>,
-    ) {
+    pub fn give(&mut self, agent_id: &str, resources: &Resources, held: Holding<'_, GpuFraction>) {
         if let Some(n) = self.nodes.get_mut(agent_id) {
             n.free = n.free.add(resources);
-            if let Some(f) = fraction {
-                for g in gpus {
-                    if let Some((m, c)) = n.shares.get_mut(g.as_str()) {
-                        *m = m.saturating_add(f.mem_mib);
-                        *c = c.saturating_add(f.compute_pct).min(100);
-                    }
+            if let Some((gpu, f)) = held.fraction() {
+                if let Some((m, c)) = n.shares.get_mut(gpu.as_str()) {
+                    *m = m.saturating_add(f.mem_mib);
+                    *c = c.saturating_add(f.compute_pct).min(100);
                 }
-                self.refresh(agent_id);
-                return;
             }
+            let owned = held.owned();
             for d in devices(&n.agent.info.gpus).filter(|d| {
                 let g = d.gpu();
-                g.healthy && gpus.iter().any(|u| u == d.uuid()) && !self.cordoned.contains(&g.uuid)
+                g.healthy && owned.iter().any(|u| u == d.uuid()) && !self.cordoned.contains(&g.uuid)
             }) {
                 n.free_gpus.insert(d.uuid());
             }
@@ -290,22 +274,16 @@ impl<'s> Pool<'s> {
 impl<'s> PoolNode<'s> {
     /// Takes what a placement uses: resources, and its GPUs whole, or a
     /// fraction of its one shared GPU.
-    pub fn take(&mut self, resources: &Resources, gpus: &[String], fraction: Option<GpuFraction>) {
+    pub fn take(&mut self, resources: &Resources, held: Holding<'_, GpuFraction>) {
         self.free = self.free.saturating_sub(resources);
-        match fraction {
-            Some(f) => {
-                for g in gpus {
-                    if let Some((m, c)) = self.shares.get_mut(g.as_str()) {
-                        *m = m.saturating_sub(f.mem_mib);
-                        *c = c.saturating_sub(f.compute_pct);
-                    }
-                }
+        if let Some((gpu, f)) = held.fraction() {
+            if let Some((m, c)) = self.shares.get_mut(gpu.as_str()) {
+                *m = m.saturating_sub(f.mem_mib);
+                *c = c.saturating_sub(f.compute_pct);
             }
-            None => {
-                for g in gpus {
-                    self.free_gpus.remove(g.as_str());
-                }
-            }
+        }
+        for g in held.owned() {
+            self.free_gpus.remove(g.as_str());
         }
     }
 
@@ -486,13 +464,7 @@ pub(crate) trait Room<'s> {
         reserved: &BTreeMap<AgentId, (JobId, i32)>,
     ) -> std::borrow::Cow<'_, [placement::NodeView<'s>]>;
 
-    fn take(
-        &mut self,
-        agent_id: &str,
-        resources: &Resources,
-        gpus: &[String],
-        fraction: Option<GpuFraction>,
-    );
+    fn take(&mut self, agent_id: &str, resources: &Resources, held: Holding<'_, GpuFraction>);
 }
 
 impl<'s> Room<'s> for Pool<'s> {
@@ -504,14 +476,8 @@ impl<'s> Room<'s> for Pool<'s> {
         self.usable_views(reserved, job)
     }
 
-    fn take(
-        &mut self,
-        agent_id: &str,
-        resources: &Resources,
-        gpus: &[String],
-        fraction: Option<GpuFraction>,
-    ) {
-        Pool::take(self, agent_id, resources, gpus, fraction);
+    fn take(&mut self, agent_id: &str, resources: &Resources, held: Holding<'_, GpuFraction>) {
+        Pool::take(self, agent_id, resources, held);
     }
 }
 
@@ -576,8 +542,7 @@ fn place_on<'s>(
             room.take(
                 &p.node,
                 &job.spec.template.resources,
-                &p.gpus,
-                job.spec.placement.fraction,
+                Holding::of(&p.gpus, job.spec.placement.fraction.as_ref()),
             );
             out.push(Launch {
                 job_id: job.id.clone(),

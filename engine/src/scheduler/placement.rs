@@ -51,7 +51,7 @@ use std::collections::BTreeMap;
 use gpuctl_core::cuda_req::{Expr, Facts, Version};
 use gpuctl_core::types::{
     path_within, GpuFraction, GpuInfo, HostMount, IdRanges, MigDevice, PlacementPolicy, Resources,
-    Runtime, UserIds,
+    Runtime, UserIds, Wants,
 };
 
 pub use super::topology::choose_gpus;
@@ -69,12 +69,10 @@ pub struct TaskRequest<'a> {
     pub gpu_model: Option<&'a str>,
     /// 0: no minimum; each chosen GPU has `memory_mib >=` it.
     pub gpu_mem_min_mib: u64,
-    /// Each GPU is a MIG device of this profile (its memory is the one
-    /// `gpu_mem_min_mib` applies to; `gpu_model` is its parent's).
-    pub mig: Option<&'a str>,
-    /// Each task takes this fraction of one shared GPU (`resources.gpus`
-    /// is then 0).
-    pub fraction: Option<GpuFraction>,
+    /// Whole GPUs, MIG devices of a profile (their memory is the one
+    /// `gpu_mem_min_mib` applies to; `gpu_model` is their parent's), or a
+    /// fraction of one shared GPU (`resources.gpus` is then 0).
+    pub wants: Wants<'a>,
     /// Agent attribute `KEY=VALUE`, the value may be a glob; all must match.
     pub constraints: &'a BTreeMap<String, String>,
     /// A host-process task that runs as root: only on agents that allow it.
@@ -102,11 +100,7 @@ impl TaskRequest<'_> {
     /// GPUs or MIG devices the task needs on one node; a fraction needs
     /// one shared GPU.
     pub fn devices_needed(&self) -> usize {
-        if self.fraction.is_some() {
-            1
-        } else {
-            self.resources.gpus as usize
-        }
+        self.wants.devices(self.resources.gpus)
     }
 
     /// Everything it requires of the driver.
@@ -334,32 +328,31 @@ pub fn place_gang<'v, 'a>(
             .iter_mut()
             .filter(|c| c.fits(&need, n))
             .min_by(|a, b| compare(policy, &need, n, a, b))?;
-        let gpus = if let Some(f) = req.fraction {
-            vec![choose_share(
+        let gpus = match req.wants {
+            Wants::Fraction(f) => vec![choose_share(
                 best.node,
                 &best.taken,
                 &mut filter,
                 f,
                 policy,
-            )?]
-        } else if n == 0 {
-            Vec::new()
-        } else if req.mig.is_some() {
-            choose_mig(best.node, &best.taken, &mut filter, policy, n)?
-        } else {
-            let free: Vec<&GpuInfo> = best
-                .node
-                .free_gpus
-                .iter()
-                .copied()
-                .filter(|g| {
-                    g.healthy
-                        && !best.taken.contains(&g.uuid)
-                        && filter.allowed(&g.uuid)
-                        && filter.matches(g)
-                })
-                .collect();
-            choose_gpus(&free, best.node.all_gpus, n)?
+            )?],
+            _ if n == 0 => Vec::new(),
+            Wants::Mig(_) => choose_mig(best.node, &best.taken, &mut filter, policy, n)?,
+            Wants::Whole => {
+                let free: Vec<&GpuInfo> = best
+                    .node
+                    .free_gpus
+                    .iter()
+                    .copied()
+                    .filter(|g| {
+                        g.healthy
+                            && !best.taken.contains(&g.uuid)
+                            && filter.allowed(&g.uuid)
+                            && filter.matches(g)
+                    })
+                    .collect();
+                choose_gpus(&free, best.node.all_gpus, n)?
+            }
         };
         best.used = best.used.add(&need);
         best.taken.extend(gpus.iter().cloned());

@@ -40,7 +40,9 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use gpuctl_core::types::{find_device, Device, JobId, JobState, PlacementPolicy, Resources};
+use gpuctl_core::types::{
+    find_device, Device, Holding, JobId, JobState, PlacementPolicy, Resources,
+};
 
 use super::placement::{self, model_matches, Placement, TaskRequest};
 use super::{ask_key, may_use, policy_of, request, reservations, Pool};
@@ -252,8 +254,11 @@ struct Walk<'s> {
 impl<'s> Walk<'s> {
     fn take(&mut self, job: &JobRecord, resources: &Resources, ps: &[Placement]) {
         for p in ps {
-            self.sim
-                .take(&p.node, resources, &p.gpus, job.spec.placement.fraction);
+            self.sim.take(
+                &p.node,
+                resources,
+                Holding::of(&p.gpus, job.spec.placement.fraction.as_ref()),
+            );
             if !self.first_taker.contains_key(&p.node) {
                 self.first_taker.insert(p.node.clone(), job.id.clone());
             }
@@ -457,8 +462,7 @@ fn preempt_for<'s>(
             let victim_tenant = state.job(v).map_or("", |j| j.spec.tenant.name());
             from.insert(victim_tenant.to_string());
             for t in live_tasks(state, v) {
-                walk.sim
-                    .give(&t.agent_id, &t.resources, &t.gpu_uuids, t.fraction);
+                walk.sim.give(&t.agent_id, &t.resources, t.holding());
                 walk.usage = walk.usage.saturating_sub(&t.resources);
                 if let Some(g) = walk.tenant_gpus.get_mut(victim_tenant) {
                     *g = g.saturating_sub(crate::scheduler::tenants::quota_gpus(

@@ -4,7 +4,7 @@
 
 use std::collections::BTreeSet;
 
-use gpuctl_core::types::{find_device, Device, Resources, Runtime};
+use gpuctl_core::types::{find_device, Device, Resources, Runtime, Wants};
 
 use super::ApplyError;
 use super::{AgentState, State};
@@ -20,33 +20,10 @@ pub(super) struct Pending {
     pub(super) ports: std::collections::BTreeMap<String, BTreeSet<u16>>,
 }
 
-/// Which devices a launch may name: a job's are whole GPUs, MIG devices
-/// of its profile (`placement.mig`), or a fraction of one shared GPU
-/// (`placement.fraction`); a framework's task whole GPUs or MIG devices
-/// (`Any`), or a fraction of one shared GPU.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Wants<'a> {
-    Whole,
-    Mig(&'a str),
-    Fraction(gpuctl_core::types::GpuFraction),
-    Any,
-}
-
-impl<'a> Wants<'a> {
-    pub(super) fn of_job(spec: &'a gpuctl_core::types::JobSpec) -> Wants<'a> {
-        if let Some(f) = spec.placement.fraction {
-            return Wants::Fraction(f);
-        }
-        spec.placement
-            .mig
-            .as_deref()
-            .map_or(Wants::Whole, Wants::Mig)
-    }
-}
-
 impl State {
     /// Whether `resources` with exactly the devices `gpus` (GPUs, or MIG
-    /// devices, as `wants` allows) fit on the agent now, counting what
+    /// devices, as `wants` allows; `None`: a framework's task, which may
+    /// name either) fit on the agent now, counting what
     /// earlier launches of the same command (`pending`) took. On success
     /// `pending` includes this launch.
     ///
@@ -60,7 +37,7 @@ impl State {
         runtime: Runtime,
         resources: &Resources,
         gpus: &[String],
-        wants: Wants<'_>,
+        wants: Option<Wants<'_>>,
         pending: &mut Pending,
     ) -> Result<Vec<u16>, ApplyError> {
         let agent = self.known_agent(agent_id)?;
@@ -79,7 +56,8 @@ impl State {
                 "agent {agent_id} has no {runtime} runtime"
             )));
         }
-        if let Wants::Fraction(f) = wants {
+        let fraction = wants.and_then(Wants::fraction);
+        if let Some(f) = fraction {
             self.check_fraction(agent, gpus, f, pending)?;
         } else if gpus.len() != resources.gpus as usize {
             return Err(ApplyError::DoesNotFit(format!(
@@ -89,11 +67,7 @@ impl State {
             )));
         }
         // (A fraction's GPU was checked above.)
-        let devices = if matches!(wants, Wants::Fraction(_)) {
-            &[][..]
-        } else {
-            gpus
-        };
+        let devices = if fraction.is_some() { &[][..] } else { gpus };
         for uuid in devices {
             self.check_device(agent_id, agent, uuid, wants, pending)?;
         }
@@ -128,7 +102,7 @@ impl State {
         agent_id: &str,
         agent: &super::AgentRecord,
         uuid: &String,
-        wants: Wants<'_>,
+        wants: Option<Wants<'_>>,
         pending: &Pending,
     ) -> Result<(), ApplyError> {
         let Some(device) = find_device(&agent.info.gpus, uuid) else {
@@ -138,17 +112,17 @@ impl State {
         };
         let gpu = device.gpu();
         match (device, wants) {
-            (Device::Gpu(_), Wants::Mig(p)) => {
+            (Device::Gpu(_), Some(Wants::Mig(p))) => {
                 return Err(ApplyError::DoesNotFit(format!(
                     "GPU {uuid} is a whole GPU, the job asks for a MIG device {p}"
                 )))
             }
-            (Device::Mig { .. }, Wants::Whole) => {
+            (Device::Mig { .. }, Some(Wants::Whole)) => {
                 return Err(ApplyError::DoesNotFit(format!(
                     "{uuid} is a MIG device, the job asks for whole GPUs"
                 )))
             }
-            (Device::Mig { device, .. }, Wants::Mig(p)) if device.profile != p => {
+            (Device::Mig { device, .. }, Some(Wants::Mig(p))) if device.profile != p => {
                 return Err(ApplyError::DoesNotFit(format!(
                     "MIG device {uuid} is a {}, the job asks for a {p}",
                     device.profile

@@ -227,9 +227,7 @@ impl State {
                     Runtime::Process
                 };
                 // A fraction is checked as a job's is (`check_fraction`).
-                let wants = t
-                    .fraction
-                    .map_or(super::fit::Wants::Any, super::fit::Wants::Fraction);
+                let wants = t.fraction.map(gpuctl_core::types::Wants::Fraction);
                 self.check_fit(
                     &t.agent_id,
                     runtime,

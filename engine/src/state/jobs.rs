@@ -14,7 +14,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use gpuctl_core::types::{Holding, JobState, RestartPolicy, TaskState};
 
 use super::events::EventKind;
-use super::fit::{Pending, Wants};
+use super::fit::Pending;
 use super::{ApplyError, JobRecord, Launch, Outcome, State, Stopping, TaskReason, TaskRecord};
 
 impl State {
@@ -43,7 +43,7 @@ impl State {
                 job.spec.runtime(),
                 &job.spec.template.resources,
                 &l.gpu_uuids,
-                Wants::of_job(&job.spec),
+                Some(job.spec.placement.wants()),
                 &mut pending,
             )?);
         }

@@ -55,25 +55,22 @@ pub fn model_matches(pattern: &str, model: &str) -> bool {
 
 /// The task's per-GPU filter (model glob, memory), with the glob's answer
 /// remembered per model string: a cluster has few models and many GPUs.
-pub(super) struct GpuFilter {
+pub(super) struct GpuFilter<'a> {
     model: Option<Vec<char>>,
     mem_min: u64,
-    /// MIG devices of this profile rather than whole GPUs.
-    mig: Option<String>,
-    /// A fraction of a shared GPU rather than whole GPUs.
-    fraction: Option<GpuFraction>,
+    /// Whole GPUs, MIG devices of a profile, or a fraction of a shared GPU.
+    wants: Wants<'a>,
     cache: Vec<(String, bool)>,
     /// GPUs (or MIG devices) the task may not be given now.
     avoid: Vec<String>,
 }
 
-impl GpuFilter {
-    pub(super) fn new(req: &TaskRequest) -> Self {
+impl<'a> GpuFilter<'a> {
+    pub(super) fn new(req: &TaskRequest<'a>) -> Self {
         GpuFilter {
             model: req.gpu_model.map(lower),
             mem_min: req.gpu_mem_min_mib,
-            mig: req.mig.map(str::to_string),
-            fraction: req.fraction,
+            wants: req.wants,
             cache: Vec::new(),
             avoid: req
                 .avoid
@@ -112,7 +109,7 @@ impl GpuFilter {
     /// A MIG device of the profile asked, with the memory, on a GPU of the
     /// model.
     pub(super) fn matches_mig(&mut self, parent: &GpuInfo, d: &MigDevice) -> bool {
-        self.mig.as_deref() == Some(d.profile.as_str())
+        self.wants.mig() == Some(d.profile.as_str())
             && d.memory_mib >= self.mem_min
             && self.model_ok(&parent.model)
     }
@@ -120,37 +117,33 @@ impl GpuFilter {
     /// How many devices of the node match, busy or not, healthy or not
     /// ("could it ever fit"): MIG devices of the profile, or GPUs.
     pub(super) fn count_all(&mut self, node: &NodeView) -> usize {
-        if let Some(f) = self.fraction {
+        match self.wants {
             // The fractions its shared GPUs hold when none is held.
-            return node
+            Wants::Fraction(f) => node
                 .free_shared
                 .iter()
                 .filter(|(g, _, _)| self.matches(g))
                 .map(|(g, _, _)| fractions_in(g.memory_mib, 100, f))
-                .sum();
-        }
-        if self.mig.is_some() {
-            gpuctl_core::types::mig_devices_of(node.all_gpus)
+                .sum(),
+            Wants::Mig(_) => gpuctl_core::types::mig_devices_of(node.all_gpus)
                 .filter(|(g, d)| self.matches_mig(g, d))
-                .count()
-        } else {
-            node.all_gpus.iter().filter(|g| self.matches(g)).count()
+                .count(),
+            Wants::Whole => node.all_gpus.iter().filter(|g| self.matches(g)).count(),
         }
     }
 
     /// How many matching devices of the node are free and healthy now
     /// (for a fraction: how many fractions its shared GPUs still hold).
     pub(super) fn count_free(&mut self, node: &NodeView) -> usize {
-        if let Some(f) = self.fraction {
-            return node
+        match self.wants {
+            Wants::Fraction(f) => node
                 .free_shared
                 .iter()
                 .filter(|(g, _, _)| self.allowed(&g.uuid) && self.matches(g))
                 .map(|(_, m, c)| fractions_in(*m, *c, f))
-                .sum();
-        }
-        if self.mig.is_some() {
-            node.free_mig
+                .sum(),
+            Wants::Mig(_) => node
+                .free_mig
                 .iter()
                 .filter(|(g, d)| {
                     g.healthy
@@ -158,12 +151,12 @@ impl GpuFilter {
                         && self.allowed(&d.uuid)
                         && self.matches_mig(g, d)
                 })
-                .count()
-        } else {
-            node.free_gpus
+                .count(),
+            Wants::Whole => node
+                .free_gpus
                 .iter()
                 .filter(|g| g.healthy && self.allowed(&g.uuid) && self.matches(g))
-                .count()
+                .count(),
         }
     }
 }

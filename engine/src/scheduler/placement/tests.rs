@@ -86,8 +86,7 @@ fn req(gpus: u32) -> TaskRequest<'static> {
         runtime: Runtime::Process,
         gpu_model: None,
         gpu_mem_min_mib: 0,
-        mig: None,
-        fraction: None,
+        wants: Wants::Whole,
         constraints: &NONE,
         run_as_root: false,
         user: None,
@@ -1199,8 +1198,7 @@ mod props {
                 runtime: self.runtime,
                 gpu_model: self.model,
                 gpu_mem_min_mib: self.mem,
-                mig: None,
-                fraction: None,
+                wants: Wants::Whole,
                 constraints: &c,
                 run_as_root: self.run_as_root,
                 user: None,
@@ -1644,7 +1642,7 @@ fn a_waiting_fraction_is_counted_by_what_its_shared_gpus_lack() {
     v[1].free_shared = vec![(&nodes[1].gpus[0], 30 * 1024, 10)];
     v[2].free_shared = vec![(&nodes[2].gpus[0], 30 * 1024, 60)];
     let r = TaskRequest {
-        fraction: Some(GpuFraction {
+        wants: Wants::Fraction(GpuFraction {
             mem_mib: 10 * 1024,
             compute_pct: 50,
         }),

@@ -58,8 +58,8 @@ pub fn unsatisfiable(
         count: need.gpus,
         model: model.map(String::from),
         mem_min_mib: mem,
-        mig: req.mig.map(String::from),
-        fraction: req.fraction.map(|f| (f.mem_mib, f.compute_pct)),
+        mig: req.wants.mig().map(String::from),
+        fraction: req.wants.fraction().map(|f| (f.mem_mib, f.compute_pct)),
     };
     let requirement = |step: &Need| match step {
         Need::Runtime(rt) => Requirement::Runtime(*rt),
@@ -226,11 +226,13 @@ pub(super) fn largest(
             | Need::Attribute(..)
             | Need::Driver
             | Need::Model => None,
-            Need::Memory if req.mig.is_some() => gpuctl_core::types::mig_devices_of(node.all_gpus)
-                .filter(|(g, d)| model_only.matches_mig(g, d))
-                .map(|(_, d)| d.memory_mib)
-                .max()
-                .map(|m| m as f64),
+            Need::Memory if req.wants.mig().is_some() => {
+                gpuctl_core::types::mig_devices_of(node.all_gpus)
+                    .filter(|(g, d)| model_only.matches_mig(g, d))
+                    .map(|(_, d)| d.memory_mib)
+                    .max()
+                    .map(|m| m as f64)
+            }
             Need::Memory => node
                 .all_gpus
                 .iter()
@@ -286,9 +288,9 @@ pub fn agent_counts(
             &mut c.filtered_gpu_memory
         } else if filter.count_all(node) < n || !totals(node.id).fits(&scalars) {
             &mut c.filtered_too_small
-        } else if req.fraction.is_some() && filter.count_free(node) < n {
+        } else if req.wants.fraction().is_some() && filter.count_free(node) < n {
             // What its shared GPUs lack: memory, or only compute.
-            let memory_free = req.fraction.is_some_and(|f| {
+            let memory_free = req.wants.fraction().is_some_and(|f| {
                 node.free_shared.iter().any(|(g, m, _)| {
                     filter.allowed(&g.uuid) && filter.matches(g) && *m >= f.mem_mib
                 })

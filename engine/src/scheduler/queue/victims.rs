@@ -56,8 +56,8 @@ impl Amount {
 pub(super) fn gpu_matches(req: &TaskRequest, d: Device<'_>) -> bool {
     let g = d.gpu();
     g.healthy
-        && d.mig_profile() == req.mig
-        && !(req.mig.is_none() && g.mig.enabled)
+        && d.mig_profile() == req.wants.mig()
+        && !(req.wants.mig().is_none() && g.mig.enabled)
         && d.memory_mib() >= req.gpu_mem_min_mib
         && req.gpu_model.is_none_or(|p| model_matches(p, &g.model))
 }
@@ -200,7 +200,11 @@ pub(super) fn choose_victims<'s>(
     // An elastic gang preempts for its fewest ranks only.
     for _ in 0..job.spec.min_replicas() {
         if let Some(p) = placement::place_task(req, &pool.views(&usable), policy) {
-            pool.take(&p.node, &req.resources, &p.gpus, req.fraction);
+            pool.take(
+                &p.node,
+                &req.resources,
+                Holding::of(&p.gpus, req.wants.fraction().as_ref()),
+            );
             placements.push(p);
             continue;
         }
@@ -258,13 +262,17 @@ pub(super) fn choose_victims<'s>(
         let (_, node, set) = best?;
         for v in &set {
             for t in live_tasks(state, v) {
-                pool.give(&t.agent_id, &t.resources, &t.gpu_uuids, t.fraction);
+                pool.give(&t.agent_id, &t.resources, t.holding());
             }
         }
         chosen.extend(set);
         let view = pool.node(&node)?.view();
         let p = placement::place_task(req, std::slice::from_ref(&view), policy)?;
-        pool.take(&p.node, &req.resources, &p.gpus, req.fraction);
+        pool.take(
+            &p.node,
+            &req.resources,
+            Holding::of(&p.gpus, req.wants.fraction().as_ref()),
+        );
         placements.push(p);
     }
     if chosen.is_empty() {
