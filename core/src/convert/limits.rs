@@ -37,6 +37,8 @@ pub const MAX_GPUS: u32 = 64;
 pub const MAX_TASK_PORTS: u32 = 256;
 /// Most tasks in one gang.
 pub const MAX_REPLICAS: u32 = 4096;
+/// Most replicas of one service.
+pub const MAX_SERVICE_REPLICAS: u32 = 1024;
 /// Most retries of one job.
 pub const MAX_RETRIES: u32 = 1000;
 /// Constraints of one job.

@@ -1,7 +1,7 @@
 //! Wire <-> domain conversions. Every check of input that arrives over the
 //! wire lives here, and every failure names the field it is about. By
 //! subject: `limits.rs`, `job.rs`, `agent.rs`, `status.rs`, `framework.rs`,
-//! `query.rs`; the checks they share are below.
+//! `query.rs`, `service.rs`; the checks they share are below.
 
 mod agent;
 mod framework;
@@ -9,6 +9,7 @@ mod job;
 mod limits;
 mod options;
 mod query;
+mod service;
 mod spec;
 mod status;
 

@@ -209,6 +209,18 @@ impl TryFrom<pb::JobSpec> for JobSpec {
             .restart_policy
             .parse()
             .map_err(|e: String| ConvertError::new("spec.restart_policy", e))?;
+        let service = if s.service.is_empty() {
+            None
+        } else {
+            check_id("spec.service", &s.service)?;
+            Some(s.service)
+        };
+        if (restart_policy == RestartPolicy::Always) != service.is_some() {
+            return Err(ConvertError::new(
+                "spec.restart_policy",
+                "always is a service's replicas' policy, and theirs only (gpuctl services create)",
+            ));
+        }
         if restart_policy == RestartPolicy::Never && s.max_retries > 0 {
             return Err(ConvertError::new(
                 "spec.max_retries",
@@ -254,6 +266,7 @@ impl TryFrom<pb::JobSpec> for JobSpec {
             min_replicas,
             restart_policy,
             restart_backoff_ms,
+            service,
         })
     }
 }
@@ -306,6 +319,7 @@ impl From<JobSpec> for pb::JobSpec {
                 s.restart_policy.to_string()
             },
             restart_backoff_ms: s.restart_backoff_ms,
+            service: s.service.unwrap_or_default(),
         })
     }
 }

@@ -237,6 +237,10 @@ pub struct JobSpec {
     /// `None`: [`DEFAULT_RESTART_BACKOFF_MS`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub restart_backoff_ms: Option<u64>,
+    /// The service (`svc-N`) this job is a replica of, set by the master
+    /// (never from a submit); its `restart_policy` is then `Always`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub service: Option<String>,
 }
 
 /// What a failed task of a job leads to (`--restart-policy`).
@@ -251,6 +255,10 @@ pub enum RestartPolicy {
     /// The job fails at its first failure, and an elastic gang keeps the
     /// size it started with: gpuctl never restarts it.
     Never,
+    /// A service's replica: started again whenever it ends, exit 0 or
+    /// not, with the backoff (never more than its cap), and without a
+    /// retry count.
+    Always,
 }
 
 impl RestartPolicy {
@@ -264,17 +272,19 @@ impl std::fmt::Display for RestartPolicy {
         f.write_str(match self {
             RestartPolicy::Gang => "gang",
             RestartPolicy::Never => "never",
+            RestartPolicy::Always => "always",
         })
     }
 }
 
 impl std::str::FromStr for RestartPolicy {
     type Err = String;
-    /// `gang` or `never`, in any case; "" is `gang`.
+    /// `gang`, `never` or `always`, in any case; "" is `gang`.
     fn from_str(s: &str) -> Result<Self, String> {
         match s.trim().to_ascii_lowercase().as_str() {
             "" | "gang" => Ok(RestartPolicy::Gang),
             "never" => Ok(RestartPolicy::Never),
+            "always" => Ok(RestartPolicy::Always),
             _ => Err(format!("{s:?} is not a restart policy (gang, never)")),
         }
     }
@@ -322,6 +332,7 @@ impl JobSpec {
             min_replicas: None,
             restart_policy: RestartPolicy::Gang,
             restart_backoff_ms: None,
+            service: None,
             submitted_by: String::new(),
         }
     }

@@ -40,6 +40,13 @@ pub enum Outcome {
     /// The update was about a task that already ended or that this master
     /// does not know; accepted (so the agent stops retrying) and ignored.
     StaleUpdate,
+    ServiceCreated {
+        id: String,
+    },
+    /// The replicas' jobs, being stopped.
+    ServiceDeleted {
+        job_ids: Vec<String>,
+    },
 }
 
 /// A committed change of the Raft group's members, for
@@ -102,6 +109,14 @@ pub enum ApplyError {
     RequestIdReused { job_id: String },
     #[error("undecodable command at index {index}: {reason}")]
     Undecodable { index: u64, reason: String },
+    #[error("name: a service named {0:?} exists with another spec (scale it, or delete it first)")]
+    ServiceExists(String),
+    #[error("service {0:?} not found")]
+    ServiceNotFound(String),
+    #[error("job {job_id} is a replica of service {service:?}: scale or delete the service")]
+    ReplicaOfService { job_id: String, service: String },
+    #[error("{0}")]
+    Unexpected(String),
 }
 
 impl State {
@@ -158,7 +173,7 @@ impl State {
             Command::LaunchTasks { launches, at_ms } => self.launch_tasks(launches, *at_ms),
             Command::LaunchJobs { jobs, at_ms } => self.launch_jobs(jobs, *at_ms),
             Command::UpdateTaskStatus { update, at_ms } => self.update_task(update, *at_ms),
-            Command::CancelJob { job_id, at_ms } => self.cancel_job(job_id, *at_ms),
+            Command::CancelJob { job_id, at_ms } => self.cancel_job_asked(job_id, *at_ms),
             Command::SetGpuHealth { agent_id, gpus, .. } => self.set_gpu_health(agent_id, gpus),
             Command::ShareGpu { gpu_uuid, mode } => self.share_gpu(gpu_uuid, *mode),
             Command::SetMigLayout {
@@ -272,6 +287,13 @@ impl State {
                 };
                 self.set_quota(tenant, *gpus, borrow, *weight, stop_idle)
             }
+            Command::CreateService { spec, at_ms } => self.create_service(spec, *at_ms),
+            Command::ScaleService {
+                name,
+                replicas,
+                at_ms,
+            } => self.scale_service(name, *replicas, *at_ms),
+            Command::DeleteService { name, at_ms } => self.delete_service(name, *at_ms),
         }
     }
 

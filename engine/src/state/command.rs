@@ -39,7 +39,11 @@ use serde::{Deserialize, Serialize};
 /// using a retry (version-5 masters would count a failed attempt);
 /// `UseJoinToken` names the request by its key, and the same request sent
 /// again is let through (version-5 masters would refuse it).
-pub const COMMAND_VERSION: u32 = 6;
+///
+/// 7 (issue 57): services (`CreateService`, `ScaleService`,
+/// `DeleteService`), the `always` restart policy of their replicas' jobs,
+/// and `CancelJob` refused for a live service's replica.
+pub const COMMAND_VERSION: u32 = 7;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Command {
@@ -335,6 +339,23 @@ pub enum Command {
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         clear_stop_idle: bool,
     },
+    /// A service and its replicas' jobs (`gpuctl services create`); the
+    /// same spec again is the create resent.
+    CreateService {
+        spec: gpuctl_core::types::ServiceSpec,
+        at_ms: u64,
+    },
+    /// A service's replica count (`gpuctl services scale`).
+    ScaleService {
+        name: String,
+        replicas: u32,
+        at_ms: u64,
+    },
+    /// A service gone: its replicas stopped, its name free.
+    DeleteService {
+        name: String,
+        at_ms: u64,
+    },
 }
 
 /// One task of a job placed on one agent with exact GPUs. A job of
@@ -460,6 +481,9 @@ impl Command {
             Command::RevokeToken { .. } => "revoke_token",
             Command::UseJoinToken { .. } => "use_join_token",
             Command::SetQuota { .. } => "set_quota",
+            Command::CreateService { .. } => "create_service",
+            Command::ScaleService { .. } => "scale_service",
+            Command::DeleteService { .. } => "delete_service",
         }
     }
 }

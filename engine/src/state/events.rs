@@ -78,6 +78,10 @@ pub enum EventKind {
     Succeeded,
     Failed,
     Cancelled,
+    /// A service was created (its own events).
+    Created,
+    /// A service's replica count changed (its own events).
+    Scaled,
 }
 
 impl EventKind {
@@ -106,6 +110,8 @@ impl EventKind {
             EventKind::Succeeded => "Succeeded",
             EventKind::Failed => "Failed",
             EventKind::Cancelled => "Cancelled",
+            EventKind::Created => "Created",
+            EventKind::Scaled => "Scaled",
         }
     }
 

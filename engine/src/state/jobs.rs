@@ -81,7 +81,8 @@ impl State {
                 continue; // checked above
             };
             let r = rank.entry(job.id.clone()).or_default();
-            let task_id = format!("{}.{}", job.id, job.task_ids.len());
+            let n = (job.task_ids.len() as u64).saturating_add(job.forgotten_tasks);
+            let task_id = format!("{}.{n}", job.id);
             job.task_ids.push(task_id.clone());
             // The attempt's size so far: all its launches by the loop's end.
             job.world = *r + 1;
@@ -243,7 +244,14 @@ impl State {
         };
         job.updated_at_ms = at_ms;
         if all_ended {
+            let replica = job.spec.restart_policy == RestartPolicy::Always;
+            if replica {
+                super::services::backoff_after_run(job, &tasks, at_ms);
+            }
             end_attempt(job, all_ok, tasks.len(), at_ms);
+            if replica {
+                self.forget_old_replica_tasks(job_id);
+            }
         }
     }
 
@@ -277,8 +285,9 @@ impl State {
         } else {
             Stopping::Failed {
                 message: message.clone(),
-                retry: job.retries < job.spec.max_retries
-                    && job.spec.restart_policy == RestartPolicy::Gang,
+                retry: job.spec.restart_policy == RestartPolicy::Always
+                    || (job.retries < job.spec.max_retries
+                        && job.spec.restart_policy == RestartPolicy::Gang),
             }
         };
         let others: Vec<String> = current
@@ -536,6 +545,7 @@ impl State {
                 not_before_ms: 0,
                 avoid_gpus: Vec::new(),
                 idle_since_ms: None,
+                forgotten_tasks: 0,
             },
         );
         self.job_event(
@@ -595,6 +605,13 @@ fn end_attempt(job: &mut JobRecord, all_ok: bool, task_count: usize, at_ms: u64)
             JobState::Queued,
             format!("restarting to grow from {from} ranks"),
         )
+    } else if all_ok && job.spec.restart_policy == RestartPolicy::Always {
+        // A service's replica that exits 0 is started again all the same.
+        let stopping = Some(Stopping::Failed {
+            message: "exited with code 0".into(),
+            retry: true,
+        });
+        stopped_outcome(job, stopping, &mut event, at_ms)
     } else if all_ok {
         event = Some((
             EventKind::Succeeded,
@@ -652,6 +669,13 @@ fn stopped_outcome(
                 stopped_for(&by, reclaimed_for.as_deref())
             ),
         ),
+        Some(Stopping::Failed {
+            message,
+            retry: true,
+        }) if job.spec.restart_policy == RestartPolicy::Always => {
+            *event = Some(super::services::restart_replica(job, &message, at_ms));
+            (JobState::Queued, message)
+        }
         Some(Stopping::Failed {
             message,
             retry: true,

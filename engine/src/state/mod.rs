@@ -21,6 +21,9 @@ mod preempt;
 mod records;
 pub mod requests;
 mod retention;
+mod services;
+#[cfg(test)]
+mod services_tests;
 pub mod share;
 #[cfg(test)]
 mod share_tests;
@@ -45,6 +48,7 @@ pub use apply::{ApplyError, MemberChange, Outcome};
 pub use command::{Command, EncodeError, GpuHealthChange, Launch, COMMAND_VERSION};
 pub use gpuctl_core::types::{FrameworkTask, TaskReason};
 pub use records::*;
+pub use services::{ServiceRecord, KEPT_REPLICA_TASKS, REPLICA_BACKOFF_RESET_MS};
 pub use tables::Touched;
 use tables::{AgentTable, JobTable, TaskTable};
 
@@ -132,6 +136,12 @@ pub struct State {
     /// Each GPU's utilization over time (`RecordUtilization`).
     #[serde(default)]
     util: util::History,
+    /// Live services by id (`svc-<n>`); a deleted one is removed at once.
+    #[serde(default)]
+    services: BTreeMap<String, ServiceRecord>,
+    /// Sequence for service ids (0 in states from before services: 1).
+    #[serde(default)]
+    next_service_seq: u64,
     /// Index of the last log entry applied.
     applied_index: u64,
     /// Indexes derived from the above (see `derived`).

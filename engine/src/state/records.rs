@@ -121,6 +121,11 @@ pub struct JobRecord {
     /// the idle window, see `State::flag_idle_jobs`); None: not idle.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub idle_since_ms: Option<u64>,
+    /// Tasks of its earliest attempts dropped from `task_ids` (a service's
+    /// replica, restarted without end, keeps its latest only): the next
+    /// task's number is `task_ids.len()` plus this.
+    #[serde(default, skip_serializing_if = "is_zero_u64")]
+    pub forgotten_tasks: u64,
 }
 
 /// A GPU a job is not placed on until `until_ms` (the leader's clock).

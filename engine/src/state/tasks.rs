@@ -390,7 +390,9 @@ impl State {
             if let (true, Some(since), Some(after), None) =
                 (idle, job.idle_since_ms, stop_after, &job.stopping)
             {
-                if due(since, after) && !job.cancel_requested {
+                // A service's replica is flagged, not stopped: serving
+                // waits for requests.
+                if due(since, after) && !job.cancel_requested && job.spec.service.is_none() {
                     let message = format!(
                         "stopped: its GPUs stayed idle (under {below}%) for {} s after it was flagged idle (tenant {tenant} stops idle jobs)",
                         after / 1000

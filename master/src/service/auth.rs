@@ -177,9 +177,9 @@ pub fn rule(path: &str) -> Option<Rule> {
         "gpuctl.v1.Operator" => match method {
             "AddMaster" | "RemoveMaster" | "CordonGpu" | "SetMigLayout" | "ShareGpu"
             | "DrainAgent" | "UndrainAgent" => Rule::Tokens(ADMIN),
-            "SubmitJob" | "GetJob" | "WatchJob" | "ListJobs" | "CancelJob" | "JobLogs" => {
-                Rule::Tokens(JOBS)
-            }
+            "SubmitJob" | "GetJob" | "WatchJob" | "ListJobs" | "CancelJob" | "JobLogs"
+            | "CreateService" | "GetService" | "ListServices" | "ScaleService"
+            | "DeleteService" => Rule::Tokens(JOBS),
             // Usage: a tenant's token sees its tenant's rows only.
             "ListAgents" | "ListGpus" | "ListMasters" | "Usage" | "Utilization" => {
                 Rule::Tokens(ANY_TOKEN)
@@ -430,6 +430,11 @@ mod tests {
                     "RemoveMaster",
                     "Usage",
                     "Utilization",
+                    "CreateService",
+                    "GetService",
+                    "ListServices",
+                    "ScaleService",
+                    "DeleteService",
                 ],
             ),
             (

@@ -17,6 +17,7 @@ pub enum Missing {
     Agent,
     Gpu,
     Token,
+    Service,
 }
 
 impl std::fmt::Display for Missing {
@@ -26,6 +27,7 @@ impl std::fmt::Display for Missing {
             Missing::Agent => "agent",
             Missing::Gpu => "GPU",
             Missing::Token => "token",
+            Missing::Service => "service",
         })
     }
 }
@@ -224,9 +226,12 @@ fn propose_status(e: ProposeError) -> Status {
             ApplyError::JobNotFound(_)
             | ApplyError::AgentNotFound(_)
             | ApplyError::FrameworkNotFound(_)
-            | ApplyError::TaskNotFound(_) => Status::not_found(a.to_string()),
+            | ApplyError::TaskNotFound(_)
+            | ApplyError::ServiceNotFound(_) => Status::not_found(a.to_string()),
+            ApplyError::ServiceExists(_) => Status::already_exists(a.to_string()),
             ApplyError::Undecodable { .. } => Status::internal(a.to_string()),
             ApplyError::Invalid { .. } => Status::invalid_argument(a.to_string()),
+            ApplyError::Unexpected(_) => Status::internal(a.to_string()),
             _ => Status::failed_precondition(a.to_string()),
         },
     }

@@ -324,6 +324,8 @@ mod tests {
             checkpoint_dir: text("/k/", MAX_PATH_LEN),
             hang_timeout_ms: None,
             options: None,
+            // The master's to set; refused in a submit.
+            service: String::new(),
         };
         let req = pb::SubmitJobRequest {
             request_id: text("r", MAX_NAME_LEN),

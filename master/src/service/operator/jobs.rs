@@ -19,37 +19,14 @@ impl OperatorService {
             .spec
             .ok_or_else(|| ConvertError::new("spec", "missing"))?;
         let mut spec = JobSpec::try_from(spec)?;
-        spec.submitted_by = caller.token_id().unwrap_or_default().to_string();
-        // Charged to the caller's tenant; only an admin may name another.
-        if spec.tenant.is_unset() {
-            spec.tenant = caller.tenant().into();
-        } else if !caller.may_access(spec.tenant.name()) {
-            return Err(ServiceError::Forbidden(format!(
-                "spec.tenant: your token is tenant {}'s; it cannot submit jobs for tenant {}",
-                caller.tenant(),
-                spec.tenant
-            )));
+        if spec.service.is_some() {
+            return Err(ConvertError::new(
+                "spec.restart_policy",
+                "always is a service's replicas' policy (gpuctl services create)",
+            )
+            .into());
         }
-        // Root on a host needs the agent's consent (allow_root_tasks, in
-        // placement) and the tenant's: its token must allow it.
-        if spec.template.security.run_as_root {
-            if let Caller::Token(t) = caller {
-                if !t.allow_root {
-                    return Err(ServiceError::Forbidden(format!(
-                        "spec.security.run_as_root: tenant {}'s token does not allow root \
-                         tasks (an admin makes one with `gpuctl tokens create --allow-root`)",
-                        caller.tenant()
-                    )));
-                }
-            }
-        }
-        if let Caller::Token(t) = caller {
-            check_chosen_user(t, &spec.template.security)?;
-        }
-        self.ctx
-            .config
-            .check_stop_grace(spec.template.stop_grace_ms)
-            .map_err(|why| ConvertError::new("spec.stop_grace_ms", why))?;
+        self.admit(caller, &mut spec, "spec")?;
         // A resend of a submit already committed: answer from the state
         // (apply dedupes too, for a resend racing its first send).
         if let Some(key) = &request_id {
@@ -79,6 +56,50 @@ impl OperatorService {
             }
             other => Err(ServiceError::unexpected("submit_job", other)),
         }
+    }
+
+    /// What the caller may ask of a job (or a service's template, under
+    /// `field`): its tenant (the caller's, or one an admin names), root
+    /// and a chosen user as its token allows, a stop grace within the
+    /// master's; the token that submitted it is recorded.
+    pub(super) fn admit(
+        &self,
+        caller: &Caller,
+        spec: &mut JobSpec,
+        field: &str,
+    ) -> Result<(), ServiceError> {
+        spec.submitted_by = caller.token_id().unwrap_or_default().to_string();
+        // Charged to the caller's tenant; only an admin may name another.
+        if spec.tenant.is_unset() {
+            spec.tenant = caller.tenant().into();
+        } else if !caller.may_access(spec.tenant.name()) {
+            return Err(ServiceError::Forbidden(format!(
+                "{field}.tenant: your token is tenant {}'s; it cannot submit work for tenant {}",
+                caller.tenant(),
+                spec.tenant
+            )));
+        }
+        // Root on a host needs the agent's consent (allow_root_tasks, in
+        // placement) and the tenant's: its token must allow it.
+        if spec.template.security.run_as_root {
+            if let Caller::Token(t) = caller {
+                if !t.allow_root {
+                    return Err(ServiceError::Forbidden(format!(
+                        "{field}.security.run_as_root: tenant {}'s token does not allow root \
+                         tasks (an admin makes one with `gpuctl tokens create --allow-root`)",
+                        caller.tenant()
+                    )));
+                }
+            }
+        }
+        if let Caller::Token(t) = caller {
+            check_chosen_user(t, &spec.template.security)?;
+        }
+        self.ctx
+            .config
+            .check_stop_grace(spec.template.stop_grace_ms)
+            .map_err(|why| ConvertError::new(format!("{field}.stop_grace_ms"), why))?;
+        Ok(())
     }
 
     /// The job, then each change of it, until it ends. Wakes on applied

@@ -24,6 +24,7 @@ use gpuctl_core::wait::Waiting;
 mod agents;
 mod jobs;
 mod logs;
+mod services;
 mod usage;
 
 type LogStream = Pin<Box<dyn Stream<Item = Result<pb::LogChunk, Status>> + Send>>;
@@ -94,20 +95,20 @@ pub fn job_detail_to_pb(
     reasons: &BTreeMap<String, Waiting>,
 ) -> pb::Job {
     let mut job = job_to_pb(state, j, reasons);
-    job.events = j
-        .events
-        .iter()
-        .map(|e| pb::JobEvent {
-            kind: e.kind.as_str().to_string(),
-            warning: e.kind.is_warning(),
-            message: e.message.clone(),
-            first_ms: e.first_ms,
-            last_ms: e.last_ms,
-            count: e.count,
-        })
-        .collect();
+    job.events = j.events.iter().map(event_to_pb).collect();
     job.events_dropped = j.events.dropped();
     job
+}
+
+fn event_to_pb(e: &crate::state::events::JobEvent) -> pb::JobEvent {
+    pb::JobEvent {
+        kind: e.kind.as_str().to_string(),
+        warning: e.kind.is_warning(),
+        message: e.message.clone(),
+        first_ms: e.first_ms,
+        last_ms: e.last_ms,
+        count: e.count,
+    }
 }
 
 /// "task job-1.0: agent a1 unreachable since ..." for a live job whose
@@ -276,6 +277,46 @@ impl pb::operator_server::Operator for OperatorService {
     ) -> Result<Response<pb::SubmitJobResponse>, Status> {
         let caller = Caller::of(&req);
         reply(self.submit_job(&caller, req.into_inner()).await)
+    }
+
+    async fn create_service(
+        &self,
+        req: Request<pb::CreateServiceRequest>,
+    ) -> Result<Response<pb::Service>, Status> {
+        let caller = Caller::of(&req);
+        reply(self.create_service(&caller, req.into_inner()).await)
+    }
+
+    async fn get_service(
+        &self,
+        req: Request<pb::GetServiceRequest>,
+    ) -> Result<Response<pb::Service>, Status> {
+        let caller = Caller::of(&req);
+        reply(self.get_service(&caller, req.into_inner()).await)
+    }
+
+    async fn list_services(
+        &self,
+        req: Request<pb::ListServicesRequest>,
+    ) -> Result<Response<pb::ListServicesResponse>, Status> {
+        let caller = Caller::of(&req);
+        reply(self.list_services(&caller, req.into_inner()).await)
+    }
+
+    async fn scale_service(
+        &self,
+        req: Request<pb::ScaleServiceRequest>,
+    ) -> Result<Response<pb::Service>, Status> {
+        let caller = Caller::of(&req);
+        reply(self.scale_service(&caller, req.into_inner()).await)
+    }
+
+    async fn delete_service(
+        &self,
+        req: Request<pb::DeleteServiceRequest>,
+    ) -> Result<Response<pb::DeleteServiceResponse>, Status> {
+        let caller = Caller::of(&req);
+        reply(self.delete_service(&caller, req.into_inner()).await)
     }
 
     async fn get_job(&self, req: Request<pb::GetJobRequest>) -> Result<Response<pb::Job>, Status> {

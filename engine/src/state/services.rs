@@ -1,0 +1,276 @@
+//! Services: replicas that run until the service is deleted. Each replica
+//! is a job of one task whose restart policy is `Always`, so the queue,
+//! placement, quotas, fair share, preemption and events treat it as any
+//! job; this file keeps which job is which replica, and how a replica is
+//! restarted.
+
+use serde::{Deserialize, Serialize};
+
+use gpuctl_core::types::{JobId, ServiceSpec};
+
+use super::events::{EventKind, Events};
+use super::{ApplyError, JobRecord, Outcome, State, TaskRecord};
+
+/// A replica that ran this long before it ended starts its backoff again
+/// from the first pause (as Kubernetes' CrashLoopBackOff does after 10
+/// minutes of running).
+pub const REPLICA_BACKOFF_RESET_MS: u64 = 10 * 60 * 1000;
+/// Tasks of a replica's job kept (its latest attempts'); older ended ones
+/// that hold nothing are forgotten, so a replica restarted for months
+/// does not grow the state.
+pub const KEPT_REPLICA_TASKS: usize = 16;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ServiceRecord {
+    pub id: String,
+    /// As created, with `replicas` as last scaled.
+    pub spec: ServiceSpec,
+    pub created_at_ms: u64,
+    pub updated_at_ms: u64,
+    /// Its replicas' jobs, by replica index.
+    pub replicas: Vec<JobId>,
+    pub events: Events,
+}
+
+impl State {
+    pub fn services(&self) -> impl Iterator<Item = &ServiceRecord> {
+        self.services.values()
+    }
+
+    /// The live service of this name (names are unique among them).
+    pub fn service_named(&self, name: &str) -> Option<&ServiceRecord> {
+        self.services.values().find(|s| s.spec.name == name)
+    }
+
+    /// `Command::CreateService`. The name is the create's key: the same
+    /// spec again returns the service it made; another is refused.
+    pub(super) fn create_service(
+        &mut self,
+        spec: &ServiceSpec,
+        at_ms: u64,
+    ) -> Result<Outcome, ApplyError> {
+        if let Some(s) = self.service_named(&spec.name) {
+            let id = s.id.clone();
+            // Scaled since: the replica count is not the create's to judge.
+            let same = ServiceSpec {
+                replicas: spec.replicas,
+                ..s.spec.clone()
+            } == *spec;
+            return if same {
+                Ok(Outcome::ServiceCreated { id })
+            } else {
+                Err(ApplyError::ServiceExists(spec.name.clone()))
+            };
+        }
+        self.check_within_cap(spec, spec.replicas)?;
+        let id = format!("svc-{}", self.next_service_seq.max(1));
+        self.next_service_seq = self.next_service_seq.max(1) + 1;
+        let mut record = ServiceRecord {
+            id: id.clone(),
+            spec: spec.clone(),
+            created_at_ms: at_ms,
+            updated_at_ms: at_ms,
+            replicas: Vec::new(),
+            events: Events::default(),
+        };
+        record.events.record(
+            EventKind::Created,
+            format!("with {} replica(s)", spec.replicas),
+            at_ms,
+        );
+        for index in 0..spec.replicas {
+            let job = self.submit_replica(&record, index, at_ms)?;
+            record.replicas.push(job);
+        }
+        self.services.insert(id.clone(), record);
+        Ok(Outcome::ServiceCreated { id })
+    }
+
+    /// `replicas` of the service could all run within its tenant's cap
+    /// (quota plus borrowing): more could never run together, and are
+    /// refused rather than left waiting for ever.
+    fn check_within_cap(&self, spec: &ServiceSpec, replicas: u32) -> Result<(), ApplyError> {
+        let tenant = spec.template.tenant.name();
+        let Some(cap) = self.tenant_cap(tenant) else {
+            return Ok(());
+        };
+        let t = &spec.template;
+        let each = t.placement.wants().devices(t.template.resources.gpus) as u64;
+        let all = each.saturating_mul(u64::from(replicas));
+        if all > u64::from(cap) {
+            return Err(ApplyError::Invalid {
+                field: "replicas".into(),
+                reason: format!(
+                    "{replicas} replicas of {each} GPU(s) need {all}: more than tenant \
+                     {tenant} may hold ({cap}, its quota and borrowing)"
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// Queues replica `index` of the service as a job.
+    fn submit_replica(
+        &mut self,
+        service: &ServiceRecord,
+        index: u32,
+        at_ms: u64,
+    ) -> Result<JobId, ApplyError> {
+        let mut spec = service.spec.template.clone();
+        spec.service = Some(service.id.clone());
+        let env = &mut spec.template.env;
+        env.insert("GPUCTL_SERVICE".into(), service.spec.name.clone());
+        env.insert("GPUCTL_REPLICA".into(), index.to_string());
+        match self.submit_job(&spec, at_ms, None)? {
+            Outcome::JobSubmitted { job_id } => Ok(job_id),
+            other => Err(ApplyError::Unexpected(format!(
+                "submit of a replica answered {other:?}"
+            ))),
+        }
+    }
+
+    /// `Command::ScaleService`: more replicas are queued; for fewer, the
+    /// newest are stopped.
+    pub(super) fn scale_service(
+        &mut self,
+        name: &str,
+        replicas: u32,
+        at_ms: u64,
+    ) -> Result<Outcome, ApplyError> {
+        let Some(mut record) = self
+            .service_named(name)
+            .cloned()
+            .filter(|s| s.spec.replicas != replicas)
+        else {
+            return match self.service_named(name) {
+                Some(_) => Ok(Outcome::Done),
+                None => Err(ApplyError::ServiceNotFound(name.to_string())),
+            };
+        };
+        self.check_within_cap(&record.spec, replicas)?;
+        let from = record.spec.replicas;
+        while record.replicas.len() < replicas as usize {
+            let index = u32::try_from(record.replicas.len()).unwrap_or(u32::MAX);
+            let job = self.submit_replica(&record, index, at_ms)?;
+            record.replicas.push(job);
+        }
+        while record.replicas.len() > replicas as usize {
+            if let Some(job) = record.replicas.pop() {
+                self.cancel_job(&job, at_ms)?;
+            }
+        }
+        record.spec.replicas = replicas;
+        record.updated_at_ms = at_ms;
+        record.events.record(
+            EventKind::Scaled,
+            format!("from {from} to {replicas}"),
+            at_ms,
+        );
+        self.services.insert(record.id.clone(), record);
+        Ok(Outcome::Done)
+    }
+
+    /// `Command::DeleteService`: every replica is stopped and the name is
+    /// free at once (the stopping jobs name the old service's id).
+    pub(super) fn delete_service(&mut self, name: &str, at_ms: u64) -> Result<Outcome, ApplyError> {
+        let Some(id) = self.service_named(name).map(|s| s.id.clone()) else {
+            return Err(ApplyError::ServiceNotFound(name.to_string()));
+        };
+        let Some(record) = self.services.remove(&id) else {
+            return Err(ApplyError::ServiceNotFound(name.to_string()));
+        };
+        for job in &record.replicas {
+            self.cancel_job(job, at_ms)?;
+        }
+        Ok(Outcome::ServiceDeleted {
+            job_ids: record.replicas,
+        })
+    }
+
+    /// `Command::CancelJob`: a live service's replica is its service's to
+    /// stop (scale or delete it), not a cancel's.
+    pub(super) fn cancel_job_asked(
+        &mut self,
+        job_id: &str,
+        at_ms: u64,
+    ) -> Result<Outcome, ApplyError> {
+        let owner = self
+            .jobs
+            .get(job_id)
+            .and_then(|j| j.spec.service.as_deref())
+            .and_then(|id| self.services.get(id));
+        if let Some(service) = owner {
+            return Err(ApplyError::ReplicaOfService {
+                job_id: job_id.to_string(),
+                service: service.spec.name.clone(),
+            });
+        }
+        self.cancel_job(job_id, at_ms)
+    }
+
+    /// Forgets a replica's oldest tasks beyond [`KEPT_REPLICA_TASKS`],
+    /// those that ended and hold nothing; the job's task numbers go on.
+    pub(super) fn forget_old_replica_tasks(&mut self, job_id: &str) {
+        let Some(job) = self.jobs.get(job_id) else {
+            return;
+        };
+        let excess = job.task_ids.len().saturating_sub(KEPT_REPLICA_TASKS);
+        let drop = job.task_ids[..excess]
+            .iter()
+            .take_while(|t| {
+                self.tasks
+                    .get(*t)
+                    .is_none_or(|t| t.state.is_terminal() && self.task_holds_nothing(t))
+            })
+            .count();
+        if drop == 0 {
+            return;
+        }
+        let Some(job) = self.jobs.get_mut(job_id) else {
+            return;
+        };
+        let gone: Vec<String> = job.task_ids.drain(..drop).collect();
+        job.forgotten_tasks = job.forgotten_tasks.saturating_add(drop as u64);
+        for t in &gone {
+            self.tasks.remove(t);
+            self.util.forget_task(t);
+        }
+    }
+}
+
+/// Before a replica's attempt ends: one that ran long enough starts its
+/// backoff again from the first pause.
+pub(super) fn backoff_after_run(job: &mut JobRecord, tasks: &[&TaskRecord], at_ms: u64) {
+    let ran = tasks
+        .iter()
+        .filter_map(|t| t.running_at_ms)
+        .min()
+        .map(|since| at_ms.saturating_sub(since));
+    if ran.is_some_and(|ran| ran >= REPLICA_BACKOFF_RESET_MS) {
+        job.retries = 0;
+    }
+}
+
+/// A replica's attempt ended (exit 0 or not): it is queued again after
+/// its backoff, without a retry limit. The event of it.
+pub(super) fn restart_replica(
+    job: &mut JobRecord,
+    message: &str,
+    at_ms: u64,
+) -> (EventKind, String) {
+    job.retries = job.retries.saturating_add(1);
+    let pause = job.spec.restart_backoff(job.retries);
+    job.not_before_ms = if pause == 0 {
+        0
+    } else {
+        at_ms.saturating_add(pause)
+    };
+    (
+        EventKind::Retrying,
+        format!(
+            "{message}; restart {} in {}s",
+            job.retries,
+            pause as f64 / 1000.0
+        ),
+    )
+}

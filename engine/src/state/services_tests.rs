@@ -1,0 +1,294 @@
+//! Services through the state machine: replicas as jobs that always
+//! restart, scale, delete, and what a tenant may not do to a replica.
+
+use gpuctl_core::types::{JobSpec, JobState, Resources, RestartPolicy, ServiceSpec, TaskState};
+
+use super::testkit::{status, Driver};
+use super::{ApplyError, Command, Outcome, KEPT_REPLICA_TASKS, REPLICA_BACKOFF_RESET_MS};
+
+fn spec(name: &str, replicas: u32) -> ServiceSpec {
+    let mut template = JobSpec::new(
+        name,
+        vec!["serve".into()],
+        Resources {
+            gpus: 1,
+            cpus: 1.0,
+            mem_mib: 256,
+            ports: 0,
+        },
+    );
+    template.restart_policy = RestartPolicy::Always;
+    ServiceSpec {
+        name: name.into(),
+        replicas,
+        template,
+    }
+}
+
+fn create(d: &mut Driver, s: ServiceSpec, at_ms: u64) -> Result<String, ApplyError> {
+    match d.apply(Command::CreateService { spec: s, at_ms })? {
+        Outcome::ServiceCreated { id } => Ok(id),
+        other => panic!("{other:?}"),
+    }
+}
+
+fn replicas(d: &Driver, name: &str) -> Vec<String> {
+    d.s.service_named(name).unwrap().replicas.clone()
+}
+
+/// Places and launches everything that fits, at `at_ms`.
+fn run_all(d: &mut Driver, at_ms: u64) {
+    let launches = d.place();
+    d.apply(Command::LaunchTasks { launches, at_ms }).unwrap();
+    let live: Vec<(String, String)> =
+        d.s.tasks()
+            .values()
+            .filter(|t| t.state == TaskState::Staging)
+            .map(|t| (t.agent_id.clone(), t.id.clone()))
+            .collect();
+    for (agent, task) in live {
+        let update = status(&agent, &task, TaskState::Running);
+        d.apply(Command::UpdateTaskStatus { update, at_ms })
+            .unwrap();
+    }
+}
+
+fn end(d: &mut Driver, job: &str, code: i32, at_ms: u64) {
+    let task = d.s.job(job).unwrap().current_tasks()[0].clone();
+    let agent = d.s.tasks()[&task].agent_id.clone();
+    let mut update = status(&agent, &task, TaskState::Finished);
+    if code != 0 {
+        update.state = TaskState::Failed;
+    }
+    update.exit_code = Some(code);
+    d.apply(Command::UpdateTaskStatus { update, at_ms })
+        .unwrap();
+}
+
+#[test]
+fn a_service_queues_one_job_per_replica_that_names_it() {
+    let mut d = Driver::new(&[("a", 4)]);
+    let id = create(&mut d, spec("llm", 3), 10).unwrap();
+    assert_eq!(id, "svc-1");
+    let jobs = replicas(&d, "llm");
+    assert_eq!(jobs.len(), 3);
+    for (i, j) in jobs.iter().enumerate() {
+        let job = d.s.job(j).unwrap();
+        assert_eq!(job.state, JobState::Queued);
+        assert_eq!(job.spec.service.as_deref(), Some("svc-1"));
+        assert_eq!(job.spec.restart_policy, RestartPolicy::Always);
+        assert_eq!(job.spec.template.env["GPUCTL_SERVICE"], "llm");
+        assert_eq!(job.spec.template.env["GPUCTL_REPLICA"], i.to_string());
+    }
+    // The same create again is the create resent; another spec is refused
+    // without a change.
+    assert_eq!(create(&mut d, spec("llm", 3), 20).unwrap(), "svc-1");
+    let mut other = spec("llm", 3);
+    other.template.template.command = vec!["other".into()];
+    assert_eq!(
+        create(&mut d, other, 30),
+        Err(ApplyError::ServiceExists("llm".into()))
+    );
+    assert_eq!(d.s.jobs().len(), 3);
+    run_all(&mut d, 40);
+    assert!(jobs
+        .iter()
+        .all(|j| d.s.job(j).unwrap().state == JobState::Running));
+    assert!(d.s.invariant_violations().is_empty());
+}
+
+#[test]
+fn a_replica_that_ends_is_started_again_with_its_backoff_even_after_exit_0() {
+    let mut d = Driver::new(&[("a", 1)]);
+    create(&mut d, spec("llm", 1), 10).unwrap();
+    let job = replicas(&d, "llm")[0].clone();
+    run_all(&mut d, 20);
+    end(&mut d, &job, 0, 1_000);
+    let j = d.s.job(&job).unwrap();
+    assert_eq!(j.state, JobState::Queued, "{}", j.message);
+    assert_eq!(j.retries, 1);
+    assert_eq!(j.not_before_ms, 2_000, "the first pause: 1 s");
+    let last = j.events.iter().last().unwrap();
+    assert_eq!(last.message, "exited with code 0; restart 1 in 1s");
+    // Its GPU is free again, and it takes it back once its pause passed.
+    run_all(&mut d, 2_000);
+    end(&mut d, &job, 3, 3_000);
+    let j = d.s.job(&job).unwrap();
+    assert_eq!(j.state, JobState::Queued);
+    assert_eq!((j.retries, j.not_before_ms), (2, 5_000), "doubled");
+    // Far past any retry count a job may have: never FAILED.
+    for n in 0..40u64 {
+        let at = 10_000_000 * (n + 1);
+        run_all(&mut d, at);
+        end(&mut d, &job, 1, at + 1_000);
+    }
+    let j = d.s.job(&job).unwrap();
+    assert_eq!(j.state, JobState::Queued);
+    assert_eq!(j.retries, 42);
+    // One that ran 10 minutes starts again from the first pause.
+    let at = 1_000_000_000;
+    run_all(&mut d, at);
+    end(&mut d, &job, 1, at + REPLICA_BACKOFF_RESET_MS);
+    let j = d.s.job(&job).unwrap();
+    assert_eq!(j.retries, 1);
+    assert_eq!(j.not_before_ms, at + REPLICA_BACKOFF_RESET_MS + 1_000);
+    assert!(d.s.invariant_violations().is_empty());
+}
+
+#[test]
+fn a_replica_keeps_its_latest_tasks_and_numbers_on() {
+    let mut d = Driver::new(&[("a", 1)]);
+    create(&mut d, spec("llm", 1), 10).unwrap();
+    let job = replicas(&d, "llm")[0].clone();
+    let runs = KEPT_REPLICA_TASKS as u64 + 5;
+    for n in 0..runs {
+        let at = 10_000_000 * (n + 1);
+        run_all(&mut d, at);
+        end(&mut d, &job, 1, at + 1_000);
+    }
+    let j = d.s.job(&job).unwrap();
+    assert_eq!(j.task_ids.len(), KEPT_REPLICA_TASKS);
+    assert_eq!(j.forgotten_tasks, 5);
+    assert_eq!(j.task_ids[0], format!("{job}.5"));
+    assert!(!d.s.tasks().contains_key(&format!("{job}.4")));
+    run_all(&mut d, 10_000_000 * (runs + 1));
+    let j = d.s.job(&job).unwrap();
+    assert_eq!(j.current_tasks()[0], format!("{job}.{runs}"));
+    assert_eq!(d.s.job(&job).unwrap().state, JobState::Running);
+}
+
+#[test]
+fn a_replica_is_its_services_to_stop_and_scale_and_delete_stop_them() {
+    let mut d = Driver::new(&[("a", 4)]);
+    create(&mut d, spec("llm", 2), 10).unwrap();
+    run_all(&mut d, 20);
+    let jobs = replicas(&d, "llm");
+    // A cancel of a replica (any caller's) is refused: nothing changes.
+    let refused = d.apply(Command::CancelJob {
+        job_id: jobs[0].clone(),
+        at_ms: 30,
+    });
+    assert_eq!(
+        refused,
+        Err(ApplyError::ReplicaOfService {
+            job_id: jobs[0].clone(),
+            service: "llm".into()
+        })
+    );
+    assert_eq!(d.s.job(&jobs[0]).unwrap().state, JobState::Running);
+    // Up to 3: one more job; down to 1: the newest two are stopped.
+    d.apply(Command::ScaleService {
+        name: "llm".into(),
+        replicas: 3,
+        at_ms: 40,
+    })
+    .unwrap();
+    let three = replicas(&d, "llm");
+    assert_eq!(three.len(), 3);
+    assert_eq!(three[..2], jobs[..]);
+    d.apply(Command::ScaleService {
+        name: "llm".into(),
+        replicas: 1,
+        at_ms: 50,
+    })
+    .unwrap();
+    assert_eq!(replicas(&d, "llm"), vec![jobs[0].clone()]);
+    assert!(d.s.job(&jobs[1]).unwrap().cancel_requested);
+    assert_eq!(d.s.job(&three[2]).unwrap().state, JobState::Cancelled);
+    assert_eq!(d.s.service_named("llm").unwrap().spec.replicas, 1);
+    // The stopped replica's end is CANCELLED, not a restart.
+    end(&mut d, &jobs[1], 0, 60);
+    assert_eq!(d.s.job(&jobs[1]).unwrap().state, JobState::Cancelled);
+    // Delete: the rest stopped, the name free for a new service.
+    match d
+        .apply(Command::DeleteService {
+            name: "llm".into(),
+            at_ms: 70,
+        })
+        .unwrap()
+    {
+        Outcome::ServiceDeleted { job_ids } => assert_eq!(job_ids, vec![jobs[0].clone()]),
+        other => panic!("{other:?}"),
+    }
+    assert!(d.s.service_named("llm").is_none());
+    assert!(d.s.job(&jobs[0]).unwrap().cancel_requested);
+    end(&mut d, &jobs[0], 0, 80);
+    assert_eq!(d.s.job(&jobs[0]).unwrap().state, JobState::Cancelled);
+    assert_eq!(create(&mut d, spec("llm", 1), 90).unwrap(), "svc-2");
+    for c in [
+        Command::ScaleService {
+            name: "gone".into(),
+            replicas: 1,
+            at_ms: 100,
+        },
+        Command::DeleteService {
+            name: "gone".into(),
+            at_ms: 100,
+        },
+    ] {
+        assert_eq!(d.apply(c), Err(ApplyError::ServiceNotFound("gone".into())));
+    }
+    assert!(d.s.invariant_violations().is_empty());
+}
+
+#[test]
+fn a_replica_on_a_lost_agent_is_placed_again_elsewhere() {
+    let mut d = Driver::new(&[("a", 1), ("b", 1)]);
+    create(&mut d, spec("llm", 1), 10).unwrap();
+    let job = replicas(&d, "llm")[0].clone();
+    run_all(&mut d, 20);
+    let first = d.s.job(&job).unwrap().current_tasks()[0].clone();
+    let agent = d.s.tasks()[&first].agent_id.clone();
+    d.apply(Command::AgentUnreachable {
+        agent_id: agent.clone(),
+        at_ms: 30,
+    })
+    .unwrap();
+    d.apply(Command::AgentLostAfterTimeout {
+        agent_id: agent.clone(),
+        at_ms: 40,
+    })
+    .unwrap();
+    assert_eq!(d.s.job(&job).unwrap().state, JobState::Queued);
+    run_all(&mut d, 100_000);
+    let j = d.s.job(&job).unwrap();
+    assert_eq!(j.state, JobState::Running);
+    let now = &d.s.tasks()[&j.current_tasks()[0]];
+    assert_ne!(now.agent_id, agent, "the lost agent's GPU is still held");
+    assert!(d.s.invariant_violations().is_empty());
+}
+
+#[test]
+fn replicas_beyond_the_tenants_cap_are_refused_naming_the_field() {
+    let mut d = Driver::new(&[("a", 8)]);
+    d.apply(Command::SetQuota {
+        tenant: "team-a".into(),
+        gpus: 2,
+        borrow: None,
+        clear_borrow: false,
+        weight: None,
+        stop_idle_after_ms: None,
+        clear_stop_idle: false,
+    })
+    .unwrap();
+    let mut s = spec("llm", 3);
+    s.template.tenant = "team-a".into();
+    match create(&mut d, s.clone(), 10) {
+        Err(ApplyError::Invalid { field, reason }) => {
+            assert_eq!(field, "replicas");
+            assert!(reason.contains("need 3"), "{reason}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(d.s.service_named("llm").is_none());
+    assert!(d.s.jobs().is_empty(), "nothing half-applied");
+    s.replicas = 2;
+    create(&mut d, s, 20).unwrap();
+    let refused = d.apply(Command::ScaleService {
+        name: "llm".into(),
+        replicas: 3,
+        at_ms: 30,
+    });
+    assert!(matches!(refused, Err(ApplyError::Invalid { ref field, .. }) if field == "replicas"));
+    assert_eq!(replicas(&d, "llm").len(), 2);
+}

@@ -1,0 +1,187 @@
+//! Services: create, get, list, scale, delete. A service's replicas are
+//! jobs (`state/services.rs`); these calls name the service and show its
+//! replicas' jobs as GetJob does.
+
+use gpuctl_core::types::ServiceSpec;
+
+use super::*;
+use crate::state::ServiceRecord;
+
+fn name_arg(name: &str) -> Result<(), ConvertError> {
+    gpuctl_core::types::check_service_name(name).map_err(|e| ConvertError::new("name", e))
+}
+
+/// A service as the API shows it; `detail`: with its replicas' jobs and
+/// its events (GetService and the create's and scale's answers).
+pub fn service_to_pb(
+    state: &State,
+    s: &ServiceRecord,
+    reasons: &BTreeMap<String, Waiting>,
+    detail: bool,
+) -> pb::Service {
+    let replica_jobs = s
+        .replicas
+        .iter()
+        .enumerate()
+        .map(|(i, id)| pb::ServiceReplica {
+            index: u32::try_from(i).unwrap_or(u32::MAX),
+            job_id: id.clone(),
+            job: detail
+                .then(|| state.job(id))
+                .flatten()
+                .map(|j| job_detail_to_pb(state, j, reasons)),
+        })
+        .collect();
+    let running = s
+        .replicas
+        .iter()
+        .filter_map(|id| state.job(id))
+        .filter(|j| j.state == JobState::Running)
+        .count();
+    pb::Service {
+        id: s.id.clone(),
+        name: s.spec.name.clone(),
+        tenant: s.spec.template.tenant.name().to_string(),
+        replicas: s.spec.replicas,
+        template: Some(s.spec.template.redacted().into()),
+        created_at_ms: s.created_at_ms,
+        replica_jobs,
+        events: if detail {
+            s.events.iter().map(super::event_to_pb).collect()
+        } else {
+            Vec::new()
+        },
+        running: u32::try_from(running).unwrap_or(u32::MAX),
+    }
+}
+
+impl OperatorService {
+    pub(super) async fn create_service(
+        &self,
+        caller: &Caller,
+        req: pb::CreateServiceRequest,
+    ) -> Result<pb::Service, ServiceError> {
+        let mut spec = ServiceSpec::try_from(req)?;
+        self.admit(caller, &mut spec.template, "template")?;
+        let out = self
+            .ctx
+            .raft
+            .propose(Command::CreateService {
+                spec: spec.clone(),
+                at_ms: now_ms(),
+            })
+            .await?;
+        match out {
+            Outcome::ServiceCreated { id } => {
+                tracing::info!(service = %id, name = %spec.name, "service created");
+                self.service_reply(&spec.name)
+            }
+            other => Err(ServiceError::unexpected("create_service", other)),
+        }
+    }
+
+    pub(super) async fn get_service(
+        &self,
+        caller: &Caller,
+        req: pb::GetServiceRequest,
+    ) -> Result<pb::Service, ServiceError> {
+        name_arg(&req.name)?;
+        self.check_service_access(caller, &req.name)?;
+        self.service_reply(&req.name)
+    }
+
+    pub(super) async fn list_services(
+        &self,
+        caller: &Caller,
+        _req: pb::ListServicesRequest,
+    ) -> Result<pb::ListServicesResponse, ServiceError> {
+        let state = self.ctx.raft.state();
+        let reasons = self.ctx.waits.reasons();
+        let mut services: Vec<pb::Service> = state
+            .services()
+            .filter(|s| caller.may_access(s.spec.template.tenant.name()))
+            .map(|s| service_to_pb(&state, s, &reasons, false))
+            .collect();
+        services.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(pb::ListServicesResponse { services })
+    }
+
+    pub(super) async fn scale_service(
+        &self,
+        caller: &Caller,
+        req: pb::ScaleServiceRequest,
+    ) -> Result<pb::Service, ServiceError> {
+        name_arg(&req.name)?;
+        if req.replicas > gpuctl_core::convert::MAX_SERVICE_REPLICAS {
+            return Err(ConvertError::new(
+                "replicas",
+                format!(
+                    "is {}: at most {}",
+                    req.replicas,
+                    gpuctl_core::convert::MAX_SERVICE_REPLICAS
+                ),
+            )
+            .into());
+        }
+        self.check_service_access(caller, &req.name)?;
+        self.ctx
+            .raft
+            .propose(Command::ScaleService {
+                name: req.name.clone(),
+                replicas: req.replicas,
+                at_ms: now_ms(),
+            })
+            .await?;
+        self.service_reply(&req.name)
+    }
+
+    pub(super) async fn delete_service(
+        &self,
+        caller: &Caller,
+        req: pb::DeleteServiceRequest,
+    ) -> Result<pb::DeleteServiceResponse, ServiceError> {
+        name_arg(&req.name)?;
+        self.check_service_access(caller, &req.name)?;
+        match self
+            .ctx
+            .raft
+            .propose(Command::DeleteService {
+                name: req.name.clone(),
+                at_ms: now_ms(),
+            })
+            .await?
+        {
+            Outcome::ServiceDeleted { job_ids } => {
+                tracing::info!(name = %req.name, "service deleted");
+                Ok(pb::DeleteServiceResponse { job_ids })
+            }
+            other => Err(ServiceError::unexpected("delete_service", other)),
+        }
+    }
+
+    /// The service as this master's state has it now, in detail.
+    fn service_reply(&self, name: &str) -> Result<pb::Service, ServiceError> {
+        let state = self.ctx.raft.state();
+        let reasons = self.ctx.waits.reasons();
+        state
+            .service_named(name)
+            .map(|s| service_to_pb(&state, s, &reasons, true))
+            .ok_or_else(|| ServiceError::NotFound {
+                what: Missing::Service,
+                id: name.to_string(),
+            })
+    }
+
+    /// Another tenant's service is NOT_FOUND to the caller, as if absent:
+    /// names are cluster-wide, and a name says nothing of who has it.
+    fn check_service_access(&self, caller: &Caller, name: &str) -> Result<(), ServiceError> {
+        let state = self.ctx.raft.state();
+        match state.service_named(name) {
+            Some(s) if caller.may_access(s.spec.template.tenant.name()) => Ok(()),
+            _ => Err(ServiceError::NotFound {
+                what: Missing::Service,
+                id: name.to_string(),
+            }),
+        }
+    }
+}
