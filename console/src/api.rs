@@ -142,9 +142,9 @@ pub fn json_response(status: StatusCode, v: &Value) -> Response {
         .into_response()
 }
 
-type ApiResult = Result<Response, ApiError>;
+pub(crate) type ApiResult = Result<Response, ApiError>;
 
-fn ok(v: Value) -> ApiResult {
+pub(crate) fn ok(v: Value) -> ApiResult {
     Ok(json_response(StatusCode::OK, &v))
 }
 

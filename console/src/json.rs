@@ -4,7 +4,8 @@
 //! Jobs, agents, GPUs and masters have the shapes of `gpuctl --json`
 //! (`gpuctl_core::view`, one view layer for both), with a few fields only
 //! the page needs beside them (a GPU's latest reading, its host and job, a
-//! master's `answered`).
+//! master's `answered`). Services have the shape of `gpuctl services get
+//! --json`, each replica's job a `JobJson`.
 
 use std::collections::BTreeMap;
 
@@ -12,7 +13,7 @@ use gpuctl_core::view::{GpuStatusJson, MasterJson};
 use gpuctl_proto::pb;
 use serde::{Deserialize, Serialize};
 
-pub use gpuctl_core::view::{AgentJson, JobJson};
+pub use gpuctl_core::view::{AgentJson, JobJson, ServiceJson};
 
 /// A GPU as `gpuctl gpus --json` shows it, with what the page's GPU table
 /// adds: its host, its task's job, a health word and its latest reading.
@@ -130,6 +131,14 @@ pub fn job_is_terminal(state: i32) -> bool {
         pb::JobState::try_from(state),
         Ok(pb::JobState::JobSucceeded | pb::JobState::JobFailed | pb::JobState::JobCancelled)
     )
+}
+
+/// The body of `POST /api/services/NAME/scale`. Unknown keys are refused.
+#[derive(Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ScaleForm {
+    /// Replicas to run from now on; the master says how many are allowed.
+    pub replicas: u32,
 }
 
 /// The submit form as the browser posts it. Unknown keys are refused (a

@@ -1,9 +1,10 @@
 //! The web console (the master's `--http-listen`, docs/console.md): three
 //! static files (`console/static/`: index.html, app.js, style.css, built
-//! into the binary, no JavaScript toolchain) and a JSON gateway under `/api` (api.rs) that
-//! is a gRPC client of the cluster like gpuctl (client.rs): the browser's
-//! token goes with every call, so the masters' auth layer decides what it
-//! may see and do, and the gateway follows the leader.
+//! into the binary, no JavaScript toolchain) and a JSON gateway under `/api`
+//! (api.rs, services.rs) that is a gRPC client of the cluster like gpuctl
+//! (client.rs): the browser's token goes with every call, so the masters'
+//! auth layer decides what it may see and do, and the gateway follows the
+//! leader.
 //!
 //! HTTPS with this master's certificate when TLS is configured (browsers
 //! must trust the cluster CA and the certificate must name the host they
@@ -19,6 +20,9 @@ pub mod api;
 pub mod client;
 pub mod json;
 pub mod logs;
+pub mod services;
+#[cfg(test)]
+mod testkit;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -139,7 +143,8 @@ fn router(gateway: Arc<Gateway>, checks: Arc<Checks>) -> Router {
         .route("/app.js", page(APP_JS, "text/javascript; charset=utf-8"))
         .route("/style.css", page(STYLE_CSS, "text/css; charset=utf-8"))
         .route("/favicon.ico", get(|| async { StatusCode::NO_CONTENT }))
-        .merge(api::routes(gateway))
+        .merge(api::routes(gateway.clone()))
+        .merge(services::routes(gateway))
         .layer(DefaultBodyLimit::max(api::MAX_BODY))
         .layer(axum::middleware::from_fn(move |req, next| {
             let checks = checks.clone();

@@ -1,7 +1,8 @@
 // The gpuctl web console: plain JavaScript, no build step, no framework.
 // Every piece of data comes from the master's /api (a gateway to the same
 // gRPC API gpuctl calls, with this tab's token); pages are chosen by the
-// URL's hash: #/ (the cluster), #/jobs, #/jobs/ID, #/submit, #/usage.
+// URL's hash: #/ (the cluster), #/jobs, #/jobs/ID, #/services,
+// #/services/NAME, #/submit, #/usage.
 "use strict";
 
 const TOKEN_KEY = "gpuctl-token";
@@ -258,10 +259,13 @@ function route() {
   let view = "overview";
   if (parts[0] === "jobs" && parts[1]) view = "job";
   else if (parts[0] === "jobs") view = "jobs";
+  else if (parts[0] === "services" && parts[1]) view = "service";
+  else if (parts[0] === "services") view = "services";
   else if (parts[0] === "submit") view = "submit";
   else if (parts[0] === "usage") view = "usage";
   for (const a of document.querySelectorAll("nav a")) {
-    a.classList.toggle("active", a.dataset.nav === view || (view === "job" && a.dataset.nav === "jobs"));
+    a.classList.toggle("active", a.dataset.nav === view || (view === "job" && a.dataset.nav === "jobs") ||
+      (view === "service" && a.dataset.nav === "services"));
   }
   document.body.dataset.view = view;
   delete document.body.dataset.loaded;
@@ -270,6 +274,8 @@ function route() {
   if (view === "overview") page = overviewPage(root);
   else if (view === "jobs") page = jobsPage(root, new URLSearchParams(query || ""));
   else if (view === "job") page = jobPage(root, parts[1]);
+  else if (view === "services") page = servicesPage(root);
+  else if (view === "service") page = servicePage(root, parts[1]);
   else if (view === "usage") page = usagePage(root, new URLSearchParams(query || ""));
   else page = submitPage(root);
 }
@@ -558,7 +564,8 @@ function renderJob(j, el) {
   el.title.textContent = `${j.name} `;
   el.title.append(h("span", { class: "muted" }, j.id));
   el.state.replaceChildren(badge(j.state), ...(j.idle_since_ms ? [idleBadge(j)] : []));
-  el.cancel.hidden = TERMINAL.has(j.state);
+  // A service's replica is the service's to stop (scale or delete it).
+  el.cancel.hidden = TERMINAL.has(j.state) || !!j.service;
   el.why.textContent = j.reason || j.message || "";
   const row = (k, v) => [h("dt", {}, k), h("dd", {}, v)];
   el.details.replaceChildren(
@@ -569,6 +576,8 @@ function renderJob(j, el) {
     ...row("Priority", String(j.priority)),
     ...row("Retries", `${j.retries} of ${j.max_retries}`),
     ...row("Tenant", j.tenant || "–"),
+    ...(j.service ? row("Service", h("a", { id: "job-service", href: `#/services/${encodeURIComponent(j.name)}` },
+      `${j.name} (${j.service}); restarted whenever it ends`)) : []),
     ...row("Submitted", fmtTime(j.submitted_at_ms)),
     ...(j.placement.gpu_model ? row("GPU model", j.placement.gpu_model) : []),
     ...(Object.keys(j.env).length ? row("Env", Object.entries(j.env).map(([k, v]) => `${k}=${v}`).join(" ")) : []),
@@ -586,15 +595,20 @@ function renderJob(j, el) {
     h("td", {}, t.exit_code == null ? "" : String(t.exit_code)),
     h("td", { title: fmtTime(t.updated_at_ms) }, fmtAge(t.updated_at_ms)),
     h("td", {}, t.message))));
-  if (!j.events.length) empty(el.events, 4, "No events.");
-  else el.events.replaceChildren(...j.events.map((e) => h("tr", { class: e.type === "Warning" ? "warning" : "" },
+  renderEvents(el.events, j.events, j.events_dropped);
+}
+
+// A job's or a service's events, oldest first.
+function renderEvents(tbody, events, dropped) {
+  if (!events.length) empty(tbody, 4, "No events.");
+  else tbody.replaceChildren(...events.map((e) => h("tr", { class: e.type === "Warning" ? "warning" : "" },
     h("td", {}, e.type),
     h("td", { class: "kind" }, e.reason),
     h("td", { title: fmtTime(e.last_ms) },
       fmtAge(e.last_ms) + (e.count > 1 ? ` (x${e.count} over ${fmtAge(e.first_ms)})` : "")),
     h("td", {}, e.message))));
-  if (j.events_dropped) {
-    el.events.append(h("tr", {}, h("td", { colspan: 4, class: "muted" }, `${j.events_dropped} older events dropped`)));
+  if (dropped) {
+    tbody.append(h("tr", {}, h("td", { colspan: 4, class: "muted" }, `${dropped} older events dropped`)));
   }
 }
 
@@ -667,6 +681,163 @@ function followLogs(id, pre, status) {
     }
   })();
   return () => ctl.abort();
+}
+
+// ---------------------------------------------------------------- services
+
+// Services (docs/services.md): replicas that run until the service is
+// deleted, each a job of one task restarted whenever it ends.
+function servicesPage(root) {
+  const tbody = h("tbody");
+  root.append(
+    h("div", { class: "title-row" }, h("h1", {}, "Services")),
+    h("p", { class: "muted" },
+      "Created with gpuctl services create; each replica is a job, started again whenever it ends."),
+    h("table", { id: "services", class: "grid" },
+      h("thead", {}, h("tr", {},
+        ["Name", "Replicas", "GPUs per replica", "Image", "Tenant", "Age"].map((c) => h("th", {}, c)))),
+      tbody));
+  const stop = poller(async () => {
+    const r = await api("/api/services");
+    if (!r.services.length) return empty(tbody, 6, "No services.");
+    tbody.replaceChildren(...r.services.map(serviceRow));
+  }, POLL_MS);
+  return { stop };
+}
+
+function serviceRow(s) {
+  const t = s.template;
+  return h("tr", { dataset: { service: s.name } },
+    h("td", {}, h("a", { href: `#/services/${encodeURIComponent(s.name)}` }, s.name)),
+    h("td", { class: "replicas" }, replicasText(s)),
+    h("td", { class: "gpus" }, gpusCell({ resources: t.resources, placement: t.placement, replicas: 1 })),
+    h("td", {}, t.image || h("span", { class: "muted" }, "host process")),
+    h("td", {}, s.tenant),
+    h("td", { title: fmtTime(s.created_at_ms) }, fmtAge(s.created_at_ms)));
+}
+
+// Running against asked, as `gpuctl services list` says it.
+function replicasText(s) {
+  return `${s.running}/${s.replicas}`;
+}
+
+function servicePage(root, name) {
+  const title = h("h1", {}, name);
+  const replicasBadge = h("span", { id: "service-replicas", class: "badge" });
+  const del = h("button", { id: "delete-service", type: "button", class: "danger" }, "Delete service");
+  const details = h("dl", { class: "details" });
+  const count = h("input", { id: "scale-replicas", type: "number", min: 0, required: true, "aria-label": "replicas" });
+  const scaleButton = h("button", { id: "scale-submit", type: "submit" }, "Scale");
+  const scaleError = h("p", { id: "scale-error", class: "error", hidden: true });
+  const scaleForm = h("form", { id: "scale-form", class: "form", autocomplete: "off" },
+    h("div", { class: "row" },
+      h("label", { class: "field" }, h("span", { class: "label" }, "Replicas"), count),
+      h("div", { class: "field" }, h("span", { class: "label" }, "\u00a0"), scaleButton)),
+    h("span", { class: "hint" }, "More replicas are queued as jobs; fewer stop the newest ones."),
+    scaleError);
+  const replicas = h("tbody");
+  const events = h("tbody");
+  root.append(
+    h("div", { class: "title-row" }, title, replicasBadge, h("span", { class: "spacer" }), del),
+    details,
+    h("h2", {}, "Scale"),
+    scaleForm,
+    h("h2", {}, "Replicas"),
+    h("table", { id: "replicas", class: "grid" },
+      h("thead", {}, h("tr", {},
+        ["Replica", "Job", "State", "Agent", "Restarts", "Age", "Why"].map((c) => h("th", {}, c)))),
+      replicas),
+    h("h2", {}, "Events"),
+    h("table", { id: "events", class: "grid" },
+      h("thead", {}, h("tr", {}, ["Type", "Reason", "Age", "Message"].map((c) => h("th", {}, c)))),
+      events));
+
+  const path = `/api/services/${encodeURIComponent(name)}`;
+  let shown = null;
+  // The form shows the number asked until something is typed in it.
+  let typed = false;
+  count.addEventListener("input", () => { typed = true; });
+  const load = async () => {
+    const s = await api(path);
+    if (!typed) count.value = String(s.replicas);
+    shown = s;
+    renderService(s, { title, replicasBadge, details, replicas, events });
+  };
+  scaleForm.addEventListener("submit", async (ev) => {
+    ev.preventDefault();
+    scaleError.hidden = true;
+    const n = Number(count.value.trim());
+    if (count.value.trim() === "" || !Number.isInteger(n) || n < 0) {
+      scaleError.textContent = `replicas: ${JSON.stringify(count.value)} is not a whole number of 0 or more`;
+      scaleError.hidden = false;
+      return;
+    }
+    scaleButton.disabled = true;
+    try {
+      await api(`${path}/scale`, { body: { replicas: n } });
+      typed = false;
+      await load();
+    } catch (e) {
+      if (e instanceof ApiError && e.status === 401) report(e);
+      scaleError.textContent = e.message;
+      scaleError.hidden = false;
+    } finally {
+      scaleButton.disabled = false;
+    }
+  });
+  del.addEventListener("click", async () => {
+    const n = shown ? shown.replicas : 0;
+    if (!confirm(`Delete service ${name}? Its ${n} replica${n === 1 ? "" : "s"} will be stopped.`)) return;
+    del.disabled = true;
+    try {
+      await api(`${path}/delete`, { body: {} });
+      location.hash = "#/services";
+    } catch (e) {
+      report(e);
+    } finally {
+      del.disabled = false;
+    }
+  });
+  const stop = poller(load, JOB_POLL_MS);
+  return { stop };
+}
+
+function renderService(s, el) {
+  const t = s.template;
+  el.title.textContent = `${s.name} `;
+  el.title.append(h("span", { class: "muted" }, s.id));
+  el.replicasBadge.textContent = `${replicasText(s)} running`;
+  el.replicasBadge.className = `badge ${s.running >= s.replicas ? "s-running" : "s-queued"}`;
+  const row = (k, v) => [h("dt", {}, k), h("dd", {}, v)];
+  el.details.replaceChildren(
+    ...row("Runs", t.image ? `image ${t.image}` : "host process"),
+    ...row("Command", h("code", {}, t.command.map(shellQuote).join(" "))),
+    ...row("Resources", `${fmtRes(t.resources)} per replica`),
+    ...row("Replicas", `${s.replicas} asked, ${s.running} running`),
+    ...row("Priority", String(t.priority)),
+    ...row("Tenant", s.tenant || "–"),
+    ...row("Created", fmtTime(s.created_at_ms)),
+    ...(t.placement.gpu_model ? row("GPU model", t.placement.gpu_model) : []),
+    ...(Object.keys(t.env).length ? row("Env", Object.entries(t.env).map(([k, v]) => `${k}=${v}`).join(" ")) : []),
+  );
+  if (!s.replica_jobs.length) empty(el.replicas, 7, "No replicas: scaled to 0.");
+  else el.replicas.replaceChildren(...s.replica_jobs.map(replicaRow));
+  renderEvents(el.events, s.events, 0);
+}
+
+// One replica: its job, where its latest task runs, how often it restarted
+// and why it is not running.
+function replicaRow(r) {
+  const j = r.job;
+  const task = j && j.tasks.length ? j.tasks[j.tasks.length - 1] : null;
+  return h("tr", { dataset: { replica: String(r.index), job: r.job_id } },
+    h("td", {}, String(r.index)),
+    h("td", {}, h("a", { href: `#/jobs/${encodeURIComponent(r.job_id)}` }, r.job_id)),
+    h("td", { class: "state" }, j ? badge(j.state) : ""),
+    h("td", { class: "agent" }, task ? task.agent_id : ""),
+    h("td", { class: "restarts" }, j ? String(j.retries) : ""),
+    h("td", { title: j ? fmtTime(j.submitted_at_ms) : "" }, j ? fmtAge(j.submitted_at_ms) : ""),
+    h("td", { class: "why" }, j ? j.reason || j.message || "" : ""));
 }
 
 // ------------------------------------------------------------------ submit

@@ -320,6 +320,96 @@ fn console_overview_submit_logs_cancel_in_chromium() {
     no_page_errors(&b);
 }
 
+/// The services page: a service made with gpuctl is listed, its page
+/// shows each replica's job running, the form scales it and the button
+/// deletes it.
+#[test]
+fn console_services_list_scale_delete_in_chromium() {
+    let Some(b) = Browser::start_or_skip("console_services_list_scale_delete_in_chromium", &[])
+    else {
+        return;
+    };
+    let http = format!("127.0.0.1:{}", free_port());
+    let mut c = Cluster::start(&["--http-listen", &http]);
+    c.add_agent(AgentOpts::default());
+    let base = format!("http://{http}/");
+    c.ok(&[
+        "services",
+        "create",
+        "web",
+        "--replicas",
+        "2",
+        "--gpus",
+        "1",
+        "--cpus",
+        "0.5",
+        "--",
+        "sleep",
+        "600",
+    ]);
+
+    b.goto(&format!("{base}#/services"));
+    b.wait_for(
+        "web with its 2 replicas running",
+        "document.querySelector('#services tr[data-service=\"web\"] .replicas')?.innerText === '2/2'",
+        JOB_T,
+    );
+    let row = b.text("#services tr[data-service=\"web\"]");
+    assert!(row.contains("host process"), "{row}");
+    b.click("#services tr[data-service=\"web\"] a");
+    b.wait_for(
+        "the service's page with both replicas' jobs",
+        "document.querySelectorAll('#replicas tr[data-job]').length === 2 && \
+         [...document.querySelectorAll('#replicas .state')].every(td => td.innerText === 'RUNNING')",
+        T,
+    );
+    let replicas = b.text("#replicas");
+    assert!(replicas.contains("job-"), "{replicas}");
+    assert!(
+        b.text("#events").contains("Created"),
+        "{}",
+        b.text("#events")
+    );
+    b.screenshot("console-service");
+
+    b.type_into("#scale-replicas", "1");
+    b.click("#scale-submit");
+    b.wait_for(
+        "one replica left",
+        "document.querySelector('#service-replicas')?.innerText === '1/1 running' && \
+         document.querySelectorAll('#replicas tr[data-job]').length === 1",
+        T,
+    );
+    let svc: Value = serde_json::from_str(&c.ok(&["services", "get", "web", "--json"])).unwrap();
+    assert_eq!(svc["replicas"], 1, "{svc}");
+    // A replica's job links back to its service and has no cancel.
+    b.click("#replicas tr[data-replica=\"0\"] a");
+    b.wait_for(
+        "the replica's job page",
+        "!!document.querySelector('#job-service')",
+        T,
+    );
+    assert!(b
+        .eval("document.querySelector('#cancel').hidden")
+        .as_bool()
+        .unwrap());
+    b.click("#job-service");
+
+    b.wait_for(
+        "the service's page again",
+        "document.querySelectorAll('#replicas tr[data-job]').length === 1",
+        T,
+    );
+    b.click("#delete-service");
+    b.wait_for(
+        "the list without it",
+        "location.hash === '#/services' && \
+         document.querySelector('#services')?.innerText.includes('No services.')",
+        T,
+    );
+    no_page_errors(&b);
+}
+
 /// HTTPS straight to the console, trusting only the cluster CA and asking
 /// for the name every master certificate carries: proves it serves the
 /// master's own certificate. Returns the answer's status line and body.

@@ -20,6 +20,9 @@ pub mod job_values;
 pub mod jobfile;
 pub mod jobs;
 pub mod masters;
+pub mod services;
+#[cfg(test)]
+mod services_tests;
 mod submit;
 #[cfg(test)]
 pub(crate) mod testkit;
@@ -80,6 +83,10 @@ pub enum Command {
     /// Submit, list, inspect, follow, cancel and wait for jobs.
     #[command(subcommand)]
     Jobs(jobs::JobsCommand),
+    /// Create, list, inspect, scale and delete services: replicas of one
+    /// task, each started again whenever it ends, until deleted.
+    #[command(subcommand)]
+    Services(services::ServicesCommand),
     /// Look at the agents (the machines that run tasks).
     #[command(subcommand)]
     Agents(agents::AgentsCommand),
@@ -196,6 +203,18 @@ pub async fn run(cli: Cli) -> Result<u8, CliError> {
             // same idempotency key (jobs::submit).
             let mut master = connect(&masters, &creds, deadline).await?;
             jobs::run(&mut master, cmd, &mut out).await?
+        }
+        Command::Services(services::ServicesCommand::Create(args)) => {
+            // As for `jobs submit`: the flags and the job file are checked
+            // before connecting.
+            let req = args.request()?;
+            let mut master = connect(&masters, &creds, deadline).await?;
+            services::create(&mut master, req, args.json, &mut out).await?;
+            EXIT_OK
+        }
+        Command::Services(cmd) => {
+            let mut master = connect(&masters, &creds, deadline).await?;
+            services::run(&mut master, cmd, &mut out).await?
         }
         Command::Agents(cmd) => {
             let mut master = connect(&masters, &creds, deadline).await?;

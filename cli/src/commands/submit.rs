@@ -191,24 +191,14 @@ impl SubmitArgs {
         let Some(path) = &self.file else {
             return Ok((self.to_spec()?, self.request_id.clone()));
         };
-        let (origin, text) = if path.as_os_str() == "-" {
-            let mut text = String::new();
-            io::Read::read_to_string(&mut io::stdin(), &mut text).map_err(|e| {
-                CliError::Usage(format!("cannot read the job file from stdin: {e}"))
-            })?;
-            ("stdin".to_string(), text)
-        } else {
-            let origin = path.display().to_string();
-            let text = std::fs::read_to_string(path)
-                .map_err(|e| CliError::Usage(format!("cannot read job file {origin}: {e}")))?;
-            (origin, text)
-        };
-        let file = jobfile::parse(&origin, &text).map_err(CliError::Usage)?;
+        let (origin, file) = read_job_file(path)?;
+        if file.kind == Some(jobfile::Kind::Service) {
+            return Err(CliError::Usage(format!(
+                "job file {origin} is a service (`kind: service`): use `gpuctl services create -f {origin}`"
+            )));
+        }
         let request_id = self.request_id.clone().or_else(|| file.request_id.clone());
-        let spec = self.spec_with(file).map_err(|e| match e {
-            CliError::Usage(m) => CliError::Usage(format!("job file {origin}: {m}")),
-            other => other,
-        })?;
+        let spec = self.spec_with(file).map_err(|e| in_file(&origin, e))?;
         Ok((spec, request_id))
     }
 
@@ -231,6 +221,7 @@ impl SubmitArgs {
         };
         let text = |v: &Option<String>| v.clone().map(Text);
         JobFile {
+            kind: None,
             name: text(&self.name),
             image: text(&self.image),
             command: (!self.command.is_empty())
@@ -268,5 +259,32 @@ impl SubmitArgs {
             options: self.options.clone(),
             unknown: BTreeMap::new(),
         }
+    }
+}
+
+/// Reads the job file `--file` names ('-': standard input): where it came
+/// from, for errors (its path, or `stdin`), and its keys. Errors are usage
+/// errors naming the file.
+pub fn read_job_file(path: &std::path::Path) -> Result<(String, JobFile), CliError> {
+    let (origin, text) = if path.as_os_str() == "-" {
+        let mut text = String::new();
+        io::Read::read_to_string(&mut io::stdin(), &mut text)
+            .map_err(|e| CliError::Usage(format!("cannot read the job file from stdin: {e}")))?;
+        ("stdin".to_string(), text)
+    } else {
+        let origin = path.display().to_string();
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| CliError::Usage(format!("cannot read job file {origin}: {e}")))?;
+        (origin, text)
+    };
+    let file = jobfile::parse(&origin, &text).map_err(CliError::Usage)?;
+    Ok((origin, file))
+}
+
+/// A usage error about a job file's contents, naming the file.
+pub fn in_file(origin: &str, e: CliError) -> CliError {
+    match e {
+        CliError::Usage(m) => CliError::Usage(format!("job file {origin}: {m}")),
+        other => other,
     }
 }

@@ -80,6 +80,27 @@ pub(crate) trait FakeOperator: Send + Sync + 'static {
     fn utilization(&self, _: pb::UtilizationRequest) -> Result<pb::UtilizationResponse, Status> {
         unused()
     }
+    fn create_service(&self, _: pb::CreateServiceRequest) -> Result<pb::Service, Status> {
+        unused()
+    }
+    fn get_service(&self, _: pb::GetServiceRequest) -> Result<pb::Service, Status> {
+        unused()
+    }
+    fn list_services(
+        &self,
+        _: pb::ListServicesRequest,
+    ) -> Result<pb::ListServicesResponse, Status> {
+        unused()
+    }
+    fn scale_service(&self, _: pb::ScaleServiceRequest) -> Result<pb::Service, Status> {
+        unused()
+    }
+    fn delete_service(
+        &self,
+        _: pb::DeleteServiceRequest,
+    ) -> Result<pb::DeleteServiceResponse, Status> {
+        unused()
+    }
 }
 
 /// Log chunks holding these strings.
@@ -203,4 +224,9 @@ forward! {
     remove_master(pb::RemoveMasterRequest) -> pb::ListMastersResponse;
     usage(pb::UsageRequest) -> pb::UsageResponse;
     utilization(pb::UtilizationRequest) -> pb::UtilizationResponse;
+    create_service(pb::CreateServiceRequest) -> pb::Service;
+    get_service(pb::GetServiceRequest) -> pb::Service;
+    list_services(pb::ListServicesRequest) -> pb::ListServicesResponse;
+    scale_service(pb::ScaleServiceRequest) -> pb::Service;
+    delete_service(pb::DeleteServiceRequest) -> pb::DeleteServiceResponse;
 }

@@ -269,7 +269,7 @@ pub fn job_detail(j: &pb::Job, now_ms: u64) -> String {
 }
 
 /// The job's environment as `K=V` words, shell-quoted, by name.
-fn env_words(env: &std::collections::HashMap<String, String>) -> String {
+pub(super) fn env_words(env: &std::collections::HashMap<String, String>) -> String {
     let env: BTreeMap<_, _> = env.iter().collect();
     if env.is_empty() {
         return "-".to_string();
@@ -281,7 +281,7 @@ fn env_words(env: &std::collections::HashMap<String, String>) -> String {
 }
 
 /// What each task holds: whole GPUs, a MIG device each, or a fraction.
-fn gpus_words(spec: &pb::JobSpec, res: &pb::Resources) -> String {
+pub(super) fn gpus_words(spec: &pb::JobSpec, res: &pb::Resources) -> String {
     match spec.placement.as_ref() {
         Some(p) if !p.mig.is_empty() => {
             format!("{} (a MIG device {} each)", res.gpus, p.mig)
@@ -338,11 +338,16 @@ fn tasks_section(j: &pb::Job) -> String {
 /// `jobs get`'s Events, as `kubectl describe` shows them: a repeated event
 /// is one row whose AGE reads `3m (x5 over 10m)`.
 pub fn events_section(j: &pb::Job, now_ms: u64) -> String {
-    if j.events.is_empty() {
+    events_of(&j.events, j.events_dropped, now_ms)
+}
+
+/// The Events section of any object with events (a job, a service).
+pub(super) fn events_of(events: &[pb::JobEvent], dropped: u64, now_ms: u64) -> String {
+    if events.is_empty() {
         return "Events: <none>\n".to_string();
     }
     let mut t = Table::new(&["TYPE", "REASON", "AGE", "MESSAGE"]);
-    for e in &j.events {
+    for e in events {
         let age = if e.count > 1 {
             format!(
                 "{} (x{} over {})",
@@ -361,8 +366,8 @@ pub fn events_section(j: &pb::Job, now_ms: u64) -> String {
         ]);
     }
     let mut out = String::from("Events:\n");
-    if j.events_dropped > 0 {
-        let _ = writeln!(out, "({} older events dropped)", j.events_dropped);
+    if dropped > 0 {
+        let _ = writeln!(out, "({dropped} older events dropped)");
     }
     out.push_str(&t.render());
     out

@@ -13,9 +13,11 @@ pub use gpuctl_core::wait_words::{short_require, wait_reason_words as wait_reaso
 
 mod agents;
 mod jobs;
+mod services;
 
 pub use agents::*;
 pub use jobs::*;
+pub use services::*;
 
 // ---------------------------------------------------------------- JSON
 

@@ -205,31 +205,8 @@ impl TryFrom<pb::JobSpec> for JobSpec {
             m if m == replicas => None,
             m => Some(m),
         };
-        let restart_policy: RestartPolicy = s
-            .restart_policy
-            .parse()
-            .map_err(|e: String| ConvertError::new("spec.restart_policy", e))?;
-        let service = if s.service.is_empty() {
-            None
-        } else {
-            check_id("spec.service", &s.service)?;
-            Some(s.service)
-        };
-        if (restart_policy == RestartPolicy::Always) != service.is_some() {
-            return Err(ConvertError::new(
-                "spec.restart_policy",
-                "always is a service's replicas' policy, and theirs only (gpuctl services create)",
-            ));
-        }
-        if restart_policy == RestartPolicy::Never && s.max_retries > 0 {
-            return Err(ConvertError::new(
-                "spec.max_retries",
-                format!(
-                    "is {}, but spec.restart_policy never restarts a job (leave one out)",
-                    s.max_retries
-                ),
-            ));
-        }
+        let (restart_policy, service) =
+            restart_from_pb(&s.restart_policy, &s.service, s.max_retries)?;
         let restart_backoff_ms = match s.restart_backoff_ms {
             Some(ms) if ms > MAX_FIRST_RESTART_BACKOFF_MS => {
                 return Err(ConvertError::new(
@@ -269,6 +246,39 @@ impl TryFrom<pb::JobSpec> for JobSpec {
             service,
         })
     }
+}
+
+/// A spec's restart policy and the service it is a replica of: `always`
+/// goes with a service, and only with one; `never` with no retries.
+fn restart_from_pb(
+    policy: &str,
+    service: &str,
+    max_retries: u32,
+) -> Result<(RestartPolicy, Option<String>)> {
+    let restart_policy: RestartPolicy = policy
+        .parse()
+        .map_err(|e: String| ConvertError::new("spec.restart_policy", e))?;
+    let service = if service.is_empty() {
+        None
+    } else {
+        check_id("spec.service", service)?;
+        Some(service.to_string())
+    };
+    if (restart_policy == RestartPolicy::Always) != service.is_some() {
+        return Err(ConvertError::new(
+            "spec.restart_policy",
+            "always is a service's replicas' policy, and theirs only (gpuctl services create)",
+        ));
+    }
+    if restart_policy == RestartPolicy::Never && max_retries > 0 {
+        return Err(ConvertError::new(
+            "spec.max_retries",
+            format!(
+                "is {max_retries}, but spec.restart_policy never restarts a job (leave one out)"
+            ),
+        ));
+    }
+    Ok((restart_policy, service))
 }
 
 /// The names of `env`'s variables whose values are secret: each a

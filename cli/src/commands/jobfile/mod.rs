@@ -18,7 +18,7 @@ use super::CliError;
 
 mod values;
 use values::*;
-pub use values::{Mount, Replicas, Text};
+pub use values::{Kind, Mount, Replicas, Text};
 
 /// What `jobs get -o yaml` prints for a secret env value. Submitting it is
 /// refused: the real value must come from the file or `--secret-env`.
@@ -31,6 +31,9 @@ pub const SECRET_PLACEHOLDER: &str = "<secret>";
 /// [`parse`].
 #[derive(Debug, Default, Clone, PartialEq, Serialize, Deserialize)]
 pub struct JobFile {
+    /// `job` (or no key) or `service` (`gpuctl services create -f`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kind: Option<Kind>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub name: Option<Text>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -228,6 +231,7 @@ pub fn from_spec(spec: &pb::JobSpec) -> JobFile {
     let security = spec.security.clone().unwrap_or_default();
     let secret = |k: &String| spec.secret_env.contains(k);
     JobFile {
+        kind: None,
         name: Some(Text(spec.name.clone())),
         image: some(&spec.image).map(Text),
         command: Some(spec.command.iter().cloned().map(Text).collect()),
@@ -418,6 +422,8 @@ impl JobFile {
             preflight: self.preflight.unwrap_or(false),
             checkpoint_dir: self.checkpoint_dir.map(|t| t.0).unwrap_or_default(),
             options: gpuctl_core::convert::options_to_pb(self.options),
+            // Set by the master for a service's replica only.
+            service: String::new(),
         };
         // The master's own check (it converts the spec as sent, first):
         // refused here before any call, with its words and its exit code.
@@ -712,6 +718,7 @@ mod tests {
             stop_grace_ms: Some(90_000),
             checkpoint_dir: "/ckpt/t".into(),
             hang_timeout_ms: Some(600_000),
+            service: String::new(),
         };
         let job = pb::Job {
             id: "job-1".into(),

@@ -50,6 +50,16 @@ impl<'de> Deserialize<'de> for Text {
     }
 }
 
+/// `kind`: what a file makes: a job (`gpuctl jobs submit -f`, the
+/// default) or a service (`gpuctl services create -f`), whose `replicas`
+/// is then its number of replicas.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Kind {
+    Job,
+    Service,
+}
+
 /// One `mount` entry, checked like `--mount` when read.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(transparent)]

@@ -4,6 +4,8 @@
 //! milliseconds since the epoch, an empty string that means "none" is
 //! `null`. Pure: built from the wire messages, no I/O, no clock.
 
+mod service;
+
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
@@ -12,6 +14,8 @@ use crate::convert::{agent_state_name, job_state_name, runtime_name, task_state_
 use crate::pb;
 use crate::types::Resources;
 use crate::wait::Waiting;
+pub use service::{ReplicaJson, ServiceJson, TemplateJson};
+
 use crate::wait_words::{resources_of, wait_reason_data, wait_reason_words as wait_reason};
 
 /// One task of a job (`jobs get --json`, `jobs list --json`).
@@ -110,6 +114,9 @@ pub struct JobJson {
     /// `--hang-timeout` in ms; absent: never stopped as hung.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hang_timeout_ms: Option<u64>,
+    /// The service (`svc-N`) it is a replica of; absent for a job.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub service: Option<String>,
     /// Each task's options, in their own form (`TaskOptions`); an unset
     /// one is absent.
     #[serde(flatten)]
@@ -292,6 +299,7 @@ impl From<&pb::Job> for JobJson {
             stop_grace_ms: spec.stop_grace_ms,
             checkpoint_dir: (!spec.checkpoint_dir.is_empty()).then(|| spec.checkpoint_dir.clone()),
             hang_timeout_ms: spec.hang_timeout_ms,
+            service: (!spec.service.is_empty()).then(|| spec.service.clone()),
             options: crate::convert::options_view(spec.options.as_ref()),
             security: SecurityJson::from(spec.security.as_ref()),
             require_cuda: (!spec.require_cuda.is_empty()).then(|| spec.require_cuda.clone()),

@@ -1,0 +1,120 @@
+//! A service as gpuctl's `--json` and the console's API show it: its
+//! template in `JobJson`'s shape, and each replica's job as a `JobJson`.
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+
+use super::{EventJson, JobJson, PlacementJson, SecurityJson};
+use crate::pb;
+use crate::types::{Resources, TaskOptions};
+
+/// A service (`GET /api/services/NAME`, items of `GET /api/services`), as
+/// `gpuctl services get --json` shows it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ServiceJson {
+    /// `svc-N`, never reused.
+    pub id: String,
+    pub name: String,
+    /// The tenant its replicas are charged to.
+    pub tenant: String,
+    /// Replicas asked for.
+    pub replicas: u32,
+    /// Replicas whose job is RUNNING.
+    pub running: u32,
+    /// What each replica runs.
+    pub template: TemplateJson,
+    pub created_at_ms: u64,
+    /// One per replica, by index.
+    pub replica_jobs: Vec<ReplicaJson>,
+    /// Created, Scaled, Deleting, oldest first, as a job's events (`[]` in
+    /// lists).
+    pub events: Vec<EventJson>,
+}
+
+/// One replica of a service.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ReplicaJson {
+    pub index: u32,
+    pub job_id: String,
+    /// Its job as `jobs get --json` shows it (restarts are its
+    /// `retries`); `null` in the list.
+    pub job: Option<JobJson>,
+}
+
+/// A service's template: the job fields a replica's job is made of, in
+/// `JobJson`'s shape (its name is the service's; it has no replicas,
+/// retries or restart policy of its own).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TemplateJson {
+    /// `null` for a host process.
+    pub image: Option<String>,
+    pub command: Vec<String>,
+    pub env: BTreeMap<String, String>,
+    pub resources: Resources,
+    pub placement: PlacementJson,
+    pub priority: i32,
+    /// `--restart-backoff` in ms; `null`: the default (1 s).
+    pub restart_backoff_ms: Option<u64>,
+    pub preflight: bool,
+    pub no_fence: bool,
+    pub stop_grace_ms: Option<u64>,
+    pub checkpoint_dir: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hang_timeout_ms: Option<u64>,
+    #[serde(flatten)]
+    pub options: TaskOptions,
+    pub security: SecurityJson,
+    pub require_cuda: Option<String>,
+}
+
+impl From<&pb::JobSpec> for TemplateJson {
+    fn from(spec: &pb::JobSpec) -> Self {
+        let some = |s: &str| (!s.is_empty()).then(|| s.to_string());
+        TemplateJson {
+            image: some(&spec.image),
+            command: spec.command.clone(),
+            env: spec
+                .env
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect(),
+            resources: crate::wait_words::resources_of(spec.resources.as_ref()),
+            placement: PlacementJson::from(spec.placement.as_ref()),
+            priority: spec.priority,
+            restart_backoff_ms: spec.restart_backoff_ms,
+            preflight: spec.preflight,
+            no_fence: spec.no_fence,
+            stop_grace_ms: spec.stop_grace_ms,
+            checkpoint_dir: some(&spec.checkpoint_dir),
+            hang_timeout_ms: spec.hang_timeout_ms,
+            options: crate::convert::options_view(spec.options.as_ref()),
+            security: SecurityJson::from(spec.security.as_ref()),
+            require_cuda: some(&spec.require_cuda),
+        }
+    }
+}
+
+impl From<&pb::Service> for ServiceJson {
+    fn from(s: &pb::Service) -> Self {
+        ServiceJson {
+            id: s.id.clone(),
+            name: s.name.clone(),
+            tenant: s.tenant.clone(),
+            replicas: s.replicas,
+            running: s.running,
+            template: TemplateJson::from(&s.template.clone().unwrap_or_default()),
+            created_at_ms: s.created_at_ms,
+            replica_jobs: s
+                .replica_jobs
+                .iter()
+                .map(|r| ReplicaJson {
+                    index: r.index,
+                    job_id: r.job_id.clone(),
+                    job: r.job.as_ref().map(JobJson::from),
+                })
+                .collect(),
+            events: s.events.iter().map(EventJson::from).collect(),
+        }
+    }
+}
