@@ -199,3 +199,167 @@ fn replicas_outlive_exits_and_a_lost_agent_and_only_their_service_stops_them() {
         serde_json::json!([])
     );
 }
+
+/// A tenant can neither see nor touch another's service, nor make a job
+/// that restarts for ever outside a service.
+#[test]
+fn another_tenant_can_neither_see_nor_touch_a_service() {
+    if !root_or_skip("another_tenant_can_neither_see_nor_touch_a_service") {
+        return;
+    }
+    let c = gpuctl_tests::SecureSingle::start(&[], "2xA100-SXM4-40GB");
+    let token = |tenant: &str| c.ok(&["tokens", "create", "--role", "user", "--tenant", tenant]);
+    let (alpha, beta) = (token("alpha"), token("beta"));
+    let as_ = |token: &str, args: &[&str]| {
+        std::process::Command::new(gpuctl_tests::bin("gpuctl"))
+            .arg("--config")
+            .arg(c.pki.join("gpuctl.toml"))
+            .args(args)
+            .env("GPUCTL_TOKEN", token)
+            .env_remove("GPUCTL_MASTER")
+            .stdin(std::process::Stdio::null())
+            .output()
+            .unwrap()
+    };
+    let ok = |token: &str, args: &[&str]| {
+        let out = as_(token, args);
+        let err = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(out.status.success(), "{args:?}: {err}");
+        String::from_utf8_lossy(&out.stdout).to_string()
+    };
+    let refused = |token: &str, args: &[&str], words: &str| {
+        let out = as_(token, args);
+        let err = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(!out.status.success(), "{args:?} was let through");
+        assert!(err.contains(words), "{args:?}: {err}");
+    };
+    ok(
+        &alpha,
+        &[
+            "services",
+            "create",
+            "api",
+            "--replicas",
+            "1",
+            "--gpus",
+            "1",
+            "--",
+            "sleep",
+            "300",
+        ],
+    );
+    let svc: Value =
+        serde_json::from_str(&ok(&alpha, &["services", "get", "api", "--json"])).unwrap();
+    assert_eq!(svc["tenant"], "alpha");
+    let job = svc["replica_jobs"][0]["job_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+
+    // To beta the service is not there; alpha's replica is not beta's.
+    let list: Value = serde_json::from_str(&ok(&beta, &["services", "list", "--json"])).unwrap();
+    assert_eq!(list, serde_json::json!([]));
+    refused(&beta, &["services", "get", "api"], "not found");
+    refused(
+        &beta,
+        &["services", "scale", "api", "--replicas", "0"],
+        "not found",
+    );
+    refused(&beta, &["services", "delete", "api"], "not found");
+    refused(&beta, &["jobs", "cancel", &job], "another tenant");
+    // Names are the cluster's: beta's create of the name is refused, and
+    // changes nothing of alpha's.
+    refused(
+        &beta,
+        &[
+            "services", "create", "api", "--gpus", "1", "--", "sleep", "1",
+        ],
+        "exists",
+    );
+    // Nor may anyone cancel a replica, or submit a job that restarts for
+    // ever outside a service.
+    refused(&alpha, &["jobs", "cancel", &job], "replica of service");
+    refused(
+        &beta,
+        &[
+            "jobs",
+            "submit",
+            "--name",
+            "forever",
+            "--restart-policy",
+            "always",
+            "--",
+            "true",
+        ],
+        "restart_policy",
+    );
+    let svc: Value =
+        serde_json::from_str(&ok(&alpha, &["services", "get", "api", "--json"])).unwrap();
+    assert_eq!(svc["replicas"], 1);
+    assert_eq!(
+        svc["template"]["command"],
+        serde_json::json!(["sleep", "300"])
+    );
+    assert_ne!(svc["replica_jobs"][0]["job"]["state"], "CANCELLED");
+    ok(&alpha, &["services", "delete", "api"]);
+}
+
+/// The leader SIGKILLed under a running service: its replicas run on,
+/// untouched, and the new leader scales and deletes it.
+#[test]
+fn a_service_goes_on_across_a_leader_sigkill() {
+    let mut c = gpuctl_tests::HaCluster::start(3, &[]);
+    c.add_agent(AgentOpts {
+        stop_tasks_on_shutdown: false,
+        ..Default::default()
+    });
+    let m = test_marker("svc-ha");
+    let env = format!("SVC_HA={m}");
+    let watch = gpuctl_tests::InvariantWatch::start("SVC_HA", &m);
+    c.ok(&[
+        "services",
+        "create",
+        "api",
+        "--replicas",
+        "2",
+        "--gpus",
+        "1",
+        // The test agent has this machine's 2 CPUs: room for 3 replicas.
+        "--cpus",
+        "0.25",
+        "--env",
+        &env,
+        "--",
+        "sleep",
+        "300",
+    ]);
+    let live = |c: &gpuctl_tests::HaCluster, n: usize| {
+        let ok = gpuctl_tests::try_wait_for(Duration::from_secs(60), || {
+            live_tasks("SVC_HA", &m).len() == n
+        });
+        assert!(
+            ok,
+            "{n} replicas never live: {:?}\n{}",
+            live_tasks("SVC_HA", &m),
+            c.ok(&["services", "get", "api"])
+        );
+        live_tasks("SVC_HA", &m)
+            .into_iter()
+            .map(|t| t.task_id)
+            .collect::<std::collections::BTreeSet<_>>()
+    };
+    let before = live(&c, 2);
+    let old = c.leader_id();
+    c.kill_master(old);
+    // gpuctl finds the new leader itself.
+    c.ok(&["services", "scale", "api", "--replicas", "3"]);
+    let after = live(&c, 3);
+    assert!(before.is_subset(&after), "{before:?} -> {after:?}");
+    let svc = c.json(&["services", "get", "api", "--json"]);
+    assert_eq!(svc["replicas"], 3);
+    c.ok(&["services", "delete", "api"]);
+    wait_for(Duration::from_secs(30), "no replica left", || {
+        live_tasks("SVC_HA", &m).is_empty()
+    });
+    watch.assert_held();
+}
