@@ -86,12 +86,14 @@ fn replicas_outlive_exits_and_a_lost_agent_and_only_their_service_stops_them() {
         "1",
         "--restart-backoff",
         "200ms",
+        "--port",
+        "http",
         "--env",
         &env,
         "--",
         "sh",
         "-c",
-        "echo \"replica $GPUCTL_REPLICA of $GPUCTL_SERVICE\"; \
+        "echo \"replica $GPUCTL_REPLICA of $GPUCTL_SERVICE on port $GPUCTL_PORT_HTTP\"; \
          if [ \"$GPUCTL_REPLICA\" = 0 ]; then sleep 1; exit 0; fi; exec sleep 600",
     ]);
     assert!(created.contains("web"), "{created}");
@@ -110,7 +112,7 @@ fn replicas_outlive_exits_and_a_lost_agent_and_only_their_service_stops_them() {
         "{r0}"
     );
     let logs = c.ok(&["jobs", "logs", &r0_id]);
-    assert!(logs.contains("replica 0 of web"), "{logs}");
+    assert!(logs.contains("replica 0 of web on port 3"), "{logs}");
     assert!(gpu_violations("SVC_MARKER", &marker).is_empty());
 
     // A replica is the service's to stop: a cancel is refused, nothing

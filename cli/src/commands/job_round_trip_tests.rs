@@ -33,6 +33,8 @@ const JOBS: &[&[&str]] = &[
         "4096",
         "--ports",
         "2",
+        "--port",
+        "http",
         "--env",
         "EPOCHS=3",
         "--secret-env",

@@ -138,10 +138,7 @@ fn options_words(options: &gpuctl_core::types::TaskOptions) -> String {
     let words: Vec<String> = match serde_json::to_value(options) {
         Ok(serde_json::Value::Object(set)) => set
             .iter()
-            .map(|(k, v)| match v.as_str() {
-                Some(s) => format!("{k}={s}"),
-                None => format!("{k}={v}"),
-            })
+            .map(|(k, v)| format!("{k}={}", option_value(v)))
             .collect(),
         _ => Vec::new(),
     };
@@ -149,6 +146,18 @@ fn options_words(options: &gpuctl_core::types::TaskOptions) -> String {
         "-".to_string()
     } else {
         words.join(" ")
+    }
+}
+
+/// One option's value as written in a job file: text as it is, a list
+/// comma-separated.
+fn option_value(v: &serde_json::Value) -> String {
+    match v {
+        serde_json::Value::String(s) => s.clone(),
+        serde_json::Value::Array(items) => {
+            items.iter().map(option_value).collect::<Vec<_>>().join(",")
+        }
+        other => other.to_string(),
     }
 }
 

@@ -644,10 +644,14 @@ mod tests {
         if let Some(spec) = g.spec.as_mut() {
             spec.options = Some(pb::TaskOptions {
                 shm_size_mib: Some(1536),
+                port_names: vec!["http".into(), "metrics".into()],
             });
         }
         let out = job_detail(&g, 1_700_000_065_000);
-        assert!(out.contains("Options:   shm_size=1536MiB\n"), "{out}");
+        assert!(
+            out.contains("Options:   port=http,metrics shm_size=1536MiB\n"),
+            "{out}"
+        );
     }
 
     #[test]

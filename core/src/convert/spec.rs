@@ -181,6 +181,19 @@ impl TryFrom<pb::JobSpec> for JobSpec {
             ));
         }
         let replicas = s.replicas.max(1);
+        // Each named port is one of the task's host ports.
+        let named = u32::try_from(template.options.port.len()).unwrap_or(u32::MAX);
+        if resources.ports == 0 {
+            resources.ports = named;
+        } else if resources.ports < named {
+            return Err(ConvertError::new(
+                "spec.resources.ports",
+                format!(
+                    "is {}, fewer than the {named} port names (spec.options.port_names)",
+                    resources.ports
+                ),
+            ));
+        }
         // A gang's rank 0 needs a port for the others to meet it at
         // (MASTER_PORT), so every rank of a gang holds at least one.
         if replicas > 1 {

@@ -1072,6 +1072,7 @@ fn a_maximal_task_spec_encodes_under_one_mib() {
             },
             options: TaskOptions {
                 shm_size: Some(MiB(MAX_SHM_SIZE_MIB)),
+                port: (0..MAX_TASK_PORTS).map(|i| format!("p{i:0>14}")).collect(),
             },
         },
     });
@@ -2099,6 +2100,7 @@ fn full_template() -> TaskTemplate {
         // Every option set (the struct literal lists them all).
         options: TaskOptions {
             shm_size: Some(MiB(8192)),
+            port: vec!["http".into()],
         },
     }
 }
@@ -2206,6 +2208,7 @@ fn the_template_keeps_the_logs_json_form() {
     with_options.template = full_template();
     let mut expected = written_before.clone();
     expected["shm_size"] = serde_json::json!("8GiB");
+    expected["port"] = serde_json::json!(["http"]);
     assert_eq!(serde_json::to_value(&with_options).unwrap(), expected);
     let back: JobSpec = serde_json::from_value(expected).unwrap();
     assert_eq!(back, with_options);
@@ -2247,6 +2250,7 @@ fn shm_size_is_bounded_and_for_containers_only_naming_its_field() {
         s.security = None;
         s.options = Some(pb::TaskOptions {
             shm_size_mib: Some(mib),
+            ..Default::default()
         });
         JobSpec::try_from(s)
     };
@@ -2271,4 +2275,36 @@ fn shm_size_is_bounded_and_for_containers_only_naming_its_field() {
     let plain = JobSpec::try_from(spec()).unwrap();
     assert!(plain.template.options.is_default());
     assert_eq!(pb::JobSpec::from(plain).options, None);
+}
+
+#[test]
+fn named_ports_are_task_ports_and_named_once_each() {
+    let with = |ports: u32, names: &[&str]| {
+        let mut s = spec();
+        s.resources.as_mut().unwrap().ports = ports;
+        s.options = Some(pb::TaskOptions {
+            port_names: names.iter().map(|n| n.to_string()).collect(),
+            ..Default::default()
+        });
+        JobSpec::try_from(s)
+    };
+    // No --ports: one per name; more ports than names: the first named.
+    let j = with(0, &["http", "metrics"]).unwrap();
+    assert_eq!(j.template.resources.ports, 2);
+    assert_eq!(j.template.options.port, vec!["http", "metrics"]);
+    assert_eq!(with(3, &["http"]).unwrap().template.resources.ports, 3);
+    // Read again from its own wire: the same (the fill is idempotent).
+    let again = JobSpec::try_from(pb::JobSpec::from(j.clone())).unwrap();
+    assert_eq!(again, j);
+    let e = with(1, &["http", "grpc"]).unwrap_err();
+    assert_eq!(e.field, "spec.resources.ports", "{e}");
+    for (names, field) in [
+        (&["http", "http"][..], "spec.options.port_names[1]"),
+        (&["HTTP"][..], "spec.options.port_names[0]"),
+        (&["1http"][..], "spec.options.port_names[0]"),
+        (&["a-very-long-port-name"][..], "spec.options.port_names[0]"),
+    ] {
+        let e = with(0, names).unwrap_err();
+        assert_eq!(e.field, field, "{names:?}: {e}");
+    }
 }

@@ -25,6 +25,14 @@ pub struct TaskOptions {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "clap", arg(long, value_name = "SIZE"))]
     pub shm_size: Option<MiB>,
+    /// A name for one of the task's host ports (repeat for more): the
+    /// first name is its first port's, and so on, and `--ports` is at
+    /// least their number. The task gets `GPUCTL_PORT_<NAME>` (upper case,
+    /// '-' as '_'); a service's checks and gateway name its ports so.
+    /// 1 to 15 of a-z, 0-9 and '-', starting with a letter.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[cfg_attr(feature = "clap", arg(long = "port", value_name = "NAME"))]
+    pub port: Vec<String>,
 }
 
 impl TaskOptions {
@@ -117,6 +125,7 @@ mod tests {
     fn options_serialize_as_written_and_read_numbers_too() {
         let o = TaskOptions {
             shm_size: Some(MiB(8192)),
+            port: Vec::new(),
         };
         let json = serde_json::to_string(&o).unwrap();
         assert_eq!(json, r#"{"shm_size":"8GiB"}"#);

@@ -1080,7 +1080,9 @@ mod tests {
         let ports = |t: &T, task: &str| t.s.tasks[task].ports.clone();
         let j1 = t.submit(ported(3));
         let j2 = t.submit(ported(3));
-        let j3 = t.submit(ported(5));
+        let mut named = ported(5);
+        named.template.options.port = vec!["http".into(), "grpc-api".into()];
+        let j3 = t.submit(named);
         t.launch(&j1, &[("a", &[])]).unwrap();
         t.launch(&j2, &[("a", &[])]).unwrap();
         assert_eq!(ports(&t, "job-1.0"), [31000, 31001, 31002]);
@@ -1107,6 +1109,9 @@ mod tests {
             env("job-3.0")["GPUCTL_PORTS"],
             "31000,31001,31002,31006,31007"
         );
+        // Named ports are its first ones, in order.
+        assert_eq!(env("job-3.0")["GPUCTL_PORT_HTTP"], "31000");
+        assert_eq!(env("job-3.0")["GPUCTL_PORT_GRPC_API"], "31001");
         // A single task is its own rank 0.
         assert_eq!(env("job-3.0")["MASTER_PORT"], "31000");
         assert_eq!(env("job-3.0")["MASTER_ADDR"], "a.host");

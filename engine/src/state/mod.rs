@@ -446,6 +446,14 @@ impl State {
         }
         env.insert("GPUCTL_PEERS".into(), peers.join(","));
         insert_ports(&mut env, &task.ports);
+        // Named ports: `GPUCTL_PORT_HTTP`, in the order of the names.
+        for (name, port) in job.spec.template.options.port.iter().zip(&task.ports) {
+            let key = format!(
+                "GPUCTL_PORT_{}",
+                name.to_ascii_uppercase().replace('-', "_")
+            );
+            env.insert(key, port.to_string());
+        }
         // OpenMP (and PyTorch's CPU ops) otherwise start a thread per core
         // of the host: four ranks on two cores would run 4x oversubscribed.
         env.entry("OMP_NUM_THREADS".into())
