@@ -137,16 +137,12 @@ impl State {
         replicas: u32,
         at_ms: u64,
     ) -> Result<Outcome, ApplyError> {
-        let Some(mut record) = self
-            .service_named(name)
-            .cloned()
-            .filter(|s| s.spec.replicas != replicas)
-        else {
-            return match self.service_named(name) {
-                Some(_) => Ok(Outcome::Done),
-                None => Err(ApplyError::ServiceNotFound(name.to_string())),
-            };
+        let Some(mut record) = self.service_named(name).cloned() else {
+            return Err(ApplyError::ServiceNotFound(name.to_string()));
         };
+        if record.spec.replicas == replicas {
+            return Ok(Outcome::Done);
+        }
         self.check_within_cap(&record.spec, replicas)?;
         let from = record.spec.replicas;
         while record.replicas.len() < replicas as usize {
