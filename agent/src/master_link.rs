@@ -987,6 +987,8 @@ mod tests {
             hung: false,
             failed_gpus: Vec::new(),
             runtime_restarted: false,
+            liveness_failed: false,
+            health: None,
         };
         tx.send(update.clone()).await.unwrap();
         done_tx.send(true).unwrap();

@@ -153,6 +153,7 @@ mod tests {
         assert_eq!(names, ["llm", "web"], "by name");
         let llm = &list[0];
         assert_eq!((&llm["replicas"], &llm["running"]), (&json!(3), &json!(2)));
+        assert_eq!(llm["ready"], 2, "{llm}");
         assert_eq!(llm["template"]["image"], "registry.local/llm-server:1");
         assert_eq!(llm["template"]["resources"]["gpus"], 1);
         assert_eq!(llm["replica_jobs"][1]["job_id"], "job-3");

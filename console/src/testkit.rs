@@ -63,6 +63,7 @@ impl FakeMaster {
         };
         self.resize(&mut s, replicas);
         for r in s.replica_jobs.iter_mut().take(running as usize) {
+            r.ready = true;
             if let Some(j) = r.job.as_mut() {
                 j.state = pb::JobState::JobRunning as i32;
                 j.retries = 2;
@@ -75,6 +76,7 @@ impl FakeMaster {
             }
         }
         s.running = running.min(replicas);
+        s.ready = s.running;
         list.push(s);
     }
 
@@ -101,6 +103,7 @@ impl FakeMaster {
                     message: "Resources: waiting for resources to be freed".into(),
                     ..Default::default()
                 }),
+                ..Default::default()
             });
         }
         s.replicas = replicas;
@@ -113,6 +116,7 @@ impl FakeMaster {
                     .is_some_and(|j| j.state == pb::JobState::JobRunning as i32)
             })
             .count() as u32;
+        s.ready = s.replica_jobs.iter().filter(|r| r.ready).count() as u32;
     }
 
     fn check<T>(&self, req: &tonic::Request<T>) -> Result<(), Status> {

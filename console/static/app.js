@@ -716,9 +716,9 @@ function serviceRow(s) {
     h("td", { title: fmtTime(s.created_at_ms) }, fmtAge(s.created_at_ms)));
 }
 
-// Running against asked, as `gpuctl services list` says it.
+// Ready against asked, as `gpuctl services list` says it.
 function replicasText(s) {
-  return `${s.running}/${s.replicas}`;
+  return `${s.ready}/${s.replicas}`;
 }
 
 function servicePage(root, name) {
@@ -745,7 +745,7 @@ function servicePage(root, name) {
     h("h2", {}, "Replicas"),
     h("table", { id: "replicas", class: "grid" },
       h("thead", {}, h("tr", {},
-        ["Replica", "Job", "State", "Agent", "Restarts", "Age", "Why"].map((c) => h("th", {}, c)))),
+        ["Replica", "Job", "State", "Ready", "Agent", "Restarts", "Age", "Why"].map((c) => h("th", {}, c)))),
       replicas),
     h("h2", {}, "Events"),
     h("table", { id: "events", class: "grid" },
@@ -806,38 +806,48 @@ function renderService(s, el) {
   const t = s.template;
   el.title.textContent = `${s.name} `;
   el.title.append(h("span", { class: "muted" }, s.id));
-  el.replicasBadge.textContent = `${replicasText(s)} running`;
-  el.replicasBadge.className = `badge ${s.running >= s.replicas ? "s-running" : "s-queued"}`;
+  el.replicasBadge.textContent = `${replicasText(s)} ready`;
+  el.replicasBadge.className = `badge ${s.ready >= s.replicas ? "s-running" : "s-queued"}`;
   const row = (k, v) => [h("dt", {}, k), h("dd", {}, v)];
   el.details.replaceChildren(
     ...row("Runs", t.image ? `image ${t.image}` : "host process"),
     ...row("Command", h("code", {}, t.command.map(shellQuote).join(" "))),
     ...row("Resources", `${fmtRes(t.resources)} per replica`),
-    ...row("Replicas", `${s.replicas} asked, ${s.running} running`),
+    ...row("Replicas", `${s.replicas} asked, ${s.running} running, ${s.ready} ready`),
+    ...row("Checks", checksText(t)),
     ...row("Priority", String(t.priority)),
     ...row("Tenant", s.tenant || "–"),
     ...row("Created", fmtTime(s.created_at_ms)),
     ...(t.placement.gpu_model ? row("GPU model", t.placement.gpu_model) : []),
     ...(Object.keys(t.env).length ? row("Env", Object.entries(t.env).map(([k, v]) => `${k}=${v}`).join(" ")) : []),
   );
-  if (!s.replica_jobs.length) empty(el.replicas, 7, "No replicas: scaled to 0.");
+  if (!s.replica_jobs.length) empty(el.replicas, 8, "No replicas: scaled to 0.");
   else el.replicas.replaceChildren(...s.replica_jobs.map(replicaRow));
   renderEvents(el.events, s.events, 0);
 }
 
-// One replica: its job, where its latest task runs, how often it restarted
-// and why it is not running.
+// The template's health checks, as `services get` writes them.
+function checksText(t) {
+  const checks = [["readiness", t.readiness], ["liveness", t.liveness]].filter(([, c]) => c);
+  return checks.length ? checks.map(([k, c]) => `${k} ${c}`).join("; ") : "none (a running replica is ready)";
+}
+
+// One replica: its job, whether it serves, where its latest task runs, how
+// often it restarted, and why it is not running (or not ready).
 function replicaRow(r) {
   const j = r.job;
   const task = j && j.tasks.length ? j.tasks[j.tasks.length - 1] : null;
+  const running = j && j.state === "RUNNING";
+  const why = running && !r.ready && r.check_failure ? r.check_failure : j ? j.reason || j.message || "" : "";
   return h("tr", { dataset: { replica: String(r.index), job: r.job_id } },
     h("td", {}, String(r.index)),
     h("td", {}, h("a", { href: `#/jobs/${encodeURIComponent(r.job_id)}` }, r.job_id)),
     h("td", { class: "state" }, j ? badge(j.state) : ""),
+    h("td", { class: "ready" }, running ? (r.ready ? "yes" : "no") : ""),
     h("td", { class: "agent" }, task ? task.agent_id : ""),
     h("td", { class: "restarts" }, j ? String(j.retries) : ""),
     h("td", { title: j ? fmtTime(j.submitted_at_ms) : "" }, j ? fmtAge(j.submitted_at_ms) : ""),
-    h("td", { class: "why" }, j ? j.reason || j.message || "" : ""));
+    h("td", { class: "why" }, why));
 }
 
 // ------------------------------------------------------------------ submit

@@ -376,7 +376,7 @@ fn console_services_list_scale_delete_in_chromium() {
     b.click("#scale-submit");
     b.wait_for(
         "one replica left",
-        "document.querySelector('#service-replicas')?.innerText === '1/1 running' && \
+        "document.querySelector('#service-replicas')?.innerText === '1/1 ready' && \
          document.querySelectorAll('#replicas tr[data-job]').length === 1",
         T,
     );

@@ -29,6 +29,7 @@ impl Executor {
         u.gpu_memory_limit = outcome.gpu_memory_limit;
         u.hung = outcome.hung;
         u.runtime_restarted = outcome.runtime_restarted;
+        u.liveness_failed = outcome.liveness_failed;
         u.requires = outcome.requires;
         u.failed_gpus = outcome.failed_gpus;
         let path = self.state_dir(task_id).join(checkpoint::FINAL_FILE);
@@ -87,7 +88,7 @@ impl Executor {
     }
 
     pub(super) async fn drive_inner(
-        &self,
+        self: &Arc<Self>,
         spec: &TaskSpec,
         stop: &mut watch::Receiver<Option<StopReason>>,
         reattach: bool,
@@ -138,6 +139,14 @@ impl Executor {
         // A level known only once the container was made (its driver cap).
         running.enforcement = enforcement;
         self.send(running).await;
+
+        // Its health checks run beside it until it ends.
+        let opts = &spec.template.options;
+        let checks = (opts.readiness.is_some() || opts.liveness.is_some()).then(|| {
+            let me = self.clone();
+            tokio::spawn(me.follow_checks(spec.clone(), rt.clone(), tref.clone(), started))
+        });
+        let _abort_checks = checks.map(|h| AbortOnDrop(h.abort_handle()));
 
         // Follow it to its end; a stop request is carried out beside.
         let wait = rt.wait(&tref);
@@ -233,6 +242,15 @@ impl Executor {
                 Err(e) => return Err(Outcome::failed(e.to_string())),
             }
         }
+    }
+}
+
+/// Aborts a task's helper (its checks) when the task's drive ends.
+struct AbortOnDrop(tokio::task::AbortHandle);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 

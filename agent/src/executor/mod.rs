@@ -13,6 +13,7 @@
 //! is reported with its real exit code; a final status not yet acknowledged
 //! is sent again, with the same uuid.
 
+mod checks;
 mod dirs;
 mod drive;
 mod hang;
@@ -657,6 +658,8 @@ impl Executor {
             latest_state: None,
             failed_gpus: Vec::new(),
             runtime_restarted: false,
+            liveness_failed: false,
+            health: None,
         }
     }
 

@@ -43,6 +43,7 @@ pub fn of(reason: &StopReason, from_master: Option<&StopNotice>) -> StopNotice {
         StopReason::Fenced => own("fenced", "the agent had no contact with a master"),
         StopReason::GpuMemoryLimit(why) => own("gpu_memory_limit", why),
         StopReason::Hung(why) => own("hung", why),
+        StopReason::LivenessFailed(why) => own("liveness_failed", why),
     }
 }
 

@@ -29,6 +29,8 @@ pub(super) struct Outcome {
     pub(super) failed_gpus: Vec<String>,
     /// Stopped by its runtime's restart (REASON_RUNTIME_RESTARTED).
     pub(super) runtime_restarted: bool,
+    /// Stopped for its liveness check (REASON_LIVENESS_FAILED).
+    pub(super) liveness_failed: bool,
 }
 
 impl Outcome {
@@ -44,6 +46,7 @@ impl Outcome {
             requires: Vec::new(),
             failed_gpus: Vec::new(),
             runtime_restarted: false,
+            liveness_failed: false,
         }
     }
 
@@ -72,6 +75,10 @@ impl Outcome {
                 hung: true,
                 ..Outcome::failed(why.clone())
             },
+            StopReason::LivenessFailed(why) => Outcome {
+                liveness_failed: true,
+                ..Outcome::failed(why.clone())
+            },
         }
     }
 
@@ -93,6 +100,7 @@ impl Outcome {
                 requires: Vec::new(),
                 failed_gpus: Vec::new(),
                 runtime_restarted: false,
+                liveness_failed: false,
             };
         }
         match reason {
@@ -107,6 +115,12 @@ impl Outcome {
             // SIGTERM it got for it did not succeed.
             Some(StopReason::Hung(why)) => Outcome {
                 hung: true,
+                exit_code: code,
+                ..Outcome::failed(why.clone())
+            },
+            // The same for a failed liveness check.
+            Some(StopReason::LivenessFailed(why)) => Outcome {
+                liveness_failed: true,
                 exit_code: code,
                 ..Outcome::failed(why.clone())
             },
@@ -126,6 +140,7 @@ impl Outcome {
                 requires: Vec::new(),
                 failed_gpus: Vec::new(),
                 runtime_restarted: false,
+                liveness_failed: false,
             },
             // Nobody here asked it to stop: its runtime did, restarting.
             _ if ended.runtime_restarted && code != Some(0) => Outcome {
@@ -150,6 +165,7 @@ impl Outcome {
                     requires: Vec::new(),
                     failed_gpus: Vec::new(),
                     runtime_restarted: false,
+                    liveness_failed: false,
                 },
                 Some(c) => Outcome {
                     exit_code: Some(c),

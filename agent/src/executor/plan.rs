@@ -41,6 +41,8 @@ pub enum StopReason {
     GpuMemoryLimit(String),
     /// No output and no GPU activity for its job's hang timeout: `why`.
     Hung(String),
+    /// Its liveness check failed too many times in a row: `why`.
+    LivenessFailed(String),
 }
 
 /// What the plan needs to know of a local task.

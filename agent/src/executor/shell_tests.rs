@@ -19,6 +19,9 @@ struct Fake {
     launched: Mutex<BTreeMap<String, LaunchSpec>>,
     /// Removals that fail (as a daemon still busy with one) before one works.
     remove_fails: Mutex<u32>,
+    /// The exit code of each check command run beside a task (`exec`);
+    /// 0 when not set.
+    exec_codes: Mutex<BTreeMap<String, i32>>,
 }
 
 impl Fake {
@@ -128,6 +131,23 @@ impl ContainerRuntime for FakeRuntime {
             available: true,
             message: String::new(),
         }
+    }
+    fn exec<'a>(
+        &'a self,
+        _t: &'a TaskRef,
+        command: &'a str,
+        _timeout: Duration,
+    ) -> BoxFuture<'a, Result<crate::runtime::ExecOutput, crate::runtime::RuntimeError>> {
+        let code = self
+            .0
+            .exec_codes
+            .lock()
+            .unwrap()
+            .get(command)
+            .copied()
+            .unwrap_or(0);
+        let out = crate::runtime::ExecOutput::new(Some(code), format!("said {code}\n").as_bytes());
+        futures::future::ready(Ok(out)).boxed()
     }
 }
 
@@ -873,4 +893,51 @@ async fn heartbeat_directories_are_reachable_only_by_their_task() {
     assert_eq!(mode(&roots), 0o700);
     assert_eq!(h.exec.heartbeat_dir("host-task"), own);
     assert_eq!(h.exec.heartbeat_dir("container-task"), grouped);
+}
+
+/// A task's checks run beside it: readiness is told when it changes, with
+/// the failure's words; a liveness check failing `failures` times in a row
+/// stops the task, which ends FAILED for it (REASON_LIVENESS_FAILED).
+#[tokio::test]
+async fn checks_tell_readiness_and_a_failed_liveness_check_stops_the_task() {
+    let mut h = harness_on(tempfile::tempdir().unwrap(), Arc::default());
+    h.fake
+        .exec_codes
+        .lock()
+        .unwrap()
+        .insert("ready?".into(), 1);
+    let mut s = spec("t1");
+    s.template.options.readiness = Some("interval=100ms failures=2 exec:ready?".parse().unwrap());
+    s.template.options.liveness = Some("interval=100ms failures=3 exec:alive?".parse().unwrap());
+    h.exec.set_desired(Desired {
+        run: [("t1".to_string(), s)].into(),
+        kill: Default::default(),
+        notices: Default::default(),
+    });
+    until_state(&mut h, TaskState::Running).await;
+    let not_ready = next(&mut h).await;
+    let health = not_ready.health.clone().expect("health");
+    assert!(!health.ready, "{not_ready:?}");
+    assert_eq!(
+        health.failure,
+        "readiness: \"ready?\" exited with code 1: said 1"
+    );
+    h.fake.exec_codes.lock().unwrap().insert("ready?".into(), 0);
+    let ready = next(&mut h).await;
+    assert_eq!(ready.state, TaskState::Running);
+    assert!(ready.health.as_ref().unwrap().ready, "{ready:?}");
+    // Liveness fails: three in a row stop it.
+    h.fake.exec_codes.lock().unwrap().insert("alive?".into(), 7);
+    let fin = until_state(&mut h, TaskState::Failed).await;
+    assert!(fin.liveness_failed, "{fin:?}");
+    assert_eq!(
+        fin.message,
+        "liveness: \"alive?\" exited with code 7: said 7 (3 in a row)"
+    );
+    let u = pb_reason(&fin);
+    assert_eq!(u, gpuctl_core::pb::Reason::LivenessFailed as i32);
+}
+
+fn pb_reason(u: &StatusUpdate) -> i32 {
+    gpuctl_core::pb::StatusUpdate::from(u.clone()).reason
 }

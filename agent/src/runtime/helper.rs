@@ -144,6 +144,33 @@ pub(crate) fn drop_privileges_before_exec(cmd: &mut std::process::Command, user:
     }
 }
 
+/// Makes the child of `cmd` enter the mount and IPC namespaces of process
+/// `pid` (a task's init) between fork and exec, before it drops its
+/// privileges: a check command then sees what the task sees.
+#[allow(unsafe_code)]
+pub(crate) fn enter_namespaces_before_exec(
+    cmd: &mut std::process::Command,
+    pid: i32,
+) -> std::io::Result<()> {
+    use nix::sched::{setns, CloneFlags};
+    // Opened here, before the fork.
+    let files = [("ipc", CloneFlags::CLONE_NEWIPC), ("mnt", CloneFlags::CLONE_NEWNS)]
+        .into_iter()
+        .map(|(ns, flag)| Ok((std::fs::File::open(format!("/proc/{pid}/ns/{ns}"))?, flag)))
+        .collect::<std::io::Result<Vec<_>>>()?;
+    // SAFETY: runs in the forked child before exec; setns is a plain
+    // system call on descriptors opened before the fork.
+    unsafe {
+        cmd.pre_exec(move || {
+            for (file, flag) in &files {
+                setns(file, *flag).map_err(std::io::Error::from)?;
+            }
+            Ok(())
+        });
+    }
+    Ok(())
+}
+
 /// Whether the fence has fallen for a task fenced by `contact` (the
 /// agent's `contact.json`; `None`: never fenced).
 pub fn fence_expired(contact: Option<&Path>) -> bool {

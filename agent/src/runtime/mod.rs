@@ -217,6 +217,30 @@ impl RuntimeError {
     }
 }
 
+/// What a command run beside a task ([`ContainerRuntime::exec`]) did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExecOutput {
+    /// Its exit code; `None`: it ran past its timeout.
+    pub code: Option<i32>,
+    /// The start of its output, stdout then stderr, at most
+    /// [`EXEC_OUTPUT_MAX`] bytes.
+    pub output: String,
+}
+
+/// What is kept of a check command's output: enough for its words.
+pub const EXEC_OUTPUT_MAX: usize = 512;
+
+impl ExecOutput {
+    /// At most [`EXEC_OUTPUT_MAX`] bytes of `bytes`, as text.
+    pub fn new(code: Option<i32>, bytes: &[u8]) -> ExecOutput {
+        let bytes = &bytes[..bytes.len().min(EXEC_OUTPUT_MAX)];
+        ExecOutput {
+            code,
+            output: String::from_utf8_lossy(bytes).into_owned(),
+        }
+    }
+}
+
 /// Whether a runtime answers, for heartbeats and `gpuctl agents`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RuntimeStatus {
@@ -257,6 +281,17 @@ pub trait ContainerRuntime: Send + Sync {
     fn list<'a>(&'a self, agent_id: &'a str) -> BoxFuture<'a, Result<Vec<String>, RuntimeError>>;
 
     fn status(&self) -> RuntimeStatus;
+
+    /// Runs `sh -c command` beside a running task, for its health checks:
+    /// in its container, or (a host task) as its user, in its cgroups and
+    /// namespaces, with its environment. Past `timeout` it is given up
+    /// (`code: None`).
+    fn exec<'a>(
+        &'a self,
+        task: &'a TaskRef,
+        command: &'a str,
+        timeout: Duration,
+    ) -> BoxFuture<'a, Result<ExecOutput, RuntimeError>>;
 
     /// Whether containers can be created with the OCI runtime `name` whose
     /// hook has the driver cap their cgroup (`oci_hook`), and why not.

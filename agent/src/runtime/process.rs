@@ -343,4 +343,78 @@ impl ContainerRuntime for ProcessRuntime {
             message: String::new(),
         }
     }
+
+    fn exec<'a>(
+        &'a self,
+        task: &'a TaskRef,
+        command: &'a str,
+        timeout: Duration,
+    ) -> BoxFuture<'a, Result<super::ExecOutput, RuntimeError>> {
+        exec_beside(task, command, timeout).boxed()
+    }
+}
+
+/// `sh -c command` as the task itself would run it: its launch's user,
+/// environment, working directory and cgroups, and (a task in namespaces
+/// of its own) its mount and IPC namespaces, so that it sees the task's
+/// private `/tmp`. In a process group of its own, killed past `timeout`.
+async fn exec_beside(
+    task: &TaskRef,
+    command: &str,
+    timeout: Duration,
+) -> Result<super::ExecOutput, RuntimeError> {
+    use std::os::unix::process::CommandExt;
+    let dir = &task.state_dir;
+    let launch: Launch = checkpoint::read_json(&dir.join(LAUNCH_FILE))
+        .map_err(checkpoint_err)?
+        .ok_or_else(|| RuntimeError::Other("the task has no launch record".into()))?;
+    let mut cmd = std::process::Command::new("/bin/sh");
+    cmd.arg("-c")
+        .arg(command)
+        .env_clear()
+        .envs(&launch.env)
+        .current_dir(&launch.cwd)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .process_group(0);
+    crate::isolation::join::join_before_exec_std(&mut cmd, &launch.cgroup_procs)
+        .map_err(|e| RuntimeError::Other(e.to_string()))?;
+    if launch.namespaces {
+        let state: Option<SupervisorState> =
+            checkpoint::read_json(&dir.join(STATE_FILE)).map_err(checkpoint_err)?;
+        let init = state
+            .and_then(|s| s.task)
+            .filter(|p| p.alive())
+            .ok_or_else(|| RuntimeError::Other("the task's init is not running".into()))?;
+        super::helper::enter_namespaces_before_exec(&mut cmd, init.pid)
+            .map_err(|e| RuntimeError::Other(format!("the task's namespaces: {e}")))?;
+    }
+    super::helper::drop_privileges_before_exec(&mut cmd, launch.user);
+    let child = tokio::process::Command::from(cmd)
+        .kill_on_drop(true)
+        .spawn()
+        .map_err(|source| RuntimeError::Spawn {
+            program: "/bin/sh".into(),
+            source,
+        })?;
+    let pgid = child.id().and_then(|p| i32::try_from(p).ok());
+    match tokio::time::timeout(timeout, child.wait_with_output()).await {
+        Ok(Ok(out)) => {
+            let mut bytes = out.stdout;
+            bytes.extend_from_slice(&out.stderr);
+            Ok(super::ExecOutput::new(
+                Some(supervisor::exit_code(out.status)),
+                &bytes,
+            ))
+        }
+        Ok(Err(e)) => Err(RuntimeError::Other(format!("wait for the check: {e}"))),
+        Err(_) => {
+            // What it started goes with it.
+            if let Some(pgid) = pgid {
+                supervisor::signal_group(Pid::from_raw(pgid), Signal::SIGKILL);
+            }
+            Ok(super::ExecOutput::new(None, b""))
+        }
+    }
 }

@@ -149,11 +149,11 @@ fn options_words(options: &gpuctl_core::types::TaskOptions) -> String {
     }
 }
 
-/// One option's value as written in a job file: text as it is, a list
-/// comma-separated.
+/// One option's value as written in a job file: text as it is (quoted as
+/// the shell would when it has spaces: a check), a list comma-separated.
 fn option_value(v: &serde_json::Value) -> String {
     match v {
-        serde_json::Value::String(s) => s.clone(),
+        serde_json::Value::String(s) => shell_quote(s),
         serde_json::Value::Array(items) => {
             items.iter().map(option_value).collect::<Vec<_>>().join(",")
         }

@@ -190,6 +190,8 @@ mod tests {
                 rank: 0,
                 reason: pb::Reason::CommandExited as i32,
                 ports: vec![],
+                ready: false,
+                check_failure: String::new(),
             }],
             submitted_at_ms: 1_700_000_000_000,
             message: String::new(),
@@ -642,14 +644,19 @@ mod tests {
         // Options: every one set, in its own form; none: `-`.
         assert!(out.contains("Options:   -\n"), "{out}");
         if let Some(spec) = g.spec.as_mut() {
-            spec.options = Some(pb::TaskOptions {
-                shm_size_mib: Some(1536),
-                port_names: vec!["http".into(), "metrics".into()],
+            spec.options = gpuctl_core::convert::options_to_pb(gpuctl_core::types::TaskOptions {
+                shm_size: Some(gpuctl_core::types::MiB(1536)),
+                port: vec!["http".into(), "metrics".into()],
+                readiness: Some("http:http/healthz interval=2s".parse().unwrap()),
+                liveness: Some("tcp:metrics".parse().unwrap()),
             });
         }
         let out = job_detail(&g, 1_700_000_065_000);
         assert!(
-            out.contains("Options:   port=http,metrics shm_size=1536MiB\n"),
+            out.contains(
+                "Options:   liveness=tcp:metrics port=http,metrics \
+                 readiness='http:http/healthz interval=2s' shm_size=1536MiB\n"
+            ),
             "{out}"
         );
     }

@@ -5,15 +5,15 @@ use std::fmt::Write as _;
 
 use super::*;
 
-/// `services list`: NAME, REPLICAS (running/asked), GPUS (per replica, as
-/// `jobs list` shows a task's), IMAGE, AGE.
+/// `services list`: NAME, READY (replicas running and ready, of those
+/// asked), GPUS (per replica, as `jobs list` shows a task's), IMAGE, AGE.
 pub fn services_table(services: &[pb::Service], now_ms: u64) -> Table {
-    let mut t = Table::new(&["NAME", "REPLICAS", "GPUS", "IMAGE", "AGE"]);
+    let mut t = Table::new(&["NAME", "READY", "GPUS", "IMAGE", "AGE"]);
     for s in services {
         let spec = s.template.clone().unwrap_or_default();
         t.row(vec![
             s.name.clone(),
-            format!("{}/{}", s.running, s.replicas),
+            format!("{}/{}", s.ready, s.replicas),
             gpus_per_task(&spec),
             spec.image.clone(),
             fmt_age(s.created_at_ms, now_ms),
@@ -33,7 +33,10 @@ pub fn service_detail(s: &pb::Service, now_ms: u64) -> String {
         ("Tenant", s.tenant.clone()),
         (
             "Replicas",
-            format!("{} asked, {} running", s.replicas, s.running),
+            format!(
+                "{} asked, {} running, {} ready",
+                s.replicas, s.running, s.ready
+            ),
         ),
         (
             "Image",
@@ -55,7 +58,8 @@ pub fn service_detail(s: &pb::Service, now_ms: u64) -> String {
                 fmt_mib(res.mem_mib)
             },
         ),
-        ("Ports", res.ports.to_string()),
+        ("Ports", ports_words(&spec, &res)),
+        ("Checks", checks_words(&spec)),
         ("Priority", spec.priority.to_string()),
         (
             "Security",
@@ -88,16 +92,41 @@ pub fn service_detail(s: &pb::Service, now_ms: u64) -> String {
     out
 }
 
-/// One row per replica: REPLICA (its index), JOB, STATE, AGENT (of its
-/// latest task), PORTS (its latest task's host ports, when any replica
-/// has some: with AGENT, where to reach it), RESTARTS (its job's retries),
-/// MESSAGE (why it waits, or how its last attempt ended).
+/// The template's ports: their number and names.
+fn ports_words(spec: &pb::JobSpec, res: &pb::Resources) -> String {
+    let names = gpuctl_core::convert::options_view(spec.options.as_ref()).port;
+    if names.is_empty() {
+        res.ports.to_string()
+    } else {
+        format!("{} ({})", res.ports, names.join(", "))
+    }
+}
+
+/// `readiness http:http/healthz; liveness tcp:http`, or `none`.
+fn checks_words(spec: &pb::JobSpec) -> String {
+    let o = gpuctl_core::convert::options_view(spec.options.as_ref());
+    let words: Vec<String> = [("readiness", o.readiness), ("liveness", o.liveness)]
+        .into_iter()
+        .filter_map(|(k, c)| c.map(|c| format!("{k} {c}")))
+        .collect();
+    if words.is_empty() {
+        "none (a running replica is ready)".into()
+    } else {
+        words.join("; ")
+    }
+}
+
+/// One row per replica: REPLICA (its index), JOB, STATE, READY (a running
+/// replica's readiness), AGENT (of its latest task), PORTS (its latest
+/// task's host ports, when any replica has some: with AGENT, where to
+/// reach it), RESTARTS (its job's retries), MESSAGE (why it waits, how its
+/// last attempt ended, or why a running one is not ready).
 pub fn replicas_table(replicas: &[pb::ServiceReplica]) -> Table {
     let last = |r: &pb::ServiceReplica| r.job.as_ref().and_then(|j| j.tasks.last().cloned());
     let ports = replicas
         .iter()
         .any(|r| last(r).is_some_and(|t| !t.ports.is_empty()));
-    let mut head = vec!["REPLICA", "JOB", "STATE", "AGENT"];
+    let mut head = vec!["REPLICA", "JOB", "STATE", "READY", "AGENT"];
     if ports {
         head.push("PORTS");
     }
@@ -105,6 +134,10 @@ pub fn replicas_table(replicas: &[pb::ServiceReplica]) -> Table {
     let mut t = Table::new(&head);
     for r in replicas {
         let task = last(r).unwrap_or_default();
+        let running = r
+            .job
+            .as_ref()
+            .is_some_and(|j| j.state == pb::JobState::JobRunning as i32);
         let mut row = vec![
             r.index.to_string(),
             r.job_id.clone(),
@@ -112,12 +145,21 @@ pub fn replicas_table(replicas: &[pb::ServiceReplica]) -> Table {
                 .as_ref()
                 .map(|j| job_state_name(j.state).to_string())
                 .unwrap_or_default(),
+            match (running, r.ready) {
+                (false, _) => String::new(),
+                (true, true) => "yes".into(),
+                (true, false) => "no".into(),
+            },
             task.agent_id.clone(),
         ];
         if ports {
             row.push(fmt_ports(&task.ports));
         }
         row.extend(match &r.job {
+            Some(_) if running && !r.ready && !r.check_failure.is_empty() => {
+                let j = r.job.as_ref().map_or(0, |j| j.retries);
+                [j.to_string(), r.check_failure.clone()]
+            }
             Some(j) => [j.retries.to_string(), job_message(j).replace('\n', " ")],
             None => [String::new(), String::new()],
         });
@@ -171,16 +213,22 @@ pub(crate) fn sample_service() -> pb::Service {
                 index: 0,
                 job_id: "job-4".into(),
                 job: Some(job("job-4", pb::JobState::JobRunning, "agent-a")),
+                ready: true,
+                check_failure: String::new(),
             },
             pb::ServiceReplica {
                 index: 1,
                 job_id: "job-5".into(),
                 job: Some(queued),
+                ready: false,
+                check_failure: String::new(),
             },
             pb::ServiceReplica {
                 index: 2,
                 job_id: "job-6".into(),
                 job: None,
+                ready: false,
+                check_failure: String::new(),
             },
         ],
         events: vec![pb::JobEvent {
@@ -192,6 +240,7 @@ pub(crate) fn sample_service() -> pb::Service {
             count: 1,
         }],
         running: 1,
+        ready: 1,
     }
 }
 
@@ -206,6 +255,7 @@ mod tests {
         host.name = "probe".into();
         host.replicas = 0;
         host.running = 0;
+        host.ready = 0;
         if let Some(t) = host.template.as_mut() {
             t.image.clear();
             t.placement = Some(pb::Placement {
@@ -218,12 +268,12 @@ mod tests {
             .lines()
             .map(|l| l.split_whitespace().collect())
             .collect();
-        assert_eq!(rows[0], ["NAME", "REPLICAS", "GPUS", "IMAGE", "AGE"]);
+        assert_eq!(rows[0], ["NAME", "READY", "GPUS", "IMAGE", "AGE"]);
         assert_eq!(rows[1], ["web", "1/3", "1", "nginx:1", "65s"]);
         assert_eq!(rows[2], ["probe", "0/0", "mig:1g.10gb", "-", "65s"]);
         assert_eq!(
             services_table(&[], 0).render(),
-            "NAME  REPLICAS  GPUS  IMAGE  AGE\n"
+            "NAME  READY  GPUS  IMAGE  AGE\n"
         );
     }
 
@@ -233,7 +283,8 @@ mod tests {
         for line in [
             "ID:       svc-1\n",
             "Tenant:   default\n",
-            "Replicas: 3 asked, 1 running\n",
+            "Replicas: 3 asked, 1 running, 1 ready\n",
+            "Checks:   none (a running replica is ready)\n",
             "Image:    nginx:1\n",
             "Command:  nginx -g 'daemon off;'\n",
             "GPUs:     1\n",
@@ -250,14 +301,14 @@ mod tests {
             .collect();
         assert_eq!(
             rows[0],
-            ["REPLICA", "JOB", "STATE", "AGENT", "RESTARTS", "MESSAGE"]
+            ["REPLICA", "JOB", "STATE", "READY", "AGENT", "RESTARTS", "MESSAGE"]
         );
-        assert_eq!(rows[1], ["0", "job-4", "RUNNING", "agent-a", "0", "-"]);
+        assert_eq!(rows[1], ["0", "job-4", "RUNNING", "yes", "agent-a", "0", "-"]);
         assert_eq!(
             rows[2],
-            ["1", "job-5", "QUEUED", "-", "2", "task", "job-5.0", "exited", "with", "code", "1"]
+            ["1", "job-5", "QUEUED", "-", "-", "2", "task", "job-5.0", "exited", "with", "code", "1"]
         );
-        assert_eq!(rows[3], ["2", "job-6", "-", "-", "-", "-"]);
+        assert_eq!(rows[3], ["2", "job-6", "-", "-", "-", "-", "-"]);
         let events = out.split("\nEvents:\n").nth(1).expect(&out);
         assert!(
             events.contains("Normal  Created  65s  3 replicas"),
@@ -273,12 +324,35 @@ mod tests {
             .lines()
             .map(|l| l.split_whitespace().collect())
             .collect();
-        assert_eq!(rows[0][3..5], ["AGENT", "PORTS"]);
+        assert_eq!(rows[0][4..6], ["AGENT", "PORTS"]);
         assert_eq!(
             rows[1],
-            ["0", "job-4", "RUNNING", "agent-a", "31000", "0", "-"]
+            ["0", "job-4", "RUNNING", "yes", "agent-a", "31000", "0", "-"]
         );
         assert_eq!(rows[3], ["2", "job-6", "-", "-", "-", "-", "-"]);
+        // Running, not ready: why, in its check's words; the checks shown.
+        let mut checked = sample_service();
+        checked.replica_jobs[0].ready = false;
+        checked.replica_jobs[0].check_failure =
+            "readiness: GET /healthz (port 31000): HTTP 503".into();
+        if let Some(t) = checked.template.as_mut() {
+            t.options = gpuctl_core::convert::options_to_pb(gpuctl_core::types::TaskOptions {
+                port: vec!["http".into()],
+                readiness: Some("http:http/healthz".parse().unwrap()),
+                liveness: Some("tcp:http failures=5".parse().unwrap()),
+                ..Default::default()
+            });
+        }
+        let out = service_detail(&checked, 1_700_000_065_000);
+        assert!(out.contains("Ports:    1 (http)\n"), "{out}");
+        assert!(
+            out.contains("Checks:   readiness http:http/healthz; liveness tcp:http failures=5\n"),
+            "{out}"
+        );
+        assert!(
+            out.contains("no   agent-a  0         readiness: GET /healthz (port 31000): HTTP 503"),
+            "{out}"
+        );
         let mut none = sample_service();
         none.replica_jobs.clear();
         none.events.clear();

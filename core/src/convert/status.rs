@@ -58,6 +58,7 @@ impl From<TaskReason> for pb::Reason {
             TaskReason::Reclaimed => pb::Reason::Reclaimed,
             TaskReason::Hung => pb::Reason::Hung,
             TaskReason::RuntimeRestarted => pb::Reason::RuntimeRestarted,
+            TaskReason::LivenessFailed => pb::Reason::LivenessFailed,
         }
     }
 }
@@ -213,6 +214,23 @@ impl TryFrom<pb::StatusUpdate> for StatusUpdate {
         let gpu_memory_limit = failure(pb::Reason::GpuMemoryLimit, "REASON_GPU_MEMORY_LIMIT")?;
         let hung = failure(pb::Reason::Hung, "REASON_HUNG")?;
         let runtime_restarted = failure(pb::Reason::RuntimeRestarted, "REASON_RUNTIME_RESTARTED")?;
+        let liveness_failed = failure(pb::Reason::LivenessFailed, "REASON_LIVENESS_FAILED")?;
+        let health = match u.health {
+            None => None,
+            Some(_) if state != TaskState::Running => {
+                return Err(ConvertError::new(
+                    "health",
+                    format!("is sent with state RUNNING, not {state}"),
+                ))
+            }
+            Some(h) => {
+                check_text("health.failure", &h.failure, MAX_REASON_LEN, true)?;
+                Some(TaskHealth {
+                    ready: h.ready,
+                    failure: h.failure,
+                })
+            }
+        };
         let gpu_unhealthy = u.reason == pb::Reason::GpuUnhealthy as i32;
         if !gpu_unhealthy && !u.failed_gpus.is_empty() {
             return Err(ConvertError::new(
@@ -254,6 +272,8 @@ impl TryFrom<pb::StatusUpdate> for StatusUpdate {
             hung,
             failed_gpus: u.failed_gpus,
             runtime_restarted,
+            liveness_failed,
+            health,
         })
     }
 }
@@ -279,6 +299,8 @@ impl From<StatusUpdate> for pb::StatusUpdate {
                 pb::Reason::Hung as i32
             } else if u.runtime_restarted {
                 pb::Reason::RuntimeRestarted as i32
+            } else if u.liveness_failed {
+                pb::Reason::LivenessFailed as i32
             } else {
                 pb::Reason::Unspecified as i32
             },
@@ -290,6 +312,10 @@ impl From<StatusUpdate> for pb::StatusUpdate {
             requires: u.requires,
             enforcement: u.enforcement.map(|e| e.to_string()).unwrap_or_default(),
             failed_gpus: u.failed_gpus,
+            health: u.health.map(|h| pb::TaskHealth {
+                ready: h.ready,
+                failure: h.failure,
+            }),
         }
     }
 }

@@ -1073,6 +1073,13 @@ fn a_maximal_task_spec_encodes_under_one_mib() {
             options: TaskOptions {
                 shm_size: Some(MiB(MAX_SHM_SIZE_MIB)),
                 port: (0..MAX_TASK_PORTS).map(|i| format!("p{i:0>14}")).collect(),
+                readiness: Some(Check::new(Probe::Http {
+                    port: "p".repeat(15),
+                    path: format!("/{}", "a".repeat(MAX_CHECK_PATH_LEN - 1)),
+                })),
+                liveness: Some(Check::new(Probe::Exec {
+                    command: "c".repeat(MAX_CHECK_COMMAND_LEN),
+                })),
             },
         },
     });
@@ -1659,6 +1666,7 @@ fn update(state: pb::TaskState, reason: pb::Reason) -> pb::StatusUpdate {
         latest_state: 0,
         requires: Vec::new(),
         failed_gpus: Vec::new(),
+        health: None,
     }
 }
 
@@ -2101,6 +2109,8 @@ fn full_template() -> TaskTemplate {
         options: TaskOptions {
             shm_size: Some(MiB(8192)),
             port: vec!["http".into()],
+            readiness: Some("http:http/healthz interval=2s start=5m".parse().unwrap()),
+            liveness: Some("timeout=5s exec:test -f /tmp/alive".parse().unwrap()),
         },
     }
 }
@@ -2209,6 +2219,8 @@ fn the_template_keeps_the_logs_json_form() {
     let mut expected = written_before.clone();
     expected["shm_size"] = serde_json::json!("8GiB");
     expected["port"] = serde_json::json!(["http"]);
+    expected["readiness"] = serde_json::json!("http:http/healthz start=5m interval=2s");
+    expected["liveness"] = serde_json::json!("timeout=5s exec:test -f /tmp/alive");
     assert_eq!(serde_json::to_value(&with_options).unwrap(), expected);
     let back: JobSpec = serde_json::from_value(expected).unwrap();
     assert_eq!(back, with_options);
@@ -2307,4 +2319,96 @@ fn named_ports_are_task_ports_and_named_once_each() {
         let e = with(0, names).unwrap_err();
         assert_eq!(e.field, field, "{names:?}: {e}");
     }
+}
+
+#[test]
+fn health_checks_name_a_port_of_the_task_and_keep_their_bounds() {
+    let with = |names: &[&str], readiness: pb::HealthCheck| {
+        let mut s = spec();
+        s.options = Some(pb::TaskOptions {
+            port_names: names.iter().map(|n| n.to_string()).collect(),
+            readiness: Some(readiness),
+            ..Default::default()
+        });
+        JobSpec::try_from(s)
+    };
+    let http = |port: &str| pb::HealthCheck {
+        probe: "http".into(),
+        port: port.into(),
+        path: "/healthz".into(),
+        ..Default::default()
+    };
+    // Zeros are the defaults; the check reads back as written.
+    let j = with(&["http"], http("http")).unwrap();
+    let c = j.template.options.readiness.clone().unwrap();
+    assert_eq!(c.to_string(), "http:http/healthz");
+    assert_eq!((c.interval_ms, c.failures), (CHECK_INTERVAL_MS, CHECK_FAILURES));
+    assert_eq!(JobSpec::try_from(pb::JobSpec::from(j.clone())).unwrap(), j);
+    for (names, check, field, words) in [
+        (&["http"][..], http("grpc"), "spec.options.readiness.port", "not one of the task's port names (http"),
+        (&[][..], http("http"), "spec.options.readiness.port", "it has none"),
+        (&["http"][..], http(""), "spec.options.readiness.port", "names none"),
+        (
+            &["http"][..],
+            pb::HealthCheck { probe: "gopher".into(), ..http("http") },
+            "spec.options.readiness.probe",
+            "http, tcp or exec",
+        ),
+        (
+            &["http"][..],
+            pb::HealthCheck { probe: "exec".into(), path: String::new(), command: "true".into(), ..http("http") },
+            "spec.options.readiness.port",
+            "not for a \"exec\" probe",
+        ),
+        (
+            &["http"][..],
+            pb::HealthCheck { interval_ms: 10, ..http("http") },
+            "spec.options.readiness.interval_ms",
+            "from 100ms to 1h",
+        ),
+        (
+            &["http"][..],
+            pb::HealthCheck { failures: 101, ..http("http") },
+            "spec.options.readiness.failures",
+            "from 1 to 100",
+        ),
+        (
+            &["http"][..],
+            pb::HealthCheck { path: "no-slash".into(), ..http("http") },
+            "spec.options.readiness.path",
+            "must start with '/'",
+        ),
+    ] {
+        let e = with(names, check).unwrap_err();
+        assert_eq!(e.field, field, "{e}");
+        assert!(e.to_string().contains(words), "{e}");
+    }
+}
+
+#[test]
+fn a_health_report_comes_with_running_and_a_liveness_stop_with_failed() {
+    let mut u = update(pb::TaskState::TaskRunning, pb::Reason::Unspecified);
+    u.health = Some(pb::TaskHealth {
+        ready: true,
+        failure: "readiness: GET / (port 31000): HTTP 503".into(),
+    });
+    let s = StatusUpdate::try_from(u.clone()).unwrap();
+    assert!(s.health.as_ref().unwrap().ready);
+    assert_eq!(pb::StatusUpdate::from(s), u);
+    u.state = pb::TaskState::TaskFinished as i32;
+    let e = StatusUpdate::try_from(u.clone()).unwrap_err();
+    assert_eq!(e.field, "health", "{e}");
+    u.health = Some(pb::TaskHealth {
+        ready: false,
+        failure: "two\nlines".into(),
+    });
+    u.state = pb::TaskState::TaskRunning as i32;
+    assert_eq!(StatusUpdate::try_from(u).unwrap_err().field, "health.failure");
+    let e = StatusUpdate::try_from(update(pb::TaskState::TaskKilled, pb::Reason::LivenessFailed))
+        .unwrap_err();
+    assert_eq!(e.field, "reason", "{e}");
+    let failed =
+        StatusUpdate::try_from(update(pb::TaskState::TaskFailed, pb::Reason::LivenessFailed))
+            .unwrap();
+    assert!(failed.liveness_failed);
 }

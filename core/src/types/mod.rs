@@ -2,6 +2,7 @@
 //! them), plain data, no I/O.
 
 mod agent;
+mod check;
 mod framework;
 mod gpu;
 mod holding;
@@ -16,6 +17,7 @@ mod task;
 mod tenant;
 
 pub use agent::*;
+pub use check::*;
 pub use framework::*;
 pub use gpu::*;
 pub use holding::*;

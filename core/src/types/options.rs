@@ -15,6 +15,8 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
+use super::Check;
+
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "clap", derive(clap::Args))]
 pub struct TaskOptions {
@@ -33,6 +35,20 @@ pub struct TaskOptions {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[cfg_attr(feature = "clap", arg(long = "port", value_name = "NAME"))]
     pub port: Vec<String>,
+    /// A readiness check (docs/services.md): until it passes, the task is
+    /// running but not ready, and a service's gateway sends it nothing.
+    /// `http:PORT[/PATH]`, `tcp:PORT` or `exec:COMMAND`, PORT one of its
+    /// `--port` names, with options `start=`, `interval=`, `timeout=`,
+    /// `failures=`, `successes=` (e.g. `http:http/healthz interval=2s`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "clap", arg(long, value_name = "CHECK"))]
+    pub readiness: Option<Check>,
+    /// A liveness check, in the same form: once it fails `failures=` times
+    /// in a row (after `start=`), its agent stops the task (FAILED, reason
+    /// LIVENESS_FAILED), and its job's retries or its service restart it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "clap", arg(long, value_name = "CHECK"))]
+    pub liveness: Option<Check>,
 }
 
 impl TaskOptions {
@@ -125,7 +141,7 @@ mod tests {
     fn options_serialize_as_written_and_read_numbers_too() {
         let o = TaskOptions {
             shm_size: Some(MiB(8192)),
-            port: Vec::new(),
+            ..Default::default()
         };
         let json = serde_json::to_string(&o).unwrap();
         assert_eq!(json, r#"{"shm_size":"8GiB"}"#);

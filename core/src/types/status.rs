@@ -56,6 +56,13 @@ pub struct StatusUpdate {
     /// state FAILED, reason REASON_RUNTIME_RESTARTED): not its own failure.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub runtime_restarted: bool,
+    /// The agent stopped the task because its liveness check failed (wire:
+    /// state FAILED, reason REASON_LIVENESS_FAILED).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub liveness_failed: bool,
+    /// With state RUNNING: what the task's health checks say now.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub health: Option<TaskHealth>,
 }
 
 /// What an agent enforces of a fraction of a shared GPU, stated per task.
@@ -179,4 +186,7 @@ pub enum TaskReason {
     /// without live-restore): its job goes back to the queue without using
     /// a retry.
     RuntimeRestarted,
+    /// Stopped by its agent: its liveness check failed too many times in
+    /// a row.
+    LivenessFailed,
 }

@@ -43,6 +43,12 @@ pub struct TaskJson {
     /// of it (`driver`, `mps`, `none`); absent otherwise, or not said yet.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub enforcement: Option<String>,
+    /// RUNNING and its readiness check passes (none: RUNNING is ready).
+    #[serde(default)]
+    pub ready: bool,
+    /// Its health checks' last failure's words; absent: none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub check_failure: Option<String>,
 }
 
 impl From<&pb::Task> for TaskJson {
@@ -62,6 +68,8 @@ impl From<&pb::Task> for TaskJson {
                 .map(|r| r.as_str_name().trim_start_matches("REASON_").to_string()),
             ports: t.ports.clone(),
             enforcement: (!t.enforcement.is_empty()).then(|| t.enforcement.clone()),
+            ready: t.ready,
+            check_failure: (!t.check_failure.is_empty()).then(|| t.check_failure.clone()),
         }
     }
 }

@@ -22,6 +22,8 @@ pub struct ServiceJson {
     pub replicas: u32,
     /// Replicas whose job is RUNNING.
     pub running: u32,
+    /// Of them, those whose readiness check passes (all, without one).
+    pub ready: u32,
     /// What each replica runs.
     pub template: TemplateJson,
     pub created_at_ms: u64,
@@ -40,6 +42,10 @@ pub struct ReplicaJson {
     /// Its job as `jobs get --json` shows it (restarts are its
     /// `retries`); `null` in the list.
     pub job: Option<JobJson>,
+    /// It runs and its readiness check passes (none: running is ready).
+    pub ready: bool,
+    /// Its checks' last failure's words; `null`: none.
+    pub check_failure: Option<String>,
 }
 
 /// A service's template: the job fields a replica's job is made of, in
@@ -103,6 +109,7 @@ impl From<&pb::Service> for ServiceJson {
             tenant: s.tenant.clone(),
             replicas: s.replicas,
             running: s.running,
+            ready: s.ready,
             template: TemplateJson::from(&s.template.clone().unwrap_or_default()),
             created_at_ms: s.created_at_ms,
             replica_jobs: s
@@ -112,6 +119,8 @@ impl From<&pb::Service> for ServiceJson {
                     index: r.index,
                     job_id: r.job_id.clone(),
                     job: r.job.as_ref().map(JobJson::from),
+                    ready: r.ready,
+                    check_failure: (!r.check_failure.is_empty()).then(|| r.check_failure.clone()),
                 })
                 .collect(),
             events: s.events.iter().map(EventJson::from).collect(),

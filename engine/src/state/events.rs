@@ -82,6 +82,11 @@ pub enum EventKind {
     Created,
     /// A service's replica count changed (its own events).
     Scaled,
+    /// Its task's readiness check passes: it serves.
+    Ready,
+    /// Its task's health check failed (not ready, or stopped for its
+    /// liveness check).
+    Unhealthy,
 }
 
 impl EventKind {
@@ -112,6 +117,8 @@ impl EventKind {
             EventKind::Cancelled => "Cancelled",
             EventKind::Created => "Created",
             EventKind::Scaled => "Scaled",
+            EventKind::Ready => "Ready",
+            EventKind::Unhealthy => "Unhealthy",
         }
     }
 
@@ -125,6 +132,7 @@ impl EventKind {
                 | EventKind::GpuFailed
                 | EventKind::DriverRefused
                 | EventKind::Hung
+                | EventKind::Unhealthy
                 | EventKind::Idle
                 | EventKind::AgentUnreachable
                 | EventKind::AgentLost

@@ -371,6 +371,7 @@ fn framework_task_record(
         gpu_busy_ms: 0,
         quiet: None,
         running_at_ms: None,
+        health: None,
     }
 }
 
@@ -806,6 +807,8 @@ mod tests {
                 hung: false,
                 failed_gpus: Vec::new(),
                 runtime_restarted: false,
+                liveness_failed: false,
+                health: None,
             },
             at_ms: 9,
         };
@@ -867,6 +870,8 @@ mod tests {
             hung: false,
             failed_gpus: Vec::new(),
             runtime_restarted: false,
+            liveness_failed: false,
+            health: None,
         };
         s.apply(10, &Command::UpdateTaskStatus { update, at_ms: 9 })
             .unwrap();
@@ -904,6 +909,8 @@ mod tests {
                 hung: false,
                 failed_gpus: Vec::new(),
                 runtime_restarted: false,
+                liveness_failed: false,
+                health: None,
             },
             at_ms: 9,
         };

@@ -132,6 +132,7 @@ impl State {
                     gpu_busy_ms: 0,
                     quiet: None,
                     running_at_ms: None,
+                    health: None,
                 },
             );
             let gpus = if l.gpu_uuids.is_empty() {
@@ -299,6 +300,7 @@ impl State {
             Stopping::GpuFailed { .. } => Some(EventKind::GpuFailed),
             Stopping::DriverRefused { .. } => Some(EventKind::DriverRefused),
             _ if task.reason == TaskReason::Hung => Some(EventKind::Hung),
+            _ if task.reason == TaskReason::LivenessFailed => Some(EventKind::Unhealthy),
             // What follows says it when the attempt ends.
             _ => None,
         };

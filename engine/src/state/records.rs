@@ -312,9 +312,20 @@ pub struct TaskRecord {
     /// shown apart (`usage`'s `gpu_startup_ms`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub running_at_ms: Option<u64>,
+    /// What its health checks say, as its agent last reported (`None`:
+    /// nothing reported; see [`TaskRecord::ready`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub health: Option<gpuctl_core::types::TaskHealth>,
 }
 
 impl TaskRecord {
+    /// Running, and its readiness check passes (`has_readiness`: its job
+    /// has one; without, a running task is ready).
+    pub fn ready(&self, has_readiness: bool) -> bool {
+        self.state == TaskState::Running
+            && (!has_readiness || self.health.as_ref().is_some_and(|h| h.ready))
+    }
+
     /// What it holds: its GPUs or MIG devices, or a fraction of one.
     pub fn holding(&self) -> gpuctl_core::types::Holding<'_, gpuctl_core::types::GpuFraction> {
         gpuctl_core::types::Holding::of(&self.gpu_uuids, self.fraction.as_ref())

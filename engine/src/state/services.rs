@@ -33,6 +33,29 @@ pub struct ServiceRecord {
 }
 
 impl State {
+    /// Whether a job's (a replica's) current attempt serves: every task of
+    /// it runs and passes its readiness check; and the last failure its
+    /// checks told, if any.
+    pub fn job_ready(&self, job_id: &str) -> (bool, String) {
+        let Some(job) = self.jobs.get(job_id) else {
+            return (false, String::new());
+        };
+        let has_readiness = job.spec.template.options.readiness.is_some();
+        let tasks: Vec<&TaskRecord> = job
+            .current_tasks()
+            .iter()
+            .filter_map(|t| self.tasks.get(t))
+            .collect();
+        let ready = !tasks.is_empty() && tasks.iter().all(|t| t.ready(has_readiness));
+        let failure = tasks
+            .iter()
+            .filter_map(|t| t.health.as_ref())
+            .map(|h| h.failure.clone())
+            .find(|f| !f.is_empty())
+            .unwrap_or_default();
+        (ready, failure)
+    }
+
     pub fn services(&self) -> impl Iterator<Item = &ServiceRecord> {
         self.services.values()
     }

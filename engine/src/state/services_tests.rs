@@ -292,3 +292,75 @@ fn replicas_beyond_the_tenants_cap_are_refused_naming_the_field() {
     assert!(matches!(refused, Err(ApplyError::Invalid { ref field, .. }) if field == "replicas"));
     assert_eq!(replicas(&d, "llm").len(), 2);
 }
+
+/// A replica's readiness as its agent reports it: not ready until its
+/// check passes, ready and not again as it changes (each change an event,
+/// a repeat none), and a liveness stop restarts it, said as such.
+#[test]
+fn a_replica_serves_once_its_agent_says_ready_and_a_liveness_stop_restarts_it() {
+    use gpuctl_core::types::TaskHealth;
+    let mut d = Driver::new(&[("a", 2)]);
+    let mut s = spec("llm", 1);
+    s.template.template.options.port = vec!["http".into()];
+    s.template.template.resources.ports = 1;
+    s.template.template.options.readiness = Some("http:http/healthz".parse().unwrap());
+    create(&mut d, s, 10).unwrap();
+    run_all(&mut d, 20);
+    let job = replicas(&d, "llm")[0].clone();
+    let task = d.s.job(&job).unwrap().current_tasks()[0].clone();
+    assert_eq!(d.s.job(&job).unwrap().state, JobState::Running);
+    assert_eq!(d.s.job_ready(&job), (false, String::new()), "running, not yet ready");
+    let health = |d: &mut Driver, ready: bool, failure: &str, uuid: u8, at_ms: u64| {
+        let mut u = status("a", &task, TaskState::Running);
+        u.uuid = vec![uuid];
+        u.health = Some(TaskHealth {
+            ready,
+            failure: failure.into(),
+        });
+        d.apply(Command::UpdateTaskStatus { update: u, at_ms })
+            .unwrap()
+    };
+    let events = |d: &Driver| -> Vec<String> {
+        d.s.job(&job)
+            .unwrap()
+            .events
+            .iter()
+            .filter(|e| e.kind.as_str() == "Ready" || e.kind.as_str() == "Unhealthy")
+            .map(|e| format!("{} {}", e.kind.as_str(), e.message))
+            .collect()
+    };
+    assert_eq!(health(&mut d, true, "", 1, 30), Outcome::Done);
+    assert_eq!(d.s.job_ready(&job), (true, String::new()));
+    // The same again (an agent restarted): no news.
+    assert_eq!(health(&mut d, true, "", 2, 40), Outcome::StaleUpdate);
+    assert_eq!(events(&d), ["Ready ready"]);
+    let words = "readiness: GET /healthz (port 31000): HTTP 503";
+    health(&mut d, false, words, 3, 50);
+    assert_eq!(d.s.job_ready(&job), (false, words.to_string()));
+    assert_eq!(events(&d), ["Ready ready", &format!("Unhealthy not ready: {words}")]);
+
+    // Stopped for its liveness check: FAILED, LIVENESS_FAILED, restarted.
+    let mut fin = status("a", &task, TaskState::Failed);
+    fin.uuid = vec![4];
+    fin.liveness_failed = true;
+    fin.exit_code = Some(143);
+    fin.message = "liveness: TCP http (port 31000): connection refused (3 in a row)".into();
+    d.apply(Command::UpdateTaskStatus {
+        update: fin,
+        at_ms: 60,
+    })
+    .unwrap();
+    let t = &d.s.tasks()[&task];
+    assert_eq!(t.reason, super::TaskReason::LivenessFailed);
+    assert!(!t.ready(true));
+    let j = d.s.job(&job).unwrap();
+    assert_eq!(j.state, JobState::Queued, "restarted: {:?}", j.message);
+    assert!(
+        events(&d).last().unwrap().contains("connection refused (3 in a row)"),
+        "{:?}",
+        events(&d)
+    );
+    // A late report of the ended task changes nothing.
+    assert_eq!(health(&mut d, true, "", 5, 70), Outcome::StaleUpdate);
+    assert_eq!(d.s.job_ready(&job).0, false);
+}

@@ -561,6 +561,7 @@ mod tests {
             gpu_busy_ms: 0,
             quiet: None,
             running_at_ms: None,
+            health: None,
         }
     }
 

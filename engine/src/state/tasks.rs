@@ -5,6 +5,7 @@ use gpuctl_core::types::{StatusUpdate, TaskState};
 
 use super::apply::Outcome;
 use super::ApplyError;
+use super::events::EventKind;
 use super::{State, TaskReason};
 
 impl State {
@@ -63,6 +64,10 @@ impl State {
             self.task_update_ended(u, at_ms);
             return Ok(Outcome::Done);
         }
+        let health_changed = u.health.is_some() && self.task_health(u, at_ms);
+        let Some(task) = self.tasks.get(&u.task_id) else {
+            return Ok(Outcome::StaleUpdate);
+        };
         // Non-terminal updates only move forward.
         let rank = |s: TaskState| match s {
             TaskState::Staging => 0,
@@ -85,7 +90,7 @@ impl State {
             return Ok(Outcome::Done);
         }
         if rank(u.state) <= rank(task.state) {
-            return Ok(if released {
+            return Ok(if released || health_changed {
                 Outcome::Done
             } else {
                 Outcome::StaleUpdate
@@ -109,6 +114,48 @@ impl State {
         Ok(Outcome::Done)
     }
 
+    /// What a live task's health checks say now (an update with
+    /// `health`): recorded, and said in its job's events when readiness
+    /// changes or a new failure is told. Whether anything changed.
+    fn task_health(&mut self, u: &StatusUpdate, at_ms: u64) -> bool {
+        let Some(h) = &u.health else {
+            return false;
+        };
+        let Some(task) = self.tasks.get_mut(&u.task_id) else {
+            return false;
+        };
+        if task.state.is_terminal() || task.health.as_ref() == Some(h) {
+            return false;
+        }
+        let before = task.health.replace(h.clone());
+        task.last_update_uuid = u.uuid.clone();
+        task.updated_at_ms = at_ms;
+        let (job_id, rank) = (task.job_id.clone(), task.rank);
+        let Some(job) = self.jobs.get_mut(&job_id) else {
+            return true;
+        };
+        let who = if job.world() > 1 {
+            format!("task {rank} ")
+        } else {
+            String::new()
+        };
+        let was_ready = before.as_ref().is_some_and(|b| b.ready);
+        let new_failure =
+            !h.failure.is_empty() && before.as_ref().map(|b| &b.failure) != Some(&h.failure);
+        if h.ready && !was_ready {
+            job.events
+                .record(EventKind::Ready, format!("{who}ready"), at_ms);
+        } else if new_failure || (was_ready && !h.ready) {
+            let state = if h.ready { "" } else { "not ready: " };
+            job.events.record(
+                EventKind::Unhealthy,
+                format!("{who}{state}{}", h.failure),
+                at_ms,
+            );
+        }
+        true
+    }
+
     /// A final update: why the task ended (a GPU failure, the fence, a
     /// driver refusal, the GPU memory limit, a hang, its runtime's restart,
     /// or its exit), said as such rather than as an exit code (see
@@ -127,7 +174,13 @@ impl State {
         if u.gpu_unhealthy {
             self.avoid_failed_gpus(&u.task_id, &u.failed_gpus, at_ms);
         }
-        if u.gpu_unhealthy || u.fenced || u.gpu_memory_limit || u.hung || u.runtime_restarted {
+        if u.gpu_unhealthy
+            || u.fenced
+            || u.gpu_memory_limit
+            || u.hung
+            || u.runtime_restarted
+            || u.liveness_failed
+        {
             if let Some(task) = self.tasks.get_mut(&u.task_id) {
                 task.reason = if u.gpu_unhealthy {
                     TaskReason::GpuUnhealthy
@@ -137,6 +190,8 @@ impl State {
                     TaskReason::GpuMemoryLimit
                 } else if u.hung {
                     TaskReason::Hung
+                } else if u.liveness_failed {
+                    TaskReason::LivenessFailed
                 } else {
                     TaskReason::RuntimeRestarted
                 };
@@ -152,6 +207,7 @@ impl State {
                 _ if u.gpu_memory_limit => TaskReason::GpuMemoryLimit,
                 _ if u.hung => TaskReason::Hung,
                 _ if u.runtime_restarted => TaskReason::RuntimeRestarted,
+                _ if u.liveness_failed => TaskReason::LivenessFailed,
                 (TaskState::Finished | TaskState::Failed, Some(_)) => TaskReason::CommandExited,
                 (TaskState::Failed | TaskState::Error, None) => TaskReason::ContainerLaunchFailed,
                 (TaskState::Killed, _) if task.reason == TaskReason::Unspecified => {

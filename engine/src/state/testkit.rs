@@ -88,6 +88,8 @@ pub fn status(agent: &str, task: &str, state: TaskState) -> StatusUpdate {
         hung: false,
         failed_gpus: Vec::new(),
         runtime_restarted: false,
+        liveness_failed: false,
+        health: None,
     }
 }
 

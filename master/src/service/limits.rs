@@ -445,6 +445,11 @@ mod tests {
     #[test]
     fn the_biggest_status_update_convert_takes_is_under_the_cap() {
         let req = pb::StatusUpdate {
+            // Sent only with RUNNING; its size counts all the same.
+            health: Some(pb::TaskHealth {
+                ready: true,
+                failure: text("f", MAX_REASON_LEN),
+            }),
             enforcement: String::new(),
             agent_id: text("a", MAX_NAME_LEN),
             task_id: text("t", MAX_NAME_LEN),
@@ -465,7 +470,9 @@ mod tests {
             failed_gpus: Vec::new(),
         };
         let len = req.encoded_len();
-        if let Err(e) = StatusUpdate::try_from(req) {
+        let mut failed = req.clone();
+        failed.health = None;
+        if let Err(e) = StatusUpdate::try_from(failed) {
             panic!("the biggest status update is a good one: {e}");
         }
         assert!(

@@ -453,6 +453,57 @@ impl DockerRuntime {
     }
 
     /// `docker stop`: SIGTERM, SIGKILL after `grace`.
+    /// `sh -c command` in the task's container (`docker exec`: its user,
+    /// env and namespaces). One past its timeout is left to end by itself
+    /// (Docker cannot kill an exec), as Kubernetes' exec probes are.
+    async fn exec_in(
+        &self,
+        task: &TaskRef,
+        command: &str,
+        timeout: Duration,
+    ) -> Result<super::ExecOutput, RuntimeError> {
+        use bollard::exec::{CreateExecOptions, StartExecResults};
+        let name = container_name(&task.agent_id, &task.task_id);
+        let docker = self.client()?;
+        let run = async {
+            let created = docker
+                .create_exec(
+                    &name,
+                    CreateExecOptions {
+                        cmd: Some(vec!["sh", "-c", command]),
+                        attach_stdout: Some(true),
+                        attach_stderr: Some(true),
+                        ..Default::default()
+                    },
+                )
+                .await
+                .map_err(|e| self.err(e))?;
+            let mut out = Vec::new();
+            if let StartExecResults::Attached { mut output, .. } = docker
+                .start_exec(&created.id, None)
+                .await
+                .map_err(|e| self.err(e))?
+            {
+                while let Some(chunk) = output.next().await {
+                    let chunk = chunk.map_err(|e| self.err(e))?;
+                    if out.len() < super::EXEC_OUTPUT_MAX {
+                        out.extend_from_slice(&chunk.into_bytes());
+                    }
+                }
+            }
+            let done = docker
+                .inspect_exec(&created.id)
+                .await
+                .map_err(|e| self.err(e))?;
+            let code = done.exit_code.map(|c| i32::try_from(c).unwrap_or(i32::MAX));
+            Ok(super::ExecOutput::new(code, &out))
+        };
+        match tokio::time::timeout(timeout, run).await {
+            Ok(r) => r,
+            Err(_) => Ok(super::ExecOutput::new(None, b"")),
+        }
+    }
+
     async fn stop_task(&self, task: &TaskRef, grace: Duration) -> Result<(), RuntimeError> {
         let name = container_name(&task.agent_id, &task.task_id);
         let secs = grace.as_secs() + u64::from(grace.subsec_nanos() > 0);
@@ -535,6 +586,15 @@ impl ContainerRuntime for DockerRuntime {
 
     fn list<'a>(&'a self, agent_id: &'a str) -> BoxFuture<'a, Result<Vec<String>, RuntimeError>> {
         self.list_tasks(agent_id).boxed()
+    }
+
+    fn exec<'a>(
+        &'a self,
+        task: &'a TaskRef,
+        command: &'a str,
+        timeout: Duration,
+    ) -> BoxFuture<'a, Result<super::ExecOutput, RuntimeError>> {
+        self.exec_in(task, command, timeout).boxed()
     }
 
     fn cap_runtime(&self, name: &str) -> Result<(), String> {

@@ -118,6 +118,8 @@ impl H {
                 hung: false,
                 failed_gpus: Vec::new(),
                 runtime_restarted: false,
+                liveness_failed: false,
+                health: None,
             },
             at_ms: 0,
         });

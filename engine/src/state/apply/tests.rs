@@ -199,6 +199,8 @@ impl T {
                 hung: false,
                 failed_gpus: Vec::new(),
                 runtime_restarted: false,
+                liveness_failed: false,
+                health: None,
             },
             at_ms: 4,
         })
@@ -483,6 +485,8 @@ fn updates_from_the_wrong_agent_or_backwards_are_refused() {
                 hung: false,
                 failed_gpus: Vec::new(),
                 runtime_restarted: false,
+                liveness_failed: false,
+                health: None,
             },
             at_ms: 1
         }),

@@ -34,8 +34,16 @@ pub struct OperatorService {
     pub(super) ctx: Ctx,
 }
 
-pub fn task_to_pb(t: &TaskRecord) -> pb::Task {
+/// A task as the API shows it; `has_readiness`: its job has a readiness
+/// check (without one, a running task is ready).
+pub fn task_to_pb(t: &TaskRecord, has_readiness: bool) -> pb::Task {
     pb::Task {
+        ready: t.ready(has_readiness),
+        check_failure: t
+            .health
+            .as_ref()
+            .map(|h| h.failure.clone())
+            .unwrap_or_default(),
         enforcement: t.enforcement.map(|e| e.to_string()).unwrap_or_default(),
         id: t.id.clone(),
         agent_id: t.agent_id.clone(),
@@ -69,7 +77,7 @@ pub fn job_to_pb(state: &State, j: &JobRecord, reasons: &BTreeMap<String, Waitin
             .task_ids
             .iter()
             .filter_map(|t| state.task(t))
-            .map(task_to_pb)
+            .map(|t| task_to_pb(t, j.spec.template.options.readiness.is_some()))
             .collect(),
         submitted_at_ms: j.submitted_at_ms,
         message,

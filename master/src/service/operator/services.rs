@@ -23,15 +23,21 @@ pub fn service_to_pb(
         .replicas
         .iter()
         .enumerate()
-        .map(|(i, id)| pb::ServiceReplica {
-            index: u32::try_from(i).unwrap_or(u32::MAX),
-            job_id: id.clone(),
-            job: detail
-                .then(|| state.job(id))
-                .flatten()
-                .map(|j| job_detail_to_pb(state, j, reasons)),
+        .map(|(i, id)| {
+            let (ready, check_failure) = state.job_ready(id);
+            pb::ServiceReplica {
+                index: u32::try_from(i).unwrap_or(u32::MAX),
+                job_id: id.clone(),
+                job: detail
+                    .then(|| state.job(id))
+                    .flatten()
+                    .map(|j| job_detail_to_pb(state, j, reasons)),
+                ready,
+                check_failure,
+            }
         })
-        .collect();
+        .collect::<Vec<_>>();
+    let ready = replica_jobs.iter().filter(|r| r.ready).count();
     let running = s
         .replicas
         .iter()
@@ -52,6 +58,7 @@ pub fn service_to_pb(
             Vec::new()
         },
         running: u32::try_from(running).unwrap_or(u32::MAX),
+        ready: u32::try_from(ready).unwrap_or(u32::MAX),
     }
 }
 
