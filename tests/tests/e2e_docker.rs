@@ -284,3 +284,60 @@ fn a_container_of_its_images_user_writes_its_heartbeat_through_a_group_of_its_ow
     c.ok(&["jobs", "cancel", &j]);
     c.wait_state(&j, "CANCELLED", Duration::from_secs(60));
 }
+
+/// A container's checks: an HTTP GET of its named port (busybox httpd) and
+/// a command run in it through `docker exec` (it reads the container's own
+/// /tmp): ready once its page is there, stopped and restarted once the
+/// command fails.
+#[test]
+fn a_containers_checks_run_beside_it_by_http_and_docker_exec() {
+    if !docker_or_skip("a_containers_checks_run_beside_it") {
+        return;
+    }
+    let image = busybox_image();
+    let mut c = Cluster::start(&[]);
+    c.add_agent(AgentOpts {
+        runtime: "docker,process",
+        ..Default::default()
+    });
+    c.ok(&[
+        "services",
+        "create",
+        "page",
+        "--image",
+        &image,
+        "--port",
+        "http",
+        "--restart-backoff",
+        "200ms",
+        "--readiness",
+        "http:http/index.html interval=200ms failures=1",
+        "--liveness",
+        "interval=200ms failures=2 exec:test ! -f /tmp/dead",
+        "--",
+        "sh",
+        "-c",
+        "mkdir -p /tmp/www; (sleep 2; echo hi > /tmp/www/index.html; sleep 3; touch /tmp/dead) & \
+         exec httpd -f -p \"$GPUCTL_PORT_HTTP\" -h /tmp/www",
+    ]);
+    let get = || c.json(&["services", "get", "page", "--json"]);
+    wait_for(Duration::from_secs(90), "the container ready", || {
+        get()["replica_jobs"][0]["ready"] == true
+    });
+    let job_id = get()["replica_jobs"][0]["job_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    wait_for(Duration::from_secs(60), "the container restarted", || {
+        c.job(&job_id)["retries"].as_u64().unwrap_or(0) >= 1
+    });
+    let j = c.job(&job_id);
+    assert_eq!(j["tasks"][0]["reason"], "LIVENESS_FAILED", "{j}");
+    assert_eq!(
+        j["tasks"][0]["message"],
+        "liveness: \"test ! -f /tmp/dead\" exited with code 1 (2 in a row)",
+        "{j}"
+    );
+    c.ok(&["services", "delete", "page"]);
+    assert_eq!(c.wait_job(&job_id, 60).1, "CANCELLED");
+}

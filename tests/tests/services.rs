@@ -190,6 +190,33 @@ fn replicas_outlive_exits_and_a_lost_agent_and_only_their_service_stops_them() {
             ],
             "restart_policy",
         ),
+        // A check of a port the replica does not name.
+        (
+            vec![
+                "services",
+                "create",
+                "web",
+                "--port",
+                "http",
+                "--readiness",
+                "http:grpc/ready",
+                "--",
+                "true",
+            ],
+            "template.options.readiness.port: \"grpc\" is not one of the task's port names (http",
+        ),
+        (
+            vec![
+                "services",
+                "create",
+                "web",
+                "--liveness",
+                "tcp:http every=1s",
+                "--",
+                "true",
+            ],
+            "unknown option",
+        ),
     ] {
         let out = c.gpuctl(&args);
         let err = String::from_utf8_lossy(&out.stderr);
@@ -200,6 +227,126 @@ fn replicas_outlive_exits_and_a_lost_agent_and_only_their_service_stops_them() {
         c.json(&["services", "list", "--json"]),
         serde_json::json!([])
     );
+}
+
+/// A replica serves only once its readiness check passes (an HTTP GET of
+/// its named port), and one whose liveness check fails is stopped
+/// (LIVENESS_FAILED) and restarted. The liveness check reads a file in the
+/// task's private /tmp: run on the host, outside the task's namespaces,
+/// it would never fail.
+#[test]
+fn a_replica_serves_once_ready_and_a_failed_liveness_check_restarts_it() {
+    if !root_or_skip("a_replica_serves_once_ready") {
+        return;
+    }
+    let mut c = Cluster::start(&[]);
+    c.add_agent(AgentOpts {
+        simulate_gpus: Some("1xA100-SXM4-40GB"),
+        ..Default::default()
+    });
+    let marker = test_marker("svc-checks");
+    let env = format!("SVC_CHECKS={marker}");
+    // /ready is there 3 s in; 4 s later the task marks itself dead.
+    c.ok(&[
+        "services",
+        "create",
+        "model",
+        "--gpus",
+        "1",
+        "--port",
+        "http",
+        "--restart-backoff",
+        "200ms",
+        "--readiness",
+        "http:http/ready interval=200ms failures=1",
+        "--liveness",
+        "interval=200ms failures=2 exec:test ! -f /tmp/dead",
+        "--env",
+        &env,
+        "--",
+        "sh",
+        "-c",
+        "mkdir -p www; cd www; (sleep 3; touch ready; sleep 4; touch /tmp/dead) & \
+         exec python3 -m http.server \"$GPUCTL_PORT_HTTP\" --bind 127.0.0.1",
+    ]);
+    let get = || service(&c, "model");
+    wait_for(Duration::from_secs(60), "the replica ready", || {
+        get()["replica_jobs"][0]["ready"] == true
+    });
+    let svc = get();
+    assert_eq!(svc["ready"], 1, "{svc}");
+    let list = c.ok(&["services", "list"]);
+    assert!(list.lines().nth(1).unwrap().contains("1/1"), "{list}");
+    let job = &svc["replica_jobs"][0]["job"];
+    assert_eq!(job["tasks"][0]["ready"], true, "{job}");
+    let port = job["tasks"][0]["ports"][0].as_u64().unwrap();
+    let events = |job: &Value| -> Vec<String> {
+        job["events"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| {
+                format!(
+                    "{} {}",
+                    e["reason"].as_str().unwrap_or(""),
+                    e["message"].as_str().unwrap_or("")
+                )
+            })
+            .collect()
+    };
+    // Not ready before /ready was there, in its check's words (the
+    // server not yet listening, or its 404).
+    let said = events(job);
+    let not_ready = format!("Unhealthy not ready: readiness: GET /ready (port {port}): ");
+    assert!(said.iter().any(|e| e.starts_with(&not_ready)), "{said:?}");
+    assert!(said.contains(&"Ready ready".to_string()), "{said:?}");
+    assert!(gpu_violations("SVC_CHECKS", &marker).is_empty());
+
+    // Dead in its own /tmp: stopped for it, and started again.
+    let job_id = svc["replica_jobs"][0]["job_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    wait_for(Duration::from_secs(60), "the replica restarted", || {
+        replica(&c, "model", 0)["retries"].as_u64().unwrap_or(0) >= 1
+    });
+    let j = c.json(&["jobs", "get", &job_id, "--json"]);
+    let first = &j["tasks"][0];
+    assert_eq!(first["state"], "FAILED", "{j}");
+    assert_eq!(first["reason"], "LIVENESS_FAILED", "{j}");
+    assert_eq!(
+        first["message"], "liveness: \"test ! -f /tmp/dead\" exited with code 1 (2 in a row)",
+        "{j}"
+    );
+    assert!(
+        events(&j)
+            .iter()
+            .any(|e| e.starts_with("Unhealthy task ") && e.contains(" liveness: ")),
+        "{:?}",
+        events(&j)
+    );
+    // Its successor has a /tmp of its own: ready again.
+    wait_for(
+        Duration::from_secs(60),
+        "the restarted replica ready",
+        || {
+            let s = get();
+            s["replica_jobs"][0]["ready"] == true
+                && s["replica_jobs"][0]["job"]["tasks"]
+                    .as_array()
+                    .map_or(0, Vec::len)
+                    >= 2
+        },
+    );
+    let shown = c.ok(&["services", "get", "model"]);
+    assert!(
+        shown.contains("readiness http:http/ready interval=200ms failures=1; liveness interval=200ms failures=2 exec:test ! -f /tmp/dead"),
+        "{shown}"
+    );
+    c.ok(&["services", "delete", "model"]);
+    wait_for(Duration::from_secs(30), "no replica left", || {
+        live_tasks("SVC_CHECKS", &marker).is_empty()
+    });
 }
 
 /// A tenant can neither see nor touch another's service, nor make a job
@@ -318,6 +465,15 @@ fn a_service_goes_on_across_a_leader_sigkill() {
     let m = test_marker("svc-ha");
     let env = format!("SVC_HA={m}");
     let watch = gpuctl_tests::InvariantWatch::start("SVC_HA", &m);
+    // Replicas are ready while this directory has no `down`: a flag the
+    // test sets after the leader is gone (in /run, which a task sees).
+    let flags = std::path::PathBuf::from(format!("/run/{m}"));
+    std::fs::create_dir_all(&flags).unwrap();
+    let down = flags.join("down");
+    let readiness = format!(
+        "interval=200ms failures=1 exec:test ! -e {}",
+        down.display()
+    );
     c.ok(&[
         "services",
         "create",
@@ -329,6 +485,8 @@ fn a_service_goes_on_across_a_leader_sigkill() {
         // The test agent has this machine's 2 CPUs: room for 3 replicas.
         "--cpus",
         "0.25",
+        "--readiness",
+        &readiness,
         "--env",
         &env,
         "--",
@@ -351,8 +509,29 @@ fn a_service_goes_on_across_a_leader_sigkill() {
             .collect::<std::collections::BTreeSet<_>>()
     };
     let before = live(&c, 2);
+    let ready = |c: &gpuctl_tests::HaCluster, n: u64| {
+        let ok = gpuctl_tests::try_wait_for(Duration::from_secs(30), || {
+            c.json(&["services", "get", "api", "--json"])["ready"] == n
+        });
+        assert!(
+            ok,
+            "never {n} ready:\n{}",
+            c.ok(&["services", "get", "api"])
+        );
+    };
+    ready(&c, 2);
     let old = c.leader_id();
     c.kill_master(old);
+    // The checks run on the agent: the new leader hears them change.
+    std::fs::write(&down, b"").unwrap();
+    ready(&c, 0);
+    let svc = c.json(&["services", "get", "api", "--json"]);
+    let failure = svc["replica_jobs"][0]["check_failure"]
+        .as_str()
+        .unwrap_or("");
+    assert!(failure.contains("exited with code 1"), "{svc}");
+    std::fs::remove_file(&down).unwrap();
+    ready(&c, 2);
     // gpuctl finds the new leader itself.
     c.ok(&["services", "scale", "api", "--replicas", "3"]);
     let after = live(&c, 3);
@@ -363,5 +542,6 @@ fn a_service_goes_on_across_a_leader_sigkill() {
     wait_for(Duration::from_secs(30), "no replica left", || {
         live_tasks("SVC_HA", &m).is_empty()
     });
+    let _ = std::fs::remove_dir_all(&flags);
     watch.assert_held();
 }

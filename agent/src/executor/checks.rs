@@ -20,6 +20,9 @@ use crate::runtime::{ContainerRuntime, TaskRef};
 /// A failure's words are sent at most this often while they change (a
 /// flapping check must not write the master's log at its interval).
 const FAILURE_REPORT_EVERY: Duration = Duration::from_secs(30);
+/// And any report at most this often per task: a check that flaps at 10
+/// Hz costs the master one entry a second, the latest verdict.
+const REPORT_GAP: Duration = Duration::from_secs(1);
 /// What is kept of a failure's words.
 const MAX_WORDS: usize = 300;
 
@@ -122,30 +125,78 @@ impl Counter {
     }
 }
 
-/// What the master was last told, shared by a task's two checks.
-#[derive(Debug)]
+/// What the checks decided and what the master was last told, shared by
+/// a task's two checks.
+#[derive(Debug, Default)]
 struct Told {
+    /// The latest verdict.
     health: Option<TaskHealth>,
+    /// The last one sent, and when.
+    sent: Option<TaskHealth>,
+    sent_at: Option<Instant>,
     failure_at: Option<Instant>,
 }
 
-/// One probe, up to its timeout: `Err` says why it failed.
+/// What one probe found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum Probed {
+    Passed,
+    /// Why, in words.
+    Failed(String),
+    /// Not the task's answer: its runtime is down (dockerd restarting
+    /// under a live-restore container). Not counted either way.
+    Unknown(String),
+}
+
+/// One probe, up to its timeout.
 pub(super) async fn probe(
     rt: &dyn ContainerRuntime,
     tref: &TaskRef,
     spec: &TaskSpec,
     check: &Check,
-) -> Result<(), String> {
+) -> Probed {
+    match probe_once(rt, tref, spec, check).await {
+        Ok(()) => Probed::Passed,
+        Err(ProbeError::Failed(w)) => Probed::Failed(w),
+        Err(ProbeError::Unknown(w)) => Probed::Unknown(w),
+    }
+}
+
+enum ProbeError {
+    Failed(String),
+    Unknown(String),
+}
+
+impl From<String> for ProbeError {
+    fn from(w: String) -> ProbeError {
+        ProbeError::Failed(w)
+    }
+}
+
+async fn probe_once(
+    rt: &dyn ContainerRuntime,
+    tref: &TaskRef,
+    spec: &TaskSpec,
+    check: &Check,
+) -> Result<(), ProbeError> {
     let timeout = Duration::from_millis(check.timeout_ms);
-    let port = |name: &str| -> Result<u16, String> {
-        let key = format!("GPUCTL_PORT_{}", name.to_ascii_uppercase().replace('-', "_"));
+    let port = |name: &str| -> Result<u16, ProbeError> {
+        let key = format!(
+            "GPUCTL_PORT_{}",
+            name.to_ascii_uppercase().replace('-', "_")
+        );
         spec.template
             .env
             .get(&key)
             .and_then(|p| p.parse().ok())
-            .ok_or_else(|| format!("the task has no port named {name}"))
+            .ok_or_else(|| ProbeError::Failed(format!("the task has no port named {name}")))
     };
-    let over = || format!("no answer in {}", gpuctl_core::types::ms_text(check.timeout_ms));
+    let over = || {
+        format!(
+            "no answer in {}",
+            gpuctl_core::types::ms_text(check.timeout_ms)
+        )
+    };
     match &check.probe {
         Probe::Tcp { port: name } => {
             let p = port(name)?;
@@ -156,17 +207,17 @@ pub(super) async fn probe(
                     let _ = s.shutdown().await;
                     Ok(())
                 }
-                Ok(Err(e)) => Err(format!("TCP {name} (port {p}): {e}")),
-                Err(_) => Err(format!("TCP {name} (port {p}): {}", over())),
+                Ok(Err(e)) => Err(format!("TCP {name} (port {p}): {e}").into()),
+                Err(_) => Err(format!("TCP {name} (port {p}): {}", over()).into()),
             }
         }
         Probe::Http { port: name, path } => {
             let p = port(name)?;
             match tokio::time::timeout(timeout, http_get(p, path)).await {
                 Ok(Ok(status)) if (200..400).contains(&status) => Ok(()),
-                Ok(Ok(status)) => Err(format!("GET {path} (port {p}): HTTP {status}")),
-                Ok(Err(e)) => Err(format!("GET {path} (port {p}): {e}")),
-                Err(_) => Err(format!("GET {path} (port {p}): {}", over())),
+                Ok(Ok(status)) => Err(format!("GET {path} (port {p}): HTTP {status}").into()),
+                Ok(Err(e)) => Err(format!("GET {path} (port {p}): {e}").into()),
+                Err(_) => Err(format!("GET {path} (port {p}): {}", over()).into()),
             }
         }
         Probe::Exec { command } => match rt.exec(tref, command, timeout).await {
@@ -177,13 +228,14 @@ pub(super) async fn probe(
                     Some(c) => format!("exited with code {c}"),
                     None => over(),
                 };
-                Err(if said.is_empty() {
+                Err(ProbeError::Failed(if said.is_empty() {
                     format!("{command:?} {how}")
                 } else {
                     format!("{command:?} {how}: {said}")
-                })
+                }))
             }
-            Err(e) => Err(format!("{command:?}: {e}")),
+            Err(e) if e.is_unavailable() => Err(ProbeError::Unknown(e.to_string())),
+            Err(e) => Err(format!("{command:?}: {e}").into()),
         },
     }
 }
@@ -230,10 +282,7 @@ impl Executor {
         resumed: bool,
     ) {
         let opts = &spec.template.options;
-        let told = Arc::new(Mutex::new(Told {
-            health: None,
-            failure_at: None,
-        }));
+        let told = Arc::new(Mutex::new(Told::default()));
         let has_readiness = opts.readiness.is_some();
         let one = |kind: Kind, check: &Option<Check>| {
             let check = check.clone();
@@ -246,8 +295,17 @@ impl Executor {
             );
             async move {
                 let Some(check) = check else { return };
-                me.run_check(kind, &check, &spec, rt.as_ref(), &tref, &told, has_readiness, resumed)
-                    .await;
+                me.run_check(
+                    kind,
+                    &check,
+                    &spec,
+                    rt.as_ref(),
+                    &tref,
+                    &told,
+                    has_readiness,
+                    resumed,
+                )
+                .await;
             }
         };
         tokio::join!(
@@ -273,9 +331,16 @@ impl Executor {
         let mut counter = Counter::new(kind, check, resumed);
         loop {
             let began = Instant::now();
-            let result = probe(rt, tref, spec, check).await;
-            let verdict = counter.record(result.is_ok(), start.elapsed());
-            let words = result.err().map(|e| format!("{}: {e}", kind.word()));
+            let (passed, words) = match probe(rt, tref, spec, check).await {
+                Probed::Passed => (true, None),
+                Probed::Failed(w) => (false, Some(format!("{}: {w}", kind.word()))),
+                Probed::Unknown(w) => {
+                    tracing::debug!(task_id = %spec.task_id, reason = %w, "a check could not run");
+                    tokio::time::sleep(interval.saturating_sub(began.elapsed())).await;
+                    continue;
+                }
+            };
+            let verdict = counter.record(passed, start.elapsed());
             match (&verdict, kind) {
                 (Verdict::Failed, Kind::Liveness) => {
                     let why = format!(
@@ -301,8 +366,9 @@ impl Executor {
         }
     }
 
-    /// Sends the task's health when readiness changed (at once) or a new
-    /// failure is to be told (at most every [`FAILURE_REPORT_EVERY`]).
+    /// Sends the task's health when readiness changed (at once, but at most
+    /// every [`REPORT_GAP`]) or a new failure is to be told (at most every
+    /// [`FAILURE_REPORT_EVERY`]).
     async fn tell(
         &self,
         spec: &TaskSpec,
@@ -311,8 +377,9 @@ impl Executor {
         failure: Option<String>,
         has_readiness: bool,
     ) {
-        let update = {
-            let mut t = told.lock().unwrap_or_else(|p| p.into_inner());
+        let lock = || told.lock().unwrap_or_else(|p| p.into_inner());
+        let wait = {
+            let mut t = lock();
             let before = t.health.clone();
             let was_ready = before.as_ref().map(|h| h.ready);
             let mut next = before.clone().unwrap_or(TaskHealth {
@@ -337,12 +404,25 @@ impl Executor {
             if !(readiness_changed || failure_due) || before.as_ref() == Some(&next) {
                 return;
             }
-            if failure_due || (readiness_changed && !next.failure.is_empty()) {
+            if next.failure != before.map(|b| b.failure).unwrap_or_default() {
                 t.failure_at = Some(Instant::now());
             }
-            t.health = Some(next.clone());
+            t.health = Some(next);
+            t.sent_at
+                .map_or(Duration::ZERO, |at| REPORT_GAP.saturating_sub(at.elapsed()))
+        };
+        tokio::time::sleep(wait).await;
+        // The latest verdict then, unless the other check sent it.
+        let update = {
+            let mut t = lock();
+            if t.health == t.sent {
+                return;
+            }
+            let health = t.health.clone();
+            t.sent.clone_from(&health);
+            t.sent_at = Some(Instant::now());
             let mut u = self.update(&spec.task_id, TaskState::Running);
-            u.health = Some(next);
+            u.health = health;
             u
         };
         if !self.is_active(&spec.task_id) {
@@ -381,7 +461,11 @@ mod tests {
         assert_eq!(c.record(true, S), Verdict::Ready);
         assert_eq!(c.record(true, S), Verdict::Same);
         assert_eq!(c.record(false, S), Verdict::Same);
-        assert_eq!(c.record(true, S), Verdict::Same, "one failure is not enough");
+        assert_eq!(
+            c.record(true, S),
+            Verdict::Same,
+            "one failure is not enough"
+        );
         assert_eq!(c.record(false, S), Verdict::Same);
         assert_eq!(c.record(false, S), Verdict::Failed);
     }
@@ -477,18 +561,22 @@ mod tests {
             let (rt, tref, spec) = (rt.clone(), tref.clone(), spec.clone());
             async move { probe(&rt, &tref, &spec, &c).await }
         };
-        assert_eq!(run("http:http/ok").await, Ok(()));
-        assert_eq!(run("tcp:http").await, Ok(()));
-        let e = run("http:http/down").await.unwrap_err();
+        let failed = |p: Probed| match p {
+            Probed::Failed(w) => w,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(run("http:http/ok").await, Probed::Passed);
+        assert_eq!(run("tcp:http").await, Probed::Passed);
+        let e = failed(run("http:http/down").await);
         assert_eq!(e, format!("GET /down (port {port}): HTTP 503"));
-        let e = run("http:http/slow timeout=200ms").await.unwrap_err();
+        let e = failed(run("http:http/slow timeout=200ms").await);
         assert!(e.ends_with("no answer in 200ms"), "{e}");
-        let e = run("tcp:shut").await.unwrap_err();
+        let e = failed(run("tcp:shut").await);
         assert!(e.contains("refused"), "{e}");
-        let e = run("http:nope").await.unwrap_err();
+        let e = failed(run("http:nope").await);
         assert_eq!(e, "the task has no port named nope");
         // A host task's command needs its launch record.
-        let e = run("exec:true").await.unwrap_err();
+        let e = failed(run("exec:true").await);
         assert!(e.contains("\"true\""), "{e}");
     }
 }

@@ -20,7 +20,7 @@ struct Fake {
     /// Removals that fail (as a daemon still busy with one) before one works.
     remove_fails: Mutex<u32>,
     /// The exit code of each check command run beside a task (`exec`);
-    /// 0 when not set.
+    /// 0 when not set, the runtime down when negative.
     exec_codes: Mutex<BTreeMap<String, i32>>,
 }
 
@@ -146,6 +146,13 @@ impl ContainerRuntime for FakeRuntime {
             .get(command)
             .copied()
             .unwrap_or(0);
+        if code < 0 {
+            return futures::future::ready(Err(crate::runtime::RuntimeError::Unavailable {
+                runtime: Runtime::Docker,
+                reason: "restarting".into(),
+            }))
+            .boxed();
+        }
         let out = crate::runtime::ExecOutput::new(Some(code), format!("said {code}\n").as_bytes());
         futures::future::ready(Ok(out)).boxed()
     }
@@ -901,11 +908,7 @@ async fn heartbeat_directories_are_reachable_only_by_their_task() {
 #[tokio::test]
 async fn checks_tell_readiness_and_a_failed_liveness_check_stops_the_task() {
     let mut h = harness_on(tempfile::tempdir().unwrap(), Arc::default());
-    h.fake
-        .exec_codes
-        .lock()
-        .unwrap()
-        .insert("ready?".into(), 1);
+    h.fake.exec_codes.lock().unwrap().insert("ready?".into(), 1);
     let mut s = spec("t1");
     s.template.options.readiness = Some("interval=100ms failures=2 exec:ready?".parse().unwrap());
     s.template.options.liveness = Some("interval=100ms failures=3 exec:alive?".parse().unwrap());
@@ -926,6 +929,17 @@ async fn checks_tell_readiness_and_a_failed_liveness_check_stops_the_task() {
     let ready = next(&mut h).await;
     assert_eq!(ready.state, TaskState::Running);
     assert!(ready.health.as_ref().unwrap().ready, "{ready:?}");
+    // A runtime that is down is no answer: nothing counts (10 intervals).
+    h.fake
+        .exec_codes
+        .lock()
+        .unwrap()
+        .insert("alive?".into(), -1);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    while let Ok(u) = h.updates.try_recv() {
+        assert_eq!(u.state, TaskState::Running, "{u:?}");
+    }
+    assert!(h.exec.is_active("t1"));
     // Liveness fails: three in a row stop it.
     h.fake.exec_codes.lock().unwrap().insert("alive?".into(), 7);
     let fin = until_state(&mut h, TaskState::Failed).await;
@@ -940,4 +954,78 @@ async fn checks_tell_readiness_and_a_failed_liveness_check_stops_the_task() {
 
 fn pb_reason(u: &StatusUpdate) -> i32 {
     gpuctl_core::pb::StatusUpdate::from(u.clone()).reason
+}
+
+/// An agent restarted under a running task follows its checks again at
+/// once, its start period long over: a failure counts from the first.
+#[tokio::test]
+async fn a_restarted_agent_checks_its_running_tasks_again_without_a_start_period() {
+    let fake: Arc<Fake> = Arc::default();
+    fake.exec_codes.lock().unwrap().insert("ready?".into(), 1);
+    let mut h = harness_on(tempfile::tempdir().unwrap(), fake.clone());
+    let mut s = spec("t1");
+    s.template.options.readiness = Some(
+        "interval=100ms failures=1 start=60s exec:ready?"
+            .parse()
+            .unwrap(),
+    );
+    let desired = || Desired {
+        run: [("t1".to_string(), s.clone())].into(),
+        kill: Default::default(),
+        notices: Default::default(),
+    };
+    h.exec.set_desired(desired());
+    until_state(&mut h, TaskState::Running).await;
+    // In its start period: failures are not told.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        h.updates.try_recv().is_err(),
+        "nothing told in the start period"
+    );
+    let Harness { dir, .. } = h;
+    let mut h = harness_on(dir, fake.clone());
+    h.exec.recover();
+    h.exec.set_desired(desired());
+    let told = loop {
+        let u = next(&mut h).await;
+        if u.health.is_some() {
+            break u;
+        }
+    };
+    let health = told.health.unwrap();
+    assert!(!health.ready);
+    assert!(health.failure.contains("exited with code 1"), "{health:?}");
+}
+
+/// A readiness check that flaps at its interval (a tenant's, on purpose)
+/// costs the master at most one report a second per task.
+#[tokio::test]
+async fn a_flapping_check_is_told_at_most_once_a_second() {
+    let fake: Arc<Fake> = Arc::default();
+    let mut h = harness_on(tempfile::tempdir().unwrap(), fake.clone());
+    let mut s = spec("t1");
+    s.template.options.readiness = Some("interval=100ms failures=1 exec:ready?".parse().unwrap());
+    h.exec.set_desired(Desired {
+        run: [("t1".to_string(), s)].into(),
+        kill: Default::default(),
+        notices: Default::default(),
+    });
+    until_state(&mut h, TaskState::Running).await;
+    let started = std::time::Instant::now();
+    let mut code = 0;
+    while started.elapsed() < Duration::from_millis(2500) {
+        code = 1 - code;
+        fake.exec_codes
+            .lock()
+            .unwrap()
+            .insert("ready?".into(), code);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let mut told = 0;
+    while let Ok(u) = h.updates.try_recv() {
+        assert!(u.health.is_some(), "{u:?}");
+        told += 1;
+    }
+    // 2.5 s: at most the first and one a second after it.
+    assert!((1..=4).contains(&told), "{told} reports");
 }

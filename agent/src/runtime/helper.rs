@@ -154,10 +154,13 @@ pub(crate) fn enter_namespaces_before_exec(
 ) -> std::io::Result<()> {
     use nix::sched::{setns, CloneFlags};
     // Opened here, before the fork.
-    let files = [("ipc", CloneFlags::CLONE_NEWIPC), ("mnt", CloneFlags::CLONE_NEWNS)]
-        .into_iter()
-        .map(|(ns, flag)| Ok((std::fs::File::open(format!("/proc/{pid}/ns/{ns}"))?, flag)))
-        .collect::<std::io::Result<Vec<_>>>()?;
+    let files = [
+        ("ipc", CloneFlags::CLONE_NEWIPC),
+        ("mnt", CloneFlags::CLONE_NEWNS),
+    ]
+    .into_iter()
+    .map(|(ns, flag)| Ok((std::fs::File::open(format!("/proc/{pid}/ns/{ns}"))?, flag)))
+    .collect::<std::io::Result<Vec<_>>>()?;
     // SAFETY: runs in the forked child before exec; setns is a plain
     // system call on descriptors opened before the fork.
     unsafe {

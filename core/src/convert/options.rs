@@ -152,7 +152,11 @@ fn check_from_pb(
         start_period_ms: c.start_period_ms,
         interval_ms: or(c.interval_ms, CHECK_INTERVAL_MS),
         timeout_ms: or(c.timeout_ms, CHECK_TIMEOUT_MS),
-        failures: if c.failures == 0 { CHECK_FAILURES } else { c.failures },
+        failures: if c.failures == 0 {
+            CHECK_FAILURES
+        } else {
+            c.failures
+        },
         successes: if c.successes == 0 {
             CHECK_SUCCESSES
         } else {

@@ -2342,39 +2342,74 @@ fn health_checks_name_a_port_of_the_task_and_keep_their_bounds() {
     let j = with(&["http"], http("http")).unwrap();
     let c = j.template.options.readiness.clone().unwrap();
     assert_eq!(c.to_string(), "http:http/healthz");
-    assert_eq!((c.interval_ms, c.failures), (CHECK_INTERVAL_MS, CHECK_FAILURES));
+    assert_eq!(
+        (c.interval_ms, c.failures),
+        (CHECK_INTERVAL_MS, CHECK_FAILURES)
+    );
     assert_eq!(JobSpec::try_from(pb::JobSpec::from(j.clone())).unwrap(), j);
     for (names, check, field, words) in [
-        (&["http"][..], http("grpc"), "spec.options.readiness.port", "not one of the task's port names (http"),
-        (&[][..], http("http"), "spec.options.readiness.port", "it has none"),
-        (&["http"][..], http(""), "spec.options.readiness.port", "names none"),
         (
             &["http"][..],
-            pb::HealthCheck { probe: "gopher".into(), ..http("http") },
+            http("grpc"),
+            "spec.options.readiness.port",
+            "not one of the task's port names (http",
+        ),
+        (
+            &[][..],
+            http("http"),
+            "spec.options.readiness.port",
+            "it has none",
+        ),
+        (
+            &["http"][..],
+            http(""),
+            "spec.options.readiness.port",
+            "names none",
+        ),
+        (
+            &["http"][..],
+            pb::HealthCheck {
+                probe: "gopher".into(),
+                ..http("http")
+            },
             "spec.options.readiness.probe",
             "http, tcp or exec",
         ),
         (
             &["http"][..],
-            pb::HealthCheck { probe: "exec".into(), path: String::new(), command: "true".into(), ..http("http") },
+            pb::HealthCheck {
+                probe: "exec".into(),
+                path: String::new(),
+                command: "true".into(),
+                ..http("http")
+            },
             "spec.options.readiness.port",
             "not for a \"exec\" probe",
         ),
         (
             &["http"][..],
-            pb::HealthCheck { interval_ms: 10, ..http("http") },
+            pb::HealthCheck {
+                interval_ms: 10,
+                ..http("http")
+            },
             "spec.options.readiness.interval_ms",
             "from 100ms to 1h",
         ),
         (
             &["http"][..],
-            pb::HealthCheck { failures: 101, ..http("http") },
+            pb::HealthCheck {
+                failures: 101,
+                ..http("http")
+            },
             "spec.options.readiness.failures",
             "from 1 to 100",
         ),
         (
             &["http"][..],
-            pb::HealthCheck { path: "no-slash".into(), ..http("http") },
+            pb::HealthCheck {
+                path: "no-slash".into(),
+                ..http("http")
+            },
             "spec.options.readiness.path",
             "must start with '/'",
         ),
@@ -2403,12 +2438,20 @@ fn a_health_report_comes_with_running_and_a_liveness_stop_with_failed() {
         failure: "two\nlines".into(),
     });
     u.state = pb::TaskState::TaskRunning as i32;
-    assert_eq!(StatusUpdate::try_from(u).unwrap_err().field, "health.failure");
-    let e = StatusUpdate::try_from(update(pb::TaskState::TaskKilled, pb::Reason::LivenessFailed))
-        .unwrap_err();
+    assert_eq!(
+        StatusUpdate::try_from(u).unwrap_err().field,
+        "health.failure"
+    );
+    let e = StatusUpdate::try_from(update(
+        pb::TaskState::TaskKilled,
+        pb::Reason::LivenessFailed,
+    ))
+    .unwrap_err();
     assert_eq!(e.field, "reason", "{e}");
-    let failed =
-        StatusUpdate::try_from(update(pb::TaskState::TaskFailed, pb::Reason::LivenessFailed))
-            .unwrap();
+    let failed = StatusUpdate::try_from(update(
+        pb::TaskState::TaskFailed,
+        pb::Reason::LivenessFailed,
+    ))
+    .unwrap();
     assert!(failed.liveness_failed);
 }

@@ -93,13 +93,22 @@ impl Check {
             } else {
                 Err((
                     key,
-                    format!("is {}: from {} to {}", ms_text(ms), ms_text(lo), ms_text(hi)),
+                    format!(
+                        "is {}: from {} to {}",
+                        ms_text(ms),
+                        ms_text(lo),
+                        ms_text(hi)
+                    ),
                 ))
             }
         };
         within("interval", self.interval_ms, CHECK_INTERVAL_RANGE_MS)?;
         within("timeout", self.timeout_ms, CHECK_TIMEOUT_RANGE_MS)?;
-        within("start", self.start_period_ms, (0, MAX_CHECK_START_PERIOD_MS))?;
+        within(
+            "start",
+            self.start_period_ms,
+            (0, MAX_CHECK_START_PERIOD_MS),
+        )?;
         for (key, n) in [("failures", self.failures), ("successes", self.successes)] {
             if !(1..=MAX_CHECK_COUNT).contains(&n) {
                 return Err((key, format!("is {n}: from 1 to {MAX_CHECK_COUNT}")));
@@ -239,11 +248,9 @@ impl FromStr for Check {
                     "timeout" => check.timeout_ms = ms()?,
                     "failures" => check.failures = count()?,
                     "successes" => check.successes = count()?,
-                    _ => {
-                        return Err(format!(
-                            "{word:?}: unknown option (start, interval, timeout, failures, successes)"
-                        ))
-                    }
+                    _ => return Err(format!(
+                        "{word:?}: unknown option (start, interval, timeout, failures, successes)"
+                    )),
                 }
             } else {
                 return Err(format!(

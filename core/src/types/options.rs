@@ -40,15 +40,43 @@ pub struct TaskOptions {
     /// `http:PORT[/PATH]`, `tcp:PORT` or `exec:COMMAND`, PORT one of its
     /// `--port` names, with options `start=`, `interval=`, `timeout=`,
     /// `failures=`, `successes=` (e.g. `http:http/healthz interval=2s`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "readiness"
+    )]
     #[cfg_attr(feature = "clap", arg(long, value_name = "CHECK"))]
     pub readiness: Option<Check>,
     /// A liveness check, in the same form: once it fails `failures=` times
     /// in a row (after `start=`), its agent stops the task (FAILED, reason
     /// LIVENESS_FAILED), and its job's retries or its service restart it.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "liveness"
+    )]
     #[cfg_attr(feature = "clap", arg(long, value_name = "CHECK"))]
     pub liveness: Option<Check>,
+}
+
+// A check's error names its key: inside a job file's flattened options
+// serde would not.
+fn readiness<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Check>, D::Error> {
+    named_check(d, "readiness")
+}
+
+fn liveness<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Check>, D::Error> {
+    named_check(d, "liveness")
+}
+
+fn named_check<'de, D: Deserializer<'de>>(d: D, key: &str) -> Result<Option<Check>, D::Error> {
+    match Option::<String>::deserialize(d)? {
+        None => Ok(None),
+        Some(text) => text
+            .parse()
+            .map(Some)
+            .map_err(|e| serde::de::Error::custom(format!("{key}: {e}"))),
+    }
 }
 
 impl TaskOptions {

@@ -4,8 +4,8 @@
 use gpuctl_core::types::{StatusUpdate, TaskState};
 
 use super::apply::Outcome;
-use super::ApplyError;
 use super::events::EventKind;
+use super::ApplyError;
 use super::{State, TaskReason};
 
 impl State {

@@ -562,6 +562,18 @@ mod tests {
         // Written back in the same form.
         let yaml = serde_yaml_ng::to_string(&parse("j", "shm_size: 2048\n").unwrap()).unwrap();
         assert_eq!(yaml, "shm_size: 2GiB\n");
+        // A check is its text, with a bad one's words.
+        let text = "port: [http]\nreadiness: http:http/healthz interval=2s\nliveness: 'timeout=5s exec:test -f /tmp/up'\n";
+        let f = parse("j", text).unwrap();
+        let c = f.options.readiness.clone().unwrap();
+        assert_eq!(c.interval_ms, 2000);
+        let yaml = serde_yaml_ng::to_string(&f).unwrap();
+        assert_eq!(parse("j", &yaml).unwrap().options, f.options, "{yaml}");
+        let err = parse("j", "readiness: gopher:x\n").unwrap_err();
+        assert!(
+            err.contains("readiness") && err.contains("http:PORT"),
+            "{err}"
+        );
     }
 
     #[test]
