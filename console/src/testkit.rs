@@ -242,6 +242,13 @@ macro_rules! operator {
             })*
             type JobLogsStream = Stream<pb::LogChunk>;
             type WatchJobStream = Stream<pb::Job>;
+            type WatchEndpointsStream = Stream<pb::ServiceEndpoints>;
+            async fn watch_endpoints(
+                &self,
+                _: tonic::Request<pb::WatchEndpointsRequest>,
+            ) -> Answer<Self::WatchEndpointsStream> {
+                unused()
+            }
             async fn job_logs(
                 &self,
                 _: tonic::Request<pb::JobLogsRequest>,

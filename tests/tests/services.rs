@@ -269,6 +269,8 @@ fn a_replica_serves_once_ready_and_a_failed_liveness_check_restarts_it() {
         "mkdir -p www; cd www; (sleep 3; touch ready; sleep 4; touch /tmp/dead) & \
          exec python3 -m http.server \"$GPUCTL_PORT_HTTP\" --bind 127.0.0.1",
     ]);
+    // What a proxy follows: the endpoints, each time they change.
+    let watcher = EndpointsWatch::start(&c.master_addr, "model");
     let get = || service(&c, "model");
     wait_for(Duration::from_secs(60), "the replica ready", || {
         get()["replica_jobs"][0]["ready"] == true
@@ -343,10 +345,100 @@ fn a_replica_serves_once_ready_and_a_failed_liveness_check_restarts_it() {
         shown.contains("readiness http:http/ready interval=200ms failures=1; liveness interval=200ms failures=2 exec:test ! -f /tmp/dead"),
         "{shown}"
     );
+    let table = c.ok(&["services", "endpoints", "model"]);
+    let row: Vec<&str> = table
+        .lines()
+        .nth(1)
+        .unwrap_or("")
+        .split_whitespace()
+        .collect();
+    assert_eq!(row[..2], ["model", "0"], "{table}");
+    assert!(row[2].starts_with("127.0.0.1:"), "{table}");
+    assert_eq!(row[3], "yes", "{table}");
+
+    // The watch saw it: not ready, ready at its port, gone, its successor
+    // not ready and then ready, in that order.
+    let seen = watcher.stop();
+    let states: Vec<(String, bool)> = seen
+        .iter()
+        .filter_map(|l| {
+            let e = l["endpoints"].as_array()?.first()?;
+            Some((e["task_id"].as_str()?.to_string(), e["ready"].as_bool()?))
+        })
+        .collect();
+    let first_task = format!("{job_id}.0");
+    let pos = |ready: bool| {
+        states
+            .iter()
+            .position(|(t, r)| *t == first_task && *r == ready)
+            .unwrap_or_else(|| panic!("no {first_task} ready={ready} in {seen:#?}"))
+    };
+    let (down, up) = (pos(false), pos(true));
+    assert!(down < up, "{seen:#?}");
+    let address = seen
+        .iter()
+        .flat_map(|l| l["endpoints"].as_array().cloned().unwrap_or_default())
+        .find(|e| e["task_id"] == first_task.as_str())
+        .map(|e| e["address"].as_str().unwrap_or("").to_string())
+        .unwrap();
+    assert_eq!(address, format!("127.0.0.1:{port}"), "{seen:#?}");
+    assert!(
+        states.iter().skip(up).any(|(t, r)| *t != first_task && *r),
+        "its successor ready: {seen:#?}"
+    );
     c.ok(&["services", "delete", "model"]);
     wait_for(Duration::from_secs(30), "no replica left", || {
         live_tasks("SVC_CHECKS", &marker).is_empty()
     });
+}
+
+/// `gpuctl services endpoints NAME --watch --json` run beside a test: its
+/// lines as they come.
+struct EndpointsWatch {
+    child: std::process::Child,
+    lines: std::sync::mpsc::Receiver<Value>,
+}
+
+impl EndpointsWatch {
+    fn start(masters: &str, name: &str) -> EndpointsWatch {
+        use std::io::BufRead;
+        let mut child = std::process::Command::new(gpuctl_tests::bin("gpuctl"))
+            .args(["--master", masters, "services", "endpoints", name])
+            .args(["--watch", "--json"])
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let out = child.stdout.take().unwrap();
+        let (tx, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(out).lines().map_while(Result::ok) {
+                if let Ok(v) = serde_json::from_str::<Value>(&line) {
+                    let _ = tx.send(v);
+                }
+            }
+        });
+        EndpointsWatch { child, lines }
+    }
+
+    /// Everything it said so far; it is stopped. Its errors, if it said
+    /// nothing, are the panic's words.
+    fn stop(mut self) -> Vec<Value> {
+        use std::io::Read;
+        std::thread::sleep(Duration::from_millis(300));
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let lines: Vec<Value> = self.lines.try_iter().collect();
+        if lines.is_empty() {
+            let mut err = String::new();
+            if let Some(mut e) = self.child.stderr.take() {
+                let _ = e.read_to_string(&mut err);
+            }
+            panic!("the endpoints watch said nothing: {err}");
+        }
+        lines
+    }
 }
 
 /// A tenant can neither see nor touch another's service, nor make a job
@@ -415,6 +507,11 @@ fn another_tenant_can_neither_see_nor_touch_a_service() {
         "not found",
     );
     refused(&beta, &["services", "delete", "api"], "not found");
+    refused(&beta, &["services", "endpoints", "api"], "not found");
+    // Nor in the watch of every service beta may see (a gateway's).
+    assert_eq!(ok(&beta, &["services", "endpoints", "--json"]), "");
+    let alphas = ok(&alpha, &["services", "endpoints", "--json"]);
+    assert!(alphas.contains("\"service\":\"api\""), "{alphas}");
     refused(&beta, &["jobs", "cancel", &job], "another tenant");
     // Names are the cluster's: beta's create of the name is refused, and
     // changes nothing of alpha's.
@@ -520,6 +617,7 @@ fn a_service_goes_on_across_a_leader_sigkill() {
         );
     };
     ready(&c, 2);
+    let watcher = EndpointsWatch::start(&c.addrs(), "api");
     let old = c.leader_id();
     c.kill_master(old);
     // The checks run on the agent: the new leader hears them change.
@@ -532,6 +630,22 @@ fn a_service_goes_on_across_a_leader_sigkill() {
     assert!(failure.contains("exited with code 1"), "{svc}");
     std::fs::remove_file(&down).unwrap();
     ready(&c, 2);
+    // The watch went on across the leader change: it saw both replicas
+    // leave readiness and come back, from the new leader.
+    let seen = watcher.stop();
+    let ready_count = |l: &Value| {
+        l["endpoints"]
+            .as_array()
+            .map_or(0, |e| e.iter().filter(|e| e["ready"] == true).count())
+    };
+    let none = seen.iter().position(|l| {
+        l["endpoints"].as_array().is_some_and(|e| e.len() == 2) && ready_count(l) == 0
+    });
+    let none = none.unwrap_or_else(|| panic!("never 0 ready: {seen:#?}"));
+    assert!(
+        seen.iter().skip(none).any(|l| ready_count(l) == 2),
+        "{seen:#?}"
+    );
     // gpuctl finds the new leader itself.
     c.ok(&["services", "scale", "api", "--replicas", "3"]);
     let after = live(&c, 3);

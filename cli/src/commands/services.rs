@@ -55,6 +55,20 @@ pub enum ServicesCommand {
         /// Service name.
         name: String,
     },
+    /// Where a service's running replicas answer (its agent's host and the
+    /// replica's port of the service's first --port name), and whether
+    /// each is ready: what a proxy follows (Operator.WatchEndpoints).
+    Endpoints {
+        /// Service name; none: every service this token may see.
+        name: Option<String>,
+        /// Keep following: the endpoints again each time they change,
+        /// across leader changes, until interrupted.
+        #[arg(long)]
+        watch: bool,
+        /// JSON instead of a table (with --watch: one object per line).
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 /// `services create`: NAME, the service's own flags, and `jobs submit`'s
@@ -288,8 +302,92 @@ pub async fn run(
                 writeln!(out, "{id}")?;
             }
         }
+        ServicesCommand::Endpoints { name, watch, json } => {
+            return endpoints(master, name.as_deref(), watch, json, out).await;
+        }
     }
     Ok(EXIT_OK)
+}
+
+/// How long `services endpoints --watch` waits before it watches again
+/// after its stream broke (a leader change): the call then finds the new
+/// leader itself.
+const REWATCH_PAUSE: std::time::Duration = std::time::Duration::from_millis(200);
+
+/// `services endpoints [NAME] [--watch] [--json]`: the endpoints of the
+/// service (or of every service the token may see) once the watch has
+/// said everything (`synced`), a table or one JSON object per service and
+/// line; with `--watch`, each service again as it changes. A named service
+/// that does not exist is not found (exit 3).
+pub async fn endpoints(
+    master: &mut Master,
+    name: Option<&str>,
+    watch: bool,
+    json: bool,
+    out: &mut dyn Write,
+) -> Result<u8, CliError> {
+    if let Some(name) = name {
+        // The watch names no unknown service: ask first, for its error.
+        get(master, name).await?;
+    }
+    let show = |all: &[&pb::ServiceEndpoints], out: &mut dyn Write| -> Result<(), CliError> {
+        if json {
+            for e in all {
+                let line = serde_json::to_string(&output::EndpointsJson::from(*e))?;
+                writeln!(out, "{line}")?;
+            }
+        } else {
+            out.write_all(output::endpoints_table(all).render().as_bytes())?;
+        }
+        out.flush()?;
+        Ok(())
+    };
+    loop {
+        let req = pb::WatchEndpointsRequest {
+            service: name.unwrap_or_default().to_string(),
+        };
+        let mut stream = master
+            .call(Retry::Always, |mut c| {
+                let req = req.clone();
+                async move { c.watch_endpoints(req).await }
+            })
+            .await?;
+        let mut now: std::collections::BTreeMap<String, pb::ServiceEndpoints> = Default::default();
+        let mut synced = false;
+        loop {
+            match stream.message().await {
+                Ok(Some(m)) if m.synced => {
+                    synced = true;
+                    show(&now.values().collect::<Vec<_>>(), out)?;
+                    if !watch {
+                        return Ok(EXIT_OK);
+                    }
+                }
+                Ok(Some(m)) => {
+                    if synced {
+                        show(&[&m], out)?;
+                    }
+                    if m.deleted {
+                        now.remove(&m.service);
+                    } else {
+                        now.insert(m.service.clone(), m);
+                    }
+                }
+                // Ended: watch again.
+                Ok(None) => break,
+                // A leader change (the master says who leads now, or its
+                // connection broke): watch again there.
+                Err(status) if gpuctl_proto::leader::may_retry(&status) => {
+                    if let Some(leader) = gpuctl_proto::leader::leader_hint(&status) {
+                        master.switch_to(leader);
+                    }
+                    break;
+                }
+                Err(status) => return Err(CliError::rpc(master.addr(), status)),
+            }
+        }
+        tokio::time::sleep(REWATCH_PAUSE).await;
+    }
 }
 
 /// Creates the service; prints `ID NAME`, or the service as JSON. The

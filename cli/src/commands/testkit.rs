@@ -61,6 +61,13 @@ pub(crate) trait FakeOperator: Send + Sync + 'static {
     fn watch_stays_open(&self) -> bool {
         false
     }
+    /// The items of an endpoints watch (then as `watch_stays_open`).
+    fn watch_endpoints(
+        &self,
+        _: pb::WatchEndpointsRequest,
+    ) -> Result<Vec<Result<pb::ServiceEndpoints, Status>>, Status> {
+        Err(Status::unimplemented("WatchEndpoints"))
+    }
     /// The items of the stream, sent in order; then the stream ends.
     fn job_logs(&self, _: pb::JobLogsRequest) -> Result<Vec<Result<pb::LogChunk, Status>>, Status> {
         unused()
@@ -174,6 +181,8 @@ struct Served<F>(Arc<F>);
 
 type LogStream = Pin<Box<dyn futures::Stream<Item = Result<pb::LogChunk, Status>> + Send>>;
 type JobStream = Pin<Box<dyn futures::Stream<Item = Result<pb::Job, Status>> + Send>>;
+type EndpointStream =
+    Pin<Box<dyn futures::Stream<Item = Result<pb::ServiceEndpoints, Status>> + Send>>;
 
 /// The generated trait, each call forwarded to the plain method.
 macro_rules! forward {
@@ -190,6 +199,18 @@ macro_rules! forward {
             ) -> Result<Response<LogStream>, Status> {
                 let items = self.0.job_logs(r.into_inner())?;
                 Ok(Response::new(Box::pin(futures::stream::iter(items))))
+            }
+            type WatchEndpointsStream = EndpointStream;
+            async fn watch_endpoints(
+                &self,
+                r: Request<pb::WatchEndpointsRequest>,
+            ) -> Result<Response<EndpointStream>, Status> {
+                let items = futures::stream::iter(self.0.watch_endpoints(r.into_inner())?);
+                if self.0.watch_stays_open() {
+                    Ok(Response::new(Box::pin(items.chain(futures::stream::pending()))))
+                } else {
+                    Ok(Response::new(Box::pin(items)))
+                }
             }
             type WatchJobStream = JobStream;
             async fn watch_job(

@@ -168,6 +168,36 @@ pub fn replicas_table(replicas: &[pb::ServiceReplica]) -> Table {
     t
 }
 
+/// `services endpoints`: SERVICE, REPLICA, ADDRESS, READY, AGENT, TASK,
+/// one row per running replica; a service deleted (in `--watch`) or
+/// without one running has a row of its own.
+pub fn endpoints_table(all: &[&pb::ServiceEndpoints]) -> Table {
+    let mut t = Table::new(&["SERVICE", "REPLICA", "ADDRESS", "READY", "AGENT", "TASK"]);
+    for e in all {
+        if e.deleted || e.endpoints.is_empty() {
+            let why = if e.deleted {
+                "(deleted)"
+            } else {
+                "(none running)"
+            };
+            let mut row = vec![e.service.clone(), String::new(), why.into()];
+            row.resize(6, String::new());
+            t.row(row);
+        }
+        for p in &e.endpoints {
+            t.row(vec![
+                e.service.clone(),
+                p.replica.to_string(),
+                endpoint_address(p),
+                if p.ready { "yes" } else { "no" }.to_string(),
+                p.agent_id.clone(),
+                p.task_id.clone(),
+            ]);
+        }
+    }
+    t
+}
+
 /// A service of 3 replicas: one running, one queued after 2 restarts,
 /// one whose job is not said.
 #[cfg(test)]
@@ -248,6 +278,50 @@ pub(crate) fn sample_service() -> pb::Service {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn endpoints_table_rows() {
+        let e = |replica, host: &str, port, ready| pb::Endpoint {
+            replica,
+            job_id: format!("job-{replica}"),
+            task_id: format!("job-{replica}.0"),
+            agent_id: "a1".into(),
+            host: host.into(),
+            port,
+            ready,
+        };
+        let web = pb::ServiceEndpoints {
+            service: "web".into(),
+            port_name: "http".into(),
+            endpoints: vec![e(0, "10.0.0.7", 31000, true), e(1, "fd00::7", 31001, false)],
+            ..Default::default()
+        };
+        let idle = pb::ServiceEndpoints {
+            service: "idle".into(),
+            ..Default::default()
+        };
+        let out = endpoints_table(&[&web, &idle]).render();
+        let rows: Vec<Vec<&str>> = out
+            .lines()
+            .map(|l| l.split_whitespace().collect())
+            .collect();
+        assert_eq!(
+            rows[0],
+            ["SERVICE", "REPLICA", "ADDRESS", "READY", "AGENT", "TASK"]
+        );
+        assert_eq!(
+            rows[1],
+            ["web", "0", "10.0.0.7:31000", "yes", "a1", "job-0.0"]
+        );
+        assert_eq!(
+            rows[2],
+            ["web", "1", "[fd00::7]:31001", "no", "a1", "job-1.0"]
+        );
+        assert_eq!(rows[3], ["idle", "-", "(none", "running)", "-", "-", "-"]);
+        let json = serde_json::to_value(EndpointsJson::from(&web)).unwrap();
+        assert_eq!(json["endpoints"][1]["address"], "[fd00::7]:31001");
+        assert_eq!(json["port_name"], "http");
+    }
 
     #[test]
     fn services_table_rows() {

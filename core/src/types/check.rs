@@ -248,9 +248,11 @@ impl FromStr for Check {
                     "timeout" => check.timeout_ms = ms()?,
                     "failures" => check.failures = count()?,
                     "successes" => check.successes = count()?,
-                    _ => return Err(format!(
+                    _ => {
+                        return Err(format!(
                         "{word:?}: unknown option (start, interval, timeout, failures, successes)"
-                    )),
+                    ))
+                    }
                 }
             } else {
                 return Err(format!(

@@ -14,7 +14,9 @@ use crate::convert::{agent_state_name, job_state_name, runtime_name, task_state_
 use crate::pb;
 use crate::types::Resources;
 use crate::wait::Waiting;
-pub use service::{ReplicaJson, ServiceJson, TemplateJson};
+pub use service::{
+    endpoint_address, EndpointJson, EndpointsJson, ReplicaJson, ServiceJson, TemplateJson,
+};
 
 use crate::wait_words::{resources_of, wait_reason_data, wait_reason_words as wait_reason};
 

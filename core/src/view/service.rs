@@ -127,3 +127,63 @@ impl From<&pb::Service> for ServiceJson {
         }
     }
 }
+
+/// One service's endpoints (`gpuctl services endpoints --json`; each line
+/// of `--watch --json`): where its running replicas answer.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct EndpointsJson {
+    pub service: String,
+    pub tenant: String,
+    /// The service is gone: forget its endpoints.
+    pub deleted: bool,
+    /// The port name the addresses are at (`null`: it names none).
+    pub port_name: Option<String>,
+    pub endpoints: Vec<EndpointJson>,
+}
+
+/// One running replica.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct EndpointJson {
+    pub replica: u32,
+    pub job_id: String,
+    pub task_id: String,
+    pub agent_id: String,
+    /// `host:port`; the host alone when the service names no port.
+    pub address: String,
+    /// Its readiness check passes (without one: it runs).
+    pub ready: bool,
+}
+
+impl From<&pb::Endpoint> for EndpointJson {
+    fn from(e: &pb::Endpoint) -> Self {
+        EndpointJson {
+            replica: e.replica,
+            job_id: e.job_id.clone(),
+            task_id: e.task_id.clone(),
+            agent_id: e.agent_id.clone(),
+            address: endpoint_address(e),
+            ready: e.ready,
+        }
+    }
+}
+
+/// `host:port` (`[v6]:port`), or the host when there is no port.
+pub fn endpoint_address(e: &pb::Endpoint) -> String {
+    match (e.port, e.host.contains(':')) {
+        (0, _) => e.host.clone(),
+        (p, true) => format!("[{}]:{p}", e.host),
+        (p, false) => format!("{}:{p}", e.host),
+    }
+}
+
+impl From<&pb::ServiceEndpoints> for EndpointsJson {
+    fn from(s: &pb::ServiceEndpoints) -> Self {
+        EndpointsJson {
+            service: s.service.clone(),
+            tenant: s.tenant.clone(),
+            deleted: s.deleted,
+            port_name: (!s.port_name.is_empty()).then(|| s.port_name.clone()),
+            endpoints: s.endpoints.iter().map(EndpointJson::from).collect(),
+        }
+    }
+}

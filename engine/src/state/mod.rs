@@ -48,7 +48,7 @@ pub use apply::{ApplyError, MemberChange, Outcome};
 pub use command::{Command, EncodeError, GpuHealthChange, Launch, COMMAND_VERSION};
 pub use gpuctl_core::types::{FrameworkTask, TaskReason};
 pub use records::*;
-pub use services::{ServiceRecord, KEPT_REPLICA_TASKS, REPLICA_BACKOFF_RESET_MS};
+pub use services::{ReplicaEndpoint, ServiceRecord, KEPT_REPLICA_TASKS, REPLICA_BACKOFF_RESET_MS};
 pub use tables::Touched;
 use tables::{AgentTable, JobTable, TaskTable};
 

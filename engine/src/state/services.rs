@@ -32,7 +32,63 @@ pub struct ServiceRecord {
     pub events: Events,
 }
 
+/// Where one replica of a service answers (`State::service_endpoints`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplicaEndpoint {
+    pub replica: u32,
+    pub job_id: JobId,
+    pub task_id: String,
+    pub agent_id: String,
+    /// Its agent's address host (its hostname when it has none).
+    pub host: String,
+    /// The task's host port named by the template's first port name.
+    pub port: Option<u16>,
+    pub ready: bool,
+}
+
+/// `host` of `host:port` or `[v6]:port`; the whole when there is no port.
+fn address_host(address: &str) -> &str {
+    let host = match address.rsplit_once(':') {
+        Some((h, p)) if !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()) => h,
+        _ => address,
+    };
+    host.trim_start_matches('[').trim_end_matches(']')
+}
+
 impl State {
+    /// The service's replicas whose task runs (not unreachable): where
+    /// each answers and whether it is ready, by replica index.
+    pub fn service_endpoints(&self, s: &ServiceRecord) -> Vec<ReplicaEndpoint> {
+        let has_readiness = s.spec.template.template.options.readiness.is_some();
+        let mut out = Vec::new();
+        for (i, job_id) in s.replicas.iter().enumerate() {
+            let Some(job) = self.jobs.get(job_id) else {
+                continue;
+            };
+            for task in job.current_tasks().iter().filter_map(|t| self.tasks.get(t)) {
+                if task.state != gpuctl_core::types::TaskState::Running {
+                    continue;
+                }
+                let host = self.agents.get(&task.agent_id).map_or(String::new(), |a| {
+                    match address_host(&a.info.address) {
+                        "" => a.info.hostname.clone(),
+                        h => h.to_string(),
+                    }
+                });
+                out.push(ReplicaEndpoint {
+                    replica: u32::try_from(i).unwrap_or(u32::MAX),
+                    job_id: job_id.clone(),
+                    task_id: task.id.clone(),
+                    agent_id: task.agent_id.clone(),
+                    host,
+                    port: task.ports.first().copied(),
+                    ready: task.ready(has_readiness),
+                });
+            }
+        }
+        out
+    }
+
     /// Whether a job's (a replica's) current attempt serves: every task of
     /// it runs and passes its readiness check; and the last failure its
     /// checks told, if any.
@@ -292,4 +348,20 @@ pub(super) fn restart_replica(
             pause as f64 / 1000.0
         ),
     )
+}
+
+#[cfg(test)]
+mod endpoint_tests {
+    #[test]
+    fn an_address_gives_its_host() {
+        for (a, h) in [
+            ("10.0.0.7:7051", "10.0.0.7"),
+            ("gpu-a.lab:7051", "gpu-a.lab"),
+            ("[fd00::7]:7051", "fd00::7"),
+            ("gpu-a", "gpu-a"),
+            ("", ""),
+        ] {
+            assert_eq!(super::address_host(a), h, "{a}");
+        }
+    }
 }

@@ -374,3 +374,54 @@ fn a_replica_serves_once_its_agent_says_ready_and_a_liveness_stop_restarts_it() 
     assert_eq!(health(&mut d, true, "", 5, 70), Outcome::StaleUpdate);
     assert!(!d.s.job_ready(&job).0);
 }
+
+/// A service's endpoints: its replicas whose task runs, at the agent's
+/// address host and the task's first host port, ready or not; an
+/// unreachable one is left out.
+#[test]
+fn endpoints_are_the_running_replicas_at_their_agents_host_and_first_port() {
+    use gpuctl_core::types::TaskHealth;
+    let mut d = Driver::new(&[("a", 2), ("b", 2)]);
+    let mut s = spec("llm", 2);
+    s.template.template.options.port = vec!["http".into()];
+    s.template.template.resources.ports = 1;
+    s.template.template.options.readiness = Some("tcp:http".parse().unwrap());
+    create(&mut d, s, 10).unwrap();
+    assert!(
+        d.s.service_endpoints(d.s.service_named("llm").unwrap())
+            .is_empty(),
+        "queued"
+    );
+    run_all(&mut d, 20);
+    let eps = d.s.service_endpoints(d.s.service_named("llm").unwrap());
+    assert_eq!(eps.len(), 2);
+    for (i, e) in eps.iter().enumerate() {
+        assert_eq!(e.replica as usize, i);
+        assert_eq!(e.host, format!("{}.host", e.agent_id));
+        assert_eq!(e.port, d.s.tasks()[&e.task_id].ports.first().copied());
+        assert!(e.port.is_some());
+        assert!(!e.ready, "not ready before its check passes");
+    }
+    let first = eps[0].clone();
+    let mut u = status(&first.agent_id, &first.task_id, TaskState::Running);
+    u.uuid = vec![9];
+    u.health = Some(TaskHealth {
+        ready: true,
+        failure: String::new(),
+    });
+    d.apply(Command::UpdateTaskStatus {
+        update: u,
+        at_ms: 30,
+    })
+    .unwrap();
+    let eps = d.s.service_endpoints(d.s.service_named("llm").unwrap());
+    assert!(eps[0].ready && !eps[1].ready);
+    // Its agent stops heartbeating: the replica is unreachable, not listed.
+    d.apply(Command::AgentUnreachable {
+        agent_id: first.agent_id.clone(),
+        at_ms: 40,
+    })
+    .unwrap();
+    let eps = d.s.service_endpoints(d.s.service_named("llm").unwrap());
+    assert!(eps.iter().all(|e| e.agent_id != first.agent_id), "{eps:?}");
+}

@@ -180,10 +180,10 @@ pub fn rule(path: &str) -> Option<Rule> {
             "SubmitJob" | "GetJob" | "WatchJob" | "ListJobs" | "CancelJob" | "JobLogs"
             | "CreateService" | "GetService" | "ListServices" | "ScaleService"
             | "DeleteService" => Rule::Tokens(JOBS),
-            // Usage: a tenant's token sees its tenant's rows only.
-            "ListAgents" | "ListGpus" | "ListMasters" | "Usage" | "Utilization" => {
-                Rule::Tokens(ANY_TOKEN)
-            }
+            // Usage: a tenant's token sees its tenant's rows only; a
+            // gateway's token (any role) its tenant's services' endpoints.
+            "ListAgents" | "ListGpus" | "ListMasters" | "Usage" | "Utilization"
+            | "WatchEndpoints" => Rule::Tokens(ANY_TOKEN),
             _ => return None,
         },
         "gpuctl.v1.Scheduler" => Rule::Tokens(FRAMEWORKS),
@@ -435,6 +435,7 @@ mod tests {
                     "ListServices",
                     "ScaleService",
                     "DeleteService",
+                    "WatchEndpoints",
                 ],
             ),
             (

@@ -29,6 +29,7 @@ mod usage;
 
 type LogStream = Pin<Box<dyn Stream<Item = Result<pb::LogChunk, Status>> + Send>>;
 type JobStream = Pin<Box<dyn Stream<Item = Result<pb::Job, Status>> + Send>>;
+type EndpointStream = Pin<Box<dyn Stream<Item = Result<pb::ServiceEndpoints, Status>> + Send>>;
 
 pub struct OperatorService {
     pub(super) ctx: Ctx,
@@ -271,6 +272,15 @@ fn job_id_arg(id: &str) -> Result<(), ConvertError> {
 impl pb::operator_server::Operator for OperatorService {
     type JobLogsStream = LogStream;
     type WatchJobStream = JobStream;
+    type WatchEndpointsStream = EndpointStream;
+
+    async fn watch_endpoints(
+        &self,
+        req: Request<pb::WatchEndpointsRequest>,
+    ) -> Result<Response<Self::WatchEndpointsStream>, Status> {
+        let caller = Caller::of(&req);
+        reply(self.watch_endpoints(&caller, req.into_inner()).await)
+    }
 
     async fn watch_job(
         &self,

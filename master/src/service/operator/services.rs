@@ -192,3 +192,119 @@ impl OperatorService {
         }
     }
 }
+
+/// How long a watch waits after a change for the next one: a burst of
+/// applies (a placement round, a rollout step) is one message.
+const ENDPOINTS_COALESCE: std::time::Duration = std::time::Duration::from_millis(50);
+
+/// The endpoints of the services `caller` may see (`only`: one by name),
+/// by name.
+fn endpoints_now(
+    state: &State,
+    caller: &Caller,
+    only: &str,
+) -> BTreeMap<String, pb::ServiceEndpoints> {
+    state
+        .services()
+        .filter(|s| only.is_empty() || s.spec.name == only)
+        .filter(|s| caller.may_access(s.spec.template.tenant.name()))
+        .map(|s| {
+            let port_name = s
+                .spec
+                .template
+                .template
+                .options
+                .port
+                .first()
+                .cloned()
+                .unwrap_or_default();
+            let endpoints = state
+                .service_endpoints(s)
+                .into_iter()
+                .map(|e| pb::Endpoint {
+                    replica: e.replica,
+                    job_id: e.job_id,
+                    task_id: e.task_id,
+                    agent_id: e.agent_id,
+                    host: e.host,
+                    port: e.port.map_or(0, u32::from),
+                    ready: e.ready,
+                })
+                .collect();
+            let msg = pb::ServiceEndpoints {
+                service: s.spec.name.clone(),
+                tenant: s.spec.template.tenant.name().to_string(),
+                deleted: false,
+                port_name,
+                endpoints,
+                synced: false,
+            };
+            (s.spec.name.clone(), msg)
+        })
+        .collect()
+}
+
+impl OperatorService {
+    pub(super) async fn watch_endpoints(
+        &self,
+        caller: &Caller,
+        req: pb::WatchEndpointsRequest,
+    ) -> Result<EndpointStream, ServiceError> {
+        if !req.service.is_empty() {
+            name_arg(&req.service)?;
+        }
+        let (tx, rx) = mpsc::channel(64);
+        let ctx = self.ctx.clone();
+        let caller = caller.clone();
+        tokio::spawn(async move {
+            let mut applied = ctx.raft.applied();
+            let mut status = ctx.raft.status_watch();
+            let mut shutdown = ctx.shutdown.clone();
+            let mut sent: BTreeMap<String, pb::ServiceEndpoints> = BTreeMap::new();
+            let mut synced = false;
+            loop {
+                if !ctx.raft.status().serving {
+                    let _ = tx.send(Err(ctx.not_leader().into())).await;
+                    return;
+                }
+                let now = endpoints_now(&ctx.raft.state(), &caller, &req.service);
+                let mut out: Vec<pb::ServiceEndpoints> = now
+                    .iter()
+                    .filter(|(name, msg)| sent.get(*name) != Some(msg))
+                    .map(|(_, msg)| msg.clone())
+                    .collect();
+                out.extend(
+                    sent.iter()
+                        .filter(|(name, _)| !now.contains_key(*name))
+                        .map(|(name, msg)| pb::ServiceEndpoints {
+                            service: name.clone(),
+                            tenant: msg.tenant.clone(),
+                            deleted: true,
+                            ..Default::default()
+                        }),
+                );
+                if !synced {
+                    out.push(pb::ServiceEndpoints {
+                        synced: true,
+                        ..Default::default()
+                    });
+                    synced = true;
+                }
+                for msg in out {
+                    if tx.send(Ok(msg)).await.is_err() {
+                        return;
+                    }
+                }
+                sent = now;
+                tokio::select! {
+                    r = applied.changed() => if r.is_err() { return },
+                    r = status.changed() => if r.is_err() { return },
+                    _ = shutdown.changed() => return,
+                    _ = tx.closed() => return,
+                }
+                tokio::time::sleep(ENDPOINTS_COALESCE).await;
+            }
+        });
+        Ok(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx)))
+    }
+}
