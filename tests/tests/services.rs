@@ -147,9 +147,23 @@ fn replicas_outlive_exits_and_a_lost_agent_and_only_their_service_stops_them() {
         live.iter().filter(|t| t.job_id == r1_id).count() == 1
     });
 
-    // Scale to 1: the newest replica is stopped; delete: the rest, and
-    // the name is free for another service.
+    // Scale to 1: the newest replica leaves the endpoints at once, drains
+    // (5 s: the service names a port) still running, then is stopped;
+    // delete: the rest, and the name is free for another service.
     c.ok(&["services", "scale", "web", "--replicas", "1"]);
+    let svc = service(&c, "web");
+    assert_eq!(svc["draining_jobs"], serde_json::json!([r1_id]), "{svc}");
+    let eps = c.ok(&["services", "endpoints", "web", "--json"]);
+    assert!(!eps.contains(&r1_id), "{eps}");
+    assert!(
+        live_tasks("SVC_MARKER", &marker)
+            .iter()
+            .any(|t| t.job_id == r1_id),
+        "a draining replica runs on"
+    );
+    assert!(c
+        .ok(&["jobs", "get", &r1_id])
+        .contains("left its service: out of its endpoints, stopped in 5s"));
     assert_eq!(c.wait_job(&r1_id, 60).1, "CANCELLED");
     assert_eq!(service(&c, "web")["replicas"], 1);
     let deleted = c.ok(&["services", "delete", "web"]);
@@ -358,7 +372,16 @@ fn a_replica_serves_once_ready_and_a_failed_liveness_check_restarts_it() {
 
     // The watch saw it: not ready, ready at its port, gone, its successor
     // not ready and then ready, in that order.
-    let seen = watcher.stop();
+    let first_task = format!("{job_id}.0");
+    let successor_ready = |seen: &[Value]| {
+        seen.iter().any(|l| {
+            l["endpoints"].as_array().is_some_and(|e| {
+                e.iter()
+                    .any(|e| e["task_id"] != first_task.as_str() && e["ready"] == true)
+            })
+        })
+    };
+    let seen = watcher.stop("the successor ready", successor_ready);
     let states: Vec<(String, bool)> = seen
         .iter()
         .filter_map(|l| {
@@ -366,7 +389,6 @@ fn a_replica_serves_once_ready_and_a_failed_liveness_check_restarts_it() {
             Some((e["task_id"].as_str()?.to_string(), e["ready"].as_bool()?))
         })
         .collect();
-    let first_task = format!("{job_id}.0");
     let pos = |ready: bool| {
         states
             .iter()
@@ -397,6 +419,7 @@ fn a_replica_serves_once_ready_and_a_failed_liveness_check_restarts_it() {
 struct EndpointsWatch {
     child: std::process::Child,
     lines: std::sync::mpsc::Receiver<Value>,
+    seen: Vec<Value>,
 }
 
 impl EndpointsWatch {
@@ -419,25 +442,42 @@ impl EndpointsWatch {
                 }
             }
         });
-        EndpointsWatch { child, lines }
+        EndpointsWatch {
+            child,
+            lines,
+            seen: Vec::new(),
+        }
     }
 
-    /// Everything it said so far; it is stopped. Its errors, if it said
-    /// nothing, are the panic's words.
-    fn stop(mut self) -> Vec<Value> {
-        use std::io::Read;
-        std::thread::sleep(Duration::from_millis(300));
+    /// Waits up to 60 s until what it said so far satisfies `done`.
+    fn wait(&mut self, what: &str, done: impl Fn(&[Value]) -> bool) {
+        let until = std::time::Instant::now() + Duration::from_secs(60);
+        while !done(&self.seen) {
+            let left = until.saturating_duration_since(std::time::Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(v) => self.seen.push(v),
+                Err(_) => {
+                    use std::io::Read;
+                    let _ = self.child.kill();
+                    let mut err = String::new();
+                    if let Some(mut e) = self.child.stderr.take() {
+                        let _ = e.read_to_string(&mut err);
+                    }
+                    panic!(
+                        "the endpoints watch never said {what}: {:#?}\n{err}",
+                        self.seen
+                    );
+                }
+            }
+        }
+    }
+
+    /// Everything it said (waiting up to 60 s for `done`); it is stopped.
+    fn stop(mut self, what: &str, done: impl Fn(&[Value]) -> bool) -> Vec<Value> {
+        self.wait(what, done);
         let _ = self.child.kill();
         let _ = self.child.wait();
-        let lines: Vec<Value> = self.lines.try_iter().collect();
-        if lines.is_empty() {
-            let mut err = String::new();
-            if let Some(mut e) = self.child.stderr.take() {
-                let _ = e.read_to_string(&mut err);
-            }
-            panic!("the endpoints watch said nothing: {err}");
-        }
-        lines
+        std::mem::take(&mut self.seen)
     }
 }
 
@@ -617,7 +657,15 @@ fn a_service_goes_on_across_a_leader_sigkill() {
         );
     };
     ready(&c, 2);
-    let watcher = EndpointsWatch::start(&c.addrs(), "api");
+    let mut watcher = EndpointsWatch::start(&c.addrs(), "api");
+    let ready_count = |l: &Value| {
+        l["endpoints"]
+            .as_array()
+            .map_or(0, |e| e.iter().filter(|e| e["ready"] == true).count())
+    };
+    watcher.wait("both ready", |seen| {
+        seen.iter().any(|l| ready_count(l) == 2)
+    });
     let old = c.leader_id();
     c.kill_master(old);
     // The checks run on the agent: the new leader hears them change.
@@ -632,12 +680,12 @@ fn a_service_goes_on_across_a_leader_sigkill() {
     ready(&c, 2);
     // The watch went on across the leader change: it saw both replicas
     // leave readiness and come back, from the new leader.
-    let seen = watcher.stop();
-    let ready_count = |l: &Value| {
-        l["endpoints"]
-            .as_array()
-            .map_or(0, |e| e.iter().filter(|e| e["ready"] == true).count())
+    let none_then_both = |seen: &[Value]| {
+        seen.iter()
+            .position(|l| ready_count(l) == 0)
+            .is_some_and(|i| seen[i..].iter().any(|l| ready_count(l) == 2))
     };
+    let seen = watcher.stop("none ready, then both", none_then_both);
     let none = seen.iter().position(|l| {
         l["endpoints"].as_array().is_some_and(|e| e.len() == 2) && ready_count(l) == 0
     });

@@ -102,6 +102,12 @@ pub struct CreateArgs {
     /// Print the service as JSON instead of its id and name.
     #[arg(long)]
     pub json: bool,
+    /// How long a replica that leaves (scale down, delete) keeps running,
+    /// out of the endpoints, before it is stopped, so that its requests in
+    /// flight finish: e.g. 30s, 0s; at most 10m. Default: 5s when the
+    /// service names a port (--port), else 0s.
+    #[arg(long, value_name = "DURATION", value_parser = parse_drain)]
+    pub drain: Option<u64>,
     /// What each replica runs: the flags of `jobs submit`.
     #[command(flatten)]
     pub task: SubmitArgs,
@@ -128,6 +134,16 @@ fn parse_replicas_flag(s: &str) -> Result<(u32, u32), String> {
         ));
     }
     parse_replica_count(s).map(|n| (n, n))
+}
+
+/// `--drain`: a duration, as ms.
+fn parse_drain(s: &str) -> Result<u64, String> {
+    let d = gpuctl_core::time::parse_duration(s)?;
+    let ms = u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+    if ms > gpuctl_core::types::MAX_DRAIN_MS {
+        return Err(format!("{s:?} is more than 10m"));
+    }
+    Ok(ms)
 }
 
 /// A service's number of replicas: 0 to [`MAX_SERVICE_REPLICAS`].
@@ -214,6 +230,7 @@ impl CreateArgs {
             name,
             replicas,
             template: Some(template),
+            drain_ms: self.drain,
         };
         // The master's own check (its words, its exit code).
         gpuctl_core::types::ServiceSpec::try_from(req.clone())

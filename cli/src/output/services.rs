@@ -60,6 +60,7 @@ pub fn service_detail(s: &pb::Service, now_ms: u64) -> String {
         ),
         ("Ports", ports_words(&spec, &res)),
         ("Checks", checks_words(&spec)),
+        ("Drain", drain_words(s)),
         ("Priority", spec.priority.to_string()),
         (
             "Security",
@@ -90,6 +91,16 @@ pub fn service_detail(s: &pb::Service, now_ms: u64) -> String {
     out.push('\n');
     out.push_str(&events_of(&s.events, 0, now_ms));
     out
+}
+
+/// A leaving replica's drain, and the replicas draining now.
+fn drain_words(s: &pb::Service) -> String {
+    let drain = gpuctl_core::types::ms_text(s.drain_ms);
+    if s.draining_jobs.is_empty() {
+        drain
+    } else {
+        format!("{drain}; draining now: {}", s.draining_jobs.join(", "))
+    }
 }
 
 /// The template's ports: their number and names.
@@ -271,6 +282,8 @@ pub(crate) fn sample_service() -> pb::Service {
         }],
         running: 1,
         ready: 1,
+        drain_ms: 5_000,
+        draining_jobs: Vec::new(),
     }
 }
 
@@ -359,6 +372,7 @@ mod tests {
             "Tenant:   default\n",
             "Replicas: 3 asked, 1 running, 1 ready\n",
             "Checks:   none (a running replica is ready)\n",
+            "Drain:    5s\n",
             "Image:    nginx:1\n",
             "Command:  nginx -g 'daemon off;'\n",
             "GPUs:     1\n",

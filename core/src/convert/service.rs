@@ -4,7 +4,7 @@
 use crate::pb;
 
 use super::{ConvertError, Result, MAX_SERVICE_REPLICAS};
-use crate::types::{check_service_name, JobSpec, RestartPolicy, ServiceSpec};
+use crate::types::{check_service_name, JobSpec, RestartPolicy, ServiceSpec, MAX_DRAIN_MS};
 
 impl TryFrom<pb::CreateServiceRequest> for ServiceSpec {
     type Error = ConvertError;
@@ -55,10 +55,17 @@ impl TryFrom<pb::CreateServiceRequest> for ServiceSpec {
         })?;
         template.replicas = 1;
         template.restart_policy = RestartPolicy::Always;
+        if let Some(ms) = r.drain_ms.filter(|ms| *ms > MAX_DRAIN_MS) {
+            return Err(ConvertError::new(
+                "drain_ms",
+                format!("is {ms}: at most {MAX_DRAIN_MS} (10 minutes)"),
+            ));
+        }
         Ok(ServiceSpec {
             name: r.name,
             replicas: r.replicas,
             template,
+            drain_ms: r.drain_ms,
         })
     }
 }
@@ -79,7 +86,27 @@ mod tests {
                 }),
                 ..Default::default()
             }),
+            drain_ms: None,
         }
+    }
+
+    #[test]
+    fn a_drain_is_bounded_and_defaults_by_ports() {
+        let s = ServiceSpec::try_from(request()).unwrap();
+        assert_eq!(s.drain(), 0, "nothing routes to a service without a port");
+        let mut r = request();
+        if let Some(t) = r.template.as_mut() {
+            t.options = Some(pb::TaskOptions {
+                port_names: vec!["http".into()],
+                ..Default::default()
+            });
+        }
+        assert_eq!(ServiceSpec::try_from(r.clone()).unwrap().drain(), 5_000);
+        r.drain_ms = Some(0);
+        assert_eq!(ServiceSpec::try_from(r.clone()).unwrap().drain(), 0);
+        r.drain_ms = Some(MAX_DRAIN_MS + 1);
+        let e = ServiceSpec::try_from(r).unwrap_err();
+        assert_eq!(e.field, "drain_ms", "{e}");
     }
 
     #[test]

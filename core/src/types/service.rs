@@ -15,6 +15,28 @@ pub struct ServiceSpec {
     /// Each replica's job: one task, named as the service, restart policy
     /// `Always`; its `service` is set when the service gets its id.
     pub template: JobSpec,
+    /// How long a replica that leaves (scale down, delete) keeps running,
+    /// out of the endpoints, before it is stopped: its requests in flight
+    /// finish. `None`: [`DEFAULT_DRAIN_MS`] when the template names a
+    /// port, else none (nothing can route to it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub drain_ms: Option<u64>,
+}
+
+/// A leaving replica's drain when the service does not say.
+pub const DEFAULT_DRAIN_MS: u64 = 5_000;
+/// The longest drain a service may ask.
+pub const MAX_DRAIN_MS: u64 = 600_000;
+
+impl ServiceSpec {
+    /// How long a leaving replica drains (see `drain_ms`).
+    pub fn drain(&self) -> u64 {
+        match self.drain_ms {
+            Some(ms) => ms,
+            None if self.template.template.options.port.is_empty() => 0,
+            None => DEFAULT_DRAIN_MS,
+        }
+    }
 }
 
 /// Whether `name` may name a service: 1 to 63 of `a-z`, `0-9` and `-`,

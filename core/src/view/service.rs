@@ -24,6 +24,10 @@ pub struct ServiceJson {
     pub running: u32,
     /// Of them, those whose readiness check passes (all, without one).
     pub ready: u32,
+    /// How long a leaving replica runs on, out of the endpoints.
+    pub drain_ms: u64,
+    /// Replicas that left and still drain: their jobs.
+    pub draining_jobs: Vec<String>,
     /// What each replica runs.
     pub template: TemplateJson,
     pub created_at_ms: u64,
@@ -110,6 +114,8 @@ impl From<&pb::Service> for ServiceJson {
             replicas: s.replicas,
             running: s.running,
             ready: s.ready,
+            drain_ms: s.drain_ms,
+            draining_jobs: s.draining_jobs.clone(),
             template: TemplateJson::from(&s.template.clone().unwrap_or_default()),
             created_at_ms: s.created_at_ms,
             replica_jobs: s

@@ -294,6 +294,7 @@ impl State {
                 at_ms,
             } => self.scale_service(name, *replicas, *at_ms),
             Command::DeleteService { name, at_ms } => self.delete_service(name, *at_ms),
+            Command::EndDrains { at_ms } => self.end_drains(*at_ms),
         }
     }
 

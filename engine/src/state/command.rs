@@ -43,7 +43,10 @@ use serde::{Deserialize, Serialize};
 /// 7 (issue 57): services (`CreateService`, `ScaleService`,
 /// `DeleteService`), the `always` restart policy of their replicas' jobs,
 /// and `CancelJob` refused for a live service's replica.
-pub const COMMAND_VERSION: u32 = 7;
+///
+/// 8 (issue 57): a replica that leaves its service drains (`EndDrains`
+/// stops it; version-7 masters would stop it at once).
+pub const COMMAND_VERSION: u32 = 8;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Command {
@@ -356,6 +359,11 @@ pub enum Command {
         name: String,
         at_ms: u64,
     },
+    /// Replicas that left their service and whose drain is over (or that
+    /// ended by themselves) are stopped and forgotten as draining.
+    EndDrains {
+        at_ms: u64,
+    },
 }
 
 /// One task of a job placed on one agent with exact GPUs. A job of
@@ -484,6 +492,7 @@ impl Command {
             Command::CreateService { .. } => "create_service",
             Command::ScaleService { .. } => "scale_service",
             Command::DeleteService { .. } => "delete_service",
+            Command::EndDrains { .. } => "end_drains",
         }
     }
 }

@@ -87,6 +87,9 @@ pub enum EventKind {
     /// Its task's health check failed (not ready, or stopped for its
     /// liveness check).
     Unhealthy,
+    /// A replica left its service: out of the endpoints, it runs until its
+    /// drain ends, then is stopped.
+    Draining,
 }
 
 impl EventKind {
@@ -119,6 +122,7 @@ impl EventKind {
             EventKind::Scaled => "Scaled",
             EventKind::Ready => "Ready",
             EventKind::Unhealthy => "Unhealthy",
+            EventKind::Draining => "Draining",
         }
     }
 

@@ -142,6 +142,10 @@ pub struct State {
     /// Sequence for service ids (0 in states from before services: 1).
     #[serde(default)]
     next_service_seq: u64,
+    /// Replicas that left their service (scale down, delete), running out
+    /// of the endpoints until their drain ends (ms), then stopped.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    draining: BTreeMap<JobId, u64>,
     /// Index of the last log entry applied.
     applied_index: u64,
     /// Indexes derived from the above (see `derived`).

@@ -229,16 +229,22 @@ impl State {
             let job = self.submit_replica(&record, index, at_ms)?;
             record.replicas.push(job);
         }
+        let drain = record.spec.drain();
         while record.replicas.len() > replicas as usize {
             if let Some(job) = record.replicas.pop() {
-                self.cancel_job(&job, at_ms)?;
+                self.leave(&job, drain, at_ms)?;
             }
         }
         record.spec.replicas = replicas;
         record.updated_at_ms = at_ms;
+        let drained = if replicas < from && drain > 0 {
+            format!(" (the leaving draining {}s)", drain as f64 / 1000.0)
+        } else {
+            String::new()
+        };
         record.events.record(
             EventKind::Scaled,
-            format!("from {from} to {replicas}"),
+            format!("from {from} to {replicas}{drained}"),
             at_ms,
         );
         self.services.insert(record.id.clone(), record);
@@ -254,12 +260,78 @@ impl State {
         let Some(record) = self.services.remove(&id) else {
             return Err(ApplyError::ServiceNotFound(name.to_string()));
         };
+        let drain = record.spec.drain();
         for job in &record.replicas {
-            self.cancel_job(job, at_ms)?;
+            self.leave(job, drain, at_ms)?;
         }
         Ok(Outcome::ServiceDeleted {
             job_ids: record.replicas,
         })
+    }
+
+    /// A replica leaves its service: with a drain, its job runs on, out of
+    /// the endpoints, until `EndDrains` stops it (and, ending before,
+    /// ends for good: it is no longer restarted, retried or requeued);
+    /// without, it is stopped now.
+    fn leave(&mut self, job_id: &str, drain_ms: u64, at_ms: u64) -> Result<(), ApplyError> {
+        // Only a replica with tasks out may have requests in flight.
+        let live = self.jobs.get(job_id).is_some_and(|j| {
+            matches!(
+                j.state,
+                gpuctl_core::types::JobState::Running | gpuctl_core::types::JobState::Starting
+            )
+        });
+        if drain_ms == 0 || !live {
+            return self.cancel_job(job_id, at_ms).map(|_| ());
+        }
+        if let Some(job) = self.jobs.get_mut(job_id) {
+            job.spec.restart_policy = gpuctl_core::types::RestartPolicy::Never;
+            job.spec.max_retries = 0;
+            job.spec.no_requeue = true;
+            job.events.record(
+                EventKind::Draining,
+                format!(
+                    "left its service: out of its endpoints, stopped in {}s",
+                    drain_ms as f64 / 1000.0
+                ),
+                at_ms,
+            );
+        }
+        self.draining
+            .insert(job_id.to_string(), at_ms.saturating_add(drain_ms));
+        Ok(())
+    }
+
+    /// Whether an `EndDrains` at `now_ms` has anything to do: a drain over,
+    /// or a draining replica that ended by itself.
+    pub fn drains_due(&self, now_ms: u64) -> bool {
+        self.draining.iter().any(|(job, until)| {
+            *until <= now_ms || self.jobs.get(job).is_none_or(|j| j.state.is_terminal())
+        })
+    }
+
+    /// Replicas still draining, with when their drain ends.
+    pub fn draining(&self) -> impl Iterator<Item = (&JobId, u64)> {
+        self.draining.iter().map(|(j, u)| (j, *u))
+    }
+
+    /// `Command::EndDrains`.
+    pub(super) fn end_drains(&mut self, at_ms: u64) -> Result<Outcome, ApplyError> {
+        let due: Vec<JobId> = self
+            .draining
+            .iter()
+            .filter(|(job, until)| {
+                **until <= at_ms || self.jobs.get(*job).is_none_or(|j| j.state.is_terminal())
+            })
+            .map(|(job, _)| job.clone())
+            .collect();
+        for job in due {
+            self.draining.remove(&job);
+            if self.jobs.get(&job).is_some_and(|j| !j.state.is_terminal()) {
+                self.cancel_job(&job, at_ms)?;
+            }
+        }
+        Ok(Outcome::Done)
     }
 
     /// `Command::CancelJob`: a live service's replica is its service's to

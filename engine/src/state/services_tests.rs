@@ -22,6 +22,7 @@ fn spec(name: &str, replicas: u32) -> ServiceSpec {
         name: name.into(),
         replicas,
         template,
+        drain_ms: None,
     }
 }
 
@@ -424,4 +425,76 @@ fn endpoints_are_the_running_replicas_at_their_agents_host_and_first_port() {
     .unwrap();
     let eps = d.s.service_endpoints(d.s.service_named("llm").unwrap());
     assert!(eps.iter().all(|e| e.agent_id != first.agent_id), "{eps:?}");
+}
+
+/// A replica that leaves a service with a port drains: it runs on, out of
+/// the service and its endpoints, until its drain ends and `EndDrains`
+/// stops it; one that ends meanwhile ends for good (no restart).
+#[test]
+fn a_leaving_replica_drains_before_it_is_stopped() {
+    let mut d = Driver::new(&[("a", 4)]);
+    let mut s = spec("llm", 3);
+    s.template.template.options.port = vec!["http".into()];
+    s.template.template.resources.ports = 1;
+    s.drain_ms = Some(5_000);
+    create(&mut d, s, 10).unwrap();
+    run_all(&mut d, 20);
+    let jobs = replicas(&d, "llm");
+    d.apply(Command::ScaleService {
+        name: "llm".into(),
+        replicas: 1,
+        at_ms: 100,
+    })
+    .unwrap();
+    assert_eq!(replicas(&d, "llm"), vec![jobs[0].clone()]);
+    for j in &jobs[1..] {
+        let job = d.s.job(j).unwrap();
+        assert_eq!(job.state, JobState::Running, "still serving what it has");
+        assert!(!job.cancel_requested);
+        assert!(job.events.iter().any(|e| e.kind.as_str() == "Draining"));
+    }
+    let eps = d.s.service_endpoints(d.s.service_named("llm").unwrap());
+    assert_eq!(eps.len(), 1, "out of the endpoints at once");
+    let last =
+        d.s.service_named("llm")
+            .unwrap()
+            .events
+            .iter()
+            .last()
+            .unwrap()
+            .message
+            .clone();
+    assert_eq!(last, "from 3 to 1 (the leaving draining 5s)");
+    assert!(!d.s.drains_due(5_099));
+    // Replica 2 ends by itself while draining: for good, not restarted.
+    end(&mut d, &jobs[2], 0, 2_000);
+    assert_eq!(d.s.job(&jobs[2]).unwrap().state, JobState::Succeeded);
+    assert!(d.s.drains_due(2_001), "an ended drain is forgotten");
+    d.apply(Command::EndDrains { at_ms: 2_001 }).unwrap();
+    assert_eq!(d.s.draining().count(), 1);
+    assert!(!d.s.job(&jobs[1]).unwrap().cancel_requested);
+    // Replica 1's drain ends: stopped, and its end is CANCELLED.
+    assert!(d.s.drains_due(5_100));
+    d.apply(Command::EndDrains { at_ms: 5_100 }).unwrap();
+    assert!(d.s.job(&jobs[1]).unwrap().cancel_requested);
+    assert_eq!(d.s.draining().count(), 0);
+    end(&mut d, &jobs[1], 143, 5_200);
+    assert_eq!(d.s.job(&jobs[1]).unwrap().state, JobState::Cancelled);
+
+    // Delete: the service and its name go at once, its replica drains.
+    d.apply(Command::DeleteService {
+        name: "llm".into(),
+        at_ms: 6_000,
+    })
+    .unwrap();
+    assert!(d.s.service_named("llm").is_none());
+    assert_eq!(d.s.job(&jobs[0]).unwrap().state, JobState::Running);
+    assert_eq!(
+        d.s.draining()
+            .map(|(j, u)| (j.clone(), u))
+            .collect::<Vec<_>>(),
+        vec![(jobs[0].clone(), 11_000)]
+    );
+    d.apply(Command::EndDrains { at_ms: 11_000 }).unwrap();
+    assert!(d.s.job(&jobs[0]).unwrap().cancel_requested);
 }

@@ -361,6 +361,8 @@ pub async fn run(
 ) {
     let mut status = raft.role_watch();
     let mut liveness_tick = tokio::time::interval(config.heartbeat_interval);
+    let mut drain_tick = tokio::time::interval(DRAIN_TICK);
+    drain_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut was_leader = false;
     loop {
         // The status changes at every commit: it only tells when this
@@ -370,6 +372,12 @@ pub async fn run(
         let tick = tokio::select! {
             _ = shutdown.changed() => return,
             _ = liveness_tick.tick() => true,
+            _ = drain_tick.tick() => {
+                if status.borrow().serving {
+                    end_drains(&raft).await;
+                }
+                continue;
+            }
             r = status.changed() => if r.is_err() { return } else { false },
         };
         let is_leader = status.borrow_and_update().serving;
@@ -390,6 +398,22 @@ pub async fn run(
                 record_utilization(&raft, &liveness, period, idle).await;
             }
         }
+    }
+}
+
+/// How often the leader looks for drains that are over: a replica is
+/// stopped within this of its drain's end.
+const DRAIN_TICK: Duration = Duration::from_millis(250);
+
+/// Stops the replicas whose drain is over (and forgets those that ended):
+/// one `EndDrains` when any is due, on whichever master leads.
+async fn end_drains(raft: &RaftHandle) {
+    let now = now_ms();
+    if !raft.state().drains_due(now) {
+        return;
+    }
+    if let Err(e) = raft.propose(Command::EndDrains { at_ms: now }).await {
+        tracing::warn!(error = %e, "could not end the drains that are due");
     }
 }
 

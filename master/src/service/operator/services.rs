@@ -59,6 +59,16 @@ pub fn service_to_pb(
         },
         running: u32::try_from(running).unwrap_or(u32::MAX),
         ready: u32::try_from(ready).unwrap_or(u32::MAX),
+        drain_ms: s.spec.drain(),
+        draining_jobs: state
+            .draining()
+            .filter(|(job, _)| {
+                state
+                    .job(job)
+                    .is_some_and(|j| j.spec.service.as_deref() == Some(s.id.as_str()))
+            })
+            .map(|(job, _)| job.clone())
+            .collect(),
     }
 }
 
