@@ -215,22 +215,7 @@ impl TryFrom<pb::StatusUpdate> for StatusUpdate {
         let hung = failure(pb::Reason::Hung, "REASON_HUNG")?;
         let runtime_restarted = failure(pb::Reason::RuntimeRestarted, "REASON_RUNTIME_RESTARTED")?;
         let liveness_failed = failure(pb::Reason::LivenessFailed, "REASON_LIVENESS_FAILED")?;
-        let health = match u.health {
-            None => None,
-            Some(_) if state != TaskState::Running => {
-                return Err(ConvertError::new(
-                    "health",
-                    format!("is sent with state RUNNING, not {state}"),
-                ))
-            }
-            Some(h) => {
-                check_text("health.failure", &h.failure, MAX_REASON_LEN, true)?;
-                Some(TaskHealth {
-                    ready: h.ready,
-                    failure: h.failure,
-                })
-            }
-        };
+        let health = health_from_pb(state, u.health)?;
         let gpu_unhealthy = u.reason == pb::Reason::GpuUnhealthy as i32;
         if !gpu_unhealthy && !u.failed_gpus.is_empty() {
             return Err(ConvertError::new(
@@ -276,6 +261,24 @@ impl TryFrom<pb::StatusUpdate> for StatusUpdate {
             health,
         })
     }
+}
+
+/// A status update's `health`: only with RUNNING, its words on one line.
+fn health_from_pb(state: TaskState, h: Option<pb::TaskHealth>) -> Result<Option<TaskHealth>> {
+    let Some(h) = h else {
+        return Ok(None);
+    };
+    if state != TaskState::Running {
+        return Err(ConvertError::new(
+            "health",
+            format!("is sent with state RUNNING, not {state}"),
+        ));
+    }
+    check_text("health.failure", &h.failure, MAX_REASON_LEN, true)?;
+    Ok(Some(TaskHealth {
+        ready: h.ready,
+        failure: h.failure,
+    }))
 }
 
 impl From<StatusUpdate> for pb::StatusUpdate {

@@ -126,7 +126,7 @@ impl Check {
                         format!(
                             "{:?} must start with '/', be at most {MAX_CHECK_PATH_LEN} bytes, \
                              without spaces or control characters",
-                            crate::convert::cut(path, 64)
+                            path.chars().take(64).collect::<String>()
                         ),
                     ));
                 }
