@@ -137,33 +137,13 @@ struct Told {
     failure_at: Option<Instant>,
 }
 
-/// What one probe found.
+/// Why one probe did not pass.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) enum Probed {
-    Passed,
+pub(super) enum ProbeError {
     /// Why, in words.
     Failed(String),
     /// Not the task's answer: its runtime is down (dockerd restarting
     /// under a live-restore container). Not counted either way.
-    Unknown(String),
-}
-
-/// One probe, up to its timeout.
-pub(super) async fn probe(
-    rt: &dyn ContainerRuntime,
-    tref: &TaskRef,
-    spec: &TaskSpec,
-    check: &Check,
-) -> Probed {
-    match probe_once(rt, tref, spec, check).await {
-        Ok(()) => Probed::Passed,
-        Err(ProbeError::Failed(w)) => Probed::Failed(w),
-        Err(ProbeError::Unknown(w)) => Probed::Unknown(w),
-    }
-}
-
-enum ProbeError {
-    Failed(String),
     Unknown(String),
 }
 
@@ -173,7 +153,8 @@ impl From<String> for ProbeError {
     }
 }
 
-async fn probe_once(
+/// One probe, up to its timeout.
+pub(super) async fn probe(
     rt: &dyn ContainerRuntime,
     tref: &TaskRef,
     spec: &TaskSpec,
@@ -332,9 +313,9 @@ impl Executor {
         loop {
             let began = Instant::now();
             let (passed, words) = match probe(rt, tref, spec, check).await {
-                Probed::Passed => (true, None),
-                Probed::Failed(w) => (false, Some(format!("{}: {w}", kind.word()))),
-                Probed::Unknown(w) => {
+                Ok(()) => (true, None),
+                Err(ProbeError::Failed(w)) => (false, Some(format!("{}: {w}", kind.word()))),
+                Err(ProbeError::Unknown(w)) => {
                     tracing::debug!(task_id = %spec.task_id, reason = %w, "a check could not run");
                     tokio::time::sleep(interval.saturating_sub(began.elapsed())).await;
                     continue;
@@ -561,12 +542,12 @@ mod tests {
             let (rt, tref, spec) = (rt.clone(), tref.clone(), spec.clone());
             async move { probe(&rt, &tref, &spec, &c).await }
         };
-        let failed = |p: Probed| match p {
-            Probed::Failed(w) => w,
+        let failed = |p: Result<(), ProbeError>| match p {
+            Err(ProbeError::Failed(w)) => w,
             other => panic!("{other:?}"),
         };
-        assert_eq!(run("http:http/ok").await, Probed::Passed);
-        assert_eq!(run("tcp:http").await, Probed::Passed);
+        assert_eq!(run("http:http/ok").await, Ok(()));
+        assert_eq!(run("tcp:http").await, Ok(()));
         let e = failed(run("http:http/down").await);
         assert_eq!(e, format!("GET /down (port {port}): HTTP 503"));
         let e = failed(run("http:http/slow timeout=200ms").await);
